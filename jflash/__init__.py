@@ -1,0 +1,22 @@
+"""jflash: distributed FlashAttention for long-context training in JAX.
+
+Public API (everything else is private):
+  flash_attention   single-device exact attention (Pallas GPU kernels, custom VJP)
+  attention_reference   plain-jnp oracle, returns (out, lse)
+  BlockSizes, default_block_sizes   kernel tuning knobs
+  describe          which implementation runs here, and why
+"""
+
+from jflash._block_sizes import BlockSizes, default_block_sizes
+from jflash._dispatch import IMPLEMENTATIONS, describe
+from jflash._flash import flash_attention
+from jflash._reference import attention_reference
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "BlockSizes",
+    "attention_reference",
+    "default_block_sizes",
+    "describe",
+    "flash_attention",
+]

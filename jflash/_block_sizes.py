@@ -1,0 +1,96 @@
+"""Tuning knobs of the Pallas kernels: one frozen dataclass, one function of defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile shapes and launch parameters of the Triton-lowered kernels.
+
+    Attributes:
+      block_q, block_kv: forward tile (queries per program, keys per loop step).
+      block_q_dkv, block_kv_dkv: dK/dV kernel (keys per program, queries per step).
+      block_q_dq, block_kv_dq: dQ kernel (queries per program, keys per step).
+      num_warps, num_stages: forward launch parameters.
+      num_warps_bwd, num_stages_bwd: backward launch parameters.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"BlockSizes.{f.name}={value!r} must be an int")
+            if f.name.startswith("block_") and not (_is_pow2(value) and value >= 16):
+                raise ValueError(f"BlockSizes.{f.name}={value} must be a power of two >= 16")
+            if f.name.startswith("num_warps") and value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"BlockSizes.{f.name}={value} must be 1, 2, 4, 8 or 16")
+            if f.name.startswith("num_stages") and not 1 <= value <= 8:
+                raise ValueError(f"BlockSizes.{f.name}={value} must be in 1..8")
+
+
+def _fit(block: int, length: int) -> int:
+    """Shrinks a block for short sequences (never below 16, stays a power of two)."""
+    cap = max(16, 1 << (max(length, 1) - 1).bit_length())
+    return min(block, cap)
+
+
+def default_block_sizes(
+    seq_len: int, head_dim: int, dtype, device_kind: str = "gpu", kv_len: int | None = None
+) -> BlockSizes:
+    """The one place where tile shapes are chosen (measured on H100/H200, BENCHMARKS.md).
+
+    Args:
+      seq_len: query length; kv_len: key length (defaults to seq_len).
+      head_dim: head dimension before padding.
+      dtype: input dtype (f32 tiles are halved to fit shared memory).
+      device_kind: "gpu" for a compiled kernel, "cpu" for interpret mode (big tiles,
+        few grid steps: the interpreter is slow per step, not per element).
+    """
+    kv_len = seq_len if kv_len is None else kv_len
+
+
+    wide = np.dtype(dtype).itemsize >= 4 or head_dim > 128
+    if device_kind == "cpu":
+        bq, bk = 64, 64
+        return BlockSizes(
+            block_q=_fit(bq, seq_len), block_kv=_fit(bk, kv_len),
+            block_q_dkv=_fit(bq, seq_len), block_kv_dkv=_fit(bk, kv_len),
+            block_q_dq=_fit(bq, seq_len), block_kv_dq=_fit(bk, kv_len),
+        )
+    if wide:
+        fwd_q, fwd_k, bwd = 64, 32, 32
+    elif head_dim <= 64:
+        fwd_q, fwd_k, bwd = 128, 64, 64
+    else:
+        fwd_q, fwd_k, bwd = 128, 64, 64
+    return BlockSizes(
+        block_q=_fit(fwd_q, seq_len),
+        block_kv=_fit(fwd_k, kv_len),
+        block_q_dkv=_fit(bwd, seq_len),
+        block_kv_dkv=_fit(bwd, kv_len),
+        block_q_dq=_fit(bwd, seq_len),
+        block_kv_dq=_fit(bwd, kv_len),
+        num_warps=4 if head_dim <= 64 else 8,
+        num_stages=2 if wide else 3,
+        num_warps_bwd=4,
+        num_stages_bwd=2 if wide else 2,
+    )

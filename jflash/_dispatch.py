@@ -1,0 +1,134 @@
+"""Which implementation runs, decided once and explained (`jflash.describe()`).
+
+No silent fallbacks: a named implementation that cannot run raises; `None` picks by
+device, and the reason is recorded for `describe()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jflash._block_sizes import BlockSizes, default_block_sizes
+from jflash._mask import Mask
+from jflash._reference import xla_bwd, xla_fwd
+from jflash._triton_bwd import flash_bwd
+from jflash._triton_fwd import flash_fwd
+
+IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
+_last_choice: dict[str, str] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A resolved implementation: what runs, with which tiles, interpreted or compiled."""
+
+    name: str
+    block_sizes: BlockSizes | None
+    interpret: bool
+    reason: str
+
+
+def _platform() -> str:
+    return jax.default_backend()
+
+
+def resolve(
+    implementation: str | None,
+    interpret: bool | None,
+    block_sizes: BlockSizes | None,
+    *,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    dtype,
+) -> Kernel:
+    """Turns the user's `implementation` / `interpret` / `block_sizes` into a `Kernel`."""
+    platform = _platform()
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a jflash.BlockSizes; got {type(block_sizes)=}")
+    if implementation is None:
+        if interpret:
+            implementation, reason = "pallas_triton", "interpret=True asks for the Pallas kernel"
+        elif platform == "gpu":
+            implementation, reason = "pallas_triton", "GPU: the Triton-lowered Pallas kernel"
+        else:
+            implementation, reason = "xla", f"{platform=}: no compiled Pallas kernel, blockwise XLA"
+    else:
+        reason = "named by the caller"
+    if implementation == "pallas_mosaic":
+        raise NotImplementedError(
+            "implementation='pallas_mosaic' (Hopper Mosaic GPU kernels) is not available yet; "
+            "use 'pallas_triton' or 'xla'"
+        )
+    if implementation == "xla":
+        if interpret:
+            raise ValueError(f"{interpret=} only applies to Pallas implementations, not 'xla'")
+        kernel = Kernel("xla", None, False, reason)
+    else:
+        if interpret is None:
+            interpret = platform != "gpu"
+        if not interpret and platform != "gpu":
+            raise NotImplementedError(
+                f"implementation='pallas_triton' compiled needs a GPU; {platform=}. "
+                "Pass interpret=True (slow, for tests) or implementation='xla'"
+            )
+        if block_sizes is None:
+            block_sizes = default_block_sizes(
+                q_len, head_dim, dtype, "cpu" if interpret else "gpu", kv_len=kv_len
+            )
+        kernel = Kernel("pallas_triton", block_sizes, bool(interpret), reason)
+    _last_choice.update(implementation=kernel.name, reason=kernel.reason,
+                        interpret=str(kernel.interpret), block_sizes=repr(kernel.block_sizes))
+    return kernel
+
+
+def describe() -> str:
+    """Says which implementation `implementation=None` picks here, and why."""
+    platform = _platform()
+    lines = [f"backend: {platform} ({jax.devices()[0].device_kind})"]
+    default = "pallas_triton" if platform == "gpu" else "xla"
+    lines.append(f"implementation=None -> {default!r}")
+    if _last_choice:
+        lines.append("last call: " + ", ".join(f"{k}={v}" for k, v in _last_choice.items()))
+    return "\n".join(lines)
+
+
+def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel: Kernel):
+    """Kernel contract, forward: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`.
+
+    Attention of `q` against one K/V block under `mask`; rows that see nothing get
+    o = 0, lse = -inf, so partial results merge with `logaddexp`.
+    """
+    if kernel.name == "xla":
+        return xla_fwd(q, k, v, mask=mask, segs=segs, scale=scale, out_dtype=out_dtype)
+    return flash_fwd(
+        q, k, v, segs, mask=mask, scale=scale, out_dtype=out_dtype,
+        block_sizes=kernel.block_sizes, interpret=kernel.interpret,
+    )
+
+
+def attention_bwd(q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype,
+                  kernel: Kernel):
+    """Kernel contract, backward: `(dq, dk, dv)` in `grad_dtype`.
+
+    Uses the *global* `lse` `[B,N,T]` and `delta = rowsum(dO * O_global) - dLSE`
+    `[B,N,T]` f32, so nothing of the forward is recomputed.
+    """
+    if kernel.name == "xla":
+        return xla_bwd(q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale,
+                       grad_dtype=grad_dtype)
+    return flash_bwd(
+        q, k, v, do, lse, delta, segs, mask=mask, scale=scale, grad_dtype=grad_dtype,
+        block_sizes=kernel.block_sizes, interpret=kernel.interpret,
+    )
+
+
+def delta_from(o, do, dlse=None):
+    """`rowsum(dO * O) - dLSE` in f32, `[B,N,T]` (FA-2 §3.2's D, plus the LSE cotangent)."""
+    delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)

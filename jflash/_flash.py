@@ -1,0 +1,94 @@
+"""`jflash.flash_attention`: single-device exact attention with a custom VJP."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jflash._block_sizes import BlockSizes
+from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
+from jflash._mask import Mask
+from jflash._validation import check_qkv, check_segment_ids, default_scale
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    mask: Mask
+    scale: float
+    kernel: Kernel
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, segs, static: _Static):
+    return attention_fwd(q, k, v, segs, mask=static.mask, scale=static.scale,
+                         out_dtype=q.dtype, kernel=static.kernel)
+
+
+def _flash_fwd(q, k, v, segs, static: _Static):
+    o, lse = _flash(q, k, v, segs, static)
+    return (o, lse), (q, k, v, segs, o, lse)
+
+
+def _flash_bwd(static: _Static, res, cotangents):
+    q, k, v, segs, o, lse = res
+    do, dlse = cotangents
+    delta = delta_from(o, do, dlse)
+    dq, dk, dv = attention_bwd(q, k, v, do.astype(q.dtype), lse, delta, segs, mask=static.mask,
+                               scale=static.scale, grad_dtype=q.dtype, kernel=static.kernel)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B S K H"],
+    v: Float[Array, "B S K H"],
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    segment_ids=None,
+    return_lse: bool = False,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    block_sizes: BlockSizes | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+):
+    """Exact (Flash) attention on one device, differentiable.
+
+    Args:
+      q: queries `[B, T, N, H]`; k, v: keys/values `[B, S, K, H]` with `N % K == 0`
+        (GQA/MQA: query head `n` reads KV head `n // (N // K)`; K/V are never repeated).
+      causal: query `q_offset + i` sees key `k_offset + j` only when `>=`.
+      scale: logit scale, default `H ** -0.5`.
+      segment_ids: `[B, T]` int ids (T == S) or a `(q_ids [B,T], kv_ids [B,S])` pair;
+        attention stays inside equal ids (packed sequences).
+      return_lse: also return the natural-log log-sum-exp `[B, N, T]` f32 (rows that see
+        no key: `-inf`, output 0). Its cotangent flows through the VJP.
+      q_offset, k_offset: static global positions of the first query / key, so a caller
+        can compute one block of a larger causal problem (ring attention).
+      block_sizes: tile shapes (`jflash.BlockSizes`); default from
+        `default_block_sizes`.
+      implementation: `"pallas_triton" | "pallas_mosaic" | "xla" | None` (None: the
+        fastest for this device; see `jflash.describe()`).
+      interpret: run the Pallas kernel in interpret mode (default: on CPU).
+
+    Returns:
+      `out [B, T, N, H]` in q's dtype, or `(out, lse)` with `return_lse=True`.
+    """
+    shapes = check_qkv(q, k, v)
+    segs = check_segment_ids(segment_ids, shapes)
+    static = _Static(
+        mask=Mask(bool(causal), q_offset, k_offset),
+        scale=default_scale(shapes.head_dim, scale),
+        kernel=resolve(implementation, interpret, block_sizes, q_len=shapes.q_len,
+                       kv_len=shapes.kv_len, head_dim=shapes.head_dim, dtype=q.dtype),
+    )
+    o, lse = _flash(q, k, v, segs, static)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,218 @@
+"""FlashAttention-2 backward as two Pallas kernels lowered through Triton.
+
+`jflash_bwd_dkv`: grid `(key blocks, batch * KV heads)`; each program owns one K/V tile
+and loops over every query head of its group and the query blocks that can see it,
+accumulating dK and dV in f32 registers (GQA without atomics or repeated K/V).
+`jflash_bwd_dq`: grid `(query blocks, batch * query heads)`; loops over visible key blocks.
+Both recompute probabilities from the saved LSE (FA-2 §3.2); `delta = rowsum(dO * O)`
+minus the LSE cotangent is precomputed by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jflash._block_sizes import BlockSizes
+from jflash._mask import Mask
+from jflash._triton_common import (
+    LOG2E,
+    pad_to,
+    padded_head_dim,
+    round_up,
+    visible_kv_range,
+    visible_q_range,
+)
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+
+
+def _flash_bwd_dkv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref,
+    *, scale, mask: Mask, q_len, block_q, block_kv, group,
+):
+    j = pl.program_id(0)
+    k_start = j * block_kv
+    k = k_ref[...]  # [block_kv, H]
+    v = v_ref[...]
+    qk_scale = scale * LOG2E
+    k_pos = mask.k_offset + k_start + lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 0)
+    k_seg = None if kseg_ref is None else kseg_ref[...]
+    n_begin, n_full_from, num_q = visible_q_range(mask, k_start, block_kv, block_q, q_len)
+
+    def body(i, carry, *, g, masked):
+        dk, dv = carry
+        q_start = i * block_q
+        rows = pl.ds(q_start, block_q)
+        q = q_ref[rows, g, :]  # [block_q, H]
+        do = do_ref[rows, g, :]
+        lse = lse_ref[g, rows]  # [block_q] f32, natural log, +inf on empty rows
+        delta = delta_ref[g, rows]
+        s_t = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32) * qk_scale
+        p_t = jnp.exp2(s_t - (lse * LOG2E)[None, :])  # [block_kv, block_q] f32
+        visible = None
+        if masked:
+            q_idx = mask.q_offset + q_start + lax.broadcasted_iota(
+                jnp.int32, (block_kv, block_q), 1
+            )
+            visible = q_idx >= k_pos
+        if k_seg is not None:
+            seg = k_seg[:, None] == qseg_ref[rows][None, :]
+            visible = seg if visible is None else visible & seg
+        if visible is not None:
+            p_t = jnp.where(visible, p_t, 0.0)
+        dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+        dp_t = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+        ds_t = p_t * (dp_t - delta[None, :])  # [block_kv, block_q] f32
+        dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        return dk, dv
+
+    def head(g, carry):
+        carry = lax.fori_loop(
+            n_begin, n_full_from, functools.partial(body, g=g, masked=True), carry
+        )
+        return lax.fori_loop(n_full_from, num_q, functools.partial(body, g=g, masked=False), carry)
+
+    zeros = jnp.zeros((block_kv, k.shape[-1]), jnp.float32)
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _flash_bwd_dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref,
+    *, scale, mask: Mask, kv_len, block_q, block_kv,
+):
+    i = pl.num_programs(0) - 1 - pl.program_id(0)
+    q_start = i * block_q
+    q = q_ref[...]  # [block_q, H]
+    do = do_ref[...]
+    lse2 = lse_ref[...] * LOG2E  # [block_q]
+    delta = delta_ref[...]
+    qk_scale = scale * LOG2E
+    q_pos = mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+
+    def body(j, dq, *, masked):
+        k_start = j * block_kv
+        k = k_ref[pl.ds(k_start, block_kv), :]
+        v = v_ref[pl.ds(k_start, block_kv), :]
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * qk_scale
+        p = jnp.exp2(s - lse2[:, None])  # [block_q, block_kv] f32
+        visible = None
+        if masked:
+            k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+            visible = k_idx < kv_len
+            if mask.causal:
+                visible = visible & (q_pos >= k_idx + mask.k_offset)
+        if q_seg is not None:
+            seg = q_seg[:, None] == kseg_ref[pl.ds(k_start, block_kv)][None, :]
+            visible = seg if visible is None else visible & seg
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
+        dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None])
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
+    dq = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
+    dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
+    dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def flash_bwd(
+    q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype,
+    block_sizes: BlockSizes, interpret: bool,
+):
+    """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
+
+    `lse` `[B,N,T]` is the saved (global) natural-log LSE, `delta` `[B,N,T]` is
+    `rowsum(dO * O) - dLSE` in f32.
+    """
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    group = n // kh
+    hp = padded_head_dim(h)
+    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: p = 0
+    params = plgpu.CompilerParams(
+        num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages_bwd
+    )
+
+    # dK, dV: one program per (key block, batch, KV head).
+    bq, bk = block_sizes.block_q_dkv, block_sizes.block_kv_dkv
+    tp, sp = round_up(t, bq), round_up(s_len, bk)
+    qp = pad_to(pad_to(q, 3, hp), 1, tp)
+    dop = pad_to(pad_to(do, 3, hp), 1, tp)
+    kp = pad_to(pad_to(k, 3, hp), 1, sp)
+    vp = pad_to(pad_to(v, 3, hp), 1, sp)
+    lsep, deltap = pad_to(lse, 2, tp), pad_to(delta, 2, tp)
+    group_spec = pl.BlockSpec((None, tp, group, hp), lambda j, bk_: (bk_ // kh, 0, bk_ % kh, 0))
+    tile_spec = pl.BlockSpec((None, bk, None, hp), lambda j, bk_: (bk_ // kh, j, bk_ % kh, 0))
+    row_spec = pl.BlockSpec((None, group, tp), lambda j, bk_: (bk_ // kh, bk_ % kh, 0))
+    in_specs = [group_spec, tile_spec, tile_spec, group_spec, row_spec, row_spec]
+    args = [qp, kp, vp, dop, lsep, deltap]
+    if segs is None:
+        in_specs += [None, None]
+        args += [None, None]
+    else:
+        in_specs += [
+            pl.BlockSpec((None, tp), lambda j, bk_: (bk_ // kh, 0)),
+            pl.BlockSpec((None, bk), lambda j, bk_: (bk_ // kh, j)),
+        ]
+        args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
+    dk, dv = pl.pallas_call(
+        functools.partial(
+            _flash_bwd_dkv_kernel, scale=scale, mask=mask, q_len=t, block_q=bq, block_kv=bk,
+            group=group,
+        ),
+        grid=(sp // bk, b * kh),
+        in_specs=in_specs,
+        out_specs=[tile_spec, tile_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, sp, kh, hp), grad_dtype)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="jflash_bwd_dkv",
+    )(*args)
+
+    # dQ: one program per (query block, batch, query head).
+    bq, bk = block_sizes.block_q_dq, block_sizes.block_kv_dq
+    tp, sp = round_up(t, bq), round_up(s_len, bk)
+    nq = tp // bq
+    qp = pad_to(pad_to(q, 3, hp), 1, tp)
+    dop = pad_to(pad_to(do, 3, hp), 1, tp)
+    kp = pad_to(pad_to(k, 3, hp), 1, sp)
+    vp = pad_to(pad_to(v, 3, hp), 1, sp)
+    lsep, deltap = pad_to(lse, 2, tp), pad_to(delta, 2, tp)
+    q_spec = pl.BlockSpec((None, bq, None, hp), lambda i, bh: (bh // n, nq - 1 - i, bh % n, 0))
+    kv_spec = pl.BlockSpec((None, sp, None, hp), lambda i, bh: (bh // n, 0, (bh % n) // group, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, bh: (bh // n, bh % n, nq - 1 - i))
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    args = [qp, kp, vp, dop, lsep, deltap]
+    if segs is None:
+        in_specs += [None, None]
+        args += [None, None]
+    else:
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, bh: (bh // n, nq - 1 - i)),
+            pl.BlockSpec((None, sp), lambda i, bh: (bh // n, 0)),
+        ]
+        args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
+    dq = pl.pallas_call(
+        functools.partial(
+            _flash_bwd_dq_kernel, scale=scale, mask=mask, kv_len=s_len, block_q=bq, block_kv=bk
+        ),
+        grid=(nq, b * n),
+        in_specs=in_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), grad_dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="jflash_bwd_dq",
+    )(*args)
+    return dq[:, :t, :, :h], dk[:, :s_len, :, :h], dv[:, :s_len, :, :h]

@@ -1,0 +1,68 @@
+"""Pieces shared by the Triton-lowered forward and backward kernels."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from jflash._mask import Mask
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Triton tiles need a power-of-two head dim (>= 16): D=100 runs as 128."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pad_to(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def visible_kv_range(mask: Mask, q_start, block_q: int, block_kv: int, kv_len: int):
+    """Key-block loop bounds `(n_full, n_end)` for queries `q_start .. q_start+block_q`.
+
+    Blocks `[0, n_full)` need no causal or padding mask; blocks `[n_full, n_end)` do;
+    blocks at or past `n_end` are fully hidden and skipped (FlashAttention-2 §3.1.1).
+    """
+    num_kv = -(-kv_len // block_kv)
+    last_full = num_kv if kv_len % block_kv == 0 else num_kv - 1
+    if not mask.causal:
+        return last_full, num_kv
+    shift = mask.q_offset - mask.k_offset
+    # Key j is visible to query i when j <= i + shift.
+    n_end = lax.div(q_start + block_q + shift + block_kv - 1, block_kv)
+    n_full = lax.div(q_start + shift + 1, block_kv)
+    n_end = jnp.clip(n_end, 0, num_kv)
+    n_full = jnp.clip(n_full, 0, jnp.minimum(n_end, last_full))
+    return n_full, n_end
+
+
+def visible_q_range(mask: Mask, k_start, block_kv: int, block_q: int, q_len: int):
+    """Query-block loop bounds `(n_begin, n_full_from)` for keys `k_start .. +block_kv`.
+
+    Query blocks before `n_begin` see none of these keys (skipped); blocks in
+    `[n_begin, n_full_from)` need the causal mask; the rest see all of them.
+    """
+    num_q = -(-q_len // block_q)
+    if not mask.causal:
+        return 0, 0, num_q
+    shift = mask.q_offset - mask.k_offset
+    # Query i sees key j when i >= j - shift; first query of the block that sees k_start:
+    first = k_start - shift
+    n_begin = jnp.clip(lax.div(jnp.maximum(first, 0), block_q), 0, num_q)
+    # Query blocks whose first query sees the last key of this block need no mask.
+    last = k_start + block_kv - 1 - shift
+    n_full_from = jnp.clip(lax.div(jnp.maximum(last, 0) + block_q - 1, block_q), n_begin, num_q)
+    return n_begin, n_full_from, num_q

@@ -1,0 +1,146 @@
+"""FlashAttention-2 forward as a Pallas kernel lowered through Triton.
+
+Grid `(query blocks, batch * query heads)`; each program keeps one query tile in
+registers and streams the K/V tiles of its KV head (`h // group`: GQA without copies).
+Softmax runs in base 2 with the scale folded into one multiply (FA-2 §3.1), key blocks
+are split into an unmasked run and a masked run, and fully hidden blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jflash._block_sizes import BlockSizes
+from jflash._mask import Mask
+from jflash._triton_common import (
+    LN2,
+    LOG2E,
+    pad_to,
+    padded_head_dim,
+    round_up,
+    visible_kv_range,
+)
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+
+
+def _flash_fwd_kernel(
+    q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
+    *, scale, mask: Mask, kv_len, block_q, block_kv, num_heads,
+):
+    i = pl.num_programs(0) - 1 - pl.program_id(0)  # longest causal rows first
+    q_start = i * block_q
+    q = q_ref[...]  # [block_q, H]
+    qk_scale = scale * LOG2E
+    q_pos = mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
+    q_seg = None if qseg_ref is None else qseg_ref[...]
+
+    def body(j, carry, *, masked):
+        acc, m, l = carry
+        k_start = j * block_kv
+        k = k_ref[pl.ds(k_start, block_kv), :]  # [block_kv, H]
+        v = v_ref[pl.ds(k_start, block_kv), :]
+        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * qk_scale
+        # s: [block_q, block_kv] f32, base-2 logits
+        visible = None
+        if masked:
+            k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+            visible = k_idx < kv_len
+            if mask.causal:
+                visible = visible & (q_pos >= k_idx + mask.k_offset)
+        if q_seg is not None:
+            seg = q_seg[:, None] == kseg_ref[pl.ds(k_start, block_kv)][None, :]
+            visible = seg if visible is None else visible & seg
+        if visible is not None:
+            s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
+        else:
+            m_new = m_use = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp2(s - m_use[:, None])  # [block_q, block_kv] f32
+        corr = jnp.exp2(m - m_use)
+        l = l * corr + p.sum(axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * corr[:, None] + pv, m_new, l
+
+    n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
+    carry = (
+        jnp.zeros((block_q, q.shape[-1]), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+
+
+def flash_fwd(
+    q, k, v, segs, *, mask: Mask, scale: float, out_dtype, block_sizes: BlockSizes,
+    interpret: bool,
+):
+    """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`."""
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    group = n // kh
+    hp = padded_head_dim(h)
+    bq, bk = block_sizes.block_q, block_sizes.block_kv
+    tp, sp = round_up(t, bq), round_up(s_len, bk)
+    q = pad_to(pad_to(q, 3, hp), 1, tp)
+    k = pad_to(pad_to(k, 3, hp), 1, sp)
+    v = pad_to(pad_to(v, 3, hp), 1, sp)
+    nq = tp // bq
+
+    def q_map(i, bh):
+        return (bh // n, nq - 1 - i, bh % n, 0)
+
+    def kv_map(i, bh):
+        return (bh // n, 0, (bh % n) // group, 0)
+
+    in_specs = [
+        pl.BlockSpec((None, bq, None, hp), q_map),
+        pl.BlockSpec((None, sp, None, hp), kv_map),
+        pl.BlockSpec((None, sp, None, hp), kv_map),
+    ]
+    args = [q, k, v]
+    if segs is None:
+        in_specs += [None, None]
+        args += [None, None]
+    else:
+        q_seg, kv_seg = segs
+        in_specs += [
+            pl.BlockSpec((None, bq), lambda i, bh: (bh // n, nq - 1 - i)),
+            pl.BlockSpec((None, sp), lambda i, bh: (bh // n, 0)),
+        ]
+        args += [pad_to(q_seg, 1, tp), pad_to(kv_seg, 1, sp)]
+    kernel = functools.partial(
+        _flash_fwd_kernel, scale=scale, mask=mask, kv_len=s_len, block_q=bq, block_kv=bk,
+        num_heads=n,
+    )
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(nq, b * n),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, bq, None, hp), q_map),
+            pl.BlockSpec((None, None, bq), lambda i, bh: (bh // n, bh % n, nq - 1 - i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, tp, n, hp), out_dtype),
+            jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(
+            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
+        ),
+        interpret=interpret,
+        name="jflash_fwd",
+    )(*args)
+    return o[:, :t, :, :h], lse[:, :, :t]

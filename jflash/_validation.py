@@ -1,0 +1,86 @@
+"""Boundary checks shared by every public entry point (STYLE.md §6)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The named sizes of one attention problem (einsum letters of STYLE.md §5)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+def check_qkv(q, k, v) -> Shapes:
+    """Validates BSHD q `[B,T,N,H]`, k/v `[B,S,K,H]` and returns their sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be rank 4 [batch, seq, heads, head_dim]; got {x.shape=}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype=}, {k.dtype=}, {v.dtype=}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise NotImplementedError(f"{q.dtype=} is not supported; use bfloat16, float16 or float32")
+    batch, q_len, q_heads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape=}, {v.shape=}")
+    kb, kv_len, kv_heads, kd = k.shape
+    if kb != batch:
+        raise ValueError(f"batch sizes differ: {q.shape[0]=} vs {k.shape[0]=}")
+    if kd != head_dim:
+        raise ValueError(f"head dims differ: {q.shape[-1]=} vs {k.shape[-1]=}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise NotImplementedError(f"{head_dim=} is not supported; jflash handles 1..{MAX_HEAD_DIM}")
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (GQA/MQA)")
+    if q_len == 0 or kv_len == 0:
+        raise ValueError(f"empty sequence: {q_len=}, {kv_len=}")
+    return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
+
+
+def check_segment_ids(segment_ids, shapes: Shapes):
+    """Normalises `segment_ids` to a `(q_segment_ids [B,T], kv_segment_ids [B,S])` pair.
+
+    Accepts None, one int array `[B, T]` (self-attention, T == S) or a pair.
+    """
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (tuple, list)):
+        if len(segment_ids) != 2:
+            raise ValueError(f"segment_ids must be an array or a (q, kv) pair; got {len(segment_ids)=}")
+        q_seg, kv_seg = segment_ids
+    else:
+        q_seg = kv_seg = segment_ids
+    want_q = (shapes.batch, shapes.q_len)
+    want_kv = (shapes.batch, shapes.kv_len)
+    if tuple(q_seg.shape) != want_q:
+        raise ValueError(f"q segment ids have {q_seg.shape=}; expected [batch, q_len] = {want_q}")
+    if tuple(kv_seg.shape) != want_kv:
+        raise ValueError(f"kv segment ids have {kv_seg.shape=}; expected [batch, kv_len] = {want_kv}")
+    for name, s in (("q", q_seg), ("kv", kv_seg)):
+        if not jnp.issubdtype(s.dtype, jnp.integer):
+            raise ValueError(f"{name} segment ids must be integers; got {s.dtype=}")
+    return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    scale = float(scale)
+    if not scale > 0:
+        raise ValueError(f"{scale=} must be positive")
+    return scale
