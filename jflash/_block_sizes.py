@@ -66,31 +66,36 @@ def default_block_sizes(
         few grid steps: the interpreter is slow per step, not per element).
     """
     kv_len = seq_len if kv_len is None else kv_len
-
-
     wide = np.dtype(dtype).itemsize >= 4 or head_dim > 128
     if device_kind == "cpu":
         bq, bk = 64, 64
         return BlockSizes(
-            block_q=_fit(bq, seq_len), block_kv=_fit(bk, kv_len),
-            block_q_dkv=_fit(bq, seq_len), block_kv_dkv=_fit(bk, kv_len),
-            block_q_dq=_fit(bq, seq_len), block_kv_dq=_fit(bk, kv_len),
+            block_q=_fit(bq, seq_len),
+            block_kv=_fit(bk, kv_len),
+            block_q_dkv=_fit(bq, seq_len),
+            block_kv_dkv=_fit(bk, kv_len),
+            block_q_dq=_fit(bq, seq_len),
+            block_kv_dq=_fit(bk, kv_len),
         )
-    if wide:
-        fwd_q, fwd_k, bwd = 64, 32, 32
+    # Measured on H100, bf16, causal, GQA 32/8 (BENCHMARKS.md "Kernel tuning").
+    if wide:  # f32 tiles or D > 128: halve the tiles so they fit shared memory
+        fwd = (64, 32, 4, 2)
+        bwd = (32, 32, 32, 32, 4, 2)
     elif head_dim <= 64:
-        fwd_q, fwd_k, bwd = 128, 64, 64
+        fwd = (128, 64, 8, 4)
+        bwd = (64, 64, 64, 64, 4, 2)
     else:
-        fwd_q, fwd_k, bwd = 128, 64, 64
+        fwd = (128, 128, 8, 3)
+        bwd = (64, 128, 128, 64, 8, 3)
     return BlockSizes(
-        block_q=_fit(fwd_q, seq_len),
-        block_kv=_fit(fwd_k, kv_len),
-        block_q_dkv=_fit(bwd, seq_len),
-        block_kv_dkv=_fit(bwd, kv_len),
-        block_q_dq=_fit(bwd, seq_len),
-        block_kv_dq=_fit(bwd, kv_len),
-        num_warps=4 if head_dim <= 64 else 8,
-        num_stages=2 if wide else 3,
-        num_warps_bwd=4,
-        num_stages_bwd=2 if wide else 2,
+        block_q=_fit(fwd[0], seq_len),
+        block_kv=_fit(fwd[1], kv_len),
+        num_warps=fwd[2],
+        num_stages=fwd[3],
+        block_q_dkv=_fit(bwd[0], seq_len),
+        block_kv_dkv=_fit(bwd[1], kv_len),
+        block_q_dq=_fit(bwd[2], seq_len),
+        block_kv_dq=_fit(bwd[3], kv_len),
+        num_warps_bwd=bwd[4],
+        num_stages_bwd=bwd[5],
     )

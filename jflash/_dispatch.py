@@ -82,8 +82,12 @@ def resolve(
                 q_len, head_dim, dtype, "cpu" if interpret else "gpu", kv_len=kv_len
             )
         kernel = Kernel("pallas_triton", block_sizes, bool(interpret), reason)
-    _last_choice.update(implementation=kernel.name, reason=kernel.reason,
-                        interpret=str(kernel.interpret), block_sizes=repr(kernel.block_sizes))
+    _last_choice.update(
+        implementation=kernel.name,
+        reason=kernel.reason,
+        interpret=str(kernel.interpret),
+        block_sizes=repr(kernel.block_sizes),
+    )
     return kernel
 
 
@@ -107,24 +111,43 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
     if kernel.name == "xla":
         return xla_fwd(q, k, v, mask=mask, segs=segs, scale=scale, out_dtype=out_dtype)
     return flash_fwd(
-        q, k, v, segs, mask=mask, scale=scale, out_dtype=out_dtype,
-        block_sizes=kernel.block_sizes, interpret=kernel.interpret,
+        q,
+        k,
+        v,
+        segs,
+        mask=mask,
+        scale=scale,
+        out_dtype=out_dtype,
+        block_sizes=kernel.block_sizes,
+        interpret=kernel.interpret,
     )
 
 
-def attention_bwd(q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype,
-                  kernel: Kernel):
+def attention_bwd(
+    q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype, kernel: Kernel
+):
     """Kernel contract, backward: `(dq, dk, dv)` in `grad_dtype`.
 
     Uses the *global* `lse` `[B,N,T]` and `delta = rowsum(dO * O_global) - dLSE`
     `[B,N,T]` f32, so nothing of the forward is recomputed.
     """
     if kernel.name == "xla":
-        return xla_bwd(q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale,
-                       grad_dtype=grad_dtype)
+        return xla_bwd(
+            q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype
+        )
     return flash_bwd(
-        q, k, v, do, lse, delta, segs, mask=mask, scale=scale, grad_dtype=grad_dtype,
-        block_sizes=kernel.block_sizes, interpret=kernel.interpret,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        segs,
+        mask=mask,
+        scale=scale,
+        grad_dtype=grad_dtype,
+        block_sizes=kernel.block_sizes,
+        interpret=kernel.interpret,
     )
 
 

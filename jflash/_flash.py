@@ -6,7 +6,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
@@ -24,8 +23,9 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, segs, static: _Static):
-    return attention_fwd(q, k, v, segs, mask=static.mask, scale=static.scale,
-                         out_dtype=q.dtype, kernel=static.kernel)
+    return attention_fwd(
+        q, k, v, segs, mask=static.mask, scale=static.scale, out_dtype=q.dtype, kernel=static.kernel
+    )
 
 
 def _flash_fwd(q, k, v, segs, static: _Static):
@@ -37,8 +37,19 @@ def _flash_bwd(static: _Static, res, cotangents):
     q, k, v, segs, o, lse = res
     do, dlse = cotangents
     delta = delta_from(o, do, dlse)
-    dq, dk, dv = attention_bwd(q, k, v, do.astype(q.dtype), lse, delta, segs, mask=static.mask,
-                               scale=static.scale, grad_dtype=q.dtype, kernel=static.kernel)
+    dq, dk, dv = attention_bwd(
+        q,
+        k,
+        v,
+        do.astype(q.dtype),
+        lse,
+        delta,
+        segs,
+        mask=static.mask,
+        scale=static.scale,
+        grad_dtype=q.dtype,
+        kernel=static.kernel,
+    )
     return dq, dk, dv, None
 
 
@@ -87,8 +98,15 @@ def flash_attention(
     static = _Static(
         mask=Mask(bool(causal), q_offset, k_offset),
         scale=default_scale(shapes.head_dim, scale),
-        kernel=resolve(implementation, interpret, block_sizes, q_len=shapes.q_len,
-                       kv_len=shapes.kv_len, head_dim=shapes.head_dim, dtype=q.dtype),
+        kernel=resolve(
+            implementation,
+            interpret,
+            block_sizes,
+            q_len=shapes.q_len,
+            kv_len=shapes.kv_len,
+            head_dim=shapes.head_dim,
+            dtype=q.dtype,
+        ),
     )
     o, lse = _flash(q, k, v, segs, static)
     return (o, lse) if return_lse else o

@@ -106,7 +106,9 @@ def xla_fwd(q, k, v, *, mask: Mask, segs, scale: float, out_dtype, block: int = 
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m - m_safe)
         l = l * corr + p.sum(-1)
-        pv = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+        pv = jnp.einsum(
+            "bkgts,bskh->btkgh", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+        )
         acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
         return (m_new, l, acc), None
 
@@ -119,7 +121,9 @@ def xla_fwd(q, k, v, *, mask: Mask, segs, scale: float, out_dtype, block: int = 
     return o.reshape(b, t, n, h).astype(out_dtype), lse.reshape(b, n, t)
 
 
-def xla_bwd(q, k, v, do, lse, delta, *, mask: Mask, segs, scale: float, grad_dtype, block: int = 512):
+def xla_bwd(
+    q, k, v, do, lse, delta, *, mask: Mask, segs, scale: float, grad_dtype, block: int = 512
+):
     """Blockwise backward given the saved global `lse` and `delta = rowsum(dO*O) - dlse`.
 
     Returns `(dq, dk, dv)` in `grad_dtype`.
@@ -138,7 +142,9 @@ def xla_bwd(q, k, v, do, lse, delta, *, mask: Mask, segs, scale: float, grad_dty
         s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
         vis = _block_mask(mask, segs, t, kv_len, start, block)[:, None, None]
         p = jnp.where(vis, jnp.exp(s - lse_g[..., None]), 0.0)
-        dv = jnp.einsum("bkgts,btkgh->bskh", p.astype(do.dtype), dog, preferred_element_type=jnp.float32)
+        dv = jnp.einsum(
+            "bkgts,btkgh->bskh", p.astype(do.dtype), dog, preferred_element_type=jnp.float32
+        )
         dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta_g[..., None]) * scale).astype(q.dtype)
         dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kb, preferred_element_type=jnp.float32)

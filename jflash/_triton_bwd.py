@@ -22,6 +22,7 @@ from jflash._block_sizes import BlockSizes
 from jflash._mask import Mask
 from jflash._triton_common import (
     LOG2E,
+    dot,
     pad_to,
     padded_head_dim,
     round_up,
@@ -29,15 +30,28 @@ from jflash._triton_common import (
     visible_q_range,
 )
 
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-
 
 def _flash_bwd_dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dk_ref, dv_ref,
-    *, scale, mask: Mask, q_len, block_q, block_kv, group,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qseg_ref,
+    kseg_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    mask: Mask,
+    q_len,
+    block_q,
+    block_kv,
+    group,
 ):
     j = pl.program_id(0)
-    k_start = j * block_kv
+    k_start = pl.multiple_of(j * block_kv, block_kv)
     k = k_ref[...]  # [block_kv, H]
     v = v_ref[...]
     qk_scale = scale * LOG2E
@@ -47,18 +61,18 @@ def _flash_bwd_dkv_kernel(
 
     def body(i, carry, *, g, masked):
         dk, dv = carry
-        q_start = i * block_q
+        q_start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(q_start, block_q)
         q = q_ref[rows, g, :]  # [block_q, H]
         do = do_ref[rows, g, :]
         lse = lse_ref[g, rows]  # [block_q] f32, natural log, +inf on empty rows
         delta = delta_ref[g, rows]
-        s_t = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32) * qk_scale
+        s_t = dot(k, q, trans_b=True) * qk_scale
         p_t = jnp.exp2(s_t - (lse * LOG2E)[None, :])  # [block_kv, block_q] f32
         visible = None
         if masked:
-            q_idx = mask.q_offset + q_start + lax.broadcasted_iota(
-                jnp.int32, (block_kv, block_q), 1
+            q_idx = (
+                mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 1)
             )
             visible = q_idx >= k_pos
         if k_seg is not None:
@@ -66,10 +80,10 @@ def _flash_bwd_dkv_kernel(
             visible = seg if visible is None else visible & seg
         if visible is not None:
             p_t = jnp.where(visible, p_t, 0.0)
-        dv = dv + jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dp_t = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+        dv = dv + dot(p_t.astype(do.dtype), do)
+        dp_t = dot(v, do, trans_b=True)
         ds_t = p_t * (dp_t - delta[None, :])  # [block_kv, block_q] f32
-        dk = dk + jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        dk = dk + dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
     def head(g, carry):
@@ -85,11 +99,24 @@ def _flash_bwd_dkv_kernel(
 
 
 def _flash_bwd_dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dq_ref,
-    *, scale, mask: Mask, kv_len, block_q, block_kv,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    qseg_ref,
+    kseg_ref,
+    dq_ref,
+    *,
+    scale,
+    mask: Mask,
+    kv_len,
+    block_q,
+    block_kv,
 ):
     i = pl.num_programs(0) - 1 - pl.program_id(0)
-    q_start = i * block_q
+    q_start = pl.multiple_of(i * block_q, block_q)
     q = q_ref[...]  # [block_q, H]
     do = do_ref[...]
     lse2 = lse_ref[...] * LOG2E  # [block_q]
@@ -99,10 +126,10 @@ def _flash_bwd_dq_kernel(
     q_seg = None if qseg_ref is None else qseg_ref[...]
 
     def body(j, dq, *, masked):
-        k_start = j * block_kv
+        k_start = pl.multiple_of(j * block_kv, block_kv)
         k = k_ref[pl.ds(k_start, block_kv), :]
         v = v_ref[pl.ds(k_start, block_kv), :]
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * qk_scale
+        s = dot(q, k, trans_b=True) * qk_scale
         p = jnp.exp2(s - lse2[:, None])  # [block_q, block_kv] f32
         visible = None
         if masked:
@@ -115,9 +142,9 @@ def _flash_bwd_dq_kernel(
             visible = seg if visible is None else visible & seg
         if visible is not None:
             p = jnp.where(visible, p, 0.0)
-        dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+        dp = dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
-        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        return dq + dot(ds.astype(k.dtype), k)
 
     n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
     dq = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
@@ -127,8 +154,19 @@ def _flash_bwd_dq_kernel(
 
 
 def flash_bwd(
-    q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype,
-    block_sizes: BlockSizes, interpret: bool,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    segs,
+    *,
+    mask: Mask,
+    scale: float,
+    grad_dtype,
+    block_sizes: BlockSizes,
+    interpret: bool,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
 
@@ -168,7 +206,12 @@ def flash_bwd(
         args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
     dk, dv = pl.pallas_call(
         functools.partial(
-            _flash_bwd_dkv_kernel, scale=scale, mask=mask, q_len=t, block_q=bq, block_kv=bk,
+            _flash_bwd_dkv_kernel,
+            scale=scale,
+            mask=mask,
+            q_len=t,
+            block_q=bq,
+            block_kv=bk,
             group=group,
         ),
         grid=(sp // bk, b * kh),

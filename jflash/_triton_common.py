@@ -13,6 +13,25 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
+_NT = (((1,), (1,)), ((), ()))
+_NN = (((1,), (0,)), ((), ()))
+
+
+def dot(a, b, *, trans_b: bool = False):
+    """`a @ b` (or `a @ b.T`) with f32 accumulation.
+
+    HIGHEST keeps f32 inputs in IEEE f32 (Triton's DEFAULT would be TF32); for
+    bf16/f16 inputs it changes nothing.
+    """
+    return lax.dot_general(
+        a,
+        b,
+        _NT if trans_b else _NN,
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
 def padded_head_dim(head_dim: int) -> int:
     """Triton tiles need a power-of-two head dim (>= 16): D=100 runs as 128."""
     return max(16, 1 << (head_dim - 1).bit_length())

@@ -21,21 +21,32 @@ from jflash._mask import Mask
 from jflash._triton_common import (
     LN2,
     LOG2E,
+    dot,
     pad_to,
     padded_head_dim,
     round_up,
     visible_kv_range,
 )
 
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-
 
 def _flash_fwd_kernel(
-    q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
-    *, scale, mask: Mask, kv_len, block_q, block_kv, num_heads,
+    q_ref,
+    k_ref,
+    v_ref,
+    qseg_ref,
+    kseg_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale,
+    mask: Mask,
+    kv_len,
+    block_q,
+    block_kv,
+    num_heads,
 ):
     i = pl.num_programs(0) - 1 - pl.program_id(0)  # longest causal rows first
-    q_start = i * block_q
+    q_start = pl.multiple_of(i * block_q, block_q)
     q = q_ref[...]  # [block_q, H]
     qk_scale = scale * LOG2E
     q_pos = mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
@@ -43,11 +54,10 @@ def _flash_fwd_kernel(
 
     def body(j, carry, *, masked):
         acc, m, l = carry
-        k_start = j * block_kv
+        k_start = pl.multiple_of(j * block_kv, block_kv)
         k = k_ref[pl.ds(k_start, block_kv), :]  # [block_kv, H]
         v = v_ref[pl.ds(k_start, block_kv), :]
-        s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * qk_scale
-        # s: [block_q, block_kv] f32, base-2 logits
+        s = dot(q, k, trans_b=True)  # [block_q, block_kv] f32, unscaled logits
         visible = None
         if masked:
             k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
@@ -59,14 +69,17 @@ def _flash_fwd_kernel(
             visible = seg if visible is None else visible & seg
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+        # The running max is kept in base-2 scaled units; taking the max of the unscaled
+        # logits (scale > 0) lets `s * qk_scale - m` fuse into one FMA per element.
+        m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+        if visible is not None:
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
         else:
-            m_new = m_use = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp2(s - m_use[:, None])  # [block_q, block_kv] f32
+            m_use = m_new
+        p = jnp.exp2(s * qk_scale - m_use[:, None])  # [block_q, block_kv] f32
         corr = jnp.exp2(m - m_use)
         l = l * corr + p.sum(axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = dot(p.astype(v.dtype), v)
         return acc * corr[:, None] + pv, m_new, l
 
     n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
@@ -84,7 +97,15 @@ def _flash_fwd_kernel(
 
 
 def flash_fwd(
-    q, k, v, segs, *, mask: Mask, scale: float, out_dtype, block_sizes: BlockSizes,
+    q,
+    k,
+    v,
+    segs,
+    *,
+    mask: Mask,
+    scale: float,
+    out_dtype,
+    block_sizes: BlockSizes,
     interpret: bool,
 ):
     """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`."""
@@ -122,7 +143,12 @@ def flash_fwd(
         ]
         args += [pad_to(q_seg, 1, tp), pad_to(kv_seg, 1, sp)]
     kernel = functools.partial(
-        _flash_fwd_kernel, scale=scale, mask=mask, kv_len=s_len, block_q=bq, block_kv=bk,
+        _flash_fwd_kernel,
+        scale=scale,
+        mask=mask,
+        kv_len=s_len,
+        block_q=bq,
+        block_kv=bk,
         num_heads=n,
     )
     o, lse = pl.pallas_call(

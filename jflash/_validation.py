@@ -61,7 +61,9 @@ def check_segment_ids(segment_ids, shapes: Shapes):
         return None
     if isinstance(segment_ids, (tuple, list)):
         if len(segment_ids) != 2:
-            raise ValueError(f"segment_ids must be an array or a (q, kv) pair; got {len(segment_ids)=}")
+            raise ValueError(
+                f"segment_ids must be an array or a (q, kv) pair; got {len(segment_ids)=}"
+            )
         q_seg, kv_seg = segment_ids
     else:
         q_seg = kv_seg = segment_ids
@@ -70,7 +72,9 @@ def check_segment_ids(segment_ids, shapes: Shapes):
     if tuple(q_seg.shape) != want_q:
         raise ValueError(f"q segment ids have {q_seg.shape=}; expected [batch, q_len] = {want_q}")
     if tuple(kv_seg.shape) != want_kv:
-        raise ValueError(f"kv segment ids have {kv_seg.shape=}; expected [batch, kv_len] = {want_kv}")
+        raise ValueError(
+            f"kv segment ids have {kv_seg.shape=}; expected [batch, kv_len] = {want_kv}"
+        )
     for name, s in (("q", q_seg), ("kv", kv_seg)):
         if not jnp.issubdtype(s.dtype, jnp.integer):
             raise ValueError(f"{name} segment ids must be integers; got {s.dtype=}")

@@ -1,0 +1,37 @@
+# jflash: `make test` and `make demo` work from a fresh clone (README "Quick start").
+SHELL := /bin/bash
+VENV ?= .venv
+ORACLE ?= .venv-oracle
+# Python 3.12 for the project; where pyenv provides it, pick its 3.12.1.
+PY312 ?= PYENV_VERSION=$${PYENV_VERSION:-3.12.1} python3.12
+# Python 3.11 + CPU torch for the HuggingFace parity oracle (tests only, never imported).
+PY311 ?= PYENV_VERSION=$${PYENV_VERSION:-3.11.7} python3.11
+PYTEST_ARGS ?=
+
+.PHONY: test demo venv oracle lint clean
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	touch $@
+
+oracle: $(ORACLE)/.installed
+$(ORACLE)/.installed: Makefile
+	$(PY311) -m venv $(ORACLE)
+	$(ORACLE)/bin/python -m pip install -q torch==2.13.0 "transformers>=4.45" safetensors numpy
+	touch $@
+
+test: venv oracle
+	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/python benchmarks/demo.py
+
+lint: venv
+	$(VENV)/bin/ruff check jflash models train tests benchmarks
+	$(VENV)/bin/ruff format --check jflash models train tests benchmarks
+
+clean:
+	rm -rf $(VENV) $(ORACLE) runs .pytest_cache

@@ -1,0 +1,54 @@
+"""Timing and reporting helpers shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10, min_time: float = 0.5) -> float:
+    """Median wall time (s) of `fn(*args)` with `block_until_ready`, compile excluded."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    start = time.perf_counter()
+    while len(times) < iters or (time.perf_counter() - start < min_time and len(times) < 100):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def device_name() -> str:
+    kind = jax.devices()[0].device_kind
+    return kind.replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    payload = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        **payload,
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table of `rows` (missing values shown as '-')."""
+
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "-" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,336 @@
+"""Single-device attention kernels: jflash vs cuDNN vs XLA, in one process.
+
+    python benchmarks/kernel.py                   # the issue's shapes, ratios to cuDNN
+    python benchmarks/kernel.py --sweep           # time/TFLOP/s/memory vs S, heads, D + PNGs
+    python benchmarks/kernel.py --tune            # block-size candidates for jflash
+    python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
+
+Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that (ANCHORS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jflash  # noqa: E402
+from benchmarks.common import device_name, table, time_fn, write_json  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def attention_fn(impl: str, block_sizes=None):
+    if impl == "jflash":
+        return functools.partial(
+            jflash.flash_attention,
+            causal=True,
+            block_sizes=block_sizes,
+            implementation="pallas_triton",
+        )
+    if impl == "jflash_xla":
+        return functools.partial(jflash.flash_attention, causal=True, implementation="xla")
+    return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+
+
+def causal_flops(batch, heads, seq, head_dim):
+    return 4 * batch * heads * seq * seq * head_dim / 2
+
+
+def measure(
+    impl,
+    *,
+    batch,
+    seq,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype=jnp.bfloat16,
+    block_sizes=None,
+    passes=("fwd", "fwdbwd"),
+):
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (batch, seq, heads, head_dim), dtype)
+    k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
+    v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
+    do = jax.random.normal(ks[3], (batch, seq, heads, head_dim), dtype)
+    attn = attention_fn(impl, block_sizes)
+    fwd = jax.jit(attn)
+
+    @jax.jit
+    def fwdbwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    flops = causal_flops(batch, heads, seq, head_dim)
+    row = dict(
+        impl=impl, seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch
+    )
+    for name, fn, args, mult in (
+        ("fwd", fwd, (q, k, v), 1.0),
+        ("fwdbwd", fwdbwd, (q, k, v, do), 3.5),
+    ):
+        if name not in passes:
+            continue
+        try:
+            compiled = fn.lower(*args).compile()
+            mem = compiled.memory_analysis()
+            t = time_fn(compiled, *args)
+        except Exception as e:  # noqa: BLE001 - OOM / unsupported reported as a row
+            msg = str(e).splitlines()[0][:120]
+            row[f"{name}_error"] = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else msg
+            continue
+        row[f"{name}_ms"] = t * 1e3
+        row[f"{name}_tflops"] = mult * flops / t / 1e12
+        if mem is not None:
+            row[f"{name}_temp_gib"] = mem.temp_size_in_bytes / 2**30
+    return row
+
+
+SHAPES = [  # (seq, head_dim): the issue's table
+    (4096, 128),
+    (16384, 128),
+    (65536, 128),
+    (16384, 64),
+]
+
+
+def main_table(args):
+    rows = []
+    for seq, hd in SHAPES:
+        for impl in args.impls:
+            if impl == "xla" and seq > 8192:
+                rows.append(
+                    dict(impl=impl, seq_len=seq, head_dim=hd, fwd_error="skipped: O(S²) memory")
+                )
+                continue
+            row = measure(impl, batch=1, seq=seq, heads=32, kv_heads=8, head_dim=hd)
+            rows.append(row)
+            print(
+                {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
+                flush=True,
+            )
+    by = {(r["seq_len"], r["head_dim"], r["impl"]): r for r in rows}
+    for r in rows:
+        base = by.get((r["seq_len"], r["head_dim"], "cudnn"), {})
+        for p in ("fwd", "fwdbwd"):
+            if f"{p}_tflops" in r and f"{p}_tflops" in base:
+                r[f"{p}_vs_cudnn"] = r[f"{p}_tflops"] / base[f"{p}_tflops"]
+    print(
+        table(
+            rows,
+            [
+                "impl",
+                "seq_len",
+                "head_dim",
+                "fwd_tflops",
+                "fwdbwd_tflops",
+                "fwd_vs_cudnn",
+                "fwdbwd_vs_cudnn",
+                "fwdbwd_temp_gib",
+                "fwd_error",
+            ],
+        )
+    )
+    write_json(os.path.join(args.out, f"kernel-{device_name()}.json"), {"rows": rows})
+
+
+def tune(args):
+    """Times jflash block-size candidates at one shape: forward ones, then backward ones."""
+    base = jflash.default_block_sizes(args.seq, args.head_dim, jnp.bfloat16)
+    shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
+    rows = []
+
+    def run(bs, passes, label):
+        row = measure("jflash", block_sizes=bs, passes=passes, **shape)
+        row["block_sizes"] = label
+        rows.append(row)
+        print(row, flush=True)
+
+    fwd_candidates = [
+        (128, 64, 8, 3),
+        (128, 128, 8, 2),
+        (128, 128, 8, 3),
+        (64, 64, 4, 3),
+        (128, 64, 4, 3),
+        (128, 32, 4, 4),
+        (64, 128, 4, 2),
+        (128, 64, 8, 4),
+        (256, 64, 8, 2),
+        (128, 128, 16, 2),
+    ]
+    bwd_candidates = [
+        (64, 64, 64, 64, 4, 2),
+        (32, 128, 128, 32, 8, 2),
+        (32, 128, 128, 32, 4, 3),
+        (64, 128, 128, 64, 8, 2),
+        (64, 128, 128, 64, 8, 3),
+        (32, 64, 64, 32, 4, 2),
+        (64, 64, 64, 64, 4, 3),
+        (128, 128, 128, 128, 8, 2),
+        (32, 128, 64, 64, 4, 2),
+        (64, 128, 64, 64, 8, 2),
+    ]
+    for bq, bk, w, s in fwd_candidates if args.which in ("fwd", "both") else []:
+        bs = dataclasses.replace(base, block_q=bq, block_kv=bk, num_warps=w, num_stages=s)
+        run(bs, ("fwd",), f"fwd q{bq} kv{bk} w{w} s{s}")
+    for qd, kd, qq, kq, w, s in bwd_candidates if args.which in ("bwd", "both") else []:
+        bs = dataclasses.replace(
+            base,
+            block_q_dkv=qd,
+            block_kv_dkv=kd,
+            block_q_dq=qq,
+            block_kv_dq=kq,
+            num_warps_bwd=w,
+            num_stages_bwd=s,
+        )
+        run(bs, ("fwdbwd",), f"bwd dkv q{qd} kv{kd} dq q{qq} kv{kq} w{w} s{s}")
+    row = measure("cudnn", **shape)
+    row["block_sizes"] = "cudnn"
+    rows.append(row)
+    print(table(rows, ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]))
+    write_json(
+        os.path.join(args.out, f"kernel-tune-{device_name()}-{args.seq}-{args.head_dim}.json"),
+        {"rows": rows},
+    )
+
+
+def long_context(args):
+    """Forward+backward at very long S: memory stays linear (compiler estimate + peak)."""
+    rows = []
+    for impl in ("jflash", "cudnn"):
+        row = measure(
+            impl,
+            batch=1,
+            seq=args.long,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=128,
+            passes=("fwdbwd",),
+        )
+        rows.append(row)
+        print(row, flush=True)
+    stats = jax.devices()[0].memory_stats() or {}
+    print(
+        table(
+            rows,
+            [
+                "impl",
+                "seq_len",
+                "heads",
+                "fwdbwd_ms",
+                "fwdbwd_tflops",
+                "fwdbwd_temp_gib",
+                "fwdbwd_error",
+            ],
+        )
+    )
+    write_json(
+        os.path.join(args.out, f"kernel-long-{device_name()}.json"),
+        {"rows": rows, "peak_bytes_in_use": stats.get("peak_bytes_in_use")},
+    )
+
+
+def sweep(args):
+    """The seeds' FlashAttention lab redone: time, TFLOP/s, memory vs S, heads, head dim."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = ["jflash", "cudnn", "xla"]
+    axes = {
+        "seq_len": [
+            dict(seq=s, heads=32, head_dim=128) for s in (1024, 2048, 4096, 8192, 16384, 32768)
+        ],
+        "heads": [dict(seq=8192, heads=h, head_dim=128) for h in (8, 16, 32, 64)],
+        "head_dim": [dict(seq=8192, heads=32, head_dim=d) for d in (32, 64, 128, 256)],
+    }
+    results = {}
+    for axis, points in axes.items():
+        results[axis] = []
+        for p in points:
+            for impl in impls:
+                if impl == "xla" and p["seq"] * p["seq"] * p["heads"] * 4 > 40 * 2**30:
+                    continue
+                if impl == "cudnn" and p["head_dim"] > 128:
+                    continue
+                row = measure(
+                    impl,
+                    batch=1,
+                    seq=p["seq"],
+                    heads=p["heads"],
+                    kv_heads=max(1, p["heads"] // 4),
+                    head_dim=p["head_dim"],
+                )
+                row["x"] = p[{"seq_len": "seq", "heads": "heads", "head_dim": "head_dim"}[axis]]
+                results[axis].append(row)
+                print(row, flush=True)
+    fig, grid = plt.subplots(3, 3, figsize=(15, 12))
+    for col, (axis, rows) in enumerate(results.items()):
+        for r_i, (metric, label) in enumerate(
+            [
+                ("fwdbwd_ms", "fwd+bwd time (ms)"),
+                ("fwdbwd_tflops", "fwd+bwd TFLOP/s"),
+                ("fwdbwd_temp_gib", "fwd+bwd temp memory (GiB)"),
+            ]
+        ):
+            ax = grid[r_i][col]
+            for impl in impls:
+                pts = [(r["x"], r[metric]) for r in rows if r["impl"] == impl and metric in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
+            ax.set_xlabel(axis)
+            ax.set_ylabel(label)
+            ax.set_xscale("log", base=2)
+            if metric != "fwdbwd_tflops":
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+    fig.suptitle(f"Causal attention, GQA 4:1, bf16, batch 1 — {jax.devices()[0].device_kind}")
+    fig.tight_layout()
+    png = os.path.join(args.out, f"kernel-sweep-{device_name()}.png")
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+    write_json(os.path.join(args.out, f"kernel-sweep-{device_name()}.json"), results)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
+    parser.add_argument(
+        "--which",
+        default="both",
+        choices=("fwd", "bwd", "both"),
+        help="--tune: which pass's candidates",
+    )
+    parser.add_argument("--seq", type=int, default=16384, help="--tune shape")
+    parser.add_argument("--head-dim", type=int, default=128, help="--tune shape")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--impls", default="jflash,cudnn,xla")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args()
+    args.impls = args.impls.split(",")
+    if args.sweep:
+        sweep(args)
+    elif args.tune:
+        tune(args)
+    elif args.long:
+        long_context(args)
+    else:
+        main_table(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""`jflash.flash_attention` against the oracle: a sampled product of options.
+
+On CPU the Pallas kernel runs in interpret mode; on a GPU the same tests run compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import INTERPRET
+from kernel_cases import assert_close, make_inputs, oracle, random_segments, value_and_grads
+
+import jflash
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    causal: bool = True
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    q_len: int = 128
+    kv_len: int | None = None
+    q_offset: int = 0
+    k_offset: int = 0
+    segments: int = 0
+    dtype: object = jnp.float32
+    batch: int = 1
+
+    def __str__(self):
+        parts = [
+            "causal" if self.causal else "full",
+            f"N{self.q_heads}K{self.kv_heads}",
+            f"H{self.head_dim}",
+            f"T{self.q_len}S{self.kv_len or self.q_len}",
+            jnp.dtype(self.dtype).name,
+        ]
+        if self.q_offset or self.k_offset:
+            parts.append(f"off{self.q_offset},{self.k_offset}")
+        if self.segments:
+            parts.append(f"seg{self.segments}")
+        return "-".join(parts)
+
+
+# A sampled product of: causal, GQA ratio (1, 4, 8, MQA), head dim (64, 128, 100),
+# ragged lengths, T != S, offsets, segment ids, dtypes.
+CASES = [
+    Case(),
+    Case(causal=False),
+    Case(q_heads=4, kv_heads=4, head_dim=128, dtype=jnp.bfloat16),
+    Case(q_heads=8, kv_heads=2, head_dim=100, q_len=100),
+    Case(q_heads=8, kv_heads=1, head_dim=64, q_len=96, dtype=jnp.float16),
+    Case(q_heads=8, kv_heads=1, causal=False, q_len=80, kv_len=144, dtype=jnp.bfloat16),
+    Case(q_heads=4, kv_heads=4, q_len=130, kv_len=70),
+    Case(q_len=64, kv_len=192, q_offset=128),
+    Case(q_heads=8, kv_heads=1, q_len=128, kv_len=128, q_offset=-64, k_offset=0),
+    Case(q_len=128, kv_len=96, q_offset=20, k_offset=50, head_dim=100, dtype=jnp.bfloat16),
+    Case(segments=3, batch=2),
+    Case(segments=2, causal=False, q_heads=8, kv_heads=1, head_dim=128, dtype=jnp.float16),
+    Case(segments=4, q_len=110, head_dim=100, dtype=jnp.bfloat16, batch=2),
+    Case(head_dim=32, q_heads=2, kv_heads=1, q_len=48, kv_len=48, dtype=jnp.float16),
+    Case(head_dim=256, q_heads=2, kv_heads=2, q_len=64),
+]
+
+
+def _run(case: Case, seed: int, **kwargs):
+    kv_len = case.kv_len or case.q_len
+    q, k, v, do, dlse = make_inputs(
+        seed,
+        batch=case.batch,
+        q_len=case.q_len,
+        kv_len=kv_len,
+        q_heads=case.q_heads,
+        kv_heads=case.kv_heads,
+        head_dim=case.head_dim,
+        dtype=case.dtype,
+    )
+    common = dict(causal=case.causal, q_offset=case.q_offset, k_offset=case.k_offset)
+    if case.segments:
+        segs = random_segments(seed, case.batch, case.q_len, case.segments)
+        if kv_len != case.q_len:
+            kv_segs = random_segments(seed + 1, case.batch, kv_len, case.segments)
+            segs = (segs, kv_segs)
+        common["segment_ids"] = segs
+    got = value_and_grads(
+        jflash.flash_attention, q, k, v, do, dlse, return_lse=True, **common, **kwargs
+    )
+    want = oracle(q, k, v, do, dlse, **common)
+    return got, want
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_pallas_matches_oracle(case):
+    got, want = _run(
+        case, seed=hash(str(case)) % 1000, implementation="pallas_triton", interpret=INTERPRET
+    )
+    assert_close(got, want, case.dtype)
+    # Rows that see no key: output 0, LSE -inf (never NaN).
+    np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+
+
+@pytest.mark.parametrize("case", CASES[::3], ids=str)
+def test_xla_matches_oracle(case):
+    got, want = _run(case, seed=7, implementation="xla")
+    assert_close(got, want, case.dtype)
+
+
+def test_deterministic():
+    case = Case(q_heads=8, kv_heads=2, q_len=96, dtype=jnp.bfloat16)
+    first, _ = _run(case, seed=3, implementation="pallas_triton", interpret=INTERPRET)
+    second, _ = _run(case, seed=3, implementation="pallas_triton", interpret=INTERPRET)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_without_lse_and_under_jit():
+    q, k, v, do, _ = make_inputs(
+        0, batch=1, q_len=64, kv_len=64, q_heads=2, kv_heads=1, head_dim=32, dtype=jnp.float32
+    )
+    f = jax.jit(
+        lambda q, k, v: jflash.flash_attention(
+            q, k, v, implementation="pallas_triton", interpret=INTERPRET
+        )
+    )
+    out = f(q, k, v)
+    want, _ = jflash.attention_reference(q, k, v)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    dq = jax.grad(lambda q: jnp.sum(f(q, k, v) * do))(q)
+    dq_want = jax.grad(lambda q: jnp.sum(jflash.attention_reference(q, k, v)[0] * do))(q)
+    np.testing.assert_allclose(dq, dq_want, atol=1e-4, rtol=1e-4)
+
+
+def test_default_implementation_is_described():
+    q, k, v, *_ = make_inputs(
+        0, batch=1, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
+    )
+    jflash.flash_attention(q, k, v)
+    text = jflash.describe()
+    expected = "pallas_triton" if jax.default_backend() == "gpu" else "xla"
+    assert f"implementation=None -> '{expected}'" in text
+    assert f"last call: implementation={expected}" in text
+
+
+_q = jnp.ones((1, 32, 4, 16), jnp.float32)
+_kv = jnp.ones((1, 32, 2, 16), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, args, error, match",
+    [
+        ({}, (_q[0], _kv, _kv), ValueError, "q must be rank 4"),
+        ({}, (_q, _kv.astype(jnp.bfloat16), _kv), ValueError, "share a dtype"),
+        (
+            {},
+            (_q.astype(jnp.int32), _kv.astype(jnp.int32), _kv.astype(jnp.int32)),
+            NotImplementedError,
+            "int32",
+        ),
+        (
+            {},
+            (jnp.ones((1, 32, 3, 16)), _kv, _kv),
+            ValueError,
+            "q_heads=3 must be a multiple of kv_heads=2",
+        ),
+        (
+            {},
+            (jnp.ones((1, 32, 4, 300)), jnp.ones((1, 32, 2, 300)), jnp.ones((1, 32, 2, 300))),
+            NotImplementedError,
+            "head_dim=300",
+        ),
+        ({}, (_q, _kv, jnp.ones((1, 30, 2, 16))), ValueError, "same shape"),
+        (
+            {"segment_ids": jnp.zeros((1, 31), jnp.int32)},
+            (_q, _kv, _kv),
+            ValueError,
+            "segment ids have",
+        ),
+        ({"segment_ids": jnp.zeros((1, 32))}, (_q, _kv, _kv), ValueError, "must be integers"),
+        ({"implementation": "cuda"}, (_q, _kv, _kv), ValueError, "implementation='cuda'"),
+        ({"implementation": "pallas_mosaic"}, (_q, _kv, _kv), NotImplementedError, "pallas_mosaic"),
+        ({"implementation": "xla", "interpret": True}, (_q, _kv, _kv), ValueError, "interpret"),
+        ({"scale": -1.0}, (_q, _kv, _kv), ValueError, "scale=-1.0"),
+        ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
+    ],
+)
+def test_bad_input_raises(kwargs, args, error, match):
+    with pytest.raises(error, match=match):
+        jflash.flash_attention(*args, **kwargs)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: no compiled Pallas there")
+def test_compiled_pallas_on_cpu_raises():
+    with pytest.raises(NotImplementedError, match="needs a GPU"):
+        jflash.flash_attention(_q, _kv, _kv, implementation="pallas_triton", interpret=False)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("block_q", 48), ("block_kv", 8), ("num_warps", 3), ("num_stages", 0)]
+)
+def test_block_sizes_validate(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
+        jflash.BlockSizes(**{field: value})
