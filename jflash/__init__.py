@@ -10,7 +10,9 @@ Public API (everything else is private):
 from jflash._block_sizes import BlockSizes, default_block_sizes
 from jflash._dispatch import IMPLEMENTATIONS, describe
 from jflash._flash import flash_attention
+from jflash._layout import positions, unzigzag, zigzag
 from jflash._reference import attention_reference
+from jflash._ring import ring_attention
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -19,4 +21,8 @@ __all__ = [
     "default_block_sizes",
     "describe",
     "flash_attention",
+    "positions",
+    "ring_attention",
+    "unzigzag",
+    "zigzag",
 ]

@@ -1,0 +1,423 @@
+"""Ring attention across devices against the one-device kernel, in one process.
+
+    python benchmarks/ring.py                                  # issue 4's table
+    python benchmarks/ring.py --profile                        # + exposed communication
+    python benchmarks/ring.py --longest                        # longest fwd+bwd, 1 vs P
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/ring.py \\
+        --tokens-per-device 128 --heads 4 --kv-heads 2 --head-dim 32 --implementation xla
+
+Ideal time at P devices: forward(+backward) of the whole sequence (P x tokens per
+device) on one device with the same kernel, divided by P. Efficiency = ideal /
+measured. Exposed communication (`--profile`) is read from a `jax.profiler` trace:
+per device, the time a NCCL kernel runs while no other kernel does, averaged over
+devices and profiled iterations; only GPU device tracks are read, so on CPU it is
+reported as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jflash  # noqa: E402
+from benchmarks.common import table, time_fn, write_json  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _words(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
+def default_device_counts() -> list[int]:
+    """1 (the ring's own overhead), every power of two below the count, and the count."""
+    n = len(jax.devices())
+    counts = {1, n} | {1 << i for i in range(n.bit_length()) if 1 << i <= n}
+    return sorted(counts)
+
+
+def draw_inputs(seq, args, sharding=None):
+    dtype = DTYPES[args.dtype]
+    ks = jax.random.split(jax.random.key(0), 4)
+    shapes = [
+        (args.batch, seq, args.heads, args.head_dim),
+        (args.batch, seq, args.kv_heads, args.head_dim),
+        (args.batch, seq, args.kv_heads, args.head_dim),
+        (args.batch, seq, args.heads, args.head_dim),
+    ]
+    place = sharding if sharding is not None else jax.devices()[0]
+    return [
+        jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), place)
+        for key, shape in zip(ks, shapes, strict=True)
+    ]
+
+
+def passes(attn):
+    """Jitted forward and forward+backward of `attn(q, k, v)`."""
+    fwd = jax.jit(attn)
+
+    @jax.jit
+    def fwdbwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    return {"fwd": (fwd, 3), "fwdbwd": (fwdbwd, 4)}
+
+
+def _error(e: Exception) -> str:
+    return "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e).splitlines()[0][:160]
+
+
+def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> None:
+    """Fills `row[prefix+'fwd_ms']`, `row[prefix+'fwdbwd_ms']` (or `..._error`)."""
+    for name, (fn, nargs) in passes(attn).items():
+        try:
+            compiled = fn.lower(*inputs[:nargs]).compile()
+            t = time_fn(
+                compiled, *inputs[:nargs], warmup=args.warmup, iters=args.iters, min_time=0.0
+            )
+        except Exception as e:  # noqa: BLE001 - an OOM / unsupported shape is a row, not a crash
+            row[f"{prefix}{name}_error"] = _error(e)
+            continue
+        row[f"{prefix}{name}_ms"] = t * 1e3
+
+
+def single_device(seq, args) -> dict:
+    """The ideal's numerator: the whole sequence on device 0."""
+    attn = functools.partial(
+        jflash.flash_attention, causal=not args.non_causal, implementation=args.implementation
+    )
+    row: dict = {}
+    time_passes(attn, draw_inputs(seq, args), args, row)
+    return row
+
+
+def ring_fn(mesh, layout, strategy, args):
+    return functools.partial(
+        jflash.ring_attention,
+        mesh=mesh,
+        causal=not args.non_causal,
+        layout=layout,
+        strategy=strategy,
+        implementation=args.implementation,
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Exposed communication from a profile trace
+
+_COMM = re.compile(r"nccl", re.IGNORECASE)
+
+
+def _union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(a, b) -> float:
+    """Length of union `a` not covered by union `b` (both sorted, disjoint)."""
+    total, j = 0.0, 0
+    for start, end in a:
+        covered = 0.0
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            covered += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+        total += (end - start) - covered
+    return total
+
+
+def exposed_communication(trace_dir: str, iterations: int) -> dict | None:
+    """`{'comm_ms', 'exposed_comm_ms'}` per iteration from the newest trace, or None
+    when the trace has no GPU device tracks (CPU runs)."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
+    if not paths:
+        return None
+    with gzip.open(paths[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    devices, streams = {}, set()
+    for e in events:
+        if e.get("ph") != "M":
+            continue
+        if e["name"] == "process_name" and "/device:GPU" in e["args"]["name"]:
+            devices[e["pid"]] = e["args"]["name"]
+        if e["name"] == "thread_name" and e["args"]["name"].startswith("Stream"):
+            streams.add((e["pid"], e["tid"]))
+    if not devices:
+        return None
+    comm = {pid: [] for pid in devices}
+    compute = {pid: [] for pid in devices}
+    for e in events:
+        if e.get("ph") != "X" or e["pid"] not in devices or (e["pid"], e["tid"]) not in streams:
+            continue
+        span = (e["ts"], e["ts"] + e.get("dur", 0.0))
+        (comm if _COMM.search(e["name"]) else compute)[e["pid"]].append(span)
+    comm_us = [_length(_union(comm[p])) for p in devices]
+    exposed_us = [_minus(_union(comm[p]), _union(compute[p])) for p in devices]
+    per = 1e-3 / (len(devices) * iterations)
+    return {"comm_ms": sum(comm_us) * per, "exposed_comm_ms": sum(exposed_us) * per}
+
+
+def profile_fwdbwd(attn, inputs, iterations: int) -> dict | None:
+    fn = passes(attn)["fwdbwd"][0]
+    jax.block_until_ready(fn(*inputs))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(iterations):
+                jax.block_until_ready(fn(*inputs))
+        return exposed_communication(trace_dir, iterations)
+
+
+# ----------------------------------------------------------------------------------
+# Main table
+
+
+def benchmark(args) -> list[dict]:
+    rows, ideal_cache = [], {}
+    for tokens in args.tokens_per_device:
+        for p in args.devices:
+            seq = tokens * p
+            if seq not in ideal_cache:
+                ideal_cache[seq] = single_device(seq, args)
+            ideal = ideal_cache[seq]
+            mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
+            sharding = NamedSharding(mesh, P(None, "seq"))
+            inputs = draw_inputs(seq, args, sharding)
+            for layout in args.layouts:
+                for strategy in args.strategies:
+                    row = dict(
+                        tokens_per_device=tokens,
+                        devices=p,
+                        seq_len=seq,
+                        layout=layout,
+                        strategy=strategy,
+                    )
+                    attn = ring_fn(mesh, layout, strategy, args)
+                    with jax.set_mesh(mesh):
+                        time_passes(attn, inputs, args, row)
+                        if args.profile and "fwdbwd_ms" in row:
+                            comm = profile_fwdbwd(attn, inputs, args.profile_iters)
+                            if comm is None:
+                                print(
+                                    "exposed communication: not measured (the trace has "
+                                    "no GPU device tracks)",
+                                    flush=True,
+                                )
+                            else:
+                                row.update(comm)
+                                row["exposed_comm_frac"] = (
+                                    comm["exposed_comm_ms"] / row["fwdbwd_ms"]
+                                )
+                    for name in ("fwd", "fwdbwd"):
+                        if f"{name}_ms" in ideal:
+                            row[f"ideal_{name}_ms"] = ideal[f"{name}_ms"] / p
+                            if f"{name}_ms" in row:
+                                row[f"eff_{name}"] = row[f"ideal_{name}_ms"] / row[f"{name}_ms"]
+                        elif f"{name}_error" in ideal:
+                            row[f"ideal_{name}_error"] = ideal[f"{name}_error"]
+                    rows.append(row)
+                    print(table([row], COLUMNS).splitlines()[-1], flush=True)
+    _zigzag_speedups(rows)
+    return rows
+
+
+def _zigzag_speedups(rows: list[dict]) -> None:
+    """contiguous time / zigzag time for the same tokens, P and strategy."""
+    index = {(r["tokens_per_device"], r["devices"], r["strategy"], r["layout"]): r for r in rows}
+    for r in rows:
+        if r["layout"] != "zigzag":
+            continue
+        other = index.get((r["tokens_per_device"], r["devices"], r["strategy"], "contiguous"))
+        if other and "fwdbwd_ms" in other and "fwdbwd_ms" in r:
+            r["zigzag_speedup_fwdbwd"] = other["fwdbwd_ms"] / r["fwdbwd_ms"]
+
+
+COLUMNS = [
+    "tokens_per_device",
+    "devices",
+    "layout",
+    "strategy",
+    "fwd_ms",
+    "ideal_fwd_ms",
+    "eff_fwd",
+    "fwdbwd_ms",
+    "ideal_fwdbwd_ms",
+    "eff_fwdbwd",
+    "zigzag_speedup_fwdbwd",
+    "comm_ms",
+    "exposed_comm_ms",
+    "exposed_comm_frac",
+]
+
+
+# ----------------------------------------------------------------------------------
+# Longest sequence that fits (compile-time memory analysis, optionally run once)
+
+
+def fits(attn, seq, args, sharding, limit: int) -> tuple[bool, float]:
+    """Whether forward+backward at `seq` fits in `limit` bytes per device (compiled
+    memory analysis: arguments + outputs + temporaries), and that total in GiB."""
+    shapes = draw_inputs_abstract(seq, args, sharding)
+    try:
+        compiled = passes(attn)["fwdbwd"][0].lower(*shapes).compile()
+    except Exception as e:  # noqa: BLE001 - a compile-time OOM means it does not fit
+        if "RESOURCE_EXHAUSTED" in str(e):
+            return False, float("nan")
+        raise
+    mem = compiled.memory_analysis()
+    used = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+    return used <= limit, used / 2**30
+
+
+def draw_inputs_abstract(seq, args, sharding):
+    dtype = DTYPES[args.dtype]
+    q = (args.batch, seq, args.heads, args.head_dim)
+    kv = (args.batch, seq, args.kv_heads, args.head_dim)
+    return [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in (q, kv, kv, q)]
+
+
+def longest(args) -> dict | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit is None:
+        print("longest: this backend reports no device memory limit; skipped")
+        return None
+    n = len(jax.devices())
+    result = {"bytes_limit_gib": limit / 2**30}
+    for p in sorted({1, n}):
+        mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
+        sharding = NamedSharding(mesh, P(None, "seq"))
+        if p == 1:
+            attn = functools.partial(
+                jflash.flash_attention, causal=True, implementation=args.implementation
+            )
+        else:
+            attn = ring_fn(mesh, "zigzag", "ring", args)
+        seq, best = args.longest_start, None
+        with jax.set_mesh(mesh):
+            while seq <= args.longest_max:
+                ok, gib = fits(attn, seq, args, sharding, limit)
+                print(
+                    f"longest: P={p} seq={seq} needs {gib:.1f} GiB/device: "
+                    f"{'fits' if ok else 'does not fit'}",
+                    flush=True,
+                )
+                if not ok:
+                    break
+                best, seq = seq, seq * 2
+            if best is not None and args.longest_run:
+                row: dict = {}
+                args_once = argparse.Namespace(**{**vars(args), "warmup": 0, "iters": 1})
+                time_passes(
+                    attn, draw_inputs(best, args, sharding if p > 1 else None), args_once, row
+                )
+                result[f"P{p}_ran"] = "fwdbwd_ms" in row
+        result[f"P{p}_longest"] = best
+    if result.get("P1_longest") and result.get(f"P{n}_longest"):
+        result["ratio"] = result[f"P{n}_longest"] / result["P1_longest"]
+    print(json.dumps(result))
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tokens-per-device", type=_ints, default=[4096, 8192, 16384, 32768, 65536]
+    )
+    parser.add_argument(
+        "--devices",
+        type=_ints,
+        default=None,
+        help="device counts P (default: 1, powers of two, all)",
+    )
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument(
+        "--implementation",
+        default=None,
+        help="pallas_triton | pallas_mosaic | xla (default: jflash's choice)",
+    )
+    parser.add_argument("--non-causal", action="store_true")
+    parser.add_argument("--layouts", type=_words, default=["zigzag", "contiguous"])
+    parser.add_argument("--strategies", type=_words, default=["ring", "allgather"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="read exposed communication from a jax.profiler trace (GPU)",
+    )
+    parser.add_argument("--profile-iters", type=int, default=3)
+    parser.add_argument(
+        "--longest",
+        action="store_true",
+        help="also find the longest causal fwd+bwd on 1 vs all devices",
+    )
+    parser.add_argument("--longest-start", type=int, default=16384)
+    parser.add_argument("--longest-max", type=int, default=1 << 23)
+    parser.add_argument(
+        "--longest-run",
+        action="store_true",
+        help="run the longest fitting length once to confirm it",
+    )
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/ring-<devices>.json)"
+    )
+    args = parser.parse_args(argv)
+    args.devices = args.devices or default_device_counts()
+    if max(args.devices) > len(jax.devices()):
+        parser.error(f"{args.devices=} but only {len(jax.devices())} devices")
+    print(jflash.describe())
+    print(table([], COLUMNS))
+    rows = benchmark(args)
+    print()
+    print(table(rows, COLUMNS))
+    payload = {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": rows,
+    }
+    if args.longest:
+        payload["longest"] = longest(args)
+    out = args.out or os.path.join(RESULTS, f"ring-{len(jax.devices())}.json")
+    write_json(out, payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""`jflash.ring_attention`: exact attention over a sequence sharded across a mesh axis.
+
+Every device keeps its queries and visits every K/V shard once (P steps). At each
+step it runs the single-device kernel (`_dispatch.attention_fwd`) on its queries
+against one K/V shard and merges the partial `(o, lse)` in f32 (DESIGN.md "Kernel
+contract"). The backward is a custom VJP that reuses the global `o` and `lse`, so the
+distributed forward is never recomputed: dQ accumulates locally, dK/dV travel around
+the ring with K/V and are home after P steps (ring) or are reduce-scattered
+(allgather).
+
+Which part of a source shard a device's queries see (causal):
+
+  zigzag (rank r holds chunks r and 2P-1-r; source s holds chunks s and 2P-1-s)
+    s == r  plain causal mask on the local block (the local position map is
+            monotone, so local causality is global causality)
+    s <  r  all local queries vs the FIRST half of the source (chunk s precedes both
+            local chunks; chunk 2P-1-s follows both), no mask
+    s >  r  the SECOND local half vs the whole source (chunk r precedes both source
+            chunks; chunk 2P-1-r follows both), no mask
+  contiguous: s < r full, s == r causal, s > r nothing (computed and dropped: the
+  step time is set by the last rank, which sees every source).
+
+So in zigzag every off-diagonal step costs exactly half a block on every device:
+balanced. The rank is traced inside shard_map, so the choice is made with traced
+slice offsets rather than `lax.cond` (see `_fwd_step`). Steps are unrolled in Python
+(P is static): XLA then sees every transfer next to the kernel it can overlap with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
+
+from jflash._block_sizes import BlockSizes
+from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
+from jflash._layout import LAYOUTS, check_zigzag_len
+from jflash._mask import Mask
+from jflash._validation import check_qkv, default_scale
+
+STRATEGIES = ("ring", "allgather")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Everything static about one ring attention call (hashable: a custom_vjp arg)."""
+
+    axis: str
+    num_shards: int
+    causal: bool
+    layout: str
+    strategy: str
+    scale: float
+    kernel: Kernel
+
+
+# ---------------------------------------------------------------------------------
+# Forward, per shard
+
+
+def _merge(o, lse, o_blk, lse_blk):
+    """Merges two partial results in f32: o `[B,T,N,H]`, lse `[B,N,T]`.
+
+    Rows that saw nothing in both have lse -inf; their weights use a finite stand-in
+    so they come out as o = 0, lse = -inf instead of NaN.
+    """
+    new = jnp.logaddexp(lse, lse_blk)
+    safe = jnp.where(jnp.isneginf(new), 0.0, new)
+
+    def weight(x):  # [B,N,T] -> [B,T,N,1]
+        return jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]
+
+    return o * weight(lse) + o_blk * weight(lse_blk), new
+
+
+def _attend(q, kv, causal: bool, cfg: _Ring):
+    """One kernel call: q `[B,T',N,H]` vs kv `[2,B,S',K,H]` -> f32 `(o, lse)`."""
+    return attention_fwd(
+        q,
+        kv[0],
+        kv[1],
+        None,
+        mask=Mask(causal),
+        scale=cfg.scale,
+        out_dtype=jnp.float32,
+        kernel=cfg.kernel,
+    )
+
+
+def _merge_at(o, lse, start, o_blk, lse_blk):
+    """`_merge` into rows `start : start + T''` of `(o, lse)`; `start` may be traced."""
+    rows = o_blk.shape[1]
+    o_old = lax.dynamic_slice_in_dim(o, start, rows, axis=1)
+    lse_old = lax.dynamic_slice_in_dim(lse, start, rows, axis=2)
+    o_new, lse_new = _merge(o_old, lse_old, o_blk, lse_blk)
+    return (
+        lax.dynamic_update_slice_in_dim(o, o_new, start, axis=1),
+        lax.dynamic_update_slice_in_dim(lse, lse_new, start, axis=2),
+    )
+
+
+def _fwd_step(step: int, rank, q, kv, o, lse, cfg: _Ring):
+    """Folds source `(rank - step) % P` (held in `kv`) into the running `(o, lse)`.
+
+    The rank is traced, so which half of the block is seen is chosen by data (a
+    traced slice offset), not by control flow: every rank runs the same kernels, and
+    no conditional sits between a transfer and the kernel it should overlap.
+    """
+    if step == 0:  # the diagonal block, for every rank: same work everywhere
+        return _attend(q, kv, cfg.causal, cfg)
+    if not cfg.causal:
+        return _merge(o, lse, *_attend(q, kv, False, cfg))
+    # For 1 <= step < P the source precedes this rank iff step <= rank.
+    before = step <= rank
+    if cfg.layout == "zigzag":
+        # With halves of c rows, early sources (s < r) are seen as q[:] x kv[:c] and
+        # late ones (s > r) as q[c:] x kv[:]. Both contain q[c:] x kv[:c]; the rest
+        # is q[h:h+c] x kv[h:h+c] with h = 0 (early) or c (late).
+        c = q.shape[1] // 2
+        o, lse = _merge_at(o, lse, c, *_attend(q[:, c:], kv[:, :, :c], False, cfg))
+        h = jnp.where(before, 0, c)
+        q_h = lax.dynamic_slice_in_dim(q, h, c, axis=1)
+        kv_h = lax.dynamic_slice_in_dim(kv, h, c, axis=2)
+        return _merge_at(o, lse, h, *_attend(q_h, kv_h, False, cfg))
+    # Contiguous: a later source is hidden. Its block is computed and dropped (lse
+    # -inf): the step time is the last rank's, which sees every source anyway.
+    o_blk, lse_blk = _attend(q, kv, False, cfg)
+    return _merge(o, lse, o_blk, jnp.where(before, lse_blk, -jnp.inf))
+
+
+def _shift(x, cfg: _Ring):
+    """Sends `x` to the next rank on the ring (rank r receives from r-1)."""
+    p = cfg.num_shards
+    return lax.ppermute(x, cfg.axis, [(j, (j + 1) % p) for j in range(p)])
+
+
+def _source_kv(step: int, rank, kv, gathered, cfg: _Ring):
+    """K/V of source `(rank - step) % P` in the allgather strategy `[2,B,S',K,H]`."""
+    if step == 0:
+        return kv
+    return lax.dynamic_index_in_dim(gathered, (rank - step) % cfg.num_shards, keepdims=False)
+
+
+def _ring_fwd_shard(q, k, v, cfg: _Ring):
+    """Per-shard forward: `(o [B,T',N,H] q.dtype, lse [B,N,T'] f32)`."""
+    p = cfg.num_shards
+    rank = lax.axis_index(cfg.axis)
+    kv = jnp.stack([k, v])  # [2,B,S',K,H]: one transfer per step, at KV-head size
+    gathered = None
+    if cfg.strategy == "allgather" and p > 1:
+        gathered = lax.all_gather(kv, cfg.axis)  # [P,2,B,S',K,H]
+    o = lse = None
+    for step in range(p):
+        if cfg.strategy == "ring":
+            # Issued before this step's kernel and not consumed by it: the transfer
+            # of the next block overlaps this block's compute.
+            nxt = _shift(kv, cfg) if step < p - 1 else None
+            o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
+            kv = nxt
+        else:
+            o, lse = _fwd_step(
+                step, rank, q, _source_kv(step, rank, kv, gathered, cfg), o, lse, cfg
+            )
+    return o.astype(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------
+# Backward, per shard
+
+
+def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring):
+    """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32."""
+    dq, dk, dv = attention_bwd(
+        q,
+        kv[0],
+        kv[1],
+        do,
+        lse,
+        delta,
+        None,
+        mask=Mask(causal),
+        scale=cfg.scale,
+        grad_dtype=jnp.float32,
+        kernel=cfg.kernel,
+    )
+    return dq, jnp.stack([dk, dv])
+
+
+def _bwd_step(step: int, rank, q, kv, do, lse, delta, dq, cfg: _Ring):
+    """Adds this step's dQ into `dq`; returns it and the f32 dK/dV of the source.
+
+    Same blocks as `_fwd_step`. Only local values go in (never the dK/dV arriving
+    from the neighbour), so the kernels do not wait for that transfer.
+    """
+    if step == 0 or not cfg.causal:
+        dq_blk, dkv = _grads(q, kv, do, lse, delta, cfg.causal and step == 0, cfg)
+        return dq + dq_blk, dkv
+    before = step <= rank
+    if cfg.layout == "zigzag":
+        c = q.shape[1] // 2
+        dq_blk, dkv_blk = _grads(
+            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], False, cfg
+        )
+        dq = dq.at[:, c:].add(dq_blk)
+        dkv = jnp.concatenate([dkv_blk, jnp.zeros_like(dkv_blk)], axis=2)
+        h = jnp.where(before, 0, c)
+
+        def rows(x, axis):
+            return lax.dynamic_slice_in_dim(x, h, c, axis=axis)
+
+        dq_blk, dkv_blk = _grads(
+            rows(q, 1), rows(kv, 2), rows(do, 1), rows(lse, 2), rows(delta, 2), False, cfg
+        )
+        dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, 1) + dq_blk, h, axis=1)
+        dkv = lax.dynamic_update_slice_in_dim(dkv, rows(dkv, 2) + dkv_blk, h, axis=2)
+        return dq, dkv
+    # Contiguous: a later source's block is computed and dropped, as in the forward.
+    dq_blk, dkv = _grads(q, kv, do, lse, delta, False, cfg)
+    # `where`, not a 0/1 product: exp(s - lse) of hidden keys may overflow to inf.
+    return dq + jnp.where(before, dq_blk, 0.0), jnp.where(before, dkv, 0.0)
+
+
+def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
+    """Per-shard backward: `(dq, dk, dv)` in the dtypes of q, k, v."""
+    p = cfg.num_shards
+    rank = lax.axis_index(cfg.axis)
+    delta = delta_from(o, do, dlse)  # once, from the global o: [B,N,T'] f32
+    do = do.astype(q.dtype)
+    kv = jnp.stack([k, v])
+    dq = jnp.zeros(q.shape, jnp.float32)
+    if cfg.strategy == "ring":
+        # At step i rank r holds source (r - i) % P and that source's dK/dV running sum
+        # (received from r - 1, which held it at step i - 1). After step P - 1 the sum
+        # belongs to rank r + 1: the last shift delivers it home.
+        arriving = None
+        for step in range(p):
+            nxt = _shift(kv, cfg) if step < p - 1 else None
+            dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
+            if arriving is not None:
+                dkv = arriving + dkv
+            arriving = _shift(dkv, cfg) if p > 1 else dkv
+            kv = nxt
+        dkv = arriving
+    else:
+        gathered = lax.all_gather(kv, cfg.axis) if p > 1 else None
+        dkv_all = jnp.zeros((p, *kv.shape), jnp.float32)  # [P,2,B,S',K,H]
+        for step in range(p):
+            source = (rank - step) % p
+            dq, dkv = _bwd_step(
+                step, rank, q, _source_kv(step, rank, kv, gathered, cfg), do, lse, delta, dq, cfg
+            )
+            dkv_all = lax.dynamic_update_index_in_dim(
+                dkv_all,
+                lax.dynamic_index_in_dim(dkv_all, source, keepdims=False) + dkv,
+                source,
+                axis=0,
+            )
+        # Rank s receives the sum over devices of dkv_all[s]: its own K/V gradient.
+        dkv = lax.psum_scatter(dkv_all, cfg.axis) if p > 1 else dkv_all[0]
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring(q, k, v, cfg: _Ring):
+    return _ring_fwd_shard(q, k, v, cfg)
+
+
+def _ring_fwd(q, k, v, cfg: _Ring):
+    o, lse = _ring_fwd_shard(q, k, v, cfg)
+    # Residuals are only inputs and outputs: remat that saves (o, lse) never reruns
+    # the ring forward.
+    return (o, lse), (q, k, v, o, lse)
+
+
+def _ring_bwd(cfg: _Ring, res, cotangents):
+    q, k, v, o, lse = res
+    do, dlse = cotangents
+    return _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------------------------
+# Public entry point
+
+
+def _batch_axes(mesh: Mesh, seq_axis: str, q, batch_axes) -> tuple[str, ...]:
+    """Mesh axes that split the batch dimension (see `ring_attention`)."""
+    sizes = dict(mesh.shape)
+    batch = q.shape[0]
+    typed = jax.typeof(q).sharding
+    if batch_axes is None and AxisType.Explicit in typed.mesh.axis_types:
+        # Explicit axes: keep the batch sharding q's type already has (even
+        # replicated), so the output's type matches the code around the call.
+        batch_axes = typed.spec[0] or ()
+    if batch_axes is None:
+        chosen, prod = [], 1
+        for name in mesh.axis_names:
+            if name != seq_axis and sizes[name] > 1 and batch % (prod * sizes[name]) == 0:
+                chosen.append(name)
+                prod *= sizes[name]
+        return tuple(chosen)
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    for name in batch_axes:
+        if name not in sizes or name == seq_axis:
+            raise ValueError(
+                f"batch axis {name!r} must be a mesh axis other than {seq_axis=}; "
+                f"{mesh.axis_names=}"
+            )
+    prod = math.prod(sizes[name] for name in batch_axes)
+    if batch % prod != 0:
+        raise ValueError(f"{batch=} must be divisible by the product of {batch_axes=} ({prod})")
+    return batch_axes
+
+
+def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
+    """Explicit axes: reshard to `spec` (a no-op when already there), since shard_map
+    refuses an input whose typed sharding differs. Auto axes: shard_map constrains."""
+    names = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    explicit = {
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    }
+    if not names & explicit:
+        return arrays
+    if not names <= explicit:
+        raise NotImplementedError(
+            f"ring_attention needs the axes {sorted(names)} to be all Explicit or all Auto; "
+            f"{mesh.axis_names=}, {mesh.axis_types=}"
+        )
+    return tuple(jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
+
+
+def ring_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H"],
+    *,
+    mesh: Mesh,
+    seq_axis: str = "seq",
+    causal: bool = True,
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    scale: float | None = None,
+    return_lse: bool = False,
+    batch_axes: str | tuple[str, ...] | None = None,
+    block_sizes: BlockSizes | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+):
+    """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
+
+    Builds its own `jax.shard_map` over `mesh`: pass global arrays (jitted or not);
+    the sequence dimension is split into P = `mesh.shape[seq_axis]` shards. Works
+    with Explicit and Auto mesh axes, inside `jax.jit` next to other sharded code.
+
+    Args:
+      q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
+        (GQA/MQA: K/V travel at KV-head size, never repeated). The sequence is in
+        `layout` order (`jflash.zigzag` converts from natural order).
+      mesh: the device mesh.
+      seq_axis: mesh axis the sequence is sharded over.
+      causal: causal mask on global positions (non-causal ignores the order).
+      layout: `"zigzag"` (rank r holds chunks r and 2P-1-r of 2P: balanced causal
+        work; T % 2P == 0) or `"contiguous"` (rank r holds chunk r; T % P == 0).
+      strategy: `"ring"` (K/V rotate with one `ppermute` per step, overlapped with the
+        kernel) or `"allgather"` (K/V gathered once, dK/dV reduce-scattered; better
+        at short per-device lengths).
+      scale: logit scale, default `H ** -0.5`.
+      return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
+      batch_axes: mesh axes that split the batch. Default: every other mesh axis of
+        size > 1, in mesh order, kept while the product of the kept sizes divides B;
+        the batch is replicated over the rest (each of those devices computes the
+        same thing).
+      block_sizes, implementation, interpret: kernel choice, as in
+        `jflash.flash_attention`; resolved once for the per-shard block lengths.
+
+    Returns:
+      `out [B, T, N, H]` in q's dtype and layout order, or `(out, lse)` with
+      `return_lse=True`; sharded like the inputs.
+    """
+    shapes = check_qkv(q, k, v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} is not one of {LAYOUTS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{strategy=} is not one of {STRATEGIES}")
+    if seq_axis not in mesh.axis_names:
+        raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
+    if shapes.q_len != shapes.kv_len:
+        raise ValueError(
+            f"ring attention is self-attention: q and k/v lengths differ "
+            f"({shapes.q_len=}, {shapes.kv_len=})"
+        )
+    num_shards = dict(mesh.shape)[seq_axis]
+    seq_len = shapes.q_len
+    if layout == "zigzag":
+        check_zigzag_len(seq_len, num_shards)
+    elif seq_len % num_shards != 0:
+        raise ValueError(f"{seq_len=} must be divisible by {num_shards=} for the contiguous layout")
+    batch = _batch_axes(mesh, seq_axis, q, batch_axes)
+    shard_len = seq_len // num_shards
+    # Zigzag causal steps use half blocks; tiles sized for them fit the diagonal too.
+    block_len = shard_len // 2 if layout == "zigzag" and causal else shard_len
+    cfg = _Ring(
+        axis=seq_axis,
+        num_shards=num_shards,
+        causal=bool(causal),
+        layout=layout,
+        strategy=strategy,
+        scale=default_scale(shapes.head_dim, scale),
+        kernel=resolve(
+            implementation,
+            interpret,
+            block_sizes,
+            q_len=block_len,
+            kv_len=block_len,
+            head_dim=shapes.head_dim,
+            dtype=q.dtype,
+        ),
+    )
+    batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
+    qkv_spec = PartitionSpec(batch_spec, seq_axis, None, None)
+    lse_spec = PartitionSpec(batch_spec, None, seq_axis)
+
+    def per_shard(q, k, v):
+        return _ring(q, k, v, cfg)
+
+    sharded = jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(qkv_spec, qkv_spec, qkv_spec),
+        out_specs=(qkv_spec, lse_spec),
+        # The kernels build fresh accumulators (scan carries, pallas outputs) that
+        # carry no varying-axis types; every value of the body does vary over
+        # `seq_axis` and the replicated axes compute the same thing, which is what
+        # unchecked shard_map assumes.
+        check_vma=False,
+    )
+    o, lse = sharded(*_to_spec((q, k, v), mesh, qkv_spec))
+    return (o, lse) if return_lse else o
