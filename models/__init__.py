@@ -1,0 +1,113 @@
+"""Flax NNX Llama-2/3, exact to HuggingFace ``LlamaForCausalLM``, with HF conversion.
+
+A user's first lines::
+
+    import models
+    config, params = models.load_hf("/ckpt/Llama-3.2-1B")       # host numpy pytree
+    logits = models.logits(config, params, input_ids)          # f32 [B, T, V]
+    models.export_hf(params, config, "/out/hf")                 # transformers loads it
+
+Training (the pure-pytree forward the trainer jits; ``config`` and ``attention``
+are static)::
+
+    config = models.LLAMA3_2_1B.replace(dtype="bfloat16", remat="save_attn")
+    params = models.init_params(config, jax.random.key(0))
+    attention = models.AttentionConfig(kind="ring", mesh=mesh, layout="zigzag")
+    hidden = models.hidden_states(config, params, ids, positions, attention=attention)
+    loss_sum, n = models.chunked_cross_entropy(
+        hidden, models.lm_head_weight(config, params), labels)
+    # or: models.cross_entropy(models.logits(config, params, ids, positions,
+    #                                         attention=attention), labels)
+
+``positions`` are global token positions ``[B, T]`` (default ``arange(T)``): with
+a zigzag layout permute ids, positions and labels once with ``jflash.zigzag`` and
+pass ``jflash.positions(...)``. Labels are aligned with logits
+(:func:`next_token_labels`, -100 ignored).
+
+Modules: ``config`` (dataclasses, HF config.json), ``presets``, ``rope``,
+``attention`` (backend injection), ``llama`` (NNX modules), ``functional``
+(pytree entry points), ``convert`` (HF <-> params table, CLI
+``python -m models.convert``), ``loss``, ``flops``.
+"""
+
+from models.attention import ATTENTION_KINDS, AttentionConfig
+from models.config import LlamaConfig, RopeConfig, from_hf_config, to_hf_config
+from models.convert import MAPPINGS, export_hf, load_hf, load_native, save_native
+from models.flops import (
+    FlopsPerToken,
+    flops_per_token,
+    matmul_param_count,
+    param_count,
+    training_flops_per_token,
+)
+from models.functional import (
+    Params,
+    abstract_params,
+    bind,
+    check_params,
+    hidden_states,
+    init_params,
+    lm_head_weight,
+    logits,
+)
+from models.llama import MLP, SAVE_ATTN_NAMES, Attention, DecoderLayer, Llama, RMSNorm
+from models.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, next_token_labels
+from models.presets import (
+    LLAMA2_3B,
+    LLAMA2_7B,
+    LLAMA2_13B,
+    LLAMA3_1_8B,
+    LLAMA3_2_1B,
+    LLAMA3_2_3B,
+    LLAMA3_8B,
+    PRESETS,
+    TINY,
+    preset,
+)
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "IGNORE_INDEX",
+    "LLAMA2_13B",
+    "LLAMA2_3B",
+    "LLAMA2_7B",
+    "LLAMA3_1_8B",
+    "LLAMA3_2_1B",
+    "LLAMA3_2_3B",
+    "LLAMA3_8B",
+    "MAPPINGS",
+    "MLP",
+    "PRESETS",
+    "SAVE_ATTN_NAMES",
+    "TINY",
+    "Attention",
+    "AttentionConfig",
+    "DecoderLayer",
+    "FlopsPerToken",
+    "Llama",
+    "LlamaConfig",
+    "Params",
+    "RMSNorm",
+    "RopeConfig",
+    "abstract_params",
+    "bind",
+    "check_params",
+    "chunked_cross_entropy",
+    "cross_entropy",
+    "export_hf",
+    "flops_per_token",
+    "from_hf_config",
+    "hidden_states",
+    "init_params",
+    "lm_head_weight",
+    "load_hf",
+    "load_native",
+    "logits",
+    "matmul_param_count",
+    "next_token_labels",
+    "param_count",
+    "preset",
+    "save_native",
+    "to_hf_config",
+    "training_flops_per_token",
+]

@@ -1,0 +1,332 @@
+"""Llama model configuration, read from and written to HuggingFace ``config.json``.
+
+Two frozen dataclasses, one per concern:
+
+* :class:`RopeConfig` -- rotary position embedding (theta and the ``rope_type``
+  scaling: ``default``, ``linear`` or ``llama3``).
+* :class:`LlamaConfig` -- the architecture (everything HF's ``LlamaConfig`` says
+  that matters for the forward pass) plus the numerics and execution knobs that HF
+  does not carry: compute ``dtype``, ``param_dtype``, ``scan_layers`` and ``remat``.
+
+Both transformers 4.x (``rope_theta`` + ``rope_scaling``) and transformers 5.x
+(``rope_parameters``) spellings are accepted by :func:`from_hf_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+RopeType = Literal["default", "linear", "llama3"]
+RematPolicy = Literal["none", "full", "save_attn"]
+
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters (HF ``rope_parameters``).
+
+    Attributes:
+        theta: base wavelength (``rope_theta``).
+        type: ``default`` (no scaling), ``linear`` (positions divided by
+            ``factor``) or ``llama3`` (frequency-dependent scaling of Llama 3.1+).
+        factor: scaling factor for ``linear`` and ``llama3`` (8 for Llama 3.1,
+            32 for Llama 3.2).
+        low_freq_factor: ``llama3`` only.
+        high_freq_factor: ``llama3`` only.
+        original_max_position_embeddings: ``llama3`` only; the pre-training context.
+    """
+
+    theta: float = 10000.0
+    type: RopeType = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise ValueError(f"unknown rope type {self.type!r}; supported: {ROPE_TYPES}")
+        if self.theta <= 0:
+            raise ValueError(f"rope theta={self.theta} must be positive")
+        if self.factor <= 0:
+            raise ValueError(f"rope factor={self.factor} must be positive")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(
+                f"llama3 rope needs high_freq_factor={self.high_freq_factor} > "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture and numerics of a Llama-2/3 decoder.
+
+    Attributes:
+        vocab_size: V.
+        hidden_size: D, the model width.
+        intermediate_size: F, the SwiGLU width.
+        num_layers: L.
+        num_heads: N, query heads.
+        num_kv_heads: K, key/value heads (``N % K == 0``; K < N is GQA, K = 1 MQA).
+        head_dim: H (explicit, as HF ``head_dim``; need not equal ``D // N``).
+        rms_norm_eps: epsilon inside the RMSNorm square root.
+        rope: rotary embedding parameters.
+        tie_word_embeddings: the LM head reuses the token embedding.
+        max_position_embeddings: informational (HF field; not a limit here).
+        initializer_range: std of the normal initialiser (HF default 0.02).
+        bos_token_id: carried through conversion.
+        eos_token_id: carried through conversion (Llama 3 lists several).
+        dtype: compute dtype (``"bfloat16"`` for training); norms, RoPE angles,
+            softmax and logits are always computed in float32.
+        param_dtype: storage dtype of the parameters (``"float32"`` master weights).
+        scan_layers: ``jax.lax.scan`` over stacked layer parameters (fast compile);
+            ``False`` unrolls the same stacked parameters in a Python loop (one
+            named scope per layer in profiles). The parameter pytree is identical.
+        remat: per-layer rematerialisation: ``none``, ``full``, or ``save_attn``
+            (saves only the attention output, so the backward pass recomputes the
+            cheap projections and MLP but never the attention kernel).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: RematPolicy = "none"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} not in {DTYPES}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r} not in {REMAT_POLICIES}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """The compute dtype as a jnp dtype."""
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self) -> jnp.dtype:
+        """The parameter dtype as a jnp dtype."""
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def num_groups(self) -> int:
+        """G = N // K query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes: Any) -> LlamaConfig:
+        """``dataclasses.replace`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# HF keys we interpret; anything else in a config.json is carried by HF only.
+_UNSUPPORTED_TRUE = ("attention_bias", "mlp_bias")
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    """Reads ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    params = hf.get("rope_parameters")
+    if params is not None and "full_attention" in params:
+        params = params["full_attention"]
+    scaling = dict(params) if params else dict(hf.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", None)
+    if theta is None:
+        theta = hf.get("rope_theta", 10000.0)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unknown rope type {rope_type!r} in config.json; supported: {ROPE_TYPES}")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    if "factor" not in scaling:
+        raise ValueError(f"rope type {rope_type!r} needs 'factor'; got {scaling}")
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), type="linear", factor=float(scaling["factor"]))
+    missing = [
+        k
+        for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if k not in scaling
+    ]
+    if missing:
+        raise ValueError(f"llama3 rope parameters missing {missing}; got {scaling}")
+    return RopeConfig(
+        theta=float(theta),
+        type="llama3",
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
+    """Builds a :class:`LlamaConfig` from an HF Llama ``config.json``.
+
+    Args:
+        hf: the parsed JSON dict, the path of a ``config.json``, or a model directory.
+
+    Returns:
+        The config, with default numerics (float32 compute and params, scanned,
+        no remat); change them with :meth:`LlamaConfig.replace`.
+
+    Raises:
+        ValueError: not a Llama config, unknown rope type, or missing fields.
+        NotImplementedError: biases in attention/MLP or an activation other than SiLU.
+    """
+    if not isinstance(hf, dict):
+        path = os.fspath(hf)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            hf = json.load(f)
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"model_type={model_type!r}: only 'llama' checkpoints are supported")
+    for key in _UNSUPPORTED_TRUE:
+        if hf.get(key, False):
+            raise NotImplementedError(f"config.json has {key}=true; Llama biases are unsupported")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
+    required = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ]
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"config.json is missing required keys {missing}")
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    return LlamaConfig(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+    )
+
+
+def to_hf_config(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """The HF ``config.json`` dict for ``config``.
+
+    RoPE is written in the transformers 4.x spelling (``rope_theta`` +
+    ``rope_scaling``), which transformers 5 also reads and converts.
+
+    Args:
+        config: the model config.
+        torch_dtype: dtype of the exported weights (``"float32"`` or ``"bfloat16"``).
+    """
+    rope = config.rope
+    scaling: dict[str, Any] | None
+    if rope.type == "default":
+        scaling = None
+    elif rope.type == "linear":
+        scaling = {"rope_type": "linear", "factor": rope.factor}
+    else:
+        scaling = {
+            "rope_type": "llama3",
+            "factor": rope.factor,
+            "low_freq_factor": rope.low_freq_factor,
+            "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+    eos = config.eos_token_id
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": rope.theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "torch_dtype": torch_dtype,
+        "use_cache": True,
+    }
+
+
+def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+    """All fields of ``config`` as a JSON-able dict (native checkpoints)."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
+    """Inverse of :func:`config_to_dict`; unknown keys raise ``ValueError``."""
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"unknown LlamaConfig keys {unknown}")
+    data = dict(data)
+    if "rope" in data and isinstance(data["rope"], dict):
+        rope_fields = {f.name for f in dataclasses.fields(RopeConfig)}
+        unknown = sorted(set(data["rope"]) - rope_fields)
+        if unknown:
+            raise ValueError(f"unknown RopeConfig keys {unknown}")
+        data["rope"] = RopeConfig(**data["rope"])
+    return LlamaConfig(**data)

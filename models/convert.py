@@ -1,0 +1,362 @@
+"""HuggingFace <-> jflash parameter conversion, driven by one declarative table.
+
+``MAPPINGS`` pairs every parameter path of :mod:`models.llama` with its HF key and
+the transform between them (HF ``nn.Linear.weight`` is ``[out, in]``, ours
+``[in, out]``: a transpose, nothing else, thanks to the rotate-half RoPE layout).
+Per-layer entries (``{layer}`` in the key) are stacked on a leading ``[L]`` axis.
+
+CLI::
+
+    python -m models.convert --from-hf HF_DIR --out NATIVE_DIR
+    python -m models.convert --to-hf NATIVE_DIR --out HF_DIR [--dtype bfloat16]
+
+A native directory holds ``params.safetensors`` (keys ``embed/embedding``, ...)
+and ``jflash_config.json``; tokenizer files are copied along in both directions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Literal
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from models.config import (
+    LlamaConfig,
+    config_from_dict,
+    config_to_dict,
+    from_hf_config,
+    to_hf_config,
+)
+from models.functional import Params, abstract_params, check_params
+from models.safetensors_io import SafetensorsFile, save_file
+
+Transform = Literal["identity", "transpose"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMapping:
+    """One row of the conversion table.
+
+    Attributes:
+        path: our parameter path (keys into the nested params dict).
+        hf_key: the HF state-dict key; ``{layer}`` marks a per-layer tensor.
+        transform: how an HF tensor becomes ours (each transform is its own inverse).
+        untied_only: present only when ``tie_word_embeddings`` is false.
+    """
+
+    path: tuple[str, ...]
+    hf_key: str
+    transform: Transform = "identity"
+    untied_only: bool = False
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.hf_key
+
+
+_LAYER = "model.layers.{layer}"
+MAPPINGS: tuple[ParamMapping, ...] = (
+    ParamMapping(("embed", "embedding"), "model.embed_tokens.weight"),
+    ParamMapping(("layers", "input_norm", "scale"), f"{_LAYER}.input_layernorm.weight"),
+    ParamMapping(
+        ("layers", "attn", "q_proj", "kernel"), f"{_LAYER}.self_attn.q_proj.weight", "transpose"
+    ),
+    ParamMapping(
+        ("layers", "attn", "k_proj", "kernel"), f"{_LAYER}.self_attn.k_proj.weight", "transpose"
+    ),
+    ParamMapping(
+        ("layers", "attn", "v_proj", "kernel"), f"{_LAYER}.self_attn.v_proj.weight", "transpose"
+    ),
+    ParamMapping(
+        ("layers", "attn", "o_proj", "kernel"), f"{_LAYER}.self_attn.o_proj.weight", "transpose"
+    ),
+    ParamMapping(
+        ("layers", "post_attn_norm", "scale"), f"{_LAYER}.post_attention_layernorm.weight"
+    ),
+    ParamMapping(
+        ("layers", "mlp", "gate_proj", "kernel"), f"{_LAYER}.mlp.gate_proj.weight", "transpose"
+    ),
+    ParamMapping(
+        ("layers", "mlp", "up_proj", "kernel"), f"{_LAYER}.mlp.up_proj.weight", "transpose"
+    ),
+    ParamMapping(
+        ("layers", "mlp", "down_proj", "kernel"), f"{_LAYER}.mlp.down_proj.weight", "transpose"
+    ),
+    ParamMapping(("final_norm", "scale"), "model.norm.weight"),
+    ParamMapping(("lm_head", "kernel"), "lm_head.weight", "transpose", untied_only=True),
+)
+
+# Buffers some older checkpoints carry; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+NATIVE_PARAMS = "params.safetensors"
+NATIVE_CONFIG = "jflash_config.json"
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    """numpy dtype for ``float32 | bfloat16 | float16`` (bfloat16 from ml_dtypes)."""
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _apply(array: np.ndarray, transform: Transform) -> np.ndarray:
+    return array.T if transform == "transpose" else array
+
+
+def _active(config: LlamaConfig) -> list[ParamMapping]:
+    return [m for m in MAPPINGS if not (m.untied_only and config.tie_word_embeddings)]
+
+
+def _hf_keys(mapping: ParamMapping, num_layers: int) -> list[str]:
+    if mapping.per_layer:
+        return [mapping.hf_key.format(layer=i) for i in range(num_layers)]
+    return [mapping.hf_key]
+
+
+def _get(tree: Mapping, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+class _TensorIndex(Mapping[str, np.ndarray]):
+    """All tensors of an HF directory: one ``model.safetensors`` or an index + shards."""
+
+    def __init__(self, path: str) -> None:
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+        elif os.path.exists(single):
+            weight_map = dict.fromkeys(SafetensorsFile(single), "model.safetensors")
+        else:
+            raise FileNotFoundError(
+                f"{path} has neither model.safetensors nor model.safetensors.index.json"
+            )
+        self._files = {
+            name: SafetensorsFile(os.path.join(path, name)) for name in set(weight_map.values())
+        }
+        self._where = weight_map
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._files[self._where[key]][key]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._files[self._where[key]].shape(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def load_hf(
+    path: str | os.PathLike[str], *, param_dtype: str | None = None
+) -> tuple[LlamaConfig, Params]:
+    """Loads an HF Llama checkpoint directory (``config.json`` + safetensors).
+
+    Strict: every expected tensor must be present with the expected shape, and
+    every tensor in the files must be used (a tied ``lm_head.weight`` equal to the
+    embedding and ``rotary_emb.inv_freq`` buffers are tolerated).
+
+    Args:
+        path: local directory, as written by ``save_pretrained``.
+        param_dtype: dtype of the returned parameters (default
+            ``config.param_dtype``, float32); bfloat16 tensors upcast exactly.
+
+    Returns:
+        ``(config, params)``; params are host numpy arrays (``jax.device_put`` them
+        with the shardings you want).
+
+    Raises:
+        ValueError: listing all missing, unexpected and mis-shaped tensors.
+    """
+    path = os.fspath(path)
+    config = from_hf_config(path)
+    if param_dtype is not None:
+        config = config.replace(param_dtype=param_dtype)
+    dtype = _numpy_dtype(config.param_dtype)
+    tensors = _TensorIndex(path)
+    expected = abstract_params(config)
+    L = config.num_layers
+
+    missing, misshaped, used = [], [], set()
+    for m in _active(config):
+        want = tuple(_get(expected, m.path).shape)
+        want_hf = want[1:] if m.per_layer else want
+        want_hf = want_hf[::-1] if m.transform == "transpose" else want_hf
+        for key in _hf_keys(m, L):
+            if key not in tensors:
+                missing.append(key)
+            elif tensors.shape(key) != want_hf:
+                misshaped.append(f"{key}: expected {want_hf}, got {tensors.shape(key)}")
+            used.add(key)
+    unexpected = []
+    for key in sorted(set(tensors) - used):
+        if key.endswith(_IGNORED_SUFFIXES):
+            continue
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            embed = tensors["model.embed_tokens.weight"]
+            if tensors[key].shape == embed.shape and np.array_equal(tensors[key], embed):
+                continue
+        unexpected.append(key)
+    if missing or unexpected or misshaped:
+        raise ValueError(
+            f"checkpoint {path} does not match its config.json: missing={missing}, "
+            f"unexpected={unexpected}, misshaped={misshaped}"
+        )
+
+    params: Params = {}
+    for m in _active(config):
+        arrays = [_apply(tensors[key], m.transform).astype(dtype) for key in _hf_keys(m, L)]
+        _set(params, m.path, np.stack(arrays) if m.per_layer else arrays[0])
+    return config, params
+
+
+def to_hf_state_dict(
+    params: Params, config: LlamaConfig, dtype: str = "float32"
+) -> dict[str, np.ndarray]:
+    """Our params as an HF state dict of numpy arrays in ``dtype``."""
+    np_dtype = _numpy_dtype(dtype)
+    state: dict[str, np.ndarray] = {}
+    for m in _active(config):
+        array = np.asarray(jax.device_get(_get(params, m.path)))
+        keys = _hf_keys(m, config.num_layers)
+        parts = list(array) if m.per_layer else [array]
+        for key, part in zip(keys, parts, strict=True):
+            state[key] = np.ascontiguousarray(_apply(part, m.transform).astype(np_dtype))
+    return state
+
+
+def export_hf(
+    params: Params,
+    config: LlamaConfig,
+    path: str | os.PathLike[str],
+    *,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Writes an HF checkpoint directory that ``LlamaForCausalLM.from_pretrained`` loads.
+
+    Args:
+        params: parameter dict matching ``config``.
+        config: the model.
+        path: output directory (created).
+        dtype: dtype of the written tensors.
+        max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards with
+            an index when the total size exceeds this (default: one file).
+    """
+    check_params(config, params)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    state = to_hf_state_dict(params, config, dtype)
+    metadata = {"format": "pt"}
+    total = sum(a.nbytes for a in state.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(state, os.path.join(path, "model.safetensors"), metadata)
+    else:
+        shards: list[dict[str, np.ndarray]] = [{}]
+        size = 0
+        for key in sorted(state):
+            if shards[-1] and size + state[key].nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = state[key]
+            size += state[key].nbytes
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata)
+            weight_map.update(dict.fromkeys(shard, name))
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
+
+
+def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str]) -> None:
+    """Writes ``params`` (keys ``a/b/c``) and the full config to directory ``path``."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    tensors = {
+        "/".join(k.key for k in keys): np.asarray(jax.device_get(leaf)) for keys, leaf in flat
+    }
+    save_file(tensors, os.path.join(path, NATIVE_PARAMS), {"format": "jflash"})
+    with open(os.path.join(path, NATIVE_CONFIG), "w") as f:
+        json.dump(config_to_dict(config), f, indent=2)
+
+
+def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
+    """Reads a directory written by :func:`save_native` (strict, like :func:`load_hf`)."""
+    path = os.fspath(path)
+    with open(os.path.join(path, NATIVE_CONFIG)) as f:
+        config = config_from_dict(json.load(f))
+    params: Params = {}
+    for key, array in SafetensorsFile(os.path.join(path, NATIVE_PARAMS)).items():
+        _set(params, tuple(key.split("/")), np.array(array))
+    check_params(config, params)
+    return config, params
+
+
+def _copy_tokenizer(src: str, dst: str) -> None:
+    for name in _TOKENIZER_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m models.convert``: HF directory <-> native directory."""
+    parser = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from-hf", metavar="DIR", help="HF checkpoint directory to read")
+    source.add_argument("--to-hf", metavar="DIR", help="native directory to export to HF")
+    parser.add_argument("--out", metavar="DIR", required=True, help="output directory")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="tensor dtype written by --to-hf (default float32)",
+    )
+    parser.add_argument(
+        "--max-shard-gb", type=float, default=None, help="--to-hf: shard size limit in GB"
+    )
+    args = parser.parse_args(argv)
+    if args.from_hf:
+        config, params = load_hf(args.from_hf)
+        save_native(params, config, args.out)
+        _copy_tokenizer(args.from_hf, args.out)
+        src = args.from_hf
+    else:
+        config, params = load_native(args.to_hf)
+        max_bytes = None if args.max_shard_gb is None else int(args.max_shard_gb * 1e9)
+        export_hf(params, config, args.out, dtype=args.dtype, max_shard_bytes=max_bytes)
+        _copy_tokenizer(args.to_hf, args.out)
+        src = args.to_hf
+    num = sum(np.size(x) for x in jax.tree.leaves(params))
+    print(f"converted {src} -> {args.out}: {num:,} parameters")
+
+
+if __name__ == "__main__":
+    main()

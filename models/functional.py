@@ -1,0 +1,132 @@
+"""Pure-pytree entry points: parameters are a nested dict of arrays.
+
+These are what the trainer jits (``config`` and ``attention`` are static,
+hashable values)::
+
+    params = models.init_params(config, jax.random.key(0))
+    logits = jax.jit(models.logits, static_argnums=0)(config, params, ids)
+
+The NNX :class:`~models.llama.Llama` module is rebuilt abstractly from ``config``
+on every trace (no allocation) and bound to ``params``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from models.attention import AttentionConfig, as_attention_config
+from models.config import LlamaConfig
+from models.llama import Llama
+
+Params = dict[str, Any]
+
+
+def init_params(config: LlamaConfig, key: jax.Array) -> Params:
+    """Randomly initialised parameters (HF init: normal(initializer_range), norms 1).
+
+    Jit it with ``out_shardings`` to create sharded parameters directly.
+
+    Args:
+        config: the model.
+        key: a PRNG key.
+
+    Returns:
+        The parameter dict (layout in :mod:`models.llama`), in ``config.param_dtype``.
+    """
+    model = Llama(config, rngs=nnx.Rngs(params=key))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def abstract_params(config: LlamaConfig) -> Params:
+    """The parameter dict as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    )
+
+
+def _flat_shapes(tree: Params) -> dict[str, tuple[int, ...]]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape) for path, leaf in flat
+    }
+
+
+def check_params(config: LlamaConfig, params: Params) -> None:
+    """Raises ``ValueError`` listing missing, unexpected and mis-shaped parameters."""
+    want = _flat_shapes(abstract_params(config))
+    got = _flat_shapes(params)
+    missing = sorted(set(want) - set(got))
+    unexpected = sorted(set(got) - set(want))
+    misshaped = [
+        f"{k}: expected {want[k]}, got {got[k]}"
+        for k in sorted(set(want) & set(got))
+        if want[k] != got[k]
+    ]
+    if missing or unexpected or misshaped:
+        raise ValueError(
+            f"parameters do not match the config: missing={missing}, "
+            f"unexpected={unexpected}, misshaped={misshaped}"
+        )
+
+
+def bind(config: LlamaConfig, params: Params, attention: AttentionConfig | str = "xla") -> Llama:
+    """The :class:`Llama` module holding ``params`` (works under ``jax.jit``).
+
+    Args:
+        config: the model.
+        params: parameter dict matching ``config``.
+        attention: backend, or a kind string for ``AttentionConfig(kind=...)``.
+    """
+    check_params(config, params)
+    attention = as_attention_config(attention)
+    abstract = nnx.eval_shape(lambda: Llama(config, attention, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def logits(
+    config: LlamaConfig,
+    params: Params,
+    input_ids: Int[Array, "B T"],
+    positions: Int[Array, "B T"] | None = None,
+    *,
+    attention: AttentionConfig | str = "xla",
+) -> Float[Array, "B T V"]:
+    """The model's forward pass: float32 logits ``[B, T, V]``.
+
+    Args:
+        config: the model (static under jit).
+        params: parameter dict.
+        input_ids: token ids ``[B, T]``.
+        positions: global positions ``[B, T]`` (default ``arange(T)``); pass the
+            true positions of sequence-sharded or zigzag-ordered tokens.
+        attention: attention backend (static under jit).
+    """
+    return bind(config, params, attention)(input_ids, positions)
+
+
+def hidden_states(
+    config: LlamaConfig,
+    params: Params,
+    input_ids: Int[Array, "B T"],
+    positions: Int[Array, "B T"] | None = None,
+    *,
+    attention: AttentionConfig | str = "xla",
+) -> Float[Array, "B T D"]:
+    """Final-norm hidden states ``[B, T, D]`` in the compute dtype (for chunked losses)."""
+    return bind(config, params, attention).hidden_states(input_ids, positions)
+
+
+def lm_head_weight(config: LlamaConfig, params: Params) -> Float[Array, "D V"]:
+    """The output projection ``[D, V]`` in the parameter dtype (tied: ``embedding.T``)."""
+    if config.tie_word_embeddings:
+        return jnp.asarray(params["embed"]["embedding"]).T
+    return jnp.asarray(params["lm_head"]["kernel"])

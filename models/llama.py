@@ -1,0 +1,275 @@
+"""Flax NNX Llama-2/3 decoder, numerically matching HF ``LlamaForCausalLM``.
+
+Parameter tree (``nnx.to_pure_dict(nnx.state(model, nnx.Param))``), with L stacked
+layers in front of every per-layer leaf::
+
+    embed/embedding                 [V, D]
+    layers/input_norm/scale         [L, D]
+    layers/attn/q_proj/kernel       [L, D, N*H]
+    layers/attn/k_proj/kernel       [L, D, K*H]
+    layers/attn/v_proj/kernel       [L, D, K*H]
+    layers/attn/o_proj/kernel       [L, N*H, D]
+    layers/post_attn_norm/scale     [L, D]
+    layers/mlp/gate_proj/kernel     [L, D, F]
+    layers/mlp/up_proj/kernel       [L, D, F]
+    layers/mlp/down_proj/kernel     [L, F, D]
+    final_norm/scale                [D]
+    lm_head/kernel                  [D, V]   (absent when embeddings are tied)
+
+Kernels are ``[in, out]``: an HF ``nn.Linear.weight`` loads with a transpose only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, Int
+
+from models.attention import AttentionConfig, attend
+from models.config import LlamaConfig
+from models.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+# Names saved by remat="save_attn": the attention output, and the log-sum-exp if
+# the attention kernel tags it (its backward needs both; neither is recomputed).
+SAVE_ATTN_NAMES: tuple[str, ...] = ("attention_out", "attention_lse")
+DEFAULT_ATTENTION = AttentionConfig()
+
+
+def _linear(config: LlamaConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype,
+        kernel_init=nnx.initializers.normal(config.initializer_range),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with HF's cast order.
+
+    Normalises in float32, casts back to the input dtype, then multiplies by the
+    scale (cast to the input dtype): ``scale * (x32 * rsqrt(mean(x32^2) + eps)).astype(x.dtype)``.
+    """
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: jnp.dtype) -> None:
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        with jax.named_scope("rmsnorm"):
+            x32 = x.astype(jnp.float32)
+            variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+            normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+            return self.scale[...].astype(x.dtype) * normed
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs) -> None:
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(config, d, f, rngs)
+        self.up_proj = _linear(config, d, f, rngs)
+        self.down_proj = _linear(config, f, d, rngs)
+
+    def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        with jax.named_scope("mlp"):
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotate-half RoPE and an injected backend."""
+
+    def __init__(self, config: LlamaConfig, attention: AttentionConfig, *, rngs: nnx.Rngs) -> None:
+        d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = _linear(config, d, n * h, rngs)
+        self.k_proj = _linear(config, d, k * h, rngs)
+        self.v_proj = _linear(config, d, k * h, rngs)
+        self.o_proj = _linear(config, n * h, d, rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
+        self.attention = attention
+
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        cos: Float[Array, "B T H"],
+        sin: Float[Array, "B T H"],
+        positions: Int[Array, "B T"],
+    ) -> Float[Array, "B T D"]:
+        with jax.named_scope("attention"):
+            b, t, _ = x.shape
+            q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+            with jax.named_scope("rope"):
+                q = apply_rope(q, cos, sin)
+                k = apply_rope(k, cos, sin)
+            with jax.named_scope(f"attention_{self.attention.kind}"):
+                out = attend(q, k, v, positions, self.attention)
+            # LightSeq's rematerialisation-aware checkpointing: remat="save_attn"
+            # keeps this tensor so the backward pass never reruns attention.
+            out = checkpoint_name(out, "attention_out")
+            return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, attention: AttentionConfig, *, rngs: nnx.Rngs) -> None:
+        self.input_norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, param_dtype=config.weight_dtype
+        )
+        self.attn = Attention(config, attention, rngs=rngs)
+        self.post_attn_norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, param_dtype=config.weight_dtype
+        )
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        cos: Float[Array, "B T H"],
+        sin: Float[Array, "B T H"],
+        positions: Int[Array, "B T"],
+    ) -> Float[Array, "B T D"]:
+        x = x + self.attn(self.input_norm(x), cos, sin, positions)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    """Token embedding gather; under an Explicit-axes mesh the output keeps the
+    ids' sharding (``[B, T]`` as the ids, D replicated), which jax cannot infer."""
+    table = embed.embedding[...].astype(embed.dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
+    if explicit:
+        spec = jax.typeof(input_ids).sharding.spec
+        out_sharding = jax.sharding.PartitionSpec(*spec, None)
+        return table.at[input_ids].get(out_sharding=out_sharding)
+    return jnp.take(table, input_ids, axis=0)
+
+
+def _remat(fn, policy: str, scan_layers: bool):
+    """Wraps a layer function with the configured rematerialisation policy."""
+    if policy == "none":
+        return fn
+    # Inside lax.scan the loop boundary already stops CSE across iterations.
+    prevent_cse = not scan_layers
+    if policy == "full":
+        return jax.checkpoint(
+            fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse
+        )
+    if policy == "save_attn":
+        return jax.checkpoint(
+            fn,
+            policy=jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES),
+            prevent_cse=prevent_cse,
+        )
+    raise ValueError(f"remat policy={policy!r} not in ('none', 'full', 'save_attn')")
+
+
+class Llama(nnx.Module):
+    """Llama-2/3 causal LM (``LlamaForCausalLM``).
+
+    The L decoder layers are one :class:`DecoderLayer` whose parameters carry a
+    leading ``[L]`` axis; ``config.scan_layers`` runs them with ``jax.lax.scan``,
+    otherwise a Python loop slices the same stacked parameters.
+
+    Args:
+        config: architecture and numerics.
+        attention: which attention backend to call (default dense ``xla``).
+        rngs: ``nnx.Rngs`` with a ``params`` stream.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        attention: AttentionConfig = DEFAULT_ATTENTION,
+        *,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.config = config
+        self.embed = nnx.Embed(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=config.compute_dtype,
+            param_dtype=config.weight_dtype,
+            embedding_init=nnx.initializers.normal(config.initializer_range),
+            rngs=rngs,
+        )
+        make_layer = functools.partial(DecoderLayer, config, attention)
+        layer_graph = nnx.graphdef(nnx.eval_shape(lambda: make_layer(rngs=nnx.Rngs(0))))
+        keys = jax.random.split(rngs.params(), config.num_layers)
+        stacked = jax.vmap(lambda key: nnx.state(make_layer(rngs=nnx.Rngs(params=key))))(keys)
+        self.layers = nnx.merge(layer_graph, stacked)
+        self.final_norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, param_dtype=config.weight_dtype
+        )
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config, config.hidden_size, config.vocab_size, rngs)
+
+    def hidden_states(
+        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None
+    ) -> Float[Array, "B T D"]:
+        """Final-norm hidden states in the compute dtype.
+
+        Args:
+            input_ids: token ids.
+            positions: global position of every token (default ``arange(T)``);
+                pass the true positions of sequence-sharded or permuted tokens.
+        """
+        config = self.config
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if positions.shape != (b, t):
+            raise ValueError(f"positions.shape={positions.shape} != input_ids.shape={(b, t)}")
+        with jax.named_scope("embed"):
+            x = _embed_lookup(self.embed, input_ids)
+        with jax.named_scope("rope"):
+            cos, sin = rope_cos_sin(positions, inv_frequencies(config.head_dim, config.rope))
+
+        layer_graph, layer_state = nnx.split(self.layers)
+
+        def layer_fn(x, state):
+            return nnx.merge(layer_graph, state)(x, cos, sin, positions)
+
+        layer_fn = _remat(layer_fn, config.remat, config.scan_layers)
+        if config.scan_layers:
+
+            def body(x, state):
+                with jax.named_scope("layer"):
+                    return layer_fn(x, state), None
+
+            x, _ = jax.lax.scan(body, x, layer_state)
+        else:
+            for i in range(config.num_layers):
+                with jax.named_scope(f"layer_{i}"):
+                    x = layer_fn(x, jax.tree.map(lambda a, i=i: a[i], layer_state))
+        with jax.named_scope("final_norm"):
+            return self.final_norm(x)
+
+    def lm_head_weight(self) -> Float[Array, "D V"]:
+        """The output projection ``[D, V]`` (the embedding transposed when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def project(self, hidden: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """Logits ``[B, T, V]`` float32 (compute-dtype inputs, float32 accumulation)."""
+        with jax.named_scope("lm_head"):
+            w = self.lm_head_weight().astype(hidden.dtype)
+            return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None
+    ) -> Float[Array, "B T V"]:
+        """Float32 logits ``[B, T, V]``; see :meth:`hidden_states` for the arguments."""
+        return self.project(self.hidden_states(input_ids, positions))

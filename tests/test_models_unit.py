@@ -1,0 +1,419 @@
+"""Unit tests of models/ that need no oracle: config, FLOPs, params, loss, conversion."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jflash
+import models
+from models.convert import main as convert_main
+from models.safetensors_io import SafetensorsFile, save_file
+
+SMALL = models.TINY.replace(vocab_size=96, hidden_size=32, intermediate_size=64, head_dim=8)
+SEQ = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def highest_precision():
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.jit(models.init_params, static_argnums=0)(SMALL, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return jax.random.randint(jax.random.key(1), (2, SEQ), 0, SMALL.vocab_size)
+
+
+_logits = jax.jit(models.logits, static_argnums=0)
+
+
+# --- config -----------------------------------------------------------------------
+
+_HF = {
+    "model_type": "llama",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+}
+_LLAMA3 = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_config_reads_transformers4_and_5_rope_spellings():
+    v4 = models.from_hf_config(
+        _HF | {"rope_theta": 5e5, "rope_scaling": {"type": "llama3"} | _LLAMA3}
+    )
+    v5 = models.from_hf_config(
+        _HF | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5} | _LLAMA3}
+    )
+    assert v4 == v5
+    assert v4.rope == models.RopeConfig(theta=5e5, type="llama3", **_LLAMA3)
+    assert v4.head_dim == 16 and v4.num_kv_heads == 2 and not v4.tie_word_embeddings
+    default = models.from_hf_config(_HF | {"rope_parameters": {"rope_type": "default"}})
+    assert default.rope == models.RopeConfig(theta=10000.0)
+    assert models.from_hf_config(_HF | {"head_dim": 40}).head_dim == 40
+
+
+def test_config_hf_round_trip():
+    for preset in models.PRESETS.values():
+        back = models.from_hf_config(json.loads(json.dumps(models.to_hf_config(preset))))
+        assert back == preset
+
+
+@pytest.mark.parametrize(
+    ("hf", "error", "match"),
+    [
+        (_HF | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ValueError, "'yarn'"),
+        (_HF | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ValueError, "low_freq"),
+        (_HF | {"rope_scaling": {"rope_type": "linear"}}, ValueError, "factor"),
+        ({k: v for k, v in _HF.items() if k != "hidden_size"}, ValueError, "hidden_size"),
+        (_HF | {"model_type": "mistral"}, ValueError, "mistral"),
+        (_HF | {"attention_bias": True}, NotImplementedError, "attention_bias"),
+        (_HF | {"hidden_act": "gelu"}, NotImplementedError, "gelu"),
+        (_HF | {"num_key_value_heads": 3}, ValueError, "num_kv_heads=3"),
+    ],
+)
+def test_config_rejects_bad_input_naming_it(hf, error, match):
+    with pytest.raises(error, match=match):
+        models.from_hf_config(hf)
+
+
+def test_config_field_validation():
+    with pytest.raises(ValueError, match="remat='some'"):
+        SMALL.replace(remat="some")
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        SMALL.replace(dtype="int8")
+    with pytest.raises(ValueError, match="unknown preset"):
+        models.preset("llama9")
+    assert models.preset("Llama-3.2-1B") is models.LLAMA3_2_1B
+    with pytest.raises(ValueError, match="needs a mesh"):
+        models.AttentionConfig(kind="ring")
+    with pytest.raises(ValueError, match="kind='flash'"):
+        models.AttentionConfig(kind="flash")
+
+
+# --- FLOPs -------------------------------------------------------------------------
+
+
+def test_param_counts_of_presets():
+    assert round(models.param_count(models.LLAMA2_7B) / 1e9, 2) == 6.74
+    assert round(models.param_count(models.LLAMA3_2_1B) / 1e9, 2) == 1.24
+    assert round(models.param_count(models.LLAMA2_13B) / 1e9, 2) == 13.02
+    assert round(models.param_count(models.LLAMA3_8B) / 1e9, 2) == 8.03
+    assert round(models.param_count(models.LLAMA3_2_3B) / 1e9, 2) == 3.21
+    assert round(models.param_count(models.LLAMA2_3B) / 1e9, 2) == 3.43  # OpenLLaMA-3B
+    shapes = models.abstract_params(models.LLAMA3_2_1B)
+    assert sum(x.size for x in jax.tree.leaves(shapes)) == models.param_count(models.LLAMA3_2_1B)
+
+
+def test_training_flops_per_token():
+    c = models.LLAMA2_7B
+    n_matmul = (
+        models.param_count(c)
+        - c.vocab_size * c.hidden_size
+        - (2 * c.num_layers + 1) * (c.hidden_size)
+    )
+    assert models.matmul_param_count(c) == n_matmul
+    t = 4096
+    attention = 12 * c.num_layers * c.num_heads * c.head_dim * t / 2
+    assert models.training_flops_per_token(c, t) == 6 * n_matmul + attention
+    full = models.flops_per_token(c, t, causal=False)
+    assert full.attention == 2 * models.flops_per_token(c, t).attention
+    # Tied head: still a matmul, so Llama-3.2-1B counts its embedding once as matmul.
+    tied = models.LLAMA3_2_1B
+    assert (
+        models.matmul_param_count(tied)
+        == models.param_count(tied) - (2 * tied.num_layers + 1) * tied.hidden_size
+    )
+
+
+# --- params and forward ------------------------------------------------------------
+
+
+def test_init_params_layout(params):
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    shapes = {"/".join(k.key for k in path): x.shape for path, x in leaves}
+    c = SMALL
+    assert shapes["layers/attn/q_proj/kernel"] == (2, 32, c.num_heads * c.head_dim)
+    assert shapes["layers/attn/k_proj/kernel"] == (2, 32, c.num_kv_heads * c.head_dim)
+    assert shapes["lm_head/kernel"] == (32, 96)
+    assert all(x.dtype == jnp.float32 for _, x in leaves)
+    q = params["layers"]["attn"]["q_proj"]["kernel"]
+    assert not np.allclose(q[0], q[1]), "layers must be initialised independently"
+    np.testing.assert_allclose(np.std(q), SMALL.initializer_range, rtol=0.1)
+    tied = jax.eval_shape(
+        partial(models.init_params, SMALL.replace(tie_word_embeddings=True)), jax.random.key(0)
+    )
+    assert "lm_head" not in tied
+
+
+def test_bad_params_raise_listing_paths(params, ids):
+    broken = jax.tree.map(lambda x: x, params)
+    del broken["final_norm"]
+    broken["extra"] = {"w": jnp.zeros(3)}
+    broken["embed"]["embedding"] = jnp.zeros((5, 32))
+    with pytest.raises(ValueError, match="final_norm/scale") as err:
+        models.logits(SMALL, broken, ids)
+    assert "extra/w" in str(err.value) and "embed/embedding" in str(err.value)
+
+
+def test_scan_unscanned_and_remat_agree(params, ids):
+    ref = _logits(SMALL, params, ids)
+    labels = models.next_token_labels(ids)
+
+    def loss(config, p):
+        total, count = models.cross_entropy(models.logits(config, p, ids), labels)
+        return total / count
+
+    grad_ref = jax.jit(jax.grad(loss, argnums=1), static_argnums=0)(SMALL, params)
+    for change in [{"scan_layers": False}, {"remat": "full"}, {"remat": "save_attn"}]:
+        config = SMALL.replace(**change)
+        np.testing.assert_allclose(_logits(config, params, ids), ref, atol=1e-5, rtol=0)
+        grad = jax.jit(jax.grad(loss, argnums=1), static_argnums=0)(config, params)
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grad, grad_ref
+        )
+
+
+def test_forward_is_deterministic(params, ids):
+    np.testing.assert_array_equal(_logits(SMALL, params, ids), _logits(SMALL, params, ids))
+
+
+def test_permuted_tokens_with_global_positions(params, ids):
+    """Zigzag-ordered tokens that carry their true positions give permuted logits."""
+    num_shards = 2
+    chunks = np.arange(2 * num_shards)
+    order = np.concatenate([chunks[[r, 2 * num_shards - 1 - r]] for r in range(num_shards)])
+    perm = (order[:, None] * (SEQ // (2 * num_shards)) + np.arange(SEQ // 4)).reshape(-1)
+    positions = jnp.broadcast_to(jnp.asarray(perm), ids.shape)
+    out = _logits(SMALL, params, ids[:, perm], positions)
+    np.testing.assert_allclose(out, _logits(SMALL, params, ids)[:, perm], atol=1e-5, rtol=0)
+
+
+def test_bf16_compute_keeps_f32_params_and_logits(params, ids):
+    config = SMALL.replace(dtype="bfloat16")
+    out = _logits(config, params, ids)
+    assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
+    np.testing.assert_allclose(out, _logits(SMALL, params, ids), atol=0.1, rtol=0)
+    bf16_config = config.replace(param_dtype="bfloat16")
+    bf16_params = jax.eval_shape(partial(models.init_params, bf16_config), jax.random.key(0))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(bf16_params))
+
+
+def test_named_scopes_and_checkpoint_name(params, ids):
+    jaxpr = str(jax.make_jaxpr(lambda p: models.logits(SMALL, p, ids))(params))
+    assert "attention_out" in jaxpr
+    hlo = (
+        jax.jit(models.logits, static_argnums=0).lower(SMALL, params, ids).as_text(debug_info=True)
+    )
+    for scope in ("layer/attention", "rmsnorm", "mlp", "lm_head", "rope"):
+        assert scope in hlo, scope
+    unscanned = SMALL.replace(scan_layers=False)
+    hlo = (
+        jax.jit(models.logits, static_argnums=0)
+        .lower(unscanned, params, ids)
+        .as_text(debug_info=True)
+    )
+    assert "layer_1/attention" in hlo
+
+
+def test_jflash_attention_backend_matches_xla(params, ids):
+    attention = models.AttentionConfig(kind="jflash", implementation="xla")
+    out = jax.jit(models.logits, static_argnums=0, static_argnames="attention")(
+        SMALL, params, ids, attention=attention
+    )
+    np.testing.assert_allclose(out, _logits(SMALL, params, ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.multi_device
+def test_ring_attention_backend_on_zigzag_tokens(params, ids):
+    """Sequence-sharded zigzag tokens with their global positions give the same logits."""
+    num_shards = min(4, len(jax.devices()))
+    mesh = jax.make_mesh((num_shards,), ("seq",), devices=jax.devices()[:num_shards])
+    attention = models.AttentionConfig(kind="ring", mesh=mesh, implementation="xla")
+    zig_ids = jflash.zigzag(ids, num_shards, 1)
+    positions = jnp.broadcast_to(jflash.positions(SEQ, num_shards, "zigzag"), ids.shape)
+    seq_sharded = NamedSharding(mesh, PartitionSpec(None, "seq"))
+    with jax.set_mesh(mesh):
+        out = jax.jit(models.logits, static_argnums=0, static_argnames="attention")(
+            SMALL,
+            params,
+            jax.device_put(zig_ids, seq_sharded),
+            jax.device_put(positions, seq_sharded),
+            attention=attention,
+        )
+    out = jflash.unzigzag(out, num_shards, 1)
+    np.testing.assert_allclose(out, _logits(SMALL, params, ids), atol=1e-5, rtol=0)
+
+
+# --- loss --------------------------------------------------------------------------
+
+
+def test_cross_entropy_ignores_minus_100():
+    logits = jax.random.normal(jax.random.key(2), (2, 5, 7)) * 3
+    labels = jnp.array([[1, 2, -100, 3, 0], [6, -100, -100, 5, 4]])
+    mask = jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], bool)
+    total, count = models.cross_entropy(logits, labels, mask)
+    logp = jax.nn.log_softmax(logits, -1)
+    want = [
+        -logp[b, t, labels[b, t]]
+        for b in range(2)
+        for t in range(5)
+        if mask[b, t] and labels[b, t] >= 0
+    ]
+    assert int(count) == len(want) == 6
+    np.testing.assert_allclose(total, sum(want), rtol=1e-6)
+    np.testing.assert_array_equal(models.next_token_labels(jnp.array([[5, 6, 7]])), [[6, 7, -100]])
+
+
+def test_chunked_cross_entropy_matches_full(params, ids):
+    labels = models.next_token_labels(ids)
+    head = models.lm_head_weight(SMALL, params)
+
+    def full(p):
+        return models.cross_entropy(models.logits(SMALL, p, ids), labels)[0]
+
+    def chunked(p):
+        hidden = models.hidden_states(SMALL, p, ids)
+        return models.chunked_cross_entropy(
+            hidden, models.lm_head_weight(SMALL, p), labels, chunk_size=8
+        )[0]
+
+    np.testing.assert_allclose(jax.jit(chunked)(params), jax.jit(full)(params), rtol=1e-6)
+    g_full, g_chunked = jax.jit(jax.grad(full))(params), jax.jit(jax.grad(chunked))(params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), g_chunked, g_full
+    )
+    assert head.shape == (SMALL.hidden_size, SMALL.vocab_size)
+    with pytest.raises(ValueError, match="chunk_size=5"):
+        models.chunked_cross_entropy(
+            models.hidden_states(SMALL, params, ids), head, labels, chunk_size=5
+        )
+
+
+# --- conversion --------------------------------------------------------------------
+
+
+def test_safetensors_bf16_round_trip(tmp_path):
+    tensors = {
+        "a": np.random.default_rng(0).standard_normal((3, 4)).astype(ml_dtypes.bfloat16),
+        "b": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "c": np.float32(1.5) * np.ones(5, np.float32),
+    }
+    save_file(tensors, tmp_path / "x.safetensors", {"format": "pt"})
+    read = SafetensorsFile(tmp_path / "x.safetensors")
+    assert read.metadata == {"format": "pt"} and set(read) == set(tensors)
+    for name, array in tensors.items():
+        assert read[name].dtype == array.dtype
+        np.testing.assert_array_equal(read[name], array)
+
+
+def test_export_load_round_trip_and_strictness(tmp_path, params):
+    models.export_hf(params, SMALL, tmp_path / "hf")
+    config, loaded = models.load_hf(tmp_path / "hf")
+    assert config == SMALL
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+    from models.safetensors_io import SafetensorsFile as Read
+
+    state = dict(Read(tmp_path / "hf" / "model.safetensors"))
+    state = {k: np.array(v) for k, v in state.items()}
+
+    def load_with(tensors):
+        save_file(tensors, tmp_path / "hf" / "model.safetensors", {"format": "pt"})
+        return models.load_hf(tmp_path / "hf")
+
+    bad = dict(state)
+    del bad["model.layers.1.mlp.up_proj.weight"]
+    bad["model.layers.0.self_attn.q_proj.bias"] = np.zeros(SMALL.num_heads * SMALL.head_dim)
+    bad["model.norm.weight"] = np.ones(7, np.float32)
+    with pytest.raises(ValueError) as err:
+        load_with(bad)
+    message = str(err.value)
+    for key in (
+        "model.layers.1.mlp.up_proj.weight",
+        "q_proj.bias",
+        "model.norm.weight: expected (32,), got (7,)",
+    ):
+        assert key in message, message
+
+    tolerated = dict(state) | {
+        "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)
+    }
+    load_with(tolerated)
+
+
+def test_load_hf_into_bf16_params(tmp_path, params):
+    models.export_hf(params, SMALL, tmp_path)
+    config, loaded = models.load_hf(tmp_path, param_dtype="bfloat16")
+    assert config == SMALL.replace(param_dtype="bfloat16")
+    assert all(x.dtype == ml_dtypes.bfloat16 for x in jax.tree.leaves(loaded))
+    assert _logits(config, loaded, jnp.zeros((1, 8), jnp.int32)).dtype == jnp.float32
+
+
+def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
+    config = SMALL.replace(tie_word_embeddings=True)
+    params = models.init_params(config, jax.random.key(3))
+    models.export_hf(params, config, tmp_path)
+    state = {k: np.array(v) for k, v in SafetensorsFile(tmp_path / "model.safetensors").items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    save_file(state, tmp_path / "model.safetensors", {"format": "pt"})
+    _, loaded = models.load_hf(tmp_path)
+    assert "lm_head" not in loaded
+    state["lm_head.weight"] = state["lm_head.weight"] + 1
+    save_file(state, tmp_path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected=\\['lm_head.weight'\\]"):
+        models.load_hf(tmp_path)
+
+
+def test_bf16_export_and_sharding(tmp_path, params):
+    models.export_hf(params, SMALL, tmp_path, dtype="bfloat16", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, loaded = models.load_hf(tmp_path)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(
+            a, np.asarray(b).astype(ml_dtypes.bfloat16).astype(np.float32)
+        ),
+        loaded,
+        params,
+    )
+
+
+def test_cli_round_trip(tmp_path, params, capsys):
+    models.export_hf(params, SMALL, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    convert_main(["--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "native")])
+    assert (tmp_path / "native" / "tokenizer.json").exists()
+    config, native = models.load_native(tmp_path / "native")
+    assert config == SMALL
+    jax.tree.map(np.testing.assert_array_equal, native, params)
+    convert_main(["--to-hf", str(tmp_path / "native"), "--out", str(tmp_path / "hf2")])
+    a = SafetensorsFile(tmp_path / "hf" / "model.safetensors")
+    b = SafetensorsFile(tmp_path / "hf2" / "model.safetensors")
+    assert set(a) == set(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    assert "parameters" in capsys.readouterr().out

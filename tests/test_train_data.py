@@ -1,0 +1,353 @@
+"""Tests of train/data.py: formats, malformed data, row packing, batches, resume, CLI."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train.data import (
+    Batches,
+    Rows,
+    TokenDataset,
+    load_dataset,
+    markov_samples,
+    save_dataset,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+IGNORE = -100
+
+
+def _dump_pkl(path: Path, obj) -> Path:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f)
+    return path
+
+
+def _dump_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _dataset(*examples: list[int]) -> TokenDataset:
+    return TokenDataset.from_examples("mem", [np.asarray(e, np.int32) for e in examples])
+
+
+def _rows(num_rows: int, seq_len: int = 4) -> Rows:
+    ids = np.arange(num_rows * seq_len, dtype=np.int32).reshape(num_rows, seq_len)
+    return Rows(ids, ids + 1, np.zeros_like(ids))
+
+
+# --- formats ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".pkl", ".jsonl", ".npy"])
+def test_round_trip(tmp_path, suffix):
+    examples = markov_samples(6, 33, vocab_size=500, seed=3)
+    path = tmp_path / f"data{suffix}"
+    save_dataset(path, examples)
+    dataset = load_dataset(path, vocab_size=500)
+    assert dataset.num_examples == 6
+    for i in range(6):
+        np.testing.assert_array_equal(dataset.example(i), examples[i])
+    np.testing.assert_array_equal(dataset.targets, dataset.tokens)
+    assert dataset.summary() == {
+        "examples": 6,
+        "tokens": 6 * 33,
+        "min_length": 33,
+        "max_length": 33,
+        "max_id": int(examples.max()),
+    }
+
+
+def test_pkl_accepts_lists_arrays_and_dicts_with_labels(tmp_path):
+    path = _dump_pkl(
+        tmp_path / "d.pkl",
+        [[1, 2, 3], np.array([4, 5], np.int64), {"input_ids": [6, 7], "labels": [IGNORE, 7]}],
+    )
+    dataset = load_dataset(path)
+    assert dataset.lengths.tolist() == [3, 2, 2]
+    assert dataset.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert dataset.targets.tolist() == [1, 2, 3, 4, 5, IGNORE, 7]
+
+
+def test_npy_token_stream(tmp_path):
+    np.save(tmp_path / "s.npy", np.arange(10, dtype=np.int64))
+    dataset = load_dataset(tmp_path / "s.npy")
+    assert dataset.num_examples == 1
+    assert dataset.tokens.tolist() == list(range(10))
+
+
+class _FakeTokenizer:
+    """Stands in for ``tokenizers.Tokenizer``: one id per character."""
+
+    @classmethod
+    def from_file(cls, path):
+        assert Path(path).name == "tokenizer.json"
+        return cls()
+
+    def encode(self, text):
+        return types.SimpleNamespace(ids=[ord(c) for c in text])
+
+
+def test_text_records_use_the_model_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeTokenizer))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    path = _dump_jsonl(tmp_path / "t.jsonl", ['{"text": "ab"}', '{"input_ids": [5]}'])
+    dataset = load_dataset(path, tokenizer_dir=tmp_path)
+    assert dataset.tokens.tolist() == [97, 98, 5]
+
+
+def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+    path = _dump_jsonl(tmp_path / "t.jsonl", ['{"input_ids": [5]}', '{"text": "ab"}'])
+    with pytest.raises(ValueError, match=r"t\.jsonl: record 1: .*no tokenizer directory"):
+        load_dataset(path)
+    with pytest.raises(ValueError, match=r"tokenizer\.json does not exist"):
+        load_dataset(path, tokenizer_dir=tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    with pytest.raises(ValueError, match=r"record 1: .*'tokenizers' package"):
+        load_dataset(path, tokenizer_dir=tmp_path)
+
+
+# --- malformed data --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("records", "pattern"),
+    [
+        ([[1, 2], {"input_ids": "abc"}], r"record 1: 'input_ids' must be a list of ints, got str"),
+        ([[1, 2], [3, -4]], r"record 1: 'input_ids': id -4 at position 1 is negative"),
+        ([[1.5, 2.0]], r"record 0: 'input_ids' must be a list of ints, got elements of float"),
+        ([[1], [True]], r"record 1: 'input_ids' must be a list of ints, got elements of bool"),
+        ([[1], [[1], [2, 3]]], r"record 1: 'input_ids' must be a list of ints"),
+        ([[1], []], r"record 1: 'input_ids' must be a non-empty 1-D list"),
+        ([{"tokens": [1]}], r"record 0: expected key 'input_ids' or 'text', got \['tokens'\]"),
+        ([{"input_ids": [1, 2], "labels": [1]}], r"record 0: 'labels' has 1 entries"),
+        ([{"input_ids": [1], "labels": [-5]}], r"record 0: 'labels': id -5 .* is negative"),
+        ([[1], 7], r"record 1: 'input_ids' must be a list of ints, got int"),
+        ([[1], [2**40]], r"record 1: 'input_ids': id 1099511627776 at position 0 exceeds int32"),
+    ],
+)
+def test_malformed_pkl_names_file_and_record(tmp_path, records, pattern):
+    path = _dump_pkl(tmp_path / "bad.pkl", records)
+    with pytest.raises(ValueError, match=r"bad\.pkl: " + pattern):
+        load_dataset(path)
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    bad_json = _dump_jsonl(tmp_path / "a.jsonl", ['{"input_ids": [1]}', '{"input_ids": [2,'])
+    with pytest.raises(ValueError, match=r"a\.jsonl: record 1: invalid JSON"):
+        load_dataset(bad_json)
+    wrong_type = _dump_jsonl(tmp_path / "b.jsonl", ['{"input_ids": [1]}', "", '{"input_ids": 3}'])
+    with pytest.raises(ValueError, match=r"b\.jsonl: record 2: 'input_ids' must be a list"):
+        load_dataset(wrong_type)
+    text_type = _dump_jsonl(tmp_path / "c.jsonl", ['{"text": 3}'])
+    with pytest.raises(ValueError, match=r"c\.jsonl: record 0: 'text' must be a str"):
+        load_dataset(text_type, tokenizer_dir=tmp_path)
+
+
+def test_malformed_npy(tmp_path):
+    np.save(tmp_path / "f.npy", np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"f\.npy: expected an integer array"):
+        load_dataset(tmp_path / "f.npy")
+    np.save(tmp_path / "n.npy", np.array([[1, 2], [3, -1]]))
+    with pytest.raises(ValueError, match=r"n\.npy: record 1: negative token id -1"):
+        load_dataset(tmp_path / "n.npy")
+
+
+def test_out_of_vocab_names_file_record_and_value(tmp_path):
+    path = _dump_pkl(tmp_path / "v.pkl", [[1, 2], [3, 4], [5, 99]])
+    with pytest.raises(ValueError, match=r"v\.pkl: record 2: token id 99 .*vocab_size=10"):
+        load_dataset(path, vocab_size=10)
+    labels = _dump_pkl(tmp_path / "l.pkl", [{"input_ids": [1, 2], "labels": [IGNORE, 12]}])
+    with pytest.raises(ValueError, match=r"l\.pkl: record 0: label 12 .*vocab_size=10"):
+        load_dataset(labels, vocab_size=10)
+    assert load_dataset(labels, vocab_size=13).num_tokens == 2
+
+
+def test_empty_and_unknown(tmp_path):
+    with pytest.raises(ValueError, match=r"e\.pkl: the dataset has no examples"):
+        load_dataset(_dump_pkl(tmp_path / "e.pkl", []))
+    with pytest.raises(ValueError, match=r"e\.jsonl: the dataset has no examples"):
+        load_dataset(_dump_jsonl(tmp_path / "e.jsonl", [""]))
+    np.save(tmp_path / "e.npy", np.zeros((0, 4), np.int32))
+    with pytest.raises(ValueError, match=r"e\.npy: the dataset has no tokens"):
+        load_dataset(tmp_path / "e.npy")
+    with pytest.raises(ValueError, match=r"p\.pkl: expected a pickled list"):
+        load_dataset(_dump_pkl(tmp_path / "p.pkl", {"input_ids": [1]}))
+    with pytest.raises(ValueError, match=r"unknown data format '\.csv'"):
+        load_dataset(tmp_path / "x.csv")
+
+
+# --- rows ------------------------------------------------------------------------------
+
+
+def test_rows_labels_are_the_next_token():
+    dataset = _dataset(range(10, 20))  # one example of 10 tokens
+    rows = dataset.rows(4)
+    assert rows.input_ids.tolist() == [[10, 11, 12, 13], [14, 15, 16, 17]]  # 18, 19 dropped
+    assert rows.labels.tolist() == [[11, 12, 13, 14], [15, 16, 17, 18]]
+    assert rows.input_ids.dtype == rows.labels.dtype == np.int32
+    assert _dataset(range(8)).rows(4).labels[-1, -1] == IGNORE  # nothing after the stream
+
+
+def test_rows_mask_document_boundaries_and_segments():
+    dataset = _dataset([1, 2, 3], [4, 5], [6, 7, 8])
+    masked = dataset.rows(4)
+    assert masked.input_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert masked.labels.tolist() == [[2, 3, IGNORE, 5], [IGNORE, 7, 8, IGNORE]]
+    assert masked.segment_ids.tolist() == [[0, 0, 0, 1], [0, 1, 1, 1]]
+    crossing = dataset.rows(4, mask_boundaries=False)
+    assert crossing.labels.tolist() == [[2, 3, 4, 5], [6, 7, 8, IGNORE]]
+
+
+def test_rows_with_eos_and_example_labels():
+    dataset = TokenDataset.from_examples(
+        "mem", [np.array([1, 2]), np.array([3, 4])], [np.array([IGNORE, 2]), None]
+    )
+    rows = dataset.rows(3, eos_id=0)  # stream 1 2 0 | 3 4 0
+    assert rows.input_ids.tolist() == [[1, 2, 0], [3, 4, 0]]
+    assert rows.labels.tolist() == [[2, 0, IGNORE], [4, 0, IGNORE]]
+    assert dataset.rows(3, eos_id=0, mask_boundaries=False).labels.tolist() == [
+        [2, 0, 3],
+        [4, 0, IGNORE],
+    ]
+
+
+def test_rows_aligned_with_examples_of_seq_len():
+    examples = markov_samples(5, 16, vocab_size=100, seed=1)
+    rows = _dataset(*examples).rows(16)
+    np.testing.assert_array_equal(rows.input_ids, examples)
+    np.testing.assert_array_equal(rows.labels[:, :-1], examples[:, 1:])
+    assert (rows.labels[:, -1] == IGNORE).all()
+
+
+def test_rows_too_short():
+    with pytest.raises(ValueError, match=r"mem: 3 tokens do not fill one row of seq_len=4"):
+        _dataset([1, 2, 3]).rows(4)
+
+
+# --- batches ---------------------------------------------------------------------------
+
+
+def _collect(batches: Batches, n: int) -> list[np.ndarray]:
+    return [next(batches).input_ids for _ in range(n)]
+
+
+def test_shuffle_is_deterministic_and_differs_per_epoch():
+    rows = _rows(20)
+    first = _collect(Batches(rows, 4, seed=7), 10)
+    again = _collect(Batches(rows, 4, seed=7), 10)
+    other_seed = _collect(Batches(rows, 4, seed=8), 5)
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    epoch0, epoch1 = np.concatenate(first[:5]), np.concatenate(first[5:])
+    assert not np.array_equal(epoch0, epoch1)
+    assert not np.array_equal(epoch0, np.concatenate(other_seed))
+    # each epoch is a permutation of all rows (20 rows, 5 full batches)
+    for epoch in (epoch0, epoch1):
+        np.testing.assert_array_equal(np.sort(epoch[:, 0]), rows.input_ids[:, 0])
+
+
+def test_drop_last_and_num_epochs():
+    rows = _rows(11)
+    batches = Batches(rows, 4, num_epochs=2, shuffle=False)
+    assert batches.steps_per_epoch == 2
+    got = [b.input_ids[:, 0].tolist() for b in batches]
+    assert got == [[0, 4, 8, 12], [16, 20, 24, 28]] * 2  # rows 8..10 dropped every epoch
+    assert batches.state() == {"epoch": 2, "index": 0}
+
+
+@pytest.mark.parametrize("k", [0, 3, 5, 7, 12])
+def test_resume_sees_the_uninterrupted_batches(k):
+    rows = _rows(23)
+    uninterrupted = Batches(rows, 5, seed=3)  # 4 steps per epoch
+    reference = [next(uninterrupted) for _ in range(k + 6)]
+    interrupted = Batches(rows, 5, seed=3)
+    _collect(interrupted, k)
+    state = interrupted.state()
+    assert state == {"epoch": k // 4, "index": k % 4}
+    for resumed in (Batches(rows, 5, seed=3, start=state), Batches(rows, 5, seed=3, start_step=k)):
+        assert resumed.step == k
+        for expected in reference[k:]:
+            got = next(resumed)
+            for a, b in zip(got, expected, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_process_slices_cover_each_global_batch_once():
+    rows = _rows(40)
+    count = 4
+    whole = Batches(rows, 8, seed=1)
+    parts = [Batches(rows, 8, seed=1, process_index=p, process_count=count) for p in range(count)]
+    for _ in range(12):  # crosses epochs (5 steps each)
+        global_batch = next(whole)
+        local = [next(part) for part in parts]
+        assert all(b.input_ids.shape == (2, 4) for b in local)
+        for field in range(3):
+            np.testing.assert_array_equal(
+                np.concatenate([b[field] for b in local]), global_batch[field]
+            )
+
+
+def test_batches_validation():
+    rows = _rows(10)
+    with pytest.raises(ValueError, match=r"global_batch_size=12 exceeds the 10 rows"):
+        Batches(rows, 12)
+    with pytest.raises(ValueError, match=r"global_batch_size=6 must be divisible by process_count=4"):
+        Batches(rows, 6, process_count=4)
+    with pytest.raises(ValueError, match=r"process_index=2 must be in"):
+        Batches(rows, 4, process_index=2, process_count=2)
+    with pytest.raises(ValueError, match=r"does not fit 2 steps per epoch"):
+        Batches(rows, 4, start={"epoch": 0, "index": 2})
+    with pytest.raises(ValueError, match=r"keys 'epoch' and 'index'"):
+        Batches(rows, 4, start={"step": 1})
+
+
+# --- sample data and CLI ---------------------------------------------------------------
+
+
+def test_markov_samples_are_a_sparse_chain():
+    samples = markov_samples(64, 128, vocab_size=32000, seed=0, num_states=50, branching=3)
+    assert samples.shape == (64, 128) and samples.dtype == np.int32
+    assert len(np.unique(samples)) <= 50 and samples.max() < 32000
+    successors: dict[int, set[int]] = {}
+    for a, b in zip(samples[:, :-1].ravel(), samples[:, 1:].ravel(), strict=True):
+        successors.setdefault(int(a), set()).add(int(b))
+    assert max(len(s) for s in successors.values()) <= 3
+    np.testing.assert_array_equal(samples, markov_samples(64, 128, 32000, 0, num_states=50, branching=3))
+
+
+def _cli(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "train.data", *args],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_cli_sample_and_inspect(tmp_path):
+    for suffix in (".pkl", ".jsonl", ".npy"):
+        out = tmp_path / f"data{suffix}"
+        sizes = ["--num-samples", "8", "--seq-len", "64", "--vocab-size", "1000", "--seed", "2"]
+        _cli("sample", "--out", str(out), *sizes)
+        np.testing.assert_array_equal(
+            load_dataset(out).tokens, markov_samples(8, 64, 1000, 2).ravel()
+        )
+    printed = _cli("inspect", str(tmp_path / "data.jsonl"), "--vocab-size", "1000")
+    lines = dict(line.split(": ") for line in printed.strip().splitlines())
+    assert lines["examples"] == "8" and lines["tokens"] == "512"
+    assert lines["min_length"] == lines["max_length"] == "64"
+    assert int(lines["max_id"]) < 1000

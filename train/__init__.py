@@ -1,0 +1,1 @@
+"""jflash trainer: configuration, data, training loop, checkpoints, metrics."""

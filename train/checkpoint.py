@@ -1,0 +1,75 @@
+"""Orbax checkpoints: async saves of the train state and the data position, resume.
+
+Layout: `<output_dir>/checkpoints/<step>/{state,meta}`. `--save_total_limit` keeps the
+newest N. A checkpoint is only written for a finite loss, so the last one is always good.
+"""
+
+from __future__ import annotations
+
+import os
+
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+    def __init__(self, output_dir: str, save_total_limit: int | None):
+        self.directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=save_total_limit, enable_async_checkpointing=True, create=True
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state, meta: dict) -> None:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def restore(self, step: int, abstract_state):
+        """`(state, meta)` of `step`, placed with the shardings of `abstract_state`."""
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return restored["state"], restored["meta"]
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None] | None:
+    """`--resume_from_checkpoint` -> `(output_dir to read, step or None=latest)`.
+
+    Accepts "latest"/"true" (this run's own checkpoints), a `.../checkpoints` directory,
+    or one step directory `.../checkpoints/<step>`.
+    """
+    if not value or value.lower() in ("false", "no", "none"):
+        return None
+    if value.lower() in ("latest", "true", "yes"):
+        return output_dir, None
+    path = os.path.abspath(value.rstrip("/"))
+    base = os.path.basename(path)
+    if base.isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints":
+        return os.path.dirname(os.path.dirname(path)), int(base)
+    if base == "checkpoints":
+        return os.path.dirname(path), None
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return path, None
+    raise ValueError(
+        f"--resume_from_checkpoint={value!r}: not 'latest', a checkpoints directory or a "
+        "checkpoints/<step> directory"
+    )

@@ -1,0 +1,235 @@
+"""Trainer configuration: one frozen dataclass per concern, the only source of defaults.
+
+Command-line flags mirror HuggingFace Trainer / the seed project (`--learning_rate`,
+`--per_device_train_batch_size`, ...), so the seed's command lines translate one to one.
+`--config X.yaml` overrides fields by section (`model:`, `data:`, `parallel:`, `optim:`,
+`run:`, `profile:`); explicit flags override the YAML. Unknown keys are an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    """Which model, and how its layers execute."""
+
+    model_name_or_path: str = "tiny"  # a local HF directory or a preset name (models.PRESETS)
+    attention: str = "ring"  # xla | cudnn | jflash | ring
+    attention_implementation: str | None = None  # jflash implementation (None: per device)
+    ring_layout: str = "zigzag"  # zigzag | contiguous
+    ring_strategy: str = "ring"  # ring | allgather
+    remat_policy: str = "save_attn"  # none | full | save_attn
+    gradient_checkpointing: bool = False  # HF flag: True means remat_policy=full
+    bf16: bool = True  # bf16 compute with f32 master weights
+    fp16: bool = False  # accepted for the seed's command lines: runs as bf16 compute
+    scan_layers: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DataArgs:
+    data_path: str = ""  # .pkl | .jsonl | .npy; empty: make sample data in output_dir
+    model_max_length: int = 2048  # tokens per training sequence
+    sample_vocab_size: int = 0  # sample data: 0 means the model's vocabulary
+    sample_num_examples: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelArgs:
+    mesh: str = "data=1,fsdp=-1,seq=1"  # axis sizes; -1 takes the remaining devices
+    fsdp: str = "full_shard"  # HF flag; "full_shard" (with or without auto_wrap) or ""
+    coordinator_address: str | None = None  # multi-host: host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimArgs:
+    learning_rate: float = 2e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0  # wins over warmup_ratio when > 0 (as in HF)
+    lr_scheduler_type: str = "cosine"  # cosine | linear | constant
+
+
+@dataclasses.dataclass(frozen=True)
+class RunArgs:
+    output_dir: str = "runs/train"
+    num_train_epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides num_train_epochs
+    per_device_train_batch_size: int = 1  # sequences per data-parallel rank
+    gradient_accumulation_steps: int = 1
+    logging_steps: int = 10
+    save_strategy: str = "steps"  # steps | epoch | no
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest"
+    export_hf: bool = True  # write an HF directory at the end
+    seed: int = 42
+    progress: bool = True  # tqdm bar on process 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileArgs:
+    profile_steps: str = ""  # e.g. "5,8": jax.profiler trace of steps 5..7
+    profile_dir: str = ""  # default: <output_dir>/tensorboard (TensorBoard's profile plugin)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelArgs = ModelArgs()
+    data: DataArgs = DataArgs()
+    parallel: ParallelArgs = ParallelArgs()
+    optim: OptimArgs = OptimArgs()
+    run: RunArgs = RunArgs()
+    profile: ProfileArgs = ProfileArgs()
+
+    def __post_init__(self):
+        choices = {
+            ("model", "attention"): ("xla", "cudnn", "jflash", "ring"),
+            ("model", "ring_layout"): ("zigzag", "contiguous"),
+            ("model", "ring_strategy"): ("ring", "allgather"),
+            ("model", "remat_policy"): ("none", "full", "save_attn"),
+            ("optim", "lr_scheduler_type"): ("cosine", "linear", "constant"),
+            ("run", "save_strategy"): ("steps", "epoch", "no"),
+        }
+        for (section, name), allowed in choices.items():
+            value = getattr(getattr(self, section), name)
+            if value not in allowed:
+                raise ValueError(f"--{name}={value!r} must be one of {allowed}")
+        positive = [
+            ("data", "model_max_length"), ("run", "per_device_train_batch_size"),
+            ("run", "gradient_accumulation_steps"), ("run", "logging_steps"),
+            ("run", "save_steps"),
+        ]
+        for section, name in positive:
+            value = getattr(getattr(self, section), name)
+            if value <= 0:
+                raise ValueError(f"--{name}={value} must be positive")
+        if self.optim.learning_rate < 0 or not 0 <= self.optim.warmup_ratio <= 1:
+            raise ValueError(
+                f"--learning_rate={self.optim.learning_rate} must be >= 0 and "
+                f"--warmup_ratio={self.optim.warmup_ratio} in [0, 1]"
+            )
+        if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
+            raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
+
+    @property
+    def remat(self) -> str:
+        """The effective remat policy (`--gradient_checkpointing True` means full)."""
+        if self.model.gradient_checkpointing and self.model.remat_policy == "none":
+            return "full"
+        return self.model.remat_policy
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = str(text).lower()
+    if lowered in ("1", "true", "yes", "y"):
+        return True
+    if lowered in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _parser_type(annotation) -> tuple[Any, bool]:
+    """`(converter, optional)` for a dataclass field annotation."""
+    optional = False
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional, annotation = True, args[0]
+    if annotation is bool:
+        return _parse_bool, optional
+    return annotation, optional
+
+
+def _field_help(section_cls, field) -> str:
+    text = f"[{section_cls.__name__}] default: {field.default!r}"
+    if field.name == "fp16":
+        text += " (fp16 runs as bf16 compute: no loss scaling needed, same memory)"
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train a Llama on long sequences over a device mesh (jflash ring attention).",
+    )
+    parser.add_argument("--config", help="YAML file of overrides, by section")
+    for section, cls in _section_types().items():
+        group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            conv, optional = _parser_type(hints[field.name])
+            kwargs: dict[str, Any] = dict(default=None, help=_field_help(cls, field))
+            if conv is _parse_bool:
+                kwargs.update(nargs="?", const=True, type=_parse_bool)
+            else:
+                kwargs["type"] = conv
+            group.add_argument(f"--{field.name}", dest=f"{section}.{field.name}", **kwargs)
+    return parser
+
+
+def _replace_section(section_obj, overrides: dict[str, Any], where: str):
+    names = {f.name for f in dataclasses.fields(section_obj)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
+    return dataclasses.replace(section_obj, **overrides)
+
+
+def load_yaml(path: str) -> dict[str, dict[str, Any]]:
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"{path}: unknown sections {unknown}; known: {sorted(SECTIONS)}")
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: section {section!r} must be a mapping")
+    return data
+
+
+def from_overrides(yaml_overrides: dict[str, dict[str, Any]], flags: dict[str, dict[str, Any]],
+                   where: str = "config") -> TrainConfig:
+    base = TrainConfig()
+    sections = {}
+    for section in SECTIONS:
+        obj = getattr(base, section)
+        obj = _replace_section(obj, yaml_overrides.get(section, {}), where)
+        obj = _replace_section(obj, flags.get(section, {}), "command line")
+        sections[section] = obj
+    return TrainConfig(**sections)
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Flags (and `--config` YAML) -> `TrainConfig`; explicit flags win over the YAML."""
+    ns = build_parser().parse_args(argv)
+    flags: dict[str, dict[str, Any]] = {}
+    for key, value in vars(ns).items():
+        if key == "config" or value is None:
+            continue
+        section, name = key.split(".")
+        flags.setdefault(section, {})[name] = value
+    overrides = load_yaml(ns.config) if ns.config else {}
+    return from_overrides(overrides, flags, where=ns.config or "config")

@@ -1,0 +1,591 @@
+"""Training data: load the seed's formats, pack into rows, shuffle into resumable batches.
+
+Formats (chosen by extension):
+
+- ``.pkl``: a pickled list of examples (the seed project's ``data.pkl``). Each example is
+  a list / 1-D array of token ids, a dict with ``"input_ids"`` (and optional
+  ``"labels"``), or a dict with ``"text"``. Unpickling runs code: load trusted files only.
+- ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
+  or ``{"text": "..."}``. Blank lines are skipped.
+- ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream).
+
+``"labels"`` follow the HuggingFace convention: aligned with ``input_ids`` (the model
+shifts), ``-100`` = ignored. ``"text"`` is tokenized with ``tokenizer.json`` from the
+model directory (the ``tokenizers`` package, imported only when text is present).
+
+Row scheme (:meth:`TokenDataset.rows`): all examples are concatenated, in file order,
+into one token stream (each followed by ``eos_id`` when one is given) and the stream is
+cut into consecutive, non-overlapping rows of ``seq_len`` tokens; the tail that does not
+fill a row is dropped. ``labels[t]`` is the label of the stream token *after*
+``input_ids[t]``: already shifted, so ``labels[t]`` is the target of ``logits[t]``
+(``models.loss`` convention). The last row's last label looks past the stream and is
+``-100``. With ``mask_boundaries=True`` (default) a label whose token belongs to a
+different example than ``input_ids[t]`` is ``-100``: nothing is learned across unrelated
+documents, including at row ends when examples are exactly ``seq_len`` long. An
+``eos_id`` separator belongs to the example before it, so predicting EOS is learned.
+
+Batches (:class:`Batches`): per epoch the rows are permuted by a numpy Generator seeded
+with ``(seed, epoch)``; batch ``i`` of the epoch is rows ``perm[i*G:(i+1)*G]`` for the
+global batch size ``G``. Drop-last: the ``num_rows % G`` rows at the end of each epoch's
+permutation are not used that epoch (a different set every epoch). The position
+``(epoch, index)`` is the next batch to yield, so a run restarted from a saved position
+sees exactly the batches of an uninterrupted run. In multi-host training process ``p``
+of ``P`` gets the contiguous block ``[p*G/P, (p+1)*G/P)`` of every global batch.
+
+Sample data (``python -m train.data sample``): sequences from a sparse random Markov
+chain (see :func:`markov_samples`), so a tiny model's loss visibly falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from models.loss import IGNORE_INDEX
+
+FORMATS = (".pkl", ".jsonl", ".npy")
+_MAX_ID = np.iinfo(np.int32).max
+
+
+# ---------------------------------------------------------------------------------------
+# Datasets and loading
+# ---------------------------------------------------------------------------------------
+
+
+class Rows(NamedTuple):
+    """Fixed-length training rows (see the module docstring for the scheme).
+
+    Attributes:
+        input_ids: int32 ``[num_rows, seq_len]``.
+        labels: int32 ``[num_rows, seq_len]``; ``labels[r, t]`` is the target of
+            ``input_ids[r, t]``'s logits, ``-100`` where ignored.
+        segment_ids: int32 ``[num_rows, seq_len]``; which example each token comes from,
+            numbered from 0 within the row (for document-masked attention).
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    segment_ids: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDataset:
+    """Examples of token ids, stored concatenated.
+
+    Attributes:
+        path: where the data came from (for error messages).
+        tokens: int32 ``[num_tokens]``, all examples back to back.
+        targets: int32 ``[num_tokens]``, the unshifted per-token labels: the token itself,
+            or the example's ``"labels"`` (``-100`` = ignored).
+        offsets: int64 ``[num_examples + 1]``; example ``i`` is
+            ``tokens[offsets[i]:offsets[i + 1]]``.
+    """
+
+    path: str
+    tokens: np.ndarray
+    targets: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def from_examples(
+        cls,
+        path: str,
+        input_ids: Sequence[np.ndarray],
+        labels: Sequence[np.ndarray | None] | None = None,
+    ) -> TokenDataset:
+        """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens)."""
+        if not input_ids:
+            raise ValueError(f"{path}: the dataset has no examples")
+        labels = labels if labels is not None else [None] * len(input_ids)
+        targets = [ids if lab is None else lab for ids, lab in zip(input_ids, labels, strict=True)]
+        lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+        return cls(
+            path=str(path),
+            tokens=np.concatenate(input_ids).astype(np.int32),
+            targets=np.concatenate(targets).astype(np.int32),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        )
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[num_examples]``: tokens per example."""
+        return np.diff(self.offsets)
+
+    def example(self, i: int) -> np.ndarray:
+        """int32 ``[length_i]``: the tokens of example ``i``."""
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError naming file, record and id for a token or label ``>= vocab_size``."""
+        for name, values in (("token id", self.tokens), ("label", self.targets)):
+            bad = np.flatnonzero(values >= vocab_size)
+            if bad.size:
+                record = int(np.searchsorted(self.offsets, bad[0], side="right")) - 1
+                raise ValueError(
+                    f"{self.path}: record {record}: {name} {int(values[bad[0]])} is out of "
+                    f"range for {vocab_size=}"
+                )
+
+    def summary(self) -> dict[str, int]:
+        """Counts: examples, tokens, min/max example length, max token id."""
+        return {
+            "examples": self.num_examples,
+            "tokens": self.num_tokens,
+            "min_length": int(self.lengths.min()),
+            "max_length": int(self.lengths.max()),
+            "max_id": int(self.tokens.max()),
+        }
+
+    def rows(self, seq_len: int, *, eos_id: int | None = None, mask_boundaries: bool = True) -> Rows:
+        """Packs the examples into rows of ``seq_len`` tokens with shifted labels.
+
+        Args:
+            seq_len: tokens per row.
+            eos_id: if given, appended after every example (as part of it).
+            mask_boundaries: set labels that cross from one example into the next to -100.
+
+        Returns:
+            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens).
+        """
+        if seq_len < 1:
+            raise ValueError(f"{seq_len=} must be positive")
+        tokens, targets, docs = self._stream(eos_id)
+        num_rows = len(tokens) // seq_len
+        if num_rows == 0:
+            raise ValueError(
+                f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}"
+            )
+        next_targets = np.append(targets[1:], np.int32(IGNORE_INDEX))
+        if mask_boundaries:
+            next_targets[:-1][docs[1:] != docs[:-1]] = IGNORE_INDEX
+        shape = (num_rows, seq_len)
+        used = num_rows * seq_len
+        row_docs = docs[:used].reshape(shape)
+        return Rows(
+            input_ids=tokens[:used].reshape(shape),
+            labels=next_targets[:used].reshape(shape),
+            segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
+        )
+
+    def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, targets, example index)`` of the concatenated stream, int32 each."""
+        docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
+        if eos_id is None:
+            return self.tokens, self.targets, docs
+        if not 0 <= eos_id <= _MAX_ID:
+            raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
+        ends = self.offsets[1:]
+        return (
+            np.insert(self.tokens, ends, eos_id),
+            np.insert(self.targets, ends, eos_id),
+            np.insert(docs, ends, np.arange(self.num_examples, dtype=np.int32)),
+        )
+
+
+def load_dataset(
+    path: str | Path, *, tokenizer_dir: str | Path | None = None, vocab_size: int | None = None
+) -> TokenDataset:
+    """Loads a ``.pkl``, ``.jsonl`` or ``.npy`` dataset (see the module docstring).
+
+    Args:
+        path: the data file.
+        tokenizer_dir: model directory with ``tokenizer.json``, needed for ``"text"`` records.
+        vocab_size: if given, every token id and label must be below it.
+
+    Raises:
+        ValueError: malformed data, naming the file and record index; an empty dataset;
+            ids out of range; an unknown extension.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
+    if suffix == ".npy":
+        dataset = _load_npy(path)
+    else:
+        records = _read_pkl(path) if suffix == ".pkl" else _read_jsonl(path)
+        parser = _RecordParser(path, tokenizer_dir)
+        parsed = [parser.parse(i, record) for i, record in records]
+        dataset = TokenDataset.from_examples(
+            str(path), [ids for ids, _ in parsed], [labels for _, labels in parsed]
+        )
+    if vocab_size is not None:
+        dataset.check_vocab(vocab_size)
+    return dataset
+
+
+def _read_pkl(path: Path) -> list[tuple[int, Any]]:
+    with open(path, "rb") as f:
+        data = pickle.load(f)
+    if not isinstance(data, (list, tuple)):
+        raise ValueError(f"{path}: expected a pickled list of examples, got {type(data).__name__}")
+    return list(enumerate(data))
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    """``(line index, parsed object)`` for each non-blank line; record = 0-based line."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                records.append((i, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: record {i}: invalid JSON ({e})") from None
+    return records
+
+
+def _load_npy(path: Path) -> TokenDataset:
+    array = np.load(path, allow_pickle=False)
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"{path}: expected an integer array [N, L] or [L], got {array.dtype} {array.shape}"
+        )
+    if array.size == 0:
+        raise ValueError(f"{path}: the dataset has no tokens, shape {array.shape}")
+    for name, bad in (("negative", array < 0), ("above int32", array > _MAX_ID)):
+        if bad.any():
+            record, col = np.argwhere(bad)[0]
+            raise ValueError(
+                f"{path}: record {record}: {name} token id {int(array[record, col])}"
+            )
+    return TokenDataset.from_examples(str(path), list(array.astype(np.int32)))
+
+
+class _RecordParser:
+    """Turns one ``.pkl`` / ``.jsonl`` record into ``(input_ids, labels or None)``."""
+
+    def __init__(self, path: Path, tokenizer_dir: str | Path | None):
+        self.path = path
+        self.tokenizer_dir = tokenizer_dir
+        self._tokenizer = None
+
+    def parse(self, i: int, record: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        if not isinstance(record, dict):
+            return self._ids(i, "input_ids", record), None
+        if "input_ids" in record:
+            ids = self._ids(i, "input_ids", record["input_ids"])
+            labels = record.get("labels")
+            return ids, None if labels is None else self._labels(i, labels, len(ids))
+        if "text" in record:
+            return self._tokenize(i, record["text"]), None
+        raise ValueError(
+            f"{self.path}: record {i}: expected key 'input_ids' or 'text', got {sorted(record)}"
+        )
+
+    def _ids(self, i: int, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
+        prefix = f"{self.path}: record {i}: {key!r}"
+        if isinstance(value, (str, bytes, dict)) or np.isscalar(value):
+            raise ValueError(f"{prefix} must be a list of ints, got {type(value).__name__}")
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{prefix} must be a list of ints ({e})") from None
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(f"{prefix} must be a non-empty 1-D list of ints, shape {array.shape}")
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{prefix} must be a list of ints, got elements of {array.dtype}")
+        ignored = (array == IGNORE_INDEX) if allow_ignore else np.zeros(array.shape, bool)
+        for problem, bad in (("is negative", (array < 0) & ~ignored), ("exceeds int32", array > _MAX_ID)):
+            if bad.any():
+                pos = int(np.argmax(bad))
+                raise ValueError(f"{prefix}: id {int(array[pos])} at position {pos} {problem}")
+        return array.astype(np.int32)
+
+    def _labels(self, i: int, value: Any, length: int) -> np.ndarray:
+        labels = self._ids(i, "labels", value, allow_ignore=True)
+        if len(labels) != length:
+            raise ValueError(
+                f"{self.path}: record {i}: 'labels' has {len(labels)} entries, "
+                f"'input_ids' has {length}"
+            )
+        return labels
+
+    def _tokenize(self, i: int, text: Any) -> np.ndarray:
+        if not isinstance(text, str):
+            raise ValueError(f"{self.path}: record {i}: 'text' must be a str, got {type(text)}")
+        ids = self._get_tokenizer(i).encode(text).ids
+        if not ids:
+            raise ValueError(f"{self.path}: record {i}: 'text' tokenizes to no tokens")
+        return np.asarray(ids, dtype=np.int32)
+
+    def _get_tokenizer(self, i: int):
+        if self._tokenizer is None:
+            self._tokenizer = _load_tokenizer(self.tokenizer_dir, f"{self.path}: record {i}")
+        return self._tokenizer
+
+
+def _load_tokenizer(tokenizer_dir: str | Path | None, where: str):
+    """``tokenizers.Tokenizer`` from ``tokenizer_dir/tokenizer.json``, with clear errors."""
+    if tokenizer_dir is None:
+        raise ValueError(
+            f"{where}: has 'text' but no tokenizer directory was given; pass the model "
+            "directory that holds tokenizer.json"
+        )
+    file = Path(tokenizer_dir) / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"{where}: has 'text' but {file} does not exist")
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError(
+            f"{where}: has 'text', which needs the 'tokenizers' package (pip install "
+            "tokenizers); or pre-tokenize the data into 'input_ids'"
+        ) from None
+    return tokenizers.Tokenizer.from_file(str(file))
+
+
+# ---------------------------------------------------------------------------------------
+# Batches
+# ---------------------------------------------------------------------------------------
+
+
+class Batch(NamedTuple):
+    """One (process-local share of a) global batch, int32 ``[batch, seq_len]`` each."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    segment_ids: np.ndarray
+
+
+class Batches:
+    """Deterministic, resumable, multi-epoch iterator of shuffled batches of rows.
+
+    Args:
+        rows: the packed rows.
+        global_batch_size: rows per global batch, over all processes.
+        seed: shuffle seed; epoch ``e`` uses ``np.random.default_rng([seed, e])``.
+        shuffle: if False, rows keep their order every epoch.
+        start: position to start from, ``state()`` of an earlier instance.
+        start_step: alternatively, the number of batches already consumed.
+        num_epochs: stop after this many epochs; None iterates forever.
+        process_index: this process (host) in multi-host training.
+        process_count: number of processes; each yields ``global_batch_size //
+            process_count`` rows, a contiguous block of every global batch.
+    """
+
+    def __init__(
+        self,
+        rows: Rows,
+        global_batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        start: dict[str, int] | None = None,
+        start_step: int | None = None,
+        num_epochs: int | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        if global_batch_size < 1:
+            raise ValueError(f"{global_batch_size=} must be positive")
+        if global_batch_size > rows.num_rows:
+            raise ValueError(
+                f"{global_batch_size=} exceeds the {rows.num_rows} rows of the dataset; "
+                "add data or reduce the batch size / sequence length"
+            )
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"{process_index=} must be in [0, {process_count=})")
+        if global_batch_size % process_count:
+            raise ValueError(f"{global_batch_size=} must be divisible by {process_count=}")
+        if start is not None and start_step is not None:
+            raise ValueError("give either start or start_step, not both")
+        self.rows = rows
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.local_batch_size = global_batch_size // process_count
+        self._local_start = process_index * self.local_batch_size
+        self._perm_epoch, self._perm = -1, np.arange(0)
+        if start is not None:
+            self._step = self._step_of(start)
+        else:
+            self._step = start_step or 0
+        if self._step < 0:
+            raise ValueError(f"start step {self._step} must be non-negative")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full global batches per epoch (drop-last)."""
+        return self.rows.num_rows // self.global_batch_size
+
+    @property
+    def step(self) -> int:
+        """Global batches consumed so far (the index of the next batch)."""
+        return self._step
+
+    def state(self) -> dict[str, int]:
+        """Position of the next batch: ``{"epoch": e, "index": i}`` (i-th batch of epoch e)."""
+        epoch, index = divmod(self._step, self.steps_per_epoch)
+        return {"epoch": epoch, "index": index}
+
+    def batch_at(self, step: int) -> Batch:
+        """This process's share of global batch ``step`` (counted over all epochs)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        begin = index * self.global_batch_size + self._local_start
+        ids = self._permutation(epoch)[begin : begin + self.local_batch_size]
+        return Batch(*(np.ascontiguousarray(a[ids]) for a in self.rows))
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.num_epochs is not None and self._step >= self.num_epochs * self.steps_per_epoch:
+            raise StopIteration
+        batch = self.batch_at(self._step)
+        self._step += 1
+        return batch
+
+    def _step_of(self, state: dict[str, int]) -> int:
+        if set(state) != {"epoch", "index"}:
+            raise ValueError(f"data position must have keys 'epoch' and 'index', got {state}")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self.steps_per_epoch:
+            raise ValueError(
+                f"data position {state} does not fit {self.steps_per_epoch} steps per epoch "
+                "(did the data, sequence length or batch size change?)"
+            )
+        return epoch * self.steps_per_epoch + index
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            n = self.rows.num_rows
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = rng.permutation(n) if self.shuffle else np.arange(n)
+            self._perm_epoch = epoch
+        return self._perm
+
+
+# ---------------------------------------------------------------------------------------
+# Sample data and the CLI
+# ---------------------------------------------------------------------------------------
+
+
+def markov_samples(
+    num_samples: int,
+    seq_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    num_states: int = 256,
+    branching: int = 4,
+) -> np.ndarray:
+    """Learnable sample sequences from a sparse random Markov chain.
+
+    ``num_states`` distinct token ids are drawn from the vocabulary; each has
+    ``branching`` possible successors (among those states) with Dirichlet-random
+    probabilities. A model first learns which tokens occur (loss falls from
+    ``ln(vocab_size)`` towards ``ln(num_states)``), then the transitions (towards the
+    chain's entropy rate, at most ``ln(branching)``).
+
+    Returns:
+        int32 ``[num_samples, seq_len]``.
+    """
+    for name, value in (("num_samples", num_samples), ("seq_len", seq_len)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be positive")
+    num_states = min(num_states, vocab_size)
+    if num_states < 1 or not 1 <= branching <= num_states:
+        raise ValueError(f"need 1 <= {branching=} <= {num_states=} <= {vocab_size=}")
+    rng = np.random.default_rng(seed)
+    state_ids = rng.choice(vocab_size, size=num_states, replace=False).astype(np.int32)
+    successors = np.stack(
+        [rng.choice(num_states, size=branching, replace=False) for _ in range(num_states)]
+    )
+    cumulative = np.cumsum(rng.dirichlet(np.ones(branching), size=num_states), axis=1)
+    states = np.empty((num_samples, seq_len), dtype=np.int64)
+    states[:, 0] = rng.integers(num_states, size=num_samples)
+    for t in range(1, seq_len):
+        u = rng.random(num_samples)[:, None]
+        prev = states[:, t - 1]
+        choice = np.minimum((u > cumulative[prev]).sum(axis=1), branching - 1)
+        states[:, t] = successors[prev, choice]
+    return state_ids[states]
+
+
+def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) -> None:
+    """Writes examples (``[N, L]`` or a list of 1-D int arrays) by extension.
+
+    ``.pkl``: a list of ``{"input_ids": [...]}`` dicts; ``.jsonl``: one such object per
+    line; ``.npy``: an int32 ``[N, L]`` array (examples must have equal lengths).
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        np.save(path, np.asarray(examples, dtype=np.int32))
+    elif suffix == ".pkl":
+        with open(path, "wb") as f:
+            pickle.dump([{"input_ids": np.asarray(e).tolist()} for e in examples], f)
+    elif suffix == ".jsonl":
+        with open(path, "w", encoding="utf-8") as f:
+            for e in examples:
+                f.write(json.dumps({"input_ids": np.asarray(e).tolist()}) + "\n")
+    else:
+        raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m train.data sample ...`` / ``python -m train.data inspect PATH``."""
+    parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    sample = commands.add_parser("sample", help="write learnable Markov-chain sample data")
+    sample.add_argument("--out", required=True, help="output file: .pkl, .jsonl or .npy")
+    sample.add_argument("--num-samples", type=int, default=512)
+    sample.add_argument("--seq-len", type=int, default=1024, help="tokens per example")
+    sample.add_argument("--vocab-size", type=int, default=32000)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--num-states", type=int, default=256, help="distinct tokens used")
+    sample.add_argument("--branching", type=int, default=4, help="successors per token")
+    inspect = commands.add_parser("inspect", help="print counts of a dataset")
+    inspect.add_argument("path")
+    inspect.add_argument("--tokenizer-dir", default=None, help="model dir, for 'text' records")
+    inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
+    args = parser.parse_args(argv)
+    if args.command == "sample":
+        examples = markov_samples(
+            args.num_samples,
+            args.seq_len,
+            args.vocab_size,
+            args.seed,
+            num_states=args.num_states,
+            branching=args.branching,
+        )
+        save_dataset(args.out, examples)
+        print(f"wrote {args.out}: {args.num_samples} examples x {args.seq_len} tokens")
+    else:
+        dataset = load_dataset(
+            args.path, tokenizer_dir=args.tokenizer_dir, vocab_size=args.vocab_size
+        )
+        for key, value in dataset.summary().items():
+            print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""`python -m train`: the seed's training job over a ("data", "fsdp", "seq") mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+from train import data as data_lib
+from train.checkpoint import Checkpoints, resolve_resume
+from train.config import TrainConfig
+from train.mesh import batch_sharding, make_mesh, param_shardings, parse_mesh, replicated
+from train.metrics import JsonlLog, memory, throughput
+from train.optim import optimizer, schedule
+from train.step import StepSpec, train_step
+from train.tensorboard import SummaryWriter
+
+
+class TrainingError(RuntimeError):
+    """A failure the user can act on (message says what to change)."""
+
+
+def initialize_distributed(cfg: TrainConfig) -> None:
+    """Multi-host through jax's own engine: flags, or the usual cluster variables."""
+    p = cfg.parallel
+    if p.coordinator_address or (p.num_processes or 0) > 1:
+        jax.distributed.initialize(
+            coordinator_address=p.coordinator_address,
+            num_processes=p.num_processes,
+            process_id=p.process_id,
+        )
+    elif "JAX_COORDINATOR_ADDRESS" in os.environ or "SLURM_JOB_ID" in os.environ:
+        jax.distributed.initialize()
+
+
+def load_model(cfg: TrainConfig):
+    """`(LlamaConfig, host params or None)`: an HF directory, or a preset (random init)."""
+    name = cfg.model.model_name_or_path
+    if os.path.isdir(name):
+        config, params = models.load_hf(name)
+    else:
+        try:
+            config, params = models.preset(name), None
+        except (KeyError, ValueError) as e:
+            raise TrainingError(
+                f"--model_name_or_path={name!r} is neither a local HF directory nor a preset "
+                f"({sorted(models.PRESETS)})"
+            ) from e
+    config = config.replace(
+        dtype="bfloat16" if (cfg.model.bf16 or cfg.model.fp16) else "float32",
+        param_dtype="float32",
+        remat=cfg.remat,
+        scan_layers=cfg.model.scan_layers,
+    )
+    return config, params
+
+
+def load_rows(cfg: TrainConfig, config, is_main: bool) -> data_lib.Rows:
+    """The packed training rows; without `--data_path`, learnable sample data is made."""
+    path = cfg.data.data_path
+    if not path:
+        path = os.path.join(cfg.run.output_dir, "sample_data.npy")
+        if is_main and not os.path.exists(path):
+            vocab = cfg.data.sample_vocab_size or config.vocab_size
+            examples = data_lib.markov_samples(
+                cfg.data.sample_num_examples, cfg.data.model_max_length + 1, vocab, cfg.run.seed
+            )
+            os.makedirs(cfg.run.output_dir, exist_ok=True)
+            data_lib.save_dataset(path, examples)
+        multihost_utils.sync_global_devices("sample data written")
+    name = cfg.model.model_name_or_path
+    tokenizer_dir = name if os.path.isdir(name) else None
+    dataset = data_lib.load_dataset(path, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
+    return dataset.rows(cfg.data.model_max_length)
+
+
+def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
+    """Refuses, before compiling, shapes the mesh cannot split."""
+    seq, seq_len = sizes["seq"], cfg.data.model_max_length
+    if seq > 1 and cfg.model.attention != "ring":
+        raise TrainingError(
+            f"--mesh has seq={seq} but --attention={cfg.model.attention!r}: only 'ring' "
+            "attention shards the sequence"
+        )
+    need = 2 * seq if (seq > 1 and cfg.model.ring_layout == "zigzag") else seq
+    if seq_len % need:
+        raise TrainingError(
+            f"--model_max_length={seq_len} must be divisible by {need} "
+            f"(seq={seq}, layout={cfg.model.ring_layout})"
+        )
+
+
+def loss_chunk(seq_len: int, seq: int) -> int:
+    """Tokens per chunked-loss step: at most 1024, dividing T, a multiple of `seq`."""
+    for chunk in range(min(seq_len, 1024), 0, -1):
+        if seq_len % chunk == 0 and chunk % seq == 0:
+            return chunk
+    return seq_len
+
+
+@dataclasses.dataclass
+class _Timer:
+    start: float = 0.0
+    tokens: int = 0
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Trains; returns a summary (final loss, steps, metrics) for tests and reports."""
+    initialize_distributed(cfg)
+    is_main = jax.process_index() == 0
+    out = cfg.run.output_dir
+    sizes = parse_mesh(cfg.parallel.mesh, jax.device_count(), fsdp=bool(cfg.parallel.fsdp))
+    check_layout(cfg, sizes)
+    mesh = make_mesh(sizes)
+    config, host_params = load_model(cfg)
+    seq_len = cfg.data.model_max_length
+
+    rows = load_rows(cfg, config, is_main)
+    global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
+    accum = cfg.run.gradient_accumulation_steps
+    if global_batch * accum > rows.num_rows:
+        raise TrainingError(
+            f"one step needs {global_batch * accum} rows of {seq_len} tokens (global batch "
+            f"{global_batch} x accumulation {accum}) but the data has {rows.num_rows}; lower "
+            "--model_max_length, --per_device_train_batch_size or the accumulation, or add data"
+        )
+    batches = data_lib.Batches(rows, global_batch * accum, seed=cfg.run.seed)
+    if cfg.run.max_steps > 0:
+        total_steps = cfg.run.max_steps
+    else:
+        total_steps = math.ceil(cfg.run.num_train_epochs * batches.steps_per_epoch)
+
+    attention = models.AttentionConfig(
+        kind=cfg.model.attention, implementation=cfg.model.attention_implementation, mesh=mesh,
+        seq_axis="seq", layout=cfg.model.ring_layout, strategy=cfg.model.ring_strategy,
+        batch_axes=("data", "fsdp"),
+    )
+    spec = StepSpec(config=config, attention=attention, seq_shards=sizes["seq"],
+                    layout=cfg.model.ring_layout, loss_chunk=loss_chunk(seq_len, sizes["seq"]))
+    tx = optimizer(cfg.optim, total_steps)
+    lr_at = schedule(cfg.optim, total_steps)
+
+    with jax.set_mesh(mesh):
+        abstract_params = models.abstract_params(config)
+        p_shard = param_shardings(abstract_params, mesh)
+        if host_params is None:
+            params = jax.jit(functools.partial(models.init_params, config),
+                             out_shardings=p_shard)(jax.random.key(cfg.run.seed))
+        else:
+            params = jax.tree.map(
+                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+                host_params, p_shard,
+            )
+        opt_abstract = jax.eval_shape(tx.init, abstract_params)
+        o_shard = param_shardings(opt_abstract, mesh)
+        opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
+        state = {"params": params, "opt_state": opt_state,
+                 "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))}
+        state_shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
+
+        ckpt = Checkpoints(out, cfg.run.save_total_limit)
+        start_step = 0
+        resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
+        if resume is not None:
+            source = ckpt if os.path.abspath(resume[0]) == os.path.abspath(out) else Checkpoints(
+                resume[0], None)
+            step = resume[1] if resume[1] is not None else source.latest_step()
+            if step is None:
+                raise TrainingError(f"--resume_from_checkpoint: no checkpoint in {source.directory}")
+            abstract = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                state_shardings)
+            state, meta = source.restore(step, abstract)
+            start_step = int(meta["step"])
+            # The saved data position must land on the same step with this data/batch.
+            resumed = data_lib.Batches(rows, global_batch * accum, seed=cfg.run.seed,
+                                       start=meta["data"])
+            if resumed.step != start_step:
+                raise TrainingError(
+                    f"checkpoint step {start_step} and data position {meta['data']} disagree: "
+                    "did the data, --model_max_length or the batch size change?")
+
+        step_fn = jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0)
+        b_shard = batch_sharding(mesh)
+        stacked = NamedSharding(mesh, P(None, *b_shard.spec))
+
+        def device_batch(step: int):
+            b = batches.batch_at(step)  # [accum * GB, T] host arrays, the same on every host
+            ids, labels = b.input_ids, b.labels
+            shape = (accum, global_batch, seq_len)
+            return {
+                "input_ids": jax.make_array_from_process_local_data(
+                    stacked, ids.reshape(shape), shape),
+                "labels": jax.make_array_from_process_local_data(
+                    stacked, labels.reshape(shape), shape),
+            }
+
+        flops_token = models.training_flops_per_token(config, seq_len)
+        writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
+        log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
+        profile = _profile_window(cfg)
+        bar = _progress(cfg, is_main, start_step, total_steps)
+        history = []
+        timer = _Timer()
+        pending = None  # (step, metrics) of the last dispatched step: checked one step late
+        try:
+            for step in range(start_step, total_steps):
+                if profile and step == profile[0]:
+                    jax.block_until_ready(state)
+                    jax.profiler.start_trace(cfg.profile.profile_dir or os.path.join(out, "tensorboard"))
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, metrics = _guard_oom(step_fn, state, device_batch(step), cfg)
+                if profile and step == profile[1] - 1:
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                if pending is not None:
+                    history.append(_finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar))
+                pending = (step, metrics)
+                done = step + 1
+                if _should_save(cfg, done, total_steps, batches.steps_per_epoch):
+                    history.append(_finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar))
+                    pending = None
+                    epoch, index = divmod(done, batches.steps_per_epoch)
+                    ckpt.save(done, state, {"step": done, "data": {"epoch": epoch, "index": index}})
+            if pending is not None:
+                history.append(_finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar))
+        finally:
+            ckpt.close()
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+            if log is not None:
+                log.close()
+
+        if cfg.run.export_hf and total_steps > start_step:
+            host = multihost_utils.process_allgather(state["params"], tiled=True)
+            if is_main:
+                models.export_hf(jax.tree.map(np.asarray, host), config, os.path.join(out, "hf"))
+    losses = [h["loss"] for h in history]
+    return {"losses": losses, "history": history, "total_steps": total_steps,
+            "start_step": start_step, "mesh": sizes, "config": config}
+
+
+def _progress(cfg, is_main, start, total):
+    if not (is_main and cfg.run.progress):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+
+
+def _profile_window(cfg: TrainConfig) -> tuple[int, int] | None:
+    text = cfg.profile.profile_steps.strip()
+    if not text:
+        return None
+    try:
+        start, stop = (int(x) for x in text.split(","))
+    except ValueError:
+        raise TrainingError(f"--profile_steps={text!r} must be 'start,stop'") from None
+    if not 0 <= start < stop:
+        raise TrainingError(f"--profile_steps={text!r} needs 0 <= start < stop")
+    return start, stop
+
+
+def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) -> bool:
+    if cfg.run.save_strategy == "no":
+        return False
+    if cfg.run.save_strategy == "epoch":
+        return done % steps_per_epoch == 0 or done == total
+    return done % cfg.run.save_steps == 0 or done == total
+
+
+def _guard_oom(step_fn, state, batch, cfg: TrainConfig):
+    try:
+        return step_fn(state, batch)
+    except Exception as e:  # noqa: BLE001 - rethrown with advice, or as is
+        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
+            raise TrainingError(
+                "out of device memory. Turn one of: --per_device_train_batch_size (now "
+                f"{cfg.run.per_device_train_batch_size}), --model_max_length (now "
+                f"{cfg.data.model_max_length}), a larger seq or fsdp axis in --mesh (now "
+                f"{cfg.parallel.mesh!r}), --remat_policy full (now {cfg.remat!r})"
+            ) from e
+        raise
+
+
+def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar) -> dict:
+    """Fetches one step's metrics; stops on a non-finite loss; logs every logging_steps."""
+    step, metrics = pending
+    metrics = jax.device_get(metrics)
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+        raise TrainingError(
+            f"non-finite loss {loss} at step {step + 1}; training stopped. No checkpoint was "
+            "written for this or later steps, so the last checkpoint is intact. Lower "
+            "--learning_rate or check the data."
+        )
+    done = step + 1
+    if timer.start == 0.0:  # the first step includes compilation: throughput starts after it
+        timer.start = time.perf_counter()
+    else:
+        timer.tokens += int(metrics["tokens"])
+    record = {"step": done, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+              "lr": float(lr_at(step))}
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}")
+    if done % cfg.run.logging_steps == 0:
+        now = time.perf_counter()
+        record.update(throughput(timer.tokens, now - timer.start, flops_token, jax.device_count()))
+        record.update(memory())
+        timer.start, timer.tokens = now, 0
+        if writer is not None:
+            writer.scalars({f"train/{k}": v for k, v in record.items() if k != "step"}, done)
+        if log is not None:
+            log.write(record)
+    return record

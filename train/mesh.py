@@ -1,0 +1,108 @@
+"""The device mesh `("data", "fsdp", "seq")` and how arrays are laid out on it.
+
+FSDP (the seed's `--fsdp full_shard`): every parameter, its gradient and its optimizer
+state are sharded over `fsdp` along their largest dimension that divides evenly
+(replicated when none does). The batch is split over `data` x `fsdp`; the sequence over
+`seq` (ring attention). XLA inserts the all-gathers / reduce-scatters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "fsdp", "seq")
+BATCH_AXES = ("data", "fsdp")
+
+
+def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]:
+    """`"data=1,fsdp=-1,seq=4"` -> `{"data": 1, "fsdp": N/4, "seq": 4}`, checked.
+
+    One axis may be -1 (the remaining devices). With `fsdp=False` (`--fsdp ""`) a -1
+    goes to `data` instead of `fsdp`. Raises before anything compiles.
+    """
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        if "=" not in part:
+            raise ValueError(f"--mesh {spec!r}: {part!r} is not axis=size")
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in AXES:
+            raise ValueError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {AXES}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh {spec!r}: size of {name!r} is not an int: {value!r}") from None
+    for name in AXES:
+        sizes.setdefault(name, 1)
+    if not fsdp and sizes["fsdp"] == -1:
+        sizes["fsdp"], sizes["data"] = 1, -1 if sizes["data"] == 1 else sizes["data"]
+    free = [n for n, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"--mesh {spec!r}: only one axis may be -1, got {free}")
+    if any(s == 0 or s < -1 for s in sizes.values()):
+        raise ValueError(f"--mesh {spec!r}: sizes must be positive (or one -1)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(
+                f"--mesh {spec!r}: {num_devices=} is not divisible by the fixed axes' product {fixed}"
+            )
+        sizes[free[0]] = num_devices // fixed
+    total = math.prod(sizes.values())
+    if total != num_devices:
+        raise ValueError(
+            f"--mesh {spec!r} needs {total} devices ({sizes}), but {num_devices=} are available"
+        )
+    return {n: sizes[n] for n in AXES}
+
+
+def make_mesh(sizes: dict[str, int]) -> Mesh:
+    """A mesh over all devices with Auto axes: XLA places the FSDP gathers and scatters."""
+    shape = tuple(sizes[a] for a in AXES)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def param_spec(shape: tuple[int, ...], fsdp_size: int, *, stacked: bool = False) -> P:
+    """FSDP spec: shard the largest evenly divisible dimension over `fsdp`.
+
+    `stacked`: dimension 0 indexes scanned layers and is never sharded (the scan
+    slices it every iteration).
+    """
+    if fsdp_size == 1 or not shape:
+        return P()
+    dims = range(1 if stacked else 0, len(shape))
+    order = sorted(dims, key=lambda i: -shape[i])
+    for dim in order:
+        if shape[dim] % fsdp_size == 0 and shape[dim] >= fsdp_size:
+            spec = [None] * len(shape)
+            spec[dim] = "fsdp"
+            return P(*spec)
+    return P()
+
+
+def param_shardings(abstract_tree, mesh: Mesh):
+    """NamedShardings for a pytree of arrays/ShapeDtypeStructs (params or opt state).
+
+    Leaves under a `layers` key are scanned-layer stacks (dimension 0 = layer).
+    """
+    fsdp_size = mesh.shape["fsdp"]
+
+    def shard(path, x):
+        stacked = any(getattr(k, "key", None) == "layers" for k in path)
+        return NamedSharding(mesh, param_spec(tuple(np.shape(x)), fsdp_size, stacked=stacked))
+
+    return jax.tree_util.tree_map_with_path(shard, abstract_tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """`[batch, seq]` token arrays: batch over data x fsdp, sequence over seq."""
+    return NamedSharding(mesh, P(BATCH_AXES, "seq"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

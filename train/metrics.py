@@ -1,0 +1,62 @@
+"""Throughput, MFU and memory numbers, and the JSONL log the trainer writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+
+# Dense bf16 peak per device (datasheet, FLOP/s), for MFU. Unknown devices: no MFU.
+PEAK_BF16_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+}
+
+
+def peak_flops(device=None) -> float | None:
+    kind = (device or jax.devices()[0]).device_kind
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
+def memory(device=None) -> dict[str, float]:
+    """Bytes in use and peak on one local device, in GiB (empty where not reported)."""
+    stats = (device or jax.local_devices()[0]).memory_stats() or {}
+    out = {}
+    for key, name in (("bytes_in_use", "memory_gib"), ("peak_bytes_in_use", "peak_memory_gib")):
+        if key in stats:
+            out[name] = stats[key] / 2**30
+    return out
+
+
+def throughput(tokens: float, seconds: float, flops_per_token: float, num_devices: int) -> dict:
+    """tokens/s, achieved TFLOP/s per device and MFU (model FLOPs, recompute not counted)."""
+    tps = tokens / seconds
+    per_device = tps * flops_per_token / num_devices
+    out = {"tokens_per_s": tps, "tflops_per_device": per_device / 1e12}
+    peak = peak_flops()
+    if peak:
+        out["mfu"] = per_device / peak
+    return out
+
+
+class JsonlLog:
+    """Append-only JSON-lines log (one object per logging step)."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,84 @@
+"""The jitted training step: gradient accumulation, token-normalised loss, AdamW update.
+
+`ids`, `labels` `[accum, B, T]` arrive in natural token order, sharded batch over
+`data x fsdp` and sequence over `seq`. With the zigzag layout they are permuted once
+here (`jflash.zigzag`), positions come from `jflash.positions`, and every layer then
+works in that order (DESIGN.md "Public API"). Labels were aligned before sharding, so
+no shift ever crosses a shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jflash
+import models
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What the step needs to know, static under jit."""
+
+    config: models.LlamaConfig
+    attention: models.AttentionConfig
+    seq_shards: int
+    layout: str  # token order on the seq axis: "zigzag" | "contiguous"
+    loss_chunk: int
+
+
+def _reorder(x, spec: StepSpec):
+    if spec.layout == "zigzag" and spec.seq_shards > 1:
+        return jflash.zigzag(x, spec.seq_shards, axis=1)
+    return x
+
+
+def loss_sums(params, ids, labels, spec: StepSpec):
+    """`(sum of token losses, number of counted tokens)` for one micro-batch `[B, T]`."""
+    ids, labels = _reorder(ids, spec), _reorder(labels, spec)
+    seq_len = ids.shape[1]
+    layout = spec.layout if spec.seq_shards > 1 else "contiguous"
+    pos = jflash.positions(seq_len, spec.seq_shards, layout)
+    positions = jnp.broadcast_to(pos, ids.shape)
+    hidden = models.hidden_states(spec.config, params, ids, positions, attention=spec.attention)
+    head = models.lm_head_weight(spec.config, params)
+    return models.chunked_cross_entropy(hidden, head, labels, chunk_size=spec.loss_chunk)
+
+
+def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
+    """One optimizer step over `accum` micro-batches; loss = total NLL / total tokens.
+
+    Args:
+      state: `{"params", "opt_state", "step"}`.
+      batch: `{"input_ids", "labels"}` int32 `[accum, B, T]`.
+
+    Returns:
+      `(new_state, metrics)` with loss, grad_norm, tokens and the LR used.
+    """
+    params = state["params"]
+
+    def accumulate(carry, xs):
+        grads, loss, count = carry
+        ids, labels = xs
+        (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(params, ids, labels, spec)
+        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return (grads, loss + l_sum, count + n), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    (grads, loss_sum, count), _ = jax.lax.scan(
+        accumulate, init, (batch["input_ids"], batch["labels"])
+    )
+    # The loss is a sum over tokens; normalise by all counted tokens of the step.
+    denom = jnp.maximum(count, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
+    metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+    return new_state, metrics
