@@ -415,7 +415,9 @@ def main(argv=None):
     }
     if args.longest:
         payload["longest"] = longest(args)
-    out = args.out or os.path.join(RESULTS, f"ring-{len(jax.devices())}.json")
+    out = args.out or RESULTS
+    if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
+        out = os.path.join(out, f"ring-{len(jax.devices())}.json")
     write_json(out, payload)
 
 

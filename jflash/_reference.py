@@ -58,6 +58,12 @@ def _finite(lse):
     return jnp.where(jnp.isneginf(lse), 0.0, lse)
 
 
+def _mm(spec: str, a, b):
+    """f32-accumulating einsum; f32 inputs stay f32 (GPU XLA would default to TF32)."""
+    precision = _HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _kv_blocks(x, block: int):
     """`[B,S,K,H]` -> `[nblk, B, block, K, H]`, zero-padded."""
     b, s, kh, h = x.shape
@@ -98,7 +104,7 @@ def xla_fwd(q, k, v, *, mask: Mask, segs, scale: float, out_dtype, block: int = 
     def step(carry, xs):
         m, l, acc = carry
         start, kb, vb = xs
-        s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        s = _mm("btkgh,bskh->bkgts", qg, kb) * scale
         vis = _block_mask(mask, segs, t, kv_len, start, block)[:, None, None]
         s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
@@ -106,9 +112,7 @@ def xla_fwd(q, k, v, *, mask: Mask, segs, scale: float, out_dtype, block: int = 
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(m - m_safe)
         l = l * corr + p.sum(-1)
-        pv = jnp.einsum(
-            "bkgts,bskh->btkgh", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
-        )
+        pv = _mm("bkgts,bskh->btkgh", p.astype(v.dtype), vb)
         acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
         return (m_new, l, acc), None
 
@@ -139,16 +143,14 @@ def xla_bwd(
 
     def step(dq, xs):
         start, kb, vb = xs
-        s = jnp.einsum("btkgh,bskh->bkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+        s = _mm("btkgh,bskh->bkgts", qg, kb) * scale
         vis = _block_mask(mask, segs, t, kv_len, start, block)[:, None, None]
         p = jnp.where(vis, jnp.exp(s - lse_g[..., None]), 0.0)
-        dv = jnp.einsum(
-            "bkgts,btkgh->bskh", p.astype(do.dtype), dog, preferred_element_type=jnp.float32
-        )
-        dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, preferred_element_type=jnp.float32)
+        dv = _mm("bkgts,btkgh->bskh", p.astype(do.dtype), dog)
+        dp = _mm("btkgh,bskh->bkgts", dog, vb)
         ds = (p * (dp - delta_g[..., None]) * scale).astype(q.dtype)
-        dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kb, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bkgts,btkgh->bskh", ds, qg, preferred_element_type=jnp.float32)
+        dq = dq + _mm("bkgts,bskh->btkgh", ds, kb)
+        dk = _mm("bkgts,btkgh->bskh", ds, qg)
         return dq, (dk.astype(grad_dtype), dv.astype(grad_dtype))
 
     nblk = -(-kv_len // block)

@@ -301,7 +301,9 @@ def test_batches_validation():
     rows = _rows(10)
     with pytest.raises(ValueError, match=r"global_batch_size=12 exceeds the 10 rows"):
         Batches(rows, 12)
-    with pytest.raises(ValueError, match=r"global_batch_size=6 must be divisible by process_count=4"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=6 must be divisible by process_count=4"
+    ):
         Batches(rows, 6, process_count=4)
     with pytest.raises(ValueError, match=r"process_index=2 must be in"):
         Batches(rows, 4, process_index=2, process_count=2)
@@ -322,7 +324,9 @@ def test_markov_samples_are_a_sparse_chain():
     for a, b in zip(samples[:, :-1].ravel(), samples[:, 1:].ravel(), strict=True):
         successors.setdefault(int(a), set()).add(int(b))
     assert max(len(s) for s in successors.values()) <= 3
-    np.testing.assert_array_equal(samples, markov_samples(64, 128, 32000, 0, num_states=50, branching=3))
+    np.testing.assert_array_equal(
+        samples, markov_samples(64, 128, 32000, 0, num_states=50, branching=3)
+    )
 
 
 def _cli(*args: str) -> str:

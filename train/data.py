@@ -159,7 +159,9 @@ class TokenDataset:
             "max_id": int(self.tokens.max()),
         }
 
-    def rows(self, seq_len: int, *, eos_id: int | None = None, mask_boundaries: bool = True) -> Rows:
+    def rows(
+        self, seq_len: int, *, eos_id: int | None = None, mask_boundaries: bool = True
+    ) -> Rows:
         """Packs the examples into rows of ``seq_len`` tokens with shifted labels.
 
         Args:
@@ -175,9 +177,7 @@ class TokenDataset:
         tokens, targets, docs = self._stream(eos_id)
         num_rows = len(tokens) // seq_len
         if num_rows == 0:
-            raise ValueError(
-                f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}"
-            )
+            raise ValueError(f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}")
         next_targets = np.append(targets[1:], np.int32(IGNORE_INDEX))
         if mask_boundaries:
             next_targets[:-1][docs[1:] != docs[:-1]] = IGNORE_INDEX
@@ -272,9 +272,7 @@ def _load_npy(path: Path) -> TokenDataset:
     for name, bad in (("negative", array < 0), ("above int32", array > _MAX_ID)):
         if bad.any():
             record, col = np.argwhere(bad)[0]
-            raise ValueError(
-                f"{path}: record {record}: {name} token id {int(array[record, col])}"
-            )
+            raise ValueError(f"{path}: record {record}: {name} token id {int(array[record, col])}")
     return TokenDataset.from_examples(str(path), list(array.astype(np.int32)))
 
 
@@ -312,7 +310,10 @@ class _RecordParser:
         if not np.issubdtype(array.dtype, np.integer):
             raise ValueError(f"{prefix} must be a list of ints, got elements of {array.dtype}")
         ignored = (array == IGNORE_INDEX) if allow_ignore else np.zeros(array.shape, bool)
-        for problem, bad in (("is negative", (array < 0) & ~ignored), ("exceeds int32", array > _MAX_ID)):
+        for problem, bad in (
+            ("is negative", (array < 0) & ~ignored),
+            ("exceeds int32", array > _MAX_ID),
+        ):
             if bad.any():
                 pos = int(np.argmax(bad))
                 raise ValueError(f"{prefix}: id {int(array[pos])} at position {pos} {problem}")
@@ -553,7 +554,9 @@ def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m train.data sample ...`` / ``python -m train.data inspect PATH``."""
-    parser = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m train.data", description=__doc__.split("\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="write learnable Markov-chain sample data")
     sample.add_argument("--out", required=True, help="output file: .pkl, .jsonl or .npy")

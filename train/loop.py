@@ -73,7 +73,7 @@ def load_rows(cfg: TrainConfig, config, is_main: bool) -> data_lib.Rows:
         if is_main and not os.path.exists(path):
             vocab = cfg.data.sample_vocab_size or config.vocab_size
             examples = data_lib.markov_samples(
-                cfg.data.sample_num_examples, cfg.data.model_max_length + 1, vocab, cfg.run.seed
+                cfg.data.sample_num_examples, cfg.data.model_max_length, vocab, cfg.run.seed
             )
             os.makedirs(cfg.run.output_dir, exist_ok=True)
             data_lib.save_dataset(path, examples)

@@ -138,7 +138,7 @@ class SummaryWriter:
         SummaryWriter._counter += 1
         name = (
             f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-            f"{os.getpid()}.{SummaryWriter._counter}{filename_suffix}"
+            f"{os.getpid()}.{SummaryWriter._counter:06d}{filename_suffix}"
         )
         self.path = self.logdir / name
         self.flush_secs = flush_secs
