@@ -27,7 +27,7 @@ test: venv oracle
 	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 demo: venv
-	$(VENV)/bin/python benchmarks/demo.py
+	$(VENV)/bin/python -m train.demo
 
 lint: venv
 	$(VENV)/bin/ruff check jflash models train tests benchmarks

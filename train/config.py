@@ -109,8 +109,10 @@ class TrainConfig:
             if value not in allowed:
                 raise ValueError(f"--{name}={value!r} must be one of {allowed}")
         positive = [
-            ("data", "model_max_length"), ("run", "per_device_train_batch_size"),
-            ("run", "gradient_accumulation_steps"), ("run", "logging_steps"),
+            ("data", "model_max_length"),
+            ("run", "per_device_train_batch_size"),
+            ("run", "gradient_accumulation_steps"),
+            ("run", "logging_steps"),
             ("run", "save_steps"),
         ]
         for section, name in positive:
@@ -210,8 +212,11 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     return data
 
 
-def from_overrides(yaml_overrides: dict[str, dict[str, Any]], flags: dict[str, dict[str, Any]],
-                   where: str = "config") -> TrainConfig:
+def from_overrides(
+    yaml_overrides: dict[str, dict[str, Any]],
+    flags: dict[str, dict[str, Any]],
+    where: str = "config",
+) -> TrainConfig:
     base = TrainConfig()
     sections = {}
     for section in SECTIONS:

@@ -141,12 +141,21 @@ def run(cfg: TrainConfig) -> dict:
         total_steps = math.ceil(cfg.run.num_train_epochs * batches.steps_per_epoch)
 
     attention = models.AttentionConfig(
-        kind=cfg.model.attention, implementation=cfg.model.attention_implementation, mesh=mesh,
-        seq_axis="seq", layout=cfg.model.ring_layout, strategy=cfg.model.ring_strategy,
+        kind=cfg.model.attention,
+        implementation=cfg.model.attention_implementation,
+        mesh=mesh,
+        seq_axis="seq",
+        layout=cfg.model.ring_layout,
+        strategy=cfg.model.ring_strategy,
         batch_axes=("data", "fsdp"),
     )
-    spec = StepSpec(config=config, attention=attention, seq_shards=sizes["seq"],
-                    layout=cfg.model.ring_layout, loss_chunk=loss_chunk(seq_len, sizes["seq"]))
+    spec = StepSpec(
+        config=config,
+        attention=attention,
+        seq_shards=sizes["seq"],
+        layout=cfg.model.ring_layout,
+        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
+    )
     tx = optimizer(cfg.optim, total_steps)
     lr_at = schedule(cfg.optim, total_steps)
 
@@ -154,41 +163,55 @@ def run(cfg: TrainConfig) -> dict:
         abstract_params = models.abstract_params(config)
         p_shard = param_shardings(abstract_params, mesh)
         if host_params is None:
-            params = jax.jit(functools.partial(models.init_params, config),
-                             out_shardings=p_shard)(jax.random.key(cfg.run.seed))
+            params = jax.jit(functools.partial(models.init_params, config), out_shardings=p_shard)(
+                jax.random.key(cfg.run.seed)
+            )
         else:
             params = jax.tree.map(
                 lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
-                host_params, p_shard,
+                host_params,
+                p_shard,
             )
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
         o_shard = param_shardings(opt_abstract, mesh)
         opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
-        state = {"params": params, "opt_state": opt_state,
-                 "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh))}
+        state = {
+            "params": params,
+            "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh)),
+        }
         state_shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
 
         ckpt = Checkpoints(out, cfg.run.save_total_limit)
         start_step = 0
         resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
         if resume is not None:
-            source = ckpt if os.path.abspath(resume[0]) == os.path.abspath(out) else Checkpoints(
-                resume[0], None)
+            source = (
+                ckpt
+                if os.path.abspath(resume[0]) == os.path.abspath(out)
+                else Checkpoints(resume[0], None)
+            )
             step = resume[1] if resume[1] is not None else source.latest_step()
             if step is None:
-                raise TrainingError(f"--resume_from_checkpoint: no checkpoint in {source.directory}")
+                raise TrainingError(
+                    f"--resume_from_checkpoint: no checkpoint in {source.directory}"
+                )
             abstract = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                state_shardings)
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                state,
+                state_shardings,
+            )
             state, meta = source.restore(step, abstract)
             start_step = int(meta["step"])
             # The saved data position must land on the same step with this data/batch.
-            resumed = data_lib.Batches(rows, global_batch * accum, seed=cfg.run.seed,
-                                       start=meta["data"])
+            resumed = data_lib.Batches(
+                rows, global_batch * accum, seed=cfg.run.seed, start=meta["data"]
+            )
             if resumed.step != start_step:
                 raise TrainingError(
                     f"checkpoint step {start_step} and data position {meta['data']} disagree: "
-                    "did the data, --model_max_length or the batch size change?")
+                    "did the data, --model_max_length or the batch size change?"
+                )
 
         step_fn = jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0)
         b_shard = batch_sharding(mesh)
@@ -200,9 +223,11 @@ def run(cfg: TrainConfig) -> dict:
             shape = (accum, global_batch, seq_len)
             return {
                 "input_ids": jax.make_array_from_process_local_data(
-                    stacked, ids.reshape(shape), shape),
+                    stacked, ids.reshape(shape), shape
+                ),
                 "labels": jax.make_array_from_process_local_data(
-                    stacked, labels.reshape(shape), shape),
+                    stacked, labels.reshape(shape), shape
+                ),
             }
 
         flops_token = models.training_flops_per_token(config, seq_len)
@@ -217,18 +242,24 @@ def run(cfg: TrainConfig) -> dict:
             for step in range(start_step, total_steps):
                 if profile and step == profile[0]:
                     jax.block_until_ready(state)
-                    jax.profiler.start_trace(cfg.profile.profile_dir or os.path.join(out, "tensorboard"))
+                    jax.profiler.start_trace(
+                        cfg.profile.profile_dir or os.path.join(out, "tensorboard")
+                    )
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     state, metrics = _guard_oom(step_fn, state, device_batch(step), cfg)
                 if profile and step == profile[1] - 1:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
                 if pending is not None:
-                    history.append(_finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar))
+                    history.append(
+                        _finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar)
+                    )
                 pending = (step, metrics)
                 done = step + 1
                 if _should_save(cfg, done, total_steps, batches.steps_per_epoch):
-                    history.append(_finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar))
+                    history.append(
+                        _finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar)
+                    )
                     pending = None
                     epoch, index = divmod(done, batches.steps_per_epoch)
                     ckpt.save(done, state, {"step": done, "data": {"epoch": epoch, "index": index}})
@@ -248,8 +279,14 @@ def run(cfg: TrainConfig) -> dict:
             if is_main:
                 models.export_hf(jax.tree.map(np.asarray, host), config, os.path.join(out, "hf"))
     losses = [h["loss"] for h in history]
-    return {"losses": losses, "history": history, "total_steps": total_steps,
-            "start_step": start_step, "mesh": sizes, "config": config}
+    return {
+        "losses": losses,
+        "history": history,
+        "total_steps": total_steps,
+        "start_step": start_step,
+        "mesh": sizes,
+        "config": config,
+    }
 
 
 def _progress(cfg, is_main, start, total):
@@ -311,8 +348,12 @@ def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar) -
         timer.start = time.perf_counter()
     else:
         timer.tokens += int(metrics["tokens"])
-    record = {"step": done, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-              "lr": float(lr_at(step))}
+    record = {
+        "step": done,
+        "loss": loss,
+        "grad_norm": float(metrics["grad_norm"]),
+        "lr": float(lr_at(step)),
+    }
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")

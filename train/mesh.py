@@ -36,7 +36,9 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
         try:
             sizes[name] = int(value)
         except ValueError:
-            raise ValueError(f"--mesh {spec!r}: size of {name!r} is not an int: {value!r}") from None
+            raise ValueError(
+                f"--mesh {spec!r}: size of {name!r} is not an int: {value!r}"
+            ) from None
     for name in AXES:
         sizes.setdefault(name, 1)
     if not fsdp and sizes["fsdp"] == -1:

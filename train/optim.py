@@ -13,7 +13,9 @@ from train.config import OptimArgs
 
 def warmup_steps(args: OptimArgs, total_steps: int) -> int:
     """HF `TrainingArguments.get_warmup_steps`: explicit steps, else ceil(ratio * total)."""
-    return args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total_steps)
+    return (
+        args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total_steps)
+    )
 
 
 def schedule(args: OptimArgs, total_steps: int) -> optax.Schedule:
