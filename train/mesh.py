@@ -52,7 +52,8 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     if free:
         if num_devices % fixed:
             raise ValueError(
-                f"--mesh {spec!r}: {num_devices=} is not divisible by the fixed axes' product {fixed}"
+                f"--mesh {spec!r}: {num_devices=} is not divisible by the fixed axes' "
+                f"product {fixed}"
             )
         sizes[free[0]] = num_devices // fixed
     total = math.prod(sizes.values())
