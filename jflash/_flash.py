@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
@@ -30,6 +31,9 @@ def _flash(q, k, v, segs, static: _Static):
 
 def _flash_fwd(q, k, v, segs, static: _Static):
     o, lse = _flash(q, k, v, segs, static)
+    # Named residuals: a remat policy that saves "attention_out"/"attention_lse" keeps
+    # them, so the backward never re-runs the attention forward kernel.
+    o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (o, lse), (q, k, v, segs, o, lse)
 
 

@@ -35,6 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
@@ -266,22 +267,54 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, cfg: _Ring):
-    return _ring_fwd_shard(q, k, v, cfg)
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the per-shard bodies run: the mesh and the specs of q/k/v/o and of lse."""
+
+    mesh: Mesh
+    qkv: PartitionSpec
+    lse: PartitionSpec
+
+    def map(self, body, in_specs, out_specs):
+        # The kernels build fresh accumulators (scan carries, pallas outputs) that carry
+        # no varying-axis types; every value of the bodies does vary over the sequence
+        # axis and replicated axes compute the same thing, which is what unchecked
+        # shard_map assumes.
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+    def place(self, *arrays, spec=None):
+        return _to_spec(arrays, self.mesh, self.qkv if spec is None else spec)
 
 
-def _ring_fwd(q, k, v, cfg: _Ring):
-    o, lse = _ring_fwd_shard(q, k, v, cfg)
-    # Residuals are only inputs and outputs: remat that saves (o, lse) never reruns
-    # the ring forward.
+# The custom VJP sits outside the two shard_maps (forward, backward), so its residuals
+# are global arrays: a remat policy that saves the names below keeps `o` and `lse`, and
+# the distributed forward is never recomputed in the backward pass.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q, k, v, cfg: _Ring, where: _Layout):
+    fwd = where.map(functools.partial(_ring_fwd_shard, cfg=cfg), (where.qkv,) * 3,
+                    (where.qkv, where.lse))
+    return fwd(q, k, v)
+
+
+def _ring_fwd(q, k, v, cfg: _Ring, where: _Layout):
+    o, lse = _ring(q, k, v, cfg, where)
+    o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
     return (o, lse), (q, k, v, o, lse)
 
 
-def _ring_bwd(cfg: _Ring, res, cotangents):
+def _ring_bwd(cfg: _Ring, where: _Layout, res, cotangents):
     q, k, v, o, lse = res
     do, dlse = cotangents
-    return _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg)
+    (do,) = where.place(do)
+    (dlse,) = where.place(dlse.astype(jnp.float32), spec=where.lse)
+    qkv, lse_spec = where.qkv, where.lse
+    bwd = where.map(
+        functools.partial(_ring_bwd_shard, cfg=cfg),
+        (qkv, qkv, qkv, qkv, lse_spec, qkv, lse_spec),
+        (qkv, qkv, qkv),
+    )
+    return bwd(q, k, v, o, lse, do, dlse)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -428,19 +461,6 @@ def ring_attention(
     qkv_spec = PartitionSpec(batch_spec, seq_axis, None, None)
     lse_spec = PartitionSpec(batch_spec, None, seq_axis)
 
-    def per_shard(q, k, v):
-        return _ring(q, k, v, cfg)
-
-    sharded = jax.shard_map(
-        per_shard,
-        mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec),
-        out_specs=(qkv_spec, lse_spec),
-        # The kernels build fresh accumulators (scan carries, pallas outputs) that
-        # carry no varying-axis types; every value of the body does vary over
-        # `seq_axis` and the replicated axes compute the same thing, which is what
-        # unchecked shard_map assumes.
-        check_vma=False,
-    )
-    o, lse = sharded(*_to_spec((q, k, v), mesh, qkv_spec))
+    where = _Layout(mesh, qkv_spec, lse_spec)
+    o, lse = _ring(*where.place(q, k, v), cfg, where)
     return (o, lse) if return_lse else o
