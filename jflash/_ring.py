@@ -280,8 +280,9 @@ class _Layout:
         # no varying-axis types; every value of the bodies does vary over the sequence
         # axis and replicated axes compute the same thing, which is what unchecked
         # shard_map assumes.
-        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        return jax.shard_map(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
 
     def place(self, *arrays, spec=None):
         return _to_spec(arrays, self.mesh, self.qkv if spec is None else spec)
@@ -292,8 +293,9 @@ class _Layout:
 # the distributed forward is never recomputed in the backward pass.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _ring(q, k, v, cfg: _Ring, where: _Layout):
-    fwd = where.map(functools.partial(_ring_fwd_shard, cfg=cfg), (where.qkv,) * 3,
-                    (where.qkv, where.lse))
+    fwd = where.map(
+        functools.partial(_ring_fwd_shard, cfg=cfg), (where.qkv,) * 3, (where.qkv, where.lse)
+    )
     return fwd(q, k, v)
 
 

@@ -26,6 +26,7 @@ from jflash._triton_common import (
     pad_to,
     padded_head_dim,
     round_up,
+    tile_visibility,
     visible_kv_range,
     visible_q_range,
 )
@@ -131,15 +132,16 @@ def _flash_bwd_dq_kernel(
         v = v_ref[pl.ds(k_start, block_kv), :]
         s = dot(q, k, trans_b=True) * qk_scale
         p = jnp.exp2(s - lse2[:, None])  # [block_q, block_kv] f32
-        visible = None
-        if masked:
-            k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
-            visible = k_idx < kv_len
-            if mask.causal:
-                visible = visible & (q_pos >= k_idx + mask.k_offset)
-        if q_seg is not None:
-            seg = q_seg[:, None] == kseg_ref[pl.ds(k_start, block_kv)][None, :]
-            visible = seg if visible is None else visible & seg
+        visible = tile_visibility(
+            mask,
+            q_pos,
+            k_start,
+            (block_q, block_kv),
+            kv_len,
+            masked=masked,
+            q_seg=q_seg,
+            kseg_ref=kseg_ref,
+        )
         if visible is not None:
             p = jnp.where(visible, p, 0.0)
         dp = dot(do, v, trans_b=True)

@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from jflash._mask import Mask
 
@@ -47,6 +48,26 @@ def pad_to(x, axis: int, size: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, widths)
+
+
+def tile_visibility(
+    mask: Mask, q_pos, k_start, shape, kv_len: int, *, masked: bool, q_seg, kseg_ref
+):
+    """Boolean `[block_q, block_kv]` visibility of one tile, or None when all is visible.
+
+    `masked` tiles (diagonal or ragged) apply the causal and key-padding masks; segment
+    ids, when given, apply everywhere. `q_pos` holds the queries' global positions.
+    """
+    visible = None
+    if masked:
+        k_idx = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        visible = k_idx < kv_len
+        if mask.causal:
+            visible = visible & (q_pos >= k_idx + mask.k_offset)
+    if q_seg is not None:
+        seg = q_seg[:, None] == kseg_ref[pl.ds(k_start, shape[1])][None, :]
+        visible = seg if visible is None else visible & seg
+    return visible
 
 
 def visible_kv_range(mask: Mask, q_start, block_q: int, block_kv: int, kv_len: int):

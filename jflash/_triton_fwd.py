@@ -25,6 +25,7 @@ from jflash._triton_common import (
     pad_to,
     padded_head_dim,
     round_up,
+    tile_visibility,
     visible_kv_range,
 )
 
@@ -58,15 +59,16 @@ def _flash_fwd_kernel(
         k = k_ref[pl.ds(k_start, block_kv), :]  # [block_kv, H]
         v = v_ref[pl.ds(k_start, block_kv), :]
         s = dot(q, k, trans_b=True)  # [block_q, block_kv] f32, unscaled logits
-        visible = None
-        if masked:
-            k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
-            visible = k_idx < kv_len
-            if mask.causal:
-                visible = visible & (q_pos >= k_idx + mask.k_offset)
-        if q_seg is not None:
-            seg = q_seg[:, None] == kseg_ref[pl.ds(k_start, block_kv)][None, :]
-            visible = seg if visible is None else visible & seg
+        visible = tile_visibility(
+            mask,
+            q_pos,
+            k_start,
+            (block_q, block_kv),
+            kv_len,
+            masked=masked,
+            q_seg=q_seg,
+            kseg_ref=kseg_ref,
+        )
         if visible is not None:
             s = jnp.where(visible, s, -jnp.inf)
         # The running max is kept in base-2 scaled units; taking the max of the unscaled
