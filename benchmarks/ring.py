@@ -8,21 +8,18 @@
 
 Ideal time at P devices: forward(+backward) of the whole sequence (P x tokens per
 device) on one device with the same kernel, divided by P. Efficiency = ideal /
-measured. Exposed communication (`--profile`) is read from a `jax.profiler` trace:
-per device, the time a NCCL kernel runs while no other kernel does, averaged over
-devices and profiled iterations; only GPU device tracks are read, so on CPU it is
-reported as not measured.
+measured. Exposed communication (`--profile`) is read from a `jax.profiler` trace by
+`train.trace`: per device, the time a NCCL kernel runs while no compute kernel does,
+averaged over devices and profiled iterations; only GPU device tracks are read, so on
+CPU it is reported as not measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import glob
-import gzip
 import json
 import os
-import re
 import sys
 import tempfile
 
@@ -34,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import table, time_fn, write_json  # noqa: E402
+from train.trace import parse as parse_trace  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -124,67 +122,21 @@ def ring_fn(mesh, layout, strategy, args):
 # ----------------------------------------------------------------------------------
 # Exposed communication from a profile trace
 
-_COMM = re.compile(r"nccl", re.IGNORECASE)
-
-
-def _union(intervals):
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def _length(intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def _minus(a, b) -> float:
-    """Length of union `a` not covered by union `b` (both sorted, disjoint)."""
-    total, j = 0.0, 0
-    for start, end in a:
-        covered = 0.0
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            covered += min(end, b[k][1]) - max(start, b[k][0])
-            k += 1
-        total += (end - start) - covered
-    return total
-
 
 def exposed_communication(trace_dir: str, iterations: int) -> dict | None:
-    """`{'comm_ms', 'exposed_comm_ms'}` per iteration from the newest trace, or None
+    """`{'comm_ms', 'exposed_comm_ms'}` per iteration from the newest trace (read by
+    `train.trace`: the whole trace is one window, averaged over devices), or None
     when the trace has no GPU device tracks (CPU runs)."""
-    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
-    if not paths:
+    try:
+        report = parse_trace(trace_dir)
+    except (FileNotFoundError, ValueError):
         return None
-    with gzip.open(paths[-1]) as f:
-        events = json.load(f)["traceEvents"]
-    devices, streams = {}, set()
-    for e in events:
-        if e.get("ph") != "M":
-            continue
-        if e["name"] == "process_name" and "/device:GPU" in e["args"]["name"]:
-            devices[e["pid"]] = e["args"]["name"]
-        if e["name"] == "thread_name" and e["args"]["name"].startswith("Stream"):
-            streams.add((e["pid"], e["tid"]))
-    if not devices:
+    if report.platform != "gpu":
         return None
-    comm = {pid: [] for pid in devices}
-    compute = {pid: [] for pid in devices}
-    for e in events:
-        if e.get("ph") != "X" or e["pid"] not in devices or (e["pid"], e["tid"]) not in streams:
-            continue
-        span = (e["ts"], e["ts"] + e.get("dur", 0.0))
-        (comm if _COMM.search(e["name"]) else compute)[e["pid"]].append(span)
-    comm_us = [_length(_union(comm[p])) for p in devices]
-    exposed_us = [_minus(_union(comm[p]), _union(compute[p])) for p in devices]
-    per = 1e-3 / (len(devices) * iterations)
-    return {"comm_ms": sum(comm_us) * per, "exposed_comm_ms": sum(exposed_us) * per}
+    return {
+        "comm_ms": report.mean.comm_ms / iterations,
+        "exposed_comm_ms": report.mean.exposed_comm_ms / iterations,
+    }
 
 
 def profile_fwdbwd(attn, inputs, iterations: int) -> dict | None:

@@ -7,12 +7,15 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
@@ -114,15 +117,63 @@ class _Timer:
     tokens: int = 0
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Trains; returns a summary (final loss, steps, metrics) for tests and reports."""
-    initialize_distributed(cfg)
+@dataclasses.dataclass
+class Trainer:
+    """What a training loop needs, built from a `TrainConfig` by `build`.
+
+    `state` is the initial (randomly initialised or HF-loaded) training state; `run`
+    may replace it by a checkpoint. `step_fn(state, batch(step))` is one jitted step
+    (the state is donated).
+    """
+
+    cfg: TrainConfig
+    mesh: Mesh
+    sizes: dict[str, int]
+    config: models.LlamaConfig
+    spec: StepSpec
+    tx: optax.GradientTransformation
+    lr_at: Callable[[int], jax.Array]
+    rows: data_lib.Rows
+    batches: data_lib.Batches
+    total_steps: int
+    global_batch: int
+    accum: int
+    state: dict[str, Any]
+    state_shardings: dict[str, Any]
+    step_fn: Callable
+    flops_token: float
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """`{"input_ids", "labels"}` `[accum, global batch, T]` for `step`, sharded."""
+        b_shard = batch_sharding(self.mesh)
+        stacked = NamedSharding(self.mesh, P(None, *b_shard.spec))
+        b = self.batches.batch_at(step)  # [accum * GB, T] host arrays, the same on every host
+        shape = (self.accum, self.global_batch, self.cfg.data.model_max_length)
+        return {
+            name: jax.make_array_from_process_local_data(stacked, x.reshape(shape), shape)
+            for name, x in (("input_ids", b.input_ids), ("labels", b.labels))
+        }
+
+
+def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=None) -> Trainer:
+    """Mesh, model, data, optimizer, initial state and the jitted step for `cfg`.
+
+    Args:
+      cfg: the trainer configuration.
+      config: a model configuration to use instead of `cfg.model` (random init), e.g.
+        a preset with fewer layers for profiling.
+      devices: the devices the mesh spans (default: all), e.g. a subset for a
+        scaling study.
+    """
     is_main = jax.process_index() == 0
-    out = cfg.run.output_dir
-    sizes = parse_mesh(cfg.parallel.mesh, jax.device_count(), fsdp=bool(cfg.parallel.fsdp))
+    count = len(devices) if devices is not None else jax.device_count()
+    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     check_layout(cfg, sizes)
-    mesh = make_mesh(sizes)
-    config, host_params = load_model(cfg)
+    mesh = make_mesh(sizes, devices)
+    if config is None:
+        config, host_params = load_model(cfg)
+    else:
+        host_params = None
     seq_len = cfg.data.model_max_length
 
     rows = load_rows(cfg, config, is_main)
@@ -157,7 +208,6 @@ def run(cfg: TrainConfig) -> dict:
         loss_chunk=loss_chunk(seq_len, sizes["seq"]),
     )
     tx = optimizer(cfg.optim, total_steps)
-    lr_at = schedule(cfg.optim, total_steps)
 
     with jax.set_mesh(mesh):
         abstract_params = models.abstract_params(config)
@@ -180,8 +230,38 @@ def run(cfg: TrainConfig) -> dict:
             "opt_state": opt_state,
             "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh)),
         }
-        state_shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
+    return Trainer(
+        cfg=cfg,
+        mesh=mesh,
+        sizes=sizes,
+        config=config,
+        spec=spec,
+        tx=tx,
+        lr_at=schedule(cfg.optim, total_steps),
+        rows=rows,
+        batches=batches,
+        total_steps=total_steps,
+        global_batch=global_batch,
+        accum=accum,
+        state=state,
+        state_shardings={"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)},
+        step_fn=jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0),
+        flops_token=models.training_flops_per_token(config, seq_len),
+    )
 
+
+def run(cfg: TrainConfig) -> dict:
+    """Trains; returns a summary (final loss, steps, metrics) for tests and reports."""
+    initialize_distributed(cfg)
+    is_main = jax.process_index() == 0
+    out = cfg.run.output_dir
+    t = build(cfg)
+    rows, batches, total_steps = t.rows, t.batches, t.total_steps
+    global_batch, accum, config = t.global_batch, t.accum, t.config
+    state, state_shardings, step_fn = t.state, t.state_shardings, t.step_fn
+    lr_at, flops_token = t.lr_at, t.flops_token
+
+    with jax.set_mesh(t.mesh):
         ckpt = Checkpoints(out, cfg.run.save_total_limit)
         start_step = 0
         resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
@@ -212,25 +292,8 @@ def run(cfg: TrainConfig) -> dict:
                     f"checkpoint step {start_step} and data position {meta['data']} disagree: "
                     "did the data, --model_max_length or the batch size change?"
                 )
+        t.state = None  # the loop owns (and donates) the state from here on
 
-        step_fn = jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0)
-        b_shard = batch_sharding(mesh)
-        stacked = NamedSharding(mesh, P(None, *b_shard.spec))
-
-        def device_batch(step: int):
-            b = batches.batch_at(step)  # [accum * GB, T] host arrays, the same on every host
-            ids, labels = b.input_ids, b.labels
-            shape = (accum, global_batch, seq_len)
-            return {
-                "input_ids": jax.make_array_from_process_local_data(
-                    stacked, ids.reshape(shape), shape
-                ),
-                "labels": jax.make_array_from_process_local_data(
-                    stacked, labels.reshape(shape), shape
-                ),
-            }
-
-        flops_token = models.training_flops_per_token(config, seq_len)
         writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
         log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
         profile = _profile_window(cfg)
@@ -246,7 +309,7 @@ def run(cfg: TrainConfig) -> dict:
                         cfg.profile.profile_dir or os.path.join(out, "tensorboard")
                     )
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = _guard_oom(step_fn, state, device_batch(step), cfg)
+                    state, metrics = _guard_oom(step_fn, state, t.batch(step), cfg)
                 if profile and step == profile[1] - 1:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -284,7 +347,7 @@ def run(cfg: TrainConfig) -> dict:
         "history": history,
         "total_steps": total_steps,
         "start_step": start_step,
-        "mesh": sizes,
+        "mesh": t.sizes,
         "config": config,
     }
 

@@ -64,10 +64,11 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     return {n: sizes[n] for n in AXES}
 
 
-def make_mesh(sizes: dict[str, int]) -> Mesh:
-    """A mesh over all devices with Auto axes: XLA places the FSDP gathers and scatters."""
+def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
+    """A mesh with Auto axes (XLA places the FSDP gathers and scatters), over all
+    devices or the given ones."""
     shape = tuple(sizes[a] for a in AXES)
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
 def param_spec(shape: tuple[int, ...], fsdp_size: int, *, stacked: bool = False) -> P:

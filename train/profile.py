@@ -1,0 +1,464 @@
+"""`python -m train.profile`: the seed's profiling study, measured properly.
+
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m train.profile \\
+        --models llama2-7b,llama3.2-3b,llama3.2-1b --context 8k,16k,32k,64k \\
+        --mesh seq=2 [--mesh fsdp=2] [--steps 3 --warmup 2 --layers N] --out runs/profile
+    python -m train.profile --report-only runs/profile      # re-render report.json
+
+For each model x context x mesh, one child process builds the trainer exactly as
+`python -m train` does (`train.loop.build`), compiles the step (not timed), runs
+`--warmup` steps, times `--steps` steps with `block_until_ready` (latency, tokens/s,
+TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
+steps (one `StepTraceAnnotation("train")` each) into
+`<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.trace`.
+A child per row keeps peak-memory numbers separate and turns an out-of-memory into
+a "does not fit" row instead of a crash. The report (`report.json`, `report.md`,
+PNG plots) is written by `train.report`.
+
+Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
+kernels, and nothing can be attributed. XLA_FLAGS must be set before jax starts, so
+run the attribution with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`; the timed
+latency is then also without command buffers (time headline numbers in a separate
+run with them on if that matters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One report row: a model at a context length over a mesh."""
+
+    model: str
+    context: int
+    mesh: str
+    out: str
+    layers: int | None = None
+    steps: int = 3
+    warmup: int = 2
+    trace_steps: int = 2
+    batch: int = 1
+    remat: str = "save_attn"
+    xla_cost: bool = True
+
+    @property
+    def name(self) -> str:
+        mesh = self.mesh.replace("=", "").replace(",", "-")
+        return f"{self.model}-{context_label(self.context)}-{mesh}"
+
+
+def parse_context(text: str) -> int:
+    """`"8k"` -> 8192, `"512"` -> 512."""
+    text = text.strip().lower()
+    try:
+        return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+    except ValueError:
+        raise ValueError(f"--context entry {text!r} is not an int or <int>k") from None
+
+
+def context_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def mesh_device_count(spec: str, available: int) -> int:
+    """Devices a `--mesh` spec needs: the product of its sizes, or all for a -1."""
+    sizes = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        _, _, value = part.partition("=")
+        try:
+            sizes.append(int(value))
+        except ValueError:
+            raise ValueError(f"--mesh {spec!r}: size {value!r} is not an int") from None
+    need = available if -1 in sizes else math.prod(sizes)
+    if need > available:
+        raise ValueError(f"--mesh {spec!r} needs {need} devices, but {available=}")
+    return need
+
+
+# ----------------------------------------------------------------------------------
+# Child process: one row, or the ceilings
+
+
+def _is_oom(error: BaseException) -> bool:
+    return any(m in str(error) for m in MEMORY_ERRORS)
+
+
+def _trainer_args(job: Job) -> list[str]:
+    return [
+        "--model_name_or_path",
+        job.model,
+        "--model_max_length",
+        str(job.context),
+        "--mesh",
+        job.mesh,
+        "--attention",
+        "ring",
+        "--remat_policy",
+        job.remat,
+        "--per_device_train_batch_size",
+        str(job.batch),
+        "--sample_num_examples",
+        "8",
+        "--max_steps",
+        str(job.warmup + job.steps + job.trace_steps),
+        "--save_strategy",
+        "no",
+        "--export_hf",
+        "false",
+        "--progress",
+        "false",
+        "--output_dir",
+        os.path.join(job.out, "work", job.name),
+    ]
+
+
+def _xla_cost(t, num_layers: int) -> dict | None:
+    """XLA's FLOPs and bytes per device per step, with every layer counted.
+
+    XLA's cost analysis counts a while-loop body once, so the scanned step
+    undercounts; unrolled 1- and 2-layer variants (compiled, never run) give the
+    cost outside the layers and per layer, extrapolated to `num_layers`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from train.mesh import param_shardings, replicated
+    from train.step import train_step
+
+    def shaped(tree, shardings):
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+
+    batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+        for k, v in t.batch(0).items()
+    }
+    costs = []
+    for layers in (1, 2):
+        config = t.config.replace(num_layers=layers, scan_layers=False)
+        spec = dataclasses.replace(t.spec, config=config)
+        params = models.abstract_params(config)
+        opt = jax.eval_shape(t.tx.init, params)
+        state = {
+            "params": shaped(params, param_shardings(params, t.mesh)),
+            "opt_state": shaped(opt, param_shardings(opt, t.mesh)),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(t.mesh)),
+        }
+        step = jax.jit(functools.partial(train_step, spec=spec, tx=t.tx))
+        analysis = step.lower(state, batch).compile().cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
+        if not analysis or "bytes accessed" not in analysis:
+            return None
+        costs.append((analysis.get("flops", 0.0), analysis["bytes accessed"]))
+    (f1, b1), (f2, b2) = costs
+    return {
+        "flops": f1 + (num_layers - 1) * (f2 - f1),
+        "bytes": b1 + (num_layers - 1) * (b2 - b1),
+        "method": "XLA cost analysis of unrolled 1- and 2-layer steps, extrapolated "
+        f"to {num_layers} layers (Pallas kernels count only their operands)",
+    }
+
+
+def _memory(devices) -> dict:
+    peaks, limits = [], []
+    for d in devices:
+        stats = d.memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            peaks.append(stats["peak_bytes_in_use"])
+        if "bytes_limit" in stats:
+            limits.append(stats["bytes_limit"])
+    return {
+        "peak_memory_gib": max(peaks) / 2**30 if peaks else None,
+        "memory_limit_gib": min(limits) / 2**30 if limits else None,
+    }
+
+
+def run_row(job: Job) -> dict:
+    """Builds, compiles, times and traces one row (in this process)."""
+    import jax
+
+    from train import trace as trace_lib
+    from train.config import parse_args
+    from train.hlo import parse_hlo
+    from train.loop import build, load_model
+    from train.metrics import throughput
+    from train.roofline import attention_work, matmul_work
+
+    row: dict = {"name": job.name, "model": job.model, "context": job.context, "mesh": job.mesh}
+    row["warnings"] = []
+    cfg = parse_args(_trainer_args(job))
+    config = load_model(cfg)[0]
+    row["layers_preset"] = config.num_layers
+    if job.layers:
+        config = config.replace(num_layers=job.layers)
+    row["layers"] = config.num_layers
+    n = mesh_device_count(job.mesh, jax.device_count())
+    devices = jax.devices()[:n]
+    row["devices"] = n
+    try:
+        t = build(cfg, config, devices=devices)
+        row["mesh_sizes"] = t.sizes
+        tokens = t.global_batch * t.accum * job.context
+        row["tokens_per_step"] = tokens
+        with jax.set_mesh(t.mesh):
+            batches = [t.batch(i) for i in range(2)]
+            start = time.perf_counter()
+            compiled = t.step_fn.lower(t.state, batches[0]).compile()
+            row["compile_s"] = time.perf_counter() - start
+            mem = compiled.memory_analysis()
+            if mem is not None:
+                row["compiler_memory_gib"] = (
+                    mem.argument_size_in_bytes
+                    + mem.output_size_in_bytes
+                    + mem.temp_size_in_bytes
+                    - mem.alias_size_in_bytes
+                ) / 2**30
+            state, t.state = t.state, None
+            for i in range(job.warmup):
+                state, metrics = compiled(state, batches[i % 2])
+            jax.block_until_ready((state, metrics) if job.warmup else state)
+            start = time.perf_counter()
+            for i in range(job.steps):
+                state, metrics = compiled(state, batches[i % 2])
+            jax.block_until_ready((state, metrics))
+            seconds = time.perf_counter() - start
+            row["step_ms"] = seconds / job.steps * 1e3
+            row.update(throughput(tokens * job.steps, seconds, t.flops_token, n))
+            row.setdefault("mfu", None)
+            row.update(_memory(devices))
+
+            trace_dir = os.path.join(job.out, "tensorboard", job.name)
+            jax.profiler.start_trace(trace_dir)
+            try:
+                for i in range(job.trace_steps):
+                    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                        state, metrics = compiled(state, batches[i % 2])
+                jax.block_until_ready((state, metrics))
+            finally:
+                jax.profiler.stop_trace()
+            xla = _xla_cost(t, config.num_layers) if job.xla_cost else None
+    except Exception as e:  # noqa: BLE001 - an OOM is a row; anything else is re-raised
+        if not _is_oom(e):
+            raise
+        row.update(status="does not fit", error=str(e).splitlines()[0][:300])
+        return row
+    row["status"] = "ok"
+    report = trace_lib.parse(trace_dir, hlo=parse_hlo(compiled.as_text()))
+    row["trace_dir"] = os.path.relpath(trace_dir, job.out)
+    row["trace"] = report.to_dict()
+    phases = report.mean
+    row["trace_vs_timed"] = phases.step_ms / row["step_ms"]
+    if report.platform == "gpu" and report.named_fraction < 0.5:
+        if "--xla_gpu_enable_command_buffer=" not in os.environ.get("XLA_FLAGS", "").split():
+            row["warnings"].append(
+                f"only {report.named_fraction:.0%} of kernel time has a name stack and "
+                "command buffers are on: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer="
+            )
+    step_s = row["step_ms"] / 1e3
+    per_device_tokens = tokens / n
+    model_flops = t.flops_token * per_device_tokens
+    row["xla"] = xla
+    if xla is not None:
+        row["hbm_gbps"] = xla["bytes"] / step_s / 1e9
+    if phases.permute_bytes is not None and phases.permute_ms > 0:
+        row["ring"] = {
+            "bytes_per_step": phases.permute_bytes,
+            "permute_ms": phases.permute_ms,
+            "gbps": phases.permute_bytes / (phases.permute_ms / 1e3) / 1e9,
+        }
+    seq_shards = t.sizes["seq"]
+    sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
+    attn = attention_work(config, job.context, seq_shards, sequences)
+    mm = matmul_work(config, per_device_tokens)
+
+    def point(flops, moved, ms):
+        rate = flops / (ms / 1e3) / 1e12 if ms else None
+        return {"flops": flops, "bytes": moved, "intensity": flops / moved, "tflops": rate}
+
+    row["intensity"] = {
+        "step": point(model_flops, xla["bytes"], row["step_ms"]) if xla else None,
+        "attention": point(attn.flops, attn.bytes, phases.attention_ms),
+        "matmul": point(mm.flops, mm.bytes, phases.matmul_ms),
+    }
+    row["platform"] = report.platform
+    row["device_kind"] = devices[0].device_kind
+    return row
+
+
+def run_ceilings() -> dict:
+    from train.roofline import measure_ceilings
+
+    return dataclasses.asdict(measure_ceilings())
+
+
+# ----------------------------------------------------------------------------------
+# Parent: jobs in child processes, then the report
+
+
+def _child(kind: str, payload: dict, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
+        with open(job_path, "w") as f:
+            json.dump(payload, f)
+        cmd = [sys.executable, "-m", "train.profile", "--worker", kind, job_path, out_path]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
+            status = "does not fit" if any(_is_oom(Exception(x)) for x in tail) else "error"
+            return {"status": status, "error": "\n".join(tail)[-1500:]}
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _worker(kind: str, job_path: str, out_path: str) -> None:
+    with open(job_path) as f:
+        payload = json.load(f)
+    result = run_ceilings() if kind == "ceilings" else run_row(Job(**payload))
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.profile", description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets")
+    p.add_argument("--context", default="8k", help="comma-separated lengths: 8k,16k,32k")
+    p.add_argument(
+        "--mesh",
+        action="append",
+        help="mesh spec, repeatable (default seq=2); uses the first N devices it names",
+    )
+    p.add_argument("--layers", type=int, default=None, help="override every model's layers")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    p.add_argument("--trace-steps", type=int, default=2, help="profiled steps")
+    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
+    p.add_argument("--remat", default="save_attn", choices=("none", "full", "save_attn"))
+    p.add_argument(
+        "--no-xla-cost", action="store_true", help="skip the 1-/2-layer compiles (HBM GB/s)"
+    )
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+    p.add_argument("--out", default="runs/profile")
+    p.add_argument("--report-only", metavar="DIR", help="re-render DIR/report.json")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows of an existing <out>/report.json (same-name rows are replaced)",
+    )
+    p.add_argument("--worker", nargs=3, metavar=("KIND", "JOB", "OUT"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.trace_steps < 1 or args.warmup < 0:
+        parser.error(
+            f"need --steps={args.steps} >= 1, --trace-steps={args.trace_steps} >= 1 "
+            f"and --warmup={args.warmup} >= 0"
+        )
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers={args.layers} must be >= 1")
+    if args.worker:
+        _worker(*args.worker)
+        return
+    from train import report as report_lib
+
+    if args.report_only:
+        with open(os.path.join(args.report_only, "report.json")) as f:
+            report_lib.render(json.load(f), args.report_only)
+        return
+    meshes = args.mesh or ["seq=2"]
+    contexts = [parse_context(c) for c in args.context.split(",") if c]
+    jobs = [
+        Job(
+            model=m,
+            context=c,
+            mesh=mesh,
+            out=os.path.abspath(args.out),
+            layers=args.layers,
+            steps=args.steps,
+            warmup=args.warmup,
+            trace_steps=args.trace_steps,
+            batch=args.batch,
+            remat=args.remat,
+            xla_cost=not args.no_xla_cost,
+        )
+        for m in (x.strip() for x in args.models.split(",") if x.strip())
+        for mesh in meshes
+        for c in contexts
+    ]
+    os.makedirs(args.out, exist_ok=True)
+    print("ceilings ...", flush=True)
+    ceilings = _child("ceilings", {}, args.timeout)
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    if ceilings.get("device", "cpu") != "cpu" and "--xla_gpu_enable_command_buffer=" not in flags:
+        print(
+            "warning: command buffers are on (XLA_FLAGS lacks --xla_gpu_enable_command_buffer=): "
+            "the traces will show CUDA graphs and the per-phase attribution will be empty",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows = []
+    for job in jobs:
+        print(f"{job.name} ...", flush=True)
+        row = _child("row", dataclasses.asdict(job), args.timeout)
+        row = {
+            "name": job.name,
+            "model": job.model,
+            "context": job.context,
+            "mesh": job.mesh,
+            **row,
+        }
+        rows.append(row)
+        summary = (
+            row.get("error", "")
+            if row.get("status") != "ok"
+            else (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s")
+        )
+        print(f"  {row.get('status')}: {summary}", flush=True)
+        for w in row.get("warnings", []):
+            print(f"  warning: {w}", file=sys.stderr, flush=True)
+    import jax
+
+    old = os.path.join(args.out, "report.json")
+    if args.append and os.path.exists(old):
+        with open(old) as f:
+            fresh = {r["name"] for r in rows}
+            rows = [r for r in json.load(f)["rows"] if r["name"] not in fresh] + rows
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "command": "python -m train.profile "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "layers_override": args.layers,
+        "steps": {"timed": args.steps, "warmup": args.warmup, "traced": args.trace_steps},
+        "ceilings": ceilings,
+        "rows": rows,
+    }
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    report_lib.render(report, args.out)
+    print(f"wrote {os.path.join(args.out, 'report.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+"""The profiling report: `report.json` -> `report.md` and PNG plots.
+
+`render(report, out_dir)` writes, beside `report.json`:
+
+* `report.md`: tables with units (per-phase time, throughput and memory, kernel
+  classes, arithmetic intensity), the measured ceilings, the seed's own numbers for
+  reference, and every field that could not be measured, with the reason.
+* `latency_throughput.png`, `memory.png`, `phases.png`, `kernels.png`,
+  `roofline.png` and, with several device counts, `scaling.png`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# ANCHORS.md, "The seed's own numbers": 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
+SEED_REFERENCE = [
+    {"model": "llama2-7b", "forward_ms": 132.6, "backward_ms": 538.3, "comm_ms": 68.4},
+    {"model": "llama3.2-3b", "forward_ms": 93.6, "backward_ms": 261.2, "comm_ms": 35.0},
+    {"model": "llama3.2-1b", "forward_ms": 53.3, "backward_ms": 157.8, "comm_ms": 21.2},
+]
+PHASES = ("forward", "backward", "recompute", "update", "idle")
+CLASSES = ("attention", "matmul", "exposed_comm", "other")
+COLORS = {
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "recompute": "#8172b3",
+    "update": "#937860",
+    "idle": "#cccccc",
+    "attention": "#c44e52",
+    "matmul": "#55a868",
+    "exposed_comm": "#da8bc3",
+    "other": "#8c8c8c",
+}
+
+
+def _ok(report: dict) -> list[dict]:
+    return [r for r in report["rows"] if r.get("status") == "ok"]
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _ctx(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def _mean(row: dict) -> dict:
+    return row["trace"]["mean"]
+
+
+def _label(row: dict) -> str:
+    return f"{row['model']} ({row['mesh']})"
+
+
+def markdown(report: dict) -> str:
+    """The Markdown report."""
+    rows, ok = report["rows"], _ok(report)
+    ceil = report.get("ceilings") or {}
+    device = next((r.get("device_kind") for r in ok), ceil.get("device", "?"))
+    lines = [
+        "# Training profile",
+        "",
+        f"{report['date']}, jax {report['jax']}, device: {device}. Command: "
+        f"`{report['command']}`. XLA_FLAGS: `{report.get('xla_flags') or '(none)'}`.",
+        "",
+        f"Timed: {report['steps']['timed']} steps after {report['steps']['warmup']} warm-up "
+        f"steps, compile excluded, `block_until_ready` around the window; traced: "
+        f"{report['steps']['traced']} more steps. Per-device times are the mean over devices "
+        "and traced steps. Model FLOPs (`models.training_flops_per_token`, recompute not "
+        "counted) give TFLOP/s and MFU.",
+        "",
+    ]
+    if report.get("layers_override"):
+        lines += [
+            f"**Layers overridden: every model runs {report['layers_override']} layers** "
+            "(column `layers`; the preset's count is in report.json).",
+            "",
+        ]
+    lines += ["## Time per step (ms per device)", ""]
+    lines += [
+        "Phases partition the traced step: forward + backward + recompute + update "
+        "(gradient accumulation, optimizer, anything outside the differentiated loss) + "
+        "idle = traced step. `traced/timed` compares the traced step with the timed "
+        "latency (profiling overhead).",
+        "",
+    ]
+    lines += _table(
+        [
+            "model",
+            "context",
+            "mesh",
+            "layers",
+            "forward",
+            "backward",
+            "recompute",
+            "update",
+            "idle",
+            "traced step",
+            "timed step",
+            "traced/timed",
+            "communication",
+            "exposed comm.",
+        ],
+        [
+            [r["model"], _ctx(r["context"]), r["mesh"], r["layers"]]
+            + [_mean(r)[f"{p}_ms"] for p in PHASES]
+            + [
+                _mean(r)["step_ms"],
+                r["step_ms"],
+                r["trace_vs_timed"],
+                _mean(r)["comm_ms"],
+                _mean(r)["exposed_comm_ms"],
+            ]
+            for r in ok
+        ],
+    )
+    lines += ["## Throughput and memory", ""]
+    lines += [
+        "HBM GB/s: bytes per XLA's cost analysis ÷ timed step (see `xla.method` in "
+        "report.json). Ring GB/s: bytes of the collective-permutes (K/V and dK/dV "
+        "transfers) ÷ the time they run, per device (includes waiting for the peer, so a "
+        "lower bound on the link). Memory per device: peak measured by the allocator, and "
+        "the compiler's estimate (arguments + outputs + temporaries − aliased).",
+        "",
+    ]
+    copy = ceil.get("copy_gbps")
+    lines += _table(
+        [
+            "model",
+            "context",
+            "mesh",
+            "latency (ms)",
+            "tokens/s",
+            "TFLOP/s per device",
+            "MFU",
+            "HBM GB/s",
+            "HBM % of copy",
+            "ring GB/s",
+            "peak memory (GiB)",
+            "compiler estimate (GiB)",
+        ],
+        [
+            [
+                r["model"],
+                _ctx(r["context"]),
+                r["mesh"],
+                r["step_ms"],
+                r["tokens_per_s"],
+                r["tflops_per_device"],
+                f"{r['mfu']:.1%}" if r.get("mfu") is not None else None,
+                r.get("hbm_gbps"),
+                f"{r['hbm_gbps'] / copy:.0%}" if r.get("hbm_gbps") and copy else None,
+                (r.get("ring") or {}).get("gbps"),
+                r.get("peak_memory_gib"),
+                r.get("compiler_memory_gib"),
+            ]
+            for r in ok
+        ],
+    )
+    lines += ["## Kernel classes (ms per device)", ""]
+    lines += [
+        "A second partition of busy time (traced step − idle): attention kernels + "
+        "matmuls + exposed communication + other.",
+        "",
+    ]
+    lines += _table(
+        [
+            "model",
+            "context",
+            "mesh",
+            "attention",
+            "matmul",
+            "exposed comm.",
+            "other",
+            "busy",
+            "memcpy (union)",
+            "phase share named",
+        ],
+        [
+            [r["model"], _ctx(r["context"]), r["mesh"]]
+            + [_mean(r)[f"{c}_ms"] for c in CLASSES]
+            + [
+                _mean(r)["step_ms"] - _mean(r)["idle_ms"],
+                _mean(r)["memcpy_ms"],
+                f"{r['trace']['named_fraction']:.0%}",
+            ]
+            for r in ok
+        ],
+    )
+    lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
+    lines += [
+        "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "
+        "compulsory bytes (`train.roofline`), achieved rate over the traced kernel time.",
+        "",
+    ]
+
+    def point(r, key, field):
+        p = (r.get("intensity") or {}).get(key)
+        return None if p is None else p[field]
+
+    lines += _table(
+        [
+            "model",
+            "context",
+            "mesh",
+            "step FLOP/B",
+            "step TFLOP/s",
+            "attention FLOP/B",
+            "attention TFLOP/s",
+            "matmul FLOP/B",
+            "matmul TFLOP/s",
+        ],
+        [
+            [r["model"], _ctx(r["context"]), r["mesh"]]
+            + [
+                point(r, k, f)
+                for k in ("step", "attention", "matmul")
+                for f in ("intensity", "tflops")
+            ]
+            for r in ok
+        ],
+    )
+    if ceil.get("matmul_tflops"):
+        lines += [
+            "## Ceilings (measured on this machine at startup)",
+            "",
+            f"- {ceil['matmul_label']}: {ceil['matmul_tflops']:.1f} TFLOP/s",
+            f"- {ceil['copy_label']}: {ceil['copy_gbps']:.1f} GB/s",
+            "",
+        ]
+    lines += ["## The seed's numbers, for reference", ""]
+    lines += [
+        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (ANCHORS.md); its latency was "
+        "CUDA + CPU time and its 'bandwidth' memory ÷ time, so only the phase times compare.",
+        "",
+    ]
+    lines += _table(
+        ["model", "forward (ms)", "backward (ms)", "communication (ms)"],
+        [[s["model"], s["forward_ms"], s["backward_ms"], s["comm_ms"]] for s in SEED_REFERENCE],
+    )
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if failed:
+        lines += ["## Rows that did not run", ""]
+        lines += _table(
+            ["model", "context", "mesh", "status", "detail"],
+            [
+                [
+                    r["model"],
+                    _ctx(r["context"]),
+                    r["mesh"],
+                    r.get("status"),
+                    (r.get("error") or "").replace("\n", " ")[:200],
+                ]
+                for r in failed
+            ],
+        )
+    notes = {}
+    for r in ok:
+        for field, why in r["trace"]["not_measured"].items():
+            notes.setdefault(f"{field}: {why}", []).append(r["name"])
+        for w in r.get("warnings", []):
+            notes.setdefault(f"warning: {w}", []).append(r["name"])
+    if notes:
+        lines += ["## Not measured, and warnings", ""]
+        lines += [f"- {text} ({', '.join(names)})" for text, names in notes.items()] + [""]
+    lines += ["## Plots", ""]
+    lines += [f"![{name}]({name}.png)" for name in plots_written(report)] + [""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------
+# Plots
+
+
+def _series(ok: list[dict]) -> dict[str, list[dict]]:
+    series: dict[str, list[dict]] = {}
+    for r in ok:
+        series.setdefault(_label(r), []).append(r)
+    return {k: sorted(v, key=lambda r: r["context"]) for k, v in series.items()}
+
+
+def _context_axis(ax, rows):
+    ticks = sorted({r["context"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [_ctx(t) for t in ticks])
+    ax.set_xlabel("context (tokens per sequence)")
+
+
+def plot_latency_throughput(ok, path):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rs in _series(ok).items():
+        x = [r["context"] for r in rs]
+        a.plot(x, [r["step_ms"] for r in rs], "o-", label=label)
+        b.plot(x, [r["tokens_per_s"] for r in rs], "o-", label=label)
+    for ax, title, unit in ((a, "Step latency", "ms per step"), (b, "Throughput", "tokens/s")):
+        _context_axis(ax, ok)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Latency and throughput vs context")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(ok, path, limit_gib):
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (label, rs) in enumerate(_series(ok).items()):
+        color = f"C{i}"
+        x = [r["context"] for r in rs]
+        measured = [r.get("peak_memory_gib") for r in rs]
+        if any(v is not None for v in measured):
+            ax.plot(x, measured, "o-", color=color, label=f"{label}: peak measured")
+        ax.plot(
+            x,
+            [r.get("compiler_memory_gib") for r in rs],
+            "s--",
+            color=color,
+            label=f"{label}: compiler estimate",
+        )
+    if limit_gib:
+        ax.axhline(limit_gib, color="k", lw=1, ls=":", label=f"device limit {limit_gib:.0f} GiB")
+    _context_axis(ax, ok)
+    ax.set_ylabel("GiB per device")
+    ax.set_title("Memory per device vs context")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_stacked(ok, path, parts, title):
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rs = sorted((r for r in ok if r["model"] == model), key=lambda r: (r["mesh"], r["context"]))
+        names = [f"{_ctx(r['context'])}\n{r['mesh']}" for r in rs]
+        bottom = [0.0] * len(rs)
+        for part in parts:
+            values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
+            ax.bar(names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.plot(names, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
+        ax.set_title(model)
+        ax.set_ylabel("ms per step, per device")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_roofline(ok, path, ceil):
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    points = [
+        (r, k, p)
+        for r in ok
+        for k, p in (r.get("intensity") or {}).items()
+        if p and p.get("tflops")
+    ]
+    xs = [p["intensity"] for _, _, p in points] or [1.0]
+    lo, hi = min(xs + [1.0]) / 4, max(xs + [1e3]) * 4
+    peak, bw = ceil.get("matmul_tflops"), ceil.get("copy_gbps")
+    if peak and bw:
+        ridge = peak * 1e12 / (bw * 1e9)
+        grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+        ax.plot(
+            grid,
+            [min(peak, x * bw * 1e9 / 1e12) for x in grid],
+            "k-",
+            lw=1.5,
+            label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
+        )
+    markers = {"step": "o", "attention": "^", "matmul": "s"}
+    for i, label in enumerate(_series(ok)):
+        for r, kind, p in points:
+            if _label(r) == label:
+                ax.plot(p["intensity"], p["tflops"], markers[kind], color=f"C{i}", ms=7)
+                ax.annotate(
+                    _ctx(r["context"]),
+                    (p["intensity"], p["tflops"]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+        ax.plot([], [], "o", color=f"C{i}", label=label)
+    for kind, m in markers.items():
+        ax.plot([], [], m, color="gray", label=kind)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("achieved TFLOP/s per device")
+    ax.set_title("Roofline: step, attention kernels and matmuls")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scaling(ok, path):
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    groups: dict[str, list[dict]] = {}
+    for r in ok:
+        groups.setdefault(f"{r['model']} {_ctx(r['context'])}", []).append(r)
+    for label, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["devices"])
+        ax.plot([r["devices"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=label)
+    counts = sorted({r["devices"] for r in ok})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(c) for c in counts])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Scaling with devices (same model and context)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plots_written(report: dict) -> list[str]:
+    ok = _ok(report)
+    if not ok:
+        return []
+    names = ["latency_throughput", "memory", "phases"]
+    if any(_mean(r)["attention_ms"] is not None for r in ok):
+        names.append("kernels")
+    names.append("roofline")
+    if len({r["devices"] for r in ok}) > 1:
+        names.append("scaling")
+    return names
+
+
+def render(report: dict, out_dir: str) -> list[str]:
+    """Writes report.md and the plots into `out_dir`; returns the files written."""
+    ok = _ok(report)
+    ceil = report.get("ceilings") or {}
+    names = plots_written(report)
+    paths = {n: os.path.join(out_dir, f"{n}.png") for n in names}
+    limit = min((r["memory_limit_gib"] for r in ok if r.get("memory_limit_gib")), default=None)
+    for name in names:
+        if name == "latency_throughput":
+            plot_latency_throughput(ok, paths[name])
+        elif name == "memory":
+            plot_memory(ok, paths[name], limit)
+        elif name == "phases":
+            plot_stacked(ok, paths[name], PHASES, "Per-phase time per step (traced)")
+        elif name == "kernels":
+            plot_stacked(ok, paths[name], CLASSES, "Busy time by kernel class (traced)")
+        elif name == "roofline":
+            plot_roofline(ok, paths[name], ceil)
+        elif name == "scaling":
+            plot_scaling(ok, paths[name])
+    md = os.path.join(out_dir, "report.md")
+    with open(md, "w") as f:
+        f.write(markdown(report))
+    return [md, *paths.values()]

@@ -1,0 +1,539 @@
+"""Where a training step's device time goes, read from a `jax.profiler` trace.
+
+Input: the `.xplane.pb` that `jax.profiler` writes (TensorBoard's
+`plugins/profile/<run>/<host>.xplane.pb`), read with `jax.profiler.ProfileData`.
+
+* GPU: planes `/device:GPU:N`, lines `Stream #..`; every event is a kernel, memcpy or
+  memset, with stats `name` (the jax name stack), `hlo_op`, `hlo_module` and
+  `correlation_id` (matching the host-side launch, which says when it was issued).
+* CPU: thunk events on `/host:CPU` threads with stats `hlo_op`, `hlo_module`,
+  `device_ordinal` and `run_id` (matching the host's `Execute`). They carry no name
+  stack; pass the compiled module's text (`train.hlo.parse_hlo`) to attribute phases.
+
+Steps are cut at the trainer's `jax.profiler.StepTraceAnnotation("train",
+step_num=...)`: each kernel belongs to the step during which the host launched it;
+on each device a step's window runs from its first kernel of the step's program to
+the next step's first kernel (the last step: to its last kernel). Without
+annotations the whole device span is one window (`windows == "whole trace"`).
+
+Two partitions of each window, both exact by construction (a sweep over time):
+
+* phase: forward + backward + recompute + update + idle = step time. Backward is
+  `transpose(` in the name stack, recompute (remat) `rematted_computation`, forward
+  `jvp(`; update is everything else the step runs (gradient accumulation, clipping,
+  the optimizer, other programs between steps). A kernel without a name stack
+  inherits the phase of the previous kernel on its stream.
+* kernel class of busy time: attention + matmul + exposed communication + other.
+
+While kernels overlap, compute kernels own the instant (split evenly between the
+distinct phases / classes running), then communication, then copies. Communication
+(`comm_ms`) is the union of NCCL kernels and collective HLO ops; exposed
+communication is the part of it during which no compute kernel runs. Fields that a
+trace cannot give are `None`, never a guess (`TraceReport.not_measured` says why).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import glob
+import gzip
+import os
+import re
+import warnings
+from typing import Any
+
+from jax.profiler import ProfileData
+
+from train.hlo import COLLECTIVE_PERMUTES, HloOps
+
+PHASES = ("forward", "backward", "recompute", "update")
+CLASSES = ("attention", "matmul", "other")  # + exposed communication
+
+_NCCL = re.compile(r"^nccl", re.IGNORECASE)
+_COLLECTIVE_OP = re.compile(
+    r"^(all[-_]gather|all[-_]reduce|reduce[-_]scatter|collective[-_]permute|ppermute|psum"
+    r"|all[-_]to[-_]all|ragged[-_]all[-_]to[-_]all|collective[-_]broadcast|send|recv)\b"
+)
+_PERMUTE_OP = re.compile(r"^(collective[-_]permute|ppermute)\b")
+_ATTENTION = re.compile(r"jflash_|cudnn|fmha|flash", re.IGNORECASE)
+_MATMUL = re.compile(r"nvjet|gemm|cublas|cutlass|xmma|dot", re.IGNORECASE)
+_GPU_PLANE = re.compile(r"^/device:GPU:(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One device activity interval (a GPU kernel/copy or a CPU thunk), in ns."""
+
+    start: float
+    end: float
+    name: str
+    stack: str  # jax name stack; "" when unknown
+    hlo_op: str
+    module: str
+    stream: str
+    launch: float | None  # host time of the launch (step assignment); None if unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """One device's time in one window (or a mean), in ms; None: not measured.
+
+    `forward + backward + recompute + update + idle == step`;
+    `attention + matmul + exposed_comm + other == step - idle`.
+    """
+
+    step_ms: float
+    forward_ms: float | None
+    backward_ms: float | None
+    recompute_ms: float | None
+    update_ms: float | None
+    idle_ms: float
+    attention_ms: float | None
+    matmul_ms: float | None
+    exposed_comm_ms: float
+    other_ms: float | None
+    comm_ms: float  # union of communication (overlapped or not)
+    memcpy_ms: float | None  # union of memcpy/memset (GPU copy engines)
+    permute_ms: float  # union of collective-permute (ring K/V transfers)
+    permute_bytes: float | None  # bytes sent by collective-permutes (needs the HLO)
+
+    @property
+    def busy_ms(self) -> float:
+        return self.step_ms - self.idle_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceReport:
+    """A trace's attribution.
+
+    Attributes:
+      platform: "gpu" or "cpu".
+      windows: "steps" (cut at StepTraceAnnotations) or "whole trace".
+      steps: step numbers of the windows (None for the whole trace).
+      module: the step's XLA program (the one with the most device time).
+      devices: per device, the mean over steps.
+      mean: the mean over devices.
+      per_step: per device, one Breakdown per window.
+      named_fraction: share of busy time whose phase came from a name stack (the rest
+        inherited it from the previous kernel on the stream).
+      not_measured: field -> why it is None.
+    """
+
+    platform: str
+    windows: str
+    steps: list[int | None]
+    module: str
+    devices: dict[str, Breakdown]
+    mean: Breakdown
+    per_step: dict[str, list[Breakdown]]
+    named_fraction: float
+    not_measured: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "windows": self.windows,
+            "steps": self.steps,
+            "module": self.module,
+            "named_fraction": self.named_fraction,
+            "not_measured": self.not_measured,
+            "mean": dataclasses.asdict(self.mean),
+            "devices": {d: dataclasses.asdict(b) for d, b in self.devices.items()},
+        }
+
+
+# ----------------------------------------------------------------------------------
+# Reading
+
+
+def find_xplane(path: str) -> str:
+    """`path` itself if a file, else the newest `*.xplane.pb[.gz]` under it."""
+    if os.path.isfile(path):
+        return path
+    found = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
+    found += glob.glob(os.path.join(path, "**", "*.xplane.pb.gz"), recursive=True)
+    if not found:
+        raise FileNotFoundError(f"no *.xplane.pb under {path!r}")
+    return max(found, key=os.path.getmtime)
+
+
+def load(path: str) -> ProfileData:
+    """A `ProfileData` from an `.xplane.pb`, a gzipped one, or a log directory."""
+    path = find_xplane(path)
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            return ProfileData.from_serialized_xspace(f.read())
+    return ProfileData.from_file(path)
+
+
+def _stats(event) -> dict[str, Any]:
+    with warnings.catch_warnings():  # the binding's stats iterator warns on every call
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return dict(event.stats)
+
+
+def _int(value) -> int | None:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _host_plane(data: ProfileData):
+    return next((p for p in data.planes if p.name == "/host:CPU"), None)
+
+
+def _gpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
+    launches: dict[tuple[int, int], float] = {}
+    host = _host_plane(data)
+    for line in host.lines if host is not None else ():
+        for e in line.events:
+            st = _stats(e)
+            if "correlation_id" in st and "device_id" in st:
+                launches[(_int(st["device_id"]), _int(st["correlation_id"]))] = e.start_ns
+    out: dict[str, list[Kernel]] = {}
+    for plane in data.planes:
+        m = _GPU_PLANE.match(plane.name)
+        if not m:
+            continue
+        ordinal, kernels = int(m.group(1)), []
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                st = _stats(e)
+                kernels.append(
+                    Kernel(
+                        start=e.start_ns,
+                        end=e.start_ns + e.duration_ns,
+                        name=e.name,
+                        stack=str(st.get("name", "")),
+                        hlo_op=str(st.get("hlo_op", "")),
+                        module=str(st.get("hlo_module", "")),
+                        stream=line.name,
+                        launch=launches.get((ordinal, _int(st.get("correlation_id")))),
+                    )
+                )
+        if kernels:
+            out[f"gpu:{ordinal}"] = kernels
+    return out
+
+
+def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
+    host = _host_plane(data)
+    if host is None:
+        return {}
+    executes: dict[int, float] = {}  # run_id -> host Execute start
+    thunks: dict[str, list[Kernel]] = collections.defaultdict(list)
+    for line in host.lines:
+        line_thunks = []
+        for e in line.events:
+            st = _stats(e)
+            if "Execute" in e.name and "run_id" in st and "hlo_op" not in st:
+                run = _int(st["run_id"])
+                executes[run] = min(executes.get(run, e.start_ns), e.start_ns)
+            elif "hlo_op" in st and "device_ordinal" in st:
+                line_thunks.append((e, st))
+        line_thunks.sort(key=lambda es: (es[0].start_ns, -es[0].duration_ns))
+        for i, (e, st) in enumerate(line_thunks):
+            end = e.start_ns + e.duration_ns
+            # Nested thunks (a while loop around its body): keep the leaves only.
+            if i + 1 < len(line_thunks) and line_thunks[i + 1][0].start_ns < end:
+                continue
+            thunks[f"cpu:{_int(st['device_ordinal'])}"].append(
+                Kernel(
+                    start=e.start_ns,
+                    end=end,
+                    name=e.name,
+                    stack="",
+                    hlo_op=str(st["hlo_op"]),
+                    module=str(st.get("hlo_module", "")),
+                    stream=line.name,
+                    launch=_int(st.get("run_id")),  # resolved to a time below
+                )
+            )
+    return {
+        device: [dataclasses.replace(k, launch=executes.get(k.launch)) for k in ks]
+        for device, ks in sorted(thunks.items())
+    }
+
+
+def _step_annotations(data: ProfileData, step_name: str) -> list[tuple[float, int]]:
+    host = _host_plane(data)
+    marks = []
+    for line in host.lines if host is not None else ():
+        for e in line.events:
+            if e.name == step_name:
+                st = _stats(e)
+                if "step_num" in st:
+                    marks.append((e.start_ns, _int(st["step_num"])))
+    return sorted(marks)
+
+
+# ----------------------------------------------------------------------------------
+# Classification
+
+
+def phase_of(stack: str) -> str | None:
+    """Training phase of a name stack; None when the stack is empty."""
+    if not stack:
+        return None
+    if "rematted_computation" in stack:
+        return "recompute"
+    if "transpose(" in stack:
+        return "backward"
+    if "jvp(" in stack:
+        return "forward"
+    return "update"
+
+
+def kind_of(kernel: Kernel, platform: str) -> str:
+    """`comm`, `memcpy`, `attention`, `matmul` or `other` (CPU: comm or other only)."""
+    if _NCCL.search(kernel.name) or _COLLECTIVE_OP.match(kernel.hlo_op):
+        return "comm"
+    if platform != "gpu":
+        return "other"
+    if kernel.name.startswith(("Memcpy", "Memset")):
+        return "memcpy"
+    if _ATTENTION.search(kernel.name):
+        return "attention"
+    if _MATMUL.search(kernel.name):
+        return "matmul"
+    return "other"
+
+
+def _phases(kernels: list[Kernel], hlo: HloOps | None) -> tuple[list[str], list[bool]]:
+    """Phase per kernel, and whether it came from a name stack (else inherited)."""
+    phases: list[str] = [""] * len(kernels)
+    named = [False] * len(kernels)
+    last: dict[str, str] = {}
+    for i in sorted(range(len(kernels)), key=lambda i: kernels[i].start):
+        k = kernels[i]
+        stack = k.stack or (hlo.name_stack(k.hlo_op) if hlo else "")
+        phase = phase_of(stack)
+        named[i] = phase is not None
+        phases[i] = phase or last.get(k.stream, "update")
+        last[k.stream] = phases[i]
+    return phases, named
+
+
+# ----------------------------------------------------------------------------------
+# Windows and the sweep
+
+
+def _windows(
+    kernels: list[Kernel], starts: list[float], module: str
+) -> list[tuple[int, float, float]]:
+    """`(annotation index, start, end)` per step on one device."""
+    by_step: dict[int, list[Kernel]] = collections.defaultdict(list)
+    for k in kernels:
+        if k.module == module and k.launch is not None and k.launch >= starts[0]:
+            by_step[bisect.bisect_right(starts, k.launch) - 1].append(k)
+    order = sorted(by_step)
+    firsts = [min(k.start for k in by_step[i]) for i in order]
+    out = []
+    for j, i in enumerate(order):
+        end = firsts[j + 1] if j + 1 < len(order) else max(k.end for k in by_step[i])
+        out.append((i, firsts[j], end))
+    return out
+
+
+def _sweep(
+    kernels: list[Kernel],
+    kinds: list[str],
+    phases: list[str],
+    named: list[bool],
+    permutes: list[bool],
+    permute_bytes: list[int | None],
+    start: float,
+    end: float,
+) -> tuple[dict[str, float], float | None]:
+    """Time sums (ns) over `[start, end)`, and bytes of the permutes that began in it."""
+    points = []
+    sent: float | None = 0.0
+    for i, k in enumerate(kernels):
+        s, e = max(k.start, start), min(k.end, end)
+        if e <= s:
+            continue
+        group = "comm" if kinds[i] == "comm" else "copy" if kinds[i] == "memcpy" else "compute"
+        permute = permutes[i]
+        key = (group, kinds[i], phases[i], named[i], permute)
+        points += [(s, 1, key), (e, -1, key)]
+        if permute and start <= k.start < end:
+            sent = None if sent is None or permute_bytes[i] is None else sent + permute_bytes[i]
+    points.sort(key=lambda p: (p[0], p[1]))
+    acc: dict[str, float] = collections.defaultdict(float)
+    active: collections.Counter = collections.Counter()
+    prev = start
+    for t, delta, key in points:
+        if t > prev and active:
+            _attribute(acc, list(active), t - prev)
+        prev = max(prev, t)
+        active[key] += delta
+        if not active[key]:
+            del active[key]
+    return acc, sent
+
+
+def _attribute(acc: dict[str, float], keys: list[tuple], dt: float) -> None:
+    compute = [k for k in keys if k[0] == "compute"]
+    comm = [k for k in keys if k[0] == "comm"]
+    owner = compute or comm or [k for k in keys if k[0] == "copy"]
+    phases = {k[2] for k in owner}
+    for p in phases:
+        acc[f"phase:{p}"] += dt / len(phases)
+    classes = {k[1] for k in owner}
+    for c in classes:
+        acc[f"class:{c}"] += dt / len(classes)
+    if all(k[3] for k in owner):
+        acc["named"] += dt
+    acc["busy"] += dt
+    if comm:
+        acc["comm"] += dt
+        if any(k[4] for k in comm):
+            acc["permute"] += dt
+    if any(k[0] == "copy" for k in keys):
+        acc["memcpy"] += dt
+
+
+def _breakdown(acc, sent, span_ns: float, platform: str, phased: bool) -> Breakdown:
+    ms = 1e-6
+
+    def phase(name):
+        return acc[f"phase:{name}"] * ms if phased else None
+
+    gpu = platform == "gpu"
+    return Breakdown(
+        step_ms=span_ns * ms,
+        forward_ms=phase("forward"),
+        backward_ms=phase("backward"),
+        recompute_ms=phase("recompute"),
+        update_ms=phase("update"),
+        idle_ms=(span_ns - acc["busy"]) * ms,
+        attention_ms=acc["class:attention"] * ms if gpu else None,
+        matmul_ms=acc["class:matmul"] * ms if gpu else None,
+        exposed_comm_ms=acc["class:comm"] * ms,
+        other_ms=(acc["class:other"] + acc["class:memcpy"]) * ms if gpu else None,
+        comm_ms=acc["comm"] * ms,
+        memcpy_ms=acc["memcpy"] * ms if gpu else None,
+        permute_ms=acc["permute"] * ms,
+        permute_bytes=sent,
+    )
+
+
+def mean(items: list[Breakdown]) -> Breakdown:
+    """Field-wise mean; a field is None if it is None in any item."""
+    if not items:
+        raise ValueError("mean of no Breakdowns")
+    values = {}
+    for field in dataclasses.fields(Breakdown):
+        xs = [getattr(b, field.name) for b in items]
+        values[field.name] = None if any(x is None for x in xs) else sum(xs) / len(xs)
+    return Breakdown(**values)
+
+
+# ----------------------------------------------------------------------------------
+# Entry point
+
+
+def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str = "train"):
+    """Attributes every device's time in a trace (see the module docstring).
+
+    Args:
+      source: an `.xplane.pb` (optionally gzipped), a directory holding one (the
+        newest is read), or a loaded `ProfileData`.
+      hlo: the step's compiled HLO facts: name stacks for events that lack them (all
+        CPU thunks) and the bytes of each collective-permute.
+      step_name: the StepTraceAnnotation name that cuts steps.
+
+    Returns:
+      A `TraceReport`.
+
+    Raises:
+      ValueError: the trace holds no device activity.
+    """
+    data = source if isinstance(source, ProfileData) else load(source)
+    devices = _gpu_kernels(data)
+    platform = "gpu"
+    if not devices:
+        devices, platform = _cpu_kernels(data), "cpu"
+    if not devices:
+        raise ValueError("the trace has no GPU kernels and no CPU XLA thunks to attribute")
+    marks = _step_annotations(data, step_name)
+    totals: collections.Counter = collections.Counter()
+    for ks in devices.values():
+        for k in ks:
+            if k.launch is not None and (not marks or k.launch >= marks[0][0]):
+                totals[k.module] += k.end - k.start
+    if not totals:  # no launch times known: the dominant program over all kernels
+        for ks in devices.values():
+            for k in ks:
+                totals[k.module] += k.end - k.start
+    module = totals.most_common(1)[0][0]
+    starts = [t for t, _ in marks]
+    use_steps = (
+        bool(marks) and totals and any(k.launch is not None for ks in devices.values() for k in ks)
+    )
+
+    per_step: dict[str, list[Breakdown]] = {}
+    step_ids: list[int | None] = []
+    named_ns = busy_ns = 0.0
+    results = []
+    for device, ks in devices.items():
+        kinds = [kind_of(k, platform) for k in ks]
+        phases, named = _phases(ks, hlo)
+        permutes = [
+            bool(_PERMUTE_OP.match(k.hlo_op))
+            or (hlo is not None and hlo.opcodes.get(k.hlo_op) in COLLECTIVE_PERMUTES)
+            for k in ks
+        ]
+        sizes = [hlo.permute_bytes.get(k.hlo_op) if hlo is not None else None for k in ks]
+        if use_steps:
+            windows = _windows(ks, starts, module)
+        else:
+            windows = [(None, min(k.start for k in ks), max(k.end for k in ks))]
+        results.append((device, ks, kinds, phases, named, permutes, sizes, windows))
+        for _, s, e in windows:
+            acc, _ = _sweep(ks, kinds, phases, named, permutes, sizes, s, e)
+            named_ns += acc["named"]
+            busy_ns += acc["busy"]
+    named_fraction = named_ns / busy_ns if busy_ns else 0.0
+    phased = named_fraction > 0
+    for device, ks, kinds, phases, named, permutes, sizes, windows in results:
+        rows = []
+        for _, s, e in windows:
+            acc, sent = _sweep(ks, kinds, phases, named, permutes, sizes, s, e)
+            rows.append(_breakdown(acc, sent, e - s, platform, phased))
+        per_step[device] = rows
+        if len(windows) > len(step_ids):
+            step_ids = [marks[i][1] if i is not None else None for i, _, _ in windows]
+
+    not_measured = {}
+    if platform != "gpu":
+        for field in ("attention_ms", "matmul_ms", "other_ms", "memcpy_ms"):
+            not_measured[field] = "CPU thunks do not say which kernel class they are"
+    if not phased:
+        reason = "no event carries a name stack (pass the compiled HLO: train.hlo.parse_hlo)"
+        if platform == "gpu":
+            reason = (
+                "no kernel carries a name stack: were command buffers on? profile with "
+                "XLA_FLAGS=--xla_gpu_enable_command_buffer="
+            )
+        for field in ("forward_ms", "backward_ms", "recompute_ms", "update_ms"):
+            not_measured[field] = reason
+    if hlo is None:
+        not_measured["permute_bytes"] = "needs the compiled HLO (collective-permute sizes)"
+    device_means = {d: mean(rows) for d, rows in per_step.items()}
+    return TraceReport(
+        platform=platform,
+        windows="steps" if use_steps else "whole trace",
+        steps=step_ids,
+        module=module,
+        devices=device_means,
+        mean=mean(list(device_means.values())),
+        per_step=per_step,
+        named_fraction=named_fraction,
+        not_measured=not_measured,
+    )
