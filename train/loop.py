@@ -22,7 +22,14 @@ import models
 from train import data as data_lib
 from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
-from train.mesh import batch_sharding, make_mesh, param_shardings, parse_mesh, replicated
+from train.mesh import (
+    batch_sharding,
+    make_mesh,
+    param_shardings,
+    parse_mesh,
+    replicated,
+    shard_axes,
+)
 from train.metrics import JsonlLog, memory, throughput
 from train.optim import optimizer, schedule
 from train.step import StepSpec, train_step
@@ -211,7 +218,8 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
 
     with jax.set_mesh(mesh):
         abstract_params = models.abstract_params(config)
-        p_shard = param_shardings(abstract_params, mesh)
+        axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
+        p_shard = param_shardings(abstract_params, mesh, axes)
         if host_params is None:
             params = jax.jit(functools.partial(models.init_params, config), out_shardings=p_shard)(
                 jax.random.key(cfg.run.seed)
@@ -223,7 +231,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
                 p_shard,
             )
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
-        o_shard = param_shardings(opt_abstract, mesh)
+        o_shard = param_shardings(opt_abstract, mesh, axes)
         opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
         state = {
             "params": params,

@@ -71,8 +71,11 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
-def param_spec(shape: tuple[int, ...], fsdp_size: int, *, stacked: bool = False) -> P:
-    """FSDP spec: shard the largest evenly divisible dimension over `fsdp`.
+def param_spec(
+    shape: tuple[int, ...], fsdp_size: int, *, stacked: bool = False, axes=("fsdp",)
+) -> P:
+    """FSDP spec: shard the largest evenly divisible dimension over `axes` (of total
+    size `fsdp_size`).
 
     `stacked`: dimension 0 indexes scanned layers and is never sharded (the scan
     slices it every iteration).
@@ -84,21 +87,29 @@ def param_spec(shape: tuple[int, ...], fsdp_size: int, *, stacked: bool = False)
     for dim in order:
         if shape[dim] % fsdp_size == 0 and shape[dim] >= fsdp_size:
             spec = [None] * len(shape)
-            spec[dim] = "fsdp"
+            spec[dim] = axes[0] if len(axes) == 1 else tuple(axes)
             return P(*spec)
     return P()
 
 
-def param_shardings(abstract_tree, mesh: Mesh):
+def shard_axes(mesh: Mesh, over_seq: bool) -> tuple[str, ...]:
+    """The axes parameters are sharded over: `fsdp`, and with `over_seq` also `seq`
+    (ZeRO-3 across the sequence-parallel group: the seed's `--fsdp full_shard` on the
+    same GPUs that split the sequence)."""
+    return ("fsdp", "seq") if over_seq and mesh.shape["seq"] > 1 else ("fsdp",)
+
+
+def param_shardings(abstract_tree, mesh: Mesh, axes: tuple[str, ...] = ("fsdp",)):
     """NamedShardings for a pytree of arrays/ShapeDtypeStructs (params or opt state).
 
     Leaves under a `layers` key are scanned-layer stacks (dimension 0 = layer).
     """
-    fsdp_size = mesh.shape["fsdp"]
+    fsdp_size = math.prod(mesh.shape[a] for a in axes)
 
     def shard(path, x):
         stacked = any(getattr(k, "key", None) == "layers" for k in path)
-        return NamedSharding(mesh, param_spec(tuple(np.shape(x)), fsdp_size, stacked=stacked))
+        spec = param_spec(tuple(np.shape(x)), fsdp_size, stacked=stacked, axes=axes)
+        return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(shard, abstract_tree)
 

@@ -136,7 +136,7 @@ def _xla_cost(t, num_layers: int) -> dict | None:
     import jax.numpy as jnp
 
     import models
-    from train.mesh import param_shardings, replicated
+    from train.mesh import param_shardings, replicated, shard_axes
     from train.step import train_step
 
     def shaped(tree, shardings):
@@ -149,14 +149,15 @@ def _xla_cost(t, num_layers: int) -> dict | None:
         for k, v in t.batch(0).items()
     }
     costs = []
+    axes = shard_axes(t.mesh, t.cfg.parallel.shard_over_seq)
     for layers in (1, 2):
         config = t.config.replace(num_layers=layers, scan_layers=False)
         spec = dataclasses.replace(t.spec, config=config)
         params = models.abstract_params(config)
         opt = jax.eval_shape(t.tx.init, params)
         state = {
-            "params": shaped(params, param_shardings(params, t.mesh)),
-            "opt_state": shaped(opt, param_shardings(opt, t.mesh)),
+            "params": shaped(params, param_shardings(params, t.mesh, axes)),
+            "opt_state": shaped(opt, param_shardings(opt, t.mesh, axes)),
             "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(t.mesh)),
         }
         step = jax.jit(functools.partial(train_step, spec=spec, tx=t.tx))
