@@ -32,16 +32,18 @@ def _kernel_counts(attention, policy):
 
 
 def _ring(q, k, v):
-    mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:2])
-    return jflash.ring_attention(q, k, v, mesh=mesh, implementation="pallas_triton",
-                                 interpret=True)
+    mesh = jax.make_mesh(
+        (2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
+    )
+    return jflash.ring_attention(q, k, v, mesh=mesh, implementation="pallas_triton", interpret=True)
 
 
 @pytest.mark.parametrize(
     "attention",
-    [functools.partial(jflash.flash_attention, implementation="pallas_triton", interpret=True),
-     _ring],
+    [
+        functools.partial(jflash.flash_attention, implementation="pallas_triton", interpret=True),
+        _ring,
+    ],
     ids=["flash", "ring"],
 )
 def test_save_attn_runs_forward_once(attention):
