@@ -35,6 +35,9 @@ import sys
 import tempfile
 import time
 
+# jax (and everything that imports it) is imported inside the functions that run in a
+# child process: the parent never initialises a backend, so each child can set its own
+# XLA_FLAGS (simulated device count, command buffers) before jax starts.
 MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
 
 
