@@ -308,7 +308,10 @@ def run(cfg: TrainConfig) -> dict:
         bar = _progress(cfg, is_main, start_step, total_steps)
         history = []
         timer = _Timer()
-        pending = None  # (step, metrics) of the last dispatched step: checked one step late
+        # Metrics are fetched one step late (the next step is already queued), except at
+        # logging and saving steps, which wait for their own step: throughput windows
+        # then start and end at completed steps, and nothing non-finite is saved.
+        pending = None
         try:
             for step in range(start_step, total_steps):
                 if profile and step == profile[0]:
@@ -325,17 +328,18 @@ def run(cfg: TrainConfig) -> dict:
                     history.append(
                         _finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar)
                     )
-                pending = (step, metrics)
-                done = step + 1
-                if _should_save(cfg, done, total_steps, batches.steps_per_epoch):
-                    history.append(
-                        _finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar)
-                    )
                     pending = None
+                done = step + 1
+                save = _should_save(cfg, done, total_steps, batches.steps_per_epoch)
+                if save or done % cfg.run.logging_steps == 0 or done == total_steps:
+                    history.append(
+                        _finish((step, metrics), cfg, lr_at, timer, flops_token, writer, log, bar)
+                    )
+                else:
+                    pending = (step, metrics)
+                if save:
                     epoch, index = divmod(done, batches.steps_per_epoch)
                     ckpt.save(done, state, {"step": done, "data": {"epoch": epoch, "index": index}})
-            if pending is not None:
-                history.append(_finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar))
         finally:
             ckpt.close()
             if bar is not None:
