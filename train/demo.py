@@ -5,7 +5,8 @@
 2. makes learnable sample data (`python -m train.data sample`);
 3. trains it through the HF conversion path with `configs/demo.yaml`: sequence over 2
    devices (ring attention, zigzag) x FSDP over 2, checkpoints, TensorBoard scalars, a
-   JSONL log, one `jax.profiler` trace; on a CPU machine 4 simulated devices.
+   JSONL log, one `jax.profiler` trace; on a CPU machine 4 simulated devices;
+4. writes the metrics report (`python -m train.profile`) for the same mesh.
 
 Everything lands under `runs/demo/`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(hf_dir):
         params = models.init_params(config, jax.random.key(0))
         models.export_hf(jax.tree.map(jax.device_get, params), config, hf_dir)
+    # Sequence over 2 devices and FSDP over the rest (4 simulated CPUs: fsdp=2, seq=2).
+    n = jax.device_count()
+    seq = 2 if n >= 2 and n % 2 == 0 else 1
+    mesh = ["--mesh", f"data=1,fsdp={n // seq},seq={seq}"]
     cfg = parse_args(
         [
             "--config",
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             os.path.join(RUN_DIR, "train"),
             "--data_path",
             data_path,
+            *mesh,
             *argv,
         ]
     )
@@ -93,6 +100,33 @@ def main(argv: list[str] | None = None) -> int:
     if not last < first - 0.5:
         print("error: the loss did not fall", file=sys.stderr)
         return 1
+    # The metrics report (per-phase times, throughput, memory, roofline) for the same
+    # mesh, a preset of the demo model's shape, on these devices.
+    mesh = cfg.parallel.mesh
+    report = os.path.join(RUN_DIR, "profile")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.profile",
+            "--models",
+            "tiny",
+            "--context",
+            str(cfg.data.model_max_length),
+            "--mesh",
+            mesh,
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--trace-steps",
+            "2",
+            "--out",
+            report,
+        ],
+        check=True,
+    )
+    print(f"metrics report: {os.path.join(report, 'report.md')} (+ PNG plots beside it)")
     return 0
 
 

@@ -57,7 +57,7 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
       batch: `{"input_ids", "labels"}` int32 `[accum, B, T]`.
 
     Returns:
-      `(new_state, metrics)` with loss, grad_norm, tokens and the LR used.
+      `(new_state, metrics)`: the loss, the gradient norm and the counted tokens.
     """
     params = state["params"]
 
