@@ -241,20 +241,21 @@ def sweep(args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    impls = ["jflash", "cudnn", "xla"]
+    os.makedirs(args.out, exist_ok=True)
+    impls = args.impls
+    seqs = [int(x) for x in args.sweep_seqs.split(",")]
+    mid = seqs[len(seqs) // 2]  # the heads and head-dim axes run at a middle length
     axes = {
-        "seq_len": [
-            dict(seq=s, heads=32, head_dim=128) for s in (1024, 2048, 4096, 8192, 16384, 32768)
-        ],
-        "heads": [dict(seq=8192, heads=h, head_dim=128) for h in (8, 16, 32, 64)],
-        "head_dim": [dict(seq=8192, heads=32, head_dim=d) for d in (32, 64, 128, 256)],
+        "seq_len": [dict(seq=s, heads=32, head_dim=128) for s in seqs],
+        "heads": [dict(seq=mid, heads=h, head_dim=128) for h in (8, 16, 32, 64)],
+        "head_dim": [dict(seq=mid, heads=32, head_dim=d) for d in (32, 64, 128, 256)],
     }
     results = {}
     for axis, points in axes.items():
         results[axis] = []
         for p in points:
             for impl in impls:
-                if impl == "xla" and p["seq"] * p["seq"] * p["heads"] * 4 > 40 * 2**30:
+                if impl == "xla" and p["seq"] * p["seq"] * p["heads"] * 4 > args.xla_max_bytes:
                     continue
                 if impl == "cudnn" and p["head_dim"] > 128:
                     continue
@@ -316,6 +317,17 @@ def main():
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--impls", default="jflash,cudnn,xla")
+    parser.add_argument(
+        "--sweep-seqs",
+        default="1024,2048,4096,8192,16384,32768",
+        help="--sweep: sequence lengths (the other axes use the middle one)",
+    )
+    parser.add_argument(
+        "--xla-max-bytes",
+        type=float,
+        default=40 * 2**30,
+        help="--sweep: skip plain XLA attention whose S²·N·4 exceeds this",
+    )
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
     args.impls = args.impls.split(",")
