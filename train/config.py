@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import re
 import types
 import typing
 from typing import Any
@@ -29,7 +31,7 @@ class ModelArgs:
     remat_policy: str = "save_attn"  # none | full | save_attn
     gradient_checkpointing: bool = False  # HF flag: True means remat_policy=full
     bf16: bool = True  # bf16 compute with f32 master weights
-    fp16: bool = False  # accepted for the seed's command lines: runs as bf16 compute
+    fp16: bool = False  # the seed's flag: runs as bf16 compute (no loss scaling needed)
     scan_layers: bool = True
 
 
@@ -164,11 +166,20 @@ def _parser_type(annotation) -> tuple[Any, bool]:
     return annotation, optional
 
 
+def _field_comments(cls) -> dict[str, str]:
+    """The `# ...` comment after each field in the dataclass source: one place for docs."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    pattern = re.compile(r"^\s+(\w+):[^#\n]*#\s*(.+)$", re.MULTILINE)
+    return dict(pattern.findall(source))
+
+
 def _field_help(section_cls, field) -> str:
-    text = f"[{section_cls.__name__}] default: {field.default!r}"
-    if field.name == "fp16":
-        text += " (fp16 runs as bf16 compute: no loss scaling needed, same memory)"
-    return text
+    comment = _field_comments(section_cls).get(field.name)
+    default = f"default: {field.default!r}"
+    return f"{comment} ({default})" if comment else default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             conv, optional = _parser_type(hints[field.name])
-            kwargs: dict[str, Any] = dict(default=None, help=_field_help(cls, field))
+            kwargs: dict[str, Any] = dict(
+                default=None, help=_field_help(cls, field), metavar=field.name.upper()
+            )
             if conv is _parse_bool:
                 kwargs.update(nargs="?", const=True, type=_parse_bool)
             else:
