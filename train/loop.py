@@ -369,7 +369,8 @@ def _progress(cfg, is_main, start, total):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True)
+    # disable=None: tqdm turns itself off when stderr is not a terminal (CI logs, pipes).
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, disable=None)
 
 
 def _profile_window(cfg: TrainConfig) -> tuple[int, int] | None:
