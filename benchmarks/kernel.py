@@ -34,6 +34,13 @@ def attention_fn(impl: str, block_sizes=None):
             block_sizes=block_sizes,
             implementation="pallas_triton",
         )
+    if impl == "jflash_mosaic":
+        return functools.partial(
+            jflash.flash_attention,
+            causal=True,
+            block_sizes=block_sizes,
+            implementation="pallas_mosaic",
+        )
     if impl == "jflash_xla":
         return functools.partial(jflash.flash_attention, causal=True, implementation="xla")
     return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
@@ -143,6 +150,8 @@ def main_table(args):
 
 def tune(args):
     """Times jflash block-size candidates at one shape: forward ones, then backward ones."""
+    if args.tune_impl == "jflash_mosaic":
+        return tune_mosaic(args)
     base = jflash.default_block_sizes(args.seq, args.head_dim, jnp.bfloat16)
     shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
     rows = []
@@ -299,6 +308,41 @@ def sweep(args):
     write_json(os.path.join(args.out, f"kernel-sweep-{device_name()}.json"), results)
 
 
+def tune_mosaic(args):
+    """Mosaic candidates: streamed block and pipeline depth per pass (rows per warpgroup
+    are fixed at 64)."""
+    base = jflash.default_block_sizes(
+        args.seq, args.head_dim, jnp.bfloat16, implementation="pallas_mosaic"
+    )
+    shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
+    rows = []
+
+    def run(bs, passes, label):
+        row = measure("jflash_mosaic", block_sizes=bs, passes=passes, **shape)
+        row["block_sizes"] = label
+        rows.append(row)
+        print(row, flush=True)
+
+    for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4), (192, 2)):
+        if args.which in ("fwd", "both"):
+            run(dataclasses.replace(base, block_kv=bk, num_stages=s), ("fwd",), f"fwd kv{bk} s{s}")
+    for qd, kq, s in ((64, 64, 2), (64, 64, 3), (128, 64, 2), (64, 128, 2), (128, 128, 2)):
+        if args.which in ("bwd", "both"):
+            bs = dataclasses.replace(base, block_q_dkv=qd, block_kv_dq=kq, num_stages_bwd=s)
+            run(bs, ("fwdbwd",), f"bwd dkv q{qd} dq kv{kq} s{s}")
+    for impl in ("cudnn", "jflash"):
+        row = measure(impl, **shape)
+        row["block_sizes"] = impl
+        rows.append(row)
+    print(table(rows, ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]))
+    write_json(
+        os.path.join(
+            args.out, f"kernel-tune-mosaic-{device_name()}-{args.seq}-{args.head_dim}.json"
+        ),
+        {"rows": rows},
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -316,7 +360,10 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128, help="--tune shape")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--impls", default="jflash,cudnn,xla")
+    parser.add_argument("--impls", default="jflash,jflash_mosaic,cudnn,xla")
+    parser.add_argument(
+        "--tune-impl", default="jflash", choices=("jflash", "jflash_mosaic"), help="--tune: which"
+    )
     parser.add_argument(
         "--sweep-seqs",
         default="1024,2048,4096,8192,16384,32768",

@@ -17,15 +17,17 @@ CPU it is reported as not measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -262,35 +264,112 @@ def draw_inputs_abstract(seq, args, sharding):
     return [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in (q, kv, kv, q)]
 
 
+def search_longest(
+    fits_at, start: int, maximum: int, refine: int = 0, granule: int = 1
+) -> tuple[int | None, list[dict]]:
+    """The longest length `fits_at` accepts, and every probe made.
+
+    Doubles from `start` until a length does not fit (or passes `maximum`), then
+    bisects `refine` times between the last length that fit and the first that did
+    not, on multiples of `granule`: the answer is within (1/2)**refine of the doubling
+    interval instead of a power of two (a 2.9x longer sequence would otherwise read
+    as 2x, or 4x).
+
+    Args:
+      fits_at: `seq -> {"fits": bool, "gib": GiB per device, ...}` (extra keys, e.g.
+        an error, are kept in the probe).
+      start, maximum: the first and the largest length tried.
+      refine: bisection steps after the doubling.
+      granule: every bisection length is a multiple of it (the layout's divisor).
+    """
+    probes: list[dict] = []
+
+    def probe(seq: int) -> bool:
+        result = fits_at(seq)
+        probes.append({"seq": seq, **result})
+        return bool(result["fits"])
+
+    best, seq, too_long = None, start, None
+    while seq <= maximum:
+        if not probe(seq):
+            too_long = seq
+            break
+        best, seq = seq, seq * 2
+    if best is not None and too_long is not None:
+        lo, hi = best, too_long
+        for _ in range(refine):
+            mid = (lo + hi) // 2 // granule * granule
+            if mid <= lo or mid >= hi:
+                break
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        best = lo
+    return best, probes
+
+
 def longest(args) -> dict | None:
+    """Longest causal forward+backward that fits on 1 device vs on all of them.
+
+    "Fits" is XLA's compiled memory analysis (arguments + outputs + temporaries per
+    device) against the device's allocator limit (`bytes_limit`, or
+    `--longest-limit-gib`); nothing runs unless `--longest-run`.
+    """
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
+    if args.longest_limit_gib is not None:
+        limit = int(args.longest_limit_gib * 2**30)
     if limit is None:
         print("longest: this backend reports no device memory limit; skipped")
         return None
     n = len(jax.devices())
-    result = {"bytes_limit_gib": limit / 2**30}
+    result: dict = {
+        "bytes_limit_gib": limit / 2**30,
+        "limit_from": "--longest-limit-gib"
+        if args.longest_limit_gib is not None
+        else "device bytes_limit",
+        "method": "compiled memory analysis (arguments + outputs + temporaries per device) "
+        "<= limit" + ("; the longest then run once" if args.longest_run else "; not run"),
+        "refine_steps": args.longest_refine,
+    }
     for p in sorted({1, n}):
-        mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
-        sharding = NamedSharding(mesh, P(None, "seq"))
         if p == 1:
+            # One device, no mesh: a 1-device mesh's (Explicit) "seq" sharding would reach
+            # the kernel's einsums as a sharded type and fail to trace.
+            mesh, sharding = None, SingleDeviceSharding(jax.devices()[0])
             attn = functools.partial(
                 jflash.flash_attention, causal=True, implementation=args.implementation
             )
         else:
+            mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
+            sharding = NamedSharding(mesh, P(None, "seq"))
             attn = ring_fn(mesh, "zigzag", "ring", args)
-        seq, best = args.longest_start, None
-        with jax.set_mesh(mesh):
-            while seq <= args.longest_max:
+
+        def fits_at(seq, attn=attn, sharding=sharding, p=p) -> dict:
+            try:
                 ok, gib = fits(attn, seq, args, sharding, limit)
-                print(
-                    f"longest: P={p} seq={seq} needs {gib:.1f} GiB/device: "
-                    f"{'fits' if ok else 'does not fit'}",
-                    flush=True,
-                )
-                if not ok:
-                    break
-                best, seq = seq, seq * 2
+            except Exception as e:  # noqa: BLE001 - a length that fails to compile is a probe
+                error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                print(f"longest: P={p} seq={seq} failed to compile: {error}", flush=True)
+                return {"fits": False, "gib": None, "error": error}
+            print(
+                f"longest: P={p} seq={seq} needs {gib:.2f} GiB/device: "
+                f"{'fits' if ok else 'does not fit'}",
+                flush=True,
+            )
+            return {"fits": ok, "gib": None if math.isnan(gib) else gib}
+
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            # Bisection lengths: zigzag splits the sequence into 2P chunks, and whole
+            # 1024-token blocks keep the kernel's tiles full (gcd: small --longest-start).
+            best, probes = search_longest(
+                fits_at,
+                args.longest_start,
+                args.longest_max,
+                refine=args.longest_refine,
+                granule=math.gcd(args.longest_start, 2 * n * 1024),
+            )
             if best is not None and args.longest_run:
                 row: dict = {}
                 args_once = argparse.Namespace(**{**vars(args), "warmup": 0, "iters": 1})
@@ -298,10 +377,12 @@ def longest(args) -> dict | None:
                     attn, draw_inputs(best, args, sharding if p > 1 else None), args_once, row
                 )
                 result[f"P{p}_ran"] = "fwdbwd_ms" in row
+                result[f"P{p}_run"] = row
         result[f"P{p}_longest"] = best
+        result[f"P{p}_probes"] = probes
     if result.get("P1_longest") and result.get(f"P{n}_longest"):
         result["ratio"] = result[f"P{n}_longest"] / result["P1_longest"]
-    print(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if not k.endswith("_probes")}))
     return result
 
 
@@ -344,6 +425,18 @@ def main(argv=None):
     )
     parser.add_argument("--longest-start", type=int, default=16384)
     parser.add_argument("--longest-max", type=int, default=1 << 23)
+    parser.add_argument(
+        "--longest-refine",
+        type=int,
+        default=4,
+        help="bisection steps after doubling (resolution: 1/2**N of the last doubling)",
+    )
+    parser.add_argument(
+        "--longest-limit-gib",
+        type=float,
+        default=None,
+        help="memory limit per device (default: the device's allocator limit; CPU has none)",
+    )
     parser.add_argument(
         "--longest-run",
         action="store_true",

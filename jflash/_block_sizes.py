@@ -54,7 +54,12 @@ def _fit(block: int, length: int) -> int:
 
 
 def default_block_sizes(
-    seq_len: int, head_dim: int, dtype, device_kind: str = "gpu", kv_len: int | None = None
+    seq_len: int,
+    head_dim: int,
+    dtype,
+    device_kind: str = "gpu",
+    kv_len: int | None = None,
+    implementation: str = "pallas_triton",
 ) -> BlockSizes:
     """The one place where tile shapes are chosen (measured on H100/H200, BENCHMARKS.md).
 
@@ -64,7 +69,10 @@ def default_block_sizes(
       dtype: input dtype (f32 tiles are halved to fit shared memory).
       device_kind: "gpu" for a compiled kernel, "cpu" for interpret mode (big tiles,
         few grid steps: the interpreter is slow per step, not per element).
+      implementation: "pallas_triton" or "pallas_mosaic" (see `mosaic_block_sizes`).
     """
+    if implementation == "pallas_mosaic":
+        return mosaic_block_sizes(head_dim)
     kv_len = seq_len if kv_len is None else kv_len
     wide = np.dtype(dtype).itemsize >= 4 or head_dim > 128
     if device_kind == "cpu":
@@ -99,3 +107,43 @@ def default_block_sizes(
         num_warps_bwd=bwd[4],
         num_stages_bwd=bwd[5],
     )
+
+
+# Mosaic GPU kernels: every CTA has two compute warpgroups of 64 rows (the M of one
+# wgmma), so the per-warpgroup row blocks are fixed at 64; the streamed blocks and the
+# pipeline depth are the knobs. Stages are lowered automatically where a variant
+# (f32 outputs for the ring) would not fit shared memory.
+MOSAIC_WG_ROWS = 64
+_MOSAIC_FIXED = ("block_q", "block_kv_dkv", "block_q_dq")
+_MOSAIC_STREAMED = ("block_kv", "block_q_dkv", "block_kv_dq")
+
+
+def mosaic_block_sizes(head_dim: int) -> BlockSizes:
+    """Defaults of the Mosaic GPU kernels (measured on H100, BENCHMARKS.md)."""
+    return BlockSizes(
+        block_q=MOSAIC_WG_ROWS,
+        block_kv=128,
+        num_stages=3 if head_dim <= 64 else 2,
+        block_q_dkv=64,
+        block_kv_dkv=MOSAIC_WG_ROWS,
+        block_q_dq=MOSAIC_WG_ROWS,
+        block_kv_dq=64,
+        num_stages_bwd=2,
+        num_warps=4,  # unused by Mosaic (warpgroups: 2 compute + 1 memory)
+        num_warps_bwd=4,
+    )
+
+
+def check_mosaic_block_sizes(bs: BlockSizes) -> None:
+    for name in _MOSAIC_FIXED:
+        if getattr(bs, name) != MOSAIC_WG_ROWS:
+            raise ValueError(
+                f"BlockSizes.{name}={getattr(bs, name)}: the Mosaic kernels give each "
+                f"warpgroup {MOSAIC_WG_ROWS} rows; it must be {MOSAIC_WG_ROWS}"
+            )
+    for name in _MOSAIC_STREAMED:
+        if getattr(bs, name) % 64:
+            raise ValueError(f"BlockSizes.{name}={getattr(bs, name)} must be a multiple of 64")
+    for name in ("num_stages", "num_stages_bwd"):
+        if getattr(bs, name) < 2:
+            raise ValueError(f"BlockSizes.{name}={getattr(bs, name)}: Mosaic pipelines need >= 2")

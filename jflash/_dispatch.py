@@ -11,8 +11,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jflash._block_sizes import BlockSizes, default_block_sizes
+from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
+from jflash._mosaic_bwd import mosaic_bwd
+from jflash._mosaic_fwd import mosaic_fwd
 from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
 from jflash._triton_fwd import flash_fwd
@@ -35,6 +37,44 @@ def _platform() -> str:
     return jax.default_backend()
 
 
+def _is_hopper() -> bool:
+    """sm90 (H100/H200): where the Mosaic GPU kernels (wgmma, TMA) run."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+MOSAIC_HEAD_DIMS = (64, 128)
+MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def mosaic_unsupported(*, head_dim: int, dtype, segments: bool) -> str | None:
+    """Why the Mosaic kernels cannot take this problem (None: they can)."""
+    if not _is_hopper():
+        kind = jax.devices()[0].device_kind
+        return f"needs a Hopper GPU (sm90: H100/H200); this device is {kind!r}"
+    if head_dim not in MOSAIC_HEAD_DIMS:
+        return f"{head_dim=} is not one of {MOSAIC_HEAD_DIMS}"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
+        return f"dtype={jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
+    if segments:
+        return "segment_ids are not supported by the Mosaic kernels"
+    return None
+
+
+# Whether `implementation=None` takes the Mosaic kernels on Hopper where they apply:
+# decided by the same-run benchmark against the Triton kernel (BENCHMARKS.md).
+MOSAIC_IS_DEFAULT_ON_HOPPER = False
+
+
+def _gpu_default(*, head_dim: int, dtype, segments: bool) -> tuple[str, str]:
+    if not MOSAIC_IS_DEFAULT_ON_HOPPER:
+        return "pallas_triton", "GPU: the Triton-lowered Pallas kernel (measured fastest here)"
+    why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, segments=segments)
+    if why is None:
+        return "pallas_mosaic", "Hopper: the Mosaic GPU kernels (measured faster than Triton)"
+    return "pallas_triton", f"GPU: the Triton-lowered Pallas kernel (Mosaic {why})"
+
+
 def resolve(
     implementation: str | None,
     interpret: bool | None,
@@ -44,6 +84,7 @@ def resolve(
     kv_len: int,
     head_dim: int,
     dtype,
+    segments: bool = False,
 ) -> Kernel:
     """Turns the user's `implementation` / `interpret` / `block_sizes` into a `Kernel`."""
     platform = _platform()
@@ -55,17 +96,30 @@ def resolve(
         if interpret:
             implementation, reason = "pallas_triton", "interpret=True asks for the Pallas kernel"
         elif platform == "gpu":
-            implementation, reason = "pallas_triton", "GPU: the Triton-lowered Pallas kernel"
+            implementation, reason = _gpu_default(head_dim=head_dim, dtype=dtype, segments=segments)
         else:
             implementation, reason = "xla", f"{platform=}: no compiled Pallas kernel, blockwise XLA"
     else:
         reason = "named by the caller"
     if implementation == "pallas_mosaic":
-        raise NotImplementedError(
-            "implementation='pallas_mosaic' (Hopper Mosaic GPU kernels) is not available yet; "
-            "use 'pallas_triton' or 'xla'"
-        )
-    if implementation == "xla":
+        if interpret:
+            raise NotImplementedError(
+                f"implementation='pallas_mosaic' has no interpret mode ({interpret=}): its TMA "
+                "copies have no interpreter rule in jax 0.11.2; use 'pallas_triton'"
+            )
+        why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, segments=segments)
+        if why is not None:
+            raise NotImplementedError(
+                f"implementation='pallas_mosaic' {why}; use 'pallas_triton' (any head dim, "
+                "dtype, segment ids) or implementation=None"
+            )
+        if block_sizes is None:
+            block_sizes = default_block_sizes(
+                q_len, head_dim, dtype, kv_len=kv_len, implementation="pallas_mosaic"
+            )
+        check_mosaic_block_sizes(block_sizes)
+        kernel = Kernel("pallas_mosaic", block_sizes, False, reason)
+    elif implementation == "xla":
         if interpret:
             raise ValueError(f"{interpret=} only applies to Pallas implementations, not 'xla'")
         kernel = Kernel("xla", None, False, reason)
@@ -95,8 +149,11 @@ def describe() -> str:
     """Says which implementation `implementation=None` picks here, and why."""
     platform = _platform()
     lines = [f"backend: {platform} ({jax.devices()[0].device_kind})"]
-    default = "pallas_triton" if platform == "gpu" else "xla"
-    lines.append(f"implementation=None -> {default!r}")
+    if platform == "gpu":
+        default, why = _gpu_default(head_dim=128, dtype=jnp.bfloat16, segments=False)
+        lines.append(f"implementation=None -> {default!r} for bf16, head_dim=128 ({why})")
+    else:
+        lines.append("implementation=None -> 'xla'")
     if _last_choice:
         lines.append("last call: " + ", ".join(f"{k}={v}" for k, v in _last_choice.items()))
     return "\n".join(lines)
@@ -110,6 +167,18 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
     """
     if kernel.name == "xla":
         return xla_fwd(q, k, v, mask=mask, segs=segs, scale=scale, out_dtype=out_dtype)
+    if kernel.name == "pallas_mosaic":
+        bs = kernel.block_sizes
+        return mosaic_fwd(
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=scale,
+            out_dtype=out_dtype,
+            block_kv=bs.block_kv,
+            stages=bs.num_stages,
+        )
     return flash_fwd(
         q,
         k,
@@ -134,6 +203,22 @@ def attention_bwd(
     if kernel.name == "xla":
         return xla_bwd(
             q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype
+        )
+    if kernel.name == "pallas_mosaic":
+        bs = kernel.block_sizes
+        return mosaic_bwd(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            mask=mask,
+            scale=scale,
+            grad_dtype=grad_dtype,
+            block_q_dkv=bs.block_q_dkv,
+            block_kv_dq=bs.block_kv_dq,
+            stages=bs.num_stages_bwd,
         )
     return flash_bwd(
         q,

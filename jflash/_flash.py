@@ -110,6 +110,7 @@ def flash_attention(
             kv_len=shapes.kv_len,
             head_dim=shapes.head_dim,
             dtype=q.dtype,
+            segments=segs is not None,
         ),
     )
     o, lse = _flash(q, k, v, segs, static)

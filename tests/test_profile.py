@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from train import trace
@@ -170,3 +171,149 @@ def test_profile_cli_on_cpu(tmp_path):
     )
     assert (out / "report.md").read_text() == md
     assert (out / "scaling.png").stat().st_size > 5000
+
+
+# ----------------------------------------------------------------------------------
+# Rows that fail: "does not fit" or "error", and the report is still written
+
+
+def test_profile_failed_child_classification():
+    from train.profile import failed_child
+
+    # XLA raises, then dumps its buffer assignment: the OOM line is far from the end.
+    dump = "\n".join(f"  allocation {i}: size 1.0GiB" for i in range(60))
+    stderr = (
+        "Traceback (most recent call last):\n"
+        "jax.errors.JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to "
+        "allocate 12.50GiB.\n" + dump
+    )
+    row = failed_child(1, "", stderr)
+    assert row["status"] == "does not fit", row
+    assert "Out of memory while trying to allocate 12.50GiB" in row["error"]
+    assert "exited with code 1" in row["error"]
+    # A CUDA abort with a stack trace after the message.
+    frames = "\n".join(f"    @ 0x{i:x} xla::something()" for i in range(30))
+    abort = "F0101 cuda_driver.cc:42] Check failed: CUDA_ERROR_OUT_OF_MEMORY\n" + frames
+    assert failed_child(-6, "", abort)["status"] == "does not fit"
+    # Killed with no output (e.g. the host's OOM killer): an error that says so.
+    row = failed_child(-9, "", "")
+    assert row == {"status": "error", "error": "killed by signal 9"}
+    # The allocator's retry warning is not an out-of-memory failure.
+    stderr = (
+        "W bfc_allocator.cc] Allocator (GPU_0_bfc) ran out of memory trying to allocate "
+        "2.5GiB. The caller indicates that this is not a failure, but this may mean ...\n"
+        "ValueError: something else broke"
+    )
+    row = failed_child(1, "", stderr)
+    assert row["status"] == "error" and "something else broke" in row["error"]
+
+
+@pytest.mark.multi_device
+def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
+    import train.loop
+    from train.profile import Job, _trainer_args, run_row
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError(
+            "INTERNAL: something first\nRESOURCE_EXHAUSTED: Out of memory while trying to "
+            "allocate 99.0GiB."
+        )
+
+    monkeypatch.setattr(train.loop, "build", out_of_memory)
+    job = Job(model="tiny", context=256, mesh="seq=2", out=str(tmp_path), shard_over_seq=True)
+    assert job.name == "tiny-256-seq2-shard_over_seq"
+    assert parse_args(_trainer_args(job)).parallel.shard_over_seq is True
+    row = run_row(job)
+    assert row["status"] == "does not fit", row
+    assert row["error"].startswith("RESOURCE_EXHAUSTED: Out of memory")
+    assert row["shard_over_seq"] is True and row["devices"] == 2
+
+
+@pytest.mark.multi_device
+def test_profile_cli_failing_rows_keep_the_report(tmp_path):
+    """A row whose child fails is an "error" row; --append adds to the report."""
+    out = tmp_path / "profile"
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    base = [sys.executable, "-m", "train.profile", "--context", "256", "--out", str(out)]
+    second = ["--append", "--reuse-ceilings", "--shard-over-seq"]
+    for models, extra in (("no-such-model", []), ("other-model", second)):
+        proc = subprocess.run(
+            base + ["--models", models, *extra],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "  error: exited with code 1" in proc.stdout, proc.stdout
+        assert ("ceilings: reused" in proc.stdout) == ("--reuse-ceilings" in extra)
+    report = json.loads((out / "report.json").read_text())
+    assert [r["name"] for r in report["rows"]] == [
+        "no-such-model-256-seq2",
+        "other-model-256-seq2-shard_over_seq",
+    ]
+    assert all(r["status"] == "error" for r in report["rows"])
+    assert "neither a local HF directory nor a preset" in report["rows"][0]["error"]
+    assert len(report["commands"]) == 2 and "--append" in report["commands"][1]
+    md = (out / "report.md").read_text()
+    assert "## Rows that did not run" in md
+    assert "| other-model | 256 | seq=2 +shard_over_seq | error |" in md
+    assert "Commands (rows added with `--append`, in order)" in md
+
+
+def test_ring_bench_longest_search():
+    sys.path.insert(0, ROOT)
+    from benchmarks.ring import search_longest
+
+    limit = 5000  # "bytes" per token = 1: the longest that fits is 5000
+    calls = []
+
+    def fits_at(seq):
+        calls.append(seq)
+        return {"fits": seq <= limit, "gib": seq / 1e3}
+
+    best, probes = search_longest(fits_at, 256, 1 << 20, refine=0, granule=256)
+    assert best == 4096 and calls == [256, 512, 1024, 2048, 4096, 8192]
+    calls.clear()
+    best, probes = search_longest(fits_at, 256, 1 << 20, refine=4, granule=256)
+    assert calls[:6] == [256, 512, 1024, 2048, 4096, 8192]
+    assert calls[6:] == [6144, 5120, 4608, 4864]  # bisection on multiples of 256
+    assert best == 4864 and [p["seq"] for p in probes] == calls
+    assert all(p["fits"] == (p["seq"] <= limit) for p in probes)
+    # Nothing fits, or everything up to the maximum does: no bisection.
+    assert search_longest(fits_at, 8192, 1 << 20, refine=4)[0] is None
+    assert search_longest(fits_at, 256, 1024, refine=4)[0] == 1024
+
+
+@pytest.mark.multi_device
+def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
+    """`--longest` end to end on simulated devices, with a memory limit given."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import ring
+
+    out = tmp_path / "ring.json"
+    ring.main(
+        [
+            "--tokens-per-device", "64",
+            "--devices", "2",
+            "--layouts", "zigzag",
+            "--strategies", "ring",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--implementation", "xla",
+            "--iters", "1", "--warmup", "0",
+            "--longest", "--longest-start", "256", "--longest-max", "65536",
+            "--longest-refine", "2", "--longest-limit-gib", "0.002",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    result = json.loads(out.read_text())["longest"]
+    n = len(jax.devices())
+    assert result["limit_from"] == "--longest-limit-gib"
+    for p in (1, n):
+        best = result[f"P{p}_longest"]
+        probes = result[f"P{p}_probes"]
+        assert best is not None and any(not x["fits"] for x in probes)
+        assert max(x["seq"] for x in probes if x["fits"]) == best
+        assert all(x["gib"] <= 0.002 for x in probes if x["fits"])
+    assert result["ratio"] == result[f"P{n}_longest"] / result["P1_longest"]

@@ -3,6 +3,8 @@
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m train.profile \\
         --models llama2-7b,llama3.2-3b,llama3.2-1b --context 8k,16k,32k,64k \\
         --mesh seq=2 [--mesh fsdp=2] [--steps 3 --warmup 2 --layers N] --out runs/profile
+    python -m train.profile --models llama2-7b --context 8k,16k --mesh seq=2 \\
+        --shard-over-seq --append --reuse-ceilings --out runs/profile  # 7B: ZeRO-3 over seq
     python -m train.profile --report-only runs/profile      # re-render report.json
 
 For each model x context x mesh, one child process builds the trainer exactly as
@@ -12,8 +14,11 @@ TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.trace`.
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
-a "does not fit" row instead of a crash. The report (`report.json`, `report.md`,
-PNG plots) is written by `train.report`.
+a "does not fit" row instead of a crash (also when the child dies of it rather than
+raising); any other failure is an "error" row, and the report is still written.
+`report.json` is rewritten after every row, so a run stopped from outside keeps the
+rows it finished (`--report-only` then renders them). The report (`report.json`,
+`report.md`, PNG plots) is written by `train.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
 kernels, and nothing can be attributed. XLA_FLAGS must be set before jax starts, so
@@ -38,7 +43,11 @@ import time
 # jax (and everything that imports it) is imported inside the functions that run in a
 # child process: the parent never initialises a backend, so each child can set its own
 # XLA_FLAGS (simulated device count, command buffers) before jax starts.
-MEMORY_ERRORS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+# Matched case-insensitively: XLA's "RESOURCE_EXHAUSTED: Out of memory while trying to
+# allocate ...", the CUDA driver's CUDA_ERROR_OUT_OF_MEMORY, NCCL's "out of memory".
+MEMORY_ERRORS = ("resource_exhausted", "out of memory", "out_of_memory")
+# The BFC allocator's warning when a retry succeeded is not a failure.
+NOT_A_FAILURE = "this is not a failure"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +65,13 @@ class Job:
     batch: int = 1
     remat: str = "save_attn"
     xla_cost: bool = True
+    shard_over_seq: bool = False  # parameters and optimizer state also over `seq`
 
     @property
     def name(self) -> str:
         mesh = self.mesh.replace("=", "").replace(",", "-")
-        return f"{self.model}-{context_label(self.context)}-{mesh}"
+        suffix = "-shard_over_seq" if self.shard_over_seq else ""
+        return f"{self.model}-{context_label(self.context)}-{mesh}{suffix}"
 
 
 def parse_context(text: str) -> int:
@@ -95,8 +106,10 @@ def mesh_device_count(spec: str, available: int) -> int:
 # Child process: one row, or the ceilings
 
 
-def _is_oom(error: BaseException) -> bool:
-    return any(m in str(error) for m in MEMORY_ERRORS)
+def _is_oom(error: BaseException | str) -> bool:
+    """Whether an exception (or a line of a child's output) says memory ran out."""
+    text = str(error).lower()
+    return NOT_A_FAILURE not in text and any(m in text for m in MEMORY_ERRORS)
 
 
 def _trainer_args(job: Job) -> list[str]:
@@ -125,6 +138,8 @@ def _trainer_args(job: Job) -> list[str]:
         "false",
         "--output_dir",
         os.path.join(job.out, "work", job.name),
+        "--shard_over_seq",
+        str(job.shard_over_seq).lower(),
     ]
 
 
@@ -204,6 +219,7 @@ def run_row(job: Job) -> dict:
     from train.roofline import attention_work, matmul_work
 
     row: dict = {"name": job.name, "model": job.model, "context": job.context, "mesh": job.mesh}
+    row["shard_over_seq"] = job.shard_over_seq
     row["warnings"] = []
     cfg = parse_args(_trainer_args(job))
     config = load_model(cfg)[0]
@@ -259,7 +275,7 @@ def run_row(job: Job) -> dict:
     except Exception as e:  # noqa: BLE001 - an OOM is a row; anything else is re-raised
         if not _is_oom(e):
             raise
-        row.update(status="does not fit", error=str(e).splitlines()[0][:300])
+        row.update(status="does not fit", error=_oom_line(str(e))[:300])
         return row
     row["status"] = "ok"
     report = trace_lib.parse(trace_dir, hlo=parse_hlo(compiled.as_text()))
@@ -314,6 +330,31 @@ def run_ceilings() -> dict:
 # Parent: jobs in child processes, then the report
 
 
+def _oom_line(text: str) -> str:
+    """The first line of `text` that says memory ran out (else its first line)."""
+    lines = text.strip().splitlines() or [""]
+    return next((x.strip() for x in lines if _is_oom(x)), lines[0])
+
+
+def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
+    """The row of a child that exited without a result.
+
+    The whole output is searched for an out-of-memory message, not just its end: XLA
+    follows one with a long buffer-assignment dump, and a CUDA abort with a stack
+    trace. An out-of-memory is "does not fit"; anything else (a crash, a kill by the
+    host's OOM killer, a bug) is "error", with the output's tail as the detail.
+    """
+    text = "\n".join(x for x in (stderr, stdout) if x)
+    tail = "\n".join(text.strip().splitlines()[-8:])[-1500:]
+    if returncode < 0:
+        how = f"killed by signal {-returncode}"
+    else:
+        how = f"exited with code {returncode}"
+    if any(_is_oom(line) for line in text.splitlines()):
+        return {"status": "does not fit", "error": f"{_oom_line(text)[:300]} ({how})"}
+    return {"status": "error", "error": f"{how}: {tail}" if tail else how}
+
+
 def _child(kind: str, payload: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
@@ -325,9 +366,7 @@ def _child(kind: str, payload: dict, timeout: float) -> dict:
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
         if proc.returncode != 0 or not os.path.exists(out_path):
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-            status = "does not fit" if any(_is_oom(Exception(x)) for x in tail) else "error"
-            return {"status": status, "error": "\n".join(tail)[-1500:]}
+            return failed_child(proc.returncode, proc.stdout, proc.stderr)
         with open(out_path) as f:
             return json.load(f)
 
@@ -358,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-xla-cost", action="store_true", help="skip the 1-/2-layer compiles (HBM GB/s)"
     )
+    p.add_argument(
+        "--shard-over-seq",
+        action="store_true",
+        help="also shard parameters, gradients and optimizer state over the seq axis "
+        "(the trainer's --shard_over_seq; a 7B on 2 GPUs needs it)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     p.add_argument("--out", default="runs/profile")
     p.add_argument("--report-only", metavar="DIR", help="re-render DIR/report.json")
@@ -365,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--append",
         action="store_true",
         help="keep the rows of an existing <out>/report.json (same-name rows are replaced)",
+    )
+    p.add_argument(
+        "--reuse-ceilings",
+        action="store_true",
+        help="with --append: keep the existing report's measured ceilings instead of "
+        "measuring them again (same machine, same session)",
     )
     p.add_argument("--worker", nargs=3, metavar=("KIND", "JOB", "OUT"), help=argparse.SUPPRESS)
     return p
@@ -404,14 +455,24 @@ def main(argv: list[str] | None = None) -> None:
             batch=args.batch,
             remat=args.remat,
             xla_cost=not args.no_xla_cost,
+            shard_over_seq=args.shard_over_seq,
         )
         for m in (x.strip() for x in args.models.split(",") if x.strip())
         for mesh in meshes
         for c in contexts
     ]
     os.makedirs(args.out, exist_ok=True)
-    print("ceilings ...", flush=True)
-    ceilings = _child("ceilings", {}, args.timeout)
+    path = os.path.join(args.out, "report.json")
+    old: dict = {"rows": []}
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    ceilings = old.get("ceilings") or {}
+    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
+        print(f"ceilings: reused from {path} ({ceilings.get('device')})", flush=True)
+    else:
+        print("ceilings ...", flush=True)
+        ceilings = _child("ceilings", {}, args.timeout)
     flags = os.environ.get("XLA_FLAGS", "").split()
     if ceilings.get("device", "cpu") != "cpu" and "--xla_gpu_enable_command_buffer=" not in flags:
         print(
@@ -420,7 +481,30 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
-    rows = []
+    command = "python -m train.profile " + " ".join(argv if argv is not None else sys.argv[1:])
+    import jax  # only its version: the parent never starts a backend
+
+    def write(rows: list[dict]) -> dict:
+        """report.json with the rows so far (and, with --append, the old ones)."""
+        fresh = {r["name"] for r in rows}
+        kept = [r for r in old["rows"] if r["name"] not in fresh]
+        report = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "command": command,
+            "commands": (old.get("commands") or ([old["command"]] if "command" in old else []))
+            + [command],
+            "layers_override": args.layers,
+            "steps": {"timed": args.steps, "warmup": args.warmup, "traced": args.trace_steps},
+            "ceilings": ceilings,
+            "rows": kept + rows,
+        }
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        return report
+
+    rows: list[dict] = []
     for job in jobs:
         print(f"{job.name} ...", flush=True)
         row = _child("row", dataclasses.asdict(job), args.timeout)
@@ -429,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": job.model,
             "context": job.context,
             "mesh": job.mesh,
+            "shard_over_seq": job.shard_over_seq,
             **row,
         }
         rows.append(row)
@@ -440,26 +525,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {row.get('status')}: {summary}", flush=True)
         for w in row.get("warnings", []):
             print(f"  warning: {w}", file=sys.stderr, flush=True)
-    import jax
-
-    old = os.path.join(args.out, "report.json")
-    if args.append and os.path.exists(old):
-        with open(old) as f:
-            fresh = {r["name"] for r in rows}
-            rows = [r for r in json.load(f)["rows"] if r["name"] not in fresh] + rows
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "jax": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "command": "python -m train.profile "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "layers_override": args.layers,
-        "steps": {"timed": args.steps, "warmup": args.warmup, "traced": args.trace_steps},
-        "ceilings": ceilings,
-        "rows": rows,
-    }
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+        write(rows)  # a run stopped from outside keeps the rows it finished
+    report = write(rows)
     report_lib.render(report, args.out)
     print(f"wrote {os.path.join(args.out, 'report.md')}")
 

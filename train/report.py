@@ -69,8 +69,24 @@ def _mean(row: dict) -> dict:
     return row["trace"]["mean"]
 
 
+def _mesh(row: dict) -> str:
+    """The row's mesh; `+shard_over_seq` when parameters are also sharded over `seq`."""
+    return row["mesh"] + (" +shard_over_seq" if row.get("shard_over_seq") else "")
+
+
 def _label(row: dict) -> str:
-    return f"{row['model']} ({row['mesh']})"
+    return f"{row['model']} ({_mesh(row)})"
+
+
+def _commands(report: dict) -> str:
+    commands = report.get("commands") or [report["command"]]
+    if len(commands) == 1:
+        return f"Command: `{commands[0]}`."
+    return (
+        "Commands (rows added with `--append`, in order): "
+        + "; ".join(f"`{c}`" for c in commands)
+        + "."
+    )
 
 
 def markdown(report: dict) -> str:
@@ -81,8 +97,8 @@ def markdown(report: dict) -> str:
     lines = [
         "# Training profile",
         "",
-        f"{report['date']}, jax {report['jax']}, device: {device}. Command: "
-        f"`{report['command']}`. XLA_FLAGS: `{report.get('xla_flags') or '(none)'}`.",
+        f"{report['date']}, jax {report['jax']}, device: {device}. {_commands(report)} "
+        f"XLA_FLAGS: `{report.get('xla_flags') or '(none)'}`.",
         "",
         f"Timed: {report['steps']['timed']} steps after {report['steps']['warmup']} warm-up "
         f"steps, compile excluded, `block_until_ready` around the window; traced: "
@@ -123,7 +139,7 @@ def markdown(report: dict) -> str:
             "exposed comm.",
         ],
         [
-            [r["model"], _ctx(r["context"]), r["mesh"], r["layers"]]
+            [r["model"], _ctx(r["context"]), _mesh(r), r["layers"]]
             + [_mean(r)[f"{p}_ms"] for p in PHASES]
             + [
                 _mean(r)["step_ms"],
@@ -164,7 +180,7 @@ def markdown(report: dict) -> str:
             [
                 r["model"],
                 _ctx(r["context"]),
-                r["mesh"],
+                _mesh(r),
                 r["step_ms"],
                 r["tokens_per_s"],
                 r["tflops_per_device"],
@@ -198,7 +214,7 @@ def markdown(report: dict) -> str:
             "phase share named",
         ],
         [
-            [r["model"], _ctx(r["context"]), r["mesh"]]
+            [r["model"], _ctx(r["context"]), _mesh(r)]
             + [_mean(r)[f"{c}_ms"] for c in CLASSES]
             + [
                 _mean(r)["step_ms"] - _mean(r)["idle_ms"],
@@ -232,7 +248,7 @@ def markdown(report: dict) -> str:
             "matmul TFLOP/s",
         ],
         [
-            [r["model"], _ctx(r["context"]), r["mesh"]]
+            [r["model"], _ctx(r["context"]), _mesh(r)]
             + [
                 point(r, k, f)
                 for k in ("step", "attention", "matmul")
@@ -268,7 +284,7 @@ def markdown(report: dict) -> str:
                 [
                     r["model"],
                     _ctx(r["context"]),
-                    r["mesh"],
+                    _mesh(r),
                     r.get("status"),
                     (r.get("error") or "").replace("\n", " ")[:200],
                 ]
@@ -356,8 +372,8 @@ def plot_stacked(ok, path, parts, title):
     models = list(dict.fromkeys(r["model"] for r in ok))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        rs = sorted((r for r in ok if r["model"] == model), key=lambda r: (r["mesh"], r["context"]))
-        names = [f"{_ctx(r['context'])}\n{r['mesh']}" for r in rs]
+        rs = sorted((r for r in ok if r["model"] == model), key=lambda r: (_mesh(r), r["context"]))
+        names = [f"{_ctx(r['context'])}\n{_mesh(r)}" for r in rs]
         bottom = [0.0] * len(rs)
         for part in parts:
             values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]

@@ -1,0 +1,422 @@
+"""FlashAttention backward as two Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
+
+Both kernels take the *global* base-2 LSE and `delta = rowsum(dO * O) - dLSE`, so no
+forward is recomputed (the ring's contract) and neither kernel needs atomics, which
+keeps gradients bitwise deterministic:
+
+- dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
+  the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
+  group in turn, so GQA needs no repeated K/V and no reduction afterwards.
+- dQ: one CTA per 128 queries of one head; the memory warpgroup streams K and V.
+
+Rows that see no key carry `lse = +inf` here, so their probabilities are exactly 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jflash._mosaic_common import (
+    COMPUTE_REGS,
+    COMPUTE_WGS,
+    MEMORY_REGS,
+    WG_ROWS,
+    Geometry,
+    fit_stages,
+    kv_range,
+    pad_axis,
+    q_range,
+    round_up,
+    smem_tile,
+    visible,
+)
+from jflash._triton_common import LOG2E
+
+_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+
+
+def _store_tile(value, smem, dst):
+    """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused."""
+    smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _bcast(x, shape, dim):
+    return lax.broadcast_in_dim(x, shape, [dim])
+
+
+# ----------------------------------------------------------------------------- dK/dV
+
+
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    k_smem2,
+    v_smem2,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    out_smem2,
+    kv_ready,
+    q_ready,
+    do_ready,
+    lse_ready,
+    delta_ready,
+    free,
+    *,
+    geom: Geometry,
+    block_q: int,
+    stages: int,
+    qk_scale: float,
+    scale: float,
+):
+    bk = WG_ROWS
+    batch = lax.axis_index("batch")
+    kv_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    cta_start = lax.axis_index("kv_tiles") * (COMPUTE_WGS * bk)
+    n_q = geom.q_pad // block_q
+    cta_begin, _ = q_range(geom, cta_start, bk, block_q)  # warpgroup 0 starts earliest
+    per_head = n_q - cta_begin
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        k_start = cta_start + wg * bk
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        rows = (batch, pl.ds(k_start, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+        n_begin, n_full = q_range(geom, k_start, bk, block_q)
+        plgpu.barrier_wait(kv_ready.at[wg, 0])
+        plgpu.barrier_wait(kv_ready.at[wg, 1])
+
+        def wait_inputs(slot):
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+
+        def step(qi, carry, *, base, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(base + qi, stages)
+            wait_inputs(slot)
+            q_t, do_t = q_smem.at[slot], do_smem.at[slot]
+
+            def scores(refs):
+                s_ref, dp_ref = refs
+                plgpu.wgmma(s_ref, k_smem, q_t.T)  # S^T = K Q^T  [keys, queries]
+                plgpu.wgmma(dp_ref, v_smem, do_t.T)  # dP^T = V dO^T
+
+            zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
+            s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            col = plgpu.Layout.WGMMA.reduce(0)
+            lse2 = plgpu.load(lse_smem.at[slot], layout=col)
+            delta = plgpu.load(delta_smem.at[slot], layout=col)
+            p = jnp.exp2(s * qk_scale - _bcast(lse2, s.shape, 1))
+            if masked:
+                seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
+                p = jnp.where(seen, p, 0.0)
+            ds = p * (dp - _bcast(delta, s.shape, 1))
+
+            def grads(refs):
+                dv_ref, dk_ref = refs
+                plgpu.wgmma(dv_ref, p.astype(k_smem.dtype), do_t)  # dV += P^T dO
+                plgpu.wgmma(dk_ref, ds.astype(k_smem.dtype), q_t)  # dK += dS^T Q
+
+            dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        def skip(qi, carry, *, base):
+            slot = lax.rem(base + qi, stages)
+            wait_inputs(slot)
+            plgpu.barrier_arrive(free.at[slot])
+            return carry
+
+        def head(g, carry):
+            base = g * per_head - cta_begin  # stream index of (g, qi) is base + qi
+            lax.fori_loop(cta_begin, n_begin, functools.partial(skip, base=base), None)
+            carry = lax.fori_loop(
+                n_begin, n_full, functools.partial(step, base=base, masked=True), carry
+            )
+            return lax.fori_loop(
+                n_full, n_q, functools.partial(step, base=base, masked=False), carry
+            )
+
+        zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
+        if out_smem2 is None:  # gradients in the input dtype: K/V's own slots are free now
+            dk_smem, dv_smem = k_smem, v_smem
+        else:
+            dk_smem = dv_smem = out_smem2.at[wg]
+        _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
+        _store_tile(dv, dv_smem, dv_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+
+        @pl.loop(0, geom.group * per_head)
+        def _(t):
+            slot = lax.rem(t, stages)
+            head = kv_head * geom.group + lax.div(t, per_head)
+            q_start = (cta_begin + lax.rem(t, per_head)) * block_q
+
+            @pl.when(t >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            rows = (batch, pl.ds(q_start, block_q), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            cols = (batch, head, pl.ds(q_start, block_q))
+            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(
+                delta_ref.at[cols], delta_smem.at[slot], delta_ready.at[slot]
+            )
+
+
+# ----------------------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    q_smem2,
+    do_smem2,
+    lse_smem2,
+    delta_smem2,
+    k_smem,
+    v_smem,
+    out_smem2,
+    row_ready,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    *,
+    geom: Geometry,
+    block_kv: int,
+    stages: int,
+    qk_scale: float,
+    scale: float,
+):
+    bq = WG_ROWS
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    n_tiles = geom.q_pad // (COMPUTE_WGS * bq)
+    tile = n_tiles - 1 - lax.axis_index("q_tiles")  # heaviest causal rows first
+    cta_start = tile * (COMPUTE_WGS * bq)
+    _, cta_end = kv_range(geom, cta_start + (COMPUTE_WGS - 1) * bq, bq, block_kv)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        q_start = cta_start + wg * bq
+        q_t, do_t = q_smem2.at[wg], do_smem2.at[wg]
+        rows = (batch, pl.ds(q_start, bq), head)
+        cols = (batch, head, pl.ds(q_start, bq))
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, row_ready.at[wg, 0])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, row_ready.at[wg, 1])
+        plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem2.at[wg], row_ready.at[wg, 2])
+        plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem2.at[wg], row_ready.at[wg, 3])
+        n_full, n_end = kv_range(geom, q_start, bq, block_kv)
+        for i in range(4):
+            plgpu.barrier_wait(row_ready.at[wg, i])
+        row = plgpu.Layout.WGMMA.reduce(1)
+        lse2 = plgpu.load(lse_smem2.at[wg], layout=row)
+        delta = plgpu.load(delta_smem2.at[wg], layout=row)
+
+        def step(j, dq, *, masked: bool):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def scores(refs):
+                s_ref, dp_ref = refs
+                plgpu.wgmma(s_ref, q_t, k_smem.at[slot].T)  # S = Q K^T
+                plgpu.wgmma(dp_ref, do_t, v_smem.at[slot].T)  # dP = dO V^T
+
+            zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+            s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(v_free.at[slot])
+            p = jnp.exp2(s * qk_scale - _bcast(lse2, s.shape, 0))
+            if masked:
+                p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
+            ds = p * (dp - _bcast(delta, s.shape, 0))
+
+            def grad(acc_ref):
+                plgpu.wgmma(acc_ref, ds.astype(k_smem.dtype), k_smem.at[slot])  # dQ += dS K
+
+            dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        def skip(j, carry):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            return carry
+
+        dq = plgpu.layout_cast(jnp.zeros((bq, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
+        dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
+        lax.fori_loop(n_end, cta_end, skip, None)
+        out = q_t if out_smem2 is None else out_smem2.at[wg]
+        _store_tile(dq * scale, out, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+        kv_head = lax.div(head, jnp.int32(geom.group))
+
+        @pl.loop(0, cta_end)
+        def _(j):
+            slot = lax.rem(j, stages)
+            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def mosaic_bwd(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    *,
+    mask,
+    scale: float,
+    grad_dtype,
+    block_q_dkv: int,
+    block_kv_dq: int,
+    stages: int,
+):
+    """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
+
+    `lse` is the global natural-log LSE `[B,N,T]` (-inf: the row sees nothing) and
+    `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32.
+    """
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    rows = COMPUTE_WGS * WG_ROWS
+    geom = Geometry(
+        mask=mask,
+        q_len=t,
+        kv_len=s_len,
+        q_pad=round_up(t, max(rows, block_q_dkv)),
+        kv_pad=round_up(s_len, max(rows, block_kv_dq)),
+        group=n // kh,
+        head_dim=h,
+    )
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+    lse2 = pad_axis(lse2, 2, geom.q_pad, jnp.inf)
+    delta = pad_axis(delta.astype(jnp.float32), 2, geom.q_pad)
+    q = pad_axis(q, 1, geom.q_pad)
+    do = pad_axis(do.astype(q.dtype), 1, geom.q_pad)
+    k = pad_axis(k, 1, geom.kv_pad)
+    v = pad_axis(v, 1, geom.kv_pad)
+    same = jnp.dtype(grad_dtype) == q.dtype
+    size = jnp.dtype(q.dtype).itemsize
+    out_tile = 0 if same else rows * h * jnp.dtype(grad_dtype).itemsize
+    common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale)
+    dkv_stages = fit_stages(
+        "jflash_mosaic_dkv",
+        stages,
+        fixed=2 * rows * h * size + out_tile,
+        per_stage=2 * block_q_dkv * (h * size + 4),
+    )
+    dq_stages = fit_stages(
+        "jflash_mosaic_dq",
+        stages,
+        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile,
+        per_stage=2 * block_kv_dq * h * size,
+    )
+    kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, block_q=block_q_dkv, stages=dkv_stages, **common),
+        out_type=[kv_type, kv_type],
+        scratch_types=[
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), k.dtype),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
+            smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
+            smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
+            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
+            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
+            None if same else smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype),
+            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
+            *[plgpu.Barrier(num_barriers=dkv_stages)] * 4,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
+        ],
+        grid=(kh, geom.kv_pad // rows, b),
+        grid_names=("heads", "kv_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_PARAMS,
+        kernel_name="jflash_mosaic_dkv",
+    )(q, k, v, do, lse2, delta)
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
+        out_type=jax.ShapeDtypeStruct((b, geom.q_pad, n, h), grad_dtype),
+        scratch_types=[
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
+            smem_tile((dq_stages, block_kv_dq, h), k.dtype),
+            smem_tile((dq_stages, block_kv_dq, h), v.dtype),
+            None if same else smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype),
+            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 4)),
+            plgpu.Barrier(num_barriers=dq_stages),
+            plgpu.Barrier(num_barriers=dq_stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
+        ],
+        grid=(n, geom.q_pad // rows, b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=_PARAMS,
+        kernel_name="jflash_mosaic_dq",
+    )(q, k, v, do, lse2, delta)
+    return dq[:, :t], dk[:, :s_len], dv[:, :s_len]

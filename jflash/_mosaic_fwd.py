@@ -1,0 +1,240 @@
+"""FlashAttention forward as a Pallas Mosaic GPU kernel (Hopper: TMA, wgmma).
+
+One CTA = 128 query rows of one head: two compute warpgroups of 64 rows each and a
+memory warpgroup that streams the K and V tiles of the head's KV head (`h // group`:
+GQA without copies) into `stages` shared-memory slots. The two compute warpgroups
+take turns on the tensor cores (FA-3's ping-pong): while one runs its softmax the
+other's matmuls run, ordered by a two-arrival "turn" barrier that each passes twice
+per key step, warpgroup 1 starting one turn late. Query tiles are launched heaviest
+first (causal rows near the end see the most keys).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jflash._mosaic_common import (
+    COMPUTE_REGS,
+    COMPUTE_WGS,
+    MEMORY_REGS,
+    WG_ROWS,
+    Geometry,
+    fit_stages,
+    kv_range,
+    pad_axis,
+    round_up,
+    smem_tile,
+    visible,
+)
+from jflash._triton_common import LN2, LOG2E
+
+
+def _fwd_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    q_smem2,
+    k_smem,
+    v_smem,
+    o_smem2,
+    lse_smem2,
+    q_ready,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    turn,
+    *,
+    geom: Geometry,
+    block_kv: int,
+    stages: int,
+    qk_scale: float,
+):
+    bq = WG_ROWS
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    n_tiles = geom.q_pad // (COMPUTE_WGS * bq)
+    tile = n_tiles - 1 - lax.axis_index("q_tiles")  # heaviest causal rows first
+    cta_start = tile * (COMPUTE_WGS * bq)
+    # The last warpgroup's rows see the most keys: the CTA streams its range.
+    _, cta_end = kv_range(geom, cta_start + (COMPUTE_WGS - 1) * bq, bq, block_kv)
+
+    def take_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        q_start = cta_start + wg * bq
+        q_smem = q_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
+        n_full, n_end = kv_range(geom, q_start, bq, block_kv)
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        def step(j, carry, *, masked: bool):
+            acc, m, l = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                take_turn()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
+                s = jnp.where(seen, s, -jnp.inf)
+            # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
+            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(q_smem.dtype)
+            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(turn)  # tensor cores are ours
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        def skip(j, carry):
+            # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            take_turn()
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            take_turn()
+            return carry
+
+        row = plgpu.Layout.WGMMA.reduce(1)
+        carry = (
+            plgpu.layout_cast(jnp.zeros((bq, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
+            plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
+        )
+        pl.when(wg == 1)(take_turn)
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+        acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+        lax.fori_loop(n_end, cta_end, skip, None)
+        pl.when(wg == 0)(take_turn)
+
+        empty = l == 0.0
+        l_safe = jnp.where(empty, 1.0, l)
+        o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # q is dead by now
+        o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(
+            o_smem.dtype
+        )
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem, o_ref.at[batch, pl.ds(q_start, bq), head], commit_group=False
+        )
+        plgpu.copy_smem_to_gmem(
+            lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
+        )
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+        kv_head = lax.div(head, jnp.int32(geom.group))
+
+        @pl.loop(0, cta_end)
+        def _(j):
+            slot = lax.rem(j, stages)
+            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+
+def mosaic_fwd(q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages: int):
+    """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`."""
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
+    rows = COMPUTE_WGS * WG_ROWS
+    geom = Geometry(
+        mask=mask,
+        q_len=t,
+        kv_len=s_len,
+        q_pad=round_up(t, rows),
+        kv_pad=round_up(s_len, block_kv),
+        group=n // kh,
+        head_dim=h,
+    )
+    size = jnp.dtype(q.dtype).itemsize
+    separate_out = jnp.dtype(out_dtype) != q.dtype
+    stages = fit_stages(
+        "jflash_mosaic_fwd",
+        stages,
+        fixed=rows * h * size + (rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0)
+        + rows * 4,
+        per_stage=2 * block_kv * h * size,
+    )
+    q = pad_axis(q, 1, geom.q_pad)
+    k = pad_axis(k, 1, geom.kv_pad)
+    v = pad_axis(v, 1, geom.kv_pad)
+    kernel = functools.partial(
+        _fwd_kernel, geom=geom, block_kv=block_kv, stages=stages, qk_scale=scale * LOG2E
+    )
+    o, lse = plgpu.kernel(
+        kernel,
+        out_type=[
+            jax.ShapeDtypeStruct((b, geom.q_pad, n, h), out_dtype),
+            jax.ShapeDtypeStruct((b, n, geom.q_pad), jnp.float32),
+        ],
+        scratch_types=[
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
+            smem_tile((stages, block_kv, h), k.dtype),
+            smem_tile((stages, block_kv, h), v.dtype),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), out_dtype) if separate_out else None,
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        ],
+        grid=(n, geom.q_pad // rows, b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM
+        # scratch for reductions, which buys the f32-output variant its K/V slots.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        kernel_name="jflash_mosaic_fwd",
+    )(q, k, v)
+    return o[:, :t], lse[:, :, :t]
