@@ -323,7 +323,7 @@ def tune_mosaic(args):
         rows.append(row)
         print(row, flush=True)
 
-    for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4), (192, 2)):
+    for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4)):
         if args.which in ("fwd", "both"):
             run(dataclasses.replace(base, block_kv=bk, num_stages=s), ("fwd",), f"fwd kv{bk} s{s}")
     for qd, kq, s in ((64, 64, 2), (64, 64, 3), (128, 64, 2), (64, 128, 2), (128, 128, 2)):

@@ -8,21 +8,21 @@ mkdir -p "$OUT"
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 part=${1:-all}
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
-if [[ $part == tests || $part == all ]]; then
-  stamp "compiled tests (Mosaic)"
-  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 300 python3 -m pytest -q -x \
-    tests/test_flash.py tests/test_ring.py -k "mosaic" -p no:cacheprovider 2>&1 | tail -25
-fi
 if [[ $part == table || $part == all ]]; then
   stamp "kernel table"
   timeout 300 python3 benchmarks/kernel.py --impls jflash_mosaic,jflash,cudnn --out "$OUT" 2>&1 \
-    | grep -v "^{" | tail -30
+    | grep -v Warning | tail -40
 fi
-if [[ $part == tune ]]; then
-  for hd in 128 64; do
+if [[ $part == tune || $part == all ]]; then
+  for hd in 128; do
     stamp "tune mosaic D=$hd"
     timeout 240 python3 benchmarks/kernel.py --tune --tune-impl jflash_mosaic --head-dim $hd \
-      --out "$OUT" 2>&1 | grep -v "^{" | tail -20
+      --out "$OUT" 2>&1 | grep -v Warning | grep -v "^{" | tail -20
   done
+fi
+if [[ $part == tests || $part == all ]]; then
+  stamp "compiled tests (Mosaic)"
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 200 python3 -m pytest -q -x \
+    tests/test_flash.py tests/test_ring.py -k "mosaic" -p no:cacheprovider 2>&1 | tail -25
 fi
 stamp done

@@ -51,14 +51,21 @@ def main():
                 lambda q, k, v: jnp.sum(fn(q, k, v, causal=causal, **kw)[0] * do), (0, 1, 2)
             )(*args)
 
-        got = grads(
-            lambda *a, **kw: (jflash.flash_attention(*a, **kw),),
-            q,
-            k,
-            v,
-            implementation="pallas_mosaic",
+        fn = jax.jit(
+            lambda q, k, v: grads(
+                lambda *a, **kw: (jflash.flash_attention(*a, **kw),),
+                q,
+                k,
+                v,
+                implementation="pallas_mosaic",
+            )
         )
+        compiled = fn.lower(q, k, v).compile()
+        print(f"  compiled in {time.time() - t:.1f}s", flush=True)
+        t1 = time.time()
+        got = compiled(q, k, v)
         jax.block_until_ready(got)
+        print(f"  ran in {time.time() - t1:.2f}s", flush=True)
         want = grads(jflash.attention_reference, *f32)
         errs = [float(jnp.abs(a.astype(jnp.float32) - b).max()) for a, b in zip(got, want)]
         scale = [float(jnp.abs(b).max()) for b in want]

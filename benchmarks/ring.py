@@ -3,6 +3,8 @@
     python benchmarks/ring.py                                  # issue 4's table
     python benchmarks/ring.py --profile                        # + exposed communication
     python benchmarks/ring.py --longest                        # longest fwd+bwd, 1 vs P
+    python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
+        --strategies ring --longest --longest-start 131072     # one table row + longest
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/ring.py \\
         --tokens-per-device 128 --heads 4 --kv-heads 2 --head-dim 32 --implementation xla
 
@@ -354,7 +356,7 @@ def longest(args) -> dict | None:
                 print(f"longest: P={p} seq={seq} failed to compile: {error}", flush=True)
                 return {"fits": False, "gib": None, "error": error}
             print(
-                f"longest: P={p} seq={seq} needs {gib:.2f} GiB/device: "
+                f"longest: P={p} seq={seq} needs {gib:.4g} GiB/device: "
                 f"{'fits' if ok else 'does not fit'}",
                 flush=True,
             )
@@ -458,11 +460,12 @@ def main(argv=None):
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": rows,
     }
-    if args.longest:
-        payload["longest"] = longest(args)
     out = args.out or RESULTS
     if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
         out = os.path.join(out, f"ring-{len(jax.devices())}.json")
+    if args.longest:
+        write_json(out, payload)  # the table survives a search stopped from outside
+        payload["longest"] = longest(args)
     write_json(out, payload)
 
 

@@ -1,0 +1,367 @@
+#!/usr/bin/env bash
+# One session on 2x NVIDIA H200 (nvidia-h200-x2), in two parts of < 9 minutes each.
+#
+#   bash benchmarks/h200x2_session.sh report      # issue 6: profiling report, 3 models
+#   bash benchmarks/h200x2_session.sh scale       # issue 4 longest sequence + 7B FSDP x seq
+#   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
+#
+# Run from anywhere (it cds to the repo root). Results go to $OUT (default
+# benchmarks/results/; cpu-check: /tmp/jflash-cpu-check/out), scratch (profile traces,
+# work dirs, sample data, per-step logs) to $WORK (default /tmp/jflash-h200x2). $OUT
+# gets at most 6 files per part, none in sub-folders: the device tool returns at most 8
+# files of 16 MiB, 2 folders deep. Every line printed carries a timestamp; the whole
+# output is also in $OUT/<part>-session.log and one line per step (status, exit code,
+# seconds, limit) in $OUT/<part>-steps.tsv.
+#
+# Each step runs under `timeout`, limited to min(its cap, what is left of the part's
+# budget minus what must follow); a step that fails is recorded and the part goes on;
+# a step that no longer has its minimum time is skipped and recorded as such.
+# PYTHON picks the interpreter (default python3; cpu-check: .venv/bin/python if present).
+#
+# ---- Time per step (estimates for 2x H200; basis below) -------------------------------
+# Basis: benchmarks/results/profile-h200x2/report.json (Llama-3.2-1B, seq=2: compile
+# 7.8 s; 168 ms/step at 8k, 889 ms at 32k; memory limit 104.85 GiB per GPU, i.e. the
+# allocator's default 75% even with XLA_PYTHON_CLIENT_PREALLOCATE=false), ring-2-h200.log
+# (one-GPU causal fwd+bwd, 32/8 heads: 309 ms at 64k), and model FLOPs per step
+# (models.training_flops_per_token) at ~250 TFLOP/s per GPU: 1B 0.15/0.35/0.9/2.7 s,
+# 3B 0.4/0.9/2.4/7.0 s, 7B 0.8/1.7/4.3/12 s per step at 8k/16k/32k/64k. A profile row
+# is a fresh process: ~25-35 s of start-up, sample data, init and compile, plus 6 steps
+# (1 warm-up, 3 timed, 2 traced) and the trace parse.
+#
+# report (budget 530 s):
+#   A  1B  8k,16k,32k (+ ceilings)        ~100 s   cap 180
+#   B  3B  8k,16k,32k                     ~115 s   cap 190
+#   C  7B  8k,16k  (--shard-over-seq)     ~110 s   cap 200, always gets >= 120 s
+#   D  1B  64k                             ~50 s   cap 120, needs >= 60 s left
+#   E  3B  64k                             ~80 s   cap 160, needs >= 100 s left
+#   render + collect                       ~15 s
+#   Sum ~470 s. All four contexts of 1B and 3B in one go (~330 s) plus the 7B would leave
+#   ~60 s of margin on estimates this rough, so the 64k rows are trimmed from the
+#   per-model runs and appended last (D, E): they run only if the time is there, and
+#   the 7B rows, new in this report, cannot be crowded out by them. `--append
+#   --reuse-ceilings` puts every run into one report and measures the ceilings once;
+#   report.json is rewritten after every row, so a run stopped by its timeout keeps
+#   the rows it finished, and the final `--report-only` renders them all.
+#   7B: bf16 compute, f32 master weights + f32 Adam = 6.7e9 x 12 B = 81 GB; replicated
+#   over seq=2 that is 75 GiB per GPU before gradients and activations (a CPU-compiled
+#   estimate of the step: 125 GiB at 8k), over the 104.85 GiB limit. With
+#   --shard-over-seq (ZeRO-3 over both GPUs) it is 37.7 GiB per GPU of state; the CPU
+#   compile estimates 63 GiB at 16k (78 at 32k; CPU overestimates the GPU's temporaries
+#   by ~2x on the 1B), so 8k and 16k fit with room; 32k is left out for time.
+#
+# scale (budget 530 s):
+#   ring  benchmarks/ring.py --longest      ~130 s   cap 200
+#         The plain `--longest` would first run the whole default table (5 lengths x
+#         2 device counts x 2 layouts x 2 strategies: ~4 min); here the table is one
+#         row (16k tokens/GPU, zigzag ring, the 94% point of BENCHMARKS.md). The search
+#         starts at 128k (known to run on one GPU), doubles, then bisects 4 times (to
+#         1/16 of the last doubling): ~20 compiles of the attention alone at ~5 s,
+#         compile only. `--longest-run` is left out: one fwd+bwd at the one-GPU
+#         longest (~2.5M tokens) would take ~(2.5M/64k)^2 x 0.31 s = ~7.5 min.
+#   data  python -m train.data sample, 12 x 64k tokens                       ~5 s
+#   7B    Llama-2-7B shape, FSDP x seq on 2 GPUs, 64k context, 10 steps   ~200 s
+#         (10 x ~12 s + start-up and compile), cap = what is left.
+#         Memory per GPU, params/grads/optimizer sharded over both GPUs
+#         (--mesh data=1,fsdp=1,seq=2 --shard_over_seq, the seed's setup):
+#           f32 master weights 27 GB/2 + f32 Adam m,v 54 GB/2 = 40.4 GB (37.7 GiB),
+#           f32 gradients 13.5 GB, bf16 weights gathered per layer (<= 13.5 GB if XLA
+#           hoists the gathers), optimizer temporaries ~13.5 GB,
+#           activations with remat=save_attn: per layer the layer input and the
+#           attention output (bf16, 2 x 8 KiB per token) + LSE: ~0.53 MB per local
+#           token over 32 layers: 32k local tokens (64k context) = 17 GB; one layer's
+#           recompute (MLP 11008 wide) ~3 GB; chunked loss (1024 tokens) is small.
+#           Total ~95-100 GB (~90 GiB); a CPU compile of the step estimates 125 GiB, which
+#           on the 1B overestimates the GPU by ~1.5x (36 vs 24 GiB): ~85 GiB.
+#         So 64k fits under a 0.92 memory fraction (129 GiB: 0.75 would leave only
+#         ~15 GiB of margin), and 128k (+17 GB of activations, ~35 s per step) fits
+#         neither memory nor time. If 64k still runs out of memory, 32k (~75 GiB,
+#         ~4.3 s per step, ~110 s in all) runs instead when the time is left.
+#   Sum ~340 s.
+set -u -o pipefail
+
+PART=${1:-}
+case "$PART" in
+  report | scale) MODE=gpu ;;
+  cpu-check) MODE=cpu ;;
+  *)
+    echo "usage: bash $0 report|scale|cpu-check" >&2
+    exit 2
+    ;;
+esac
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 1
+
+export PYTHONPATH=.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+if [ "$MODE" = cpu ]; then
+  OUT=${OUT:-/tmp/jflash-cpu-check/out}
+  WORK=${WORK:-/tmp/jflash-cpu-check/work}
+  if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
+  # 2 simulated devices, like the 2 GPUs.
+  BASE_XLA_FLAGS="--xla_force_host_platform_device_count=2"
+  BUDGET=${BUDGET:-1800}
+  TAG=cpu2
+else
+  OUT=${OUT:-benchmarks/results/}
+  WORK=${WORK:-/tmp/jflash-h200x2}
+  BASE_XLA_FLAGS=""
+  BUDGET=${BUDGET:-530} # 9 minutes less 10 s
+  TAG=h200x2
+fi
+PY=${PYTHON:-python3}
+OUT=${OUT%/}
+mkdir -p "$OUT" "$WORK/logs"
+LOG="$OUT/$PART-session.log"
+STEPS="$OUT/$PART-steps.tsv"
+: >"$LOG"
+printf 'step\tstatus\texit\tseconds\tlimit_s\n' >"$STEPS"
+START=$(date +%s)
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+ts() { # prefix each line with the time and the seconds since the part started
+  local line now
+  while IFS= read -r line || [ -n "$line" ]; do
+    printf -v now '%(%s)T' -1
+    printf '[%(%H:%M:%S)T +%4ds] %s\n' -1 "$((now - START))" "$line"
+  done
+}
+
+say() { echo "== $*" | ts; }
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+
+# step NAME CAP MIN RESERVE cmd...: runs cmd under timeout for min(CAP, left - RESERVE)
+# seconds (RESERVE: what later steps need), or skips it when that is under MIN.
+# Output: timestamped, into the session log and $WORK/logs/NAME.log. Returns cmd's status.
+step() {
+  local name=$1 cap=$2 min=$3 reserve=$4
+  shift 4
+  local limit=$(($(left) - reserve))
+  if [ "$limit" -gt "$cap" ]; then limit=$cap; fi
+  if [ "$limit" -lt "$min" ]; then
+    say "$name: SKIPPED ($limit s left for it, needs $min s)"
+    printf '%s\tskipped\t-\t0\t%s\n' "$name" "$limit" >>"$STEPS"
+    return 99
+  fi
+  say "$name: start (limit $limit s): $*"
+  local t0=$(date +%s)
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | tee "$WORK/logs/$name.log" | ts
+  local rc=${PIPESTATUS[0]}
+  local dt=$(($(date +%s) - t0))
+  local status=ok
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    status=timeout
+  elif [ "$rc" -ne 0 ]; then
+    status=failed
+  fi
+  say "$name: $status (exit $rc) after $dt s"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$dt" "$limit" >>"$STEPS"
+  return "$rc"
+}
+
+env_info() {
+  say "part=$PART mode=$MODE budget=${BUDGET}s OUT=$OUT WORK=$WORK python=$PY"
+  {
+    echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --short 2>/dev/null | wc -l) changed files"
+    "$PY" -c 'import sys, jax, jaxlib; print("python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", jaxlib.__version__)'
+    if [ "$MODE" = gpu ]; then
+      timeout 30 nvidia-smi --query-gpu=index,name,memory.total,memory.used,clocks.sm --format=csv
+    fi
+    env | grep -E '^(XLA_|NCCL_NVLS|TORCH_SYMM|NVSHMEM_DISABLE|PYTHONPATH)' | sort
+  } 2>&1 | ts
+}
+
+# ---------------------------------------------------------------------------------------
+# report: issue 6, the profiling report (train.profile) for three models
+
+part_report() {
+  local prof="$WORK/profile-$TAG"
+  rm -rf "$prof"
+  local pxla="$BASE_XLA_FLAGS --xla_gpu_enable_command_buffer="
+  pxla=${pxla# }
+  local common=(--mesh seq=2 --steps 3 --warmup 1 --trace-steps 2 --no-xla-cost --out "$prof" --append)
+  local m1 m3 m7 ctx ctx7 long1 long3 row_timeout
+  if [ "$MODE" = gpu ]; then
+    m1=llama3.2-1b m3=llama3.2-3b m7=llama2-7b
+    ctx=8k,16k,32k ctx7=8k,16k long1=64k long3=64k row_timeout=150
+  else # the same runs, tiny: distinct contexts keep the row names apart
+    m1=tiny m3=tiny m7=tiny
+    ctx=256,512 ctx7=256,512 long1=1024 long3=1536 row_timeout=300
+    local ctx3=768
+  fi
+  local profile=(env "XLA_FLAGS=$pxla" "$PY" -m train.profile "${common[@]}" --timeout "$row_timeout")
+  local render_reserve=20
+  # A and B keep back B's and C's minimum and the render's time, so that C (the 7B)
+  # has >= 120 s even when A and B run to their caps (180 + 190 + 140 + 20 = 530).
+  step profile-A-"$m1" 180 60 $((60 + 120 + render_reserve)) \
+    "${profile[@]}" --models "$m1" --context "$ctx"
+  step profile-B-"$m3" 190 60 $((120 + render_reserve)) \
+    "${profile[@]}" --reuse-ceilings --models "$m3" --context "${ctx3:-$ctx}"
+  step profile-C-"$m7" 200 120 "$render_reserve" \
+    "${profile[@]}" --reuse-ceilings --shard-over-seq --models "$m7" --context "$ctx7"
+  step profile-D-"$m1"-long 120 60 "$render_reserve" \
+    "${profile[@]}" --reuse-ceilings --models "$m1" --context "$long1"
+  step profile-E-"$m3"-long 160 100 "$render_reserve" \
+    "${profile[@]}" --reuse-ceilings --models "$m3" --context "$long3"
+  # Render whatever rows exist (a run stopped by its timeout skips its own render).
+  step profile-render 60 5 0 "$PY" -m train.profile --report-only "$prof"
+  step profile-collect 60 5 0 "$PY" - "$prof" "$OUT" "profile-$TAG" <<'EOF'
+import io, json, os, sys, tarfile, zlib
+
+prof, out, name = sys.argv[1:]
+report = os.path.join(prof, "report.json")
+if not os.path.exists(report):
+    sys.exit("no report.json: no profile run wrote a row")
+with open(report) as f:
+    rows = json.load(f)["rows"]
+for r in rows:
+    pct = lambda v, f: "–" if v is None else format(v, f)
+    detail = f"{r['step_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, " \
+        f"MFU {pct(r.get('mfu'), '.1%')}, peak {pct(r.get('peak_memory_gib'), '.1f')} GiB" \
+        if r.get("status") == "ok" else (r.get("error") or "").replace("\n", " ")[:160]
+    print(f"{r['name']:<40} {r.get('status'):<13} {detail}")
+for ext in ("md", "json"):
+    src = os.path.join(prof, f"report.{ext}")
+    if os.path.exists(src):
+        with open(src, "rb") as f, open(os.path.join(out, f"{name}.{ext}"), "wb") as g:
+            g.write(f.read())
+# The report with its plots, in one file.
+with tarfile.open(os.path.join(out, f"{name}.tar.gz"), "w:gz") as tar:
+    for entry in sorted(os.listdir(prof)):
+        if entry.endswith((".md", ".json", ".png")):
+            tar.add(os.path.join(prof, entry), arcname=f"{name}/{entry}")
+# Traces (XProf / TensorBoard) of as many rows as fit in 15 MiB, largest model first.
+tb = os.path.join(prof, "tensorboard")
+runs = sorted(os.listdir(tb)) if os.path.isdir(tb) else []
+order = {"llama2-7b": 0, "llama3.2-3b": 1, "llama3.2-1b": 2}
+runs.sort(key=lambda n: (min((v for k, v in order.items() if n.startswith(k)), default=3), n))
+budget, chosen, total = 15 * 2**20, [], 0
+for run in runs:
+    size = 0
+    for dirpath, _, files in os.walk(os.path.join(tb, run)):
+        for fn in files:
+            with open(os.path.join(dirpath, fn), "rb") as f:
+                size += len(zlib.compress(f.read(), 6))
+    if total + size <= budget:
+        chosen.append(run)
+        total += size
+    print(f"trace {run}: ~{size / 2**20:.1f} MiB compressed: {'kept' if run in chosen else 'left out'}")
+if chosen:
+    with tarfile.open(os.path.join(out, f"{name}-traces.tar.gz"), "w:gz") as tar:
+        for run in chosen:
+            tar.add(os.path.join(tb, run), arcname=f"tensorboard/{run}")
+print(f"wrote {name}.md/.json/.tar.gz" + (f" and {name}-traces.tar.gz ({len(chosen)} rows)" if chosen else ""))
+EOF
+}
+
+# ---------------------------------------------------------------------------------------
+# scale: issue 4's longest sequence (ring) and the Llama-2-7B shape, FSDP x seq
+
+summarise_jsonl() { # FILE: medians over the steady steps (3 on) of the trainer's JSONL log
+  "$PY" - "$1" <<'EOF'
+import json, statistics, sys
+
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
+if not rows:
+    sys.exit(f"{sys.argv[1]}: no steps logged")
+print(f"{sys.argv[1]}: {len(rows)} steps logged, loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}")
+steady = [r for r in rows if r["step"] >= 3 and r.get("tokens_per_s")]
+
+
+def med(key, fmt):
+    values = [r[key] for r in steady if r.get(key) is not None]
+    return format(statistics.median(values), fmt) if values else "–"
+
+
+peak = max((r.get("peak_memory_gib") or 0.0) for r in rows)
+if steady:
+    print(
+        f"steps {steady[0]['step']}-{steady[-1]['step']} (median): "
+        f"{med('tokens_per_s', ',.0f')} tokens/s, {med('tflops_per_device', '.1f')} TFLOP/s "
+        f"per device, MFU {med('mfu', '.1%')}; peak memory {peak:.1f} GiB"
+    )
+EOF
+}
+
+part_scale() {
+  # (a) longest causal fwd+bwd on 1 vs 2 devices, and one row of the ring table
+  local ring_args
+  if [ "$MODE" = gpu ]; then
+    ring_args=(--tokens-per-device 16384 --iters 5 --longest-start 131072)
+  else
+    ring_args=(--tokens-per-device 64 --iters 1 --warmup 0 --heads 2 --kv-heads 1 --head-dim 16
+      --implementation xla --longest-start 128 --longest-max 65536 --longest-limit-gib 0.004)
+  fi
+  step ring-longest 200 60 150 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
+    --devices 2 --layouts zigzag --strategies ring --longest --longest-refine 4 \
+    "${ring_args[@]}" --out "$OUT/ring-2-longest-$TAG.json"
+
+  # (b) Llama-2-7B shape: FSDP x seq over both devices (the seed's 4-GPU config, on 2)
+  local model ctx fallback vocab steps mem_fraction
+  if [ "$MODE" = gpu ]; then
+    model=llama2-7b ctx=65536 fallback=32768 vocab=32000 steps=10 mem_fraction=0.92
+  else
+    model=tiny ctx=512 fallback=256 vocab=512 steps=3 mem_fraction=0.75
+  fi
+  train_at() { # CONTEXT: sample data, 10 steps, JSONL log copied to $OUT
+    local c=$1 k=$1
+    if [ $(($1 % 1024)) -eq 0 ]; then k=$(($1 / 1024))k; fi
+    local data="$WORK/sample-$c.npy" run="$WORK/train-$model-$c"
+    rm -rf "$run"
+    step "data-$k" 60 5 120 "$PY" -m train.data sample --out "$data" \
+      --num-samples 12 --seq-len "$c" --vocab-size "$vocab"
+    step "train-$model-$k" 600 90 10 env "XLA_FLAGS=$BASE_XLA_FLAGS" \
+      XLA_PYTHON_CLIENT_MEM_FRACTION="$mem_fraction" \
+      "$PY" -m train --config configs/llama2_7b_seed.yaml --model_name_or_path "$model" \
+      --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --model_max_length "$c" \
+      --data_path "$data" --max_steps "$steps" --logging_steps 1 --save_strategy no \
+      --export_hf false --progress false --output_dir "$run"
+    local rc=$?
+    if [ -s "$run/log.jsonl" ]; then
+      local dst="$OUT/train-${model//[.-]/_}-$k-$TAG-seq2-shard_over_seq.jsonl"
+      cp "$run/log.jsonl" "$dst"
+      summarise_jsonl "$dst" 2>&1 | ts
+    fi
+    return $rc
+  }
+  train_at "$ctx"
+  local rc=$?
+  # Fall back to the shorter context only when the longer one ran out of memory.
+  local fall=0
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 99 ] &&
+    grep -qiE 'resource_exhausted|out of (device )?memory|out_of_memory' \
+      "$WORK/logs/train-$model-$((ctx / 1024))k.log" "$WORK/logs/train-$model-$ctx.log" \
+      2>/dev/null; then
+    fall=1
+    say "context $ctx did not fit: trying $fallback"
+  elif [ "$MODE" = cpu ] && [ "${CPU_CHECK_FALLBACK:-1}" = 1 ]; then
+    fall=1
+    say "cpu-check: runs the fallback context too, to check its command line"
+  fi
+  if [ "$fall" = 1 ]; then train_at "$fallback"; fi
+}
+
+# ---------------------------------------------------------------------------------------
+
+main() {
+  env_info
+  case "$PART" in
+    report) part_report ;;
+    scale) part_scale ;;
+    cpu-check) # both parts, one after the other, each with the whole budget
+      PART=report part_report
+      START=$(date +%s) PART=scale part_scale
+      ;;
+  esac
+  say "done in $(($(date +%s) - START)) s of the part; steps:"
+  column -t -s $'\t' "$STEPS" 2>/dev/null | ts || ts <"$STEPS"
+  ls -la "$OUT" | ts
+}
+
+main 2>&1 | tee -a "$LOG"
