@@ -188,9 +188,7 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
             cols = (batch, head, pl.ds(q_start, block_q))
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(
-                delta_ref.at[cols], delta_smem.at[slot], delta_ready.at[slot]
-            )
+            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_ready.at[slot])
 
 
 # ----------------------------------------------------------------------------- dQ

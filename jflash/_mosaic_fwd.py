@@ -199,7 +199,8 @@ def mosaic_fwd(q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages:
     stages = fit_stages(
         "jflash_mosaic_fwd",
         stages,
-        fixed=rows * h * size + (rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0)
+        fixed=rows * h * size
+        + (rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0)
         + rows * 4,
         per_stage=2 * block_kv * h * size,
     )

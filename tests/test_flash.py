@@ -81,9 +81,10 @@ MOSAIC_CASES = [
     Case(q_len=320, kv_len=96, q_offset=20, k_offset=50, head_dim=128, dtype=jnp.bfloat16),
     Case(q_heads=32, kv_heads=8, head_dim=128, q_len=1024, dtype=jnp.bfloat16, batch=2),
 ]
-ON_HOPPER = jax.default_backend() == "gpu" and str(
-    getattr(jax.devices()[0], "compute_capability", "")
-) == "9.0"
+ON_HOPPER = (
+    jax.default_backend() == "gpu"
+    and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+)
 needs_hopper = pytest.mark.skipif(
     not ON_HOPPER,
     reason="Mosaic GPU kernels need an sm90 GPU (TMA has no interpreter rule); "
@@ -156,15 +157,24 @@ def test_mosaic_deterministic():
 def test_mosaic_empty_rows_and_f32_partials():
     """Rows that see nothing give 0 / -inf, and the ring's f32 outputs match bf16 ones."""
     q, k, v, *_ = make_inputs(
-        1, batch=1, q_len=128, kv_len=128, q_heads=4, kv_heads=2, head_dim=128,
+        1,
+        batch=1,
+        q_len=128,
+        kv_len=128,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=128,
         dtype=jnp.bfloat16,
     )
     out, lse = jflash.flash_attention(
         q, k, v, q_offset=0, k_offset=64, return_lse=True, implementation="pallas_mosaic"
     )
     want, want_lse = jflash.attention_reference(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-        q_offset=0, k_offset=64,
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        q_offset=0,
+        k_offset=64,
     )
     assert np.all(np.asarray(out[:, :64]) == 0) and np.all(np.isneginf(np.asarray(lse[:, :, :64])))
     assert_close((out, lse), (want, want_lse), jnp.bfloat16, names=("out", "lse"))
@@ -201,9 +211,14 @@ def test_default_implementation_is_described():
     )
     jflash.flash_attention(q, k, v)
     text = jflash.describe()
-    expected = "pallas_triton" if jax.default_backend() == "gpu" else "xla"
-    assert f"implementation=None -> '{expected}'" in text
-    assert f"last call: implementation={expected}" in text
+    if jax.default_backend() == "gpu":
+        assert "implementation=None, head_dim=100, bfloat16: 'pallas_triton'" in text
+        assert "last call: implementation=pallas_triton" in text  # f32: not Mosaic
+        want = "'pallas_mosaic'" if ON_HOPPER else "'pallas_triton'"
+        assert f"implementation=None, head_dim=128, bfloat16: {want}" in text
+    else:
+        assert "implementation=None -> 'xla'" in text
+        assert "last call: implementation=xla" in text
 
 
 _q = jnp.ones((1, 32, 4, 16), jnp.float32)

@@ -113,14 +113,82 @@ def test_mosaic_f32_partials_lower_for_cuda(monkeypatch):
 
     def both(q, k, v, do, lse, delta):
         o, lse_out = mosaic_fwd(
-            q, k, v, mask=mask, scale=0.1, out_dtype=jnp.float32, block_kv=bs.block_kv,
+            q,
+            k,
+            v,
+            mask=mask,
+            scale=0.1,
+            out_dtype=jnp.float32,
+            block_kv=bs.block_kv,
             stages=bs.num_stages,
         )
         grads = mosaic_bwd(
-            q, k, v, do, lse, delta, mask=mask, scale=0.1, grad_dtype=jnp.float32,
-            block_q_dkv=bs.block_q_dkv, block_kv_dq=bs.block_kv_dq, stages=bs.num_stages_bwd,
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            mask=mask,
+            scale=0.1,
+            grad_dtype=jnp.float32,
+            block_q_dkv=bs.block_q_dkv,
+            block_kv_dq=bs.block_kv_dq,
+            stages=bs.num_stages_bwd,
         )
         return o, lse_out, grads
 
     text = jax.jit(both).trace(q, kv, kv, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 3
+
+
+@pytest.mark.parametrize(
+    "head_dim, dtype, segments, hopper, want",
+    [
+        (128, jnp.bfloat16, False, True, "pallas_mosaic"),
+        (64, jnp.float16, False, True, "pallas_mosaic"),
+        (100, jnp.bfloat16, False, True, "pallas_triton"),
+        (128, jnp.float32, False, True, "pallas_triton"),
+        (128, jnp.bfloat16, True, True, "pallas_triton"),
+        (128, jnp.bfloat16, False, False, "pallas_triton"),
+    ],
+)
+def test_default_dispatch_on_gpu(monkeypatch, head_dim, dtype, segments, hopper, want):
+    """`implementation=None` on a GPU: Mosaic on sm90 where it applies, Triton otherwise,
+    and the reason names what ruled Mosaic out."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: hopper)
+    kernel = dispatch.resolve(
+        None,
+        None,
+        None,
+        q_len=1024,
+        kv_len=1024,
+        head_dim=head_dim,
+        dtype=dtype,
+        segments=segments,
+    )
+    assert kernel.name == want
+    if want == "pallas_triton" and hopper:
+        assert "Mosaic" in kernel.reason
+
+
+def test_named_mosaic_refuses_what_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    common = dict(q_len=64, kv_len=64, segments=False)
+    with pytest.raises(NotImplementedError, match="head_dim=100"):
+        dispatch.resolve("pallas_mosaic", None, None, head_dim=100, dtype=jnp.bfloat16, **common)
+    with pytest.raises(NotImplementedError, match="dtype=float32"):
+        dispatch.resolve("pallas_mosaic", None, None, head_dim=128, dtype=jnp.float32, **common)
+    with pytest.raises(NotImplementedError, match="interpret"):
+        dispatch.resolve("pallas_mosaic", True, None, head_dim=128, dtype=jnp.bfloat16, **common)
+    with pytest.raises(ValueError, match="BlockSizes.block_q=128"):
+        dispatch.resolve(
+            "pallas_mosaic",
+            None,
+            jflash.BlockSizes(block_q=128),
+            head_dim=128,
+            dtype=jnp.bfloat16,
+            **common,
+        )

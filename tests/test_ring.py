@@ -208,18 +208,50 @@ def test_matches_oracle_pallas(case):
 
 
 MOSAIC = [
-    Case(num_shards=1, seq_len=512, q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16,
-         implementation="pallas_mosaic"),
-    Case(num_shards=2, seq_len=512, q_heads=8, kv_heads=2, head_dim=128, dtype=jnp.bfloat16,
-         implementation="pallas_mosaic"),
-    Case(num_shards=2, seq_len=384, q_heads=4, kv_heads=1, head_dim=64, dtype=jnp.float16,
-         layout="contiguous", strategy="allgather", implementation="pallas_mosaic"),
-    Case(num_shards=2, seq_len=256, q_heads=4, kv_heads=4, head_dim=64, dtype=jnp.bfloat16,
-         causal=False, implementation="pallas_mosaic"),
+    Case(
+        num_shards=1,
+        seq_len=512,
+        q_heads=8,
+        kv_heads=2,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        implementation="pallas_mosaic",
+    ),
+    Case(
+        num_shards=2,
+        seq_len=512,
+        q_heads=8,
+        kv_heads=2,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+        implementation="pallas_mosaic",
+    ),
+    Case(
+        num_shards=2,
+        seq_len=384,
+        q_heads=4,
+        kv_heads=1,
+        head_dim=64,
+        dtype=jnp.float16,
+        layout="contiguous",
+        strategy="allgather",
+        implementation="pallas_mosaic",
+    ),
+    Case(
+        num_shards=2,
+        seq_len=256,
+        q_heads=4,
+        kv_heads=4,
+        head_dim=64,
+        dtype=jnp.bfloat16,
+        causal=False,
+        implementation="pallas_mosaic",
+    ),
 ]
-_ON_HOPPER = jax.default_backend() == "gpu" and str(
-    getattr(jax.devices()[0], "compute_capability", "")
-) == "9.0"
+_ON_HOPPER = (
+    jax.default_backend() == "gpu"
+    and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+)
 
 
 @pytest.mark.gpu
