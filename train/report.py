@@ -373,7 +373,7 @@ def plot_stacked(ok, path, parts, title):
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         rs = sorted((r for r in ok if r["model"] == model), key=lambda r: (_mesh(r), r["context"]))
-        names = [f"{_ctx(r['context'])}\n{_mesh(r)}" for r in rs]
+        names = [f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs]
         bottom = [0.0] * len(rs)
         for part in parts:
             values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
