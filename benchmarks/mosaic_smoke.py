@@ -66,7 +66,9 @@ def main():
         jax.block_until_ready(got)
         print(f"  ran in {time.time() - t1:.2f}s", flush=True)
         want = grads(jflash.attention_reference, *f32)
-        errs = [float(jnp.abs(a.astype(jnp.float32) - b).max()) for a, b in zip(got, want)]
+        errs = [
+            float(jnp.abs(a.astype(jnp.float32) - b).max()) for a, b in zip(got, want, strict=True)
+        ]
         scale = [float(jnp.abs(b).max()) for b in want]
         print(f"bwd {seq=} {hd=} {causal=} {time.time() - t:.1f}s err {errs} of {scale}")
 
