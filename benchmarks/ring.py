@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import table, time_fn, write_json  # noqa: E402
+from train.capacity import search_longest  # noqa: E402
 from train.trace import parse as parse_trace  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -264,51 +265,6 @@ def draw_inputs_abstract(seq, args, sharding):
     q = (args.batch, seq, args.heads, args.head_dim)
     kv = (args.batch, seq, args.kv_heads, args.head_dim)
     return [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in (q, kv, kv, q)]
-
-
-def search_longest(
-    fits_at, start: int, maximum: int, refine: int = 0, granule: int = 1
-) -> tuple[int | None, list[dict]]:
-    """The longest length `fits_at` accepts, and every probe made.
-
-    Doubles from `start` until a length does not fit (or passes `maximum`), then
-    bisects `refine` times between the last length that fit and the first that did
-    not, on multiples of `granule`: the answer is within (1/2)**refine of the doubling
-    interval instead of a power of two (a 2.9x longer sequence would otherwise read
-    as 2x, or 4x).
-
-    Args:
-      fits_at: `seq -> {"fits": bool, "gib": GiB per device, ...}` (extra keys, e.g.
-        an error, are kept in the probe).
-      start, maximum: the first and the largest length tried.
-      refine: bisection steps after the doubling.
-      granule: every bisection length is a multiple of it (the layout's divisor).
-    """
-    probes: list[dict] = []
-
-    def probe(seq: int) -> bool:
-        result = fits_at(seq)
-        probes.append({"seq": seq, **result})
-        return bool(result["fits"])
-
-    best, seq, too_long = None, start, None
-    while seq <= maximum:
-        if not probe(seq):
-            too_long = seq
-            break
-        best, seq = seq, seq * 2
-    if best is not None and too_long is not None:
-        lo, hi = best, too_long
-        for _ in range(refine):
-            mid = (lo + hi) // 2 // granule * granule
-            if mid <= lo or mid >= hi:
-                break
-            if probe(mid):
-                lo = mid
-            else:
-                hi = mid
-        best = lo
-    return best, probes
 
 
 def longest(args) -> dict | None:

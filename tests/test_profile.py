@@ -264,7 +264,7 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
 
 def test_ring_bench_longest_search():
     sys.path.insert(0, ROOT)
-    from benchmarks.ring import search_longest
+    from train.capacity import search_longest
 
     limit = 5000  # "bytes" per token = 1: the longest that fits is 5000
     calls = []

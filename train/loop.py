@@ -53,26 +53,37 @@ def initialize_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize()
 
 
-def load_model(cfg: TrainConfig):
-    """`(LlamaConfig, host params or None)`: an HF directory, or a preset (random init)."""
-    name = cfg.model.model_name_or_path
-    if os.path.isdir(name):
-        config, params = models.load_hf(name)
-    else:
-        try:
-            config, params = models.preset(name), None
-        except (KeyError, ValueError) as e:
-            raise TrainingError(
-                f"--model_name_or_path={name!r} is neither a local HF directory nor a preset "
-                f"({sorted(models.PRESETS)})"
-            ) from e
-    config = config.replace(
+def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig:
+    return config.replace(
         dtype="bfloat16" if (cfg.model.bf16 or cfg.model.fp16) else "float32",
         param_dtype="float32",
         remat=cfg.remat,
         scan_layers=cfg.model.scan_layers,
     )
-    return config, params
+
+
+def model_config(cfg: TrainConfig) -> models.LlamaConfig:
+    """The model's `LlamaConfig` (an HF directory's config.json, or a preset) with the
+    run's dtypes and remat policy; reads no weights."""
+    name = cfg.model.model_name_or_path
+    if os.path.isdir(name):
+        return _for_run(models.from_hf_config(name), cfg)
+    try:
+        return _for_run(models.preset(name), cfg)
+    except (KeyError, ValueError) as e:
+        raise TrainingError(
+            f"--model_name_or_path={name!r} is neither a local HF directory nor a preset "
+            f"({sorted(models.PRESETS)})"
+        ) from e
+
+
+def load_model(cfg: TrainConfig):
+    """`(LlamaConfig, host params or None)`: an HF directory, or a preset (random init)."""
+    name = cfg.model.model_name_or_path
+    if not os.path.isdir(name):
+        return model_config(cfg), None
+    config, params = models.load_hf(name)
+    return _for_run(config, cfg), params
 
 
 def load_rows(cfg: TrainConfig, config, is_main: bool) -> data_lib.Rows:
@@ -162,6 +173,86 @@ class Trainer:
         }
 
 
+@dataclasses.dataclass
+class StepPlan:
+    """Everything about one training step that needs no data and no device memory."""
+
+    mesh: Mesh
+    sizes: dict[str, int]
+    spec: StepSpec
+    tx: Any
+    state_shardings: dict[str, Any]
+    abstract_state: dict[str, Any]
+    step_fn: Callable
+
+    def abstract_batch(self, global_batch: int, accum: int, seq_len: int) -> dict[str, Any]:
+        """`{"input_ids", "labels"}` shapes of one step, sharded like `Trainer.batch`."""
+        b_shard = batch_sharding(self.mesh)
+        stacked = NamedSharding(self.mesh, P(None, *b_shard.spec))
+        shape = (accum, global_batch, seq_len)
+        return {
+            name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=stacked)
+            for name in ("input_ids", "labels")
+        }
+
+
+def plan_step(
+    cfg: TrainConfig, config: models.LlamaConfig, devices=None, total_steps: int = 1
+) -> StepPlan:
+    """Mesh, shardings, optimizer and the jitted step for `cfg`, with abstract state.
+
+    Nothing is allocated: `train.capacity` compiles `plan.step_fn` on abstract state to
+    read its memory; `build` initialises the state that the plan describes.
+    """
+    count = len(devices) if devices is not None else jax.device_count()
+    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
+    check_layout(cfg, sizes)
+    mesh = make_mesh(sizes, devices)
+    seq_len = cfg.data.model_max_length
+    attention = models.AttentionConfig(
+        kind=cfg.model.attention,
+        implementation=cfg.model.attention_implementation,
+        mesh=mesh,
+        seq_axis="seq",
+        layout=cfg.model.ring_layout,
+        strategy=cfg.model.ring_strategy,
+        batch_axes=("data", "fsdp"),
+    )
+    spec = StepSpec(
+        config=config,
+        attention=attention,
+        seq_shards=sizes["seq"],
+        layout=cfg.model.ring_layout,
+        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
+    )
+    tx = optimizer(cfg.optim, total_steps)
+    with jax.set_mesh(mesh):
+        abstract_params = models.abstract_params(config)
+        axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
+        p_shard = param_shardings(abstract_params, mesh, axes)
+        opt_abstract = jax.eval_shape(tx.init, abstract_params)
+        o_shard = param_shardings(opt_abstract, mesh, axes)
+    shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        {
+            "params": abstract_params,
+            "opt_state": opt_abstract,
+            "step": jax.ShapeDtypeStruct((), jnp.int32),
+        },
+        shardings,
+    )
+    return StepPlan(
+        mesh=mesh,
+        sizes=sizes,
+        spec=spec,
+        tx=tx,
+        state_shardings=shardings,
+        abstract_state=abstract_state,
+        step_fn=jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0),
+    )
+
+
 def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=None) -> Trainer:
     """Mesh, model, data, optimizer, initial state and the jitted step for `cfg`.
 
@@ -176,7 +267,6 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     count = len(devices) if devices is not None else jax.device_count()
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     check_layout(cfg, sizes)
-    mesh = make_mesh(sizes, devices)
     if config is None:
         config, host_params = load_model(cfg)
     else:
@@ -198,28 +288,9 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     else:
         total_steps = math.ceil(cfg.run.num_train_epochs * batches.steps_per_epoch)
 
-    attention = models.AttentionConfig(
-        kind=cfg.model.attention,
-        implementation=cfg.model.attention_implementation,
-        mesh=mesh,
-        seq_axis="seq",
-        layout=cfg.model.ring_layout,
-        strategy=cfg.model.ring_strategy,
-        batch_axes=("data", "fsdp"),
-    )
-    spec = StepSpec(
-        config=config,
-        attention=attention,
-        seq_shards=sizes["seq"],
-        layout=cfg.model.ring_layout,
-        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
-    )
-    tx = optimizer(cfg.optim, total_steps)
-
+    plan = plan_step(cfg, config, devices, total_steps)
+    mesh, p_shard = plan.mesh, plan.state_shardings["params"]
     with jax.set_mesh(mesh):
-        abstract_params = models.abstract_params(config)
-        axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
-        p_shard = param_shardings(abstract_params, mesh, axes)
         if host_params is None:
             params = jax.jit(functools.partial(models.init_params, config), out_shardings=p_shard)(
                 jax.random.key(cfg.run.seed)
@@ -230,9 +301,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
                 host_params,
                 p_shard,
             )
-        opt_abstract = jax.eval_shape(tx.init, abstract_params)
-        o_shard = param_shardings(opt_abstract, mesh, axes)
-        opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
+        opt_state = jax.jit(plan.tx.init, out_shardings=plan.state_shardings["opt_state"])(params)
         state = {
             "params": params,
             "opt_state": opt_state,
@@ -241,10 +310,10 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     return Trainer(
         cfg=cfg,
         mesh=mesh,
-        sizes=sizes,
+        sizes=plan.sizes,
         config=config,
-        spec=spec,
-        tx=tx,
+        spec=plan.spec,
+        tx=plan.tx,
         lr_at=schedule(cfg.optim, total_steps),
         rows=rows,
         batches=batches,
@@ -252,8 +321,8 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         global_batch=global_batch,
         accum=accum,
         state=state,
-        state_shardings={"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)},
-        step_fn=jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0),
+        state_shardings=plan.state_shardings,
+        step_fn=plan.step_fn,
         flops_token=models.training_flops_per_token(config, seq_len),
     )
 

@@ -1,0 +1,35 @@
+"""`python -m train.capacity`: the trainer's step compiled on abstract state, longest fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train import capacity
+
+
+@pytest.mark.multi_device
+def test_two_devices_hold_a_longer_context(tmp_path):
+    """On 2 simulated devices with a tight limit, seq=2 fits a longer context than seq=1:
+    the trainer's real step (ring attention, remat, sharded state) is what is compiled."""
+    out = tmp_path / "capacity.json"
+    result = capacity.main(
+        [
+            "--models", "tiny", "--mesh", "seq=1", "--mesh", "seq=2", "--limit-gib", "0.05",
+            "--start", "512", "--refine", "0", "--out", str(out),
+        ]
+    )  # fmt: skip
+    one, two = result["rows"]
+    assert (one["mesh"], two["mesh"]) == ("seq=1", "seq=2")
+    assert one["longest"] >= 512 and two["longest"] >= 2 * one["longest"]
+    assert two["vs_first_mesh"] == two["longest"] / one["longest"]
+    for row in result["rows"]:  # the probe past the answer is the one that did not fit
+        assert row["probes"][-1]["fits"] is False and row["probes"][-1]["gib"] > 0.05
+    assert json.loads(out.read_text())["method"].startswith("compiled memory analysis")
+
+
+def test_context_parsing_and_search():
+    assert capacity._tokens("64k") == 65536 and capacity._tokens("1m") == 1 << 20
+    best, probes = capacity.search_longest(lambda n: {"fits": n <= 5000}, 1024, 1 << 20, 3, 512)
+    assert best == 4608 and [p["seq"] for p in probes][:4] == [1024, 2048, 4096, 8192]

@@ -1,0 +1,236 @@
+"""The longest context a training step fits in, per model and mesh: `python -m train.capacity`.
+
+    python -m train.capacity --models llama3.2-1b --mesh seq=1 --mesh seq=2
+    python -m train.capacity --models llama2-7b --mesh seq=2 --shard-over-seq --start 16k
+
+For each model x mesh the trainer's own step (`train.loop.plan_step`: the same mesh,
+shardings, remat policy and ring attention as `python -m train`) is compiled on abstract
+state, never run, and XLA's memory analysis (arguments + outputs + temporaries -
+aliased, per device) is compared with the device's allocator limit (or `--limit-gib`).
+The context doubles from `--start` until a step does not fit, then bisects `--refine`
+times. A mesh naming fewer devices than the machine has uses the first ones, so
+`--mesh seq=1 --mesh seq=2` answers "how much longer on 2 GPUs than on 1".
+
+Compiled memory is XLA's plan, not a run: check the winner with `python -m train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+
+
+def search_longest(
+    fits_at: Callable[[int], dict], start: int, maximum: int, refine: int = 0, granule: int = 1
+) -> tuple[int | None, list[dict]]:
+    """The longest length `fits_at` accepts, and every probe made.
+
+    Doubles from `start` until a length does not fit (or passes `maximum`), then
+    bisects `refine` times between the last length that fit and the first that did
+    not, on multiples of `granule`: the answer is within (1/2)**refine of the doubling
+    interval instead of a power of two.
+
+    Args:
+      fits_at: `length -> {"fits": bool, ...}` (extra keys are kept in the probe).
+      start, maximum: the first and the largest length tried.
+      refine: bisection steps after the doubling.
+      granule: every bisection length is a multiple of it.
+    """
+    probes: list[dict] = []
+
+    def probe(length: int) -> bool:
+        result = fits_at(length)
+        probes.append({"seq": length, **result})
+        return bool(result["fits"])
+
+    best, length, too_long = None, start, None
+    while length <= maximum:
+        if not probe(length):
+            too_long = length
+            break
+        best, length = length, length * 2
+    if best is not None and too_long is not None:
+        lo, hi = best, too_long
+        for _ in range(refine):
+            mid = (lo + hi) // 2 // granule * granule
+            if mid <= lo or mid >= hi:
+                break
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        best = lo
+    return best, probes
+
+
+def _tokens(text: str) -> int:
+    text = text.strip().lower()
+    scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
+    return int(float(text.rstrip("km")) * scale)
+
+
+def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
+    """Compiled per-device memory of one training step (GiB); raises if it won't compile."""
+    import jax
+
+    from train.config import parse_args
+    from train.loop import model_config, plan_step
+    from train.profile import mesh_device_count
+
+    cfg = parse_args(
+        [
+            "--model_name_or_path",
+            model,
+            "--model_max_length",
+            str(context),
+            "--mesh",
+            mesh,
+            "--attention",
+            args.attention,
+            "--remat_policy",
+            args.remat,
+            "--per_device_train_batch_size",
+            "1",
+            "--shard_over_seq",
+            str(args.shard_over_seq).lower(),
+        ]
+    )
+    config = model_config(cfg)
+    if args.layers:
+        config = config.replace(num_layers=args.layers)
+    devices = jax.devices()[: mesh_device_count(mesh, jax.device_count())]
+    plan = plan_step(cfg, config, devices)
+    global_batch = plan.sizes["data"] * plan.sizes["fsdp"]
+    with jax.set_mesh(plan.mesh):
+        batch = plan.abstract_batch(global_batch, 1, context)
+        compiled = plan.step_fn.lower(plan.abstract_state, batch).compile()
+    mem = compiled.memory_analysis()
+    used = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+    return used / 2**30
+
+
+def device_limit_gib(override: float | None) -> float:
+    import jax
+
+    if override is not None:
+        return override
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise SystemExit(
+            f"{jax.devices()[0].platform}: the device reports no memory limit; pass --limit-gib"
+        )
+    return stats["bytes_limit"] / 2**30
+
+
+def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
+    import jax
+
+    from train.profile import mesh_device_count
+
+    seq = 1
+    for part in mesh.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() == "seq":
+            seq = (
+                int(value) if value.strip() != "-1" else mesh_device_count(mesh, jax.device_count())
+            )
+
+    def fits_at(context: int) -> dict:
+        try:
+            gib = step_memory_gib(model, context, mesh, args)
+        except Exception as e:  # noqa: BLE001 - a context that fails to compile is a probe
+            text = str(e)
+            error = text.splitlines()[0][:200] if text else type(e).__name__
+            if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+                error = "out of memory at compile time"
+            print(f"  {model} {mesh} {context:>9,}: {error}", flush=True)
+            return {"fits": False, "gib": None, "error": error}
+        ok = gib <= limit_gib
+        print(
+            f"  {model} {mesh} {context:>9,}: {gib:8.2f} GiB/device "
+            f"{'fits' if ok else 'does not fit'}",
+            flush=True,
+        )
+        return {"fits": ok, "gib": gib}
+
+    granule = math.lcm(1024, 2 * seq)
+    best, probes = search_longest(fits_at, args.start, args.max, args.refine, granule)
+    at_best = next((p["gib"] for p in probes if p["seq"] == best), None)
+    return {"model": model, "mesh": mesh, "longest": best, "gib": at_best, "probes": probes}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train.capacity",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets or HF dirs")
+    p.add_argument("--mesh", action="append", help="repeatable; default seq=1 and all devices")
+    p.add_argument("--shard-over-seq", action="store_true", help="ZeRO-3 over seq as well")
+    p.add_argument("--attention", default="ring")
+    p.add_argument("--remat", default="save_attn", choices=("none", "full", "save_attn"))
+    p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
+    p.add_argument("--start", type=_tokens, default=8192, help="first context (e.g. 8k)")
+    p.add_argument("--max", type=_tokens, default=4 * 1024 * 1024, help="largest context")
+    p.add_argument("--refine", type=int, default=3, help="bisection steps after doubling")
+    p.add_argument("--limit-gib", type=float, default=None, help="default: the device's")
+    p.add_argument("--out", default="", help="write the result JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    import jax
+
+    meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})
+    limit = device_limit_gib(args.limit_gib)
+    print(
+        f"capacity on {jax.device_count()} x {jax.devices()[0].device_kind}, "
+        f"limit {limit:.2f} GiB/device, remat={args.remat}",
+        flush=True,
+    )
+    rows = []
+    for model in filter(None, args.models.split(",")):
+        base = None
+        for mesh in meshes:
+            row = longest(model, mesh, args, limit)
+            base = base or row["longest"]
+            row["vs_first_mesh"] = row["longest"] / base if row["longest"] and base else None
+            rows.append(row)
+    print("\n| model | mesh | longest context | GiB/device | vs first mesh |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['vs_first_mesh']:.2f}" if r["vs_first_mesh"] else "–"
+        gib = f"{r['gib']:.3g}" if r["gib"] is not None else "–"
+        longest_txt = f"{r['longest']:,}" if r["longest"] else "none from --start"
+        print(f"| {r['model']} | {r['mesh']} | {longest_txt} | {gib} | {ratio} |")
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "limit_gib": limit,
+        "method": "compiled memory analysis of the training step, not run",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "rows": rows,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
