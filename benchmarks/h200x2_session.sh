@@ -3,7 +3,10 @@
 #
 #   bash benchmarks/h200x2_session.sh report      # issue 6: profiling report, 3 models
 #   bash benchmarks/h200x2_session.sh scale       # issue 4 longest sequence + 7B FSDP x seq
+#   bash benchmarks/h200x2_session.sh capacity    # issue 5: longest trainable context, jflash vs HF
+#   bash benchmarks/h200x2_session.sh train32k    # issue 5: 1B at 32k, 1 GPU vs HF, 2 GPUs sharded
 #   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
+#                                                 # (CPU_PARTS="capacity train32k": only those)
 #
 # Run from anywhere (it cds to the repo root). Results go to $OUT (default
 # benchmarks/results/; cpu-check: /tmp/jflash-cpu-check/out), scratch (profile traces,
@@ -85,10 +88,10 @@ set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale) MODE=gpu ;;
+  report | scale | capacity | train32k) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -352,6 +355,61 @@ part_scale() {
   if [ "$fall" = 1 ]; then train_at "$fallback"; fi
 }
 
+part_capacity() {
+  # Longest trainable context, Llama-3.2-1B shape: jflash on 1 vs 2 devices (compiled
+  # memory plan of the trainer's step, never run) and HF transformers on 1 (real steps,
+  # out of memory = does not fit). Issue 5: >= 2x HF's longest per GPU count.
+  local cap_args hf_args
+  if [ "$MODE" = gpu ]; then
+    cap_args=(--models llama3.2-1b --start 64k --max 4m --refine 2)
+    hf_args=(--model llama3.2-1b --context 16384 --max 1048576 --refine 3)
+  else
+    cap_args=(--models tiny --layers 1 --start 512 --max 8192 --refine 1 --limit-gib 0.05)
+    hf_args=(--model tiny --layers 1 --context 128 --max 1024 --refine 1)
+  fi
+  step capacity 330 60 120 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.capacity \
+    --mesh seq=1 --mesh seq=2 "${cap_args[@]}" --out "$OUT/capacity-llama3_2_1b-$TAG.json"
+  if "$PY" -c "import torch, transformers" 2>/dev/null; then
+    step hf-longest 180 40 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
+      --longest "${hf_args[@]}" --out "$OUT/hf-longest-llama3_2_1b-$TAG.json"
+  else
+    say "hf-longest: SKIPPED (no torch/transformers in $PY)"
+  fi
+}
+
+part_train32k() {
+  # Issue 5's bars with the Mosaic kernels: 1 GPU vs HF (same session), 2 GPUs with the
+  # optimizer sharded over seq (per-GPU efficiency), Llama-3.2-1B shape at 32k.
+  local ctx steps model vocab log_every one_device hf_model
+  if [ "$MODE" = gpu ]; then
+    ctx=32768 steps=15 model=llama3.2-1b vocab=32000 log_every=5 one_device=""
+  else
+    ctx=512 steps=3 model=tiny vocab=256 log_every=1
+    one_device="--xla_force_host_platform_device_count=1"
+  fi
+  local data="$WORK/sample-$ctx.npy"
+  step data-32k 60 5 300 "$PY" -m train.data sample --out "$data" --num-samples 40 \
+    --seq-len "$ctx" --vocab-size "$vocab"
+  local common=(--config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model"
+    --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" --logging_steps "$log_every"
+    --save_strategy no --export_hf false --progress false)
+  rm -rf "$WORK/t1" "$WORK/t2"
+  step train-1gpu 150 60 200 env "XLA_FLAGS=$one_device" CUDA_VISIBLE_DEVICES=0 \
+    "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=1 --output_dir "$WORK/t1"
+  [ -s "$WORK/t1/log.jsonl" ] && cp "$WORK/t1/log.jsonl" "$OUT/train-1b-32k-$TAG-seq1-mosaic.jsonl"
+  step train-2gpu 150 60 100 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train "${common[@]}" \
+    --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --output_dir "$WORK/t2"
+  [ -s "$WORK/t2/log.jsonl" ] &&
+    cp "$WORK/t2/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-shard_over_seq-mosaic.jsonl"
+  if "$PY" -c "import torch, transformers" 2>/dev/null; then
+    if [ "$MODE" = gpu ]; then hf_model=(--model llama3.2-1b); else hf_model=(--model tiny --layers 1); fi
+    step hf-32k 150 60 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
+      "${hf_model[@]}" --context "$ctx" --steps 3 --warmup 1 --out "$OUT/hf-baseline-1b-32k-$TAG.json"
+  else
+    say "hf-32k: SKIPPED (no torch/transformers in $PY)"
+  fi
+}
+
 # ---------------------------------------------------------------------------------------
 
 main() {
@@ -359,9 +417,13 @@ main() {
   case "$PART" in
     report) part_report ;;
     scale) part_scale ;;
-    cpu-check) # both parts, one after the other, each with the whole budget
-      PART=report part_report
-      START=$(date +%s) PART=scale part_scale
+    capacity) part_capacity ;;
+    train32k) part_train32k ;;
+    cpu-check) # every part (or the ones named after cpu-check), each with the whole budget
+      local p
+      for p in ${CPU_PARTS:-report scale capacity train32k}; do
+        START=$(date +%s) PART=$p "part_$p"
+      done
       ;;
   esac
   say "done in $(($(date +%s) - START)) s of the part; steps:"
