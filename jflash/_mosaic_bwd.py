@@ -118,10 +118,10 @@ def _dkv_kernel(
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
 
-            def scores(refs):
-                s_ref, dp_ref = refs
-                plgpu.wgmma(s_ref, k_smem, q_t.T)  # S^T = K Q^T  [keys, queries]
-                plgpu.wgmma(dp_ref, v_smem, do_t.T)  # dP^T = V dO^T
+            def scores(accs):
+                s_acc, dp_acc = accs
+                plgpu.wgmma(s_acc, k_smem, q_t.T)  # S^T = K Q^T  [keys, queries] f32
+                plgpu.wgmma(dp_acc, v_smem, do_t.T)  # dP^T = V dO^T
 
             zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
             s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
@@ -134,10 +134,10 @@ def _dkv_kernel(
                 p = jnp.where(seen, p, 0.0)
             ds = p * (dp - _bcast(delta, s.shape, 1))
 
-            def grads(refs):
-                dv_ref, dk_ref = refs
-                plgpu.wgmma(dv_ref, p.astype(k_smem.dtype), do_t)  # dV += P^T dO
-                plgpu.wgmma(dk_ref, ds.astype(k_smem.dtype), q_t)  # dK += dS^T Q
+            def grads(accs):
+                dv_acc, dk_acc = accs
+                plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)  # dV += P^T dO
+                plgpu.wgmma(dk_acc, ds.astype(k_smem.dtype), q_t)  # dK += dS^T Q
 
             dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
             plgpu.barrier_arrive(free.at[slot])
@@ -253,10 +253,10 @@ def _dq_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
-            def scores(refs):
-                s_ref, dp_ref = refs
-                plgpu.wgmma(s_ref, q_t, k_smem.at[slot].T)  # S = Q K^T
-                plgpu.wgmma(dp_ref, do_t, v_smem.at[slot].T)  # dP = dO V^T
+            def scores(accs):
+                s_acc, dp_acc = accs
+                plgpu.wgmma(s_acc, q_t, k_smem.at[slot].T)  # S = Q K^T  [queries, keys] f32
+                plgpu.wgmma(dp_acc, do_t, v_smem.at[slot].T)  # dP = dO V^T
 
             zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
             s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
@@ -266,8 +266,8 @@ def _dq_kernel(
                 p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
             ds = p * (dp - _bcast(delta, s.shape, 0))
 
-            def grad(acc_ref):
-                plgpu.wgmma(acc_ref, ds.astype(k_smem.dtype), k_smem.at[slot])  # dQ += dS K
+            def grad(acc):
+                plgpu.wgmma(acc, ds.astype(k_smem.dtype), k_smem.at[slot])  # dQ += dS K
 
             dq = pl.run_state(grad)(plgpu.ACC.init(dq))
             plgpu.barrier_arrive(k_free.at[slot])

@@ -86,10 +86,10 @@ def _fwd_kernel(
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-                take_turn()
-                return acc_ref[...]
+            def qk(acc):
+                plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
+                take_turn()  # while this wgmma runs, the other warpgroup does softmax
+                return acc[...]  # [64, block_kv] f32
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
@@ -109,8 +109,8 @@ def _fwd_kernel(
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(turn)  # tensor cores are ours
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            def pv(acc):
+                plgpu.wgmma(acc, p16, v_smem.at[slot])  # [64, H] f32 += P V
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
