@@ -14,6 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jflash._mask import Mask
@@ -107,6 +108,32 @@ def visible(geom: Geometry, q_start, k_start, shape, *, transposed: bool = False
     if geom.mask.causal:
         seen = seen & (q_pos + geom.diag >= k_pos)
     return seen
+
+
+def stream_kv(
+    srcs, slots, ready, free, *, batch, head, group: int, num_steps, block_kv: int, stages: int
+):
+    """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
+    of query head `head` (`head // group`).
+
+    Step `j` lands in slot `j % stages`; from step `stages` on, a slot is refilled only
+    after both compute warpgroups arrived on its free barrier. K and V have separate
+    barriers, so K can be refilled while V of the same step is still being read.
+    """
+    plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+    kv_head = lax.div(head, jnp.int32(group))
+
+    @pl.loop(0, num_steps)
+    def _(j):
+        slot = lax.rem(j, stages)
+        rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
+        for src, dst, is_ready, is_free in zip(srcs, slots, ready, free, strict=True):
+
+            @pl.when(j >= stages)
+            def _(is_free=is_free):
+                plgpu.barrier_wait(is_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], is_ready.at[slot])
 
 
 def round_up(x: int, m: int) -> int:

@@ -22,7 +22,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jflash._mosaic_common import (
     COMPUTE_REGS,
     COMPUTE_WGS,
-    MEMORY_REGS,
     WG_ROWS,
     Geometry,
     fit_stages,
@@ -30,6 +29,7 @@ from jflash._mosaic_common import (
     pad_axis,
     round_up,
     smem_tile,
+    stream_kv,
     visible,
 )
 from jflash._triton_common import LN2, LOG2E
@@ -159,25 +159,18 @@ def _fwd_kernel(
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
-        kv_head = lax.div(head, jnp.int32(geom.group))
-
-        @pl.loop(0, cta_end)
-        def _(j):
-            slot = lax.rem(j, stages)
-            rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-
-            @pl.when(j >= stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-
-            @pl.when(j >= stages)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+        stream_kv(
+            (k_ref, v_ref),
+            (k_smem, v_smem),
+            (k_ready, v_ready),
+            (k_free, v_free),
+            batch=batch,
+            head=head,
+            group=geom.group,
+            num_steps=cta_end,
+            block_kv=block_kv,
+            stages=stages,
+        )
 
 
 def mosaic_fwd(q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages: int):
