@@ -13,14 +13,20 @@ def _is_pow2(x: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile shapes and launch parameters of the Triton-lowered kernels.
+    """Tile shapes and launch parameters of the Pallas kernels.
 
     Attributes:
       block_q, block_kv: forward tile (queries per program, keys per loop step).
-      block_q_dkv, block_kv_dkv: dK/dV kernel (keys per program, queries per step).
-      block_q_dq, block_kv_dq: dQ kernel (queries per program, keys per step).
+      block_q_dkv, block_kv_dkv: dK/dV kernel (queries per loop step, keys per program).
+      block_q_dq, block_kv_dq: dQ kernel (queries per program, keys per loop step).
       num_warps, num_stages: forward launch parameters.
       num_warps_bwd, num_stages_bwd: backward launch parameters.
+
+    For `implementation="pallas_mosaic"` (`mosaic_block_sizes`): the per-program rows
+    (`block_q`, `block_kv_dkv`, `block_q_dq`) are 64 per compute warpgroup (two per
+    CTA), the streamed blocks (`block_kv`, `block_q_dkv`, `block_kv_dq`) are multiples
+    of 64, `num_stages`/`num_stages_bwd` are the TMA pipeline depths (lowered where
+    shared memory would overflow) and `num_warps*` are unused.
     """
 
     block_q: int = 128

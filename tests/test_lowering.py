@@ -192,3 +192,19 @@ def test_named_mosaic_refuses_what_it_cannot_run(monkeypatch):
             dtype=jnp.bfloat16,
             **common,
         )
+
+
+def test_mosaic_pipeline_depth_fits_shared_memory():
+    """`fit_stages` lowers the K/V pipeline depth until the CTA's tiles fit 227 KiB, and
+    names the numbers when even two stages cannot fit."""
+    from jflash._mosaic_common import SMEM_BYTES, fit_stages
+
+    rows, h = 128, 128
+    q_tile, f32_out, kv_stage = rows * h * 2, rows * h * 4, 2 * 128 * h * 2
+    assert fit_stages("fwd", 3, q_tile, kv_stage) == 3  # bf16 output reuses Q's slot
+    assert fit_stages("fwd", 3, q_tile + f32_out, kv_stage) == 2  # the ring's f32 output
+    assert q_tile + f32_out + 2 * kv_stage <= SMEM_BYTES
+    with pytest.raises(ValueError, match="jflash_mosaic_dq: .* bytes of shared memory"):
+        fit_stages("jflash_mosaic_dq", 4, q_tile, 2 * 512 * h * 2)
+    bs = jflash.default_block_sizes(4096, 128, jnp.bfloat16, implementation="pallas_mosaic")
+    assert (bs.block_q, bs.block_kv_dkv, bs.block_q_dq) == (64, 64, 64)
