@@ -47,11 +47,16 @@ MOSAIC_HEAD_DIMS = (64, 128)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def mosaic_unsupported(*, head_dim: int, dtype, segments: bool) -> str | None:
+def mosaic_unsupported(
+    *, head_dim: int, dtype, segments: bool, compiled: bool = True
+) -> str | None:
     """Why the Mosaic kernels cannot take this problem (None: they can)."""
-    if not _is_hopper():
+    if compiled and not _is_hopper():
         kind = jax.devices()[0].device_kind
-        return f"needs a Hopper GPU (sm90: H100/H200); this device is {kind!r}"
+        return (
+            f"compiled needs a Hopper GPU (sm90: H100/H200); this device is {kind!r} "
+            "(interpret=True runs it in the GPU interpreter on CPU)"
+        )
     if head_dim not in MOSAIC_HEAD_DIMS:
         return f"{head_dim=} is not one of {MOSAIC_HEAD_DIMS}"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
@@ -103,12 +108,11 @@ def resolve(
     else:
         reason = "named by the caller"
     if implementation == "pallas_mosaic":
-        if interpret:
-            raise NotImplementedError(
-                f"implementation='pallas_mosaic' has no interpret mode ({interpret=}): its TMA "
-                "copies have no interpreter rule in jax 0.11.2; use 'pallas_triton'"
-            )
-        why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, segments=segments)
+        if interpret is None:
+            interpret = platform != "gpu"
+        why = mosaic_unsupported(
+            head_dim=head_dim, dtype=dtype, segments=segments, compiled=not interpret
+        )
         if why is not None:
             raise NotImplementedError(
                 f"implementation='pallas_mosaic' {why}; use 'pallas_triton' (any head dim, "
@@ -119,7 +123,7 @@ def resolve(
                 q_len, head_dim, dtype, kv_len=kv_len, implementation="pallas_mosaic"
             )
         check_mosaic_block_sizes(block_sizes)
-        kernel = Kernel("pallas_mosaic", block_sizes, False, reason)
+        kernel = Kernel("pallas_mosaic", block_sizes, bool(interpret), reason)
     elif implementation == "xla":
         if interpret:
             raise ValueError(f"{interpret=} only applies to Pallas implementations, not 'xla'")
@@ -182,6 +186,7 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
             out_dtype=out_dtype,
             block_kv=bs.block_kv,
             stages=bs.num_stages,
+            interpret=kernel.interpret,
         )
     return flash_fwd(
         q,
@@ -223,6 +228,7 @@ def attention_bwd(
             block_q_dkv=bs.block_q_dkv,
             block_kv_dq=bs.block_kv_dq,
             stages=bs.num_stages_bwd,
+            interpret=kernel.interpret,
         )
     return flash_bwd(
         q,

@@ -28,7 +28,9 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
+    drain,
     fit_stages,
+    interpret_params,
     kv_range,
     pad_axis,
     q_range,
@@ -36,6 +38,7 @@ from jflash._mosaic_common import (
     smem_tile,
     stream_kv,
     visible,
+    wgmma_into,
 )
 from jflash._triton_common import LOG2E
 
@@ -85,6 +88,7 @@ def _dkv_kernel(
     stages: int,
     qk_scale: float,
     scale: float,
+    interpret: bool,
 ):
     bk = WG_ROWS
     batch = lax.axis_index("batch")
@@ -119,13 +123,11 @@ def _dkv_kernel(
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
 
-            def scores(accs):
-                s_acc, dp_acc = accs
-                plgpu.wgmma(s_acc, k_smem, q_t.T)  # S^T = K Q^T  [keys, queries] f32
-                plgpu.wgmma(dp_acc, v_smem, do_t.T)  # dP^T = V dO^T
-
             zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
-            s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            # S^T = K Q^T, dP^T = V dO^T: [keys, queries] f32
+            s, dp = wgmma_into(
+                (zeros, zeros), [(k_smem, q_t.T), (v_smem, do_t.T)], interpret=interpret
+            )
             col = plgpu.Layout.WGMMA.reduce(0)
             lse2 = plgpu.load(lse_smem.at[slot], layout=col)
             delta = plgpu.load(delta_smem.at[slot], layout=col)
@@ -135,12 +137,11 @@ def _dkv_kernel(
                 p = jnp.where(seen, p, 0.0)
             ds = p * (dp - _bcast(delta, s.shape, 1))
 
-            def grads(accs):
-                dv_acc, dk_acc = accs
-                plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)  # dV += P^T dO
-                plgpu.wgmma(dk_acc, ds.astype(k_smem.dtype), q_t)  # dK += dS^T Q
-
-            dv, dk = pl.run_state(grads)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+            dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
+                (dv, dk),
+                [(lambda: p.astype(k_smem.dtype), do_t), (lambda: ds.astype(k_smem.dtype), q_t)],
+                interpret=interpret,
+            )
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv
 
@@ -191,6 +192,9 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_ready.at[slot])
 
+        if interpret:
+            drain((free,), geom.group * per_head, stages)
+
 
 # ----------------------------------------------------------------------------- dQ
 
@@ -221,6 +225,7 @@ def _dq_kernel(
     stages: int,
     qk_scale: float,
     scale: float,
+    interpret: bool,
 ):
     bq = WG_ROWS
     batch = lax.axis_index("batch")
@@ -254,23 +259,21 @@ def _dq_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
-            def scores(accs):
-                s_acc, dp_acc = accs
-                plgpu.wgmma(s_acc, q_t, k_smem.at[slot].T)  # S = Q K^T  [queries, keys] f32
-                plgpu.wgmma(dp_acc, do_t, v_smem.at[slot].T)  # dP = dO V^T
-
             zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-            s, dp = pl.run_state(scores)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            s, dp = wgmma_into(  # S = Q K^T, dP = dO V^T: [queries, keys] f32
+                (zeros, zeros),
+                [(q_t, k_smem.at[slot].T), (do_t, v_smem.at[slot].T)],
+                interpret=interpret,
+            )
             plgpu.barrier_arrive(v_free.at[slot])
             p = jnp.exp2(s * qk_scale - _bcast(lse2, s.shape, 0))
             if masked:
                 p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
             ds = p * (dp - _bcast(delta, s.shape, 0))
 
-            def grad(acc):
-                plgpu.wgmma(acc, ds.astype(k_smem.dtype), k_smem.at[slot])  # dQ += dS K
-
-            dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+            (dq,) = wgmma_into(  # dQ += dS K
+                (dq,), [(lambda: ds.astype(k_smem.dtype), k_smem.at[slot])], interpret=interpret
+            )
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
@@ -303,6 +306,7 @@ def _dq_kernel(
             num_steps=cta_end,
             block_kv=block_kv,
             stages=stages,
+            interpret=interpret,
         )
 
 
@@ -323,6 +327,7 @@ def mosaic_bwd(
     block_q_dkv: int,
     block_kv_dq: int,
     stages: int,
+    interpret: bool = False,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
 
@@ -351,7 +356,7 @@ def mosaic_bwd(
     same = jnp.dtype(grad_dtype) == q.dtype
     size = jnp.dtype(q.dtype).itemsize
     out_tile = 0 if same else rows * h * jnp.dtype(grad_dtype).itemsize
-    common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale)
+    common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale, interpret=interpret)
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
         stages,
@@ -386,6 +391,7 @@ def mosaic_bwd(
         thread_name="wg",
         compiler_params=_PARAMS,
         kernel_name="jflash_mosaic_dkv",
+        interpret=interpret_params(interpret),
     )(q, k, v, do, lse2, delta)
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
@@ -410,5 +416,6 @@ def mosaic_bwd(
         thread_name="wg",
         compiler_params=_PARAMS,
         kernel_name="jflash_mosaic_dq",
+        interpret=interpret_params(interpret),
     )(q, k, v, do, lse2, delta)
     return dq[:, :t], dk[:, :s_len], dv[:, :s_len]

@@ -110,8 +110,30 @@ def visible(geom: Geometry, q_start, k_start, shape, *, transposed: bool = False
     return seen
 
 
+def drain(free_barriers, num_steps, stages: int) -> None:
+    """Interpret mode only: the memory warpgroup observes the last `stages` phases of
+    its free barriers. The GPU interpreter checks that every thread saw every phase of
+    a barrier it waits on; on hardware the warpgroup just exits (nothing is pending)."""
+
+    @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+    def _(j):
+        for free in free_barriers:
+            plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+
+
 def stream_kv(
-    srcs, slots, ready, free, *, batch, head, group: int, num_steps, block_kv: int, stages: int
+    srcs,
+    slots,
+    ready,
+    free,
+    *,
+    batch,
+    head,
+    group: int,
+    num_steps,
+    block_kv: int,
+    stages: int,
+    interpret: bool = False,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`).
@@ -134,6 +156,9 @@ def stream_kv(
                 plgpu.barrier_wait(is_free.at[slot])
 
             plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], is_ready.at[slot])
+
+    if interpret:
+        drain(free, num_steps, stages)
 
 
 def round_up(x: int, m: int) -> int:
@@ -164,3 +189,38 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
             f"{SMEM_BYTES}; use smaller streamed blocks in jflash.BlockSizes"
         )
     return stages
+
+
+def wgmma_into(accs, products, *, interpret: bool):
+    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
+
+    `a` may be a zero-argument function (a register operand converted where it is
+    issued, e.g. `lambda: p.astype(bf16)`).
+
+    The wgmmas are issued together and waited for once (`run_state` over all the
+    accumulators: one `wgmma.wait_group` instead of one per product). The GPU
+    interpreter has no rule for `run_state` accumulators nor for register operands,
+    so in interpret mode the products are plain f32-accumulating dots added in
+    registers: the same numbers, not the same instructions.
+    """
+    if interpret:
+        # The GPU interpreter's wgmma takes SMEM operands only: read both operands
+        # (a register value reads as itself) and multiply with f32 accumulation.
+        out = []
+        for acc, (a, b) in zip(accs, products, strict=True):
+            a = (a() if callable(a) else a)[...]
+            product = jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            out.append(acc + product)
+        return tuple(out)
+
+    def issue(refs):
+        for ref, (a, b) in zip(refs, products, strict=True):
+            plgpu.wgmma(ref, a() if callable(a) else a, b)
+
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def interpret_params(interpret: bool):
+    """`plgpu.kernel(interpret=...)`: the GPU interpreter (threads, barriers, TMA
+    simulated on CPU) or None (compiled)."""
+    return plgpu.InterpretGPUParams() if interpret else None

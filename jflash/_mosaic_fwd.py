@@ -25,12 +25,14 @@ from jflash._mosaic_common import (
     WG_ROWS,
     Geometry,
     fit_stages,
+    interpret_params,
     kv_range,
     pad_axis,
     round_up,
     smem_tile,
     stream_kv,
     visible,
+    wgmma_into,
 )
 from jflash._triton_common import LN2, LOG2E
 
@@ -57,6 +59,7 @@ def _fwd_kernel(
     block_kv: int,
     stages: int,
     qk_scale: float,
+    interpret: bool,
 ):
     bq = WG_ROWS
     batch = lax.axis_index("batch")
@@ -109,10 +112,7 @@ def _fwd_kernel(
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(turn)  # tensor cores are ours
 
-            def pv(acc):
-                plgpu.wgmma(acc, p16, v_smem.at[slot])  # [64, H] f32 += P V
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -170,11 +170,17 @@ def _fwd_kernel(
             num_steps=cta_end,
             block_kv=block_kv,
             stages=stages,
+            interpret=interpret,
         )
 
 
-def mosaic_fwd(q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages: int):
-    """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`."""
+def mosaic_fwd(
+    q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages: int, interpret: bool = False
+):
+    """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`.
+
+    `interpret=True` runs the kernel in the GPU interpreter on CPU (slow; for tests).
+    """
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     rows = COMPUTE_WGS * WG_ROWS
@@ -201,7 +207,12 @@ def mosaic_fwd(q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages:
     k = pad_axis(k, 1, geom.kv_pad)
     v = pad_axis(v, 1, geom.kv_pad)
     kernel = functools.partial(
-        _fwd_kernel, geom=geom, block_kv=block_kv, stages=stages, qk_scale=scale * LOG2E
+        _fwd_kernel,
+        geom=geom,
+        block_kv=block_kv,
+        stages=stages,
+        qk_scale=scale * LOG2E,
+        interpret=interpret,
     )
     o, lse = plgpu.kernel(
         kernel,
@@ -230,5 +241,6 @@ def mosaic_fwd(q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages:
         # scratch for reductions, which buys the f32-output variant its K/V slots.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         kernel_name="jflash_mosaic_fwd",
+        interpret=interpret_params(interpret),
     )(q, k, v)
     return o[:, :t], lse[:, :, :t]

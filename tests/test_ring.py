@@ -254,10 +254,19 @@ _ON_HOPPER = (
 )
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _ON_HOPPER, reason="Mosaic GPU kernels need an sm90 GPU")
+@pytest.mark.multi_device
+@pytest.mark.skipif(
+    jax.default_backend() == "gpu" and not _ON_HOPPER,
+    reason="compiled Mosaic GPU kernels need an sm90 GPU (CPU: the GPU interpreter)",
+)
 @pytest.mark.parametrize("case", MOSAIC, ids=str)
 def test_matches_oracle_mosaic(case):
+    if INTERPRET and case.num_shards > 1:
+        pytest.skip(
+            "jax 0.11.2's GPU interpreter keeps one barrier table for every simulated "
+            "device of a shard_map and fails its end-of-kernel check at P >= 2; these "
+            "cases run compiled on 2 GPUs (P=1 runs here)"
+        )
     _check(case)
 
 
