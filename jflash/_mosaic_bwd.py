@@ -30,19 +30,16 @@ from jflash._mosaic_common import (
     Geometry,
     drain,
     fit_stages,
-    interpret_params,
     kv_range,
-    pad_axis,
+    launch,
     q_range,
-    round_up,
+    query_tile_cta,
     smem_tile,
     stream_kv,
     visible,
     wgmma_into,
 )
-from jflash._triton_common import LOG2E
-
-_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+from jflash._triton_common import LOG2E, pad_to, round_up
 
 
 def _store_tile(value, smem, dst):
@@ -95,8 +92,7 @@ def _dkv_kernel(
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     cta_start = lax.axis_index("kv_tiles") * (COMPUTE_WGS * bk)
-    n_q = geom.q_pad // block_q
-    cta_begin, _ = q_range(geom, cta_start, bk, block_q)  # warpgroup 0 starts earliest
+    cta_begin, _, n_q = q_range(geom, cta_start, bk, block_q)  # warpgroup 0 starts earliest
     per_head = n_q - cta_begin
 
     @pl.when(wg < COMPUTE_WGS)
@@ -107,7 +103,7 @@ def _dkv_kernel(
         rows = (batch, pl.ds(k_start, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
-        n_begin, n_full = q_range(geom, k_start, bk, block_q)
+        n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
         plgpu.barrier_wait(kv_ready.at[wg, 0])
         plgpu.barrier_wait(kv_ready.at[wg, 1])
 
@@ -231,10 +227,7 @@ def _dq_kernel(
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    n_tiles = geom.q_pad // (COMPUTE_WGS * bq)
-    tile = n_tiles - 1 - lax.axis_index("q_tiles")  # heaviest causal rows first
-    cta_start = tile * (COMPUTE_WGS * bq)
-    _, cta_end = kv_range(geom, cta_start + (COMPUTE_WGS - 1) * bq, bq, block_kv)
+    cta_start, cta_end = query_tile_cta(geom, block_kv)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -339,7 +332,6 @@ def mosaic_bwd(
     rows = COMPUTE_WGS * WG_ROWS
     geom = Geometry(
         mask=mask,
-        q_len=t,
         kv_len=s_len,
         q_pad=round_up(t, max(rows, block_q_dkv)),
         kv_pad=round_up(s_len, max(rows, block_kv_dq)),
@@ -347,12 +339,12 @@ def mosaic_bwd(
         head_dim=h,
     )
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
-    lse2 = pad_axis(lse2, 2, geom.q_pad, jnp.inf)
-    delta = pad_axis(delta.astype(jnp.float32), 2, geom.q_pad)
-    q = pad_axis(q, 1, geom.q_pad)
-    do = pad_axis(do.astype(q.dtype), 1, geom.q_pad)
-    k = pad_axis(k, 1, geom.kv_pad)
-    v = pad_axis(v, 1, geom.kv_pad)
+    lse2 = pad_to(lse2, 2, geom.q_pad, jnp.inf)
+    delta = pad_to(delta.astype(jnp.float32), 2, geom.q_pad)
+    q = pad_to(q, 1, geom.q_pad)
+    do = pad_to(do.astype(q.dtype), 1, geom.q_pad)
+    k = pad_to(k, 1, geom.kv_pad)
+    v = pad_to(v, 1, geom.kv_pad)
     same = jnp.dtype(grad_dtype) == q.dtype
     size = jnp.dtype(q.dtype).itemsize
     out_tile = 0 if same else rows * h * jnp.dtype(grad_dtype).itemsize
@@ -370,7 +362,7 @@ def mosaic_bwd(
         per_stage=2 * block_kv_dq * h * size,
     )
     kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
-    dk, dv = plgpu.kernel(
+    dk, dv = launch(
         functools.partial(_dkv_kernel, block_q=block_q_dkv, stages=dkv_stages, **common),
         out_type=[kv_type, kv_type],
         scratch_types=[
@@ -387,13 +379,10 @@ def mosaic_bwd(
         ],
         grid=(kh, geom.kv_pad // rows, b),
         grid_names=("heads", "kv_tiles", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_PARAMS,
         kernel_name="jflash_mosaic_dkv",
-        interpret=interpret_params(interpret),
+        interpret=interpret,
     )(q, k, v, do, lse2, delta)
-    dq = plgpu.kernel(
+    dq = launch(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
         out_type=jax.ShapeDtypeStruct((b, geom.q_pad, n, h), grad_dtype),
         scratch_types=[
@@ -412,10 +401,7 @@ def mosaic_bwd(
         ],
         grid=(n, geom.q_pad // rows, b),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=_PARAMS,
         kernel_name="jflash_mosaic_dq",
-        interpret=interpret_params(interpret),
+        interpret=interpret,
     )(q, k, v, do, lse2, delta)
     return dq[:, :t], dk[:, :s_len], dv[:, :s_len]

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jflash._mask import Mask
+from jflash._triton_common import visible_kv_range, visible_q_range
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -38,23 +39,12 @@ def smem_tile(shape, dtype):
     )
 
 
-def cdiv_nonneg(x, d: int):
-    """`ceil(max(x, 0) / d)` for a traced int32 `x` and a static `d`."""
-    return lax.div(jnp.maximum(x, 0) + (d - 1), jnp.int32(d))
-
-
-def div_nonneg(x, d: int):
-    """`floor(max(x, 0) / d)` for a traced int32 `x` and a static `d`."""
-    return lax.div(jnp.maximum(x, 0), jnp.int32(d))
-
-
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static facts of one problem, in padded coordinates (block multiples)."""
 
     mask: Mask
-    q_len: int  # real lengths
-    kv_len: int
+    kv_len: int  # real key length (keys past it are masked)
     q_pad: int  # padded lengths
     kv_pad: int
     group: int  # query heads per KV head
@@ -67,35 +57,25 @@ class Geometry:
 
 
 def kv_range(geom: Geometry, q_start, rows: int, block_kv: int):
-    """Key steps of query rows `[q_start, q_start + rows)`: `(n_full, n_end)`.
+    """Key steps of query rows `[q_start, q_start + rows)`: `(n_full, n_end)` int32.
 
     Steps `[0, n_full)` are fully visible (no mask), `[n_full, n_end)` need the mask,
-    later steps are hidden. Keys past the real length are masked.
+    later steps are hidden (the Triton kernels' `visible_kv_range`).
     """
-    n_kv = geom.kv_pad // block_kv
-    full_static = geom.kv_len // block_kv
-    if not geom.mask.causal:
-        return jnp.int32(full_static), jnp.int32(n_kv)
-    n_end = jnp.minimum(cdiv_nonneg(q_start + rows + geom.diag, block_kv), n_kv)
-    n_full = jnp.minimum(div_nonneg(q_start + geom.diag + 1, block_kv), full_static)
-    return jnp.minimum(n_full, n_end), n_end
+    n_full, n_end = visible_kv_range(geom.mask, q_start, rows, block_kv, geom.kv_len)
+    return jnp.asarray(n_full, jnp.int32), jnp.asarray(n_end, jnp.int32)
 
 
 def q_range(geom: Geometry, k_start, rows: int, block_q: int):
-    """Query steps that see keys `[k_start, k_start + rows)`: `(n_begin, n_full)`.
+    """Query steps that see keys `[k_start, k_start + rows)`: `(n_begin, n_full, n_q)`.
 
-    Steps `[n_begin, n_full)` need the mask, `[n_full, n_q)` are fully visible.
+    Steps `[n_begin, n_full)` need the mask, `[n_full, n_q)` are fully visible (the
+    Triton kernels' `visible_q_range` over the padded queries). Key tiles reaching past
+    the real length are masked everywhere, so their padded rows of dK/dV stay finite.
     """
-    n_q = geom.q_pad // block_q
-    keys_real = k_start + rows <= geom.kv_len
-    if not geom.mask.causal:
-        n_begin = jnp.int32(0)
-        n_full = jnp.where(keys_real, 0, n_q).astype(jnp.int32)
-        return n_begin, n_full
-    n_begin = jnp.minimum(div_nonneg(k_start - geom.diag, block_q), n_q)
-    n_full = jnp.minimum(cdiv_nonneg(k_start + rows - 1 - geom.diag, block_q), n_q)
-    n_full = jnp.where(keys_real, n_full, n_q).astype(jnp.int32)
-    return n_begin, jnp.maximum(n_full, n_begin)
+    n_begin, n_full, n_q = visible_q_range(geom.mask, k_start, rows, block_q, geom.q_pad)
+    n_full = jnp.where(k_start + rows <= geom.kv_len, n_full, n_q)
+    return jnp.asarray(n_begin, jnp.int32), n_full.astype(jnp.int32), n_q
 
 
 def visible(geom: Geometry, q_start, k_start, shape, *, transposed: bool = False):
@@ -161,19 +141,6 @@ def stream_kv(
         drain(free, num_steps, stages)
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def pad_axis(x, axis: int, size: int, value=0):
-    extra = size - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
-
 SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA
 _SMEM_SLACK = 512  # barriers and alignment
 
@@ -220,7 +187,35 @@ def wgmma_into(accs, products, *, interpret: bool):
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
-def interpret_params(interpret: bool):
-    """`plgpu.kernel(interpret=...)`: the GPU interpreter (threads, barriers, TMA
-    simulated on CPU) or None (compiled)."""
-    return plgpu.InterpretGPUParams() if interpret else None
+def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str, interpret: bool):
+    """`plgpu.kernel` with what every jflash Mosaic kernel shares: 2 compute + 1 memory
+    warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch_types,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM
+        # scratch for reductions, which buys the f32-output variants their slots.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        kernel_name=kernel_name,
+        # The GPU interpreter simulates warpgroups, barriers and TMA on CPU.
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+
+
+def query_tile_cta(geom: Geometry, block_kv: int):
+    """Forward and dQ kernels: `(cta_start, cta_end)`, this CTA's first query row and the
+    key steps its memory warpgroup streams.
+
+    Query tiles launch heaviest first (causal rows near the end see the most keys); the
+    CTA streams the range of its last warpgroup, whose rows see the most keys.
+    """
+    rows = COMPUTE_WGS * WG_ROWS
+    tile = geom.q_pad // rows - 1 - lax.axis_index("q_tiles")
+    cta_start = tile * rows
+    _, cta_end = kv_range(geom, cta_start + rows - WG_ROWS, WG_ROWS, block_kv)
+    return cta_start, cta_end

@@ -25,16 +25,15 @@ from jflash._mosaic_common import (
     WG_ROWS,
     Geometry,
     fit_stages,
-    interpret_params,
     kv_range,
-    pad_axis,
-    round_up,
+    launch,
+    query_tile_cta,
     smem_tile,
     stream_kv,
     visible,
     wgmma_into,
 )
-from jflash._triton_common import LN2, LOG2E
+from jflash._triton_common import LN2, LOG2E, pad_to, round_up
 
 
 def _fwd_kernel(
@@ -65,11 +64,7 @@ def _fwd_kernel(
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    n_tiles = geom.q_pad // (COMPUTE_WGS * bq)
-    tile = n_tiles - 1 - lax.axis_index("q_tiles")  # heaviest causal rows first
-    cta_start = tile * (COMPUTE_WGS * bq)
-    # The last warpgroup's rows see the most keys: the CTA streams its range.
-    _, cta_end = kv_range(geom, cta_start + (COMPUTE_WGS - 1) * bq, bq, block_kv)
+    cta_start, cta_end = query_tile_cta(geom, block_kv)
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -186,7 +181,6 @@ def mosaic_fwd(
     rows = COMPUTE_WGS * WG_ROWS
     geom = Geometry(
         mask=mask,
-        q_len=t,
         kv_len=s_len,
         q_pad=round_up(t, rows),
         kv_pad=round_up(s_len, block_kv),
@@ -203,9 +197,9 @@ def mosaic_fwd(
         + rows * 4,
         per_stage=2 * block_kv * h * size,
     )
-    q = pad_axis(q, 1, geom.q_pad)
-    k = pad_axis(k, 1, geom.kv_pad)
-    v = pad_axis(v, 1, geom.kv_pad)
+    q = pad_to(q, 1, geom.q_pad)
+    k = pad_to(k, 1, geom.kv_pad)
+    v = pad_to(v, 1, geom.kv_pad)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -214,7 +208,7 @@ def mosaic_fwd(
         qk_scale=scale * LOG2E,
         interpret=interpret,
     )
-    o, lse = plgpu.kernel(
+    o, lse = launch(
         kernel,
         out_type=[
             jax.ShapeDtypeStruct((b, geom.q_pad, n, h), out_dtype),
@@ -235,12 +229,7 @@ def mosaic_fwd(
         ],
         grid=(n, geom.q_pad // rows, b),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
-        # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM
-        # scratch for reductions, which buys the f32-output variant its K/V slots.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         kernel_name="jflash_mosaic_fwd",
-        interpret=interpret_params(interpret),
+        interpret=interpret,
     )(q, k, v)
     return o[:, :t], lse[:, :, :t]

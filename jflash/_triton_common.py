@@ -42,12 +42,12 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def pad_to(x, axis: int, size: int):
+def pad_to(x, axis: int, size: int, value=0):
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 def tile_visibility(
