@@ -26,23 +26,18 @@ from benchmarks.common import device_name, table, time_fn, write_json  # noqa: E
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+# Benchmark row names of jflash's implementations (the rest are jax's own).
+JFLASH = {"jflash": "pallas_triton", "jflash_mosaic": "pallas_mosaic", "jflash_xla": "xla"}
+
+
 def attention_fn(impl: str, block_sizes=None):
-    if impl == "jflash":
+    if impl in JFLASH:
         return functools.partial(
             jflash.flash_attention,
             causal=True,
             block_sizes=block_sizes,
-            implementation="pallas_triton",
+            implementation=JFLASH[impl],
         )
-    if impl == "jflash_mosaic":
-        return functools.partial(
-            jflash.flash_attention,
-            causal=True,
-            block_sizes=block_sizes,
-            implementation="pallas_mosaic",
-        )
-    if impl == "jflash_xla":
-        return functools.partial(jflash.flash_attention, causal=True, implementation="xla")
     return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
 
 
@@ -148,20 +143,32 @@ def main_table(args):
     write_json(os.path.join(args.out, f"kernel-{device_name()}.json"), {"rows": rows})
 
 
+def run_candidates(args, impl: str, candidates, baselines, name: str):
+    """Times `(BlockSizes, passes, label)` candidates of `impl` at the `--tune` shape,
+    then the `baselines` (whole implementations) in the same process; table + JSON."""
+    shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
+    rows = []
+    for bs, passes, label in candidates:
+        row = measure(impl, block_sizes=bs, passes=passes, **shape)
+        row["block_sizes"] = label
+        rows.append(row)
+        print(row, flush=True)
+    for baseline in baselines:
+        row = measure(baseline, **shape)
+        row["block_sizes"] = baseline
+        rows.append(row)
+    print(table(rows, ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]))
+    write_json(
+        os.path.join(args.out, f"{name}-{device_name()}-{args.seq}-{args.head_dim}.json"),
+        {"rows": rows},
+    )
+
+
 def tune(args):
     """Times jflash block-size candidates at one shape: forward ones, then backward ones."""
     if args.tune_impl == "jflash_mosaic":
         return tune_mosaic(args)
     base = jflash.default_block_sizes(args.seq, args.head_dim, jnp.bfloat16)
-    shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
-    rows = []
-
-    def run(bs, passes, label):
-        row = measure("jflash", block_sizes=bs, passes=passes, **shape)
-        row["block_sizes"] = label
-        rows.append(row)
-        print(row, flush=True)
-
     # Candidates around the winners of the 16k sweeps (BENCHMARKS.md "Kernel tuning").
     fwd_candidates = [
         (128, 128, 8, 3),
@@ -183,9 +190,10 @@ def tune(args):
         (64, 128, 64, 128, 8, 3),
         (32, 128, 128, 32, 8, 2),
     ]
+    candidates = []
     for bq, bk, w, s in fwd_candidates if args.which in ("fwd", "both") else []:
         bs = dataclasses.replace(base, block_q=bq, block_kv=bk, num_warps=w, num_stages=s)
-        run(bs, ("fwd",), f"fwd q{bq} kv{bk} w{w} s{s}")
+        candidates.append((bs, ("fwd",), f"fwd q{bq} kv{bk} w{w} s{s}"))
     for qd, kd, qq, kq, w, s in bwd_candidates if args.which in ("bwd", "both") else []:
         bs = dataclasses.replace(
             base,
@@ -196,15 +204,8 @@ def tune(args):
             num_warps_bwd=w,
             num_stages_bwd=s,
         )
-        run(bs, ("fwdbwd",), f"bwd dkv q{qd} kv{kd} dq q{qq} kv{kq} w{w} s{s}")
-    row = measure("cudnn", **shape)
-    row["block_sizes"] = "cudnn"
-    rows.append(row)
-    print(table(rows, ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]))
-    write_json(
-        os.path.join(args.out, f"kernel-tune-{device_name()}-{args.seq}-{args.head_dim}.json"),
-        {"rows": rows},
-    )
+        candidates.append((bs, ("fwdbwd",), f"bwd dkv q{qd} kv{kd} dq q{qq} kv{kq} w{w} s{s}"))
+    run_candidates(args, "jflash", candidates, ["cudnn"], "kernel-tune")
 
 
 def long_context(args):
@@ -314,33 +315,15 @@ def tune_mosaic(args):
     base = jflash.default_block_sizes(
         args.seq, args.head_dim, jnp.bfloat16, implementation="pallas_mosaic"
     )
-    shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
-    rows = []
-
-    def run(bs, passes, label):
-        row = measure("jflash_mosaic", block_sizes=bs, passes=passes, **shape)
-        row["block_sizes"] = label
-        rows.append(row)
-        print(row, flush=True)
-
-    for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4)):
-        if args.which in ("fwd", "both"):
-            run(dataclasses.replace(base, block_kv=bk, num_stages=s), ("fwd",), f"fwd kv{bk} s{s}")
-    for qd, kq, s in ((64, 64, 2), (64, 64, 3), (128, 64, 2), (64, 128, 2), (128, 128, 2)):
-        if args.which in ("bwd", "both"):
-            bs = dataclasses.replace(base, block_q_dkv=qd, block_kv_dq=kq, num_stages_bwd=s)
-            run(bs, ("fwdbwd",), f"bwd dkv q{qd} dq kv{kq} s{s}")
-    for impl in ("cudnn", "jflash"):
-        row = measure(impl, **shape)
-        row["block_sizes"] = impl
-        rows.append(row)
-    print(table(rows, ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]))
-    write_json(
-        os.path.join(
-            args.out, f"kernel-tune-mosaic-{device_name()}-{args.seq}-{args.head_dim}.json"
-        ),
-        {"rows": rows},
-    )
+    candidates = []
+    for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4)) if args.which in ("fwd", "both") else []:
+        bs = dataclasses.replace(base, block_kv=bk, num_stages=s)
+        candidates.append((bs, ("fwd",), f"fwd kv{bk} s{s}"))
+    bwd = ((64, 64, 2), (64, 64, 3), (128, 64, 2), (64, 128, 2), (128, 128, 2))
+    for qd, kq, s in bwd if args.which in ("bwd", "both") else []:
+        bs = dataclasses.replace(base, block_q_dkv=qd, block_kv_dq=kq, num_stages_bwd=s)
+        candidates.append((bs, ("fwdbwd",), f"bwd dkv q{qd} dq kv{kq} s{s}"))
+    run_candidates(args, "jflash_mosaic", candidates, ["cudnn", "jflash"], "kernel-tune-mosaic")
 
 
 def main():

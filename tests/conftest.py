@@ -15,6 +15,11 @@ import pytest  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
+ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+# Mosaic kernels: compiled on sm90, the GPU interpreter on CPU, nothing on other GPUs.
+needs_hopper = pytest.mark.skipif(
+    ON_GPU and not ON_HOPPER, reason="compiled Mosaic GPU kernels need an sm90 GPU"
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET
+from conftest import INTERPRET, ON_HOPPER, needs_hopper
 from kernel_cases import assert_close, make_inputs, oracle, random_segments, value_and_grads
 
 import jflash
@@ -85,15 +85,6 @@ MOSAIC_CASES = [
         marks=pytest.mark.gpu,
     ),
 ]
-ON_HOPPER = (
-    jax.default_backend() == "gpu"
-    and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
-)
-# CPU: the GPU interpreter (warpgroups, barriers and TMA simulated); Hopper: compiled.
-needs_hopper = pytest.mark.skipif(
-    jax.default_backend() == "gpu" and not ON_HOPPER,
-    reason="compiled Mosaic GPU kernels need an sm90 GPU",
-)
 
 
 def _run(case: Case, seed: int, **kwargs):

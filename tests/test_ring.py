@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET
+from conftest import INTERPRET, needs_hopper
 from jax._src import mesh as mesh_lib
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -248,17 +248,10 @@ MOSAIC = [
         implementation="pallas_mosaic",
     ),
 ]
-_ON_HOPPER = (
-    jax.default_backend() == "gpu"
-    and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
-)
 
 
 @pytest.mark.multi_device
-@pytest.mark.skipif(
-    jax.default_backend() == "gpu" and not _ON_HOPPER,
-    reason="compiled Mosaic GPU kernels need an sm90 GPU (CPU: the GPU interpreter)",
-)
+@needs_hopper
 @pytest.mark.parametrize("case", MOSAIC, ids=str)
 def test_matches_oracle_mosaic(case):
     if INTERPRET and case.num_shards > 1:

@@ -134,15 +134,10 @@ def device_limit_gib(override: float | None) -> float:
 def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
     import jax
 
+    from train.mesh import parse_mesh
     from train.profile import mesh_device_count
 
-    seq = 1
-    for part in mesh.split(","):
-        name, _, value = part.partition("=")
-        if name.strip() == "seq":
-            seq = (
-                int(value) if value.strip() != "-1" else mesh_device_count(mesh, jax.device_count())
-            )
+    seq = parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))["seq"]
 
     def fits_at(context: int) -> dict:
         try:
