@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import table, time_fn, write_json  # noqa: E402
 from train.capacity import search_longest  # noqa: E402
+from train.metrics import compiled_bytes  # noqa: E402
 from train.trace import parse as parse_trace  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -250,13 +251,7 @@ def fits(attn, seq, args, sharding, limit: int) -> tuple[bool, float]:
         if "RESOURCE_EXHAUSTED" in str(e):
             return False, float("nan")
         raise
-    mem = compiled.memory_analysis()
-    used = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        + mem.temp_size_in_bytes
-        - mem.alias_size_in_bytes
-    )
+    used = compiled_bytes(compiled)
     return used <= limit, used / 2**30
 
 

@@ -79,6 +79,7 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
 
     from train.config import parse_args
     from train.loop import model_config, plan_step
+    from train.metrics import compiled_bytes
     from train.profile import mesh_device_count
 
     cfg = parse_args(
@@ -108,14 +109,7 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
     with jax.set_mesh(plan.mesh):
         batch = plan.abstract_batch(global_batch, 1, context)
         compiled = plan.step_fn.lower(plan.abstract_state, batch).compile()
-    mem = compiled.memory_analysis()
-    used = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        + mem.temp_size_in_bytes
-        - mem.alias_size_in_bytes
-    )
-    return used / 2**30
+    return compiled_bytes(compiled) / 2**30
 
 
 def device_limit_gib(override: float | None) -> float:

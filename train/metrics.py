@@ -36,6 +36,20 @@ def memory(device=None) -> dict[str, float]:
     return out
 
 
+def compiled_bytes(compiled) -> int | None:
+    """Per-device bytes a compiled program needs: arguments + outputs + temporaries -
+    aliased (XLA's memory analysis; None where the backend gives none)."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return None
+    return (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+
+
 def throughput(tokens: float, seconds: float, flops_per_token: float, num_devices: int) -> dict:
     """tokens/s, achieved TFLOP/s per device and MFU (model FLOPs, recompute not counted)."""
     tps = tokens / seconds

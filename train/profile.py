@@ -215,7 +215,7 @@ def run_row(job: Job) -> dict:
     from train.config import parse_args
     from train.hlo import parse_hlo
     from train.loop import build, load_model
-    from train.metrics import throughput
+    from train.metrics import compiled_bytes, throughput
     from train.roofline import attention_work, matmul_work
 
     row: dict = {"name": job.name, "model": job.model, "context": job.context, "mesh": job.mesh}
@@ -240,14 +240,9 @@ def run_row(job: Job) -> dict:
             start = time.perf_counter()
             compiled = t.step_fn.lower(t.state, batches[0]).compile()
             row["compile_s"] = time.perf_counter() - start
-            mem = compiled.memory_analysis()
-            if mem is not None:
-                row["compiler_memory_gib"] = (
-                    mem.argument_size_in_bytes
-                    + mem.output_size_in_bytes
-                    + mem.temp_size_in_bytes
-                    - mem.alias_size_in_bytes
-                ) / 2**30
+            used = compiled_bytes(compiled)
+            if used is not None:
+                row["compiler_memory_gib"] = used / 2**30
             state, t.state = t.state, None
             for i in range(job.warmup):
                 state, metrics = compiled(state, batches[i % 2])
@@ -350,8 +345,9 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
         how = f"killed by signal {-returncode}"
     else:
         how = f"exited with code {returncode}"
-    if any(_is_oom(line) for line in text.splitlines()):
-        return {"status": "does not fit", "error": f"{_oom_line(text)[:300]} ({how})"}
+    line = _oom_line(text)
+    if _is_oom(line):
+        return {"status": "does not fit", "error": f"{line[:300]} ({how})"}
     return {"status": "error", "error": f"{how}: {tail}" if tail else how}
 
 
