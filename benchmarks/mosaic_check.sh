@@ -10,7 +10,7 @@ part=${1:-all}
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 if [[ $part == table || $part == all ]]; then
   stamp "kernel table"
-  timeout 300 python3 benchmarks/kernel.py --impls jflash_mosaic,jflash,cudnn --out "$OUT" 2>&1 \
+  timeout 420 python3 benchmarks/kernel.py --impls jflash_mosaic,jflash_mosaic_det,jflash,cudnn --out "$OUT" 2>&1 \
     | grep -v Warning | tail -40
 fi
 if [[ $part == tune || $part == all ]]; then
@@ -22,7 +22,7 @@ if [[ $part == tune || $part == all ]]; then
 fi
 if [[ $part == tests || $part == all ]]; then
   stamp "compiled tests (Mosaic)"
-  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 200 python3 -m pytest -q -x \
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 240 python3 -m pytest -q -x \
     tests/test_flash.py tests/test_ring.py -k "mosaic" -p no:cacheprovider 2>&1 | tail -25
 fi
 stamp done

@@ -140,7 +140,13 @@ def mosaic_block_sizes(head_dim: int) -> BlockSizes:
     )
 
 
-def check_mosaic_block_sizes(bs: BlockSizes) -> None:
+def check_mosaic_block_sizes(bs: BlockSizes, *, deterministic: bool = True) -> None:
+    if not deterministic and bs.block_q_dkv != MOSAIC_WG_ROWS:
+        raise ValueError(
+            f"BlockSizes.block_q_dkv={bs.block_q_dkv}: the fused dQ of the Mosaic backward "
+            f"(deterministic=False) multiplies dS^T by K per {MOSAIC_WG_ROWS} queries (one "
+            f"wgmma M); use {MOSAIC_WG_ROWS}, or deterministic=True"
+        )
     for name in _MOSAIC_FIXED:
         if getattr(bs, name) != MOSAIC_WG_ROWS:
             raise ValueError(

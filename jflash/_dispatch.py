@@ -7,6 +7,8 @@ device, and the reason is recorded for `describe()`.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +33,9 @@ class Kernel:
     block_sizes: BlockSizes | None
     interpret: bool
     reason: str
+    # Bitwise reproducible gradients. Only the Mosaic backward has a faster
+    # non-deterministic form (dQ by f32 reduce-add); the others always are.
+    deterministic: bool = True
 
 
 def _platform() -> str:
@@ -81,6 +86,20 @@ def _gpu_default(*, head_dim: int, dtype, segments: bool) -> tuple[str, str]:
     return "pallas_triton", f"GPU: the Triton-lowered Pallas kernel (Mosaic {why})"
 
 
+_XLA_DETERMINISTIC = re.compile(r"--xla_gpu_deterministic_ops(=(true|1))?(\s|$)", re.I)
+
+
+def wants_determinism(deterministic: bool | None) -> bool:
+    """The caller's `deterministic`; None follows XLA's own switch, so one
+    `XLA_FLAGS=--xla_gpu_deterministic_ops=true` makes a whole training step (XLA's
+    scatters, cuDNN and these kernels) reproducible."""
+    if deterministic is None:
+        return bool(_XLA_DETERMINISTIC.search(os.environ.get("XLA_FLAGS", "")))
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"{deterministic=} must be True, False or None")
+    return deterministic
+
+
 def resolve(
     implementation: str | None,
     interpret: bool | None,
@@ -91,9 +110,12 @@ def resolve(
     head_dim: int,
     dtype,
     segments: bool = False,
+    deterministic: bool | None = None,
 ) -> Kernel:
-    """Turns the user's `implementation` / `interpret` / `block_sizes` into a `Kernel`."""
+    """Turns the user's `implementation` / `interpret` / `block_sizes` /
+    `deterministic` into a `Kernel`."""
     platform = _platform()
+    deterministic = wants_determinism(deterministic)
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -122,8 +144,8 @@ def resolve(
             block_sizes = default_block_sizes(
                 q_len, head_dim, dtype, kv_len=kv_len, implementation="pallas_mosaic"
             )
-        check_mosaic_block_sizes(block_sizes)
-        kernel = Kernel("pallas_mosaic", block_sizes, bool(interpret), reason)
+        check_mosaic_block_sizes(block_sizes, deterministic=deterministic)
+        kernel = Kernel("pallas_mosaic", block_sizes, bool(interpret), reason, deterministic)
     elif implementation == "xla":
         if interpret:
             raise ValueError(f"{interpret=} only applies to Pallas implementations, not 'xla'")
@@ -145,6 +167,7 @@ def resolve(
         implementation=kernel.name,
         reason=kernel.reason,
         interpret=str(kernel.interpret),
+        deterministic=str(kernel.deterministic),
         block_sizes=repr(kernel.block_sizes),
     )
     return kernel
@@ -228,6 +251,7 @@ def attention_bwd(
             block_q_dkv=bs.block_q_dkv,
             block_kv_dq=bs.block_kv_dq,
             stages=bs.num_stages_bwd,
+            deterministic=kernel.deterministic,
             interpret=kernel.interpret,
         )
     return flash_bwd(

@@ -74,6 +74,7 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    deterministic: bool | None = None,
 ):
     """Exact (Flash) attention on one device, differentiable.
 
@@ -93,6 +94,11 @@ def flash_attention(
       implementation: `"pallas_triton" | "pallas_mosaic" | "xla" | None` (None: the
         fastest for this device; see `jflash.describe()`).
       interpret: run the Pallas kernel in interpret mode (default: on CPU).
+      deterministic: bitwise reproducible gradients. False lets the Mosaic (Hopper)
+        backward add dQ contributions with f32 atomics in one fused kernel (faster;
+        the low bits vary from run to run); True runs its two-kernel backward. The
+        Triton and XLA paths are always deterministic. None (default): True exactly
+        when `XLA_FLAGS` has `--xla_gpu_deterministic_ops`, XLA's own switch.
 
     Returns:
       `out [B, T, N, H]` in q's dtype, or `(out, lse)` with `return_lse=True`.
@@ -111,6 +117,7 @@ def flash_attention(
             head_dim=shapes.head_dim,
             dtype=q.dtype,
             segments=segs is not None,
+            deterministic=deterministic,
         ),
     )
     o, lse = _flash(q, k, v, segs, static)

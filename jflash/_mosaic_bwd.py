@@ -1,13 +1,19 @@
-"""FlashAttention backward as two Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
+"""FlashAttention backward as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
 
-Both kernels take the *global* base-2 LSE and `delta = rowsum(dO * O) - dLSE`, so no
-forward is recomputed (the ring's contract) and neither kernel needs atomics, which
-keeps gradients bitwise deterministic:
+The kernels take the *global* base-2 LSE and `delta = rowsum(dO * O) - dLSE`, so no
+forward is recomputed (the ring's contract).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards.
-- dQ: one CTA per 128 queries of one head; the memory warpgroup streams K and V.
+- dQ, two ways:
+  - fused (`deterministic=False`, the default): the dK/dV kernel also forms each
+    step's dQ contribution `dS K` (dS goes through shared memory) and adds it to an
+    f32 dQ in HBM with a TMA reduce-add. 5 matmuls per tile instead of 7; the order
+    of the f32 additions varies from run to run.
+  - deterministic: a second kernel, one CTA per 128 queries of one head, recomputes
+    S and dP while its memory warpgroup streams K and V. No atomics: bitwise
+    reproducible.
 
 Rows that see no key carry `lse = +inf` here, so their probabilities are exactly 0.
 """
@@ -64,6 +70,7 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    dq_ref,
     dk_ref,
     dv_ref,
     k_smem2,
@@ -73,6 +80,8 @@ def _dkv_kernel(
     lse_smem,
     delta_smem,
     out_smem2,
+    ds_smem2,
+    dq_smem2,
     kv_ready,
     q_ready,
     do_ready,
@@ -85,9 +94,14 @@ def _dkv_kernel(
     stages: int,
     qk_scale: float,
     scale: float,
+    grads_in_input_dtype: bool,
     interpret: bool,
 ):
+    """`dq_ref` is None (deterministic: the dQ kernel runs after) or the f32 dQ this
+    kernel adds into: `[B, T, N, H]`, or in interpret mode (the GPU interpreter has no
+    TMA reduce-add) one `[B, T, N, H]` slice per (key tile, warpgroup), summed after."""
     bk = WG_ROWS
+    fused = dq_ref is not None
     batch = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -104,6 +118,8 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
         n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
+        if fused:
+            ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         plgpu.barrier_wait(kv_ready.at[wg, 0])
         plgpu.barrier_wait(kv_ready.at[wg, 1])
 
@@ -113,7 +129,7 @@ def _dkv_kernel(
             plgpu.barrier_wait(lse_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
 
-        def step(qi, carry, *, base, masked: bool):
+        def step(qi, carry, *, g, base, masked: bool):
             dk, dv = carry
             slot = lax.rem(base + qi, stages)
             wait_inputs(slot)
@@ -132,13 +148,44 @@ def _dkv_kernel(
                 seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                 p = jnp.where(seen, p, 0.0)
             ds = p * (dp - _bcast(delta, s.shape, 1))
+            p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731 (converted where issued)
 
-            dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
-                (dv, dk),
-                [(lambda: p.astype(k_smem.dtype), do_t), (lambda: ds.astype(k_smem.dtype), q_t)],
+            if not fused:
+                dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
+                    (dv, dk),
+                    [(p_in, do_t), (lambda: ds.astype(k_smem.dtype), q_t)],
+                    interpret=interpret,
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            # dS^T [keys, queries] goes through SMEM: the A operand of dK += dS^T Q
+            # as it is, and transposed of this step's dQ = dS K.
+            ds_smem[...] = ds.astype(ds_smem.dtype)
+            plgpu.commit_smem()
+            zeros_dq = plgpu.layout_cast(
+                jnp.zeros((block_q, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA
+            )
+            dv, dk, dq = wgmma_into(
+                (dv, dk, zeros_dq),
+                [(p_in, do_t), (ds_smem, q_t), (ds_smem.T, k_smem)],
                 interpret=interpret,
             )
             plgpu.barrier_arrive(free.at[slot])
+            # The previous step's reduce-add has read its SMEM long ago (a whole step of
+            # matmuls ran since); wait for it before overwriting.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dq_smem[...] = dq * scale
+            plgpu.commit_smem()
+            q_rows = pl.ds(qi * block_q, block_q)
+            head_g = kv_head * geom.group + g
+            if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
+                part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
+                plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[part, batch, q_rows, head_g])
+            else:
+                plgpu.copy_smem_to_gmem(
+                    dq_smem, dq_ref.at[batch, q_rows, head_g], reduction_op="add"
+                )
             return dk, dv
 
         def skip(qi, carry, *, base):
@@ -151,18 +198,22 @@ def _dkv_kernel(
             base = g * per_head - cta_begin  # stream index of (g, qi) is base + qi
             lax.fori_loop(cta_begin, n_begin, functools.partial(skip, base=base), None)
             carry = lax.fori_loop(
-                n_begin, n_full, functools.partial(step, base=base, masked=True), carry
+                n_begin, n_full, functools.partial(step, g=g, base=base, masked=True), carry
             )
             return lax.fori_loop(
-                n_full, n_q, functools.partial(step, base=base, masked=False), carry
+                n_full, n_q, functools.partial(step, g=g, base=base, masked=False), carry
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
-        if out_smem2 is None:  # gradients in the input dtype: K/V's own slots are free now
-            dk_smem, dv_smem = k_smem, v_smem
-        else:
+        if fused:
+            plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
+        if out_smem2 is not None:
             dk_smem = dv_smem = out_smem2.at[wg]
+        elif grads_in_input_dtype:  # K/V's own slots are free now
+            dk_smem, dv_smem = k_smem, v_smem
+        else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
+            dk_smem = dv_smem = dq_smem
         _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
         _store_tile(dv, dv_smem, dv_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
@@ -320,12 +371,14 @@ def mosaic_bwd(
     block_q_dkv: int,
     block_kv_dq: int,
     stages: int,
+    deterministic: bool = False,
     interpret: bool = False,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
 
     `lse` is the global natural-log LSE `[B,N,T]` (-inf: the row sees nothing) and
-    `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32.
+    `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32. `deterministic=False` fuses dQ
+    into the dK/dV kernel (f32 TMA reduce-add; see the module docstring).
     """
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
@@ -346,24 +399,44 @@ def mosaic_bwd(
     k = pad_to(k, 1, geom.kv_pad)
     v = pad_to(v, 1, geom.kv_pad)
     same = jnp.dtype(grad_dtype) == q.dtype
+    fused = not deterministic
+    if fused and block_q_dkv != WG_ROWS:
+        raise ValueError(
+            f"{block_q_dkv=}: the fused dQ (deterministic=False) needs {WG_ROWS}, the M of "
+            "one wgmma; pass deterministic=True for other query blocks"
+        )
     size = jnp.dtype(q.dtype).itemsize
-    out_tile = 0 if same else rows * h * jnp.dtype(grad_dtype).itemsize
+    # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
+    separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
+    out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
+    fused_tiles = COMPUTE_WGS * (WG_ROWS * block_q_dkv * size + block_q_dkv * h * 4)
     common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale, interpret=interpret)
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
         stages,
-        fixed=2 * rows * h * size + out_tile,
+        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0),
         per_stage=2 * block_q_dkv * (h * size + 4),
     )
-    dq_stages = fit_stages(
-        "jflash_mosaic_dq",
-        stages,
-        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile,
-        per_stage=2 * block_kv_dq * h * size,
-    )
+    kv_tiles = geom.kv_pad // rows
     kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
+    dkv_body = functools.partial(
+        _dkv_kernel,
+        block_q=block_q_dkv,
+        stages=dkv_stages,
+        grads_in_input_dtype=same,
+        **common,
+    )
+    inputs = (q, k, v, do, lse2, delta)
+    if fused:
+        # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
+        # warpgroup), each written once per query tile it sees, summed below.
+        parts = (kv_tiles * COMPUTE_WGS,) if interpret else ()
+        dq_acc = jax.new_ref(jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32))
+        inputs = (*inputs, dq_acc)
+    else:
+        dkv_body = functools.partial(_without_dq_ref, dkv_body)
     dk, dv = launch(
-        functools.partial(_dkv_kernel, block_q=block_q_dkv, stages=dkv_stages, **common),
+        dkv_body,
         out_type=[kv_type, kv_type],
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), k.dtype),
@@ -372,16 +445,29 @@ def mosaic_bwd(
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
-            None if same else smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
+            smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
+            smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
             *[plgpu.Barrier(num_barriers=dkv_stages)] * 4,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
         ],
-        grid=(kh, geom.kv_pad // rows, b),
+        grid=(kh, kv_tiles, b),
         grid_names=("heads", "kv_tiles", "batch"),
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
-    )(q, k, v, do, lse2, delta)
+    )(*inputs)
+    if fused:
+        dq = dq_acc[...]
+        dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)
+        return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
+
+    dq_stages = fit_stages(
+        "jflash_mosaic_dq",
+        stages,
+        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile,
+        per_stage=2 * block_kv_dq * h * size,
+    )
     dq = launch(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
         out_type=jax.ShapeDtypeStruct((b, geom.q_pad, n, h), grad_dtype),
@@ -405,3 +491,8 @@ def mosaic_bwd(
         interpret=interpret,
     )(q, k, v, do, lse2, delta)
     return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
+
+
+def _without_dq_ref(body, q, k, v, do, lse, delta, *outs_and_scratch):
+    """The deterministic dK/dV kernel: no dQ operand (the dQ kernel runs after)."""
+    return body(q, k, v, do, lse, delta, None, *outs_and_scratch)

@@ -388,6 +388,7 @@ def ring_attention(
     block_sizes: BlockSizes | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
+    deterministic: bool | None = None,
 ):
     """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
 
@@ -413,7 +414,7 @@ def ring_attention(
         size > 1, in mesh order, kept while the product of the kept sizes divides B;
         the batch is replicated over the rest (each of those devices computes the
         same thing).
-      block_sizes, implementation, interpret: kernel choice, as in
+      block_sizes, implementation, interpret, deterministic: kernel choice, as in
         `jflash.flash_attention`; resolved once for the per-shard block lengths.
 
     Returns:
@@ -457,6 +458,7 @@ def ring_attention(
             kv_len=block_len,
             head_dim=shapes.head_dim,
             dtype=q.dtype,
+            deterministic=deterministic,
         ),
     )
     batch_spec = batch or None  # a tuple of axis names splits the batch over all of them

@@ -56,16 +56,17 @@ def test_lowers_for_cuda(monkeypatch, q_heads, kv_heads, head_dim, seq, dtype, c
 
 
 @pytest.mark.parametrize(
-    "q_heads, kv_heads, head_dim, seq, kv_seq, dtype, causal, q_offset",
+    "q_heads, kv_heads, head_dim, seq, kv_seq, dtype, causal, q_offset, deterministic",
     [
-        (32, 8, 128, 4096, 4096, jnp.bfloat16, True, 0),
-        (8, 1, 64, 1000, 1000, jnp.float16, True, 0),
-        (4, 4, 128, 300, 700, jnp.bfloat16, False, 0),
-        (4, 2, 64, 256, 512, jnp.bfloat16, True, 256),
+        (32, 8, 128, 4096, 4096, jnp.bfloat16, True, 0, False),
+        (32, 8, 128, 4096, 4096, jnp.bfloat16, True, 0, True),
+        (8, 1, 64, 1000, 1000, jnp.float16, True, 0, False),
+        (4, 4, 128, 300, 700, jnp.bfloat16, False, 0, True),
+        (4, 2, 64, 256, 512, jnp.bfloat16, True, 256, False),
     ],
 )
 def test_mosaic_lowers_for_cuda(
-    monkeypatch, q_heads, kv_heads, head_dim, seq, kv_seq, dtype, causal, q_offset
+    monkeypatch, q_heads, kv_heads, head_dim, seq, kv_seq, dtype, causal, q_offset, deterministic
 ):
     """The Mosaic GPU kernels lower (Pallas -> Mosaic GPU MLIR) without a GPU.
 
@@ -87,6 +88,7 @@ def test_mosaic_lowers_for_cuda(
                 q_offset=q_offset,
                 return_lse=True,
                 implementation="pallas_mosaic",
+                deterministic=deterministic,
             )
             return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
@@ -95,11 +97,16 @@ def test_mosaic_lowers_for_cuda(
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv", "jflash_mosaic_dq"):
+    for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv"):
         assert name in text, f"{name} missing from the CUDA lowering"
+    # The fused backward adds dQ with TMA reduce-adds into an aliased f32 buffer; the
+    # deterministic one runs the dQ kernel instead.
+    assert ("jflash_mosaic_dq" in text) == deterministic
+    assert ("cp.reduce.async.bulk.tensor" in text) != deterministic
 
 
-def test_mosaic_f32_partials_lower_for_cuda(monkeypatch):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, deterministic):
     """The ring's variant: f32 partial outputs and f32 gradients (larger SMEM tiles)."""
     from jflash._mask import Mask
     from jflash._mosaic_bwd import mosaic_bwd
@@ -135,6 +142,7 @@ def test_mosaic_f32_partials_lower_for_cuda(monkeypatch):
             block_q_dkv=bs.block_q_dkv,
             block_kv_dq=bs.block_kv_dq,
             stages=bs.num_stages_bwd,
+            deterministic=deterministic,
         )
         return o, lse_out, grads
 
@@ -198,6 +206,31 @@ def test_named_mosaic_refuses_what_it_cannot_run(monkeypatch):
             dtype=jnp.bfloat16,
             **common,
         )
+
+
+def test_determinism_switch(monkeypatch):
+    """`deterministic=None` follows XLA's `--xla_gpu_deterministic_ops`; the fused dQ
+    refuses query blocks other than one wgmma M, naming the way out."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    common = dict(q_len=64, kv_len=64, head_dim=128, dtype=jnp.bfloat16)
+    for flags, want in (
+        ("", False),
+        ("--xla_gpu_deterministic_ops=true", True),
+        ("--foo=1 --xla_gpu_deterministic_ops", True),
+        ("--xla_gpu_deterministic_ops=false", False),
+    ):
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert dispatch.resolve("pallas_mosaic", None, None, **common).deterministic == want
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    kernel = dispatch.resolve("pallas_mosaic", None, None, deterministic=False, **common)
+    assert not kernel.deterministic
+    with pytest.raises(ValueError, match="deterministic='yes'"):
+        dispatch.resolve("pallas_mosaic", None, None, deterministic="yes", **common)
+    wide = jflash.BlockSizes(block_q=64, block_kv=128, block_q_dkv=128)
+    with pytest.raises(ValueError, match="block_q_dkv=128.*deterministic=True"):
+        dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
+    assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=True, **common)
 
 
 def test_mosaic_pipeline_depth_fits_shared_memory():
