@@ -140,8 +140,8 @@ def mosaic_block_sizes(head_dim: int) -> BlockSizes:
     )
 
 
-def check_mosaic_block_sizes(bs: BlockSizes, *, deterministic: bool = True) -> None:
-    if not deterministic and bs.block_q_dkv != MOSAIC_WG_ROWS:
+def check_mosaic_block_sizes(bs: BlockSizes, *, fused_dq: bool = False) -> None:
+    if fused_dq and bs.block_q_dkv != MOSAIC_WG_ROWS:
         raise ValueError(
             f"BlockSizes.block_q_dkv={bs.block_q_dkv}: the fused dQ of the Mosaic backward "
             f"(deterministic=False) multiplies dS^T by K per {MOSAIC_WG_ROWS} queries (one "

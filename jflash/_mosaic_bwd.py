@@ -7,13 +7,13 @@ forward is recomputed (the ring's contract).
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards.
 - dQ, two ways:
-  - fused (`deterministic=False`, the default): the dK/dV kernel also forms each
-    step's dQ contribution `dS K` (dS goes through shared memory) and adds it to an
-    f32 dQ in HBM with a TMA reduce-add. 5 matmuls per tile instead of 7; the order
-    of the f32 additions varies from run to run.
-  - deterministic: a second kernel, one CTA per 128 queries of one head, recomputes
-    S and dP while its memory warpgroup streams K and V. No atomics: bitwise
-    reproducible.
+  - fused (`deterministic=False`, D = 64 only: `FUSED_DQ_HEAD_DIMS`): the dK/dV
+    kernel also forms each step's dQ contribution `dS K` (dS goes through shared
+    memory) and adds it to an f32 dQ in HBM with a TMA reduce-add. 5 matmuls per
+    tile instead of 7; the order of the f32 additions varies from run to run.
+  - two kernels (deterministic, and every D = 128 call): a second kernel, one CTA
+    per 128 queries of one head, recomputes S and dP while its memory warpgroup
+    streams K and V. No atomics: bitwise reproducible.
 
 Rows that see no key carry `lse = +inf` here, so their probabilities are exactly 0.
 """
@@ -21,7 +21,6 @@ Rows that see no key carry `lse = +inf` here, so their probabilities are exactly
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,12 @@ from jflash._mosaic_common import (
 )
 from jflash._triton_common import LOG2E, pad_to, round_up
 
-DQ_COLS = 64  # columns of dQ per fused step's wgmma / reduce-add (one 128-byte swizzle)
+# Head dims where the fused dQ is the faster backward (H100, same run, BENCHMARKS.md
+# "Fused dQ"): at D=64 0.94-0.97x cuDNN against 0.91 for two kernels; at D=128 the
+# [64, 128] f32 dQ accumulator next to dK and dV spills registers and its reduce-add
+# traffic into L2 doubles: 0.62-0.79x against 0.90-1.0x, also with the dQ split into
+# column chunks or shared between the warpgroups (tried, commit c8ba412).
+FUSED_DQ_HEAD_DIMS = (64,)
 
 
 def _store_tile(value, smem, dst):
@@ -56,16 +60,6 @@ def _store_tile(value, smem, dst):
     smem[...] = value.astype(smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(smem, dst)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _store_chunks(value, chunks, dst):
-    """`_store_tile` through `[n, rows, DQ_COLS]` SMEM chunks, `DQ_COLS` columns each."""
-    for c in range(chunks.shape[0]):
-        cols = slice(c * DQ_COLS, (c + 1) * DQ_COLS)
-        chunks.at[c][...] = value[:, cols].astype(chunks.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(chunks.at[c], dst.at[:, pl.ds(c * DQ_COLS, DQ_COLS)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -101,7 +95,6 @@ def _dkv_kernel(
     lse_ready,
     delta_ready,
     free,
-    ds_ready,
     *,
     geom: Geometry,
     block_q: int,
@@ -116,10 +109,6 @@ def _dkv_kernel(
     TMA reduce-add) one `[B, T, N, H]` slice per (key tile, warpgroup), summed after."""
     bk = WG_ROWS
     fused = dq_ref is not None
-    dq_chunks = geom.head_dim // DQ_COLS
-    # D = 128: the two warpgroups add their dQ together (each takes 64 of the columns
-    # over both warpgroups' dS), halving the reduce-add traffic into L2.
-    shared_dq = fused and dq_chunks == COMPUTE_WGS
     batch = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -136,10 +125,8 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
         n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
-        if shared_dq:  # every step needs both warpgroups' dS: none skips
-            n_begin = cta_begin
         if fused:
-            dq_smem = dq_smem2.at[wg]
+            ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         plgpu.barrier_wait(kv_ready.at[wg, 0])
         plgpu.barrier_wait(kv_ready.at[wg, 1])
 
@@ -180,66 +167,32 @@ def _dkv_kernel(
                 return dk, dv
 
             # dS^T [keys, queries] goes through SMEM: the A operand of dK += dS^T Q
-            # as it is, and transposed, of this step's dQ = dS K.
-            if shared_dq:  # [2 steps, 128 keys, queries]: both warpgroups' rows
-                ds_both = ds_smem2.at[lax.rem(base + qi, 2)]
-                ds_smem = ds_both.at[pl.ds(wg * bk, bk)]
-            else:
-                ds_smem = ds_smem2.at[wg]
+            # as it is, and transposed of this step's dQ = dS K.
             ds_smem[...] = ds.astype(ds_smem.dtype)
             plgpu.commit_smem()
-            dv, dk = wgmma_into((dv, dk), [(p_in, do_t), (ds_smem, q_t)], interpret=interpret)
+            zeros_dq = plgpu.layout_cast(
+                jnp.zeros((block_q, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA
+            )
+            dv, dk, dq = wgmma_into(
+                (dv, dk, zeros_dq),
+                [(p_in, do_t), (ds_smem, q_t), (ds_smem.T, k_smem)],
+                interpret=interpret,
+            )
             plgpu.barrier_arrive(free.at[slot])
+            # The previous step's reduce-add has read its SMEM long ago (a whole step of
+            # matmuls ran since); wait for it before overwriting.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dq_smem[...] = dq * scale
+            plgpu.commit_smem()
             q_rows = pl.ds(qi * block_q, block_q)
             head_g = kv_head * geom.group + g
-            zeros_dq = plgpu.layout_cast(
-                jnp.zeros((block_q, DQ_COLS), jnp.float32), plgpu.Layout.WGMMA
-            )
-            if shared_dq:
-                # Columns [64 wg, 64 wg + 64) of dS K over all 128 keys. The dS
-                # buffers alternate by step, so the other warpgroup's next write
-                # cannot land while this one still reads.
-                plgpu.barrier_arrive(ds_ready)
-                plgpu.barrier_wait(ds_ready)
-                cols = pl.ds(wg * DQ_COLS, DQ_COLS)
-                # Both warpgroups' halves by traced index (mine, then the other's):
-                # a literal index would be a constant inside `run_state`, which the
-                # Mosaic GPU lowering cannot take.
-                halves = (wg, COMPUTE_WGS - 1 - wg)
-                (dq,) = wgmma_into(
-                    (zeros_dq,),
-                    [
-                        [
-                            (ds_both.at[pl.ds(j * bk, bk)].T, k_smem2.at[j].at[:, cols])
-                            for j in halves
-                        ]
-                    ],
-                    interpret=interpret,
-                )
-                chunks = [(0, cols, dq)]
+            if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
+                part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
+                plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[part, batch, q_rows, head_g])
             else:
-                # dQ = dS K in 64-column chunks: one chunk's f32 accumulator is live
-                # next to dK and dV, not a whole [64, D] one.
-                chunks = []
-                for c in range(dq_chunks):
-                    cols = pl.ds(c * DQ_COLS, DQ_COLS)
-                    (dq,) = wgmma_into(
-                        (zeros_dq,), [(ds_smem.T, k_smem.at[:, cols])], interpret=interpret
-                    )
-                    chunks.append((c, cols, dq))
-            for c, cols, dq in chunks:
-                # This chunk's SMEM was last read by the previous step's reduce-add of
-                # the same chunk: the oldest of the groups in flight.
-                plgpu.wait_smem_to_gmem(len(chunks) - 1, wait_read_only=True)
-                dq_smem.at[c][...] = dq * scale
-                plgpu.commit_smem()
-                if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
-                    part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
-                    dst = dq_ref.at[part, batch, q_rows, head_g, cols]
-                    plgpu.copy_smem_to_gmem(dq_smem.at[c], dst)
-                else:
-                    dst = dq_ref.at[batch, q_rows, head_g, cols]
-                    plgpu.copy_smem_to_gmem(dq_smem.at[c], dst, reduction_op="add")
+                plgpu.copy_smem_to_gmem(
+                    dq_smem, dq_ref.at[batch, q_rows, head_g], reduction_op="add"
+                )
             return dk, dv
 
         def skip(qi, carry, *, base):
@@ -260,21 +213,14 @@ def _dkv_kernel(
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
-        if shared_dq:  # the other warpgroup's last dQ has read this one's K tile
-            plgpu.barrier_arrive(ds_ready)
-            plgpu.barrier_wait(ds_ready)
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
-        if out_smem2 is None and not grads_in_input_dtype:
-            # f32 gradients of the fused kernel: through its f32 dQ chunks.
-            _store_chunks(dk * scale, dq_smem, dk_ref.at[rows])
-            _store_chunks(dv, dq_smem, dv_ref.at[rows])
-            plgpu.wait_smem_to_gmem(0)
-            return
         if out_smem2 is not None:
             dk_smem = dv_smem = out_smem2.at[wg]
-        else:  # K/V's own slots are free now
+        elif grads_in_input_dtype:  # K/V's own slots are free now
             dk_smem, dv_smem = k_smem, v_smem
+        else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
+            dk_smem = dv_smem = dq_smem
         _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
         _store_tile(dv, dv_smem, dv_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
@@ -439,7 +385,8 @@ def mosaic_bwd(
 
     `lse` is the global natural-log LSE `[B,N,T]` (-inf: the row sees nothing) and
     `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32. `deterministic=False` fuses dQ
-    into the dK/dV kernel (f32 TMA reduce-add; see the module docstring).
+    into the dK/dV kernel where that is faster (f32 TMA reduce-add; see the module
+    docstring); elsewhere the two-kernel backward runs, which is deterministic anyway.
     """
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
@@ -460,7 +407,7 @@ def mosaic_bwd(
     k = pad_to(k, 1, geom.kv_pad)
     v = pad_to(v, 1, geom.kv_pad)
     same = jnp.dtype(grad_dtype) == q.dtype
-    fused = not deterministic
+    fused = not deterministic and h in FUSED_DQ_HEAD_DIMS
     if fused and block_q_dkv != WG_ROWS:
         raise ValueError(
             f"{block_q_dkv=}: the fused dQ (deterministic=False) needs {WG_ROWS}, the M of "
@@ -470,11 +417,7 @@ def mosaic_bwd(
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
     out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
-    shared_dq = fused and h == COMPUTE_WGS * DQ_COLS  # see _dkv_kernel
-    # dS^T (two alternating [128, block_q] buffers when shared, one [64, block_q] per
-    # warpgroup otherwise) and the f32 dQ chunks of both warpgroups.
-    ds_shape = (2, rows, block_q_dkv) if shared_dq else (COMPUTE_WGS, WG_ROWS, block_q_dkv)
-    fused_tiles = math.prod(ds_shape) * size + COMPUTE_WGS * block_q_dkv * h * 4
+    fused_tiles = COMPUTE_WGS * (WG_ROWS * block_q_dkv * size + block_q_dkv * h * 4)
     common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale, interpret=interpret)
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
@@ -511,14 +454,11 @@ def mosaic_bwd(
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
-            smem_tile(ds_shape, q.dtype) if fused else None,
-            smem_tile((COMPUTE_WGS, h // DQ_COLS, block_q_dkv, DQ_COLS), jnp.float32)
-            if fused
-            else None,
+            smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
+            smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
             *[plgpu.Barrier(num_barriers=dkv_stages)] * 4,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS) if shared_dq else None,
         ],
         grid=(kh, kv_tiles, b),
         grid_names=("heads", "kv_tiles", "batch"),

@@ -139,10 +139,10 @@ def test_mosaic_matches_oracle(case):
 
 
 @needs_hopper
-@pytest.mark.parametrize("case_index", [0, 2] if INTERPRET else [0, 2, -1])
+@pytest.mark.parametrize("case_index", [1, 5] if INTERPRET else [1, 5, -1])
 def test_mosaic_deterministic(case_index):
     """`deterministic=True`: the two-kernel backward, right and bitwise reproducible
-    (the default fused backward adds dQ with f32 atomics: checked by the oracle cases)."""
+    (the default at D=64 fuses dQ with f32 atomics: checked by the oracle cases)."""
     case = MOSAIC_CASES[case_index]
     case = case.values[0] if hasattr(case, "values") else case
     kwargs = dict(implementation="pallas_mosaic", interpret=INTERPRET, deterministic=True)

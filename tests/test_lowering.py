@@ -13,6 +13,7 @@ from jax._src import mesh as mesh_lib
 
 import jflash
 import jflash._dispatch as dispatch
+from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS
 
 _H100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
@@ -62,6 +63,7 @@ def test_lowers_for_cuda(monkeypatch, q_heads, kv_heads, head_dim, seq, dtype, c
         (32, 8, 128, 4096, 4096, jnp.bfloat16, True, 0, True),
         (8, 1, 64, 1000, 1000, jnp.float16, True, 0, False),
         (4, 4, 128, 300, 700, jnp.bfloat16, False, 0, True),
+        (4, 4, 64, 300, 700, jnp.bfloat16, False, 0, True),
         (4, 2, 64, 256, 512, jnp.bfloat16, True, 256, False),
     ],
 )
@@ -99,23 +101,24 @@ def test_mosaic_lowers_for_cuda(
         text = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv"):
         assert name in text, f"{name} missing from the CUDA lowering"
-    # The fused backward adds dQ with TMA reduce-adds into an aliased f32 buffer; the
-    # deterministic one runs the dQ kernel instead.
-    assert ("jflash_mosaic_dq" in text) == deterministic
-    assert ("cp.reduce.async.bulk.tensor" in text) != deterministic
+    # The fused backward (D=64) adds dQ with TMA reduce-adds into an aliased f32 buffer;
+    # the two-kernel one (deterministic, or D=128) runs the dQ kernel instead.
+    fused = not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
+    assert ("jflash_mosaic_dq" in text) != fused
+    assert ("cp.reduce.async.bulk.tensor" in text) == fused
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, deterministic):
+@pytest.mark.parametrize("head_dim, deterministic", [(128, False), (64, False), (64, True)])
+def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, head_dim, deterministic):
     """The ring's variant: f32 partial outputs and f32 gradients (larger SMEM tiles)."""
     from jflash._mask import Mask
     from jflash._mosaic_bwd import mosaic_bwd
     from jflash._mosaic_fwd import mosaic_fwd
 
-    q = jax.ShapeDtypeStruct((1, 512, 8, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, 512, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((1, 8, 512), jnp.float32)
-    bs = jflash.default_block_sizes(512, 128, jnp.bfloat16, implementation="pallas_mosaic")
+    bs = jflash.default_block_sizes(512, head_dim, jnp.bfloat16, implementation="pallas_mosaic")
     mask = Mask(True, 512, 256)
 
     def both(q, k, v, do, lse, delta):
@@ -213,7 +216,7 @@ def test_determinism_switch(monkeypatch):
     refuses query blocks other than one wgmma M, naming the way out."""
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    common = dict(q_len=64, kv_len=64, head_dim=128, dtype=jnp.bfloat16)
+    common = dict(q_len=64, kv_len=64, head_dim=64, dtype=jnp.bfloat16)
     for flags, want in (
         ("", False),
         ("--xla_gpu_deterministic_ops=true", True),
@@ -231,6 +234,9 @@ def test_determinism_switch(monkeypatch):
     with pytest.raises(ValueError, match="block_q_dkv=128.*deterministic=True"):
         dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
     assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=True, **common)
+    # D=128 never fuses dQ (slower there), so its query block is free either way.
+    common["head_dim"] = 128
+    assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
 
 
 def test_mosaic_pipeline_depth_fits_shared_memory():
