@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import sys
 
@@ -253,13 +254,62 @@ def long_context(args):
     )
 
 
-def sweep(args):
-    """The seeds' FlashAttention lab redone: time, TFLOP/s, memory vs S, heads, head dim."""
+SWEEP_LABELS = {
+    "jflash": "jflash, Triton kernel",
+    "jflash_mosaic": "jflash, Mosaic kernel (default on Hopper)",
+    "jflash_mosaic_det": "jflash, Mosaic, deterministic",
+    "cudnn": "cuDNN (jax.nn.dot_product_attention)",
+    "xla": "plain XLA attention",
+}
+
+
+def plot_sweep(results: dict, device_kind: str, png: str) -> None:
+    """The sweep's 3x3 figure: time, TFLOP/s and temporary memory against each axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, grid = plt.subplots(3, 3, figsize=(15, 12))
+    for col, (axis, rows) in enumerate(results.items()):
+        for r_i, (metric, label) in enumerate(
+            [
+                ("fwdbwd_ms", "fwd+bwd time (ms)"),
+                ("fwdbwd_tflops", "fwd+bwd TFLOP/s"),
+                ("fwdbwd_temp_gib", "fwd+bwd temp memory (GiB)"),
+            ]
+        ):
+            ax = grid[r_i][col]
+            for impl in dict.fromkeys(r["impl"] for r in rows):
+                pts = [(r["x"], r[metric]) for r in rows if r["impl"] == impl and metric in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=SWEEP_LABELS.get(impl, impl))
+            ax.set_xlabel(axis)
+            ax.set_ylabel(label)
+            ax.set_xscale("log", base=2)
+            if metric != "fwdbwd_tflops":
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+    fig.suptitle(f"Causal attention, GQA 4:1, bf16, batch 1 — {device_kind}")
+    handles = {}  # one legend for the figure: per-panel legends hid the curves
+    for ax in grid.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
+    fig.legend(
+        handles.values(),
+        handles.keys(),
+        loc="upper center",
+        ncol=len(handles),
+        bbox_to_anchor=(0.5, 0.965),
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+def sweep(args):
+    """The seeds' FlashAttention lab redone: time, TFLOP/s, memory vs S, heads, head dim."""
     os.makedirs(args.out, exist_ok=True)
     impls = args.impls
     seqs = [int(x) for x in args.sweep_seqs.split(",")]
@@ -289,32 +339,8 @@ def sweep(args):
                 row["x"] = p[{"seq_len": "seq", "heads": "heads", "head_dim": "head_dim"}[axis]]
                 results[axis].append(row)
                 print(row, flush=True)
-    fig, grid = plt.subplots(3, 3, figsize=(15, 12))
-    for col, (axis, rows) in enumerate(results.items()):
-        for r_i, (metric, label) in enumerate(
-            [
-                ("fwdbwd_ms", "fwd+bwd time (ms)"),
-                ("fwdbwd_tflops", "fwd+bwd TFLOP/s"),
-                ("fwdbwd_temp_gib", "fwd+bwd temp memory (GiB)"),
-            ]
-        ):
-            ax = grid[r_i][col]
-            for impl in impls:
-                pts = [(r["x"], r[metric]) for r in rows if r["impl"] == impl and metric in r]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=impl)
-            ax.set_xlabel(axis)
-            ax.set_ylabel(label)
-            ax.set_xscale("log", base=2)
-            if metric != "fwdbwd_tflops":
-                ax.set_yscale("log")
-            ax.grid(True, alpha=0.3)
-            ax.legend()
-    fig.suptitle(f"Causal attention, GQA 4:1, bf16, batch 1 — {jax.devices()[0].device_kind}")
-    fig.tight_layout()
     png = os.path.join(args.out, f"kernel-sweep-{device_name()}.png")
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}")
+    plot_sweep(results, jax.devices()[0].device_kind, png)
     write_json(os.path.join(args.out, f"kernel-sweep-{device_name()}.json"), results)
 
 
@@ -342,6 +368,9 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--sweep-replot", metavar="JSON", help="redraw a sweep's PNG from its JSON (no GPU)"
+    )
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
     parser.add_argument(
@@ -372,7 +401,13 @@ def main():
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
     args.impls = args.impls.split(",")
-    if args.sweep:
+    if args.sweep_replot:
+        with open(args.sweep_replot) as f:
+            results = json.load(f)
+        axes = {k: v for k, v in results.items() if k in ("seq_len", "heads", "head_dim")}
+        png = args.sweep_replot.removesuffix(".json") + ".png"
+        plot_sweep(axes, results.get("device", "?"), png)
+    elif args.sweep:
         sweep(args)
     elif args.tune:
         tune(args)

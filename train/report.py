@@ -373,14 +373,18 @@ def plot_stacked(ok, path, parts, title):
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         rs = sorted((r for r in ok if r["model"] == model), key=lambda r: (_mesh(r), r["context"]))
-        names = [f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs]
+        meshes = list(dict.fromkeys(_mesh(r) for r in rs))
+        if len(meshes) == 1:  # one mesh: said once, in the title (long labels collide)
+            names = [_ctx(r["context"]) for r in rs]
+        else:
+            names = [f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs]
         bottom = [0.0] * len(rs)
         for part in parts:
             values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
             ax.bar(names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " "))
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         ax.plot(names, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
-        ax.set_title(model)
+        ax.set_title(f"{model} ({meshes[0]})" if len(meshes) == 1 else model)
         ax.set_ylabel("ms per step, per device")
         ax.grid(axis="y", alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
