@@ -159,6 +159,7 @@ def test_profile_cli_on_cpu(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
     assert "| tiny | 512 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
+    first_step_intensity = rows[0]["intensity"]["step"]["intensity"]
 
     (out / "report.md").unlink()
     (out / "scaling.png").unlink()
@@ -171,6 +172,24 @@ def test_profile_cli_on_cpu(tmp_path):
     )
     assert (out / "report.md").read_text() == md
     assert (out / "scaling.png").stat().st_size > 5000
+
+    # A row timed with --no-xla-cost gets the same XLA bytes from --fill-xla-cost (the
+    # trainer's abstract plan, compiled and never run).
+    first = dict(rows[0])
+    rows[0].update(xla=None, hbm_gbps=None)
+    rows[0]["intensity"]["step"] = None
+    (out / "report.json").write_text(json.dumps(report))
+    subprocess.run(
+        [sys.executable, "-m", "train.profile", "--fill-xla-cost", str(out)],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        timeout=300,
+    )
+    filled = json.loads((out / "report.json").read_text())["rows"][0]
+    assert filled["xla"]["bytes"] == first["xla"]["bytes"] > 0
+    assert _close(filled["hbm_gbps"], first["hbm_gbps"], 1e-9)
+    assert _close(filled["intensity"]["step"]["intensity"], first_step_intensity, 1e-9)
 
 
 # ----------------------------------------------------------------------------------

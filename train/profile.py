@@ -143,12 +143,13 @@ def _trainer_args(job: Job) -> list[str]:
     ]
 
 
-def _xla_cost(t, num_layers: int) -> dict | None:
+def _xla_cost(spec, tx, mesh, shard_over_seq: bool, batch, num_layers: int) -> dict | None:
     """XLA's FLOPs and bytes per device per step, with every layer counted.
 
     XLA's cost analysis counts a while-loop body once, so the scanned step
     undercounts; unrolled 1- and 2-layer variants (compiled, never run) give the
-    cost outside the layers and per layer, extrapolated to `num_layers`.
+    cost outside the layers and per layer, extrapolated to `num_layers`. `batch` is
+    the step's abstract batch (shapes with shardings); nothing is allocated.
     """
     import jax
     import jax.numpy as jnp
@@ -162,23 +163,19 @@ def _xla_cost(t, num_layers: int) -> dict | None:
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
         )
 
-    batch = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
-        for k, v in t.batch(0).items()
-    }
     costs = []
-    axes = shard_axes(t.mesh, t.cfg.parallel.shard_over_seq)
+    axes = shard_axes(mesh, shard_over_seq)
     for layers in (1, 2):
-        config = t.config.replace(num_layers=layers, scan_layers=False)
-        spec = dataclasses.replace(t.spec, config=config)
+        config = spec.config.replace(num_layers=layers, scan_layers=False)
+        step_spec = dataclasses.replace(spec, config=config)
         params = models.abstract_params(config)
-        opt = jax.eval_shape(t.tx.init, params)
+        opt = jax.eval_shape(tx.init, params)
         state = {
-            "params": shaped(params, param_shardings(params, t.mesh, axes)),
-            "opt_state": shaped(opt, param_shardings(opt, t.mesh, axes)),
-            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(t.mesh)),
+            "params": shaped(params, param_shardings(params, mesh, axes)),
+            "opt_state": shaped(opt, param_shardings(opt, mesh, axes)),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh)),
         }
-        step = jax.jit(functools.partial(train_step, spec=spec, tx=t.tx))
+        step = jax.jit(functools.partial(train_step, spec=step_spec, tx=tx))
         analysis = step.lower(state, batch).compile().cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
         if not analysis or "bytes accessed" not in analysis:
@@ -190,6 +187,43 @@ def _xla_cost(t, num_layers: int) -> dict | None:
         "bytes": b1 + (num_layers - 1) * (b2 - b1),
         "method": "XLA cost analysis of unrolled 1- and 2-layer steps, extrapolated "
         f"to {num_layers} layers (Pallas kernels count only their operands)",
+    }
+
+
+def run_xla_cost(job: Job) -> dict:
+    """XLA's cost of one row's step, from the trainer's abstract plan (compiled, never
+    run): fills the HBM column of a row that was timed with `--no-xla-cost`."""
+    import jax
+
+    from train.config import parse_args
+    from train.loop import load_model, plan_step
+
+    cfg = parse_args(_trainer_args(job))
+    config = load_model(cfg)[0]
+    if job.layers:
+        config = config.replace(num_layers=job.layers)
+    devices = jax.devices()[: mesh_device_count(job.mesh, jax.device_count())]
+    plan = plan_step(cfg, config, devices=devices)
+    global_batch = plan.sizes["data"] * plan.sizes["fsdp"] * job.batch
+    batch = plan.abstract_batch(global_batch, 1, job.context)
+    with jax.set_mesh(plan.mesh):
+        xla = _xla_cost(plan.spec, plan.tx, plan.mesh, job.shard_over_seq, batch, config.num_layers)
+    return {"xla": xla}
+
+
+def _with_xla(row: dict, xla: dict | None) -> None:
+    """Puts XLA's bytes into a timed row: HBM GB/s and the step's intensity."""
+    row["xla"] = xla
+    if xla is None:
+        return
+    step_s = row["step_ms"] / 1e3
+    row["hbm_gbps"] = xla["bytes"] / step_s / 1e9
+    model_flops = row["tflops_per_device"] * 1e12 * step_s  # per device per step
+    row.setdefault("intensity", {})["step"] = {
+        "flops": model_flops,
+        "bytes": xla["bytes"],
+        "intensity": model_flops / xla["bytes"],
+        "tflops": row["tflops_per_device"],
     }
 
 
@@ -266,7 +300,13 @@ def run_row(job: Job) -> dict:
                 jax.block_until_ready((state, metrics))
             finally:
                 jax.profiler.stop_trace()
-            xla = _xla_cost(t, config.num_layers) if job.xla_cost else None
+            xla = None
+            if job.xla_cost:
+                batch = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                    t.batch(0),
+                )
+                xla = _xla_cost(t.spec, t.tx, t.mesh, job.shard_over_seq, batch, config.num_layers)
     except Exception as e:  # noqa: BLE001 - an OOM is a row; anything else is re-raised
         if not _is_oom(e):
             raise
@@ -284,12 +324,7 @@ def run_row(job: Job) -> dict:
                 f"only {report.named_fraction:.0%} of kernel time has a name stack and "
                 "command buffers are on: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer="
             )
-    step_s = row["step_ms"] / 1e3
     per_device_tokens = tokens / n
-    model_flops = t.flops_token * per_device_tokens
-    row["xla"] = xla
-    if xla is not None:
-        row["hbm_gbps"] = xla["bytes"] / step_s / 1e9
     if phases.permute_bytes is not None and phases.permute_ms > 0:
         row["ring"] = {
             "bytes_per_step": phases.permute_bytes,
@@ -306,10 +341,11 @@ def run_row(job: Job) -> dict:
         return {"flops": flops, "bytes": moved, "intensity": flops / moved, "tflops": rate}
 
     row["intensity"] = {
-        "step": point(model_flops, xla["bytes"], row["step_ms"]) if xla else None,
+        "step": None,
         "attention": point(attn.flops, attn.bytes, phases.attention_ms),
         "matmul": point(mm.flops, mm.bytes, phases.matmul_ms),
     }
+    _with_xla(row, xla)
     row["platform"] = report.platform
     row["device_kind"] = devices[0].device_kind
     return row
@@ -370,9 +406,47 @@ def _child(kind: str, payload: dict, timeout: float) -> dict:
 def _worker(kind: str, job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         payload = json.load(f)
-    result = run_ceilings() if kind == "ceilings" else run_row(Job(**payload))
+    if kind == "ceilings":
+        result = run_ceilings()
+    elif kind == "xla_cost":
+        result = run_xla_cost(Job(**payload))
+    else:
+        result = run_row(Job(**payload))
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def fill_xla_cost(out: str, timeout: float) -> None:
+    """`--fill-xla-cost`: XLA's cost for every timed row without it, one child each."""
+    from train import report as report_lib
+
+    path = os.path.join(out, "report.json")
+    with open(path) as f:
+        report = json.load(f)
+    for row in report["rows"]:
+        if row.get("status") != "ok" or row.get("xla"):
+            continue
+        layers = row.get("layers")
+        job = Job(
+            model=row["model"],
+            context=row["context"],
+            mesh=row["mesh"],
+            out=os.path.abspath(out),
+            layers=None if layers == row.get("layers_preset") else layers,
+            shard_over_seq=bool(row.get("shard_over_seq")),
+        )
+        print(f"{row['name']}: XLA cost ...", flush=True)
+        result = _child("xla_cost", dataclasses.asdict(job), timeout)
+        if result.get("status") == "error" or "xla" not in result:
+            print(f"  failed: {result.get('error', result)}", file=sys.stderr, flush=True)
+            continue
+        _with_xla(row, result["xla"])
+        if row.get("hbm_gbps") is not None:
+            print(f"  {row['hbm_gbps']:.0f} GB/s", flush=True)
+        with open(path, "w") as f:  # a run stopped from outside keeps the rows it filled
+            json.dump(report, f, indent=1, default=str)
+    report_lib.render(report, out)
+    print(f"wrote {os.path.join(out, 'report.md')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -402,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     p.add_argument("--out", default="runs/profile")
     p.add_argument("--report-only", metavar="DIR", help="re-render DIR/report.json")
+    p.add_argument(
+        "--fill-xla-cost",
+        metavar="DIR",
+        help="compute XLA's bytes (HBM GB/s) for the rows of DIR/report.json timed with "
+        "--no-xla-cost (compiles only, on the same kind of machine), then re-render",
+    )
     p.add_argument(
         "--append",
         action="store_true",
@@ -435,6 +515,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         with open(os.path.join(args.report_only, "report.json")) as f:
             report_lib.render(json.load(f), args.report_only)
+        return
+    if args.fill_xla_cost:
+        fill_xla_cost(args.fill_xla_cost, args.timeout)
         return
     meshes = args.mesh or ["seq=2"]
     contexts = [parse_context(c) for c in args.context.split(",") if c]
