@@ -186,6 +186,14 @@ def describe() -> str:
             )
     else:
         lines.append("implementation=None -> 'xla'")
+    deterministic = wants_determinism(None)
+    lines.append(
+        f"deterministic=None -> {deterministic} (XLA_FLAGS "
+        + ("has" if deterministic else "lacks")
+        + " --xla_gpu_deterministic_ops): the Mosaic backward at head_dim in "
+        + f"{FUSED_DQ_HEAD_DIMS} "
+        + ("runs two kernels" if deterministic else "fuses dQ with f32 atomic adds")
+    )
     if _last_choice:
         lines.append("last call: " + ", ".join(f"{k}={v}" for k, v in _last_choice.items()))
     return "\n".join(lines)

@@ -6,6 +6,7 @@ On CPU the Pallas kernel runs in interpret mode; on a GPU the same tests run com
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -227,6 +228,8 @@ def test_default_implementation_is_described():
     else:
         assert "implementation=None -> 'xla'" in text
         assert "last call: implementation=xla" in text
+    want = "True" if "--xla_gpu_deterministic_ops" in os.environ.get("XLA_FLAGS", "") else "False"
+    assert f"deterministic=None -> {want}" in text
 
 
 _q = jnp.ones((1, 32, 4, 16), jnp.float32)
