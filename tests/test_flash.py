@@ -272,6 +272,7 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"implementation": "xla", "interpret": True}, (_q, _kv, _kv), ValueError, "interpret"),
         ({"scale": -1.0}, (_q, _kv, _kv), ValueError, "scale=-1.0"),
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
+        ({"deterministic": "yes"}, (_q, _kv, _kv), ValueError, "deterministic='yes'"),
     ],
 )
 def test_bad_input_raises(kwargs, args, error, match):

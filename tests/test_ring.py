@@ -519,3 +519,5 @@ def test_ring_errors():
         jflash.ring_attention(q, k, v, batch_axes="data", **call)
     with pytest.raises(NotImplementedError, match="pallas_mosaic"):
         jflash.ring_attention(q, k, v, mesh=mesh, implementation="pallas_mosaic")
+    with pytest.raises(ValueError, match="deterministic=1 must be True, False or None"):
+        jflash.ring_attention(q, k, v, deterministic=1, **call)
