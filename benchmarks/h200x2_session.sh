@@ -5,6 +5,8 @@
 #   bash benchmarks/h200x2_session.sh scale       # issue 4 longest sequence + 7B FSDP x seq
 #   bash benchmarks/h200x2_session.sh capacity    # issue 5: longest trainable context, jflash vs HF
 #   bash benchmarks/h200x2_session.sh train32k    # issue 5: 1B at 32k, 1 GPU vs HF, 2 GPUs sharded
+#   bash benchmarks/h200x2_session.sh fill        # issue 6: XLA bytes (HBM GB/s) for the
+#                                                 # committed report's rows that lack them
 #   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
 #                                                 # (CPU_PARTS="capacity train32k": only those)
 #
@@ -88,10 +90,10 @@ set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale | capacity | train32k) MODE=gpu ;;
+  report | scale | capacity | train32k | fill) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|capacity|train32k|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|fill|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -410,6 +412,26 @@ part_train32k() {
   fi
 }
 
+part_fill() {
+  # `train.profile --fill-xla-cost` on a copy of the report: compiles each row's step
+  # (1- and 2-layer variants, never run) for XLA's bytes. Resumable: a row already
+  # filled is skipped, and report.json is rewritten after every row, so a part cut by
+  # its budget keeps what it filled (commit it and run the part again).
+  local src dst="$WORK/fill-$TAG"
+  if [ "$MODE" = gpu ]; then src=benchmarks/results/profile-h200x2; else src="$WORK/profile-$TAG"; fi
+  if [ ! -s "$src/report.json" ]; then
+    say "fill: SKIPPED (no $src/report.json)"
+    return 0
+  fi
+  rm -rf "$dst" && mkdir -p "$dst" && cp "$src/report.json" "$dst/"
+  step fill-xla-cost 520 30 15 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.profile \
+    --fill-xla-cost "$dst" --timeout 240
+  # Render whatever was filled (a part cut by its budget skips its own render).
+  step fill-render 60 5 0 "$PY" -m train.profile --report-only "$dst"
+  cp "$dst"/report.json "$dst"/report.md "$dst"/*.png "$OUT"/ 2>/dev/null
+  say "fill: copied the report to $OUT (replace $src with it)"
+}
+
 # ---------------------------------------------------------------------------------------
 
 main() {
@@ -419,9 +441,10 @@ main() {
     scale) part_scale ;;
     capacity) part_capacity ;;
     train32k) part_train32k ;;
+    fill) part_fill ;;
     cpu-check) # every part (or the ones named after cpu-check), each with the whole budget
       local p
-      for p in ${CPU_PARTS:-report scale capacity train32k}; do
+      for p in ${CPU_PARTS:-report fill scale capacity train32k}; do
         START=$(date +%s) PART=$p "part_$p"
       done
       ;;
