@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
-from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, mosaic_bwd
+from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, fuses_dq, mosaic_bwd
 from jflash._mosaic_fwd import mosaic_fwd
 from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
@@ -144,8 +144,7 @@ def resolve(
             block_sizes = default_block_sizes(
                 q_len, head_dim, dtype, kv_len=kv_len, implementation="pallas_mosaic"
             )
-        fused_dq = not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
-        check_mosaic_block_sizes(block_sizes, fused_dq=fused_dq)
+        check_mosaic_block_sizes(block_sizes, fused_dq=fuses_dq(head_dim, deterministic))
         kernel = Kernel("pallas_mosaic", block_sizes, bool(interpret), reason, deterministic)
     elif implementation == "xla":
         if interpret:

@@ -55,6 +55,11 @@ from jflash._triton_common import LOG2E, pad_to, round_up
 FUSED_DQ_HEAD_DIMS = (64,)
 
 
+def fuses_dq(head_dim: int, deterministic: bool) -> bool:
+    """Whether the backward adds dQ inside the dK/dV kernel (f32 reduce-add)."""
+    return not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
+
+
 def _store_tile(value, smem, dst):
     """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused."""
     smem[...] = value.astype(smem.dtype)
@@ -407,12 +412,7 @@ def mosaic_bwd(
     k = pad_to(k, 1, geom.kv_pad)
     v = pad_to(v, 1, geom.kv_pad)
     same = jnp.dtype(grad_dtype) == q.dtype
-    fused = not deterministic and h in FUSED_DQ_HEAD_DIMS
-    if fused and block_q_dkv != WG_ROWS:
-        raise ValueError(
-            f"{block_q_dkv=}: the fused dQ (deterministic=False) needs {WG_ROWS}, the M of "
-            "one wgmma; pass deterministic=True for other query blocks"
-        )
+    fused = fuses_dq(h, deterministic)  # block_q_dkv checked by `check_mosaic_block_sizes`
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -143,72 +142,57 @@ def _trainer_args(job: Job) -> list[str]:
     ]
 
 
-def _xla_cost(spec, tx, mesh, shard_over_seq: bool, batch, num_layers: int) -> dict | None:
+def _xla_cost(cfg, config, devices) -> dict | None:
     """XLA's FLOPs and bytes per device per step, with every layer counted.
 
     XLA's cost analysis counts a while-loop body once, so the scanned step
-    undercounts; unrolled 1- and 2-layer variants (compiled, never run) give the
-    cost outside the layers and per layer, extrapolated to `num_layers`. `batch` is
-    the step's abstract batch (shapes with shardings); nothing is allocated.
+    undercounts; unrolled 1- and 2-layer variants of the trainer's step
+    (`train.loop.plan_step`: abstract state, compiled, never run) give the cost
+    outside the layers and per layer, extrapolated to `config.num_layers`.
     """
     import jax
-    import jax.numpy as jnp
 
-    import models
-    from train.mesh import param_shardings, replicated, shard_axes
-    from train.step import train_step
-
-    def shaped(tree, shardings):
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-        )
+    from train.loop import plan_step
 
     costs = []
-    axes = shard_axes(mesh, shard_over_seq)
     for layers in (1, 2):
-        config = spec.config.replace(num_layers=layers, scan_layers=False)
-        step_spec = dataclasses.replace(spec, config=config)
-        params = models.abstract_params(config)
-        opt = jax.eval_shape(tx.init, params)
-        state = {
-            "params": shaped(params, param_shardings(params, mesh, axes)),
-            "opt_state": shaped(opt, param_shardings(opt, mesh, axes)),
-            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(mesh)),
-        }
-        step = jax.jit(functools.partial(train_step, spec=step_spec, tx=tx))
-        analysis = step.lower(state, batch).compile().cost_analysis()
+        small = config.replace(num_layers=layers, scan_layers=False)
+        plan = plan_step(cfg, small, devices=devices)
+        global_batch = cfg.run.per_device_train_batch_size * plan.sizes["data"] * plan.sizes["fsdp"]
+        batch = plan.abstract_batch(
+            global_batch, cfg.run.gradient_accumulation_steps, cfg.data.model_max_length
+        )
+        with jax.set_mesh(plan.mesh):
+            compiled = plan.step_fn.lower(plan.abstract_state, batch).compile()
+        analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
         if not analysis or "bytes accessed" not in analysis:
             return None
         costs.append((analysis.get("flops", 0.0), analysis["bytes accessed"]))
     (f1, b1), (f2, b2) = costs
+    n = config.num_layers
     return {
-        "flops": f1 + (num_layers - 1) * (f2 - f1),
-        "bytes": b1 + (num_layers - 1) * (b2 - b1),
+        "flops": f1 + (n - 1) * (f2 - f1),
+        "bytes": b1 + (n - 1) * (b2 - b1),
         "method": "XLA cost analysis of unrolled 1- and 2-layer steps, extrapolated "
-        f"to {num_layers} layers (Pallas kernels count only their operands)",
+        f"to {n} layers (Pallas kernels count only their operands)",
     }
 
 
 def run_xla_cost(job: Job) -> dict:
-    """XLA's cost of one row's step, from the trainer's abstract plan (compiled, never
-    run): fills the HBM column of a row that was timed with `--no-xla-cost`."""
+    """XLA's cost of one row's step, compiled and never run: fills the HBM column of a
+    row that was timed with `--no-xla-cost`."""
     import jax
 
     from train.config import parse_args
-    from train.loop import load_model, plan_step
+    from train.loop import load_model
 
     cfg = parse_args(_trainer_args(job))
     config = load_model(cfg)[0]
     if job.layers:
         config = config.replace(num_layers=job.layers)
     devices = jax.devices()[: mesh_device_count(job.mesh, jax.device_count())]
-    plan = plan_step(cfg, config, devices=devices)
-    global_batch = plan.sizes["data"] * plan.sizes["fsdp"] * job.batch
-    batch = plan.abstract_batch(global_batch, 1, job.context)
-    with jax.set_mesh(plan.mesh):
-        xla = _xla_cost(plan.spec, plan.tx, plan.mesh, job.shard_over_seq, batch, config.num_layers)
-    return {"xla": xla}
+    return {"xla": _xla_cost(cfg, config, devices)}
 
 
 def _with_xla(row: dict, xla: dict | None) -> None:
@@ -300,13 +284,7 @@ def run_row(job: Job) -> dict:
                 jax.block_until_ready((state, metrics))
             finally:
                 jax.profiler.stop_trace()
-            xla = None
-            if job.xla_cost:
-                batch = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                    t.batch(0),
-                )
-                xla = _xla_cost(t.spec, t.tx, t.mesh, job.shard_over_seq, batch, config.num_layers)
+            xla = _xla_cost(cfg, config, devices) if job.xla_cost else None
     except Exception as e:  # noqa: BLE001 - an OOM is a row; anything else is re-raised
         if not _is_oom(e):
             raise
