@@ -7,6 +7,12 @@
 #   bash benchmarks/h200x2_session.sh train32k    # issue 5: 1B at 32k, 1 GPU vs HF, 2 GPUs sharded
 #   bash benchmarks/h200x2_session.sh fill        # issue 6: XLA bytes (HBM GB/s) for the
 #                                                 # committed report's rows that lack them
+#   bash benchmarks/h200x2_session.sh ring        # issue 4: compiled ring tests, ring table
+#                                                 # at 8k/16k per GPU with a device-time
+#                                                 # breakdown, P = 1, 2 and 4 where the
+#                                                 # machine has 4 GPUs (nvidia-h200-x4)
+#   bash benchmarks/h200x2_session.sh remat       # issue 5: 1B at 32k, remat save_attn vs
+#                                                 # none on 1 GPU, none on 2, HF baseline
 #   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
 #                                                 # (CPU_PARTS="capacity train32k": only those)
 #
@@ -90,10 +96,10 @@ set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale | capacity | train32k | fill) MODE=gpu ;;
+  report | scale | capacity | train32k | fill | ring | remat) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|capacity|train32k|fill|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|remat|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -432,6 +438,74 @@ part_fill() {
   say "fill: copied the report to $OUT (replace $src with it)"
 }
 
+part_ring() {
+  # Issue 4 on every GPU of the machine: the ring's tests compiled (P = 4 cases run on
+  # 4 GPUs), then the table at 8k and 16k tokens per GPU with the device-time
+  # breakdown, one vs two kernel calls per zigzag step (A/B), zigzag vs contiguous.
+  local n
+  n=$(env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
+  local devices="1,2" ring_args test_filter=()
+  if [ "$n" -ge 4 ]; then devices="1,2,4"; fi
+  if [ "$MODE" = gpu ]; then
+    ring_args=(--tokens-per-device 8192,16384 --iters 5 --profile-iters 3)
+  else # two tests and tiny shapes: checks the command lines
+    test_filter=(-k "test_zigzag_order or test_single_device_matches_flash_attention")
+    ring_args=(--tokens-per-device 128 --iters 1 --warmup 0 --heads 4 --kv-heads 2 --head-dim 32
+      --implementation xla --profile-iters 1)
+  fi
+  step ring-tests 200 60 300 env "XLA_FLAGS=$BASE_XLA_FLAGS --xla_gpu_autotune_level=0" \
+    "$PY" -m pytest tests/test_ring.py -q -p no:cacheprovider "${test_filter[@]}"
+  step ring-table 420 120 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
+    --devices "$devices" --layouts zigzag,zigzag-split,contiguous --strategies ring --profile \
+    "${ring_args[@]}" --out "$OUT/ring-$n-$TAG.json"
+}
+
+part_remat() {
+  # Issue 5: Llama-3.2-1B shape at 32k. jflash needs 0.42x HF's memory with
+  # remat=save_attn, so remat=none (no recompute of the layers' matmuls) may fit:
+  # both on 1 GPU, none on 2 GPUs (seq=2), and the HF baseline, in one session.
+  local ctx steps model vocab log_every one_device hf_model
+  if [ "$MODE" = gpu ]; then
+    ctx=32768 steps=15 model=llama3.2-1b vocab=32000 log_every=5 one_device=""
+  else
+    ctx=512 steps=3 model=tiny vocab=256 log_every=1
+    one_device="--xla_force_host_platform_device_count=1"
+  fi
+  local data="$WORK/sample-$ctx.npy"
+  step data-32k 60 5 360 "$PY" -m train.data sample --out "$data" --num-samples 40 \
+    --seq-len "$ctx" --vocab-size "$vocab"
+  local common=(--config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model"
+    --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" --logging_steps "$log_every"
+    --save_strategy no --export_hf false --progress false)
+  local policy reserve
+  for policy in save_attn none; do
+    rm -rf "$WORK/r1-$policy"
+    if [ "$policy" = save_attn ]; then reserve=280; else reserve=180; fi
+    step "train-1gpu-$policy" 120 60 "$reserve" \
+      env "XLA_FLAGS=$one_device" CUDA_VISIBLE_DEVICES=0 "$PY" -m train "${common[@]}" \
+      --mesh data=1,fsdp=1,seq=1 --remat_policy "$policy" --output_dir "$WORK/r1-$policy"
+    [ -s "$WORK/r1-$policy/log.jsonl" ] &&
+      cp "$WORK/r1-$policy/log.jsonl" "$OUT/train-1b-32k-$TAG-seq1-$policy.jsonl"
+  done
+  rm -rf "$WORK/r2-none"
+  step train-2gpu-none 120 60 90 env "XLA_FLAGS=$BASE_XLA_FLAGS" CUDA_VISIBLE_DEVICES=0,1 \
+    "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=2 --shard_over_seq true \
+    --remat_policy none --output_dir "$WORK/r2-none"
+  [ -s "$WORK/r2-none/log.jsonl" ] &&
+    cp "$WORK/r2-none/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-shard_over_seq-none.jsonl"
+  local f
+  for f in "$OUT"/train-1b-32k-"$TAG"-seq*-{save_attn,none}.jsonl; do
+    [ -s "$f" ] && summarise_jsonl "$f" 2>&1 | ts
+  done
+  if "$PY" -c "import torch, transformers" 2>/dev/null; then
+    if [ "$MODE" = gpu ]; then hf_model=(--model llama3.2-1b); else hf_model=(--model tiny --layers 1); fi
+    step hf-32k 150 60 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
+      "${hf_model[@]}" --context "$ctx" --steps 3 --warmup 1 --out "$OUT/hf-baseline-1b-32k-$TAG.json"
+  else
+    say "hf-32k: SKIPPED (no torch/transformers in $PY)"
+  fi
+}
+
 # ---------------------------------------------------------------------------------------
 
 main() {
@@ -442,9 +516,11 @@ main() {
     capacity) part_capacity ;;
     train32k) part_train32k ;;
     fill) part_fill ;;
+    ring) part_ring ;;
+    remat) part_remat ;;
     cpu-check) # every part (or the ones named after cpu-check), each with the whole budget
       local p
-      for p in ${CPU_PARTS:-report fill scale capacity train32k}; do
+      for p in ${CPU_PARTS:-report fill scale capacity train32k ring remat}; do
         START=$(date +%s) PART=$p "part_$p"
       done
       ;;

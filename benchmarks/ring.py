@@ -1,7 +1,8 @@
 """Ring attention across devices against the one-device kernel, in one process.
 
     python benchmarks/ring.py                                  # issue 4's table
-    python benchmarks/ring.py --profile                        # + exposed communication
+    python benchmarks/ring.py --profile                        # + device time breakdown
+    python benchmarks/ring.py --layouts zigzag,zigzag-split    # A/B: one vs two calls per step
     python benchmarks/ring.py --longest                        # longest fwd+bwd, 1 vs P
     python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
         --strategies ring --longest --longest-start 131072     # one table row + longest
@@ -10,10 +11,13 @@
 
 Ideal time at P devices: forward(+backward) of the whole sequence (P x tokens per
 device) on one device with the same kernel, divided by P. Efficiency = ideal /
-measured. Exposed communication (`--profile`) is read from a `jax.profiler` trace by
-`train.trace`: per device, the time a NCCL kernel runs while no compute kernel does,
-averaged over devices and profiled iterations; only GPU device tracks are read, so on
-CPU it is reported as not measured.
+measured, with two timings of the same compiled calls: `*_ms`, one call then a
+synchronisation (host launch and sync latency paid per call), and `*_pipe_ms`, calls
+dispatched back to back and synchronised once (as a training loop runs them).
+`--profile` reads each pass's device time from a `jax.profiler` trace with
+`train.trace`: attention kernels, other compute, communication and its exposed part
+(a NCCL kernel running while no compute kernel does), idle; averaged over devices and
+profiled iterations. Only GPU device tracks are read, so on CPU it is not measured.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import table, time_fn, write_json  # noqa: E402
+from benchmarks.common import table, time_fn, time_pipelined, write_json  # noqa: E402
 from train.capacity import search_longest  # noqa: E402
 from train.metrics import compiled_bytes  # noqa: E402
 from train.trace import parse as parse_trace  # noqa: E402
@@ -91,17 +95,20 @@ def _error(e: Exception) -> str:
 
 
 def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> None:
-    """Fills `row[prefix+'fwd_ms']`, `row[prefix+'fwdbwd_ms']` (or `..._error`)."""
+    """Fills `row[prefix+'fwd_ms']`, `row[prefix+'fwdbwd_ms']` (or `..._error`): wall
+    time of one synchronised call; and `..._pipe_ms`: per call, dispatched back to back."""
     for name, (fn, nargs) in passes(attn).items():
         try:
             compiled = fn.lower(*inputs[:nargs]).compile()
             t = time_fn(
                 compiled, *inputs[:nargs], warmup=args.warmup, iters=args.iters, min_time=0.0
             )
+            t_pipe = time_pipelined(compiled, *inputs[:nargs], warmup=1, iters=args.iters)
         except Exception as e:  # noqa: BLE001 - an OOM / unsupported shape is a row, not a crash
             row[f"{prefix}{name}_error"] = _error(e)
             continue
         row[f"{prefix}{name}_ms"] = t * 1e3
+        row[f"{prefix}{name}_pipe_ms"] = t_pipe * 1e3
 
 
 def single_device(seq, args) -> dict:
@@ -119,40 +126,70 @@ def ring_fn(mesh, layout, strategy, args):
         jflash.ring_attention,
         mesh=mesh,
         causal=not args.non_causal,
-        layout=layout,
+        layout=layout.removesuffix("-split"),
         strategy=strategy,
         implementation=args.implementation,
     )
+
+
+@contextlib.contextmanager
+def zigzag_steps(layout: str):
+    """Layout "zigzag-split" traces the ring with two half x half kernel calls per
+    zigzag step (the earlier form), for a same-process A/B against one call."""
+    from jflash import _ring
+
+    saved = _ring.SPLIT_ZIGZAG_STEPS
+    _ring.SPLIT_ZIGZAG_STEPS = layout.endswith("-split")
+    try:
+        yield
+    finally:
+        _ring.SPLIT_ZIGZAG_STEPS = saved
 
 
 # ----------------------------------------------------------------------------------
 # Exposed communication from a profile trace
 
 
-def exposed_communication(trace_dir: str, iterations: int) -> dict | None:
-    """`{'comm_ms', 'exposed_comm_ms'}` per iteration from the newest trace (read by
-    `train.trace`: the whole trace is one window, averaged over devices), or None
-    when the trace has no GPU device tracks (CPU runs)."""
+BREAKDOWN = ("busy_ms", "idle_ms", "attention_ms", "other_ms", "comm_ms", "exposed_comm_ms")
+
+
+def device_breakdown(trace_dir: str, iterations: int) -> dict | None:
+    """Per iteration, averaged over devices: busy, idle, attention kernels, other
+    compute (merges, casts, copies), communication and its exposed part (ms), read by
+    `train.trace` from the newest trace (the whole trace is one window); None when the
+    trace has no GPU device tracks (CPU runs)."""
     try:
         report = parse_trace(trace_dir)
     except (FileNotFoundError, ValueError):
         return None
     if report.platform != "gpu":
         return None
-    return {
-        "comm_ms": report.mean.comm_ms / iterations,
-        "exposed_comm_ms": report.mean.exposed_comm_ms / iterations,
+    m = report.mean
+    values = {
+        "busy_ms": m.busy_ms,
+        "idle_ms": m.idle_ms,
+        "attention_ms": m.attention_ms,
+        "other_ms": (m.other_ms or 0.0) + (m.matmul_ms or 0.0),
+        "comm_ms": m.comm_ms,
+        "exposed_comm_ms": m.exposed_comm_ms,
     }
+    return {k: v / iterations for k, v in values.items()}
 
 
-def profile_fwdbwd(attn, inputs, iterations: int) -> dict | None:
-    fn = passes(attn)["fwdbwd"][0]
-    jax.block_until_ready(fn(*inputs))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(iterations):
-                jax.block_until_ready(fn(*inputs))
-        return exposed_communication(trace_dir, iterations)
+def profile_passes(attn, inputs, iterations: int, row: dict) -> bool:
+    """Traces `iterations` back-to-back calls of each pass (as `time_pipelined` runs
+    them) and fills `row['<pass>_<field>']` for the fields of `device_breakdown`;
+    False when the trace has no GPU device tracks."""
+    for name, (fn, nargs) in passes(attn).items():
+        jax.block_until_ready(fn(*inputs[:nargs]))
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                jax.block_until_ready([fn(*inputs[:nargs]) for _ in range(iterations)])
+            parts = device_breakdown(trace_dir, iterations)
+        if parts is None:
+            return False
+        row.update({f"{name}_{k}": v for k, v in parts.items()})
+    return True
 
 
 # ----------------------------------------------------------------------------------
@@ -180,22 +217,20 @@ def benchmark(args) -> list[dict]:
                         strategy=strategy,
                     )
                     attn = ring_fn(mesh, layout, strategy, args)
-                    with jax.set_mesh(mesh):
+                    with jax.set_mesh(mesh), zigzag_steps(layout):
                         time_passes(attn, inputs, args, row)
                         if args.profile and "fwdbwd_ms" in row:
-                            comm = profile_fwdbwd(attn, inputs, args.profile_iters)
-                            if comm is None:
+                            if not profile_passes(attn, inputs, args.profile_iters, row):
                                 print(
-                                    "exposed communication: not measured (the trace has "
-                                    "no GPU device tracks)",
+                                    "device breakdown: not measured (the trace has no GPU "
+                                    "device tracks)",
                                     flush=True,
                                 )
                             else:
-                                row.update(comm)
                                 row["exposed_comm_frac"] = (
-                                    comm["exposed_comm_ms"] / row["fwdbwd_ms"]
+                                    row["fwdbwd_exposed_comm_ms"] / row["fwdbwd_pipe_ms"]
                                 )
-                    for name in ("fwd", "fwdbwd"):
+                    for name in ("fwd", "fwdbwd", "fwd_pipe", "fwdbwd_pipe"):
                         if f"{name}_ms" in ideal:
                             row[f"ideal_{name}_ms"] = ideal[f"{name}_ms"] / p
                             if f"{name}_ms" in row:
@@ -212,11 +247,12 @@ def _zigzag_speedups(rows: list[dict]) -> None:
     """contiguous time / zigzag time for the same tokens, P and strategy."""
     index = {(r["tokens_per_device"], r["devices"], r["strategy"], r["layout"]): r for r in rows}
     for r in rows:
-        if r["layout"] != "zigzag":
+        if not r["layout"].startswith("zigzag"):
             continue
         other = index.get((r["tokens_per_device"], r["devices"], r["strategy"], "contiguous"))
-        if other and "fwdbwd_ms" in other and "fwdbwd_ms" in r:
-            r["zigzag_speedup_fwdbwd"] = other["fwdbwd_ms"] / r["fwdbwd_ms"]
+        for t in ("fwdbwd", "fwdbwd_pipe"):
+            if other and f"{t}_ms" in other and f"{t}_ms" in r:
+                r[f"zigzag_speedup_{t}"] = other[f"{t}_ms"] / r[f"{t}_ms"]
 
 
 COLUMNS = [
@@ -225,15 +261,18 @@ COLUMNS = [
     "layout",
     "strategy",
     "fwd_ms",
-    "ideal_fwd_ms",
     "eff_fwd",
+    "fwd_pipe_ms",
+    "eff_fwd_pipe",
     "fwdbwd_ms",
-    "ideal_fwdbwd_ms",
     "eff_fwdbwd",
-    "zigzag_speedup_fwdbwd",
-    "comm_ms",
-    "exposed_comm_ms",
+    "fwdbwd_pipe_ms",
+    "eff_fwdbwd_pipe",
+    "zigzag_speedup_fwdbwd_pipe",
     "exposed_comm_frac",
+]
+PROFILE_COLUMNS = ["tokens_per_device", "devices", "layout", "strategy"] + [
+    f"{p}_{k}" for p in ("fwd", "fwdbwd") for k in BREAKDOWN
 ]
 
 
@@ -368,7 +407,8 @@ def main(argv=None):
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="read exposed communication from a jax.profiler trace (GPU)",
+        help="read each pass's device time (attention, other compute, communication "
+        "exposed or not, idle) from a jax.profiler trace (GPU)",
     )
     parser.add_argument("--profile-iters", type=int, default=3)
     parser.add_argument(
@@ -407,6 +447,9 @@ def main(argv=None):
     rows = benchmark(args)
     print()
     print(table(rows, COLUMNS))
+    if args.profile:
+        print("\nDevice time per iteration (ms, mean over devices; calls back to back):")
+        print(table(rows, PROFILE_COLUMNS))
     payload = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": rows,
