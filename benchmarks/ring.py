@@ -2,7 +2,6 @@
 
     python benchmarks/ring.py                                  # issue 4's table
     python benchmarks/ring.py --profile                        # + device time breakdown
-    python benchmarks/ring.py --layouts zigzag,zigzag-split    # A/B: one vs two calls per step
     python benchmarks/ring.py --longest                        # longest fwd+bwd, 1 vs P
     python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
         --strategies ring --longest --longest-start 131072     # one table row + longest
@@ -126,24 +125,10 @@ def ring_fn(mesh, layout, strategy, args):
         jflash.ring_attention,
         mesh=mesh,
         causal=not args.non_causal,
-        layout=layout.removesuffix("-split"),
+        layout=layout,
         strategy=strategy,
         implementation=args.implementation,
     )
-
-
-@contextlib.contextmanager
-def zigzag_steps(layout: str):
-    """Layout "zigzag-split" traces the ring with two half x half kernel calls per
-    zigzag step (the earlier form), for a same-process A/B against one call."""
-    from jflash import _ring
-
-    saved = _ring.SPLIT_ZIGZAG_STEPS
-    _ring.SPLIT_ZIGZAG_STEPS = layout.endswith("-split")
-    try:
-        yield
-    finally:
-        _ring.SPLIT_ZIGZAG_STEPS = saved
 
 
 # ----------------------------------------------------------------------------------
@@ -196,7 +181,8 @@ def profile_passes(attn, inputs, iterations: int, row: dict) -> bool:
 # Main table
 
 
-def benchmark(args) -> list[dict]:
+def benchmark(args, on_row=lambda rows: None) -> list[dict]:
+    """The table; `on_row(rows)` after each row (the JSON survives a run cut short)."""
     rows, ideal_cache = [], {}
     for tokens in args.tokens_per_device:
         for p in args.devices:
@@ -217,7 +203,7 @@ def benchmark(args) -> list[dict]:
                         strategy=strategy,
                     )
                     attn = ring_fn(mesh, layout, strategy, args)
-                    with jax.set_mesh(mesh), zigzag_steps(layout):
+                    with jax.set_mesh(mesh):
                         time_passes(attn, inputs, args, row)
                         if args.profile and "fwdbwd_ms" in row:
                             if not profile_passes(attn, inputs, args.profile_iters, row):
@@ -239,6 +225,7 @@ def benchmark(args) -> list[dict]:
                             row[f"ideal_{name}_error"] = ideal[f"{name}_error"]
                     rows.append(row)
                     print(table([row], COLUMNS).splitlines()[-1], flush=True)
+                    on_row(rows)
     _zigzag_speedups(rows)
     return rows
 
@@ -247,7 +234,7 @@ def _zigzag_speedups(rows: list[dict]) -> None:
     """contiguous time / zigzag time for the same tokens, P and strategy."""
     index = {(r["tokens_per_device"], r["devices"], r["strategy"], r["layout"]): r for r in rows}
     for r in rows:
-        if not r["layout"].startswith("zigzag"):
+        if r["layout"] != "zigzag":
             continue
         other = index.get((r["tokens_per_device"], r["devices"], r["strategy"], "contiguous"))
         for t in ("fwdbwd", "fwdbwd_pipe"):
@@ -443,20 +430,18 @@ def main(argv=None):
     if max(args.devices) > len(jax.devices()):
         parser.error(f"{args.devices=} but only {len(jax.devices())} devices")
     print(jflash.describe())
+    out = args.out or RESULTS
+    if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
+        out = os.path.join(out, f"ring-{len(jax.devices())}.json")
+    config = {k: v for k, v in vars(args).items() if k != "out"}
     print(table([], COLUMNS))
-    rows = benchmark(args)
+    rows = benchmark(args, on_row=lambda rows: write_json(out, {"config": config, "rows": rows}))
     print()
     print(table(rows, COLUMNS))
     if args.profile:
         print("\nDevice time per iteration (ms, mean over devices; calls back to back):")
         print(table(rows, PROFILE_COLUMNS))
-    payload = {
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "rows": rows,
-    }
-    out = args.out or RESULTS
-    if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
-        out = os.path.join(out, f"ring-{len(jax.devices())}.json")
+    payload = {"config": config, "rows": rows}
     if args.longest:
         write_json(out, payload)  # the table survives a search stopped from outside
         payload["longest"] = longest(args)

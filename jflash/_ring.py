@@ -120,57 +120,19 @@ def _fwd_step(step: int, rank, q, kv, o, lse, cfg: _Ring):
     # For 1 <= step < P the source precedes this rank iff step <= rank.
     before = step <= rank
     if cfg.layout == "zigzag":
-        if SPLIT_ZIGZAG_STEPS:
-            return _fwd_zigzag_split(before, q, kv, o, lse, cfg)
-        # With halves of c rows, an early source (s < r) is seen as q[:] x kv[:c] and
-        # a late one (s > r) as q[c:] x kv[:]: one kernel call either way. The two
-        # shapes differ, so the rank's case is a `lax.cond` (each device runs one).
+        # With halves of c rows, early sources (s < r) are seen as q[:] x kv[:c] and
+        # late ones (s > r) as q[c:] x kv[:]. Both contain q[c:] x kv[:c]; the rest
+        # is q[h:h+c] x kv[h:h+c] with h = 0 (early) or c (late).
         c = q.shape[1] // 2
-        return lax.cond(
-            before,
-            lambda o, lse: _merge(o, lse, *_attend(q, kv[:, :, :c], False, cfg)),
-            lambda o, lse: _merge_at(o, lse, c, *_attend(q[:, c:], kv, False, cfg)),
-            o,
-            lse,
-        )
+        o, lse = _merge_at(o, lse, c, *_attend(q[:, c:], kv[:, :, :c], False, cfg))
+        h = jnp.where(before, 0, c)
+        q_h = lax.dynamic_slice_in_dim(q, h, c, axis=1)
+        kv_h = lax.dynamic_slice_in_dim(kv, h, c, axis=2)
+        return _merge_at(o, lse, h, *_attend(q_h, kv_h, False, cfg))
     # Contiguous: a later source is hidden. Its block is computed and dropped (lse
     # -inf): the step time is the last rank's, which sees every source anyway.
     o_blk, lse_blk = _attend(q, kv, False, cfg)
     return _merge(o, lse, o_blk, jnp.where(before, lse_blk, -jnp.inf))
-
-
-SPLIT_ZIGZAG_STEPS = False  # A/B only (benchmarks/ring.py --split-zigzag-steps)
-
-
-def _fwd_zigzag_split(before, q, kv, o, lse, cfg: _Ring):
-    # Both cases contain q[c:] x kv[:c]; the rest is q[h:h+c] x kv[h:h+c] with h = 0
-    # (early) or c (late): two half x half calls chosen by traced offsets.
-    c = q.shape[1] // 2
-    o, lse = _merge_at(o, lse, c, *_attend(q[:, c:], kv[:, :, :c], False, cfg))
-    h = jnp.where(before, 0, c)
-    q_h = lax.dynamic_slice_in_dim(q, h, c, axis=1)
-    kv_h = lax.dynamic_slice_in_dim(kv, h, c, axis=2)
-    return _merge_at(o, lse, h, *_attend(q_h, kv_h, False, cfg))
-
-
-def _bwd_zigzag_split(before, q, kv, do, lse, delta, dq, cfg: _Ring):
-    c = q.shape[1] // 2
-    dq_blk, dkv_blk = _grads(
-        q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], False, cfg
-    )
-    dq = dq.at[:, c:].add(dq_blk)
-    dkv = jnp.concatenate([dkv_blk, jnp.zeros_like(dkv_blk)], axis=2)
-    h = jnp.where(before, 0, c)
-
-    def rows(x, axis):
-        return lax.dynamic_slice_in_dim(x, h, c, axis=axis)
-
-    dq_blk, dkv_blk = _grads(
-        rows(q, 1), rows(kv, 2), rows(do, 1), rows(lse, 2), rows(delta, 2), False, cfg
-    )
-    dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, 1) + dq_blk, h, axis=1)
-    dkv = lax.dynamic_update_slice_in_dim(dkv, rows(dkv, 2) + dkv_blk, h, axis=2)
-    return dq, dkv
 
 
 def _shift(x, cfg: _Ring):
@@ -242,20 +204,23 @@ def _bwd_step(step: int, rank, q, kv, do, lse, delta, dq, cfg: _Ring):
         return dq + dq_blk, dkv
     before = step <= rank
     if cfg.layout == "zigzag":
-        if SPLIT_ZIGZAG_STEPS:
-            return _bwd_zigzag_split(before, q, kv, do, lse, delta, dq, cfg)
-        # The forward's two cases, one kernel call each (see `_fwd_step`).
         c = q.shape[1] // 2
+        dq_blk, dkv_blk = _grads(
+            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], False, cfg
+        )
+        dq = dq.at[:, c:].add(dq_blk)
+        dkv = jnp.concatenate([dkv_blk, jnp.zeros_like(dkv_blk)], axis=2)
+        h = jnp.where(before, 0, c)
 
-        def early(dq):  # q[:] x kv[:c]: the source's second half gets no gradient
-            dq_blk, dkv = _grads(q, kv[:, :, :c], do, lse, delta, False, cfg)
-            return dq + dq_blk, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
+        def rows(x, axis):
+            return lax.dynamic_slice_in_dim(x, h, c, axis=axis)
 
-        def late(dq):  # q[c:] x kv[:]
-            dq_blk, dkv = _grads(q[:, c:], kv, do[:, c:], lse[..., c:], delta[..., c:], False, cfg)
-            return dq.at[:, c:].add(dq_blk), dkv
-
-        return lax.cond(before, early, late, dq)
+        dq_blk, dkv_blk = _grads(
+            rows(q, 1), rows(kv, 2), rows(do, 1), rows(lse, 2), rows(delta, 2), False, cfg
+        )
+        dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, 1) + dq_blk, h, axis=1)
+        dkv = lax.dynamic_update_slice_in_dim(dkv, rows(dkv, 2) + dkv_blk, h, axis=2)
+        return dq, dkv
     # Contiguous: a later source's block is computed and dropped, as in the forward.
     dq_blk, dkv = _grads(q, kv, do, lse, delta, False, cfg)
     # `where`, not a 0/1 product: exp(s - lse) of hidden keys may overflow to inf.
