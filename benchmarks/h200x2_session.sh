@@ -7,10 +7,11 @@
 #   bash benchmarks/h200x2_session.sh train32k    # issue 5: 1B at 32k, 1 GPU vs HF, 2 GPUs sharded
 #   bash benchmarks/h200x2_session.sh fill        # issue 6: XLA bytes (HBM GB/s) for the
 #                                                 # committed report's rows that lack them
-#   bash benchmarks/h200x2_session.sh ring        # issue 4: compiled ring tests, ring table
-#                                                 # at 8k/16k per GPU with a device-time
-#                                                 # breakdown, P = 1, 2 and 4 where the
-#                                                 # machine has 4 GPUs (nvidia-h200-x4)
+#   bash benchmarks/h200x2_session.sh ring        # issue 4: compiled ring tests, ring vs
+#                                                 # allgather at 8k/16k per GPU with a
+#                                                 # device-time breakdown, P = 2 and 4 where
+#                                                 # the machine has 4 (nvidia-h200-x4);
+#                                                 # issue 5: 1B at 32k, seq=2, each strategy
 #   bash benchmarks/h200x2_session.sh remat       # issue 5: 1B at 32k, remat save_attn vs
 #                                                 # none on 1 GPU, none on 2, HF baseline
 #   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
@@ -439,27 +440,47 @@ part_fill() {
 }
 
 part_ring() {
-  # Issue 4 on every GPU of the machine: the ring's tests compiled (P = 4 cases run on
-  # 4 GPUs; RING_TESTS=0 skips them), then the table at 8k and 16k tokens per GPU,
-  # zigzag vs contiguous, with the device-time breakdown of each pass.
+  # Issue 4 on every GPU of the machine (P = 4 on nvidia-h200-x4): the ring's compiled
+  # tests of both strategies and the Mosaic kernels, the table at 8k and 16k tokens per
+  # GPU (zigzag; ring vs allgather; device-time breakdown of each pass), then issue 5's
+  # 1B at 32k on 2 GPUs with each strategy. RING_TESTS=0 skips the tests.
   local n
   n=$(env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
-  local devices="1,2" ring_args test_filter=()
-  if [ "$n" -ge 4 ]; then devices="1,2,4"; fi
+  local devices=2 ring_args test_filter=(-k "allgather or mosaic or lowers")
+  if [ "$n" -ge 4 ]; then devices=2,4; fi
+  local ctx steps model vocab log_every
   if [ "$MODE" = gpu ]; then
     ring_args=(--tokens-per-device 8192,16384 --iters 5 --profile-iters 3)
-  else # two tests and tiny shapes: checks the command lines
-    test_filter=(-k "test_zigzag_order or test_single_device_matches_flash_attention")
+    ctx=32768 steps=15 model=llama3.2-1b vocab=32000 log_every=5
+  else # a few tests and tiny shapes: checks the command lines
+    test_filter=(-k "test_zigzag_order or (sampled and allgather and zigzag)")
     ring_args=(--tokens-per-device 128 --iters 1 --warmup 0 --heads 4 --kv-heads 2 --head-dim 32
       --implementation xla --profile-iters 1)
+    ctx=512 steps=3 model=tiny vocab=256 log_every=1
   fi
   if [ "${RING_TESTS:-1}" != 0 ]; then
-    step ring-tests 200 60 300 env "XLA_FLAGS=$BASE_XLA_FLAGS --xla_gpu_autotune_level=0" \
+    step ring-tests 150 60 380 env "XLA_FLAGS=$BASE_XLA_FLAGS --xla_gpu_autotune_level=0" \
       "$PY" -m pytest tests/test_ring.py -q -p no:cacheprovider "${test_filter[@]}"
   fi
-  step ring-table 500 120 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
-    --devices "$devices" --layouts zigzag,contiguous --strategies ring --profile \
+  step ring-table 330 120 150 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
+    --devices "$devices" --layouts zigzag --strategies ring,allgather --profile \
     "${ring_args[@]}" --out "$OUT/ring-$n-$TAG.json"
+  local data="$WORK/sample-$ctx.npy" strategy
+  step data-32k 60 5 140 "$PY" -m train.data sample --out "$data" --num-samples 40 \
+    --seq-len "$ctx" --vocab-size "$vocab"
+  for strategy in allgather ring; do
+    rm -rf "$WORK/s2-$strategy"
+    step "train-2gpu-$strategy" 75 50 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" CUDA_VISIBLE_DEVICES=0,1 \
+      "$PY" -m train --config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model" \
+      --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" \
+      --logging_steps "$log_every" --save_strategy no --export_hf false --progress false \
+      --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --ring_strategy "$strategy" \
+      --output_dir "$WORK/s2-$strategy"
+    if [ -s "$WORK/s2-$strategy/log.jsonl" ]; then
+      cp "$WORK/s2-$strategy/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-$strategy.jsonl"
+      summarise_jsonl "$OUT/train-1b-32k-$TAG-seq2-$strategy.jsonl" 2>&1 | ts
+    fi
+  done
 }
 
 part_remat() {

@@ -1,14 +1,21 @@
 """`jflash.ring_attention`: exact attention over a sequence sharded across a mesh axis.
 
-Every device keeps its queries and visits every K/V shard once (P steps). At each
-step it runs the single-device kernel (`_dispatch.attention_fwd`) on its queries
-against one K/V shard and merges the partial `(o, lse)` in f32 (DESIGN.md "Kernel
-contract"). The backward is a custom VJP that reuses the global `o` and `lse`, so the
-distributed forward is never recomputed: dQ accumulates locally, dK/dV travel around
-the ring with K/V and are home after P steps (ring) or are reduce-scattered
-(allgather).
+Two strategies, one custom VJP that reuses the global `o` and `lse` (the distributed
+forward is never recomputed):
 
-Which part of a source shard a device's queries see (causal):
+* ring: every device keeps its queries and visits every K/V shard once (P steps). At
+  each step it runs the single-device kernel (`_dispatch.attention_fwd`) on its
+  queries against one K/V shard and merges the partial `(o, lse)` in f32 (DESIGN.md
+  "Kernel contract"). Backward: dQ accumulates locally, dK/dV travel around the ring
+  with K/V and are home after P steps. Memory per device is one shard's worth.
+* allgather: K/V of the whole sequence are gathered once (small with GQA), and each
+  contiguous run of local queries (two in zigzag) is one kernel call against all of
+  it, with its global position as the causal offset: softmax rows are complete (no
+  merges) and the kernel's loops as long as on one device. dK/dV of the whole
+  sequence are summed in f32 over devices and scattered to their owners. The offsets
+  are static kernel arguments, so each rank has its own `lax.switch` branch.
+
+The ring's causal blocks:
 
   zigzag (rank r holds chunks r and 2P-1-r; source s holds chunks s and 2P-1-s)
     s == r  plain causal mask on the local block (the local position map is
@@ -22,7 +29,9 @@ Which part of a source shard a device's queries see (causal):
 
 So in zigzag every off-diagonal step costs exactly half a block on every device:
 balanced. The rank is traced inside shard_map, so the choice is made with traced
-slice offsets rather than `lax.cond` (see `_fwd_step`). Steps are unrolled in Python
+slice offsets rather than `lax.cond` (see `_fwd_step`; a `lax.cond` form with one
+kernel call per step measured no faster on 2 and 4 H200s and hid less of the
+transfers: BENCHMARKS.md). Steps are unrolled in Python
 (P is static): XLA then sees every transfer next to the kernel it can overlap with.
 """
 
@@ -41,7 +50,7 @@ from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
-from jflash._layout import LAYOUTS, check_zigzag_len
+from jflash._layout import LAYOUTS, check_zigzag_len, unzigzag, zigzag
 from jflash._mask import Mask
 from jflash._validation import check_qkv, default_scale
 
@@ -141,33 +150,18 @@ def _shift(x, cfg: _Ring):
     return lax.ppermute(x, cfg.axis, [(j, (j + 1) % p) for j in range(p)])
 
 
-def _source_kv(step: int, rank, kv, gathered, cfg: _Ring):
-    """K/V of source `(rank - step) % P` in the allgather strategy `[2,B,S',K,H]`."""
-    if step == 0:
-        return kv
-    return lax.dynamic_index_in_dim(gathered, (rank - step) % cfg.num_shards, keepdims=False)
-
-
 def _ring_fwd_shard(q, k, v, cfg: _Ring):
-    """Per-shard forward: `(o [B,T',N,H] q.dtype, lse [B,N,T'] f32)`."""
+    """Per-shard forward, ring strategy: `(o [B,T',N,H] q.dtype, lse [B,N,T'] f32)`."""
     p = cfg.num_shards
     rank = lax.axis_index(cfg.axis)
     kv = jnp.stack([k, v])  # [2,B,S',K,H]: one transfer per step, at KV-head size
-    gathered = None
-    if cfg.strategy == "allgather" and p > 1:
-        gathered = lax.all_gather(kv, cfg.axis)  # [P,2,B,S',K,H]
     o = lse = None
     for step in range(p):
-        if cfg.strategy == "ring":
-            # Issued before this step's kernel and not consumed by it: the transfer
-            # of the next block overlaps this block's compute.
-            nxt = _shift(kv, cfg) if step < p - 1 else None
-            o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
-            kv = nxt
-        else:
-            o, lse = _fwd_step(
-                step, rank, q, _source_kv(step, rank, kv, gathered, cfg), o, lse, cfg
-            )
+        # Issued before this step's kernel and not consumed by it: the transfer of the
+        # next block overlaps this block's compute.
+        nxt = _shift(kv, cfg) if step < p - 1 else None
+        o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
+        kv = nxt
     return o.astype(q.dtype), lse
 
 
@@ -235,36 +229,125 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     do = do.astype(q.dtype)
     kv = jnp.stack([k, v])
     dq = jnp.zeros(q.shape, jnp.float32)
-    if cfg.strategy == "ring":
-        # At step i rank r holds source (r - i) % P and that source's dK/dV running sum
-        # (received from r - 1, which held it at step i - 1). After step P - 1 the sum
-        # belongs to rank r + 1: the last shift delivers it home.
-        arriving = None
-        for step in range(p):
-            nxt = _shift(kv, cfg) if step < p - 1 else None
-            dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
-            if arriving is not None:
-                dkv = arriving + dkv
-            arriving = _shift(dkv, cfg) if p > 1 else dkv
-            kv = nxt
-        dkv = arriving
-    else:
-        gathered = lax.all_gather(kv, cfg.axis) if p > 1 else None
-        dkv_all = jnp.zeros((p, *kv.shape), jnp.float32)  # [P,2,B,S',K,H]
-        for step in range(p):
-            source = (rank - step) % p
-            dq, dkv = _bwd_step(
-                step, rank, q, _source_kv(step, rank, kv, gathered, cfg), do, lse, delta, dq, cfg
+    # At step i rank r holds source (r - i) % P and that source's dK/dV running sum
+    # (received from r - 1, which held it at step i - 1). After step P - 1 the sum
+    # belongs to rank r + 1: the last shift delivers it home.
+    arriving = None
+    for step in range(p):
+        nxt = _shift(kv, cfg) if step < p - 1 else None
+        dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
+        if arriving is not None:
+            dkv = arriving + dkv
+        arriving = _shift(dkv, cfg) if p > 1 else dkv
+        kv = nxt
+    return dq.astype(q.dtype), arriving[0].astype(k.dtype), arriving[1].astype(v.dtype)
+
+
+# ---------------------------------------------------------------------------------
+# The allgather strategy: K/V gathered once, one kernel call per query chunk
+
+
+def _query_chunks(rank: int, shard_len: int, cfg: _Ring) -> list[tuple[int, int, int]]:
+    """`(start, length, global position)` of each contiguous run of this rank's
+    queries. Non-causal: one run (positions do not matter)."""
+    p = cfg.num_shards
+    if not cfg.causal:
+        return [(0, shard_len, 0)]
+    if cfg.layout == "zigzag":
+        c = shard_len // 2
+        return [(0, c, rank * c), (c, c, (2 * p - 1 - rank) * c)]
+    return [(0, shard_len, rank * shard_len)]
+
+
+def _by_rank(body, cfg: _Ring, *args):
+    """`body(r, *args)` for this device's rank r. Query positions are static kernel
+    offsets, so each rank has its own branch (`lax.switch`: every device runs one);
+    non-causal attention does not depend on them."""
+    if not cfg.causal or cfg.num_shards == 1:
+        return body(0, *args)
+    branches = [functools.partial(body, r) for r in range(cfg.num_shards)]
+    return lax.switch(lax.axis_index(cfg.axis), branches, *args)
+
+
+def _gathered_kv(k, v, cfg: _Ring):
+    """Every shard's K and V `[2,B,S,K,H]` in natural order: one all-gather, at
+    KV-head size."""
+    kv = lax.all_gather(jnp.stack([k, v]), cfg.axis, axis=2, tiled=True)
+    if cfg.layout == "zigzag" and cfg.num_shards > 1:
+        kv = unzigzag(kv, cfg.num_shards, axis=2)
+    return kv
+
+
+def _chunk_mask(offset: int, cfg: _Ring) -> Mask:
+    return Mask(cfg.causal, q_offset=offset, k_offset=0)
+
+
+def _gather_fwd_shard(q, k, v, cfg: _Ring):
+    """Per-shard forward, allgather strategy: each query run against the whole
+    sequence in one kernel call, so every row's softmax is complete (no merges) and
+    the kernel's key loops are as long as on one device."""
+
+    def body(rank, q, kv):
+        parts = [
+            attention_fwd(
+                q[:, a : a + n],
+                kv[0],
+                kv[1],
+                None,
+                mask=_chunk_mask(offset, cfg),
+                scale=cfg.scale,
+                out_dtype=q.dtype,
+                kernel=cfg.kernel,
             )
-            dkv_all = lax.dynamic_update_index_in_dim(
-                dkv_all,
-                lax.dynamic_index_in_dim(dkv_all, source, keepdims=False) + dkv,
-                source,
-                axis=0,
+            for a, n, offset in _query_chunks(rank, q.shape[1], cfg)
+        ]
+        return (
+            jnp.concatenate([o for o, _ in parts], axis=1),
+            jnp.concatenate([lse for _, lse in parts], axis=2),
+        )
+
+    return _by_rank(body, cfg, q, _gathered_kv(k, v, cfg))
+
+
+def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
+    """Per-shard backward, allgather strategy: dQ is complete per query run; the
+    whole sequence's dK/dV (f32) is summed over devices and scattered to its owners."""
+    delta = delta_from(o, do, dlse)
+    do = do.astype(q.dtype)
+
+    def body(rank, q, kv, do, lse, delta):
+        dqs, dkv = [], None
+        for a, n, offset in _query_chunks(rank, q.shape[1], cfg):
+            dq, dk, dv = attention_bwd(
+                q[:, a : a + n],
+                kv[0],
+                kv[1],
+                do[:, a : a + n],
+                lse[..., a : a + n],
+                delta[..., a : a + n],
+                None,
+                mask=_chunk_mask(offset, cfg),
+                scale=cfg.scale,
+                grad_dtype=jnp.float32,
+                kernel=cfg.kernel,
             )
-        # Rank s receives the sum over devices of dkv_all[s]: its own K/V gradient.
-        dkv = lax.psum_scatter(dkv_all, cfg.axis) if p > 1 else dkv_all[0]
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+            dqs.append(dq.astype(q.dtype))
+            dkv = jnp.stack([dk, dv]) if dkv is None else dkv + jnp.stack([dk, dv])
+        return jnp.concatenate(dqs, axis=1), dkv
+
+    dq, dkv = _by_rank(body, cfg, q, _gathered_kv(k, v, cfg), do, lse, delta)
+    if cfg.num_shards > 1:
+        if cfg.layout == "zigzag":
+            dkv = zigzag(dkv, cfg.num_shards, axis=2)
+        # Rank r receives the sum over devices of its own shard's rows.
+        dkv = lax.psum_scatter(dkv, cfg.axis, scatter_dimension=2, tiled=True)
+    return dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+_SHARD_BODIES = {
+    "ring": (_ring_fwd_shard, _ring_bwd_shard),
+    "allgather": (_gather_fwd_shard, _gather_bwd_shard),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +377,9 @@ class _Layout:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _ring(q, k, v, cfg: _Ring, where: _Layout):
     fwd = where.map(
-        functools.partial(_ring_fwd_shard, cfg=cfg), (where.qkv,) * 3, (where.qkv, where.lse)
+        functools.partial(_SHARD_BODIES[cfg.strategy][0], cfg=cfg),
+        (where.qkv,) * 3,
+        (where.qkv, where.lse),
     )
     return fwd(q, k, v)
 
@@ -312,7 +397,7 @@ def _ring_bwd(cfg: _Ring, where: _Layout, res, cotangents):
     (dlse,) = where.place(dlse.astype(jnp.float32), spec=where.lse)
     qkv, lse_spec = where.qkv, where.lse
     bwd = where.map(
-        functools.partial(_ring_bwd_shard, cfg=cfg),
+        functools.partial(_SHARD_BODIES[cfg.strategy][1], cfg=cfg),
         (qkv, qkv, qkv, qkv, lse_spec, qkv, lse_spec),
         (qkv, qkv, qkv),
     )
@@ -406,8 +491,11 @@ def ring_attention(
       layout: `"zigzag"` (rank r holds chunks r and 2P-1-r of 2P: balanced causal
         work; T % 2P == 0) or `"contiguous"` (rank r holds chunk r; T % P == 0).
       strategy: `"ring"` (K/V rotate with one `ppermute` per step, overlapped with the
-        kernel) or `"allgather"` (K/V gathered once, dK/dV reduce-scattered; better
-        at short per-device lengths).
+        kernel) or `"allgather"` (the whole sequence's K/V gathered on every device,
+        one kernel call per run of local queries, dK/dV reduce-scattered: faster at
+        short per-device lengths, where the ring's per-step kernel calls are short;
+        holds the whole sequence's K/V and its f32 dK/dV, so the ring is the one for
+        the longest sequences).
       scale: logit scale, default `H ** -0.5`.
       return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
       batch_axes: mesh axes that split the batch. Default: every other mesh axis of
@@ -442,7 +530,9 @@ def ring_attention(
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
     shard_len = seq_len // num_shards
     # Zigzag causal steps use half blocks; tiles sized for them fit the diagonal too.
-    block_len = shard_len // 2 if layout == "zigzag" and causal else shard_len
+    # The allgather strategy runs each query run against the whole sequence.
+    q_block = shard_len // 2 if layout == "zigzag" and causal else shard_len
+    kv_block = seq_len if strategy == "allgather" else q_block
     cfg = _Ring(
         axis=seq_axis,
         num_shards=num_shards,
@@ -454,8 +544,8 @@ def ring_attention(
             implementation,
             interpret,
             block_sizes,
-            q_len=block_len,
-            kv_len=block_len,
+            q_len=q_block,
+            kv_len=kv_block,
             head_dim=shapes.head_dim,
             dtype=q.dtype,
             deterministic=deterministic,

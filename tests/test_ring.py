@@ -198,6 +198,16 @@ PALLAS = [
         dtype=jnp.bfloat16,
         implementation="pallas_triton",
     ),
+    # Causal allgather: the kernel's query offsets carry each run's global position.
+    Case(
+        num_shards=4,
+        seq_len=256,
+        q_heads=2,
+        kv_heads=1,
+        head_dim=16,
+        strategy="allgather",
+        implementation="pallas_triton",
+    ),
 ]
 
 
@@ -247,6 +257,20 @@ MOSAIC = [
         causal=False,
         implementation="pallas_mosaic",
     ),
+    # Causal allgather, zigzag: two query runs with their offsets (P=1 runs on CPU).
+    *[
+        Case(
+            num_shards=p,
+            seq_len=512,
+            q_heads=4,
+            kv_heads=2,
+            head_dim=64,
+            dtype=jnp.bfloat16,
+            strategy="allgather",
+            implementation="pallas_mosaic",
+        )
+        for p in (1, 2)
+    ],
 ]
 
 
@@ -338,7 +362,13 @@ def test_return_lse_false_returns_output_only():
     [
         # K and V travel stacked: P-1 permutes forward, P-1 (K/V) + P (dK/dV) backward.
         ("zigzag", "ring", {"collective_permute": 3 + 3 + 4, "all_gather": 0}),
-        ("contiguous", "allgather", {"collective_permute": 0, "reduce_scatter": 1}),
+        # K/V gathered in the forward and again in the backward; dK/dV scattered once.
+        (
+            "contiguous",
+            "allgather",
+            {"collective_permute": 0, "all_gather": 2, "reduce_scatter": 1},
+        ),
+        ("zigzag", "allgather", {"collective_permute": 0, "all_gather": 2, "reduce_scatter": 1}),
     ],
 )
 def test_ring_lowers_for_cuda(monkeypatch, layout, strategy, collectives):
