@@ -247,16 +247,20 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
 # The allgather strategy: K/V gathered once, one kernel call per query chunk
 
 
-def _query_chunks(rank: int, shard_len: int, cfg: _Ring) -> list[tuple[int, int, int]]:
-    """`(start, length, global position)` of each contiguous run of this rank's
-    queries. Non-causal: one run (positions do not matter)."""
+def _query_chunks(rank: int, shard_len: int, cfg: _Ring) -> list[tuple[int, int, int, int]]:
+    """`(start, length, global position, keys seen)` of each contiguous run of this
+    rank's queries: causal runs see the key prefix up to their last position, so the
+    kernels get only that prefix (no key tiles without work, no dK/dV rows of zeros).
+    Non-causal: one run that sees every key."""
     p = cfg.num_shards
     if not cfg.causal:
-        return [(0, shard_len, 0)]
+        return [(0, shard_len, 0, p * shard_len)]
     if cfg.layout == "zigzag":
         c = shard_len // 2
-        return [(0, c, rank * c), (c, c, (2 * p - 1 - rank) * c)]
-    return [(0, shard_len, rank * shard_len)]
+        return [
+            (a, c, chunk * c, (chunk + 1) * c) for a, chunk in ((0, rank), (c, 2 * p - 1 - rank))
+        ]
+    return [(0, shard_len, rank * shard_len, (rank + 1) * shard_len)]
 
 
 def _by_rank(body, cfg: _Ring, *args):
@@ -291,15 +295,15 @@ def _gather_fwd_shard(q, k, v, cfg: _Ring):
         parts = [
             attention_fwd(
                 q[:, a : a + n],
-                kv[0],
-                kv[1],
+                kv[0, :, :seen],
+                kv[1, :, :seen],
                 None,
                 mask=_chunk_mask(offset, cfg),
                 scale=cfg.scale,
                 out_dtype=q.dtype,
                 kernel=cfg.kernel,
             )
-            for a, n, offset in _query_chunks(rank, q.shape[1], cfg)
+            for a, n, offset, seen in _query_chunks(rank, q.shape[1], cfg)
         ]
         return (
             jnp.concatenate([o for o, _ in parts], axis=1),
@@ -316,12 +320,12 @@ def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     do = do.astype(q.dtype)
 
     def body(rank, q, kv, do, lse, delta):
-        dqs, dkv = [], None
-        for a, n, offset in _query_chunks(rank, q.shape[1], cfg):
+        dqs, dkv = [], jnp.zeros(kv.shape, jnp.float32)
+        for a, n, offset, seen in _query_chunks(rank, q.shape[1], cfg):
             dq, dk, dv = attention_bwd(
                 q[:, a : a + n],
-                kv[0],
-                kv[1],
+                kv[0, :, :seen],
+                kv[1, :, :seen],
                 do[:, a : a + n],
                 lse[..., a : a + n],
                 delta[..., a : a + n],
@@ -332,7 +336,10 @@ def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
                 kernel=cfg.kernel,
             )
             dqs.append(dq.astype(q.dtype))
-            dkv = jnp.stack([dk, dv]) if dkv is None else dkv + jnp.stack([dk, dv])
+            # A pad and an add, not `.at[:, :, :seen].add`: that form inside the
+            # per-rank `lax.switch` crashes XLA:CPU (segfault, jax 0.11.2).
+            pad = [(0, 0)] * 2 + [(0, kv.shape[2] - seen)] + [(0, 0)] * 2
+            dkv = dkv + jnp.pad(jnp.stack([dk, dv]), pad)
         return jnp.concatenate(dqs, axis=1), dkv
 
     dq, dkv = _by_rank(body, cfg, q, _gathered_kv(k, v, cfg), do, lse, delta)
