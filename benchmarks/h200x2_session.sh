@@ -126,7 +126,7 @@ else
   WORK=${WORK:-/tmp/jflash-h200x2}
   BASE_XLA_FLAGS=""
   BUDGET=${BUDGET:-530} # 9 minutes less 10 s
-  TAG=h200x2
+  TAG=h200x$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")  # h200x2, h200x4: the machine kind
 fi
 PY=${PYTHON:-python3}
 OUT=${OUT%/}

@@ -159,6 +159,29 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert all(np.isfinite(logged[s]) for s in saved)
 
 
+def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monkeypatch):
+    """Steps run asynchronously: an OOM raised while a step ran surfaces when its
+    metrics are fetched (seen on an H200 with --remat_policy none) and must get the
+    same advice as one raised at dispatch, not a bare XLA traceback."""
+    real = jax.device_get
+
+    def device_get(x):
+        if isinstance(x, dict) and "loss" in x:
+            raise RuntimeError(
+                "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 86.52GiB with "
+                "allocator GPU_0_bfc on device 0. [executable_name='jit_train_step']"
+            )
+        return real(x)
+
+    monkeypatch.setattr(jax, "device_get", device_get)
+    cfg = parse_args(_args(tmp_path, "--max_steps", "2", "--remat_policy", "none"))
+    with pytest.raises(TrainingError, match="out of device memory") as info:
+        run(cfg)
+    message = str(info.value)
+    for knob in ("--model_max_length (now 64)", "--remat_policy", "'none'", "MEM_FRACTION"):
+        assert knob in message, (knob, message)
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

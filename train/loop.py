@@ -463,24 +463,45 @@ def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
     return done % cfg.run.save_steps == 0 or done == total
 
 
+def _is_oom(e: BaseException) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
+def _oom_error(cfg: TrainConfig) -> TrainingError:
+    return TrainingError(
+        "out of device memory. Turn one of: --per_device_train_batch_size (now "
+        f"{cfg.run.per_device_train_batch_size}), --model_max_length (now "
+        f"{cfg.data.model_max_length}), a larger seq or fsdp axis in --mesh (now "
+        f"{cfg.parallel.mesh!r}), --remat_policy save_attn or full (now {cfg.remat!r}); "
+        "on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) gives XLA more of the "
+        "device. `python -m train.capacity` finds what fits without running"
+    )
+
+
 def _guard_oom(step_fn, state, batch, cfg: TrainConfig):
     try:
         return step_fn(state, batch)
     except Exception as e:  # noqa: BLE001 - rethrown with advice, or as is
-        if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-            raise TrainingError(
-                "out of device memory. Turn one of: --per_device_train_batch_size (now "
-                f"{cfg.run.per_device_train_batch_size}), --model_max_length (now "
-                f"{cfg.data.model_max_length}), a larger seq or fsdp axis in --mesh (now "
-                f"{cfg.parallel.mesh!r}), --remat_policy full (now {cfg.remat!r})"
-            ) from e
+        if _is_oom(e):
+            raise _oom_error(cfg) from e
+        raise
+
+
+def _fetch(metrics, cfg: TrainConfig):
+    """`jax.device_get` of a step's metrics. Steps run asynchronously, so an
+    out-of-memory error raised while the step ran surfaces here: same advice."""
+    try:
+        return jax.device_get(metrics)
+    except Exception as e:  # noqa: BLE001 - rethrown with advice, or as is
+        if _is_oom(e):
+            raise _oom_error(cfg) from e
         raise
 
 
 def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar) -> dict:
     """Fetches one step's metrics; stops on a non-finite loss; logs every logging_steps."""
     step, metrics = pending
-    metrics = jax.device_get(metrics)
+    metrics = _fetch(metrics, cfg)
     loss = float(metrics["loss"])
     if not math.isfinite(loss):
         raise TrainingError(
