@@ -386,22 +386,39 @@ part_capacity() {
   fi
 }
 
-part_train32k() {
-  # Issue 5's bars with the Mosaic kernels: 1 GPU vs HF (same session), 2 GPUs with the
-  # optimizer sharded over seq (per-GPU efficiency), Llama-3.2-1B shape at 32k.
-  local ctx steps model vocab log_every one_device hf_model
+hf_32k() { # CONTEXT: the HF/PyTorch baseline of the same shape on GPU 0
+  local hf_model
+  if ! "$PY" -c "import torch, transformers" 2>/dev/null; then
+    say "hf-32k: SKIPPED (no torch/transformers in $PY)"
+    return 0
+  fi
+  if [ "$MODE" = gpu ]; then hf_model=(--model llama3.2-1b); else hf_model=(--model tiny --layers 1); fi
+  step hf-32k 150 60 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
+    "${hf_model[@]}" --context "$1" --steps 3 --warmup 1 --out "$OUT/hf-baseline-1b-32k-$TAG.json"
+}
+
+setup_1b_32k() { # RESERVE: sample data and the trainer's common flags, Llama-3.2-1B at
+  # 32k (cpu-check: tiny at 512). Sets the caller's locals ctx steps model vocab
+  # log_every one_device data common.
   if [ "$MODE" = gpu ]; then
     ctx=32768 steps=15 model=llama3.2-1b vocab=32000 log_every=5 one_device=""
   else
     ctx=512 steps=3 model=tiny vocab=256 log_every=1
     one_device="--xla_force_host_platform_device_count=1"
   fi
-  local data="$WORK/sample-$ctx.npy"
-  step data-32k 60 5 300 "$PY" -m train.data sample --out "$data" --num-samples 40 \
+  data="$WORK/sample-$ctx.npy"
+  step data-32k 60 5 "$1" "$PY" -m train.data sample --out "$data" --num-samples 40 \
     --seq-len "$ctx" --vocab-size "$vocab"
-  local common=(--config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model"
+  common=(--config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model"
     --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" --logging_steps "$log_every"
     --save_strategy no --export_hf false --progress false)
+}
+
+part_train32k() {
+  # Issue 5's bars with the Mosaic kernels: 1 GPU vs HF (same session), 2 GPUs with the
+  # optimizer sharded over seq (per-GPU efficiency), Llama-3.2-1B shape at 32k.
+  local ctx steps model vocab log_every one_device data common
+  setup_1b_32k 300
   rm -rf "$WORK/t1" "$WORK/t2"
   step train-1gpu 150 60 200 env "XLA_FLAGS=$one_device" CUDA_VISIBLE_DEVICES=0 \
     "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=1 --output_dir "$WORK/t1"
@@ -410,13 +427,7 @@ part_train32k() {
     --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --output_dir "$WORK/t2"
   [ -s "$WORK/t2/log.jsonl" ] &&
     cp "$WORK/t2/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-shard_over_seq-mosaic.jsonl"
-  if "$PY" -c "import torch, transformers" 2>/dev/null; then
-    if [ "$MODE" = gpu ]; then hf_model=(--model llama3.2-1b); else hf_model=(--model tiny --layers 1); fi
-    step hf-32k 150 60 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
-      "${hf_model[@]}" --context "$ctx" --steps 3 --warmup 1 --out "$OUT/hf-baseline-1b-32k-$TAG.json"
-  else
-    say "hf-32k: SKIPPED (no torch/transformers in $PY)"
-  fi
+  hf_32k "$ctx"
 }
 
 part_fill() {
@@ -448,15 +459,12 @@ part_ring() {
   n=$(env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
   local devices=2 ring_args test_filter=(-k "allgather or mosaic or lowers")
   if [ "$n" -ge 4 ]; then devices=2,4; fi
-  local ctx steps model vocab log_every
   if [ "$MODE" = gpu ]; then
     ring_args=(--tokens-per-device 8192,16384 --iters 5 --profile-iters 3)
-    ctx=32768 steps=15 model=llama3.2-1b vocab=32000 log_every=5
   else # a few tests and tiny shapes: checks the command lines
     test_filter=(-k "test_zigzag_order or (sampled and allgather and zigzag)")
     ring_args=(--tokens-per-device 128 --iters 1 --warmup 0 --heads 4 --kv-heads 2 --head-dim 32
       --implementation xla --profile-iters 1)
-    ctx=512 steps=3 model=tiny vocab=256 log_every=1
   fi
   if [ "${RING_TESTS:-1}" != 0 ]; then
     step ring-tests 150 60 380 env "XLA_FLAGS=$BASE_XLA_FLAGS --xla_gpu_autotune_level=0" \
@@ -465,17 +473,13 @@ part_ring() {
   step ring-table 330 120 150 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
     --devices "$devices" --layouts zigzag --strategies ring,allgather --profile \
     "${ring_args[@]}" --out "$OUT/ring-$n-$TAG.json"
-  local data="$WORK/sample-$ctx.npy" strategy
-  step data-32k 60 5 140 "$PY" -m train.data sample --out "$data" --num-samples 40 \
-    --seq-len "$ctx" --vocab-size "$vocab"
+  local ctx steps model vocab log_every one_device data common strategy
+  setup_1b_32k 140
   for strategy in allgather ring; do
     rm -rf "$WORK/s2-$strategy"
     step "train-2gpu-$strategy" 75 50 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" CUDA_VISIBLE_DEVICES=0,1 \
-      "$PY" -m train --config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model" \
-      --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" \
-      --logging_steps "$log_every" --save_strategy no --export_hf false --progress false \
-      --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --ring_strategy "$strategy" \
-      --output_dir "$WORK/s2-$strategy"
+      "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=2 --shard_over_seq true \
+      --ring_strategy "$strategy" --output_dir "$WORK/s2-$strategy"
     if [ -s "$WORK/s2-$strategy/log.jsonl" ]; then
       cp "$WORK/s2-$strategy/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-$strategy.jsonl"
       summarise_jsonl "$OUT/train-1b-32k-$TAG-seq2-$strategy.jsonl" 2>&1 | ts
@@ -487,19 +491,8 @@ part_remat() {
   # Issue 5: Llama-3.2-1B shape at 32k. jflash needs 0.42x HF's memory with
   # remat=save_attn, so remat=none (no recompute of the layers' matmuls) may fit:
   # both on 1 GPU, none on 2 GPUs (seq=2), and the HF baseline, in one session.
-  local ctx steps model vocab log_every one_device hf_model
-  if [ "$MODE" = gpu ]; then
-    ctx=32768 steps=15 model=llama3.2-1b vocab=32000 log_every=5 one_device=""
-  else
-    ctx=512 steps=3 model=tiny vocab=256 log_every=1
-    one_device="--xla_force_host_platform_device_count=1"
-  fi
-  local data="$WORK/sample-$ctx.npy"
-  step data-32k 60 5 360 "$PY" -m train.data sample --out "$data" --num-samples 40 \
-    --seq-len "$ctx" --vocab-size "$vocab"
-  local common=(--config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model"
-    --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" --logging_steps "$log_every"
-    --save_strategy no --export_hf false --progress false)
+  local ctx steps model vocab log_every one_device data common
+  setup_1b_32k 360
   local policy reserve
   for policy in save_attn none; do
     rm -rf "$WORK/r1-$policy"
@@ -520,13 +513,7 @@ part_remat() {
   for f in "$OUT"/train-1b-32k-"$TAG"-seq*-{save_attn,none}.jsonl; do
     [ -s "$f" ] && summarise_jsonl "$f" 2>&1 | ts
   done
-  if "$PY" -c "import torch, transformers" 2>/dev/null; then
-    if [ "$MODE" = gpu ]; then hf_model=(--model llama3.2-1b); else hf_model=(--model tiny --layers 1); fi
-    step hf-32k 150 60 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
-      "${hf_model[@]}" --context "$ctx" --steps 3 --warmup 1 --out "$OUT/hf-baseline-1b-32k-$TAG.json"
-  else
-    say "hf-32k: SKIPPED (no torch/transformers in $PY)"
-  fi
+  hf_32k "$ctx"
 }
 
 # ---------------------------------------------------------------------------------------

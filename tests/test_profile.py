@@ -60,13 +60,18 @@ def test_mean_and_none_fields():
         trace.mean([])
 
 
-def test_ring_benchmark_reads_exposed_communication():
+def test_ring_benchmark_reads_device_breakdown():
     sys.path.insert(0, ROOT)
-    from benchmarks.ring import exposed_communication
+    from benchmarks.ring import BREAKDOWN, device_breakdown
 
-    result = exposed_communication(os.path.dirname(GPU_TRACE), iterations=2)
-    assert result is not None
+    whole = trace.parse(os.path.dirname(GPU_TRACE)).mean
+    result = device_breakdown(os.path.dirname(GPU_TRACE), iterations=2)
+    assert result is not None and set(result) == set(BREAKDOWN)
     assert 0 <= result["exposed_comm_ms"] <= result["comm_ms"]
+    # Per iteration, and busy time is attention + other compute + exposed comm.
+    assert _close(result["busy_ms"] * 2, whole.busy_ms, 1e-9)
+    parts = result["attention_ms"] + result["other_ms"] + result["exposed_comm_ms"]
+    assert _close(parts, result["busy_ms"], 0.01), result
 
 
 def test_hlo_facts():
