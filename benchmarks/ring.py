@@ -93,21 +93,25 @@ def _error(e: Exception) -> str:
     return "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e).splitlines()[0][:160]
 
 
-def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> None:
+def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> dict:
     """Fills `row[prefix+'fwd_ms']`, `row[prefix+'fwdbwd_ms']` (or `..._error`): wall
-    time of one synchronised call; and `..._pipe_ms`: per call, dispatched back to back."""
+    time of one synchronised call; and `..._pipe_ms`: per call, dispatched back to back.
+    Returns `{pass: (compiled, its inputs)}` of the passes that ran, warm."""
+    ran = {}
     for name, (fn, nargs) in passes(attn).items():
         try:
             compiled = fn.lower(*inputs[:nargs]).compile()
             t = time_fn(
                 compiled, *inputs[:nargs], warmup=args.warmup, iters=args.iters, min_time=0.0
             )
-            t_pipe = time_pipelined(compiled, *inputs[:nargs], warmup=1, iters=args.iters)
+            t_pipe = time_pipelined(compiled, *inputs[:nargs], warmup=0, iters=args.iters)
         except Exception as e:  # noqa: BLE001 - an OOM / unsupported shape is a row, not a crash
             row[f"{prefix}{name}_error"] = _error(e)
             continue
         row[f"{prefix}{name}_ms"] = t * 1e3
         row[f"{prefix}{name}_pipe_ms"] = t_pipe * 1e3
+        ran[name] = (compiled, inputs[:nargs])
+    return ran
 
 
 def single_device(seq, args) -> dict:
@@ -132,7 +136,7 @@ def ring_fn(mesh, layout, strategy, args):
 
 
 # ----------------------------------------------------------------------------------
-# Exposed communication from a profile trace
+# Device time from a profile trace
 
 
 BREAKDOWN = ("busy_ms", "idle_ms", "attention_ms", "other_ms", "comm_ms", "exposed_comm_ms")
@@ -161,15 +165,14 @@ def device_breakdown(trace_dir: str, iterations: int) -> dict | None:
     return {k: v / iterations for k, v in values.items()}
 
 
-def profile_passes(attn, inputs, iterations: int, row: dict) -> bool:
-    """Traces `iterations` back-to-back calls of each pass (as `time_pipelined` runs
-    them) and fills `row['<pass>_<field>']` for the fields of `device_breakdown`;
-    False when the trace has no GPU device tracks."""
-    for name, (fn, nargs) in passes(attn).items():
-        jax.block_until_ready(fn(*inputs[:nargs]))
+def profile_passes(ran: dict, iterations: int, row: dict) -> bool:
+    """Traces `iterations` back-to-back calls of each pass `time_passes` ran (as
+    `time_pipelined` runs them) and fills `row['<pass>_<field>']` for the fields of
+    `device_breakdown`; False when the trace has no GPU device tracks."""
+    for name, (compiled, inputs) in ran.items():
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
-                jax.block_until_ready([fn(*inputs[:nargs]) for _ in range(iterations)])
+                jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
             parts = device_breakdown(trace_dir, iterations)
         if parts is None:
             return False
@@ -204,9 +207,9 @@ def benchmark(args, on_row=lambda rows: None) -> list[dict]:
                     )
                     attn = ring_fn(mesh, layout, strategy, args)
                     with jax.set_mesh(mesh):
-                        time_passes(attn, inputs, args, row)
+                        ran = time_passes(attn, inputs, args, row)
                         if args.profile and "fwdbwd_ms" in row:
-                            if not profile_passes(attn, inputs, args.profile_iters, row):
+                            if not profile_passes(ran, args.profile_iters, row):
                                 print(
                                     "device breakdown: not measured (the trace has no GPU "
                                     "device tracks)",

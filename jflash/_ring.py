@@ -320,7 +320,7 @@ def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     do = do.astype(q.dtype)
 
     def body(rank, q, kv, do, lse, delta):
-        dqs, dkv = [], jnp.zeros(kv.shape, jnp.float32)
+        dqs, dkvs = [], []
         for a, n, offset, seen in _query_chunks(rank, q.shape[1], cfg):
             dq, dk, dv = attention_bwd(
                 q[:, a : a + n],
@@ -336,11 +336,11 @@ def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
                 kernel=cfg.kernel,
             )
             dqs.append(dq.astype(q.dtype))
-            # A pad and an add, not `.at[:, :, :seen].add`: that form inside the
-            # per-rank `lax.switch` crashes XLA:CPU (segfault, jax 0.11.2).
+            # Padded and summed, not `.at[:, :, :seen].add` into zeros: that form inside
+            # the per-rank `lax.switch` crashes XLA:CPU (segfault, jax 0.11.2).
             pad = [(0, 0)] * 2 + [(0, kv.shape[2] - seen)] + [(0, 0)] * 2
-            dkv = dkv + jnp.pad(jnp.stack([dk, dv]), pad)
-        return jnp.concatenate(dqs, axis=1), dkv
+            dkvs.append(jnp.pad(jnp.stack([dk, dv]), pad))
+        return jnp.concatenate(dqs, axis=1), sum(dkvs[1:], dkvs[0])
 
     dq, dkv = _by_rank(body, cfg, q, _gathered_kv(k, v, cfg), do, lse, delta)
     if cfg.num_shards > 1:

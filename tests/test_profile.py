@@ -168,13 +168,12 @@ def test_profile_cli_on_cpu(tmp_path):
 
     (out / "report.md").unlink()
     (out / "scaling.png").unlink()
-    subprocess.run(
-        [sys.executable, "-m", "train.profile", "--report-only", str(out)],
-        env=env,
-        cwd=ROOT,
-        check=True,
-        timeout=120,
-    )
+
+    def profile_cli(*args, timeout):
+        cmd = [sys.executable, "-m", "train.profile", *args]
+        subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=timeout)
+
+    profile_cli("--report-only", str(out), timeout=120)
     assert (out / "report.md").read_text() == md
     assert (out / "scaling.png").stat().st_size > 5000
 
@@ -184,13 +183,7 @@ def test_profile_cli_on_cpu(tmp_path):
     rows[0].update(xla=None, hbm_gbps=None)
     rows[0]["intensity"]["step"] = None
     (out / "report.json").write_text(json.dumps(report))
-    subprocess.run(
-        [sys.executable, "-m", "train.profile", "--fill-xla-cost", str(out)],
-        env=env,
-        cwd=ROOT,
-        check=True,
-        timeout=300,
-    )
+    profile_cli("--fill-xla-cost", str(out), timeout=300)
     filled = json.loads((out / "report.json").read_text())["rows"][0]
     assert filled["xla"]["bytes"] == first["xla"]["bytes"] > 0
     assert _close(filled["hbm_gbps"], first["hbm_gbps"], 1e-9)

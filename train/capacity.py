@@ -23,6 +23,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from train.oom import is_oom
+
 
 def search_longest(
     fits_at: Callable[[int], dict], start: int, maximum: int, refine: int = 0, granule: int = 1
@@ -139,7 +141,7 @@ def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
         except Exception as e:  # noqa: BLE001 - a context that fails to compile is a probe
             text = str(e)
             error = text.splitlines()[0][:200] if text else type(e).__name__
-            if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+            if is_oom(text):
                 error = "out of memory at compile time"
             print(f"  {model} {mesh} {context:>9,}: {error}", flush=True)
             return {"fits": False, "gib": None, "error": error}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -31,6 +32,7 @@ from train.mesh import (
     shard_axes,
 )
 from train.metrics import JsonlLog, memory, throughput
+from train.oom import is_oom
 from train.optim import optimizer, schedule
 from train.step import StepSpec, train_step
 from train.tensorboard import SummaryWriter
@@ -389,7 +391,8 @@ def run(cfg: TrainConfig) -> dict:
                         cfg.profile.profile_dir or os.path.join(out, "tensorboard")
                     )
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = _guard_oom(step_fn, state, t.batch(step), cfg)
+                    with _oom_advice(cfg):
+                        state, metrics = step_fn(state, t.batch(step))
                 if profile and step == profile[1] - 1:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -463,10 +466,6 @@ def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
     return done % cfg.run.save_steps == 0 or done == total
 
 
-def _is_oom(e: BaseException) -> bool:
-    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
-
-
 def _oom_error(cfg: TrainConfig) -> TrainingError:
     return TrainingError(
         "out of device memory. Turn one of: --per_device_train_batch_size (now "
@@ -478,22 +477,15 @@ def _oom_error(cfg: TrainConfig) -> TrainingError:
     )
 
 
-def _guard_oom(step_fn, state, batch, cfg: TrainConfig):
+@contextlib.contextmanager
+def _oom_advice(cfg: TrainConfig):
+    """Re-raises an out-of-memory error with the knobs to turn. Steps run
+    asynchronously, so it wraps both the step's dispatch and its metrics' fetch, where
+    an error raised while the step ran surfaces."""
     try:
-        return step_fn(state, batch)
+        yield
     except Exception as e:  # noqa: BLE001 - rethrown with advice, or as is
-        if _is_oom(e):
-            raise _oom_error(cfg) from e
-        raise
-
-
-def _fetch(metrics, cfg: TrainConfig):
-    """`jax.device_get` of a step's metrics. Steps run asynchronously, so an
-    out-of-memory error raised while the step ran surfaces here: same advice."""
-    try:
-        return jax.device_get(metrics)
-    except Exception as e:  # noqa: BLE001 - rethrown with advice, or as is
-        if _is_oom(e):
+        if is_oom(e):
             raise _oom_error(cfg) from e
         raise
 
@@ -501,7 +493,8 @@ def _fetch(metrics, cfg: TrainConfig):
 def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar) -> dict:
     """Fetches one step's metrics; stops on a non-finite loss; logs every logging_steps."""
     step, metrics = pending
-    metrics = _fetch(metrics, cfg)
+    with _oom_advice(cfg):
+        metrics = jax.device_get(metrics)
     loss = float(metrics["loss"])
     if not math.isfinite(loss):
         raise TrainingError(

@@ -39,14 +39,11 @@ import sys
 import tempfile
 import time
 
+from train.oom import is_oom
+
 # jax (and everything that imports it) is imported inside the functions that run in a
 # child process: the parent never initialises a backend, so each child can set its own
 # XLA_FLAGS (simulated device count, command buffers) before jax starts.
-# Matched case-insensitively: XLA's "RESOURCE_EXHAUSTED: Out of memory while trying to
-# allocate ...", the CUDA driver's CUDA_ERROR_OUT_OF_MEMORY, NCCL's "out of memory".
-MEMORY_ERRORS = ("resource_exhausted", "out of memory", "out_of_memory")
-# The BFC allocator's warning when a retry succeeded is not a failure.
-NOT_A_FAILURE = "this is not a failure"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +100,6 @@ def mesh_device_count(spec: str, available: int) -> int:
 
 # ----------------------------------------------------------------------------------
 # Child process: one row, or the ceilings
-
-
-def _is_oom(error: BaseException | str) -> bool:
-    """Whether an exception (or a line of a child's output) says memory ran out."""
-    text = str(error).lower()
-    return NOT_A_FAILURE not in text and any(m in text for m in MEMORY_ERRORS)
 
 
 def _trainer_args(job: Job) -> list[str]:
@@ -286,7 +277,7 @@ def run_row(job: Job) -> dict:
                 jax.profiler.stop_trace()
             xla = _xla_cost(cfg, config, devices) if job.xla_cost else None
     except Exception as e:  # noqa: BLE001 - an OOM is a row; anything else is re-raised
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         row.update(status="does not fit", error=_oom_line(str(e))[:300])
         return row
@@ -342,7 +333,7 @@ def run_ceilings() -> dict:
 def _oom_line(text: str) -> str:
     """The first line of `text` that says memory ran out (else its first line)."""
     lines = text.strip().splitlines() or [""]
-    return next((x.strip() for x in lines if _is_oom(x)), lines[0])
+    return next((x.strip() for x in lines if is_oom(x)), lines[0])
 
 
 def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
@@ -360,7 +351,7 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
     else:
         how = f"exited with code {returncode}"
     line = _oom_line(text)
-    if _is_oom(line):
+    if is_oom(line):
         return {"status": "does not fit", "error": f"{line[:300]} ({how})"}
     return {"status": "error", "error": f"{how}: {tail}" if tail else how}
 
