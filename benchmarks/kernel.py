@@ -4,6 +4,7 @@
     python benchmarks/kernel.py --sweep           # time/TFLOP/s/memory vs S, heads, D + PNGs
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
+    python benchmarks/kernel.py --kernels         # fwd+bwd time per GPU kernel (traced)
 
 Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that (ANCHORS.md).
 """
@@ -16,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import device_name, table, time_fn, write_json  # noqa: E402
+from train.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -55,6 +58,24 @@ def causal_flops(batch, heads, seq, head_dim):
     return 4 * batch * heads * seq * seq * head_dim / 2
 
 
+def draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (batch, seq, heads, head_dim), dtype)
+    k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
+    v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
+    do = jax.random.normal(ks[3], (batch, seq, heads, head_dim), dtype)
+    return q, k, v, do
+
+
+def fwdbwd_fn(attn):
+    @jax.jit
+    def fwdbwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    return fwdbwd
+
+
 def measure(
     impl,
     *,
@@ -67,19 +88,10 @@ def measure(
     block_sizes=None,
     passes=("fwd", "fwdbwd"),
 ):
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (batch, seq, heads, head_dim), dtype)
-    k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
-    v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
-    do = jax.random.normal(ks[3], (batch, seq, heads, head_dim), dtype)
+    q, k, v, do = draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype)
     attn = attention_fn(impl, block_sizes)
     fwd = jax.jit(attn)
-
-    @jax.jit
-    def fwdbwd(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
+    fwdbwd = fwdbwd_fn(attn)
     flops = causal_flops(batch, heads, seq, head_dim)
     row = dict(
         impl=impl, seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch
@@ -218,6 +230,31 @@ def tune(args):
     run_candidates(args, "jflash", candidates, ["cudnn"], "kernel-tune")
 
 
+def kernel_split(args, iterations: int = 20):
+    """Forward+backward at the `--seq`/`--head-dim` shape, traced: ms per call of each
+    GPU kernel, per implementation (which pass of ours or cuDNN's is the slower)."""
+    inputs = draw_inputs(1, args.seq, args.heads, args.kv_heads, args.head_dim)
+    rows = []
+    for impl in args.impls:
+        compiled = fwdbwd_fn(attention_fn(impl)).lower(*inputs).compile()
+        jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
+            spent = kernel_durations(trace_dir)
+        total = sum(spent.values())
+        for name, ns in spent.items():
+            if ns < 0.01 * total:
+                continue
+            rows.append(
+                dict(impl=impl, kernel=name[:60], ms=ns / iterations / 1e6, share=ns / total)
+            )
+        rows.append(dict(impl=impl, kernel="(all)", ms=total / iterations / 1e6, share=1.0))
+    print(table(rows, ["impl", "kernel", "ms", "share"]))
+    name = f"kernel-split-{device_name()}-{args.seq}-{args.head_dim}.json"
+    write_json(os.path.join(args.out, name), {"rows": rows})
+
+
 def long_context(args):
     """Forward+backward at very long S: memory stays linear (compiler estimate + peak)."""
     rows = []
@@ -354,13 +391,15 @@ def tune_mosaic(args):
     for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4)) if args.which in ("fwd", "both") else []:
         bs = dataclasses.replace(base, block_kv=bk, num_stages=s)
         candidates.append((bs, ("fwd",), f"fwd kv{bk} s{s}"))
-    # The default (fused dQ) backward streams 64 queries per step (one wgmma M); the
-    # stage count is its only knob (lowered where shared memory would overflow).
-    bwd = ((64, 64, 2), (64, 64, 3))
+    # The dK/dV kernel streams 64 queries per step (one wgmma M: the fused dQ needs it,
+    # and at D=128 a wider step's f32 S and dP would not fit next to dK and dV); the dQ
+    # kernel's key step (64 or 128: the N of its S and dP wgmmas) and the stage count
+    # (lowered per kernel where shared memory would overflow) are the knobs.
+    bwd = ((64, 64, 2), (64, 64, 3), (64, 64, 4), (64, 128, 2), (64, 128, 3))
     for qd, kq, s in bwd if args.which in ("bwd", "both") else []:
         bs = dataclasses.replace(base, block_q_dkv=qd, block_kv_dq=kq, num_stages_bwd=s)
         candidates.append((bs, ("fwdbwd",), f"bwd dkv q{qd} dq kv{kq} s{s}"))
-    run_candidates(args, "jflash_mosaic", candidates, ["cudnn", "jflash"], "kernel-tune-mosaic")
+    run_candidates(args, "jflash_mosaic", candidates, ["cudnn"], "kernel-tune-mosaic")
 
 
 def main():
@@ -372,6 +411,9 @@ def main():
         "--sweep-replot", metavar="JSON", help="redraw a sweep's PNG from its JSON (no GPU)"
     )
     parser.add_argument("--tune", action="store_true")
+    parser.add_argument(
+        "--kernels", action="store_true", help="time per GPU kernel at the --seq shape"
+    )
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
     parser.add_argument(
         "--which",
@@ -379,8 +421,8 @@ def main():
         choices=("fwd", "bwd", "both"),
         help="--tune: which pass's candidates",
     )
-    parser.add_argument("--seq", type=int, default=16384, help="--tune shape")
-    parser.add_argument("--head-dim", type=int, default=128, help="--tune shape")
+    parser.add_argument("--seq", type=int, default=16384, help="--tune and --kernels shape")
+    parser.add_argument("--head-dim", type=int, default=128, help="--tune and --kernels shape")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--impls", default="jflash,jflash_mosaic,cudnn,xla")
@@ -411,6 +453,8 @@ def main():
         sweep(args)
     elif args.tune:
         tune(args)
+    elif args.kernels:
+        kernel_split(args)
     elif args.long:
         long_context(args)
     else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Mosaic GPU kernels on a Hopper GPU: compiled correctness tests, then the
 # same-run kernel table against cuDNN and the Triton kernel.
-#   bash benchmarks/mosaic_check.sh [tests|table|tune|all]
+#   bash benchmarks/mosaic_check.sh [tests|table|tune|split|all]
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -14,10 +14,21 @@ if [[ $part == table || $part == all ]]; then
     | grep -v Warning | tail -40
 fi
 if [[ $part == tune || $part == all ]]; then
-  for hd in 128; do
-    stamp "tune mosaic D=$hd"
-    timeout 240 python3 benchmarks/kernel.py --tune --tune-impl jflash_mosaic --head-dim $hd \
-      --out "$OUT" 2>&1 | grep -v Warning | grep -v "^{" | tail -20
+  # TUNE_WHICH=fwd|bwd|both, TUNE_SEQS: the lengths tuned at D=128.
+  for seq in ${TUNE_SEQS:-16384 65536}; do
+    stamp "tune mosaic D=128 S=$seq"
+    timeout 240 python3 benchmarks/kernel.py --tune --tune-impl jflash_mosaic --head-dim 128 \
+      --seq "$seq" --which "${TUNE_WHICH:-both}" --out "$OUT" 2>&1 \
+      | grep -v Warning | grep -v "^{" | tail -20
+  done
+fi
+if [[ $part == split || $part == all ]]; then
+  # Forward+backward time per GPU kernel, ours against cuDNN's.
+  for shape in "16384 128" "65536 128" "16384 64"; do
+    set -- $shape
+    stamp "kernel split S=$1 D=$2"
+    timeout 180 python3 benchmarks/kernel.py --kernels --seq "$1" --head-dim "$2" \
+      --impls jflash_mosaic,jflash_mosaic_det,cudnn --out "$OUT" 2>&1 | grep -v Warning | tail -20
   done
 fi
 if [[ $part == tests || $part == all ]]; then

@@ -1,7 +1,11 @@
 """FlashAttention backward as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
 
-The kernels take the *global* base-2 LSE and `delta = rowsum(dO * O) - dLSE`, so no
-forward is recomputed (the ring's contract).
+The kernels take the *global* LSE and `delta = rowsum(dO * O) - dLSE`, so no forward
+is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV kernel
+they are the starting values of the S^T and dP^T accumulators, so `P = exp2(S * scale *
+log2 e)` and `dS = P * dP` take no broadcast operand: there they vary along the columns,
+and that frees 32 registers per thread next to dK and dV (ptxas: 8 bytes spilled, was 32;
+the kernel 6% faster at 64k, BENCHMARKS.md).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
@@ -15,7 +19,7 @@ forward is recomputed (the ring's contract).
     per 128 queries of one head, recomputes S and dP while its memory warpgroup
     streams K and V. No atomics: bitwise reproducible.
 
-Rows that see no key carry `lse = +inf` here, so their probabilities are exactly 0.
+Rows that see no key start S at -inf, so their probabilities are exactly 0.
 """
 
 from __future__ import annotations
@@ -147,19 +151,18 @@ def _dkv_kernel(
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
 
-            zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
-            # S^T = K Q^T, dP^T = V dO^T: [keys, queries] f32
-            s, dp = wgmma_into(
-                (zeros, zeros), [(k_smem, q_t.T), (v_smem, do_t.T)], interpret=interpret
+            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
+            col, shape = plgpu.Layout.WGMMA.reduce(0), (bk, block_q)
+            init = (
+                _bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1),
+                _bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1),
             )
-            col = plgpu.Layout.WGMMA.reduce(0)
-            lse2 = plgpu.load(lse_smem.at[slot], layout=col)
-            delta = plgpu.load(delta_smem.at[slot], layout=col)
-            p = jnp.exp2(s * qk_scale - _bcast(lse2, s.shape, 1))
+            s, dp = wgmma_into(init, [(k_smem, q_t.T), (v_smem, do_t.T)], interpret=interpret)
+            p = jnp.exp2(s * qk_scale)
             if masked:
                 seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                 p = jnp.where(seen, p, 0.0)
-            ds = p * (dp - _bcast(delta, s.shape, 1))
+            ds = p * dp
             p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731 (converted where issued)
 
             if not fused:
@@ -306,9 +309,12 @@ def _dq_kernel(
         n_full, n_end = kv_range(geom, q_start, bq, block_kv)
         for i in range(4):
             plgpu.barrier_wait(row_ready.at[wg, i])
+        # Here the per-row terms are two registers per thread and the accumulators
+        # start at zero (measured: starting them at -LSE/scale and -delta, as the dK/dV
+        # kernel does, costs this kernel 4%): P = exp2(S * qk_scale - LSE*log2 e).
         row = plgpu.Layout.WGMMA.reduce(1)
-        lse2 = plgpu.load(lse_smem2.at[wg], layout=row)
-        delta = plgpu.load(delta_smem2.at[wg], layout=row)
+        neg_lse2 = plgpu.load(lse_smem2.at[wg], layout=row) * qk_scale  # -LSE * log2 e
+        neg_delta = plgpu.load(delta_smem2.at[wg], layout=row)
 
         def step(j, dq, *, masked: bool):
             slot = lax.rem(j, stages)
@@ -322,10 +328,10 @@ def _dq_kernel(
                 interpret=interpret,
             )
             plgpu.barrier_arrive(v_free.at[slot])
-            p = jnp.exp2(s * qk_scale - _bcast(lse2, s.shape, 0))
+            p = jnp.exp2(s * qk_scale + _bcast(neg_lse2, s.shape, 0))
             if masked:
                 p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
-            ds = p * (dp - _bcast(delta, s.shape, 0))
+            ds = p * (dp + _bcast(neg_delta, s.shape, 0))
 
             (dq,) = wgmma_into(  # dQ += dS K
                 (dq,), [(lambda: ds.astype(k_smem.dtype), k_smem.at[slot])], interpret=interpret
@@ -404,9 +410,11 @@ def mosaic_bwd(
         group=n // kh,
         head_dim=h,
     )
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
-    lse2 = pad_to(lse2, 2, geom.q_pad, jnp.inf)
-    delta = pad_to(delta.astype(jnp.float32), 2, geom.q_pad)
+    # The accumulators' starting values (module docstring): -LSE/scale (-inf for rows
+    # that see nothing, and padding) and -delta.
+    s_start = jnp.where(lse == -jnp.inf, -jnp.inf, lse.astype(jnp.float32) / -scale)
+    s_start = pad_to(s_start, 2, geom.q_pad, -jnp.inf)
+    dp_start = pad_to(-delta.astype(jnp.float32), 2, geom.q_pad)
     q = pad_to(q, 1, geom.q_pad)
     do = pad_to(do.astype(q.dtype), 1, geom.q_pad)
     k = pad_to(k, 1, geom.kv_pad)
@@ -434,7 +442,7 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         **common,
     )
-    inputs = (q, k, v, do, lse2, delta)
+    inputs = (q, k, v, do, s_start, dp_start)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
@@ -497,7 +505,7 @@ def mosaic_bwd(
         grid_names=("heads", "q_tiles", "batch"),
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, s_start, dp_start)
     return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
 

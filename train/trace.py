@@ -221,6 +221,20 @@ def _gpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
     return out
 
 
+def kernel_durations(source: str | ProfileData) -> dict[str, float]:
+    """Device time (ns) per kernel name on the first GPU of a trace, longest first;
+    empty when the trace has no GPU kernels (CPU runs)."""
+    data = source if isinstance(source, ProfileData) else load(source)
+    devices = _gpu_kernels(data)
+    if not devices:
+        return {}
+    first = min(devices, key=lambda d: int(d.split(":")[1]))
+    totals: collections.Counter = collections.Counter()
+    for k in devices[first]:
+        totals[k.name] += k.end - k.start
+    return dict(totals.most_common())
+
+
 def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
     host = _host_plane(data)
     if host is None:
