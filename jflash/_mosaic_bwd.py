@@ -1,11 +1,13 @@
 """FlashAttention backward as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
 
 The kernels take the *global* LSE and `delta = rowsum(dO * O) - dLSE`, so no forward
-is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV kernel
-they are the starting values of the S^T and dP^T accumulators, so `P = exp2(S * scale *
-log2 e)` and `dS = P * dP` take no broadcast operand: there they vary along the columns,
-and that frees 32 registers per thread next to dK and dV (ptxas: 8 bytes spilled, was 32;
-the kernel 6% faster at 64k, BENCHMARKS.md).
+is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV
+kernel they are the starting values of the S^T and dP^T accumulators, so `P = exp2(S *
+scale * log2 e)` and `dS = P * dP` take no broadcast operand: there they vary along the
+columns, and that frees 32 registers per thread next to dK and dV (ptxas at D=128: 8
+bytes spilled, was 32; the kernel 7% faster). The dQ kernel holds two such registers
+per thread and adds them after its matmuls (starting its accumulators there cost it
+2-4%: more moves per step). BENCHMARKS.md, "Fifth session".
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
@@ -309,9 +311,8 @@ def _dq_kernel(
         n_full, n_end = kv_range(geom, q_start, bq, block_kv)
         for i in range(4):
             plgpu.barrier_wait(row_ready.at[wg, i])
-        # Here the per-row terms are two registers per thread and the accumulators
-        # start at zero (measured: starting them at -LSE/scale and -delta, as the dK/dV
-        # kernel does, costs this kernel 4%): P = exp2(S * qk_scale - LSE*log2 e).
+        # The per-row terms are two registers per thread here: zero accumulators and
+        # the terms added after (starting at them cost this kernel 2-4%, module docstring).
         row = plgpu.Layout.WGMMA.reduce(1)
         neg_lse2 = plgpu.load(lse_smem2.at[wg], layout=row) * qk_scale  # -LSE * log2 e
         neg_delta = plgpu.load(delta_smem2.at[wg], layout=row)
