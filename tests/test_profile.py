@@ -74,6 +74,17 @@ def test_ring_benchmark_reads_device_breakdown():
     assert _close(parts, result["busy_ms"], 0.01), result
 
 
+def test_kernel_durations_sum_the_first_gpu():
+    """`benchmarks/kernel.py --kernels` reads this: device time per kernel name on GPU 0."""
+    spent = trace.kernel_durations(GPU_TRACE)
+    assert spent and list(spent.values()) == sorted(spent.values(), reverse=True)
+    data = trace.load(GPU_TRACE)
+    gpu0 = trace._gpu_kernels(data)["gpu:0"]
+    assert _close(sum(spent.values()), sum(k.end - k.start for k in gpu0), 1e-9)
+    assert set(spent) == {k.name for k in gpu0}
+    assert trace.kernel_durations(data) == spent
+
+
 def test_hlo_facts():
     text = "\n".join(
         [
