@@ -10,6 +10,19 @@ import time
 import jax
 
 
+def jit_passes(attn):
+    """Jitted forward and forward+backward of `attn(q, k, v)`, each with its
+    argument count (forward+backward also takes the output cotangent)."""
+    fwd = jax.jit(attn)
+
+    @jax.jit
+    def fwdbwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    return {"fwd": (fwd, 3), "fwdbwd": (fwdbwd, 4)}
+
+
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10, min_time: float = 0.5) -> float:
     """Median wall time (s) of `fn(*args)` with `block_until_ready`, compile excluded."""
     for _ in range(warmup):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import device_name, table, time_fn, write_json  # noqa: E402
+from benchmarks.common import device_name, jit_passes, table, time_fn, write_json  # noqa: E402
 from train.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -67,15 +67,6 @@ def draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
     return q, k, v, do
 
 
-def fwdbwd_fn(attn):
-    @jax.jit
-    def fwdbwd(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
-    return fwdbwd
-
-
 def measure(
     impl,
     *,
@@ -89,9 +80,8 @@ def measure(
     passes=("fwd", "fwdbwd"),
 ):
     q, k, v, do = draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype)
-    attn = attention_fn(impl, block_sizes)
-    fwd = jax.jit(attn)
-    fwdbwd = fwdbwd_fn(attn)
+    jitted = jit_passes(attention_fn(impl, block_sizes))
+    fwd, fwdbwd = jitted["fwd"][0], jitted["fwdbwd"][0]
     flops = causal_flops(batch, heads, seq, head_dim)
     row = dict(
         impl=impl, seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch
@@ -236,7 +226,7 @@ def kernel_split(args, iterations: int = 20):
     inputs = draw_inputs(1, args.seq, args.heads, args.kv_heads, args.head_dim)
     rows = []
     for impl in args.impls:
-        compiled = fwdbwd_fn(attention_fn(impl)).lower(*inputs).compile()
+        compiled = jit_passes(attention_fn(impl))["fwdbwd"][0].lower(*inputs).compile()
         jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import table, time_fn, time_pipelined, write_json  # noqa: E402
+from benchmarks.common import jit_passes, table, time_fn, time_pipelined, write_json  # noqa: E402
 from train.capacity import search_longest  # noqa: E402
 from train.metrics import compiled_bytes  # noqa: E402
 from train.trace import parse as parse_trace  # noqa: E402
@@ -77,18 +77,6 @@ def draw_inputs(seq, args, sharding=None):
     ]
 
 
-def passes(attn):
-    """Jitted forward and forward+backward of `attn(q, k, v)`."""
-    fwd = jax.jit(attn)
-
-    @jax.jit
-    def fwdbwd(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return out, vjp(do)
-
-    return {"fwd": (fwd, 3), "fwdbwd": (fwdbwd, 4)}
-
-
 def _error(e: Exception) -> str:
     return "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e).splitlines()[0][:160]
 
@@ -98,7 +86,7 @@ def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> dict:
     time of one synchronised call; and `..._pipe_ms`: per call, dispatched back to back.
     Returns `{pass: (compiled, its inputs)}` of the passes that ran, warm."""
     ran = {}
-    for name, (fn, nargs) in passes(attn).items():
+    for name, (fn, nargs) in jit_passes(attn).items():
         try:
             compiled = fn.lower(*inputs[:nargs]).compile()
             t = time_fn(
@@ -275,7 +263,7 @@ def fits(attn, seq, args, sharding, limit: int) -> tuple[bool, float]:
     memory analysis: arguments + outputs + temporaries), and that total in GiB."""
     shapes = draw_inputs_abstract(seq, args, sharding)
     try:
-        compiled = passes(attn)["fwdbwd"][0].lower(*shapes).compile()
+        compiled = jit_passes(attn)["fwdbwd"][0].lower(*shapes).compile()
     except Exception as e:  # noqa: BLE001 - a compile-time OOM means it does not fit
         if "RESOURCE_EXHAUSTED" in str(e):
             return False, float("nan")
