@@ -26,9 +26,7 @@ Rows that see no key start S at -inf, so their probabilities are exactly 0.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -55,71 +53,25 @@ from jflash._mosaic_common import (
 )
 from jflash._triton_common import LOG2E, pad_to, round_up
 
-DQ_COLS = 64  # dQ columns per warpgroup when the two share dS (one 128-byte swizzle)
-
-
-@dataclasses.dataclass(frozen=True)
-class DkvPlan:
-    """What one launch of the dK/dV kernel computes.
-
-    `dq`: None (the dQ kernel runs after), "own" (each warpgroup adds `dS K` over its
-    own 64 keys: all of dQ's columns) or "shared" (the warpgroups exchange dS through
-    SMEM and each adds half of dQ's columns over all 128 keys of the CTA: half the
-    accumulator registers and half the reduce-add traffic of "own").
-    """
-
-    dk: bool = True
-    dv: bool = True
-    dq: str | None = None
-
-    @property
-    def needs_dp(self) -> bool:
-        return self.dk
-
-    @property
-    def kernel_name(self) -> str:
-        """`jflash_mosaic_dkv` (also when it adds dQ), `jflash_mosaic_dkdq`, `jflash_mosaic_dv`."""
-        if self.dk and self.dv:
-            return "jflash_mosaic_dkv"
-        return "jflash_mosaic_dkdq" if self.dk else "jflash_mosaic_dv"
-
-
-# How `deterministic=False` forms dQ, per head dim (H100, same-run ratios in
-# BENCHMARKS.md): D=64 fuses it into the dK/dV kernel (5 matmuls, no spill); D=128
-# runs a dK + dQ kernel ("shared", 4 matmuls) and a dV kernel (2 matmuls): holding
-# dK, dV and dQ together spills registers at D=128. Other head dims, and
-# `deterministic=True`, run the dK/dV kernel and the dQ kernel (7 matmuls, no atomics).
-FUSED_PLANS = {
-    64: (DkvPlan(dq="own"),),
-    128: (DkvPlan(dv=False, dq="shared"), DkvPlan(dk=False)),
-}
-FUSED_DQ_HEAD_DIMS = tuple(FUSED_PLANS)
+# Head dims where the fused dQ is the faster backward (H100, same run, BENCHMARKS.md
+# "Fused dQ"): at D=64 0.94-0.97x cuDNN against 0.91 for two kernels; at D=128 the
+# [64, 128] f32 dQ accumulator next to dK and dV spills registers and its reduce-add
+# traffic into L2 doubles: 0.62-0.79x against 0.90-1.0x, also with the dQ split into
+# column chunks or shared between the warpgroups (tried, commit c8ba412).
+FUSED_DQ_HEAD_DIMS = (64,)
 
 
 def fuses_dq(head_dim: int, deterministic: bool) -> bool:
-    """Whether the backward adds dQ inside a dK/dV kernel (f32 reduce-add)."""
-    return not deterministic and head_dim in FUSED_PLANS
-
-
-def backward_plans(head_dim: int, deterministic: bool) -> tuple[DkvPlan, ...]:
-    """The dK/dV kernel launches of one backward; without a dQ among them the dQ
-    kernel runs after."""
-    if fuses_dq(head_dim, deterministic):
-        return FUSED_PLANS[head_dim]
-    return (DkvPlan(),)
+    """Whether the backward adds dQ inside the dK/dV kernel (f32 reduce-add)."""
+    return not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
 
 
 def _store_tile(value, smem, dst):
-    """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused. An SMEM tile
-    narrower than `value` takes it in column chunks of its own width."""
-    width = smem.shape[-1]
-    for c in range(0, value.shape[-1], width):
-        smem[...] = value[:, c : c + width].astype(smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            smem, dst if width == value.shape[-1] else dst.at[:, pl.ds(c, width)]
-        )
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused."""
+    smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _bcast(x, shape, dim):
@@ -127,16 +79,6 @@ def _bcast(x, shape, dim):
 
 
 # ----------------------------------------------------------------------------- dK/dV
-
-
-def _dkv_body(*refs, plan: DkvPlan, **params):
-    """Unpacks the launch's refs: 6 inputs, the f32 dQ (if `plan.dq`), then the
-    outputs the plan computes, then the scratch."""
-    rest = list(refs[6:])
-    dq_ref = rest.pop(0) if plan.dq else None
-    dk_ref = rest.pop(0) if plan.dk else None
-    dv_ref = rest.pop(0) if plan.dv else None
-    return _dkv_kernel(*refs[:6], dq_ref, dk_ref, dv_ref, *rest, plan=plan, **params)
 
 
 def _dkv_kernel(
@@ -164,9 +106,7 @@ def _dkv_kernel(
     lse_ready,
     delta_ready,
     free,
-    ds_ready,
     *,
-    plan: DkvPlan,
     geom: Geometry,
     block_q: int,
     stages: int,
@@ -175,12 +115,11 @@ def _dkv_kernel(
     grads_in_input_dtype: bool,
     interpret: bool,
 ):
-    """`dq_ref` is None or the f32 dQ this kernel adds into: `[B, T, N, H]`, or in
-    interpret mode (the GPU interpreter has no TMA reduce-add) one `[B, T, N, H]`
-    slice per (key tile, warpgroup), summed after. `plan` says which of dK, dV and dQ
-    this launch forms; V and delta are read only for dP (dK)."""
+    """`dq_ref` is None (deterministic: the dQ kernel runs after) or the f32 dQ this
+    kernel adds into: `[B, T, N, H]`, or in interpret mode (the GPU interpreter has no
+    TMA reduce-add) one `[B, T, N, H]` slice per (key tile, warpgroup), summed after."""
     bk = WG_ROWS
-    shared = plan.dq == "shared"
+    fused = dq_ref is not None
     batch = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -192,41 +131,21 @@ def _dkv_kernel(
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGS, action="increase")
         k_start = cta_start + wg * bk
-        k_smem = k_smem2.at[wg]
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (batch, pl.ds(k_start, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
-        if plan.needs_dp:
-            v_smem = v_smem2.at[wg]
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
         n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
-        if shared:  # every step needs both warpgroups' dS: none skips
-            n_begin = cta_begin
+        if fused:
+            ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         plgpu.barrier_wait(kv_ready.at[wg, 0])
-        if plan.needs_dp:
-            plgpu.barrier_wait(kv_ready.at[wg, 1])
-        dtype = k_smem.dtype
+        plgpu.barrier_wait(kv_ready.at[wg, 1])
 
         def wait_inputs(slot):
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
-            if plan.needs_dp:
-                plgpu.barrier_wait(delta_ready.at[slot])
-
-        def add_dq(dq, cols, q_rows, head_g):
-            """This step's dQ tile (f32, `cols` of the head) into HBM: reduce-add."""
-            dq_smem = dq_smem2.at[wg]
-            # The previous step's reduce-add has read its SMEM long ago (a whole step of
-            # matmuls ran since); wait for it before overwriting.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dq_smem[...] = dq * scale
-            plgpu.commit_smem()
-            if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
-                part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
-                plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[part, batch, q_rows, head_g, cols])
-            else:
-                dst = dq_ref.at[batch, q_rows, head_g, cols]
-                plgpu.copy_smem_to_gmem(dq_smem, dst, reduction_op="add")
+            plgpu.barrier_wait(delta_ready.at[slot])
 
         def step(qi, carry, *, g, base, masked: bool):
             dk, dv = carry
@@ -236,65 +155,54 @@ def _dkv_kernel(
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
             col, shape = plgpu.Layout.WGMMA.reduce(0), (bk, block_q)
-            init = [_bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1)]
-            products = [(k_smem, q_t.T)]
-            if plan.needs_dp:
-                init.append(_bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1))
-                products.append((v_smem, do_t.T))
-            s, *dp = wgmma_into(tuple(init), products, interpret=interpret)
+            init = (
+                _bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1),
+                _bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1),
+            )
+            s, dp = wgmma_into(init, [(k_smem, q_t.T), (v_smem, do_t.T)], interpret=interpret)
             p = jnp.exp2(s * qk_scale)
             if masked:
                 seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                 p = jnp.where(seen, p, 0.0)
+            ds = p * dp
+            p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731 (converted where issued)
 
-            accs, products = [], []
-            if plan.dv:  # dV += P^T dO (P converted where the wgmma is issued)
-                accs.append(dv)
-                products.append((lambda: p.astype(dtype), do_t))
-            if plan.dk:  # dK += dS^T Q
-                ds = p * dp[0]
-                if plan.dq is None:
-                    ds_op = lambda: ds.astype(dtype)  # noqa: E731
-                else:
-                    # dS^T [keys, queries] goes through SMEM: the A operand of dK += dS^T Q
-                    # as it is, and transposed, of this step's dQ = dS K.
-                    if shared:  # [2 steps, 128 keys, queries]: both warpgroups' rows
-                        ds_both = ds_smem2.at[lax.rem(base + qi, 2)]
-                        ds_op = ds_both.at[pl.ds(wg * bk, bk)]
-                    else:
-                        ds_op = ds_smem2.at[wg]
-                    ds_op[...] = ds.astype(dtype)
-                    plgpu.commit_smem()
-                accs.append(dk)
-                products.append((ds_op, q_t))
-            if plan.dq == "own":  # dQ = dS K over this warpgroup's keys, all columns
-                accs.append(_zeros(block_q, geom.head_dim))
-                products.append((ds_op.T, k_smem))
-            out = list(wgmma_into(tuple(accs), products, interpret=interpret))
+            if not fused:
+                dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
+                    (dv, dk),
+                    [(p_in, do_t), (lambda: ds.astype(k_smem.dtype), q_t)],
+                    interpret=interpret,
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            # dS^T [keys, queries] goes through SMEM: the A operand of dK += dS^T Q
+            # as it is, and transposed of this step's dQ = dS K.
+            ds_smem[...] = ds.astype(ds_smem.dtype)
+            plgpu.commit_smem()
+            zeros_dq = plgpu.layout_cast(
+                jnp.zeros((block_q, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA
+            )
+            dv, dk, dq = wgmma_into(
+                (dv, dk, zeros_dq),
+                [(p_in, do_t), (ds_smem, q_t), (ds_smem.T, k_smem)],
+                interpret=interpret,
+            )
             plgpu.barrier_arrive(free.at[slot])
-            dv = out.pop(0) if plan.dv else None
-            dk = out.pop(0) if plan.dk else None
-
+            # The previous step's reduce-add has read its SMEM long ago (a whole step of
+            # matmuls ran since); wait for it before overwriting.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dq_smem[...] = dq * scale
+            plgpu.commit_smem()
             q_rows = pl.ds(qi * block_q, block_q)
             head_g = kv_head * geom.group + g
-            if plan.dq == "own":
-                add_dq(out.pop(0), pl.ds(0, geom.head_dim), q_rows, head_g)
-            elif shared:
-                # Columns [64 wg, 64 wg + 64) of dS K over all 128 keys. The dS buffers
-                # alternate by step, so the other warpgroup's next write cannot land
-                # while this one still reads.
-                plgpu.barrier_arrive(ds_ready)
-                plgpu.barrier_wait(ds_ready)
-                cols = pl.ds(wg * DQ_COLS, DQ_COLS)
-                # Both warpgroups' halves by traced index (mine, then the other's): a
-                # literal index would be a constant inside `run_state`, which the Mosaic
-                # GPU lowering cannot take.
-                halves = (wg, COMPUTE_WGS - 1 - wg)
-                pairs = [
-                    (ds_both.at[pl.ds(j * bk, bk)].T, k_smem2.at[j].at[:, cols]) for j in halves
-                ]
-                (dq,) = wgmma_into((_zeros(block_q, DQ_COLS),), [pairs], interpret=interpret)
-                add_dq(dq, cols, q_rows, head_g)
+            if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
+                part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
+                plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[part, batch, q_rows, head_g])
+            else:
+                plgpu.copy_smem_to_gmem(
+                    dq_smem, dq_ref.at[batch, q_rows, head_g], reduction_op="add"
+                )
             return dk, dv
 
         def skip(qi, carry, *, base):
@@ -313,24 +221,18 @@ def _dkv_kernel(
                 n_full, n_q, functools.partial(step, g=g, base=base, masked=False), carry
             )
 
-        zeros = _zeros(bk, geom.head_dim)
-        init = (zeros if plan.dk else None, zeros if plan.dv else None)
-        dk, dv = lax.fori_loop(0, geom.group, head, init)
-        if shared:  # the other warpgroup's last dQ has read this one's K tile
-            plgpu.barrier_arrive(ds_ready)
-            plgpu.barrier_wait(ds_ready)
-        if plan.dq:
+        zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
+        dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
+        if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
         if out_smem2 is not None:
-            staging = out_smem2.at[wg]
-        elif grads_in_input_dtype:  # K's own slot is free now
-            staging = k_smem
-        else:  # f32 gradients of a dQ-adding kernel: through its f32 dQ tile
-            staging = dq_smem2.at[wg]
-        if plan.dk:
-            _store_tile(dk * scale, staging, dk_ref.at[rows])
-        if plan.dv:
-            _store_tile(dv, staging, dv_ref.at[rows])
+            dk_smem = dv_smem = out_smem2.at[wg]
+        elif grads_in_input_dtype:  # K/V's own slots are free now
+            dk_smem, dv_smem = k_smem, v_smem
+        else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
+            dk_smem = dv_smem = dq_smem
+        _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
+        _store_tile(dv, dv_smem, dv_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -352,16 +254,10 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
             cols = (batch, head, pl.ds(q_start, block_q))
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_ready.at[slot])
-            if plan.needs_dp:
-                dst = delta_smem.at[slot]
-                plgpu.copy_gmem_to_smem(delta_ref.at[cols], dst, delta_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_ready.at[slot])
 
         if interpret:
             drain((free,), geom.group * per_head, stages)
-
-
-def _zeros(rows: int, cols: int):
-    return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -525,82 +421,68 @@ def mosaic_bwd(
     k = pad_to(k, 1, geom.kv_pad)
     v = pad_to(v, 1, geom.kv_pad)
     same = jnp.dtype(grad_dtype) == q.dtype
+    fused = fuses_dq(h, deterministic)  # block_q_dkv checked by `check_mosaic_block_sizes`
     size = jnp.dtype(q.dtype).itemsize
+    # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
+    separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
+    out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
+    fused_tiles = COMPUTE_WGS * (WG_ROWS * block_q_dkv * size + block_q_dkv * h * 4)
     common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale, interpret=interpret)
+    dkv_stages = fit_stages(
+        "jflash_mosaic_dkv",
+        stages,
+        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0),
+        per_stage=2 * block_q_dkv * (h * size + 4),
+    )
     kv_tiles = geom.kv_pad // rows
+    kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
+    dkv_body = functools.partial(
+        _dkv_kernel,
+        block_q=block_q_dkv,
+        stages=dkv_stages,
+        grads_in_input_dtype=same,
+        **common,
+    )
     inputs = (q, k, v, do, s_start, dp_start)
-    plans = backward_plans(h, deterministic)  # block_q_dkv checked by the dispatcher
-    dq_acc = None
-    if any(plan.dq for plan in plans):
+    if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
         parts = (kv_tiles * COMPUTE_WGS,) if interpret else ()
         dq_acc = jax.new_ref(jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32))
-    grads = {}
-    for plan in plans:
-        shared = plan.dq == "shared"
-        # f32 gradients of a dQ-adding kernel are stored through its f32 dQ tiles.
-        separate_out = not same and not (plan.dq and jnp.dtype(grad_dtype) == jnp.float32)
-        dq_cols = DQ_COLS if shared else h
-        ds_shape = (2, rows, block_q_dkv) if shared else (COMPUTE_WGS, WG_ROWS, block_q_dkv)
-        fixed = (1 + plan.needs_dp) * rows * h * size
-        if separate_out:
-            fixed += rows * h * jnp.dtype(grad_dtype).itemsize
-        if plan.dq:
-            fixed += math.prod(ds_shape) * size + COMPUTE_WGS * block_q_dkv * dq_cols * 4
-        stages_ = fit_stages(
-            "jflash_mosaic_dkv",
-            stages,
-            fixed=fixed,
-            per_stage=2 * block_q_dkv * h * size + (1 + plan.needs_dp) * block_q_dkv * 4,
-        )
-        body = functools.partial(
-            _dkv_body,
-            plan=plan,
-            block_q=block_q_dkv,
-            stages=stages_,
-            grads_in_input_dtype=same,
-            **common,
-        )
-        names = [name for name, on in (("dk", plan.dk), ("dv", plan.dv)) if on]
-        kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
-        outs = launch(
-            body,
-            out_type=[kv_type] * len(names),
-            scratch_types=[
-                smem_tile((COMPUTE_WGS, WG_ROWS, h), k.dtype),
-                smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype) if plan.needs_dp else None,
-                smem_tile((stages_, block_q_dkv, h), q.dtype),
-                smem_tile((stages_, block_q_dkv, h), q.dtype),
-                plgpu.SMEM((stages_, block_q_dkv), jnp.float32),
-                plgpu.SMEM((stages_, block_q_dkv), jnp.float32) if plan.needs_dp else None,
-                smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
-                smem_tile(ds_shape, q.dtype) if plan.dq else None,
-                smem_tile((COMPUTE_WGS, block_q_dkv, dq_cols), jnp.float32) if plan.dq else None,
-                plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
-                *[plgpu.Barrier(num_barriers=stages_)] * 3,
-                plgpu.Barrier(num_barriers=stages_) if plan.needs_dp else None,
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_),
-                plgpu.Barrier(num_arrivals=COMPUTE_WGS) if shared else None,
-            ],
-            grid=(kh, kv_tiles, b),
-            grid_names=("heads", "kv_tiles", "batch"),
-            kernel_name=plan.kernel_name,
-            interpret=interpret,
-        )(*inputs, *((dq_acc,) if plan.dq else ()))
-        grads.update(zip(names, outs, strict=True))
-    dk, dv = grads["dk"][:, :s_len], grads["dv"][:, :s_len]
-    if dq_acc is not None:
+        inputs = (*inputs, dq_acc)
+    else:
+        dkv_body = functools.partial(_without_dq_ref, dkv_body)
+    dk, dv = launch(
+        dkv_body,
+        out_type=[kv_type, kv_type],
+        scratch_types=[
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), k.dtype),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
+            smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
+            smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
+            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
+            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
+            smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
+            smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
+            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
+            *[plgpu.Barrier(num_barriers=dkv_stages)] * 4,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
+        ],
+        grid=(kh, kv_tiles, b),
+        grid_names=("heads", "kv_tiles", "batch"),
+        kernel_name="jflash_mosaic_dkv",
+        interpret=interpret,
+    )(*inputs)
+    if fused:
         dq = dq_acc[...]
         dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)
-        return dq[:, :t], dk, dv
+        return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
     dq_stages = fit_stages(
         "jflash_mosaic_dq",
         stages,
-        fixed=2 * rows * h * size
-        + 2 * rows * 4
-        + (0 if same else rows * h * jnp.dtype(grad_dtype).itemsize),
+        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile,
         per_stage=2 * block_kv_dq * h * size,
     )
     dq = launch(
@@ -625,4 +507,9 @@ def mosaic_bwd(
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
     )(q, k, v, do, s_start, dp_start)
-    return dq[:, :t], dk, dv
+    return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
+
+
+def _without_dq_ref(body, q, k, v, do, lse, delta, *outs_and_scratch):
+    """The deterministic dK/dV kernel: no dQ operand (the dQ kernel runs after)."""
+    return body(q, k, v, do, lse, delta, None, *outs_and_scratch)

@@ -159,8 +159,7 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
 
 
 def wgmma_into(accs, products, *, interpret: bool):
-    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair
-    (or list of pairs, summed into that accumulator).
+    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
 
     `a` may be a zero-argument function (a register operand converted where it is
     issued, e.g. `lambda: p.astype(bf16)`).
@@ -175,17 +174,15 @@ def wgmma_into(accs, products, *, interpret: bool):
         # The GPU interpreter's wgmma takes SMEM operands only: read both operands
         # (a register value reads as itself) and multiply with f32 accumulation.
         out = []
-        for acc, pairs in zip(accs, products, strict=True):
-            for a, b in pairs if isinstance(pairs, list) else [pairs]:
-                a = (a() if callable(a) else a)[...]
-                acc = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-            out.append(acc)
+        for acc, (a, b) in zip(accs, products, strict=True):
+            a = (a() if callable(a) else a)[...]
+            product = jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            out.append(acc + product)
         return tuple(out)
 
     def issue(refs):
-        for ref, pairs in zip(refs, products, strict=True):
-            for a, b in pairs if isinstance(pairs, list) else [pairs]:
-                plgpu.wgmma(ref, a() if callable(a) else a, b)
+        for ref, (a, b) in zip(refs, products, strict=True):
+            plgpu.wgmma(ref, a() if callable(a) else a, b)
 
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
