@@ -50,6 +50,7 @@ from jflash._mosaic_common import (
     stream_kv,
     visible,
     wgmma_into,
+    wgmma_pair,
 )
 from jflash._triton_common import LOG2E, pad_to, round_up
 
@@ -159,12 +160,21 @@ def _dkv_kernel(
                 _bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1),
                 _bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1),
             )
-            s, dp = wgmma_into(init, [(k_smem, q_t.T), (v_smem, do_t.T)], interpret=interpret)
-            p = jnp.exp2(s * qk_scale)
-            if masked:
-                seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
-                p = jnp.where(seen, p, 0.0)
-            ds = p * dp
+
+            def probabilities(s):  # while dP^T is still on the tensor cores
+                p = jnp.exp2(s * qk_scale)
+                if masked:
+                    seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
+                    p = jnp.where(seen, p, 0.0)
+                return p
+
+            p, ds = wgmma_pair(
+                init,
+                [(k_smem, q_t.T), (v_smem, do_t.T)],
+                probabilities,
+                lambda p, dp: p * dp,
+                interpret=interpret,
+            )
             p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731 (converted where issued)
 
             if not fused:
@@ -322,17 +332,21 @@ def _dq_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
+            def probabilities(s):  # while dP is still on the tensor cores
+                p = jnp.exp2(s * qk_scale + _bcast(neg_lse2, s.shape, 0))
+                if masked:
+                    p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
+                return p
+
             zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
-            s, dp = wgmma_into(  # S = Q K^T, dP = dO V^T: [queries, keys] f32
+            p, ds = wgmma_pair(  # S = Q K^T, dP = dO V^T: [queries, keys] f32
                 (zeros, zeros),
                 [(q_t, k_smem.at[slot].T), (do_t, v_smem.at[slot].T)],
+                probabilities,
+                lambda p, dp: p * (dp + _bcast(neg_delta, p.shape, 0)),
                 interpret=interpret,
             )
             plgpu.barrier_arrive(v_free.at[slot])
-            p = jnp.exp2(s * qk_scale + _bcast(neg_lse2, s.shape, 0))
-            if masked:
-                p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
-            ds = p * (dp + _bcast(neg_delta, s.shape, 0))
 
             (dq,) = wgmma_into(  # dQ += dS K
                 (dq,), [(lambda: ds.astype(k_smem.dtype), k_smem.at[slot])], interpret=interpret

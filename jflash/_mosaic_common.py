@@ -187,6 +187,29 @@ def wgmma_into(accs, products, *, interpret: bool):
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
+def wgmma_pair(inits, products, first, then, *, interpret: bool):
+    """Two wgmmas `r_i = init_i + a_i @ b_i` issued together; `x = first(r_0)` runs while
+    the second is still on the tensor cores. Returns `(x, then(x, r_1))`, both f32 of
+    the accumulators' shapes (written back into them: no extra registers).
+
+    Each `plgpu.wgmma` commits its own group, so reading `r_0` waits for one group only.
+    """
+    if interpret:
+        r0, r1 = wgmma_into(inits, products, interpret=True)
+        x = first(r0)
+        return x, then(x, r1)
+
+    def issue(refs):
+        for ref, (a, b) in zip(refs, products, strict=True):
+            plgpu.wgmma(ref, a() if callable(a) else a, b)
+        x = first(plgpu.wgmma_accumulator_load(refs[0], wait_n=1))
+        y = then(x, plgpu.wgmma_accumulator_load(refs[1], wait_n=0))
+        refs[0][...] = x
+        refs[1][...] = y
+
+    return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in inits))
+
+
 def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str, interpret: bool):
     """`plgpu.kernel` with what every jflash Mosaic kernel shares: 2 compute + 1 memory
     warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked."""
