@@ -8,6 +8,8 @@ sharding never needs a shift across shards.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -60,40 +62,106 @@ def chunked_cross_entropy(
     mask: Bool[Array, "B T"] | None = None,
     *,
     chunk_size: int = 1024,
+    shards: int = 1,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """:func:`cross_entropy` of ``hidden @ lm_head`` without materialising all logits.
 
-    Scans over sequence chunks of ``chunk_size`` tokens and rematerialises each
-    chunk's ``[B, chunk, V]`` float32 logits in the backward pass, so peak memory
-    is one chunk's logits instead of ``[B, T, V]`` (e.g. 16 GiB at T=32k, V=128k).
+    Scans over chunks of ``chunk_size`` tokens, so peak memory is one chunk's
+    ``[B, chunk, V]`` float32 logits instead of ``[B, T, V]`` (16 GiB at T=32k, V=128k).
+    Under differentiation the same scan also forms the gradients (a custom VJP: the
+    softmax minus the one-hot, in ``hidden.dtype``, times ``lm_head`` and ``hidden``),
+    so the logits are computed once, every matmul runs in ``hidden.dtype`` with float32
+    accumulation, and ``lm_head``'s gradient is summed over the chunks in float32.
 
     Args:
         hidden: final-norm hidden states (``models.hidden_states``).
-        lm_head: output projection (``models.lm_head_weight``), cast to ``hidden.dtype``.
+        lm_head: output projection (``models.lm_head_weight``), cast to ``hidden.dtype``
+            for the matmuls; its gradient comes back in its own dtype.
         labels: aligned targets.
         mask: optional extra mask.
         chunk_size: tokens per chunk; must divide T.
+        shards: how many contiguous pieces the sequence axis is sharded into (the mesh's
+            ``seq`` axis): each chunk takes ``chunk_size // shards`` tokens of every
+            piece, so each device works on its own tokens instead of all of them.
         ignore_index: label value to skip.
     """
-    b, t, d = hidden.shape
+    b, t, _ = hidden.shape
+    if labels.shape != (b, t):
+        raise ValueError(f"{labels.shape=} does not match hidden's [B, T] = {(b, t)}")
+    if shards < 1 or chunk_size % shards:
+        raise ValueError(f"{chunk_size=} must be a positive multiple of {shards=}")
     if t % chunk_size:
         raise ValueError(f"sequence length {t=} must be divisible by {chunk_size=}")
-    n = t // chunk_size
-    if mask is None:
-        mask = jnp.ones((b, t), bool)
+    valid = labels != ignore_index
+    if mask is not None:
+        valid = valid & mask
+    safe = jnp.where(valid, labels, 0)
+    return _fused_cross_entropy(hidden, lm_head, safe, valid, chunk_size, shards)
+
+
+def _chunks(x, chunk_size: int, shards: int):
+    """``[B, T, ...]`` -> ``[n, B, shards, chunk_size // shards, ...]``: step ``i`` takes
+    the ``i``-th piece of every shard (a sharded ``T`` keeps its split on ``shards``)."""
+    b, t = x.shape[:2]
+    n, per = t // chunk_size, chunk_size // shards
+    return jnp.moveaxis(x.reshape(b, shards, n, per, *x.shape[2:]), 2, 0)
+
+
+def _unchunk(x, t: int):
+    """Inverse of :func:`_chunks`."""
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape(x.shape[0], t, *x.shape[4:])
+
+
+def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, *, grads: bool):
+    """`(loss sum, count)`, and with `grads` the gradients of the loss sum:
+    `(d hidden [B, T, D] in hidden.dtype, d lm_head [D, V] float32)`."""
     w = lm_head.astype(hidden.dtype)
 
-    def chunks(x):
-        return jnp.moveaxis(x.reshape(b, n, chunk_size, *x.shape[2:]), 1, 0)
-
-    @jax.checkpoint
     def body(carry, xs):
         h, lab, m = xs
-        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
-        loss, count = cross_entropy(logits, lab, m, ignore_index)
-        return (carry[0] + loss, carry[1] + count), None
+        logits = jnp.einsum("bpcd,dv->bpcv", h, w, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
+        loss = carry[0] + jnp.sum(jnp.where(m, lse - target, 0.0))
+        count = carry[1] + jnp.sum(m, dtype=jnp.int32)
+        if not grads:
+            return (loss, count), None
+        vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        probs = jnp.exp(logits - lse[..., None])
+        dlogits = jnp.where(m[..., None], probs - (vocab == lab[..., None]), 0.0)
+        dlogits = dlogits.astype(h.dtype)
+        dh = jnp.einsum("bpcv,dv->bpcd", dlogits, w, preferred_element_type=jnp.float32)
+        dw = carry[2] + jnp.einsum("bpcd,bpcv->dv", h, dlogits, preferred_element_type=jnp.float32)
+        return (loss, count, dw), dh.astype(h.dtype)
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (loss, count), _ = jax.lax.scan(body, init, (chunks(hidden), chunks(labels), chunks(mask)))
-    return loss, count
+    if grads:
+        init = (*init, jnp.zeros(lm_head.shape, jnp.float32))
+    xs = tuple(_chunks(x, chunk_size, shards) for x in (hidden, labels, valid))
+    carry, dh = jax.lax.scan(body, init, xs)
+    if not grads:
+        return carry
+    loss, count, dw = carry
+    return (loss, count), (_unchunk(dh, hidden.shape[1]), dw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused_cross_entropy(hidden, lm_head, labels, valid, chunk_size, shards):
+    return _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, grads=False)
+
+
+def _fused_fwd(hidden, lm_head, labels, valid, chunk_size, shards):
+    out, (dh, dw) = _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, grads=True)
+    return out, (dh, dw.astype(lm_head.dtype))
+
+
+def _fused_bwd(chunk_size, shards, res, cts):
+    dh, dw = res
+    g = cts[0]  # the count is an integer: no cotangent
+    scaled = [(x.astype(jnp.float32) * g).astype(x.dtype) for x in (dh, dw)]
+    return *scaled, None, None
+
+
+_fused_cross_entropy.defvjp(_fused_fwd, _fused_bwd)

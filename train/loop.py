@@ -124,8 +124,9 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
 
 
 def loss_chunk(seq_len: int, seq: int) -> int:
-    """Tokens per chunked-loss step: at most 1024, dividing T, a multiple of `seq`."""
-    for chunk in range(min(seq_len, 1024), 0, -1):
+    """Tokens per chunked-loss step: at most 4096 (float32 logits of 2 GiB at a 128k
+    vocabulary), dividing T, a multiple of `seq` (each shard takes its share)."""
+    for chunk in range(min(seq_len, 4096), 0, -1):
         if seq_len % chunk == 0 and chunk % seq == 0:
             return chunk
     return seq_len

@@ -46,7 +46,9 @@ def loss_sums(params, ids, labels, spec: StepSpec):
     positions = jnp.broadcast_to(pos, ids.shape)
     hidden = models.hidden_states(spec.config, params, ids, positions, attention=spec.attention)
     head = models.lm_head_weight(spec.config, params)
-    return models.chunked_cross_entropy(hidden, head, labels, chunk_size=spec.loss_chunk)
+    return models.chunked_cross_entropy(
+        hidden, head, labels, chunk_size=spec.loss_chunk, shards=spec.seq_shards
+    )
 
 
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
