@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from models.attention import AttentionConfig, attend
-from models.config import LlamaConfig
+from models.config import REMAT_POLICIES, LlamaConfig
 from models.rope import apply_rope, inv_frequencies, rope_cos_sin
 
 # Names saved by remat="save_attn": the attention output, and the log-sum-exp if
@@ -166,13 +166,15 @@ def _remat(fn, policy: str, scan_layers: bool):
         return jax.checkpoint(
             fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse
         )
+    save_attn = jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES)
     if policy == "save_attn":
-        return jax.checkpoint(
-            fn,
-            policy=jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES),
-            prevent_cse=prevent_cse,
+        return jax.checkpoint(fn, policy=save_attn, prevent_cse=prevent_cse)
+    if policy == "save_dots":
+        both = jax.checkpoint_policies.save_from_both_policies(
+            save_attn, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         )
-    raise ValueError(f"remat policy={policy!r} not in ('none', 'full', 'save_attn')")
+        return jax.checkpoint(fn, policy=both, prevent_cse=prevent_cse)
+    raise ValueError(f"remat policy={policy!r} not in {REMAT_POLICIES}")
 
 
 class Llama(nnx.Module):

@@ -187,13 +187,23 @@ def test_scan_unscanned_and_remat_agree(params, ids):
         return total / count
 
     grad_ref = jax.jit(jax.grad(loss, argnums=1), static_argnums=0)(SMALL, params)
-    for change in [{"scan_layers": False}, {"remat": "full"}, {"remat": "save_attn"}]:
+    changes = [{"scan_layers": False}] + [{"remat": r} for r in ("full", "save_attn", "save_dots")]
+    for change in changes:
         config = SMALL.replace(**change)
         np.testing.assert_allclose(_logits(config, params, ids), ref, atol=1e-5, rtol=0)
         grad = jax.jit(jax.grad(loss, argnums=1), static_argnums=0)(config, params)
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grad, grad_ref
         )
+
+    # What each policy recomputes: matmuls in the gradient's jaxpr (save_dots keeps the
+    # projections' and MLP's outputs, so only the attention's own products run again).
+    def dots(remat):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1), static_argnums=0)
+        return str(jaxpr(SMALL.replace(remat=remat), params)).count("dot_general")
+
+    counts = {r: dots(r) for r in ("none", "save_dots", "save_attn", "full")}
+    assert counts["none"] <= counts["save_dots"] < counts["save_attn"] < counts["full"], counts
 
 
 def test_forward_is_deterministic(params, ids):

@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from models.config import REMAT_POLICIES
 from train.oom import is_oom
 
 
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", action="append", help="repeatable; default seq=1 and all devices")
     p.add_argument("--shard-over-seq", action="store_true", help="ZeRO-3 over seq as well")
     p.add_argument("--attention", default="ring")
-    p.add_argument("--remat", default="save_attn", choices=("none", "full", "save_attn"))
+    p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
     p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
     p.add_argument("--start", type=_tokens, default=8192, help="first context (e.g. 8k)")
     p.add_argument("--max", type=_tokens, default=4 * 1024 * 1024, help="largest context")

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from models.config import REMAT_POLICIES
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
@@ -28,7 +30,7 @@ class ModelArgs:
     attention_implementation: str | None = None  # jflash implementation (None: per device)
     ring_layout: str = "zigzag"  # zigzag | contiguous
     ring_strategy: str = "ring"  # ring | allgather
-    remat_policy: str = "save_attn"  # none | full | save_attn
+    remat_policy: str = "save_attn"  # models.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF flag: True means remat_policy=full
     bf16: bool = True  # bf16 compute with f32 master weights
     fp16: bool = False  # the seed's flag: runs as bf16 compute (no loss scaling needed)
@@ -103,7 +105,7 @@ class TrainConfig:
             ("model", "attention"): ("xla", "cudnn", "jflash", "ring"),
             ("model", "ring_layout"): ("zigzag", "contiguous"),
             ("model", "ring_strategy"): ("ring", "allgather"),
-            ("model", "remat_policy"): ("none", "full", "save_attn"),
+            ("model", "remat_policy"): REMAT_POLICIES,
             ("optim", "lr_scheduler_type"): ("cosine", "linear", "constant"),
             ("run", "save_strategy"): ("steps", "epoch", "no"),
         }

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 
+from models.config import REMAT_POLICIES
 from train.oom import is_oom
 
 # jax (and everything that imports it) is imported inside the functions that run in a
@@ -432,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     p.add_argument("--trace-steps", type=int, default=2, help="profiled steps")
     p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
-    p.add_argument("--remat", default="save_attn", choices=("none", "full", "save_attn"))
+    p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
     p.add_argument(
         "--no-xla-cost", action="store_true", help="skip the 1-/2-layer compiles (HBM GB/s)"
     )
