@@ -472,7 +472,8 @@ def _oom_error(cfg: TrainConfig) -> TrainingError:
         "out of device memory. Turn one of: --per_device_train_batch_size (now "
         f"{cfg.run.per_device_train_batch_size}), --model_max_length (now "
         f"{cfg.data.model_max_length}), a larger seq or fsdp axis in --mesh (now "
-        f"{cfg.parallel.mesh!r}), --remat_policy save_attn or full (now {cfg.remat!r}); "
+        f"{cfg.parallel.mesh!r}), --remat_policy save_attn or full (now {cfg.remat!r}; "
+        "memory: none > save_dots > save_attn > full); "
         "on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) gives XLA more of the "
         "device. `python -m train.capacity` finds what fits without running"
     )
