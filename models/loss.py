@@ -9,6 +9,7 @@ sharding never needs a shift across shards.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,16 @@ def chunked_cross_entropy(
         raise ValueError(f"{chunk_size=} must be a positive multiple of {shards=}")
     if t % chunk_size:
         raise ValueError(f"sequence length {t=} must be divisible by {chunk_size=}")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+        axes = jax.typeof(hidden).sharding.spec[1]
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if ways != shards:
+            raise ValueError(
+                f"hidden's token axis is sharded {ways} ways over {axes} on an Explicit "
+                f"mesh; pass shards={ways} (got {shards=})"
+            )
     valid = labels != ignore_index
     if mask is not None:
         valid = valid & mask
@@ -118,6 +129,11 @@ def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, *, grads: b
     """`(loss sum, count)`, and with `grads` the gradients of the loss sum:
     `(d hidden [B, T, D] in hidden.dtype, d lm_head [D, V] float32)`."""
     w = lm_head.astype(hidden.dtype)
+    # Under an Explicit-axes mesh the weight gradient sums over sharded tokens: it takes
+    # the weight's own sharding (jax cannot infer it); Auto meshes infer it.
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
+    w_spec = jax.typeof(w).sharding.spec if explicit else None
 
     def body(carry, xs):
         h, lab, m = xs
@@ -133,7 +149,9 @@ def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, *, grads: b
         dlogits = jnp.where(m[..., None], probs - (vocab == lab[..., None]), 0.0)
         dlogits = dlogits.astype(h.dtype)
         dh = jnp.einsum("bpcv,dv->bpcd", dlogits, w, preferred_element_type=jnp.float32)
-        dw = carry[2] + jnp.einsum("bpcd,bpcv->dv", h, dlogits, preferred_element_type=jnp.float32)
+        dw = carry[2] + jnp.einsum(
+            "bpcd,bpcv->dv", h, dlogits, preferred_element_type=jnp.float32, out_sharding=w_spec
+        )
         return (loss, count, dw), dh.astype(h.dtype)
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))

@@ -390,6 +390,23 @@ def test_chunked_cross_entropy_splits_over_seq():
     np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
     np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
 
+    # The same under an Explicit-axes mesh; there a `shards` that does not match the
+    # token axis's sharding is refused by name (Auto meshes would gather instead).
+    explicit = jax.make_mesh(
+        (2,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    with jax.set_mesh(explicit):
+        on_seq = NamedSharding(explicit, PartitionSpec(None, "seq"))
+        h_e, lab_e = jax.device_put(hidden, on_seq), jax.device_put(labels, on_seq)
+        got, (dh, dw) = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=3)(
+            h_e, head, lab_e, 2
+        )
+        with pytest.raises(ValueError, match=r"sharded 2 ways over \('seq',\).*shards=1"):
+            loss(h_e, head, lab_e, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+
 
 # --- conversion --------------------------------------------------------------------
 
