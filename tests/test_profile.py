@@ -12,6 +12,7 @@ import sys
 import jax
 import pytest
 
+from train import report as report_lib
 from train import trace
 from train.config import parse_args
 from train.hlo import parse_hlo
@@ -83,6 +84,16 @@ def test_kernel_durations_sum_the_first_gpu():
     assert _close(sum(spent.values()), sum(k.end - k.start for k in gpu0), 1e-9)
     assert set(spent) == {k.name for k in gpu0}
     assert trace.kernel_durations(data) == spent
+
+    # The report's top-kernels table: the same numbers per traced step, with a class
+    # and the name stack that spent most of each.
+    top = trace.top_kernels(data, n=5, steps=2)
+    assert [k["name"] for k in top] == list(spent)[:5]
+    for k in top:
+        assert _close(k["ms"], spent[k["name"]] / 1e6 / 2, 1e-9)
+        assert _close(k["share"], spent[k["name"]] / sum(spent.values()), 1e-9)
+        assert k["kind"] in ("attention", "matmul", "comm", "memcpy", "other")
+    assert any(k["where"] for k in top)
 
 
 def test_hlo_facts():
@@ -186,6 +197,11 @@ def test_profile_cli_on_cpu(tmp_path):
 
     profile_cli("--report-only", str(out), timeout=120)
     assert (out / "report.md").read_text() == md
+    assert all(r["top_kernels"] == [] for r in rows)  # CPU traces: no GPU kernels
+    assert "## Top kernels" not in md
+    rows[0]["top_kernels"] = trace.top_kernels(GPU_TRACE, n=3)
+    assert "## Top kernels" in report_lib.markdown(report)
+    rows[0]["top_kernels"] = []
     assert (out / "scaling.png").stat().st_size > 5000
 
     # A row timed with --no-xla-cost gets the same XLA bytes from --fill-xla-cost (the

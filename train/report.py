@@ -224,6 +224,30 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
+    tops = [r for r in ok if r.get("top_kernels")]
+    if tops:
+        lines += ["## Top kernels (first device, ms per traced step)", ""]
+        lines += [
+            "The ten kernels with the most device time and the name stack that spent "
+            "most of it: what the class totals above hide (a kernel slower than its "
+            "peers, f32 matmuls in a bf16 model).",
+            "",
+        ]
+        for r in tops:
+            lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
+            lines += _table(
+                ["kernel", "class", "ms", "share", "where (name stack)"],
+                [
+                    [
+                        f"`{k['name'][:70]}`",
+                        k["kind"],
+                        k["ms"],
+                        f"{k['share']:.1%}",
+                        f"`{k['where'][-80:]}`" if k["where"] else "",
+                    ]
+                    for k in r["top_kernels"]
+                ],
+            )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
         "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "

@@ -235,6 +235,37 @@ def kernel_durations(source: str | ProfileData) -> dict[str, float]:
     return dict(totals.most_common())
 
 
+def top_kernels(source: str | ProfileData, n: int = 10, steps: int = 1) -> list[dict[str, Any]]:
+    """The `n` kernels (by name) with the most device time on the first GPU, per traced
+    step (`steps` of them in the trace): `name`, `ms`, `share` of all kernel time,
+    `kind` (`kind_of`) and `where`, the name stack (last three scopes) that spent most
+    of it. Empty for CPU traces. Shows what the class totals hide, e.g. f32 (TF32)
+    matmuls in a bf16 model."""
+    data = source if isinstance(source, ProfileData) else load(source)
+    devices = _gpu_kernels(data)
+    if not devices:
+        return []
+    first = min(devices, key=lambda d: int(d.split(":")[1]))
+    spent: collections.Counter = collections.Counter()
+    stacks: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    sample: dict[str, Kernel] = {}
+    for k in devices[first]:
+        spent[k.name] += k.end - k.start
+        stacks[k.name]["/".join(k.stack.split("/")[-3:])] += k.end - k.start
+        sample.setdefault(k.name, k)
+    total = sum(spent.values())
+    return [
+        {
+            "name": name,
+            "ms": ns / 1e6 / steps,
+            "share": ns / total,
+            "kind": kind_of(sample[name], "gpu"),
+            "where": stacks[name].most_common(1)[0][0],
+        }
+        for name, ns in spent.most_common(n)
+    ]
+
+
 def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
     host = _host_plane(data)
     if host is None:
