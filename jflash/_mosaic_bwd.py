@@ -61,6 +61,11 @@ from jflash._triton_common import LOG2E, pad_to, round_up
 # column chunks or shared between the warpgroups (tried, commit c8ba412).
 FUSED_DQ_HEAD_DIMS = (64,)
 
+# Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
+# instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
+# dQ kernel's Q and dO. Each costs D/4 registers per thread.
+A_IN_REGS = {"dkv": lambda d: d <= 64, "dq": lambda d: d <= 128}
+
 
 def fuses_dq(head_dim: int, deterministic: bool) -> bool:
     """Whether the backward adds dQ inside the dK/dV kernel (f32 reduce-add)."""
@@ -141,6 +146,13 @@ def _dkv_kernel(
             ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         plgpu.barrier_wait(kv_ready.at[wg, 0])
         plgpu.barrier_wait(kv_ready.at[wg, 1])
+        # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
+        # registers (16 each per thread) as the A operands of S^T and dP^T, which takes
+        # their reads off shared memory, the binding resource at D=64 (see A_IN_REGS).
+        k_a, v_a = k_smem, v_smem
+        if A_IN_REGS["dkv"](geom.head_dim):
+            k_a = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA)
+            v_a = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA)
 
         def wait_inputs(slot):
             plgpu.barrier_wait(q_ready.at[slot])
@@ -170,7 +182,7 @@ def _dkv_kernel(
 
             p, ds = wgmma_pair(
                 init,
-                [(k_smem, q_t.T), (v_smem, do_t.T)],
+                [(k_a, q_t.T), (v_a, do_t.T)],
                 probabilities,
                 lambda p, dp: p * dp,
                 interpret=interpret,
@@ -195,7 +207,7 @@ def _dkv_kernel(
             )
             dv, dk, dq = wgmma_into(
                 (dv, dk, zeros_dq),
-                [(p_in, do_t), (ds_smem, q_t), (ds_smem.T, k_smem)],
+                [(p_in, do_t), (lambda: ds.astype(k_smem.dtype), q_t), (ds_smem.T, k_smem)],
                 interpret=interpret,
             )
             plgpu.barrier_arrive(free.at[slot])
@@ -321,6 +333,10 @@ def _dq_kernel(
         n_full, n_end = kv_range(geom, q_start, bq, block_kv)
         for i in range(4):
             plgpu.barrier_wait(row_ready.at[wg, i])
+        q_a, do_a = q_t, do_t  # Q and dO in registers where they fit (A_IN_REGS)
+        if A_IN_REGS["dq"](geom.head_dim):
+            q_a = plgpu.load(q_t, layout=plgpu.Layout.WGMMA)
+            do_a = plgpu.load(do_t, layout=plgpu.Layout.WGMMA)
         # The per-row terms are two registers per thread here: zero accumulators and
         # the terms added after (starting at them cost this kernel 2-4%, module docstring).
         row = plgpu.Layout.WGMMA.reduce(1)
@@ -341,7 +357,7 @@ def _dq_kernel(
             zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
             p, ds = wgmma_pair(  # S = Q K^T, dP = dO V^T: [queries, keys] f32
                 (zeros, zeros),
-                [(q_t, k_smem.at[slot].T), (do_t, v_smem.at[slot].T)],
+                [(q_a, k_smem.at[slot].T), (do_a, v_smem.at[slot].T)],
                 probabilities,
                 lambda p, dp: p * (dp + _bcast(neg_delta, p.shape, 0)),
                 interpret=interpret,
