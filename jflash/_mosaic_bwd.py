@@ -21,6 +21,12 @@ per thread and adds them after its matmuls (starting its accumulators there cost
     per 128 queries of one head, recomputes S and dP while its memory warpgroup
     streams K and V. No atomics: bitwise reproducible.
 
+Both kernels issue the S and dP wgmmas together and exponentiate S while dP is still
+on the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Tiles fixed for a warpgroup's
+whole loop are wgmma A operands from registers (`A_IN_REGS`: K and V of the dK/dV
+kernel at D <= 64, Q and dO of the dQ kernel), which takes their reads off shared
+memory: at D=64 the fused kernel's binding resource (now at cuDNN's backward).
+
 Rows that see no key start S at -inf, so their probabilities are exactly 0.
 """
 
