@@ -204,8 +204,9 @@ def _dkv_kernel(
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
-            # dS^T [keys, queries] goes through SMEM: the A operand of dK += dS^T Q
-            # as it is, and transposed of this step's dQ = dS K.
+            # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
+            # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
+            # traffic: BENCHMARKS.md, sixth session).
             ds_smem[...] = ds.astype(ds_smem.dtype)
             plgpu.commit_smem()
             zeros_dq = plgpu.layout_cast(
