@@ -283,10 +283,11 @@ def run_row(job: Job) -> dict:
         row.update(status="does not fit", error=_oom_line(str(e))[:300])
         return row
     row["status"] = "ok"
-    report = trace_lib.parse(trace_dir, hlo=parse_hlo(compiled.as_text()))
+    data = trace_lib.load(trace_dir)  # parsed once for both readings below
+    report = trace_lib.parse(data, hlo=parse_hlo(compiled.as_text()))
     row["trace_dir"] = os.path.relpath(trace_dir, job.out)
     row["trace"] = report.to_dict()
-    row["top_kernels"] = trace_lib.top_kernels(trace_dir, n=10, steps=job.trace_steps)
+    row["top_kernels"] = trace_lib.top_kernels(data, n=10, steps=job.trace_steps)
     phases = report.mean
     row["trace_vs_timed"] = phases.step_ms / row["step_ms"]
     if report.platform == "gpu" and report.named_fraction < 0.5:

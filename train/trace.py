@@ -224,15 +224,23 @@ def _gpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
 def kernel_durations(source: str | ProfileData) -> dict[str, float]:
     """Device time (ns) per kernel name on the first GPU of a trace, longest first;
     empty when the trace has no GPU kernels (CPU runs)."""
+    return _time_per_name(_first_gpu_kernels(source))
+
+
+def _time_per_name(kernels: list[Kernel]) -> dict[str, float]:
+    totals: collections.Counter = collections.Counter()
+    for k in kernels:
+        totals[k.name] += k.end - k.start
+    return dict(totals.most_common())
+
+
+def _first_gpu_kernels(source: str | ProfileData) -> list[Kernel]:
+    """The kernels of the lowest-numbered GPU in a trace (none for CPU traces)."""
     data = source if isinstance(source, ProfileData) else load(source)
     devices = _gpu_kernels(data)
     if not devices:
-        return {}
-    first = min(devices, key=lambda d: int(d.split(":")[1]))
-    totals: collections.Counter = collections.Counter()
-    for k in devices[first]:
-        totals[k.name] += k.end - k.start
-    return dict(totals.most_common())
+        return []
+    return devices[min(devices, key=lambda d: int(d.split(":")[1]))]
 
 
 def top_kernels(source: str | ProfileData, n: int = 10, steps: int = 1) -> list[dict[str, Any]]:
@@ -241,18 +249,13 @@ def top_kernels(source: str | ProfileData, n: int = 10, steps: int = 1) -> list[
     `kind` (`kind_of`) and `where`, the name stack (last three scopes) that spent most
     of it. Empty for CPU traces. Shows what the class totals hide, e.g. f32 (TF32)
     matmuls in a bf16 model."""
-    data = source if isinstance(source, ProfileData) else load(source)
-    devices = _gpu_kernels(data)
-    if not devices:
-        return []
-    first = min(devices, key=lambda d: int(d.split(":")[1]))
-    spent: collections.Counter = collections.Counter()
+    kernels = _first_gpu_kernels(source)
     stacks: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     sample: dict[str, Kernel] = {}
-    for k in devices[first]:
-        spent[k.name] += k.end - k.start
+    for k in kernels:
         stacks[k.name]["/".join(k.stack.split("/")[-3:])] += k.end - k.start
         sample.setdefault(k.name, k)
+    spent = _time_per_name(kernels)
     total = sum(spent.values())
     return [
         {
@@ -262,7 +265,7 @@ def top_kernels(source: str | ProfileData, n: int = 10, steps: int = 1) -> list[
             "kind": kind_of(sample[name], "gpu"),
             "where": stacks[name].most_common(1)[0][0],
         }
-        for name, ns in spent.most_common(n)
+        for name, ns in list(spent.items())[:n]
     ]
 
 
