@@ -253,3 +253,47 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
         fit_stages("jflash_mosaic_dq", 4, q_tile, 2 * 512 * h * 2)
     bs = jflash.default_block_sizes(4096, 128, jnp.bfloat16, implementation="pallas_mosaic")
     assert (bs.block_q, bs.block_kv_dkv, bs.block_q_dq) == (64, 64, 64)
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_exp2_poly_matches_exp2(interpret):
+    """The forward's FMA-pipe exponential: relative error under 1e-4 (half a bf16 ulp is
+    2e-3) from 2^-125 to 1, and a tiny positive number below (never NaN or a wrapped
+    exponent). `interpret=False` is the kernel's op sequence, run op by op (XLA would
+    fold its rounding; the kernel's LLVM does not)."""
+    import numpy as np
+
+    from jflash._mosaic_common import exp2_poly
+
+    x = np.concatenate([np.linspace(-125, 0, 200_001), -np.arange(0, 125, 0.5)])
+    x = jnp.asarray(x, jnp.float32)
+    if interpret:
+        got = jax.jit(lambda x: exp2_poly(x, interpret=True))(x)
+    else:
+        with jax.disable_jit():
+            got = exp2_poly(x)
+    rel = np.abs(np.asarray(got, np.float64) / np.exp2(np.asarray(x, np.float64)) - 1)
+    assert rel.max() < 1e-4, (rel.max(), x[rel.argmax()])
+    with jax.disable_jit():
+        low = exp2_poly(jnp.asarray([-126.0, -127.0, -1e30, -jnp.inf], jnp.float32))
+    assert np.all(np.asarray(low) >= 0) and np.all(np.asarray(low) < 2e-38)
+
+
+def test_mosaic_fwd_refuses_bad_poly_cols():
+    from jflash._mask import Mask
+    from jflash._mosaic_fwd import mosaic_fwd
+
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    for cols in (12, 128, -8):
+        with pytest.raises(ValueError, match=f"poly_cols={cols}"):
+            mosaic_fwd(
+                q,
+                q,
+                q,
+                mask=Mask(),
+                scale=0.125,
+                out_dtype=q.dtype,
+                block_kv=128,
+                stages=2,
+                poly_cols=cols,
+            )
