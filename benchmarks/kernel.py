@@ -5,7 +5,6 @@
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
     python benchmarks/kernel.py --kernels         # fwd+bwd time per GPU kernel (traced)
-    python benchmarks/kernel.py --fwd-variants    # Mosaic forward's exp2/Q-operand knobs
 
 Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that (ANCHORS.md).
 """
@@ -393,73 +392,6 @@ def tune_mosaic(args):
     run_candidates(args, "jflash_mosaic", candidates, ["cudnn"], "kernel-tune-mosaic")
 
 
-def fwd_variants(args, rounds: int = 2):
-    """The Mosaic forward with each `(poly_cols, q_in_regs)` of `--variants` against
-    cuDNN's forward, per `--shapes` (causal, GQA), interleaved over `rounds` so drift
-    shows as spread: ratio = cuDNN ms / ours."""
-    from jflash._mask import Mask
-    from jflash._mosaic_fwd import mosaic_fwd
-
-    pairs = (v.split(":") for v in args.variants.split(","))
-    variants = [(int(cols), flag == "regs") for cols, flag in pairs]
-    rows = []
-    for shape in args.shapes.split(","):
-        seq, head_dim = (int(x) for x in shape.split(":"))
-        q, k, v, _ = draw_inputs(1, seq, args.heads, args.kv_heads, head_dim)
-        bs = jflash.default_block_sizes(seq, head_dim, q.dtype, implementation="pallas_mosaic")
-        fns = {"cudnn": jax.jit(attention_fn("cudnn")).lower(q, k, v).compile()}
-        for cols, regs in variants:
-            fn = functools.partial(
-                mosaic_fwd,
-                mask=Mask(causal=True),
-                scale=head_dim**-0.5,
-                out_dtype=q.dtype,
-                block_kv=bs.block_kv,
-                stages=bs.num_stages,
-                poly_cols=cols,
-                q_in_regs=regs,
-            )
-            fns[f"poly{cols}-{'regs' if regs else 'smem'}"] = jax.jit(fn).lower(q, k, v).compile()
-        flops = causal_flops(1, args.heads, seq, head_dim)
-        want = fns["cudnn"](q, k, v).astype(jnp.float32)
-        diff = {
-            n: float(jnp.abs(f(q, k, v)[0].astype(jnp.float32) - want).max())
-            for n, f in fns.items()
-            if n != "cudnn"
-        }
-        for r in range(rounds):
-            times = {name: time_fn(fn, q, k, v) for name, fn in fns.items()}
-            for name, t in times.items():
-                rows.append(
-                    dict(
-                        seq_len=seq,
-                        head_dim=head_dim,
-                        round=r,
-                        variant=name,
-                        ms=t * 1e3,
-                        tflops=flops / t / 1e12,
-                        ratio=times["cudnn"] / t,
-                        max_diff_vs_cudnn=diff.get(name, 0.0),
-                    )
-                )
-    print(
-        table(
-            rows,
-            [
-                "seq_len",
-                "head_dim",
-                "round",
-                "variant",
-                "ms",
-                "tflops",
-                "ratio",
-                "max_diff_vs_cudnn",
-            ],
-        )
-    )
-    write_json(os.path.join(args.out, f"kernel-fwd-variants-{device_name()}.json"), {"rows": rows})
-
-
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -473,13 +405,6 @@ def main():
         "--kernels", action="store_true", help="time per GPU kernel at the --seq shape"
     )
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
-    parser.add_argument("--fwd-variants", action="store_true", help="Mosaic forward knobs")
-    parser.add_argument("--shapes", default="16384:64,32768:64,16384:128,65536:128")
-    parser.add_argument(
-        "--variants",
-        default="0:smem,0:regs,16:regs,32:regs",
-        help="--fwd-variants: poly_cols:regs|smem (exp2_poly columns, Q operand)",
-    )
     parser.add_argument(
         "--which",
         default="both",
@@ -520,8 +445,6 @@ def main():
         tune(args)
     elif args.kernels:
         kernel_split(args)
-    elif args.fwd_variants:
-        fwd_variants(args)
     elif args.long:
         long_context(args)
     else:

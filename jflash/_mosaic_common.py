@@ -158,37 +158,6 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
     return stages
 
 
-# 2^f on f in [-1/2, 1/2], degree 3, fitted for relative error (max 7.6e-5: under half
-# a bf16 or fp16 ulp of P). Coefficients from a reweighted least-squares fit, f32.
-_EXP2_POLY = (0.999927282333374, 0.6932610869407654, 0.24262090027332306, 0.05517558753490448)
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: `x + it` holds round(x) in its low mantissa bits
-
-
-def exp2_poly(x, *, interpret: bool = False):
-    """`2**x` for f32 `x <= 0` on the FMA and integer pipes instead of the MUFU.
-
-    The forward at D=64 asks the MUFU (16 exp2 per cycle per SM) for as many cycles as
-    the tensor cores take for its two matmuls; computing some of its columns here
-    moves that work onto the pipes with room (FlashAttention-4's trick). `x` is
-    clamped to -126 (below that the result is a denormal-sized number, not 0: use it
-    where every element is visible, never for masked scores).
-
-    The kernel's LLVM keeps `(x + M) - M` as written (no reassociation); XLA on CPU
-    folds it to `x`, so in interpret mode an optimization barrier keeps the rounding.
-    """
-    x = jnp.maximum(x, -126.0)
-    t = x + _ROUND_MAGIC  # round to nearest: t's low mantissa bits hold j = round(x)
-    if interpret:
-        t = lax.optimization_barrier(t)
-    f = x - (t - _ROUND_MAGIC)  # in [-1/2, 1/2]
-    c0, c1, c2, c3 = _EXP2_POLY
-    p = ((c3 * f + c2) * f + c1) * f + c0  # 2^f in [0.7, 1.42]
-    # 2^j: add j to p's exponent. t's bits are 0x4B400000 + j; shifted left by 23 only
-    # j's low 9 bits survive, which is j << 23 in two's complement.
-    j_bits = lax.bitcast_convert_type(t, jnp.int32) * (1 << 23)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + j_bits, jnp.float32)
-
-
 def wgmma_into(accs, products, *, interpret: bool):
     """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
 

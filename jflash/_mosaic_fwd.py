@@ -24,7 +24,6 @@ from jflash._mosaic_common import (
     COMPUTE_WGS,
     WG_ROWS,
     Geometry,
-    exp2_poly,
     fit_stages,
     kv_range,
     launch,
@@ -35,12 +34,6 @@ from jflash._mosaic_common import (
     wgmma_into,
 )
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
-
-# Per head dim: how many of a key tile's columns the unmasked steps exponentiate with
-# `exp2_poly` (FMA pipe) instead of the MUFU, and whether Q is the S wgmma's A operand
-# from registers (D/4 registers per thread) instead of shared memory.
-POLY_COLS = {64: 16}
-Q_IN_REGS = {64: True}
 
 
 def _fwd_kernel(
@@ -65,8 +58,6 @@ def _fwd_kernel(
     block_kv: int,
     stages: int,
     qk_scale: float,
-    poly_cols: int,
-    q_in_regs: bool,
     interpret: bool,
 ):
     bq = WG_ROWS
@@ -87,18 +78,6 @@ def _fwd_kernel(
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
         n_full, n_end = kv_range(geom, q_start, bq, block_kv)
         plgpu.barrier_wait(q_ready.at[wg])
-        q_a = q_smem  # the GPU interpreter's wgmma takes shared-memory operands only
-        if q_in_regs and not interpret:
-            q_a = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
-
-        def exp2(x, masked: bool):
-            """P's exponentials; in unmasked steps the last `poly_cols` columns on the
-            FMA pipe (`exp2_poly`: finite inputs only)."""
-            if masked or not poly_cols:
-                return jnp.exp2(x)
-            split = block_kv - poly_cols
-            fast = exp2_poly(x[:, split:], interpret=interpret)
-            return jnp.concatenate([jnp.exp2(x[:, :split]), fast], axis=1)
 
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
@@ -106,7 +85,7 @@ def _fwd_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc):
-                plgpu.wgmma(acc, q_a, k_smem.at[slot].T)
+                plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
                 take_turn()  # while this wgmma runs, the other warpgroup does softmax
                 return acc[...]  # [64, block_kv] f32
 
@@ -119,7 +98,7 @@ def _fwd_kernel(
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
-            p = exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]), masked)
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(q_smem.dtype)
@@ -191,29 +170,13 @@ def _fwd_kernel(
 
 
 def mosaic_fwd(
-    q,
-    k,
-    v,
-    *,
-    mask,
-    scale: float,
-    out_dtype,
-    block_kv: int,
-    stages: int,
-    interpret: bool = False,
-    poly_cols: int | None = None,
-    q_in_regs: bool | None = None,
+    q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages: int, interpret: bool = False
 ):
     """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`.
 
     `interpret=True` runs the kernel in the GPU interpreter on CPU (slow; for tests).
-    `poly_cols` / `q_in_regs` default to `POLY_COLS` / `Q_IN_REGS` for the head dim.
     """
     b, t, n, h = q.shape
-    poly_cols = POLY_COLS.get(h, 0) if poly_cols is None else poly_cols
-    q_in_regs = Q_IN_REGS.get(h, False) if q_in_regs is None else q_in_regs
-    if poly_cols % 8 or not 0 <= poly_cols < block_kv:
-        raise ValueError(f"{poly_cols=}: a multiple of 8 in [0, {block_kv=})")
     s_len, kh = k.shape[1], k.shape[2]
     rows = COMPUTE_WGS * WG_ROWS
     geom = Geometry(
@@ -243,8 +206,6 @@ def mosaic_fwd(
         block_kv=block_kv,
         stages=stages,
         qk_scale=scale * LOG2E,
-        poly_cols=poly_cols,
-        q_in_regs=q_in_regs,
         interpret=interpret,
     )
     o, lse = launch(
