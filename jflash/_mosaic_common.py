@@ -159,7 +159,8 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
 
 
 def wgmma_into(accs, products, *, interpret: bool):
-    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
+    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair
+    (or list of pairs, summed into the same accumulator).
 
     `a` may be a zero-argument function (a register operand converted where it is
     issued, e.g. `lambda: p.astype(bf16)`).
@@ -170,19 +171,22 @@ def wgmma_into(accs, products, *, interpret: bool):
     so in interpret mode the products are plain f32-accumulating dots added in
     registers: the same numbers, not the same instructions.
     """
+    products = [pairs if isinstance(pairs, list) else [pairs] for pairs in products]
     if interpret:
         # The GPU interpreter's wgmma takes SMEM operands only: read both operands
         # (a register value reads as itself) and multiply with f32 accumulation.
         out = []
-        for acc, (a, b) in zip(accs, products, strict=True):
-            a = (a() if callable(a) else a)[...]
-            product = jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-            out.append(acc + product)
+        for acc, pairs in zip(accs, products, strict=True):
+            for a, b in pairs:
+                a = (a() if callable(a) else a)[...]
+                acc = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            out.append(acc)
         return tuple(out)
 
     def issue(refs):
-        for ref, (a, b) in zip(refs, products, strict=True):
-            plgpu.wgmma(ref, a() if callable(a) else a, b)
+        for ref, pairs in zip(refs, products, strict=True):
+            for a, b in pairs:
+                plgpu.wgmma(ref, a() if callable(a) else a, b)
 
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
