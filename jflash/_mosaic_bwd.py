@@ -118,13 +118,10 @@ def _dkv_kernel(
     lse_ready,
     delta_ready,
     free,
-    ds_ready,
-    loops_done,
     *,
     geom: Geometry,
     block_q: int,
     stages: int,
-    ds_bufs: int,
     qk_scale: float,
     scale: float,
     grads_in_input_dtype: bool,
@@ -152,19 +149,7 @@ def _dkv_kernel(
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
         n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
         if fused:
-            dq_smem = dq_smem2.at[wg]
-            # From warpgroup 1's first visible step on both warpgroups see every step
-            # ("pair" steps); before it only warpgroup 0 does ("solo" steps).
-            pair_begin, _, _ = q_range(geom, cta_start + bk, bk, block_q)
-            # Warpgroup 1's last dS buffer stays zero: the absent half of a solo step's
-            # dQ. Only warpgroup 0 reads it (solo steps), so it writes it.
-            zero_ds = ds_smem2.at[1, ds_bufs]
-
-            @pl.when(wg == 0)
-            def _():
-                zero_ds[...] = _zeros(*zero_ds.shape).astype(zero_ds.dtype)
-                plgpu.commit_smem()
-
+            ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         plgpu.barrier_wait(kv_ready.at[wg, 0])
         plgpu.barrier_wait(kv_ready.at[wg, 1])
         # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
@@ -219,59 +204,21 @@ def _dkv_kernel(
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
-            # dS^T [keys, queries] goes through SMEM for dQ = dS K (the transposed A
-            # operand); dK += dS^T Q takes it from registers (less SMEM traffic:
-            # BENCHMARKS.md, sixth session). Pair steps' dQ is formed once for both
-            # warpgroups (module docstring): by warpgroup `t % 2`, one step later.
-            t = base + qi
-            ds_smem2.at[wg, lax.rem(t, ds_bufs)][...] = ds.astype(ds_smem2.dtype)
+            # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
+            # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
+            # traffic: BENCHMARKS.md, sixth session).
+            ds_smem[...] = ds.astype(ds_smem.dtype)
             plgpu.commit_smem()
-
-            @pl.when((qi >= pair_begin) & (lax.rem(t, 2) != wg))
-            def _():  # the other warpgroup adds this step's dQ
-                plgpu.barrier_arrive(ds_ready.at[wg, lax.rem(t, ds_bufs)])
-
-            solo = qi < pair_begin
-            late = (qi > pair_begin) & (lax.rem(t - 1, 2) == wg)  # pair step t-1 is mine
-            prev = lax.rem(t + ds_bufs - 1, ds_bufs)
-            ds_in = lambda: ds.astype(k_smem.dtype)  # noqa: E731
-
-            def with_dq(dk, dv):
-                @pl.when(late)
-                def _():
-                    plgpu.barrier_wait(ds_ready.at[1 - wg, prev])
-
-                mine = jnp.where(solo, lax.rem(t, ds_bufs), prev)
-                theirs = jnp.where(solo, ds_bufs, prev)  # solo: warpgroup 1's zero tile
-                dv, dk, dq = wgmma_into(
-                    (dv, dk, _zeros(block_q, geom.head_dim)),
-                    [(p_in, do_t), (ds_in, q_t), dq_products(mine, theirs)],
-                    interpret=interpret,
-                )
-                plgpu.barrier_arrive(free.at[slot])
-                add_dq(dq, jnp.where(solo, qi, qi - 1), g)
-                return dk, dv
-
-            def without_dq(dk, dv):
-                dv, dk = wgmma_into((dv, dk), [(p_in, do_t), (ds_in, q_t)], interpret=interpret)
-                plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
-
-            return lax.cond(solo | late, with_dq, without_dq, dk, dv)
-
-        def dq_products(mine, theirs):
-            """dS K over both warpgroups' keys: dS buffer `mine` of this warpgroup's and
-            `theirs` of the other's. (Warpgroup indices stay traced: a literal index
-            would be a constant inside `run_state`, which the lowering cannot take.)"""
-            other = COMPUTE_WGS - 1 - wg
-            return [
-                (ds_smem2.at[wg, mine].T, k_smem2.at[wg]),
-                (ds_smem2.at[other, theirs].T, k_smem2.at[other]),
-            ]
-
-        def add_dq(dq, qi, g):
-            """Query tile `qi`'s dQ contribution (f32) into HBM with a TMA reduce-add."""
-            # The previous reduce-add has read its SMEM long ago (a whole step of
+            zeros_dq = plgpu.layout_cast(
+                jnp.zeros((block_q, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA
+            )
+            dv, dk, dq = wgmma_into(
+                (dv, dk, zeros_dq),
+                [(p_in, do_t), (lambda: ds.astype(k_smem.dtype), q_t), (ds_smem.T, k_smem)],
+                interpret=interpret,
+            )
+            plgpu.barrier_arrive(free.at[slot])
+            # The previous step's reduce-add has read its SMEM long ago (a whole step of
             # matmuls ran since); wait for it before overwriting.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             dq_smem[...] = dq * scale
@@ -285,21 +232,7 @@ def _dkv_kernel(
                 plgpu.copy_smem_to_gmem(
                     dq_smem, dq_ref.at[batch, q_rows, head_g], reduction_op="add"
                 )
-
-        def last_pair_dq(g, base):
-            """The head's last pair step's dQ: its warpgroup adds it after the loop."""
-            t = base + n_q - 1
-
-            @pl.when((pair_begin < n_q) & (lax.rem(t, 2) == wg))
-            def _():
-                buf = lax.rem(t, ds_bufs)
-                plgpu.barrier_wait(ds_ready.at[1 - wg, buf])
-                (dq,) = wgmma_into(
-                    (_zeros(block_q, geom.head_dim),),
-                    [dq_products(buf, buf)],
-                    interpret=interpret,
-                )
-                add_dq(dq, n_q - 1, g)
+            return dk, dv
 
         def skip(qi, carry, *, base):
             slot = lax.rem(base + qi, stages)
@@ -313,21 +246,14 @@ def _dkv_kernel(
             carry = lax.fori_loop(
                 n_begin, n_full, functools.partial(step, g=g, base=base, masked=True), carry
             )
-            carry = lax.fori_loop(
+            return lax.fori_loop(
                 n_full, n_q, functools.partial(step, g=g, base=base, masked=False), carry
             )
-            if fused:
-                last_pair_dq(g, base)
-            return carry
 
-        zeros = _zeros(bk, geom.head_dim)
+        zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
-            # The other warpgroup's last dQ may still read this one's K tile, which
-            # may take dK below: both finish their loops first.
-            plgpu.barrier_arrive(loops_done)
-            plgpu.barrier_wait(loops_done)
         if out_smem2 is not None:
             dk_smem = dv_smem = out_smem2.at[wg]
         elif grads_in_input_dtype:  # K/V's own slots are free now
@@ -361,10 +287,6 @@ def _dkv_kernel(
 
         if interpret:
             drain((free,), geom.group * per_head, stages)
-
-
-def _zeros(rows: int, cols: int):
-    return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -541,25 +463,20 @@ def mosaic_bwd(
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
     out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
-    # The fused kernel's tiles: per warpgroup an f32 dQ tile and `stages + 1` dS buffers
-    # (one more: the zero tile), module docstring.
-    ds_tile = WG_ROWS * block_q_dkv * size
-    fused_fixed = COMPUTE_WGS * (2 * ds_tile + block_q_dkv * h * 4) if fused else 0
+    fused_tiles = COMPUTE_WGS * (WG_ROWS * block_q_dkv * size + block_q_dkv * h * 4)
     common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale, interpret=interpret)
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
         stages,
-        fixed=2 * rows * h * size + out_tile + fused_fixed,
-        per_stage=2 * block_q_dkv * (h * size + 4) + (COMPUTE_WGS * ds_tile if fused else 0),
+        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0),
+        per_stage=2 * block_q_dkv * (h * size + 4),
     )
-    ds_bufs = dkv_stages + 1
     kv_tiles = geom.kv_pad // rows
     kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
     dkv_body = functools.partial(
         _dkv_kernel,
         block_q=block_q_dkv,
         stages=dkv_stages,
-        ds_bufs=ds_bufs,
         grads_in_input_dtype=same,
         **common,
     )
@@ -583,13 +500,11 @@ def mosaic_bwd(
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
-            smem_tile((COMPUTE_WGS, ds_bufs + 1, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
+            smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
             smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
             *[plgpu.Barrier(num_barriers=dkv_stages)] * 4,
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
-            plgpu.Barrier(num_barriers=(COMPUTE_WGS, ds_bufs)) if fused else None,
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS) if fused else None,
         ],
         grid=(kh, kv_tiles, b),
         grid_names=("heads", "kv_tiles", "batch"),

@@ -159,8 +159,7 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
 
 
 def wgmma_into(accs, products, *, interpret: bool):
-    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair
-    (or list of pairs, summed into the same accumulator).
+    """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
 
     `a` may be a zero-argument function (a register operand converted where it is
     issued, e.g. `lambda: p.astype(bf16)`).
@@ -171,22 +170,19 @@ def wgmma_into(accs, products, *, interpret: bool):
     so in interpret mode the products are plain f32-accumulating dots added in
     registers: the same numbers, not the same instructions.
     """
-    products = [pairs if isinstance(pairs, list) else [pairs] for pairs in products]
     if interpret:
         # The GPU interpreter's wgmma takes SMEM operands only: read both operands
         # (a register value reads as itself) and multiply with f32 accumulation.
         out = []
-        for acc, pairs in zip(accs, products, strict=True):
-            for a, b in pairs:
-                a = (a() if callable(a) else a)[...]
-                acc = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-            out.append(acc)
+        for acc, (a, b) in zip(accs, products, strict=True):
+            a = (a() if callable(a) else a)[...]
+            product = jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            out.append(acc + product)
         return tuple(out)
 
     def issue(refs):
-        for ref, pairs in zip(refs, products, strict=True):
-            for a, b in pairs:
-                plgpu.wgmma(ref, a() if callable(a) else a, b)
+        for ref, (a, b) in zip(refs, products, strict=True):
+            plgpu.wgmma(ref, a() if callable(a) else a, b)
 
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
