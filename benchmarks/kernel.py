@@ -378,7 +378,8 @@ def tune_mosaic(args):
         args.seq, args.head_dim, jnp.bfloat16, implementation="pallas_mosaic"
     )
     candidates = []
-    for bk, s in ((128, 2), (128, 3), (64, 3), (64, 4)) if args.which in ("fwd", "both") else []:
+    fwd = ((256, 2), (256, 3), (128, 2), (128, 3), (64, 3), (64, 4))
+    for bk, s in fwd if args.which in ("fwd", "both") else []:
         bs = dataclasses.replace(base, block_kv=bk, num_stages=s)
         candidates.append((bs, ("fwd",), f"fwd kv{bk} s{s}"))
     # The dK/dV kernel streams 64 queries per step (one wgmma M: the fused dQ needs it,

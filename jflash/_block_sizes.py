@@ -128,8 +128,11 @@ def mosaic_block_sizes(head_dim: int) -> BlockSizes:
     """Defaults of the Mosaic GPU kernels (measured on H100, BENCHMARKS.md)."""
     return BlockSizes(
         block_q=MOSAIC_WG_ROWS,
-        block_kv=128,
-        num_stages=3 if head_dim <= 64 else 2,
+        # D=64: a 256-key step halves the steps (barriers, rescales) per key; its f32
+        # S still fits the registers (no spill), and 2 stages beat 3 (BENCHMARKS.md,
+        # seventh session). D=128: S and O at 256 keys would not fit.
+        block_kv=256 if head_dim <= 64 else 128,
+        num_stages=2,
         block_q_dkv=64,
         block_kv_dkv=MOSAIC_WG_ROWS,
         block_q_dq=MOSAIC_WG_ROWS,
