@@ -113,10 +113,7 @@ def _dkv_kernel(
     ds_smem2,
     dq_smem2,
     kv_ready,
-    q_ready,
-    do_ready,
-    lse_ready,
-    delta_ready,
+    in_ready,
     free,
     *,
     geom: Geometry,
@@ -161,10 +158,7 @@ def _dkv_kernel(
             v_a = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA)
 
         def wait_inputs(slot):
-            plgpu.barrier_wait(q_ready.at[slot])
-            plgpu.barrier_wait(do_ready.at[slot])
-            plgpu.barrier_wait(lse_ready.at[slot])
-            plgpu.barrier_wait(delta_ready.at[slot])
+            plgpu.barrier_wait(in_ready.at[slot])  # Q, dO, LSE and delta: 4 arrivals
 
         def step(qi, carry, *, g, base, masked: bool):
             dk, dv = carry
@@ -279,11 +273,12 @@ def _dkv_kernel(
                 plgpu.barrier_wait(free.at[slot])
 
             rows = (batch, pl.ds(q_start, block_q), head)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            ready = in_ready.at[slot]  # one barrier for the step's four copies
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready)
             cols = (batch, head, pl.ds(q_start, block_q))
-            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], ready)
 
         if interpret:
             drain((free,), geom.group * per_head, stages)
@@ -503,7 +498,7 @@ def mosaic_bwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
             smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
-            *[plgpu.Barrier(num_barriers=dkv_stages)] * 4,
+            plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
         ],
         grid=(kh, kv_tiles, b),
