@@ -32,6 +32,7 @@ from jaxtyping import Array, Float, Int
 from models.attention import AttentionConfig, attend
 from models.config import REMAT_POLICIES, LlamaConfig
 from models.rope import apply_rope, inv_frequencies, rope_cos_sin
+from models.sharding import explicit_mesh
 
 # Names saved by remat="save_attn": the attention output, and the log-sum-exp if
 # the attention kernel tags it (its backward needs both; neither is recomputed).
@@ -147,9 +148,7 @@ def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array
     """Token embedding gather; under an Explicit-axes mesh the output keeps the
     ids' sharding (``[B, T]`` as the ids, D replicated), which jax cannot infer."""
     table = embed.embedding[...].astype(embed.dtype)
-    mesh = jax.sharding.get_abstract_mesh()
-    explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
-    if explicit:
+    if explicit_mesh() is not None:
         spec = jax.typeof(input_ids).sharding.spec
         out_sharding = jax.sharding.PartitionSpec(*spec, None)
         return table.at[input_ids].get(out_sharding=out_sharding)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from models.sharding import explicit_mesh
+
 IGNORE_INDEX = -100
 
 
@@ -94,7 +96,7 @@ def chunked_cross_entropy(
         raise ValueError(f"{chunk_size=} must be a positive multiple of {shards=}")
     if t % chunk_size:
         raise ValueError(f"sequence length {t=} must be divisible by {chunk_size=}")
-    mesh = _explicit_mesh()
+    mesh = explicit_mesh()
     if mesh is not None:
         axes = jax.typeof(hidden).sharding.spec[1]
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
@@ -109,14 +111,6 @@ def chunked_cross_entropy(
         valid = valid & mask
     safe = jnp.where(valid, labels, 0)
     return _fused_cross_entropy(hidden, lm_head, safe, valid, chunk_size, shards)
-
-
-def _explicit_mesh():
-    """The current abstract mesh if it has Explicit axes (shardings must then be
-    spelled out), else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
-    return mesh if explicit else None
 
 
 def _chunks(x, chunk_size: int, shards: int):
@@ -139,7 +133,7 @@ def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, *, grads: b
     w = lm_head.astype(hidden.dtype)
     # Under an Explicit-axes mesh the weight gradient sums over sharded tokens: it takes
     # the weight's own sharding (jax cannot infer it); Auto meshes infer it.
-    w_spec = jax.typeof(w).sharding.spec if _explicit_mesh() is not None else None
+    w_spec = jax.typeof(w).sharding.spec if explicit_mesh() is not None else None
 
     def body(carry, xs):
         h, lab, m = xs
