@@ -96,6 +96,14 @@ def test_kernel_durations_sum_the_first_gpu():
     assert any(k["where"] for k in top)
 
 
+def test_command_buffers_flag():
+    """GPU traces name their kernels only with XLA's command buffers off: the check both
+    the trainer's and train.profile's warnings use."""
+    assert trace.command_buffers_on("")
+    assert trace.command_buffers_on("--xla_gpu_autotune_level=0")
+    assert not trace.command_buffers_on("--xla_gpu_autotune_level=0 " + trace.NO_COMMAND_BUFFERS)
+
+
 def test_hlo_facts():
     text = "\n".join(
         [

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ from train.oom import is_oom
 from train.optim import optimizer, schedule
 from train.step import StepSpec, train_step
 from train.tensorboard import SummaryWriter
+from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
 
 
 class TrainingError(RuntimeError):
@@ -377,6 +379,14 @@ def run(cfg: TrainConfig) -> dict:
         writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
         log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
         profile = _profile_window(cfg)
+        if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
+            print(
+                f"warning: --profile_steps with XLA's command buffers on: the trace's kernels "
+                f"will carry no op names or name scopes; set XLA_FLAGS={NO_COMMAND_BUFFERS} "
+                "before starting for a trace that names them",
+                file=sys.stderr,
+                flush=True,
+            )
         bar = _progress(cfg, is_main, start_step, total_steps)
         history = []
         timer = _Timer()

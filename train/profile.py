@@ -291,7 +291,7 @@ def run_row(job: Job) -> dict:
     phases = report.mean
     row["trace_vs_timed"] = phases.step_ms / row["step_ms"]
     if report.platform == "gpu" and report.named_fraction < 0.5:
-        if "--xla_gpu_enable_command_buffer=" not in os.environ.get("XLA_FLAGS", "").split():
+        if trace_lib.command_buffers_on():
             row["warnings"].append(
                 f"only {report.named_fraction:.0%} of kernel time has a name stack and "
                 "command buffers are on: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer="
@@ -524,8 +524,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("ceilings ...", flush=True)
         ceilings = _child("ceilings", {}, args.timeout)
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    if ceilings.get("device", "cpu") != "cpu" and "--xla_gpu_enable_command_buffer=" not in flags:
+    from train.trace import command_buffers_on  # imports jax, starts no backend
+
+    if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
         print(
             "warning: command buffers are on (XLA_FLAGS lacks --xla_gpu_enable_command_buffer=): "
             "the traces will show CUDA graphs and the per-phase attribution will be empty",

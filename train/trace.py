@@ -148,6 +148,18 @@ class TraceReport:
 # Reading
 
 
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
+
+
+def command_buffers_on(xla_flags: str | None = None) -> bool:
+    """Whether XLA runs GPU programs as command buffers (CUDA graphs; the default), read
+    from `xla_flags` (default: $XLA_FLAGS). Then a trace's kernels carry no name stack
+    (no phases, no `where`): profile with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`,
+    set before jax starts."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    return NO_COMMAND_BUFFERS not in flags.split()
+
+
 def find_xplane(path: str) -> str:
     """`path` itself if a file, else the newest `*.xplane.pb[.gz]` under it."""
     if os.path.isfile(path):
@@ -567,7 +579,7 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
         if platform == "gpu":
             reason = (
                 "no kernel carries a name stack: were command buffers on? profile with "
-                "XLA_FLAGS=--xla_gpu_enable_command_buffer="
+                f"XLA_FLAGS={NO_COMMAND_BUFFERS}"
             )
         for field in ("forward_ms", "backward_ms", "recompute_ms", "update_ms"):
             not_measured[field] = reason
