@@ -381,7 +381,7 @@ def run(cfg: TrainConfig) -> dict:
         profile = _profile_window(cfg)
         if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
             print(
-                f"warning: --profile_steps with XLA's command buffers on: the trace's kernels "
+                "warning: --profile_steps with XLA's command buffers on: the trace's kernels "
                 f"will carry no op names or name scopes; set XLA_FLAGS={NO_COMMAND_BUFFERS} "
                 "before starting for a trace that names them",
                 file=sys.stderr,
