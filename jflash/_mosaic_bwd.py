@@ -187,12 +187,14 @@ def _dkv_kernel(
                 lambda p, dp: p * dp,
                 interpret=interpret,
             )
-            p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731 (converted where issued)
+            # Register operands, converted where each wgmma is issued.
+            p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731
+            ds_in = lambda: ds.astype(k_smem.dtype)  # noqa: E731
 
             if not fused:
                 dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
                     (dv, dk),
-                    [(p_in, do_t), (lambda: ds.astype(k_smem.dtype), q_t)],
+                    [(p_in, do_t), (ds_in, q_t)],
                     interpret=interpret,
                 )
                 plgpu.barrier_arrive(free.at[slot])
@@ -208,7 +210,7 @@ def _dkv_kernel(
             )
             dv, dk, dq = wgmma_into(
                 (dv, dk, zeros_dq),
-                [(p_in, do_t), (lambda: ds.astype(k_smem.dtype), q_t), (ds_smem.T, k_smem)],
+                [(p_in, do_t), (ds_in, q_t), (ds_smem.T, k_smem)],
                 interpret=interpret,
             )
             plgpu.barrier_arrive(free.at[slot])

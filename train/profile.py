@@ -294,7 +294,7 @@ def run_row(job: Job) -> dict:
         if trace_lib.command_buffers_on():
             row["warnings"].append(
                 f"only {report.named_fraction:.0%} of kernel time has a name stack and "
-                "command buffers are on: rerun with XLA_FLAGS=--xla_gpu_enable_command_buffer="
+                f"command buffers are on: rerun with XLA_FLAGS={trace_lib.NO_COMMAND_BUFFERS}"
             )
     per_device_tokens = tokens / n
     if phases.permute_bytes is not None and phases.permute_ms > 0:
@@ -524,11 +524,11 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("ceilings ...", flush=True)
         ceilings = _child("ceilings", {}, args.timeout)
-    from train.trace import command_buffers_on  # imports jax, starts no backend
+    from train.trace import NO_COMMAND_BUFFERS, command_buffers_on  # jax, but no backend
 
     if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
         print(
-            "warning: command buffers are on (XLA_FLAGS lacks --xla_gpu_enable_command_buffer=): "
+            f"warning: command buffers are on (XLA_FLAGS lacks {NO_COMMAND_BUFFERS}): "
             "the traces will show CUDA graphs and the per-phase attribution will be empty",
             file=sys.stderr,
             flush=True,
