@@ -46,7 +46,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    Turns,
     drain,
     fit_stages,
     kv_range,
@@ -72,12 +71,6 @@ FUSED_DQ_HEAD_DIMS = (64,)
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
 # dQ kernel's Q and dO. Each costs D/4 registers per thread.
 A_IN_REGS = {"dkv": lambda d: d <= 64, "dq": lambda d: d <= 128}
-
-# Which kernels order their two compute warpgroups' matmuls by turns (the forward's
-# FA-3 ping-pong): a warpgroup issues its step's second matmuls and the next step's
-# first ones while the other exponentiates, so their elementwise phases never
-# coincide and leave the tensor cores idle.
-TURNS = {"dkv": True, "dq": True}
 
 
 def fuses_dq(head_dim: int, deterministic: bool) -> bool:
@@ -122,7 +115,6 @@ def _dkv_kernel(
     kv_ready,
     in_ready,
     free,
-    turn,
     *,
     geom: Geometry,
     block_q: int,
@@ -143,7 +135,6 @@ def _dkv_kernel(
     cta_start = lax.axis_index("kv_tiles") * (COMPUTE_WGS * bk)
     cta_begin, _, n_q = q_range(geom, cta_start, bk, block_q)  # warpgroup 0 starts earliest
     per_head = n_q - cta_begin
-    turns = Turns(turn, TURNS["dkv"])
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -195,9 +186,7 @@ def _dkv_kernel(
                 probabilities,
                 lambda p, dp: p * dp,
                 interpret=interpret,
-                issued=turns.hand_over,
             )
-            turns.done_elementwise()
             # Register operands, converted where each wgmma is issued.
             p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731
             ds_in = lambda: ds.astype(k_smem.dtype)  # noqa: E731
@@ -245,7 +234,6 @@ def _dkv_kernel(
             slot = lax.rem(base + qi, stages)
             wait_inputs(slot)
             plgpu.barrier_arrive(free.at[slot])
-            turns.skip_step()
             return carry
 
         def head(g, carry):
@@ -259,9 +247,7 @@ def _dkv_kernel(
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        turns.start(wg)
         dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
-        turns.finish(wg)
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
         if out_smem2 is not None:
@@ -323,7 +309,6 @@ def _dq_kernel(
     v_ready,
     k_free,
     v_free,
-    turn,
     *,
     geom: Geometry,
     block_kv: int,
@@ -333,7 +318,6 @@ def _dq_kernel(
     interpret: bool,
 ):
     bq = WG_ROWS
-    turns = Turns(turn, TURNS["dq"])
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -381,10 +365,8 @@ def _dq_kernel(
                 probabilities,
                 lambda p, dp: p * (dp + _bcast(neg_delta, p.shape, 0)),
                 interpret=interpret,
-                issued=turns.hand_over,
             )
             plgpu.barrier_arrive(v_free.at[slot])
-            turns.done_elementwise()
 
             (dq,) = wgmma_into(  # dQ += dS K
                 (dq,), [(lambda: ds.astype(k_smem.dtype), k_smem.at[slot])], interpret=interpret
@@ -398,15 +380,12 @@ def _dq_kernel(
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
-            turns.skip_step()
             return carry
 
         dq = plgpu.layout_cast(jnp.zeros((bq, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        turns.start(wg)
         dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
         dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
         lax.fori_loop(n_end, cta_end, skip, None)
-        turns.finish(wg)
         out = q_t if out_smem2 is None else out_smem2.at[wg]
         _store_tile(dq * scale, out, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
@@ -523,7 +502,6 @@ def mosaic_bwd(
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
             plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns
         ],
         grid=(kh, kv_tiles, b),
         grid_names=("heads", "kv_tiles", "batch"),
@@ -557,7 +535,6 @@ def mosaic_bwd(
             plgpu.Barrier(num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # turns
         ],
         grid=(n, geom.q_pad // rows, b),
         grid_names=("heads", "q_tiles", "batch"),

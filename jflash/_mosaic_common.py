@@ -90,54 +90,6 @@ def visible(geom: Geometry, q_start, k_start, shape, *, transposed: bool = False
     return seen
 
 
-class Turns:
-    """FA-3's ping-pong of the two compute warpgroups on a two-arrival barrier, passed
-    twice per step: a warpgroup's elementwise phase (softmax, dS) runs while the other's
-    matmuls run, so the two never leave the tensor cores idle together.
-
-    Per step: issue the first matmuls, `hand_over()` (wait until the other warpgroup has
-    finished its elementwise phase), do this step's elementwise phase,
-    `done_elementwise()` (wait until the other has issued its first matmuls), run the
-    step's last matmuls. Warpgroup 1 starts one turn late (`start`), warpgroup 0 ends
-    one turn later (`finish`), and a skipped step passes both turns (`skip_step`), so
-    every phase of the barrier pairs up. `on=False` makes every call a no-op.
-    """
-
-    def __init__(self, barrier, on: bool = True):
-        self.barrier, self.on = barrier, on
-
-    def _take(self):
-        if self.on:
-            plgpu.barrier_arrive(self.barrier)
-            plgpu.barrier_wait(self.barrier)
-
-    def hand_over(self):
-        self._take()
-
-    def done_elementwise(self, before_wait=None):
-        """`before_wait()` runs between the arrival and the wait (e.g. a data barrier)."""
-        if not self.on:
-            if before_wait is not None:
-                before_wait()
-            return
-        plgpu.barrier_arrive(self.barrier)
-        if before_wait is not None:
-            before_wait()
-        plgpu.barrier_wait(self.barrier)
-
-    def skip_step(self):
-        self._take()
-        self._take()
-
-    def start(self, wg):
-        if self.on:
-            pl.when(wg == 1)(self._take)
-
-    def finish(self, wg):
-        if self.on:
-            pl.when(wg == 0)(self._take)
-
-
 def drain(free_barriers, num_steps, stages: int) -> None:
     """Interpret mode only: the memory warpgroup observes the last `stages` phases of
     its free barriers. The GPU interpreter checks that every thread saw every phase of
@@ -235,26 +187,21 @@ def wgmma_into(accs, products, *, interpret: bool):
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
-def wgmma_pair(inits, products, first, then, *, interpret: bool, issued=None):
+def wgmma_pair(inits, products, first, then, *, interpret: bool):
     """Two wgmmas `r_i = init_i + a_i @ b_i` issued together; `x = first(r_0)` runs while
     the second is still on the tensor cores. Returns `(x, then(x, r_1))`, both f32 of
     the accumulators' shapes (written back into them: no extra registers).
 
     Each `plgpu.wgmma` commits its own group, so reading `r_0` waits for one group only.
-    `issued()`, if given, runs once both are issued, before any wait (a turn handoff).
     """
     if interpret:
         r0, r1 = wgmma_into(inits, products, interpret=True)
-        if issued is not None:
-            issued()
         x = first(r0)
         return x, then(x, r1)
 
     def issue(refs):
         for ref, (a, b) in zip(refs, products, strict=True):
             plgpu.wgmma(ref, a() if callable(a) else a, b)
-        if issued is not None:
-            issued()
         x = first(plgpu.wgmma_accumulator_load(refs[0], wait_n=1))
         y = then(x, plgpu.wgmma_accumulator_load(refs[1], wait_n=0))
         refs[0][...] = x

@@ -24,7 +24,6 @@ from jflash._mosaic_common import (
     COMPUTE_WGS,
     WG_ROWS,
     Geometry,
-    Turns,
     fit_stages,
     kv_range,
     launch,
@@ -66,7 +65,10 @@ def _fwd_kernel(
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     cta_start, cta_end = query_tile_cta(geom, block_kv)
-    turns = Turns(turn)
+
+    def take_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -84,7 +86,7 @@ def _fwd_kernel(
 
             def qk(acc):
                 plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
-                turns.hand_over()  # while this wgmma runs, the other warpgroup does softmax
+                take_turn()  # while this wgmma runs, the other warpgroup does softmax
                 return acc[...]  # [64, block_kv] f32
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
@@ -101,8 +103,9 @@ def _fwd_kernel(
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(q_smem.dtype)
             acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            # Softmax done; then the tensor cores are ours.
-            turns.done_elementwise(before_wait=lambda: plgpu.barrier_wait(v_ready.at[slot]))
+            plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(turn)  # tensor cores are ours
 
             (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
             plgpu.barrier_arrive(v_free.at[slot])
@@ -113,9 +116,10 @@ def _fwd_kernel(
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
+            take_turn()
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            turns.skip_step()
+            take_turn()
             return carry
 
         row = plgpu.Layout.WGMMA.reduce(1)
@@ -124,11 +128,11 @@ def _fwd_kernel(
             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
         )
-        turns.start(wg)
+        pl.when(wg == 1)(take_turn)
         carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
         acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
         lax.fori_loop(n_end, cta_end, skip, None)
-        turns.finish(wg)
+        pl.when(wg == 0)(take_turn)
 
         empty = l == 0.0
         l_safe = jnp.where(empty, 1.0, l)
