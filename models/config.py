@@ -93,9 +93,9 @@ class LlamaConfig:
         remat: per-layer rematerialisation: ``none``, ``full``, ``save_attn``
             (saves only the attention output, so the backward pass recomputes the
             cheap projections and MLP but never the attention kernel) or ``save_dots``
-            (also saves every projection's and the MLP's matmul outputs: only norms,
-            RoPE and activations are recomputed, for ~1.6 GB per layer at 32k tokens
-            of a 1B model).
+            (also saves every projection's and the MLP's matmul outputs and the MLP's
+            activation: only norms and RoPE are recomputed, for ~2.1 GB per layer at
+            32k tokens of a 1B model).
     """
 
     vocab_size: int

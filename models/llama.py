@@ -37,6 +37,11 @@ from models.sharding import explicit_mesh
 # Names saved by remat="save_attn": the attention output, and the log-sum-exp if
 # the attention kernel tags it (its backward needs both; neither is recomputed).
 SAVE_ATTN_NAMES: tuple[str, ...] = ("attention_out", "attention_lse")
+# Saved by remat="save_dots" besides every matmul output: the MLP's activation
+# `silu(gate) * up`, the down projection's input. Recomputing it read gate and up again
+# in every layer's backward (8 ms of a 1B step at 32k on an H100); saving it costs
+# 0.5 GB per layer there and gained 0.6% on one H200 (BENCHMARKS.md, eighth session).
+SAVE_DOTS_NAMES: tuple[str, ...] = ("mlp_activation",)
 DEFAULT_ATTENTION = AttentionConfig()
 
 
@@ -82,7 +87,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         with jax.named_scope("mlp"):
-            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+            act = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+            return self.down_proj(checkpoint_name(act, "mlp_activation"))
 
 
 class Attention(nnx.Module):
@@ -169,8 +175,9 @@ def _remat(fn, policy: str, scan_layers: bool):
     if policy == "save_attn":
         return jax.checkpoint(fn, policy=save_attn, prevent_cse=prevent_cse)
     if policy == "save_dots":
+        names = jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES, *SAVE_DOTS_NAMES)
         both = jax.checkpoint_policies.save_from_both_policies(
-            save_attn, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            names, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         )
         return jax.checkpoint(fn, policy=both, prevent_cse=prevent_cse)
     raise ValueError(f"remat policy={policy!r} not in {REMAT_POLICIES}")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jflash
@@ -178,7 +179,7 @@ def test_bad_params_raise_listing_paths(params, ids):
     assert "extra/w" in str(err.value) and "embed/embedding" in str(err.value)
 
 
-def test_scan_unscanned_and_remat_agree(params, ids):
+def test_scan_unscanned_and_remat_agree(params, ids, capsys):
     ref = _logits(SMALL, params, ids)
     labels = models.next_token_labels(ids)
 
@@ -204,6 +205,17 @@ def test_scan_unscanned_and_remat_agree(params, ids):
 
     counts = {r: dots(r) for r in ("none", "save_dots", "save_attn", "full")}
     assert counts["none"] <= counts["save_dots"] < counts["save_attn"] < counts["full"], counts
+
+    # save_dots also keeps the MLP activation (`SAVE_DOTS_NAMES`), the down projection's
+    # input, so the backward does not form it again; save_attn recomputes it. (Unrolled
+    # layers: a scan's stacked residuals are not listed by name.)
+    def saved(remat, capsys):
+        config = SMALL.replace(remat=remat, scan_layers=False)
+        print_saved_residuals(lambda p: loss(config, p), params)
+        return capsys.readouterr().out
+
+    assert "named 'mlp_activation'" in saved("save_dots", capsys)
+    assert "named 'mlp_activation'" not in saved("save_attn", capsys)
 
 
 def test_forward_is_deterministic(params, ids):
