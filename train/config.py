@@ -31,7 +31,7 @@ class ModelArgs:
     ring_layout: str = "zigzag"  # zigzag | contiguous
     ring_strategy: str = "ring"  # ring | allgather
     remat_policy: str = "save_attn"  # models.REMAT_POLICIES
-    gradient_checkpointing: bool = False  # HF flag: True means remat_policy=full
+    gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
     fp16: bool = False  # the seed's flag: runs as bf16 compute (no loss scaling needed)
     scan_layers: bool = True
@@ -134,7 +134,8 @@ class TrainConfig:
 
     @property
     def remat(self) -> str:
-        """The effective remat policy (`--gradient_checkpointing True` means full)."""
+        """The effective remat policy: `--gradient_checkpointing True` turns `none` into
+        `full` (HF's meaning); the other policies already checkpoint every layer."""
         if self.model.gradient_checkpointing and self.model.remat_policy == "none":
             return "full"
         return self.model.remat_policy
