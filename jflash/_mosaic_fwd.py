@@ -5,8 +5,10 @@ memory warpgroup that streams the K and V tiles of the head's KV head (`h // gro
 GQA without copies) into `stages` shared-memory slots. The two compute warpgroups
 take turns on the tensor cores (FA-3's ping-pong): while one runs its softmax the
 other's matmuls run, ordered by a two-arrival "turn" barrier that each passes twice
-per key step, warpgroup 1 starting one turn late. Query tiles are launched heaviest
-first (causal rows near the end see the most keys).
+per key step, warpgroup 1 starting one turn late. At D=128 a warpgroup's turn on the
+tensor cores issues its step's P V and its next step's Q K^T back to back, without
+waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). Query tiles are
+launched heaviest first (causal rows near the end see the most keys).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ from jflash._mosaic_common import (
     wgmma_into,
 )
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
+
+# Head dims whose forward issues each step's P V and the next step's Q K^T together
+# (`overlapped`): at D=128 the forward kernel is 2.6% faster (H100, 16k and 64k); at
+# D=64 (256-key steps, S in 128 registers) 38% slower (BENCHMARKS.md, eighth session).
+# The GPU interpreter cannot store into a live accumulator, so interpret mode runs the
+# other loop.
+OVERLAP_HEAD_DIMS = (128,)
 
 
 def _fwd_kernel(
@@ -79,6 +88,26 @@ def _fwd_kernel(
         n_full, n_end = kv_range(geom, q_start, bq, block_kv)
         plgpu.barrier_wait(q_ready.at[wg])
 
+        def softmax(j, s, o, m, l, *, masked: bool):
+            """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
+            fenced, so all of it is done before the turn is handed over."""
+            if masked:
+                seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
+                s = jnp.where(seen, s, -jnp.inf)
+            # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
+            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
+
+        def take_tensor_cores(slot):
+            plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_wait(turn)  # tensor cores are ours
+
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
             slot = lax.rem(j, stages)
@@ -91,25 +120,11 @@ def _fwd_kernel(
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
-                s = jnp.where(seen, s, -jnp.inf)
-            # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
-            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-            alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(q_smem.dtype)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(turn)  # softmax done
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(turn)  # tensor cores are ours
-
+            acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked)
+            take_tensor_cores(slot)
             (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
+            return acc, m, l
 
         def skip(j, carry):
             # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
@@ -122,15 +137,77 @@ def _fwd_kernel(
             take_turn()
             return carry
 
+        def overlapped(s_acc, o_acc, stats):
+            """The steps with each step's P V and the next step's Q K^T issued back to
+            back (compiled only: the GPU interpreter cannot store into `o_acc` while a
+            wgmma is pending). `s_acc` holds S of the step about to run; reading it
+            also waits for the previous P V, whose V slot is released then."""
+            zeros_s = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
+
+            def issue_qk(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                s_acc[...] = zeros_s
+                plgpu.wgmma(s_acc, q_smem, k_smem.at[slot].T)
+
+            def step_(j, carry, *, masked: bool, last: bool):
+                m, l = carry
+                slot = lax.rem(j, stages)
+                s = plgpu.wgmma_accumulator_load(s_acc, wait_n=0)
+
+                @pl.when(j > 0)
+                def _():
+                    plgpu.barrier_arrive(v_free.at[lax.rem(j + stages - 1, stages)])
+
+                plgpu.barrier_arrive(k_free.at[slot])
+                o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked)
+                o_acc[...] = o
+                take_tensor_cores(slot)
+                plgpu.wgmma(o_acc, p16, v_smem.at[slot])  # += P V, waited for next step
+                if not last:
+                    issue_qk(j + 1)
+                    take_turn()  # while these run, the other warpgroup does softmax
+                return m, l
+
+            def first(j, carry):  # once, if this warpgroup has a step at all
+                issue_qk(j)
+                take_turn()
+                return carry
+
+            lax.fori_loop(0, jnp.minimum(n_end, 1), first, None)
+            split = jnp.minimum(n_full, n_end - 1)
+            middle = functools.partial(step_, last=False)
+            carry = lax.fori_loop(0, split, functools.partial(middle, masked=False), stats)
+            carry = lax.fori_loop(split, n_end - 1, functools.partial(middle, masked=True), carry)
+            # The last step, peeled (no next Q K^T); masked, since `visible` is all true
+            # where nothing is hidden.
+            last = functools.partial(step_, masked=True, last=True)
+            m, l = lax.fori_loop(jnp.maximum(n_end - 1, 0), n_end, last, carry)
+            acc = o_acc[...]  # waits for the last P V
+
+            @pl.when(n_end > 0)
+            def _():
+                plgpu.barrier_arrive(v_free.at[lax.rem(n_end - 1, stages)])
+
+            return acc, m, l
+
         row = plgpu.Layout.WGMMA.reduce(1)
-        carry = (
-            plgpu.layout_cast(jnp.zeros((bq, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA),
+        stats = (
             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
         )
         pl.when(wg == 1)(take_turn)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-        acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+        if geom.head_dim in OVERLAP_HEAD_DIMS and not interpret:
+            acc, m, l = pl.run_scoped(
+                lambda s_acc, o_acc: overlapped(s_acc, o_acc, stats),
+                plgpu.ACC((bq, block_kv), jnp.float32),
+                plgpu.ACC((bq, geom.head_dim), jnp.float32),
+            )
+        else:
+            zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
+            carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+            acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
         lax.fori_loop(n_end, cta_end, skip, None)
         pl.when(wg == 0)(take_turn)
 
