@@ -209,13 +209,13 @@ def test_scan_unscanned_and_remat_agree(params, ids, capsys):
     # save_dots also keeps the MLP activation (`SAVE_DOTS_NAMES`), the down projection's
     # input, so the backward does not form it again; save_attn recomputes it. (Unrolled
     # layers: a scan's stacked residuals are not listed by name.)
-    def saved(remat, capsys):
+    def saved(remat):
         config = SMALL.replace(remat=remat, scan_layers=False)
         print_saved_residuals(lambda p: loss(config, p), params)
         return capsys.readouterr().out
 
-    assert "named 'mlp_activation'" in saved("save_dots", capsys)
-    assert "named 'mlp_activation'" not in saved("save_attn", capsys)
+    assert "named 'mlp_activation'" in saved("save_dots")
+    assert "named 'mlp_activation'" not in saved("save_attn")
 
 
 def test_forward_is_deterministic(params, ids):
