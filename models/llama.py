@@ -171,9 +171,9 @@ def _remat(fn, policy: str, scan_layers: bool):
         return jax.checkpoint(
             fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse
         )
-    save_attn = jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES)
     if policy == "save_attn":
-        return jax.checkpoint(fn, policy=save_attn, prevent_cse=prevent_cse)
+        names = jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES)
+        return jax.checkpoint(fn, policy=names, prevent_cse=prevent_cse)
     if policy == "save_dots":
         names = jax.checkpoint_policies.save_only_these_names(*SAVE_ATTN_NAMES, *SAVE_DOTS_NAMES)
         both = jax.checkpoint_policies.save_from_both_policies(
