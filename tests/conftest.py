@@ -1,4 +1,4 @@
-"""Test setup: 8 simulated CPU devices (set before jax initialises), GPU-marker skipping.
+"""Test setup: 8 simulated CPU devices (set before jax initialises), marker skipping.
 
 On a GPU machine the same kernel tests run compiled (`INTERPRET` is False there).
 """
@@ -16,6 +16,13 @@ import pytest  # noqa: E402
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+
+
+def cpu_devices(n: int) -> dict[str, str]:
+    """Environment for a child process on `n` simulated CPU devices, on any machine."""
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+
+
 # Mosaic kernels: compiled on sm90, the GPU interpreter on CPU, nothing on other GPUs.
 needs_hopper = pytest.mark.skipif(
     ON_GPU and not ON_HOPPER, reason="compiled Mosaic GPU kernels need an sm90 GPU"
@@ -23,9 +30,18 @@ needs_hopper = pytest.mark.skipif(
 
 
 def pytest_collection_modifyitems(config, items):
-    if ON_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (compiled kernels); CPU runs interpret mode")
+    """Skips, with the reason: `gpu` tests on CPU; `multi_device(n)` tests where fewer
+    than n devices exist (a GPU machine; CPU runs simulate 8)."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (compiled kernels); CPU runs interpret mode")
+    count = jax.device_count()
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not ON_GPU:
+            item.add_marker(no_gpu)
+        marker = item.get_closest_marker("multi_device")
+        if marker is None:
+            continue
+        if len(marker.args) != 1 or not isinstance(marker.args[0], int):
+            raise pytest.UsageError(f"{item.nodeid}: write multi_device(n), n the devices it needs")
+        if count < marker.args[0]:
+            reason = f"needs {marker.args[0]} devices; {jax.device_count()=}"
+            item.add_marker(pytest.mark.skip(reason=reason))

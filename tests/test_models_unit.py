@@ -268,7 +268,6 @@ def test_jflash_attention_backend_matches_xla(params, ids):
     np.testing.assert_allclose(out, _logits(SMALL, params, ids), atol=1e-5, rtol=0)
 
 
-@pytest.mark.multi_device
 def test_ring_attention_backend_on_zigzag_tokens(params, ids):
     """Sequence-sharded zigzag tokens with their global positions give the same logits."""
     num_shards = min(4, len(jax.devices()))
@@ -372,6 +371,7 @@ def test_chunked_cross_entropy_gradients(shards):
         models.chunked_cross_entropy(hidden, head, labels, chunk_size=16, shards=3)
 
 
+@pytest.mark.multi_device(2)
 def test_chunked_cross_entropy_splits_over_seq():
     """With the sequence sharded over 2 devices and `shards=2`, each device computes the
     logits of its own tokens only (no all-gather of the hidden states, half-size dots),

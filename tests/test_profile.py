@@ -11,6 +11,7 @@ import sys
 
 import jax
 import pytest
+from conftest import ON_GPU, cpu_devices
 
 from train import report as report_lib
 from train import trace
@@ -124,7 +125,8 @@ def test_hlo_facts():
     assert hlo.name_stack("missing") == "" and trace.phase_of("") is None
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(8)
+@pytest.mark.skipif(ON_GPU, reason="reads a CPU trace; GPU traces: test_gpu_trace_*")
 def test_cpu_trace_from_the_trainer(tmp_path):
     run(
         parse_args(
@@ -154,11 +156,10 @@ def test_cpu_trace_from_the_trainer(tmp_path):
         assert getattr(b, field) is None and field in report.not_measured
 
 
-@pytest.mark.multi_device
 @pytest.mark.slow
 def test_profile_cli_on_cpu(tmp_path):
     out = tmp_path / "profile"
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(4))
     cmd = [sys.executable, "-m", "train.profile", "--models", "tiny", "--context", "256,512"]
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--steps", "2", "--warmup", "1"]
     cmd += ["--out", str(out)]
@@ -260,7 +261,7 @@ def test_profile_failed_child_classification():
     assert row["status"] == "error" and "something else broke" in row["error"]
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(2)
 def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
     import train.loop
     from train.profile import Job, _trainer_args, run_row
@@ -281,11 +282,10 @@ def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
     assert row["shard_over_seq"] is True and row["devices"] == 2
 
 
-@pytest.mark.multi_device
 def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     """A row whose child fails is an "error" row; --append adds to the report."""
     out = tmp_path / "profile"
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
     base = [sys.executable, "-m", "train.profile", "--context", "256", "--out", str(out)]
     second = ["--append", "--reuse-ceilings", "--shard-over-seq"]
     for models, extra in (("no-such-model", []), ("other-model", second)):
@@ -338,7 +338,7 @@ def test_ring_bench_longest_search():
     assert search_longest(fits_at, 256, 1024, refine=4)[0] == 1024
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(2)
 def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
     """`--longest` end to end on simulated devices, with a memory limit given."""
     sys.path.insert(0, ROOT)

@@ -42,7 +42,7 @@ def _ring(q, k, v):
     "attention",
     [
         functools.partial(jflash.flash_attention, implementation="pallas_triton", interpret=True),
-        _ring,
+        pytest.param(_ring, marks=pytest.mark.multi_device(2)),
     ],
     ids=["flash", "ring"],
 )

@@ -53,6 +53,13 @@ class Case:
         )
 
 
+def test_cpu_runs_simulate_eight_devices():
+    """The canary for `multi_device(n)` skips: on CPU they must all run."""
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"real devices here: {jax.device_count()=}")
+    assert jax.device_count() == 8, "tests/conftest.py sets 8 simulated CPU devices"
+
+
 def _needs(num_devices: int):
     if len(jax.devices()) < num_devices:
         pytest.skip(f"needs {num_devices} devices; {len(jax.devices())=}")
@@ -141,7 +148,6 @@ GRID = [
 ]
 
 
-@pytest.mark.multi_device
 @pytest.mark.parametrize("case", GRID, ids=str)
 def test_matches_oracle_f32_causal_gqa(case):
     _check(case)
@@ -162,7 +168,6 @@ SAMPLED = [
 ]
 
 
-@pytest.mark.multi_device
 @pytest.mark.parametrize("case", SAMPLED, ids=str)
 def test_matches_oracle_sampled(case):
     _check(case)
@@ -211,7 +216,6 @@ PALLAS = [
 ]
 
 
-@pytest.mark.multi_device
 @pytest.mark.parametrize("case", PALLAS, ids=str)
 def test_matches_oracle_pallas(case):
     _check(case)
@@ -274,7 +278,6 @@ MOSAIC = [
 ]
 
 
-@pytest.mark.multi_device
 @needs_hopper
 @pytest.mark.parametrize("case", MOSAIC, ids=str)
 def test_matches_oracle_mosaic(case):
@@ -299,7 +302,7 @@ def test_single_device_matches_flash_attention():
     np.testing.assert_allclose(lse, want_lse, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(8)
 def test_bf16_error_does_not_grow_with_devices():
     """Partial results merge in f32: P = 8 is as accurate as P = 1 (a peer's bf16
     partial outputs made the error grow with the ring size; ANCHORS.md).
@@ -326,7 +329,7 @@ def test_bf16_error_does_not_grow_with_devices():
     assert (ratio[:, 1] <= 1.05).all(), f"RMS error P=8 / P=1, (out, dq, dk, dv): {ratio[:, 1]}"
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(4)
 def test_deterministic():
     case = Case(num_shards=4)
     mesh = _seq_mesh(4)
@@ -336,7 +339,7 @@ def test_deterministic():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(2)
 def test_return_lse_false_returns_output_only():
     """Also runs outside jax.jit (eager shard_map) on committed sharded inputs."""
     mesh = _seq_mesh(2)
@@ -407,13 +410,12 @@ def test_ring_lowers_for_cuda(monkeypatch, layout, strategy, collectives):
 # Inside a larger sharded program
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(8)
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 @pytest.mark.parametrize("batch", [2, 1], ids=["batch-sharded", "batch-replicated"])
 def test_jit_next_to_sharded_computation(axis_types, batch):
     """A projection, the ring and an output projection in one jit on a (data, seq)
     mesh; values and weight gradients equal the same program on one device."""
-    _needs(8)
     types = (AxisType.Explicit if axis_types == "explicit" else AxisType.Auto,) * 2
     mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=types)
     num_shards, seq_len, d_model, heads, kv_heads, head_dim = 4, 128, 32, 4, 2, 16
@@ -523,7 +525,7 @@ def test_layout_errors():
         jflash.positions(16, 0)
 
 
-@pytest.mark.multi_device
+@pytest.mark.multi_device(4)
 def test_ring_errors():
     mesh = _seq_mesh(4)
     q, k, v, *_ = make_inputs(
