@@ -189,6 +189,8 @@ def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monke
     [
         (["--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
         (["--mesh", "seq=-1,fsdp=-1"], "only one axis may be -1"),
+        (["--max_steps", "-1", "--num_train_epochs", "0"], "nothing to train: .* give 0 steps"),
+        (["--profile_steps", "0,5"], "ends after the run's 1 steps"),
         *[
             pytest.param(["--mesh", "data=2,fsdp=2,seq=2", *more], match, marks=EIGHT)
             for more, match in [
@@ -205,6 +207,54 @@ def test_refused_before_compiling(tmp_path, extra, match):
         run(parse_args([*SMALL, "--output_dir", str(tmp_path), "--max_steps", "1", *extra]))
 
 
+@pytest.mark.multi_device(4)
+def test_output_dir_of_a_previous_run_and_resume_refusals(tmp_path):
+    """A second run into a used --output_dir is refused (Orbax would silently skip its
+    saves at or below the old run's latest step) or replaces the old outputs with
+    --overwrite_output_dir; resuming from an earlier step into the same directory, or
+    with settings that change the data order, is refused by name."""
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--max_steps", "4", "--save_steps", "2")))
+    assert sorted(os.listdir(out / "checkpoints")) == ["2", "4"]
+    with pytest.raises(TrainingError, match="holds a previous run .*checkpoints, log.jsonl"):
+        run(parse_args(_args(out, "--max_steps", "3")))
+    step2 = str(out / "checkpoints" / "2")
+    with pytest.raises(TrainingError, match=r"later checkpoints \[4\]"):
+        run(parse_args(_args(out, "--max_steps", "4", "--resume_from_checkpoint", step2)))
+    with pytest.raises(TrainingError, match="seed 42 -> 7"):
+        run(parse_args(_args(tmp_path / "b", "--seed", "7", "--resume_from_checkpoint", step2)))
+    typo = str(tmp_path / "typo" / "checkpoints" / "3")
+    with pytest.raises(ValueError, match="does not exist"):
+        run(parse_args(_args(tmp_path / "c", "--resume_from_checkpoint", typo)))
+    assert not (tmp_path / "typo").exists()
+    with pytest.raises(TrainingError, match="would delete the checkpoints"):
+        run(parse_args(_args(out, "--resume_from_checkpoint", "latest", "--overwrite_output_dir")))
+
+    # --overwrite_output_dir: only the new run's outputs remain; the last step is logged
+    # off the logging_steps grid; the model directory's tokenizer goes with the export.
+    model_dir = tmp_path / "model"
+    params = models.init_params(models.TINY, jax.random.key(0))
+    models.export_hf(jax.device_get(params), models.TINY, model_dir)
+    (model_dir / "tokenizer.json").write_text('{"made": "here"}')
+    new = ["--max_steps", "3", "--save_steps", "3", "--logging_steps", "2"]
+    new += ["--overwrite_output_dir", "--model_name_or_path", str(model_dir)]
+    run(parse_args(_args(out, *new)))
+    assert sorted(os.listdir(out / "checkpoints")) == ["3"]
+    assert sorted(_log(out)) == [2, 3]
+    assert (out / "hf" / "tokenizer.json").read_text() == '{"made": "here"}'
+
+
+def test_non_finite_gradient_stops_before_anything_is_saved():
+    """A finite loss with a non-finite gradient norm: the update already made the
+    parameters non-finite, so the run must stop before that step is saved."""
+    from train.loop import _finish, _Timer
+
+    metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(np.nan), "tokens": 64}
+    cfg = parse_args([])
+    with pytest.raises(TrainingError, match="non-finite loss 2.0 or gradient norm nan at step 3"):
+        _finish((2, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, 10)
+
+
 def test_config_flags_yaml_and_errors(tmp_path):
     yaml_path = tmp_path / "c.yaml"
     yaml_path.write_text("optim:\n  learning_rate: 0.5\nrun:\n  max_steps: 7\n")
@@ -219,8 +269,44 @@ def test_config_flags_yaml_and_errors(tmp_path):
         parse_args(["--config", str(yaml_path)])
     with pytest.raises(ValueError, match="lr_scheduler_type='step'"):
         parse_args(["--lr_scheduler_type", "step"])
+    for flags, match in (
+        (["--fsdp", "foo"], "--fsdp='foo': supported"),
+        (["--warmup_steps", "-5"], "--warmup_steps=-5"),
+        (["--max_grad_norm", "-1"], "--max_grad_norm=-1.0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_args(flags)
+    # YAML 1.1 reads 1e-8 as a string and "false" is truthy: values take their field's type.
+    yaml_path.write_text(
+        "optim:\n  adam_epsilon: 1e-8\n  learning_rate: 2e-5\n  warmup_steps: 3.0\n"
+        "model:\n  bf16: 'false'\nrun:\n  save_total_limit: '2'\n"
+    )
+    cfg = parse_args(["--config", str(yaml_path)])
+    assert cfg.optim.adam_epsilon == 1e-8 and cfg.optim.learning_rate == 2e-5
+    assert cfg.optim.warmup_steps == 3 and cfg.model.bf16 is False
+    assert cfg.run.save_total_limit == 2
+    for text, match in (
+        ("optim:\n  learning_rate: fast\n", "learning_rate='fast' is not a number"),
+        ("optim:\n  warmup_steps: 2.5\n", "warmup_steps=2.5 is not an integer"),
+        ("model:\n  bf16: maybe\n", "bf16='maybe' is not a boolean"),
+        ("run:\n  max_steps: null\n", "max_steps=None is not allowed"),
+        ("run: [1\n", "is not valid YAML"),
+    ):
+        yaml_path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            parse_args(["--config", str(yaml_path)])
+    with pytest.raises(ValueError, match="--config='nope.yaml': No such file"):
+        parse_args(["--config", "nope.yaml"])
     assert parse_mesh("data=1,fsdp=-1,seq=4", 8) == {"data": 1, "fsdp": 2, "seq": 4}
     assert parse_mesh("data=1,fsdp=-1,seq=2", 8, fsdp=False) == {"data": 4, "fsdp": 1, "seq": 2}
+
+
+def test_cli_config_errors_are_one_line(capsys):
+    from train.__main__ import main
+
+    assert main(["--lr_scheduler_type", "step", "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --lr_scheduler_type='step'") and "Traceback" not in err
 
 
 def test_every_config_file_loads():

@@ -186,6 +186,22 @@ def test_empty_and_unknown(tmp_path):
         load_dataset(tmp_path / "x.csv")
 
 
+def test_missing_and_unreadable_files_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"nope\.pkl: no such data file"):
+        load_dataset(tmp_path / "nope.pkl")
+    (tmp_path / "g.pkl").write_bytes(b"garbage\n")
+    (tmp_path / "t.pkl").write_bytes(pickle.dumps([[1, 2, 3]] * 50)[:40])
+    for name in ("g.pkl", "t.pkl"):
+        with pytest.raises(ValueError, match=rf"{name[0]}\.pkl: not a readable pickle"):
+            load_dataset(tmp_path / name)
+    (tmp_path / "g.npy").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"g\.npy: not a readable \.npy array"):
+        load_dataset(tmp_path / "g.npy")
+    (tmp_path / "b.jsonl").write_bytes(b'{"input_ids": [1]}\n\xff\xfe\n')
+    with pytest.raises(ValueError, match=r"b\.jsonl: not UTF-8 text"):
+        load_dataset(tmp_path / "b.jsonl")
+
+
 # --- rows ------------------------------------------------------------------------------
 
 
@@ -355,3 +371,22 @@ def test_cli_sample_and_inspect(tmp_path):
     assert lines["examples"] == "8" and lines["tokens"] == "512"
     assert lines["min_length"] == lines["max_length"] == "64"
     assert int(lines["max_id"]) < 1000
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    """Bad arguments: `error: ...` and exit 2, no traceback; the extension is checked
+    before any sample is generated."""
+    for args in (
+        ["sample", "--out", str(tmp_path / "d.csv"), "--num-samples", "10000000"],
+        ["inspect", str(tmp_path / "missing.npy")],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "train.data", *args],
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 2, result
+        assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr

@@ -9,9 +9,8 @@ from train.loop import TrainingError, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
     try:
-        summary = run(cfg)
+        summary = run(parse_args(argv))
     except (TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,20 +12,32 @@ import orbax.checkpoint as ocp
 
 
 class Checkpoints:
-    def __init__(self, output_dir: str, save_total_limit: int | None):
+    """`<output_dir>/checkpoints`; `read_only` for another run's (nothing is created)."""
+
+    def __init__(self, output_dir: str, save_total_limit: int | None, read_only: bool = False):
         self.directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
+        if read_only and not os.path.isdir(self.directory):
+            raise ValueError(f"--resume_from_checkpoint: {self.directory} does not exist")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=save_total_limit, enable_async_checkpointing=True, create=True
+            max_to_keep=save_total_limit,
+            enable_async_checkpointing=True,
+            create=not read_only,
+            read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
-        self._manager.save(
+        saved = self._manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
+        if not saved:  # Orbax skips a step at or below its latest one: never silently
+            raise RuntimeError(
+                f"checkpoint {step} was not written to {self.directory} (latest there: "
+                f"{self.latest_step()})"
+            )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -34,13 +46,26 @@ class Checkpoints:
         return list(self._manager.all_steps())
 
     def restore(self, step: int, abstract_state):
-        """`(state, meta)` of `step`, placed with the shardings of `abstract_state`."""
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
-        )
+        """`(state, meta)` of `step`, placed with the shardings of `abstract_state`.
+
+        Raises ValueError naming the checkpoint when it is missing or unreadable."""
+        steps = self.all_steps()
+        if step not in steps:
+            raise ValueError(f"no checkpoint {step} in {self.directory}; it has {steps}")
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - any read failure: name the checkpoint
+            raise ValueError(
+                f"checkpoint {os.path.join(self.directory, str(step))} could not be restored "
+                f"({type(e).__name__}: {str(e)[:500]})"
+            ) from e
+        if not isinstance(restored["meta"], dict) or "step" not in restored["meta"]:
+            raise ValueError(f"checkpoint {step} in {self.directory} has no valid meta")
         return restored["state"], restored["meta"]
 
     def wait(self) -> None:
@@ -64,6 +89,8 @@ def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None]
     path = os.path.abspath(value.rstrip("/"))
     base = os.path.basename(path)
     if base.isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints":
+        if not os.path.isdir(path):
+            raise ValueError(f"--resume_from_checkpoint={value!r}: {path} does not exist")
         return os.path.dirname(os.path.dirname(path)), int(base)
     if base == "checkpoints":
         return os.path.dirname(path), None

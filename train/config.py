@@ -80,6 +80,7 @@ class RunArgs:
     save_steps: int = 500
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest"
+    overwrite_output_dir: bool = False  # delete a previous run's outputs in output_dir first
     export_hf: bool = True  # write an HF directory at the end
     seed: int = 42
     progress: bool = True  # tqdm bar on process 0
@@ -128,6 +129,16 @@ class TrainConfig:
             raise ValueError(
                 f"--learning_rate={self.optim.learning_rate} must be >= 0 and "
                 f"--warmup_ratio={self.optim.warmup_ratio} in [0, 1]"
+            )
+        if self.optim.warmup_steps < 0 or self.optim.max_grad_norm < 0:
+            raise ValueError(
+                f"--warmup_steps={self.optim.warmup_steps} and "
+                f"--max_grad_norm={self.optim.max_grad_norm} must be >= 0 (0: no clipping)"
+            )
+        if self.parallel.fsdp and "full_shard" not in self.parallel.fsdp.split():
+            raise ValueError(
+                f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "
+                "'auto_wrap') and '' (parameters replicated)"
             )
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
@@ -207,17 +218,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _coerce(value: Any, annotation, key: str, where: str) -> Any:
+    """A YAML value as its field's type: YAML 1.1 reads `1e-8` as a string and
+    `"false"` would be truthy, so every value is converted and checked by name."""
+    conv, optional = _parser_type(annotation)
+    kind = {_parse_bool: "a boolean", int: "an integer", float: "a number"}.get(conv, "a string")
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{where}: {key}=None is not allowed ({kind} is)")
+    try:
+        if conv is _parse_bool:
+            return value if isinstance(value, bool) else _parse_bool(value)
+        if isinstance(value, bool) and conv is not str:
+            raise ValueError
+        if conv is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if conv is float:
+            return float(value)
+        if isinstance(value, (dict, list)):
+            raise ValueError
+        return conv(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ValueError(f"{where}: {key}={value!r} is not {kind}") from None
+
+
 def _replace_section(section_obj, overrides: dict[str, Any], where: str):
     names = {f.name for f in dataclasses.fields(section_obj)}
     unknown = sorted(set(overrides) - names)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
-    return dataclasses.replace(section_obj, **overrides)
+    hints = typing.get_type_hints(type(section_obj))
+    values = {k: _coerce(v, hints[k], k, where) for k, v in overrides.items()}
+    return dataclasses.replace(section_obj, **values)
 
 
 def load_yaml(path: str) -> dict[str, dict[str, Any]]:
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ValueError(f"--config={path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config={path!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
     unknown = sorted(set(data) - set(SECTIONS))

@@ -223,6 +223,8 @@ def load_dataset(
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
+    if not path.is_file():
+        raise ValueError(f"{path}: no such data file")
     if suffix == ".npy":
         dataset = _load_npy(path)
     else:
@@ -238,8 +240,11 @@ def load_dataset(
 
 
 def _read_pkl(path: Path) -> list[tuple[int, Any]]:
-    with open(path, "rb") as f:
-        data = pickle.load(f)
+    try:
+        with open(path, "rb") as f:
+            data = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
+        raise ValueError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
     if not isinstance(data, (list, tuple)):
         raise ValueError(f"{path}: expected a pickled list of examples, got {type(data).__name__}")
     return list(enumerate(data))
@@ -248,8 +253,9 @@ def _read_pkl(path: Path) -> list[tuple[int, Any]]:
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
     """``(line index, parsed object)`` for each non-blank line; record = 0-based line."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(path, encoding="utf-8", errors="strict") as f:
+        lines = _lines(path, f)
+        for i, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
@@ -259,8 +265,18 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
     return records
 
 
+def _lines(path: Path, f) -> list[str]:
+    try:
+        return f.readlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+
+
 def _load_npy(path: Path) -> TokenDataset:
-    array = np.load(path, allow_pickle=False)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable .npy array of token ids ({e})") from None
     if array.ndim == 1:
         array = array[None]
     if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
@@ -357,7 +373,7 @@ def _load_tokenizer(tokenizer_dir: str | Path | None, where: str):
     except ImportError:
         raise ValueError(
             f"{where}: has 'text', which needs the 'tokenizers' package (pip install "
-            "tokenizers); or pre-tokenize the data into 'input_ids'"
+            "'jflash[text]' or tokenizers); or pre-tokenize the data into 'input_ids'"
         ) from None
     return tokenizers.Tokenizer.from_file(str(file))
 
@@ -571,7 +587,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     inspect.add_argument("--tokenizer-dir", default=None, help="model dir, for 'text' records")
     inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
     args = parser.parse_args(argv)
+    try:
+        _command(args)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+
+
+def _command(args: argparse.Namespace) -> None:
     if args.command == "sample":
+        suffix = Path(args.out).suffix.lower()
+        if suffix not in FORMATS:
+            raise ValueError(f"{args.out}: unknown data format {suffix!r}; expected {FORMATS}")
         examples = markov_samples(
             args.num_samples,
             args.seq_len,

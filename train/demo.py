@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             "--data_path",
             data_path,
             *mesh,
+            # The demo owns its output directory (`--keep` keeps the model and data).
+            *([] if "--resume_from_checkpoint" in argv else ["--overwrite_output_dir"]),
             *argv,
         ]
     )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -292,6 +294,17 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         total_steps = cfg.run.max_steps
     else:
         total_steps = math.ceil(cfg.run.num_train_epochs * batches.steps_per_epoch)
+    if total_steps <= 0:
+        raise TrainingError(
+            f"nothing to train: --num_train_epochs={cfg.run.num_train_epochs} and "
+            f"--max_steps={cfg.run.max_steps} give {total_steps} steps"
+        )
+    profile = _profile_window(cfg)
+    if profile and profile[1] > total_steps:
+        raise TrainingError(
+            f"--profile_steps={cfg.profile.profile_steps!r} ends after the run's "
+            f"{total_steps} steps; the trace would never be written"
+        )
 
     plan = plan_step(cfg, config, devices, total_steps)
     mesh, p_shard = plan.mesh, plan.state_shardings["params"]
@@ -337,6 +350,9 @@ def run(cfg: TrainConfig) -> dict:
     initialize_distributed(cfg)
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
+    resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
+    continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
+    _claim_output_dir(cfg, continuing, is_main)
     t = build(cfg)
     rows, batches, total_steps = t.rows, t.batches, t.total_steps
     global_batch, accum, config = t.global_batch, t.accum, t.config
@@ -346,17 +362,26 @@ def run(cfg: TrainConfig) -> dict:
     with jax.set_mesh(t.mesh):
         ckpt = Checkpoints(out, cfg.run.save_total_limit)
         start_step = 0
-        resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
+        # What fixes the data order: a resumed run must match the checkpoint's.
+        run_meta = {
+            "model_max_length": cfg.data.model_max_length,
+            "rows_per_step": global_batch * accum,
+            "num_rows": rows.num_rows,
+            "seed": cfg.run.seed,
+        }
         if resume is not None:
-            source = (
-                ckpt
-                if os.path.abspath(resume[0]) == os.path.abspath(out)
-                else Checkpoints(resume[0], None)
-            )
+            source = ckpt if continuing else Checkpoints(resume[0], None, read_only=True)
             step = resume[1] if resume[1] is not None else source.latest_step()
             if step is None:
                 raise TrainingError(
                     f"--resume_from_checkpoint: no checkpoint in {source.directory}"
+                )
+            later = [s for s in source.all_steps() if s > step]
+            if continuing and later:
+                raise TrainingError(
+                    f"--resume_from_checkpoint: {source.directory} also holds later "
+                    f"checkpoints {later}, which training on from {step} here would collide "
+                    f"with; resume into another --output_dir"
                 )
             abstract = jax.tree.map(
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -365,6 +390,7 @@ def run(cfg: TrainConfig) -> dict:
             )
             state, meta = source.restore(step, abstract)
             start_step = int(meta["step"])
+            _check_resumable(meta, run_meta, source.directory)
             # The saved data position must land on the same step with this data/batch.
             resumed = data_lib.Batches(
                 rows, global_batch * accum, seed=cfg.run.seed, start=meta["data"]
@@ -373,6 +399,14 @@ def run(cfg: TrainConfig) -> dict:
                 raise TrainingError(
                     f"checkpoint step {start_step} and data position {meta['data']} disagree: "
                     "did the data, --model_max_length or the batch size change?"
+                )
+            if continuing and is_main:
+                _truncate_log(os.path.join(out, "log.jsonl"), start_step)
+            if start_step >= total_steps and is_main:
+                print(
+                    f"nothing to train: checkpoint {start_step} is already at the run's "
+                    f"{total_steps} steps",
+                    file=sys.stderr,
                 )
         t.state = None  # the loop owns (and donates) the state from here on
 
@@ -390,10 +424,12 @@ def run(cfg: TrainConfig) -> dict:
         bar = _progress(cfg, is_main, start_step, total_steps)
         history = []
         timer = _Timer()
+        finish_args = (cfg, lr_at, timer, flops_token, writer, log, bar, total_steps)
         # Metrics are fetched one step late (the next step is already queued), except at
         # logging and saving steps, which wait for their own step: throughput windows
         # then start and end at completed steps, and nothing non-finite is saved.
         pending = None
+        tracing = False
         try:
             for step in range(start_step, total_steps):
                 if profile and step == profile[0]:
@@ -401,29 +437,30 @@ def run(cfg: TrainConfig) -> dict:
                     jax.profiler.start_trace(
                         cfg.profile.profile_dir or os.path.join(out, "tensorboard")
                     )
+                    tracing = True
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     with _oom_advice(cfg):
                         state, metrics = step_fn(state, t.batch(step))
-                if profile and step == profile[1] - 1:
+                if tracing and step == profile[1] - 1:
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
+                    tracing = False
                 if pending is not None:
-                    history.append(
-                        _finish(pending, cfg, lr_at, timer, flops_token, writer, log, bar)
-                    )
+                    history.append(_finish(pending, *finish_args))
                     pending = None
                 done = step + 1
                 save = _should_save(cfg, done, total_steps, batches.steps_per_epoch)
                 if save or done % cfg.run.logging_steps == 0 or done == total_steps:
-                    history.append(
-                        _finish((step, metrics), cfg, lr_at, timer, flops_token, writer, log, bar)
-                    )
+                    history.append(_finish((step, metrics), *finish_args))
                 else:
                     pending = (step, metrics)
                 if save:
                     epoch, index = divmod(done, batches.steps_per_epoch)
-                    ckpt.save(done, state, {"step": done, "data": {"epoch": epoch, "index": index}})
+                    data_pos = {"epoch": epoch, "index": index}
+                    ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
         finally:
+            if tracing:  # stopped early (an error): keep what was traced
+                jax.profiler.stop_trace()
             ckpt.close()
             if bar is not None:
                 bar.close()
@@ -436,6 +473,7 @@ def run(cfg: TrainConfig) -> dict:
             host = multihost_utils.process_allgather(state["params"], tiled=True)
             if is_main:
                 models.export_hf(jax.tree.map(np.asarray, host), config, os.path.join(out, "hf"))
+                _copy_tokenizer(cfg.model.model_name_or_path, os.path.join(out, "hf"))
     losses = [h["loss"] for h in history]
     return {
         "losses": losses,
@@ -445,6 +483,92 @@ def run(cfg: TrainConfig) -> dict:
         "mesh": t.sizes,
         "config": config,
     }
+
+
+RUN_OUTPUTS = ("checkpoints", "log.jsonl", "tensorboard", "hf")
+
+
+def _claim_output_dir(cfg: TrainConfig, continuing: bool, is_main: bool) -> None:
+    """Refuses to mix a new run into a previous run's outputs (Orbax would skip saving
+    steps at or below the old run's latest checkpoint); `--overwrite_output_dir` deletes
+    them first. Resuming from this directory continues the run that is there."""
+    out = cfg.run.output_dir
+    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
+    if continuing:
+        if cfg.run.overwrite_output_dir:
+            raise TrainingError(
+                f"--overwrite_output_dir would delete the checkpoints that "
+                f"--resume_from_checkpoint={cfg.run.resume_from_checkpoint!r} reads in {out!r}"
+            )
+        return
+    if not found:
+        return
+    if not cfg.run.overwrite_output_dir:
+        raise TrainingError(
+            f"--output_dir={out!r} holds a previous run ({', '.join(found)}): continue it "
+            "with --resume_from_checkpoint latest, replace it with --overwrite_output_dir "
+            "true, or choose another --output_dir"
+        )
+    if is_main:
+        for name in found:
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jflash: output_dir cleared")
+
+
+def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
+    saved = meta.get("run")
+    if saved is None:  # checkpoints written before this record existed
+        return
+    changed = {k: (saved[k], v) for k, v in run_meta.items() if k in saved and saved[k] != v}
+    if changed:
+        text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written by a run with other settings "
+            f"({text}); resuming would not continue its data order. Use the same "
+            "--model_max_length, data, global batch (per-device batch x data x fsdp x "
+            "accumulation) and --seed"
+        )
+
+
+def _truncate_log(path: str, last_step: int) -> None:
+    """Drops the log records after the checkpoint resumed from (a killed run logged
+    steps it never saved; they are run again)."""
+    if not os.path.exists(path):
+        return
+
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line).get("step", math.inf)
+        except ValueError:  # a line torn by the kill
+            return math.inf
+
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if step_of(line) <= last_step]
+    if len(keep) != len(lines):
+        with open(path, "w") as f:
+            f.writelines(keep)
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+def _copy_tokenizer(model_dir: str, hf_dir: str) -> None:
+    """The input model's tokenizer files go with the export, so it loads as a model."""
+    if not os.path.isdir(model_dir):
+        return
+    for name in TOKENIZER_FILES:
+        src = os.path.join(model_dir, name)
+        if os.path.isfile(src):
+            shutil.copy2(src, os.path.join(hf_dir, name))
 
 
 def _progress(cfg, is_main, start, total):
@@ -502,17 +626,19 @@ def _oom_advice(cfg: TrainConfig):
         raise
 
 
-def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar) -> dict:
-    """Fetches one step's metrics; stops on a non-finite loss; logs every logging_steps."""
+def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, total_steps) -> dict:
+    """Fetches one step's metrics; stops on a non-finite loss or gradient (the update of
+    a non-finite gradient makes the parameters non-finite); logs every logging_steps
+    and the last step."""
     step, metrics = pending
     with _oom_advice(cfg):
         metrics = jax.device_get(metrics)
-    loss = float(metrics["loss"])
-    if not math.isfinite(loss):
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise TrainingError(
-            f"non-finite loss {loss} at step {step + 1}; training stopped. No checkpoint was "
-            "written for this or later steps, so the last checkpoint is intact. Lower "
-            "--learning_rate or check the data."
+            f"non-finite loss {loss} or gradient norm {grad_norm} at step {step + 1}; "
+            "training stopped. No checkpoint was written for this or later steps, so the "
+            "last checkpoint is intact. Lower --learning_rate or check the data."
         )
     done = step + 1
     if timer.start == 0.0:  # the first step includes compilation: throughput starts after it
@@ -522,13 +648,13 @@ def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar) -
     record = {
         "step": done,
         "loss": loss,
-        "grad_norm": float(metrics["grad_norm"]),
+        "grad_norm": grad_norm,
         "lr": float(lr_at(step)),
     }
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
-    if done % cfg.run.logging_steps == 0:
+    if done % cfg.run.logging_steps == 0 or done == total_steps:
         now = time.perf_counter()
         record.update(throughput(timer.tokens, now - timer.start, flops_token, jax.device_count()))
         record.update(memory())

@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     from train import report as report_lib
 
     if args.report_only:
+        if not os.path.isfile(os.path.join(args.report_only, "report.json")):
+            parser.error(f"--report-only={args.report_only!r}: no report.json there")
         with open(os.path.join(args.report_only, "report.json")) as f:
             report_lib.render(json.load(f), args.report_only)
         return

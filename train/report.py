@@ -291,7 +291,8 @@ def markdown(report: dict) -> str:
         ]
     lines += ["## The seed's numbers, for reference", ""]
     lines += [
-        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (ANCHORS.md); its latency was "
+        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (the original project's own "
+        "published table); its latency was "
         "CUDA + CPU time and its 'bandwidth' memory ÷ time, so only the phase times compare.",
         "",
     ]
