@@ -174,7 +174,11 @@ def resolve(
 
 
 def describe() -> str:
-    """Says which implementation `implementation=None` picks here, and why."""
+    """Says which implementation `implementation=None` picks here, and why.
+
+    Also names the choice of the last *traced* call ("last traced call: ..."): it is
+    recorded when a call is traced, so a cached `jax.jit` call does not update it.
+    """
     platform = _platform()
     lines = [f"backend: {platform} ({jax.devices()[0].device_kind})"]
     if platform == "gpu":
@@ -194,7 +198,7 @@ def describe() -> str:
         + ("runs two kernels" if deterministic else "fuses dQ with f32 atomic adds")
     )
     if _last_choice:
-        lines.append("last call: " + ", ".join(f"{k}={v}" for k, v in _last_choice.items()))
+        lines.append("last traced call: " + ", ".join(f"{k}={v}" for k, v in _last_choice.items()))
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._mask import Mask
-from jflash._validation import check_qkv, check_segment_ids, default_scale
+from jflash._validation import check_causal, check_qkv, check_segment_ids, default_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def flash_attention(
     shapes = check_qkv(q, k, v)
     segs = check_segment_ids(segment_ids, shapes)
     static = _Static(
-        mask=Mask(bool(causal), q_offset, k_offset),
+        mask=Mask(check_causal(causal), q_offset, k_offset),
         scale=default_scale(shapes.head_dim, scale),
         kernel=resolve(
             implementation,

@@ -76,6 +76,8 @@ _permute_chunks.defvjp(_permute_chunks_fwd, _permute_chunks_bwd)
 
 def _checked(x, num_shards: int, axis: int):
     x = jnp.asarray(x)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"{axis=} is out of range for an array with {x.ndim=}")
     axis = axis % x.ndim
     check_zigzag_len(x.shape[axis], num_shards)
     return x, int(num_shards), axis
@@ -110,6 +112,8 @@ def positions(seq_len: int, num_shards: int, layout: str = "zigzag") -> Int[Arra
       layout: `"zigzag"` or `"contiguous"` (natural order: `arange(T)`).
     """
     _check_shards(num_shards)
+    if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"{seq_len=} must be a positive Python int")
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=} is not one of {LAYOUTS}")
     natural = jnp.arange(seq_len, dtype=jnp.int32)

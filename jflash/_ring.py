@@ -45,14 +45,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._layout import LAYOUTS, check_zigzag_len, unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import check_qkv, default_scale
+from jflash._validation import check_causal, check_qkv, default_scale
 
 STRATEGIES = ("ring", "allgather")
 
@@ -427,6 +427,12 @@ def _batch_axes(mesh: Mesh, seq_axis: str, q, batch_axes) -> tuple[str, ...]:
         # Explicit axes: keep the batch sharding q's type already has (even
         # replicated), so the output's type matches the code around the call.
         batch_axes = typed.spec[0] or ()
+        if seq_axis in ((batch_axes,) if isinstance(batch_axes, str) else batch_axes):
+            raise ValueError(
+                f"the batch dimension of q is sharded over {seq_axis=} (q's spec is "
+                f"{typed.spec}), the axis the sequence is split over: shard the batch over "
+                "other mesh axes, or pass batch_axes (q is then resharded)"
+            )
     if batch_axes is None:
         chosen, prod = [], 1
         for name in mesh.axis_names:
@@ -511,12 +517,17 @@ def ring_attention(
         same thing).
       block_sizes, implementation, interpret, deterministic: kernel choice, as in
         `jflash.flash_attention`; resolved once for the per-shard block lengths.
+        `"pallas_mosaic"` in interpret mode runs only on a one-device mesh (the GPU
+        interpreter's limit); compiled, it runs on any mesh of Hopper GPUs.
 
     Returns:
       `out [B, T, N, H]` in q's dtype and layout order, or `(out, lse)` with
       `return_lse=True`; sharded like the inputs.
     """
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise ValueError(f"{mesh=} must be a jax.sharding.Mesh (the sequence is split over it)")
     shapes = check_qkv(q, k, v)
+    causal = check_causal(causal)
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=} is not one of {LAYOUTS}")
     if strategy not in STRATEGIES:
@@ -543,7 +554,7 @@ def ring_attention(
     cfg = _Ring(
         axis=seq_axis,
         num_shards=num_shards,
-        causal=bool(causal),
+        causal=causal,
         layout=layout,
         strategy=strategy,
         scale=default_scale(shapes.head_dim, scale),
@@ -558,6 +569,14 @@ def ring_attention(
             deterministic=deterministic,
         ),
     )
+    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
+        raise NotImplementedError(
+            f"implementation='pallas_mosaic' in interpret mode cannot run on {mesh.size=} "
+            "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
+            "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
+            "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
+            "use implementation='pallas_triton' or 'xla'"
+        )
     batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
     qkv_spec = PartitionSpec(batch_spec, seq_axis, None, None)
     lse_spec = PartitionSpec(batch_spec, None, seq_axis)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
+import numpy as np
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256
@@ -47,8 +49,8 @@ def check_qkv(q, k, v) -> Shapes:
         raise NotImplementedError(f"{head_dim=} is not supported; jflash handles 1..{MAX_HEAD_DIM}")
     if kv_heads == 0 or q_heads % kv_heads != 0:
         raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (GQA/MQA)")
-    if q_len == 0 or kv_len == 0:
-        raise ValueError(f"empty sequence: {q_len=}, {kv_len=}")
+    if 0 in (batch, q_heads, q_len, kv_len):
+        raise ValueError(f"empty input: {batch=}, {q_heads=}, {q_len=}, {kv_len=} must all be >= 1")
     return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
 
 
@@ -81,10 +83,17 @@ def check_segment_ids(segment_ids, shapes: Shapes):
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def check_causal(causal) -> bool:
+    """`causal` as a Python bool; anything but a (numpy) bool is refused, not truth-tested."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"{causal=} must be True or False")
+    return bool(causal)
+
+
 def default_scale(head_dim: int, scale: float | None) -> float:
     if scale is None:
         return head_dim**-0.5
     scale = float(scale)
-    if not scale > 0:
-        raise ValueError(f"{scale=} must be positive")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{scale=} must be finite and positive")
     return scale

@@ -222,14 +222,29 @@ def test_default_implementation_is_described():
     text = jflash.describe()
     if jax.default_backend() == "gpu":
         assert "implementation=None, head_dim=100, bfloat16: 'pallas_triton'" in text
-        assert "last call: implementation=pallas_triton" in text  # f32: not Mosaic
+        assert "last traced call: implementation=pallas_triton" in text  # f32: not Mosaic
         want = "'pallas_mosaic'" if ON_HOPPER else "'pallas_triton'"
         assert f"implementation=None, head_dim=128, bfloat16: {want}" in text
     else:
         assert "implementation=None -> 'xla'" in text
-        assert "last call: implementation=xla" in text
+        assert "last traced call: implementation=xla" in text
     want = "True" if "--xla_gpu_deterministic_ops" in os.environ.get("XLA_FLAGS", "") else "False"
     assert f"deterministic=None -> {want}" in text
+
+
+def test_describe_names_the_last_traced_call():
+    """The line is written when a call is traced: a cached jitted call leaves it."""
+
+    def last_traced():
+        return jflash.describe().split("last traced call: ")[1]
+
+    f = jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v))
+    f(_q, _kv, _kv)
+    assert "reason=named by the caller" not in last_traced()
+    jflash.flash_attention(_q, _kv, _kv, implementation="xla")
+    assert "reason=named by the caller" in last_traced()
+    f(_q, _kv, _kv)  # cached: not traced again, so not recorded
+    assert "reason=named by the caller" in last_traced()
 
 
 _q = jnp.ones((1, 32, 4, 16), jnp.float32)
@@ -271,6 +286,9 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"implementation": "pallas_mosaic"}, (_q, _kv, _kv), NotImplementedError, "pallas_mosaic"),
         ({"implementation": "xla", "interpret": True}, (_q, _kv, _kv), ValueError, "interpret"),
         ({"scale": -1.0}, (_q, _kv, _kv), ValueError, "scale=-1.0"),
+        ({"scale": float("inf")}, (_q, _kv, _kv), ValueError, "scale=inf must be finite"),
+        ({"causal": "no"}, (_q, _kv, _kv), ValueError, "causal='no' must be True or False"),
+        ({}, (_q[:, :, :0], _kv, _kv), ValueError, "empty input: .*q_heads=0"),
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
         ({"deterministic": "yes"}, (_q, _kv, _kv), ValueError, "deterministic='yes'"),
     ],
@@ -278,6 +296,23 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
 def test_bad_input_raises(kwargs, args, error, match):
     with pytest.raises(error, match=match):
         jflash.flash_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", jflash.IMPLEMENTATIONS)
+def test_empty_batch_raises(implementation):
+    """Batch 0 gets the empty-input error on every implementation (Triton and Mosaic
+    crashed deep inside; XLA returned an empty array)."""
+    q = jnp.ones((0, 64, 2, 64), jnp.bfloat16)
+    kv = jnp.ones((0, 64, 1, 64), jnp.bfloat16)
+    interpret = None if implementation == "xla" else INTERPRET
+    with pytest.raises(ValueError, match="empty input: batch=0"):
+        jflash.flash_attention(q, kv, kv, implementation=implementation, interpret=interpret)
+
+
+def test_numpy_bool_causal_is_accepted():
+    out = jflash.flash_attention(_q, _kv, _kv, causal=np.False_, implementation="xla")
+    want = jflash.flash_attention(_q, _kv, _kv, causal=False, implementation="xla")
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: no compiled Pallas there")

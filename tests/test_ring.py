@@ -523,6 +523,18 @@ def test_layout_errors():
         jflash.positions(16, 4, "diagonal")
     with pytest.raises(ValueError, match="num_shards=0"):
         jflash.positions(16, 0)
+    # The axis is range-checked, not taken modulo the rank.
+    with pytest.raises(ValueError, match=r"axis=2 is out of range for an array with x.ndim=2"):
+        jflash.zigzag(np.arange(32).reshape(4, 8), 2, axis=2)
+    with pytest.raises(ValueError, match=r"axis=1 is out of range for an array with x.ndim=1"):
+        jflash.unzigzag(np.arange(24), 2)
+    with pytest.raises(ValueError, match=r"axis=-3 is out of range"):
+        jflash.zigzag(np.zeros((4, 8)), 2, axis=-3)
+    for seq_len in (-4, 0, 8.0):
+        with pytest.raises(ValueError, match=rf"seq_len={seq_len} must be a positive Python int"):
+            jflash.positions(seq_len, 2)
+    with pytest.raises(ValueError, match="num_shards=2.0"):
+        jflash.positions(8, 2.0)
 
 
 @pytest.mark.multi_device(4)
@@ -553,3 +565,51 @@ def test_ring_errors():
         jflash.ring_attention(q, k, v, mesh=mesh, implementation="pallas_mosaic")
     with pytest.raises(ValueError, match="deterministic=1 must be True, False or None"):
         jflash.ring_attention(q, k, v, deterministic=1, **call)
+    with pytest.raises(ValueError, match="causal='no' must be True or False"):
+        jflash.ring_attention(q, k, v, causal="no", **call)
+    with pytest.raises(ValueError, match="scale=inf must be finite and positive"):
+        jflash.ring_attention(q, k, v, scale=float("inf"), **call)
+    with pytest.raises(ValueError, match="empty input: batch=0"):
+        jflash.ring_attention(q[:0], k[:0], v[:0], **call)
+    with pytest.raises(ValueError, match="mesh=None must be a jax.sharding.Mesh"):
+        jflash.ring_attention(q, k, v, mesh=None, implementation="xla")
+
+
+@pytest.mark.multi_device(2)
+def test_batch_sharded_over_seq_axis_raises():
+    """Explicit axes: the batch axes come from q's type; one that is the sequence axis
+    is named as q's sharding, not as a `batch_axes` the caller never passed."""
+    mesh = _seq_mesh(2, axis_types=(AxisType.Explicit,))
+    q, k, v = (
+        jax.device_put(jnp.ones((2, 16, 2, 16)), NamedSharding(mesh, P("seq"))) for _ in "qkv"
+    )
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match="the batch dimension of q is sharded over seq_axis='seq'"),
+    ):
+        jflash.ring_attention(q, k, v, mesh=mesh, implementation="xla")
+
+
+@pytest.mark.multi_device(2)
+def test_mosaic_interpreter_on_several_devices_is_refused(monkeypatch):
+    """The GPU interpreter fails on a shard_map over 2+ devices (see
+    `test_matches_oracle_mosaic`): refused up front. Compiled Mosaic is not refused."""
+    q = jnp.ones((1, 256, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((1, 256, 2, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="in interpret mode cannot run on mesh.size=2"):
+        jflash.ring_attention(
+            q, kv, kv, mesh=_seq_mesh(2), implementation="pallas_mosaic", interpret=True
+        )
+    # Compiled on (abstract) Hopper GPUs: traced without complaint.
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    h100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((2,), ("seq",), abstract_device=h100)
+
+    def attn(q, k, v):
+        return jflash.ring_attention(
+            q, k, v, mesh=mesh, implementation="pallas_mosaic", interpret=False
+        )
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        jax.jit(attn).trace(q, kv, kv)
