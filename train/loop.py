@@ -501,19 +501,19 @@ def _claim_output_dir(cfg: TrainConfig, continuing: bool, is_main: bool) -> None
                 f"--resume_from_checkpoint={cfg.run.resume_from_checkpoint!r} reads in {out!r}"
             )
         return
-    if not found:
-        return
-    if not cfg.run.overwrite_output_dir:
+    if found and not cfg.run.overwrite_output_dir:
         raise TrainingError(
             f"--output_dir={out!r} holds a previous run ({', '.join(found)}): continue it "
             "with --resume_from_checkpoint latest, replace it with --overwrite_output_dir "
             "true, or choose another --output_dir"
         )
+    if not cfg.run.overwrite_output_dir:
+        return
     if is_main:
         for name in found:
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if jax.process_count() > 1:
+    if jax.process_count() > 1:  # every process waits here, whatever it found
         multihost_utils.sync_global_devices("jflash: output_dir cleared")
 
 
@@ -656,7 +656,9 @@ def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, t
         bar.set_postfix(loss=f"{loss:.4f}")
     if done % cfg.run.logging_steps == 0 or done == total_steps:
         now = time.perf_counter()
-        record.update(throughput(timer.tokens, now - timer.start, flops_token, jax.device_count()))
+        if timer.tokens:  # the window holds timed steps (the first one is compilation)
+            seconds = now - timer.start
+            record.update(throughput(timer.tokens, seconds, flops_token, jax.device_count()))
         record.update(memory())
         timer.start, timer.tokens = now, 0
         if writer is not None:
