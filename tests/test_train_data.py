@@ -345,7 +345,7 @@ def test_markov_samples_are_a_sparse_chain():
     )
 
 
-def _cli(*args: str) -> str:
+def _cli(*args: str, returncode: int = 0) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", "train.data", *args],
         cwd=REPO,
@@ -354,8 +354,8 @@ def _cli(*args: str) -> str:
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    assert result.returncode == returncode, result
+    return result
 
 
 def test_cli_sample_and_inspect(tmp_path):
@@ -366,7 +366,7 @@ def test_cli_sample_and_inspect(tmp_path):
         np.testing.assert_array_equal(
             load_dataset(out).tokens, markov_samples(8, 64, 1000, 2).ravel()
         )
-    printed = _cli("inspect", str(tmp_path / "data.jsonl"), "--vocab-size", "1000")
+    printed = _cli("inspect", str(tmp_path / "data.jsonl"), "--vocab-size", "1000").stdout
     lines = dict(line.split(": ") for line in printed.strip().splitlines())
     assert lines["examples"] == "8" and lines["tokens"] == "512"
     assert lines["min_length"] == lines["max_length"] == "64"
@@ -380,13 +380,5 @@ def test_cli_errors_are_one_line(tmp_path):
         ["sample", "--out", str(tmp_path / "d.csv"), "--num-samples", "10000000"],
         ["inspect", str(tmp_path / "missing.npy")],
     ):
-        result = subprocess.run(
-            [sys.executable, "-m", "train.data", *args],
-            cwd=REPO,
-            env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2, result
+        result = _cli(*args, returncode=2)
         assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
