@@ -79,6 +79,13 @@ def default_block_sizes(
     """
     if implementation == "pallas_mosaic":
         return mosaic_block_sizes(head_dim)
+    if implementation != "pallas_triton":
+        raise ValueError(
+            f"{implementation=}: block sizes exist for 'pallas_triton' and 'pallas_mosaic' "
+            "('xla' and 'cudnn' take none)"
+        )
+    if device_kind not in ("gpu", "cpu"):
+        raise ValueError(f"{device_kind=} must be 'gpu' (compiled) or 'cpu' (interpret mode)")
     kv_len = seq_len if kv_len is None else kv_len
     wide = np.dtype(dtype).itemsize >= 4 or head_dim > 128
     if device_kind == "cpu":

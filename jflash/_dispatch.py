@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
@@ -95,9 +96,9 @@ def wants_determinism(deterministic: bool | None) -> bool:
     scatters, cuDNN and these kernels) reproducible."""
     if deterministic is None:
         return bool(_XLA_DETERMINISTIC.search(os.environ.get("XLA_FLAGS", "")))
-    if not isinstance(deterministic, bool):
+    if not isinstance(deterministic, (bool, np.bool_)):
         raise ValueError(f"{deterministic=} must be True, False or None")
-    return deterministic
+    return bool(deterministic)
 
 
 def resolve(

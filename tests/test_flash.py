@@ -309,10 +309,18 @@ def test_empty_batch_raises(implementation):
         jflash.flash_attention(q, kv, kv, implementation=implementation, interpret=interpret)
 
 
-def test_numpy_bool_causal_is_accepted():
+def test_numpy_bools_are_accepted():
     out = jflash.flash_attention(_q, _kv, _kv, causal=np.False_, implementation="xla")
     want = jflash.flash_attention(_q, _kv, _kv, causal=False, implementation="xla")
     np.testing.assert_array_equal(out, want)
+    assert jflash.flash_attention(_q, _kv, _kv, deterministic=np.True_).shape == _q.shape
+
+
+def test_default_block_sizes_refuses_what_takes_none():
+    with pytest.raises(ValueError, match="implementation='xla': block sizes exist for"):
+        jflash.default_block_sizes(128, 64, jnp.bfloat16, implementation="xla")
+    with pytest.raises(ValueError, match="device_kind='tpu' must be 'gpu'"):
+        jflash.default_block_sizes(128, 64, jnp.bfloat16, device_kind="tpu")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: no compiled Pallas there")
