@@ -138,7 +138,7 @@ class TrainConfig:
         if self.parallel.fsdp and "full_shard" not in self.parallel.fsdp.split():
             raise ValueError(
                 f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "
-                "'auto_wrap') and '' (parameters replicated)"
+                "'auto_wrap') and '' (no FSDP: a -1 in --mesh goes to data, not fsdp)"
             )
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
