@@ -261,6 +261,22 @@ def test_profile_failed_child_classification():
     assert row["status"] == "error" and "something else broke" in row["error"]
 
 
+def test_profile_job_names_and_passes_its_settings():
+    """A row says how it ran (remat, unrolled layers, sharding), in its name, its trainer
+    flags, what it records for `--fill-xla-cost`, and the report's label."""
+    from train.profile import Job, _trainer_args
+
+    job = Job(model="tiny", context=32768, mesh="seq=2", out="x", remat="save_dots")
+    job = dataclasses.replace(job, shard_over_seq=True, scan_layers=False)
+    assert job.name == "tiny-32k-seq2-shard_over_seq-save_dots-unrolled"
+    cfg = parse_args(_trainer_args(job))
+    assert cfg.model.remat_policy == "save_dots" and cfg.model.scan_layers is False
+    assert cfg.parallel.shard_over_seq is True
+    row = {"mesh": "seq=2", **job.settings()}
+    assert report_lib._mesh(row) == "seq=2 +shard_over_seq +save_dots +unrolled"
+    assert Job(model="tiny", context=512, mesh="seq=1", out="x").name == "tiny-512-seq1"
+
+
 @pytest.mark.multi_device(2)
 def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
     import train.loop

@@ -63,12 +63,24 @@ class Job:
     remat: str = "save_attn"
     xla_cost: bool = True
     shard_over_seq: bool = False  # parameters and optimizer state also over `seq`
+    scan_layers: bool = True  # False: unrolled layers (configs/llama3_2_1b_32k.yaml)
 
     @property
     def name(self) -> str:
+        """`model-context-mesh`, plus what differs from the trainer's defaults."""
         mesh = self.mesh.replace("=", "").replace(",", "-")
         suffix = "-shard_over_seq" if self.shard_over_seq else ""
+        suffix += "" if self.remat == "save_attn" else f"-{self.remat}"
+        suffix += "" if self.scan_layers else "-unrolled"
         return f"{self.model}-{context_label(self.context)}-{mesh}{suffix}"
+
+    def settings(self) -> dict:
+        """What a row records of how it ran (and what `--fill-xla-cost` reruns)."""
+        return {
+            "shard_over_seq": self.shard_over_seq,
+            "remat": self.remat,
+            "scan_layers": self.scan_layers,
+        }
 
 
 def parse_context(text: str) -> int:
@@ -131,6 +143,8 @@ def _trainer_args(job: Job) -> list[str]:
         os.path.join(job.out, "work", job.name),
         "--shard_over_seq",
         str(job.shard_over_seq).lower(),
+        "--scan_layers",
+        str(job.scan_layers).lower(),
     ]
 
 
@@ -229,7 +243,7 @@ def run_row(job: Job) -> dict:
     from train.roofline import attention_work, matmul_work
 
     row: dict = {"name": job.name, "model": job.model, "context": job.context, "mesh": job.mesh}
-    row["shard_over_seq"] = job.shard_over_seq
+    row.update(job.settings())
     row["warnings"] = []
     cfg = parse_args(_trainer_args(job))
     config = load_model(cfg)[0]
@@ -406,6 +420,8 @@ def fill_xla_cost(out: str, timeout: float) -> None:
             out=os.path.abspath(out),
             layers=None if layers == row.get("layers_preset") else layers,
             shard_over_seq=bool(row.get("shard_over_seq")),
+            remat=row.get("remat", "save_attn"),
+            scan_layers=row.get("scan_layers", True),
         )
         print(f"{row['name']}: XLA cost ...", flush=True)
         result = _child("xla_cost", dataclasses.asdict(job), timeout)
@@ -444,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also shard parameters, gradients and optimizer state over the seq axis "
         "(the trainer's --shard_over_seq; a 7B on 2 GPUs needs it)",
+    )
+    p.add_argument(
+        "--unroll-layers",
+        action="store_true",
+        help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
     p.add_argument("--out", default="runs/profile")
@@ -509,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
             remat=args.remat,
             xla_cost=not args.no_xla_cost,
             shard_over_seq=args.shard_over_seq,
+            scan_layers=not args.unroll_layers,
         )
         for m in (x.strip() for x in args.models.split(",") if x.strip())
         for mesh in meshes
@@ -567,7 +589,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": job.model,
             "context": job.context,
             "mesh": job.mesh,
-            "shard_over_seq": job.shard_over_seq,
+            **job.settings(),
             **row,
         }
         rows.append(row)
