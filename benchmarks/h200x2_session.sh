@@ -14,6 +14,9 @@
 #                                                 # issue 5: 1B at 32k, seq=2, each strategy
 #   bash benchmarks/h200x2_session.sh remat       # issue 5: 1B at 32k, remat save_attn vs
 #                                                 # none on 1 GPU, none on 2, HF baseline
+#   bash benchmarks/h200x2_session.sh seq2trace   # issue 5: where seq=2 loses its 10%: the
+#                                                 # 32k config's step (save_dots, unrolled)
+#                                                 # profiled on 1 GPU and on 2 (sharded)
 #   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
 #                                                 # (CPU_PARTS="capacity train32k": only those)
 #
@@ -97,10 +100,10 @@ set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale | capacity | train32k | fill | ring | remat) MODE=gpu ;;
+  report | scale | capacity | train32k | fill | ring | remat | seq2trace) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|remat|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|remat|seq2trace|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -487,6 +490,24 @@ part_ring() {
   done
 }
 
+part_seq2trace() {
+  # Issue 5: per-phase and per-kernel time of the 32k config's step at seq=1 and seq=2
+  # (--shard_over_seq), same process tree, to attribute the ~40 ms of the 2-GPU step that
+  # the ring does not explain (BENCHMARKS.md, ninth session).
+  local prof="$WORK/seq2trace-$TAG" model=llama3.2-1b ctx=32k
+  if [ "$MODE" != gpu ]; then model=tiny ctx=512; fi
+  rm -rf "$prof"
+  local pxla="$BASE_XLA_FLAGS --xla_gpu_enable_command_buffer="
+  step seq2trace 420 120 30 env "XLA_FLAGS=${pxla# }" "$PY" -m train.profile --models "$model" \
+    --context "$ctx" --mesh seq=1 --mesh seq=2 --shard-over-seq --remat save_dots \
+    --unroll-layers --steps 3 --warmup 1 --trace-steps 2 --no-xla-cost --out "$prof"
+  step seq2trace-render 60 5 0 "$PY" -m train.profile --report-only "$prof"
+  local ext
+  for ext in md json; do
+    [ -s "$prof/report.$ext" ] && cp "$prof/report.$ext" "$OUT/seq2trace-$TAG.$ext"
+  done
+}
+
 part_remat() {
   # Issue 5: Llama-3.2-1B shape at 32k. jflash needs 0.42x HF's memory with
   # remat=save_attn, so remat=none (no recompute of the layers' matmuls) may fit:
@@ -528,9 +549,10 @@ main() {
     fill) part_fill ;;
     ring) part_ring ;;
     remat) part_remat ;;
+    seq2trace) part_seq2trace ;;
     cpu-check) # every part (or the ones named after cpu-check), each with the whole budget
       local p
-      for p in ${CPU_PARTS:-report fill scale capacity train32k ring remat}; do
+      for p in ${CPU_PARTS:-report fill scale capacity train32k ring remat seq2trace}; do
         START=$(date +%s) PART=$p "part_$p"
       done
       ;;
