@@ -253,7 +253,7 @@ def _read_pkl(path: Path) -> list[tuple[int, Any]]:
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
     """``(line index, parsed object)`` for each non-blank line; record = 0-based line."""
     records = []
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open(path, encoding="utf-8") as f:
         lines = _lines(path, f)
         for i, line in enumerate(lines):
             if not line.strip():

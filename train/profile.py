@@ -47,6 +47,9 @@ from train.oom import is_oom
 # XLA_FLAGS (simulated device count, command buffers) before jax starts.
 
 
+JOB_SETTINGS = ("shard_over_seq", "remat", "scan_layers")  # recorded in each row
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One report row: a model at a context length over a mesh."""
@@ -76,11 +79,7 @@ class Job:
 
     def settings(self) -> dict:
         """What a row records of how it ran (and what `--fill-xla-cost` reruns)."""
-        return {
-            "shard_over_seq": self.shard_over_seq,
-            "remat": self.remat,
-            "scan_layers": self.scan_layers,
-        }
+        return {name: getattr(self, name) for name in JOB_SETTINGS}
 
 
 def parse_context(text: str) -> int:
@@ -419,9 +418,7 @@ def fill_xla_cost(out: str, timeout: float) -> None:
             mesh=row["mesh"],
             out=os.path.abspath(out),
             layers=None if layers == row.get("layers_preset") else layers,
-            shard_over_seq=bool(row.get("shard_over_seq")),
-            remat=row.get("remat", "save_attn"),
-            scan_layers=row.get("scan_layers", True),
+            **{name: row[name] for name in JOB_SETTINGS if name in row},
         )
         print(f"{row['name']}: XLA cost ...", flush=True)
         result = _child("xla_cost", dataclasses.asdict(job), timeout)
