@@ -229,18 +229,25 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     do = do.astype(q.dtype)
     kv = jnp.stack([k, v])
     dq = jnp.zeros(q.shape, jnp.float32)
-    # At step i rank r holds source (r - i) % P and that source's dK/dV running sum
-    # (received from r - 1, which held it at step i - 1). After step P - 1 the sum
-    # belongs to rank r + 1: the last shift delivers it home.
+    # Steps 1 .. P-1 first, the diagonal step 0 last: the last hop of the dK/dV sums
+    # (f32) then flies during step 0's kernels instead of after all of them, and what
+    # waits at the start is the first K/V transfer (half the bytes, and it depends
+    # only on the forward's K/V, so in a model XLA can issue it during earlier work).
+    # A shard's own dK/dV (step 0) stays home: P - 1 hops of f32 per call, not P. At
+    # step i >= 1 rank r holds source (r - i) % P and the running sum of its
+    # contributions from ranks r - i + 1 .. r - 1 (received from r - 1, which held it
+    # at step i - 1). After step P - 1 the sum belongs to rank r + 1: the last shift
+    # delivers it home.
     arriving = None
-    for step in range(p):
-        nxt = _shift(kv, cfg) if step < p - 1 else None
-        dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
-        if arriving is not None:
-            dkv = arriving + dkv
-        arriving = _shift(dkv, cfg) if p > 1 else dkv
-        kv = nxt
-    return dq.astype(q.dtype), arriving[0].astype(k.dtype), arriving[1].astype(v.dtype)
+    visiting = _shift(kv, cfg) if p > 1 else None
+    for step in range(1, p):
+        nxt = _shift(visiting, cfg) if step < p - 1 else None
+        dq, dkv = _bwd_step(step, rank, q, visiting, do, lse, delta, dq, cfg)
+        arriving = _shift(dkv if arriving is None else arriving + dkv, cfg)
+        visiting = nxt
+    dq, own = _bwd_step(0, rank, q, kv, do, lse, delta, dq, cfg)
+    dkv = own if arriving is None else own + arriving
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
 # ---------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from models.sharding import explicit_mesh
@@ -66,6 +67,7 @@ def chunked_cross_entropy(
     *,
     chunk_size: int = 1024,
     shards: int = 1,
+    replicated_head: bool = False,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """:func:`cross_entropy` of ``hidden @ lm_head`` without materialising all logits.
@@ -87,6 +89,13 @@ def chunked_cross_entropy(
         shards: how many contiguous pieces the sequence axis is sharded into (the mesh's
             ``seq`` axis): each chunk takes ``chunk_size // shards`` tokens of every
             piece, so each device works on its own tokens instead of all of them.
+        replicated_head: with ``shards > 1``, say whether ``lm_head`` is replicated over
+            the devices that split the tokens. Then each shard sums its own tokens'
+            ``lm_head`` gradient over the chunks, and the shards' sums are added once
+            after the loop; otherwise XLA adds them at every chunk (a ``[D, V]`` float32
+            all-reduce per chunk: 1 GiB at a 128k vocabulary). Leave it False when
+            ``lm_head`` is sharded over those devices (each computes its slice of the
+            vocabulary for every token). Either way the result is the same.
         ignore_index: label value to skip.
     """
     b, t, _ = hidden.shape
@@ -110,7 +119,8 @@ def chunked_cross_entropy(
     if mask is not None:
         valid = valid & mask
     safe = jnp.where(valid, labels, 0)
-    return _fused_cross_entropy(hidden, lm_head, safe, valid, chunk_size, shards)
+    per_shard = replicated_head and shards > 1
+    return _fused_cross_entropy(hidden, lm_head, safe, valid, chunk_size, shards, per_shard)
 
 
 def _chunks(x, chunk_size: int, shards: int):
@@ -127,13 +137,34 @@ def _unchunk(x, t: int):
     return x.reshape(x.shape[0], t, *x.shape[4:])
 
 
-def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, *, grads: bool):
+def _dw_spec(hidden, w, per_shard: bool):
+    """Under an Explicit-axes mesh, the sharding of the weight gradient's running sum
+    (jax cannot infer it; Auto meshes do): the weight's own, with a leading axis over
+    the token shards when each shard keeps its own sum. None on other meshes."""
+    if explicit_mesh() is None:
+        return None
+    w_spec = tuple(jax.typeof(w).sharding.spec)
+    w_spec += (None,) * (w.ndim - len(w_spec))
+    if not per_shard:
+        return PartitionSpec(*w_spec)
+    tokens = jax.typeof(hidden).sharding.spec[1]
+    used = {a for part in w_spec if part for a in ((part,) if isinstance(part, str) else part)}
+    if tokens is not None and used & set((tokens,) if isinstance(tokens, str) else tokens):
+        raise ValueError(
+            f"replicated_head=True, but lm_head is sharded {PartitionSpec(*w_spec)} over the "
+            f"axes that split the tokens ({tokens}); pass replicated_head=False"
+        )
+    return PartitionSpec(tokens, *w_spec)
+
+
+def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, per_shard, *, grads: bool):
     """`(loss sum, count)`, and with `grads` the gradients of the loss sum:
-    `(d hidden [B, T, D] in hidden.dtype, d lm_head [D, V] float32)`."""
+    `(d hidden [B, T, D] in hidden.dtype, d lm_head [D, V] float32)`.
+
+    `per_shard`: the weight gradient is summed per token shard (`[shards, D, V]`, split
+    like the tokens) and over the shards after the loop."""
     w = lm_head.astype(hidden.dtype)
-    # Under an Explicit-axes mesh the weight gradient sums over sharded tokens: it takes
-    # the weight's own sharding (jax cannot infer it); Auto meshes infer it.
-    w_spec = jax.typeof(w).sharding.spec if explicit_mesh() is not None else None
+    dw_spec = _dw_spec(hidden, w, per_shard)
 
     def body(carry, xs):
         h, lab, m = xs
@@ -150,32 +181,41 @@ def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, *, grads: b
         dlogits = dlogits.astype(h.dtype)
         dh = jnp.einsum("bpcv,dv->bpcd", dlogits, w, preferred_element_type=jnp.float32)
         dw = carry[2] + jnp.einsum(
-            "bpcd,bpcv->dv", h, dlogits, preferred_element_type=jnp.float32, out_sharding=w_spec
+            "bpcd,bpcv->pdv" if per_shard else "bpcd,bpcv->dv",
+            h,
+            dlogits,
+            preferred_element_type=jnp.float32,
+            out_sharding=dw_spec,
         )
         return (loss, count, dw), dh.astype(h.dtype)
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
     if grads:
-        init = (*init, jnp.zeros(lm_head.shape, jnp.float32))
+        shape = (shards, *lm_head.shape) if per_shard else lm_head.shape
+        init = (*init, jnp.zeros(shape, jnp.float32, out_sharding=dw_spec))
     xs = tuple(_chunks(x, chunk_size, shards) for x in (hidden, labels, valid))
     carry, dh = jax.lax.scan(body, init, xs)
     if not grads:
         return carry
     loss, count, dw = carry
+    if per_shard:
+        dw = dw.sum(axis=0)  # the one reduction over the token shards
     return (loss, count), (_unchunk(dh, hidden.shape[1]), dw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_cross_entropy(hidden, lm_head, labels, valid, chunk_size, shards):
-    return _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, grads=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_cross_entropy(hidden, lm_head, labels, valid, chunk_size, shards, per_shard):
+    return _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, per_shard, grads=False)
 
 
-def _fused_fwd(hidden, lm_head, labels, valid, chunk_size, shards):
-    out, (dh, dw) = _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, grads=True)
+def _fused_fwd(hidden, lm_head, labels, valid, chunk_size, shards, per_shard):
+    out, (dh, dw) = _scan_chunks(
+        hidden, lm_head, labels, valid, chunk_size, shards, per_shard, grads=True
+    )
     return out, (dh, dw.astype(lm_head.dtype))
 
 
-def _fused_bwd(chunk_size, shards, res, cts):
+def _fused_bwd(chunk_size, shards, per_shard, res, cts):
     dh, dw = res
     g = cts[0]  # the count is an integer: no cotangent
     scaled = [(x.astype(jnp.float32) * g).astype(x.dtype) for x in (dh, dw)]

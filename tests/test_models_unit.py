@@ -371,6 +371,21 @@ def test_chunked_cross_entropy_gradients(shards):
         models.chunked_cross_entropy(hidden, head, labels, chunk_size=16, shards=3)
 
 
+def _all_reduce_shapes(hlo: str, in_loops: bool) -> list[str]:
+    """Dimensions of the array all-reduces in compiled HLO text, only those inside
+    while-loop bodies when `in_loops`."""
+    import re
+
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    shapes, inside = [], False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):  # a computation's header
+            inside = line.split()[0].lstrip("%") in bodies
+        if " all-reduce(" in line and (inside or not in_loops):
+            shapes += re.findall(r"\w+\[([\d,]+)\]", line.split(" all-reduce(")[0])
+    return shapes
+
+
 @pytest.mark.multi_device(2)
 def test_chunked_cross_entropy_splits_over_seq():
     """With the sequence sharded over 2 devices and `shards=2`, each device computes the
@@ -385,22 +400,27 @@ def test_chunked_cross_entropy_splits_over_seq():
     on_seq = NamedSharding(mesh, PartitionSpec(None, "seq"))
     h_s, lab_s = jax.device_put(hidden, on_seq), jax.device_put(labels, on_seq)
 
-    def loss(h, w, lab, shards):
-        return models.chunked_cross_entropy(h, w, lab, chunk_size=32, shards=shards)[0]
+    def loss(h, w, lab, shards, replicated_head=False):
+        return models.chunked_cross_entropy(
+            h, w, lab, chunk_size=32, shards=shards, replicated_head=replicated_head
+        )[0]
 
-    grad = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=3)
-    text = grad.lower(h_s, head, lab_s, 2).compile().as_text()
-    assert "all-gather(" not in text
-    dots = set(re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} dot\(", text))
-    # logits [B * chunk / 2, V] per device, not [B * chunk, V]
-    assert "32,40" in dots and "64,40" not in dots, dots
-    (got, (dh, dw)), (want, (want_dh, want_dw)) = (
-        grad(h_s, head, lab_s, 2),
-        grad(hidden, head, labels, 1),
-    )
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
-    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=(3, 4))
+    want, (want_dh, want_dw) = grad(hidden, head, labels, 1)
+    for replicated_head in (False, True):
+        text = grad.lower(h_s, head, lab_s, 2, replicated_head).compile().as_text()
+        assert "all-gather(" not in text
+        dots = set(re.findall(r"= \w+\[([\d,]+)\]\{[^}]*\} dot\(", text))
+        # logits [B * chunk / 2, V] per device, not [B * chunk, V]
+        assert "32,40" in dots and "64,40" not in dots, dots
+        # The head's gradient [D, V] is reduced over the devices inside the chunk loop
+        # unless each device keeps its own sum (replicated_head): then once, after it.
+        in_loop = _all_reduce_shapes(text, in_loops=True)
+        assert ("24,40" in in_loop) != replicated_head, in_loop
+        got, (dh, dw) = grad(h_s, head, lab_s, 2, replicated_head)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
+        np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
 
     # The same under an Explicit-axes mesh; there a `shards` that does not match the
     # token axis's sharding is refused by name (Auto meshes would gather instead).
@@ -410,14 +430,17 @@ def test_chunked_cross_entropy_splits_over_seq():
     with jax.set_mesh(explicit):
         on_seq = NamedSharding(explicit, PartitionSpec(None, "seq"))
         h_e, lab_e = jax.device_put(hidden, on_seq), jax.device_put(labels, on_seq)
-        got, (dh, dw) = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=3)(
-            h_e, head, lab_e, 2
-        )
+        grad_e = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=(3, 4))
+        results = [grad_e(h_e, head, lab_e, 2, r) for r in (False, True)]
         with pytest.raises(ValueError, match=r"sharded 2 ways over \('seq',\).*shards=1"):
             loss(h_e, head, lab_e, 1)
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
-    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+        head_on_seq = jax.device_put(head, NamedSharding(explicit, PartitionSpec(None, "seq")))
+        with pytest.raises(ValueError, match=r"replicated_head=True, but lm_head is sharded"):
+            loss(h_e, head_on_seq, lab_e, 2, True)
+    for got, (dh, dw) in results:
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
+        np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
 
 
 # --- conversion --------------------------------------------------------------------

@@ -363,8 +363,9 @@ def test_return_lse_false_returns_output_only():
 @pytest.mark.parametrize(
     "layout, strategy, collectives",
     [
-        # K and V travel stacked: P-1 permutes forward, P-1 (K/V) + P (dK/dV) backward.
-        ("zigzag", "ring", {"collective_permute": 3 + 3 + 4, "all_gather": 0}),
+        # K and V travel stacked: P-1 permutes forward, P-1 (K/V) + P-1 (dK/dV: a
+        # shard's own part stays home) backward.
+        ("zigzag", "ring", {"collective_permute": 3 + 3 + 3, "all_gather": 0}),
         # K/V gathered in the forward and again in the backward; dK/dV scattered once.
         (
             "contiguous",

@@ -199,6 +199,7 @@ def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monke
                 (["--attention", "jflash"], "only 'ring'"),
                 (["--model_name_or_path", "nope"], "neither a local"),
                 (["--sample_num_examples", "2"], "one step needs"),
+                (["--gather_once", "true"], "--gather_once true needs --shard_over_seq true"),
             ]
         ],
     ],
@@ -406,3 +407,8 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     sharded = run(sharded_cfg)["losses"]
     replicated = run(parse_args(_args(tmp_path / "b", *common, mesh=mesh)))["losses"]
     np.testing.assert_allclose(sharded, replicated, rtol=1e-5)
+    # Stored sharded, gathered once per step for the forward and backward; gradients
+    # summed straight into the shards.
+    once = ["--shard_over_seq", "--gather_once", "true"]
+    gathered = run(parse_args(_args(tmp_path / "c", *common, *once, mesh=mesh)))["losses"]
+    np.testing.assert_allclose(gathered, replicated, rtol=1e-5)

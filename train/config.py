@@ -50,6 +50,9 @@ class ParallelArgs:
     mesh: str = "data=1,fsdp=-1,seq=1"  # axis sizes; -1 takes the remaining devices
     fsdp: str = "full_shard"  # HF flag; "full_shard" (with or without auto_wrap) or ""
     shard_over_seq: bool = False  # FSDP also over the seq axis (the seed's 4-GPU setup)
+    # With shard_over_seq: gather the weights over seq once per step (a compute-dtype
+    # copy, kept for the backward) instead of in every layer's forward and backward.
+    gather_once: bool = False
     coordinator_address: str | None = None  # multi-host: host:port of process 0
     num_processes: int | None = None
     process_id: int | None = None

@@ -28,6 +28,7 @@ from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
 from train.mesh import (
     batch_sharding,
+    compute_shardings,
     make_mesh,
     param_shardings,
     parse_mesh,
@@ -119,6 +120,11 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
             f"--mesh has seq={seq} but --attention={cfg.model.attention!r}: only 'ring' "
             "attention shards the sequence"
         )
+    if cfg.parallel.gather_once and not cfg.parallel.shard_over_seq:
+        raise TrainingError(
+            "--gather_once true needs --shard_over_seq true: without it the parameters "
+            "are not sharded over seq, so there is nothing to gather"
+        )
     need = 2 * seq if (seq > 1 and cfg.model.ring_layout == "zigzag") else seq
     if seq_len % need:
         raise TrainingError(
@@ -203,6 +209,17 @@ class StepPlan:
         }
 
 
+def _head_axes(config: models.LlamaConfig, p_shard) -> set[str]:
+    """The mesh axes the LM head's weight is sharded over."""
+    leaf = (
+        p_shard["embed"]["embedding"]
+        if config.tie_word_embeddings
+        else p_shard["lm_head"]["kernel"]
+    )
+    parts = [p for p in leaf.spec if p is not None]
+    return {a for p in parts for a in ((p,) if isinstance(p, str) else p)}
+
+
 def plan_step(
     cfg: TrainConfig, config: models.LlamaConfig, devices=None, total_steps: int = 1
 ) -> StepPlan:
@@ -225,13 +242,6 @@ def plan_step(
         strategy=cfg.model.ring_strategy,
         batch_axes=("data", "fsdp"),
     )
-    spec = StepSpec(
-        config=config,
-        attention=attention,
-        seq_shards=sizes["seq"],
-        layout=cfg.model.ring_layout,
-        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
-    )
     tx = optimizer(cfg.optim, total_steps)
     with jax.set_mesh(mesh):
         abstract_params = models.abstract_params(config)
@@ -239,6 +249,16 @@ def plan_step(
         p_shard = param_shardings(abstract_params, mesh, axes)
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
         o_shard = param_shardings(opt_abstract, mesh, axes)
+    gather = cfg.parallel.gather_once and "seq" in axes
+    spec = StepSpec(
+        config=config,
+        attention=attention,
+        seq_shards=sizes["seq"],
+        layout=cfg.model.ring_layout,
+        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
+        replicated_head="seq" not in _head_axes(config, p_shard) or gather,
+        weights=(p_shard, compute_shardings(p_shard, "seq")) if gather else None,
+    )
     shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -114,6 +114,24 @@ def param_shardings(abstract_tree, mesh: Mesh, axes: tuple[str, ...] = ("fsdp",)
     return jax.tree_util.tree_map_with_path(shard, abstract_tree)
 
 
+def compute_shardings(shardings, axis: str):
+    """`shardings` (a pytree of NamedShardings) with `axis` dropped from every spec:
+    the layout of a copy gathered over `axis` (and still split over the others)."""
+
+    def drop(s: NamedSharding) -> NamedSharding:
+        def part(p):
+            if p == axis:
+                return None
+            if isinstance(p, tuple):
+                rest = tuple(a for a in p if a != axis)
+                return rest[0] if len(rest) == 1 else (rest or None)
+            return p
+
+        return NamedSharding(s.mesh, P(*(part(p) for p in s.spec)))
+
+    return jax.tree.map(drop, shardings)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """`[batch, seq]` token arrays: batch over data x fsdp, sequence over seq."""
     return NamedSharding(mesh, P(BATCH_AXES, "seq"))

@@ -47,7 +47,7 @@ from train.oom import is_oom
 # XLA_FLAGS (simulated device count, command buffers) before jax starts.
 
 
-JOB_SETTINGS = ("shard_over_seq", "remat", "scan_layers")  # recorded in each row
+JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers")  # recorded in each row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Job:
     remat: str = "save_attn"
     xla_cost: bool = True
     shard_over_seq: bool = False  # parameters and optimizer state also over `seq`
+    gather_once: bool = False  # with shard_over_seq: weights gathered once per step
     scan_layers: bool = True  # False: unrolled layers (configs/llama3_2_1b_32k.yaml)
 
     @property
@@ -73,6 +74,7 @@ class Job:
         """`model-context-mesh`, plus what differs from the trainer's defaults."""
         mesh = self.mesh.replace("=", "").replace(",", "-")
         suffix = "-shard_over_seq" if self.shard_over_seq else ""
+        suffix += "-gather_once" if self.gather_once else ""
         suffix += "" if self.remat == "save_attn" else f"-{self.remat}"
         suffix += "" if self.scan_layers else "-unrolled"
         return f"{self.model}-{context_label(self.context)}-{mesh}{suffix}"
@@ -142,6 +144,8 @@ def _trainer_args(job: Job) -> list[str]:
         os.path.join(job.out, "work", job.name),
         "--shard_over_seq",
         str(job.shard_over_seq).lower(),
+        "--gather_once",
+        str(job.gather_once).lower(),
         "--scan_layers",
         str(job.scan_layers).lower(),
     ]
@@ -459,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(the trainer's --shard_over_seq; a 7B on 2 GPUs needs it)",
     )
     p.add_argument(
+        "--gather-once",
+        action="store_true",
+        help="with --shard-over-seq: gather the weights over seq once per step (the "
+        "trainer's --gather_once)",
+    )
+    p.add_argument(
         "--unroll-layers",
         action="store_true",
         help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
@@ -497,6 +507,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers={args.layers} must be >= 1")
+    if args.gather_once and not args.shard_over_seq:
+        parser.error("--gather-once needs --shard-over-seq (what it gathers is sharded over seq)")
     if args.worker:
         _worker(*args.worker)
         return
@@ -527,6 +539,7 @@ def main(argv: list[str] | None = None) -> None:
             remat=args.remat,
             xla_cost=not args.no_xla_cost,
             shard_over_seq=args.shard_over_seq,
+            gather_once=args.gather_once,
             scan_layers=not args.unroll_layers,
         )
         for m in (x.strip() for x in args.models.split(",") if x.strip())

@@ -73,6 +73,7 @@ def _mesh(row: dict) -> str:
     """The row's mesh; `+shard_over_seq` when parameters are also sharded over `seq`,
     and the remat policy and unrolled layers where they differ from the defaults."""
     label = row["mesh"] + (" +shard_over_seq" if row.get("shard_over_seq") else "")
+    label += " +gather_once" if row.get("gather_once") else ""
     if row.get("remat", "save_attn") != "save_attn":
         label += f" +{row['remat']}"
     return label + ("" if row.get("scan_layers", True) else " +unrolled")

@@ -29,6 +29,10 @@ class StepSpec:
     seq_shards: int
     layout: str  # token order on the seq axis: "zigzag" | "contiguous"
     loss_chunk: int
+    replicated_head: bool = False  # the LM head is not sharded over `seq`
+    # `(stored, compute)` parameter shardings when the weights are gathered once per
+    # step (`--gather_once`); None: the model uses the stored parameters directly.
+    weights: tuple[Any, Any] | None = None
 
 
 def _reorder(x, spec: StepSpec):
@@ -47,8 +51,33 @@ def loss_sums(params, ids, labels, spec: StepSpec):
     hidden = models.hidden_states(spec.config, params, ids, positions, attention=spec.attention)
     head = models.lm_head_weight(spec.config, params)
     return models.chunked_cross_entropy(
-        hidden, head, labels, chunk_size=spec.loss_chunk, shards=spec.seq_shards
+        hidden,
+        head,
+        labels,
+        chunk_size=spec.loss_chunk,
+        shards=spec.seq_shards,
+        replicated_head=spec.replicated_head,
     )
+
+
+def compute_weights(params, spec: StepSpec):
+    """The weights the forward and backward use: `params` itself, or with
+    `spec.weights` one gathered copy per step in the compute dtype (one all-gather
+    per weight, kept for the backward, instead of per layer in both passes).
+
+    The embedding / LM head stays float32: the loss sums its gradient over the chunks
+    in float32, which a compute-dtype copy would round once more. The model casts
+    every weight to the compute dtype where it uses it, so the forward is the same.
+    """
+    if spec.weights is None:
+        return params
+    dtype = spec.config.compute_dtype
+
+    def gather(path, p, sharding):
+        keep = any(getattr(k, "key", None) in ("embed", "lm_head") for k in path)
+        return jax.lax.with_sharding_constraint(p if keep else p.astype(dtype), sharding)
+
+    return jax.tree_util.tree_map_with_path(gather, params, spec.weights[1])
 
 
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
@@ -62,11 +91,14 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
       `(new_state, metrics)`: the loss, the gradient norm and the counted tokens.
     """
     params = state["params"]
+    weights = compute_weights(params, spec)
 
     def accumulate(carry, xs):
         grads, loss, count = carry
         ids, labels = xs
-        (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(params, ids, labels, spec)
+        (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(weights, ids, labels, spec)
+        if spec.weights is not None:  # summed over `seq` straight into the stored shards
+            g = jax.lax.with_sharding_constraint(g, spec.weights[0])
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         return (grads, loss + l_sum, count + n), None
 
