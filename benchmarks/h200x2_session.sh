@@ -418,8 +418,9 @@ setup_1b_32k() { # RESERVE: sample data and the trainer's common flags, Llama-3.
 }
 
 part_train32k() {
-  # Issue 5's bars with the Mosaic kernels: 1 GPU vs HF (same session), 2 GPUs with the
-  # optimizer sharded over seq (per-GPU efficiency), Llama-3.2-1B shape at 32k.
+  # Issue 5's bars with the Mosaic kernels: 1 GPU vs HF (same session), 2 GPUs as the
+  # config runs them (sharded over seq, weights gathered once per step; per-GPU
+  # efficiency), Llama-3.2-1B shape at 32k.
   local ctx steps model vocab log_every one_device data common
   setup_1b_32k 300
   rm -rf "$WORK/t1" "$WORK/t2"
@@ -427,9 +428,8 @@ part_train32k() {
     "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=1 --output_dir "$WORK/t1"
   [ -s "$WORK/t1/log.jsonl" ] && cp "$WORK/t1/log.jsonl" "$OUT/train-1b-32k-$TAG-seq1-mosaic.jsonl"
   step train-2gpu 150 60 100 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train "${common[@]}" \
-    --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --output_dir "$WORK/t2"
-  [ -s "$WORK/t2/log.jsonl" ] &&
-    cp "$WORK/t2/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-shard_over_seq-mosaic.jsonl"
+    --mesh data=1,fsdp=1,seq=2 --output_dir "$WORK/t2"
+  [ -s "$WORK/t2/log.jsonl" ] && cp "$WORK/t2/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-mosaic.jsonl"
   hf_32k "$ctx"
 }
 
@@ -492,14 +492,14 @@ part_ring() {
 
 part_seq2trace() {
   # Issue 5: per-phase and per-kernel time of the 32k config's step at seq=1 and seq=2
-  # (--shard_over_seq), same process tree, to attribute the ~40 ms of the 2-GPU step that
-  # the ring does not explain (BENCHMARKS.md, ninth session).
+  # (--shard_over_seq --gather_once, as the config), same process tree (BENCHMARKS.md,
+  # ninth and tenth sessions).
   local prof="$WORK/seq2trace-$TAG" model=llama3.2-1b ctx=32k
   if [ "$MODE" != gpu ]; then model=tiny ctx=512; fi
   rm -rf "$prof"
   local pxla="$BASE_XLA_FLAGS --xla_gpu_enable_command_buffer="
   step seq2trace 420 120 30 env "XLA_FLAGS=${pxla# }" "$PY" -m train.profile --models "$model" \
-    --context "$ctx" --mesh seq=1 --mesh seq=2 --shard-over-seq --remat save_dots \
+    --context "$ctx" --mesh seq=1 --mesh seq=2 --shard-over-seq --gather-once --remat save_dots \
     --unroll-layers --steps 3 --warmup 1 --trace-steps 2 --no-xla-cost --out "$prof"
   step seq2trace-render 60 5 0 "$PY" -m train.profile --report-only "$prof"
   local ext

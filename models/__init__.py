@@ -47,6 +47,7 @@ from models.functional import (
     check_params,
     hidden_states,
     init_params,
+    lm_head_table,
     lm_head_weight,
     logits,
 )
@@ -99,6 +100,7 @@ __all__ = [
     "from_hf_config",
     "hidden_states",
     "init_params",
+    "lm_head_table",
     "lm_head_weight",
     "load_hf",
     "load_native",

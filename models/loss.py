@@ -68,6 +68,7 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     shards: int = 1,
     replicated_head: bool = False,
+    vocab_major: bool = False,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[Float[Array, ""], Int[Array, ""]]:
     """:func:`cross_entropy` of ``hidden @ lm_head`` without materialising all logits.
@@ -81,8 +82,9 @@ def chunked_cross_entropy(
 
     Args:
         hidden: final-norm hidden states (``models.hidden_states``).
-        lm_head: output projection (``models.lm_head_weight``), cast to ``hidden.dtype``
-            for the matmuls; its gradient comes back in its own dtype.
+        lm_head: output projection ``[D, V]`` (``models.lm_head_weight``), or ``[V, D]``
+            with ``vocab_major``; cast to ``hidden.dtype`` for the matmuls; its gradient
+            comes back in its own dtype and shape.
         labels: aligned targets.
         mask: optional extra mask.
         chunk_size: tokens per chunk; must divide T.
@@ -96,9 +98,15 @@ def chunked_cross_entropy(
             all-reduce per chunk: 1 GiB at a 128k vocabulary). Leave it False when
             ``lm_head`` is sharded over those devices (each computes its slice of the
             vocabulary for every token). Either way the result is the same.
+        vocab_major: ``lm_head`` is ``[V, D]``, e.g. a tied embedding table
+            (``models.lm_head_table``): used as stored, so neither it nor its gradient
+            is transposed (a copy of the table each way).
         ignore_index: label value to skip.
     """
-    b, t, _ = hidden.shape
+    b, t, d = hidden.shape
+    if lm_head.ndim != 2 or lm_head.shape[1 if vocab_major else 0] != d:
+        want = "[V, D]" if vocab_major else "[D, V]"
+        raise ValueError(f"{lm_head.shape=} is not {want} for hidden's D={d} ({vocab_major=})")
     if labels.shape != (b, t):
         raise ValueError(f"{labels.shape=} does not match hidden's [B, T] = {(b, t)}")
     if shards < 1 or chunk_size % shards:
@@ -120,7 +128,9 @@ def chunked_cross_entropy(
         valid = valid & mask
     safe = jnp.where(valid, labels, 0)
     per_shard = replicated_head and shards > 1
-    return _fused_cross_entropy(hidden, lm_head, safe, valid, chunk_size, shards, per_shard)
+    return _fused_cross_entropy(
+        hidden, lm_head, safe, valid, chunk_size, shards, per_shard, vocab_major
+    )
 
 
 def _chunks(x, chunk_size: int, shards: int):
@@ -157,18 +167,21 @@ def _dw_spec(hidden, w, per_shard: bool):
     return PartitionSpec(tokens, *w_spec)
 
 
-def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, per_shard, *, grads: bool):
+def _scan_chunks(
+    hidden, lm_head, labels, valid, chunk_size, shards, per_shard, vocab_major, *, grads: bool
+):
     """`(loss sum, count)`, and with `grads` the gradients of the loss sum:
-    `(d hidden [B, T, D] in hidden.dtype, d lm_head [D, V] float32)`.
+    `(d hidden [B, T, D] in hidden.dtype, d lm_head float32 in lm_head's shape)`.
 
-    `per_shard`: the weight gradient is summed per token shard (`[shards, D, V]`, split
-    like the tokens) and over the shards after the loop."""
+    `per_shard`: the weight gradient is summed per token shard (`[shards, *lm_head]`,
+    split like the tokens) and over the shards after the loop."""
     w = lm_head.astype(hidden.dtype)
+    w_dims = "vd" if vocab_major else "dv"
     dw_spec = _dw_spec(hidden, w, per_shard)
 
     def body(carry, xs):
         h, lab, m = xs
-        logits = jnp.einsum("bpcd,dv->bpcv", h, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum(f"bpcd,{w_dims}->bpcv", h, w, preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
         loss = carry[0] + jnp.sum(jnp.where(m, lse - target, 0.0))
@@ -179,9 +192,9 @@ def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, per_shard, 
         probs = jnp.exp(logits - lse[..., None])
         dlogits = jnp.where(m[..., None], probs - (vocab == lab[..., None]), 0.0)
         dlogits = dlogits.astype(h.dtype)
-        dh = jnp.einsum("bpcv,dv->bpcd", dlogits, w, preferred_element_type=jnp.float32)
+        dh = jnp.einsum(f"bpcv,{w_dims}->bpcd", dlogits, w, preferred_element_type=jnp.float32)
         dw = carry[2] + jnp.einsum(
-            "bpcd,bpcv->pdv" if per_shard else "bpcd,bpcv->dv",
+            f"bpcd,bpcv->{'p' if per_shard else ''}{w_dims}",
             h,
             dlogits,
             preferred_element_type=jnp.float32,
@@ -203,19 +216,17 @@ def _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, per_shard, 
     return (loss, count), (_unchunk(dh, hidden.shape[1]), dw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _fused_cross_entropy(hidden, lm_head, labels, valid, chunk_size, shards, per_shard):
-    return _scan_chunks(hidden, lm_head, labels, valid, chunk_size, shards, per_shard, grads=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _fused_cross_entropy(hidden, lm_head, labels, valid, *static):
+    return _scan_chunks(hidden, lm_head, labels, valid, *static, grads=False)
 
 
-def _fused_fwd(hidden, lm_head, labels, valid, chunk_size, shards, per_shard):
-    out, (dh, dw) = _scan_chunks(
-        hidden, lm_head, labels, valid, chunk_size, shards, per_shard, grads=True
-    )
+def _fused_fwd(hidden, lm_head, labels, valid, *static):
+    out, (dh, dw) = _scan_chunks(hidden, lm_head, labels, valid, *static, grads=True)
     return out, (dh, dw.astype(lm_head.dtype))
 
 
-def _fused_bwd(chunk_size, shards, per_shard, res, cts):
+def _fused_bwd(chunk_size, shards, per_shard, vocab_major, res, cts):
     dh, dw = res
     g = cts[0]  # the count is an integer: no cotangent
     scaled = [(x.astype(jnp.float32) * g).astype(x.dtype) for x in (dh, dw)]

@@ -367,8 +367,25 @@ def test_chunked_cross_entropy_gradients(shards):
         np.testing.assert_allclose(np.asarray(dh, np.float32), want_dh, atol=tol * scale)
         scale = float(jnp.max(jnp.abs(want_dw)))
         np.testing.assert_allclose(dw, want_dw, atol=tol * scale)
+        # The same head stored [V, D] (a tied embedding table): the gradient comes back
+        # [V, D], with the same numbers.
+        dh_t, dw_t = jax.jit(
+            jax.grad(
+                lambda h, w, labels=labels: models.chunked_cross_entropy(
+                    h, w, labels, chunk_size=16, shards=shards, vocab_major=True
+                )[0],
+                (0, 1),
+            )
+        )(hidden, head.T)
+        assert dw_t.shape == head.T.shape
+        scale = float(jnp.max(jnp.abs(want_dh)))
+        np.testing.assert_allclose(np.asarray(dh_t, np.float32), want_dh, atol=tol * scale)
+        scale = float(jnp.max(jnp.abs(want_dw)))
+        np.testing.assert_allclose(dw_t.T, want_dw, atol=tol * scale)
     with pytest.raises(ValueError, match="chunk_size=16 must be a positive multiple of shards=3"):
         models.chunked_cross_entropy(hidden, head, labels, chunk_size=16, shards=3)
+    with pytest.raises(ValueError, match=r"lm_head.shape=\(\d+, \d+\) is not \[V, D\]"):
+        models.chunked_cross_entropy(hidden, head, labels, chunk_size=16, vocab_major=True)
 
 
 def _all_reduce_shapes(hlo: str, in_loops: bool) -> list[str]:

@@ -101,6 +101,8 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
             "1",
             "--shard_over_seq",
             str(args.shard_over_seq).lower(),
+            "--gather_once",
+            str(args.gather_once).lower(),
         ]
     )
     config = model_config(cfg)
@@ -170,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets or HF dirs")
     p.add_argument("--mesh", action="append", help="repeatable; default seq=1 and all devices")
     p.add_argument("--shard-over-seq", action="store_true", help="ZeRO-3 over seq as well")
+    p.add_argument(
+        "--gather-once",
+        action="store_true",
+        help="with --shard-over-seq: weights gathered once per step (the trainer's --gather_once)",
+    )
     p.add_argument("--attention", default="ring")
     p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
     p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
@@ -182,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.gather_once and not args.shard_over_seq:
+        parser.error("--gather-once needs --shard-over-seq (what it gathers is sharded over seq)")
     import jax
 
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})

@@ -49,7 +49,7 @@ def loss_sums(params, ids, labels, spec: StepSpec):
     pos = jflash.positions(seq_len, spec.seq_shards, layout)
     positions = jnp.broadcast_to(pos, ids.shape)
     hidden = models.hidden_states(spec.config, params, ids, positions, attention=spec.attention)
-    head = models.lm_head_weight(spec.config, params)
+    head, vocab_major = models.lm_head_table(spec.config, params)
     return models.chunked_cross_entropy(
         hidden,
         head,
@@ -57,6 +57,7 @@ def loss_sums(params, ids, labels, spec: StepSpec):
         chunk_size=spec.loss_chunk,
         shards=spec.seq_shards,
         replicated_head=spec.replicated_head,
+        vocab_major=vocab_major,
     )
 
 
