@@ -275,6 +275,14 @@ def test_profile_job_names_and_passes_its_settings():
     row = {"mesh": "seq=2", **job.settings()}
     assert report_lib._mesh(row) == "seq=2 +shard_over_seq +save_dots +unrolled"
     assert Job(model="tiny", context=512, mesh="seq=1", out="x").name == "tiny-512-seq1"
+    once = dataclasses.replace(job, gather_once=True)
+    assert once.name == "tiny-32k-seq2-shard_over_seq-gather_once-save_dots-unrolled"
+    assert parse_args(_trainer_args(once)).parallel.gather_once is True
+    row = {"mesh": "seq=2", "mesh_sizes": {"seq": 2}, **once.settings()}
+    assert report_lib._mesh(row) == "seq=2 +shard_over_seq +gather_once +save_dots +unrolled"
+    # On one sequence shard there is nothing to shard or gather: the label says so.
+    row = {"mesh": "seq=1", "mesh_sizes": {"seq": 1}, **once.settings()}
+    assert report_lib._mesh(row) == "seq=1 +save_dots +unrolled"
 
 
 @pytest.mark.multi_device(2)

@@ -70,10 +70,12 @@ def _mean(row: dict) -> dict:
 
 
 def _mesh(row: dict) -> str:
-    """The row's mesh; `+shard_over_seq` when parameters are also sharded over `seq`,
-    and the remat policy and unrolled layers where they differ from the defaults."""
-    label = row["mesh"] + (" +shard_over_seq" if row.get("shard_over_seq") else "")
-    label += " +gather_once" if row.get("gather_once") else ""
+    """The row's mesh; `+shard_over_seq` (`+gather_once`) when parameters are also
+    sharded over a `seq` axis of more than one device (and gathered once per step), and
+    the remat policy and unrolled layers where they differ from the defaults."""
+    over_seq = row.get("mesh_sizes", {}).get("seq", 2) > 1  # unknown (error rows): say it
+    label = row["mesh"] + (" +shard_over_seq" if over_seq and row.get("shard_over_seq") else "")
+    label += " +gather_once" if over_seq and row.get("gather_once") else ""
     if row.get("remat", "save_attn") != "save_attn":
         label += f" +{row['remat']}"
     return label + ("" if row.get("scan_layers", True) else " +unrolled")
