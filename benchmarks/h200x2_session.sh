@@ -17,6 +17,9 @@
 #   bash benchmarks/h200x2_session.sh seq2trace   # issue 5: where seq=2 loses its 10%: the
 #                                                 # 32k config's step (save_dots, unrolled)
 #                                                 # profiled on 1 GPU and on 2 (sharded)
+#   bash benchmarks/h200x2_session.sh gradcheck   # issue 5: per-parameter gradients of the
+#                                                 # 32k config's first step on 1 GPU and on
+#                                                 # 2 in three weight layouts (the open ~1%)
 #   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
 #                                                 # (CPU_PARTS="capacity train32k": only those)
 #
@@ -100,10 +103,10 @@ set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale | capacity | train32k | fill | ring | remat | seq2trace) MODE=gpu ;;
+  report | scale | capacity | train32k | fill | ring | remat | seq2trace | gradcheck) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|remat|seq2trace|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|remat|seq2trace|gradcheck|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -508,6 +511,21 @@ part_seq2trace() {
   done
 }
 
+part_gradcheck() {
+  # Issue 5's open question (BENCHMARKS.md, tenth session): with replicated weights the
+  # 2-GPU gradient norm read 0.94% off one GPU's, with --gather_once 0.09%. One step's
+  # gradients per parameter, the one-GPU run as the reference (~30 s per layout).
+  local ctx steps model vocab log_every one_device data common
+  setup_1b_32k 200
+  local seq2="--mesh data=1,fsdp=1,seq=2"
+  step gradcheck 300 60 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.gradcheck "${common[@]}" \
+    --layout "--mesh data=1,fsdp=1,seq=1" \
+    --layout "$seq2 --shard_over_seq false --gather_once false" \
+    --layout "$seq2 --shard_over_seq true --gather_once false" \
+    --layout "$seq2 --shard_over_seq true --gather_once true" \
+    --top 12 --out "$OUT/gradcheck-1b-32k-$TAG.json"
+}
+
 part_remat() {
   # Issue 5: Llama-3.2-1B shape at 32k. jflash needs 0.42x HF's memory with
   # remat=save_attn, so remat=none (no recompute of the layers' matmuls) may fit:
@@ -550,9 +568,10 @@ main() {
     ring) part_ring ;;
     remat) part_remat ;;
     seq2trace) part_seq2trace ;;
+    gradcheck) part_gradcheck ;;
     cpu-check) # every part (or the ones named after cpu-check), each with the whole budget
       local p
-      for p in ${CPU_PARTS:-report fill scale capacity train32k ring remat seq2trace}; do
+      for p in ${CPU_PARTS:-report fill scale capacity train32k ring remat seq2trace gradcheck}; do
         START=$(date +%s) PART=$p "part_$p"
       done
       ;;

@@ -442,3 +442,43 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     once = ["--shard_over_seq", "--gather_once", "true"]
     gathered = run(parse_args(_args(tmp_path / "c", *common, *once, mesh=mesh)))["losses"]
     np.testing.assert_allclose(gathered, replicated, rtol=1e-5)
+
+
+@pytest.mark.multi_device(2)
+def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
+    """`python -m train.gradcheck`: the same step's gradients on one device and on
+    seq=2 (replicated, and sharded + gathered once) agree to f32 rounding, per
+    parameter; a layout with another global batch is refused; a gradient counted twice
+    tops the list."""
+    from train import gradcheck
+
+    common = [*SMALL[:6], "--bf16", "false"]
+    out = tmp_path / "gradcheck.json"
+    rows = gradcheck.main(
+        [
+            *common,
+            "--layout",
+            "--mesh data=1,fsdp=1,seq=1",
+            "--layout",
+            "--mesh data=1,fsdp=1,seq=2",
+            "--layout",
+            "--mesh data=1,fsdp=1,seq=2 --shard_over_seq true --gather_once true",
+            "--out",
+            str(out),
+        ]
+    )
+    assert [r["layout"] for r in json.loads(out.read_text())] == [r["layout"] for r in rows]
+    for row in rows[1:]:
+        assert row["max_rel_diff"] < 1e-5, row["params"][:3]
+        assert abs(row["grad_norm"] / rows[0]["grad_norm"] - 1) < 1e-6
+        assert len(row["params"]) == len(
+            gradcheck._tree_paths(models.init_params(models.TINY, jax.random.key(0)))
+        ), "one row per parameter"
+    assert "(reference)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="give every layout the same global batch"):
+        gradcheck.main([*common, "--layout", "--mesh data=1", "--layout", "--mesh data=2"])
+    ref = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
+    doubled = gradcheck.compare(ref, {"a": ref["a"], "b": 2 * ref["b"]})
+    assert doubled[0]["param"] == "b" and doubled[0]["rel_diff"] == pytest.approx(1.0)
+    with pytest.raises(SystemExit):
+        gradcheck.main([*common, "--layout", "--mesh data=1"])  # one layout: nothing to compare

@@ -81,17 +81,15 @@ def compute_weights(params, spec: StepSpec):
     return jax.tree_util.tree_map_with_path(gather, params, spec.weights[1])
 
 
-def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
-    """One optimizer step over `accum` micro-batches; loss = total NLL / total tokens.
+def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
+    """`(grads, (loss, count))` of one step's `accum` micro-batches: the f32 gradients
+    of the mean token loss (total NLL / total counted tokens), laid out like `params`;
+    that loss; the number of counted tokens.
 
     Args:
-      state: `{"params", "opt_state", "step"}`.
+      params: the stored parameters.
       batch: `{"input_ids", "labels"}` int32 `[accum, B, T]`.
-
-    Returns:
-      `(new_state, metrics)`: the loss, the gradient norm and the counted tokens.
     """
-    params = state["params"]
     weights = compute_weights(params, spec)
 
     def accumulate(carry, xs):
@@ -111,9 +109,24 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
     # The loss is a sum over tokens; normalise by all counted tokens of the step.
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
+    return grads, (loss_sum / denom, count)
+
+
+def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
+    """One optimizer step over `accum` micro-batches; loss = total NLL / total tokens.
+
+    Args:
+      state: `{"params", "opt_state", "step"}`.
+      batch: `{"input_ids", "labels"}` int32 `[accum, B, T]`.
+
+    Returns:
+      `(new_state, metrics)`: the loss, the gradient norm and the counted tokens.
+    """
+    params = state["params"]
+    grads, (loss, count) = gradients(params, batch, spec)
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
-    metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "tokens": count}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count}
     return new_state, metrics

@@ -1,0 +1,171 @@
+"""`python -m train.gradcheck`: one step's gradients under several layouts, per parameter.
+
+    python -m train.gradcheck --config configs/llama3_2_1b_32k.yaml \\
+        --model_max_length 32768 --data_path data.npy \\
+        --layout "--mesh data=1,fsdp=1,seq=1" \\
+        --layout "--mesh data=1,fsdp=1,seq=2 --shard_over_seq false --gather_once false" \\
+        --layout "--mesh data=1,fsdp=1,seq=2 --shard_over_seq true --gather_once true"
+
+Every layout starts from the same parameters (the seed) and takes the same batch (step
+0): only how the step is split over devices differs, so the gradients should agree to
+rounding. The first layout is the reference. For each other layout it prints the loss,
+the gradient norm, and the parameters whose gradients differ most from the
+reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
+as JSON. Flags other than `--layout`, `--top` and `--out` go to every layout's trainer
+configuration (`python -m train --help`); a layout's own flags come last and win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+
+import numpy as np
+
+
+def _tree_paths(tree) -> dict[str, np.ndarray]:
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf, np.float32) for path, leaf in flat}
+
+
+def layout_gradients(argv: list[str]) -> dict:
+    """`{"loss", "tokens", "rows", "grads"}` of step 0 for trainer flags `argv`, on as
+    many local devices as its `--mesh` needs; `grads` maps parameter paths to host
+    arrays."""
+    import functools
+
+    import jax
+
+    from train.config import parse_args
+    from train.loop import build
+    from train.profile import mesh_device_count
+    from train.step import gradients
+
+    cfg = parse_args(argv)
+    devices = jax.devices()[: mesh_device_count(cfg.parallel.mesh, jax.device_count())]
+    trainer = build(cfg, devices=devices)
+    step = jax.jit(functools.partial(gradients, spec=trainer.spec))
+    with jax.set_mesh(trainer.mesh):
+        grads, (loss, count) = step(trainer.state["params"], trainer.batch(0))
+    return {
+        "loss": float(loss),
+        "tokens": int(count),
+        "rows": trainer.global_batch * trainer.accum,
+        "grads": _tree_paths(grads),
+    }
+
+
+def compare(reference: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> list[dict]:
+    """Per parameter: the two gradients' norms and their relative L2 difference,
+    largest difference first."""
+    if reference.keys() != other.keys():
+        raise ValueError(
+            f"the layouts have different parameters: {sorted(reference.keys() ^ other.keys())}"
+        )
+    rows = []
+    for path, ref in reference.items():
+        got = other[path]
+        ref_norm = float(np.linalg.norm(ref))
+        diff = float(np.linalg.norm(got.astype(np.float64) - ref))
+        rows.append(
+            {
+                "param": path,
+                "reference_norm": ref_norm,
+                "norm": float(np.linalg.norm(got)),
+                "rel_diff": diff / ref_norm if ref_norm else (0.0 if diff == 0 else float("inf")),
+            }
+        )
+    return sorted(rows, key=lambda r: -r["rel_diff"])
+
+
+def global_norm(grads: dict[str, np.ndarray]) -> float:
+    return float(
+        np.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads.values()))
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m train.gradcheck",
+        description=__doc__.split("\n\n")[0],
+        epilog="Other flags are trainer flags, shared by every layout.",
+    )
+    p.add_argument(
+        "--layout",
+        action="append",
+        required=True,
+        help="trainer flags of one layout, quoted (repeat; the first is the reference)",
+    )
+    p.add_argument("--top", type=int, default=10, help="parameters listed per layout")
+    p.add_argument("--out", default="", help="write the comparison as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args, common = parser.parse_known_args(argv)
+    if len(args.layout) < 2:
+        parser.error(f"need at least 2 --layout to compare, got {len(args.layout)}")
+    import jax
+
+    if jax.process_count() > 1:
+        parser.error("runs in one process (it copies every gradient to the host)")
+    results = []
+    # One directory for every layout: without --data_path the first layout writes the
+    # sample data there and the others read the same file.
+    with tempfile.TemporaryDirectory(prefix="jflash-gradcheck-") as work:
+        reference = None
+        for layout in args.layout:
+            flags = [*common, "--output_dir", work, *shlex.split(layout)]
+            got = layout_gradients(flags)
+            row = {
+                "layout": layout,
+                "loss": got["loss"],
+                "tokens": got["tokens"],
+                "grad_norm": global_norm(got["grads"]),
+            }
+            if reference is None:
+                reference = got
+            else:
+                if got["rows"] != reference["rows"] or got["tokens"] != reference["tokens"]:
+                    raise SystemExit(
+                        f"layout {layout!r} takes {got['rows']} rows ({got['tokens']} tokens) "
+                        f"per step, the reference {reference['rows']} ({reference['tokens']}): "
+                        "give every layout the same global batch (data x fsdp x "
+                        "--per_device_train_batch_size x accumulation)"
+                    )
+                params = compare(reference["grads"], got["grads"])
+                row["params"] = params
+                row["max_rel_diff"] = params[0]["rel_diff"] if params else 0.0
+            results.append(row)
+            _print(row, results[0], args.top)
+            del got
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.out}")
+    return results
+
+
+def _print(row: dict, reference: dict, top: int) -> None:
+    print(f"== {row['layout']}")
+    print(f"   loss {row['loss']:.6f}, gradient norm {row['grad_norm']:.6f}", end="")
+    if row is reference:
+        print(" (reference)")
+        return
+    rel = row["grad_norm"] / reference["grad_norm"] - 1 if reference["grad_norm"] else 0.0
+    print(f" ({rel:+.3%} against the reference)")
+    for p in row["params"][:top]:
+        print(
+            f"   {p['rel_diff']:10.3e}  {p['param']}  (norm {p['norm']:.4g}, "
+            f"reference {p['reference_norm']:.4g})"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
