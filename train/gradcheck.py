@@ -12,7 +12,9 @@ rounding. The first layout is the reference. For each other layout it prints the
 the gradient norm, and the parameters whose gradients differ most from the
 reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
 as JSON. Flags other than `--layout`, `--top` and `--out` go to every layout's trainer
-configuration (`python -m train --help`); a layout's own flags come last and win.
+configuration (`python -m train --help`); a layout's own flags come last and win. Nothing
+is trained or saved: `--output_dir` is a temporary directory (where sample data goes
+when there is no `--data_path`).
 """
 
 from __future__ import annotations
