@@ -125,13 +125,14 @@ def hidden_states(
     return bind(config, params, attention).hidden_states(input_ids, positions)
 
 
-def lm_head_table(config: LlamaConfig, params: Params) -> tuple[Array, bool]:
-    """The output projection as stored, for :func:`models.chunked_cross_entropy`:
+def lm_head_table(config: LlamaConfig, params: Params) -> tuple[Any, bool]:
+    """The output projection's leaf as stored, for :func:`models.chunked_cross_entropy`:
     ``(embedding [V, D], True)`` when tied, else ``(kernel [D, V], False)``; pass the
-    flag as its ``vocab_major`` and nothing is transposed."""
+    flag as its ``vocab_major`` and nothing is transposed. Works on any tree laid out
+    like the parameters (e.g. their shardings)."""
     if config.tie_word_embeddings:
-        return jnp.asarray(params["embed"]["embedding"]), True
-    return jnp.asarray(params["lm_head"]["kernel"]), False
+        return params["embed"]["embedding"], True
+    return params["lm_head"]["kernel"], False
 
 
 def lm_head_weight(config: LlamaConfig, params: Params) -> Float[Array, "D V"]:

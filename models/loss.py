@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from models.sharding import explicit_mesh
+from models.sharding import explicit_mesh, spec_axes
 
 IGNORE_INDEX = -100
 
@@ -115,8 +115,7 @@ def chunked_cross_entropy(
         raise ValueError(f"sequence length {t=} must be divisible by {chunk_size=}")
     mesh = explicit_mesh()
     if mesh is not None:
-        axes = jax.typeof(hidden).sharding.spec[1]
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = spec_axes(jax.typeof(hidden).sharding.spec[1])
         ways = math.prod(mesh.shape[a] for a in axes)
         if ways != shards:
             raise ValueError(
@@ -158,8 +157,7 @@ def _dw_spec(hidden, w, per_shard: bool):
     if not per_shard:
         return PartitionSpec(*w_spec)
     tokens = jax.typeof(hidden).sharding.spec[1]
-    used = {a for part in w_spec if part for a in ((part,) if isinstance(part, str) else part)}
-    if tokens is not None and used & set((tokens,) if isinstance(tokens, str) else tokens):
+    if {a for part in w_spec for a in spec_axes(part)} & set(spec_axes(tokens)):
         raise ValueError(
             f"replicated_head=True, but lm_head is sharded {PartitionSpec(*w_spec)} over the "
             f"axes that split the tokens ({tokens}); pass replicated_head=False"

@@ -5,6 +5,11 @@ from __future__ import annotations
 import jax
 
 
+def spec_axes(part) -> tuple[str, ...]:
+    """The mesh axis names of one PartitionSpec entry (None, a name, or a tuple)."""
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
 def explicit_mesh():
     """The current abstract mesh if it has Explicit axes (output shardings that jax
     cannot infer must then be given), else None."""

@@ -143,6 +143,11 @@ class TrainConfig:
                 f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "
                 "'auto_wrap') and '' (no FSDP: a -1 in --mesh goes to data, not fsdp)"
             )
+        if self.parallel.gather_once and not self.parallel.shard_over_seq:
+            raise ValueError(
+                "--gather_once true needs --shard_over_seq true: without it the parameters "
+                "are not sharded over seq, so there is nothing to gather"
+            )
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
 

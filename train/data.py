@@ -220,9 +220,7 @@ def load_dataset(
             ids out of range; an unknown extension.
     """
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
+    suffix = data_format(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such data file")
     if suffix == ".npy":
@@ -547,6 +545,14 @@ def markov_samples(
     return state_ids[states]
 
 
+def data_format(path: str | Path) -> str:
+    """The file's format (its lower-case suffix), one of FORMATS; ValueError otherwise."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
+    return suffix
+
+
 def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) -> None:
     """Writes examples (``[N, L]`` or a list of 1-D int arrays) by extension.
 
@@ -554,7 +560,7 @@ def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) 
     line; ``.npy``: an int32 ``[N, L]`` array (examples must have equal lengths).
     """
     path = Path(path)
-    suffix = path.suffix.lower()
+    suffix = data_format(path)
     if suffix == ".npy":
         np.save(path, np.asarray(examples, dtype=np.int32))
     elif suffix == ".pkl":
@@ -564,8 +570,6 @@ def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) 
         with open(path, "w", encoding="utf-8") as f:
             for e in examples:
                 f.write(json.dumps({"input_ids": np.asarray(e).tolist()}) + "\n")
-    else:
-        raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -595,9 +599,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _command(args: argparse.Namespace) -> None:
     if args.command == "sample":
-        suffix = Path(args.out).suffix.lower()
-        if suffix not in FORMATS:
-            raise ValueError(f"{args.out}: unknown data format {suffix!r}; expected {FORMATS}")
+        data_format(args.out)  # before making the samples
         examples = markov_samples(
             args.num_samples,
             args.seq_len,

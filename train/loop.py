@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from models.sharding import spec_axes
 from train import data as data_lib
 from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
@@ -120,11 +121,6 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
             f"--mesh has seq={seq} but --attention={cfg.model.attention!r}: only 'ring' "
             "attention shards the sequence"
         )
-    if cfg.parallel.gather_once and not cfg.parallel.shard_over_seq:
-        raise TrainingError(
-            "--gather_once true needs --shard_over_seq true: without it the parameters "
-            "are not sharded over seq, so there is nothing to gather"
-        )
     need = 2 * seq if (seq > 1 and cfg.model.ring_layout == "zigzag") else seq
     if seq_len % need:
         raise TrainingError(
@@ -209,17 +205,6 @@ class StepPlan:
         }
 
 
-def _head_axes(config: models.LlamaConfig, p_shard) -> set[str]:
-    """The mesh axes the LM head's weight is sharded over."""
-    leaf = (
-        p_shard["embed"]["embedding"]
-        if config.tie_word_embeddings
-        else p_shard["lm_head"]["kernel"]
-    )
-    parts = [p for p in leaf.spec if p is not None]
-    return {a for p in parts for a in ((p,) if isinstance(p, str) else p)}
-
-
 def plan_step(
     cfg: TrainConfig, config: models.LlamaConfig, devices=None, total_steps: int = 1
 ) -> StepPlan:
@@ -250,13 +235,15 @@ def plan_step(
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
         o_shard = param_shardings(opt_abstract, mesh, axes)
     gather = cfg.parallel.gather_once and "seq" in axes
+    head = models.lm_head_table(config, p_shard)[0]  # its sharding
+    head_axes = {a for part in head.spec for a in spec_axes(part)}
     spec = StepSpec(
         config=config,
         attention=attention,
         seq_shards=sizes["seq"],
         layout=cfg.model.ring_layout,
         loss_chunk=loss_chunk(seq_len, sizes["seq"]),
-        replicated_head="seq" not in _head_axes(config, p_shard) or gather,
+        replicated_head=gather or "seq" not in head_axes,
         weights=(p_shard, compute_shardings(p_shard, "seq")) if gather else None,
     )
     shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}

@@ -15,6 +15,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.sharding import spec_axes
+
 AXES = ("data", "fsdp", "seq")
 BATCH_AXES = ("data", "fsdp")
 
@@ -120,12 +122,8 @@ def compute_shardings(shardings, axis: str):
 
     def drop(s: NamedSharding) -> NamedSharding:
         def part(p):
-            if p == axis:
-                return None
-            if isinstance(p, tuple):
-                rest = tuple(a for a in p if a != axis)
-                return rest[0] if len(rest) == 1 else (rest or None)
-            return p
+            rest = tuple(a for a in spec_axes(p) if a != axis)
+            return rest[0] if len(rest) == 1 else (rest or None)
 
         return NamedSharding(s.mesh, P(*(part(p) for p in s.spec)))
 
