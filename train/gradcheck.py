@@ -8,7 +8,10 @@
 
 Every layout starts from the same parameters (the seed) and takes the same batch (step
 0): only how the step is split over devices differs, so the gradients should agree to
-rounding. The first layout is the reference. For each other layout it prints the loss,
+rounding. The first layout is the reference; make it an f32 one (`--bf16 false`) to
+tell rounding from a bug: in bf16 some gradients move between layouts far more than the
+loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, eleventh session),
+while in f32 every layout agrees to ~1e-4. For each other layout it prints the loss,
 the gradient norm, and the parameters whose gradients differ most from the
 reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
 as JSON. Flags other than `--layout`, `--top` and `--out` go to every layout's trainer
