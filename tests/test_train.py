@@ -304,6 +304,48 @@ def test_config_flags_yaml_and_errors(tmp_path):
     assert parse_mesh("data=1,fsdp=-1,seq=2", 8, fsdp=False) == {"data": 4, "fsdp": 1, "seq": 2}
 
 
+def test_param_spec_keeps_the_minor_dimension_whole_when_asked():
+    from jax.sharding import PartitionSpec as P
+
+    from train.mesh import param_spec
+
+    mlp = (16, 2048, 8192)  # a stacked [layers, D, F] kernel: F is the largest and minor
+    assert param_spec(mlp, 2, stacked=True) == P(None, None, "fsdp")
+    assert param_spec(mlp, 2, stacked=True, minor_last=True) == P(None, "fsdp", None)
+    # The minor dimension still splits when nothing else divides; unstacked leaves
+    # (the embedding, the head) keep the largest dimension either way.
+    assert param_spec((16, 3, 8192), 2, stacked=True, minor_last=True) == P(None, None, "fsdp")
+    assert param_spec((16, 2048), 2, stacked=True, minor_last=True) == P(None, "fsdp")
+    assert param_spec((2048, 128256), 2, minor_last=True) == P(None, "fsdp")
+
+
+@pytest.mark.multi_device(2)
+def test_gather_once_state_splits_no_minor_dimension(tmp_path):
+    """With --gather_once the stored layer stacks (and their Adam moments) are split
+    along a major dimension (no transposes around the gather, the reduce-scatter and
+    the update); per-layer FSDP keeps the largest dimension."""
+    from train.loop import plan_step
+
+    def mlp_specs(*extra):
+        cfg = parse_args(_args(tmp_path, *extra, mesh="data=1,fsdp=1,seq=2"))
+        plan = plan_step(cfg, models.TINY, devices=jax.devices()[:2])
+        params = plan.state_shardings["params"]["layers"]["mlp"]
+        moments = [
+            leaf.spec
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                plan.state_shardings["opt_state"]
+            )[0]
+            if "up_proj" in jax.tree_util.keystr(path)
+        ]
+        return params["up_proj"]["kernel"].spec, params["down_proj"]["kernel"].spec, moments
+
+    up, down, moments = mlp_specs("--shard_over_seq", "--gather_once", "true")
+    assert up[-1] is None and down[-1] is None, (up, down)
+    assert moments and all(m[-1] is None and "seq" in str(m) for m in moments), moments
+    up, _, _ = mlp_specs("--shard_over_seq")
+    assert "seq" in str(up[-1]), up
+
+
 def test_cli_config_errors_are_one_line(capsys):
     from train.__main__ import main
 

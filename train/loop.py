@@ -231,10 +231,10 @@ def plan_step(
     with jax.set_mesh(mesh):
         abstract_params = models.abstract_params(config)
         axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
-        p_shard = param_shardings(abstract_params, mesh, axes)
+        gather = cfg.parallel.gather_once and "seq" in axes
+        p_shard = param_shardings(abstract_params, mesh, axes, minor_last=gather)
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
-        o_shard = param_shardings(opt_abstract, mesh, axes)
-    gather = cfg.parallel.gather_once and "seq" in axes
+        o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=gather)
     head = models.lm_head_table(config, p_shard)[0]  # its sharding
     head_axes = {a for part in head.spec for a in spec_axes(part)}
     spec = StepSpec(

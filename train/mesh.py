@@ -74,18 +74,31 @@ def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
 
 
 def param_spec(
-    shape: tuple[int, ...], fsdp_size: int, *, stacked: bool = False, axes=("fsdp",)
+    shape: tuple[int, ...],
+    fsdp_size: int,
+    *,
+    stacked: bool = False,
+    axes=("fsdp",),
+    minor_last: bool = False,
 ) -> P:
     """FSDP spec: shard the largest evenly divisible dimension over `axes` (of total
     size `fsdp_size`).
 
     `stacked`: dimension 0 indexes scanned layers and is never sharded (the scan
     slices it every iteration).
+    `minor_last`: split a stacked leaf's last dimension (the minor one in memory) only
+    when no other divides. For state that is only ever gathered whole and updated
+    (`--gather_once`): a gather or reduce-scatter moves the split dimension's pieces as
+    contiguous blocks, so with the minor one split XLA transposes every shard on the
+    way and updates the optimizer state through a transposing fusion at a quarter of
+    the memory bandwidth (BENCHMARKS.md, eleventh session). Per-layer FSDP keeps the
+    largest dimension: there XLA picks its gather and matmul strategy by the split.
     """
     if fsdp_size == 1 or not shape:
         return P()
     dims = range(1 if stacked else 0, len(shape))
-    order = sorted(dims, key=lambda i: -shape[i])
+    last = len(shape) - 1
+    order = sorted(dims, key=lambda i: (minor_last and stacked and i == last, -shape[i]))
     for dim in order:
         if shape[dim] % fsdp_size == 0 and shape[dim] >= fsdp_size:
             spec = [None] * len(shape)
@@ -101,16 +114,21 @@ def shard_axes(mesh: Mesh, over_seq: bool) -> tuple[str, ...]:
     return ("fsdp", "seq") if over_seq and mesh.shape["seq"] > 1 else ("fsdp",)
 
 
-def param_shardings(abstract_tree, mesh: Mesh, axes: tuple[str, ...] = ("fsdp",)):
+def param_shardings(
+    abstract_tree, mesh: Mesh, axes: tuple[str, ...] = ("fsdp",), minor_last: bool = False
+):
     """NamedShardings for a pytree of arrays/ShapeDtypeStructs (params or opt state).
 
     Leaves under a `layers` key are scanned-layer stacks (dimension 0 = layer).
+    `minor_last`: see `param_spec` (the `--gather_once` layout).
     """
     fsdp_size = math.prod(mesh.shape[a] for a in axes)
 
     def shard(path, x):
         stacked = any(getattr(k, "key", None) == "layers" for k in path)
-        spec = param_spec(tuple(np.shape(x)), fsdp_size, stacked=stacked, axes=axes)
+        spec = param_spec(
+            tuple(np.shape(x)), fsdp_size, stacked=stacked, axes=axes, minor_last=minor_last
+        )
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(shard, abstract_tree)
