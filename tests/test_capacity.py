@@ -26,7 +26,10 @@ def test_two_devices_hold_a_longer_context(tmp_path):
     assert two["vs_first_mesh"] == two["longest"] / one["longest"]
     for row in result["rows"]:  # the probe past the answer is the one that did not fit
         assert row["probes"][-1]["fits"] is False and row["probes"][-1]["gib"] > 0.05
-    assert json.loads(out.read_text())["method"].startswith("compiled memory analysis")
+    saved = json.loads(out.read_text())
+    assert saved["method"].startswith("compiled memory analysis")
+    assert saved["settings"]["shard_over_seq"] is False
+    assert saved["settings"]["remat"] == "save_attn"
 
 
 def test_context_parsing_and_search():

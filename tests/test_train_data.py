@@ -198,7 +198,7 @@ def test_missing_and_unreadable_files_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"g\.npy: not a readable \.npy array"):
         load_dataset(tmp_path / "g.npy")
     (tmp_path / "b.jsonl").write_bytes(b'{"input_ids": [1]}\n\xff\xfe\n')
-    with pytest.raises(ValueError, match=r"b\.jsonl: not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"b\.jsonl: record 1: not UTF-8 text"):
         load_dataset(tmp_path / "b.jsonl")
 
 

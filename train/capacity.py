@@ -82,8 +82,8 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
 
     from train.config import parse_args
     from train.loop import model_config, plan_step
+    from train.mesh import mesh_device_count
     from train.metrics import compiled_bytes
-    from train.profile import mesh_device_count
 
     cfg = parse_args(
         [
@@ -133,8 +133,7 @@ def device_limit_gib(override: float | None) -> float:
 def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
     import jax
 
-    from train.mesh import parse_mesh
-    from train.profile import mesh_device_count
+    from train.mesh import mesh_device_count, parse_mesh
 
     seq = parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))["seq"]
 
@@ -223,6 +222,13 @@ def main(argv: list[str] | None = None) -> dict:
         "jax": jax.__version__,
         "limit_gib": limit,
         "method": "compiled memory analysis of the training step, not run",
+        "settings": {
+            "shard_over_seq": args.shard_over_seq,
+            "gather_once": args.gather_once,
+            "attention": args.attention,
+            "remat": args.remat,
+            "layers": args.layers or None,
+        },
         "argv": sys.argv[1:] if argv is None else argv,
         "rows": rows,
     }

@@ -248,26 +248,25 @@ def _read_pkl(path: Path) -> list[tuple[int, Any]]:
     return list(enumerate(data))
 
 
-def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """``(line index, parsed object)`` for each non-blank line; record = 0-based line."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        lines = _lines(path, f)
-        for i, line in enumerate(lines):
+def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line index, parsed object)`` for each non-blank line; record = 0-based line.
+
+    A generator, read line by line: the caller turns each record into int32 arrays
+    before the next is parsed, so the file's JSON (Python ints, ~9x the bytes of the
+    arrays) is never all in memory at once.
+    """
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: record {i}: not UTF-8 text ({e})") from None
             if not line.strip():
                 continue
             try:
-                records.append((i, json.loads(line)))
+                yield i, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: record {i}: invalid JSON ({e})") from None
-    return records
-
-
-def _lines(path: Path, f) -> list[str]:
-    try:
-        return f.readlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
 
 def _load_npy(path: Path) -> TokenDataset:

@@ -48,7 +48,7 @@ def layout_gradients(argv: list[str]) -> dict:
 
     from train.config import parse_args
     from train.loop import build
-    from train.profile import mesh_device_count
+    from train.mesh import mesh_device_count
     from train.step import gradients
 
     cfg = parse_args(argv)

@@ -66,6 +66,21 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     return {n: sizes[n] for n in AXES}
 
 
+def mesh_device_count(spec: str, available: int) -> int:
+    """Devices a `--mesh` spec needs: the product of its sizes, or all for a -1."""
+    sizes = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        _, _, value = part.partition("=")
+        try:
+            sizes.append(int(value))
+        except ValueError:
+            raise ValueError(f"--mesh {spec!r}: size {value!r} is not an int") from None
+    need = available if -1 in sizes else math.prod(sizes)
+    if need > available:
+        raise ValueError(f"--mesh {spec!r} needs {need} devices, but {available=}")
+    return need
+
+
 def make_mesh(sizes: dict[str, int], devices=None) -> Mesh:
     """A mesh with Auto axes (XLA places the FSDP gathers and scatters), over all
     devices or the given ones."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -95,21 +94,6 @@ def parse_context(text: str) -> int:
 
 def context_label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
-
-
-def mesh_device_count(spec: str, available: int) -> int:
-    """Devices a `--mesh` spec needs: the product of its sizes, or all for a -1."""
-    sizes = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        _, _, value = part.partition("=")
-        try:
-            sizes.append(int(value))
-        except ValueError:
-            raise ValueError(f"--mesh {spec!r}: size {value!r} is not an int") from None
-    need = available if -1 in sizes else math.prod(sizes)
-    if need > available:
-        raise ValueError(f"--mesh {spec!r} needs {need} devices, but {available=}")
-    return need
 
 
 # ----------------------------------------------------------------------------------
@@ -195,6 +179,7 @@ def run_xla_cost(job: Job) -> dict:
 
     from train.config import parse_args
     from train.loop import load_model
+    from train.mesh import mesh_device_count
 
     cfg = parse_args(_trainer_args(job))
     config = load_model(cfg)[0]
@@ -242,6 +227,7 @@ def run_row(job: Job) -> dict:
     from train.config import parse_args
     from train.hlo import parse_hlo
     from train.loop import build, load_model
+    from train.mesh import mesh_device_count
     from train.metrics import compiled_bytes, throughput
     from train.roofline import attention_work, matmul_work
 
