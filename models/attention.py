@@ -126,6 +126,13 @@ def attend(
     if kind == "xla":
         return dense_causal_attention(q, k, v, positions, positions)
     if kind == "cudnn":
+        mesh = attention.mesh
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        if platform != "gpu":
+            raise ValueError(
+                f"attention kind='cudnn' needs NVIDIA GPUs (cuDNN), but this runs on "
+                f"{platform!r}: use 'ring', 'jflash' or 'xla'"
+            )
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     if kind == "jflash":
         return jflash.flash_attention(q, k, v, causal=True, implementation=attention.implementation)

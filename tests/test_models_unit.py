@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jflash
 import models
+from models.attention import attend
 from models.convert import main as convert_main
 from models.safetensors_io import SafetensorsFile, save_file
 
@@ -112,6 +113,10 @@ def test_config_field_validation():
         models.AttentionConfig(kind="ring")
     with pytest.raises(ValueError, match="kind='flash'"):
         models.AttentionConfig(kind="flash")
+    if jax.default_backend() != "gpu":  # cuDNN off a GPU: refused with the platform named
+        x = jnp.zeros((1, 8, 2, 16), jnp.float32)
+        with pytest.raises(ValueError, match="kind='cudnn' needs NVIDIA GPUs.*'cpu'"):
+            attend(x, x, x, jnp.zeros((1, 8), jnp.int32), models.AttentionConfig(kind="cudnn"))
 
 
 # --- FLOPs -------------------------------------------------------------------------
