@@ -93,7 +93,10 @@ def check_causal(causal) -> bool:
 def default_scale(head_dim: int, scale: float | None) -> float:
     if scale is None:
         return head_dim**-0.5
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"{scale=} must be a finite positive number") from None
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{scale=} must be finite and positive")
     return scale

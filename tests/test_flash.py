@@ -287,6 +287,7 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"implementation": "xla", "interpret": True}, (_q, _kv, _kv), ValueError, "interpret"),
         ({"scale": -1.0}, (_q, _kv, _kv), ValueError, "scale=-1.0"),
         ({"scale": float("inf")}, (_q, _kv, _kv), ValueError, "scale=inf must be finite"),
+        ({"scale": "x"}, (_q, _kv, _kv), ValueError, "scale='x' must be a finite positive"),
         ({"causal": "no"}, (_q, _kv, _kv), ValueError, "causal='no' must be True or False"),
         ({}, (_q[:, :, :0], _kv, _kv), ValueError, "empty input: .*q_heads=0"),
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),

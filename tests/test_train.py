@@ -346,12 +346,17 @@ def test_gather_once_state_splits_no_minor_dimension(tmp_path):
     assert "seq" in str(up[-1]), up
 
 
-def test_cli_config_errors_are_one_line(capsys):
+def test_cli_config_errors_are_one_line(tmp_path, capsys):
     from train.__main__ import main
 
     assert main(["--lr_scheduler_type", "step", "--max_steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --lr_scheduler_type='step'") and "Traceback" not in err
+    # A kernel the model cannot use (Mosaic needs head dim 64/128; the tiny model has 32).
+    args = ["--attention_implementation", "pallas_mosaic", "--max_steps", "1"]
+    assert main(_args(tmp_path, *args)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: implementation='pallas_mosaic' head_dim=32"), err
 
 
 def test_every_config_file_loads():
