@@ -36,3 +36,16 @@ def test_context_parsing_and_search():
     assert capacity._tokens("64k") == 65536 and capacity._tokens("1m") == 1 << 20
     best, probes = capacity.search_longest(lambda n: {"fits": n <= 5000}, 1024, 1 << 20, 3, 512)
     assert best == 4608 and [p["seq"] for p in probes][:4] == [1024, 2048, 4096, 8192]
+
+
+def test_bad_models_and_meshes_are_refused_before_probing(capsys):
+    for argv, match in (
+        (["--models", "nope"], "--model_name_or_path='nope' is neither"),
+        (["--models", "tiny", "--mesh", "seq=x"], "size 'x' is not an int"),
+        (["--models", "tiny", "--mesh", "seq=64"], "needs 64 devices"),
+    ):
+        with pytest.raises(SystemExit):
+            capacity.main([*argv, "--limit-gib", "1"])
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, err
+

@@ -522,6 +522,8 @@ def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
             gradcheck._tree_paths(models.init_params(models.TINY, jax.random.key(0)))
         ), "one row per parameter"
     assert "(reference)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="layout '--ring_layout foo': --ring_layout='foo'"):
+        gradcheck.main([*common, "--layout", "--ring_layout foo", "--layout", "--mesh data=1"])
     with pytest.raises(SystemExit, match="give every layout the same global batch"):
         gradcheck.main([*common, "--layout", "--mesh data=1", "--layout", "--mesh data=2"])
     ref = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}

@@ -194,7 +194,19 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--gather-once needs --shard-over-seq (what it gathers is sharded over seq)")
     import jax
 
+    from train.config import parse_args
+    from train.loop import TrainingError, model_config
+    from train.mesh import mesh_device_count, parse_mesh
+
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})
+    models_list = list(filter(None, args.models.split(",")))
+    try:  # refuse an unknown model or a mesh these devices cannot form before probing
+        for model in models_list:
+            model_config(parse_args(["--model_name_or_path", model]))
+        for mesh in meshes:
+            parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
+    except (TrainingError, ValueError) as e:
+        parser.error(str(e))
     limit = device_limit_gib(args.limit_gib)
     print(
         f"capacity on {jax.device_count()} x {jax.devices()[0].device_kind}, "
@@ -202,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     rows = []
-    for model in filter(None, args.models.split(",")):
+    for model in models_list:
         base = None
         for mesh in meshes:
             row = longest(model, mesh, args, limit)

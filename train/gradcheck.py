@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"need at least 2 --layout to compare, got {len(args.layout)}")
     import jax
 
+    from train.loop import TrainingError
+
     if jax.process_count() > 1:
         parser.error("runs in one process (it copies every gradient to the host)")
     results = []
@@ -127,7 +129,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         reference = None
         for layout in args.layout:
             flags = [*common, "--output_dir", work, *shlex.split(layout)]
-            got = layout_gradients(flags)
+            try:
+                got = layout_gradients(flags)
+            except (TrainingError, ValueError, NotImplementedError) as e:
+                raise SystemExit(f"layout {layout!r}: {e}") from None
             row = {
                 "layout": layout,
                 "loss": got["loss"],
