@@ -48,4 +48,3 @@ def test_bad_models_and_meshes_are_refused_before_probing(capsys):
             capacity.main([*argv, "--limit-gib", "1"])
         err = capsys.readouterr().err
         assert match in err and "Traceback" not in err, err
-
