@@ -319,16 +319,17 @@ def test_param_spec_keeps_the_minor_dimension_whole_when_asked():
     assert param_spec((2048, 128256), 2, minor_last=True) == P(None, "fsdp")
 
 
-@pytest.mark.multi_device(2)
+@pytest.mark.multi_device(4)
 def test_gather_once_state_splits_no_minor_dimension(tmp_path):
-    """With --gather_once the stored layer stacks (and their Adam moments) are split
-    along a major dimension (no transposes around the gather, the reduce-scatter and
-    the update); per-layer FSDP keeps the largest dimension."""
+    """With --gather_once (fsdp=1) the stored layer stacks (and their Adam moments) are
+    split along a major dimension (no transposes around the gather, the reduce-scatter
+    and the update); per-layer FSDP, also of a gathered-once copy, keeps the largest."""
     from train.loop import plan_step
 
-    def mlp_specs(*extra):
-        cfg = parse_args(_args(tmp_path, *extra, mesh="data=1,fsdp=1,seq=2"))
-        plan = plan_step(cfg, models.TINY, devices=jax.devices()[:2])
+    def mlp_specs(*extra, mesh="data=1,fsdp=1,seq=2"):
+        cfg = parse_args(_args(tmp_path, *extra, mesh=mesh))
+        n = 4 if "fsdp=2" in mesh else 2
+        plan = plan_step(cfg, models.TINY, devices=jax.devices()[:n])
         params = plan.state_shardings["params"]["layers"]["mlp"]
         moments = [
             leaf.spec
@@ -344,6 +345,8 @@ def test_gather_once_state_splits_no_minor_dimension(tmp_path):
     assert moments and all(m[-1] is None and "seq" in str(m) for m in moments), moments
     up, _, _ = mlp_specs("--shard_over_seq")
     assert "seq" in str(up[-1]), up
+    up, _, _ = mlp_specs("--shard_over_seq", "--gather_once", "true", mesh="data=1,fsdp=2,seq=2")
+    assert "fsdp" in str(up[-1]), up
 
 
 def test_cli_config_errors_are_one_line(tmp_path, capsys):

@@ -232,9 +232,12 @@ def plan_step(
         abstract_params = models.abstract_params(config)
         axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
         gather = cfg.parallel.gather_once and "seq" in axes
-        p_shard = param_shardings(abstract_params, mesh, axes, minor_last=gather)
+        # Stored state that is only ever gathered whole (no per-layer FSDP gathers of
+        # the copy) keeps its minor dimension whole (`param_spec`).
+        whole = gather and sizes["fsdp"] == 1
+        p_shard = param_shardings(abstract_params, mesh, axes, minor_last=whole)
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
-        o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=gather)
+        o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=whole)
     head = models.lm_head_table(config, p_shard)[0]  # its sharding
     head_axes = {a for part in head.spec for a in spec_axes(part)}
     spec = StepSpec(

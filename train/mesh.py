@@ -103,11 +103,12 @@ def param_spec(
     slices it every iteration).
     `minor_last`: split a stacked leaf's last dimension (the minor one in memory) only
     when no other divides. For state that is only ever gathered whole and updated
-    (`--gather_once`): a gather or reduce-scatter moves the split dimension's pieces as
-    contiguous blocks, so with the minor one split XLA transposes every shard on the
-    way and updates the optimizer state through a transposing fusion at a quarter of
-    the memory bandwidth (BENCHMARKS.md, eleventh session). Per-layer FSDP keeps the
-    largest dimension: there XLA picks its gather and matmul strategy by the split.
+    (`--gather_once` with `fsdp=1`): a gather or reduce-scatter moves the split
+    dimension's pieces as contiguous blocks, so with the minor one split XLA transposes
+    every shard on the way and updates the optimizer state through a transposing
+    fusion at a quarter of the memory bandwidth (BENCHMARKS.md, eleventh session).
+    Per-layer FSDP keeps the largest dimension: there XLA picks its gather and matmul
+    strategy by the split.
     """
     if fsdp_size == 1 or not shape:
         return P()

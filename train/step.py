@@ -124,7 +124,7 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
     """
     params = state["params"]
     grads, (loss, count) = gradients(params, batch, spec)
-    grad_norm = optax.tree.norm(grads)  # the clip's own expression: XLA computes it once
+    grad_norm = optax.tree.norm(grads)  # the clip's own expression: XLA merges the two
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
