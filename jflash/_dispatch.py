@@ -12,7 +12,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
@@ -21,6 +20,7 @@ from jflash._mosaic_fwd import mosaic_fwd
 from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
 from jflash._triton_fwd import flash_fwd
+from jflash._validation import as_bool
 
 IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
 _last_choice: dict[str, str] = {}
@@ -96,9 +96,7 @@ def wants_determinism(deterministic: bool | None) -> bool:
     scatters, cuDNN and these kernels) reproducible."""
     if deterministic is None:
         return bool(_XLA_DETERMINISTIC.search(os.environ.get("XLA_FLAGS", "")))
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise ValueError(f"{deterministic=} must be True, False or None")
-    return bool(deterministic)
+    return as_bool(deterministic, f"{deterministic=} must be True, False or None")
 
 
 def resolve(

@@ -83,11 +83,16 @@ def check_segment_ids(segment_ids, shapes: Shapes):
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def as_bool(value, error: str) -> bool:
+    """`value` as a Python bool; anything but a (numpy) bool raises `ValueError(error)`,
+    not truth-tested (a string "no" would be True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(error)
+    return bool(value)
+
+
 def check_causal(causal) -> bool:
-    """`causal` as a Python bool; anything but a (numpy) bool is refused, not truth-tested."""
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"{causal=} must be True or False")
-    return bool(causal)
+    return as_bool(causal, f"{causal=} must be True or False")
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
