@@ -96,6 +96,23 @@ def test_kernel_durations_sum_the_first_gpu():
         assert k["kind"] in ("attention", "matmul", "comm", "memcpy", "other")
     assert any(k["where"] for k in top)
 
+    # Per-device comparison: each kernel's time on every GPU, largest spread first.
+    spread = trace.kernel_spread(data, n=4, steps=2)
+    per_device = {d: trace._time_per_name(ks) for d, ks in trace._gpu_kernels(data).items()}
+    assert len(spread) == 4 and list(spread[0]["ms"]) == ["gpu:0", "gpu:1"]
+    assert [r["spread_ms"] for r in spread] == sorted(
+        (r["spread_ms"] for r in spread), reverse=True
+    )
+    for r in spread:
+        for d, ms in r["ms"].items():
+            assert _close(ms, per_device[d].get(r["name"], 0.0) / 1e6 / 2, 1e-9)
+        assert _close(r["spread_ms"], max(r["ms"].values()) - min(r["ms"].values()), 1e-12)
+    widest = max(
+        (abs(per_device["gpu:0"].get(n, 0) - per_device["gpu:1"].get(n, 0)), n)
+        for n in set(per_device["gpu:0"]) | set(per_device["gpu:1"])
+    )
+    assert spread[0]["name"] == widest[1]
+
 
 def test_command_buffers_flag():
     """GPU traces name their kernels only with XLA's command buffers off: the check both
@@ -211,6 +228,13 @@ def test_profile_cli_on_cpu(tmp_path):
     rows[0]["top_kernels"] = trace.top_kernels(GPU_TRACE, n=3)
     assert "## Top kernels" in report_lib.markdown(report)
     rows[0]["top_kernels"] = []
+    assert all(r["kernel_spread"] == [] for r in rows)  # CPU traces: no GPU kernels
+    assert "differ between devices" not in md
+    rows[0]["kernel_spread"] = trace.kernel_spread(GPU_TRACE, n=3)
+    spread_md = report_lib.markdown(report)
+    assert "## Kernels that differ between devices" in spread_md
+    assert "| kernel | class | gpu:0 | gpu:1 | spread |" in spread_md
+    rows[0]["kernel_spread"] = []
     assert (out / "scaling.png").stat().st_size > 5000
 
     # A row timed with --no-xla-cost gets the same XLA bytes from --fill-xla-cost (the

@@ -291,6 +291,7 @@ def run_row(job: Job) -> dict:
     row["trace_dir"] = os.path.relpath(trace_dir, job.out)
     row["trace"] = report.to_dict()
     row["top_kernels"] = trace_lib.top_kernels(data, n=10, steps=job.trace_steps)
+    row["kernel_spread"] = trace_lib.kernel_spread(data, n=8, steps=job.trace_steps)
     phases = report.mean
     row["trace_vs_timed"] = phases.step_ms / row["step_ms"]
     if report.platform == "gpu" and report.named_fraction < 0.5:

@@ -255,6 +255,25 @@ def markdown(report: dict) -> str:
                     for k in r["top_kernels"]
                 ],
             )
+    spreads = [r for r in ok if r.get("kernel_spread")]
+    if spreads:
+        lines += ["## Kernels that differ between devices (ms per traced step)", ""]
+        lines += [
+            "The kernels whose time differs most between the GPUs of a row. A compute "
+            "kernel slower on one GPU points at that device (or at uneven work); a "
+            "communication kernel's time includes waiting for a slower peer.",
+            "",
+        ]
+        for r in spreads:
+            devices = list(r["kernel_spread"][0]["ms"])
+            lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
+            lines += _table(
+                ["kernel", "class", *devices, "spread"],
+                [
+                    [f"`{k['name'][:70]}`", k["kind"], *k["ms"].values(), k["spread_ms"]]
+                    for k in r["kernel_spread"]
+                ],
+            )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
         "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "

@@ -281,6 +281,35 @@ def top_kernels(source: str | ProfileData, n: int = 10, steps: int = 1) -> list[
     ]
 
 
+def kernel_spread(source: str | ProfileData, n: int = 8, steps: int = 1) -> list[dict[str, Any]]:
+    """Per kernel name, its device time per traced step on every GPU of the trace, for
+    the `n` names whose time differs most between the GPUs: `name`, `kind`, `ms`
+    (`{"gpu:0": ..., ...}`) and `spread_ms` (max - min). Tells a slower device from
+    uneven work: compute kernels slower on one GPU in every call, while communication
+    kernels include the time spent waiting for a slower peer. Empty with fewer than
+    two GPUs (and for CPU traces)."""
+    data = source if isinstance(source, ProfileData) else load(source)
+    devices = _gpu_kernels(data)
+    if len(devices) < 2:
+        return []
+    order = sorted(devices, key=lambda d: int(d.split(":")[1]))
+    spent = {d: _time_per_name(devices[d]) for d in order}
+    sample = {k.name: k for d in order for k in devices[d]}
+    rows = []
+    for name, kernel in sample.items():
+        ms = {d: spent[d].get(name, 0.0) / 1e6 / steps for d in order}
+        rows.append(
+            {
+                "name": name,
+                "kind": kind_of(kernel, "gpu"),
+                "ms": ms,
+                "spread_ms": max(ms.values()) - min(ms.values()),
+            }
+        )
+    rows.sort(key=lambda r: -r["spread_ms"])
+    return rows[:n]
+
+
 def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
     host = _host_plane(data)
     if host is None:
