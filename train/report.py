@@ -96,6 +96,19 @@ def _commands(report: dict) -> str:
     )
 
 
+def _per_row_tables(rows, key: str, title: str, intro: str, header, cells) -> list[str]:
+    """A section with one table per row that has `row[key]` (a list of kernel dicts):
+    `header(row)` names the columns, `cells(item)` fills one line."""
+    rows = [r for r in rows if r.get(key)]
+    if not rows:
+        return []
+    lines = [title, "", intro, ""]
+    for r in rows:
+        lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
+        lines += _table(header(r), [cells(k) for k in r[key]])
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The Markdown report."""
     rows, ok = report["rows"], _ok(report)
@@ -231,49 +244,32 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
-    tops = [r for r in ok if r.get("top_kernels")]
-    if tops:
-        lines += ["## Top kernels (first device, ms per traced step)", ""]
-        lines += [
-            "The ten kernels with the most device time and the name stack that spent "
-            "most of it: what the class totals above hide (a kernel slower than its "
-            "peers, f32 matmuls in a bf16 model).",
-            "",
-        ]
-        for r in tops:
-            lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
-            lines += _table(
-                ["kernel", "class", "ms", "share", "where (name stack)"],
-                [
-                    [
-                        f"`{k['name'][:70]}`",
-                        k["kind"],
-                        k["ms"],
-                        f"{k['share']:.1%}",
-                        f"`{k['where'][-80:]}`" if k["where"] else "",
-                    ]
-                    for k in r["top_kernels"]
-                ],
-            )
-    spreads = [r for r in ok if r.get("kernel_spread")]
-    if spreads:
-        lines += ["## Kernels that differ between devices (ms per traced step)", ""]
-        lines += [
-            "The kernels whose time differs most between the GPUs of a row. A compute "
-            "kernel slower on one GPU points at that device (or at uneven work); a "
-            "communication kernel's time includes waiting for a slower peer.",
-            "",
-        ]
-        for r in spreads:
-            devices = list(r["kernel_spread"][0]["ms"])
-            lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
-            lines += _table(
-                ["kernel", "class", *devices, "spread"],
-                [
-                    [f"`{k['name'][:70]}`", k["kind"], *k["ms"].values(), k["spread_ms"]]
-                    for k in r["kernel_spread"]
-                ],
-            )
+    lines += _per_row_tables(
+        ok,
+        "top_kernels",
+        "## Top kernels (first device, ms per traced step)",
+        "The ten kernels with the most device time and the name stack that spent most of "
+        "it: what the class totals above hide (a kernel slower than its peers, f32 "
+        "matmuls in a bf16 model).",
+        lambda r: ["kernel", "class", "ms", "share", "where (name stack)"],
+        lambda k: [
+            f"`{k['name'][:70]}`",
+            k["kind"],
+            k["ms"],
+            f"{k['share']:.1%}",
+            f"`{k['where'][-80:]}`" if k["where"] else "",
+        ],
+    )
+    lines += _per_row_tables(
+        ok,
+        "kernel_spread",
+        "## Kernels that differ between devices (ms per traced step)",
+        "The kernels whose time differs most between the GPUs of a row. A compute kernel "
+        "slower on one GPU points at that device (or at uneven work); a communication "
+        "kernel's time includes waiting for a slower peer.",
+        lambda r: ["kernel", "class", *r["kernel_spread"][0]["ms"], "spread"],
+        lambda k: [f"`{k['name'][:70]}`", k["kind"], *k["ms"].values(), k["spread_ms"]],
+    )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
         "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "
