@@ -5,6 +5,7 @@
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
     python benchmarks/kernel.py --kernels         # fwd+bwd time per GPU kernel (traced)
+    python benchmarks/kernel.py --launch-order    # Mosaic grid order A/B per kernel
 
 Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that (ANCHORS.md).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -393,6 +395,57 @@ def tune_mosaic(args):
     run_candidates(args, "jflash_mosaic", candidates, ["cudnn"], "kernel-tune-mosaic")
 
 
+def launch_order(args, iterations: int = 10, repeats: int = 2):
+    """Forward+backward at each `--sweep-seqs` length (causal, `--head-dim`) for each
+    jflash implementation in `--impls`, once with every launch heads-outermost and once
+    tiles-outermost (`jflash._launch_order`), alternating `repeats` times: device ms per
+    kernel from a trace. The evidence behind `tiles_first`'s limits."""
+    from jflash import _launch_order
+
+    policies = {"heads_first": (-1, -1), "tiles_first": (1 << 40, 1 << 40)}
+    default = (_launch_order.TILES_FIRST_MAX_TILES, _launch_order.TILES_FIRST_MAX_CTAS)
+    impls = [impl for impl in args.impls if impl in JFLASH]
+    seqs = [int(x) for x in args.sweep_seqs.split(",")]
+    spent = {}  # (impl, seq, policy, kernel) -> [ms per call, one per repeat]
+    try:
+        for impl, seq in itertools.product(impls, seqs):
+            inputs = draw_inputs(1, seq, args.heads, args.kv_heads, args.head_dim)
+            for _, (policy, limits) in itertools.product(range(repeats), policies.items()):
+                _launch_order.TILES_FIRST_MAX_TILES, _launch_order.TILES_FIRST_MAX_CTAS = limits
+                jax.clear_caches()
+                compiled = jit_passes(attention_fn(impl))["fwdbwd"][0].lower(*inputs).compile()
+                jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
+                with tempfile.TemporaryDirectory() as trace_dir:
+                    with jax.profiler.trace(trace_dir):
+                        jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
+                    for name, ns in kernel_durations(trace_dir).items():
+                        kernel = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in name), None)
+                        if name.startswith("jflash") and kernel is not None:
+                            key = (impl, seq, policy, kernel)
+                            spent.setdefault(key, []).append(ns / iterations / 1e6)
+    finally:
+        _launch_order.TILES_FIRST_MAX_TILES, _launch_order.TILES_FIRST_MAX_CTAS = default
+    rows = []
+    for impl, seq, kernel in itertools.product(impls, seqs, ("fwd", "dkv", "dq")):
+        heads = min(spent.get((impl, seq, "heads_first", kernel), [0]))
+        tiles = min(spent.get((impl, seq, "tiles_first", kernel), [0]))
+        if heads and tiles:
+            rows.append(
+                dict(
+                    impl=impl,
+                    seq_len=seq,
+                    kernel=kernel,
+                    heads_first_ms=heads,
+                    tiles_first_ms=tiles,
+                    heads_over_tiles=heads / tiles,
+                )
+            )
+    print(table(rows, list(rows[0])))
+    name = f"kernel-launch-order-{device_name()}-{args.head_dim}.json"
+    raw = [dict(impl=k[0], seq_len=k[1], policy=k[2], kernel=k[3], ms=v) for k, v in spent.items()]
+    write_json(os.path.join(args.out, name), {"rows": rows, "raw": raw})
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -404,6 +457,11 @@ def main():
     parser.add_argument("--tune", action="store_true")
     parser.add_argument(
         "--kernels", action="store_true", help="time per GPU kernel at the --seq shape"
+    )
+    parser.add_argument(
+        "--launch-order",
+        action="store_true",
+        help="Mosaic kernels, heads-outermost vs tiles-outermost launch, per --sweep-seqs",
     )
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
     parser.add_argument(
@@ -446,6 +504,8 @@ def main():
         tune(args)
     elif args.kernels:
         kernel_split(args)
+    elif args.launch_order:
+        launch_order(args)
     elif args.long:
         long_context(args)
     else:

@@ -54,6 +54,7 @@ from jflash._mosaic_common import (
     query_tile_cta,
     smem_tile,
     stream_kv,
+    tile_grid,
     visible,
     wgmma_into,
     wgmma_pair,
@@ -503,8 +504,7 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
         ],
-        grid=(kh, kv_tiles, b),
-        grid_names=("heads", "kv_tiles", "batch"),
+        **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
@@ -536,8 +536,7 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
         ],
-        grid=(n, geom.q_pad // rows, b),
-        grid_names=("heads", "q_tiles", "batch"),
+        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
     )(q, k, v, do, s_start, dp_start)

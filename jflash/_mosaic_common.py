@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jflash import _launch_order
 from jflash._mask import Mask
 from jflash._triton_common import visible_kv_range, visible_q_range
 
@@ -208,6 +209,15 @@ def wgmma_pair(inits, products, first, then, *, interpret: bool):
         refs[1][...] = y
 
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in inits))
+
+
+def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: bool) -> dict:
+    """`grid` and `grid_names` of a (tiles, heads, batch) launch in the order
+    `jflash._launch_order` picks. CTAs start with the LAST grid axis fastest (Pallas
+    Mosaic GPU reverses the grid onto CUDA's x, y, z), so the outermost axis is first."""
+    if _launch_order.tiles_first(tiles, heads, batch, causal=causal):
+        return dict(grid=(tiles, heads, batch), grid_names=(tile_name, "heads", "batch"))
+    return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 
 def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str, interpret: bool):

@@ -32,6 +32,7 @@ from jflash._mosaic_common import (
     query_tile_cta,
     smem_tile,
     stream_kv,
+    tile_grid,
     visible,
     wgmma_into,
 )
@@ -304,8 +305,7 @@ def mosaic_fwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         ],
-        grid=(n, geom.q_pad // rows, b),
-        grid_names=("heads", "q_tiles", "batch"),
+        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=mask.causal),
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
     )(q, k, v)

@@ -1,11 +1,11 @@
 """FlashAttention-2 backward as two Pallas kernels lowered through Triton.
 
-`jflash_bwd_dkv`: grid `(key blocks, batch * KV heads)`; each program owns one K/V tile
-and loops over every query head of its group and the query blocks that can see it,
-accumulating dK and dV in f32 registers (GQA without atomics or repeated K/V).
-`jflash_bwd_dq`: grid `(query blocks, batch * query heads)`; loops over visible key blocks.
-Both recompute probabilities from the saved LSE (FA-2 §3.2); `delta = rowsum(dO * O)`
-minus the LSE cotangent is precomputed by the caller.
+`jflash_bwd_dkv`: grid (key blocks) x (batch * KV heads) in `Launch` order; each program
+owns one K/V tile and loops over every query head of its group and the query blocks that
+can see it, accumulating dK and dV in f32 registers (GQA without atomics or repeated K/V).
+`jflash_bwd_dq`: grid (query blocks) x (batch * query heads), likewise; loops over visible
+key blocks. Both recompute probabilities from the saved LSE (FA-2 §3.2);
+`delta = rowsum(dO * O)` minus the LSE cotangent is precomputed by the caller.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from jflash._block_sizes import BlockSizes
 from jflash._mask import Mask
 from jflash._triton_common import (
     LOG2E,
+    Launch,
     dot,
     pad_to,
     padded_head_dim,
@@ -50,8 +51,9 @@ def _flash_bwd_dkv_kernel(
     block_q,
     block_kv,
     group,
+    tile_axis,
 ):
-    j = pl.program_id(0)
+    j = pl.program_id(tile_axis)
     k_start = pl.multiple_of(j * block_kv, block_kv)
     k = k_ref[...]  # [block_kv, H]
     v = v_ref[...]
@@ -115,8 +117,9 @@ def _flash_bwd_dq_kernel(
     kv_len,
     block_q,
     block_kv,
+    tile_axis,
 ):
-    i = pl.num_programs(0) - 1 - pl.program_id(0)
+    i = pl.num_programs(tile_axis) - 1 - pl.program_id(tile_axis)
     q_start = pl.multiple_of(i * block_q, block_q)
     q = q_ref[...]  # [block_q, H]
     do = do_ref[...]
@@ -192,9 +195,11 @@ def flash_bwd(
     kp = pad_to(pad_to(k, 3, hp), 1, sp)
     vp = pad_to(pad_to(v, 3, hp), 1, sp)
     lsep, deltap = pad_to(lse, 2, tp), pad_to(delta, 2, tp)
-    group_spec = pl.BlockSpec((None, tp, group, hp), lambda j, bk_: (bk_ // kh, 0, bk_ % kh, 0))
-    tile_spec = pl.BlockSpec((None, bk, None, hp), lambda j, bk_: (bk_ // kh, j, bk_ % kh, 0))
-    row_spec = pl.BlockSpec((None, group, tp), lambda j, bk_: (bk_ // kh, bk_ % kh, 0))
+    launch = Launch.of(sp // bk, kh, b, causal=mask.causal)
+    at = launch.index_map
+    group_spec = pl.BlockSpec((None, tp, group, hp), at(lambda bk_, j: (bk_ // kh, 0, bk_ % kh, 0)))
+    tile_spec = pl.BlockSpec((None, bk, None, hp), at(lambda bk_, j: (bk_ // kh, j, bk_ % kh, 0)))
+    row_spec = pl.BlockSpec((None, group, tp), at(lambda bk_, j: (bk_ // kh, bk_ % kh, 0)))
     in_specs = [group_spec, tile_spec, tile_spec, group_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lsep, deltap]
     if segs is None:
@@ -202,8 +207,8 @@ def flash_bwd(
         args += [None, None]
     else:
         in_specs += [
-            pl.BlockSpec((None, tp), lambda j, bk_: (bk_ // kh, 0)),
-            pl.BlockSpec((None, bk), lambda j, bk_: (bk_ // kh, j)),
+            pl.BlockSpec((None, tp), at(lambda bk_, j: (bk_ // kh, 0))),
+            pl.BlockSpec((None, bk), at(lambda bk_, j: (bk_ // kh, j))),
         ]
         args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
     dk, dv = pl.pallas_call(
@@ -215,8 +220,9 @@ def flash_bwd(
             block_q=bq,
             block_kv=bk,
             group=group,
+            tile_axis=launch.tile_axis,
         ),
-        grid=(sp // bk, b * kh),
+        grid=launch.grid,
         in_specs=in_specs,
         out_specs=[tile_spec, tile_spec],
         out_shape=[jax.ShapeDtypeStruct((b, sp, kh, hp), grad_dtype)] * 2,
@@ -234,9 +240,13 @@ def flash_bwd(
     kp = pad_to(pad_to(k, 3, hp), 1, sp)
     vp = pad_to(pad_to(v, 3, hp), 1, sp)
     lsep, deltap = pad_to(lse, 2, tp), pad_to(delta, 2, tp)
-    q_spec = pl.BlockSpec((None, bq, None, hp), lambda i, bh: (bh // n, nq - 1 - i, bh % n, 0))
-    kv_spec = pl.BlockSpec((None, sp, None, hp), lambda i, bh: (bh // n, 0, (bh % n) // group, 0))
-    row_spec = pl.BlockSpec((None, None, bq), lambda i, bh: (bh // n, bh % n, nq - 1 - i))
+    launch = Launch.of(nq, n, b, causal=mask.causal)
+    at = launch.index_map
+    q_spec = pl.BlockSpec((None, bq, None, hp), at(lambda bh, i: (bh // n, nq - 1 - i, bh % n, 0)))
+    kv_spec = pl.BlockSpec(
+        (None, sp, None, hp), at(lambda bh, i: (bh // n, 0, (bh % n) // group, 0))
+    )
+    row_spec = pl.BlockSpec((None, None, bq), at(lambda bh, i: (bh // n, bh % n, nq - 1 - i)))
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lsep, deltap]
     if segs is None:
@@ -244,15 +254,21 @@ def flash_bwd(
         args += [None, None]
     else:
         in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bh: (bh // n, nq - 1 - i)),
-            pl.BlockSpec((None, sp), lambda i, bh: (bh // n, 0)),
+            pl.BlockSpec((None, bq), at(lambda bh, i: (bh // n, nq - 1 - i))),
+            pl.BlockSpec((None, sp), at(lambda bh, i: (bh // n, 0))),
         ]
         args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
     dq = pl.pallas_call(
         functools.partial(
-            _flash_bwd_dq_kernel, scale=scale, mask=mask, kv_len=s_len, block_q=bq, block_kv=bk
+            _flash_bwd_dq_kernel,
+            scale=scale,
+            mask=mask,
+            kv_len=s_len,
+            block_q=bq,
+            block_kv=bk,
+            tile_axis=launch.tile_axis,
         ),
-        grid=(nq, b * n),
+        grid=launch.grid,
         in_specs=in_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), grad_dtype),

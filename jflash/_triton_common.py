@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jflash import _launch_order
 from jflash._mask import Mask
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A launch over (batch * heads) rows x tiles in the order `jflash._launch_order`
+    picks. Triton starts programs with the FIRST grid axis fastest (CUDA's x), so the
+    outermost axis is last in `grid`. Index maps and kernels see (row, tile) either way."""
+
+    grid: tuple[int, int]
+    tile_axis: int  # the tile's grid axis, for `pl.program_id` / `pl.num_programs`
+
+    @classmethod
+    def of(cls, tiles: int, heads: int, batch: int, *, causal: bool) -> Launch:
+        if _launch_order.tiles_first(tiles, heads, batch, causal=causal):
+            return cls(grid=(batch * heads, tiles), tile_axis=1)
+        return cls(grid=(tiles, batch * heads), tile_axis=0)
+
+    def index_map(self, fn):
+        """`fn(row, tile)` as an index map over `grid`."""
+        if self.tile_axis == 1:
+            return fn
+        return lambda tile, row: fn(row, tile)
 
 
 _NT = (((1,), (1,)), ((), ()))

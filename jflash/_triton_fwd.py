@@ -1,7 +1,8 @@
 """FlashAttention-2 forward as a Pallas kernel lowered through Triton.
 
-Grid `(query blocks, batch * query heads)`; each program keeps one query tile in
-registers and streams the K/V tiles of its KV head (`h // group`: GQA without copies).
+Grid (query blocks) x (batch * query heads), in `Launch` order; each program keeps one
+query tile in registers and streams the K/V tiles of its KV head (`h // group`: GQA
+without copies).
 Softmax runs in base 2 with the scale folded into one multiply (FA-2 §3.1), key blocks
 are split into an unmasked run and a masked run, and fully hidden blocks are skipped.
 """
@@ -21,6 +22,7 @@ from jflash._mask import Mask
 from jflash._triton_common import (
     LN2,
     LOG2E,
+    Launch,
     dot,
     pad_to,
     padded_head_dim,
@@ -45,8 +47,9 @@ def _flash_fwd_kernel(
     block_q,
     block_kv,
     num_heads,
+    tile_axis,
 ):
-    i = pl.num_programs(0) - 1 - pl.program_id(0)  # longest causal rows first
+    i = pl.num_programs(tile_axis) - 1 - pl.program_id(tile_axis)  # longest causal rows first
     q_start = pl.multiple_of(i * block_q, block_q)
     q = q_ref[...]  # [block_q, H]
     qk_scale = scale * LOG2E
@@ -121,11 +124,14 @@ def flash_fwd(
     k = pad_to(pad_to(k, 3, hp), 1, sp)
     v = pad_to(pad_to(v, 3, hp), 1, sp)
     nq = tp // bq
+    launch = Launch.of(nq, n, b, causal=mask.causal)
 
-    def q_map(i, bh):
+    @launch.index_map
+    def q_map(bh, i):
         return (bh // n, nq - 1 - i, bh % n, 0)
 
-    def kv_map(i, bh):
+    @launch.index_map
+    def kv_map(bh, i):
         return (bh // n, 0, (bh % n) // group, 0)
 
     in_specs = [
@@ -140,8 +146,8 @@ def flash_fwd(
     else:
         q_seg, kv_seg = segs
         in_specs += [
-            pl.BlockSpec((None, bq), lambda i, bh: (bh // n, nq - 1 - i)),
-            pl.BlockSpec((None, sp), lambda i, bh: (bh // n, 0)),
+            pl.BlockSpec((None, bq), launch.index_map(lambda bh, i: (bh // n, nq - 1 - i))),
+            pl.BlockSpec((None, sp), launch.index_map(lambda bh, i: (bh // n, 0))),
         ]
         args += [pad_to(q_seg, 1, tp), pad_to(kv_seg, 1, sp)]
     kernel = functools.partial(
@@ -152,14 +158,17 @@ def flash_fwd(
         block_q=bq,
         block_kv=bk,
         num_heads=n,
+        tile_axis=launch.tile_axis,
     )
     o, lse = pl.pallas_call(
         kernel,
-        grid=(nq, b * n),
+        grid=launch.grid,
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, bq, None, hp), q_map),
-            pl.BlockSpec((None, None, bq), lambda i, bh: (bh // n, bh % n, nq - 1 - i)),
+            pl.BlockSpec(
+                (None, None, bq), launch.index_map(lambda bh, i: (bh // n, bh % n, nq - 1 - i))
+            ),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, tp, n, hp), out_dtype),

@@ -139,6 +139,47 @@ def test_mosaic_matches_oracle(case):
     assert_close(got, want, case.dtype)
 
 
+def test_tile_grid_orders():
+    """LAUNCH_ORDER: small causal launches tiles outermost, the rest heads outermost."""
+    from jflash._launch_order import TILES_FIRST_MAX_CTAS, TILES_FIRST_MAX_TILES
+    from jflash._mosaic_common import tile_grid
+
+    small = tile_grid(64, 8, 1, "kv_tiles", causal=True)
+    assert small == dict(grid=(64, 8, 1), grid_names=("kv_tiles", "heads", "batch"))
+    long = tile_grid(TILES_FIRST_MAX_TILES + 1, 1, 1, "q_tiles", causal=True)
+    assert long["grid_names"] == ("heads", "q_tiles", "batch")
+    many = tile_grid(32, TILES_FIRST_MAX_CTAS // 32, 2, "q_tiles", causal=True)
+    assert many["grid"] == (TILES_FIRST_MAX_CTAS // 32, 32, 2)
+    assert tile_grid(64, 8, 1, "q_tiles", causal=False)["grid"] == (8, 64, 1)
+
+
+HEADS_FIRST_CASES = [
+    pytest.param("pallas_triton", Case(segments=3, batch=2, q_heads=8, kv_heads=2), id="triton"),
+    pytest.param("pallas_mosaic", MOSAIC_CASES[0], id="mosaic", marks=needs_hopper),
+    pytest.param("pallas_mosaic", MOSAIC_CASES[2], id="mosaic-mqa", marks=needs_hopper),
+]
+
+
+@pytest.mark.parametrize("implementation,case", HEADS_FIRST_CASES)
+def test_heads_first_launch(implementation, case, monkeypatch):
+    """The heads-outermost order on causal launches (long sequences take it; the small
+    cases above launch tiles outermost): same answer."""
+    from jflash import _launch_order
+
+    asked = []
+
+    def heads_first(*args, **kwargs):
+        asked.append(kwargs["causal"])
+        return False
+
+    monkeypatch.setattr(_launch_order, "tiles_first", heads_first)
+    jax.clear_caches()
+    got, want = _run(case, seed=11, implementation=implementation, interpret=INTERPRET)
+    assert_close(got, want, case.dtype)
+    assert case.causal and len(asked) >= 3 and all(asked), asked  # fwd, dK/dV, dQ
+    jax.clear_caches()
+
+
 @needs_hopper
 @pytest.mark.parametrize("case_index", [1, 5] if INTERPRET else [1, 5, -1])
 def test_mosaic_deterministic(case_index):

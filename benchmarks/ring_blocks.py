@@ -1,0 +1,311 @@
+"""The zigzag ring's per-device compute on ONE GPU, without communication.
+
+    python benchmarks/ring_blocks.py                          # 8k and 16k tokens/device, P=2
+    python benchmarks/ring_blocks.py --tokens-per-device 8192 --variants
+
+`benchmarks/ring.py` measures the ring against its ideal (the whole sequence on one
+GPU, ÷ P). This script splits the gap in two without a second GPU: it runs on one
+device exactly what one rank of the zigzag ring computes (the same `_fwd_step` /
+`_bwd_step` code: kernel calls on the ring's blocks, f32 partial results, merges and
+accumulations) with the transfers left out, and times each kind of block alone:
+
+* `ideal`: the whole sequence (P x tokens/device) causal, forward+backward, ÷ P;
+* `ring_rank<r>`: one rank's P steps (the rank decides which halves an off-diagonal
+  step sees, as in the ring); its ratio to `ideal` is the ring's efficiency if the
+  transfers were free;
+* `diag`: the diagonal step's causal block alone; `block`: one off-diagonal half block
+  (c x c keys, no mask, c = tokens/device / 2) alone; both in f32 (as the ring calls
+  them) and in the input dtype;
+* with `--variants`, the half block with other tile shapes and pipeline depths.
+
+Every row is timed pipelined (calls back to back, one synchronisation) in the same
+process, and traced once for device time per kernel. Causal TFLOP/s counts the FLOPs
+the block really has (ANCHORS.md's convention: forward 4·B·N·S²·H/2 for a causal
+square; a full c x c block is 4·B·N·c²·H), forward+backward 3.5x the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jflash  # noqa: E402
+from benchmarks.common import table, time_pipelined, write_json  # noqa: E402
+from jflash._dispatch import attention_bwd, attention_fwd, delta_from, resolve  # noqa: E402
+from jflash._mask import Mask  # noqa: E402
+from jflash._ring import _bwd_step, _fwd_step, _Ring  # noqa: E402
+from train.trace import kernel_durations  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _inputs(seq: int, args, key=0):
+    kq, kk, kv, ko = jax.random.split(jax.random.key(key), 4)
+    dt = jnp.bfloat16
+    q = jax.random.normal(kq, (1, seq, args.heads, args.head_dim), dt)
+    k = jax.random.normal(kk, (1, seq, args.kv_heads, args.head_dim), dt)
+    v = jax.random.normal(kv, (1, seq, args.kv_heads, args.head_dim), dt)
+    do = jax.random.normal(ko, (1, seq, args.heads, args.head_dim), dt)
+    return q, k, v, do
+
+
+def _cfg(tokens: int, args, block_sizes=None) -> _Ring:
+    """What `ring_attention` builds for a zigzag causal ring of `args.devices` ranks."""
+    c = tokens // 2
+    kernel = resolve(
+        args.implementation,
+        None,
+        block_sizes,
+        q_len=c,
+        kv_len=c,
+        head_dim=args.head_dim,
+        dtype=jnp.bfloat16,
+        deterministic=None,
+    )
+    return _Ring(
+        axis="seq",
+        num_shards=args.devices,
+        causal=True,
+        layout="zigzag",
+        strategy="ring",
+        scale=args.head_dim**-0.5,
+        kernel=kernel,
+    )
+
+
+def ring_rank(cfg: _Ring):
+    """One rank's forward+backward, every step on its own K/V (no transfers)."""
+
+    @jax.jit
+    def run(q, k, v, do, rank):
+        kv = jnp.stack([k, v])
+        o = lse = None
+        for step in range(cfg.num_shards):
+            o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
+        o = o.astype(q.dtype)
+        delta = delta_from(o, do)
+        dq = jnp.zeros(q.shape, jnp.float32)
+        dkv_sum = None
+        for step in (*range(1, cfg.num_shards), 0):
+            dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
+            dkv_sum = dkv if dkv_sum is None else dkv_sum + dkv
+        return o, dq.astype(q.dtype), dkv_sum.astype(q.dtype)
+
+    return run
+
+
+def one_block(kernel, causal: bool, out_dtype, batch_pair: bool = False):
+    """Forward+backward of one kernel call (what one ring block costs)."""
+
+    @jax.jit
+    def run(q, k, v, do):
+        if batch_pair:  # the step's two half blocks as one call of batch 2
+            q, k, v, do = (jnp.concatenate([x, x], axis=0) for x in (q, k, v, do))
+        o, lse = attention_fwd(
+            q,
+            k,
+            v,
+            None,
+            mask=Mask(causal),
+            scale=q.shape[-1] ** -0.5,
+            out_dtype=out_dtype,
+            kernel=kernel,
+        )
+        delta = delta_from(o, do)
+        return o, attention_bwd(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            None,
+            mask=Mask(causal),
+            scale=q.shape[-1] ** -0.5,
+            grad_dtype=out_dtype,
+            kernel=kernel,
+        )
+
+    return run
+
+
+def _flops(rows: int, keys: int, causal: bool, args, batch: int = 1) -> float:
+    fwd = 4 * batch * args.heads * rows * keys * args.head_dim * (0.5 if causal else 1.0)
+    return 3.5 * fwd
+
+
+def _measure(name: str, fn, inputs, flops: float, args, scale: float = 1.0) -> dict:
+    """Pipelined time of `fn(*inputs)` (× `scale`, e.g. ÷ P for the ideal) and device
+    time per kernel from one trace."""
+    compiled = jax.jit(fn).lower(*inputs).compile()
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.warm_s:  # clocks up before the first row
+        jax.block_until_ready(compiled(*inputs))
+    t = time_pipelined(compiled, *inputs, warmup=args.warmup, iters=args.iters) * 1e3
+    row = {"row": name, "ms": t * scale, "tflops": flops / (t * 1e-3) / 1e12}
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([compiled(*inputs) for _ in range(args.trace_iters)])
+        per_kernel = kernel_durations(trace_dir)
+    total = sum(per_kernel.values())
+    row["kernels"] = {
+        k: ns / args.trace_iters / 1e6 * scale for k, ns in list(per_kernel.items())[:8]
+    }
+    row["device_ms"] = total / args.trace_iters / 1e6 * scale if total else None
+    return row
+
+
+def _variants(base) -> dict[str, object]:
+    """Half-block tile shapes and pipeline depths to try (Mosaic knobs)."""
+    if base is None:
+        return {}
+    out = {}
+    for field, values in (
+        ("block_kv", (64, 256)),
+        ("num_stages", (3,)),
+        ("block_q_dkv", (128,)),
+        ("block_kv_dq", (128,)),
+        ("num_stages_bwd", (3,)),
+    ):
+        for value in values:
+            if getattr(base, field) != value:
+                out[f"{field}={value}"] = dataclasses.replace(base, **{field: value})
+    return out
+
+
+def benchmark(args) -> list[dict]:
+    rows = []
+    p = args.devices
+    for tokens in args.tokens_per_device:
+        c = tokens // 2
+        cfg = _cfg(tokens, args)
+        whole = _inputs(p * tokens, args)
+        attn = functools.partial(
+            jflash.flash_attention, causal=True, implementation=args.implementation
+        )
+
+        def ideal(q, k, v, do, attn=attn):
+            out, vjp = jax.vjp(attn, q, k, v)
+            return out, vjp(do)
+
+        measured = [
+            _measure("ideal", ideal, whole, _flops(p * tokens, p * tokens, True, args), args, 1 / p)
+        ]
+        local = _inputs(tokens, args, key=1)
+        per_rank = _flops(p * tokens, p * tokens, True, args) / p
+        for rank in range(min(p, 2)):  # ranks differ only in which halves they see
+            measured.append(
+                _measure(
+                    f"ring_rank{rank}",
+                    ring_rank(cfg),
+                    (*local, jnp.int32(rank if rank == 0 else p - 1)),
+                    per_rank,
+                    args,
+                )
+            )
+        half = _inputs(c, args, key=2)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            tag = "f32" if dtype == jnp.float32 else "bf16"
+            measured.append(
+                _measure(
+                    f"diag_{tag}",
+                    one_block(cfg.kernel, True, dtype),
+                    local,
+                    _flops(tokens, tokens, True, args),
+                    args,
+                )
+            )
+            measured.append(
+                _measure(
+                    f"block_{tag}",
+                    one_block(cfg.kernel, False, dtype),
+                    half,
+                    _flops(c, c, False, args),
+                    args,
+                )
+            )
+        measured.append(
+            _measure(
+                "block_pair_f32",
+                one_block(cfg.kernel, False, jnp.float32, batch_pair=True),
+                half,
+                _flops(c, c, False, args, batch=2),
+                args,
+            )
+        )
+        if args.variants:
+            for label, bs in _variants(cfg.kernel.block_sizes).items():
+                kernel = dataclasses.replace(cfg.kernel, block_sizes=bs)
+                try:
+                    measured.append(
+                        _measure(
+                            f"block_f32 {label}",
+                            one_block(kernel, False, jnp.float32),
+                            half,
+                            _flops(c, c, False, args),
+                            args,
+                        )
+                    )
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit is a row
+                    measured.append({"row": f"block_f32 {label}", "error": repr(e)[:300]})
+        ideal_ms = measured[0]["ms"]
+        for row in measured:
+            row["tokens_per_device"] = tokens
+            row["devices"] = p
+            if row["row"].startswith("ring_rank"):
+                row["eff_vs_ideal"] = ideal_ms / row["ms"]
+        rows.extend(measured)
+        print(
+            table(
+                [r for r in measured],
+                ["tokens_per_device", "row", "ms", "tflops", "device_ms", "eff_vs_ideal"],
+            ),
+            flush=True,
+        )
+        for r in measured:
+            print(r["row"], {k: round(v, 3) for k, v in r.get("kernels", {}).items()}, flush=True)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens-per-device", type=_ints, default=[8192, 16384])
+    parser.add_argument("--devices", type=int, default=2, help="ring size P being emulated")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--implementation", default=None)
+    parser.add_argument("--variants", action="store_true", help="half-block tile variants")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--trace-iters", type=int, default=3)
+    parser.add_argument(
+        "--warm-s", type=float, default=1.0, help="seconds of calls before each row's timing"
+    )
+    parser.add_argument("--out", default=None, help="JSON path (default under results/)")
+    args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error(f"{args.devices=} must be >= 1")
+    for t in args.tokens_per_device:
+        if t % 2:
+            parser.error(f"tokens per device {t} must be even (zigzag halves)")
+    rows = benchmark(args)
+    out = args.out or os.path.join(RESULTS, f"ring-blocks-{args.devices}.json")
+    write_json(out, {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Which grid axis the kernels launch outermost: one decision for Mosaic and Triton.
+
+A GPU starts a kernel's CTAs in grid order and a freed SM takes the next one. Two
+orders for a (tiles, heads, batch) launch whose causal tiles are numbered heaviest
+first:
+
+- heads outermost: the CTAs in flight share one head's K/V (or Q/dO) stream in L2.
+  Best on long sequences; but the last heads' heaviest causal tiles start when most
+  SMs are busy, a tail of up to one heavy tile.
+- tiles outermost: every head's heaviest causal tile starts in the first wave and the
+  lightest tiles fill the tail (longest-processing-time-first), at the price of that
+  locality. Best on short causal launches with few CTAs, as on the ring's blocks.
+
+Measured per kernel on an H200 (`benchmarks/kernel.py --launch-order`; BENCHMARKS.md,
+twelfth session), heads-first ÷ tiles-first device time, causal, 32/8 heads, batch 1:
+4k 1.11-1.56, 8k 1.04-1.23 (the dK/dV kernel most), 16k 0.98-1.01, 32k-64k 0.99.
+"""
+
+from __future__ import annotations
+
+# Tiles outermost when a causal launch has at most this many tiles per head and CTAs.
+TILES_FIRST_MAX_TILES = 64
+TILES_FIRST_MAX_CTAS = 2048
+
+
+def tiles_first(tiles: int, heads: int, batch: int, *, causal: bool) -> bool:
+    """Whether a launch of `tiles` x `heads` x `batch` CTAs puts the tiles outermost."""
+    return (
+        causal and tiles <= TILES_FIRST_MAX_TILES and tiles * heads * batch <= TILES_FIRST_MAX_CTAS
+    )
