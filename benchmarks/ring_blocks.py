@@ -217,26 +217,15 @@ def benchmark(args) -> list[dict]:
                 )
             )
         half = _inputs(c, args, key=2)
+        pieces = (  # name, causal, inputs, FLOPs
+            ("diag", True, local, _flops(tokens, tokens, True, args)),
+            ("block", False, half, _flops(c, c, False, args)),
+        )
         for dtype in (jnp.float32, jnp.bfloat16):
             tag = "f32" if dtype == jnp.float32 else "bf16"
-            measured.append(
-                _measure(
-                    f"diag_{tag}",
-                    one_block(cfg.kernel, True, dtype),
-                    local,
-                    _flops(tokens, tokens, True, args),
-                    args,
-                )
-            )
-            measured.append(
-                _measure(
-                    f"block_{tag}",
-                    one_block(cfg.kernel, False, dtype),
-                    half,
-                    _flops(c, c, False, args),
-                    args,
-                )
-            )
+            for name, causal, inputs, flops in pieces:
+                block = one_block(cfg.kernel, causal, dtype)
+                measured.append(_measure(f"{name}_{tag}", block, inputs, flops, args))
         measured.append(
             _measure(
                 "block_pair_f32",

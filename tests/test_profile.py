@@ -417,3 +417,29 @@ def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
         assert max(x["seq"] for x in probes if x["fits"]) == best
         assert all(x["gib"] <= 0.002 for x in probes if x["fits"])
     assert result["ratio"] == result[f"P{n}_longest"] / result["P1_longest"]
+
+
+def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
+    """`benchmarks/ring_blocks.py` end to end (XLA attention, tiny shape): every row,
+    its time and the ideal's ratio; odd tokens per device are refused by name."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import ring_blocks
+
+    out = tmp_path / "blocks.json"
+    ring_blocks.main(
+        [
+            "--tokens-per-device", "64", "--devices", "2",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--implementation", "xla",
+            "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    names = [r["row"] for r in rows]
+    assert names[:3] == ["ideal", "ring_rank0", "ring_rank1"]
+    assert {"diag_f32", "block_f32", "diag_bf16", "block_bf16", "block_pair_f32"} <= set(names)
+    assert all(r["ms"] > 0 and r["tokens_per_device"] == 64 for r in rows)
+    with pytest.raises(SystemExit):
+        ring_blocks.main(["--tokens-per-device", "63"])
+    assert "tokens per device 63 must be even" in capsys.readouterr().err
