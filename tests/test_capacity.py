@@ -43,6 +43,7 @@ def test_bad_models_and_meshes_are_refused_before_probing(capsys):
         (["--models", "nope"], "--model_name_or_path='nope' is neither"),
         (["--models", "tiny", "--mesh", "seq=x"], "size 'x' is not an int"),
         (["--models", "tiny", "--mesh", "seq=64"], "needs 64 devices"),
+        (["--models", "tiny", "--gather-once"], "--gather-once needs --shard-over-seq"),
     ):
         with pytest.raises(SystemExit):
             capacity.main([*argv, "--limit-gib", "1"])

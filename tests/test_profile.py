@@ -362,6 +362,18 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     assert "Commands (rows added with `--append`, in order)" in md
 
 
+def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
+    """`--mesh seq=4` on 2 devices: refused by name before any row runs."""
+    out = tmp_path / "profile"
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    cmd = [sys.executable, "-m", "train.profile", "--models", "tiny", "--context", "256"]
+    cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    assert "--mesh 'seq=4' needs 4 devices, but available=2 (nothing was run)" in proc.stderr
+    assert "tiny-256" not in proc.stdout and not (out / "report.json").exists()
+
+
 def test_ring_bench_longest_search():
     sys.path.insert(0, ROOT)
     from train.capacity import search_longest

@@ -190,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.gather_once and not args.shard_over_seq:
-        parser.error("--gather-once needs --shard-over-seq (what it gathers is sharded over seq)")
+    from train.config import gather_once_error
+
+    if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
+        parser.error(error)
     import jax
 
     from train.config import parse_args

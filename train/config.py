@@ -143,11 +143,9 @@ class TrainConfig:
                 f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "
                 "'auto_wrap') and '' (no FSDP: a -1 in --mesh goes to data, not fsdp)"
             )
-        if self.parallel.gather_once and not self.parallel.shard_over_seq:
-            raise ValueError(
-                "--gather_once true needs --shard_over_seq true: without it the parameters "
-                "are not sharded over seq, so there is nothing to gather"
-            )
+        error = gather_once_error(self.parallel.shard_over_seq, self.parallel.gather_once)
+        if error:
+            raise ValueError(error)
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
 
@@ -308,3 +306,22 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         flags.setdefault(section, {})[name] = value
     overrides = load_yaml(ns.config) if ns.config else {}
     return from_overrides(overrides, flags, where=ns.config or "config")
+
+
+def gather_once_error(shard_over_seq: bool, gather_once: bool, *, dashes: bool = False):
+    """The rule between the two flags (the trainer's, and `train.profile`'s and
+    `train.capacity`'s spelled with dashes): None, or what is wrong."""
+    if gather_once and not shard_over_seq:
+        once, seq = (
+            ("--gather-once", "--shard-over-seq")
+            if dashes
+            else (
+                "--gather_once true",
+                "--shard_over_seq true",
+            )
+        )
+        return (
+            f"{once} needs {seq}: without it the parameters are not sharded over seq, "
+            "so there is nothing to gather"
+        )
+    return None

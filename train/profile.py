@@ -328,9 +328,13 @@ def run_row(job: Job) -> dict:
 
 
 def run_ceilings() -> dict:
+    """The roofline's ceilings, and how many devices this machine has (for the parent,
+    which never starts a backend, to refuse a mesh it cannot build before any row)."""
+    import jax
+
     from train.roofline import measure_ceilings
 
-    return dataclasses.asdict(measure_ceilings())
+    return {**dataclasses.asdict(measure_ceilings()), "device_count": jax.device_count()}
 
 
 # ----------------------------------------------------------------------------------
@@ -494,8 +498,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers={args.layers} must be >= 1")
-    if args.gather_once and not args.shard_over_seq:
-        parser.error("--gather-once needs --shard-over-seq (what it gathers is sharded over seq)")
+    from train.config import gather_once_error
+
+    if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
+        parser.error(error)
     if args.worker:
         _worker(*args.worker)
         return
@@ -545,6 +551,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("ceilings ...", flush=True)
         ceilings = _child("ceilings", {}, args.timeout)
+        from train.mesh import mesh_device_count
+
+        for mesh in meshes if "device_count" in ceilings else ():
+            try:
+                mesh_device_count(mesh, ceilings["device_count"])
+            except ValueError as e:
+                parser.error(f"{e} (nothing was run)")
     from train.trace import NO_COMMAND_BUFFERS, command_buffers_on  # jax, but no backend
 
     if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
