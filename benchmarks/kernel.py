@@ -5,7 +5,7 @@
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
     python benchmarks/kernel.py --kernels         # fwd+bwd time per GPU kernel (traced)
-    python benchmarks/kernel.py --launch-order    # Mosaic grid order A/B per kernel
+    python benchmarks/kernel.py --launch-order    # launch order A/B per kernel (--impls)
 
 Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that (ANCHORS.md).
 """
@@ -461,7 +461,7 @@ def main():
     parser.add_argument(
         "--launch-order",
         action="store_true",
-        help="Mosaic kernels, heads-outermost vs tiles-outermost launch, per --sweep-seqs",
+        help="jflash kernels of --impls, heads- vs tiles-outermost launch, per --sweep-seqs",
     )
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
     parser.add_argument(

@@ -40,9 +40,9 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import table, time_pipelined, write_json  # noqa: E402
-from jflash._dispatch import attention_bwd, attention_fwd, delta_from, resolve  # noqa: E402
+from jflash._dispatch import attention_bwd, attention_fwd, delta_from  # noqa: E402
 from jflash._mask import Mask  # noqa: E402
-from jflash._ring import _bwd_step, _fwd_step, _Ring  # noqa: E402
+from jflash._ring import _bwd_step, _fwd_step, _Ring, ring_config  # noqa: E402
 from train.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -62,27 +62,18 @@ def _inputs(seq: int, args, key=0):
     return q, k, v, do
 
 
-def _cfg(tokens: int, args, block_sizes=None) -> _Ring:
+def _cfg(tokens: int, args) -> _Ring:
     """What `ring_attention` builds for a zigzag causal ring of `args.devices` ranks."""
-    c = tokens // 2
-    kernel = resolve(
-        args.implementation,
-        None,
-        block_sizes,
-        q_len=c,
-        kv_len=c,
-        head_dim=args.head_dim,
-        dtype=jnp.bfloat16,
-        deterministic=None,
-    )
-    return _Ring(
-        axis="seq",
-        num_shards=args.devices,
+    return ring_config(
+        "seq",
+        args.devices,
+        args.devices * tokens,
         causal=True,
         layout="zigzag",
         strategy="ring",
-        scale=args.head_dim**-0.5,
-        kernel=kernel,
+        head_dim=args.head_dim,
+        dtype=jnp.bfloat16,
+        implementation=args.implementation,
     )
 
 
@@ -259,7 +250,7 @@ def benchmark(args) -> list[dict]:
         rows.extend(measured)
         print(
             table(
-                [r for r in measured],
+                measured,
                 ["tokens_per_device", "row", "ms", "tflops", "device_ms", "eff_vs_ideal"],
             ),
             flush=True,

@@ -477,6 +477,49 @@ def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
     return tuple(jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
 
 
+def ring_config(
+    axis: str,
+    num_shards: int,
+    seq_len: int,
+    *,
+    causal: bool,
+    layout: str,
+    strategy: str,
+    head_dim: int,
+    dtype,
+    scale: float | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+    deterministic: bool | None = None,
+) -> _Ring:
+    """The static config of a ring over `num_shards` shards of a `seq_len` sequence
+    (inputs checked by the caller), with the kernel resolved for the blocks it runs."""
+    shard_len = seq_len // num_shards
+    # Zigzag causal steps use half blocks; tiles sized for them fit the diagonal too.
+    # The allgather strategy runs each query run against the whole sequence.
+    q_block = shard_len // 2 if layout == "zigzag" and causal else shard_len
+    kv_block = seq_len if strategy == "allgather" else q_block
+    return _Ring(
+        axis=axis,
+        num_shards=num_shards,
+        causal=causal,
+        layout=layout,
+        strategy=strategy,
+        scale=default_scale(head_dim, scale),
+        kernel=resolve(
+            implementation,
+            interpret,
+            block_sizes,
+            q_len=q_block,
+            kv_len=kv_block,
+            head_dim=head_dim,
+            dtype=dtype,
+            deterministic=deterministic,
+        ),
+    )
+
+
 def ring_attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B T K H"],
@@ -553,28 +596,20 @@ def ring_attention(
     elif seq_len % num_shards != 0:
         raise ValueError(f"{seq_len=} must be divisible by {num_shards=} for the contiguous layout")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
-    shard_len = seq_len // num_shards
-    # Zigzag causal steps use half blocks; tiles sized for them fit the diagonal too.
-    # The allgather strategy runs each query run against the whole sequence.
-    q_block = shard_len // 2 if layout == "zigzag" and causal else shard_len
-    kv_block = seq_len if strategy == "allgather" else q_block
-    cfg = _Ring(
-        axis=seq_axis,
-        num_shards=num_shards,
+    cfg = ring_config(
+        seq_axis,
+        num_shards,
+        seq_len,
         causal=causal,
         layout=layout,
         strategy=strategy,
-        scale=default_scale(shapes.head_dim, scale),
-        kernel=resolve(
-            implementation,
-            interpret,
-            block_sizes,
-            q_len=q_block,
-            kv_len=kv_block,
-            head_dim=shapes.head_dim,
-            dtype=q.dtype,
-            deterministic=deterministic,
-        ),
+        head_dim=shapes.head_dim,
+        dtype=q.dtype,
+        scale=scale,
+        implementation=implementation,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        deterministic=deterministic,
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise NotImplementedError(

@@ -311,17 +311,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def gather_once_error(shard_over_seq: bool, gather_once: bool, *, dashes: bool = False):
     """The rule between the two flags (the trainer's, and `train.profile`'s and
     `train.capacity`'s spelled with dashes): None, or what is wrong."""
-    if gather_once and not shard_over_seq:
-        once, seq = (
-            ("--gather-once", "--shard-over-seq")
-            if dashes
-            else (
-                "--gather_once true",
-                "--shard_over_seq true",
-            )
-        )
-        return (
-            f"{once} needs {seq}: without it the parameters are not sharded over seq, "
-            "so there is nothing to gather"
-        )
-    return None
+    if not gather_once or shard_over_seq:
+        return None
+    once, seq = ("--gather-once", "--shard-over-seq")
+    if not dashes:
+        once, seq = ("--gather_once true", "--shard_over_seq true")
+    return (
+        f"{once} needs {seq}: without it the parameters are not sharded over seq, "
+        "so there is nothing to gather"
+    )
