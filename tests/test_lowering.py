@@ -253,3 +253,48 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
         fit_stages("jflash_mosaic_dq", 4, q_tile, 2 * 512 * h * 2)
     bs = jflash.default_block_sizes(4096, 128, jnp.bfloat16, implementation="pallas_mosaic")
     assert (bs.block_q, bs.block_kv_dkv, bs.block_q_dq) == (64, 64, 64)
+
+
+@pytest.mark.parametrize("head_dim, deterministic", [(128, False), (64, False), (64, True)])
+def test_mosaic_accumulating_backward_lowers_for_cuda(monkeypatch, head_dim, deterministic):
+    """The ring's accumulating backward (`dq_into` / `dkv_into` at traced rows): every
+    gradient tile leaves its kernel as a TMA reduce-add into the caller's f32 buffers,
+    which XLA aliases (no block-sized f32 outputs)."""
+    from jflash._mask import Mask
+    from jflash._mosaic_bwd import mosaic_bwd
+
+    q = jax.ShapeDtypeStruct((1, 512, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 8, 512), jnp.float32)
+    bs = jflash.default_block_sizes(512, head_dim, jnp.bfloat16, implementation="pallas_mosaic")
+    row = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def into(q, k, v, do, lse, delta, row):
+        dq = jax.new_ref(jnp.zeros((1, 1024, 8, head_dim), jnp.float32))
+        dkv = jax.new_ref(jnp.zeros((2, 1, 1024, 2, head_dim), jnp.float32))
+        grads = mosaic_bwd(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            mask=Mask(False),
+            scale=0.1,
+            grad_dtype=jnp.float32,
+            block_q_dkv=bs.block_q_dkv,
+            block_kv_dq=bs.block_kv_dq,
+            stages=bs.num_stages_bwd,
+            deterministic=deterministic,
+            dq_into=(dq, row),
+            dkv_into=(dkv, 512 - row),
+        )
+        assert grads == (None, None, None), grads
+        return dq[...], dkv[...]
+
+    traced = jax.jit(into).trace(q, kv, kv, q, lse, lse, row)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
+    # dK and dV (and dQ, in either kernel) are reduce-adds; nothing is stored plainly
+    # in f32 from the kernels' epilogues.
+    assert "cp.reduce.async.bulk.tensor" in text
