@@ -88,12 +88,12 @@ def ring_rank(cfg: _Ring):
             o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
         o = o.astype(q.dtype)
         delta = delta_from(o, do)
-        dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        dq = jnp.zeros(q.shape, jnp.float32)
         dkv_sum = None
         for step in (*range(1, cfg.num_shards), 0):
-            dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
+            dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
             dkv_sum = dkv if dkv_sum is None else dkv_sum + dkv
-        return o, dq[...].astype(q.dtype), dkv_sum.astype(q.dtype)
+        return o, dq.astype(q.dtype), dkv_sum.astype(q.dtype)
 
     return run
 
@@ -158,8 +158,8 @@ def _measure(name: str, fn, inputs, flops: float, args, scale: float = 1.0) -> d
     row["device_ms"] = total / args.trace_iters / 1e6 * scale if total else None
     # The attention kernels against everything else (XLA's adds, converts, slices).
     attention = sum(ns for k, ns in per_kernel.items() if k.startswith("jflash"))
-    row["attention_ms"] = attention / args.trace_iters / 1e6 * scale
-    row["other_ms"] = (total - attention) / args.trace_iters / 1e6 * scale
+    for key, ns in (("attention_ms", attention), ("other_ms", total - attention)):
+        row[key] = ns / args.trace_iters / 1e6 * scale if total else None
     return row
 
 
@@ -268,10 +268,12 @@ def benchmark(args) -> list[dict]:
             flush=True,
         )
         for r in measured:
+            if r["device_ms"] is None:  # no GPU kernels in the trace (CPU)
+                continue
             print(
                 r["row"],
                 f"attention {r['attention_ms']:.3f} ms, other {r['other_ms']:.3f} ms:",
-                {k: round(v, 3) for k, v in r.get("kernels", {}).items()},
+                {k: round(v, 3) for k, v in r["kernels"].items()},
                 flush=True,
             )
     return rows

@@ -12,7 +12,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
@@ -237,42 +236,20 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
 
 
 def attention_bwd(
-    q,
-    k,
-    v,
-    do,
-    lse,
-    delta,
-    segs,
-    *,
-    mask: Mask,
-    scale: float,
-    grad_dtype,
-    kernel: Kernel,
-    dq_into=None,
-    dkv_into=None,
+    q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype, kernel: Kernel
 ):
     """Kernel contract, backward: `(dq, dk, dv)` in `grad_dtype`.
 
     Uses the *global* `lse` `[B,N,T]` and `delta = rowsum(dO * O_global) - dLSE`
     `[B,N,T]` f32, so nothing of the forward is recomputed.
-
-    Accumulating callers (the ring: one query block meets many key blocks) pass
-    `dq_into=(ref, row)`: dQ is added into rows `row : row + T` of `ref`, an f32
-    `jax.Ref` `[B, T', N, H]`, and None is returned in its place; `dkv_into=(ref, row)`
-    likewise adds dK and dV into `ref[0]` and `ref[1]` of an f32 `[2, B, S', K, H]`
-    Ref. `row` may be traced. The Mosaic kernels add in their epilogues (TMA
-    reduce-add: no block-sized f32 result for XLA to add) where the block needs no
-    padding and `row` is a multiple of 128 (a traced row is trusted to be: the ring's
-    are 0 or the block's length); elsewhere, and for the other kernels, XLA adds after.
     """
-    if (dq_into is not None or dkv_into is not None) and jnp.dtype(grad_dtype) != jnp.float32:
-        raise ValueError(
-            f"gradients added into accumulators are f32; got grad_dtype={jnp.dtype(grad_dtype)}"
+    if kernel.name == "xla":
+        return xla_bwd(
+            q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype
         )
     if kernel.name == "pallas_mosaic":
         bs = kernel.block_sizes
-        dq, dk, dv = mosaic_bwd(
+        return mosaic_bwd(
             q,
             k,
             v,
@@ -287,45 +264,21 @@ def attention_bwd(
             stages=bs.num_stages_bwd,
             deterministic=kernel.deterministic,
             interpret=kernel.interpret,
-            dq_into=dq_into,
-            dkv_into=dkv_into,
         )
-    elif kernel.name == "xla":
-        dq, dk, dv = xla_bwd(
-            q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype
-        )
-    else:
-        dq, dk, dv = flash_bwd(
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            segs,
-            mask=mask,
-            scale=scale,
-            grad_dtype=grad_dtype,
-            block_sizes=kernel.block_sizes,
-            interpret=kernel.interpret,
-        )
-    # What the kernels did not add themselves.
-    if dq_into is not None and dq is not None:
-        add_rows(*dq_into, dq, axis=1)
-        dq = None
-    if dkv_into is not None and dk is not None:
-        add_rows(*dkv_into, jnp.stack([dk, dv]), axis=2)
-        dk = dv = None
-    return dq, dk, dv
-
-
-def add_rows(ref, row, x, *, axis: int):
-    """`ref[..., row : row + n, ...] += x` along `axis` (n = x's length there) for a jax
-    Ref; `row` may be traced."""
-    acc = ref[...]
-    n = x.shape[axis]
-    new = lax.dynamic_slice_in_dim(acc, row, n, axis=axis) + x
-    ref[...] = lax.dynamic_update_slice_in_dim(acc, new, row, axis=axis)
+    return flash_bwd(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        segs,
+        mask=mask,
+        scale=scale,
+        grad_dtype=grad_dtype,
+        block_sizes=kernel.block_sizes,
+        interpret=kernel.interpret,
+    )
 
 
 def delta_from(o, do, dlse=None):

@@ -87,36 +87,6 @@ def _store_tile(value, smem, dst):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _add_tile(value, smem, dst, loaded):
-    """Adds a registers tile into HBM (f32): a TMA reduce-add, compiled. The GPU
-    interpreter has no reduce-add: there `loaded` (a barrier) is given and the tile is
-    read, added and written back (each HBM tile has one writer per kernel call)."""
-    if loaded is None:
-        smem[...] = value.astype(smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add")
-    else:
-        plgpu.copy_gmem_to_smem(dst, smem, loaded)
-        plgpu.barrier_wait(loaded)
-        smem[...] = smem[...] + value
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, dst)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-# Rows where gradients are added into the caller's accumulators are multiples of this
-# (the tiled TMA copies need it proven; `mosaic_bwd` takes other static rows to XLA).
-INTO_ROW_MULTIPLE = COMPUTE_WGS * WG_ROWS
-
-
-def _offsets(rows_ref):
-    """`(query row, key row)` where this call's gradients land in the caller's
-    accumulators (`rows_ref`: int32 [2] in HBM), or (0, 0) without accumulators."""
-    if rows_ref is None:
-        return 0, 0
-    return tuple(pl.multiple_of(rows_ref[i], INTO_ROW_MULTIPLE) for i in range(2))
-
-
 def _bcast(x, shape, dim):
     return lax.broadcast_in_dim(x, shape, [dim])
 
@@ -132,7 +102,6 @@ def _dkv_kernel(
     lse_ref,
     delta_ref,
     dq_ref,
-    rows_ref,
     dk_ref,
     dv_ref,
     k_smem2,
@@ -147,7 +116,6 @@ def _dkv_kernel(
     kv_ready,
     in_ready,
     free,
-    out_loaded,
     *,
     geom: Geometry,
     block_q: int,
@@ -155,14 +123,11 @@ def _dkv_kernel(
     qk_scale: float,
     scale: float,
     grads_in_input_dtype: bool,
-    add_dkv: bool,
     interpret: bool,
 ):
     """`dq_ref` is None (deterministic: the dQ kernel runs after) or the f32 dQ this
     kernel adds into: `[B, T, N, H]`, or in interpret mode (the GPU interpreter has no
-    TMA reduce-add) one `[B, T, N, H]` slice per (key tile, warpgroup), summed after.
-    `add_dkv`: dK and dV are added into the caller's f32 accumulators `dk_ref` /
-    `dv_ref` (rows from `rows_ref`) instead of stored."""
+    TMA reduce-add) one `[B, T, N, H]` slice per (key tile, warpgroup), summed after."""
     bk = WG_ROWS
     fused = dq_ref is not None
     batch = lax.axis_index("batch")
@@ -183,7 +148,6 @@ def _dkv_kernel(
         n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
         if fused:
             ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
-            q_off, _ = _offsets(rows_ref)
         plgpu.barrier_wait(kv_ready.at[wg, 0])
         plgpu.barrier_wait(kv_ready.at[wg, 1])
         # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
@@ -256,7 +220,7 @@ def _dkv_kernel(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             dq_smem[...] = dq * scale
             plgpu.commit_smem()
-            q_rows = pl.ds(q_off + qi * block_q, block_q)
+            q_rows = pl.ds(qi * block_q, block_q)
             head_g = kv_head * geom.group + g
             if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
                 part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
@@ -293,15 +257,8 @@ def _dkv_kernel(
             dk_smem, dv_smem = k_smem, v_smem
         else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
             dk_smem = dv_smem = dq_smem
-        if add_dkv:
-            _, k_off = _offsets(rows_ref)
-            dst = (batch, pl.ds(k_off + k_start, bk), kv_head)
-            loaded = None if out_loaded is None else out_loaded.at[wg]
-            _add_tile(dk * scale, dk_smem, dk_ref.at[dst], loaded)
-            _add_tile(dv, dv_smem, dv_ref.at[dst], loaded)
-        else:
-            _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
-            _store_tile(dv, dv_smem, dv_ref.at[rows])
+        _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
+        _store_tile(dv, dv_smem, dv_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -340,7 +297,6 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    rows_ref,
     dq_ref,
     q_smem2,
     do_smem2,
@@ -354,18 +310,14 @@ def _dq_kernel(
     v_ready,
     k_free,
     v_free,
-    out_loaded,
     *,
     geom: Geometry,
     block_kv: int,
     stages: int,
     qk_scale: float,
     scale: float,
-    add_dq: bool,
     interpret: bool,
 ):
-    """`add_dq`: dQ is added into the caller's f32 accumulator `dq_ref` (rows from
-    `rows_ref`) instead of stored."""
     bq = WG_ROWS
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -436,12 +388,7 @@ def _dq_kernel(
         dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
         lax.fori_loop(n_end, cta_end, skip, None)
         out = q_t if out_smem2 is None else out_smem2.at[wg]
-        if add_dq:
-            q_off, _ = _offsets(rows_ref)
-            dst = dq_ref.at[batch, pl.ds(q_off + q_start, bq), head]
-            _add_tile(dq * scale, out, dst, None if out_loaded is None else out_loaded.at[wg])
-        else:
-            _store_tile(dq * scale, out, dq_ref.at[rows])
+        _store_tile(dq * scale, out, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -480,16 +427,8 @@ def mosaic_bwd(
     stages: int,
     deterministic: bool = False,
     interpret: bool = False,
-    dq_into=None,
-    dkv_into=None,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
-
-    `dq_into` / `dkv_into` (`(ref, row)`, f32 `grad_dtype`; `_dispatch.attention_bwd`
-    documents them): the kernels add those gradients into the caller's accumulators
-    in their epilogues and return None in their place, where the kernels can: without
-    padding on that side, and (dQ of the fused kernel) compiled. What comes back as an
-    array the caller adds.
 
     `lse` is the global natural-log LSE `[B,N,T]` (-inf: the row sees nothing) and
     `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32. `deterministic=False` fuses dQ
@@ -518,20 +457,6 @@ def mosaic_bwd(
     v = pad_to(v, 1, geom.kv_pad)
     same = jnp.dtype(grad_dtype) == q.dtype
     fused = fuses_dq(h, deterministic)  # block_q_dkv checked by `check_mosaic_block_sizes`
-    add_dq = _can_add(dq_into, t, geom.q_pad) and not (fused and interpret)
-    add_dkv = _can_add(dkv_into, s_len, geom.kv_pad)
-    # Where the added gradients land: int32 [query row, key row] in HBM (traced rows
-    # welcome: the ring's zigzag steps pick their half by rank).
-    offsets = None
-    if add_dq or add_dkv:
-        offsets = jnp.stack(
-            [
-                jnp.asarray(dq_into[1] if add_dq else 0, jnp.int32),
-                jnp.asarray(dkv_into[1] if add_dkv else 0, jnp.int32),
-            ]
-        )
-    # The interpreter reads a tile before adding to it: one barrier per warpgroup.
-    loaded = plgpu.Barrier(num_barriers=COMPUTE_WGS) if interpret else None
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
@@ -551,24 +476,20 @@ def mosaic_bwd(
         block_q=block_q_dkv,
         stages=dkv_stages,
         grads_in_input_dtype=same,
-        add_dkv=add_dkv,
         **common,
     )
-    dq_acc = None
-    if fused and add_dq:
-        dq_acc = dq_into[0]
-    elif fused:
+    inputs = (q, k, v, do, s_start, dp_start)
+    if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
         parts = (kv_tiles * COMPUTE_WGS,) if interpret else ()
         dq_acc = jax.new_ref(jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32))
-    inputs = (q, k, v, do, s_start, dp_start, dq_acc, offsets)
-    if add_dkv:  # no outputs: dK and dV go into the caller's [2, B, S, K, H]
-        inputs = (*inputs, dkv_into[0])
-        dkv_body = functools.partial(_into_dkv, dkv_body)
-    dkv_out = launch(
+        inputs = (*inputs, dq_acc)
+    else:
+        dkv_body = functools.partial(_without_dq_ref, dkv_body)
+    dk, dv = launch(
         dkv_body,
-        out_type=[] if add_dkv else [kv_type, kv_type],
+        out_type=[kv_type, kv_type],
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), k.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
@@ -582,19 +503,15 @@ def mosaic_bwd(
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
             plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
-            loaded if add_dkv else None,
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
-    dk, dv = (None, None) if add_dkv else (dkv_out[0][:, :s_len], dkv_out[1][:, :s_len])
     if fused:
-        if add_dq:
-            return None, dk, dv
         dq = dq_acc[...]
         dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)
-        return dq[:, :t], dk, dv
+        return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
     dq_stages = fit_stages(
         "jflash_mosaic_dq",
@@ -602,15 +519,9 @@ def mosaic_bwd(
         fixed=2 * rows * h * size + 2 * rows * 4 + out_tile,
         per_stage=2 * block_kv_dq * h * size,
     )
-    dq_body = functools.partial(
-        _dq_kernel, block_kv=block_kv_dq, stages=dq_stages, add_dq=add_dq, **common
-    )
-    inputs = (q, k, v, do, s_start, dp_start, offsets)
-    if add_dq:  # no output: dQ goes into the caller's [B, T, N, H]
-        inputs = (*inputs, dq_into[0])
     dq = launch(
-        dq_body,
-        out_type=[] if add_dq else jax.ShapeDtypeStruct((b, geom.q_pad, n, h), grad_dtype),
+        functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
+        out_type=jax.ShapeDtypeStruct((b, geom.q_pad, n, h), grad_dtype),
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
@@ -624,25 +535,14 @@ def mosaic_bwd(
             plgpu.Barrier(num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
-            loaded if add_dq else None,
         ],
         **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
-    )(*inputs)
-    return (None if add_dq else dq[:, :t]), dk, dv
+    )(q, k, v, do, s_start, dp_start)
+    return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
 
-def _can_add(into, length: int, padded: int) -> bool:
-    """Whether the kernels add into `into = (ref, row)` themselves: no padding rows, and
-    a row that is a multiple of INTO_ROW_MULTIPLE (traced rows are the caller's word)."""
-    if into is None or length != padded:
-        return False
-    row = into[1]
-    return not isinstance(row, int) or row % INTO_ROW_MULTIPLE == 0
-
-
-def _into_dkv(body, q, k, v, do, lse, delta, dq, offsets, dkv, *scratch):
-    """The dK/dV kernel adding into the caller's f32 `dkv` `[2, B, S, K, H]` (an input
-    Ref: the kernel has no outputs) in place of its dK and dV outputs."""
-    return body(q, k, v, do, lse, delta, dq, offsets, dkv.at[0], dkv.at[1], *scratch)
+def _without_dq_ref(body, q, k, v, do, lse, delta, *outs_and_scratch):
+    """The deterministic dK/dV kernel: no dQ operand (the dQ kernel runs after)."""
+    return body(q, k, v, do, lse, delta, None, *outs_and_scratch)

@@ -169,11 +169,9 @@ def _ring_fwd_shard(q, k, v, cfg: _Ring):
 # Backward, per shard
 
 
-def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring, dq_into, dkv_into=None):
-    """One kernel call adding its f32 dQ into `dq_into` (`(ref, row)`, see
-    `attention_bwd`), and its dK/dV into `dkv_into` if given; else it returns the f32
-    dK/dV `[2,B,S',K,H]`."""
-    _, dk, dv = attention_bwd(
+def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring):
+    """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32."""
+    dq, dk, dv = attention_bwd(
         q,
         kv[0],
         kv[1],
@@ -185,47 +183,42 @@ def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring, dq_into, dkv_into=No
         scale=cfg.scale,
         grad_dtype=jnp.float32,
         kernel=cfg.kernel,
-        dq_into=dq_into,
-        dkv_into=dkv_into,
     )
-    return None if dkv_into is not None else jnp.stack([dk, dv])
+    return dq, jnp.stack([dk, dv])
 
 
 def _bwd_step(step: int, rank, q, kv, do, lse, delta, dq, cfg: _Ring):
-    """Adds this step's dQ into `dq` (an f32 jax Ref `[B,T',N,H]`); returns the f32
-    dK/dV of the source `[2,B,S',K,H]`.
+    """Adds this step's dQ into `dq`; returns it and the f32 dK/dV of the source.
 
     Same blocks as `_fwd_step`. Only local values go in (never the dK/dV arriving
-    from the neighbour), so the kernels do not wait for that transfer. The kernels add
-    into the accumulators themselves where they can (`attention_bwd`'s `*_into`): no
-    f32 block results for XLA to add, concatenate or place.
+    from the neighbour), so the kernels do not wait for that transfer.
     """
     if step == 0 or not cfg.causal:
-        return _grads(q, kv, do, lse, delta, cfg.causal and step == 0, cfg, (dq, 0))
+        dq_blk, dkv = _grads(q, kv, do, lse, delta, cfg.causal and step == 0, cfg)
+        return dq + dq_blk, dkv
     before = step <= rank
     if cfg.layout == "zigzag":
         c = q.shape[1] // 2
-        dkv = jax.new_ref(jnp.zeros(kv.shape, jnp.float32))
-        _grads(
-            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], False, cfg,
-            (dq, c), (dkv, 0),
-        )  # fmt: skip
+        dq_blk, dkv_blk = _grads(
+            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], False, cfg
+        )
+        dq = dq.at[:, c:].add(dq_blk)
+        dkv = jnp.concatenate([dkv_blk, jnp.zeros_like(dkv_blk)], axis=2)
         h = jnp.where(before, 0, c)
 
         def rows(x, axis):
             return lax.dynamic_slice_in_dim(x, h, c, axis=axis)
 
-        _grads(
-            rows(q, 1), rows(kv, 2), rows(do, 1), rows(lse, 2), rows(delta, 2), False, cfg,
-            (dq, h), (dkv, h),
-        )  # fmt: skip
-        return dkv[...]
+        dq_blk, dkv_blk = _grads(
+            rows(q, 1), rows(kv, 2), rows(do, 1), rows(lse, 2), rows(delta, 2), False, cfg
+        )
+        dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, 1) + dq_blk, h, axis=1)
+        dkv = lax.dynamic_update_slice_in_dim(dkv, rows(dkv, 2) + dkv_blk, h, axis=2)
+        return dq, dkv
     # Contiguous: a later source's block is computed and dropped, as in the forward.
-    blk = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dkv = _grads(q, kv, do, lse, delta, False, cfg, (blk, 0))
+    dq_blk, dkv = _grads(q, kv, do, lse, delta, False, cfg)
     # `where`, not a 0/1 product: exp(s - lse) of hidden keys may overflow to inf.
-    dq[...] = dq[...] + jnp.where(before, blk[...], 0.0)
-    return jnp.where(before, dkv, 0.0)
+    return dq + jnp.where(before, dq_blk, 0.0), jnp.where(before, dkv, 0.0)
 
 
 def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
@@ -235,7 +228,7 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     delta = delta_from(o, do, dlse)  # once, from the global o: [B,N,T'] f32
     do = do.astype(q.dtype)
     kv = jnp.stack([k, v])
-    dq = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    dq = jnp.zeros(q.shape, jnp.float32)
     # Steps 1 .. P-1 first, the diagonal step 0 last: the last hop of the dK/dV sums
     # (f32) then flies during step 0's kernels instead of after all of them, and what
     # waits at the start is the first K/V transfer (half the bytes, and it depends
@@ -249,12 +242,12 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     visiting = _shift(kv, cfg) if p > 1 else None
     for step in range(1, p):
         nxt = _shift(visiting, cfg) if step < p - 1 else None
-        dkv = _bwd_step(step, rank, q, visiting, do, lse, delta, dq, cfg)
+        dq, dkv = _bwd_step(step, rank, q, visiting, do, lse, delta, dq, cfg)
         arriving = _shift(dkv if arriving is None else arriving + dkv, cfg)
         visiting = nxt
-    own = _bwd_step(0, rank, q, kv, do, lse, delta, dq, cfg)
+    dq, own = _bwd_step(0, rank, q, kv, do, lse, delta, dq, cfg)
     dkv = own if arriving is None else own + arriving
-    return dq[...].astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
 # ---------------------------------------------------------------------------------

@@ -13,15 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET, ON_HOPPER, needs_hopper
-from kernel_cases import (
-    TOLERANCE,
-    assert_close,
-    draw,
-    make_inputs,
-    oracle,
-    random_segments,
-    value_and_grads,
-)
+from kernel_cases import assert_close, make_inputs, oracle, random_segments, value_and_grads
 
 import jflash
 
@@ -385,90 +377,3 @@ def test_compiled_pallas_on_cpu_raises():
 def test_block_sizes_validate(field, value):
     with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
         jflash.BlockSizes(**{field: value})
-
-
-INTO_CASES = [
-    pytest.param("pallas_mosaic", 128, False, id="mosaic-D128", marks=needs_hopper),
-    pytest.param("pallas_mosaic", 64, True, id="mosaic-D64-fused-causal", marks=needs_hopper),
-    pytest.param("pallas_triton", 64, False, id="triton"),
-    pytest.param("xla", 128, True, id="xla-causal"),
-]
-
-
-@pytest.mark.parametrize("implementation,head_dim,causal", INTO_CASES)
-def test_bwd_adds_into_accumulators(implementation, head_dim, causal, monkeypatch):
-    """`attention_bwd(dq_into=, dkv_into=)` (the ring's accumulating calls): gradients
-    are ADDED into the given f32 Refs at traced rows, other rows untouched, equal to
-    the returned gradients of a plain call. The Mosaic kernels add in their epilogues
-    (128-row blocks: no padding); the others through `add_rows`."""
-    from jflash import _dispatch
-    from jflash._dispatch import attention_bwd, delta_from, resolve
-    from jflash._mask import Mask
-
-    added_after = []  # what the kernels left to `add_rows`
-    add_rows = _dispatch.add_rows
-    monkeypatch.setattr(
-        _dispatch, "add_rows", lambda *a, axis: added_after.append(axis) or add_rows(*a, axis=axis)
-    )
-    t, s, n, kh = 128, 128, 4, 2
-    q, k, v, do, _ = make_inputs(
-        3, batch=1, q_len=t, kv_len=s, q_heads=n, kv_heads=kh, head_dim=head_dim,
-        dtype=jnp.bfloat16,
-    )  # fmt: skip
-    kernel = resolve(
-        implementation, None if implementation == "xla" else INTERPRET, None,
-        q_len=t, kv_len=s, head_dim=head_dim, dtype=q.dtype,
-    )  # fmt: skip
-    mask, scale = Mask(causal), head_dim**-0.5
-    o, lse = jflash.attention_reference(q, k, v, causal=causal)
-    delta = delta_from(o, do)
-    do = do.astype(q.dtype)
-    common = dict(mask=mask, scale=scale, grad_dtype=jnp.float32, kernel=kernel)
-    want = attention_bwd(q, k, v, do, lse, delta, None, **common)
-    dq0 = draw(jax.random.key(1), (1, 3 * t, n, head_dim), jnp.float32)
-    dkv0 = draw(jax.random.key(2), (2, 1, 3 * s, kh, head_dim), jnp.float32)
-
-    @jax.jit
-    def into(q_row, kv_row):
-        dq = jax.new_ref(dq0)
-        dkv = jax.new_ref(dkv0)
-        got = attention_bwd(
-            q, k, v, do, lse, delta, None, dq_into=(dq, q_row), dkv_into=(dkv, kv_row), **common
-        )
-        return got, dq[...], dkv[...]
-
-    for q_row, kv_row in ((t, 2 * s), (2 * t, 0)):
-        got, dq, dkv = into(q_row, kv_row)
-        if implementation == "pallas_mosaic":  # the fused dQ adds in XLA when interpreted
-            assert added_after == ([1] if head_dim == 64 and INTERPRET else []), added_after
-        assert got == (None, None, None)
-        rows = np.arange(3 * t)
-        dq_want = np.asarray(dq0).copy()
-        dq_want[:, q_row : q_row + t] += np.asarray(want[0])
-        dkv_want = np.asarray(dkv0).copy()
-        dkv_want[:, :, kv_row : kv_row + s] += np.stack([np.asarray(want[1]), np.asarray(want[2])])
-        # The same kernel both ways: f32 noise when interpreted; compiled, the two
-        # programs may contract S's FMAs differently, which can flip P's bf16 rounding.
-        tol = TOLERANCE[jnp.float32 if INTERPRET else q.dtype]["grad"]
-        np.testing.assert_allclose(np.asarray(dq), dq_want, rtol=tol, atol=tol)
-        np.testing.assert_allclose(np.asarray(dkv), dkv_want, rtol=tol, atol=tol)
-        untouched = (rows < q_row) | (rows >= q_row + t)
-        np.testing.assert_array_equal(np.asarray(dq)[:, untouched], np.asarray(dq0)[:, untouched])
-        untouched = (rows < kv_row) | (rows >= kv_row + s)
-        np.testing.assert_array_equal(
-            np.asarray(dkv)[:, :, untouched], np.asarray(dkv0)[:, :, untouched]
-        )
-
-
-def test_bwd_into_needs_f32():
-    from jflash._dispatch import attention_bwd, resolve
-    from jflash._mask import Mask
-
-    x = jnp.zeros((1, 8, 2, 16), jnp.float32)
-    lse = jnp.zeros((1, 2, 8))
-    kernel = resolve("xla", None, None, q_len=8, kv_len=8, head_dim=16, dtype=x.dtype)
-    with pytest.raises(ValueError, match="grad_dtype=bfloat16"):
-        attention_bwd(
-            x, x, x, x, lse, lse, None, mask=Mask(True), scale=0.25, grad_dtype=jnp.bfloat16,
-            kernel=kernel, dq_into=(jax.new_ref(jnp.zeros_like(x)), 0),
-        )  # fmt: skip

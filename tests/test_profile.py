@@ -452,6 +452,11 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     assert names[:3] == ["ideal", "ring_rank0", "ring_rank1"]
     assert {"diag_f32", "block_f32", "diag_bf16", "block_bf16", "block_pair_f32"} <= set(names)
     assert all(r["ms"] > 0 and r["tokens_per_device"] == 64 for r in rows)
+    for r in rows:  # device time split in two (a GPU trace), or not at all (CPU)
+        if r["device_ms"] is None:
+            assert r["attention_ms"] is None and r["other_ms"] is None
+        else:
+            assert r["attention_ms"] + r["other_ms"] == pytest.approx(r["device_ms"])
     with pytest.raises(SystemExit):
         ring_blocks.main(["--tokens-per-device", "63"])
     assert "tokens per device 63 must be even" in capsys.readouterr().err

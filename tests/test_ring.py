@@ -290,65 +290,6 @@ def test_matches_oracle_mosaic(case):
     _check(case)
 
 
-@needs_hopper
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_zigzag_backward_step_on_one_device(head_dim):
-    """One off-diagonal zigzag backward step with the Mosaic kernels, the rank traced
-    (it picks the half block by data): the kernels add into the accumulators at rows
-    0 or c what the same kernels return from plain calls on the step's two blocks,
-    for both ranks of P=2. (The Mosaic interpreter cannot run the ring at P >= 2; this
-    runs the same step code on one device.)"""
-    from jflash._dispatch import attention_bwd, delta_from
-    from jflash._mask import Mask
-    from jflash._ring import _bwd_step, ring_config
-
-    shard, n, kh = 256, 4, 2  # halves of c = 128 rows: the kernels add for multiples of 128
-    c = shard // 2
-    q, k, v, do, _ = make_inputs(
-        4, batch=1, q_len=shard, kv_len=shard, q_heads=n, kv_heads=kh, head_dim=head_dim,
-        dtype=jnp.bfloat16,
-    )  # fmt: skip
-    o, lse = jflash.attention_reference(q, k, v, causal=False)
-    delta = delta_from(o, do)
-    do = do.astype(q.dtype)
-    kv = jnp.stack([k, v])
-    cfg = ring_config(
-        "seq", 2, 2 * shard, causal=True, layout="zigzag", strategy="ring",
-        head_dim=head_dim, dtype=q.dtype, implementation="pallas_mosaic", interpret=INTERPRET,
-    )  # fmt: skip
-    dq0 = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
-
-    @jax.jit
-    def run(rank, dq0, q, kv, do, lse, delta):
-        dq = jax.new_ref(dq0)
-        dkv = _bwd_step(1, rank, q, kv, do, lse, delta, dq, cfg)
-        return dq[...], dkv
-
-    def plain(qs, ks):  # one block's gradients, returned (no accumulators)
-        dq, dk, dv = attention_bwd(
-            q[:, qs], k[:, ks], v[:, ks], do[:, qs], lse[..., qs], delta[..., qs], None,
-            mask=Mask(False), scale=cfg.scale, grad_dtype=jnp.float32, kernel=cfg.kernel,
-        )  # fmt: skip
-        return np.asarray(dq), np.stack([np.asarray(dk), np.asarray(dv)])
-
-    lo, hi = slice(0, c), slice(c, shard)
-    # Source 1 follows rank 0 (its second half sees the whole source) and precedes
-    # rank 1 (all of rank 1 sees the source's first half).
-    blocks = {0: [(hi, lo), (hi, hi)], 1: [(hi, lo), (lo, lo)]}
-    for rank in (0, 1):
-        dq, dkv = run(jnp.int32(rank), dq0, q, kv, do, lse, delta)
-        dq_want = np.asarray(dq0).copy()
-        dkv_want = np.zeros(kv.shape, np.float32)
-        for qs, ks in blocks[rank]:
-            dq_blk, dkv_blk = plain(qs, ks)
-            dq_want[:, qs] += dq_blk
-            dkv_want[:, :, ks] += dkv_blk
-        # The same kernels both ways (compiled, P's bf16 rounding may flip: test_flash.py)
-        tol = TOLERANCE[jnp.float32 if INTERPRET else q.dtype]["grad"]
-        np.testing.assert_allclose(np.asarray(dq), dq_want, atol=tol, rtol=tol, err_msg="dq")
-        np.testing.assert_allclose(np.asarray(dkv), dkv_want, atol=tol, rtol=tol, err_msg="dkv")
-
-
 def test_single_device_matches_flash_attention():
     """P = 1 is the plain kernel: no communication, same numbers as flash_attention."""
     case = Case(num_shards=1)
