@@ -152,14 +152,20 @@ def _measure(name: str, fn, inputs, flops: float, args, scale: float = 1.0) -> d
             jax.block_until_ready([compiled(*inputs) for _ in range(args.trace_iters)])
         per_kernel = kernel_durations(trace_dir)
     total = sum(per_kernel.values())
-    row["kernels"] = {
-        k: ns / args.trace_iters / 1e6 * scale for k, ns in list(per_kernel.items())[:8]
-    }
-    row["device_ms"] = total / args.trace_iters / 1e6 * scale if total else None
-    # The attention kernels against everything else (XLA's adds, converts, slices).
+
+    def ms(ns):  # per call, scaled
+        return ns / args.trace_iters / 1e6 * scale
+
+    row["kernels"] = {k: ms(ns) for k, ns in list(per_kernel.items())[:8]}
+    # All device time, then the attention kernels against everything else (XLA's adds,
+    # converts, slices); None where the trace has no GPU kernels (CPU).
     attention = sum(ns for k, ns in per_kernel.items() if k.startswith("jflash"))
-    for key, ns in (("attention_ms", attention), ("other_ms", total - attention)):
-        row[key] = ns / args.trace_iters / 1e6 * scale if total else None
+    for key, ns in (
+        ("device_ms", total),
+        ("attention_ms", attention),
+        ("other_ms", total - attention),
+    ):
+        row[key] = ms(ns) if total else None
     return row
 
 
