@@ -1,0 +1,41 @@
+"""Manual-axis types inside a user's `jax.shard_map` (jax's `check_vma=True`).
+
+Inside `shard_map`, every value records which manual mesh axes it varies over. A kernel
+whose output shapes or loop carries are built fresh carries no such axes, and jax then
+refuses it. These helpers give kernels the types their inputs have; outside
+`shard_map` they change nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def varying_axes(*xs) -> frozenset:
+    """The manual axes any of `xs` varies over (empty outside `shard_map`)."""
+    axes = frozenset()
+    for x in xs:
+        if x is not None:
+            axes |= jax.typeof(x).manual_axis_type.varying
+    return axes
+
+
+def vary(x, axes: frozenset):
+    """`x` marked as varying over `axes` (a no-op for axes it already varies over)."""
+    if x is None:
+        return None
+    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def match(*xs):
+    """`xs`, each marked as varying over the union of their axes: then every value
+    built from them (outputs, loop carries) can take the type of the first."""
+    axes = varying_axes(*xs)
+    return tuple(vary(x, axes) for x in xs)
+
+
+def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """An output shape for a Pallas call that varies like the array `like`."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
