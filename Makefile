@@ -1,4 +1,6 @@
 # jflash: `make test` and `make demo` work from a fresh clone (README "Quick start").
+# `make test` is CI's full run (`.ci/run`); `make test-fast` is the edit loop: no HF
+# side environment, no `slow` tests (docs/testing.md).
 SHELL := /bin/bash
 VENV ?= .venv
 ORACLE ?= .venv-oracle
@@ -8,7 +10,7 @@ PY312 ?= PYENV_VERSION=$${PYENV_VERSION:-3.12.1} python3.12
 PY311 ?= PYENV_VERSION=$${PYENV_VERSION:-3.11.7} python3.11
 PYTEST_ARGS ?=
 
-.PHONY: test demo venv oracle lint clean
+.PHONY: test test-fast demo venv oracle lint clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +27,11 @@ $(ORACLE)/.installed: Makefile
 
 test: venv oracle
 	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The quick subset: `-m "not slow"`, and without the HF parity tests (they need the
+# .venv-oracle side environment, which `make test` builds and runs them with).
+test-fast: venv
+	$(VENV)/bin/python -m pytest -m "not slow" --ignore=tests/test_models_parity.py $(PYTEST_ARGS)
 
 demo: venv
 	$(VENV)/bin/python -m train.demo
