@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 
@@ -53,7 +54,12 @@ def time_pipelined(fn, *args, warmup: int = 2, iters: int = 10, rounds: int = 3)
 
 
 def device_name() -> str:
+    """The device in result file names: its model ("h200" for "NVIDIA H200", "h100" for
+    "NVIDIA H100 80GB HBM3"), else the whole kind as a slug ("cpu")."""
     kind = jax.devices()[0].device_kind
+    model = re.search(r"\b[A-Z]+[0-9]+[A-Za-z]*\b", kind.replace("NVIDIA ", ""))
+    if model:
+        return model.group(0).lower()
     return kind.replace("NVIDIA ", "").replace(" ", "-").lower()
 
 

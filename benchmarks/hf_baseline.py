@@ -9,10 +9,11 @@ error means "does not fit"): the baseline of "longest context per GPU count", to
 beside `python -m train.capacity` (which reads jflash's side from XLA's memory plan).
 
 Random-init `LlamaForCausalLM` of a jflash preset's shape, bf16 autocast with f32 master
-weights, SDPA attention, gradient checkpointing, fused AdamW, batch 1 (ANCHORS.md "End-to-end
-training"). Prints tokens/s, model TFLOP/s and MFU with the same FLOP formula as the
-jflash trainer (`models.flops`), and writes JSON. Runs on the GPU machine's python, where
-torch, transformers and jax share one interpreter; jax is only used for the FLOP count.
+weights, SDPA attention, gradient checkpointing, fused AdamW, batch 1 (what a user would
+run instead of the jflash trainer). Prints tokens/s, model TFLOP/s and MFU with the same
+FLOP formula as the jflash trainer (`models.flops`), and writes JSON. Runs on the GPU
+machine's python, where torch, transformers and jax share one interpreter; jax is only
+used for the FLOP count.
 """
 
 from __future__ import annotations

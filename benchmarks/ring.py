@@ -1,6 +1,6 @@
 """Ring attention across devices against the one-device kernel, in one process.
 
-    python benchmarks/ring.py                                  # issue 4's table
+    python benchmarks/ring.py                                  # the efficiency table
     python benchmarks/ring.py --profile                        # + device time breakdown
     python benchmarks/ring.py --longest                        # longest fwd+bwd, 1 vs P
     python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
@@ -37,7 +37,14 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import jit_passes, table, time_fn, time_pipelined, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    device_name,
+    jit_passes,
+    table,
+    time_fn,
+    time_pipelined,
+    write_json,
+)
 from train.capacity import search_longest  # noqa: E402
 from train.metrics import compiled_bytes  # noqa: E402
 from train.trace import parse as parse_trace  # noqa: E402
@@ -414,7 +421,9 @@ def main(argv=None):
         help="run the longest fitting length once to confirm it",
     )
     parser.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/ring-<devices>.json)"
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/ring-<devices>x<gpu>.json: ring-2xh200.json)",
     )
     args = parser.parse_args(argv)
     args.devices = args.devices or default_device_counts()
@@ -423,7 +432,7 @@ def main(argv=None):
     print(jflash.describe())
     out = args.out or RESULTS
     if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
-        out = os.path.join(out, f"ring-{len(jax.devices())}.json")
+        out = os.path.join(out, f"ring-{len(jax.devices())}x{device_name()}.json")
     config = {k: v for k, v in vars(args).items() if k != "out"}
     print(table([], COLUMNS))
     rows = benchmark(args, on_row=lambda rows: write_json(out, {"config": config, "rows": rows}))

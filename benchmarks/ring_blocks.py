@@ -20,7 +20,7 @@ accumulations) with the transfers left out, and times each kind of block alone:
 
 Every row is timed pipelined (calls back to back, one synchronisation) in the same
 process, and traced once for device time per kernel. Causal TFLOP/s counts the FLOPs
-the block really has (ANCHORS.md's convention: forward 4·B·N·S²·H/2 for a causal
+the block really has (as everywhere in BENCHMARKS.md: forward 4·B·N·S²·H/2 for a causal
 square; a full c x c block is 4·B·N·c²·H), forward+backward 3.5x the forward.
 """
 
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import table, time_pipelined, write_json  # noqa: E402
+from benchmarks.common import device_name, table, time_pipelined, write_json  # noqa: E402
 from jflash._dispatch import attention_bwd, attention_fwd, delta_from  # noqa: E402
 from jflash._mask import Mask  # noqa: E402
 from jflash._ring import _bwd_step, _fwd_step, _Ring, ring_config  # noqa: E402
@@ -300,7 +300,9 @@ def main(argv=None):
     parser.add_argument(
         "--warm-s", type=float, default=1.0, help="seconds of calls before each row's timing"
     )
-    parser.add_argument("--out", default=None, help="JSON path (default under results/)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: results/ring-blocks-p<P>-<gpu>.json)"
+    )
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"{args.devices=} must be >= 1")
@@ -308,7 +310,7 @@ def main(argv=None):
         if t % 2:
             parser.error(f"tokens per device {t} must be even (zigzag halves)")
     rows = benchmark(args)
-    out = args.out or os.path.join(RESULTS, f"ring-blocks-{args.devices}.json")
+    out = args.out or os.path.join(RESULTS, f"ring-blocks-p{args.devices}-{device_name()}.json")
     write_json(out, {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
 
 

@@ -1,37 +1,37 @@
 #!/usr/bin/env bash
-# One session on 2x NVIDIA H200 (nvidia-h200-x2), in two parts of < 9 minutes each.
+# Multi-GPU benchmark runs, one part per call, each within a 9-minute budget (written
+# for 2x NVIDIA H200; `ring` also runs P = 4 where the machine has 4 GPUs).
 #
-#   bash benchmarks/h200x2_session.sh report      # issue 6: profiling report, 3 models
-#   bash benchmarks/h200x2_session.sh scale       # issue 4 longest sequence + 7B FSDP x seq
-#   bash benchmarks/h200x2_session.sh capacity    # issue 5: longest trainable context, jflash vs HF
-#   bash benchmarks/h200x2_session.sh train32k    # issue 5: 1B at 32k, 1 GPU vs HF, 2 GPUs sharded
-#   bash benchmarks/h200x2_session.sh fill        # issue 6: XLA bytes (HBM GB/s) for the
-#                                                 # committed report's rows that lack them
-#   bash benchmarks/h200x2_session.sh ring        # issue 4: compiled ring tests, ring vs
-#                                                 # allgather at 8k/16k per GPU with a
-#                                                 # device-time breakdown, P = 2 and 4 where
-#                                                 # the machine has 4 (nvidia-h200-x4);
-#                                                 # issue 5: 1B at 32k, seq=2, each strategy
-#   bash benchmarks/h200x2_session.sh remat       # issue 5: 1B at 32k, remat save_attn vs
-#                                                 # none on 1 GPU, none on 2, HF baseline
-#   bash benchmarks/h200x2_session.sh seq2trace   # issue 5: where seq=2 loses its 10%: the
-#                                                 # 32k config's step (save_dots, unrolled)
-#                                                 # profiled on 1 GPU and on 2 (sharded)
-#   bash benchmarks/h200x2_session.sh gradcheck   # issue 5: per-parameter gradients of the
-#                                                 # 32k config's first step: 1 GPU in f32
-#                                                 # (the reference) and bf16, 2 GPUs in two
-#                                                 # weight layouts
-#   bash benchmarks/h200x2_session.sh precision   # issue 5: bf16 gradients against f32 per
-#                                                 # attention kernel (Mosaic, Triton, cuDNN)
-#   bash benchmarks/h200x2_session.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
-#                                                 # (CPU_PARTS="capacity train32k": only those)
+#   bash benchmarks/multi_gpu.sh report      # profiling report (train.profile), 3 models
+#   bash benchmarks/multi_gpu.sh scale       # longest ring sequence + Llama-2-7B FSDP x seq
+#   bash benchmarks/multi_gpu.sh capacity    # longest trainable context, jflash vs HF
+#   bash benchmarks/multi_gpu.sh train32k    # 1B at 32k: 1 GPU vs HF, 2 GPUs as the config
+#   bash benchmarks/multi_gpu.sh fill        # XLA bytes (HBM GB/s) for the committed
+#                                            # report's rows that lack them
+#   bash benchmarks/multi_gpu.sh ring        # compiled ring tests, ring vs allgather at
+#                                            # 8k/16k per GPU with a device-time
+#                                            # breakdown, P = 2 and 4 where the machine
+#                                            # has 4; then the 1B at 32k, seq=2, each
+#                                            # strategy
+#   bash benchmarks/multi_gpu.sh remat       # 1B at 32k, remat save_attn vs none on 1 GPU,
+#                                            # none on 2, HF baseline
+#   bash benchmarks/multi_gpu.sh seq2trace   # where the seq=2 step's time goes: the 32k
+#                                            # config's step (save_dots, unrolled)
+#                                            # profiled on 1 GPU and on 2 (sharded)
+#   bash benchmarks/multi_gpu.sh gradcheck   # per-parameter gradients of the 32k config's
+#                                            # first step: 1 GPU in f32 (the reference)
+#                                            # and bf16, 2 GPUs in two weight layouts
+#   bash benchmarks/multi_gpu.sh precision   # bf16 gradients against f32 per attention
+#                                            # kernel (Mosaic, Triton, cuDNN)
+#   bash benchmarks/multi_gpu.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
+#                                            # (CPU_PARTS="capacity train32k": only those)
 #
 # Run from anywhere (it cds to the repo root). Results go to $OUT (default
 # benchmarks/results/; cpu-check: /tmp/jflash-cpu-check/out), scratch (profile traces,
-# work dirs, sample data, per-step logs) to $WORK (default /tmp/jflash-h200x2). $OUT
+# work dirs, sample data, per-step logs) to $WORK (default /tmp/jflash-multi-gpu). $OUT
 # gets at most 6 files per part, none in sub-folders: the device tool returns at most 8
 # files of 16 MiB, 2 folders deep. Every line printed carries a timestamp; the whole
-# output is also in $OUT/<part>-session.log and one line per step (status, exit code,
+# output is also in $OUT/<part>.log and one line per step (status, exit code,
 # seconds, limit) in $OUT/<part>-steps.tsv.
 #
 # Each step runs under `timeout`, limited to min(its cap, what is left of the part's
@@ -40,9 +40,9 @@
 # PYTHON picks the interpreter (default python3; cpu-check: .venv/bin/python if present).
 #
 # ---- Time per step (estimates for 2x H200; basis below) -------------------------------
-# Basis: benchmarks/results/profile-h200x2/report.json (Llama-3.2-1B, seq=2: compile
+# Basis: benchmarks/results/profile-2xh200/report.json (Llama-3.2-1B, seq=2: compile
 # 7.8 s; 168 ms/step at 8k, 889 ms at 32k; memory limit 104.85 GiB per GPU, i.e. the
-# allocator's default 75% even with XLA_PYTHON_CLIENT_PREALLOCATE=false), ring-2-h200.log
+# allocator's default 75% even with XLA_PYTHON_CLIENT_PREALLOCATE=false), ring-triton-2xh200.json
 # (one-GPU causal fwd+bwd, 32/8 heads: 309 ms at 64k), and model FLOPs per step
 # (models.training_flops_per_token) at ~250 TFLOP/s per GPU: 1B 0.15/0.35/0.9/2.7 s,
 # 3B 0.4/0.9/2.4/7.0 s, 7B 0.8/1.7/4.3/12 s per step at 8k/16k/32k/64k. A profile row
@@ -59,7 +59,7 @@
 #   Sum ~470 s. All four contexts of 1B and 3B in one go (~330 s) plus the 7B would leave
 #   ~60 s of margin on estimates this rough, so the 64k rows are trimmed from the
 #   per-model runs and appended last (D, E): they run only if the time is there, and
-#   the 7B rows, new in this report, cannot be crowded out by them. `--append
+#   the 7B rows cannot be crowded out by them. `--append
 #   --reuse-ceilings` puts every run into one report and measures the ceilings once;
 #   report.json is rewritten after every row, so a run stopped by its timeout keeps
 #   the rows it finished, and the final `--report-only` renders them all.
@@ -74,7 +74,7 @@
 #   ring  benchmarks/ring.py --longest      ~130 s   cap 200
 #         The plain `--longest` would first run the whole default table (5 lengths x
 #         2 device counts x 2 layouts x 2 strategies: ~4 min); here the table is one
-#         row (16k tokens/GPU, zigzag ring, the 94% point of BENCHMARKS.md). The search
+#         row (16k tokens/GPU, zigzag ring). The search
 #         starts at 128k (known to run on one GPU), doubles, then bisects 4 times (to
 #         1/16 of the last doubling): ~20 compiles of the attention alone at ~5 s,
 #         compile only. `--longest-run` is left out: one fwd+bwd at the one-GPU
@@ -83,7 +83,7 @@
 #   7B    Llama-2-7B shape, FSDP x seq on 2 GPUs, 64k context, 10 steps   ~200 s
 #         (10 x ~12 s + start-up and compile), cap = what is left.
 #         Memory per GPU, params/grads/optimizer sharded over both GPUs
-#         (--mesh data=1,fsdp=1,seq=2 --shard_over_seq, the seed's setup):
+#         (--mesh data=1,fsdp=1,seq=2 --shard_over_seq, configs/llama2_7b_seed.yaml's setup):
 #           f32 master weights 27 GB/2 + f32 Adam m,v 54 GB/2 = 40.4 GB (37.7 GiB),
 #           f32 gradients 13.5 GB, bf16 weights gathered per layer (<= 13.5 GB if XLA
 #           hoists the gathers), optimizer temporaries ~13.5 GB,
@@ -129,18 +129,22 @@ if [ "$MODE" = cpu ]; then
   # 2 simulated devices, like the 2 GPUs.
   BASE_XLA_FLAGS="--xla_force_host_platform_device_count=2"
   BUDGET=${BUDGET:-1800}
-  TAG=cpu2
+  GPU=cpu TAG=2xcpu
 else
   OUT=${OUT:-benchmarks/results/}
-  WORK=${WORK:-/tmp/jflash-h200x2}
+  WORK=${WORK:-/tmp/jflash-multi-gpu}
   BASE_XLA_FLAGS=""
   BUDGET=${BUDGET:-530} # 9 minutes less 10 s
-  TAG=h200x$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")  # h200x2, h200x4: the machine kind
+  # Result names say where: GPU is one GPU of the machine ("h200"), TAG all of it ("2xh200").
+  GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+    grep -oE '[A-Z]+[0-9]+[A-Za-z]*' | head -1 | tr '[:upper:]' '[:lower:]')
+  GPU=${GPU:-gpu}
+  TAG=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")x$GPU
 fi
 PY=${PYTHON:-python3}
 OUT=${OUT%/}
 mkdir -p "$OUT" "$WORK/logs"
-LOG="$OUT/$PART-session.log"
+LOG="$OUT/$PART.log"
 STEPS="$OUT/$PART-steps.tsv"
 : >"$LOG"
 printf 'step\tstatus\texit\tseconds\tlimit_s\n' >"$STEPS"
@@ -163,7 +167,7 @@ left() { echo $((BUDGET - ($(date +%s) - START))); }
 
 # step NAME CAP MIN RESERVE cmd...: runs cmd under timeout for min(CAP, left - RESERVE)
 # seconds (RESERVE: what later steps need), or skips it when that is under MIN.
-# Output: timestamped, into the session log and $WORK/logs/NAME.log. Returns cmd's status.
+# Output: timestamped, into the part's log and $WORK/logs/NAME.log. Returns cmd's status.
 step() {
   local name=$1 cap=$2 min=$3 reserve=$4
   shift 4
@@ -203,7 +207,7 @@ env_info() {
 }
 
 # ---------------------------------------------------------------------------------------
-# report: issue 6, the profiling report (train.profile) for three models
+# report: the profiling report (train.profile) for three models
 
 part_report() {
   local prof="$WORK/profile-$TAG"
@@ -286,7 +290,7 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------
-# scale: issue 4's longest sequence (ring) and the Llama-2-7B shape, FSDP x seq
+# scale: the longest ring sequence and the Llama-2-7B shape, FSDP x seq
 
 summarise_jsonl() { # FILE: medians over the steady steps (3 on) of the trainer's JSONL log
   "$PY" - "$1" <<'EOF'
@@ -325,9 +329,10 @@ part_scale() {
   fi
   step ring-longest 200 60 150 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
     --devices 2 --layouts zigzag --strategies ring --longest --longest-refine 4 \
-    "${ring_args[@]}" --out "$OUT/ring-2-longest-$TAG.json"
+    "${ring_args[@]}" --out "$OUT/ring-longest-$TAG.json"
 
-  # (b) Llama-2-7B shape: FSDP x seq over both devices (the seed's 4-GPU config, on 2)
+  # (b) Llama-2-7B shape: FSDP x seq over both devices (configs/llama2_7b_seed.yaml's
+  # 4-GPU setup, on 2)
   local model ctx fallback vocab steps mem_fraction
   if [ "$MODE" = gpu ]; then
     model=llama2-7b ctx=65536 fallback=32768 vocab=32000 steps=10 mem_fraction=0.92
@@ -349,7 +354,7 @@ part_scale() {
       --export_hf false --progress false --output_dir "$run"
     local rc=$?
     if [ -s "$run/log.jsonl" ]; then
-      local dst="$OUT/train-${model//[.-]/_}-$k-$TAG-seq2-shard_over_seq.jsonl"
+      local dst="$OUT/train-$model-$k-seq2-$TAG.jsonl"
       cp "$run/log.jsonl" "$dst"
       summarise_jsonl "$dst" 2>&1 | ts
     fi
@@ -376,7 +381,7 @@ part_scale() {
 part_capacity() {
   # Longest trainable context, Llama-3.2-1B shape: jflash on 1 vs 2 devices (compiled
   # memory plan of the trainer's step, never run) and HF transformers on 1 (real steps,
-  # out of memory = does not fit). Issue 5: >= 2x HF's longest per GPU count.
+  # out of memory = does not fit).
   local cap_args hf_args
   if [ "$MODE" = gpu ]; then
     cap_args=(--models llama3.2-1b --start 64k --max 4m --refine 2)
@@ -386,10 +391,10 @@ part_capacity() {
     hf_args=(--model tiny --layers 1 --context 128 --max 1024 --refine 1)
   fi
   step capacity 330 60 120 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.capacity \
-    --mesh seq=1 --mesh seq=2 "${cap_args[@]}" --out "$OUT/capacity-llama3_2_1b-$TAG.json"
+    --mesh seq=1 --mesh seq=2 "${cap_args[@]}" --out "$OUT/capacity-llama3.2-1b-$TAG.json"
   if "$PY" -c "import torch, transformers" 2>/dev/null; then
     step hf-longest 180 40 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
-      --longest "${hf_args[@]}" --out "$OUT/hf-longest-llama3_2_1b-$TAG.json"
+      --longest "${hf_args[@]}" --out "$OUT/hf-longest-llama3.2-1b-$GPU.json"
   else
     say "hf-longest: SKIPPED (no torch/transformers in $PY)"
   fi
@@ -403,7 +408,7 @@ hf_32k() { # CONTEXT: the HF/PyTorch baseline of the same shape on GPU 0
   fi
   if [ "$MODE" = gpu ]; then hf_model=(--model llama3.2-1b); else hf_model=(--model tiny --layers 1); fi
   step hf-32k 150 60 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
-    "${hf_model[@]}" --context "$1" --steps 3 --warmup 1 --out "$OUT/hf-baseline-1b-32k-$TAG.json"
+    "${hf_model[@]}" --context "$1" --steps 3 --warmup 1 --out "$OUT/hf-llama3.2-1b-32k-$GPU.json"
 }
 
 setup_1b_32k() { # RESERVE: sample data and the trainer's common flags, Llama-3.2-1B at
@@ -424,18 +429,17 @@ setup_1b_32k() { # RESERVE: sample data and the trainer's common flags, Llama-3.
 }
 
 part_train32k() {
-  # Issue 5's bars with the Mosaic kernels: 1 GPU vs HF (same session), 2 GPUs as the
-  # config runs them (sharded over seq, weights gathered once per step; per-GPU
+  # The trainer against HF on 1 GPU (same call), and 2 GPUs as the config runs them (sharded over seq, weights gathered once per step; per-GPU
   # efficiency), Llama-3.2-1B shape at 32k.
   local ctx steps model vocab log_every one_device data common
   setup_1b_32k 300
   rm -rf "$WORK/t1" "$WORK/t2"
   step train-1gpu 150 60 200 env "XLA_FLAGS=$one_device" CUDA_VISIBLE_DEVICES=0 \
     "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=1 --output_dir "$WORK/t1"
-  [ -s "$WORK/t1/log.jsonl" ] && cp "$WORK/t1/log.jsonl" "$OUT/train-1b-32k-$TAG-seq1-mosaic.jsonl"
+  [ -s "$WORK/t1/log.jsonl" ] && cp "$WORK/t1/log.jsonl" "$OUT/train-llama3.2-1b-32k-seq1-$TAG.jsonl"
   step train-2gpu 150 60 100 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train "${common[@]}" \
     --mesh data=1,fsdp=1,seq=2 --output_dir "$WORK/t2"
-  [ -s "$WORK/t2/log.jsonl" ] && cp "$WORK/t2/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-mosaic.jsonl"
+  [ -s "$WORK/t2/log.jsonl" ] && cp "$WORK/t2/log.jsonl" "$OUT/train-llama3.2-1b-32k-seq2-$TAG.jsonl"
   hf_32k "$ctx"
 }
 
@@ -445,7 +449,7 @@ part_fill() {
   # filled is skipped, and report.json is rewritten after every row, so a part cut by
   # its budget keeps what it filled (commit it and run the part again).
   local src dst="$WORK/fill-$TAG"
-  if [ "$MODE" = gpu ]; then src=benchmarks/results/profile-h200x2; else src="$WORK/profile-$TAG"; fi
+  if [ "$MODE" = gpu ]; then src=benchmarks/results/profile-$TAG; else src="$WORK/profile-$TAG"; fi
   if [ ! -s "$src/report.json" ]; then
     say "fill: SKIPPED (no $src/report.json)"
     return 0
@@ -460,9 +464,9 @@ part_fill() {
 }
 
 part_ring() {
-  # Issue 4 on every GPU of the machine (P = 4 on nvidia-h200-x4): the ring's compiled
+  # The ring on every GPU of the machine (P = 4 where it has 4): the ring's compiled
   # tests of both strategies and the Mosaic kernels, the table at 8k and 16k tokens per
-  # GPU (zigzag; ring vs allgather; device-time breakdown of each pass), then issue 5's
+  # GPU (zigzag; ring vs allgather; device-time breakdown of each pass), then the
   # 1B at 32k on 2 GPUs with each strategy. RING_TESTS=0 skips the tests.
   local n
   n=$(env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
@@ -481,7 +485,7 @@ part_ring() {
   fi
   step ring-table 330 120 150 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
     --devices "$devices" --layouts zigzag --strategies ring,allgather --profile \
-    "${ring_args[@]}" --out "$OUT/ring-$n-$TAG.json"
+    "${ring_args[@]}" --out "$OUT/ring-profile-$TAG.json"
   local ctx steps model vocab log_every one_device data common strategy
   setup_1b_32k 140
   for strategy in allgather ring; do
@@ -490,16 +494,16 @@ part_ring() {
       "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=2 --shard_over_seq true \
       --ring_strategy "$strategy" --output_dir "$WORK/s2-$strategy"
     if [ -s "$WORK/s2-$strategy/log.jsonl" ]; then
-      cp "$WORK/s2-$strategy/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-$strategy.jsonl"
-      summarise_jsonl "$OUT/train-1b-32k-$TAG-seq2-$strategy.jsonl" 2>&1 | ts
+      cp "$WORK/s2-$strategy/log.jsonl" "$OUT/train-llama3.2-1b-32k-seq2-$strategy-$TAG.jsonl"
+      summarise_jsonl "$OUT/train-llama3.2-1b-32k-seq2-$strategy-$TAG.jsonl" 2>&1 | ts
     fi
   done
 }
 
 part_seq2trace() {
-  # Issue 5: per-phase and per-kernel time of the 32k config's step at seq=1 and seq=2
+  # Per-phase and per-kernel time of the 32k config's step at seq=1 and seq=2
   # (--shard_over_seq --gather_once, as the config), same process tree (BENCHMARKS.md,
-  # ninth and tenth sessions).
+  # "Trainer on 2 GPUs").
   local prof="$WORK/seq2trace-$TAG" model=llama3.2-1b ctx=32k
   if [ "$MODE" != gpu ]; then model=tiny ctx=512; fi
   rm -rf "$prof"
@@ -515,11 +519,10 @@ part_seq2trace() {
 }
 
 part_gradcheck() {
-  # Issue 5: one step's gradients per parameter, the 32k config on 1 GPU in f32 (the
+  # One step's gradients per parameter, the 32k config on 1 GPU in f32 (the
   # reference: Triton kernels) and bf16, and on 2 GPUs with replicated and gathered-once
-  # weights in bf16 (~4 minutes). The eleventh session's answer to the tenth's ~1%
-  # question: the layouts agree in f32 (2e-4); in bf16 the tied embedding's gradient
-  # moves by 5-14%, one GPU's the farthest from f32 (BENCHMARKS.md).
+  # weights in bf16 (~4 minutes). The layouts agree in f32 (2e-4); in bf16 the tied
+  # embedding's gradient moves by 5-14%, one GPU's the farthest from f32 (BENCHMARKS.md).
   local ctx steps model vocab log_every one_device data common
   setup_1b_32k 280
   local seq2="--mesh data=1,fsdp=1,seq=2"
@@ -529,13 +532,12 @@ part_gradcheck() {
     --layout "--mesh data=1,fsdp=1,seq=1" \
     --layout "$seq2 --shard_over_seq false --gather_once false" \
     --layout "$seq2 --shard_over_seq true --gather_once true" \
-    --top 12 --out "$OUT/gradcheck-1b-32k-$TAG.json"
+    --top 12 --out "$OUT/gradcheck-llama3.2-1b-32k-$TAG.json"
 }
 
 part_precision() {
-  # Issue 5, the eleventh session's open numerics question: in bf16 one GPU's tied
-  # embedding gradient sat 13.5% from f32 (2-GPU layouts 5%; other parameters 2%), at
-  # 32k on GPUs; on CPU (2 layers, 2k) under 1.5%. Which attention kernel (Mosaic with
+  # In bf16 one GPU's tied embedding gradient sits 13.5% from f32 (2-GPU layouts 5%;
+  # other parameters 2%) at 32k on GPUs; on CPU (2 layers, 2k) under 1.5%. Which attention kernel (Mosaic with
   # approximate exp2 / reciprocal, Triton, cuDNN) moves it? One step's gradients per
   # parameter at 8k on one GPU, f32 (Triton) as the reference (~2-3 minutes).
   local ctx=8192 model=llama3.2-1b vocab=32000 vendor=cudnn
@@ -551,13 +553,13 @@ part_precision() {
     --layout "$one" \
     --layout "$one --attention_implementation pallas_triton" \
     --layout "$one --attention $vendor" \
-    --top 6 --out "$OUT/precision-1b-$ctx-$TAG.json"
+    --top 6 --out "$OUT/precision-llama3.2-1b-$ctx-$GPU.json"
 }
 
 part_remat() {
-  # Issue 5: Llama-3.2-1B shape at 32k. jflash needs 0.42x HF's memory with
-  # remat=save_attn, so remat=none (no recompute of the layers' matmuls) may fit:
-  # both on 1 GPU, none on 2 GPUs (seq=2), and the HF baseline, in one session.
+  # Llama-3.2-1B shape at 32k. jflash needs 0.42x HF's memory with remat=save_attn,
+  # so remat=none (no recompute of the layers' matmuls) may fit: both on 1 GPU, none on
+  # 2 GPUs (seq=2), and the HF baseline, in one call.
   local ctx steps model vocab log_every one_device data common
   setup_1b_32k 360
   local policy reserve
@@ -568,16 +570,16 @@ part_remat() {
       env "XLA_FLAGS=$one_device" CUDA_VISIBLE_DEVICES=0 "$PY" -m train "${common[@]}" \
       --mesh data=1,fsdp=1,seq=1 --remat_policy "$policy" --output_dir "$WORK/r1-$policy"
     [ -s "$WORK/r1-$policy/log.jsonl" ] &&
-      cp "$WORK/r1-$policy/log.jsonl" "$OUT/train-1b-32k-$TAG-seq1-$policy.jsonl"
+      cp "$WORK/r1-$policy/log.jsonl" "$OUT/train-llama3.2-1b-32k-seq1-$policy-$TAG.jsonl"
   done
   rm -rf "$WORK/r2-none"
   step train-2gpu-none 120 60 90 env "XLA_FLAGS=$BASE_XLA_FLAGS" CUDA_VISIBLE_DEVICES=0,1 \
     "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=2 --shard_over_seq true \
     --remat_policy none --output_dir "$WORK/r2-none"
   [ -s "$WORK/r2-none/log.jsonl" ] &&
-    cp "$WORK/r2-none/log.jsonl" "$OUT/train-1b-32k-$TAG-seq2-shard_over_seq-none.jsonl"
+    cp "$WORK/r2-none/log.jsonl" "$OUT/train-llama3.2-1b-32k-seq2-none-$TAG.jsonl"
   local f
-  for f in "$OUT"/train-1b-32k-"$TAG"-seq*-{save_attn,none}.jsonl; do
+  for f in "$OUT"/train-llama3.2-1b-32k-seq*-{save_attn,none}-"$TAG".jsonl; do
     [ -s "$f" ] && summarise_jsonl "$f" 2>&1 | ts
   done
   hf_32k "$ctx"
