@@ -221,8 +221,17 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
         path = os.fspath(hf)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            hf = json.load(f)
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"{path} does not exist (not an HF model directory?)") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"model_type={model_type!r}: only 'llama' checkpoints are supported")

@@ -145,14 +145,26 @@ class _TensorIndex(Mapping[str, np.ndarray]):
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map: dict[str, str] = json.load(f)["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("'weight_map' is not an object")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
         elif os.path.exists(single):
             weight_map = dict.fromkeys(SafetensorsFile(single), "model.safetensors")
         else:
-            raise FileNotFoundError(
-                f"{path} has neither model.safetensors nor model.safetensors.index.json"
+            raise ValueError(
+                f"{path} has no weights: neither model.safetensors nor model.safetensors.index.json"
             )
+        missing = sorted(
+            name
+            for name in set(weight_map.values())
+            if not os.path.isfile(os.path.join(path, name))
+        )
+        if missing:
+            raise ValueError(f"{index} lists shards that are not in {path}: {missing}")
         self._files = {
             name: SafetensorsFile(os.path.join(path, name)) for name in set(weight_map.values())
         }

@@ -40,7 +40,7 @@ SAVE_ATTN_NAMES: tuple[str, ...] = ("attention_out", "attention_lse")
 # Saved by remat="save_dots" besides every matmul output: the MLP's activation
 # `silu(gate) * up`, the down projection's input. Recomputing it read gate and up again
 # in every layer's backward (8 ms of a 1B step at 32k on an H100); saving it costs
-# 0.5 GB per layer there and gained 0.6% on one H200 (BENCHMARKS.md, eighth session).
+# 0.5 GB per layer there and gained 0.6% on one H200 (BENCHMARKS.md, trainer).
 SAVE_DOTS_NAMES: tuple[str, ...] = ("mlp_activation",)
 DEFAULT_ATTENTION = AttentionConfig()
 

@@ -36,13 +36,48 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+        try:
+            size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+                (header_len,) = struct.unpack("<Q", head)
+                if 8 + header_len > size:
+                    raise ValueError(f"the header claims {header_len} bytes, the file has {size}")
+                header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+        except OSError as e:
+            raise ValueError(f"{self.path}: cannot read ({e.strerror})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path}: not a valid safetensors file ({e})") from None
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, dict] = header
         self._offset = 8 + header_len
+        self._check_entries(size - self._offset)
         self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _check_entries(self, data_bytes: int) -> None:
+        """Every tensor's byte range lies in the file and matches its dtype and shape:
+        a truncated download fails here, naming the file, not at a later reshape."""
+        for name, entry in self._entries.items():
+            try:
+                start, end = (int(x) for x in entry["data_offsets"])
+                shape = [int(d) for d in entry["shape"]]
+                dtype = entry["dtype"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{self.path}: tensor {name!r} has a malformed entry") from None
+            if end > data_bytes:
+                raise ValueError(
+                    f"{self.path} is truncated: tensor {name!r} ends at byte {end} of the "
+                    f"data, which holds {data_bytes} (download it again)"
+                )
+            if dtype in _DTYPES and end - start != int(np.prod(shape)) * _DTYPES[dtype].itemsize:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} spans {end - start} bytes, but {dtype} "
+                    f"{shape} needs {int(np.prod(shape)) * _DTYPES[dtype].itemsize}"
+                )
 
     def __getitem__(self, name: str) -> np.ndarray:
         entry = self._entries[name]

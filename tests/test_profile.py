@@ -149,6 +149,7 @@ def test_cpu_trace_from_the_trainer(tmp_path):
         parse_args(
             [
                 "--model_name_or_path", "tiny",
+                "--data_path", "sample",
                 "--model_max_length", "64",
                 "--sample_num_examples", "16",
                 "--mesh", "data=1,fsdp=-1,seq=2",

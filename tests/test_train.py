@@ -28,6 +28,8 @@ EIGHT = pytest.mark.multi_device(8)
 SMALL = [
     "--model_name_or_path",
     "tiny",
+    "--data_path",
+    "sample",
     "--model_max_length",
     "64",
     "--sample_num_examples",
@@ -502,7 +504,7 @@ def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
     tops the list."""
     from train import gradcheck
 
-    common = [*SMALL[:6], "--bf16", "false"]
+    common = [*SMALL[:8], "--bf16", "false"]
     out = tmp_path / "gradcheck.json"
     rows = gradcheck.main(
         [

@@ -39,10 +39,10 @@ class ModelArgs:
 
 @dataclasses.dataclass(frozen=True)
 class DataArgs:
-    data_path: str = ""  # .pkl | .jsonl | .npy; empty: make sample data in output_dir
+    data_path: str = ""  # required: a .pkl | .jsonl | .npy file, or "sample" (made-up data)
     model_max_length: int = 2048  # tokens per training sequence
     sample_vocab_size: int = 0  # sample data: 0 means the model's vocabulary
-    sample_num_examples: int = 256
+    sample_num_examples: int = 256  # --data_path sample: examples of model_max_length
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,14 +10,14 @@ Every layout starts from the same parameters (the seed) and takes the same batch
 0): only how the step is split over devices differs, so the gradients should agree to
 rounding. The first layout is the reference; make it an f32 one (`--bf16 false`) to
 tell rounding from a bug: in bf16 some gradients move between layouts far more than the
-loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, eleventh session),
+loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, trainer),
 while in f32 every layout agrees to ~1e-4. For each other layout it prints the loss,
 the gradient norm, and the parameters whose gradients differ most from the
 reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
 as JSON. Flags other than `--layout`, `--top` and `--out` go to every layout's trainer
 configuration (`python -m train --help`); a layout's own flags come last and win. Nothing
-is trained or saved: `--output_dir` is a temporary directory (where sample data goes
-when there is no `--data_path`).
+is trained or saved: `--output_dir` is a temporary directory. `--data_path` is required
+as in the trainer (`--data_path sample` for made-up data, the same for every layout).
 """
 
 from __future__ import annotations
@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if jax.process_count() > 1:
         parser.error("runs in one process (it copies every gradient to the host)")
     results = []
-    # One directory for every layout: without --data_path the first layout writes the
-    # sample data there and the others read the same file.
+    # One scratch --output_dir for every layout (nothing is written there).
     with tempfile.TemporaryDirectory(prefix="jflash-gradcheck-") as work:
         reference = None
         for layout in args.layout:

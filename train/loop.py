@@ -5,10 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -25,8 +23,10 @@ from jax.sharding import PartitionSpec as P
 import models
 from models.sharding import spec_axes
 from train import data as data_lib
+from train import outputs
 from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
+from train.errors import TrainingError
 from train.mesh import (
     batch_sharding,
     compute_shardings,
@@ -42,10 +42,6 @@ from train.optim import optimizer, schedule
 from train.step import StepSpec, train_step
 from train.tensorboard import SummaryWriter
 from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
-
-
-class TrainingError(RuntimeError):
-    """A failure the user can act on (message says what to change)."""
 
 
 def initialize_distributed(cfg: TrainConfig) -> None:
@@ -94,22 +90,34 @@ def load_model(cfg: TrainConfig):
     return _for_run(config, cfg), params
 
 
-def load_rows(cfg: TrainConfig, config, is_main: bool) -> data_lib.Rows:
-    """The packed training rows; without `--data_path`, learnable sample data is made."""
+SAMPLE_DATA = "sample"
+
+
+def load_rows(cfg: TrainConfig, config) -> data_lib.Rows:
+    """The packed training rows of `--data_path`; `sample` makes learnable sample data
+    in memory (the same on every host: it depends only on the flags and `--seed`)."""
     path = cfg.data.data_path
     if not path:
-        path = os.path.join(cfg.run.output_dir, "sample_data.npy")
-        if is_main and not os.path.exists(path):
-            vocab = cfg.data.sample_vocab_size or config.vocab_size
-            examples = data_lib.markov_samples(
-                cfg.data.sample_num_examples, cfg.data.model_max_length, vocab, cfg.run.seed
+        raise TrainingError(
+            "--data_path is required: a .pkl, .jsonl or .npy file, or 'sample' for "
+            "made-up learnable data (--sample_num_examples, --sample_vocab_size)"
+        )
+    if path == SAMPLE_DATA:
+        vocab = cfg.data.sample_vocab_size or config.vocab_size
+        if vocab > config.vocab_size:
+            raise TrainingError(
+                f"--sample_vocab_size={vocab} exceeds the model's vocab_size={config.vocab_size}"
             )
-            os.makedirs(cfg.run.output_dir, exist_ok=True)
-            data_lib.save_dataset(path, examples)
-        multihost_utils.sync_global_devices("sample data written")
-    name = cfg.model.model_name_or_path
-    tokenizer_dir = name if os.path.isdir(name) else None
-    dataset = data_lib.load_dataset(path, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size)
+        examples = data_lib.markov_samples(
+            cfg.data.sample_num_examples, cfg.data.model_max_length, vocab, cfg.run.seed
+        )
+        dataset = data_lib.TokenDataset.from_examples(SAMPLE_DATA, list(examples))
+    else:
+        name = cfg.model.model_name_or_path
+        tokenizer_dir = name if os.path.isdir(name) else None
+        dataset = data_lib.load_dataset(
+            path, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
+        )
     return dataset.rows(cfg.data.model_max_length)
 
 
@@ -280,7 +288,6 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
       devices: the devices the mesh spans (default: all), e.g. a subset for a
         scaling study.
     """
-    is_main = jax.process_index() == 0
     count = len(devices) if devices is not None else jax.device_count()
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     check_layout(cfg, sizes)
@@ -290,7 +297,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         host_params = None
     seq_len = cfg.data.model_max_length
 
-    rows = load_rows(cfg, config, is_main)
+    rows = load_rows(cfg, config)
     global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
     accum = cfg.run.gradient_accumulation_steps
     if global_batch * accum > rows.num_rows:
@@ -356,182 +363,191 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
 
 
 def run(cfg: TrainConfig) -> dict:
-    """Trains; returns a summary (final loss, steps, metrics) for tests and reports."""
+    """Trains; returns a summary (final loss, steps, metrics) for tests and reports.
+
+    Everything that can refuse the run (flags, output directory, model, data, mesh, the
+    checkpoint to resume, the step's compilation) is checked before a previous run's
+    outputs are deleted (`--overwrite_output_dir`) or its log is cut back (resume).
+    """
     initialize_distributed(cfg)
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
+    outputs.check_writable(out)
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
-    _claim_output_dir(cfg, continuing, is_main)
+    outputs.check_claim(
+        out,
+        continuing=continuing,
+        overwrite=cfg.run.overwrite_output_dir,
+        resume_flag=cfg.run.resume_from_checkpoint,
+    )
     t = build(cfg)
-    rows, batches, total_steps = t.rows, t.batches, t.total_steps
-    global_batch, accum, config = t.global_batch, t.accum, t.config
-    state, state_shardings, step_fn = t.state, t.state_shardings, t.step_fn
-    lr_at, flops_token = t.lr_at, t.flops_token
-
     with jax.set_mesh(t.mesh):
-        ckpt = Checkpoints(out, cfg.run.save_total_limit)
-        start_step = 0
-        # What fixes the data order: a resumed run must match the checkpoint's.
-        run_meta = {
-            "model_max_length": cfg.data.model_max_length,
-            "rows_per_step": global_batch * accum,
-            "num_rows": rows.num_rows,
-            "seed": cfg.run.seed,
-        }
-        if resume is not None:
-            source = ckpt if continuing else Checkpoints(resume[0], None, read_only=True)
-            step = resume[1] if resume[1] is not None else source.latest_step()
-            if step is None:
-                raise TrainingError(
-                    f"--resume_from_checkpoint: no checkpoint in {source.directory}"
-                )
-            later = [s for s in source.all_steps() if s > step]
-            if continuing and later:
-                raise TrainingError(
-                    f"--resume_from_checkpoint: {source.directory} also holds later "
-                    f"checkpoints {later}, which training on from {step} here would collide "
-                    f"with; resume into another --output_dir"
-                )
-            abstract = jax.tree.map(
-                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                state,
-                state_shardings,
-            )
-            state, meta = source.restore(step, abstract)
-            start_step = int(meta["step"])
-            _check_resumable(meta, run_meta, source.directory)
-            # The saved data position must land on the same step with this data/batch.
-            resumed = data_lib.Batches(
-                rows, global_batch * accum, seed=cfg.run.seed, start=meta["data"]
-            )
-            if resumed.step != start_step:
-                raise TrainingError(
-                    f"checkpoint step {start_step} and data position {meta['data']} disagree: "
-                    "did the data, --model_max_length or the batch size change?"
-                )
-            if continuing and is_main:
-                _truncate_log(os.path.join(out, "log.jsonl"), start_step)
-            if start_step >= total_steps and is_main:
-                print(
-                    f"nothing to train: checkpoint {start_step} is already at the run's "
-                    f"{total_steps} steps",
-                    file=sys.stderr,
-                )
+        state, start_step = _initial_state(t, resume, continuing)
         t.state = None  # the loop owns (and donates) the state from here on
-
-        writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
-        log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
-        profile = _profile_window(cfg)
-        if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
+        step_fn = t.step_fn
+        if start_step < t.total_steps:
+            # Compiled before anything is deleted: a step that cannot compile (or does
+            # not fit) leaves the previous run's outputs in place.
+            with _oom_advice(cfg):
+                step_fn = t.step_fn.lower(state, t.batch(start_step)).compile()
+        if cfg.run.overwrite_output_dir:
+            outputs.clear(out, is_main)
+        if continuing and is_main:
+            outputs.drop_after(out, start_step)
+        if start_step >= t.total_steps and is_main:
             print(
-                "warning: --profile_steps with XLA's command buffers on: the trace's kernels "
-                f"will carry no op names or name scopes; set XLA_FLAGS={NO_COMMAND_BUFFERS} "
-                "before starting for a trace that names them",
+                f"nothing to train: checkpoint {start_step} is already at the run's "
+                f"{t.total_steps} steps",
                 file=sys.stderr,
-                flush=True,
             )
-        bar = _progress(cfg, is_main, start_step, total_steps)
-        history = []
-        timer = _Timer()
-        finish_args = (cfg, lr_at, timer, flops_token, writer, log, bar, total_steps)
-        # Metrics are fetched one step late (the next step is already queued), except at
-        # logging and saving steps, which wait for their own step: throughput windows
-        # then start and end at completed steps, and nothing non-finite is saved.
-        pending = None
-        tracing = False
-        try:
-            for step in range(start_step, total_steps):
-                if profile and step == profile[0]:
-                    jax.block_until_ready(state)
-                    jax.profiler.start_trace(
-                        cfg.profile.profile_dir or os.path.join(out, "tensorboard")
-                    )
-                    tracing = True
-                with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    with _oom_advice(cfg):
-                        state, metrics = step_fn(state, t.batch(step))
-                if tracing and step == profile[1] - 1:
-                    jax.block_until_ready(state)
-                    jax.profiler.stop_trace()
-                    tracing = False
-                if pending is not None:
-                    history.append(_finish(pending, *finish_args))
-                    pending = None
-                done = step + 1
-                save = _should_save(cfg, done, total_steps, batches.steps_per_epoch)
-                if save or done % cfg.run.logging_steps == 0 or done == total_steps:
-                    history.append(_finish((step, metrics), *finish_args))
-                else:
-                    pending = (step, metrics)
-                if save:
-                    epoch, index = divmod(done, batches.steps_per_epoch)
-                    data_pos = {"epoch": epoch, "index": index}
-                    ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
-        finally:
-            if tracing:  # stopped early (an error): keep what was traced
-                jax.profiler.stop_trace()
-            ckpt.close()
-            if bar is not None:
-                bar.close()
-            if writer is not None:
-                writer.close()
-            if log is not None:
-                log.close()
-
-        if cfg.run.export_hf and total_steps > start_step:
+        state, history = _train(t, state, start_step, step_fn, is_main)
+        if cfg.run.export_hf and t.total_steps > start_step:
             host = multihost_utils.process_allgather(state["params"], tiled=True)
             if is_main:
-                models.export_hf(jax.tree.map(np.asarray, host), config, os.path.join(out, "hf"))
-                _copy_tokenizer(cfg.model.model_name_or_path, os.path.join(out, "hf"))
-    losses = [h["loss"] for h in history]
+                hf_dir = os.path.join(out, "hf")
+                models.export_hf(jax.tree.map(np.asarray, host), t.config, hf_dir)
+                outputs.copy_tokenizer(cfg.model.model_name_or_path, hf_dir)
     return {
-        "losses": losses,
+        "losses": [h["loss"] for h in history],
         "history": history,
-        "total_steps": total_steps,
+        "total_steps": t.total_steps,
         "start_step": start_step,
         "mesh": t.sizes,
-        "config": config,
+        "config": t.config,
     }
 
 
-RUN_OUTPUTS = ("checkpoints", "log.jsonl", "tensorboard", "hf")
+def _run_meta(t: Trainer) -> dict:
+    """What fixes the data order and the schedule: a resumed run must match it."""
+    return {
+        "model_max_length": t.cfg.data.model_max_length,
+        "rows_per_step": t.global_batch * t.accum,
+        "num_rows": t.rows.num_rows,
+        "seed": t.cfg.run.seed,
+        "total_steps": t.total_steps,
+    }
 
 
-def _claim_output_dir(cfg: TrainConfig, continuing: bool, is_main: bool) -> None:
-    """Refuses to mix a new run into a previous run's outputs (Orbax would skip saving
-    steps at or below the old run's latest checkpoint); `--overwrite_output_dir` deletes
-    them first. Resuming from this directory continues the run that is there."""
-    out = cfg.run.output_dir
-    found = [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
+def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
+    """`(state, first step)`: the built state, or a checkpoint's (read, never written)."""
+    if resume is None:
+        return t.state, 0
+    cfg = t.cfg
     if continuing:
-        if cfg.run.overwrite_output_dir:
+        source = Checkpoints(cfg.run.output_dir, None, read_only=True)
+    else:
+        source = Checkpoints(resume[0], None, read_only=True)
+    try:
+        step = resume[1] if resume[1] is not None else source.latest_step()
+        if step is None:
+            raise TrainingError(f"--resume_from_checkpoint: no checkpoint in {source.directory}")
+        later = [s for s in source.all_steps() if s > step]
+        if continuing and later:
             raise TrainingError(
-                f"--overwrite_output_dir would delete the checkpoints that "
-                f"--resume_from_checkpoint={cfg.run.resume_from_checkpoint!r} reads in {out!r}"
+                f"--resume_from_checkpoint: {source.directory} also holds later "
+                f"checkpoints {later}, which training on from {step} here would collide "
+                f"with; resume into another --output_dir"
             )
-        return
-    if found and not cfg.run.overwrite_output_dir:
-        raise TrainingError(
-            f"--output_dir={out!r} holds a previous run ({', '.join(found)}): continue it "
-            "with --resume_from_checkpoint latest, replace it with --overwrite_output_dir "
-            "true, or choose another --output_dir"
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            t.state,
+            t.state_shardings,
         )
-    if not cfg.run.overwrite_output_dir:
-        return
-    if is_main:
-        for name in found:
-            path = os.path.join(out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    if jax.process_count() > 1:  # every process waits here, whatever it found
-        multihost_utils.sync_global_devices("jflash: output_dir cleared")
+        state, meta = source.restore(step, abstract)
+    finally:
+        source.close()
+    start_step = int(meta["step"])
+    _check_resumable(meta, _run_meta(t), source.directory)
+    # The saved data position must land on the same step with this data/batch.
+    resumed = data_lib.Batches(
+        t.rows, t.global_batch * t.accum, seed=cfg.run.seed, start=meta["data"]
+    )
+    if resumed.step != start_step:
+        raise TrainingError(
+            f"checkpoint step {start_step} and data position {meta['data']} disagree: "
+            "did the data, --model_max_length or the batch size change?"
+        )
+    return state, start_step
+
+
+def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
+    """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`."""
+    cfg, out, total_steps = t.cfg, t.cfg.run.output_dir, t.total_steps
+    ckpt = Checkpoints(out, cfg.run.save_total_limit)
+    run_meta = _run_meta(t)
+    writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
+    log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
+    profile = _profile_window(cfg)
+    if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
+        print(
+            "warning: --profile_steps with XLA's command buffers on: the trace's kernels "
+            f"will carry no op names or name scopes; set XLA_FLAGS={NO_COMMAND_BUFFERS} "
+            "before starting for a trace that names them",
+            file=sys.stderr,
+            flush=True,
+        )
+    bar = _progress(cfg, is_main, start_step, total_steps)
+    history = []
+    timer = _Timer()
+    finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, total_steps)
+    steps_per_epoch = t.batches.steps_per_epoch
+    # Metrics are fetched one step late (the next step is already queued), except at
+    # logging and saving steps, which wait for their own step: throughput windows
+    # then start and end at completed steps, and nothing non-finite is saved.
+    pending = None
+    tracing = False
+    try:
+        for step in range(start_step, total_steps):
+            if profile and step == profile[0]:
+                jax.block_until_ready(state)
+                jax.profiler.start_trace(
+                    cfg.profile.profile_dir or os.path.join(out, "tensorboard")
+                )
+                tracing = True
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                with _oom_advice(cfg):
+                    state, metrics = step_fn(state, t.batch(step))
+            if tracing and step == profile[1] - 1:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                tracing = False
+            if pending is not None:
+                history.append(_finish(pending, *finish_args))
+                pending = None
+            done = step + 1
+            save = _should_save(cfg, done, total_steps, steps_per_epoch)
+            if save or done % cfg.run.logging_steps == 0 or done == total_steps:
+                history.append(_finish((step, metrics), *finish_args))
+            else:
+                pending = (step, metrics)
+            if save:
+                epoch, index = divmod(done, steps_per_epoch)
+                data_pos = {"epoch": epoch, "index": index}
+                ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
+    finally:
+        if tracing:  # stopped early (an error): keep what was traced
+            jax.profiler.stop_trace()
+        ckpt.close()
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+        if log is not None:
+            log.close()
+    return state, history
 
 
 def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
     saved = meta.get("run")
     if saved is None:  # checkpoints written before this record existed
         return
-    changed = {k: (saved[k], v) for k, v in run_meta.items() if k in saved and saved[k] != v}
+    schedule_keys = ("total_steps",)
+    changed = {
+        k: (saved[k], v)
+        for k, v in run_meta.items()
+        if k in saved and saved[k] != v and k not in schedule_keys
+    }
     if changed:
         text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
         raise TrainingError(
@@ -540,45 +556,15 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "--model_max_length, data, global batch (per-device batch x data x fsdp x "
             "accumulation) and --seed"
         )
-
-
-def _truncate_log(path: str, last_step: int) -> None:
-    """Drops the log records after the checkpoint resumed from (a killed run logged
-    steps it never saved; they are run again)."""
-    if not os.path.exists(path):
-        return
-
-    def step_of(line: str) -> float:
-        try:
-            return json.loads(line).get("step", math.inf)
-        except ValueError:  # a line torn by the kill
-            return math.inf
-
-    with open(path) as f:
-        lines = f.readlines()
-    keep = [line for line in lines if step_of(line) <= last_step]
-    if len(keep) != len(lines):
-        with open(path, "w") as f:
-            f.writelines(keep)
-
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
-
-
-def _copy_tokenizer(model_dir: str, hf_dir: str) -> None:
-    """The input model's tokenizer files go with the export, so it loads as a model."""
-    if not os.path.isdir(model_dir):
-        return
-    for name in TOKENIZER_FILES:
-        src = os.path.join(model_dir, name)
-        if os.path.isfile(src):
-            shutil.copy2(src, os.path.join(hf_dir, name))
+    old, new = saved.get("total_steps"), run_meta["total_steps"]
+    if old is not None and old != new:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} belongs to a run of {old} steps; this run "
+            f"has {new} (--max_steps / --num_train_epochs), which would change its "
+            "learning-rate schedule mid-run (the decay would jump). Resume with the same "
+            f"number of steps ({old}), or train further as a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
+        )
 
 
 def _progress(cfg, is_main, start, total):

@@ -106,7 +106,7 @@ def param_spec(
     (`--gather_once` with `fsdp=1`): a gather or reduce-scatter moves the split
     dimension's pieces as contiguous blocks, so with the minor one split XLA transposes
     every shard on the way and updates the optimizer state through a transposing
-    fusion at a quarter of the memory bandwidth (BENCHMARKS.md, eleventh session).
+    fusion at a quarter of the memory bandwidth (BENCHMARKS.md, trainer).
     Per-layer FSDP keeps the largest dimension: there XLA picks its gather and matmul
     strategy by the split.
     """

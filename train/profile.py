@@ -114,6 +114,8 @@ def _trainer_args(job: Job) -> list[str]:
         job.remat,
         "--per_device_train_batch_size",
         str(job.batch),
+        "--data_path",
+        "sample",
         "--sample_num_examples",
         "8",
         "--max_steps",
@@ -482,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reuse-ceilings",
         action="store_true",
         help="with --append: keep the existing report's measured ceilings instead of "
-        "measuring them again (same machine, same session)",
+        "measuring them again (same machine, measured earlier the same day)",
     )
     p.add_argument("--worker", nargs=3, metavar=("KIND", "JOB", "OUT"), help=argparse.SUPPRESS)
     return p

@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-# ANCHORS.md, "The seed's own numbers": 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
+# The seed project's own numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
 SEED_REFERENCE = [
     {"model": "llama2-7b", "forward_ms": 132.6, "backward_ms": 538.3, "comm_ms": 68.4},
     {"model": "llama3.2-3b", "forward_ms": 93.6, "backward_ms": 261.2, "comm_ms": 35.0},

@@ -13,7 +13,7 @@ written once), so it is an upper bound on the kernels' real intensity:
 * attention (per layer, per device of a ring over `P` devices holding `T/P` query
   tokens): forward reads q, all K/V blocks, writes o and the f32 LSE; backward reads
   q, o, dO, LSE and K/V, writes dQ, dK, dV. FLOPs use the kernel convention of
-  ANCHORS.md: causal forward `4 T_q T Hq D / 2`, forward + backward 3.5x that.
+  FlashAttention papers: causal forward `4 T_q T Hq D / 2`, forward + backward 3.5x that.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `ids`, `labels` `[accum, B, T]` arrive in natural token order, sharded batch over
 `data x fsdp` and sequence over `seq`. With the zigzag layout they are permuted once
 here (`jflash.zigzag`), positions come from `jflash.positions`, and every layer then
-works in that order (DESIGN.md "Public API"). Labels were aligned before sharding, so
+works in that order (the ring's own layout). Labels were aligned before sharding, so
 no shift ever crosses a shard.
 """
 

@@ -308,3 +308,39 @@ def read_scalars(path: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
             for tag, value in scalars:
                 out.setdefault(tag, []).append((step, value))
     return out
+
+
+def truncate_events(logdir: str | os.PathLike, last_step: int) -> None:
+    """Drops the scalar events after ``last_step`` from the event files directly in
+    ``logdir`` (a resumed run writes those steps again; TensorBoard would show both).
+
+    A record torn by a kill at the end of a file is dropped too. Files are rewritten
+    through a temporary file and ``os.replace``, so a failure leaves the old file.
+    """
+    logdir = Path(logdir)
+    if not logdir.is_dir():
+        return
+    for file in event_files(logdir):
+        data = file.read_bytes()
+        keep, offset, changed = [], 0, False
+        while offset < len(data):
+            header = data[offset : offset + 12]
+            length = struct.unpack("<Q", header[:8])[0] if len(header) == 12 else -1
+            end = offset + 12 + length
+            whole = length >= 0 and end + 4 <= len(data)
+            if not whole or masked_crc32c(header[:8]) != struct.unpack("<I", header[8:])[0]:
+                changed = True  # a torn or corrupt tail: nothing after it can be read
+                break
+            try:
+                step, scalars = _event_scalars(data[offset + 12 : end])
+            except ValueError:
+                step, scalars = 0, [("", 0.0)]
+            if scalars and step > last_step:
+                changed = True
+            else:
+                keep.append(data[offset : end + 4])
+            offset = end + 4
+        if changed:
+            tmp = file.with_name(file.name + ".tmp")
+            tmp.write_bytes(b"".join(keep))
+            os.replace(tmp, file)

@@ -1,0 +1,149 @@
+"""The trainer refuses bad input with one line naming the value, before it deletes or
+writes anything."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from models.safetensors_io import SafetensorsFile
+from train import data as data_lib
+from train.__main__ import main
+from train.config import parse_args
+from train.loop import TrainingError, run
+
+BASE = ["--model_name_or_path", "tiny", "--model_max_length", "64", "--progress", "false"]
+
+
+def _previous_run(out) -> dict[str, bytes]:
+    """A previous run's outputs (what `--overwrite_output_dir` would delete), by hand."""
+    files = {
+        "checkpoints/2/meta": b"{}",
+        "log.jsonl": b'{"step": 1, "loss": 5.0}\n',
+        "tensorboard/events.out.tfevents.1.host": b"events",
+        "hf/config.json": b"{}",
+    }
+    for name, data in files.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return files
+
+
+def _one_line_error(argv, capsys) -> str:
+    """`python -m train argv` exits 2 with one `error: ...` line and no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def _tiny_model_dir(path, **config_changes):
+    config = models.TINY.replace(**config_changes)
+    params = models.init_params(config, jax.random.key(0))
+    models.export_hf(jax.device_get(params), config, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--data_path", "typo.npy"], "no such data file"),
+        (["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
+        (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
+        (["--data_path", "sample", "--model_name_or_path", "nope"], "neither a local"),
+    ],
+)
+def test_overwrite_keeps_the_previous_run_when_the_new_one_cannot_start(tmp_path, extra, match):
+    """A typo in the data, a bad mesh or a too-long context: the previous run's
+    checkpoints, log, TensorBoard files and export are all still there."""
+    out = tmp_path / "run"
+    files = _previous_run(out)
+    small = tmp_path / "small.npy"
+    data_lib.save_dataset(small, np.arange(300, dtype=np.int32).reshape(3, 100) % 500)
+    extra = [
+        str(small) if a == "SMALL" else str(tmp_path / a) if a == "typo.npy" else a for a in extra
+    ]
+    argv = [*BASE, "--output_dir", str(out), "--overwrite_output_dir", "--max_steps", "1"]
+    with pytest.raises((TrainingError, ValueError), match=match):
+        run(parse_args([*argv, *extra]))
+    for name, data in files.items():
+        assert (out / name).read_bytes() == data, name
+
+
+def test_missing_data_path_is_refused_even_with_a_model_directory(tmp_path, capsys):
+    """No silent made-up data: `--data_path` is required; `sample` asks for it."""
+    model = _tiny_model_dir(tmp_path / "model")
+    (model / "tokenizer.json").write_text("{}")
+    out = tmp_path / "out"
+    err = _one_line_error(
+        ["--model_name_or_path", str(model), "--output_dir", str(out), "--max_steps", "1"], capsys
+    )
+    assert "--data_path is required" in err and "'sample'" in err
+    assert not out.exists()
+
+
+def test_output_dir_that_cannot_be_written(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "1"]
+    err = _one_line_error([*argv, "--output_dir", str(afile)], capsys)
+    assert f"--output_dir='{afile}' is a file" in err
+    err = _one_line_error([*argv, "--output_dir", str(afile / "run")], capsys)
+    assert f"{afile} is a file" in err
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # root may write anywhere
+    err = _one_line_error([*argv, "--output_dir", str(tmp_path / "new" / "run")], capsys)
+    assert f"cannot be created in {tmp_path}" in err and "permission denied" in err
+    assert not afile.is_dir() and afile.read_text() == "not a directory"
+
+
+def test_broken_model_directories_are_named(tmp_path, capsys):
+    """No config.json, no weights, a missing shard, a truncated file, broken JSON: one
+    line naming the file each, never a traceback."""
+    model = _tiny_model_dir(tmp_path / "model")
+    out = tmp_path / "out"
+    argv = ["--data_path", "sample", "--output_dir", str(out), "--progress", "false"]
+
+    def error(directory) -> str:
+        return _one_line_error([*argv, "--model_name_or_path", str(directory)], capsys)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"{empty / 'config.json'} does not exist" in error(empty)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"vocab_size": 512,')
+    assert f"{broken / 'config.json'} is not valid JSON" in error(broken)
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_bytes((model / "config.json").read_bytes())
+    assert f"{no_weights} has no weights" in error(no_weights)
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_bytes((model / "config.json").read_bytes())
+    weights = (model / "model.safetensors").read_bytes()
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(weights)
+    names = list(SafetensorsFile(model / "model.safetensors"))
+    half = len(names) // 2
+    shard = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = {"weight_map": {n: shard[i >= half] for i, n in enumerate(names)}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = error(sharded)
+    assert "lists shards that are not in" in message and shard[1] in message
+
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "config.json").write_bytes((model / "config.json").read_bytes())
+    (truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert f"{truncated / 'model.safetensors'} is truncated" in error(truncated)
+    (truncated / "model.safetensors").write_bytes(weights[:5])
+    assert "not a valid safetensors file" in error(truncated)
+    assert not out.exists()

@@ -1,0 +1,129 @@
+"""The rules of a run's `--output_dir`: what may be written there, when an old run's
+outputs go, and how a resumed run drops what its killed predecessor logged after the
+checkpoint it resumes from.
+
+Order in `train.loop.run`: `check_writable` and `check_claim` first (they only read),
+then everything the run needs is built and compiled, and only then `clear` deletes a
+previous run's outputs (`--overwrite_output_dir`): a run that cannot start leaves the
+directory as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import jax
+from jax.experimental import multihost_utils
+
+from train.errors import TrainingError
+from train.tensorboard import truncate_events
+
+RUN_OUTPUTS = ("checkpoints", "log.jsonl", "tensorboard", "hf")
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+def check_writable(out: str) -> None:
+    """Refuses an `--output_dir` that is a file, lies under a file, or cannot be
+    written; creates nothing."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise TrainingError(f"--output_dir={out!r} is a file, not a directory")
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise TrainingError(f"--output_dir={out!r} cannot be created: {probe} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not writable" if probe == path else f"cannot be created in {probe}"
+        raise TrainingError(f"--output_dir={out!r} {what} (permission denied)")
+
+
+def previous_outputs(out: str) -> list[str]:
+    """The names of `RUN_OUTPUTS` present in `out`."""
+    return [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
+
+
+def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str | None) -> None:
+    """Refuses to mix a new run into a previous run's outputs (Orbax would skip saving
+    steps at or below the old run's latest checkpoint); deletes nothing.
+
+    Args:
+      out: the output directory.
+      continuing: the run resumes from this directory's own checkpoints.
+      overwrite: `--overwrite_output_dir`.
+      resume_flag: `--resume_from_checkpoint`, for the message.
+    """
+    if continuing:
+        if overwrite:
+            raise TrainingError(
+                f"--overwrite_output_dir would delete the checkpoints that "
+                f"--resume_from_checkpoint={resume_flag!r} reads in {out!r}"
+            )
+        return
+    found = previous_outputs(out)
+    if found and not overwrite:
+        raise TrainingError(
+            f"--output_dir={out!r} holds a previous run ({', '.join(found)}): continue it "
+            "with --resume_from_checkpoint latest, replace it with --overwrite_output_dir "
+            "true, or choose another --output_dir"
+        )
+
+
+def clear(out: str, is_main: bool) -> None:
+    """Deletes a previous run's outputs in `out` (`--overwrite_output_dir`); call it only
+    once the new run is known to start."""
+    if is_main:
+        for name in previous_outputs(out):
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if jax.process_count() > 1:  # every process waits here, whatever it found
+        multihost_utils.sync_global_devices("jflash: output_dir cleared")
+
+
+def drop_after(out: str, last_step: int) -> None:
+    """Drops the log records and TensorBoard scalars after the checkpoint resumed from
+    (a killed run logged steps it never saved; they are run again)."""
+    truncate_log(os.path.join(out, "log.jsonl"), last_step)
+    truncate_events(os.path.join(out, "tensorboard"), last_step)
+
+
+def truncate_log(path: str, last_step: int) -> None:
+    """Keeps the records of `path` (JSON lines) at or before `last_step`."""
+    if not os.path.exists(path):
+        return
+
+    def step_of(line: str) -> float:
+        try:
+            return json.loads(line).get("step", math.inf)
+        except ValueError:  # a line torn by the kill
+            return math.inf
+
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if step_of(line) <= last_step]
+    if len(keep) != len(lines):
+        with open(path, "w") as f:
+            f.writelines(keep)
+
+
+def copy_tokenizer(model_dir: str, hf_dir: str) -> None:
+    """The input model's tokenizer files go with the export, so it loads as a model."""
+    if not os.path.isdir(model_dir):
+        return
+    for name in TOKENIZER_FILES:
+        src = os.path.join(model_dir, name)
+        if os.path.isfile(src):
+            shutil.copy2(src, os.path.join(hf_dir, name))
