@@ -16,6 +16,7 @@ from train.tensorboard import (
     masked_crc32c,
     read_records,
     read_scalars,
+    truncate_events,
 )
 
 # Test vectors: RFC 3720 (iSCSI) appendix B.4 and the common check value.
@@ -136,3 +137,23 @@ def test_tensorboard_reads_our_files(tmp_path):
     assert sorted(accumulator.Tags()["scalars"]) == ["loss", "lr"]
     events = accumulator.Scalars("loss")
     assert [(e.step, e.value) for e in events] == [(s, 4.0 - s) for s in range(4)]
+
+
+def test_truncate_events_drops_steps_after_the_resumed_checkpoint(tmp_path):
+    """A killed run wrote steps 1..10 and half a record; resuming from checkpoint 8
+    keeps 1..8 (TensorBoard would otherwise show 9 and 10 twice)."""
+    with SummaryWriter(tmp_path) as w:
+        for step in range(1, 11):
+            w.scalars({"train/loss": float(step), "train/lr": 0.1}, step)
+    (path,) = event_files(tmp_path)
+    with open(path, "ab") as f:
+        f.write(b"\x10\x00\x00")  # torn by the kill
+    truncate_events(tmp_path, 8)
+    scalars = read_scalars(tmp_path)
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+    assert [s for s, _ in scalars["train/lr"]] == list(range(1, 9))
+    assert next(read_records(path)).endswith(FILE_VERSION.encode())  # the header stays
+    before = path.read_bytes()
+    truncate_events(tmp_path, 8)
+    assert path.read_bytes() == before
+    truncate_events(tmp_path / "missing", 8)  # no TensorBoard directory: nothing to do

@@ -137,6 +137,8 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
         assert [json.loads(line)["step"] for line in f] == list(range(1, 31))
     for step in range(9, 31):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
+    # TensorBoard too: the killed run's scalars after step 8 were dropped, not doubled.
+    assert [s for s, _ in read_scalars(killed / "tensorboard")["train/loss"]] == list(range(1, 31))
     # And the 8-device run (another data split) trained too.
     assert len(_log(whole)) == 30
 

@@ -106,13 +106,13 @@ def test_text_records_use_the_model_tokenizer(tmp_path, monkeypatch):
 
 def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
     path = _dump_jsonl(tmp_path / "t.jsonl", ['{"input_ids": [5]}', '{"text": "ab"}'])
-    with pytest.raises(ValueError, match=r"t\.jsonl: record 1: .*no tokenizer directory"):
+    with pytest.raises(ValueError, match=r"t\.jsonl: line 2: .*no tokenizer directory"):
         load_dataset(path)
     with pytest.raises(ValueError, match=r"tokenizer\.json does not exist"):
         load_dataset(path, tokenizer_dir=tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
-    with pytest.raises(ValueError, match=r"record 1: .*'tokenizers' package"):
+    with pytest.raises(ValueError, match=r"line 2: .*'tokenizers' package"):
         load_dataset(path, tokenizer_dir=tmp_path)
 
 
@@ -143,14 +143,26 @@ def test_malformed_pkl_names_file_and_record(tmp_path, records, pattern):
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     bad_json = _dump_jsonl(tmp_path / "a.jsonl", ['{"input_ids": [1]}', '{"input_ids": [2,'])
-    with pytest.raises(ValueError, match=r"a\.jsonl: record 1: invalid JSON"):
+    with pytest.raises(ValueError, match=r"a\.jsonl: line 2: invalid JSON"):
         load_dataset(bad_json)
     wrong_type = _dump_jsonl(tmp_path / "b.jsonl", ['{"input_ids": [1]}', "", '{"input_ids": 3}'])
-    with pytest.raises(ValueError, match=r"b\.jsonl: record 2: 'input_ids' must be a list"):
+    with pytest.raises(ValueError, match=r"b\.jsonl: line 3: 'input_ids' must be a list"):
         load_dataset(wrong_type)
     text_type = _dump_jsonl(tmp_path / "c.jsonl", ['{"text": 3}'])
-    with pytest.raises(ValueError, match=r"c\.jsonl: record 0: 'text' must be a str"):
+    with pytest.raises(ValueError, match=r"c\.jsonl: line 1: 'text' must be a str"):
         load_dataset(text_type, tokenizer_dir=tmp_path)
+
+
+def test_jsonl_errors_name_one_based_lines_counting_blank_ones(tmp_path):
+    """Line numbers as an editor shows them: the out-of-range id is on line 4."""
+    path = _dump_jsonl(
+        tmp_path / "v.jsonl", ['{"input_ids": [1]}', "", "  ", '{"input_ids": [99]}']
+    )
+    with pytest.raises(ValueError, match=r"v\.jsonl: line 4: token id 99 .*vocab_size=10"):
+        load_dataset(path, vocab_size=10)
+    first = _dump_jsonl(tmp_path / "f.jsonl", ["", '{"input_ids": [1, -3]}'])
+    with pytest.raises(ValueError, match=r"f\.jsonl: line 2: 'input_ids': id -3"):
+        load_dataset(first)
 
 
 def test_malformed_npy(tmp_path):
@@ -198,7 +210,7 @@ def test_missing_and_unreadable_files_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"g\.npy: not a readable \.npy array"):
         load_dataset(tmp_path / "g.npy")
     (tmp_path / "b.jsonl").write_bytes(b'{"input_ids": [1]}\n\xff\xfe\n')
-    with pytest.raises(ValueError, match=r"b\.jsonl: record 1: not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"b\.jsonl: line 2: not UTF-8 text"):
         load_dataset(tmp_path / "b.jsonl")
 
 

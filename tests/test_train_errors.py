@@ -147,3 +147,39 @@ def test_broken_model_directories_are_named(tmp_path, capsys):
     (truncated / "model.safetensors").write_bytes(weights[:5])
     assert "not a valid safetensors file" in error(truncated)
     assert not out.exists()
+
+
+def test_flags_negative_numbers_and_abbreviations(capsys):
+    """`-1e-3` is read as a number (and refused by its rule); abbreviated flags are
+    refused; argparse errors are one line, not the usage."""
+    err = _one_line_error([*BASE, "--learning_rate", "-1e-3"], capsys)
+    assert "--learning_rate=-0.001 must be >= 0" in err
+    assert parse_args(["--adam_beta1", "-5e-1"]).optim.adam_beta1 == -0.5
+    assert parse_args(["--adam_epsilon", "-0.5e-3", "--seed", "-3"]).run.seed == -3
+    for argv in (["--learning", "1e-3"], ["--max_steps"]):
+        with pytest.raises(SystemExit) as info:
+            parse_args(argv)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert "--help` lists the flags" in err
+    assert "unrecognized arguments: --learning 1e-3" in _last_error(["--learning", "1e-3"], capsys)
+
+
+def _last_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_resume_with_another_number_of_steps_is_refused():
+    """Extending a finished run would restart (or jump) its cosine schedule."""
+    from train.loop import _check_resumable
+
+    saved = {"model_max_length": 64, "rows_per_step": 8, "num_rows": 96, "seed": 42}
+    meta = {"step": 30, "run": {**saved, "total_steps": 30}}
+    _check_resumable(meta, {**saved, "total_steps": 30}, "ckpts")
+    with pytest.raises(TrainingError, match="belongs to a run of 30 steps; this run has 60"):
+        _check_resumable(meta, {**saved, "total_steps": 60}, "ckpts")
+    # Checkpoints written before the step count was recorded resume as before.
+    _check_resumable({"step": 30, "run": saved}, {**saved, "total_steps": 60}, "ckpts")

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import inspect
 import re
+import sys
 import types
 import typing
 from typing import Any
@@ -202,10 +203,36 @@ def _field_help(section_cls, field) -> str:
     return f"{comment} ({default})" if comment else default
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (the flag and what is wrong), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+def _join_negative_numbers(argv: list[str]) -> list[str]:
+    """`--flag -1e-3` as `--flag=-1e-3`: argparse takes `-1e-3` (unlike `-0.001`) for
+    an option and refuses the flag for want of a value."""
+    out: list[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        if prev.startswith("--") and "=" not in prev and arg.startswith("-"):
+            try:
+                float(arg)
+            except ValueError:
+                pass
+            else:
+                out[-1] = f"{prev}={arg}"
+                continue
+        out.append(arg)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m train",
         description="Train a Llama on long sequences over a device mesh (jflash ring attention).",
+        allow_abbrev=False,
     )
     parser.add_argument("--config", help="YAML file of overrides, by section")
     for section, cls in _section_types().items():
@@ -297,7 +324,9 @@ def from_overrides(
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Flags (and `--config` YAML) -> `TrainConfig`; explicit flags win over the YAML."""
-    ns = build_parser().parse_args(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    ns = build_parser().parse_args(_join_negative_numbers(list(argv)))
     flags: dict[str, dict[str, Any]] = {}
     for key, value in vars(ns).items():
         if key == "config" or value is None:

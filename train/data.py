@@ -6,7 +6,9 @@ Formats (chosen by extension):
   a list / 1-D array of token ids, a dict with ``"input_ids"`` (and optional
   ``"labels"``), or a dict with ``"text"``. Unpickling runs code: load trusted files only.
 - ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
-  or ``{"text": "..."}``. Blank lines are skipped.
+  or ``{"text": "..."}``. Blank lines are skipped; errors name the 1-based line number
+  (blank lines counted, as an editor shows it). ``.pkl`` errors name the 0-based index
+  of the record in the list.
 - ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream).
 
 ``"labels"`` follow the HuggingFace convention: aligned with ``input_ids`` (the model
@@ -94,12 +96,15 @@ class TokenDataset:
             or the example's ``"labels"`` (``-100`` = ignored).
         offsets: int64 ``[num_examples + 1]``; example ``i`` is
             ``tokens[offsets[i]:offsets[i + 1]]``.
+        lines: int64 ``[num_examples]``, the 1-based line of each example in a
+            ``.jsonl`` file (for error messages); None: examples are named by index.
     """
 
     path: str
     tokens: np.ndarray
     targets: np.ndarray
     offsets: np.ndarray
+    lines: np.ndarray | None = None
 
     @classmethod
     def from_examples(
@@ -107,8 +112,10 @@ class TokenDataset:
         path: str,
         input_ids: Sequence[np.ndarray],
         labels: Sequence[np.ndarray | None] | None = None,
+        lines: Sequence[int] | None = None,
     ) -> TokenDataset:
-        """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens)."""
+        """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens;
+        ``lines``: each example's 1-based line in a ``.jsonl`` file)."""
         if not input_ids:
             raise ValueError(f"{path}: the dataset has no examples")
         labels = labels if labels is not None else [None] * len(input_ids)
@@ -119,6 +126,7 @@ class TokenDataset:
             tokens=np.concatenate(input_ids).astype(np.int32),
             targets=np.concatenate(targets).astype(np.int32),
             offsets=np.concatenate([[0], np.cumsum(lengths)]),
+            lines=None if lines is None else np.asarray(lines, dtype=np.int64),
         )
 
     @property
@@ -138,6 +146,10 @@ class TokenDataset:
         """int32 ``[length_i]``: the tokens of example ``i``."""
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
+    def where(self, i: int) -> str:
+        """Example ``i`` as an error message names it: ``line N`` or ``record i``."""
+        return f"record {i}" if self.lines is None else f"line {int(self.lines[i])}"
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError naming file, record and id for a token or label ``>= vocab_size``."""
         for name, values in (("token id", self.tokens), ("label", self.targets)):
@@ -145,7 +157,7 @@ class TokenDataset:
             if bad.size:
                 record = int(np.searchsorted(self.offsets, bad[0], side="right")) - 1
                 raise ValueError(
-                    f"{self.path}: record {record}: {name} {int(values[bad[0]])} is out of "
+                    f"{self.path}: {self.where(record)}: {name} {int(values[bad[0]])} is out of "
                     f"range for {vocab_size=}"
                 )
 
@@ -228,9 +240,15 @@ def load_dataset(
     else:
         records = _read_pkl(path) if suffix == ".pkl" else _read_jsonl(path)
         parser = _RecordParser(path, tokenizer_dir)
-        parsed = [parser.parse(i, record) for i, record in records]
+        numbers, parsed = [], []
+        for i, record in records:
+            numbers.append(i)
+            parsed.append(parser.parse(f"record {i}" if suffix == ".pkl" else f"line {i}", record))
         dataset = TokenDataset.from_examples(
-            str(path), [ids for ids, _ in parsed], [labels for _, labels in parsed]
+            str(path),
+            [ids for ids, _ in parsed],
+            [labels for _, labels in parsed],
+            lines=numbers if suffix == ".jsonl" else None,
         )
     if vocab_size is not None:
         dataset.check_vocab(vocab_size)
@@ -249,24 +267,24 @@ def _read_pkl(path: Path) -> list[tuple[int, Any]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line index, parsed object)`` for each non-blank line; record = 0-based line.
+    """``(1-based line number, parsed object)`` for each non-blank line.
 
     A generator, read line by line: the caller turns each record into int32 arrays
     before the next is parsed, so the file's JSON (Python ints, ~9x the bytes of the
     arrays) is never all in memory at once.
     """
     with open(path, "rb") as f:
-        for i, raw in enumerate(f):
+        for i, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: record {i}: not UTF-8 text ({e})") from None
+                raise ValueError(f"{path}: line {i}: not UTF-8 text ({e})") from None
             if not line.strip():
                 continue
             try:
                 yield i, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: record {i}: invalid JSON ({e})") from None
+                raise ValueError(f"{path}: line {i}: invalid JSON ({e})") from None
 
 
 def _load_npy(path: Path) -> TokenDataset:
@@ -297,21 +315,21 @@ class _RecordParser:
         self.tokenizer_dir = tokenizer_dir
         self._tokenizer = None
 
-    def parse(self, i: int, record: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    def parse(self, where: str, record: Any) -> tuple[np.ndarray, np.ndarray | None]:
         if not isinstance(record, dict):
-            return self._ids(i, "input_ids", record), None
+            return self._ids(where, "input_ids", record), None
         if "input_ids" in record:
-            ids = self._ids(i, "input_ids", record["input_ids"])
+            ids = self._ids(where, "input_ids", record["input_ids"])
             labels = record.get("labels")
-            return ids, None if labels is None else self._labels(i, labels, len(ids))
+            return ids, None if labels is None else self._labels(where, labels, len(ids))
         if "text" in record:
-            return self._tokenize(i, record["text"]), None
+            return self._tokenize(where, record["text"]), None
         raise ValueError(
-            f"{self.path}: record {i}: expected key 'input_ids' or 'text', got {sorted(record)}"
+            f"{self.path}: {where}: expected key 'input_ids' or 'text', got {sorted(record)}"
         )
 
-    def _ids(self, i: int, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
-        prefix = f"{self.path}: record {i}: {key!r}"
+    def _ids(self, where: str, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
+        prefix = f"{self.path}: {where}: {key!r}"
         if isinstance(value, (str, bytes, dict)) or np.isscalar(value):
             raise ValueError(f"{prefix} must be a list of ints, got {type(value).__name__}")
         try:
@@ -332,26 +350,26 @@ class _RecordParser:
                 raise ValueError(f"{prefix}: id {int(array[pos])} at position {pos} {problem}")
         return array.astype(np.int32)
 
-    def _labels(self, i: int, value: Any, length: int) -> np.ndarray:
-        labels = self._ids(i, "labels", value, allow_ignore=True)
+    def _labels(self, where: str, value: Any, length: int) -> np.ndarray:
+        labels = self._ids(where, "labels", value, allow_ignore=True)
         if len(labels) != length:
             raise ValueError(
-                f"{self.path}: record {i}: 'labels' has {len(labels)} entries, "
+                f"{self.path}: {where}: 'labels' has {len(labels)} entries, "
                 f"'input_ids' has {length}"
             )
         return labels
 
-    def _tokenize(self, i: int, text: Any) -> np.ndarray:
+    def _tokenize(self, where: str, text: Any) -> np.ndarray:
         if not isinstance(text, str):
-            raise ValueError(f"{self.path}: record {i}: 'text' must be a str, got {type(text)}")
-        ids = self._get_tokenizer(i).encode(text).ids
+            raise ValueError(f"{self.path}: {where}: 'text' must be a str, got {type(text)}")
+        ids = self._get_tokenizer(where).encode(text).ids
         if not ids:
-            raise ValueError(f"{self.path}: record {i}: 'text' tokenizes to no tokens")
+            raise ValueError(f"{self.path}: {where}: 'text' tokenizes to no tokens")
         return np.asarray(ids, dtype=np.int32)
 
-    def _get_tokenizer(self, i: int):
+    def _get_tokenizer(self, where: str):
         if self._tokenizer is None:
-            self._tokenizer = _load_tokenizer(self.tokenizer_dir, f"{self.path}: record {i}")
+            self._tokenizer = _load_tokenizer(self.tokenizer_dir, f"{self.path}: {where}")
         return self._tokenizer
 
 
