@@ -12,24 +12,29 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jflash import _vma
 from jflash._block_sizes import BlockSizes
 from jflash._mask import Mask
+from jflash._segments import kv_tile_range, q_tile_range
 from jflash._triton_common import (
     LOG2E,
     Launch,
     dot,
+    index,
     pad_to,
     padded_head_dim,
+    read_tiles,
     round_up,
+    tile_range_specs,
     tile_visibility,
     visible_kv_range,
     visible_q_range,
+    within,
 )
 
 
@@ -42,6 +47,8 @@ def _flash_bwd_dkv_kernel(
     delta_ref,
     qseg_ref,
     kseg_ref,
+    first_ref,
+    end_ref,
     dk_ref,
     dv_ref,
     *,
@@ -60,7 +67,12 @@ def _flash_bwd_dkv_kernel(
     qk_scale = scale * LOG2E
     k_pos = mask.k_offset + k_start + lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 0)
     k_seg = None if kseg_ref is None else kseg_ref[...]
+    # Masked query blocks `[n_begin, n_full_from)`, unmasked ones `[n_full_from, num_q)`,
+    # each cut to the query tiles that share a segment id with this key tile.
     n_begin, n_full_from, num_q = visible_q_range(mask, k_start, block_kv, block_q, q_len)
+    tiles = read_tiles(first_ref, end_ref)
+    masked_steps = within(n_begin, n_full_from, tiles)
+    full_steps = within(n_full_from, num_q, tiles)
 
     def body(i, carry, *, g, masked):
         dk, dv = carry
@@ -90,13 +102,11 @@ def _flash_bwd_dkv_kernel(
         return dk, dv
 
     def head(g, carry):
-        carry = lax.fori_loop(
-            n_begin, n_full_from, functools.partial(body, g=g, masked=True), carry
-        )
-        return lax.fori_loop(n_full_from, num_q, functools.partial(body, g=g, masked=False), carry)
+        carry = lax.fori_loop(*masked_steps, functools.partial(body, g=g, masked=True), carry)
+        return lax.fori_loop(*full_steps, functools.partial(body, g=g, masked=False), carry)
 
     zeros = jnp.zeros((block_kv, k.shape[-1]), jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    dk, dv = lax.fori_loop(index(0), index(group), head, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -110,6 +120,8 @@ def _flash_bwd_dq_kernel(
     delta_ref,
     qseg_ref,
     kseg_ref,
+    first_ref,
+    end_ref,
     dq_ref,
     *,
     scale,
@@ -152,9 +164,10 @@ def _flash_bwd_dq_kernel(
         return dq + dot(ds.astype(k.dtype), k)
 
     n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
+    tiles = read_tiles(first_ref, end_ref)
     dq = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
-    dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
-    dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
+    dq = lax.fori_loop(*within(index(0), n_full, tiles), functools.partial(body, masked=False), dq)
+    dq = lax.fori_loop(*within(n_full, n_end, tiles), functools.partial(body, masked=True), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -182,6 +195,9 @@ def flash_bwd(
     s_len, kh = k.shape[1], k.shape[2]
     group = n // kh
     hp = padded_head_dim(h)
+    # Inside a user's shard_map, inputs and outputs must vary over the same mesh axes.
+    q, k, v, do, lse, delta, *seg_ids = _vma.match(q, k, v, do, lse, delta, *(segs or ()))
+    segs = tuple(seg_ids) or None
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)  # empty rows: p = 0
     params = plgpu.CompilerParams(
         num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages_bwd
@@ -203,14 +219,16 @@ def flash_bwd(
     in_specs = [group_spec, tile_spec, tile_spec, group_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lsep, deltap]
     if segs is None:
-        in_specs += [None, None]
-        args += [None, None]
+        in_specs += [None] * 4
+        args += [None] * 4
     else:
+        at_kv_tile = at(lambda bk_, j: (bk_ // kh, j))
         in_specs += [
             pl.BlockSpec((None, tp), at(lambda bk_, j: (bk_ // kh, 0))),
-            pl.BlockSpec((None, bk), at(lambda bk_, j: (bk_ // kh, j))),
+            pl.BlockSpec((None, bk), at_kv_tile),
+            *tile_range_specs(at_kv_tile),
         ]
-        args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
+        args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp), *q_tile_range(*segs, bq, bk)]
     dk, dv = pl.pallas_call(
         functools.partial(
             _flash_bwd_dkv_kernel,
@@ -225,7 +243,7 @@ def flash_bwd(
         grid=launch.grid,
         in_specs=in_specs,
         out_specs=[tile_spec, tile_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, sp, kh, hp), grad_dtype)] * 2,
+        out_shape=[_vma.struct((b, sp, kh, hp), grad_dtype, like=q)] * 2,
         compiler_params=params,
         interpret=interpret,
         name="jflash_bwd_dkv",
@@ -250,14 +268,16 @@ def flash_bwd(
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lsep, deltap]
     if segs is None:
-        in_specs += [None, None]
-        args += [None, None]
+        in_specs += [None] * 4
+        args += [None] * 4
     else:
+        at_q_tile = at(lambda bh, i: (bh // n, nq - 1 - i))
         in_specs += [
-            pl.BlockSpec((None, bq), at(lambda bh, i: (bh // n, nq - 1 - i))),
+            pl.BlockSpec((None, bq), at_q_tile),
             pl.BlockSpec((None, sp), at(lambda bh, i: (bh // n, 0))),
+            *tile_range_specs(at_q_tile),
         ]
-        args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp)]
+        args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp), *kv_tile_range(*segs, bq, bk)]
     dq = pl.pallas_call(
         functools.partial(
             _flash_bwd_dq_kernel,
@@ -271,7 +291,7 @@ def flash_bwd(
         grid=launch.grid,
         in_specs=in_specs,
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct((b, tp, n, hp), grad_dtype),
+        out_shape=_vma.struct((b, tp, n, hp), grad_dtype, like=q),
         compiler_params=params,
         interpret=interpret,
         name="jflash_bwd_dq",

@@ -94,6 +94,18 @@ def tile_visibility(
     return visible
 
 
+def _div(x, d: int):
+    """`x // d` toward zero for an int32 `x` and a static `d` (an int32 divisor, so the
+    index arithmetic stays int32 under `jax_enable_x64`)."""
+    return lax.div(x, jnp.asarray(d, x.dtype))
+
+
+def index(x):
+    """A static or traced loop bound as int32 (under `jax_enable_x64` a Python int would
+    give an int64 loop index)."""
+    return jnp.asarray(x, jnp.int32)
+
+
 def visible_kv_range(mask: Mask, q_start, block_q: int, block_kv: int, kv_len: int):
     """Key-block loop bounds `(n_full, n_end)` for queries `q_start .. q_start+block_q`.
 
@@ -103,30 +115,54 @@ def visible_kv_range(mask: Mask, q_start, block_q: int, block_kv: int, kv_len: i
     num_kv = -(-kv_len // block_kv)
     last_full = num_kv if kv_len % block_kv == 0 else num_kv - 1
     if not mask.causal:
-        return last_full, num_kv
+        return index(last_full), index(num_kv)
     shift = mask.q_offset - mask.k_offset
     # Key j is visible to query i when j <= i + shift.
-    n_end = lax.div(q_start + block_q + shift + block_kv - 1, block_kv)
-    n_full = lax.div(q_start + shift + 1, block_kv)
+    q_start = index(q_start)
+    n_end = _div(q_start + (block_q + shift + block_kv - 1), block_kv)
+    n_full = _div(q_start + (shift + 1), block_kv)
     n_end = jnp.clip(n_end, 0, num_kv)
     n_full = jnp.clip(n_full, 0, jnp.minimum(n_end, last_full))
     return n_full, n_end
 
 
 def visible_q_range(mask: Mask, k_start, block_kv: int, block_q: int, q_len: int):
-    """Query-block loop bounds `(n_begin, n_full_from)` for keys `k_start .. +block_kv`.
+    """Query-block loop bounds `(n_begin, n_full_from, num_q)` for keys `k_start .. +block_kv`.
 
     Query blocks before `n_begin` see none of these keys (skipped); blocks in
     `[n_begin, n_full_from)` need the causal mask; the rest see all of them.
     """
     num_q = -(-q_len // block_q)
     if not mask.causal:
-        return 0, 0, num_q
+        return index(0), index(0), index(num_q)
     shift = mask.q_offset - mask.k_offset
     # Query i sees key j when i >= j - shift; first query of the block that sees k_start:
+    k_start = index(k_start)
     first = k_start - shift
-    n_begin = jnp.clip(lax.div(jnp.maximum(first, 0), block_q), 0, num_q)
+    n_begin = jnp.clip(_div(jnp.maximum(first, 0), block_q), 0, num_q)
     # Query blocks whose first query sees the last key of this block need no mask.
-    last = k_start + block_kv - 1 - shift
-    n_full_from = jnp.clip(lax.div(jnp.maximum(last, 0) + block_q - 1, block_q), n_begin, num_q)
-    return n_begin, n_full_from, num_q
+    last = k_start + (block_kv - 1 - shift)
+    n_full_from = jnp.clip(_div(jnp.maximum(last, 0) + (block_q - 1), block_q), n_begin, num_q)
+    return n_begin, n_full_from, index(num_q)
+
+
+def within(lo, hi, tiles):
+    """The loop `[lo, hi)` cut to the tiles `(first, end)` that segment ids let meet
+    (`tiles` None: no segment ids). An empty result has `hi <= lo` and runs no step."""
+    if tiles is None:
+        return lo, hi
+    first, end = tiles
+    return jnp.maximum(lo, first), jnp.minimum(hi, end)
+
+
+def tile_range_specs(index_map):
+    """BlockSpecs of the two `[B, tiles]` int32 segment tile bounds (`first`, `end`):
+    each program reads its own pair as scalars; `index_map(row, tile) -> (b, tile)`."""
+    return [pl.BlockSpec((None, None), index_map)] * 2
+
+
+def read_tiles(first_ref, end_ref):
+    """The program's segment tile bounds `(first, end)` (None without segment ids)."""
+    if first_ref is None:
+        return None
+    return first_ref[...], end_ref[...]

@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jflash import _vma
 from jflash._block_sizes import BlockSizes
 from jflash._mask import Mask
+from jflash._segments import kv_tile_range
 from jflash._triton_common import (
     LN2,
     LOG2E,
     Launch,
     dot,
+    index,
     pad_to,
     padded_head_dim,
+    read_tiles,
     round_up,
+    tile_range_specs,
     tile_visibility,
     visible_kv_range,
+    within,
 )
 
 
@@ -38,6 +43,8 @@ def _flash_fwd_kernel(
     v_ref,
     qseg_ref,
     kseg_ref,
+    first_ref,
+    end_ref,
     o_ref,
     lse_ref,
     *,
@@ -87,14 +94,21 @@ def _flash_fwd_kernel(
         pv = dot(p.astype(v.dtype), v)
         return acc * corr[:, None] + pv, m_new, l
 
+    # Unmasked key blocks `[0, n_full)`, masked ones `[n_full, n_end)`, each cut to the
+    # key tiles that share a segment id with this query tile.
     n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
+    tiles = read_tiles(first_ref, end_ref)
     carry = (
         jnp.zeros((block_q, q.shape[-1]), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(
+        *within(index(0), n_full, tiles), functools.partial(body, masked=False), carry
+    )
+    acc, m, l = lax.fori_loop(
+        *within(n_full, n_end, tiles), functools.partial(body, masked=True), carry
+    )
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -119,6 +133,9 @@ def flash_fwd(
     group = n // kh
     hp = padded_head_dim(h)
     bq, bk = block_sizes.block_q, block_sizes.block_kv
+    # Inside a user's shard_map, inputs and outputs must vary over the same mesh axes.
+    q, k, v, *seg_ids = _vma.match(q, k, v, *(segs or ()))
+    segs = tuple(seg_ids) or None
     tp, sp = round_up(t, bq), round_up(s_len, bk)
     q = pad_to(pad_to(q, 3, hp), 1, tp)
     k = pad_to(pad_to(k, 3, hp), 1, sp)
@@ -141,15 +158,21 @@ def flash_fwd(
     ]
     args = [q, k, v]
     if segs is None:
-        in_specs += [None, None]
-        args += [None, None]
+        in_specs += [None] * 4
+        args += [None] * 4
     else:
         q_seg, kv_seg = segs
+        at_q_tile = launch.index_map(lambda bh, i: (bh // n, nq - 1 - i))
         in_specs += [
-            pl.BlockSpec((None, bq), launch.index_map(lambda bh, i: (bh // n, nq - 1 - i))),
+            pl.BlockSpec((None, bq), at_q_tile),
             pl.BlockSpec((None, sp), launch.index_map(lambda bh, i: (bh // n, 0))),
+            *tile_range_specs(at_q_tile),
         ]
-        args += [pad_to(q_seg, 1, tp), pad_to(kv_seg, 1, sp)]
+        args += [
+            pad_to(q_seg, 1, tp),
+            pad_to(kv_seg, 1, sp),
+            *kv_tile_range(q_seg, kv_seg, bq, bk),
+        ]
     kernel = functools.partial(
         _flash_fwd_kernel,
         scale=scale,
@@ -171,8 +194,8 @@ def flash_fwd(
             ),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, tp, n, hp), out_dtype),
-            jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
+            _vma.struct((b, tp, n, hp), out_dtype, like=q),
+            _vma.struct((b, n, tp), jnp.float32, like=q),
         ],
         compiler_params=plgpu.CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
