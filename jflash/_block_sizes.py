@@ -136,8 +136,9 @@ def mosaic_block_sizes(head_dim: int) -> BlockSizes:
     return BlockSizes(
         block_q=MOSAIC_WG_ROWS,
         # D=64: a 256-key step halves the steps (barriers, rescales) per key; its f32
-        # S still fits the registers (no spill), and 2 stages beat 3 (BENCHMARKS.md,
-        # seventh session). D=128: S and O at 256 keys would not fit.
+        # S still fits the registers (no spill), and 2 stages beat 3 (measured with
+        # `benchmarks/kernel.py --tune --tune-impl jflash_mosaic --which fwd --head-dim 64`).
+        # D=128: S and O at 256 keys would not fit.
         block_kv=256 if head_dim <= 64 else 128,
         num_stages=2,
         block_q_dkv=64,

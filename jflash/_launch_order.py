@@ -12,9 +12,9 @@ first:
   locality. Best on short causal launches with few CTAs, as on the ring's blocks.
 
 Measured per kernel on an H200 (`benchmarks/kernel.py --launch-order`; BENCHMARKS.md,
-twelfth session), heads-first ÷ tiles-first device time, causal, 32/8 heads, batch 1,
-Mosaic and Triton: 4k 1.11-1.64, 8k 1.04-1.28 (the dK/dV kernel most), 16k 0.98-1.02,
-32k-64k 0.98-1.02.
+"Launch order of short causal launches"), heads-first ÷ tiles-first device time,
+causal, 32/8 heads, batch 1, Mosaic and Triton: 4k 1.11-1.64, 8k 1.04-1.28 (the dK/dV
+kernel most), 16k 0.98-1.02, 32k-64k 0.98-1.02.
 """
 
 from __future__ import annotations
