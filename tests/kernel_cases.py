@@ -8,8 +8,9 @@ import numpy as np
 
 import jflash
 
-# Fixed per-dtype tolerances (atol = rtol) against the f32 oracle on upcast inputs
-# (STYLE.md §3). Written once; never loosened to make a test pass.
+# Fixed per-dtype tolerances (atol = rtol) against the f32 oracle on upcast inputs at
+# HIGHEST precision. Written once; never loosened to make a test pass (a change says why
+# in its commit).
 TOLERANCE = {
     jnp.float32: {"out": 2e-5, "lse": 2e-5, "grad": 1e-4},
     jnp.float16: {"out": 4e-3, "lse": 1e-3, "grad": 1.5e-2},

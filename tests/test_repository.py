@@ -1,0 +1,119 @@
+"""The repository speaks of the product as it is today.
+
+How the code got here lives in git history and commit messages. The tracked files carry
+no work-session ordinals or numbers, no issue numbers, no talk of machines being lent,
+and no citations of planning documents kept outside the repository; result files are
+named by what and where (`kernel-h200.json`), not when.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_ORDINALS = (
+    "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+    "thirteenth|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth"
+)
+_OUTSIDE_DOCS = "ANCHORS|STYLE|DESIGN"
+
+# What a tracked file's text must not contain, each with the reason shown on failure.
+TEXT_RULES = {
+    "a work-session ordinal": re.compile(rf"\b({_ORDINALS})[- ]sessions?\b", re.IGNORECASE),
+    "a work-session number": re.compile(r"\bsessions? #?[0-9]+\b", re.IGNORECASE),
+    "an issue number": re.compile(r"\bissues? #?[0-9]+\b", re.IGNORECASE),
+    "machines being lent": re.compile(r"\blent\b", re.IGNORECASE),
+    "a document outside the repository": re.compile(rf"\b({_OUTSIDE_DOCS})\.md\b"),
+}
+
+# What a tracked file's path must not contain.
+NAME_RULE = re.compile(rf"(^|[^a-z])(session|{_ORDINALS})([^a-z]|$)", re.IGNORECASE)
+
+# Files that name the rules themselves.
+SELF = {"tests/test_repository.py"}
+
+
+def tracked_files() -> list[str]:
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, text=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [path for path in out.split("\0") if path]
+
+
+def text_of(path: str) -> str | None:
+    """The file's text, or None for binary files (images, compressed data)."""
+    try:
+        data = (ROOT / path).read_bytes()
+    except OSError:  # listed in the index but deleted in the work tree
+        return None
+    if b"\0" in data[:8192]:
+        return None
+    return data.decode("utf-8", errors="replace")
+
+
+def history_words(text: str) -> list[str]:
+    """`line N: reason: 'match'` for each line of `text` that breaks a text rule."""
+    hits = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for reason, pattern in TEXT_RULES.items():
+            for match in pattern.finditer(line):
+                hits.append(f"line {number}: {reason}: {match.group(0)!r}")
+    return hits
+
+
+def test_rules_catch_history_words():
+    bad = [
+        "as measured in the ninth session",
+        "the eleventh-session runs",
+        "see session 12",
+        "fixes issue 4",
+        "issues #7 and #8",
+        "no 2-GPU machine was lent",
+        "(ANCHORS.md, kernel table)",
+        "per DESIGN.md",
+        "STYLE.md says so",
+    ]
+    for line in bad:
+        assert history_words(line), line
+    good = [
+        "one session of the trainer",  # "session" alone is an ordinary word
+        "the first call",
+        "lenient tolerance",
+        "a silent fallback",
+        "the seed of the random inputs",
+        "BENCHMARKS.md, README.md",
+    ]
+    for line in good:
+        assert not history_words(line), line
+    assert NAME_RULE.search("benchmarks/h200x2_session.sh")
+    assert NAME_RULE.search("benchmarks/results/kernel-h100-ninth-run1.json")
+    assert not NAME_RULE.search("benchmarks/results/kernel-h200.json")
+    assert not NAME_RULE.search("benchmarks/multi_gpu.sh")
+
+
+def test_tracked_text_has_no_history_words():
+    failures = []
+    for path in tracked_files():
+        if path in SELF:
+            continue
+        text = text_of(path)
+        if text is None:
+            continue
+        failures += [f"{path}: {hit}" for hit in history_words(text)]
+    assert not failures, (
+        "Say what is true today; how it got there belongs in commit messages:\n"
+        + "\n".join(failures)
+    )
+
+
+def test_tracked_file_names_say_what_and_where():
+    failures = [path for path in tracked_files() if NAME_RULE.search(path)]
+    assert not failures, "Name files by what and where, not when:\n" + "\n".join(failures)
