@@ -1,0 +1,276 @@
+"""Packed documents (segment ids) in the Triton kernels, and the kernels inside a
+user's `jax.shard_map`.
+
+The kernels visit only the tiles whose segment ids can meet (`jflash._segments`); these
+tests check the result against the oracle where documents cross tile boundaries, fill
+tiles with many tiny documents or come in no sorted order, and that a skipped tile is
+never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import INTERPRET
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
+
+import jflash
+from jflash._segments import kv_tile_range, q_tile_range
+
+# Small, mixed tiles: every pass cuts the sequence differently, and a few dozen tokens
+# already span several tiles.
+SMALL = jflash.BlockSizes(
+    block_q=32,
+    block_kv=16,
+    block_q_dkv=16,
+    block_kv_dkv=32,
+    block_q_dq=16,
+    block_kv_dq=32,
+)
+
+
+def ids_from_lengths(lengths, first_id: int = 0):
+    """Segment ids `[sum(lengths)]` int32: document `i` is `lengths[i]` tokens of id
+    `first_id + i`."""
+    return np.repeat(np.arange(first_id, first_id + len(lengths)), lengths).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Doc:
+    """One packed-document problem: per batch row, the document lengths of the keys;
+    queries are the last `q_len` key positions (`q_offset = S - T`) unless `unsorted`."""
+
+    name: str
+    lengths: tuple[tuple[int, ...], ...]
+    causal: bool = True
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    q_len: int | None = None
+    unsorted: bool = False
+    dtype: object = jnp.float32
+
+    def segment_ids(self):
+        kv = np.stack([ids_from_lengths(row) for row in self.lengths])
+        if self.unsorted:  # the same ids in a random order along the sequence
+            rng = np.random.default_rng(zlib.crc32(self.name.encode()))
+            kv = np.stack([rng.permutation(row) for row in kv])
+        q = kv[:, kv.shape[1] - (self.q_len or kv.shape[1]) :]
+        return jnp.asarray(q), jnp.asarray(kv)
+
+
+DOCS = [
+    Doc("cross-tiles", ((37, 50, 41), (64, 1, 63))),
+    Doc("one-token-docs", ((1, 1, 5, 1, 30, 1, 1, 20, 1, 3),)),
+    Doc("many-per-tile", ((3, 5, 2, 7, 4, 1, 6, 3, 8, 2, 5, 4, 3, 6, 2, 7, 5, 3, 4, 8),)),
+    Doc("unsorted", ((20, 30, 14, 32),), unsorted=True),
+    Doc("unsorted-full", ((20, 30, 14, 32),), causal=False, unsorted=True),
+    Doc("mqa-full", ((40, 24, 1, 31),), causal=False, q_heads=8, kv_heads=1),
+    Doc("gqa-T<S", ((50, 70, 40),), q_len=72, q_heads=8, kv_heads=2),
+    Doc("ragged-bf16", ((17, 33, 50),), head_dim=40, dtype=jnp.bfloat16),
+    Doc("ragged-T<S-full", ((9, 60, 31),), q_len=45, causal=False, dtype=jnp.float16),
+]
+
+
+def _run(doc: Doc, block_sizes=SMALL):
+    q_seg, kv_seg = doc.segment_ids()
+    batch, kv_len = kv_seg.shape
+    q_len = q_seg.shape[1]
+    q, k, v, do, dlse = make_inputs(
+        zlib.crc32(doc.name.encode()) % 1000,
+        batch=batch,
+        q_len=q_len,
+        kv_len=kv_len,
+        q_heads=doc.q_heads,
+        kv_heads=doc.kv_heads,
+        head_dim=doc.head_dim,
+        dtype=doc.dtype,
+    )
+    common = dict(causal=doc.causal, segment_ids=(q_seg, kv_seg), q_offset=kv_len - q_len)
+    got = value_and_grads(
+        jflash.flash_attention,
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        return_lse=True,
+        implementation="pallas_triton",
+        interpret=INTERPRET,
+        block_sizes=block_sizes,
+        **common,
+    )
+    return got, oracle(q, k, v, do, dlse, **common)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.name)
+def test_documents_match_oracle(doc):
+    got, want = _run(doc)
+    assert_close(got, want, doc.dtype)
+    np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+
+
+def test_default_tiles_match_oracle():
+    """The default tile shapes of this device on one packed batch row."""
+    doc = Doc("default-tiles", ((100, 3, 60, 1, 92),), q_heads=4, kv_heads=1, head_dim=64)
+    got, want = _run(doc, block_sizes=None)
+    assert_close(got, want, doc.dtype)
+
+
+def test_tile_ranges_cover_every_meeting_pair():
+    """For ids in any order, every (query, key) pair with equal ids lies in the tile
+    ranges; for sorted ids, the ranges hold only tiles with such a pair."""
+    rng = np.random.default_rng(0)
+    for sort in (True, False):
+        q_seg = rng.integers(0, 6, size=(3, 70))
+        kv_seg = rng.integers(0, 6, size=(3, 90))
+        if sort:
+            q_seg, kv_seg = np.sort(q_seg, axis=1), np.sort(kv_seg, axis=1)
+        bq, bk = 16, 32
+        meet = q_seg[:, :, None] == kv_seg[:, None, :]  # [B, T, S]
+        nq, nk = -(-70 // bq), -(-90 // bk)
+        tiles = np.zeros((3, nq, nk), bool)
+        for i, j in np.argwhere(np.ones((nq, nk))):
+            tiles[:, i, j] = meet[:, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].any((1, 2))
+        kv_lo, kv_hi = map(
+            np.asarray, kv_tile_range(jnp.asarray(q_seg), jnp.asarray(kv_seg), bq, bk)
+        )
+        q_lo, q_hi = map(np.asarray, q_tile_range(jnp.asarray(q_seg), jnp.asarray(kv_seg), bq, bk))
+        cols, rows = np.arange(nk), np.arange(nq)
+        in_kv = (cols >= kv_lo[..., None]) & (cols < kv_hi[..., None])  # [B, nq, nk]
+        in_q = (rows >= q_lo[..., None]) & (rows < q_hi[..., None])  # [B, nk, nq]
+        assert not (tiles & ~in_kv).any()
+        assert not (tiles & ~in_q.transpose(0, 2, 1)).any()
+        if sort:
+            np.testing.assert_array_equal(in_kv, tiles)
+            np.testing.assert_array_equal(in_q.transpose(0, 2, 1), tiles)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_skipped_tiles_are_never_read(causal):
+    """Key tiles of a document no query has are NaN: were any kernel to load them, the
+    NaN would reach the output or the gradients (0 * NaN). Query rows of a document no
+    key has see nothing: output 0, LSE -inf, gradients 0."""
+    q_seg = ids_from_lengths((32, 32, 32))  # documents 0, 1, 2
+    q_seg[32:64] = 7  # no key has id 7
+    kv_seg = ids_from_lengths((32, 64, 32))  # 0, 1 (no query), 2
+    kv_seg[32:96] = 5
+    q_seg, kv_seg = jnp.asarray(q_seg[None]), jnp.asarray(kv_seg[None])
+    q, k, v, do, dlse = make_inputs(
+        3, batch=1, q_len=96, kv_len=128, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
+    )
+    hidden = (kv_seg == 5)[:, :, None, None]
+    k_nan, v_nan = jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.nan, v)
+    # Queries at positions 32..127: causally they see every key of their document.
+    common = dict(causal=causal, segment_ids=(q_seg, kv_seg), q_offset=32)
+    bs = jflash.BlockSizes(
+        block_q=32, block_kv=32, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
+    )
+    kernel = dict(implementation="pallas_triton", interpret=INTERPRET, block_sizes=bs, **common)
+    got = value_and_grads(
+        jflash.flash_attention, q, k_nan, v_nan, do, dlse, return_lse=True, **kernel
+    )
+    want = oracle(q, k, v, do, dlse, **common)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got, strict=True):
+        x = np.asarray(x)
+        assert not np.isnan(x).any(), f"{name} has NaN: a skipped tile was read"
+    assert_close(got, want, jnp.float32)
+    _, lse = jflash.flash_attention(q, k_nan, v_nan, return_lse=True, **kernel)
+    np.testing.assert_array_equal(np.isneginf(lse[:, :, 32:64]), True)
+    np.testing.assert_array_equal(got[0][:, 32:64], 0.0)
+    np.testing.assert_array_equal(got[2][:, 32:64], 0.0)
+    np.testing.assert_array_equal(np.asarray(got[3])[:, 32:96], 0.0)
+    np.testing.assert_array_equal(np.asarray(got[4])[:, 32:96], 0.0)
+
+
+def _sharded_inputs(mesh):
+    lengths = ((20, 30, 14), (64,), (1, 62, 1), (10, 10, 44))
+    seg = jnp.asarray(np.stack([ids_from_lengths(row) for row in lengths]))
+    inputs = make_inputs(
+        5, batch=4, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
+    )
+    return [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (*inputs, seg)]
+
+
+def _per_shard(q, k, v, do, dlse, seg):
+    return value_and_grads(
+        jflash.flash_attention,
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        return_lse=True,
+        segment_ids=seg,
+        implementation="pallas_triton",
+        interpret=INTERPRET,
+        block_sizes=SMALL,
+    )
+
+
+@pytest.mark.multi_device(4)
+@pytest.mark.parametrize(
+    "check_vma",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                INTERPRET,
+                raises=ValueError,
+                strict=True,
+                reason="jax 0.11.2's Pallas HLO interpreter evaluates the kernel with "
+                "varying manual axes unchecked at trace time (any interpreted kernel "
+                "inside shard_map(check_vma=True) fails); compiled kernels run",
+            ),
+        ),
+        False,
+    ],
+    ids=["check_vma", "no_check_vma"],
+)
+def test_inside_shard_map(check_vma):
+    """Forward and gradients per shard inside a user's `shard_map` over "data"."""
+    mesh = jax.make_mesh((4,), ("data",))
+    with jax.set_mesh(mesh):
+        q, k, v, do, dlse, seg = _sharded_inputs(mesh)
+        fn = jax.shard_map(_per_shard, in_specs=P("data"), out_specs=P("data"), check_vma=check_vma)
+        got = jax.jit(fn)(q, k, v, do, dlse, seg)
+    want = oracle(*(np.asarray(x) for x in (q, k, v, do, dlse)), segment_ids=np.asarray(seg))
+    assert_close(got, want, jnp.float32)
+
+
+def test_inside_shard_map_lowers_for_cuda(monkeypatch):
+    """Compiled for CUDA on a machine without a GPU: forward and both backward kernels
+    inside `shard_map(check_vma=True)` take the manual-axis types of their inputs."""
+    from jax._src import mesh as mesh_lib
+
+    import jflash._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    h100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((4,), ("data",), abstract_device=h100)
+    sharded = NamedSharding(mesh, P("data"))
+    q = jax.ShapeDtypeStruct((8, 256, 4, 64), jnp.bfloat16, sharding=sharded)
+    kv = jax.ShapeDtypeStruct((8, 256, 2, 64), jnp.bfloat16, sharding=sharded)
+    seg = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=sharded)
+
+    def grads(q, k, v, seg):
+        def loss(q, k, v):
+            out = jflash.flash_attention(
+                q, k, v, segment_ids=seg, implementation="pallas_triton", interpret=False
+            )
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        fn = jax.shard_map(grads, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        text = jax.jit(fn).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("jflash_fwd", "jflash_bwd_dkv", "jflash_bwd_dq"):
+        assert name in text, f"{name} missing from the CUDA lowering"
