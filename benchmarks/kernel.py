@@ -1,13 +1,15 @@
 """Single-device attention kernels: jflash vs cuDNN vs XLA, in one process.
 
-    python benchmarks/kernel.py                   # the issue's shapes, ratios to cuDNN
+    python benchmarks/kernel.py                   # 4k-64k causal shapes, ratios to cuDNN
     python benchmarks/kernel.py --sweep           # time/TFLOP/s/memory vs S, heads, D + PNGs
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
     python benchmarks/kernel.py --kernels         # fwd+bwd time per GPU kernel (traced)
     python benchmarks/kernel.py --launch-order    # launch order A/B per kernel (--impls)
+    python benchmarks/kernel.py --documents       # 64k packed documents vs FA3 varlen
 
-Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that (ANCHORS.md).
+Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that. With packed
+documents the count is the mask area: visible (query, key) pairs × 4·H per head.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
@@ -109,7 +112,7 @@ def measure(
     return row
 
 
-SHAPES = [  # (seq, head_dim): the issue's table
+SHAPES = [  # (seq, head_dim)
     (4096, 128),
     (16384, 128),
     (65536, 128),
@@ -446,7 +449,131 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
     write_json(os.path.join(args.out, name), {"rows": rows, "raw": raw})
 
 
-def main():
+def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
+    """Document lengths that pack `tokens` exactly: log-normal (sigma 1) with mean
+    `tokens / 16` (4k at 64k), each capped at `tokens / 4`; the last one is cut to fit."""
+    rng = np.random.default_rng(seed)
+    mean, cap, sigma = tokens / 16, tokens // 4, 1.0
+    lengths = []
+    while sum(lengths) < tokens:
+        length = int(rng.lognormal(np.log(mean) - sigma**2 / 2, sigma))
+        lengths.append(max(1, min(length, cap, tokens - sum(lengths))))
+    return lengths
+
+
+def document_flops(lengths, heads: int, head_dim: int) -> float:
+    """Forward FLOPs on the causal mask area: sum of L·(L+1)/2 pairs, 4·H each, per head."""
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 4.0 * pairs * head_dim * heads
+
+
+def _fa3_varlen(lengths):
+    """FlashAttention-3's variable-length path as `attn(q, k, v)` on [1, S, ., H]
+    inputs, or the reason it cannot run here (a peer for the table, never a dependency)."""
+    try:
+        from flash_attn3_jax import flash_mha_varlen
+    except ImportError as e:
+        return None, f"not installed ({e})"
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    longest = max(lengths)
+
+    def attn(q, k, v):
+        out = flash_mha_varlen(q[0], k[0], v[0], cu, cu, longest, longest, is_causal=True)
+        return out[None]
+
+    return attn, None
+
+
+def documents(args):
+    """Causal attention over `--documents-tokens` packed documents (`--heads`,
+    `--kv-heads`, `--head-dim`: GQA 32/8, D=128 by default; bf16), TFLOP/s on the mask
+    area: jflash's default, jflash on the same tokens as one document (what skipping
+    tiles gains), jflash's Triton kernel named, FA3 varlen."""
+    tokens, heads, kv_heads, head_dim = (
+        args.documents_tokens,
+        args.heads,
+        args.kv_heads,
+        args.head_dim,
+    )
+    lengths = document_lengths(tokens)
+    print(f"{len(lengths)} documents in {tokens} tokens, longest {max(lengths)}", flush=True)
+    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    q, k, v, do = draw_inputs(1, tokens, heads, kv_heads, head_dim)
+    doc_flops = document_flops(lengths, heads, head_dim)
+    whole_flops = document_flops([tokens], heads, head_dim)
+
+    def jflash_fn(implementation, segment_ids):
+        return functools.partial(
+            jflash.flash_attention,
+            causal=True,
+            segment_ids=segment_ids,
+            implementation=implementation,
+        )
+
+    fa3, fa3_error = _fa3_varlen(lengths)
+    peers = [
+        ("jflash (default)", "documents", jflash_fn(None, seg), doc_flops, None),
+        ("jflash (default)", "one document", jflash_fn(None, None), whole_flops, None),
+        ("jflash pallas_triton", "documents", jflash_fn("pallas_triton", seg), doc_flops, None),
+        ("flash_attn3_jax varlen", "documents", fa3, doc_flops, fa3_error),
+    ]
+    rows = []
+    for impl, mask, attn, flops, error in peers:
+        row = dict(
+            impl=impl,
+            mask=mask,
+            tokens=tokens,
+            documents=len(lengths) if mask == "documents" else 1,
+        )
+        if error is not None:
+            row["fwd_error"] = error
+            rows.append(row)
+            continue
+        jitted = jit_passes(attn)
+        for name, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
+            fn, nargs = jitted[name]
+            inputs = (q, k, v, do)[:nargs]
+            try:
+                t = time_fn(fn.lower(*inputs).compile(), *inputs, iters=args.iters)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run is a row
+                row[f"{name}_error"] = str(e).splitlines()[0][:120]
+                continue
+            row[f"{name}_ms"] = t * 1e3
+            row[f"{name}_tflops"] = mult * flops / t / 1e12
+        rows.append(row)
+        print(
+            {k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()},
+            flush=True,
+        )
+    whole = next(r for r in rows if r["mask"] == "one document")
+    for r in rows:
+        for p in ("fwd", "fwdbwd"):
+            if f"{p}_ms" in r and f"{p}_ms" in whole:
+                r[f"{p}_speedup_vs_one_document"] = whole[f"{p}_ms"] / r[f"{p}_ms"]
+    columns = [
+        "impl",
+        "mask",
+        "fwd_ms",
+        "fwd_tflops",
+        "fwdbwd_ms",
+        "fwdbwd_tflops",
+        "fwdbwd_speedup_vs_one_document",
+        "fwd_error",
+        "fwdbwd_error",
+    ]
+    print(table(rows, columns))
+    write_json(
+        os.path.join(args.out, f"kernel-documents-{device_name()}.json"),
+        {
+            "rows": rows,
+            "lengths": lengths,
+            "shape": dict(tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim),
+            "mask_pairs": int(doc_flops / (4 * head_dim * heads)),
+        },
+    )
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -464,6 +591,13 @@ def main():
         help="jflash kernels of --impls, heads- vs tiles-outermost launch, per --sweep-seqs",
     )
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
+    parser.add_argument(
+        "--documents", action="store_true", help="packed documents vs one document vs FA3"
+    )
+    parser.add_argument(
+        "--documents-tokens", type=int, default=65536, help="--documents: tokens in the pack"
+    )
+    parser.add_argument("--iters", type=int, default=10, help="--documents: timed calls")
     parser.add_argument(
         "--which",
         default="both",
@@ -490,7 +624,7 @@ def main():
         help="--sweep: skip plain XLA attention whose S²·N·4 exceeds this",
     )
     parser.add_argument("--out", default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.impls = args.impls.split(",")
     if args.sweep_replot:
         with open(args.sweep_replot) as f:
@@ -506,6 +640,8 @@ def main():
         kernel_split(args)
     elif args.launch_order:
         launch_order(args)
+    elif args.documents:
+        documents(args)
     elif args.long:
         long_context(args)
     else:

@@ -10,6 +10,7 @@ never read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import zlib
 
 import jax
@@ -274,3 +275,41 @@ def test_inside_shard_map_lowers_for_cuda(monkeypatch):
         text = jax.jit(fn).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("jflash_fwd", "jflash_bwd_dkv", "jflash_bwd_dq"):
         assert name in text, f"{name} missing from the CUDA lowering"
+
+
+def test_documents_benchmark_on_cpu(tmp_path):
+    """`benchmarks/kernel.py --documents` end to end at a tiny size: every row, the
+    lengths pack the tokens exactly, the JSON is written."""
+    from benchmarks import kernel
+
+    lengths = kernel.document_lengths(65536)
+    assert sum(lengths) == 65536 and 9000 <= max(lengths) <= 16384
+    kernel.main(
+        [
+            "--documents",
+            "--documents-tokens",
+            "128",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "32",
+            "--iters",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    (path,) = tmp_path.glob("kernel-documents-*.json")
+    payload = json.loads(path.read_text())
+    assert sum(payload["lengths"]) == 128
+    rows = {(r["impl"], r["mask"]): r for r in payload["rows"]}
+    for key in (
+        ("jflash (default)", "documents"),
+        ("jflash (default)", "one document"),
+        ("jflash pallas_triton", "documents"),
+    ):
+        assert rows[key]["fwd_tflops"] > 0 and rows[key]["fwdbwd_tflops"] > 0, key
+    fa3 = rows["flash_attn3_jax varlen", "documents"]
+    assert "fwd_tflops" in fa3 or "fwd_error" in fa3
