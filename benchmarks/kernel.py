@@ -474,6 +474,8 @@ def _fa3_varlen(lengths):
         from flash_attn3_jax import flash_mha_varlen
     except ImportError as e:
         return None, f"not installed ({e})"
+    except Exception as e:  # noqa: BLE001 - built for another jax: a row, not a crash
+        return None, f"import failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     longest = max(lengths)
 
