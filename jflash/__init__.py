@@ -1,21 +1,26 @@
 """jflash: distributed FlashAttention for long-context training in JAX.
 
 Public API (everything else is private):
-  flash_attention   single-device exact attention (Pallas GPU kernels, custom VJP)
-  attention_reference   plain-jnp oracle, returns (out, lse)
+  flash_attention        single-device exact attention (Pallas GPU kernels, custom VJP)
+  ring_attention         the same over a sequence sharded across a mesh axis (global arrays)
+  ring_attention_shard   its per-shard form, for code inside the caller's `jax.shard_map`
+  zigzag, unzigzag, positions   the balanced token order of a sharded sequence
+  attention_reference    plain-jnp oracle, returns (out, lse)
   BlockSizes, default_block_sizes   kernel tuning knobs
-  describe          which implementation runs here, and why
+  describe               which implementation runs here, and why
 """
 
 from jflash._block_sizes import BlockSizes, default_block_sizes
 from jflash._dispatch import IMPLEMENTATIONS, describe
 from jflash._flash import flash_attention
-from jflash._layout import positions, unzigzag, zigzag
+from jflash._layout import LAYOUTS, positions, unzigzag, zigzag
 from jflash._reference import attention_reference
-from jflash._ring import ring_attention
+from jflash._ring import STRATEGIES, ring_attention, ring_attention_shard
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "LAYOUTS",
+    "STRATEGIES",
     "BlockSizes",
     "attention_reference",
     "default_block_sizes",
@@ -23,6 +28,7 @@ __all__ = [
     "flash_attention",
     "positions",
     "ring_attention",
+    "ring_attention_shard",
     "unzigzag",
     "zigzag",
 ]

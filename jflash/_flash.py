@@ -13,6 +13,7 @@ from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._mask import Mask
 from jflash._validation import check_causal, check_qkv, check_segment_ids, default_scale
+from jflash._vma import check_interpretable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ def flash_attention(
     k: Float[Array, "B S K H"],
     v: Float[Array, "B S K H"],
     *,
-    causal: bool = True,
+    causal: bool,
     scale: float | None = None,
     segment_ids=None,
     return_lse: bool = False,
@@ -81,7 +82,9 @@ def flash_attention(
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, S, K, H]` with `N % K == 0`
         (GQA/MQA: query head `n` reads KV head `n // (N // K)`; K/V are never repeated).
-      causal: query `q_offset + i` sees key `k_offset + j` only when `>=`.
+      causal: query `q_offset + i` sees key `k_offset + j` only when `>=`. Required
+        (`jax.nn.dot_product_attention` defaults to non-causal; a default either way
+        would surprise half the callers).
       scale: logit scale, default `H ** -0.5`.
       segment_ids: `[B, T]` int ids (T == S) or a `(q_ids [B,T], kv_ids [B,S])` pair;
         attention stays inside equal ids (packed sequences).
@@ -120,5 +123,6 @@ def flash_attention(
             deterministic=deterministic,
         ),
     )
+    check_interpretable(static.kernel.name, static.kernel.interpret, q, k, v, *(segs or ()))
     o, lse = _flash(q, k, v, segs, static)
     return (o, lse) if return_lse else o

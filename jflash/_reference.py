@@ -1,7 +1,7 @@
 """Plain-jnp oracle and the blockwise XLA implementation.
 
 `attention_reference` is the oracle every kernel is tested against: dense, f32 softmax.
-`xla_fwd` / `xla_bwd` implement the kernel contract (DESIGN.md) with `lax.scan` over key
+`xla_fwd` / `xla_bwd` implement the kernel contract (`jflash._dispatch`) with `lax.scan` over key
 blocks, so memory stays linear in the sequence length; they are the `"xla"`
 implementation and run everywhere.
 """
@@ -14,6 +14,7 @@ from jaxtyping import Array, Float
 
 from jflash._mask import Mask
 from jflash._validation import check_qkv, check_segment_ids, default_scale
+from jflash._vma import vary, varying_axes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -95,10 +96,15 @@ def xla_fwd(q, k, v, *, mask: Mask, segs, scale: float, out_dtype, block: int = 
     kv_len, kh = k.shape[1], k.shape[2]
     block = min(block, kv_len)
     qg = _grouped(q, kh)
-    init = (
-        jnp.full((b, kh, n // kh, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, kh, n // kh, t), jnp.float32),
-        jnp.zeros((b, t, kh, n // kh, h), jnp.float32),
+    # Inside a shard_map the carries vary like the inputs they are built from.
+    axes = varying_axes(q, k, v, *(segs or ()))
+    init = tuple(
+        vary(x, axes)
+        for x in (
+            jnp.full((b, kh, n // kh, t), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kh, n // kh, t), jnp.float32),
+            jnp.zeros((b, t, kh, n // kh, h), jnp.float32),
+        )
     )
 
     def step(carry, xs):
@@ -155,7 +161,10 @@ def xla_bwd(
 
     nblk = -(-kv_len // block)
     starts = jnp.arange(nblk, dtype=jnp.int32) * block
-    dq0 = jnp.zeros((b, t, kh, g, h), jnp.float32)
+    dq0 = vary(
+        jnp.zeros((b, t, kh, g, h), jnp.float32),
+        varying_axes(q, k, v, do, lse, delta, *(segs or ())),
+    )
     dq, (dk, dv) = jax.lax.scan(step, dq0, (starts, _kv_blocks(k, block), _kv_blocks(v, block)))
 
     def unblock(x):

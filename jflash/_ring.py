@@ -1,12 +1,14 @@
-"""`jflash.ring_attention`: exact attention over a sequence sharded across a mesh axis.
+"""Ring attention: exact attention over a sequence sharded across a mesh axis.
 
-Two strategies, one custom VJP that reuses the global `o` and `lse` (the distributed
-forward is never recomputed):
+`ring_attention_shard` is the implementation, called per shard inside a `shard_map`
+(the caller's, or the one `ring_attention` builds around it for global arrays). Two
+strategies, one custom VJP on the per-shard computation that reuses the per-shard `o`
+and `lse` (the distributed forward is never recomputed):
 
 * ring: every device keeps its queries and visits every K/V shard once (P steps). At
   each step it runs the single-device kernel (`_dispatch.attention_fwd`) on its
-  queries against one K/V shard and merges the partial `(o, lse)` in f32 (DESIGN.md
-  "Kernel contract"). Backward: dQ accumulates locally, dK/dV travel around the ring
+  queries against one K/V shard and merges the partial `(o, lse)` in f32 (logaddexp
+  of the LSEs). Backward: dQ accumulates locally, dK/dV travel around the ring
   with K/V and are home after P steps. Memory per device is one shard's worth.
 * allgather: K/V of the whole sequence are gathered once (small with GQA), and each
   contiguous run of local queries (two in zigzag) is one kernel call against all of
@@ -28,11 +30,14 @@ The ring's causal blocks:
   step time is set by the last rank, which sees every source).
 
 So in zigzag every off-diagonal step costs exactly half a block on every device:
-balanced. The rank is traced inside shard_map, so the choice is made with traced
-slice offsets rather than `lax.cond` (see `_fwd_step`; a `lax.cond` form with one
-kernel call per step measured no faster on 2 and 4 H200s and hid less of the
-transfers: BENCHMARKS.md). Steps are unrolled in Python
-(P is static): XLA then sees every transfer next to the kernel it can overlap with.
+balanced. Packed documents: the keys' segment ids travel with the keys, and the
+kernels skip the tiles whose documents cannot meet.
+
+The rank is traced inside shard_map, so the choice is made with traced slice offsets
+rather than `lax.cond` (see `_fwd_step`; a `lax.cond` form with one kernel call per
+step measured no faster on 2 and 4 H200s and hid less of the transfers). Steps are
+unrolled in Python (P is static): XLA then sees every transfer next to the kernel it
+can overlap with.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._layout import LAYOUTS, check_zigzag_len, unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import check_causal, check_qkv, default_scale
+from jflash._validation import check_causal, check_qkv, check_segment_ids, default_scale
+from jflash._vma import check_interpretable
 
 STRATEGIES = ("ring", "allgather")
 
@@ -61,7 +67,7 @@ STRATEGIES = ("ring", "allgather")
 class _Ring:
     """Everything static about one ring attention call (hashable: a custom_vjp arg)."""
 
-    axis: str
+    axis: str | tuple[str, ...]
     num_shards: int
     causal: bool
     layout: str
@@ -89,13 +95,27 @@ def _merge(o, lse, o_blk, lse_blk):
     return o * weight(lse) + o_blk * weight(lse_blk), new
 
 
-def _attend(q, kv, causal: bool, cfg: _Ring):
+def _segs(q_seg, kv_seg):
+    """The kernels' `segs` argument: None, or the `(q ids, kv ids)` pair."""
+    return None if q_seg is None else (q_seg, kv_seg)
+
+
+def _rows(x, start, size: int, axis: int):
+    """`x[start : start + size]` along `axis` (`start` may be traced); None stays None."""
+    if x is None:
+        return None
+    if isinstance(start, int):
+        return lax.slice_in_dim(x, start, start + size, axis=axis)
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _attend(q, kv, segs, causal: bool, cfg: _Ring):
     """One kernel call: q `[B,T',N,H]` vs kv `[2,B,S',K,H]` -> f32 `(o, lse)`."""
     return attention_fwd(
         q,
         kv[0],
         kv[1],
-        None,
+        segs,
         mask=Mask(causal),
         scale=cfg.scale,
         out_dtype=jnp.float32,
@@ -115,17 +135,18 @@ def _merge_at(o, lse, start, o_blk, lse_blk):
     )
 
 
-def _fwd_step(step: int, rank, q, kv, o, lse, cfg: _Ring):
-    """Folds source `(rank - step) % P` (held in `kv`) into the running `(o, lse)`.
+def _fwd_step(step: int, rank, q, kv, q_seg, kv_seg, o, lse, cfg: _Ring):
+    """Folds source `(rank - step) % P` (held in `kv`, its ids in `kv_seg`) into the
+    running `(o, lse)`.
 
     The rank is traced, so which half of the block is seen is chosen by data (a
     traced slice offset), not by control flow: every rank runs the same kernels, and
     no conditional sits between a transfer and the kernel it should overlap.
     """
     if step == 0:  # the diagonal block, for every rank: same work everywhere
-        return _attend(q, kv, cfg.causal, cfg)
+        return _attend(q, kv, _segs(q_seg, kv_seg), cfg.causal, cfg)
     if not cfg.causal:
-        return _merge(o, lse, *_attend(q, kv, False, cfg))
+        return _merge(o, lse, *_attend(q, kv, _segs(q_seg, kv_seg), False, cfg))
     # For 1 <= step < P the source precedes this rank iff step <= rank.
     before = step <= rank
     if cfg.layout == "zigzag":
@@ -133,24 +154,28 @@ def _fwd_step(step: int, rank, q, kv, o, lse, cfg: _Ring):
         # late ones (s > r) as q[c:] x kv[:]. Both contain q[c:] x kv[:c]; the rest
         # is q[h:h+c] x kv[h:h+c] with h = 0 (early) or c (late).
         c = q.shape[1] // 2
-        o, lse = _merge_at(o, lse, c, *_attend(q[:, c:], kv[:, :, :c], False, cfg))
+        segs = _segs(_rows(q_seg, c, c, 1), _rows(kv_seg, 0, c, 1))
+        o, lse = _merge_at(o, lse, c, *_attend(q[:, c:], kv[:, :, :c], segs, False, cfg))
         h = jnp.where(before, 0, c)
-        q_h = lax.dynamic_slice_in_dim(q, h, c, axis=1)
-        kv_h = lax.dynamic_slice_in_dim(kv, h, c, axis=2)
-        return _merge_at(o, lse, h, *_attend(q_h, kv_h, False, cfg))
+        segs = _segs(_rows(q_seg, h, c, 1), _rows(kv_seg, h, c, 1))
+        return _merge_at(
+            o, lse, h, *_attend(_rows(q, h, c, 1), _rows(kv, h, c, 2), segs, False, cfg)
+        )
     # Contiguous: a later source is hidden. Its block is computed and dropped (lse
     # -inf): the step time is the last rank's, which sees every source anyway.
-    o_blk, lse_blk = _attend(q, kv, False, cfg)
+    o_blk, lse_blk = _attend(q, kv, _segs(q_seg, kv_seg), False, cfg)
     return _merge(o, lse, o_blk, jnp.where(before, lse_blk, -jnp.inf))
 
 
 def _shift(x, cfg: _Ring):
     """Sends `x` to the next rank on the ring (rank r receives from r-1)."""
+    if x is None:
+        return None
     p = cfg.num_shards
     return lax.ppermute(x, cfg.axis, [(j, (j + 1) % p) for j in range(p)])
 
 
-def _ring_fwd_shard(q, k, v, cfg: _Ring):
+def _ring_fwd_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):
     """Per-shard forward, ring strategy: `(o [B,T',N,H] q.dtype, lse [B,N,T'] f32)`."""
     p = cfg.num_shards
     rank = lax.axis_index(cfg.axis)
@@ -158,10 +183,10 @@ def _ring_fwd_shard(q, k, v, cfg: _Ring):
     o = lse = None
     for step in range(p):
         # Issued before this step's kernel and not consumed by it: the transfer of the
-        # next block overlaps this block's compute.
-        nxt = _shift(kv, cfg) if step < p - 1 else None
-        o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
-        kv = nxt
+        # next block overlaps this block's compute. Key ids travel with their keys.
+        nxt = (_shift(kv, cfg), _shift(kv_seg, cfg)) if step < p - 1 else (None, None)
+        o, lse = _fwd_step(step, rank, q, kv, q_seg, kv_seg, o, lse, cfg)
+        kv, kv_seg = nxt
     return o.astype(q.dtype), lse
 
 
@@ -169,7 +194,7 @@ def _ring_fwd_shard(q, k, v, cfg: _Ring):
 # Backward, per shard
 
 
-def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring):
+def _grads(q, kv, do, lse, delta, segs, causal: bool, cfg: _Ring):
     """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32."""
     dq, dk, dv = attention_bwd(
         q,
@@ -178,7 +203,7 @@ def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring):
         do,
         lse,
         delta,
-        None,
+        segs,
         mask=Mask(causal),
         scale=cfg.scale,
         grad_dtype=jnp.float32,
@@ -187,41 +212,47 @@ def _grads(q, kv, do, lse, delta, causal: bool, cfg: _Ring):
     return dq, jnp.stack([dk, dv])
 
 
-def _bwd_step(step: int, rank, q, kv, do, lse, delta, dq, cfg: _Ring):
+def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _Ring):
     """Adds this step's dQ into `dq`; returns it and the f32 dK/dV of the source.
 
     Same blocks as `_fwd_step`. Only local values go in (never the dK/dV arriving
     from the neighbour), so the kernels do not wait for that transfer.
     """
     if step == 0 or not cfg.causal:
-        dq_blk, dkv = _grads(q, kv, do, lse, delta, cfg.causal and step == 0, cfg)
+        segs = _segs(q_seg, kv_seg)
+        dq_blk, dkv = _grads(q, kv, do, lse, delta, segs, cfg.causal and step == 0, cfg)
         return dq + dq_blk, dkv
     before = step <= rank
     if cfg.layout == "zigzag":
         c = q.shape[1] // 2
+        segs = _segs(_rows(q_seg, c, c, 1), _rows(kv_seg, 0, c, 1))
         dq_blk, dkv_blk = _grads(
-            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], False, cfg
+            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], segs, False, cfg
         )
         dq = dq.at[:, c:].add(dq_blk)
         dkv = jnp.concatenate([dkv_blk, jnp.zeros_like(dkv_blk)], axis=2)
         h = jnp.where(before, 0, c)
-
-        def rows(x, axis):
-            return lax.dynamic_slice_in_dim(x, h, c, axis=axis)
-
+        segs = _segs(_rows(q_seg, h, c, 1), _rows(kv_seg, h, c, 1))
         dq_blk, dkv_blk = _grads(
-            rows(q, 1), rows(kv, 2), rows(do, 1), rows(lse, 2), rows(delta, 2), False, cfg
+            _rows(q, h, c, 1),
+            _rows(kv, h, c, 2),
+            _rows(do, h, c, 1),
+            _rows(lse, h, c, 2),
+            _rows(delta, h, c, 2),
+            segs,
+            False,
+            cfg,
         )
-        dq = lax.dynamic_update_slice_in_dim(dq, rows(dq, 1) + dq_blk, h, axis=1)
-        dkv = lax.dynamic_update_slice_in_dim(dkv, rows(dkv, 2) + dkv_blk, h, axis=2)
+        dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, h, c, 1) + dq_blk, h, axis=1)
+        dkv = lax.dynamic_update_slice_in_dim(dkv, _rows(dkv, h, c, 2) + dkv_blk, h, axis=2)
         return dq, dkv
     # Contiguous: a later source's block is computed and dropped, as in the forward.
-    dq_blk, dkv = _grads(q, kv, do, lse, delta, False, cfg)
+    dq_blk, dkv = _grads(q, kv, do, lse, delta, _segs(q_seg, kv_seg), False, cfg)
     # `where`, not a 0/1 product: exp(s - lse) of hidden keys may overflow to inf.
     return dq + jnp.where(before, dq_blk, 0.0), jnp.where(before, dkv, 0.0)
 
 
-def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
+def _ring_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     """Per-shard backward: `(dq, dk, dv)` in the dtypes of q, k, v."""
     p = cfg.num_shards
     rank = lax.axis_index(cfg.axis)
@@ -239,13 +270,13 @@ def _ring_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
     # at step i - 1). After step P - 1 the sum belongs to rank r + 1: the last shift
     # delivers it home.
     arriving = None
-    visiting = _shift(kv, cfg) if p > 1 else None
+    visiting, visiting_seg = (_shift(kv, cfg), _shift(kv_seg, cfg)) if p > 1 else (None, None)
     for step in range(1, p):
-        nxt = _shift(visiting, cfg) if step < p - 1 else None
-        dq, dkv = _bwd_step(step, rank, q, visiting, do, lse, delta, dq, cfg)
+        nxt = (_shift(visiting, cfg), _shift(visiting_seg, cfg)) if step < p - 1 else (None, None)
+        dq, dkv = _bwd_step(step, rank, q, visiting, q_seg, visiting_seg, do, lse, delta, dq, cfg)
         arriving = _shift(dkv if arriving is None else arriving + dkv, cfg)
-        visiting = nxt
-    dq, own = _bwd_step(0, rank, q, kv, do, lse, delta, dq, cfg)
+        visiting, visiting_seg = nxt
+    dq, own = _bwd_step(0, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg)
     dkv = own if arriving is None else own + arriving
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
@@ -280,31 +311,32 @@ def _by_rank(body, cfg: _Ring, *args):
     return lax.switch(lax.axis_index(cfg.axis), branches, *args)
 
 
-def _gathered_kv(k, v, cfg: _Ring):
-    """Every shard's K and V `[2,B,S,K,H]` in natural order: one all-gather, at
-    KV-head size."""
-    kv = lax.all_gather(jnp.stack([k, v]), cfg.axis, axis=2, tiled=True)
+def _gathered(x, axis: int, cfg: _Ring):
+    """Every shard's `x`, concatenated along `axis` in natural order: one all-gather."""
+    if x is None:
+        return None
+    x = lax.all_gather(x, cfg.axis, axis=axis, tiled=True)
     if cfg.layout == "zigzag" and cfg.num_shards > 1:
-        kv = unzigzag(kv, cfg.num_shards, axis=2)
-    return kv
+        x = unzigzag(x, cfg.num_shards, axis=axis)
+    return x
 
 
 def _chunk_mask(offset: int, cfg: _Ring) -> Mask:
     return Mask(cfg.causal, q_offset=offset, k_offset=0)
 
 
-def _gather_fwd_shard(q, k, v, cfg: _Ring):
+def _gather_fwd_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):
     """Per-shard forward, allgather strategy: each query run against the whole
     sequence in one kernel call, so every row's softmax is complete (no merges) and
     the kernel's key loops are as long as on one device."""
 
-    def body(rank, q, kv):
+    def body(rank, q, kv, q_seg, kv_seg):
         parts = [
             attention_fwd(
                 q[:, a : a + n],
                 kv[0, :, :seen],
                 kv[1, :, :seen],
-                None,
+                _segs(_rows(q_seg, a, n, 1), _rows(kv_seg, 0, seen, 1)),
                 mask=_chunk_mask(offset, cfg),
                 scale=cfg.scale,
                 out_dtype=q.dtype,
@@ -317,16 +349,17 @@ def _gather_fwd_shard(q, k, v, cfg: _Ring):
             jnp.concatenate([lse for _, lse in parts], axis=2),
         )
 
-    return _by_rank(body, cfg, q, _gathered_kv(k, v, cfg))
+    kv = _gathered(jnp.stack([k, v]), 2, cfg)  # [2,B,S,K,H], at KV-head size
+    return _by_rank(body, cfg, q, kv, q_seg, _gathered(kv_seg, 1, cfg))
 
 
-def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
+def _gather_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     """Per-shard backward, allgather strategy: dQ is complete per query run; the
     whole sequence's dK/dV (f32) is summed over devices and scattered to its owners."""
     delta = delta_from(o, do, dlse)
     do = do.astype(q.dtype)
 
-    def body(rank, q, kv, do, lse, delta):
+    def body(rank, q, kv, q_seg, kv_seg, do, lse, delta):
         dqs, dkvs = [], []
         for a, n, offset, seen in _query_chunks(rank, q.shape[1], cfg):
             dq, dk, dv = attention_bwd(
@@ -336,7 +369,7 @@ def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
                 do[:, a : a + n],
                 lse[..., a : a + n],
                 delta[..., a : a + n],
-                None,
+                _segs(_rows(q_seg, a, n, 1), _rows(kv_seg, 0, seen, 1)),
                 mask=_chunk_mask(offset, cfg),
                 scale=cfg.scale,
                 grad_dtype=jnp.float32,
@@ -349,7 +382,9 @@ def _gather_bwd_shard(q, k, v, o, lse, do, dlse, cfg: _Ring):
             dkvs.append(jnp.pad(jnp.stack([dk, dv]), pad))
         return jnp.concatenate(dqs, axis=1), sum(dkvs[1:], dkvs[0])
 
-    dq, dkv = _by_rank(body, cfg, q, _gathered_kv(k, v, cfg), do, lse, delta)
+    kv = _gathered(jnp.stack([k, v]), 2, cfg)
+    args = (q, kv, q_seg, _gathered(kv_seg, 1, cfg), do, lse, delta)
+    dq, dkv = _by_rank(body, cfg, *args)
     if cfg.num_shards > 1:
         if cfg.layout == "zigzag":
             dkv = zigzag(dkv, cfg.num_shards, axis=2)
@@ -364,65 +399,33 @@ _SHARD_BODIES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Where the per-shard bodies run: the mesh and the specs of q/k/v/o and of lse."""
-
-    mesh: Mesh
-    qkv: PartitionSpec
-    lse: PartitionSpec
-
-    def map(self, body, in_specs, out_specs):
-        # The kernels build fresh accumulators (scan carries, pallas outputs) that carry
-        # no varying-axis types; every value of the bodies does vary over the sequence
-        # axis and replicated axes compute the same thing, which is what unchecked
-        # shard_map assumes.
-        return jax.shard_map(
-            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-
-    def place(self, *arrays, spec=None):
-        return _to_spec(arrays, self.mesh, self.qkv if spec is None else spec)
+# The custom VJP sits on the per-shard computation, so it composes with the caller's
+# shard_map, jit, checkpoint, scan and vmap. Its residuals are the per-shard o and
+# lse: a remat policy that saves the names below keeps them, and the distributed
+# forward is never recomputed in the backward pass.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):
+    return _SHARD_BODIES[cfg.strategy][0](q, k, v, q_seg, kv_seg, cfg)
 
 
-# The custom VJP sits outside the two shard_maps (forward, backward), so its residuals
-# are global arrays: a remat policy that saves the names below keeps `o` and `lse`, and
-# the distributed forward is never recomputed in the backward pass.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, cfg: _Ring, where: _Layout):
-    fwd = where.map(
-        functools.partial(_SHARD_BODIES[cfg.strategy][0], cfg=cfg),
-        (where.qkv,) * 3,
-        (where.qkv, where.lse),
-    )
-    return fwd(q, k, v)
-
-
-def _ring_fwd(q, k, v, cfg: _Ring, where: _Layout):
-    o, lse = _ring(q, k, v, cfg, where)
+def _ring_shard_fwd(q, k, v, q_seg, kv_seg, cfg: _Ring):
+    o, lse = _ring_shard(q, k, v, q_seg, kv_seg, cfg)
     o, lse = checkpoint_name(o, "attention_out"), checkpoint_name(lse, "attention_lse")
-    return (o, lse), (q, k, v, o, lse)
+    return (o, lse), (q, k, v, q_seg, kv_seg, o, lse)
 
 
-def _ring_bwd(cfg: _Ring, where: _Layout, res, cotangents):
-    q, k, v, o, lse = res
+def _ring_shard_bwd(cfg: _Ring, res, cotangents):
+    q, k, v, q_seg, kv_seg, o, lse = res
     do, dlse = cotangents
-    (do,) = where.place(do)
-    (dlse,) = where.place(dlse.astype(jnp.float32), spec=where.lse)
-    qkv, lse_spec = where.qkv, where.lse
-    bwd = where.map(
-        functools.partial(_SHARD_BODIES[cfg.strategy][1], cfg=cfg),
-        (qkv, qkv, qkv, qkv, lse_spec, qkv, lse_spec),
-        (qkv, qkv, qkv),
-    )
-    return bwd(q, k, v, o, lse, do, dlse)
+    dq, dk, dv = _SHARD_BODIES[cfg.strategy][1](q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg)
+    return dq, dk, dv, None, None
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_ring_shard.defvjp(_ring_shard_fwd, _ring_shard_bwd)
 
 
 # ---------------------------------------------------------------------------------
-# Public entry point
+# Public entry points
 
 
 def _batch_axes(mesh: Mesh, seq_axis: str, q, batch_axes) -> tuple[str, ...]:
@@ -474,11 +477,36 @@ def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
             f"ring_attention needs the axes {sorted(names)} to be all Explicit or all Auto; "
             f"{mesh.axis_names=}, {mesh.axis_types=}"
         )
-    return tuple(jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
+    return tuple(None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
+
+
+def _check_strategy(layout: str, strategy: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} is not one of {LAYOUTS}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{strategy=} is not one of {STRATEGIES}")
+
+
+def _check_self_attention(shapes, where: str) -> None:
+    if shapes.q_len != shapes.kv_len:
+        raise ValueError(
+            f"ring attention is self-attention: q and k/v {where} lengths differ "
+            f"({shapes.q_len=}, {shapes.kv_len=})"
+        )
+
+
+def _mosaic_interpret_error(num_devices: int) -> NotImplementedError:
+    return NotImplementedError(
+        f"implementation='pallas_mosaic' in interpret mode cannot run on {num_devices} "
+        "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
+        "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
+        "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
+        "use implementation='pallas_triton' or 'xla'"
+    )
 
 
 def ring_config(
-    axis: str,
+    axis: str | tuple[str, ...],
     num_shards: int,
     seq_len: int,
     *,
@@ -492,6 +520,7 @@ def ring_config(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     deterministic: bool | None = None,
+    segments: bool = False,
 ) -> _Ring:
     """The static config of a ring over `num_shards` shards of a `seq_len` sequence
     (inputs checked by the caller), with the kernel resolved for the blocks it runs."""
@@ -515,9 +544,109 @@ def ring_config(
             kv_len=kv_block,
             head_dim=head_dim,
             dtype=dtype,
+            segments=segments,
             deterministic=deterministic,
         ),
     )
+
+
+def _bound_shards(axis_name) -> int:
+    """P, the size of `axis_name` (a name or a tuple of names) in the enclosing
+    `shard_map`; a clear error where it is not bound there."""
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
+        raise ValueError(f"{axis_name=} must be a mesh axis name or a tuple of them")
+    try:
+        return int(lax.axis_size(names if len(names) > 1 else names[0]))
+    except NameError:
+        raise ValueError(
+            f"{axis_name=} is not a manual axis here: call ring_attention_shard inside "
+            "jax.shard_map over that mesh axis (with it in axis_names for a partial "
+            "shard_map), or call jflash.ring_attention on global arrays"
+        ) from None
+
+
+def ring_attention_shard(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H"],
+    *,
+    axis_name: str | tuple[str, ...],
+    causal: bool,
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    segment_ids=None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    block_sizes: BlockSizes | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    deterministic: bool | None = None,
+):
+    """Exact self-attention over a sequence split across `axis_name`, per shard.
+
+    Call it inside your own `jax.shard_map` (full, or partial with `axis_name` among
+    its `axis_names`), like `lax.psum`: q, k, v are this device's shard of a sequence
+    split into P = `lax.axis_size(axis_name)` shards, in `layout` order. Its custom
+    VJP is on this per-shard computation, so it composes with `jax.jit`,
+    `jax.checkpoint` (the residuals are named `attention_out` / `attention_lse`),
+    `lax.scan`, `vmap` and NNX modules, with `check_vma` on or off.
+
+    Args:
+      q: this shard's queries `[B, T_local, N, H]`; k, v: keys/values
+        `[B, T_local, K, H]`, `N % K == 0` (GQA/MQA: K/V travel at KV-head size).
+      axis_name: the mesh axis (or tuple of axes, major first) the sequence is split
+        over.
+      causal: causal mask on global positions (required: non-causal ignores order).
+      layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
+        work; T_local even) or `"contiguous"` (shard r holds chunk r). With
+        `"zigzag"` the global sequence must be in zigzag order (`jflash.zigzag`
+        before sharding); natural-order tokens give wrong causal attention silently.
+      strategy: `"ring"` (K/V rotate, one `ppermute` per step overlapped with the
+        kernel) or `"allgather"` (K/V gathered once; see `jflash.ring_attention`).
+      segment_ids: this shard's ids `[B, T_local]` int (packed documents: attention
+        stays inside equal ids; a document may span shards), in the same layout
+        order as q. Key ids travel with the keys. Rows that see no key give 0 and
+        LSE `-inf`.
+      scale, return_lse, block_sizes, implementation, interpret, deterministic: as in
+        `jflash.flash_attention`.
+
+    Returns:
+      `out [B, T_local, N, H]` in q's dtype, or `(out, lse [B, N, T_local] f32)`.
+    """
+    num_shards = _bound_shards(axis_name)
+    shapes = check_qkv(q, k, v)
+    causal = check_causal(causal)
+    _check_strategy(layout, strategy)
+    _check_self_attention(shapes, "shard")
+    if layout == "zigzag" and shapes.q_len % 2 != 0:
+        raise ValueError(
+            f"the zigzag layout splits each shard into two chunks: q's shard length "
+            f"{shapes.q_len} must be even"
+        )
+    segs = check_segment_ids(segment_ids, shapes)
+    cfg = ring_config(
+        axis_name,
+        num_shards,
+        num_shards * shapes.q_len,
+        causal=causal,
+        layout=layout,
+        strategy=strategy,
+        head_dim=shapes.head_dim,
+        dtype=q.dtype,
+        scale=scale,
+        implementation=implementation,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        deterministic=deterministic,
+        segments=segs is not None,
+    )
+    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and num_shards > 1:
+        raise _mosaic_interpret_error(num_shards)
+    check_interpretable(cfg.kernel.name, cfg.kernel.interpret, q, k, v, *(segs or ()))
+    q_seg, kv_seg = (None, None) if segs is None else segs
+    o, lse = _ring_shard(q, k, v, q_seg, kv_seg, cfg)
+    return (o, lse) if return_lse else o
 
 
 def ring_attention(
@@ -527,9 +656,10 @@ def ring_attention(
     *,
     mesh: Mesh,
     seq_axis: str = "seq",
-    causal: bool = True,
+    causal: bool,
     layout: str = "zigzag",
     strategy: str = "ring",
+    segment_ids=None,
     scale: float | None = None,
     return_lse: bool = False,
     batch_axes: str | tuple[str, ...] | None = None,
@@ -540,17 +670,21 @@ def ring_attention(
 ):
     """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
 
-    Builds its own `jax.shard_map` over `mesh`: pass global arrays (jitted or not);
-    the sequence dimension is split into P = `mesh.shape[seq_axis]` shards. Works
-    with Explicit and Auto mesh axes, inside `jax.jit` next to other sharded code.
+    Global arrays in, global arrays out: builds a `jax.shard_map` over `mesh` around
+    `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
+    not); the sequence dimension is split into P = `mesh.shape[seq_axis]` shards.
+    Works with Explicit and Auto mesh axes, inside `jax.jit` next to other sharded
+    code. Code that is already inside a `shard_map` calls `ring_attention_shard`.
 
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
         (GQA/MQA: K/V travel at KV-head size, never repeated). The sequence is in
-        `layout` order (`jflash.zigzag` converts from natural order).
+        `layout` order (`jflash.zigzag` converts from natural order; forgetting it
+        gives wrong causal attention silently: compare with `flash_attention` on a
+        small input once).
       mesh: the device mesh.
       seq_axis: mesh axis the sequence is sharded over.
-      causal: causal mask on global positions (non-causal ignores the order).
+      causal: causal mask on global positions (required: non-causal ignores order).
       layout: `"zigzag"` (rank r holds chunks r and 2P-1-r of 2P: balanced causal
         work; T % 2P == 0) or `"contiguous"` (rank r holds chunk r; T % P == 0).
       strategy: `"ring"` (K/V rotate with one `ppermute` per step, overlapped with the
@@ -559,6 +693,8 @@ def ring_attention(
         short per-device lengths, where the ring's per-step kernel calls are short;
         holds the whole sequence's K/V and its f32 dK/dV, so the ring is the one for
         the longest sequences).
+      segment_ids: `[B, T]` int ids in the same layout order as q (packed documents;
+        attention stays inside equal ids, across shard boundaries too).
       scale: logit scale, default `H ** -0.5`.
       return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
       batch_axes: mesh axes that split the batch. Default: every other mesh axis of
@@ -578,25 +714,24 @@ def ring_attention(
         raise ValueError(f"{mesh=} must be a jax.sharding.Mesh (the sequence is split over it)")
     shapes = check_qkv(q, k, v)
     causal = check_causal(causal)
-    if layout not in LAYOUTS:
-        raise ValueError(f"{layout=} is not one of {LAYOUTS}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"{strategy=} is not one of {STRATEGIES}")
+    _check_strategy(layout, strategy)
     if seq_axis not in mesh.axis_names:
         raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
-    if shapes.q_len != shapes.kv_len:
-        raise ValueError(
-            f"ring attention is self-attention: q and k/v lengths differ "
-            f"({shapes.q_len=}, {shapes.kv_len=})"
-        )
+    _check_self_attention(shapes, "sequence")
     num_shards = dict(mesh.shape)[seq_axis]
     seq_len = shapes.q_len
     if layout == "zigzag":
         check_zigzag_len(seq_len, num_shards)
     elif seq_len % num_shards != 0:
         raise ValueError(f"{seq_len=} must be divisible by {num_shards=} for the contiguous layout")
+    segs = check_segment_ids(segment_ids, shapes)
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
-    cfg = ring_config(
+    batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
+    qkv_spec = PartitionSpec(batch_spec, seq_axis, None, None)
+    lse_spec = PartitionSpec(batch_spec, None, seq_axis)
+    seg_spec = PartitionSpec(batch_spec, seq_axis)
+    # Resolved here once as well, so a kernel that cannot run is named before tracing.
+    kernel = ring_config(
         seq_axis,
         num_shards,
         seq_len,
@@ -610,19 +745,39 @@ def ring_attention(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
-    )
-    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
-        raise NotImplementedError(
-            f"implementation='pallas_mosaic' in interpret mode cannot run on {mesh.size=} "
-            "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
-            "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
-            "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
-            "use implementation='pallas_triton' or 'xla'"
-        )
-    batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
-    qkv_spec = PartitionSpec(batch_spec, seq_axis, None, None)
-    lse_spec = PartitionSpec(batch_spec, None, seq_axis)
+        segments=segs is not None,
+    ).kernel
+    if kernel.name == "pallas_mosaic" and kernel.interpret and mesh.size > 1:
+        raise _mosaic_interpret_error(mesh.size)
 
-    where = _Layout(mesh, qkv_spec, lse_spec)
-    o, lse = _ring(*where.place(q, k, v), cfg, where)
+    def body(q, k, v, segs):
+        return ring_attention_shard(
+            q,
+            k,
+            v,
+            axis_name=seq_axis,
+            causal=causal,
+            layout=layout,
+            strategy=strategy,
+            segment_ids=segs,
+            scale=scale,
+            return_lse=True,
+            block_sizes=block_sizes,
+            implementation=implementation,
+            interpret=interpret,
+            deterministic=deterministic,
+        )
+
+    q, k, v = _to_spec((q, k, v), mesh, qkv_spec)
+    if segs is not None:
+        segs = _to_spec(segs, mesh, seg_spec)
+    seg_specs = None if segs is None else (seg_spec, seg_spec)
+    o, lse = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
+        out_specs=(qkv_spec, lse_spec),
+        # Interpreted Pallas kernels lose manual-axis types (see `check_interpretable`).
+        check_vma=not kernel.interpret,
+    )(q, k, v, segs)
     return (o, lse) if return_lse else o

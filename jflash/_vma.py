@@ -39,3 +39,16 @@ def match(*xs):
 def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     """An output shape for a Pallas call that varies like the array `like`."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+def check_interpretable(implementation: str, interpret: bool, *xs) -> None:
+    """Refuses an interpreted Pallas kernel inside `shard_map(check_vma=True)`: jax
+    0.11.2's Pallas interpreter does not carry manual-axis types through a kernel
+    body, and fails deep inside with a type error. Compiled kernels run there."""
+    if interpret and implementation != "xla" and varying_axes(*xs):
+        raise NotImplementedError(
+            f"implementation={implementation!r} in interpret mode cannot run inside "
+            "jax.shard_map with check_vma=True (jax 0.11.2's Pallas interpreter loses the "
+            "manual-axis types): pass check_vma=False to that shard_map, or use "
+            "implementation='xla'; compiled on a GPU it runs with check_vma=True"
+        )

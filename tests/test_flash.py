@@ -219,6 +219,7 @@ def test_mosaic_rows_that_see_nothing():
         q,
         k,
         v,
+        causal=True,
         q_offset=0,
         k_offset=64,
         return_lse=True,
@@ -250,7 +251,7 @@ def test_without_lse_and_under_jit():
     )
     f = jax.jit(
         lambda q, k, v: jflash.flash_attention(
-            q, k, v, implementation="pallas_triton", interpret=INTERPRET
+            q, k, v, causal=True, implementation="pallas_triton", interpret=INTERPRET
         )
     )
     out = f(q, k, v)
@@ -265,7 +266,7 @@ def test_default_implementation_is_described():
     q, k, v, *_ = make_inputs(
         0, batch=1, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
     )
-    jflash.flash_attention(q, k, v)
+    jflash.flash_attention(q, k, v, causal=True)
     text = jflash.describe()
     if jax.default_backend() == "gpu":
         assert "implementation=None, head_dim=100, bfloat16: 'pallas_triton'" in text
@@ -285,10 +286,10 @@ def test_describe_names_the_last_traced_call():
     def last_traced():
         return jflash.describe().split("last traced call: ")[1]
 
-    f = jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v))
+    f = jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, causal=True))
     f(_q, _kv, _kv)
     assert "reason=named by the caller" not in last_traced()
-    jflash.flash_attention(_q, _kv, _kv, implementation="xla")
+    jflash.flash_attention(_q, _kv, _kv, causal=True, implementation="xla")
     assert "reason=named by the caller" in last_traced()
     f(_q, _kv, _kv)  # cached: not traced again, so not recorded
     assert "reason=named by the caller" in last_traced()
@@ -343,7 +344,7 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
 )
 def test_bad_input_raises(kwargs, args, error, match):
     with pytest.raises(error, match=match):
-        jflash.flash_attention(*args, **kwargs)
+        jflash.flash_attention(*args, **{"causal": True, **kwargs})
 
 
 @pytest.mark.parametrize("implementation", jflash.IMPLEMENTATIONS)
@@ -354,14 +355,24 @@ def test_empty_batch_raises(implementation):
     kv = jnp.ones((0, 64, 1, 64), jnp.bfloat16)
     interpret = None if implementation == "xla" else INTERPRET
     with pytest.raises(ValueError, match="empty input: batch=0"):
-        jflash.flash_attention(q, kv, kv, implementation=implementation, interpret=interpret)
+        jflash.flash_attention(
+            q, kv, kv, causal=True, implementation=implementation, interpret=interpret
+        )
 
 
 def test_numpy_bools_are_accepted():
     out = jflash.flash_attention(_q, _kv, _kv, causal=np.False_, implementation="xla")
     want = jflash.flash_attention(_q, _kv, _kv, causal=False, implementation="xla")
     np.testing.assert_array_equal(out, want)
-    assert jflash.flash_attention(_q, _kv, _kv, deterministic=np.True_).shape == _q.shape
+    assert (
+        jflash.flash_attention(_q, _kv, _kv, causal=True, deterministic=np.True_).shape == _q.shape
+    )
+
+
+def test_causal_is_required():
+    """No default: jax.nn's is non-causal, a decoder's is causal; the caller says which."""
+    with pytest.raises(TypeError, match="causal"):
+        jflash.flash_attention(_q, _kv, _kv)
 
 
 def test_default_block_sizes_refuses_what_takes_none():
@@ -374,7 +385,9 @@ def test_default_block_sizes_refuses_what_takes_none():
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: no compiled Pallas there")
 def test_compiled_pallas_on_cpu_raises():
     with pytest.raises(NotImplementedError, match="needs a GPU"):
-        jflash.flash_attention(_q, _kv, _kv, implementation="pallas_triton", interpret=False)
+        jflash.flash_attention(
+            _q, _kv, _kv, causal=True, implementation="pallas_triton", interpret=False
+        )
 
 
 @pytest.mark.parametrize(

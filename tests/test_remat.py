@@ -35,13 +35,17 @@ def _ring(q, k, v):
     mesh = jax.make_mesh(
         (2,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2]
     )
-    return jflash.ring_attention(q, k, v, mesh=mesh, implementation="pallas_triton", interpret=True)
+    return jflash.ring_attention(
+        q, k, v, mesh=mesh, causal=True, implementation="pallas_triton", interpret=True
+    )
 
 
 @pytest.mark.parametrize(
     "attention",
     [
-        functools.partial(jflash.flash_attention, implementation="pallas_triton", interpret=True),
+        functools.partial(
+            jflash.flash_attention, causal=True, implementation="pallas_triton", interpret=True
+        ),
         pytest.param(_ring, marks=pytest.mark.multi_device(2)),
     ],
     ids=["flash", "ring"],

@@ -297,7 +297,9 @@ def test_single_device_matches_flash_attention():
     q, k, v, *_ = make_inputs(
         0, batch=1, q_len=256, kv_len=256, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
     )
-    want_out, want_lse = jflash.flash_attention(q, k, v, return_lse=True, implementation="xla")
+    want_out, want_lse = jflash.flash_attention(
+        q, k, v, causal=True, return_lse=True, implementation="xla"
+    )
     np.testing.assert_allclose(out, want_out, atol=1e-6, rtol=1e-6)
     np.testing.assert_allclose(lse, want_lse, atol=1e-6, rtol=1e-6)
 
@@ -347,7 +349,7 @@ def test_return_lse_false_returns_output_only():
         1, batch=1, q_len=64, kv_len=64, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
     )
     q, k, v = (jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (q, k, v))
-    out = jflash.ring_attention(q, k, v, mesh=mesh, implementation="xla")
+    out = jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
     assert out.shape == q.shape and out.dtype == q.dtype
     assert out.sharding.spec[:2] == (None, "seq")
     natural = [jflash.unzigzag(np.asarray(x), 2) for x in (q, k, v)]
@@ -390,6 +392,7 @@ def test_ring_lowers_for_cuda(monkeypatch, layout, strategy, collectives):
                 k,
                 v,
                 mesh=mesh,
+                causal=True,
                 layout=layout,
                 strategy=strategy,
                 implementation="pallas_triton",
@@ -436,7 +439,7 @@ def test_jit_next_to_sharded_computation(axis_types, batch):
         return jnp.mean((y - target) ** 2), y
 
     def ring(q, k, v):
-        return jflash.ring_attention(q, k, v, mesh=mesh, implementation="xla")
+        return jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
 
     def reference(q, k, v):
         return jflash.attention_reference(q, k, v, causal=True)[0]
@@ -544,7 +547,7 @@ def test_ring_errors():
     q, k, v, *_ = make_inputs(
         0, batch=1, q_len=20, kv_len=20, q_heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32
     )
-    call = dict(mesh=mesh, implementation="xla")
+    call = dict(mesh=mesh, causal=True, implementation="xla")
     with pytest.raises(ValueError, match=r"seq_len=20 must be divisible by 2 \* num_shards=8"):
         jflash.ring_attention(q, k, v, **call)
     with pytest.raises(ValueError, match="seq_len=6 must be divisible by num_shards=4"):
@@ -563,17 +566,17 @@ def test_ring_errors():
     with pytest.raises(ValueError, match="batch axis 'data' must be a mesh axis"):
         jflash.ring_attention(q, k, v, batch_axes="data", **call)
     with pytest.raises(NotImplementedError, match="pallas_mosaic"):
-        jflash.ring_attention(q, k, v, mesh=mesh, implementation="pallas_mosaic")
+        jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="pallas_mosaic")
     with pytest.raises(ValueError, match="deterministic=1 must be True, False or None"):
         jflash.ring_attention(q, k, v, deterministic=1, **call)
     with pytest.raises(ValueError, match="causal='no' must be True or False"):
-        jflash.ring_attention(q, k, v, causal="no", **call)
+        jflash.ring_attention(q, k, v, **{**call, "causal": "no"})
     with pytest.raises(ValueError, match="scale=inf must be finite and positive"):
         jflash.ring_attention(q, k, v, scale=float("inf"), **call)
     with pytest.raises(ValueError, match="empty input: batch=0"):
         jflash.ring_attention(q[:0], k[:0], v[:0], **call)
     with pytest.raises(ValueError, match="mesh=None must be a jax.sharding.Mesh"):
-        jflash.ring_attention(q, k, v, mesh=None, implementation="xla")
+        jflash.ring_attention(q, k, v, mesh=None, causal=True, implementation="xla")
 
 
 @pytest.mark.multi_device(2)
@@ -588,7 +591,7 @@ def test_batch_sharded_over_seq_axis_raises():
         jax.set_mesh(mesh),
         pytest.raises(ValueError, match="the batch dimension of q is sharded over seq_axis='seq'"),
     ):
-        jflash.ring_attention(q, k, v, mesh=mesh, implementation="xla")
+        jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
 
 
 @pytest.mark.multi_device(2)
@@ -597,9 +600,15 @@ def test_mosaic_interpreter_on_several_devices_is_refused(monkeypatch):
     `test_matches_oracle_mosaic`): refused up front. Compiled Mosaic is not refused."""
     q = jnp.ones((1, 256, 4, 64), jnp.bfloat16)
     kv = jnp.ones((1, 256, 2, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="in interpret mode cannot run on mesh.size=2"):
+    with pytest.raises(NotImplementedError, match="in interpret mode cannot run on 2 devices"):
         jflash.ring_attention(
-            q, kv, kv, mesh=_seq_mesh(2), implementation="pallas_mosaic", interpret=True
+            q,
+            kv,
+            kv,
+            mesh=_seq_mesh(2),
+            causal=True,
+            implementation="pallas_mosaic",
+            interpret=True,
         )
     # Compiled on (abstract) Hopper GPUs: traced without complaint.
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -609,7 +618,7 @@ def test_mosaic_interpreter_on_several_devices_is_refused(monkeypatch):
 
     def attn(q, k, v):
         return jflash.ring_attention(
-            q, k, v, mesh=mesh, implementation="pallas_mosaic", interpret=False
+            q, k, v, mesh=mesh, causal=True, implementation="pallas_mosaic", interpret=False
         )
 
     with jax.sharding.use_abstract_mesh(mesh):

@@ -1,0 +1,407 @@
+"""`jflash.ring_attention_shard` inside a user's `jax.shard_map`, and packed documents
+(segment ids) through both ring forms, against the unsharded dense oracle.
+
+The user code here is what a JAX user writes: per-shard model code in their own
+`shard_map` over a `("data", "seq")` mesh (full, or partial over `seq` only), with
+the default `check_vma=True`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import INTERPRET
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from kernel_cases import TOLERANCE, assert_close, make_inputs, oracle, random_segments
+
+import jflash
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    num_shards: int = 2
+    data: int = 1
+    layout: str = "zigzag"
+    strategy: str = "ring"
+    causal: bool = True
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    seq_len: int = 96
+    batch: int = 2
+    documents: int = 0  # 0: no segment ids
+    partial: bool = False  # shard_map over `seq` only; `data` stays automatic
+    implementation: str = "xla"
+
+    def __str__(self):
+        parts = [
+            f"P{self.num_shards}",
+            f"D{self.data}",
+            self.layout,
+            self.strategy,
+            "causal" if self.causal else "full",
+            f"N{self.q_heads}K{self.kv_heads}",
+            f"T{self.seq_len}",
+        ]
+        if self.documents:
+            parts.append(f"docs{self.documents}")
+        if self.partial:
+            parts.append("partial")
+        parts.append(self.implementation)
+        return "-".join(parts)
+
+    @property
+    def seed(self) -> int:
+        return zlib.crc32(str(self).encode())
+
+
+def _mesh(case: Case):
+    n = case.data * case.num_shards
+    return jax.make_mesh((case.data, case.num_shards), ("data", "seq"), devices=jax.devices()[:n])
+
+
+def _user_fn(case: Case, mesh):
+    """What the user writes: natural-order arrays in, their own shard_map around
+    `ring_attention_shard`, natural-order `(out, lse)` out."""
+    p = case.num_shards
+    zig = case.layout == "zigzag"
+    qkv, lse_spec, seg = P("data", "seq"), P("data", None, "seq"), P("data", "seq")
+    if case.partial:
+        qkv, lse_spec, seg = P(None, "seq"), P(None, None, "seq"), P(None, "seq")
+
+    def per_shard(q, k, v, segs):
+        return jflash.ring_attention_shard(
+            q,
+            k,
+            v,
+            axis_name="seq",
+            causal=case.causal,
+            layout=case.layout,
+            strategy=case.strategy,
+            segment_ids=segs,
+            return_lse=True,
+            implementation=case.implementation,
+            interpret=None if case.implementation == "xla" else INTERPRET,
+        )
+
+    mapped = jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(qkv, qkv, qkv, None if not case.documents else seg),
+        out_specs=(qkv, lse_spec),
+        # Interpreted Pallas kernels need the check off (jflash says so if it is on).
+        check_vma=not (INTERPRET and case.implementation != "xla"),
+        **({"axis_names": {"seq"}} if case.partial else {}),
+    )
+
+    def fn(q, k, v, segs):
+        if zig:
+            q, k, v = (jflash.zigzag(x, p, axis=1) for x in (q, k, v))
+            segs = None if segs is None else jflash.zigzag(segs, p, axis=1)
+        # Explicit mesh axes (jax.make_mesh's default): the user places the shards.
+        q, k, v = (jax.reshard(x, qkv) for x in (q, k, v))
+        segs = None if segs is None else jax.reshard(segs, seg)
+        out, lse = mapped(q, k, v, segs)
+        if zig:
+            out, lse = jflash.unzigzag(out, p, axis=1), jflash.unzigzag(lse, p, axis=2)
+        return out, lse
+
+    return fn
+
+
+def _value_and_grads(fn, q, k, v, segs, do, dlse):
+    def loss(q, k, v):
+        out, lse = fn(q, k, v, segs)
+        lse_finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(out.astype(jnp.float32) * do) + jnp.sum(lse_finite * dlse), (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (out, lse, *grads)
+
+
+def _inputs(case: Case):
+    q, k, v, do, dlse = make_inputs(
+        case.seed,
+        batch=case.batch,
+        q_len=case.seq_len,
+        kv_len=case.seq_len,
+        q_heads=case.q_heads,
+        kv_heads=case.kv_heads,
+        head_dim=case.head_dim,
+        dtype=jnp.float32,
+    )
+    segs = None
+    if case.documents:
+        segs = random_segments(case.seed, case.batch, case.seq_len, case.documents)
+    return q, k, v, segs, do, dlse
+
+
+def _check(case: Case):
+    if jax.device_count() < case.data * case.num_shards:
+        pytest.skip(f"needs {case.data * case.num_shards} devices")
+    mesh = _mesh(case)
+    q, k, v, segs, do, dlse = _inputs(case)
+    fn = _user_fn(case, mesh)
+    with jax.set_mesh(mesh):
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k, v, segs, do, dlse)
+    expected = oracle(q, k, v, do, dlse, causal=case.causal, segment_ids=segs)
+    assert_close(actual, expected, jnp.float32)
+    return actual, expected
+
+
+GRID = [
+    Case(num_shards=p, layout=layout, strategy=strategy, causal=causal, documents=docs)
+    for p in (1, 2, 3, 4, 8)
+    for layout in ("zigzag", "contiguous")
+    for strategy in ("ring", "allgather")
+    for causal, docs in ((True, 0), (True, 7), (False, 5))
+    if p in (2, 4) or (causal and docs)  # every P with documents; the rest at P = 2, 4
+]
+
+
+@pytest.mark.parametrize("case", GRID, ids=str)
+def test_shard_in_user_shard_map_matches_oracle(case):
+    _check(case)
+
+
+MESHES = [
+    Case(num_shards=2, data=2, documents=5),  # ("data", "seq") = (2, 2)
+    Case(num_shards=4, data=2, documents=9, strategy="allgather"),
+    Case(num_shards=2, data=2, documents=5, partial=True),  # shard_map over seq only
+    Case(num_shards=4, data=2, layout="contiguous", partial=True),
+    Case(num_shards=4, q_heads=4, kv_heads=1, documents=6),  # MQA
+    Case(num_shards=4, q_heads=4, kv_heads=4, documents=6, causal=False),  # MHA
+    Case(num_shards=4, documents=48),  # many documents, most shorter than a shard
+]
+
+
+@pytest.mark.parametrize("case", MESHES, ids=str)
+def test_meshes_heads_and_partial_shard_map(case):
+    _check(case)
+
+
+PALLAS = [
+    Case(num_shards=2, seq_len=64, q_heads=2, kv_heads=1, head_dim=16, implementation=impl, **kw)
+    for impl in ("pallas_triton",)
+    for kw in (
+        {"documents": 5},
+        {"documents": 4, "strategy": "allgather", "layout": "contiguous"},
+        {"documents": 3, "causal": False},
+    )
+]
+
+
+@pytest.mark.parametrize("case", PALLAS, ids=str)
+def test_pallas_kernels_in_user_shard_map(case):
+    _check(case)
+
+
+def test_documents_across_shards_one_token_documents_and_empty_rows():
+    """Documents span shard boundaries; one-token documents; q ids with no key of
+    their id (a (q, kv) pair of ids): those rows give 0 and LSE -inf, never NaN."""
+    case = Case(num_shards=4, seq_len=96, layout="contiguous", documents=1)
+    mesh = _mesh(case)
+    q, k, v, _, do, dlse = _inputs(case)
+    # kv: documents 0 (tokens 0-29, crossing the shard boundary at 24), then one-token
+    # documents 1..6, then 7 (36-95). q: the same, but tokens 60-64 carry id 99, which
+    # no key has.
+    kv_ids = np.concatenate([np.zeros(30), np.arange(1, 7), np.full(60, 7)]).astype(np.int32)
+    q_ids = kv_ids.copy()
+    q_ids[60:65] = 99
+    q_seg = jnp.asarray(np.stack([q_ids, q_ids]))
+    kv_seg = jnp.asarray(np.stack([kv_ids, kv_ids]))
+    fn = _user_fn(dataclasses.replace(case, documents=2), mesh)
+    with jax.set_mesh(mesh):
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(
+            q, k, v, (q_seg, kv_seg), do, dlse
+        )
+    expected = oracle(q, k, v, do, dlse, causal=True, segment_ids=(q_seg, kv_seg))
+    out, lse = np.asarray(actual[0]), np.asarray(actual[1])
+    assert np.all(out[:, 60:65] == 0) and np.all(np.isneginf(lse[:, :, 60:65]))
+    finite_lse = np.where(np.isfinite(lse), lse, 0.0)  # as the oracle helper reports it
+    assert_close((actual[0], finite_lse, *actual[2:]), expected, jnp.float32)
+
+
+def test_error_flat_in_num_shards_with_documents():
+    """bf16 ring with documents: the error against the oracle does not grow with P."""
+    errors = []
+    for p in (1, 2, 4, 8):
+        case = Case(num_shards=p, seq_len=128, documents=6, q_heads=4, kv_heads=1)
+        mesh = _mesh(case)
+        q, k, v, segs, do, dlse = _inputs(case)
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        with jax.set_mesh(mesh):
+            out, _ = jax.jit(_user_fn(case, mesh))(q, k, v, segs)
+        want, _ = oracle(q, k, v, do, dlse, causal=True, segment_ids=segs)[:2]
+        errors.append(float(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)).max()))
+    assert max(errors) <= 2 * errors[0] + TOLERANCE[jnp.bfloat16]["out"], errors
+
+
+def test_inside_checkpoint_and_scan_over_layers():
+    """Per-shard layers under `jax.checkpoint` (saving the attention residuals by
+    name) and `lax.scan`, inside the user's shard_map: gradients equal the oracle's."""
+    case = Case(num_shards=4, documents=5)
+    mesh = _mesh(case)
+    q, k, v, segs, _, _ = _inputs(case)
+    ws = jax.random.normal(jax.random.key(3), (3, case.head_dim, case.head_dim)) * 0.3
+    p = case.num_shards
+    policy = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
+
+    def layers(attend, q, k, v, ws):
+        def layer(x, w):
+            y = attend(x @ w, k, v)
+            return x + y, None
+
+        return jax.lax.scan(jax.checkpoint(layer, policy=policy), q, ws)[0]
+
+    def per_shard(q, k, v, segs, ws):
+        attend = functools.partial(
+            lambda x, k, v: jflash.ring_attention_shard(
+                x, k, v, axis_name="seq", causal=True, segment_ids=segs, implementation="xla"
+            )
+        )
+        return layers(attend, q, k, v, ws)
+
+    spec = P("data", "seq")
+    mapped = jax.shard_map(
+        per_shard, mesh=mesh, in_specs=(spec, spec, spec, spec, P()), out_specs=spec
+    )
+
+    def ring_loss(q, k, v, segs, ws):
+        zq, zk, zv, zs = (jax.reshard(jflash.zigzag(x, p, axis=1), spec) for x in (q, k, v, segs))
+        return jnp.sum(jflash.unzigzag(mapped(zq, zk, zv, zs, ws), p, axis=1) ** 2)
+
+    def ref_loss(q, k, v, segs, ws):
+        def attend(x, k, v):
+            return jflash.attention_reference(x, k, v, causal=True, segment_ids=segs)[0]
+
+        return jnp.sum(layers(attend, q, k, v, ws) ** 2)
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.grad(ring_loss, argnums=(0, 1, 2, 4)))(q, k, v, segs, ws)
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(ref_loss, argnums=(0, 1, 2, 4))(q, k, v, segs, ws)
+    for name, a, e in zip(("dq", "dk", "dv", "dw"), got, want, strict=True):
+        scale = max(1.0, float(jnp.abs(e).max()))
+        np.testing.assert_allclose(a, e, atol=1e-4 * scale, rtol=1e-4, err_msg=name)
+
+
+def test_global_ring_attention_with_documents():
+    """`jflash.ring_attention` (global arrays) takes segment ids too: the same numbers."""
+    case = Case(num_shards=4, documents=6, data=2)
+    mesh = _mesh(case)
+    q, k, v, segs, do, dlse = _inputs(case)
+    p = case.num_shards
+
+    def fn(q, k, v, segs):
+        zq, zk, zv, zs = (jflash.zigzag(x, p, axis=1) for x in (q, k, v, segs))
+        out, lse = jflash.ring_attention(
+            zq,
+            zk,
+            zv,
+            mesh=mesh,
+            causal=True,
+            segment_ids=zs,
+            return_lse=True,
+            implementation="xla",
+        )
+        return jflash.unzigzag(out, p, axis=1), jflash.unzigzag(lse, p, axis=2)
+
+    with jax.set_mesh(mesh):
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k, v, segs, do, dlse)
+    assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
+
+
+def test_flash_attention_in_data_parallel_shard_map():
+    """The single-device op inside a plain data-parallel shard_map, check_vma on."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    q, k, v, do, dlse = make_inputs(
+        5, batch=4, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
+    )
+    segs = random_segments(5, 4, 64, 3)
+    spec = P("data")
+
+    def fn(q, k, v, segs):
+        return jax.shard_map(
+            lambda q, k, v, s: jflash.flash_attention(
+                q, k, v, causal=True, segment_ids=s, return_lse=True, implementation="xla"
+            ),
+            mesh=mesh,
+            in_specs=(spec,) * 4,
+            out_specs=(spec, spec),
+        )(q, k, v, segs)
+
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, segs)]
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(*placed, do, dlse)
+    assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled kernels run with check_vma=True")
+def test_interpreted_kernel_under_check_vma_is_named():
+    mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+    q, k, v, *_ = make_inputs(
+        0, batch=1, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
+    )
+    spec = P(None, "seq")
+
+    def per_shard(q, k, v):
+        return jflash.ring_attention_shard(
+            q, k, v, axis_name="seq", causal=True, implementation="pallas_triton"
+        )
+
+    with jax.set_mesh(mesh), pytest.raises(NotImplementedError, match="check_vma=False"):
+        args = (jax.reshard(x, spec) for x in (q, k, v))
+        jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(*args)
+
+
+def test_errors_name_the_problem():
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.make_mesh((1, 2), ("data", "seq"), devices=jax.devices()[:2], axis_types=auto)
+    q, k, v, *_ = make_inputs(
+        0, batch=1, q_len=16, kv_len=16, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
+    )
+    call = {"causal": True, "implementation": "xla"}
+    with pytest.raises(ValueError, match="axis_name='seq' is not a manual axis here"):
+        jflash.ring_attention_shard(q, k, v, axis_name="seq", **call)
+
+    def mapped(body, *args):
+        spec = P(None, "seq")
+        with jax.set_mesh(mesh):
+            return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(*args)
+
+    with pytest.raises(ValueError, match="axis_name='sp' is not a manual axis"):
+        mapped(
+            lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="sp", **call), q, k, v
+        )
+    with pytest.raises(ValueError, match="must be even"):
+        mapped(
+            lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="seq", **call),
+            q[:, :14],
+            k[:, :14],
+            v[:, :14],
+        )
+    with pytest.raises(TypeError, match="causal"):
+        jflash.ring_attention_shard(q, k, v, axis_name="seq")  # causal is required
+    with pytest.raises(ValueError, match="segment ids have"):
+        mapped(
+            lambda q, k, v, s: jflash.ring_attention_shard(
+                q, k, v, axis_name="seq", segment_ids=s, **call
+            ),
+            q,
+            k,
+            v,
+            jnp.zeros((1, 8), jnp.int32),
+        )
+    with pytest.raises(ValueError, match="segment ids must be integers"):
+        jflash.ring_attention(q, k, v, mesh=mesh, segment_ids=jnp.zeros((1, 16)), **call)
+    with pytest.raises(ValueError, match="kv segment ids have"):
+        ids = jnp.zeros((1, 16), jnp.int32)
+        jflash.ring_attention(q, k, v, mesh=mesh, segment_ids=(ids, ids[:, :8]), **call)
