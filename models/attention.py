@@ -11,12 +11,15 @@
   sequence-sharded global arrays in ``layout`` order.
 
 All backends take BSHD ``q [B, T, N, H]`` and ``k, v [B, S, K, H]`` with
-``N % K == 0``; K/V are never repeated.
+``N % K == 0``; K/V are never repeated. Optional ``segment_ids [B, T]`` (packed
+documents) keep attention inside equal ids on every backend: ``xla`` masks densely,
+``cudnn`` passes a dense mask, ``jflash`` and ``ring`` skip the masked tiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Literal
 
 import jax
@@ -83,11 +86,15 @@ def dense_causal_attention(
     v: Float[Array, "B S K H"],
     q_positions: Int[Array, "B T"],
     k_positions: Int[Array, "B S"],
+    q_segment_ids: Int[Array, "B T"] | None = None,
+    k_segment_ids: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Dense softmax attention, causal by global position, float32 softmax.
 
     Follows HF's eager order of operations: ``(q @ k^T) * scale``, add mask,
-    float32 softmax, probabilities cast to ``q.dtype``, then ``@ v``.
+    float32 softmax, probabilities cast to ``q.dtype``, then ``@ v``. With segment
+    ids a query sees only keys of its own segment (positions may then restart at
+    each segment: causality is only compared inside one).
     """
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
@@ -95,6 +102,8 @@ def dense_causal_attention(
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
     allowed = q_positions[:, :, None] >= k_positions[:, None, :]  # [B, T, S]
+    if q_segment_ids is not None:
+        allowed &= q_segment_ids[:, :, None] == k_segment_ids[:, None, :]
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
@@ -107,6 +116,7 @@ def attend(
     v: Float[Array, "B S K H"],
     positions: Int[Array, "B T"],
     attention: AttentionConfig,
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal self-attention with the configured backend.
 
@@ -118,13 +128,15 @@ def attend(
             the kernels mask by index (``ring`` by its layout), so tokens must be
             in natural order (or ``attention.layout`` order for ``ring``).
         attention: the backend choice.
+        segment_ids: packed documents: attention stays inside equal ids (in the
+            same token order as q; ``None``: one document per row).
 
     Returns:
         The attention output in ``q.dtype``.
     """
     kind = attention.kind
     if kind == "xla":
-        return dense_causal_attention(q, k, v, positions, positions)
+        return dense_causal_attention(q, k, v, positions, positions, segment_ids, segment_ids)
     if kind == "cudnn":
         mesh = attention.mesh
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
@@ -133,14 +145,31 @@ def attend(
                 f"attention kind='cudnn' needs NVIDIA GPUs (cuDNN), but this runs on "
                 f"{platform!r}: use 'ring', 'jflash' or 'xla'"
             )
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        mask = None
+        if segment_ids is not None:  # dense [B, 1, T, S]: cuDNN takes no segment ids
+            mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, implementation="cudnn"
+        )
     if kind == "jflash":
-        return jflash.flash_attention(q, k, v, causal=True, implementation=attention.implementation)
+        return jflash.flash_attention(
+            q, k, v, causal=True, segment_ids=segment_ids, implementation=attention.implementation
+        )
     if kind == "ring":
+        extra = {}
+        if segment_ids is not None:
+            if "segment_ids" not in inspect.signature(jflash.ring_attention).parameters:
+                raise NotImplementedError(
+                    "attention kind='ring' with segment_ids (packed documents): this "
+                    "jflash.ring_attention takes no segment ids; pass --mask_documents "
+                    "false (attention crosses documents) or use another attention kind"
+                )
+            extra["segment_ids"] = segment_ids
         return jflash.ring_attention(
             q,
             k,
             v,
+            **extra,
             mesh=attention.mesh,
             seq_axis=attention.seq_axis,
             causal=True,

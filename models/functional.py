@@ -99,6 +99,7 @@ def logits(
     positions: Int[Array, "B T"] | None = None,
     *,
     attention: AttentionConfig | str = "xla",
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> Float[Array, "B T V"]:
     """The model's forward pass: float32 logits ``[B, T, V]``.
 
@@ -109,8 +110,9 @@ def logits(
         positions: global positions ``[B, T]`` (default ``arange(T)``); pass the
             true positions of sequence-sharded or zigzag-ordered tokens.
         attention: attention backend (static under jit).
+        segment_ids: packed documents ``[B, T]``: attention stays inside equal ids.
     """
-    return bind(config, params, attention)(input_ids, positions)
+    return bind(config, params, attention)(input_ids, positions, segment_ids)
 
 
 def hidden_states(
@@ -120,9 +122,11 @@ def hidden_states(
     positions: Int[Array, "B T"] | None = None,
     *,
     attention: AttentionConfig | str = "xla",
+    segment_ids: Int[Array, "B T"] | None = None,
 ) -> Float[Array, "B T D"]:
-    """Final-norm hidden states ``[B, T, D]`` in the compute dtype (for chunked losses)."""
-    return bind(config, params, attention).hidden_states(input_ids, positions)
+    """Final-norm hidden states ``[B, T, D]`` in the compute dtype (for chunked losses);
+    arguments as :func:`logits`."""
+    return bind(config, params, attention).hidden_states(input_ids, positions, segment_ids)
 
 
 def lm_head_table(config: LlamaConfig, params: Params) -> tuple[Any, bool]:

@@ -109,6 +109,7 @@ class Attention(nnx.Module):
         cos: Float[Array, "B T H"],
         sin: Float[Array, "B T H"],
         positions: Int[Array, "B T"],
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
         with jax.named_scope("attention"):
             b, t, _ = x.shape
@@ -119,7 +120,7 @@ class Attention(nnx.Module):
                 q = apply_rope(q, cos, sin)
                 k = apply_rope(k, cos, sin)
             with jax.named_scope(f"attention_{self.attention.kind}"):
-                out = attend(q, k, v, positions, self.attention)
+                out = attend(q, k, v, positions, self.attention, segment_ids)
             # LightSeq's rematerialisation-aware checkpointing: remat="save_attn"
             # keeps this tensor so the backward pass never reruns attention.
             out = checkpoint_name(out, "attention_out")
@@ -145,8 +146,9 @@ class DecoderLayer(nnx.Module):
         cos: Float[Array, "B T H"],
         sin: Float[Array, "B T H"],
         positions: Int[Array, "B T"],
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
-        x = x + self.attn(self.input_norm(x), cos, sin, positions)
+        x = x + self.attn(self.input_norm(x), cos, sin, positions, segment_ids)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -224,14 +226,21 @@ class Llama(nnx.Module):
             self.lm_head = _linear(config, config.hidden_size, config.vocab_size, rngs)
 
     def hidden_states(
-        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None
+        self,
+        input_ids: Int[Array, "B T"],
+        positions: Int[Array, "B T"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
         """Final-norm hidden states in the compute dtype.
 
         Args:
             input_ids: token ids.
             positions: global position of every token (default ``arange(T)``);
-                pass the true positions of sequence-sharded or permuted tokens.
+                pass the true positions of sequence-sharded or permuted tokens, or
+                positions that restart at each packed document (HF's packed
+                ``position_ids``).
+            segment_ids: packed documents, in the same token order: attention stays
+                inside equal ids (None: one document per row).
         """
         config = self.config
         b, t = input_ids.shape
@@ -239,6 +248,8 @@ class Llama(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if positions.shape != (b, t):
             raise ValueError(f"positions.shape={positions.shape} != input_ids.shape={(b, t)}")
+        if segment_ids is not None and segment_ids.shape != (b, t):
+            raise ValueError(f"segment_ids.shape={segment_ids.shape} != input_ids.shape={(b, t)}")
         with jax.named_scope("embed"):
             x = _embed_lookup(self.embed, input_ids)
         with jax.named_scope("rope"):
@@ -247,7 +258,7 @@ class Llama(nnx.Module):
         layer_graph, layer_state = nnx.split(self.layers)
 
         def layer_fn(x, state):
-            return nnx.merge(layer_graph, state)(x, cos, sin, positions)
+            return nnx.merge(layer_graph, state)(x, cos, sin, positions, segment_ids)
 
         layer_fn = _remat(layer_fn, config.remat, config.scan_layers)
         if config.scan_layers:
@@ -277,7 +288,10 @@ class Llama(nnx.Module):
             return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
 
     def __call__(
-        self, input_ids: Int[Array, "B T"], positions: Int[Array, "B T"] | None = None
+        self,
+        input_ids: Int[Array, "B T"],
+        positions: Int[Array, "B T"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T V"]:
         """Float32 logits ``[B, T, V]``; see :meth:`hidden_states` for the arguments."""
-        return self.project(self.hidden_states(input_ids, positions))
+        return self.project(self.hidden_states(input_ids, positions, segment_ids))

@@ -42,6 +42,8 @@ class ModelArgs:
 class DataArgs:
     data_path: str = ""  # required: a .pkl | .jsonl | .npy file, or "sample" (made-up data)
     model_max_length: int = 2048  # tokens per training sequence
+    mask_documents: bool = True  # attention stays inside each packed example; false: crosses
+    packing_positions: str = "per_document"  # RoPE positions: per_document (restart) | running
     sample_vocab_size: int = 0  # sample data: 0 means the model's vocabulary
     sample_num_examples: int = 256  # --data_path sample: examples of model_max_length
 
@@ -111,6 +113,7 @@ class TrainConfig:
             ("model", "ring_layout"): ("zigzag", "contiguous"),
             ("model", "ring_strategy"): ("ring", "allgather"),
             ("model", "remat_policy"): REMAT_POLICIES,
+            ("data", "packing_positions"): ("per_document", "running"),
             ("optim", "lr_scheduler_type"): ("cosine", "linear", "constant"),
             ("run", "save_strategy"): ("steps", "epoch", "no"),
         }
@@ -147,6 +150,12 @@ class TrainConfig:
         error = gather_once_error(self.parallel.shard_over_seq, self.parallel.gather_once)
         if error:
             raise ValueError(error)
+        if self.data.packing_positions == "per_document" and not self.data.mask_documents:
+            raise ValueError(
+                "--packing_positions per_document needs --mask_documents true (positions "
+                "that restart mid-row with attention across documents mean nothing); pass "
+                "--packing_positions running with --mask_documents false"
+            )
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
 

@@ -178,7 +178,8 @@ class TokenDataset:
 
         Args:
             seq_len: tokens per row.
-            eos_id: if given, appended after every example (as part of it).
+            eos_id: if given, appended after every example (as part of it) that does
+                not already end with it.
             mask_boundaries: set labels that cross from one example into the next to -100.
 
         Returns:
@@ -203,17 +204,20 @@ class TokenDataset:
         )
 
     def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, targets, example index)`` of the concatenated stream, int32 each."""
+        """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
+        ``eos_id`` goes after every example that does not already end with it."""
         docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
         if eos_id is None:
             return self.tokens, self.targets, docs
         if not 0 <= eos_id <= _MAX_ID:
             raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
         ends = self.offsets[1:]
+        need = self.tokens[ends - 1] != eos_id
+        ends, which = ends[need], np.flatnonzero(need).astype(np.int32)
         return (
             np.insert(self.tokens, ends, eos_id),
             np.insert(self.targets, ends, eos_id),
-            np.insert(docs, ends, np.arange(self.num_examples, dtype=np.int32)),
+            np.insert(docs, ends, which),
         )
 
 
@@ -396,6 +400,18 @@ def _load_tokenizer(tokenizer_dir: str | Path | None, where: str):
 # ---------------------------------------------------------------------------------------
 # Batches
 # ---------------------------------------------------------------------------------------
+
+
+def document_positions(segment_ids: np.ndarray) -> np.ndarray:
+    """int32 ``[..., T]``: each token's position inside its document (0 at every change
+    of segment id along the last axis, and at the row's start), as HF's ``position_ids``
+    of a packed batch."""
+    seg = np.asarray(segment_ids)
+    t = np.arange(seg.shape[-1], dtype=np.int32)
+    change = np.ones(seg.shape, dtype=bool)
+    change[..., 1:] = seg[..., 1:] != seg[..., :-1]
+    starts = np.maximum.accumulate(np.where(change, t, 0), axis=-1)
+    return (t - starts).astype(np.int32)
 
 
 class Batch(NamedTuple):

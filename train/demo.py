@@ -2,10 +2,13 @@
 
 1. makes a tiny Llama-3-style model (tied embeddings, llama3 RoPE scaling) and writes it
    as a HuggingFace directory with `models.export_hf` (nothing is downloaded);
-2. makes learnable sample data (`python -m train.data sample`);
-3. trains it through the HF conversion path with `configs/demo.yaml`: sequence over 2
-   devices (ring attention, zigzag) x FSDP over 2, checkpoints, TensorBoard scalars, a
-   JSONL log, one `jax.profiler` trace; on a CPU machine 4 simulated devices;
+2. makes learnable sample documents of different lengths (Markov chains, as
+   `python -m train.data sample` writes);
+3. trains it through the HF conversion path with `configs/demo.yaml`: the documents
+   packed into rows (attention and RoPE positions per document, EOS between them),
+   sequence over 2 devices (ring attention, zigzag) x FSDP over 2, checkpoints,
+   TensorBoard scalars, a JSONL log, one `jax.profiler` trace; on a CPU machine 4
+   simulated devices;
 4. writes the metrics report (`python -m train.profile`) for the same mesh.
 
 Everything lands under `runs/demo/`.
@@ -27,6 +30,7 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
     ).strip()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from train import data as data_lib  # noqa: E402
@@ -51,13 +55,24 @@ def tiny_llama3() -> models.LlamaConfig:
     return models.TINY.replace(tie_word_embeddings=True, rope=rope, vocab_size=512)
 
 
+def documents(cfg, config: models.LlamaConfig) -> list[np.ndarray]:
+    """Sample documents of 1/4 to all of `model_max_length` tokens: several share a
+    packed row, and some cross from one row into the next."""
+    seq_len = cfg.data.model_max_length
+    samples = data_lib.markov_samples(
+        cfg.data.sample_num_examples, seq_len, config.vocab_size, seed=0
+    )
+    lengths = np.random.default_rng(0).integers(seq_len // 4, seq_len + 1, size=len(samples))
+    return [sample[:n] for sample, n in zip(samples, lengths, strict=True)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     if os.path.isdir(RUN_DIR) and "--keep" not in argv:
         shutil.rmtree(RUN_DIR)
     argv = [a for a in argv if a != "--keep"]
     hf_dir = os.path.join(RUN_DIR, "hf_init")
-    data_path = os.path.join(RUN_DIR, "data.npy")
+    data_path = os.path.join(RUN_DIR, "data.pkl")
     config = tiny_llama3()
     if not os.path.isdir(hf_dir):
         params = models.init_params(config, jax.random.key(0))
@@ -83,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     if not os.path.exists(data_path):
-        samples = data_lib.markov_samples(
-            cfg.data.sample_num_examples, cfg.data.model_max_length, config.vocab_size, seed=0
-        )
-        data_lib.save_dataset(data_path, samples)
+        data_lib.save_dataset(data_path, documents(cfg, config))
     print(
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
         f"mesh {cfg.parallel.mesh}; model from {hf_dir}"

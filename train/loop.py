@@ -39,7 +39,7 @@ from train.mesh import (
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import is_oom
 from train.optim import optimizer, schedule
-from train.step import StepSpec, train_step
+from train.step import BATCH_KEYS, StepSpec, train_step
 from train.tensorboard import SummaryWriter
 from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
 
@@ -118,7 +118,16 @@ def load_rows(cfg: TrainConfig, config) -> data_lib.Rows:
         dataset = data_lib.load_dataset(
             path, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
         )
-    return dataset.rows(cfg.data.model_max_length)
+    return dataset.rows(cfg.data.model_max_length, eos_id=end_of_text(config))
+
+
+def end_of_text(config: models.LlamaConfig) -> int | None:
+    """The token between packed documents: the model's (tokenizer's) EOS, the first one
+    where config.json lists several (Llama 3's `<|end_of_text|>`); None if it has none."""
+    eos = config.eos_token_id
+    if isinstance(eos, (tuple, list)):
+        eos = eos[0] if eos else None
+    return None if eos is None or not 0 <= int(eos) < config.vocab_size else int(eos)
 
 
 def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
@@ -179,15 +188,27 @@ class Trainer:
     flops_token: float
 
     def batch(self, step: int) -> dict[str, jax.Array]:
-        """`{"input_ids", "labels"}` `[accum, global batch, T]` for `step`, sharded."""
-        b_shard = batch_sharding(self.mesh)
-        stacked = NamedSharding(self.mesh, P(None, *b_shard.spec))
-        b = self.batches.batch_at(step)  # [accum * GB, T] host arrays, the same on every host
-        shape = (self.accum, self.global_batch, self.cfg.data.model_max_length)
-        return {
-            name: jax.make_array_from_process_local_data(stacked, x.reshape(shape), shape)
-            for name, x in (("input_ids", b.input_ids), ("labels", b.labels))
-        }
+        """`BATCH_KEYS` `[accum, global batch, T]` for `step`, sharded."""
+        return host_batch(self.cfg, self.mesh, self.batches.batch_at(step), self.accum)
+
+
+def host_batch(cfg: TrainConfig, mesh: Mesh, b: data_lib.Batch, accum: int) -> dict:
+    """One step's `BATCH_KEYS` as global arrays `[accum, global batch, T]` from the
+    step's rows `b` (`[accum * global batch, T]` numpy)."""
+    b_shard = batch_sharding(mesh)
+    stacked = NamedSharding(mesh, P(None, *b_shard.spec))
+    seq_len = b.input_ids.shape[-1]
+    if cfg.data.packing_positions == "per_document":
+        positions = data_lib.document_positions(b.segment_ids)
+    else:
+        positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), b.input_ids.shape)
+    arrays = (b.input_ids, b.labels, b.segment_ids, positions)
+    # Every host holds the whole global batch (`Batches` is not split by process).
+    shape = (accum, b.input_ids.shape[0] // accum, seq_len)
+    return {
+        name: jax.make_array_from_process_local_data(stacked, np.reshape(x, shape), shape)
+        for name, x in zip(BATCH_KEYS, arrays, strict=True)
+    }
 
 
 @dataclasses.dataclass
@@ -203,13 +224,12 @@ class StepPlan:
     step_fn: Callable
 
     def abstract_batch(self, global_batch: int, accum: int, seq_len: int) -> dict[str, Any]:
-        """`{"input_ids", "labels"}` shapes of one step, sharded like `Trainer.batch`."""
+        """`BATCH_KEYS` shapes of one step, sharded like `Trainer.batch`."""
         b_shard = batch_sharding(self.mesh)
         stacked = NamedSharding(self.mesh, P(None, *b_shard.spec))
         shape = (accum, global_batch, seq_len)
         return {
-            name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=stacked)
-            for name in ("input_ids", "labels")
+            name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=stacked) for name in BATCH_KEYS
         }
 
 
@@ -256,6 +276,7 @@ def plan_step(
         loss_chunk=loss_chunk(seq_len, sizes["seq"]),
         replicated_head=gather or "seq" not in head_axes,
         weights=(p_shard, compute_shardings(p_shard, "seq")) if gather else None,
+        mask_documents=cfg.data.mask_documents,
     )
     shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
     abstract_state = jax.tree.map(
@@ -525,6 +546,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
                 ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
+                if writer is not None:  # what a resume from here keeps is on disk
+                    writer.flush()
     finally:
         if tracing:  # stopped early (an error): keep what was traced
             jax.profiler.stop_trace()

@@ -1,10 +1,12 @@
 """The jitted training step: gradient accumulation, token-normalised loss, AdamW update.
 
-`ids`, `labels` `[accum, B, T]` arrive in natural token order, sharded batch over
-`data x fsdp` and sequence over `seq`. With the zigzag layout they are permuted once
-here (`jflash.zigzag`), positions come from `jflash.positions`, and every layer then
-works in that order (the ring's own layout). Labels were aligned before sharding, so
-no shift ever crosses a shard.
+`input_ids`, `labels`, `segment_ids` and `positions` `[accum, B, T]` arrive in natural
+token order, sharded batch over `data x fsdp` and sequence over `seq`. With the zigzag
+layout they are all permuted once here (`jflash.zigzag`), and every layer then works in
+that order (the ring's own layout). Labels were aligned before sharding, so no shift
+ever crosses a shard. Segment ids (the packed document of each token) keep attention
+inside each document when `StepSpec.mask_documents`; positions are the RoPE positions
+(restarting at each document, or running along the row).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class StepSpec:
     # `(stored, compute)` parameter shardings when the weights are gathered once per
     # step (`--gather_once`); None: the model uses the stored parameters directly.
     weights: tuple[Any, Any] | None = None
+    mask_documents: bool = False  # attention stays inside equal segment ids
+
+
+BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
 
 
 def _reorder(x, spec: StepSpec):
@@ -41,14 +47,23 @@ def _reorder(x, spec: StepSpec):
     return x
 
 
-def loss_sums(params, ids, labels, spec: StepSpec):
-    """`(sum of token losses, number of counted tokens)` for one micro-batch `[B, T]`."""
+def loss_sums(params, ids, labels, spec: StepSpec, segment_ids=None, positions=None):
+    """`(sum of token losses, number of counted tokens)` for one micro-batch `[B, T]`.
+
+    `segment_ids` and `positions` `[B, T]` in natural order (None: one document per
+    row; positions `arange(T)`)."""
     ids, labels = _reorder(ids, spec), _reorder(labels, spec)
-    seq_len = ids.shape[1]
-    layout = spec.layout if spec.seq_shards > 1 else "contiguous"
-    pos = jflash.positions(seq_len, spec.seq_shards, layout)
-    positions = jnp.broadcast_to(pos, ids.shape)
-    hidden = models.hidden_states(spec.config, params, ids, positions, attention=spec.attention)
+    if positions is None:
+        seq_len = ids.shape[1]
+        layout = spec.layout if spec.seq_shards > 1 else "contiguous"
+        pos = jflash.positions(seq_len, spec.seq_shards, layout)
+        positions = jnp.broadcast_to(pos, ids.shape)
+    else:
+        positions = _reorder(positions, spec)
+    segs = _reorder(segment_ids, spec) if spec.mask_documents else None
+    hidden = models.hidden_states(
+        spec.config, params, ids, positions, attention=spec.attention, segment_ids=segs
+    )
     head, vocab_major = models.lm_head_table(spec.config, params)
     return models.chunked_cross_entropy(
         hidden,
@@ -88,14 +103,17 @@ def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
 
     Args:
       params: the stored parameters.
-      batch: `{"input_ids", "labels"}` int32 `[accum, B, T]`.
+      batch: `{"input_ids", "labels", "segment_ids", "positions"}` int32 `[accum, B, T]`
+        (the last two may be missing: one document per row, running positions).
     """
     weights = compute_weights(params, spec)
 
     def accumulate(carry, xs):
         grads, loss, count = carry
-        ids, labels = xs
-        (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(weights, ids, labels, spec)
+        ids, labels, segs, pos = xs
+        (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(
+            weights, ids, labels, spec, segs, pos
+        )
         if spec.weights is not None:  # summed over `seq` straight into the stored shards
             g = jax.lax.with_sharding_constraint(g, spec.weights[0])
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
@@ -103,9 +121,8 @@ def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (grads, loss_sum, count), _ = jax.lax.scan(
-        accumulate, init, (batch["input_ids"], batch["labels"])
-    )
+    xs = (batch["input_ids"], batch["labels"], batch.get("segment_ids"), batch.get("positions"))
+    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, xs)
     # The loss is a sum over tokens; normalise by all counted tokens of the step.
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
@@ -117,7 +134,7 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
 
     Args:
       state: `{"params", "opt_state", "step"}`.
-      batch: `{"input_ids", "labels"}` int32 `[accum, B, T]`.
+      batch: as `gradients` takes it.
 
     Returns:
       `(new_state, metrics)`: the loss, the gradient norm and the counted tokens.

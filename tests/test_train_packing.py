@@ -1,0 +1,147 @@
+"""Packed documents: a row of several documents trains exactly like the documents run
+one by one (attention masked per document, RoPE positions restarting, an EOS between
+them, no label across a boundary), on every attention kind the trainer runs."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from train import data as data_lib
+from train.config import parse_args
+from train.loop import build, end_of_text
+from train.step import gradients
+
+SEQ_LEN = 32
+# 9 + 6 + 14 tokens and an EOS after each: exactly one row of 32.
+DOC_LENGTHS = (9, 6, 14)
+
+
+def _documents(vocab: int, eos: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    docs = []
+    for n in DOC_LENGTHS:
+        doc = rng.integers(3, vocab, size=n).astype(np.int32)
+        docs.append(np.where(doc == eos, eos + 1, doc))
+    return docs
+
+
+def _trainer(tmp_path, devices: int, *flags: str):
+    config = models.TINY
+    docs = _documents(config.vocab_size, end_of_text(config.replace(dtype="float32")))
+    path = tmp_path / "docs.pkl"
+    data_lib.save_dataset(path, docs)
+    argv = ["--model_name_or_path", "tiny", "--data_path", str(path), "--bf16", "false"]
+    argv += ["--model_max_length", str(SEQ_LEN), "--output_dir", str(tmp_path / "out")]
+    cfg = parse_args([*argv, *flags])
+    return build(cfg, devices=jax.devices()[:devices]), docs
+
+
+def _one_by_one(config, params, docs, eos: int):
+    """`(grads, mean loss)` of the documents run separately, each followed by EOS,
+    dense attention, positions from 0: the reference."""
+
+    def total(params):
+        loss, count = 0.0, 0
+        for doc in docs:
+            ids = jnp.asarray(np.append(doc, eos))[None]
+            logits = models.logits(config, params, ids, attention="xla")[0, :-1]
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            loss -= jnp.take_along_axis(logp, ids[0, 1:, None], axis=-1).sum()
+            count += len(doc)
+        return loss / count
+
+    loss, grads = jax.value_and_grad(total)(params)
+    return grads, loss
+
+
+def _packed(trainer):
+    step = jax.jit(functools.partial(gradients, spec=trainer.spec))
+    with jax.set_mesh(trainer.mesh):
+        batch = trainer.batch(0)
+        grads, (loss, count) = step(trainer.state["params"], batch)
+    return jax.device_get(grads), float(loss), int(count), jax.device_get(batch)
+
+
+@pytest.mark.parametrize(
+    "devices, flags",
+    [
+        pytest.param(1, ["--attention", "xla", "--mesh", "data=1,fsdp=1,seq=1"], id="xla"),
+        pytest.param(1, ["--attention", "jflash", "--mesh", "data=1,fsdp=1,seq=1"], id="jflash"),
+        pytest.param(
+            2,
+            ["--attention", "ring", "--mesh", "data=1,fsdp=1,seq=2", "--ring_layout", "zigzag"],
+            id="ring-zigzag",
+            marks=pytest.mark.multi_device(2),
+        ),
+    ],
+)
+def test_packed_row_equals_documents_one_by_one(tmp_path, devices, flags):
+    trainer, docs = _trainer(tmp_path, devices, *flags)
+    eos = end_of_text(trainer.config)
+    grads, loss, count, batch = _packed(trainer)
+    # The row holds the three documents, each followed by EOS; segment ids and
+    # positions restart with each one; no label crosses a boundary.
+    ids = batch["input_ids"][0, 0]
+    assert ids.tolist() == np.concatenate([np.append(d, eos) for d in docs]).tolist()
+    starts = np.cumsum([0, *[n + 1 for n in DOC_LENGTHS]])[:-1]
+    assert batch["positions"][0, 0].tolist() == [
+        t - starts[np.searchsorted(starts, t, side="right") - 1] for t in range(SEQ_LEN)
+    ]
+    assert batch["segment_ids"][0, 0].tolist() == sum(
+        ([i] * (n + 1) for i, n in enumerate(DOC_LENGTHS)), []
+    )
+    assert count == sum(DOC_LENGTHS)
+
+    params = jax.device_get(trainer.state["params"])
+    ref_grads, ref_loss = _one_by_one(trainer.config, params, docs, eos)
+    assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    ref_flat = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
+    for path, g in flat:
+        ref = np.asarray(ref_flat[path])
+        err = np.linalg.norm(g - ref) / np.linalg.norm(ref)
+        assert err < 1e-4, (jax.tree_util.keystr(path), err)
+
+
+def test_running_positions_and_unmasked_packing(tmp_path):
+    """Running positions under the document mask train the same up to rounding (RoPE
+    is relative: a document's positions shifted by a constant give the same scores);
+    attention across documents trains on something else (so the test above can tell)."""
+    mesh = ["--attention", "xla", "--mesh", "data=1,fsdp=1,seq=1"]
+    base, docs = _trainer(tmp_path, 1, *mesh)
+    _, packed_loss, _, _ = _packed(base)
+    running, _ = _trainer(tmp_path, 1, *mesh, "--packing_positions", "running")
+    _, loss, _, batch = _packed(running)
+    assert batch["positions"][0, 0].tolist() == list(range(SEQ_LEN))
+    assert loss == pytest.approx(packed_loss, rel=1e-5)
+    crossing, _ = _trainer(
+        tmp_path, 1, *mesh, "--packing_positions", "running", "--mask_documents", "false"
+    )
+    _, loss, _, _ = _packed(crossing)
+    assert abs(loss - packed_loss) > 1e-3
+    with pytest.raises(ValueError, match="per_document needs --mask_documents true"):
+        parse_args(["--mask_documents", "false"])
+
+
+def test_document_positions():
+    seg = np.array([[0, 0, 0, 1, 1, 2], [3, 3, 3, 3, 3, 3]])
+    assert data_lib.document_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0], list(range(6))]
+
+
+def test_eos_goes_between_documents_once():
+    """An example that already ends with EOS gets no second one."""
+    dataset = data_lib.TokenDataset.from_examples("x", [np.array([5, 6]), np.array([7, 2])])
+    rows = dataset.rows(5, eos_id=2)
+    assert rows.input_ids.tolist() == [[5, 6, 2, 7, 2]]
+    assert rows.labels.tolist() == [[6, 2, -100, 2, -100]]
+    assert rows.segment_ids.tolist() == [[0, 0, 0, 1, 1]]
+    assert end_of_text(models.TINY.replace(eos_token_id=(128001, 128009), vocab_size=128256)) == (
+        128001
+    )
+    assert end_of_text(models.TINY.replace(eos_token_id=None)) is None
