@@ -4,7 +4,8 @@ Public API (everything else is private):
   flash_attention        single-device exact attention (Pallas GPU kernels, custom VJP)
   ring_attention         the same over a sequence sharded across a mesh axis (global arrays)
   ring_attention_shard   its per-shard form, for code inside the caller's `jax.shard_map`
-  zigzag, unzigzag, positions   the balanced token order of a sharded sequence
+  to_layout, from_layout, positions   token orders of a sharded sequence (LAYOUTS);
+                         zigzag, unzigzag: the zigzag order
   attention_reference    plain-jnp oracle, returns (out, lse)
   BlockSizes, default_block_sizes   kernel tuning knobs
   describe               which implementation runs here, and why
@@ -13,7 +14,7 @@ Public API (everything else is private):
 from jflash._block_sizes import BlockSizes, default_block_sizes
 from jflash._dispatch import IMPLEMENTATIONS, describe
 from jflash._flash import flash_attention
-from jflash._layout import LAYOUTS, positions, unzigzag, zigzag
+from jflash._layout import LAYOUTS, from_layout, positions, to_layout, unzigzag, zigzag
 from jflash._reference import attention_reference
 from jflash._ring import STRATEGIES, ring_attention, ring_attention_shard
 
@@ -26,9 +27,11 @@ __all__ = [
     "default_block_sizes",
     "describe",
     "flash_attention",
+    "from_layout",
     "positions",
     "ring_attention",
     "ring_attention_shard",
+    "to_layout",
     "unzigzag",
     "zigzag",
 ]

@@ -26,12 +26,16 @@ The ring's causal blocks:
             local chunks; chunk 2P-1-s follows both), no mask
     s >  r  the SECOND local half vs the whole source (chunk r precedes both source
             chunks; chunk 2P-1-r follows both), no mask
+  striped (rank r holds tokens r, r+P, ...: local index i is global i*P + r)
+    s <= r  key j is visible to query i iff j <= i: the plain causal mask
+    s >  r  iff j < i: the causal mask shifted by one key (`Mask(k_offset=1)`)
   contiguous: s < r full, s == r causal, s > r nothing (computed and dropped: the
   step time is set by the last rank, which sees every source).
 
-So in zigzag every off-diagonal step costs exactly half a block on every device:
-balanced. Packed documents: the keys' segment ids travel with the keys, and the
-kernels skip the tiles whose documents cannot meet.
+So in zigzag and striped every off-diagonal step costs half a block on every device:
+balanced. Striped stays balanced with packed documents, zigzag does not (`_layout`).
+Packed documents: the keys' segment ids travel with the keys, and the kernels skip
+the tiles whose documents cannot meet.
 
 The rank is traced inside shard_map, so the choice is made with traced slice offsets
 rather than `lax.cond` (see `_fwd_step`; a `lax.cond` form with one kernel call per
@@ -55,7 +59,7 @@ from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
-from jflash._layout import LAYOUTS, check_zigzag_len, unzigzag, zigzag
+from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
 from jflash._validation import check_causal, check_qkv, check_segment_ids, default_scale
 from jflash._vma import check_interpretable
@@ -109,14 +113,15 @@ def _rows(x, start, size: int, axis: int):
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _attend(q, kv, segs, causal: bool, cfg: _Ring):
-    """One kernel call: q `[B,T',N,H]` vs kv `[2,B,S',K,H]` -> f32 `(o, lse)`."""
+def _attend(q, kv, segs, mask: bool | Mask, cfg: _Ring):
+    """One kernel call: q `[B,T',N,H]` vs kv `[2,B,S',K,H]` -> f32 `(o, lse)`; `mask`
+    a `Mask`, or a bool: causal or not, no offsets."""
     return attention_fwd(
         q,
         kv[0],
         kv[1],
         segs,
-        mask=Mask(causal),
+        mask=mask if isinstance(mask, Mask) else Mask(mask),
         scale=cfg.scale,
         out_dtype=jnp.float32,
         kernel=cfg.kernel,
@@ -149,6 +154,18 @@ def _fwd_step(step: int, rank, q, kv, q_seg, kv_seg, o, lse, cfg: _Ring):
         return _merge(o, lse, *_attend(q, kv, _segs(q_seg, kv_seg), False, cfg))
     # For 1 <= step < P the source precedes this rank iff step <= rank.
     before = step <= rank
+    if cfg.layout == "striped":
+        # One kernel call either way (every rank the same work); which mask by data.
+        segs = _segs(q_seg, kv_seg)
+        return _merge(
+            o,
+            lse,
+            *lax.cond(
+                before,
+                lambda: _attend(q, kv, segs, Mask(True), cfg),
+                lambda: _attend(q, kv, segs, Mask(True, k_offset=1), cfg),
+            ),
+        )
     if cfg.layout == "zigzag":
         # With halves of c rows, early sources (s < r) are seen as q[:] x kv[:c] and
         # late ones (s > r) as q[c:] x kv[:]. Both contain q[c:] x kv[:c]; the rest
@@ -194,8 +211,9 @@ def _ring_fwd_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):
 # Backward, per shard
 
 
-def _grads(q, kv, do, lse, delta, segs, causal: bool, cfg: _Ring):
-    """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32."""
+def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring):
+    """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32; `mask` as in
+    `_attend`."""
     dq, dk, dv = attention_bwd(
         q,
         kv[0],
@@ -204,7 +222,7 @@ def _grads(q, kv, do, lse, delta, segs, causal: bool, cfg: _Ring):
         lse,
         delta,
         segs,
-        mask=Mask(causal),
+        mask=mask if isinstance(mask, Mask) else Mask(mask),
         scale=cfg.scale,
         grad_dtype=jnp.float32,
         kernel=cfg.kernel,
@@ -223,6 +241,14 @@ def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _R
         dq_blk, dkv = _grads(q, kv, do, lse, delta, segs, cfg.causal and step == 0, cfg)
         return dq + dq_blk, dkv
     before = step <= rank
+    if cfg.layout == "striped":
+        segs = _segs(q_seg, kv_seg)
+        dq_blk, dkv = lax.cond(
+            before,
+            lambda: _grads(q, kv, do, lse, delta, segs, Mask(True), cfg),
+            lambda: _grads(q, kv, do, lse, delta, segs, Mask(True, k_offset=1), cfg),
+        )
+        return dq + dq_blk, dkv
     if cfg.layout == "zigzag":
         c = q.shape[1] // 2
         segs = _segs(_rows(q_seg, c, c, 1), _rows(kv_seg, 0, c, 1))
@@ -480,11 +506,17 @@ def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
     return tuple(None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
 
 
-def _check_strategy(layout: str, strategy: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"{layout=} is not one of {LAYOUTS}")
+def _check_strategy(layout: str, strategy: str, causal: bool) -> None:
+    check_layout(layout)
     if strategy not in STRATEGIES:
         raise ValueError(f"{strategy=} is not one of {STRATEGIES}")
+    if strategy == "allgather" and layout == "striped" and causal:
+        # Its local queries are no contiguous run of global positions: one kernel call
+        # per run would be one per token.
+        raise NotImplementedError(
+            f"{strategy=} with {layout=} (causal): use strategy='ring', or the zigzag or "
+            "contiguous layout"
+        )
 
 
 def _check_self_attention(shapes, where: str) -> None:
@@ -599,11 +631,13 @@ def ring_attention_shard(
         over.
       causal: causal mask on global positions (required: non-causal ignores order).
       layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
-        work; T_local even) or `"contiguous"` (shard r holds chunk r). With
-        `"zigzag"` the global sequence must be in zigzag order (`jflash.zigzag`
-        before sharding); natural-order tokens give wrong causal attention silently.
+        work; T_local even), `"striped"` (shard r holds tokens r, r+P, ...: balanced
+        with packed documents too) or `"contiguous"` (shard r holds chunk r). The
+        global sequence must be in that order (`jflash.to_layout` before sharding);
+        natural-order tokens give wrong causal attention silently.
       strategy: `"ring"` (K/V rotate, one `ppermute` per step overlapped with the
-        kernel) or `"allgather"` (K/V gathered once; see `jflash.ring_attention`).
+        kernel) or `"allgather"` (K/V gathered once; see `jflash.ring_attention`;
+        not with the striped layout when causal).
       segment_ids: this shard's ids `[B, T_local]` int (packed documents: attention
         stays inside equal ids; a document may span shards), in the same layout
         order as q. Key ids travel with the keys. Rows that see no key give 0 and
@@ -617,7 +651,7 @@ def ring_attention_shard(
     num_shards = _bound_shards(axis_name)
     shapes = check_qkv(q, k, v)
     causal = check_causal(causal)
-    _check_strategy(layout, strategy)
+    _check_strategy(layout, strategy, causal)
     _check_self_attention(shapes, "shard")
     if layout == "zigzag" and shapes.q_len % 2 != 0:
         raise ValueError(
@@ -679,14 +713,16 @@ def ring_attention(
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
         (GQA/MQA: K/V travel at KV-head size, never repeated). The sequence is in
-        `layout` order (`jflash.zigzag` converts from natural order; forgetting it
+        `layout` order (`jflash.to_layout` converts from natural order; forgetting it
         gives wrong causal attention silently: compare with `flash_attention` on a
         small input once).
       mesh: the device mesh.
       seq_axis: mesh axis the sequence is sharded over.
       causal: causal mask on global positions (required: non-causal ignores order).
       layout: `"zigzag"` (rank r holds chunks r and 2P-1-r of 2P: balanced causal
-        work; T % 2P == 0) or `"contiguous"` (rank r holds chunk r; T % P == 0).
+        work; T % 2P == 0), `"striped"` (rank r holds tokens r, r+P, ...: balanced
+        with packed documents too; T % P == 0) or `"contiguous"` (rank r holds
+        chunk r; T % P == 0).
       strategy: `"ring"` (K/V rotate with one `ppermute` per step, overlapped with the
         kernel) or `"allgather"` (the whole sequence's K/V gathered on every device,
         one kernel call per run of local queries, dK/dV reduce-scattered: faster at
@@ -714,16 +750,13 @@ def ring_attention(
         raise ValueError(f"{mesh=} must be a jax.sharding.Mesh (the sequence is split over it)")
     shapes = check_qkv(q, k, v)
     causal = check_causal(causal)
-    _check_strategy(layout, strategy)
+    _check_strategy(layout, strategy, causal)
     if seq_axis not in mesh.axis_names:
         raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
     _check_self_attention(shapes, "sequence")
     num_shards = dict(mesh.shape)[seq_axis]
     seq_len = shapes.q_len
-    if layout == "zigzag":
-        check_zigzag_len(seq_len, num_shards)
-    elif seq_len % num_shards != 0:
-        raise ValueError(f"{seq_len=} must be divisible by {num_shards=} for the contiguous layout")
+    check_layout_len(seq_len, num_shards, layout)
     segs = check_segment_ids(segment_ids, shapes)
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
     batch_spec = batch or None  # a tuple of axis names splits the batch over all of them

@@ -70,8 +70,7 @@ def _mesh(case: Case):
 def _user_fn(case: Case, mesh):
     """What the user writes: natural-order arrays in, their own shard_map around
     `ring_attention_shard`, natural-order `(out, lse)` out."""
-    p = case.num_shards
-    zig = case.layout == "zigzag"
+    p, layout = case.num_shards, case.layout
     qkv, lse_spec, seg = P("data", "seq"), P("data", None, "seq"), P("data", "seq")
     if case.partial:
         qkv, lse_spec, seg = P(None, "seq"), P(None, None, "seq"), P(None, "seq")
@@ -102,16 +101,13 @@ def _user_fn(case: Case, mesh):
     )
 
     def fn(q, k, v, segs):
-        if zig:
-            q, k, v = (jflash.zigzag(x, p, axis=1) for x in (q, k, v))
-            segs = None if segs is None else jflash.zigzag(segs, p, axis=1)
+        q, k, v = (jflash.to_layout(x, p, layout) for x in (q, k, v))
+        segs = None if segs is None else jflash.to_layout(segs, p, layout)
         # Explicit mesh axes (jax.make_mesh's default): the user places the shards.
         q, k, v = (jax.reshard(x, qkv) for x in (q, k, v))
         segs = None if segs is None else jax.reshard(segs, seg)
         out, lse = mapped(q, k, v, segs)
-        if zig:
-            out, lse = jflash.unzigzag(out, p, axis=1), jflash.unzigzag(lse, p, axis=2)
-        return out, lse
+        return jflash.from_layout(out, p, layout), jflash.from_layout(lse, p, layout, axis=2)
 
     return fn
 
@@ -159,10 +155,11 @@ def _check(case: Case):
 GRID = [
     Case(num_shards=p, layout=layout, strategy=strategy, causal=causal, documents=docs)
     for p in (1, 2, 3, 4, 8)
-    for layout in ("zigzag", "contiguous")
-    for strategy in ("ring", "allgather")
+    for layout in jflash.LAYOUTS
+    for strategy in jflash.STRATEGIES
     for causal, docs in ((True, 0), (True, 7), (False, 5))
     if p in (2, 4) or (causal and docs)  # every P with documents; the rest at P = 2, 4
+    if not (strategy == "allgather" and layout == "striped" and causal)
 ]
 
 
@@ -179,6 +176,8 @@ MESHES = [
     Case(num_shards=4, q_heads=4, kv_heads=1, documents=6),  # MQA
     Case(num_shards=4, q_heads=4, kv_heads=4, documents=6, causal=False),  # MHA
     Case(num_shards=4, documents=48),  # many documents, most shorter than a shard
+    Case(num_shards=8, documents=48, layout="striped"),
+    Case(num_shards=4, data=2, documents=9, layout="striped", partial=True),
 ]
 
 
@@ -194,6 +193,7 @@ PALLAS = [
         {"documents": 5},
         {"documents": 4, "strategy": "allgather", "layout": "contiguous"},
         {"documents": 3, "causal": False},
+        {"documents": 5, "layout": "striped"},
     )
 ]
 
@@ -390,6 +390,10 @@ def test_errors_name_the_problem():
         )
     with pytest.raises(TypeError, match="causal"):
         jflash.ring_attention_shard(q, k, v, axis_name="seq")  # causal is required
+    with pytest.raises(NotImplementedError, match="strategy='allgather' with layout='striped'"):
+        jflash.ring_attention(q, k, v, mesh=mesh, layout="striped", strategy="allgather", **call)
+    with pytest.raises(ValueError, match="seq_len=15 must be divisible by num_shards=2 for the"):
+        jflash.ring_attention(q[:, :15], k[:, :15], v[:, :15], mesh=mesh, layout="striped", **call)
     with pytest.raises(ValueError, match="segment ids have"):
         mapped(
             lambda q, k, v, s: jflash.ring_attention_shard(
@@ -405,3 +409,24 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="kv segment ids have"):
         ids = jnp.zeros((1, 16), jnp.int32)
         jflash.ring_attention(q, k, v, mesh=mesh, segment_ids=(ids, ids[:, :8]), **call)
+
+
+@pytest.mark.parametrize("layout", jflash.LAYOUTS)
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 4])
+def test_layouts_round_trip(layout, num_shards):
+    x = jnp.arange(2 * 24).reshape(2, 24)
+    y = jflash.to_layout(x, num_shards, layout)
+    np.testing.assert_array_equal(jflash.from_layout(y, num_shards, layout), x)
+    np.testing.assert_array_equal(jflash.positions(24, num_shards, layout), y[0])
+    # The gradient of a permutation is its inverse.
+    w = jax.random.normal(jax.random.key(0), (2, 24))
+    g = jax.grad(lambda x: jnp.sum(jflash.to_layout(x, num_shards, layout) * w))(x * 1.0)
+    np.testing.assert_array_equal(g, jflash.from_layout(w, num_shards, layout))
+
+
+def test_striped_and_zigzag_orders():
+    np.testing.assert_array_equal(jflash.positions(8, 2, "striped"), [0, 2, 4, 6, 1, 3, 5, 7])
+    np.testing.assert_array_equal(jflash.positions(8, 2, "zigzag"), [0, 1, 6, 7, 2, 3, 4, 5])
+    np.testing.assert_array_equal(jflash.positions(8, 2, "contiguous"), np.arange(8))
+    with pytest.raises(ValueError, match="layout='ring' is not one of"):
+        jflash.to_layout(jnp.arange(8), 2, "ring", axis=0)
