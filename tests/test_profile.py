@@ -461,3 +461,60 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ring_blocks.main(["--tokens-per-device", "63"])
     assert "tokens per device 63 must be even" in capsys.readouterr().err
+
+
+def _report_row(context: int, **changes) -> dict:
+    """A measured row as `train.profile` writes it, small numbers as on a CPU."""
+    fields = ("forward", "backward", "recompute", "update", "idle", "attention", "matmul")
+    mean = {f"{f}_ms": 1.0 for f in fields}
+    mean.update(step_ms=5.0, comm_ms=0.0, exposed_comm_ms=0.0, other_ms=1.0, memcpy_ms=0.0)
+    row = {
+        "name": f"tiny-{context}",
+        "status": "ok",
+        "model": "tiny",
+        "context": context,
+        "mesh": "seq=2",
+        "layers": 2,
+        "devices": 2,
+        "step_ms": 5.0,
+        "tokens_per_s": 51.2,
+        "tflops_per_device": 0.00042,
+        "mfu": None,
+        "trace_vs_timed": 1.0,
+        "trace": {"mean": mean, "not_measured": {}, "named_fraction": 1.0},
+        "top_kernels": {},
+        "kernel_spread": [],
+        "intensity": {"step": {"intensity": 3.0, "tflops": 0.00042}},
+    }
+    return {**row, **changes}
+
+
+def test_report_small_ceilings_warnings_and_single_points(tmp_path):
+    """A CPU's ceilings keep their significant digits (not `0.0 TFLOP/s`); a row whose
+    traced step is far from its timed step is warned about; plots of one context say
+    they hold single points."""
+    from train import report as report_lib
+
+    report = {
+        "date": "today",
+        "jax": jax.__version__,
+        "command": "python -m train.profile",
+        "steps": {"timed": 2, "warmup": 1, "traced": 2},
+        "ceilings": {
+            "matmul_tflops": 0.0123,
+            "copy_gbps": 0.04567,
+            "matmul_label": "f32 matmul 512^3 (cpu)",
+            "copy_label": "copy of 64 MiB (cpu)",
+        },
+        "rows": [_report_row(256, trace_vs_timed=1.6)],
+    }
+    md = report_lib.markdown(report)
+    assert "0.0123 TFLOP/s" in md and "0.0457 GB/s" in md and "0.0 TFLOP/s" not in md
+    assert "traced/timed = 1.6" in md and "(tiny-256)" in md
+    assert "one point per series, not a trend" in md
+    written = report_lib.render(report, str(tmp_path))
+    assert (tmp_path / "latency_throughput.png").stat().st_size > 5000 and written
+    report["rows"] = [_report_row(256), _report_row(512)]
+    md = report_lib.markdown(report)
+    assert "traced/timed =" not in md and "not a trend" not in md
+    assert report_lib.significant(123456.0) == "123,456" and report_lib.significant(0) == "0"

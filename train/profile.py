@@ -424,7 +424,7 @@ def fill_xla_cost(out: str, timeout: float) -> None:
             continue
         _with_xla(row, result["xla"])
         if row.get("hbm_gbps") is not None:
-            print(f"  {row['hbm_gbps']:.0f} GB/s", flush=True)
+            print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
         with open(path, "w") as f:  # a run stopped from outside keeps the rows it filled
             json.dump(report, f, indent=1, default=str)
     report_lib.render(report, out)

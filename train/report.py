@@ -25,6 +25,9 @@ SEED_REFERENCE = [
     {"model": "llama3.2-1b", "forward_ms": 53.3, "backward_ms": 157.8, "comm_ms": 21.2},
 ]
 PHASES = ("forward", "backward", "recompute", "update", "idle")
+# Traced step / timed step beyond 1 +- this: the per-phase times (traced) do not
+# describe the timed step (profiling overhead, or a noisy timing).
+TRACE_TIMED_TOLERANCE = 0.25
 CLASSES = ("attention", "matmul", "exposed_comm", "other")
 COLORS = {
     "forward": "#4c72b0",
@@ -41,6 +44,32 @@ COLORS = {
 
 def _ok(report: dict) -> list[dict]:
     return [r for r in report["rows"] if r.get("status") == "ok"]
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """`value` with `digits` significant digits, never rounded to zero (a CPU's 0.004
+    TFLOP/s is `0.004`, not `0.0`); thousands grouped."""
+    if value == 0 or abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def trace_timed_warning(row: dict) -> str | None:
+    """The warning for a row whose traced step is far from its timed step, or None."""
+    ratio = row.get("trace_vs_timed")
+    if ratio is None or abs(ratio - 1) <= TRACE_TIMED_TOLERANCE:
+        return None
+    return (
+        f"traced/timed = {significant(ratio)}: the traced step differs from the timed one by more "
+        f"than {TRACE_TIMED_TOLERANCE:.0%} (profiling overhead or a noisy timing), so the "
+        "per-phase and kernel times describe the traced steps, not the timed ones"
+    )
+
+
+def single_point(ok: list[dict]) -> bool:
+    """Every series of the context plots has one point (one context per model and
+    mesh): those plots show dots, not curves."""
+    return bool(ok) and all(len(rs) == 1 for rs in _series(ok).values())
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -307,8 +336,8 @@ def markdown(report: dict) -> str:
         lines += [
             "## Ceilings (measured on this machine at startup)",
             "",
-            f"- {ceil['matmul_label']}: {ceil['matmul_tflops']:.1f} TFLOP/s",
-            f"- {ceil['copy_label']}: {ceil['copy_gbps']:.1f} GB/s",
+            f"- {ceil['matmul_label']}: {significant(ceil['matmul_tflops'])} TFLOP/s",
+            f"- {ceil['copy_label']}: {significant(ceil['copy_gbps'])} GB/s",
             "",
         ]
     lines += ["## The seed's numbers, for reference", ""]
@@ -344,10 +373,19 @@ def markdown(report: dict) -> str:
             notes.setdefault(f"{field}: {why}", []).append(r["name"])
         for w in r.get("warnings", []):
             notes.setdefault(f"warning: {w}", []).append(r["name"])
+        trace_warning = trace_timed_warning(r)
+        if trace_warning:
+            notes.setdefault(f"warning: {trace_warning}", []).append(r["name"])
     if notes:
         lines += ["## Not measured, and warnings", ""]
         lines += [f"- {text} ({', '.join(names)})" for text, names in notes.items()] + [""]
     lines += ["## Plots", ""]
+    if single_point(ok):
+        lines += [
+            "One context per model and mesh: the latency, throughput and memory plots "
+            "show one point per series, not a trend (pass several `--context` values).",
+            "",
+        ]
     lines += [f"![{name}]({name}.png)" for name in plots_written(report)] + [""]
     return "\n".join(lines)
 
@@ -370,6 +408,18 @@ def _context_axis(ax, rows):
     ax.set_xlabel("context (tokens per sequence)")
 
 
+def _one_point_note(ax):
+    ax.text(
+        0.5,
+        0.05,
+        "one context per series: single points, no trend",
+        transform=ax.transAxes,
+        ha="center",
+        fontsize=8,
+        color="0.3",
+    )
+
+
 def plot_latency_throughput(ok, path):
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rs in _series(ok).items():
@@ -382,6 +432,9 @@ def plot_latency_throughput(ok, path):
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if single_point(ok):
+        for ax in (a, b):
+            _one_point_note(ax)
     fig.suptitle("Latency and throughput vs context")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -407,6 +460,8 @@ def plot_memory(ok, path, limit_gib):
         ax.axhline(limit_gib, color="k", lw=1, ls=":", label=f"device limit {limit_gib:.0f} GiB")
     _context_axis(ax, ok)
     ax.set_ylabel("GiB per device")
+    if single_point(ok):
+        _one_point_note(ax)
     ax.set_title("Memory per device vs context")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
