@@ -1,0 +1,125 @@
+"""Causal work per rank with packed documents, for each sequence layout (CPU, numpy).
+
+A ring step waits for its slowest rank, so what matters is the max over ranks of the
+work, over its mean. Work is counted two ways on the same packed rows:
+
+* mask area: the visible (query, key) pairs each rank's queries have (causal, same
+  document), what a kernel that skips perfectly would compute;
+* tiles: the `tile x tile` blocks a rank's kernels visit over the P ring steps,
+  skipping a block when its query and key document-id ranges do not overlap or when
+  it lies wholly above the causal diagonal (the kernels' rule).
+
+Documents: log-normal lengths (mean `--mean_doc`, sigma 1), capped at `--max_doc`,
+packed into rows of P x `--tokens_per_gpu` tokens, fixed seeds.
+
+    python benchmarks/balance.py --out benchmarks/results/balance-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def document_lengths(total: int, rng, mean: int, cap: int) -> list[int]:
+    sigma = 1.0
+    mu = np.log(mean) - sigma**2 / 2
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(np.clip(rng.lognormal(mu, sigma), 1, cap)))
+    lengths[-1] -= sum(lengths) - total
+    return lengths
+
+
+def order(layout: str, seq_len: int, p: int) -> np.ndarray:
+    """Natural index of the token at each slot of `layout` (jflash.to_layout's order)."""
+    t = np.arange(seq_len)
+    if layout == "striped":
+        return t.reshape(seq_len // p, p).T.reshape(-1)
+    if layout == "zigzag":
+        chunks = t.reshape(2 * p, -1)
+        slots = np.stack([np.arange(p), 2 * p - 1 - np.arange(p)], axis=1).reshape(-1)
+        return chunks[slots].reshape(-1)
+    return t
+
+
+def tile_bounds(x: np.ndarray, tile: int):
+    tiles = x.reshape(-1, tile)
+    return tiles.min(axis=1), tiles.max(axis=1)
+
+
+def rank_work(lengths: list[int], p: int, layout: str, tile: int):
+    """`(area [P], tiles [P])` for one packed row."""
+    seq_len = sum(lengths)
+    seg = np.repeat(np.arange(len(lengths)), lengths)
+    start = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
+    visible_keys = np.arange(seq_len) - start + 1  # causal, same document
+    slots = order(layout, seq_len, p).reshape(p, -1)  # [P, T/P] natural indices
+    area = visible_keys[slots].sum(axis=1)
+    tiles = np.zeros(p, np.int64)
+    bounds = [(tile_bounds(seg[s], tile), tile_bounds(s, tile)) for s in slots]
+    for r in range(p):
+        (q_lo, q_hi), (qp_lo, qp_hi) = bounds[r]
+        for s in range(p):
+            (k_lo, k_hi), (kp_lo, kp_hi) = bounds[s]
+            meet = (k_lo[None] <= q_hi[:, None]) & (k_hi[None] >= q_lo[:, None])
+            causal = kp_lo[None] <= qp_hi[:, None]
+            tiles[r] += int((meet & causal).sum())
+    return area, tiles
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shards", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--tokens_per_gpu", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--mean_doc", type=int, default=4096)
+    ap.add_argument("--max_doc", type=int, default=65536)
+    ap.add_argument("--tile", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=8, help="packed rows (seeds) per setting")
+    ap.add_argument("--out", default=None, help="JSON file to write")
+    args = ap.parse_args(argv)
+    layouts = ("contiguous", "zigzag", "striped")
+    rows = []
+    print(
+        f"documents: log-normal, mean {args.mean_doc}, cap {args.max_doc}; "
+        f"{args.rows} rows each; imbalance = max over ranks / mean (worst row)"
+    )
+    print(f"{'tokens/GPU':>10} {'P':>3} " + " ".join(f"{x + ' area/tiles':>24}" for x in layouts))
+    for per_gpu in args.tokens_per_gpu:
+        for p in args.shards:
+            worst = {x: [1.0, 1.0] for x in layouts}
+            docs = []
+            for seed in range(args.rows):
+                rng = np.random.default_rng(seed)
+                lengths = document_lengths(per_gpu * p, rng, args.mean_doc, args.max_doc)
+                docs.append(len(lengths))
+                for layout in layouts:
+                    area, tiles = rank_work(lengths, p, layout, args.tile)
+                    w = worst[layout]
+                    w[0] = max(w[0], float(area.max() / area.mean()))
+                    w[1] = max(w[1], float(tiles.max() / tiles.mean()))
+            print(
+                f"{per_gpu:>10} {p:>3} "
+                + " ".join(f"{worst[x][0]:>15.3f} / {worst[x][1]:<6.3f}" for x in layouts)
+            )
+            rows.append(
+                {
+                    "tokens_per_gpu": per_gpu,
+                    "shards": p,
+                    "documents_per_row": docs,
+                    **{f"{x}_area": worst[x][0] for x in layouts},
+                    **{f"{x}_tiles": worst[x][1] for x in layouts},
+                }
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
