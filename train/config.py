@@ -46,6 +46,7 @@ class DataArgs:
     packing_positions: str = "per_document"  # RoPE positions: per_document (restart) | running
     sample_vocab_size: int = 0  # sample data: 0 means the model's vocabulary
     sample_num_examples: int = 256  # --data_path sample: examples of model_max_length
+    eval_data_path: str = ""  # validation data (formats as data_path); empty: no evaluation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,8 @@ class RunArgs:
     logging_steps: int = 10
     save_strategy: str = "steps"  # steps | epoch | no
     save_steps: int = 500
+    eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end)
+    eval_steps: int = 0  # evaluate every N steps; 0: every save_steps
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest"
     overwrite_output_dir: bool = False  # delete a previous run's outputs in output_dir first
@@ -116,6 +119,7 @@ class TrainConfig:
             ("data", "packing_positions"): ("per_document", "running"),
             ("optim", "lr_scheduler_type"): ("cosine", "linear", "constant"),
             ("run", "save_strategy"): ("steps", "epoch", "no"),
+            ("run", "eval_strategy"): ("steps", "epoch"),
         }
         for (section, name), allowed in choices.items():
             value = getattr(getattr(self, section), name)
@@ -137,6 +141,8 @@ class TrainConfig:
                 f"--learning_rate={self.optim.learning_rate} must be >= 0 and "
                 f"--warmup_ratio={self.optim.warmup_ratio} in [0, 1]"
             )
+        if self.run.eval_steps < 0:
+            raise ValueError(f"--eval_steps={self.run.eval_steps} must be >= 0 (0: save_steps)")
         if self.optim.warmup_steps < 0 or self.optim.max_grad_norm < 0:
             raise ValueError(
                 f"--warmup_steps={self.optim.warmup_steps} and "

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from models.loss import IGNORE_INDEX
 from models.sharding import spec_axes
 from train import data as data_lib
 from train import outputs
@@ -39,7 +40,7 @@ from train.mesh import (
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import is_oom
 from train.optim import optimizer, schedule
-from train.step import BATCH_KEYS, StepSpec, train_step
+from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.tensorboard import SummaryWriter
 from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
 
@@ -93,10 +94,11 @@ def load_model(cfg: TrainConfig):
 SAMPLE_DATA = "sample"
 
 
-def load_rows(cfg: TrainConfig, config) -> data_lib.Rows:
-    """The packed training rows of `--data_path`; `sample` makes learnable sample data
-    in memory (the same on every host: it depends only on the flags and `--seed`)."""
-    path = cfg.data.data_path
+def load_rows(cfg: TrainConfig, config, *, eval: bool = False) -> data_lib.Rows:
+    """The packed rows of `--data_path` (or `--eval_data_path` with `eval`); `sample`
+    makes learnable sample data in memory (the same on every host: it depends only on
+    the flags and `--seed`; the evaluation's is held out from the same chain)."""
+    path = cfg.data.eval_data_path if eval else cfg.data.data_path
     if not path:
         raise TrainingError(
             "--data_path is required: a .pkl, .jsonl or .npy file, or 'sample' for "
@@ -108,9 +110,12 @@ def load_rows(cfg: TrainConfig, config) -> data_lib.Rows:
             raise TrainingError(
                 f"--sample_vocab_size={vocab} exceeds the model's vocab_size={config.vocab_size}"
             )
+        train = cfg.data.sample_num_examples
+        held_out = max(1, train // 8) if eval else 0
         examples = data_lib.markov_samples(
-            cfg.data.sample_num_examples, cfg.data.model_max_length, vocab, cfg.run.seed
+            train + held_out, cfg.data.model_max_length, vocab, cfg.run.seed
         )
+        examples = examples[train:] if eval else examples
         dataset = data_lib.TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:
         name = cfg.model.model_name_or_path
@@ -186,10 +191,28 @@ class Trainer:
     state_shardings: dict[str, Any]
     step_fn: Callable
     flops_token: float
+    eval_rows: data_lib.Rows | None = None
+    eval_fn: Callable | None = None
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """`BATCH_KEYS` `[accum, global batch, T]` for `step`, sharded."""
         return host_batch(self.cfg, self.mesh, self.batches.batch_at(step), self.accum)
+
+    def eval_batches(self):
+        """The evaluation rows in order, `global_batch` at a time, as `BATCH_KEYS`
+        `[1, global batch, T]`; the last batch is filled up with rows whose labels are
+        all ignored (they count no tokens)."""
+        rows, n = self.eval_rows, self.global_batch
+        for begin in range(0, rows.num_rows, n):
+            part = [a[begin : begin + n] for a in rows]
+            missing = n - len(part[0])
+            if missing:
+                fill = (0, IGNORE_INDEX, 0)
+                part = [
+                    np.concatenate([a, np.full((missing, a.shape[1]), v, a.dtype)])
+                    for a, v in zip(part, fill, strict=True)
+                ]
+            yield host_batch(self.cfg, self.mesh, data_lib.Batch(*part), 1)
 
 
 def host_batch(cfg: TrainConfig, mesh: Mesh, b: data_lib.Batch, accum: int) -> dict:
@@ -222,6 +245,7 @@ class StepPlan:
     state_shardings: dict[str, Any]
     abstract_state: dict[str, Any]
     step_fn: Callable
+    eval_fn: Callable
 
     def abstract_batch(self, global_batch: int, accum: int, seq_len: int) -> dict[str, Any]:
         """`BATCH_KEYS` shapes of one step, sharded like `Trainer.batch`."""
@@ -296,6 +320,7 @@ def plan_step(
         state_shardings=shardings,
         abstract_state=abstract_state,
         step_fn=jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0),
+        eval_fn=jax.jit(functools.partial(eval_sums, spec=spec)),
     )
 
 
@@ -319,6 +344,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     seq_len = cfg.data.model_max_length
 
     rows = load_rows(cfg, config)
+    eval_rows = load_rows(cfg, config, eval=True) if cfg.data.eval_data_path else None
     global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
     accum = cfg.run.gradient_accumulation_steps
     if global_batch * accum > rows.num_rows:
@@ -380,11 +406,14 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         state_shardings=plan.state_shardings,
         step_fn=plan.step_fn,
         flops_token=models.training_flops_per_token(config, seq_len),
+        eval_rows=eval_rows,
+        eval_fn=plan.eval_fn,
     )
 
 
 def run(cfg: TrainConfig) -> dict:
-    """Trains; returns a summary (final loss, steps, metrics) for tests and reports.
+    """Trains; returns a summary (training losses, evaluations, steps, metrics) for tests
+    and reports.
 
     Everything that can refuse the run (flags, output directory, model, data, mesh, the
     checkpoint to resume, the step's compilation) is checked before a previous run's
@@ -412,6 +441,9 @@ def run(cfg: TrainConfig) -> dict:
             # not fit) leaves the previous run's outputs in place.
             with _oom_advice(cfg):
                 step_fn = t.step_fn.lower(state, t.batch(start_step)).compile()
+                if t.eval_rows is not None:
+                    batch = next(t.eval_batches())
+                    t.eval_fn = t.eval_fn.lower(state["params"], batch).compile()
         if cfg.run.overwrite_output_dir:
             outputs.clear(out, is_main)
         if continuing and is_main:
@@ -430,7 +462,8 @@ def run(cfg: TrainConfig) -> dict:
                 models.export_hf(jax.tree.map(np.asarray, host), t.config, hf_dir)
                 outputs.copy_tokenizer(cfg.model.model_name_or_path, hf_dir)
     return {
-        "losses": [h["loss"] for h in history],
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "eval": [h for h in history if "eval_loss" in h],
         "history": history,
         "total_steps": t.total_steps,
         "start_step": start_step,
@@ -542,6 +575,11 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
                 history.append(_finish((step, metrics), *finish_args))
             else:
                 pending = (step, metrics)
+            if t.eval_rows is not None and _should_eval(cfg, done, total_steps, steps_per_epoch):
+                if pending is not None:  # the step's own record goes first
+                    history.append(_finish(pending, *finish_args))
+                    pending = None
+                history.append(_evaluate(t, state["params"], done, writer, log, bar))
             if save:
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
@@ -559,6 +597,43 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
         if log is not None:
             log.close()
     return state, history
+
+
+def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) -> bool:
+    if done == total:
+        return True
+    if cfg.run.eval_strategy == "epoch":
+        return done % steps_per_epoch == 0
+    return done % (cfg.run.eval_steps or cfg.run.save_steps) == 0
+
+
+def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
+    """The mean token loss and perplexity over all evaluation rows (sums over batches,
+    one division), logged like the training metrics."""
+    total, count = 0.0, 0
+    with _oom_advice(t.cfg):
+        for batch in t.eval_batches():
+            loss_sum, n = jax.device_get(t.eval_fn(params, batch))
+            total, count = total + float(loss_sum), count + int(n)
+    if count == 0:
+        raise TrainingError(
+            f"--eval_data_path={t.cfg.data.eval_data_path!r}: no labelled tokens to evaluate"
+        )
+    loss = total / count
+    record = {
+        "step": done,
+        "eval_loss": loss,
+        "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "eval_tokens": count,
+    }
+    if writer is not None:
+        writer.scalars({"eval/loss": loss, "eval/perplexity": record["eval_perplexity"]}, done)
+    if log is not None:
+        log.write(record)
+    if jax.process_index() == 0 and t.cfg.run.progress:
+        line = f"eval at step {done}: loss {loss:.4f}, perplexity {record['eval_perplexity']:.4g}"
+        bar.write(line) if bar is not None else print(line, flush=True)
+    return record
 
 
 def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:

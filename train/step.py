@@ -129,6 +129,25 @@ def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
     return grads, (loss_sum / denom, count)
 
 
+def eval_sums(params, batch: dict[str, jax.Array], *, spec: StepSpec):
+    """`(sum of token losses, counted tokens)` of one evaluation batch, the training
+    step's forward (same mesh, attention, documents and positions) without gradients.
+
+    Args:
+      params: the stored parameters.
+      batch: as `gradients` takes it, with `accum` 1.
+    """
+    weights = compute_weights(params, spec)
+    return loss_sums(
+        weights,
+        batch["input_ids"][0],
+        batch["labels"][0],
+        spec,
+        batch["segment_ids"][0],
+        batch["positions"][0],
+    )
+
+
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
     """One optimizer step over `accum` micro-batches; loss = total NLL / total tokens.
 

@@ -1,0 +1,83 @@
+"""Evaluation: the validation loss is the mean token loss over every evaluation row,
+computed under the training mesh and attention, logged beside the training metrics."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from train import data as data_lib
+from train.config import parse_args
+from train.loop import end_of_text, run
+from train.tensorboard import read_scalars
+
+SEQ_LEN = 64
+# With an EOS after each: row 1 holds the first three, row 2 the last two; 2 rows under
+# a global batch of 4 (fsdp=4), so the evaluation's one batch is half filler.
+EVAL_LENGTHS = (20, 30, 11, 40, 22)
+
+
+def _hand_loss(config, params, docs, eos: int) -> float:
+    """Mean next-token loss of the documents one by one (each followed by EOS), dense
+    attention, float64 sums on the host."""
+    total, count = 0.0, 0
+    for doc in docs:
+        ids = jnp.asarray(np.append(doc, eos))[None]
+        logits = models.logits(config, params, ids, attention="xla")[0, :-1]
+        logp = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+        total -= logp[np.arange(len(doc)), np.asarray(ids[0, 1:])].sum()
+        count += len(doc)
+    return total / count
+
+
+@pytest.mark.multi_device(8)
+def test_eval_loss_equals_a_hand_computation(tmp_path, capsys):
+    eos = end_of_text(models.TINY)
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(3, 256, size=n).astype(np.int32) for n in EVAL_LENGTHS]
+    eval_path = tmp_path / "eval.jsonl"
+    data_lib.save_dataset(eval_path, docs)
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--bf16", "false"]
+    argv += ["--model_max_length", str(SEQ_LEN), "--sample_num_examples", "32"]
+    argv += ["--mesh", "data=1,fsdp=-1,seq=2", "--attention", "ring"]
+    argv += ["--max_steps", "3", "--eval_steps", "2", "--logging_steps", "1"]
+    argv += ["--save_strategy", "no", "--output_dir", str(out), "--learning_rate", "1e-3"]
+    summary = run(parse_args([*argv, "--eval_data_path", str(eval_path)]))
+
+    # Every --eval_steps and at the end; in the log, TensorBoard and the progress output.
+    assert [e["step"] for e in summary["eval"]] == [2, 3]
+    last = summary["eval"][-1]
+    assert last["eval_tokens"] == sum(EVAL_LENGTHS)
+    assert last["eval_perplexity"] == pytest.approx(np.exp(last["eval_loss"]))
+    with open(out / "log.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    scalars = read_scalars(out / "tensorboard")
+    assert [s for s, _ in scalars["eval/loss"]] == [2, 3]
+    assert "eval/perplexity" in scalars
+    assert f"eval at step 3: loss {last['eval_loss']:.4f}" in capsys.readouterr().out
+    assert len(summary["losses"]) == 3
+
+    config, params = models.load_hf(out / "hf")  # the trained parameters, exported
+    assert last["eval_loss"] == pytest.approx(_hand_loss(config, params, docs, eos), rel=2e-5)
+    assert summary["eval"][0]["eval_loss"] != last["eval_loss"]  # it trained in between
+
+
+def test_eval_data_is_checked_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "1"]
+    argv += ["--model_max_length", "64", "--output_dir", str(out)]
+    with pytest.raises(ValueError, match="typo.jsonl: no such data file"):
+        run(parse_args([*argv, "--eval_data_path", str(tmp_path / "typo.jsonl")]))
+    assert not out.exists()
+    with pytest.raises(ValueError, match="--eval_strategy='no' must be one of"):
+        parse_args(["--eval_strategy", "no"])
+    with pytest.raises(ValueError, match="--eval_steps=-1 must be >= 0"):
+        parse_args(["--eval_steps", "-1"])
