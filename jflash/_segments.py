@@ -6,6 +6,10 @@ and masking them. For packed documents (ids non-decreasing along the sequence) t
 tiles that may meet a query tile are one contiguous run of key tiles, so loop bounds
 skip exactly the tiles that hold no pair of the same document; for ids in any other
 order the bounds stay correct (every tile that may meet lies inside them) but skip less.
+
+Inside that run, tiles where both sides hold one and the same id need no segment mask:
+each range also names the run of such tiles (`[same_first, same_end)`, inside
+`[first, end)`), so the kernels compare ids only on tiles at document boundaries.
 """
 
 from __future__ import annotations
@@ -32,24 +36,43 @@ def _meet(rows_seg, cols_seg, block_rows: int, block_cols: int):
     return (cmin[:, None, :] <= rmax[:, :, None]) & (cmax[:, None, :] >= rmin[:, :, None])
 
 
-def _first_last(meet):
-    """Per row of `meet [B, R, C]`: `(lo, hi)` int32 `[B, R]`, the first tile that may
-    meet and one past the last (lo == hi == 0: none)."""
+def _same(rows_seg, cols_seg, block_rows: int, block_cols: int):
+    """`[B, n_rows, n_cols]` bool: tiles whose every pair holds one and the same id."""
+    rmin, rmax = tile_bounds(rows_seg, block_rows)
+    cmin, cmax = tile_bounds(cols_seg, block_cols)
+    row_one, col_one = rmin == rmax, cmin == cmax
+    return row_one[:, :, None] & col_one[:, None, :] & (cmin[:, None, :] == rmin[:, :, None])
+
+
+def _ranges(rows_seg, cols_seg, block_rows: int, block_cols: int):
+    """Per row tile, four int32 `[B, n_rows]`: `(first, end)`, the column tiles that may
+    meet (`first == end == 0`: none), and `(same_first, same_end)`, the run of column
+    tiles from the first one that needs no segment mask (`same_first == same_end ==
+    first` when there is none)."""
+    meet = _meet(rows_seg, cols_seg, block_rows, block_cols)
+    same = _same(rows_seg, cols_seg, block_rows, block_cols)
     c = meet.shape[-1]
     idx = jnp.arange(c, dtype=jnp.int32)
-    any_ = meet.any(axis=-1)
-    lo = jnp.where(meet, idx, c).min(axis=-1)
-    hi = jnp.where(meet, idx + 1, 0).max(axis=-1)
-    return jnp.where(any_, lo, 0).astype(jnp.int32), hi.astype(jnp.int32)
+    first = jnp.where(meet.any(axis=-1), jnp.where(meet, idx, c).min(axis=-1), 0)
+    end = jnp.where(meet, idx + 1, 0).max(axis=-1)
+    same_first = jnp.where(same, idx, c).min(axis=-1)
+    # The run stops at the first tile past `same_first` that needs the mask.
+    same_end = jnp.where(~same & (idx >= same_first[..., None]), idx, c).min(axis=-1)
+    none = same_first == c
+    same_first = jnp.where(none, first, same_first)
+    same_end = jnp.where(none, first, same_end)
+    return tuple(x.astype(jnp.int32) for x in (first, end, same_first, same_end))
 
 
 def kv_tile_range(q_seg, kv_seg, block_q: int, block_kv: int):
-    """For every query tile, the key tiles `[lo, hi)` that may share a segment id:
-    two int32 `[B, ceil(T / block_q)]`."""
-    return _first_last(_meet(q_seg, kv_seg, block_q, block_kv))
+    """For every query tile, the key tiles `[first, end)` that may share a segment id
+    and the run `[same_first, same_end)` inside it that needs no segment mask: four
+    int32 `[B, ceil(T / block_q)]`."""
+    return _ranges(q_seg, kv_seg, block_q, block_kv)
 
 
 def q_tile_range(q_seg, kv_seg, block_q: int, block_kv: int):
-    """For every key tile, the query tiles `[lo, hi)` that may share a segment id:
-    two int32 `[B, ceil(S / block_kv)]`."""
-    return _first_last(_meet(kv_seg, q_seg, block_kv, block_q))
+    """For every key tile, the query tiles `[first, end)` that may share a segment id
+    and the run `[same_first, same_end)` inside it that needs no segment mask: four
+    int32 `[B, ceil(S / block_kv)]`."""
+    return _ranges(kv_seg, q_seg, block_kv, block_q)

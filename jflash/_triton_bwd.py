@@ -30,11 +30,11 @@ from jflash._triton_common import (
     padded_head_dim,
     read_tiles,
     round_up,
+    runs,
     tile_range_specs,
     tile_visibility,
     visible_kv_range,
     visible_q_range,
-    within,
 )
 
 
@@ -49,6 +49,8 @@ def _flash_bwd_dkv_kernel(
     kseg_ref,
     first_ref,
     end_ref,
+    same_first_ref,
+    same_end_ref,
     dk_ref,
     dv_ref,
     *,
@@ -70,11 +72,14 @@ def _flash_bwd_dkv_kernel(
     # Masked query blocks `[n_begin, n_full_from)`, unmasked ones `[n_full_from, num_q)`,
     # each cut to the query tiles that share a segment id with this key tile.
     n_begin, n_full_from, num_q = visible_q_range(mask, k_start, block_kv, block_q, q_len)
-    tiles = read_tiles(first_ref, end_ref)
-    masked_steps = within(n_begin, n_full_from, tiles)
-    full_steps = within(n_full_from, num_q, tiles)
+    tiles = read_tiles(first_ref, end_ref, same_first_ref, same_end_ref)
+    steps = [
+        (masked, *run)
+        for masked, lo, hi in ((True, n_begin, n_full_from), (False, n_full_from, num_q))
+        for run in runs(lo, hi, tiles, split=not masked)
+    ]
 
-    def body(i, carry, *, g, masked):
+    def body(i, carry, *, g, masked, segmented):
         dk, dv = carry
         q_start = pl.multiple_of(i * block_q, block_q)
         rows = pl.ds(q_start, block_q)
@@ -90,7 +95,7 @@ def _flash_bwd_dkv_kernel(
                 mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_kv, block_q), 1)
             )
             visible = q_idx >= k_pos
-        if k_seg is not None:
+        if segmented:
             seg = k_seg[:, None] == qseg_ref[rows][None, :]
             visible = seg if visible is None else visible & seg
         if visible is not None:
@@ -102,8 +107,10 @@ def _flash_bwd_dkv_kernel(
         return dk, dv
 
     def head(g, carry):
-        carry = lax.fori_loop(*masked_steps, functools.partial(body, g=g, masked=True), carry)
-        return lax.fori_loop(*full_steps, functools.partial(body, g=g, masked=False), carry)
+        for masked, start, stop, segmented in steps:
+            step = functools.partial(body, g=g, masked=masked, segmented=segmented)
+            carry = lax.fori_loop(start, stop, step, carry)
+        return carry
 
     zeros = jnp.zeros((block_kv, k.shape[-1]), jnp.float32)
     dk, dv = lax.fori_loop(index(0), index(group), head, (zeros, zeros))
@@ -122,6 +129,8 @@ def _flash_bwd_dq_kernel(
     kseg_ref,
     first_ref,
     end_ref,
+    same_first_ref,
+    same_end_ref,
     dq_ref,
     *,
     scale,
@@ -141,7 +150,7 @@ def _flash_bwd_dq_kernel(
     q_pos = mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
     q_seg = None if qseg_ref is None else qseg_ref[...]
 
-    def body(j, dq, *, masked):
+    def body(j, dq, *, masked, segmented):
         k_start = pl.multiple_of(j * block_kv, block_kv)
         k = k_ref[pl.ds(k_start, block_kv), :]
         v = v_ref[pl.ds(k_start, block_kv), :]
@@ -154,7 +163,7 @@ def _flash_bwd_dq_kernel(
             (block_q, block_kv),
             kv_len,
             masked=masked,
-            q_seg=q_seg,
+            q_seg=q_seg if segmented else None,
             kseg_ref=kseg_ref,
         )
         if visible is not None:
@@ -164,10 +173,12 @@ def _flash_bwd_dq_kernel(
         return dq + dot(ds.astype(k.dtype), k)
 
     n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
-    tiles = read_tiles(first_ref, end_ref)
+    tiles = read_tiles(first_ref, end_ref, same_first_ref, same_end_ref)
     dq = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
-    dq = lax.fori_loop(*within(index(0), n_full, tiles), functools.partial(body, masked=False), dq)
-    dq = lax.fori_loop(*within(n_full, n_end, tiles), functools.partial(body, masked=True), dq)
+    for masked, (lo, hi) in ((False, (index(0), n_full)), (True, (n_full, n_end))):
+        for start, stop, segmented in runs(lo, hi, tiles, split=not masked):
+            step = functools.partial(body, masked=masked, segmented=segmented)
+            dq = lax.fori_loop(start, stop, step, dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -219,8 +230,8 @@ def flash_bwd(
     in_specs = [group_spec, tile_spec, tile_spec, group_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lsep, deltap]
     if segs is None:
-        in_specs += [None] * 4
-        args += [None] * 4
+        in_specs += [None] * 6
+        args += [None] * 6
     else:
         at_kv_tile = at(lambda bk_, j: (bk_ // kh, j))
         in_specs += [
@@ -268,8 +279,8 @@ def flash_bwd(
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     args = [qp, kp, vp, dop, lsep, deltap]
     if segs is None:
-        in_specs += [None] * 4
-        args += [None] * 4
+        in_specs += [None] * 6
+        args += [None] * 6
     else:
         at_q_tile = at(lambda bh, i: (bh // n, nq - 1 - i))
         in_specs += [

@@ -146,23 +146,33 @@ def visible_q_range(mask: Mask, k_start, block_kv: int, block_q: int, q_len: int
     return n_begin, n_full_from, index(num_q)
 
 
-def within(lo, hi, tiles):
-    """The loop `[lo, hi)` cut to the tiles `(first, end)` that segment ids let meet
-    (`tiles` None: no segment ids). An empty result has `hi <= lo` and runs no step."""
+def runs(lo, hi, tiles, *, split: bool):
+    """The loop `[lo, hi)` as `(start, stop, segmented)` runs over the tiles segment ids
+    let meet; `segmented` runs compare ids, the rest need not. `tiles` None (no segment
+    ids): the loop itself. `split`: the run of tiles where both sides hold one id runs
+    without the comparison (tiles needing the causal or padding mask are not split:
+    one loop). An empty run has `stop <= start` and runs no step."""
     if tiles is None:
-        return lo, hi
-    first, end = tiles
-    return jnp.maximum(lo, first), jnp.minimum(hi, end)
+        return [(lo, hi, False)]
+    first, end, same_first, same_end = tiles
+    if not split:
+        return [(jnp.maximum(lo, first), jnp.minimum(hi, end), True)]
+    return [
+        (jnp.maximum(lo, first), jnp.minimum(hi, same_first), True),
+        (jnp.maximum(lo, same_first), jnp.minimum(hi, same_end), False),
+        (jnp.maximum(lo, same_end), jnp.minimum(hi, end), True),
+    ]
 
 
 def tile_range_specs(index_map):
-    """BlockSpecs of the two `[B, tiles]` int32 segment tile bounds (`first`, `end`):
-    each program reads its own pair as scalars; `index_map(row, tile) -> (b, tile)`."""
-    return [pl.BlockSpec((None, None), index_map)] * 2
+    """BlockSpecs of the four `[B, tiles]` int32 segment tile ranges (`jflash._segments`):
+    each program reads its own as scalars; `index_map(row, tile) -> (b, tile)`."""
+    return [pl.BlockSpec((None, None), index_map)] * 4
 
 
-def read_tiles(first_ref, end_ref):
-    """The program's segment tile bounds `(first, end)` (None without segment ids)."""
-    if first_ref is None:
+def read_tiles(*range_refs):
+    """The program's segment tile ranges `(first, end, same_first, same_end)` (None
+    without segment ids)."""
+    if range_refs[0] is None:
         return None
-    return first_ref[...], end_ref[...]
+    return tuple(ref[...] for ref in range_refs)

@@ -30,10 +30,10 @@ from jflash._triton_common import (
     padded_head_dim,
     read_tiles,
     round_up,
+    runs,
     tile_range_specs,
     tile_visibility,
     visible_kv_range,
-    within,
 )
 
 
@@ -45,6 +45,8 @@ def _flash_fwd_kernel(
     kseg_ref,
     first_ref,
     end_ref,
+    same_first_ref,
+    same_end_ref,
     o_ref,
     lse_ref,
     *,
@@ -63,7 +65,7 @@ def _flash_fwd_kernel(
     q_pos = mask.q_offset + q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
     q_seg = None if qseg_ref is None else qseg_ref[...]
 
-    def body(j, carry, *, masked):
+    def body(j, carry, *, masked, segmented):
         acc, m, l = carry
         k_start = pl.multiple_of(j * block_kv, block_kv)
         k = k_ref[pl.ds(k_start, block_kv), :]  # [block_kv, H]
@@ -76,7 +78,7 @@ def _flash_fwd_kernel(
             (block_q, block_kv),
             kv_len,
             masked=masked,
-            q_seg=q_seg,
+            q_seg=q_seg if segmented else None,
             kseg_ref=kseg_ref,
         )
         if visible is not None:
@@ -97,18 +99,17 @@ def _flash_fwd_kernel(
     # Unmasked key blocks `[0, n_full)`, masked ones `[n_full, n_end)`, each cut to the
     # key tiles that share a segment id with this query tile.
     n_full, n_end = visible_kv_range(mask, q_start, block_q, block_kv, kv_len)
-    tiles = read_tiles(first_ref, end_ref)
+    tiles = read_tiles(first_ref, end_ref, same_first_ref, same_end_ref)
     carry = (
         jnp.zeros((block_q, q.shape[-1]), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    carry = lax.fori_loop(
-        *within(index(0), n_full, tiles), functools.partial(body, masked=False), carry
-    )
-    acc, m, l = lax.fori_loop(
-        *within(n_full, n_end, tiles), functools.partial(body, masked=True), carry
-    )
+    for masked, (lo, hi) in ((False, (index(0), n_full)), (True, (n_full, n_end))):
+        for start, stop, segmented in runs(lo, hi, tiles, split=not masked):
+            step = functools.partial(body, masked=masked, segmented=segmented)
+            carry = lax.fori_loop(start, stop, step, carry)
+    acc, m, l = carry
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -158,8 +159,8 @@ def flash_fwd(
     ]
     args = [q, k, v]
     if segs is None:
-        in_specs += [None] * 4
-        args += [None] * 4
+        in_specs += [None] * 6
+        args += [None] * 6
     else:
         q_seg, kv_seg = segs
         at_q_tile = launch.index_map(lambda bh, i: (bh // n, nq - 1 - i))
