@@ -43,7 +43,7 @@ class AttentionConfig:
             (``None`` lets jflash choose; ``"xla"`` runs its blockwise reference).
         mesh: the device mesh (``ring`` only).
         seq_axis: mesh axis the sequence is sharded over (``ring`` only).
-        layout: ``zigzag`` or ``contiguous`` token order (``ring`` only).
+        layout: ``zigzag``, ``striped`` or ``contiguous`` token order (``ring`` only).
         strategy: ``ring`` (ppermute K/V) or ``allgather`` (``ring`` only).
         batch_axes: mesh axes splitting the batch (``ring`` only; ``None`` lets
             ``jflash.ring_attention`` pick every other mesh axis that divides B).
@@ -53,7 +53,7 @@ class AttentionConfig:
     implementation: str | None = None
     mesh: Mesh | None = None
     seq_axis: str = "seq"
-    layout: Literal["zigzag", "contiguous"] = "zigzag"
+    layout: Literal["zigzag", "striped", "contiguous"] = "zigzag"
     strategy: Literal["ring", "allgather"] = "ring"
     batch_axes: tuple[str, ...] | None = None
 
@@ -67,8 +67,8 @@ class AttentionConfig:
                 raise ValueError(
                     f"seq_axis={self.seq_axis!r} not in mesh axes {self.mesh.axis_names}"
                 )
-        if self.layout not in ("zigzag", "contiguous"):
-            raise ValueError(f"layout={self.layout!r} must be 'zigzag' or 'contiguous'")
+        if self.layout not in jflash.LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {jflash.LAYOUTS}")
         if self.strategy not in ("ring", "allgather"):
             raise ValueError(f"strategy={self.strategy!r} must be 'ring' or 'allgather'")
 

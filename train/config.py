@@ -29,7 +29,7 @@ class ModelArgs:
     model_name_or_path: str = "tiny"  # a local HF directory or a preset name (models.PRESETS)
     attention: str = "ring"  # xla | cudnn | jflash | ring
     attention_implementation: str | None = None  # jflash implementation (None: per device)
-    ring_layout: str = "zigzag"  # zigzag | contiguous
+    ring_layout: str = "zigzag"  # zigzag | striped (balanced with packed documents) | contiguous
     ring_strategy: str = "ring"  # ring | allgather
     remat_policy: str = "save_attn"  # models.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
@@ -113,7 +113,7 @@ class TrainConfig:
     def __post_init__(self):
         choices = {
             ("model", "attention"): ("xla", "cudnn", "jflash", "ring"),
-            ("model", "ring_layout"): ("zigzag", "contiguous"),
+            ("model", "ring_layout"): ("zigzag", "striped", "contiguous"),
             ("model", "ring_strategy"): ("ring", "allgather"),
             ("model", "remat_policy"): REMAT_POLICIES,
             ("data", "packing_positions"): ("per_document", "running"),

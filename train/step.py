@@ -2,8 +2,8 @@
 
 `input_ids`, `labels`, `segment_ids` and `positions` `[accum, B, T]` arrive in natural
 token order, sharded batch over `data x fsdp` and sequence over `seq`. With the zigzag
-layout they are all permuted once here (`jflash.zigzag`), and every layer then works in
-that order (the ring's own layout). Labels were aligned before sharding, so no shift
+or striped layout they are all permuted once here (`jflash.to_layout`), and every layer
+then works in that order (the ring's own layout). Labels were aligned before sharding, so no shift
 ever crosses a shard. Segment ids (the packed document of each token) keep attention
 inside each document when `StepSpec.mask_documents`; positions are the RoPE positions
 (restarting at each document, or running along the row).
@@ -29,7 +29,7 @@ class StepSpec:
     config: models.LlamaConfig
     attention: models.AttentionConfig
     seq_shards: int
-    layout: str  # token order on the seq axis: "zigzag" | "contiguous"
+    layout: str  # token order on the seq axis: "zigzag" | "striped" | "contiguous"
     loss_chunk: int
     replicated_head: bool = False  # the LM head is not sharded over `seq`
     # `(stored, compute)` parameter shardings when the weights are gathered once per
@@ -42,8 +42,8 @@ BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
 
 
 def _reorder(x, spec: StepSpec):
-    if spec.layout == "zigzag" and spec.seq_shards > 1:
-        return jflash.zigzag(x, spec.seq_shards, axis=1)
+    if spec.layout != "contiguous" and spec.seq_shards > 1:
+        return jflash.to_layout(x, spec.seq_shards, spec.layout, axis=1)
     return x
 
 
