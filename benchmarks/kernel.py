@@ -520,6 +520,7 @@ def documents(args):
         ("flash_attn3_jax varlen", "documents", fa3, doc_flops, fa3_error),
     ]
     rows = []
+    expected = None  # jflash's default output on the documents: every peer must match it
     for impl, mask, attn, flops, error in peers:
         row = dict(
             impl=impl,
@@ -532,6 +533,19 @@ def documents(args):
             rows.append(row)
             continue
         jitted = jit_passes(attn)
+        if mask == "documents":
+            try:
+                out = jitted["fwd"][0](q, k, v).astype(jnp.float32)
+            except Exception as e:  # noqa: BLE001 - a peer that cannot run is a row
+                row["fwd_error"] = str(e).splitlines()[0][:120]
+                rows.append(row)
+                continue
+            if expected is None:
+                expected = out
+            row["max_abs_diff"] = float(jnp.max(jnp.abs(out - expected)))
+            if not row["max_abs_diff"] <= 0.05:  # bf16 outputs of one problem; NaN fails
+                row["fwd_error"] = f"wrong output: max |diff| vs jflash {row['max_abs_diff']:.3g}"
+            del out
         for name, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
             fn, nargs = jitted[name]
             inputs = (q, k, v, do)[:nargs]
@@ -560,6 +574,7 @@ def documents(args):
         "fwdbwd_ms",
         "fwdbwd_tflops",
         "fwdbwd_speedup_vs_one_document",
+        "max_abs_diff",
         "fwd_error",
         "fwdbwd_error",
     ]
