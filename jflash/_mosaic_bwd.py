@@ -7,7 +7,7 @@ scale * log2 e)` and `dS = P * dP` take no broadcast operand: there they vary al
 columns, and that frees 32 registers per thread next to dK and dV (ptxas at D=128: 8
 bytes spilled, was 32; the kernel 7% faster). The dQ kernel holds two such registers
 per thread and adds them after its matmuls (starting its accumulators there cost it
-2-4%: more moves per step). BENCHMARKS.md, "Fifth session".
+2-4%: more moves per step). BENCHMARKS.md.
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
@@ -46,12 +46,17 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
+    col_ids,
     drain,
     fit_stages,
-    kv_range,
+    key_table,
+    key_tile_steps,
     launch,
-    q_range,
-    query_tile_cta,
+    query_table,
+    query_tile_steps,
+    row_ids,
+    run_steps,
+    same_segment,
     smem_tile,
     stream_kv,
     tile_grid,
@@ -60,6 +65,7 @@ from jflash._mosaic_common import (
     wgmma_pair,
 )
 from jflash._triton_common import LOG2E, pad_to, round_up
+from jflash._vma import match, struct, vary, varying_axes
 
 # Head dims where the fused dQ is the faster backward (H100, same run, BENCHMARKS.md
 # "Fused dQ"): at D=64 0.94-0.97x cuDNN against 0.91 for two kernels; at D=128 the
@@ -101,41 +107,50 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    dq_ref,
-    dk_ref,
-    dv_ref,
-    k_smem2,
-    v_smem2,
-    q_smem,
-    do_smem,
-    lse_smem,
-    delta_smem,
-    out_smem2,
-    ds_smem2,
-    dq_smem2,
-    kv_ready,
-    in_ready,
-    free,
-    *,
+    *refs,
     geom: Geometry,
     block_q: int,
     stages: int,
     qk_scale: float,
     scale: float,
     grads_in_input_dtype: bool,
+    segments: bool,
+    fused: bool,
     interpret: bool,
 ):
-    """`dq_ref` is None (deterministic: the dQ kernel runs after) or the f32 dQ this
-    kernel adds into: `[B, T, N, H]`, or in interpret mode (the GPU interpreter has no
-    TMA reduce-add) one `[B, T, N, H]` slice per (key tile, warpgroup), summed after."""
+    """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
+    `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
+    GPU interpreter has no TMA reduce-add) one `[B, T, N, H]` slice per (key tile,
+    warpgroup), summed after; then the outputs and the scratch."""
+    qseg_ref = kvseg_ref = table_ref = dq_ref = None
+    if segments:
+        qseg_ref, kvseg_ref, table_ref, *refs = refs
+    if fused:
+        dq_ref, *refs = refs
+    (
+        dk_ref,
+        dv_ref,
+        k_smem2,
+        v_smem2,
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        out_smem2,
+        ds_smem2,
+        dq_smem2,
+        k_ids2,
+        q_ids,
+        kv_ready,
+        in_ready,
+        free,
+    ) = refs
     bk = WG_ROWS
-    fused = dq_ref is not None
     batch = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_start = lax.axis_index("kv_tiles") * (COMPUTE_WGS * bk)
-    cta_begin, _, n_q = q_range(geom, cta_start, bk, block_q)  # warpgroup 0 starts earliest
-    per_head = n_q - cta_begin
+    cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
+    per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -145,11 +160,15 @@ def _dkv_kernel(
         rows = (batch, pl.ds(k_start, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
-        n_begin, n_full, _ = q_range(geom, k_start, bk, block_q)
+        if segments:
+            plgpu.copy_gmem_to_smem(
+                kvseg_ref.at[batch, pl.ds(k_start, bk)], k_ids2.at[wg], kv_ready.at[wg, 2]
+            )
         if fused:
             ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
-        plgpu.barrier_wait(kv_ready.at[wg, 0])
-        plgpu.barrier_wait(kv_ready.at[wg, 1])
+        for i in range(3 if segments else 2):
+            plgpu.barrier_wait(kv_ready.at[wg, i])
+        k_ids = row_ids(k_ids2.at[wg]) if segments else None
         # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
         # registers (16 each per thread) as the A operands of S^T and dP^T, which takes
         # their reads off shared memory, the binding resource at D=64 (see A_IN_REGS).
@@ -159,13 +178,14 @@ def _dkv_kernel(
             v_a = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA)
 
         def wait_inputs(slot):
-            plgpu.barrier_wait(in_ready.at[slot])  # Q, dO, LSE and delta: 4 arrivals
+            plgpu.barrier_wait(in_ready.at[slot])  # Q, dO, LSE, delta (and ids): one barrier
 
         def step(qi, carry, *, g, base, masked: bool):
             dk, dv = carry
             slot = lax.rem(base + qi, stages)
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
+            ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
             col, shape = plgpu.Layout.WGMMA.reduce(0), (bk, block_q)
@@ -178,6 +198,8 @@ def _dkv_kernel(
                 p = jnp.exp2(s * qk_scale)
                 if masked:
                     seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
+                    if ids is not None:
+                        seen = seen & same_segment(k_ids, ids, s.shape)
                     p = jnp.where(seen, p, 0.0)
                 return p
 
@@ -203,7 +225,7 @@ def _dkv_kernel(
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
             # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
-            # traffic: BENCHMARKS.md, sixth session).
+            # traffic, BENCHMARKS.md).
             ds_smem[...] = ds.astype(ds_smem.dtype)
             plgpu.commit_smem()
             zeros_dq = plgpu.layout_cast(
@@ -238,13 +260,15 @@ def _dkv_kernel(
             return carry
 
         def head(g, carry):
-            base = g * per_head - cta_begin  # stream index of (g, qi) is base + qi
-            lax.fori_loop(cta_begin, n_begin, functools.partial(skip, base=base), None)
-            carry = lax.fori_loop(
-                n_begin, n_full, functools.partial(step, g=g, base=base, masked=True), carry
-            )
-            return lax.fori_loop(
-                n_full, n_q, functools.partial(step, g=g, base=base, masked=False), carry
+            base = g * per_head - st.cta_lo  # stream index of (g, qi) is base + qi
+            return run_steps(
+                st,
+                functools.partial(step, g=g, base=base),
+                functools.partial(skip, base=base),
+                carry,
+                mask_first=True,
+                mask_last=segments,
+                skip_first=True,
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -269,19 +293,23 @@ def _dkv_kernel(
         def _(t):
             slot = lax.rem(t, stages)
             head = kv_head * geom.group + lax.div(t, per_head)
-            q_start = (cta_begin + lax.rem(t, per_head)) * block_q
+            q_start = (st.cta_lo + lax.rem(t, per_head)) * block_q
 
             @pl.when(t >= stages)
             def _():
                 plgpu.barrier_wait(free.at[slot])
 
             rows = (batch, pl.ds(q_start, block_q), head)
-            ready = in_ready.at[slot]  # one barrier for the step's four copies
+            ready = in_ready.at[slot]  # one barrier for the step's copies
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready)
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready)
             cols = (batch, head, pl.ds(q_start, block_q))
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], ready)
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], ready)
+            if segments:
+                plgpu.copy_gmem_to_smem(
+                    qseg_ref.at[batch, pl.ds(q_start, block_q)], q_ids.at[slot], ready
+                )
 
         if interpret:
             drain((free,), geom.group * per_head, stages)
@@ -297,32 +325,42 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    dq_ref,
-    q_smem2,
-    do_smem2,
-    lse_smem2,
-    delta_smem2,
-    k_smem,
-    v_smem,
-    out_smem2,
-    row_ready,
-    k_ready,
-    v_ready,
-    k_free,
-    v_free,
-    *,
+    *refs,
     geom: Geometry,
     block_kv: int,
     stages: int,
     qk_scale: float,
     scale: float,
+    segments: bool,
     interpret: bool,
 ):
+    """`refs`: with segment ids, `q_seg`, `kv_seg` and the `query_table` first; then
+    the output and the scratch (`q_ids`, `kv_ids`: None without ids)."""
+    qseg_ref = kvseg_ref = table_ref = None
+    if segments:
+        qseg_ref, kvseg_ref, table_ref, *refs = refs
+    (
+        dq_ref,
+        q_smem2,
+        do_smem2,
+        lse_smem2,
+        delta_smem2,
+        k_smem,
+        v_smem,
+        out_smem2,
+        q_ids2,
+        kv_ids,
+        row_ready,
+        k_ready,
+        v_ready,
+        k_free,
+        v_free,
+    ) = refs
     bq = WG_ROWS
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_start, cta_end = query_tile_cta(geom, block_kv)
+    cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -335,9 +373,13 @@ def _dq_kernel(
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, row_ready.at[wg, 1])
         plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem2.at[wg], row_ready.at[wg, 2])
         plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem2.at[wg], row_ready.at[wg, 3])
-        n_full, n_end = kv_range(geom, q_start, bq, block_kv)
-        for i in range(4):
+        if segments:
+            plgpu.copy_gmem_to_smem(
+                qseg_ref.at[batch, pl.ds(q_start, bq)], q_ids2.at[wg], row_ready.at[wg, 4]
+            )
+        for i in range(5 if segments else 4):
             plgpu.barrier_wait(row_ready.at[wg, i])
+        q_ids = row_ids(q_ids2.at[wg]) if segments else None
         q_a, do_a = q_t, do_t  # Q and dO in registers where they fit (A_IN_REGS)
         if A_IN_REGS["dq"](geom.head_dim):
             q_a = plgpu.load(q_t, layout=plgpu.Layout.WGMMA)
@@ -349,14 +391,18 @@ def _dq_kernel(
         neg_delta = plgpu.load(delta_smem2.at[wg], layout=row)
 
         def step(j, dq, *, masked: bool):
-            slot = lax.rem(j, stages)
+            slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
+            ids = col_ids(kv_ids.at[slot]) if masked and segments else None
 
             def probabilities(s):  # while dP is still on the tensor cores
                 p = jnp.exp2(s * qk_scale + _bcast(neg_lse2, s.shape, 0))
                 if masked:
-                    p = jnp.where(visible(geom, q_start, j * block_kv, s.shape), p, 0.0)
+                    seen = visible(geom, q_start, j * block_kv, s.shape)
+                    if ids is not None:
+                        seen = seen & same_segment(q_ids, ids, s.shape)
+                    p = jnp.where(seen, p, 0.0)
                 return p
 
             zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
@@ -376,7 +422,7 @@ def _dq_kernel(
             return dq
 
         def skip(j, carry):
-            slot = lax.rem(j, stages)
+            slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
@@ -384,9 +430,7 @@ def _dq_kernel(
             return carry
 
         dq = plgpu.layout_cast(jnp.zeros((bq, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-        dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
-        lax.fori_loop(n_end, cta_end, skip, None)
+        dq = run_steps(st, step, skip, dq, mask_first=segments, mask_last=True, skip_first=segments)
         out = q_t if out_smem2 is None else out_smem2.at[wg]
         _store_tile(dq * scale, out, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
@@ -401,9 +445,10 @@ def _dq_kernel(
             batch=batch,
             head=head,
             group=geom.group,
-            num_steps=cta_end,
+            steps=st,
             block_kv=block_kv,
             stages=stages,
+            ids=(kvseg_ref, kv_ids) if segments else None,
             interpret=interpret,
         )
 
@@ -418,6 +463,7 @@ def mosaic_bwd(
     do,
     lse,
     delta,
+    segs=None,
     *,
     mask,
     scale: float,
@@ -431,10 +477,16 @@ def mosaic_bwd(
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
 
     `lse` is the global natural-log LSE `[B,N,T]` (-inf: the row sees nothing) and
-    `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32. `deterministic=False` fuses dQ
-    into the dK/dV kernel where that is faster (f32 TMA reduce-add; see the module
-    docstring); elsewhere the two-kernel backward runs, which is deterministic anyway.
+    `delta = rowsum(dO * O_global) - dLSE` `[B,N,T]` f32. `segs`: None or
+    `(q_seg [B,T], kv_seg [B,S])` int32 (tiles whose ids cannot meet are skipped).
+    `deterministic=False` fuses dQ into the dK/dV kernel where that is faster (f32 TMA
+    reduce-add; see the module docstring); elsewhere the two-kernel backward runs, which
+    is deterministic anyway. Inside a `jax.shard_map` the gradients vary over the
+    inputs' manual axes.
     """
+    segments = segs is not None
+    q_seg, kv_seg = segs if segments else (None, None)
+    q, k, v, do, lse, delta, q_seg, kv_seg = match(q, k, v, do, lse, delta, q_seg, kv_seg)
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     rows = COMPUTE_WGS * WG_ROWS
@@ -455,6 +507,12 @@ def mosaic_bwd(
     do = pad_to(do.astype(q.dtype), 1, geom.q_pad)
     k = pad_to(k, 1, geom.kv_pad)
     v = pad_to(v, 1, geom.kv_pad)
+    dkv_ids = dq_ids = ()
+    if segments:
+        q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+        ids = (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad))
+        dkv_ids = (*ids, key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS))
+        dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     same = jnp.dtype(grad_dtype) == q.dtype
     fused = fuses_dq(h, deterministic)  # block_q_dkv checked by `check_mosaic_block_sizes`
     size = jnp.dtype(q.dtype).itemsize
@@ -462,31 +520,34 @@ def mosaic_bwd(
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
     out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
     fused_tiles = COMPUTE_WGS * (WG_ROWS * block_q_dkv * size + block_q_dkv * h * 4)
-    common = dict(geom=geom, qk_scale=scale * LOG2E, scale=scale, interpret=interpret)
+    ids_tile = rows * 4 if segments else 0
+    common = dict(
+        geom=geom, qk_scale=scale * LOG2E, scale=scale, segments=segments, interpret=interpret
+    )
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
         stages,
-        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0),
-        per_stage=2 * block_q_dkv * (h * size + 4),
+        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0) + ids_tile,
+        per_stage=2 * block_q_dkv * (h * size + 4) + (block_q_dkv * 4 if segments else 0),
     )
     kv_tiles = geom.kv_pad // rows
-    kv_type = jax.ShapeDtypeStruct((b, geom.kv_pad, kh, h), grad_dtype)
+    kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype, k)
     dkv_body = functools.partial(
         _dkv_kernel,
         block_q=block_q_dkv,
         stages=dkv_stages,
         grads_in_input_dtype=same,
+        fused=fused,
         **common,
     )
-    inputs = (q, k, v, do, s_start, dp_start)
+    inputs = (q, k, v, do, s_start, dp_start, *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
         parts = (kv_tiles * COMPUTE_WGS,) if interpret else ()
-        dq_acc = jax.new_ref(jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32))
+        zeros = jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32)
+        dq_acc = jax.new_ref(vary(zeros, varying_axes(q)))
         inputs = (*inputs, dq_acc)
-    else:
-        dkv_body = functools.partial(_without_dq_ref, dkv_body)
     dk, dv = launch(
         dkv_body,
         out_type=[kv_type, kv_type],
@@ -500,8 +561,10 @@ def mosaic_bwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
             smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
             smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
-            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 2)),
-            plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.int32) if segments else None,
+            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 3 if segments else 2)),
+            plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
@@ -516,12 +579,13 @@ def mosaic_bwd(
     dq_stages = fit_stages(
         "jflash_mosaic_dq",
         stages,
-        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile,
-        per_stage=2 * block_kv_dq * h * size,
+        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile + ids_tile,
+        per_stage=2 * block_kv_dq * h * size + (block_kv_dq * 4 if segments else 0),
     )
+    with_ids = 2 if segments else 1  # TMA arrivals on the K barrier
     dq = launch(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
-        out_type=jax.ShapeDtypeStruct((b, geom.q_pad, n, h), grad_dtype),
+        out_type=struct((b, geom.q_pad, n, h), grad_dtype, q),
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
@@ -530,8 +594,10 @@ def mosaic_bwd(
             smem_tile((dq_stages, block_kv_dq, h), k.dtype),
             smem_tile((dq_stages, block_kv_dq, h), v.dtype),
             None if same else smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype),
-            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 4)),
-            plgpu.Barrier(num_barriers=dq_stages),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+            plgpu.SMEM((dq_stages, block_kv_dq), jnp.int32) if segments else None,
+            plgpu.Barrier(num_barriers=(COMPUTE_WGS, 5 if segments else 4)),
+            plgpu.Barrier(num_arrivals=with_ids, num_barriers=dq_stages),
             plgpu.Barrier(num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
@@ -539,10 +605,5 @@ def mosaic_bwd(
         **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
-    )(q, k, v, do, s_start, dp_start)
+    )(q, k, v, do, s_start, dp_start, *dq_ids)
     return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
-
-
-def _without_dq_ref(body, q, k, v, do, lse, delta, *outs_and_scratch):
-    """The deterministic dK/dV kernel: no dQ operand (the dQ kernel runs after)."""
-    return body(q, k, v, do, lse, delta, None, *outs_and_scratch)

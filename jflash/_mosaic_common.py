@@ -6,12 +6,20 @@ a ring of shared-memory slots with TMA. A slot is refilled when both compute
 warpgroups have arrived on its "free" barrier, so each compute warpgroup visits every
 step the memory warpgroup streams; steps outside its own visible range it only
 acknowledges ("skip"), which keeps every barrier's phase in step across warpgroups.
+
+With segment ids the streamed steps of a CTA are `[lo, hi)`, the union of its
+warpgroups' own ranges: the causal bounds (`kv_range` / `q_range`) intersected with the
+tiles whose ids may meet (`jflash._segments`). A warpgroup's own range splits into a
+masked run, an unmasked run (tiles that hold one shared id and need no causal or
+padding mask) and a masked run (`Steps`); the steps around it it only acknowledges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -19,7 +27,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jflash import _launch_order
 from jflash._mask import Mask
-from jflash._triton_common import visible_kv_range, visible_q_range
+from jflash._segments import kv_tile_range, q_tile_range
+from jflash._triton_common import pad_to, visible_kv_range, visible_q_range
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -111,32 +120,43 @@ def stream_kv(
     batch,
     head,
     group: int,
-    num_steps,
+    steps: Steps,
     block_kv: int,
     stages: int,
+    ids=None,
     interpret: bool = False,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
-    of query head `head` (`head // group`).
+    of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
 
-    Step `j` lands in slot `j % stages`; from step `stages` on, a slot is refilled only
-    after both compute warpgroups arrived on its free barrier. K and V have separate
-    barriers, so K can be refilled while V of the same step is still being read.
+    The stream's `t`-th step lands in slot `t % stages`; from `t = stages` on, a slot is
+    refilled only after both compute warpgroups arrived on its free barrier. K and V have
+    separate barriers, so K can be refilled while V of the same step is still being read.
+    `ids`, a `(kv_seg [B, S] int32 in HBM, [stages, block_kv] SMEM)` pair, rides with K
+    (its ready barrier then counts two arrivals).
     """
     plgpu.set_max_registers(MEMORY_REGS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
+    num_steps = steps.cta_hi - steps.cta_lo
 
     @pl.loop(0, num_steps)
-    def _(j):
-        slot = lax.rem(j, stages)
-        rows = (batch, pl.ds(j * block_kv, block_kv), kv_head)
-        for src, dst, is_ready, is_free in zip(srcs, slots, ready, free, strict=True):
+    def _(t):
+        slot = lax.rem(t, stages)
+        keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
+        for i, (src, dst, is_ready, is_free) in enumerate(
+            zip(srcs, slots, ready, free, strict=True)
+        ):
 
-            @pl.when(j >= stages)
+            @pl.when(t >= stages)
             def _(is_free=is_free):
                 plgpu.barrier_wait(is_free.at[slot])
 
-            plgpu.copy_gmem_to_smem(src.at[rows], dst.at[slot], is_ready.at[slot])
+            plgpu.copy_gmem_to_smem(src.at[batch, keys, kv_head], dst.at[slot], is_ready.at[slot])
+            if i == 0 and ids is not None:
+                ids_ref, ids_smem = ids
+                plgpu.copy_gmem_to_smem(
+                    ids_ref.at[batch, keys], ids_smem.at[slot], is_ready.at[slot]
+                )
 
     if interpret:
         drain(free, num_steps, stages)
@@ -240,15 +260,158 @@ def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str,
     )
 
 
-def query_tile_cta(geom: Geometry, block_kv: int):
-    """Forward and dQ kernels: `(cta_start, cta_end)`, this CTA's first query row and the
-    key steps its memory warpgroup streams.
+# ----------------------------------------------------------------------------- steps
 
-    Query tiles launch heaviest first (causal rows near the end see the most keys); the
-    CTA streams the range of its last warpgroup, whose rows see the most keys.
+TABLE_COLS = 4  # per tile: (first, end, same_first, same_end), see `_table`
+
+
+def _table(ranges, n_tiles: int):
+    """Flat int32 `[B * n_tiles * TABLE_COLS]` of `jflash._segments`' per-tile
+    `(first, end, same_first, same_end)`; tiles past the ids' length (padding) get
+    empty ranges."""
+    table = jnp.stack(ranges, axis=-1).astype(jnp.int32)
+    return pad_to(table, 1, n_tiles).reshape(-1)
+
+
+def query_table(q_seg, kv_seg, block_q: int, block_kv: int, n_tiles: int):
+    """Forward and dQ kernels: the key tiles each `block_q`-row query tile streams."""
+    return _table(kv_tile_range(q_seg, kv_seg, block_q, block_kv), n_tiles)
+
+
+def key_table(q_seg, kv_seg, block_q: int, block_kv: int, n_tiles: int):
+    """dK/dV kernel: the query tiles each `block_kv`-row key tile streams."""
+    return _table(q_tile_range(q_seg, kv_seg, block_q, block_kv), n_tiles)
+
+
+def _read_table(table_ref, batch, tile, n_tiles: int):
+    base = (batch * n_tiles + tile) * TABLE_COLS
+    return tuple(table_ref[base + i] for i in range(TABLE_COLS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """One warpgroup's share of its CTA's stream `[cta_lo, cta_hi)` (int32 scalars):
+    steps `[cta_lo, lo)` and `[hi, cta_hi)` it only acknowledges, `[lo, clear_lo)` and
+    `[clear_hi, hi)` it computes with the mask, `[clear_lo, clear_hi)` without."""
+
+    cta_lo: jax.Array
+    cta_hi: jax.Array
+    lo: jax.Array
+    clear_lo: jax.Array
+    clear_hi: jax.Array
+    hi: jax.Array
+
+    def slot(self, j, stages: int):
+        """The shared-memory slot of step `j` (the stream's `j - cta_lo`-th)."""
+        return lax.rem(j - self.cta_lo, stages)
+
+
+def _own_steps(visible_steps, clear_steps, seg):
+    """`(lo, clear_lo, clear_hi, hi)` of one warpgroup: the causal / padding bounds
+    (visible `[a, b)`, no mask needed in `[c, d)`) intersected with the segment ids'
+    `(first, end, same_first, same_end)` (None: no segment ids)."""
+    lo, hi = (jnp.asarray(x, jnp.int32) for x in visible_steps)
+    c_lo, c_hi = (jnp.asarray(x, jnp.int32) for x in clear_steps)
+    if seg is None:
+        return lo, c_lo, c_hi, hi
+    first, end, same_first, same_end = seg
+    lo = jnp.maximum(lo, first)
+    hi = jnp.maximum(jnp.minimum(hi, end), lo)
+    c_lo = jnp.clip(jnp.maximum(c_lo, same_first), lo, hi)
+    c_hi = jnp.clip(jnp.minimum(c_hi, same_end), c_lo, hi)
+    return lo, c_lo, c_hi, hi
+
+
+def _cta_steps(per_wg, wg) -> Steps:
+    """The CTA's stream: the union of its warpgroups' ranges (empty ones left out), and
+    warpgroup `wg`'s own share of it (an empty one at `cta_lo`)."""
+    empty = [hi <= lo for lo, _, _, hi in per_wg]
+    big = jnp.int32(jnp.iinfo(jnp.int32).max)
+    cta_lo = functools.reduce(
+        jnp.minimum, [jnp.where(e, big, r[0]) for e, r in zip(empty, per_wg, strict=True)]
+    )
+    cta_hi = functools.reduce(
+        jnp.maximum, [jnp.where(e, 0, r[3]) for e, r in zip(empty, per_wg, strict=True)]
+    )
+    cta_lo = jnp.minimum(cta_lo, cta_hi)
+    own = list(per_wg[0])
+    own_empty = empty[0]
+    for w in range(1, len(per_wg)):
+        own = [jnp.where(wg == w, x, y) for x, y in zip(per_wg[w], own, strict=True)]
+        own_empty = jnp.where(wg == w, empty[w], own_empty)
+    own = [jnp.where(own_empty, cta_lo, x) for x in own]
+    return Steps(cta_lo, cta_hi, *own)
+
+
+def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg):
+    """Forward and dQ kernels: `(cta_start, Steps)`, this CTA's first query row and the
+    key steps it streams and `wg` computes (`table_ref`: `query_table` of the 64-row
+    query tiles, or None).
+
+    Query tiles launch heaviest first (causal rows near the end see the most keys).
     """
     rows = COMPUTE_WGS * WG_ROWS
-    tile = geom.q_pad // rows - 1 - lax.axis_index("q_tiles")
+    tiles = geom.q_pad // rows
+    tile = tiles - 1 - lax.axis_index("q_tiles")
     cta_start = tile * rows
-    _, cta_end = kv_range(geom, cta_start + rows - WG_ROWS, WG_ROWS, block_kv)
-    return cta_start, cta_end
+    per_wg = []
+    for w in range(COMPUTE_WGS):
+        n_full, n_end = kv_range(geom, cta_start + w * WG_ROWS, WG_ROWS, block_kv)
+        seg = None
+        if table_ref is not None:
+            seg = _read_table(table_ref, batch, tile * COMPUTE_WGS + w, tiles * COMPUTE_WGS)
+        per_wg.append(_own_steps((0, n_end), (0, n_full), seg))
+    return cta_start, _cta_steps(per_wg, wg)
+
+
+def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):
+    """dK/dV kernel: `(cta_start, Steps)`, this CTA's first key row and the query steps
+    (per query head) it streams and `wg` computes (`table_ref`: `key_table` of the
+    64-row key tiles, or None). Causal: `[n_begin, n_full)` needs the mask."""
+    rows = COMPUTE_WGS * WG_ROWS
+    tiles = geom.kv_pad // rows
+    tile = lax.axis_index("kv_tiles")
+    cta_start = tile * rows
+    per_wg = []
+    for w in range(COMPUTE_WGS):
+        n_begin, n_full, n_q = q_range(geom, cta_start + w * WG_ROWS, WG_ROWS, block_q)
+        seg = None
+        if table_ref is not None:
+            seg = _read_table(table_ref, batch, tile * COMPUTE_WGS + w, tiles * COMPUTE_WGS)
+        per_wg.append(_own_steps((n_begin, n_q), (n_full, n_q), seg))
+    return cta_start, _cta_steps(per_wg, wg)
+
+
+def run_steps(
+    steps: Steps, step, skip, carry, *, mask_first: bool, mask_last: bool, skip_first: bool
+):
+    """A warpgroup's share of the stream, in stream order: `step(j, carry, masked=...)`
+    on its own steps, `skip(j, None)` on the rest. The static flags leave out runs that
+    are always empty (without segment ids: the forward's first masked run and leading
+    skips, the dK/dV kernel's last masked run)."""
+    if skip_first:
+        lax.fori_loop(steps.cta_lo, steps.lo, skip, None)
+    if mask_first:
+        carry = lax.fori_loop(steps.lo, steps.clear_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(
+        steps.clear_lo, steps.clear_hi, functools.partial(step, masked=False), carry
+    )
+    if mask_last:
+        carry = lax.fori_loop(steps.clear_hi, steps.hi, functools.partial(step, masked=True), carry)
+    lax.fori_loop(steps.hi, steps.cta_hi, skip, None)
+    return carry
+
+
+def row_ids(ref):
+    """Segment ids of a tile's rows (`[rows]` int32 in SMEM) in the WGMMA row layout."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def col_ids(ref):
+    """Segment ids of a tile's columns in the WGMMA column layout."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def same_segment(row_ids_, col_ids_, shape):
+    """Boolean tile in the WGMMA layout: row and column hold the same segment id."""
+    return lax.broadcast_in_dim(row_ids_, shape, [0]) == lax.broadcast_in_dim(col_ids_, shape, [1])

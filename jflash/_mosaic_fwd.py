@@ -9,13 +9,17 @@ per key step, warpgroup 1 starting one turn late. At D=128 a warpgroup's turn on
 tensor cores issues its step's P V and its next step's Q K^T back to back, without
 waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). Query tiles are
 launched heaviest first (causal rows near the end see the most keys).
+
+Segment ids (packed documents): a query tile streams only the key tiles whose ids may
+meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
+the tiles that hold more than one id or sit on the causal diagonal. The key ids ride
+with K into shared memory.
 """
 
 from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -26,10 +30,14 @@ from jflash._mosaic_common import (
     COMPUTE_WGS,
     WG_ROWS,
     Geometry,
+    col_ids,
     fit_stages,
-    kv_range,
     launch,
-    query_tile_cta,
+    query_table,
+    query_tile_steps,
+    row_ids,
+    run_steps,
+    same_segment,
     smem_tile,
     stream_kv,
     tile_grid,
@@ -37,10 +45,11 @@ from jflash._mosaic_common import (
     wgmma_into,
 )
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
+from jflash._vma import match, struct
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
 # (`overlapped`): at D=128 the forward kernel is 2.6% faster (H100, 16k and 64k); at
-# D=64 (256-key steps, S in 128 registers) 38% slower (BENCHMARKS.md, eighth session).
+# D=64 (256-key steps, S in 128 registers) 38% slower (BENCHMARKS.md).
 # The GPU interpreter cannot store into a live accumulator, so interpret mode runs the
 # other loop.
 OVERLAP_HEAD_DIMS = (128,)
@@ -50,31 +59,41 @@ def _fwd_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    lse_ref,
-    q_smem2,
-    k_smem,
-    v_smem,
-    o_smem2,
-    lse_smem2,
-    q_ready,
-    k_ready,
-    v_ready,
-    k_free,
-    v_free,
-    turn,
-    *,
+    *refs,
     geom: Geometry,
     block_kv: int,
     stages: int,
     qk_scale: float,
+    segments: bool,
     interpret: bool,
 ):
+    """`refs`: with segment ids, `q_seg [B, T]`, `kv_seg [B, S]` and the `query_table`
+    first; then the outputs and the scratch (`q_ids`, `kv_ids`: None without ids)."""
+    qseg_ref = kvseg_ref = table_ref = None
+    if segments:
+        qseg_ref, kvseg_ref, table_ref, *refs = refs
+    (
+        o_ref,
+        lse_ref,
+        q_smem2,
+        k_smem,
+        v_smem,
+        o_smem2,
+        lse_smem2,
+        q_ids2,
+        kv_ids,
+        q_ready,
+        k_ready,
+        v_ready,
+        k_free,
+        v_free,
+        turn,
+    ) = refs
     bq = WG_ROWS
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_start, cta_end = query_tile_cta(geom, block_kv)
+    cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg)
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -86,14 +105,24 @@ def _fwd_kernel(
         q_start = cta_start + wg * bq
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
-        n_full, n_end = kv_range(geom, q_start, bq, block_kv)
+        if segments:
+            plgpu.copy_gmem_to_smem(
+                qseg_ref.at[batch, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
+            )
         plgpu.barrier_wait(q_ready.at[wg])
+        q_ids = row_ids(q_ids2.at[wg]) if segments else None
 
-        def softmax(j, s, o, m, l, *, masked: bool):
+        def step_ids(slot, masked: bool):
+            """The step's key ids, read before its K slot is released."""
+            return col_ids(kv_ids.at[slot]) if masked and segments else None
+
+        def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
             fenced, so all of it is done before the turn is handed over."""
             if masked:
                 seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
+                if ids is not None:
+                    seen = seen & same_segment(q_ids, ids, (bq, block_kv))
                 s = jnp.where(seen, s, -jnp.inf)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
@@ -111,7 +140,7 @@ def _fwd_kernel(
 
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
-            slot = lax.rem(j, stages)
+            slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc):
@@ -120,8 +149,9 @@ def _fwd_kernel(
                 return acc[...]  # [64, block_kv] f32
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
+            ids = step_ids(slot, masked)
             plgpu.barrier_arrive(k_free.at[slot])
-            acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked)
+            acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             take_tensor_cores(slot)
             (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
             plgpu.barrier_arrive(v_free.at[slot])
@@ -129,7 +159,7 @@ def _fwd_kernel(
 
         def skip(j, carry):
             # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
-            slot = lax.rem(j, stages)
+            slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             take_turn()
@@ -146,22 +176,23 @@ def _fwd_kernel(
             zeros_s = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
             def issue_qk(j):
-                slot = lax.rem(j, stages)
+                slot = st.slot(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 s_acc[...] = zeros_s
                 plgpu.wgmma(s_acc, q_smem, k_smem.at[slot].T)
 
             def step_(j, carry, *, masked: bool, last: bool):
                 m, l = carry
-                slot = lax.rem(j, stages)
+                slot = st.slot(j, stages)
                 s = plgpu.wgmma_accumulator_load(s_acc, wait_n=0)
 
-                @pl.when(j > 0)
+                @pl.when(j > st.lo)
                 def _():
-                    plgpu.barrier_arrive(v_free.at[lax.rem(j + stages - 1, stages)])
+                    plgpu.barrier_arrive(v_free.at[st.slot(j - 1, stages)])
 
+                ids = step_ids(slot, masked)
                 plgpu.barrier_arrive(k_free.at[slot])
-                o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked)
+                o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
                 o_acc[...] = o
                 take_tensor_cores(slot)
                 plgpu.wgmma(o_acc, p16, v_smem.at[slot])  # += P V, waited for next step
@@ -175,20 +206,29 @@ def _fwd_kernel(
                 take_turn()
                 return carry
 
-            lax.fori_loop(0, jnp.minimum(n_end, 1), first, None)
-            split = jnp.minimum(n_full, n_end - 1)
+            lax.fori_loop(st.lo, st.lo + jnp.minimum(st.hi - st.lo, 1), first, None)
+            # All steps but the last: masked, unmasked, masked runs (`Steps`).
+            end = jnp.maximum(st.hi - 1, st.lo)
+            clear_lo = jnp.minimum(st.clear_lo, end)
+            clear_hi = jnp.minimum(st.clear_hi, end)
             middle = functools.partial(step_, last=False)
-            carry = lax.fori_loop(0, split, functools.partial(middle, masked=False), stats)
-            carry = lax.fori_loop(split, n_end - 1, functools.partial(middle, masked=True), carry)
-            # The last step, peeled (no next Q K^T); masked, since `visible` is all true
+            carry = stats
+            if segments:
+                masked = functools.partial(middle, masked=True)
+                carry = lax.fori_loop(st.lo, clear_lo, masked, carry)
+            carry = lax.fori_loop(
+                clear_lo, clear_hi, functools.partial(middle, masked=False), carry
+            )
+            carry = lax.fori_loop(clear_hi, end, functools.partial(middle, masked=True), carry)
+            # The last step, peeled (no next Q K^T); masked, since the mask is all true
             # where nothing is hidden.
             last = functools.partial(step_, masked=True, last=True)
-            m, l = lax.fori_loop(jnp.maximum(n_end - 1, 0), n_end, last, carry)
+            m, l = lax.fori_loop(end, st.hi, last, carry)
             acc = o_acc[...]  # waits for the last P V
 
-            @pl.when(n_end > 0)
+            @pl.when(st.hi > st.lo)
             def _():
-                plgpu.barrier_arrive(v_free.at[lax.rem(n_end - 1, stages)])
+                plgpu.barrier_arrive(v_free.at[st.slot(st.hi - 1, stages)])
 
             return acc, m, l
 
@@ -199,17 +239,20 @@ def _fwd_kernel(
         )
         pl.when(wg == 1)(take_turn)
         if geom.head_dim in OVERLAP_HEAD_DIMS and not interpret:
+            if segments:
+                lax.fori_loop(st.cta_lo, st.lo, skip, None)
             acc, m, l = pl.run_scoped(
                 lambda s_acc, o_acc: overlapped(s_acc, o_acc, stats),
                 plgpu.ACC((bq, block_kv), jnp.float32),
                 plgpu.ACC((bq, geom.head_dim), jnp.float32),
             )
+            lax.fori_loop(st.hi, st.cta_hi, skip, None)
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-            acc, m, l = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
-        lax.fori_loop(n_end, cta_end, skip, None)
+            acc, m, l = run_steps(
+                st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
+            )
         pl.when(wg == 0)(take_turn)
 
         empty = l == 0.0
@@ -240,20 +283,38 @@ def _fwd_kernel(
             batch=batch,
             head=head,
             group=geom.group,
-            num_steps=cta_end,
+            steps=st,
             block_kv=block_kv,
             stages=stages,
+            ids=(kvseg_ref, kv_ids) if segments else None,
             interpret=interpret,
         )
 
 
 def mosaic_fwd(
-    q, k, v, *, mask, scale: float, out_dtype, block_kv: int, stages: int, interpret: bool = False
+    q,
+    k,
+    v,
+    segs=None,
+    *,
+    mask,
+    scale: float,
+    out_dtype,
+    block_kv: int,
+    stages: int,
+    interpret: bool = False,
 ):
     """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`.
 
-    `interpret=True` runs the kernel in the GPU interpreter on CPU (slow; for tests).
+    `segs`: None or `(q_seg [B,T], kv_seg [B,S])` int32; attention stays inside equal
+    ids and key tiles whose ids cannot meet a query tile's are not streamed. Rows that
+    see no key get o = 0, lse = -inf. Inside a `jax.shard_map` the outputs vary over the
+    inputs' manual axes. `interpret=True` runs the kernel in the GPU interpreter on CPU
+    (slow; for tests).
     """
+    segments = segs is not None
+    q_seg, kv_seg = segs if segments else (None, None)
+    q, k, v, q_seg, kv_seg = match(q, k, v, q_seg, kv_seg)
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     rows = COMPUTE_WGS * WG_ROWS
@@ -272,25 +333,30 @@ def mosaic_fwd(
         stages,
         fixed=rows * h * size
         + (rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0)
-        + rows * 4,
-        per_stage=2 * block_kv * h * size,
+        + rows * 4
+        + (rows * 4 if segments else 0),
+        per_stage=2 * block_kv * h * size + (block_kv * 4 if segments else 0),
     )
-    q = pad_to(q, 1, geom.q_pad)
-    k = pad_to(k, 1, geom.kv_pad)
-    v = pad_to(v, 1, geom.kv_pad)
+    inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
+    if segments:
+        q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+        table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
+        inputs += (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad), table)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
         block_kv=block_kv,
         stages=stages,
         qk_scale=scale * LOG2E,
+        segments=segments,
         interpret=interpret,
     )
+    with_ids = 2 if segments else 1  # TMA arrivals on the Q and K barriers
     o, lse = launch(
         kernel,
         out_type=[
-            jax.ShapeDtypeStruct((b, geom.q_pad, n, h), out_dtype),
-            jax.ShapeDtypeStruct((b, n, geom.q_pad), jnp.float32),
+            struct((b, geom.q_pad, n, h), out_dtype, q),
+            struct((b, n, geom.q_pad), jnp.float32, q),
         ],
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
@@ -298,8 +364,10 @@ def mosaic_fwd(
             smem_tile((stages, block_kv, h), v.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), out_dtype) if separate_out else None,
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+            plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
+            plgpu.Barrier(num_arrivals=with_ids, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
@@ -308,5 +376,5 @@ def mosaic_fwd(
         **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=mask.causal),
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
-    )(q, k, v)
+    )(*inputs)
     return o[:, :t], lse[:, :, :t]
