@@ -90,7 +90,8 @@ def _packed(trainer):
 def test_packed_row_equals_documents_one_by_one(tmp_path, devices, flags):
     trainer, docs = _trainer(tmp_path, devices, *flags)
     eos = end_of_text(trainer.config)
-    grads, loss, count, batch = _packed(trainer)
+    with jax.default_matmul_precision("highest"):  # f32 on GPUs too, not TF32
+        grads, loss, count, batch = _packed(trainer)
     # The row holds the three documents, each followed by EOS; segment ids and
     # positions restart with each one; no label crosses a boundary.
     ids = batch["input_ids"][0, 0]
@@ -105,7 +106,8 @@ def test_packed_row_equals_documents_one_by_one(tmp_path, devices, flags):
     assert count == sum(DOC_LENGTHS)
 
     params = jax.device_get(trainer.state["params"])
-    ref_grads, ref_loss = _one_by_one(trainer.config, params, docs, eos)
+    with jax.default_matmul_precision("highest"):
+        ref_grads, ref_loss = _one_by_one(trainer.config, params, docs, eos)
     assert loss == pytest.approx(float(ref_loss), rel=1e-5)
     flat = jax.tree_util.tree_leaves_with_path(grads)
     ref_flat = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
@@ -151,3 +153,23 @@ def test_eos_goes_between_documents_once():
         128001
     )
     assert end_of_text(models.TINY.replace(eos_token_id=None)) is None
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_keeps_to_documents():
+    """cuDNN takes the documents as a dense mask: the same output as the dense
+    reference with segment ids, in bf16."""
+    from models.attention import AttentionConfig, attend, dense_causal_attention
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    b, t, n, k, h = 2, 256, 4, 2, 64
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    kv = [jax.random.normal(key, (b, t, k, h), jnp.bfloat16) for key in keys[1:]]
+    seg = jnp.asarray(np.repeat(np.array([[0, 1, 2, 3], [0, 0, 1, 1]]), t // 4, axis=1))
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    got = attend(q, *kv, pos, AttentionConfig(kind="cudnn"), seg)
+    f32 = [x.astype(jnp.float32) for x in (q, *kv)]
+    want = dense_causal_attention(*f32, pos, pos, seg, seg)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2)
+    unmasked = attend(q, *kv, pos, AttentionConfig(kind="cudnn"))
+    assert not np.allclose(np.asarray(unmasked, np.float32), np.asarray(want), atol=2e-2)
