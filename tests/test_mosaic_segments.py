@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,14 +35,18 @@ class Case:
     head_dim: int = 64
     q_len: int = 256
     kv_len: int | None = None
-    segments: int = 4  # documents per row
-    order: str = "packed"  # "packed" (sorted ids) | "shuffled" (ids in any order)
+    segments: int = 4  # documents per row, at random boundaries
+    lengths: tuple[int, ...] = ()  # or these document lengths (every row)
+    # "packed": sorted ids; "shuffled": contiguous documents, ids not sorted;
+    # "interleaved": each token's id drawn at random (documents in pieces).
+    order: str = "packed"
     dtype: object = jnp.bfloat16
     batch: int = 1
     deterministic: bool = False
 
     def __str__(self):
         kv_len = self.kv_len or self.q_len
+        docs = "docs" + "_".join(map(str, self.lengths)) if self.lengths else f"{self.segments}"
         return "-".join(
             [
                 "causal" if self.causal else "full",
@@ -49,7 +54,7 @@ class Case:
                 f"H{self.head_dim}",
                 f"T{self.q_len}S{kv_len}",
                 f"B{self.batch}",
-                f"{self.segments}{self.order}",
+                f"{docs}{self.order}",
                 jnp.dtype(self.dtype).name,
             ]
             + (["deterministic"] if self.deterministic else [])
@@ -57,15 +62,28 @@ class Case:
 
 
 def segment_ids(case: Case, seed: int):
-    """`(q_seg, kv_seg)`: random document boundaries; "shuffled" permutes the ids."""
-    q_seg = random_segments(seed, case.batch, case.q_len, case.segments)
-    kv_seg = q_seg
-    if case.kv_len is not None and case.kv_len != case.q_len:
-        kv_seg = random_segments(seed + 1, case.batch, case.kv_len, case.segments)
+    """`(q_seg, kv_seg)` int32 `[B, T]`, `[B, S]`."""
+    rng = np.random.default_rng(seed)
+    kv_len = case.kv_len or case.q_len
+    if case.lengths:
+        assert sum(case.lengths) == case.q_len == kv_len, case
+        row = np.repeat(np.arange(len(case.lengths)), case.lengths)
+        q_seg = kv_seg = jnp.asarray(np.tile(row, (case.batch, 1)), jnp.int32)
+    elif case.order == "interleaved":
+        q_seg = jnp.asarray(rng.integers(0, case.segments, (case.batch, case.q_len)), jnp.int32)
+        kv_seg = jnp.asarray(rng.integers(0, case.segments, (case.batch, kv_len)), jnp.int32)
+    else:
+        q_seg = kv_seg = random_segments(seed, case.batch, case.q_len, case.segments)
+        if kv_len != case.q_len:
+            kv_seg = random_segments(seed + 1, case.batch, kv_len, case.segments)
     if case.order == "shuffled":
-        perm = jnp.asarray(np.random.default_rng(seed).permutation(case.segments), jnp.int32)
+        perm = jnp.asarray(rng.permutation(case.segments) * 7 + 3, jnp.int32)
         q_seg, kv_seg = perm[q_seg], perm[kv_seg]
     return q_seg, kv_seg
+
+
+def case_seed(case: Case) -> int:
+    return zlib.crc32(str(case).encode()) % 1000
 
 
 def kernels(q, k, v, do, dlse, segs, *, causal: bool, deterministic: bool = False):
@@ -119,17 +137,88 @@ def inputs(case: Case, seed: int):
     )
 
 
+# Packed documents crossing tile boundaries (query tiles of 64 rows, key tiles of 64 to
+# 256), one-token documents, ids not sorted or interleaved, causal and not, GQA / MQA,
+# D = 64 (dQ fused into the dK/dV kernel, or the dQ kernel) and 128, T != S, ragged
+# lengths, batch > 1.
 CASES = [
-    Case(q_len=128, segments=3),
+    Case(q_len=320, segments=5, batch=2),
+    Case(causal=False, head_dim=128, lengths=(70, 1, 1, 60, 1, 123)),
+    Case(head_dim=128, q_heads=4, kv_heads=1, q_len=192, order="shuffled"),
+    Case(causal=False, q_len=200, kv_len=264, segments=3, deterministic=True, batch=2),
+    Case(q_len=128, segments=3, order="interleaved"),
+    Case(head_dim=128, q_len=256, segments=3, dtype=jnp.float16, batch=2),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_matches_oracle(case):
-    seed = zlib.crc32(str(case).encode()) % 1000
+    seed = case_seed(case)
     q, k, v, do, dlse = inputs(case, seed)
     segs = segment_ids(case, seed)
     got = kernels(q, k, v, do, dlse, segs, causal=case.causal, deterministic=case.deterministic)
     want = oracle(q, k, v, do, dlse, causal=case.causal, segment_ids=segs)
     assert_close(got, want, case.dtype)
+    # Rows that see no key (causal, interleaved ids): 0 / -inf, never NaN.
     np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+
+
+def test_rows_that_see_nothing():
+    """Queries whose id no key holds: output 0, LSE -inf, dQ 0 (and no NaN anywhere)."""
+    case = Case(causal=False, q_heads=2, kv_heads=1, q_len=192, kv_len=128)
+    q, k, v, do, dlse = inputs(case, 3)
+    q_seg = np.zeros((1, 192), np.int32)
+    q_seg[:, 60:130], q_seg[:, 130:] = 9, 1  # no key holds 9
+    kv_seg = np.zeros((1, 128), np.int32)
+    kv_seg[:, 50:] = 1
+    segs = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    got = kernels(q, k, v, do, dlse, segs, causal=False)
+    want = oracle(q, k, v, do, dlse, causal=False, segment_ids=segs)
+    assert_close(got, want, case.dtype)
+    out, lse, dq = (np.asarray(x, np.float32) for x in got[:3])
+    assert np.all(out[:, 60:130] == 0) and np.all(dq[:, 60:130] == 0)
+    assert np.all(np.isneginf(lse[:, :, 60:130])) and np.all(np.isfinite(lse[:, :, 130:]))
+
+
+@pytest.mark.parametrize("causal, head_dim", [(True, 64), (False, 128)])
+def test_tiles_that_cannot_meet_are_skipped(causal, head_dim):
+    """NaN in every input row of the first document (256 rows: whole key tiles): the
+    second document's outputs and gradients stay finite and right only if no kernel
+    reads those tiles for it (a masked tile would give 0 * NaN = NaN)."""
+    case = Case(causal=causal, q_heads=2, kv_heads=1, head_dim=head_dim, q_len=384)
+    q, k, v, do, dlse = inputs(case, 5)
+    seg = np.zeros((1, 384), np.int32)
+    seg[:, 256:300], seg[:, 300:] = 1, 2
+    segs = (jnp.asarray(seg), jnp.asarray(seg))
+    want = oracle(q, k, v, do, dlse, causal=causal, segment_ids=segs)
+    first = slice(0, 256)
+    q, k, v, do = (x.at[:, first].set(jnp.nan) for x in (q, k, v, do))
+    got = kernels(q, k, v, do, dlse, segs, causal=causal)
+
+    def later(results):  # rows of the other documents (LSE is [B, N, T])
+        return [x[:, :, 256:] if i == 1 else x[:, 256:] for i, x in enumerate(results)]
+
+    assert_close(later(got), later(want), case.dtype)
+    assert np.isnan(np.asarray(got[0][:, first], np.float32)).all()  # the NaNs were read
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_inside_shard_map(deterministic):
+    """Inside a user's `jax.shard_map` with `check_vma=True` (inputs sharded over a
+    mesh axis, outputs varying like them): the same numbers as outside. One device: the
+    GPU interpreter runs on one device only."""
+    case = Case(causal=True, q_heads=2, kv_heads=1, q_len=128, segments=3)
+    q, k, v, do, dlse = inputs(case, 8)
+    segs = segment_ids(case, 8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = jax.sharding.PartitionSpec("data")
+
+    def run(q, k, v, do, dlse, q_seg, kv_seg):
+        return kernels(q, k, v, do, dlse, (q_seg, kv_seg), causal=True, deterministic=deterministic)
+
+    inside = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=True))
+    got = inside(q, k, v, do, dlse, *segs)
+    assert_close(got, oracle(q, k, v, do, dlse, segment_ids=segs), case.dtype)
+    if deterministic:
+        for a, b in zip(got, run(q, k, v, do, dlse, *segs), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
