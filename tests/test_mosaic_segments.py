@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET, needs_hopper
+from jax._src import mesh as mesh_lib
 from kernel_cases import assert_close, make_inputs, oracle, random_segments
 
 import jflash
 from jflash._dispatch import delta_from
 from jflash._mask import Mask
-from jflash._mosaic_bwd import mosaic_bwd
+from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, mosaic_bwd
 from jflash._mosaic_fwd import mosaic_fwd
 
 pytestmark = needs_hopper
@@ -86,7 +87,9 @@ def case_seed(case: Case) -> int:
     return zlib.crc32(str(case).encode()) % 1000
 
 
-def kernels(q, k, v, do, dlse, segs, *, causal: bool, deterministic: bool = False):
+def kernels(
+    q, k, v, do, dlse, segs, *, causal: bool, deterministic: bool = False, interpret=INTERPRET
+):
     """`(out, lse, dq, dk, dv)` of the Mosaic kernels, the backward fed the cotangents
     `do`, `dlse` as `jflash.flash_attention`'s VJP feeds them."""
     h = q.shape[-1]
@@ -102,7 +105,7 @@ def kernels(q, k, v, do, dlse, segs, *, causal: bool, deterministic: bool = Fals
         out_dtype=q.dtype,
         block_kv=bs.block_kv,
         stages=bs.num_stages,
-        interpret=INTERPRET,
+        interpret=interpret,
     )
     grads = mosaic_bwd(
         q,
@@ -119,7 +122,7 @@ def kernels(q, k, v, do, dlse, segs, *, causal: bool, deterministic: bool = Fals
         block_kv_dq=bs.block_kv_dq,
         stages=bs.num_stages_bwd,
         deterministic=deterministic,
-        interpret=INTERPRET,
+        interpret=interpret,
     )
     return (o, lse, *grads)
 
@@ -222,3 +225,28 @@ def test_inside_shard_map(deterministic):
     if deterministic:
         for a, b in zip(got, run(q, k, v, do, dlse, *segs), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("head_dim, deterministic", [(64, False), (64, True), (128, False)])
+def test_lowers_for_cuda(head_dim, deterministic):
+    """With segment ids the forward, dK/dV (fused dQ or not) and dQ kernels lower for a
+    CUDA GPU (no GPU needed, against an abstract H100): layouts, SMEM budget, wgmma and
+    TMA operand rules that the interpreter does not check."""
+    q = jax.ShapeDtypeStruct((2, 512, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 384, 2, head_dim), jnp.bfloat16)
+    ids = (jax.ShapeDtypeStruct((2, 512), jnp.int32), jax.ShapeDtypeStruct((2, 384), jnp.int32))
+    dlse = jax.ShapeDtypeStruct((2, 8, 512), jnp.float32)
+
+    def both(q, k, v, do, dlse, segs):
+        kw = dict(causal=True, deterministic=deterministic, interpret=False)
+        return kernels(q, k, v, do, dlse, segs, **kw)
+
+    h100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    with jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+    ):
+        lowered = jax.jit(both).trace(q, kv, kv, q, dlse, ids).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "jflash_mosaic_fwd" in text and "jflash_mosaic_dkv" in text
+    fused = not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
+    assert ("jflash_mosaic_dq" in text) != fused
