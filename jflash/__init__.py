@@ -12,11 +12,11 @@ Public API (everything else is private):
 """
 
 from jflash._block_sizes import BlockSizes, default_block_sizes
+from jflash._context import STRATEGIES, ring_attention, ring_attention_shard
 from jflash._dispatch import IMPLEMENTATIONS, describe
 from jflash._flash import flash_attention
 from jflash._layout import LAYOUTS, from_layout, positions, to_layout, unzigzag, zigzag
 from jflash._reference import attention_reference
-from jflash._ring import STRATEGIES, ring_attention, ring_attention_shard
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -21,11 +21,12 @@ labels and segment ids along, `to_layout`); every layer then works in that order
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 
 LAYOUTS = ("zigzag", "contiguous", "striped")
@@ -87,13 +88,26 @@ def _permute(x, layout: str, num_shards: int, axis: int, inverse: bool):
     order = _chunk_order(layout, num_shards, seq_len)
     order = np.argsort(order) if inverse else order
     n = len(order)
-    chunks = x.reshape(*x.shape[:axis], n, seq_len // n, *x.shape[axis + 1 :])
-    # Under Explicit mesh axes a gather along a sharded dim needs its output sharding
-    # spelled out: the chunks stay typed where they are (the permutation moves data).
-    typed = jax.typeof(chunks).sharding
-    explicit = AxisType.Explicit in typed.mesh.axis_types
+    shape = (*x.shape[:axis], n, seq_len // n, *x.shape[axis + 1 :])
+    typed = jax.typeof(x).sharding
+    if AxisType.Explicit not in typed.mesh.axis_types:
+        index = (slice(None),) * axis + (jnp.asarray(order),)
+        return x.reshape(shape).at[index].get().reshape(x.shape)
+    # Explicit mesh axes: every reshape and gather along a sharded dim spells out its
+    # output sharding. The chunk dim keeps the sequence's sharding where the chunks
+    # split evenly over it; otherwise the sequence is gathered first.
+    spec = [*typed.spec, *([None] * (x.ndim - len(typed.spec)))]
+    entry = spec[axis]
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    if n % math.prod(typed.mesh.shape[a] for a in names) != 0:
+        spec[axis] = entry = None
+        x = jax.reshard(x, NamedSharding(typed.mesh, PartitionSpec(*spec)))
+    chunked = NamedSharding(typed.mesh, PartitionSpec(*spec[:axis], entry, None, *spec[axis + 1 :]))
+    chunks = jax.lax.reshape(x, shape, out_sharding=chunked)
     index = (slice(None),) * axis + (jnp.asarray(order),)
-    return chunks.at[index].get(out_sharding=typed if explicit else None).reshape(x.shape)
+    out = chunks.at[index].get(out_sharding=chunked)
+    out = jax.lax.reshape(out, x.shape, out_sharding=jax.typeof(x).sharding)
+    return jax.reshard(out, typed)  # the input's type: a permutation moves only data
 
 
 def _permute_fwd(x, layout, num_shards, axis, inverse):

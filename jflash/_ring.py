@@ -1,9 +1,8 @@
-"""Ring attention: exact attention over a sequence sharded across a mesh axis.
+"""Ring attention, per shard: exact attention over a sequence sharded across a mesh axis.
 
-`ring_attention_shard` is the implementation, called per shard inside a `shard_map`
-(the caller's, or the one `ring_attention` builds around it for global arrays). Two
-strategies, one custom VJP on the per-shard computation that reuses the per-shard `o`
-and `lse` (the distributed forward is never recomputed):
+The bodies of the `ring` and `allgather` strategies of `jflash.ring_attention_shard`
+(`_context`), run inside a `shard_map`. One custom VJP on the per-shard computation
+reuses the per-shard `o` and `lse` (the distributed forward is never recomputed):
 
 * ring: every device keeps its queries and visits every K/V shard once (P steps). At
   each step it runs the single-device kernel (`_dispatch.attention_fwd`) on its
@@ -48,23 +47,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
-from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
+from jflash._layout import unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import check_causal, check_qkv, check_segment_ids, default_scale
-from jflash._vma import check_interpretable
+from jflash._validation import default_scale
 
-STRATEGIES = ("ring", "allgather")
+RING_STRATEGIES = ("ring", "allgather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,93 +445,6 @@ def _ring_shard_bwd(cfg: _Ring, res, cotangents):
 _ring_shard.defvjp(_ring_shard_fwd, _ring_shard_bwd)
 
 
-# ---------------------------------------------------------------------------------
-# Public entry points
-
-
-def _batch_axes(mesh: Mesh, seq_axis: str, q, batch_axes) -> tuple[str, ...]:
-    """Mesh axes that split the batch dimension (see `ring_attention`)."""
-    sizes = dict(mesh.shape)
-    batch = q.shape[0]
-    typed = jax.typeof(q).sharding
-    if batch_axes is None and AxisType.Explicit in typed.mesh.axis_types:
-        # Explicit axes: keep the batch sharding q's type already has (even
-        # replicated), so the output's type matches the code around the call.
-        batch_axes = typed.spec[0] or ()
-        if seq_axis in ((batch_axes,) if isinstance(batch_axes, str) else batch_axes):
-            raise ValueError(
-                f"the batch dimension of q is sharded over {seq_axis=} (q's spec is "
-                f"{typed.spec}), the axis the sequence is split over: shard the batch over "
-                "other mesh axes, or pass batch_axes (q is then resharded)"
-            )
-    if batch_axes is None:
-        chosen, prod = [], 1
-        for name in mesh.axis_names:
-            if name != seq_axis and sizes[name] > 1 and batch % (prod * sizes[name]) == 0:
-                chosen.append(name)
-                prod *= sizes[name]
-        return tuple(chosen)
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    for name in batch_axes:
-        if name not in sizes or name == seq_axis:
-            raise ValueError(
-                f"batch axis {name!r} must be a mesh axis other than {seq_axis=}; "
-                f"{mesh.axis_names=}"
-            )
-    prod = math.prod(sizes[name] for name in batch_axes)
-    if batch % prod != 0:
-        raise ValueError(f"{batch=} must be divisible by the product of {batch_axes=} ({prod})")
-    return batch_axes
-
-
-def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
-    """Explicit axes: reshard to `spec` (a no-op when already there), since shard_map
-    refuses an input whose typed sharding differs. Auto axes: shard_map constrains."""
-    names = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
-    explicit = {
-        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
-    }
-    if not names & explicit:
-        return arrays
-    if not names <= explicit:
-        raise NotImplementedError(
-            f"ring_attention needs the axes {sorted(names)} to be all Explicit or all Auto; "
-            f"{mesh.axis_names=}, {mesh.axis_types=}"
-        )
-    return tuple(None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
-
-
-def _check_strategy(layout: str, strategy: str, causal: bool) -> None:
-    check_layout(layout)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"{strategy=} is not one of {STRATEGIES}")
-    if strategy == "allgather" and layout == "striped" and causal:
-        # Its local queries are no contiguous run of global positions: one kernel call
-        # per run would be one per token.
-        raise NotImplementedError(
-            f"{strategy=} with {layout=} (causal): use strategy='ring', or the zigzag or "
-            "contiguous layout"
-        )
-
-
-def _check_self_attention(shapes, where: str) -> None:
-    if shapes.q_len != shapes.kv_len:
-        raise ValueError(
-            f"ring attention is self-attention: q and k/v {where} lengths differ "
-            f"({shapes.q_len=}, {shapes.kv_len=})"
-        )
-
-
-def _mosaic_interpret_error(num_devices: int) -> NotImplementedError:
-    return NotImplementedError(
-        f"implementation='pallas_mosaic' in interpret mode cannot run on {num_devices} "
-        "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
-        "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
-        "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
-        "use implementation='pallas_triton' or 'xla'"
-    )
-
-
 def ring_config(
     axis: str | tuple[str, ...],
     num_shards: int,
@@ -580,237 +488,3 @@ def ring_config(
             deterministic=deterministic,
         ),
     )
-
-
-def _bound_shards(axis_name) -> int:
-    """P, the size of `axis_name` (a name or a tuple of names) in the enclosing
-    `shard_map`; a clear error where it is not bound there."""
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
-        raise ValueError(f"{axis_name=} must be a mesh axis name or a tuple of them")
-    try:
-        return int(lax.axis_size(names if len(names) > 1 else names[0]))
-    except NameError:
-        raise ValueError(
-            f"{axis_name=} is not a manual axis here: call ring_attention_shard inside "
-            "jax.shard_map over that mesh axis (with it in axis_names for a partial "
-            "shard_map), or call jflash.ring_attention on global arrays"
-        ) from None
-
-
-def ring_attention_shard(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B T K H"],
-    v: Float[Array, "B T K H"],
-    *,
-    axis_name: str | tuple[str, ...],
-    causal: bool,
-    layout: str = "zigzag",
-    strategy: str = "ring",
-    segment_ids=None,
-    scale: float | None = None,
-    return_lse: bool = False,
-    block_sizes: BlockSizes | None = None,
-    implementation: str | None = None,
-    interpret: bool | None = None,
-    deterministic: bool | None = None,
-):
-    """Exact self-attention over a sequence split across `axis_name`, per shard.
-
-    Call it inside your own `jax.shard_map` (full, or partial with `axis_name` among
-    its `axis_names`), like `lax.psum`: q, k, v are this device's shard of a sequence
-    split into P = `lax.axis_size(axis_name)` shards, in `layout` order. Its custom
-    VJP is on this per-shard computation, so it composes with `jax.jit`,
-    `jax.checkpoint` (the residuals are named `attention_out` / `attention_lse`),
-    `lax.scan`, `vmap` and NNX modules, with `check_vma` on or off.
-
-    Args:
-      q: this shard's queries `[B, T_local, N, H]`; k, v: keys/values
-        `[B, T_local, K, H]`, `N % K == 0` (GQA/MQA: K/V travel at KV-head size).
-      axis_name: the mesh axis (or tuple of axes, major first) the sequence is split
-        over.
-      causal: causal mask on global positions (required: non-causal ignores order).
-      layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
-        work; T_local even), `"striped"` (shard r holds tokens r, r+P, ...: balanced
-        with packed documents too) or `"contiguous"` (shard r holds chunk r). The
-        global sequence must be in that order (`jflash.to_layout` before sharding);
-        natural-order tokens give wrong causal attention silently.
-      strategy: `"ring"` (K/V rotate, one `ppermute` per step overlapped with the
-        kernel) or `"allgather"` (K/V gathered once; see `jflash.ring_attention`;
-        not with the striped layout when causal).
-      segment_ids: this shard's ids `[B, T_local]` int (packed documents: attention
-        stays inside equal ids; a document may span shards), in the same layout
-        order as q. Key ids travel with the keys. Rows that see no key give 0 and
-        LSE `-inf`.
-      scale, return_lse, block_sizes, implementation, interpret, deterministic: as in
-        `jflash.flash_attention`.
-
-    Returns:
-      `out [B, T_local, N, H]` in q's dtype, or `(out, lse [B, N, T_local] f32)`.
-    """
-    num_shards = _bound_shards(axis_name)
-    shapes = check_qkv(q, k, v)
-    causal = check_causal(causal)
-    _check_strategy(layout, strategy, causal)
-    _check_self_attention(shapes, "shard")
-    if layout == "zigzag" and shapes.q_len % 2 != 0:
-        raise ValueError(
-            f"the zigzag layout splits each shard into two chunks: q's shard length "
-            f"{shapes.q_len} must be even"
-        )
-    segs = check_segment_ids(segment_ids, shapes)
-    cfg = ring_config(
-        axis_name,
-        num_shards,
-        num_shards * shapes.q_len,
-        causal=causal,
-        layout=layout,
-        strategy=strategy,
-        head_dim=shapes.head_dim,
-        dtype=q.dtype,
-        scale=scale,
-        implementation=implementation,
-        interpret=interpret,
-        block_sizes=block_sizes,
-        deterministic=deterministic,
-        segments=segs is not None,
-    )
-    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and num_shards > 1:
-        raise _mosaic_interpret_error(num_shards)
-    check_interpretable(cfg.kernel.name, cfg.kernel.interpret, q, k, v, *(segs or ()))
-    q_seg, kv_seg = (None, None) if segs is None else segs
-    o, lse = _ring_shard(q, k, v, q_seg, kv_seg, cfg)
-    return (o, lse) if return_lse else o
-
-
-def ring_attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B T K H"],
-    v: Float[Array, "B T K H"],
-    *,
-    mesh: Mesh,
-    seq_axis: str = "seq",
-    causal: bool,
-    layout: str = "zigzag",
-    strategy: str = "ring",
-    segment_ids=None,
-    scale: float | None = None,
-    return_lse: bool = False,
-    batch_axes: str | tuple[str, ...] | None = None,
-    block_sizes: BlockSizes | None = None,
-    implementation: str | None = None,
-    interpret: bool | None = None,
-    deterministic: bool | None = None,
-):
-    """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
-
-    Global arrays in, global arrays out: builds a `jax.shard_map` over `mesh` around
-    `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
-    not); the sequence dimension is split into P = `mesh.shape[seq_axis]` shards.
-    Works with Explicit and Auto mesh axes, inside `jax.jit` next to other sharded
-    code. Code that is already inside a `shard_map` calls `ring_attention_shard`.
-
-    Args:
-      q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
-        (GQA/MQA: K/V travel at KV-head size, never repeated). The sequence is in
-        `layout` order (`jflash.to_layout` converts from natural order; forgetting it
-        gives wrong causal attention silently: compare with `flash_attention` on a
-        small input once).
-      mesh: the device mesh.
-      seq_axis: mesh axis the sequence is sharded over.
-      causal: causal mask on global positions (required: non-causal ignores order).
-      layout: `"zigzag"` (rank r holds chunks r and 2P-1-r of 2P: balanced causal
-        work; T % 2P == 0), `"striped"` (rank r holds tokens r, r+P, ...: balanced
-        with packed documents too; T % P == 0) or `"contiguous"` (rank r holds
-        chunk r; T % P == 0).
-      strategy: `"ring"` (K/V rotate with one `ppermute` per step, overlapped with the
-        kernel) or `"allgather"` (the whole sequence's K/V gathered on every device,
-        one kernel call per run of local queries, dK/dV reduce-scattered: faster at
-        short per-device lengths, where the ring's per-step kernel calls are short;
-        holds the whole sequence's K/V and its f32 dK/dV, so the ring is the one for
-        the longest sequences).
-      segment_ids: `[B, T]` int ids in the same layout order as q (packed documents;
-        attention stays inside equal ids, across shard boundaries too).
-      scale: logit scale, default `H ** -0.5`.
-      return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
-      batch_axes: mesh axes that split the batch. Default: every other mesh axis of
-        size > 1, in mesh order, kept while the product of the kept sizes divides B;
-        the batch is replicated over the rest (each of those devices computes the
-        same thing).
-      block_sizes, implementation, interpret, deterministic: kernel choice, as in
-        `jflash.flash_attention`; resolved once for the per-shard block lengths.
-        `"pallas_mosaic"` in interpret mode runs only on a one-device mesh (the GPU
-        interpreter's limit); compiled, it runs on any mesh of Hopper GPUs.
-
-    Returns:
-      `out [B, T, N, H]` in q's dtype and layout order, or `(out, lse)` with
-      `return_lse=True`; sharded like the inputs.
-    """
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise ValueError(f"{mesh=} must be a jax.sharding.Mesh (the sequence is split over it)")
-    shapes = check_qkv(q, k, v)
-    causal = check_causal(causal)
-    _check_strategy(layout, strategy, causal)
-    if seq_axis not in mesh.axis_names:
-        raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
-    _check_self_attention(shapes, "sequence")
-    num_shards = dict(mesh.shape)[seq_axis]
-    seq_len = shapes.q_len
-    check_layout_len(seq_len, num_shards, layout)
-    segs = check_segment_ids(segment_ids, shapes)
-    batch = _batch_axes(mesh, seq_axis, q, batch_axes)
-    batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
-    qkv_spec = PartitionSpec(batch_spec, seq_axis, None, None)
-    lse_spec = PartitionSpec(batch_spec, None, seq_axis)
-    seg_spec = PartitionSpec(batch_spec, seq_axis)
-    # Resolved here once as well, so a kernel that cannot run is named before tracing.
-    kernel = ring_config(
-        seq_axis,
-        num_shards,
-        seq_len,
-        causal=causal,
-        layout=layout,
-        strategy=strategy,
-        head_dim=shapes.head_dim,
-        dtype=q.dtype,
-        scale=scale,
-        implementation=implementation,
-        interpret=interpret,
-        block_sizes=block_sizes,
-        deterministic=deterministic,
-        segments=segs is not None,
-    ).kernel
-    if kernel.name == "pallas_mosaic" and kernel.interpret and mesh.size > 1:
-        raise _mosaic_interpret_error(mesh.size)
-
-    def body(q, k, v, segs):
-        return ring_attention_shard(
-            q,
-            k,
-            v,
-            axis_name=seq_axis,
-            causal=causal,
-            layout=layout,
-            strategy=strategy,
-            segment_ids=segs,
-            scale=scale,
-            return_lse=True,
-            block_sizes=block_sizes,
-            implementation=implementation,
-            interpret=interpret,
-            deterministic=deterministic,
-        )
-
-    q, k, v = _to_spec((q, k, v), mesh, qkv_spec)
-    if segs is not None:
-        segs = _to_spec(segs, mesh, seg_spec)
-    seg_specs = None if segs is None else (seg_spec, seg_spec)
-    o, lse = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
-        out_specs=(qkv_spec, lse_spec),
-        # Interpreted Pallas kernels lose manual-axis types (see `check_interpretable`).
-        check_vma=not kernel.interpret,
-    )(q, k, v, segs)
-    return (o, lse) if return_lse else o

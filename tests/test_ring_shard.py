@@ -26,7 +26,8 @@ import jflash
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    num_shards: int = 2
+    num_shards: int = 2  # P (the ring's P for the hybrid strategy)
+    a2a: int = 1  # the all-to-all degree of the hybrid strategy
     data: int = 1
     layout: str = "zigzag"
     strategy: str = "ring"
@@ -42,7 +43,7 @@ class Case:
 
     def __str__(self):
         parts = [
-            f"P{self.num_shards}",
+            f"P{self.num_shards}" + (f"x{self.a2a}" if self.a2a > 1 else ""),
             f"D{self.data}",
             self.layout,
             self.strategy,
@@ -63,24 +64,27 @@ class Case:
 
 
 def _mesh(case: Case):
-    n = case.data * case.num_shards
-    return jax.make_mesh((case.data, case.num_shards), ("data", "seq"), devices=jax.devices()[:n])
+    n = case.data * case.num_shards * case.a2a
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices")
+    shape = (case.data, case.num_shards, case.a2a)
+    return jax.make_mesh(shape, ("data", "seq", "a2a"), devices=jax.devices()[:n])
 
 
 def _user_fn(case: Case, mesh):
     """What the user writes: natural-order arrays in, their own shard_map around
     `ring_attention_shard`, natural-order `(out, lse)` out."""
     p, layout = case.num_shards, case.layout
-    qkv, lse_spec, seg = P("data", "seq"), P("data", None, "seq"), P("data", "seq")
-    if case.partial:
-        qkv, lse_spec, seg = P(None, "seq"), P(None, None, "seq"), P(None, "seq")
+    axis = ("seq", "a2a") if case.strategy == "hybrid" else "seq"
+    batch = None if case.partial else "data"
+    qkv, lse_spec, seg = P(batch, axis), P(batch, None, axis), P(batch, axis)
 
     def per_shard(q, k, v, segs):
         return jflash.ring_attention_shard(
             q,
             k,
             v,
-            axis_name="seq",
+            axis_name=axis,
             causal=case.causal,
             layout=case.layout,
             strategy=case.strategy,
@@ -97,7 +101,11 @@ def _user_fn(case: Case, mesh):
         out_specs=(qkv, lse_spec),
         # Interpreted Pallas kernels need the check off (jflash says so if it is on).
         check_vma=not (INTERPRET and case.implementation != "xla"),
-        **({"axis_names": {"seq"}} if case.partial else {}),
+        **(
+            {"axis_names": set(axis) if case.strategy == "hybrid" else {"seq"}}
+            if case.partial
+            else {}
+        ),
     )
 
     def fn(q, k, v, segs):
@@ -140,8 +148,6 @@ def _inputs(case: Case):
 
 
 def _check(case: Case):
-    if jax.device_count() < case.data * case.num_shards:
-        pytest.skip(f"needs {case.data * case.num_shards} devices")
     mesh = _mesh(case)
     q, k, v, segs, do, dlse = _inputs(case)
     fn = _user_fn(case, mesh)
@@ -156,7 +162,7 @@ GRID = [
     Case(num_shards=p, layout=layout, strategy=strategy, causal=causal, documents=docs)
     for p in (1, 2, 3, 4, 8)
     for layout in jflash.LAYOUTS
-    for strategy in jflash.STRATEGIES
+    for strategy in ("ring", "allgather")
     for causal, docs in ((True, 0), (True, 7), (False, 5))
     if p in (2, 4) or (causal and docs)  # every P with documents; the rest at P = 2, 4
     if not (strategy == "allgather" and layout == "striped" and causal)
@@ -183,6 +189,57 @@ MESHES = [
 
 @pytest.mark.parametrize("case", MESHES, ids=str)
 def test_meshes_heads_and_partial_shard_map(case):
+    _check(case)
+
+
+ULYSSES = [
+    Case(strategy="ulysses", num_shards=p, layout=layout, q_heads=8, kv_heads=kv, **kw)
+    for p in (1, 2, 4, 8)
+    for layout, kv, kw in (
+        ("contiguous", 2, {"documents": 7}),  # at P = 4, 8 fewer KV heads than devices
+        ("zigzag", 1, {"documents": 5}),  # MQA
+        ("striped", 4, {"documents": 6}),
+        ("contiguous", 8, {"causal": False, "documents": 3}),
+    )
+    if p in (2, 4, 8) or kv == 2
+] + [
+    Case(strategy="ulysses", num_shards=4, data=2, q_heads=8, kv_heads=2, partial=True),
+    Case(
+        strategy="ulysses",
+        num_shards=2,
+        q_heads=4,
+        kv_heads=2,
+        implementation="pallas_triton",
+        seq_len=64,
+        head_dim=16,
+        documents=3,
+    ),
+]
+
+HYBRID = [
+    Case(strategy="hybrid", num_shards=r, a2a=a, layout=layout, q_heads=8, kv_heads=kv, **kw)
+    for r, a in ((2, 4), (4, 2), (2, 2))
+    for layout, kv, kw in (
+        ("zigzag", 2, {"documents": 7}),
+        ("striped", 1, {"documents": 5}),
+        ("contiguous", 4, {"causal": False}),
+    )
+] + [
+    Case(
+        strategy="hybrid",
+        num_shards=2,
+        a2a=2,
+        data=2,
+        q_heads=4,
+        kv_heads=1,
+        documents=4,
+        partial=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ULYSSES + HYBRID, ids=str)
+def test_ulysses_and_hybrid_match_oracle(case):
     _check(case)
 
 
@@ -381,7 +438,7 @@ def test_errors_name_the_problem():
         mapped(
             lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="sp", **call), q, k, v
         )
-    with pytest.raises(ValueError, match="must be even"):
+    with pytest.raises(ValueError, match=r"seq_len=14 must be divisible by 2 \* num_shards=4"):
         mapped(
             lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="seq", **call),
             q[:, :14],

@@ -1,0 +1,427 @@
+"""The public context-parallel attention: `ring_attention_shard` per shard, inside a
+`shard_map`, and `ring_attention` on global arrays (a `shard_map` around the former).
+
+Four strategies over one sequence split across devices: `ring` and `allgather`
+(`_ring`: K/V travel, queries stay), `ulysses` (`_ulysses`: an all-to-all over heads,
+the single-device kernel on the whole sequence) and `hybrid` (Ulysses over an inner
+mesh axis, the ring over an outer one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax import lax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
+
+from jflash._block_sizes import BlockSizes
+from jflash._dispatch import resolve
+from jflash._layout import check_layout, check_layout_len
+from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
+from jflash._ulysses import check_heads, hybrid_shard, ulysses_shard
+from jflash._validation import check_causal, check_qkv, check_segment_ids
+from jflash._vma import check_interpretable
+
+STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
+
+
+def _names(seq_axis) -> tuple[str, ...]:
+    names = (seq_axis,) if isinstance(seq_axis, str) else seq_axis
+    if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
+        raise ValueError(f"{seq_axis=} must be a mesh axis name or a tuple of them")
+    return names
+
+
+def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
+    """Mesh axes that split the batch dimension (see `ring_attention`)."""
+    seq_names = _names(seq_axis)
+    sizes = dict(mesh.shape)
+    batch = q.shape[0]
+    typed = jax.typeof(q).sharding
+    if batch_axes is None and AxisType.Explicit in typed.mesh.axis_types:
+        # Explicit axes: keep the batch sharding q's type already has (even
+        # replicated), so the output's type matches the code around the call.
+        batch_axes = typed.spec[0] or ()
+        if set(seq_names) & set((batch_axes,) if isinstance(batch_axes, str) else batch_axes):
+            raise ValueError(
+                f"the batch dimension of q is sharded over {seq_axis=} (q's spec is "
+                f"{typed.spec}), the axis the sequence is split over: shard the batch over "
+                "other mesh axes, or pass batch_axes (q is then resharded)"
+            )
+    if batch_axes is None:
+        chosen, prod = [], 1
+        for name in mesh.axis_names:
+            if name not in seq_names and sizes[name] > 1 and batch % (prod * sizes[name]) == 0:
+                chosen.append(name)
+                prod *= sizes[name]
+        return tuple(chosen)
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    for name in batch_axes:
+        if name not in sizes or name in seq_names:
+            raise ValueError(
+                f"batch axis {name!r} must be a mesh axis other than {seq_axis=}; "
+                f"{mesh.axis_names=}"
+            )
+    prod = math.prod(sizes[name] for name in batch_axes)
+    if batch % prod != 0:
+        raise ValueError(f"{batch=} must be divisible by the product of {batch_axes=} ({prod})")
+    return batch_axes
+
+
+def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
+    """Explicit axes: reshard to `spec` (a no-op when already there), since shard_map
+    refuses an input whose typed sharding differs. Auto axes: shard_map constrains."""
+    names = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    explicit = {
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    }
+    if not names & explicit:
+        return arrays
+    if not names <= explicit:
+        raise NotImplementedError(
+            f"ring_attention needs the axes {sorted(names)} to be all Explicit or all Auto; "
+            f"{mesh.axis_names=}, {mesh.axis_types=}"
+        )
+    return tuple(None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
+
+
+def _mosaic_interpret_error(num_devices: int) -> NotImplementedError:
+    return NotImplementedError(
+        f"implementation='pallas_mosaic' in interpret mode cannot run on {num_devices} "
+        "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
+        "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
+        "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
+        "use implementation='pallas_triton' or 'xla'"
+    )
+
+
+def _check_strategy(layout: str, strategy: str, causal: bool) -> None:
+    check_layout(layout)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{strategy=} is not one of {STRATEGIES}")
+    if strategy == "allgather" and layout == "striped" and causal:
+        # Its local queries are no contiguous run of global positions: one kernel call
+        # per run would be one per token.
+        raise NotImplementedError(
+            f"{strategy=} with {layout=} (causal): use strategy='ring', or the zigzag or "
+            "contiguous layout"
+        )
+
+
+def _check_self_attention(shapes, where: str) -> None:
+    if shapes.q_len != shapes.kv_len:
+        raise ValueError(
+            f"context-parallel attention is self-attention: q and k/v {where} lengths "
+            f"differ ({shapes.q_len=}, {shapes.kv_len=})"
+        )
+
+
+def _split(names: tuple[str, ...], strategy: str, sizes) -> tuple[int, int]:
+    """`(ring shards, all-to-all degree)` of a sequence split over `names`."""
+    total = math.prod(sizes)
+    if strategy == "hybrid":
+        if len(names) != 2:
+            raise ValueError(
+                f"strategy='hybrid' takes two sequence axes, (ring axis, all-to-all axis), "
+                f"ring major; got {names}"
+            )
+        return sizes[0], sizes[1]
+    if strategy == "ulysses":
+        return 1, total
+    return total, 1
+
+
+def _bound_sizes(names: tuple[str, ...]) -> tuple[int, ...]:
+    """The size of each of `names` in the enclosing `shard_map`; a clear error where
+    one is not bound there."""
+    sizes = []
+    for name in names:
+        try:
+            sizes.append(int(lax.axis_size(name)))
+        except NameError:
+            axis_name = names[0] if len(names) == 1 else names
+            raise ValueError(
+                f"{axis_name=} is not a manual axis here: call ring_attention_shard inside "
+                "jax.shard_map over that mesh axis (with it in axis_names for a partial "
+                "shard_map), or call jflash.ring_attention on global arrays"
+            ) from None
+    return tuple(sizes)
+
+
+def ring_attention_shard(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H"],
+    *,
+    axis_name: str | tuple[str, ...],
+    causal: bool,
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    segment_ids=None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    block_sizes: BlockSizes | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    deterministic: bool | None = None,
+):
+    """Exact self-attention over a sequence split across `axis_name`, per shard.
+
+    Call it inside your own `jax.shard_map` (full, or partial with `axis_name` among
+    its `axis_names`), like `lax.psum`: q, k, v are this device's shard of a sequence
+    split into P shards over `axis_name`, in `layout` order. Its gradients are custom
+    VJPs on this per-shard computation and the collectives' own transposes, so it
+    composes with `jax.jit`, `jax.checkpoint` (the attention residuals are named
+    `attention_out` / `attention_lse`), `lax.scan`, `vmap` and NNX modules, with
+    `check_vma` on or off.
+
+    Args:
+      q: this shard's queries `[B, T_local, N, H]`; k, v: keys/values
+        `[B, T_local, K, H]`, `N % K == 0` (GQA/MQA: K/V travel at KV-head size).
+      axis_name: the mesh axis the sequence is split over, or a tuple of axes split
+        jointly, major first. `strategy="hybrid"` takes two: `(ring_axis, a2a_axis)`.
+      causal: causal mask on global positions (required: non-causal ignores order).
+      layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
+        work; T_local even), `"striped"` (shard r holds tokens r, r+P, ...: balanced
+        with packed documents too) or `"contiguous"` (shard r holds chunk r). The
+        global sequence must be in that order (`jflash.to_layout` before sharding);
+        natural-order tokens give wrong causal attention silently. With `"hybrid"`
+        P is the ring axis's size: `to_layout(x, P_ring, layout)`, and each ring
+        shard is split contiguously over the all-to-all axis.
+      strategy: `"ring"` (K/V rotate, one `ppermute` per step overlapped with the
+        kernel), `"allgather"` (K/V gathered once; not with the striped layout when
+        causal), `"ulysses"` (an all-to-all over heads: each device runs the kernel
+        on the whole sequence for N/P heads; N % P == 0) or `"hybrid"` (Ulysses over
+        the second axis of `axis_name`, the ring over the first). See
+        `jflash.ring_attention` for when each is the one to use.
+      segment_ids: this shard's ids `[B, T_local]` int (packed documents: attention
+        stays inside equal ids; a document may span shards), in the same layout
+        order as q, or a `(q_ids, kv_ids)` pair. Rows that see no key give 0 and LSE
+        `-inf`.
+      scale, return_lse, block_sizes, implementation, interpret, deterministic: as in
+        `jflash.flash_attention`.
+
+    Returns:
+      `out [B, T_local, N, H]` in q's dtype, or `(out, lse [B, N, T_local] f32)`.
+    """
+    names = _names(axis_name)
+    shapes = check_qkv(q, k, v)
+    causal = check_causal(causal)
+    _check_strategy(layout, strategy, causal)
+    ring_shards, degree = _split(names, strategy, _bound_sizes(names))
+    _check_self_attention(shapes, "shard")
+    if degree > 1:
+        check_heads(shapes.q_heads, degree, names[-1] if strategy == "hybrid" else axis_name)
+    shard_len = shapes.q_len * degree  # what one ring shard holds after the all-to-all
+    check_layout_len(shard_len * ring_shards, ring_shards if ring_shards > 1 else degree, layout)
+    segs = check_segment_ids(segment_ids, shapes)
+    kernel = dict(
+        block_sizes=block_sizes,
+        implementation=implementation,
+        interpret=interpret,
+        deterministic=deterministic,
+    )
+    if strategy == "ulysses":
+        resolved = resolve(
+            implementation,
+            interpret,
+            block_sizes,
+            q_len=shard_len,
+            kv_len=shard_len,
+            head_dim=shapes.head_dim,
+            dtype=q.dtype,
+            segments=segs is not None,
+            deterministic=deterministic,
+        )
+        if resolved.name == "pallas_mosaic" and resolved.interpret and degree > 1:
+            raise _mosaic_interpret_error(degree)
+        check_interpretable(resolved.name, resolved.interpret, q, k, v, *(segs or ()))
+        o, lse = ulysses_shard(
+            q,
+            k,
+            v,
+            segs,
+            axis=axis_name,
+            degree=degree,
+            layout=layout,
+            causal=causal,
+            scale=scale,
+            **kernel,
+        )
+        return (o, lse) if return_lse else o
+    ring_axis = names[0] if strategy == "hybrid" else axis_name
+    cfg = ring_config(
+        ring_axis,
+        ring_shards,
+        shard_len * ring_shards,
+        causal=causal,
+        layout=layout,
+        strategy="ring" if strategy == "hybrid" else strategy,
+        head_dim=shapes.head_dim,
+        dtype=q.dtype,
+        scale=scale,
+        segments=segs is not None,
+        **kernel,
+    )
+    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and ring_shards * degree > 1:
+        raise _mosaic_interpret_error(ring_shards * degree)
+    check_interpretable(cfg.kernel.name, cfg.kernel.interpret, q, k, v, *(segs or ()))
+
+    def ring(q, k, v, segs):
+        q_seg, kv_seg = (None, None) if segs is None else segs
+        return _ring_shard(q, k, v, q_seg, kv_seg, cfg)
+
+    if strategy == "hybrid":
+        o, lse = hybrid_shard(q, k, v, segs, a2a_axis=names[1], degree=degree, ring=ring)
+    else:
+        o, lse = ring(q, k, v, segs)
+    return (o, lse) if return_lse else o
+
+
+def ring_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H"],
+    *,
+    mesh: Mesh,
+    seq_axis: str | tuple[str, ...] = "seq",
+    causal: bool,
+    layout: str = "zigzag",
+    strategy: str = "ring",
+    segment_ids=None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    batch_axes: str | tuple[str, ...] | None = None,
+    block_sizes: BlockSizes | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    deterministic: bool | None = None,
+):
+    """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
+
+    Global arrays in, global arrays out: builds a `jax.shard_map` over `mesh` around
+    `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
+    not); the sequence dimension is split over the `seq_axis` mesh axes. Works with
+    Explicit and Auto mesh axes, inside `jax.jit` next to other sharded code. Code
+    that is already inside a `shard_map` calls `ring_attention_shard`.
+
+    Args:
+      q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
+        (GQA/MQA: K/V travel at KV-head size, never repeated by the ring; Ulysses
+        repeats them only as far as its degree needs). The sequence is in `layout`
+        order (`jflash.to_layout` converts from natural order; forgetting it gives
+        wrong causal attention silently: compare with `flash_attention` on a small
+        input once).
+      mesh: the device mesh.
+      seq_axis: mesh axis the sequence is sharded over, or a tuple of axes (major
+        first); `strategy="hybrid"` takes `(ring_axis, a2a_axis)`.
+      causal: causal mask on global positions (required: non-causal ignores order).
+      layout: `"zigzag"` (rank r holds chunks r and 2P-1-r of 2P: balanced causal
+        work; T % 2P == 0), `"striped"` (rank r holds tokens r, r+P, ...: balanced
+        with packed documents too; T % P == 0) or `"contiguous"` (rank r holds
+        chunk r; T % P == 0). With `"hybrid"`, P is the ring axis's size.
+      strategy: `"ring"` (K/V rotate with one `ppermute` per step, overlapped with the
+        kernel: memory of one shard, the one for the longest sequences),
+        `"allgather"` (the whole sequence's K/V gathered on every device, one kernel
+        call per run of local queries, dK/dV reduce-scattered: faster at short
+        per-device lengths, where the ring's per-step kernel calls are short),
+        `"ulysses"` (all-to-all over heads, the whole sequence per device for N/P
+        heads: the least traffic at large P on one node; N % P == 0), or `"hybrid"`
+        (Ulysses within the second axis, the ring across the first: for jobs that
+        span nodes).
+      segment_ids: `[B, T]` int ids in the same layout order as q (packed documents;
+        attention stays inside equal ids, across shard boundaries too), or a
+        `(q_ids, kv_ids)` pair.
+      scale: logit scale, default `H ** -0.5`.
+      return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
+      batch_axes: mesh axes that split the batch. Default: every other mesh axis of
+        size > 1, in mesh order, kept while the product of the kept sizes divides B;
+        the batch is replicated over the rest (each of those devices computes the
+        same thing).
+      block_sizes, implementation, interpret, deterministic: kernel choice, as in
+        `jflash.flash_attention`; resolved once for the per-shard block lengths.
+        `"pallas_mosaic"` in interpret mode runs only on a one-device mesh (the GPU
+        interpreter's limit); compiled, it runs on any mesh of Hopper GPUs.
+
+    Returns:
+      `out [B, T, N, H]` in q's dtype and layout order, or `(out, lse)` with
+      `return_lse=True`; sharded like the inputs.
+    """
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise ValueError(f"{mesh=} must be a jax.sharding.Mesh (the sequence is split over it)")
+    names = _names(seq_axis)
+    shapes = check_qkv(q, k, v)
+    causal = check_causal(causal)
+    _check_strategy(layout, strategy, causal)
+    for name in names:
+        if name not in mesh.axis_names:
+            raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
+    sizes = dict(mesh.shape)
+    ring_shards, degree = _split(names, strategy, [sizes[n] for n in names])
+    _check_self_attention(shapes, "sequence")
+    seq_len = shapes.q_len
+    check_layout_len(seq_len, ring_shards if ring_shards > 1 else degree, layout)
+    if seq_len % (ring_shards * degree) != 0:
+        raise ValueError(f"{seq_len=} must be divisible by the {ring_shards * degree} devices")
+    if degree > 1:
+        check_heads(shapes.q_heads, degree, names[-1])
+    segs = check_segment_ids(segment_ids, shapes)
+    batch = _batch_axes(mesh, seq_axis, q, batch_axes)
+    batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
+    seq_spec = names if len(names) > 1 else names[0]
+    qkv_spec = PartitionSpec(batch_spec, seq_spec, None, None)
+    lse_spec = PartitionSpec(batch_spec, None, seq_spec)
+    seg_spec = PartitionSpec(batch_spec, seq_spec)
+    # Resolved here once as well, so a kernel that cannot run is named before tracing.
+    kernel = ring_config(
+        names[0],
+        ring_shards,
+        seq_len,
+        causal=causal,
+        layout=layout,
+        strategy="allgather" if strategy == "allgather" else "ring",
+        head_dim=shapes.head_dim,
+        dtype=q.dtype,
+        scale=scale,
+        implementation=implementation,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        deterministic=deterministic,
+        segments=segs is not None,
+    ).kernel
+    if kernel.name == "pallas_mosaic" and kernel.interpret and mesh.size > 1:
+        raise _mosaic_interpret_error(mesh.size)
+
+    def body(q, k, v, segs):
+        return ring_attention_shard(
+            q,
+            k,
+            v,
+            axis_name=seq_axis,
+            causal=causal,
+            layout=layout,
+            strategy=strategy,
+            segment_ids=segs,
+            scale=scale,
+            return_lse=True,
+            block_sizes=block_sizes,
+            implementation=implementation,
+            interpret=interpret,
+            deterministic=deterministic,
+        )
+
+    q, k, v = _to_spec((q, k, v), mesh, qkv_spec)
+    if segs is not None:
+        segs = _to_spec(segs, mesh, seg_spec)
+    seg_specs = None if segs is None else (seg_spec, seg_spec)
+    o, lse = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
+        out_specs=(qkv_spec, lse_spec),
+        # Interpreted Pallas kernels lose manual-axis types (see `check_interpretable`).
+        check_vma=not kernel.interpret,
+    )(q, k, v, segs)
+    return (o, lse) if return_lse else o
