@@ -6,6 +6,8 @@ can see it, accumulating dK and dV in f32 registers (GQA without atomics or repe
 `jflash_bwd_dq`: grid (query blocks) x (batch * query heads), likewise; loops over visible
 key blocks. Both recompute probabilities from the saved LSE (FA-2 §3.2);
 `delta = rowsum(dO * O)` minus the LSE cotangent is precomputed by the caller.
+With segment ids both loops visit only the tiles that share an id with the program's
+tile (`jflash._segments`), comparing ids only on tiles at a document boundary.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ query tile in registers and streams the K/V tiles of its KV head (`h // group`: 
 without copies).
 Softmax runs in base 2 with the scale folded into one multiply (FA-2 §3.1), key blocks
 are split into an unmasked run and a masked run, and fully hidden blocks are skipped.
+With segment ids (packed documents) the loops visit only the key tiles that share an id
+with the query tile (`jflash._segments`), and compare ids only on tiles at a document
+boundary.
 """
 
 from __future__ import annotations
