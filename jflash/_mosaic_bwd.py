@@ -546,7 +546,10 @@ def mosaic_bwd(
         # warpgroup), each written once per query tile it sees, summed below.
         parts = (kv_tiles * COMPUTE_WGS,) if interpret else ()
         zeros = jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32)
-        dq_acc = jax.new_ref(vary(zeros, varying_axes(q)))
+        # Pallas refuses a Ref that varies over a shard_map's manual axes: the
+        # accumulator is made unvarying (each device's kernel adds into its own) and its
+        # value marked varying like the inputs once read.
+        dq_acc = jax.new_ref(zeros)
         inputs = (*inputs, dq_acc)
     dk, dv = launch(
         dkv_body,
@@ -572,7 +575,7 @@ def mosaic_bwd(
         interpret=interpret,
     )(*inputs)
     if fused:
-        dq = dq_acc[...]
+        dq = vary(dq_acc[...], varying_axes(q))
         dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)
         return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
