@@ -557,8 +557,8 @@ def test_ring_errors():
         jflash.ring_attention(q, k, v, seq_axis="sp", **call)
     with pytest.raises(ValueError, match="q_heads=3 must be a multiple of kv_heads=2"):
         jflash.ring_attention(q[:, :, :3], k, v, **call)
-    with pytest.raises(ValueError, match="layout='striped'"):
-        jflash.ring_attention(q, k, v, layout="striped", **call)
+    with pytest.raises(ValueError, match="layout='diagonal'"):
+        jflash.ring_attention(q, k, v, layout="diagonal", **call)
     with pytest.raises(ValueError, match="strategy='tree'"):
         jflash.ring_attention(q, k, v, strategy="tree", **call)
     with pytest.raises(ValueError, match="lengths differ"):

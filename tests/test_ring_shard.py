@@ -110,10 +110,13 @@ def _user_fn(case: Case, mesh):
 
     def fn(q, k, v, segs):
         q, k, v = (jflash.to_layout(x, p, layout) for x in (q, k, v))
-        segs = None if segs is None else jflash.to_layout(segs, p, layout)
+        if segs is not None:  # one array, or a (q ids, kv ids) pair
+            pair = isinstance(segs, tuple)
+            segs = tuple(jflash.to_layout(x, p, layout) for x in (segs if pair else (segs,)))
+            segs = segs if pair else segs[0]
         # Explicit mesh axes (jax.make_mesh's default): the user places the shards.
         q, k, v = (jax.reshard(x, qkv) for x in (q, k, v))
-        segs = None if segs is None else jax.reshard(segs, seg)
+        segs = None if segs is None else jax.tree.map(lambda x: jax.reshard(x, seg), segs)
         out, lse = mapped(q, k, v, segs)
         return jflash.from_layout(out, p, layout), jflash.from_layout(lse, p, layout, axis=2)
 
