@@ -1,4 +1,4 @@
-"""The static description of which keys a query may see (DESIGN.md "Kernel contract").
+"""The static description of which keys a query may see (the kernel contract of `jflash._dispatch`).
 
 A query at global position `q_offset + i` sees a key at `k_offset + j` when `causal` is
 off, or when `q_offset + i >= k_offset + j`; segment ids (dynamic) further restrict

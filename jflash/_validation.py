@@ -1,4 +1,4 @@
-"""Boundary checks shared by every public entry point (STYLE.md §6)."""
+"""Boundary checks shared by every public entry point: bad input is named in one line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ MAX_HEAD_DIM = 256
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """The named sizes of one attention problem (einsum letters of STYLE.md §5)."""
+    """The named sizes of one attention problem (the einsum letters used across jflash)."""
 
     batch: int
     q_len: int

@@ -307,7 +307,7 @@ def test_single_device_matches_flash_attention():
 @pytest.mark.multi_device(8)
 def test_bf16_error_does_not_grow_with_devices():
     """Partial results merge in f32: P = 8 is as accurate as P = 1 (a peer's bf16
-    partial outputs made the error grow with the ring size; ANCHORS.md).
+    partial outputs made the error grow with the ring size).
 
     Bounds: with f32 merging both ratios measure 1.00 +- 0.03 here; rounding each
     partial (o, dq, dk, dv) to bf16 before the merge measured max-error ratios up to
