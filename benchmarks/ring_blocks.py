@@ -85,13 +85,13 @@ def ring_rank(cfg: _Ring):
         kv = jnp.stack([k, v])
         o = lse = None
         for step in range(cfg.num_shards):
-            o, lse = _fwd_step(step, rank, q, kv, o, lse, cfg)
+            o, lse = _fwd_step(step, rank, q, kv, None, None, o, lse, cfg)  # no segment ids
         o = o.astype(q.dtype)
         delta = delta_from(o, do)
         dq = jnp.zeros(q.shape, jnp.float32)
         dkv_sum = None
         for step in (*range(1, cfg.num_shards), 0):
-            dq, dkv = _bwd_step(step, rank, q, kv, do, lse, delta, dq, cfg)
+            dq, dkv = _bwd_step(step, rank, q, kv, None, None, do, lse, delta, dq, cfg)
             dkv_sum = dkv if dkv_sum is None else dkv_sum + dkv
         return o, dq.astype(q.dtype), dkv_sum.astype(q.dtype)
 
