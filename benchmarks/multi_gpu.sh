@@ -503,7 +503,7 @@ part_ring() {
 part_seq2trace() {
   # Per-phase and per-kernel time of the 32k config's step at seq=1 and seq=2
   # (--shard_over_seq --gather_once, as the config), same process tree (BENCHMARKS.md,
-  # "Trainer on 2 GPUs").
+  # "Two GPUs, sequence split").
   local prof="$WORK/seq2trace-$TAG" model=llama3.2-1b ctx=32k
   if [ "$MODE" != gpu ]; then model=tiny ctx=512; fi
   rm -rf "$prof"
