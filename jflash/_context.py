@@ -232,7 +232,6 @@ def ring_attention_shard(
             kv_len=shard_len,
             head_dim=shapes.head_dim,
             dtype=q.dtype,
-            segments=segs is not None,
             deterministic=deterministic,
         )
         if resolved.name == "pallas_mosaic" and resolved.interpret and degree > 1:
@@ -262,7 +261,6 @@ def ring_attention_shard(
         head_dim=shapes.head_dim,
         dtype=q.dtype,
         scale=scale,
-        segments=segs is not None,
         **kernel,
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and ring_shards * degree > 1:
@@ -389,7 +387,6 @@ def ring_attention(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
-        segments=segs is not None,
     ).kernel
     if kernel.name == "pallas_mosaic" and kernel.interpret and mesh.size > 1:
         raise _mosaic_interpret_error(mesh.size)

@@ -53,9 +53,7 @@ MOSAIC_HEAD_DIMS = (64, 128)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def mosaic_unsupported(
-    *, head_dim: int, dtype, segments: bool, compiled: bool = True
-) -> str | None:
+def mosaic_unsupported(*, head_dim: int, dtype, compiled: bool = True) -> str | None:
     """Why the Mosaic kernels cannot take this problem (None: they can)."""
     if compiled and not _is_hopper():
         kind = jax.devices()[0].device_kind
@@ -67,8 +65,6 @@ def mosaic_unsupported(
         return f"{head_dim=} is not one of {MOSAIC_HEAD_DIMS}"
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
         return f"dtype={jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
-    if segments:
-        return "segment_ids are not supported by the Mosaic kernels"
     return None
 
 
@@ -78,10 +74,10 @@ def mosaic_unsupported(
 MOSAIC_IS_DEFAULT_ON_HOPPER = True
 
 
-def _gpu_default(*, head_dim: int, dtype, segments: bool) -> tuple[str, str]:
+def _gpu_default(*, head_dim: int, dtype) -> tuple[str, str]:
     if not MOSAIC_IS_DEFAULT_ON_HOPPER:
         return "pallas_triton", "GPU: the Triton-lowered Pallas kernel (measured fastest here)"
-    why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, segments=segments)
+    why = mosaic_unsupported(head_dim=head_dim, dtype=dtype)
     if why is None:
         return "pallas_mosaic", "Hopper: the Mosaic GPU kernels (measured faster than Triton)"
     return "pallas_triton", f"GPU: the Triton-lowered Pallas kernel (Mosaic {why})"
@@ -108,7 +104,6 @@ def resolve(
     kv_len: int,
     head_dim: int,
     dtype,
-    segments: bool = False,
     deterministic: bool | None = None,
 ) -> Kernel:
     """Turns the user's `implementation` / `interpret` / `block_sizes` /
@@ -123,7 +118,7 @@ def resolve(
         if interpret:
             implementation, reason = "pallas_triton", "interpret=True asks for the Pallas kernel"
         elif platform == "gpu":
-            implementation, reason = _gpu_default(head_dim=head_dim, dtype=dtype, segments=segments)
+            implementation, reason = _gpu_default(head_dim=head_dim, dtype=dtype)
         else:
             implementation, reason = "xla", f"{platform=}: no compiled Pallas kernel, blockwise XLA"
     else:
@@ -131,9 +126,7 @@ def resolve(
     if implementation == "pallas_mosaic":
         if interpret is None:
             interpret = platform != "gpu"
-        why = mosaic_unsupported(
-            head_dim=head_dim, dtype=dtype, segments=segments, compiled=not interpret
-        )
+        why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, compiled=not interpret)
         if why is not None:
             raise NotImplementedError(
                 f"implementation='pallas_mosaic' {why}; use 'pallas_triton' (any head dim, "
@@ -182,7 +175,7 @@ def describe() -> str:
     lines = [f"backend: {platform} ({jax.devices()[0].device_kind})"]
     if platform == "gpu":
         for head_dim, dtype in ((128, jnp.bfloat16), (100, jnp.bfloat16), (128, jnp.float32)):
-            default, why = _gpu_default(head_dim=head_dim, dtype=dtype, segments=False)
+            default, why = _gpu_default(head_dim=head_dim, dtype=dtype)
             lines.append(
                 f"implementation=None, {head_dim=}, {jnp.dtype(dtype).name}: {default!r} ({why})"
             )
@@ -215,6 +208,7 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
             q,
             k,
             v,
+            segs,
             mask=mask,
             scale=scale,
             out_dtype=out_dtype,
@@ -256,6 +250,7 @@ def attention_bwd(
             do,
             lse,
             delta,
+            segs,
             mask=mask,
             scale=scale,
             grad_dtype=grad_dtype,

@@ -119,7 +119,6 @@ def flash_attention(
             kv_len=shapes.kv_len,
             head_dim=shapes.head_dim,
             dtype=q.dtype,
-            segments=segs is not None,
             deterministic=deterministic,
         ),
     )

@@ -54,6 +54,7 @@ from jflash._mosaic_common import (
     launch,
     query_table,
     query_tile_steps,
+    rem,
     row_ids,
     run_steps,
     same_segment,
@@ -182,7 +183,7 @@ def _dkv_kernel(
 
         def step(qi, carry, *, g, base, masked: bool):
             dk, dv = carry
-            slot = lax.rem(base + qi, stages)
+            slot = rem(base + qi, stages)
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
@@ -254,7 +255,7 @@ def _dkv_kernel(
             return dk, dv
 
         def skip(qi, carry, *, base):
-            slot = lax.rem(base + qi, stages)
+            slot = rem(base + qi, stages)
             wait_inputs(slot)
             plgpu.barrier_arrive(free.at[slot])
             return carry
@@ -291,9 +292,9 @@ def _dkv_kernel(
 
         @pl.loop(0, geom.group * per_head)
         def _(t):
-            slot = lax.rem(t, stages)
+            slot = rem(t, stages)
             head = kv_head * geom.group + lax.div(t, per_head)
-            q_start = (st.cta_lo + lax.rem(t, per_head)) * block_q
+            q_start = (st.cta_lo + rem(t, per_head)) * block_q
 
             @pl.when(t >= stages)
             def _():

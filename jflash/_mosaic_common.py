@@ -39,6 +39,13 @@ MEMORY_REGS = 40
 SWIZZLE_BYTES = 128
 
 
+def rem(x, n):
+    """`x % n` for non-negative loop indices, in `x`'s own integer type (a Python int
+    `n` would be int64 under `jax_enable_x64`, and `lax.rem` mixes no types)."""
+    x = jnp.asarray(x)
+    return lax.rem(x, jnp.asarray(n, x.dtype))
+
+
 def smem_tile(shape, dtype):
     """An SMEM scratch with the tiling + 128-byte swizzle that TMA and wgmma want."""
     cols = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
@@ -108,7 +115,7 @@ def drain(free_barriers, num_steps, stages: int) -> None:
     @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
     def _(j):
         for free in free_barriers:
-            plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+            plgpu.barrier_wait(free.at[rem(j, stages)])
 
 
 def stream_kv(
@@ -141,7 +148,7 @@ def stream_kv(
 
     @pl.loop(0, num_steps)
     def _(t):
-        slot = lax.rem(t, stages)
+        slot = rem(t, stages)
         keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
         for i, (src, dst, is_ready, is_free) in enumerate(
             zip(srcs, slots, ready, free, strict=True)
@@ -303,7 +310,7 @@ class Steps:
 
     def slot(self, j, stages: int):
         """The shared-memory slot of step `j` (the stream's `j - cta_lo`-th)."""
-        return lax.rem(j - self.cta_lo, stages)
+        return rem(j - self.cta_lo, stages)
 
 
 def _own_steps(visible_steps, clear_steps, seg):

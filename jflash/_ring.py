@@ -460,7 +460,6 @@ def ring_config(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     deterministic: bool | None = None,
-    segments: bool = False,
 ) -> _Ring:
     """The static config of a ring over `num_shards` shards of a `seq_len` sequence
     (inputs checked by the caller), with the kernel resolved for the blocks it runs."""
@@ -484,7 +483,6 @@ def ring_config(
             kv_len=kv_block,
             head_dim=head_dim,
             dtype=dtype,
-            segments=segments,
             deterministic=deterministic,
         ),
     )

@@ -69,10 +69,11 @@ CASES = [
 ]
 
 
-# The Mosaic kernels' share of the product: bf16/f16, D in (64, 128), no segment ids
-# (those route to the Triton kernel); rows and keys that are not block multiples,
-# T != S, offsets either way, GQA 1/4/8/MQA.
+# The Mosaic kernels' share of the product: bf16/f16, D in (64, 128); rows and keys
+# that are not block multiples, T != S, offsets either way, GQA 1/4/8/MQA, segment ids
+# (`tests/test_mosaic_segments.py` has the packed-document cases).
 MOSAIC_CASES = [
+    Case(q_heads=4, kv_heads=2, head_dim=64, q_len=192, segments=3, dtype=jnp.bfloat16),
     Case(q_heads=4, kv_heads=4, head_dim=128, q_len=256, dtype=jnp.bfloat16),
     Case(q_heads=8, kv_heads=2, head_dim=64, q_len=256, causal=False, dtype=jnp.float16),
     Case(q_heads=8, kv_heads=1, head_dim=128, q_len=200, dtype=jnp.float16),

@@ -154,17 +154,16 @@ def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, head_dim, deterministic
 
 
 @pytest.mark.parametrize(
-    "head_dim, dtype, segments, hopper, want",
+    "head_dim, dtype, hopper, want",
     [
-        (128, jnp.bfloat16, False, True, "pallas_mosaic"),
-        (64, jnp.float16, False, True, "pallas_mosaic"),
-        (100, jnp.bfloat16, False, True, "pallas_triton"),
-        (128, jnp.float32, False, True, "pallas_triton"),
-        (128, jnp.bfloat16, True, True, "pallas_triton"),
-        (128, jnp.bfloat16, False, False, "pallas_triton"),
+        (128, jnp.bfloat16, True, "pallas_mosaic"),  # segment ids too: the kernels take them
+        (64, jnp.float16, True, "pallas_mosaic"),
+        (100, jnp.bfloat16, True, "pallas_triton"),
+        (128, jnp.float32, True, "pallas_triton"),
+        (128, jnp.bfloat16, False, "pallas_triton"),
     ],
 )
-def test_default_dispatch_on_gpu(monkeypatch, head_dim, dtype, segments, hopper, want):
+def test_default_dispatch_on_gpu(monkeypatch, head_dim, dtype, hopper, want):
     """`implementation=None` on a GPU: Mosaic on sm90 where it applies, Triton otherwise,
     and the reason names what ruled Mosaic out."""
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -177,7 +176,6 @@ def test_default_dispatch_on_gpu(monkeypatch, head_dim, dtype, segments, hopper,
         kv_len=1024,
         head_dim=head_dim,
         dtype=dtype,
-        segments=segments,
     )
     assert kernel.name == want
     if want == "pallas_triton" and hopper:
@@ -187,7 +185,7 @@ def test_default_dispatch_on_gpu(monkeypatch, head_dim, dtype, segments, hopper,
 def test_named_mosaic_refuses_what_it_cannot_run(monkeypatch):
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    common = dict(q_len=64, kv_len=64, segments=False)
+    common = dict(q_len=64, kv_len=64)
     with pytest.raises(NotImplementedError, match="head_dim=100"):
         dispatch.resolve("pallas_mosaic", None, None, head_dim=100, dtype=jnp.bfloat16, **common)
     with pytest.raises(NotImplementedError, match="dtype=float32"):
