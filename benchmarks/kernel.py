@@ -480,7 +480,10 @@ def _fa3_varlen(lengths):
     longest = max(lengths)
 
     def attn(q, k, v):
-        out = flash_mha_varlen(q[0], k[0], v[0], cu, cu, longest, longest, is_causal=True)
+        # Keywords: the sixth positional parameter is `seqused_k`, not a length.
+        out = flash_mha_varlen(
+            q[0], k[0], v[0], cu, cu, max_seqlen_q=longest, max_seqlen_k=longest, is_causal=True
+        )
         return out[None]
 
     return attn, None
