@@ -328,7 +328,7 @@ def test_gather_once_state_splits_no_minor_dimension(tmp_path):
     """With --gather_once (fsdp=1) the stored layer stacks (and their Adam moments) are
     split along a major dimension (no transposes around the gather, the reduce-scatter
     and the update); per-layer FSDP, also of a gathered-once copy, keeps the largest."""
-    from train.loop import plan_step
+    from train.build import plan_step
 
     def mlp_specs(*extra, mesh="data=1,fsdp=1,seq=2"):
         cfg = parse_args(_args(tmp_path, *extra, mesh=mesh))
@@ -444,7 +444,7 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
     one step on 1 device and on seq=2 with replicated, sharded and gathered-once
     parameters: the same loss and gradient norm (f32: to rounding; bf16: it runs, and
     stays within bf16 noise; XLA:CPU used to refuse a transposed bf16 dot here)."""
-    from train.loop import build, model_config
+    from train.build import build, model_config
 
     layouts = {
         "one": ("data=1,fsdp=1,seq=1", []),
@@ -469,7 +469,7 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
 @pytest.mark.multi_device(8)
 def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     """The seed's setup: FSDP over the GPUs that also split the sequence (mesh seq=8)."""
-    from train.loop import build
+    from train.build import build
 
     # f32 compute: the two layouts then agree to f32 rounding (bf16 would differ at 1e-4).
     common = [

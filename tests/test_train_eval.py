@@ -12,8 +12,9 @@ import pytest
 
 import models
 from train import data as data_lib
+from train.build import end_of_text
 from train.config import parse_args
-from train.loop import end_of_text, run
+from train.loop import run
 from train.tensorboard import read_scalars
 
 SEQ_LEN = 64

@@ -13,8 +13,8 @@ import pytest
 
 import models
 from train import data as data_lib
+from train.build import build, end_of_text
 from train.config import parse_args
-from train.loop import build, end_of_text
 from train.step import gradients
 
 SEQ_LEN = 32

@@ -3,7 +3,7 @@
     python -m train.capacity --models llama3.2-1b --mesh seq=1 --mesh seq=2
     python -m train.capacity --models llama2-7b --mesh seq=2 --shard-over-seq --start 16k
 
-For each model x mesh the trainer's own step (`train.loop.plan_step`: the same mesh,
+For each model x mesh the trainer's own step (`train.build.plan_step`: the same mesh,
 shardings, remat policy and ring attention as `python -m train`) is compiled on abstract
 state, never run, and XLA's memory analysis (arguments + outputs + temporaries -
 aliased, per device) is compared with the device's allocator limit (or `--limit-gib`).
@@ -80,8 +80,8 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
     """Compiled per-device memory of one training step (GiB); raises if it won't compile."""
     import jax
 
+    from train.build import model_config, plan_step
     from train.config import parse_args
-    from train.loop import model_config, plan_step
     from train.mesh import mesh_device_count
     from train.metrics import compiled_bytes
 
@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(error)
     import jax
 
+    from train.build import model_config
     from train.config import parse_args
-    from train.loop import TrainingError, model_config
+    from train.errors import TrainingError
     from train.mesh import mesh_device_count, parse_mesh
 
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})

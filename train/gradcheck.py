@@ -46,8 +46,8 @@ def layout_gradients(argv: list[str]) -> dict:
 
     import jax
 
+    from train.build import build
     from train.config import parse_args
-    from train.loop import build
     from train.mesh import mesh_device_count
     from train.step import gradients
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"need at least 2 --layout to compare, got {len(args.layout)}")
     import jax
 
-    from train.loop import TrainingError
+    from train.errors import TrainingError
 
     if jax.process_count() > 1:
         parser.error("runs in one process (it copies every gradient to the host)")

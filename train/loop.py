@@ -4,43 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import models
-from models.loss import IGNORE_INDEX
-from models.sharding import spec_axes
 from train import data as data_lib
 from train import outputs
+from train.build import Trainer, build, profile_window
 from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
 from train.errors import TrainingError
-from train.mesh import (
-    batch_sharding,
-    compute_shardings,
-    make_mesh,
-    param_shardings,
-    parse_mesh,
-    replicated,
-    shard_axes,
-)
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import is_oom
-from train.optim import optimizer, schedule
-from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.tensorboard import SummaryWriter
 from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
 
@@ -58,357 +39,10 @@ def initialize_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize()
 
 
-def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig:
-    return config.replace(
-        dtype="bfloat16" if (cfg.model.bf16 or cfg.model.fp16) else "float32",
-        param_dtype="float32",
-        remat=cfg.remat,
-        scan_layers=cfg.model.scan_layers,
-    )
-
-
-def model_config(cfg: TrainConfig) -> models.LlamaConfig:
-    """The model's `LlamaConfig` (an HF directory's config.json, or a preset) with the
-    run's dtypes and remat policy; reads no weights."""
-    name = cfg.model.model_name_or_path
-    if os.path.isdir(name):
-        return _for_run(models.from_hf_config(name), cfg)
-    try:
-        return _for_run(models.preset(name), cfg)
-    except (KeyError, ValueError) as e:
-        raise TrainingError(
-            f"--model_name_or_path={name!r} is neither a local HF directory nor a preset "
-            f"({sorted(models.PRESETS)})"
-        ) from e
-
-
-def load_model(cfg: TrainConfig):
-    """`(LlamaConfig, host params or None)`: an HF directory, or a preset (random init)."""
-    name = cfg.model.model_name_or_path
-    if not os.path.isdir(name):
-        return model_config(cfg), None
-    config, params = models.load_hf(name)
-    return _for_run(config, cfg), params
-
-
-SAMPLE_DATA = "sample"
-
-
-def load_rows(cfg: TrainConfig, config, *, eval: bool = False) -> data_lib.Rows:
-    """The packed rows of `--data_path` (or `--eval_data_path` with `eval`); `sample`
-    makes learnable sample data in memory (the same on every host: it depends only on
-    the flags and `--seed`; the evaluation's is held out from the same chain)."""
-    path = cfg.data.eval_data_path if eval else cfg.data.data_path
-    if not path:
-        raise TrainingError(
-            "--data_path is required: a .pkl, .jsonl or .npy file, or 'sample' for "
-            "made-up learnable data (--sample_num_examples, --sample_vocab_size)"
-        )
-    if path == SAMPLE_DATA:
-        vocab = cfg.data.sample_vocab_size or config.vocab_size
-        if vocab > config.vocab_size:
-            raise TrainingError(
-                f"--sample_vocab_size={vocab} exceeds the model's vocab_size={config.vocab_size}"
-            )
-        train = cfg.data.sample_num_examples
-        held_out = max(1, train // 8) if eval else 0
-        examples = data_lib.markov_samples(
-            train + held_out, cfg.data.model_max_length, vocab, cfg.run.seed
-        )
-        examples = examples[train:] if eval else examples
-        dataset = data_lib.TokenDataset.from_examples(SAMPLE_DATA, list(examples))
-    else:
-        name = cfg.model.model_name_or_path
-        tokenizer_dir = name if os.path.isdir(name) else None
-        dataset = data_lib.load_dataset(
-            path, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
-        )
-    return dataset.rows(cfg.data.model_max_length, eos_id=end_of_text(config))
-
-
-def end_of_text(config: models.LlamaConfig) -> int | None:
-    """The token between packed documents: the model's (tokenizer's) EOS, the first one
-    where config.json lists several (Llama 3's `<|end_of_text|>`); None if it has none."""
-    eos = config.eos_token_id
-    if isinstance(eos, (tuple, list)):
-        eos = eos[0] if eos else None
-    return None if eos is None or not 0 <= int(eos) < config.vocab_size else int(eos)
-
-
-def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
-    """Refuses, before compiling, shapes the mesh cannot split."""
-    seq, seq_len = sizes["seq"], cfg.data.model_max_length
-    if seq > 1 and cfg.model.attention != "ring":
-        raise TrainingError(
-            f"--mesh has seq={seq} but --attention={cfg.model.attention!r}: only 'ring' "
-            "attention shards the sequence"
-        )
-    need = 2 * seq if (seq > 1 and cfg.model.ring_layout == "zigzag") else seq
-    if seq_len % need:
-        raise TrainingError(
-            f"--model_max_length={seq_len} must be divisible by {need} "
-            f"(seq={seq}, layout={cfg.model.ring_layout})"
-        )
-
-
-def loss_chunk(seq_len: int, seq: int) -> int:
-    """Tokens per chunked-loss step: at most 4096 (float32 logits of 2 GiB at a 128k
-    vocabulary), dividing T, a multiple of `seq` (each shard takes its share)."""
-    for chunk in range(min(seq_len, 4096), 0, -1):
-        if seq_len % chunk == 0 and chunk % seq == 0:
-            return chunk
-    return seq_len
-
-
 @dataclasses.dataclass
 class _Timer:
     start: float = 0.0
     tokens: int = 0
-
-
-@dataclasses.dataclass
-class Trainer:
-    """What a training loop needs, built from a `TrainConfig` by `build`.
-
-    `state` is the initial (randomly initialised or HF-loaded) training state; `run`
-    may replace it by a checkpoint. `step_fn(state, batch(step))` is one jitted step
-    (the state is donated).
-    """
-
-    cfg: TrainConfig
-    mesh: Mesh
-    sizes: dict[str, int]
-    config: models.LlamaConfig
-    spec: StepSpec
-    tx: optax.GradientTransformation
-    lr_at: Callable[[int], jax.Array]
-    rows: data_lib.Rows
-    batches: data_lib.Batches
-    total_steps: int
-    global_batch: int
-    accum: int
-    state: dict[str, Any]
-    state_shardings: dict[str, Any]
-    step_fn: Callable
-    flops_token: float
-    eval_rows: data_lib.Rows | None = None
-    eval_fn: Callable | None = None
-
-    def batch(self, step: int) -> dict[str, jax.Array]:
-        """`BATCH_KEYS` `[accum, global batch, T]` for `step`, sharded."""
-        return host_batch(self.cfg, self.mesh, self.batches.batch_at(step), self.accum)
-
-    def eval_batches(self):
-        """The evaluation rows in order, `global_batch` at a time, as `BATCH_KEYS`
-        `[1, global batch, T]`; the last batch is filled up with rows whose labels are
-        all ignored (they count no tokens)."""
-        rows, n = self.eval_rows, self.global_batch
-        for begin in range(0, rows.num_rows, n):
-            part = [a[begin : begin + n] for a in rows]
-            missing = n - len(part[0])
-            if missing:
-                fill = (0, IGNORE_INDEX, 0)
-                part = [
-                    np.concatenate([a, np.full((missing, a.shape[1]), v, a.dtype)])
-                    for a, v in zip(part, fill, strict=True)
-                ]
-            yield host_batch(self.cfg, self.mesh, data_lib.Batch(*part), 1)
-
-
-def host_batch(cfg: TrainConfig, mesh: Mesh, b: data_lib.Batch, accum: int) -> dict:
-    """One step's `BATCH_KEYS` as global arrays `[accum, global batch, T]` from the
-    step's rows `b` (`[accum * global batch, T]` numpy)."""
-    b_shard = batch_sharding(mesh)
-    stacked = NamedSharding(mesh, P(None, *b_shard.spec))
-    seq_len = b.input_ids.shape[-1]
-    if cfg.data.packing_positions == "per_document":
-        positions = data_lib.document_positions(b.segment_ids)
-    else:
-        positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), b.input_ids.shape)
-    arrays = (b.input_ids, b.labels, b.segment_ids, positions)
-    # Every host holds the whole global batch (`Batches` is not split by process).
-    shape = (accum, b.input_ids.shape[0] // accum, seq_len)
-    return {
-        name: jax.make_array_from_process_local_data(stacked, np.reshape(x, shape), shape)
-        for name, x in zip(BATCH_KEYS, arrays, strict=True)
-    }
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """Everything about one training step that needs no data and no device memory."""
-
-    mesh: Mesh
-    sizes: dict[str, int]
-    spec: StepSpec
-    tx: Any
-    state_shardings: dict[str, Any]
-    abstract_state: dict[str, Any]
-    step_fn: Callable
-    eval_fn: Callable
-
-    def abstract_batch(self, global_batch: int, accum: int, seq_len: int) -> dict[str, Any]:
-        """`BATCH_KEYS` shapes of one step, sharded like `Trainer.batch`."""
-        b_shard = batch_sharding(self.mesh)
-        stacked = NamedSharding(self.mesh, P(None, *b_shard.spec))
-        shape = (accum, global_batch, seq_len)
-        return {
-            name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=stacked) for name in BATCH_KEYS
-        }
-
-
-def plan_step(
-    cfg: TrainConfig, config: models.LlamaConfig, devices=None, total_steps: int = 1
-) -> StepPlan:
-    """Mesh, shardings, optimizer and the jitted step for `cfg`, with abstract state.
-
-    Nothing is allocated: `train.capacity` compiles `plan.step_fn` on abstract state to
-    read its memory; `build` initialises the state that the plan describes.
-    """
-    count = len(devices) if devices is not None else jax.device_count()
-    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
-    check_layout(cfg, sizes)
-    mesh = make_mesh(sizes, devices)
-    seq_len = cfg.data.model_max_length
-    attention = models.AttentionConfig(
-        kind=cfg.model.attention,
-        implementation=cfg.model.attention_implementation,
-        mesh=mesh,
-        seq_axis="seq",
-        layout=cfg.model.ring_layout,
-        strategy=cfg.model.ring_strategy,
-        batch_axes=("data", "fsdp"),
-    )
-    tx = optimizer(cfg.optim, total_steps)
-    with jax.set_mesh(mesh):
-        abstract_params = models.abstract_params(config)
-        axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
-        gather = cfg.parallel.gather_once and "seq" in axes
-        # Stored state that is only ever gathered whole (no per-layer FSDP gathers of
-        # the copy) keeps its minor dimension whole (`param_spec`).
-        whole = gather and sizes["fsdp"] == 1
-        p_shard = param_shardings(abstract_params, mesh, axes, minor_last=whole)
-        opt_abstract = jax.eval_shape(tx.init, abstract_params)
-        o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=whole)
-    head = models.lm_head_table(config, p_shard)[0]  # its sharding
-    head_axes = {a for part in head.spec for a in spec_axes(part)}
-    spec = StepSpec(
-        config=config,
-        attention=attention,
-        seq_shards=sizes["seq"],
-        layout=cfg.model.ring_layout,
-        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
-        replicated_head=gather or "seq" not in head_axes,
-        weights=(p_shard, compute_shardings(p_shard, "seq")) if gather else None,
-        mask_documents=cfg.data.mask_documents,
-    )
-    shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
-    abstract_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        {
-            "params": abstract_params,
-            "opt_state": opt_abstract,
-            "step": jax.ShapeDtypeStruct((), jnp.int32),
-        },
-        shardings,
-    )
-    return StepPlan(
-        mesh=mesh,
-        sizes=sizes,
-        spec=spec,
-        tx=tx,
-        state_shardings=shardings,
-        abstract_state=abstract_state,
-        step_fn=jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0),
-        eval_fn=jax.jit(functools.partial(eval_sums, spec=spec)),
-    )
-
-
-def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=None) -> Trainer:
-    """Mesh, model, data, optimizer, initial state and the jitted step for `cfg`.
-
-    Args:
-      cfg: the trainer configuration.
-      config: a model configuration to use instead of `cfg.model` (random init), e.g.
-        a preset with fewer layers for profiling.
-      devices: the devices the mesh spans (default: all), e.g. a subset for a
-        scaling study.
-    """
-    count = len(devices) if devices is not None else jax.device_count()
-    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
-    check_layout(cfg, sizes)
-    if config is None:
-        config, host_params = load_model(cfg)
-    else:
-        host_params = None
-    seq_len = cfg.data.model_max_length
-
-    rows = load_rows(cfg, config)
-    eval_rows = load_rows(cfg, config, eval=True) if cfg.data.eval_data_path else None
-    global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
-    accum = cfg.run.gradient_accumulation_steps
-    if global_batch * accum > rows.num_rows:
-        raise TrainingError(
-            f"one step needs {global_batch * accum} rows of {seq_len} tokens (global batch "
-            f"{global_batch} x accumulation {accum}) but the data has {rows.num_rows}; lower "
-            "--model_max_length, --per_device_train_batch_size or the accumulation, or add data"
-        )
-    batches = data_lib.Batches(rows, global_batch * accum, seed=cfg.run.seed)
-    if cfg.run.max_steps > 0:
-        total_steps = cfg.run.max_steps
-    else:
-        total_steps = math.ceil(cfg.run.num_train_epochs * batches.steps_per_epoch)
-    if total_steps <= 0:
-        raise TrainingError(
-            f"nothing to train: --num_train_epochs={cfg.run.num_train_epochs} and "
-            f"--max_steps={cfg.run.max_steps} give {total_steps} steps"
-        )
-    profile = _profile_window(cfg)
-    if profile and profile[1] > total_steps:
-        raise TrainingError(
-            f"--profile_steps={cfg.profile.profile_steps!r} ends after the run's "
-            f"{total_steps} steps; the trace would never be written"
-        )
-
-    plan = plan_step(cfg, config, devices, total_steps)
-    mesh, p_shard = plan.mesh, plan.state_shardings["params"]
-    with jax.set_mesh(mesh):
-        if host_params is None:
-            params = jax.jit(functools.partial(models.init_params, config), out_shardings=p_shard)(
-                jax.random.key(cfg.run.seed)
-            )
-        else:
-            params = jax.tree.map(
-                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
-                host_params,
-                p_shard,
-            )
-        opt_state = jax.jit(plan.tx.init, out_shardings=plan.state_shardings["opt_state"])(params)
-        state = {
-            "params": params,
-            "opt_state": opt_state,
-            "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh)),
-        }
-    return Trainer(
-        cfg=cfg,
-        mesh=mesh,
-        sizes=plan.sizes,
-        config=config,
-        spec=plan.spec,
-        tx=plan.tx,
-        lr_at=schedule(cfg.optim, total_steps),
-        rows=rows,
-        batches=batches,
-        total_steps=total_steps,
-        global_batch=global_batch,
-        accum=accum,
-        state=state,
-        state_shardings=plan.state_shardings,
-        step_fn=plan.step_fn,
-        flops_token=models.training_flops_per_token(config, seq_len),
-        eval_rows=eval_rows,
-        eval_fn=plan.eval_fn,
-    )
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -532,7 +166,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
     run_meta = _run_meta(t)
     writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
     log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
-    profile = _profile_window(cfg)
+    profile = profile_window(cfg)
     if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
         print(
             "warning: --profile_steps with XLA's command buffers on: the trace's kernels "
@@ -672,19 +306,6 @@ def _progress(cfg, is_main, start, total):
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (CI logs, pipes).
     return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, disable=None)
-
-
-def _profile_window(cfg: TrainConfig) -> tuple[int, int] | None:
-    text = cfg.profile.profile_steps.strip()
-    if not text:
-        return None
-    try:
-        start, stop = (int(x) for x in text.split(","))
-    except ValueError:
-        raise TrainingError(f"--profile_steps={text!r} must be 'start,stop'") from None
-    if not 0 <= start < stop:
-        raise TrainingError(f"--profile_steps={text!r} needs 0 <= start < stop")
-    return start, stop
 
 
 def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) -> bool:

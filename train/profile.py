@@ -8,7 +8,7 @@
     python -m train.profile --report-only runs/profile      # re-render report.json
 
 For each model x context x mesh, one child process builds the trainer exactly as
-`python -m train` does (`train.loop.build`), compiles the step (not timed), runs
+`python -m train` does (`train.build.build`), compiles the step (not timed), runs
 `--warmup` steps, times `--steps` steps with `block_until_ready` (latency, tokens/s,
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
@@ -142,12 +142,12 @@ def _xla_cost(cfg, config, devices) -> dict | None:
 
     XLA's cost analysis counts a while-loop body once, so the scanned step
     undercounts; unrolled 1- and 2-layer variants of the trainer's step
-    (`train.loop.plan_step`: abstract state, compiled, never run) give the cost
+    (`train.build.plan_step`: abstract state, compiled, never run) give the cost
     outside the layers and per layer, extrapolated to `config.num_layers`.
     """
     import jax
 
-    from train.loop import plan_step
+    from train.build import plan_step
 
     costs = []
     for layers in (1, 2):
@@ -179,8 +179,8 @@ def run_xla_cost(job: Job) -> dict:
     row that was timed with `--no-xla-cost`."""
     import jax
 
+    from train.build import load_model
     from train.config import parse_args
-    from train.loop import load_model
     from train.mesh import mesh_device_count
 
     cfg = parse_args(_trainer_args(job))
@@ -226,9 +226,9 @@ def run_row(job: Job) -> dict:
     import jax
 
     from train import trace as trace_lib
+    from train.build import build, load_model
     from train.config import parse_args
     from train.hlo import parse_hlo
-    from train.loop import build, load_model
     from train.mesh import mesh_device_count
     from train.metrics import compiled_bytes, throughput
     from train.roofline import attention_work, matmul_work
