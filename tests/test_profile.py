@@ -312,7 +312,7 @@ def test_profile_job_names_and_passes_its_settings():
 
 @pytest.mark.multi_device(2)
 def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
-    import train.loop
+    import train.build
     from train.profile import Job, _trainer_args, run_row
 
     def out_of_memory(*args, **kwargs):
@@ -321,7 +321,7 @@ def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
             "allocate 99.0GiB."
         )
 
-    monkeypatch.setattr(train.loop, "build", out_of_memory)
+    monkeypatch.setattr(train.build, "build", out_of_memory)
     job = Job(model="tiny", context=256, mesh="seq=2", out=str(tmp_path), shard_over_seq=True)
     assert job.name == "tiny-256-seq2-shard_over_seq"
     assert parse_args(_trainer_args(job)).parallel.shard_over_seq is True
