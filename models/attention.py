@@ -42,9 +42,11 @@ class AttentionConfig:
         implementation: forwarded to ``jflash.flash_attention`` / ``ring_attention``
             (``None`` lets jflash choose; ``"xla"`` runs its blockwise reference).
         mesh: the device mesh (``ring`` only).
-        seq_axis: mesh axis the sequence is sharded over (``ring`` only).
+        seq_axis: mesh axis the sequence is sharded over (``ring`` only); the
+            ``hybrid`` strategy takes two, ``(ring_axis, all_to_all_axis)``.
         layout: ``zigzag``, ``striped`` or ``contiguous`` token order (``ring`` only).
-        strategy: ``ring`` (ppermute K/V) or ``allgather`` (``ring`` only).
+        strategy: one of ``jflash.STRATEGIES``: ``ring`` (ppermute K/V), ``allgather``,
+            ``ulysses`` (all-to-all over heads) or ``hybrid`` (``ring`` kind only).
         batch_axes: mesh axes splitting the batch (``ring`` only; ``None`` lets
             ``jflash.ring_attention`` pick every other mesh axis that divides B).
     """
@@ -52,9 +54,9 @@ class AttentionConfig:
     kind: AttentionKind = "xla"
     implementation: str | None = None
     mesh: Mesh | None = None
-    seq_axis: str = "seq"
+    seq_axis: str | tuple[str, ...] = "seq"
     layout: Literal["zigzag", "striped", "contiguous"] = "zigzag"
-    strategy: Literal["ring", "allgather"] = "ring"
+    strategy: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
     batch_axes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -63,14 +65,15 @@ class AttentionConfig:
         if self.kind == "ring":
             if self.mesh is None:
                 raise ValueError("attention kind='ring' needs a mesh")
-            if self.seq_axis not in self.mesh.axis_names:
+            axes = (self.seq_axis,) if isinstance(self.seq_axis, str) else self.seq_axis
+            if not set(axes) <= set(self.mesh.axis_names):
                 raise ValueError(
                     f"seq_axis={self.seq_axis!r} not in mesh axes {self.mesh.axis_names}"
                 )
         if self.layout not in jflash.LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {jflash.LAYOUTS}")
-        if self.strategy not in ("ring", "allgather"):
-            raise ValueError(f"strategy={self.strategy!r} must be 'ring' or 'allgather'")
+        if self.strategy not in jflash.STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} must be one of {jflash.STRATEGIES}")
 
 
 def as_attention_config(attention: AttentionConfig | str) -> AttentionConfig:

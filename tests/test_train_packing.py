@@ -85,6 +85,12 @@ def _packed(trainer):
             id="ring-striped",
             marks=pytest.mark.multi_device(2),
         ),
+        pytest.param(
+            2,
+            ["--attention", "ring", "--mesh", "data=1,fsdp=1,seq=2", "--ring_strategy", "ulysses"],
+            id="ulysses",
+            marks=pytest.mark.multi_device(2),
+        ),
     ],
 )
 def test_packed_row_equals_documents_one_by_one(tmp_path, devices, flags):

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+import jflash
+from models.attention import ATTENTION_KINDS
 from models.config import REMAT_POLICIES
 
 
@@ -30,7 +32,7 @@ class ModelArgs:
     attention: str = "ring"  # xla | cudnn | jflash | ring
     attention_implementation: str | None = None  # jflash implementation (None: per device)
     ring_layout: str = "zigzag"  # zigzag | striped (balanced with packed documents) | contiguous
-    ring_strategy: str = "ring"  # ring | allgather
+    ring_strategy: str = "ring"  # ring | allgather | ulysses (all-to-all over heads)
     remat_policy: str = "save_attn"  # models.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
@@ -112,9 +114,10 @@ class TrainConfig:
 
     def __post_init__(self):
         choices = {
-            ("model", "attention"): ("xla", "cudnn", "jflash", "ring"),
-            ("model", "ring_layout"): ("zigzag", "striped", "contiguous"),
-            ("model", "ring_strategy"): ("ring", "allgather"),
+            ("model", "attention"): ATTENTION_KINDS,
+            ("model", "ring_layout"): jflash.LAYOUTS,
+            # `hybrid` splits the sequence over two mesh axes; the trainer's mesh has one.
+            ("model", "ring_strategy"): tuple(s for s in jflash.STRATEGIES if s != "hybrid"),
             ("model", "remat_policy"): REMAT_POLICIES,
             ("data", "packing_positions"): ("per_document", "running"),
             ("optim", "lr_scheduler_type"): ("cosine", "linear", "constant"),
