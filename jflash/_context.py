@@ -217,7 +217,7 @@ def ring_attention_shard(
     shard_len = shapes.q_len * degree  # what one ring shard holds after the all-to-all
     check_layout_len(shard_len * ring_shards, ring_shards if ring_shards > 1 else degree, layout)
     segs = check_segment_ids(segment_ids, shapes)
-    kernel = dict(
+    kernel_choice = dict(
         block_sizes=block_sizes,
         implementation=implementation,
         interpret=interpret,
@@ -247,7 +247,7 @@ def ring_attention_shard(
             layout=layout,
             causal=causal,
             scale=scale,
-            **kernel,
+            **kernel_choice,
         )
         return (o, lse) if return_lse else o
     ring_axis = names[0] if strategy == "hybrid" else axis_name
@@ -261,7 +261,7 @@ def ring_attention_shard(
         head_dim=shapes.head_dim,
         dtype=q.dtype,
         scale=scale,
-        **kernel,
+        **kernel_choice,
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and ring_shards * degree > 1:
         raise _mosaic_interpret_error(ring_shards * degree)
