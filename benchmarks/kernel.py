@@ -341,7 +341,7 @@ def plot_sweep(results: dict, device_kind: str, png: str) -> None:
 
 
 def sweep(args):
-    """The seeds' FlashAttention lab redone: time, TFLOP/s, memory vs S, heads, head dim."""
+    """A FlashAttention study: time, TFLOP/s and memory against S, heads and head dim."""
     os.makedirs(args.out, exist_ok=True)
     impls = args.impls
     seqs = [int(x) for x in args.sweep_seqs.split(",")]

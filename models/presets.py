@@ -47,7 +47,8 @@ LLAMA2_13B = LlamaConfig(
     rms_norm_eps=1e-5,
     max_position_embeddings=4096,
 )
-# The seed's "Llama-2-3B": the OpenLLaMA-3B shape (head_dim 100).
+# "Llama-2-3B" as the PyTorch + LightSeq training scripts name it: the OpenLLaMA-3B
+# shape (head_dim 100).
 LLAMA2_3B = LlamaConfig(
     vocab_size=32000,
     hidden_size=3200,

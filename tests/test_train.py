@@ -468,7 +468,8 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
 
 @pytest.mark.multi_device(8)
 def test_shard_over_seq_matches_replicated_parameters(tmp_path):
-    """The seed's setup: FSDP over the GPUs that also split the sequence (mesh seq=8)."""
+    """The 4-GPU PyTorch + LightSeq setup: FSDP over the GPUs that also split the
+    sequence (mesh seq=8)."""
     from train.build import build
 
     # f32 compute: the two layouts then agree to f32 rounding (bf16 would differ at 1e-4).

@@ -1,7 +1,7 @@
 """Trainer configuration: one frozen dataclass per concern, the only source of defaults.
 
-Command-line flags mirror HuggingFace Trainer / the seed project (`--learning_rate`,
-`--per_device_train_batch_size`, ...), so the seed's command lines translate one to one.
+Command-line flags mirror HuggingFace Trainer's (`--learning_rate`,
+`--per_device_train_batch_size`, ...), so HF Trainer command lines translate one to one.
 `--config X.yaml` overrides fields by section (`model:`, `data:`, `parallel:`, `optim:`,
 `run:`, `profile:`); explicit flags override the YAML. Unknown keys are an error.
 """
@@ -36,7 +36,7 @@ class ModelArgs:
     remat_policy: str = "save_attn"  # models.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
-    fp16: bool = False  # the seed's flag: runs as bf16 compute (no loss scaling needed)
+    fp16: bool = False  # HF Trainer's flag: runs as bf16 compute (no loss scaling needed)
     scan_layers: bool = True
 
 
@@ -55,7 +55,7 @@ class DataArgs:
 class ParallelArgs:
     mesh: str = "data=1,fsdp=-1,seq=1"  # axis sizes; -1 takes the remaining devices
     fsdp: str = "full_shard"  # HF flag; "full_shard" (with or without auto_wrap) or ""
-    shard_over_seq: bool = False  # FSDP also over the seq axis (the seed's 4-GPU setup)
+    shard_over_seq: bool = False  # FSDP also over the seq axis (the 4-GPU PyTorch + LightSeq setup)
     # With shard_over_seq: gather the weights over seq once per step (a compute-dtype
     # copy, kept for the backward) instead of in every layer's forward and backward.
     gather_once: bool = False

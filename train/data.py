@@ -1,10 +1,11 @@
-"""Training data: load the seed's formats, pack into rows, shuffle into resumable batches.
+"""Training data: load .pkl / .jsonl / .npy, pack into rows, shuffle into resumable batches.
 
 Formats (chosen by extension):
 
-- ``.pkl``: a pickled list of examples (the seed project's ``data.pkl``). Each example is
-  a list / 1-D array of token ids, a dict with ``"input_ids"`` (and optional
-  ``"labels"``), or a dict with ``"text"``. Unpickling runs code: load trusted files only.
+- ``.pkl``: a pickled list of examples (the ``data.pkl`` of PyTorch + LightSeq training
+  scripts). Each example is a list / 1-D array of token ids, a dict with
+  ``"input_ids"`` (and optional ``"labels"``), or a dict with ``"text"``. Unpickling
+  runs code: load trusted files only.
 - ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
   or ``{"text": "..."}``. Blank lines are skipped; errors name the 1-based line number
   (blank lines counted, as an editor shows it). ``.pkl`` errors name the 0-based index

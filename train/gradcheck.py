@@ -6,9 +6,9 @@
         --layout "--mesh data=1,fsdp=1,seq=2 --shard_over_seq false --gather_once false" \\
         --layout "--mesh data=1,fsdp=1,seq=2 --shard_over_seq true --gather_once true"
 
-Every layout starts from the same parameters (the seed) and takes the same batch (step
-0): only how the step is split over devices differs, so the gradients should agree to
-rounding. The first layout is the reference; make it an f32 one (`--bf16 false`) to
+Every layout starts from the same parameters (one random initialisation) and takes the
+same batch (step 0): only how the step is split over devices differs, so the gradients
+should agree to rounding. The first layout is the reference; make it an f32 one (`--bf16 false`) to
 tell rounding from a bug: in bf16 some gradients move between layouts far more than the
 loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, trainer),
 while in f32 every layout agrees to ~1e-4. For each other layout it prints the loss,

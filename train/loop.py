@@ -1,4 +1,4 @@
-"""`python -m train`: the seed's training job over a ("data", "fsdp", "seq") mesh."""
+"""`python -m train`: the training job over a ("data", "fsdp", "seq") mesh."""
 
 from __future__ import annotations
 

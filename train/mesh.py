@@ -1,6 +1,6 @@
 """The device mesh `("data", "fsdp", "seq")` and how arrays are laid out on it.
 
-FSDP (the seed's `--fsdp full_shard`): every parameter, its gradient and its optimizer
+FSDP (HF Trainer's `--fsdp full_shard`): every parameter, its gradient and its optimizer
 state are sharded over `fsdp` along their largest dimension that divides evenly
 (replicated when none does). The batch is split over `data` x `fsdp`; the sequence over
 `seq` (ring attention). XLA inserts the all-gathers / reduce-scatters.
@@ -125,7 +125,7 @@ def param_spec(
 
 def shard_axes(mesh: Mesh, over_seq: bool) -> tuple[str, ...]:
     """The axes parameters are sharded over: `fsdp`, and with `over_seq` also `seq`
-    (ZeRO-3 across the sequence-parallel group: the seed's `--fsdp full_shard` on the
+    (ZeRO-3 across the sequence-parallel group: HF Trainer's `--fsdp full_shard` on the
     same GPUs that split the sequence)."""
     return ("fsdp", "seq") if over_seq and mesh.shape["seq"] > 1 else ("fsdp",)
 

@@ -1,4 +1,5 @@
-"""`python -m train.profile`: the seed's profiling study, measured properly.
+"""`python -m train.profile`: forward, backward, recompute and communication time,
+bandwidth and memory per model and context, measured from traces.
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m train.profile \\
         --models llama2-7b,llama3.2-3b,llama3.2-1b --context 8k,16k,32k,64k \\

@@ -3,7 +3,7 @@
 `render(report, out_dir)` writes, beside `report.json`:
 
 * `report.md`: tables with units (per-phase time, throughput and memory, kernel
-  classes, arithmetic intensity), the measured ceilings, the seed's own numbers for
+  classes, arithmetic intensity), the measured ceilings, PyTorch + LightSeq's published numbers for
   reference, and every field that could not be measured, with the reason.
 * `latency_throughput.png`, `memory.png`, `phases.png`, `kernels.png`,
   `roofline.png` and, with several device counts, `scaling.png`.
@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-# The seed project's own numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
+# PyTorch + LightSeq's published numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
 SEED_REFERENCE = [
     {"model": "llama2-7b", "forward_ms": 132.6, "backward_ms": 538.3, "comm_ms": 68.4},
     {"model": "llama3.2-3b", "forward_ms": 93.6, "backward_ms": 261.2, "comm_ms": 35.0},
@@ -340,9 +340,9 @@ def markdown(report: dict) -> str:
             f"- {ceil['copy_label']}: {significant(ceil['copy_gbps'])} GB/s",
             "",
         ]
-    lines += ["## The seed's numbers, for reference", ""]
+    lines += ["## PyTorch + LightSeq's numbers, for reference", ""]
     lines += [
-        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (the original project's own "
+        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (the original PyTorch project's "
         "published table); its latency was "
         "CUDA + CPU time and its 'bandwidth' memory ÷ time, so only the phase times compare.",
         "",
