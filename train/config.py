@@ -64,6 +64,19 @@ class ParallelArgs:
     process_id: int | None = None
 
 
+LR_SCHEDULERS = (
+    "cosine",
+    "linear",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_min_lr",
+    "wsd",
+)
+# Schedules that decay to `--min_lr_rate` rather than to 0 (or not at all).
+FLOORED_SCHEDULERS = ("cosine_with_min_lr", "wsd")
+OPTIMIZERS = ("adamw", "adafactor", "lion")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimArgs:
     learning_rate: float = 2e-5
@@ -74,7 +87,11 @@ class OptimArgs:
     max_grad_norm: float = 1.0
     warmup_ratio: float = 0.0
     warmup_steps: int = 0  # wins over warmup_ratio when > 0 (as in HF)
-    lr_scheduler_type: str = "cosine"  # cosine | linear | constant
+    lr_scheduler_type: str = "cosine"  # LR_SCHEDULERS (HF's names, and wsd)
+    min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
+    decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
+    decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
+    optim: str = "adamw"  # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +137,9 @@ class TrainConfig:
             ("model", "ring_strategy"): tuple(s for s in jflash.STRATEGIES if s != "hybrid"),
             ("model", "remat_policy"): REMAT_POLICIES,
             ("data", "packing_positions"): ("per_document", "running"),
-            ("optim", "lr_scheduler_type"): ("cosine", "linear", "constant"),
+            ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
+            ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
+            ("optim", "optim"): OPTIMIZERS,
             ("run", "save_strategy"): ("steps", "epoch", "no"),
             ("run", "eval_strategy"): ("steps", "epoch"),
         }
@@ -144,6 +163,7 @@ class TrainConfig:
                 f"--learning_rate={self.optim.learning_rate} must be >= 0 and "
                 f"--warmup_ratio={self.optim.warmup_ratio} in [0, 1]"
             )
+        _check_schedule(self.optim)
         if self.run.eval_steps < 0:
             raise ValueError(f"--eval_steps={self.run.eval_steps} must be >= 0 (0: save_steps)")
         if self.optim.warmup_steps < 0 or self.optim.max_grad_norm < 0:
@@ -175,6 +195,36 @@ class TrainConfig:
         if self.model.gradient_checkpointing and self.model.remat_policy == "none":
             return "full"
         return self.model.remat_policy
+
+
+def _check_schedule(o: OptimArgs) -> None:
+    """The schedule's own knobs: each is refused where the schedule would ignore it."""
+    kind = o.lr_scheduler_type
+    if not 0 <= o.min_lr_rate <= 1:
+        raise ValueError(
+            f"--min_lr_rate={o.min_lr_rate} must be in [0, 1] (a fraction of the peak)"
+        )
+    if o.min_lr_rate > 0 and kind not in FLOORED_SCHEDULERS:
+        raise ValueError(
+            f"--min_lr_rate={o.min_lr_rate} is used by --lr_scheduler_type "
+            f"{' or '.join(FLOORED_SCHEDULERS)}, not {kind!r}"
+        )
+    if kind == "wsd":
+        warm = 0 if o.warmup_steps > 0 else o.warmup_ratio
+        if not 0 < o.decay_ratio <= 1 - warm:
+            raise ValueError(
+                f"--lr_scheduler_type wsd needs --decay_ratio in (0, 1 - --warmup_ratio]; "
+                f"got --decay_ratio={o.decay_ratio} with --warmup_ratio={warm}"
+            )
+    elif o.decay_ratio != 0:
+        raise ValueError(
+            f"--decay_ratio={o.decay_ratio} is used by --lr_scheduler_type wsd, not {kind!r}"
+        )
+    if kind == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):
+        raise ValueError(
+            f"--lr_scheduler_type constant has no warmup (as in HF; --warmup_steps="
+            f"{o.warmup_steps}, --warmup_ratio={o.warmup_ratio}): use constant_with_warmup"
+        )
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}

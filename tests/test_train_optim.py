@@ -1,0 +1,137 @@
+"""Learning-rate schedules against HF transformers' formulas (written out by hand) and the
+three optimizers' first update against their update rules."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train.config import OptimArgs, parse_args
+from train.optim import optimizer, schedule
+
+
+def _lrs(total: int, **kw) -> np.ndarray:
+    lr = schedule(OptimArgs(learning_rate=1.0, **kw), total)
+    return np.array([float(lr(s)) for s in range(total + 1)])
+
+
+def _hf_wsd(step, warm, stable, decay, decay_type, floor):
+    """transformers' `_get_wsd_scheduler_lambda` (linear warmup, num_cycles 0.5)."""
+    if step < warm:
+        return max(0.0, step / max(1, warm) * (1 - floor) + floor)
+    if step < warm + stable:
+        return 1.0
+    if step < warm + stable + decay:
+        p = (step - warm - stable) / max(1, decay)
+        f = {"linear": 1 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p)), "1-sqrt": 1 - p**0.5}
+        return max(0.0, f[decay_type] * (1 - floor) + floor)
+    return floor
+
+
+def test_constant_schedules_match_transformers():
+    # get_constant_schedule: 1 from step 0; get_constant_schedule_with_warmup: step / warmup.
+    np.testing.assert_allclose(_lrs(20, lr_scheduler_type="constant"), 1.0)
+    lrs = _lrs(20, lr_scheduler_type="constant_with_warmup", warmup_steps=4)
+    np.testing.assert_allclose(lrs[:6], [0, 0.25, 0.5, 0.75, 1, 1], atol=1e-7)
+    np.testing.assert_allclose(lrs[4:], 1.0)
+
+
+def test_cosine_with_min_lr_matches_transformers():
+    # get_cosine_with_min_lr_schedule_with_warmup(warmup=10, total=100, min_lr_rate=0.1):
+    # 0.5 * (1 + cos(pi * progress)) * (1 - 0.1) + 0.1 after warmup.
+    lrs = _lrs(100, lr_scheduler_type="cosine_with_min_lr", warmup_ratio=0.1, min_lr_rate=0.1)
+    for step in (0, 5, 10, 37, 55, 99, 100):
+        progress = (step - 10) / 90
+        want = step / 10 if step < 10 else 0.5 * (1 + math.cos(math.pi * progress)) * 0.9 + 0.1
+        assert abs(lrs[step] - want) < 1e-6, (step, lrs[step], want)
+    assert abs(lrs[100] - 0.1) < 1e-6
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "cosine", "1-sqrt"])
+def test_wsd_matches_transformers(decay_type):
+    # 100 steps, warmup 10, decay ceil(0.2 * 100) = 20: stable from 10 to 80.
+    lrs = _lrs(
+        100,
+        lr_scheduler_type="wsd",
+        warmup_steps=10,
+        decay_ratio=0.2,
+        decay_type=decay_type,
+        min_lr_rate=0.05,
+    )
+    want = [_hf_wsd(s, 10, 70, 20, decay_type, 0.05) for s in range(101)]
+    np.testing.assert_allclose(lrs, want, atol=1e-6)
+    assert lrs[0] == pytest.approx(0.05) and lrs[79] == 1.0 and lrs[100] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--lr_scheduler_type", "wsd"], "wsd needs --decay_ratio"),
+        (["--lr_scheduler_type", "wsd", "--decay_ratio", "0.95", "--warmup_ratio", "0.1"], "0.95"),
+        (["--min_lr_rate", "0.1"], "--min_lr_rate=0.1 is used by"),
+        (["--min_lr_rate", "1.5", "--lr_scheduler_type", "wsd"], "--min_lr_rate=1.5 must be"),
+        (["--decay_ratio", "0.1"], "--decay_ratio=0.1 is used by --lr_scheduler_type wsd"),
+        (["--lr_scheduler_type", "constant", "--warmup_steps", "3"], "constant_with_warmup"),
+        (["--decay_type", "exp"], "--decay_type='exp' must be one of"),
+        (["--optim", "sgd"], "--optim='sgd' must be one of"),
+    ],
+)
+def test_schedule_and_optimizer_flags_are_checked(flags, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(flags)
+
+
+def _one_update(name: str, weight_decay: float, **kw):
+    """`(params, grads, new params)` after one step at lr 0.1 (constant)."""
+    args = OptimArgs(
+        learning_rate=0.1,
+        lr_scheduler_type="constant",
+        optim=name,
+        weight_decay=weight_decay,
+        max_grad_norm=0.0,
+        **kw,
+    )
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w": {"kernel": jax.random.normal(keys[0], (4, 8))},
+        "norm": {"scale": 1.0 + jax.random.normal(keys[1], (8,))},
+    }
+    grads = {
+        "w": {"kernel": jax.random.normal(keys[2], (4, 8))},
+        "norm": {"scale": jax.random.normal(keys[3], (8,))},
+    }
+    tx = optimizer(args, 10)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    return params, grads, jax.tree.map(jnp.add, params, updates)
+
+
+def test_lion_first_update_is_sign_with_decoupled_decay():
+    # Lion: u = sign((1 - b1) * g) at step one (momentum 0), p -= lr * (u + wd * p),
+    # norm scales not decayed.
+    params, grads, new = _one_update("lion", 0.5, adam_beta1=0.8, adam_beta2=0.95)
+    w, g = params["w"]["kernel"], grads["w"]["kernel"]
+    np.testing.assert_allclose(new["w"]["kernel"], w - 0.1 * (jnp.sign(g) + 0.5 * w), rtol=1e-6)
+    s, gs = params["norm"]["scale"], grads["norm"]["scale"]
+    np.testing.assert_allclose(new["norm"]["scale"], s - 0.1 * jnp.sign(gs), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor"])
+def test_weight_decay_is_lr_times_wd_and_skips_norm_scales(name):
+    params, _, plain = _one_update(name, 0.0)
+    _, _, decayed = _one_update(name, 0.5)
+    w = params["w"]["kernel"]
+    np.testing.assert_allclose(decayed["w"]["kernel"] - plain["w"]["kernel"], -0.05 * w, atol=1e-6)
+    np.testing.assert_array_equal(decayed["norm"]["scale"], plain["norm"]["scale"])
+
+
+def test_adafactor_step_has_an_absolute_lr():
+    # HF Trainer's Adafactor (no parameter scale): the first update's RMS is at most lr
+    # (update clipping at 1), whatever the parameters' size.
+    params, _, new = _one_update("adafactor", 0.0)
+    step = new["w"]["kernel"] - params["w"]["kernel"]
+    rms = float(jnp.sqrt(jnp.mean(step**2)))
+    assert 0.05 < rms <= 0.1 + 1e-6
