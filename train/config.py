@@ -75,6 +75,7 @@ LR_SCHEDULERS = (
 # Schedules that decay to `--min_lr_rate` rather than to 0 (or not at all).
 FLOORED_SCHEDULERS = ("cosine_with_min_lr", "wsd")
 OPTIMIZERS = ("adamw", "adafactor", "lion")
+REPORT_TO = ("tensorboard", "wandb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,8 @@ class RunArgs:
     overwrite_output_dir: bool = False  # delete a previous run's outputs in output_dir first
     export_hf: bool = True  # write an HF directory at the end
     seed: int = 42
-    progress: bool = True  # tqdm bar on process 0
+    progress: bool = True  # process 0: tqdm bar on a terminal, else step lines on stdout
+    report_to: str = "tensorboard"  # tensorboard | wandb | none; several: tensorboard,wandb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,12 @@ class TrainConfig:
                 f"--warmup_ratio={self.optim.warmup_ratio} in [0, 1]"
             )
         _check_schedule(self.optim)
+        reports = self.run.report_to.split(",")
+        if self.run.report_to != "none" and not set(reports) <= set(REPORT_TO):
+            raise ValueError(
+                f"--report_to={self.run.report_to!r} must be none or one or more of "
+                f"{REPORT_TO}, comma-separated"
+            )
         if self.run.eval_steps < 0:
             raise ValueError(f"--eval_steps={self.run.eval_steps} must be >= 0 (0: save_steps)")
         if self.optim.warmup_steps < 0 or self.optim.max_grad_norm < 0:

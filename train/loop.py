@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import sys
@@ -15,14 +16,13 @@ from jax.experimental import multihost_utils
 
 import models
 from train import data as data_lib
-from train import outputs
+from train import outputs, reporters
 from train.build import Trainer, build, profile_window
 from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import is_oom
-from train.tensorboard import SummaryWriter
 from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
 
 
@@ -43,6 +43,7 @@ def initialize_distributed(cfg: TrainConfig) -> None:
 class _Timer:
     start: float = 0.0
     tokens: int = 0
+    steps: int = 0  # timed steps in the window (compilation's step is not one)
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -56,6 +57,7 @@ def run(cfg: TrainConfig) -> dict:
     initialize_distributed(cfg)
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
+    reporters.check(cfg.run.report_to)
     outputs.check_writable(out)
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
@@ -82,6 +84,10 @@ def run(cfg: TrainConfig) -> dict:
             outputs.clear(out, is_main)
         if continuing and is_main:
             outputs.drop_after(out, start_step)
+        if is_main:
+            outputs.write_settings(out, cfg)
+            if resume is not None and start_step < t.total_steps:
+                print(f"resumed from step {start_step} of {resume[0]}", flush=True)
         if start_step >= t.total_steps and is_main:
             print(
                 f"nothing to train: checkpoint {start_step} is already at the run's "
@@ -164,7 +170,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
     cfg, out, total_steps = t.cfg, t.cfg.run.output_dir, t.total_steps
     ckpt = Checkpoints(out, cfg.run.save_total_limit)
     run_meta = _run_meta(t)
-    writer = SummaryWriter(os.path.join(out, "tensorboard")) if is_main else None
+    writer = reporters.open_reporters(cfg) if is_main else None
     log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
     profile = profile_window(cfg)
     if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
@@ -176,9 +182,11 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
             flush=True,
         )
     bar = _progress(cfg, is_main, start_step, total_steps)
+    # Not a terminal (a log file, a batch job): one line per logging step instead of a bar.
+    lines = is_main and cfg.run.progress and not sys.stdout.isatty()
     history = []
     timer = _Timer()
-    finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, total_steps)
+    finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, lines, total_steps)
     steps_per_epoch = t.batches.steps_per_epoch
     # Metrics are fetched one step late (the next step is already queued), except at
     # logging and saving steps, which wait for their own step: throughput windows
@@ -341,7 +349,20 @@ def _oom_advice(cfg: TrainConfig):
         raise
 
 
-def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, total_steps) -> dict:
+def _step_line(record: dict, total_steps: int, eta: float | None) -> str:
+    """`step 20/100: loss 4.1234, lr 3.00e-03, 51,234 tokens/s, ETA 0:02:10`; the first
+    window (the compilation's step only) has no speed or ETA."""
+    parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
+    if "tokens_per_s" in record:
+        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if eta is not None:
+        parts.append(f"ETA {datetime.timedelta(seconds=round(eta))}")
+    return f"step {record['step']}/{total_steps}: " + ", ".join(parts)
+
+
+def _finish(
+    pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, lines: bool, total_steps
+) -> dict:
     """Fetches one step's metrics; stops on a non-finite loss or gradient (the update of
     a non-finite gradient makes the parameters non-finite); logs every logging_steps
     and the last step."""
@@ -360,6 +381,7 @@ def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, t
         timer.start = time.perf_counter()
     else:
         timer.tokens += int(metrics["tokens"])
+        timer.steps += 1
     record = {
         "step": done,
         "loss": loss,
@@ -375,7 +397,10 @@ def _finish(pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, t
             seconds = now - timer.start
             record.update(throughput(timer.tokens, seconds, flops_token, jax.device_count()))
         record.update(memory())
-        timer.start, timer.tokens = now, 0
+        if lines:
+            eta = (now - timer.start) / timer.steps * (total_steps - done) if timer.steps else None
+            print(_step_line(record, total_steps, eta), flush=True)
+        timer.start, timer.tokens, timer.steps = now, 0, 0
         if writer is not None:
             writer.scalars({f"train/{k}": v for k, v in record.items() if k != "step"}, done)
         if log is not None:

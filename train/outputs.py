@@ -10,18 +10,23 @@ directory as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
 
 import jax
+import yaml
 from jax.experimental import multihost_utils
 
+from train.config import TrainConfig
 from train.errors import TrainingError
 from train.tensorboard import truncate_events
 
-RUN_OUTPUTS = ("checkpoints", "log.jsonl", "tensorboard", "hf")
+# The run's resolved settings, every field of every section: `--config` reads it back.
+SETTINGS_FILE = "train_config.yaml"
+RUN_OUTPUTS = ("checkpoints", "log.jsonl", "tensorboard", "wandb", "hf", SETTINGS_FILE)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -91,6 +96,18 @@ def clear(out: str, is_main: bool) -> None:
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     if jax.process_count() > 1:  # every process waits here, whatever it found
         multihost_utils.sync_global_devices("jflash: output_dir cleared")
+
+
+def write_settings(out: str, cfg: TrainConfig) -> str:
+    """Writes every setting of the run (defaults included) as `--config` YAML, by section
+    (HF's `training_args`); call it only once the run is known to start."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, SETTINGS_FILE)
+    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=False)
+    header = "# The settings of the run in this directory: python -m train --config <this file>\n"
+    with open(path, "w") as f:
+        f.write(header + text)
+    return path
 
 
 def drop_after(out: str, last_step: int) -> None:

@@ -1,0 +1,151 @@
+"""What a run leaves and prints: its settings as `--config` YAML, step lines on a stdout
+that is not a terminal, and the scalars of `--report_to` (tensorboard, wandb, none)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import types
+
+import pytest
+
+from train import outputs
+from train.__main__ import main
+from train.config import parse_args
+from train.loop import run
+from train.tensorboard import read_scalars
+
+TINY = [
+    "--model_name_or_path",
+    "tiny",
+    "--data_path",
+    "sample",
+    "--model_max_length",
+    "64",
+    "--sample_num_examples",
+    "24",
+    "--mesh",
+    "data=1,fsdp=-1,seq=1",
+    "--attention",
+    "xla",
+    "--max_steps",
+    "3",
+    "--logging_steps",
+    "1",
+    "--export_hf",
+    "false",
+]
+
+
+def _args(out, *extra):
+    return [*TINY, "--output_dir", str(out), *extra]
+
+
+def test_settings_yaml_step_lines_and_resume_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = parse_args(
+        _args(
+            out,
+            "--report_to",
+            "none",
+            "--save_steps",
+            "1",
+            "--lr_scheduler_type",
+            "wsd",
+            "--decay_ratio",
+            "0.5",
+        )
+    )
+    run(cfg)
+    # Every setting, defaults included, and `--config` reads it back as the same config.
+    settings = out / outputs.SETTINGS_FILE
+    assert parse_args(["--config", str(settings)]) == cfg
+    assert "decay_ratio: 0.5" in settings.read_text()
+    assert not (out / "tensorboard").exists()  # --report_to none
+    # capsys's stdout is no terminal: one line per logging step; speed and ETA once a
+    # timed step (after the compilation's) is in the window.
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert re.fullmatch(r"step 1/3: loss \d+\.\d{4}, lr \S+", steps[0])
+    assert re.fullmatch(
+        r"step 2/3: loss \d+\.\d{4}, lr \S+, [\d,]+ tokens/s, ETA \d+:\d\d:\d\d", steps[1]
+    )
+
+    again = tmp_path / "again"
+    ckpt = str(out / "checkpoints" / "2")
+    run(
+        parse_args(
+            _args(
+                again,
+                "--report_to",
+                "none",
+                "--resume_from_checkpoint",
+                ckpt,
+                "--lr_scheduler_type",
+                "wsd",
+                "--decay_ratio",
+                "0.5",
+            )
+        )
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert f"resumed from step 2 of {out}" in printed
+    assert [line.split(":")[0] for line in printed if line.startswith("step ")] == ["step 3/3"]
+
+
+def test_refused_run_writes_no_settings(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="needs 3 devices"):
+        run(parse_args(_args(out, "--mesh", "data=1,fsdp=1,seq=3")))
+    assert not out.exists()
+
+
+def test_report_to_values_are_checked():
+    with pytest.raises(ValueError, match="--report_to='tensorboard,mlflow' must be none or"):
+        parse_args(["--report_to", "tensorboard,mlflow"])
+
+
+def test_wandb_not_installed_is_one_line_with_the_install_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    out = tmp_path / "run"
+    assert main(_args(out, "--report_to", "wandb")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --report_to wandb needs the wandb")
+    assert 'pip install -e ".[wandb]"' in err
+    assert not out.exists()
+
+
+class _FakeWandb(types.ModuleType):
+    """Records what the trainer hands wandb: `init`'s arguments, `log`'s, `finish`."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    cfg = parse_args(_args(out, "--report_to", "tensorboard,wandb", "--optim", "lion"))
+    summary = run(cfg)
+    (init,) = fake.inits
+    assert init["dir"] == str(out) and init["config"]["optim"]["optim"] == "lion"
+    assert fake.finished == 1
+    wandb_loss = [(step, v["train/loss"]) for step, v in fake.logged]
+    tb_loss = read_scalars(os.path.join(out, "tensorboard"))["train/loss"]
+    assert [s for s, _ in wandb_loss] == [1, 2, 3] == [s for s, _ in tb_loss]
+    assert [v for _, v in wandb_loss] == pytest.approx(summary["losses"], rel=1e-6)
+    assert [v for _, v in tb_loss] == pytest.approx(summary["losses"], rel=1e-6)
