@@ -176,7 +176,13 @@ def test_resume_with_another_number_of_steps_is_refused():
     """Extending a finished run would restart (or jump) its cosine schedule."""
     from train.loop import _check_resumable
 
-    saved = {"model_max_length": 64, "rows_per_step": 8, "num_rows": 96, "seed": 42}
+    saved = {
+        "model_max_length": 64,
+        "rows_per_step": 8,
+        "num_rows": 96,
+        "seed": 42,
+        "optim": "adamw",
+    }
     meta = {"step": 30, "run": {**saved, "total_steps": 30}}
     _check_resumable(meta, {**saved, "total_steps": 30}, "ckpts")
     with pytest.raises(TrainingError, match="belongs to a run of 30 steps; this run has 60"):

@@ -13,7 +13,7 @@ import pytest
 from train import outputs
 from train.__main__ import main
 from train.config import parse_args
-from train.loop import run
+from train.loop import TrainingError, run
 from train.tensorboard import read_scalars
 
 TINY = [
@@ -91,6 +91,10 @@ def test_settings_yaml_step_lines_and_resume_line(tmp_path, capsys):
         )
     )
     printed = capsys.readouterr().out.splitlines()
+    # Another optimizer's state cannot continue this one's: refused by name, unread.
+    other = _args(tmp_path / "other", "--resume_from_checkpoint", ckpt, "--optim", "lion")
+    with pytest.raises(TrainingError, match="holds the state of --optim adamw; this run asks"):
+        run(parse_args(other + ["--lr_scheduler_type", "wsd", "--decay_ratio", "0.5"]))
     assert f"resumed from step 2 of {out}" in printed
     assert [line.split(":")[0] for line in printed if line.startswith("step ")] == ["step 3/3"]
 

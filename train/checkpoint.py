@@ -45,6 +45,18 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
+    def meta(self, step: int) -> dict | None:
+        """The meta record of `step` alone (what wrote it), read before the state;
+        None where it cannot be read (`restore` then names the problem)."""
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        except Exception:  # noqa: BLE001 - restore() reports an unreadable checkpoint
+            return None
+        meta = restored["meta"]
+        return meta if isinstance(meta, dict) and "step" in meta else None
+
     def restore(self, step: int, abstract_state):
         """`(state, meta)` of `step`, placed with the shardings of `abstract_state`.
 

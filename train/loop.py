@@ -120,6 +120,7 @@ def _run_meta(t: Trainer) -> dict:
         "num_rows": t.rows.num_rows,
         "seed": t.cfg.run.seed,
         "total_steps": t.total_steps,
+        "optim": t.cfg.optim.optim,
     }
 
 
@@ -143,6 +144,11 @@ def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
                 f"checkpoints {later}, which training on from {step} here would collide "
                 f"with; resume into another --output_dir"
             )
+        # What wrote the checkpoint is checked before its state is read: another
+        # optimizer's state has another structure, which restoring would only fail on.
+        saved = source.meta(step)
+        if saved is not None:
+            _check_resumable(saved, _run_meta(t), source.directory)
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             t.state,
@@ -282,7 +288,15 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
     saved = meta.get("run")
     if saved is None:  # checkpoints written before this record existed
         return
-    schedule_keys = ("total_steps",)
+    old_optim = saved.get("optim", "adamw")  # checkpoints from before --optim: adamw
+    if old_optim != run_meta["optim"]:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} holds the state of --optim {old_optim}; "
+            f"this run asks for --optim {run_meta['optim']}. Resume with --optim "
+            f"{old_optim}, or start a new run from the export (--model_name_or_path "
+            "<output_dir>/hf, a new --output_dir)"
+        )
+    schedule_keys = ("total_steps", "optim")
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
