@@ -88,7 +88,7 @@ class OptimArgs:
     max_grad_norm: float = 1.0
     warmup_ratio: float = 0.0
     warmup_steps: int = 0  # wins over warmup_ratio when > 0 (as in HF)
-    lr_scheduler_type: str = "cosine"  # LR_SCHEDULERS (HF's names, and wsd)
+    lr_scheduler_type: str = "cosine"  # train.config.LR_SCHEDULERS: HF's names, and wsd
     min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt

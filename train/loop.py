@@ -364,7 +364,7 @@ def _oom_advice(cfg: TrainConfig):
 
 
 def _step_line(record: dict, total_steps: int, eta: float | None) -> str:
-    """`step 20/100: loss 4.1234, lr 3.00e-03, 51,234 tokens/s, ETA 0:02:10`; the first
+    """`step 20/100: loss 4.1234, lr 3.000e-03, 51,234 tokens/s, ETA 0:02:10`; the first
     window (the compilation's step only) has no speed or ETA."""
     parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
     if "tokens_per_s" in record:
