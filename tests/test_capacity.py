@@ -10,6 +10,7 @@ from train import capacity
 
 
 @pytest.mark.multi_device(2)
+@pytest.mark.slow
 def test_two_devices_hold_a_longer_context(tmp_path):
     """On 2 simulated devices with a tight limit, seq=2 fits a longer context than seq=1:
     the trainer's real step (ring attention, remat, sharded state) is what is compiled."""

@@ -184,6 +184,7 @@ def test_bad_params_raise_listing_paths(params, ids):
     assert "extra/w" in str(err.value) and "embed/embedding" in str(err.value)
 
 
+@pytest.mark.slow
 def test_scan_unscanned_and_remat_agree(params, ids, capsys):
     ref = _logits(SMALL, params, ids)
     labels = models.next_token_labels(ids)

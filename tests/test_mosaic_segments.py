@@ -167,6 +167,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.slow
 def test_matches_oracle(case):
     seed = case_seed(case)
     q, k, v, do, dlse = inputs(case, seed)
@@ -176,6 +177,7 @@ def test_matches_oracle(case):
     check(got, want, segs, causal=case.causal, dtype=case.dtype)
 
 
+@pytest.mark.slow
 def test_rows_that_see_nothing():
     """Queries whose id no key holds: output 0, LSE -inf, dQ 0 (and no NaN anywhere)."""
     case = Case(causal=False, q_heads=2, kv_heads=1, q_len=192, kv_len=128)
@@ -194,6 +196,7 @@ def test_rows_that_see_nothing():
 
 
 @pytest.mark.parametrize("causal, head_dim", [(True, 64), (False, 128)])
+@pytest.mark.slow
 def test_tiles_that_cannot_meet_are_skipped(causal, head_dim):
     """NaN in every input row of the first document (256 rows: whole key tiles): the
     second document's outputs and gradients stay finite and right only if no kernel
@@ -216,6 +219,7 @@ def test_tiles_that_cannot_meet_are_skipped(causal, head_dim):
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.slow
 def test_inside_shard_map(deterministic):
     """Inside a user's `jax.shard_map` with `check_vma=True` (inputs sharded over a
     mesh axis, outputs varying like them): right, and bitwise as outside where

@@ -144,6 +144,7 @@ def test_hlo_facts():
 
 @pytest.mark.multi_device(8)
 @pytest.mark.skipif(ON_GPU, reason="reads a CPU trace; GPU traces: test_gpu_trace_*")
+@pytest.mark.slow
 def test_cpu_trace_from_the_trainer(tmp_path):
     run(
         parse_args(
@@ -331,6 +332,7 @@ def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
     assert row["shard_over_seq"] is True and row["devices"] == 2
 
 
+@pytest.mark.slow
 def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     """A row whose child fails is an "error" row; --append adds to the report."""
     out = tmp_path / "profile"
@@ -400,6 +402,7 @@ def test_ring_bench_longest_search():
 
 
 @pytest.mark.multi_device(2)
+@pytest.mark.slow
 def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
     """`--longest` end to end on simulated devices, with a memory limit given."""
     sys.path.insert(0, ROOT)
@@ -432,6 +435,7 @@ def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
     assert result["ratio"] == result[f"P{n}_longest"] / result["P1_longest"]
 
 
+@pytest.mark.slow
 def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     """`benchmarks/ring_blocks.py` end to end (XLA attention, tiny shape): every row,
     its time and the ideal's ratio; odd tokens per device are refused by name."""

@@ -280,6 +280,7 @@ MOSAIC = [
 
 @needs_hopper
 @pytest.mark.parametrize("case", MOSAIC, ids=str)
+@pytest.mark.slow
 def test_matches_oracle_mosaic(case):
     if INTERPRET and case.num_shards > 1:
         pytest.skip(
@@ -342,6 +343,7 @@ def test_deterministic():
 
 
 @pytest.mark.multi_device(2)
+@pytest.mark.slow
 def test_return_lse_false_returns_output_only():
     """Also runs outside jax.jit (eager shard_map) on committed sharded inputs."""
     mesh = _seq_mesh(2)

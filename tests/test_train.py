@@ -60,6 +60,7 @@ def _env(num_devices: int) -> dict[str, str]:
 
 
 @pytest.mark.multi_device(8)
+@pytest.mark.slow
 def test_trains_with_ring_and_fsdp(tmp_path):
     summary = run(
         parse_args(
@@ -94,6 +95,7 @@ def test_trains_with_ring_and_fsdp(tmp_path):
 
 
 @pytest.mark.multi_device(4)
+@pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
     steps = ["--max_steps", "30", "--save_steps", "4"]
     whole = tmp_path / "whole"
@@ -215,6 +217,7 @@ def test_refused_before_compiling(tmp_path, extra, match):
 
 
 @pytest.mark.multi_device(4)
+@pytest.mark.slow
 def test_output_dir_of_a_previous_run_and_resume_refusals(tmp_path):
     """A second run into a used --output_dir is refused (Orbax would silently skip its
     saves at or below the old run's latest step) or replaces the old outputs with
@@ -259,7 +262,7 @@ def test_non_finite_gradient_stops_before_anything_is_saved():
     metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(np.nan), "tokens": 64}
     cfg = parse_args([])
     with pytest.raises(TrainingError, match="non-finite loss 2.0 or gradient norm nan at step 3"):
-        _finish((2, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, 10)
+        _finish((2, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, False, 10)
 
 
 def test_config_flags_yaml_and_errors(tmp_path):
@@ -439,6 +442,7 @@ def test_sample_data_is_learnable_and_shaped():
 
 @pytest.mark.multi_device(2)
 @pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.slow
 def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
     """Llama-3.2's tied embedding (the loss takes the table as stored, [V, D]) through
     one step on 1 device and on seq=2 with replicated, sharded and gathered-once
@@ -467,6 +471,7 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
 
 
 @pytest.mark.multi_device(8)
+@pytest.mark.slow
 def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     """The 4-GPU PyTorch + LightSeq setup: FSDP over the GPUs that also split the
     sequence (mesh seq=8)."""
@@ -500,6 +505,7 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
 
 
 @pytest.mark.multi_device(2)
+@pytest.mark.slow
 def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
     """`python -m train.gradcheck`: the same step's gradients on one device and on
     seq=2 (replicated, and sharded + gathered once) agree to f32 rounding, per

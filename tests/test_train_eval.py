@@ -37,6 +37,7 @@ def _hand_loss(config, params, docs, eos: int) -> float:
 
 
 @pytest.mark.multi_device(8)
+@pytest.mark.slow
 def test_eval_loss_equals_a_hand_computation(tmp_path, capsys):
     eos = end_of_text(models.TINY)
     rng = np.random.default_rng(1)

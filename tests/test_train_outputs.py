@@ -42,6 +42,7 @@ def _args(out, *extra):
     return [*TINY, "--output_dir", str(out), *extra]
 
 
+@pytest.mark.slow
 def test_settings_yaml_step_lines_and_resume_line(tmp_path, capsys):
     out = tmp_path / "run"
     cfg = parse_args(

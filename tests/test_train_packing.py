@@ -93,6 +93,7 @@ def _packed(trainer):
         ),
     ],
 )
+@pytest.mark.slow
 def test_packed_row_equals_documents_one_by_one(tmp_path, devices, flags):
     trainer, docs = _trainer(tmp_path, devices, *flags)
     eos = end_of_text(trainer.config)
@@ -123,6 +124,7 @@ def test_packed_row_equals_documents_one_by_one(tmp_path, devices, flags):
         assert err < 1e-4, (jax.tree_util.keystr(path), err)
 
 
+@pytest.mark.slow
 def test_running_positions_and_unmasked_packing(tmp_path):
     """Running positions under the document mask train the same up to rounding (RoPE
     is relative: a document's positions shifted by a constant give the same scores);
