@@ -6,7 +6,7 @@
 `--longest` searches the longest context one training step runs at (doubling from
 `--context`, then `--refine` bisections; a probe is one real step, an out-of-memory
 error means "does not fit"): the baseline of "longest context per GPU count", to set
-beside `python -m train.capacity` (which reads jflash's side from XLA's memory plan).
+beside `python -m train.tools.capacity` (which reads jflash's side from XLA's memory plan).
 
 Random-init `LlamaForCausalLM` of a jflash preset's shape, bf16 autocast with f32 master
 weights, SDPA attention, gradient checkpointing, fused AdamW, batch 1 (what a user would
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
 
 def longest(model, opt, config, device, args) -> int:
-    from train.capacity import search_longest
+    from train.tools.capacity import search_longest
 
     def fits_at(context: int) -> dict:
         ids = torch.randint(0, config.vocab_size, (1, context), device=device)

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import device_name, jit_passes, table, time_fn, write_json  # noqa: E402
-from train.trace import kernel_durations  # noqa: E402
+from train.tools.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

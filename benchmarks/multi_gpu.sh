@@ -2,7 +2,7 @@
 # Multi-GPU benchmark runs, one part per call, each within a 9-minute budget (written
 # for 2x NVIDIA H200; `ring` also runs P = 4 where the machine has 4 GPUs).
 #
-#   bash benchmarks/multi_gpu.sh report      # profiling report (train.profile), 3 models
+#   bash benchmarks/multi_gpu.sh report      # profiling report (train.tools.profile), 3 models
 #   bash benchmarks/multi_gpu.sh scale       # longest ring sequence + Llama-2-7B FSDP x seq
 #   bash benchmarks/multi_gpu.sh capacity    # longest trainable context, jflash vs HF
 #   bash benchmarks/multi_gpu.sh train32k    # 1B at 32k: 1 GPU vs HF, 2 GPUs as the config
@@ -207,7 +207,7 @@ env_info() {
 }
 
 # ---------------------------------------------------------------------------------------
-# report: the profiling report (train.profile) for three models
+# report: the profiling report (train.tools.profile) for three models
 
 part_report() {
   local prof="$WORK/profile-$TAG"
@@ -224,7 +224,7 @@ part_report() {
     ctx=256,512 ctx7=256,512 long1=1024 long3=1536 row_timeout=300
     local ctx3=768
   fi
-  local profile=(env "XLA_FLAGS=$pxla" "$PY" -m train.profile "${common[@]}" --timeout "$row_timeout")
+  local profile=(env "XLA_FLAGS=$pxla" "$PY" -m train.tools.profile "${common[@]}" --timeout "$row_timeout")
   local render_reserve=20
   # A and B keep back B's and C's minimum and the render's time, so that C (the 7B)
   # has >= 120 s even when A and B run to their caps (180 + 190 + 140 + 20 = 530).
@@ -239,7 +239,7 @@ part_report() {
   step profile-E-"$m3"-long 160 100 "$render_reserve" \
     "${profile[@]}" --reuse-ceilings --models "$m3" --context "$long3"
   # Render whatever rows exist (a run stopped by its timeout skips its own render).
-  step profile-render 60 5 0 "$PY" -m train.profile --report-only "$prof"
+  step profile-render 60 5 0 "$PY" -m train.tools.profile --report-only "$prof"
   step profile-collect 60 5 0 "$PY" - "$prof" "$OUT" "profile-$TAG" <<'EOF'
 import io, json, os, sys, tarfile, zlib
 
@@ -390,7 +390,7 @@ part_capacity() {
     cap_args=(--models tiny --layers 1 --start 512 --max 8192 --refine 1 --limit-gib 0.05)
     hf_args=(--model tiny --layers 1 --context 128 --max 1024 --refine 1)
   fi
-  step capacity 330 60 120 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.capacity \
+  step capacity 330 60 120 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.tools.capacity \
     --mesh seq=1 --mesh seq=2 "${cap_args[@]}" --out "$OUT/capacity-llama3.2-1b-$TAG.json"
   if "$PY" -c "import torch, transformers" 2>/dev/null; then
     step hf-longest 180 40 0 env CUDA_VISIBLE_DEVICES=0 "$PY" benchmarks/hf_baseline.py \
@@ -444,7 +444,7 @@ part_train32k() {
 }
 
 part_fill() {
-  # `train.profile --fill-xla-cost` on a copy of the report: compiles each row's step
+  # `train.tools.profile --fill-xla-cost` on a copy of the report: compiles each row's step
   # (1- and 2-layer variants, never run) for XLA's bytes. Resumable: a row already
   # filled is skipped, and report.json is rewritten after every row, so a part cut by
   # its budget keeps what it filled (commit it and run the part again).
@@ -455,10 +455,10 @@ part_fill() {
     return 0
   fi
   rm -rf "$dst" && mkdir -p "$dst" && cp "$src/report.json" "$dst/"
-  step fill-xla-cost 520 30 15 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.profile \
+  step fill-xla-cost 520 30 15 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" -m train.tools.profile \
     --fill-xla-cost "$dst" --timeout 240
   # Render whatever was filled (a part cut by its budget skips its own render).
-  step fill-render 60 5 0 "$PY" -m train.profile --report-only "$dst"
+  step fill-render 60 5 0 "$PY" -m train.tools.profile --report-only "$dst"
   cp "$dst"/report.json "$dst"/report.md "$dst"/*.png "$OUT"/ 2>/dev/null
   say "fill: copied the report to $OUT (replace $src with it)"
 }
@@ -508,10 +508,10 @@ part_seq2trace() {
   if [ "$MODE" != gpu ]; then model=tiny ctx=512; fi
   rm -rf "$prof"
   local pxla="$BASE_XLA_FLAGS --xla_gpu_enable_command_buffer="
-  step seq2trace 420 120 30 env "XLA_FLAGS=${pxla# }" "$PY" -m train.profile --models "$model" \
+  step seq2trace 420 120 30 env "XLA_FLAGS=${pxla# }" "$PY" -m train.tools.profile --models "$model" \
     --context "$ctx" --mesh seq=1 --mesh seq=2 --shard-over-seq --gather-once --remat save_dots \
     --unroll-layers --steps 3 --warmup 1 --trace-steps 2 --no-xla-cost --out "$prof"
-  step seq2trace-render 60 5 0 "$PY" -m train.profile --report-only "$prof"
+  step seq2trace-render 60 5 0 "$PY" -m train.tools.profile --report-only "$prof"
   local ext
   for ext in md json; do
     [ -s "$prof/report.$ext" ] && cp "$prof/report.$ext" "$OUT/seq2trace-$TAG.$ext"
@@ -527,7 +527,7 @@ part_gradcheck() {
   setup_1b_32k 280
   local seq2="--mesh data=1,fsdp=1,seq=2"
   step gradcheck 420 60 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
-    "$PY" -m train.gradcheck "${common[@]}" \
+    "$PY" -m train.tools.gradcheck "${common[@]}" \
     --layout "--mesh data=1,fsdp=1,seq=1 --bf16 false" \
     --layout "--mesh data=1,fsdp=1,seq=1" \
     --layout "$seq2 --shard_over_seq false --gather_once false" \
@@ -547,7 +547,7 @@ part_precision() {
     --seq-len "$ctx" --vocab-size "$vocab"
   local one="--mesh data=1,fsdp=1,seq=1"
   step precision 420 60 0 env "XLA_FLAGS=$BASE_XLA_FLAGS" CUDA_VISIBLE_DEVICES=0 \
-    "$PY" -m train.gradcheck --config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model" \
+    "$PY" -m train.tools.gradcheck --config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model" \
     --model_max_length "$ctx" --data_path "$data" \
     --layout "$one --bf16 false" \
     --layout "$one" \

@@ -14,7 +14,7 @@ measured, with two timings of the same compiled calls: `*_ms`, one call then a
 synchronisation (host launch and sync latency paid per call), and `*_pipe_ms`, calls
 dispatched back to back and synchronised once (as a training loop runs them).
 `--profile` reads each pass's device time from a `jax.profiler` trace with
-`train.trace`: attention kernels, other compute, communication and its exposed part
+`train.tools.trace`: attention kernels, other compute, communication and its exposed part
 (a NCCL kernel running while no compute kernel does), idle; averaged over devices and
 profiled iterations. Only GPU device tracks are read, so on CPU it is not measured.
 """
@@ -45,9 +45,9 @@ from benchmarks.common import (  # noqa: E402
     time_pipelined,
     write_json,
 )
-from train.capacity import search_longest  # noqa: E402
 from train.metrics import compiled_bytes  # noqa: E402
-from train.trace import parse as parse_trace  # noqa: E402
+from train.tools.capacity import search_longest  # noqa: E402
+from train.tools.trace import parse as parse_trace  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -140,7 +140,7 @@ BREAKDOWN = ("busy_ms", "idle_ms", "attention_ms", "other_ms", "comm_ms", "expos
 def device_breakdown(trace_dir: str, iterations: int) -> dict | None:
     """Per iteration, averaged over devices: busy, idle, attention kernels, other
     compute (merges, casts, copies), communication and its exposed part (ms), read by
-    `train.trace` from the newest trace (the whole trace is one window); None when the
+    `train.tools.trace` from the newest trace (the whole trace is one window); None when the
     trace has no GPU device tracks (CPU runs)."""
     try:
         report = parse_trace(trace_dir)

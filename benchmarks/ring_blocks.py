@@ -43,7 +43,7 @@ from benchmarks.common import device_name, table, time_pipelined, write_json  # 
 from jflash._dispatch import attention_bwd, attention_fwd, delta_from  # noqa: E402
 from jflash._mask import Mask  # noqa: E402
 from jflash._ring import _bwd_step, _fwd_step, _Ring, ring_config  # noqa: E402
-from train.trace import kernel_durations  # noqa: E402
+from train.tools.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -1,4 +1,4 @@
-"""`python -m train.capacity`: the trainer's step compiled on abstract state, longest fit."""
+"""`python -m train.tools.capacity`: the trainer's step compiled on abstract state, longest fit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from train import capacity
+from train.tools import capacity
 
 
 @pytest.mark.multi_device(2)

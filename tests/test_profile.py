@@ -13,11 +13,12 @@ import jax
 import pytest
 from conftest import ON_GPU, cpu_devices
 
-from train import report as report_lib
-from train import trace
+from train import xla_flags
 from train.config import parse_args
-from train.hlo import parse_hlo
 from train.loop import run
+from train.tools import report as report_lib
+from train.tools import trace
+from train.tools.hlo import parse_hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2x H200, tiny model, seq=2 ring, trainer steps 3 and 4 (`--profile_steps 3,5`).
@@ -116,10 +117,11 @@ def test_kernel_durations_sum_the_first_gpu():
 
 def test_command_buffers_flag():
     """GPU traces name their kernels only with XLA's command buffers off: the check both
-    the trainer's and train.profile's warnings use."""
-    assert trace.command_buffers_on("")
-    assert trace.command_buffers_on("--xla_gpu_autotune_level=0")
-    assert not trace.command_buffers_on("--xla_gpu_autotune_level=0 " + trace.NO_COMMAND_BUFFERS)
+    the trainer's and train.tools.profile's warnings use."""
+    assert xla_flags.command_buffers_on("")
+    assert xla_flags.command_buffers_on("--xla_gpu_autotune_level=0")
+    off = "--xla_gpu_autotune_level=0 " + xla_flags.NO_COMMAND_BUFFERS
+    assert not xla_flags.command_buffers_on(off)
 
 
 def test_hlo_facts():
@@ -179,7 +181,7 @@ def test_cpu_trace_from_the_trainer(tmp_path):
 def test_profile_cli_on_cpu(tmp_path):
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(4))
-    cmd = [sys.executable, "-m", "train.profile", "--models", "tiny", "--context", "256,512"]
+    cmd = [sys.executable, "-m", "train.tools.profile", "--models", "tiny", "--context", "256,512"]
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--steps", "2", "--warmup", "1"]
     cmd += ["--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -220,7 +222,7 @@ def test_profile_cli_on_cpu(tmp_path):
     (out / "scaling.png").unlink()
 
     def profile_cli(*args, timeout):
-        cmd = [sys.executable, "-m", "train.profile", *args]
+        cmd = [sys.executable, "-m", "train.tools.profile", *args]
         subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=timeout)
 
     profile_cli("--report-only", str(out), timeout=120)
@@ -257,7 +259,7 @@ def test_profile_cli_on_cpu(tmp_path):
 
 
 def test_profile_failed_child_classification():
-    from train.profile import failed_child
+    from train.tools.profile import failed_child
 
     # XLA raises, then dumps its buffer assignment: the OOM line is far from the end.
     dump = "\n".join(f"  allocation {i}: size 1.0GiB" for i in range(60))
@@ -290,7 +292,7 @@ def test_profile_failed_child_classification():
 def test_profile_job_names_and_passes_its_settings():
     """A row says how it ran (remat, unrolled layers, sharding), in its name, its trainer
     flags, what it records for `--fill-xla-cost`, and the report's label."""
-    from train.profile import Job, _trainer_args
+    from train.tools.profile import Job, _trainer_args
 
     job = Job(model="tiny", context=32768, mesh="seq=2", out="x", remat="save_dots")
     job = dataclasses.replace(job, shard_over_seq=True, scan_layers=False)
@@ -314,7 +316,7 @@ def test_profile_job_names_and_passes_its_settings():
 @pytest.mark.multi_device(2)
 def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
     import train.build
-    from train.profile import Job, _trainer_args, run_row
+    from train.tools.profile import Job, _trainer_args, run_row
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError(
@@ -337,7 +339,7 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     """A row whose child fails is an "error" row; --append adds to the report."""
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
-    base = [sys.executable, "-m", "train.profile", "--context", "256", "--out", str(out)]
+    base = [sys.executable, "-m", "train.tools.profile", "--context", "256", "--out", str(out)]
     second = ["--append", "--reuse-ceilings", "--shard-over-seq"]
     for models, extra in (("no-such-model", []), ("other-model", second)):
         proc = subprocess.run(
@@ -369,7 +371,7 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     """`--mesh seq=4` on 2 devices: refused by name before any row runs."""
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
-    cmd = [sys.executable, "-m", "train.profile", "--models", "tiny", "--context", "256"]
+    cmd = [sys.executable, "-m", "train.tools.profile", "--models", "tiny", "--context", "256"]
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
@@ -379,7 +381,7 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
 
 def test_ring_bench_longest_search():
     sys.path.insert(0, ROOT)
-    from train.capacity import search_longest
+    from train.tools.capacity import search_longest
 
     limit = 5000  # "bytes" per token = 1: the longest that fits is 5000
     calls = []
@@ -468,7 +470,7 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
 
 
 def _report_row(context: int, **changes) -> dict:
-    """A measured row as `train.profile` writes it, small numbers as on a CPU."""
+    """A measured row as `train.tools.profile` writes it, small numbers as on a CPU."""
     fields = ("forward", "backward", "recompute", "update", "idle", "attention", "matmul")
     mean = {f"{f}_ms": 1.0 for f in fields}
     mean.update(step_ms=5.0, comm_ms=0.0, exposed_comm_ms=0.0, other_ms=1.0, memcpy_ms=0.0)
@@ -497,12 +499,12 @@ def test_report_small_ceilings_warnings_and_single_points(tmp_path):
     """A CPU's ceilings keep their significant digits (not `0.0 TFLOP/s`); a row whose
     traced step is far from its timed step is warned about; plots of one context say
     they hold single points."""
-    from train import report as report_lib
+    from train.tools import report as report_lib
 
     report = {
         "date": "today",
         "jax": jax.__version__,
-        "command": "python -m train.profile",
+        "command": "python -m train.tools.profile",
         "steps": {"timed": 2, "warmup": 1, "traced": 2},
         "ceilings": {
             "matmul_tflops": 0.0123,

@@ -507,11 +507,11 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
 @pytest.mark.multi_device(2)
 @pytest.mark.slow
 def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
-    """`python -m train.gradcheck`: the same step's gradients on one device and on
+    """`python -m train.tools.gradcheck`: the same step's gradients on one device and on
     seq=2 (replicated, and sharded + gathered once) agree to f32 rounding, per
     parameter; a layout with another global batch is refused; a gradient counted twice
     tops the list."""
-    from train import gradcheck
+    from train.tools import gradcheck
 
     common = [*SMALL[:8], "--bf16", "false"]
     out = tmp_path / "gradcheck.json"

@@ -1,7 +1,7 @@
 """What one training run is made of, built from a `TrainConfig` before anything runs:
 the model (an HF directory or a preset), the packed data (`--data_path`,
 `--eval_data_path`), the mesh, shardings, optimizer and the jitted step (`plan_step`:
-abstract, nothing allocated; `train.capacity` and `train.profile` compile it), and the
+abstract, nothing allocated; `train.tools.capacity` and `train.tools.profile` compile it), and the
 initial state (`build`). `train.loop.run` trains what `build` returns.
 """
 
@@ -238,7 +238,7 @@ def plan_step(
 ) -> StepPlan:
     """Mesh, shardings, optimizer and the jitted step for `cfg`, with abstract state.
 
-    Nothing is allocated: `train.capacity` compiles `plan.step_fn` on abstract state to
+    Nothing is allocated: `train.tools.capacity` compiles `plan.step_fn` on abstract state to
     read its memory; `build` initialises the state that the plan describes.
     """
     count = len(devices) if devices is not None else jax.device_count()

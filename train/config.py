@@ -414,8 +414,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def gather_once_error(shard_over_seq: bool, gather_once: bool, *, dashes: bool = False):
-    """The rule between the two flags (the trainer's, and `train.profile`'s and
-    `train.capacity`'s spelled with dashes): None, or what is wrong."""
+    """The rule between the two flags (the trainer's, and `train.tools.profile`'s and
+    `train.tools.capacity`'s spelled with dashes): None, or what is wrong."""
     if not gather_once or shard_over_seq:
         return None
     once, seq = ("--gather-once", "--shard-over-seq")

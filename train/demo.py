@@ -9,7 +9,7 @@
    sequence over 2 devices (ring attention, zigzag) x FSDP over 2, checkpoints,
    TensorBoard scalars, a JSONL log, one `jax.profiler` trace; on a CPU machine 4
    simulated devices;
-4. writes the metrics report (`python -m train.profile`) for the same mesh.
+4. writes the metrics report (`python -m train.tools.profile`) for the same mesh.
 
 Everything lands under `runs/demo/`.
 """
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             sys.executable,
             "-m",
-            "train.profile",
+            "train.tools.profile",
             "--models",
             "tiny",
             "--context",

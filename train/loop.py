@@ -23,7 +23,7 @@ from train.config import TrainConfig
 from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import is_oom
-from train.trace import NO_COMMAND_BUFFERS, command_buffers_on
+from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
 
 def initialize_distributed(cfg: TrainConfig) -> None:
@@ -346,7 +346,7 @@ def _oom_error(cfg: TrainConfig) -> TrainingError:
         f"{cfg.parallel.mesh!r}), --remat_policy save_attn or full (now {cfg.remat!r}; "
         "memory: none > save_dots > save_attn > full); "
         "on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) gives XLA more of the "
-        "device. `python -m train.capacity` finds what fits without running"
+        "device. `python -m train.tools.capacity` finds what fits without running"
     )
 
 

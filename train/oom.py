@@ -1,5 +1,5 @@
 """Recognising an out-of-memory error, for the trainer and its tools (no jax import:
-`train.profile`'s parent process must not start a backend)."""
+`train.tools.profile`'s parent process must not start a backend)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The longest context a training step fits in, per model and mesh: `python -m train.capacity`.
+"""The longest context a training step fits in, per model and mesh:
+`python -m train.tools.capacity`.
 
-    python -m train.capacity --models llama3.2-1b --mesh seq=1 --mesh seq=2
-    python -m train.capacity --models llama2-7b --mesh seq=2 --shard-over-seq --start 16k
+    python -m train.tools.capacity --models llama3.2-1b --mesh seq=1 --mesh seq=2
+    python -m train.tools.capacity --models llama2-7b --mesh seq=2 --shard-over-seq --start 16k
 
 For each model x mesh the trainer's own step (`train.build.plan_step`: the same mesh,
 shardings, remat policy and ring attention as `python -m train`) is compiled on abstract
@@ -163,7 +164,7 @@ def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m train.capacity",
+        prog="python -m train.tools.capacity",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],

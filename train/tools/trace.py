@@ -8,7 +8,7 @@ Input: the `.xplane.pb` that `jax.profiler` writes (TensorBoard's
   `correlation_id` (matching the host-side launch, which says when it was issued).
 * CPU: thunk events on `/host:CPU` threads with stats `hlo_op`, `hlo_module`,
   `device_ordinal` and `run_id` (matching the host's `Execute`). They carry no name
-  stack; pass the compiled module's text (`train.hlo.parse_hlo`) to attribute phases.
+  stack; pass the compiled module's text (`train.tools.hlo.parse_hlo`) to attribute phases.
 
 Steps are cut at the trainer's `jax.profiler.StepTraceAnnotation("train",
 step_num=...)`: each kernel belongs to the step during which the host launched it;
@@ -46,7 +46,8 @@ from typing import Any
 
 from jax.profiler import ProfileData
 
-from train.hlo import COLLECTIVE_PERMUTES, HloOps
+from train.tools.hlo import COLLECTIVE_PERMUTES, HloOps
+from train.xla_flags import NO_COMMAND_BUFFERS
 
 PHASES = ("forward", "backward", "recompute", "update")
 CLASSES = ("attention", "matmul", "other")  # + exposed communication
@@ -146,18 +147,6 @@ class TraceReport:
 
 # ----------------------------------------------------------------------------------
 # Reading
-
-
-NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
-
-
-def command_buffers_on(xla_flags: str | None = None) -> bool:
-    """Whether XLA runs GPU programs as command buffers (CUDA graphs; the default), read
-    from `xla_flags` (default: $XLA_FLAGS). Then a trace's kernels carry no name stack
-    (no phases, no `where`): profile with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`,
-    set before jax starts."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    return NO_COMMAND_BUFFERS not in flags.split()
 
 
 def find_xplane(path: str) -> str:
@@ -604,7 +593,7 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
         for field in ("attention_ms", "matmul_ms", "other_ms", "memcpy_ms"):
             not_measured[field] = "CPU thunks do not say which kernel class they are"
     if not phased:
-        reason = "no event carries a name stack (pass the compiled HLO: train.hlo.parse_hlo)"
+        reason = "no event carries a name stack (pass the compiled HLO: train.tools.hlo.parse_hlo)"
         if platform == "gpu":
             reason = (
                 "no kernel carries a name stack: were command buffers on? profile with "

@@ -1,25 +1,25 @@
-"""`python -m train.profile`: forward, backward, recompute and communication time,
+"""`python -m train.tools.profile`: forward, backward, recompute and communication time,
 bandwidth and memory per model and context, measured from traces.
 
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m train.profile \\
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m train.tools.profile \\
         --models llama2-7b,llama3.2-3b,llama3.2-1b --context 8k,16k,32k,64k \\
         --mesh seq=2 [--mesh fsdp=2] [--steps 3 --warmup 2 --layers N] --out runs/profile
-    python -m train.profile --models llama2-7b --context 8k,16k --mesh seq=2 \\
+    python -m train.tools.profile --models llama2-7b --context 8k,16k --mesh seq=2 \\
         --shard-over-seq --append --reuse-ceilings --out runs/profile  # 7B: ZeRO-3 over seq
-    python -m train.profile --report-only runs/profile      # re-render report.json
+    python -m train.tools.profile --report-only runs/profile      # re-render report.json
 
 For each model x context x mesh, one child process builds the trainer exactly as
 `python -m train` does (`train.build.build`), compiles the step (not timed), runs
 `--warmup` steps, times `--steps` steps with `block_until_ready` (latency, tokens/s,
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
-`<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.trace`.
+`<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`.
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
 `report.json` is rewritten after every row, so a run stopped from outside keeps the
 rows it finished (`--report-only` then renders them). The report (`report.json`,
-`report.md`, PNG plots) is written by `train.report`.
+`report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
 kernels, and nothing can be attributed. XLA_FLAGS must be set before jax starts, so
@@ -226,13 +226,14 @@ def run_row(job: Job) -> dict:
     """Builds, compiles, times and traces one row (in this process)."""
     import jax
 
-    from train import trace as trace_lib
     from train.build import build, load_model
     from train.config import parse_args
-    from train.hlo import parse_hlo
     from train.mesh import mesh_device_count
     from train.metrics import compiled_bytes, throughput
-    from train.roofline import attention_work, matmul_work
+    from train.tools import trace as trace_lib
+    from train.tools.hlo import parse_hlo
+    from train.tools.roofline import attention_work, matmul_work
+    from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
     row: dict = {"name": job.name, "model": job.model, "context": job.context, "mesh": job.mesh}
     row.update(job.settings())
@@ -298,10 +299,10 @@ def run_row(job: Job) -> dict:
     phases = report.mean
     row["trace_vs_timed"] = phases.step_ms / row["step_ms"]
     if report.platform == "gpu" and report.named_fraction < 0.5:
-        if trace_lib.command_buffers_on():
+        if command_buffers_on():
             row["warnings"].append(
                 f"only {report.named_fraction:.0%} of kernel time has a name stack and "
-                f"command buffers are on: rerun with XLA_FLAGS={trace_lib.NO_COMMAND_BUFFERS}"
+                f"command buffers are on: rerun with XLA_FLAGS={NO_COMMAND_BUFFERS}"
             )
     per_device_tokens = tokens / n
     if phases.permute_bytes is not None and phases.permute_ms > 0:
@@ -335,7 +336,7 @@ def run_ceilings() -> dict:
     which never starts a backend, to refuse a mesh it cannot build before any row)."""
     import jax
 
-    from train.roofline import measure_ceilings
+    from train.tools.roofline import measure_ceilings
 
     return {**dataclasses.asdict(measure_ceilings()), "device_count": jax.device_count()}
 
@@ -375,7 +376,7 @@ def _child(kind: str, payload: dict, timeout: float) -> dict:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
-        cmd = [sys.executable, "-m", "train.profile", "--worker", kind, job_path, out_path]
+        cmd = [sys.executable, "-m", "train.tools.profile", "--worker", kind, job_path, out_path]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -401,7 +402,7 @@ def _worker(kind: str, job_path: str, out_path: str) -> None:
 
 def fill_xla_cost(out: str, timeout: float) -> None:
     """`--fill-xla-cost`: XLA's cost for every timed row without it, one child each."""
-    from train import report as report_lib
+    from train.tools import report as report_lib
 
     path = os.path.join(out, "report.json")
     with open(path) as f:
@@ -433,7 +434,9 @@ def fill_xla_cost(out: str, timeout: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m train.tools.profile", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets")
     p.add_argument("--context", default="8k", help="comma-separated lengths: 8k,16k,32k")
     p.add_argument(
@@ -508,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(*args.worker)
         return
-    from train import report as report_lib
+    from train.tools import report as report_lib
 
     if args.report_only:
         if not os.path.isfile(os.path.join(args.report_only, "report.json")):
@@ -561,7 +564,7 @@ def main(argv: list[str] | None = None) -> None:
                 mesh_device_count(mesh, ceilings["device_count"])
             except ValueError as e:
                 parser.error(f"{e} (nothing was run)")
-    from train.trace import NO_COMMAND_BUFFERS, command_buffers_on  # jax, but no backend
+    from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
     if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
         print(
@@ -570,7 +573,8 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
             flush=True,
         )
-    command = "python -m train.profile " + " ".join(argv if argv is not None else sys.argv[1:])
+    args_text = " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m train.tools.profile " + args_text
     import jax  # only its version: the parent never starts a backend
 
     def write(rows: list[dict]) -> dict:

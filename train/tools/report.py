@@ -302,7 +302,7 @@ def markdown(report: dict) -> str:
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
         "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "
-        "compulsory bytes (`train.roofline`), achieved rate over the traced kernel time.",
+        "compulsory bytes (`train.tools.roofline`), achieved rate over the traced kernel time.",
         "",
     ]
 

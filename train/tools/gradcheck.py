@@ -1,6 +1,6 @@
-"""`python -m train.gradcheck`: one step's gradients under several layouts, per parameter.
+"""`python -m train.tools.gradcheck`: one step's gradients under several layouts, per parameter.
 
-    python -m train.gradcheck --config configs/llama3_2_1b_32k.yaml \\
+    python -m train.tools.gradcheck --config configs/llama3_2_1b_32k.yaml \\
         --model_max_length 32768 --data_path data.npy \\
         --layout "--mesh data=1,fsdp=1,seq=1" \\
         --layout "--mesh data=1,fsdp=1,seq=2 --shard_over_seq false --gather_once false" \\
@@ -96,7 +96,7 @@ def global_norm(grads: dict[str, np.ndarray]) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m train.gradcheck",
+        prog="python -m train.tools.gradcheck",
         description=__doc__.split("\n\n")[0],
         epilog="Other flags are trainer flags, shared by every layout.",
     )
