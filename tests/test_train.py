@@ -307,8 +307,15 @@ def test_config_flags_yaml_and_errors(tmp_path):
             parse_args(["--config", str(yaml_path)])
     with pytest.raises(ValueError, match="--config='nope.yaml': No such file"):
         parse_args(["--config", "nope.yaml"])
-    assert parse_mesh("data=1,fsdp=-1,seq=4", 8) == {"data": 1, "fsdp": 2, "seq": 4}
-    assert parse_mesh("data=1,fsdp=-1,seq=2", 8, fsdp=False) == {"data": 4, "fsdp": 1, "seq": 2}
+    one = {"seq_a2a": 1}
+    assert parse_mesh("data=1,fsdp=-1,seq=4", 8) == {"data": 1, "fsdp": 2, "seq": 4, **one}
+    assert parse_mesh("data=1,fsdp=-1,seq=2", 8, fsdp=False) == {
+        "data": 4,
+        "fsdp": 1,
+        "seq": 2,
+        **one,
+    }
+    assert parse_mesh("seq=2,seq_a2a=-1", 8)["seq_a2a"] == 4
 
 
 def test_param_spec_keeps_the_minor_dimension_whole_when_asked():

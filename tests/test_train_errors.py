@@ -55,6 +55,23 @@ def _tiny_model_dir(path, **config_changes):
     [
         (["--data_path", "typo.npy"], "no such data file"),
         (["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
+        (
+            ["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=1,seq_a2a=2"],
+            "seq_a2a axis is the all-to-all axis of --ring_strategy hybrid",
+        ),
+        (
+            [
+                "--data_path",
+                "sample",
+                "--mesh",
+                "seq=2,seq_a2a=2",
+                "--ring_strategy",
+                "hybrid",
+                "--model_max_length",
+                "36",
+            ],
+            "must be divisible by 8",
+        ),
         (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
         (["--data_path", "sample", "--model_name_or_path", "nope"], "neither a local"),
     ],

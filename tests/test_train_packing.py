@@ -91,6 +91,19 @@ def _packed(trainer):
             id="ulysses",
             marks=pytest.mark.multi_device(2),
         ),
+        pytest.param(
+            4,
+            [
+                "--attention",
+                "ring",
+                "--mesh",
+                "data=1,fsdp=1,seq=2,seq_a2a=2",
+                "--ring_strategy",
+                "hybrid",
+            ],
+            id="hybrid",
+            marks=pytest.mark.multi_device(4),
+        ),
     ],
 )
 @pytest.mark.slow

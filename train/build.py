@@ -28,12 +28,14 @@ from train import data as data_lib
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.mesh import (
+    SEQ_AXES,
     batch_sharding,
     compute_shardings,
     make_mesh,
     param_shardings,
     parse_mesh,
     replicated,
+    seq_shards,
     shard_axes,
 )
 from train.optim import optimizer, schedule
@@ -119,17 +121,25 @@ def end_of_text(config: models.LlamaConfig) -> int | None:
 
 def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
     """Refuses, before compiling, shapes the mesh cannot split."""
-    seq, seq_len = sizes["seq"], cfg.data.model_max_length
-    if seq > 1 and cfg.model.attention != "ring":
+    seq, a2a, seq_len = sizes["seq"], sizes["seq_a2a"], cfg.data.model_max_length
+    strategy = cfg.model.ring_strategy
+    if seq * a2a > 1 and cfg.model.attention != "ring":
         raise TrainingError(
-            f"--mesh has seq={seq} but --attention={cfg.model.attention!r}: only 'ring' "
-            "attention shards the sequence"
+            f"--mesh has seq={seq}, seq_a2a={a2a} but --attention={cfg.model.attention!r}: "
+            "only 'ring' attention shards the sequence"
         )
-    need = 2 * seq if (seq > 1 and cfg.model.ring_layout == "zigzag") else seq
+    if a2a > 1 and strategy != "hybrid":
+        raise TrainingError(
+            f"--mesh has seq_a2a={a2a} but --ring_strategy={strategy!r}: the seq_a2a axis "
+            "is the all-to-all axis of --ring_strategy hybrid (other strategies use seq)"
+        )
+    ring = seq if strategy == "hybrid" else seq * a2a
+    chunks = 2 * ring if (ring > 1 and cfg.model.ring_layout == "zigzag") else ring
+    need = math.lcm(chunks, seq * a2a)
     if seq_len % need:
         raise TrainingError(
             f"--model_max_length={seq_len} must be divisible by {need} "
-            f"(seq={seq}, layout={cfg.model.ring_layout})"
+            f"(seq={seq}, seq_a2a={a2a}, layout={cfg.model.ring_layout})"
         )
 
 
@@ -250,7 +260,7 @@ def plan_step(
         kind=cfg.model.attention,
         implementation=cfg.model.attention_implementation,
         mesh=mesh,
-        seq_axis="seq",
+        seq_axis=SEQ_AXES if cfg.model.ring_strategy == "hybrid" else "seq",
         layout=cfg.model.ring_layout,
         strategy=cfg.model.ring_strategy,
         batch_axes=("data", "fsdp"),
@@ -259,7 +269,7 @@ def plan_step(
     with jax.set_mesh(mesh):
         abstract_params = models.abstract_params(config)
         axes = shard_axes(mesh, cfg.parallel.shard_over_seq)
-        gather = cfg.parallel.gather_once and "seq" in axes
+        gather = cfg.parallel.gather_once and any(a in SEQ_AXES for a in axes)
         # Stored state that is only ever gathered whole (no per-layer FSDP gathers of
         # the copy) keeps its minor dimension whole (`param_spec`).
         whole = gather and sizes["fsdp"] == 1
@@ -271,11 +281,12 @@ def plan_step(
     spec = StepSpec(
         config=config,
         attention=attention,
-        seq_shards=sizes["seq"],
+        seq_shards=seq_shards(sizes),
+        layout_shards=sizes["seq"] if cfg.model.ring_strategy == "hybrid" else seq_shards(sizes),
         layout=cfg.model.ring_layout,
-        loss_chunk=loss_chunk(seq_len, sizes["seq"]),
-        replicated_head=gather or "seq" not in head_axes,
-        weights=(p_shard, compute_shardings(p_shard, "seq")) if gather else None,
+        loss_chunk=loss_chunk(seq_len, seq_shards(sizes)),
+        replicated_head=gather or not head_axes & set(SEQ_AXES),
+        weights=(p_shard, compute_shardings(p_shard, SEQ_AXES)) if gather else None,
         mask_documents=cfg.data.mask_documents,
     )
     shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}

@@ -32,7 +32,7 @@ class ModelArgs:
     attention: str = "ring"  # xla | cudnn | jflash | ring
     attention_implementation: str | None = None  # jflash implementation (None: per device)
     ring_layout: str = "zigzag"  # zigzag | striped (balanced with packed documents) | contiguous
-    ring_strategy: str = "ring"  # ring | allgather | ulysses (all-to-all over heads)
+    ring_strategy: str = "ring"  # jflash.STRATEGIES; hybrid: ring over seq, all-to-all seq_a2a
     remat_policy: str = "save_attn"  # models.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
@@ -53,7 +53,7 @@ class DataArgs:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelArgs:
-    mesh: str = "data=1,fsdp=-1,seq=1"  # axis sizes; -1 takes the remaining devices
+    mesh: str = "data=1,fsdp=-1,seq=1"  # data, fsdp, seq, seq_a2a sizes; one -1 takes the rest
     fsdp: str = "full_shard"  # HF flag; "full_shard" (with or without auto_wrap) or ""
     shard_over_seq: bool = False  # FSDP also over the seq axis (the 4-GPU PyTorch + LightSeq setup)
     # With shard_over_seq: gather the weights over seq once per step (a compute-dtype
@@ -135,8 +135,7 @@ class TrainConfig:
         choices = {
             ("model", "attention"): ATTENTION_KINDS,
             ("model", "ring_layout"): jflash.LAYOUTS,
-            # `hybrid` splits the sequence over two mesh axes; the trainer's mesh has one.
-            ("model", "ring_strategy"): tuple(s for s in jflash.STRATEGIES if s != "hybrid"),
+            ("model", "ring_strategy"): jflash.STRATEGIES,
             ("model", "remat_policy"): REMAT_POLICIES,
             ("data", "packing_positions"): ("per_document", "running"),
             ("optim", "lr_scheduler_type"): LR_SCHEDULERS,

@@ -1,9 +1,12 @@
-"""The device mesh `("data", "fsdp", "seq")` and how arrays are laid out on it.
+"""The device mesh `("data", "fsdp", "seq", "seq_a2a")` and how arrays are laid out on it.
 
 FSDP (HF Trainer's `--fsdp full_shard`): every parameter, its gradient and its optimizer
 state are sharded over `fsdp` along their largest dimension that divides evenly
 (replicated when none does). The batch is split over `data` x `fsdp`; the sequence over
-`seq` (ring attention). XLA inserts the all-gathers / reduce-scatters.
+`seq` (the context-parallel axis of every `--ring_strategy`) and, for
+`--ring_strategy hybrid` only, also over `seq_a2a` (the all-to-all axis: Ulysses inside
+each ring shard; `seq` is then the ring axis, major). XLA inserts the all-gathers /
+reduce-scatters.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from models.sharding import spec_axes
 
-AXES = ("data", "fsdp", "seq")
+AXES = ("data", "fsdp", "seq", "seq_a2a")
 BATCH_AXES = ("data", "fsdp")
+SEQ_AXES = ("seq", "seq_a2a")  # ring-major: the sequence's split over both
 
 
 def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]:
@@ -123,11 +127,23 @@ def param_spec(
     return P()
 
 
+def seq_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the sequence is split over, ring-major: those of `SEQ_AXES` with
+    more than one device (`("seq",)` when none has)."""
+    return tuple(a for a in SEQ_AXES if mesh.shape[a] > 1) or ("seq",)
+
+
+def seq_shards(sizes: dict[str, int]) -> int:
+    """Devices one sequence is split over."""
+    return math.prod(sizes[a] for a in SEQ_AXES)
+
+
 def shard_axes(mesh: Mesh, over_seq: bool) -> tuple[str, ...]:
-    """The axes parameters are sharded over: `fsdp`, and with `over_seq` also `seq`
-    (ZeRO-3 across the sequence-parallel group: HF Trainer's `--fsdp full_shard` on the
-    same GPUs that split the sequence)."""
-    return ("fsdp", "seq") if over_seq and mesh.shape["seq"] > 1 else ("fsdp",)
+    """The axes parameters are sharded over: `fsdp`, and with `over_seq` also the
+    sequence axes (ZeRO-3 across the sequence-parallel group: HF Trainer's `--fsdp
+    full_shard` on the same GPUs that split the sequence)."""
+    over = tuple(a for a in SEQ_AXES if mesh.shape[a] > 1) if over_seq else ()
+    return ("fsdp", *over)
 
 
 def param_shardings(
@@ -150,13 +166,13 @@ def param_shardings(
     return jax.tree_util.tree_map_with_path(shard, abstract_tree)
 
 
-def compute_shardings(shardings, axis: str):
-    """`shardings` (a pytree of NamedShardings) with `axis` dropped from every spec:
-    the layout of a copy gathered over `axis` (and still split over the others)."""
+def compute_shardings(shardings, axes: tuple[str, ...]):
+    """`shardings` (a pytree of NamedShardings) with `axes` dropped from every spec:
+    the layout of a copy gathered over `axes` (and still split over the others)."""
 
     def drop(s: NamedSharding) -> NamedSharding:
         def part(p):
-            rest = tuple(a for a in spec_axes(p) if a != axis)
+            rest = tuple(a for a in spec_axes(p) if a not in axes)
             return rest[0] if len(rest) == 1 else (rest or None)
 
         return NamedSharding(s.mesh, P(*(part(p) for p in s.spec)))
@@ -165,8 +181,10 @@ def compute_shardings(shardings, axis: str):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """`[batch, seq]` token arrays: batch over data x fsdp, sequence over seq."""
-    return NamedSharding(mesh, P(BATCH_AXES, "seq"))
+    """`[batch, seq]` token arrays: batch over data x fsdp, sequence over the sequence
+    axes (`seq_axes`)."""
+    axes = seq_axes(mesh)
+    return NamedSharding(mesh, P(BATCH_AXES, axes[0] if len(axes) == 1 else axes))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -28,8 +28,12 @@ class StepSpec:
 
     config: models.LlamaConfig
     attention: models.AttentionConfig
-    seq_shards: int
+    seq_shards: int  # devices one sequence is split over
     layout: str  # token order on the seq axis: "zigzag" | "striped" | "contiguous"
+    # The P of `layout` (`jflash.to_layout(x, P, layout)`): `seq_shards`, or the ring
+    # axis's size under `--ring_strategy hybrid` (each ring shard is then split
+    # contiguously over the all-to-all axis).
+    layout_shards: int
     loss_chunk: int
     replicated_head: bool = False  # the LM head is not sharded over `seq`
     # `(stored, compute)` parameter shardings when the weights are gathered once per
@@ -42,8 +46,8 @@ BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
 
 
 def _reorder(x, spec: StepSpec):
-    if spec.layout != "contiguous" and spec.seq_shards > 1:
-        return jflash.to_layout(x, spec.seq_shards, spec.layout, axis=1)
+    if spec.layout != "contiguous" and spec.layout_shards > 1:
+        return jflash.to_layout(x, spec.layout_shards, spec.layout, axis=1)
     return x
 
 
@@ -55,8 +59,8 @@ def loss_sums(params, ids, labels, spec: StepSpec, segment_ids=None, positions=N
     ids, labels = _reorder(ids, spec), _reorder(labels, spec)
     if positions is None:
         seq_len = ids.shape[1]
-        layout = spec.layout if spec.seq_shards > 1 else "contiguous"
-        pos = jflash.positions(seq_len, spec.seq_shards, layout)
+        layout = spec.layout if spec.layout_shards > 1 else "contiguous"
+        pos = jflash.positions(seq_len, spec.layout_shards, layout)
         positions = jnp.broadcast_to(pos, ids.shape)
     else:
         positions = _reorder(positions, spec)
@@ -114,7 +118,7 @@ def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
         (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(
             weights, ids, labels, spec, segs, pos
         )
-        if spec.weights is not None:  # summed over `seq` straight into the stored shards
+        if spec.weights is not None:  # summed over seq axes straight into the stored shards
             g = jax.lax.with_sharding_constraint(g, spec.weights[0])
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         return (grads, loss + l_sum, count + n), None

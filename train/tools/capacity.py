@@ -134,9 +134,9 @@ def device_limit_gib(override: float | None) -> float:
 def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
     import jax
 
-    from train.mesh import mesh_device_count, parse_mesh
+    from train.mesh import mesh_device_count, parse_mesh, seq_shards
 
-    seq = parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))["seq"]
+    seq = seq_shards(parse_mesh(mesh, mesh_device_count(mesh, jax.device_count())))
 
     def fits_at(context: int) -> dict:
         try:

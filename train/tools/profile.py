@@ -311,7 +311,7 @@ def run_row(job: Job) -> dict:
             "permute_ms": phases.permute_ms,
             "gbps": phases.permute_bytes / (phases.permute_ms / 1e3) / 1e9,
         }
-    seq_shards = t.sizes["seq"]
+    seq_shards = t.sizes["seq"] * t.sizes["seq_a2a"]
     sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
     attn = attention_work(config, job.context, seq_shards, sequences)
     mm = matmul_work(config, per_device_tokens)
