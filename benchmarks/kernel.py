@@ -1,6 +1,7 @@
-"""Single-device attention kernels: jflash vs cuDNN vs XLA, in one process.
+"""Single-device attention kernels: jflash vs cuDNN, FlashAttention-3, a Triton-language
+kernel and XLA, in one process.
 
-    python benchmarks/kernel.py                   # 4k-64k causal shapes, ratios to cuDNN
+    python benchmarks/kernel.py                   # 4k-64k, causal and full: ratios to cuDNN, FA3
     python benchmarks/kernel.py --sweep           # time/TFLOP/s/memory vs S, heads, D + PNGs
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
@@ -8,8 +9,14 @@
     python benchmarks/kernel.py --launch-order    # launch order A/B per kernel (--impls)
     python benchmarks/kernel.py --documents       # 64k packed documents vs FA3 varlen
 
-Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that. With packed
-documents the count is the mask area: visible (query, key) pairs × 4·H per head.
+Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that; full (non-causal)
+attention counts 4·B·N·S²·H. With packed documents the count is the mask area: visible
+(query, key) pairs × 4·H per head.
+
+Peers outside jax, each imported where installed and otherwise a row saying why (never a
+dependency): `--impls fa3` is `flash_attn3_jax.flash_mha` (FlashAttention-3, D = 128
+only), `--impls jax_triton` the Triton-language kernel of `benchmarks/triton_attention.py`
+through `jax_triton.triton_call` (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -46,21 +53,65 @@ JFLASH = {
 }
 
 
-def attention_fn(impl: str, block_sizes=None):
+# Peers that are optional imports: row name -> what they are, for the skip notes.
+PEERS = {
+    "fa3": "FlashAttention-3 (flash_attn3_jax.flash_mha)",
+    "jax_triton": "Triton-language kernel (benchmarks/triton_attention.py via jax_triton)",
+}
+FA3_HEAD_DIMS = (128,)  # the flash-attn3-jax wheel's kernels: hdim128 (and no backward else)
+
+
+class PeerUnavailable(Exception):
+    """A peer that cannot run here: its message is the table cell."""
+
+
+def _import_failure(e: Exception) -> str:
+    if isinstance(e, ImportError):
+        return f"not installed ({e})"
+    return f"import failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
+def peer_fn(impl: str, causal: bool, head_dim: int):
+    """`attn(q, k, v)` of a peer in PEERS, or PeerUnavailable saying why not."""
+    if impl == "fa3":
+        if head_dim not in FA3_HEAD_DIMS:
+            raise PeerUnavailable(f"flash-attn3-jax has no D={head_dim} kernels (D=128 only)")
+        try:
+            from flash_attn3_jax import flash_mha
+        except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row
+            raise PeerUnavailable(_import_failure(e)) from e
+        return functools.partial(flash_mha, is_causal=causal)
+    if impl == "jax_triton":
+        try:
+            from benchmarks import triton_attention
+        except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row
+            raise PeerUnavailable(_import_failure(e)) from e
+        return functools.partial(triton_attention.attention, causal=causal)
+    raise ValueError(f"unknown peer {impl!r}: one of {sorted(PEERS)}")
+
+
+def attention_fn(impl: str, block_sizes=None, causal: bool = True, head_dim: int = 128):
     if impl in JFLASH:
         implementation, deterministic = JFLASH[impl]
         return functools.partial(
             jflash.flash_attention,
-            causal=True,
+            causal=causal,
             block_sizes=block_sizes,
             implementation=implementation,
             deterministic=deterministic,
         )
-    return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+    if impl in PEERS:
+        return peer_fn(impl, causal, head_dim)
+    return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
 
 
 def causal_flops(batch, heads, seq, head_dim):
     return 4 * batch * heads * seq * seq * head_dim / 2
+
+
+def attention_flops(batch, heads, seq, head_dim, causal: bool = True):
+    """Forward FLOPs: the causal count, or twice it for full attention."""
+    return causal_flops(batch, heads, seq, head_dim) * (1 if causal else 2)
 
 
 def draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
@@ -83,14 +134,32 @@ def measure(
     dtype=jnp.bfloat16,
     block_sizes=None,
     passes=("fwd", "fwdbwd"),
+    causal=True,
+    reference=None,
 ):
-    q, k, v, do = draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype)
-    jitted = jit_passes(attention_fn(impl, block_sizes))
-    fwd, fwdbwd = jitted["fwd"][0], jitted["fwdbwd"][0]
-    flops = causal_flops(batch, heads, seq, head_dim)
+    """One row: TFLOP/s, ms and temporaries of `impl`'s forward and forward+backward, or
+    `*_error` cells. `reference` (a dict shared by the rows of one shape and mask): the
+    first row's outputs are kept there and every later row's are checked against them
+    (`check_outputs`); a row whose outputs differ is not timed."""
     row = dict(
-        impl=impl, seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch
+        impl=impl,
+        mask="causal" if causal else "full",
+        seq_len=seq,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        batch=batch,
     )
+    try:
+        attn = attention_fn(impl, block_sizes, causal=causal, head_dim=head_dim)
+    except PeerUnavailable as e:
+        for name in passes:
+            row[f"{name}_error"] = str(e)
+        return row
+    q, k, v, do = draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype)
+    jitted = jit_passes(attn)
+    fwd, fwdbwd = jitted["fwd"][0], jitted["fwdbwd"][0]
+    flops = attention_flops(batch, heads, seq, head_dim, causal)
     for name, fn, args, mult in (
         ("fwd", fwd, (q, k, v), 1.0),
         ("fwdbwd", fwdbwd, (q, k, v, do), 3.5),
@@ -100,6 +169,8 @@ def measure(
         try:
             compiled = fn.lower(*args).compile()
             mem = compiled.memory_analysis()
+            if reference is not None and not check_outputs(row, name, compiled(*args), reference):
+                return row
             t = time_fn(compiled, *args)
         except Exception as e:  # noqa: BLE001 - OOM / unsupported reported as a row
             msg = str(e).splitlines()[0][:120]
@@ -112,6 +183,40 @@ def measure(
     return row
 
 
+# Agreement between implementations of one problem (bf16 outputs, f32 accumulation):
+# the forward's max |diff| (absolute, as in `--documents`), and forward+backward's max
+# |diff| over the output and dQ, dK, dV, each relative to that array's largest |value|.
+FWD_TOLERANCE, FWDBWD_TOLERANCE = 0.05, 0.02
+
+
+def check_outputs(row: dict, name: str, outputs, reference: dict) -> bool:
+    """The first row of a shape keeps its `name` pass's outputs in `reference`; a later
+    row gets `max_abs_diff` (forward) or `grad_rel_diff` (forward+backward) against them
+    and, past the tolerance, a `{name}_error` cell. False where the row has that error."""
+    leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(outputs)]
+    if name not in reference:
+        reference[name], reference[f"{name}_impl"] = leaves, row["impl"]
+        return True
+    if name == "fwd":
+        key, tolerance = "max_abs_diff", FWD_TOLERANCE
+        diff = max(
+            float(jnp.max(jnp.abs(a - b))) for a, b in zip(leaves, reference[name], strict=True)
+        )
+    else:
+        key, tolerance = "grad_rel_diff", FWDBWD_TOLERANCE
+        diff = max(
+            float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+            for a, b in zip(leaves, reference[name], strict=True)
+        )
+    row[key] = diff
+    if not diff <= tolerance:  # NaN fails too
+        row[f"{name}_error"] = (
+            f"wrong output: {key} vs {reference[f'{name}_impl']} {diff:.3g} > {tolerance}"
+        )
+        return False
+    return True
+
+
 SHAPES = [  # (seq, head_dim)
     (4096, 128),
     (16384, 128),
@@ -120,43 +225,88 @@ SHAPES = [  # (seq, head_dim)
 ]
 
 
+MAIN_COLUMNS = [
+    "impl",
+    "mask",
+    "seq_len",
+    "head_dim",
+    "fwd_tflops",
+    "fwdbwd_tflops",
+    "fwd_vs_cudnn",
+    "fwdbwd_vs_cudnn",
+    "fwd_vs_fa3",
+    "fwdbwd_vs_fa3",
+    "fwdbwd_temp_gib",
+    "max_abs_diff",
+    "grad_rel_diff",
+    "fwd_error",
+    "fwdbwd_error",
+]
+
+
+def peer_notes(impls) -> list[str]:
+    """One line per peer of `impls` that cannot run here (and why): printed before the
+    table, so a missing optional package is said once, not only in its cells."""
+    notes = []
+    for impl in impls:
+        if impl in PEERS:
+            try:
+                peer_fn(impl, True, 128)
+            except PeerUnavailable as e:
+                notes.append(f"note: {impl} ({PEERS[impl]}) skipped: {e}")
+    return notes
+
+
+def add_ratios(rows: list[dict], baselines=("cudnn", "fa3")) -> None:
+    """`{pass}_vs_{baseline}` on every row: the baseline's time ÷ the row's (above 1: the
+    row is faster), from the TFLOP/s of the same shape and mask."""
+    by = {(r["seq_len"], r["head_dim"], r.get("mask"), r["impl"]): r for r in rows}
+    for r in rows:
+        for baseline in baselines:
+            base = by.get((r["seq_len"], r["head_dim"], r.get("mask"), baseline), {})
+            for p in ("fwd", "fwdbwd"):
+                if f"{p}_tflops" in r and f"{p}_tflops" in base:
+                    r[f"{p}_vs_{baseline}"] = r[f"{p}_tflops"] / base[f"{p}_tflops"]
+
+
 def main_table(args):
+    for note in peer_notes(args.impls):
+        print(note, flush=True)
     rows = []
-    for seq, hd in SHAPES:
+    for (seq, hd), causal in itertools.product(SHAPES, args.masks):
+        if args.seqs and seq not in args.seqs:
+            continue
+        reference = {}  # the first row's outputs: later rows are checked against them
         for impl in args.impls:
             if impl == "xla" and seq > 8192:
                 rows.append(
-                    dict(impl=impl, seq_len=seq, head_dim=hd, fwd_error="skipped: O(S²) memory")
+                    dict(
+                        impl=impl,
+                        mask="causal" if causal else "full",
+                        seq_len=seq,
+                        head_dim=hd,
+                        fwd_error="skipped: O(S²) memory",
+                    )
                 )
                 continue
-            row = measure(impl, batch=1, seq=seq, heads=32, kv_heads=8, head_dim=hd)
+            row = measure(
+                impl,
+                batch=1,
+                seq=seq,
+                heads=32,
+                kv_heads=8,
+                head_dim=hd,
+                causal=causal,
+                reference=reference,
+            )
             rows.append(row)
             print(
                 {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
                 flush=True,
             )
-    by = {(r["seq_len"], r["head_dim"], r["impl"]): r for r in rows}
-    for r in rows:
-        base = by.get((r["seq_len"], r["head_dim"], "cudnn"), {})
-        for p in ("fwd", "fwdbwd"):
-            if f"{p}_tflops" in r and f"{p}_tflops" in base:
-                r[f"{p}_vs_cudnn"] = r[f"{p}_tflops"] / base[f"{p}_tflops"]
-    print(
-        table(
-            rows,
-            [
-                "impl",
-                "seq_len",
-                "head_dim",
-                "fwd_tflops",
-                "fwdbwd_tflops",
-                "fwd_vs_cudnn",
-                "fwdbwd_vs_cudnn",
-                "fwdbwd_temp_gib",
-                "fwd_error",
-            ],
-        )
-    )
+        reference.clear()
+    add_ratios(rows)
+    print(table(rows, MAIN_COLUMNS))
     write_json(os.path.join(args.out, f"kernel-{device_name()}.json"), {"rows": rows})
 
 
@@ -472,10 +622,8 @@ def _fa3_varlen(lengths):
     inputs, or the reason it cannot run here (a peer for the table, never a dependency)."""
     try:
         from flash_attn3_jax import flash_mha_varlen
-    except ImportError as e:
-        return None, f"not installed ({e})"
-    except Exception as e:  # noqa: BLE001 - built for another jax: a row, not a crash
-        return None, f"import failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row
+        return None, _import_failure(e)
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     longest = max(lengths)
 
@@ -628,7 +776,20 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=128, help="--tune and --kernels shape")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--impls", default="jflash,jflash_mosaic,cudnn,xla")
+    parser.add_argument(
+        "--impls",
+        default="jflash,jflash_mosaic,cudnn,xla",
+        help="rows: jflash, jflash_mosaic, jflash_mosaic_det, jflash_xla, cudnn, xla, and "
+        "the optional peers fa3, jax_triton",
+    )
+    parser.add_argument(
+        "--masks",
+        default="causal,full",
+        help="main table: causal and/or full (non-causal) attention",
+    )
+    parser.add_argument(
+        "--seqs", default="", help="main table: only these of its sequence lengths (4096,...)"
+    )
     parser.add_argument(
         "--tune-impl", default="jflash", choices=("jflash", "jflash_mosaic"), help="--tune: which"
     )
@@ -646,6 +807,14 @@ def main(argv=None):
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     args.impls = args.impls.split(",")
+    masks = {"causal": True, "full": False}
+    if any(m not in masks for m in args.masks.split(",")):
+        parser.error(f"--masks {args.masks!r}: a comma list of causal, full")
+    args.masks = [masks[m] for m in args.masks.split(",")]
+    try:
+        args.seqs = [int(x) for x in args.seqs.split(",") if x]
+    except ValueError:
+        parser.error(f"--seqs {args.seqs!r}: a comma list of sequence lengths")
     if args.sweep_replot:
         with open(args.sweep_replot) as f:
             results = json.load(f)
