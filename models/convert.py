@@ -9,6 +9,11 @@ CLI::
 
     python -m models.convert --from-hf HF_DIR --out NATIVE_DIR
     python -m models.convert --to-hf NATIVE_DIR --out HF_DIR [--dtype bfloat16]
+    python -m models.convert --init PRESET [--tokenizer TOKENIZER] --out HF_DIR
+
+``--init`` writes a randomly initialised preset as an HF directory; with a tokenizer
+(a ``tokenizer.json`` or its directory) the vocabulary size and BOS / EOS ids come from
+it and its files are copied along.
 
 A native directory holds ``params.safetensors`` (keys ``embed/embedding``, ...)
 and ``jflash_config.json``; tokenizer files are copied along in both directions.
@@ -35,7 +40,8 @@ from models.config import (
     from_hf_config,
     to_hf_config,
 )
-from models.functional import Params, abstract_params, check_params
+from models.functional import Params, abstract_params, check_params, init_params
+from models.presets import preset
 from models.safetensors_io import SafetensorsFile, save_file
 
 Transform = Literal["identity", "transpose"]
@@ -338,12 +344,122 @@ def _copy_tokenizer(src: str, dst: str) -> None:
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_ids(tokenizer_json: str) -> dict[str, int]:
+    """Token -> id of a ``tokenizer.json``: its model's vocabulary and added tokens."""
+    data = _read_json(tokenizer_json)
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = dict(vocab) if isinstance(vocab, dict) else {}
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        ids = {piece[0]: i for i, piece in enumerate(vocab)}
+    for token in data.get("added_tokens") or []:
+        ids[token["content"]] = int(token["id"])
+    return ids
+
+
+def tokenizer_vocab_size(tokenizer_json: str | os.PathLike[str]) -> int:
+    """One more than the largest id of a ``tokenizer.json`` (vocabulary and added tokens)."""
+    ids = _token_ids(os.fspath(tokenizer_json))
+    if not ids:
+        raise ValueError(f"{tokenizer_json}: no vocabulary found")
+    return max(ids.values()) + 1
+
+
+def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
+    """``{"bos_token": id, "eos_token": id}`` for the special tokens that the
+    ``tokenizer_config.json`` or ``special_tokens_map.json`` beside ``tokenizer_json``
+    names (as strings or ``{"content": ...}``), looked up in ``tokenizer_json``."""
+    tokenizer_json = os.fspath(tokenizer_json)
+    folder = os.path.dirname(tokenizer_json)
+    names: dict[str, str] = {}
+    for config in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = os.path.join(folder, config)
+        if os.path.isfile(path):
+            for key in ("bos_token", "eos_token"):
+                value = _read_json(path).get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    names[key] = value
+    if not names:
+        return {}
+    ids = _token_ids(tokenizer_json)
+    missing = {k: v for k, v in names.items() if v not in ids}
+    if missing:
+        raise ValueError(f"{tokenizer_json}: special tokens {missing} are not in its vocabulary")
+    return {key: ids[value] for key, value in names.items()}
+
+
+def init_hf(
+    preset_name: str,
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> LlamaConfig:
+    """Writes preset ``preset_name``, randomly initialised (``init_params`` with
+    ``seed``), as an HF directory ``out`` (``config.json``, ``model.safetensors``, the
+    tokenizer's files). With ``tokenizer`` (``tokenizer.json`` or its directory) the
+    vocabulary size (unless ``vocab_size``) and BOS / EOS ids are the tokenizer's."""
+    config = preset(preset_name)
+    files = None
+    if tokenizer is not None:
+        tokenizer = os.fspath(tokenizer)
+        tokenizer_json = (
+            os.path.join(tokenizer, "tokenizer.json") if os.path.isdir(tokenizer) else tokenizer
+        )
+        if not os.path.isfile(tokenizer_json):
+            raise ValueError(f"--tokenizer: {tokenizer_json} does not exist")
+        files = os.path.dirname(tokenizer_json)
+        special = special_token_ids(tokenizer_json)
+        config = config.replace(
+            vocab_size=vocab_size or tokenizer_vocab_size(tokenizer_json),
+            bos_token_id=special.get("bos_token", config.bos_token_id),
+            eos_token_id=special.get("eos_token", config.eos_token_id),
+        )
+    elif vocab_size:
+        config = config.replace(vocab_size=vocab_size)
+    for key in ("bos_token_id", "eos_token_id"):
+        value = getattr(config, key)
+        if isinstance(value, int) and not 0 <= value < config.vocab_size:
+            config = config.replace(**{key: None})  # the preset's id is not in this vocabulary
+    params = init_params(config, jax.random.key(seed))
+    export_hf(params, config, out)
+    if files is not None:
+        _copy_tokenizer(files, os.fspath(out))
+        if os.path.basename(tokenizer_json) != "tokenizer.json":
+            shutil.copy(tokenizer_json, os.path.join(out, "tokenizer.json"))
+    return config
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m models.convert``: HF directory <-> native directory."""
+    """``python -m models.convert``: HF directory <-> native directory, or a new model."""
     parser = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="DIR", help="HF checkpoint directory to read")
     source.add_argument("--to-hf", metavar="DIR", help="native directory to export to HF")
+    source.add_argument(
+        "--init", metavar="PRESET", help="write this preset, randomly initialised, as HF"
+    )
+    parser.add_argument(
+        "--tokenizer", metavar="PATH", help="--init: tokenizer.json or its directory"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="--init: default the tokenizer's"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--init: initialisation seed")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory")
     parser.add_argument(
         "--dtype",
@@ -355,6 +471,22 @@ def main(argv: list[str] | None = None) -> None:
         "--max-shard-gb", type=float, default=None, help="--to-hf: shard size limit in GB"
     )
     args = parser.parse_args(argv)
+    if args.init:
+        try:
+            config = init_hf(
+                args.init,
+                args.out,
+                tokenizer=args.tokenizer,
+                vocab_size=args.vocab_size,
+                seed=args.seed,
+            )
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+        print(
+            f"wrote {args.out}: {args.init} randomly initialised, vocab_size="
+            f"{config.vocab_size}, eos_token_id={config.eos_token_id}"
+        )
+        return
     if args.from_hf:
         config, params = load_hf(args.from_hf)
         save_native(params, config, args.out)

@@ -100,20 +100,20 @@ def test_text_records_use_the_model_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeTokenizer))
     (tmp_path / "tokenizer.json").write_text("{}")
     path = _dump_jsonl(tmp_path / "t.jsonl", ['{"text": "ab"}', '{"input_ids": [5]}'])
-    dataset = load_dataset(path, tokenizer_dir=tmp_path)
+    dataset = load_dataset(path, tokenizer=tmp_path)
     assert dataset.tokens.tolist() == [97, 98, 5]
 
 
 def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
     path = _dump_jsonl(tmp_path / "t.jsonl", ['{"input_ids": [5]}', '{"text": "ab"}'])
-    with pytest.raises(ValueError, match=r"t\.jsonl: line 2: .*no tokenizer directory"):
+    with pytest.raises(ValueError, match=r"t\.jsonl: line 2: .*no tokenizer was given"):
         load_dataset(path)
     with pytest.raises(ValueError, match=r"tokenizer\.json does not exist"):
-        load_dataset(path, tokenizer_dir=tmp_path)
+        load_dataset(path, tokenizer=tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     with pytest.raises(ValueError, match=r"line 2: .*'tokenizers' package"):
-        load_dataset(path, tokenizer_dir=tmp_path)
+        load_dataset(path, tokenizer=tmp_path)
 
 
 # --- malformed data --------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
         load_dataset(wrong_type)
     text_type = _dump_jsonl(tmp_path / "c.jsonl", ['{"text": 3}'])
     with pytest.raises(ValueError, match=r"c\.jsonl: line 1: 'text' must be a str"):
-        load_dataset(text_type, tokenizer_dir=tmp_path)
+        load_dataset(text_type, tokenizer=tmp_path)
 
 
 def test_jsonl_errors_name_one_based_lines_counting_blank_ones(tmp_path):

@@ -25,6 +25,7 @@ import models
 from models.loss import IGNORE_INDEX
 from models.sharding import spec_axes
 from train import data as data_lib
+from train import data_cache
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.mesh import (
@@ -78,16 +79,20 @@ def load_model(cfg: TrainConfig):
 SAMPLE_DATA = "sample"
 
 
-def load_rows(cfg: TrainConfig, config, *, eval: bool = False) -> data_lib.Rows:
-    """The packed rows of `--data_path` (or `--eval_data_path` with `eval`); `sample`
-    makes learnable sample data in memory (the same on every host: it depends only on
-    the flags and `--seed`; the evaluation's is held out from the same chain)."""
+def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
+    """The packed rows of `--data_path` (or `--eval_data_path` with `eval`): a data file
+    (in memory, or through a token cache under `--data_cache_dir`) or a token cache
+    directory (`train.data_cache.packed_rows`); `sample` makes learnable sample data in
+    memory (the same on every host: it depends only on the flags and `--seed`; the
+    evaluation's is held out from the same chain)."""
     path = cfg.data.eval_data_path if eval else cfg.data.data_path
     if not path:
         raise TrainingError(
-            "--data_path is required: a .pkl, .jsonl or .npy file, or 'sample' for "
-            "made-up learnable data (--sample_num_examples, --sample_vocab_size)"
+            "--data_path is required: a data file (.pkl, .jsonl, .npy, .parquet, a "
+            "save_to_disk directory), a token cache directory, or 'sample' for made-up "
+            "learnable data (--sample_num_examples, --sample_vocab_size)"
         )
+    eos = data_eos(cfg, config)
     if path == SAMPLE_DATA:
         vocab = cfg.data.sample_vocab_size or config.vocab_size
         if vocab > config.vocab_size:
@@ -103,11 +108,31 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False) -> data_lib.Rows:
         dataset = data_lib.TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:
         name = cfg.model.model_name_or_path
-        tokenizer_dir = name if os.path.isdir(name) else None
-        dataset = data_lib.load_dataset(
-            path, tokenizer_dir=tokenizer_dir, vocab_size=config.vocab_size
+        tokenizer = cfg.data.tokenizer_name_or_path or (name if os.path.isdir(name) else None)
+        return data_cache.packed_rows(
+            path,
+            cfg.data.model_max_length,
+            tokenizer=tokenizer,
+            eos_id=eos,
+            vocab_size=config.vocab_size,
+            cache_root=cfg.data.data_cache_dir or None,
         )
-    return dataset.rows(cfg.data.model_max_length, eos_id=end_of_text(config))
+    return dataset.rows(cfg.data.model_max_length, eos_id=eos)
+
+
+def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
+    """The token between packed documents: `--eos_token_id`, else the `eos_token` of
+    `--tokenizer_name_or_path` (where its files name one), else the model's
+    (`end_of_text`)."""
+    eos, where = cfg.data.eos_token_id, "--eos_token_id"
+    if eos is None and cfg.data.tokenizer_name_or_path:
+        eos = data_lib.tokenizer_eos_id(cfg.data.tokenizer_name_or_path)
+        where = f"the eos_token of --tokenizer_name_or_path={cfg.data.tokenizer_name_or_path!r}"
+    if eos is None:
+        return end_of_text(config)
+    if not 0 <= eos < config.vocab_size:
+        raise TrainingError(f"{where}: {eos} is not an id of vocab_size={config.vocab_size}")
+    return eos
 
 
 def end_of_text(config: models.LlamaConfig) -> int | None:
@@ -168,7 +193,7 @@ class Trainer:
     spec: StepSpec
     tx: optax.GradientTransformation
     lr_at: Callable[[int], jax.Array]
-    rows: data_lib.Rows
+    rows: data_lib.Rows | data_cache.CachedRows
     batches: data_lib.Batches
     total_steps: int
     global_batch: int
@@ -177,7 +202,7 @@ class Trainer:
     state_shardings: dict[str, Any]
     step_fn: Callable
     flops_token: float
-    eval_rows: data_lib.Rows | None = None
+    eval_rows: data_lib.Rows | data_cache.CachedRows | None = None
     eval_fn: Callable | None = None
 
     def batch(self, step: int) -> dict[str, jax.Array]:
@@ -190,7 +215,7 @@ class Trainer:
         all ignored (they count no tokens)."""
         rows, n = self.eval_rows, self.global_batch
         for begin in range(0, rows.num_rows, n):
-            part = [a[begin : begin + n] for a in rows]
+            part = list(rows.take(np.arange(begin, min(begin + n, rows.num_rows))))
             missing = n - len(part[0])
             if missing:
                 fill = (0, IGNORE_INDEX, 0)

@@ -1,6 +1,6 @@
-"""Training data: load .pkl / .jsonl / .npy, pack into rows, shuffle into resumable batches.
+"""Training data: read examples (a table of formats), pack rows, shuffle resumable batches.
 
-Formats (chosen by extension):
+Formats (chosen by extension, one entry each in :data:`READERS`):
 
 - ``.pkl``: a pickled list of examples (the ``data.pkl`` of PyTorch + LightSeq training
   scripts). Each example is a list / 1-D array of token ids, a dict with
@@ -8,13 +8,22 @@ Formats (chosen by extension):
   runs code: load trusted files only.
 - ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
   or ``{"text": "..."}``. Blank lines are skipped; errors name the 1-based line number
-  (blank lines counted, as an editor shows it). ``.pkl`` errors name the 0-based index
-  of the record in the list.
-- ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream).
+  (blank lines counted, as an editor shows it). Other formats' errors name the 0-based
+  index of the record.
+- ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
+  memory-mapped while it is read.
+- ``.parquet``: a column ``input_ids`` (optional ``labels``) or ``text`` (``pyarrow``,
+  from the ``hf`` extra), read a batch of rows at a time.
+- a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
+  ``save_to_disk``), with the same columns (the ``hf`` extra).
+
+A token cache (:mod:`train.data_cache`) holds any of them tokenized once, for datasets
+that should not be loaded whole into memory.
 
 ``"labels"`` follow the HuggingFace convention: aligned with ``input_ids`` (the model
-shifts), ``-100`` = ignored. ``"text"`` is tokenized with ``tokenizer.json`` from the
-model directory (the ``tokenizers`` package, imported only when text is present).
+shifts), ``-100`` = ignored. ``"text"`` is tokenized with a ``tokenizer.json`` (the file,
+or the directory holding it, e.g. the model's; the ``tokenizers`` package, imported only
+when text is present).
 
 Row scheme (:meth:`TokenDataset.rows`): all examples are concatenated, in file order,
 into one token stream (each followed by ``eos_id`` when one is given) and the stream is
@@ -43,17 +52,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from models.convert import special_token_ids
 from models.loss import IGNORE_INDEX
 
-FORMATS = (".pkl", ".jsonl", ".npy")
 _MAX_ID = np.iinfo(np.int32).max
 
 
@@ -84,6 +94,12 @@ class Rows(NamedTuple):
     @property
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
+
+    def take(self, ids: np.ndarray) -> Rows:
+        """The rows ``ids`` (an int array), contiguous copies. :class:`Batches` and the
+        evaluation read rows only through ``take``, ``num_rows`` and ``seq_len``, so a
+        token cache's rows (``train.data_cache.CachedRows``) computed on demand serve too."""
+        return Rows(*(np.ascontiguousarray(a[ids]) for a in self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,45 +238,83 @@ class TokenDataset:
         )
 
 
+class Example(NamedTuple):
+    """One example as a reader yields it: ``number`` (the 1-based line of a ``.jsonl``
+    file, else the 0-based record index), int32 ``input_ids``, int32 ``labels`` or None
+    (the tokens themselves)."""
+
+    number: int
+    input_ids: np.ndarray
+    labels: np.ndarray | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """One data format: ``read(path, parser)`` yields its :class:`Example` s in order;
+    ``by_line``: errors and :attr:`TokenDataset.lines` name lines, not record indices."""
+
+    read: Callable[[Path, RecordParser], Iterator[Example]]
+    by_line: bool = False
+
+
 def load_dataset(
-    path: str | Path, *, tokenizer_dir: str | Path | None = None, vocab_size: int | None = None
+    path: str | Path, *, tokenizer: str | Path | None = None, vocab_size: int | None = None
 ) -> TokenDataset:
-    """Loads a ``.pkl``, ``.jsonl`` or ``.npy`` dataset (see the module docstring).
+    """Loads a dataset of any format in :data:`READERS` into memory (see the module
+    docstring).
 
     Args:
-        path: the data file.
-        tokenizer_dir: model directory with ``tokenizer.json``, needed for ``"text"`` records.
+        path: the data file (or ``save_to_disk`` directory).
+        tokenizer: ``tokenizer.json`` or a directory holding it, needed for ``"text"``.
         vocab_size: if given, every token id and label must be below it.
 
     Raises:
         ValueError: malformed data, naming the file and record index; an empty dataset;
-            ids out of range; an unknown extension.
+            ids out of range; an unknown format; a missing optional package.
     """
     path = Path(path)
-    suffix = data_format(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such data file")
-    if suffix == ".npy":
-        dataset = _load_npy(path)
-    else:
-        records = _read_pkl(path) if suffix == ".pkl" else _read_jsonl(path)
-        parser = _RecordParser(path, tokenizer_dir)
-        numbers, parsed = [], []
-        for i, record in records:
-            numbers.append(i)
-            parsed.append(parser.parse(f"record {i}" if suffix == ".pkl" else f"line {i}", record))
-        dataset = TokenDataset.from_examples(
-            str(path),
-            [ids for ids, _ in parsed],
-            [labels for _, labels in parsed],
-            lines=numbers if suffix == ".jsonl" else None,
-        )
+    reader = READERS[data_format(path)]
+    parser = RecordParser(path, tokenizer)
+    examples = list(read_examples(path, parser))
+    if not examples:
+        raise ValueError(f"{path}: the dataset has no examples")
+    dataset = TokenDataset.from_examples(
+        str(path),
+        [e.input_ids for e in examples],
+        [e.labels for e in examples],
+        lines=[e.number for e in examples] if reader.by_line else None,
+    )
     if vocab_size is not None:
         dataset.check_vocab(vocab_size)
     return dataset
 
 
-def _read_pkl(path: Path) -> list[tuple[int, Any]]:
+def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
+    """The examples of ``path`` in order, one at a time (its reader from :data:`READERS`)."""
+    path = Path(path)
+    suffix = data_format(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such data file")
+    if suffix != SAVED_DATASET and not path.is_file():
+        raise ValueError(f"{path}: not a file")
+    return READERS[suffix].read(path, parser)
+
+
+def _records(
+    read: Callable[[Path], Iterator[tuple[int, Any]]], by_line: bool = False
+) -> Callable[[Path, RecordParser], Iterator[Example]]:
+    """A reader from a function yielding ``(number, record)``: each record is parsed
+    (ids, labels, or text tokenized) before the next is read."""
+    word = "line" if by_line else "record"
+
+    def parse_all(path: Path, parser: RecordParser) -> Iterator[Example]:
+        for number, record in read(path):
+            yield Example(number, *parser.parse(f"{word} {number}", record))
+
+    return parse_all
+
+
+def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         with open(path, "rb") as f:
             data = pickle.load(f)
@@ -268,7 +322,7 @@ def _read_pkl(path: Path) -> list[tuple[int, Any]]:
         raise ValueError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
     if not isinstance(data, (list, tuple)):
         raise ValueError(f"{path}: expected a pickled list of examples, got {type(data).__name__}")
-    return list(enumerate(data))
+    return enumerate(data)
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -292,9 +346,10 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}: line {i}: invalid JSON ({e})") from None
 
 
-def _load_npy(path: Path) -> TokenDataset:
+def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
+    """The rows of an ``[N, L]`` array (or the one ``[L]`` stream), memory-mapped."""
     try:
-        array = np.load(path, allow_pickle=False)
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"{path}: not a readable .npy array of token ids ({e})") from None
     if array.ndim == 1:
@@ -305,20 +360,98 @@ def _load_npy(path: Path) -> TokenDataset:
         )
     if array.size == 0:
         raise ValueError(f"{path}: the dataset has no tokens, shape {array.shape}")
-    for name, bad in (("negative", array < 0), ("above int32", array > _MAX_ID)):
-        if bad.any():
-            record, col = np.argwhere(bad)[0]
-            raise ValueError(f"{path}: record {record}: {name} token id {int(array[record, col])}")
-    return TokenDataset.from_examples(str(path), list(array.astype(np.int32)))
+    for record in range(array.shape[0]):
+        row = np.asarray(array[record])
+        for name, bad in (("negative", row < 0), ("above int32", row > _MAX_ID)):
+            if bad.any():
+                value = int(row[np.argmax(bad)])
+                raise ValueError(f"{path}: record {record}: {name} token id {value}")
+        yield Example(record, row.astype(np.int32), None)
 
 
-class _RecordParser:
-    """Turns one ``.pkl`` / ``.jsonl`` record into ``(input_ids, labels or None)``."""
+def _columns(path: Path, names: Sequence[str]) -> list[str]:
+    """The columns a table's records are read from: ``input_ids`` (+ ``labels``) or ``text``."""
+    if "input_ids" in names:
+        return ["input_ids"] + (["labels"] if "labels" in names else [])
+    if "text" in names:
+        return ["text"]
+    raise ValueError(f"{path}: expected a column 'input_ids' or 'text', got {list(names)}")
 
-    def __init__(self, path: Path, tokenizer_dir: str | Path | None):
+
+def _table_records(batches: Iterator[dict[str, list]]) -> Iterator[tuple[int, Any]]:
+    """``(record index, {column: value})`` from column batches ``{column: [values]}``."""
+    index = 0
+    for batch in batches:
+        names = list(batch)
+        for values in zip(*(batch[n] for n in names), strict=True):
+            yield index, dict(zip(names, values, strict=True))
+            index += 1
+
+
+def _optional(module: str, path: Path, extra: str = "hf"):
+    """Imports an optional package, or names the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading it needs the {module.split('.')[0]!r} package: "
+            f"pip install 'jflash[{extra}]'"
+        ) from None
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    pq = _optional("pyarrow.parquet", path)
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors vary: name the file
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+    columns = _columns(path, table.schema_arrow.names)
+    batches = table.iter_batches(batch_size=1024, columns=columns)
+    yield from _table_records(b.to_pydict() for b in batches)
+
+
+def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
+    datasets = _optional("datasets", path)
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets' errors vary: name the directory
+        raise ValueError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
+    if not isinstance(dataset, datasets.Dataset):
+        splits = sorted(dataset)
+        raise ValueError(
+            f"{path}: holds the splits {splits}; pass one split's directory, e.g. "
+            f"{path / splits[0]}"
+        )
+    columns = _columns(path, dataset.column_names)
+    yield from _table_records(dataset.select_columns(columns).iter(batch_size=1024))
+
+
+SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
+# The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
+# A new format is one entry here (and its tests in tests/test_train_data.py).
+READERS: dict[str, Reader] = {
+    ".pkl": Reader(_records(_read_pkl)),
+    ".jsonl": Reader(_records(_read_jsonl, by_line=True), by_line=True),
+    ".npy": Reader(_read_npy),
+    ".parquet": Reader(_records(_read_parquet)),
+    SAVED_DATASET: Reader(_records(_read_saved_dataset)),
+}
+FORMATS = tuple(READERS)
+
+
+class RecordParser:
+    """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
+    ``tokenizer.json`` or its directory, loaded at the first ``"text"`` record."""
+
+    def __init__(self, path: Path, tokenizer: str | Path | None):
         self.path = path
-        self.tokenizer_dir = tokenizer_dir
+        self.tokenizer = tokenizer
         self._tokenizer = None
+
+    @property
+    def used_tokenizer(self) -> bool:
+        """Whether any record was text (so the tokenizer shaped the tokens)."""
+        return self._tokenizer is not None
 
     def parse(self, where: str, record: Any) -> tuple[np.ndarray, np.ndarray | None]:
         if not isinstance(record, dict):
@@ -374,28 +507,99 @@ class _RecordParser:
 
     def _get_tokenizer(self, where: str):
         if self._tokenizer is None:
-            self._tokenizer = _load_tokenizer(self.tokenizer_dir, f"{self.path}: {where}")
+            self._tokenizer = load_tokenizer(
+                self.tokenizer, f"{self.path}: {where}: has 'text' but"
+            )
         return self._tokenizer
 
 
-def _load_tokenizer(tokenizer_dir: str | Path | None, where: str):
-    """``tokenizers.Tokenizer`` from ``tokenizer_dir/tokenizer.json``, with clear errors."""
-    if tokenizer_dir is None:
+def tokenizer_file(tokenizer: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``tokenizer`` names: the file, or the one in the directory."""
+    path = Path(tokenizer)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def load_tokenizer(tokenizer: str | Path | None, where: str = "text data needs a tokenizer;"):
+    """``tokenizers.Tokenizer`` from a ``tokenizer.json`` or its directory, with clear errors
+    (``where`` starts each message)."""
+    if tokenizer is None:
         raise ValueError(
-            f"{where}: has 'text' but no tokenizer directory was given; pass the model "
-            "directory that holds tokenizer.json"
+            f"{where} no tokenizer was given; pass --tokenizer_name_or_path (a "
+            "tokenizer.json or its directory) or a model directory that holds tokenizer.json"
         )
-    file = Path(tokenizer_dir) / "tokenizer.json"
+    file = tokenizer_file(tokenizer)
     if not file.is_file():
-        raise ValueError(f"{where}: has 'text' but {file} does not exist")
+        raise ValueError(f"{where} {file} does not exist")
     try:
         import tokenizers
     except ImportError:
         raise ValueError(
-            f"{where}: has 'text', which needs the 'tokenizers' package (pip install "
-            "'jflash[text]' or tokenizers); or pre-tokenize the data into 'input_ids'"
+            f"{where} the 'tokenizers' package is missing (pip install 'jflash[text]' or "
+            "tokenizers); or pre-tokenize the data into 'input_ids'"
         ) from None
-    return tokenizers.Tokenizer.from_file(str(file))
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - the Rust library's errors: name the file
+        raise ValueError(f"{where} {file} is not a readable tokenizer ({e})") from None
+
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def train_tokenizer(
+    files: Sequence[str | Path], out: str | Path, *, vocab_size: int = 4096
+) -> Path:
+    """Trains a byte-level BPE (the ``tokenizers`` package, GPT-2's scheme) on text files
+    (each file one document; a ``.jsonl`` file's records' ``"text"``, in order) and
+    writes ``out/tokenizer.json`` with a ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
+    Deterministic for the same files in the same order."""
+    if vocab_size < 257:
+        raise ValueError(f"--vocab-size={vocab_size} must be at least 257 (256 bytes + EOS)")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"no such text files: {missing}")
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ValueError(
+            "training a tokenizer needs the 'tokenizers' package: pip install 'jflash[text]'"
+        ) from None
+
+    def texts() -> Iterator[str]:
+        for f in files:
+            if Path(f).suffix.lower() == ".jsonl":
+                for _, record in _read_jsonl(Path(f)):
+                    if isinstance(record, dict) and isinstance(record.get("text"), str):
+                        yield record["text"]
+            else:
+                yield Path(f).read_text(encoding="utf-8", errors="replace")
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return out / "tokenizer.json"
+
+
+def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
+    """The id of the tokenizer's ``eos_token`` (named in ``tokenizer_config.json`` or
+    ``special_tokens_map.json`` beside its ``tokenizer.json``); None where none is named.
+    Reads the JSON files only (no ``tokenizers`` package needed)."""
+    return special_token_ids(tokenizer_file(tokenizer)).get("eos_token")
 
 
 # ---------------------------------------------------------------------------------------
@@ -427,7 +631,7 @@ class Batches:
     """Deterministic, resumable, multi-epoch iterator of shuffled batches of rows.
 
     Args:
-        rows: the packed rows.
+        rows: the packed rows (:class:`Rows`, or a token cache's ``CachedRows``).
         global_batch_size: rows per global batch, over all processes.
         seed: shuffle seed; epoch ``e`` uses ``np.random.default_rng([seed, e])``.
         shuffle: if False, rows keep their order every epoch.
@@ -500,7 +704,7 @@ class Batches:
         epoch, index = divmod(step, self.steps_per_epoch)
         begin = index * self.global_batch_size + self._local_start
         ids = self._permutation(epoch)[begin : begin + self.local_batch_size]
-        return Batch(*(np.ascontiguousarray(a[ids]) for a in self.rows))
+        return Batch(*self.rows.take(ids))
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -580,11 +784,38 @@ def markov_samples(
 
 
 def data_format(path: str | Path) -> str:
-    """The file's format (its lower-case suffix), one of FORMATS; ValueError otherwise."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"{path}: unknown data format {suffix!r}; expected one of {FORMATS}")
+    """The key of ``path``'s reader in :data:`READERS`: a directory's is ``save_to_disk``,
+    a file's its lower-case extension; ValueError for an extension no reader has."""
+    path = Path(path)
+    if path.is_dir():
+        return SAVED_DATASET
+    suffix = path.suffix.lower()
+    if suffix not in READERS:
+        known = ", ".join(k for k in READERS if k != SAVED_DATASET)
+        raise ValueError(
+            f"{path}: unknown data format {suffix!r}; expected a file ending in {known}, a "
+            "directory saved with datasets' save_to_disk, or a token cache directory"
+        )
     return suffix
+
+
+def _write_pkl(path: Path, examples) -> None:
+    with open(path, "wb") as f:
+        pickle.dump([{"input_ids": np.asarray(e).tolist()} for e in examples], f)
+
+
+def _write_jsonl(path: Path, examples) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for e in examples:
+            f.write(json.dumps({"input_ids": np.asarray(e).tolist()}) + "\n")
+
+
+# The formats save_dataset writes (extension -> writer).
+WRITERS: dict[str, Callable[[Path, Any], None]] = {
+    ".pkl": _write_pkl,
+    ".jsonl": _write_jsonl,
+    ".npy": lambda path, examples: np.save(path, np.asarray(examples, dtype=np.int32)),
+}
 
 
 def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) -> None:
@@ -594,20 +825,19 @@ def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) 
     line; ``.npy``: an int32 ``[N, L]`` array (examples must have equal lengths).
     """
     path = Path(path)
-    suffix = data_format(path)
-    if suffix == ".npy":
-        np.save(path, np.asarray(examples, dtype=np.int32))
-    elif suffix == ".pkl":
-        with open(path, "wb") as f:
-            pickle.dump([{"input_ids": np.asarray(e).tolist()} for e in examples], f)
-    elif suffix == ".jsonl":
-        with open(path, "w", encoding="utf-8") as f:
-            for e in examples:
-                f.write(json.dumps({"input_ids": np.asarray(e).tolist()}) + "\n")
+    writer_of(path)(path, examples)
+
+
+def writer_of(path: str | Path) -> Callable[[Path, Any], None]:
+    """The writer of ``path``'s extension in :data:`WRITERS`; ValueError for others."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in WRITERS:
+        raise ValueError(f"{path}: cannot write {suffix!r} data; write one of {tuple(WRITERS)}")
+    return WRITERS[suffix]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m train.data sample ...`` / ``python -m train.data inspect PATH``."""
+    """``python -m train.data sample | inspect | cache | tokenizer``."""
     parser = argparse.ArgumentParser(
         prog="python -m train.data", description=__doc__.split("\n")[0]
     )
@@ -620,10 +850,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--num-states", type=int, default=256, help="distinct tokens used")
     sample.add_argument("--branching", type=int, default=4, help="successors per token")
-    inspect = commands.add_parser("inspect", help="print counts of a dataset")
+    inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
-    inspect.add_argument("--tokenizer-dir", default=None, help="model dir, for 'text' records")
+    inspect.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or its directory, for 'text' records"
+    )
     inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
+    cache = commands.add_parser(
+        "cache", help="tokenize a dataset once into a memory-mapped token cache directory"
+    )
+    cache.add_argument("input", help="a data file or save_to_disk directory (any format)")
+    cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
+    cache.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or its directory, for 'text' records"
+    )
+    cache.add_argument(
+        "--eos-id",
+        type=int,
+        default=None,
+        help="token appended after each document (default: the tokenizer's eos_token)",
+    )
+    cache.add_argument("--no-eos", action="store_true", help="no token between documents")
+    cache.add_argument("--vocab-size", type=int, default=None, help="also check id range")
+    tok = commands.add_parser(
+        "tokenizer", help="train a byte-level BPE tokenizer (the tokenizers package) on text"
+    )
+    tok.add_argument("files", nargs="+", help="UTF-8 text files, or .jsonl files of 'text'")
+    tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
+    tok.add_argument("--vocab-size", type=int, default=4096)
     args = parser.parse_args(argv)
     try:
         _command(args)
@@ -632,8 +886,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _command(args: argparse.Namespace) -> None:
+    from train import data_cache
+
     if args.command == "sample":
-        data_format(args.out)  # before making the samples
+        writer_of(args.out)  # before making the samples
         examples = markov_samples(
             args.num_samples,
             args.seq_len,
@@ -644,12 +900,36 @@ def _command(args: argparse.Namespace) -> None:
         )
         save_dataset(args.out, examples)
         print(f"wrote {args.out}: {args.num_samples} examples x {args.seq_len} tokens")
-    else:
-        dataset = load_dataset(
-            args.path, tokenizer_dir=args.tokenizer_dir, vocab_size=args.vocab_size
-        )
-        for key, value in dataset.summary().items():
+    elif args.command == "inspect":
+        if data_cache.is_cache(args.path):
+            summary = data_cache.open_cache(args.path, vocab_size=args.vocab_size).summary()
+        else:
+            summary = load_dataset(
+                args.path, tokenizer=args.tokenizer, vocab_size=args.vocab_size
+            ).summary()
+        for key, value in summary.items():
             print(f"{key}: {value}")
+    elif args.command == "cache":
+        if args.no_eos and args.eos_id is not None:
+            raise ValueError("give --eos-id or --no-eos, not both")
+        eos_id = args.eos_id
+        if eos_id is None and not args.no_eos and args.tokenizer is not None:
+            eos_id = tokenizer_eos_id(args.tokenizer)
+        cache, built = data_cache.ensure_cache(
+            args.input,
+            args.cache_dir,
+            tokenizer=args.tokenizer,
+            eos_id=eos_id,
+            vocab_size=args.vocab_size,
+        )
+        s = cache.summary()
+        print(
+            f"{'wrote' if built else 'up to date:'} {args.cache_dir}: {s['examples']} documents, "
+            f"{s['tokens']} tokens (eos_id={cache.eos_id})"
+        )
+    else:
+        file = train_tokenizer(args.files, args.out, vocab_size=args.vocab_size)
+        print(f"wrote {file}: vocab_size={args.vocab_size}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,366 @@
+"""Tests of train/data_cache.py (memory-mapped token caches), the trainer's data flags
+(--data_cache_dir, --tokenizer_name_or_path, --eos_token_id), the BPE tokenizer command
+and `models.convert --init`."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from models import convert
+from train import data as data_lib
+from train import data_cache
+from train.build import data_eos, load_model, load_rows
+from train.config import DataArgs, ModelArgs, TrainConfig
+from train.data import Batches, load_dataset
+from train.errors import TrainingError
+
+REPO = Path(__file__).resolve().parents[1]
+EOS = 2
+IGNORE = -100
+
+
+def _records(n: int = 60, seed: int = 0) -> list:
+    """Documents of 1-40 tokens: plain lists, some ending in EOS already, some with
+    labels (half ignored)."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(n):
+        ids = rng.integers(3, 200, size=int(rng.integers(1, 41)))
+        if i % 7 == 3:
+            ids[-1] = EOS
+        if i % 5 == 1:
+            labels = ids.copy()
+            labels[: len(ids) // 2] = IGNORE
+            records.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+        else:
+            records.append(ids.tolist())
+    return records
+
+
+def _pkl(path: Path, records) -> Path:
+    with open(path, "wb") as f:
+        pickle.dump(records, f)
+    return path
+
+
+@pytest.fixture
+def small_flushes(monkeypatch):
+    """Writes every few tokens, so labels start after earlier tokens hit the file."""
+    monkeypatch.setattr(data_cache, "_FLUSH_TOKENS", 16)
+
+
+def _assert_rows_equal(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+        assert y.dtype == np.int32
+
+
+# --- the cache is the in-memory path ---------------------------------------------------
+
+
+@pytest.mark.parametrize("eos_id", [None, EOS])
+@pytest.mark.parametrize("mask_boundaries", [True, False])
+def test_cache_rows_and_batches_equal_in_memory(tmp_path, small_flushes, eos_id, mask_boundaries):
+    source = _pkl(tmp_path / "d.pkl", _records())
+    cache = data_cache.build_cache(source, tmp_path / "cache", eos_id=eos_id)
+    assert cache.meta["labels"] and cache.eos_id == eos_id
+    dataset = load_dataset(source)
+    for seq_len in (1, 7, 32):
+        memory = dataset.rows(seq_len, eos_id=eos_id, mask_boundaries=mask_boundaries)
+        cached = cache.rows(seq_len, mask_boundaries=mask_boundaries)
+        assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
+        _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
+    a = Batches(dataset.rows(16, eos_id=eos_id), 4, seed=3, num_epochs=2)
+    b = Batches(cache.rows(16), 4, seed=3, num_epochs=2)
+    for x, y in zip(a, b, strict=True):  # the trainer's batches, two epochs
+        _assert_rows_equal(x, y)
+
+
+def test_cache_of_jsonl_and_npy_equal_in_memory(tmp_path):
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(3, 300, size=n) for n in (5, 17, 1, 30, 9)]
+    jsonl = tmp_path / "d.jsonl"
+    data_lib.save_dataset(jsonl, docs)
+    npy = tmp_path / "d.npy"
+    data_lib.save_dataset(npy, rng.integers(0, 300, size=(6, 11)))
+    for source in (jsonl, npy):
+        cache = data_cache.build_cache(source, tmp_path / f"c{source.suffix}", eos_id=EOS)
+        memory = load_dataset(source).rows(8, eos_id=EOS)
+        _assert_rows_equal(memory, cache.rows(8).take(np.arange(memory.num_rows)))
+
+
+def test_cache_resumes_at_the_exact_batch(tmp_path):
+    cache = data_cache.build_cache(_pkl(tmp_path / "d.pkl", _records(80)), tmp_path / "c")
+    rows = cache.rows(8)
+    full = [b.input_ids for b in Batches(rows, 3, seed=1, num_epochs=3)]
+    assert len(full) == 3 * (rows.num_rows // 3)
+    for k in (1, 5, rows.num_rows // 3 + 2):  # inside the first epoch and into the second
+        first = Batches(rows, 3, seed=1, num_epochs=3)
+        for _ in range(k):
+            next(first)
+        state = json.loads(json.dumps(first.state()))  # as a checkpoint stores it
+        rest = [
+            b.input_ids
+            for b in Batches(
+                data_cache.open_cache(tmp_path / "c").rows(8), 3, seed=1, num_epochs=3, start=state
+            )
+        ]
+        assert len(rest) == len(full) - k
+        for x, y in zip(full[k:], rest, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_eos_goes_between_documents_once(tmp_path):
+    source = _pkl(tmp_path / "d.pkl", [[5, 6], [7, EOS], [8]])
+    cache = data_cache.build_cache(source, tmp_path / "c", eos_id=EOS)
+    assert np.asarray(cache.tokens).tolist() == [5, 6, EOS, 7, EOS, 8, EOS]
+    assert np.asarray(cache.offsets).tolist() == [0, 3, 5, 7]
+    rows = cache.rows(7).take([0])
+    assert rows.labels.tolist() == [[6, EOS, IGNORE, EOS, IGNORE, EOS, IGNORE]]
+    assert rows.segment_ids.tolist() == [[0, 0, 0, 1, 1, 2, 2]]
+    plain = data_cache.build_cache(source, tmp_path / "p")
+    assert np.asarray(plain.tokens).tolist() == [5, 6, 7, EOS, 8]
+    assert plain.eos_id is None and not (tmp_path / "p" / data_cache.LABELS).exists()
+
+
+def test_cache_files_and_summary(tmp_path):
+    cache = data_cache.build_cache(_pkl(tmp_path / "d.pkl", [[5, 6], [9]]), tmp_path / "c")
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    assert meta["source"]["size"] == (tmp_path / "d.pkl").stat().st_size
+    assert (meta["eos_id"], meta["tokenizer"], meta["num_tokens"]) == (None, None, 3)
+    assert (tmp_path / "c" / "tokens.bin").read_bytes() == np.array([5, 6, 9], "<u4").tobytes()
+    assert np.load(tmp_path / "c" / "index.npy").tolist() == [0, 2, 3]
+    assert cache.summary() == {
+        "examples": 2,
+        "tokens": 3,
+        "min_length": 1,
+        "max_length": 2,
+        "max_id": 9,
+    }
+    with pytest.raises(ValueError, match=r"c: token id 9 is out of range for vocab_size=9"):
+        data_cache.open_cache(tmp_path / "c", vocab_size=9)
+    with pytest.raises(ValueError, match=r"tokens do not fill one row of seq_len=4"):
+        cache.rows(4)
+    (tmp_path / "c" / "tokens.bin").write_bytes(b"\0" * 8)  # truncated
+    with pytest.raises(ValueError, match=r"tokens\.bin: 8 bytes, expected 3 tokens"):
+        data_cache.open_cache(tmp_path / "c")
+
+
+# --- atomic writes, stale caches -------------------------------------------------------
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_a_failed_build_leaves_no_cache(tmp_path, small_flushes):
+    bad = _pkl(tmp_path / "bad.pkl", [*_records(30), [1, -4]])  # the last record is bad
+    with pytest.raises(ValueError, match=r"bad\.pkl: record 30: 'input_ids': id -4"):
+        data_cache.build_cache(bad, tmp_path / "c")
+    assert not (tmp_path / "c").exists() and _leftovers(tmp_path) == []
+    with pytest.raises(ValueError, match=r"record 2: token id 250 is out of range"):
+        data_cache.build_cache(
+            _pkl(tmp_path / "v.pkl", [[1], [2], [250]]), tmp_path / "c", vocab_size=200
+        )
+    assert not (tmp_path / "c").exists() and _leftovers(tmp_path) == []
+
+    # A failed rebuild keeps the cache that was there.
+    good = _pkl(tmp_path / "good.pkl", [[5, 6, 7]])
+    data_cache.build_cache(good, tmp_path / "c")
+    with pytest.raises(ValueError, match=r"record 30"):
+        data_cache.build_cache(bad, tmp_path / "c")
+    assert np.asarray(data_cache.open_cache(tmp_path / "c").tokens).tolist() == [5, 6, 7]
+    assert _leftovers(tmp_path) == []
+    # Something that is not a cache is never written over.
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"other exists and is not a token cache"):
+        data_cache.build_cache(good, tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
+    source = _pkl(tmp_path / "d.pkl", [[5, 6, 7, 8]])
+    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    assert built
+    _, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    assert not built  # reused
+    _, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=3)
+    assert built and "built with eos_id=2, this run's is 3" in capsys.readouterr().out
+
+    _pkl(source, [[5, 6, 7, 8, 9, 10]])  # the source changes
+    os.utime(source, ns=(1, 1))
+    assert "changed since the cache was built" in " ".join(
+        data_cache.open_cache(tmp_path / "c").mismatch(eos_id=3)
+    )
+    with pytest.raises(ValueError, match=r"does not match this run \(.*d\.pkl changed.*rebuild"):
+        data_cache.packed_rows(tmp_path / "c", 4, eos_id=3)
+    with pytest.raises(ValueError, match=r"built with eos_id=3, this run's is None"):
+        data_cache.packed_rows(tmp_path / "c", 4, eos_id=None)
+    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=3)
+    assert built and np.asarray(cache.tokens).tolist() == [5, 6, 7, 8, 9, 10, 3]
+    assert data_cache.packed_rows(tmp_path / "c", 7, eos_id=3).num_rows == 1
+
+
+# --- the trainer's data flags ----------------------------------------------------------
+
+
+def _cfg(**data) -> TrainConfig:
+    return TrainConfig(model=ModelArgs(model_name_or_path="tiny"), data=DataArgs(**data))
+
+
+def test_trainer_reads_a_cache_dir_and_builds_caches_in_data_cache_dir(tmp_path):
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    config = models.TINY
+    eos = data_eos(_cfg(), config)
+    memory = load_rows(_cfg(data_path=str(source), model_max_length=16), config)
+    cached = load_rows(
+        _cfg(data_path=str(source), model_max_length=16, data_cache_dir=str(tmp_path / "cc")),
+        config,
+    )
+    assert isinstance(cached, data_cache.CachedRows) and cached.cache.eos_id == eos
+    (where,) = (tmp_path / "cc").iterdir()
+    assert where.name.startswith("d.pkl-")
+    _assert_rows_equal(memory, cached.take(np.arange(memory.num_rows)))
+    direct = load_rows(_cfg(data_path=str(where), model_max_length=16), config)
+    _assert_rows_equal(memory, direct.take(np.arange(memory.num_rows)))
+    with pytest.raises(ValueError, match=r"built with eos_id=2, this run's is 7"):
+        load_rows(_cfg(data_path=str(where), eos_token_id=7), config)
+
+
+def test_eos_token_id_flag(tmp_path):
+    source = _pkl(tmp_path / "d.pkl", [[5, 6], [8, 9]])
+    rows = load_rows(_cfg(data_path=str(source), model_max_length=3, eos_token_id=4), models.TINY)
+    assert rows.input_ids.tolist() == [[5, 6, 4], [8, 9, 4]]
+    with pytest.raises(TrainingError, match=r"--eos_token_id: 512 is not an id of vocab_size=512"):
+        load_rows(_cfg(data_path=str(source), eos_token_id=512), models.TINY)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    """A byte-level BPE of 300 tokens trained on a little English."""
+    pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("bpe")
+    text = folder / "corpus.txt"
+    text.write_text((REPO / "docs" / "trainer.md").read_text() * 2)
+    data_lib.train_tokenizer([text], folder / "tok", vocab_size=300)
+    return folder / "tok"
+
+
+def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
+    data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "again", vocab_size=300)
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (
+        bpe / "tokenizer.json"
+    ).read_bytes()
+    assert convert.tokenizer_vocab_size(bpe / "tokenizer.json") == 300
+    assert data_lib.tokenizer_eos_id(bpe) == data_lib.tokenizer_eos_id(bpe / "tokenizer.json")
+    assert data_lib.tokenizer_eos_id(bpe) == 0
+    tokenizer = data_lib.load_tokenizer(bpe)
+    ids = tokenizer.encode("The trainer packs documents.").ids
+    assert tokenizer.decode(ids) == "The trainer packs documents." and max(ids) < 300
+    with pytest.raises(ValueError, match=r"--vocab-size=100 must be at least 257"):
+        data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "x", vocab_size=100)
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_file):
+    texts = ["Packed rows of text.", "Labels never cross documents."]
+    source = tmp_path / "t.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tokenizer = str(bpe / "tokenizer.json" if as_file else bpe)
+    cfg = _cfg(
+        data_path=str(source),
+        model_max_length=4,
+        tokenizer_name_or_path=tokenizer,
+        data_cache_dir=str(tmp_path / "cc"),
+    )
+    assert data_eos(cfg, models.TINY) == 0  # the tokenizer's, not the model's (2)
+    rows = load_rows(cfg, models.TINY)
+    encoded = data_lib.load_tokenizer(bpe).encode
+    stream = [i for t in texts for i in [*encoded(t).ids, 0]]
+    used = rows.num_rows * 4
+    np.testing.assert_array_equal(
+        rows.take(np.arange(rows.num_rows)).input_ids.ravel(), stream[:used]
+    )
+    (where,) = (tmp_path / "cc").iterdir()
+    meta = json.loads((where / "meta.json").read_text())
+    assert meta["tokenizer"]["path"] == str((bpe / "tokenizer.json").resolve())
+    # Without a tokenizer, text is refused by name (the tiny preset has no directory).
+    with pytest.raises(ValueError, match=r"t\.jsonl: line 1: has 'text' but no tokenizer"):
+        load_rows(_cfg(data_path=str(source), model_max_length=4), models.TINY)
+
+
+def test_cli_cache_and_inspect(bpe, tmp_path, capsys):
+    source = tmp_path / "t.jsonl"
+    source.write_text(json.dumps({"text": "Some text to cache."}) + "\n")
+    argv = ["cache", str(source), str(tmp_path / "c"), "--tokenizer", str(bpe)]
+    data_lib.main(argv)
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'c'}: 1 documents")
+    data_lib.main(argv)
+    assert "up to date:" in capsys.readouterr().out
+    data_lib.main(["inspect", str(tmp_path / "c")])
+    assert "examples: 1\n" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        data_lib.main([*argv, "--eos-id", "3", "--no-eos"])
+    assert capsys.readouterr().err.startswith("error: give --eos-id or --no-eos")
+
+
+# --- models.convert --init -------------------------------------------------------------
+
+HF_LLAMA_KEYS = {
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings",
+    "max_position_embeddings", "initializer_range", "attention_bias", "bos_token_id",
+    "eos_token_id", "torch_dtype",
+}  # fmt: skip
+
+
+def test_convert_init_round_trip(bpe, tmp_path):
+    out = tmp_path / "model"
+    convert.main(["--init", "tiny", "--tokenizer", str(bpe), "--out", str(out)])
+    hf = json.loads((out / "config.json").read_text())
+    assert HF_LLAMA_KEYS <= set(hf) and hf["model_type"] == "llama"
+    assert (hf["vocab_size"], hf["eos_token_id"], hf["bos_token_id"]) == (300, 0, 0)
+    assert hf["hidden_size"] == models.TINY.hidden_size
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (out / name).is_file()
+    config, params = models.load_hf(out)  # strict: every tensor, every shape
+    assert config.vocab_size == 300 and params["embed"]["embedding"].shape == (300, 128)
+    cfg = TrainConfig(model=ModelArgs(model_name_or_path=str(out)))
+    loaded, host = load_model(cfg)
+    assert loaded.vocab_size == 300 and host is not None
+    assert data_eos(cfg, loaded) == 0
+    with pytest.raises(SystemExit):
+        convert.main(["--init", "no-such-preset", "--out", str(tmp_path / "x")])
+
+
+@pytest.mark.slow
+def test_convert_init_loads_in_transformers(bpe, tmp_path):
+    """HF's own loader reads the directory, where the side environment is built."""
+    oracle = os.environ.get("JFLASH_ORACLE_PYTHON") or str(REPO / ".venv-oracle/bin/python")
+    if not os.path.exists(oracle):
+        pytest.skip("no HF side environment (make oracle, or JFLASH_ORACLE_PYTHON)")
+    out = tmp_path / "model"
+    convert.init_hf("tiny", out, tokenizer=bpe / "tokenizer.json")
+    code = (
+        "import sys; from transformers import LlamaForCausalLM; "
+        "m = LlamaForCausalLM.from_pretrained(sys.argv[1]); "
+        "print(m.config.vocab_size, m.config.eos_token_id, m.num_parameters())"
+    )
+    result = subprocess.run(
+        [oracle, "-c", code, str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, params = models.load_hf(out)
+    count = sum(np.size(x) for x in jax.tree.leaves(params))
+    assert result.stdout.split() == ["300", "0", str(count)]

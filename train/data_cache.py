@@ -1,0 +1,447 @@
+"""Memory-mapped token caches: a dataset tokenized once, read back without loading it.
+
+A cache is a directory:
+
+- ``tokens.bin``: uint32, every document's tokens back to back, each document followed
+  by ``eos_id`` when one is given and it does not already end with it (the stream of
+  :meth:`train.data.TokenDataset.rows`, EOS included);
+- ``labels.bin``: int32, the same length, only where some record carries ``"labels"``
+  (``-100`` = ignored; the appended EOS is its own label);
+- ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
+  ``tokens[index[i]:index[i + 1]]``;
+- ``meta.json``: what it was built from (the source's path, size and mtime; the
+  tokenizer file's sha256 where text was tokenized), ``eos_id`` and counts.
+
+It is written under a temporary name beside ``cache_dir`` and renamed into place when
+complete: a failed build leaves nothing under the final name, and a stale cache it
+replaces is removed only after the new one is in place. :class:`CachedRows` cuts rows
+exactly as ``TokenDataset.rows`` does (same labels, segment ids and boundary masking),
+computed per row from the memory map when a batch asks for it, so batches, losses and
+resume positions are the in-memory path's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.loss import IGNORE_INDEX
+from train.data import (
+    READERS,
+    RecordParser,
+    Rows,
+    data_format,
+    load_dataset,
+    read_examples,
+    tokenizer_file,
+)
+
+FORMAT = "jflash-token-cache"
+VERSION = 1
+META = "meta.json"
+TOKENS = "tokens.bin"
+LABELS = "labels.bin"
+INDEX = "index.npy"
+_MAX_ID = np.iinfo(np.int32).max
+_FLUSH_TOKENS = 1 << 22  # tokens buffered before a write
+
+
+def is_cache(path: str | Path) -> bool:
+    """Whether ``path`` is a token cache directory (it has a ``meta.json`` of this format)."""
+    meta = Path(path) / META
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()).get("format") == FORMAT
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def source_stamp(path: str | Path) -> dict[str, Any]:
+    """``{"path", "size", "mtime_ns"}`` of a data file (a directory: its files' total
+    size and latest mtime), what a cache records to notice a changed source."""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [f.stat() for f in files]
+    return {
+        "path": str(path),
+        "size": sum(s.st_size for s in stats),
+        "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
+    }
+
+
+def tokenizer_stamp(tokenizer: str | Path) -> dict[str, str]:
+    """``{"path", "sha256"}`` of a tokenizer's ``tokenizer.json``."""
+    file = tokenizer_file(tokenizer).resolve()
+    return {"path": str(file), "sha256": hashlib.sha256(file.read_bytes()).hexdigest()}
+
+
+class TokenCache:
+    """An opened cache: ``tokens`` (uint32 memmap), ``targets`` (int32 memmap, or the
+    tokens), ``offsets`` (int64, memory-mapped), ``meta``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not is_cache(self.path):
+            raise ValueError(f"{self.path}: not a token cache (no {META} of format {FORMAT!r})")
+        self.meta = json.loads((self.path / META).read_text())
+        if self.meta.get("version") != VERSION:
+            raise ValueError(
+                f"{self.path}: token cache version {self.meta.get('version')}, this jflash "
+                f"reads {VERSION}; rebuild it with python -m train.data cache"
+            )
+        n = int(self.meta["num_tokens"])
+        self.tokens = self._map(TOKENS, np.uint32, n)
+        self.targets = self._map(LABELS, np.int32, n) if self.meta["labels"] else self.tokens
+        self.offsets = np.load(self.path / INDEX, mmap_mode="r")
+        docs = int(self.meta["num_documents"])
+        if self.offsets.shape != (docs + 1,) or int(self.offsets[-1]) != n:
+            raise ValueError(
+                f"{self.path}: {INDEX} does not match {META} ({docs} documents, {n} tokens)"
+            )
+
+    def _map(self, name: str, dtype, n: int) -> np.memmap:
+        file = self.path / name
+        size = file.stat().st_size if file.is_file() else -1
+        if size != n * np.dtype(dtype).itemsize:
+            raise ValueError(
+                f"{file}: {size} bytes, expected {n} tokens of {np.dtype(dtype).name} "
+                "(a damaged cache: rebuild it)"
+            )
+        return np.memmap(file, dtype=dtype, mode="r", shape=(n,))
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.meta["eos_id"]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.meta["num_tokens"])
+
+    def summary(self) -> dict[str, Any]:
+        """Counts as :meth:`TokenDataset.summary` gives them (EOS tokens included)."""
+        lengths = np.diff(np.asarray(self.offsets))
+        return {
+            "examples": int(self.meta["num_documents"]),
+            "tokens": self.num_tokens,
+            "min_length": int(lengths.min()),
+            "max_length": int(lengths.max()),
+            "max_id": int(self.meta["max_id"]),
+        }
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the cache and the largest id where it is ``>= vocab_size``."""
+        for name, key in (("token id", "max_id"), ("label", "max_label")):
+            if self.meta[key] >= vocab_size:
+                raise ValueError(
+                    f"{self.path}: {name} {self.meta[key]} is out of range for {vocab_size=}"
+                )
+
+    def mismatch(
+        self,
+        source: str | Path | None = None,
+        *,
+        tokenizer: str | Path | None = None,
+        eos_id: int | None = None,
+    ) -> list[str]:
+        """Why this cache is not what ``source`` (default: the recorded source, where it
+        still exists), ``tokenizer`` (compared where both tokenized text) and ``eos_id``
+        would build; empty when it is."""
+        reasons = []
+        if eos_id != self.eos_id:
+            reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
+        recorded = self.meta["source"]
+        if source is None and os.path.exists(recorded["path"]):
+            source = recorded["path"]
+        if source is not None:
+            now = source_stamp(source)
+            if now["path"] != recorded["path"]:
+                reasons.append(f"built from {recorded['path']}, not {now['path']}")
+            elif (now["size"], now["mtime_ns"]) != (recorded["size"], recorded["mtime_ns"]):
+                reasons.append(f"{now['path']} changed since the cache was built (size or mtime)")
+        used = self.meta["tokenizer"]
+        if used is not None and tokenizer is not None and tokenizer_file(tokenizer).is_file():
+            if tokenizer_stamp(tokenizer)["sha256"] != used["sha256"]:
+                reasons.append(f"its text was tokenized by another tokenizer ({used['path']})")
+        return reasons
+
+    def rows(self, seq_len: int, *, mask_boundaries: bool = True) -> CachedRows:
+        return CachedRows(self, seq_len, mask_boundaries=mask_boundaries)
+
+
+def open_cache(path: str | Path, *, vocab_size: int | None = None) -> TokenCache:
+    """Opens the cache at ``path`` (memory maps; nothing is read whole but the meta)."""
+    cache = TokenCache(path)
+    if vocab_size is not None:
+        cache.check_vocab(vocab_size)
+    return cache
+
+
+class CachedRows:
+    """The rows of :meth:`TokenDataset.rows` for a cache's stream, cut on demand.
+
+    Row ``r`` is stream positions ``[r * seq_len, (r + 1) * seq_len)``; its labels read
+    one position further (``-100`` past the stream's end, and across a document
+    boundary with ``mask_boundaries``). Quacks like :class:`train.data.Rows` for
+    :class:`train.data.Batches`: ``num_rows``, ``seq_len``, ``take``.
+    """
+
+    def __init__(self, cache: TokenCache, seq_len: int, *, mask_boundaries: bool = True):
+        if seq_len < 1:
+            raise ValueError(f"{seq_len=} must be positive")
+        self.cache = cache
+        self.mask_boundaries = mask_boundaries
+        self._seq_len = seq_len
+        self._num_rows = cache.num_tokens // seq_len
+        if self._num_rows == 0:
+            raise ValueError(
+                f"{cache.path}: {cache.num_tokens} tokens do not fill one row of {seq_len=}"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    def take(self, ids) -> Rows:
+        """Rows ``ids`` as int32 arrays ``[len(ids), seq_len]``."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self._num_rows):
+            raise IndexError(f"row ids must be in [0, {self._num_rows}), got {ids}")
+        L, n = self._seq_len, self.cache.num_tokens
+        out = [np.empty((ids.size, L), np.int32) for _ in range(3)]
+        for j, r in enumerate(ids):
+            begin = int(r) * L
+            end = min(begin + L + 1, n)  # one past the row, for its last label
+            docs = np.searchsorted(self.cache.offsets, np.arange(begin, end), side="right") - 1
+            out[0][j] = self.cache.tokens[begin : begin + L]
+            labels = np.full(L, IGNORE_INDEX, np.int32)
+            labels[: end - begin - 1] = self.cache.targets[begin + 1 : end]
+            if self.mask_boundaries:
+                labels[: end - begin - 1][docs[1:] != docs[:-1]] = IGNORE_INDEX
+            out[1][j] = labels
+            out[2][j] = docs[:L] - docs[0]
+        return Rows(*out)
+
+
+class _Writer:
+    """Appends documents to ``tokens.bin`` (and ``labels.bin`` from the first labelled
+    record on, back-filled with the tokens so far), buffered."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.tokens = open(folder / TOKENS, "wb")
+        self.labels = None
+        self.buffer: list[tuple[np.ndarray, np.ndarray | None]] = []
+        self.buffered = 0
+        self.offsets = [0]
+        self.max_id, self.max_label = -1, -1
+
+    def add(self, ids: np.ndarray, labels: np.ndarray | None) -> None:
+        if labels is not None and self.labels is None:
+            self.flush()
+            self.tokens.flush()
+            shutil.copyfile(self.folder / TOKENS, self.folder / LABELS)  # ids < 2**31
+            self.labels = open(self.folder / LABELS, "ab")
+        self.buffer.append((ids, labels))
+        self.buffered += len(ids)
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.max_id = max(self.max_id, int(ids.max()))
+        self.max_label = max(self.max_label, int((ids if labels is None else labels).max()))
+        if self.buffered >= _FLUSH_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        np.concatenate([ids for ids, _ in self.buffer]).astype("<u4").tofile(self.tokens)
+        if self.labels is not None:
+            labels = [ids if lab is None else lab for ids, lab in self.buffer]
+            np.concatenate(labels).astype("<i4").tofile(self.labels)
+        self.buffer, self.buffered = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        for f in (self.tokens, self.labels):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+
+
+def build_cache(
+    source: str | Path,
+    cache_dir: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+) -> TokenCache:
+    """Tokenizes ``source`` (any format of :data:`train.data.READERS`) into a cache at
+    ``cache_dir``, one record at a time, written under a temporary name and renamed into
+    place when complete (replacing an older cache there only then).
+
+    Raises:
+        ValueError: as :func:`train.data.load_dataset` for bad data (nothing is left
+            under ``cache_dir``); ``cache_dir`` exists and is neither a cache nor empty.
+    """
+    source, cache_dir = Path(source), Path(cache_dir)
+    if eos_id is not None and not 0 <= eos_id <= _MAX_ID:
+        raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
+    if cache_dir.exists() and not is_cache(cache_dir) and any(cache_dir.iterdir()):
+        raise ValueError(f"{cache_dir} exists and is not a token cache; not writing over it")
+    stamp = source_stamp(source) if source.exists() else None
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        parser = RecordParser(source, tokenizer)
+        word = "line" if READERS[data_format(source)].by_line else "record"
+        writer = _Writer(tmp)
+        try:
+            for example in read_examples(source, parser):
+                ids, labels = example.input_ids, example.labels
+                if vocab_size is not None:
+                    _check_vocab(source, f"{word} {example.number}", ids, labels, vocab_size)
+                if eos_id is not None and ids[-1] != eos_id:
+                    ids = np.append(ids, np.int32(eos_id))
+                    labels = None if labels is None else np.append(labels, np.int32(eos_id))
+                writer.add(ids, labels)
+        finally:
+            writer.close()
+        if len(writer.offsets) == 1:
+            raise ValueError(f"{source}: the dataset has no examples")
+        np.save(tmp / INDEX, np.asarray(writer.offsets, dtype=np.int64))
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "source": stamp,
+            "tokenizer": tokenizer_stamp(tokenizer) if parser.used_tokenizer else None,
+            "eos_id": eos_id,
+            "num_tokens": writer.offsets[-1],
+            "num_documents": len(writer.offsets) - 1,
+            "max_id": writer.max_id,
+            "max_label": writer.max_label,
+            "labels": writer.labels is not None,
+            "token_dtype": "uint32",
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        TokenCache(tmp)  # readable before it takes the final name
+        try:
+            _move_into_place(tmp, cache_dir)
+        except OSError:
+            if not is_cache(cache_dir):
+                raise
+            shutil.rmtree(tmp)  # another process put its cache there first: use that one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return TokenCache(cache_dir)
+
+
+def _check_vocab(source, where, ids, labels, vocab_size) -> None:
+    for name, values in (("token id", ids), ("label", labels)):
+        if values is not None and values.size and values.max() >= vocab_size:
+            bad = int(values[np.argmax(values >= vocab_size)])
+            raise ValueError(f"{source}: {where}: {name} {bad} is out of range for {vocab_size=}")
+
+
+def _move_into_place(tmp: Path, cache_dir: Path) -> None:
+    """Renames the finished ``tmp`` to ``cache_dir``; an old cache there is moved aside
+    first and deleted only once the new one is in place (restored if the rename fails)."""
+    old = None
+    if cache_dir.exists():
+        old = cache_dir.parent / f".{cache_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(cache_dir, old)
+    try:
+        os.rename(tmp, cache_dir)
+    except OSError:
+        if old is not None:
+            os.rename(old, cache_dir)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def ensure_cache(
+    source: str | Path,
+    cache_dir: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+) -> tuple[TokenCache, bool]:
+    """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
+    ``tokenizer`` and ``eos_id`` (see :meth:`TokenCache.mismatch`), else a new one built
+    there (replacing the stale one)."""
+    source = Path(source)
+    if not source.exists():
+        raise ValueError(f"{source}: no such data file")
+    if is_cache(cache_dir):
+        try:
+            cache = open_cache(cache_dir)
+            stale = cache.mismatch(source, tokenizer=tokenizer, eos_id=eos_id)
+        except (ValueError, OSError, KeyError) as e:
+            stale = [f"unreadable ({e})"]
+        if not stale:
+            if vocab_size is not None:
+                cache.check_vocab(vocab_size)
+            return cache, False
+        print(f"token cache {cache_dir} is stale ({'; '.join(stale)}): rebuilding", flush=True)
+    cache = build_cache(
+        source, cache_dir, tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size
+    )
+    return cache, True
+
+
+def cache_location(source: str | Path, cache_root: str | Path) -> Path:
+    """Where ``--data_cache_dir`` keeps the cache of ``source``: ``<root>/<name>-<hash of
+    its absolute path>``."""
+    source = Path(source).resolve()
+    digest = hashlib.sha256(str(source).encode()).hexdigest()[:12]
+    return Path(cache_root) / f"{source.name}-{digest}"
+
+
+def packed_rows(
+    path: str | Path,
+    seq_len: int,
+    *,
+    tokenizer: str | Path | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+    cache_root: str | Path | None = None,
+) -> Rows | CachedRows:
+    """The trainer's rows of ``path``: a token cache directory (checked against
+    ``eos_id``, ``tokenizer`` and its recorded source), a data file cached under
+    ``cache_root`` (built on first use, rebuilt when stale), or without ``cache_root``
+    a data file loaded into memory."""
+    if is_cache(path):
+        cache = open_cache(path, vocab_size=vocab_size)
+        stale = cache.mismatch(tokenizer=tokenizer, eos_id=eos_id)
+        if stale:
+            eos = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
+            raise ValueError(
+                f"{path}: the token cache does not match this run ({'; '.join(stale)}); "
+                f"rebuild it: python -m train.data cache SOURCE {path} {eos}"
+            )
+        return cache.rows(seq_len)
+    if cache_root:
+        location = cache_location(path, cache_root)
+        cache, built = ensure_cache(
+            path, location, tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size
+        )
+        if built:
+            print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
+        return cache.rows(seq_len)
+    dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
+    return dataset.rows(seq_len, eos_id=eos_id)
