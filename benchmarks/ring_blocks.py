@@ -5,8 +5,8 @@
 
 `benchmarks/ring.py` measures the ring against its ideal (the whole sequence on one
 GPU, ÷ P). This script splits the gap in two without a second GPU: it runs on one
-device exactly what one rank of the zigzag ring computes (the same `_fwd_step` /
-`_bwd_step` code: kernel calls on the ring's blocks, f32 partial results, merges and
+device exactly what one rank of the zigzag ring computes (`jflash.ring_attention_rank`:
+the ring's own steps, kernel calls on its blocks, f32 partial results, merges and
 accumulations) with the transfers left out, and times each kind of block alone:
 
 * `ideal`: the whole sequence (P x tokens/device) causal, forward+backward, ÷ P;
@@ -15,8 +15,10 @@ accumulations) with the transfers left out, and times each kind of block alone:
   transfers were free;
 * `diag`: the diagonal step's causal block alone; `block`: one off-diagonal half block
   (c x c keys, no mask, c = tokens/device / 2) alone; both in f32 (as the ring calls
-  them) and in the input dtype;
-* with `--variants`, the half block with other tile shapes and pipeline depths.
+  them: `ring_attention_rank` with one source, on the ring's tiles) and in the input
+  dtype (`jflash.flash_attention` forward+backward, its default tiles for the block);
+* with `--variants`, the half block in f32 with other tile shapes and pipeline depths
+  (around `jflash.default_block_sizes` of the half block; not with `--implementation xla`).
 
 Every row is timed pipelined (calls back to back, one synchronisation) in the same
 process, and traced once for device time per kernel. Causal TFLOP/s counts the FLOPs
@@ -33,6 +35,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +43,6 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import device_name, table, time_pipelined, write_json  # noqa: E402
-from jflash._dispatch import attention_bwd, attention_fwd, delta_from  # noqa: E402
-from jflash._mask import Mask  # noqa: E402
-from jflash._ring import _bwd_step, _fwd_step, _Ring, ring_config  # noqa: E402
 from train.tools.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -62,73 +62,73 @@ def _inputs(seq: int, args, key=0):
     return q, k, v, do
 
 
-def _cfg(tokens: int, args) -> _Ring:
-    """What `ring_attention` builds for a zigzag causal ring of `args.devices` ranks."""
-    return ring_config(
-        "seq",
-        args.devices,
-        args.devices * tokens,
-        causal=True,
-        layout="zigzag",
-        strategy="ring",
-        head_dim=args.head_dim,
-        dtype=jnp.bfloat16,
-        implementation=args.implementation,
-    )
+class _Kernel(NamedTuple):
+    """The kernel arguments every row passes (`--implementation`, and tiles or None)."""
+
+    implementation: str | None
+    block_sizes: jflash.BlockSizes | None = None
 
 
-def ring_rank(cfg: _Ring):
-    """One rank's forward+backward, every step on its own K/V (no transfers)."""
+def _rank_grads(o, lse, dq, dkv):
+    """`ring_attention_rank`'s results as one pytree: dK/dV summed over the steps."""
+    dk = sum(d[0] for d in dkv)
+    dv = sum(d[1] for d in dkv)
+    return o, lse, dq, dk, dv
+
+
+def ring_rank(devices: int, kernel: _Kernel):
+    """One rank's forward+backward of a zigzag causal ring of `devices` ranks, every
+    step on the rank's own K/V (no transfers); `rank` is traced, as in the ring."""
 
     @jax.jit
     def run(q, k, v, do, rank):
-        kv = jnp.stack([k, v])
-        o = lse = None
-        for step in range(cfg.num_shards):
-            o, lse = _fwd_step(step, rank, q, kv, None, None, o, lse, cfg)  # no segment ids
-        o = o.astype(q.dtype)
-        delta = delta_from(o, do)
-        dq = jnp.zeros(q.shape, jnp.float32)
-        dkv_sum = None
-        for step in (*range(1, cfg.num_shards), 0):
-            dq, dkv = _bwd_step(step, rank, q, kv, None, None, do, lse, delta, dq, cfg)
-            dkv_sum = dkv if dkv_sum is None else dkv_sum + dkv
-        return o, dq.astype(q.dtype), dkv_sum.astype(q.dtype)
+        return _rank_grads(
+            *jflash.ring_attention_rank(
+                q,
+                [(k, v)] * devices,
+                do,
+                rank,
+                causal=True,
+                layout="zigzag",
+                implementation=kernel.implementation,
+                block_sizes=kernel.block_sizes,
+            )
+        )
 
     return run
 
 
-def one_block(kernel, causal: bool, out_dtype, batch_pair: bool = False):
-    """Forward+backward of one kernel call (what one ring block costs)."""
+def one_block(kernel: _Kernel, causal: bool, out_dtype, batch_pair: bool = False):
+    """Forward+backward of one kernel call (what one ring block costs): in f32 as the
+    ring calls it (`ring_attention_rank` with one source: a causal diagonal block on
+    the zigzag ring's half-block tiles, or a full block), else through
+    `jflash.flash_attention` in the input dtype."""
 
     @jax.jit
     def run(q, k, v, do):
         if batch_pair:  # the step's two half blocks as one call of batch 2
             q, k, v, do = (jnp.concatenate([x, x], axis=0) for x in (q, k, v, do))
-        o, lse = attention_fwd(
-            q,
-            k,
-            v,
-            None,
-            mask=Mask(causal),
-            scale=q.shape[-1] ** -0.5,
-            out_dtype=out_dtype,
-            kernel=kernel,
+        if out_dtype == jnp.float32:
+            return _rank_grads(
+                *jflash.ring_attention_rank(
+                    q,
+                    [(k, v)],
+                    do,
+                    0,
+                    causal=causal,
+                    layout="zigzag" if causal else "contiguous",
+                    implementation=kernel.implementation,
+                    block_sizes=kernel.block_sizes,
+                )
+            )
+        attn = functools.partial(
+            jflash.flash_attention,
+            causal=causal,
+            implementation=kernel.implementation,
+            block_sizes=kernel.block_sizes,
         )
-        delta = delta_from(o, do)
-        return o, attention_bwd(
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            None,
-            mask=Mask(causal),
-            scale=q.shape[-1] ** -0.5,
-            grad_dtype=out_dtype,
-            kernel=kernel,
-        )
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
 
     return run
 
@@ -169,10 +169,18 @@ def _measure(name: str, fn, inputs, flops: float, args, scale: float = 1.0) -> d
     return row
 
 
-def _variants(base) -> dict[str, object]:
-    """Half-block tile shapes and pipeline depths to try (Mosaic knobs)."""
-    if base is None:
+def _variants(c: int, args) -> dict[str, object]:
+    """Half-block tile shapes and pipeline depths to try (Mosaic knobs), around the
+    default tiles of a c x c block."""
+    if args.implementation == "xla":
         return {}
+    base = jflash.default_block_sizes(
+        c,
+        args.head_dim,
+        jnp.bfloat16,
+        kv_len=c,
+        implementation=args.implementation or "pallas_mosaic",
+    )
     out = {}
     for field, values in (
         ("block_kv", (64, 256)),
@@ -192,7 +200,7 @@ def benchmark(args) -> list[dict]:
     p = args.devices
     for tokens in args.tokens_per_device:
         c = tokens // 2
-        cfg = _cfg(tokens, args)
+        kernel = _Kernel(args.implementation)
         whole = _inputs(p * tokens, args)
         attn = functools.partial(
             jflash.flash_attention, causal=True, implementation=args.implementation
@@ -211,7 +219,7 @@ def benchmark(args) -> list[dict]:
             measured.append(
                 _measure(
                     f"ring_rank{rank}",
-                    ring_rank(cfg),
+                    ring_rank(p, kernel),
                     (*local, jnp.int32(rank if rank == 0 else p - 1)),
                     per_rank,
                     args,
@@ -225,25 +233,24 @@ def benchmark(args) -> list[dict]:
         for dtype in (jnp.float32, jnp.bfloat16):
             tag = "f32" if dtype == jnp.float32 else "bf16"
             for name, causal, inputs, flops in pieces:
-                block = one_block(cfg.kernel, causal, dtype)
+                block = one_block(kernel, causal, dtype)
                 measured.append(_measure(f"{name}_{tag}", block, inputs, flops, args))
         measured.append(
             _measure(
                 "block_pair_f32",
-                one_block(cfg.kernel, False, jnp.float32, batch_pair=True),
+                one_block(kernel, False, jnp.float32, batch_pair=True),
                 half,
                 _flops(c, c, False, args, batch=2),
                 args,
             )
         )
         if args.variants:
-            for label, bs in _variants(cfg.kernel.block_sizes).items():
-                kernel = dataclasses.replace(cfg.kernel, block_sizes=bs)
+            for label, bs in _variants(c, args).items():
                 try:
                     measured.append(
                         _measure(
                             f"block_f32 {label}",
-                            one_block(kernel, False, jnp.float32),
+                            one_block(kernel._replace(block_sizes=bs), False, jnp.float32),
                             half,
                             _flops(c, c, False, args),
                             args,

@@ -4,6 +4,8 @@ Public API (everything else is private):
   flash_attention        single-device exact attention (Pallas GPU kernels, custom VJP)
   ring_attention         the same over a sequence sharded across a mesh axis (global arrays)
   ring_attention_shard   its per-shard form, for code inside the caller's `jax.shard_map`
+  ring_attention_rank    one rank's forward+backward of the ring strategy on one device,
+                         K/V given per step instead of received (timing a rank's compute)
   to_layout, from_layout, positions   token orders of a sharded sequence (LAYOUTS);
                          zigzag, unzigzag: the zigzag order
   attention_reference    plain-jnp oracle, returns (out, lse)
@@ -17,6 +19,7 @@ from jflash._dispatch import IMPLEMENTATIONS, describe
 from jflash._flash import flash_attention
 from jflash._layout import LAYOUTS, from_layout, positions, to_layout, unzigzag, zigzag
 from jflash._reference import attention_reference
+from jflash._ring import ring_attention_rank
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -30,6 +33,7 @@ __all__ = [
     "from_layout",
     "positions",
     "ring_attention",
+    "ring_attention_rank",
     "ring_attention_shard",
     "to_layout",
     "unzigzag",

@@ -55,9 +55,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
-from jflash._layout import unzigzag, zigzag
+from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import default_scale
+from jflash._validation import check_causal, check_qkv, default_scale
 
 RING_STRATEGIES = ("ring", "allgather")
 
@@ -486,3 +486,86 @@ def ring_config(
             deterministic=deterministic,
         ),
     )
+
+
+# ---------------------------------------------------------------------------------
+# One rank of the ring, on one device
+
+
+def ring_attention_rank(
+    q: jax.Array,
+    sources,
+    do: jax.Array,
+    rank,
+    *,
+    causal: bool,
+    layout: str,
+    scale: float | None = None,
+    implementation: str | None = None,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+    deterministic: bool | None = None,
+):
+    """What rank `rank` of the `ring` strategy computes, on one device, without transfers.
+
+    The same steps as `ring_attention(..., strategy="ring")` over `P = len(sources)`
+    shards (kernel calls on the ring's blocks, f32 partial results, merges and sums),
+    with step `s`'s K/V given instead of received, so one rank's compute can be timed
+    on one device (`benchmarks/ring_blocks.py`).
+
+    Args:
+      q, do: the rank's queries and output cotangent `[B, T', N, H]` (its shard, in
+        `layout` order).
+      sources: `P` pairs `(k, v)` `[B, T', K, H]`: at step `s` the shard of rank
+        `(rank - s) % P`.
+      rank: an int in `[0, P)`, or a traced int32 scalar (as inside the ring).
+      causal, layout, scale, implementation, interpret, block_sizes, deterministic: as
+        in `ring_attention`.
+
+    Returns:
+      `(o, lse, dq, dkv)`: the rank's output (q's dtype) and LSE `[B, N, T']` f32, its
+      f32 dQ, and per step the f32 `(dk, dv)` of that step's source (what travels back
+      to its owner).
+    """
+    causal = check_causal(causal)
+    check_layout(layout)
+    sources = list(sources)
+    if not sources:
+        raise ValueError("sources must hold at least one (k, v) pair (one per ring step)")
+    shapes = [check_qkv(q, k, v) for k, v in sources]
+    if any(s.kv_len != shapes[0].q_len for s in shapes) or do.shape != q.shape:
+        raise ValueError(
+            f"every source's k and v, and do, must be as long as q ({q.shape[1]=}) with "
+            f"do of q's shape; got {[k.shape for k, _ in sources]}, {do.shape=}"
+        )
+    p = len(sources)
+    check_layout_len(p * q.shape[1], p, layout)
+    if isinstance(rank, int) and not 0 <= rank < p:
+        raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
+    cfg = ring_config(
+        "rank",
+        p,
+        p * q.shape[1],
+        causal=causal,
+        layout=layout,
+        strategy="ring",
+        head_dim=q.shape[-1],
+        dtype=q.dtype,
+        scale=scale,
+        implementation=implementation,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        deterministic=deterministic,
+    )
+    kvs = [jnp.stack([k, v]) for k, v in sources]
+    o = lse = None
+    for step in range(p):
+        o, lse = _fwd_step(step, rank, q, kvs[step], None, None, o, lse, cfg)
+    o = o.astype(q.dtype)
+    delta = delta_from(o, do)
+    do = do.astype(q.dtype)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dkv = [None] * p
+    for step in (*range(1, p), 0):  # the ring's order: the diagonal step last
+        dq, dkv[step] = _bwd_step(step, rank, q, kvs[step], None, None, do, lse, delta, dq, cfg)
+    return o, lse, dq, [(d[0], d[1]) for d in dkv]

@@ -1,4 +1,4 @@
-"""The repository speaks of the product as it is today.
+"""The repository speaks of the product as it is today, and keeps its layering.
 
 How the code got here lives in git history and commit messages. The tracked files carry
 no work-session ordinals or numbers, no issue numbers, no talk of machines being loaned,
@@ -36,6 +36,19 @@ NAME_RULE = re.compile(rf"(^|[^a-z])(session|{_ORDINALS})([^a-z]|$)", re.IGNOREC
 
 # Files that name the rules themselves.
 SELF = {"tests/test_repository.py"}
+
+# An import of a private jflash module: `import jflash._x`, `from jflash._x import ...`,
+# `from jflash import _x`, or its name given to importlib.
+PRIVATE_IMPORT = re.compile(
+    r"^\s*(?:import\s+jflash\._|from\s+jflash\._|from\s+jflash\s+import\s+\(?\s*_)"
+    r"|import_module\(\s*[\"']jflash\._",
+    re.MULTILINE,
+)
+# Where code may use jflash's private modules: jflash itself, and its white-box tests.
+PRIVATE_IMPORTERS = ("jflash/", "tests/")
+# The one exception, by file and exact import: `benchmarks/kernel.py --launch-order` sets
+# the launch-order limits, which have no public knob, to time both orders.
+PRIVATE_IMPORT_EXCEPTIONS = {("benchmarks/kernel.py", "from jflash import _launch_order")}
 
 
 def tracked_files() -> list[str]:
@@ -118,3 +131,33 @@ def test_tracked_text_has_no_history_words():
 def test_tracked_file_names_say_what_and_where():
     failures = [path for path in tracked_files() if NAME_RULE.search(path)]
     assert not failures, "Name files by what and where, not when:\n" + "\n".join(failures)
+
+
+def test_private_import_rule():
+    bad = [
+        "from jflash." + "_ring import _Ring",
+        "import jflash." + "_dispatch as dispatch",
+        "    from jflash." + "_mask import Mask",
+        "from jflash import " + "_layout",
+        'importlib.import_module("jflash.' + '_ring")',
+    ]
+    for line in bad:
+        assert PRIVATE_IMPORT.search(line), line
+    good = ["import jflash", "from jflash import ring_attention, LAYOUTS", "# jflash's kernels"]
+    for line in good:
+        assert not PRIVATE_IMPORT.search(line), line
+
+
+def test_nothing_outside_jflash_imports_its_private_modules():
+    """models/, train/ and benchmarks/ use only the facade (`jflash/__init__.py`)."""
+    failures = []
+    for path in tracked_files():
+        if not path.endswith(".py") or path.startswith(PRIVATE_IMPORTERS):
+            continue
+        text = text_of(path)
+        for match in PRIVATE_IMPORT.finditer(text or ""):
+            line = text.count("\n", 0, match.start()) + 1
+            statement = text[match.start() :].split("\n", 1)[0].strip()
+            if (path, statement) not in PRIVATE_IMPORT_EXCEPTIONS:
+                failures.append(f"{path}:{line}: {statement}")
+    assert not failures, "Import jflash's public API only:\n" + "\n".join(failures)

@@ -1,0 +1,81 @@
+"""`jflash.ring_attention_rank`: one ring rank's compute on one device, against the oracle.
+
+Each rank is given, step by step, the K/V shard the ring would bring it; its output,
+LSE and dQ must be its rows of the one-device oracle, and the dK/dV it returns per
+step, summed over ranks, each source's gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jflash
+
+
+def _inputs(seq=32, heads=2, kv_heads=1, head_dim=16):
+    keys = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(keys[0], (1, seq, heads, head_dim), jnp.float32)
+    k, v = (jax.random.normal(x, (1, seq, kv_heads, head_dim), jnp.float32) for x in keys[1:3])
+    do = jax.random.normal(keys[3], q.shape, jnp.float32)
+    return q, k, v, do
+
+
+@pytest.mark.parametrize(
+    "layout,causal,p", [("zigzag", True, 2), ("striped", True, 4), ("contiguous", False, 2)]
+)
+def test_ranks_together_are_the_oracle(layout, causal, p):
+    q, k, v, do = _inputs()
+
+    @jax.jit
+    def oracle(q, k, v, do):
+        out, vjp = jax.vjp(lambda *a: jflash.attention_reference(*a, causal=causal), q, k, v)
+        return out, vjp((do, jnp.zeros_like(out[1])))
+
+    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
+
+    def shards(x, axis=1):  # the P shards of x in layout order
+        return jnp.split(jflash.to_layout(x, p, layout, axis=axis), p, axis=axis)
+
+    qs, ks, vs, dos = (shards(x) for x in (q, k, v, do))
+    dk_sum = [jnp.zeros_like(ks[0]) for _ in range(p)]
+    dv_sum = [jnp.zeros_like(vs[0]) for _ in range(p)]
+    want = {name: shards(x) for name, x in (("o", o_ref), ("dq", dq_ref))}
+    want["lse"] = shards(lse_ref, axis=2)
+    # One compiled function for every rank: the rank traced, as inside the ring.
+    run = jax.jit(
+        lambda q, sources, do, rank: jflash.ring_attention_rank(
+            q, sources, do, rank, causal=causal, layout=layout, implementation="xla"
+        )
+    )
+    for rank in range(p):
+        sources = [(ks[(rank - s) % p], vs[(rank - s) % p]) for s in range(p)]
+        o, lse, dq, dkv = run(qs[rank], sources, dos[rank], jnp.int32(rank))
+        np.testing.assert_allclose(o, want["o"][rank], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(lse, want["lse"][rank], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(dq, want["dq"][rank], atol=2e-5, rtol=2e-5)
+        assert len(dkv) == p and all(d[0].dtype == jnp.float32 for d in dkv)
+        for s, (dk, dv) in enumerate(dkv):
+            dk_sum[(rank - s) % p] += dk
+            dv_sum[(rank - s) % p] += dv
+    for got, ref in ((dk_sum, dk_ref), (dv_sum, dv_ref)):
+        want = jflash.to_layout(ref, p, layout, axis=1)
+        np.testing.assert_allclose(jnp.concatenate(got, 1), want, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_arguments_are_named():
+    q, k, v, do = _inputs(seq=8)
+    with pytest.raises(ValueError, match="at least one"):
+        jflash.ring_attention_rank(q, [], do, 0, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="rank=2"):
+        jflash.ring_attention_rank(q, [(k, v)] * 2, do, 2, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="layout='spiral'"):
+        jflash.ring_attention_rank(q, [(k, v)], do, 0, causal=True, layout="spiral")
+    with pytest.raises(ValueError, match="as long as q"):
+        jflash.ring_attention_rank(q, [(k[:, :4], v[:, :4])], do, 0, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="divisible"):
+        jflash.ring_attention_rank(
+            q[:, :7], [(k[:, :7], v[:, :7])], do[:, :7], 0, causal=True, layout="zigzag"
+        )
