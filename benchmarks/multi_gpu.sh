@@ -83,7 +83,7 @@
 #   7B    Llama-2-7B shape, FSDP x seq on 2 GPUs, 64k context, 10 steps   ~200 s
 #         (10 x ~12 s + start-up and compile), cap = what is left.
 #         Memory per GPU, params/grads/optimizer sharded over both GPUs
-#         (--mesh data=1,fsdp=1,seq=2 --shard_over_seq, configs/llama2_7b_seed.yaml's setup):
+#         (--mesh data=1,fsdp=1,seq=2 --shard_over_seq, configs/llama2_7b_8k_4gpu.yaml's setup):
 #           f32 master weights 27 GB/2 + f32 Adam m,v 54 GB/2 = 40.4 GB (37.7 GiB),
 #           f32 gradients 13.5 GB, bf16 weights gathered per layer (<= 13.5 GB if XLA
 #           hoists the gathers), optimizer temporaries ~13.5 GB,
@@ -331,7 +331,7 @@ part_scale() {
     --devices 2 --layouts zigzag --strategies ring --longest --longest-refine 4 \
     "${ring_args[@]}" --out "$OUT/ring-longest-$TAG.json"
 
-  # (b) Llama-2-7B shape: FSDP x seq over both devices (configs/llama2_7b_seed.yaml's
+  # (b) Llama-2-7B shape: FSDP x seq over both devices (configs/llama2_7b_8k_4gpu.yaml's
   # 4-GPU setup, on 2)
   local model ctx fallback vocab steps mem_fraction
   if [ "$MODE" = gpu ]; then
@@ -348,7 +348,7 @@ part_scale() {
       --num-samples 12 --seq-len "$c" --vocab-size "$vocab"
     step "train-$model-$k" 600 90 10 env "XLA_FLAGS=$BASE_XLA_FLAGS" \
       XLA_PYTHON_CLIENT_MEM_FRACTION="$mem_fraction" \
-      "$PY" -m train --config configs/llama2_7b_seed.yaml --model_name_or_path "$model" \
+      "$PY" -m train --config configs/llama2_7b_8k_4gpu.yaml --model_name_or_path "$model" \
       --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --model_max_length "$c" \
       --data_path "$data" --max_steps "$steps" --logging_steps 1 --save_strategy no \
       --export_hf false --progress false --output_dir "$run"
