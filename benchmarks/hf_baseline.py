@@ -1,7 +1,16 @@
-"""The baseline a user would run instead: HF transformers + PyTorch training of a Llama.
+"""The baselines a user would run instead: HF transformers + PyTorch training of a Llama,
+plain or with liger-kernel's fused kernels.
 
     python benchmarks/hf_baseline.py --model llama3.2-1b --context 32768 --steps 6
+    python benchmarks/hf_baseline.py --stack hf,liger --context 32768 --steps 3 --warmup 1
     python benchmarks/hf_baseline.py --model llama3.2-1b --longest --context 16384
+
+`--stack` picks the baselines, run one after the other in one process (and one machine
+session): `hf` is HF transformers as is; `liger` adds
+`liger_kernel.transformers.apply_liger_kernel_to_llama()` (fused linear + cross-entropy,
+so the logits are never materialized, and Triton RMSNorm, RoPE and SwiGLU). liger-kernel
+is an optional import: where it is missing its row says so. `hf` always runs first, since
+liger patches transformers' Llama module for the rest of the process.
 
 `--longest` searches the longest context one training step runs at (doubling from
 `--context`, then `--refine` bisections; a probe is one real step, an out-of-memory
@@ -11,7 +20,8 @@ beside `python -m train.tools.capacity` (which reads jflash's side from XLA's me
 Random-init `LlamaForCausalLM` of a jflash preset's shape, bf16 autocast with f32 master
 weights, SDPA attention, gradient checkpointing, fused AdamW, batch 1 (what a user would
 run instead of the jflash trainer). Prints tokens/s, model TFLOP/s and MFU with the same
-FLOP formula as the jflash trainer (`models.flops`), and writes JSON. Runs on the GPU
+FLOP formula as the jflash trainer (`models.flops`), one JSON line per stack, and writes
+JSON (`--out`: the row, or `{"rows": [...]}` for several stacks). Runs on the GPU
 machine's python, where torch, transformers and jax share one interpreter; jax is only
 used for the FLOP count.
 """
@@ -19,36 +29,69 @@ used for the FLOP count.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
 
-import torch
-import transformers
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
 from models.config import to_hf_config  # noqa: E402
 
+STACKS = ("hf", "liger")  # in the order they run: liger patches transformers for good
+PEAK_TFLOPS = 989.0  # bf16 dense peak of an H100/H200, the trainer's MFU denominator
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama3.2-1b")
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=0, help="override the layer count")
-    parser.add_argument("--out", default="")
-    parser.add_argument("--longest", action="store_true", help="search the longest context")
-    parser.add_argument("--max", type=int, default=1 << 20, help="--longest: largest context")
-    parser.add_argument("--refine", type=int, default=3, help="--longest: bisection steps")
-    args = parser.parse_args(argv)
 
-    config = models.preset(args.model)
-    if args.layers:
-        config = config.replace(num_layers=args.layers)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def parse_stacks(text: str) -> list[str]:
+    """`--stack`'s comma list, in run order (`hf` before `liger`); ValueError naming an
+    unknown or repeated name."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in STACKS]
+    if unknown or not names:
+        raise ValueError(f"--stack {text!r}: a comma list of {', '.join(STACKS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--stack {text!r} names a stack twice")
+    return [s for s in STACKS if s in names]
+
+
+def stack_version(stack: str) -> str:
+    """The stack's package versions for the row's `impl`, or ImportError."""
+    import torch
+    import transformers
+
+    base = f"transformers {transformers.__version__} + torch {torch.__version__}"
+    if stack == "liger":
+        from importlib.metadata import version
+
+        import liger_kernel.transformers  # noqa: F401 - ImportError where not installed
+
+        return f"liger-kernel {version('liger-kernel')} + {base}"
+    return base
+
+
+def stack_unavailable(stack: str) -> str | None:
+    """Why `stack` cannot run here (a missing optional package), or None."""
+    try:
+        stack_version(stack)
+    except ImportError as e:
+        return f"not installed ({e})"
+    return None
+
+
+def build(stack: str, config, device: str):
+    """The stack's random-init model (seed 0) and fused AdamW."""
+    import torch
+    import transformers
+
+    if stack == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # Class-level patches (RMSNorm, SwiGLU MLP, RoPE, the causal-LM forward with the
+        # fused linear cross-entropy): the model built next uses them.
+        apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True
+        )
     hf_config = transformers.LlamaConfig(**to_hf_config(config))
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -56,8 +99,34 @@ def main(argv=None) -> int:
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-    if args.longest:
-        return longest(model, opt, config, device, args)
+    return model, opt
+
+
+def result_row(
+    stack: str, impl: str, config, args, seconds: float, peak_gib, loss, on_gpu: bool
+) -> dict:
+    """One stack's row: tokens/s, model TFLOP/s and MFU (the trainer's FLOP formula)."""
+    tokens_per_s = args.context / seconds
+    flops = models.training_flops_per_token(config, args.context) * tokens_per_s
+    return {
+        "stack": stack,
+        "impl": impl,
+        "model": args.model,
+        "layers": config.num_layers,
+        "context": args.context,
+        "step_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "tflops": flops / 1e12,
+        "mfu": flops / (PEAK_TFLOPS * 1e12) if on_gpu else None,
+        "peak_memory_gib": peak_gib,
+        "final_loss": loss,
+    }
+
+
+def time_stack(stack: str, config, device: str, args) -> dict:
+    import torch
+
+    model, opt = build(stack, config, device)
     ids = torch.randint(0, config.vocab_size, (1, args.context), device=device)
 
     def step():
@@ -79,28 +148,72 @@ def main(argv=None) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
-    tokens_per_s = args.context / seconds
-    flops = models.training_flops_per_token(config, args.context) * tokens_per_s
-    row = {
-        "impl": f"transformers {transformers.__version__} + torch {torch.__version__}",
-        "model": args.model,
-        "layers": config.num_layers,
-        "context": args.context,
-        "step_s": seconds,
-        "tokens_per_s": tokens_per_s,
-        "tflops": flops / 1e12,
-        "mfu": flops / 989e12 if device == "cuda" else None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-        "final_loss": float(loss),
-    }
-    print(json.dumps(row))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return result_row(
+        stack, stack_version(stack), config, args, seconds, peak, loss.item(), device == "cuda"
+    )
+
+
+def release(device: str) -> None:
+    """Frees the last stack's model and optimizer before the next one is built."""
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3.2-1b")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument(
+        "--stack", default="hf", help="comma list of baselines: hf, liger (run in that order)"
+    )
+    parser.add_argument("--out", default="")
+    parser.add_argument("--longest", action="store_true", help="search the longest context")
+    parser.add_argument("--max", type=int, default=1 << 20, help="--longest: largest context")
+    parser.add_argument("--refine", type=int, default=3, help="--longest: bisection steps")
+    args = parser.parse_args(argv)
+    try:
+        stacks = parse_stacks(args.stack)
+    except ValueError as e:
+        parser.error(str(e))
+
+    import torch
+
+    config = models.preset(args.model)
+    if args.layers:
+        config = config.replace(num_layers=args.layers)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for stack in stacks:
+        missing = stack_unavailable(stack)
+        if missing is not None:
+            print(f"note: --stack {stack} skipped: {missing}", flush=True)
+            row = {"stack": stack, "model": args.model, "error": missing}
+        elif args.longest:
+            model, opt = build(stack, config, device)
+            row = longest(stack, model, opt, config, device, args)
+            del model, opt
+        else:
+            row = time_stack(stack, config, device, args)
+        release(device)
+        print(json.dumps({k: v for k, v in row.items() if k != "probes"}), flush=True)
+        rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
+            json.dump(rows[0] if len(rows) == 1 else {"rows": rows}, f, indent=1)
     return 0
 
 
-def longest(model, opt, config, device, args) -> int:
+def longest(stack, model, opt, config, device, args) -> dict:
+    import torch
+
     from train.tools.capacity import search_longest
 
     def fits_at(context: int) -> dict:
@@ -128,19 +241,15 @@ def longest(model, opt, config, device, args) -> int:
         return result
 
     best, probes = search_longest(fits_at, args.context, args.max, args.refine, granule=1024)
-    row = {
-        "impl": f"transformers {transformers.__version__} + torch {torch.__version__}",
+    return {
+        "stack": stack,
+        "impl": stack_version(stack),
         "model": args.model,
         "layers": config.num_layers,
         "method": "one real training step per probe; out of memory = does not fit",
         "longest": best,
         "probes": probes,
     }
-    print(json.dumps({k: v for k, v in row.items() if k != "probes"}))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(row, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ SEQ_MULTIPLE = 128  # every block size below divides it
 
 # (block_q, block_kv, num_warps, num_stages) per head dim: the forward's blocks.
 FWD_CONFIG = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
-# The backward's: dK/dV streams BWD_Q queries past BWD_KV keys, dQ the reverse.
-BWD_Q, BWD_KV, BWD_WARPS, BWD_STAGES = 32, 128, 4, 3
+# (block_q, block_kv, num_warps, num_stages) per head dim: the backward's. The dK/dV
+# kernel streams block_q queries past block_kv keys; the dQ kernel block_q keys past
+# block_kv queries.
+BWD_CONFIG = {64: (32, 128, 4, 3), 128: (32, 128, 4, 3)}
 
 
 @triton.jit
@@ -101,6 +103,41 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dkdv_block(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    LSE,
+    DELTA,
+    stat_base,
+    start_m,
+    offs_m,
+    offs_n,
+    offs_d,
+    q_row: tl.constexpr,
+    qk_scale,
+    MASK: tl.constexpr,
+):
+    """dK, dV += one block of queries' share (`MASK`: the causal diagonal)."""
+    rows = start_m + offs_m
+    qt = tl.load(q_base + rows[None, :] * q_row + offs_d[:, None])
+    lse = tl.load(LSE + stat_base + rows)
+    pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])
+    if MASK:
+        pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
+    do = tl.load(do_base + rows[:, None] * q_row + offs_d[None, :])
+    dv = tl.dot(pt.to(do.dtype), do, dv)
+    delta = tl.load(DELTA + stat_base + rows)
+    dpt = tl.dot(v, tl.trans(do))
+    dst = pt * (dpt - delta[None, :])
+    dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_kernel(
     Q,
     K,
@@ -135,29 +172,83 @@ def _dkdv_kernel(
     qk_scale = SCALE * 1.4426950408889634
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for g in range(group):
+    for g in range(group):  # the query heads sharing this K/V head: no atomics
         h = kvh * group + g
         q_base = Q + b.to(tl.int64) * SEQ * q_row + h * HEAD_DIM
         do_base = DO + b.to(tl.int64) * SEQ * q_row + h * HEAD_DIM
         stat_base = (b * HEADS + h).to(tl.int64) * SEQ
-        # Causal: the diagonal query blocks (masked), then every later one (unmasked).
-        lo = start_n if CAUSAL else 0
+        lo = 0
+        if CAUSAL:  # the diagonal query blocks, masked; then the later ones
+            for start_m in range(start_n, start_n + BLOCK_N, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_base,
+                    do_base,
+                    LSE,
+                    DELTA,
+                    stat_base,
+                    start_m,
+                    offs_m,
+                    offs_n,
+                    offs_d,
+                    q_row,
+                    qk_scale,
+                    True,
+                )
+            lo = start_n + BLOCK_N
         for start_m in range(lo, SEQ, BLOCK_M):
-            rows = start_m + offs_m
-            qt = tl.load(q_base + rows[None, :] * q_row + offs_d[:, None])
-            lse = tl.load(LSE + stat_base + rows)
-            pt = tl.math.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])
-            if CAUSAL:
-                if start_m < start_n + BLOCK_N:
-                    pt = tl.where(rows[None, :] >= offs_n[:, None], pt, 0.0)
-            do = tl.load(do_base + rows[:, None] * q_row + offs_d[None, :])
-            dv = tl.dot(pt.to(do.dtype), do, dv)
-            delta = tl.load(DELTA + stat_base + rows)
-            dpt = tl.dot(v, tl.trans(do))
-            dst = pt * (dpt - delta[None, :])
-            dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk)
+            dk, dv = _dkdv_block(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                LSE,
+                DELTA,
+                stat_base,
+                start_m,
+                offs_m,
+                offs_n,
+                offs_d,
+                q_row,
+                qk_scale,
+                False,
+            )
     tl.store(DK + kv_off + offs_d[None, :], (dk * SCALE).to(DK.dtype.element_ty))
     tl.store(DV + kv_off + offs_d[None, :], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _dq_block(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    start_n,
+    offs_m,
+    offs_n,
+    offs_d,
+    kv_row: tl.constexpr,
+    qk_scale,
+    MASK: tl.constexpr,
+):
+    """dQ += one block of keys' share (`MASK`: the causal diagonal)."""
+    cols = start_n + offs_n
+    kt = tl.load(k_base + cols[None, :] * kv_row + offs_d[:, None])
+    vt = tl.load(v_base + cols[None, :] * kv_row + offs_d[:, None])
+    p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
+    if MASK:
+        p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+    dp = tl.dot(do, vt)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
 
 
 @triton.jit
@@ -197,18 +288,42 @@ def _dq_kernel(
     v_base = V + b.to(tl.int64) * SEQ * kv_row + kvh * HEAD_DIM
     qk_scale = SCALE * 1.4426950408889634
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    hi = start_m + BLOCK_M if CAUSAL else SEQ
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kt = tl.load(k_base + cols[None, :] * kv_row + offs_d[:, None])
-        vt = tl.load(v_base + cols[None, :] * kv_row + offs_d[:, None])
-        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
-        if CAUSAL:
-            if start_n + BLOCK_N > start_m:
-                p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
-        dp = tl.dot(do, vt)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+    hi = start_m if CAUSAL else SEQ
+    for start_n in range(0, hi, BLOCK_N):  # unmasked: keys before the diagonal
+        dq = _dq_block(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_base,
+            v_base,
+            start_n,
+            offs_m,
+            offs_n,
+            offs_d,
+            kv_row,
+            qk_scale,
+            False,
+        )
+    if CAUSAL:  # the diagonal key blocks, masked
+        for start_n in range(start_m, start_m + BLOCK_M, BLOCK_N):
+            dq = _dq_block(
+                dq,
+                q,
+                do,
+                lse,
+                delta,
+                k_base,
+                v_base,
+                start_n,
+                offs_m,
+                offs_n,
+                offs_d,
+                kv_row,
+                qk_scale,
+                True,
+            )
     tl.store(DQ + q_off + offs_d[None, :], (dq * SCALE).to(DQ.dtype.element_ty))
 
 
@@ -281,7 +396,8 @@ def _attention_bwd(causal, residuals, do):
     # D = rowsum(dO * O) per query and head, [batch, heads, seq] f32 (an XLA fusion).
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
     dims = _dims(q, k, causal)
-    common = dict(num_warps=BWD_WARPS, num_stages=BWD_STAGES, **dims)
+    block_q, block_kv, warps, stages = BWD_CONFIG[q.shape[3]]
+    common = dict(num_warps=warps, num_stages=stages, **dims)
     dk, dv = jt.triton_call(
         q,
         k,
@@ -291,9 +407,9 @@ def _attention_bwd(causal, residuals, do):
         delta,
         kernel=_dkdv_kernel,
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        grid=(seq // BWD_KV, batch * kv_heads),
-        BLOCK_M=BWD_Q,
-        BLOCK_N=BWD_KV,
+        grid=(seq // block_kv, batch * kv_heads),
+        BLOCK_M=block_q,
+        BLOCK_N=block_kv,
         **common,
     )
     (dq,) = jt.triton_call(
@@ -305,9 +421,9 @@ def _attention_bwd(causal, residuals, do):
         delta,
         kernel=_dq_kernel,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
-        grid=(seq // BWD_KV, batch * heads),
-        BLOCK_M=BWD_KV,
-        BLOCK_N=BWD_Q,
+        grid=(seq // block_kv, batch * heads),
+        BLOCK_M=block_kv,
+        BLOCK_N=block_q,
         **common,
     )
     return dq, dk, dv
