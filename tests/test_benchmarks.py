@@ -1,0 +1,201 @@
+"""The benchmark scripts' table, JSON and optional-peer paths on CPU, with fake timings
+(`benchmarks/kernel.py`'s main table, `benchmarks/hf_baseline.py`'s stacks)."""
+
+import json
+import sys
+import types
+
+import jax.numpy as jnp
+import pytest
+
+import models
+from benchmarks import hf_baseline, kernel
+
+
+def fake_row(impl, seq, hd, causal, fwd, fwdbwd):
+    return dict(
+        impl=impl,
+        mask="causal" if causal else "full",
+        seq_len=seq,
+        head_dim=hd,
+        fwd_tflops=fwd,
+        fwdbwd_tflops=fwdbwd,
+    )
+
+
+def test_add_ratios_per_baseline_shape_and_mask():
+    rows = [
+        fake_row("jflash_mosaic", 4096, 128, True, 300.0, 330.0),
+        fake_row("cudnn", 4096, 128, True, 200.0, 300.0),
+        fake_row("fa3", 4096, 128, True, 400.0, 440.0),
+        fake_row("jflash_mosaic", 4096, 128, False, 500.0, 100.0),
+        fake_row("cudnn", 4096, 128, False, 250.0, 50.0),
+        {**fake_row("fa3", 4096, 128, False, 0, 0), "fwd_error": "not installed"},
+    ]
+    del rows[-1]["fwd_tflops"], rows[-1]["fwdbwd_tflops"]
+    kernel.add_ratios(rows)
+    causal, full = rows[0], rows[3]
+    assert causal["fwd_vs_cudnn"] == pytest.approx(1.5)
+    assert causal["fwdbwd_vs_cudnn"] == pytest.approx(1.1)
+    assert causal["fwd_vs_fa3"] == pytest.approx(0.75)
+    assert causal["fwdbwd_vs_fa3"] == pytest.approx(0.75)
+    # Full rows are compared with full rows only; a peer that did not run gives no ratio.
+    assert full["fwd_vs_cudnn"] == pytest.approx(2.0)
+    assert full["fwdbwd_vs_cudnn"] == pytest.approx(2.0)
+    assert "fwd_vs_fa3" not in full
+    assert rows[2]["fwd_vs_fa3"] == pytest.approx(1.0)
+
+
+def test_attention_flops_full_is_twice_causal():
+    causal = kernel.attention_flops(1, 32, 4096, 128, causal=True)
+    assert causal == 4 * 32 * 4096 * 4096 * 128 / 2
+    assert kernel.attention_flops(1, 32, 4096, 128, causal=False) == 2 * causal
+
+
+def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
+    """Every shape × mask × impl is measured (xla skipped past 8k), ratios to cuDNN and
+    FA3 land in the printed table and the JSON, and --seqs filters the shapes."""
+    calls = []
+
+    def measure(impl, *, seq, head_dim, causal, reference, **_):
+        calls.append((impl, seq, head_dim, causal))
+        assert isinstance(reference, dict)
+        speed = {"jflash_mosaic": 2.0, "cudnn": 1.0, "fa3": 4.0, "xla": 0.5}[impl]
+        return fake_row(impl, seq, head_dim, causal, 100 * speed, 50 * speed)
+
+    monkeypatch.setattr(kernel, "measure", measure)
+    monkeypatch.setattr(kernel, "SHAPES", [(4096, 128), (16384, 128)])
+    monkeypatch.setattr(kernel, "peer_notes", lambda impls: [])
+    kernel.main(["--impls", "jflash_mosaic,cudnn,fa3,xla", "--out", str(tmp_path)])
+    assert len(calls) == 2 * 2 * 3 + 2  # shapes × masks × impls, xla at 4k only
+    assert {c[3] for c in calls} == {True, False}
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| impl"))
+    for column in ("mask", "fwd_vs_cudnn", "fwdbwd_vs_cudnn", "fwd_vs_fa3", "fwdbwd_vs_fa3"):
+        assert f" {column} " in header
+    (path,) = tmp_path.glob("kernel-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    mosaic = [r for r in rows if r["impl"] == "jflash_mosaic"]
+    assert len(mosaic) == 4
+    assert all(r["fwd_vs_cudnn"] == pytest.approx(2.0) for r in mosaic)
+    assert all(r["fwdbwd_vs_fa3"] == pytest.approx(0.5) for r in mosaic)
+    xla = [r for r in rows if r["impl"] == "xla"]
+    assert [r["seq_len"] for r in xla if "fwd_error" in r] == [16384, 16384]
+    assert [r["fwd_vs_cudnn"] for r in xla if "fwd_error" not in r] == [0.5, 0.5]
+
+    calls.clear()
+    kernel.main(["--impls", "cudnn", "--masks", "full", "--seqs", "16384", "--out", str(tmp_path)])
+    assert calls == [("cudnn", 16384, 128, False)]
+
+
+@pytest.mark.parametrize(
+    "argv", [["--masks", "causal,diagonal"], ["--seqs", "4k"], ["--masks", ""]]
+)
+def test_main_rejects_bad_masks_and_seqs(argv, capsys):
+    with pytest.raises(SystemExit):
+        kernel.main(argv)
+    assert argv[1] in capsys.readouterr().err
+
+
+def hide(monkeypatch, *names):
+    """Makes `import name` fail as if the package were not installed."""
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_missing_peers_are_rows_and_a_printed_note(monkeypatch):
+    hide(monkeypatch, "flash_attn3_jax", "jax_triton", "triton")
+    monkeypatch.delitem(sys.modules, "benchmarks.triton_attention", raising=False)
+    notes = kernel.peer_notes(["jflash_mosaic", "fa3", "cudnn", "jax_triton"])
+    assert len(notes) == 2
+    assert notes[0].startswith("note: fa3 ") and "not installed" in notes[0]
+    assert notes[1].startswith("note: jax_triton ") and "not installed" in notes[1]
+    for impl in ("fa3", "jax_triton"):
+        row = kernel.measure(impl, batch=1, seq=256, heads=4, kv_heads=1, head_dim=128)
+        assert row["fwd_error"].startswith("not installed")
+        assert row["fwdbwd_error"] == row["fwd_error"]
+        assert "fwd_tflops" not in row
+
+
+def test_fa3_head_dim_64_cell_says_why_without_importing(monkeypatch):
+    hide(monkeypatch, "flash_attn3_jax")  # the D check comes first: no import tried
+    row = kernel.measure("fa3", batch=1, seq=256, heads=4, kv_heads=1, head_dim=64)
+    assert "no D=64" in row["fwd_error"] and "no D=64" in row["fwdbwd_error"]
+    with pytest.raises(ValueError, match="unknown peer"):
+        kernel.peer_fn("fa2", True, 128)
+
+
+def test_check_outputs_keeps_the_first_and_flags_wrong_ones():
+    reference = {}
+    ones = jnp.ones((2, 3), jnp.bfloat16)
+    assert kernel.check_outputs({"impl": "a"}, "fwd", ones, reference)
+    close = {"impl": "b"}
+    assert kernel.check_outputs(close, "fwd", ones + 0.015625, reference)
+    assert close["max_abs_diff"] == 0.015625  # exact in bf16
+    wrong = {"impl": "c"}
+    assert not kernel.check_outputs(wrong, "fwd", ones * 2, reference)
+    assert "wrong output" in wrong["fwd_error"] and "vs a" in wrong["fwd_error"]
+    nan = {"impl": "d"}
+    assert not kernel.check_outputs(nan, "fwd", ones * jnp.nan, reference)
+    # forward+backward: each array relative to its own largest value.
+    grads = (ones, (ones * 100, ones))
+    assert kernel.check_outputs({"impl": "a"}, "fwdbwd", grads, reference)
+    scaled = {"impl": "e"}
+    assert kernel.check_outputs(scaled, "fwdbwd", (ones, (ones * 101, ones)), reference)
+    assert scaled["grad_rel_diff"] == pytest.approx(0.01, abs=2e-3)
+    off = {"impl": "f"}
+    assert not kernel.check_outputs(off, "fwdbwd", (ones, (ones * 100, ones * 1.5)), reference)
+    assert "grad_rel_diff" in off["fwdbwd_error"]
+
+
+def test_measure_checks_rows_against_the_first(monkeypatch):
+    """A row whose output differs from the shape's first row is an error, not a time."""
+    monkeypatch.setattr(kernel, "time_fn", lambda fn, *args: 1e-3)
+    shape = dict(batch=1, seq=128, heads=2, kv_heads=1, head_dim=64)
+    reference = {}
+    first = kernel.measure("xla", reference=reference, **shape)
+    assert first["fwd_ms"] == pytest.approx(1.0) and "max_abs_diff" not in first
+    same = kernel.measure("xla", reference=reference, **shape)  # same problem, same answer
+    assert same["max_abs_diff"] < kernel.FWD_TOLERANCE and "fwd_error" not in same
+    assert same["grad_rel_diff"] < kernel.FWDBWD_TOLERANCE and "fwdbwd_ms" in same
+    full = kernel.measure("xla", reference=reference, causal=False, **shape)
+    assert full["fwd_error"].startswith("wrong output") and "fwd_ms" not in full
+
+
+def test_parse_stacks_orders_and_rejects():
+    assert hf_baseline.parse_stacks("liger,hf") == ["hf", "liger"]
+    assert hf_baseline.parse_stacks("liger") == ["liger"]
+    for bad in ("hf,torchtitan", "", "hf,hf"):
+        with pytest.raises(ValueError, match="--stack"):
+            hf_baseline.parse_stacks(bad)
+
+
+def test_hf_baseline_rejects_unknown_stack_before_torch(capsys):
+    with pytest.raises(SystemExit):
+        hf_baseline.main(["--stack", "hf,megatron"])
+    assert "megatron" in capsys.readouterr().err
+
+
+def test_liger_missing_is_a_note(monkeypatch):
+    torch = types.ModuleType("torch")
+    torch.__version__ = "9.9"
+    transformers = types.ModuleType("transformers")
+    transformers.__version__ = "8.8"
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "transformers", transformers)
+    hide(monkeypatch, "liger_kernel", "liger_kernel.transformers")
+    assert hf_baseline.stack_unavailable("hf") is None
+    assert hf_baseline.stack_version("hf") == "transformers 8.8 + torch 9.9"
+    assert hf_baseline.stack_unavailable("liger").startswith("not installed")
+
+
+def test_result_row_uses_the_trainers_flop_formula():
+    config = models.preset("tiny")
+    args = types.SimpleNamespace(model="tiny", context=1024)
+    row = hf_baseline.result_row("liger", "x", config, args, 0.5, 1.5, 2.0, on_gpu=True)
+    assert row["tokens_per_s"] == 2048
+    flops = models.training_flops_per_token(config, 1024) * 2048
+    assert row["tflops"] == pytest.approx(flops / 1e12)
+    assert row["mfu"] == pytest.approx(flops / 989e12)
+    assert row["stack"] == "liger" and row["peak_memory_gib"] == 1.5
+    assert hf_baseline.result_row("hf", "x", config, args, 0.5, None, 2.0, False)["mfu"] is None
