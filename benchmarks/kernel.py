@@ -307,7 +307,9 @@ def main_table(args):
         reference.clear()
     add_ratios(rows)
     print(table(rows, MAIN_COLUMNS))
-    write_json(os.path.join(args.out, f"kernel-{device_name()}.json"), {"rows": rows})
+    # One mask alone (a run split in two) names its file after it.
+    suffix = "" if len(args.masks) == 2 else "-causal" if args.masks[0] else "-full"
+    write_json(os.path.join(args.out, f"kernel-{device_name()}{suffix}.json"), {"rows": rows})
 
 
 def run_candidates(args, impl: str, candidates, baselines, name: str):
@@ -810,7 +812,7 @@ def main(argv=None):
     masks = {"causal": True, "full": False}
     if any(m not in masks for m in args.masks.split(",")):
         parser.error(f"--masks {args.masks!r}: a comma list of causal, full")
-    args.masks = [masks[m] for m in args.masks.split(",")]
+    args.masks = list(dict.fromkeys(masks[m] for m in args.masks.split(",")))
     try:
         args.seqs = [int(x) for x in args.seqs.split(",") if x]
     except ValueError:

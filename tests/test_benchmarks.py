@@ -86,6 +86,7 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     calls.clear()
     kernel.main(["--impls", "cudnn", "--masks", "full", "--seqs", "16384", "--out", str(tmp_path)])
     assert calls == [("cudnn", 16384, 128, False)]
+    assert (tmp_path / f"{path.stem}-full.json").exists()  # one mask: its own file
 
 
 @pytest.mark.parametrize(
