@@ -10,7 +10,7 @@ PY312 ?= PYENV_VERSION=$${PYENV_VERSION:-3.12.1} python3.12
 PY311 ?= PYENV_VERSION=$${PYENV_VERSION:-3.11.7} python3.11
 PYTEST_ARGS ?=
 
-.PHONY: test test-fast demo venv oracle lint clean
+.PHONY: test test-fast demo demo-text venv oracle lint clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -36,6 +36,11 @@ test-fast: venv
 
 demo: venv
 	$(VENV)/bin/python -m train.demo
+
+# A tiny Llama on real English text (the installed packages' docs), BPE, token caches;
+# offline, a few minutes on a CPU (docs/trainer.md, "Real text").
+demo-text: venv
+	$(VENV)/bin/python -m train.text_demo
 
 lint: venv
 	$(VENV)/bin/ruff check jflash models train tests benchmarks

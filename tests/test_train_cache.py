@@ -364,3 +364,48 @@ def test_convert_init_loads_in_transformers(bpe, tmp_path):
     _, params = models.load_hf(out)
     count = sum(np.size(x) for x in jax.tree.leaves(params))
     assert result.stdout.split() == ["300", "0", str(count)]
+
+
+# --- the trainer on a cache, the text demo's gathering ----------------------------------
+
+
+@pytest.mark.slow
+def test_trainer_losses_on_a_cache_equal_in_memory(tmp_path):
+    from train.config import parse_args
+    from train.loop import run
+
+    source = _pkl(tmp_path / "d.pkl", _records(60))
+    data_cache.build_cache(source, tmp_path / "cache", eos_id=models.TINY.eos_token_id)
+    argv = ["--model_name_or_path", "tiny", "--bf16", "false", "--attention", "xla"]
+    argv += ["--mesh", "data=1,fsdp=-1,seq=1", "--model_max_length", "32", "--max_steps", "3"]
+    argv += ["--logging_steps", "1", "--save_strategy", "no", "--report_to", "none"]
+    argv += ["--export_hf", "false", "--learning_rate", "1e-2", "--progress", "false"]
+    losses = [
+        run(parse_args([*argv, "--data_path", str(data), "--output_dir", str(tmp_path / out)]))[
+            "losses"
+        ]
+        for data, out in ((source, "memory"), (tmp_path / "cache", "cached"))
+    ]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_text_demo_gathers_each_text_once_in_path_order(tmp_path):
+    from train import text_demo
+
+    body = "Permission is hereby granted, free of charge, to any person. " * 5
+    files = {
+        "b/LICENSE": body,
+        "a/README.md": "# A\n\n" + body,
+        "a/docs/x.rst": "A  " + body,
+        "c/LICENSE.txt": body.replace(" ", "  "),  # the same text, other whitespace
+        "pkg-1.0.dist-info/METADATA": "Name: pkg\nVersion: 1.0\n\nThe description. " + body,
+        "pkg/METADATA": body + "not a dist-info",
+        "d/short.md": "too short",
+        "e/data.txt": body + "not a text file the demo reads",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    texts = text_demo.gather(tmp_path)
+    assert texts == [files["a/README.md"], files["a/docs/x.rst"], files["b/LICENSE"],
+                     "The description. " + body]  # fmt: skip

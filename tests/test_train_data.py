@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from train import data as data_lib
 from train.data import (
     Batches,
     Rows,
@@ -82,6 +83,76 @@ def test_npy_token_stream(tmp_path):
     dataset = load_dataset(tmp_path / "s.npy")
     assert dataset.num_examples == 1
     assert dataset.tokens.tolist() == list(range(10))
+
+
+def test_parquet_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"input_ids": [[1, 2, 3], [4, 5]], "labels": [[IGNORE, 2, 3], [4, 5]]})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=1)
+    dataset = load_dataset(tmp_path / "d.parquet", vocab_size=6)
+    assert dataset.tokens.tolist() == [1, 2, 3, 4, 5]
+    assert dataset.targets.tolist() == [IGNORE, 2, 3, 4, 5]
+    pq.write_table(pa.table({"input_ids": [[1], [2, -7]]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: record 1: 'input_ids': id -7"):
+        load_dataset(tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"tokens": [[1]]}), tmp_path / "cols.parquet")
+    with pytest.raises(ValueError, match=r"cols\.parquet: expected a column 'input_ids' or 'text'"):
+        load_dataset(tmp_path / "cols.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match=r"junk\.parquet: not a readable parquet file"):
+        load_dataset(tmp_path / "junk.parquet")
+
+
+def test_parquet_text_and_saved_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeTokenizer))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    records = datasets.Dataset.from_dict({"text": ["ab", "c"], "meta": [1, 2]})
+    records.to_parquet(str(tmp_path / "t.parquet"))
+    assert load_dataset(tmp_path / "t.parquet", tokenizer=tmp_path).tokens.tolist() == [97, 98, 99]
+    ids = datasets.Dataset.from_dict({"input_ids": [[7, 8], [9]]})
+    ids.save_to_disk(str(tmp_path / "saved"))
+    dataset = load_dataset(tmp_path / "saved")
+    assert dataset.tokens.tolist() == [7, 8, 9] and dataset.offsets.tolist() == [0, 2, 3]
+    datasets.DatasetDict({"train": ids}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=r"dict: holds the splits \['train'\]; pass .*dict/train"):
+        load_dataset(tmp_path / "dict")
+    assert load_dataset(tmp_path / "dict" / "train").num_tokens == 3
+    with pytest.raises(ValueError, match=r"empty: not a dataset saved with save_to_disk"):
+        (tmp_path / "empty").mkdir()
+        load_dataset(tmp_path / "empty")
+
+
+def test_missing_hf_packages_name_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "d.parquet").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # makes the import fail
+    with pytest.raises(
+        ValueError, match=r"d\.parquet: .*'pyarrow' package: pip install 'jflash\[hf\]'"
+    ):
+        load_dataset(tmp_path / "d.parquet")
+    (tmp_path / "saved").mkdir()
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(
+        ValueError, match=r"saved: .*'datasets' package: pip install 'jflash\[hf\]'"
+    ):
+        load_dataset(tmp_path / "saved")
+
+
+def test_a_format_is_one_reader_entry(tmp_path, monkeypatch):
+    """A new format is one entry in READERS: `.tsv` lines of ids, here."""
+
+    def read_tsv(path):
+        for i, line in enumerate(path.read_text().splitlines()):
+            yield i, [int(x) for x in line.split("\t")]
+
+    monkeypatch.setitem(
+        data_lib.READERS, ".tsv", data_lib.Reader(data_lib.records_reader(read_tsv))
+    )
+    (tmp_path / "d.tsv").write_text("1\t2\n3\n")
+    dataset = load_dataset(tmp_path / "d.tsv")
+    assert dataset.tokens.tolist() == [1, 2, 3] and dataset.lengths.tolist() == [2, 1]
+    assert set(data_lib.FORMATS) == {".pkl", ".jsonl", ".npy", ".parquet", "save_to_disk"}
 
 
 class _FakeTokenizer:

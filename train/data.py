@@ -300,7 +300,7 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
     return READERS[suffix].read(path, parser)
 
 
-def _records(
+def records_reader(
     read: Callable[[Path], Iterator[tuple[int, Any]]], by_line: bool = False
 ) -> Callable[[Path, RecordParser], Iterator[Example]]:
     """A reader from a function yielding ``(number, record)``: each record is parsed
@@ -430,11 +430,11 @@ SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `dataset
 # The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
 # A new format is one entry here (and its tests in tests/test_train_data.py).
 READERS: dict[str, Reader] = {
-    ".pkl": Reader(_records(_read_pkl)),
-    ".jsonl": Reader(_records(_read_jsonl, by_line=True), by_line=True),
+    ".pkl": Reader(records_reader(_read_pkl)),
+    ".jsonl": Reader(records_reader(_read_jsonl, by_line=True), by_line=True),
     ".npy": Reader(_read_npy),
-    ".parquet": Reader(_records(_read_parquet)),
-    SAVED_DATASET: Reader(_records(_read_saved_dataset)),
+    ".parquet": Reader(records_reader(_read_parquet)),
+    SAVED_DATASET: Reader(records_reader(_read_saved_dataset)),
 }
 FORMATS = tuple(READERS)
 
