@@ -107,8 +107,9 @@ def main() -> None:
     _write_jsonl(train_file, train_texts)
     _write_jsonl(val_file, val_texts)
     chars = sum(map(len, train_texts)), sum(map(len, val_texts))
+    shown = root.relative_to(Path.cwd()) if root.is_relative_to(Path.cwd()) else root
     print(
-        f"text: {len(texts)} documents from {root} ({len(train_texts)} train, "
+        f"text: {len(texts)} documents from {shown} ({len(train_texts)} train, "
         f"{chars[0]:,} chars; {len(val_texts)} validation, {chars[1]:,} chars)"
     )
 
