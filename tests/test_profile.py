@@ -524,3 +524,45 @@ def test_report_small_ceilings_warnings_and_single_points(tmp_path):
     md = report_lib.markdown(report)
     assert "traced/timed =" not in md and "not a trend" not in md
     assert report_lib.significant(123456.0) == "123,456" and report_lib.significant(0) == "0"
+
+
+def test_report_plots_are_one_table(tmp_path, monkeypatch):
+    """Every plot is an entry of `report.PLOTS`, drawn when its rows exist: several
+    device counts add `scaling`, an unmeasured kernel split drops `kernels`, and one
+    more entry is one more figure, linked from report.md."""
+    from train.tools import report as report_lib
+
+    report = {
+        "date": "today",
+        "jax": jax.__version__,
+        "command": "python -m train.tools.profile",
+        "steps": {"timed": 2, "warmup": 1, "traced": 2},
+        "ceilings": {},
+        "rows": [_report_row(256), _report_row(512), _report_row(512, devices=4)],
+    }
+    written = report_lib.render(report, str(tmp_path))
+    names = [p.name for p in report_lib.PLOTS]
+    assert names[-1] == "scaling" and report_lib.plots_written(report) == names
+    assert [os.path.basename(w) for w in written] == ["report.md"] + [f"{n}.png" for n in names]
+    assert all(os.path.getsize(w) > 5000 for w in written[1:])
+
+    unmeasured = _report_row(256)
+    unmeasured["trace"] = {**unmeasured["trace"], "mean": {**unmeasured["trace"]["mean"]}}
+    unmeasured["trace"]["mean"]["attention_ms"] = None
+    assert report_lib.plots_written({"rows": [unmeasured]}) == [
+        "latency_throughput",
+        "memory",
+        "phases",
+        "roofline",
+    ]
+
+    extra = report_lib.Plot(
+        "flops",
+        "Model TFLOP/s per device vs context",
+        report_lib._lines(report_lib.Line("tflops_per_device", "TFLOP/s")),
+    )
+    monkeypatch.setattr(report_lib, "PLOTS", (*report_lib.PLOTS, extra))
+    (tmp_path / "more").mkdir()
+    written = report_lib.render(report, str(tmp_path / "more"))
+    assert written[-1].endswith("flops.png") and os.path.getsize(written[-1]) > 5000
+    assert "![flops](flops.png)" in (tmp_path / "more" / "report.md").read_text()

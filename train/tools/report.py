@@ -6,12 +6,15 @@
   classes, arithmetic intensity), the measured ceilings, PyTorch + LightSeq's published numbers for
   reference, and every field that could not be measured, with the reason.
 * `latency_throughput.png`, `memory.png`, `phases.png`, `kernels.png`,
-  `roofline.png` and, with several device counts, `scaling.png`.
+  `roofline.png` and, with several device counts, `scaling.png`: one entry each in
+  `PLOTS` (file, which rows, panels, title), so a new plot is one more entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 
 import matplotlib
 
@@ -420,185 +423,259 @@ def _one_point_note(ax):
     )
 
 
-def plot_latency_throughput(ok, path):
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rs in _series(ok).items():
-        x = [r["context"] for r in rs]
-        a.plot(x, [r["step_ms"] for r in rs], "o-", label=label)
-        b.plot(x, [r["tokens_per_s"] for r in rs], "o-", label=label)
-    for ax, title, unit in ((a, "Step latency", "ms per step"), (b, "Throughput", "tokens/s")):
-        _context_axis(ax, ok)
-        ax.set_title(title)
-        ax.set_ylabel(unit)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if single_point(ok):
-        for ax in (a, b):
-            _one_point_note(ax)
-    fig.suptitle("Latency and throughput vs context")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+# One plot is one entry of PLOTS: its file, which rows it draws (none: not drawn), its
+# panels and its title. Each `_lines` / `_memory` / `_stacked` / `_roofline` returns
+# the function that fills the figure's panels from those rows.
 
 
-def plot_memory(ok, path, limit_gib):
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (label, rs) in enumerate(_series(ok).items()):
-        color = f"C{i}"
-        x = [r["context"] for r in rs]
-        measured = [r.get("peak_memory_gib") for r in rs]
-        if any(v is not None for v in measured):
-            ax.plot(x, measured, "o-", color=color, label=f"{label}: peak measured")
-        ax.plot(
-            x,
-            [r.get("compiler_memory_gib") for r in rs],
-            "s--",
-            color=color,
-            label=f"{label}: compiler estimate",
-        )
-    if limit_gib:
-        ax.axhline(limit_gib, color="k", lw=1, ls=":", label=f"device limit {limit_gib:.0f} GiB")
-    _context_axis(ax, ok)
-    ax.set_ylabel("GiB per device")
-    if single_point(ok):
-        _one_point_note(ax)
-    ax.set_title("Memory per device vs context")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+@dataclasses.dataclass(frozen=True)
+class Plot:
+    """One figure of the report, `<name>.png`."""
+
+    name: str
+    title: str
+    draw: Callable[[list, list[dict], dict], None]  # (panels, rows, report) fills the panels
+    rows: Callable[[list[dict]], list[dict]] = lambda ok: ok  # [] when the plot has nothing
+    panels: Callable[[list[dict]], int] = lambda rows: 1  # side by side
+    panel_size: tuple[float, float] = (7.0, 4.2)  # inches
 
 
-def plot_stacked(ok, path, parts, title):
-    models = list(dict.fromkeys(r["model"] for r in ok))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        rs = sorted((r for r in ok if r["model"] == model), key=lambda r: (_mesh(r), r["context"]))
-        meshes = list(dict.fromkeys(_mesh(r) for r in rs))
-        if len(meshes) == 1:  # one mesh: said once, in the title (long labels collide)
-            names = [_ctx(r["context"]) for r in rs]
-        else:
-            names = [f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs]
-        bottom = [0.0] * len(rs)
-        for part in parts:
-            values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
-            ax.bar(names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " "))
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.plot(names, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
-        ax.set_title(f"{model} ({meshes[0]})" if len(meshes) == 1 else model)
-        ax.set_ylabel("ms per step, per device")
-        ax.grid(axis="y", alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One quantity on a `_lines` panel: a row field, drawn per series."""
+
+    field: str
+    ylabel: str
+    title: str = ""
 
 
-def plot_roofline(ok, path, ceil):
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    points = [
-        (r, k, p)
-        for r in ok
-        for k, p in (r.get("intensity") or {}).items()
-        if p and p.get("tflops")
-    ]
-    xs = [p["intensity"] for _, _, p in points] or [1.0]
-    lo, hi = min(xs + [1.0]) / 4, max(xs + [1e3]) * 4
-    peak, bw = ceil.get("matmul_tflops"), ceil.get("copy_gbps")
-    if peak and bw:
-        ridge = peak * 1e12 / (bw * 1e9)
-        grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
-        ax.plot(
-            grid,
-            [min(peak, x * bw * 1e9 / 1e12) for x in grid],
-            "k-",
-            lw=1.5,
-            label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
-        )
-    markers = {"step": "o", "attention": "^", "matmul": "s"}
-    for i, label in enumerate(_series(ok)):
-        for r, kind, p in points:
-            if _label(r) == label:
-                ax.plot(p["intensity"], p["tflops"], markers[kind], color=f"C{i}", ms=7)
-                ax.annotate(
-                    _ctx(r["context"]),
-                    (p["intensity"], p["tflops"]),
-                    fontsize=7,
-                    xytext=(3, 3),
-                    textcoords="offset points",
-                )
-        ax.plot([], [], "o", color=f"C{i}", label=label)
-    for kind, m in markers.items():
-        ax.plot([], [], m, color="gray", label=kind)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("achieved TFLOP/s per device")
-    ax.set_title("Roofline: step, attention kernels and matmuls")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_scaling(ok, path):
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+def _by_shape(ok: list[dict]) -> dict[str, list[dict]]:
+    """Rows of one model and context, over device counts."""
     groups: dict[str, list[dict]] = {}
     for r in ok:
         groups.setdefault(f"{r['model']} {_ctx(r['context'])}", []).append(r)
-    for label, rs in groups.items():
-        rs = sorted(rs, key=lambda r: r["devices"])
-        ax.plot([r["devices"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=label)
-    counts = sorted({r["devices"] for r in ok})
+    return {k: sorted(v, key=lambda r: r["devices"]) for k, v in groups.items()}
+
+
+def _devices_axis(ax, rows):
+    counts = sorted({r["devices"] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(counts, [str(c) for c in counts])
     ax.set_xlabel("devices")
-    ax.set_ylabel("tokens/s")
-    ax.set_title("Scaling with devices (same model and context)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+def _lines(*lines: Line, x: str = "context"):
+    """One panel per `Line`: its field against `x` ("context" or "devices"), a line
+    per series (per model and mesh against context; per model and context against
+    devices)."""
+    series, axis = (_series, _context_axis) if x == "context" else (_by_shape, _devices_axis)
+
+    def draw(axes, rows, report):
+        for ax, line in zip(axes, lines, strict=True):
+            for label, rs in series(rows).items():
+                ax.plot([r[x] for r in rs], [r[line.field] for r in rs], "o-", label=label)
+            axis(ax, rows)
+            ax.set_title(line.title)
+            ax.set_ylabel(line.ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            if x == "context" and single_point(rows):
+                _one_point_note(ax)
+
+    return draw
+
+
+def _memory():
+    """Peak measured and compiler-estimated memory per series, and the device limit."""
+
+    def draw(axes, rows, report):
+        (ax,) = axes
+        for i, (label, rs) in enumerate(_series(rows).items()):
+            color = f"C{i}"
+            x = [r["context"] for r in rs]
+            measured = [r.get("peak_memory_gib") for r in rs]
+            if any(v is not None for v in measured):
+                ax.plot(x, measured, "o-", color=color, label=f"{label}: peak measured")
+            ax.plot(
+                x,
+                [r.get("compiler_memory_gib") for r in rs],
+                "s--",
+                color=color,
+                label=f"{label}: compiler estimate",
+            )
+        limit = min(
+            (r["memory_limit_gib"] for r in rows if r.get("memory_limit_gib")), default=None
+        )
+        if limit:
+            ax.axhline(limit, color="k", lw=1, ls=":", label=f"device limit {limit:.0f} GiB")
+        _context_axis(ax, rows)
+        ax.set_ylabel("GiB per device")
+        if single_point(rows):
+            _one_point_note(ax)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+    return draw
+
+
+def _models(rows: list[dict]) -> int:
+    return len(dict.fromkeys(r["model"] for r in rows))
+
+
+def _stacked(parts: tuple[str, ...]):
+    """One panel per model: bars of `parts` (`<part>_ms` of the traced mean) per context
+    and mesh, with the timed step as a mark."""
+
+    def draw(axes, rows, report):
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        for ax, model in zip(axes, models, strict=True):
+            rs = sorted(
+                (r for r in rows if r["model"] == model), key=lambda r: (_mesh(r), r["context"])
+            )
+            meshes = list(dict.fromkeys(_mesh(r) for r in rs))
+            if len(meshes) == 1:  # one mesh: said once, in the title (long labels collide)
+                names = [_ctx(r["context"]) for r in rs]
+            else:
+                names = [
+                    f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs
+                ]
+            bottom = [0.0] * len(rs)
+            for part in parts:
+                values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
+                ax.bar(
+                    names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " ")
+                )
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            ax.plot(names, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
+            ax.set_title(f"{model} ({meshes[0]})" if len(meshes) == 1 else model)
+            ax.set_ylabel("ms per step, per device")
+            ax.grid(axis="y", alpha=0.3)
+        axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+    return draw
+
+
+def _roofline():
+    """Step, attention kernels and matmuls at their arithmetic intensity, under the
+    measured matmul and copy ceilings."""
+
+    def draw(axes, rows, report):
+        (ax,) = axes
+        ceil = report.get("ceilings") or {}
+        points = [
+            (r, k, p)
+            for r in rows
+            for k, p in (r.get("intensity") or {}).items()
+            if p and p.get("tflops")
+        ]
+        xs = [p["intensity"] for _, _, p in points] or [1.0]
+        lo, hi = min(xs + [1.0]) / 4, max(xs + [1e3]) * 4
+        peak, bw = ceil.get("matmul_tflops"), ceil.get("copy_gbps")
+        if peak and bw:
+            ridge = peak * 1e12 / (bw * 1e9)
+            grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+            ax.plot(
+                grid,
+                [min(peak, x * bw * 1e9 / 1e12) for x in grid],
+                "k-",
+                lw=1.5,
+                label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
+            )
+        markers = {"step": "o", "attention": "^", "matmul": "s"}
+        for i, label in enumerate(_series(rows)):
+            for r, kind, p in points:
+                if _label(r) == label:
+                    ax.plot(p["intensity"], p["tflops"], markers[kind], color=f"C{i}", ms=7)
+                    ax.annotate(
+                        _ctx(r["context"]),
+                        (p["intensity"], p["tflops"]),
+                        fontsize=7,
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                    )
+            ax.plot([], [], "o", color=f"C{i}", label=label)
+        for kind, m in markers.items():
+            ax.plot([], [], m, color="gray", label=kind)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+        ax.set_ylabel("achieved TFLOP/s per device")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+
+    return draw
+
+
+PLOTS = (
+    Plot(
+        "latency_throughput",
+        "Latency and throughput vs context",
+        _lines(
+            Line("step_ms", "ms per step", "Step latency"),
+            Line("tokens_per_s", "tokens/s", "Throughput"),
+        ),
+        panels=lambda rows: 2,
+        panel_size=(5.5, 4.2),
+    ),
+    Plot("memory", "Memory per device vs context", _memory()),
+    Plot(
+        "phases",
+        "Per-phase time per step (traced)",
+        _stacked(PHASES),
+        panels=_models,
+        panel_size=(4.5, 4.5),
+    ),
+    Plot(
+        "kernels",
+        "Busy time by kernel class (traced)",
+        _stacked(CLASSES),
+        rows=lambda ok: ok if any(_mean(r)["attention_ms"] is not None for r in ok) else [],
+        panels=_models,
+        panel_size=(4.5, 4.5),
+    ),
+    Plot(
+        "roofline",
+        "Roofline: step, attention kernels and matmuls",
+        _roofline(),
+        panel_size=(7.5, 5.0),
+    ),
+    Plot(
+        "scaling",
+        "Scaling with devices (same model and context)",
+        _lines(Line("tokens_per_s", "tokens/s"), x="devices"),
+        rows=lambda ok: ok if len({r["devices"] for r in ok}) > 1 else [],
+    ),
+)
 
 
 def plots_written(report: dict) -> list[str]:
     ok = _ok(report)
-    if not ok:
-        return []
-    names = ["latency_throughput", "memory", "phases"]
-    if any(_mean(r)["attention_ms"] is not None for r in ok):
-        names.append("kernels")
-    names.append("roofline")
-    if len({r["devices"] for r in ok}) > 1:
-        names.append("scaling")
-    return names
+    return [plot.name for plot in PLOTS if ok and plot.rows(ok)]
+
+
+def draw_plot(plot: Plot, report: dict, path: str) -> None:
+    """Draws one `PLOTS` entry from the report's measured rows into `path`."""
+    rows = plot.rows(_ok(report))
+    n = plot.panels(rows)
+    width, height = plot.panel_size
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    plot.draw(list(axes[0]), rows, report)
+    if n == 1 and not axes[0][0].get_title():
+        axes[0][0].set_title(plot.title)
+    else:
+        fig.suptitle(plot.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def render(report: dict, out_dir: str) -> list[str]:
     """Writes report.md and the plots into `out_dir`; returns the files written."""
-    ok = _ok(report)
-    ceil = report.get("ceilings") or {}
     names = plots_written(report)
-    paths = {n: os.path.join(out_dir, f"{n}.png") for n in names}
-    limit = min((r["memory_limit_gib"] for r in ok if r.get("memory_limit_gib")), default=None)
-    for name in names:
-        if name == "latency_throughput":
-            plot_latency_throughput(ok, paths[name])
-        elif name == "memory":
-            plot_memory(ok, paths[name], limit)
-        elif name == "phases":
-            plot_stacked(ok, paths[name], PHASES, "Per-phase time per step (traced)")
-        elif name == "kernels":
-            plot_stacked(ok, paths[name], CLASSES, "Busy time by kernel class (traced)")
-        elif name == "roofline":
-            plot_roofline(ok, paths[name], ceil)
-        elif name == "scaling":
-            plot_scaling(ok, paths[name])
+    paths = [os.path.join(out_dir, f"{plot.name}.png") for plot in PLOTS if plot.name in names]
+    for plot, path in zip((p for p in PLOTS if p.name in names), paths, strict=True):
+        draw_plot(plot, report, path)
     md = os.path.join(out_dir, "report.md")
     with open(md, "w") as f:
         f.write(markdown(report))
-    return [md, *paths.values()]
+    return [md, *paths]
