@@ -22,10 +22,21 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 RopeType = Literal["default", "linear", "llama3"]
-RematPolicy = Literal["none", "full", "save_attn", "save_dots"]
+RematPolicy = Literal["none", "full", "save_attn", "save_dots", "offload_attn", "offload_full"]
 
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
-REMAT_POLICIES: tuple[str, ...] = ("none", "full", "save_attn", "save_dots")
+REMAT_POLICIES: tuple[str, ...] = (
+    "none",
+    "full",
+    "save_attn",
+    "save_dots",
+    "offload_attn",
+    "offload_full",
+)
+# `LlamaConfig.mlp_tile=-1` (auto): tiles of this many tokens once a device's share of
+# the sequence reaches MLP_TILE_FROM tokens; shorter sequences run the MLP whole.
+MLP_TILE_AUTO = 8192
+MLP_TILE_FROM = 32768
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
@@ -95,7 +106,18 @@ class LlamaConfig:
             cheap projections and MLP but never the attention kernel) or ``save_dots``
             (also saves every projection's and the MLP's matmul outputs and the MLP's
             activation: only norms and RoPE are recomputed, for ~2.1 GB per layer at
-            32k tokens of a 1B model).
+            32k tokens of a 1B model); ``offload_attn`` and ``offload_full`` are
+            ``save_attn`` and ``full`` with every saved tensor (each layer's input, and
+            for ``offload_attn`` the attention output and log-sum-exp) moved to pinned
+            host memory in the forward and back in the backward: no per-layer residual
+            stays on the device.
+        mlp_tile: tokens per MLP tile. The post-attention norm, MLP and residual add
+            run over the sequence one tile at a time (``lax.map`` of a checkpointed
+            tile), so the ``[T, F]`` intermediates exist for one tile only, forward and
+            backward (the backward recomputes each tile's MLP). It divides a device's
+            share of the sequence (with ring attention the tiles split each shard);
+            ``0`` runs the MLP whole; ``-1`` (auto) uses :data:`MLP_TILE_AUTO` tokens
+            once the share is at least :data:`MLP_TILE_FROM`.
     """
 
     vocab_size: int
@@ -116,6 +138,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: RematPolicy = "none"
+    mlp_tile: int = -1
 
     def __post_init__(self) -> None:
         for name in (
@@ -141,6 +164,8 @@ class LlamaConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} not in {DTYPES}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} not in {REMAT_POLICIES}")
+        if not isinstance(self.mlp_tile, int) or self.mlp_tile < -1:
+            raise ValueError(f"mlp_tile={self.mlp_tile!r} must be -1 (auto), 0 (off) or a size")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
@@ -153,6 +178,26 @@ class LlamaConfig:
     def weight_dtype(self) -> jnp.dtype:
         """The parameter dtype as a jnp dtype."""
         return jnp.dtype(self.param_dtype)
+
+    def mlp_tile_for(self, local_len: int) -> int:
+        """Tokens per MLP tile for a device's share of ``local_len`` tokens; 0: whole.
+
+        Raises:
+            ValueError: an explicit ``mlp_tile`` that does not divide ``local_len``.
+        """
+        tile = self.mlp_tile
+        if tile == -1:
+            if local_len < MLP_TILE_FROM:
+                return 0
+            tile = next((n for n in range(MLP_TILE_AUTO, 0, -1) if local_len % n == 0), local_len)
+            return 0 if tile < 1024 else tile
+        if tile == 0 or tile >= local_len:
+            return 0
+        if local_len % tile:
+            raise ValueError(
+                f"mlp_tile={tile} must divide the {local_len} tokens each device holds"
+            )
+        return tile
 
     @property
     def num_groups(self) -> int:

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
@@ -42,6 +43,15 @@ SAVE_ATTN_NAMES: tuple[str, ...] = ("attention_out", "attention_lse")
 # in every layer's backward (8 ms of a 1B step at 32k on an H100); saving it costs
 # 0.5 GB per layer there and gained 0.6% on one H200 (BENCHMARKS.md, trainer).
 SAVE_DOTS_NAMES: tuple[str, ...] = ("mlp_activation",)
+# Each layer's input, tagged inside the checkpointed layer: the offload policies move it
+# to host memory (the other policies keep the layer input on the device as before).
+LAYER_INPUT_NAME = "layer_input"
+# What remat="offload_*" moves to pinned host memory in the forward pass (and back in
+# the backward): every residual its on-device counterpart saves.
+OFFLOAD_NAMES: dict[str, tuple[str, ...]] = {
+    "offload_attn": (LAYER_INPUT_NAME, *SAVE_ATTN_NAMES),
+    "offload_full": (LAYER_INPUT_NAME,),
+}
 DEFAULT_ATTENTION = AttentionConfig()
 
 
@@ -127,6 +137,33 @@ class Attention(nnx.Module):
             return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
+def _seq_tiled(fn, x: Float[Array, "B T D"], tile: int, shards: int) -> Float[Array, "B T D"]:
+    """``fn(x)`` for a token-wise ``fn``, ``tile`` tokens of each of the ``shards``
+    sequence shards at a time: a ``lax.map`` over tiles of a checkpointed ``fn``, so
+    ``fn``'s intermediates exist for one tile forward and backward (the backward reruns
+    ``fn`` per tile). The sequence splits as ``[shards, tiles, tile]``: each step of the
+    map takes one tile from every shard, so a sequence-sharded ``x`` stays sharded."""
+    b, t, d = x.shape
+    n = t // (shards * tile)
+    tiles = jnp.moveaxis(x.reshape(b, shards, n, tile, d), 2, 0)  # [n, B, S, tile, D]
+
+    @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable)
+    def one(xt):
+        return fn(xt.reshape(b, shards * tile, d)).reshape(b, shards, tile, d)
+
+    with jax.named_scope("seq_tiles"):
+        out = jax.lax.map(one, tiles)
+    return jnp.moveaxis(out, 0, 2).reshape(b, t, d)
+
+
+def _seq_shards(attention: AttentionConfig) -> int:
+    """How many devices split the sequence the model sees (ring attention's mesh axes)."""
+    if attention.kind != "ring" or attention.mesh is None:
+        return 1
+    axes = (attention.seq_axis,) if isinstance(attention.seq_axis, str) else attention.seq_axis
+    return int(np.prod([attention.mesh.shape[a] for a in axes]))
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
@@ -139,6 +176,11 @@ class DecoderLayer(nnx.Module):
             config.hidden_size, config.rms_norm_eps, param_dtype=config.weight_dtype
         )
         self.mlp = MLP(config, rngs=rngs)
+        self.config = config
+        self.seq_shards = _seq_shards(attention)
+
+    def _mlp_block(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        return x + self.mlp(self.post_attn_norm(x))
 
     def __call__(
         self,
@@ -148,8 +190,15 @@ class DecoderLayer(nnx.Module):
         positions: Int[Array, "B T"],
         segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
+        x = checkpoint_name(x, LAYER_INPUT_NAME)
         x = x + self.attn(self.input_norm(x), cos, sin, positions, segment_ids)
-        return x + self.mlp(self.post_attn_norm(x))
+        shards = self.seq_shards
+        if x.shape[1] % shards:
+            raise ValueError(f"{x.shape[1]} tokens do not split over {shards} sequence shards")
+        tile = self.config.mlp_tile_for(x.shape[1] // shards)
+        if tile:
+            return _seq_tiled(self._mlp_block, x, tile, shards)
+        return self._mlp_block(x)
 
 
 def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -182,6 +231,14 @@ def _remat(fn, policy: str, scan_layers: bool):
             names, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         )
         return jax.checkpoint(fn, policy=both, prevent_cse=prevent_cse)
+    if policy in OFFLOAD_NAMES:
+        names = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=(),
+            names_which_can_be_offloaded=OFFLOAD_NAMES[policy],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+        return jax.checkpoint(fn, policy=names, prevent_cse=prevent_cse)
     raise ValueError(f"remat policy={policy!r} not in {REMAT_POLICIES}")
 
 

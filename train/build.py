@@ -49,6 +49,7 @@ def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig
         param_dtype="float32",
         remat=cfg.remat,
         scan_layers=cfg.model.scan_layers,
+        mlp_tile=cfg.model.mlp_tile,
     )
 
 
@@ -301,6 +302,10 @@ def plan_step(
         p_shard = param_shardings(abstract_params, mesh, axes, minor_last=whole)
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
         o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=whole)
+    offload = None
+    if cfg.optim.optimizer_offload:  # stored on the host; the step moves it for the update
+        offload = (jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), o_shard), o_shard)
+        o_shard = offload[0]
     head = models.lm_head_table(config, p_shard)[0]  # its sharding
     head_axes = {a for part in head.spec for a in spec_axes(part)}
     spec = StepSpec(
@@ -313,6 +318,7 @@ def plan_step(
         replicated_head=gather or not head_axes & set(SEQ_AXES),
         weights=(p_shard, compute_shardings(p_shard, SEQ_AXES)) if gather else None,
         mask_documents=cfg.data.mask_documents,
+        opt_offload=offload,
     )
     shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
     abstract_state = jax.tree.map(

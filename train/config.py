@@ -38,6 +38,7 @@ class ModelArgs:
     bf16: bool = True  # bf16 compute with f32 master weights
     fp16: bool = False  # HF Trainer's flag: runs as bf16 compute (no loss scaling needed)
     scan_layers: bool = True
+    mlp_tile: int = -1  # MLP tokens per sequence tile: -1 auto (8192 from 32k per device), 0 off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,7 @@ class OptimArgs:
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
     optim: str = "adamw"  # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none)
+    optimizer_offload: bool = False  # optimizer state in pinned host memory, on device to update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +197,8 @@ class TrainConfig:
                 "that restart mid-row with attention across documents mean nothing); pass "
                 "--packing_positions running with --mask_documents false"
             )
+        if self.model.mlp_tile < -1:
+            raise ValueError(f"--mlp_tile={self.model.mlp_tile} must be -1 (auto), 0 (off) or > 0")
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
 

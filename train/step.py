@@ -40,6 +40,9 @@ class StepSpec:
     # step (`--gather_once`); None: the model uses the stored parameters directly.
     weights: tuple[Any, Any] | None = None
     mask_documents: bool = False  # attention stays inside equal segment ids
+    # `(host, device)` optimizer-state shardings when the state lives in pinned host
+    # memory (`--optimizer_offload`); None: it stays on the device.
+    opt_offload: tuple[Any, Any] | None = None
 
 
 BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
@@ -165,7 +168,12 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
     params = state["params"]
     grads, (loss, count) = gradients(params, batch, spec)
     grad_norm = optax.tree.norm(grads)  # the clip's own expression: XLA merges the two
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    opt_state = state["opt_state"]
+    if spec.opt_offload is not None:  # host -> device after the backward, and back
+        opt_state = jax.device_put(opt_state, spec.opt_offload[1])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    if spec.opt_offload is not None:
+        opt_state = jax.device_put(opt_state, spec.opt_offload[0])
     new_params = optax.apply_updates(params, updates)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count}
