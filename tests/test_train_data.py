@@ -166,6 +166,9 @@ class _FakeTokenizer:
     def encode(self, text):
         return types.SimpleNamespace(ids=[ord(c) for c in text])
 
+    def encode_batch(self, texts):
+        return [self.encode(t) for t in texts]
+
 
 def test_text_records_use_the_model_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeTokenizer))

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import itertools
 import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -303,15 +304,22 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
 def records_reader(
     read: Callable[[Path], Iterator[tuple[int, Any]]], by_line: bool = False
 ) -> Callable[[Path, RecordParser], Iterator[Example]]:
-    """A reader from a function yielding ``(number, record)``: each record is parsed
-    (ids, labels, or text tokenized) before the next is read."""
+    """A reader from a function yielding ``(number, record)``: records are parsed (ids,
+    labels, or text tokenized, ``_CHUNK`` texts per ``encode_batch`` call) a chunk at a
+    time, so the file is never all in memory as Python objects."""
     word = "line" if by_line else "record"
 
     def parse_all(path: Path, parser: RecordParser) -> Iterator[Example]:
-        for number, record in read(path):
-            yield Example(number, *parser.parse(f"{word} {number}", record))
+        for chunk in itertools.batched(read(path), _CHUNK):
+            wheres = [f"{word} {number}" for number, _ in chunk]
+            texts = parser.tokenize_texts(wheres, [record for _, record in chunk])
+            for where, (number, record), ids in zip(wheres, chunk, texts, strict=True):
+                yield Example(number, *parser.parse(where, record, ids))
 
     return parse_all
+
+
+_CHUNK = 512  # records parsed (and texts tokenized) together
 
 
 def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -453,7 +461,10 @@ class RecordParser:
         """Whether any record was text (so the tokenizer shaped the tokens)."""
         return self._tokenizer is not None
 
-    def parse(self, where: str, record: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    def parse(
+        self, where: str, record: Any, text_ids: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(input_ids, labels or None)``; ``text_ids``: the record's text, tokenized."""
         if not isinstance(record, dict):
             return self._ids(where, "input_ids", record), None
         if "input_ids" in record:
@@ -461,10 +472,38 @@ class RecordParser:
             labels = record.get("labels")
             return ids, None if labels is None else self._labels(where, labels, len(ids))
         if "text" in record:
-            return self._tokenize(where, record["text"]), None
+            if text_ids is None:
+                text_ids = self.tokenize_texts([where], [record])[0]
+            return text_ids, None
         raise ValueError(
             f"{self.path}: {where}: expected key 'input_ids' or 'text', got {sorted(record)}"
         )
+
+    def tokenize_texts(
+        self, wheres: Sequence[str], records: Sequence[Any]
+    ) -> list[np.ndarray | None]:
+        """The token ids of each text record (one ``encode_batch`` call), None for the
+        others; ValueError naming the first text that is not a str or gives no tokens."""
+        texts = [
+            (i, r["text"])
+            for i, r in enumerate(records)
+            if isinstance(r, dict) and "input_ids" not in r and "text" in r
+        ]
+        out: list[np.ndarray | None] = [None] * len(records)
+        if not texts:
+            return out
+        for i, text in texts:
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{self.path}: {wheres[i]}: 'text' must be a str, got {type(text)}"
+                )
+        tokenizer = self._get_tokenizer(wheres[texts[0][0]])
+        encodings = tokenizer.encode_batch([text for _, text in texts])
+        for (i, _), encoding in zip(texts, encodings, strict=True):
+            if not encoding.ids:
+                raise ValueError(f"{self.path}: {wheres[i]}: 'text' tokenizes to no tokens")
+            out[i] = np.asarray(encoding.ids, dtype=np.int32)
+        return out
 
     def _ids(self, where: str, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
         prefix = f"{self.path}: {where}: {key!r}"
@@ -496,14 +535,6 @@ class RecordParser:
                 f"'input_ids' has {length}"
             )
         return labels
-
-    def _tokenize(self, where: str, text: Any) -> np.ndarray:
-        if not isinstance(text, str):
-            raise ValueError(f"{self.path}: {where}: 'text' must be a str, got {type(text)}")
-        ids = self._get_tokenizer(where).encode(text).ids
-        if not ids:
-            raise ValueError(f"{self.path}: {where}: 'text' tokenizes to no tokens")
-        return np.asarray(ids, dtype=np.int32)
 
     def _get_tokenizer(self, where: str):
         if self._tokenizer is None:
