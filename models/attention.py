@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from jaxtyping import Array, Float, Int
 import jflash
 
 AttentionKind = Literal["xla", "cudnn", "jflash", "ring"]
-ATTENTION_KINDS: tuple[str, ...] = ("xla", "cudnn", "jflash", "ring")
+ATTENTION_KINDS: tuple[str, ...] = get_args(AttentionKind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +55,8 @@ class AttentionConfig:
     implementation: str | None = None
     mesh: Mesh | None = None
     seq_axis: str | tuple[str, ...] = "seq"
-    layout: Literal["zigzag", "striped", "contiguous"] = "zigzag"
-    strategy: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
+    layout: str = "zigzag"  # one of jflash.LAYOUTS
+    strategy: str = "ring"  # one of jflash.STRATEGIES
     batch_axes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
