@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import models
 from train.tools import capacity
 
 
@@ -50,3 +51,37 @@ def test_bad_models_and_meshes_are_refused_before_probing(capsys):
             capacity.main([*argv, "--limit-gib", "1"])
         err = capsys.readouterr().err
         assert match in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_long_context_knobs_report_device_and_host_memory(capsys):
+    """`--optimizer-offload` moves the optimizer state off the device (host GiB > 0, the
+    device GiB lower by as much); the knobs reach the trainer's step and the settings;
+    the table has the GiB per 1k tokens columns."""
+    common = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
+    common += ["--max", "1024", "--refine", "0", "--host-limit-gib", "1"]
+    plain = capacity.main(common)["rows"][0]
+    offload = capacity.main([*common, "--optimizer-offload", "--remat", "offload_full"])
+    row = offload["rows"][0]
+    assert offload["settings"]["optimizer_offload"] is True
+    assert offload["settings"]["remat"] == "offload_full"
+    moments = 2 * 4 * models.param_count(models.TINY) / 2**30  # two f32 moments
+    assert plain["host_gib"] == 0 and row["host_gib"] >= moments
+    assert row["gib"] < plain["gib"]
+    assert plain["longest"] == 1024 and plain["gib_per_1k"] > 0
+    assert row["host_gib_per_1k"] == 0  # the state does not grow with the context
+    table = capsys.readouterr().out
+    assert "| GiB/1k tokens device | GiB/1k tokens host |" in table
+    tiled = capacity.main([*common, "--mlp-tile", "300"])["rows"][0]  # divides no length
+    assert tiled["longest"] is None
+    assert "mlp_tile=300 must divide" in tiled["probes"][0]["error"]
+
+
+def test_per_1k_tokens_is_the_slope_between_fitting_probes():
+    probes = [
+        {"seq": 1024, "fits": True, "gib": 3.0},
+        {"seq": 4096, "fits": True, "gib": 9.0},
+        {"seq": 8192, "fits": False, "gib": 20.0},
+    ]
+    assert capacity.per_1k_tokens(probes, "gib") == 2.0
+    assert capacity.per_1k_tokens(probes[:1], "gib") is None

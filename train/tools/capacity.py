@@ -9,8 +9,13 @@ shardings, remat policy and ring attention as `python -m train`) is compiled on 
 state, never run, and XLA's memory analysis (arguments + outputs + temporaries -
 aliased, per device) is compared with the device's allocator limit (or `--limit-gib`).
 The context doubles from `--start` until a step does not fit, then bisects `--refine`
-times. A mesh naming fewer devices than the machine has uses the first ones, so
-`--mesh seq=1 --mesh seq=2` answers "how much longer on 2 GPUs than on 1".
+times. The long-context knobs are the trainer's: `--mlp-tile`, `--remat offload_attn` /
+`offload_full` (residuals in pinned host memory) and `--optimizer-offload`; a step fits
+when its device bytes fit the device and its host bytes (offloaded residuals and state)
+fit `--host-limit-gib`. "GiB/1k tokens" is the growth per 1024 tokens of context
+between the shortest and the longest probe that fit (the marginal cost: what one more
+1k tokens needs), device and host. A mesh naming fewer devices than the machine has
+uses the first ones, so `--mesh seq=1 --mesh seq=2` answers "how much longer on 2 GPUs than on 1".
 
 Compiled memory is XLA's plan, not a run: check the winner with `python -m train`.
 """
@@ -77,8 +82,35 @@ def _tokens(text: str) -> int:
     return int(float(text.rstrip("km")) * scale)
 
 
-def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
-    """Compiled per-device memory of one training step (GiB); raises if it won't compile."""
+def host_bytes(compiled, abstract_state) -> tuple[int, bool]:
+    """Per-device bytes one compiled step keeps in host memory: XLA's host-side sizes
+    where the backend reports them (GPU); else (the CPU backend has one memory space
+    and reports none) the stored state placed in pinned host memory, shard by shard.
+    The flag says which: True when XLA reported it."""
+    import jax
+
+    mem = compiled.memory_analysis()
+    reported = 0
+    if mem is not None:
+        reported = (
+            getattr(mem, "host_argument_size_in_bytes", 0)
+            + getattr(mem, "host_output_size_in_bytes", 0)
+            + getattr(mem, "host_temp_size_in_bytes", 0)
+            - getattr(mem, "host_alias_size_in_bytes", 0)
+        )
+    if reported:
+        return reported, True
+    total = 0
+    for leaf in jax.tree.leaves(abstract_state):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None and sharding.memory_kind == "pinned_host":
+            total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total, False
+
+
+def step_memory_gib(model: str, context: int, mesh: str, args) -> dict[str, float]:
+    """Compiled per-device memory of one training step: `{"device", "host"}` GiB (the
+    state kept in host memory is not counted on the device); raises if it won't compile."""
     import jax
 
     from train.build import model_config, plan_step
@@ -104,6 +136,9 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
             str(args.shard_over_seq).lower(),
             "--gather_once",
             str(args.gather_once).lower(),
+            "--optimizer_offload",
+            str(args.optimizer_offload).lower(),
+            *(["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []),
         ]
     )
     config = model_config(cfg)
@@ -115,7 +150,11 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> float:
     with jax.set_mesh(plan.mesh):
         batch = plan.abstract_batch(global_batch, 1, context)
         compiled = plan.step_fn.lower(plan.abstract_state, batch).compile()
-    return compiled_bytes(compiled) / 2**30
+    host, reported = host_bytes(compiled, plan.abstract_state)
+    device = compiled_bytes(compiled)
+    if not reported:  # one memory space (CPU): the host-placed state is in the device sizes
+        device -= host
+    return {"device": device / 2**30, "host": host / 2**30}
 
 
 def device_limit_gib(override: float | None) -> float:
@@ -131,7 +170,28 @@ def device_limit_gib(override: float | None) -> float:
     return stats["bytes_limit"] / 2**30
 
 
-def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
+def host_limit_gib(override: float | None) -> float:
+    """Host memory one device may use: `--host-limit-gib`, else the machine's physical
+    memory shared by its local devices."""
+    import jax
+
+    if override is not None:
+        return override
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / jax.local_device_count() / 2**30
+
+
+def per_1k_tokens(probes: list[dict], key: str) -> float | None:
+    """GiB per 1024 more tokens between the shortest and the longest probe that fit
+    (the memory that grows with the context); None with fewer than two."""
+    fit = sorted((p for p in probes if p["fits"]), key=lambda p: p["seq"])
+    if len(fit) < 2:
+        return None
+    lo, hi = fit[0], fit[-1]
+    return (hi[key] - lo[key]) / ((hi["seq"] - lo["seq"]) / 1024)
+
+
+def longest(model: str, mesh: str, args, limit_gib: float, host_limit: float = math.inf) -> dict:
     import jax
 
     from train.mesh import mesh_device_count, parse_mesh, seq_shards
@@ -140,26 +200,36 @@ def longest(model: str, mesh: str, args, limit_gib: float) -> dict:
 
     def fits_at(context: int) -> dict:
         try:
-            gib = step_memory_gib(model, context, mesh, args)
+            mem = step_memory_gib(model, context, mesh, args)
         except Exception as e:  # noqa: BLE001 - a context that fails to compile is a probe
             text = str(e)
             error = text.splitlines()[0][:200] if text else type(e).__name__
             if is_oom(text):
                 error = "out of memory at compile time"
             print(f"  {model} {mesh} {context:>9,}: {error}", flush=True)
-            return {"fits": False, "gib": None, "error": error}
-        ok = gib <= limit_gib
+            return {"fits": False, "gib": None, "host_gib": None, "error": error}
+        gib, host = mem["device"], mem["host"]
+        ok = gib <= limit_gib and host <= host_limit
         print(
-            f"  {model} {mesh} {context:>9,}: {gib:8.2f} GiB/device "
+            f"  {model} {mesh} {context:>9,}: {gib:8.2f} GiB/device {host:8.2f} GiB host "
             f"{'fits' if ok else 'does not fit'}",
             flush=True,
         )
-        return {"fits": ok, "gib": gib}
+        return {"fits": ok, "gib": gib, "host_gib": host}
 
     granule = math.lcm(1024, 2 * seq)
     best, probes = search_longest(fits_at, args.start, args.max, args.refine, granule)
-    at_best = next((p["gib"] for p in probes if p["seq"] == best), None)
-    return {"model": model, "mesh": mesh, "longest": best, "gib": at_best, "probes": probes}
+    at_best = next((p for p in probes if p["seq"] == best), {})
+    return {
+        "model": model,
+        "mesh": mesh,
+        "longest": best,
+        "gib": at_best.get("gib"),
+        "host_gib": at_best.get("host_gib"),
+        "gib_per_1k": per_1k_tokens(probes, "gib"),
+        "host_gib_per_1k": per_1k_tokens(probes, "host_gib"),
+        "probes": probes,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,11 +249,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--attention", default="ring")
     p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
+    p.add_argument(
+        "--mlp-tile",
+        type=int,
+        default=None,
+        help="MLP tokens per sequence tile (the trainer's --mlp_tile; default: its default)",
+    )
+    p.add_argument(
+        "--optimizer-offload",
+        action="store_true",
+        help="optimizer state in pinned host memory (the trainer's --optimizer_offload)",
+    )
     p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
     p.add_argument("--start", type=_tokens, default=8192, help="first context (e.g. 8k)")
     p.add_argument("--max", type=_tokens, default=4 * 1024 * 1024, help="largest context")
     p.add_argument("--refine", type=int, default=3, help="bisection steps after doubling")
     p.add_argument("--limit-gib", type=float, default=None, help="default: the device's")
+    p.add_argument(
+        "--host-limit-gib",
+        type=float,
+        default=None,
+        help="host memory per device (default: physical memory / local devices)",
+    )
     p.add_argument("--out", default="", help="write the result JSON here")
     return p
 
@@ -205,44 +292,61 @@ def main(argv: list[str] | None = None) -> dict:
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})
     models_list = list(filter(None, args.models.split(",")))
     try:  # refuse an unknown model or a mesh these devices cannot form before probing
+        tile = ["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []
         for model in models_list:
-            model_config(parse_args(["--model_name_or_path", model]))
+            model_config(parse_args(["--model_name_or_path", model, *tile]))
         for mesh in meshes:
             parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
     except (TrainingError, ValueError) as e:
         parser.error(str(e))
     limit = device_limit_gib(args.limit_gib)
+    host_limit = host_limit_gib(args.host_limit_gib)
     print(
         f"capacity on {jax.device_count()} x {jax.devices()[0].device_kind}, "
-        f"limit {limit:.2f} GiB/device, remat={args.remat}",
+        f"limit {limit:.2f} GiB/device and {host_limit:.2f} GiB host/device, "
+        f"remat={args.remat}, mlp_tile={args.mlp_tile}, "
+        f"optimizer_offload={args.optimizer_offload}",
         flush=True,
     )
     rows = []
     for model in models_list:
         base = None
         for mesh in meshes:
-            row = longest(model, mesh, args, limit)
+            row = longest(model, mesh, args, limit, host_limit)
             base = base or row["longest"]
             row["vs_first_mesh"] = row["longest"] / base if row["longest"] and base else None
             rows.append(row)
-    print("\n| model | mesh | longest context | GiB/device | vs first mesh |")
-    print("|---|---|---|---|---|")
+    print(
+        "\n| model | mesh | longest context | GiB/device | GiB host | "
+        "GiB/1k tokens device | GiB/1k tokens host | vs first mesh |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+
+    def num(value, fmt=".3g"):
+        return "–" if value is None else format(value, fmt)
+
     for r in rows:
         ratio = f"{r['vs_first_mesh']:.2f}" if r["vs_first_mesh"] else "–"
-        gib = f"{r['gib']:.3g}" if r["gib"] is not None else "–"
         longest_txt = f"{r['longest']:,}" if r["longest"] else "none from --start"
-        print(f"| {r['model']} | {r['mesh']} | {longest_txt} | {gib} | {ratio} |")
+        print(
+            f"| {r['model']} | {r['mesh']} | {longest_txt} | {num(r['gib'])} | "
+            f"{num(r['host_gib'])} | {num(r['gib_per_1k'], '.4f')} | "
+            f"{num(r['host_gib_per_1k'], '.4f')} | {ratio} |"
+        )
     result = {
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
         "jax": jax.__version__,
         "limit_gib": limit,
+        "host_limit_gib": host_limit,
         "method": "compiled memory analysis of the training step, not run",
         "settings": {
             "shard_over_seq": args.shard_over_seq,
             "gather_once": args.gather_once,
             "attention": args.attention,
             "remat": args.remat,
+            "mlp_tile": args.mlp_tile,
+            "optimizer_offload": args.optimizer_offload,
             "layers": args.layers or None,
         },
         "argv": sys.argv[1:] if argv is None else argv,
