@@ -2,6 +2,7 @@
 kernel and XLA, in one process.
 
     python benchmarks/kernel.py                   # 4k-64k, causal and full: ratios to cuDNN, FA3
+    python benchmarks/kernel.py --masks causal    # causal rows only (--masks full: the rest)
     python benchmarks/kernel.py --sweep           # time/TFLOP/s/memory vs S, heads, D + PNGs
     python benchmarks/kernel.py --tune            # block-size candidates for jflash
     python benchmarks/kernel.py --long 131072     # fwd+bwd memory at very long S
@@ -225,6 +226,11 @@ SHAPES = [  # (seq, head_dim)
 ]
 
 
+# Default rows: the main table names every peer (a missing one is a note and a row
+# saying why); the sweep, --kernels and --launch-order keep jax's and jflash's own.
+MAIN_IMPLS = "jflash,jflash_mosaic,jflash_mosaic_det,cudnn,fa3,jax_triton,xla"
+OTHER_IMPLS = "jflash,jflash_mosaic,cudnn,xla"
+
 MAIN_COLUMNS = [
     "impl",
     "mask",
@@ -383,7 +389,12 @@ def kernel_split(args, iterations: int = 20):
     inputs = draw_inputs(1, args.seq, args.heads, args.kv_heads, args.head_dim)
     rows = []
     for impl in args.impls:
-        compiled = jit_passes(attention_fn(impl))["fwdbwd"][0].lower(*inputs).compile()
+        try:
+            attn = attention_fn(impl, head_dim=args.head_dim)
+        except PeerUnavailable as e:
+            print(f"note: {impl} skipped: {e}", flush=True)
+            continue
+        compiled = jit_passes(attn)["fwdbwd"][0].lower(*inputs).compile()
         jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
@@ -780,9 +791,10 @@ def main(argv=None):
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument(
         "--impls",
-        default="jflash,jflash_mosaic,cudnn,xla",
+        default=None,
         help="rows: jflash, jflash_mosaic, jflash_mosaic_det, jflash_xla, cudnn, xla, and "
-        "the optional peers fa3, jax_triton",
+        f"the optional peers fa3, jax_triton (default: {MAIN_IMPLS} for the main table, "
+        f"{OTHER_IMPLS} otherwise)",
     )
     parser.add_argument(
         "--masks",
@@ -808,7 +820,16 @@ def main(argv=None):
     )
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
-    args.impls = args.impls.split(",")
+    main_only = not (
+        args.sweep_replot
+        or args.sweep
+        or args.tune
+        or args.kernels
+        or args.launch_order
+        or args.documents
+        or args.long
+    )
+    args.impls = (args.impls or (MAIN_IMPLS if main_only else OTHER_IMPLS)).split(",")
     masks = {"causal": True, "full": False}
     if any(m not in masks for m in args.masks.split(",")):
         parser.error(f"--masks {args.masks!r}: a comma list of causal, full")

@@ -89,6 +89,20 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     assert (tmp_path / f"{path.stem}-full.json").exists()  # one mask: its own file
 
 
+def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
+    calls = []
+
+    def measure(impl, *, seq, head_dim, causal, **_):
+        calls.append(impl)
+        return fake_row(impl, seq, head_dim, causal, 1.0, 1.0)
+
+    monkeypatch.setattr(kernel, "measure", measure)
+    monkeypatch.setattr(kernel, "peer_notes", lambda impls: [])
+    kernel.main(["--seqs", "4096", "--masks", "causal", "--out", str(tmp_path)])
+    assert calls == kernel.MAIN_IMPLS.split(",")
+    assert {"fa3", "jax_triton", "jflash_mosaic_det"} <= set(calls)
+
+
 @pytest.mark.parametrize(
     "argv", [["--masks", "causal,diagonal"], ["--seqs", "4k"], ["--masks", ""]]
 )
