@@ -139,10 +139,13 @@ class Attention(nnx.Module):
 
 def _seq_tiled(fn, x: Float[Array, "B T D"], tile: int, shards: int) -> Float[Array, "B T D"]:
     """``fn(x)`` for a token-wise ``fn``, ``tile`` tokens of each of the ``shards``
-    sequence shards at a time: a ``lax.map`` over tiles of a checkpointed ``fn``, so
-    ``fn``'s intermediates exist for one tile forward and backward (the backward reruns
-    ``fn`` per tile). The sequence splits as ``[shards, tiles, tile]``: each step of the
-    map takes one tile from every shard, so a sequence-sharded ``x`` stays sharded."""
+    sequence shards at a time (``tile`` 0: the whole sequence at once): a ``lax.map``
+    over tiles of a checkpointed ``fn``, so ``fn``'s intermediates exist for one tile
+    forward and backward (the backward reruns ``fn`` per tile). The sequence splits
+    as ``[shards, tiles, tile]``: each step of the map takes one tile from every shard,
+    so a sequence-sharded ``x`` stays sharded."""
+    if not tile:
+        return fn(x)
     b, t, d = x.shape
     n = t // (shards * tile)
     tiles = jnp.moveaxis(x.reshape(b, shards, n, tile, d), 2, 0)  # [n, B, S, tile, D]
@@ -162,6 +165,13 @@ def _seq_shards(attention: AttentionConfig) -> int:
         return 1
     axes = (attention.seq_axis,) if isinstance(attention.seq_axis, str) else attention.seq_axis
     return int(np.prod([attention.mesh.shape[a] for a in axes]))
+
+
+def _tile(config: LlamaConfig, x: Float[Array, "B T D"], shards: int) -> int:
+    """Tokens per sequence tile of the token-wise parts (norms, MLP) for ``x``; 0: none."""
+    if x.shape[1] % shards:
+        raise ValueError(f"{x.shape[1]} tokens do not split over {shards} sequence shards")
+    return config.mlp_tile_for(x.shape[1] // shards)
 
 
 class DecoderLayer(nnx.Module):
@@ -191,14 +201,10 @@ class DecoderLayer(nnx.Module):
         segment_ids: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
         x = checkpoint_name(x, LAYER_INPUT_NAME)
-        x = x + self.attn(self.input_norm(x), cos, sin, positions, segment_ids)
-        shards = self.seq_shards
-        if x.shape[1] % shards:
-            raise ValueError(f"{x.shape[1]} tokens do not split over {shards} sequence shards")
-        tile = self.config.mlp_tile_for(x.shape[1] // shards)
-        if tile:
-            return _seq_tiled(self._mlp_block, x, tile, shards)
-        return self._mlp_block(x)
+        tile = _tile(self.config, x, self.seq_shards)
+        normed = _seq_tiled(self.input_norm, x, tile, self.seq_shards)
+        x = x + self.attn(normed, cos, sin, positions, segment_ids)
+        return _seq_tiled(self._mlp_block, x, tile, self.seq_shards)
 
 
 def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
@@ -271,6 +277,7 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(config.initializer_range),
             rngs=rngs,
         )
+        self.seq_shards = _seq_shards(attention)
         make_layer = functools.partial(DecoderLayer, config, attention)
         layer_graph = nnx.graphdef(nnx.eval_shape(lambda: make_layer(rngs=nnx.Rngs(0))))
         keys = jax.random.split(rngs.params(), config.num_layers)
@@ -330,7 +337,8 @@ class Llama(nnx.Module):
                 with jax.named_scope(f"layer_{i}"):
                     x = layer_fn(x, jax.tree.map(lambda a, i=i: a[i], layer_state))
         with jax.named_scope("final_norm"):
-            return self.final_norm(x)
+            tile = _tile(config, x, self.seq_shards)
+            return _seq_tiled(self.final_norm, x, tile, self.seq_shards)
 
     def lm_head_weight(self) -> Float[Array, "D V"]:
         """The output projection ``[D, V]`` (the embedding transposed when tied)."""

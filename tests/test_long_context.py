@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -149,3 +150,36 @@ def test_tiled_mlp_keeps_the_sequence_sharded(tmp_path):
         return re.findall(r"\[1,64,128\][^\n]*all-gather\(", text)
 
     assert gathers("0") == [] and gathers("16") == []
+
+
+def _norm_and_mlp_avals(jaxpr) -> set[str]:
+    """The intermediates of the norms and MLPs in a jaxpr and the jaxprs inside it."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        stack = str(eqn.source_info.name_stack)
+        if "rmsnorm" in stack or "mlp" in stack:
+            out.update(str(v.aval) for v in eqn.outvars)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= _norm_and_mlp_avals(sub)
+    return out
+
+
+def test_tiled_step_has_no_whole_sequence_f32_or_ffn_intermediate():
+    """bf16 compute: the norms' float32 `[T, D]` and the MLP's `[T, F]` exist for one
+    tile only, forward and backward (the final norm included). Outside them, the fused
+    loss scales its saved `[T, D]` gradient in float32 (one elementwise fusion)."""
+    config = CONFIG.replace(dtype="bfloat16", remat="save_attn")
+    params = models.abstract_params(config)
+    ids = jax.ShapeDtypeStruct((1, SEQ), jnp.int32)
+    d, f = config.hidden_size, config.intermediate_size
+
+    def avals(tile):
+        c = config.replace(mlp_tile=tile)
+        jaxpr = jax.make_jaxpr(jax.grad(_loss), static_argnums=1)(params, c, ids).jaxpr
+        return _norm_and_mlp_avals(jaxpr)
+
+    whole = {f"float32[1,{SEQ},{d}]", f"bfloat16[1,{SEQ},{f}]"}
+    assert whole <= avals(0)
+    tiled = avals(32)
+    assert not whole & tiled, whole & tiled
+    assert f"bfloat16[1,32,{f}]" in tiled and f"float32[1,32,{d}]" in tiled
