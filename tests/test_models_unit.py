@@ -83,6 +83,54 @@ def test_config_hf_round_trip():
         assert back == preset
 
 
+# meta-llama/Llama-3.1-8B's config.json as published on the HF Hub.
+_HF_LLAMA3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+
+
+def test_llama3_1_8b_preset_is_the_published_config():
+    preset = models.preset("Llama-3.1-8B")
+    assert preset is models.LLAMA3_1_8B is models.preset("llama3.1-8b")
+    assert models.from_hf_config(_HF_LLAMA3_1_8B) == preset
+    written = models.to_hf_config(preset, torch_dtype="bfloat16")
+    unwritten = {"pretraining_tp", "transformers_version"}  # HF bookkeeping only
+    assert {k: written[k] for k in _HF_LLAMA3_1_8B.keys() - unwritten} == {
+        k: v for k, v in _HF_LLAMA3_1_8B.items() if k not in unwritten
+    }
+    assert written["head_dim"] == 4096 // 32  # HF's default: hidden_size / heads
+    assert round(models.param_count(preset) / 1e9, 2) == 8.03
+
+
 @pytest.mark.parametrize(
     ("hf", "error", "match"),
     [
