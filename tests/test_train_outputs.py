@@ -154,3 +154,23 @@ def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, monkeypatch):
     assert [s for s, _ in wandb_loss] == [1, 2, 3] == [s for s, _ in tb_loss]
     assert [v for _, v in wandb_loss] == pytest.approx(summary["losses"], rel=1e-6)
     assert [v for _, v in tb_loss] == pytest.approx(summary["losses"], rel=1e-6)
+
+
+def test_export_takes_the_runs_tokenizer(tmp_path):
+    """The export carries `--tokenizer_name_or_path` (a tokenizer.json or its
+    directory) when given, else the model directory's tokenizer files; a preset has none."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text('{"from": "dir"}')
+    (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "<e>"}')
+    loose = tmp_path / "my-bpe.json"
+    loose.write_text('{"from": "file"}')
+
+    outputs.copy_tokenizer("llama3.2-1b", str(hf))
+    assert list(hf.iterdir()) == []
+    outputs.copy_tokenizer(str(tok_dir), str(hf))
+    assert sorted(p.name for p in hf.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    outputs.copy_tokenizer(str(loose), str(hf))
+    assert (hf / "tokenizer.json").read_text() == '{"from": "file"}'

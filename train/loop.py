@@ -100,7 +100,8 @@ def run(cfg: TrainConfig) -> dict:
             if is_main:
                 hf_dir = os.path.join(out, "hf")
                 models.export_hf(jax.tree.map(np.asarray, host), t.config, hf_dir)
-                outputs.copy_tokenizer(cfg.model.model_name_or_path, hf_dir)
+                tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+                outputs.copy_tokenizer(tokenizer, hf_dir)
     return {
         "losses": [h["loss"] for h in history if "loss" in h],
         "eval": [h for h in history if "eval_loss" in h],

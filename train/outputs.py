@@ -136,11 +136,16 @@ def truncate_log(path: str, last_step: int) -> None:
             f.writelines(keep)
 
 
-def copy_tokenizer(model_dir: str, hf_dir: str) -> None:
-    """The input model's tokenizer files go with the export, so it loads as a model."""
-    if not os.path.isdir(model_dir):
+def copy_tokenizer(source: str, hf_dir: str) -> None:
+    """The run's tokenizer goes with the export, so it loads as a model: `source` is
+    `--tokenizer_name_or_path` (a `tokenizer.json` or its directory) or, without it, the
+    input model's directory (nothing to copy for a preset)."""
+    if os.path.isfile(source):
+        shutil.copy2(source, os.path.join(hf_dir, "tokenizer.json"))
+        return
+    if not os.path.isdir(source):
         return
     for name in TOKENIZER_FILES:
-        src = os.path.join(model_dir, name)
+        src = os.path.join(source, name)
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(hf_dir, name))
