@@ -183,3 +183,12 @@ def test_tiled_step_has_no_whole_sequence_f32_or_ffn_intermediate():
     tiled = avals(32)
     assert not whole & tiled, whole & tiled
     assert f"bfloat16[1,32,{f}]" in tiled and f"float32[1,32,{d}]" in tiled
+
+
+def test_trainer_refuses_a_tile_that_does_not_divide_the_share(tmp_path):
+    from train.build import model_config, plan_step
+    from train.errors import TrainingError
+
+    cfg = parse_args(_trainer_args(tmp_path, "--mlp_tile", "24", mesh="data=1,fsdp=1,seq=1"))
+    with pytest.raises(TrainingError, match="--mlp_tile: mlp_tile=24 must divide the 64 tokens"):
+        plan_step(cfg, model_config(cfg), jax.devices()[:1])

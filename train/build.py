@@ -302,8 +302,18 @@ def plan_step(
         p_shard = param_shardings(abstract_params, mesh, axes, minor_last=whole)
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
         o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=whole)
+    try:  # a tile that does not divide a device's share is refused here, not mid-trace
+        config.mlp_tile_for(seq_len // sizes["seq"])
+    except ValueError as e:
+        raise TrainingError(f"--mlp_tile: {e}") from None
     offload = None
     if cfg.optim.optimizer_offload:  # stored on the host; the step moves it for the update
+        kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise TrainingError(
+                f"--optimizer_offload true needs pinned host memory, which "
+                f"{mesh.devices.flat[0].platform} devices do not offer (they have {sorted(kinds)})"
+            )
         offload = (jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), o_shard), o_shard)
         o_shard = offload[0]
     head = models.lm_head_table(config, p_shard)[0]  # its sharding
