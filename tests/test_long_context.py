@@ -192,3 +192,29 @@ def test_trainer_refuses_a_tile_that_does_not_divide_the_share(tmp_path):
     cfg = parse_args(_trainer_args(tmp_path, "--mlp_tile", "24", mesh="data=1,fsdp=1,seq=1"))
     with pytest.raises(TrainingError, match="--mlp_tile: mlp_tile=24 must divide the 64 tokens"):
         plan_step(cfg, model_config(cfg), jax.devices()[:1])
+
+
+@pytest.mark.multi_device(2)
+def test_sequence_tiles_keep_an_explicit_seq_sharding():
+    """Under an Explicit-axes mesh the tiled function's output and gradient keep the
+    input's `seq` sharding (each tile takes a slice of every shard)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from models.llama import _seq_tiled
+
+    mesh = jax.make_mesh(
+        (2,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2]
+    )
+    x = jax.random.normal(jax.random.key(0), (1, 64, 8))
+
+    def fn(v):
+        return jnp.sin(v) * v
+
+    with jax.set_mesh(mesh):
+        on_seq = NamedSharding(mesh, PartitionSpec(None, "seq"))
+        xs = jax.device_put(x, on_seq)
+        y = jax.jit(lambda v: _seq_tiled(fn, v, 8, 2))(xs)
+        g = jax.jit(jax.grad(lambda v: _seq_tiled(fn, v, 8, 2).sum()))(xs)
+    assert y.sharding.spec == g.sharding.spec == PartitionSpec(None, "seq", None)
+    np.testing.assert_allclose(y, fn(x), rtol=1e-6)
+    np.testing.assert_allclose(g, jax.grad(lambda v: fn(v).sum())(x), rtol=1e-6)
