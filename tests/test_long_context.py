@@ -9,6 +9,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import models
@@ -218,3 +219,41 @@ def test_sequence_tiles_keep_an_explicit_seq_sharding():
     assert y.sharding.spec == g.sharding.spec == PartitionSpec(None, "seq", None)
     np.testing.assert_allclose(y, fn(x), rtol=1e-6)
     np.testing.assert_allclose(g, jax.grad(lambda v: fn(v).sum())(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adafactor"])
+def test_offloaded_update_equals_the_whole_tree_update(optim):
+    """One parameter at a time through host memory: the same new parameters and state
+    as `tx.update` on the whole tree, clipping by the global norm included."""
+    import types
+
+    from jax.sharding import SingleDeviceSharding
+
+    from train.config import OptimArgs
+    from train.optim import optimizer
+    from train.step import offloaded_update
+
+    args = OptimArgs(optim=optim, weight_decay=0.1, max_grad_norm=0.5, learning_rate=1e-2)
+    tx = optimizer(args, 10)
+    params = models.init_params(CONFIG, jax.random.key(0))
+    keys = iter(jax.random.split(jax.random.key(1), 100))
+    grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+    state = tx.update(grads, tx.init(params), params)[1]  # moments that are not zero
+    updates, want_state = tx.update(grads, state, params)
+    want = optax.apply_updates(params, updates)
+
+    device = jax.devices()[0]
+    on_device = jax.tree.map(lambda _: SingleDeviceSharding(device), state)
+    on_host = jax.tree.map(lambda _: SingleDeviceSharding(device, memory_kind="pinned_host"), state)
+    spec = types.SimpleNamespace(opt_offload=(on_host, on_device, args.max_grad_norm))
+    host_state = jax.device_put(state, on_host)
+    got, got_state = jax.jit(lambda g, s, p: offloaded_update(tx, g, s, p, spec))(
+        grads, host_state, params
+    )
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got_state)} == {"pinned_host"}
+    assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
+    leaves = zip(
+        jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state)), strict=True
+    )
+    for a, b in leaves:
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -314,7 +314,8 @@ def plan_step(
                 f"--optimizer_offload true needs pinned host memory, which "
                 f"{mesh.devices.flat[0].platform} devices do not offer (they have {sorted(kinds)})"
             )
-        offload = (jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), o_shard), o_shard)
+        host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), o_shard)
+        offload = (host, o_shard, cfg.optim.max_grad_norm)
         o_shard = offload[0]
     head = models.lm_head_table(config, p_shard)[0]  # its sharding
     head_axes = {a for part in head.spec for a in spec_axes(part)}

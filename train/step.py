@@ -40,9 +40,10 @@ class StepSpec:
     # step (`--gather_once`); None: the model uses the stored parameters directly.
     weights: tuple[Any, Any] | None = None
     mask_documents: bool = False  # attention stays inside equal segment ids
-    # `(host, device)` optimizer-state shardings when the state lives in pinned host
-    # memory (`--optimizer_offload`); None: it stays on the device.
-    opt_offload: tuple[Any, Any] | None = None
+    # `(host, device, max_grad_norm)`: the optimizer-state shardings when the state lives
+    # in pinned host memory (`--optimizer_offload`), and the clipping norm (0: none);
+    # None: the state stays on the device.
+    opt_offload: tuple[Any, Any, float] | None = None
 
 
 BATCH_KEYS = ("input_ids", "labels", "segment_ids", "positions")
@@ -155,6 +156,67 @@ def eval_sums(params, batch: dict[str, jax.Array], *, spec: StepSpec):
     )
 
 
+def offloaded_update(tx, grads, opt_state, params, spec: StepSpec):
+    """`(new params, new host-resident optimizer state)`: `tx`'s update one parameter at
+    a time, each one's state moved host -> device, updated and moved back before the
+    next one's comes over, so the device holds one parameter's moments at a time.
+
+    The gradients are clipped by their global norm first (the chain's own clip then sees
+    a part of a clipped tree: a no-op). Optimizer state that mirrors the parameters
+    (moments, factored second moments) is split by parameter; the rest (step counts) is
+    the same in every part's result.
+    """
+    host, device, max_norm = spec.opt_offload
+    if max_norm > 0:
+        grads, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    params_def = jax.tree.structure(params)
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+
+    def mirrors(tree_def):
+        return lambda x: isinstance(x, dict) and jax.tree.structure(x) == tree_def
+
+    def nodes(state, tree_def):  # the state's parameter-shaped subtrees stay whole
+        return jax.tree.flatten(state, is_leaf=mirrors(tree_def))
+
+    def pick(tree, path):  # the one-leaf subtree of a parameter-shaped tree at `path`
+        node = tree
+        for key in path:
+            node = node[key.key]
+        for key in reversed(path):
+            node = {key.key: node}
+        return node
+
+    full_nodes, state_def = nodes(opt_state, params_def)
+    host_nodes = nodes(host, params_def)[0]
+    device_nodes = nodes(device, params_def)[0]
+    parts, new_leaves, before = [], [], ()
+    for path, _leaf in flat_params:
+        part = [pick(n, path) if mirrors(params_def)(n) else n for n in full_nodes]
+        part_device = [pick(n, path) if mirrors(params_def)(n) else n for n in device_nodes]
+        # One part's transfer waits for the previous part's results.
+        part, before = jax.lax.optimization_barrier((part, before))
+        part = jax.device_put(part, part_device)
+        p, g = pick(params, path), pick(grads, path)
+        part_state = jax.tree.unflatten(state_def, part)
+        updates, part_state = tx.update(g, part_state, p)
+        new_p = optax.apply_updates(p, updates)
+        part_def = jax.tree.structure(p)
+        part = nodes(part_state, part_def)[0]
+        part_host = [pick(n, path) if mirrors(params_def)(n) else n for n in host_nodes]
+        part = jax.device_put(part, part_host)
+        parts.append(part)
+        new_leaves.append(jax.tree.leaves(new_p)[0])
+        before = (part, new_leaves[-1])
+    merged = []
+    for j, n in enumerate(full_nodes):
+        if mirrors(params_def)(n):
+            leaves = [jax.tree.leaves(part[j])[0] for part in parts]
+            merged.append(jax.tree.unflatten(params_def, leaves))
+        else:
+            merged.append(parts[0][j])
+    return jax.tree.unflatten(params_def, new_leaves), jax.tree.unflatten(state_def, merged)
+
+
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
     """One optimizer step over `accum` micro-batches; loss = total NLL / total tokens.
 
@@ -168,13 +230,11 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
     params = state["params"]
     grads, (loss, count) = gradients(params, batch, spec)
     grad_norm = optax.tree.norm(grads)  # the clip's own expression: XLA merges the two
-    opt_state = state["opt_state"]
-    if spec.opt_offload is not None:  # host -> device after the backward, and back
-        opt_state = jax.device_put(opt_state, spec.opt_offload[1])
-    updates, opt_state = tx.update(grads, opt_state, params)
     if spec.opt_offload is not None:
-        opt_state = jax.device_put(opt_state, spec.opt_offload[0])
-    new_params = optax.apply_updates(params, updates)
+        new_params, opt_state = offloaded_update(tx, grads, state["opt_state"], params, spec)
+    else:
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
     metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count}
     return new_state, metrics
