@@ -175,7 +175,7 @@ fi
 # shellcheck disable=SC2086  # the knobs are words
 if want train1b; then
     train_cmd "1b-$LEN_1B-on" "$MODEL_1B" "$LEN_1B" "$STEPS_1B" $KNOBS_ON
-    run_step train1b "1b-$LEN_1B-on" 300 120 "$(reserve_after train1b)" "${CMD[@]}"
+    run_step train1b "1b-$LEN_1B-on" 450 120 "$(reserve_after train1b)" "${CMD[@]}"
 fi
 
 if want train8b; then
