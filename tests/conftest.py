@@ -29,6 +29,23 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
+def quick_subset(cases, *aspects, ids=str):
+    """`cases` as `pytest.param`s: the first case to show each value of each aspect
+    (a function of the case) stays in the quick set (`make test-fast`); the others are
+    marked `slow`, so `make test` still runs every case and the quick set still covers
+    every value once."""
+    seen, params = set(), []
+    for case in cases:
+        if isinstance(case, type(pytest.param(None))):  # a param of its own: kept as is
+            params.append(pytest.param(*case.values, marks=case.marks, id=ids(case.values[0])))
+            continue
+        values = {(i, aspect(case)) for i, aspect in enumerate(aspects)}
+        marks = () if values - seen else (pytest.mark.slow,)
+        seen |= values
+        params.append(pytest.param(case, marks=marks, id=ids(case)))
+    return params
+
+
 def pytest_collection_modifyitems(config, items):
     """Skips, with the reason: `gpu` tests on CPU; `multi_device(n)` tests where fewer
     than n devices exist (a GPU machine; CPU runs simulate 8)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,16 +57,20 @@ def value_and_grads(fn, q, k, v, do, dlse, **kwargs):
     return (out, lse, *grads)
 
 
-def oracle(q, k, v, do, dlse, **kwargs):
+@functools.partial(jax.jit, static_argnames="options")
+def _oracle(q, k, v, do, dlse, segment_ids, options):
+    """One compiled program (op-by-op dispatch costs ~30 s per case on a GPU), shared by
+    every case of the same shapes and options (the segment ids are traced)."""
+    return value_and_grads(
+        jflash.attention_reference, q, k, v, do, dlse, segment_ids=segment_ids, **dict(options)
+    )
+
+
+def oracle(q, k, v, do, dlse, segment_ids=None, **kwargs):
     """The oracle on inputs upcast to f32 at HIGHEST precision."""
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-
-    @jax.jit  # one compiled program: op-by-op dispatch costs ~30 s per case on a GPU
-    def run(q, k, v, do, dlse):
-        return value_and_grads(jflash.attention_reference, q, k, v, do, dlse, **kwargs)
-
     with jax.default_matmul_precision("highest"):
-        return run(*f32, do, dlse)
+        return _oracle(*f32, do, dlse, segment_ids, tuple(sorted(kwargs.items())))
 
 
 def assert_close(actual, expected, dtype, names=("out", "lse", "dq", "dk", "dv")):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET, needs_hopper
+from conftest import INTERPRET, needs_hopper, quick_subset
 from jax._src import mesh as mesh_lib
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -148,7 +148,15 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("case", GRID, ids=str)
+# The quick set: at P = 4 every layout x strategy; every other P once.
+@pytest.mark.parametrize(
+    "case",
+    quick_subset(
+        sorted(GRID, key=lambda c: c.num_shards != 4),
+        lambda c: (c.layout, c.strategy),
+        lambda c: c.num_shards,
+    ),
+)
 def test_matches_oracle_f32_causal_gqa(case):
     _check(case)
 
@@ -168,7 +176,16 @@ SAMPLED = [
 ]
 
 
-@pytest.mark.parametrize("case", SAMPLED, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    quick_subset(
+        SAMPLED,
+        lambda c: c.dtype,
+        lambda c: c.causal,
+        lambda c: (c.q_heads, c.kv_heads),
+        lambda c: (c.batch, c.head_dim),
+    ),
+)
 def test_matches_oracle_sampled(case):
     _check(case)
 
@@ -216,7 +233,7 @@ PALLAS = [
 ]
 
 
-@pytest.mark.parametrize("case", PALLAS, ids=str)
+@pytest.mark.parametrize("case", quick_subset(PALLAS, lambda c: c.implementation))
 def test_matches_oracle_pallas(case):
     _check(case)
 
@@ -306,6 +323,7 @@ def test_single_device_matches_flash_attention():
 
 
 @pytest.mark.multi_device(8)
+@pytest.mark.slow
 def test_bf16_error_does_not_grow_with_devices():
     """Partial results merge in f32: P = 8 is as accurate as P = 1 (a peer's bf16
     partial outputs made the error grow with the ring size).
@@ -333,6 +351,7 @@ def test_bf16_error_does_not_grow_with_devices():
 
 
 @pytest.mark.multi_device(4)
+@pytest.mark.slow
 def test_deterministic():
     case = Case(num_shards=4)
     mesh = _seq_mesh(4)
@@ -418,7 +437,11 @@ def test_ring_lowers_for_cuda(monkeypatch, layout, strategy, collectives):
 
 @pytest.mark.multi_device(8)
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
-@pytest.mark.parametrize("batch", [2, 1], ids=["batch-sharded", "batch-replicated"])
+@pytest.mark.parametrize(
+    "batch",
+    [2, pytest.param(1, marks=pytest.mark.slow)],  # the quick set: batch-sharded only
+    ids=["batch-sharded", "batch-replicated"],
+)
 def test_jit_next_to_sharded_computation(axis_types, batch):
     """A projection, the ring and an output projection in one jit on a (data, seq)
     mesh; values and weight gradients equal the same program on one device."""
@@ -480,7 +503,7 @@ def test_zigzag_order():
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("axis", [0, 1, pytest.param(-1, marks=pytest.mark.slow)])
 def test_zigzag_round_trip(num_shards, axis):
     shape = [3, 5, 7]
     shape[axis] = 2 * num_shards * 3

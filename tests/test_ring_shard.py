@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET
+from conftest import INTERPRET, quick_subset
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from kernel_cases import TOLERANCE, assert_close, make_inputs, oracle, random_segments
@@ -172,7 +172,16 @@ GRID = [
 ]
 
 
-@pytest.mark.parametrize("case", GRID, ids=str)
+# The quick set: at P = 2 every layout x strategy and causality with and without
+# documents; every other P once.
+@pytest.mark.parametrize(
+    "case",
+    quick_subset(
+        sorted(GRID, key=lambda c: c.num_shards != 2),
+        lambda c: (c.layout, c.strategy), lambda c: (c.causal, bool(c.documents)),
+        lambda c: c.num_shards,
+    ),
+)  # fmt: skip
 def test_shard_in_user_shard_map_matches_oracle(case):
     _check(case)
 
@@ -190,7 +199,12 @@ MESHES = [
 ]
 
 
-@pytest.mark.parametrize("case", MESHES, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    quick_subset(
+        MESHES, lambda c: c.data, lambda c: c.partial, lambda c: c.kv_heads, lambda c: c.strategy
+    ),
+)
 def test_meshes_heads_and_partial_shard_map(case):
     _check(case)
 
@@ -241,7 +255,13 @@ HYBRID = [
 ]
 
 
-@pytest.mark.parametrize("case", ULYSSES + HYBRID, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    quick_subset(
+        ULYSSES + HYBRID, lambda c: (c.strategy, c.layout), lambda c: c.implementation,
+        lambda c: c.partial,
+    ),
+)  # fmt: skip
 def test_ulysses_and_hybrid_match_oracle(case):
     _check(case)
 
@@ -258,7 +278,7 @@ PALLAS = [
 ]
 
 
-@pytest.mark.parametrize("case", PALLAS, ids=str)
+@pytest.mark.parametrize("case", quick_subset(PALLAS, lambda c: c.implementation))
 def test_pallas_kernels_in_user_shard_map(case):
     _check(case)
 
@@ -290,6 +310,7 @@ def test_documents_across_shards_one_token_documents_and_empty_rows():
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+@pytest.mark.slow
 def test_error_flat_in_num_shards_with_documents(strategy):
     """bf16 with documents: on the same inputs, the error against the oracle does not
     grow with P (partial results merge in f32)."""

@@ -146,6 +146,7 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
 
 
 @pytest.mark.multi_device(4)
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     cfg = parse_args(
         _args(
@@ -169,6 +170,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 @pytest.mark.multi_device(4)
+@pytest.mark.slow
 def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monkeypatch):
     """Steps run asynchronously: an OOM raised while a step ran surfaces when its
     metrics are fetched (seen on an H200 with --remat_policy none) and must get the

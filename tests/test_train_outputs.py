@@ -140,6 +140,7 @@ class _FakeWandb(types.ModuleType):
         self.finished += 1
 
 
+@pytest.mark.slow
 def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, monkeypatch):
     fake = _FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
