@@ -362,6 +362,7 @@ def test_cross_entropy_ignores_minus_100():
     np.testing.assert_array_equal(models.next_token_labels(jnp.array([[5, 6, 7]])), [[6, 7, -100]])
 
 
+@pytest.mark.slow
 def test_chunked_cross_entropy_matches_full(params, ids):
     labels = models.next_token_labels(ids)
     head = models.lm_head_weight(SMALL, params)
@@ -458,6 +459,7 @@ def _all_reduce_shapes(hlo: str, in_loops: bool) -> list[str]:
 
 
 @pytest.mark.multi_device(2)
+@pytest.mark.slow
 def test_chunked_cross_entropy_splits_over_seq():
     """With the sequence sharded over 2 devices and `shards=2`, each device computes the
     logits of its own tokens only (no all-gather of the hidden states, half-size dots),

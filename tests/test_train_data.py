@@ -444,6 +444,7 @@ def _cli(*args: str, returncode: int = 0) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_cli_sample_and_inspect(tmp_path):
     for suffix in (".pkl", ".jsonl", ".npy"):
         out = tmp_path / f"data{suffix}"

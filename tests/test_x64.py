@@ -13,12 +13,15 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 import jflash
 
 CASES = [
-    pytest.param("pallas_triton", jnp.float32, dict(causal=True), id="triton-causal"),
+    pytest.param(
+        "pallas_triton", jnp.float32, dict(causal=True), id="triton-causal", marks=pytest.mark.slow
+    ),
     pytest.param(
         "pallas_triton",
         jnp.float32,
         dict(causal=True, q_offset=32, segments=True),
         id="triton-causal-offset-segments",
+        marks=pytest.mark.slow,
     ),
     pytest.param("pallas_triton", jnp.bfloat16, dict(causal=False), id="triton-full"),
     pytest.param("xla", jnp.float32, dict(causal=True, segments=True), id="xla-causal-segments"),
