@@ -52,6 +52,9 @@ CAP_LIMIT_GIB=${CAP_LIMIT_GIB:-}
 KNOBS_ON=${KNOBS_ON:---mlp_tile $MLP_TILE --remat_policy offload_attn --optimizer_offload true}
 KNOBS_OFF=${KNOBS_OFF:---mlp_tile 0 --remat_policy save_attn --optimizer_offload false}
 BUDGET=${BUDGET:-540}
+# XLA's pinned host pool (default 64 GB): the 1B's offloaded residuals at 512k alone
+# are ~64 GiB. Keep it below the machine's RAM (128 GB on the H200 machines).
+HOST_LIMIT_GB=${HOST_LIMIT_GB:-112}
 OUT=${OUT:-benchmarks/results/long_context}
 WORK=${WORK:-/tmp/jflash-long-context}
 
@@ -91,7 +94,7 @@ run_step() {
     rc=${PIPESTATUS[0]}
     local status=ok
     ((rc == 124 || rc == 137)) && status=timeout
-    ((rc != 0 && status == "ok")) && status=failed
+    [[ $rc != 0 && $status == ok ]] && status=failed
     printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$part" "$name" "$status" "$rc" \
         $(($(date +%s) - t0)) "$limit" >>"$STEPS_TSV"
     say "$part/$name: $status (exit $rc)"
@@ -120,7 +123,8 @@ reserve_after() {
 train_cmd() {
     local name=$1 model=$2 len=$3 steps=$4
     shift 4
-    CMD=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "$PY" -m train
+    CMD=(env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="$HOST_LIMIT_GB"
+        "$PY" -m train
         --model_name_or_path "$model" --data_path sample --sample_num_examples $((steps + 1))
         --model_max_length "$len" --mesh data=1,fsdp=1,seq=1 --max_steps "$steps"
         --logging_steps 1 --save_strategy no --export_hf false --report_to none

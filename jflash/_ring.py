@@ -58,6 +58,7 @@ from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, r
 from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
 from jflash._validation import check_causal, check_qkv, default_scale
+from jflash._vma import vary, varying_axes
 
 RING_STRATEGIES = ("ring", "allgather")
 
@@ -438,8 +439,14 @@ def _ring_shard_fwd(q, k, v, q_seg, kv_seg, cfg: _Ring):
 def _ring_shard_bwd(cfg: _Ring, res, cotangents):
     q, k, v, q_seg, kv_seg, o, lse = res
     do, dlse = cotangents
+    # Inside a check_vma shard_map, residuals a remat policy sent to host memory come
+    # back without their manual-axis types (jax 0.11.2); the cotangent `do` still has
+    # them (those of the output, i.e. of q, k and v), so every residual and gradient
+    # takes its axes: the kernels build their output types from their operands.
+    axes = varying_axes(q, k, v, do)
+    q, k, v, o, lse = (vary(x, axes) for x in (q, k, v, o, lse))
     dq, dk, dv = _SHARD_BODIES[cfg.strategy][1](q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg)
-    return dq, dk, dv, None, None
+    return vary(dq, axes), vary(dk, axes), vary(dv, axes), None, None
 
 
 _ring_shard.defvjp(_ring_shard_fwd, _ring_shard_bwd)

@@ -206,3 +206,16 @@ def test_resume_with_another_number_of_steps_is_refused():
         _check_resumable(meta, {**saved, "total_steps": 60}, "ckpts")
     # Checkpoints written before the step count was recorded resume as before.
     _check_resumable({"step": 30, "run": saved}, {**saved, "total_steps": 60}, "ckpts")
+
+
+def test_out_of_memory_advice_names_the_host_pool_when_host_memory_ran_out():
+    from train.loop import _oom_error
+
+    host = RuntimeError("RESOURCE_EXHAUSTED: Out of memory (xla_gpu_host_bfc) allocating 65 GiB")
+    offloaded = parse_args(["--remat_policy", "offload_attn"])
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in str(_oom_error(offloaded, host))
+    # Without offloading the host pool is not the one that ran out.
+    plain = parse_args([])
+    assert str(_oom_error(plain, host)).startswith("out of device memory")
+    device = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    assert str(_oom_error(offloaded, device)).startswith("out of device memory")

@@ -339,13 +339,24 @@ def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
     return done % cfg.run.save_steps == 0 or done == total
 
 
-def _oom_error(cfg: TrainConfig) -> TrainingError:
+def _oom_error(cfg: TrainConfig, error: BaseException) -> TrainingError:
+    offloads = cfg.remat.startswith("offload") or cfg.optim.optimizer_offload
+    if offloads and "host" in str(error).lower():
+        return TrainingError(
+            "out of pinned host memory (--remat_policy "
+            f"{cfg.remat!r}, --optimizer_offload "
+            f"{cfg.optim.optimizer_offload}): XLA's pinned host pool is capped by "
+            "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (default 64); raise it below the machine's "
+            "RAM, or offload less (offload_full keeps only each layer's input). "
+            "`python -m train.tools.capacity` shows the host memory a step needs"
+        )
     return TrainingError(
         "out of device memory. Turn one of: --per_device_train_batch_size (now "
         f"{cfg.run.per_device_train_batch_size}), --model_max_length (now "
         f"{cfg.data.model_max_length}), a larger seq or fsdp axis in --mesh (now "
         f"{cfg.parallel.mesh!r}), --remat_policy save_attn or full (now {cfg.remat!r}; "
-        "memory: none > save_dots > save_attn > full); "
+        "memory: none > save_dots > save_attn > full; offload_attn and offload_full keep "
+        "their residuals in host memory), --mlp_tile, --optimizer_offload; "
         "on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) gives XLA more of the "
         "device. `python -m train.tools.capacity` finds what fits without running"
     )
@@ -360,7 +371,7 @@ def _oom_advice(cfg: TrainConfig):
         yield
     except Exception as e:  # noqa: BLE001 - rethrown with advice, or as is
         if is_oom(e):
-            raise _oom_error(cfg) from e
+            raise _oom_error(cfg, e) from e
         raise
 
 
