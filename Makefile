@@ -28,9 +28,9 @@ $(ORACLE)/.installed: Makefile
 test: venv oracle
 	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
-# The quick subset: `-m "not slow"`, without the HF parity tests (they need the
-# .venv-oracle side environment, which `make test` builds and runs them with), on two
-# worker processes (pytest-xdist).
+# The quick subset: `-m "not slow"` (each oracle grid's covering cases, no 10 s+ tests),
+# without the HF parity tests (they need the .venv-oracle side environment, which
+# `make test` builds and runs them with), on two worker processes (pytest-xdist).
 test-fast: venv
 	$(VENV)/bin/python -m pytest -n 2 -m "not slow" --ignore=tests/test_models_parity.py $(PYTEST_ARGS)
 
