@@ -32,6 +32,7 @@ from jflash._mosaic_common import (
     Geometry,
     col_ids,
     fit_stages,
+    fits_smem,
     launch,
     query_table,
     query_tile_steps,
@@ -318,6 +319,18 @@ def mosaic_fwd(
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     rows = COMPUTE_WGS * WG_ROWS
+    size = jnp.dtype(q.dtype).itemsize
+    separate_out = jnp.dtype(out_dtype) != q.dtype
+
+    def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
+        fixed = rows * h * size + rows * 4 + (rows * 4 if segments else 0)
+        fixed += rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0
+        return fixed, 2 * block * h * size + (block * 4 if segments else 0)
+
+    # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
+    # segment ids: the ring over packed documents), the streamed block halves.
+    while block_kv > WG_ROWS and not fits_smem(2, *smem(block_kv)):
+        block_kv //= 2
     geom = Geometry(
         mask=mask,
         kv_len=s_len,
@@ -326,17 +339,7 @@ def mosaic_fwd(
         group=n // kh,
         head_dim=h,
     )
-    size = jnp.dtype(q.dtype).itemsize
-    separate_out = jnp.dtype(out_dtype) != q.dtype
-    stages = fit_stages(
-        "jflash_mosaic_fwd",
-        stages,
-        fixed=rows * h * size
-        + (rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0)
-        + rows * 4
-        + (rows * 4 if segments else 0),
-        per_stage=2 * block_kv * h * size + (block_kv * 4 if segments else 0),
-    )
+    stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
     if segments:
         q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)

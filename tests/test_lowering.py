@@ -108,9 +108,14 @@ def test_mosaic_lowers_for_cuda(
     assert ("cp.reduce.async.bulk.tensor" in text) == fused
 
 
-@pytest.mark.parametrize("head_dim, deterministic", [(128, False), (64, False), (64, True)])
-def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, head_dim, deterministic):
-    """The ring's variant: f32 partial outputs and f32 gradients (larger SMEM tiles)."""
+@pytest.mark.parametrize(
+    "head_dim, deterministic, segments",
+    [(128, False, False), (64, False, False), (64, True, False), (128, False, True)],
+)
+def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, head_dim, deterministic, segments):
+    """The ring's variant: f32 partial outputs and f32 gradients (larger SMEM tiles);
+    with segment ids at D = 128 two stages of the default key block do not fit, and the
+    forward streams smaller blocks (Mosaic's own shared-memory check runs here)."""
     from jflash._mask import Mask
     from jflash._mosaic_bwd import mosaic_bwd
     from jflash._mosaic_fwd import mosaic_fwd
@@ -121,11 +126,13 @@ def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, head_dim, deterministic
     bs = jflash.default_block_sizes(512, head_dim, jnp.bfloat16, implementation="pallas_mosaic")
     mask = Mask(True, 512, 256)
 
-    def both(q, k, v, do, lse, delta):
+    def both(q, k, v, do, lse, delta, seg):
+        segs = (seg, seg) if segments else None
         o, lse_out = mosaic_fwd(
             q,
             k,
             v,
+            segs,
             mask=mask,
             scale=0.1,
             out_dtype=jnp.float32,
@@ -144,12 +151,15 @@ def test_mosaic_f32_partials_lower_for_cuda(monkeypatch, head_dim, deterministic
             grad_dtype=jnp.float32,
             block_q_dkv=bs.block_q_dkv,
             block_kv_dq=bs.block_kv_dq,
+            segs=segs,
             stages=bs.num_stages_bwd,
             deterministic=deterministic,
         )
         return o, lse_out, grads
 
-    text = jax.jit(both).trace(q, kv, kv, q, lse, lse).lower(lowering_platforms=("cuda",)).as_text()
+    seg = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+    traced = jax.jit(both).trace(q, kv, kv, q, lse, lse, seg)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 3
 
 
