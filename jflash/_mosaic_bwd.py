@@ -159,16 +159,18 @@ def _dkv_kernel(
         k_start = cta_start + wg * bk
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (batch, pl.ds(k_start, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, 0])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, 1])
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, jnp.int32(0)])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, jnp.int32(1)])
         if segments:
             plgpu.copy_gmem_to_smem(
-                kvseg_ref.at[batch, pl.ds(k_start, bk)], k_ids2.at[wg], kv_ready.at[wg, 2]
+                kvseg_ref.at[batch, pl.ds(k_start, bk)],
+                k_ids2.at[wg],
+                kv_ready.at[wg, jnp.int32(2)],
             )
         if fused:
             ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         for i in range(3 if segments else 2):
-            plgpu.barrier_wait(kv_ready.at[wg, i])
+            plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
         k_ids = row_ids(k_ids2.at[wg]) if segments else None
         # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
         # registers (16 each per thread) as the A operands of S^T and dP^T, which takes
@@ -201,7 +203,7 @@ def _dkv_kernel(
                     seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                     if ids is not None:
                         seen = seen & same_segment(k_ids, ids, s.shape)
-                    p = jnp.where(seen, p, 0.0)
+                    p = jnp.where(seen, p, jnp.float32(0.0))
                 return p
 
             p, ds = wgmma_pair(
@@ -273,7 +275,7 @@ def _dkv_kernel(
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(0, geom.group, head, (zeros, zeros))
+        dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
         if out_smem2 is not None:
@@ -370,16 +372,20 @@ def _dq_kernel(
         q_t, do_t = q_smem2.at[wg], do_smem2.at[wg]
         rows = (batch, pl.ds(q_start, bq), head)
         cols = (batch, head, pl.ds(q_start, bq))
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, row_ready.at[wg, 0])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, row_ready.at[wg, 1])
-        plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem2.at[wg], row_ready.at[wg, 2])
-        plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem2.at[wg], row_ready.at[wg, 3])
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_t, row_ready.at[wg, jnp.int32(0)])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_t, row_ready.at[wg, jnp.int32(1)])
+        plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem2.at[wg], row_ready.at[wg, jnp.int32(2)])
+        plgpu.copy_gmem_to_smem(
+            delta_ref.at[cols], delta_smem2.at[wg], row_ready.at[wg, jnp.int32(3)]
+        )
         if segments:
             plgpu.copy_gmem_to_smem(
-                qseg_ref.at[batch, pl.ds(q_start, bq)], q_ids2.at[wg], row_ready.at[wg, 4]
+                qseg_ref.at[batch, pl.ds(q_start, bq)],
+                q_ids2.at[wg],
+                row_ready.at[wg, jnp.int32(4)],
             )
         for i in range(5 if segments else 4):
-            plgpu.barrier_wait(row_ready.at[wg, i])
+            plgpu.barrier_wait(row_ready.at[wg, jnp.int32(i)])
         q_ids = row_ids(q_ids2.at[wg]) if segments else None
         q_a, do_a = q_t, do_t  # Q and dO in registers where they fit (A_IN_REGS)
         if A_IN_REGS["dq"](geom.head_dim):
@@ -403,7 +409,7 @@ def _dq_kernel(
                     seen = visible(geom, q_start, j * block_kv, s.shape)
                     if ids is not None:
                         seen = seen & same_segment(q_ids, ids, s.shape)
-                    p = jnp.where(seen, p, 0.0)
+                    p = jnp.where(seen, p, jnp.float32(0.0))
                 return p
 
             zeros = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jflash import _launch_order
 from jflash._mask import Mask
 from jflash._segments import kv_tile_range, q_tile_range
-from jflash._triton_common import pad_to, visible_kv_range, visible_q_range
+from jflash._triton_common import index, pad_to, visible_kv_range, visible_q_range
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -38,12 +38,15 @@ COMPUTE_REGS = 232
 MEMORY_REGS = 40
 SWIZZLE_BYTES = 128
 
+# Index arithmetic in these kernels is int32 and every constant is typed (`index`,
+# `jnp.int32`, `jnp.float32`): under `jax_enable_x64` a bare Python int or float given to
+# `jnp.where`, `jnp.clip` or a loop bound would be int64 / float64, and the kernel would
+# trace differently from the one without x64 (tests/test_x64.py compares the two).
+
 
 def rem(x, n):
-    """`x % n` for non-negative loop indices, in `x`'s own integer type (a Python int
-    `n` would be int64 under `jax_enable_x64`, and `lax.rem` mixes no types)."""
-    x = jnp.asarray(x)
-    return lax.rem(x, jnp.asarray(n, x.dtype))
+    """`x % n` for non-negative int32 loop indices (`lax.rem` mixes no types)."""
+    return lax.rem(index(x), jnp.int32(n))
 
 
 def smem_tile(shape, dtype):
@@ -80,7 +83,7 @@ def kv_range(geom: Geometry, q_start, rows: int, block_kv: int):
     later steps are hidden (the Triton kernels' `visible_kv_range`).
     """
     n_full, n_end = visible_kv_range(geom.mask, q_start, rows, block_kv, geom.kv_len)
-    return jnp.asarray(n_full, jnp.int32), jnp.asarray(n_end, jnp.int32)
+    return index(n_full), index(n_end)
 
 
 def q_range(geom: Geometry, k_start, rows: int, block_q: int):
@@ -92,7 +95,7 @@ def q_range(geom: Geometry, k_start, rows: int, block_q: int):
     """
     n_begin, n_full, n_q = visible_q_range(geom.mask, k_start, rows, block_q, geom.q_pad)
     n_full = jnp.where(k_start + rows <= geom.kv_len, n_full, n_q)
-    return jnp.asarray(n_begin, jnp.int32), n_full.astype(jnp.int32), n_q
+    return index(n_begin), index(n_full), index(n_q)
 
 
 def visible(geom: Geometry, q_start, k_start, shape, *, transposed: bool = False):
@@ -146,7 +149,7 @@ def stream_kv(
     kv_head = lax.div(head, jnp.int32(group))
     num_steps = steps.cta_hi - steps.cta_lo
 
-    @pl.loop(0, num_steps)
+    @pl.loop(jnp.int32(0), num_steps)
     def _(t):
         slot = rem(t, stages)
         keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
@@ -324,8 +327,8 @@ def _own_steps(visible_steps, clear_steps, seg):
     """`(lo, clear_lo, clear_hi, hi)` of one warpgroup: the causal / padding bounds
     (visible `[a, b)`, no mask needed in `[c, d)`) intersected with the segment ids'
     `(first, end, same_first, same_end)` (None: no segment ids)."""
-    lo, hi = (jnp.asarray(x, jnp.int32) for x in visible_steps)
-    c_lo, c_hi = (jnp.asarray(x, jnp.int32) for x in clear_steps)
+    lo, hi = (index(x) for x in visible_steps)
+    c_lo, c_hi = (index(x) for x in clear_steps)
     if seg is None:
         return lo, c_lo, c_hi, hi
     first, end, same_first, same_end = seg
@@ -345,7 +348,7 @@ def _cta_steps(per_wg, wg) -> Steps:
         jnp.minimum, [jnp.where(e, big, r[0]) for e, r in zip(empty, per_wg, strict=True)]
     )
     cta_hi = functools.reduce(
-        jnp.maximum, [jnp.where(e, 0, r[3]) for e, r in zip(empty, per_wg, strict=True)]
+        jnp.maximum, [jnp.where(e, jnp.int32(0), r[3]) for e, r in zip(empty, per_wg, strict=True)]
     )
     cta_lo = jnp.minimum(cta_lo, cta_hi)
     own = list(per_wg[0])

@@ -124,10 +124,10 @@ def _fwd_kernel(
                 seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
                 if ids is not None:
                     seen = seen & same_segment(q_ids, ids, (bq, block_kv))
-                s = jnp.where(seen, s, -jnp.inf)
+                s = jnp.where(seen, s, jnp.float32(-jnp.inf))
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+            m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
@@ -257,13 +257,13 @@ def _fwd_kernel(
         pl.when(wg == 0)(take_turn)
 
         empty = l == 0.0
-        l_safe = jnp.where(empty, 1.0, l)
+        l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # q is dead by now
         o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(
             o_smem.dtype
         )
         lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+        lse_smem[...] = jnp.where(empty, jnp.float32(-jnp.inf), (m + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
             o_smem, o_ref.at[batch, pl.ds(q_start, bq), head], commit_group=False

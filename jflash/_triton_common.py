@@ -121,8 +121,8 @@ def visible_kv_range(mask: Mask, q_start, block_q: int, block_kv: int, kv_len: i
     q_start = index(q_start)
     n_end = _div(q_start + (block_q + shift + block_kv - 1), block_kv)
     n_full = _div(q_start + (shift + 1), block_kv)
-    n_end = jnp.clip(n_end, 0, num_kv)
-    n_full = jnp.clip(n_full, 0, jnp.minimum(n_end, last_full))
+    n_end = jnp.clip(n_end, index(0), index(num_kv))
+    n_full = jnp.clip(n_full, index(0), jnp.minimum(n_end, last_full))
     return n_full, n_end
 
 
@@ -139,10 +139,12 @@ def visible_q_range(mask: Mask, k_start, block_kv: int, block_q: int, q_len: int
     # Query i sees key j when i >= j - shift; first query of the block that sees k_start:
     k_start = index(k_start)
     first = k_start - shift
-    n_begin = jnp.clip(_div(jnp.maximum(first, 0), block_q), 0, num_q)
+    n_begin = jnp.clip(_div(jnp.maximum(first, 0), block_q), index(0), index(num_q))
     # Query blocks whose first query sees the last key of this block need no mask.
     last = k_start + (block_kv - 1 - shift)
-    n_full_from = jnp.clip(_div(jnp.maximum(last, 0) + (block_q - 1), block_q), n_begin, num_q)
+    n_full_from = jnp.clip(
+        _div(jnp.maximum(last, 0) + (block_q - 1), block_q), n_begin, index(num_q)
+    )
     return n_begin, n_full_from, index(num_q)
 
 
