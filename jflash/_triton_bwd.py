@@ -101,7 +101,7 @@ def _flash_bwd_dkv_kernel(
             seg = k_seg[:, None] == qseg_ref[rows][None, :]
             visible = seg if visible is None else visible & seg
         if visible is not None:
-            p_t = jnp.where(visible, p_t, 0.0)
+            p_t = jnp.where(visible, p_t, jnp.float32(0.0))
         dv = dv + dot(p_t.astype(do.dtype), do)
         dp_t = dot(v, do, trans_b=True)
         ds_t = p_t * (dp_t - delta[None, :])  # [block_kv, block_q] f32
@@ -169,7 +169,7 @@ def _flash_bwd_dq_kernel(
             kseg_ref=kseg_ref,
         )
         if visible is not None:
-            p = jnp.where(visible, p, 0.0)
+            p = jnp.where(visible, p, jnp.float32(0.0))
         dp = dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + dot(ds.astype(k.dtype), k)

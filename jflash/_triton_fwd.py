@@ -85,12 +85,14 @@ def _flash_fwd_kernel(
             kseg_ref=kseg_ref,
         )
         if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
+            s = jnp.where(visible, s, jnp.float32(-jnp.inf))
         # The running max is kept in base-2 scaled units; taking the max of the unscaled
         # logits (scale > 0) lets `s * qk_scale - m` fuse into one FMA per element.
         m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
         if visible is not None:
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows that saw nothing yet
+            m_use = jnp.where(
+                m_new == -jnp.inf, jnp.float32(0.0), m_new
+            )  # rows that saw nothing yet
         else:
             m_use = m_new
         p = jnp.exp2(s * qk_scale - m_use[:, None])  # [block_q, block_kv] f32
@@ -114,9 +116,9 @@ def _flash_fwd_kernel(
             carry = lax.fori_loop(start, stop, step, carry)
     acc, m, l = carry
     empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
+    l_safe = jnp.where(empty, jnp.float32(1.0), l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    lse_ref[...] = jnp.where(empty, jnp.float32(-jnp.inf), (m + jnp.log2(l_safe)) * LN2)
 
 
 def flash_fwd(

@@ -124,13 +124,14 @@ def test_x64(implementation, dtype, options, shapes):
 
 
 def _kernels(jaxpr) -> dict[str, object]:
-    """The Mosaic kernels' bodies in a traced program, by kernel name."""
+    """The kernels (Mosaic `plgpu.kernel`s, Triton `pallas_call`s) in a traced program,
+    by kernel name."""
     found = {}
 
     def walk(j):
         for eqn in j.eqns:
             name = str(eqn.params.get("name", ""))
-            if name.startswith("jflash_mosaic"):
+            if name.startswith("jflash_"):
                 found[name] = eqn
             else:
                 for sub in jex.jaxprs_in_params(eqn.params):
@@ -158,7 +159,7 @@ def _signature(eqn) -> list[str]:
     return lines
 
 
-def _traced_kernels(*, causal, segments, head_dim, deterministic, interpret):
+def _traced_kernels(implementation, *, causal, segments, head_dim, deterministic, interpret):
     q = jax.ShapeDtypeStruct((1, 200, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 264, 2, head_dim), jnp.bfloat16)
 
@@ -175,13 +176,27 @@ def _traced_kernels(*, causal, segments, head_dim, deterministic, interpret):
             q_offset=64,
             segment_ids=segs,
             return_lse=True,
-            implementation="pallas_mosaic",
+            implementation=implementation,
             interpret=interpret,
             deterministic=deterministic,
         )
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     return _kernels(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
+
+
+def _check_traces(implementation, expected, **kw):
+    """The kernels trace to the same program with and without x64, with no 64-bit value
+    inside (tracing only: no GPU needed)."""
+    without = _traced_kernels(implementation, **kw)
+    with x64():
+        with_x64 = _traced_kernels(implementation, **kw)
+    assert set(without) == set(with_x64) == expected
+    for name in expected:
+        sig = _signature(with_x64[name])
+        wide = [line for line in sig if any(t in line for t in ("int64", "float64"))]
+        assert not wide, f"{name}: 64-bit values under x64: {wide[:3]}"
+        assert sig == _signature(without[name]), f"{name} traces differently under x64"
 
 
 @pytest.mark.parametrize("interpret", [False, True], ids=["compiled", "interpret"])
@@ -192,27 +207,35 @@ def _traced_kernels(*, causal, segments, head_dim, deterministic, interpret):
 def test_mosaic_kernels_trace_identically(
     monkeypatch, causal, segments, head_dim, deterministic, interpret
 ):
-    """The forward, dK/dV (fused dQ or not) and dQ kernels trace to the same program with
-    and without x64, with no 64-bit value inside (tracing only: no GPU needed)."""
+    """The forward, dK/dV (fused dQ or not) and dQ kernels."""
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    kw = dict(
+    fused = head_dim in FUSED_DQ_HEAD_DIMS and not deterministic
+    expected = {"jflash_mosaic_fwd", "jflash_mosaic_dkv"} | (
+        set() if fused else {"jflash_mosaic_dq"}
+    )
+    _check_traces(
+        "pallas_mosaic",
+        expected,
         causal=causal,
         segments=segments,
         head_dim=head_dim,
         deterministic=deterministic,
         interpret=interpret,
     )
-    without = _traced_kernels(**kw)
-    with x64():
-        with_x64 = _traced_kernels(**kw)
-    fused = head_dim in FUSED_DQ_HEAD_DIMS and not deterministic
-    expected = {"jflash_mosaic_fwd", "jflash_mosaic_dkv"} | (
-        set() if fused else {"jflash_mosaic_dq"}
+
+
+@pytest.mark.parametrize("interpret", [False, True], ids=["compiled", "interpret"])
+@pytest.mark.parametrize("causal, segments", [(True, False), (True, True), (False, True)])
+def test_triton_kernels_trace_identically(monkeypatch, causal, segments, interpret):
+    """The forward, dK/dV and dQ kernels."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    _check_traces(
+        "pallas_triton",
+        {"jflash_fwd", "jflash_bwd_dkv", "jflash_bwd_dq"},
+        causal=causal,
+        segments=segments,
+        head_dim=64,
+        deterministic=None,
+        interpret=interpret,
     )
-    assert set(without) == set(with_x64) == expected
-    for name in expected:
-        sig = _signature(with_x64[name])
-        wide = [line for line in sig if any(t in line for t in ("int64", "float64"))]
-        assert not wide, f"{name}: 64-bit values under x64: {wide[:3]}"
-        assert sig == _signature(without[name]), f"{name} traces differently under x64"
