@@ -90,9 +90,8 @@ def _flash_fwd_kernel(
         # logits (scale > 0) lets `s * qk_scale - m` fuse into one FMA per element.
         m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
         if visible is not None:
-            m_use = jnp.where(
-                m_new == -jnp.inf, jnp.float32(0.0), m_new
-            )  # rows that saw nothing yet
+            # Rows that saw nothing yet.
+            m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new)
         else:
             m_use = m_new
         p = jnp.exp2(s * qk_scale - m_use[:, None])  # [block_q, block_kv] f32
