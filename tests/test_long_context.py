@@ -89,10 +89,11 @@ def test_tiled_mlp_holds_no_whole_sequence_intermediate():
 def test_mlp_tile_choice_and_errors():
     auto = models.TINY  # mlp_tile=-1
     assert auto.mlp_tile == -1
-    assert auto.mlp_tile_for(16384) == 0  # short shares run the MLP whole
-    assert auto.mlp_tile_for(32768) == 8192 and auto.mlp_tile_for(524288) == 8192
-    assert auto.mlp_tile_for(3 * 16384) == 8192 and auto.mlp_tile_for(40960) == 8192
-    assert auto.mlp_tile_for(36864) == 6144  # the largest divisor up to 8192
+    assert auto.mlp_tile_for(131072) == 0  # short shares run the MLP whole
+    assert auto.mlp_tile_for(262144) == 8192 and auto.mlp_tile_for(524288) == 8192
+    assert auto.mlp_tile_for(3 * 131072) == 8192 and auto.mlp_tile_for(40960 * 8) == 8192
+    assert auto.mlp_tile_for(36864 * 8) == 8192
+    assert auto.mlp_tile_for(9 * 36864) == 6912  # the largest divisor up to 8192
     assert models.TINY.replace(mlp_tile=0).mlp_tile_for(1 << 20) == 0
     assert models.TINY.replace(mlp_tile=512).mlp_tile_for(4096) == 512
     assert models.TINY.replace(mlp_tile=4096).mlp_tile_for(4096) == 0  # one tile: whole

@@ -38,7 +38,7 @@ class ModelArgs:
     bf16: bool = True  # bf16 compute with f32 master weights
     fp16: bool = False  # HF Trainer's flag: runs as bf16 compute (no loss scaling needed)
     scan_layers: bool = True
-    mlp_tile: int = -1  # MLP tokens per sequence tile: -1 auto (8192 from 32k per device), 0 off
+    mlp_tile: int = -1  # MLP tokens per sequence tile: -1 auto (8192 from 256k per device), 0 off
 
 
 @dataclasses.dataclass(frozen=True)
