@@ -222,7 +222,7 @@ def test_sequence_tiles_keep_an_explicit_seq_sharding():
     np.testing.assert_allclose(g, jax.grad(lambda v: fn(v).sum())(x), rtol=1e-6)
 
 
-@pytest.mark.parametrize("optim", ["adamw", "adafactor"])
+@pytest.mark.parametrize("optim", [pytest.param("adamw", marks=pytest.mark.slow), "adafactor"])
 def test_offloaded_update_equals_the_whole_tree_update(optim):
     """One parameter at a time through host memory: the same new parameters and state
     as `tx.update` on the whole tree, clipping by the global norm included."""

@@ -219,3 +219,9 @@ def test_out_of_memory_advice_names_the_host_pool_when_host_memory_ran_out():
     assert str(_oom_error(plain, host)).startswith("out of device memory")
     device = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
     assert str(_oom_error(offloaded, device)).startswith("out of device memory")
+
+
+def test_attention_implementation_is_checked_against_jflash():
+    with pytest.raises(ValueError, match=r"--attention_implementation='mosaic' must be one of"):
+        parse_args(["--attention_implementation", "mosaic"])
+    assert parse_args(["--attention_implementation", "xla"]).model.attention_implementation == "xla"

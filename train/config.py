@@ -141,6 +141,7 @@ class TrainConfig:
             ("model", "attention"): ATTENTION_KINDS,
             ("model", "ring_layout"): jflash.LAYOUTS,
             ("model", "ring_strategy"): jflash.STRATEGIES,
+            ("model", "attention_implementation"): (None, *jflash.IMPLEMENTATIONS),
             ("model", "remat_policy"): REMAT_POLICIES,
             ("data", "packing_positions"): ("per_document", "running"),
             ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
