@@ -564,33 +564,27 @@ def tune_mosaic(args):
 def launch_order(args, iterations: int = 10, repeats: int = 2):
     """Forward+backward at each `--sweep-seqs` length (causal, `--head-dim`) for each
     jflash implementation in `--impls`, once with every launch heads-outermost and once
-    tiles-outermost (`jflash._launch_order`), alternating `repeats` times: device ms per
-    kernel from a trace. The evidence behind `tiles_first`'s limits."""
-    from jflash import _launch_order
-
+    tiles-outermost (`jflash.tiles_first_limits`), alternating `repeats` times: device ms
+    per kernel from a trace. The evidence behind the default limits."""
     policies = {"heads_first": (-1, -1), "tiles_first": (1 << 40, 1 << 40)}
-    default = (_launch_order.TILES_FIRST_MAX_TILES, _launch_order.TILES_FIRST_MAX_CTAS)
     impls = [impl for impl in args.impls if impl in JFLASH]
     seqs = [int(x) for x in args.sweep_seqs.split(",")]
     spent = {}  # (impl, seq, policy, kernel) -> [ms per call, one per repeat]
-    try:
-        for impl, seq in itertools.product(impls, seqs):
-            inputs = draw_inputs(1, seq, args.heads, args.kv_heads, args.head_dim)
-            for _, (policy, limits) in itertools.product(range(repeats), policies.items()):
-                _launch_order.TILES_FIRST_MAX_TILES, _launch_order.TILES_FIRST_MAX_CTAS = limits
-                jax.clear_caches()
+    for impl, seq in itertools.product(impls, seqs):
+        inputs = draw_inputs(1, seq, args.heads, args.kv_heads, args.head_dim)
+        for _, (policy, limits) in itertools.product(range(repeats), policies.items()):
+            jax.clear_caches()
+            with jflash.tiles_first_limits(*limits):
                 compiled = jit_passes(attention_fn(impl))["fwdbwd"][0].lower(*inputs).compile()
-                jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
-                with tempfile.TemporaryDirectory() as trace_dir:
-                    with jax.profiler.trace(trace_dir):
-                        jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
-                    for name, ns in kernel_durations(trace_dir).items():
-                        kernel = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in name), None)
-                        if name.startswith("jflash") and kernel is not None:
-                            key = (impl, seq, policy, kernel)
-                            spent.setdefault(key, []).append(ns / iterations / 1e6)
-    finally:
-        _launch_order.TILES_FIRST_MAX_TILES, _launch_order.TILES_FIRST_MAX_CTAS = default
+            jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
+            with tempfile.TemporaryDirectory() as trace_dir:
+                with jax.profiler.trace(trace_dir):
+                    jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
+                for name, ns in kernel_durations(trace_dir).items():
+                    kernel = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in name), None)
+                    if name.startswith("jflash") and kernel is not None:
+                        key = (impl, seq, policy, kernel)
+                        spent.setdefault(key, []).append(ns / iterations / 1e6)
     rows = []
     for impl, seq, kernel in itertools.product(impls, seqs, ("fwd", "dkv", "dq")):
         heads = min(spent.get((impl, seq, "heads_first", kernel), [0]))

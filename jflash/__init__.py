@@ -10,6 +10,7 @@ Public API (everything else is private):
                          zigzag, unzigzag: the zigzag order
   attention_reference    plain-jnp oracle, returns (out, lse)
   BlockSizes, default_block_sizes   kernel tuning knobs
+  tiles_first_limits     the kernels' launch order (a context manager for tuning)
   describe               which implementation runs here, and why
 """
 
@@ -17,6 +18,7 @@ from jflash._block_sizes import BlockSizes, default_block_sizes
 from jflash._context import STRATEGIES, ring_attention, ring_attention_shard
 from jflash._dispatch import IMPLEMENTATIONS, describe
 from jflash._flash import flash_attention
+from jflash._launch_order import tiles_first_limits
 from jflash._layout import LAYOUTS, from_layout, positions, to_layout, unzigzag, zigzag
 from jflash._reference import attention_reference
 from jflash._ring import ring_attention_rank
@@ -35,6 +37,7 @@ __all__ = [
     "ring_attention",
     "ring_attention_rank",
     "ring_attention_shard",
+    "tiles_first_limits",
     "to_layout",
     "unzigzag",
     "zigzag",

@@ -19,6 +19,8 @@ kernel most), 16k 0.98-1.02, 32k-64k 0.98-1.02.
 
 from __future__ import annotations
 
+import contextlib
+
 # Tiles outermost when a causal launch has at most this many tiles per head and CTAs.
 TILES_FIRST_MAX_TILES = 64
 TILES_FIRST_MAX_CTAS = 2048
@@ -29,3 +31,18 @@ def tiles_first(tiles: int, heads: int, batch: int, *, causal: bool) -> bool:
     return (
         causal and tiles <= TILES_FIRST_MAX_TILES and tiles * heads * batch <= TILES_FIRST_MAX_CTAS
     )
+
+
+@contextlib.contextmanager
+def tiles_first_limits(max_tiles: int, max_ctas: int):
+    """Kernels traced inside the block put the tiles outermost up to these limits
+    instead of the measured defaults (`-1, -1`: never; very large: always), the knob
+    `benchmarks/kernel.py --launch-order` times both orders with. It acts when a
+    function is traced: one compiled before keeps its order."""
+    global TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS
+    saved = TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS
+    TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS = max_tiles, max_ctas
+    try:
+        yield
+    finally:
+        TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS = saved

@@ -404,3 +404,16 @@ def test_compiled_pallas_on_cpu_raises():
 def test_block_sizes_validate(field, value):
     with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
         jflash.BlockSizes(**{field: value})
+
+
+def test_tiles_first_limits_set_the_launch_order_inside_the_block_only():
+    from jflash._launch_order import tiles_first
+
+    short = dict(tiles=8, heads=32, batch=1, causal=True)
+    assert tiles_first(**short)  # the default: a short causal launch goes tiles first
+    with jflash.tiles_first_limits(-1, -1):
+        assert not tiles_first(**short)
+        with jflash.tiles_first_limits(1 << 40, 1 << 40):
+            assert tiles_first(tiles=4096, heads=32, batch=4, causal=True)
+        assert not tiles_first(**short)
+    assert tiles_first(**short) and not tiles_first(tiles=4096, heads=32, batch=4, causal=True)

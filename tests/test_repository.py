@@ -46,9 +46,8 @@ PRIVATE_IMPORT = re.compile(
 )
 # Where code may use jflash's private modules: jflash itself, and its white-box tests.
 PRIVATE_IMPORTERS = ("jflash/", "tests/")
-# The one exception, by file and exact import: `benchmarks/kernel.py --launch-order` sets
-# the launch-order limits, which have no public knob, to time both orders.
-PRIVATE_IMPORT_EXCEPTIONS = {("benchmarks/kernel.py", "from jflash import _launch_order")}
+# No exceptions: what a benchmark needs is on the facade.
+PRIVATE_IMPORT_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def tracked_files() -> list[str]:
