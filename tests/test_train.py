@@ -80,7 +80,7 @@ def test_trains_with_ring_and_fsdp(tmp_path):
     losses = summary["losses"]
     assert len(losses) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.3, losses
-    assert summary["mesh"] == {"data": 2, "fsdp": 2, "seq": 2}
+    assert summary["mesh"] == {"data": 2, "fsdp": 2, "seq": 2, "seq_a2a": 1}
     # save_total_limit=2 keeps the newest two checkpoints.
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "8"]
     scalars = read_scalars(tmp_path / "tensorboard")
