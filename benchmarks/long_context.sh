@@ -52,6 +52,7 @@ CAP_LIMIT_GIB=${CAP_LIMIT_GIB:-}
 KNOBS_ON=${KNOBS_ON:---mlp_tile $MLP_TILE --remat_policy offload_attn --optimizer_offload true}
 KNOBS_OFF=${KNOBS_OFF:---mlp_tile 0 --remat_policy save_attn --optimizer_offload false}
 BUDGET=${BUDGET:-540}
+# Per-run caps (seconds): CAP_TRAIN1B (450), CAP_TRAIN8B (240), CAP_ONOFF (150 each).
 # XLA's pinned host pool (default 64 GB): the 1B's offloaded residuals at 512k alone
 # are ~64 GiB. Keep it below the machine's RAM (128 GB on the H200 machines).
 HOST_LIMIT_GB=${HOST_LIMIT_GB:-112}
@@ -179,19 +180,19 @@ fi
 # shellcheck disable=SC2086  # the knobs are words
 if want train1b; then
     train_cmd "1b-$LEN_1B-on" "$MODEL_1B" "$LEN_1B" "$STEPS_1B" $KNOBS_ON
-    run_step train1b "1b-$LEN_1B-on" 450 120 "$(reserve_after train1b)" "${CMD[@]}"
+    run_step train1b "1b-$LEN_1B-on" "${CAP_TRAIN1B:-450}" 120 "$(reserve_after train1b)" "${CMD[@]}"
 fi
 
 if want train8b; then
     train_cmd "8b-$LEN_8B-on" "$MODEL_8B" "$LEN_8B" "$STEPS_8B" $KNOBS_ON
-    run_step train8b "8b-$LEN_8B-on" 240 90 "$(reserve_after train8b)" "${CMD[@]}"
+    run_step train8b "8b-$LEN_8B-on" "${CAP_TRAIN8B:-240}" 90 "$(reserve_after train8b)" "${CMD[@]}"
 fi
 
 if want onoff; then
     train_cmd "1b-$LEN_MID-on" "$MODEL_1B" "$LEN_MID" "$STEPS_MID" $KNOBS_ON
-    run_step onoff "1b-$LEN_MID-on" 150 60 60 "${CMD[@]}"
+    run_step onoff "1b-$LEN_MID-on" "${CAP_ONOFF:-150}" 60 60 "${CMD[@]}"
     train_cmd "1b-$LEN_MID-off" "$MODEL_1B" "$LEN_MID" "$STEPS_MID" $KNOBS_OFF
-    run_step onoff "1b-$LEN_MID-off" 150 60 0 "${CMD[@]}"
+    run_step onoff "1b-$LEN_MID-off" "${CAP_ONOFF:-150}" 60 0 "${CMD[@]}"
 fi
 
 "$PY" - "$WORK" "$OUT" "$STEPS_TSV" <<'EOF' | tee "$OUT/summary.md" | tee -a "$LOG"
