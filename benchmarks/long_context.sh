@@ -240,4 +240,11 @@ print("\nsteps:")
 for name, state in status.items():
     print(f"  {name}: {state}")
 EOF
+if want capacity; then  # the probes per model and remat policy, the training runs' peaks on them
+    plot=(--out "$OUT/capacity-memory.png")
+    for log in "$WORK"/*/log.jsonl; do
+        [[ -f $log ]] && plot+=(--measured "$(dirname "$log")")
+    done
+    "$PY" -m train.tools.capacity plot "$OUT/capacity.json" "${plot[@]}" 2>&1 | tee -a "$LOG"
+fi
 say "done in $(($(date +%s) - START)) s; results in $OUT"

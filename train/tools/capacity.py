@@ -18,6 +18,16 @@ between the shortest and the longest probe that fit (the marginal cost: what one
 uses the first ones, so `--mesh seq=1 --mesh seq=2` answers "how much longer on 2 GPUs than on 1".
 
 Compiled memory is XLA's plan, not a run: check the winner with `python -m train`.
+
+    python -m train.tools.capacity plot RESULT.json [RESULT.json ...] --out memory.png
+    python -m train.tools.capacity plot capacity.json --measured runs/1b-512k --out memory.png
+
+draws the probes of capacity results (one `--out` file each, or a list of them as
+`benchmarks/long_context.sh` gathers) against the context: one panel per model, per remat
+policy a solid line of device GiB and a dashed line of host GiB, an x where a probe does
+not fit, the device limit as a horizontal line. `--measured` adds a training run's
+measured peak (`peak_memory_gib` in its output directory's log.jsonl, at the context and
+remat policy of its train_config.yaml) as a star.
 """
 
 from __future__ import annotations
@@ -360,5 +370,223 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _tokens_label(tokens: float) -> str:
+    """128k, 1M: a context length as the tick labels show it."""
+    n = int(round(tokens))
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    if n >= 1024 and n % 1024 == 0:
+        return f"{n >> 10}k"
+    return str(n)
+
+
+def load_results(path: str) -> list[dict]:
+    """The capacity results in one JSON file: one result (`--out`) or a list of them
+    (benchmarks/long_context.sh's capacity.json). Anything else is refused in one line
+    that names the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{path}: not a capacity result JSON ({e})") from None
+    results = data if isinstance(data, list) else [data]
+    well_formed = all(
+        isinstance(r, dict)
+        and isinstance(r.get("rows"), list)
+        and all(isinstance(row, dict) and isinstance(row.get("probes"), list) for row in r["rows"])
+        for r in results
+    )
+    if not well_formed or not any(r["rows"] for r in results):
+        raise SystemExit(
+            f"{path}: not a capacity result (no rows with probes; "
+            "`python -m train.tools.capacity --out FILE` writes one)"
+        )
+    return results
+
+
+def load_measured(run: str) -> dict:
+    """A training run's measured peak from its output directory (or its log.jsonl):
+    `{"name", "model", "remat", "seq", "gib"}`, "gib" the largest `peak_memory_gib` in
+    log.jsonl (None where the device reported none, as on CPU); the model, context and
+    remat policy from the train_config.yaml beside it."""
+    import yaml
+
+    from train.outputs import SETTINGS_FILE
+
+    run_dir = os.path.dirname(run) if os.path.isfile(run) else run
+    log, settings = os.path.join(run_dir, "log.jsonl"), os.path.join(run_dir, SETTINGS_FILE)
+    for path in (log, settings):
+        if not os.path.isfile(path):
+            raise SystemExit(f"--measured {run}: no {path} (a `python -m train` output_dir)")
+    try:
+        with open(settings) as f:
+            cfg = yaml.safe_load(f)
+        model = cfg["model"]
+        remat = model["remat_policy"]
+        if remat == "none" and model.get("gradient_checkpointing"):
+            remat = "full"  # the trainer's effective policy (TrainConfig.remat)
+        seq = int(cfg["data"]["model_max_length"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as e:
+        raise SystemExit(f"{settings}: not a run's settings ({type(e).__name__}: {e})") from None
+    try:
+        with open(log) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{log}: not a run's log ({e})") from None
+    peaks = [r["peak_memory_gib"] for r in records if "peak_memory_gib" in r]
+    return {
+        "name": os.path.basename(os.path.normpath(run_dir)),
+        "path": log,
+        "model": model["model_name_or_path"],
+        "remat": remat,
+        "seq": seq,
+        "gib": max(peaks) if peaks else None,
+    }
+
+
+def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
+    """Draws the capacity results in `paths` (and the measured peaks of the training
+    runs in `measured`) into the PNG `out` and returns it: one panel per model, x the
+    context (log2), y GiB; per remat policy (and mesh, where there are several) a solid
+    line of device GiB and a dashed one of host GiB over the probes that compiled, an x
+    on those that do not fit; the device limit (and the host limit, where the host lines
+    come near it) as horizontal lines."""
+    results = [result for path in paths for result in load_results(path)]
+    runs = [load_measured(run) for run in measured]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    panels: dict[str, dict] = {}
+    for result in results:
+        remat = (result.get("settings") or {}).get("remat", "?")
+        for row in result["rows"]:
+            panel = panels.setdefault(row["model"], {"series": {}, "limit": set(), "host": set()})
+            for key, into in (("limit_gib", "limit"), ("host_limit_gib", "host")):
+                if result.get(key) is not None:
+                    panel[into].add(result[key])
+            probes = panel["series"].setdefault((remat, row.get("mesh", "")), {})
+            for p in row["probes"]:
+                if p.get("gib") is not None:
+                    probes.setdefault(p["seq"], p)  # one probe per length
+    if not any(probes for panel in panels.values() for probes in panel["series"].values()):
+        raise SystemExit(f"{', '.join(paths)}: no probe compiled; nothing to plot")
+
+    def order(key):
+        policy, mesh = key
+        rank = REMAT_POLICIES.index(policy) if policy in REMAT_POLICIES else len(REMAT_POLICIES)
+        return rank, policy, mesh
+
+    keys = sorted({k for panel in panels.values() for k in panel["series"]}, key=order)
+    several_meshes = len({mesh for _, mesh in keys}) > 1
+    colors = {k: f"C{i % 10}" for i, k in enumerate(keys)}
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(6.5 * len(panels), 6.0), squeeze=False, layout="constrained"
+    )
+    for ax, (model, panel) in zip(axes[0], panels.items(), strict=True):
+        top = 0.0
+        for key in sorted(panel["series"], key=order):
+            probes = [panel["series"][key][s] for s in sorted(panel["series"][key])]
+            if not probes:
+                continue
+            name = f"{key[0]} {key[1]}" if several_meshes else key[0]
+            for field, style, what in (("gib", "-", "device"), ("host_gib", "--", "host")):
+                pts = [(p["seq"], p[field], p.get("fits")) for p in probes]
+                pts = [pt for pt in pts if pt[1] is not None]
+                if not pts:
+                    continue
+                ax.plot(
+                    [s for s, _, _ in pts], [g for _, g, _ in pts], style,
+                    color=colors[key], label=f"{name} {what}",
+                )  # fmt: skip
+                for fits, marker, size in ((True, "o", 18), (False, "x", 60)):
+                    xy = [(s, g) for s, g, ok in pts if bool(ok) == fits]
+                    if xy:
+                        ax.scatter(*zip(*xy, strict=True), marker=marker, s=size, color=colors[key])
+                top = max(top, *(g for _, g, _ in pts))
+        for limit in sorted(panel["limit"]):
+            ax.axhline(limit, color="0.25", lw=1.2, label=f"device limit {limit:.3g} GiB")
+            top = max(top, limit)
+        for limit in sorted(panel["host"]):
+            if limit <= 1.25 * top:
+                ax.axhline(limit, color="0.25", lw=1.2, ls=":", label=f"host limit {limit:.3g} GiB")
+        for run in runs:
+            if run["model"] != model or run["gib"] is None:
+                continue
+            color = next((colors[k] for k in keys if k[0] == run["remat"]), "k")
+            ax.scatter(
+                [run["seq"]], [run["gib"]], marker="*", s=180, color=color, edgecolors="k",
+                zorder=4, label=f"measured: {run['name']} ({run['remat']})",
+            )  # fmt: skip
+        handles, _ = ax.get_legend_handles_labels()
+        if any(not p.get("fits") for s in panel["series"].values() for p in s.values()):
+            handles.append(Line2D([], [], ls="", marker="x", color="0.25", label="does not fit"))
+        ax.legend(  # below the panel: the lines rise into every corner
+            handles=handles, fontsize="small", loc="upper center",
+            bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False,
+        )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(LogLocator(base=2))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens_label(v)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("GiB per device (compiled step)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+    for run in runs:
+        if run["gib"] is None:
+            print(f"{run['path']}: no peak_memory_gib (the device reports none); not drawn")
+        elif run["model"] not in panels:
+            print(f"{run['path']}: no capacity result for {run['model']}; not drawn")
+    devices = sorted({str(r["device"]) for r in results if r.get("device")})
+    title = f"Step memory against context: {', '.join(panels)}"
+    if devices:
+        title += f" on {', '.join(devices)}"
+    shared = []  # the settings every result has in common, bar the remat policy
+    for key in ("attention", "mlp_tile", "optimizer_offload", "shard_over_seq", "layers"):
+        values = {json.dumps((r.get("settings") or {}).get(key)) for r in results}
+        if len(values) == 1 and (value := json.loads(values.pop())) is not None:
+            shared.append(f"{key}={value}")
+    if shared:
+        title += "\n" + ", ".join(shared)
+    fig.suptitle(title)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return out
+
+
+def main_plot(argv: list[str] | None = None) -> str:
+    """`python -m train.tools.capacity plot RESULT.json ... --out memory.png`."""
+    p = argparse.ArgumentParser(
+        prog="python -m train.tools.capacity plot",
+        description="Capacity probes' device and host GiB against the context, per remat policy.",
+    )
+    p.add_argument(
+        "results", nargs="+", help="capacity JSON files: one result (--out) or a list of them"
+    )
+    p.add_argument(
+        "--measured",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="RUN_DIR",
+        help="training output dirs (or their log.jsonl): the measured peak, as a star",
+    )
+    p.add_argument("--out", default="capacity-memory.png", help="the PNG to write")
+    args = p.parse_args(argv)
+    return plot_memory(args.results, args.out, args.measured)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["plot"]:
+        main_plot(sys.argv[2:])
+    else:
+        main()
