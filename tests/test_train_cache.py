@@ -20,8 +20,10 @@ from train import data as data_lib
 from train import data_cache
 from train.build import data_eos, load_model, load_rows
 from train.config import DataArgs, ModelArgs, TrainConfig
-from train.data import Batches, load_dataset
+from train.data import Batches
+from train.dataset import load_dataset
 from train.errors import TrainingError
+from train.readers import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2
@@ -264,7 +266,7 @@ def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
     assert convert.tokenizer_vocab_size(bpe / "tokenizer.json") == 300
     assert data_lib.tokenizer_eos_id(bpe) == data_lib.tokenizer_eos_id(bpe / "tokenizer.json")
     assert data_lib.tokenizer_eos_id(bpe) == 0
-    tokenizer = data_lib.load_tokenizer(bpe)
+    tokenizer = load_tokenizer(bpe)
     ids = tokenizer.encode("The trainer packs documents.").ids
     assert tokenizer.decode(ids) == "The trainer packs documents." and max(ids) < 300
     with pytest.raises(ValueError, match=r"--vocab-size=100 must be at least 257"):
@@ -285,7 +287,7 @@ def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_fi
     )
     assert data_eos(cfg, models.TINY) == 0  # the tokenizer's, not the model's (2)
     rows = load_rows(cfg, models.TINY)
-    encoded = data_lib.load_tokenizer(bpe).encode
+    encoded = load_tokenizer(bpe).encode
     stream = [i for t in texts for i in [*encoded(t).ids, 0]]
     used = rows.num_rows * 4
     np.testing.assert_array_equal(

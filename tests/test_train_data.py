@@ -1,4 +1,5 @@
-"""Tests of train/data.py: formats, malformed data, row packing, batches, resume, CLI."""
+"""Tests of the data modules (train/readers.py, train/dataset.py, train/data.py): formats,
+malformed data, row packing, batches, resume, CLI."""
 
 from __future__ import annotations
 
@@ -11,15 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import data as data_lib
-from train.data import (
-    Batches,
-    Rows,
-    TokenDataset,
-    load_dataset,
-    markov_samples,
-    save_dataset,
-)
+from train import readers
+from train.data import Batches, markov_samples, save_dataset
+from train.dataset import Rows, TokenDataset, load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 IGNORE = -100
@@ -146,13 +141,11 @@ def test_a_format_is_one_reader_entry(tmp_path, monkeypatch):
         for i, line in enumerate(path.read_text().splitlines()):
             yield i, [int(x) for x in line.split("\t")]
 
-    monkeypatch.setitem(
-        data_lib.READERS, ".tsv", data_lib.Reader(data_lib.records_reader(read_tsv))
-    )
+    monkeypatch.setitem(readers.READERS, ".tsv", readers.Reader(readers.records_reader(read_tsv)))
     (tmp_path / "d.tsv").write_text("1\t2\n3\n")
     dataset = load_dataset(tmp_path / "d.tsv")
     assert dataset.tokens.tolist() == [1, 2, 3] and dataset.lengths.tolist() == [2, 1]
-    assert set(data_lib.FORMATS) == {".pkl", ".jsonl", ".npy", ".parquet", "save_to_disk"}
+    assert set(readers.FORMATS) == {".pkl", ".jsonl", ".npy", ".parquet", "save_to_disk"}
 
 
 class _FakeTokenizer:

@@ -15,6 +15,7 @@ import models
 from train import data as data_lib
 from train.build import build, end_of_text
 from train.config import parse_args
+from train.dataset import TokenDataset
 from train.step import gradients
 
 SEQ_LEN = 32
@@ -165,7 +166,7 @@ def test_document_positions():
 
 def test_eos_goes_between_documents_once():
     """An example that already ends with EOS gets no second one."""
-    dataset = data_lib.TokenDataset.from_examples("x", [np.array([5, 6]), np.array([7, 2])])
+    dataset = TokenDataset.from_examples("x", [np.array([5, 6]), np.array([7, 2])])
     rows = dataset.rows(5, eos_id=2)
     assert rows.input_ids.tolist() == [[5, 6, 2, 7, 2]]
     assert rows.labels.tolist() == [[6, 2, -100, 2, -100]]

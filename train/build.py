@@ -27,6 +27,7 @@ from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache
 from train.config import TrainConfig
+from train.dataset import Rows, TokenDataset
 from train.errors import TrainingError
 from train.mesh import (
     SEQ_AXES,
@@ -106,7 +107,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             train + held_out, cfg.data.model_max_length, vocab, cfg.run.seed
         )
         examples = examples[train:] if eval else examples
-        dataset = data_lib.TokenDataset.from_examples(SAMPLE_DATA, list(examples))
+        dataset = TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:
         name = cfg.model.model_name_or_path
         tokenizer = cfg.data.tokenizer_name_or_path or (name if os.path.isdir(name) else None)
@@ -194,7 +195,7 @@ class Trainer:
     spec: StepSpec
     tx: optax.GradientTransformation
     lr_at: Callable[[int], jax.Array]
-    rows: data_lib.Rows | data_cache.CachedRows
+    rows: Rows | data_cache.CachedRows
     batches: data_lib.Batches
     total_steps: int
     global_batch: int
@@ -203,7 +204,7 @@ class Trainer:
     state_shardings: dict[str, Any]
     step_fn: Callable
     flops_token: float
-    eval_rows: data_lib.Rows | data_cache.CachedRows | None = None
+    eval_rows: Rows | data_cache.CachedRows | None = None
     eval_fn: Callable | None = None
 
     def batch(self, step: int) -> dict[str, jax.Array]:

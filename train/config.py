@@ -43,7 +43,7 @@ class ModelArgs:
 
 @dataclasses.dataclass(frozen=True)
 class DataArgs:
-    data_path: str = ""  # required: a data file (train.data.READERS), a token cache, or "sample"
+    data_path: str = ""  # required: a data file (train.readers.READERS), a token cache, or "sample"
     model_max_length: int = 2048  # tokens per training sequence
     mask_documents: bool = True  # attention stays inside each packed example; false: crosses
     packing_positions: str = "per_document"  # RoPE positions: per_document (restart) | running

@@ -1,40 +1,11 @@
-"""Training data: read examples (a table of formats), pack rows, shuffle resumable batches.
+"""Training data from rows to batches, sample data, and ``python -m train.data``.
 
-Formats (chosen by extension, one entry each in :data:`READERS`):
-
-- ``.pkl``: a pickled list of examples (the ``data.pkl`` of PyTorch + LightSeq training
-  scripts). Each example is a list / 1-D array of token ids, a dict with
-  ``"input_ids"`` (and optional ``"labels"``), or a dict with ``"text"``. Unpickling
-  runs code: load trusted files only.
-- ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
-  or ``{"text": "..."}``. Blank lines are skipped; errors name the 1-based line number
-  (blank lines counted, as an editor shows it). Other formats' errors name the 0-based
-  index of the record.
-- ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
-  memory-mapped while it is read.
-- ``.parquet``: a column ``input_ids`` (optional ``labels``) or ``text`` (``pyarrow``,
-  from the ``hf`` extra), read a batch of rows at a time.
-- a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
-  ``save_to_disk``), with the same columns (the ``hf`` extra).
-
-A token cache (:mod:`train.data_cache`) holds any of them tokenized once, for datasets
-that should not be loaded whole into memory.
-
-``"labels"`` follow the HuggingFace convention: aligned with ``input_ids`` (the model
-shifts), ``-100`` = ignored. ``"text"`` is tokenized with a ``tokenizer.json`` (the file,
-or the directory holding it, e.g. the model's; the ``tokenizers`` package, imported only
-when text is present).
-
-Row scheme (:meth:`TokenDataset.rows`): all examples are concatenated, in file order,
-into one token stream (each followed by ``eos_id`` when one is given) and the stream is
-cut into consecutive, non-overlapping rows of ``seq_len`` tokens; the tail that does not
-fill a row is dropped. ``labels[t]`` is the label of the stream token *after*
-``input_ids[t]``: already shifted, so ``labels[t]`` is the target of ``logits[t]``
-(``models.loss`` convention). The last row's last label looks past the stream and is
-``-100``. With ``mask_boundaries=True`` (default) a label whose token belongs to a
-different example than ``input_ids[t]`` is ``-100``: nothing is learned across unrelated
-documents, including at row ends when examples are exactly ``seq_len`` long. An
-``eos_id`` separator belongs to the example before it, so predicting EOS is learned.
+The pipeline's modules, each importing only those before it: :mod:`train.readers` (the
+table of file formats, each read into examples of token ids), :mod:`train.dataset`
+(examples in memory, packed into rows), :mod:`train.data_cache` (examples tokenized once
+into a memory-mapped token cache, its rows cut on demand), and this one: shuffled,
+resumable batches of either's rows, learnable sample data, writing datasets, training a
+BPE tokenizer, and the command line (``sample | inspect | cache | tokenizer``).
 
 Batches (:class:`Batches`): per epoch the rows are permuted by a numpy Generator seeded
 with ``(seed, epoch)``; batch ``i`` of the epoch is rows ``perm[i*G:(i+1)*G]`` for the
@@ -51,9 +22,6 @@ chain (see :func:`markov_samples`), so a tiny model's loss visibly falls.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
-import itertools
 import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -63,575 +31,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.convert import special_token_ids
-from models.loss import IGNORE_INDEX
-
-_MAX_ID = np.iinfo(np.int32).max
-
-
-# ---------------------------------------------------------------------------------------
-# Datasets and loading
-# ---------------------------------------------------------------------------------------
-
-
-class Rows(NamedTuple):
-    """Fixed-length training rows (see the module docstring for the scheme).
-
-    Attributes:
-        input_ids: int32 ``[num_rows, seq_len]``.
-        labels: int32 ``[num_rows, seq_len]``; ``labels[r, t]`` is the target of
-            ``input_ids[r, t]``'s logits, ``-100`` where ignored.
-        segment_ids: int32 ``[num_rows, seq_len]``; which example each token comes from,
-            numbered from 0 within the row (for document-masked attention).
-    """
-
-    input_ids: np.ndarray
-    labels: np.ndarray
-    segment_ids: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.input_ids.shape[1]
-
-    def take(self, ids: np.ndarray) -> Rows:
-        """The rows ``ids`` (an int array), contiguous copies. :class:`Batches` and the
-        evaluation read rows only through ``take``, ``num_rows`` and ``seq_len``, so a
-        token cache's rows (``train.data_cache.CachedRows``) computed on demand serve too."""
-        return Rows(*(np.ascontiguousarray(a[ids]) for a in self))
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenDataset:
-    """Examples of token ids, stored concatenated.
-
-    Attributes:
-        path: where the data came from (for error messages).
-        tokens: int32 ``[num_tokens]``, all examples back to back.
-        targets: int32 ``[num_tokens]``, the unshifted per-token labels: the token itself,
-            or the example's ``"labels"`` (``-100`` = ignored).
-        offsets: int64 ``[num_examples + 1]``; example ``i`` is
-            ``tokens[offsets[i]:offsets[i + 1]]``.
-        lines: int64 ``[num_examples]``, the 1-based line of each example in a
-            ``.jsonl`` file (for error messages); None: examples are named by index.
-    """
-
-    path: str
-    tokens: np.ndarray
-    targets: np.ndarray
-    offsets: np.ndarray
-    lines: np.ndarray | None = None
-
-    @classmethod
-    def from_examples(
-        cls,
-        path: str,
-        input_ids: Sequence[np.ndarray],
-        labels: Sequence[np.ndarray | None] | None = None,
-        lines: Sequence[int] | None = None,
-    ) -> TokenDataset:
-        """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens;
-        ``lines``: each example's 1-based line in a ``.jsonl`` file)."""
-        if not input_ids:
-            raise ValueError(f"{path}: the dataset has no examples")
-        labels = labels if labels is not None else [None] * len(input_ids)
-        targets = [ids if lab is None else lab for ids, lab in zip(input_ids, labels, strict=True)]
-        lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
-        return cls(
-            path=str(path),
-            tokens=np.concatenate(input_ids).astype(np.int32),
-            targets=np.concatenate(targets).astype(np.int32),
-            offsets=np.concatenate([[0], np.cumsum(lengths)]),
-            lines=None if lines is None else np.asarray(lines, dtype=np.int64),
-        )
-
-    @property
-    def num_examples(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """int64 ``[num_examples]``: tokens per example."""
-        return np.diff(self.offsets)
-
-    def example(self, i: int) -> np.ndarray:
-        """int32 ``[length_i]``: the tokens of example ``i``."""
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
-
-    def where(self, i: int) -> str:
-        """Example ``i`` as an error message names it: ``line N`` or ``record i``."""
-        return f"record {i}" if self.lines is None else f"line {int(self.lines[i])}"
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError naming file, record and id for a token or label ``>= vocab_size``."""
-        for name, values in (("token id", self.tokens), ("label", self.targets)):
-            bad = np.flatnonzero(values >= vocab_size)
-            if bad.size:
-                record = int(np.searchsorted(self.offsets, bad[0], side="right")) - 1
-                raise ValueError(
-                    f"{self.path}: {self.where(record)}: {name} {int(values[bad[0]])} is out of "
-                    f"range for {vocab_size=}"
-                )
-
-    def summary(self) -> dict[str, int]:
-        """Counts: examples, tokens, min/max example length, max token id."""
-        return {
-            "examples": self.num_examples,
-            "tokens": self.num_tokens,
-            "min_length": int(self.lengths.min()),
-            "max_length": int(self.lengths.max()),
-            "max_id": int(self.tokens.max()),
-        }
-
-    def rows(
-        self, seq_len: int, *, eos_id: int | None = None, mask_boundaries: bool = True
-    ) -> Rows:
-        """Packs the examples into rows of ``seq_len`` tokens with shifted labels.
-
-        Args:
-            seq_len: tokens per row.
-            eos_id: if given, appended after every example (as part of it) that does
-                not already end with it.
-            mask_boundaries: set labels that cross from one example into the next to -100.
-
-        Returns:
-            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens).
-        """
-        if seq_len < 1:
-            raise ValueError(f"{seq_len=} must be positive")
-        tokens, targets, docs = self._stream(eos_id)
-        num_rows = len(tokens) // seq_len
-        if num_rows == 0:
-            raise ValueError(f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}")
-        next_targets = np.append(targets[1:], np.int32(IGNORE_INDEX))
-        if mask_boundaries:
-            next_targets[:-1][docs[1:] != docs[:-1]] = IGNORE_INDEX
-        shape = (num_rows, seq_len)
-        used = num_rows * seq_len
-        row_docs = docs[:used].reshape(shape)
-        return Rows(
-            input_ids=tokens[:used].reshape(shape),
-            labels=next_targets[:used].reshape(shape),
-            segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
-        )
-
-    def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
-        ``eos_id`` goes after every example that does not already end with it."""
-        docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
-        if eos_id is None:
-            return self.tokens, self.targets, docs
-        if not 0 <= eos_id <= _MAX_ID:
-            raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
-        ends = self.offsets[1:]
-        need = self.tokens[ends - 1] != eos_id
-        ends, which = ends[need], np.flatnonzero(need).astype(np.int32)
-        return (
-            np.insert(self.tokens, ends, eos_id),
-            np.insert(self.targets, ends, eos_id),
-            np.insert(docs, ends, which),
-        )
-
-
-class Example(NamedTuple):
-    """One example as a reader yields it: ``number`` (the 1-based line of a ``.jsonl``
-    file, else the 0-based record index), int32 ``input_ids``, int32 ``labels`` or None
-    (the tokens themselves)."""
-
-    number: int
-    input_ids: np.ndarray
-    labels: np.ndarray | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Reader:
-    """One data format: ``read(path, parser)`` yields its :class:`Example` s in order;
-    ``by_line``: errors and :attr:`TokenDataset.lines` name lines, not record indices."""
-
-    read: Callable[[Path, RecordParser], Iterator[Example]]
-    by_line: bool = False
-
-
-def load_dataset(
-    path: str | Path, *, tokenizer: str | Path | None = None, vocab_size: int | None = None
-) -> TokenDataset:
-    """Loads a dataset of any format in :data:`READERS` into memory (see the module
-    docstring).
-
-    Args:
-        path: the data file (or ``save_to_disk`` directory).
-        tokenizer: ``tokenizer.json`` or a directory holding it, needed for ``"text"``.
-        vocab_size: if given, every token id and label must be below it.
-
-    Raises:
-        ValueError: malformed data, naming the file and record index; an empty dataset;
-            ids out of range; an unknown format; a missing optional package.
-    """
-    path = Path(path)
-    reader = READERS[data_format(path)]
-    parser = RecordParser(path, tokenizer)
-    examples = list(read_examples(path, parser))
-    if not examples:
-        raise ValueError(f"{path}: the dataset has no examples")
-    dataset = TokenDataset.from_examples(
-        str(path),
-        [e.input_ids for e in examples],
-        [e.labels for e in examples],
-        lines=[e.number for e in examples] if reader.by_line else None,
-    )
-    if vocab_size is not None:
-        dataset.check_vocab(vocab_size)
-    return dataset
-
-
-def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
-    """The examples of ``path`` in order, one at a time (its reader from :data:`READERS`)."""
-    path = Path(path)
-    suffix = data_format(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such data file")
-    if suffix != SAVED_DATASET and not path.is_file():
-        raise ValueError(f"{path}: not a file")
-    return READERS[suffix].read(path, parser)
-
-
-def records_reader(
-    read: Callable[[Path], Iterator[tuple[int, Any]]], by_line: bool = False
-) -> Callable[[Path, RecordParser], Iterator[Example]]:
-    """A reader from a function yielding ``(number, record)``: records are parsed (ids,
-    labels, or text tokenized, ``_CHUNK`` texts per ``encode_batch`` call) a chunk at a
-    time, so the file is never all in memory as Python objects."""
-    word = "line" if by_line else "record"
-
-    def parse_all(path: Path, parser: RecordParser) -> Iterator[Example]:
-        for chunk in itertools.batched(read(path), _CHUNK):
-            wheres = [f"{word} {number}" for number, _ in chunk]
-            texts = parser.tokenize_texts(wheres, [record for _, record in chunk])
-            for where, (number, record), ids in zip(wheres, chunk, texts, strict=True):
-                yield Example(number, *parser.parse(where, record, ids))
-
-    return parse_all
-
-
-_CHUNK = 512  # records parsed (and texts tokenized) together
-
-
-def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
-    try:
-        with open(path, "rb") as f:
-            data = pickle.load(f)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
-        raise ValueError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
-    if not isinstance(data, (list, tuple)):
-        raise ValueError(f"{path}: expected a pickled list of examples, got {type(data).__name__}")
-    return enumerate(data)
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(1-based line number, parsed object)`` for each non-blank line.
-
-    A generator, read line by line: the caller turns each record into int32 arrays
-    before the next is parsed, so the file's JSON (Python ints, ~9x the bytes of the
-    arrays) is never all in memory at once.
-    """
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: line {i}: not UTF-8 text ({e})") from None
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {i}: invalid JSON ({e})") from None
-
-
-def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
-    """The rows of an ``[N, L]`` array (or the one ``[L]`` stream), memory-mapped."""
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"{path}: not a readable .npy array of token ids ({e})") from None
-    if array.ndim == 1:
-        array = array[None]
-    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
-            f"{path}: expected an integer array [N, L] or [L], got {array.dtype} {array.shape}"
-        )
-    if array.size == 0:
-        raise ValueError(f"{path}: the dataset has no tokens, shape {array.shape}")
-    for record in range(array.shape[0]):
-        row = np.asarray(array[record])
-        for name, bad in (("negative", row < 0), ("above int32", row > _MAX_ID)):
-            if bad.any():
-                value = int(row[np.argmax(bad)])
-                raise ValueError(f"{path}: record {record}: {name} token id {value}")
-        yield Example(record, row.astype(np.int32), None)
-
-
-def _columns(path: Path, names: Sequence[str]) -> list[str]:
-    """The columns a table's records are read from: ``input_ids`` (+ ``labels``) or ``text``."""
-    if "input_ids" in names:
-        return ["input_ids"] + (["labels"] if "labels" in names else [])
-    if "text" in names:
-        return ["text"]
-    raise ValueError(f"{path}: expected a column 'input_ids' or 'text', got {list(names)}")
-
-
-def _table_records(batches: Iterator[dict[str, list]]) -> Iterator[tuple[int, Any]]:
-    """``(record index, {column: value})`` from column batches ``{column: [values]}``."""
-    index = 0
-    for batch in batches:
-        names = list(batch)
-        for values in zip(*(batch[n] for n in names), strict=True):
-            yield index, dict(zip(names, values, strict=True))
-            index += 1
-
-
-def _optional(module: str, path: Path, extra: str = "hf"):
-    """Imports an optional package, or names the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ValueError(
-            f"{path}: reading it needs the {module.split('.')[0]!r} package: "
-            f"pip install 'jflash[{extra}]'"
-        ) from None
-
-
-def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
-    pq = _optional("pyarrow.parquet", path)
-    try:
-        table = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow's errors vary: name the file
-        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
-    columns = _columns(path, table.schema_arrow.names)
-    batches = table.iter_batches(batch_size=1024, columns=columns)
-    yield from _table_records(b.to_pydict() for b in batches)
-
-
-def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
-    datasets = _optional("datasets", path)
-    try:
-        dataset = datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 - datasets' errors vary: name the directory
-        raise ValueError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
-    if not isinstance(dataset, datasets.Dataset):
-        splits = sorted(dataset)
-        raise ValueError(
-            f"{path}: holds the splits {splits}; pass one split's directory, e.g. "
-            f"{path / splits[0]}"
-        )
-    columns = _columns(path, dataset.column_names)
-    yield from _table_records(dataset.select_columns(columns).iter(batch_size=1024))
-
-
-SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
-# The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
-# A new format is one entry here (and its tests in tests/test_train_data.py).
-READERS: dict[str, Reader] = {
-    ".pkl": Reader(records_reader(_read_pkl)),
-    ".jsonl": Reader(records_reader(_read_jsonl, by_line=True), by_line=True),
-    ".npy": Reader(_read_npy),
-    ".parquet": Reader(records_reader(_read_parquet)),
-    SAVED_DATASET: Reader(records_reader(_read_saved_dataset)),
-}
-FORMATS = tuple(READERS)
-
-
-class RecordParser:
-    """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
-    ``tokenizer.json`` or its directory, loaded at the first ``"text"`` record."""
-
-    def __init__(self, path: Path, tokenizer: str | Path | None):
-        self.path = path
-        self.tokenizer = tokenizer
-        self._tokenizer = None
-
-    @property
-    def used_tokenizer(self) -> bool:
-        """Whether any record was text (so the tokenizer shaped the tokens)."""
-        return self._tokenizer is not None
-
-    def parse(
-        self, where: str, record: Any, text_ids: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(input_ids, labels or None)``; ``text_ids``: the record's text, tokenized."""
-        if not isinstance(record, dict):
-            return self._ids(where, "input_ids", record), None
-        if "input_ids" in record:
-            ids = self._ids(where, "input_ids", record["input_ids"])
-            labels = record.get("labels")
-            return ids, None if labels is None else self._labels(where, labels, len(ids))
-        if "text" in record:
-            if text_ids is None:
-                text_ids = self.tokenize_texts([where], [record])[0]
-            return text_ids, None
-        raise ValueError(
-            f"{self.path}: {where}: expected key 'input_ids' or 'text', got {sorted(record)}"
-        )
-
-    def tokenize_texts(
-        self, wheres: Sequence[str], records: Sequence[Any]
-    ) -> list[np.ndarray | None]:
-        """The token ids of each text record (one ``encode_batch`` call), None for the
-        others; ValueError naming the first text that is not a str or gives no tokens."""
-        texts = [
-            (i, r["text"])
-            for i, r in enumerate(records)
-            if isinstance(r, dict) and "input_ids" not in r and "text" in r
-        ]
-        out: list[np.ndarray | None] = [None] * len(records)
-        if not texts:
-            return out
-        for i, text in texts:
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{self.path}: {wheres[i]}: 'text' must be a str, got {type(text)}"
-                )
-        tokenizer = self._get_tokenizer(wheres[texts[0][0]])
-        encodings = tokenizer.encode_batch([text for _, text in texts])
-        for (i, _), encoding in zip(texts, encodings, strict=True):
-            if not encoding.ids:
-                raise ValueError(f"{self.path}: {wheres[i]}: 'text' tokenizes to no tokens")
-            out[i] = np.asarray(encoding.ids, dtype=np.int32)
-        return out
-
-    def _ids(self, where: str, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
-        prefix = f"{self.path}: {where}: {key!r}"
-        if isinstance(value, (str, bytes, dict)) or np.isscalar(value):
-            raise ValueError(f"{prefix} must be a list of ints, got {type(value).__name__}")
-        try:
-            array = np.asarray(value)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{prefix} must be a list of ints ({e})") from None
-        if array.ndim != 1 or array.size == 0:
-            raise ValueError(f"{prefix} must be a non-empty 1-D list of ints, shape {array.shape}")
-        if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"{prefix} must be a list of ints, got elements of {array.dtype}")
-        ignored = (array == IGNORE_INDEX) if allow_ignore else np.zeros(array.shape, bool)
-        for problem, bad in (
-            ("is negative", (array < 0) & ~ignored),
-            ("exceeds int32", array > _MAX_ID),
-        ):
-            if bad.any():
-                pos = int(np.argmax(bad))
-                raise ValueError(f"{prefix}: id {int(array[pos])} at position {pos} {problem}")
-        return array.astype(np.int32)
-
-    def _labels(self, where: str, value: Any, length: int) -> np.ndarray:
-        labels = self._ids(where, "labels", value, allow_ignore=True)
-        if len(labels) != length:
-            raise ValueError(
-                f"{self.path}: {where}: 'labels' has {len(labels)} entries, "
-                f"'input_ids' has {length}"
-            )
-        return labels
-
-    def _get_tokenizer(self, where: str):
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(
-                self.tokenizer, f"{self.path}: {where}: has 'text' but"
-            )
-        return self._tokenizer
-
-
-def tokenizer_file(tokenizer: str | Path) -> Path:
-    """The ``tokenizer.json`` that ``tokenizer`` names: the file, or the one in the directory."""
-    path = Path(tokenizer)
-    return path / "tokenizer.json" if path.is_dir() else path
-
-
-def load_tokenizer(tokenizer: str | Path | None, where: str = "text data needs a tokenizer;"):
-    """``tokenizers.Tokenizer`` from a ``tokenizer.json`` or its directory, with clear errors
-    (``where`` starts each message)."""
-    if tokenizer is None:
-        raise ValueError(
-            f"{where} no tokenizer was given; pass --tokenizer_name_or_path (a "
-            "tokenizer.json or its directory) or a model directory that holds tokenizer.json"
-        )
-    file = tokenizer_file(tokenizer)
-    if not file.is_file():
-        raise ValueError(f"{where} {file} does not exist")
-    try:
-        import tokenizers
-    except ImportError:
-        raise ValueError(
-            f"{where} the 'tokenizers' package is missing (pip install 'jflash[text]' or "
-            "tokenizers); or pre-tokenize the data into 'input_ids'"
-        ) from None
-    try:
-        return tokenizers.Tokenizer.from_file(str(file))
-    except Exception as e:  # noqa: BLE001 - the Rust library's errors: name the file
-        raise ValueError(f"{where} {file} is not a readable tokenizer ({e})") from None
-
-
-END_OF_TEXT = "<|endoftext|>"
-
-
-def train_tokenizer(
-    files: Sequence[str | Path], out: str | Path, *, vocab_size: int = 4096
-) -> Path:
-    """Trains a byte-level BPE (the ``tokenizers`` package, GPT-2's scheme) on text files
-    (each file one document; a ``.jsonl`` file's records' ``"text"``, in order) and
-    writes ``out/tokenizer.json`` with a ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
-    Deterministic for the same files in the same order."""
-    if vocab_size < 257:
-        raise ValueError(f"--vocab-size={vocab_size} must be at least 257 (256 bytes + EOS)")
-    missing = [str(f) for f in files if not Path(f).is_file()]
-    if missing:
-        raise ValueError(f"no such text files: {missing}")
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    except ImportError:
-        raise ValueError(
-            "training a tokenizer needs the 'tokenizers' package: pip install 'jflash[text]'"
-        ) from None
-
-    def texts() -> Iterator[str]:
-        for f in files:
-            if Path(f).suffix.lower() == ".jsonl":
-                for _, record in _read_jsonl(Path(f)):
-                    if isinstance(record, dict) and isinstance(record.get("text"), str):
-                        yield record["text"]
-            else:
-                yield Path(f).read_text(encoding="utf-8", errors="replace")
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts(), trainer)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out / "tokenizer.json"))
-    special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-    return out / "tokenizer.json"
-
-
-def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
-    """The id of the tokenizer's ``eos_token`` (named in ``tokenizer_config.json`` or
-    ``special_tokens_map.json`` beside its ``tokenizer.json``); None where none is named.
-    Reads the JSON files only (no ``tokenizers`` package needed)."""
-    return special_token_ids(tokenizer_file(tokenizer)).get("eos_token")
-
+from train import data_cache
+from train.dataset import Rows, load_dataset
+from train.readers import read_jsonl, tokenizer_file
 
 # ---------------------------------------------------------------------------------------
 # Batches
@@ -768,7 +170,7 @@ class Batches:
 
 
 # ---------------------------------------------------------------------------------------
-# Sample data and the CLI
+# Sample data and writing datasets
 # ---------------------------------------------------------------------------------------
 
 
@@ -814,22 +216,6 @@ def markov_samples(
     return state_ids[states]
 
 
-def data_format(path: str | Path) -> str:
-    """The key of ``path``'s reader in :data:`READERS`: a directory's is ``save_to_disk``,
-    a file's its lower-case extension; ValueError for an extension no reader has."""
-    path = Path(path)
-    if path.is_dir():
-        return SAVED_DATASET
-    suffix = path.suffix.lower()
-    if suffix not in READERS:
-        known = ", ".join(k for k in READERS if k != SAVED_DATASET)
-        raise ValueError(
-            f"{path}: unknown data format {suffix!r}; expected a file ending in {known}, a "
-            "directory saved with datasets' save_to_disk, or a token cache directory"
-        )
-    return suffix
-
-
 def _write_pkl(path: Path, examples) -> None:
     with open(path, "wb") as f:
         pickle.dump([{"input_ids": np.asarray(e).tolist()} for e in examples], f)
@@ -867,11 +253,84 @@ def writer_of(path: str | Path) -> Callable[[Path, Any], None]:
     return WRITERS[suffix]
 
 
+# ---------------------------------------------------------------------------------------
+# Tokenizer training
+# ---------------------------------------------------------------------------------------
+
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def train_tokenizer(
+    files: Sequence[str | Path], out: str | Path, *, vocab_size: int = 4096
+) -> Path:
+    """Trains a byte-level BPE (the ``tokenizers`` package, GPT-2's scheme) on text files
+    (each file one document; a ``.jsonl`` file's records' ``"text"``, in order) and
+    writes ``out/tokenizer.json`` with a ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
+    Deterministic for the same files in the same order."""
+    if vocab_size < 257:
+        raise ValueError(f"--vocab-size={vocab_size} must be at least 257 (256 bytes + EOS)")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise ValueError(f"no such text files: {missing}")
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        raise ValueError(
+            "training a tokenizer needs the 'tokenizers' package: pip install 'jflash[text]'"
+        ) from None
+
+    def texts() -> Iterator[str]:
+        for f in files:
+            if Path(f).suffix.lower() == ".jsonl":
+                for _, record in read_jsonl(Path(f)):
+                    if isinstance(record, dict) and isinstance(record.get("text"), str):
+                        yield record["text"]
+            else:
+                yield Path(f).read_text(encoding="utf-8", errors="replace")
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return out / "tokenizer.json"
+
+
+def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
+    """The id of the tokenizer's ``eos_token`` (named in ``tokenizer_config.json`` or
+    ``special_tokens_map.json`` beside its ``tokenizer.json``); None where none is named.
+    Reads the JSON files only (no ``tokenizers`` package needed)."""
+    return special_token_ids(tokenizer_file(tokenizer)).get("eos_token")
+
+
+# ---------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------
+
+
+# The command line's description: the data pipeline, file to batch.
+DESCRIPTION = (
+    "Training data: read examples (a table of formats), pack rows, shuffle resumable batches."
+)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m train.data sample | inspect | cache | tokenizer``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m train.data", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m train.data", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="write learnable Markov-chain sample data")
     sample.add_argument("--out", required=True, help="output file: .pkl, .jsonl or .npy")
@@ -917,8 +376,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _command(args: argparse.Namespace) -> None:
-    from train import data_cache
-
     if args.command == "sample":
         writer_of(args.out)  # before making the samples
         examples = markov_samples(

@@ -4,7 +4,7 @@ A cache is a directory:
 
 - ``tokens.bin``: uint32, every document's tokens back to back, each document followed
   by ``eos_id`` when one is given and it does not already end with it (the stream of
-  :meth:`train.data.TokenDataset.rows`, EOS included);
+  :meth:`train.dataset.TokenDataset.rows`, EOS included);
 - ``labels.bin``: int32, the same length, only where some record carries ``"labels"``
   (``-100`` = ignored; the appended EOS is its own label);
 - ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
@@ -33,15 +33,8 @@ from typing import Any
 import numpy as np
 
 from models.loss import IGNORE_INDEX
-from train.data import (
-    READERS,
-    RecordParser,
-    Rows,
-    data_format,
-    load_dataset,
-    read_examples,
-    tokenizer_file,
-)
+from train.dataset import Rows, load_dataset
+from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
 
 FORMAT = "jflash-token-cache"
 VERSION = 1
@@ -189,7 +182,7 @@ class CachedRows:
 
     Row ``r`` is stream positions ``[r * seq_len, (r + 1) * seq_len)``; its labels read
     one position further (``-100`` past the stream's end, and across a document
-    boundary with ``mask_boundaries``). Quacks like :class:`train.data.Rows` for
+    boundary with ``mask_boundaries``). Quacks like :class:`train.dataset.Rows` for
     :class:`train.data.Batches`: ``num_rows``, ``seq_len``, ``take``.
     """
 
@@ -287,12 +280,12 @@ def build_cache(
     eos_id: int | None = None,
     vocab_size: int | None = None,
 ) -> TokenCache:
-    """Tokenizes ``source`` (any format of :data:`train.data.READERS`) into a cache at
+    """Tokenizes ``source`` (any format of :data:`train.readers.READERS`) into a cache at
     ``cache_dir``, one record at a time, written under a temporary name and renamed into
     place when complete (replacing an older cache there only then).
 
     Raises:
-        ValueError: as :func:`train.data.load_dataset` for bad data (nothing is left
+        ValueError: as :func:`train.dataset.load_dataset` for bad data (nothing is left
             under ``cache_dir``); ``cache_dir`` exists and is neither a cache nor empty.
     """
     source, cache_dir = Path(source), Path(cache_dir)

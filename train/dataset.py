@@ -1,0 +1,228 @@
+"""In-memory token datasets: a data file's examples, loaded whole and packed into rows.
+
+:func:`load_dataset` reads any format of :data:`train.readers.READERS` into a
+:class:`TokenDataset`; a token cache (:mod:`train.data_cache`) holds the same examples
+tokenized once, for datasets that should not be loaded whole into memory.
+
+Row scheme (:meth:`TokenDataset.rows`): all examples are concatenated, in file order,
+into one token stream (each followed by ``eos_id`` when one is given) and the stream is
+cut into consecutive, non-overlapping rows of ``seq_len`` tokens; the tail that does not
+fill a row is dropped. ``labels[t]`` is the label of the stream token *after*
+``input_ids[t]``: already shifted, so ``labels[t]`` is the target of ``logits[t]``
+(``models.loss`` convention). The last row's last label looks past the stream and is
+``-100``. With ``mask_boundaries=True`` (default) a label whose token belongs to a
+different example than ``input_ids[t]`` is ``-100``: nothing is learned across unrelated
+documents, including at row ends when examples are exactly ``seq_len`` long. An
+``eos_id`` separator belongs to the example before it, so predicting EOS is learned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from models.loss import IGNORE_INDEX
+from train.readers import READERS, RecordParser, data_format, read_examples
+
+_MAX_ID = np.iinfo(np.int32).max
+
+
+class Rows(NamedTuple):
+    """Fixed-length training rows (see the module docstring for the scheme).
+
+    Attributes:
+        input_ids: int32 ``[num_rows, seq_len]``.
+        labels: int32 ``[num_rows, seq_len]``; ``labels[r, t]`` is the target of
+            ``input_ids[r, t]``'s logits, ``-100`` where ignored.
+        segment_ids: int32 ``[num_rows, seq_len]``; which example each token comes from,
+            numbered from 0 within the row (for document-masked attention).
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    segment_ids: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def take(self, ids: np.ndarray) -> Rows:
+        """The rows ``ids`` (an int array), contiguous copies. :class:`Batches` and the
+        evaluation read rows only through ``take``, ``num_rows`` and ``seq_len``, so a
+        token cache's rows (``train.data_cache.CachedRows``) computed on demand serve too."""
+        return Rows(*(np.ascontiguousarray(a[ids]) for a in self))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDataset:
+    """Examples of token ids, stored concatenated.
+
+    Attributes:
+        path: where the data came from (for error messages).
+        tokens: int32 ``[num_tokens]``, all examples back to back.
+        targets: int32 ``[num_tokens]``, the unshifted per-token labels: the token itself,
+            or the example's ``"labels"`` (``-100`` = ignored).
+        offsets: int64 ``[num_examples + 1]``; example ``i`` is
+            ``tokens[offsets[i]:offsets[i + 1]]``.
+        lines: int64 ``[num_examples]``, the 1-based line of each example in a
+            ``.jsonl`` file (for error messages); None: examples are named by index.
+    """
+
+    path: str
+    tokens: np.ndarray
+    targets: np.ndarray
+    offsets: np.ndarray
+    lines: np.ndarray | None = None
+
+    @classmethod
+    def from_examples(
+        cls,
+        path: str,
+        input_ids: Sequence[np.ndarray],
+        labels: Sequence[np.ndarray | None] | None = None,
+        lines: Sequence[int] | None = None,
+    ) -> TokenDataset:
+        """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens;
+        ``lines``: each example's 1-based line in a ``.jsonl`` file)."""
+        if not input_ids:
+            raise ValueError(f"{path}: the dataset has no examples")
+        labels = labels if labels is not None else [None] * len(input_ids)
+        targets = [ids if lab is None else lab for ids, lab in zip(input_ids, labels, strict=True)]
+        lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
+        return cls(
+            path=str(path),
+            tokens=np.concatenate(input_ids).astype(np.int32),
+            targets=np.concatenate(targets).astype(np.int32),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]),
+            lines=None if lines is None else np.asarray(lines, dtype=np.int64),
+        )
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[num_examples]``: tokens per example."""
+        return np.diff(self.offsets)
+
+    def example(self, i: int) -> np.ndarray:
+        """int32 ``[length_i]``: the tokens of example ``i``."""
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def where(self, i: int) -> str:
+        """Example ``i`` as an error message names it: ``line N`` or ``record i``."""
+        return f"record {i}" if self.lines is None else f"line {int(self.lines[i])}"
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError naming file, record and id for a token or label ``>= vocab_size``."""
+        for name, values in (("token id", self.tokens), ("label", self.targets)):
+            bad = np.flatnonzero(values >= vocab_size)
+            if bad.size:
+                record = int(np.searchsorted(self.offsets, bad[0], side="right")) - 1
+                raise ValueError(
+                    f"{self.path}: {self.where(record)}: {name} {int(values[bad[0]])} is out of "
+                    f"range for {vocab_size=}"
+                )
+
+    def summary(self) -> dict[str, int]:
+        """Counts: examples, tokens, min/max example length, max token id."""
+        return {
+            "examples": self.num_examples,
+            "tokens": self.num_tokens,
+            "min_length": int(self.lengths.min()),
+            "max_length": int(self.lengths.max()),
+            "max_id": int(self.tokens.max()),
+        }
+
+    def rows(
+        self, seq_len: int, *, eos_id: int | None = None, mask_boundaries: bool = True
+    ) -> Rows:
+        """Packs the examples into rows of ``seq_len`` tokens with shifted labels.
+
+        Args:
+            seq_len: tokens per row.
+            eos_id: if given, appended after every example (as part of it) that does
+                not already end with it.
+            mask_boundaries: set labels that cross from one example into the next to -100.
+
+        Returns:
+            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens).
+        """
+        if seq_len < 1:
+            raise ValueError(f"{seq_len=} must be positive")
+        tokens, targets, docs = self._stream(eos_id)
+        num_rows = len(tokens) // seq_len
+        if num_rows == 0:
+            raise ValueError(f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}")
+        next_targets = np.append(targets[1:], np.int32(IGNORE_INDEX))
+        if mask_boundaries:
+            next_targets[:-1][docs[1:] != docs[:-1]] = IGNORE_INDEX
+        shape = (num_rows, seq_len)
+        used = num_rows * seq_len
+        row_docs = docs[:used].reshape(shape)
+        return Rows(
+            input_ids=tokens[:used].reshape(shape),
+            labels=next_targets[:used].reshape(shape),
+            segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
+        )
+
+    def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
+        ``eos_id`` goes after every example that does not already end with it."""
+        docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
+        if eos_id is None:
+            return self.tokens, self.targets, docs
+        if not 0 <= eos_id <= _MAX_ID:
+            raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
+        ends = self.offsets[1:]
+        need = self.tokens[ends - 1] != eos_id
+        ends, which = ends[need], np.flatnonzero(need).astype(np.int32)
+        return (
+            np.insert(self.tokens, ends, eos_id),
+            np.insert(self.targets, ends, eos_id),
+            np.insert(docs, ends, which),
+        )
+
+
+def load_dataset(
+    path: str | Path, *, tokenizer: str | Path | None = None, vocab_size: int | None = None
+) -> TokenDataset:
+    """Loads a dataset of any format in :data:`train.readers.READERS` into memory.
+
+    Args:
+        path: the data file (or ``save_to_disk`` directory).
+        tokenizer: ``tokenizer.json`` or a directory holding it, needed for ``"text"``.
+        vocab_size: if given, every token id and label must be below it.
+
+    Raises:
+        ValueError: malformed data, naming the file and record index; an empty dataset;
+            ids out of range; an unknown format; a missing optional package.
+    """
+    path = Path(path)
+    reader = READERS[data_format(path)]
+    parser = RecordParser(path, tokenizer)
+    examples = list(read_examples(path, parser))
+    if not examples:
+        raise ValueError(f"{path}: the dataset has no examples")
+    dataset = TokenDataset.from_examples(
+        str(path),
+        [e.input_ids for e in examples],
+        [e.labels for e in examples],
+        lines=[e.number for e in examples] if reader.by_line else None,
+    )
+    if vocab_size is not None:
+        dataset.check_vocab(vocab_size)
+    return dataset

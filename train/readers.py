@@ -1,0 +1,365 @@
+"""Data file readers: a table of formats, each turning a file into examples of token ids.
+
+Formats (chosen by extension, one entry each in :data:`READERS`):
+
+- ``.pkl``: a pickled list of examples (the ``data.pkl`` of PyTorch + LightSeq training
+  scripts). Each example is a list / 1-D array of token ids, a dict with
+  ``"input_ids"`` (and optional ``"labels"``), or a dict with ``"text"``. Unpickling
+  runs code: load trusted files only.
+- ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
+  or ``{"text": "..."}``. Blank lines are skipped; errors name the 1-based line number
+  (blank lines counted, as an editor shows it). Other formats' errors name the 0-based
+  index of the record.
+- ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
+  memory-mapped while it is read.
+- ``.parquet``: a column ``input_ids`` (optional ``labels``) or ``text`` (``pyarrow``,
+  from the ``hf`` extra), read a batch of rows at a time.
+- a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
+  ``save_to_disk``), with the same columns (the ``hf`` extra).
+
+``"labels"`` follow the HuggingFace convention: aligned with ``input_ids`` (the model
+shifts), ``-100`` = ignored. ``"text"`` is tokenized with a ``tokenizer.json`` (the file,
+or the directory holding it, e.g. the model's; the ``tokenizers`` package, imported only
+when text is present).
+
+:func:`read_examples` yields a file's examples one at a time; the in-memory dataset
+(:func:`train.dataset.load_dataset`) and the token cache (:mod:`train.data_cache`) both
+read every format through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import json
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from models.loss import IGNORE_INDEX
+
+_MAX_ID = np.iinfo(np.int32).max
+
+
+class Example(NamedTuple):
+    """One example as a reader yields it: ``number`` (the 1-based line of a ``.jsonl``
+    file, else the 0-based record index), int32 ``input_ids``, int32 ``labels`` or None
+    (the tokens themselves)."""
+
+    number: int
+    input_ids: np.ndarray
+    labels: np.ndarray | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """One data format: ``read(path, parser)`` yields its :class:`Example` s in order;
+    ``by_line``: errors and :attr:`train.dataset.TokenDataset.lines` name lines, not
+    record indices."""
+
+    read: Callable[[Path, RecordParser], Iterator[Example]]
+    by_line: bool = False
+
+
+def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
+    """The examples of ``path`` in order, one at a time (its reader from :data:`READERS`)."""
+    path = Path(path)
+    suffix = data_format(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such data file")
+    if suffix != SAVED_DATASET and not path.is_file():
+        raise ValueError(f"{path}: not a file")
+    return READERS[suffix].read(path, parser)
+
+
+def records_reader(
+    read: Callable[[Path], Iterator[tuple[int, Any]]], by_line: bool = False
+) -> Callable[[Path, RecordParser], Iterator[Example]]:
+    """A reader from a function yielding ``(number, record)``: records are parsed (ids,
+    labels, or text tokenized, ``_CHUNK`` texts per ``encode_batch`` call) a chunk at a
+    time, so the file is never all in memory as Python objects."""
+    word = "line" if by_line else "record"
+
+    def parse_all(path: Path, parser: RecordParser) -> Iterator[Example]:
+        for chunk in itertools.batched(read(path), _CHUNK):
+            wheres = [f"{word} {number}" for number, _ in chunk]
+            texts = parser.tokenize_texts(wheres, [record for _, record in chunk])
+            for where, (number, record), ids in zip(wheres, chunk, texts, strict=True):
+                yield Example(number, *parser.parse(where, record, ids))
+
+    return parse_all
+
+
+_CHUNK = 512  # records parsed (and texts tokenized) together
+
+
+def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        with open(path, "rb") as f:
+            data = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
+        raise ValueError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
+    if not isinstance(data, (list, tuple)):
+        raise ValueError(f"{path}: expected a pickled list of examples, got {type(data).__name__}")
+    return enumerate(data)
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(1-based line number, parsed object)`` for each non-blank line.
+
+    A generator, read line by line: the caller turns each record into int32 arrays
+    before the next is parsed, so the file's JSON (Python ints, ~9x the bytes of the
+    arrays) is never all in memory at once.
+    """
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: line {i}: not UTF-8 text ({e})") from None
+            if not line.strip():
+                continue
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {i}: invalid JSON ({e})") from None
+
+
+def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
+    """The rows of an ``[N, L]`` array (or the one ``[L]`` stream), memory-mapped."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{path}: not a readable .npy array of token ids ({e})") from None
+    if array.ndim == 1:
+        array = array[None]
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"{path}: expected an integer array [N, L] or [L], got {array.dtype} {array.shape}"
+        )
+    if array.size == 0:
+        raise ValueError(f"{path}: the dataset has no tokens, shape {array.shape}")
+    for record in range(array.shape[0]):
+        row = np.asarray(array[record])
+        for name, bad in (("negative", row < 0), ("above int32", row > _MAX_ID)):
+            if bad.any():
+                value = int(row[np.argmax(bad)])
+                raise ValueError(f"{path}: record {record}: {name} token id {value}")
+        yield Example(record, row.astype(np.int32), None)
+
+
+def _columns(path: Path, names: Sequence[str]) -> list[str]:
+    """The columns a table's records are read from: ``input_ids`` (+ ``labels``) or ``text``."""
+    if "input_ids" in names:
+        return ["input_ids"] + (["labels"] if "labels" in names else [])
+    if "text" in names:
+        return ["text"]
+    raise ValueError(f"{path}: expected a column 'input_ids' or 'text', got {list(names)}")
+
+
+def _table_records(batches: Iterator[dict[str, list]]) -> Iterator[tuple[int, Any]]:
+    """``(record index, {column: value})`` from column batches ``{column: [values]}``."""
+    index = 0
+    for batch in batches:
+        names = list(batch)
+        for values in zip(*(batch[n] for n in names), strict=True):
+            yield index, dict(zip(names, values, strict=True))
+            index += 1
+
+
+def _optional(module: str, path: Path, extra: str = "hf"):
+    """Imports an optional package, or names the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading it needs the {module.split('.')[0]!r} package: "
+            f"pip install 'jflash[{extra}]'"
+        ) from None
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
+    pq = _optional("pyarrow.parquet", path)
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors vary: name the file
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+    columns = _columns(path, table.schema_arrow.names)
+    batches = table.iter_batches(batch_size=1024, columns=columns)
+    yield from _table_records(b.to_pydict() for b in batches)
+
+
+def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
+    datasets = _optional("datasets", path)
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets' errors vary: name the directory
+        raise ValueError(f"{path}: not a dataset saved with save_to_disk ({e})") from None
+    if not isinstance(dataset, datasets.Dataset):
+        splits = sorted(dataset)
+        raise ValueError(
+            f"{path}: holds the splits {splits}; pass one split's directory, e.g. "
+            f"{path / splits[0]}"
+        )
+    columns = _columns(path, dataset.column_names)
+    yield from _table_records(dataset.select_columns(columns).iter(batch_size=1024))
+
+
+SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
+# The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
+# A new format is one entry here (and its tests in tests/test_train_data.py).
+READERS: dict[str, Reader] = {
+    ".pkl": Reader(records_reader(_read_pkl)),
+    ".jsonl": Reader(records_reader(read_jsonl, by_line=True), by_line=True),
+    ".npy": Reader(_read_npy),
+    ".parquet": Reader(records_reader(_read_parquet)),
+    SAVED_DATASET: Reader(records_reader(_read_saved_dataset)),
+}
+FORMATS = tuple(READERS)
+
+
+def data_format(path: str | Path) -> str:
+    """The key of ``path``'s reader in :data:`READERS`: a directory's is ``save_to_disk``,
+    a file's its lower-case extension; ValueError for an extension no reader has."""
+    path = Path(path)
+    if path.is_dir():
+        return SAVED_DATASET
+    suffix = path.suffix.lower()
+    if suffix not in READERS:
+        known = ", ".join(k for k in READERS if k != SAVED_DATASET)
+        raise ValueError(
+            f"{path}: unknown data format {suffix!r}; expected a file ending in {known}, a "
+            "directory saved with datasets' save_to_disk, or a token cache directory"
+        )
+    return suffix
+
+
+class RecordParser:
+    """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
+    ``tokenizer.json`` or its directory, loaded at the first ``"text"`` record."""
+
+    def __init__(self, path: Path, tokenizer: str | Path | None):
+        self.path = path
+        self.tokenizer = tokenizer
+        self._tokenizer = None
+
+    @property
+    def used_tokenizer(self) -> bool:
+        """Whether any record was text (so the tokenizer shaped the tokens)."""
+        return self._tokenizer is not None
+
+    def parse(
+        self, where: str, record: Any, text_ids: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(input_ids, labels or None)``; ``text_ids``: the record's text, tokenized."""
+        if not isinstance(record, dict):
+            return self._ids(where, "input_ids", record), None
+        if "input_ids" in record:
+            ids = self._ids(where, "input_ids", record["input_ids"])
+            labels = record.get("labels")
+            return ids, None if labels is None else self._labels(where, labels, len(ids))
+        if "text" in record:
+            if text_ids is None:
+                text_ids = self.tokenize_texts([where], [record])[0]
+            return text_ids, None
+        raise ValueError(
+            f"{self.path}: {where}: expected key 'input_ids' or 'text', got {sorted(record)}"
+        )
+
+    def tokenize_texts(
+        self, wheres: Sequence[str], records: Sequence[Any]
+    ) -> list[np.ndarray | None]:
+        """The token ids of each text record (one ``encode_batch`` call), None for the
+        others; ValueError naming the first text that is not a str or gives no tokens."""
+        texts = [
+            (i, r["text"])
+            for i, r in enumerate(records)
+            if isinstance(r, dict) and "input_ids" not in r and "text" in r
+        ]
+        out: list[np.ndarray | None] = [None] * len(records)
+        if not texts:
+            return out
+        for i, text in texts:
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{self.path}: {wheres[i]}: 'text' must be a str, got {type(text)}"
+                )
+        tokenizer = self._get_tokenizer(wheres[texts[0][0]])
+        encodings = tokenizer.encode_batch([text for _, text in texts])
+        for (i, _), encoding in zip(texts, encodings, strict=True):
+            if not encoding.ids:
+                raise ValueError(f"{self.path}: {wheres[i]}: 'text' tokenizes to no tokens")
+            out[i] = np.asarray(encoding.ids, dtype=np.int32)
+        return out
+
+    def _ids(self, where: str, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
+        prefix = f"{self.path}: {where}: {key!r}"
+        if isinstance(value, (str, bytes, dict)) or np.isscalar(value):
+            raise ValueError(f"{prefix} must be a list of ints, got {type(value).__name__}")
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{prefix} must be a list of ints ({e})") from None
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(f"{prefix} must be a non-empty 1-D list of ints, shape {array.shape}")
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{prefix} must be a list of ints, got elements of {array.dtype}")
+        ignored = (array == IGNORE_INDEX) if allow_ignore else np.zeros(array.shape, bool)
+        for problem, bad in (
+            ("is negative", (array < 0) & ~ignored),
+            ("exceeds int32", array > _MAX_ID),
+        ):
+            if bad.any():
+                pos = int(np.argmax(bad))
+                raise ValueError(f"{prefix}: id {int(array[pos])} at position {pos} {problem}")
+        return array.astype(np.int32)
+
+    def _labels(self, where: str, value: Any, length: int) -> np.ndarray:
+        labels = self._ids(where, "labels", value, allow_ignore=True)
+        if len(labels) != length:
+            raise ValueError(
+                f"{self.path}: {where}: 'labels' has {len(labels)} entries, "
+                f"'input_ids' has {length}"
+            )
+        return labels
+
+    def _get_tokenizer(self, where: str):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(
+                self.tokenizer, f"{self.path}: {where}: has 'text' but"
+            )
+        return self._tokenizer
+
+
+def tokenizer_file(tokenizer: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``tokenizer`` names: the file, or the one in the directory."""
+    path = Path(tokenizer)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def load_tokenizer(tokenizer: str | Path | None, where: str = "text data needs a tokenizer;"):
+    """``tokenizers.Tokenizer`` from a ``tokenizer.json`` or its directory, with clear errors
+    (``where`` starts each message)."""
+    if tokenizer is None:
+        raise ValueError(
+            f"{where} no tokenizer was given; pass --tokenizer_name_or_path (a "
+            "tokenizer.json or its directory) or a model directory that holds tokenizer.json"
+        )
+    file = tokenizer_file(tokenizer)
+    if not file.is_file():
+        raise ValueError(f"{where} {file} does not exist")
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError(
+            f"{where} the 'tokenizers' package is missing (pip install 'jflash[text]' or "
+            "tokenizers); or pre-tokenize the data into 'input_ids'"
+        ) from None
+    try:
+        return tokenizers.Tokenizer.from_file(str(file))
+    except Exception as e:  # noqa: BLE001 - the Rust library's errors: name the file
+        raise ValueError(f"{where} {file} is not a readable tokenizer ({e})") from None
