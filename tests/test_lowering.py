@@ -13,7 +13,7 @@ from jax._src import mesh as mesh_lib
 
 import jflash
 import jflash._dispatch as dispatch
-from jflash._mosaic_bwd import fuses_dq
+from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS
 
 _H100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
@@ -103,7 +103,7 @@ def test_mosaic_lowers_for_cuda(
         assert name in text, f"{name} missing from the CUDA lowering"
     # The fused backward (D=64) adds dQ with TMA reduce-adds into an aliased f32 buffer;
     # the two-kernel one (deterministic, or D=128) runs the dQ kernel instead.
-    fused = fuses_dq(head_dim, deterministic)
+    fused = not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
     assert ("jflash_mosaic_dq" in text) != fused
     assert ("cp.reduce.async.bulk.tensor" in text) == fused
 
