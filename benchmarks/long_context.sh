@@ -12,20 +12,22 @@
 #   capacity  python -m train.tools.capacity, 1B and 8B, each remat policy in
 #             CAP_POLICIES with the tiled MLP and --optimizer-offload (doubling only)
 #   train1b   1B at LEN_1B tokens (512k), the knobs on (KNOBS_ON), STEPS_1B steps
-#   train8b   the 8B shape (random init) at LEN_8B tokens (128k), STEPS_8B steps
-#   onoff     1B at LEN_MID tokens (256k): KNOBS_ON against KNOBS_OFF, tokens/s each
+#   train8b   the 8B shape (random init) at LEN_8B tokens (128k), KNOBS_8B (offload_full:
+#             offload_attn's residuals and the 8B's AdamW state outgrow 112 GB of host)
+#   onoff     1B at LEN_MID tokens (128k, where the knobs-off step also fits one H200):
+#             KNOBS_MID (every knob on, MLP tiles forced) against KNOBS_OFF, tokens/s each
 #
 # Results go to $OUT (default benchmarks/results/long_context): long_context.log (every
 # line printed), summary.md (the table printed at the end), steps.tsv (one line per
-# step: part, name, status, exit code, seconds, limit), capacity.json (every capacity
-# run). Scratch (train output dirs) goes to $WORK (default /tmp/jflash-long-context).
+# step: part, name, status, exit code, seconds, limit), runs.jsonl (every training run's
+# log.jsonl records, with the run's name), capacity.json (every capacity run). Scratch (train output dirs) goes to $WORK (default /tmp/jflash-long-context).
 #
 # Each step runs under `timeout`: min(its cap, what is left of BUDGET minus the minimum
 # that the later steps need); a step without its minimum left is skipped and recorded.
 # Estimates for one H200 (model FLOPs at ~400 TFLOP/s, causal attention dominating):
-# 1B at 512k ~140 s a step, at 256k ~40 s; the 8B at 128k ~50 s; a capacity probe is one
-# compile (~10-30 s). The first step of a run is compilation (not timed), so tokens/s
-# needs 2 steps. The whole default run fits 9 minutes only with the short caps below; a
+# 1B at 512k ~150 s a step, at 256k ~40 s, at 128k ~11 s; the 8B at 128k ~55 s after
+# ~2 minutes of start-up and compilation; a capacity probe is one compile (~10-30 s).
+# The first step of a run is compilation (not timed), so tokens/s needs 2 steps. The whole default run fits 9 minutes only with the short caps below; a
 # longer look runs one part per call (e.g. `bash benchmarks/long_context.sh train1b`).
 #
 # Every size is a variable, so the pipeline dry-runs on CPU with the tiny preset:
@@ -39,7 +41,7 @@ MODEL_1B=${MODEL_1B:-llama3.2-1b}
 MODEL_8B=${MODEL_8B:-llama3.1-8b}
 LEN_1B=${LEN_1B:-524288}
 LEN_8B=${LEN_8B:-131072}
-LEN_MID=${LEN_MID:-262144}
+LEN_MID=${LEN_MID:-131072}
 LEN_HLO=${LEN_HLO:-8192}
 STEPS_1B=${STEPS_1B:-2}
 STEPS_8B=${STEPS_8B:-2}
@@ -50,9 +52,13 @@ CAP_START=${CAP_START:-131072}
 CAP_MAX=${CAP_MAX:-2097152}
 CAP_LIMIT_GIB=${CAP_LIMIT_GIB:-}
 KNOBS_ON=${KNOBS_ON:---mlp_tile $MLP_TILE --remat_policy offload_attn --optimizer_offload true}
+KNOBS_8B=${KNOBS_8B:---mlp_tile $MLP_TILE --remat_policy offload_full --optimizer_offload true}
+# The knobs at LEN_MID: tiles forced (the automatic tiles start at 256k tokens per device).
+KNOBS_MID=${KNOBS_MID:---mlp_tile ${MID_TILE:-8192} --remat_policy offload_attn --optimizer_offload true}
 KNOBS_OFF=${KNOBS_OFF:---mlp_tile 0 --remat_policy save_attn --optimizer_offload false}
 BUDGET=${BUDGET:-540}
-# Per-run caps (seconds): CAP_TRAIN1B (450), CAP_TRAIN8B (240), CAP_ONOFF (150 each).
+# Per-run caps (seconds): CAP_TRAIN1B (450), CAP_TRAIN8B (330), CAP_ONOFF (110 each),
+# CAP_CAPACITY (60 per model and policy).
 # XLA's pinned host pool (default 64 GB): the 1B's offloaded residuals at 512k alone
 # are ~64 GiB. Keep it below the machine's RAM (128 GB on the H200 machines).
 HOST_LIMIT_GB=${HOST_LIMIT_GB:-112}
@@ -111,8 +117,8 @@ reserve_after() {
             case $p in
             capacity) total=$((total + 60)) ;;
             train1b) total=$((total + 120)) ;;
-            train8b) total=$((total + 90)) ;;
-            onoff) total=$((total + 120)) ;;
+            train8b) total=$((total + 150)) ;;
+            onoff) total=$((total + 100)) ;;
             esac
         fi
         [[ $p == "$1" ]] && seen=1
@@ -168,7 +174,7 @@ if want capacity; then
         start=$CAP_START
         [[ $model == "$MODEL_8B" ]] && start=$((CAP_START / 2))
         for policy in $CAP_POLICIES; do
-            run_step capacity "$model-$policy" 60 25 "$(reserve_after capacity)" \
+            run_step capacity "$model-$policy" "${CAP_CAPACITY:-60}" 25 "$(reserve_after capacity)" \
                 "$PY" -m train.tools.capacity --models "$model" --mesh seq=1 \
                 --remat "$policy" --mlp-tile "$MLP_TILE" --optimizer-offload \
                 --start "$start" --max "$CAP_MAX" --refine 0 "${limit_flag[@]}" \
@@ -184,15 +190,15 @@ if want train1b; then
 fi
 
 if want train8b; then
-    train_cmd "8b-$LEN_8B-on" "$MODEL_8B" "$LEN_8B" "$STEPS_8B" $KNOBS_ON
-    run_step train8b "8b-$LEN_8B-on" "${CAP_TRAIN8B:-240}" 90 "$(reserve_after train8b)" "${CMD[@]}"
+    train_cmd "8b-$LEN_8B-on" "$MODEL_8B" "$LEN_8B" "$STEPS_8B" $KNOBS_8B
+    run_step train8b "8b-$LEN_8B-on" "${CAP_TRAIN8B:-330}" 150 "$(reserve_after train8b)" "${CMD[@]}"
 fi
 
 if want onoff; then
-    train_cmd "1b-$LEN_MID-on" "$MODEL_1B" "$LEN_MID" "$STEPS_MID" $KNOBS_ON
-    run_step onoff "1b-$LEN_MID-on" "${CAP_ONOFF:-150}" 60 60 "${CMD[@]}"
+    train_cmd "1b-$LEN_MID-on" "$MODEL_1B" "$LEN_MID" "$STEPS_MID" $KNOBS_MID
+    run_step onoff "1b-$LEN_MID-on" "${CAP_ONOFF:-110}" 50 50 "${CMD[@]}"
     train_cmd "1b-$LEN_MID-off" "$MODEL_1B" "$LEN_MID" "$STEPS_MID" $KNOBS_OFF
-    run_step onoff "1b-$LEN_MID-off" "${CAP_ONOFF:-150}" 60 0 "${CMD[@]}"
+    run_step onoff "1b-$LEN_MID-off" "${CAP_ONOFF:-110}" 50 0 "${CMD[@]}"
 fi
 
 "$PY" - "$WORK" "$OUT" "$STEPS_TSV" <<'EOF' | tee "$OUT/summary.md" | tee -a "$LOG"
@@ -210,14 +216,25 @@ with open(steps) as f:
     for line in f:
         part, name, state, rc, seconds, limit = line.rstrip("\n").split("\t")
         status[name] = f"{state} ({seconds} s of {limit})"
+runs = open(os.path.join(out, "runs.jsonl"), "w")
+speed = {}
 for log in sorted(glob.glob(os.path.join(work, "*", "log.jsonl"))):
     name = os.path.basename(os.path.dirname(log))
     records = [json.loads(line) for line in open(log) if line.strip()]
+    for r in records:
+        runs.write(json.dumps({"run": name, **r}) + "\n")
     timed = [r for r in records if "tokens_per_s" in r]
     tps = f"{timed[-1]['tokens_per_s']:,.0f}" if timed else "–"
     peak = max((r.get("peak_memory_gib", 0) for r in records), default=0)
     loss = f"{records[-1]['loss']:.4f}" if records else "–"
     print(f"| {name} | {status.get(name, '')} | {tps} | {peak:.1f} | {loss} |")
+    if timed:
+        speed[name] = timed[-1]["tokens_per_s"]
+runs.close()
+for name in sorted(speed):  # onoff: the knobs' cost as a same-machine ratio
+    off = name[: -len("-on")] + "-off" if name.endswith("-on") else None
+    if off in speed:
+        print(f"\n{name} / {off}: {speed[name] / speed[off]:.3f} of the tokens/s")
 rows = []
 print("\n| capacity: model | remat | longest | GiB device | GiB host | GiB/1k dev | GiB/1k host |")
 print("|---|---|---|---|---|---|---|")
