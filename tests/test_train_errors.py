@@ -208,6 +208,22 @@ def test_resume_with_another_number_of_steps_is_refused():
     _check_resumable({"step": 30, "run": saved}, {**saved, "total_steps": 60}, "ckpts")
 
 
+def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):
+    """A checkpoint of another model (here another vocabulary) is refused in one line
+    naming the parameter, before Orbax reads it (which logs a traceback per array)."""
+    out = tmp_path / "run"
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "1", "--report_to", "none"]
+    assert main([*argv, "--output_dir", str(out), "--export_hf", "false"]) == 0
+    capsys.readouterr()
+    model = _tiny_model_dir(tmp_path / "model", vocab_size=1024)
+    resume = ["--resume_from_checkpoint", str(out / "checkpoints" / "1")]
+    other = ["--model_name_or_path", str(model), "--sample_vocab_size", "512"]
+    err = _one_line_error([*argv, *other, *resume, "--output_dir", str(tmp_path / "b")], capsys)
+    assert "holds another model's parameters (['embed']['embedding']: (512, 128) there, " in err
+    assert "(1024, 128) in --model_name_or_path" in err
+    assert not (tmp_path / "b").exists()
+
+
 def test_out_of_memory_advice_names_the_host_pool_when_host_memory_ran_out():
     from train.loop import _oom_error
 

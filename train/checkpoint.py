@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 
+import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class Checkpoints:
@@ -56,6 +58,18 @@ class Checkpoints:
             return None
         meta = restored["meta"]
         return meta if isinstance(meta, dict) and "step" in meta else None
+
+    def param_shapes(self, step: int) -> dict[str, tuple[int, ...]] | None:
+        """`{path: shape}` of the parameters saved at `step`, from the checkpoint's
+        metadata (no array is read); None where it cannot be read (`restore` then names
+        the problem)."""
+        state = epath.Path(self.directory) / str(step) / "state"
+        try:
+            params = ocp.StandardCheckpointHandler().metadata(state)["params"]
+            leaves = jax.tree_util.tree_leaves_with_path(params)
+            return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
+        except Exception:  # noqa: BLE001 - restore() reports an unreadable checkpoint
+            return None
 
     def restore(self, step: int, abstract_state):
         """`(state, meta)` of `step`, placed with the shardings of `abstract_state`.

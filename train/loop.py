@@ -150,6 +150,7 @@ def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
         saved = source.meta(step)
         if saved is not None:
             _check_resumable(saved, _run_meta(t), source.directory)
+        _check_model(source.param_shapes(step), t.state["params"], step, cfg, source.directory)
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             t.state,
@@ -283,6 +284,24 @@ def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
         line = f"eval at step {done}: loss {loss:.4f}, perplexity {record['eval_perplexity']:.4g}"
         bar.write(line) if bar is not None else print(line, flush=True)
     return record
+
+
+def _check_model(saved: dict | None, params, step: int, cfg: TrainConfig, where: str) -> None:
+    """Refuses a checkpoint of another model (other parameters or shapes) before its
+    state is read: Orbax would fail on every array, a screen of tracebacks each."""
+    if saved is None:
+        return
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    now = {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
+    differ = [k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
+    if differ:
+        k = differ[0]
+        raise TrainingError(
+            f"checkpoint {step} in {where} holds another model's parameters ({k}: "
+            f"{saved.get(k, 'absent')} there, {now.get(k, 'absent')} in "
+            f"--model_name_or_path={cfg.model.model_name_or_path!r}); resume with the model "
+            "that wrote it"
+        )
 
 
 def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
