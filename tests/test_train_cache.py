@@ -301,6 +301,18 @@ def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_fi
         load_rows(_cfg(data_path=str(source), model_max_length=4), models.TINY)
 
 
+def test_cache_of_another_tokenizer_names_it_in_the_rebuild_command(bpe, tmp_path):
+    """The command a refused cache suggests rebuilds it with this run's tokenizer."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(json.dumps({"text": "Some text to cache."}) + "\n")
+    other = tmp_path / "other"
+    data_lib.train_tokenizer([source], other, vocab_size=260)
+    data_cache.ensure_cache(source, tmp_path / "c", tokenizer=other, eos_id=0)
+    with pytest.raises(ValueError, match="another tokenizer") as refused:
+        data_cache.packed_rows(tmp_path / "c", 4, tokenizer=bpe, eos_id=0)
+    assert str(refused.value).endswith(f"{tmp_path / 'c'} --eos-id 0 --tokenizer {bpe}")
+
+
 def test_cli_cache_and_inspect(bpe, tmp_path, capsys):
     source = tmp_path / "t.jsonl"
     source.write_text(json.dumps({"text": "Some text to cache."}) + "\n")

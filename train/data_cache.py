@@ -422,10 +422,12 @@ def packed_rows(
         cache = open_cache(path, vocab_size=vocab_size)
         stale = cache.mismatch(tokenizer=tokenizer, eos_id=eos_id)
         if stale:
-            eos = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
+            flags = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
+            if tokenizer is not None and cache.meta["tokenizer"] is not None:
+                flags += f" --tokenizer {tokenizer}"  # its text is this run's tokenizer's
             raise ValueError(
                 f"{path}: the token cache does not match this run ({'; '.join(stale)}); "
-                f"rebuild it: python -m train.data cache SOURCE {path} {eos}"
+                f"rebuild it: python -m train.data cache SOURCE {path} {flags}"
             )
         return cache.rows(seq_len)
     if cache_root:
