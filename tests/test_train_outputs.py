@@ -175,3 +175,27 @@ def test_export_takes_the_runs_tokenizer(tmp_path):
     assert sorted(p.name for p in hf.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
     outputs.copy_tokenizer(str(loose), str(hf))
     assert (hf / "tokenizer.json").read_text() == '{"from": "file"}'
+
+
+@pytest.mark.slow
+def test_export_writes_the_eos_the_run_packed_with(tmp_path):
+    """A run whose documents end in another EOS than the model's (`--eos_token_id`, or a
+    `--tokenizer_name_or_path` BPE's) exports that EOS, first among a list of stop ids,
+    so the exported model continues training on the same packing; otherwise the model's
+    EOS stays as it was."""
+    import json
+
+    from train.build import export_config, model_config
+
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--eos_token_id", "5", "--export_hf", "true")))
+    with open(out / "hf" / "config.json") as f:
+        assert json.load(f)["eos_token_id"] == 5
+
+    cfg = parse_args(_args(out, "--eos_token_id", "9"))
+    llama3 = model_config(cfg).replace(eos_token_id=(7, 8, 9))
+    assert export_config(cfg, llama3).eos_token_id == (9, 7, 8)
+    cfg = parse_args(_args(out, "--eos_token_id", "7"))
+    assert export_config(cfg, llama3) is llama3
+    cfg = parse_args(_args(out))
+    assert export_config(cfg, model_config(cfg)) == model_config(cfg)

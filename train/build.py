@@ -137,6 +137,20 @@ def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
     return eos
 
 
+def export_config(cfg: TrainConfig, config: models.LlamaConfig) -> models.LlamaConfig:
+    """The config the HF export writes: `config` with the EOS the run packed documents
+    with (`data_eos`) first among its EOS ids, so the exported model continues training
+    and stops generating on the token it was trained with (a preset's own EOS is not
+    that of a `--tokenizer_name_or_path` BPE)."""
+    eos = data_eos(cfg, config)
+    ids = config.eos_token_id
+    if eos is None or end_of_text(config) == eos:
+        return config
+    if isinstance(ids, (tuple, list)):  # Llama 3 lists its stop tokens: keep them all
+        return config.replace(eos_token_id=(eos, *(i for i in ids if i != eos)))
+    return config.replace(eos_token_id=eos)
+
+
 def end_of_text(config: models.LlamaConfig) -> int | None:
     """The token between packed documents: the model's (tokenizer's) EOS, the first one
     where config.json lists several (Llama 3's `<|end_of_text|>`); None if it has none."""

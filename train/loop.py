@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 import models
 from train import data as data_lib
 from train import outputs, reporters
-from train.build import Trainer, build, profile_window
+from train.build import Trainer, build, export_config, profile_window
 from train.checkpoint import Checkpoints, resolve_resume
 from train.config import TrainConfig
 from train.errors import TrainingError
@@ -99,7 +99,8 @@ def run(cfg: TrainConfig) -> dict:
             host = multihost_utils.process_allgather(state["params"], tiled=True)
             if is_main:
                 hf_dir = os.path.join(out, "hf")
-                models.export_hf(jax.tree.map(np.asarray, host), t.config, hf_dir)
+                config = export_config(cfg, t.config)
+                models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
                 tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
                 outputs.copy_tokenizer(tokenizer, hf_dir)
     return {
