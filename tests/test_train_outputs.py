@@ -199,3 +199,35 @@ def test_export_writes_the_eos_the_run_packed_with(tmp_path):
     assert export_config(cfg, llama3) is llama3
     cfg = parse_args(_args(out))
     assert export_config(cfg, model_config(cfg)) == model_config(cfg)
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_run_in_one_line_naming_its_last_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT) mid-run: exit status 130 and one line naming the last checkpoint,
+    no traceback and no abort from XLA's threads."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "run"
+    argv = _args(out, "--max_steps", "100000", "--save_steps", "2")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", *argv], stdout=stdout, stderr=stderr, env=env
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while not (out / "checkpoints" / "4").is_dir() and proc.poll() is None:
+                assert time.monotonic() < deadline, "no checkpoint 4 in 180 s"
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    err = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "terminate called" not in err, err
+    (last,) = re.findall(r"interrupted: the last checkpoint is step (\d+) in (\S+);", err)
+    assert last[1] == str(out / "checkpoints") and int(last[0]) >= 4
+    assert (out / "checkpoints" / last[0]).is_dir()

@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from train.config import parse_args
 from train.loop import TrainingError, run
 
 
+def _interrupted(output_dir: str) -> str:
+    """The line Ctrl-C ends a run with: where its last whole checkpoint is."""
+    directory = os.path.join(output_dir, "checkpoints")
+    steps = (
+        sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+        if os.path.isdir(directory)
+        else []
+    )
+    if not steps:
+        return f"interrupted: no checkpoint was written to {directory}"
+    return (
+        f"interrupted: the last checkpoint is step {steps[-1]} in {directory}; "
+        "continue with --resume_from_checkpoint latest"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    cfg = None
     try:
-        summary = run(parse_args(argv))
+        cfg = parse_args(argv)
+        summary = run(cfg)
     # NotImplementedError: a kernel option this setup cannot run (jflash names it).
     except (TrainingError, ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
+        # now: XLA's threads may still hold the interrupted step, and tearing down the
+        # interpreter around them aborts the process.
+        print(_interrupted(cfg.run.output_dir) if cfg else "interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     if summary["losses"]:
         print(f"done: {summary['total_steps']} steps, final loss {summary['losses'][-1]:.4f}")
     return 0
