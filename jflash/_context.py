@@ -21,16 +21,16 @@ from jflash._dispatch import resolve
 from jflash._layout import check_layout, check_layout_len
 from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
 from jflash._ulysses import check_heads, hybrid_shard, ulysses_shard
-from jflash._validation import check_causal, check_qkv, check_segment_ids
+from jflash._validation import check_causal, check_qkv, check_segment_ids, check_unsharded
 from jflash._vma import check_interpretable
 
 STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
 
 
-def _names(seq_axis) -> tuple[str, ...]:
+def _names(seq_axis, argument: str = "seq_axis") -> tuple[str, ...]:
     names = (seq_axis,) if isinstance(seq_axis, str) else seq_axis
     if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
-        raise ValueError(f"{seq_axis=} must be a mesh axis name or a tuple of them")
+        raise ValueError(f"{argument}={seq_axis!r} must be a mesh axis name or a tuple of them")
     return names
 
 
@@ -206,7 +206,7 @@ def ring_attention_shard(
     Returns:
       `out [B, T_local, N, H]` in q's dtype, or `(out, lse [B, N, T_local] f32)`.
     """
-    names = _names(axis_name)
+    names = _names(axis_name, "axis_name")
     shapes = check_qkv(q, k, v)
     causal = check_causal(causal)
     _check_strategy(layout, strategy, causal)
@@ -217,6 +217,13 @@ def ring_attention_shard(
     shard_len = shapes.q_len * degree  # what one ring shard holds after the all-to-all
     check_layout_len(shard_len * ring_shards, ring_shards if ring_shards > 1 else degree, layout)
     segs = check_segment_ids(segment_ids, shapes)
+    check_unsharded(
+        "ring_attention_shard",
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        *(("segment_ids", s) for s in segs or ()),
+    )
     kernel_choice = dict(
         block_sizes=block_sizes,
         implementation=implementation,

@@ -110,6 +110,8 @@ def resolve(
     `deterministic` into a `Kernel`."""
     platform = _platform()
     deterministic = wants_determinism(deterministic)
+    if interpret is not None:  # not truth-tested: interpret="no" would interpret
+        interpret = as_bool(interpret, f"{interpret=} must be True, False or None")
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} is not one of {IMPLEMENTATIONS}")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -194,6 +196,17 @@ def describe() -> str:
     return "\n".join(lines)
 
 
+def kernel_segs(segs):
+    """The Pallas kernels' int32 segment ids. 64-bit ids (x64) become their rank among
+    this call's q and kv ids: equal ids stay equal, different ids (beyond int32 too)
+    stay different and in order, so the kernels skip the same tiles."""
+    if segs is None or segs[0].dtype.itemsize <= 4:
+        return segs
+    table = jnp.sort(jnp.concatenate(segs, axis=1), axis=1)
+    rank = jax.vmap(jnp.searchsorted)
+    return tuple(rank(table, s).astype(jnp.int32) for s in segs)
+
+
 def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel: Kernel):
     """Kernel contract, forward: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`.
 
@@ -202,6 +215,7 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
     """
     if kernel.name == "xla":
         return xla_fwd(q, k, v, mask=mask, segs=segs, scale=scale, out_dtype=out_dtype)
+    segs = kernel_segs(segs)
     if kernel.name == "pallas_mosaic":
         bs = kernel.block_sizes
         return mosaic_fwd(
@@ -241,6 +255,7 @@ def attention_bwd(
         return xla_bwd(
             q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype
         )
+    segs = kernel_segs(segs)
     if kernel.name == "pallas_mosaic":
         bs = kernel.block_sizes
         return mosaic_bwd(

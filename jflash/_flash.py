@@ -12,7 +12,13 @@ from jaxtyping import Array, Float
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._mask import Mask
-from jflash._validation import check_causal, check_qkv, check_segment_ids, default_scale
+from jflash._validation import (
+    check_causal,
+    check_qkv,
+    check_segment_ids,
+    check_unsharded,
+    default_scale,
+)
 from jflash._vma import check_interpretable
 
 
@@ -108,6 +114,9 @@ def flash_attention(
     """
     shapes = check_qkv(q, k, v)
     segs = check_segment_ids(segment_ids, shapes)
+    check_unsharded(
+        "flash_attention", ("q", q), ("k", k), ("v", v), *(("segment_ids", s) for s in segs or ())
+    )
     static = _Static(
         mask=Mask(check_causal(causal), q_offset, k_offset),
         scale=default_scale(shapes.head_dim, scale),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,6 +55,20 @@ def check_qkv(q, k, v) -> Shapes:
     return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
 
 
+def check_unsharded(where: str, *named) -> None:
+    """Refuses `(name, array)` pairs sharded over Explicit mesh axes (their type names
+    the axes): the kernels take one device's arrays, and such an input would fail deep
+    inside XLA or Pallas. Inside a full `shard_map`, and on Auto axes, nothing is."""
+    for name, x in named:
+        spec = jax.typeof(x).sharding.spec
+        if any(entry is not None for entry in spec):
+            raise ValueError(
+                f"{name} is sharded over Explicit mesh axes ({name}'s spec is {spec}): {where} "
+                "takes one device's arrays; call it inside a jax.shard_map whose manual "
+                "axes include those (its axis_names, for a partial shard_map)"
+            )
+
+
 def check_segment_ids(segment_ids, shapes: Shapes):
     """Normalises `segment_ids` to a `(q_segment_ids [B,T], kv_segment_ids [B,S])` pair.
 
@@ -80,6 +95,11 @@ def check_segment_ids(segment_ids, shapes: Shapes):
     for name, s in (("q", q_seg), ("kv", kv_seg)):
         if not jnp.issubdtype(s.dtype, jnp.integer):
             raise ValueError(f"{name} segment ids must be integers; got {s.dtype=}")
+    if max(q_seg.dtype.itemsize, kv_seg.dtype.itemsize) > 4:
+        # 64-bit ids (x64) stay 64-bit: int32 would merge ids that differ only above
+        # bit 31. The XLA path compares them as they are; the Pallas kernels take
+        # their ranks (`_dispatch.kernel_segs`).
+        return q_seg.astype(jnp.int64), kv_seg.astype(jnp.int64)
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 

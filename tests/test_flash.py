@@ -348,6 +348,7 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({}, (_q[:, :, :0], _kv, _kv), ValueError, "empty input: .*q_heads=0"),
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
         ({"deterministic": "yes"}, (_q, _kv, _kv), ValueError, "deterministic='yes'"),
+        ({"interpret": "no"}, (_q, _kv, _kv), ValueError, "interpret='no' must be True"),
     ],
 )
 def test_bad_input_raises(kwargs, args, error, match):

@@ -428,6 +428,29 @@ def test_flash_attention_in_data_parallel_shard_map():
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
 
 
+def test_inputs_sharded_over_explicit_axes_are_named():
+    """A batch split over an Explicit axis that the shard_map leaves to jax (or no
+    shard_map at all): named in one line, not a type error deep inside XLA or Pallas."""
+    mesh = jax.make_mesh((2, 2), ("data", "seq"), devices=jax.devices()[:4])
+    q, k, v, *_ = make_inputs(
+        0, batch=2, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
+    )
+    call = {"causal": True, "implementation": "xla"}
+    spec = P(None, "seq")
+
+    def per_shard(q, k, v):
+        return jflash.ring_attention_shard(q, k, v, axis_name="seq", **call)
+
+    partial = jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec, axis_names={"seq"})
+    with jax.set_mesh(mesh):
+        args = [jax.reshard(x, P("data", "seq")) for x in (q, k, v)]
+        with pytest.raises(ValueError, match=r"q is sharded over Explicit mesh axes .*'data'"):
+            jax.jit(partial)(*args)
+        args = [jax.reshard(x, P("data")) for x in (q, k, v)]
+        with pytest.raises(ValueError, match="flash_attention takes one device's arrays"):
+            jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, **call))(*args)
+
+
 @pytest.mark.skipif(not INTERPRET, reason="compiled kernels run with check_vma=True")
 def test_interpreted_kernel_under_check_vma_is_named():
     mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
@@ -474,6 +497,8 @@ def test_errors_name_the_problem():
         )
     with pytest.raises(TypeError, match="causal"):
         jflash.ring_attention_shard(q, k, v, axis_name="seq")  # causal is required
+    with pytest.raises(ValueError, match=r"axis_name=\['seq'\] must be a mesh axis name"):
+        jflash.ring_attention_shard(q, k, v, axis_name=["seq"], **call)
     with pytest.raises(NotImplementedError, match="strategy='allgather' with layout='striped'"):
         jflash.ring_attention(q, k, v, mesh=mesh, layout="striped", strategy="allgather", **call)
     with pytest.raises(ValueError, match="seq_len=15 must be divisible by num_shards=2 for the"):

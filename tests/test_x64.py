@@ -120,6 +120,22 @@ def test_x64(implementation, dtype, options, shapes):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton"])
+def test_ids_that_differ_above_int32_stay_apart(implementation):
+    """int64 ids equal in their low 32 bits are still different documents."""
+    shapes = dict(batch=1, q_len=64, kv_len=64, q_heads=2, kv_heads=1, head_dim=32)
+    q, k, v, do, dlse = make_inputs(3, dtype=jnp.float32, **shapes)
+    small = jnp.asarray(np.repeat([[0, 1]], 32, axis=1), jnp.int32)
+    kernel = dict(implementation=implementation, causal=True, return_lse=True)
+    if implementation != "xla":
+        kernel["interpret"] = INTERPRET
+    want = value_and_grads(jflash.flash_attention, q, k, v, do, dlse, segment_ids=small, **kernel)
+    with x64():
+        wide = jnp.asarray(small, jnp.int64) * 2**32 + 5  # 5 and 2**32 + 5
+        got = value_and_grads(jflash.flash_attention, q, k, v, do, dlse, segment_ids=wide, **kernel)
+    assert_close(got, want, jnp.float32)
+
+
 # ----------------------------------------------------------------------------- traces
 
 
