@@ -32,7 +32,6 @@ Modules: ``config`` (dataclasses, HF config.json), ``presets``, ``rope``,
 
 from models.attention import ATTENTION_KINDS, AttentionConfig
 from models.config import LlamaConfig, RopeConfig, from_hf_config, to_hf_config
-from models.convert import MAPPINGS, export_hf, load_hf, load_native, save_native
 from models.flops import (
     FlopsPerToken,
     flops_per_token,
@@ -113,3 +112,15 @@ __all__ = [
     "to_hf_config",
     "training_flops_per_token",
 ]
+
+# `models.convert` is also a command (`python -m models.convert`): imported on first use,
+# so running it does not find the module already imported by this package.
+_CONVERT = ("MAPPINGS", "export_hf", "load_hf", "load_native", "save_native")
+
+
+def __getattr__(name: str):
+    if name in _CONVERT:
+        from models import convert
+
+        return getattr(convert, name)
+    raise AttributeError(f"module 'models' has no attribute {name!r}")
