@@ -21,7 +21,13 @@ from jflash._dispatch import resolve
 from jflash._layout import check_layout, check_layout_len
 from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
 from jflash._ulysses import check_heads, hybrid_shard, ulysses_shard
-from jflash._validation import check_causal, check_qkv, check_segment_ids, check_unsharded
+from jflash._validation import (
+    as_bool,
+    check_causal,
+    check_qkv,
+    check_segment_ids,
+    check_unsharded,
+)
 from jflash._vma import check_interpretable
 
 STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
@@ -208,6 +214,7 @@ def ring_attention_shard(
     """
     names = _names(axis_name, "axis_name")
     shapes = check_qkv(q, k, v)
+    return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     causal = check_causal(causal)
     _check_strategy(layout, strategy, causal)
     ring_shards, degree = _split(names, strategy, _bound_sizes(names))
@@ -373,6 +380,7 @@ def ring_attention(
     if degree > 1:
         check_heads(shapes.q_heads, degree, names[-1])
     segs = check_segment_ids(segment_ids, shapes)
+    return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
     batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
     seq_spec = names if len(names) > 1 else names[0]

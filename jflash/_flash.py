@@ -13,6 +13,7 @@ from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._mask import Mask
 from jflash._validation import (
+    as_bool,
     check_causal,
     check_qkv,
     check_segment_ids,
@@ -113,6 +114,7 @@ def flash_attention(
       `out [B, T, N, H]` in q's dtype, or `(out, lse)` with `return_lse=True`.
     """
     shapes = check_qkv(q, k, v)
+    return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded(
         "flash_attention", ("q", q), ("k", k), ("v", v), *(("segment_ids", s) for s in segs or ())

@@ -349,6 +349,7 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
         ({"deterministic": "yes"}, (_q, _kv, _kv), ValueError, "deterministic='yes'"),
         ({"interpret": "no"}, (_q, _kv, _kv), ValueError, "interpret='no' must be True"),
+        ({"return_lse": "no"}, (_q, _kv, _kv), ValueError, "return_lse='no' must be True"),
     ],
 )
 def test_bad_input_raises(kwargs, args, error, match):

@@ -596,6 +596,8 @@ def test_ring_errors():
         jflash.ring_attention(q, k, v, deterministic=1, **call)
     with pytest.raises(ValueError, match="causal='no' must be True or False"):
         jflash.ring_attention(q, k, v, **{**call, "causal": "no"})
+    with pytest.raises(ValueError, match="return_lse='no' must be True or False"):
+        jflash.ring_attention(q, k, v, return_lse="no", **call)
     with pytest.raises(ValueError, match="scale=inf must be finite and positive"):
         jflash.ring_attention(q, k, v, scale=float("inf"), **call)
     with pytest.raises(ValueError, match="empty input: batch=0"):

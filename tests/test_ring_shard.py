@@ -478,6 +478,8 @@ def test_errors_name_the_problem():
     call = {"causal": True, "implementation": "xla"}
     with pytest.raises(ValueError, match="axis_name='seq' is not a manual axis here"):
         jflash.ring_attention_shard(q, k, v, axis_name="seq", **call)
+    with pytest.raises(ValueError, match="return_lse='no' must be True or False"):
+        jflash.ring_attention_shard(q, k, v, axis_name="seq", return_lse="no", **call)
 
     def mapped(body, *args):
         spec = P(None, "seq")
