@@ -65,9 +65,7 @@ class Checkpoints:
         the problem)."""
         state = epath.Path(self.directory) / str(step) / "state"
         try:
-            params = ocp.StandardCheckpointHandler().metadata(state)["params"]
-            leaves = jax.tree_util.tree_leaves_with_path(params)
-            return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
+            return shapes_by_path(ocp.StandardCheckpointHandler().metadata(state)["params"])
         except Exception:  # noqa: BLE001 - restore() reports an unreadable checkpoint
             return None
 
@@ -100,6 +98,12 @@ class Checkpoints:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
+    """`{"['layers']['mlp']...": shape}` of a tree of arrays (or of their metadata)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None] | None:

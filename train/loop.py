@@ -18,7 +18,7 @@ import models
 from train import data as data_lib
 from train import outputs, reporters
 from train.build import Trainer, build, export_config, profile_window
-from train.checkpoint import Checkpoints, resolve_resume
+from train.checkpoint import Checkpoints, resolve_resume, shapes_by_path
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
@@ -292,8 +292,7 @@ def _check_model(saved: dict | None, params, step: int, cfg: TrainConfig, where:
     state is read: Orbax would fail on every array, a screen of tracebacks each."""
     if saved is None:
         return
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    now = {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
+    now = shapes_by_path(params)
     differ = [k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
     if differ:
         k = differ[0]
