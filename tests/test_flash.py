@@ -350,6 +350,8 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"deterministic": "yes"}, (_q, _kv, _kv), ValueError, "deterministic='yes'"),
         ({"interpret": "no"}, (_q, _kv, _kv), ValueError, "interpret='no' must be True"),
         ({"return_lse": "no"}, (_q, _kv, _kv), ValueError, "return_lse='no' must be True"),
+        ({}, ([[1.0]], _kv, _kv), TypeError, "q must be a jax or numpy array; got list"),
+        ({"segment_ids": ([[0] * 32], [[0] * 32])}, (_q, _kv, _kv), TypeError, "q segment ids"),
     ],
 )
 def test_bad_input_raises(kwargs, args, error, match):
