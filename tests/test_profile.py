@@ -566,3 +566,68 @@ def test_report_plots_are_one_table(tmp_path, monkeypatch):
     written = report_lib.render(report, str(tmp_path / "more"))
     assert written[-1].endswith("flops.png") and os.path.getsize(written[-1]) > 5000
     assert "![flops](flops.png)" in (tmp_path / "more" / "report.md").read_text()
+
+
+def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
+    """A bad flag value or a missing, empty or malformed report.json is refused with
+    one line naming the value, before any child runs: never a traceback."""
+    from train.tools.profile import main
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "report.json").write_text("")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "report.json").write_text('{"rows": [')
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "report.json").write_text("[]")
+    (tmp_path / "afile").write_text("")
+    out = ["--out", str(tmp_path / "new")]
+    cases = [
+        (["--report-only", str(tmp_path / "empty")], "empty/report.json' is not readable JSON"),
+        (["--report-only", str(tmp_path / "cut")], "cut/report.json' is not readable JSON"),
+        (["--report-only", str(tmp_path / "list")], "is not a profile report"),
+        (["--fill-xla-cost", str(tmp_path / "nowhere")], "nowhere/report.json' does not exist"),
+        (["--fill-xla-cost", str(tmp_path / "cut")], "cut/report.json' is not readable JSON"),
+        (["--append", "--out", str(tmp_path / "cut")], "--append: '"),
+        (["--context", "8k,abc", *out], "--context entry 'abc' is not an int or <int>k"),
+        (["--context", "0", *out], "--context entry '0' must be >= 1 token"),
+        (["--timeout", "-5", *out], "--timeout=-5.0 must be > 0 seconds"),
+        (["--batch", "0", *out], "--batch=0 must be >= 1"),
+        (["--out", str(tmp_path / "afile")], "afile' is a file, not a directory"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, (argv, err)
+        assert "Traceback" not in err
+        assert err.strip().splitlines()[-1].startswith("python -m train.tools.profile: error:")
+    assert not (tmp_path / "new").exists()
+
+
+def test_profile_error_row_names_the_exception_first():
+    """A child that dies of an exception: the row's error (and the report's one-line
+    detail) starts with the exception's line, not with a stack frame."""
+    from train.tools.profile import failed_child
+
+    stderr = (
+        "Traceback (most recent call last):\n"
+        + "".join(f'  File "/x/train/build.py", line {i}, in f\n    g()\n' for i in range(9))
+        + "train.errors.TrainingError: --model_name_or_path='nope' is neither a local HF "
+        "directory nor a preset (['tiny'])\n"
+    )
+    row = failed_child(1, "some stdout", stderr)
+    assert row["status"] == "error"
+    first = row["error"].split("\n")[0]
+    assert first.startswith("exited with code 1: train.errors.TrainingError: ")
+    assert "'nope' is neither a local HF directory" in first
+    failed = {"model": "nope", "context": 256, "mesh": "seq=2", "name": "nope-256-seq2", **row}
+    report = {
+        "date": "today",
+        "jax": jax.__version__,
+        "command": "python -m train.tools.profile",
+        "steps": {"timed": 2, "warmup": 1, "traced": 2},
+        "ceilings": {},
+        "rows": [failed],
+    }
+    md = report_lib.markdown(report)
+    assert "| error | exited with code 1: train.errors.TrainingError: --model_name_or_path" in md

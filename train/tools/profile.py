@@ -85,12 +85,31 @@ class Job:
 
 
 def parse_context(text: str) -> int:
-    """`"8k"` -> 8192, `"512"` -> 512."""
+    """`"8k"` -> 8192, `"512"` -> 512; a ValueError naming the entry if it is not a
+    positive int or <int>k."""
     text = text.strip().lower()
     try:
-        return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+        tokens = int(text[:-1]) * 1024 if text.endswith("k") else int(text)
     except ValueError:
         raise ValueError(f"--context entry {text!r} is not an int or <int>k") from None
+    if tokens < 1:
+        raise ValueError(f"--context entry {text!r} must be >= 1 token")
+    return tokens
+
+
+def read_report(path: str) -> dict:
+    """`path` (a report.json) as a dict with `rows`; a ValueError naming the file if it
+    is missing, not JSON, or not a profile report."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path!r} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is not readable JSON ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        raise ValueError(f"{path!r} is not a profile report (no list of 'rows')")
+    return report
 
 
 def context_label(tokens: int) -> str:
@@ -357,10 +376,14 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
     The whole output is searched for an out-of-memory message, not just its end: XLA
     follows one with a long buffer-assignment dump, and a CUDA abort with a stack
     trace. An out-of-memory is "does not fit"; anything else (a crash, a kill by the
-    host's OOM killer, a bug) is "error", with the output's tail as the detail.
+    host's OOM killer, a bug) is "error": the last unindented line of stderr first
+    (a Python traceback's exception), then the output's tail.
     """
     text = "\n".join(x for x in (stderr, stdout) if x)
     tail = "\n".join(text.strip().splitlines()[-8:])[-1500:]
+    # Said first, so the report's one-line detail names the cause, not a stack frame.
+    lines = (stderr or stdout or "").strip().splitlines()
+    cause = next((x for x in reversed(lines) if x.strip() and not x[0].isspace()), "")
     if returncode < 0:
         how = f"killed by signal {-returncode}"
     else:
@@ -368,7 +391,11 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
     line = _oom_line(text)
     if is_oom(line):
         return {"status": "does not fit", "error": f"{line[:300]} ({how})"}
-    return {"status": "error", "error": f"{how}: {tail}" if tail else how}
+    if not tail:
+        return {"status": "error", "error": how}
+    if not cause or cause == tail:
+        return {"status": "error", "error": f"{how}: {tail}"}
+    return {"status": "error", "error": f"{how}: {cause}\n{tail}"}
 
 
 def _child(kind: str, payload: dict, timeout: float) -> dict:
@@ -504,6 +531,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers={args.layers} must be >= 1")
+    if args.batch < 1:
+        parser.error(f"--batch={args.batch} must be >= 1")
+    if not args.timeout > 0:
+        parser.error(f"--timeout={args.timeout} must be > 0 seconds")
     from train.config import gather_once_error
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
@@ -516,14 +547,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         if not os.path.isfile(os.path.join(args.report_only, "report.json")):
             parser.error(f"--report-only={args.report_only!r}: no report.json there")
-        with open(os.path.join(args.report_only, "report.json")) as f:
-            report_lib.render(json.load(f), args.report_only)
+        try:
+            report = read_report(os.path.join(args.report_only, "report.json"))
+        except ValueError as e:
+            parser.error(f"--report-only: {e}")
+        report_lib.render(report, args.report_only)
         return
     if args.fill_xla_cost:
+        try:
+            read_report(os.path.join(args.fill_xla_cost, "report.json"))
+        except ValueError as e:
+            parser.error(f"--fill-xla-cost: {e}")
         fill_xla_cost(args.fill_xla_cost, args.timeout)
         return
     meshes = args.mesh or ["seq=2"]
-    contexts = [parse_context(c) for c in args.context.split(",") if c]
+    try:
+        contexts = [parse_context(c) for c in args.context.split(",") if c.strip()]
+    except ValueError as e:
+        parser.error(str(e))
+    if not contexts:
+        parser.error(f"--context={args.context!r} names no context")
     jobs = [
         Job(
             model=m,
@@ -545,18 +588,25 @@ def main(argv: list[str] | None = None) -> None:
         for mesh in meshes
         for c in contexts
     ]
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out={args.out!r} is a file, not a directory")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "report.json")
     old: dict = {"rows": []}
     if args.append and os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        try:
+            old = read_report(path)
+        except ValueError as e:
+            parser.error(f"--append: {e}")
     ceilings = old.get("ceilings") or {}
     if args.reuse_ceilings and ceilings.get("matmul_tflops"):
         print(f"ceilings: reused from {path} ({ceilings.get('device')})", flush=True)
     else:
         print("ceilings ...", flush=True)
         ceilings = _child("ceilings", {}, args.timeout)
+        if "error" in ceilings:
+            first = ceilings["error"].split("\n")[0]
+            print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
         from train.mesh import mesh_device_count
 
         for mesh in meshes if "device_count" in ceilings else ():
@@ -611,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         rows.append(row)
         summary = (
-            row.get("error", "")
+            row.get("error", "").split("\n")[0]
             if row.get("status") != "ok"
             else (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s")
         )
