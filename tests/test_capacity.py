@@ -53,6 +53,22 @@ def test_bad_models_and_meshes_are_refused_before_probing(capsys):
         assert match in err and "Traceback" not in err, err
 
 
+def test_bad_sizes_are_refused_before_probing(capsys):
+    """A context range, bisection count or memory limit that cannot be searched is
+    refused in one line naming the value, not probed into "none from --start"."""
+    for argv, match in (
+        (["--start", "0", "--max", "1k"], "need 1 <= --start=0 <= --max=1024 tokens"),
+        (["--start", "512", "--max", "256"], "need 1 <= --start=512 <= --max=256 tokens"),
+        (["--refine", "-1"], "--refine=-1 must be >= 0"),
+        (["--limit-gib", "-1"], "--limit-gib=-1.0 must be > 0"),
+        (["--limit-gib", "1", "--host-limit-gib", "0"], "--host-limit-gib=0.0 must be > 0"),
+    ):
+        with pytest.raises(SystemExit):
+            capacity.main(["--models", "tiny", *argv])
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, err
+
+
 @pytest.mark.slow
 def test_long_context_knobs_report_device_and_host_memory(capsys):
     """`--optimizer-offload` moves the optimizer state off the device (host GiB > 0, the

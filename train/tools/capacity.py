@@ -292,6 +292,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
         parser.error(error)
+    if not 1 <= args.start <= args.max:
+        parser.error(f"need 1 <= --start={args.start} <= --max={args.max} tokens")
+    if args.refine < 0:
+        parser.error(f"--refine={args.refine} must be >= 0")
+    for flag, gib in (("--limit-gib", args.limit_gib), ("--host-limit-gib", args.host_limit_gib)):
+        if gib is not None and not gib > 0:
+            parser.error(f"{flag}={gib} must be > 0")
     import jax
 
     from train.build import model_config
