@@ -582,15 +582,20 @@ def _roofline():
                 label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
             )
         markers = {"step": "o", "attention": "^", "matmul": "s"}
+        # A series' points of one kind sit close together (one per context): their
+        # context labels take turns above and below, so neighbours do not run together.
+        offsets = ((3, 3), (3, -9))
         for i, label in enumerate(_series(rows)):
+            seen: dict[str, int] = {}
             for r, kind, p in points:
                 if _label(r) == label:
                     ax.plot(p["intensity"], p["tflops"], markers[kind], color=f"C{i}", ms=7)
+                    turn = seen[kind] = seen.get(kind, -1) + 1
                     ax.annotate(
                         _ctx(r["context"]),
                         (p["intensity"], p["tflops"]),
                         fontsize=7,
-                        xytext=(3, 3),
+                        xytext=offsets[turn % len(offsets)],
                         textcoords="offset points",
                     )
             ax.plot([], [], "o", color=f"C{i}", label=label)
