@@ -580,6 +580,9 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     (tmp_path / "list").mkdir()
     (tmp_path / "list" / "report.json").write_text("[]")
     (tmp_path / "afile").write_text("")
+    (tmp_path / "one").mkdir()
+    ceilings = {"matmul_tflops": 1.0, "copy_gbps": 1.0, "device": "cpu", "device_count": 1}
+    (tmp_path / "one" / "report.json").write_text(json.dumps({"rows": [], "ceilings": ceilings}))
     out = ["--out", str(tmp_path / "new")]
     cases = [
         (["--report-only", str(tmp_path / "empty")], "empty/report.json' is not readable JSON"),
@@ -593,6 +596,10 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (["--timeout", "-5", *out], "--timeout=-5.0 must be > 0 seconds"),
         (["--batch", "0", *out], "--batch=0 must be >= 1"),
         (["--out", str(tmp_path / "afile")], "afile' is a file, not a directory"),
+        (
+            ["--append", "--reuse-ceilings", "--mesh", "seq=4", "--out", str(tmp_path / "one")],
+            "(nothing was run)",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_:

@@ -607,13 +607,14 @@ def main(argv: list[str] | None = None) -> None:
         if "error" in ceilings:
             first = ceilings["error"].split("\n")[0]
             print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
-        from train.mesh import mesh_device_count
+    from train.mesh import mesh_device_count
 
-        for mesh in meshes if "device_count" in ceilings else ():
-            try:
-                mesh_device_count(mesh, ceilings["device_count"])
-            except ValueError as e:
-                parser.error(f"{e} (nothing was run)")
+    # Reused ceilings are this machine's too (--reuse-ceilings): their device count holds.
+    for mesh in meshes if "device_count" in ceilings else ():
+        try:
+            mesh_device_count(mesh, ceilings["device_count"])
+        except ValueError as e:
+            parser.error(f"{e} (nothing was run)")
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
     if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
