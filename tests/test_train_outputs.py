@@ -212,9 +212,15 @@ def test_ctrl_c_ends_the_run_in_one_line_naming_its_last_checkpoint(tmp_path):
     out = tmp_path / "run"
     argv = _args(out, "--max_steps", "100000", "--save_steps", "2")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # `python -m train` as a terminal starts it: a shell running these tests in the
+    # background (nohup, `&`) hands its children SIGINT ignored, and Python keeps that.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = ['train', *{argv!r}]; runpy.run_module('train', run_name='__main__')"
+    )
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "train", *argv], stdout=stdout, stderr=stderr, env=env
+            [sys.executable, "-c", start], stdout=stdout, stderr=stderr, env=env
         )
         try:
             deadline = time.monotonic() + 180
