@@ -20,15 +20,17 @@
 # Results go to $OUT (default benchmarks/results/long_context): long_context.log (every
 # line printed), summary.md (the table printed at the end), steps.tsv (one line per
 # step: part, name, status, exit code, seconds, limit), runs.jsonl (every training run's
-# log.jsonl records, with the run's name), capacity.json (every capacity run). Scratch (train output dirs) goes to $WORK (default /tmp/jflash-long-context).
+# log.jsonl records, with the run's name), capacity.json (every capacity run). Scratch
+# (train output dirs) goes to $WORK (default /tmp/jflash-long-context).
 #
 # Each step runs under `timeout`: min(its cap, what is left of BUDGET minus the minimum
 # that the later steps need); a step without its minimum left is skipped and recorded.
 # Estimates for one H200 (model FLOPs at ~400 TFLOP/s, causal attention dominating):
 # 1B at 512k ~150 s a step, at 256k ~40 s, at 128k ~11 s; the 8B at 128k ~55 s after
 # ~2 minutes of start-up and compilation; a capacity probe is one compile (~10-30 s).
-# The first step of a run is compilation (not timed), so tokens/s needs 2 steps. The whole default run fits 9 minutes only with the short caps below; a
-# longer look runs one part per call (e.g. `bash benchmarks/long_context.sh train1b`).
+# The first step of a run is compilation (not timed), so tokens/s needs 2 steps. The
+# whole default run does not fit one 10-minute call; run a part or two per call (e.g.
+# `bash benchmarks/long_context.sh train1b`, or `train8b onoff` as one call).
 #
 # Every size is a variable, so the pipeline dry-runs on CPU with the tiny preset:
 #   JAX_PLATFORMS=cpu PYTHON=.venv/bin/python MODEL_1B=tiny MODEL_8B=tiny LEN_1B=512 \
