@@ -526,20 +526,25 @@ def test_report_small_ceilings_warnings_and_single_points(tmp_path):
     assert report_lib.significant(123456.0) == "123,456" and report_lib.significant(0) == "0"
 
 
+def _report(rows: list[dict]) -> dict:
+    """A report.json of `rows` with no ceilings, as `render` takes it."""
+    return {
+        "date": "today",
+        "jax": jax.__version__,
+        "command": "python -m train.tools.profile",
+        "steps": {"timed": 2, "warmup": 1, "traced": 2},
+        "ceilings": {},
+        "rows": rows,
+    }
+
+
 def test_report_plots_are_one_table(tmp_path, monkeypatch):
     """Every plot is an entry of `report.PLOTS`, drawn when its rows exist: several
     device counts add `scaling`, an unmeasured kernel split drops `kernels`, and one
     more entry is one more figure, linked from report.md."""
     from train.tools import report as report_lib
 
-    report = {
-        "date": "today",
-        "jax": jax.__version__,
-        "command": "python -m train.tools.profile",
-        "steps": {"timed": 2, "warmup": 1, "traced": 2},
-        "ceilings": {},
-        "rows": [_report_row(256), _report_row(512), _report_row(512, devices=4)],
-    }
+    report = _report([_report_row(256), _report_row(512), _report_row(512, devices=4)])
     written = report_lib.render(report, str(tmp_path))
     names = [p.name for p in report_lib.PLOTS]
     assert names[-1] == "scaling" and report_lib.plots_written(report) == names
@@ -628,13 +633,6 @@ def test_profile_error_row_names_the_exception_first():
     assert first.startswith("exited with code 1: train.errors.TrainingError: ")
     assert "'nope' is neither a local HF directory" in first
     failed = {"model": "nope", "context": 256, "mesh": "seq=2", "name": "nope-256-seq2", **row}
-    report = {
-        "date": "today",
-        "jax": jax.__version__,
-        "command": "python -m train.tools.profile",
-        "steps": {"timed": 2, "warmup": 1, "traced": 2},
-        "ceilings": {},
-        "rows": [failed],
-    }
+    report = _report([failed])
     md = report_lib.markdown(report)
     assert "| error | exited with code 1: train.errors.TrainingError: --model_name_or_path" in md
