@@ -550,7 +550,7 @@ def _stacked(parts: tuple[str, ...]):
             ax.set_title(f"{model} ({meshes[0]})" if len(meshes) == 1 else model)
             ax.set_ylabel("ms per step, per device")
             ax.grid(axis="y", alpha=0.3)
-        axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), markerscale=0.4)
 
     return draw
 
