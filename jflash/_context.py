@@ -224,13 +224,7 @@ def ring_attention_shard(
     shard_len = shapes.q_len * degree  # what one ring shard holds after the all-to-all
     check_layout_len(shard_len * ring_shards, ring_shards if ring_shards > 1 else degree, layout)
     segs = check_segment_ids(segment_ids, shapes)
-    check_unsharded(
-        "ring_attention_shard",
-        ("q", q),
-        ("k", k),
-        ("v", v),
-        *(("segment_ids", s) for s in segs or ()),
-    )
+    check_unsharded("ring_attention_shard", q, k, v, segs)
     kernel_choice = dict(
         block_sizes=block_sizes,
         implementation=implementation,

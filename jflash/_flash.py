@@ -116,9 +116,7 @@ def flash_attention(
     shapes = check_qkv(q, k, v)
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
-    check_unsharded(
-        "flash_attention", ("q", q), ("k", k), ("v", v), *(("segment_ids", s) for s in segs or ())
-    )
+    check_unsharded("flash_attention", q, k, v, segs)
     static = _Static(
         mask=Mask(check_causal(causal), q_offset, k_offset),
         scale=default_scale(shapes.head_dim, scale),

@@ -61,10 +61,12 @@ def check_qkv(q, k, v) -> Shapes:
     return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
 
 
-def check_unsharded(where: str, *named) -> None:
-    """Refuses `(name, array)` pairs sharded over Explicit mesh axes (their type names
-    the axes): the kernels take one device's arrays, and such an input would fail deep
-    inside XLA or Pallas. Inside a full `shard_map`, and on Auto axes, nothing is."""
+def check_unsharded(where: str, q, k, v, segs) -> None:
+    """Refuses inputs (q, k, v and the `check_segment_ids` pair `segs` or None) sharded
+    over Explicit mesh axes (their type names the axes): the kernels take one device's
+    arrays, and such an input would fail deep inside XLA or Pallas. Inside a full
+    `shard_map`, and on Auto axes, nothing is."""
+    named = [("q", q), ("k", k), ("v", v), *(("segment_ids", s) for s in segs or ())]
     for name, x in named:
         spec = jax.typeof(x).sharding.spec
         if any(entry is not None for entry in spec):
