@@ -177,6 +177,7 @@ if want capacity; then
         [[ $model == "$MODEL_8B" ]] && start=$((CAP_START / 2))
         for policy in $CAP_POLICIES; do
             run_step capacity "$model-$policy" "${CAP_CAPACITY:-60}" 25 "$(reserve_after capacity)" \
+                env XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="$HOST_LIMIT_GB" \
                 "$PY" -m train.tools.capacity --models "$model" --mesh seq=1 \
                 --remat "$policy" --mlp-tile "$MLP_TILE" --optimizer-offload \
                 --start "$start" --max "$CAP_MAX" --refine 0 "${limit_flag[@]}" \
@@ -248,8 +249,9 @@ for path in sorted(glob.glob(os.path.join(work, "capacity-*.json"))):
         def num(key, fmt=".3g"):
             return "–" if r.get(key) is None else format(r[key], fmt)
 
+        at_least = ">= " if r.get("incomplete") else ""  # the probe in flight timed out
         print(
-            f"| {r['model']} | {result['settings']['remat']} | {r['longest'] or 'none'} | "
+            f"| {r['model']} | {result['settings']['remat']} | {at_least}{r['longest'] or 'none'} | "
             f"{num('gib')} | {num('host_gib')} | {num('gib_per_1k', '.4f')} | "
             f"{num('host_gib_per_1k', '.4f')} |"
         )

@@ -101,3 +101,45 @@ def test_per_1k_tokens_is_the_slope_between_fitting_probes():
     ]
     assert capacity.per_1k_tokens(probes, "gib") == 2.0
     assert capacity.per_1k_tokens(probes[:1], "gib") is None
+
+
+def test_host_limit_on_gpus_is_xla_pinned_pool(monkeypatch):
+    """On GPUs offloaded buffers live in XLA's pinned host pool (64 GiB unless
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise), shared by the local devices: a
+    plan against the machine's whole RAM said a step fits that ran out of the pool."""
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "local_device_count", lambda: 2)
+    monkeypatch.setattr(capacity.os, "sysconf", lambda name: 1 << 20)  # 1 TiB of RAM
+    monkeypatch.delenv(capacity.HOST_POOL_ENV, raising=False)
+    assert capacity.host_limit_gib(None) == 32.0
+    monkeypatch.setenv(capacity.HOST_POOL_ENV, "112")
+    assert capacity.host_limit_gib(None) == 56.0
+    assert capacity.host_limit_gib(7.0) == 7.0
+    monkeypatch.setenv(capacity.HOST_POOL_ENV, "lots")
+    with pytest.raises(SystemExit, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='lots'"):
+        capacity.host_limit_gib(None)
+
+
+def test_each_probe_is_written_before_the_next(tmp_path, monkeypatch):
+    """A run stopped by a timeout mid-search keeps what it probed: `--out` is rewritten
+    after every probe, the row marked incomplete with the longest fit so far."""
+    out = tmp_path / "capacity.json"
+    seen = []
+
+    def fake_memory(model, context, mesh, args):
+        if seen:  # the previous probe is on disk before this one compiles
+            row = json.loads(out.read_text())["rows"][-1]
+            assert row["incomplete"] and [p["seq"] for p in row["probes"]] == seen
+            assert row["longest"] == (max(seen) if max(seen) <= 2048 else 2048)
+        seen.append(context)
+        return {"device": context / 1024, "host": 0.0}
+
+    monkeypatch.setattr(capacity, "step_memory_gib", fake_memory)
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "2.5", "--start", "512"]
+    result = capacity.main([*argv, "--refine", "0", "--out", str(out)])
+    assert seen == [512, 1024, 2048, 4096]
+    final = json.loads(out.read_text())["rows"]
+    assert final == result["rows"] and final[0]["longest"] == 2048
+    assert "incomplete" not in final[0]

@@ -180,15 +180,29 @@ def device_limit_gib(override: float | None) -> float:
     return stats["bytes_limit"] / 2**30
 
 
+# XLA's pinned host pool on GPUs (what offloaded residuals and optimizer state live in):
+# `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB` GiB per process, 64 unless set.
+HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+HOST_POOL_DEFAULT_GIB = 64
+
+
 def host_limit_gib(override: float | None) -> float:
     """Host memory one device may use: `--host-limit-gib`, else the machine's physical
-    memory shared by its local devices."""
+    memory, and on GPUs also XLA's pinned host pool (`HOST_POOL_ENV`), shared by the
+    process's local devices."""
     import jax
 
     if override is not None:
         return override
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total / jax.local_device_count() / 2**30
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if jax.default_backend() == "gpu":
+        raw = os.environ.get(HOST_POOL_ENV, str(HOST_POOL_DEFAULT_GIB))
+        try:
+            pool = float(raw)
+        except ValueError:
+            raise SystemExit(f"{HOST_POOL_ENV}={raw!r} is not a number of GB") from None
+        total = min(total, pool)
+    return total / jax.local_device_count()
 
 
 def per_1k_tokens(probes: list[dict], key: str) -> float | None:
@@ -201,7 +215,33 @@ def per_1k_tokens(probes: list[dict], key: str) -> float | None:
     return (hi[key] - lo[key]) / ((hi["seq"] - lo["seq"]) / 1024)
 
 
-def longest(model: str, mesh: str, args, limit_gib: float, host_limit: float = math.inf) -> dict:
+def _row(model: str, mesh: str, best: int | None, probes: list[dict], searching: bool) -> dict:
+    at_best = next((p for p in probes if p["seq"] == best), {})
+    row = {
+        "model": model,
+        "mesh": mesh,
+        "longest": best,
+        "gib": at_best.get("gib"),
+        "host_gib": at_best.get("host_gib"),
+        "gib_per_1k": per_1k_tokens(probes, "gib"),
+        "host_gib_per_1k": per_1k_tokens(probes, "host_gib"),
+        "probes": probes,
+    }
+    if searching:  # written while the search runs: `longest` is a lower bound
+        row["incomplete"] = True
+    return row
+
+
+def longest(
+    model: str,
+    mesh: str,
+    args,
+    limit_gib: float,
+    host_limit: float = math.inf,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """The longest context of `model` on `mesh` within the limits; `progress` gets the
+    row so far (marked `incomplete`) after every probe."""
     import jax
 
     from train.mesh import mesh_device_count, parse_mesh, seq_shards
@@ -227,19 +267,19 @@ def longest(model: str, mesh: str, args, limit_gib: float, host_limit: float = m
         )
         return {"fits": ok, "gib": gib, "host_gib": host}
 
+    seen: list[dict] = []
+
+    def probe(context: int) -> dict:
+        result = fits_at(context)
+        seen.append({"seq": context, **result})
+        if progress is not None:
+            fit = [p["seq"] for p in seen if p["fits"]]
+            progress(_row(model, mesh, max(fit, default=None), list(seen), searching=True))
+        return result
+
     granule = math.lcm(1024, 2 * seq)
-    best, probes = search_longest(fits_at, args.start, args.max, args.refine, granule)
-    at_best = next((p for p in probes if p["seq"] == best), {})
-    return {
-        "model": model,
-        "mesh": mesh,
-        "longest": best,
-        "gib": at_best.get("gib"),
-        "host_gib": at_best.get("host_gib"),
-        "gib_per_1k": per_1k_tokens(probes, "gib"),
-        "host_gib_per_1k": per_1k_tokens(probes, "host_gib"),
-        "probes": probes,
-    }
+    best, probes = search_longest(probe, args.start, args.max, args.refine, granule)
+    return _row(model, mesh, best, probes, searching=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,14 +365,48 @@ def main(argv: list[str] | None = None) -> dict:
         f"optimizer_offload={args.optimizer_offload}",
         flush=True,
     )
+
+    def write(rows: list[dict]) -> dict:
+        """The result so far; into `--out` (rewritten whole) when given."""
+        result = {
+            "device": jax.devices()[0].device_kind,
+            "devices": jax.device_count(),
+            "jax": jax.__version__,
+            "limit_gib": limit,
+            "host_limit_gib": host_limit,
+            "method": "compiled memory analysis of the training step, not run",
+            "settings": {
+                "shard_over_seq": args.shard_over_seq,
+                "gather_once": args.gather_once,
+                "attention": args.attention,
+                "remat": args.remat,
+                "mlp_tile": args.mlp_tile,
+                "optimizer_offload": args.optimizer_offload,
+                "layers": args.layers or None,
+            },
+            "argv": sys.argv[1:] if argv is None else argv,
+            "rows": rows,
+        }
+        if args.out:
+            tmp = f"{args.out}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(tmp, args.out)
+        return result
+
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for model in models_list:
         base = None
         for mesh in meshes:
-            row = longest(model, mesh, args, limit, host_limit)
+            row = longest(
+                model, mesh, args, limit, host_limit, progress=lambda r: write([*rows, r])
+            )
             base = base or row["longest"]
             row["vs_first_mesh"] = row["longest"] / base if row["longest"] and base else None
             rows.append(row)
+            write(rows)  # a run stopped by a timeout keeps the rows it finished
     print(
         "\n| model | mesh | longest context | GiB/device | GiB host | "
         "GiB/1k tokens device | GiB/1k tokens host | vs first mesh |"
@@ -350,29 +424,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{num(r['host_gib'])} | {num(r['gib_per_1k'], '.4f')} | "
             f"{num(r['host_gib_per_1k'], '.4f')} | {ratio} |"
         )
-    result = {
-        "device": jax.devices()[0].device_kind,
-        "devices": jax.device_count(),
-        "jax": jax.__version__,
-        "limit_gib": limit,
-        "host_limit_gib": host_limit,
-        "method": "compiled memory analysis of the training step, not run",
-        "settings": {
-            "shard_over_seq": args.shard_over_seq,
-            "gather_once": args.gather_once,
-            "attention": args.attention,
-            "remat": args.remat,
-            "mlp_tile": args.mlp_tile,
-            "optimizer_offload": args.optimizer_offload,
-            "layers": args.layers or None,
-        },
-        "argv": sys.argv[1:] if argv is None else argv,
-        "rows": rows,
-    }
+    result = write(rows)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
     return result
 
