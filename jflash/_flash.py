@@ -15,6 +15,7 @@ from jflash._mask import Mask
 from jflash._validation import (
     as_bool,
     check_causal,
+    check_offsets,
     check_qkv,
     check_segment_ids,
     check_unsharded,
@@ -97,8 +98,9 @@ def flash_attention(
         attention stays inside equal ids (packed sequences).
       return_lse: also return the natural-log log-sum-exp `[B, N, T]` f32 (rows that see
         no key: `-inf`, output 0). Its cotangent flows through the VJP.
-      q_offset, k_offset: static global positions of the first query / key, so a caller
-        can compute one block of a larger causal problem (ring attention).
+      q_offset, k_offset: static global positions of the first query / key (Python
+        ints >= 0, every position of the block below 2**31), so a caller can compute
+        one block of a larger causal problem (ring attention).
       block_sizes: tile shapes (`jflash.BlockSizes`); default from
         `default_block_sizes`.
       implementation: `"pallas_triton" | "pallas_mosaic" | "xla" | None` (None: the
@@ -118,7 +120,7 @@ def flash_attention(
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("flash_attention", q, k, v, segs)
     static = _Static(
-        mask=Mask(check_causal(causal), q_offset, k_offset),
+        mask=Mask(check_causal(causal), *check_offsets(q_offset, k_offset, shapes)),
         scale=default_scale(shapes.head_dim, scale),
         kernel=resolve(
             implementation,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jflash._mask import Mask
-from jflash._validation import check_qkv, check_segment_ids, default_scale
+from jflash._validation import check_offsets, check_qkv, check_segment_ids, default_scale
 from jflash._vma import vary, varying_axes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -43,7 +43,8 @@ def attention_reference(
     shapes = check_qkv(q, k, v)
     segs = check_segment_ids(segment_ids, shapes)
     scale = default_scale(shapes.head_dim, scale)
-    mask = Mask(causal, q_offset, k_offset).dense(shapes.q_len, shapes.kv_len, segs)
+    offsets = check_offsets(q_offset, k_offset, shapes)
+    mask = Mask(causal, *offsets).dense(shapes.q_len, shapes.kv_len, segs)
     qg = _grouped(q.astype(jnp.float32), shapes.kv_heads)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
     s = jnp.where(mask[:, None, None], s, -jnp.inf)

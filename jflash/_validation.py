@@ -11,6 +11,7 @@ import numpy as np
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256
+MAX_POSITION = 2**31 - 1  # the kernels' positions are int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,28 @@ def check_qkv(q, k, v) -> Shapes:
     if 0 in (batch, q_heads, q_len, kv_len):
         raise ValueError(f"empty input: {batch=}, {q_heads=}, {q_len=}, {kv_len=} must all be >= 1")
     return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
+
+
+def check_offsets(q_offset, k_offset, shapes: Shapes) -> tuple[int, int]:
+    """`(q_offset, k_offset)` as Python ints: the global positions of the first query
+    and key, static, >= 0, and every position of the block within int32 (past it the
+    kernels' positions would wrap and the mask come out wrong)."""
+    checked = []
+    for name, value, length in (
+        ("q_offset", q_offset, shapes.q_len),
+        ("k_offset", k_offset, shapes.kv_len),
+    ):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a static Python int (a global position)")
+        if value < 0:
+            raise ValueError(f"{name}={value} must be >= 0 (a global position)")
+        if value + length - 1 > MAX_POSITION:
+            raise ValueError(
+                f"{name}={value} puts the last of {length} positions past {MAX_POSITION} "
+                "(positions are int32)"
+            )
+        checked.append(int(value))
+    return checked[0], checked[1]
 
 
 def check_unsharded(where: str, q, k, v, segs) -> None:

@@ -59,7 +59,7 @@ CASES = [
     Case(q_heads=8, kv_heads=1, causal=False, q_len=80, kv_len=144, dtype=jnp.bfloat16),
     Case(q_heads=4, kv_heads=4, q_len=130, kv_len=70),
     Case(q_len=64, kv_len=192, q_offset=128),
-    Case(q_heads=8, kv_heads=1, q_len=128, kv_len=128, q_offset=-64, k_offset=0),
+    Case(q_heads=8, kv_heads=1, q_len=128, kv_len=128, k_offset=64),
     Case(q_len=128, kv_len=96, q_offset=20, k_offset=50, head_dim=100, dtype=jnp.bfloat16),
     Case(segments=3, batch=2),
     Case(segments=2, causal=False, q_heads=8, kv_heads=1, head_dim=128, dtype=jnp.float16),
@@ -79,7 +79,7 @@ MOSAIC_CASES = [
     Case(q_heads=8, kv_heads=1, causal=False, q_len=80, kv_len=144, dtype=jnp.bfloat16),
     Case(q_heads=4, kv_heads=4, q_len=130, kv_len=70, head_dim=128, dtype=jnp.bfloat16),
     Case(q_len=64, kv_len=192, q_offset=128, dtype=jnp.bfloat16),
-    Case(q_heads=8, kv_heads=1, q_len=256, kv_len=256, q_offset=-64, dtype=jnp.float16),
+    Case(q_heads=8, kv_heads=1, q_len=256, kv_len=256, k_offset=64, dtype=jnp.float16),
     Case(q_len=320, kv_len=96, q_offset=20, k_offset=50, head_dim=128, dtype=jnp.bfloat16),
     Case(q_heads=4, kv_heads=2, head_dim=64, q_len=192, segments=3, dtype=jnp.bfloat16),
     # The benchmark's head layout: compiled only (the interpreter takes ~6 minutes).
@@ -347,6 +347,10 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"causal": "no"}, (_q, _kv, _kv), ValueError, "causal='no' must be True or False"),
         ({}, (_q[:, :, :0], _kv, _kv), ValueError, "empty input: .*q_heads=0"),
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
+        ({"q_offset": -1}, (_q, _kv, _kv), ValueError, "q_offset=-1 must be >= 0"),
+        ({"k_offset": -64}, (_q, _kv, _kv), ValueError, "k_offset=-64 must be >= 0"),
+        ({"q_offset": 2**31 - 16}, (_q, _kv, _kv), ValueError, "q_offset=2147483632 puts"),
+        ({"k_offset": 2**40}, (_q, _kv, _kv), ValueError, "k_offset=1099511627776 puts"),
         ({"deterministic": "yes"}, (_q, _kv, _kv), ValueError, "deterministic='yes'"),
         ({"interpret": "no"}, (_q, _kv, _kv), ValueError, "interpret='no' must be True"),
         ({"return_lse": "no"}, (_q, _kv, _kv), ValueError, "return_lse='no' must be True"),
@@ -379,6 +383,19 @@ def test_numpy_bools_are_accepted():
     assert (
         jflash.flash_attention(_q, _kv, _kv, causal=True, deterministic=np.True_).shape == _q.shape
     )
+
+
+def test_numpy_int_offsets_are_accepted():
+    """Offsets from numpy arithmetic are ints too; the last int32 position is in range."""
+    last = 2**31 - 32
+    for q_offset, k_offset in ((np.int64(8), np.int32(0)), (last, last)):
+        out = jflash.flash_attention(
+            _q, _kv, _kv, causal=True, q_offset=q_offset, k_offset=k_offset, implementation="xla"
+        )
+        want, _ = jflash.attention_reference(
+            _q, _kv, _kv, causal=True, q_offset=int(q_offset), k_offset=int(k_offset)
+        )
+        np.testing.assert_allclose(out, want, atol=1e-6)
 
 
 def test_causal_is_required():
