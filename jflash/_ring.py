@@ -50,6 +50,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -57,7 +58,7 @@ from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import check_causal, check_qkv, default_scale
+from jflash._validation import check_array, check_causal, check_qkv, default_scale
 from jflash._vma import vary, varying_axes
 
 RING_STRATEGIES = ("ring", "allgather")
@@ -499,6 +500,20 @@ def ring_config(
 # One rank of the ring, on one device
 
 
+def _check_rank(rank, p: int):
+    """`rank` as a Python int in `[0, p)`, or a traced int32 scalar (checked for its
+    type only); anything else (a float, a bool, a vector) is refused by name."""
+    if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool):
+        if not 0 <= rank < p:
+            raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
+        return int(rank)
+    if isinstance(rank, jax.Array) and rank.shape == () and jnp.issubdtype(rank.dtype, jnp.integer):
+        if not isinstance(rank, jax.core.Tracer) and not 0 <= int(rank) < p:
+            raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
+        return rank.astype(jnp.int32)
+    raise ValueError(f"{rank=} must be an int in [0, {p}) or a traced int scalar")
+
+
 def ring_attention_rank(
     q: jax.Array,
     sources,
@@ -525,7 +540,8 @@ def ring_attention_rank(
         `layout` order).
       sources: `P` pairs `(k, v)` `[B, T', K, H]`: at step `s` the shard of rank
         `(rank - s) % P`.
-      rank: an int in `[0, P)`, or a traced int32 scalar (as inside the ring).
+      rank: an int in `[0, P)`, or a traced int scalar (as inside the ring); others
+        (a float, a bool, an array of ranks) are refused by name.
       causal, layout, scale, implementation, interpret, block_sizes, deterministic: as
         in `ring_attention`.
 
@@ -540,6 +556,7 @@ def ring_attention_rank(
     if not sources:
         raise ValueError("sources must hold at least one (k, v) pair (one per ring step)")
     shapes = [check_qkv(q, k, v) for k, v in sources]
+    check_array("do", do)
     if any(s.kv_len != shapes[0].q_len for s in shapes) or do.shape != q.shape:
         raise ValueError(
             f"every source's k and v, and do, must be as long as q ({q.shape[1]=}) with "
@@ -547,8 +564,7 @@ def ring_attention_rank(
         )
     p = len(sources)
     check_layout_len(p * q.shape[1], p, layout)
-    if isinstance(rank, int) and not 0 <= rank < p:
-        raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
+    rank = _check_rank(rank, p)
     cfg = ring_config(
         "rank",
         p,

@@ -30,7 +30,7 @@ class Shapes:
         return self.q_heads // self.kv_heads
 
 
-def _check_array(name: str, x) -> None:
+def check_array(name: str, x) -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name} must be a jax or numpy array; got {type(x).__name__}")
 
@@ -38,7 +38,7 @@ def _check_array(name: str, x) -> None:
 def check_qkv(q, k, v) -> Shapes:
     """Validates BSHD q `[B,T,N,H]`, k/v `[B,S,K,H]` and returns their sizes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_array(name, x)
+        check_array(name, x)
         if x.ndim != 4:
             raise ValueError(f"{name} must be rank 4 [batch, seq, heads, head_dim]; got {x.shape=}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -115,8 +115,8 @@ def check_segment_ids(segment_ids, shapes: Shapes):
         q_seg, kv_seg = segment_ids
     else:
         q_seg = kv_seg = segment_ids
-    _check_array("q segment ids", q_seg)
-    _check_array("kv segment ids", kv_seg)
+    check_array("q segment ids", q_seg)
+    check_array("kv segment ids", kv_seg)
     want_q = (shapes.batch, shapes.q_len)
     want_kv = (shapes.batch, shapes.kv_len)
     if tuple(q_seg.shape) != want_q:

@@ -71,6 +71,11 @@ def test_bad_arguments_are_named():
         jflash.ring_attention_rank(q, [], do, 0, causal=True, layout="zigzag")
     with pytest.raises(ValueError, match="rank=2"):
         jflash.ring_attention_rank(q, [(k, v)] * 2, do, 2, causal=True, layout="zigzag")
+    for rank in (-1, np.int64(2), 1.5, True, jnp.float32(1), jnp.array([0, 1]), jnp.int32(2)):
+        with pytest.raises(ValueError, match="rank="):
+            jflash.ring_attention_rank(q, [(k, v)] * 2, do, rank, causal=True, layout="zigzag")
+    with pytest.raises(TypeError, match="do must be a jax or numpy array"):
+        jflash.ring_attention_rank(q, [(k, v)], [0.0], 0, causal=True, layout="zigzag")
     with pytest.raises(ValueError, match="layout='spiral'"):
         jflash.ring_attention_rank(q, [(k, v)], do, 0, causal=True, layout="spiral")
     with pytest.raises(ValueError, match="as long as q"):
