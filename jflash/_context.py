@@ -37,6 +37,8 @@ def _names(seq_axis, argument: str = "seq_axis") -> tuple[str, ...]:
     names = (seq_axis,) if isinstance(seq_axis, str) else seq_axis
     if not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names):
         raise ValueError(f"{argument}={seq_axis!r} must be a mesh axis name or a tuple of them")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{argument}={seq_axis!r} names a mesh axis twice")
     return names
 
 

@@ -501,6 +501,15 @@ def test_errors_name_the_problem():
         jflash.ring_attention_shard(q, k, v, axis_name="seq")  # causal is required
     with pytest.raises(ValueError, match=r"axis_name=\['seq'\] must be a mesh axis name"):
         jflash.ring_attention_shard(q, k, v, axis_name=["seq"], **call)
+    with pytest.raises(ValueError, match=r"axis_name=\('seq', 'seq'\) names a mesh axis twice"):
+        mapped(
+            lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name=("seq", "seq"), **call),
+            q,
+            k,
+            v,
+        )
+    with pytest.raises(ValueError, match=r"seq_axis=\('seq', 'seq'\) names a mesh axis twice"):
+        jflash.ring_attention(q, k, v, mesh=mesh, seq_axis=("seq", "seq"), **call)
     with pytest.raises(NotImplementedError, match="strategy='allgather' with layout='striped'"):
         jflash.ring_attention(q, k, v, mesh=mesh, layout="striped", strategy="allgather", **call)
     with pytest.raises(ValueError, match="seq_len=15 must be divisible by num_shards=2 for the"):
