@@ -9,6 +9,7 @@ mesh axis, the ring over an outer one).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -378,13 +379,8 @@ def ring_attention(
     segs = check_segment_ids(segment_ids, shapes)
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
-    batch_spec = batch or None  # a tuple of axis names splits the batch over all of them
-    seq_spec = names if len(names) > 1 else names[0]
-    qkv_spec = PartitionSpec(batch_spec, seq_spec, None, None)
-    lse_spec = PartitionSpec(batch_spec, None, seq_spec)
-    seg_spec = PartitionSpec(batch_spec, seq_spec)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
-    kernel = ring_config(
+    cfg = ring_config(
         names[0],
         ring_shards,
         seq_len,
@@ -398,38 +394,57 @@ def ring_attention(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
-    ).kernel
-    if kernel.name == "pallas_mosaic" and kernel.interpret and mesh.size > 1:
+    )
+    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise _mosaic_interpret_error(mesh.size)
+    options = dict(
+        axis_name=seq_axis,
+        causal=causal,
+        layout=layout,
+        strategy=strategy,
+        scale=cfg.scale,
+        block_sizes=block_sizes,
+        implementation=implementation,
+        interpret=interpret,
+        deterministic=deterministic,
+    )
+    o, lse = _shard_mapped(
+        q,
+        k,
+        v,
+        segs,
+        mesh=mesh,
+        batch_spec=batch or None,  # a tuple of axis names splits the batch over all of them
+        options=tuple(options.items()),
+        # Interpreted Pallas kernels lose manual-axis types (see `check_interpretable`).
+        check_vma=not cfg.kernel.interpret,
+    )
+    return (o, lse) if return_lse else o
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "batch_spec", "options", "check_vma"))
+def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options, check_vma):
+    """`ring_attention_shard` (keyword arguments `options`) in a `shard_map` over
+    `mesh`, on global arrays. Jitted: an eager `shard_map` would run the ring op by
+    op (seconds for a few tokens on CPU), and a second call reuses the program."""
+    options = dict(options)
+    names = _names(options["axis_name"])
+    seq_spec = names if len(names) > 1 else names[0]
+    qkv_spec = PartitionSpec(batch_spec, seq_spec, None, None)
+    lse_spec = PartitionSpec(batch_spec, None, seq_spec)
+    seg_spec = PartitionSpec(batch_spec, seq_spec)
 
     def body(q, k, v, segs):
-        return ring_attention_shard(
-            q,
-            k,
-            v,
-            axis_name=seq_axis,
-            causal=causal,
-            layout=layout,
-            strategy=strategy,
-            segment_ids=segs,
-            scale=scale,
-            return_lse=True,
-            block_sizes=block_sizes,
-            implementation=implementation,
-            interpret=interpret,
-            deterministic=deterministic,
-        )
+        return ring_attention_shard(q, k, v, segment_ids=segs, return_lse=True, **options)
 
     q, k, v = _to_spec((q, k, v), mesh, qkv_spec)
     if segs is not None:
         segs = _to_spec(segs, mesh, seg_spec)
     seg_specs = None if segs is None else (seg_spec, seg_spec)
-    o, lse = jax.shard_map(
+    return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
         out_specs=(qkv_spec, lse_spec),
-        # Interpreted Pallas kernels lose manual-axis types (see `check_interpretable`).
-        check_vma=not kernel.interpret,
+        check_vma=check_vma,
     )(q, k, v, segs)
-    return (o, lse) if return_lse else o

@@ -566,6 +566,36 @@ def test_layout_errors():
         jflash.positions(8, 2.0)
 
 
+@pytest.mark.multi_device(2)
+def test_eager_call_is_one_compiled_program(monkeypatch):
+    """Called outside jit, ring_attention runs its shard_map as one jitted program:
+    the per-shard body is traced once, and a second call with the same arguments
+    reuses it (an eager shard_map ran the ring op by op, seconds for 16 tokens)."""
+    import jflash._context as context
+
+    traced = []
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return ring_attention_shard(*args, **kwargs)
+
+    ring_attention_shard = context.ring_attention_shard
+    monkeypatch.setattr(context, "ring_attention_shard", counting)
+    mesh = _seq_mesh(2)
+    q, k, v, *_ = make_inputs(
+        0, batch=1, q_len=24, kv_len=24, q_heads=2, kv_heads=1, head_dim=8, dtype=jnp.float32
+    )
+    call = dict(mesh=mesh, causal=True, implementation="xla", scale=0.25)
+    zq, zk, zv = (jflash.zigzag(x, 2) for x in (q, k, v))
+    first = jflash.ring_attention(zq, zk, zv, **call)
+    again = jflash.ring_attention(zq, zk, zv, **call)
+    assert len(traced) == 1
+    np.testing.assert_array_equal(first, again)
+    want, _ = jflash.attention_reference(q, k, v, causal=True, scale=0.25)
+    tol = TOLERANCE[jnp.float32]["out"]
+    np.testing.assert_allclose(jflash.unzigzag(first, 2), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.multi_device(4)
 def test_ring_errors():
     mesh = _seq_mesh(4)
