@@ -3,6 +3,10 @@
     python benchmarks/ring.py                                  # the efficiency table
     python benchmarks/ring.py --profile                        # + device time breakdown
     python benchmarks/ring.py --longest                        # longest fwd+bwd, 1 vs P
+    python benchmarks/ring.py --devices 4 --documents --layouts zigzag,striped,contiguous \\
+        --strategies ring --tokens-per-device 8192,16384 --passes fwdbwd --profile
+    python benchmarks/ring.py --devices 4 --strategies ring,ulysses,hybrid,allgather \\
+        --layouts zigzag --passes fwdbwd --cp-model                 # + cp_model's prediction
     python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
         --strategies ring --longest --longest-start 131072     # one table row + longest
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/ring.py \\
@@ -17,6 +21,27 @@ dispatched back to back and synchronised once (as a training loop runs them).
 `train.tools.trace`: attention kernels, other compute, communication and its exposed part
 (a NCCL kernel running while no compute kernel does), idle; averaged over devices and
 profiled iterations. Only GPU device tracks are read, so on CPU it is not measured.
+
+Every row's inputs are the ideal's, permuted into the row's layout (`jflash.positions`),
+and the row's output is checked against the ideal's (`max_abs_diff`; past 0.05 the row
+gets an `error`). Strategies: `hybrid` runs on a (P/2, 2) mesh, the ring over P/2
+shards of a 2-way all-to-all (2x2 on 4 devices; it needs an even P >= 4).
+
+`--documents [MEAN]`: packed documents, log-normal lengths (mean MEAN tokens, default
+4096; sigma 1; capped at 16 x MEAN; seed 0: `benchmarks/balance.py`'s first row), one
+packed row of P x tokens per device. Per-token segment ids go to the call in the row's
+layout order; the ideal is one device's `flash_attention` on the same packed row
+(natural order), so efficiency is the same ratio of times, and TFLOP/s (`tflops_*`:
+per device; `ideal_tflops_*`: the one device) count the mask area: visible (query, key)
+pairs x 4 x H per head (forward; x 3.5 forward+backward). Beside it: the per-rank
+imbalance `balance.py` predicts for the layout (max over ranks / mean of the mask area
+and of the kernel tiles visited), and with `--profile` the measured one: max / mean
+over devices of each device's attention-kernel time in the trace (GPU only).
+
+`--cp-model`: beside each forward+backward row, `benchmarks/cp_model.py`'s prediction
+for its strategy and P (`model_eff_fwdbwd`, `model_exposed_ms`), with the kernel rate
+taken from this run's one-device ideal and the link bandwidth measured here (ppermute
+of 256 MiB per device over every device; 1 MiB on CPU), cp_model's defaults otherwise.
 """
 
 from __future__ import annotations
@@ -29,14 +54,17 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
+from benchmarks import balance, cp_model  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     device_name,
     jit_passes,
@@ -51,6 +79,21 @@ from train.tools.trace import parse as parse_trace  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+PASSES = ("fwd", "fwdbwd")
+OUT_TOLERANCE = 0.05  # max |ring - one device| of the outputs (bf16), as kernel.py's check
+DOC_SEED, DOC_CAP, DOC_TILE = 0, 16, 128  # documents: seed, cap (x mean), balance.py's tile
+NOTES = {
+    "eff": "ideal / measured; ideal = one device's time for the whole sequence (the same "
+    "packed documents where the row has them) / P; *_pipe: calls back to back",
+    "tflops": "per device, on the mask area: visible (query, key) pairs x 4 x H per head "
+    "(forward), x 3.5 forward+backward; ideal_tflops_*: the one device's",
+    "predicted_*_imbalance": "balance.py: max over ranks / mean of the mask area and of "
+    "the kernel tiles visited (128-token tiles), for the row's layout",
+    "fwdbwd_attention_imbalance": "measured: max over devices / mean of each device's "
+    "attention-kernel time in a jax.profiler trace (--profile, GPU); absent: not measured",
+    "model_*": "benchmarks/cp_model.py's prediction (config.links: the bandwidth it used)",
+    "max_abs_diff": "the row's output against the one device's, in the row's layout order",
+}
 
 
 def _ints(text: str) -> list[int]:
@@ -88,14 +131,34 @@ def _error(e: Exception) -> str:
     return "out of memory" if "RESOURCE_EXHAUSTED" in str(e) else str(e).splitlines()[0][:160]
 
 
-def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> dict:
+def jitted_passes(attn, documents: bool, names=PASSES) -> dict:
+    """`common.jit_passes(attn)`, or with documents its form for `attn(q, k, v, ids)`:
+    the ids are an argument (not a constant XLA could fold), inputs `(q, k, v, ids, do)`.
+    Only the passes in `names`."""
+    if documents:
+
+        @jax.jit
+        def fwdbwd(q, k, v, ids, do):
+            out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, ids), q, k, v)
+            return out, vjp(do)
+
+        passes = {"fwd": (jax.jit(attn), 4), "fwdbwd": (fwdbwd, 5)}
+    else:
+        passes = jit_passes(attn)
+    return {name: passes[name] for name in names}
+
+
+def time_passes(attn, inputs, args, row: dict, prefix: str = "", documents=False) -> dict:
     """Fills `row[prefix+'fwd_ms']`, `row[prefix+'fwdbwd_ms']` (or `..._error`): wall
-    time of one synchronised call; and `..._pipe_ms`: per call, dispatched back to back.
-    Returns `{pass: (compiled, its inputs)}` of the passes that ran, warm."""
+    time of one synchronised call; `..._pipe_ms`: per call, dispatched back to back;
+    `..._compile_s`: lowering and compiling. Returns `{pass: (compiled, its inputs)}`
+    of the passes that ran, warm."""
     ran = {}
-    for name, (fn, nargs) in jit_passes(attn).items():
+    for name, (fn, nargs) in jitted_passes(attn, documents, args.passes).items():
         try:
+            t0 = time.perf_counter()
             compiled = fn.lower(*inputs[:nargs]).compile()
+            row[f"{prefix}{name}_compile_s"] = time.perf_counter() - t0
             t = time_fn(
                 compiled, *inputs[:nargs], warmup=args.warmup, iters=args.iters, min_time=0.0
             )
@@ -109,25 +172,113 @@ def time_passes(attn, inputs, args, row: dict, prefix: str = "") -> dict:
     return ran
 
 
-def single_device(seq, args) -> dict:
-    """The ideal's numerator: the whole sequence on device 0."""
-    attn = functools.partial(
-        jflash.flash_attention, causal=not args.non_causal, implementation=args.implementation
-    )
+def output_of(ran: dict):
+    """The attention output of one call of a pass that ran (None if none ran)."""
+    for name, (compiled, inputs) in ran.items():
+        out = compiled(*inputs)
+        return out[0] if name == "fwdbwd" else out
+    return None
+
+
+def single_device(seq, args, documents=None) -> tuple[dict, list, object]:
+    """The ideal's numerator, the whole sequence on device 0: `(row, natural-order
+    inputs, output)`; with documents, their segment ids are the inputs' fourth."""
+    causal, impl = not args.non_causal, args.implementation
+    inputs = draw_inputs(seq, args)
+    if documents is None:
+        attn = functools.partial(jflash.flash_attention, causal=causal, implementation=impl)
+    else:
+        ids = np.repeat(np.arange(len(documents), dtype=np.int32), documents)
+        inputs.insert(3, jax.device_put(np.tile(ids, (args.batch, 1)), jax.devices()[0]))
+
+        def attn(q, k, v, ids):
+            return jflash.flash_attention(
+                q, k, v, causal=causal, segment_ids=ids, implementation=impl
+            )
+
     row: dict = {}
-    time_passes(attn, draw_inputs(seq, args), args, row)
-    return row
+    ran = time_passes(attn, inputs, args, row, documents=documents is not None)
+    return row, inputs, output_of(ran)
 
 
-def ring_fn(mesh, layout, strategy, args):
-    return functools.partial(
+def ring_fn(mesh, layout, strategy, args, seq_axis="seq", documents=False):
+    attn = functools.partial(
         jflash.ring_attention,
         mesh=mesh,
+        seq_axis=seq_axis,
         causal=not args.non_causal,
         layout=layout,
         strategy=strategy,
         implementation=args.implementation,
     )
+    if documents:
+        return lambda q, k, v, ids: attn(q, k, v, segment_ids=ids)
+    return attn
+
+
+def seq_mesh(p: int, strategy: str):
+    """`(mesh, seq_axis, layout shards)` of a sequence over P devices: the hybrid
+    strategy's ring over P/2 shards of a 2-way all-to-all, one axis otherwise."""
+    devices = jax.devices()[:p]
+    if strategy == "hybrid":
+        if p < 4 or p % 2:
+            raise ValueError(f"strategy 'hybrid' needs an even P >= 4 (P/2 ring x 2 a2a); P={p}")
+        return jax.make_mesh((p // 2, 2), ("seq", "a2a"), devices=devices), ("seq", "a2a"), p // 2
+    return jax.make_mesh((p,), ("seq",), devices=devices), "seq", p
+
+
+def check_output(row: dict, out, expected, pos) -> None:
+    """`row['max_abs_diff']` of the row's output against the one device's (in the row's
+    layout order); past `OUT_TOLERANCE` (or NaN) the row gets an `error`."""
+    want = jax.device_put(expected[:, pos], out.sharding)
+    diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+    row["max_abs_diff"] = diff
+    if not diff <= OUT_TOLERANCE:
+        row["error"] = f"wrong output: max |diff| vs one device {diff:.3g} > {OUT_TOLERANCE}"
+
+
+def attention_pairs(seq: int, causal: bool, documents=None) -> int:
+    """Visible (query, key) pairs, the mask area: of the packed documents' lengths, or
+    of the whole sequence as one document."""
+    return sum(n * (n + 1) // 2 if causal else n * n for n in documents or [seq])
+
+
+# ----------------------------------------------------------------------------------
+# cp_model's prediction beside a measured row
+
+
+def link_gbps() -> dict:
+    """GB/s per device and direction for cp_model: a ppermute of 256 MiB per device
+    over every device measured here (1 MiB on CPU), or cp_model's default."""
+    if len(jax.devices()) < 2:
+        return {"intra_gbps": 195.0, "from": "cp_model default (NVLink of 2 H200s)"}
+    mib = 256 if jax.default_backend() == "gpu" else 1
+    rows = cp_model.measure([mib])["rows"]
+    gbps = next(r["gbps"] for r in rows if r["op"] == "ppermute")
+    return {"intra_gbps": gbps, "from": f"ppermute of {mib} MiB per device, measured here"}
+
+
+def model_prediction(row: dict, ideal: dict, args, gbps: float) -> None:
+    """cp_model's forward+backward prediction for the row's strategy and P. Its kernel
+    rate is the one device's measured (pipelined) rate on the whole sequence, undone
+    for cp_model's short-call fall-off; its other inputs are cp_model's defaults
+    (short_call_tokens 200, ring overhead 18 ns per token, latency 15 us). One node of
+    2-GPU "nodes" joined at the same bandwidth: the hybrid is the 2x2 that runs here,
+    and the other strategies' predictions are those of one node."""
+    p, seq = row["devices"], row["seq_len"]
+    if p < 2 or "fwdbwd_pipe_ms" not in ideal:
+        return
+    flops = 7 * args.batch * args.heads * args.head_dim * seq * seq  # causal fwd+bwd, B x
+    rate = flops / (ideal["fwdbwd_pipe_ms"] * 1e-3) / 1e12
+    machine = cp_model.Machine(rate * (seq + 200) / seq, 200.0, 18.0, gbps, gbps, 15.0, 2)
+    shape = cp_model.Shape(args.heads, args.kv_heads, args.head_dim)
+    for pred in cp_model.predict(p, row["tokens_per_device"], shape, machine):
+        if pred.strategy == row["strategy"] and pred.efficiency > 0:
+            row["model_eff_fwdbwd"] = pred.efficiency
+            row["model_ms"] = pred.time_ms * args.batch
+            row["model_exposed_ms"] = pred.exposed_ms * args.batch
+            if pred.note:
+                row["model_note"] = pred.note
 
 
 # ----------------------------------------------------------------------------------
@@ -137,17 +288,19 @@ def ring_fn(mesh, layout, strategy, args):
 BREAKDOWN = ("busy_ms", "idle_ms", "attention_ms", "other_ms", "comm_ms", "exposed_comm_ms")
 
 
-def device_breakdown(trace_dir: str, iterations: int) -> dict | None:
-    """Per iteration, averaged over devices: busy, idle, attention kernels, other
-    compute (merges, casts, copies), communication and its exposed part (ms), read by
-    `train.tools.trace` from the newest trace (the whole trace is one window); None when the
-    trace has no GPU device tracks (CPU runs)."""
+def gpu_trace(trace_dir: str):
+    """`train.tools.trace`'s report of the newest trace (the whole trace is one window),
+    or None when it has no GPU device tracks (CPU runs)."""
     try:
         report = parse_trace(trace_dir)
     except (FileNotFoundError, ValueError):
         return None
-    if report.platform != "gpu":
-        return None
+    return report if report.platform == "gpu" else None
+
+
+def breakdown_of(report, iterations: int) -> dict:
+    """Per iteration, averaged over devices: busy, idle, attention kernels, other
+    compute (merges, casts, copies), communication and its exposed part (ms)."""
     m = report.mean
     values = {
         "busy_ms": m.busy_ms,
@@ -160,18 +313,32 @@ def device_breakdown(trace_dir: str, iterations: int) -> dict | None:
     return {k: v / iterations for k, v in values.items()}
 
 
+def device_breakdown(trace_dir: str, iterations: int) -> dict | None:
+    """`breakdown_of` the newest trace in `trace_dir`; None when it has no GPU device
+    tracks (CPU runs)."""
+    report = gpu_trace(trace_dir)
+    return None if report is None else breakdown_of(report, iterations)
+
+
 def profile_passes(ran: dict, iterations: int, row: dict) -> bool:
     """Traces `iterations` back-to-back calls of each pass `time_passes` ran (as
     `time_pipelined` runs them) and fills `row['<pass>_<field>']` for the fields of
-    `device_breakdown`; False when the trace has no GPU device tracks."""
+    `breakdown_of`; `row['<pass>_rank_attention_ms']`, each device's attention kernels
+    per iteration in device order, and `row['<pass>_attention_imbalance']`, their max
+    over their mean. False when the trace has no GPU device tracks."""
     for name, (compiled, inputs) in ran.items():
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
                 jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
-            parts = device_breakdown(trace_dir, iterations)
-        if parts is None:
+            report = gpu_trace(trace_dir)
+        if report is None:
             return False
-        row.update({f"{name}_{k}": v for k, v in parts.items()})
+        row.update({f"{name}_{k}": v for k, v in breakdown_of(report, iterations).items()})
+        order = sorted(report.devices, key=lambda d: int(d.split(":")[1]))
+        ranks = [report.devices[d].attention_ms for d in order]
+        if all(x is not None for x in ranks) and sum(ranks) > 0:
+            row[f"{name}_rank_attention_ms"] = [x / iterations for x in ranks]
+            row[f"{name}_attention_imbalance"] = max(ranks) / (sum(ranks) / len(ranks))
     return True
 
 
@@ -179,20 +346,48 @@ def profile_passes(ran: dict, iterations: int, row: dict) -> bool:
 # Main table
 
 
-def benchmark(args, on_row=lambda rows: None) -> list[dict]:
+def document_fields(lengths: list[int], causal: bool, shards: int, layout: str, strategy: str):
+    """A documents row's mask (`dense_pairs`: the same tokens as one document) and
+    balance.py's predicted per-rank imbalance (rings only: Ulysses runs the whole
+    sequence per device)."""
+    seq = sum(lengths)
+    fields = {
+        "documents": len(lengths),
+        "longest_document": max(lengths),
+        "mask_pairs": attention_pairs(seq, causal, lengths),
+        "dense_pairs": attention_pairs(seq, causal),
+        "document_lengths": lengths,
+    }
+    fields["mask_fraction"] = fields["mask_pairs"] / fields["dense_pairs"]
+    if strategy != "ulysses" and shards > 1:
+        tile = math.gcd(DOC_TILE, seq // shards)  # whole tiles per rank (tiny runs)
+        area, tiles = balance.rank_work(lengths, shards, layout, tile)
+        fields["predicted_area_imbalance"] = float(area.max() / area.mean())
+        fields["predicted_tile_imbalance"] = float(tiles.max() / tiles.mean())
+    return fields
+
+
+def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list[dict]:
     """The table; `on_row(rows)` after each row (the JSON survives a run cut short)."""
     rows, ideal_cache = [], {}
+    columns = table_columns(args)
+    causal = not args.non_causal
     for tokens in args.tokens_per_device:
         for p in args.devices:
             seq = tokens * p
+            lengths = None
+            if args.documents:
+                rng = np.random.default_rng(DOC_SEED)
+                lengths = balance.document_lengths(
+                    seq, rng, args.documents, DOC_CAP * args.documents
+                )
             if seq not in ideal_cache:
-                ideal_cache[seq] = single_device(seq, args)
-            ideal = ideal_cache[seq]
-            mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
-            sharding = NamedSharding(mesh, P(None, "seq"))
-            inputs = draw_inputs(seq, args, sharding)
+                ideal_cache.clear()  # one sequence's inputs and output held at a time
+                ideal_cache[seq] = single_device(seq, args, lengths)
+            ideal, natural, expected = ideal_cache[seq]
             for layout in args.layouts:
                 for strategy in args.strategies:
+                    t_row = time.perf_counter()
                     row = dict(
                         tokens_per_device=tokens,
                         devices=p,
@@ -200,9 +395,22 @@ def benchmark(args, on_row=lambda rows: None) -> list[dict]:
                         layout=layout,
                         strategy=strategy,
                     )
-                    attn = ring_fn(mesh, layout, strategy, args)
+                    try:
+                        mesh, axis, shards = seq_mesh(p, strategy)
+                    except ValueError as e:
+                        row["error"] = str(e)
+                        rows.append(row)
+                        print(f"{tokens} tokens, P={p}, {strategy}: {e}", flush=True)
+                        continue
+                    if lengths is not None:
+                        row.update(document_fields(lengths, causal, shards, layout, strategy))
+                    pos = np.asarray(jflash.positions(seq, shards, layout))
+                    sharding = NamedSharding(mesh, P(None, axis))
+                    inputs = [jax.device_put(x[:, pos], sharding) for x in natural]
+                    attn = ring_fn(mesh, layout, strategy, args, axis, lengths is not None)
                     with jax.set_mesh(mesh):
-                        ran = time_passes(attn, inputs, args, row)
+                        ran = time_passes(attn, inputs, args, row, documents=lengths is not None)
+                        out = output_of(ran) if expected is not None else None
                         if args.profile and "fwdbwd_ms" in row:
                             if not profile_passes(ran, args.profile_iters, row):
                                 print(
@@ -214,6 +422,10 @@ def benchmark(args, on_row=lambda rows: None) -> list[dict]:
                                 row["exposed_comm_frac"] = (
                                     row["fwdbwd_exposed_comm_ms"] / row["fwdbwd_pipe_ms"]
                                 )
+                    if out is not None:
+                        check_output(row, out, expected, pos)
+                    del ran, inputs, out
+                    pairs = attention_pairs(seq, causal, lengths)
                     for name in ("fwd", "fwdbwd", "fwd_pipe", "fwdbwd_pipe"):
                         if f"{name}_ms" in ideal:
                             row[f"ideal_{name}_ms"] = ideal[f"{name}_ms"] / p
@@ -221,8 +433,21 @@ def benchmark(args, on_row=lambda rows: None) -> list[dict]:
                                 row[f"eff_{name}"] = row[f"ideal_{name}_ms"] / row[f"{name}_ms"]
                         elif f"{name}_error" in ideal:
                             row[f"ideal_{name}_error"] = ideal[f"{name}_error"]
+                    for name in ("fwd_pipe", "fwdbwd_pipe"):
+                        flops = 4 * args.batch * args.heads * args.head_dim * pairs
+                        flops *= 3.5 if name == "fwdbwd_pipe" else 1.0
+                        if f"{name}_ms" in row:
+                            row[f"tflops_{name}"] = flops / (p * row[f"{name}_ms"] * 1e9)
+                        if f"{name}_ms" in ideal:
+                            row[f"ideal_tflops_{name}"] = flops / (ideal[f"{name}_ms"] * 1e9)
+                    if links is not None and lengths is None and causal:
+                        model_prediction(row, ideal, args, links["intra_gbps"])
+                    row["row_s"] = time.perf_counter() - t_row
                     rows.append(row)
-                    print(table([row], COLUMNS).splitlines()[-1], flush=True)
+                    print(table([row], columns).splitlines()[-1], flush=True)
+                    errors = {k: v for k, v in row.items() if k.endswith("error")}
+                    if errors:
+                        print(f"  {errors}", flush=True)
                     on_row(rows)
     _zigzag_speedups(rows)
     return rows
@@ -256,9 +481,26 @@ COLUMNS = [
     "zigzag_speedup_fwdbwd_pipe",
     "exposed_comm_frac",
 ]
+DOCUMENT_COLUMNS = [
+    "documents",
+    "mask_fraction",
+    "tflops_fwdbwd_pipe",
+    "ideal_tflops_fwdbwd_pipe",
+    "predicted_area_imbalance",
+    "predicted_tile_imbalance",
+    "fwdbwd_attention_imbalance",
+    "max_abs_diff",
+]
+MODEL_COLUMNS = ["model_eff_fwdbwd", "model_exposed_ms", "max_abs_diff"]
 PROFILE_COLUMNS = ["tokens_per_device", "devices", "layout", "strategy"] + [
     f"{p}_{k}" for p in ("fwd", "fwdbwd") for k in BREAKDOWN
 ]
+
+
+def table_columns(args) -> list[str]:
+    if args.documents:
+        return COLUMNS + DOCUMENT_COLUMNS
+    return COLUMNS + (MODEL_COLUMNS if args.cp_model else ["max_abs_diff"])
 
 
 # ----------------------------------------------------------------------------------
@@ -387,6 +629,27 @@ def main(argv=None):
     parser.add_argument("--non-causal", action="store_true")
     parser.add_argument("--layouts", type=_words, default=["zigzag", "contiguous"])
     parser.add_argument("--strategies", type=_words, default=["ring", "allgather"])
+    parser.add_argument(
+        "--passes",
+        type=_words,
+        default=list(PASSES),
+        help="fwd,fwdbwd: the passes timed (each is compiled; fwdbwd alone halves that)",
+    )
+    parser.add_argument(
+        "--documents",
+        type=int,
+        nargs="?",
+        const=4096,
+        default=None,
+        metavar="MEAN",
+        help="packed documents of log-normal lengths, mean MEAN tokens (default 4096), "
+        "capped at 16 x MEAN, seed 0: segment ids in the layout; TFLOP/s on the mask area",
+    )
+    parser.add_argument(
+        "--cp-model",
+        action="store_true",
+        help="benchmarks/cp_model.py's prediction beside each fwd+bwd row (links measured)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument(
@@ -426,6 +689,22 @@ def main(argv=None):
         help="JSON path (default: benchmarks/results/ring-<devices>x<gpu>.json: ring-2xh200.json)",
     )
     args = parser.parse_args(argv)
+    for flag, values, allowed in (
+        ("--layouts", args.layouts, jflash.LAYOUTS),
+        ("--strategies", args.strategies, jflash.STRATEGIES),
+        ("--passes", args.passes, PASSES),
+    ):
+        for value in values or [""]:
+            if value not in allowed:
+                parser.error(f"{flag} {value!r}: not one of {', '.join(allowed)}")
+    for flag, values in (
+        ("--tokens-per-device", args.tokens_per_device),
+        ("--devices", args.devices),
+    ):
+        if values is not None and (not values or min(values) < 1):
+            parser.error(f"{flag} {','.join(map(str, values))}: each must be >= 1")
+    if args.documents is not None and args.documents < 1:
+        parser.error(f"--documents {args.documents}: the mean document length must be >= 1")
     args.devices = args.devices or default_device_counts()
     if max(args.devices) > len(jax.devices()):
         parser.error(f"{args.devices=} but only {len(jax.devices())} devices")
@@ -434,10 +713,18 @@ def main(argv=None):
     if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
         out = os.path.join(out, f"ring-{len(jax.devices())}x{device_name()}.json")
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    print(table([], COLUMNS))
-    rows = benchmark(args, on_row=lambda rows: write_json(out, {"config": config, "rows": rows}))
+    config["notes"] = NOTES
+    links = None
+    if args.cp_model:
+        links = config["links"] = link_gbps()
+        print(f"cp_model links: {links['intra_gbps']:.1f} GB/s ({links['from']})", flush=True)
+    columns = table_columns(args)
+    print(table([], columns))
+    rows = benchmark(
+        args, on_row=lambda rows: write_json(out, {"config": config, "rows": rows}), links=links
+    )
     print()
-    print(table(rows, COLUMNS))
+    print(table(rows, columns))
     if args.profile:
         print("\nDevice time per iteration (ms, mean over devices; calls back to back):")
         print(table(rows, PROFILE_COLUMNS))

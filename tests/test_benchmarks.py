@@ -1,10 +1,12 @@
 """The benchmark scripts' table, JSON and optional-peer paths on CPU, with fake timings
-(`benchmarks/kernel.py`'s main table, `benchmarks/hf_baseline.py`'s stacks)."""
+(`benchmarks/kernel.py`'s main table, `benchmarks/hf_baseline.py`'s stacks), and
+`benchmarks/ring.py`'s documents, strategies and cp_model rows on tiny shapes (XLA)."""
 
 import json
 import sys
 import types
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -214,3 +216,149 @@ def test_result_row_uses_the_trainers_flop_formula():
     assert row["mfu"] == pytest.approx(flops / 989e12)
     assert row["stack"] == "liger" and row["peak_memory_gib"] == 1.5
     assert hf_baseline.result_row("hf", "x", config, args, 0.5, None, 2.0, False)["mfu"] is None
+
+
+# ----------------------------------------------------------------------------------
+# benchmarks/ring.py: packed documents, strategies and cp_model's prediction (CPU, XLA)
+
+TINY_RING = [
+    "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--implementation", "xla",
+    "--passes", "fwdbwd", "--iters", "1", "--warmup", "0",
+]  # fmt: skip
+
+
+def run_ring(tmp_path, *argv) -> dict:
+    from benchmarks import ring
+
+    out = tmp_path / "ring.json"
+    ring.main([*TINY_RING, *argv, "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.fixture
+def ring_calls(monkeypatch):
+    """The segment ids each `jflash.ring_attention` call of ring.py received."""
+    import jflash
+
+    calls, real = [], jflash.ring_attention
+
+    def spy(q, k, v, **kw):
+        calls.append(kw.get("segment_ids"))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(jflash, "ring_attention", spy)
+    return calls
+
+
+@pytest.mark.multi_device(4)
+def test_ring_documents_rows(tmp_path, ring_calls):
+    """--documents: per-token ids reach every ring call; each row holds the mask area
+    (below the dense causal one), TFLOP/s on it, efficiency against one device on the
+    same documents, balance.py's predicted imbalance per layout, and an output that
+    matches the one device's; the measured imbalance only where a GPU trace gives it."""
+    result = run_ring(
+        tmp_path, "--documents", "16", "--devices", "4", "--tokens-per-device", "64",
+        "--layouts", "zigzag,striped,contiguous", "--strategies", "ring",
+        "--profile", "--profile-iters", "1",
+    )  # fmt: skip
+    rows = result["rows"]
+    assert [r["layout"] for r in rows] == ["zigzag", "striped", "contiguous"]
+    assert ring_calls and all(ids is not None and ids.shape == (1, 256) for ids in ring_calls)
+    for r in rows:
+        lengths = r["document_lengths"]
+        assert sum(lengths) == 256 and r["documents"] == len(lengths) > 4
+        assert r["mask_pairs"] == sum(n * (n + 1) // 2 for n in lengths)
+        assert r["mask_pairs"] < r["dense_pairs"] == 256 * 257 // 2  # one causal document
+        assert r["mask_fraction"] == pytest.approx(r["mask_pairs"] / r["dense_pairs"])
+        ideal = r["ideal_fwdbwd_pipe_ms"]  # one device on the same documents, / P
+        assert r["eff_fwdbwd_pipe"] == pytest.approx(ideal / r["fwdbwd_pipe_ms"])
+        flops = 3.5 * 4 * 4 * 32 * r["mask_pairs"]
+        assert r["tflops_fwdbwd_pipe"] == pytest.approx(flops / (4 * r["fwdbwd_pipe_ms"] * 1e9))
+        assert r["max_abs_diff"] <= 0.05 and "error" not in r
+        measured = "fwdbwd_attention_imbalance" in r  # CPU: no GPU trace to read it from
+        assert measured == (jax.default_backend() == "gpu")
+        assert "fwd_ms" not in r  # --passes fwdbwd
+    by = {r["layout"]: r for r in rows}
+    assert by["striped"]["predicted_area_imbalance"] < 1.05
+    assert by["contiguous"]["predicted_area_imbalance"] > by["striped"]["predicted_area_imbalance"]
+    assert "fwdbwd_attention_imbalance" in result["config"]["notes"]
+
+
+@pytest.mark.multi_device(2)
+def test_ring_documents_ignored_is_a_wrong_output(tmp_path, monkeypatch):
+    """A ring that dropped the segment ids would attend across documents: its row says
+    so instead of timing a different problem."""
+    import jflash
+
+    real = jflash.ring_attention
+    monkeypatch.setattr(
+        jflash, "ring_attention", lambda q, k, v, segment_ids=None, **kw: real(q, k, v, **kw)
+    )
+    (row,) = run_ring(
+        tmp_path, "--documents", "32", "--devices", "2", "--tokens-per-device", "128",
+        "--layouts", "striped", "--strategies", "ring",
+    )["rows"]  # fmt: skip
+    assert row["max_abs_diff"] > 0.05 and row["error"].startswith("wrong output")
+
+
+@pytest.mark.multi_device(4)
+@pytest.mark.slow
+def test_ring_strategies_with_cp_model(tmp_path, ring_calls):
+    """Ring, Ulysses, the 2x2 hybrid and allgather at P = 4 beside cp_model's
+    prediction (links measured in the process); the hybrid at P = 2 is a row error."""
+    result = run_ring(
+        tmp_path, "--devices", "2,4", "--tokens-per-device", "64", "--layouts", "zigzag",
+        "--strategies", "ring,ulysses,hybrid,allgather", "--cp-model",
+    )  # fmt: skip
+    assert result["config"]["links"]["from"].startswith("ppermute")
+    assert all(ids is None for ids in ring_calls)
+    rows = {(r["devices"], r["strategy"]): r for r in result["rows"]}
+    assert "needs an even P >= 4" in rows[2, "hybrid"]["error"]
+    for (p, strategy), r in rows.items():
+        if (p, strategy) == (2, "hybrid"):
+            continue
+        assert r["max_abs_diff"] <= 0.05 and "error" not in r, r
+        assert 0 < r["model_eff_fwdbwd"] <= 1 and r["model_exposed_ms"] >= 0
+        assert r["tflops_fwdbwd_pipe"] > 0 and r["eff_fwdbwd_pipe"] > 0
+    assert rows[4, "hybrid"]["model_note"] == "2 a2a x 2 ring"
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--layouts", "zigzag,diagonal"], "'diagonal'"),
+        (["--strategies", "ring,tree"], "'tree'"),
+        (["--passes", "bwd"], "'bwd'"),
+        (["--documents", "0"], "--documents 0"),
+        (["--documents", "4k"], "'4k'"),
+        (["--tokens-per-device", "0,128"], "0,128"),
+    ],
+)
+def test_ring_rejects_bad_flags_by_value(argv, named, capsys):
+    from benchmarks import ring
+
+    with pytest.raises(SystemExit):
+        ring.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert named in err[-1], err
+
+
+def test_ring_profile_reads_per_rank_attention(monkeypatch):
+    """--profile on a GPU: each device's attention-kernel time and their max / mean
+    (read here from a 2x H200 trace in place of the one the benchmark takes)."""
+    import os
+
+    from benchmarks import ring
+    from train.tools import trace
+
+    path = os.path.join(os.path.dirname(__file__), "data", "tiny.xplane.pb.gz")
+    report = trace.parse(path)
+    monkeypatch.setattr(ring, "gpu_trace", lambda trace_dir: report)
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(4)).compile()
+    row: dict = {}
+    assert ring.profile_passes({"fwdbwd": (compiled, (jnp.ones(4),))}, 2, row)
+    ranks = row["fwdbwd_rank_attention_ms"]
+    assert len(ranks) == len(report.devices) == 2
+    assert ranks[0] == pytest.approx(report.devices["gpu:0"].attention_ms / 2)
+    assert row["fwdbwd_attention_imbalance"] == pytest.approx(max(ranks) / (sum(ranks) / 2))
+    assert set(ring.BREAKDOWN) <= {k.removeprefix("fwdbwd_") for k in row}
