@@ -23,8 +23,15 @@
 #                                            # and bf16, 2 GPUs in two weight layouts
 #   bash benchmarks/multi_gpu.sh precision   # bf16 gradients against f32 per attention
 #                                            # kernel (Mosaic, Triton, cuDNN)
+#   bash benchmarks/multi_gpu.sh cp          # context parallelism on every GPU (P = all):
+#                                            # compiled ring_attention_shard / Ulysses /
+#                                            # hybrid tests; packed documents per layout
+#                                            # (8k/16k per GPU); ring vs ulysses vs
+#                                            # hybrid vs allgather (8k-32k) beside
+#                                            # cp_model's prediction
 #   bash benchmarks/multi_gpu.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
-#                                            # (CPU_PARTS="capacity train32k": only those)
+#                                            # (CPU_PARTS="capacity train32k": only those;
+#                                            # cp runs on 4)
 #
 # Run from anywhere (it cds to the repo root). Results go to $OUT (default
 # benchmarks/results/; cpu-check: /tmp/jflash-cpu-check/out), scratch (profile traces,
@@ -102,14 +109,35 @@
 #         out of memory, 32k (CPU estimate 78 GiB, GPU ~50-60; ~4.3 s per step, ~110 s
 #         in all) runs instead when the time is left.
 #   Sum ~340 s.
+#
+# cp (budget 530 s; estimates for 4x H100/H200, P = 4; on 2 GPUs about half):
+#   tests       test_ring_shard.py (19: P = 2 and 4, every layout, ring and allgather
+#               with segment ids, a partial shard_map, MQA, Ulysses, the 2x2 hybrid,
+#               Triton kernels, documents across shards) then test_ring.py's GPU subset
+#               (allgather, Mosaic, lowering: 22); tests needing more GPUs skip (P = 4
+#               ones on 2 GPUs, P = 8 ones); ~3-4 s each (4x H200, 2026-11-22: 20
+#               ring tests in 78 s)                                  ~140 s  cap 150
+#   documents   ring.py --documents: 3 layouts x 8k, 16k per GPU, forward+backward
+#               only, one trace per row                              ~300 s  cap 180
+#               (the rest without strategies)
+#   strategies  ring.py --cp-model: 4 strategies x 8k, 16k, 32k      ~330 s  the rest
+#   A P = 4 row is mostly compile: lowering the forward+backward for CUDA takes 8 s
+#   (ring; 14 s with segment ids, 11 s allgather, 4 s hybrid, P = 2 ring 4 s) on a
+#   2-core CPU, and the 2026-11-22 4x H200 ring part took 60-75 s per P = 4 row with
+#   both passes and traces (P = 2: 17-24 s). So on 4 GPUs the tables run past their
+#   caps: rows go in order (8k first; strategies ring, ulysses, hybrid, allgather) and
+#   each row's JSON is written as it finishes, so a cut step keeps its rows; CP_STEPS
+#   ("tests documents strategies") and CP_DOC_TOKENS / CP_TOKENS (8192,16384 /
+#   8192,16384,32768) run the rest in another call. The trainer (1B at 32k per GPU on
+#   all GPUs vs one GPU: ~130 s more) does not fit beside them and is left out.
 set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale | capacity | train32k | fill | ring | remat | seq2trace | gradcheck | precision) MODE=gpu ;;
+  report | scale | capacity | train32k | fill | ring | cp | remat | seq2trace | gradcheck | precision) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|remat|seq2trace|gradcheck|precision|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|cp|remat|seq2trace|gradcheck|precision|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -500,6 +528,62 @@ part_ring() {
   done
 }
 
+part_cp() {
+  # Context parallelism on every GPU of the machine (P = all of them), each table's
+  # rows written to its JSON as they finish: (1) the compiled tests of
+  # ring_attention_shard in a user's shard_map (segment ids, Ulysses, the 2x2 hybrid),
+  # then test_ring.py's GPU subset; (2) packed documents (log-normal lengths, mean 4k)
+  # per layout, efficiency on the mask area beside balance.py's predicted and the
+  # trace's measured per-rank imbalance; (3) the strategies beside cp_model's
+  # prediction (links measured in the same process). CPU: 4 simulated devices.
+  local xla=$BASE_XLA_FLAGS n
+  if [ "$MODE" != gpu ]; then xla="--xla_force_host_platform_device_count=4"; fi
+  n=$(env "XLA_FLAGS=$xla" "$PY" -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
+  local tag=${n}x$GPU strategies=ring,ulysses,allgather
+  if [ "$n" -ge 4 ]; then strategies=ring,ulysses,hybrid,allgather; fi
+  local shape doc_mean doc_tokens tokens test_filter
+  if [ "$MODE" = gpu ]; then
+    shape=(--iters 3 --warmup 1 --profile-iters 2)
+    doc_mean=4096 doc_tokens=${CP_DOC_TOKENS:-8192,16384} tokens=${CP_TOKENS:-8192,16384,32768}
+    # test_ring_shard.py: P = 2 and 4, every layout, ring and allgather, segment ids;
+    # a partial shard_map and MQA; Ulysses (xla and Triton); the 2x2 hybrid; Triton in
+    # a user's shard_map; documents across shards. test_ring.py: the `ring` part's
+    # subset (allgather, Mosaic, lowering) less its one-device allgather cases.
+    test_filter="(test_ring_shard.py and ((user_shard_map and docs7 and (P4- or"
+    test_filter+=" P2-D1-zigzag-ring or P2-D1-contiguous-allgather or P2-D1-striped)) or"
+    test_filter+=" (meshes and (docs5-partial or N4K1)) or (ulysses and (P2-D1-zigzag or"
+    test_filter+=" P4-D1-striped or P4-D1-contiguous-ulysses-causal)) or (P2x2-D1 and not"
+    test_filter+=" full) or (pallas_kernels and (zigzag-ring-causal or striped)) or"
+    test_filter+=" documents_across)) or (test_ring.py and ((allgather and not P1-) or mosaic"
+    test_filter+=" or lowers))"
+  else # tiny shapes: checks the command lines
+    shape=(--heads 4 --kv-heads 2 --head-dim 32 --implementation xla --iters 1 --warmup 0
+      --profile-iters 1)
+    doc_mean=32 doc_tokens=64,128 tokens=64,128,256
+    test_filter="P2x2-D1-zigzag-hybrid or (ulysses and P4-D1-striped) or test_zigzag_order"
+    test_filter+=" or (user_shard_map and P4-D1-striped-ring-causal-N4K2-T96-docs7)"
+  fi
+  local steps=" ${CP_STEPS:-tests documents strategies} " r_docs=0 r_strategies=0 docs_cap=530
+  if [[ $steps == *" strategies "* ]]; then r_strategies=90 docs_cap=180; fi
+  if [[ $steps == *" documents "* ]]; then r_docs=90; fi
+  if [[ $steps == *" tests "* ]]; then
+    step cp-tests 150 60 $((r_docs + r_strategies)) \
+      env "XLA_FLAGS=$xla --xla_gpu_autotune_level=0" "$PY" -m pytest \
+      tests/test_ring_shard.py tests/test_ring.py -v -p no:cacheprovider -k "$test_filter"
+  fi
+  if [[ $steps == *" documents "* ]]; then
+    step cp-documents "$docs_cap" "$r_docs" "$r_strategies" env "XLA_FLAGS=$xla" "$PY" benchmarks/ring.py \
+      --devices "$n" --documents "$doc_mean" --tokens-per-device "$doc_tokens" \
+      --layouts zigzag,striped,contiguous --strategies ring --passes fwdbwd --profile \
+      "${shape[@]}" --out "$OUT/ring-documents-$tag.json"
+  fi
+  if [[ $steps == *" strategies "* ]]; then
+    step cp-strategies 530 "$r_strategies" 0 env "XLA_FLAGS=$xla" "$PY" benchmarks/ring.py \
+      --devices "$n" --tokens-per-device "$tokens" --layouts zigzag --strategies "$strategies" \
+      --passes fwdbwd --cp-model "${shape[@]}" --out "$OUT/ring-strategies-$tag.json"
+  fi
+}
+
 part_seq2trace() {
   # Per-phase and per-kernel time of the 32k config's step at seq=1 and seq=2
   # (--shard_over_seq --gather_once, as the config), same process tree (BENCHMARKS.md,
@@ -596,13 +680,14 @@ main() {
     train32k) part_train32k ;;
     fill) part_fill ;;
     ring) part_ring ;;
+    cp) part_cp ;;
     remat) part_remat ;;
     seq2trace) part_seq2trace ;;
     gradcheck) part_gradcheck ;;
     precision) part_precision ;;
     cpu-check) # every part (or the ones named after cpu-check), each with the whole budget
       local p
-      for p in ${CPU_PARTS:-report fill scale capacity train32k ring remat seq2trace gradcheck precision}; do
+      for p in ${CPU_PARTS:-report fill scale capacity train32k ring cp remat seq2trace gradcheck precision}; do
         START=$(date +%s) PART=$p "part_$p"
       done
       ;;
