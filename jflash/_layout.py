@@ -125,6 +125,8 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 def _checked(x, num_shards: int, axis: int, layout: str):
     x = jnp.asarray(x)
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise ValueError(f"{axis=} must be a Python int (the sequence axis)")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{axis=} is out of range for an array with {x.ndim=}")
     axis = axis % x.ndim

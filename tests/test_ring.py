@@ -559,6 +559,9 @@ def test_layout_errors():
         jflash.unzigzag(np.arange(24), 2)
     with pytest.raises(ValueError, match=r"axis=-3 is out of range"):
         jflash.zigzag(np.zeros((4, 8)), 2, axis=-3)
+    for axis in (1.0, True, "1"):
+        with pytest.raises(ValueError, match=rf"axis={axis!r} must be a Python int"):
+            jflash.to_layout(np.zeros((4, 8)), 2, "zigzag", axis=axis)
     for seq_len in (-4, 0, 8.0):
         with pytest.raises(ValueError, match=rf"seq_len={seq_len} must be a positive Python int"):
             jflash.positions(seq_len, 2)
