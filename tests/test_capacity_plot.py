@@ -134,3 +134,22 @@ def test_command_line_plot_subcommand(tmp_path):
 def test_tick_labels():
     labels = [capacity._tokens_label(n) for n in (512, 1024, 128 * K, 1 << 20, 2 << 20, 1500)]
     assert labels == ["512", "1k", "128k", "1M", "2M", "1500"]
+
+
+def test_probe_that_did_not_compile_is_drawn_on_the_device_limit(tmp_path, monkeypatch):
+    """A probe that ran out of memory while compiling has no size; the plot marks it on
+    the device limit instead of leaving the series to end silently."""
+    import matplotlib.axes
+
+    calls = []
+    real = matplotlib.axes.Axes.scatter
+
+    def spy(self, x, y, *args, **kwargs):
+        calls.append((list(x), list(y), kwargs.get("marker")))
+        return real(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", spy)
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps(OFFLOAD))
+    capacity.main_plot([str(path), "--out", str(tmp_path / "p.png")])
+    assert ([1024 * K], [130.0], "x") in calls

@@ -534,6 +534,10 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
             for p in row["probes"]:
                 if p.get("gib") is not None:
                     probes.setdefault(p["seq"], p)  # one probe per length
+                elif not p.get("fits"):  # ran out of memory while compiling
+                    panel.setdefault("failed", {}).setdefault(
+                        (remat, row.get("mesh", "")), set()
+                    ).add(p["seq"])
     if not any(probes for panel in panels.values() for probes in panel["series"].values()):
         raise SystemExit(f"{', '.join(paths)}: no probe compiled; nothing to plot")
 
@@ -569,6 +573,12 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
                     if xy:
                         ax.scatter(*zip(*xy, strict=True), marker=marker, s=size, color=colors[key])
                 top = max(top, *(g for _, g, _ in pts))
+            # Probes that ran out of memory while compiling have no size: an x on the
+            # device limit (the line they did not fit under).
+            failed = sorted(panel.get("failed", {}).get(key, set()) - set(panel["series"][key]))
+            if failed and panel["limit"]:
+                at = [max(panel["limit"])] * len(failed)
+                ax.scatter(failed, at, marker="x", s=60, color=colors[key], clip_on=False)
         for limit in sorted(panel["limit"]):
             ax.axhline(limit, color="0.25", lw=1.2, label=f"device limit {limit:.3g} GiB")
             top = max(top, limit)
