@@ -129,11 +129,29 @@ def check_segment_ids(segment_ids, shapes: Shapes):
         if not jnp.issubdtype(s.dtype, jnp.integer):
             raise ValueError(f"{name} segment ids must be integers; got {s.dtype=}")
     if max(q_seg.dtype.itemsize, kv_seg.dtype.itemsize) > 4:
-        # 64-bit ids (x64) stay 64-bit: int32 would merge ids that differ only above
-        # bit 31. The XLA path compares them as they are; the Pallas kernels take
-        # their ranks (`_dispatch.kernel_segs`).
-        return q_seg.astype(jnp.int64), kv_seg.astype(jnp.int64)
+        if jax.config.jax_enable_x64:
+            # 64-bit ids (x64) stay 64-bit: int32 would merge ids that differ only
+            # above bit 31. The XLA path compares them as they are; the Pallas kernels
+            # take their ranks (`_dispatch.kernel_segs`).
+            return q_seg.astype(jnp.int64), kv_seg.astype(jnp.int64)
+        for name, s in (("q", q_seg), ("kv", kv_seg)):
+            _check_int32_ids(name, s)
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+
+
+def _check_int32_ids(name: str, ids) -> None:
+    """Without x64, 64-bit ids (a numpy array: jax has none then) become int32; ids
+    past its range would wrap, and ids that differ only above bit 31 would meet."""
+    if ids.dtype.itemsize <= 4 or isinstance(ids, jax.core.Tracer):
+        return
+    ids = np.asarray(ids)
+    info = np.iinfo(np.int32)
+    if ids.size and (ids.min() < info.min or ids.max() > info.max):
+        raise ValueError(
+            f"{name} segment ids ({ids.dtype}, {ids.min()}..{ids.max()}) do not fit int32 "
+            "and jax_enable_x64 is off: they would wrap and unrelated documents meet; "
+            "renumber them (np.unique(ids, return_inverse=True)) or enable x64"
+        )
 
 
 def as_bool(value, error: str) -> bool:

@@ -338,6 +338,12 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
             "segment ids have",
         ),
         ({"segment_ids": jnp.zeros((1, 32))}, (_q, _kv, _kv), ValueError, "must be integers"),
+        (
+            {"segment_ids": np.array([[0] * 16 + [2**32] * 16])},
+            (_q, _kv, _kv),
+            ValueError,
+            r"q segment ids \(int64, 0..4294967296\) do not fit int32",
+        ),
         ({"implementation": "cuda"}, (_q, _kv, _kv), ValueError, "implementation='cuda'"),
         ({"implementation": "pallas_mosaic"}, (_q, _kv, _kv), NotImplementedError, "pallas_mosaic"),
         ({"implementation": "xla", "interpret": True}, (_q, _kv, _kv), ValueError, "interpret"),
