@@ -367,6 +367,12 @@ def ring_attention(
     for name in names:
         if name not in mesh.axis_names:
             raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
+    if set(names) & set(jax.sharding.get_abstract_mesh().manual_axes):
+        raise ValueError(
+            f"{seq_axis=} is already a manual axis here (inside a jax.shard_map over it): "
+            "ring_attention takes global arrays; on this device's shard call "
+            "jflash.ring_attention_shard"
+        )
     sizes = dict(mesh.shape)
     ring_shards, degree = _split(names, strategy, [sizes[n] for n in names])
     _check_self_attention(shapes, "sequence")

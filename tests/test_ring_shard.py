@@ -510,6 +510,8 @@ def test_errors_name_the_problem():
         )
     with pytest.raises(ValueError, match=r"seq_axis=\('seq', 'seq'\) names a mesh axis twice"):
         jflash.ring_attention(q, k, v, mesh=mesh, seq_axis=("seq", "seq"), **call)
+    with pytest.raises(ValueError, match="seq_axis='seq' is already a manual axis here"):
+        mapped(lambda q, k, v: jflash.ring_attention(q, k, v, mesh=mesh, **call), q, k, v)
     with pytest.raises(NotImplementedError, match="strategy='allgather' with layout='striped'"):
         jflash.ring_attention(q, k, v, mesh=mesh, layout="striped", strategy="allgather", **call)
     with pytest.raises(ValueError, match="seq_len=15 must be divisible by num_shards=2 for the"):
