@@ -29,7 +29,7 @@ from jflash._validation import (
     check_segment_ids,
     check_unsharded,
 )
-from jflash._vma import check_interpretable
+from jflash._vma import check_interpretable, varying_axes
 
 STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
 
@@ -159,6 +159,24 @@ def _bound_sizes(names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _check_split(names: tuple[str, ...], axis_name, q, k, v) -> None:
+    """Under `check_vma`, q, k and v must each vary over every axis of `names`: one
+    that does not holds the same values on every device of that axis (the
+    `shard_map`'s in_specs leave its sequence whole), and the ring would attend over
+    P copies of it. Without `check_vma` (nothing varies) there is nothing to read."""
+    if not varying_axes(lax.axis_index(names)):
+        return
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        whole = sorted(set(names) - varying_axes(x))
+        if whole:
+            raise ValueError(
+                f"{name} is the same on every device of {whole} ({name}'s manual-axis type "
+                f"does not vary over it): ring_attention_shard takes this device's shard of "
+                f"a sequence split over {axis_name=}; split dimension 1 over it in the "
+                "shard_map's in_specs"
+            )
+
+
 def ring_attention_shard(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B T K H"],
@@ -221,6 +239,7 @@ def ring_attention_shard(
     causal = check_causal(causal)
     _check_strategy(layout, strategy, causal)
     ring_shards, degree = _split(names, strategy, _bound_sizes(names))
+    _check_split(names, axis_name, q, k, v)
     _check_self_attention(shapes, "shard")
     if degree > 1:
         check_heads(shapes.q_heads, degree, names[-1] if strategy == "hybrid" else axis_name)

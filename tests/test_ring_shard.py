@@ -512,6 +512,15 @@ def test_errors_name_the_problem():
         jflash.ring_attention(q, k, v, mesh=mesh, seq_axis=("seq", "seq"), **call)
     with pytest.raises(ValueError, match="seq_axis='seq' is already a manual axis here"):
         mapped(lambda q, k, v: jflash.ring_attention(q, k, v, mesh=mesh, **call), q, k, v)
+    # in_specs that leave the sequence whole: every device would hold all of it, and
+    # the ring would attend over 2 copies (with check_vma, q's type says so).
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"q is the same on every device of"):
+        jax.shard_map(
+            lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="seq", **call),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(None, "seq"),
+        )(q, k, v)
     with pytest.raises(NotImplementedError, match="strategy='allgather' with layout='striped'"):
         jflash.ring_attention(q, k, v, mesh=mesh, layout="striped", strategy="allgather", **call)
     with pytest.raises(ValueError, match="seq_len=15 must be divisible by num_shards=2 for the"):
