@@ -66,7 +66,17 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
                 chosen.append(name)
                 prod *= sizes[name]
         return tuple(chosen)
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    given = batch_axes
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    if (
+        not isinstance(batch_axes, (tuple, list))
+        or not all(isinstance(a, str) for a in batch_axes)
+        or len(set(batch_axes)) != len(batch_axes)
+    ):
+        raise ValueError(
+            f"batch_axes={given!r} must be a mesh axis name or a tuple of distinct ones"
+        )
+    batch_axes = tuple(batch_axes)
     for name in batch_axes:
         if name not in sizes or name in seq_names:
             raise ValueError(

@@ -10,6 +10,7 @@ small sample runs the Pallas kernel (interpret mode on CPU, compiled on a GPU).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -623,6 +624,9 @@ def test_ring_errors():
         jflash.ring_attention(q, k[:, :8], v[:, :8], **call)
     with pytest.raises(ValueError, match="batch axis 'data' must be a mesh axis"):
         jflash.ring_attention(q, k, v, batch_axes="data", **call)
+    for batch_axes in (3, ("seq", "seq"), ("seq", None)):
+        with pytest.raises(ValueError, match=re.escape(f"batch_axes={batch_axes!r} must be a")):
+            jflash.ring_attention(q, k, v, batch_axes=batch_axes, **call)
     with pytest.raises(NotImplementedError, match="pallas_mosaic"):
         jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="pallas_mosaic")
     with pytest.raises(ValueError, match="deterministic=1 must be True, False or None"):
