@@ -40,6 +40,9 @@ def tiles_first_limits(max_tiles: int, max_ctas: int):
     `benchmarks/kernel.py --launch-order` times both orders with. It acts when a
     function is traced: one compiled before keeps its order."""
     global TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS
+    for name, value in (("max_tiles", max_tiles), ("max_ctas", max_ctas)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a Python int (-1: never tiles first)")
     saved = TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS
     TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS = max_tiles, max_ctas
     try:

@@ -444,3 +444,8 @@ def test_tiles_first_limits_set_the_launch_order_inside_the_block_only():
             assert tiles_first(tiles=4096, heads=32, batch=4, causal=True)
         assert not tiles_first(**short)
     assert tiles_first(**short) and not tiles_first(tiles=4096, heads=32, batch=4, causal=True)
+    for limits in (("64", 2048), (64, 2048.0), (True, 2048)):
+        with pytest.raises(ValueError, match="must be a Python int"):
+            with jflash.tiles_first_limits(*limits):
+                pass
+    assert tiles_first(**short)
