@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
+
+from jflash._validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 
 def _is_pow2(x: int) -> bool:
@@ -59,6 +62,23 @@ def _fit(block: int, length: int) -> int:
     return min(block, cap)
 
 
+def _check_problem(seq_len, kv_len, head_dim, dtype) -> None:
+    """The sizes `default_block_sizes` is asked about, as `flash_attention` takes them."""
+    for name, value in (("seq_len", seq_len), ("kv_len", kv_len), ("head_dim", head_dim)):
+        if value is None and name == "kv_len":
+            continue
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{head_dim=} is not supported; jflash handles 1..{MAX_HEAD_DIM}")
+    try:
+        supported = jnp.dtype(dtype) in SUPPORTED_DTYPES
+    except TypeError:
+        supported = False
+    if not supported:
+        raise ValueError(f"{dtype=} must be bfloat16, float16 or float32")
+
+
 def default_block_sizes(
     seq_len: int,
     head_dim: int,
@@ -77,6 +97,7 @@ def default_block_sizes(
         few grid steps: the interpreter is slow per step, not per element).
       implementation: "pallas_triton" or "pallas_mosaic" (see `mosaic_block_sizes`).
     """
+    _check_problem(seq_len, kv_len, head_dim, dtype)
     if implementation == "pallas_mosaic":
         return mosaic_block_sizes(head_dim)
     if implementation != "pallas_triton":

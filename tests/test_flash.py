@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import zlib
 
 import jax
@@ -415,6 +416,19 @@ def test_default_block_sizes_refuses_what_takes_none():
         jflash.default_block_sizes(128, 64, jnp.bfloat16, implementation="xla")
     with pytest.raises(ValueError, match="device_kind='tpu' must be 'gpu'"):
         jflash.default_block_sizes(128, 64, jnp.bfloat16, device_kind="tpu")
+    bad = [
+        ((-5, 64, jnp.bfloat16), "seq_len=-5 must be a positive int"),
+        (("128", 64, jnp.bfloat16), "seq_len='128' must be a positive int"),
+        ((128.0, 64, jnp.bfloat16), "seq_len=128.0 must be a positive int"),
+        ((128, 0, jnp.bfloat16), "head_dim=0 must be a positive int"),
+        ((128, 512, jnp.bfloat16), "head_dim=512 is not supported"),
+        ((128, 64, "bf16"), "dtype='bf16' must be bfloat16, float16 or float32"),
+        ((128, 64, jnp.int32), "must be bfloat16, float16 or float32"),
+    ]
+    for implementation in ("pallas_triton", "pallas_mosaic"):
+        for args, match in bad:
+            with pytest.raises(ValueError, match=re.escape(match)):
+                jflash.default_block_sizes(*args, implementation=implementation)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: no compiled Pallas there")
