@@ -169,6 +169,11 @@ def check_causal(causal) -> bool:
 def default_scale(head_dim: int, scale: float | None) -> float:
     if scale is None:
         return head_dim**-0.5
+    if isinstance(scale, jax.core.Tracer):
+        raise ValueError(
+            f"{scale=} is traced; the scale is static (a kernel constant): pass a Python "
+            "float, or mark it static in jax.jit"
+        )
     try:
         scale = float(scale)
     except (TypeError, ValueError):

@@ -392,6 +392,12 @@ def test_numpy_bools_are_accepted():
     )
 
 
+def test_traced_scale_is_named():
+    f = jax.jit(lambda scale: jflash.flash_attention(_q, _kv, _kv, causal=True, scale=scale))
+    with pytest.raises(ValueError, match="scale=.* is traced; the scale is static"):
+        f(0.5)
+
+
 def test_numpy_int_offsets_are_accepted():
     """Offsets from numpy arithmetic are ints too; the last int32 position is in range."""
     last = 2**31 - 32
