@@ -29,6 +29,7 @@ from jflash import _launch_order
 from jflash._mask import Mask
 from jflash._segments import kv_tile_range, q_tile_range
 from jflash._triton_common import index, pad_to, visible_kv_range, visible_q_range
+from jflash._vma import vary
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -259,8 +260,14 @@ def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: boo
 
 def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str, interpret: bool):
     """`plgpu.kernel` with what every jflash Mosaic kernel shares: 2 compute + 1 memory
-    warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked."""
-    return plgpu.kernel(
+    warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked.
+
+    Inside a `jax.shard_map`, `plgpu.kernel` (jax 0.11.2) drops the manual axes of
+    `out_type` (`_vma.struct`): its outputs come back typed as the same on every device.
+    They are marked varying again here, inside the kernels' custom VJPs; left unmarked,
+    jax would mark them at the `shard_map`'s boundary, outside the VJP, and the transpose
+    of that mark sums the output's cotangent over the devices (wrong gradients)."""
+    kernel = plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch_types,
@@ -275,6 +282,17 @@ def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str,
         # The GPU interpreter simulates warpgroups, barriers and TMA on CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
+    types = out_type if isinstance(out_type, (list, tuple)) else None
+
+    def call(*args):
+        out = kernel(*args)
+        if types is None:
+            return vary(out, out_type.manual_axis_type.varying)
+        return type(out)(
+            vary(x, t.manual_axis_type.varying) for x, t in zip(out, types, strict=True)
+        )
+
+    return call
 
 
 # ----------------------------------------------------------------------------- steps

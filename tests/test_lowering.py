@@ -261,3 +261,61 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
         fit_stages("jflash_mosaic_dq", 4, q_tile, 2 * 512 * h * 2)
     bs = jflash.default_block_sizes(4096, 128, jnp.bfloat16, implementation="pallas_mosaic")
     assert (bs.block_q, bs.block_kv_dkv, bs.block_q_dq) == (64, 64, 64)
+
+
+@pytest.mark.parametrize(
+    "where, head_dim, causal",
+    [
+        ("user_shard_map", 64, True),
+        ("user_shard_map", 128, False),
+        ("ring", 64, False),
+        ("allgather", 64, True),
+        ("ulysses", 128, True),
+    ],
+)
+def test_mosaic_gradients_inside_shard_map_sum_nothing_over_devices(
+    monkeypatch, where, head_dim, causal
+):
+    """The Mosaic kernels' outputs vary over the `shard_map`'s axes like their inputs.
+
+    `plgpu.kernel` returns them typed as the same on every device; marked varying only
+    at the `shard_map`'s boundary (outside the custom VJP), the transpose of that mark
+    summed dO over the devices: wrong dQ on 2 H100s (non-causal ring and allgather at
+    D=64), and Ulysses failed to trace its backward. On one sequence shard per device
+    the backward needs no all-reduce: the lowering has none (the Triton kernels' neither).
+    """
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    mesh = jax.sharding.AbstractMesh(
+        (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
+    )
+    spec = jax.sharding.PartitionSpec(None, "x")
+    q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+
+    if where == "user_shard_map":  # data-parallel: each device attends over its rows
+
+        def attend(q, k, v):
+            out = jflash.flash_attention(q, k, v, causal=causal, implementation="pallas_mosaic")
+            return jnp.sum(out.astype(jnp.float32)), out
+
+        def grads(q, k, v):
+            body = jax.grad(lambda *a: attend(*a)[0], argnums=(0, 1, 2))
+            return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(q, k, v)
+
+    else:
+
+        def grads(q, k, v):
+            def loss(q, k, v):
+                out = jflash.ring_attention(
+                    q, k, v, mesh=mesh, seq_axis="x", causal=causal, strategy=where,
+                    implementation="pallas_mosaic",
+                )  # fmt: skip
+                return jnp.sum(out.astype(jnp.float32))
+
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_dkv" in text
+    assert "all_reduce" not in text
