@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET, quick_subset
+from conftest import INTERPRET, needs_hopper, quick_subset
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from kernel_cases import TOLERANCE, assert_close, make_inputs, oracle, random_segments
@@ -40,6 +40,7 @@ class Case:
     documents: int = 0  # 0: no segment ids
     partial: bool = False  # shard_map over `seq` only; `data` stays automatic
     implementation: str = "xla"
+    dtype: type = jnp.float32
 
     def __str__(self):
         parts = [
@@ -56,6 +57,8 @@ class Case:
         if self.partial:
             parts.append("partial")
         parts.append(self.implementation)
+        if self.dtype != jnp.float32:
+            parts.append(jnp.dtype(self.dtype).name)
         return "-".join(parts)
 
     @property
@@ -142,7 +145,7 @@ def _inputs(case: Case):
         q_heads=case.q_heads,
         kv_heads=case.kv_heads,
         head_dim=case.head_dim,
-        dtype=jnp.float32,
+        dtype=case.dtype,
     )
     segs = None
     if case.documents:
@@ -157,7 +160,7 @@ def _check(case: Case):
     with jax.set_mesh(mesh):
         actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k, v, segs, do, dlse)
     expected = oracle(q, k, v, do, dlse, causal=case.causal, segment_ids=segs)
-    assert_close(actual, expected, jnp.float32)
+    assert_close(actual, expected, case.dtype)
     return actual, expected
 
 
@@ -283,6 +286,36 @@ def test_pallas_kernels_in_user_shard_map(case):
     _check(case)
 
 
+# The Mosaic kernels (Hopper's default) in a user's shard_map, compiled: every strategy,
+# causal and not, D = 64 and 128, with documents. Their outputs must vary over the
+# shard_map's axes like their inputs (a sum of dO over the devices gave wrong dQ once).
+MOSAIC = [
+    Case(
+        seq_len=512, q_heads=4, kv_heads=2, implementation="pallas_mosaic", dtype=jnp.bfloat16, **kw
+    )
+    for kw in (
+        {"head_dim": 64, "causal": False, "documents": 5},
+        {"head_dim": 64, "strategy": "allgather", "layout": "contiguous"},
+        {"head_dim": 128, "strategy": "ulysses"},
+        {"head_dim": 64, "strategy": "ulysses", "causal": False, "documents": 3},
+        {"head_dim": 128, "layout": "striped", "documents": 7},
+        {"head_dim": 64, "num_shards": 2, "a2a": 2, "strategy": "hybrid", "documents": 4},
+        {"head_dim": 128, "num_shards": 4, "documents": 7},
+    )
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", MOSAIC, ids=str)
+def test_mosaic_kernels_in_user_shard_map(case):
+    if INTERPRET:
+        pytest.skip(
+            "compiled on Hopper GPUs only: jax 0.11.2's GPU interpreter runs neither "
+            "check_vma=True nor P >= 2 (tests/test_lowering.py checks their types on CPU)"
+        )
+    _check(case)
+
+
 def test_documents_across_shards_one_token_documents_and_empty_rows():
     """Documents span shard boundaries; one-token documents; q ids with no key of
     their id (a (q, kv) pair of ids): those rows give 0 and LSE -inf, never NaN."""
@@ -403,20 +436,38 @@ def test_global_ring_attention_with_documents():
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
 
 
-def test_flash_attention_in_data_parallel_shard_map():
+@pytest.mark.parametrize(
+    "implementation, head_dim, seq, dtype",
+    [
+        ("xla", 32, 64, jnp.float32),
+        pytest.param("pallas_mosaic", 64, 256, jnp.bfloat16, marks=needs_hopper),
+    ],
+)
+def test_flash_attention_in_data_parallel_shard_map(implementation, head_dim, seq, dtype):
     """The single-device op inside a plain data-parallel shard_map, check_vma on."""
-    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    if implementation != "xla" and INTERPRET:
+        pytest.skip("compiled on a Hopper GPU only (the interpreter runs no check_vma=True)")
+    n = 2 if implementation != "xla" else 4
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices")
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
     q, k, v, do, dlse = make_inputs(
-        5, batch=4, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
+        5, batch=4, q_len=seq, kv_len=seq, q_heads=4, kv_heads=2, head_dim=head_dim, dtype=dtype
     )
-    segs = random_segments(5, 4, 64, 3)
+    segs = random_segments(5, 4, seq, 3)
     spec = P("data")
 
     def fn(q, k, v, segs):
         return jax.shard_map(
             lambda q, k, v, s: jflash.flash_attention(
-                q, k, v, causal=True, segment_ids=s, return_lse=True, implementation="xla"
-            ),
+                q,
+                k,
+                v,
+                causal=True,
+                segment_ids=s,
+                return_lse=True,
+                implementation=implementation,
+            ),  # fmt: skip
             mesh=mesh,
             in_specs=(spec,) * 4,
             out_specs=(spec, spec),
@@ -425,7 +476,7 @@ def test_flash_attention_in_data_parallel_shard_map():
     with jax.set_mesh(mesh):
         placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, segs)]
         actual = jax.jit(functools.partial(_value_and_grads, fn))(*placed, do, dlse)
-    assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
+    assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), dtype)
 
 
 def test_inputs_sharded_over_explicit_axes_are_named():
