@@ -241,3 +241,35 @@ def test_attention_implementation_is_checked_against_jflash():
     with pytest.raises(ValueError, match=r"--attention_implementation='mosaic' must be one of"):
         parse_args(["--attention_implementation", "mosaic"])
     assert parse_args(["--attention_implementation", "xla"]).model.attention_implementation == "xla"
+
+
+def test_out_of_memory_advice_names_the_allocator_when_the_block_fits(monkeypatch):
+    """A step whose temporary block fits the device's limit but was not allocated (the
+    1B at 256k: 82.3 GiB of 133 failed with the default allocator) gets the allocator
+    that runs it; one that does not fit gets no such advice."""
+    from train.loop import _oom_error
+    from train.oom import allocator_hint, failed_allocation_bytes
+
+    gib = 2**30
+    error = RuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 88342883328 bytes."
+    )
+    assert failed_allocation_bytes(error) == 88342883328
+    assert failed_allocation_bytes("out of memory") is None
+    hint = allocator_hint(88342883328, 133 * gib, 11 * gib)
+    assert "(82.3 GiB) fits the device's limit (133.0 GiB, 11.0 in use)" in hint
+    assert "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async" in hint
+    assert allocator_hint(88342883328, 90 * gib, 11 * gib) == ""  # really too big
+    assert allocator_hint(None, 133 * gib, 0) == ""
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 133 * gib, "bytes_in_use": 11 * gib}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device()])
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    message = str(_oom_error(parse_args([]), error))
+    assert message.startswith("out of device memory; the allocation it failed (82.3 GiB)")
+    assert "\n" not in message
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")  # already the advice
+    assert "cuda_async" not in str(_oom_error(parse_args([]), error)).split(". Turn")[0]

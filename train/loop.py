@@ -22,7 +22,7 @@ from train.checkpoint import Checkpoints, resolve_resume, shapes_by_path
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
-from train.oom import is_oom
+from train.oom import allocator_hint, failed_allocation_bytes, is_oom
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
 
@@ -370,7 +370,8 @@ def _oom_error(cfg: TrainConfig, error: BaseException) -> TrainingError:
             "`python -m train.tools.capacity` shows the host memory a step needs"
         )
     return TrainingError(
-        "out of device memory. Turn one of: --per_device_train_batch_size (now "
+        f"out of device memory{_allocator_advice(error)}. Turn one of: "
+        "--per_device_train_batch_size (now "
         f"{cfg.run.per_device_train_batch_size}), --model_max_length (now "
         f"{cfg.data.model_max_length}), a larger seq or fsdp axis in --mesh (now "
         f"{cfg.parallel.mesh!r}), --remat_policy save_attn or full (now {cfg.remat!r}; "
@@ -378,6 +379,20 @@ def _oom_error(cfg: TrainConfig, error: BaseException) -> TrainingError:
         "their residuals in host memory), --mlp_tile, --optimizer_offload; "
         "on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) gives XLA more of the "
         "device. `python -m train.tools.capacity` finds what fits without running"
+    )
+
+
+def _allocator_advice(error: BaseException) -> str:
+    """`train.oom.allocator_hint` for the first device, where it reports its memory (and
+    the allocator is not already CUDA's pool)."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "") in ("cuda_async", "platform"):
+        return ""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - no statistics on this backend: no advice
+        stats = {}
+    return allocator_hint(
+        failed_allocation_bytes(error), stats.get("bytes_limit"), stats.get("bytes_in_use")
     )
 
 
