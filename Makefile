@@ -26,7 +26,7 @@ $(ORACLE)/.installed: Makefile
 	touch $@
 
 test: venv oracle
-	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)
 
 # The quick subset: `-m "not slow"` (each oracle grid's covering cases, no 10 s+ tests),
 # without the HF parity tests (they need the .venv-oracle side environment, which
