@@ -55,6 +55,10 @@ class Machine:
     inter_gbps: float  # GB/s per GPU and direction across nodes
     latency_us: float  # per collective call or ring hop
     gpus_per_node: int
+    # Within a node, the all-to-all's and the all-gather's own GB/s per GPU (`--measure`
+    # reports each; NCCL runs them apart from the ring's sends); None: `intra_gbps`.
+    a2a_gbps: float | None = None
+    gather_gbps: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +107,11 @@ def _ring(p: int, shard: int, heads: int, kv_heads: int, gbps: float, s: Shape, 
     return p * (fwd_c + bwd_c) + exposed, exposed
 
 
-def _all_to_all_ms(nbytes: float, p: int, m: Machine) -> float:
+def _all_to_all_ms(nbytes: float, p: int, m: Machine, intra_gbps: float | None = None) -> float:
     """Each GPU sends (P-1)/P of `nbytes`: the part for its node's GPUs over the node's
-    links, the rest through the node's network."""
+    links (at `intra_gbps`, default `m.intra_gbps`), the rest through the network."""
     local = min(p, m.gpus_per_node)
-    t = nbytes * (local - 1) / p / (m.intra_gbps * 1e9) * 1e3
+    t = nbytes * (local - 1) / p / ((intra_gbps or m.intra_gbps) * 1e9) * 1e3
     if p > local:
         t += nbytes * (p - local) / p / (m.inter_gbps * 1e9) * 1e3
     return t + m.latency_us * 1e-3
@@ -128,15 +132,16 @@ def predict(p: int, tokens: int, s: Shape, m: Machine) -> list[Prediction]:
     out.append(Prediction("ring", t, x, ideal / t))
 
     kv_seq = 2 * s.kv_heads * s.head_dim * tokens * p
-    gather = _all_to_all_ms(kv_seq * s.bytes_per_value, p, m)  # an all-gather moves as much
-    scatter = _all_to_all_ms(kv_seq * 4, p, m)
+    # An all-gather (and the reduce-scatter of dK/dV) moves as much as an all-to-all.
+    gather = _all_to_all_ms(kv_seq * s.bytes_per_value, p, m, m.gather_gbps)
+    scatter = _all_to_all_ms(kv_seq * 4, p, m, m.gather_gbps)
     # One call per zigzag query run (half a shard) against the keys it sees.
     compute = _ms(7 * s.q_heads * s.head_dim * (tokens * p) ** 2, tokens // 2, m) / p
     t = compute + gather + scatter
     out.append(Prediction("allgather", t, gather + scatter, ideal / t, "holds the whole K/V"))
 
     if p <= s.q_heads and s.q_heads % p == 0:
-        x = _all_to_all_ms(_ulysses_traffic(p, tokens, s), p, m)
+        x = _all_to_all_ms(_ulysses_traffic(p, tokens, s), p, m, m.a2a_gbps)
         out.append(Prediction("ulysses", ideal + x, x, ideal / (ideal + x)))
     else:
         out.append(Prediction("ulysses", math.inf, math.inf, 0.0, f"P > N={s.q_heads}"))
@@ -145,7 +150,7 @@ def predict(p: int, tokens: int, s: Shape, m: Machine) -> list[Prediction]:
     r = p // a
     if a > 1 and r > 1:
         inner = Machine(**{**dataclasses.asdict(m), "gpus_per_node": a})
-        x_a2a = _all_to_all_ms(_ulysses_traffic(a, tokens, s), a, inner)
+        x_a2a = _all_to_all_ms(_ulysses_traffic(a, tokens, s), a, inner, m.a2a_gbps)
         kv_local = s.kv_heads * (a // math.gcd(s.kv_heads, a)) // a
         t_ring, x_ring = _ring(r, a * tokens, s.q_heads // a, kv_local, m.inter_gbps, s, m)
         t = t_ring + x_a2a
@@ -200,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ring_overhead_ns", type=float, default=18.0)
     ap.add_argument("--intra_gbps", type=float, default=195.0, help="NVLink per GPU")
     ap.add_argument("--inter_gbps", type=float, default=50.0, help="400 Gb/s IB per GPU")
+    ap.add_argument("--a2a_gbps", type=float, default=None, help="all-to-all (default: intra)")
+    ap.add_argument("--gather_gbps", type=float, default=None, help="all-gather (default: intra)")
     ap.add_argument("--latency_us", type=float, default=15.0)
     ap.add_argument("--gpus_per_node", type=int, default=8)
     ap.add_argument("--q_heads", type=int, default=32)
@@ -222,6 +229,8 @@ def main(argv=None) -> int:
         args.inter_gbps,
         args.latency_us,
         args.gpus_per_node,
+        args.a2a_gbps,
+        args.gather_gbps,
     )
     s = Shape(args.q_heads, args.kv_heads, args.head_dim)
     names = ("ring", "allgather", "ulysses", "hybrid")

@@ -248,17 +248,22 @@ def attention_pairs(seq: int, causal: bool, documents=None) -> int:
 
 
 def link_gbps() -> dict:
-    """GB/s per device and direction for cp_model: a ppermute of 256 MiB per device
-    over every device measured here (1 MiB on CPU), or cp_model's default."""
+    """GB/s per device for cp_model, each collective at 256 MiB per device over every
+    device measured here (1 MiB on CPU): `ppermute` (the ring's hops), `all_to_all`
+    (Ulysses), `all_gather` (the all-gather strategy); or cp_model's default."""
     if len(jax.devices()) < 2:
         return {"intra_gbps": 195.0, "from": "cp_model default (NVLink of 2 H200s)"}
     mib = 256 if jax.default_backend() == "gpu" else 1
-    rows = cp_model.measure([mib])["rows"]
-    gbps = next(r["gbps"] for r in rows if r["op"] == "ppermute")
-    return {"intra_gbps": gbps, "from": f"ppermute of {mib} MiB per device, measured here"}
+    rows = {r["op"]: r["gbps"] for r in cp_model.measure([mib])["rows"]}
+    return {
+        "intra_gbps": rows["ppermute"],
+        "a2a_gbps": rows["all_to_all"],
+        "gather_gbps": rows["all_gather"],
+        "from": f"ppermute, all_to_all, all_gather of {mib} MiB per device, measured here",
+    }
 
 
-def model_prediction(row: dict, ideal: dict, args, gbps: float) -> None:
+def model_prediction(row: dict, ideal: dict, args, links: dict) -> None:
     """cp_model's forward+backward prediction for the row's strategy and P. Its kernel
     rate is the one device's measured (pipelined) rate on the whole sequence, undone
     for cp_model's short-call fall-off; its other inputs are cp_model's defaults
@@ -270,7 +275,11 @@ def model_prediction(row: dict, ideal: dict, args, gbps: float) -> None:
         return
     flops = 7 * args.batch * args.heads * args.head_dim * seq * seq  # causal fwd+bwd, B x
     rate = flops / (ideal["fwdbwd_pipe_ms"] * 1e-3) / 1e12
-    machine = cp_model.Machine(rate * (seq + 200) / seq, 200.0, 18.0, gbps, gbps, 15.0, 2)
+    gbps = links["intra_gbps"]
+    machine = cp_model.Machine(
+        rate * (seq + 200) / seq, 200.0, 18.0, gbps, gbps, 15.0, 2,
+        links.get("a2a_gbps"), links.get("gather_gbps"),
+    )  # fmt: skip
     shape = cp_model.Shape(args.heads, args.kv_heads, args.head_dim)
     for pred in cp_model.predict(p, row["tokens_per_device"], shape, machine):
         if pred.strategy == row["strategy"] and pred.efficiency > 0:
@@ -441,7 +450,7 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
                         if f"{name}_ms" in ideal:
                             row[f"ideal_tflops_{name}"] = flops / (ideal[f"{name}_ms"] * 1e9)
                     if links is not None and lengths is None and causal:
-                        model_prediction(row, ideal, args, links["intra_gbps"])
+                        model_prediction(row, ideal, args, links)
                     row["row_s"] = time.perf_counter() - t_row
                     rows.append(row)
                     print(table([row], columns).splitlines()[-1], flush=True)
@@ -717,7 +726,8 @@ def main(argv=None):
     links = None
     if args.cp_model:
         links = config["links"] = link_gbps()
-        print(f"cp_model links: {links['intra_gbps']:.1f} GB/s ({links['from']})", flush=True)
+        rates = ", ".join(f"{k[:-5]} {v:.1f}" for k, v in links.items() if k.endswith("_gbps"))
+        print(f"cp_model links, GB/s: {rates} ({links['from']})", flush=True)
     columns = table_columns(args)
     print(table([], columns))
     rows = benchmark(
