@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jflash._validation import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from jflash._validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, is_int
 
 
 def _is_pow2(x: int) -> bool:
@@ -67,7 +67,7 @@ def _check_problem(seq_len, kv_len, head_dim, dtype) -> None:
     for name, value in (("seq_len", seq_len), ("kv_len", kv_len), ("head_dim", head_dim)):
         if value is None and name == "kv_len":
             continue
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"{head_dim=} is not supported; jflash handles 1..{MAX_HEAD_DIM}")

@@ -29,11 +29,13 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
 
+from jflash._validation import is_int
+
 LAYOUTS = ("zigzag", "contiguous", "striped")
 
 
 def _check_shards(num_shards: int) -> None:
-    if not isinstance(num_shards, (int, np.integer)) or isinstance(num_shards, bool):
+    if not is_int(num_shards):
         raise ValueError(f"{num_shards=} must be a Python int")
     if num_shards < 1:
         raise ValueError(f"{num_shards=} must be >= 1")
@@ -125,7 +127,7 @@ _permute.defvjp(_permute_fwd, _permute_bwd)
 
 def _checked(x, num_shards: int, axis: int, layout: str):
     x = jnp.asarray(x)
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+    if not is_int(axis):
         raise ValueError(f"{axis=} must be a Python int (the sequence axis)")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"{axis=} is out of range for an array with {x.ndim=}")
@@ -185,6 +187,6 @@ def positions(seq_len: int, num_shards: int, layout: str = "zigzag") -> Int[Arra
       layout: `"zigzag"`, `"striped"` or `"contiguous"` (natural order: `arange(T)`).
     """
     _check_shards(num_shards)
-    if not isinstance(seq_len, (int, np.integer)) or isinstance(seq_len, bool) or seq_len < 1:
+    if not is_int(seq_len) or seq_len < 1:
         raise ValueError(f"{seq_len=} must be a positive Python int")
     return to_layout(jnp.arange(seq_len, dtype=jnp.int32), num_shards, layout, axis=0)

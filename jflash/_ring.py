@@ -50,7 +50,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -58,7 +57,7 @@ from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import check_array, check_causal, check_qkv, default_scale
+from jflash._validation import check_array, check_causal, check_qkv, default_scale, is_int
 from jflash._vma import vary, varying_axes
 
 RING_STRATEGIES = ("ring", "allgather")
@@ -503,7 +502,7 @@ def ring_config(
 def _check_rank(rank, p: int):
     """`rank` as a Python int in `[0, p)`, or a traced int32 scalar (checked for its
     type only); anything else (a float, a bool, a vector) is refused by name."""
-    if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool):
+    if is_int(rank):
         if not 0 <= rank < p:
             raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
         return int(rank)

@@ -30,6 +30,11 @@ class Shapes:
         return self.q_heads // self.kv_heads
 
 
+def is_int(value) -> bool:
+    """A Python or numpy integer, not a bool (True is an int to Python, not a size)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_array(name: str, x) -> None:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"{name} must be a jax or numpy array; got {type(x).__name__}")
@@ -71,7 +76,7 @@ def check_offsets(q_offset, k_offset, shapes: Shapes) -> tuple[int, int]:
         ("q_offset", q_offset, shapes.q_len),
         ("k_offset", k_offset, shapes.kv_len),
     ):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        if not is_int(value):
             raise ValueError(f"{name}={value!r} must be a static Python int (a global position)")
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0 (a global position)")

@@ -44,7 +44,12 @@ from train.oom import is_oom
 
 
 def search_longest(
-    fits_at: Callable[[int], dict], start: int, maximum: int, refine: int = 0, granule: int = 1
+    fits_at: Callable[[int], dict],
+    start: int,
+    maximum: int,
+    refine: int = 0,
+    granule: int = 1,
+    on_probe: Callable[[list[dict]], None] | None = None,
 ) -> tuple[int | None, list[dict]]:
     """The longest length `fits_at` accepts, and every probe made.
 
@@ -58,12 +63,15 @@ def search_longest(
       start, maximum: the first and the largest length tried.
       refine: bisection steps after the doubling.
       granule: every bisection length is a multiple of it.
+      on_probe: called with the probes so far after each one.
     """
     probes: list[dict] = []
 
     def probe(length: int) -> bool:
         result = fits_at(length)
         probes.append({"seq": length, **result})
+        if on_probe is not None:
+            on_probe(probes)
         return bool(result["fits"])
 
     best, length, too_long = None, start, None
@@ -267,18 +275,14 @@ def longest(
         )
         return {"fits": ok, "gib": gib, "host_gib": host}
 
-    seen: list[dict] = []
-
-    def probe(context: int) -> dict:
-        result = fits_at(context)
-        seen.append({"seq": context, **result})
-        if progress is not None:
-            fit = [p["seq"] for p in seen if p["fits"]]
-            progress(_row(model, mesh, max(fit, default=None), list(seen), searching=True))
-        return result
+    def report(probes: list[dict]) -> None:
+        fit = [p["seq"] for p in probes if p["fits"]]
+        progress(_row(model, mesh, max(fit, default=None), list(probes), searching=True))
 
     granule = math.lcm(1024, 2 * seq)
-    best, probes = search_longest(probe, args.start, args.max, args.refine, granule)
+    best, probes = search_longest(
+        fits_at, args.start, args.max, args.refine, granule, report if progress else None
+    )
     return _row(model, mesh, best, probes, searching=False)
 
 
@@ -526,18 +530,20 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
     for result in results:
         remat = (result.get("settings") or {}).get("remat", "?")
         for row in result["rows"]:
-            panel = panels.setdefault(row["model"], {"series": {}, "limit": set(), "host": set()})
+            panel = panels.setdefault(
+                row["model"], {"series": {}, "failed": {}, "limit": set(), "host": set()}
+            )
             for key, into in (("limit_gib", "limit"), ("host_limit_gib", "host")):
                 if result.get(key) is not None:
                     panel[into].add(result[key])
-            probes = panel["series"].setdefault((remat, row.get("mesh", "")), {})
+            series = (remat, row.get("mesh", ""))
+            probes = panel["series"].setdefault(series, {})
+            failed = panel["failed"].setdefault(series, set())
             for p in row["probes"]:
                 if p.get("gib") is not None:
                     probes.setdefault(p["seq"], p)  # one probe per length
                 elif not p.get("fits"):  # ran out of memory while compiling
-                    panel.setdefault("failed", {}).setdefault(
-                        (remat, row.get("mesh", "")), set()
-                    ).add(p["seq"])
+                    failed.add(p["seq"])
     if not any(probes for panel in panels.values() for probes in panel["series"].values()):
         raise SystemExit(f"{', '.join(paths)}: no probe compiled; nothing to plot")
 
@@ -575,7 +581,7 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
                 top = max(top, *(g for _, g, _ in pts))
             # Probes that ran out of memory while compiling have no size: an x on the
             # device limit (the line they did not fit under).
-            failed = sorted(panel.get("failed", {}).get(key, set()) - set(panel["series"][key]))
+            failed = sorted(panel["failed"][key] - set(panel["series"][key]))
             if failed and panel["limit"]:
                 at = [max(panel["limit"])] * len(failed)
                 ax.scatter(failed, at, marker="x", s=60, color=colors[key], clip_on=False)
