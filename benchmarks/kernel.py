@@ -220,6 +220,7 @@ def check_outputs(row: dict, name: str, outputs, reference: dict) -> bool:
 
 SHAPES = [  # (seq, head_dim)
     (4096, 128),
+    (8192, 128),
     (16384, 128),
     (65536, 128),
     (16384, 64),
@@ -297,7 +298,7 @@ def main_table(args):
                 continue
             row = measure(
                 impl,
-                batch=1,
+                batch=max(1, args.tokens // seq),
                 seq=seq,
                 heads=32,
                 kv_heads=8,
@@ -797,6 +798,12 @@ def main(argv=None):
     )
     parser.add_argument(
         "--seqs", default="", help="main table: only these of its sequence lengths (4096,...)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=65536,
+        help="main table: tokens per call (batch = tokens // seq, at least 1)",
     )
     parser.add_argument(
         "--tune-impl", default="jflash", choices=("jflash", "jflash_mosaic"), help="--tune: which"

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
-from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, fuses_dq, mosaic_bwd
+from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, SPLIT_DQ_HEAD_DIMS, fuses_dq, mosaic_bwd
 from jflash._mosaic_fwd import mosaic_fwd
 from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
@@ -188,7 +188,7 @@ def describe() -> str:
         f"deterministic=None -> {deterministic} (XLA_FLAGS "
         + ("has" if deterministic else "lacks")
         + " --xla_gpu_deterministic_ops): the Mosaic backward at head_dim in "
-        + f"{FUSED_DQ_HEAD_DIMS} "
+        + f"{FUSED_DQ_HEAD_DIMS + SPLIT_DQ_HEAD_DIMS} "
         + ("runs two kernels" if deterministic else "fuses dQ with f32 atomic adds")
     )
     if _last_choice:

@@ -13,13 +13,21 @@ per thread and adds them after its matmuls (starting its accumulators there cost
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards.
 - dQ, two ways:
-  - fused (`deterministic=False`, D = 64 only: `FUSED_DQ_HEAD_DIMS`): the dK/dV
-    kernel also forms each step's dQ contribution `dS K` (dS goes through shared
-    memory) and adds it to an f32 dQ in HBM with a TMA reduce-add. 5 matmuls per
-    tile instead of 7; the order of the f32 additions varies from run to run.
-  - two kernels (deterministic, and every D = 128 call): a second kernel, one CTA
-    per 128 queries of one head, recomputes S and dP while its memory warpgroup
-    streams K and V. No atomics: bitwise reproducible.
+  - fused (`deterministic=False`, gradients in the inputs' dtype): the dK/dV kernel
+    also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
+    adds it to an f32 dQ in HBM with a TMA reduce-add. 5 matmuls per tile instead of
+    7; the order of the f32 additions varies from run to run. At D = 64 each
+    warpgroup adds its own keys' `[64, 64]` dQ (`FUSED_DQ_HEAD_DIMS`); at D = 128 the
+    warpgroups share their dS^T and each adds one column half of the dQ over all 128
+    keys (`SPLIT_DQ_HEAD_DIMS`), which keeps its accumulator at 32 registers.
+  - two kernels (deterministic, and the ring's f32 gradients at D = 128): a second
+    kernel, one CTA per 128 queries of one head, recomputes S and dP while its memory
+    warpgroup streams K and V. No atomics: bitwise reproducible.
+
+The fused D = 128 kernel reads a zero from shared memory at every step and indexes its
+fixed K, V and dQ tiles with it. Without it, LLVM hoists the two dozen 64-bit wgmma
+descriptors of those tiles out of the step loop, where ptxas spills them (412 bytes;
+none now): forward+backward 472 -> 591 TFLOP/s at 64k on an H100 (BENCHMARKS.md).
 
 Both kernels issue the S and dP wgmmas together and exponentiate S while dP is still
 on the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Tiles fixed for a warpgroup's
@@ -52,6 +60,7 @@ from jflash._mosaic_common import (
     key_table,
     key_tile_steps,
     launch,
+    lockstep,
     query_table,
     query_tile_steps,
     rem,
@@ -64,16 +73,27 @@ from jflash._mosaic_common import (
     visible,
     wgmma_into,
     wgmma_pair,
+    wgmma_sum,
 )
 from jflash._triton_common import LOG2E, pad_to, round_up
 from jflash._vma import match, struct, vary, varying_axes
 
-# Head dims where the fused dQ is the faster backward (H100, same run, BENCHMARKS.md
-# "Fused dQ"): at D=64 0.94-0.97x cuDNN against 0.91 for two kernels; at D=128 the
-# [64, 128] f32 dQ accumulator next to dK and dV spills registers and its reduce-add
-# traffic into L2 doubles: 0.62-0.79x against 0.90-1.0x, also with the dQ split into
-# column chunks or shared between the warpgroups (tried, commit c8ba412).
+# Head dims where each warpgroup adds its own dQ (H100, same run: at D=64 0.94-0.97x
+# cuDNN against 0.91 for two kernels). At D=128 that [64, 128] f32 accumulator next to
+# dK and dV spills registers and doubles the reduce-add traffic (0.62-0.79x, commit
+# c8ba412): D=128 splits the dQ instead (`SPLIT_DQ_HEAD_DIMS`).
 FUSED_DQ_HEAD_DIMS = (64,)
+# Register split of the split-dQ kernel (setmaxnreg): 2 x 240 + 24 per thread x 128
+# threads = 64,512, as COMPUTE_REGS / MEMORY_REGS; its memory warpgroup needs no more.
+# Against 232 + 40: no spill instead of 84 bytes, forward+backward 1-2% faster.
+SPLIT_REGS = (240, 24)
+# Head dims where the fused dQ is split between the warpgroups (`_dkv_kernel`'s
+# `split`): both write their dS^T to shared memory, and each forms the dQ of its half
+# of the columns from all of the CTA's keys, so a warpgroup holds a [64, D/2] f32
+# accumulator (32 registers at D=128) and the reduce-add traffic is one [64, D] tile per
+# step, not two. Needs the gradients in the inputs' dtype (the f32 ones of the ring take
+# the two-kernel path: their output tiles do not fit beside the dS and dQ tiles).
+SPLIT_DQ_HEAD_DIMS = (128,)
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
@@ -81,9 +101,20 @@ FUSED_DQ_HEAD_DIMS = (64,)
 A_IN_REGS = {"dkv": lambda d: d <= 64, "dq": lambda d: d <= 128}
 
 
-def fuses_dq(head_dim: int, deterministic: bool) -> bool:
+def fuses_dq(head_dim: int, deterministic: bool, grads_in_input_dtype: bool = True) -> bool:
     """Whether the backward adds dQ inside the dK/dV kernel (f32 reduce-add)."""
-    return not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
+    if deterministic:
+        return False
+    return head_dim in FUSED_DQ_HEAD_DIMS or (
+        head_dim in SPLIT_DQ_HEAD_DIMS and grads_in_input_dtype
+    )
+
+
+def splits_dq(head_dim: int, deterministic: bool, grads_in_input_dtype: bool = True) -> bool:
+    """Whether the fused dQ is split by columns between the warpgroups."""
+    return fuses_dq(head_dim, deterministic, grads_in_input_dtype) and (
+        head_dim in SPLIT_DQ_HEAD_DIMS
+    )
 
 
 def _store_tile(value, smem, dst):
@@ -117,12 +148,18 @@ def _dkv_kernel(
     grads_in_input_dtype: bool,
     segments: bool,
     fused: bool,
+    split: bool,
     interpret: bool,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
     `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
     GPU interpreter has no TMA reduce-add) one `[B, T, N, H]` slice per (key tile,
-    warpgroup), summed after; then the outputs and the scratch."""
+    warpgroup; per key tile if `split`), summed after; then the outputs and the scratch.
+
+    `split` (fused only): the warpgroups share each step's dS^T through shared memory
+    (two buffers, by step parity, and a barrier pair `ds_ready`) and each adds the dQ of
+    its half of the columns. Both then walk the CTA's whole stream in lockstep (steps
+    outside a warpgroup's own range run masked: P = 0 there)."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -145,6 +182,8 @@ def _dkv_kernel(
         kv_ready,
         in_ready,
         free,
+        ds_ready,
+        opaque,
     ) = refs
     bk = WG_ROWS
     batch = lax.axis_index("batch")
@@ -152,10 +191,12 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
+    if split:
+        st = lockstep(st)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        plgpu.set_max_registers(SPLIT_REGS[0] if split else COMPUTE_REGS, action="increase")
         k_start = cta_start + wg * bk
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (batch, pl.ds(k_start, bk), kv_head)
@@ -168,7 +209,13 @@ def _dkv_kernel(
                 kv_ready.at[wg, jnp.int32(2)],
             )
         if fused:
-            ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
+            ds_smem, dq_smem = (None if split else ds_smem2.at[wg]), dq_smem2.at[wg]
+        if split:
+            # A zero read from shared memory at every step (`mine` below): the step's
+            # shared-memory operands are indexed by it, so their 64-bit wgmma
+            # descriptors are formed inside the loop instead of being hoisted out of it
+            # and held (spilled) across it.
+            opaque[jnp.int32(0)] = jnp.int32(0)
         for i in range(3 if segments else 2):
             plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
         k_ids = row_ids(k_ids2.at[wg]) if segments else None
@@ -188,6 +235,12 @@ def _dkv_kernel(
             slot = rem(base + qi, stages)
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
+            k_s, v_s = k_a, v_a
+            mine, other = wg, jnp.int32(COMPUTE_WGS - 1) - wg
+            if split:
+                zero = opaque[jnp.int32(0)]
+                mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
+                k_s, v_s = k_smem2.at[mine], v_smem2.at[mine]
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
@@ -208,7 +261,7 @@ def _dkv_kernel(
 
             p, ds = wgmma_pair(
                 init,
-                [(k_a, q_t.T), (v_a, do_t.T)],
+                [(k_s, q_t.T), (v_s, do_t.T)],
                 probabilities,
                 lambda p, dp: p * dp,
                 interpret=interpret,
@@ -224,6 +277,51 @@ def _dkv_kernel(
                     interpret=interpret,
                 )
                 plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            if split:
+                # This warpgroup's dS^T rows go to shared memory for both warpgroups'
+                # dQ; dV and dK run while the other warpgroup writes its rows.
+                par = rem(base + qi, 2)
+                ds_b = ds.astype(k_smem.dtype)
+                ds_smem2.at[par, wg][...] = ds_b
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[par])
+                dv, dk = wgmma_into(
+                    (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(ds_ready.at[par])
+                half = geom.head_dim // COMPUTE_WGS
+                q_rows = pl.ds(qi * block_q, block_q)
+                head_g = kv_head * geom.group + g
+                for w in range(COMPUTE_WGS):  # static column halves (a dynamic slice: slower)
+
+                    @pl.when(wg == w)
+                    def _(w=w):
+                        cols = pl.ds(w * half, half)
+                        zeros_dq = plgpu.layout_cast(
+                            jnp.zeros((block_q, half), jnp.float32), plgpu.Layout.WGMMA
+                        )
+                        # dQ[:, cols] = dS K over both warpgroups' keys.
+                        keys = (mine, other)
+                        dq = wgmma_sum(
+                            zeros_dq,
+                            [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
+                            interpret=interpret,
+                        )
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        dq_s = dq_smem2.at[mine]
+                        dq_s[...] = dq * scale
+                        plgpu.commit_smem()
+                        if interpret:
+                            part = lax.axis_index("kv_tiles")
+                            dst = dq_ref.at[part, batch, q_rows, head_g, cols]
+                            plgpu.copy_smem_to_gmem(dq_s, dst)
+                        else:
+                            dst = dq_ref.at[batch, q_rows, head_g, cols]
+                            plgpu.copy_smem_to_gmem(dq_s, dst, reduction_op="add")
+
                 return dk, dv
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
@@ -270,14 +368,17 @@ def _dkv_kernel(
                 functools.partial(skip, base=base),
                 carry,
                 mask_first=True,
-                mask_last=segments,
-                skip_first=True,
+                mask_last=segments or split,
+                skip_first=not split,
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
+        if split:  # the other warpgroup's last dQ has read this one's K: dK may take it
+            plgpu.barrier_arrive(ds_ready.at[jnp.int32(2)])
+            plgpu.barrier_wait(ds_ready.at[jnp.int32(2)])
         if out_smem2 is not None:
             dk_smem = dv_smem = out_smem2.at[wg]
         elif grads_in_input_dtype:  # K/V's own slots are free now
@@ -290,7 +391,7 @@ def _dkv_kernel(
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+        plgpu.set_max_registers(SPLIT_REGS[1] if split else MEMORY_REGS, action="decrease")
 
         @pl.loop(0, geom.group * per_head)
         def _(t):
@@ -521,12 +622,18 @@ def mosaic_bwd(
         dkv_ids = (*ids, key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS))
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     same = jnp.dtype(grad_dtype) == q.dtype
-    fused = fuses_dq(h, deterministic)  # block_q_dkv checked by `check_mosaic_block_sizes`
+    # block_q_dkv checked by `check_mosaic_block_sizes`
+    fused = fuses_dq(h, deterministic, same)
+    split = splits_dq(h, deterministic, same)
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
     out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
-    fused_tiles = COMPUTE_WGS * (WG_ROWS * block_q_dkv * size + block_q_dkv * h * 4)
+    ds_buffers = 2 if split else 1  # split: by step parity
+    dq_cols = h // COMPUTE_WGS if split else h
+    fused_tiles = COMPUTE_WGS * (
+        ds_buffers * WG_ROWS * block_q_dkv * size + block_q_dkv * dq_cols * 4
+    )
     ids_tile = rows * 4 if segments else 0
     common = dict(
         geom=geom, qk_scale=scale * LOG2E, scale=scale, segments=segments, interpret=interpret
@@ -545,13 +652,14 @@ def mosaic_bwd(
         stages=dkv_stages,
         grads_in_input_dtype=same,
         fused=fused,
+        split=split,
         **common,
     )
     inputs = (q, k, v, do, s_start, dp_start, *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
-        parts = (kv_tiles * COMPUTE_WGS,) if interpret else ()
+        parts = (kv_tiles * (1 if split else COMPUTE_WGS),) if interpret else ()
         zeros = jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32)
         # Pallas refuses a Ref that varies over a shard_map's manual axes: the
         # accumulator is made unvarying (each device's kernel adds into its own) and its
@@ -569,13 +677,20 @@ def mosaic_bwd(
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
-            smem_tile((COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype) if fused else None,
-            smem_tile((COMPUTE_WGS, block_q_dkv, h), jnp.float32) if fused else None,
+            (
+                smem_tile((*(2,) * split, COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
+                if fused
+                else None
+            ),
+            smem_tile((COMPUTE_WGS, block_q_dkv, dq_cols), jnp.float32) if fused else None,
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.int32) if segments else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 3 if segments else 2)),
             plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
+            # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split else None,
+            plgpu.SMEM((1,), jnp.int32) if split else None,
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dkv",

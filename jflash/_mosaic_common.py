@@ -226,6 +226,20 @@ def wgmma_into(accs, products, *, interpret: bool):
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
+def wgmma_sum(acc, products, *, interpret: bool):
+    """`acc + sum_j a_j @ b_j` into one accumulator (SMEM operands), waited for once."""
+    if interpret:
+        for a, b in products:
+            acc = acc + jnp.dot(a[...], b[...], preferred_element_type=jnp.float32)
+        return acc
+
+    def issue(ref):
+        for a, b in products:
+            plgpu.wgmma(ref, a, b)
+
+    return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+
 def wgmma_pair(inits, products, first, then, *, interpret: bool):
     """Two wgmmas `r_i = init_i + a_i @ b_i` issued together; `x = first(r_0)` runs while
     the second is still on the tensor cores. Returns `(x, then(x, r_1))`, both f32 of
@@ -339,6 +353,16 @@ class Steps:
     def slot(self, j, stages: int):
         """The shared-memory slot of step `j` (the stream's `j - cta_lo`-th)."""
         return rem(j - self.cta_lo, stages)
+
+
+def lockstep(steps: Steps) -> Steps:
+    """A warpgroup that computes every step of its CTA's stream: its own unmasked run
+    stays unmasked, every other step runs with the mask (for warpgroups that share
+    each step's work, e.g. the split dQ of the dK/dV kernel)."""
+    lo, hi = steps.cta_lo, steps.cta_hi
+    clear_lo = jnp.clip(steps.clear_lo, lo, hi)
+    clear_hi = jnp.clip(steps.clear_hi, clear_lo, hi)
+    return Steps(lo, hi, lo, clear_lo, clear_hi, hi)
 
 
 def _own_steps(visible_steps, clear_steps, seg):

@@ -189,7 +189,8 @@ def test_heads_first_launch(implementation, case, monkeypatch):
     jax.clear_caches()
     got, want = _run(case, seed=11, implementation=implementation, interpret=INTERPRET)
     assert_close(got, want, case.dtype)
-    assert case.causal and len(asked) >= 3 and all(asked), asked  # fwd, dK/dV, dQ
+    # fwd, dK/dV and (the two-kernel backward) dQ
+    assert case.causal and len(asked) >= 2 and all(asked), asked
     jax.clear_caches()
 
 

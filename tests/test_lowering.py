@@ -13,7 +13,7 @@ from jax._src import mesh as mesh_lib
 
 import jflash
 import jflash._dispatch as dispatch
-from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS
+from jflash._mosaic_bwd import fuses_dq
 
 _H100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
@@ -101,9 +101,9 @@ def test_mosaic_lowers_for_cuda(
         text = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv"):
         assert name in text, f"{name} missing from the CUDA lowering"
-    # The fused backward (D=64) adds dQ with TMA reduce-adds into an aliased f32 buffer;
-    # the two-kernel one (deterministic, or D=128) runs the dQ kernel instead.
-    fused = not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
+    # The fused backward adds dQ with TMA reduce-adds into an aliased f32 buffer; the
+    # two-kernel one (deterministic) runs the dQ kernel instead.
+    fused = fuses_dq(head_dim, deterministic)
     assert ("jflash_mosaic_dq" in text) != fused
     assert ("cp.reduce.async.bulk.tensor" in text) == fused
 
@@ -242,9 +242,11 @@ def test_determinism_switch(monkeypatch):
     with pytest.raises(ValueError, match="block_q_dkv=128.*deterministic=True"):
         dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
     assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=True, **common)
-    # D=128 never fuses dQ (slower there), so its query block is free either way.
+    # D=128 fuses dQ too (split by columns between the warpgroups), with the same limit.
     common["head_dim"] = 128
-    assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
+    with pytest.raises(ValueError, match="block_q_dkv=128.*deterministic=True"):
+        dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
+    assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=True, **common)
 
 
 def test_mosaic_pipeline_depth_fits_shared_memory():

@@ -23,7 +23,7 @@ from kernel_cases import assert_close, make_inputs, oracle, random_segments
 import jflash
 from jflash._dispatch import delta_from
 from jflash._mask import Mask
-from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, mosaic_bwd
+from jflash._mosaic_bwd import fuses_dq, mosaic_bwd
 from jflash._mosaic_fwd import mosaic_fwd
 
 pytestmark = needs_hopper
@@ -264,5 +264,5 @@ def test_lowers_for_cuda(head_dim, deterministic):
         lowered = jax.jit(both).trace(q, kv, kv, q, dlse, ids).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "jflash_mosaic_fwd" in text and "jflash_mosaic_dkv" in text
-    fused = not deterministic and head_dim in FUSED_DQ_HEAD_DIMS
+    fused = fuses_dq(head_dim, deterministic)
     assert ("jflash_mosaic_dq" in text) != fused

@@ -21,7 +21,7 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 
 import jflash
 import jflash._dispatch as dispatch
-from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS
+from jflash._mosaic_bwd import fuses_dq
 
 
 @contextlib.contextmanager
@@ -113,7 +113,7 @@ def test_x64(implementation, dtype, options, shapes):
     without, _ = _run(implementation, *inputs, options)
     names = ["out", "lse", "dq", "dk", "dv"]
     # Compiled, the fused dQ adds in f32 with atomics: its order varies from run to run.
-    if ON_GPU and head_dim in FUSED_DQ_HEAD_DIMS and not options.get("deterministic", False):
+    if ON_GPU and fuses_dq(head_dim, options.get("deterministic", False)):
         names.remove("dq")
     for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, without, strict=True):
         if name in names:
@@ -226,7 +226,7 @@ def test_mosaic_kernels_trace_identically(
     """The forward, dK/dV (fused dQ or not) and dQ kernels."""
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    fused = head_dim in FUSED_DQ_HEAD_DIMS and not deterministic
+    fused = fuses_dq(head_dim, deterministic)
     expected = {"jflash_mosaic_fwd", "jflash_mosaic_dkv"} | (
         set() if fused else {"jflash_mosaic_dq"}
     )
