@@ -87,6 +87,11 @@ FUSED_DQ_HEAD_DIMS = (64,)
 # threads = 64,512, as COMPUTE_REGS / MEMORY_REGS; its memory warpgroup needs no more.
 # Against 232 + 40: no spill instead of 84 bytes, forward+backward 1-2% faster.
 SPLIT_REGS = (240, 24)
+# Whether the other dK/dV kernels (D = 64 fused, the two-kernel backward's) index their
+# fixed shared-memory tiles by the per-step zero too (see `_dkv_kernel`). H100, one run:
+# the two-kernel backward's at D = 128 spills 0 bytes instead of 112-136, forward+backward
+# +3% at 16k, even at 64k; D = 64 unchanged.
+OPAQUE_TILES = True
 # Head dims where the fused dQ is split between the warpgroups (`_dkv_kernel`'s
 # `split`): both write their dS^T to shared memory, and each forms the dQ of its half
 # of the columns from all of the CTA's keys, so a warpgroup holds a [64, D/2] f32
@@ -210,11 +215,12 @@ def _dkv_kernel(
             )
         if fused:
             ds_smem, dq_smem = (None if split else ds_smem2.at[wg]), dq_smem2.at[wg]
-        if split:
-            # A zero read from shared memory at every step (`mine` below): the step's
-            # shared-memory operands are indexed by it, so their 64-bit wgmma
-            # descriptors are formed inside the loop instead of being hoisted out of it
-            # and held (spilled) across it.
+        # A zero read from shared memory at every step (`mine` below): the step's fixed
+        # shared-memory operands are indexed by it, so their 64-bit wgmma descriptors
+        # are formed inside the loop instead of being hoisted out of it and held
+        # (spilled) across it. Always on for the split dQ (its 412 spilled bytes).
+        opaque_tiles = split or OPAQUE_TILES
+        if opaque_tiles:
             opaque[jnp.int32(0)] = jnp.int32(0)
         for i in range(3 if segments else 2):
             plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
@@ -235,12 +241,17 @@ def _dkv_kernel(
             slot = rem(base + qi, stages)
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
-            k_s, v_s = k_a, v_a
+            k_s, v_s, k_dq = k_a, v_a, k_smem
+            ds_s, dq_s = (ds_smem, dq_smem) if fused else (None, None)
             mine, other = wg, jnp.int32(COMPUTE_WGS - 1) - wg
-            if split:
+            if opaque_tiles:
                 zero = opaque[jnp.int32(0)]
                 mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
-                k_s, v_s = k_smem2.at[mine], v_smem2.at[mine]
+                k_dq = k_smem2.at[mine]
+                if not A_IN_REGS["dkv"](geom.head_dim):
+                    k_s, v_s = k_dq, v_smem2.at[mine]
+                if fused and not split:
+                    ds_s, dq_s = ds_smem2.at[mine], dq_smem2.at[mine]
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
@@ -327,31 +338,29 @@ def _dkv_kernel(
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
             # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
             # traffic, BENCHMARKS.md).
-            ds_smem[...] = ds.astype(ds_smem.dtype)
+            ds_s[...] = ds.astype(ds_s.dtype)
             plgpu.commit_smem()
             zeros_dq = plgpu.layout_cast(
                 jnp.zeros((block_q, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA
             )
             dv, dk, dq = wgmma_into(
                 (dv, dk, zeros_dq),
-                [(p_in, do_t), (ds_in, q_t), (ds_smem.T, k_smem)],
+                [(p_in, do_t), (ds_in, q_t), (ds_s.T, k_dq)],
                 interpret=interpret,
             )
             plgpu.barrier_arrive(free.at[slot])
             # The previous step's reduce-add has read its SMEM long ago (a whole step of
             # matmuls ran since); wait for it before overwriting.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dq_smem[...] = dq * scale
+            dq_s[...] = dq * scale
             plgpu.commit_smem()
             q_rows = pl.ds(qi * block_q, block_q)
             head_g = kv_head * geom.group + g
             if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
                 part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
-                plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[part, batch, q_rows, head_g])
+                plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[part, batch, q_rows, head_g])
             else:
-                plgpu.copy_smem_to_gmem(
-                    dq_smem, dq_ref.at[batch, q_rows, head_g], reduction_op="add"
-                )
+                plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[batch, q_rows, head_g], reduction_op="add")
             return dk, dv
 
         def skip(qi, carry, *, base):
@@ -690,7 +699,7 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split else None,
-            plgpu.SMEM((1,), jnp.int32) if split else None,
+            plgpu.SMEM((1,), jnp.int32),  # the zero of `opaque_tiles`
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dkv",
