@@ -13,16 +13,16 @@ per thread and adds them after its matmuls (starting its accumulators there cost
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards.
 - dQ, two ways:
-  - fused (`deterministic=False`, gradients in the inputs' dtype): the dK/dV kernel
+  - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
     adds it to an f32 dQ in HBM with a TMA reduce-add. 5 matmuls per tile instead of
     7; the order of the f32 additions varies from run to run. At D = 64 each
     warpgroup adds its own keys' `[64, 64]` dQ (`FUSED_DQ_HEAD_DIMS`); at D = 128 the
     warpgroups share their dS^T and each adds one column half of the dQ over all 128
     keys (`SPLIT_DQ_HEAD_DIMS`), which keeps its accumulator at 32 registers.
-  - two kernels (deterministic, and the ring's f32 gradients at D = 128): a second
-    kernel, one CTA per 128 queries of one head, recomputes S and dP while its memory
-    warpgroup streams K and V. No atomics: bitwise reproducible.
+  - two kernels (deterministic): a second kernel, one CTA per 128 queries of one head,
+    recomputes S and dP while its memory warpgroup streams K and V. No atomics:
+    bitwise reproducible.
 
 The fused D = 128 kernel reads a zero from shared memory at every step and indexes its
 fixed K, V and dQ tiles with it. Without it, LLVM hoists the two dozen 64-bit wgmma
@@ -96,8 +96,8 @@ OPAQUE_TILES = True
 # `split`): both write their dS^T to shared memory, and each forms the dQ of its half
 # of the columns from all of the CTA's keys, so a warpgroup holds a [64, D/2] f32
 # accumulator (32 registers at D=128) and the reduce-add traffic is one [64, D] tile per
-# step, not two. Needs the gradients in the inputs' dtype (the f32 ones of the ring take
-# the two-kernel path: their output tiles do not fit beside the dS and dQ tiles).
+# step, not two. f32 gradients (the ring's) leave through the [64, D/2] f32 dQ tile of
+# each warpgroup, one column half at a time.
 SPLIT_DQ_HEAD_DIMS = (128,)
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
@@ -106,20 +106,18 @@ SPLIT_DQ_HEAD_DIMS = (128,)
 A_IN_REGS = {"dkv": lambda d: d <= 64, "dq": lambda d: d <= 128}
 
 
-def fuses_dq(head_dim: int, deterministic: bool, grads_in_input_dtype: bool = True) -> bool:
-    """Whether the backward adds dQ inside the dK/dV kernel (f32 reduce-add)."""
+def fuses_dq(head_dim: int, deterministic: bool, grads_storable: bool = True) -> bool:
+    """Whether the backward adds dQ inside the dK/dV kernel (f32 reduce-add).
+    `grads_storable`: the gradients are in the inputs' dtype or f32; the split dQ needs
+    that (another dtype's output tile does not fit beside its dS and dQ tiles)."""
     if deterministic:
         return False
-    return head_dim in FUSED_DQ_HEAD_DIMS or (
-        head_dim in SPLIT_DQ_HEAD_DIMS and grads_in_input_dtype
-    )
+    return head_dim in FUSED_DQ_HEAD_DIMS or (head_dim in SPLIT_DQ_HEAD_DIMS and grads_storable)
 
 
-def splits_dq(head_dim: int, deterministic: bool, grads_in_input_dtype: bool = True) -> bool:
+def splits_dq(head_dim: int, deterministic: bool, grads_storable: bool = True) -> bool:
     """Whether the fused dQ is split by columns between the warpgroups."""
-    return fuses_dq(head_dim, deterministic, grads_in_input_dtype) and (
-        head_dim in SPLIT_DQ_HEAD_DIMS
-    )
+    return fuses_dq(head_dim, deterministic, grads_storable) and head_dim in SPLIT_DQ_HEAD_DIMS
 
 
 def _store_tile(value, smem, dst):
@@ -394,8 +392,16 @@ def _dkv_kernel(
             dk_smem, dv_smem = k_smem, v_smem
         else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
             dk_smem = dv_smem = dq_smem
-        _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
-        _store_tile(dv, dv_smem, dv_ref.at[rows])
+        if split and not grads_in_input_dtype:  # [64, D/2] f32: by column halves
+            half = geom.head_dim // COMPUTE_WGS
+            for value, ref in ((dk * scale, dk_ref), (dv, dv_ref)):
+                for c in range(COMPUTE_WGS):
+                    cols = slice(c * half, (c + 1) * half)
+                    dst = ref.at[(*rows, pl.ds(c * half, half))]
+                    _store_tile(value[:, cols], dq_smem, dst)
+        else:
+            _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
+            _store_tile(dv, dv_smem, dv_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -631,9 +637,10 @@ def mosaic_bwd(
         dkv_ids = (*ids, key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS))
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     same = jnp.dtype(grad_dtype) == q.dtype
+    storable = same or jnp.dtype(grad_dtype) == jnp.float32
     # block_q_dkv checked by `check_mosaic_block_sizes`
-    fused = fuses_dq(h, deterministic, same)
-    split = splits_dq(h, deterministic, same)
+    fused = fuses_dq(h, deterministic, storable)
+    split = splits_dq(h, deterministic, storable)
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
