@@ -87,11 +87,6 @@ FUSED_DQ_HEAD_DIMS = (64,)
 # threads = 64,512, as COMPUTE_REGS / MEMORY_REGS; its memory warpgroup needs no more.
 # Against 232 + 40: no spill instead of 84 bytes, forward+backward 1-2% faster.
 SPLIT_REGS = (240, 24)
-# Whether the other dK/dV kernels (D = 64 fused, the two-kernel backward's) index their
-# fixed shared-memory tiles by the per-step zero too (see `_dkv_kernel`). H100, one run:
-# the two-kernel backward's at D = 128 spills 0 bytes instead of 112-136, forward+backward
-# +3% at 16k, even at 64k; D = 64 unchanged.
-OPAQUE_TILES = True
 # Head dims where the fused dQ is split between the warpgroups (`_dkv_kernel`'s
 # `split`): both write their dS^T to shared memory, and each forms the dQ of its half
 # of the columns from all of the CTA's keys, so a warpgroup holds a [64, D/2] f32
@@ -211,15 +206,13 @@ def _dkv_kernel(
                 k_ids2.at[wg],
                 kv_ready.at[wg, jnp.int32(2)],
             )
-        if fused:
-            ds_smem, dq_smem = (None if split else ds_smem2.at[wg]), dq_smem2.at[wg]
         # A zero read from shared memory at every step (`mine` below): the step's fixed
         # shared-memory operands are indexed by it, so their 64-bit wgmma descriptors
         # are formed inside the loop instead of being hoisted out of it and held
-        # (spilled) across it. Always on for the split dQ (its 412 spilled bytes).
-        opaque_tiles = split or OPAQUE_TILES
-        if opaque_tiles:
-            opaque[jnp.int32(0)] = jnp.int32(0)
+        # (spilled) across it. H100: the split dQ spilled 412 bytes without it, the
+        # two-kernel backward's dK/dV kernel at D = 128 112-136 (+3% at 16k without
+        # the spill); D = 64 unchanged.
+        opaque[jnp.int32(0)] = jnp.int32(0)
         for i in range(3 if segments else 2):
             plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
         k_ids = row_ids(k_ids2.at[wg]) if segments else None
@@ -239,17 +232,28 @@ def _dkv_kernel(
             slot = rem(base + qi, stages)
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
-            k_s, v_s, k_dq = k_a, v_a, k_smem
-            ds_s, dq_s = (ds_smem, dq_smem) if fused else (None, None)
-            mine, other = wg, jnp.int32(COMPUTE_WGS - 1) - wg
-            if opaque_tiles:
-                zero = opaque[jnp.int32(0)]
-                mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
-                k_dq = k_smem2.at[mine]
-                if not A_IN_REGS["dkv"](geom.head_dim):
-                    k_s, v_s = k_dq, v_smem2.at[mine]
-                if fused and not split:
-                    ds_s, dq_s = ds_smem2.at[mine], dq_smem2.at[mine]
+            zero = opaque[jnp.int32(0)]
+            mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
+            k_dq = k_smem2.at[mine]
+            k_s, v_s = (k_a, v_a) if A_IN_REGS["dkv"](geom.head_dim) else (k_dq, v_smem2.at[mine])
+            q_rows = pl.ds(qi * block_q, block_q)
+            head_g = kv_head * geom.group + g
+
+            def add_dq(dq, part, *cols):
+                """`dq * scale` into the f32 dQ: through this warpgroup's SMEM tile, a TMA
+                reduce-add (interpret: a plain store into slice `part`, summed after)."""
+                dq_s = dq_smem2.at[mine]
+                # The previous step's reduce-add has read its SMEM long ago (a whole step
+                # of matmuls ran since); wait for it before overwriting.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                dq_s[...] = dq * scale
+                plgpu.commit_smem()
+                dst = (batch, q_rows, head_g, *cols)
+                if interpret:
+                    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[(part, *dst)])
+                else:
+                    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[dst], reduction_op="add")
+
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
@@ -302,8 +306,6 @@ def _dkv_kernel(
                 plgpu.barrier_arrive(free.at[slot])
                 plgpu.barrier_wait(ds_ready.at[par])
                 half = geom.head_dim // COMPUTE_WGS
-                q_rows = pl.ds(qi * block_q, block_q)
-                head_g = kv_head * geom.group + g
                 for w in range(COMPUTE_WGS):  # static column halves (a dynamic slice: slower)
 
                     @pl.when(wg == w)
@@ -319,23 +321,14 @@ def _dkv_kernel(
                             [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
                             interpret=interpret,
                         )
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        dq_s = dq_smem2.at[mine]
-                        dq_s[...] = dq * scale
-                        plgpu.commit_smem()
-                        if interpret:
-                            part = lax.axis_index("kv_tiles")
-                            dst = dq_ref.at[part, batch, q_rows, head_g, cols]
-                            plgpu.copy_smem_to_gmem(dq_s, dst)
-                        else:
-                            dst = dq_ref.at[batch, q_rows, head_g, cols]
-                            plgpu.copy_smem_to_gmem(dq_s, dst, reduction_op="add")
+                        add_dq(dq, lax.axis_index("kv_tiles"), cols)
 
                 return dk, dv
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
             # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
             # traffic, BENCHMARKS.md).
+            ds_s = ds_smem2.at[mine]
             ds_s[...] = ds.astype(ds_s.dtype)
             plgpu.commit_smem()
             zeros_dq = plgpu.layout_cast(
@@ -347,18 +340,7 @@ def _dkv_kernel(
                 interpret=interpret,
             )
             plgpu.barrier_arrive(free.at[slot])
-            # The previous step's reduce-add has read its SMEM long ago (a whole step of
-            # matmuls ran since); wait for it before overwriting.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dq_s[...] = dq * scale
-            plgpu.commit_smem()
-            q_rows = pl.ds(qi * block_q, block_q)
-            head_g = kv_head * geom.group + g
-            if interpret:  # one slice per (key tile, warpgroup): plain stores, summed after
-                part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg
-                plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[part, batch, q_rows, head_g])
-            else:
-                plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[batch, q_rows, head_g], reduction_op="add")
+            add_dq(dq, lax.axis_index("kv_tiles") * COMPUTE_WGS + wg)  # a slice per warpgroup
             return dk, dv
 
         def skip(qi, carry, *, base):
@@ -386,20 +368,20 @@ def _dkv_kernel(
         if split:  # the other warpgroup's last dQ has read this one's K: dK may take it
             plgpu.barrier_arrive(ds_ready.at[jnp.int32(2)])
             plgpu.barrier_wait(ds_ready.at[jnp.int32(2)])
-        if out_smem2 is not None:
-            dk_smem = dv_smem = out_smem2.at[wg]
-        elif grads_in_input_dtype:  # K/V's own slots are free now
-            dk_smem, dv_smem = k_smem, v_smem
-        else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
-            dk_smem = dv_smem = dq_smem
-        if split and not grads_in_input_dtype:  # [64, D/2] f32: by column halves
+        if split and not grads_in_input_dtype:  # f32 through the [64, D/2] dQ tile: by halves
             half = geom.head_dim // COMPUTE_WGS
             for value, ref in ((dk * scale, dk_ref), (dv, dv_ref)):
                 for c in range(COMPUTE_WGS):
                     cols = slice(c * half, (c + 1) * half)
                     dst = ref.at[(*rows, pl.ds(c * half, half))]
-                    _store_tile(value[:, cols], dq_smem, dst)
+                    _store_tile(value[:, cols], dq_smem2.at[wg], dst)
         else:
+            if out_smem2 is not None:
+                dk_smem = dv_smem = out_smem2.at[wg]
+            elif grads_in_input_dtype:  # K/V's own slots are free now
+                dk_smem, dv_smem = k_smem, v_smem
+            else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
+                dk_smem = dv_smem = dq_smem2.at[wg]
             _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
             _store_tile(dv, dv_smem, dv_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
@@ -706,7 +688,7 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split else None,
-            plgpu.SMEM((1,), jnp.int32),  # the zero of `opaque_tiles`
+            plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dkv",
