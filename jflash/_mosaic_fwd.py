@@ -112,21 +112,14 @@ def _fwd_kernel(
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-    def load_q(i):
-        """Item `i`'s query rows of this warpgroup (and their ids) into its Q slot."""
-        batch, head, tile = items.coords(i, order_ref)
-        q_start = tile * (COMPUTE_WGS * bq) + wg * bq
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[wg], q_ready.at[wg]
-        )
+    def compute_item(batch, head, cta_start, st):
+        q_start = cta_start + wg * bq
+        q_smem = q_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
         if segments:
             plgpu.copy_gmem_to_smem(
                 qseg_ref.at[batch, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
             )
-
-    def compute_item(batch, head, cta_start, st, load_next_q):
-        q_start = cta_start + wg * bq
-        q_smem = q_smem2.at[wg]
         plgpu.barrier_wait(q_ready.at[wg])
         q_ids = row_ids(q_ids2.at[wg]) if segments else None
 
@@ -271,16 +264,11 @@ def _fwd_kernel(
             acc, m, l = run_steps(
                 st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
             )
-        # Every wgmma reading Q is done (`acc` waited for the last P V): the next
-        # item's Q loads while this one's output is normalised and stored.
-        load_next_q()
         pl.when(wg == 0)(take_turn)
 
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
-        o_smem = o_smem2.at[wg]
-        # The last item's output copy must have read the slot before it is rewritten.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # q is dead by now
         o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(
             o_smem.dtype
         )
@@ -294,25 +282,19 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
+        # The next item's Q lands in this tile's slot: wait until the copy has read it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         plgpu.set_max_registers(COMPUTE_REGS, action="increase")
 
-        c = lax.axis_index("cta")
-        count = items.count(c)
-        pl.when(count > 0)(lambda: load_q(items.item(c, 0)))
-
-        def item(k, done):
-            batch, head, cta_start, st = locate(items.item(c, k), done)
-
-            def load_next_q():
-                pl.when(k + 1 < count)(lambda: load_q(items.item(c, k + 1)))
-
-            compute_item(batch, head, cta_start, st, load_next_q)
+        def item(i, done):
+            batch, head, cta_start, st = locate(i, done)
+            compute_item(batch, head, cta_start, st)
             return done + st.count
 
-        lax.fori_loop(jnp.int32(0), count, item, jnp.int32(0))
+        items.run(item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -371,10 +353,11 @@ def mosaic_fwd(
     s_len, kh = k.shape[1], k.shape[2]
     rows = COMPUTE_WGS * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
+    separate_out = jnp.dtype(out_dtype) != q.dtype
 
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
         fixed = rows * h * size + rows * 4 + (rows * 4 if segments else 0)
-        fixed += rows * h * jnp.dtype(out_dtype).itemsize  # the output's own slot
+        fixed += rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0
         return fixed, 2 * block * h * size + (block * 4 if segments else 0)
 
     # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
@@ -419,7 +402,7 @@ def mosaic_fwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
             smem_tile((stages, block_kv, h), k.dtype),
             smem_tile((stages, block_kv, h), v.dtype),
-            smem_tile((COMPUTE_WGS, WG_ROWS, h), out_dtype),
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), out_dtype) if separate_out else None,
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
