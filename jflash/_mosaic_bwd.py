@@ -542,7 +542,6 @@ def _dq_kernel(
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
         stream_kv(
             (k_ref, v_ref),
             (k_smem, v_smem),

@@ -136,7 +136,6 @@ def stream_kv(
     stages: int,
     ids=None,
     interpret: bool = False,
-    drain_free: bool = True,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
@@ -145,22 +144,21 @@ def stream_kv(
     refilled only after both compute warpgroups arrived on its free barrier. K and V have
     separate barriers, so K can be refilled while V of the same step is still being read.
     `ids`, a `(kv_seg [B, S] int32 in HBM, [stages, block_kv] SMEM)` pair, rides with K
-    (its ready barrier then counts two arrivals). The caller sets the warpgroup's
-    registers (`MEMORY_REGS`); a persistent kernel streams its items one after another
-    (`steps.base`) and drains once after the last (`drain_free=False` here).
+    (its ready barrier then counts two arrivals).
     """
+    plgpu.set_max_registers(MEMORY_REGS, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
-    base = index(steps.base)
+    num_steps = steps.cta_hi - steps.cta_lo
 
-    @pl.loop(jnp.int32(0), steps.count)
+    @pl.loop(jnp.int32(0), num_steps)
     def _(t):
-        slot = rem(base + t, stages)
+        slot = rem(t, stages)
         keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
         for i, (src, dst, is_ready, is_free) in enumerate(
             zip(srcs, slots, ready, free, strict=True)
         ):
 
-            @pl.when(base + t >= stages)
+            @pl.when(t >= stages)
             def _(is_free=is_free):
                 plgpu.barrier_wait(is_free.at[slot])
 
@@ -171,8 +169,8 @@ def stream_kv(
                     ids_ref.at[batch, keys], ids_smem.at[slot], is_ready.at[slot]
                 )
 
-    if interpret and drain_free:
-        drain(free, base + steps.count, stages)
+    if interpret:
+        drain(free, num_steps, stages)
 
 
 SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA
@@ -274,114 +272,6 @@ def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: boo
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 
-# ----------------------------------------------------------------------------- persistent
-
-# CTAs of a persistent launch in the GPU interpreter: two, so tests run several work
-# items per CTA, both directions of the snake and a partial last round.
-INTERPRET_CTAS = 2
-H100_SMS = 132  # where no CUDA device is visible (lowering checks on a CPU machine)
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the first CUDA device (132 on an H100 or H200)."""
-    try:
-        return int(jax.devices("cuda")[0].core_count)
-    except (RuntimeError, AttributeError, IndexError, TypeError, ValueError):
-        return H100_SMS
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItems:
-    """A persistent launch: `ctas` CTAs (one per SM, grid axis `cta`) share the
-    `tiles x heads x batch` work items of a (tiles, heads, batch) launch.
-
-    Items are numbered in the order `jflash._launch_order` picks for the grid (the
-    outer axis first, batch fastest) and dealt out in rounds of `ctas`, the direction
-    of the deal alternating each round (a snake): with items ordered heaviest first,
-    the CTA dealt the heaviest item of one round gets the lightest of the next, so the
-    CTAs' sums stay even without an atomic work queue. A CTA runs its items back to
-    back: its memory warpgroup streams the next item's first blocks while the compute
-    warpgroups still write the last item's outputs, and no CTA is launched per tile.
-    Rank `r` in the tile axis is tile `tiles - 1 - r` (heaviest first under a causal
-    mask), or `order[b, r]` where an order table is given (packed documents)."""
-
-    tiles: int
-    heads: int
-    batch: int
-    ctas: int
-    tiles_first: bool
-
-    @classmethod
-    def make(cls, tiles: int, heads: int, batch: int, *, causal: bool, interpret: bool):
-        items = tiles * heads * batch
-        ctas = min(items, INTERPRET_CTAS if interpret else sm_count())
-        first = _launch_order.tiles_first(tiles, heads, batch, causal=causal)
-        return cls(tiles, heads, batch, ctas, first)
-
-    @property
-    def grid(self) -> dict:
-        return dict(grid=(self.ctas,), grid_names=("cta",))
-
-    def coords(self, i, order_ref=None):
-        """Item `i` -> `(batch, head, tile)` int32 scalars."""
-        i = index(i)
-        nb = jnp.int32(self.batch)
-        b = lax.rem(i, nb)
-        outer = lax.div(i, nb)
-        if self.tiles_first:
-            rank = lax.div(outer, jnp.int32(self.heads))
-            head = lax.rem(outer, jnp.int32(self.heads))
-        else:
-            head = lax.div(outer, jnp.int32(self.tiles))
-            rank = lax.rem(outer, jnp.int32(self.tiles))
-        if order_ref is None:
-            tile = jnp.int32(self.tiles - 1) - rank
-        else:
-            tile = order_ref[b * jnp.int32(self.tiles) + rank]
-        return b, head, tile
-
-    def count(self, c):
-        """How many items CTA `c` runs: one per full round, and one of the partial
-        last round, dealt forwards (an even round) or backwards (an odd one)."""
-        c = index(c)
-        full, last = divmod(self.tiles * self.heads * self.batch, self.ctas)
-        in_last = c < last if full % 2 == 0 else c >= self.ctas - last
-        return jnp.int32(full) + jnp.where(in_last, jnp.int32(1), jnp.int32(0))
-
-    def item(self, c, k):
-        """The item CTA `c` runs `k`-th."""
-        c, k = index(c), index(k)
-        forward = lax.rem(k, jnp.int32(2)) == 0
-        return k * jnp.int32(self.ctas) + jnp.where(forward, c, jnp.int32(self.ctas - 1) - c)
-
-    def run(self, body, carry):
-        """`carry = body(i, carry)` over this CTA's items, in order."""
-        c = lax.axis_index("cta")
-        return lax.fori_loop(
-            jnp.int32(0), self.count(c), lambda k, x: body(self.item(c, k), x), carry
-        )
-
-
-def heaviest_first(table, n_tiles: int, batch: int, block_kv: int, geom: Geometry):
-    """Packed documents, forward: int32 `[B * n_tiles]`, each batch row's CTA query
-    tiles (two warpgroup tiles each) by the key steps they stream, most first (ties:
-    the later tile first). `table`: `query_table` of the warpgroup tiles."""
-    t = table.reshape(batch, n_tiles, COMPUTE_WGS, TABLE_COLS)
-    first, end = t[..., 0], t[..., 1]
-    q_start = (jnp.arange(n_tiles * COMPUTE_WGS, dtype=jnp.int32) * WG_ROWS).reshape(
-        n_tiles, COMPUTE_WGS
-    )
-    _, n_end = kv_range(geom, q_start, WG_ROWS, block_kv)
-    end = jnp.minimum(end, n_end[None])
-    live = end > first
-    lo = jnp.where(live, first, jnp.int32(2**30)).min(axis=-1)
-    hi = jnp.where(live, end, jnp.int32(0)).max(axis=-1)
-    steps = jnp.maximum(hi - lo, 0)
-    # Sort key: more steps first, then later tiles first.
-    key = -(steps * jnp.int32(n_tiles) + jnp.arange(n_tiles, dtype=jnp.int32)[None])
-    return jnp.argsort(key, axis=-1).astype(jnp.int32).reshape(-1)
-
-
 def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str, interpret: bool):
     """`plgpu.kernel` with what every jflash Mosaic kernel shares: 2 compute + 1 memory
     warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked.
@@ -459,18 +349,10 @@ class Steps:
     clear_lo: jax.Array
     clear_hi: jax.Array
     hi: jax.Array
-    # Steps the CTA streamed before this work item (persistent kernels; 0 otherwise):
-    # the slots and their barrier phases run on across a CTA's items.
-    base: jax.Array | int = 0
 
     def slot(self, j, stages: int):
-        """The shared-memory slot of step `j` (the CTA's `base + j - cta_lo`-th)."""
-        return rem(index(self.base) + j - self.cta_lo, stages)
-
-    @property
-    def count(self):
-        """Steps the CTA streams for this work item."""
-        return self.cta_hi - self.cta_lo
+        """The shared-memory slot of step `j` (the stream's `j - cta_lo`-th)."""
+        return rem(j - self.cta_lo, stages)
 
 
 def lockstep(steps: Steps) -> Steps:
@@ -480,7 +362,7 @@ def lockstep(steps: Steps) -> Steps:
     lo, hi = steps.cta_lo, steps.cta_hi
     clear_lo = jnp.clip(steps.clear_lo, lo, hi)
     clear_hi = jnp.clip(steps.clear_hi, clear_lo, hi)
-    return Steps(lo, hi, lo, clear_lo, clear_hi, hi, steps.base)
+    return Steps(lo, hi, lo, clear_lo, clear_hi, hi)
 
 
 def _own_steps(visible_steps, clear_steps, seg):
@@ -499,7 +381,7 @@ def _own_steps(visible_steps, clear_steps, seg):
     return lo, c_lo, c_hi, hi
 
 
-def _cta_steps(per_wg, wg, base=0) -> Steps:
+def _cta_steps(per_wg, wg) -> Steps:
     """The CTA's stream: the union of its warpgroups' ranges (empty ones left out), and
     warpgroup `wg`'s own share of it (an empty one at `cta_lo`)."""
     empty = [hi <= lo for lo, _, _, hi in per_wg]
@@ -517,21 +399,19 @@ def _cta_steps(per_wg, wg, base=0) -> Steps:
         own = [jnp.where(wg == w, x, y) for x, y in zip(per_wg[w], own, strict=True)]
         own_empty = jnp.where(wg == w, empty[w], own_empty)
     own = [jnp.where(own_empty, cta_lo, x) for x in own]
-    return Steps(cta_lo, cta_hi, *own, base)
+    return Steps(cta_lo, cta_hi, *own)
 
 
-def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, tile=None, base=0):
-    """Forward and dQ kernels: `(cta_start, Steps)`, query tile `tile`'s first row and
-    the key steps it streams and `wg` computes (`table_ref`: `query_table` of the 64-row
-    query tiles, or None; `base`: `Steps.base`).
+def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg):
+    """Forward and dQ kernels: `(cta_start, Steps)`, this CTA's first query row and the
+    key steps it streams and `wg` computes (`table_ref`: `query_table` of the 64-row
+    query tiles, or None).
 
-    Without `tile`, the grid's `q_tiles` axis launches heaviest first (causal rows near
-    the end see the most keys).
+    Query tiles launch heaviest first (causal rows near the end see the most keys).
     """
     rows = COMPUTE_WGS * WG_ROWS
     tiles = geom.q_pad // rows
-    if tile is None:
-        tile = tiles - 1 - lax.axis_index("q_tiles")
+    tile = tiles - 1 - lax.axis_index("q_tiles")
     cta_start = tile * rows
     per_wg = []
     for w in range(COMPUTE_WGS):
@@ -540,7 +420,7 @@ def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, tile=N
         if table_ref is not None:
             seg = _read_table(table_ref, batch, tile * COMPUTE_WGS + w, tiles * COMPUTE_WGS)
         per_wg.append(_own_steps((0, n_end), (0, n_full), seg))
-    return cta_start, _cta_steps(per_wg, wg, base)
+    return cta_start, _cta_steps(per_wg, wg)
 
 
 def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):

@@ -1,18 +1,14 @@
 """FlashAttention forward as a Pallas Mosaic GPU kernel (Hopper: TMA, wgmma).
 
-A work item = 128 query rows of one head: two compute warpgroups of 64 rows each and a
+One CTA = 128 query rows of one head: two compute warpgroups of 64 rows each and a
 memory warpgroup that streams the K and V tiles of the head's KV head (`h // group`:
-GQA without copies) into `stages` shared-memory slots. The launch is persistent
-(`WorkItems`): one CTA per SM runs its items back to back, so the memory warpgroup
-loads the next item's first K/V blocks while the compute warpgroups still normalise
-and store the last item's output (+2-4% forward at D = 128, most at short sequences).
-The two compute warpgroups take turns on the tensor cores (FA-3's ping-pong): while one
-runs its softmax the other's matmuls run, ordered by a two-arrival "turn" barrier that
-each passes twice per key step, warpgroup 1 starting one turn late. At D=128 a
-warpgroup's turn on the tensor cores issues its step's P V and its next step's Q K^T
-back to back, without waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`).
-Query tiles are dealt heaviest first (causal rows near the end see the most keys; with packed
-documents, by the key steps each tile streams).
+GQA without copies) into `stages` shared-memory slots. The two compute warpgroups
+take turns on the tensor cores (FA-3's ping-pong): while one runs its softmax the
+other's matmuls run, ordered by a two-arrival "turn" barrier that each passes twice
+per key step, warpgroup 1 starting one turn late. At D=128 a warpgroup's turn on the
+tensor cores issues its step's P V and its next step's Q K^T back to back, without
+waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). Query tiles are
+launched heaviest first (causal rows near the end see the most keys).
 
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
@@ -32,15 +28,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jflash._mosaic_common import (
     COMPUTE_REGS,
     COMPUTE_WGS,
-    MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    WorkItems,
     col_ids,
-    drain,
     fit_stages,
     fits_smem,
-    heaviest_first,
     launch,
     query_table,
     query_tile_steps,
@@ -49,6 +41,7 @@ from jflash._mosaic_common import (
     same_segment,
     smem_tile,
     stream_kv,
+    tile_grid,
     visible,
     wgmma_into,
 )
@@ -73,15 +66,13 @@ def _fwd_kernel(
     stages: int,
     qk_scale: float,
     segments: bool,
-    items: WorkItems,
     interpret: bool,
 ):
-    """`refs`: with segment ids, `q_seg [B, T]`, `kv_seg [B, S]`, the `query_table` and
-    the tiles' order (`heaviest_first`) first; then the outputs and the scratch
-    (`q_ids`, `kv_ids`: None without ids)."""
-    qseg_ref = kvseg_ref = table_ref = order_ref = None
+    """`refs`: with segment ids, `q_seg [B, T]`, `kv_seg [B, S]` and the `query_table`
+    first; then the outputs and the scratch (`q_ids`, `kv_ids`: None without ids)."""
+    qseg_ref = kvseg_ref = table_ref = None
     if segments:
-        qseg_ref, kvseg_ref, table_ref, order_ref, *refs = refs
+        qseg_ref, kvseg_ref, table_ref, *refs = refs
     (
         o_ref,
         lse_ref,
@@ -100,19 +91,18 @@ def _fwd_kernel(
         turn,
     ) = refs
     bq = WG_ROWS
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-
-    def locate(i, done):
-        """Work item `i`: `(batch, head, cta_start, Steps)`, `done` steps streamed before."""
-        batch, head, tile = items.coords(i, order_ref)
-        cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg, tile, done)
-        return batch, head, cta_start, st
+    cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg)
 
     def take_turn():
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-    def compute_item(batch, head, cta_start, st):
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
         q_start = cta_start + wg * bq
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
@@ -282,47 +272,24 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
-        # The next item's Q lands in this tile's slot: wait until the copy has read it.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
-
-        def item(i, done):
-            batch, head, cta_start, st = locate(i, done)
-            compute_item(batch, head, cta_start, st)
-            return done + st.count
-
-        items.run(item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
-
-        def item(i, done):
-            batch, head, _, st = locate(i, done)
-            stream_kv(
-                (k_ref, v_ref),
-                (k_smem, v_smem),
-                (k_ready, v_ready),
-                (k_free, v_free),
-                batch=batch,
-                head=head,
-                group=geom.group,
-                steps=st,
-                block_kv=block_kv,
-                stages=stages,
-                ids=(kvseg_ref, kv_ids) if segments else None,
-                interpret=interpret,
-                drain_free=False,
-            )
-            return done + st.count
-
-        done = items.run(item, jnp.int32(0))
-        if interpret:
-            drain((k_free, v_free), done, stages)
+        stream_kv(
+            (k_ref, v_ref),
+            (k_smem, v_smem),
+            (k_ready, v_ready),
+            (k_free, v_free),
+            batch=batch,
+            head=head,
+            group=geom.group,
+            steps=st,
+            block_kv=block_kv,
+            stages=stages,
+            ids=(kvseg_ref, kv_ids) if segments else None,
+            interpret=interpret,
+        )
 
 
 def mosaic_fwd(
@@ -374,13 +341,10 @@ def mosaic_fwd(
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
-    tiles = geom.q_pad // rows
-    items = WorkItems.make(tiles, n, b, causal=mask.causal, interpret=interpret)
     if segments:
         q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
-        order = heaviest_first(table, tiles, b, block_kv, geom)
-        inputs += (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad), table, order)
+        inputs += (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad), table)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -388,7 +352,6 @@ def mosaic_fwd(
         stages=stages,
         qk_scale=scale * LOG2E,
         segments=segments,
-        items=items,
         interpret=interpret,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q and K barriers
@@ -413,7 +376,7 @@ def mosaic_fwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         ],
-        **items.grid,
+        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=mask.causal),
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
     )(*inputs)

@@ -165,46 +165,6 @@ def test_tile_grid_orders():
     assert tile_grid(64, 8, 1, "q_tiles", causal=False)["grid"] == (8, 64, 1)
 
 
-@pytest.mark.parametrize(
-    "tiles, heads, batch, ctas", [(32, 32, 16, 132), (7, 3, 1, 2), (5, 1, 1, 2), (4, 2, 1, 132)]
-)
-def test_persistent_deal(tiles, heads, batch, ctas):
-    """A persistent launch runs every work item exactly once; with items heaviest first
-    (cost = tiles - rank, as causal query tiles), the snake deal keeps the CTAs' sums
-    within one item's cost of each other."""
-    from jflash._mosaic_common import WorkItems
-
-    n = tiles * heads * batch
-    items = WorkItems(tiles, heads, batch, min(ctas, n), tiles_first=True)
-    dealt = [[int(items.item(c, k)) for k in range(int(items.count(c)))] for c in range(items.ctas)]
-    assert sorted(i for d in dealt for i in d) == list(range(n))
-    coords = {tuple(int(x) for x in items.coords(i)) for i in range(n)}
-    assert coords == {(b, h, t) for b in range(batch) for h in range(heads) for t in range(tiles)}
-    cost = [sum(tiles - i // (heads * batch) for i in d) for d in dealt]
-    assert max(cost) - min(cost) <= tiles
-
-
-def test_documents_order_heaviest_first():
-    """Packed documents: the forward's query tiles are dealt by the key steps they
-    stream, most first; a tile of a long document's end outranks an earlier one."""
-    from jflash._mask import Mask
-    from jflash._mosaic_common import Geometry, heaviest_first, query_table
-
-    seg = np.repeat(np.arange(4), [700, 100, 1000, 248])[None].astype(np.int32)  # 2048
-    seg = jnp.asarray(seg)
-    geom = Geometry(Mask(causal=True), 2048, 2048, 2048, group=1, head_dim=128)
-    table = query_table(seg, seg, 64, 128, 2048 // 64)
-    order = np.asarray(heaviest_first(table, 16, 1, 128, geom))
-    # Independently: the 128-key tiles holding a key that a row of the tile sees.
-    ids = np.asarray(seg[0])
-    seen = (ids[:, None] == ids[None, :]) & np.tri(2048, dtype=bool)
-    steps = seen.reshape(16, 128, 16, 128).any(axis=(1, 3))
-    span = [np.flatnonzero(r).max() - np.flatnonzero(r).min() + 1 for r in steps]
-    want = sorted(range(16), key=lambda t: (-span[t], -t))
-    assert list(order) == want
-    assert order[0] == 14 and order[-1] == 0  # a document's end beats the first tile
-
-
 HEADS_FIRST_CASES = [
     pytest.param("pallas_triton", Case(segments=3, batch=2, q_heads=8, kv_heads=2), id="triton"),
     pytest.param("pallas_mosaic", MOSAIC_CASES[0], id="mosaic", marks=needs_hopper),
