@@ -362,3 +362,51 @@ def test_ring_profile_reads_per_rank_attention(monkeypatch):
     assert ranks[0] == pytest.approx(report.devices["gpu:0"].attention_ms / 2)
     assert row["fwdbwd_attention_imbalance"] == pytest.approx(max(ranks) / (sum(ranks) / 2))
     assert set(ring.BREAKDOWN) <= {k.removeprefix("fwdbwd_") for k in row}
+
+
+def test_ab_runs_the_tree_against_a_revision(tmp_path, capsys):
+    """`benchmarks/ab.py` on CPU: HEAD's jflash exported and imported beside the working
+    tree's under its own name, both run (XLA path, tiny shape), outputs agree."""
+    import subprocess
+
+    from benchmarks import ab
+
+    try:
+        subprocess.run(["git", "-C", ab.ROOT, "rev-parse", "HEAD"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    out = tmp_path / "ab.json"
+    argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
+    argv += ["--tokens", "128", "--heads", "2", "--kv-heads", "1", "--rounds", "1"]
+    ab.main([*argv, "--min-time", "0", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["shape"] == "causal S=128 D=64 B=1"
+    assert row["rev_max_abs_diff"] == 0.0  # the same kernels on the same inputs
+    assert row["new_fwd_ms"] > 0 and row["rev_fwdbwd_ms"] > 0 and row["new/rev_fwd"] > 0
+    rev = sys.modules[ab.BASELINE]  # a second package, from the exported revision
+    assert not rev.__file__.startswith(ab.ROOT) and rev.flash_attention is not jflash_fn()
+    assert "new/rev_fwd" in capsys.readouterr().out
+
+
+def jflash_fn():
+    import jflash
+
+    return jflash.flash_attention
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--rev", "no-such-revision-anywhere"], "no-such-revision-anywhere"),
+        (["--rev", "HEAD", "--shapes", "causal:4096"], "causal:4096"),
+        (["--rev", "HEAD", "--shapes", "sliding:4096:128"], "sliding:4096:128"),
+        (["--rev", "HEAD", "--shapes", "full:4k:128"], "full:4k:128"),
+        (["--rev", "HEAD", "--peers", "fa2"], "fa2"),
+    ],
+)
+def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
+    from benchmarks import ab
+
+    with pytest.raises(SystemExit):
+        ab.main(argv)
+    assert named in capsys.readouterr().err

@@ -1,0 +1,228 @@
+"""A kernel change against a git revision of jflash, in one process.
+
+    python benchmarks/ab.py --rev HEAD~1                        # causal 4k/16k/64k, D=128
+    python benchmarks/ab.py --rev main --shapes causal:4096:128,full:65536:128 --documents
+    python benchmarks/ab.py --rev HEAD~1 --peers fa3            # FlashAttention-3 beside them
+
+Absolute times move by a few percent between GPUs of the same kind and between runs, so a
+change is measured against its baseline in the same process: the revision's `jflash`
+package is exported (`git archive`) into a temporary folder under another name and
+imported beside the working tree's. Each shape builds both (and the peers), checks that
+their forward outputs agree, then times the forward and the forward+backward of every
+candidate in `--rounds` interleaved rounds (the candidates take turns, so a drift of the
+GPU's clocks reaches all of them) and keeps each one's best round.
+
+Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
+(batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
+attention over 64k tokens packed from log-normal documents (`kernel.py --documents`).
+Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
+tree is faster), and `new/<peer>` where a peer runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import jflash  # noqa: E402
+from benchmarks.common import device_name, table, time_fn, write_json  # noqa: E402
+from benchmarks.kernel import (  # noqa: E402
+    FA3_HEAD_DIMS,
+    _fa3_varlen,
+    document_flops,
+    document_lengths,
+)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BASELINE = "jflash_rev"  # the revision's package name inside this process
+DEFAULT_SHAPES = "causal:4096:128,causal:16384:128,causal:65536:128"
+
+
+def export_revision(rev: str, dest: str, name: str = BASELINE) -> str:
+    """`git archive` of `rev`'s `jflash/` into `dest/name`, its imports renamed: the
+    folder to put on `sys.path`. ValueError naming `rev` if git does not know it."""
+    try:
+        blob = subprocess.run(
+            ["git", "-C", ROOT, "archive", "--format=tar", rev, "jflash"],
+            check=True,
+            capture_output=True,
+        ).stdout
+    except subprocess.CalledProcessError as e:
+        msg = e.stderr.decode(errors="replace").strip().splitlines()
+        raise ValueError(f"--rev {rev!r}: {msg[-1] if msg else 'git archive failed'}") from None
+    pkg = os.path.join(dest, name)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(dest, filter="data")
+    os.rename(os.path.join(dest, "jflash"), pkg)
+    word = re.compile(r"\bjflash\b")
+    for folder, _, files in os.walk(pkg):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                with open(path) as fh:
+                    text = fh.read()
+                with open(path, "w") as fh:
+                    fh.write(word.sub(name, text))
+    return dest
+
+
+def import_revision(rev: str, dest: str):
+    """The revision's jflash as a module of its own name."""
+    sys.path.insert(0, export_revision(rev, dest))
+    return importlib.import_module(BASELINE)
+
+
+def parse_shapes(text: str) -> list[tuple[bool, int, int]]:
+    """`mask:S:D,...` -> `[(causal, S, D)]`; ValueError naming the bad item."""
+    shapes = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("causal", "full"):
+            raise ValueError(f"--shapes item {item!r}: want mask:S:D, mask causal or full")
+        try:
+            seq, hd = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ValueError(f"--shapes item {item!r}: S and D must be integers") from None
+        shapes.append((parts[0] == "causal", seq, hd))
+    return shapes
+
+
+def candidate(module, *, causal: bool, implementation, segment_ids=None):
+    """Jitted `(fwd, fwdbwd)` of `module.flash_attention`."""
+
+    def attn(q, k, v):
+        return module.flash_attention(
+            q, k, v, causal=causal, implementation=implementation, segment_ids=segment_ids
+        )
+
+    return _passes(attn)
+
+
+def _passes(attn):
+    def fwdbwd(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return vjp(do)
+
+    return jax.jit(attn), jax.jit(fwdbwd)
+
+
+def fa3_candidate(causal: bool):
+    from flash_attn3_jax import flash_mha
+
+    return _passes(lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
+
+
+def inputs(batch, seq, heads, kv_heads, head_dim):
+    keys = jax.random.split(jax.random.key(0), 4)
+    shapes = [(batch, seq, h, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
+    return [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes, strict=True)]
+
+
+def compare(name: str, flops: float, cands: dict, args, *, rounds: int, min_time: float) -> dict:
+    """One row: every candidate's best-of-`rounds` forward and forward+backward."""
+    base = cands["new"][0](*args[:3])
+    row = {"shape": name}
+    for label, (fwd, _) in cands.items():
+        diff = jnp.max(jnp.abs(fwd(*args[:3]).astype(jnp.float32) - base.astype(jnp.float32)))
+        row[f"{label}_max_abs_diff"] = float(diff)
+    best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
+    for _ in range(rounds):
+        for label, (fwd, fwdbwd) in cands.items():
+            for p, fn, a in (("fwd", fwd, args[:3]), ("fwdbwd", fwdbwd, args)):
+                best[label, p] = min(best[label, p], time_fn(fn, *a, min_time=min_time))
+    for (label, p), t in best.items():
+        row[f"{label}_{p}_ms"] = t * 1e3
+        row[f"{label}_{p}_tflops"] = (1.0 if p == "fwd" else 3.5) * flops / t / 1e12
+    for label in cands:
+        if label != "new":
+            for p in ("fwd", "fwdbwd"):
+                row[f"new/{label}_{p}"] = best[label, p] / best["new", p]
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rev", required=True, help="git revision to measure against")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="mask:S:D,... (see above)")
+    parser.add_argument("--documents", action="store_true", help="add 64k packed documents")
+    parser.add_argument("--peers", default="", help="comma list: fa3 (where installed)")
+    parser.add_argument(
+        "--implementation", default="pallas_mosaic", help="jflash implementation to compare"
+    )
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds timed per call")
+    parser.add_argument("--out", default=None, help="JSON path (default: results/ab-<gpu>.json)")
+    args = parser.parse_args(argv)
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        parser.error(str(e))
+    peers = [p for p in args.peers.split(",") if p]
+    if any(p != "fa3" for p in peers):
+        parser.error(f"--peers {args.peers!r}: only fa3")
+    impl = None if args.implementation == "default" else args.implementation
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            rev = import_revision(args.rev, tmp)
+        except ValueError as e:
+            parser.error(str(e))
+        rows = []
+        for causal, seq, hd in shapes:
+            batch = max(1, args.tokens // seq)
+            cands = {
+                "new": candidate(jflash, causal=causal, implementation=impl),
+                "rev": candidate(rev, causal=causal, implementation=impl),
+            }
+            if "fa3" in peers and hd in FA3_HEAD_DIMS:
+                cands["fa3"] = fa3_candidate(causal)
+            flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
+            name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
+            a = inputs(batch, seq, args.heads, args.kv_heads, hd)
+            rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
+            print(rows[-1], flush=True)
+        if args.documents:
+            lengths = document_lengths(65536)
+            seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+            cands = {
+                label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
+                for label, m in (("new", jflash), ("rev", rev))
+            }
+            if "fa3" in peers:
+                fa3, _ = _fa3_varlen(lengths)
+                if fa3 is not None:
+                    cands["fa3"] = _passes(fa3)
+            a = inputs(1, 65536, args.heads, args.kv_heads, 128)
+            flops = document_flops(lengths, args.heads, 128)
+            name = f"documents 64k ({len(lengths)} documents) D=128"
+            rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
+            print(rows[-1], flush=True)
+    columns = ["shape"] + [
+        k for k in rows[0] if k.endswith("_ms") or k.startswith("new/") or k == "rev_max_abs_diff"
+    ]
+    print(table(rows, columns))
+    out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
+    write_json(out, {"rev": args.rev, "implementation": args.implementation, "rows": rows})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
