@@ -84,3 +84,67 @@ def test_bad_arguments_are_named():
         jflash.ring_attention_rank(
             q[:, :7], [(k[:, :7], v[:, :7])], do[:, :7], 0, causal=True, layout="zigzag"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout,causal,p,head_dim",
+    [("zigzag", True, 2, 128), ("striped", True, 3, 128), ("zigzag", False, 2, 64)],
+)
+def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
+    """The Mosaic kernels on a ring's blocks at P >= 2 (f32 partials, offsets, the fused
+    backward's f32 dK/dV: at D = 128 through the dQ tile by column halves), rank by rank
+    on one device: compiled on a Hopper GPU, in the GPU interpreter elsewhere (which
+    cannot run the kernels inside a shard_map of several devices)."""
+    from conftest import INTERPRET, ON_HOPPER
+    from kernel_cases import assert_close
+
+    if not (INTERPRET or ON_HOPPER):
+        pytest.skip("the Mosaic kernels need a Hopper GPU (or the CPU interpreter)")
+    dtype = jnp.bfloat16
+    q, k, v, do = (x.astype(dtype) for x in _inputs(64 * 2 * p, 2, 1, head_dim))
+
+    @jax.jit
+    def oracle(q, k, v, do):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        out, vjp = jax.vjp(lambda *a: jflash.attention_reference(*a, causal=causal), *f32)
+        return out, vjp((do.astype(jnp.float32), jnp.zeros_like(out[1])))
+
+    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
+
+    def shards(x, axis=1):
+        return jnp.split(jflash.to_layout(x, p, layout, axis=axis), p, axis=axis)
+
+    qs, ks, vs, dos = (shards(x) for x in (q, k, v, do))
+    dk_sum = [jnp.zeros(ks[0].shape, jnp.float32) for _ in range(p)]
+    dv_sum = [jnp.zeros(vs[0].shape, jnp.float32) for _ in range(p)]
+    outs = {"out": [], "lse": [], "dq": []}
+    for rank in range(p):
+        sources = [(ks[(rank - s) % p], vs[(rank - s) % p]) for s in range(p)]
+        o, lse, dq, dkv = jflash.ring_attention_rank(
+            qs[rank],
+            sources,
+            dos[rank],
+            rank,
+            causal=causal,
+            layout=layout,
+            implementation="pallas_mosaic",
+            interpret=INTERPRET,
+            deterministic=False,
+        )
+        for name, x in (("out", o), ("lse", lse), ("dq", dq)):
+            outs[name].append(x)
+        for s, (dk, dv) in enumerate(dkv):
+            dk_sum[(rank - s) % p] += dk
+            dv_sum[(rank - s) % p] += dv
+    got = [
+        jnp.concatenate(outs["out"], 1),
+        jnp.concatenate(outs["lse"], 2),
+        jnp.concatenate(outs["dq"], 1),
+        jnp.concatenate(dk_sum, 1),
+        jnp.concatenate(dv_sum, 1),
+    ]
+    want = [jflash.to_layout(o_ref, p, layout, axis=1)]
+    want.append(jflash.to_layout(lse_ref, p, layout, axis=2))
+    want += [jflash.to_layout(x, p, layout, axis=1) for x in (dq_ref, dk_ref, dv_ref)]
+    assert_close(got, want, dtype)
