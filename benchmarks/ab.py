@@ -162,7 +162,9 @@ def main(argv=None) -> int:
     parser.add_argument("--documents", action="store_true", help="add 64k packed documents")
     parser.add_argument("--peers", default="", help="comma list: fa3 (where installed)")
     parser.add_argument(
-        "--implementation", default="pallas_mosaic", help="jflash implementation to compare"
+        "--implementation",
+        default="pallas_mosaic",
+        help="jflash implementation to compare (`default`: what implementation=None picks)",
     )
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
     parser.add_argument("--heads", type=int, default=32)
@@ -220,7 +222,6 @@ def main(argv=None) -> int:
     print(table(rows, columns))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
     write_json(out, {"rev": args.rev, "implementation": args.implementation, "rows": rows})
-    print(f"wrote {out}")
     return 0
 
 
