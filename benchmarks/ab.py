@@ -31,19 +31,19 @@ import sys
 import tarfile
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import jflash  # noqa: E402
-from benchmarks.common import device_name, table, time_fn, write_json  # noqa: E402
+from benchmarks.common import device_name, jit_passes, table, time_fn, write_json  # noqa: E402
 from benchmarks.kernel import (  # noqa: E402
     FA3_HEAD_DIMS,
     _fa3_varlen,
     document_flops,
     document_lengths,
+    draw_inputs,
 )
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -100,6 +100,12 @@ def parse_shapes(text: str) -> list[tuple[bool, int, int]]:
     return shapes
 
 
+def _passes(attn):
+    """Jitted `(fwd, fwdbwd)` of `attn(q, k, v)`."""
+    passes = jit_passes(attn)
+    return passes["fwd"][0], passes["fwdbwd"][0]
+
+
 def candidate(module, *, causal: bool, implementation, segment_ids=None):
     """Jitted `(fwd, fwdbwd)` of `module.flash_attention`."""
 
@@ -111,24 +117,10 @@ def candidate(module, *, causal: bool, implementation, segment_ids=None):
     return _passes(attn)
 
 
-def _passes(attn):
-    def fwdbwd(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return vjp(do)
-
-    return jax.jit(attn), jax.jit(fwdbwd)
-
-
 def fa3_candidate(causal: bool):
     from flash_attn3_jax import flash_mha
 
     return _passes(lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
-
-
-def inputs(batch, seq, heads, kv_heads, head_dim):
-    keys = jax.random.split(jax.random.key(0), 4)
-    shapes = [(batch, seq, h, head_dim) for h in (heads, kv_heads, kv_heads, heads)]
-    return [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(keys, shapes, strict=True)]
 
 
 def compare(name: str, flops: float, cands: dict, args, *, rounds: int, min_time: float) -> dict:
@@ -197,7 +189,7 @@ def main(argv=None) -> int:
                 cands["fa3"] = fa3_candidate(causal)
             flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
             name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
-            a = inputs(batch, seq, args.heads, args.kv_heads, hd)
+            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
             print(rows[-1], flush=True)
         if args.documents:
@@ -211,7 +203,7 @@ def main(argv=None) -> int:
                 fa3, _ = _fa3_varlen(lengths)
                 if fa3 is not None:
                     cands["fa3"] = _passes(fa3)
-            a = inputs(1, 65536, args.heads, args.kv_heads, 128)
+            a = draw_inputs(1, 65536, args.heads, args.kv_heads, 128)
             flops = document_flops(lengths, args.heads, 128)
             name = f"documents 64k ({len(lengths)} documents) D=128"
             rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))

@@ -23,46 +23,65 @@ def _inputs(seq=32, heads=2, kv_heads=1, head_dim=16):
     return q, k, v, do
 
 
+def _oracle(q, k, v, do, causal):
+    """`(out, lse), (dq, dk, dv)` of the dense f32 oracle."""
+
+    @jax.jit
+    def run(q, k, v, do):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        out, vjp = jax.vjp(lambda *a: jflash.attention_reference(*a, causal=causal), *f32)
+        return out, vjp((do.astype(jnp.float32), jnp.zeros_like(out[1])))
+
+    return run(q, k, v, do)
+
+
+def _shards(x, p, layout, axis=1):
+    """The P shards of x in layout order."""
+    return jnp.split(jflash.to_layout(x, p, layout, axis=axis), p, axis=axis)
+
+
+def _ranks(rank_fn, q, k, v, do, p, layout):
+    """Every rank's `(o, lse, dq, dkv)` from `rank_fn(q, sources, do, rank)`, fed the K/V
+    shard the ring would bring at each step, and the per-step dK, dV summed back onto
+    their source shards, concatenated in layout order."""
+    qs, ks, vs, dos = (_shards(x, p, layout) for x in (q, k, v, do))
+    dk_sum = [jnp.zeros(ks[0].shape, jnp.float32) for _ in range(p)]
+    dv_sum = [jnp.zeros(vs[0].shape, jnp.float32) for _ in range(p)]
+    results = []
+    for rank in range(p):
+        sources = [(ks[(rank - s) % p], vs[(rank - s) % p]) for s in range(p)]
+        results.append(rank_fn(qs[rank], sources, dos[rank], rank))
+        for s, (dk, dv) in enumerate(results[-1][3]):
+            dk_sum[(rank - s) % p] += dk
+            dv_sum[(rank - s) % p] += dv
+    return results, jnp.concatenate(dk_sum, 1), jnp.concatenate(dv_sum, 1)
+
+
 @pytest.mark.parametrize(
     "layout,causal,p", [("zigzag", True, 2), ("striped", True, 4), ("contiguous", False, 2)]
 )
 def test_ranks_together_are_the_oracle(layout, causal, p):
     q, k, v, do = _inputs()
-
-    @jax.jit
-    def oracle(q, k, v, do):
-        out, vjp = jax.vjp(lambda *a: jflash.attention_reference(*a, causal=causal), q, k, v)
-        return out, vjp((do, jnp.zeros_like(out[1])))
-
-    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
-
-    def shards(x, axis=1):  # the P shards of x in layout order
-        return jnp.split(jflash.to_layout(x, p, layout, axis=axis), p, axis=axis)
-
-    qs, ks, vs, dos = (shards(x) for x in (q, k, v, do))
-    dk_sum = [jnp.zeros_like(ks[0]) for _ in range(p)]
-    dv_sum = [jnp.zeros_like(vs[0]) for _ in range(p)]
-    want = {name: shards(x) for name, x in (("o", o_ref), ("dq", dq_ref))}
-    want["lse"] = shards(lse_ref, axis=2)
+    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = _oracle(q, k, v, do, causal)
+    want = {name: _shards(x, p, layout) for name, x in (("o", o_ref), ("dq", dq_ref))}
+    want["lse"] = _shards(lse_ref, p, layout, axis=2)
     # One compiled function for every rank: the rank traced, as inside the ring.
     run = jax.jit(
         lambda q, sources, do, rank: jflash.ring_attention_rank(
             q, sources, do, rank, causal=causal, layout=layout, implementation="xla"
         )
     )
-    for rank in range(p):
-        sources = [(ks[(rank - s) % p], vs[(rank - s) % p]) for s in range(p)]
-        o, lse, dq, dkv = run(qs[rank], sources, dos[rank], jnp.int32(rank))
+    results, dk_sum, dv_sum = _ranks(
+        lambda q, sources, do, rank: run(q, sources, do, jnp.int32(rank)), q, k, v, do, p, layout
+    )
+    for rank, (o, lse, dq, dkv) in enumerate(results):
         np.testing.assert_allclose(o, want["o"][rank], atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(lse, want["lse"][rank], atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(dq, want["dq"][rank], atol=2e-5, rtol=2e-5)
         assert len(dkv) == p and all(d[0].dtype == jnp.float32 for d in dkv)
-        for s, (dk, dv) in enumerate(dkv):
-            dk_sum[(rank - s) % p] += dk
-            dv_sum[(rank - s) % p] += dv
     for got, ref in ((dk_sum, dk_ref), (dv_sum, dv_ref)):
         want = jflash.to_layout(ref, p, layout, axis=1)
-        np.testing.assert_allclose(jnp.concatenate(got, 1), want, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_bad_arguments_are_named():
@@ -103,28 +122,13 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
         pytest.skip("the Mosaic kernels need a Hopper GPU (or the CPU interpreter)")
     dtype = jnp.bfloat16
     q, k, v, do = (x.astype(dtype) for x in _inputs(64 * 2 * p, 2, 1, head_dim))
+    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = _oracle(q, k, v, do, causal)
 
-    @jax.jit
-    def oracle(q, k, v, do):
-        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        out, vjp = jax.vjp(lambda *a: jflash.attention_reference(*a, causal=causal), *f32)
-        return out, vjp((do.astype(jnp.float32), jnp.zeros_like(out[1])))
-
-    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
-
-    def shards(x, axis=1):
-        return jnp.split(jflash.to_layout(x, p, layout, axis=axis), p, axis=axis)
-
-    qs, ks, vs, dos = (shards(x) for x in (q, k, v, do))
-    dk_sum = [jnp.zeros(ks[0].shape, jnp.float32) for _ in range(p)]
-    dv_sum = [jnp.zeros(vs[0].shape, jnp.float32) for _ in range(p)]
-    outs = {"out": [], "lse": [], "dq": []}
-    for rank in range(p):
-        sources = [(ks[(rank - s) % p], vs[(rank - s) % p]) for s in range(p)]
-        o, lse, dq, dkv = jflash.ring_attention_rank(
-            qs[rank],
+    def rank_fn(q, sources, do, rank):
+        return jflash.ring_attention_rank(
+            q,
             sources,
-            dos[rank],
+            do,
             rank,
             causal=causal,
             layout=layout,
@@ -132,18 +136,10 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
             interpret=INTERPRET,
             deterministic=False,
         )
-        for name, x in (("out", o), ("lse", lse), ("dq", dq)):
-            outs[name].append(x)
-        for s, (dk, dv) in enumerate(dkv):
-            dk_sum[(rank - s) % p] += dk
-            dv_sum[(rank - s) % p] += dv
-    got = [
-        jnp.concatenate(outs["out"], 1),
-        jnp.concatenate(outs["lse"], 2),
-        jnp.concatenate(outs["dq"], 1),
-        jnp.concatenate(dk_sum, 1),
-        jnp.concatenate(dv_sum, 1),
-    ]
+
+    results, dk_sum, dv_sum = _ranks(rank_fn, q, k, v, do, p, layout)
+    got = [jnp.concatenate([r[i] for r in results], 2 if i == 1 else 1) for i in range(3)]
+    got += [dk_sum, dv_sum]
     want = [jflash.to_layout(o_ref, p, layout, axis=1)]
     want.append(jflash.to_layout(lse_ref, p, layout, axis=2))
     want += [jflash.to_layout(x, p, layout, axis=1) for x in (dq_ref, dk_ref, dv_ref)]
