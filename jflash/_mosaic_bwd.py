@@ -233,7 +233,7 @@ def _dkv_kernel(
             wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
             zero = opaque[jnp.int32(0)]
-            mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
+            mine = wg + zero
             k_dq = k_smem2.at[mine]
             k_s, v_s = (k_a, v_a) if A_IN_REGS["dkv"](geom.head_dim) else (k_dq, v_smem2.at[mine])
             q_rows = pl.ds(qi * block_q, block_q)
@@ -293,36 +293,54 @@ def _dkv_kernel(
                 return dk, dv
 
             if split:
-                # This warpgroup's dS^T rows go to shared memory for both warpgroups'
-                # dQ; dV and dK run while the other warpgroup writes its rows.
+                # This warpgroup's dS^T rows go to shared memory for both warpgroups' dQ.
+                # dV runs while the other warpgroup writes its rows; then dQ and dK are
+                # issued together, and this step's dQ leaves (SMEM, TMA reduce-add) while
+                # dK is still on the tensor cores.
                 par = rem(base + qi, 2)
                 ds_b = ds.astype(k_smem.dtype)
                 ds_smem2.at[par, wg][...] = ds_b
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready.at[par])
-                dv, dk = wgmma_into(
-                    (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
+                half = geom.head_dim // COMPUTE_WGS
+
+                def tail(w, dv, dk):
+                    """Warpgroup `w`'s dV, dK and dQ[:, its column half] (static columns:
+                    a dynamic slice of K is slower)."""
+                    cols = pl.ds(w * half, half)
+                    # dQ[:, cols] = dS K over both warpgroups' keys.
+                    keys = (jnp.int32(w) + zero, jnp.int32(COMPUTE_WGS - 1 - w) + zero)
+                    dq_products = [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys]
+                    zeros_dq = plgpu.layout_cast(
+                        jnp.zeros((block_q, half), jnp.float32), plgpu.Layout.WGMMA
+                    )
+                    part = lax.axis_index("kv_tiles")
+                    if interpret:
+                        dv, dk = wgmma_into(
+                            (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=True
+                        )
+                        plgpu.barrier_wait(ds_ready.at[par])
+                        add_dq(wgmma_sum(zeros_dq, dq_products, interpret=True), part, cols)
+                        return dv, dk
+
+                    def issue(refs):
+                        dv_r, dk_r, dq_r = refs
+                        plgpu.wgmma(dv_r, p_in(), do_t)
+                        plgpu.barrier_wait(ds_ready.at[par])
+                        for a, b in dq_products:
+                            plgpu.wgmma(dq_r, a, b)
+                        plgpu.wgmma(dk_r, ds_b, q_t)
+                        # dV and dQ done, dK still running.
+                        add_dq(plgpu.wgmma_accumulator_load(dq_r, wait_n=1), part, cols)
+
+                    accs = (dv, dk, zeros_dq)
+                    dv, dk, _ = pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
+                    return dv, dk
+
+                dv, dk = lax.cond(
+                    wg == 0, lambda: tail(0, dv, dk), lambda: tail(COMPUTE_WGS - 1, dv, dk)
                 )
                 plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(ds_ready.at[par])
-                half = geom.head_dim // COMPUTE_WGS
-                for w in range(COMPUTE_WGS):  # static column halves (a dynamic slice: slower)
-
-                    @pl.when(wg == w)
-                    def _(w=w):
-                        cols = pl.ds(w * half, half)
-                        zeros_dq = plgpu.layout_cast(
-                            jnp.zeros((block_q, half), jnp.float32), plgpu.Layout.WGMMA
-                        )
-                        # dQ[:, cols] = dS K over both warpgroups' keys.
-                        keys = (mine, other)
-                        dq = wgmma_sum(
-                            zeros_dq,
-                            [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
-                            interpret=interpret,
-                        )
-                        add_dq(dq, lax.axis_index("kv_tiles"), cols)
-
                 return dk, dv
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
@@ -334,13 +352,26 @@ def _dkv_kernel(
             zeros_dq = plgpu.layout_cast(
                 jnp.zeros((block_q, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA
             )
-            dv, dk, dq = wgmma_into(
-                (dv, dk, zeros_dq),
-                [(p_in, do_t), (ds_in, q_t), (ds_s.T, k_dq)],
-                interpret=interpret,
-            )
+            part = lax.axis_index("kv_tiles") * COMPUTE_WGS + wg  # a slice per warpgroup
+            if interpret:
+                dv, dk, dq = wgmma_into(
+                    (dv, dk, zeros_dq),
+                    [(p_in, do_t), (ds_in, q_t), (ds_s.T, k_dq)],
+                    interpret=True,
+                )
+                add_dq(dq, part)
+            else:
+                # dQ is issued before dK and leaves while dK is still on the tensor cores.
+                def issue(refs):
+                    dv_r, dk_r, dq_r = refs
+                    plgpu.wgmma(dv_r, p_in(), do_t)
+                    plgpu.wgmma(dq_r, ds_s.T, k_dq)
+                    plgpu.wgmma(dk_r, ds_in(), q_t)
+                    add_dq(plgpu.wgmma_accumulator_load(dq_r, wait_n=1), part)
+
+                accs = (dv, dk, zeros_dq)
+                dv, dk, _ = pl.run_state(issue)(tuple(plgpu.ACC.init(a) for a in accs))
             plgpu.barrier_arrive(free.at[slot])
-            add_dq(dq, lax.axis_index("kv_tiles") * COMPUTE_WGS + wg)  # a slice per warpgroup
             return dk, dv
 
         def skip(qi, carry, *, base):
