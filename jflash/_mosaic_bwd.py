@@ -227,10 +227,28 @@ def _dkv_kernel(
         def wait_inputs(slot):
             plgpu.barrier_wait(in_ready.at[slot])  # Q, dO, LSE, delta (and ids): one barrier
 
+        col = plgpu.Layout.WGMMA.reduce(0)  # a [block_q] vector along S^T's columns
+
+        def step_rows(slot):
+            """The step's -LSE/scale and -delta, 16 registers each per thread."""
+            return plgpu.load(lse_smem.at[slot], layout=col), plgpu.load(
+                delta_smem.at[slot], layout=col
+            )
+
+        # split: every warpgroup computes every step of the stream, so each step waits
+        # for the next step's inputs and loads its rows (carried) while its dV and dK
+        # are on the tensor cores: the loads' latency behind the other warpgroup's
+        # matmuls stalled the step's start (H200: 9% of the compute warps' samples).
+        total = geom.group * per_head  # steps in the CTA's stream
+
         def step(qi, carry, *, g, base, masked: bool):
-            dk, dv = carry
             slot = rem(base + qi, stages)
-            wait_inputs(slot)
+            if split:
+                dk, dv, rows = carry
+            else:
+                dk, dv = carry
+                wait_inputs(slot)
+                rows = step_rows(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
             zero = opaque[jnp.int32(0)]
             mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
@@ -257,11 +275,8 @@ def _dkv_kernel(
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
-            col, shape = plgpu.Layout.WGMMA.reduce(0), (bk, block_q)
-            init = (
-                _bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1),
-                _bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1),
-            )
+            shape = (bk, block_q)
+            init = tuple(_bcast(r, shape, 1) for r in rows)
 
             def probabilities(s):  # while dP^T is still on the tensor cores
                 p = jnp.exp2(s * qk_scale)
@@ -300,9 +315,32 @@ def _dkv_kernel(
                 ds_smem2.at[par, wg][...] = ds_b
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_ready.at[par])
-                dv, dk = wgmma_into(
-                    (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
-                )
+                nxt = rem(base + qi + 1, stages)
+
+                def next_rows():
+                    @pl.when(base + qi + 1 < total)
+                    def _():
+                        wait_inputs(nxt)
+
+                    return step_rows(nxt)  # past the stream's end: unused
+
+                if interpret:
+                    dv, dk = wgmma_into(
+                        (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=True
+                    )
+                    rows = next_rows()
+                else:
+
+                    def issue(refs):
+                        dv_r, dk_r, *rows_r = refs
+                        plgpu.wgmma(dv_r, p_in(), do_t)
+                        plgpu.wgmma(dk_r, ds_b, q_t)
+                        for r, value in zip(rows_r, next_rows(), strict=True):
+                            r[...] = value
+
+                    dv, dk, *rows = pl.run_state(issue)(
+                        (plgpu.ACC.init(dv), plgpu.ACC.init(dk), *rows)
+                    )
                 plgpu.barrier_arrive(free.at[slot])
                 plgpu.barrier_wait(ds_ready.at[par])
                 half = geom.head_dim // COMPUTE_WGS
@@ -323,7 +361,7 @@ def _dkv_kernel(
                         )
                         add_dq(dq, lax.axis_index("kv_tiles"), cols)
 
-                return dk, dv
+                return dk, dv, tuple(rows)
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
             # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
@@ -362,7 +400,15 @@ def _dkv_kernel(
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
+        carry = (zeros, zeros)
+        if split:  # the first step's inputs (its slot is 0)
+
+            @pl.when(total > 0)
+            def _():
+                wait_inputs(jnp.int32(0))
+
+            carry = (*carry, step_rows(jnp.int32(0)))
+        dk, dv, *_ = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, carry)
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
         if split:  # the other warpgroup's last dQ has read this one's K: dK may take it
