@@ -236,9 +236,9 @@ def _dkv_kernel(
             )
 
         # split: every warpgroup computes every step of the stream, so each step waits
-        # for the next step's inputs and loads its rows (carried) while its dV and dK
-        # are on the tensor cores: the loads' latency behind the other warpgroup's
-        # matmuls stalled the step's start (H200: 9% of the compute warps' samples).
+        # for the next step's inputs and loads its rows (carried) before its dQ: the
+        # loads' latency behind the other warpgroup's matmuls stalled the step's start
+        # (H200: 9% of the compute warps' samples).
         total = geom.group * per_head  # steps in the CTA's stream
 
         def step(qi, carry, *, g, base, masked: bool):
@@ -324,23 +324,11 @@ def _dkv_kernel(
 
                     return step_rows(nxt)  # past the stream's end: unused
 
-                if interpret:
-                    dv, dk = wgmma_into(
-                        (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=True
-                    )
-                    rows = next_rows()
-                else:
-
-                    def issue(refs):
-                        dv_r, dk_r, *rows_r = refs
-                        plgpu.wgmma(dv_r, p_in(), do_t)
-                        plgpu.wgmma(dk_r, ds_b, q_t)
-                        for r, value in zip(rows_r, next_rows(), strict=True):
-                            r[...] = value
-
-                    dv, dk, *rows = pl.run_state(issue)(
-                        (plgpu.ACC.init(dv), plgpu.ACC.init(dk), *rows)
-                    )
+                dv, dk = wgmma_into(
+                    (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
+                )
+                # Outside the wgmma region: a wait loop there serializes the wgmmas.
+                rows = next_rows()
                 plgpu.barrier_arrive(free.at[slot])
                 plgpu.barrier_wait(ds_ready.at[par])
                 half = geom.head_dim // COMPUTE_WGS
