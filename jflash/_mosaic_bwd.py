@@ -264,7 +264,7 @@ def _dkv_kernel(
                 # The previous step's reduce-add has read its SMEM long ago (a whole step
                 # of matmuls ran since); wait for it before overwriting.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dq_s[...] = dq * scale
+                dq_s[...] = dq  # scaled when converted, after the kernel
                 plgpu.commit_smem()
                 dst = (batch, q_rows, head_g, *cols)
                 if interpret:
@@ -327,8 +327,6 @@ def _dkv_kernel(
                 dv, dk = wgmma_into(
                     (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
                 )
-                # Outside the wgmma region: a wait loop there serializes the wgmmas.
-                rows = next_rows()
                 plgpu.barrier_arrive(free.at[slot])
                 plgpu.barrier_wait(ds_ready.at[par])
                 half = geom.head_dim // COMPUTE_WGS
@@ -349,7 +347,7 @@ def _dkv_kernel(
                         )
                         add_dq(dq, lax.axis_index("kv_tiles"), cols)
 
-                return dk, dv, tuple(rows)
+                return dk, dv, next_rows()
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
             # transposed A operand); dK += dS^T Q takes it from registers (less SMEM
@@ -730,7 +728,7 @@ def mosaic_bwd(
     )(*inputs)
     if fused:
         dq = vary(dq_acc[...], varying_axes(q))
-        dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)
+        dq = ((dq.sum(0) if interpret else dq) * scale).astype(grad_dtype)
         return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
     dq_stages = fit_stages(
