@@ -10,7 +10,9 @@ package is exported (`git archive`) into a temporary folder under another name a
 imported beside the working tree's. Each shape builds both (and the peers), checks that
 their forward outputs agree, then times the forward and the forward+backward of every
 candidate in `--rounds` interleaved rounds (the candidates take turns, so a drift of the
-GPU's clocks reaches all of them) and keeps each one's best round.
+GPU's clocks reaches all of them; the order rotates each round, since the first turn
+after the check reads fastest) and keeps each one's best round. `--rounds` defaults to
+twice the candidates, so each takes the first turn twice.
 
 Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
@@ -123,16 +125,30 @@ def fa3_candidate(causal: bool):
     return _passes(lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
 
 
-def compare(name: str, flops: float, cands: dict, args, *, rounds: int, min_time: float) -> dict:
-    """One row: every candidate's best-of-`rounds` forward and forward+backward."""
+def round_order(labels: list[str], r: int) -> list[str]:
+    """Round `r`'s order of the candidates: rotated by one each round, so that each
+    takes the first turn (after the GPU idled through the output check) as often as
+    the others. A fixed order favoured the first candidate's forward by 1-4% on
+    identical code (H200)."""
+    k = r % len(labels)
+    return labels[k:] + labels[:k]
+
+
+def compare(
+    name: str, flops: float, cands: dict, args, *, rounds: int | None, min_time: float
+) -> dict:
+    """One row: every candidate's best-of-`rounds` forward and forward+backward
+    (None: twice the candidates)."""
+    rounds = rounds or 2 * len(cands)
     base = cands["new"][0](*args[:3])
     row = {"shape": name}
     for label, (fwd, _) in cands.items():
         diff = jnp.max(jnp.abs(fwd(*args[:3]).astype(jnp.float32) - base.astype(jnp.float32)))
         row[f"{label}_max_abs_diff"] = float(diff)
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
-    for _ in range(rounds):
-        for label, (fwd, fwdbwd) in cands.items():
+    for r in range(rounds):
+        for label in round_order(list(cands), r):
+            fwd, fwdbwd = cands[label]
             for p, fn, a in (("fwd", fwd, args[:3]), ("fwdbwd", fwdbwd, args)):
                 best[label, p] = min(best[label, p], time_fn(fn, *a, min_time=min_time))
     for (label, p), t in best.items():
@@ -161,7 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=None, help="default: 2 x candidates")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds timed per call")
     parser.add_argument("--out", default=None, help="JSON path (default: results/ab-<gpu>.json)")
     args = parser.parse_args(argv)
@@ -169,6 +185,8 @@ def main(argv=None) -> int:
         shapes = parse_shapes(args.shapes)
     except ValueError as e:
         parser.error(str(e))
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     peers = [p for p in args.peers.split(",") if p]
     if any(p != "fa3" for p in peers):
         parser.error(f"--peers {args.peers!r}: only fa3")

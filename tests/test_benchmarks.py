@@ -399,6 +399,7 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, capsys):
         (["--rev", "HEAD", "--shapes", "sliding:4096:128"], "sliding:4096:128"),
         (["--rev", "HEAD", "--shapes", "full:4k:128"], "full:4k:128"),
         (["--rev", "HEAD", "--peers", "fa2"], "fa2"),
+        (["--rev", "HEAD", "--rounds", "0"], "--rounds 0"),
     ],
 )
 def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
@@ -407,3 +408,12 @@ def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
     with pytest.raises(SystemExit):
         ab.main(argv)
     assert named in capsys.readouterr().err
+
+
+def test_ab_rotates_the_first_turn():
+    from benchmarks import ab
+
+    orders = [ab.round_order(["new", "rev", "fa3"], r) for r in range(6)]
+    firsts = [o[0] for o in orders]
+    assert sorted(firsts) == ["fa3", "fa3", "new", "new", "rev", "rev"]
+    assert all(sorted(o) == ["fa3", "new", "rev"] for o in orders)
