@@ -417,3 +417,69 @@ def test_ab_rotates_the_first_turn():
     firsts = [o[0] for o in orders]
     assert sorted(firsts) == ["fa3", "fa3", "new", "new", "rev", "rev"]
     assert all(sorted(o) == ["fa3", "new", "rev"] for o in orders)
+
+
+COUNTERS_TEXT = """==WARNING== Note: Running with unmodified GPU clocks.
+ran jflash 16384 128 True
+  jflash_mosaic_dkv_mosaic_gpu_kernel (4, 128, 8)x(384, 1, 1), Context 1, Stream 14
+    Section: Command line profiler metrics
+    gpu__time_duration.sum                                                    ns    33,987,552
+    l1tex__data_pipe_lsu_wavefronts_mem_shared.sum                                5,948,175,296
+    launch__registers_per_thread                                  register/thread           168
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio        inst          2.24
+    sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active     %         70.40
+    Section: GPU Speed Of Light Throughput
+    Duration                         ns       33,987,552
+  void device_kernel<FlashAttnBwdPostprocessConvertdQ<C<64>>>(Params) (256, 32, 4)x(256, 1, 1)
+    gpu__time_duration.sum                                                    ns       379,200
+"""
+
+
+def test_counters_parse_ncu_details(tmp_path, capsys):
+    from benchmarks import counters
+
+    kernels = counters.parse_details(COUNTERS_TEXT)
+    post_name = "FlashAttnBwdPostprocessConvertdQ"
+    assert [k["kernel"] for k in kernels] == ["jflash_mosaic_dkv", post_name]
+    (dkv, post) = counters.summarise("jflash:16384:128", kernels)
+    assert dkv["ms"] == pytest.approx(33.987552)
+    assert dkv["tensor_active_pct"] == 70.4 and dkv["registers"] == 168
+    assert dkv["shared_wavefronts_g"] == pytest.approx(5.948175296)
+    assert dkv["stall_barrier"] == 2.24 and "stall_gmma" not in dkv
+    assert post == {"case": "jflash:16384:128", "kernel": post_name, "ms": 0.3792}
+
+    saved = tmp_path / "ncu-jflash-16384-128.txt"
+    saved.write_text(COUNTERS_TEXT)
+    out = tmp_path / "c.json"
+    argv = ["--parse", str(saved), "--device", "NVIDIA H200", "--out", str(out)]
+    assert counters.main(argv) == 0
+    written = json.loads(out.read_text())
+    assert written["device"] == "NVIDIA H200"
+    assert [r["case"] for r in written["rows"]] == ["jflash:16384:128"] * 2
+    assert "| jflash:16384:128 | jflash_mosaic_dkv | 34 | 70.4 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--cases", "fa2:16384:128"], "fa2:16384:128"),
+        (["--cases", "jflash:16k:64"], "jflash:16k:64"),
+        (["--parse", "x.txt"], "--device"),
+        (["--parse", "/no/such/file.txt", "--device", "H200"], "/no/such/file.txt"),
+    ],
+)
+def test_counters_rejects_bad_flags_by_value(argv, named, capsys):
+    from benchmarks import counters
+
+    with pytest.raises(SystemExit):
+        counters.main(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_counters_without_ncu_says_so(monkeypatch, capsys):
+    from benchmarks import counters
+
+    monkeypatch.setattr(counters.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit):
+        counters.main([])
+    assert "ncu (Nsight Compute) is not on PATH" in capsys.readouterr().err

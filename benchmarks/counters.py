@@ -1,0 +1,242 @@
+"""Hardware counters of the attention backward kernels (Nsight Compute), jflash beside
+FlashAttention-3: where a kernel's time goes when the clock alone cannot say.
+
+    python benchmarks/counters.py                        # Hopper GPU, `ncu` on PATH
+    python benchmarks/counters.py --cases jflash:16384:64
+    python benchmarks/counters.py --parse out/ncu-*.txt  # summarise saved ncu output
+
+Each case `impl:S:D` (impl `jflash` or `fa3`) runs one causal forward+backward call of
+`--tokens` tokens (batch = tokens // S), GQA 32/8, bf16, in a child process under `ncu
+--clock-control none` (clocks left as they are), which profiles the first launch of the
+backward kernels (`--kernels`, a regular expression on demangled names: jflash's dK/dV
+kernel, FA3's three backward kernels). The raw output goes to `--out-dir`; the table
+gives per kernel: time, tensor-pipe activity, issue activity, instructions, shared
+memory wavefronts (LSU and wgmma operand reads together), and the stall reasons per
+issued instruction that dominate (a warp waiting on a wgmma shows as `barrier` on its
+`WARPGROUP.DEPBAR`, on an mbarrier poll as `long_sb`; waiting on a shared load as
+`short_sb`). The memory warpgroup's idle polling counts in the averages too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+DEFAULT_CASES = "jflash:16384:128,fa3:16384:128,jflash:16384:64"
+KERNELS = r"regex:jflash_mosaic_dkv|FlashAttnBwd"
+STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "gmma", "mio_throttle")
+METRICS = (
+    "gpu__time_duration.sum",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "smsp__inst_executed.sum",
+    "smsp__inst_executed_pipe_xu.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "launch__registers_per_thread",
+    *(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS),
+)
+COLUMNS = [
+    "case",
+    "kernel",
+    "ms",
+    "tensor_active_pct",
+    "issue_active_pct",
+    "instructions_g",
+    "shared_wavefronts_g",
+    *(f"stall_{s}" for s in STALLS),
+]
+
+# `  name (grid)x(block), Context ...` opens a kernel's block in ncu's details page;
+# `    metric.name   unit   1,234.5` is one of its metrics (unit may be empty).
+_KERNEL = re.compile(r"^  (\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)")
+_METRIC = re.compile(r"^\s+([a-z][\w.]+)\s+(?:\S+\s+)?([\d,]+(?:\.\d+)?)\s*$")
+
+
+def parse_cases(text: str) -> list[tuple[str, int, int]]:
+    """`impl:S:D,...` -> `[(impl, S, D)]`; ValueError naming the bad item."""
+    cases = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("jflash", "fa3"):
+            raise ValueError(f"--cases item {item!r}: want impl:S:D, impl jflash or fa3")
+        try:
+            seq, hd = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ValueError(f"--cases item {item!r}: S and D must be integers") from None
+        cases.append((parts[0], seq, hd))
+    return cases
+
+
+def short_name(kernel: str) -> str:
+    """jflash's kernel name, or the FA3 class inside `device_kernel<...>`."""
+    m = re.search(r"(FlashAttnBwd\w*)", kernel)
+    return m.group(1) if m else kernel.split()[0].removesuffix("_mosaic_gpu_kernel")
+
+
+def parse_details(text: str) -> list[dict]:
+    """Kernels and their metrics (floats) from `ncu --page details --print-units base`."""
+    kernels, current = [], None
+    for line in text.splitlines():
+        if m := _KERNEL.match(line):
+            current = {"kernel": short_name(m.group(1)), "metrics": {}}
+            kernels.append(current)
+        elif current is not None and (m := _METRIC.match(line)):
+            current["metrics"][m.group(1)] = float(m.group(2).replace(",", ""))
+    return kernels
+
+
+def summarise(case: str, kernels: list[dict]) -> list[dict]:
+    """One table row per kernel that has the counters (not just a time)."""
+    rows = []
+    for k in kernels:
+        m = k["metrics"]
+        row = {"case": case, "kernel": k["kernel"]}
+        if "gpu__time_duration.sum" in m:
+            row["ms"] = m["gpu__time_duration.sum"] / 1e6
+        pairs = {
+            "tensor_active_pct": METRICS[1],
+            "issue_active_pct": METRICS[2],
+            "registers": "launch__registers_per_thread",
+        }
+        row.update({col: m[name] for col, name in pairs.items() if name in m})
+        for col, name in (
+            ("instructions_g", "smsp__inst_executed.sum"),
+            ("xu_instructions_g", "smsp__inst_executed_pipe_xu.sum"),
+            ("shared_wavefronts_g", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"),
+        ):
+            if name in m:
+                row[col] = m[name] / 1e9
+        for s in STALLS:
+            name = f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio"
+            if name in m:
+                row[f"stall_{s}"] = m[name]
+        for op in ("ld", "st"):
+            name = f"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{op}.sum"
+            if name in m:
+                row[f"bank_conflicts_{op}_m"] = m[name] / 1e6
+        rows.append(row)
+    return rows
+
+
+def call(impl: str, seq: int, hd: int, tokens: int) -> None:
+    """One causal forward+backward (what ncu profiles)."""
+    import jax
+
+    import jflash
+    from benchmarks.common import jit_passes
+    from benchmarks.kernel import draw_inputs
+
+    q, k, v, do = draw_inputs(max(1, tokens // seq), seq, 32, 8, hd)
+    if impl == "fa3":
+        from flash_attn3_jax import flash_mha
+
+        def attn(q, k, v):
+            return flash_mha(q, k, v, is_causal=True)
+    else:
+
+        def attn(q, k, v):
+            return jflash.flash_attention(q, k, v, causal=True)
+
+    fwdbwd = jit_passes(attn)["fwdbwd"][0]
+    jax.block_until_ready(fwdbwd(q, k, v, do))
+
+
+def profile(impl: str, seq: int, hd: int, tokens: int, out_dir: str) -> str:
+    """The ncu details page of one case (also saved to `out_dir`)."""
+    cmd = [
+        "ncu",
+        "--clock-control",
+        "none",
+        "--kernel-name-base",
+        "demangled",
+        "--kernel-name",
+        KERNELS,
+        "--launch-count",
+        "3" if impl == "fa3" else "1",
+        "--metrics",
+        ",".join(METRICS),
+        "--print-units",
+        "base",
+        sys.executable,
+        os.path.abspath(__file__),
+        "--call",
+        f"{impl}:{seq}:{hd}",
+        "--tokens",
+        str(tokens),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    text = done.stdout + done.stderr
+    with open(os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}.txt"), "w") as f:
+        f.write(text)
+    if done.returncode:
+        raise RuntimeError(f"ncu on {impl}:{seq}:{hd} exited {done.returncode}: {text[-500:]}")
+    return text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="impl:S:D,... (see above)")
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
+    parser.add_argument("--parse", nargs="+", metavar="FILE", help="saved ncu output files")
+    parser.add_argument("--device", default=None, help="with --parse: the GPU they ran on")
+    parser.add_argument("--call", default=None, help=argparse.SUPPRESS)  # run under ncu
+    parser.add_argument("--out-dir", default=None, help="raw ncu output (default: a temp dir)")
+    parser.add_argument("--out", default=None, help="JSON (default: results/counters-<gpu>.json)")
+    args = parser.parse_args(argv)
+    try:
+        cases = parse_cases(args.call or args.cases)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.call:
+        call(*cases[0], args.tokens)
+        return 0
+
+    from benchmarks.common import device_name, table, write_json
+
+    rows, meta = [], {}
+    if args.parse:
+        if not args.device:
+            parser.error("--parse needs --device (the GPU the saved output ran on)")
+        for path in args.parse:
+            name = os.path.basename(path)
+            m = re.fullmatch(r"ncu-(\w+)-(\d+)-(\d+)\.txt", name)  # as `profile` names them
+            try:
+                with open(path) as f:
+                    found = summarise(":".join(m.groups()) if m else name, parse_details(f.read()))
+            except OSError as e:
+                parser.error(f"--parse {path!r}: {e.strerror}")
+            if not found:
+                parser.error(f"--parse {path!r}: no kernel in it (ncu --page details output?)")
+            rows += found
+        meta = {"device": args.device, "parsed": [os.path.basename(p) for p in args.parse]}
+        gpu = args.device.lower().replace("nvidia ", "").replace(" ", "-")
+    else:
+        if shutil.which("ncu") is None:
+            parser.error("ncu (Nsight Compute) is not on PATH; --parse reads saved output")
+        import tempfile
+
+        out_dir = args.out_dir or tempfile.mkdtemp(prefix="jflash-ncu-")
+        os.makedirs(out_dir, exist_ok=True)
+        for impl, seq, hd in cases:
+            text = profile(impl, seq, hd, args.tokens, out_dir)
+            rows += summarise(f"{impl}:{seq}:{hd}", parse_details(text))
+        gpu = device_name().lower().replace(" ", "-")
+    print(table(rows, COLUMNS))
+    out = args.out or os.path.join(RESULTS, f"counters-{gpu}.json")
+    write_json(out, {"tokens": args.tokens, **meta, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
