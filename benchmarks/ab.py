@@ -3,12 +3,15 @@
     python benchmarks/ab.py --rev HEAD~1                        # causal 4k/16k/64k, D=128
     python benchmarks/ab.py --rev main --shapes causal:4096:128,full:65536:128 --documents
     python benchmarks/ab.py --rev HEAD~1 --peers fa3            # FlashAttention-3 beside them
+    python benchmarks/ab.py --rev branch-a --rev branch-b       # several: rev1, rev2
 
 Absolute times move by a few percent between GPUs of the same kind and between runs, so a
-change is measured against its baseline in the same process: the revision's `jflash`
+change is measured against its baseline in the same process: each revision's `jflash`
 package is exported (`git archive`) into a temporary folder under another name and
-imported beside the working tree's. Each shape builds both (and the peers), checks that
-their forward outputs agree, then times the forward and the forward+backward of every
+imported beside the working tree's. Each shape builds all of them (and the peers),
+reports how far each one's forward output and gradients are from the tree's
+(`*_max_abs_diff`, `*_grad_max_abs_diff`: a backward change shows only in the
+second), then times the forward and the forward+backward of every
 candidate in `--rounds` interleaved rounds (the candidates take turns, so a drift of the
 GPU's clocks reaches all of them; the order rotates each round, since the first turn
 after the check reads fastest) and keeps each one's best round. `--rounds` defaults to
@@ -18,7 +21,7 @@ Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` t
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
 attention over 64k tokens packed from log-normal documents (`kernel.py --documents`).
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
-tree is faster), and `new/<peer>` where a peer runs.
+tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 """
 
 from __future__ import annotations
@@ -81,10 +84,15 @@ def export_revision(rev: str, dest: str, name: str = BASELINE) -> str:
     return dest
 
 
-def import_revision(rev: str, dest: str):
-    """The revision's jflash as a module of its own name."""
-    sys.path.insert(0, export_revision(rev, dest))
-    return importlib.import_module(BASELINE)
+def import_revision(rev: str, dest: str, name: str = BASELINE):
+    """The revision's jflash as a module named `name`."""
+    sys.path.insert(0, export_revision(rev, dest, name))
+    return importlib.import_module(name)
+
+
+def rev_labels(revs: list[str]) -> list[str]:
+    """Candidate labels of the revisions: `rev` for one, `rev1`, `rev2`, ... for more."""
+    return ["rev"] if len(revs) == 1 else [f"rev{i + 1}" for i in range(len(revs))]
 
 
 def parse_shapes(text: str) -> list[tuple[bool, int, int]]:
@@ -141,10 +149,17 @@ def compare(
     (None: twice the candidates)."""
     rounds = rounds or 2 * len(cands)
     base = cands["new"][0](*args[:3])
+    _, base_grads = cands["new"][1](*args)
     row = {"shape": name}
-    for label, (fwd, _) in cands.items():
-        diff = jnp.max(jnp.abs(fwd(*args[:3]).astype(jnp.float32) - base.astype(jnp.float32)))
-        row[f"{label}_max_abs_diff"] = float(diff)
+
+    def gap(x, y):
+        return float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+
+    for label, (fwd, fwdbwd) in cands.items():
+        row[f"{label}_max_abs_diff"] = gap(fwd(*args[:3]), base)
+        # dQ, dK, dV too: a backward change shows in them, not in the forward's output.
+        _, grads = fwdbwd(*args)
+        row[f"{label}_grad_max_abs_diff"] = max(map(gap, grads, base_grads))
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
     for r in range(rounds):
         for label in round_order(list(cands), r):
@@ -165,7 +180,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rev", required=True, help="git revision to measure against")
+    parser.add_argument(
+        "--rev",
+        required=True,
+        action="append",
+        help="git revision to measure against (repeat for several: rev1, rev2, ...)",
+    )
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="mask:S:D,... (see above)")
     parser.add_argument("--documents", action="store_true", help="add 64k packed documents")
     parser.add_argument("--peers", default="", help="comma list: fa3 (where installed)")
@@ -191,17 +211,24 @@ def main(argv=None) -> int:
     if any(p != "fa3" for p in peers):
         parser.error(f"--peers {args.peers!r}: only fa3")
     impl = None if args.implementation == "default" else args.implementation
+    labels = rev_labels(args.rev)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            rev = import_revision(args.rev, tmp)
-        except ValueError as e:
-            parser.error(str(e))
+        modules = {"new": jflash}
+        for i, (label, rev) in enumerate(zip(labels, args.rev, strict=True)):
+            name = BASELINE if i == 0 else f"{BASELINE}{i + 1}"
+            try:
+                modules[label] = import_revision(rev, os.path.join(tmp, str(i)), name)
+            except ValueError as e:
+                parser.error(str(e))
+        if len(labels) > 1:
+            pairs = zip(labels, args.rev, strict=True)
+            print("revisions:", ", ".join(f"{k} = {r}" for k, r in pairs))
         rows = []
         for causal, seq, hd in shapes:
             batch = max(1, args.tokens // seq)
             cands = {
-                "new": candidate(jflash, causal=causal, implementation=impl),
-                "rev": candidate(rev, causal=causal, implementation=impl),
+                label: candidate(m, causal=causal, implementation=impl)
+                for label, m in modules.items()
             }
             if "fa3" in peers and hd in FA3_HEAD_DIMS:
                 cands["fa3"] = fa3_candidate(causal)
@@ -215,7 +242,7 @@ def main(argv=None) -> int:
             seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
             cands = {
                 label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
-                for label, m in (("new", jflash), ("rev", rev))
+                for label, m in modules.items()
             }
             if "fa3" in peers:
                 fa3, _ = _fa3_varlen(lengths)
@@ -226,12 +253,12 @@ def main(argv=None) -> int:
             name = f"documents 64k ({len(lengths)} documents) D=128"
             rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
             print(rows[-1], flush=True)
-    columns = ["shape"] + [
-        k for k in rows[0] if k.endswith("_ms") or k.startswith("new/") or k == "rev_max_abs_diff"
-    ]
+    diffs = [f"{label}_{d}max_abs_diff" for label in labels for d in ("", "grad_")]
+    columns = ["shape", *diffs] + [k for k in rows[0] if k.endswith("_ms") or k.startswith("new/")]
     print(table(rows, columns))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
-    write_json(out, {"rev": args.rev, "implementation": args.implementation, "rows": rows})
+    revs = dict(zip(labels, args.rev, strict=True))
+    write_json(out, {"revs": revs, "implementation": args.implementation, "rows": rows})
     return 0
 
 

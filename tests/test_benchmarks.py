@@ -383,12 +383,57 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, capsys):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["shape"] == "causal S=128 D=64 B=1"
     assert row["rev_max_abs_diff"] == 0.0  # the same kernels on the same inputs
+    assert row["rev_grad_max_abs_diff"] == 0.0
     assert row["new_fwd_ms"] > 0 and row["rev_fwdbwd_ms"] > 0 and row["new/rev_fwd"] > 0
     rev = sys.modules[ab.BASELINE]  # a second package, from the exported revision
     assert (
         not rev.__file__.startswith(ab.ROOT) and rev.flash_attention is not jflash.flash_attention
     )
     assert "new/rev_fwd" in capsys.readouterr().out
+
+
+def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys):
+    """Two revisions: each its own package and label; a revision whose backward is
+    wrong shows in its gradient gap, not in its forward's."""
+    import subprocess
+
+    from benchmarks import ab
+
+    try:
+        subprocess.run(["git", "-C", ab.ROOT, "rev-parse", "HEAD"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    real_import = ab.import_revision
+
+    def import_revision(rev, dest, name=ab.BASELINE):
+        module = real_import(rev, dest, name)
+        if name != ab.BASELINE:  # the second revision: gradients doubled, forward kept
+            flash = module.flash_attention
+
+            @jax.custom_vjp
+            def wrong(q, k, v):
+                return flash(q, k, v, causal=True, implementation="xla")
+
+            def fwd(q, k, v):
+                out, vjp = jax.vjp(wrong.__wrapped__, q, k, v)
+                return out, vjp
+
+            wrong.defvjp(fwd, lambda vjp, g: tuple(2 * x for x in vjp(g)))
+            module = types.SimpleNamespace(flash_attention=lambda q, k, v, **kw: wrong(q, k, v))
+        return module
+
+    monkeypatch.setattr(ab, "import_revision", import_revision)
+    out = tmp_path / "ab.json"
+    argv = ["--rev", "HEAD", "--rev", "HEAD", "--implementation", "xla"]
+    argv += ["--shapes", "causal:128:64", "--tokens", "128", "--heads", "2", "--kv-heads", "1"]
+    ab.main([*argv, "--rounds", "1", "--min-time", "0", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["revs"] == {"rev1": "HEAD", "rev2": "HEAD"}
+    (row,) = written["rows"]
+    assert row["rev1_max_abs_diff"] == row["rev1_grad_max_abs_diff"] == 0.0
+    assert row["rev2_max_abs_diff"] == 0.0 and row["rev2_grad_max_abs_diff"] > 0.1
+    assert row["new/rev1_fwdbwd"] > 0 and row["new/rev2_fwd"] > 0
+    assert "revisions: rev1 = HEAD, rev2 = HEAD" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
