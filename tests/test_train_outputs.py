@@ -237,3 +237,34 @@ def test_ctrl_c_ends_the_run_in_one_line_naming_its_last_checkpoint(tmp_path):
     (last,) = re.findall(r"interrupted: the last checkpoint is step (\d+) in (\S+);", err)
     assert last[1] == str(out / "checkpoints") and int(last[0]) >= 4
     assert (out / "checkpoints" / last[0]).is_dir()
+
+
+def test_ctrl_c_during_a_checkpoint_save_ends_in_the_same_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C inside Orbax's save surfaces as a RuntimeError raised while the
+    KeyboardInterrupt was handled: still exit status 130 and the one line, no traceback.
+    A RuntimeError of its own still propagates."""
+    import train.__main__ as entry
+
+    def interrupted_save(cfg):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("Event loop stopped before Future completed.") from None
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(entry.os, "_exit", exit_)
+    monkeypatch.setattr(entry, "run", interrupted_save)
+    with pytest.raises(SystemExit) as ended:
+        entry.main(_args(tmp_path / "run"))
+    assert ended.value.code == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: no checkpoint was written to ") and "Traceback" not in err
+
+    def broken(cfg):
+        raise RuntimeError("a bug, not an interrupt")
+
+    monkeypatch.setattr(entry, "run", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        entry.main(_args(tmp_path / "run"))

@@ -25,16 +25,31 @@ def _interrupted(output_dir: str) -> str:
     )
 
 
+def _from_interrupt(error: BaseException | None) -> bool:
+    """Whether Ctrl-C caused `error`: a KeyboardInterrupt, or an error raised while one
+    was handled. Ctrl-C during a checkpoint save reaches the loop as Orbax's
+    `RuntimeError('Event loop stopped before Future completed.')`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         cfg = parse_args(argv)
         summary = run(cfg)
-    # NotImplementedError: a kernel option this setup cannot run (jflash names it).
-    except (TrainingError, ValueError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not _from_interrupt(e):
+            # NotImplementedError: a kernel option this setup cannot run (jflash names it).
+            if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            raise
         # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
         # now: XLA's threads may still hold the interrupted step, and tearing down the
         # interpreter around them aborts the process.
