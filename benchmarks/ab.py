@@ -42,7 +42,14 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import jflash  # noqa: E402
-from benchmarks.common import device_name, jit_passes, table, time_fn, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    device_name,
+    jit_passes,
+    parse_specs,
+    table,
+    time_fn,
+    write_json,
+)
 from benchmarks.kernel import (  # noqa: E402
     FA3_HEAD_DIMS,
     _fa3_varlen,
@@ -97,17 +104,8 @@ def rev_labels(revs: list[str]) -> list[str]:
 
 def parse_shapes(text: str) -> list[tuple[bool, int, int]]:
     """`mask:S:D,...` -> `[(causal, S, D)]`; ValueError naming the bad item."""
-    shapes = []
-    for item in filter(None, text.split(",")):
-        parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in ("causal", "full"):
-            raise ValueError(f"--shapes item {item!r}: want mask:S:D, mask causal or full")
-        try:
-            seq, hd = int(parts[1]), int(parts[2])
-        except ValueError:
-            raise ValueError(f"--shapes item {item!r}: S and D must be integers") from None
-        shapes.append((parts[0] == "causal", seq, hd))
-    return shapes
+    specs = parse_specs(text, "--shapes", "mask", ("causal", "full"))
+    return [(mask == "causal", seq, hd) for mask, seq, hd in specs]
 
 
 def _passes(attn):

@@ -87,3 +87,19 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def parse_specs(text: str, flag: str, kind: str, kinds: tuple[str, ...]) -> list[tuple]:
+    """`kind:S:D,...` (a `flag`'s value) -> `[(kind, S, D)]`; ValueError naming the bad
+    item."""
+    specs = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in kinds:
+            raise ValueError(f"{flag} item {item!r}: want {kind}:S:D, {kind} {' or '.join(kinds)}")
+        try:
+            seq, hd = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ValueError(f"{flag} item {item!r}: S and D must be integers") from None
+        specs.append((parts[0], seq, hd))
+    return specs

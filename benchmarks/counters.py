@@ -25,9 +25,12 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.common import device_name, jit_passes, parse_specs, table, write_json  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_CASES = "jflash:16384:128,fa3:16384:128,jflash:16384:64"
 KERNELS = r"regex:jflash_mosaic_dkv|FlashAttnBwd"
@@ -63,17 +66,7 @@ _METRIC = re.compile(r"^\s+([a-z][\w.]+)\s+(?:\S+\s+)?([\d,]+(?:\.\d+)?)\s*$")
 
 def parse_cases(text: str) -> list[tuple[str, int, int]]:
     """`impl:S:D,...` -> `[(impl, S, D)]`; ValueError naming the bad item."""
-    cases = []
-    for item in filter(None, text.split(",")):
-        parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in ("jflash", "fa3"):
-            raise ValueError(f"--cases item {item!r}: want impl:S:D, impl jflash or fa3")
-        try:
-            seq, hd = int(parts[1]), int(parts[2])
-        except ValueError:
-            raise ValueError(f"--cases item {item!r}: S and D must be integers") from None
-        cases.append((parts[0], seq, hd))
-    return cases
+    return parse_specs(text, "--cases", "impl", ("jflash", "fa3"))
 
 
 def short_name(kernel: str) -> str:
@@ -132,7 +125,6 @@ def call(impl: str, seq: int, hd: int, tokens: int) -> None:
     import jax
 
     import jflash
-    from benchmarks.common import jit_passes
     from benchmarks.kernel import draw_inputs
 
     q, k, v, do = draw_inputs(max(1, tokens // seq), seq, 32, 8, hd)
@@ -202,8 +194,6 @@ def main(argv=None) -> int:
         call(*cases[0], args.tokens)
         return 0
 
-    from benchmarks.common import device_name, table, write_json
-
     rows, meta = [], {}
     if args.parse:
         if not args.device:
@@ -224,8 +214,6 @@ def main(argv=None) -> int:
     else:
         if shutil.which("ncu") is None:
             parser.error("ncu (Nsight Compute) is not on PATH; --parse reads saved output")
-        import tempfile
-
         out_dir = args.out_dir or tempfile.mkdtemp(prefix="jflash-ncu-")
         os.makedirs(out_dir, exist_ok=True)
         for impl, seq, hd in cases:
