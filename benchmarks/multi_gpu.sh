@@ -110,23 +110,27 @@
 #         in all) runs instead when the time is left.
 #   Sum ~340 s.
 #
-# cp (budget 530 s; estimates for 4x H100/H200, P = 4; on 2 GPUs about half):
-#   tests       test_ring_shard.py (19: P = 2 and 4, every layout, ring and allgather
+# cp (budget 530 s; P = all GPUs). Measured on 4x H100, 2026-11-27 (benchmarks/results/
+# cp-4xh100.log): the three steps need ~1,100 s there, more than two calls' worth, so on 4 GPUs
+# run them as CP_STEPS=tests, then CP_STEPS=documents, then CP_STEPS=strategies (with
+# CP_TOKENS=8192,16384 and =32768 in two calls if the first is cut); on 2 GPUs about
+# half.
+#   tests       test_ring_shard.py (24: P = 2 and 4, every layout, ring and allgather
 #               with segment ids, a partial shard_map, MQA, Ulysses, the 2x2 hybrid,
-#               Triton kernels, documents across shards) then test_ring.py's GPU subset
-#               (allgather, Mosaic, lowering: 22); tests needing more GPUs skip (P = 4
-#               ones on 2 GPUs, P = 8 ones); ~3-4 s each (4x H200, 2026-11-22: 20
-#               ring tests in 78 s)                                  ~140 s  cap 150
+#               Triton and Mosaic kernels in a user's shard_map, documents across
+#               shards) then test_ring.py's GPU subset (allgather, Mosaic, lowering:
+#               22); tests needing more GPUs skip (P = 4 ones on 2 GPUs, P = 8 ones).
+#               ~2-5 s each on the xla path; a Mosaic test 8-25 s at P = 2 and 51 s
+#               at P = 4 (compiling): 320 s for 45 on 4x H100   ~330 s  cap 420
 #   documents   ring.py --documents: 3 layouts x 8k, 16k per GPU, forward+backward
-#               only, one trace per row                              ~300 s  cap 180
+#               only, one trace per row: ~45-60 s per 8k row at P = 4
+#                                                                   ~330 s  cap 180
 #               (the rest without strategies)
-#   strategies  ring.py --cp-model: 4 strategies x 8k, 16k, 32k      ~330 s  the rest
-#   A P = 4 row is mostly compile: lowering the forward+backward for CUDA takes 8 s
-#   (ring; 14 s with segment ids, 11 s allgather, 4 s hybrid, P = 2 ring 4 s) on a
-#   2-core CPU, and the 2026-11-22 4x H200 ring part took 60-75 s per P = 4 row with
-#   both passes and traces (P = 2: 17-24 s). So on 4 GPUs the tables run past their
-#   caps: rows go in order (8k first; strategies ring, ulysses, hybrid, allgather) and
-#   each row's JSON is written as it finishes, so a cut step keeps its rows; CP_STEPS
+#   strategies  ring.py --cp-model: 4 strategies x 8k, 16k, 32k: ~40 s per 8k/16k row
+#               and ~35 s per 32k row at P = 4 (first row of a process: +45 s
+#               compile and link measurement)                       ~420 s  the rest
+#   Rows go in order (8k first; strategies ring, ulysses, hybrid, allgather) and each
+#   row's JSON is written as it finishes, so a cut step keeps its rows; CP_STEPS
 #   ("tests documents strategies") and CP_DOC_TOKENS / CP_TOKENS (8192,16384 /
 #   8192,16384,32768) run the rest in another call. The trainer (1B at 32k per GPU on
 #   all GPUs vs one GPU: ~130 s more) does not fit beside them and is left out.
@@ -567,7 +571,7 @@ part_cp() {
   if [[ $steps == *" strategies "* ]]; then r_strategies=90 docs_cap=180; fi
   if [[ $steps == *" documents "* ]]; then r_docs=90; fi
   if [[ $steps == *" tests "* ]]; then
-    step cp-tests 150 60 $((r_docs + r_strategies)) \
+    step cp-tests 420 60 $((r_docs + r_strategies)) \
       env "XLA_FLAGS=$xla --xla_gpu_autotune_level=0" "$PY" -m pytest \
       tests/test_ring_shard.py tests/test_ring.py -v -p no:cacheprovider -k "$test_filter"
   fi
