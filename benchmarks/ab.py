@@ -12,10 +12,13 @@ imported beside the working tree's. Each shape builds all of them (and the peers
 reports how far each one's forward output and gradients are from the tree's
 (`*_max_abs_diff`, `*_grad_max_abs_diff`: a backward change shows only in the
 second), then times the forward and the forward+backward of every
-candidate in `--rounds` interleaved rounds (the candidates take turns, so a drift of the
-GPU's clocks reaches all of them; the order rotates each round, since the first turn
-after the check reads fastest) and keeps each one's best round. `--rounds` defaults to
-twice the candidates, so each takes the first turn twice.
+candidate in `--rounds` interleaved rounds and keeps each one's best round. The
+candidates take turns, so a drift of the GPU's clocks reaches all of them. Each round
+times every forward, then every forward+backward, in an order from a balanced Latin
+square: over the rounds each candidate takes every turn and follows every other one
+equally often, since the turn and what ran just before moved a time by 1-4%. `--rounds`
+defaults to twice the candidates (one whole square or two). `--rev HEAD` on a clean
+tree times identical code: its `new/rev` is the run's noise floor.
 
 Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
@@ -132,12 +135,27 @@ def fa3_candidate(causal: bool):
 
 
 def round_order(labels: list[str], r: int) -> list[str]:
-    """Round `r`'s order of the candidates: rotated by one each round, so that each
-    takes the first turn (after the GPU idled through the output check) as often as
-    the others. A fixed order favoured the first candidate's forward by 1-4% on
-    identical code (H200)."""
-    k = r % len(labels)
-    return labels[k:] + labels[:k]
+    """Round `r`'s order of the candidates, from a balanced Latin square (Williams
+    design): over `n` rounds (`2n` for an odd number `n` of candidates) each candidate
+    takes every turn once and follows every other candidate equally often. A fixed
+    order gave the first candidate's forward 1-4% on identical code (H200); a plain
+    rotation still let one candidate always follow the same other one, and the tree's
+    forward, which always followed FlashAttention-3's forward+backward, read 1-4%
+    faster than three revisions with the same forward (4x H100 node)."""
+    n = len(labels)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    period = n if n % 2 == 0 else 2 * n
+    k = r % period
+    row = [(j + k) % n for j in first]
+    if k >= n:  # odd n: the second half of the square runs the rows backwards
+        row = row[::-1]
+    return [labels[j] for j in row]
 
 
 def compare(
@@ -159,10 +177,14 @@ def compare(
         _, grads = fwdbwd(*args)
         row[f"{label}_grad_max_abs_diff"] = max(map(gap, grads, base_grads))
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
+    # Each round times every forward, then every forward+backward, in the round's
+    # order: a forward follows another candidate's forward, not its own or a peer's
+    # heavier pass.
     for r in range(rounds):
-        for label in round_order(list(cands), r):
-            fwd, fwdbwd = cands[label]
-            for p, fn, a in (("fwd", fwd, args[:3]), ("fwdbwd", fwdbwd, args)):
+        order = round_order(list(cands), r)
+        for i, (p, a) in enumerate((("fwd", args[:3]), ("fwdbwd", args))):
+            for label in order:
+                fn = cands[label][i]
                 best[label, p] = min(best[label, p], time_fn(fn, *a, min_time=min_time))
     for (label, p), t in best.items():
         row[f"{label}_{p}_ms"] = t * 1e3

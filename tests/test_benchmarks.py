@@ -455,13 +455,21 @@ def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
     assert named in capsys.readouterr().err
 
 
-def test_ab_rotates_the_first_turn():
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_ab_order_balances_turns_and_predecessors(n):
+    """Over the default rounds (2n) every candidate takes every turn equally often and
+    follows every other candidate equally often."""
+    from collections import Counter
+
     from benchmarks import ab
 
-    orders = [ab.round_order(["new", "rev", "fa3"], r) for r in range(6)]
-    firsts = [o[0] for o in orders]
-    assert sorted(firsts) == ["fa3", "fa3", "new", "new", "rev", "rev"]
-    assert all(sorted(o) == ["fa3", "new", "rev"] for o in orders)
+    labels = ["new"] + [f"rev{i}" for i in range(1, n)]
+    orders = [ab.round_order(labels, r) for r in range(2 * n)]
+    assert all(sorted(o) == sorted(labels) for o in orders)
+    turns = Counter((o[i], i) for o in orders for i in range(n))
+    assert set(turns.values()) == {2} and len(turns) == n * n
+    follows = Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert set(follows.values()) == {2} and len(follows) == n * (n - 1)
 
 
 COUNTERS_TEXT = """==WARNING== Note: Running with unmodified GPU clocks.
