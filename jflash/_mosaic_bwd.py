@@ -95,6 +95,15 @@ SPLIT_REGS = (240, 24)
 # each warpgroup, one column half at a time.
 SPLIT_DQ_HEAD_DIMS = (128,)
 
+# Head dims where the dK/dV kernel starts its S^T and dP^T accumulators at the step's
+# -LSE/scale and -delta (broadcast along the rows): 32 registers fewer than holding them
+# beside the zero-started accumulators, which D = 128 needs (module docstring). Where
+# registers allow (D = 64), they are added after the matmuls instead: the moves into
+# the accumulators go, and the rows' shared-memory loads have the S^T matmul's time to
+# land (on an H200, 12% of the D = 64 compute warps' stall samples were those moves
+# waiting for the loads, `benchmarks/counters.py`).
+ROWS_IN_ACC = lambda d: d > 64  # noqa: E731
+
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
 # dQ kernel's Q and dO. Each costs D/4 registers per thread.
@@ -256,15 +265,22 @@ def _dkv_kernel(
 
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
-            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
+            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32. The
+            # per-query terms start the accumulators (`ROWS_IN_ACC`) or are added after.
             col, shape = plgpu.Layout.WGMMA.reduce(0), (bk, block_q)
-            init = (
-                _bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1),
-                _bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1),
-            )
+            lse_row = plgpu.load(lse_smem.at[slot], layout=col)
+            delta_row = plgpu.load(delta_smem.at[slot], layout=col)
+            in_acc = ROWS_IN_ACC(geom.head_dim)
+            if in_acc:
+                init = (_bcast(lse_row, shape, 1), _bcast(delta_row, shape, 1))
+            else:
+                zeros_s = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                init = (zeros_s, zeros_s)
+                lse_row = lse_row * qk_scale  # -LSE log2 e, added in the exponent
 
             def probabilities(s):  # while dP^T is still on the tensor cores
-                p = jnp.exp2(s * qk_scale)
+                s = s * qk_scale
+                p = jnp.exp2(s if in_acc else s + _bcast(lse_row, shape, 1))
                 if masked:
                     seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                     if ids is not None:
@@ -276,7 +292,7 @@ def _dkv_kernel(
                 init,
                 [(k_s, q_t.T), (v_s, do_t.T)],
                 probabilities,
-                lambda p, dp: p * dp,
+                lambda p, dp: p * (dp if in_acc else dp + _bcast(delta_row, shape, 1)),
                 interpret=interpret,
             )
             # Register operands, converted where each wgmma is issued.
