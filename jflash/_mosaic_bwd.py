@@ -2,10 +2,11 @@
 
 The kernels take the *global* LSE and `delta = rowsum(dO * O) - dLSE`, so no forward
 is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV
-kernel they are the starting values of the S^T and dP^T accumulators, so `P = exp2(S *
-scale * log2 e)` and `dS = P * dP` take no broadcast operand: there they vary along the
-columns, and that frees 32 registers per thread next to dK and dV (ptxas at D=128: 8
-bytes spilled, was 32; the kernel 7% faster). The dQ kernel holds two such registers
+kernel at D = 128 they are the starting values of the S^T and dP^T accumulators, so `P =
+exp2(S * scale * log2 e)` and `dS = P * dP` take no broadcast operand: there they vary
+along the columns, and that frees 32 registers per thread next to dK and dV (ptxas at
+D=128: 8 bytes spilled, was 32; the kernel 7% faster). At D = 64, with registers to
+spare, they are added after the matmuls (`ROWS_IN_ACC`). The dQ kernel holds two such registers
 per thread and adds them after its matmuls (starting its accumulators there cost it
 2-4%: more moves per step). BENCHMARKS.md.
 
