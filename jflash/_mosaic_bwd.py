@@ -56,6 +56,7 @@ from jflash._mosaic_common import (
     Geometry,
     col_ids,
     drain,
+    fence_smem,
     fit_stages,
     key_table,
     key_tile_steps,
@@ -298,7 +299,9 @@ def _dkv_kernel(
                 par = rem(base + qi, 2)
                 ds_b = ds.astype(k_smem.dtype)
                 ds_smem2.at[par, wg][...] = ds_b
-                plgpu.commit_smem()
+                # Each thread fences its own rows and arrives (`ds_ready` counts every
+                # thread of both warpgroups): no warpgroup barrier here.
+                fence_smem(interpret=interpret)
                 plgpu.barrier_arrive(ds_ready.at[par])
                 dv, dk = wgmma_into(
                     (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
