@@ -56,6 +56,7 @@ from jflash._mosaic_common import (
     Geometry,
     col_ids,
     drain,
+    fence_smem,
     fit_stages,
     key_table,
     key_tile_steps,
@@ -157,7 +158,10 @@ def _dkv_kernel(
     `split` (fused only): the warpgroups share each step's dS^T through shared memory
     (two buffers, by step parity, and a barrier pair `ds_ready`) and each adds the dQ of
     its half of the columns. Both then walk the CTA's whole stream in lockstep (steps
-    outside a warpgroup's own range run masked: P = 0 there)."""
+    outside a warpgroup's own range run masked: P = 0 there). Each step's dQ half goes
+    to the warpgroup's f32 SMEM tile, and the memory warpgroup adds it to HBM (TMA
+    reduce-add) once `dq_full` says it is written; `dq_empty` gives the tile back. The
+    compute warpgroups neither issue the copy nor wait for it (as FA3's dQ writer)."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -181,6 +185,8 @@ def _dkv_kernel(
         in_ready,
         free,
         ds_ready,
+        dq_full,
+        dq_empty,
         opaque,
     ) = refs
     bk = WG_ROWS
@@ -321,7 +327,15 @@ def _dkv_kernel(
                             [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
                             interpret=interpret,
                         )
-                        add_dq(dq, lax.axis_index("kv_tiles"), cols)
+
+                        # The memory warpgroup's copy of the last step has read the tile.
+                        @pl.when(base + qi > 0)
+                        def _():
+                            plgpu.barrier_wait(dq_empty.at[w])
+
+                        dq_smem2.at[w][...] = dq * scale
+                        fence_smem(interpret=interpret)  # each thread, then it arrives
+                        plgpu.barrier_arrive(dq_full.at[w])
 
                 return dk, dv
 
@@ -361,9 +375,16 @@ def _dkv_kernel(
                 skip_first=not split,
             )
 
+        total = geom.group * per_head  # steps in the CTA's stream
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
-        if fused:
+        if split:  # the last step's dQ has left this warpgroup's tile (it may be reused)
+
+            @pl.when(total > 0)
+            def _():
+                plgpu.barrier_wait(dq_empty.at[wg])
+
+        elif fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
         if split:  # the other warpgroup's last dQ has read this one's K: dK may take it
             plgpu.barrier_arrive(ds_ready.at[jnp.int32(2)])
@@ -389,8 +410,27 @@ def _dkv_kernel(
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
         plgpu.set_max_registers(SPLIT_REGS[1] if split else MEMORY_REGS, action="decrease")
+        total = geom.group * per_head
 
-        @pl.loop(0, geom.group * per_head)
+        def send_dq(u):
+            # Step u's two dQ halves (split): into the f32 dQ once written, then the tiles
+            # back to their warpgroups when the copies have read them.
+            head = kv_head * geom.group + lax.div(u, per_head)
+            q_rows = pl.ds((st.cta_lo + rem(u, per_head)) * block_q, block_q)
+            half = geom.head_dim // COMPUTE_WGS
+            for w in range(COMPUTE_WGS):
+                plgpu.barrier_wait(dq_full.at[w])
+                dst = (batch, q_rows, head, pl.ds(w * half, half))
+                if interpret:  # no TMA reduce-add: a plain store into the key tile's slice
+                    part = lax.axis_index("kv_tiles")
+                    plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_ref.at[(part, *dst)])
+                else:
+                    plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_ref.at[dst], reduction_op="add")
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for w in range(COMPUTE_WGS):
+                plgpu.barrier_arrive(dq_empty.at[w])
+
+        @pl.loop(0, total)
         def _(t):
             slot = rem(t, stages)
             head = kv_head * geom.group + lax.div(t, per_head)
@@ -411,9 +451,17 @@ def _dkv_kernel(
                 plgpu.copy_gmem_to_smem(
                     qseg_ref.at[batch, pl.ds(q_start, block_q)], q_ids.at[slot], ready
                 )
+            if split:  # the dQ of step t - stages: written by now or soon after
 
+                @pl.when(t >= stages)
+                def _():
+                    send_dq(t - stages)
+
+        if split:
+            pl.loop(jnp.maximum(total - stages, 0), total)(send_dq)
+            plgpu.wait_smem_to_gmem(0)
         if interpret:
-            drain((free,), geom.group * per_head, stages)
+            drain((free,), total, stages)
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -688,6 +736,9 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split else None,
+            # split: a compute warpgroup's dQ tile written / read by the memory warpgroup
+            plgpu.Barrier(num_barriers=COMPUTE_WGS) if split else None,
+            plgpu.Barrier(num_barriers=COMPUTE_WGS) if split else None,
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),

@@ -179,6 +179,24 @@ SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA
 _SMEM_SLACK = 2048
 
 
+def fence_smem(*, interpret: bool) -> None:
+    """This thread's shared-memory writes made visible to the async proxy (TMA, wgmma),
+    without `plgpu.commit_smem`'s warpgroup barrier: enough before each thread arrives on
+    an mbarrier that the readers wait on (the arrivals count every thread). The GPU
+    interpreter runs `commit_smem` instead (it has no inline Mosaic GPU code)."""
+    if interpret:
+        plgpu.commit_smem()
+        return
+
+    @plgpu.inline_mgpu()
+    def _fence(ctx):
+        from jax._src.lib.mlir.dialects import nvvm
+
+        nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+    _fence()
+
+
 def fits_smem(stages: int, fixed: int, per_stage: int) -> bool:
     """Whether `fixed + stages * per_stage` bytes of tiles fit shared memory."""
     return fixed + stages * per_stage + _SMEM_SLACK <= SMEM_BYTES
