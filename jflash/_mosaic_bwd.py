@@ -158,10 +158,12 @@ def _dkv_kernel(
     `split` (fused only): the warpgroups share each step's dS^T through shared memory
     (two buffers, by step parity, and a barrier pair `ds_ready`) and each adds the dQ of
     its half of the columns. Both then walk the CTA's whole stream in lockstep (steps
-    outside a warpgroup's own range run masked: P = 0 there). Each step's dQ half goes
-    to the warpgroup's f32 SMEM tile, and the memory warpgroup adds it to HBM (TMA
-    reduce-add) once `dq_full` says it is written; `dq_empty` gives the tile back. The
-    compute warpgroups neither issue the copy nor wait for it (as FA3's dQ writer)."""
+    outside a warpgroup's own range run masked: P = 0 there).
+
+    `fused`: a compute warpgroup writes each step's dQ (its column half if `split`) to
+    its f32 SMEM tile and arrives on `dq_full`; the memory warpgroup adds the tile to
+    HBM (TMA reduce-add) and gives it back on `dq_empty` once read. The compute
+    warpgroups neither issue the copy nor wait for it (as FA3's dQ writer warp)."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -242,23 +244,6 @@ def _dkv_kernel(
             mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
             k_dq = k_smem2.at[mine]
             k_s, v_s = (k_a, v_a) if A_IN_REGS["dkv"](geom.head_dim) else (k_dq, v_smem2.at[mine])
-            q_rows = pl.ds(qi * block_q, block_q)
-            head_g = kv_head * geom.group + g
-
-            def add_dq(dq, part, *cols):
-                """`dq * scale` into the f32 dQ: through this warpgroup's SMEM tile, a TMA
-                reduce-add (interpret: a plain store into slice `part`, summed after)."""
-                dq_s = dq_smem2.at[mine]
-                # The previous step's reduce-add has read its SMEM long ago (a whole step
-                # of matmuls ran since); wait for it before overwriting.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dq_s[...] = dq * scale
-                plgpu.commit_smem()
-                dst = (batch, q_rows, head_g, *cols)
-                if interpret:
-                    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[(part, *dst)])
-                else:
-                    plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[dst], reduction_op="add")
 
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
@@ -354,7 +339,15 @@ def _dkv_kernel(
                 interpret=interpret,
             )
             plgpu.barrier_arrive(free.at[slot])
-            add_dq(dq, lax.axis_index("kv_tiles") * COMPUTE_WGS + wg)  # a slice per warpgroup
+
+            # The memory warpgroup's copy of this warpgroup's last dQ has read the tile.
+            @pl.when(base + qi > st.lo - st.cta_lo)
+            def _():
+                plgpu.barrier_wait(dq_empty.at[mine])
+
+            dq_smem2.at[mine][...] = dq * scale
+            fence_smem(interpret=interpret)  # each thread, then it arrives
+            plgpu.barrier_arrive(dq_full.at[mine])
             return dk, dv
 
         def skip(qi, carry, *, base):
@@ -375,17 +368,14 @@ def _dkv_kernel(
                 skip_first=not split,
             )
 
-        total = geom.group * per_head  # steps in the CTA's stream
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
-        if split:  # the last step's dQ has left this warpgroup's tile (it may be reused)
+        if fused:  # the last dQ has left this warpgroup's tile (it may be reused)
 
-            @pl.when(total > 0)
+            @pl.when(st.hi > st.lo)
             def _():
                 plgpu.barrier_wait(dq_empty.at[wg])
 
-        elif fused:
-            plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
         if split:  # the other warpgroup's last dQ has read this one's K: dK may take it
             plgpu.barrier_arrive(ds_ready.at[jnp.int32(2)])
             plgpu.barrier_wait(ds_ready.at[jnp.int32(2)])
@@ -412,23 +402,44 @@ def _dkv_kernel(
         plgpu.set_max_registers(SPLIT_REGS[1] if split else MEMORY_REGS, action="decrease")
         total = geom.group * per_head
 
+        # Which steps each compute warpgroup forms a dQ at: all of them if `split` (a
+        # column half each), else its own run of each head's steps (all columns).
+        own = [
+            key_tile_steps(geom, block_q, table_ref, batch, jnp.int32(w))[1]
+            for w in range(COMPUTE_WGS)
+        ]
+
+        def forms_dq(w, u):
+            if split:
+                return jnp.bool_(True)
+            qi = st.cta_lo + rem(u, per_head)
+            return (own[w].lo <= qi) & (qi < own[w].hi)
+
         def send_dq(u):
-            # Step u's two dQ halves (split): into the f32 dQ once written, then the tiles
-            # back to their warpgroups when the copies have read them.
+            # Step u's dQ tiles: into the f32 dQ once written, then back to their
+            # warpgroups when the copies have read them.
             head = kv_head * geom.group + lax.div(u, per_head)
             q_rows = pl.ds((st.cta_lo + rem(u, per_head)) * block_q, block_q)
-            half = geom.head_dim // COMPUTE_WGS
+            width = geom.head_dim // COMPUTE_WGS if split else geom.head_dim
             for w in range(COMPUTE_WGS):
-                plgpu.barrier_wait(dq_full.at[w])
-                dst = (batch, q_rows, head, pl.ds(w * half, half))
-                if interpret:  # no TMA reduce-add: a plain store into the key tile's slice
-                    part = lax.axis_index("kv_tiles")
-                    plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_ref.at[(part, *dst)])
-                else:
-                    plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_ref.at[dst], reduction_op="add")
+
+                @pl.when(forms_dq(w, u))
+                def _(w=w):
+                    plgpu.barrier_wait(dq_full.at[w])
+                    dst = (batch, q_rows, head, pl.ds(w * width if split else 0, width))
+                    if interpret:  # no TMA reduce-add: a plain store into a slice of its own
+                        part = lax.axis_index("kv_tiles") * (1 if split else COMPUTE_WGS)
+                        part = part + (0 if split else w)
+                        plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_ref.at[(part, *dst)])
+                    else:
+                        plgpu.copy_smem_to_gmem(dq_smem2.at[w], dq_ref.at[dst], reduction_op="add")
+
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             for w in range(COMPUTE_WGS):
-                plgpu.barrier_arrive(dq_empty.at[w])
+
+                @pl.when(forms_dq(w, u))
+                def _(w=w):
+                    plgpu.barrier_arrive(dq_empty.at[w])
 
         @pl.loop(0, total)
         def _(t):
@@ -451,13 +462,13 @@ def _dkv_kernel(
                 plgpu.copy_gmem_to_smem(
                     qseg_ref.at[batch, pl.ds(q_start, block_q)], q_ids.at[slot], ready
                 )
-            if split:  # the dQ of step t - stages: written by now or soon after
+            if fused:  # the dQ of step t - stages: written by now or soon after
 
                 @pl.when(t >= stages)
                 def _():
                     send_dq(t - stages)
 
-        if split:
+        if fused:
             pl.loop(jnp.maximum(total - stages, 0), total)(send_dq)
             plgpu.wait_smem_to_gmem(0)
         if interpret:
@@ -736,9 +747,9 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split else None,
-            # split: a compute warpgroup's dQ tile written / read by the memory warpgroup
-            plgpu.Barrier(num_barriers=COMPUTE_WGS) if split else None,
-            plgpu.Barrier(num_barriers=COMPUTE_WGS) if split else None,
+            # fused: a compute warpgroup's dQ tile written / read by the memory warpgroup
+            plgpu.Barrier(num_barriers=COMPUTE_WGS) if fused else None,
+            plgpu.Barrier(num_barriers=COMPUTE_WGS) if fused else None,
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
