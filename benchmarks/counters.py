@@ -142,6 +142,10 @@ def call(impl: str, seq: int, hd: int, tokens: int) -> None:
     jax.block_until_ready(fwdbwd(q, k, v, do))
 
 
+class CaseFailed(Exception):
+    """One case's `ncu` run failed; the message names the case and its saved output."""
+
+
 def profile(impl: str, seq: int, hd: int, tokens: int, out_dir: str) -> str:
     """The ncu details page of one case (also saved to `out_dir`)."""
     cmd = [
@@ -167,10 +171,15 @@ def profile(impl: str, seq: int, hd: int, tokens: int, out_dir: str) -> str:
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     text = done.stdout + done.stderr
-    with open(os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}.txt"), "w") as f:
+    saved = os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}.txt")
+    with open(saved, "w") as f:
         f.write(text)
     if done.returncode:
-        raise RuntimeError(f"ncu on {impl}:{seq}:{hd} exited {done.returncode}: {text[-500:]}")
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        last = lines[-1] if lines else "no output"
+        raise CaseFailed(
+            f"ncu on {impl}:{seq}:{hd} exited {done.returncode} ({last[:200]}; all of it: {saved})"
+        )
     return text
 
 
@@ -216,14 +225,25 @@ def main(argv=None) -> int:
             parser.error("ncu (Nsight Compute) is not on PATH; --parse reads saved output")
         out_dir = args.out_dir or tempfile.mkdtemp(prefix="jflash-ncu-")
         os.makedirs(out_dir, exist_ok=True)
+        failed = []
         for impl, seq, hd in cases:
-            text = profile(impl, seq, hd, args.tokens, out_dir)
+            try:
+                text = profile(impl, seq, hd, args.tokens, out_dir)
+            except CaseFailed as e:  # the other cases still run
+                print(f"counters.py: {e}", file=sys.stderr)
+                failed.append(f"{impl}:{seq}:{hd}")
+                continue
             rows += summarise(f"{impl}:{seq}:{hd}", parse_details(text))
+        if failed:
+            meta = {"failed": failed}
+        if not rows:
+            print(f"counters.py: no case ran under ncu ({', '.join(failed)})", file=sys.stderr)
+            return 1
         gpu = device_name().lower().replace(" ", "-")
     print(table(rows, COLUMNS))
     out = args.out or os.path.join(RESULTS, f"counters-{gpu}.json")
     write_json(out, {"tokens": args.tokens, **meta, "rows": rows})
-    return 0
+    return 1 if meta.get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -536,3 +536,32 @@ def test_counters_without_ncu_says_so(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         counters.main([])
     assert "ncu (Nsight Compute) is not on PATH" in capsys.readouterr().err
+
+
+def test_counters_goes_on_past_a_failing_case(monkeypatch, tmp_path, capsys):
+    """A case whose ncu run fails is named in one line (exit status, last output line,
+    saved file); the other cases are still tabulated and the status is 1."""
+    import subprocess
+
+    from benchmarks import counters
+
+    def fake_run(cmd, **kw):
+        fails = "fa3:16384:128" in cmd
+        out = "==ERROR== The application returned an error code (1).\n" if fails else COUNTERS_TEXT
+        return subprocess.CompletedProcess(cmd, 1 if fails else 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(counters.shutil, "which", lambda name: "/usr/bin/ncu")
+    monkeypatch.setattr(counters.subprocess, "run", fake_run)
+    monkeypatch.setattr(counters, "device_name", lambda: "H200")
+    out = tmp_path / "c.json"
+    base = ["--out-dir", str(tmp_path), "--out", str(out)]
+    assert counters.main(["--cases", "jflash:16384:128,fa3:16384:128", *base]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ncu on fa3:16384:128 exited 1" in err[0]
+    assert "returned an error code" in err[0] and "ncu-fa3-16384-128.txt" in err[0]
+    written = json.loads(out.read_text())
+    assert written["failed"] == ["fa3:16384:128"]
+    assert {r["case"] for r in written["rows"]} == {"jflash:16384:128"}
+
+    assert counters.main(["--cases", "fa3:16384:128", *base]) == 1
+    assert "no case ran under ncu (fa3:16384:128)" in capsys.readouterr().err
