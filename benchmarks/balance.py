@@ -13,6 +13,14 @@ Documents: log-normal lengths (mean `--mean_doc`, sigma 1), capped at `--max_doc
 packed into rows of P x `--tokens_per_gpu` tokens, fixed seeds.
 
     python benchmarks/balance.py --out benchmarks/results/balance-cpu.json
+
+`--kernel-tiles`: one GPU instead, `benchmarks/kernel.py --documents`' packed row (64k
+tokens, 22 documents): the area a kernel computes, tile by tile, over the mask area,
+and the share of its tiles that need the mask, for jflash's tiles (aligned to the
+packed row) and FlashAttention-3's variable-length tiles (aligned to each document's
+first token).
+
+    python benchmarks/balance.py --kernel-tiles
 """
 
 from __future__ import annotations
@@ -71,6 +79,77 @@ def rank_work(lengths: list[int], p: int, layout: str, tile: int):
     return area, tiles
 
 
+def kernel_tiles(lengths: list[int], side: str, tile: int, step: int, aligned: str):
+    """`(computed area / mask area, share of computed steps that need the mask)` of
+    causal attention over the packed `lengths`, computed as a kernel tiles it.
+
+    `side="query"`: each program holds `tile` queries and streams keys in `step`-token
+    steps (the forward); `"key"`: `tile` keys streaming queries (the dK/dV kernel). A
+    program computes one contiguous run of steps, from the one holding its rows' first
+    partner to the one holding their last (what the kernels' tile tables give), each
+    step a full `tile x step` block. `aligned="global"`: programs and steps at
+    multiples of `tile` and `step` of the packed row (jflash); `"document"`: from each
+    document's first token, its last program cut short (FlashAttention-3's
+    variable-length kernels). A step needs the mask unless every row of the program
+    sees all of it."""
+    if side not in ("query", "key") or aligned not in ("global", "document"):
+        raise ValueError(
+            f"side={side!r} must be query or key, aligned={aligned!r} global or document"
+        )
+    seq_len = sum(lengths)
+    first = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
+    last = first + np.repeat(lengths, lengths) - 1
+    x = np.arange(seq_len)
+    # The partners of each row: keys [first, x] of a query, queries [x, last] of a key.
+    lo, hi = (first, x) if side == "query" else (x, last)
+    if aligned == "global":
+        spans = [(r, min(r + tile, seq_len), 0) for r in range(0, seq_len, tile)]
+    else:
+        spans = [
+            (r, min(r + tile, d + n), d)
+            for d, n in zip(np.cumsum([0, *lengths[:-1]]), lengths, strict=True)
+            for r in range(d, d + n, tile)
+        ]
+    area = masked = steps = 0
+    for r0, r1, base in spans:
+        s_lo = (lo[r0:r1].min() - base) // step
+        s_hi = (hi[r0:r1].max() - base) // step
+        s0 = base + step * np.arange(s_lo, s_hi + 1)
+        clear = (s0 >= lo[r0:r1].max()) & (s0 + step - 1 <= hi[r0:r1].min())
+        steps += len(s0)
+        masked += int((~clear).sum())
+        area += tile * step * len(s0)
+    mask_area = sum(n * (n + 1) // 2 for n in lengths)
+    return area / mask_area, masked / steps
+
+
+KERNEL_TILES = (  # (who, pass, side, tile, step, aligned)
+    ("jflash, per warpgroup", "forward", "query", 64, 128, "global"),
+    ("jflash, per CTA (2 warpgroups)", "forward", "query", 128, 128, "global"),
+    ("FlashAttention-3 varlen", "forward", "query", 128, 128, "document"),
+    ("jflash, per warpgroup", "dK/dV", "key", 64, 64, "global"),
+    ("jflash, per CTA (2 warpgroups)", "dK/dV", "key", 128, 64, "global"),
+    ("FlashAttention-3 varlen", "dK/dV", "key", 128, 64, "document"),
+)
+
+
+def kernel_tiles_table(lengths: list[int]) -> list[dict]:
+    rows = []
+    for who, which, side, tile, step, aligned in KERNEL_TILES:
+        area, masked = kernel_tiles(lengths, side, tile, step, aligned)
+        rows.append(
+            {
+                "kernel": who,
+                "pass": which,
+                "tile": f"{tile} x {step}",
+                "aligned": aligned,
+                "area_over_mask": area,
+                "masked_share": masked,
+            }
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shards", type=int, nargs="+", default=[2, 4, 8])
@@ -80,7 +159,28 @@ def main(argv=None) -> int:
     ap.add_argument("--tile", type=int, default=128)
     ap.add_argument("--rows", type=int, default=8, help="packed rows (seeds) per setting")
     ap.add_argument("--out", default=None, help="JSON file to write")
+    ap.add_argument(
+        "--kernel-tiles", action="store_true", help="one GPU's tiles on kernel.py's packed row"
+    )
     args = ap.parse_args(argv)
+    if args.kernel_tiles:
+        # benchmarks/kernel.py --documents' row: 64k tokens, seed 0, mean 4k, cap 16k.
+        lengths = document_lengths(65536, np.random.default_rng(0), 4096, 16384)
+        rows = kernel_tiles_table(lengths)
+        print(
+            f"{len(lengths)} documents in {sum(lengths)} tokens, causal; area / mask area, "
+            "share of steps masked"
+        )
+        for r in rows:
+            print(
+                f"{r['pass']:>8} {r['kernel']:<32} {r['tile']:>9} {r['aligned']:>9} "
+                f"{r['area_over_mask']:7.3f} {r['masked_share']:7.3f}"
+            )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"documents": lengths, "rows": rows}, f, indent=1)
+            print(f"wrote {args.out}")
+        return 0
     layouts = ("contiguous", "zigzag", "striped")
     rows = []
     print(

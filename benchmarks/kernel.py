@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
+from benchmarks import balance  # noqa: E402
 from benchmarks.common import device_name, jit_passes, table, time_fn, write_json  # noqa: E402
 from train.tools.trace import kernel_durations  # noqa: E402
 
@@ -611,12 +612,7 @@ def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
     """Document lengths that pack `tokens` exactly: log-normal (sigma 1) with mean
     `tokens / 16` (4k at 64k), each capped at `tokens / 4`; the last one is cut to fit."""
     rng = np.random.default_rng(seed)
-    mean, cap, sigma = tokens / 16, tokens // 4, 1.0
-    lengths = []
-    while sum(lengths) < tokens:
-        length = int(rng.lognormal(np.log(mean) - sigma**2 / 2, sigma))
-        lengths.append(max(1, min(length, cap, tokens - sum(lengths))))
-    return lengths
+    return balance.document_lengths(tokens, rng, tokens // 16, tokens // 4)
 
 
 def document_flops(lengths, heads: int, head_dim: int) -> float:

@@ -565,3 +565,31 @@ def test_counters_goes_on_past_a_failing_case(monkeypatch, tmp_path, capsys):
 
     assert counters.main(["--cases", "fa3:16384:128", *base]) == 1
     assert "no case ran under ncu (fa3:16384:128)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "lengths, side, aligned, area, masked",
+    [
+        ([4, 4], "query", "global", 32 / 20, 1.0),  # two diagonal steps
+        # the second program's rows start in the first document's step: 3 masked steps
+        ([2, 6], "query", "global", 48 / 24, 1.0),
+        # aligned to the second document: its last program's first step is clear
+        ([2, 6], "query", "document", 64 / 24, 3 / 4),
+        ([8], "key", "global", 48 / 36, 2 / 3),  # keys 0-3 see queries 0-7: one clear step
+    ],
+)
+def test_kernel_tiles_counts_by_hand(lengths, side, aligned, area, masked):
+    from benchmarks import balance
+
+    got = balance.kernel_tiles(lengths, side, 4, 4, aligned)
+    assert got == pytest.approx((area, masked))
+
+
+def test_kernel_tiles_refuses_by_value_and_prints_the_table(capsys):
+    from benchmarks import balance
+
+    with pytest.raises(ValueError, match="'rows'"):
+        balance.kernel_tiles([4], "rows", 4, 4, "global")
+    assert balance.main(["--kernel-tiles"]) == 0
+    out = capsys.readouterr().out
+    assert "22 documents in 65536 tokens" in out and "FlashAttention-3 varlen" in out
