@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import jflash  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    balanced_order,
     device_name,
     jit_passes,
     parse_specs,
@@ -134,30 +135,6 @@ def fa3_candidate(causal: bool):
     return _passes(lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
 
 
-def round_order(labels: list[str], r: int) -> list[str]:
-    """Round `r`'s order of the candidates, from a balanced Latin square (Williams
-    design): over `n` rounds (`2n` for an odd number `n` of candidates) each candidate
-    takes every turn once and follows every other candidate equally often. A fixed
-    order gave the first candidate's forward 1-4% on identical code (H200); a plain
-    rotation still let one candidate always follow the same other one, and the tree's
-    forward, which always followed FlashAttention-3's forward+backward, read 1-4%
-    faster than three revisions with the same forward (4x H100 node)."""
-    n = len(labels)
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
-    period = n if n % 2 == 0 else 2 * n
-    k = r % period
-    row = [(j + k) % n for j in first]
-    if k >= n:  # odd n: the second half of the square runs the rows backwards
-        row = row[::-1]
-    return [labels[j] for j in row]
-
-
 def compare(
     name: str, flops: float, cands: dict, args, *, rounds: int | None, min_time: float
 ) -> dict:
@@ -181,7 +158,7 @@ def compare(
     # order: a forward follows another candidate's forward, not its own or a peer's
     # heavier pass.
     for r in range(rounds):
-        order = round_order(list(cands), r)
+        order = balanced_order(list(cands), r)
         for i, (p, a) in enumerate((("fwd", args[:3]), ("fwdbwd", args))):
             for label in order:
                 fn = cands[label][i]

@@ -129,6 +129,8 @@
 #   strategies  ring.py --cp-model: 4 strategies x 8k, 16k, 32k: ~40 s per 8k/16k row
 #               and ~35 s per 32k row at P = 4 (first row of a process: +45 s
 #               compile and link measurement)                       ~420 s  the rest
+#   Both tables run --rounds 3: after each sequence's rows, they and the one-GPU ideal
+#   are timed twice more, interleaved (~10-30 s per sequence at P = 4).
 #   Rows go in order (8k first; strategies ring, ulysses, hybrid, allgather) and each
 #   row's JSON is written as it finishes, so a cut step keeps its rows; CP_STEPS
 #   ("tests documents strategies") and CP_DOC_TOKENS / CP_TOKENS (8192,16384 /
@@ -547,7 +549,7 @@ part_cp() {
   if [ "$n" -ge 4 ]; then strategies=ring,ulysses,hybrid,allgather; fi
   local shape doc_mean doc_tokens tokens test_filter
   if [ "$MODE" = gpu ]; then
-    shape=(--iters 3 --warmup 1 --profile-iters 2)
+    shape=(--iters 3 --warmup 1 --profile-iters 2 --rounds 3)
     doc_mean=4096 doc_tokens=${CP_DOC_TOKENS:-8192,16384} tokens=${CP_TOKENS:-8192,16384,32768}
     # test_ring_shard.py: P = 2 and 4, every layout, ring and allgather, segment ids;
     # a partial shard_map and MQA; Ulysses (xla and Triton); the 2x2 hybrid; Triton in
@@ -562,7 +564,7 @@ part_cp() {
     test_filter+=" or lowers))"
   else # tiny shapes: checks the command lines
     shape=(--heads 4 --kv-heads 2 --head-dim 32 --implementation xla --iters 1 --warmup 0
-      --profile-iters 1)
+      --profile-iters 1 --rounds 2)
     doc_mean=32 doc_tokens=64,128 tokens=64,128,256
     test_filter="P2x2-D1-zigzag-hybrid or (ulysses and P4-D1-striped) or test_zigzag_order"
     test_filter+=" or (user_shard_map and P4-D1-striped-ring-causal-N4K2-T96-docs7)"

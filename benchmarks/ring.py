@@ -22,6 +22,12 @@ dispatched back to back and synchronised once (as a training loop runs them).
 (a NCCL kernel running while no compute kernel does), idle; averaged over devices and
 profiled iterations. Only GPU device tracks are read, so on CPU it is not measured.
 
+`--rounds R` (R > 1): after a sequence's rows, it and its one-device ideal are timed
+R - 1 more times in interleaved rounds (a balanced order: each takes every turn and
+follows every other equally often), and every time is the best of its R; the
+efficiencies are recomputed from those. It holds every row's compiled calls and inputs
+until then. Rows timed once each, minutes apart, read up to 6% apart on identical calls.
+
 Every row's inputs are the ideal's, permuted into the row's layout (`jflash.positions`),
 and the row's output is checked against the ideal's (`max_abs_diff`; past 0.05 the row
 gets an `error`). Strategies: `hybrid` runs on a (P/2, 2) mesh, the ring over P/2
@@ -66,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks import balance, cp_model  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    balanced_order,
     device_name,
     jit_passes,
     table,
@@ -180,9 +187,10 @@ def output_of(ran: dict):
     return None
 
 
-def single_device(seq, args, documents=None) -> tuple[dict, list, object]:
+def single_device(seq, args, documents=None) -> tuple[dict, list, object, dict]:
     """The ideal's numerator, the whole sequence on device 0: `(row, natural-order
-    inputs, output)`; with documents, their segment ids are the inputs' fourth."""
+    inputs, output, the passes time_passes ran)`; with documents, their segment ids are
+    the inputs' fourth."""
     causal, impl = not args.non_causal, args.implementation
     inputs = draw_inputs(seq, args)
     if documents is None:
@@ -198,7 +206,7 @@ def single_device(seq, args, documents=None) -> tuple[dict, list, object]:
 
     row: dict = {}
     ran = time_passes(attn, inputs, args, row, documents=documents is not None)
-    return row, inputs, output_of(ran)
+    return row, inputs, output_of(ran), ran
 
 
 def ring_fn(mesh, layout, strategy, args, seq_axis="seq", documents=False):
@@ -376,6 +384,55 @@ def document_fields(lengths: list[int], causal: bool, shards: int, layout: str, 
     return fields
 
 
+def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> None:
+    """Rounds 2..`rounds` of timing for one sequence's candidates (`(row, ran, mesh)`:
+    the one-device ideal and every layout x strategy row): each round times every
+    forward, then every forward+backward, once per call and back to back, in an order
+    from a balanced Latin square; each `*_ms` becomes the best of its `rounds`
+    timings (the first is the row's own). Candidates measured minutes apart each once
+    read up to 6% apart on identical calls (4x H100); interleaved, a drift of the
+    clocks reaches all of them."""
+    for r in range(1, rounds):
+        order = balanced_order(list(range(len(candidates))), r)
+        for name in PASSES:
+            for i in order:
+                row, ran, mesh = candidates[i]
+                if name not in ran:
+                    continue
+                compiled, inputs = ran[name]
+                with contextlib.ExitStack() as stack:
+                    if mesh is not None:
+                        stack.enter_context(jax.set_mesh(mesh))
+                    t = time_fn(compiled, *inputs, warmup=1, iters=args.iters, min_time=0.0)
+                    t_pipe = time_pipelined(compiled, *inputs, warmup=0, iters=args.iters)
+                row[f"{name}_ms"] = min(row[f"{name}_ms"], t * 1e3)
+                row[f"{name}_pipe_ms"] = min(row[f"{name}_pipe_ms"], t_pipe * 1e3)
+                row["rounds"] = r + 1
+
+
+def derive(row: dict, ideal: dict, p: int, pairs: int, args, links, documents: bool) -> None:
+    """A row's fields from its times and the ideal's: `ideal_*_ms`, `eff_*`,
+    `tflops_*`, the exposed share of communication, the model's prediction."""
+    for name in ("fwd", "fwdbwd", "fwd_pipe", "fwdbwd_pipe"):
+        if f"{name}_ms" in ideal:
+            row[f"ideal_{name}_ms"] = ideal[f"{name}_ms"] / p
+            if f"{name}_ms" in row:
+                row[f"eff_{name}"] = row[f"ideal_{name}_ms"] / row[f"{name}_ms"]
+        elif f"{name}_error" in ideal:
+            row[f"ideal_{name}_error"] = ideal[f"{name}_error"]
+    for name in ("fwd_pipe", "fwdbwd_pipe"):
+        flops = 4 * args.batch * args.heads * args.head_dim * pairs
+        flops *= 3.5 if name == "fwdbwd_pipe" else 1.0
+        if f"{name}_ms" in row:
+            row[f"tflops_{name}"] = flops / (p * row[f"{name}_ms"] * 1e9)
+        if f"{name}_ms" in ideal:
+            row[f"ideal_tflops_{name}"] = flops / (ideal[f"{name}_ms"] * 1e9)
+    if "fwdbwd_exposed_comm_ms" in row and "fwdbwd_pipe_ms" in row:
+        row["exposed_comm_frac"] = row["fwdbwd_exposed_comm_ms"] / row["fwdbwd_pipe_ms"]
+    if links is not None and not documents and not args.non_causal:
+        model_prediction(row, ideal, args, links)
+
+
 def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list[dict]:
     """The table; `on_row(rows)` after each row (the JSON survives a run cut short)."""
     rows, ideal_cache = [], {}
@@ -393,7 +450,9 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
             if seq not in ideal_cache:
                 ideal_cache.clear()  # one sequence's inputs and output held at a time
                 ideal_cache[seq] = single_device(seq, args, lengths)
-            ideal, natural, expected = ideal_cache[seq]
+            ideal, natural, expected, ideal_ran = ideal_cache[seq]
+            group = [(ideal, ideal_ran, None)]  # what --rounds times again
+            pairs = attention_pairs(seq, causal, lengths)
             for layout in args.layouts:
                 for strategy in args.strategies:
                     t_row = time.perf_counter()
@@ -427,30 +486,12 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
                                     "device tracks)",
                                     flush=True,
                                 )
-                            else:
-                                row["exposed_comm_frac"] = (
-                                    row["fwdbwd_exposed_comm_ms"] / row["fwdbwd_pipe_ms"]
-                                )
                     if out is not None:
                         check_output(row, out, expected, pos)
+                    if args.rounds > 1 and ran:
+                        group.append((row, ran, mesh))
                     del ran, inputs, out
-                    pairs = attention_pairs(seq, causal, lengths)
-                    for name in ("fwd", "fwdbwd", "fwd_pipe", "fwdbwd_pipe"):
-                        if f"{name}_ms" in ideal:
-                            row[f"ideal_{name}_ms"] = ideal[f"{name}_ms"] / p
-                            if f"{name}_ms" in row:
-                                row[f"eff_{name}"] = row[f"ideal_{name}_ms"] / row[f"{name}_ms"]
-                        elif f"{name}_error" in ideal:
-                            row[f"ideal_{name}_error"] = ideal[f"{name}_error"]
-                    for name in ("fwd_pipe", "fwdbwd_pipe"):
-                        flops = 4 * args.batch * args.heads * args.head_dim * pairs
-                        flops *= 3.5 if name == "fwdbwd_pipe" else 1.0
-                        if f"{name}_ms" in row:
-                            row[f"tflops_{name}"] = flops / (p * row[f"{name}_ms"] * 1e9)
-                        if f"{name}_ms" in ideal:
-                            row[f"ideal_tflops_{name}"] = flops / (ideal[f"{name}_ms"] * 1e9)
-                    if links is not None and lengths is None and causal:
-                        model_prediction(row, ideal, args, links)
+                    derive(row, ideal, p, pairs, args, links, lengths is not None)
                     row["row_s"] = time.perf_counter() - t_row
                     rows.append(row)
                     print(table([row], columns).splitlines()[-1], flush=True)
@@ -458,6 +499,14 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
                     if errors:
                         print(f"  {errors}", flush=True)
                     on_row(rows)
+            if len(group) > 1:
+                print(f"{args.rounds} rounds, {tokens} tokens per device, P={p}:", flush=True)
+                retime(group, args.rounds, args)
+                for row, _, _ in group[1:]:
+                    derive(row, ideal, p, pairs, args, links, lengths is not None)
+                    print(table([row], columns).splitlines()[-1], flush=True)
+                on_row(rows)
+            del group
     _zigzag_speedups(rows)
     return rows
 
@@ -662,6 +711,13 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time each sequence's rows and its one-device ideal again in this many "
+        "interleaved rounds (balanced order) and keep each one's best",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="read each pass's device time (attention, other compute, communication "
@@ -712,6 +768,8 @@ def main(argv=None):
     ):
         if values is not None and (not values or min(values) < 1):
             parser.error(f"{flag} {','.join(map(str, values))}: each must be >= 1")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be >= 1")
     if args.documents is not None and args.documents < 1:
         parser.error(f"--documents {args.documents}: the mean document length must be >= 1")
     args.devices = args.devices or default_device_counts()

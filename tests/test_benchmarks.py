@@ -324,6 +324,38 @@ def test_ring_strategies_with_cp_model(tmp_path, ring_calls):
     assert rows[4, "hybrid"]["model_note"] == "2 a2a x 2 ring"
 
 
+@pytest.mark.multi_device(2)
+def test_ring_rounds_keep_each_rows_best_of_interleaved_timings(tmp_path, monkeypatch):
+    """--rounds 3: the one-device ideal and every row are timed twice more, in a balanced
+    order, each keeping its best time; efficiencies are recomputed from the best."""
+    from benchmarks import ring
+
+    calls = []  # (compiled, seconds) of every single-call timing, in order
+
+    def fake_time(fn, *a, **kw):
+        calls.append(fn)
+        return 1.0 - 0.01 * len(calls)  # later timings read faster
+
+    monkeypatch.setattr(ring, "time_fn", fake_time)
+    monkeypatch.setattr(ring, "time_pipelined", lambda fn, *a, **kw: 0.5)
+    result = run_ring(
+        tmp_path, "--devices", "2", "--tokens-per-device", "64", "--layouts", "zigzag",
+        "--strategies", "ring,allgather", "--rounds", "3",
+    )  # fmt: skip
+    rows = result["rows"]
+    assert len(calls) == 3 * 3  # ideal + 2 rows, 3 rounds, one pass (fwdbwd)
+    first, later = calls[:3], [calls[3:6], calls[6:9]]
+    assert all(sorted(map(id, r)) == sorted(map(id, first)) for r in later)
+    assert later[0][0] is not later[1][0]  # the turns move
+    seconds = {id(fn): 1.0 - 0.01 * (i + 1) for i, fn in enumerate(calls)}  # the last
+    ideal_ms = seconds[id(first[0])] * 1e3
+    for r, fn in zip(rows, first[1:], strict=True):
+        assert r["rounds"] == 3 and r["fwdbwd_ms"] == pytest.approx(seconds[id(fn)] * 1e3)
+        assert r["ideal_fwdbwd_ms"] == pytest.approx(ideal_ms / 2)
+        assert r["eff_fwdbwd"] == pytest.approx(ideal_ms / 2 / r["fwdbwd_ms"])
+        assert r["max_abs_diff"] <= 0.05 and "error" not in r
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [
@@ -333,6 +365,7 @@ def test_ring_strategies_with_cp_model(tmp_path, ring_calls):
         (["--documents", "0"], "--documents 0"),
         (["--documents", "4k"], "'4k'"),
         (["--tokens-per-device", "0,128"], "0,128"),
+        (["--rounds", "0"], "--rounds 0"),
     ],
 )
 def test_ring_rejects_bad_flags_by_value(argv, named, capsys):
@@ -461,10 +494,10 @@ def test_ab_order_balances_turns_and_predecessors(n):
     follows every other candidate equally often."""
     from collections import Counter
 
-    from benchmarks import ab
+    from benchmarks.common import balanced_order
 
     labels = ["new"] + [f"rev{i}" for i in range(1, n)]
-    orders = [ab.round_order(labels, r) for r in range(2 * n)]
+    orders = [balanced_order(labels, r) for r in range(2 * n)]
     assert all(sorted(o) == sorted(labels) for o in orders)
     turns = Counter((o[i], i) for o in orders for i in range(n))
     assert set(turns.values()) == {2} and len(turns) == n * n
