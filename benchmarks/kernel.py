@@ -9,6 +9,7 @@ kernel and XLA, in one process.
     python benchmarks/kernel.py --kernels         # fwd+bwd time per GPU kernel (traced)
     python benchmarks/kernel.py --launch-order    # launch order A/B per kernel (--impls)
     python benchmarks/kernel.py --documents       # 64k packed documents vs FA3 varlen
+    python benchmarks/kernel.py --documents --tune --which fwd  # Mosaic block sizes on them
 
 Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that; full (non-causal)
 attention counts 4·B·N·S²·H. With packed documents the count is the mask area: visible
@@ -544,8 +545,15 @@ def sweep(args):
 def tune_mosaic(args):
     """Mosaic candidates: streamed block and pipeline depth per pass (rows per warpgroup
     are fixed at 64)."""
+    candidates = mosaic_candidates(args, args.seq)
+    run_candidates(args, "jflash_mosaic", candidates, ["cudnn"], "kernel-tune-mosaic")
+
+
+def mosaic_candidates(args, seq: int) -> list:
+    """`(BlockSizes, passes, label)` of the Mosaic kernels around their defaults at
+    `seq` tokens and `--head-dim`, for `--which` pass."""
     base = jflash.default_block_sizes(
-        args.seq, args.head_dim, jnp.bfloat16, implementation="pallas_mosaic"
+        seq, args.head_dim, jnp.bfloat16, implementation="pallas_mosaic"
     )
     candidates = []
     fwd = ((256, 2), (256, 3), (128, 2), (128, 3), (64, 3), (64, 4))
@@ -560,7 +568,7 @@ def tune_mosaic(args):
     for qd, kq, s in bwd if args.which in ("bwd", "both") else []:
         bs = dataclasses.replace(base, block_q_dkv=qd, block_kv_dq=kq, num_stages_bwd=s)
         candidates.append((bs, ("fwdbwd",), f"bwd dkv q{qd} dq kv{kq} s{s}"))
-    run_candidates(args, "jflash_mosaic", candidates, ["cudnn"], "kernel-tune-mosaic")
+    return candidates
 
 
 def launch_order(args, iterations: int = 10, repeats: int = 2):
@@ -659,12 +667,13 @@ def documents(args):
     doc_flops = document_flops(lengths, heads, head_dim)
     whole_flops = document_flops([tokens], heads, head_dim)
 
-    def jflash_fn(implementation, segment_ids):
+    def jflash_fn(implementation, segment_ids, block_sizes=None):
         return functools.partial(
             jflash.flash_attention,
             causal=True,
             segment_ids=segment_ids,
             implementation=implementation,
+            block_sizes=block_sizes,
         )
 
     fa3, fa3_error = _fa3_varlen(lengths)
@@ -674,6 +683,11 @@ def documents(args):
         ("jflash pallas_triton", "documents", jflash_fn("pallas_triton", seg), doc_flops, None),
         ("flash_attn3_jax varlen", "documents", fa3, doc_flops, fa3_error),
     ]
+    if args.tune:  # the Mosaic block-size candidates on the packed row, not the Triton one
+        del peers[2]
+        for bs, _, label in mosaic_candidates(args, tokens):
+            attn = jflash_fn("pallas_mosaic", seg, bs)
+            peers.append((f"jflash_mosaic {label}", "documents", attn, doc_flops, None))
     rows = []
     expected = None  # jflash's default output on the documents: every peer must match it
     for impl, mask, attn, flops, error in peers:
@@ -843,14 +857,14 @@ def main(argv=None):
         plot_sweep(axes, results.get("device", "?"), png)
     elif args.sweep:
         sweep(args)
+    elif args.documents:  # with --tune: the Mosaic candidates on the packed row
+        documents(args)
     elif args.tune:
         tune(args)
     elif args.kernels:
         kernel_split(args)
     elif args.launch_order:
         launch_order(args)
-    elif args.documents:
-        documents(args)
     elif args.long:
         long_context(args)
     else:

@@ -334,3 +334,33 @@ def test_documents_benchmark_on_cpu(tmp_path):
     assert rows["jflash pallas_triton", "documents"]["max_abs_diff"] <= 0.05
     fa3 = rows["flash_attn3_jax varlen", "documents"]
     assert "fwd_tflops" in fa3 or "fwd_error" in fa3
+
+
+def test_documents_tune_times_mosaic_block_sizes_on_the_packed_row(tmp_path, monkeypatch):
+    """`kernel.py --documents --tune`: each Mosaic candidate's block sizes reach
+    `flash_attention` with the packed row's segment ids, one row per candidate beside
+    jflash's default and FA3 (here every call runs the XLA path: CPU)."""
+    import jflash
+    from benchmarks import kernel
+
+    seen, real = [], jflash.flash_attention
+
+    def spy(q, k, v, *, implementation=None, block_sizes=None, segment_ids=None, **kw):
+        seen.append((implementation, block_sizes, segment_ids is not None))
+        return real(q, k, v, implementation="xla", segment_ids=segment_ids, **kw)
+
+    monkeypatch.setattr(jflash, "flash_attention", spy)
+    tiny = ["--documents-tokens", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64"]
+    kernel.main(["--documents", "--tune", "--which", "fwd", *tiny, "--iters", "1",
+                 "--out", str(tmp_path)])  # fmt: skip
+    (path,) = tmp_path.glob("kernel-documents-*.json")
+    rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
+    labels = [label for _, _, label in kernel.mosaic_candidates(kernel.argparse.Namespace(
+        head_dim=64, which="fwd"), 128)]  # fmt: skip
+    assert labels and all(label.startswith("fwd kv") for label in labels)
+    for label in labels:
+        assert rows[f"jflash_mosaic {label}"]["fwd_tflops"] > 0
+    assert "jflash pallas_triton" not in rows
+    tuned = [(bs.block_kv, bs.num_stages) for impl, bs, ids in seen if impl == "pallas_mosaic"]
+    assert all(ids for impl, _, ids in seen if impl == "pallas_mosaic")
+    assert {f"fwd kv{b} s{s}" for b, s in tuned} == set(labels)
