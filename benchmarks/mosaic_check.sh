@@ -10,7 +10,7 @@ part=${1:-all}
 stamp() { echo "[$(date +%H:%M:%S)] $*"; }
 if [[ $part == table || $part == all ]]; then
   stamp "kernel table"
-  timeout 420 python3 benchmarks/kernel.py --impls jflash_mosaic,jflash_mosaic_det,jflash,cudnn --out "$OUT" 2>&1 \
+  timeout 540 python3 benchmarks/kernel.py --impls jflash_mosaic,jflash_mosaic_det,jflash,cudnn --out "$OUT" 2>&1 \
     | grep -v Warning | tail -40
 fi
 if [[ $part == tune || $part == all ]]; then

@@ -92,6 +92,38 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     assert (tmp_path / f"{path.stem}-full.json").exists()  # one mask: its own file
 
 
+def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
+    """retime_rows: rounds 2..R time every row's passes again, forwards first, each
+    round in another order, and a row keeps its best time and TFLOP/s from it."""
+    calls = []
+
+    def fake_time(fn, *a, **kw):
+        calls.append(fn)
+        return {"slow": 2.0, "fast": 0.5}[fn.__name__.split("_")[0]] / 1e3
+
+    def timer(kind, label):
+        fn = lambda *a: None  # noqa: E731
+        fn.__name__ = f"{kind}_{label}"
+        return fn
+
+    monkeypatch.setattr(kernel, "time_fn", fake_time)
+    entries = []
+    for label in ("a", "b", "c"):
+        row = {"impl": label, "fwd_ms": 1.0, "fwd_tflops": 1.0, "fwdbwd_ms": 1.0}
+        kinds = {"fwd": "fast", "fwdbwd": "slow"}
+        timers = {p: (timer(kinds[p], label), (), 1e12) for p in ("fwd", "fwdbwd")}
+        entries.append((row, timers))
+    kernel.retime_rows(entries, 3)
+    assert len(calls) == 2 * 2 * 3  # 2 more rounds x 2 passes x 3 rows
+    rounds = [calls[0:6], calls[6:12]]
+    for r in rounds:
+        assert all(fn.__name__.startswith("fast") for fn in r[:3])  # forwards first
+    assert [fn.__name__ for fn in rounds[0][:3]] != [fn.__name__ for fn in rounds[1][:3]]
+    for row, _ in entries:
+        assert row["rounds"] == 3 and row["fwd_ms"] == 0.5 and row["fwd_tflops"] == 2000.0
+        assert row["fwdbwd_ms"] == 1.0  # slower timings do not replace the first
+
+
 def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
     calls = []
 
@@ -107,7 +139,8 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--masks", "causal,diagonal"], ["--seqs", "4k"], ["--masks", ""]]
+    "argv",
+    [["--masks", "causal,diagonal"], ["--seqs", "4k"], ["--masks", ""], ["--rounds", "0"]],
 )
 def test_main_rejects_bad_masks_and_seqs(argv, capsys):
     with pytest.raises(SystemExit):
