@@ -46,8 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import jflash  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    balanced_order,
     device_name,
+    interleaved,
     jit_passes,
     parse_specs,
     table,
@@ -154,15 +154,11 @@ def compare(
         _, grads = fwdbwd(*args)
         row[f"{label}_grad_max_abs_diff"] = max(map(gap, grads, base_grads))
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
-    # Each round times every forward, then every forward+backward, in the round's
-    # order: a forward follows another candidate's forward, not its own or a peer's
-    # heavier pass.
-    for r in range(rounds):
-        order = balanced_order(list(cands), r)
-        for i, (p, a) in enumerate((("fwd", args[:3]), ("fwdbwd", args))):
-            for label in order:
-                fn = cands[label][i]
-                best[label, p] = min(best[label, p], time_fn(fn, *a, min_time=min_time))
+    labels, passes = list(cands), {"fwd": (0, args[:3]), "fwdbwd": (1, args)}
+    for _, p, i in interleaved(len(labels), range(rounds), passes):
+        slot, a = passes[p]
+        label = labels[i]
+        best[label, p] = min(best[label, p], time_fn(cands[label][slot], *a, min_time=min_time))
     for (label, p), t in best.items():
         row[f"{label}_{p}_ms"] = t * 1e3
         row[f"{label}_{p}_tflops"] = (1.0 if p == "fwd" else 3.5) * flops / t / 1e12

@@ -97,7 +97,8 @@ def kernel_tiles(lengths: list[int], side: str, tile: int, step: int, aligned: s
             f"side={side!r} must be query or key, aligned={aligned!r} global or document"
         )
     seq_len = sum(lengths)
-    first = np.repeat(np.cumsum([0, *lengths[:-1]]), lengths)
+    starts = np.cumsum([0, *lengths[:-1]])
+    first = np.repeat(starts, lengths)
     last = first + np.repeat(lengths, lengths) - 1
     x = np.arange(seq_len)
     # The partners of each row: keys [first, x] of a query, queries [x, last] of a key.
@@ -107,7 +108,7 @@ def kernel_tiles(lengths: list[int], side: str, tile: int, step: int, aligned: s
     else:
         spans = [
             (r, min(r + tile, d + n), d)
-            for d, n in zip(np.cumsum([0, *lengths[:-1]]), lengths, strict=True)
+            for d, n in zip(starts, lengths, strict=True)
             for r in range(d, d + n, tile)
         ]
     area = masked = steps = 0

@@ -36,6 +36,18 @@ def balanced_order(labels: list, r: int) -> list:
     return [labels[j] for j in row]
 
 
+def interleaved(n: int, rounds, passes):
+    """`(round, pass, candidate index)` in timing order for `n` candidates: each round
+    in `rounds` times every candidate's first pass, then every candidate's second, ...
+    (a pass follows another candidate's same pass, not a heavier one), each sweep in
+    that round's `balanced_order`."""
+    for r in rounds:
+        order = balanced_order(list(range(n)), r)
+        for p in passes:
+            for i in order:
+                yield r, p, i
+
+
 def jit_passes(attn):
     """Jitted forward and forward+backward of `attn(q, k, v)`, each with its
     argument count (forward+backward also takes the output cotangent)."""

@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks import balance  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    balanced_order,
     device_name,
+    interleaved,
     jit_passes,
     table,
     time_fn,
@@ -300,17 +300,15 @@ def retime_rows(entries: list[tuple[dict, dict]], rounds: int, iters: int = 10) 
     other equally often), and each row keeps its best time. Rows timed once, one after
     the other, carry the GPU's drift and the order's bias into their ratios (1-4% on
     identical code in `ab.py`)."""
-    for r in range(1, rounds):
-        for name in ("fwd", "fwdbwd"):
-            for i in balanced_order(list(range(len(entries))), r):
-                row, timers = entries[i]
-                if name not in timers:
-                    continue
-                compiled, inputs, flops = timers[name]
-                t = time_fn(compiled, *inputs, iters=iters)
-                if t * 1e3 < row[f"{name}_ms"]:
-                    row[f"{name}_ms"], row[f"{name}_tflops"] = t * 1e3, flops / t / 1e12
-                row["rounds"] = r + 1
+    for r, name, i in interleaved(len(entries), range(1, rounds), ("fwd", "fwdbwd")):
+        row, timers = entries[i]
+        if name not in timers:
+            continue
+        compiled, inputs, flops = timers[name]
+        t = time_fn(compiled, *inputs, iters=iters)
+        if t * 1e3 < row[f"{name}_ms"]:
+            row[f"{name}_ms"], row[f"{name}_tflops"] = t * 1e3, flops / t / 1e12
+        row["rounds"] = r + 1
 
 
 def main_table(args):
@@ -722,11 +720,12 @@ def documents(args):
     peers = [
         ("jflash (default)", "documents", jflash_fn(None, seg), doc_flops, None),
         ("jflash (default)", "one document", jflash_fn(None, None), whole_flops, None),
-        ("jflash pallas_triton", "documents", jflash_fn("pallas_triton", seg), doc_flops, None),
-        ("flash_attn3_jax varlen", "documents", fa3, doc_flops, fa3_error),
     ]
+    if not args.tune:
+        triton = jflash_fn("pallas_triton", seg)
+        peers.append(("jflash pallas_triton", "documents", triton, doc_flops, None))
+    peers.append(("flash_attn3_jax varlen", "documents", fa3, doc_flops, fa3_error))
     if args.tune:  # the Mosaic block-size candidates on the packed row, not the Triton one
-        del peers[2]
         for bs, _, label in mosaic_candidates(args, tokens):
             attn = jflash_fn("pallas_mosaic", seg, bs)
             peers.append((f"jflash_mosaic {label}", "documents", attn, doc_flops, None))

@@ -72,8 +72,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks import balance, cp_model  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    balanced_order,
     device_name,
+    interleaved,
     jit_passes,
     table,
     time_fn,
@@ -392,22 +392,19 @@ def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> No
     timings (the first is the row's own). Candidates measured minutes apart each once
     read up to 6% apart on identical calls (4x H100); interleaved, a drift of the
     clocks reaches all of them."""
-    for r in range(1, rounds):
-        order = balanced_order(list(range(len(candidates))), r)
-        for name in PASSES:
-            for i in order:
-                row, ran, mesh = candidates[i]
-                if name not in ran:
-                    continue
-                compiled, inputs = ran[name]
-                with contextlib.ExitStack() as stack:
-                    if mesh is not None:
-                        stack.enter_context(jax.set_mesh(mesh))
-                    t = time_fn(compiled, *inputs, warmup=1, iters=args.iters, min_time=0.0)
-                    t_pipe = time_pipelined(compiled, *inputs, warmup=0, iters=args.iters)
-                row[f"{name}_ms"] = min(row[f"{name}_ms"], t * 1e3)
-                row[f"{name}_pipe_ms"] = min(row[f"{name}_pipe_ms"], t_pipe * 1e3)
-                row["rounds"] = r + 1
+    for r, name, i in interleaved(len(candidates), range(1, rounds), PASSES):
+        row, ran, mesh = candidates[i]
+        if name not in ran:
+            continue
+        compiled, inputs = ran[name]
+        with contextlib.ExitStack() as stack:
+            if mesh is not None:
+                stack.enter_context(jax.set_mesh(mesh))
+            t = time_fn(compiled, *inputs, warmup=1, iters=args.iters, min_time=0.0)
+            t_pipe = time_pipelined(compiled, *inputs, warmup=0, iters=args.iters)
+        row[f"{name}_ms"] = min(row[f"{name}_ms"], t * 1e3)
+        row[f"{name}_pipe_ms"] = min(row[f"{name}_pipe_ms"], t_pipe * 1e3)
+        row["rounds"] = r + 1
 
 
 def derive(row: dict, ideal: dict, p: int, pairs: int, args, links, documents: bool) -> None:
