@@ -13,7 +13,10 @@ launched heaviest first (causal rows near the end see the most keys).
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
 the tiles that hold more than one id or sit on the causal diagonal. The key ids ride
-with K into shared memory.
+with K into shared memory. Where the key ids are sorted (packed documents; a flag at
+the table's end says so), each query row's visible keys are one span `[lo, hi)`
+(`jflash._segments.key_spans`, computed before the launch), and a masked tile compares
+key positions with it instead of comparing ids.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from jflash._mosaic_common import (
     visible,
     wgmma_into,
 )
+from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
 from jflash._vma import match, struct
 
@@ -68,8 +72,9 @@ def _fwd_kernel(
     segments: bool,
     interpret: bool,
 ):
-    """`refs`: with segment ids, `q_seg [B, T]`, `kv_seg [B, S]` and the `query_table`
-    first; then the outputs and the scratch (`q_ids`, `kv_ids`: None without ids)."""
+    """`refs`: with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`),
+    `kv_seg [B, S]` and the `query_table` (the sorted-ids flag last) first; then the
+    outputs and the scratch (`q_ids`, `kv_ids`: None without ids)."""
     qseg_ref = kvseg_ref = table_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -108,23 +113,49 @@ def _fwd_kernel(
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
         if segments:
             plgpu.copy_gmem_to_smem(
-                qseg_ref.at[batch, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
+                qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
             )
         plgpu.barrier_wait(q_ready.at[wg])
-        q_ids = row_ids(q_ids2.at[wg]) if segments else None
+        q_ids = lo = hi = spans = None
+        if segments:
+            q_ids, lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in range(3))
+            spans = table_ref[jnp.int32(table_ref.shape[0] - 1)] != 0  # key ids sorted
 
         def step_ids(slot, masked: bool):
-            """The step's key ids, read before its K slot is released."""
-            return col_ids(kv_ids.at[slot]) if masked and segments else None
+            """The step's key ids, read before its K slot is released (unused where the
+            rows' spans mask the tile)."""
+            if not (masked and segments):
+                return None
+            unused = plgpu.layout_cast(
+                jnp.zeros((block_kv,), jnp.int32), plgpu.Layout.WGMMA.reduce(0)
+            )
+            return lax.cond(spans, lambda: unused, lambda: col_ids(kv_ids.at[slot]))
+
+        def by_spans(j, s):
+            """`s` with the keys outside each row's span hidden (its document's keys,
+            cut at the diagonal and the real length)."""
+            shape = (bq, block_kv)
+            k_pos = j * block_kv + plgpu.broadcasted_iota(
+                jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
+            )
+            seen = (k_pos >= lax.broadcast_in_dim(lo, shape, [0])) & (
+                k_pos < lax.broadcast_in_dim(hi, shape, [0])
+            )
+            return jnp.where(seen, s, jnp.float32(-jnp.inf))
+
+        def by_ids(j, s, ids):
+            seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
+            if ids is not None:
+                seen = seen & same_segment(q_ids, ids, (bq, block_kv))
+            return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
             fenced, so all of it is done before the turn is handed over."""
-            if masked:
-                seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
-                if ids is not None:
-                    seen = seen & same_segment(q_ids, ids, (bq, block_kv))
-                s = jnp.where(seen, s, jnp.float32(-jnp.inf))
+            if masked and segments:
+                s = lax.cond(spans, lambda: by_spans(j, s), lambda: by_ids(j, s, ids))
+            elif masked:
+                s = by_ids(j, s, None)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
@@ -323,7 +354,7 @@ def mosaic_fwd(
     separate_out = jnp.dtype(out_dtype) != q.dtype
 
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
-        fixed = rows * h * size + rows * 4 + (rows * 4 if segments else 0)
+        fixed = rows * h * size + rows * 4 + (3 * rows * 4 if segments else 0)
         fixed += rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0
         return fixed, 2 * block * h * size + (block * 4 if segments else 0)
 
@@ -344,7 +375,10 @@ def mosaic_fwd(
     if segments:
         q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
-        inputs += (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad), table)
+        table = jnp.concatenate([table, ids_sorted(kv_seg).astype(jnp.int32)[None]])
+        spans = key_spans(q_seg, kv_seg, causal=mask.causal, diag=geom.diag, kv_len=s_len)
+        rows_ids = jnp.concatenate([q_seg[:, None], spans], axis=1)  # [B, 3, T]
+        inputs += (pad_to(rows_ids, 2, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad), table)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -367,7 +401,7 @@ def mosaic_fwd(
             smem_tile((stages, block_kv, h), v.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), out_dtype) if separate_out else None,
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
+            plgpu.SMEM((COMPUTE_WGS, 3, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),

@@ -10,10 +10,17 @@ order the bounds stay correct (every tile that may meet lies inside them) but sk
 Inside that run, tiles where both sides hold one and the same id need no segment mask:
 each range also names the run of such tiles (`[same_first, same_end)`, inside
 `[first, end)`), so the kernels compare ids only on tiles at document boundaries.
+
+Where the key ids are sorted (packed documents, in every jflash layout's shards), the
+keys a query row sees are one span `[lo, hi)`: its document's keys, cut at the causal
+diagonal and the real key length (`key_spans`). The Mosaic forward then masks a tile
+with two comparisons of the key position against the row's span instead of comparing
+the rows' ids with the key ids streamed beside K.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -76,3 +83,43 @@ def q_tile_range(q_seg, kv_seg, block_q: int, block_kv: int):
     and the run `[same_first, same_end)` inside it that needs no segment mask: four
     int32 `[B, ceil(S / block_kv)]`."""
     return _ranges(kv_seg, q_seg, block_kv, block_q)
+
+
+def ids_sorted(seg):
+    """Scalar bool: every row of segment ids `[B, L]` is non-decreasing."""
+    return jnp.all(seg[:, 1:] >= seg[:, :-1])
+
+
+def _search(sorted_ids, ids, side: str):
+    """Per row, where each of `ids [B, M]` falls in `sorted_ids [B, L]`: int32 `[B, M]`.
+    Unrolled, so that no XLA while loop runs inside the attention call."""
+
+    def one(row_sorted, row_ids):
+        return jnp.searchsorted(row_sorted, row_ids, side=side, method="scan_unrolled")
+
+    return jax.vmap(one)(sorted_ids, ids).astype(jnp.int32)
+
+
+def key_spans(q_seg, kv_seg, *, causal: bool, diag: int, kv_len: int):
+    """`[B, 2, T]` int32: for each query row the keys `[lo, hi)` it sees, exact where
+    `kv_seg` is sorted (`ids_sorted`): the keys of its id (none: `lo == hi`), with
+    `hi` cut at the real key length and, if `causal`, after the row's diagonal (row
+    `i` sees key `j` when `i + diag >= j`)."""
+
+    lo, hi = (_search(kv_seg, q_seg, side) for side in ("left", "right"))
+    hi = jnp.minimum(hi, jnp.int32(kv_len))
+    if causal:
+        rows = jnp.arange(q_seg.shape[1], dtype=jnp.int32) + jnp.int32(diag + 1)
+        hi = jnp.minimum(hi, rows[None])
+    return jnp.stack([lo, hi], axis=1)
+
+
+def query_spans(q_seg, kv_seg, *, causal: bool, diag: int):
+    """`[B, 2, S]` int32: for each key the queries `[lo, hi)` that see it, exact where
+    `q_seg` is sorted (`ids_sorted`): the queries of its id, from the key's diagonal on
+    if `causal` (query `i` sees key `j` when `i + diag >= j`)."""
+    lo, hi = (_search(q_seg, kv_seg, side) for side in ("left", "right"))
+    if causal:
+        keys = jnp.arange(kv_seg.shape[1], dtype=jnp.int32) - jnp.int32(diag)
+        lo = jnp.maximum(lo, keys[None])
+    return jnp.stack([lo, hi], axis=1)
