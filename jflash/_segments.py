@@ -112,14 +112,3 @@ def key_spans(q_seg, kv_seg, *, causal: bool, diag: int, kv_len: int):
         rows = jnp.arange(q_seg.shape[1], dtype=jnp.int32) + jnp.int32(diag + 1)
         hi = jnp.minimum(hi, rows[None])
     return jnp.stack([lo, hi], axis=1)
-
-
-def query_spans(q_seg, kv_seg, *, causal: bool, diag: int):
-    """`[B, 2, S]` int32: for each key the queries `[lo, hi)` that see it, exact where
-    `q_seg` is sorted (`ids_sorted`): the queries of its id, from the key's diagonal on
-    if `causal` (query `i` sees key `j` when `i + diag >= j`)."""
-    lo, hi = (_search(q_seg, kv_seg, side) for side in ("left", "right"))
-    if causal:
-        keys = jnp.arange(kv_seg.shape[1], dtype=jnp.int32) - jnp.int32(diag)
-        lo = jnp.maximum(lo, keys[None])
-    return jnp.stack([lo, hi], axis=1)

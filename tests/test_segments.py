@@ -24,7 +24,7 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 
 import jflash
 from jflash._mask import Mask
-from jflash._segments import ids_sorted, key_spans, kv_tile_range, q_tile_range, query_spans
+from jflash._segments import ids_sorted, key_spans, kv_tile_range, q_tile_range
 
 # Small, mixed tiles: every pass cuts the sequence differently, and a few dozen tokens
 # already span several tiles.
@@ -179,9 +179,8 @@ def test_tile_ranges_cover_every_meeting_pair():
 )
 def test_key_spans_are_the_mask_where_key_ids_are_sorted(causal, q_offset, k_offset):
     """Each row's `[lo, hi)` holds exactly the keys the dense mask shows it (ids, the
-    causal diagonal at any offset, nothing for ids the keys lack), and each key's the
-    queries that see it; `ids_sorted` tells sorted key ids from the rest, and for those
-    the spans would be wrong."""
+    causal diagonal at any offset, nothing for ids the keys lack); `ids_sorted` tells
+    sorted key ids from the rest, and for those the spans would be wrong."""
     rng = np.random.default_rng(1)
     mask = Mask(causal=causal, q_offset=q_offset, k_offset=k_offset)
     q_seg = jnp.asarray(np.sort(rng.integers(0, 6, size=(3, 70)), axis=1), jnp.int32)
@@ -193,12 +192,6 @@ def test_key_spans_are_the_mask_where_key_ids_are_sorted(causal, q_offset, k_off
     seen = (keys >= spans[:, 0, :, None]) & (keys < spans[:, 1, :, None])
     np.testing.assert_array_equal(seen, np.asarray(mask.dense(70, 90, (q_seg, kv_seg))))
     assert not seen[q_seg == 0].any() and not seen[q_seg == 5].any()  # ids with no key
-    # The dK/dV kernel's view: each key's queries, exact for sorted query ids.
-    spans = np.asarray(query_spans(q_seg, kv_seg, causal=causal, diag=q_offset - k_offset))
-    assert spans.shape == (3, 2, 90) and spans.dtype == np.int32
-    rows = np.arange(70)
-    seen_by = (rows >= spans[:, 0, :, None]) & (rows < spans[:, 1, :, None])  # [B, S, T]
-    np.testing.assert_array_equal(seen_by.transpose(0, 2, 1), seen)
     shuffled = kv_seg.at[:, :10].set(4)  # a document's keys in two places
     assert not bool(ids_sorted(shuffled))
     spans = np.asarray(key_spans(q_seg, shuffled, causal=False, diag=0, kv_len=90))
