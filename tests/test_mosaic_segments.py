@@ -195,6 +195,50 @@ def test_rows_that_see_nothing():
     assert np.all(np.isneginf(lse[:, :, 60:130])) and np.all(np.isfinite(lse[:, :, 130:]))
 
 
+@pytest.mark.parametrize("q_offset, k_offset", [(0, 1), (64, 0)], ids=["striped", "later"])
+@pytest.mark.slow
+def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
+    """The forward's two masks, each row's key span (sorted key ids) and the id compare
+    (any other order), give the same output and LSE on a ring block's offsets (a
+    striped off-diagonal step: the key one position later; a later query block), and
+    match the dense oracle."""
+    case = Case(q_len=192, segments=4)
+    q, k, v, *_ = inputs(case, 5)
+    q_seg = random_segments(5, 1, 192, 4)
+    unsorted = jnp.asarray([3, 0, 2, 1], jnp.int32)[q_seg]  # the same documents
+    mask, scale = Mask(True, q_offset=q_offset, k_offset=k_offset), 64**-0.5
+
+    def forward(seg):
+        return mosaic_fwd(
+            q,
+            k,
+            v,
+            (seg, seg),
+            mask=mask,
+            scale=scale,
+            out_dtype=q.dtype,
+            block_kv=128,
+            stages=2,
+            interpret=INTERPRET,
+        )
+
+    by_spans, by_ids = forward(q_seg), forward(unsorted)
+    for a, b in zip(by_spans, by_ids, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    seen = mask.dense(192, 192, (q_seg, q_seg))[:, None]  # [B, 1, T, S]
+    kr, vr = (jnp.repeat(x.astype(jnp.float32), 2, axis=2) for x in (k, v))
+    with jax.default_matmul_precision("highest"):
+        s = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), kr) * scale
+        s = jnp.where(seen, s, -jnp.inf)
+        lse = jax.nn.logsumexp(s, axis=-1)
+        p = jnp.where(seen, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+        out = jnp.einsum("bnts,bsnh->btnh", p, vr)
+    got_lse = jnp.where(jnp.isneginf(by_spans[1]), 0.0, by_spans[1])
+    want_lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    assert_close((by_spans[0], got_lse), (out, want_lse), case.dtype, names=("out", "lse"))
+    assert bool(jnp.isneginf(lse).any()) == (q_offset == 0)  # the first row sees nothing
+
+
 @pytest.mark.parametrize("causal, head_dim", [(True, 64), (False, 128)])
 @pytest.mark.slow
 def test_tiles_that_cannot_meet_are_skipped(causal, head_dim):
