@@ -6,6 +6,9 @@
 #   bash benchmarks/multi_gpu.sh scale       # longest ring sequence + Llama-2-7B FSDP x seq
 #   bash benchmarks/multi_gpu.sh capacity    # longest trainable context, jflash vs HF
 #   bash benchmarks/multi_gpu.sh train32k    # 1B at 32k: 1 GPU vs HF, 2 GPUs as the config
+#   bash benchmarks/multi_gpu.sh allgpus     # the trainer on every GPU: the Llama-2-7B
+#                                            # reference job (8k, 32k), and the 1B at 32k
+#                                            # per GPU on 1 GPU and on all of them
 #   bash benchmarks/multi_gpu.sh fill        # XLA bytes (HBM GB/s) for the committed
 #                                            # report's rows that lack them
 #   bash benchmarks/multi_gpu.sh ring        # compiled ring tests, ring vs allgather at
@@ -134,16 +137,25 @@
 #   Rows go in order (8k first; strategies ring, ulysses, hybrid, allgather) and each
 #   row's JSON is written as it finishes, so a cut step keeps its rows; CP_STEPS
 #   ("tests documents strategies") and CP_DOC_TOKENS / CP_TOKENS (8192,16384 /
-#   8192,16384,32768) run the rest in another call. The trainer (1B at 32k per GPU on
-#   all GPUs vs one GPU: ~130 s more) does not fit beside them and is left out.
+#   8192,16384,32768) run the rest in another call. The trainer on all GPUs is the
+#   `allgpus` part.
+#
+# allgpus (budget 530 s; estimates for 4x H100 from model FLOPs at ~350 TFLOP/s per GPU,
+# not yet measured):
+#   train-7b-8k    Llama-2-7B shape, 8k over P = 4 (2k tokens per GPU), full remat,
+#                  scanned layers: ~60 s start-up and compile + 8 steps x ~0.4 s  ~90 s
+#   train-7b-32k   the same at 32k: 8 steps x ~1.5 s                           ~90 s
+#   train-1b-1gpu  the 32k config on GPU 0: 15 steps x ~1 s                    ~60 s
+#   train-1b-4gpu  128k over 4 (32k per GPU, ~55 GiB each): 15 x ~3 s          ~100 s
+#   sample data ~20 s. Sum ~360 s.
 set -u -o pipefail
 
 PART=${1:-}
 case "$PART" in
-  report | scale | capacity | train32k | fill | ring | cp | remat | seq2trace | gradcheck | precision) MODE=gpu ;;
+  report | scale | capacity | train32k | allgpus | fill | ring | cp | remat | seq2trace | gradcheck | precision) MODE=gpu ;;
   cpu-check) MODE=cpu ;;
   *)
-    echo "usage: bash $0 report|scale|capacity|train32k|fill|ring|cp|remat|seq2trace|gradcheck|precision|cpu-check" >&2
+    echo "usage: bash $0 report|scale|capacity|train32k|allgpus|fill|ring|cp|remat|seq2trace|gradcheck|precision|cpu-check" >&2
     exit 2
     ;;
 esac
@@ -477,6 +489,60 @@ part_train32k() {
   hf_32k "$ctx"
 }
 
+part_allgpus() {
+  # The trainer on every GPU of the machine (P of them): the PyTorch + LightSeq reference
+  # job as configs/llama2_7b_8k_4gpu.yaml runs it (Llama-2-7B shape, the sequence and all
+  # training state sharded over the P GPUs) at 8k and 32k, then the Llama-3.2-1B config
+  # at 32k tokens per GPU on one GPU and on all P (seq=P, 32k x P context); their MFUs'
+  # ratio is the per-GPU efficiency (MFU counts the longer context's attention).
+  local n model vocab steps ctx7 xla=$BASE_XLA_FLAGS
+  n=$(env "XLA_FLAGS=$xla" "$PY" -c 'import jax; print(len(jax.devices()))' 2>/dev/null || echo 1)
+  if [ "$MODE" = gpu ]; then
+    model=llama2-7b vocab=32000 steps=8 ctx7="8192 32768"
+  else
+    model=tiny vocab=256 steps=3 ctx7="256"
+  fi
+  local c k data run
+  for c in $ctx7; do
+    k=$c
+    if [ $((c % 1024)) -eq 0 ]; then k=$((c / 1024))k; fi
+    data="$WORK/sample7-$c.npy" run="$WORK/train7-$c"
+    rm -rf "$run"
+    step "data7-$k" 60 5 200 "$PY" -m train.data sample --out "$data" --num-samples 16 \
+      --seq-len "$c" --vocab-size "$vocab"
+    step "train-7b-$k" 200 60 200 env "XLA_FLAGS=$xla" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
+      "$PY" -m train --config configs/llama2_7b_8k_4gpu.yaml --model_name_or_path "$model" \
+      --mesh "data=1,fsdp=1,seq=$n" --model_max_length "$c" --data_path "$data" \
+      --max_steps "$steps" --logging_steps 1 --save_strategy no --export_hf false \
+      --progress false --output_dir "$run"
+    if [ -s "$run/log.jsonl" ]; then
+      cp "$run/log.jsonl" "$OUT/train-$model-$k-seq$n-$TAG.jsonl"
+      summarise_jsonl "$OUT/train-$model-$k-seq$n-$TAG.jsonl" 2>&1 | ts
+    fi
+  done
+  local ctx steps model vocab log_every one_device data common
+  setup_1b_32k 190
+  local long=$((ctx * n)) long_data="$WORK/sample-1b-long.npy"
+  step data-1b-long 60 5 180 "$PY" -m train.data sample --out "$long_data" --num-samples 12 \
+    --seq-len "$long" --vocab-size "$vocab"
+  rm -rf "$WORK/a1" "$WORK/an"
+  step train-1b-1gpu 150 60 90 env "XLA_FLAGS=$one_device" CUDA_VISIBLE_DEVICES=0 \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
+    "$PY" -m train "${common[@]}" --mesh data=1,fsdp=1,seq=1 --output_dir "$WORK/a1"
+  [ -s "$WORK/a1/log.jsonl" ] && cp "$WORK/a1/log.jsonl" "$OUT/train-llama3.2-1b-32k-seq1-$TAG.jsonl"
+  step "train-1b-${n}gpu" 200 60 0 env "XLA_FLAGS=$xla" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 \
+    "$PY" -m train "${common[@]}" \
+    --mesh "data=1,fsdp=1,seq=$n" --model_max_length "$long" --data_path "$long_data" \
+    --output_dir "$WORK/an"
+  if [ -s "$WORK/an/log.jsonl" ]; then
+    cp "$WORK/an/log.jsonl" "$OUT/train-llama3.2-1b-$((long / 1024))k-seq$n-$TAG.jsonl"
+  fi
+  local f
+  for f in "$OUT"/train-llama3.2-1b-*-"$TAG".jsonl; do
+    [ -s "$f" ] && summarise_jsonl "$f" 2>&1 | ts
+  done
+}
+
 part_fill() {
   # `train.tools.profile --fill-xla-cost` on a copy of the report: compiles each row's step
   # (1- and 2-layer variants, never run) for XLA's bytes. Resumable: a row already
@@ -684,6 +750,7 @@ main() {
     scale) part_scale ;;
     capacity) part_capacity ;;
     train32k) part_train32k ;;
+    allgpus) part_allgpus ;;
     fill) part_fill ;;
     ring) part_ring ;;
     cp) part_cp ;;
