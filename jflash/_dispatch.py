@@ -7,6 +7,7 @@ device, and the reason is recorded for `describe()`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -203,7 +204,8 @@ def kernel_segs(segs):
     if segs is None or segs[0].dtype.itemsize <= 4:
         return segs
     table = jnp.sort(jnp.concatenate(segs, axis=1), axis=1)
-    rank = jax.vmap(jnp.searchsorted)
+    # Unrolled: an XLA while loop would make the host wait on the GPU at every trip.
+    rank = jax.vmap(functools.partial(jnp.searchsorted, method="scan_unrolled"))
     return tuple(rank(table, s).astype(jnp.int32) for s in segs)
 
 
