@@ -105,7 +105,6 @@ def key_spans(q_seg, kv_seg, *, causal: bool, diag: int, kv_len: int):
     `kv_seg` is sorted (`ids_sorted`): the keys of its id (none: `lo == hi`), with
     `hi` cut at the real key length and, if `causal`, after the row's diagonal (row
     `i` sees key `j` when `i + diag >= j`)."""
-
     lo, hi = (_search(kv_seg, q_seg, side) for side in ("left", "right"))
     hi = jnp.minimum(hi, jnp.int32(kv_len))
     if causal:
