@@ -14,13 +14,13 @@ working tree's is copied there the same way, so that every candidate is imported
 reports how far each one's forward output and gradients are from the tree's
 (`*_max_abs_diff`, `*_grad_max_abs_diff`: a backward change shows only in the second),
 then times the forward and the forward+backward of every candidate in `--rounds`
-interleaved rounds and keeps each one's best round. The
-candidates take turns, so a drift of the GPU's clocks reaches all of them. Each round
-times every forward, then every forward+backward, in an order from a balanced Latin
-square: over the rounds each candidate takes every turn and follows every other one
-equally often, since the turn and what ran just before moved a time by 1-4%. `--rounds`
-defaults to twice the candidates (one whole square or two). `--rev HEAD` on a clean
-tree times identical code: its `new/rev` is the run's noise floor.
+interleaved rounds and keeps each one's best round. The candidates take turns, so a
+drift of the GPU's clocks reaches all of them. Each round times every forward, then
+every forward+backward, in an order from a balanced Latin square: over the rounds each
+candidate takes every turn and follows every other one equally often, since the turn
+and what ran just before moved a time by 1-4%. `--rounds` defaults to twice the
+candidates (one whole square or two). `--rev HEAD` on a clean tree times identical
+code: its `new/rev` is the run's noise floor.
 
 Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal

@@ -42,6 +42,13 @@ def document_lengths(total: int, rng, mean: int, cap: int) -> list[int]:
     return lengths
 
 
+def packed_row_lengths(tokens: int, seed: int = 0) -> list[int]:
+    """The packed row of `benchmarks/kernel.py --documents`: document lengths that pack
+    `tokens` exactly, log-normal (sigma 1) with mean `tokens / 16` (4k at 64k), each
+    capped at `tokens / 4`, the last one cut to fit."""
+    return document_lengths(tokens, np.random.default_rng(seed), tokens // 16, tokens // 4)
+
+
 def order(layout: str, seq_len: int, p: int) -> np.ndarray:
     """Natural index of the token at each slot of `layout` (jflash.to_layout's order)."""
     t = np.arange(seq_len)
@@ -165,8 +172,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     if args.kernel_tiles:
-        # benchmarks/kernel.py --documents' row: 64k tokens, seed 0, mean 4k, cap 16k.
-        lengths = document_lengths(65536, np.random.default_rng(0), 4096, 16384)
+        lengths = packed_row_lengths(65536)
         rows = kernel_tiles_table(lengths)
         print(
             f"{len(lengths)} documents in {sum(lengths)} tokens, causal; area / mask area, "

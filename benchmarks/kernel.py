@@ -657,10 +657,8 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
 
 
 def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
-    """Document lengths that pack `tokens` exactly: log-normal (sigma 1) with mean
-    `tokens / 16` (4k at 64k), each capped at `tokens / 4`; the last one is cut to fit."""
-    rng = np.random.default_rng(seed)
-    return balance.document_lengths(tokens, rng, tokens // 16, tokens // 4)
+    """The packed row's document lengths (`balance.packed_row_lengths`)."""
+    return balance.packed_row_lengths(tokens, seed)
 
 
 def document_flops(lengths, heads: int, head_dim: int) -> float:
