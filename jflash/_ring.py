@@ -136,6 +136,15 @@ def _merge_at(o, lse, start, o_blk, lse_blk):
     )
 
 
+def _by_case(before, if_before, if_after):
+    """`if_before()` or `if_after()`: a `lax.cond` where `before` is traced (the rank
+    inside a ring), the branch itself where it is a Python bool (`ring_attention_rank`
+    with an int rank)."""
+    if isinstance(before, bool):
+        return if_before() if before else if_after()
+    return lax.cond(before, if_before, if_after)
+
+
 def _fwd_step(step: int, rank, q, kv, q_seg, kv_seg, o, lse, cfg: _Ring):
     """Folds source `(rank - step) % P` (held in `kv`, its ids in `kv_seg`) into the
     running `(o, lse)`.
@@ -156,7 +165,7 @@ def _fwd_step(step: int, rank, q, kv, q_seg, kv_seg, o, lse, cfg: _Ring):
         return _merge(
             o,
             lse,
-            *lax.cond(
+            *_by_case(
                 before,
                 lambda: _attend(q, kv, segs, Mask(True), cfg),
                 lambda: _attend(q, kv, segs, Mask(True, k_offset=1), cfg),
@@ -239,7 +248,7 @@ def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _R
     before = step <= rank
     if cfg.layout == "striped":
         segs = _segs(q_seg, kv_seg)
-        dq_blk, dkv = lax.cond(
+        dq_blk, dkv = _by_case(
             before,
             lambda: _grads(q, kv, do, lse, delta, segs, Mask(True), cfg),
             lambda: _grads(q, kv, do, lse, delta, segs, Mask(True, k_offset=1), cfg),

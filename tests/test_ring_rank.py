@@ -58,21 +58,35 @@ def _ranks(rank_fn, q, k, v, do, p, layout):
 
 
 @pytest.mark.parametrize(
-    "layout,causal,p", [("zigzag", True, 2), ("striped", True, 4), ("contiguous", False, 2)]
+    "layout,causal,p,traced",
+    [
+        ("zigzag", True, 2, True),
+        ("striped", True, 4, True),
+        # An int rank picks each step's mask while tracing (no `lax.cond`).
+        ("striped", True, 4, False),
+        ("contiguous", False, 2, True),
+    ],
 )
-def test_ranks_together_are_the_oracle(layout, causal, p):
+def test_ranks_together_are_the_oracle(layout, causal, p, traced):
     q, k, v, do = _inputs()
     (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = _oracle(q, k, v, do, causal)
     want = {name: _shards(x, p, layout) for name, x in (("o", o_ref), ("dq", dq_ref))}
     want["lse"] = _shards(lse_ref, p, layout, axis=2)
-    # One compiled function for every rank: the rank traced, as inside the ring.
+    # Traced: one compiled function for every rank, as inside the ring.
     run = jax.jit(
         lambda q, sources, do, rank: jflash.ring_attention_rank(
             q, sources, do, rank, causal=causal, layout=layout, implementation="xla"
-        )
+        ),
+        static_argnums=() if traced else (3,),
     )
     results, dk_sum, dv_sum = _ranks(
-        lambda q, sources, do, rank: run(q, sources, do, jnp.int32(rank)), q, k, v, do, p, layout
+        lambda q, sources, do, rank: run(q, sources, do, jnp.int32(rank) if traced else rank),
+        q,
+        k,
+        v,
+        do,
+        p,
+        layout,
     )
     for rank, (o, lse, dq, dkv) in enumerate(results):
         np.testing.assert_allclose(o, want["o"][rank], atol=2e-5, rtol=2e-5)
