@@ -140,14 +140,15 @@
 #   8192,16384,32768) run the rest in another call. The trainer on all GPUs is the
 #   `allgpus` part.
 #
-# allgpus (budget 530 s; estimates for 4x H100 from model FLOPs at ~350 TFLOP/s per GPU,
-# not yet measured):
+# allgpus (budget 530 s). Measured on 4x H200, 2026-11-27, with the ring strategy
+# (benchmarks/results/allgpus-4xh200.log): 323 s in all.
 #   train-7b-8k    Llama-2-7B shape, 8k over P = 4 (2k tokens per GPU), full remat,
-#                  scanned layers: ~60 s start-up and compile + 8 steps x ~0.4 s  ~90 s
-#   train-7b-32k   the same at 32k: 8 steps x ~1.5 s                           ~90 s
-#   train-1b-1gpu  the 32k config on GPU 0: 15 steps x ~1 s                    ~60 s
-#   train-1b-4gpu  128k over 4 (32k per GPU, ~55 GiB each): 15 x ~3 s          ~100 s
-#   sample data ~20 s. Sum ~360 s.
+#                  scanned layers: start-up and compile + 8 steps x 0.38 s     61 s
+#                  (Ulysses, the config's strategy now: 28 s)
+#   train-7b-32k   the same at 32k: 8 steps x 1.5 s                            70 s
+#   train-1b-1gpu  the 32k config on GPU 0: 15 steps x 1 s                     38 s
+#   train-1b-4gpu  128k over 4 (32k per GPU, 50 GiB each): 15 x 2.9 s          139 s
+#   sample data ~10 s.
 set -u -o pipefail
 
 PART=${1:-}
@@ -395,8 +396,8 @@ part_scale() {
     step "train-$model-$k" 600 90 10 env "XLA_FLAGS=$BASE_XLA_FLAGS" \
       XLA_PYTHON_CLIENT_MEM_FRACTION="$mem_fraction" \
       "$PY" -m train --config configs/llama2_7b_8k_4gpu.yaml --model_name_or_path "$model" \
-      --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --model_max_length "$c" \
-      --data_path "$data" --max_steps "$steps" --logging_steps 1 --save_strategy no \
+      --mesh data=1,fsdp=1,seq=2 --shard_over_seq true --ring_strategy ring \
+      --model_max_length "$c" --data_path "$data" --max_steps "$steps" --logging_steps 1 --save_strategy no \
       --export_hf false --progress false --output_dir "$run"
     local rc=$?
     if [ -s "$run/log.jsonl" ]; then
