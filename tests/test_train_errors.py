@@ -72,6 +72,18 @@ def _tiny_model_dir(path, **config_changes):
             ],
             "must be divisible by 4",
         ),
+        (
+            # The tiny model's 4 query heads over 8 devices.
+            [
+                "--data_path",
+                "sample",
+                "--mesh",
+                "data=1,fsdp=1,seq=8",
+                "--ring_strategy",
+                "ulysses",
+            ],
+            "splits the model's 4 query heads over seq=8, which does not divide them",
+        ),
         (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
         (["--data_path", "sample", "--model_name_or_path", "nope"], "neither a local"),
     ],

@@ -184,6 +184,20 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
         )
 
 
+def check_heads(cfg: TrainConfig, config: models.LlamaConfig, sizes: dict[str, int]) -> None:
+    """Refuses, before loading weights, an all-to-all degree that does not divide the
+    model's query heads (`ulysses` splits them over seq, `hybrid` over seq_a2a)."""
+    strategy = cfg.model.ring_strategy
+    axis = {"ulysses": "seq", "hybrid": "seq_a2a"}.get(strategy)
+    degree = sizes[axis] if axis else 1
+    if degree > 1 and config.num_heads % degree:
+        raise TrainingError(
+            f"--ring_strategy {strategy} splits the model's {config.num_heads} query heads "
+            f"over {axis}={degree}, which does not divide them: choose a {axis} that "
+            "divides the heads, or --ring_strategy ring (any head count)"
+        )
+
+
 def loss_chunk(seq_len: int, seq: int) -> int:
     """Tokens per chunked-loss step: at most 4096 (float32 logits of 2 GiB at a 128k
     vocabulary), dividing T, a multiple of `seq` (each shard takes its share)."""
@@ -295,6 +309,7 @@ def plan_step(
     count = len(devices) if devices is not None else jax.device_count()
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     check_layout(cfg, sizes)
+    check_heads(cfg, config, sizes)
     mesh = make_mesh(sizes, devices)
     seq_len = cfg.data.model_max_length
     attention = models.AttentionConfig(
@@ -381,6 +396,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     count = len(devices) if devices is not None else jax.device_count()
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     check_layout(cfg, sizes)
+    check_heads(cfg, model_config(cfg) if config is None else config, sizes)
     if config is None:
         config, host_params = load_model(cfg)
     else:
