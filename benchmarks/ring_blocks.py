@@ -20,6 +20,12 @@ accumulations) with the transfers left out, and times each kind of block alone:
 * with `--variants`, the half block in f32 with other tile shapes and pipeline depths
   (around `jflash.default_block_sizes` of the half block; not with `--implementation xla`).
 
+With `--documents MEAN` the sequence is instead one packed row of documents (log-normal
+lengths of mean MEAN, `benchmarks/ring.py --documents`' row) in `--layout` order
+(`striped`, `zigzag` or `contiguous`): `ideal` is the whole row with its segment ids ÷ P,
+and every rank `ring_rank<r>` gets its own shard's ids and each step's source ids (the
+ranks' masks differ, so all P are timed). TFLOP/s count the mask area.
+
 Every row is timed pipelined (calls back to back, one synchronisation) in the same
 process, and traced once for device time per kernel. Causal TFLOP/s counts the FLOPs
 the block really has (as everywhere in BENCHMARKS.md: forward 4·B·N·S²·H/2 for a causal
@@ -39,10 +45,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
+from benchmarks import balance  # noqa: E402
 from benchmarks.common import device_name, table, time_pipelined, write_json  # noqa: E402
+from benchmarks.ring import DOC_CAP, DOC_SEED  # noqa: E402
 from train.tools.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -292,6 +301,75 @@ def benchmark(args) -> list[dict]:
     return rows
 
 
+def documents_benchmark(args) -> list[dict]:
+    """`ideal` and every rank of a ring of `--devices` over one packed row per
+    `--tokens-per-device`, in `--layout` order."""
+    rows = []
+    p, layout = args.devices, args.layout
+    attn = functools.partial(
+        jflash.flash_attention, causal=True, implementation=args.implementation
+    )
+
+    def ideal(q, k, v, do, ids):
+        out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, segment_ids=ids), q, k, v)
+        return out, vjp(do)
+
+    for tokens in args.tokens_per_device:
+        seq = p * tokens
+        lengths = balance.document_lengths(
+            seq, np.random.default_rng(DOC_SEED), args.documents, DOC_CAP * args.documents
+        )
+        ids = jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None])
+        flops = 3.5 * 4.0 * sum(n * (n + 1) // 2 for n in lengths) * args.head_dim * args.heads
+        whole = (*_inputs(seq, args), ids)
+        measured = [_measure("ideal", ideal, whole, flops, args, 1 / p)]
+        shards = [jnp.split(jflash.to_layout(x, p, layout, axis=1), p, axis=1) for x in whole]
+        q_s, k_s, v_s, do_s, id_s = shards
+        # Each rank's output is checked against its rows of the whole row's.
+        want = jnp.split(jflash.to_layout(jax.jit(ideal)(*whole)[0], p, layout, axis=1), p, 1)
+
+        @jax.jit
+        def rank_fn(q, ks, vs, do, rank, q_ids, kv_ids):
+            return _rank_grads(
+                *jflash.ring_attention_rank(
+                    q,
+                    list(zip(ks, vs, strict=True)),
+                    do,
+                    rank,
+                    causal=True,
+                    layout=layout,
+                    implementation=args.implementation,
+                    segment_ids=(q_ids, kv_ids),
+                )
+            )
+
+        for rank in range(p):
+            src = [(rank - step) % p for step in range(p)]
+            inputs = (
+                q_s[rank],
+                [k_s[s] for s in src],
+                [v_s[s] for s in src],
+                do_s[rank],
+                jnp.int32(rank),
+                id_s[rank],
+                [id_s[s] for s in src],
+            )
+            row = _measure(f"ring_rank{rank}", rank_fn, inputs, flops / p, args)
+            got = rank_fn(*inputs)[0].astype(jnp.float32)
+            row["max_abs_diff"] = float(jnp.max(jnp.abs(got - want[rank].astype(jnp.float32))))
+            measured.append(row)
+        ideal_ms = measured[0]["ms"]
+        for row in measured:
+            row.update(tokens_per_device=tokens, devices=p, layout=layout, documents=len(lengths))
+            if row["row"].startswith("ring_rank"):
+                row["eff_vs_ideal"] = ideal_ms / row["ms"]
+        rows.extend(measured)
+        columns = ["tokens_per_device", "layout", "row", "ms", "tflops", "device_ms"]
+        columns += ["attention_ms", "other_ms", "eff_vs_ideal", "max_abs_diff"]
+        print(table(measured, columns), flush=True)
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens-per-device", type=_ints, default=[8192, 16384])
@@ -301,6 +379,15 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--implementation", default=None)
     parser.add_argument("--variants", action="store_true", help="half-block tile variants")
+    parser.add_argument(
+        "--documents", type=int, default=0, help="packed documents of this mean length"
+    )
+    parser.add_argument(
+        "--layout",
+        default="zigzag",
+        choices=("zigzag", "striped", "contiguous"),
+        help="--documents: the ring's layout",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--trace-iters", type=int, default=3)
@@ -316,8 +403,15 @@ def main(argv=None):
     for t in args.tokens_per_device:
         if t % 2:
             parser.error(f"tokens per device {t} must be even (zigzag halves)")
-    rows = benchmark(args)
-    out = args.out or os.path.join(RESULTS, f"ring-blocks-p{args.devices}-{device_name()}.json")
+    if args.documents < 0:
+        parser.error(f"--documents {args.documents}: must be a mean length > 0 (or 0: none)")
+    if args.documents and args.variants:
+        parser.error("--variants times the dense ring's half blocks, not with --documents")
+    rows = documents_benchmark(args) if args.documents else benchmark(args)
+    name = f"ring-blocks-p{args.devices}"
+    if args.documents:
+        name += f"-documents-{args.layout}"
+    out = args.out or os.path.join(RESULTS, f"{name}-{device_name()}.json")
     write_json(out, {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
 
 

@@ -57,7 +57,14 @@ from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
-from jflash._validation import check_array, check_causal, check_qkv, default_scale, is_int
+from jflash._validation import (
+    check_array,
+    check_causal,
+    check_qkv,
+    check_segment_ids,
+    default_scale,
+    is_int,
+)
 from jflash._vma import vary, varying_axes
 
 RING_STRATEGIES = ("ring", "allgather")
@@ -535,6 +542,7 @@ def ring_attention_rank(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     deterministic: bool | None = None,
+    segment_ids=None,
 ):
     """What rank `rank` of the `ring` strategy computes, on one device, without transfers.
 
@@ -552,6 +560,9 @@ def ring_attention_rank(
         (a float, a bool, an array of ranks) are refused by name.
       causal, layout, scale, implementation, interpret, block_sizes, deterministic: as
         in `ring_attention`.
+      segment_ids: None, or `(q_ids, kv_ids)` for packed documents: the rank's query
+        ids `[B, T']` and a list of `P` key ids `[B, T']`, one per source (what travels
+        with its K/V), in `layout` order like q.
 
     Returns:
       `(o, lse, dq, dkv)`: the rank's output (q's dtype) and LSE `[B, N, T']` f32, its
@@ -573,6 +584,21 @@ def ring_attention_rank(
     p = len(sources)
     check_layout_len(p * q.shape[1], p, layout)
     rank = _check_rank(rank, p)
+    q_seg, kv_segs = None, [None] * p
+    if segment_ids is not None:
+        if not (isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2):
+            raise ValueError(
+                "segment_ids must be a (q ids, [kv ids per source]) pair for ring_attention_rank"
+            )
+        q_ids, kv_ids = segment_ids
+        if not isinstance(kv_ids, (tuple, list)) or len(kv_ids) != p:
+            raise ValueError(
+                f"segment_ids' kv ids must be a list of one [B, T'] array per source ({p}); "
+                f"got {type(kv_ids).__name__}"
+                + (f" of {len(kv_ids)}" if isinstance(kv_ids, (tuple, list)) else "")
+            )
+        pairs = [check_segment_ids((q_ids, ids), shapes[0]) for ids in kv_ids]
+        q_seg, kv_segs = pairs[0][0], [pair[1] for pair in pairs]
     cfg = ring_config(
         "rank",
         p,
@@ -591,12 +617,14 @@ def ring_attention_rank(
     kvs = [jnp.stack([k, v]) for k, v in sources]
     o = lse = None
     for step in range(p):
-        o, lse = _fwd_step(step, rank, q, kvs[step], None, None, o, lse, cfg)
+        o, lse = _fwd_step(step, rank, q, kvs[step], q_seg, kv_segs[step], o, lse, cfg)
     o = o.astype(q.dtype)
     delta = delta_from(o, do)
     do = do.astype(q.dtype)
     dq = jnp.zeros(q.shape, jnp.float32)
     dkv = [None] * p
     for step in (*range(1, p), 0):  # the ring's order: the diagonal step last
-        dq, dkv[step] = _bwd_step(step, rank, q, kvs[step], None, None, do, lse, delta, dq, cfg)
+        dq, dkv[step] = _bwd_step(
+            step, rank, q, kvs[step], q_seg, kv_segs[step], do, lse, delta, dq, cfg
+        )
     return o, lse, dq, [(d[0], d[1]) for d in dkv]

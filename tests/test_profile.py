@@ -467,6 +467,37 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ring_blocks.main(["--tokens-per-device", "63"])
     assert "tokens per device 63 must be even" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ring_blocks.main(["--documents", "-3"])
+    assert "--documents -3: must be a mean length" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ring_blocks_documents_on_cpu(tmp_path):
+    """`ring_blocks.py --documents`: the ideal and every rank of a striped ring over one
+    packed row, TFLOP/s on the mask area (the rank's share of it)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import ring_blocks
+
+    out = tmp_path / "docs.json"
+    ring_blocks.main(
+        [
+            "--tokens-per-device", "64", "--devices", "3", "--documents", "20",
+            "--layout", "striped",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--implementation", "xla",
+            "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["ideal", "ring_rank0", "ring_rank1", "ring_rank2"]
+    assert all(r["layout"] == "striped" and r["documents"] > 3 for r in rows)
+    ideal = rows[0]
+    for r in rows[1:]:  # the same FLOPs: the whole row's ÷ 3 per rank
+        assert r["tflops"] * r["ms"] == pytest.approx(ideal["tflops"] * ideal["ms"], rel=1e-6)
+        assert r["eff_vs_ideal"] == pytest.approx(ideal["ms"] / r["ms"])
+        assert r["max_abs_diff"] < 0.02  # bf16 outputs: the rank's rows of the whole output
 
 
 def _report_row(context: int, **changes) -> dict:

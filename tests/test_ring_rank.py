@@ -7,6 +7,8 @@ step, summed over ranks, each source's gradient.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +100,51 @@ def test_ranks_together_are_the_oracle(layout, causal, p, traced):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("layout,p", [("striped", 4), ("zigzag", 2)])
+def test_ranks_with_documents_are_the_oracle(layout, p):
+    """Packed documents (one crossing every shard boundary, a one-token one): each rank
+    given its query ids and every step's source key ids, the rank traced."""
+    q, k, v, do = _inputs()
+    ids = jnp.asarray([[0] * 5 + [1] + [2] * 13 + [3] * 9 + [4] * 4], jnp.int32)
+
+    @jax.jit
+    def oracle(q, k, v, do):
+        ref = functools.partial(jflash.attention_reference, causal=True, segment_ids=ids)
+        out, vjp = jax.vjp(ref, q, k, v)
+        return out, vjp((do, jnp.zeros_like(out[1])))
+
+    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
+    id_shards = _shards(ids, p, layout)
+    run = jax.jit(
+        lambda q, sources, do, rank, seg: jflash.ring_attention_rank(
+            q,
+            sources,
+            do,
+            rank,
+            causal=True,
+            layout=layout,
+            implementation="xla",
+            segment_ids=seg,
+        )
+    )
+
+    def rank_fn(q, sources, do, rank):
+        kv_ids = [id_shards[(rank - s) % p] for s in range(p)]
+        return run(q, sources, do, jnp.int32(rank), (id_shards[rank], kv_ids))
+
+    results, dk_sum, dv_sum = _ranks(rank_fn, q, k, v, do, p, layout)
+    for rank, (o, lse, dq, _) in enumerate(results):
+        np.testing.assert_allclose(o, _shards(o_ref, p, layout)[rank], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(
+            lse, _shards(lse_ref, p, layout, axis=2)[rank], atol=2e-5, rtol=2e-5
+        )
+        np.testing.assert_allclose(dq, _shards(dq_ref, p, layout)[rank], atol=2e-5, rtol=2e-5)
+    for got, ref in ((dk_sum, dk_ref), (dv_sum, dv_ref)):
+        np.testing.assert_allclose(
+            got, jflash.to_layout(ref, p, layout, axis=1), atol=2e-5, rtol=2e-5
+        )
+
+
 def test_bad_arguments_are_named():
     q, k, v, do = _inputs(seq=8)
     with pytest.raises(ValueError, match="at least one"):
@@ -117,6 +164,18 @@ def test_bad_arguments_are_named():
         jflash.ring_attention_rank(
             q[:, :7], [(k[:, :7], v[:, :7])], do[:, :7], 0, causal=True, layout="zigzag"
         )
+    ids = jnp.zeros((1, 8), jnp.int32)
+    for bad, match in (
+        (ids, "pair"),
+        ((ids, ids), "one \\[B, T'\\] array per source \\(2\\); got ArrayImpl"),
+        ((ids, [ids]), "per source \\(2\\); got list of 1"),
+        ((ids, [ids, ids[:, :4]]), "kv segment ids have"),
+        ((ids, [ids, ids.astype(jnp.float32)]), "must be integers"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            jflash.ring_attention_rank(
+                q, [(k, v)] * 2, do, 0, causal=True, layout="zigzag", segment_ids=bad
+            )
 
 
 @pytest.mark.slow
