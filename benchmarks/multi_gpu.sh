@@ -137,8 +137,10 @@
 #   Rows go in order (8k first; strategies ring, ulysses, hybrid, allgather) and each
 #   row's JSON is written as it finishes, so a cut step keeps its rows; CP_STEPS
 #   ("tests documents strategies") and CP_DOC_TOKENS / CP_TOKENS (8192,16384 /
-#   8192,16384,32768) run the rest in another call. The trainer on all GPUs is the
-#   `allgpus` part.
+#   8192,16384,32768) run the rest in another call. CP_DOC_STRATEGIES (default ring;
+#   e.g. ring,allgather: all-gather has no per-step f32 merges, and takes zigzag and
+#   contiguous, not striped, when causal) picks the documents rows' strategies. The
+#   trainer on all GPUs is the `allgpus` part.
 #
 # allgpus (budget 530 s). Measured on 4x H200, 2026-11-27, with the ring strategy
 # (benchmarks/results/allgpus-4xh200.log): 323 s in all.
@@ -647,7 +649,7 @@ part_cp() {
   if [[ $steps == *" documents "* ]]; then
     step cp-documents "$docs_cap" "$r_docs" "$r_strategies" env "XLA_FLAGS=$xla" "$PY" benchmarks/ring.py \
       --devices "$n" --documents "$doc_mean" --tokens-per-device "$doc_tokens" \
-      --layouts zigzag,striped,contiguous --strategies ring --passes fwdbwd --profile \
+      --layouts zigzag,striped,contiguous --strategies "${CP_DOC_STRATEGIES:-ring}" --passes fwdbwd --profile \
       "${shape[@]}" --out "$OUT/ring-documents-$tag.json"
   fi
   if [[ $steps == *" strategies "* ]]; then
