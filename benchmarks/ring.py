@@ -187,6 +187,12 @@ def output_of(ran: dict):
     return None
 
 
+def document_row(seq: int, mean: int) -> list[int]:
+    """The `--documents MEAN` row: log-normal document lengths packing `seq` tokens
+    (seed `DOC_SEED`, each capped at `DOC_CAP` x the mean)."""
+    return balance.document_lengths(seq, np.random.default_rng(DOC_SEED), mean, DOC_CAP * mean)
+
+
 def single_device(seq, args, documents=None) -> tuple[dict, list, object, dict]:
     """The ideal's numerator, the whole sequence on device 0: `(row, natural-order
     inputs, output, the passes time_passes ran)`; with documents, their segment ids are
@@ -440,10 +446,7 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
             seq = tokens * p
             lengths = None
             if args.documents:
-                rng = np.random.default_rng(DOC_SEED)
-                lengths = balance.document_lengths(
-                    seq, rng, args.documents, DOC_CAP * args.documents
-                )
+                lengths = document_row(seq, args.documents)
             if seq not in ideal_cache:
                 ideal_cache.clear()  # one sequence's inputs and output held at a time
                 ideal_cache[seq] = single_device(seq, args, lengths)

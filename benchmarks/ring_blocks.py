@@ -49,9 +49,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks import balance  # noqa: E402
 from benchmarks.common import device_name, table, time_pipelined, write_json  # noqa: E402
-from benchmarks.ring import DOC_CAP, DOC_SEED  # noqa: E402
+from benchmarks.kernel import document_flops  # noqa: E402
+from benchmarks.ring import document_row  # noqa: E402
 from train.tools.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -316,11 +316,9 @@ def documents_benchmark(args) -> list[dict]:
 
     for tokens in args.tokens_per_device:
         seq = p * tokens
-        lengths = balance.document_lengths(
-            seq, np.random.default_rng(DOC_SEED), args.documents, DOC_CAP * args.documents
-        )
+        lengths = document_row(seq, args.documents)
         ids = jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[None])
-        flops = 3.5 * 4.0 * sum(n * (n + 1) // 2 for n in lengths) * args.head_dim * args.heads
+        flops = 3.5 * document_flops(lengths, args.heads, args.head_dim)
         whole = (*_inputs(seq, args), ids)
         measured = [_measure("ideal", ideal, whole, flops, args, 1 / p)]
         shards = [jnp.split(jflash.to_layout(x, p, layout, axis=1), p, axis=1) for x in whole]

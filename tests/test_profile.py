@@ -437,6 +437,13 @@ def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
     assert result["ratio"] == result[f"P{n}_longest"] / result["P1_longest"]
 
 
+# `benchmarks/ring_blocks.py` on CPU: XLA attention, a tiny shape, one timed pass.
+_RING_BLOCKS_TINY = [
+    "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--implementation", "xla",
+    "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0",
+]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     """`benchmarks/ring_blocks.py` end to end (XLA attention, tiny shape): every row,
@@ -448,10 +455,7 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     ring_blocks.main(
         [
             "--tokens-per-device", "64", "--devices", "2",
-            "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
-            "--implementation", "xla",
-            "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0",
-            "--out", str(out),
+            *_RING_BLOCKS_TINY, "--out", str(out),
         ]
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
@@ -484,10 +488,7 @@ def test_ring_blocks_documents_on_cpu(tmp_path):
         [
             "--tokens-per-device", "64", "--devices", "3", "--documents", "20",
             "--layout", "striped",
-            "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
-            "--implementation", "xla",
-            "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0",
-            "--out", str(out),
+            *_RING_BLOCKS_TINY, "--out", str(out),
         ]
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
