@@ -3,6 +3,7 @@
     python benchmarks/ab.py --rev HEAD~1                        # causal 4k/16k/64k, D=128
     python benchmarks/ab.py --rev main --shapes causal:4096:128,full:65536:128 --documents
     python benchmarks/ab.py --rev HEAD~1 --peers fa3            # FlashAttention-3 beside them
+    python benchmarks/ab.py --rev main --peers cudnn --shapes causal:16384:64  # and cuDNN
     python benchmarks/ab.py --rev branch-a --rev branch-b       # several: rev1, rev2
 
 Absolute times move by a few percent between GPUs of the same kind and between runs, so a
@@ -42,6 +43,7 @@ import sys
 import tarfile
 import tempfile
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -160,6 +162,14 @@ def fa3_candidate(causal: bool):
     return _passes(lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
 
 
+def cudnn_candidate(causal: bool):
+    return _passes(
+        lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"
+        )
+    )
+
+
 def compare(
     name: str, flops: float, cands: dict, args, *, rounds: int | None, min_time: float
 ) -> dict:
@@ -208,7 +218,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="mask:S:D,... (see above)")
     parser.add_argument("--documents", action="store_true", help="add 64k packed documents")
-    parser.add_argument("--peers", default="", help="comma list: fa3 (where installed)")
+    parser.add_argument("--peers", default="", help="comma list: fa3 (where installed), cudnn")
     parser.add_argument(
         "--implementation",
         default="pallas_mosaic",
@@ -228,8 +238,8 @@ def main(argv=None) -> int:
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
     peers = [p for p in args.peers.split(",") if p]
-    if any(p != "fa3" for p in peers):
-        parser.error(f"--peers {args.peers!r}: only fa3")
+    if any(p not in ("fa3", "cudnn") for p in peers):
+        parser.error(f"--peers {args.peers!r}: fa3 and/or cudnn")
     impl = None if args.implementation == "default" else args.implementation
     labels = rev_labels(args.rev)
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,6 +262,8 @@ def main(argv=None) -> int:
             }
             if "fa3" in peers and hd in FA3_HEAD_DIMS:
                 cands["fa3"] = fa3_candidate(causal)
+            if "cudnn" in peers:
+                cands["cudnn"] = cudnn_candidate(causal)
             flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
             name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)

@@ -431,9 +431,10 @@ def test_ring_profile_reads_per_rank_attention(monkeypatch):
     assert set(ring.BREAKDOWN) <= {k.removeprefix("fwdbwd_") for k in row}
 
 
-def test_ab_runs_the_tree_against_a_revision(tmp_path, capsys):
+def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     """`benchmarks/ab.py` on CPU: HEAD's jflash exported and imported beside the working
-    tree's under its own name, both run (XLA path, tiny shape), outputs agree."""
+    tree's under its own name, both run (XLA path, tiny shape), outputs agree; the cuDNN
+    peer (XLA's attention here: CPUs have no cuDNN) gets its own columns."""
     import subprocess
 
     from benchmarks import ab
@@ -442,15 +443,25 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, capsys):
         subprocess.run(["git", "-C", ab.ROOT, "rev-parse", "HEAD"], check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
+    peer = []
+    monkeypatch.setattr(
+        ab,
+        "cudnn_candidate",
+        lambda causal: peer.append(causal)
+        or ab._passes(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)),
+    )
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
     argv += ["--tokens", "128", "--heads", "2", "--kv-heads", "1", "--rounds", "1"]
+    argv += ["--peers", "cudnn"]
     ab.main([*argv, "--min-time", "0", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["shape"] == "causal S=128 D=64 B=1"
     assert row["rev_max_abs_diff"] == 0.0  # the same kernels on the same inputs
     assert row["rev_grad_max_abs_diff"] == 0.0
     assert row["new_fwd_ms"] > 0 and row["rev_fwdbwd_ms"] > 0 and row["new/rev_fwd"] > 0
+    assert peer == [True] and row["new/cudnn_fwdbwd"] > 0
+    assert row["cudnn_grad_max_abs_diff"] < 1e-2
     rev = sys.modules[ab.BASELINE]  # a second package, from the exported revision
     assert (
         not rev.__file__.startswith(ab.ROOT) and rev.flash_attention is not jflash.flash_attention
