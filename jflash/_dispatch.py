@@ -16,7 +16,13 @@ import jax.numpy as jnp
 
 from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
 from jflash._mask import Mask
-from jflash._mosaic_bwd import FUSED_DQ_HEAD_DIMS, SPLIT_DQ_HEAD_DIMS, fuses_dq, mosaic_bwd
+from jflash._mosaic_bwd import (
+    FUSED_DQ_HEAD_DIMS,
+    SPLIT_DQ_HEAD_DIMS,
+    adds_dq_into,
+    fuses_dq,
+    mosaic_bwd,
+)
 from jflash._mosaic_fwd import mosaic_fwd
 from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
@@ -245,13 +251,41 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
     )
 
 
+def dq_accumulator(q, kernel: Kernel):
+    """An f32 Ref of q's shape that `attention_bwd(..., dq_into=)` calls may add their dQ
+    into (the fused Mosaic backward, compiled), or None where the kernel cannot: then
+    each call returns its dQ. Unvarying inside a `shard_map` (Pallas refuses varying
+    Refs); read it with `_vma.vary`."""
+    if kernel.name != "pallas_mosaic":
+        return None
+    bs = kernel.block_sizes
+    if not adds_dq_into(
+        q.shape, q.shape[-1], kernel.deterministic, bs.block_q_dkv, kernel.interpret
+    ):
+        return None
+    return jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+
+
 def attention_bwd(
-    q, k, v, do, lse, delta, segs, *, mask: Mask, scale: float, grad_dtype, kernel: Kernel
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    segs,
+    *,
+    mask: Mask,
+    scale: float,
+    grad_dtype,
+    kernel: Kernel,
+    dq_into=None,
 ):
     """Kernel contract, backward: `(dq, dk, dv)` in `grad_dtype`.
 
     Uses the *global* `lse` `[B,N,T]` and `delta = rowsum(dO * O_global) - dLSE`
-    `[B,N,T]` f32, so nothing of the forward is recomputed.
+    `[B,N,T]` f32, so nothing of the forward is recomputed. `dq_into`: an accumulator
+    from `dq_accumulator` (f32 gradients); dQ is added into it and returned as None.
     """
     if kernel.name == "xla":
         return xla_bwd(
@@ -276,7 +310,10 @@ def attention_bwd(
             stages=bs.num_stages_bwd,
             deterministic=kernel.deterministic,
             interpret=kernel.interpret,
+            dq_into=dq_into,
         )
+    if dq_into is not None:
+        raise ValueError(f"dq_into is for the fused Mosaic backward, not {kernel.name!r}")
     return flash_bwd(
         q,
         k,

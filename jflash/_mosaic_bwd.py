@@ -110,6 +110,15 @@ def fuses_dq(head_dim: int, deterministic: bool, grads_storable: bool = True) ->
     return head_dim in FUSED_DQ_HEAD_DIMS or (head_dim in SPLIT_DQ_HEAD_DIMS and grads_storable)
 
 
+def adds_dq_into(q_shape, head_dim: int, deterministic: bool, block_q_dkv: int, interpret: bool):
+    """Whether `mosaic_bwd` can add dQ into a caller's f32 accumulator of `q_shape`
+    (`dq_into`): the fused kernel, compiled (the interpreter has no reduce-add), and no
+    query padding (the accumulator is the queries' own shape)."""
+    t = q_shape[1]
+    pad = max(COMPUTE_WGS * WG_ROWS, block_q_dkv)
+    return not interpret and fuses_dq(head_dim, deterministic) and t % pad == 0
+
+
 def splits_dq(head_dim: int, deterministic: bool, grads_storable: bool = True) -> bool:
     """Whether the fused dQ is split by columns between the warpgroups."""
     return fuses_dq(head_dim, deterministic, grads_storable) and head_dim in SPLIT_DQ_HEAD_DIMS
@@ -578,6 +587,7 @@ def mosaic_bwd(
     stages: int,
     deterministic: bool = False,
     interpret: bool = False,
+    dq_into=None,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
 
@@ -588,6 +598,10 @@ def mosaic_bwd(
     reduce-add; see the module docstring); elsewhere the two-kernel backward runs, which
     is deterministic anyway. Inside a `jax.shard_map` the gradients vary over the
     inputs' manual axes.
+
+    `dq_into`: None, or an f32 Ref `[B, T, N, H]` (unvarying, `adds_dq_into`) that the
+    fused kernel's dQ reduce-adds go into; dQ is then returned as None (the ring's
+    steps share one accumulator instead of a zeroed buffer and a sum per step).
     """
     segments = segs is not None
     q_seg, kv_seg = segs if segments else (None, None)
@@ -658,11 +672,14 @@ def mosaic_bwd(
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
         parts = (kv_tiles * (1 if split else COMPUTE_WGS),) if interpret else ()
-        zeros = jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32)
-        # Pallas refuses a Ref that varies over a shard_map's manual axes: the
-        # accumulator is made unvarying (each device's kernel adds into its own) and its
-        # value marked varying like the inputs once read.
-        dq_acc = jax.new_ref(zeros)
+        if dq_into is None:
+            zeros = jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32)
+            # Pallas refuses a Ref that varies over a shard_map's manual axes: the
+            # accumulator is made unvarying (each device's kernel adds into its own) and
+            # its value marked varying like the inputs once read.
+            dq_acc = jax.new_ref(zeros)
+        else:
+            dq_acc = dq_into
         inputs = (*inputs, dq_acc)
     dk, dv = launch(
         dkv_body,
@@ -694,6 +711,8 @@ def mosaic_bwd(
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
+    if fused and dq_into is not None:
+        return None, dk[:, :s_len], dv[:, :s_len]
     if fused:
         dq = vary(dq_acc[...], varying_axes(q))
         dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)

@@ -54,7 +54,14 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jflash._block_sizes import BlockSizes
-from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
+from jflash._dispatch import (
+    Kernel,
+    attention_bwd,
+    attention_fwd,
+    delta_from,
+    dq_accumulator,
+    resolve,
+)
 from jflash._layout import check_layout, check_layout_len, unzigzag, zigzag
 from jflash._mask import Mask
 from jflash._validation import (
@@ -223,9 +230,9 @@ def _ring_fwd_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):
 # Backward, per shard
 
 
-def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring):
+def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring, acc=None):
     """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32; `mask` as in
-    `_attend`."""
+    `_attend`. With `acc` (`dq_accumulator`), dQ is added into it and returned as None."""
     dq, dk, dv = attention_bwd(
         q,
         kv[0],
@@ -238,29 +245,37 @@ def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring):
         scale=cfg.scale,
         grad_dtype=jnp.float32,
         kernel=cfg.kernel,
+        dq_into=acc,
     )
     return dq, jnp.stack([dk, dv])
 
 
-def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _Ring):
-    """Adds this step's dQ into `dq`; returns it and the f32 dK/dV of the source.
+def _add(dq, dq_blk):
+    """`dq + dq_blk`; None (the block's dQ went into the shared accumulator) adds nothing."""
+    return dq if dq_blk is None else dq + dq_blk
+
+
+def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _Ring, acc=None):
+    """Adds this step's dQ into `dq` (or, for whole blocks, into the shared accumulator
+    `acc` where the kernel can: `dq_accumulator`); returns it and the f32 dK/dV of the
+    source.
 
     Same blocks as `_fwd_step`. Only local values go in (never the dK/dV arriving
     from the neighbour), so the kernels do not wait for that transfer.
     """
     if step == 0 or not cfg.causal:
         segs = _segs(q_seg, kv_seg)
-        dq_blk, dkv = _grads(q, kv, do, lse, delta, segs, cfg.causal and step == 0, cfg)
-        return dq + dq_blk, dkv
+        dq_blk, dkv = _grads(q, kv, do, lse, delta, segs, cfg.causal and step == 0, cfg, acc)
+        return _add(dq, dq_blk), dkv
     before = step <= rank
     if cfg.layout == "striped":
         segs = _segs(q_seg, kv_seg)
         dq_blk, dkv = _by_case(
             before,
-            lambda: _grads(q, kv, do, lse, delta, segs, Mask(True), cfg),
-            lambda: _grads(q, kv, do, lse, delta, segs, Mask(True, k_offset=1), cfg),
+            lambda: _grads(q, kv, do, lse, delta, segs, Mask(True), cfg, acc),
+            lambda: _grads(q, kv, do, lse, delta, segs, Mask(True, k_offset=1), cfg, acc),
         )
-        return dq + dq_blk, dkv
+        return _add(dq, dq_blk), dkv
     if cfg.layout == "zigzag":
         c = q.shape[1] // 2
         segs = _segs(_rows(q_seg, c, c, 1), _rows(kv_seg, 0, c, 1))
@@ -298,6 +313,7 @@ def _ring_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     do = do.astype(q.dtype)
     kv = jnp.stack([k, v])
     dq = jnp.zeros(q.shape, jnp.float32)
+    acc = dq_accumulator(q, cfg.kernel)  # whole blocks' dQ, added in their kernels
     # Steps 1 .. P-1 first, the diagonal step 0 last: the last hop of the dK/dV sums
     # (f32) then flies during step 0's kernels instead of after all of them, and what
     # waits at the start is the first K/V transfer (half the bytes, and it depends
@@ -311,11 +327,15 @@ def _ring_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     visiting, visiting_seg = (_shift(kv, cfg), _shift(kv_seg, cfg)) if p > 1 else (None, None)
     for step in range(1, p):
         nxt = (_shift(visiting, cfg), _shift(visiting_seg, cfg)) if step < p - 1 else (None, None)
-        dq, dkv = _bwd_step(step, rank, q, visiting, q_seg, visiting_seg, do, lse, delta, dq, cfg)
+        dq, dkv = _bwd_step(
+            step, rank, q, visiting, q_seg, visiting_seg, do, lse, delta, dq, cfg, acc
+        )
         arriving = _shift(dkv if arriving is None else arriving + dkv, cfg)
         visiting, visiting_seg = nxt
-    dq, own = _bwd_step(0, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg)
+    dq, own = _bwd_step(0, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg, acc)
     dkv = own if arriving is None else own + arriving
+    if acc is not None:
+        dq = dq + vary(acc[...], varying_axes(q))
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
@@ -622,9 +642,12 @@ def ring_attention_rank(
     delta = delta_from(o, do)
     do = do.astype(q.dtype)
     dq = jnp.zeros(q.shape, jnp.float32)
+    acc = dq_accumulator(q, cfg.kernel)
     dkv = [None] * p
     for step in (*range(1, p), 0):  # the ring's order: the diagonal step last
         dq, dkv[step] = _bwd_step(
-            step, rank, q, kvs[step], q_seg, kv_segs[step], do, lse, delta, dq, cfg
+            step, rank, q, kvs[step], q_seg, kv_segs[step], do, lse, delta, dq, cfg, acc
         )
+    if acc is not None:
+        dq = dq + acc[...]
     return o, lse, dq, [(d[0], d[1]) for d in dkv]

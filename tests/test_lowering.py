@@ -321,3 +321,40 @@ def test_mosaic_gradients_inside_shard_map_sum_nothing_over_devices(
         text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_dkv" in text
     assert "all_reduce" not in text
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
+    """The ring's whole-block steps (every striped step, inside its `lax.cond` on the
+    traced rank; zigzag's diagonal) add their dQ into one f32 accumulator through the
+    fused Mosaic backward, compiled: it lowers for CUDA, and `dq_accumulator` gives one
+    only where the kernel can (not interpreted, not the two-kernel backward, no query
+    padding)."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+
+    def rank_grads(q, k, v, do, rank):
+        return jflash.ring_attention_rank(
+            q, [(k, v)] * 2, do, rank, causal=True, layout=layout,
+            implementation="pallas_mosaic",
+        )  # fmt: skip
+
+    rank = jax.ShapeDtypeStruct((), jnp.int32)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(rank_grads).trace(q, kv, kv, q, rank)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_dkv" in text and "jflash_mosaic_dq" not in text
+
+    def kernel(**kw):
+        return dispatch.resolve("pallas_mosaic", kw.get("interpret", False), None, q_len=256,
+                                kv_len=256, head_dim=128, dtype=jnp.bfloat16,
+                                deterministic=kw.get("deterministic", False))  # fmt: skip
+
+    x = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    assert dispatch.dq_accumulator(x, kernel()) is not None
+    assert dispatch.dq_accumulator(x, kernel(interpret=True)) is None
+    assert dispatch.dq_accumulator(x, kernel(deterministic=True)) is None
+    assert dispatch.dq_accumulator(x[:, :200], kernel()) is None  # padded queries
