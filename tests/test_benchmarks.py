@@ -447,8 +447,10 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(
         ab,
         "cudnn_candidate",
-        lambda causal: peer.append(causal)
-        or ab._passes(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)),
+        lambda causal: (
+            peer.append(causal)
+            or ab._passes(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal))
+        ),
     )
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
