@@ -22,7 +22,9 @@ attention counts 4·B·N·S²·H. With packed documents the count is the mask ar
 Peers outside jax, each imported where installed and otherwise a row saying why (never a
 dependency): `--impls fa3` is `flash_attn3_jax.flash_mha` (FlashAttention-3, D = 128
 only), `--impls jax_triton` the Triton-language kernel of `benchmarks/triton_attention.py`
-through `jax_triton.triton_call` (the `bench` extra).
+through `jax_triton.triton_call`, `--impls tokamax` tokamax's Pallas Mosaic GPU
+FlashAttention (`tokamax.dot_product_attention(..., implementation="mosaic")`, forward
+and backward on Hopper); jax-triton and tokamax are in the `bench` extra.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ JFLASH = {
 PEERS = {
     "fa3": "FlashAttention-3 (flash_attn3_jax.flash_mha)",
     "jax_triton": "Triton-language kernel (benchmarks/triton_attention.py via jax_triton)",
+    "tokamax": "tokamax's Pallas Mosaic GPU kernels (tokamax.dot_product_attention)",
 }
+TOKAMAX_IMPLEMENTATION = "mosaic"  # tokamax.dot_product_attention's implementation=
 FA3_HEAD_DIMS = (128,)  # the flash-attn3-jax wheel's kernels: hdim128 (and no backward else)
 
 
@@ -101,6 +105,14 @@ def peer_fn(impl: str, causal: bool, head_dim: int):
         except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row
             raise PeerUnavailable(_import_failure(e)) from e
         return functools.partial(triton_attention.attention, causal=causal)
+    if impl == "tokamax":
+        try:
+            import tokamax
+        except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row
+            raise PeerUnavailable(_import_failure(e)) from e
+        return functools.partial(
+            tokamax.dot_product_attention, is_causal=causal, implementation=TOKAMAX_IMPLEMENTATION
+        )
     raise ValueError(f"unknown peer {impl!r}: one of {sorted(PEERS)}")
 
 
@@ -246,7 +258,7 @@ SHAPES = [  # (seq, head_dim)
 
 # Default rows: the main table names every peer (a missing one is a note and a row
 # saying why); the sweep, --kernels and --launch-order keep jax's and jflash's own.
-MAIN_IMPLS = "jflash,jflash_mosaic,jflash_mosaic_det,cudnn,fa3,jax_triton,xla"
+MAIN_IMPLS = "jflash,jflash_mosaic,jflash_mosaic_det,cudnn,fa3,tokamax,jax_triton,xla"
 OTHER_IMPLS = "jflash,jflash_mosaic,cudnn,xla"
 
 MAIN_COLUMNS = [
@@ -850,7 +862,7 @@ def main(argv=None):
         "--impls",
         default=None,
         help="rows: jflash, jflash_mosaic, jflash_mosaic_det, jflash_xla, cudnn, xla, and "
-        f"the optional peers fa3, jax_triton (default: {MAIN_IMPLS} for the main table, "
+        f"the optional peers fa3, tokamax, jax_triton (default: {MAIN_IMPLS} for the main table, "
         f"{OTHER_IMPLS} otherwise)",
     )
     parser.add_argument(

@@ -135,7 +135,7 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel, "peer_notes", lambda impls: [])
     kernel.main(["--seqs", "4096", "--masks", "causal", "--out", str(tmp_path)])
     assert calls == kernel.MAIN_IMPLS.split(",")
-    assert {"fa3", "jax_triton", "jflash_mosaic_det"} <= set(calls)
+    assert {"fa3", "tokamax", "jax_triton", "jflash_mosaic_det"} <= set(calls)
 
 
 @pytest.mark.parametrize(
@@ -155,17 +155,36 @@ def hide(monkeypatch, *names):
 
 
 def test_missing_peers_are_rows_and_a_printed_note(monkeypatch):
-    hide(monkeypatch, "flash_attn3_jax", "jax_triton", "triton")
+    hide(monkeypatch, "flash_attn3_jax", "jax_triton", "triton", "tokamax")
     monkeypatch.delitem(sys.modules, "benchmarks.triton_attention", raising=False)
-    notes = kernel.peer_notes(["jflash_mosaic", "fa3", "cudnn", "jax_triton"])
-    assert len(notes) == 2
+    notes = kernel.peer_notes(["jflash_mosaic", "fa3", "cudnn", "jax_triton", "tokamax"])
+    assert len(notes) == 3
     assert notes[0].startswith("note: fa3 ") and "not installed" in notes[0]
     assert notes[1].startswith("note: jax_triton ") and "not installed" in notes[1]
-    for impl in ("fa3", "jax_triton"):
+    assert notes[2].startswith("note: tokamax ") and "not installed" in notes[2]
+    for impl in ("fa3", "jax_triton", "tokamax"):
         row = kernel.measure(impl, batch=1, seq=256, heads=4, kv_heads=1, head_dim=128)
         assert row["fwd_error"].startswith("not installed")
         assert row["fwdbwd_error"] == row["fwd_error"]
         assert "fwd_tflops" not in row
+
+
+def test_tokamax_row_runs_its_mosaic_implementation(monkeypatch):
+    """The tokamax peer calls `tokamax.dot_product_attention` with its Mosaic GPU
+    implementation (a stand-in module here: CPU, no tokamax) and its row is checked and
+    timed like the others."""
+    asked = []
+
+    def dot_product_attention(q, k, v, *, is_causal, implementation):
+        asked.append((is_causal, implementation))
+        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal)
+
+    fake = types.ModuleType("tokamax")
+    fake.dot_product_attention = dot_product_attention
+    monkeypatch.setitem(sys.modules, "tokamax", fake)
+    row = kernel.measure("tokamax", batch=1, seq=128, heads=2, kv_heads=1, head_dim=64)
+    assert row["fwd_tflops"] > 0 and row["fwdbwd_tflops"] > 0, row
+    assert set(asked) == {(True, "mosaic")}
 
 
 def test_fa3_head_dim_64_cell_says_why_without_importing(monkeypatch):
