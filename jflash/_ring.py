@@ -7,8 +7,9 @@ reuses the per-shard `o` and `lse` (the distributed forward is never recomputed)
 * ring: every device keeps its queries and visits every K/V shard once (P steps). At
   each step it runs the single-device kernel (`_dispatch.attention_fwd`) on its
   queries against one K/V shard and merges the partial `(o, lse)` in f32 (logaddexp
-  of the LSEs). Backward: dQ accumulates locally, dK/dV travel around the ring
-  with K/V and are home after P steps. Memory per device is one shard's worth.
+  of the LSEs). Backward: dQ accumulates locally (whole-block steps of the fused
+  Mosaic backward add into one f32 accumulator in their kernels), dK/dV travel around
+  the ring with K/V and are home after P steps. Memory per device is one shard's worth.
 * allgather: K/V of the whole sequence are gathered once (small with GQA), and each
   contiguous run of local queries (two in zigzag) is one kernel call against all of
   it, with its global position as the causal offset: softmax rows are complete (no
