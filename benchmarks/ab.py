@@ -43,7 +43,6 @@ import sys
 import tarfile
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -61,6 +60,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.kernel import (  # noqa: E402
     FA3_HEAD_DIMS,
     _fa3_varlen,
+    attention_fn,
     document_flops,
     document_lengths,
     draw_inputs,
@@ -163,11 +163,7 @@ def fa3_candidate(causal: bool):
 
 
 def cudnn_candidate(causal: bool):
-    return _passes(
-        lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"
-        )
-    )
+    return _passes(attention_fn("cudnn", causal=causal))
 
 
 def compare(
