@@ -116,21 +116,29 @@ def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
     """
     weights = compute_weights(params, spec)
 
-    def accumulate(carry, xs):
-        grads, loss, count = carry
-        ids, labels, segs, pos = xs
+    def micro_batch(ids, labels, segs, pos):
         (l_sum, n), g = jax.value_and_grad(loss_sums, has_aux=True)(
             weights, ids, labels, spec, segs, pos
         )
         if spec.weights is not None:  # summed over seq axes straight into the stored shards
             g = jax.lax.with_sharding_constraint(g, spec.weights[0])
-        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        return jax.tree.map(lambda b: b.astype(jnp.float32), g), l_sum, n
+
+    def accumulate(carry, xs):
+        grads, loss, count = carry
+        g, l_sum, n = micro_batch(*xs)
+        grads = jax.tree.map(jnp.add, grads, g)
         return (grads, loss + l_sum, count + n), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
     xs = (batch["input_ids"], batch["labels"], batch.get("segment_ids"), batch.get("positions"))
-    (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, xs)
+    if xs[0].shape[0] == 1:
+        # One micro-batch: no scan, so no f32 gradient tree is zeroed and added into
+        # (16 bytes of memory traffic per parameter less; the same numbers).
+        grads, loss_sum, count = micro_batch(*(None if x is None else x[0] for x in xs))
+    else:
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, init, xs)
     # The loss is a sum over tokens; normalise by all counted tokens of the step.
     denom = jnp.maximum(count, 1).astype(jnp.float32)
     grads = jax.tree.map(lambda g: g / denom, grads)
