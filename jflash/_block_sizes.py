@@ -86,6 +86,7 @@ def default_block_sizes(
     device_kind: str = "gpu",
     kv_len: int | None = None,
     implementation: str = "pallas_triton",
+    deterministic: bool = False,
 ) -> BlockSizes:
     """The one place where tile shapes are chosen (measured on H100/H200, BENCHMARKS.md).
 
@@ -96,10 +97,11 @@ def default_block_sizes(
       device_kind: "gpu" for a compiled kernel, "cpu" for interpret mode (big tiles,
         few grid steps: the interpreter is slow per step, not per element).
       implementation: "pallas_triton" or "pallas_mosaic" (see `mosaic_block_sizes`).
+      deterministic: the Mosaic backward without the fused dQ (its own query steps).
     """
     _check_problem(seq_len, kv_len, head_dim, dtype)
     if implementation == "pallas_mosaic":
-        return mosaic_block_sizes(head_dim)
+        return mosaic_block_sizes(head_dim, deterministic=deterministic)
     if implementation != "pallas_triton":
         raise ValueError(
             f"{implementation=}: block sizes exist for 'pallas_triton' and 'pallas_mosaic' "
@@ -152,8 +154,9 @@ _MOSAIC_FIXED = ("block_q", "block_kv_dkv", "block_q_dq")
 _MOSAIC_STREAMED = ("block_kv", "block_q_dkv", "block_kv_dq")
 
 
-def mosaic_block_sizes(head_dim: int) -> BlockSizes:
-    """Defaults of the Mosaic GPU kernels (measured on H100, BENCHMARKS.md)."""
+def mosaic_block_sizes(head_dim: int, *, deterministic: bool = False) -> BlockSizes:
+    """Defaults of the Mosaic GPU kernels (measured on H100/H200, BENCHMARKS.md);
+    `deterministic`: for the two-kernel backward."""
     return BlockSizes(
         block_q=MOSAIC_WG_ROWS,
         # D=64: a 256-key step halves the steps (barriers, rescales) per key; its f32
@@ -162,7 +165,10 @@ def mosaic_block_sizes(head_dim: int) -> BlockSizes:
         # D=128: S and O at 256 keys would not fit.
         block_kv=256 if head_dim <= 64 else 128,
         num_stages=2,
-        block_q_dkv=64,
+        # D=64, fused dQ: 128-query dK/dV steps, the dQ split by rows between the
+        # warpgroups (`jflash._mosaic_bwd.ROW_SPLIT_DQ_HEAD_DIMS`). The two-kernel
+        # backward keeps K and V in registers there, which 64-query steps leave room for.
+        block_q_dkv=128 if head_dim == 64 and not deterministic else 64,
         block_kv_dkv=MOSAIC_WG_ROWS,
         block_q_dq=MOSAIC_WG_ROWS,
         block_kv_dq=64,
@@ -172,12 +178,14 @@ def mosaic_block_sizes(head_dim: int) -> BlockSizes:
     )
 
 
-def check_mosaic_block_sizes(bs: BlockSizes, *, fused_dq: bool = False) -> None:
-    if fused_dq and bs.block_q_dkv != MOSAIC_WG_ROWS:
+def check_mosaic_block_sizes(bs: BlockSizes, *, fused_block_q: tuple[int, ...] = ()) -> None:
+    """`fused_block_q`: the query steps the fused dQ takes here (empty: dQ not fused)."""
+    if fused_block_q and bs.block_q_dkv not in fused_block_q:
+        allowed = " or ".join(map(str, fused_block_q))
         raise ValueError(
             f"BlockSizes.block_q_dkv={bs.block_q_dkv}: the fused dQ of the Mosaic backward "
-            f"(deterministic=False) multiplies dS^T by K per {MOSAIC_WG_ROWS} queries (one "
-            f"wgmma M); use {MOSAIC_WG_ROWS}, or deterministic=True"
+            f"(deterministic=False) at this head dim takes {allowed} queries per step; use "
+            f"{allowed}, or deterministic=True"
         )
     for name in _MOSAIC_FIXED:
         if getattr(bs, name) != MOSAIC_WG_ROWS:

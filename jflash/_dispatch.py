@@ -20,6 +20,7 @@ from jflash._mosaic_bwd import (
     FUSED_DQ_HEAD_DIMS,
     SPLIT_DQ_HEAD_DIMS,
     adds_dq_into,
+    fused_block_q,
     fuses_dq,
     mosaic_bwd,
 )
@@ -143,9 +144,15 @@ def resolve(
             )
         if block_sizes is None:
             block_sizes = default_block_sizes(
-                q_len, head_dim, dtype, kv_len=kv_len, implementation="pallas_mosaic"
+                q_len,
+                head_dim,
+                dtype,
+                kv_len=kv_len,
+                implementation="pallas_mosaic",
+                deterministic=deterministic,
             )
-        check_mosaic_block_sizes(block_sizes, fused_dq=fuses_dq(head_dim, deterministic))
+        fused = fused_block_q(head_dim) if fuses_dq(head_dim, deterministic) else ()
+        check_mosaic_block_sizes(block_sizes, fused_block_q=fused)
         kernel = Kernel("pallas_mosaic", block_sizes, bool(interpret), reason, deterministic)
     elif implementation == "xla":
         if interpret:

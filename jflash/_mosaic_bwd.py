@@ -16,10 +16,12 @@ per thread and adds them after its matmuls (starting its accumulators there cost
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
     adds it to an f32 dQ in HBM with a TMA reduce-add. 5 matmuls per tile instead of
-    7; the order of the f32 additions varies from run to run. At D = 64 each
-    warpgroup adds its own keys' `[64, 64]` dQ (`FUSED_DQ_HEAD_DIMS`); at D = 128 the
-    warpgroups share their dS^T and each adds one column half of the dQ over all 128
-    keys (`SPLIT_DQ_HEAD_DIMS`), which keeps its accumulator at 32 registers.
+    7; the order of the f32 additions varies from run to run. The warpgroups share
+    their dS^T through shared memory, and each adds a `[64, 64]` part of the dQ over
+    all 128 keys, which keeps its accumulator at 32 registers: at D = 128 one column
+    half of a 64-query step (`SPLIT_DQ_HEAD_DIMS`), at D = 64 the rows of 64 of a
+    128-query step's queries (`ROW_SPLIT_DQ_HEAD_DIMS`; with `block_q_dkv=64` each
+    warpgroup adds its own keys' dQ instead).
   - two kernels (deterministic): a second kernel, one CTA per 128 queries of one head,
     recomputes S and dP while its memory warpgroup streams K and V. No atomics:
     bitwise reproducible.
@@ -78,10 +80,12 @@ from jflash._mosaic_common import (
 from jflash._triton_common import LOG2E, pad_to, round_up
 from jflash._vma import match, struct, vary, varying_axes
 
-# Head dims where each warpgroup adds its own dQ (H100, same run: at D=64 0.94-0.97x
-# cuDNN against 0.91 for two kernels). At D=128 that [64, 128] f32 accumulator next to
-# dK and dV spills registers and doubles the reduce-add traffic (0.62-0.79x, commit
-# c8ba412): D=128 splits the dQ instead (`SPLIT_DQ_HEAD_DIMS`).
+# Head dims where the dK/dV kernel fuses the dQ. At D=64 with 64-query steps each
+# warpgroup adds its own keys' dQ (H100: 0.94-0.97x cuDNN against 0.91 for two kernels);
+# 128-query steps split it by rows (`ROW_SPLIT_DQ_HEAD_DIMS`, the default). At D=128 an
+# own [64, 128] f32 accumulator next to dK and dV spills registers and doubles the
+# reduce-add traffic (0.62-0.79x, commit c8ba412): D=128 splits the dQ by columns
+# (`SPLIT_DQ_HEAD_DIMS`).
 FUSED_DQ_HEAD_DIMS = (64,)
 # Register split of the split-dQ kernel (setmaxnreg): 2 x 240 + 24 per thread x 128
 # threads = 64,512, as COMPUTE_REGS / MEMORY_REGS; its memory warpgroup needs no more.
@@ -94,6 +98,16 @@ SPLIT_REGS = (240, 24)
 # step, not two. f32 gradients (the ring's) leave through the [64, D/2] f32 dQ tile of
 # each warpgroup, one column half at a time.
 SPLIT_DQ_HEAD_DIMS = (128,)
+# Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
+# warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
+# the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
+# registers at D=64), one reduce-add of [64, D] per warpgroup and step, so half the
+# reduce-add traffic per query of 64-query steps. K and V stay in shared memory there
+# (S^T and dP^T at 128 queries take the registers they had). FlashAttention-3's
+# D = 64 backward shares its work the same way. H200, against each warpgroup's own dQ
+# at 64-query steps: forward+backward 1.06x (causal 16k), 1.08x (32k), 1.16x (full
+# 16k); 1.10-1.14x cuDNN (BENCHMARKS.md).
+ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
@@ -119,9 +133,26 @@ def adds_dq_into(q_shape, head_dim: int, deterministic: bool, block_q_dkv: int, 
     return not interpret and fuses_dq(head_dim, deterministic) and t % pad == 0
 
 
-def splits_dq(head_dim: int, deterministic: bool, grads_storable: bool = True) -> bool:
-    """Whether the fused dQ is split by columns between the warpgroups."""
-    return fuses_dq(head_dim, deterministic, grads_storable) and head_dim in SPLIT_DQ_HEAD_DIMS
+def splits_dq(
+    head_dim: int, deterministic: bool, block_q: int, grads_storable: bool = True
+) -> str | None:
+    """How the fused dQ is shared between the warpgroups at `block_q` queries per step:
+    "cols" (`SPLIT_DQ_HEAD_DIMS`), "rows" (`ROW_SPLIT_DQ_HEAD_DIMS` at 128-query
+    steps), or None (not fused, or each warpgroup adds its own keys' dQ)."""
+    if not fuses_dq(head_dim, deterministic, grads_storable):
+        return None
+    if head_dim in SPLIT_DQ_HEAD_DIMS:
+        return "cols"
+    if head_dim in ROW_SPLIT_DQ_HEAD_DIMS and block_q == COMPUTE_WGS * WG_ROWS:
+        return "rows"
+    return None
+
+
+def fused_block_q(head_dim: int) -> tuple[int, ...]:
+    """The query steps (`block_q_dkv`) the fused dQ takes at `head_dim`."""
+    if head_dim in ROW_SPLIT_DQ_HEAD_DIMS:
+        return (WG_ROWS, COMPUTE_WGS * WG_ROWS)
+    return (WG_ROWS,)
 
 
 def _store_tile(value, smem, dst):
@@ -155,7 +186,7 @@ def _dkv_kernel(
     grads_in_input_dtype: bool,
     segments: bool,
     fused: bool,
-    split: bool,
+    split: str | None,
     interpret: bool,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
@@ -163,10 +194,11 @@ def _dkv_kernel(
     GPU interpreter has no TMA reduce-add) one `[B, T, N, H]` slice per (key tile,
     warpgroup; per key tile if `split`), summed after; then the outputs and the scratch.
 
-    `split` (fused only): the warpgroups share each step's dS^T through shared memory
-    (two buffers, by step parity, and a barrier pair `ds_ready`) and each adds the dQ of
-    its half of the columns. Both then walk the CTA's whole stream in lockstep (steps
-    outside a warpgroup's own range run masked: P = 0 there)."""
+    `split` (fused only, `splits_dq`): the warpgroups share each step's dS^T through
+    shared memory (two buffers, by step parity, and a barrier pair `ds_ready`) and each
+    adds the dQ of its half of the columns ("cols") or of the step's queries ("rows").
+    Both then walk the CTA's whole stream in lockstep (steps outside a warpgroup's own
+    range run masked: P = 0 there)."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -198,12 +230,13 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
-    if split:
+    if split is not None:
         st = lockstep(st)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        plgpu.set_max_registers(SPLIT_REGS[0] if split else COMPUTE_REGS, action="increase")
+        regs = SPLIT_REGS[0] if split is not None else COMPUTE_REGS
+        plgpu.set_max_registers(regs, action="increase")
         k_start = cta_start + wg * bk
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (batch, pl.ds(k_start, bk), kv_head)
@@ -229,7 +262,8 @@ def _dkv_kernel(
         # registers (16 each per thread) as the A operands of S^T and dP^T, which takes
         # their reads off shared memory, the binding resource at D=64 (see A_IN_REGS).
         k_a, v_a = k_smem, v_smem
-        if A_IN_REGS["dkv"](geom.head_dim):
+        a_in_regs = A_IN_REGS["dkv"](geom.head_dim) and split != "rows"
+        if a_in_regs:
             k_a = plgpu.load(k_smem, layout=plgpu.Layout.WGMMA)
             v_a = plgpu.load(v_smem, layout=plgpu.Layout.WGMMA)
 
@@ -244,11 +278,11 @@ def _dkv_kernel(
             zero = opaque[jnp.int32(0)]
             mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
             k_dq = k_smem2.at[mine]
-            k_s, v_s = (k_a, v_a) if A_IN_REGS["dkv"](geom.head_dim) else (k_dq, v_smem2.at[mine])
+            k_s, v_s = (k_a, v_a) if a_in_regs else (k_dq, v_smem2.at[mine])
             q_rows = pl.ds(qi * block_q, block_q)
             head_g = kv_head * geom.group + g
 
-            def add_dq(dq, part, *cols):
+            def add_dq(dq, part, *cols, q_rows=q_rows):
                 """`dq * scale` into the f32 dQ: through this warpgroup's SMEM tile, a TMA
                 reduce-add (interpret: a plain store into slice `part`, summed after)."""
                 dq_s = dq_smem2.at[mine]
@@ -301,7 +335,7 @@ def _dkv_kernel(
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
-            if split:
+            if split is not None:
                 # This warpgroup's dS^T rows go to shared memory for both warpgroups'
                 # dQ; dV and dK run while the other warpgroup writes its rows.
                 par = rem(base + qi, 2)
@@ -314,23 +348,44 @@ def _dkv_kernel(
                 )
                 plgpu.barrier_arrive(free.at[slot])
                 plgpu.barrier_wait(ds_ready.at[par])
-                half = geom.head_dim // COMPUTE_WGS
-                for w in range(COMPUTE_WGS):  # static column halves (a dynamic slice: slower)
+                keys = (mine, other)
+                part = lax.axis_index("kv_tiles")
+                # Static halves, one warpgroup each (a dynamic slice: slower).
+                for w in range(COMPUTE_WGS):
+                    if split == "cols":  # dQ[:, cols] = dS K over both warpgroups' keys
 
-                    @pl.when(wg == w)
-                    def _(w=w):
-                        cols = pl.ds(w * half, half)
-                        zeros_dq = plgpu.layout_cast(
-                            jnp.zeros((block_q, half), jnp.float32), plgpu.Layout.WGMMA
-                        )
-                        # dQ[:, cols] = dS K over both warpgroups' keys.
-                        keys = (mine, other)
-                        dq = wgmma_sum(
-                            zeros_dq,
-                            [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
-                            interpret=interpret,
-                        )
-                        add_dq(dq, lax.axis_index("kv_tiles"), cols)
+                        @pl.when(wg == w)
+                        def _(w=w):
+                            half = geom.head_dim // COMPUTE_WGS
+                            cols = pl.ds(w * half, half)
+                            zeros_dq = plgpu.layout_cast(
+                                jnp.zeros((block_q, half), jnp.float32), plgpu.Layout.WGMMA
+                            )
+                            dq = wgmma_sum(
+                                zeros_dq,
+                                [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
+                                interpret=interpret,
+                            )
+                            add_dq(dq, part, cols)
+
+                    else:  # dQ[rows] = dS[rows] K over both warpgroups' keys
+
+                        @pl.when(wg == w)
+                        def _(w=w):
+                            rows_w = pl.ds(w * WG_ROWS, WG_ROWS)
+                            zeros_dq = plgpu.layout_cast(
+                                jnp.zeros((WG_ROWS, geom.head_dim), jnp.float32),
+                                plgpu.Layout.WGMMA,
+                            )
+                            dq = wgmma_sum(
+                                zeros_dq,
+                                [
+                                    (ds_smem2.at[par, j].at[:, rows_w].T, k_smem2.at[j])
+                                    for j in keys
+                                ],
+                                interpret=interpret,
+                            )
+                            add_dq(dq, part, q_rows=pl.ds(qi * block_q + w * WG_ROWS, WG_ROWS))
 
                 return dk, dv
 
@@ -366,18 +421,18 @@ def _dkv_kernel(
                 functools.partial(skip, base=base),
                 carry,
                 mask_first=True,
-                mask_last=segments or split,
-                skip_first=not split,
+                mask_last=segments or split is not None,
+                skip_first=split is None,
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
         if fused:
             plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
-        if split:  # the other warpgroup's last dQ has read this one's K: dK may take it
+        if split is not None:  # the other warpgroup's last dQ has read this one's K: dK may take it
             plgpu.barrier_arrive(ds_ready.at[jnp.int32(2)])
             plgpu.barrier_wait(ds_ready.at[jnp.int32(2)])
-        if split and not grads_in_input_dtype:  # f32 through the [64, D/2] dQ tile: by halves
+        if split == "cols" and not grads_in_input_dtype:  # f32 through the [64, D/2] dQ tile
             half = geom.head_dim // COMPUTE_WGS
             for value, ref in ((dk * scale, dk_ref), (dv, dv_ref)):
                 for c in range(COMPUTE_WGS):
@@ -397,7 +452,9 @@ def _dkv_kernel(
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(SPLIT_REGS[1] if split else MEMORY_REGS, action="decrease")
+        plgpu.set_max_registers(
+            SPLIT_REGS[1] if split is not None else MEMORY_REGS, action="decrease"
+        )
 
         @pl.loop(0, geom.group * per_head)
         def _(t):
@@ -636,15 +693,19 @@ def mosaic_bwd(
     storable = same or jnp.dtype(grad_dtype) == jnp.float32
     # block_q_dkv checked by `check_mosaic_block_sizes`
     fused = fuses_dq(h, deterministic, storable)
-    split = splits_dq(h, deterministic, storable)
+    split = splits_dq(h, deterministic, block_q_dkv, storable)
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
     out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
-    ds_buffers = 2 if split else 1  # split: by step parity
-    dq_cols = h // COMPUTE_WGS if split else h
+    ds_buffers = 2 if split is not None else 1  # split: by step parity
+    # Each warpgroup's f32 dQ tile: its step's queries and all columns, half of them
+    # ("cols"), or 64 of the step's queries ("rows").
+    dq_tile = {None: (block_q_dkv, h), "cols": (block_q_dkv, h // COMPUTE_WGS)}.get(
+        split, (WG_ROWS, h)
+    )
     fused_tiles = COMPUTE_WGS * (
-        ds_buffers * WG_ROWS * block_q_dkv * size + block_q_dkv * dq_cols * 4
+        ds_buffers * WG_ROWS * block_q_dkv * size + dq_tile[0] * dq_tile[1] * 4
     )
     ids_tile = rows * 4 if segments else 0
     common = dict(
@@ -671,7 +732,7 @@ def mosaic_bwd(
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
-        parts = (kv_tiles * (1 if split else COMPUTE_WGS),) if interpret else ()
+        parts = (kv_tiles * (1 if split is not None else COMPUTE_WGS),) if interpret else ()
         if dq_into is None:
             zeros = jnp.zeros((*parts, b, geom.q_pad, n, h), jnp.float32)
             # Pallas refuses a Ref that varies over a shard_map's manual axes: the
@@ -693,18 +754,18 @@ def mosaic_bwd(
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
             (
-                smem_tile((*(2,) * split, COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
+                smem_tile((*(2,) * (split is not None), COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
                 if fused
                 else None
             ),
-            smem_tile((COMPUTE_WGS, block_q_dkv, dq_cols), jnp.float32) if fused else None,
+            smem_tile((COMPUTE_WGS, *dq_tile), jnp.float32) if fused else None,
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((dkv_stages, block_q_dkv), jnp.int32) if segments else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 3 if segments else 2)),
             plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=dkv_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dkv_stages),
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split else None,
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split is not None else None,
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),

@@ -238,11 +238,18 @@ def test_determinism_switch(monkeypatch):
     assert not kernel.deterministic
     with pytest.raises(ValueError, match="deterministic='yes'"):
         dispatch.resolve("pallas_mosaic", None, None, deterministic="yes", **common)
+    # D=64 fuses dQ at 64-query steps (each warpgroup its own) and 128 (split by rows).
+    wider = jflash.BlockSizes(block_q=64, block_kv=128, block_q_dkv=256)
+    with pytest.raises(ValueError, match="block_q_dkv=256.*takes 64 or 128.*deterministic=True"):
+        dispatch.resolve("pallas_mosaic", None, wider, deterministic=False, **common)
+    assert dispatch.resolve("pallas_mosaic", None, wider, deterministic=True, **common)
     wide = jflash.BlockSizes(block_q=64, block_kv=128, block_q_dkv=128)
-    with pytest.raises(ValueError, match="block_q_dkv=128.*deterministic=True"):
-        dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
-    assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=True, **common)
-    # D=128 fuses dQ too (split by columns between the warpgroups), with the same limit.
+    assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
+    # The defaults: 128-query steps for the fused dQ, 64 for the two-kernel backward.
+    for det, want in ((False, 128), (True, 64)):
+        kernel = dispatch.resolve("pallas_mosaic", None, None, deterministic=det, **common)
+        assert kernel.block_sizes.block_q_dkv == want
+    # D=128 fuses dQ at 64-query steps only (split by columns between the warpgroups).
     common["head_dim"] = 128
     with pytest.raises(ValueError, match="block_q_dkv=128.*deterministic=True"):
         dispatch.resolve("pallas_mosaic", None, wide, deterministic=False, **common)
