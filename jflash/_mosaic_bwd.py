@@ -260,7 +260,9 @@ def _dkv_kernel(
         k_ids = row_ids(k_ids2.at[wg]) if segments else None
         # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
         # registers (16 each per thread) as the A operands of S^T and dP^T, which takes
-        # their reads off shared memory, the binding resource at D=64 (see A_IN_REGS).
+        # their reads off shared memory, the binding resource at D=64 (see A_IN_REGS),
+        # except with the rows split, whose 128-query S^T and dP^T need those registers
+        # (and whose N = 128 wgmmas read a quarter less shared memory per FLOP).
         k_a, v_a = k_smem, v_smem
         a_in_regs = A_IN_REGS["dkv"](geom.head_dim) and split != "rows"
         if a_in_regs:
@@ -701,9 +703,10 @@ def mosaic_bwd(
     ds_buffers = 2 if split is not None else 1  # split: by step parity
     # Each warpgroup's f32 dQ tile: its step's queries and all columns, half of them
     # ("cols"), or 64 of the step's queries ("rows").
-    dq_tile = {None: (block_q_dkv, h), "cols": (block_q_dkv, h // COMPUTE_WGS)}.get(
-        split, (WG_ROWS, h)
-    )
+    if split == "rows":
+        dq_tile = (WG_ROWS, h)
+    else:
+        dq_tile = (block_q_dkv, h // COMPUTE_WGS if split == "cols" else h)
     fused_tiles = COMPUTE_WGS * (
         ds_buffers * WG_ROWS * block_q_dkv * size + dq_tile[0] * dq_tile[1] * 4
     )
