@@ -3,6 +3,7 @@ profiling CLI end to end on simulated CPU devices."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -96,6 +97,22 @@ def test_kernel_durations_sum_the_first_gpu():
         assert _close(k["share"], spent[k["name"]] / sum(spent.values()), 1e-9)
         assert k["kind"] in ("attention", "matmul", "comm", "memcpy", "other")
     assert any(k["where"] for k in top)
+    assert all(k["phase"] in trace.PHASES for k in top)
+
+    # Per phase (the report's update-phase table): each kernel's time in that phase
+    # only; over the phases, every kernel's time exactly once.
+    per_phase = {p: trace.top_kernels(data, n=10**6, steps=2, phase=p) for p in trace.PHASES}
+    assert per_phase["forward"] and per_phase["backward"]
+    summed = collections.Counter()
+    for ks in per_phase.values():
+        for k in ks:
+            summed[k["name"]] += k["ms"]
+            assert k["ms"] <= spent[k["name"]] / 1e6 / 2 * (1 + 1e-9)
+    assert set(summed) == set(spent)
+    for name, ns in spent.items():
+        assert _close(summed[name], ns / 1e6 / 2, 1e-9)
+    with pytest.raises(ValueError, match="phase='loss'"):
+        trace.top_kernels(data, phase="loss")
 
     # Per-device comparison: each kernel's time on every GPU, largest spread first.
     spread = trace.kernel_spread(data, n=4, steps=2)
@@ -232,6 +249,12 @@ def test_profile_cli_on_cpu(tmp_path):
     rows[0]["top_kernels"] = trace.top_kernels(GPU_TRACE, n=3)
     assert "## Top kernels" in report_lib.markdown(report)
     rows[0]["top_kernels"] = []
+    assert all(r["top_update_kernels"] == [] for r in rows)
+    assert "update phase (first device" not in md
+    rows[0]["top_update_kernels"] = trace.top_kernels(GPU_TRACE, n=3, phase="update")
+    assert rows[0]["top_update_kernels"]
+    assert "## Top kernels of the update phase" in report_lib.markdown(report)
+    rows[0]["top_update_kernels"] = []
     assert all(r["kernel_spread"] == [] for r in rows)  # CPU traces: no GPU kernels
     assert "differ between devices" not in md
     rows[0]["kernel_spread"] = trace.kernel_spread(GPU_TRACE, n=3)

@@ -310,10 +310,14 @@ def run_row(job: Job) -> dict:
         return row
     row["status"] = "ok"
     data = trace_lib.load(trace_dir)  # parsed once for both readings below
-    report = trace_lib.parse(data, hlo=parse_hlo(compiled.as_text()))
+    hlo = parse_hlo(compiled.as_text())
+    report = trace_lib.parse(data, hlo=hlo)
     row["trace_dir"] = os.path.relpath(trace_dir, job.out)
     row["trace"] = report.to_dict()
-    row["top_kernels"] = trace_lib.top_kernels(data, n=10, steps=job.trace_steps)
+    row["top_kernels"] = trace_lib.top_kernels(data, n=10, steps=job.trace_steps, hlo=hlo)
+    row["top_update_kernels"] = trace_lib.top_kernels(
+        data, n=8, steps=job.trace_steps, phase="update", hlo=hlo
+    )
     row["kernel_spread"] = trace_lib.kernel_spread(data, n=8, steps=job.trace_steps)
     phases = report.mean
     row["trace_vs_timed"] = phases.step_ms / row["step_ms"]

@@ -128,6 +128,17 @@ def _commands(report: dict) -> str:
     )
 
 
+def _kernel_cells(k) -> list:
+    return [
+        f"`{k['name'][:70]}`",
+        k["kind"],
+        k.get("phase", ""),
+        k["ms"],
+        f"{k['share']:.1%}",
+        f"`{k['where'][-80:]}`" if k["where"] else "",
+    ]
+
+
 def _per_row_tables(rows, key: str, title: str, intro: str, header, cells) -> list[str]:
     """A section with one table per row that has `row[key]` (a list of kernel dicts):
     `header(row)` names the columns, `cells(item)` fills one line."""
@@ -283,14 +294,18 @@ def markdown(report: dict) -> str:
         "The ten kernels with the most device time and the name stack that spent most of "
         "it: what the class totals above hide (a kernel slower than its peers, f32 "
         "matmuls in a bf16 model).",
-        lambda r: ["kernel", "class", "ms", "share", "where (name stack)"],
-        lambda k: [
-            f"`{k['name'][:70]}`",
-            k["kind"],
-            k["ms"],
-            f"{k['share']:.1%}",
-            f"`{k['where'][-80:]}`" if k["where"] else "",
-        ],
+        lambda r: ["kernel", "class", "phase", "ms", "share", "where (name stack)"],
+        _kernel_cells,
+    )
+    lines += _per_row_tables(
+        ok,
+        "top_update_kernels",
+        "## Top kernels of the update phase (first device, ms per traced step)",
+        "What runs outside the differentiated loss (the optimizer, the gradients' "
+        "normalisation, norm and sums): these kernels carry no model scope, so the "
+        "phase and class totals above do not name them.",
+        lambda r: ["kernel", "class", "phase", "ms", "share", "where (name stack)"],
+        _kernel_cells,
     )
     lines += _per_row_tables(
         ok,

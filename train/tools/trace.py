@@ -244,29 +244,51 @@ def _first_gpu_kernels(source: str | ProfileData) -> list[Kernel]:
     return devices[min(devices, key=lambda d: int(d.split(":")[1]))]
 
 
-def top_kernels(source: str | ProfileData, n: int = 10, steps: int = 1) -> list[dict[str, Any]]:
+def top_kernels(
+    source: str | ProfileData,
+    n: int = 10,
+    steps: int = 1,
+    *,
+    phase: str | None = None,
+    hlo: HloOps | None = None,
+) -> list[dict[str, Any]]:
     """The `n` kernels (by name) with the most device time on the first GPU, per traced
     step (`steps` of them in the trace): `name`, `ms`, `share` of all kernel time,
-    `kind` (`kind_of`) and `where`, the name stack (last three scopes) that spent most
-    of it. Empty for CPU traces. Shows what the class totals hide, e.g. f32 (TF32)
-    matmuls in a bf16 model."""
+    `kind` (`kind_of`), `phase` (the training phase that spent most of its time) and
+    `where`, the name stack (last three scopes) that spent most of it. Empty for CPU
+    traces. Shows what the class totals hide, e.g. f32 (TF32) matmuls in a bf16 model.
+
+    `phase` ("forward", "backward", "recompute" or "update"): only that phase's time
+    of each kernel (the `update` phase's kernels carry no model scope, so the class
+    totals say little about them). `hlo` (`train.tools.hlo.parse_hlo` of the step)
+    names the phases of kernels whose trace events carry no name stack, as `parse`."""
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"{phase=} must be one of {PHASES}")
     kernels = _first_gpu_kernels(source)
+    phases = _phases(kernels, hlo)[0] if kernels else []
+    total = sum(k.end - k.start for k in kernels)
+    spent: collections.Counter = collections.Counter()
     stacks: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    by_phase: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     sample: dict[str, Kernel] = {}
-    for k in kernels:
-        stacks[k.name]["/".join(k.stack.split("/")[-3:])] += k.end - k.start
+    for k, p in zip(kernels, phases, strict=True):
+        by_phase[k.name][p] += k.end - k.start
+        if phase is not None and p != phase:
+            continue
+        spent[k.name] += k.end - k.start
+        stack = k.stack or (hlo.name_stack(k.hlo_op) if hlo else "")
+        stacks[k.name]["/".join(stack.split("/")[-3:])] += k.end - k.start
         sample.setdefault(k.name, k)
-    spent = _time_per_name(kernels)
-    total = sum(spent.values())
     return [
         {
             "name": name,
             "ms": ns / 1e6 / steps,
             "share": ns / total,
             "kind": kind_of(sample[name], "gpu"),
+            "phase": by_phase[name].most_common(1)[0][0],
             "where": stacks[name].most_common(1)[0][0],
         }
-        for name, ns in list(spent.items())[:n]
+        for name, ns in spent.most_common(n)
     ]
 
 
