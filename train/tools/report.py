@@ -128,6 +128,9 @@ def _commands(report: dict) -> str:
     )
 
 
+KERNEL_COLUMNS = ["kernel", "class", "phase", "ms", "share", "where (name stack)"]
+
+
 def _kernel_cells(k) -> list:
     return [
         f"`{k['name'][:70]}`",
@@ -287,26 +290,23 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
-    lines += _per_row_tables(
-        ok,
-        "top_kernels",
-        "## Top kernels (first device, ms per traced step)",
-        "The ten kernels with the most device time and the name stack that spent most of "
-        "it: what the class totals above hide (a kernel slower than its peers, f32 "
-        "matmuls in a bf16 model).",
-        lambda r: ["kernel", "class", "phase", "ms", "share", "where (name stack)"],
-        _kernel_cells,
-    )
-    lines += _per_row_tables(
-        ok,
-        "top_update_kernels",
-        "## Top kernels of the update phase (first device, ms per traced step)",
-        "What runs outside the differentiated loss (the optimizer, the gradients' "
-        "normalisation, norm and sums): these kernels carry no model scope, so the "
-        "phase and class totals above do not name them.",
-        lambda r: ["kernel", "class", "phase", "ms", "share", "where (name stack)"],
-        _kernel_cells,
-    )
+    for key, title, intro in (
+        (
+            "top_kernels",
+            "## Top kernels (first device, ms per traced step)",
+            "The ten kernels with the most device time and the name stack that spent most "
+            "of it: what the class totals above hide (a kernel slower than its peers, f32 "
+            "matmuls in a bf16 model).",
+        ),
+        (
+            "top_update_kernels",
+            "## Top kernels of the update phase (first device, ms per traced step)",
+            "What runs outside the differentiated loss (the optimizer, the gradients' "
+            "normalisation, norm and sums): these kernels carry no model scope, so the "
+            "phase and class totals above do not name them.",
+        ),
+    ):
+        lines += _per_row_tables(ok, key, title, intro, lambda r: KERNEL_COLUMNS, _kernel_cells)
     lines += _per_row_tables(
         ok,
         "kernel_spread",
