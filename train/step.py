@@ -134,7 +134,7 @@ def gradients(params, batch: dict[str, jax.Array], spec: StepSpec):
     if xs[0].shape[0] == 1:
         # One micro-batch: no scan, so no f32 gradient tree is zeroed and added into
         # (16 bytes of memory traffic per parameter less; the same numbers).
-        grads, loss_sum, count = micro_batch(*(None if x is None else x[0] for x in xs))
+        grads, loss_sum, count = micro_batch(*jax.tree.map(lambda x: x[0], xs))
     else:
         zeros = jax.tree.map(jnp.zeros_like, params)
         init = (zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))

@@ -276,7 +276,7 @@ def top_kernels(
         if phase is not None and p != phase:
             continue
         spent[k.name] += k.end - k.start
-        stack = k.stack or (hlo.name_stack(k.hlo_op) if hlo else "")
+        stack = _stack_of(k, hlo)
         stacks[k.name]["/".join(stack.split("/")[-3:])] += k.end - k.start
         sample.setdefault(k.name, k)
     return [
@@ -404,6 +404,11 @@ def kind_of(kernel: Kernel, platform: str) -> str:
     return "other"
 
 
+def _stack_of(kernel: Kernel, hlo: HloOps | None) -> str:
+    """A kernel's name stack: the trace's, else its HLO op's (empty when neither)."""
+    return kernel.stack or (hlo.name_stack(kernel.hlo_op) if hlo else "")
+
+
 def _phases(kernels: list[Kernel], hlo: HloOps | None) -> tuple[list[str], list[bool]]:
     """Phase per kernel, and whether it came from a name stack (else inherited)."""
     phases: list[str] = [""] * len(kernels)
@@ -411,8 +416,7 @@ def _phases(kernels: list[Kernel], hlo: HloOps | None) -> tuple[list[str], list[
     last: dict[str, str] = {}
     for i in sorted(range(len(kernels)), key=lambda i: kernels[i].start):
         k = kernels[i]
-        stack = k.stack or (hlo.name_stack(k.hlo_op) if hlo else "")
-        phase = phase_of(stack)
+        phase = phase_of(_stack_of(k, hlo))
         named[i] = phase is not None
         phases[i] = phase or last.get(k.stream, "update")
         last[k.stream] = phases[i]
