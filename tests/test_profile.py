@@ -160,6 +160,14 @@ def test_hlo_facts():
     assert trace.phase_of(hlo.name_stack("fusion.1")) == "forward"
     assert hlo.name_stack("missing") == "" and trace.phase_of("") is None
 
+    # A deduplicated fusion's launch carries the jit's root scope in the trace; its HLO
+    # op knows the layer and the pass. Without the HLO the trace's stack is used.
+    kernel = trace.Kernel(0, 1, "loop_add_fusion_2", "jit(f)", "ppermute.3", "m", "s", 0)
+    assert trace._phases([kernel], hlo)[0] == ["backward"]
+    assert trace._phases([kernel], None)[0] == ["update"]
+    orphan = dataclasses.replace(kernel, hlo_op="missing")
+    assert trace._phases([orphan], hlo)[0] == ["update"]
+
 
 @pytest.mark.multi_device(8)
 @pytest.mark.skipif(ON_GPU, reason="reads a CPU trace; GPU traces: test_gpu_trace_*")

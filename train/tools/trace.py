@@ -405,8 +405,12 @@ def kind_of(kernel: Kernel, platform: str) -> str:
 
 
 def _stack_of(kernel: Kernel, hlo: HloOps | None) -> str:
-    """A kernel's name stack: the trace's, else its HLO op's (empty when neither)."""
-    return kernel.stack or (hlo.name_stack(kernel.hlo_op) if hlo else "")
+    """A kernel's name stack: its HLO op's, else the trace's (empty when neither).
+
+    The compiled HLO is the authority where it is known: XLA deduplicates fusions of the
+    same shape (every layer's SwiGLU, say), and the trace then names each launch with
+    the jit's root scope only, which reads as the update phase."""
+    return (hlo.name_stack(kernel.hlo_op) if hlo else "") or kernel.stack
 
 
 def _phases(kernels: list[Kernel], hlo: HloOps | None) -> tuple[list[str], list[bool]]:
