@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -461,7 +462,7 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
 
     layouts = {
         "one": ("data=1,fsdp=1,seq=1", []),
-        "replicated": ("data=1,fsdp=1,seq=2", []),
+        "replicated": ("data=1,fsdp=1,seq=2", ["--ring_strategy", "ring"]),  # others: auto
         "sharded": ("data=1,fsdp=1,seq=2", ["--shard_over_seq"]),
         "gathered": ("data=1,fsdp=1,seq=2", ["--shard_over_seq", "--gather_once", "true"]),
     }
@@ -477,6 +478,31 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
     rtol = 2e-3 if bf16 else 1e-5
     for name, (loss, norm) in got.items():
         np.testing.assert_allclose([loss, norm], got["one"], rtol=rtol, err_msg=name)
+
+
+def test_auto_strategy_picks_ulysses_on_one_host_where_the_heads_divide():
+    """`--ring_strategy auto` (the default): Ulysses where seq splits the sequence, divides
+    the query heads and stays on one host; the ring otherwise; hybrid with seq_a2a; an
+    explicit strategy as given."""
+    from train.build import model_config, resolve_strategy
+
+    def picked(mesh, *extra, hosts=1, devices=8):
+        cfg = parse_args(["--model_name_or_path", "tiny", "--mesh", mesh, *extra])
+        sizes = parse_mesh(mesh, devices)
+        fake = [types.SimpleNamespace(process_index=i % hosts) for i in range(devices)]
+        resolved = resolve_strategy(cfg, model_config(cfg), sizes, fake)
+        return resolved.model.ring_strategy
+
+    assert parse_args([]).model.ring_strategy == "auto"
+    # The tiny model has 4 query heads.
+    assert picked("data=4,fsdp=1,seq=2") == "ulysses"
+    assert picked("data=2,fsdp=1,seq=4") == "ulysses"
+    assert picked("data=1,fsdp=1,seq=8") == "ring"  # 8 does not divide 4 heads
+    assert picked("data=4,fsdp=1,seq=2", hosts=2) == "ring"  # across hosts
+    assert picked("data=8,fsdp=1,seq=1") == "ring"  # nothing split
+    assert picked("data=2,fsdp=1,seq=2,seq_a2a=2") == "hybrid"
+    assert picked("data=4,fsdp=1,seq=2", "--ring_strategy", "ring") == "ring"
+    assert picked("data=1,fsdp=1,seq=8", "--ring_strategy", "allgather") == "allgather"
 
 
 @pytest.mark.multi_device(8)

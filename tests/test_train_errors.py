@@ -56,7 +56,14 @@ def _tiny_model_dir(path, **config_changes):
         (["--data_path", "typo.npy"], "no such data file"),
         (["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
         (
-            ["--data_path", "sample", "--mesh", "data=-1,fsdp=1,seq=1,seq_a2a=2"],
+            [
+                "--data_path",
+                "sample",
+                "--mesh",
+                "data=-1,fsdp=1,seq=1,seq_a2a=2",
+                "--ring_strategy",
+                "ring",
+            ],
             "seq_a2a axis is the all-to-all axis of --ring_strategy hybrid",
         ),
         (

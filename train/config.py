@@ -32,7 +32,9 @@ class ModelArgs:
     attention: str = "ring"  # xla | cudnn | jflash | ring
     attention_implementation: str | None = None  # jflash implementation (None: per device)
     ring_layout: str = "zigzag"  # zigzag | striped (balanced with packed documents) | contiguous
-    ring_strategy: str = "ring"  # jflash.STRATEGIES; hybrid: ring over seq, all-to-all seq_a2a
+    # auto | jflash.STRATEGIES; auto: ulysses on one host where seq divides the heads, else
+    # ring (hybrid with a seq_a2a axis; `train.build.resolve_strategy`)
+    ring_strategy: str = "auto"
     remat_policy: str = "save_attn"  # models.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
@@ -140,7 +142,7 @@ class TrainConfig:
         choices = {
             ("model", "attention"): ATTENTION_KINDS,
             ("model", "ring_layout"): jflash.LAYOUTS,
-            ("model", "ring_strategy"): jflash.STRATEGIES,
+            ("model", "ring_strategy"): ("auto", *jflash.STRATEGIES),
             ("model", "attention_implementation"): (None, *jflash.IMPLEMENTATIONS),
             ("model", "remat_policy"): REMAT_POLICIES,
             ("data", "packing_positions"): ("per_document", "running"),

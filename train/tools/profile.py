@@ -130,6 +130,10 @@ def _trainer_args(job: Job) -> list[str]:
         job.mesh,
         "--attention",
         "ring",
+        # The report measures the K/V ring (its bytes and GB/s); the trainer's `auto`
+        # would pick Ulysses on one host where the mesh's seq divides the heads.
+        "--ring_strategy",
+        "ring",
         "--remat_policy",
         job.remat,
         "--per_device_train_batch_size",
