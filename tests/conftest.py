@@ -4,11 +4,24 @@ On a GPU machine the same kernel tests run compiled (`INTERPRET` is False there)
 """
 
 import os
+import tempfile
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+
+# One persistent compilation cache for the test processes (both xdist workers and the
+# trainer / profiler CLIs the tests start, which inherit the environment): a process
+# that compiles a program another one compiled loads it instead. Entries are keyed by
+# the program, jax's version, the flags and the devices, so a stale entry is never used.
+# `JAX_ENABLE_COMPILATION_CACHE=false` turns it off; `JAX_COMPILATION_CACHE_DIR` moves it.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"jflash-tests-jax-cache-{os.getuid()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -99,12 +99,10 @@ def test_trains_with_ring_and_fsdp(tmp_path):
 @pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
     steps = ["--max_steps", "30", "--save_steps", "4"]
-    whole = tmp_path / "whole"
-    run(parse_args(_args(whole, *steps)))
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "train", *_args(killed, *steps, mesh="data=1,fsdp=2,seq=2")]
-    # The same mesh shape on 4 devices: data=1 there vs data=2 here would change the batch,
-    # so the uninterrupted reference runs with the same 4-device mesh too.
+    # The uninterrupted reference: a child process on the same 4-device mesh (another
+    # data split would change the batch).
     whole4 = tmp_path / "whole4"
     subprocess.run(
         [sys.executable, "-m", "train", *_args(whole4, *steps, mesh="data=1,fsdp=2,seq=2")],
@@ -142,8 +140,6 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
         assert resumed[step] == reference[step], (step, resumed[step], reference[step])
     # TensorBoard too: the killed run's scalars after step 8 were dropped, not doubled.
     assert [s for s, _ in read_scalars(killed / "tensorboard")["train/loss"]] == list(range(1, 31))
-    # And the 8-device run (another data split) trained too.
-    assert len(_log(whole)) == 30
 
 
 @pytest.mark.multi_device(4)
@@ -515,7 +511,7 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     # f32 compute: the two layouts then agree to f32 rounding (bf16 would differ at 1e-4).
     common = [
         "--max_steps",
-        "4",
+        "2",
         "--save_strategy",
         "no",
         "--export_hf",
