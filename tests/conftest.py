@@ -6,9 +6,17 @@ On a GPU machine the same kernel tests run compiled (`INTERPRET` is False there)
 import os
 import tempfile
 
+# On CPU machines (no NVIDIA device), XLA compiles without LLVM's optimisations: the
+# tests' programs are small and mostly compiled once, so compiling dominates; a 2-core
+# machine runs the suite about a fifth faster. GPU runs compile as users do.
+FAST_COMPILE = (
+    ""
+    if os.path.exists("/dev/nvidiactl")
+    else "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", FAST_COMPILE]
     ).strip()
 
 # One persistent compilation cache for the test processes (both xdist workers and the
@@ -33,7 +41,8 @@ ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) 
 
 def cpu_devices(n: int) -> dict[str, str]:
     """Environment for a child process on `n` simulated CPU devices, on any machine."""
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    flags = f"--xla_force_host_platform_device_count={n} {FAST_COMPILE}".strip()
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
 # Mosaic kernels: compiled on sm90, the GPU interpreter on CPU, nothing on other GPUs.

@@ -447,7 +447,7 @@ def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
             "--implementation", "xla",
             "--iters", "1", "--warmup", "0",
             "--longest", "--longest-start", "256", "--longest-max", "65536",
-            "--longest-refine", "2", "--longest-limit-gib", "0.002",
+            "--longest-refine", "0", "--longest-limit-gib", "0.002",
             "--out", str(out),
         ]
     )  # fmt: skip
