@@ -114,6 +114,24 @@ def test_kernel_durations_sum_the_first_gpu():
     with pytest.raises(ValueError, match="phase='loss'"):
         trace.top_kernels(data, phase="loss")
 
+    # By model scope: the class's time on GPU 0, every layer's kernels in one scope.
+    for kind in ("other", "matmul"):
+        scopes = trace.top_scopes(data, n=10**6, steps=2, kind=kind)
+        of_kind = [k for k in gpu0 if trace.kind_of(k, "gpu") == kind]
+        assert scopes and _close(
+            sum(s["ms"] for s in scopes), sum(k.end - k.start for k in of_kind) / 1e6 / 2, 1e-9
+        )
+        assert sum(s["launches"] for s in scopes) == len(of_kind) / 2
+        assert all(
+            s["phase"] in trace.PHASES and "layer_" not in s["scope"].replace("layer_*", "")
+            for s in scopes
+        )
+    assert (
+        trace.scope_of("jit(train_step)/transpose(jvp(layer_12))/mlp/mul")
+        == "transpose(jvp(layer_*))/mlp"
+    )
+    assert trace.scope_of("jit(train_step)/add") == "add"
+
     # Per-device comparison: each kernel's time on every GPU, largest spread first.
     spread = trace.kernel_spread(data, n=4, steps=2)
     per_device = {d: trace._time_per_name(ks) for d, ks in trace._gpu_kernels(data).items()}
@@ -265,6 +283,13 @@ def test_profile_cli_on_cpu(tmp_path):
     assert "## Kernels that differ between devices" in spread_md
     assert "| kernel | class | gpu:0 | gpu:1 | spread |" in spread_md
     rows[0]["kernel_spread"] = []
+    assert all(r["top_other_scopes"] == [] for r in rows)  # CPU traces: no GPU kernels
+    assert "## Where the other kernels run" not in md
+    rows[0]["top_other_scopes"] = trace.top_scopes(GPU_TRACE, n=3)
+    scopes_md = report_lib.markdown(report)
+    assert "## Where the other kernels run" in scopes_md
+    assert "| scope | phase | ms | share | launches | largest kernel |" in scopes_md
+    rows[0]["top_other_scopes"] = []
     assert (out / "scaling.png").stat().st_size > 5000
 
     # A row timed with --no-xla-cost gets the same XLA bytes from --fill-xla-cost (the

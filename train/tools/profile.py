@@ -323,6 +323,7 @@ def run_row(job: Job) -> dict:
         data, n=8, steps=job.trace_steps, phase="update", hlo=hlo
     )
     row["kernel_spread"] = trace_lib.kernel_spread(data, n=8, steps=job.trace_steps)
+    row["top_other_scopes"] = trace_lib.top_scopes(data, n=12, steps=job.trace_steps, hlo=hlo)
     phases = report.mean
     row["trace_vs_timed"] = phases.step_ms / row["step_ms"]
     if report.platform == "gpu" and report.named_fraction < 0.5:

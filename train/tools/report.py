@@ -317,6 +317,22 @@ def markdown(report: dict) -> str:
         lambda r: ["kernel", "class", *r["kernel_spread"][0]["ms"], "spread"],
         lambda k: [f"`{k['name'][:70]}`", k["kind"], *k["ms"].values(), k["spread_ms"]],
     )
+    lines += _per_row_tables(
+        ok,
+        "top_other_scopes",
+        "## Where the other kernels run (first device, ms per traced step)",
+        "The class `other` (elementwise and reduction fusions, copies XLA writes) by model "
+        "scope, every layer's kernels added up: norms, RoPE, SwiGLU, the loss.",
+        lambda r: ["scope", "phase", "ms", "share", "launches", "largest kernel"],
+        lambda k: [
+            f"`{k['scope'][-90:]}`",
+            k["phase"],
+            k["ms"],
+            f"{k['share']:.1%}",
+            k["launches"],
+            f"`{k['name'][:50]}`",
+        ],
+    )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
         "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "

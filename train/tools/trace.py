@@ -292,6 +292,60 @@ def top_kernels(
     ]
 
 
+_LAYER = re.compile(r"layer_\d+")
+
+
+def scope_of(stack: str) -> str:
+    """A name stack as a model scope: without the jit's root (`jit(train_step)`) and the
+    primitive at the end, every `layer_N` as `layer_*` (the layers' kernels add up)."""
+    parts = [p for p in _LAYER.sub("layer_*", stack).split("/") if p]
+    if parts and parts[0].startswith("jit("):
+        parts = parts[1:]
+    return "/".join(parts[:-1] if len(parts) > 1 else parts)
+
+
+def top_scopes(
+    source: str | ProfileData,
+    n: int = 12,
+    steps: int = 1,
+    *,
+    kind: str = "other",
+    hlo: HloOps | None = None,
+) -> list[dict[str, Any]]:
+    """The `n` model scopes (`scope_of` a kernel's name stack) whose `kind` kernels
+    (`kind_of`: "other" by default, the elementwise and reduction fusions) spend the most
+    device time on the first GPU, per traced step: `scope`, `ms`, `share` of all kernel
+    time, `phase` (`phase_of` the scope), `launches` per step and `name`, the kernel that
+    spent most of it. Breaks down the class totals by where in the model the time goes
+    (norms, RoPE, SwiGLU, the loss). Empty for CPU traces."""
+    kernels = _first_gpu_kernels(source)
+    total = sum(k.end - k.start for k in kernels)
+    spent: collections.Counter = collections.Counter()
+    launches: collections.Counter = collections.Counter()
+    names: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    stacks: dict[str, str] = {}
+    for k in kernels:
+        if kind_of(k, "gpu") != kind:
+            continue
+        stack = _stack_of(k, hlo)
+        scope = scope_of(stack) or "(no name stack)"
+        spent[scope] += k.end - k.start
+        launches[scope] += 1
+        names[scope][k.name] += k.end - k.start
+        stacks.setdefault(scope, stack)
+    return [
+        {
+            "scope": scope,
+            "ms": ns / 1e6 / steps,
+            "share": ns / total,
+            "phase": phase_of(stacks[scope]) or "update",
+            "launches": launches[scope] / steps,
+            "name": names[scope].most_common(1)[0][0],
+        }
+        for scope, ns in spent.most_common(n)
+    ]
+
+
 def kernel_spread(source: str | ProfileData, n: int = 8, steps: int = 1) -> list[dict[str, Any]]:
     """Per kernel name, its device time per traced step on every GPU of the trace, for
     the `n` names whose time differs most between the GPUs: `name`, `kind`, `ms`
