@@ -19,6 +19,7 @@ from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import resolve
+from jflash._flash import flash_attention
 from jflash._layout import check_layout, check_layout_len
 from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
 from jflash._ulysses import check_heads, hybrid_shard, ulysses_shard
@@ -232,7 +233,8 @@ def ring_attention_shard(
         causal), `"ulysses"` (an all-to-all over heads: each device runs the kernel
         on the whole sequence for N/P heads; N % P == 0) or `"hybrid"` (Ulysses over
         the second axis of `axis_name`, the ring over the first). See
-        `jflash.ring_attention` for when each is the one to use.
+        `jflash.ring_attention` for when each is the one to use. Over an axis of
+        size 1 every strategy runs `jflash.flash_attention`'s kernels on the shard.
       segment_ids: this shard's ids `[B, T_local]` int (packed documents: attention
         stays inside equal ids; a document may span shards), in the same layout
         order as q, or a `(q_ids, kv_ids)` pair. Rows that see no key give 0 and LSE
@@ -308,6 +310,20 @@ def ring_attention_shard(
     check_interpretable(cfg.kernel.name, cfg.kernel.interpret, q, k, v, *(segs or ()))
 
     def ring(q, k, v, segs):
+        if ring_shards == 1:
+            # One ring shard (a mesh axis of size 1, or a hybrid's ring axis of size 1):
+            # the single-device kernels, outputs and gradients in q's dtype, instead of
+            # one ring step's f32 partial output and gradients converted afterwards.
+            return flash_attention(
+                q,
+                k,
+                v,
+                segment_ids=segs,
+                return_lse=True,
+                causal=causal,
+                scale=scale,
+                **kernel_choice,
+            )
         q_seg, kv_seg = (None, None) if segs is None else segs
         return _ring_shard(q, k, v, q_seg, kv_seg, cfg)
 

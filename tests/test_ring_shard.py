@@ -436,6 +436,35 @@ def test_global_ring_attention_with_documents():
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_one_shard_runs_the_single_device_kernels(strategy):
+    """A sequence axis of size 1 (a trainer's `seq=1`) calls `flash_attention`'s kernels:
+    outputs and gradients in q's dtype, not one ring step's f32 partials converted
+    afterwards; the same numbers as `flash_attention`, bit for bit."""
+    mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])
+    shape = dict(batch=2, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=32)
+    q, k, v = make_inputs(3, **shape, dtype=jnp.bfloat16)[:3]
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
+
+    def ring(q, k, v):
+        return jflash.ring_attention(
+            q, k, v, mesh=mesh, causal=True, strategy=strategy, implementation="xla"
+        )
+
+    def flash(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=True, implementation="xla")
+
+    grad = jax.grad(functools.partial(loss, ring), argnums=(0, 1, 2))
+    program = str(jax.make_jaxpr(grad)(q, k, v))
+    assert "name=_flash" in program and "_ring_shard" not in program
+    want = jax.jit(jax.grad(functools.partial(loss, flash), argnums=(0, 1, 2)))(q, k, v)
+    for a, e in zip(jax.jit(grad)(q, k, v), want, strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+
+
 @pytest.mark.parametrize(
     "implementation, head_dim, seq, dtype",
     [
