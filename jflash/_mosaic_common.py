@@ -136,6 +136,7 @@ def stream_kv(
     stages: int,
     ids=None,
     interpret: bool = False,
+    regs: int = MEMORY_REGS,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
@@ -146,7 +147,7 @@ def stream_kv(
     `ids`, a `(kv_seg [B, S] int32 in HBM, [stages, block_kv] SMEM)` pair, rides with K
     (its ready barrier then counts two arrivals).
     """
-    plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+    plgpu.set_max_registers(regs, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
     num_steps = steps.cta_hi - steps.cta_lo
 
@@ -272,7 +273,17 @@ def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: boo
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 
-def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str, interpret: bool):
+def launch(
+    body,
+    *,
+    out_type,
+    scratch_types,
+    grid,
+    grid_names,
+    kernel_name: str,
+    interpret: bool,
+    wgs: int = COMPUTE_WGS,
+):
     """`plgpu.kernel` with what every jflash Mosaic kernel shares: 2 compute + 1 memory
     warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked.
 
@@ -287,7 +298,7 @@ def launch(body, *, out_type, scratch_types, grid, grid_names, kernel_name: str,
         scratch_types=scratch_types,
         grid=grid,
         grid_names=grid_names,
-        num_threads=COMPUTE_WGS + 1,
+        num_threads=wgs + 1,
         thread_name="wg",
         # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM
         # scratch for reductions, which buys the f32-output variants their slots.
@@ -402,23 +413,23 @@ def _cta_steps(per_wg, wg) -> Steps:
     return Steps(cta_lo, cta_hi, *own)
 
 
-def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg):
+def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: int = COMPUTE_WGS):
     """Forward and dQ kernels: `(cta_start, Steps)`, this CTA's first query row and the
     key steps it streams and `wg` computes (`table_ref`: `query_table` of the 64-row
     query tiles, or None).
 
     Query tiles launch heaviest first (causal rows near the end see the most keys).
     """
-    rows = COMPUTE_WGS * WG_ROWS
+    rows = wgs * WG_ROWS
     tiles = geom.q_pad // rows
     tile = tiles - 1 - lax.axis_index("q_tiles")
     cta_start = tile * rows
     per_wg = []
-    for w in range(COMPUTE_WGS):
+    for w in range(wgs):
         n_full, n_end = kv_range(geom, cta_start + w * WG_ROWS, WG_ROWS, block_kv)
         seg = None
         if table_ref is not None:
-            seg = _read_table(table_ref, batch, tile * COMPUTE_WGS + w, tiles * COMPUTE_WGS)
+            seg = _read_table(table_ref, batch, tile * wgs + w, tiles * wgs)
         per_wg.append(_own_steps((0, n_end), (0, n_full), seg))
     return cta_start, _cta_steps(per_wg, wg)
 

@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jflash._mosaic_common import (
     COMPUTE_REGS,
     COMPUTE_WGS,
+    MEMORY_REGS,
     WG_ROWS,
     Geometry,
     col_ids,
@@ -39,6 +40,7 @@ from jflash._mosaic_common import (
     launch,
     query_table,
     query_tile_steps,
+    rem,
     row_ids,
     run_steps,
     same_segment,
@@ -58,6 +60,12 @@ from jflash._vma import match, struct
 # The GPU interpreter cannot store into a live accumulator, so interpret mode runs the
 # other loop.
 OVERLAP_HEAD_DIMS = (128,)
+# Head dims whose compiled forward runs three compute warpgroups (192-row query tiles,
+# 128-key steps, each step's P V and the next Q K^T issued together), FlashAttention-3's
+# D = 64 forward: the tensor cores pass round the three in turn, so each warpgroup has
+# two others' turns for its softmax instead of one. Registers: 3 x 160 + 24.
+THREE_WG_HEAD_DIMS = (64,)
+THREE_WG_REGS = (160, 24)
 
 
 def _fwd_kernel(
@@ -71,6 +79,7 @@ def _fwd_kernel(
     qk_scale: float,
     segments: bool,
     interpret: bool,
+    wgs: int,
 ):
     """`refs`: with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`),
     `kv_seg [B, S]` and the `query_table` (the sorted-ids flag last) first; then the
@@ -99,15 +108,25 @@ def _fwd_kernel(
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg)
+    cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg, wgs)
+    # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
+    # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
+    token = wgs > COMPUTE_WGS
 
     def take_turn():
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-    @pl.when(wg < COMPUTE_WGS)
+    def hold():  # token ring: wait until the tensor cores are this warpgroup's
+        plgpu.barrier_wait(turn.at[wg])
+
+    def hand():  # token ring: the next warpgroup's turn
+        plgpu.barrier_arrive(turn.at[rem(wg + 1, jnp.int32(wgs))])
+
+    @pl.when(wg < wgs)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
+        plgpu.set_max_registers(regs, action="increase")
         q_start = cta_start + wg * bq
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
@@ -194,6 +213,12 @@ def _fwd_kernel(
             slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
+            if token:  # one turn per step, taken after the slot is released
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                hold()
+                hand()
+                return carry
             take_turn()
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
@@ -226,16 +251,25 @@ def _fwd_kernel(
                 plgpu.barrier_arrive(k_free.at[slot])
                 o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
                 o_acc[...] = o
-                take_tensor_cores(slot)
+                if token:
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    hold()
+                else:
+                    take_tensor_cores(slot)
                 plgpu.wgmma(o_acc, p16, v_smem.at[slot])  # += P V, waited for next step
                 if not last:
                     issue_qk(j + 1)
+                if token:
+                    hand()  # while these run, the others do their softmax
+                elif not last:
                     take_turn()  # while these run, the other warpgroup does softmax
                 return m, l
 
             def first(j, carry):  # once, if this warpgroup has a step at all
+                if token:
+                    hold()
                 issue_qk(j)
-                take_turn()
+                hand() if token else take_turn()
                 return carry
 
             lax.fori_loop(st.lo, st.lo + jnp.minimum(st.hi - st.lo, 1), first, None)
@@ -269,8 +303,11 @@ def _fwd_kernel(
             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
         )
-        pl.when(wg == 1)(take_turn)
-        if geom.head_dim in OVERLAP_HEAD_DIMS and not interpret:
+        if token:  # warpgroup 0 goes first
+            pl.when(wg == wgs - 1)(hand)
+        else:
+            pl.when(wg == 1)(take_turn)
+        if (token or geom.head_dim in OVERLAP_HEAD_DIMS) and not interpret:
             if segments:
                 lax.fori_loop(st.cta_lo, st.lo, skip, None)
             acc, m, l = pl.run_scoped(
@@ -285,7 +322,16 @@ def _fwd_kernel(
             acc, m, l = run_steps(
                 st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
             )
-        pl.when(wg == 0)(take_turn)
+        if token:
+            # A warpgroup with steps took one turn more than its skips (the first Q K^T):
+            # one without takes it here, so every warpgroup takes as many.
+            @pl.when(st.hi == st.lo)
+            def _():
+                hold()
+                hand()
+
+        else:
+            pl.when(wg == 0)(take_turn)
 
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
@@ -305,7 +351,7 @@ def _fwd_kernel(
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _memory():
         stream_kv(
             (k_ref, v_ref),
@@ -320,6 +366,7 @@ def _fwd_kernel(
             stages=stages,
             ids=(kvseg_ref, kv_ids) if segments else None,
             interpret=interpret,
+            regs=THREE_WG_REGS[1] if token else MEMORY_REGS,
         )
 
 
@@ -349,7 +396,12 @@ def mosaic_fwd(
     q, k, v, q_seg, kv_seg = match(q, k, v, q_seg, kv_seg)
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
-    rows = COMPUTE_WGS * WG_ROWS
+    # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run.
+    wgs = 3 if h in THREE_WG_HEAD_DIMS and not interpret else COMPUTE_WGS
+    if wgs == 3:
+        block_kv = 128  # S of 64 x 128 keys: 64 registers of the 160
+        stages = max(stages, 3)  # a turn may wait for a slot the step before freed
+    rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
     separate_out = jnp.dtype(out_dtype) != q.dtype
 
@@ -387,6 +439,7 @@ def mosaic_fwd(
         qk_scale=scale * LOG2E,
         segments=segments,
         interpret=interpret,
+        wgs=wgs,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q and K barriers
     o, lse = launch(
@@ -396,22 +449,25 @@ def mosaic_fwd(
             struct((b, n, geom.q_pad), jnp.float32, q),
         ],
         scratch_types=[
-            smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
+            smem_tile((wgs, WG_ROWS, h), q.dtype),
             smem_tile((stages, block_kv, h), k.dtype),
             smem_tile((stages, block_kv, h), v.dtype),
-            smem_tile((COMPUTE_WGS, WG_ROWS, h), out_dtype) if separate_out else None,
-            plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
-            plgpu.SMEM((COMPUTE_WGS, 3, WG_ROWS), jnp.int32) if segments else None,
+            smem_tile((wgs, WG_ROWS, h), out_dtype) if separate_out else None,
+            plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
+            plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
-            plgpu.Barrier(num_arrivals=with_ids, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=with_ids, num_barriers=wgs),
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_barriers=wgs)
+            if wgs > COMPUTE_WGS
+            else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         ],
         **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=mask.causal),
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
+        wgs=wgs,
     )(*inputs)
     return o[:, :t], lse[:, :, :t]
