@@ -675,6 +675,7 @@ def mosaic_bwd(
         kv_pad=round_up(s_len, max(rows, block_kv_dq)),
         group=n // kh,
         head_dim=h,
+        q_len=t,
     )
     # The accumulators' starting values (module docstring): -LSE/scale (-inf for rows
     # that see nothing, and padding) and -delta.

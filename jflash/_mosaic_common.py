@@ -70,6 +70,7 @@ class Geometry:
     kv_pad: int
     group: int  # query heads per KV head
     head_dim: int
+    q_len: int  # real query length (rows past it are padding: no keys streamed for them)
 
     @property
     def diag(self) -> int:
@@ -427,6 +428,9 @@ def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: i
     per_wg = []
     for w in range(wgs):
         n_full, n_end = kv_range(geom, cta_start + w * WG_ROWS, WG_ROWS, block_kv)
+        # A warpgroup whose rows are all padding streams nothing (its output is cut off).
+        real = cta_start + w * WG_ROWS < geom.q_len
+        n_full, n_end = (jnp.where(real, x, jnp.int32(0)) for x in (n_full, n_end))
         seg = None
         if table_ref is not None:
             seg = _read_table(table_ref, batch, tile * wgs + w, tiles * wgs)

@@ -396,8 +396,9 @@ def mosaic_fwd(
     q, k, v, q_seg, kv_seg = match(q, k, v, q_seg, kv_seg)
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
-    # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run.
-    wgs = 3 if h in THREE_WG_HEAD_DIMS and not interpret else COMPUTE_WGS
+    # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run;
+    # with segment ids ptxas spills 1,164 bytes there, so those keep two.
+    wgs = 3 if h in THREE_WG_HEAD_DIMS and not (interpret or segments) else COMPUTE_WGS
     if wgs == 3:
         block_kv = 128  # S of 64 x 128 keys: 64 registers of the 160
         stages = max(stages, 3)  # a turn may wait for a slot the step before freed
@@ -421,6 +422,7 @@ def mosaic_fwd(
         kv_pad=round_up(s_len, block_kv),
         group=n // kh,
         head_dim=h,
+        q_len=t,
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
