@@ -60,12 +60,17 @@ from jflash._vma import match, struct
 # The GPU interpreter cannot store into a live accumulator, so interpret mode runs the
 # other loop.
 OVERLAP_HEAD_DIMS = (128,)
-# Head dims whose compiled forward runs three compute warpgroups (192-row query tiles,
-# 128-key steps, each step's P V and the next Q K^T issued together), FlashAttention-3's
-# D = 64 forward: the tensor cores pass round the three in turn, so each warpgroup has
-# two others' turns for its softmax instead of one. Registers: 3 x 160 + 24.
+# Head dims whose compiled forward runs three compute warpgroups from THREE_WG_MIN_LEN
+# queries on (192-row query tiles, 128-key steps in 4 stages, each step's P V and the
+# next Q K^T issued together), FlashAttention-3's D = 64 forward: the tensor cores pass
+# round the three in turn, so each warpgroup has two others' turns for its softmax
+# instead of one. Registers: 3 x 160 + 24. H200, forward against two warpgroups: 1.03x
+# at 16k, 1.07x at 32k, 1.05x at 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k
+# causal, so shorter calls keep two (BENCHMARKS.md).
 THREE_WG_HEAD_DIMS = (64,)
+THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
+THREE_WG_STAGES = 4
 
 
 def _fwd_kernel(
@@ -398,10 +403,12 @@ def mosaic_fwd(
     s_len, kh = k.shape[1], k.shape[2]
     # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run;
     # with segment ids ptxas spills 1,164 bytes there, so those keep two.
-    wgs = 3 if h in THREE_WG_HEAD_DIMS and not (interpret or segments) else COMPUTE_WGS
-    if wgs == 3:
+    three = h in THREE_WG_HEAD_DIMS and t >= THREE_WG_MIN_LEN and not (interpret or segments)
+    wgs = 3 if three else COMPUTE_WGS
+    if three:
         block_kv = 128  # S of 64 x 128 keys: 64 registers of the 160
-        stages = max(stages, 3)  # a turn may wait for a slot the step before freed
+        # At least 3: a turn may wait for the slot that the step before it freed.
+        stages = THREE_WG_STAGES
     rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
     separate_out = jnp.dtype(out_dtype) != q.dtype

@@ -151,6 +151,44 @@ def test_mosaic_matches_oracle(case):
     assert_close(got, want, case.dtype)
 
 
+# The three-warpgroup D = 64 forward (compiled only: the interpreter cannot run its
+# loop): causal and full, a ragged length (192-row tiles with padding warpgroups),
+# offsets, MQA. Long calls take it by default; here every call does.
+THREE_WG_CASES = [
+    Case(q_heads=8, kv_heads=2, head_dim=64, q_len=1000, dtype=jnp.bfloat16, batch=2),
+    Case(q_heads=4, kv_heads=4, head_dim=64, q_len=640, causal=False, dtype=jnp.float16),
+    Case(
+        q_heads=8, kv_heads=1, head_dim=64, q_len=256, kv_len=512, q_offset=256, dtype=jnp.bfloat16
+    ),
+    Case(
+        q_heads=4, kv_heads=2, head_dim=64, q_len=80, kv_len=144, causal=False, dtype=jnp.bfloat16
+    ),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", THREE_WG_CASES, ids=str)
+def test_mosaic_three_warpgroup_forward(case, monkeypatch):
+    from jflash import _mosaic_fwd
+
+    launched = []
+    launch = _mosaic_fwd.launch
+
+    def spy(*args, **kwargs):
+        launched.append(kwargs["wgs"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
+    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    jax.clear_caches()
+    got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=False)
+    assert_close(got, want, case.dtype)
+    np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+    assert launched and set(launched) == {3}, launched
+    jax.clear_caches()
+
+
 def test_tile_grid_orders():
     """LAUNCH_ORDER: small causal launches tiles outermost, the rest heads outermost."""
     from jflash._launch_order import TILES_FIRST_MAX_CTAS, TILES_FIRST_MAX_TILES

@@ -65,6 +65,8 @@ def test_lowers_for_cuda(monkeypatch, q_heads, kv_heads, head_dim, seq, dtype, c
         (4, 4, 128, 300, 700, jnp.bfloat16, False, 0, True),
         (4, 4, 64, 300, 700, jnp.bfloat16, False, 0, True),
         (4, 2, 64, 256, 512, jnp.bfloat16, True, 256, False),
+        # From 16k queries the D = 64 forward runs three compute warpgroups.
+        (8, 2, 64, 16384, 16384, jnp.bfloat16, True, 0, False),
     ],
 )
 def test_mosaic_lowers_for_cuda(
