@@ -10,6 +10,10 @@ tensor cores issues its step's P V and its next step's Q K^T back to back, witho
 waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). Query tiles are
 launched heaviest first (causal rows near the end see the most keys).
 
+At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
+`THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
+(`turn.at[w]`, one arrival each) instead of the two-arrival turn barrier.
+
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
 the tiles that hold more than one id or sit on the causal diagonal. The key ids ride
