@@ -131,6 +131,9 @@ def test_kernel_durations_sum_the_first_gpu():
         == "transpose(jvp(layer_*))/mlp"
     )
     assert trace.scope_of("jit(train_step)/add") == "add"
+    long = "transpose(jvp(layer_*))/jvp(layer_*)/checkpoint/attention/attention_ring/jit(x)"
+    assert report_lib._tail(long, 50) == "…/checkpoint/attention/attention_ring/jit(x)"
+    assert report_lib._tail("a/b", 60) == "a/b"
 
     # Per-device comparison: each kernel's time on every GPU, largest spread first.
     spread = trace.kernel_spread(data, n=4, steps=2)
@@ -265,31 +268,38 @@ def test_profile_cli_on_cpu(tmp_path):
 
     profile_cli("--report-only", str(out), timeout=120)
     assert (out / "report.md").read_text() == md
-    assert all(r["top_kernels"] == [] for r in rows)  # CPU traces: no GPU kernels
-    assert "## Top kernels" not in md
-    rows[0]["top_kernels"] = trace.top_kernels(GPU_TRACE, n=3)
-    assert "## Top kernels" in report_lib.markdown(report)
-    rows[0]["top_kernels"] = []
-    assert all(r["top_update_kernels"] == [] for r in rows)
-    assert "update phase (first device" not in md
-    rows[0]["top_update_kernels"] = trace.top_kernels(GPU_TRACE, n=3, phase="update")
-    assert rows[0]["top_update_kernels"]
-    assert "## Top kernels of the update phase" in report_lib.markdown(report)
-    rows[0]["top_update_kernels"] = []
-    assert all(r["kernel_spread"] == [] for r in rows)  # CPU traces: no GPU kernels
-    assert "differ between devices" not in md
-    rows[0]["kernel_spread"] = trace.kernel_spread(GPU_TRACE, n=3)
-    spread_md = report_lib.markdown(report)
-    assert "## Kernels that differ between devices" in spread_md
-    assert "| kernel | class | gpu:0 | gpu:1 | spread |" in spread_md
-    rows[0]["kernel_spread"] = []
-    assert all(r["top_other_scopes"] == [] for r in rows)  # CPU traces: no GPU kernels
-    assert "## Where the other kernels run" not in md
-    rows[0]["top_other_scopes"] = trace.top_scopes(GPU_TRACE, n=3)
-    scopes_md = report_lib.markdown(report)
-    assert "## Where the other kernels run" in scopes_md
-    assert "| scope | phase | ms | share | launches | largest kernel |" in scopes_md
-    rows[0]["top_other_scopes"] = []
+    # The GPU-only sections: absent from a CPU trace's report (no GPU kernels), present
+    # with the GPU trace's rows filled in.
+    sections = [
+        ("top_kernels", trace.top_kernels(GPU_TRACE, n=3), "## Top kernels", None),
+        (
+            "top_update_kernels",
+            trace.top_kernels(GPU_TRACE, n=3, phase="update"),
+            "## Top kernels of the update phase",
+            None,
+        ),
+        (
+            "kernel_spread",
+            trace.kernel_spread(GPU_TRACE, n=3),
+            "## Kernels that differ between devices",
+            "| kernel | class | gpu:0 | gpu:1 | spread |",
+        ),
+        (
+            "top_other_scopes",
+            trace.top_scopes(GPU_TRACE, n=3),
+            "## Where the other kernels run",
+            "| scope | phase | ms | share | launches | largest kernel |",
+        ),
+    ]
+    for key, gpu_rows, heading, header in sections:
+        assert all(r[key] == [] for r in rows), key
+        assert heading + " " not in md and heading + "\n" not in md, key
+        assert gpu_rows, key
+        rows[0][key] = gpu_rows
+        section_md = report_lib.markdown(report)
+        assert heading in section_md, key
+        assert header is None or header in section_md, key
+        rows[0][key] = []
     assert (out / "scaling.png").stat().st_size > 5000
 
     # A row timed with --no-xla-cost gets the same XLA bytes from --fill-xla-cost (the

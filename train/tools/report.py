@@ -131,6 +131,16 @@ def _commands(report: dict) -> str:
 KERNEL_COLUMNS = ["kernel", "class", "phase", "ms", "share", "where (name stack)"]
 
 
+def _tail(stack: str, width: int) -> str:
+    """The last whole scopes of a name stack that fit `width` characters ("…/" where
+    scopes were left out; the last one whole however long)."""
+    parts = stack.split("/")
+    kept = [parts.pop()]
+    while parts and len("/".join([parts[-1], *kept])) + 2 <= width:
+        kept.insert(0, parts.pop())
+    return ("…/" if parts else "") + "/".join(kept)
+
+
 def _kernel_cells(k) -> list:
     return [
         f"`{k['name'][:70]}`",
@@ -138,7 +148,7 @@ def _kernel_cells(k) -> list:
         k.get("phase", ""),
         k["ms"],
         f"{k['share']:.1%}",
-        f"`{k['where'][-80:]}`" if k["where"] else "",
+        f"`{_tail(k['where'], 80)}`" if k["where"] else "",
     ]
 
 
@@ -325,7 +335,7 @@ def markdown(report: dict) -> str:
         "scope, every layer's kernels added up: norms, RoPE, SwiGLU, the loss.",
         lambda r: ["scope", "phase", "ms", "share", "launches", "largest kernel"],
         lambda k: [
-            f"`{k['scope'][-90:]}`",
+            f"`{_tail(k['scope'], 90)}`",
             k["phase"],
             k["ms"],
             f"{k['share']:.1%}",
