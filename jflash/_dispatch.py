@@ -45,6 +45,9 @@ class Kernel:
     # Bitwise reproducible gradients. Only the Mosaic backward has a faster
     # non-deterministic form (dQ by f32 reduce-add); the others always are.
     deterministic: bool = True
+    # The tiles are jflash's defaults (no `block_sizes` given): the Mosaic forward may
+    # then pick its three-warpgroup form with its own tiles (`mosaic_fwd`).
+    default_tiles: bool = True
 
 
 def _platform() -> str:
@@ -142,7 +145,8 @@ def resolve(
                 f"implementation='pallas_mosaic' {why}; use 'pallas_triton' (any head dim, "
                 "dtype, segment ids) or implementation=None"
             )
-        if block_sizes is None:
+        default_tiles = block_sizes is None
+        if default_tiles:
             block_sizes = default_block_sizes(
                 q_len,
                 head_dim,
@@ -153,7 +157,9 @@ def resolve(
             )
         fused = fused_block_q(head_dim) if fuses_dq(head_dim, deterministic) else ()
         check_mosaic_block_sizes(block_sizes, fused_block_q=fused)
-        kernel = Kernel("pallas_mosaic", block_sizes, bool(interpret), reason, deterministic)
+        kernel = Kernel(
+            "pallas_mosaic", block_sizes, bool(interpret), reason, deterministic, default_tiles
+        )
     elif implementation == "xla":
         if interpret:
             raise ValueError(f"{interpret=} only applies to Pallas implementations, not 'xla'")
@@ -244,6 +250,7 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
             block_kv=bs.block_kv,
             stages=bs.num_stages,
             interpret=kernel.interpret,
+            own_tiles=kernel.default_tiles,
         )
     return flash_fwd(
         q,

@@ -391,6 +391,7 @@ def mosaic_fwd(
     block_kv: int,
     stages: int,
     interpret: bool = False,
+    own_tiles: bool = True,
 ):
     """Forward of the kernel contract: `(o [B,T,N,H] out_dtype, lse [B,N,T] f32)`.
 
@@ -407,7 +408,14 @@ def mosaic_fwd(
     s_len, kh = k.shape[1], k.shape[2]
     # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run;
     # with segment ids ptxas spills 1,164 bytes there, so those keep two.
-    three = h in THREE_WG_HEAD_DIMS and t >= THREE_WG_MIN_LEN and not (interpret or segments)
+    # `own_tiles=False`: the caller chose `block_kv` and `stages` (`jflash.BlockSizes`),
+    # which the three-warpgroup form would replace: two warpgroups run them.
+    three = (
+        own_tiles
+        and h in THREE_WG_HEAD_DIMS
+        and t >= THREE_WG_MIN_LEN
+        and not (interpret or segments)
+    )
     wgs = 3 if three else COMPUTE_WGS
     if three:
         block_kv = 128  # S of 64 x 128 keys: 64 registers of the 160

@@ -367,3 +367,35 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
     assert dispatch.dq_accumulator(x, kernel(interpret=True)) is None
     assert dispatch.dq_accumulator(x, kernel(deterministic=True)) is None
     assert dispatch.dq_accumulator(x[:, :200], kernel()) is None  # padded queries
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given):
+    """From 16k queries at D = 64 the forward runs three warpgroups with its own tiles,
+    unless the caller chose the tiles (`block_sizes`): then two run those."""
+    from jflash import _mosaic_fwd
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    launched = []
+    launch = _mosaic_fwd.launch
+
+    def spy(*args, **kwargs):
+        launched.append(kwargs["wgs"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    seq = _mosaic_fwd.THREE_WG_MIN_LEN
+    q = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
+    bs = jflash.default_block_sizes(seq, 64, jnp.bfloat16, implementation="pallas_mosaic")
+
+    def fwd(q, k, v):
+        return jflash.flash_attention(
+            q, k, v, causal=True, implementation="pallas_mosaic", block_sizes=bs if given else None
+        )
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
+    assert launched == [2 if given else 3]
