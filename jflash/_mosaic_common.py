@@ -285,8 +285,9 @@ def launch(
     interpret: bool,
     wgs: int = COMPUTE_WGS,
 ):
-    """`plgpu.kernel` with what every jflash Mosaic kernel shares: 2 compute + 1 memory
-    warpgroups, approximate exp2/reciprocal, and the GPU interpreter when asked.
+    """`plgpu.kernel` with what every jflash Mosaic kernel shares: `wgs` compute (two, or
+    the D = 64 forward's three) + 1 memory warpgroups, approximate exp2/reciprocal, and
+    the GPU interpreter when asked.
 
     Inside a `jax.shard_map`, `plgpu.kernel` (jax 0.11.2) drops the manual axes of
     `out_type` (`_vma.struct`): its outputs come back typed as the same on every device.
@@ -416,8 +417,9 @@ def _cta_steps(per_wg, wg) -> Steps:
 
 def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: int = COMPUTE_WGS):
     """Forward and dQ kernels: `(cta_start, Steps)`, this CTA's first query row and the
-    key steps it streams and `wg` computes (`table_ref`: `query_table` of the 64-row
-    query tiles, or None).
+    key steps it streams and `wg` (of `wgs` compute warpgroups) computes (`table_ref`:
+    `query_table` of the 64-row query tiles, or None). A warpgroup whose rows are all
+    padding gets no steps.
 
     Query tiles launch heaviest first (causal rows near the end see the most keys).
     """
