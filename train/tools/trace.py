@@ -320,25 +320,21 @@ def top_scopes(
     (norms, RoPE, SwiGLU, the loss). Empty for CPU traces."""
     kernels = _first_gpu_kernels(source)
     total = sum(k.end - k.start for k in kernels)
-    spent: collections.Counter = collections.Counter()
     launches: collections.Counter = collections.Counter()
     names: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    stacks: dict[str, str] = {}
     for k in kernels:
-        if kind_of(k, "gpu") != kind:
-            continue
-        stack = _stack_of(k, hlo)
-        scope = scope_of(stack) or "(no name stack)"
-        spent[scope] += k.end - k.start
-        launches[scope] += 1
-        names[scope][k.name] += k.end - k.start
-        stacks.setdefault(scope, stack)
+        if kind_of(k, "gpu") == kind:
+            scope = scope_of(_stack_of(k, hlo)) or "(no name stack)"
+            launches[scope] += 1
+            names[scope][k.name] += k.end - k.start
+    spent = collections.Counter({scope: names[scope].total() for scope in names})
     return [
         {
             "scope": scope,
             "ms": ns / 1e6 / steps,
             "share": ns / total,
-            "phase": phase_of(stacks[scope]) or "update",
+            # The scope keeps the phase's wrappers (`transpose(`, `jvp(`, ...).
+            "phase": phase_of(scope),
             "launches": launches[scope] / steps,
             "name": names[scope].most_common(1)[0][0],
         }
