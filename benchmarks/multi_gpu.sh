@@ -471,7 +471,7 @@ setup_1b_32k() { # RESERVE: sample data and the trainer's common flags, Llama-3.
   fi
   data="$WORK/sample-$ctx.npy"
   step data-32k 60 5 "$1" "$PY" -m train.data sample --out "$data" --num-samples 40 \
-    --seq-len "$ctx" --vocab-size "$vocab"
+    --seq-len "$ctx" --vocab-size "$vocab" --stream
   common=(--config configs/llama3_2_1b_32k.yaml --model_name_or_path "$model"
     --model_max_length "$ctx" --data_path "$data" --max_steps "$steps" --logging_steps "$log_every"
     --save_strategy no --export_hf false --progress false)

@@ -81,6 +81,8 @@ def test_cache_rows_and_batches_equal_in_memory(tmp_path, small_flushes, eos_id,
         cached = cache.rows(seq_len, mask_boundaries=mask_boundaries)
         assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
         _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
+        assert cached.packed == memory.packed == bool(memory.segment_ids.any())
+        assert memory.packed == (seq_len > 1)
     a = Batches(dataset.rows(16, eos_id=eos_id), 4, seed=3, num_epochs=2)
     b = Batches(cache.rows(16), 4, seed=3, num_epochs=2)
     for x, y in zip(a, b, strict=True):  # the trainer's batches, two epochs

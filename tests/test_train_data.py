@@ -446,6 +446,12 @@ def test_cli_sample_and_inspect(tmp_path):
         np.testing.assert_array_equal(
             load_dataset(out).tokens, markov_samples(8, 64, 1000, 2).ravel()
         )
+    stream = tmp_path / "stream.npy"
+    _cli("sample", "--out", str(stream), *sizes, "--stream")
+    dataset = load_dataset(stream)
+    assert dataset.num_examples == 1
+    np.testing.assert_array_equal(dataset.tokens, markov_samples(8, 64, 1000, 2).ravel())
+    assert not dataset.rows(64, eos_id=0).packed
     printed = _cli("inspect", str(tmp_path / "data.jsonl"), "--vocab-size", "1000").stdout
     lines = dict(line.split(": ") for line in printed.strip().splitlines())
     assert lines["examples"] == "8" and lines["tokens"] == "512"

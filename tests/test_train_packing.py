@@ -159,6 +159,25 @@ def test_running_positions_and_unmasked_packing(tmp_path):
         parse_args(["--mask_documents", "false"])
 
 
+def test_unpacked_data_passes_no_segment_ids(tmp_path):
+    """Rows of one document each (a token stream cut into rows) have nothing to mask:
+    the step passes no segment ids (the faster kernels, the same mask); rows that hold
+    several documents pass them, from memory and from a token cache alike."""
+    stream = tmp_path / "stream.npy"
+    data_lib.save_dataset(stream, np.arange(3 * SEQ_LEN + 5, dtype=np.int32) % 200 + 3)
+    argv = ["--model_name_or_path", "tiny", "--model_max_length", str(SEQ_LEN)]
+    argv += ["--attention", "jflash", "--mesh", "data=1,fsdp=1,seq=1"]
+    for path, packed in [(stream, False), (tmp_path / "docs.pkl", True)]:
+        if packed:
+            data_lib.save_dataset(path, _documents(models.TINY.vocab_size, 2))
+        for cache in ([], ["--data_cache_dir", str(tmp_path / "caches")]):
+            out = ["--output_dir", str(tmp_path / f"out-{packed}-{bool(cache)}")]
+            cfg = parse_args([*argv, "--data_path", str(path), *out, *cache])
+            trainer = build(cfg, devices=jax.devices()[:1])
+            assert trainer.rows.packed == packed
+            assert trainer.spec.mask_documents == packed
+
+
 def test_document_positions():
     seg = np.array([[0, 0, 0, 1, 1, 2], [3, 3, 3, 3, 3, 3]])
     assert data_lib.document_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0], list(range(6))]

@@ -324,12 +324,20 @@ class StepPlan:
 
 
 def plan_step(
-    cfg: TrainConfig, config: models.LlamaConfig, devices=None, total_steps: int = 1
+    cfg: TrainConfig,
+    config: models.LlamaConfig,
+    devices=None,
+    total_steps: int = 1,
+    packed: bool = True,
 ) -> StepPlan:
     """Mesh, shardings, optimizer and the jitted step for `cfg`, with abstract state.
 
     Nothing is allocated: `train.tools.capacity` compiles `plan.step_fn` on abstract state to
     read its memory; `build` initialises the state that the plan describes.
+
+    `packed`: whether some row of the data holds more than one document. Without any,
+    `--mask_documents` has nothing to mask and the step passes the attention no segment
+    ids (the same mask; the kernels without ids are faster).
     """
     count = len(devices) if devices is not None else jax.device_count()
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
@@ -384,7 +392,7 @@ def plan_step(
         loss_chunk=loss_chunk(seq_len, seq_shards(sizes)),
         replicated_head=gather or not head_axes & set(SEQ_AXES),
         weights=(p_shard, compute_shardings(p_shard, SEQ_AXES)) if gather else None,
-        mask_documents=cfg.data.mask_documents,
+        mask_documents=cfg.data.mask_documents and packed,
         opt_offload=offload,
     )
     shardings = {"params": p_shard, "opt_state": o_shard, "step": replicated(mesh)}
@@ -458,7 +466,8 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
             f"{total_steps} steps; the trace would never be written"
         )
 
-    plan = plan_step(cfg, config, devices, total_steps)
+    packed = rows.packed or (eval_rows is not None and eval_rows.packed)
+    plan = plan_step(cfg, config, devices, total_steps, packed=packed)
     mesh, p_shard = plan.mesh, plan.state_shardings["params"]
     with jax.set_mesh(mesh):
         if host_params is None:

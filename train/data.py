@@ -340,6 +340,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--num-states", type=int, default=256, help="distinct tokens used")
     sample.add_argument("--branching", type=int, default=4, help="successors per token")
+    sample.add_argument(
+        "--stream",
+        action="store_true",
+        help="write the samples back to back as one example (a token stream): the trainer "
+        "cuts it into rows of one document each, as HF's benchmark rows are",
+    )
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
     inspect.add_argument(
@@ -386,8 +392,11 @@ def _command(args: argparse.Namespace) -> None:
             num_states=args.num_states,
             branching=args.branching,
         )
+        if args.stream:
+            examples = examples.reshape(1, -1)
         save_dataset(args.out, examples)
-        print(f"wrote {args.out}: {args.num_samples} examples x {args.seq_len} tokens")
+        count, length = examples.shape
+        print(f"wrote {args.out}: {count} example{'s' * (count > 1)} x {length} tokens")
     elif args.command == "inspect":
         if data_cache.is_cache(args.path):
             summary = data_cache.open_cache(args.path, vocab_size=args.vocab_size).summary()

@@ -206,6 +206,13 @@ class CachedRows:
     def seq_len(self) -> int:
         return self._seq_len
 
+    @property
+    def packed(self) -> bool:
+        """Whether some row holds more than one document: a document starts inside a row."""
+        starts = np.asarray(self.cache.offsets[1:-1])
+        starts = starts[starts < self._num_rows * self._seq_len]
+        return bool((starts % self._seq_len).any())
+
     def take(self, ids) -> Rows:
         """Rows ``ids`` as int32 arrays ``[len(ids), seq_len]``."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -54,6 +54,11 @@ class Rows(NamedTuple):
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
+    @property
+    def packed(self) -> bool:
+        """Whether some row holds more than one example (ids count up from 0 in a row)."""
+        return bool(self.num_rows) and bool(self.segment_ids[:, -1].any())
+
     def take(self, ids: np.ndarray) -> Rows:
         """The rows ``ids`` (an int array), contiguous copies. :class:`Batches` and the
         evaluation read rows only through ``take``, ``num_rows`` and ``seq_len``, so a
