@@ -160,9 +160,9 @@ def test_running_positions_and_unmasked_packing(tmp_path):
 
 
 def test_unpacked_data_passes_no_segment_ids(tmp_path):
-    """Rows of one document each (a token stream cut into rows) have nothing to mask:
-    the step passes no segment ids (the faster kernels, the same mask); rows that hold
-    several documents pass them, from memory and from a token cache alike."""
+    """Rows of one document each (a token stream cut into rows, or `sample` data) have
+    nothing to mask: the step passes no segment ids (the faster kernels, the same mask);
+    rows that hold several documents pass them, from memory and from a token cache."""
     stream = tmp_path / "stream.npy"
     data_lib.save_dataset(stream, np.arange(3 * SEQ_LEN + 5, dtype=np.int32) % 200 + 3)
     argv = ["--model_name_or_path", "tiny", "--model_max_length", str(SEQ_LEN)]
@@ -176,6 +176,10 @@ def test_unpacked_data_passes_no_segment_ids(tmp_path):
             trainer = build(cfg, devices=jax.devices()[:1])
             assert trainer.rows.packed == packed
             assert trainer.spec.mask_documents == packed
+    cfg = parse_args([*argv, "--data_path", "sample", "--output_dir", str(tmp_path / "s")])
+    sample = build(cfg, devices=jax.devices()[:1])
+    assert not sample.rows.packed and not sample.spec.mask_documents
+    assert (sample.rows.labels[:, -1] == -100).all()  # the EOS ends each row's example
 
 
 def test_document_positions():

@@ -103,9 +103,10 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             )
         train = cfg.data.sample_num_examples
         held_out = max(1, train // 8) if eval else 0
-        examples = data_lib.markov_samples(
-            train + held_out, cfg.data.model_max_length, vocab, cfg.run.seed
-        )
+        # One example and its EOS fill a row: rows of one document each, as in HF's
+        # benchmarks (nothing for the document mask to do).
+        length = cfg.data.model_max_length - (eos is not None)
+        examples = data_lib.markov_samples(train + held_out, max(length, 1), vocab, cfg.run.seed)
         examples = examples[train:] if eval else examples
         dataset = TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:

@@ -50,7 +50,7 @@ class DataArgs:
     mask_documents: bool = True  # attention stays inside each packed example; false: crosses
     packing_positions: str = "per_document"  # RoPE positions: per_document (restart) | running
     sample_vocab_size: int = 0  # sample data: 0 means the model's vocabulary
-    sample_num_examples: int = 256  # --data_path sample: examples of model_max_length
+    sample_num_examples: int = 256  # --data_path sample: rows of one example each
     eval_data_path: str = ""  # validation data (formats as data_path); empty: no evaluation
     tokenizer_name_or_path: str = ""  # tokenizer.json or its directory; empty: the model dir's
     eos_token_id: int | None = None  # between packed documents; None: the tokenizer's / model's
