@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def tile_bounds(seg, block: int):
@@ -86,8 +87,13 @@ def q_tile_range(q_seg, kv_seg, block_q: int, block_kv: int):
 
 
 def ids_sorted(seg):
-    """Scalar bool: every row of segment ids `[B, L]` is non-decreasing."""
-    return jnp.all(seg[:, 1:] >= seg[:, :-1])
+    """Scalar bool: every row of segment ids `[B, L]` is non-decreasing.
+
+    Reduced in a kernel of its own: fused into the small concatenation that consumes
+    it, XLA ran the whole reduction in a few threads at some shapes (H200: 0.16-0.18 ms
+    for one row of 8k or 16k ids, 0.54 ms for four of 4k, against 0.01 ms alone; at 16k
+    a twentieth of a D = 128 forward)."""
+    return lax.optimization_barrier(jnp.all(seg[:, 1:] >= seg[:, :-1]))
 
 
 def _search(sorted_ids, ids, side: str):
