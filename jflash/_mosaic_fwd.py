@@ -12,7 +12,10 @@ launched heaviest first (causal rows near the end see the most keys).
 
 At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
 `THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
-(`turn.at[w]`, one arrival each) instead of the two-arrival turn barrier.
+(`turn.at[w]`, one arrival each) instead of the two-arrival turn barrier. With segment
+ids they run where the key ids are sorted, masking by the rows' spans only (the id
+compare does not fit in their registers); other ids take two warpgroups, chosen at run
+time (`lax.cond`).
 
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
@@ -89,12 +92,19 @@ def _fwd_kernel(
     segments: bool,
     interpret: bool,
     wgs: int,
+    spans_only: bool = False,
 ):
     """`refs`: with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`),
-    `kv_seg [B, S]` and the `query_table` (the sorted-ids flag last) first; then the
-    outputs and the scratch (`q_ids`, `kv_ids`: None without ids)."""
+    `kv_seg [B, S]` (not with `spans_only`) and the `query_table` (the sorted-ids flag
+    last) first; then the outputs and the scratch (`q_ids`, `kv_ids`: None without
+    ids; `kv_ids` None with `spans_only`).
+
+    `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
+    and the key ids are not streamed."""
     qseg_ref = kvseg_ref = table_ref = None
-    if segments:
+    if segments and spans_only:
+        qseg_ref, table_ref, *refs = refs
+    elif segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
     (
         o_ref,
@@ -145,14 +155,16 @@ def _fwd_kernel(
             )
         plgpu.barrier_wait(q_ready.at[wg])
         q_ids = lo = hi = spans = None
-        if segments:
+        if segments and spans_only:
+            lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in (1, 2))
+        elif segments:
             q_ids, lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in range(3))
             spans = table_ref[jnp.int32(table_ref.shape[0] - 1)] != 0  # key ids sorted
 
         def step_ids(slot, masked: bool):
             """The step's key ids, read before its K slot is released (unused where the
             rows' spans mask the tile)."""
-            if not (masked and segments):
+            if not (masked and segments) or spans_only:
                 return None
             unused = plgpu.layout_cast(
                 jnp.zeros((block_kv,), jnp.int32), plgpu.Layout.WGMMA.reduce(0)
@@ -180,7 +192,9 @@ def _fwd_kernel(
         def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
             fenced, so all of it is done before the turn is handed over."""
-            if masked and segments:
+            if masked and segments and spans_only:
+                s = by_spans(j, s)
+            elif masked and segments:
                 s = lax.cond(spans, lambda: by_spans(j, s), lambda: by_ids(j, s, ids))
             elif masked:
                 s = by_ids(j, s, None)
@@ -373,7 +387,7 @@ def _fwd_kernel(
             steps=st,
             block_kv=block_kv,
             stages=stages,
-            ids=(kvseg_ref, kv_ids) if segments else None,
+            ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
             interpret=interpret,
             regs=THREE_WG_REGS[1] if token else MEMORY_REGS,
         )
@@ -404,23 +418,65 @@ def mosaic_fwd(
     segments = segs is not None
     q_seg, kv_seg = segs if segments else (None, None)
     q, k, v, q_seg, kv_seg = match(q, k, v, q_seg, kv_seg)
-    b, t, n, h = q.shape
-    s_len, kh = k.shape[1], k.shape[2]
-    # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run;
-    # with segment ids ptxas spills 1,164 bytes there, so those keep two.
+    # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run.
     # `own_tiles=False`: the caller chose `block_kv` and `stages` (`jflash.BlockSizes`),
     # which the three-warpgroup form would replace: two warpgroups run them.
     three = (
         own_tiles
-        and h in THREE_WG_HEAD_DIMS
-        and t >= THREE_WG_MIN_LEN
-        and not (interpret or segments)
+        and q.shape[3] in THREE_WG_HEAD_DIMS
+        and q.shape[1] >= THREE_WG_MIN_LEN
+        and not interpret
     )
-    wgs = 3 if three else COMPUTE_WGS
+    run = functools.partial(_forward, mask=mask, scale=scale, out_dtype=out_dtype)
+    two_wgs = functools.partial(
+        run, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages, interpret=interpret
+    )
+    fast = two_wgs
     if three:
-        block_kv = 128  # S of 64 x 128 keys: 64 registers of the 160
-        # At least 3: a turn may wait for the slot that the step before it freed.
-        stages = THREE_WG_STAGES
+        # At least 3 stages: a turn may wait for the slot that the step before it freed.
+        # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
+        fast = functools.partial(run, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
+    if not segments:
+        return fast(q, k, v, None, None)
+    if interpret:  # one kernel: its in-kernel choice of mask covers both
+        return two_wgs(q, k, v, q_seg, kv_seg)
+    # Sorted key ids (packed documents): a kernel that masks by the rows' spans only and
+    # streams no key ids. The id compare beside the spans costs registers: at D = 64
+    # two warpgroups spill 1,608 bytes with it, three 1,164. Other ids
+    # run the kernel that compares ids, on two warpgroups.
+    return lax.cond(
+        ids_sorted(kv_seg),
+        functools.partial(fast, spans_only=True),
+        two_wgs,
+        q,
+        k,
+        v,
+        q_seg,
+        kv_seg,
+    )
+
+
+def _forward(
+    q,
+    k,
+    v,
+    q_seg,
+    kv_seg,
+    *,
+    mask,
+    scale: float,
+    out_dtype,
+    block_kv: int,
+    stages: int,
+    wgs: int,
+    interpret: bool = False,
+    spans_only: bool = False,
+):
+    """One launch of the forward kernel on `wgs` compute warpgroups (`q_seg`, `kv_seg`:
+    both None without segment ids; `spans_only`: the key ids are sorted)."""
+    segments = q_seg is not None
+    b, t, n, h = q.shape
+    s_len, kh = k.shape[1], k.shape[2]
     rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
     separate_out = jnp.dtype(out_dtype) != q.dtype
@@ -428,7 +484,7 @@ def mosaic_fwd(
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
         fixed = rows * h * size + rows * 4 + (3 * rows * 4 if segments else 0)
         fixed += rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0
-        return fixed, 2 * block * h * size + (block * 4 if segments else 0)
+        return fixed, 2 * block * h * size + (block * 4 if segments and not spans_only else 0)
 
     # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
     # segment ids: the ring over packed documents), the streamed block halves.
@@ -451,7 +507,8 @@ def mosaic_fwd(
         table = jnp.concatenate([table, ids_sorted(kv_seg).astype(jnp.int32)[None]])
         spans = key_spans(q_seg, kv_seg, causal=mask.causal, diag=geom.diag, kv_len=s_len)
         rows_ids = jnp.concatenate([q_seg[:, None], spans], axis=1)  # [B, 3, T]
-        inputs += (pad_to(rows_ids, 2, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad), table)
+        inputs += (pad_to(rows_ids, 2, geom.q_pad),)
+        inputs += (table,) if spans_only else (pad_to(kv_seg, 1, geom.kv_pad), table)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -461,8 +518,10 @@ def mosaic_fwd(
         segments=segments,
         interpret=interpret,
         wgs=wgs,
+        spans_only=spans_only,
     )
-    with_ids = 2 if segments else 1  # TMA arrivals on the Q and K barriers
+    with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
+    with_kv_ids = 2 if segments and not spans_only else 1  # and on the K barriers
     o, lse = launch(
         kernel,
         out_type=[
@@ -476,9 +535,9 @@ def mosaic_fwd(
             smem_tile((wgs, WG_ROWS, h), out_dtype) if separate_out else None,
             plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
             plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,
-            plgpu.SMEM((stages, block_kv), jnp.int32) if segments else None,
+            plgpu.SMEM((stages, block_kv), jnp.int32) if segments and not spans_only else None,
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=wgs),
-            plgpu.Barrier(num_arrivals=with_ids, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=with_kv_ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),

@@ -189,6 +189,51 @@ def test_mosaic_three_warpgroup_forward(case, monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_mosaic_three_warpgroup_forward_with_segments(order, monkeypatch):
+    """With segment ids the three-warpgroup forward runs where the key ids are sorted
+    (packed documents, masked by each row's key span) and two warpgroups run the rest;
+    both are traced, the ids choose at run time. Nine documents with random boundaries
+    in a ragged length; the unsorted ids thread a tenth through all of them."""
+    from jflash import _mosaic_fwd
+
+    launched = []
+    launch = _mosaic_fwd.launch
+
+    def spy(*args, **kwargs):
+        launched.append(kwargs["wgs"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
+    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    jax.clear_caches()
+    case = Case(q_heads=8, kv_heads=2, head_dim=64, q_len=1000, dtype=jnp.bfloat16, batch=2)
+    q, k, v, do, dlse = make_inputs(
+        7, batch=2, q_len=1000, kv_len=1000, q_heads=8, kv_heads=2, head_dim=64, dtype=case.dtype
+    )
+    seg = random_segments(7, 2, 1000, 9)
+    if order == "unsorted":
+        seg = seg.at[:, ::3].set(11)  # one document threaded through all the others
+    got = value_and_grads(
+        jflash.flash_attention,
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        return_lse=True,
+        causal=True,
+        segment_ids=seg,
+        implementation="pallas_mosaic",
+    )
+    want = oracle(q, k, v, do, dlse, causal=True, segment_ids=seg)
+    assert_close(got, want, case.dtype)
+    assert launched[:2] == [3, 2], launched
+    jax.clear_caches()
+
+
 def test_tile_grid_orders():
     """LAUNCH_ORDER: small causal launches tiles outermost, the rest heads outermost."""
     from jflash._launch_order import TILES_FIRST_MAX_CTAS, TILES_FIRST_MAX_TILES

@@ -369,10 +369,13 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
     assert dispatch.dq_accumulator(x[:, :200], kernel()) is None  # padded queries
 
 
+@pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("given", [False, True])
-def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given):
+def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     """From 16k queries at D = 64 the forward runs three warpgroups with its own tiles,
-    unless the caller chose the tiles (`block_sizes`): then two run those."""
+    unless the caller chose the tiles (`block_sizes`): then two run those. With segment
+    ids two kernels are lowered, that one for sorted key ids and two warpgroups
+    comparing ids for others (a `lax.cond` on the ids at run time)."""
     from jflash import _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -390,12 +393,22 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given):
     kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
     bs = jflash.default_block_sizes(seq, 64, jnp.bfloat16, implementation="pallas_mosaic")
 
-    def fwd(q, k, v):
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def fwd(q, k, v, seg):
         return jflash.flash_attention(
-            q, k, v, causal=True, implementation="pallas_mosaic", block_sizes=bs if given else None
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=seg if segments else None,
+            implementation="pallas_mosaic",
+            block_sizes=bs if given else None,
         )
 
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
-        jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
-    assert launched == [2 if given else 3]
+        text = jax.jit(fwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    # With ids: the kernel for sorted ids (spans only), then the one for any ids.
+    assert launched == [2 if given else 3] + ([2] if segments else [])
+    assert text.count("jflash_mosaic_fwd") >= len(launched)

@@ -24,7 +24,7 @@ import jflash
 from jflash._dispatch import delta_from
 from jflash._mask import Mask
 from jflash._mosaic_bwd import fuses_dq, mosaic_bwd
-from jflash._mosaic_fwd import mosaic_fwd
+from jflash._mosaic_fwd import _forward, mosaic_fwd
 
 pytestmark = needs_hopper
 
@@ -201,7 +201,8 @@ def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
     """The forward's two masks, each row's key span (sorted key ids) and the id compare
     (any other order), give the same output and LSE on a ring block's offsets (a
     striped off-diagonal step: the key one position later; a later query block), and
-    match the dense oracle."""
+    match the dense oracle; so does the kernel that masks by spans only (what compiled
+    calls run for sorted ids; interpreted calls run the one that picks inside)."""
     case = Case(q_len=192, segments=4)
     q, k, v, *_ = inputs(case, 5)
     q_seg = random_segments(5, 1, 192, 4)
@@ -224,6 +225,23 @@ def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
 
     by_spans, by_ids = forward(q_seg), forward(unsorted)
     for a, b in zip(by_spans, by_ids, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    spans_only = _forward(
+        q,
+        k,
+        v,
+        q_seg,
+        q_seg,
+        mask=mask,
+        scale=scale,
+        out_dtype=q.dtype,
+        block_kv=128,
+        stages=2,
+        wgs=2,
+        interpret=INTERPRET,
+        spans_only=True,
+    )
+    for a, b in zip(by_spans, spans_only, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     seen = mask.dense(192, 192, (q_seg, q_seg))[:, None]  # [B, 1, T, S]
     kr, vr = (jnp.repeat(x.astype(jnp.float32), 2, axis=2) for x in (k, v))
