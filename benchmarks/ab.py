@@ -25,7 +25,9 @@ code: its `new/rev` is the run's noise floor.
 
 Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
-attention over 64k tokens packed from log-normal documents (`kernel.py --documents`).
+attention over 64k tokens packed from log-normal documents (`kernel.py --documents`);
+`--document-shapes S:D,...` adds such rows of S tokens (the same documents scaled to
+S, every batch row alike; batch = tokens // S) at head dim D.
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 """
@@ -139,6 +141,17 @@ def parse_shapes(text: str) -> list[tuple[bool, int, int]]:
     return [(mask == "causal", seq, hd) for mask, seq, hd in specs]
 
 
+def parse_document_shapes(text: str) -> list[tuple[int, int]]:
+    """`S:D,...` -> `[(S, D)]`; ValueError naming the bad item."""
+    shapes = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--document-shapes item {item!r}: expected S:D (positive ints)")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
+
+
 def _passes(attn):
     """Jitted `(fwd, fwdbwd)` of `attn(q, k, v)`."""
     passes = jit_passes(attn)
@@ -214,6 +227,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="mask:S:D,... (see above)")
     parser.add_argument("--documents", action="store_true", help="add 64k packed documents")
+    parser.add_argument(
+        "--document-shapes", default="", help="S:D,...: packed-document rows (see above)"
+    )
     parser.add_argument("--peers", default="", help="comma list: fa3 (where installed), cudnn")
     parser.add_argument(
         "--implementation",
@@ -231,6 +247,12 @@ def main(argv=None) -> int:
         shapes = parse_shapes(args.shapes)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        doc_shapes = parse_document_shapes(args.document_shapes)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.documents:
+        doc_shapes.append((65536, 128))
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
     peers = [p for p in args.peers.split(",") if p]
@@ -265,20 +287,22 @@ def main(argv=None) -> int:
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
             print(rows[-1], flush=True)
-        if args.documents:
-            lengths = document_lengths(65536)
-            seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+        for seq, hd in doc_shapes:
+            batch = max(1, args.tokens // seq)
+            lengths = document_lengths(seq)
+            row_ids = np.repeat(np.arange(len(lengths)), lengths)
+            seg = jnp.asarray(np.broadcast_to(row_ids, (batch, seq)), jnp.int32)
             cands = {
                 label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
                 for label, m in modules.items()
             }
-            if "fa3" in peers:
+            if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:
                 fa3, _ = _fa3_varlen(lengths)
                 if fa3 is not None:
                     cands["fa3"] = _passes(fa3)
-            a = draw_inputs(1, 65536, args.heads, args.kv_heads, 128)
-            flops = document_flops(lengths, args.heads, 128)
-            name = f"documents 64k ({len(lengths)} documents) D=128"
+            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
+            flops = batch * document_flops(lengths, args.heads, hd)
+            name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
             rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
             print(rows[-1], flush=True)
     diffs = [f"{label}_{d}max_abs_diff" for label in labels for d in ("", "grad_")]

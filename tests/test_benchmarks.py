@@ -474,10 +474,17 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
     argv += ["--tokens", "128", "--heads", "2", "--kv-heads", "1", "--rounds", "1"]
-    argv += ["--peers", "cudnn"]
+    argv += ["--peers", "cudnn", "--document-shapes", "128:64"]
     ab.main([*argv, "--min-time", "0", "--out", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
+    row, documents = json.loads(out.read_text())["rows"]
     assert row["shape"] == "causal S=128 D=64 B=1"
+    assert documents["shape"].startswith("documents S=128 (") and documents["shape"].endswith(
+        "D=64 B=1"
+    )
+    assert documents["rev_max_abs_diff"] == documents["rev_grad_max_abs_diff"] == 0.0
+    assert ab.parse_document_shapes("8192:64,65536:128") == [(8192, 64), (65536, 128)]
+    with pytest.raises(ValueError, match="'8192:x'"):
+        ab.parse_document_shapes("8192:x")
     assert row["rev_max_abs_diff"] == 0.0  # the same kernels on the same inputs
     assert row["rev_grad_max_abs_diff"] == 0.0
     assert row["new_fwd_ms"] > 0 and row["rev_fwdbwd_ms"] > 0 and row["new/rev_fwd"] > 0
