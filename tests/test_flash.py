@@ -166,10 +166,10 @@ THREE_WG_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("case", THREE_WG_CASES, ids=str)
-def test_mosaic_three_warpgroup_forward(case, monkeypatch):
+@pytest.fixture
+def three_wg_launches(monkeypatch):
+    """Every D = 64 forward call may take three warpgroups (no length threshold); yields
+    the warpgroup count of each forward kernel traced."""
     from jflash import _mosaic_fwd
 
     launched = []
@@ -182,33 +182,28 @@ def test_mosaic_three_warpgroup_forward(case, monkeypatch):
     monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
     monkeypatch.setattr(_mosaic_fwd, "launch", spy)
     jax.clear_caches()
+    yield launched
+    jax.clear_caches()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", THREE_WG_CASES, ids=str)
+def test_mosaic_three_warpgroup_forward(case, three_wg_launches):
     got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=False)
     assert_close(got, want, case.dtype)
     np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
-    assert launched and set(launched) == {3}, launched
-    jax.clear_caches()
+    assert three_wg_launches and set(three_wg_launches) == {3}, three_wg_launches
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
-def test_mosaic_three_warpgroup_forward_with_segments(order, monkeypatch):
+def test_mosaic_three_warpgroup_forward_with_segments(order, three_wg_launches):
     """With segment ids the three-warpgroup forward runs where the key ids are sorted
     (packed documents, masked by each row's key span) and two warpgroups run the rest;
     both are traced, the ids choose at run time. Nine documents with random boundaries
     in a ragged length; the unsorted ids thread a tenth through all of them."""
-    from jflash import _mosaic_fwd
-
-    launched = []
-    launch = _mosaic_fwd.launch
-
-    def spy(*args, **kwargs):
-        launched.append(kwargs["wgs"])
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
-    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
-    jax.clear_caches()
     case = Case(q_heads=8, kv_heads=2, head_dim=64, q_len=1000, dtype=jnp.bfloat16, batch=2)
     q, k, v, do, dlse = make_inputs(
         7, batch=2, q_len=1000, kv_len=1000, q_heads=8, kv_heads=2, head_dim=64, dtype=case.dtype
@@ -230,8 +225,7 @@ def test_mosaic_three_warpgroup_forward_with_segments(order, monkeypatch):
     )
     want = oracle(q, k, v, do, dlse, causal=True, segment_ids=seg)
     assert_close(got, want, case.dtype)
-    assert launched[:2] == [3, 2], launched
-    jax.clear_caches()
+    assert three_wg_launches[:2] == [3, 2], three_wg_launches
 
 
 def test_tile_grid_orders():
