@@ -67,6 +67,7 @@ def test_settings_yaml_step_lines_and_resume_line(tmp_path, capsys):
     # capsys's stdout is no terminal: one line per logging step; speed and ETA once a
     # timed step (after the compilation's) is in the window.
     lines = capsys.readouterr().out.splitlines()
+    assert "--mask_documents: every row holds one document, nothing to mask" in lines  # sample
     steps = [line for line in lines if line.startswith("step ")]
     assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
     assert re.fullmatch(r"step 1/3: loss \d+\.\d{4}, lr \S+", steps[0])

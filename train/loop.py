@@ -71,6 +71,8 @@ def run(cfg: TrainConfig) -> dict:
     split = ", ".join(f"{a}={t.sizes[a]}" for a in ("seq", "seq_a2a") if t.sizes[a] > 1)
     if is_main and split and cfg.model.ring_strategy == "auto":
         print(f"--ring_strategy auto: {t.cfg.model.ring_strategy} ({split})", flush=True)
+    if is_main and cfg.data.mask_documents and not t.spec.mask_documents:
+        print("--mask_documents: every row holds one document, nothing to mask", flush=True)
     with jax.set_mesh(t.mesh):
         state, start_step = _initial_state(t, resume, continuing)
         t.state = None  # the loop owns (and donates) the state from here on
