@@ -442,8 +442,8 @@ def mosaic_fwd(
         return two_wgs(q, k, v, q_seg, kv_seg)
     # Sorted key ids (packed documents): a kernel that masks by the rows' spans only and
     # streams no key ids. The id compare beside the spans costs registers: at D = 64
-    # two warpgroups spill 1,608 bytes with it, three 1,164. Other ids
-    # run the kernel that compares ids, on two warpgroups.
+    # two warpgroups spill 1,608 bytes with it, three 1,164. Other ids run the kernel
+    # that compares ids, on two warpgroups.
     return lax.cond(
         ids_sorted(kv_seg),
         functools.partial(fast, spans_only=True),
