@@ -24,7 +24,7 @@ from jflash._mosaic_bwd import (
     fuses_dq,
     mosaic_bwd,
 )
-from jflash._mosaic_fwd import mosaic_fwd
+from jflash._mosaic_fwd import forms, mosaic_fwd
 from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
 from jflash._triton_fwd import flash_fwd
@@ -201,6 +201,8 @@ def describe() -> str:
             lines.append(
                 f"implementation=None, {head_dim=}, {jnp.dtype(dtype).name}: {default!r} ({why})"
             )
+        if _is_hopper():
+            lines.append(forms())
     else:
         lines.append("implementation=None -> 'xla'")
     deterministic = wants_determinism(None)

@@ -393,6 +393,17 @@ def _fwd_kernel(
         )
 
 
+def forms() -> str:
+    """Which forward kernel runs for which call, in one line (for `jflash.describe`)."""
+    dims = ", ".join(map(str, THREE_WG_HEAD_DIMS))
+    return (
+        f"the Mosaic forward: three compute warpgroups at head_dim {dims} from "
+        f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; with "
+        "segment_ids, sorted ids (packed documents) mask by each row's key span and "
+        "other ids compare ids on two warpgroups (chosen at run time)"
+    )
+
+
 def mosaic_fwd(
     q,
     k,

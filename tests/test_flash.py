@@ -367,6 +367,20 @@ def test_default_implementation_is_described():
     assert f"deterministic=None -> {want}" in text
 
 
+def test_describe_says_which_mosaic_forward_runs(monkeypatch):
+    """On Hopper the Mosaic forward's forms are named: three warpgroups from the length
+    threshold, and what segment ids choose."""
+    from jflash import _dispatch, _mosaic_fwd
+
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dispatch, "_is_hopper", lambda: True)
+    line = f"three compute warpgroups at head_dim 64 from {_mosaic_fwd.THREE_WG_MIN_LEN} queries"
+    text = jflash.describe()
+    assert line in text and "sorted ids (packed documents) mask by each row's key span" in text
+    monkeypatch.setattr(_dispatch, "_is_hopper", lambda: False)
+    assert "the Mosaic forward" not in jflash.describe()
+
+
 def test_describe_names_the_last_traced_call():
     """The line is written when a call is traced: a cached jitted call leaves it."""
 
