@@ -275,17 +275,20 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
 
 
 @pytest.mark.parametrize(
-    "where, head_dim, causal",
+    "where, head_dim, causal, documents",
     [
-        ("user_shard_map", 64, True),
-        ("user_shard_map", 128, False),
-        ("ring", 64, False),
-        ("allgather", 64, True),
-        ("ulysses", 128, True),
+        ("user_shard_map", 64, True, False),
+        ("user_shard_map", 128, False, False),
+        ("ring", 64, False, False),
+        ("allgather", 64, True, False),
+        ("ulysses", 128, True, False),
+        # With segment ids the forward chooses its kernel at run time (`lax.cond`).
+        ("user_shard_map", 64, True, True),
+        ("ring", 128, True, True),
     ],
 )
 def test_mosaic_gradients_inside_shard_map_sum_nothing_over_devices(
-    monkeypatch, where, head_dim, causal
+    monkeypatch, where, head_dim, causal, documents
 ):
     """The Mosaic kernels' outputs vary over the `shard_map`'s axes like their inputs.
 
@@ -294,6 +297,7 @@ def test_mosaic_gradients_inside_shard_map_sum_nothing_over_devices(
     summed dO over the devices: wrong dQ on 2 H100s (non-causal ring and allgather at
     D=64), and Ulysses failed to trace its backward. On one sequence shard per device
     the backward needs no all-reduce: the lowering has none (the Triton kernels' neither).
+    With segment ids the forward's run-time choice of kernel lowers there too.
     """
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
@@ -303,31 +307,37 @@ def test_mosaic_gradients_inside_shard_map_sum_nothing_over_devices(
     spec = jax.sharding.PartitionSpec(None, "x")
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 512), jnp.int32)
 
     if where == "user_shard_map":  # data-parallel: each device attends over its rows
 
-        def attend(q, k, v):
-            out = jflash.flash_attention(q, k, v, causal=causal, implementation="pallas_mosaic")
+        def attend(q, k, v, seg):
+            out = jflash.flash_attention(
+                q, k, v, causal=causal, segment_ids=seg if documents else None,
+                implementation="pallas_mosaic",
+            )  # fmt: skip
             return jnp.sum(out.astype(jnp.float32)), out
 
-        def grads(q, k, v):
+        def grads(q, k, v, seg):
             body = jax.grad(lambda *a: attend(*a)[0], argnums=(0, 1, 2))
-            return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(q, k, v)
+            specs = (spec, spec, spec, jax.sharding.PartitionSpec(None, "x"))
+            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=spec)(q, k, v, seg)
 
     else:
 
-        def grads(q, k, v):
+        def grads(q, k, v, seg):
             def loss(q, k, v):
                 out = jflash.ring_attention(
                     q, k, v, mesh=mesh, seq_axis="x", causal=causal, strategy=where,
-                    implementation="pallas_mosaic",
+                    segment_ids=seg if documents else None, implementation="pallas_mosaic",
                 )  # fmt: skip
                 return jnp.sum(out.astype(jnp.float32))
 
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+        traced = jax.jit(grads).trace(q, kv, kv, seg)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_dkv" in text
     assert "all_reduce" not in text
 
