@@ -448,15 +448,17 @@ def mosaic_fwd(
         # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
         fast = functools.partial(run, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
     if not segments:
-        return fast(q, k, v, None, None)
+        return fast(q, k, v, None, None, None)
+    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+    ordered = ids_sorted(kv_seg)
     if interpret:  # one kernel: its in-kernel choice of mask covers both
-        return two_wgs(q, k, v, q_seg, kv_seg)
+        return two_wgs(q, k, v, q_seg, kv_seg, ordered)
     # Sorted key ids (packed documents): a kernel that masks by the rows' spans only and
     # streams no key ids. The id compare beside the spans costs registers: at D = 64
     # two warpgroups spill 1,608 bytes with it, three 1,164. Other ids run the kernel
     # that compares ids, on two warpgroups.
     return lax.cond(
-        ids_sorted(kv_seg),
+        ordered,
         functools.partial(fast, spans_only=True),
         two_wgs,
         q,
@@ -464,6 +466,7 @@ def mosaic_fwd(
         v,
         q_seg,
         kv_seg,
+        ordered,
     )
 
 
@@ -473,6 +476,7 @@ def _forward(
     v,
     q_seg,
     kv_seg,
+    ordered,
     *,
     mask,
     scale: float,
@@ -484,8 +488,11 @@ def _forward(
     spans_only: bool = False,
 ):
     """One launch of the forward kernel on `wgs` compute warpgroups (`q_seg`, `kv_seg`:
-    both None without segment ids; `spans_only`: the key ids are sorted)."""
+    int32, both None without segment ids; `ordered`: `ids_sorted(kv_seg)`, for the
+    kernel's in-kernel choice of mask; `spans_only`: the key ids are sorted, and not
+    streamed)."""
     segments = q_seg is not None
+    stream_ids = segments and not spans_only  # the key ids ride with K
     b, t, n, h = q.shape
     s_len, kh = k.shape[1], k.shape[2]
     rows = wgs * WG_ROWS
@@ -495,7 +502,7 @@ def _forward(
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
         fixed = rows * h * size + rows * 4 + (3 * rows * 4 if segments else 0)
         fixed += rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0
-        return fixed, 2 * block * h * size + (block * 4 if segments and not spans_only else 0)
+        return fixed, 2 * block * h * size + (block * 4 if stream_ids else 0)
 
     # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
     # segment ids: the ring over packed documents), the streamed block halves.
@@ -513,13 +520,12 @@ def _forward(
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
     if segments:
-        q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
-        table = jnp.concatenate([table, ids_sorted(kv_seg).astype(jnp.int32)[None]])
+        table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])
         spans = key_spans(q_seg, kv_seg, causal=mask.causal, diag=geom.diag, kv_len=s_len)
         rows_ids = jnp.concatenate([q_seg[:, None], spans], axis=1)  # [B, 3, T]
         inputs += (pad_to(rows_ids, 2, geom.q_pad),)
-        inputs += (table,) if spans_only else (pad_to(kv_seg, 1, geom.kv_pad), table)
+        inputs += (pad_to(kv_seg, 1, geom.kv_pad), table) if stream_ids else (table,)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -532,7 +538,7 @@ def _forward(
         spans_only=spans_only,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
-    with_kv_ids = 2 if segments and not spans_only else 1  # and on the K barriers
+    with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
     o, lse = launch(
         kernel,
         out_type=[
@@ -546,7 +552,7 @@ def _forward(
             smem_tile((wgs, WG_ROWS, h), out_dtype) if separate_out else None,
             plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
             plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,
-            plgpu.SMEM((stages, block_kv), jnp.int32) if segments and not spans_only else None,
+            plgpu.SMEM((stages, block_kv), jnp.int32) if stream_ids else None,
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=wgs),
             plgpu.Barrier(num_arrivals=with_kv_ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),

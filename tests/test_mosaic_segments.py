@@ -232,6 +232,7 @@ def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
         v,
         q_seg,
         q_seg,
+        jnp.bool_(True),
         mask=mask,
         scale=scale,
         out_dtype=q.dtype,
