@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from train import readers
-from train.data import Batches, markov_samples, save_dataset
+from train.data import Batches, document_lengths, markov_samples, save_dataset
 from train.dataset import Rows, TokenDataset, load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -457,6 +457,36 @@ def test_cli_sample_and_inspect(tmp_path):
     assert lines["examples"] == "8" and lines["tokens"] == "512"
     assert lines["min_length"] == lines["max_length"] == "64"
     assert int(lines["max_id"]) < 1000
+
+
+def test_document_lengths_are_long_tailed():
+    lengths = document_lengths(4000, 2400, seed=0)
+    assert lengths.min() >= 1 and lengths.max() <= 16 * 2400
+    assert abs(lengths.mean() / 2400 - 1) < 0.05  # mean as asked
+    assert np.median(lengths) < 0.7 * 2400 < 2 * 2400 < np.quantile(lengths, 0.9)  # sigma 1
+    np.testing.assert_array_equal(lengths, document_lengths(4000, 2400, seed=0))
+    assert not np.array_equal(lengths, document_lengths(4000, 2400, seed=1))
+
+
+def test_cli_sample_lognormal_documents(tmp_path):
+    """`--lengths lognormal`: examples of log-normal lengths cut from the chain's samples,
+    as documents or as one stream; `.npy` (one length) refused before any work."""
+    sizes = ["--num-samples", "40", "--seq-len", "50", "--vocab-size", "1000", "--seed", "3"]
+    out = tmp_path / "docs.jsonl"
+    _cli("sample", "--out", str(out), *sizes, "--lengths", "lognormal")
+    lengths = document_lengths(40, 50, seed=3)
+    samples = markov_samples(40, int(lengths.max()), 1000, 3)
+    want = np.concatenate([e[:n] for e, n in zip(samples, lengths, strict=True)])
+    dataset = load_dataset(out)
+    assert dataset.num_examples == 40 and len(set(lengths.tolist())) > 10
+    np.testing.assert_array_equal(dataset.tokens, want)
+    stream = tmp_path / "stream.pkl"
+    _cli("sample", "--out", str(stream), *sizes, "--lengths", "lognormal", "--stream")
+    streamed = load_dataset(stream)
+    assert streamed.num_examples == 1
+    np.testing.assert_array_equal(streamed.tokens, want)
+    result = _cli("sample", "--out", str(tmp_path / "d.npy"), "--lengths", "lognormal", returncode=2)
+    assert "d.npy" in result.stderr and not (tmp_path / "d.npy").exists()
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -216,6 +216,17 @@ def markov_samples(
     return state_ids[states]
 
 
+def document_lengths(num_samples: int, mean: int, seed: int = 0) -> np.ndarray:
+    """``num_samples`` lengths of a long-tailed document distribution: log-normal with
+    sigma 1 and mean ``mean``, each in ``[1, 16 * mean]``. int64 ``[num_samples]``."""
+    if num_samples < 1 or mean < 1:
+        raise ValueError(f"{num_samples=} and {mean=} must be positive")
+    sigma = 1.0
+    rng = np.random.default_rng([seed, 1])  # not the Markov chain's stream
+    draws = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, size=num_samples)
+    return np.clip(np.rint(draws), 1, 16 * mean).astype(np.int64)
+
+
 def _write_pkl(path: Path, examples) -> None:
     with open(path, "wb") as f:
         pickle.dump([{"input_ids": np.asarray(e).tolist()} for e in examples], f)
@@ -335,7 +346,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     sample = commands.add_parser("sample", help="write learnable Markov-chain sample data")
     sample.add_argument("--out", required=True, help="output file: .pkl, .jsonl or .npy")
     sample.add_argument("--num-samples", type=int, default=512)
-    sample.add_argument("--seq-len", type=int, default=1024, help="tokens per example")
+    sample.add_argument(
+        "--seq-len", type=int, default=1024, help="tokens per example (the mean, with --lengths)"
+    )
+    sample.add_argument(
+        "--lengths",
+        choices=("fixed", "lognormal"),
+        default="fixed",
+        help="example lengths: all --seq-len, or log-normal (sigma 1) with mean --seq-len, "
+        "capped at 16x (packed documents of a long-tailed corpus)",
+    )
     sample.add_argument("--vocab-size", type=int, default=32000)
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--num-states", type=int, default=256, help="distinct tokens used")
@@ -384,19 +404,27 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _command(args: argparse.Namespace) -> None:
     if args.command == "sample":
         writer_of(args.out)  # before making the samples
+        if args.lengths == "lognormal" and Path(args.out).suffix.lower() == ".npy":
+            raise ValueError(f"{args.out}: .npy holds examples of one length; use .jsonl or .pkl")
+        lengths = np.full(args.num_samples, args.seq_len)
+        if args.lengths == "lognormal":
+            lengths = document_lengths(args.num_samples, args.seq_len, args.seed)
         examples = markov_samples(
             args.num_samples,
-            args.seq_len,
+            int(lengths.max()),
             args.vocab_size,
             args.seed,
             num_states=args.num_states,
             branching=args.branching,
         )
         if args.stream:
-            examples = examples.reshape(1, -1)
+            examples = [np.concatenate([e[:n] for e, n in zip(examples, lengths, strict=True)])]
+        elif args.lengths == "lognormal":
+            examples = [e[:n] for e, n in zip(examples, lengths, strict=True)]
         save_dataset(args.out, examples)
-        count, length = examples.shape
-        print(f"wrote {args.out}: {count} example{'s' * (count > 1)} x {length} tokens")
+        count, sizes = len(examples), [len(e) for e in examples]
+        what = f"{sizes[0]} tokens" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)} tokens"
+        print(f"wrote {args.out}: {count} example{'s' * (count > 1)} x {what} ({sum(sizes)} in all)")
     elif args.command == "inspect":
         if data_cache.is_cache(args.path):
             summary = data_cache.open_cache(args.path, vocab_size=args.vocab_size).summary()
