@@ -86,14 +86,29 @@ def q_tile_range(q_seg, kv_seg, block_q: int, block_kv: int):
     return _ranges(kv_seg, q_seg, block_kv, block_q)
 
 
+@jax.custom_batching.custom_vmap
 def ids_sorted(seg):
     """Scalar bool: every row of segment ids `[B, L]` is non-decreasing.
+
+    Under `jax.vmap` it stays one scalar, over the rows of every mapped call (`_all_rows`):
+    the forward's `lax.cond` on it then still runs one kernel, where a mapped flag would
+    make it a select between both kernels, each run on every call.
 
     Reduced in a kernel of its own: fused into the small concatenation that consumes
     it, XLA ran the whole reduction in a few threads at some shapes (H200: 0.16-0.18 ms
     for one row of 8k or 16k ids, 0.54 ms for four of 4k, against 0.01 ms alone; at 16k
     a twentieth of a D = 128 forward)."""
     return lax.optimization_barrier(jnp.all(seg[:, 1:] >= seg[:, :-1]))
+
+
+@ids_sorted.def_vmap
+def _all_rows(axis_size, in_batched, seg):
+    """`ids_sorted` of the rows of all mapped calls (mapped axis first): not mapped."""
+    del axis_size
+    (batched,) = in_batched
+    if batched:
+        seg = seg.reshape(-1, seg.shape[-1])
+    return ids_sorted(seg), False
 
 
 def _search(sorted_ids, ids, side: str):

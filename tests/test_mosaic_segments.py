@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import INTERPRET, needs_hopper
 from jax._src import mesh as mesh_lib
-from kernel_cases import assert_close, make_inputs, oracle, random_segments
+from kernel_cases import assert_close, make_inputs, oracle, random_segments, value_and_grads
 
 import jflash
 from jflash._dispatch import delta_from
@@ -193,6 +193,58 @@ def test_rows_that_see_nothing():
     out, lse, dq = (np.asarray(x, np.float32) for x in got[:3])
     assert np.all(out[:, 60:130] == 0) and np.all(dq[:, 60:130] == 0)
     assert np.all(np.isneginf(lse[:, :, 60:130])) and np.all(np.isfinite(lse[:, :, 130:]))
+
+
+@pytest.mark.parametrize("second", ["packed", "interleaved"])
+def test_vmap_over_calls_with_their_own_ids(second):
+    """`jax.vmap` of `flash_attention` over calls with their own segment ids, sorted in
+    the first and sorted or not in the second (which kernel runs is chosen once for all
+    of them): outputs, LSE and gradients are each call's own."""
+    case = Case(q_len=192, segments=3)
+    calls = [inputs(case, seed) for seed in (1, 2)]
+    q, k, v, do, dlse = (jnp.stack(xs) for xs in zip(*calls, strict=True))
+    ids = [segment_ids(case, 1)[0], segment_ids(dataclasses.replace(case, order=second), 2)[0]]
+    attend = functools.partial(
+        jflash.flash_attention,
+        causal=True,
+        return_lse=True,
+        implementation="pallas_mosaic",
+        interpret=INTERPRET,
+    )
+
+    def one(q, k, v, do, dlse, seg):
+        return value_and_grads(attend, q, k, v, do, dlse, segment_ids=seg)
+
+    got = jax.jit(jax.vmap(one))(q, k, v, do, dlse, jnp.stack(ids))
+    for i, seg in enumerate(ids):
+        want = oracle(*(x[i] for x in (q, k, v, do, dlse)), causal=True, segment_ids=seg)
+        check([x[i] for x in got], want, (seg, seg), causal=True, dtype=case.dtype)
+
+
+def test_vmap_keeps_one_forward_kernel(monkeypatch):
+    """Under `jax.vmap` with mapped segment ids the forward's choice of kernel (sorted
+    key ids or not) stays a conditional, one kernel run (lowered for CUDA, no GPU); a
+    mapped flag would run both kernels and select."""
+    import jflash._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    h100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    q = jax.ShapeDtypeStruct((3, 1, 512, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((3, 1, 512, 2, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((3, 1, 512), jnp.int32)
+
+    def attend(q, k, v, seg):
+        return jflash.flash_attention(
+            q, k, v, causal=True, segment_ids=seg, implementation="pallas_mosaic"
+        )
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(jax.vmap(attend)).trace(q, kv, kv, seg)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.case") == 1
+    assert text.count("@mosaic_gpu") == 2  # the two forms, one in each branch
 
 
 @pytest.mark.parametrize("q_offset, k_offset", [(0, 1), (64, 0)], ids=["striped", "later"])

@@ -485,8 +485,9 @@ def test_cli_sample_lognormal_documents(tmp_path):
     streamed = load_dataset(stream)
     assert streamed.num_examples == 1
     np.testing.assert_array_equal(streamed.tokens, want)
-    result = _cli("sample", "--out", str(tmp_path / "d.npy"), "--lengths", "lognormal", returncode=2)
-    assert "d.npy" in result.stderr and not (tmp_path / "d.npy").exists()
+    npy = tmp_path / "d.npy"
+    result = _cli("sample", "--out", str(npy), "--lengths", "lognormal", returncode=2)
+    assert "d.npy" in result.stderr and not npy.exists()
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -423,8 +423,9 @@ def _command(args: argparse.Namespace) -> None:
             examples = [e[:n] for e, n in zip(examples, lengths, strict=True)]
         save_dataset(args.out, examples)
         count, sizes = len(examples), [len(e) for e in examples]
-        what = f"{sizes[0]} tokens" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)} tokens"
-        print(f"wrote {args.out}: {count} example{'s' * (count > 1)} x {what} ({sum(sizes)} in all)")
+        span = f"{sizes[0]}" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
+        plural = "s" * (count > 1)
+        print(f"wrote {args.out}: {count} example{plural} x {span} tokens ({sum(sizes)} in all)")
     elif args.command == "inspect":
         if data_cache.is_cache(args.path):
             summary = data_cache.open_cache(args.path, vocab_size=args.vocab_size).summary()
