@@ -2,12 +2,15 @@
 
 The kernels take the *global* LSE and `delta = rowsum(dO * O) - dLSE`, so no forward
 is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV
-kernel they are the starting values of the S^T and dP^T accumulators, so `P = exp2(S *
-scale * log2 e)` and `dS = P * dP` take no broadcast operand: there they vary along the
-columns, and that frees 32 registers per thread next to dK and dV (ptxas at D=128: 8
-bytes spilled, was 32; the kernel 7% faster). The dQ kernel holds two such registers
-per thread and adds them after its matmuls (starting its accumulators there cost it
-2-4%: more moves per step). BENCHMARKS.md.
+kernel the tensor cores add them into the S^T and dP^T accumulators (a K = 16 wgmma of
+ones times their bf16 parts, `_row_parts`, streamed with Q and dO), so `P = exp2(S *
+scale * log2 e)` and `dS = P * dP` take no broadcast operand and no thread loads them:
+there they vary along the columns, 16 values per thread. Held as broadcast operands
+they cost 32 registers per thread next to dK and dV; loaded into the accumulators at
+each step's start they stalled it (9% of the compute warps' stall samples at D = 128);
+from the tensor cores the non-causal D = 128 backward runs 3% faster, the rest even
+(H200, BENCHMARKS.md). The dQ kernel holds two such registers per thread and adds them
+after its matmuls (starting its accumulators there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
@@ -163,6 +166,34 @@ def _store_tile(value, smem, dst):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+# The dK/dV kernel's per-query terms (-LSE/scale, -delta) as bf16 parts: an f32 `x` is
+# `c0 + c1 + c2` to 24 bits (the columns past 3 are zero), which the tensor cores add
+# into S^T and dP^T as `ones @ parts^T` (a K = 16 wgmma, bf16 whatever the inputs'
+# dtype: f32's range). -inf stays -inf in c0.
+PARTS = 16
+
+
+def _row_parts(x):
+    """f32 `[B, N, T]` -> bf16 `[B, N, T, PARTS]` whose columns sum to `x` (in f32)."""
+    finite = jnp.isfinite(x)
+    parts, rest = [], x
+    for _ in range(3):
+        part = rest.astype(jnp.bfloat16)
+        parts.append(part)
+        rest = jnp.where(finite, rest - part.astype(jnp.float32), jnp.float32(0.0))
+    zeros = jnp.zeros((*x.shape, PARTS - len(parts)), jnp.bfloat16)
+    return jnp.concatenate([jnp.stack(parts, -1), zeros], -1)
+
+
+def _parts_tile(shape):
+    """SMEM for `_row_parts` tiles (and their ones): 16 bf16 columns, 32-byte swizzle."""
+    return plgpu.SMEM(
+        shape,
+        jnp.bfloat16,
+        transforms=(plgpu.TilingTransform((8, PARTS)), plgpu.SwizzleTransform(2 * PARTS)),
+    )
+
+
 def _bcast(x, shape, dim):
     return lax.broadcast_in_dim(x, shape, [dim])
 
@@ -175,8 +206,8 @@ def _dkv_kernel(
     k_ref,
     v_ref,
     do_ref,
-    lse_ref,
-    delta_ref,
+    s_parts_ref,
+    dp_parts_ref,
     *refs,
     geom: Geometry,
     block_q: int,
@@ -211,8 +242,8 @@ def _dkv_kernel(
         v_smem2,
         q_smem,
         do_smem,
-        lse_smem,
-        delta_smem,
+        s_parts,
+        dp_parts,
         out_smem2,
         ds_smem2,
         dq_smem2,
@@ -223,6 +254,7 @@ def _dkv_kernel(
         free,
         ds_ready,
         opaque,
+        ones_smem2,
     ) = refs
     bk = WG_ROWS
     batch = lax.axis_index("batch")
@@ -255,6 +287,9 @@ def _dkv_kernel(
         # two-kernel backward's dK/dV kernel at D = 128 112-136 (+3% at 16k without
         # the spill); D = 64 unchanged.
         opaque[jnp.int32(0)] = jnp.int32(0)
+        # Ones: the A operand that adds the per-query terms' parts (module docstring).
+        ones_smem2.at[wg][...] = jnp.ones((bk, PARTS), ones_smem2.dtype)
+        plgpu.commit_smem()
         for i in range(3 if segments else 2):
             plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
         k_ids = row_ids(k_ids2.at[wg]) if segments else None
@@ -301,12 +336,12 @@ def _dkv_kernel(
 
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
-            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32
-            col, shape = plgpu.Layout.WGMMA.reduce(0), (bk, block_q)
-            init = (
-                _bcast(plgpu.load(lse_smem.at[slot], layout=col), shape, 1),
-                _bcast(plgpu.load(delta_smem.at[slot], layout=col), shape, 1),
-            )
+            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32. The
+            # per-query terms come from the tensor cores too: ones [keys, 16] times the
+            # term's bf16 parts [16, queries] (`_row_parts`), so no thread loads them.
+            zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
+            ones = ones_smem2.at[mine]
+            init = (zeros, zeros)
 
             def probabilities(s):  # while dP^T is still on the tensor cores
                 p = jnp.exp2(s * qk_scale)
@@ -319,7 +354,10 @@ def _dkv_kernel(
 
             p, ds = wgmma_pair(
                 init,
-                [(k_s, q_t.T), (v_s, do_t.T)],
+                [
+                    [(ones, s_parts.at[slot].T), (k_s, q_t.T)],
+                    [(ones, dp_parts.at[slot].T), (v_s, do_t.T)],
+                ],
                 probabilities,
                 lambda p, dp: p * dp,
                 interpret=interpret,
@@ -473,8 +511,8 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready)
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready)
             cols = (batch, head, pl.ds(q_start, block_q))
-            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], ready)
-            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(s_parts_ref.at[cols], s_parts.at[slot], ready)
+            plgpu.copy_gmem_to_smem(dp_parts_ref.at[cols], dp_parts.at[slot], ready)
             if segments:
                 plgpu.copy_gmem_to_smem(
                     qseg_ref.at[batch, pl.ds(q_start, block_q)], q_ids.at[slot], ready
@@ -718,8 +756,12 @@ def mosaic_bwd(
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
         stages,
-        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0) + ids_tile,
-        per_stage=2 * block_q_dkv * (h * size + 4) + (block_q_dkv * 4 if segments else 0),
+        fixed=2 * rows * h * size
+        + out_tile
+        + (fused_tiles if fused else 0)
+        + ids_tile
+        + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
+        per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
     kv_tiles = geom.kv_pad // rows
     kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype, k)
@@ -732,7 +774,7 @@ def mosaic_bwd(
         split=split,
         **common,
     )
-    inputs = (q, k, v, do, s_start, dp_start, *dkv_ids)
+    inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
@@ -754,8 +796,8 @@ def mosaic_bwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
-            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
-            plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32),
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
             (
                 smem_tile((*(2,) * (split is not None), COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
@@ -771,6 +813,7 @@ def mosaic_bwd(
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split is not None else None,
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
+            _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # ones: the terms' A operand
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
         kernel_name="jflash_mosaic_dkv",

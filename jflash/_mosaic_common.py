@@ -229,9 +229,10 @@ def wgmma_into(accs, products, *, interpret: bool):
 
 
 def wgmma_sum(acc, products, *, interpret: bool):
-    """`acc + sum_j a_j @ b_j` into one accumulator (SMEM operands), waited for once."""
+    """`acc + sum_j a_j @ b_j` into one accumulator, waited for once."""
     if interpret:
         for a, b in products:
+            a = a() if callable(a) else a
             acc = acc + jnp.dot(a[...], b[...], preferred_element_type=jnp.float32)
         return acc
 
@@ -243,21 +244,24 @@ def wgmma_sum(acc, products, *, interpret: bool):
 
 
 def wgmma_pair(inits, products, first, then, *, interpret: bool):
-    """Two wgmmas `r_i = init_i + a_i @ b_i` issued together; `x = first(r_0)` runs while
-    the second is still on the tensor cores. Returns `(x, then(x, r_1))`, both f32 of
-    the accumulators' shapes (written back into them: no extra registers).
+    """Two accumulators `r_i = init_i + a_i @ b_i` issued together (`products[i]`: an
+    `(a, b)` pair, or a list of them summed into `r_i`); `x = first(r_0)` runs while
+    `r_1`'s wgmmas are still on the tensor cores. Returns `(x, then(x, r_1))`, both f32
+    of the accumulators' shapes (written back into them: no extra registers).
 
-    Each `plgpu.wgmma` commits its own group, so reading `r_0` waits for one group only.
+    Each `plgpu.wgmma` commits its own group, so reading `r_0` waits for `r_0`'s only.
     """
+    products = [p if isinstance(p, list) else [p] for p in products]
     if interpret:
-        r0, r1 = wgmma_into(inits, products, interpret=True)
+        r0, r1 = (wgmma_sum(i, p, interpret=True) for i, p in zip(inits, products, strict=True))
         x = first(r0)
         return x, then(x, r1)
 
     def issue(refs):
-        for ref, (a, b) in zip(refs, products, strict=True):
-            plgpu.wgmma(ref, a() if callable(a) else a, b)
-        x = first(plgpu.wgmma_accumulator_load(refs[0], wait_n=1))
+        for ref, prods in zip(refs, products, strict=True):
+            for a, b in prods:
+                plgpu.wgmma(ref, a() if callable(a) else a, b)
+        x = first(plgpu.wgmma_accumulator_load(refs[0], wait_n=len(products[1])))
         y = then(x, plgpu.wgmma_accumulator_load(refs[1], wait_n=0))
         refs[0][...] = x
         refs[1][...] = y
