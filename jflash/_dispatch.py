@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,25 @@ def wants_determinism(deterministic: bool | None) -> bool:
     return as_bool(deterministic, f"{deterministic=} must be True, False or None")
 
 
+# jax 0.11.2's GPU interpreter runs each simulated warpgroup as a program of its own on
+# XLA's CPU client and waits for all of them from another one: with fewer host threads
+# than that, a kernel whose warpgroups wait on each other hangs (seen on a 2-core
+# machine with 1-3 CPU devices; with 4 or 8 the same calls ran).
+INTERPRETER_THREADS = 4
+
+
+def _warn_interpreter_threads() -> None:
+    cores, devices = os.cpu_count() or 1, jax.local_device_count("cpu")
+    if max(cores, devices) < INTERPRETER_THREADS:
+        warnings.warn(
+            f"jflash: the Mosaic kernels in the GPU interpreter can hang with fewer than "
+            f"{INTERPRETER_THREADS} host threads (this process: {cores} cores, {devices} CPU "
+            "devices); set XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax "
+            "starts, as jflash's tests do",
+            stacklevel=3,
+        )
+
+
 def resolve(
     implementation: str | None,
     interpret: bool | None,
@@ -139,6 +159,8 @@ def resolve(
     if implementation == "pallas_mosaic":
         if interpret is None:
             interpret = platform != "gpu"
+        if interpret:
+            _warn_interpreter_threads()
         why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, compiled=not interpret)
         if why is not None:
             raise NotImplementedError(

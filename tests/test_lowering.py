@@ -221,6 +221,25 @@ def test_named_mosaic_refuses_what_it_cannot_run(monkeypatch):
         )
 
 
+def test_interpreted_mosaic_warns_where_the_interpreter_can_hang(monkeypatch):
+    """The GPU interpreter hangs with too few host threads for its warpgroups (2 cores
+    and 1-3 CPU devices); interpreting the Mosaic kernels there says so and how to fix
+    it, and stays quiet with enough threads (the tests' 8 devices) or compiled."""
+    import warnings
+
+    common = dict(q_len=64, kv_len=64, head_dim=64, dtype=jnp.bfloat16)
+    monkeypatch.setattr(dispatch.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(dispatch.jax, "local_device_count", lambda backend=None: 1)
+    with pytest.warns(UserWarning, match=r"can hang .* 2 cores, 1 CPU devices.*device_count=8"):
+        dispatch.resolve("pallas_mosaic", True, None, **common)
+    monkeypatch.setattr(dispatch.jax, "local_device_count", lambda backend=None: 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatch.resolve("pallas_mosaic", True, None, **common)
+        monkeypatch.setattr(dispatch.jax, "local_device_count", lambda backend=None: 1)
+        dispatch.resolve("pallas_triton", True, None, **common)  # one thread per program
+
+
 def test_determinism_switch(monkeypatch):
     """`deterministic=None` follows XLA's `--xla_gpu_deterministic_ops`; the fused dQ
     refuses query blocks other than one wgmma M, naming the way out."""
