@@ -13,7 +13,7 @@ from the tensor cores the non-causal D = 128 backward runs 3% faster, the rest e
 after its matmuls (starting its accumulators there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
-  the memory warpgroup streams (Q, dO, LSE, delta) tiles of every query head of the
+  the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards.
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel

@@ -417,10 +417,10 @@ def _command(args: argparse.Namespace) -> None:
             num_states=args.num_states,
             branching=args.branching,
         )
-        if args.stream:
-            examples = [np.concatenate([e[:n] for e, n in zip(examples, lengths, strict=True)])]
-        elif args.lengths == "lognormal":
+        if args.lengths == "lognormal":
             examples = [e[:n] for e, n in zip(examples, lengths, strict=True)]
+        if args.stream:
+            examples = [np.concatenate(examples)]
         save_dataset(args.out, examples)
         count, sizes = len(examples), [len(e) for e in examples]
         span = f"{sizes[0]}" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
