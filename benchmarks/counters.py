@@ -5,8 +5,9 @@ FlashAttention-3: where a kernel's time goes when the clock alone cannot say.
     python benchmarks/counters.py --cases jflash:16384:64
     python benchmarks/counters.py --parse out/ncu-*.txt  # summarise saved ncu output
 
-Each case `impl:S:D` (impl `jflash` or `fa3`) runs one causal forward+backward call of
-`--tokens` tokens (batch = tokens // S), GQA 32/8, bf16, in a child process under `ncu
+Each case `impl:S:D` (impl `jflash` or `fa3`) runs one forward+backward call of
+`--tokens` tokens (batch = tokens // S), `--mask` causal or full, 32 query heads and
+`--kv-heads` (8), bf16, in a child process under `ncu
 --clock-control none` (clocks left as they are), which profiles the first launch of the
 backward kernels (`--kernels`, a regular expression on demangled names: jflash's dK/dV
 kernel, FA3's three backward kernels). The raw output goes to `--out-dir`; the table
@@ -45,6 +46,9 @@ METRICS = (
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
     "launch__registers_per_thread",
+    "lts__t_sector_hit_rate.pct",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
     *(f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS),
 )
 COLUMNS = [
@@ -55,6 +59,9 @@ COLUMNS = [
     "issue_active_pct",
     "instructions_g",
     "shared_wavefronts_g",
+    "l2_hit_pct",
+    "dram_read_gb",
+    "dram_write_gb",
     *(f"stall_{s}" for s in STALLS),
 ]
 
@@ -99,12 +106,15 @@ def summarise(case: str, kernels: list[dict]) -> list[dict]:
             "tensor_active_pct": METRICS[1],
             "issue_active_pct": METRICS[2],
             "registers": "launch__registers_per_thread",
+            "l2_hit_pct": "lts__t_sector_hit_rate.pct",
         }
         row.update({col: m[name] for col, name in pairs.items() if name in m})
         for col, name in (
             ("instructions_g", "smsp__inst_executed.sum"),
             ("xu_instructions_g", "smsp__inst_executed_pipe_xu.sum"),
             ("shared_wavefronts_g", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"),
+            ("dram_read_gb", "dram__bytes_read.sum"),
+            ("dram_write_gb", "dram__bytes_write.sum"),
         ):
             if name in m:
                 row[col] = m[name] / 1e9
@@ -120,23 +130,23 @@ def summarise(case: str, kernels: list[dict]) -> list[dict]:
     return rows
 
 
-def call(impl: str, seq: int, hd: int, tokens: int) -> None:
-    """One causal forward+backward (what ncu profiles)."""
+def call(impl: str, seq: int, hd: int, tokens: int, causal: bool, kv_heads: int) -> None:
+    """One forward+backward (what ncu profiles)."""
     import jax
 
     import jflash
     from benchmarks.kernel import draw_inputs
 
-    q, k, v, do = draw_inputs(max(1, tokens // seq), seq, 32, 8, hd)
+    q, k, v, do = draw_inputs(max(1, tokens // seq), seq, 32, kv_heads, hd)
     if impl == "fa3":
         from flash_attn3_jax import flash_mha
 
         def attn(q, k, v):
-            return flash_mha(q, k, v, is_causal=True)
+            return flash_mha(q, k, v, is_causal=causal)
     else:
 
         def attn(q, k, v):
-            return jflash.flash_attention(q, k, v, causal=True)
+            return jflash.flash_attention(q, k, v, causal=causal)
 
     fwdbwd = jit_passes(attn)["fwdbwd"][0]
     jax.block_until_ready(fwdbwd(q, k, v, do))
@@ -146,7 +156,9 @@ class CaseFailed(Exception):
     """One case's `ncu` run failed; the message names the case and its saved output."""
 
 
-def profile(impl: str, seq: int, hd: int, tokens: int, out_dir: str) -> str:
+def profile(
+    impl: str, seq: int, hd: int, tokens: int, out_dir: str, mask: str, kv_heads: int
+) -> str:
     """The ncu details page of one case (also saved to `out_dir`)."""
     cmd = [
         "ncu",
@@ -168,10 +180,15 @@ def profile(impl: str, seq: int, hd: int, tokens: int, out_dir: str) -> str:
         f"{impl}:{seq}:{hd}",
         "--tokens",
         str(tokens),
+        "--mask",
+        mask,
+        "--kv-heads",
+        str(kv_heads),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     text = done.stdout + done.stderr
-    saved = os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}.txt")
+    tag = "" if (mask, kv_heads) == ("causal", 8) else f"-{mask}-kv{kv_heads}"
+    saved = os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}{tag}.txt")
     with open(saved, "w") as f:
         f.write(text)
     if done.returncode:
@@ -189,6 +206,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--cases", default=DEFAULT_CASES, help="impl:S:D,... (see above)")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
+    parser.add_argument("--mask", choices=("causal", "full"), default="causal")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (32 query heads)")
     parser.add_argument("--parse", nargs="+", metavar="FILE", help="saved ncu output files")
     parser.add_argument("--device", default=None, help="with --parse: the GPU they ran on")
     parser.add_argument("--call", default=None, help=argparse.SUPPRESS)  # run under ncu
@@ -200,7 +219,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.call:
-        call(*cases[0], args.tokens)
+        call(*cases[0], args.tokens, args.mask == "causal", args.kv_heads)
         return 0
 
     rows, meta = [], {}
@@ -209,10 +228,12 @@ def main(argv=None) -> int:
             parser.error("--parse needs --device (the GPU the saved output ran on)")
         for path in args.parse:
             name = os.path.basename(path)
-            m = re.fullmatch(r"ncu-(\w+)-(\d+)-(\d+)\.txt", name)  # as `profile` names them
+            m = re.fullmatch(r"ncu-(\w+)-(\d+)-(\d+)(?:-([\w-]+))?\.txt", name)  # `profile`'s names
             try:
                 with open(path) as f:
-                    found = summarise(":".join(m.groups()) if m else name, parse_details(f.read()))
+                    found = summarise(
+                        ":".join(g for g in m.groups() if g) if m else name, parse_details(f.read())
+                    )
             except OSError as e:
                 parser.error(f"--parse {path!r}: {e.strerror}")
             if not found:
@@ -228,12 +249,13 @@ def main(argv=None) -> int:
         failed = []
         for impl, seq, hd in cases:
             try:
-                text = profile(impl, seq, hd, args.tokens, out_dir)
+                text = profile(impl, seq, hd, args.tokens, out_dir, args.mask, args.kv_heads)
             except CaseFailed as e:  # the other cases still run
                 print(f"counters.py: {e}", file=sys.stderr)
                 failed.append(f"{impl}:{seq}:{hd}")
                 continue
-            rows += summarise(f"{impl}:{seq}:{hd}", parse_details(text))
+            case = f"{impl}:{seq}:{hd}" + ("" if args.mask == "causal" else f":{args.mask}")
+            rows += summarise(case, parse_details(text))
         if failed:
             meta = {"failed": failed}
         if not rows:
@@ -242,7 +264,10 @@ def main(argv=None) -> int:
         gpu = device_name().lower().replace(" ", "-")
     print(table(rows, COLUMNS))
     out = args.out or os.path.join(RESULTS, f"counters-{gpu}.json")
-    write_json(out, {"tokens": args.tokens, **meta, "rows": rows})
+    run = (
+        {} if args.parse else {"tokens": args.tokens, "mask": args.mask, "kv_heads": args.kv_heads}
+    )
+    write_json(out, {**run, **meta, "rows": rows})
     return 1 if meta.get("failed") else 0
 
 

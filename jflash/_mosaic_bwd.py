@@ -167,20 +167,30 @@ def _store_tile(value, smem, dst):
 
 
 # The dK/dV kernel's per-query terms (-LSE/scale, -delta) as bf16 parts: an f32 `x` is
-# `c0 + c1 + c2` to 24 bits (the columns past 3 are zero), which the tensor cores add
-# into S^T and dP^T as `ones @ parts^T` (a K = 16 wgmma, bf16 whatever the inputs'
-# dtype: f32's range). -inf stays -inf in c0.
+# `c0 + c1 + c2` exactly, 8 significant bits each (the columns past 3 are zero), which
+# the tensor cores add into S^T and dP^T as `ones @ parts^T` (a K = 16 wgmma, bf16
+# whatever the inputs' dtype: f32's range). -inf stays -inf in c0.
 PARTS = 16
 
 
+def _bf16_head(x):
+    """The f32 `x` cut to its top 8 significant bits (exactly a bf16): the low 16 bits
+    of its pattern cleared. Not `x.astype(bf16).astype(f32)`: XLA's GPU compiler drops
+    such a round trip (excess precision allowed by default), which left the parts after
+    the first all zero there and the terms at bf16 precision."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _row_parts(x):
-    """f32 `[B, N, T]` -> bf16 `[B, N, T, PARTS]` whose columns sum to `x` (in f32)."""
+    """f32 `[B, N, T]` -> bf16 `[B, N, T, PARTS]` whose columns sum to `x` exactly."""
+    x = x.astype(jnp.float32)
     finite = jnp.isfinite(x)
     parts, rest = [], x
     for _ in range(3):
-        part = rest.astype(jnp.bfloat16)
-        parts.append(part)
-        rest = jnp.where(finite, rest - part.astype(jnp.float32), jnp.float32(0.0))
+        part = _bf16_head(rest)
+        parts.append(part.astype(jnp.bfloat16))  # exact: part has 8 significant bits
+        rest = jnp.where(finite, rest - part, jnp.float32(0.0))
     zeros = jnp.zeros((*x.shape, PARTS - len(parts)), jnp.bfloat16)
     return jnp.concatenate([jnp.stack(parts, -1), zeros], -1)
 
