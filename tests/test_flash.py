@@ -176,6 +176,11 @@ def test_mosaic_gradients_of_long_rows(head_dim):
     )
     got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=False)
     assert_close(got, want, case.dtype)
+    # Sharper than the table: on an H200 at D = 128 these were 0.0004 of the largest
+    # entry with the terms exact and 0.015-0.019 at bf16 precision.
+    for name, g, w in zip(("dq", "dk", "dv"), got[2:], want[2:], strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.abs(g - w).max() <= 4e-3 * np.abs(w).max(), name
 
 
 # The three-warpgroup D = 64 forward (compiled only: the interpreter cannot run its
