@@ -3,16 +3,19 @@ FlashAttention-3: where a kernel's time goes when the clock alone cannot say.
 
     python benchmarks/counters.py                        # Hopper GPU, `ncu` on PATH
     python benchmarks/counters.py --cases jflash:16384:64
+    python benchmarks/counters.py --cases jflash:65536:128,fa3:65536:128 --mask full
     python benchmarks/counters.py --parse out/ncu-*.txt  # summarise saved ncu output
 
 Each case `impl:S:D` (impl `jflash` or `fa3`) runs one forward+backward call of
 `--tokens` tokens (batch = tokens // S), `--mask` causal or full, 32 query heads and
-`--kv-heads` (8), bf16, in a child process under `ncu
---clock-control none` (clocks left as they are), which profiles the first launch of the
-backward kernels (`--kernels`, a regular expression on demangled names: jflash's dK/dV
-kernel, FA3's three backward kernels). The raw output goes to `--out-dir`; the table
-gives per kernel: time, tensor-pipe activity, issue activity, instructions, shared
-memory wavefronts (LSU and wgmma operand reads together), and the stall reasons per
+`--kv-heads` (8), bf16, in a child process under `ncu --clock-control none` (clocks
+left as they are), which profiles the first launch of the backward kernels
+(`--kernels`, a regular expression on demangled names: jflash's dK/dV kernel, FA3's
+three backward kernels). The raw output goes to `--out-dir` (a mask or KV heads other
+than the defaults tag its names: `ncu-jflash-65536-128-full-kv8.txt`); the table gives
+per kernel: time, tensor-pipe activity, issue activity, instructions, shared memory
+wavefronts (LSU and wgmma operand reads together), L2 hit rate, DRAM bytes read and
+written, and the stall reasons per
 issued instruction that dominate (a warp waiting on a wgmma shows as `barrier` on its
 `WARPGROUP.DEPBAR`, on an mbarrier poll as `long_sb`; waiting on a shared load as
 `short_sb`). The memory warpgroup's idle polling counts in the averages too.
@@ -152,6 +155,12 @@ def call(impl: str, seq: int, hd: int, tokens: int, causal: bool, kv_heads: int)
     jax.block_until_ready(fwdbwd(q, k, v, do))
 
 
+def run_tag(mask: str, kv_heads: int) -> str:
+    """What a run's mask and KV heads add to its saved files' and cases' names: nothing
+    for the defaults (causal, 8), else `full-kv8`, `causal-kv32`, ..."""
+    return "" if (mask, kv_heads) == ("causal", 8) else f"{mask}-kv{kv_heads}"
+
+
 class CaseFailed(Exception):
     """One case's `ncu` run failed; the message names the case and its saved output."""
 
@@ -187,8 +196,8 @@ def profile(
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     text = done.stdout + done.stderr
-    tag = "" if (mask, kv_heads) == ("causal", 8) else f"-{mask}-kv{kv_heads}"
-    saved = os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}{tag}.txt")
+    tag = run_tag(mask, kv_heads)
+    saved = os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}{'-' + tag if tag else ''}.txt")
     with open(saved, "w") as f:
         f.write(text)
     if done.returncode:
@@ -254,7 +263,8 @@ def main(argv=None) -> int:
                 print(f"counters.py: {e}", file=sys.stderr)
                 failed.append(f"{impl}:{seq}:{hd}")
                 continue
-            case = f"{impl}:{seq}:{hd}" + ("" if args.mask == "causal" else f":{args.mask}")
+            tag = run_tag(args.mask, args.kv_heads)
+            case = f"{impl}:{seq}:{hd}" + (f":{tag}" if tag else "")
             rows += summarise(case, parse_details(text))
         if failed:
             meta = {"failed": failed}

@@ -11,8 +11,9 @@ each step's start they stalled it (9% of the compute warps' stall samples at D =
 from the tensor cores the non-causal D = 128 backward runs 3% faster, the rest even
 (H200, BENCHMARKS.md). Their K = 16 wgmmas are 5% of the kernel's tensor work at D = 128;
 loaded into registers once the step's wgmmas are issued, as FlashAttention-3 does, the
-terms spilled registers here and the backward ran 1-7% slower. The dQ kernel holds two such registers per thread and adds them
-after its matmuls (starting its accumulators there cost it 2-4%: more moves per step).
+terms spilled registers here and the backward ran 1-7% slower. The dQ kernel holds two
+such registers per thread and adds them after its matmuls (starting its accumulators
+there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the

@@ -584,6 +584,8 @@ ran jflash 16384 128 True
     gpu__time_duration.sum                                                    ns    33,987,552
     l1tex__data_pipe_lsu_wavefronts_mem_shared.sum                                5,948,175,296
     launch__registers_per_thread                                  register/thread           168
+    dram__bytes_read.sum                                                byte 27,032,616,960
+    lts__t_sector_hit_rate.pct                                                 %         93.71
     smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio        inst          2.24
     sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active     %         70.40
     Section: GPU Speed Of Light Throughput
@@ -604,6 +606,8 @@ def test_counters_parse_ncu_details(tmp_path, capsys):
     assert dkv["tensor_active_pct"] == 70.4 and dkv["registers"] == 168
     assert dkv["shared_wavefronts_g"] == pytest.approx(5.948175296)
     assert dkv["stall_barrier"] == 2.24 and "stall_gmma" not in dkv
+    assert dkv["l2_hit_pct"] == 93.71 and dkv["dram_read_gb"] == pytest.approx(27.03261696)
+    assert "dram_write_gb" not in dkv
     assert post == {"case": "jflash:16384:128", "kernel": post_name, "ms": 0.3792}
 
     saved = tmp_path / "ncu-jflash-16384-128.txt"
@@ -670,6 +674,41 @@ def test_counters_goes_on_past_a_failing_case(monkeypatch, tmp_path, capsys):
 
     assert counters.main(["--cases", "fa3:16384:128", *base]) == 1
     assert "no case ran under ncu (fa3:16384:128)" in capsys.readouterr().err
+
+
+def test_counters_mask_and_kv_heads_reach_the_child_and_the_names(monkeypatch, tmp_path):
+    """`--mask full --kv-heads 32` go to the profiled child, tag the saved file and the
+    case, are written to the JSON, and a tagged saved file parses under its tag."""
+    import subprocess
+
+    from benchmarks import counters
+
+    cmds = []
+
+    def fake_run(cmd, **kw):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=COUNTERS_TEXT, stderr="")
+
+    monkeypatch.setattr(counters.shutil, "which", lambda name: "/usr/bin/ncu")
+    monkeypatch.setattr(counters.subprocess, "run", fake_run)
+    monkeypatch.setattr(counters, "device_name", lambda: "H200")
+    out = tmp_path / "c.json"
+    argv = ["--cases", "jflash:16384:128", "--mask", "full", "--kv-heads", "32"]
+    assert counters.main([*argv, "--out-dir", str(tmp_path), "--out", str(out)]) == 0
+    (cmd,) = cmds
+    assert cmd[cmd.index("--mask") + 1] == "full" and cmd[cmd.index("--kv-heads") + 1] == "32"
+    saved = tmp_path / "ncu-jflash-16384-128-full-kv32.txt"
+    assert saved.exists()
+    written = json.loads(out.read_text())
+    assert (written["mask"], written["kv_heads"]) == ("full", 32)
+    assert {r["case"] for r in written["rows"]} == {"jflash:16384:128:full-kv32"}
+
+    parsed = tmp_path / "p.json"
+    argv = ["--parse", str(saved), "--device", "NVIDIA H200", "--out", str(parsed)]
+    assert counters.main(argv) == 0
+    assert {r["case"] for r in json.loads(parsed.read_text())["rows"]} == {
+        "jflash:16384:128:full-kv32"
+    }
 
 
 @pytest.mark.parametrize(
