@@ -13,15 +13,16 @@ working tree's is copied there the same way, so that every candidate is imported
 (with the tree imported in place and its outputs held while timing, its forward read
 1-3% faster than identical revisions). Each shape builds all of them (and the peers),
 reports how far each one's forward output and gradients are from the tree's
-(`*_max_abs_diff`, `*_grad_max_abs_diff`: a backward change shows only in the second),
-then times the forward and the forward+backward of every candidate in `--rounds`
-interleaved rounds and keeps each one's best round. The candidates take turns, so a
-drift of the GPU's clocks reaches all of them. Each round times every forward, then
-every forward+backward, in an order from a balanced Latin square: over the rounds each
-candidate takes every turn and follows every other one equally often, since the turn
-and what ran just before moved a time by 1-4%. `--rounds` defaults to twice the
-candidates (one whole square or two). `--rev HEAD` on a clean tree times identical
-code: its `new/rev` is the run's noise floor.
+(`*_max_abs_diff`, `*_grad_max_abs_diff`: a backward change shows only in the second;
+`*_grad_rel_diff`, the same relative to the tree's largest entry, warned about past
+`kernel.py`'s tolerance, 0.02), then times the forward and the forward+backward of
+every candidate in `--rounds` interleaved rounds and keeps each one's best round. The
+candidates take turns, so a drift of the GPU's clocks reaches all of them. Each round
+times every forward, then every forward+backward, in an order from a balanced Latin
+square: over the rounds each candidate takes every turn and follows every other one
+equally often, since the turn and what ran just before moved a time by 1-4%.
+`--rounds` defaults to twice the candidates (one whole square or two). `--rev HEAD` on
+a clean tree times identical code: its `new/rev` is the run's noise floor.
 
 Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
@@ -61,6 +62,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.kernel import (  # noqa: E402
     FA3_HEAD_DIMS,
+    FWDBWD_TOLERANCE,
     _fa3_varlen,
     attention_fn,
     document_flops,
@@ -192,11 +194,22 @@ def compare(
     def gap(x, y):
         return float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
 
+    def rel(x, y):  # relative to the tree's largest entry, as kernel.py checks
+        return gap(x, y) / max(float(jnp.max(jnp.abs(y.astype(jnp.float32)))), 1e-30)
+
     for label, (fwd, fwdbwd) in cands.items():
         row[f"{label}_max_abs_diff"] = gap(fwd(*args[:3]), base)
         # dQ, dK, dV too: a backward change shows in them, not in the forward's output.
         _, grads = fwdbwd(*args)
         row[f"{label}_grad_max_abs_diff"] = max(map(gap, grads, base_grads))
+        row[f"{label}_grad_rel_diff"] = max(map(rel, grads, base_grads))
+        if not row[f"{label}_grad_rel_diff"] <= FWDBWD_TOLERANCE:  # NaN too
+            print(
+                f"ab.py: {name}: {label}'s gradients are {row[f'{label}_grad_rel_diff']:.3g} of"
+                f" their largest entry from the tree's (more than {FWDBWD_TOLERANCE}: one of"
+                " them is wrong, or less exact)",
+                file=sys.stderr,
+            )
     # The tree's outputs are not kept alive while the candidates are timed.
     del base, base_grads, grads
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
@@ -305,7 +318,7 @@ def main(argv=None) -> int:
             name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
             rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
             print(rows[-1], flush=True)
-    diffs = [f"{label}_{d}max_abs_diff" for label in labels for d in ("", "grad_")]
+    diffs = [f"{label}_{d}" for label in labels for d in ("max_abs_diff", "grad_rel_diff")]
     columns = ["shape", *diffs] + [k for k in rows[0] if k.endswith("_ms") or k.startswith("new/")]
     print(table(rows, columns))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")

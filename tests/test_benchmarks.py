@@ -537,8 +537,12 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
     (row,) = written["rows"]
     assert row["rev1_max_abs_diff"] == row["rev1_grad_max_abs_diff"] == 0.0
     assert row["rev2_max_abs_diff"] == 0.0 and row["rev2_grad_max_abs_diff"] > 0.1
+    assert row["rev1_grad_rel_diff"] == 0.0 and row["rev2_grad_rel_diff"] > 0.5  # doubled
     assert row["new/rev1_fwdbwd"] > 0 and row["new/rev2_fwd"] > 0
-    assert "revisions: rev1 = HEAD, rev2 = HEAD" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "revisions: rev1 = HEAD, rev2 = HEAD" in captured.out
+    (warning,) = [line for line in captured.err.splitlines() if line.startswith("ab.py:")]
+    assert "rev2's gradients are" in warning and "of their largest entry" in warning
 
 
 @pytest.mark.parametrize(
