@@ -68,6 +68,7 @@ from benchmarks.kernel import (  # noqa: E402
     document_flops,
     document_lengths,
     draw_inputs,
+    relative_gap,
 )
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -194,15 +195,12 @@ def compare(
     def gap(x, y):
         return float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
 
-    def rel(x, y):  # relative to the tree's largest entry, as kernel.py checks
-        return gap(x, y) / max(float(jnp.max(jnp.abs(y.astype(jnp.float32)))), 1e-30)
-
     for label, (fwd, fwdbwd) in cands.items():
         row[f"{label}_max_abs_diff"] = gap(fwd(*args[:3]), base)
         # dQ, dK, dV too: a backward change shows in them, not in the forward's output.
         _, grads = fwdbwd(*args)
         row[f"{label}_grad_max_abs_diff"] = max(map(gap, grads, base_grads))
-        row[f"{label}_grad_rel_diff"] = max(map(rel, grads, base_grads))
+        row[f"{label}_grad_rel_diff"] = max(map(relative_gap, grads, base_grads))
         if not row[f"{label}_grad_rel_diff"] <= FWDBWD_TOLERANCE:  # NaN too
             print(
                 f"ab.py: {name}: {label}'s gradients are {row[f'{label}_grad_rel_diff']:.3g} of"

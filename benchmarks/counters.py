@@ -15,10 +15,10 @@ three backward kernels). The raw output goes to `--out-dir` (a mask or KV heads 
 than the defaults tag its names: `ncu-jflash-65536-128-full-kv8.txt`); the table gives
 per kernel: time, tensor-pipe activity, issue activity, instructions, shared memory
 wavefronts (LSU and wgmma operand reads together), L2 hit rate, DRAM bytes read and
-written, and the stall reasons per
-issued instruction that dominate (a warp waiting on a wgmma shows as `barrier` on its
-`WARPGROUP.DEPBAR`, on an mbarrier poll as `long_sb`; waiting on a shared load as
-`short_sb`). The memory warpgroup's idle polling counts in the averages too.
+written, and the stall reasons per issued instruction that dominate (a warp waiting on
+a wgmma shows as `barrier` on its `WARPGROUP.DEPBAR`, on an mbarrier poll as
+`long_sb`; waiting on a shared load as `short_sb`). The memory warpgroup's idle
+polling counts in the averages too.
 """
 
 from __future__ import annotations

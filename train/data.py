@@ -406,9 +406,10 @@ def _command(args: argparse.Namespace) -> None:
         writer_of(args.out)  # before making the samples
         if args.lengths == "lognormal" and Path(args.out).suffix.lower() == ".npy":
             raise ValueError(f"{args.out}: .npy holds examples of one length; use .jsonl or .pkl")
-        lengths = np.full(args.num_samples, args.seq_len)
         if args.lengths == "lognormal":
             lengths = document_lengths(args.num_samples, args.seq_len, args.seed)
+        else:
+            lengths = np.full(args.num_samples, args.seq_len)
         examples = markov_samples(
             args.num_samples,
             int(lengths.max()),
