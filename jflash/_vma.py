@@ -36,6 +36,17 @@ def match(*xs):
     return tuple(vary(x, axes) for x in xs)
 
 
+def align_inputs(q, k, v, segs):
+    """q, k, v, each marked as varying over every manual axis that any of them or the
+    segment ids `segs` (None or a pair) varies over. Called by the public functions
+    before their custom VJPs: a K/V shared over "data" while q is split over it then
+    enters the VJP varying like q, and jax's transpose of that mark sums its gradient
+    over "data" (a VJP whose gradient varied where its input did not would be
+    refused by jax)."""
+    axes = varying_axes(q, k, v, *(segs or ()))
+    return tuple(vary(x, axes) for x in (q, k, v))
+
+
 def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     """An output shape for a Pallas call that varies like the array `like`."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)

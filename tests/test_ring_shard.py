@@ -508,6 +508,59 @@ def test_flash_attention_in_data_parallel_shard_map(implementation, head_dim, se
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), dtype)
 
 
+@pytest.mark.parametrize("strategy", ["flash_attention", "ring", "allgather", "ulysses"])
+def test_kv_shared_over_data_gets_gradients_summed_over_it(strategy):
+    """One K/V for every batch row, replicated over "data", while q is split over it
+    (check_vma on): the forward is each row's attention to the shared K/V, and the
+    K/V gradients are the sum over "data" of the rows' gradients (the VJP's gradient
+    varied over "data" where its input did not, and jax refused it)."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("data", "seq"), devices=jax.devices()[:4])
+    q, k, v, do, dlse = make_inputs(
+        11, batch=2, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
+    )
+    k1, v1 = k[:1], v[:1]
+    if strategy == "flash_attention":
+        q_spec, kv_spec, lse_spec = P("data"), P(), P("data")
+        order = back = lambda x, axis=1: x  # noqa: E731
+
+        def per_shard(q, k, v):
+            return jflash.flash_attention(q, k, v, causal=True, return_lse=True)
+
+    else:
+        q_spec, kv_spec, lse_spec = P("data", "seq"), P(None, "seq"), P("data", None, "seq")
+
+        def order(x, axis=1):
+            return jflash.to_layout(x, 2, "zigzag", axis=axis)
+
+        def back(x, axis=1):
+            return jflash.from_layout(x, 2, "zigzag", axis=axis)
+
+        def per_shard(q, k, v):
+            return jflash.ring_attention_shard(
+                q, k, v, axis_name="seq", causal=True, strategy=strategy, return_lse=True
+            )
+
+    mapped = jax.shard_map(
+        per_shard, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=(q_spec, lse_spec)
+    )
+
+    def fn(q, k, v, segs):
+        del segs
+        q = jax.reshard(order(q), q_spec)
+        k, v = (jax.reshard(order(x), kv_spec) for x in (k, v))
+        out, lse = mapped(q, k, v)
+        return back(out), back(lse, axis=2)
+
+    with jax.set_mesh(mesh):
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k1, v1, None, do, dlse)
+    shared = (jnp.broadcast_to(x, k.shape) for x in (k1, v1))
+    out, lse, dq, dk, dv = oracle(q, *shared, do, dlse, causal=True)
+    expected = (out, lse, dq, dk.sum(0, keepdims=True), dv.sum(0, keepdims=True))
+    assert_close(actual, expected, jnp.float32)
+
+
 def test_inputs_sharded_over_explicit_axes_are_named():
     """A batch split over an Explicit axis that the shard_map leaves to jax (or no
     shard_map at all): named in one line, not a type error deep inside XLA or Pallas."""
