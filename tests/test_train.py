@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -315,6 +316,29 @@ def test_config_flags_yaml_and_errors(tmp_path):
         **one,
     }
     assert parse_mesh("seq=2,seq_a2a=-1", 8)["seq_a2a"] == 4
+    with pytest.raises(ValueError, match="axis 'data' is given twice"):
+        parse_mesh("data=2,data=2", 4)
+
+
+@pytest.mark.parametrize(
+    "flag, value, rule",
+    [
+        ("--learning_rate", "-1e-3", ">= 0"),
+        ("--warmup_ratio", "1.5", r"in \[0, 1\]"),
+        ("--max_grad_norm", "-1", ">= 0"),
+        ("--weight_decay", "-0.1", ">= 0"),
+        ("--adam_beta1", "-0.5", r"in \[0, 1\)"),
+        ("--adam_beta2", "1.5", r"in \[0, 1\)"),
+        ("--adam_epsilon", "0", "> 0"),
+        ("--seed", "-1", r"in \[0, 2\*\*63\)"),
+        ("--seed", "99999999999999999999", r"in \[0, 2\*\*63\)"),
+    ],
+)
+def test_each_out_of_range_flag_is_named_alone(flag, value, rule):
+    """One line naming the flag that is wrong, and only it (the others are fine)."""
+    with pytest.raises(ValueError) as error:
+        parse_args([flag, value])
+    assert re.fullmatch(rf"{flag}=\S+ must be {rule}.*", str(error.value)), str(error.value)
 
 
 def test_param_spec_keeps_the_minor_dimension_whole_when_asked():

@@ -312,7 +312,9 @@ def test_cache_of_another_tokenizer_names_it_in_the_rebuild_command(bpe, tmp_pat
     data_cache.ensure_cache(source, tmp_path / "c", tokenizer=other, eos_id=0)
     with pytest.raises(ValueError, match="another tokenizer") as refused:
         data_cache.packed_rows(tmp_path / "c", 4, tokenizer=bpe, eos_id=0)
-    assert str(refused.value).endswith(f"{tmp_path / 'c'} --eos-id 0 --tokenizer {bpe}")
+    assert str(refused.value).endswith(
+        f"cache {source} {tmp_path / 'c'} --eos-id 0 --tokenizer {bpe}"
+    )  # the cache's recorded source, ready to run
 
 
 def test_cli_cache_and_inspect(bpe, tmp_path, capsys):

@@ -114,9 +114,10 @@ def test_parquet_text_and_saved_dataset(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"dict: holds the splits \['train'\]; pass .*dict/train"):
         load_dataset(tmp_path / "dict")
     assert load_dataset(tmp_path / "dict" / "train").num_tokens == 3
-    with pytest.raises(ValueError, match=r"empty: not a dataset saved with save_to_disk"):
-        (tmp_path / "empty").mkdir()
-        load_dataset(tmp_path / "empty")
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "state.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"torn: not a dataset saved with save_to_disk"):
+        load_dataset(tmp_path / "torn")
 
 
 def test_missing_hf_packages_name_the_extra(tmp_path, monkeypatch):
@@ -127,11 +128,20 @@ def test_missing_hf_packages_name_the_extra(tmp_path, monkeypatch):
     ):
         load_dataset(tmp_path / "d.parquet")
     (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "state.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(
         ValueError, match=r"saved: .*'datasets' package: pip install 'jflash\[hf\]'"
     ):
         load_dataset(tmp_path / "saved")
+
+
+def test_a_directory_of_neither_kind_says_what_it_lacks(tmp_path):
+    """A directory that no reader knows (empty, a tokenizer's, a cache without its
+    meta.json) is named as neither kind, not sent to the `datasets` package."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty: a directory that is neither a token cache"):
+        load_dataset(tmp_path / "empty")
 
 
 def test_a_format_is_one_reader_entry(tmp_path, monkeypatch):

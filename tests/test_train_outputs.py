@@ -101,6 +101,42 @@ def test_settings_yaml_step_lines_and_resume_line(tmp_path, capsys):
     assert [line.split(":")[0] for line in printed if line.startswith("step ")] == ["step 3/3"]
 
 
+@pytest.mark.slow
+def test_settings_describe_the_job_not_what_this_run_did_to_its_directory(tmp_path):
+    """`--overwrite_output_dir` and `--resume_from_checkpoint` stay out of the saved
+    settings: running a run's `train_config.yaml` again into its own directory is then
+    refused like any rerun, not allowed to delete the run, and a resumed run's file
+    starts the same job in a new directory instead of asking for a checkpoint there."""
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--report_to", "none", "--save_steps", "2")))
+    resumed = tmp_path / "resumed"
+    run(
+        parse_args(
+            _args(
+                resumed,
+                "--report_to",
+                "none",
+                "--save_steps",
+                "2",
+                "--overwrite_output_dir",
+                "true",
+                "--resume_from_checkpoint",
+                str(out / "checkpoints" / "2"),
+            )
+        )
+    )
+    settings = resumed / outputs.SETTINGS_FILE
+    text = settings.read_text()
+    assert "overwrite_output_dir: false" in text and "resume_from_checkpoint: null" in text
+    kept = {p.name: p.stat().st_mtime_ns for p in (resumed / "checkpoints").iterdir()}
+    with pytest.raises(TrainingError, match="holds a previous run"):
+        run(parse_args(["--config", str(settings)]))
+    assert {p.name: p.stat().st_mtime_ns for p in (resumed / "checkpoints").iterdir()} == kept
+    again = tmp_path / "again"
+    run(parse_args(["--config", str(settings), "--output_dir", str(again)]))
+    assert (again / "checkpoints" / "3").is_dir()
+
+
 def test_refused_run_writes_no_settings(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="needs 3 devices"):
@@ -108,9 +144,21 @@ def test_refused_run_writes_no_settings(tmp_path):
     assert not out.exists()
 
 
+def test_missing_tokenizer_is_refused_whatever_the_data(tmp_path):
+    """The export carries `--tokenizer_name_or_path`: a mistyped one is refused even
+    where the data needs no tokenizer (token ids), before anything is written."""
+    out = tmp_path / "run"
+    missing = tmp_path / "nope"
+    with pytest.raises(TrainingError, match=r"--tokenizer_name_or_path=.*nope.*does not exist"):
+        run(parse_args(_args(out, "--tokenizer_name_or_path", str(missing))))
+    assert not out.exists()
+
+
 def test_report_to_values_are_checked():
     with pytest.raises(ValueError, match="--report_to='tensorboard,mlflow' must be none or"):
         parse_args(["--report_to", "tensorboard,mlflow"])
+    with pytest.raises(ValueError, match="each once"):  # two writers of the same scalars
+        parse_args(["--report_to", "tensorboard,tensorboard"])
 
 
 def test_wandb_not_installed_is_one_line_with_the_install_command(tmp_path, capsys, monkeypatch):

@@ -127,6 +127,13 @@ def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
     """The token between packed documents: `--eos_token_id`, else the `eos_token` of
     `--tokenizer_name_or_path` (where its files name one), else the model's
     (`end_of_text`)."""
+    tokenizer = cfg.data.tokenizer_name_or_path
+    if tokenizer and not data_lib.tokenizer_file(tokenizer).is_file():
+        # Refused whatever the data: the export carries this tokenizer.
+        raise TrainingError(
+            f"--tokenizer_name_or_path={tokenizer!r}: {data_lib.tokenizer_file(tokenizer)} "
+            "does not exist (give a tokenizer.json or the directory that holds it)"
+        )
     eos, where = cfg.data.eos_token_id, "--eos_token_id"
     if eos is None and cfg.data.tokenizer_name_or_path:
         eos = data_lib.tokenizer_eos_id(cfg.data.tokenizer_name_or_path)

@@ -167,25 +167,32 @@ class TrainConfig:
             value = getattr(getattr(self, section), name)
             if value <= 0:
                 raise ValueError(f"--{name}={value} must be positive")
-        if self.optim.learning_rate < 0 or not 0 <= self.optim.warmup_ratio <= 1:
-            raise ValueError(
-                f"--learning_rate={self.optim.learning_rate} must be >= 0 and "
-                f"--warmup_ratio={self.optim.warmup_ratio} in [0, 1]"
-            )
+        ranges = [
+            ("optim", "learning_rate", ">= 0", lambda x: x >= 0),
+            ("optim", "warmup_ratio", "in [0, 1]", lambda x: 0 <= x <= 1),
+            ("optim", "warmup_steps", ">= 0", lambda x: x >= 0),
+            ("optim", "max_grad_norm", ">= 0 (0: no clipping)", lambda x: x >= 0),
+            ("optim", "weight_decay", ">= 0", lambda x: x >= 0),
+            ("optim", "adam_beta1", "in [0, 1)", lambda x: 0 <= x < 1),
+            ("optim", "adam_beta2", "in [0, 1)", lambda x: 0 <= x < 1),
+            ("optim", "adam_epsilon", "> 0", lambda x: x > 0),
+            ("run", "seed", "in [0, 2**63)", lambda x: 0 <= x < 2**63),
+        ]
+        for section, name, rule, ok in ranges:
+            value = getattr(getattr(self, section), name)
+            if not ok(value):
+                raise ValueError(f"--{name}={value} must be {rule}")
         _check_schedule(self.optim)
         reports = self.run.report_to.split(",")
-        if self.run.report_to != "none" and not set(reports) <= set(REPORT_TO):
+        if self.run.report_to != "none" and (
+            not set(reports) <= set(REPORT_TO) or len(set(reports)) != len(reports)
+        ):
             raise ValueError(
                 f"--report_to={self.run.report_to!r} must be none or one or more of "
-                f"{REPORT_TO}, comma-separated"
+                f"{REPORT_TO}, comma-separated, each once"
             )
         if self.run.eval_steps < 0:
             raise ValueError(f"--eval_steps={self.run.eval_steps} must be >= 0 (0: save_steps)")
-        if self.optim.warmup_steps < 0 or self.optim.max_grad_norm < 0:
-            raise ValueError(
-                f"--warmup_steps={self.optim.warmup_steps} and "
-                f"--max_grad_norm={self.optim.max_grad_norm} must be >= 0 (0: no clipping)"
-            )
         if self.parallel.fsdp and "full_shard" not in self.parallel.fsdp.split():
             raise ValueError(
                 f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import uuid
 from pathlib import Path
@@ -434,7 +435,8 @@ def packed_rows(
                 flags += f" --tokenizer {tokenizer}"  # its text is this run's tokenizer's
             raise ValueError(
                 f"{path}: the token cache does not match this run ({'; '.join(stale)}); "
-                f"rebuild it: python -m train.data cache SOURCE {path} {flags}"
+                "rebuild it: python -m train.data cache "
+                f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
         return cache.rows(seq_len)
     if cache_root:

@@ -438,8 +438,8 @@ def _finish(
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise TrainingError(
             f"non-finite loss {loss} or gradient norm {grad_norm} at step {step + 1}; "
-            "training stopped. No checkpoint was written for this or later steps, so the "
-            "last checkpoint is intact. Lower --learning_rate or check the data."
+            "training stopped. No checkpoint was written for this step or later ones (those "
+            "of earlier steps, if any, are intact). Lower --learning_rate or check the data."
         )
     done = step + 1
     if timer.start == 0.0:  # the first step includes compilation: throughput starts after it

@@ -39,6 +39,8 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
         name = name.strip()
         if name not in AXES:
             raise ValueError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {AXES}")
+        if name in sizes:
+            raise ValueError(f"--mesh {spec!r}: axis {name!r} is given twice")
         try:
             sizes[name] = int(value)
         except ValueError:

@@ -100,10 +100,18 @@ def clear(out: str, is_main: bool) -> None:
 
 def write_settings(out: str, cfg: TrainConfig) -> str:
     """Writes every setting of the run (defaults included) as `--config` YAML, by section
-    (HF's `training_args`); call it only once the run is known to start."""
+    (HF's `training_args`); call it only once the run is known to start.
+
+    What this invocation did to the directory is left out (`--overwrite_output_dir`,
+    `--resume_from_checkpoint`): the file describes the job, so that running it again
+    into the same directory is refused like any other run, not allowed to delete it."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, SETTINGS_FILE)
-    text = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, default_flow_style=False)
+    job = dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, resume_from_checkpoint=None, overwrite_output_dir=False),
+    )
+    text = yaml.safe_dump(dataclasses.asdict(job), sort_keys=False, default_flow_style=False)
     header = "# The settings of the run in this directory: python -m train --config <this file>\n"
     with open(path, "w") as f:
         f.write(header + text)

@@ -210,6 +210,8 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
+# What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
+SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
 # The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
 # A new format is one entry here (and its tests in tests/test_train_data.py).
 READERS: dict[str, Reader] = {
@@ -227,6 +229,11 @@ def data_format(path: str | Path) -> str:
     a file's its lower-case extension; ValueError for an extension no reader has."""
     path = Path(path)
     if path.is_dir():
+        if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+            raise ValueError(
+                f"{path}: a directory that is neither a token cache (no meta.json) nor a "
+                f"dataset saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES})"
+            )
         return SAVED_DATASET
     suffix = path.suffix.lower()
     if suffix not in READERS:
