@@ -46,8 +46,9 @@ class BlockSizes:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not is_int(value):
                 raise ValueError(f"BlockSizes.{f.name}={value!r} must be an int")
+            object.__setattr__(self, f.name, int(value))  # numpy ints as Python ints
             if f.name.startswith("block_") and not (_is_pow2(value) and value >= 16):
                 raise ValueError(f"BlockSizes.{f.name}={value} must be a power of two >= 16")
             if f.name.startswith("num_warps") and value not in (1, 2, 4, 8, 16):
@@ -105,7 +106,7 @@ def default_block_sizes(
     if implementation != "pallas_triton":
         raise ValueError(
             f"{implementation=}: block sizes exist for 'pallas_triton' and 'pallas_mosaic' "
-            "('xla' and 'cudnn' take none)"
+            "('xla' takes none)"
         )
     if device_kind not in ("gpu", "cpu"):
         raise ValueError(f"{device_kind=} must be 'gpu' (compiled) or 'cpu' (interpret mode)")

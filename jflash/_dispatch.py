@@ -159,14 +159,14 @@ def resolve(
     if implementation == "pallas_mosaic":
         if interpret is None:
             interpret = platform != "gpu"
-        if interpret:
-            _warn_interpreter_threads()
         why = mosaic_unsupported(head_dim=head_dim, dtype=dtype, compiled=not interpret)
         if why is not None:
             raise NotImplementedError(
                 f"implementation='pallas_mosaic' {why}; use 'pallas_triton' (any head dim, "
                 "dtype, segment ids) or implementation=None"
             )
+        if interpret:
+            _warn_interpreter_threads()
         default_tiles = block_sizes is None
         if default_tiles:
             block_sizes = default_block_sizes(
@@ -185,6 +185,16 @@ def resolve(
     elif implementation == "xla":
         if interpret:
             raise ValueError(f"{interpret=} only applies to Pallas implementations, not 'xla'")
+        if block_sizes is not None:
+            if reason == "named by the caller":
+                raise ValueError(
+                    f"block_sizes={block_sizes} tiles the Pallas kernels; "
+                    "implementation='xla' takes none"
+                )
+            warnings.warn(
+                f"block_sizes is not used: {reason} (implementation='xla' takes no tiles)",
+                stacklevel=3,
+            )
         kernel = Kernel("xla", None, False, reason)
     else:
         if interpret is None:
@@ -226,15 +236,18 @@ def describe() -> str:
         if _is_hopper():
             lines.append(forms())
     else:
-        lines.append("implementation=None -> 'xla'")
-    deterministic = wants_determinism(None)
-    lines.append(
-        f"deterministic=None -> {deterministic} (XLA_FLAGS "
-        + ("has" if deterministic else "lacks")
-        + " --xla_gpu_deterministic_ops): the Mosaic backward at head_dim in "
-        + f"{FUSED_DQ_HEAD_DIMS + SPLIT_DQ_HEAD_DIMS} "
-        + ("runs two kernels" if deterministic else "fuses dQ with f32 atomic adds")
-    )
+        lines.append(
+            "implementation=None -> 'xla' (deterministic: only the Mosaic kernels fuse dQ)"
+        )
+    if platform == "gpu":
+        deterministic = wants_determinism(None)
+        lines.append(
+            f"deterministic=None -> {deterministic} (XLA_FLAGS "
+            + ("has" if deterministic else "lacks")
+            + " --xla_gpu_deterministic_ops): the Mosaic backward at head_dim in "
+            + f"{FUSED_DQ_HEAD_DIMS + SPLIT_DQ_HEAD_DIMS} "
+            + ("runs two kernels" if deterministic else "fuses dQ with f32 atomic adds")
+        )
     if _last_choice:
         lines.append("last traced call: " + ", ".join(f"{k}={v}" for k, v in _last_choice.items()))
     return "\n".join(lines)

@@ -13,7 +13,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jflash._mask import Mask
-from jflash._validation import check_offsets, check_qkv, check_segment_ids, default_scale
+from jflash._validation import (
+    check_causal,
+    check_offsets,
+    check_qkv,
+    check_segment_ids,
+    default_scale,
+)
 from jflash._vma import vary, varying_axes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -30,13 +36,14 @@ def attention_reference(
     k: Float[Array, "B S K H"],
     v: Float[Array, "B S K H"],
     *,
-    causal: bool = True,
+    causal: bool,
     scale: float | None = None,
     segment_ids=None,
     q_offset: int = 0,
     k_offset: int = 0,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Dense exact attention in f32; returns `(out [B,T,N,H] in q.dtype, lse [B,N,T] f32)`.
+    `causal` is required, as in `jflash.flash_attention`.
 
     Rows that see no key get output 0 and LSE `-inf`.
     """
@@ -44,7 +51,7 @@ def attention_reference(
     segs = check_segment_ids(segment_ids, shapes)
     scale = default_scale(shapes.head_dim, scale)
     offsets = check_offsets(q_offset, k_offset, shapes)
-    mask = Mask(causal, *offsets).dense(shapes.q_len, shapes.kv_len, segs)
+    mask = Mask(check_causal(causal), *offsets).dense(shapes.q_len, shapes.kv_len, segs)
     qg = _grouped(q.astype(jnp.float32), shapes.kv_heads)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
     s = jnp.where(mask[:, None, None], s, -jnp.inf)

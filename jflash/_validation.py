@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,9 @@ def check_qkv(q, k, v) -> Shapes:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
         if x.ndim != 4:
-            raise ValueError(f"{name} must be rank 4 [batch, seq, heads, head_dim]; got {x.shape=}")
+            raise ValueError(
+                f"{name} must be rank 4 [batch, seq, heads, head_dim]; got {name}.shape={x.shape}"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype=}, {k.dtype=}, {v.dtype=}")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -60,7 +63,9 @@ def check_qkv(q, k, v) -> Shapes:
         raise ValueError(f"head dims differ: {q.shape[-1]=} vs {k.shape[-1]=}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(f"{head_dim=} is not supported; jflash handles 1..{MAX_HEAD_DIM}")
-    if kv_heads == 0 or q_heads % kv_heads != 0:
+    if kv_heads == 0:
+        raise ValueError(f"k and v have no heads: {k.shape=} (heads are axis 2)")
+    if q_heads % kv_heads != 0:
         raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (GQA/MQA)")
     if 0 in (batch, q_heads, q_len, kv_len):
         raise ValueError(f"empty input: {batch=}, {q_heads=}, {q_len=}, {kv_len=} must all be >= 1")
@@ -168,6 +173,11 @@ def as_bool(value, error: str) -> bool:
 
 
 def check_causal(causal) -> bool:
+    if isinstance(causal, (jax.Array, jax.core.Tracer)):
+        raise ValueError(
+            f"causal must be a Python bool, got a jax array ({jax.typeof(causal)}): the mask "
+            "is static; pass True or False, or mark it static in jax.jit"
+        )
     return as_bool(causal, f"{causal=} must be True or False")
 
 
@@ -179,10 +189,9 @@ def default_scale(head_dim: int, scale: float | None) -> float:
             f"{scale=} is traced; the scale is static (a kernel constant): pass a Python "
             "float, or mark it static in jax.jit"
         )
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError):
-        raise ValueError(f"{scale=} must be a finite positive number") from None
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, jax.Array)):
+        raise ValueError(f"{scale=} must be a finite positive number")
+    scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{scale=} must be finite and positive")
     return scale

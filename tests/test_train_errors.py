@@ -190,8 +190,11 @@ def test_flags_negative_numbers_and_abbreviations(capsys):
     refused; argparse errors are one line, not the usage."""
     err = _one_line_error([*BASE, "--learning_rate", "-1e-3"], capsys)
     assert "--learning_rate=-0.001 must be >= 0" in err
-    assert parse_args(["--adam_beta1", "-5e-1"]).optim.adam_beta1 == -0.5
-    assert parse_args(["--adam_epsilon", "-0.5e-3", "--seed", "-3"]).run.seed == -3
+    with pytest.raises(ValueError, match=r"--adam_beta1=-0\.5 must be in \[0, 1\)"):
+        parse_args(["--adam_beta1", "-5e-1"])  # read as a number, refused by its rule
+    with pytest.raises(ValueError, match=r"--seed=-3 must be in"):
+        parse_args(["--adam_epsilon", "0.5e-3", "--seed", "-3"])
+    assert parse_args(["--max_steps", "-1"]).run.max_steps == -1  # -1: the epochs decide
     for argv in (["--learning", "1e-3"], ["--max_steps"]):
         with pytest.raises(SystemExit) as info:
             parse_args(argv)

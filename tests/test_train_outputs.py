@@ -8,8 +8,10 @@ import re
 import sys
 import types
 
+import numpy as np
 import pytest
 
+from train import data as data_lib
 from train import outputs
 from train.__main__ import main
 from train.config import parse_args
@@ -135,6 +137,21 @@ def test_settings_describe_the_job_not_what_this_run_did_to_its_directory(tmp_pa
     again = tmp_path / "again"
     run(parse_args(["--config", str(settings), "--output_dir", str(again)]))
     assert (again / "checkpoints" / "3").is_dir()
+
+
+@pytest.mark.slow
+def test_packed_rows_say_what_the_mask_does(tmp_path, capsys):
+    """Rows that pack several documents get one line saying so (the mask and the
+    positions); one-document rows get the "nothing to mask" line instead."""
+    docs = tmp_path / "docs.pkl"
+    data_lib.save_dataset(docs, [np.arange(3, 3 + n, dtype=np.int32) for n in (9, 20, 5) * 20])
+    argv = _args(tmp_path / "run", "--report_to", "none", "--max_steps", "1")
+    run(parse_args([*argv, "--data_path", str(docs)]))
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        "--mask_documents: rows pack several documents; attention stays inside each, and "
+        "positions restart at each (--packing_positions)"
+    ) in lines
 
 
 def test_refused_run_writes_no_settings(tmp_path):

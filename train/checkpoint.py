@@ -6,11 +6,36 @@ newest N. A checkpoint is only written for a finite loss, so the last one is alw
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+
+class _ReadOnlyNotes(logging.Filter):
+    """Orbax's two warnings that a manager opened read only is read only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (
+            "read_only=True, setting save_interval_steps" in text or "is read only=" in text
+        )
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notes():
+    """Drops orbax's read-only notes while a resume opens the source run's checkpoints
+    (they read as a problem with a directory that is writable and asked for read-only)."""
+    notes = _ReadOnlyNotes()
+    logger = logging.getLogger("absl")
+    logger.addFilter(notes)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notes)
 
 
 class Checkpoints:
@@ -20,13 +45,14 @@ class Checkpoints:
         self.directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
         if read_only and not os.path.isdir(self.directory):
             raise ValueError(f"--resume_from_checkpoint: {self.directory} does not exist")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=save_total_limit,
-            enable_async_checkpointing=True,
-            create=not read_only,
-            read_only=read_only,
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        with _quiet_read_only_notes() if read_only else contextlib.nullcontext():
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=save_total_limit,
+                enable_async_checkpointing=True,
+                create=not read_only,
+                read_only=read_only,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
         saved = self._manager.save(

@@ -73,6 +73,13 @@ def run(cfg: TrainConfig) -> dict:
         print(f"--ring_strategy auto: {t.cfg.model.ring_strategy} ({split})", flush=True)
     if is_main and cfg.data.mask_documents and not t.spec.mask_documents:
         print("--mask_documents: every row holds one document, nothing to mask", flush=True)
+    elif is_main and t.spec.mask_documents:
+        restart = cfg.data.packing_positions == "per_document"
+        print(
+            "--mask_documents: rows pack several documents; attention stays inside each"
+            + (", and positions restart at each (--packing_positions)" if restart else ""),
+            flush=True,
+        )
     with jax.set_mesh(t.mesh):
         state, start_step = _initial_state(t, resume, continuing)
         t.state = None  # the loop owns (and donates) the state from here on
