@@ -189,7 +189,11 @@ def default_scale(head_dim: int, scale: float | None) -> float:
             f"{scale=} is traced; the scale is static (a kernel constant): pass a Python "
             "float, or mark it static in jax.jit"
         )
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, jax.Array)):
+    array = isinstance(scale, (np.ndarray, jax.Array))
+    if isinstance(scale, (bool, np.bool_)) or not (
+        isinstance(scale, numbers.Real)
+        or (array and scale.ndim == 0 and np.dtype(scale.dtype).kind in "fiu")
+    ):
         raise ValueError(f"{scale=} must be a finite positive number")
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
