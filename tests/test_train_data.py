@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train import readers
+from train import data_cache, readers
 from train.data import Batches, document_lengths, markov_samples, save_dataset
 from train.dataset import Rows, TokenDataset, load_dataset
 
@@ -179,6 +179,24 @@ def test_text_records_use_the_model_tokenizer(tmp_path, monkeypatch):
     path = _dump_jsonl(tmp_path / "t.jsonl", ['{"text": "ab"}', '{"input_ids": [5]}'])
     dataset = load_dataset(path, tokenizer=tmp_path)
     assert dataset.tokens.tolist() == [97, 98, 5]
+
+
+def test_empty_texts_are_skipped_and_counted(tmp_path, monkeypatch, capsys):
+    """Corpora hold empty records (blank lines of a text dump): they give no tokens, so
+    they are skipped, and the log says how many; the others keep their line numbers."""
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=_FakeTokenizer))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    lines = ['{"text": ""}', '{"text": "ab"}', '{"text": ""}', '{"input_ids": [5]}']
+    path = _dump_jsonl(tmp_path / "t.jsonl", lines)
+    dataset = load_dataset(path, tokenizer=tmp_path)
+    assert dataset.tokens.tolist() == [97, 98, 5] and list(dataset.lines) == [2, 4]
+    assert "t.jsonl: skipped 2 records whose 'text' tokenizes to nothing" in capsys.readouterr().out
+    cache, _ = data_cache.ensure_cache(path, tmp_path / "c", tokenizer=tmp_path, eos_id=None)
+    assert np.asarray(cache.tokens).tolist() == [97, 98, 5]  # the token cache reads alike
+    assert "skipped 2 records" in capsys.readouterr().out
+    empty = _dump_jsonl(tmp_path / "e.jsonl", ['{"text": ""}'])
+    with pytest.raises(ValueError, match="e.jsonl: the dataset has no examples"):
+        load_dataset(empty, tokenizer=tmp_path)
 
 
 def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):

@@ -89,6 +89,8 @@ def records_reader(
             wheres = [f"{word} {number}" for number, _ in chunk]
             texts = parser.tokenize_texts(wheres, [record for _, record in chunk])
             for where, (number, record), ids in zip(wheres, chunk, texts, strict=True):
+                if ids is not None and not ids.size:
+                    continue  # empty text: nothing to train on (counted by the parser)
                 yield Example(number, *parser.parse(where, record, ids))
 
     return parse_all
@@ -253,6 +255,16 @@ class RecordParser:
         self.path = path
         self.tokenizer = tokenizer
         self._tokenizer = None
+        self.empty_texts = 0  # text records that tokenize to nothing (skipped)
+
+    def skipped_note(self) -> str | None:
+        """What reading skipped, for the log (None: nothing)."""
+        if not self.empty_texts:
+            return None
+        return (
+            f"{self.path}: skipped {self.empty_texts} records whose 'text' tokenizes to "
+            "nothing (empty text)"
+        )
 
     @property
     def used_tokenizer(self) -> bool:
@@ -280,8 +292,9 @@ class RecordParser:
     def tokenize_texts(
         self, wheres: Sequence[str], records: Sequence[Any]
     ) -> list[np.ndarray | None]:
-        """The token ids of each text record (one ``encode_batch`` call), None for the
-        others; ValueError naming the first text that is not a str or gives no tokens."""
+        """The token ids of each text record (one ``encode_batch`` call; empty where the
+        text gives no tokens, counted in ``empty_texts``: the reader skips it), None for
+        the others; ValueError naming the first text that is not a str."""
         texts = [
             (i, r["text"])
             for i, r in enumerate(records)
@@ -298,8 +311,7 @@ class RecordParser:
         tokenizer = self._get_tokenizer(wheres[texts[0][0]])
         encodings = tokenizer.encode_batch([text for _, text in texts])
         for (i, _), encoding in zip(texts, encodings, strict=True):
-            if not encoding.ids:
-                raise ValueError(f"{self.path}: {wheres[i]}: 'text' tokenizes to no tokens")
+            self.empty_texts += not encoding.ids
             out[i] = np.asarray(encoding.ids, dtype=np.int32)
         return out
 
