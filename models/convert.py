@@ -291,8 +291,10 @@ def export_hf(
     state = to_hf_state_dict(params, config, dtype)
     metadata = {"format": "pt"}
     total = sum(a.nbytes for a in state.values())
+    written = {"config.json"}
     if max_shard_bytes is None or total <= max_shard_bytes:
         save_file(state, os.path.join(path, "model.safetensors"), metadata)
+        written.add("model.safetensors")
     else:
         shards: list[dict[str, np.ndarray]] = [{}]
         size = 0
@@ -307,10 +309,25 @@ def export_hf(
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             save_file(shard, os.path.join(path, name), metadata)
             weight_map.update(dict.fromkeys(shard, name))
+            written.add(name)
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.add("model.safetensors.index.json")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
+    _remove_stale_weights(path, written)
+
+
+def _remove_stale_weights(path: str, written: set[str]) -> None:
+    """Once the new checkpoint is written, drops the weight files of an earlier one in
+    the same directory (a sharded export over a single-file one, or the reverse):
+    loaders would read those instead of, or mixed with, the new weights."""
+    for name in os.listdir(path):
+        weights = name.startswith(("model.safetensors", "model-", "pytorch_model")) and (
+            name.endswith((".safetensors", ".bin", ".index.json"))
+        )
+        if weights and name not in written:
+            os.remove(os.path.join(path, name))
 
 
 def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str]) -> None:
@@ -424,8 +441,14 @@ def init_hf(
             raise ValueError(f"--tokenizer: {tokenizer_json} does not exist")
         files = os.path.dirname(tokenizer_json)
         special = special_token_ids(tokenizer_json)
+        needed = tokenizer_vocab_size(tokenizer_json)
+        if vocab_size is not None and vocab_size < needed:
+            raise ValueError(
+                f"--vocab-size={vocab_size} is smaller than {tokenizer_json}'s vocabulary "
+                f"({needed} ids): its tokens would index past the embedding"
+            )
         config = config.replace(
-            vocab_size=vocab_size or tokenizer_vocab_size(tokenizer_json),
+            vocab_size=vocab_size or needed,
             bos_token_id=special.get("bos_token", config.bos_token_id),
             eos_token_id=special.get("eos_token", config.eos_token_id),
         )
@@ -471,17 +494,25 @@ def main(argv: list[str] | None = None) -> None:
         "--max-shard-gb", type=float, default=None, help="--to-hf: shard size limit in GB"
     )
     args = parser.parse_args(argv)
+    if args.max_shard_gb is not None and not args.max_shard_gb > 0:
+        parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out={args.out!r} is a file, not a directory")
+    try:
+        _run(args)
+    except (ValueError, NotImplementedError, OSError) as e:  # one line, naming the input
+        parser.exit(2, f"error: {e}\n")
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.init:
-        try:
-            config = init_hf(
-                args.init,
-                args.out,
-                tokenizer=args.tokenizer,
-                vocab_size=args.vocab_size,
-                seed=args.seed,
-            )
-        except ValueError as e:
-            parser.exit(2, f"error: {e}\n")
+        config = init_hf(
+            args.init,
+            args.out,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+        )
         print(
             f"wrote {args.out}: {args.init} randomly initialised, vocab_size="
             f"{config.vocab_size}, eos_token_id={config.eos_token_id}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 
 import jax
@@ -604,6 +605,50 @@ def test_bf16_export_and_sharding(tmp_path, params):
         loaded,
         params,
     )
+
+
+def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params):
+    """A sharded export over a single-file one, and the reverse: the earlier weight files
+    go (once the new ones are written), so every loader reads the new weights; other
+    files (a tokenizer) stay."""
+    other = jax.tree.map(lambda a: a + 1.0, params)
+    models.export_hf(other, SMALL, tmp_path, max_shard_bytes=20_000)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    models.export_hf(params, SMALL, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
+    models.export_hf(other, SMALL, tmp_path, max_shard_bytes=20_000)
+    assert not (tmp_path / "model.safetensors").exists()
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], other)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    """Bad inputs of `python -m models.convert`: one line naming the value, exit 2, no
+    traceback; nothing is written."""
+    (tmp_path / "afile").write_text("")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 299}}}))
+    cases = [
+        (["--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
+        (["--init", "tiny", "--out", str(tmp_path / "afile")], "is a file, not a directory"),
+        (["--to-hf", "x", "--out", str(tmp_path / "o"), "--max-shard-gb", "0"], "must be > 0"),
+        (
+            ["--init", "tiny", "--tokenizer", str(tok), "--vocab-size", "100", "--out", "o"],
+            "--vocab-size=100 is smaller than .*300 ids",
+        ),
+    ]
+    for argv, match in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            convert_main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err) and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_round_trip(tmp_path, params, capsys):

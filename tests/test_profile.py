@@ -223,6 +223,23 @@ def test_cpu_trace_from_the_trainer(tmp_path):
         assert getattr(b, field) is None and field in report.not_measured
 
 
+def test_profile_refuses_an_existing_report_and_unknown_models(tmp_path, capsys):
+    """Nothing runs, and the earlier report stays, for an --out that holds one (unless
+    --append) or a model that is neither a preset nor a directory."""
+    from train.tools.profile import main
+
+    (tmp_path / "report.json").write_text('{"rows": [{"name": "kept"}]}')
+    for argv, match in (
+        (["--models", "tiny", "--out", str(tmp_path)], "holds a report: pass --append"),
+        (["--models", "nosuch", "--out", str(tmp_path / "new")], "'nosuch' is neither a preset"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert match in capsys.readouterr().err
+    assert json.loads((tmp_path / "report.json").read_text())["rows"] == [{"name": "kept"}]
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.slow
 def test_profile_cli_on_cpu(tmp_path):
     out = tmp_path / "profile"

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "2",
             "--out",
             report,
+            "--append",  # with --keep, the earlier report's rows of this name are replaced
         ],
         check=True,
     )

@@ -59,6 +59,10 @@ def run(cfg: TrainConfig) -> dict:
     out = cfg.run.output_dir
     reporters.check(cfg.run.report_to)
     outputs.check_writable(out)
+    if cfg.profile.profile_steps and cfg.profile.profile_dir:
+        where = cfg.profile.profile_dir
+        if os.path.exists(where) and not os.path.isdir(where):
+            raise TrainingError(f"--profile_dir={where!r} is a file, not a directory")
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
     outputs.check_claim(
@@ -229,6 +233,13 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
                 tracing = False
+                if is_main:
+                    where = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
+                    print(
+                        f"--profile_steps: traced steps {profile[0] + 1}..{profile[1]} (as the "
+                        f"step lines count) into {where} (tensorboard --logdir {where})",
+                        flush=True,
+                    )
             if pending is not None:
                 history.append(_finish(pending, *finish_args))
                 pending = None

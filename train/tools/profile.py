@@ -40,6 +40,7 @@ import tempfile
 import time
 
 from models.config import REMAT_POLICIES
+from models.presets import PRESETS, preset
 from train.oom import is_oom
 
 # jax (and everything that imports it) is imported inside the functions that run in a
@@ -530,6 +531,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _known(model: str) -> bool:
+    """Whether a row's model exists: a local HF directory or a preset's name."""
+    if os.path.isdir(model):
+        return True
+    try:
+        preset(model)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -599,8 +611,19 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out={args.out!r} is a file, not a directory")
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "report.json")
+    if os.path.exists(path) and not args.append:
+        parser.error(
+            f"--out={args.out!r} holds a report: pass --append to add these rows to it, or "
+            "choose another --out (nothing was run)"
+        )
+    unknown = [m for m in (x.strip() for x in args.models.split(",")) if m and not _known(m)]
+    if unknown:
+        parser.error(
+            f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
+            f"directory; presets: {sorted(PRESETS)} (nothing was run)"
+        )
+    os.makedirs(args.out, exist_ok=True)
     old: dict = {"rows": []}
     if args.append and os.path.exists(path):
         try:
@@ -682,6 +705,8 @@ def main(argv: list[str] | None = None) -> None:
     report = write(rows)
     report_lib.render(report, args.out)
     print(f"wrote {os.path.join(args.out, 'report.md')}")
+    if rows and all(r.get("status") != "ok" for r in rows):
+        sys.exit("error: every row failed (see report.md)")
 
 
 if __name__ == "__main__":
