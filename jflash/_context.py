@@ -30,7 +30,7 @@ from jflash._validation import (
     check_segment_ids,
     check_unsharded,
 )
-from jflash._vma import align_inputs, check_interpretable, varying_axes
+from jflash._vma import check_interpretable, match, varying_axes
 
 STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
 
@@ -259,7 +259,7 @@ def ring_attention_shard(
     check_layout_len(shard_len * ring_shards, ring_shards if ring_shards > 1 else degree, layout)
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("ring_attention_shard", q, k, v, segs)
-    q, k, v = align_inputs(q, k, v, segs)
+    q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     kernel_choice = dict(
         block_sizes=block_sizes,
         implementation=implementation,

@@ -21,7 +21,7 @@ from jflash._validation import (
     check_unsharded,
     default_scale,
 )
-from jflash._vma import align_inputs, check_interpretable
+from jflash._vma import check_interpretable, match
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +134,6 @@ def flash_attention(
         ),
     )
     check_interpretable(static.kernel.name, static.kernel.interpret, q, k, v, *(segs or ()))
-    q, k, v = align_inputs(q, k, v, segs)
+    q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     o, lse = _flash(q, k, v, segs, static)
     return (o, lse) if return_lse else o

@@ -31,20 +31,13 @@ def vary(x, axes: frozenset):
 
 def match(*xs):
     """`xs`, each marked as varying over the union of their axes: then every value
-    built from them (outputs, loop carries) can take the type of the first."""
+    built from them (outputs, loop carries) can take the type of the first. The public
+    functions match q, k, v (and the segment ids) before their custom VJPs: a K/V
+    shared over "data" while q is split over it then enters the VJP varying like q, and
+    jax's transpose of that mark sums its gradient over "data" (jax refuses a VJP whose
+    gradient varies where its input does not)."""
     axes = varying_axes(*xs)
     return tuple(vary(x, axes) for x in xs)
-
-
-def align_inputs(q, k, v, segs):
-    """q, k, v, each marked as varying over every manual axis that any of them or the
-    segment ids `segs` (None or a pair) varies over. Called by the public functions
-    before their custom VJPs: a K/V shared over "data" while q is split over it then
-    enters the VJP varying like q, and jax's transpose of that mark sums its gradient
-    over "data" (a VJP whose gradient varied where its input did not would be
-    refused by jax)."""
-    axes = varying_axes(q, k, v, *(segs or ()))
-    return tuple(vary(x, axes) for x in (q, k, v))
 
 
 def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:

@@ -128,16 +128,16 @@ def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
     `--tokenizer_name_or_path` (where its files name one), else the model's
     (`end_of_text`)."""
     tokenizer = cfg.data.tokenizer_name_or_path
-    if tokenizer and not data_lib.tokenizer_file(tokenizer).is_file():
+    if tokenizer and not (file := data_lib.tokenizer_file(tokenizer)).is_file():
         # Refused whatever the data: the export carries this tokenizer.
         raise TrainingError(
-            f"--tokenizer_name_or_path={tokenizer!r}: {data_lib.tokenizer_file(tokenizer)} "
-            "does not exist (give a tokenizer.json or the directory that holds it)"
+            f"--tokenizer_name_or_path={tokenizer!r}: {file} does not exist (give a "
+            "tokenizer.json or the directory that holds it)"
         )
     eos, where = cfg.data.eos_token_id, "--eos_token_id"
-    if eos is None and cfg.data.tokenizer_name_or_path:
-        eos = data_lib.tokenizer_eos_id(cfg.data.tokenizer_name_or_path)
-        where = f"the eos_token of --tokenizer_name_or_path={cfg.data.tokenizer_name_or_path!r}"
+    if eos is None and tokenizer:
+        eos = data_lib.tokenizer_eos_id(tokenizer)
+        where = f"the eos_token of --tokenizer_name_or_path={tokenizer!r}"
     if eos is None:
         return end_of_text(config)
     if not 0 <= eos < config.vocab_size:

@@ -320,8 +320,6 @@ def build_cache(
                 writer.add(ids, labels)
         finally:
             writer.close()
-        if parser.skipped_note():
-            print(parser.skipped_note(), flush=True)
         if len(writer.offsets) == 1:
             raise ValueError(f"{source}: the dataset has no examples")
         np.save(tmp / INDEX, np.asarray(writer.offsets, dtype=np.int64))

@@ -220,8 +220,6 @@ def load_dataset(
     reader = READERS[data_format(path)]
     parser = RecordParser(path, tokenizer)
     examples = list(read_examples(path, parser))
-    if parser.skipped_note():
-        print(parser.skipped_note(), flush=True)
     if not examples:
         raise ValueError(f"{path}: the dataset has no examples")
     dataset = TokenDataset.from_examples(

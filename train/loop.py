@@ -218,13 +218,12 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
     # then start and end at completed steps, and nothing non-finite is saved.
     pending = None
     tracing = False
+    trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
     try:
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
                 jax.block_until_ready(state)
-                jax.profiler.start_trace(
-                    cfg.profile.profile_dir or os.path.join(out, "tensorboard")
-                )
+                jax.profiler.start_trace(trace_dir)
                 tracing = True
             with jax.profiler.StepTraceAnnotation("train", step_num=step):
                 with _oom_advice(cfg):
@@ -234,10 +233,9 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
                 jax.profiler.stop_trace()
                 tracing = False
                 if is_main:
-                    where = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
                     print(
                         f"--profile_steps: traced steps {profile[0] + 1}..{profile[1]} (as the "
-                        f"step lines count) into {where} (tensorboard --logdir {where})",
+                        f"step lines count) into {trace_dir} (tensorboard --logdir {trace_dir})",
                         flush=True,
                     )
             if pending is not None:

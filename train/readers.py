@@ -73,7 +73,18 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
         raise ValueError(f"{path}: no such data file")
     if suffix != SAVED_DATASET and not path.is_file():
         raise ValueError(f"{path}: not a file")
-    return READERS[suffix].read(path, parser)
+    return _noting_skips(READERS[suffix].read(path, parser), parser)
+
+
+def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator[Example]:
+    """`examples`, then one log line for the empty texts that reading skipped."""
+    yield from examples
+    if parser.empty_texts:
+        print(
+            f"{parser.path}: skipped {parser.empty_texts} records whose 'text' tokenizes to "
+            "nothing (empty text)",
+            flush=True,
+        )
 
 
 def records_reader(
@@ -256,15 +267,6 @@ class RecordParser:
         self.tokenizer = tokenizer
         self._tokenizer = None
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
-
-    def skipped_note(self) -> str | None:
-        """What reading skipped, for the log (None: nothing)."""
-        if not self.empty_texts:
-            return None
-        return (
-            f"{self.path}: skipped {self.empty_texts} records whose 'text' tokenizes to "
-            "nothing (empty text)"
-        )
 
     @property
     def used_tokenizer(self) -> bool:

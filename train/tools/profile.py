@@ -588,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     if not contexts:
         parser.error(f"--context={args.context!r} names no context")
+    names = [m for m in (x.strip() for x in args.models.split(",")) if m]
     jobs = [
         Job(
             model=m,
@@ -605,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
             gather_once=args.gather_once,
             scan_layers=not args.unroll_layers,
         )
-        for m in (x.strip() for x in args.models.split(",") if x.strip())
+        for m in names
         for mesh in meshes
         for c in contexts
     ]
@@ -617,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--out={args.out!r} holds a report: pass --append to add these rows to it, or "
             "choose another --out (nothing was run)"
         )
-    unknown = [m for m in (x.strip() for x in args.models.split(",")) if m and not _known(m)]
+    unknown = [m for m in names if not _known(m)]
     if unknown:
         parser.error(
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
