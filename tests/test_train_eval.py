@@ -79,7 +79,30 @@ def test_eval_data_is_checked_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match="typo.jsonl: no such data file"):
         run(parse_args([*argv, "--eval_data_path", str(tmp_path / "typo.jsonl")]))
     assert not out.exists()
-    with pytest.raises(ValueError, match="--eval_strategy='no' must be one of"):
-        parse_args(["--eval_strategy", "no"])
+    with pytest.raises(ValueError, match="--eval_strategy='never' must be one of"):
+        parse_args(["--eval_strategy", "never"])
     with pytest.raises(ValueError, match="--eval_steps=-1 must be >= 0"):
         parse_args(["--eval_steps", "-1"])
+
+
+def test_evaluation_settings_without_evaluation_data_are_refused():
+    """As HF Trainer refuses an eval strategy without an eval dataset: settings that
+    would evaluate, away from their defaults, need --eval_data_path or --eval_strategy
+    no (a run's saved settings, which hold every default, pass)."""
+    for flag, value in (("--eval_steps", "10"), ("--eval_strategy", "epoch")):
+        with pytest.raises(ValueError, match=f"{flag}={value} needs --eval_data_path"):
+            parse_args([flag, value])
+    assert parse_args(["--eval_strategy", "no", "--eval_steps", "10"]).run.eval_steps == 10
+    assert parse_args(["--eval_steps", "0", "--eval_strategy", "steps"]).run.eval_steps == 0
+
+
+def test_eval_strategy_no_reads_no_evaluation_data(tmp_path):
+    """HF's --eval_strategy no: evaluation off, even where --eval_data_path names data (it
+    is not read: a missing file is not an error)."""
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "2"]
+    argv += ["--model_max_length", "64", "--mesh", "data=1,fsdp=-1,seq=1", "--attention", "xla"]
+    argv += ["--eval_data_path", str(tmp_path / "absent.jsonl"), "--eval_strategy", "no"]
+    argv += ["--save_strategy", "no", "--export_hf", "false", "--report_to", "none"]
+    summary = run(parse_args([*argv, "--output_dir", str(out), "--eval_steps", "1"]))
+    assert summary["eval"] == [] and len(summary["losses"]) == 2

@@ -135,3 +135,22 @@ def test_adafactor_step_has_an_absolute_lr():
     step = new["w"]["kernel"] - params["w"]["kernel"]
     rms = float(jnp.sqrt(jnp.mean(step**2)))
     assert 0.05 < rms <= 0.1 + 1e-6
+
+
+def test_hf_optimizer_names_and_settings_the_optimizer_ignores():
+    """HF's names for AdamW are taken as adamw; Adam settings away from their defaults are
+    refused where the optimizer has no use for them (a run's saved settings, which
+    hold every default, pass)."""
+    for name in ("adamw_torch", "adamw_torch_fused", "adamw_hf"):
+        assert parse_args(["--optim", name]).optim.optim == "adamw"
+    refused = [
+        ("adafactor", "--adam_beta1", "0.8"),
+        ("adafactor", "--adam_beta2", "0.95"),
+        ("adafactor", "--adam_epsilon", "1e-06"),
+        ("lion", "--adam_epsilon", "1e-06"),
+    ]
+    for optim, flag, value in refused:
+        with pytest.raises(ValueError, match=f"^{flag}={value} is not used by --optim {optim}$"):
+            parse_args(["--optim", optim, flag, value])
+    assert parse_args(["--optim", "adafactor", "--adam_beta1", "0.9"]).optim.optim == "adafactor"
+    assert parse_args(["--optim", "lion", "--adam_beta2", "0.99"]).optim.adam_beta2 == 0.99

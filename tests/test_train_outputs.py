@@ -334,3 +334,29 @@ def test_ctrl_c_during_a_checkpoint_save_ends_in_the_same_line(tmp_path, monkeyp
     monkeypatch.setattr(entry, "run", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         entry.main(_args(tmp_path / "run"))
+
+
+def test_save_strategy_no_leaves_no_checkpoints_directory(tmp_path):
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--save_strategy", "no", "--report_to", "none")))
+    assert sorted(os.listdir(out)) == ["log.jsonl", outputs.SETTINGS_FILE]
+
+
+@pytest.mark.slow
+def test_profile_window_before_a_resumed_runs_steps_is_named(tmp_path, capsys):
+    """A resume starts at its checkpoint's step: a --profile_steps window before it
+    traces nothing and says so, one that it cuts traces the rest and says which."""
+    first = tmp_path / "first"
+    run(parse_args(_args(first, "--save_steps", "2", "--report_to", "none")))
+    resume = ["--resume_from_checkpoint", str(first / "checkpoints" / "2"), "--report_to", "none"]
+    capsys.readouterr()
+    run(parse_args(_args(tmp_path / "a", *resume, "--profile_steps", "0,2")))
+    err = capsys.readouterr().err
+    assert "--profile_steps='0,2' lies outside this run's steps 3..3" in err
+    assert "nothing will be traced" in err
+    assert not (tmp_path / "a" / "tensorboard").exists()
+    run(parse_args(_args(tmp_path / "b", *resume, "--profile_steps", "1,3")))
+    captured = capsys.readouterr()
+    assert "this run's steps are 3..3; tracing steps 3..3 of the window" in captured.err
+    assert "--profile_steps: traced steps 3..3" in captured.out
+    assert os.listdir(tmp_path / "b" / "tensorboard" / "plugins" / "profile")

@@ -448,7 +448,8 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     seq_len = cfg.data.model_max_length
 
     rows = load_rows(cfg, config)
-    eval_rows = load_rows(cfg, config, eval=True) if cfg.data.eval_data_path else None
+    evaluates = cfg.data.eval_data_path and cfg.run.eval_strategy != "no"
+    eval_rows = load_rows(cfg, config, eval=True) if evaluates else None
     global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
     accum = cfg.run.gradient_accumulation_steps
     if global_batch * accum > rows.num_rows:

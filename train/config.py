@@ -81,6 +81,8 @@ LR_SCHEDULERS = (
 # Schedules that decay to `--min_lr_rate` rather than to 0 (or not at all).
 FLOORED_SCHEDULERS = ("cosine_with_min_lr", "wsd")
 OPTIMIZERS = ("adamw", "adafactor", "lion")
+# HF Trainer's names for the same optimizers, taken as written in HF command lines.
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw"}
 REPORT_TO = ("tensorboard", "wandb")
 
 
@@ -98,7 +100,9 @@ class OptimArgs:
     min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
-    optim: str = "adamw"  # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none)
+    # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none); HF's
+    # adamw_torch, adamw_torch_fused and adamw_hf name adamw
+    optim: str = "adamw"
     optimizer_offload: bool = False  # optimizer state in pinned host memory, on device to update
 
 
@@ -112,7 +116,7 @@ class RunArgs:
     logging_steps: int = 10
     save_strategy: str = "steps"  # steps | epoch | no
     save_steps: int = 500
-    eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end)
+    eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end) | no
     eval_steps: int = 0  # evaluate every N steps; 0: every save_steps
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest"
@@ -150,7 +154,7 @@ class TrainConfig:
             ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
             ("optim", "optim"): OPTIMIZERS,
             ("run", "save_strategy"): ("steps", "epoch", "no"),
-            ("run", "eval_strategy"): ("steps", "epoch"),
+            ("run", "eval_strategy"): ("steps", "epoch", "no"),
         }
         for (section, name), allowed in choices.items():
             value = getattr(getattr(self, section), name)
@@ -211,6 +215,7 @@ class TrainConfig:
             raise ValueError(f"--mlp_tile={self.model.mlp_tile} must be -1 (auto), 0 (off) or > 0")
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:
             raise ValueError(f"--save_total_limit={self.run.save_total_limit} must be >= 1")
+        _check_unused(self)
 
     @property
     def remat(self) -> str:
@@ -411,7 +416,33 @@ def from_overrides(
         obj = _replace_section(obj, yaml_overrides.get(section, {}), where)
         obj = _replace_section(obj, flags.get(section, {}), "command line")
         sections[section] = obj
+    optim = sections["optim"]
+    if optim.optim in OPTIMIZER_ALIASES:
+        sections["optim"] = dataclasses.replace(optim, optim=OPTIMIZER_ALIASES[optim.optim])
     return TrainConfig(**sections)
+
+
+def _check_unused(cfg: TrainConfig) -> None:
+    """Settings away from their defaults that this run would ignore (a value equal to
+    the default is allowed: a run's saved settings hold every field)."""
+    optim_defaults, run_defaults = OptimArgs(), RunArgs()
+    unused = {
+        "adafactor": ("adam_beta1", "adam_beta2", "adam_epsilon"),  # no momentum, own epsilons
+        "lion": ("adam_epsilon",),  # sign updates: no division
+    }.get(cfg.optim.optim, ())
+    for name in unused:
+        if getattr(cfg.optim, name) != getattr(optim_defaults, name):
+            raise ValueError(
+                f"--{name}={getattr(cfg.optim, name)} is not used by --optim {cfg.optim.optim}"
+            )
+    if cfg.data.eval_data_path or cfg.run.eval_strategy == "no":
+        return
+    for name in ("eval_steps", "eval_strategy"):
+        if getattr(cfg.run, name) != getattr(run_defaults, name):
+            raise ValueError(
+                f"--{name}={getattr(cfg.run, name)} needs --eval_data_path (no evaluation "
+                "data given); pass one, or --eval_strategy no"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

@@ -193,11 +193,12 @@ def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
 def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
     """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`."""
     cfg, out, total_steps = t.cfg, t.cfg.run.output_dir, t.total_steps
-    ckpt = Checkpoints(out, cfg.run.save_total_limit)
+    # --save_strategy no: no checkpoints directory either.
+    ckpt = Checkpoints(out, cfg.run.save_total_limit) if cfg.run.save_strategy != "no" else None
     run_meta = _run_meta(t)
     writer = reporters.open_reporters(cfg) if is_main else None
     log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
-    profile = profile_window(cfg)
+    profile = _profile_steps(cfg, start_step, total_steps, is_main)
     if profile and is_main and jax.default_backend() == "gpu" and command_buffers_on():
         print(
             "warning: --profile_steps with XLA's command buffers on: the trace's kernels "
@@ -261,7 +262,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
     finally:
         if tracing:  # stopped early (an error): keep what was traced
             jax.profiler.stop_trace()
-        ckpt.close()
+        if ckpt is not None:
+            ckpt.close()
         if bar is not None:
             bar.close()
         if writer is not None:
@@ -269,6 +271,34 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
         if log is not None:
             log.close()
     return state, history
+
+
+def _profile_steps(cfg: TrainConfig, start_step: int, total_steps: int, is_main: bool):
+    """`--profile_steps` as the steps this run traces, `(first, stop)` in the loop's
+    0-based numbering, or None: the part of the window that this run's steps (from a
+    resume's step to the last) cover, with a warning where that is less than asked."""
+    window = profile_window(cfg)
+    if window is None:
+        return None
+    first, stop = max(window[0], start_step), min(window[1], total_steps)
+    if first >= stop:
+        if is_main:
+            where = f"this run's steps {start_step + 1}..{total_steps}"
+            print(
+                f"warning: --profile_steps={cfg.profile.profile_steps!r} lies outside {where} "
+                "(as the step lines count, from 1); nothing will be traced",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
+    if (first, stop) != window and is_main:
+        print(
+            f"warning: --profile_steps={cfg.profile.profile_steps!r}: this run's steps are "
+            f"{start_step + 1}..{total_steps}; tracing steps {first + 1}..{stop} of the window",
+            file=sys.stderr,
+            flush=True,
+        )
+    return first, stop
 
 
 def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) -> bool:

@@ -128,6 +128,7 @@ def main() -> None:
 
     argv = ["--config", str(CONFIG), "--model_name_or_path", str(model)]
     argv += ["--data_path", str(caches["train"]), "--eval_data_path", str(caches["val"])]
+    argv += ["--eval_steps", "100"]
     argv += ["--output_dir", str(RUN_DIR / "run"), "--overwrite_output_dir", "true"]
     cfg = parse_args(argv + sys.argv[1:])
     assert data_eos(cfg, config) == config.eos_token_id
