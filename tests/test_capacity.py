@@ -143,3 +143,89 @@ def test_each_probe_is_written_before_the_next(tmp_path, monkeypatch):
     final = json.loads(out.read_text())["rows"]
     assert final == result["rows"] and final[0]["longest"] == 2048
     assert "incomplete" not in final[0]
+
+
+def _never_compiled(model, context, mesh, args):
+    raise AssertionError(f"compiled {model} at {context} on {mesh}")
+
+
+def test_bad_out_is_refused_before_probing(tmp_path, monkeypatch, capsys):
+    """An --out that is a directory or lies under a file is refused in one line naming
+    it before anything compiles; a missing parent directory is created."""
+    monkeypatch.setattr(capacity, "step_memory_gib", _never_compiled)
+    (tmp_path / "afile").write_text("")
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
+    for out, match in (
+        (tmp_path, f"--out {tmp_path} is a directory; give a file path for the report"),
+        (tmp_path / "afile" / "c.json", f"{tmp_path}/afile is a file, not a directory"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            capacity.main([*argv, "--out", str(out)])
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # after the usage line
+        assert e.value.code == 2 and last.endswith(match), last
+        assert last.startswith(f"python -m train.tools.capacity: error: --out {out}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+    monkeypatch.setattr(capacity, "step_memory_gib", lambda *a: {"device": 0.1, "host": 0.0})
+    out = tmp_path / "new" / "deep" / "c.json"
+    capacity.main([*argv, "--max", "1k", "--refine", "0", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"][0]["longest"] == 1024
+    assert [p.name for p in out.parent.iterdir()] == ["c.json"]
+
+
+def test_a_failed_write_keeps_the_earlier_file_and_no_tmp(tmp_path, monkeypatch):
+    """Writing --out goes through a .tmp file: when it cannot be written the earlier
+    file stays as it was, the .tmp is removed, and the error is one line naming --out."""
+    out = tmp_path / "capacity.json"
+    out.write_text('{"earlier": true}')
+    monkeypatch.setattr(capacity, "step_memory_gib", lambda *a: {"device": 0.1, "host": 0.0})
+
+    def no_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(capacity.os, "replace", no_replace)
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
+    with pytest.raises(SystemExit) as e:
+        capacity.main([*argv, "--max", "1k", "--out", str(out)])
+    assert str(e.value.code) == f"--out {out}: cannot write the result (No space left on device)"
+    assert out.read_text() == '{"earlier": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["capacity.json"]
+
+
+def test_a_start_the_mesh_cannot_split_is_refused_before_probing(monkeypatch, capsys):
+    """seq=3 splits a zigzag ring into 6 chunks: --start=1024 is refused by name, with
+    the divisor, instead of a row of "none from --start"."""
+    monkeypatch.setattr(capacity, "step_memory_gib", _never_compiled)
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--mesh", "seq=3", "--limit-gib", "1"]
+    with pytest.raises(SystemExit) as e:
+        capacity.main([*argv, "--start", "1k"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert (
+        "--mesh seq=3 cannot split --start=1024 (--model_max_length=1024 must be divisible by 6"
+        in err
+    )
+
+
+def test_a_search_that_reaches_max_is_a_lower_bound(monkeypatch, capsys):
+    """Every probe up to --max fits: the row is marked (`capped_by_max`, `≥ ... (reached
+    --max)` in the table); a search that found a probe too long is not. A row where the
+    first probe failed to compile for another reason than memory says why."""
+    monkeypatch.setattr(
+        capacity, "step_memory_gib", lambda m, n, *a: {"device": n / 1024, "host": 0}
+    )
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--start", "512", "--max", "2k"]
+    capped = capacity.main([*argv, "--limit-gib", "9", "--refine", "0"])["rows"][0]
+    assert capped["longest"] == 2048 and capped["capped_by_max"] is True
+    assert "| tiny | seq=1 | ≥ 2,048 (reached --max) |" in capsys.readouterr().out
+    found = capacity.main([*argv, "--limit-gib", "1.5", "--refine", "0"])["rows"][0]
+    assert found["longest"] == 1024 and found["capped_by_max"] is False
+    assert "| tiny | seq=1 | 1,024 |" in capsys.readouterr().out
+    # A row without the field: read from its probes.
+    assert capacity.reached_max({k: v for k, v in capped.items() if k != "capped_by_max"})
+    assert not capacity.reached_max({k: v for k, v in found.items() if k != "capped_by_max"})
+    error = "mlp_tile=300 must divide the 512 tokens each device holds"
+    failed = {"longest": None, "probes": [{"seq": 512, "fits": False, "error": error}]}
+    assert capacity.longest_text(failed) == f"none: {error}"
+    failed["probes"][0]["error"] = "out of memory at compile time"
+    assert capacity.longest_text(failed) == "none from --start"

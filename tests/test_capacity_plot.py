@@ -136,9 +136,8 @@ def test_tick_labels():
     assert labels == ["512", "1k", "128k", "1M", "2M", "1500"]
 
 
-def test_probe_that_did_not_compile_is_drawn_on_the_device_limit(tmp_path, monkeypatch):
-    """A probe that ran out of memory while compiling has no size; the plot marks it on
-    the device limit instead of leaving the series to end silently."""
+def _spy_scatter(monkeypatch) -> list:
+    """Records each `Axes.scatter` call as `(x, y, marker)` (and still draws it)."""
     import matplotlib.axes
 
     calls = []
@@ -149,7 +148,43 @@ def test_probe_that_did_not_compile_is_drawn_on_the_device_limit(tmp_path, monke
         return real(self, x, y, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.axes.Axes, "scatter", spy)
+    return calls
+
+
+def test_probe_that_did_not_compile_is_drawn_on_the_device_limit(tmp_path, monkeypatch):
+    """A probe that ran out of memory while compiling has no size; the plot marks it on
+    the device limit instead of leaving the series to end silently."""
+    calls = _spy_scatter(monkeypatch)
     path = tmp_path / "offload.json"
     path.write_text(json.dumps(OFFLOAD))
     capacity.main_plot([str(path), "--out", str(tmp_path / "p.png")])
     assert ([1024 * K], [130.0], "x") in calls
+
+
+def test_search_that_reached_max_is_marked_on_the_plot(tmp_path, monkeypatch):
+    """A row whose every probe fit up to --max gets a > on its longest probe (a lower
+    bound), with a legend entry: from the JSON field, or from the probes where it is absent."""
+    calls = _spy_scatter(monkeypatch)
+    capped = json.loads(json.dumps(OFFLOAD))
+    row = capped["rows"][0]
+    row["probes"] = row["probes"][:-1]  # no probe past the last that fit
+    row["longest"] = 512 * K
+    for field in ({"capped_by_max": True}, {}):
+        path = tmp_path / "capped.json"
+        path.write_text(json.dumps({**capped, "rows": [{**row, **field}]}))
+        calls.clear()
+        capacity.main_plot([str(path), "--out", str(tmp_path / "p.png")])
+        assert [c for c in calls if c[2] == ">"] == [([512 * K], [50.0], ">")], field
+    calls.clear()
+    (tmp_path / "save.json").write_text(json.dumps(SAVE))
+    capacity.main_plot([str(tmp_path / "save.json"), "--out", str(tmp_path / "p.png")])
+    assert not [c for c in calls if c[2] == ">"]
+
+
+def test_plot_out_that_is_a_directory_is_refused(tmp_path, capsys):
+    result = tmp_path / "capacity.json"
+    result.write_text(json.dumps(SAVE))
+    with pytest.raises(SystemExit) as e:
+        capacity.main_plot([str(result), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--out {tmp_path} is a directory; give a file path for" in err

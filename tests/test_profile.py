@@ -274,6 +274,9 @@ def test_profile_cli_on_cpu(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
     assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
+    assert "Timed: 2 steps after 1 warm-up step, compile excluded" in md
+    assert "- `–` peak memory: the CPU backend reports no memory stats (tiny-256-seq2" in md
+    assert "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics." in md
     first_step_intensity = rows[0]["intensity"]["step"]["intensity"]
 
     (out / "report.md").unlink()
@@ -745,3 +748,95 @@ def test_profile_error_row_names_the_exception_first():
     report = _report([failed])
     md = report_lib.markdown(report)
     assert "| error | exited with code 1: train.errors.TrainingError: --model_name_or_path" in md
+
+
+class _Device:
+    """What `train.tools.profile` reads of a jax device."""
+
+    def __init__(self, platform: str, kind: str, stats: dict | None):
+        self.platform, self.device_kind, self._stats = platform, kind, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_report_says_why_mfu_and_peak_memory_are_missing():
+    """A `–` for MFU or peak memory has its reason under the throughput table (what the
+    device does not report, as the row recorded it, else from its platform); a row with
+    both values has none."""
+    from train.tools.profile import _not_measured
+
+    cpu = _Device("cpu", "cpu", None)
+    assert _not_measured({"mfu": None, "peak_memory_gib": None}, [cpu]) == {
+        "mfu": "no peak FLOP/s known for device cpu in train.metrics.PEAK_BF16_FLOPS",
+        "peak_memory_gib": "the CPU backend reports no memory stats",
+    }
+    gpu = _Device("gpu", "NVIDIA H200", {"bytes_in_use": 1})
+    assert _not_measured({"mfu": 0.4, "peak_memory_gib": None}, [gpu]) == {
+        "peak_memory_gib": "device NVIDIA H200 reports no peak_bytes_in_use"
+    }
+    assert _not_measured({"mfu": 0.4, "peak_memory_gib": 3.0}, [gpu]) == {}
+
+    recorded = _report_row(256, not_measured=_not_measured({"mfu": None}, [cpu]))
+    derived = _report_row(512, platform="cpu", device_kind="cpu")
+    measured = _report_row(1024, name="gpu-1k", mfu=0.4, peak_memory_gib=3.0)
+    md = report_lib.markdown(_report([recorded, derived, measured]))
+    throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
+    table_end = throughput.rindex("|")
+    notes = throughput[table_end + 1 :].strip().splitlines()
+    assert notes == [
+        "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics.PEAK_BF16_FLOPS "
+        "(tiny-256, tiny-512)",
+        "- `–` peak memory: the CPU backend reports no memory stats (tiny-256, tiny-512)",
+    ], throughput
+    md = report_lib.markdown(_report([measured]))
+    assert "- `–`" not in md
+
+
+def test_step_counts_are_pluralised():
+    for steps, text in (
+        ({"timed": 1, "warmup": 1, "traced": 1}, "Timed: 1 step after 1 warm-up step,"),
+        ({"timed": 3, "warmup": 2, "traced": 2}, "Timed: 3 steps after 2 warm-up steps,"),
+        ({"timed": 2, "warmup": 0, "traced": 1}, "Timed: 2 steps after 0 warm-up steps,"),
+    ):
+        md = report_lib.markdown({**_report([_report_row(256)]), "steps": steps})
+        assert text in md, md
+        more = "1 more step." if steps["traced"] == 1 else f"{steps['traced']} more steps."
+        assert f"traced: {more}" in md
+    md = report_lib.markdown({**_report([_report_row(256)]), "layers_override": 1})
+    assert "every model runs 1 layer**" in md
+
+
+def test_single_point_note_covers_no_point(tmp_path, monkeypatch):
+    """With one context per series, the plots say so where no data point is: the note
+    never overlaps a drawn marker (the memory plot's two series sit at the bottom and
+    top of the axes)."""
+    from matplotlib.text import Text
+
+    figures = []
+    monkeypatch.setattr(report_lib.plt, "close", figures.append)
+    row = _report_row(256, peak_memory_gib=1.0, compiler_memory_gib=2.0)
+    report = _report([row, _report_row(256, name="tiny-256-b", mesh="seq=1", step_ms=9.0)])
+    assert report_lib.single_point(report_lib._ok(report))
+    report_lib.render(report, str(tmp_path))
+    assert len(figures) == len(report_lib.plots_written(report))
+    checked = 0
+    for fig in figures:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        notes = [t for t in fig.findobj(Text) if "single points" in t.get_text()]
+        for ax in fig.axes:
+            points = []
+            for line in ax.get_lines():
+                if line.get_marker() in (None, "None", "", " "):
+                    continue
+                radius = line.get_markersize() / 72 * fig.dpi / 2
+                xy = line.get_transform().transform(line.get_xydata())
+                points += [(x, y, radius) for x, y in xy]
+            for note in notes:
+                box = note.get_window_extent(renderer)
+                for x, y, r in points:
+                    inside = box.x0 - r <= x <= box.x1 + r and box.y0 - r <= y <= box.y1 + r
+                    assert not inside, (fig.texts, note.get_text(), (x, y), box)
+                    checked += 1
+    assert checked > 0

@@ -9,13 +9,17 @@ shardings, remat policy and ring attention as `python -m train`) is compiled on 
 state, never run, and XLA's memory analysis (arguments + outputs + temporaries -
 aliased, per device) is compared with the device's allocator limit (or `--limit-gib`).
 The context doubles from `--start` until a step does not fit, then bisects `--refine`
-times. The long-context knobs are the trainer's: `--mlp-tile`, `--remat offload_attn` /
-`offload_full` (residuals in pinned host memory) and `--optimizer-offload`; a step fits
-when its device bytes fit the device and its host bytes (offloaded residuals and state)
-fit `--host-limit-gib`. "GiB/1k tokens" is the growth per 1024 tokens of context
-between the shortest and the longest probe that fit (the marginal cost: what one more
-1k tokens needs), device and host. A mesh naming fewer devices than the machine has
-uses the first ones, so `--mesh seq=1 --mesh seq=2` answers "how much longer on 2 GPUs than on 1".
+times; a search that reaches `--max` with every probe fitting reports a lower bound
+(`≥ N (reached --max)`, `"capped_by_max": true` in the JSON). A `--start` that a mesh's
+sequence axes do not divide, and an `--out` that is a directory or lies under a file, are
+refused before anything compiles. The long-context knobs are the trainer's: `--mlp-tile`,
+`--remat offload_attn` / `offload_full` (residuals in pinned host memory) and
+`--optimizer-offload`; a step fits when its device bytes fit the device and its host
+bytes (offloaded residuals and state) fit `--host-limit-gib`. "GiB/1k tokens" is the
+growth per 1024 tokens of context between the shortest and the longest probe that fit
+(the marginal cost: what one more 1k tokens needs), device and host. A mesh naming fewer
+devices than the machine has uses the first ones, so `--mesh seq=1 --mesh seq=2` answers
+"how much longer on 2 GPUs than on 1".
 
 Compiled memory is XLA's plan, not a run: check the winner with `python -m train`.
 
@@ -25,7 +29,8 @@ Compiled memory is XLA's plan, not a run: check the winner with `python -m train
 draws the probes of capacity results (one `--out` file each, or a list of them as
 `benchmarks/long_context.sh` gathers) against the context: one panel per model, per remat
 policy a solid line of device GiB and a dashed line of host GiB, an x where a probe does
-not fit, the device limit as a horizontal line. `--measured` adds a training run's
+not fit, a > on the longest probe of a search that reached `--max`, the device limit as
+a horizontal line. `--measured` adds a training run's
 measured peak (`peak_memory_gib` in its output directory's log.jsonl, at the context and
 remat policy of its train_config.yaml) as a star.
 """
@@ -33,6 +38,7 @@ remat policy of its train_config.yaml) as a star.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -126,17 +132,11 @@ def host_bytes(compiled, abstract_state) -> tuple[int, bool]:
     return total, False
 
 
-def step_memory_gib(model: str, context: int, mesh: str, args) -> dict[str, float]:
-    """Compiled per-device memory of one training step: `{"device", "host"}` GiB (the
-    state kept in host memory is not counted on the device); raises if it won't compile."""
-    import jax
-
-    from train.build import model_config, plan_step
+def _trainer_config(model: str, context: int, mesh: str, args):
+    """The trainer's settings for one probe: `model` at `context` tokens over `mesh`."""
     from train.config import parse_args
-    from train.mesh import mesh_device_count
-    from train.metrics import compiled_bytes
 
-    cfg = parse_args(
+    return parse_args(
         [
             "--model_name_or_path",
             model,
@@ -159,6 +159,37 @@ def step_memory_gib(model: str, context: int, mesh: str, args) -> dict[str, floa
             *(["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []),
         ]
     )
+
+
+def layout_error(model: str, context: int, mesh: str, args) -> str | None:
+    """Why the trainer's step cannot split `context` tokens over `mesh` (the trainer's own
+    check, made before compiling: the sequence axes must divide the context), or None."""
+    import jax
+
+    from train.build import check_layout, model_config, resolve_strategy
+    from train.errors import TrainingError
+    from train.mesh import mesh_device_count, parse_mesh
+
+    cfg = _trainer_config(model, context, mesh, args)
+    count = mesh_device_count(mesh, jax.device_count())
+    sizes = parse_mesh(mesh, count, fsdp=bool(cfg.parallel.fsdp))
+    try:
+        check_layout(resolve_strategy(cfg, model_config(cfg), sizes, jax.devices()[:count]), sizes)
+    except TrainingError as e:
+        return str(e)
+    return None
+
+
+def step_memory_gib(model: str, context: int, mesh: str, args) -> dict[str, float]:
+    """Compiled per-device memory of one training step: `{"device", "host"}` GiB (the
+    state kept in host memory is not counted on the device); raises if it won't compile."""
+    import jax
+
+    from train.build import model_config, plan_step
+    from train.mesh import mesh_device_count
+    from train.metrics import compiled_bytes
+
+    cfg = _trainer_config(model, context, mesh, args)
     config = model_config(cfg)
     if args.layers:
         config = config.replace(num_layers=args.layers)
@@ -223,12 +254,41 @@ def per_1k_tokens(probes: list[dict], key: str) -> float | None:
     return (hi[key] - lo[key]) / ((hi["seq"] - lo["seq"]) / 1024)
 
 
+def reached_max(row: dict) -> bool:
+    """Whether the row's search stopped at `--max` with every probe fitting: `longest`
+    is then a lower bound, not the longest context that fits."""
+    if "capped_by_max" in row:
+        return bool(row["capped_by_max"])
+    probes = row.get("probes") or []
+    return (
+        row.get("longest") is not None
+        and not row.get("incomplete")
+        and all(p.get("fits") for p in probes)
+    )
+
+
+def longest_text(row: dict) -> str:
+    """The table's "longest context" cell: `≥ N (reached --max)` for a lower bound, and
+    for a row where nothing fits, why (the first probe's error where it did not compile
+    for another reason than memory)."""
+    if row["longest"] is None:
+        error = next((p.get("error") for p in row.get("probes") or []), None)
+        if error and not is_oom(error):
+            return f"none: {error}"
+        return "none from --start"
+    if reached_max(row):
+        return f"≥ {row['longest']:,} (reached --max)"
+    return f"{row['longest']:,}"
+
+
 def _row(model: str, mesh: str, best: int | None, probes: list[dict], searching: bool) -> dict:
     at_best = next((p for p in probes if p["seq"] == best), {})
     row = {
         "model": model,
         "mesh": mesh,
         "longest": best,
+        # every probe fit up to --max: `longest` is a lower bound
+        "capped_by_max": not searching and best is not None and all(p["fits"] for p in probes),
         "gib": at_best.get("gib"),
         "host_gib": at_best.get("host_gib"),
         "gib_per_1k": per_1k_tokens(probes, "gib"),
@@ -284,6 +344,39 @@ def longest(
         fits_at, args.start, args.max, args.refine, granule, report if progress else None
     )
     return _row(model, mesh, best, probes, searching=False)
+
+
+def out_error(out: str, what: str = "the report") -> str | None:
+    """Why `out` cannot be the file `what` is written to, or None: a directory, or a
+    path under a file or an unwritable directory. A missing parent directory is fine
+    (it is created)."""
+    if os.path.isdir(out):
+        return f"--out {out} is a directory; give a file path for {what}"
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--out {out}: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: {parent} is not writable"
+    return None
+
+
+def write_json(data, out: str) -> None:
+    """`data` into `out` through `out.tmp`, replaced whole: `out` is either the earlier
+    file or the new one, and no `.tmp` is left behind; one line naming `out` if it
+    cannot be written."""
+    tmp = f"{out}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise SystemExit(f"--out {out}: cannot write the result ({e.strerror or e})") from None
+    finally:
+        if os.path.lexists(tmp) and not os.path.isdir(tmp):
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,6 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, gib in (("--limit-gib", args.limit_gib), ("--host-limit-gib", args.host_limit_gib)):
         if gib is not None and not gib > 0:
             parser.error(f"{flag}={gib} must be > 0")
+    if args.out and (error := out_error(args.out)):
+        parser.error(error)
     import jax
 
     from train.build import model_config
@@ -360,6 +455,17 @@ def main(argv: list[str] | None = None) -> dict:
             parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
     except (TrainingError, ValueError) as e:
         parser.error(str(e))
+    # Doubling keeps what divides --start, and the bisection's lengths are multiples of
+    # 2 x the sequence shards: where the mesh divides --start, it divides every probe.
+    for model in models_list:
+        for mesh in meshes:
+            if error := layout_error(model, args.start, mesh, args):
+                parser.error(f"--mesh {mesh} cannot split --start={args.start} ({error})")
+    if args.out:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out {args.out}: cannot create its directory ({e.strerror or e})")
     limit = device_limit_gib(args.limit_gib)
     host_limit = host_limit_gib(args.host_limit_gib)
     print(
@@ -392,14 +498,9 @@ def main(argv: list[str] | None = None) -> dict:
             "rows": rows,
         }
         if args.out:
-            tmp = f"{args.out}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(result, f, indent=1)
-            os.replace(tmp, args.out)
+            write_json(result, args.out)
         return result
 
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for model in models_list:
         base = None
@@ -422,9 +523,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     for r in rows:
         ratio = f"{r['vs_first_mesh']:.2f}" if r["vs_first_mesh"] else "–"
-        longest_txt = f"{r['longest']:,}" if r["longest"] else "none from --start"
         print(
-            f"| {r['model']} | {r['mesh']} | {longest_txt} | {num(r['gib'])} | "
+            f"| {r['model']} | {r['mesh']} | {longest_text(r)} | {num(r['gib'])} | "
             f"{num(r['host_gib'])} | {num(r['gib_per_1k'], '.4f')} | "
             f"{num(r['host_gib_per_1k'], '.4f')} | {ratio} |"
         )
@@ -531,7 +631,8 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
         remat = (result.get("settings") or {}).get("remat", "?")
         for row in result["rows"]:
             panel = panels.setdefault(
-                row["model"], {"series": {}, "failed": {}, "limit": set(), "host": set()}
+                row["model"],
+                {"series": {}, "failed": {}, "capped": {}, "limit": set(), "host": set()},
             )
             for key, into in (("limit_gib", "limit"), ("host_limit_gib", "host")):
                 if result.get(key) is not None:
@@ -539,6 +640,8 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
             series = (remat, row.get("mesh", ""))
             probes = panel["series"].setdefault(series, {})
             failed = panel["failed"].setdefault(series, set())
+            if reached_max(row):  # the search stopped at --max: longer contexts may fit
+                panel["capped"].setdefault(series, set()).add(row["longest"])
             for p in row["probes"]:
                 if p.get("gib") is not None:
                     probes.setdefault(p["seq"], p)  # one probe per length
@@ -585,6 +688,13 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
             if failed and panel["limit"]:
                 at = [max(panel["limit"])] * len(failed)
                 ax.scatter(failed, at, marker="x", s=60, color=colors[key], clip_on=False)
+            # A search that stopped at --max: its longest probe is a lower bound, a > on it.
+            capped = [panel["series"][key].get(s) for s in sorted(panel["capped"].get(key, ()))]
+            capped = [(p["seq"], p["gib"]) for p in capped if p and p.get("gib") is not None]
+            if capped:
+                ax.scatter(
+                    *zip(*capped, strict=True), marker=">", s=90, color=colors[key], zorder=4
+                )
         for limit in sorted(panel["limit"]):
             ax.axhline(limit, color="0.25", lw=1.2, label=f"device limit {limit:.3g} GiB")
             top = max(top, limit)
@@ -602,6 +712,9 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
         handles, _ = ax.get_legend_handles_labels()
         if any(not p.get("fits") for s in panel["series"].values() for p in s.values()):
             handles.append(Line2D([], [], ls="", marker="x", color="0.25", label="does not fit"))
+        if panel["capped"]:
+            label = "reached --max: longer may fit"
+            handles.append(Line2D([], [], ls="", marker=">", color="0.25", label=label))
         ax.legend(  # below the panel: the lines rise into every corner
             handles=handles, fontsize="small", loc="upper center",
             bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False,
@@ -658,6 +771,8 @@ def main_plot(argv: list[str] | None = None) -> str:
     )
     p.add_argument("--out", default="capacity-memory.png", help="the PNG to write")
     args = p.parse_args(argv)
+    if error := out_error(args.out, "the PNG"):
+        p.error(error)
     return plot_memory(args.results, args.out, args.measured)
 
 

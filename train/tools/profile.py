@@ -195,7 +195,7 @@ def _xla_cost(cfg, config, devices) -> dict | None:
         "flops": f1 + (n - 1) * (f2 - f1),
         "bytes": b1 + (n - 1) * (b2 - b1),
         "method": "XLA cost analysis of unrolled 1- and 2-layer steps, extrapolated "
-        f"to {n} layers (Pallas kernels count only their operands)",
+        f"to {n} layer{'' if n == 1 else 's'} (Pallas kernels count only their operands)",
     }
 
 
@@ -244,6 +244,23 @@ def _memory(devices) -> dict:
         "peak_memory_gib": max(peaks) / 2**30 if peaks else None,
         "memory_limit_gib": min(limits) / 2**30 if limits else None,
     }
+
+
+def _not_measured(row: dict, devices) -> dict[str, str]:
+    """Why the row's MFU or peak memory is None: what the device does not report."""
+    device = devices[0]
+    why = {}
+    if row.get("mfu") is None:
+        known = "train.metrics.PEAK_BF16_FLOPS"
+        why["mfu"] = f"no peak FLOP/s known for device {device.device_kind} in {known}"
+    if row.get("peak_memory_gib") is None:
+        if device.memory_stats():
+            why["peak_memory_gib"] = f"device {device.device_kind} reports no peak_bytes_in_use"
+        else:
+            why["peak_memory_gib"] = (
+                f"the {device.platform.upper()} backend reports no memory stats"
+            )
+    return why
 
 
 def run_row(job: Job) -> dict:
@@ -297,6 +314,7 @@ def run_row(job: Job) -> dict:
             row.update(throughput(tokens * job.steps, seconds, t.flops_token, n))
             row.setdefault("mfu", None)
             row.update(_memory(devices))
+            row["not_measured"] = _not_measured(row, devices)
 
             trace_dir = os.path.join(job.out, "tensorboard", job.name)
             jax.profiler.start_trace(trace_dir)

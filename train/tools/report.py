@@ -57,6 +57,39 @@ def significant(value: float, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
+def plural(n: int, word: str) -> str:
+    """`1 step`, `2 steps`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# The throughput table's columns that a device may not report, and why where a row does
+# not say (report.json rows record it in `not_measured`).
+UNREPORTED = {"mfu": "MFU", "peak_memory_gib": "peak memory"}
+
+
+def _unreported_why(row: dict, field: str) -> str:
+    why = (row.get("not_measured") or {}).get(field)
+    if why:
+        return why
+    if field == "mfu":
+        device = f"device {row['device_kind']}" if row.get("device_kind") else "the device"
+        return f"no peak FLOP/s known for {device} in train.metrics.PEAK_BF16_FLOPS"
+    if row.get("platform") == "cpu":
+        return "the CPU backend reports no memory stats"
+    return "the device reports no peak memory"
+
+
+def unreported_notes(ok: list[dict]) -> list[str]:
+    """One line per reason a throughput-table value is `–` (MFU, peak memory), naming
+    the rows; none where every row has its values."""
+    notes: dict[str, list[str]] = {}
+    for r in ok:
+        for field, label in UNREPORTED.items():
+            if r.get(field) is None:
+                notes.setdefault(f"{label}: {_unreported_why(r, field)}", []).append(r["name"])
+    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+
+
 def trace_timed_warning(row: dict) -> str | None:
     """The warning for a row whose traced step is far from its timed step, or None."""
     ratio = row.get("trace_vs_timed")
@@ -170,22 +203,23 @@ def markdown(report: dict) -> str:
     rows, ok = report["rows"], _ok(report)
     ceil = report.get("ceilings") or {}
     device = next((r.get("device_kind") for r in ok), ceil.get("device", "?"))
+    steps = report["steps"]
     lines = [
         "# Training profile",
         "",
         f"{report['date']}, jax {report['jax']}, device: {device}. {_commands(report)} "
         f"XLA_FLAGS: `{report.get('xla_flags') or '(none)'}`.",
         "",
-        f"Timed: {report['steps']['timed']} steps after {report['steps']['warmup']} warm-up "
-        f"steps, compile excluded, `block_until_ready` around the window; traced: "
-        f"{report['steps']['traced']} more steps. Per-device times are the mean over devices "
-        "and traced steps. Model FLOPs (`models.training_flops_per_token`, recompute not "
-        "counted) give TFLOP/s and MFU.",
+        f"Timed: {plural(steps['timed'], 'step')} after "
+        f"{plural(steps['warmup'], 'warm-up step')}, compile excluded, `block_until_ready` "
+        f"around the window; traced: {plural(steps['traced'], 'more step')}. Per-device "
+        "times are the mean over devices and traced steps. Model FLOPs "
+        "(`models.training_flops_per_token`, recompute not counted) give TFLOP/s and MFU.",
         "",
     ]
     if report.get("layers_override"):
         lines += [
-            f"**Layers overridden: every model runs {report['layers_override']} layers** "
+            f"**Layers overridden: every model runs {plural(report['layers_override'], 'layer')}** "
             "(column `layers`; the preset's count is in report.json).",
             "",
         ]
@@ -270,6 +304,8 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
+    if notes := unreported_notes(ok):  # under the table, where its `–` are
+        lines += [*notes, ""]
     lines += ["## Kernel classes (ms per device)", ""]
     lines += [
         "A second partition of busy time (traced step − idle): attention kernels + "
@@ -453,15 +489,9 @@ def _context_axis(ax, rows):
 
 
 def _one_point_note(ax):
-    ax.text(
-        0.5,
-        0.05,
-        "one context per series: single points, no trend",
-        transform=ax.transAxes,
-        ha="center",
-        fontsize=8,
-        color="0.3",
-    )
+    """Says under the x axis, where it covers no point, that the panel holds one
+    context per series."""
+    ax.set_xlabel(f"{ax.get_xlabel()}\n(one context per series: single points, no trend)")
 
 
 # One plot is one entry of PLOTS: its file, which rows it draws (none: not drawn), its
