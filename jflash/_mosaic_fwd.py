@@ -160,6 +160,8 @@ def _fwd_kernel(
         elif segments:
             q_ids, lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in range(3))
             spans = table_ref[jnp.int32(table_ref.shape[0] - 1)] != 0  # key ids sorted
+        # Each span's length (0 where it is empty), for `by_spans`.
+        width = None if lo is None else jnp.maximum(hi - lo, jnp.int32(0)).astype(jnp.uint32)
 
         def step_ids(slot, masked: bool):
             """The step's key ids, read before its K slot is released (unused where the
@@ -173,14 +175,13 @@ def _fwd_kernel(
 
         def by_spans(j, s):
             """`s` with the keys outside each row's span hidden (its document's keys,
-            cut at the diagonal and the real length)."""
+            cut at the diagonal and the real length): `lo <= k < hi` as one unsigned
+            comparison per entry, `k - lo < hi - lo` (a key before `lo` wraps round to a
+            large unsigned number)."""
             shape = (bq, block_kv)
-            k_pos = j * block_kv + plgpu.broadcasted_iota(
-                jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA
-            )
-            seen = (k_pos >= lax.broadcast_in_dim(lo, shape, [0])) & (
-                k_pos < lax.broadcast_in_dim(hi, shape, [0])
-            )
+            col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+            rel = col + lax.broadcast_in_dim(j * block_kv - lo, shape, [0])  # k - lo
+            seen = rel.astype(jnp.uint32) < lax.broadcast_in_dim(width, shape, [0])
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def by_ids(j, s, ids):
