@@ -166,9 +166,10 @@ def measure(
 ):
     """One row: TFLOP/s, ms and temporaries of `impl`'s forward and forward+backward, or
     `*_error` cells. `reference` (a dict shared by the rows of one shape and mask): the
-    first row's outputs are kept there and every later row's are checked against them
-    (`check_outputs`); a row whose outputs differ is not timed. `timers` (a dict): each
-    timed pass's `(compiled, inputs, flops)` is left there for `retime_rows`."""
+    first row's outputs (of its second call) are kept there and every later row's are
+    checked against them (`check_outputs`); a row whose outputs differ is not timed.
+    `timers` (a dict): each timed pass's `(compiled, inputs, flops)` is left there for
+    `retime_rows`."""
     row = dict(
         impl=impl,
         mask="causal" if causal else "full",
@@ -197,6 +198,9 @@ def measure(
         try:
             compiled = fn.lower(*args).compile()
             mem = compiled.memory_analysis()
+            # A later call's outputs: a peer that keeps state between calls can be right
+            # on the first and wrong on every one timed (`peer_repeat.py`).
+            compiled(*args)
             if reference is not None and not check_outputs(row, name, compiled(*args), reference):
                 return row
             t = time_fn(compiled, *args)

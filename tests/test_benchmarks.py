@@ -8,7 +8,9 @@ import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax import lax
 
 import jflash
 import models
@@ -741,3 +743,28 @@ def test_kernel_tiles_refuses_by_value_and_prints_the_table(capsys):
     assert balance.main(["--kernel-tiles"]) == 0
     out = capsys.readouterr().out
     assert "22 documents in 65536 tokens" in out and "FlashAttention-3 varlen" in out
+
+
+def test_measure_checks_a_later_call_not_only_the_first(monkeypatch):
+    """A peer right on its first call and wrong on later ones (state kept between calls)
+    is an error, not a time: the outputs checked are of a second call."""
+    from jax.experimental import io_callback
+
+    monkeypatch.setattr(kernel, "time_fn", lambda fn, *args: 1e-3)
+    shape = dict(batch=1, seq=128, heads=2, kv_heads=1, head_dim=64)
+    reference = {}
+    kernel.measure("xla", reference=reference, **shape)
+    calls = []
+
+    def factor():  # 1 on the very first call, 2 on every later one
+        calls.append(None)
+        return np.float32(1.0 if len(calls) == 1 else 2.0)
+
+    def stateful(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        scale = io_callback(factor, jax.ShapeDtypeStruct((), jnp.float32))
+        return out * lax.stop_gradient(scale).astype(out.dtype)
+
+    monkeypatch.setattr(kernel, "attention_fn", lambda *a, **kw: stateful)
+    row = kernel.measure("peer", reference=reference, **shape)
+    assert row["fwd_error"].startswith("wrong output") and "fwd_ms" not in row
