@@ -248,19 +248,15 @@ def _memory(devices) -> dict:
 
 def _not_measured(row: dict, devices) -> dict[str, str]:
     """Why the row's MFU or peak memory is None: what the device does not report."""
+    from train.tools.report import UNREPORTED, unreported_reason
+
     device = devices[0]
-    why = {}
-    if row.get("mfu") is None:
-        known = "train.metrics.PEAK_BF16_FLOPS"
-        why["mfu"] = f"no peak FLOP/s known for device {device.device_kind} in {known}"
-    if row.get("peak_memory_gib") is None:
-        if device.memory_stats():
-            why["peak_memory_gib"] = f"device {device.device_kind} reports no peak_bytes_in_use"
-        else:
-            why["peak_memory_gib"] = (
-                f"the {device.platform.upper()} backend reports no memory stats"
-            )
-    return why
+    stats = bool(device.memory_stats())
+    return {
+        field: unreported_reason(field, device.device_kind, device.platform, stats)
+        for field in UNREPORTED
+        if row.get(field) is None
+    }
 
 
 def run_row(job: Job) -> dict:

@@ -67,16 +67,25 @@ def plural(n: int, word: str) -> str:
 UNREPORTED = {"mfu": "MFU", "peak_memory_gib": "peak memory"}
 
 
-def _unreported_why(row: dict, field: str) -> str:
-    why = (row.get("not_measured") or {}).get(field)
-    if why:
-        return why
+def unreported_reason(
+    field: str, device_kind: str | None = None, platform: str | None = None, memory_stats=None
+) -> str:
+    """Why `field` of UNREPORTED has no value: what the device does not report.
+    `memory_stats`: whether the device reports memory statistics (None: not known)."""
     if field == "mfu":
-        device = f"device {row['device_kind']}" if row.get("device_kind") else "the device"
+        device = f"device {device_kind}" if device_kind else "the device"
         return f"no peak FLOP/s known for {device} in train.metrics.PEAK_BF16_FLOPS"
-    if row.get("platform") == "cpu":
-        return "the CPU backend reports no memory stats"
+    if memory_stats:
+        return f"device {device_kind} reports no peak_bytes_in_use"
+    if memory_stats is False or platform == "cpu":
+        return f"the {platform.upper()} backend reports no memory stats"
     return "the device reports no peak memory"
+
+
+def _unreported_why(row: dict, field: str) -> str:
+    """The reason the row recorded (`train.tools.profile`), else one from its platform."""
+    why = (row.get("not_measured") or {}).get(field)
+    return why or unreported_reason(field, row.get("device_kind"), row.get("platform"))
 
 
 def unreported_notes(ok: list[dict]) -> list[str]:
