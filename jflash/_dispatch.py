@@ -304,8 +304,9 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
 
 def dq_accumulator(q, kernel: Kernel):
     """An f32 Ref of q's shape that `attention_bwd(..., dq_into=)` calls may add their dQ
-    into (the fused Mosaic backward, compiled), or None where the kernel cannot: then
-    each call returns its dQ. Unvarying inside a `shard_map` (Pallas refuses varying
+    into, divided by the softmax scale (the fused Mosaic backward, compiled; the caller
+    multiplies the sum by `scale` once), or None where the kernel cannot: then each call
+    returns its dQ. Unvarying inside a `shard_map` (Pallas refuses varying
     Refs); read it with `_vma.vary`."""
     if kernel.name != "pallas_mosaic":
         return None
@@ -336,7 +337,8 @@ def attention_bwd(
 
     Uses the *global* `lse` `[B,N,T]` and `delta = rowsum(dO * O_global) - dLSE`
     `[B,N,T]` f32, so nothing of the forward is recomputed. `dq_into`: an accumulator
-    from `dq_accumulator` (f32 gradients); dQ is added into it and returned as None.
+    from `dq_accumulator` (f32 gradients); dQ / scale is added into it and dQ returned
+    as None.
     """
     if kernel.name == "xla":
         return xla_bwd(

@@ -21,13 +21,15 @@ there cost it 2-4%: more moves per step).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
-    adds it to an f32 dQ in HBM with a TMA reduce-add. 5 matmuls per tile instead of
-    7; the order of the f32 additions varies from run to run. The warpgroups share
-    their dS^T through shared memory, and each adds a `[64, 64]` part of the dQ over
-    all 128 keys, which keeps its accumulator at 32 registers: at D = 128 one column
-    half of a 64-query step (`SPLIT_DQ_HEAD_DIMS`), at D = 64 the rows of 64 of a
-    128-query step's queries (`ROW_SPLIT_DQ_HEAD_DIMS`; with `block_q_dkv=64` each
-    warpgroup adds its own keys' dQ instead).
+    adds it to an f32 dQ in HBM with a TMA reduce-add, unscaled: the softmax scale
+    multiplies the sum once, where it is converted (as in FlashAttention-3; 32 fewer
+    multiplies per thread and step). 5 matmuls per tile instead of 7; the order of the
+    f32 additions varies from run to run. The warpgroups share their dS^T through
+    shared memory, and each adds a `[64, 64]` part of the dQ over all 128 keys, which
+    keeps its accumulator at 32 registers: at D = 128 one column half of a 64-query step
+    (`SPLIT_DQ_HEAD_DIMS`), at D = 64 the rows of 64 of a 128-query step's queries
+    (`ROW_SPLIT_DQ_HEAD_DIMS`; with `block_q_dkv=64` each warpgroup adds its own keys'
+    dQ instead).
   - two kernels (deterministic): a second kernel, one CTA per 128 queries of one head,
     recomputes S and dP while its memory warpgroup streams K and V. No atomics:
     bitwise reproducible.
@@ -333,13 +335,14 @@ def _dkv_kernel(
             head_g = kv_head * geom.group + g
 
             def add_dq(dq, part, *cols, q_rows=q_rows):
-                """`dq * scale` into the f32 dQ: through this warpgroup's SMEM tile, a TMA
-                reduce-add (interpret: a plain store into slice `part`, summed after)."""
+                """`dq` (`dS K`, not yet times `scale`) into the f32 dQ: through this
+                warpgroup's SMEM tile, a TMA reduce-add (interpret: a plain store into
+                slice `part`, summed after). The sum is scaled once, after the kernel."""
                 dq_s = dq_smem2.at[mine]
                 # The previous step's reduce-add has read its SMEM long ago (a whole step
                 # of matmuls ran since); wait for it before overwriting.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                dq_s[...] = dq * scale
+                dq_s[...] = dq
                 plgpu.commit_smem()
                 dst = (batch, q_rows, head_g, *cols)
                 if interpret:
@@ -710,8 +713,10 @@ def mosaic_bwd(
     inputs' manual axes.
 
     `dq_into`: None, or an f32 Ref `[B, T, N, H]` (unvarying, `adds_dq_into`) that the
-    fused kernel's dQ reduce-adds go into; dQ is then returned as None (the ring's
-    steps share one accumulator instead of a zeroed buffer and a sum per step).
+    fused kernel's dQ reduce-adds go into, *not* multiplied by `scale` (the caller
+    scales the sum once, as the kernel does its own accumulator); dQ is then returned as
+    None (the ring's steps share one accumulator instead of a zeroed buffer and a sum
+    per step).
     """
     segments = segs is not None
     q_seg, kv_seg = segs if segments else (None, None)
@@ -836,7 +841,7 @@ def mosaic_bwd(
         return None, dk[:, :s_len], dv[:, :s_len]
     if fused:
         dq = vary(dq_acc[...], varying_axes(q))
-        dq = (dq.sum(0) if interpret else dq).astype(grad_dtype)
+        dq = ((dq.sum(0) if interpret else dq) * scale).astype(grad_dtype)
         return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
     dq_stages = fit_stages(

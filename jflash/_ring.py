@@ -336,7 +336,7 @@ def _ring_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     dq, own = _bwd_step(0, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg, acc)
     dkv = own if arriving is None else own + arriving
     if acc is not None:
-        dq = dq + vary(acc[...], varying_axes(q))
+        dq = dq + vary(acc[...], varying_axes(q)) * cfg.scale  # the kernels add dS K
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
@@ -650,5 +650,5 @@ def ring_attention_rank(
             step, rank, q, kvs[step], q_seg, kv_segs[step], do, lse, delta, dq, cfg, acc
         )
     if acc is not None:
-        dq = dq + acc[...]
+        dq = dq + acc[...] * cfg.scale  # the kernels add dS K
     return o, lse, dq, [(d[0], d[1]) for d in dkv]
