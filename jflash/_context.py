@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 from jax import lax
@@ -44,6 +45,27 @@ def _names(seq_axis, argument: str = "seq_axis") -> tuple[str, ...]:
     return names
 
 
+def _warn_replicated_batch(mesh: Mesh, seq_names, kept, batch: int, spec) -> None:
+    """Explicit axes keep q's own batch sharding: warn where it leaves out mesh axes
+    that could split the batch, whose devices then all compute the same batch."""
+    sizes, prod = dict(mesh.shape), math.prod(dict(mesh.shape)[a] for a in kept)
+    idle = []
+    for name in mesh.axis_names:
+        if name in seq_names or name in kept or sizes[name] == 1:
+            continue
+        if batch % (prod * sizes[name]) == 0:
+            idle.append(name)
+            prod *= sizes[name]
+    if idle:
+        warnings.warn(
+            f"jflash.ring_attention: q's batch is not split over mesh axes {tuple(idle)} "
+            f"(q's spec is {spec}; on Explicit axes the batch keeps q's own sharding), so "
+            "their devices each compute the same batch: shard q's batch over them, or "
+            "pass batch_axes (batch_axes=() keeps it replicated without this warning)",
+            stacklevel=4,
+        )
+
+
 def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
     """Mesh axes that split the batch dimension (see `ring_attention`)."""
     seq_names = _names(seq_axis)
@@ -54,12 +76,14 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
         # Explicit axes: keep the batch sharding q's type already has (even
         # replicated), so the output's type matches the code around the call.
         batch_axes = typed.spec[0] or ()
-        if set(seq_names) & set((batch_axes,) if isinstance(batch_axes, str) else batch_axes):
+        kept = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+        if set(seq_names) & set(kept):
             raise ValueError(
                 f"the batch dimension of q is sharded over {seq_axis=} (q's spec is "
                 f"{typed.spec}), the axis the sequence is split over: shard the batch over "
                 "other mesh axes, or pass batch_axes (q is then resharded)"
             )
+        _warn_replicated_batch(mesh, seq_names, kept, batch, typed.spec)
     if batch_axes is None:
         chosen, prod = [], 1
         for name in mesh.axis_names:
@@ -391,10 +415,12 @@ def ring_attention(
         `(q_ids, kv_ids)` pair.
       scale: logit scale, default `H ** -0.5`.
       return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
-      batch_axes: mesh axes that split the batch. Default: every other mesh axis of
-        size > 1, in mesh order, kept while the product of the kept sizes divides B;
-        the batch is replicated over the rest (each of those devices computes the
-        same thing).
+      batch_axes: mesh axes that split the batch. Default: on Auto axes, every other
+        mesh axis of size > 1, in mesh order, kept while the product of the kept
+        sizes divides B; on Explicit axes, the batch sharding q's type already has
+        (so the output's type matches the code around the call; a warning names the
+        axes it leaves out that could split the batch). The batch is replicated over
+        the rest (each of those devices computes the same thing).
       block_sizes, implementation, interpret, deterministic: kernel choice, as in
         `jflash.flash_attention`; resolved once for the per-shard block lengths.
         `"pallas_mosaic"` in interpret mode runs only on a one-device mesh (the GPU

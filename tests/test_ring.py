@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -656,6 +657,30 @@ def test_batch_sharded_over_seq_axis_raises():
         pytest.raises(ValueError, match="the batch dimension of q is sharded over seq_axis='seq'"),
     ):
         jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
+
+
+@pytest.mark.multi_device(4)
+def test_explicit_batch_left_replicated_warns():
+    """Explicit axes keep q's own batch sharding: where it leaves a mesh axis out that
+    could split the batch, every device of that axis computes the same batch, and a
+    warning names the axis; none when q's batch is split or batch_axes is passed."""
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4]
+    )
+
+    def put(spec):
+        return (jax.device_put(jnp.ones((2, 16, 2, 8)), NamedSharding(mesh, spec)) for _ in "qkv")
+
+    call = dict(mesh=mesh, causal=True, implementation="xla")
+    with jax.set_mesh(mesh):
+        with pytest.warns(UserWarning, match=re.escape("not split over mesh axes ('data',)")):
+            out = jflash.ring_attention(*put(P(None, "seq")), **call)
+        assert out.sharding.spec[0] is None  # the output keeps q's type
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = jflash.ring_attention(*put(P("data", "seq")), **call)
+            assert out.sharding.spec[0] == "data"
+            jflash.ring_attention(*put(P(None, "seq")), batch_axes=(), **call)
 
 
 @pytest.mark.multi_device(2)
