@@ -34,6 +34,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# CPU computations run inline, not queued (set before the CPU client starts). Queued,
+# the GPU interpreter deadlocked once on a loaded 2-core machine: in
+# `test_mosaic_deterministic` the test's thread and an interpreted kernel's host
+# callback were both blocked dispatching eager ops, most likely because the test's ops,
+# queued behind the kernel, held the device's in-flight slots that the callback's own
+# eager ops waited for. Inline, the test's thread cannot run ahead of the kernel.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
