@@ -45,20 +45,28 @@ def _names(seq_axis, argument: str = "seq_axis") -> tuple[str, ...]:
     return names
 
 
-def _warn_replicated_batch(mesh: Mesh, seq_names, kept, batch: int, spec) -> None:
-    """Explicit axes keep q's own batch sharding: warn where it leaves out mesh axes
-    that could split the batch, whose devices then all compute the same batch."""
-    sizes, prod = dict(mesh.shape), math.prod(dict(mesh.shape)[a] for a in kept)
-    idle = []
+def _splitting_axes(mesh: Mesh, seq_names, batch: int, kept=()) -> tuple[str, ...]:
+    """The mesh axes, other than the sequence's and `kept` (those already splitting the
+    batch), that can split it further, in mesh order: each of size > 1, kept while the
+    product of every kept size divides `batch` (`ring_attention`'s default `batch_axes`
+    on Auto axes)."""
+    sizes = dict(mesh.shape)
+    prod, chosen = math.prod(sizes[a] for a in kept), []
     for name in mesh.axis_names:
         if name in seq_names or name in kept or sizes[name] == 1:
             continue
         if batch % (prod * sizes[name]) == 0:
-            idle.append(name)
+            chosen.append(name)
             prod *= sizes[name]
+    return tuple(chosen)
+
+
+def _warn_replicated_batch(idle, spec) -> None:
+    """Explicit axes keep q's own batch sharding: warn where it leaves out mesh axes
+    (`idle`) that could split the batch, whose devices then all compute the same batch."""
     if idle:
         warnings.warn(
-            f"jflash.ring_attention: q's batch is not split over mesh axes {tuple(idle)} "
+            f"jflash.ring_attention: q's batch is not split over mesh axes {idle} "
             f"(q's spec is {spec}; on Explicit axes the batch keeps q's own sharding), so "
             "their devices each compute the same batch: shard q's batch over them, or "
             "pass batch_axes (batch_axes=() keeps it replicated without this warning)",
@@ -83,14 +91,9 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
                 f"{typed.spec}), the axis the sequence is split over: shard the batch over "
                 "other mesh axes, or pass batch_axes (q is then resharded)"
             )
-        _warn_replicated_batch(mesh, seq_names, kept, batch, typed.spec)
+        _warn_replicated_batch(_splitting_axes(mesh, seq_names, batch, kept), typed.spec)
     if batch_axes is None:
-        chosen, prod = [], 1
-        for name in mesh.axis_names:
-            if name not in seq_names and sizes[name] > 1 and batch % (prod * sizes[name]) == 0:
-                chosen.append(name)
-                prod *= sizes[name]
-        return tuple(chosen)
+        return _splitting_axes(mesh, seq_names, batch)
     given = batch_axes
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
     if (

@@ -189,13 +189,15 @@ def _xla_cost(cfg, config, devices) -> dict | None:
         if not analysis or "bytes accessed" not in analysis:
             return None
         costs.append((analysis.get("flops", 0.0), analysis["bytes accessed"]))
+    from train.tools.report import plural
+
     (f1, b1), (f2, b2) = costs
     n = config.num_layers
     return {
         "flops": f1 + (n - 1) * (f2 - f1),
         "bytes": b1 + (n - 1) * (b2 - b1),
         "method": "XLA cost analysis of unrolled 1- and 2-layer steps, extrapolated "
-        f"to {n} layer{'' if n == 1 else 's'} (Pallas kernels count only their operands)",
+        f"to {plural(n, 'layer')} (Pallas kernels count only their operands)",
     }
 
 
