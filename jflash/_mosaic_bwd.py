@@ -40,7 +40,11 @@ descriptors of those tiles out of the step loop, where ptxas spills them (412 by
 none now): forward+backward 472 -> 591 TFLOP/s at 64k on an H100 (BENCHMARKS.md).
 
 Both kernels issue the S and dP wgmmas together and exponentiate S while dP is still
-on the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Tiles fixed for a warpgroup's
+on the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Left to itself, ptxas puts
+the wait for dP^T after a quarter of the exponentials; the fused D = 128 step therefore
+issues dV = P^T dO between them (one wgmma scope for S^T, dP^T, dV and dK), which ptxas
+cannot reorder: every exponential runs under dP^T and dS is formed under dV (+1-3%
+forward+backward, H200). Tiles fixed for a warpgroup's
 whole loop are wgmma A operands from registers (`A_IN_REGS`: K and V of the dK/dV
 kernel at D <= 64, Q and dO of the dQ kernel), which takes their reads off shared
 memory: at D=64 the fused kernel's binding resource (now at cuDNN's backward).
@@ -350,60 +354,9 @@ def _dkv_kernel(
                 else:
                     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[dst], reduction_op="add")
 
-            ids = col_ids(q_ids.at[slot]) if masked and segments else None
-
-            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32. The
-            # per-query terms come from the tensor cores too: ones [keys, 16] times the
-            # term's bf16 parts [16, queries] (`_row_parts`), so no thread loads them.
-            zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
-            ones = ones_smem2.at[mine]
-            init = (zeros, zeros)
-
-            def probabilities(s):  # while dP^T is still on the tensor cores
-                p = jnp.exp2(s * qk_scale)
-                if masked:
-                    seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
-                    if ids is not None:
-                        seen = seen & same_segment(k_ids, ids, s.shape)
-                    p = jnp.where(seen, p, jnp.float32(0.0))
-                return p
-
-            p, ds = wgmma_pair(
-                init,
-                [
-                    [(ones, s_parts.at[slot].T), (k_s, q_t.T)],
-                    [(ones, dp_parts.at[slot].T), (v_s, do_t.T)],
-                ],
-                probabilities,
-                lambda p, dp: p * dp,
-                interpret=interpret,
-            )
-            # Register operands, converted where each wgmma is issued.
-            p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731
-            ds_in = lambda: ds.astype(k_smem.dtype)  # noqa: E731
-
-            if not fused:
-                dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
-                    (dv, dk),
-                    [(p_in, do_t), (ds_in, q_t)],
-                    interpret=interpret,
-                )
-                plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
-
-            if split is not None:
-                # This warpgroup's dS^T rows go to shared memory for both warpgroups'
-                # dQ; dV and dK run while the other warpgroup writes its rows.
-                par = rem(base + qi, 2)
-                ds_b = ds.astype(k_smem.dtype)
-                ds_smem2.at[par, wg][...] = ds_b
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready.at[par])
-                dv, dk = wgmma_into(
-                    (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
-                )
-                plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(ds_ready.at[par])
+            def add_split_dq(par):
+                """This step's dQ from both warpgroups' dS^T (buffer `par`), split between
+                the warpgroups by `split`, into the f32 dQ."""
                 keys = (mine, other)
                 part = lax.axis_index("kv_tiles")
                 # Static halves, one warpgroup each (a dynamic slice: slower).
@@ -443,6 +396,93 @@ def _dkv_kernel(
                             )
                             add_dq(dq, part, q_rows=pl.ds(qi * block_q + w * WG_ROWS, WG_ROWS))
 
+            ids = col_ids(q_ids.at[slot]) if masked and segments else None
+
+            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32. The
+            # per-query terms come from the tensor cores too: ones [keys, 16] times the
+            # term's bf16 parts [16, queries] (`_row_parts`), so no thread loads them.
+            zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
+            ones = ones_smem2.at[mine]
+            init = (zeros, zeros)
+
+            def probabilities(s):  # while dP^T is still on the tensor cores
+                p = jnp.exp2(s * qk_scale)
+                if masked:
+                    seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
+                    if ids is not None:
+                        seen = seen & same_segment(k_ids, ids, s.shape)
+                    p = jnp.where(seen, p, jnp.float32(0.0))
+                return p
+
+            s_products = [(ones, s_parts.at[slot].T), (k_s, q_t.T)]
+            dp_products = [(ones, dp_parts.at[slot].T), (v_s, do_t.T)]
+            if split == "cols" and not interpret:
+                # One wgmma scope per step: dV = P^T dO is issued as soon as P is formed,
+                # before the wait for dP^T, so the exponentials run while dP^T is on the
+                # tensor cores (ptxas cannot move that wait above dV's issue) and dS is
+                # formed while dV runs; dS^T then goes to shared memory for the dQ and
+                # dK is issued. The scope's end waits for dV and dK. (At D = 64, the rows
+                # split, this order measured no faster and spilled more: not taken there.)
+                par = rem(base + qi, 2)
+
+                def chain(refs):
+                    s_acc, dp_acc, dv_acc, dk_acc = refs
+                    for a, b in s_products:
+                        plgpu.wgmma(s_acc, a, b)
+                    for a, b in dp_products:
+                        plgpu.wgmma(dp_acc, a, b)
+                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=len(dp_products))
+                    p = probabilities(s)
+                    plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)
+                    dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+                    ds_b = (p * dp).astype(k_smem.dtype)
+                    ds_smem2.at[par, wg][...] = ds_b
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_ready.at[par])
+                    plgpu.wgmma(dk_acc, ds_b, q_t)
+
+                _, _, dv, dk = pl.run_state(chain)(
+                    tuple(plgpu.ACC.init(a) for a in (*init, dv, dk))
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(ds_ready.at[par])
+                add_split_dq(par)
+                return dk, dv
+
+            p, ds = wgmma_pair(
+                init,
+                [s_products, dp_products],
+                probabilities,
+                lambda p, dp: p * dp,
+                interpret=interpret,
+            )
+            # Register operands, converted where each wgmma is issued.
+            p_in = lambda: p.astype(k_smem.dtype)  # noqa: E731
+            ds_in = lambda: ds.astype(k_smem.dtype)  # noqa: E731
+
+            if not fused:
+                dv, dk = wgmma_into(  # dV += P^T dO, dK += dS^T Q
+                    (dv, dk),
+                    [(p_in, do_t), (ds_in, q_t)],
+                    interpret=interpret,
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            if split is not None:
+                # This warpgroup's dS^T rows go to shared memory for both warpgroups'
+                # dQ; dV and dK run while the other warpgroup writes its rows.
+                par = rem(base + qi, 2)
+                ds_b = ds.astype(k_smem.dtype)
+                ds_smem2.at[par, wg][...] = ds_b
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready.at[par])
+                dv, dk = wgmma_into(
+                    (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(ds_ready.at[par])
+                add_split_dq(par)
                 return dk, dv
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
