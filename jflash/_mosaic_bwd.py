@@ -43,11 +43,11 @@ Both kernels issue the S and dP wgmmas together and exponentiate S while dP is s
 on the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Left to itself, ptxas puts
 the wait for dP^T after a quarter of the exponentials; the fused D = 128 step therefore
 issues dV = P^T dO between them (one wgmma scope for S^T, dP^T, dV and dK), which ptxas
-cannot reorder: every exponential runs under dP^T and dS is formed under dV (+1-3%
-forward+backward, H200). Tiles fixed for a warpgroup's
-whole loop are wgmma A operands from registers (`A_IN_REGS`: K and V of the dK/dV
-kernel at D <= 64, Q and dO of the dQ kernel), which takes their reads off shared
-memory: at D=64 the fused kernel's binding resource (now at cuDNN's backward).
+cannot reorder: every exponential runs under dP^T and dS is formed under dV (+0-3%
+forward+backward at D = 128, H200). Tiles fixed for a warpgroup's whole loop are wgmma
+A operands from registers (`A_IN_REGS`: K and V of the dK/dV kernel at D <= 64, Q and
+dO of the dQ kernel), which takes their reads off shared memory: at D=64 the fused
+kernel's binding resource (now at cuDNN's backward).
 
 Rows that see no key start S at -inf, so their probabilities are exactly 0.
 """

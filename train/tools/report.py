@@ -273,10 +273,12 @@ def markdown(report: dict) -> str:
     lines += ["## Throughput and memory", ""]
     lines += [
         "HBM GB/s: bytes per XLA's cost analysis ÷ timed step (see `xla.method` in "
-        "report.json). Ring GB/s: bytes of the collective-permutes (K/V and dK/dV "
-        "transfers) ÷ the time they run, per device (includes waiting for the peer, so a "
-        "lower bound on the link). Memory per device: peak measured by the allocator, and "
-        "the compiler's estimate (arguments + outputs + temporaries − aliased).",
+        "report.json); HBM % of copy: that ÷ the measured copy bandwidth, over 100% where "
+        "caches serve some of the counted bytes (small steps, CPU). Ring GB/s: bytes of "
+        "the collective-permutes (K/V and dK/dV transfers) ÷ the time they run, per "
+        "device (includes waiting for the peer, so a lower bound on the link). Memory "
+        "per device: peak measured by the allocator, and the compiler's estimate "
+        "(arguments + outputs + temporaries − aliased).",
         "",
     ]
     copy = ceil.get("copy_gbps")
