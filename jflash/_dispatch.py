@@ -30,6 +30,7 @@ from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
 from jflash._triton_fwd import flash_fwd
 from jflash._validation import as_bool
+from jflash._vma import vary, varying_axes
 
 IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
 _last_choice: dict[str, str] = {}
@@ -307,7 +308,7 @@ def dq_accumulator(q, kernel: Kernel):
     into, divided by the softmax scale (the fused Mosaic backward, compiled; the caller
     multiplies the sum by `scale` once), or None where the kernel cannot: then each call
     returns its dQ. Unvarying inside a `shard_map` (Pallas refuses varying
-    Refs); read it with `_vma.vary`."""
+    Refs); read it with `dq_accumulated`."""
     if kernel.name != "pallas_mosaic":
         return None
     bs = kernel.block_sizes
@@ -316,6 +317,12 @@ def dq_accumulator(q, kernel: Kernel):
     ):
         return None
     return jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+
+
+def dq_accumulated(acc, q, scale: float):
+    """The dQ summed in `acc` (from `dq_accumulator`): read, marked varying like `q`, and
+    multiplied by `scale` (the kernels add `dS K`)."""
+    return vary(acc[...], varying_axes(q)) * scale
 
 
 def attention_bwd(

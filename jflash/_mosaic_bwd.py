@@ -355,8 +355,11 @@ def _dkv_kernel(
                     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[dst], reduction_op="add")
 
             def add_split_dq(par):
-                """This step's dQ from both warpgroups' dS^T (buffer `par`), split between
-                the warpgroups by `split`, into the f32 dQ."""
+                """Once this warpgroup's dV and dK are done: the Q/dO slot released, the
+                other warpgroup's dS^T awaited, and this step's dQ from both warpgroups'
+                dS^T (buffer `par`), split between them by `split`, into the f32 dQ."""
+                plgpu.barrier_arrive(free.at[slot])
+                plgpu.barrier_wait(ds_ready.at[par])
                 keys = (mine, other)
                 part = lax.axis_index("kv_tiles")
                 # Static halves, one warpgroup each (a dynamic slice: slower).
@@ -444,8 +447,6 @@ def _dkv_kernel(
                 _, _, dv, dk = pl.run_state(chain)(
                     tuple(plgpu.ACC.init(a) for a in (*init, dv, dk))
                 )
-                plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(ds_ready.at[par])
                 add_split_dq(par)
                 return dk, dv
 
@@ -480,8 +481,6 @@ def _dkv_kernel(
                 dv, dk = wgmma_into(
                     (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
                 )
-                plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(ds_ready.at[par])
                 add_split_dq(par)
                 return dk, dv
 

@@ -60,6 +60,7 @@ from jflash._dispatch import (
     attention_bwd,
     attention_fwd,
     delta_from,
+    dq_accumulated,
     dq_accumulator,
     resolve,
 )
@@ -336,7 +337,7 @@ def _ring_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     dq, own = _bwd_step(0, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg, acc)
     dkv = own if arriving is None else own + arriving
     if acc is not None:
-        dq = dq + vary(acc[...], varying_axes(q)) * cfg.scale  # the kernels add dS K
+        dq = dq + dq_accumulated(acc, q, cfg.scale)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
@@ -650,5 +651,5 @@ def ring_attention_rank(
             step, rank, q, kvs[step], q_seg, kv_segs[step], do, lse, delta, dq, cfg, acc
         )
     if acc is not None:
-        dq = dq + acc[...] * cfg.scale  # the kernels add dS K
+        dq = dq + dq_accumulated(acc, q, cfg.scale)
     return o, lse, dq, [(d[0], d[1]) for d in dkv]
