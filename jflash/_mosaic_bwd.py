@@ -354,7 +354,9 @@ def _dkv_kernel(
                 else:
                     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[dst], reduction_op="add")
 
-            def add_split_dq(par):
+            par = rem(base + qi, 2)  # the split forms' dS^T buffer of this step
+
+            def add_split_dq():
                 """Once this warpgroup's dV and dK are done: the Q/dO slot released, the
                 other warpgroup's dS^T awaited, and this step's dQ from both warpgroups'
                 dS^T (buffer `par`), split between them by `split`, into the f32 dQ."""
@@ -426,7 +428,6 @@ def _dkv_kernel(
                 # formed while dV runs; dS^T then goes to shared memory for the dQ and
                 # dK is issued. The scope's end waits for dV and dK. (At D = 64, the rows
                 # split, this order measured no faster and spilled more: not taken there.)
-                par = rem(base + qi, 2)
 
                 def chain(refs):
                     s_acc, dp_acc, dv_acc, dk_acc = refs
@@ -447,7 +448,7 @@ def _dkv_kernel(
                 _, _, dv, dk = pl.run_state(chain)(
                     tuple(plgpu.ACC.init(a) for a in (*init, dv, dk))
                 )
-                add_split_dq(par)
+                add_split_dq()
                 return dk, dv
 
             p, ds = wgmma_pair(
@@ -473,7 +474,6 @@ def _dkv_kernel(
             if split is not None:
                 # This warpgroup's dS^T rows go to shared memory for both warpgroups'
                 # dQ; dV and dK run while the other warpgroup writes its rows.
-                par = rem(base + qi, 2)
                 ds_b = ds.astype(k_smem.dtype)
                 ds_smem2.at[par, wg][...] = ds_b
                 plgpu.commit_smem()
@@ -481,7 +481,7 @@ def _dkv_kernel(
                 dv, dk = wgmma_into(
                     (dv, dk), [(p_in, do_t), (lambda: ds_b, q_t)], interpret=interpret
                 )
-                add_split_dq(par)
+                add_split_dq()
                 return dk, dv
 
             # dS^T [keys, queries] goes through SMEM for this step's dQ = dS K (the
