@@ -168,7 +168,8 @@ def fused_block_q(head_dim: int) -> tuple[int, ...]:
 
 
 def _store_tile(value, smem, dst):
-    """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused."""
+    """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused (the write
+    completes by the kernel's end, which no CTA waits for)."""
     smem[...] = value.astype(smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(smem, dst)
@@ -523,7 +524,8 @@ def _dkv_kernel(
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
         dk, dv = lax.fori_loop(jnp.int32(0), jnp.int32(geom.group), head, (zeros, zeros))
         if fused:
-            plgpu.wait_smem_to_gmem(0)  # the last dQ reduce-add (its SMEM may be reused)
+            # The last dQ reduce-add has read its SMEM, which may be reused.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if split is not None:  # the other warpgroup's last dQ has read this one's K: dK may take it
             plgpu.barrier_arrive(ds_ready.at[jnp.int32(2)])
             plgpu.barrier_wait(ds_ready.at[jnp.int32(2)])
@@ -543,7 +545,6 @@ def _dkv_kernel(
                 dk_smem = dv_smem = dq_smem2.at[wg]
             _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
             _store_tile(dv, dv_smem, dv_ref.at[rows])
-        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -699,7 +700,6 @@ def _dq_kernel(
         dq = run_steps(st, step, skip, dq, mask_first=segments, mask_last=True, skip_first=segments)
         out = q_t if out_smem2 is None else out_smem2.at[wg]
         _store_tile(dq * scale, out, dq_ref.at[rows])
-        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():

@@ -373,7 +373,9 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+        # The CTA may end once the copies have read SMEM; their writes complete by the
+        # kernel's end (the next CTA on this SM starts sooner).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == wgs)
     def _memory():
