@@ -367,39 +367,29 @@ def _dkv_kernel(
                 part = lax.axis_index("kv_tiles")
                 # Static halves, one warpgroup each (a dynamic slice: slower).
                 for w in range(COMPUTE_WGS):
-                    if split == "cols":  # dQ[:, cols] = dS K over both warpgroups' keys
 
-                        @pl.when(wg == w)
-                        def _(w=w):
+                    @pl.when(wg == w)
+                    def _(w=w):
+                        if split == "cols":  # dQ[:, cols] = dS K over both warpgroups' keys
                             half = geom.head_dim // COMPUTE_WGS
                             cols = pl.ds(w * half, half)
-                            zeros_dq = plgpu.layout_cast(
-                                jnp.zeros((block_q, half), jnp.float32), plgpu.Layout.WGMMA
-                            )
-                            dq = wgmma_sum(
-                                zeros_dq,
-                                [(ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys],
-                                interpret=interpret,
-                            )
-                            add_dq(dq, part, cols)
-
-                    else:  # dQ[rows] = dS[rows] K over both warpgroups' keys
-
-                        @pl.when(wg == w)
-                        def _(w=w):
+                            shape = (block_q, half)
+                            terms = [
+                                (ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys
+                            ]
+                        else:  # dQ[rows] = dS[rows] K over both warpgroups' keys
                             rows_w = pl.ds(w * WG_ROWS, WG_ROWS)
-                            zeros_dq = plgpu.layout_cast(
-                                jnp.zeros((WG_ROWS, geom.head_dim), jnp.float32),
-                                plgpu.Layout.WGMMA,
-                            )
-                            dq = wgmma_sum(
-                                zeros_dq,
-                                [
-                                    (ds_smem2.at[par, j].at[:, rows_w].T, k_smem2.at[j])
-                                    for j in keys
-                                ],
-                                interpret=interpret,
-                            )
+                            shape = (WG_ROWS, geom.head_dim)
+                            terms = [
+                                (ds_smem2.at[par, j].at[:, rows_w].T, k_smem2.at[j]) for j in keys
+                            ]
+                        zeros_dq = plgpu.layout_cast(
+                            jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA
+                        )
+                        dq = wgmma_sum(zeros_dq, terms, interpret=interpret)
+                        if split == "cols":
+                            add_dq(dq, part, cols)
+                        else:
                             add_dq(dq, part, q_rows=pl.ds(qi * block_q + w * WG_ROWS, WG_ROWS))
 
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
