@@ -339,17 +339,20 @@ def _dkv_kernel(
             q_rows = pl.ds(qi * block_q, block_q)
             head_g = kv_head * geom.group + g
 
-            def add_dq(dq, part, *cols, q_rows=q_rows):
+            def add_dq(dq, part, cols=None, row0=None):
                 """`dq` (`dS K`, not yet times `scale`) into the f32 dQ: through this
                 warpgroup's SMEM tile, a TMA reduce-add (interpret: a plain store into
-                slice `part`, summed after). The sum is scaled once, after the kernel."""
+                slice `part`, summed after). The sum is scaled once, after the kernel.
+                `cols`: the column slice it holds (if not all); `row0`: the first of its
+                `WG_ROWS` rows in the step (if not all of the step's rows)."""
+                rows_dq = q_rows if row0 is None else pl.ds(qi * block_q + row0, WG_ROWS)
                 dq_s = dq_smem2.at[mine]
                 # The previous step's reduce-add has read its SMEM long ago (a whole step
                 # of matmuls ran since); wait for it before overwriting.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 dq_s[...] = dq
                 plgpu.commit_smem()
-                dst = (batch, q_rows, head_g, *cols)
+                dst = (batch, rows_dq, head_g) + (() if cols is None else (cols,))
                 if interpret:
                     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[(part, *dst)])
                 else:
@@ -374,23 +377,21 @@ def _dkv_kernel(
                             half = geom.head_dim // COMPUTE_WGS
                             cols = pl.ds(w * half, half)
                             shape = (block_q, half)
+                            add = functools.partial(add_dq, part=part, cols=cols)
                             terms = [
                                 (ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys
                             ]
                         else:  # dQ[rows] = dS[rows] K over both warpgroups' keys
                             rows_w = pl.ds(w * WG_ROWS, WG_ROWS)
                             shape = (WG_ROWS, geom.head_dim)
+                            add = functools.partial(add_dq, part=part, row0=w * WG_ROWS)
                             terms = [
                                 (ds_smem2.at[par, j].at[:, rows_w].T, k_smem2.at[j]) for j in keys
                             ]
                         zeros_dq = plgpu.layout_cast(
                             jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA
                         )
-                        dq = wgmma_sum(zeros_dq, terms, interpret=interpret)
-                        if split == "cols":
-                            add_dq(dq, part, cols)
-                        else:
-                            add_dq(dq, part, q_rows=pl.ds(qi * block_q + w * WG_ROWS, WG_ROWS))
+                        add(wgmma_sum(zeros_dq, terms, interpret=interpret))
 
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
