@@ -22,7 +22,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import memref
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jflash import _launch_order
@@ -137,7 +140,7 @@ def stream_kv(
     stages: int,
     ids=None,
     interpret: bool = False,
-    regs: int = MEMORY_REGS,
+    regs: int | None = MEMORY_REGS,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
@@ -147,20 +150,26 @@ def stream_kv(
     separate barriers, so K can be refilled while V of the same step is still being read.
     `ids`, a `(kv_seg [B, S] int32 in HBM, [stages, block_kv] SMEM)` pair, rides with K
     (its ready barrier then counts two arrivals).
+
+    `regs`: the warpgroup's register count, set here (None: the caller set it). A
+    persistent kernel streams its work items one after another (`steps.base` steps
+    before this one) and drains once, after the last (`interpret=False` here).
     """
-    plgpu.set_max_registers(regs, action="decrease")
+    if regs is not None:
+        plgpu.set_max_registers(regs, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
-    num_steps = steps.cta_hi - steps.cta_lo
+    base = index(steps.base)
+    num_steps = steps.count
 
     @pl.loop(jnp.int32(0), num_steps)
     def _(t):
-        slot = rem(t, stages)
+        slot = rem(base + t, stages)
         keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
         for i, (src, dst, is_ready, is_free) in enumerate(
             zip(srcs, slots, ready, free, strict=True)
         ):
 
-            @pl.when(t >= stages)
+            @pl.when(base + t >= stages)
             def _(is_free=is_free):
                 plgpu.barrier_wait(is_free.at[slot])
 
@@ -172,7 +181,7 @@ def stream_kv(
                 )
 
     if interpret:
-        drain(free, num_steps, stages)
+        drain(free, base + num_steps, stages)
 
 
 SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA
@@ -278,6 +287,125 @@ def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: boo
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 
+# ----------------------------------------------------------------------------- persistent
+
+# CTAs of a persistent launch in the GPU interpreter: two, so tests run several work
+# items per CTA, both directions of the deal and a partial last round.
+INTERPRET_CTAS = 2
+HOPPER_SMS = 132  # H100 / H200 SXM, where no CUDA device is visible (lowering on CPU)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the first CUDA device (132 on an H100 or H200)."""
+    try:
+        return int(jax.devices("cuda")[0].core_count)
+    except (RuntimeError, AttributeError, IndexError, TypeError, ValueError):
+        return HOPPER_SMS
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """A persistent launch: `ctas` CTAs (one per SM, grid axis `cta`) share the
+    `tiles x heads x batch` work items that a grid launch would give one CTA each.
+
+    Items are numbered in the order `jflash._launch_order` picks for the grid (its outer
+    axis first, batch fastest), tile rank `r` being tile `tiles - 1 - r` (causal rows
+    near the end see the most keys: heaviest first), or `order[b, r]` where an order
+    table is given (packed documents: `heaviest_first`). Compiled, a CTA takes its next
+    item from an atomic counter when it starts the previous one (`take_ticket`), so a
+    CTA that finishes early takes more: what the hardware's CTA scheduler does for a grid
+    launch, without a CTA launch per tile, and with each item's first K/V and Q loads
+    overlapping the previous item's epilogue. The GPU interpreter has no atomics: there
+    CTA `c` takes items `c, 2C - 1 - c, 2C + c, ...` (a snake, `dealt`)."""
+
+    tiles: int
+    heads: int
+    batch: int
+    ctas: int
+    tiles_first: bool
+
+    @classmethod
+    def make(cls, tiles: int, heads: int, batch: int, *, causal: bool, interpret: bool):
+        total = tiles * heads * batch
+        ctas = min(total, INTERPRET_CTAS if interpret else sm_count())
+        first = _launch_order.tiles_first(tiles, heads, batch, causal=causal)
+        return cls(tiles, heads, batch, ctas, first)
+
+    @property
+    def total(self) -> int:
+        return self.tiles * self.heads * self.batch
+
+    @property
+    def grid(self) -> dict:
+        return dict(grid=(self.ctas,), grid_names=("cta",))
+
+    def coords(self, i, order_ref=None):
+        """Item `i` -> `(batch, head, tile)` int32 scalars."""
+        i = index(i)
+        nb = jnp.int32(self.batch)
+        b = lax.rem(i, nb)
+        outer = lax.div(i, nb)
+        if self.tiles_first:
+            rank = lax.div(outer, jnp.int32(self.heads))
+            head = lax.rem(outer, jnp.int32(self.heads))
+        else:
+            head = lax.div(outer, jnp.int32(self.tiles))
+            rank = lax.rem(outer, jnp.int32(self.tiles))
+        if order_ref is None:
+            tile = jnp.int32(self.tiles - 1) - rank
+        else:
+            tile = order_ref[b * jnp.int32(self.tiles) + rank]
+        return b, head, tile
+
+    def dealt(self, c, k):
+        """The GPU interpreter's deal: CTA `c`'s `k`-th item (`total` past its last)."""
+        c, k = index(c), index(k)
+        forward = lax.rem(k, jnp.int32(2)) == 0
+        i = k * jnp.int32(self.ctas) + jnp.where(forward, c, jnp.int32(self.ctas - 1) - c)
+        return jnp.minimum(i, jnp.int32(self.total))
+
+
+def take_ticket(counter_ref, ticket_ref) -> None:
+    """One thread of the warpgroup adds 1 to `counter_ref` (`[1]` int32 in HBM, zero
+    at launch) and writes the value it had into `ticket_ref` (`[1]` int32 in SMEM),
+    which the whole warpgroup may read on return (compiled only)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def _(ctx, counter, ticket):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        mgpu_utils.warpgroup_barrier()  # every thread has read the last ticket
+        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+            old = mgpu_utils.inline_ptx(
+                "atom.relaxed.gpu.global.add.u32 $0, [$1], $2;",
+                mgpu_utils.memref_ptr(counter),
+                mgpu_utils.c(1, i32),
+                result_types=i32,
+                has_side_effects=True,
+            )
+            memref.store(old, ticket, [mgpu_utils.c(0, ir.IndexType.get())])
+        mgpu_utils.warpgroup_barrier()
+
+    _(counter_ref, ticket_ref)
+
+
+def heaviest_first(table, tiles: int, wgs: int, batch: int, block_kv: int, geom: Geometry):
+    """Packed documents, persistent forward: int32 `[B * tiles]`, each batch row's
+    query tiles (`wgs` warpgroup tiles each) by the key steps they stream, most first
+    (ties: the later tile first). `table`: `query_table` of the warpgroup tiles."""
+    t = table[: batch * tiles * wgs * TABLE_COLS].reshape(batch, tiles, wgs, TABLE_COLS)
+    first, end = t[..., 0], t[..., 1]
+    q_start = (jnp.arange(tiles * wgs, dtype=jnp.int32) * WG_ROWS).reshape(tiles, wgs)
+    _, n_end = kv_range(geom, q_start, WG_ROWS, block_kv)
+    end = jnp.minimum(end, n_end[None])
+    live = end > first
+    lo = jnp.where(live, first, jnp.int32(2**30)).min(axis=-1)
+    hi = jnp.where(live, end, jnp.int32(0)).max(axis=-1)
+    steps = jnp.maximum(hi - lo, 0)
+    key = -(steps * jnp.int32(tiles) + jnp.arange(tiles, dtype=jnp.int32)[None])
+    return jnp.argsort(key, axis=-1).astype(jnp.int32).reshape(-1)
+
+
 def launch(
     body,
     *,
@@ -366,10 +494,18 @@ class Steps:
     clear_lo: jax.Array
     clear_hi: jax.Array
     hi: jax.Array
+    # Steps the CTA streamed before this work item (the persistent forward; 0 for one
+    # item per CTA): the slots and their barriers' phases run on across a CTA's items.
+    base: jax.Array | int = 0
 
     def slot(self, j, stages: int):
-        """The shared-memory slot of step `j` (the stream's `j - cta_lo`-th)."""
-        return rem(j - self.cta_lo, stages)
+        """The shared-memory slot of step `j` (the CTA's `base + j - cta_lo`-th)."""
+        return rem(index(self.base) + j - self.cta_lo, stages)
+
+    @property
+    def count(self):
+        """Steps the CTA streams for this work item."""
+        return self.cta_hi - self.cta_lo
 
 
 def lockstep(steps: Steps) -> Steps:
@@ -379,7 +515,7 @@ def lockstep(steps: Steps) -> Steps:
     lo, hi = steps.cta_lo, steps.cta_hi
     clear_lo = jnp.clip(steps.clear_lo, lo, hi)
     clear_hi = jnp.clip(steps.clear_hi, clear_lo, hi)
-    return Steps(lo, hi, lo, clear_lo, clear_hi, hi)
+    return Steps(lo, hi, lo, clear_lo, clear_hi, hi, steps.base)
 
 
 def _own_steps(visible_steps, clear_steps, seg):
@@ -398,7 +534,7 @@ def _own_steps(visible_steps, clear_steps, seg):
     return lo, c_lo, c_hi, hi
 
 
-def _cta_steps(per_wg, wg) -> Steps:
+def _cta_steps(per_wg, wg, base=0) -> Steps:
     """The CTA's stream: the union of its warpgroups' ranges (empty ones left out), and
     warpgroup `wg`'s own share of it (an empty one at `cta_lo`)."""
     empty = [hi <= lo for lo, _, _, hi in per_wg]
@@ -416,20 +552,32 @@ def _cta_steps(per_wg, wg) -> Steps:
         own = [jnp.where(wg == w, x, y) for x, y in zip(per_wg[w], own, strict=True)]
         own_empty = jnp.where(wg == w, empty[w], own_empty)
     own = [jnp.where(own_empty, cta_lo, x) for x in own]
-    return Steps(cta_lo, cta_hi, *own)
+    return Steps(cta_lo, cta_hi, *own, base)
 
 
-def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: int = COMPUTE_WGS):
-    """Forward and dQ kernels: `(cta_start, Steps)`, this CTA's first query row and the
-    key steps it streams and `wg` (of `wgs` compute warpgroups) computes (`table_ref`:
-    `query_table` of the 64-row query tiles, or None). A warpgroup whose rows are all
-    padding gets no steps.
+def query_tile_steps(
+    geom: Geometry,
+    block_kv: int,
+    table_ref,
+    batch,
+    wg,
+    wgs: int = COMPUTE_WGS,
+    *,
+    tile=None,
+    base=0,
+):
+    """Forward and dQ kernels: `(cta_start, Steps)`, query tile `tile`'s first row and
+    the key steps it streams and `wg` (of `wgs` compute warpgroups) computes
+    (`table_ref`: `query_table` of the 64-row query tiles, or None; `base`:
+    `Steps.base`). A warpgroup whose rows are all padding gets no steps.
 
-    Query tiles launch heaviest first (causal rows near the end see the most keys).
+    Without `tile`, the grid's `q_tiles` axis launches heaviest first (causal rows near
+    the end see the most keys).
     """
     rows = wgs * WG_ROWS
     tiles = geom.q_pad // rows
-    tile = tiles - 1 - lax.axis_index("q_tiles")
+    if tile is None:
+        tile = tiles - 1 - lax.axis_index("q_tiles")
     cta_start = tile * rows
     per_wg = []
     for w in range(wgs):
@@ -441,7 +589,7 @@ def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: i
         if table_ref is not None:
             seg = _read_table(table_ref, batch, tile * wgs + w, tiles * wgs)
         per_wg.append(_own_steps((0, n_end), (0, n_full), seg))
-    return cta_start, _cta_steps(per_wg, wg)
+    return cta_start, _cta_steps(per_wg, wg, base)
 
 
 def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):
