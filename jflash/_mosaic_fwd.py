@@ -52,7 +52,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    Steps,
     WorkItems,
     col_ids,
     drain,
@@ -73,7 +72,7 @@ from jflash._mosaic_common import (
     wgmma_into,
 )
 from jflash._segments import ids_sorted, key_spans
-from jflash._triton_common import LN2, LOG2E, index, pad_to, round_up
+from jflash._triton_common import LN2, LOG2E, pad_to, round_up
 from jflash._vma import match, struct
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
@@ -172,23 +171,13 @@ def _fwd_kernel(
         plgpu.barrier_arrive(turn.at[rem(wg + 1, jnp.int32(wgs))])
 
     def locate(ticket, done):
-        """Work item `ticket` (`total`: none, read as the last), `done` steps streamed
-        before it: `(batch, head, cta_start, *Steps)`, a flat tuple of int32 scalars for
-        a loop's carry (`unpack`)."""
-        ticket = jnp.minimum(ticket, total - 1)
+        """Work item `ticket`: `(batch, head, cta_start, Steps)`, `done` steps streamed
+        before it."""
         batch, head, tile = items.coords(ticket, order_ref)
         cta_start, st = query_tile_steps(
             geom, block_kv, table_ref, batch, wg, wgs, tile=tile, base=done
         )
-        fields = (st.cta_lo, st.cta_hi, st.lo, st.clear_lo, st.clear_hi, st.hi, st.base)
-        return (batch, head, cta_start, *(index(x) for x in fields))
-
-    def unpack(where):
-        """`locate`'s tuple -> `(batch, head, cta_start, Steps)`."""
-        batch, head, cta_start, *fields = where
-        # Carried through a loop, the row loses what TMA copies need to know about it.
-        cta_start = pl.multiple_of(cta_start, wgs * bq)
-        return batch, head, cta_start, Steps(*fields)
+        return batch, head, cta_start, st
 
     def read_ticket(k):
         """Compute warpgroups: the CTA's `k`-th work item (`total`: none left)."""
@@ -198,10 +187,10 @@ def _fwd_kernel(
         plgpu.barrier_arrive(ticket_free(slot))
         return ticket
 
-    def load_q(where):
-        """A work item's query rows of this warpgroup (and their ids)."""
-        batch, head, cta_start, _ = unpack(where)
-        q_start = cta_start + wg * bq
+    def load_q(ticket):
+        """Work item `ticket`'s query rows of this warpgroup (and their ids)."""
+        batch, head, tile = items.coords(ticket, order_ref)
+        q_start = tile * (wgs * bq) + wg * bq
         plgpu.copy_gmem_to_smem(
             q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[wg], q_ready.at[wg]
         )
@@ -210,10 +199,9 @@ def _fwd_kernel(
                 qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
             )
 
-    def compute_item(k, where):
-        """The CTA's `k`-th work item (`locate`'s tuple); returns the next one's ticket
-        and tuple. Its Q loads, and its bounds are read, during this one's epilogue."""
-        batch, head, cta_start, st = unpack(where)
+    def compute_item(k, batch, head, cta_start, st):
+        """The CTA's `k`-th work item; returns the ticket of the next one, whose Q
+        loads during this one's epilogue."""
         q_start = cta_start + wg * bq
         q_smem = q_smem2.at[wg]
         plgpu.barrier_wait(q_ready.at[wg])
@@ -416,10 +404,7 @@ def _fwd_kernel(
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads while this one's output is normalised and stored.
         ticket = read_ticket(k + 1)
-        # With packed documents the bounds are reads from HBM (the tiles' order, then
-        # the tile table): made here, their latency passes while the output is stored.
-        following = locate(ticket, st.base + st.count)
-        pl.when(ticket < total)(lambda: load_q(following))
+        pl.when(ticket < total)(lambda: load_q(ticket))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = o_smem2.at[wg]
@@ -438,15 +423,14 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
-        return ticket, following
+        return ticket
 
     @pl.when(wg < wgs)
     def _compute():
         regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
         plgpu.set_max_registers(regs, action="increase")
         first = read_ticket(jnp.int32(0))
-        where = locate(first, jnp.int32(0))
-        pl.when(first < total)(lambda: load_q(where))
+        pl.when(first < total)(lambda: load_q(first))
         # Turns run on across the items: each warpgroup takes as many per item.
         if token:  # warpgroup 0 goes first
             pl.when(wg == wgs - 1)(hand)
@@ -454,10 +438,12 @@ def _fwd_kernel(
             pl.when(wg == 1)(take_turn)
 
         def item(carry):
-            k, _, where = carry
-            return k + 1, *compute_item(k, where)
+            k, ticket, done = carry
+            batch, head, cta_start, st = locate(ticket, done)
+            ticket = compute_item(k, batch, head, cta_start, st)
+            return k + 1, ticket, done + st.count
 
-        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, where))
+        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, jnp.int32(0)))
         if not token:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
@@ -489,7 +475,7 @@ def _fwd_kernel(
         def item(carry):
             k, ticket, done = carry
             following = fetch(k + 1)
-            batch, head, _, st = unpack(locate(ticket, done))
+            batch, head, _, st = locate(ticket, done)
             stream_kv(
                 (k_ref, v_ref),
                 (k_smem, v_smem),
@@ -510,7 +496,6 @@ def _fwd_kernel(
         k, _, done = lax.while_loop(lambda c: c[1] < total, item, start)
         if interpret:  # the GPU interpreter: observe every phase waited on
             drain((k_free, v_free), done, stages)
-
             @pl.loop(jnp.maximum(k - 1, 0), k + 1)
             def _(j):
                 plgpu.barrier_wait(ticket_free(rem(j, 2)))
