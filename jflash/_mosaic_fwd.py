@@ -17,7 +17,7 @@ through two shared-memory slots; so the next item's first K/V blocks stream, and
 warpgroup loads its next Q (the output has its own slot), while the last item's output
 is normalised and stored. Against one CTA per item: forward 1.03x at causal 4k and 16k,
 1.00x at 64k, 1.03x on packed documents (H200, BENCHMARKS.md). A static deal of the
-items instead (every CTA the same share, no counter) lost 1-3% on an H200, whose SMs
+items instead (every CTA the same share, no counter) lost 1-6% on an H200, whose SMs
 finish equal shares at different times.
 
 At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
@@ -496,6 +496,7 @@ def _fwd_kernel(
         k, _, done = lax.while_loop(lambda c: c[1] < total, item, start)
         if interpret:  # the GPU interpreter: observe every phase waited on
             drain((k_free, v_free), done, stages)
+
             @pl.loop(jnp.maximum(k - 1, 0), k + 1)
             def _(j):
                 plgpu.barrier_wait(ticket_free(rem(j, 2)))
