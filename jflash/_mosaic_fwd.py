@@ -52,12 +52,10 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    WorkItems,
     col_ids,
     drain,
     fit_stages,
     fits_smem,
-    heaviest_first,
     launch,
     query_table,
     query_tile_steps,
@@ -67,13 +65,13 @@ from jflash._mosaic_common import (
     same_segment,
     smem_tile,
     stream_kv,
-    take_ticket,
     visible,
     wgmma_into,
 )
 from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
 from jflash._vma import match, struct
+from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
 # (`overlapped`): at D=128 the forward kernel is 2.6% faster (H100, 16k and 64k); at

@@ -17,7 +17,7 @@ from kernel_cases import make_inputs
 
 import jflash
 from jflash import _launch_order
-from jflash._mosaic_common import WorkItems
+from jflash._work_items import WorkItems
 
 
 @pytest.mark.parametrize(
