@@ -441,3 +441,49 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     # With ids: the kernel for sorted ids (spans only), then the one for any ids.
     assert launched == [2 if given else 3] + ([2] if segments else [])
     assert text.count("jflash_mosaic_fwd") >= len(launched)
+
+
+@pytest.mark.parametrize("how", ["checkpoint_scan", "vmap", "user_shard_map_checkpoint"])
+def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how):
+    """The compiled Mosaic kernels as the models and users call them: inside
+    `jax.checkpoint` (the attention names saved) inside `lax.scan` over layers, under
+    `jax.grad`; under `jax.vmap`; and the same checkpointed layers inside a user's
+    `jax.shard_map` (`check_vma=True`). A kernel given a mutable buffer (a `jax.new_ref`
+    made per call) failed the first and the third: under `jax.checkpoint` the buffer
+    became a residual of the custom VJP, which jax refuses."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    policy = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
+
+    def attend(h):
+        kv = h[:, :, :2]
+        return jflash.flash_attention(h, kv, kv, causal=True, implementation="pallas_mosaic")
+
+    def loss(x, ws):
+        def layer(h, w):
+            return jax.checkpoint(lambda h: attend((h @ w).astype(h.dtype)), policy=policy)(h), None
+
+        y, _ = jax.lax.scan(layer, x, ws)
+        return jnp.sum(y.astype(jnp.float32))
+
+    x = jax.ShapeDtypeStruct((2, 512, 8, 128), jnp.bfloat16)
+    ws = jax.ShapeDtypeStruct((2, 128, 128), x.dtype)
+    mesh = jax.sharding.AbstractMesh(
+        (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
+    )
+    if how == "checkpoint_scan":
+        fn, args = jax.grad(loss, argnums=(0, 1)), (x, ws)
+    elif how == "vmap":
+        fn, args = jax.vmap(attend), (jax.ShapeDtypeStruct((3, *x.shape), x.dtype),)
+    else:
+        spec, rep = jax.sharding.PartitionSpec("x"), jax.sharding.PartitionSpec()
+
+        def body(x, ws):
+            dx, dw = jax.grad(loss, argnums=(0, 1))(x, ws)
+            return dx, jax.lax.psum(dw, "x")
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, rep), out_specs=(spec, rep))
+        args = (x, ws)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_fwd" in text
