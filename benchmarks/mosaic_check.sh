@@ -36,6 +36,6 @@ if [[ $part == tests || $part == all ]]; then
   # Four workers share the GPU (compiling dominates): about 5 minutes on an H100.
   XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 480 python3 -m pytest -q -n 4 \
     tests/test_flash.py tests/test_mosaic_segments.py tests/test_ring.py tests/test_ring_rank.py \
-    -k "mosaic" -p no:cacheprovider 2>&1 | tail -25
+    tests/test_work_items.py -k "mosaic or repeated" -p no:cacheprovider 2>&1 | tail -25
 fi
 stamp done

@@ -137,7 +137,7 @@ def stream_kv(
     stages: int,
     ids=None,
     interpret: bool = False,
-    regs: int = MEMORY_REGS,
+    regs: int | None = MEMORY_REGS,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
@@ -147,20 +147,26 @@ def stream_kv(
     separate barriers, so K can be refilled while V of the same step is still being read.
     `ids`, a `(kv_seg [B, S] int32 in HBM, [stages, block_kv] SMEM)` pair, rides with K
     (its ready barrier then counts two arrivals).
+
+    `regs`: the warpgroup's register count, set here (None: the caller set it). A
+    persistent kernel streams its work items one after another (`steps.base` steps
+    before this one) and drains once, after the last (`interpret=False` here).
     """
-    plgpu.set_max_registers(regs, action="decrease")
+    if regs is not None:
+        plgpu.set_max_registers(regs, action="decrease")
     kv_head = lax.div(head, jnp.int32(group))
-    num_steps = steps.cta_hi - steps.cta_lo
+    base = index(steps.base)
+    num_steps = steps.count
 
     @pl.loop(jnp.int32(0), num_steps)
     def _(t):
-        slot = rem(t, stages)
+        slot = rem(base + t, stages)
         keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
         for i, (src, dst, is_ready, is_free) in enumerate(
             zip(srcs, slots, ready, free, strict=True)
         ):
 
-            @pl.when(t >= stages)
+            @pl.when(base + t >= stages)
             def _(is_free=is_free):
                 plgpu.barrier_wait(is_free.at[slot])
 
@@ -172,7 +178,7 @@ def stream_kv(
                 )
 
     if interpret:
-        drain(free, num_steps, stages)
+        drain(free, base + num_steps, stages)
 
 
 SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA
@@ -366,10 +372,18 @@ class Steps:
     clear_lo: jax.Array
     clear_hi: jax.Array
     hi: jax.Array
+    # Steps the CTA streamed before this work item (the persistent forward; 0 for one
+    # item per CTA): the slots and their barriers' phases run on across a CTA's items.
+    base: jax.Array | int = 0
 
     def slot(self, j, stages: int):
-        """The shared-memory slot of step `j` (the stream's `j - cta_lo`-th)."""
-        return rem(j - self.cta_lo, stages)
+        """The shared-memory slot of step `j` (the CTA's `base + j - cta_lo`-th)."""
+        return rem(index(self.base) + j - self.cta_lo, stages)
+
+    @property
+    def count(self):
+        """Steps the CTA streams for this work item."""
+        return self.cta_hi - self.cta_lo
 
 
 def lockstep(steps: Steps) -> Steps:
@@ -379,7 +393,7 @@ def lockstep(steps: Steps) -> Steps:
     lo, hi = steps.cta_lo, steps.cta_hi
     clear_lo = jnp.clip(steps.clear_lo, lo, hi)
     clear_hi = jnp.clip(steps.clear_hi, clear_lo, hi)
-    return Steps(lo, hi, lo, clear_lo, clear_hi, hi)
+    return Steps(lo, hi, lo, clear_lo, clear_hi, hi, steps.base)
 
 
 def _own_steps(visible_steps, clear_steps, seg):
@@ -398,7 +412,7 @@ def _own_steps(visible_steps, clear_steps, seg):
     return lo, c_lo, c_hi, hi
 
 
-def _cta_steps(per_wg, wg) -> Steps:
+def _cta_steps(per_wg, wg, base=0) -> Steps:
     """The CTA's stream: the union of its warpgroups' ranges (empty ones left out), and
     warpgroup `wg`'s own share of it (an empty one at `cta_lo`)."""
     empty = [hi <= lo for lo, _, _, hi in per_wg]
@@ -416,20 +430,32 @@ def _cta_steps(per_wg, wg) -> Steps:
         own = [jnp.where(wg == w, x, y) for x, y in zip(per_wg[w], own, strict=True)]
         own_empty = jnp.where(wg == w, empty[w], own_empty)
     own = [jnp.where(own_empty, cta_lo, x) for x in own]
-    return Steps(cta_lo, cta_hi, *own)
+    return Steps(cta_lo, cta_hi, *own, base)
 
 
-def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: int = COMPUTE_WGS):
-    """Forward and dQ kernels: `(cta_start, Steps)`, this CTA's first query row and the
-    key steps it streams and `wg` (of `wgs` compute warpgroups) computes (`table_ref`:
-    `query_table` of the 64-row query tiles, or None). A warpgroup whose rows are all
-    padding gets no steps.
+def query_tile_steps(
+    geom: Geometry,
+    block_kv: int,
+    table_ref,
+    batch,
+    wg,
+    wgs: int = COMPUTE_WGS,
+    *,
+    tile=None,
+    base=0,
+):
+    """Forward and dQ kernels: `(cta_start, Steps)`, query tile `tile`'s first row and
+    the key steps it streams and `wg` (of `wgs` compute warpgroups) computes
+    (`table_ref`: `query_table` of the 64-row query tiles, or None; `base`:
+    `Steps.base`). A warpgroup whose rows are all padding gets no steps.
 
-    Query tiles launch heaviest first (causal rows near the end see the most keys).
+    Without `tile`, the grid's `q_tiles` axis launches heaviest first (causal rows near
+    the end see the most keys).
     """
     rows = wgs * WG_ROWS
     tiles = geom.q_pad // rows
-    tile = tiles - 1 - lax.axis_index("q_tiles")
+    if tile is None:
+        tile = tiles - 1 - lax.axis_index("q_tiles")
     cta_start = tile * rows
     per_wg = []
     for w in range(wgs):
@@ -441,7 +467,7 @@ def query_tile_steps(geom: Geometry, block_kv: int, table_ref, batch, wg, wgs: i
         if table_ref is not None:
             seg = _read_table(table_ref, batch, tile * wgs + w, tiles * wgs)
         per_wg.append(_own_steps((0, n_end), (0, n_full), seg))
-    return cta_start, _cta_steps(per_wg, wg)
+    return cta_start, _cta_steps(per_wg, wg, base)
 
 
 def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):

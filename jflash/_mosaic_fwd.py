@@ -1,14 +1,24 @@
 """FlashAttention forward as a Pallas Mosaic GPU kernel (Hopper: TMA, wgmma).
 
-One CTA = 128 query rows of one head: two compute warpgroups of 64 rows each and a
+A work item = 128 query rows of one head: two compute warpgroups of 64 rows each and a
 memory warpgroup that streams the K and V tiles of the head's KV head (`h // group`:
 GQA without copies) into `stages` shared-memory slots. The two compute warpgroups
 take turns on the tensor cores (FA-3's ping-pong): while one runs its softmax the
 other's matmuls run, ordered by a two-arrival "turn" barrier that each passes twice
 per key step, warpgroup 1 starting one turn late. At D=128 a warpgroup's turn on the
 tensor cores issues its step's P V and its next step's Q K^T back to back, without
-waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). Query tiles are
-launched heaviest first (causal rows near the end see the most keys).
+waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`).
+
+The launch is persistent (`WorkItems`): one CTA per SM runs work items until none are
+left, heaviest first (causal rows near the end see the most keys; packed documents by
+the key steps a tile streams). The memory warpgroup takes the CTA's next item from an
+atomic counter when it starts streaming one, and hands it to the compute warpgroups
+through two shared-memory slots; so the next item's first K/V blocks stream, and each
+warpgroup loads its next Q (the output has its own slot), while the last item's output
+is normalised and stored. Against one CTA per item: forward 1.03x at causal 4k and 16k,
+1.00x at 64k, 1.03x on packed documents (H200, BENCHMARKS.md). A static deal of the
+items instead (every CTA the same share, no counter) lost 1-6% on an H200, whose SMs
+finish equal shares at different times.
 
 At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
 `THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -42,6 +53,7 @@ from jflash._mosaic_common import (
     WG_ROWS,
     Geometry,
     col_ids,
+    drain,
     fit_stages,
     fits_smem,
     launch,
@@ -53,13 +65,13 @@ from jflash._mosaic_common import (
     same_segment,
     smem_tile,
     stream_kv,
-    tile_grid,
     visible,
     wgmma_into,
 )
 from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
 from jflash._vma import match, struct
+from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
 # (`overlapped`): at D=128 the forward kernel is 2.6% faster (H100, 16k and 64k); at
@@ -81,9 +93,6 @@ THREE_WG_STAGES = 4
 
 
 def _fwd_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
     *refs,
     geom: Geometry,
     block_kv: int,
@@ -92,20 +101,26 @@ def _fwd_kernel(
     segments: bool,
     interpret: bool,
     wgs: int,
+    items: WorkItems,
     spans_only: bool = False,
 ):
-    """`refs`: with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`),
-    `kv_seg [B, S]` (not with `spans_only`) and the `query_table` (the sorted-ids flag
-    last) first; then the outputs and the scratch (`q_ids`, `kv_ids`: None without
-    ids; `kv_ids` None with `spans_only`).
+    """`refs`: q, k,
+    v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
+    [B, S]` (not with `spans_only`), the `query_table` (the sorted-ids flag last) and the
+    tiles' order (`heaviest_first`); then the outputs and the scratch (`q_ids`,
+    `kv_ids`: None without ids; `kv_ids` None with `spans_only`).
 
     `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
     and the key ids are not streamed."""
-    qseg_ref = kvseg_ref = table_ref = None
+    q_ref, k_ref, v_ref, *refs = refs
+    # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
+    # which Pallas zeroes before every launch (compiled only: `WorkItems`).
+    counter_ref = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
+    qseg_ref = kvseg_ref = table_ref = order_ref = None
     if segments and spans_only:
-        qseg_ref, table_ref, *refs = refs
+        qseg_ref, table_ref, order_ref, *refs = refs
     elif segments:
-        qseg_ref, kvseg_ref, table_ref, *refs = refs
+        qseg_ref, kvseg_ref, table_ref, order_ref, *refs = refs
     (
         o_ref,
         lse_ref,
@@ -116,6 +131,7 @@ def _fwd_kernel(
         lse_smem2,
         q_ids2,
         kv_ids,
+        tickets,
         q_ready,
         k_ready,
         v_ready,
@@ -123,11 +139,21 @@ def _fwd_kernel(
         v_free,
         turn,
     ) = refs
+    # The next two work items' tickets (`tickets[0:2]`, `tickets[2]`: the counter's last
+    # value) and their barriers share the allocations of the V slots' (one arrival) and
+    # the K slots' (one per compute warpgroup): every small buffer costs its alignment,
+    # and the f32-output forward at D = 128 fills shared memory to within 120 bytes.
+
+    def ticket_ready(slot):  # ticket slot `slot` holds the next item
+        return v_ready.at[jnp.int32(stages) + slot]
+
+    def ticket_free(slot):  # and every compute warpgroup read it
+        return k_free.at[jnp.int32(stages) + slot]
+
     bq = WG_ROWS
-    batch = lax.axis_index("batch")
-    head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_start, st = query_tile_steps(geom, block_kv, table_ref, batch, wg, wgs)
+    cta = lax.axis_index("cta")
+    total = jnp.int32(items.total)
     # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
     token = wgs > COMPUTE_WGS
@@ -142,17 +168,40 @@ def _fwd_kernel(
     def hand():  # token ring: the next warpgroup's turn
         plgpu.barrier_arrive(turn.at[rem(wg + 1, jnp.int32(wgs))])
 
-    @pl.when(wg < wgs)
-    def _compute():
-        regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
-        plgpu.set_max_registers(regs, action="increase")
-        q_start = cta_start + wg * bq
-        q_smem = q_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_ready.at[wg])
+    def locate(ticket, done):
+        """Work item `ticket`: `(batch, head, cta_start, Steps)`, `done` steps streamed
+        before it."""
+        batch, head, tile = items.coords(ticket, order_ref)
+        cta_start, st = query_tile_steps(
+            geom, block_kv, table_ref, batch, wg, wgs, tile=tile, base=done
+        )
+        return batch, head, cta_start, st
+
+    def read_ticket(k):
+        """Compute warpgroups: the CTA's `k`-th work item (`total`: none left)."""
+        slot = rem(k, 2)
+        plgpu.barrier_wait(ticket_ready(slot))
+        ticket = tickets[slot]
+        plgpu.barrier_arrive(ticket_free(slot))
+        return ticket
+
+    def load_q(ticket):
+        """Work item `ticket`'s query rows of this warpgroup (and their ids)."""
+        batch, head, tile = items.coords(ticket, order_ref)
+        q_start = tile * (wgs * bq) + wg * bq
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[wg], q_ready.at[wg]
+        )
         if segments:
             plgpu.copy_gmem_to_smem(
                 qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
             )
+
+    def compute_item(k, batch, head, cta_start, st):
+        """The CTA's `k`-th work item; returns the ticket of the next one, whose Q
+        loads during this one's epilogue."""
+        q_start = cta_start + wg * bq
+        q_smem = q_smem2.at[wg]
         plgpu.barrier_wait(q_ready.at[wg])
         q_ids = lo = hi = spans = None
         if segments and spans_only:
@@ -327,10 +376,6 @@ def _fwd_kernel(
             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
         )
-        if token:  # warpgroup 0 goes first
-            pl.when(wg == wgs - 1)(hand)
-        else:
-            pl.when(wg == 1)(take_turn)
         if (token or geom.head_dim in OVERLAP_HEAD_DIMS) and not interpret:
             if segments:
                 lax.fori_loop(st.cta_lo, st.lo, skip, None)
@@ -354,12 +399,15 @@ def _fwd_kernel(
                 hold()
                 hand()
 
-        else:
-            pl.when(wg == 0)(take_turn)
-
+        # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
+        # item's Q loads while this one's output is normalised and stored.
+        ticket = read_ticket(k + 1)
+        pl.when(ticket < total)(lambda: load_q(ticket))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
-        o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # q is dead by now
+        o_smem = o_smem2.at[wg]
+        # The last item's output copies must have read the slots before they are rewritten.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(
             o_smem.dtype
         )
@@ -373,27 +421,83 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
+        return ticket
+
+    @pl.when(wg < wgs)
+    def _compute():
+        regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
+        plgpu.set_max_registers(regs, action="increase")
+        first = read_ticket(jnp.int32(0))
+        pl.when(first < total)(lambda: load_q(first))
+        # Turns run on across the items: each warpgroup takes as many per item.
+        if token:  # warpgroup 0 goes first
+            pl.when(wg == wgs - 1)(hand)
+        else:
+            pl.when(wg == 1)(take_turn)
+
+        def item(carry):
+            k, ticket, done = carry
+            batch, head, cta_start, st = locate(ticket, done)
+            ticket = compute_item(k, batch, head, cta_start, st)
+            return k + 1, ticket, done + st.count
+
+        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, jnp.int32(0)))
+        if not token:
+            pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
-        # kernel's end (the next CTA on this SM starts sooner).
+        # kernel's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == wgs)
     def _memory():
-        stream_kv(
-            (k_ref, v_ref),
-            (k_smem, v_smem),
-            (k_ready, v_ready),
-            (k_free, v_free),
-            batch=batch,
-            head=head,
-            group=geom.group,
-            steps=st,
-            block_kv=block_kv,
-            stages=stages,
-            ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
-            interpret=interpret,
-            regs=THREE_WG_REGS[1] if token else MEMORY_REGS,
-        )
+        plgpu.set_max_registers(THREE_WG_REGS[1] if token else MEMORY_REGS, action="decrease")
+
+        def fetch(k):
+            """The CTA's `k`-th work item, for all warpgroups (slot `k % 2`), taken when
+            its `k - 1`-th starts streaming."""
+            slot = rem(k, 2)
+
+            @pl.when(k >= 2)
+            def _():
+                plgpu.barrier_wait(ticket_free(slot))
+
+            if interpret:
+                ticket = items.dealt(cta, k)
+            else:
+                take_ticket(counter_ref, tickets.at[pl.ds(2, 1)])
+                ticket = jnp.minimum(tickets[jnp.int32(2)], total)
+            tickets[slot] = ticket
+            plgpu.barrier_arrive(ticket_ready(slot))
+            return ticket
+
+        def item(carry):
+            k, ticket, done = carry
+            following = fetch(k + 1)
+            batch, head, _, st = locate(ticket, done)
+            stream_kv(
+                (k_ref, v_ref),
+                (k_smem, v_smem),
+                (k_ready, v_ready),
+                (k_free, v_free),
+                batch=batch,
+                head=head,
+                group=geom.group,
+                steps=st,
+                block_kv=block_kv,
+                stages=stages,
+                ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
+                regs=None,
+            )
+            return k + 1, following, done + st.count
+
+        start = (jnp.int32(0), fetch(jnp.int32(0)), jnp.int32(0))
+        k, _, done = lax.while_loop(lambda c: c[1] < total, item, start)
+        if interpret:  # the GPU interpreter: observe every phase waited on
+            drain((k_free, v_free), done, stages)
+
+            @pl.loop(jnp.maximum(k - 1, 0), k + 1)
+            def _(j):
+                plgpu.barrier_wait(ticket_free(rem(j, 2)))
 
 
 def forms() -> str:
@@ -473,7 +577,47 @@ def mosaic_fwd(
     )
 
 
-def _forward(
+def _forward(q, k, v, q_seg, kv_seg, ordered, *, interpret: bool = False, **static):
+    """One launch of the forward kernel (`_launch`). Compiled, `jax.vmap` of it folds the
+    mapped axis into the batch: one launch whose work items cover every mapped call.
+    (Pallas would add a grid axis per mapped call, and all of them would share the one
+    counter the kernel takes its items from.)"""
+    run = functools.partial(_launch, interpret=interpret, **static)
+    if interpret:
+        return run(q, k, v, q_seg, kv_seg, ordered)
+    return _batch_folded(run)(q, k, v, q_seg, kv_seg, ordered)
+
+
+def _batch_folded(run):
+    """`run(q, k, v, q_seg, kv_seg, ordered) -> (o, lse)` whose `jax.vmap` runs it once
+    with the mapped axis folded into the batch (unmapped arguments broadcast; `ordered`,
+    a flag, true only where every mapped call's is)."""
+
+    @jax.custom_batching.custom_vmap
+    def folded(q, k, v, q_seg, kv_seg, ordered):
+        return run(q, k, v, q_seg, kv_seg, ordered)
+
+    @folded.def_vmap
+    def _(axis_size, in_batched, q, k, v, q_seg, kv_seg, ordered):
+        def fold(x, mapped):
+            if x is None:
+                return None
+            if not mapped:
+                x = jnp.broadcast_to(x, (axis_size, *x.shape))
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        *arrays, flag = zip((q, k, v, q_seg, kv_seg, ordered), in_batched, strict=True)
+        args = [fold(x, mapped) for x, mapped in arrays]
+        value, mapped = flag
+        args.append(jnp.all(value) if mapped and value is not None else value)
+        o, lse = folded(*args)
+        split = lambda x: x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])  # noqa: E731
+        return (split(o), split(lse)), (True, True)
+
+    return folded
+
+
+def _launch(
     q,
     k,
     v,
@@ -500,11 +644,10 @@ def _forward(
     s_len, kh = k.shape[1], k.shape[2]
     rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
-    separate_out = jnp.dtype(out_dtype) != q.dtype
 
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
         fixed = rows * h * size + rows * 4 + (3 * rows * 4 if segments else 0)
-        fixed += rows * h * jnp.dtype(out_dtype).itemsize if separate_out else 0
+        fixed += rows * h * jnp.dtype(out_dtype).itemsize  # the output's own slot
         return fixed, 2 * block * h * size + (block * 4 if stream_ids else 0)
 
     # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
@@ -521,14 +664,17 @@ def _forward(
         q_len=t,
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
+    items = WorkItems.make(geom.q_pad // rows, n, b, causal=mask.causal, interpret=interpret)
     inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
+        order = heaviest_first(table, items.tiles, wgs, b, block_kv, geom)
         table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])
         spans = key_spans(q_seg, kv_seg, causal=mask.causal, diag=geom.diag, kv_len=s_len)
         rows_ids = jnp.concatenate([q_seg[:, None], spans], axis=1)  # [B, 3, T]
         inputs += (pad_to(rows_ids, 2, geom.q_pad),)
-        inputs += (pad_to(kv_seg, 1, geom.kv_pad), table) if stream_ids else (table,)
+        inputs += (pad_to(kv_seg, 1, geom.kv_pad),) if stream_ids else ()
+        inputs += (table, order)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -538,36 +684,40 @@ def _forward(
         segments=segments,
         interpret=interpret,
         wgs=wgs,
+        items=items,
         spans_only=spans_only,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
-    o, lse = launch(
+    out_type = [
+        struct((b, geom.q_pad, n, h), out_dtype, q),
+        struct((b, n, geom.q_pad), jnp.float32, q),
+    ]
+    call = launch(
         kernel,
-        out_type=[
-            struct((b, geom.q_pad, n, h), out_dtype, q),
-            struct((b, n, geom.q_pad), jnp.float32, q),
-        ],
+        out_type=out_type,
         scratch_types=[
             smem_tile((wgs, WG_ROWS, h), q.dtype),
             smem_tile((stages, block_kv, h), k.dtype),
             smem_tile((stages, block_kv, h), v.dtype),
-            smem_tile((wgs, WG_ROWS, h), out_dtype) if separate_out else None,
+            smem_tile((wgs, WG_ROWS, h), out_dtype),
             plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
             plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((stages, block_kv), jnp.int32) if stream_ids else None,
+            plgpu.SMEM((3,), jnp.int32),  # two work items' tickets, the counter's value
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=wgs),
             plgpu.Barrier(num_arrivals=with_kv_ids, num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages + 2),  # and 2: a ticket is in its slot
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages + 2),  # 2: tickets read
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             plgpu.Barrier(num_barriers=wgs)
             if wgs > COMPUTE_WGS
             else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
         ],
-        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=mask.causal),
+        **items.grid,
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
         wgs=wgs,
-    )(*inputs)
+    )
+    o, lse = call(*inputs)
     return o[:, :t], lse[:, :, :t]

@@ -487,3 +487,4 @@ def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how):
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_fwd" in text
+    assert "atom.relaxed.gpu.global.add" in text  # the work items' counter
