@@ -768,3 +768,64 @@ def test_measure_checks_a_later_call_not_only_the_first(monkeypatch):
     monkeypatch.setattr(kernel, "attention_fn", lambda *a, **kw: stateful)
     row = kernel.measure("peer", reference=reference, **shape)
     assert row["fwd_error"].startswith("wrong output") and "fwd_ms" not in row
+
+
+def test_power_parses_samples_and_names_throttle_reasons():
+    from benchmarks import power
+
+    assert power.parse_sample("1568, 611.80, 58, 0x0000000000000004") == {
+        "sm_mhz": 1568.0,
+        "watts": 611.8,
+        "temp_c": 58.0,
+        "throttle": 4,
+    }
+    assert power.parse_sample("1568, [N/A], 58, 0x4") is None
+    assert power.parse_sample("No devices were found") is None
+    assert power.throttle_names(0x4) == ["power cap"]
+    assert power.throttle_names(0x24) == ["power cap", "thermal (software)"]
+    assert power.throttle_names(0x1000) == ["0x1000"]
+
+
+def test_power_summarises_a_window_and_derives_rates():
+    from benchmarks import power
+
+    def s(mhz, w, thr):
+        return {"sm_mhz": mhz, "watts": w, "temp_c": 60.0, "throttle": thr}
+
+    samples = [(0.1, s(1980, 300, 0)), (1.0, s(1600, 700, 4)), (1.5, s(1500, 690, 0x24))]
+    samples.append((9.0, s(1980, 100, 1)))  # after the window
+    got = power.summarise(samples, 0.0, 2.0)  # the first 0.3 s are left out
+    assert got["samples"] == 2 and got["sm_mhz"] == 1550 and got["watts"] == 695
+    assert got["throttle"] == {"power cap": 1.0, "thermal (software)": 0.5}
+    assert power.summarise(samples, 5.0, 6.0) == {"samples": 0}
+    row = power.reading(3.5e12, 10.0, got)  # 3.5 TFLOP in 10 ms
+    assert row["tflops"] == pytest.approx(350)
+    assert row["joules_per_call"] == pytest.approx(6.95)
+    assert row["tflops_per_ghz"] == pytest.approx(350 / 1.55)
+    assert row["tflops_per_kw"] == pytest.approx(350 / 0.695)
+    assert "joules_per_call" not in power.reading(1e12, 1.0, {"samples": 0})
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--shapes", "causal:4096"], "causal:4096"),
+        (["--passes", "bwd"], "bwd"),
+        (["--shapes", "causal:3000:128"], "S=3000"),
+        (["--rounds", "0"], "--rounds 0"),
+    ],
+)
+def test_power_rejects_bad_flags_by_value(argv, named, capsys):
+    from benchmarks import power
+
+    with pytest.raises(SystemExit):
+        power.main(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_power_without_nvidia_smi_says_so(monkeypatch, capsys):
+    from benchmarks import power
+
+    monkeypatch.setattr(power.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="nvidia-smi is not on PATH"):
+        power.main([])
