@@ -15,9 +15,11 @@ while `nvidia-smi` samples the SM clock, power draw, temperature and the active 
 throttle reasons every 20 ms. Per reading: ms per call, TFLOP/s (causal FLOPs, as in
 `kernel.py`), the mean SM clock and power over the reading (its first 0.3 s left out),
 the energy per call (mean power × time), TFLOP/s per GHz of SM clock (work per cycle)
-and per kW (work per joule), and the throttle reasons seen. The table keeps each
-implementation's best-time round; the JSON has every round. On one GPU; the device
-is the first visible one.
+and per kW (work per joule), and the throttle reasons seen. The table shows each
+implementation's median-time round, not its best: a reading that follows an idle GPU
+(compilation) starts cool and runs a higher clock than the ones after it, and
+nvidia-smi's power draw is averaged over about a second, so that reading's power reads
+low too. The JSON has every round. On one GPU; the device is the first visible one.
 """
 
 from __future__ import annotations
@@ -131,6 +133,15 @@ def reading(flops: float, ms: float, power: dict) -> dict:
     return row
 
 
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """Per (shape, impl, pass), in first-seen order, the round with the median time
+    (the slower middle one of an even count)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["shape"], row["impl"], row["pass"]), []).append(row)
+    return [sorted(g, key=lambda r: r["ms"])[len(g) // 2] for g in groups.values()]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -209,13 +220,8 @@ def main(argv=None) -> int:
                         )
     finally:
         sampler.close()
-    best = {}
-    for row in rows:
-        key = (row["shape"], row["impl"], row["pass"])
-        if key not in best or row["ms"] < best[key]["ms"]:
-            best[key] = row
     shown = []
-    for row in best.values():
+    for row in median_rounds(rows):
         row = dict(row)
         row["throttle"] = ", ".join(f"{k} {v:.0%}" for k, v in row.get("throttle", {}).items())
         shown.append(row)

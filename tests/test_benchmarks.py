@@ -829,3 +829,14 @@ def test_power_without_nvidia_smi_says_so(monkeypatch, capsys):
     monkeypatch.setattr(power.shutil, "which", lambda name: None)
     with pytest.raises(SystemExit, match="nvidia-smi is not on PATH"):
         power.main([])
+
+
+def test_power_tabulates_the_median_round():
+    from benchmarks import power
+
+    rows = [
+        {"shape": "s", "impl": "a", "pass": "fwd", "ms": ms, "round": r}
+        for r, ms in enumerate([1.0, 3.0, 2.0])
+    ]
+    rows.append({"shape": "s", "impl": "b", "pass": "fwd", "ms": 5.0, "round": 0})
+    assert [(r["impl"], r["round"]) for r in power.median_rounds(rows)] == [("a", 2), ("b", 0)]
