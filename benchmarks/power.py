@@ -4,12 +4,14 @@ own, or the GPU's power limit's?
     python benchmarks/power.py                                  # jflash, FA3: causal 4k/16k/64k
     python benchmarks/power.py --shapes causal:16384:128 --impls jflash_mosaic,fa3,cudnn
     python benchmarks/power.py --passes fwd,fwdbwd --rounds 4 --seconds 3
+    python benchmarks/power.py --shapes "" --documents          # packed documents only
 
 A Hopper GPU running attention's matmuls flat out draws its board power limit (700 W
 on an H200) and lowers its SM clock until it fits: two kernels with the same time per
 clock cycle then run at different speeds if one needs more energy per cycle. So this
 script times each implementation's forward and/or forward+backward (`--passes`) on
-each shape (`mask:S:D`, `--tokens` tokens per call, 32/8 heads, bf16) for at least
+each shape (`mask:S:D`, `--tokens` tokens per call, 32/8 heads, bf16; `--documents`
+adds `kernel.py --documents`'s packed row, FA3 as its varlen kernel) for at least
 `--seconds` per reading, in `--rounds` interleaved rounds whose order alternates,
 while `nvidia-smi` samples the SM clock, power draw, temperature and the active clock
 throttle reasons every 20 ms. Per reading: ms per call, TFLOP/s (causal FLOPs, as in
@@ -142,6 +144,53 @@ def median_rounds(rows: list[dict]) -> list[dict]:
     return [sorted(g, key=lambda r: r["ms"])[len(g) // 2] for g in groups.values()]
 
 
+def cases(args, shapes):
+    """`(label, (q, k, v, do), forward FLOPs, build)` per shape, then the packed row
+    with `--documents`; `build(impl)` is `attn(q, k, v)` or raises PeerUnavailable."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jflash
+    from benchmarks import kernel
+
+    for mask, seq, hd in shapes:
+        batch = args.tokens // seq
+        causal = mask == "causal"
+        inputs = kernel.draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
+        flops = kernel.attention_flops(batch, args.heads, seq, hd, causal=causal)
+
+        def build(impl, causal=causal, hd=hd):
+            return kernel.attention_fn(impl, causal=causal, head_dim=hd)
+
+        yield f"{mask} S={seq} D={hd} B={batch}", inputs, flops, build
+    if args.documents:
+        lengths = kernel.document_lengths(args.tokens)
+        seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+        inputs = kernel.draw_inputs(1, args.tokens, args.heads, args.kv_heads, 128)
+
+        def build(impl):
+            if impl in kernel.JFLASH:
+                implementation, deterministic = kernel.JFLASH[impl]
+                return functools.partial(
+                    jflash.flash_attention,
+                    causal=True,
+                    segment_ids=seg,
+                    implementation=implementation,
+                    deterministic=deterministic,
+                )
+            if impl == "fa3":
+                attn, error = kernel._fa3_varlen(lengths)
+                if error is not None:
+                    raise kernel.PeerUnavailable(error)
+                return attn
+            raise kernel.PeerUnavailable("no packed-documents form here (jflash's or fa3 only)")
+
+        label = f"documents S={args.tokens} ({len(lengths)} documents) D=128 B=1"
+        yield label, inputs, kernel.document_flops(lengths, args.heads, 128), build
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -152,6 +201,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=65536, help="per call; batch = tokens // S")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument(
+        "--documents", action="store_true", help="add kernel.py's packed row (FA3: varlen)"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=2.0, help="least time per reading")
     p.add_argument("--out", default=None, help="JSON path (default results/power-<gpu>.json)")
@@ -160,6 +212,8 @@ def main(argv=None) -> int:
         shapes = parse_specs(args.shapes, "--shapes", "mask", ("causal", "full"))
     except ValueError as e:
         p.error(str(e))
+    if not shapes and not args.documents:
+        p.error("nothing to time: --shapes is empty and --documents is not given")
     passes = [x for x in args.passes.split(",") if x]
     if not passes or any(x not in ("fwd", "fwdbwd") for x in passes):
         p.error(f"--passes {args.passes!r}: a comma list of fwd and fwdbwd")
@@ -173,7 +227,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from benchmarks.kernel import PeerUnavailable, attention_flops, attention_fn, draw_inputs
+    from benchmarks.kernel import PeerUnavailable
 
     if jax.devices()[0].platform != "gpu":
         sys.exit(f"power.py: the first device is {jax.devices()[0].device_kind}, not a GPU")
@@ -181,17 +235,13 @@ def main(argv=None) -> int:
     sampler = Sampler(visible)
     rows, notes = [], []
     try:
-        for mask, seq, hd in shapes:
-            batch = args.tokens // seq
-            causal = mask == "causal"
-            args_ = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
-            flops = attention_flops(batch, args.heads, seq, hd, causal=causal)
+        for label, args_, flops, build in cases(args, shapes):
             fns = {}
             for impl in args.impls.split(","):
                 try:
-                    fns[impl] = jit_passes(attention_fn(impl, causal=causal, head_dim=hd))
+                    fns[impl] = jit_passes(build(impl))
                 except PeerUnavailable as e:
-                    notes.append(f"{impl}: {e}")
+                    notes.append(f"{label}: {impl}: {e}")
                     continue
                 for pas in passes:  # compile and warm
                     fn, n = fns[impl][pas]
@@ -206,7 +256,7 @@ def main(argv=None) -> int:
                         power = summarise(sampler.samples, t0, time.perf_counter())
                         scale = 1.0 if pas == "fwd" else 3.5
                         row = {
-                            "shape": f"{mask} S={seq} D={hd} B={batch}",
+                            "shape": label,
                             "impl": impl,
                             "pass": pas,
                             "round": r,

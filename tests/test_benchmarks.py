@@ -420,6 +420,7 @@ def test_ring_rounds_keep_each_rows_best_of_interleaved_timings(tmp_path, monkey
         (["--documents", "4k"], "'4k'"),
         (["--tokens-per-device", "0,128"], "0,128"),
         (["--rounds", "0"], "--rounds 0"),
+        (["--shapes", ""], "nothing to time"),
     ],
 )
 def test_ring_rejects_bad_flags_by_value(argv, named, capsys):
@@ -813,6 +814,7 @@ def test_power_summarises_a_window_and_derives_rates():
         (["--passes", "bwd"], "bwd"),
         (["--shapes", "causal:3000:128"], "S=3000"),
         (["--rounds", "0"], "--rounds 0"),
+        (["--shapes", ""], "nothing to time"),
     ],
 )
 def test_power_rejects_bad_flags_by_value(argv, named, capsys):
@@ -840,3 +842,25 @@ def test_power_tabulates_the_median_round():
     ]
     rows.append({"shape": "s", "impl": "b", "pass": "fwd", "ms": 5.0, "round": 0})
     assert [(r["impl"], r["round"]) for r in power.median_rounds(rows)] == [("a", 2), ("b", 0)]
+
+
+def test_power_cases_build_the_packed_row(monkeypatch):
+    """`--documents` adds kernel.py's packed row: jflash with the segment ids, FA3 as
+    its varlen kernel (or a PeerUnavailable naming why not), others refused."""
+    import argparse
+
+    from benchmarks import kernel, power
+
+    args = argparse.Namespace(tokens=4096, heads=4, kv_heads=2, documents=True)
+    ((label, inputs, flops, build),) = list(power.cases(args, []))
+    lengths = kernel.document_lengths(4096)
+    assert label == f"documents S=4096 ({len(lengths)} documents) D=128 B=1"
+    assert inputs[0].shape == (1, 4096, 4, 128) and inputs[1].shape == (1, 4096, 2, 128)
+    assert flops == kernel.document_flops(lengths, 4, 128)
+    attn = build("jflash_mosaic")
+    assert attn.keywords["segment_ids"].shape == (1, 4096) and attn.keywords["causal"]
+    with pytest.raises(kernel.PeerUnavailable, match="packed-documents"):
+        build("cudnn")
+    monkeypatch.setattr(kernel, "_fa3_varlen", lambda lengths: (None, "not installed (x)"))
+    with pytest.raises(kernel.PeerUnavailable, match="not installed"):
+        build("fa3")
