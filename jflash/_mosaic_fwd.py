@@ -15,10 +15,10 @@ the key steps a tile streams). The memory warpgroup takes the CTA's next item fr
 atomic counter when it starts streaming one, and hands it to the compute warpgroups
 through two shared-memory slots; so the next item's first K/V blocks stream, and each
 warpgroup loads its next Q (the output has its own slot), while the last item's output
-is normalised and stored. Against one CTA per item: forward 1.03x at causal 4k and 16k,
-1.00x at 64k, 1.03x on packed documents (H200, BENCHMARKS.md). A static deal of the
-items instead (every CTA the same share, no counter) lost 1-6% on an H200, whose SMs
-finish equal shares at different times.
+is normalised and stored. Against one CTA per item: forward 1.01-1.03x at causal 4k and
+16k, 1.00x at 64k, 1.02-1.03x on packed documents (two H200 runs, BENCHMARKS.md). A
+static deal of the items instead (every CTA the same share, no counter) lost 1-6% on an
+H200, whose SMs finish equal shares at different times.
 
 At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
 `THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
