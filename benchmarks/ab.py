@@ -31,6 +31,13 @@ attention over 64k tokens packed from log-normal documents (`kernel.py --documen
 S, every batch row alike; batch = tokens // S) at head dim D.
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
+
+`--clocks` samples the SM clock and power with `nvidia-smi` (`benchmarks/power.py`)
+and adds, per candidate, its best reading's mean clock and power, and
+`new/<label>_<pass>_cycles`: the candidate's clock cycles per call ÷ the tree's. At
+the GPU's power limit (Hopper running attention) the clock follows each kernel's
+power, so time measures cycles and energy together; cycles separate the two. Use
+`--min-time 2` or more with it: the first 0.3 s of a reading are left out.
 """
 
 from __future__ import annotations
@@ -45,12 +52,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks import power  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     device_name,
     interleaved,
@@ -183,10 +192,18 @@ def cudnn_candidate(causal: bool):
 
 
 def compare(
-    name: str, flops: float, cands: dict, args, *, rounds: int | None, min_time: float
+    name: str,
+    flops: float,
+    cands: dict,
+    args,
+    *,
+    rounds: int | None,
+    min_time: float,
+    sampler=None,
 ) -> dict:
     """One row: every candidate's best-of-`rounds` forward and forward+backward
-    (None: twice the candidates)."""
+    (None: twice the candidates). With a `power.Sampler`, each best reading's mean SM
+    clock and power too, and the clock cycles per call against the tree's."""
     rounds = rounds or 2 * len(cands)
     base = cands["new"][0](*args[:3])
     _, base_grads = cands["new"][1](*args)
@@ -214,19 +231,102 @@ def compare(
     # The tree's outputs are not kept alive while the candidates are timed.
     del base, base_grads, grads
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
+    clocks = {}  # (label, pass) -> the power summary of the best reading
     labels, passes = list(cands), {"fwd": (0, args[:3]), "fwdbwd": (1, args)}
     for _, p, i in interleaved(len(labels), range(rounds), passes):
         slot, a = passes[p]
         label = labels[i]
-        best[label, p] = min(best[label, p], time_fn(cands[label][slot], *a, min_time=min_time))
+        t0 = time.perf_counter()
+        t = time_fn(cands[label][slot], *a, min_time=min_time)
+        if t < best[label, p]:
+            best[label, p] = t
+            if sampler is not None:
+                clocks[label, p] = power.summarise(sampler.samples, t0, time.perf_counter())
     for (label, p), t in best.items():
         row[f"{label}_{p}_ms"] = t * 1e3
         row[f"{label}_{p}_tflops"] = (1.0 if p == "fwd" else 3.5) * flops / t / 1e12
+        summary = clocks.get((label, p), {})
+        if summary.get("samples"):
+            row[f"{label}_{p}_mhz"] = summary["sm_mhz"]
+            row[f"{label}_{p}_watts"] = summary["watts"]
     for label in cands:
         if label != "new":
             for p in ("fwd", "fwdbwd"):
                 row[f"new/{label}_{p}"] = best[label, p] / best["new", p]
+                if f"{label}_{p}_mhz" in row and f"new_{p}_mhz" in row:
+                    cycles = best[label, p] * row[f"{label}_{p}_mhz"]
+                    row[f"new/{label}_{p}_cycles"] = cycles / (best["new", p] * row[f"new_{p}_mhz"])
     return row
+
+
+def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) -> list[dict]:
+    """Every shape's row (`compare`), the tree and the revisions imported once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {"new": import_tree(os.path.join(tmp, "tree"))}
+        for i, (label, rev) in enumerate(zip(labels, args.rev, strict=True)):
+            name = BASELINE if i == 0 else f"{BASELINE}{i + 1}"
+            try:
+                modules[label] = import_revision(rev, os.path.join(tmp, str(i)), name)
+            except ValueError as e:
+                parser.error(str(e))
+        if len(labels) > 1:
+            pairs = zip(labels, args.rev, strict=True)
+            print("revisions:", ", ".join(f"{k} = {r}" for k, r in pairs))
+        rows = []
+        for causal, seq, hd in shapes:
+            batch = max(1, args.tokens // seq)
+            cands = {
+                label: candidate(m, causal=causal, implementation=impl)
+                for label, m in modules.items()
+            }
+            if "fa3" in peers and hd in FA3_HEAD_DIMS:
+                cands["fa3"] = fa3_candidate(causal)
+            if "cudnn" in peers:
+                cands["cudnn"] = cudnn_candidate(causal)
+            flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
+            name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
+            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
+            rows.append(
+                compare(
+                    name,
+                    flops,
+                    cands,
+                    a,
+                    rounds=args.rounds,
+                    min_time=args.min_time,
+                    sampler=sampler,
+                )
+            )
+            print(rows[-1], flush=True)
+        for seq, hd in doc_shapes:
+            batch = max(1, args.tokens // seq)
+            lengths = document_lengths(seq)
+            row_ids = np.repeat(np.arange(len(lengths)), lengths)
+            seg = jnp.asarray(np.broadcast_to(row_ids, (batch, seq)), jnp.int32)
+            cands = {
+                label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
+                for label, m in modules.items()
+            }
+            if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:
+                fa3, _ = _fa3_varlen(lengths)
+                if fa3 is not None:
+                    cands["fa3"] = _passes(fa3)
+            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
+            flops = batch * document_flops(lengths, args.heads, hd)
+            name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
+            rows.append(
+                compare(
+                    name,
+                    flops,
+                    cands,
+                    a,
+                    rounds=args.rounds,
+                    min_time=args.min_time,
+                    sampler=sampler,
+                )
+            )
+            print(rows[-1], flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -255,6 +355,11 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=None, help="default: 2 x candidates")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds timed per call")
+    parser.add_argument(
+        "--clocks",
+        action="store_true",
+        help="sample the SM clock and power (nvidia-smi) and add clock cycles per call",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default: results/ab-<gpu>.json)")
     args = parser.parse_args(argv)
     try:
@@ -272,53 +377,18 @@ def main(argv=None) -> int:
     peers = [p for p in args.peers.split(",") if p]
     if any(p not in ("fa3", "cudnn") for p in peers):
         parser.error(f"--peers {args.peers!r}: fa3 and/or cudnn")
+    if args.clocks and shutil.which("nvidia-smi") is None:
+        parser.error("--clocks: nvidia-smi is not on PATH (an NVIDIA GPU machine is needed)")
     impl = None if args.implementation == "default" else args.implementation
     labels = rev_labels(args.rev)
-    with tempfile.TemporaryDirectory() as tmp:
-        modules = {"new": import_tree(os.path.join(tmp, "tree"))}
-        for i, (label, rev) in enumerate(zip(labels, args.rev, strict=True)):
-            name = BASELINE if i == 0 else f"{BASELINE}{i + 1}"
-            try:
-                modules[label] = import_revision(rev, os.path.join(tmp, str(i)), name)
-            except ValueError as e:
-                parser.error(str(e))
-        if len(labels) > 1:
-            pairs = zip(labels, args.rev, strict=True)
-            print("revisions:", ", ".join(f"{k} = {r}" for k, r in pairs))
-        rows = []
-        for causal, seq, hd in shapes:
-            batch = max(1, args.tokens // seq)
-            cands = {
-                label: candidate(m, causal=causal, implementation=impl)
-                for label, m in modules.items()
-            }
-            if "fa3" in peers and hd in FA3_HEAD_DIMS:
-                cands["fa3"] = fa3_candidate(causal)
-            if "cudnn" in peers:
-                cands["cudnn"] = cudnn_candidate(causal)
-            flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
-            name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
-            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
-            rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
-            print(rows[-1], flush=True)
-        for seq, hd in doc_shapes:
-            batch = max(1, args.tokens // seq)
-            lengths = document_lengths(seq)
-            row_ids = np.repeat(np.arange(len(lengths)), lengths)
-            seg = jnp.asarray(np.broadcast_to(row_ids, (batch, seq)), jnp.int32)
-            cands = {
-                label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
-                for label, m in modules.items()
-            }
-            if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:
-                fa3, _ = _fa3_varlen(lengths)
-                if fa3 is not None:
-                    cands["fa3"] = _passes(fa3)
-            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
-            flops = batch * document_flops(lengths, args.heads, hd)
-            name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
-            rows.append(compare(name, flops, cands, a, rounds=args.rounds, min_time=args.min_time))
-            print(rows[-1], flush=True)
+    sampler = None
+    if args.clocks:
+        sampler = power.Sampler(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0")
+    try:
+        rows = measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser)
+    finally:
+        if sampler is not None:
+            sampler.close()
     diffs = [f"{label}_{d}" for label in labels for d in ("max_abs_diff", "grad_rel_diff")]
     columns = ["shape", *diffs] + [k for k in rows[0] if k.endswith("_ms") or k.startswith("new/")]
     print(table(rows, columns))

@@ -864,3 +864,59 @@ def test_power_cases_build_the_packed_row(monkeypatch):
     monkeypatch.setattr(kernel, "_fa3_varlen", lambda lengths: (None, "not installed (x)"))
     with pytest.raises(kernel.PeerUnavailable, match="not installed"):
         build("fa3")
+
+
+def test_ab_clocks_add_cycles_per_call(monkeypatch):
+    """With a sampler, each best reading's clock and power are kept and the clock cycles
+    per call compared with the tree's: time ratio times clock ratio."""
+    import itertools
+
+    import jax.numpy as jnp
+
+    from benchmarks import ab
+
+    clocks = itertools.cycle([1500.0, 1800.0])  # the candidates' readings alternate
+
+    def summarise(samples, start, end):
+        return {"samples": 5, "sm_mhz": next(clocks), "watts": 690.0}
+
+    monkeypatch.setattr(ab.power, "summarise", summarise)
+
+    def cand(scale):
+        def fwd(q, k, v):
+            return q * scale
+
+        def fwdbwd(q, k, v, do):
+            return q * scale, (q, k, v)
+
+        return fwd, fwdbwd
+
+    x = jnp.ones((1, 8, 1, 4))
+    sampler = types.SimpleNamespace(samples=[])
+    row = ab.compare(
+        "s",
+        1e9,
+        {"new": cand(1.0), "rev": cand(1.0)},
+        (x, x, x, x),
+        rounds=1,
+        min_time=0.0,
+        sampler=sampler,
+    )
+    for p in ("fwd", "fwdbwd"):
+        assert {row[f"new_{p}_mhz"], row[f"rev_{p}_mhz"]} <= {1500.0, 1800.0}
+        assert row[f"new_{p}_watts"] == 690.0
+        ratio = row[f"new/rev_{p}"] * row[f"rev_{p}_mhz"] / row[f"new_{p}_mhz"]
+        assert row[f"new/rev_{p}_cycles"] == pytest.approx(ratio)
+    plain = ab.compare(
+        "s", 1e9, {"new": cand(1.0), "rev": cand(1.0)}, (x,) * 4, rounds=1, min_time=0.0
+    )
+    assert not any(k.endswith(("_mhz", "_cycles")) for k in plain)
+
+
+def test_ab_clocks_without_nvidia_smi_says_so(monkeypatch, capsys):
+    from benchmarks import ab
+
+    monkeypatch.setattr(ab.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit):
+        ab.main(["--rev", "HEAD", "--clocks"])
+    assert "nvidia-smi is not on PATH" in capsys.readouterr().err
