@@ -43,6 +43,7 @@ power, so time measures cycles and energy together; cycles separate the two. Use
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import io
 import os
@@ -61,7 +62,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import power  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    HEAT_S,
     device_name,
+    heat,
     interleaved,
     jit_passes,
     parse_specs,
@@ -200,6 +203,7 @@ def compare(
     rounds: int | None,
     min_time: float,
     sampler=None,
+    heat_s: float = HEAT_S,
 ) -> dict:
     """One row: every candidate's best-of-`rounds` forward and forward+backward
     (None: twice the candidates). With a `power.Sampler`, each best reading's mean SM
@@ -230,6 +234,7 @@ def compare(
             )
     # The tree's outputs are not kept alive while the candidates are timed.
     del base, base_grads, grads
+    heat([functools.partial(fwdbwd, *args) for _, fwdbwd in cands.values()], heat_s)
     best = {(c, p): float("inf") for c in cands for p in ("fwd", "fwdbwd")}
     clocks = {}  # (label, pass) -> the power summary of the best reading
     labels, passes = list(cands), {"fwd": (0, args[:3]), "fwdbwd": (1, args)}
@@ -295,6 +300,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
                     rounds=args.rounds,
                     min_time=args.min_time,
                     sampler=sampler,
+                    heat_s=args.heat,
                 )
             )
             print(rows[-1], flush=True)
@@ -323,6 +329,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
                     rounds=args.rounds,
                     min_time=args.min_time,
                     sampler=sampler,
+                    heat_s=args.heat,
                 )
             )
             print(rows[-1], flush=True)
@@ -355,6 +362,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=None, help="default: 2 x candidates")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds timed per call")
+    parser.add_argument(
+        "--heat", type=float, default=HEAT_S, help="seconds of load before a shape's rounds"
+    )
     parser.add_argument(
         "--clocks",
         action="store_true",

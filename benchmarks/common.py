@@ -48,6 +48,26 @@ def interleaved(n: int, rounds, passes):
                 yield r, p, i
 
 
+# Seconds of load before anything is timed (`heat`).
+HEAT_S = 3.0
+
+
+def heat(calls, seconds: float = HEAT_S) -> None:
+    """Run the zero-argument `calls` round-robin for `seconds`, each awaited, before
+    anything is timed. A GPU that sat idle while a function compiled starts its next
+    loaded second cool and with its power average low, and runs it faster than the
+    seconds after it: on an H200 at its power limit identical code read 3% faster in a
+    reading that followed compilation (`ab.py --rev HEAD --clocks`, BENCHMARKS.md), so a
+    candidate that always came first after compiling, or kept a reading taken right
+    after its own compilation, won by that much."""
+    if seconds <= 0:
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for call in calls:
+            jax.block_until_ready(call())
+
+
 def jit_passes(attn):
     """Jitted forward and forward+backward of `attn(q, k, v)`, each with its
     argument count (forward+backward also takes the output cotangent)."""

@@ -12,8 +12,9 @@ kernel and XLA, in one process.
     python benchmarks/kernel.py --documents --tune --which fwd  # Mosaic block sizes on them
 
 Each shape's rows (and `--documents`' rows) are timed again in `--rounds` interleaved
-rounds (default 3; a balanced order, each pass in its own sweep) and keep their best
-times, so the ratios between them carry neither the GPU's drift nor the order's bias.
+rounds (default 3; a balanced order, each pass in its own sweep) after `--heat` seconds
+of load, and keep their best times, so the ratios between them carry neither the GPU's
+drift nor the order's bias, nor the head start of a reading right after compiling.
 
 Causal TFLOP/s: forward 4·B·N·S²·H/2, forward+backward 3.5× that; full (non-causal)
 attention counts 4·B·N·S²·H. With packed documents the count is the mask area: visible
@@ -46,7 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks import balance  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    HEAT_S,
     device_name,
+    heat,
     interleaved,
     jit_passes,
     table,
@@ -312,22 +315,30 @@ def add_ratios(rows: list[dict], baselines=("cudnn", "fa3")) -> None:
                     r[f"{p}_vs_{baseline}"] = r[f"{p}_tflops"] / base[f"{p}_tflops"]
 
 
-def retime_rows(entries: list[tuple[dict, dict]], rounds: int, iters: int = 10) -> None:
-    """Rounds 2..`rounds` for one shape's rows (`(row, timers)`, `timers` from
-    `measure`): each round times every row's forward, then every forward+backward, in
-    an order from a balanced Latin square (each row takes every turn and follows every
-    other equally often), and each row keeps its best time. Rows timed once, one after
-    the other, carry the GPU's drift and the order's bias into their ratios (1-4% on
-    identical code in `ab.py`)."""
-    for r, name, i in interleaved(len(entries), range(1, rounds), ("fwd", "fwdbwd")):
+def retime_rows(
+    entries: list[tuple[dict, dict]], rounds: int, iters: int = 10, heat_s: float = HEAT_S
+) -> None:
+    """Time one shape's rows (`(row, timers)`, `timers` from `measure`) in `rounds`
+    interleaved rounds after `heat_s` seconds of load (`common.heat`), each row keeping
+    its best; the reading `measure` took right after compiling is dropped (it ran on a
+    GPU cooled by the compilation). Each round times every row's forward, then every
+    forward+backward, in an order from a balanced Latin square (each row takes every
+    turn and follows every other equally often). Rows timed once, one after the other,
+    carry the GPU's drift and the order's bias into their ratios (1-4% on identical
+    code in `ab.py`)."""
+    calls = [functools.partial(c, *a) for _, timers in entries for c, a, _ in timers.values()]
+    heat(calls, heat_s)
+    best = {}
+    for _, name, i in interleaved(len(entries), range(rounds), ("fwd", "fwdbwd")):
+        timers = entries[i][1]
+        if name in timers:
+            compiled, inputs, _ = timers[name]
+            t = time_fn(compiled, *inputs, iters=iters)
+            best[i, name] = min(best.get((i, name), float("inf")), t)
+    for (i, name), t in best.items():
         row, timers = entries[i]
-        if name not in timers:
-            continue
-        compiled, inputs, flops = timers[name]
-        t = time_fn(compiled, *inputs, iters=iters)
-        if t * 1e3 < row[f"{name}_ms"]:
-            row[f"{name}_ms"], row[f"{name}_tflops"] = t * 1e3, flops / t / 1e12
-        row["rounds"] = r + 1
+        row[f"{name}_ms"], row[f"{name}_tflops"] = t * 1e3, timers[name][2] / t / 1e12
+        row["rounds"] = rounds
 
 
 def main_table(args):
@@ -369,8 +380,7 @@ def main_table(args):
                 {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()},
                 flush=True,
             )
-        if args.rounds > 1:
-            retime_rows(entries, args.rounds)
+        retime_rows(entries, args.rounds, heat_s=args.heat)
         reference.clear()
         del entries
     add_ratios(rows)
@@ -791,8 +801,7 @@ def documents(args):
             {k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in row.items()},
             flush=True,
         )
-    if args.rounds > 1:
-        retime_rows(entries, args.rounds, args.iters)
+    retime_rows(entries, args.rounds, args.iters, heat_s=args.heat)
     del entries
     whole = next(r for r in rows if r["mask"] == "one document")
     for r in rows:
@@ -838,6 +847,12 @@ def main(argv=None):
         default=3,
         help="main table and --documents: each shape's rows timed again in this many "
         "interleaved rounds (balanced order), each keeping its best",
+    )
+    parser.add_argument(
+        "--heat",
+        type=float,
+        default=HEAT_S,
+        help="seconds of load before a shape's rounds (the GPU cooled while compiling)",
     )
     parser.add_argument(
         "--kernels", action="store_true", help="time per GPU kernel at the --seq shape"

@@ -11,7 +11,8 @@ on an H200) and lowers its SM clock until it fits: two kernels with the same tim
 clock cycle then run at different speeds if one needs more energy per cycle. So this
 script times each implementation's forward and/or forward+backward (`--passes`) on
 each shape (`mask:S:D`, `--tokens` tokens per call, 32/8 heads, bf16; `--documents`
-adds `kernel.py --documents`'s packed row, FA3 as its varlen kernel) for at least
+adds `kernel.py --documents`'s packed row, FA3 as its varlen kernel), after `--heat`
+seconds of load (`common.heat`), for at least
 `--seconds` per reading, in `--rounds` interleaved rounds whose order alternates,
 while `nvidia-smi` samples the SM clock, power draw, temperature and the active clock
 throttle reasons every 20 ms. Per reading: ms per call, TFLOP/s (causal FLOPs, as in
@@ -27,6 +28,7 @@ low too. The JSON has every round. On one GPU; the device is the first visible o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -37,7 +39,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import device_name, jit_passes, parse_specs, table, time_fn, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    HEAT_S,
+    device_name,
+    heat,
+    jit_passes,
+    parse_specs,
+    table,
+    time_fn,
+    write_json,
+)
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -147,8 +158,6 @@ def median_rounds(rows: list[dict]) -> list[dict]:
 def cases(args, shapes):
     """`(label, (q, k, v, do), forward FLOPs, build)` per shape, then the packed row
     with `--documents`; `build(impl)` is `attn(q, k, v)` or raises PeerUnavailable."""
-    import functools
-
     import jax.numpy as jnp
     import numpy as np
 
@@ -205,6 +214,7 @@ def main(argv=None) -> int:
         "--documents", action="store_true", help="add kernel.py's packed row (FA3: varlen)"
     )
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--heat", type=float, default=HEAT_S, help="seconds of load before rounds")
     p.add_argument("--seconds", type=float, default=2.0, help="least time per reading")
     p.add_argument("--out", default=None, help="JSON path (default results/power-<gpu>.json)")
     args = p.parse_args(argv)
@@ -246,6 +256,10 @@ def main(argv=None) -> int:
                 for pas in passes:  # compile and warm
                     fn, n = fns[impl][pas]
                     jax.block_until_ready(fn(*args_[:n]))
+            calls = [
+                functools.partial(f, *args_[:n]) for fs in fns.values() for f, n in fs.values()
+            ]
+            heat(calls, args.heat)
             for r in range(args.rounds):
                 order = list(fns) if r % 2 == 0 else list(fns)[::-1]
                 for pas in passes:

@@ -4,6 +4,7 @@
 
 import json
 import sys
+import time
 import types
 
 import jax
@@ -95,8 +96,9 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
 
 
 def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
-    """retime_rows: rounds 2..R time every row's passes again, forwards first, each
-    round in another order, and a row keeps its best time and TFLOP/s from it."""
+    """retime_rows: after the heat, R rounds time every row's passes, forwards first,
+    each round in another order, and a row keeps its best time and TFLOP/s from them;
+    the reading taken right after compiling is dropped, even where it was faster."""
     calls = []
 
     def fake_time(fn, *a, **kw):
@@ -109,6 +111,7 @@ def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
         return fn
 
     monkeypatch.setattr(kernel, "time_fn", fake_time)
+    monkeypatch.setattr(kernel, "heat", lambda calls, seconds: None)
     entries = []
     for label in ("a", "b", "c"):
         row = {"impl": label, "fwd_ms": 1.0, "fwd_tflops": 1.0, "fwdbwd_ms": 1.0}
@@ -116,14 +119,14 @@ def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
         timers = {p: (timer(kinds[p], label), (), 1e12) for p in ("fwd", "fwdbwd")}
         entries.append((row, timers))
     kernel.retime_rows(entries, 3)
-    assert len(calls) == 2 * 2 * 3  # 2 more rounds x 2 passes x 3 rows
-    rounds = [calls[0:6], calls[6:12]]
+    assert len(calls) == 3 * 2 * 3  # 3 rounds x 2 passes x 3 rows
+    rounds = [calls[0:6], calls[6:12], calls[12:18]]
     for r in rounds:
         assert all(fn.__name__.startswith("fast") for fn in r[:3])  # forwards first
     assert [fn.__name__ for fn in rounds[0][:3]] != [fn.__name__ for fn in rounds[1][:3]]
     for row, _ in entries:
         assert row["rounds"] == 3 and row["fwd_ms"] == 0.5 and row["fwd_tflops"] == 2000.0
-        assert row["fwdbwd_ms"] == 1.0  # slower timings do not replace the first
+        assert row["fwdbwd_ms"] == 2.0  # the 1.0 after compiling is not kept
 
 
 def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
@@ -420,7 +423,6 @@ def test_ring_rounds_keep_each_rows_best_of_interleaved_timings(tmp_path, monkey
         (["--documents", "4k"], "'4k'"),
         (["--tokens-per-device", "0,128"], "0,128"),
         (["--rounds", "0"], "--rounds 0"),
-        (["--shapes", ""], "nothing to time"),
     ],
 )
 def test_ring_rejects_bad_flags_by_value(argv, named, capsys):
@@ -478,7 +480,7 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
     argv += ["--tokens", "128", "--heads", "2", "--kv-heads", "1", "--rounds", "1"]
     argv += ["--peers", "cudnn", "--document-shapes", "128:64"]
-    ab.main([*argv, "--min-time", "0", "--out", str(out)])
+    ab.main([*argv, "--min-time", "0", "--heat", "0", "--out", str(out)])
     row, documents = json.loads(out.read_text())["rows"]
     assert row["shape"] == "causal S=128 D=64 B=1"
     assert documents["shape"].startswith("documents S=128 (") and documents["shape"].endswith(
@@ -534,7 +536,7 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--rev", "HEAD", "--implementation", "xla"]
     argv += ["--shapes", "causal:128:64", "--tokens", "128", "--heads", "2", "--kv-heads", "1"]
-    ab.main([*argv, "--rounds", "1", "--min-time", "0", "--out", str(out)])
+    ab.main([*argv, "--rounds", "1", "--min-time", "0", "--heat", "0", "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["revs"] == {"rev1": "HEAD", "rev2": "HEAD"}
     (row,) = written["rows"]
@@ -901,6 +903,7 @@ def test_ab_clocks_add_cycles_per_call(monkeypatch):
         rounds=1,
         min_time=0.0,
         sampler=sampler,
+        heat_s=0,
     )
     for p in ("fwd", "fwdbwd"):
         assert {row[f"new_{p}_mhz"], row[f"rev_{p}_mhz"]} <= {1500.0, 1800.0}
@@ -920,3 +923,39 @@ def test_ab_clocks_without_nvidia_smi_says_so(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         ab.main(["--rev", "HEAD", "--clocks"])
     assert "nvidia-smi is not on PATH" in capsys.readouterr().err
+
+
+def test_heat_runs_every_call_for_the_time_given():
+    from benchmarks.common import heat
+
+    calls = {"a": 0, "b": 0}
+
+    def call(name):
+        calls[name] += 1
+        return jnp.zeros(())
+
+    heat([lambda: call("a"), lambda: call("b")], 0)
+    assert calls == {"a": 0, "b": 0}
+    t0 = time.perf_counter()
+    heat([lambda: call("a"), lambda: call("b")], 0.05)
+    assert time.perf_counter() - t0 >= 0.05 and calls["a"] >= 1 and calls["b"] >= 1
+
+
+def test_retime_rows_heats_then_drops_the_reading_after_compiling(monkeypatch):
+    """The rows' passes run under load first; the times kept are the rounds' best, even
+    where `measure`'s reading right after compiling was faster."""
+    heated, readings = [], iter([3.0, 2.0, 4.0, 5.0, 2.5, 6.0])
+    monkeypatch.setattr(kernel, "heat", lambda calls, s: heated.append((len(calls), s)))
+    monkeypatch.setattr(kernel, "time_fn", lambda fn, *a, iters: next(readings) * 1e-3)
+    rows = [{"fwd_ms": 1.0, "fwdbwd_ms": 1.0}, {"fwd_ms": 1.0}]
+    entries = [
+        (rows[0], {"fwd": (len, ("x",), 1e9), "fwdbwd": (len, ("x",), 3.5e9)}),
+        (rows[1], {"fwd": (len, ("x",), 1e9)}),
+    ]
+    kernel.retime_rows(entries, 2, heat_s=7.0)
+    assert heated == [(3, 7.0)]
+    # Round 0 times fwd of rows 0, 1, then fwdbwd of row 0; round 1 the other order.
+    assert rows[0]["fwd_ms"] == pytest.approx(2.5) and rows[1]["fwd_ms"] == pytest.approx(2.0)
+    assert rows[0]["fwdbwd_ms"] == pytest.approx(4.0)
+    assert rows[0]["fwd_tflops"] == pytest.approx(1e9 / 2.5e-3 / 1e12)
+    assert rows[0]["rounds"] == rows[1]["rounds"] == 2
