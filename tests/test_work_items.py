@@ -145,6 +145,16 @@ def test_vmap_folds_the_mapped_axis_into_the_batch():
         want = jax.vmap(run, in_axes=axes)(q, k, v, q_seg, kv_seg, jnp.full((3,), folded_flag))
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    # vmap of vmap folds both axes into one call.
+    calls.clear()
+    nested = jax.vmap(jax.vmap(_batch_folded(run), in_axes=axes), in_axes=axes)
+    twice = lambda x: jnp.stack([x, x + 1])  # noqa: E731
+    args = (twice(q), k, twice(v), twice(q_seg), kv_seg, jnp.ones((2, 3), bool))
+    got = nested(*args)
+    assert calls[-1] == ((12, 16, 4, 8), (12, 16, 1, 8))
+    want = jax.vmap(jax.vmap(run, in_axes=axes), in_axes=axes)(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.gpu
