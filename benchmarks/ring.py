@@ -24,7 +24,8 @@ profiled iterations. Only GPU device tracks are read, so on CPU it is not measur
 
 `--rounds R` (R > 1): after a sequence's rows, it and its one-device ideal are timed
 R - 1 more times in interleaved rounds (a balanced order: each takes every turn and
-follows every other equally often), and every time is the best of its R; the
+follows every other equally often), after `--heat` seconds of load, and every time is
+the best of those R - 1 (the first, taken right after compiling, is dropped); the
 efficiencies are recomputed from those. It holds every row's compiled calls and inputs
 until then. Rows timed once each, minutes apart, read up to 6% apart on identical calls.
 
@@ -72,7 +73,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks import balance, cp_model  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    HEAT_S,
     device_name,
+    heat,
     interleaved,
     jit_passes,
     table,
@@ -392,12 +395,30 @@ def document_fields(lengths: list[int], causal: bool, shards: int, layout: str, 
 
 def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> None:
     """Rounds 2..`rounds` of timing for one sequence's candidates (`(row, ran, mesh)`:
-    the one-device ideal and every layout x strategy row): each round times every
-    forward, then every forward+backward, once per call and back to back, in an order
-    from a balanced Latin square; each `*_ms` becomes the best of its `rounds`
-    timings (the first is the row's own). Candidates measured minutes apart each once
-    read up to 6% apart on identical calls (4x H100); interleaved, a drift of the
-    clocks reaches all of them."""
+    the one-device ideal and every layout x strategy row), after `args.heat` seconds of
+    load (`common.heat`): each round times every forward, then every forward+backward,
+    once per call and back to back, in an order from a balanced Latin square; each
+    `*_ms` becomes the best of those timings. The row's own first timing, taken right
+    after its compilation left the GPUs idle, is dropped: such a reading ran up to 3%
+    fast on one H200 (`ab.py`'s null run, BENCHMARKS.md). Candidates measured minutes
+    apart each once read up to 6% apart on identical calls (4x H100); interleaved, a
+    drift of the clocks reaches all of them."""
+
+    def in_mesh(mesh, fn):
+        with contextlib.ExitStack() as stack:
+            if mesh is not None:
+                stack.enter_context(jax.set_mesh(mesh))
+            return fn()
+
+    heat(
+        [
+            functools.partial(in_mesh, mesh, functools.partial(compiled, *inputs))
+            for _, ran, mesh in candidates
+            for compiled, inputs in ran.values()
+        ],
+        args.heat,
+    )
+    best = {}
     for r, name, i in interleaved(len(candidates), range(1, rounds), PASSES):
         row, ran, mesh = candidates[i]
         if name not in ran:
@@ -408,9 +429,12 @@ def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> No
                 stack.enter_context(jax.set_mesh(mesh))
             t = time_fn(compiled, *inputs, warmup=1, iters=args.iters, min_time=0.0)
             t_pipe = time_pipelined(compiled, *inputs, warmup=0, iters=args.iters)
-        row[f"{name}_ms"] = min(row[f"{name}_ms"], t * 1e3)
-        row[f"{name}_pipe_ms"] = min(row[f"{name}_pipe_ms"], t_pipe * 1e3)
+        t0, p0 = best.get((i, name), (float("inf"), float("inf")))
+        best[i, name] = (min(t0, t), min(p0, t_pipe))
         row["rounds"] = r + 1
+    for (i, name), (t, t_pipe) in best.items():
+        row = candidates[i][0]
+        row[f"{name}_ms"], row[f"{name}_pipe_ms"] = t * 1e3, t_pipe * 1e3
 
 
 def derive(row: dict, ideal: dict, p: int, pairs: int, args, links, documents: bool) -> None:
@@ -716,6 +740,12 @@ def main(argv=None):
         default=1,
         help="time each sequence's rows and its one-device ideal again in this many "
         "interleaved rounds (balanced order) and keep each one's best",
+    )
+    parser.add_argument(
+        "--heat",
+        type=float,
+        default=HEAT_S,
+        help="with --rounds: seconds of load before the rounds (the GPUs cooled compiling)",
     )
     parser.add_argument(
         "--profile",
