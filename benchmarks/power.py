@@ -23,6 +23,7 @@ implementation's median-time round, not its best: a reading that follows an idle
 (compilation) starts cool and runs a higher clock than the ones after it, and
 nvidia-smi's power draw is averaged over about a second, so that reading's power reads
 low too. The JSON has every round. On one GPU; the device is the first visible one.
+Outputs are not checked against each other here; `kernel.py` and `ab.py` check them.
 """
 
 from __future__ import annotations
