@@ -6,6 +6,7 @@ hands items out compiled runs on a GPU only (`test_repeated_calls_agree`)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import needs_hopper
-from kernel_cases import make_inputs
+from jax import lax
+from kernel_cases import assert_close, make_inputs
 
 import jflash
 from jflash import _launch_order
@@ -175,3 +177,36 @@ def test_vmapped_calls_agree_with_each_call():
     for i in range(3):
         one = jax.jit(attend)(q[i : i + 1], k[:1], v[:1])
         np.testing.assert_array_equal(np.asarray(mapped[i]), np.asarray(one))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the counter runs compiled only")
+def test_calls_inside_a_scan_under_checkpoint_agree_with_each_call():
+    """Compiled, the forward inside `lax.scan` (a loop: one buffer for the counter
+    across iterations, unless each starts from zero) under `jax.checkpoint` and
+    `jax.grad`, as a model's layers call it: each iteration's output equals the same
+    call made alone, bit for bit, and the gradients match the XLA path's."""
+    q, k, v, *_ = make_inputs(
+        2, batch=1, q_len=2048, kv_len=2048, q_heads=8, kv_heads=2, head_dim=128,
+        dtype=jnp.bfloat16,
+    )  # fmt: skip
+    qs = jnp.stack([q, q * 0.5, q * -1.0])  # three "layers"
+
+    def attend(q, implementation="pallas_mosaic"):
+        return jflash.flash_attention(q, k, v, causal=True, implementation=implementation)
+
+    def layers(qs, implementation="pallas_mosaic"):
+        body = jax.checkpoint(lambda c, q: (c, attend(q, implementation)))
+        return lax.scan(body, None, qs)[1]
+
+    outs = jax.jit(layers)(qs)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(outs[i]), np.asarray(jax.jit(attend)(qs[i])))
+
+    def loss(qs, implementation="pallas_mosaic"):
+        return jnp.sum(layers(qs, implementation).astype(jnp.float32) ** 2)
+
+    got = jax.jit(jax.grad(loss))(qs)
+    want = jax.jit(jax.grad(functools.partial(loss, implementation="xla")))(qs)
+    assert_close([got], [want], jnp.bfloat16, names=("dq",))
