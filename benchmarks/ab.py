@@ -277,6 +277,9 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
         if len(labels) > 1:
             pairs = zip(labels, args.rev, strict=True)
             print("revisions:", ", ".join(f"{k} = {r}" for k, r in pairs))
+        timed = functools.partial(
+            compare, rounds=args.rounds, min_time=args.min_time, sampler=sampler, heat_s=args.heat
+        )
         rows = []
         for causal, seq, hd in shapes:
             batch = max(1, args.tokens // seq)
@@ -291,18 +294,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
             flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
             name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
-            rows.append(
-                compare(
-                    name,
-                    flops,
-                    cands,
-                    a,
-                    rounds=args.rounds,
-                    min_time=args.min_time,
-                    sampler=sampler,
-                    heat_s=args.heat,
-                )
-            )
+            rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
         for seq, hd in doc_shapes:
             batch = max(1, args.tokens // seq)
@@ -320,18 +312,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             flops = batch * document_flops(lengths, args.heads, hd)
             name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
-            rows.append(
-                compare(
-                    name,
-                    flops,
-                    cands,
-                    a,
-                    rounds=args.rounds,
-                    min_time=args.min_time,
-                    sampler=sampler,
-                    heat_s=args.heat,
-                )
-            )
+            rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
     return rows
 

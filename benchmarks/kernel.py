@@ -119,12 +119,16 @@ def peer_fn(impl: str, causal: bool, head_dim: int):
     raise ValueError(f"unknown peer {impl!r}: one of {sorted(PEERS)}")
 
 
-def attention_fn(impl: str, block_sizes=None, causal: bool = True, head_dim: int = 128):
+def attention_fn(
+    impl: str, block_sizes=None, causal: bool = True, head_dim: int = 128, segment_ids=None
+):
+    """`attn(q, k, v)` of `impl`: jflash's (with `segment_ids`, if given) or a peer's."""
     if impl in JFLASH:
         implementation, deterministic = JFLASH[impl]
         return functools.partial(
             jflash.flash_attention,
             causal=causal,
+            segment_ids=segment_ids,
             block_sizes=block_sizes,
             implementation=implementation,
             deterministic=deterministic,

@@ -162,7 +162,6 @@ def cases(args, shapes):
     import jax.numpy as jnp
     import numpy as np
 
-    import jflash
     from benchmarks import kernel
 
     for mask, seq, hd in shapes:
@@ -182,14 +181,7 @@ def cases(args, shapes):
 
         def build(impl):
             if impl in kernel.JFLASH:
-                implementation, deterministic = kernel.JFLASH[impl]
-                return functools.partial(
-                    jflash.flash_attention,
-                    causal=True,
-                    segment_ids=seg,
-                    implementation=implementation,
-                    deterministic=deterministic,
-                )
+                return kernel.attention_fn(impl, causal=True, segment_ids=seg)
             if impl == "fa3":
                 attn, error = kernel._fa3_varlen(lengths)
                 if error is not None:

@@ -405,9 +405,7 @@ def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> No
     drift of the clocks reaches all of them."""
 
     def in_mesh(mesh, fn):
-        with contextlib.ExitStack() as stack:
-            if mesh is not None:
-                stack.enter_context(jax.set_mesh(mesh))
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             return fn()
 
     heat(
@@ -424,9 +422,7 @@ def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> No
         if name not in ran:
             continue
         compiled, inputs = ran[name]
-        with contextlib.ExitStack() as stack:
-            if mesh is not None:
-                stack.enter_context(jax.set_mesh(mesh))
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             t = time_fn(compiled, *inputs, warmup=1, iters=args.iters, min_time=0.0)
             t_pipe = time_pipelined(compiled, *inputs, warmup=0, iters=args.iters)
         t0, p0 = best.get((i, name), (float("inf"), float("inf")))
