@@ -16,6 +16,7 @@ padding mask) and a masked run (`Steps`); the steps around it it only acknowledg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -284,6 +285,43 @@ def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: boo
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 
+# Mosaic GPU's on-device profiler (`profiling`): None, or `(directory, ranges per
+# warpgroup, kernel names)`.
+_PROFILE: tuple[str, int, tuple[str, ...]] | None = None
+
+
+@contextlib.contextmanager
+def profiling(
+    directory: str, *, space: int = 480, kernels: tuple[str, ...] = ("jflash_mosaic_fwd",)
+):
+    """Kernels named in `kernels` and traced inside this context record their
+    `jax.named_scope` regions per warpgroup with the SM clock, and write a Perfetto
+    trace per call into `directory` (`benchmarks/timeline.py` reads them). `space`:
+    ranges each warpgroup keeps (4 int32 of shared memory each; later ones are
+    dropped). Outside it the kernels are built as always: their named scopes change no
+    instruction."""
+    global _PROFILE
+    if not isinstance(space, int) or space < 1:
+        raise ValueError(f"{space=} must be a positive int (ranges per warpgroup)")
+    previous, _PROFILE = _PROFILE, (str(directory), space, tuple(kernels))
+    try:
+        yield
+    finally:
+        _PROFILE = previous
+
+
+def _compiler_params(kernel_name: str):
+    """`approx_math` and no reduction scratch for every kernel; the profiler's buffer
+    for the ones `profiling` names."""
+    extra = {}
+    if _PROFILE is not None and kernel_name in _PROFILE[2]:
+        directory, space, _ = _PROFILE
+        extra = dict(profile_space=space, profile_dir=directory, profile_bounds_check=True)
+    # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM scratch for
+    # reductions, which buys the f32-output variants their slots.
+    return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **extra)
+
+
 def launch(
     body,
     *,
@@ -312,9 +350,7 @@ def launch(
         grid_names=grid_names,
         num_threads=wgs + 1,
         thread_name="wg",
-        # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM
-        # scratch for reductions, which buys the f32-output variants their slots.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        compiler_params=_compiler_params(kernel_name),
         kernel_name=kernel_name,
         # The GPU interpreter simulates warpgroups, barriers and TMA on CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else None,

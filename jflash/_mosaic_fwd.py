@@ -90,6 +90,26 @@ THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
+# The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
+# (`_mosaic_common.profiling`, `benchmarks/timeline.py`); outside the profiler they
+# change no instruction. Per key step of the overlapped loop (two warpgroups at D=128,
+# three at D=64 from THREE_WG_MIN_LEN queries; the other loop records item scopes only):
+STEP_SCOPES = {
+    "s_wait": "wait for this step's Q K^T (and the last P V)",
+    "softmax": "online softmax of an unmasked step",
+    "softmax_m": "online softmax of a masked step",
+    "turn": "wait for the V slot and the tensor cores' turn",
+    "issue": "issue P V and the next Q K^T, hand the turn over and wait for it back",
+}
+# Per work item (a warpgroup's 64 query rows of one head):
+ITEM_SCOPES = {
+    "locate": "the item's coordinates and key steps",
+    "q_wait": "wait for its Q tile",
+    "first": "issue its first Q K^T and take a turn",
+    "last_pv": "wait for its last P V",
+    "ticket": "take the next item's ticket and start its Q load",
+    "store_wait": "wait until the last output copy has read shared memory",
+}
 
 
 def _fwd_kernel(
@@ -202,7 +222,8 @@ def _fwd_kernel(
         loads during this one's epilogue."""
         q_start = cta_start + wg * bq
         q_smem = q_smem2.at[wg]
-        plgpu.barrier_wait(q_ready.at[wg])
+        with jax.named_scope("q_wait"):
+            plgpu.barrier_wait(q_ready.at[wg])
         q_ids = lo = hi = spans = None
         if segments and spans_only:
             lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in (1, 2))
@@ -314,7 +335,8 @@ def _fwd_kernel(
             def step_(j, carry, *, masked: bool, last: bool):
                 m, l = carry
                 slot = st.slot(j, stages)
-                s = plgpu.wgmma_accumulator_load(s_acc, wait_n=0)
+                with jax.named_scope("s_wait"):
+                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=0)
 
                 @pl.when(j > st.lo)
                 def _():
@@ -322,27 +344,31 @@ def _fwd_kernel(
 
                 ids = step_ids(slot, masked)
                 plgpu.barrier_arrive(k_free.at[slot])
-                o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
-                o_acc[...] = o
-                if token:
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    hold()
-                else:
-                    take_tensor_cores(slot)
-                plgpu.wgmma(o_acc, p16, v_smem.at[slot])  # += P V, waited for next step
-                if not last:
-                    issue_qk(j + 1)
-                if token:
-                    hand()  # while these run, the others do their softmax
-                elif not last:
-                    take_turn()  # while these run, the other warpgroup does softmax
+                with jax.named_scope("softmax_m" if masked else "softmax"):
+                    o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
+                    o_acc[...] = o
+                with jax.named_scope("turn"):
+                    if token:
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        hold()
+                    else:
+                        take_tensor_cores(slot)
+                with jax.named_scope("issue"):
+                    plgpu.wgmma(o_acc, p16, v_smem.at[slot])  # += P V, waited for next step
+                    if not last:
+                        issue_qk(j + 1)
+                    if token:
+                        hand()  # while these run, the others do their softmax
+                    elif not last:
+                        take_turn()  # while these run, the other warpgroup does softmax
                 return m, l
 
             def first(j, carry):  # once, if this warpgroup has a step at all
-                if token:
-                    hold()
-                issue_qk(j)
-                hand() if token else take_turn()
+                with jax.named_scope("first"):
+                    if token:
+                        hold()
+                    issue_qk(j)
+                    hand() if token else take_turn()
                 return carry
 
             lax.fori_loop(st.lo, st.lo + jnp.minimum(st.hi - st.lo, 1), first, None)
@@ -363,7 +389,8 @@ def _fwd_kernel(
             # where nothing is hidden.
             last = functools.partial(step_, masked=True, last=True)
             m, l = lax.fori_loop(end, st.hi, last, carry)
-            acc = o_acc[...]  # waits for the last P V
+            with jax.named_scope("last_pv"):
+                acc = o_acc[...]  # waits for the last P V
 
             @pl.when(st.hi > st.lo)
             def _():
@@ -401,13 +428,15 @@ def _fwd_kernel(
 
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads while this one's output is normalised and stored.
-        ticket = read_ticket(k + 1)
-        pl.when(ticket < total)(lambda: load_q(ticket))
+        with jax.named_scope("ticket"):
+            ticket = read_ticket(k + 1)
+            pl.when(ticket < total)(lambda: load_q(ticket))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = o_smem2.at[wg]
         # The last item's output copies must have read the slots before they are rewritten.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        with jax.named_scope("store_wait"):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(
             o_smem.dtype
         )
@@ -437,7 +466,8 @@ def _fwd_kernel(
 
         def item(carry):
             k, ticket, done = carry
-            batch, head, cta_start, st = locate(ticket, done)
+            with jax.named_scope("locate"):
+                batch, head, cta_start, st = locate(ticket, done)
             ticket = compute_item(k, batch, head, cta_start, st)
             return k + 1, ticket, done + st.count
 

@@ -1,0 +1,236 @@
+"""Where the Mosaic forward kernel's compute warpgroups spend their clock cycles (GPU).
+
+    python benchmarks/timeline.py                                  # causal and full 4k, D=128
+    python benchmarks/timeline.py --shapes causal:4096:128,documents:16384:128
+    python benchmarks/timeline.py --shapes causal:16384:64 --heads 8 --kv-heads 2
+
+Mosaic GPU's on-device profiler (`jflash._mosaic_common.profiling`) makes the kernel
+record the named scopes of its compute warpgroups (`jflash._mosaic_fwd.STEP_SCOPES`
+and `ITEM_SCOPES`: waiting for S, the softmax, waiting for the turn, issuing the
+matmuls; per work item, locating it, waiting for its Q, the first Q K^T, the last P V,
+taking the next ticket) with the SM's clock, one trace per warpgroup, into a Perfetto
+trace (open it at ui.perfetto.dev). The times within a warpgroup's trace are clock
+cycles (the profiler reads `%clock`; the trace shows them as nanoseconds). A shape
+runs `--heat` seconds of calls first, then one profiled call.
+
+Per shape the table gives the work items and key steps the warpgroups ran, the share of
+their time inside the step scopes, cycles per step, and the item gap: cycles from a
+warpgroup's last step of one work item ("issue" ends) to the first step of its next
+("s_wait" starts), during which that warpgroup gives the tensor cores nothing to do.
+The JSON holds every scope's share and cycles per step or per item; `--traces DIR`
+keeps each shape's trace (the first `--keep` warpgroups).
+
+Shapes are `kind:S:D` with kind `causal`, `full` or `documents` (causal over S tokens
+packed from the log-normal documents of `kernel.py --documents`, scaled to S); batch
+`--batch`, GQA `--heads`/`--kv-heads`, bf16. Each warpgroup keeps `--space` ranges
+(later ones are dropped, and the analysis ignores a trace's unfinished item): keep
+calls small, a few work items per SM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import HEAT_S, heat, parse_specs, table, write_json  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_SHAPES = "causal:4096:128,full:4096:128"
+KINDS = ("causal", "full", "documents")
+
+
+def parse_shapes(text: str) -> list[tuple[str, int, int]]:
+    """`kind:S:D,...` -> `[(kind, S, D)]`; ValueError naming the bad item."""
+    specs = parse_specs(text, "--shapes", "kind", KINDS)
+    for kind, seq, hd in specs:
+        if seq < 1 or hd < 1:
+            raise ValueError(f"--shapes item {kind}:{seq}:{hd}: S and D must be positive")
+    return specs
+
+
+def _warpgroup_traces(events: list[dict]) -> dict[int, list[dict]]:
+    """Trace events by warpgroup (`tid`), in time order. Only compute warpgroups record
+    scopes, so every trace here is one."""
+    by = {}
+    for e in events:
+        by.setdefault(e["tid"], []).append(e)
+    for es in by.values():
+        es.sort(key=lambda e: e["ts"])
+    return by
+
+
+def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
+    """Cycles by scope from a Mosaic profiler trace's events (`traceEvents`: "B"/"E"
+    pairs per warpgroup, `ts` in the profiler's units: cycles / 1000).
+
+    Returns items and steps run, each scope's share of the warpgroups' time and its
+    cycles per step (step scopes) or per item (the rest), and the item gaps: from the
+    end of a warpgroup's last "issue" before an item's "locate" to that item's first
+    "s_wait". A trace cut short by the profiler's space keeps its finished items only.
+    """
+    step_scopes = set(step_scopes)
+    span = 0.0
+    spent: dict[str, float] = {}
+    items = steps = 0
+    gaps = []
+    for es in _warpgroup_traces(events).values():
+        # The trace up to its last finished item (a new "locate" begins after it).
+        starts = [i for i, e in enumerate(es) if e["name"] == "locate" and e["ph"] == "B"]
+        if len(starts) < 2:
+            continue
+        es = es[: starts[-1]]
+        span += (es[-1]["ts"] - es[0]["ts"]) * 1000
+        stack = []
+        last_issue_end = None
+        waiting_first = False
+        for e in es:
+            if e["ph"] == "B":
+                stack.append(e)
+                if e["name"] == "locate":
+                    items += 1
+                    waiting_first = True
+                continue
+            if not stack or stack[-1]["name"] != e["name"]:
+                raise ValueError(f"unbalanced trace: {e['name']!r} ends inside another scope")
+            begin = stack.pop()
+            cycles = (e["ts"] - begin["ts"]) * 1000
+            spent[begin["name"]] = spent.get(begin["name"], 0.0) + cycles
+            if begin["name"] == "s_wait":
+                steps += 1
+                if waiting_first and last_issue_end is not None:
+                    gaps.append((begin["ts"] - last_issue_end) * 1000)
+                waiting_first = False
+            elif begin["name"] == "issue":
+                last_issue_end = e["ts"]
+    if not items or not span:
+        raise ValueError("no finished work item in the trace (too little --space?)")
+    in_steps = sum(v for k, v in spent.items() if k in step_scopes)
+    per_step = {k: v / max(steps, 1) for k, v in spent.items() if k in step_scopes}
+    per_item = {k: v / items for k, v in spent.items() if k not in step_scopes}
+    return {
+        "warpgroup_items": items,
+        "steps": steps,
+        "steps_per_item": steps / items,
+        "in_steps": in_steps / span,
+        "step_cycles": in_steps / max(steps, 1),
+        "item_gap_cycles": statistics.median(gaps) if gaps else None,
+        "item_gap_share": sum(gaps) / span,
+        "share": {k: v / span for k, v in sorted(spent.items(), key=lambda kv: -kv[1])},
+        "cycles_per_step": per_step,
+        "cycles_per_item": per_item,
+        "unknown_scopes": sorted(set(spent) - step_scopes - set(item_scopes)),
+    }
+
+
+def newest_trace(directory: str) -> str:
+    files = glob.glob(os.path.join(directory, "*.json"))
+    if not files:
+        raise RuntimeError(f"the profiler wrote no trace into {directory}")
+    return max(files, key=os.path.getmtime)
+
+
+def profile_shape(kind: str, seq: int, hd: int, args, directory: str) -> list[dict]:
+    """One profiled forward call of the shape after `args.heat` seconds of calls; the
+    trace's events."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jflash
+    from benchmarks.kernel import document_lengths, draw_inputs
+    from jflash._mosaic_common import profiling
+
+    q, k, v, _ = draw_inputs(args.batch, seq, args.heads, args.kv_heads, hd)
+    seg = None
+    if kind == "documents":
+        ids = np.repeat(np.arange(len(lengths := document_lengths(seq))), lengths)
+        seg = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (args.batch, seq))
+    with profiling(directory, space=args.space):
+        fwd = jax.jit(
+            lambda q, k, v: jflash.flash_attention(
+                q, k, v, causal=kind != "full", implementation="pallas_mosaic", segment_ids=seg
+            )
+        )
+        jax.block_until_ready(fwd(q, k, v))
+    heat([lambda: fwd(q, k, v)], args.heat)
+    # The profiler writes a call's trace only where none of that name exists yet.
+    for f in glob.glob(os.path.join(directory, "*.json")):
+        os.remove(f)
+    jax.block_until_ready(fwd(q, k, v))
+    with open(newest_trace(directory)) as f:
+        return json.load(f)["traceEvents"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="kind:S:D,... (see above)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--space", type=int, default=480, help="ranges kept per warpgroup")
+    parser.add_argument(
+        "--heat", type=float, default=HEAT_S, help="seconds of calls before the profiled one"
+    )
+    parser.add_argument("--traces", default=None, help="folder to keep each shape's trace in")
+    parser.add_argument("--keep", type=int, default=8, help="warpgroups kept per trace")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: results/timeline-<gpu>.json)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        parser.error(str(e))
+    for flag in ("batch", "heads", "kv_heads", "space", "keep"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least 1")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+
+    import jax
+
+    from benchmarks.common import device_name
+    from jflash._mosaic_fwd import ITEM_SCOPES, STEP_SCOPES
+
+    if jax.devices()[0].platform != "gpu":
+        parser.error("the Mosaic profiler needs a Hopper GPU (this machine has none)")
+    rows = []
+    for kind, seq, hd in shapes:
+        with tempfile.TemporaryDirectory() as directory:
+            events = profile_shape(kind, seq, hd, args, directory)
+        row = {"shape": f"{kind} S={seq} D={hd} B={args.batch}"}
+        row.update(analyse(events, STEP_SCOPES, ITEM_SCOPES))
+        rows.append(row)
+        if args.traces:
+            os.makedirs(args.traces, exist_ok=True)
+            keep = sorted({e["tid"] for e in events})[: args.keep]
+            path = os.path.join(args.traces, f"timeline-{kind}-{seq}-{hd}.json")
+            with open(path, "w") as f:
+                json.dump({"traceEvents": [e for e in events if e["tid"] in keep]}, f)
+        print(json.dumps(row), flush=True)
+    columns = [
+        "shape",
+        "warpgroup_items",
+        "steps_per_item",
+        "in_steps",
+        "step_cycles",
+        "item_gap_cycles",
+        "item_gap_share",
+    ]
+    print(table(rows, columns))
+    out = args.out or os.path.join(RESULTS, f"timeline-{device_name()}.json")
+    write_json(out, {"args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

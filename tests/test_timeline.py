@@ -1,0 +1,102 @@
+"""`benchmarks/timeline.py` on CPU: the trace analysis on a made-up trace, its flags, and
+the profiler switch the Mosaic kernels are built with (the profile itself needs a GPU)."""
+
+import jax
+import pytest
+
+from benchmarks import timeline
+from jflash import _mosaic_common, _mosaic_fwd
+
+
+def scope(events, tid, name, start, cycles):
+    """A "B"/"E" pair of `name`, `cycles` long from `start` (cycles), in the profiler's
+    units (`ts` = cycles / 1000)."""
+    events.append({"name": name, "ph": "B", "ts": start / 1000, "tid": tid, "pid": 1})
+    events.append({"name": name, "ph": "E", "ts": (start + cycles) / 1000, "tid": tid, "pid": 1})
+    return start + cycles
+
+
+def warpgroup(events, tid, items, steps, gap_extra=0):
+    """`items` work items of `steps` steps each: locate 10, s_wait 5, softmax 100, turn
+    20, issue 75 per step (200 cycles), then ticket 30 (+ `gap_extra` cycles of
+    unscoped epilogue) before the next item's locate."""
+    t = 0
+    for _ in range(items):
+        t = scope(events, tid, "locate", t, 10)
+        for _ in range(steps):
+            for name, cycles in (("s_wait", 5), ("softmax", 100), ("turn", 20), ("issue", 75)):
+                t = scope(events, tid, name, t, cycles)
+        t = scope(events, tid, "ticket", t, 30) + gap_extra
+    scope(events, tid, "locate", t, 10)  # the next item, cut off by the profiler's space
+
+
+def test_analyse_counts_steps_gaps_and_shares():
+    events = []
+    warpgroup(events, 1, items=3, steps=4)
+    warpgroup(events, 2, items=3, steps=4, gap_extra=60)
+    r = timeline.analyse(events, _mosaic_fwd.STEP_SCOPES, _mosaic_fwd.ITEM_SCOPES)
+    assert r["warpgroup_items"] == 6  # the cut-off item is left out
+    assert r["steps"] == 24 and r["steps_per_item"] == 4
+    assert r["step_cycles"] == pytest.approx(200)
+    assert r["cycles_per_step"]["softmax"] == pytest.approx(100)
+    assert r["cycles_per_item"] == {"locate": pytest.approx(10), "ticket": pytest.approx(30)}
+    # Gap: ticket 30 (+ 60 on the second warpgroup) + the next locate 10; two per trace.
+    assert r["item_gap_cycles"] == pytest.approx((40 + 100) / 2)
+    # Spans: to the end of each trace's last kept ticket, 3 items of 840 cycles (+ 60
+    # after each but the last on the second warpgroup).
+    span = 3 * 840 + (3 * 840 + 2 * 60)
+    assert r["in_steps"] == pytest.approx(2 * 3 * 4 * 200 / span)
+    assert r["item_gap_share"] == pytest.approx((2 * 40 + 2 * 100) / span)
+    assert r["unknown_scopes"] == []
+
+
+def test_analyse_reports_scopes_it_does_not_know_and_refuses_a_bad_trace():
+    events = []
+    scope(events, 1, "Init", -50, 7)  # before the first item
+    warpgroup(events, 1, items=2, steps=1)
+    r = timeline.analyse(events, _mosaic_fwd.STEP_SCOPES, _mosaic_fwd.ITEM_SCOPES)
+    assert r["unknown_scopes"] == ["Init"]
+    with pytest.raises(ValueError, match="no finished work item"):
+        timeline.analyse(events[:4], _mosaic_fwd.STEP_SCOPES)
+    bad = [
+        {"name": "issue", "ph": "B", "ts": 0.0, "tid": 1},
+        {"name": "softmax", "ph": "E", "ts": 0.1, "tid": 1},
+    ]
+    with pytest.raises(ValueError, match="unbalanced"):
+        timeline.analyse([*bad, *events], _mosaic_fwd.STEP_SCOPES)
+
+
+def test_shapes_and_flags(tmp_path):
+    assert timeline.parse_shapes("causal:4096:128,documents:16384:64") == [
+        ("causal", 4096, 128),
+        ("documents", 16384, 64),
+    ]
+    with pytest.raises(ValueError, match="'sliding:4096:128'"):
+        timeline.parse_shapes("sliding:4096:128")
+    with pytest.raises(ValueError, match="must be positive"):
+        timeline.parse_shapes("full:0:128")
+    for argv in (["--heads", "12", "--kv-heads", "5"], ["--space", "0"], ["--shapes", "x"]):
+        with pytest.raises(SystemExit):
+            timeline.main(argv)
+    # On a machine without a GPU it says so instead of failing inside the profiler.
+    if jax.devices()[0].platform != "gpu":
+        with pytest.raises(SystemExit):
+            timeline.main(["--shapes", "causal:256:64", "--out", str(tmp_path / "t.json")])
+
+
+def test_profiling_switch_reaches_only_the_named_kernels(tmp_path):
+    plain = _mosaic_common._compiler_params("jflash_mosaic_fwd")
+    assert not plain.profile_space and not plain.profile_dir and plain.approx_math
+    with _mosaic_common.profiling(str(tmp_path), space=64):
+        on = _mosaic_common._compiler_params("jflash_mosaic_fwd")
+        assert (on.profile_space, on.profile_dir) == (64, str(tmp_path))
+        assert on.approx_math and on.reduction_scratch_bytes == 0
+        assert not _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space
+        with _mosaic_common.profiling(str(tmp_path / "inner"), kernels=("jflash_mosaic_dkv",)):
+            assert _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space == 480
+            assert not _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space
+        assert _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space == 64
+    assert _mosaic_common._compiler_params("jflash_mosaic_fwd") == plain
+    with pytest.raises(ValueError, match="space=0"):
+        with _mosaic_common.profiling(str(tmp_path), space=0):
+            pass
