@@ -16,9 +16,10 @@ runs `--heat` seconds of calls first, then one profiled call.
 Per shape the table gives the work items and key steps the warpgroups ran, the share of
 their time inside the step scopes, cycles per step, and the item gap: cycles from a
 warpgroup's last step of one work item ("issue" ends) to the first step of its next
-("s_wait" starts), during which that warpgroup gives the tensor cores nothing to do.
-The JSON holds every scope's share and cycles per step or per item; `--traces DIR`
-keeps each shape's trace (the first `--keep` warpgroups).
+("s_wait" starts), during which that warpgroup gives the tensor cores nothing to do,
+also as a share of an item's cycles (its steps' and the gap's). The JSON holds every
+scope's share and cycles per step or per item; `--traces DIR` keeps each shape's trace
+(the first `--keep` warpgroups).
 
 Shapes are `kind:S:D` with kind `causal`, `full` or `documents` (causal over S tokens
 packed from the log-normal documents of `kernel.py --documents`, scaled to S); batch
@@ -71,9 +72,10 @@ def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
     pairs per warpgroup, `ts` in the profiler's units: cycles / 1000).
 
     Returns items and steps run, each scope's share of the warpgroups' time and its
-    cycles per step (step scopes) or per item (the rest), and the item gaps: from the
-    end of a warpgroup's last "issue" before an item's "locate" to that item's first
-    "s_wait". A trace cut short by the profiler's space keeps its finished items only.
+    cycles per step (step scopes) or per item (the rest), and the item gap: the median
+    from the end of a warpgroup's last "issue" before an item's "locate" to that item's
+    first "s_wait", also as a share of an item's cycles (its steps' and the gap's). A
+    trace cut short by the profiler's space keeps its finished items only.
     """
     step_scopes = set(step_scopes)
     span = 0.0
@@ -112,6 +114,7 @@ def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
     if not items or not span:
         raise ValueError("no finished work item in the trace (too little --space?)")
     in_steps = sum(v for k, v in spent.items() if k in step_scopes)
+    gap = statistics.median(gaps) if gaps else None
     per_step = {k: v / max(steps, 1) for k, v in spent.items() if k in step_scopes}
     per_item = {k: v / items for k, v in spent.items() if k not in step_scopes}
     return {
@@ -120,8 +123,10 @@ def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
         "steps_per_item": steps / items,
         "in_steps": in_steps / span,
         "step_cycles": in_steps / max(steps, 1),
-        "item_gap_cycles": statistics.median(gaps) if gaps else None,
-        "item_gap_share": sum(gaps) / span,
+        "item_gap_cycles": gap,
+        # Of a work item's cycles where an SM runs many (the call's calls run thousands):
+        # its steps and the gap before the next.
+        "item_gap_share": None if gap is None else gap / (gap + in_steps / items),
         "share": {k: v / span for k, v in sorted(spent.items(), key=lambda kv: -kv[1])},
         "cycles_per_step": per_step,
         "cycles_per_item": per_item,

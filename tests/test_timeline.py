@@ -46,7 +46,7 @@ def test_analyse_counts_steps_gaps_and_shares():
     # after each but the last on the second warpgroup).
     span = 3 * 840 + (3 * 840 + 2 * 60)
     assert r["in_steps"] == pytest.approx(2 * 3 * 4 * 200 / span)
-    assert r["item_gap_share"] == pytest.approx((2 * 40 + 2 * 100) / span)
+    assert r["item_gap_share"] == pytest.approx(70 / (70 + 4 * 200))
     assert r["unknown_scopes"] == []
 
 
