@@ -155,7 +155,8 @@ def profile_shape(kind: str, seq: int, hd: int, args, directory: str) -> list[di
     q, k, v, _ = draw_inputs(args.batch, seq, args.heads, args.kv_heads, hd)
     seg = None
     if kind == "documents":
-        ids = np.repeat(np.arange(len(lengths := document_lengths(seq))), lengths)
+        lengths = document_lengths(seq)
+        ids = np.repeat(np.arange(len(lengths)), lengths)
         seg = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (args.batch, seq))
     with profiling(directory, space=args.space):
         fwd = jax.jit(
