@@ -1,17 +1,20 @@
-"""Where the Mosaic forward kernel's compute warpgroups spend their clock cycles (GPU).
+"""Where the Mosaic forward (or dK/dV) kernel's compute warpgroups spend their cycles (GPU).
 
     python benchmarks/timeline.py                                  # causal and full 4k, D=128
     python benchmarks/timeline.py --shapes causal:4096:128,documents:16384:128
     python benchmarks/timeline.py --shapes causal:16384:64 --heads 8 --kv-heads 2
+    python benchmarks/timeline.py --kernel dkv --shapes causal:16384:128   # the backward
 
-Mosaic GPU's on-device profiler (`jflash._mosaic_common.profiling`) makes the kernel
-record the named scopes of its compute warpgroups (`jflash._mosaic_fwd.STEP_SCOPES`
-and `ITEM_SCOPES`: waiting for S, the softmax, waiting for the turn, issuing the
-matmuls; per work item, locating it, waiting for its Q, the first Q K^T, the last P V,
-taking the next ticket) with the SM's clock, one trace per warpgroup, into a Perfetto
-trace (open it at ui.perfetto.dev). The times within a warpgroup's trace are clock
-cycles (the profiler reads `%clock`; the trace shows them as nanoseconds). A shape
-runs `--heat` seconds of calls first, then one profiled call.
+Mosaic GPU's on-device profiler (`jflash.kernel_timeline`) makes the kernel record the
+named scopes of its compute warpgroups (`jflash.KERNEL_SCOPES["fwd"]`: per key step,
+waiting for S, the softmax, waiting for the turn, issuing the matmuls; per work item,
+locating it, waiting for its Q, the first Q K^T, the last P V, taking the next ticket)
+with the SM's clock, one trace per warpgroup, into a Perfetto trace (open it at
+ui.perfetto.dev). `--kernel dkv` profiles the backward's dK/dV kernel
+instead (`KERNEL_SCOPES["dkv"]`, in a forward+backward call): one key
+tile per CTA, so no item gap; its scopes split the fused D = 128 step. The times within
+a warpgroup's trace are clock cycles (the profiler reads `%clock`; the trace shows them
+as nanoseconds). A shape runs `--heat` seconds of calls first, then one profiled call.
 
 Per shape the table gives the work items and key steps the warpgroups ran, the share of
 their time inside the step scopes, cycles per step, and the item gap: cycles from a
@@ -67,15 +70,19 @@ def _warpgroup_traces(events: list[dict]) -> dict[int, list[dict]]:
     return by
 
 
-def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
+def analyse(
+    events: list[dict], step_scopes, item_scopes=(), *, step="s_wait", item="locate"
+) -> dict:
     """Cycles by scope from a Mosaic profiler trace's events (`traceEvents`: "B"/"E"
     pairs per warpgroup, `ts` in the profiler's units: cycles / 1000).
 
-    Returns items and steps run, each scope's share of the warpgroups' time and its
-    cycles per step (step scopes) or per item (the rest), and the item gap: the median
-    from the end of a warpgroup's last "issue" before an item's "locate" to that item's
-    first "s_wait", also as a share of an item's cycles (its steps' and the gap's). A
-    trace cut short by the profiler's space keeps its finished items only.
+    Returns items and steps run (a `step` scope begins each step, an `item` scope each
+    work item; `item=None`: a warpgroup's whole trace is one, as in the dK/dV kernel's
+    one key tile per CTA), each scope's share of the warpgroups' time and its cycles per
+    step (step scopes) or per item (the rest), and the item gap: the median from the
+    end of a warpgroup's last "issue" before an item scope to that item's first step,
+    also as a share of an item's cycles (its steps' and the gap's). A trace cut short by
+    the profiler's space keeps its finished items only (with `item=None`, what it has).
     """
     step_scopes = set(step_scopes)
     span = 0.0
@@ -83,11 +90,14 @@ def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
     items = steps = 0
     gaps = []
     for es in _warpgroup_traces(events).values():
-        # The trace up to its last finished item (a new "locate" begins after it).
-        starts = [i for i, e in enumerate(es) if e["name"] == "locate" and e["ph"] == "B"]
-        if len(starts) < 2:
-            continue
-        es = es[: starts[-1]]
+        if item is None:
+            items += 1
+        else:
+            # The trace up to its last finished item (a new one begins after it).
+            starts = [i for i, e in enumerate(es) if e["name"] == item and e["ph"] == "B"]
+            if len(starts) < 2:
+                continue
+            es = es[: starts[-1]]
         span += (es[-1]["ts"] - es[0]["ts"]) * 1000
         stack = []
         last_issue_end = None
@@ -95,7 +105,7 @@ def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
         for e in es:
             if e["ph"] == "B":
                 stack.append(e)
-                if e["name"] == "locate":
+                if e["name"] == item:
                     items += 1
                     waiting_first = True
                 continue
@@ -104,7 +114,7 @@ def analyse(events: list[dict], step_scopes, item_scopes=()) -> dict:
             begin = stack.pop()
             cycles = (e["ts"] - begin["ts"]) * 1000
             spent[begin["name"]] = spent.get(begin["name"], 0.0) + cycles
-            if begin["name"] == "s_wait":
+            if begin["name"] == step:
                 steps += 1
                 if waiting_first and last_issue_end is not None:
                     gaps.append((begin["ts"] - last_issue_end) * 1000)
@@ -142,34 +152,37 @@ def newest_trace(directory: str) -> str:
 
 
 def profile_shape(kind: str, seq: int, hd: int, args, directory: str) -> list[dict]:
-    """One profiled forward call of the shape after `args.heat` seconds of calls; the
-    trace's events."""
+    """One profiled call of the shape (the forward, or with `--kernel dkv` the forward
+    and backward) after `args.heat` seconds of calls; the trace's events."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import jflash
+    from benchmarks.common import jit_passes
     from benchmarks.kernel import document_lengths, draw_inputs
-    from jflash._mosaic_common import profiling
 
-    q, k, v, _ = draw_inputs(args.batch, seq, args.heads, args.kv_heads, hd)
+    q, k, v, do = draw_inputs(args.batch, seq, args.heads, args.kv_heads, hd)
     seg = None
     if kind == "documents":
         lengths = document_lengths(seq)
         ids = np.repeat(np.arange(len(lengths)), lengths)
         seg = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (args.batch, seq))
-    with profiling(directory, space=args.space):
-        fwd = jax.jit(
-            lambda q, k, v: jflash.flash_attention(
-                q, k, v, causal=kind != "full", implementation="pallas_mosaic", segment_ids=seg
-            )
+
+    def attn(q, k, v):
+        return jflash.flash_attention(
+            q, k, v, causal=kind != "full", implementation="pallas_mosaic", segment_ids=seg
         )
-        jax.block_until_ready(fwd(q, k, v))
-    heat([lambda: fwd(q, k, v)], args.heat)
+
+    with jflash.kernel_timeline(directory, kernels=args.kernel, space=args.space):
+        fn, nargs = jit_passes(attn)["fwd" if args.kernel == "fwd" else "fwdbwd"]
+        inputs = (q, k, v, do)[:nargs]
+        jax.block_until_ready(fn(*inputs))
+    heat([lambda: fn(*inputs)], args.heat)
     # The profiler writes a call's trace only where none of that name exists yet.
     for f in glob.glob(os.path.join(directory, "*.json")):
         os.remove(f)
-    jax.block_until_ready(fwd(q, k, v))
+    jax.block_until_ready(fn(*inputs))
     with open(newest_trace(directory)) as f:
         return json.load(f)["traceEvents"]
 
@@ -179,6 +192,12 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="kind:S:D,... (see above)")
+    parser.add_argument(
+        "--kernel",
+        default="fwd",
+        choices=("fwd", "dkv"),
+        help="the forward, or the backward's dK/dV kernel (profiled in forward+backward)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -204,8 +223,16 @@ def main(argv=None) -> int:
 
     import jax
 
+    import jflash
     from benchmarks.common import device_name
-    from jflash._mosaic_fwd import ITEM_SCOPES, STEP_SCOPES
+
+    kernel = jflash.KERNEL_SCOPES[args.kernel]
+    scopes = dict(
+        step_scopes=kernel["step"],
+        item_scopes=kernel["item"],
+        step=kernel["step_begins"],
+        item=kernel["item_begins"],
+    )
 
     if jax.devices()[0].platform != "gpu":
         parser.error("the Mosaic profiler needs a Hopper GPU (this machine has none)")
@@ -213,13 +240,13 @@ def main(argv=None) -> int:
     for kind, seq, hd in shapes:
         with tempfile.TemporaryDirectory() as directory:
             events = profile_shape(kind, seq, hd, args, directory)
-        row = {"shape": f"{kind} S={seq} D={hd} B={args.batch}"}
-        row.update(analyse(events, STEP_SCOPES, ITEM_SCOPES))
+        row = {"shape": f"{kind} S={seq} D={hd} B={args.batch}", "kernel": args.kernel}
+        row.update(analyse(events, **scopes))
         rows.append(row)
         if args.traces:
             os.makedirs(args.traces, exist_ok=True)
             keep = sorted({e["tid"] for e in events})[: args.keep]
-            path = os.path.join(args.traces, f"timeline-{kind}-{seq}-{hd}.json")
+            path = os.path.join(args.traces, f"timeline-{args.kernel}-{kind}-{seq}-{hd}.json")
             with open(path, "w") as f:
                 json.dump({"traceEvents": [e for e in events if e["tid"] in keep]}, f)
         print(json.dumps(row), flush=True)
@@ -233,7 +260,8 @@ def main(argv=None) -> int:
         "item_gap_share",
     ]
     print(table(rows, columns))
-    out = args.out or os.path.join(RESULTS, f"timeline-{device_name()}.json")
+    name = f"timeline-{device_name()}" + ("" if args.kernel == "fwd" else f"-{args.kernel}")
+    out = args.out or os.path.join(RESULTS, f"{name}.json")
     write_json(out, {"args": vars(args), "rows": rows})
     return 0
 

@@ -12,6 +12,8 @@ Public API (everything else is private):
   BlockSizes, default_block_sizes   kernel tuning knobs
   tiles_first_limits     the kernels' launch order (a context manager for tuning)
   describe               which implementation runs here, and why
+  kernel_timeline, KERNEL_SCOPES   the Mosaic kernels' cycles by named scope per
+                         warpgroup (Mosaic GPU's on-device profiler; a context manager)
 """
 
 from jflash._block_sizes import BlockSizes, default_block_sizes
@@ -22,9 +24,11 @@ from jflash._launch_order import tiles_first_limits
 from jflash._layout import LAYOUTS, from_layout, positions, to_layout, unzigzag, zigzag
 from jflash._reference import attention_reference
 from jflash._ring import ring_attention_rank
+from jflash._timeline import KERNEL_SCOPES, kernel_timeline
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "KERNEL_SCOPES",
     "LAYOUTS",
     "STRATEGIES",
     "BlockSizes",
@@ -33,6 +37,7 @@ __all__ = [
     "describe",
     "flash_attention",
     "from_layout",
+    "kernel_timeline",
     "positions",
     "ring_attention",
     "ring_attention_rank",

@@ -110,6 +110,20 @@ SPLIT_REGS = (240, 24)
 # step, not two. f32 gradients (the ring's) leave through the [64, D/2] f32 dQ tile of
 # each warpgroup, one column half at a time.
 SPLIT_DQ_HEAD_DIMS = (128,)
+# The dK/dV kernel's named scopes, one each per step, which Mosaic GPU's on-device
+# profiler records (`_mosaic_common.profiling`, `benchmarks/timeline.py --kernel dkv`);
+# outside the profiler they change no instruction. Every form waits for its inputs;
+# the rest are the fused D = 128 step's (the dQ split by columns). The end of its wgmma
+# scope, which waits for dV and dK, is left out (no scope can hold it alone).
+DKV_STEP_SCOPES = {
+    "in_wait": "wait for the step's Q, dO and per-query terms",
+    "s_wait": "wait for S^T (dP^T still on the tensor cores)",
+    "exp": "P = exp2(S^T): the probabilities, masked where needed; issue dV += P dO",
+    "dp_wait": "wait for dP^T",
+    "ds": "dS^T = P (dP^T): to shared memory for the dQ, issue dK += dS^T Q",
+    "ds_wait": "release the Q/dO slot, wait for the other warpgroup's dS^T",
+    "dq": "this warpgroup's dQ column half from both dS^T, reduce-added into HBM",
+}
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
 # the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
@@ -330,7 +344,8 @@ def _dkv_kernel(
         def step(qi, carry, *, g, base, masked: bool):
             dk, dv = carry
             slot = rem(base + qi, stages)
-            wait_inputs(slot)
+            with jax.named_scope("in_wait"):
+                wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
             zero = opaque[jnp.int32(0)]
             mine, other = wg + zero, jnp.int32(COMPUTE_WGS - 1) - wg + zero
@@ -364,14 +379,16 @@ def _dkv_kernel(
                 """Once this warpgroup's dV and dK are done: the Q/dO slot released, the
                 other warpgroup's dS^T awaited, and this step's dQ from both warpgroups'
                 dS^T (buffer `par`), split between them by `split`, into the f32 dQ."""
-                plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(ds_ready.at[par])
+                with jax.named_scope("ds_wait"):
+                    plgpu.barrier_arrive(free.at[slot])
+                    plgpu.barrier_wait(ds_ready.at[par])
                 keys = (mine, other)
                 part = lax.axis_index("kv_tiles")
                 # Static halves, one warpgroup each (a dynamic slice: slower).
                 for w in range(COMPUTE_WGS):
 
                     @pl.when(wg == w)
+                    @jax.named_scope("dq")
                     def _(w=w):
                         if split == "cols":  # dQ[:, cols] = dS K over both warpgroups' keys
                             half = geom.head_dim // COMPUTE_WGS
@@ -427,15 +444,19 @@ def _dkv_kernel(
                         plgpu.wgmma(s_acc, a, b)
                     for a, b in dp_products:
                         plgpu.wgmma(dp_acc, a, b)
-                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=len(dp_products))
-                    p = probabilities(s)
-                    plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)
-                    dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
-                    ds_b = (p * dp).astype(k_smem.dtype)
-                    ds_smem2.at[par, wg][...] = ds_b
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_ready.at[par])
-                    plgpu.wgmma(dk_acc, ds_b, q_t)
+                    with jax.named_scope("s_wait"):
+                        s = plgpu.wgmma_accumulator_load(s_acc, wait_n=len(dp_products))
+                    with jax.named_scope("exp"):
+                        p = probabilities(s)
+                        plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)
+                    with jax.named_scope("dp_wait"):
+                        dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+                    with jax.named_scope("ds"):
+                        ds_b = (p * dp).astype(k_smem.dtype)
+                        ds_smem2.at[par, wg][...] = ds_b
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(ds_ready.at[par])
+                        plgpu.wgmma(dk_acc, ds_b, q_t)
 
                 _, _, dv, dk = pl.run_state(chain)(
                     tuple(plgpu.ACC.init(a) for a in (*init, dv, dk))

@@ -4,8 +4,9 @@ the profiler switch the Mosaic kernels are built with (the profile itself needs 
 import jax
 import pytest
 
+import jflash
 from benchmarks import timeline
-from jflash import _mosaic_common, _mosaic_fwd
+from jflash import _mosaic_bwd, _mosaic_common, _mosaic_fwd
 
 
 def scope(events, tid, name, start, cycles):
@@ -17,9 +18,9 @@ def scope(events, tid, name, start, cycles):
 
 
 def warpgroup(events, tid, items, steps, gap_extra=0):
-    """`items` work items of `steps` steps each: locate 10, s_wait 5, softmax 100, turn
-    20, issue 75 per step (200 cycles), then ticket 30 (+ `gap_extra` cycles of
-    unscoped epilogue) before the next item's locate."""
+    """`items` work items of `steps` steps each, in cycles: locate 10; per step s_wait 5,
+    softmax 100, turn 20 and 75 to issue the matmuls (200 in all); then ticket 30 (+
+    `gap_extra` cycles of unscoped epilogue) before the next item's locate."""
     t = 0
     for _ in range(items):
         t = scope(events, tid, "locate", t, 10)
@@ -66,6 +67,21 @@ def test_analyse_reports_scopes_it_does_not_know_and_refuses_a_bad_trace():
         timeline.analyse([*bad, *events], _mosaic_fwd.STEP_SCOPES)
 
 
+def test_analyse_takes_a_dkv_trace_as_one_item_per_warpgroup():
+    events = []
+    for tid in (1, 2):
+        t = 0
+        for _ in range(3):  # three steps, one key tile
+            for name, cycles in (("in_wait", 10), ("s_wait", 40), ("exp", 150), ("dq", 100)):
+                t = scope(events, tid, name, t, cycles)
+    r = timeline.analyse(events, _mosaic_bwd.DKV_STEP_SCOPES, step="in_wait", item=None)
+    assert r["warpgroup_items"] == 2 and r["steps"] == 6 and r["steps_per_item"] == 3
+    assert r["step_cycles"] == pytest.approx(300)
+    assert r["cycles_per_step"]["exp"] == pytest.approx(150)
+    assert r["item_gap_cycles"] is None and r["item_gap_share"] is None
+    assert r["in_steps"] == pytest.approx(1.0)
+
+
 def test_shapes_and_flags(tmp_path):
     assert timeline.parse_shapes("causal:4096:128,documents:16384:64") == [
         ("causal", 4096, 128),
@@ -75,7 +91,13 @@ def test_shapes_and_flags(tmp_path):
         timeline.parse_shapes("sliding:4096:128")
     with pytest.raises(ValueError, match="must be positive"):
         timeline.parse_shapes("full:0:128")
-    for argv in (["--heads", "12", "--kv-heads", "5"], ["--space", "0"], ["--shapes", "x"]):
+    bad = (
+        ["--heads", "12", "--kv-heads", "5"],
+        ["--space", "0"],
+        ["--shapes", "x"],
+        ["--kernel", "dq"],
+    )
+    for argv in bad:
         with pytest.raises(SystemExit):
             timeline.main(argv)
     # On a machine without a GPU it says so instead of failing inside the profiler.
@@ -100,3 +122,20 @@ def test_profiling_switch_reaches_only_the_named_kernels(tmp_path):
     with pytest.raises(ValueError, match="space=0"):
         with _mosaic_common.profiling(str(tmp_path), space=0):
             pass
+
+
+def test_kernel_timeline_names_kernels_by_their_short_names(tmp_path):
+    with jflash.kernel_timeline(tmp_path, kernels="dkv", space=32):
+        assert _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space == 32
+        assert not _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space
+    with jflash.kernel_timeline(tmp_path, kernels=("fwd", "dkv")):
+        for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv"):
+            assert _mosaic_common._compiler_params(name).profile_dir == str(tmp_path)
+    assert not _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space
+    for bad in ("dq", (), ("fwd", "bwd")):
+        with pytest.raises(ValueError, match="name one or more of fwd, dkv"):
+            with jflash.kernel_timeline(tmp_path, kernels=bad):
+                pass
+    for kernel, scopes in jflash.KERNEL_SCOPES.items():
+        assert scopes["step_begins"] in scopes["step"], kernel
+        assert scopes["item_begins"] is None or scopes["item_begins"] in scopes["item"]

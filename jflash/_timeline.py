@@ -1,0 +1,41 @@
+"""The Mosaic kernels' timeline: Mosaic GPU's on-device profiler over jflash's named
+scopes, per warpgroup, with the SM clock (`kernel_timeline`; `benchmarks/timeline.py`
+runs it and reads the traces)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from jflash import _mosaic_common
+from jflash._mosaic_bwd import DKV_STEP_SCOPES
+from jflash._mosaic_fwd import ITEM_SCOPES, STEP_SCOPES
+
+# The kernels a timeline can cover, by the name `kernel_timeline` takes.
+TIMELINE_KERNELS = {"fwd": "jflash_mosaic_fwd", "dkv": "jflash_mosaic_dkv"}
+
+# Per kernel: its scopes per key step and per work item, the scope that begins each step
+# and the one that begins each work item (None: one work item per CTA).
+KERNEL_SCOPES = {
+    "fwd": dict(step=STEP_SCOPES, item=ITEM_SCOPES, step_begins="s_wait", item_begins="locate"),
+    "dkv": dict(step=DKV_STEP_SCOPES, item={}, step_begins="in_wait", item_begins=None),
+}
+
+
+@contextlib.contextmanager
+def kernel_timeline(directory: str, *, kernels=("fwd",), space: int = 480):
+    """Mosaic kernels traced inside this block (compiled, on Hopper) record their named
+    scopes per warpgroup with the SM clock and write a Perfetto trace per call into
+    `directory` (times in clock cycles, shown as nanoseconds).
+
+    `kernels`: names of `TIMELINE_KERNELS` ("fwd": the forward, "dkv": the backward's
+    dK/dV kernel). `space`: ranges each warpgroup keeps (16 bytes of shared memory each,
+    later ones dropped). A call whose trace file exists already writes none. Kernels
+    traced outside the block carry no profiler: the scopes change no instruction.
+    """
+    kernels = (kernels,) if isinstance(kernels, str) else tuple(kernels)
+    unknown = [k for k in kernels if k not in TIMELINE_KERNELS]
+    if unknown or not kernels:
+        raise ValueError(f"kernels={kernels!r}: name one or more of {', '.join(TIMELINE_KERNELS)}")
+    names = tuple(TIMELINE_KERNELS[k] for k in kernels)
+    with _mosaic_common.profiling(str(directory), space=space, kernels=names):
+        yield
