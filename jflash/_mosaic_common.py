@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -310,13 +311,20 @@ def profiling(
         _PROFILE = previous
 
 
-def _compiler_params(kernel_name: str):
+def _compiler_params(kernel_name: str, interpret: bool = False):
     """`approx_math` and no reduction scratch for every kernel; the profiler's buffer
-    for the ones `profiling` names."""
+    for the ones `profiling` names (compiled only: the GPU interpreter records none)."""
     extra = {}
     if _PROFILE is not None and kernel_name in _PROFILE[2]:
         directory, space, _ = _PROFILE
-        extra = dict(profile_space=space, profile_dir=directory, profile_bounds_check=True)
+        if interpret:
+            warnings.warn(
+                f"jflash.kernel_timeline: {kernel_name} runs in the GPU interpreter here, "
+                "which records no timeline (compiled kernels on Hopper do)",
+                stacklevel=2,
+            )
+        else:
+            extra = dict(profile_space=space, profile_dir=directory, profile_bounds_check=True)
     # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM scratch for
     # reductions, which buys the f32-output variants their slots.
     return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **extra)
@@ -350,7 +358,7 @@ def launch(
         grid_names=grid_names,
         num_threads=wgs + 1,
         thread_name="wg",
-        compiler_params=_compiler_params(kernel_name),
+        compiler_params=_compiler_params(kernel_name, interpret),
         kernel_name=kernel_name,
         # The GPU interpreter simulates warpgroups, barriers and TMA on CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -119,6 +119,11 @@ def test_profiling_switch_reaches_only_the_named_kernels(tmp_path):
             assert not _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space
         assert _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space == 64
     assert _mosaic_common._compiler_params("jflash_mosaic_fwd") == plain
+    # The GPU interpreter records no timeline: it says so, and gets no profiler buffer.
+    with _mosaic_common.profiling(str(tmp_path)):
+        with pytest.warns(UserWarning, match="GPU interpreter here, which records no timeline"):
+            interpreted = _mosaic_common._compiler_params("jflash_mosaic_fwd", interpret=True)
+    assert interpreted == plain
     with pytest.raises(ValueError, match="space=0"):
         with _mosaic_common.profiling(str(tmp_path), space=0):
             pass
