@@ -239,7 +239,15 @@ def main(argv=None) -> int:
     rows = []
     for kind, seq, hd in shapes:
         with tempfile.TemporaryDirectory() as directory:
-            events = profile_shape(kind, seq, hd, args, directory)
+            try:
+                events = profile_shape(kind, seq, hd, args, directory)
+            except ValueError as e:
+                if "exceeds available shared memory" not in str(e):
+                    raise
+                parser.error(
+                    f"{kind}:{seq}:{hd}: the profiler's {args.space} ranges per warpgroup do "
+                    f"not fit beside the {args.kernel} kernel's shared memory; lower --space"
+                )
         row = {"shape": f"{kind} S={seq} D={hd} B={args.batch}", "kernel": args.kernel}
         row.update(analyse(events, **scopes))
         rows.append(row)
