@@ -56,7 +56,6 @@ import tempfile
 import time
 
 import jax.numpy as jnp
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -78,6 +77,7 @@ from benchmarks.kernel import (  # noqa: E402
     _fa3_varlen,
     attention_fn,
     document_flops,
+    document_ids,
     document_lengths,
     draw_inputs,
     relative_gap,
@@ -299,8 +299,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
         for seq, hd in doc_shapes:
             batch = max(1, args.tokens // seq)
             lengths = document_lengths(seq)
-            row_ids = np.repeat(np.arange(len(lengths)), lengths)
-            seg = jnp.asarray(np.broadcast_to(row_ids, (batch, seq)), jnp.int32)
+            seg = document_ids(lengths, batch)
             cands = {
                 label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
                 for label, m in modules.items()

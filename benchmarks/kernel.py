@@ -694,6 +694,13 @@ def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
     return balance.packed_row_lengths(tokens, seed)
 
 
+def document_ids(lengths, batch: int = 1):
+    """Segment ids `[batch, sum(lengths)]` int32 of documents of `lengths` packed in a
+    row (document i's tokens hold i), every batch row alike."""
+    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return jnp.asarray(np.broadcast_to(ids, (batch, ids.size)))
+
+
 def document_flops(lengths, heads: int, head_dim: int) -> float:
     """Forward FLOPs on the causal mask area: sum of L·(L+1)/2 pairs, 4·H each, per head."""
     pairs = sum(n * (n + 1) // 2 for n in lengths)
@@ -733,7 +740,7 @@ def documents(args):
     )
     lengths = document_lengths(tokens)
     print(f"{len(lengths)} documents in {tokens} tokens, longest {max(lengths)}", flush=True)
-    seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+    seg = document_ids(lengths)
     q, k, v, do = draw_inputs(1, tokens, heads, kv_heads, head_dim)
     doc_flops = document_flops(lengths, heads, head_dim)
     whole_flops = document_flops([tokens], heads, head_dim)

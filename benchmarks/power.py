@@ -159,8 +159,6 @@ def median_rounds(rows: list[dict]) -> list[dict]:
 def cases(args, shapes):
     """`(label, (q, k, v, do), forward FLOPs, build)` per shape, then the packed row
     with `--documents`; `build(impl)` is `attn(q, k, v)` or raises PeerUnavailable."""
-    import jax.numpy as jnp
-    import numpy as np
 
     from benchmarks import kernel
 
@@ -176,7 +174,7 @@ def cases(args, shapes):
         yield f"{mask} S={seq} D={hd} B={batch}", inputs, flops, build
     if args.documents:
         lengths = kernel.document_lengths(args.tokens)
-        seg = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None], jnp.int32)
+        seg = kernel.document_ids(lengths)
         inputs = kernel.draw_inputs(1, args.tokens, args.heads, args.kv_heads, 128)
 
         def build(impl):

@@ -393,6 +393,11 @@ def document_fields(lengths: list[int], causal: bool, shards: int, layout: str, 
     return fields
 
 
+def mesh_scope(mesh):
+    """`jax.set_mesh(mesh)`, or nothing for a one-device candidate (`mesh` None)."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
 def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> None:
     """Rounds 2..`rounds` of timing for one sequence's candidates (`(row, ran, mesh)`:
     the one-device ideal and every layout x strategy row), after `args.heat` seconds of
@@ -405,7 +410,7 @@ def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> No
     drift of the clocks reaches all of them."""
 
     def in_mesh(mesh, fn):
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        with mesh_scope(mesh):
             return fn()
 
     heat(
@@ -422,7 +427,7 @@ def retime(candidates: list[tuple[dict, dict, object]], rounds: int, args) -> No
         if name not in ran:
             continue
         compiled, inputs = ran[name]
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        with mesh_scope(mesh):
             t = time_fn(compiled, *inputs, warmup=1, iters=args.iters, min_time=0.0)
             t_pipe = time_pipelined(compiled, *inputs, warmup=0, iters=args.iters)
         t0, p0 = best.get((i, name), (float("inf"), float("inf")))
@@ -657,7 +662,7 @@ def longest(args) -> dict | None:
             )
             return {"fits": ok, "gib": None if math.isnan(gib) else gib}
 
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        with mesh_scope(mesh):
             # Bisection lengths: zigzag splits the sequence into 2P chunks, and whole
             # 1024-token blocks keep the kernel's tiles full (gcd: small --longest-start).
             best, probes = search_longest(

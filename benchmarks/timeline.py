@@ -155,19 +155,15 @@ def profile_shape(kind: str, seq: int, hd: int, args, directory: str) -> list[di
     """One profiled call of the shape (the forward, or with `--kernel dkv` the forward
     and backward) after `args.heat` seconds of calls; the trace's events."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     import jflash
     from benchmarks.common import jit_passes
-    from benchmarks.kernel import document_lengths, draw_inputs
+    from benchmarks.kernel import document_ids, document_lengths, draw_inputs
 
     q, k, v, do = draw_inputs(args.batch, seq, args.heads, args.kv_heads, hd)
     seg = None
     if kind == "documents":
-        lengths = document_lengths(seq)
-        ids = np.repeat(np.arange(len(lengths)), lengths)
-        seg = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (args.batch, seq))
+        seg = document_ids(document_lengths(seq), args.batch)
 
     def attn(q, k, v):
         return jflash.flash_attention(
