@@ -430,12 +430,6 @@ class Steps:
         return self.cta_hi - self.cta_lo
 
 
-def steps_fields(steps: Steps) -> tuple:
-    """`Steps` as a tuple of its fields, in order (`Steps(*fields)` rebuilds it): a loop
-    carry."""
-    return tuple(index(getattr(steps, f.name)) for f in dataclasses.fields(Steps))
-
-
 def lockstep(steps: Steps) -> Steps:
     """A warpgroup that computes every step of its CTA's stream: its own unmasked run
     stays unmasked, every other step runs with the mask (for warpgroups that share

@@ -52,7 +52,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    Steps,
     col_ids,
     drain,
     fit_stages,
@@ -65,7 +64,6 @@ from jflash._mosaic_common import (
     run_steps,
     same_segment,
     smem_tile,
-    steps_fields,
     stream_kv,
     visible,
     wgmma_into,
@@ -111,7 +109,6 @@ ITEM_SCOPES = {
     "last_pv": "wait for its last P V",
     "ticket": "take the next item's ticket and start its Q load",
     "store_wait": "wait until the last output copy has read shared memory",
-    "next_first": "issue the next item's first Q K^T after this one's last P V",
 }
 
 
@@ -180,9 +177,6 @@ def _fwd_kernel(
     # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
     token = wgs > COMPUTE_WGS
-    # Two warpgroups on the overlapped loop run their steps on across the work items:
-    # an item's last P V and the next item's first Q K^T are issued together.
-    pipelined = not token and geom.head_dim in OVERLAP_HEAD_DIMS and not interpret
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -223,21 +217,13 @@ def _fwd_kernel(
                 qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
             )
 
-    def compute_item(k, batch, head, cta_start, st, pipe=None):
+    def compute_item(k, batch, head, cta_start, st):
         """The CTA's `k`-th work item; returns the ticket of the next one, whose Q
-        loads during this one's epilogue.
-
-        `pipe`: `(s_acc, o_acc, done, pre)` on the `pipelined` path, where the
-        accumulators live across the items: `pre` says that the last item's final step
-        issued this one's first Q K^T (after waiting for its Q). Returns the next item's
-        `(ticket, located, pre)` there (`located`: `locate`'s result, flattened)."""
+        loads during this one's epilogue."""
         q_start = cta_start + wg * bq
         q_smem = q_smem2.at[wg]
         with jax.named_scope("q_wait"):
-            if pipe is None:
-                plgpu.barrier_wait(q_ready.at[wg])
-            else:
-                pl.when(jnp.logical_not(pipe[3]))(lambda: plgpu.barrier_wait(q_ready.at[wg]))
+            plgpu.barrier_wait(q_ready.at[wg])
         q_ids = lo = hi = spans = None
         if segments and spans_only:
             lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in (1, 2))
@@ -274,12 +260,9 @@ def _fwd_kernel(
                 seen = seen & same_segment(q_ids, ids, (bq, block_kv))
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
-        def softmax(j, s, o, m, l, *, masked: bool, ids, fresh: bool = False):
+        def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
-            fenced, so all of it is done before the turn is handed over. `fresh`: `o`
-            may hold the CTA's previous work item (the `pipelined` path), so rows
-            that have seen no key yet start from zero (`alpha` = 0 would keep a NaN or
-            an inf)."""
+            fenced, so all of it is done before the turn is handed over."""
             if masked and segments and spans_only:
                 s = by_spans(j, s)
             elif masked and segments:
@@ -292,9 +275,6 @@ def _fwd_kernel(
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-            if fresh:
-                seen = lax.broadcast_in_dim(m > -jnp.inf, o.shape, [0])
-                o = jnp.where(seen, o, jnp.float32(0.0))
             l = l * alpha + p.sum(axis=1)
             return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
 
@@ -339,38 +319,20 @@ def _fwd_kernel(
             take_turn()
             return carry
 
-        def overlapped(s_acc, o_acc, stats, pre=None, done=None):
+        def overlapped(s_acc, o_acc, stats):
             """The steps with each step's P V and the next step's Q K^T issued back to
             back (compiled only: the GPU interpreter cannot store into `o_acc` while a
             wgmma is pending). `s_acc` holds S of the step about to run; reading it
-            also waits for the previous P V, whose V slot is released then.
-
-            `pre` (the `pipelined` path; None otherwise): this item's first Q K^T is
-            already issued. There the last step takes the next work item (its ticket,
-            its Q load, its steps) and, where the next item's first step is this
-            warpgroup's and this item has no step after this one's last, issues that
-            Q K^T with its own P V, so the tensor cores have work while this item's
-            output is stored. Returns `(acc, m, l)`, and `next_item`'s result after
-            them on the `pipelined` path."""
+            also waits for the previous P V, whose V slot is released then."""
             zeros_s = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
-            def issue_qk(j, steps=st):
-                slot = steps.slot(j, stages)
+            def issue_qk(j):
+                slot = st.slot(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 s_acc[...] = zeros_s
                 plgpu.wgmma(s_acc, q_smem, k_smem.at[slot].T)
 
-            def next_item():
-                """The next work item: `(ticket, located, pre)`; its Q starts loading
-                (this item's Q K^T are all done)."""
-                ticket = read_ticket(k + 1)
-                valid = ticket < total
-                pl.when(valid)(lambda: load_q(ticket))
-                nb, nh, ncs, nst = locate(jnp.minimum(ticket, total - 1), done + st.count)
-                pre_next = valid & (nst.hi > nst.lo) & (nst.lo == nst.cta_lo) & (st.hi == st.cta_hi)
-                return ticket, (nb, nh, ncs, *steps_fields(nst)), pre_next
-
-            def step_(j, carry, *, masked: bool, last: bool, fresh: bool = False):
+            def step_(j, carry, *, masked: bool, last: bool):
                 m, l = carry
                 slot = st.slot(j, stages)
                 with jax.named_scope("s_wait"):
@@ -382,11 +344,8 @@ def _fwd_kernel(
 
                 ids = step_ids(slot, masked)
                 plgpu.barrier_arrive(k_free.at[slot])
-                following = next_item() if last and pre is not None else None
                 with jax.named_scope("softmax_m" if masked else "softmax"):
-                    o, l, m, p16 = softmax(
-                        j, s, o_acc[...], m, l, masked=masked, ids=ids, fresh=fresh
-                    )
+                    o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
                     o_acc[...] = o
                 with jax.named_scope("turn"):
                     if token:
@@ -402,24 +361,6 @@ def _fwd_kernel(
                         hand()  # while these run, the others do their softmax
                     elif not last:
                         take_turn()  # while these run, the other warpgroup does softmax
-                if following is not None:
-                    # This P V is waited for before the next item's Q K^T is issued:
-                    # with one wgmma pending on some paths and two on others, ptxas
-                    # cannot tell which one a `wait_group 1` leaves and serialises every
-                    # wgmma of the kernel.
-                    with jax.named_scope("last_pv"):
-                        acc = plgpu.wgmma_accumulator_load(o_acc, wait_n=0)
-                    _, located, pre_next = following
-
-                    @pl.when(pre_next)
-                    def _():
-                        with jax.named_scope("next_first"):
-                            nst = Steps(*located[3:])
-                            plgpu.barrier_wait(q_ready.at[wg])
-                            issue_qk(nst.lo, nst)  # the next item's first Q K^T
-                            take_turn()
-
-                    return m, l, acc, following
                 return m, l
 
             def first(j, carry):  # once, if this warpgroup has a step at all
@@ -430,55 +371,32 @@ def _fwd_kernel(
                     hand() if token else take_turn()
                 return carry
 
-            firsts = jnp.minimum(st.hi - st.lo, 1)
-            if pre is not None:
-                firsts = jnp.where(pre, jnp.int32(0), firsts)
-            lax.fori_loop(st.lo, st.lo + firsts, first, None)
+            lax.fori_loop(st.lo, st.lo + jnp.minimum(st.hi - st.lo, 1), first, None)
             # All steps but the last: masked, unmasked, masked runs (`Steps`).
             end = jnp.maximum(st.hi - 1, st.lo)
             clear_lo = jnp.minimum(st.clear_lo, end)
             clear_hi = jnp.minimum(st.clear_hi, end)
             middle = functools.partial(step_, last=False)
             carry = stats
-            start = st.lo
-            if pre is not None:
-                # The first step, peeled where the accumulator may hold the CTA's
-                # previous item: only it and the last start rows from zero.
-                fresh = functools.partial(middle, masked=True, fresh=True)
-                start = st.lo + jnp.minimum(end - st.lo, 1)
-                carry = lax.fori_loop(st.lo, start, fresh, carry)
-                clear_lo, clear_hi = jnp.maximum(clear_lo, start), jnp.maximum(clear_hi, start)
             if segments:
                 masked = functools.partial(middle, masked=True)
-                carry = lax.fori_loop(start, clear_lo, masked, carry)
+                carry = lax.fori_loop(st.lo, clear_lo, masked, carry)
             carry = lax.fori_loop(
                 clear_lo, clear_hi, functools.partial(middle, masked=False), carry
             )
             carry = lax.fori_loop(clear_hi, end, functools.partial(middle, masked=True), carry)
-            # The last step, peeled (no next Q K^T of this item); masked, since the mask
-            # is all true where nothing is hidden.
-            last = functools.partial(step_, masked=True, last=True, fresh=pre is not None)
-            if pre is None:
-                m, l = lax.fori_loop(end, st.hi, last, carry)
-                with jax.named_scope("last_pv"):
-                    acc = o_acc[...]  # waits for the last P V
-            else:
-                # The output accumulated (its last P V waited for); the next item's
-                # first Q K^T may still run.
-                m, l, acc, following = lax.cond(
-                    st.hi > st.lo,
-                    lambda c: last(end, c),
-                    lambda c: (*c, o_acc[...], next_item()[:2] + (jnp.bool_(False),)),
-                    carry,
-                )
+            # The last step, peeled (no next Q K^T); masked, since the mask is all true
+            # where nothing is hidden.
+            last = functools.partial(step_, masked=True, last=True)
+            m, l = lax.fori_loop(end, st.hi, last, carry)
+            with jax.named_scope("last_pv"):
+                acc = o_acc[...]  # waits for the last P V
 
             @pl.when(st.hi > st.lo)
             def _():
                 plgpu.barrier_arrive(v_free.at[st.slot(st.hi - 1, stages)])
 
-            if pre is None:
-                return acc, m, l
-            return acc, m, l, following
+            return acc, m, l
 
         row = plgpu.Layout.WGMMA.reduce(1)
         stats = (
@@ -488,15 +406,11 @@ def _fwd_kernel(
         if (token or geom.head_dim in OVERLAP_HEAD_DIMS) and not interpret:
             if segments:
                 lax.fori_loop(st.cta_lo, st.lo, skip, None)
-            if pipe is None:
-                acc, m, l = pl.run_scoped(
-                    lambda s_acc, o_acc: overlapped(s_acc, o_acc, stats),
-                    plgpu.ACC((bq, block_kv), jnp.float32),
-                    plgpu.ACC((bq, geom.head_dim), jnp.float32),
-                )
-            else:
-                s_acc, o_acc, done, pre = pipe
-                acc, m, l, following = overlapped(s_acc, o_acc, stats, pre, done)
+            acc, m, l = pl.run_scoped(
+                lambda s_acc, o_acc: overlapped(s_acc, o_acc, stats),
+                plgpu.ACC((bq, block_kv), jnp.float32),
+                plgpu.ACC((bq, geom.head_dim), jnp.float32),
+            )
             lax.fori_loop(st.hi, st.cta_hi, skip, None)
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
@@ -512,24 +426,20 @@ def _fwd_kernel(
                 hold()
                 hand()
 
-        if pipe is None:
-            # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
-            # item's Q loads while this one's output is normalised and stored.
-            with jax.named_scope("ticket"):
-                ticket = read_ticket(k + 1)
-                pl.when(ticket < total)(lambda: load_q(ticket))
-        else:
-            ticket = following[0]
+        # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
+        # item's Q loads while this one's output is normalised and stored.
+        with jax.named_scope("ticket"):
+            ticket = read_ticket(k + 1)
+            pl.when(ticket < total)(lambda: load_q(ticket))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = o_smem2.at[wg]
         # The last item's output copies must have read the slots before they are rewritten.
         with jax.named_scope("store_wait"):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-        if pipe is not None:  # an item with no step holds the previous item's accumulator
-            out = jnp.where(lax.broadcast_in_dim(empty, acc.shape, [0]), jnp.float32(0.0), out)
-        o_smem[...] = out.astype(o_smem.dtype)
+        o_smem[...] = (acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])).astype(
+            o_smem.dtype
+        )
         lse_smem = lse_smem2.at[wg]
         lse_smem[...] = jnp.where(empty, jnp.float32(-jnp.inf), (m + jnp.log2(l_safe)) * LN2)
         plgpu.commit_smem()
@@ -540,9 +450,7 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
-        if pipe is None:
-            return ticket
-        return following
+        return ticket
 
     @pl.when(wg < wgs)
     def _compute():
@@ -563,32 +471,7 @@ def _fwd_kernel(
             ticket = compute_item(k, batch, head, cta_start, st)
             return k + 1, ticket, done + st.count
 
-        def pipelined_items(s_acc, o_acc):
-            def item(carry):
-                k, ticket, done, pre, located = carry
-                batch, head, cta_start = located[:3]
-                # A multiple of the tile's rows, as the output copies' tiling asks to see.
-                rows = jnp.int32(wgs * bq)
-                cta_start = lax.div(cta_start, rows) * rows
-                st = Steps(*located[3:])
-                ticket, located, pre = compute_item(
-                    k, batch, head, cta_start, st, pipe=(s_acc, o_acc, done, pre)
-                )
-                return k + 1, ticket, done + st.count, pre, located
-
-            nb, nh, ncs, nst = locate(jnp.minimum(first, total - 1), jnp.int32(0))
-            located = (nb, nh, ncs, *steps_fields(nst))
-            start = (jnp.int32(0), first, jnp.int32(0), jnp.bool_(False), located)
-            lax.while_loop(lambda c: c[1] < total, item, start)
-
-        if pipelined:
-            pl.run_scoped(
-                pipelined_items,
-                plgpu.ACC((bq, block_kv), jnp.float32),
-                plgpu.ACC((bq, geom.head_dim), jnp.float32),
-            )
-        else:
-            lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, jnp.int32(0)))
+        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, jnp.int32(0)))
         if not token:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
