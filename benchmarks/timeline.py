@@ -27,7 +27,8 @@ scope's share and cycles per step or per item; `--traces DIR` keeps each shape's
 Shapes are `kind:S:D` with kind `causal`, `full` or `documents` (causal over S tokens
 packed from the log-normal documents of `kernel.py --documents`, scaled to S); batch
 `--batch`, GQA `--heads`/`--kv-heads`, bf16. Each warpgroup keeps `--space` ranges
-(later ones are dropped, and the analysis ignores a trace's unfinished item): keep
+(later ones are dropped, and the analysis ignores a trace's unfinished item; by default
+what fits beside the kernel's shared memory: 480 for the forward, 240 for dK/dV): keep
 calls small, a few work items per SM.
 """
 
@@ -197,7 +198,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--space", type=int, default=480, help="ranges kept per warpgroup")
+    parser.add_argument(
+        "--space",
+        type=int,
+        default=None,
+        help="ranges kept per warpgroup (default: what fits beside the kernel, 480 fwd / 240 dkv)",
+    )
     parser.add_argument(
         "--heat", type=float, default=HEAT_S, help="seconds of calls before the profiled one"
     )
@@ -212,7 +218,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     for flag in ("batch", "heads", "kv_heads", "space", "keep"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: at least 1")
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
@@ -240,9 +246,10 @@ def main(argv=None) -> int:
             except ValueError as e:
                 if "exceeds available shared memory" not in str(e):
                     raise
+                space = "default" if args.space is None else args.space
                 parser.error(
-                    f"{kind}:{seq}:{hd}: the profiler's {args.space} ranges per warpgroup do "
-                    f"not fit beside the {args.kernel} kernel's shared memory; lower --space"
+                    f"{kind}:{seq}:{hd}: the profiler's ranges per warpgroup (--space {space}) "
+                    f"do not fit beside the {args.kernel} kernel's shared memory; lower --space"
                 )
         row = {"shape": f"{kind} S={seq} D={hd} B={args.batch}", "kernel": args.kernel}
         row.update(analyse(events, **scopes))

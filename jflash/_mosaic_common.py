@@ -286,25 +286,21 @@ def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: boo
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 
-# Mosaic GPU's on-device profiler (`profiling`): None, or `(directory, ranges per
-# warpgroup, kernel names)`.
-_PROFILE: tuple[str, int, tuple[str, ...]] | None = None
+# Mosaic GPU's on-device profiler (`profiling`): None, or `(directory, {kernel name:
+# ranges per warpgroup})`.
+_PROFILE: tuple[str, dict[str, int]] | None = None
 
 
 @contextlib.contextmanager
-def profiling(
-    directory: str, *, space: int = 480, kernels: tuple[str, ...] = ("jflash_mosaic_fwd",)
-):
-    """Kernels named in `kernels` and traced inside this context record their
+def profiling(directory: str, spaces: dict[str, int]):
+    """Kernels named in `spaces` and traced inside this context record their
     `jax.named_scope` regions per warpgroup with the SM clock, and write a Perfetto
-    trace per call into `directory` (`benchmarks/timeline.py` reads them). `space`:
-    ranges each warpgroup keeps (4 int32 of shared memory each; later ones are
-    dropped). Outside it the kernels are built as always: their named scopes change no
-    instruction."""
+    trace per call into `directory`; each warpgroup keeps `spaces[name]` ranges (4 int32
+    of shared memory each; later ones are dropped). Outside it the kernels are built as
+    always: their named scopes change no instruction. `jflash.kernel_timeline` is the
+    checked entry."""
     global _PROFILE
-    if not isinstance(space, int) or space < 1:
-        raise ValueError(f"{space=} must be a positive int (ranges per warpgroup)")
-    previous, _PROFILE = _PROFILE, (str(directory), space, tuple(kernels))
+    previous, _PROFILE = _PROFILE, (str(directory), dict(spaces))
     try:
         yield
     finally:
@@ -315,8 +311,8 @@ def _compiler_params(kernel_name: str, interpret: bool = False):
     """`approx_math` and no reduction scratch for every kernel; the profiler's buffer
     for the ones `profiling` names (compiled only: the GPU interpreter records none)."""
     extra = {}
-    if _PROFILE is not None and kernel_name in _PROFILE[2]:
-        directory, space, _ = _PROFILE
+    if _PROFILE is not None and kernel_name in _PROFILE[1]:
+        directory, space = _PROFILE[0], _PROFILE[1][kernel_name]
         if interpret:
             warnings.warn(
                 f"jflash.kernel_timeline: {kernel_name} runs in the GPU interpreter here, "

@@ -5,6 +5,7 @@ runs it and reads the traces)."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 from jflash import _mosaic_common
 from jflash._mosaic_bwd import DKV_STEP_SCOPES
@@ -21,21 +22,33 @@ KERNEL_SCOPES = {
 }
 
 
+# Ranges each warpgroup keeps by default (16 bytes of shared memory per warpgroup each):
+# what fits beside the kernel's own shared memory at D = 64 and 128, with and without
+# segment ids (the dK/dV kernel's D = 64 one with segment ids fits 253;
+# tests/test_lowering.py checks the defaults).
+DEFAULT_SPACE = {"fwd": 480, "dkv": 240}
+
+
 @contextlib.contextmanager
-def kernel_timeline(directory: str, *, kernels=("fwd",), space: int = 480):
+def kernel_timeline(directory: str, *, kernels=("fwd",), space: int | None = None):
     """Mosaic kernels traced inside this block (compiled, on Hopper) record their named
     scopes per warpgroup with the SM clock and write a Perfetto trace per call into
     `directory` (times in clock cycles, shown as nanoseconds).
 
     `kernels`: names of `TIMELINE_KERNELS` ("fwd": the forward, "dkv": the backward's
     dK/dV kernel). `space`: ranges each warpgroup keeps (16 bytes of shared memory each,
-    later ones dropped). A call whose trace file exists already writes none. Kernels
-    traced outside the block carry no profiler: the scopes change no instruction.
+    later ones dropped); None: `DEFAULT_SPACE` per kernel, which fits beside it. A call
+    whose trace file exists already writes none. Kernels traced outside the block carry
+    no profiler: the scopes change no instruction.
     """
     kernels = (kernels,) if isinstance(kernels, str) else tuple(kernels)
     unknown = [k for k in kernels if k not in TIMELINE_KERNELS]
     if unknown or not kernels:
         raise ValueError(f"kernels={kernels!r}: name one or more of {', '.join(TIMELINE_KERNELS)}")
-    names = tuple(TIMELINE_KERNELS[k] for k in kernels)
-    with _mosaic_common.profiling(str(directory), space=space, kernels=names):
+    if space is not None:
+        if isinstance(space, bool) or not isinstance(space, numbers.Integral) or space < 1:
+            raise ValueError(f"{space=} must be a positive int (ranges per warpgroup) or None")
+        space = int(space)
+    spaces = {TIMELINE_KERNELS[k]: DEFAULT_SPACE[k] if space is None else space for k in kernels}
+    with _mosaic_common.profiling(str(directory), spaces):
         yield

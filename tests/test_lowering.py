@@ -277,6 +277,42 @@ def test_determinism_switch(monkeypatch):
     assert dispatch.resolve("pallas_mosaic", None, wide, deterministic=True, **common)
 
 
+@pytest.mark.parametrize(
+    "kernel, head_dim, seq, segments",
+    [
+        ("fwd", 128, 4096, False),
+        ("fwd", 64, 4096, False),
+        ("fwd", 64, 16384, False),  # three compute warpgroups
+        ("fwd", 128, 4096, True),
+        ("dkv", 128, 4096, False),
+        ("dkv", 64, 4096, False),
+        ("dkv", 64, 4096, True),
+    ],
+)
+def test_timeline_default_space_fits_each_kernel(monkeypatch, kernel, head_dim, seq, segments):
+    """`jflash.kernel_timeline`'s default profiler buffer fits beside each kernel's own
+    shared memory. Mosaic's check runs as the kernel lowers; right after it, the
+    profiler's trace writer (a host callback) needs a GPU backend and stops the
+    lowering here: reaching it means the kernel passed the check."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, seq, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32) if segments else None
+
+    def loss(q, k, v, seg):
+        out = jflash.flash_attention(
+            q, k, v, causal=True, segment_ids=seg, implementation="pallas_mosaic"
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    fn = loss if kernel == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh), jflash.kernel_timeline("unused", kernels=kernel):
+        with pytest.raises(ValueError, match="different from the lowering platform cuda"):
+            jax.jit(fn).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
+
+
 def test_mosaic_pipeline_depth_fits_shared_memory():
     """`fit_stages` lowers the K/V pipeline depth until the CTA's tiles fit 227 KiB, and
     names the numbers when even two stages cannot fit."""

@@ -2,11 +2,13 @@
 the profiler switch the Mosaic kernels are built with (the profile itself needs a GPU)."""
 
 import jax
+import numpy as np
 import pytest
 
 import jflash
 from benchmarks import timeline
 from jflash import _mosaic_bwd, _mosaic_common, _mosaic_fwd
+from jflash._timeline import DEFAULT_SPACE, TIMELINE_KERNELS
 
 
 def scope(events, tid, name, start, cycles):
@@ -109,24 +111,21 @@ def test_shapes_and_flags(tmp_path):
 def test_profiling_switch_reaches_only_the_named_kernels(tmp_path):
     plain = _mosaic_common._compiler_params("jflash_mosaic_fwd")
     assert not plain.profile_space and not plain.profile_dir and plain.approx_math
-    with _mosaic_common.profiling(str(tmp_path), space=64):
+    with _mosaic_common.profiling(str(tmp_path), {"jflash_mosaic_fwd": 64}):
         on = _mosaic_common._compiler_params("jflash_mosaic_fwd")
         assert (on.profile_space, on.profile_dir) == (64, str(tmp_path))
         assert on.approx_math and on.reduction_scratch_bytes == 0
         assert not _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space
-        with _mosaic_common.profiling(str(tmp_path / "inner"), kernels=("jflash_mosaic_dkv",)):
-            assert _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space == 480
+        with _mosaic_common.profiling(str(tmp_path / "inner"), {"jflash_mosaic_dkv": 32}):
+            assert _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space == 32
             assert not _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space
         assert _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space == 64
     assert _mosaic_common._compiler_params("jflash_mosaic_fwd") == plain
     # The GPU interpreter records no timeline: it says so, and gets no profiler buffer.
-    with _mosaic_common.profiling(str(tmp_path)):
+    with _mosaic_common.profiling(str(tmp_path), {"jflash_mosaic_fwd": 64}):
         with pytest.warns(UserWarning, match="GPU interpreter here, which records no timeline"):
             interpreted = _mosaic_common._compiler_params("jflash_mosaic_fwd", interpret=True)
     assert interpreted == plain
-    with pytest.raises(ValueError, match="space=0"):
-        with _mosaic_common.profiling(str(tmp_path), space=0):
-            pass
 
 
 def test_kernel_timeline_names_kernels_by_their_short_names(tmp_path):
@@ -137,6 +136,19 @@ def test_kernel_timeline_names_kernels_by_their_short_names(tmp_path):
         for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv"):
             assert _mosaic_common._compiler_params(name).profile_dir == str(tmp_path)
     assert not _mosaic_common._compiler_params("jflash_mosaic_dkv").profile_space
+    # By default each kernel keeps what fits beside its shared memory
+    # (tests/test_lowering.py lowers them with it).
+    with jflash.kernel_timeline(tmp_path, kernels=("fwd", "dkv"), space=None):
+        for short, name in TIMELINE_KERNELS.items():
+            space = _mosaic_common._compiler_params(name).profile_space
+            assert space == DEFAULT_SPACE[short], short
+    assert DEFAULT_SPACE["dkv"] < DEFAULT_SPACE["fwd"]
+    with jflash.kernel_timeline(tmp_path, kernels="fwd", space=np.int64(96)):
+        assert _mosaic_common._compiler_params("jflash_mosaic_fwd").profile_space == 96
+    for bad in (0, -3, 2.5, True, "480"):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            with jflash.kernel_timeline(tmp_path, space=bad):
+                pass
     for bad in ("dq", (), ("fwd", "bwd")):
         with pytest.raises(ValueError, match="name one or more of fwd, dkv"):
             with jflash.kernel_timeline(tmp_path, kernels=bad):
