@@ -37,7 +37,8 @@ def kernel_timeline(directory: str, *, kernels=("fwd",), space: int | None = Non
 
     `kernels`: names of `TIMELINE_KERNELS` ("fwd": the forward, "dkv": the backward's
     dK/dV kernel). `space`: ranges each warpgroup keeps (16 bytes of shared memory each,
-    later ones dropped); None: `DEFAULT_SPACE` per kernel, which fits beside it. A call
+    later ones dropped); None: `DEFAULT_SPACE` per kernel, which fits beside it (more
+    than fits fails the kernel's lowering with Mosaic's shared-memory error). A call
     whose trace file exists already writes none. Kernels traced outside the block carry
     no profiler: the scopes change no instruction.
     """
