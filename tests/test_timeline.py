@@ -1,6 +1,8 @@
 """`benchmarks/timeline.py` on CPU: the trace analysis on a made-up trace, its flags, and
 the profiler switch the Mosaic kernels are built with (the profile itself needs a GPU)."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -106,6 +108,25 @@ def test_shapes_and_flags(tmp_path):
     if jax.devices()[0].platform != "gpu":
         with pytest.raises(SystemExit):
             timeline.main(["--shapes", "causal:256:64", "--out", str(tmp_path / "t.json")])
+
+
+@pytest.mark.parametrize(
+    "space, shown", [([], "--space default"), (["--space", "900"], "--space 900")]
+)
+def test_a_profiler_buffer_that_does_not_fit_is_a_flag_error(monkeypatch, capsys, space, shown):
+    """Mosaic's shared-memory error while the kernel lowers becomes a one-line flag error
+    naming --space (here on a stand-in GPU: the profiled call raises it)."""
+
+    def too_big(*args, **kwargs):
+        raise ValueError("Mosaic GPU kernel exceeds available shared memory: smem_bytes=1")
+
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(platform="gpu")])
+    monkeypatch.setattr(timeline, "profile_shape", too_big)
+    with pytest.raises(SystemExit):
+        timeline.main(["--kernel", "dkv", "--shapes", "causal:4096:64", *space])
+    err = capsys.readouterr().err
+    assert f"causal:4096:64: the profiler's ranges per warpgroup ({shown})" in err
+    assert "do not fit beside the dkv kernel's shared memory; lower --space" in err
 
 
 def test_profiling_switch_reaches_only_the_named_kernels(tmp_path):
