@@ -159,7 +159,6 @@ def median_rounds(rows: list[dict]) -> list[dict]:
 def cases(args, shapes):
     """`(label, (q, k, v, do), forward FLOPs, build)` per shape, then the packed row
     with `--documents`; `build(impl)` is `attn(q, k, v)` or raises PeerUnavailable."""
-
     from benchmarks import kernel
 
     for mask, seq, hd in shapes:

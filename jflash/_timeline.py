@@ -5,11 +5,11 @@ runs it and reads the traces)."""
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 from jflash import _mosaic_common
 from jflash._mosaic_bwd import DKV_STEP_SCOPES
 from jflash._mosaic_fwd import ITEM_SCOPES, STEP_SCOPES
+from jflash._validation import is_int
 
 # The kernels a timeline can cover, by the name `kernel_timeline` takes.
 TIMELINE_KERNELS = {"fwd": "jflash_mosaic_fwd", "dkv": "jflash_mosaic_dkv"}
@@ -47,7 +47,7 @@ def kernel_timeline(directory: str, *, kernels=("fwd",), space: int | None = Non
     if unknown or not kernels:
         raise ValueError(f"kernels={kernels!r}: name one or more of {', '.join(TIMELINE_KERNELS)}")
     if space is not None:
-        if isinstance(space, bool) or not isinstance(space, numbers.Integral) or space < 1:
+        if not is_int(space) or space < 1:
             raise ValueError(f"{space=} must be a positive int (ranges per warpgroup) or None")
         space = int(space)
     spaces = {TIMELINE_KERNELS[k]: DEFAULT_SPACE[k] if space is None else space for k in kernels}
