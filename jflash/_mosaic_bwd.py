@@ -207,16 +207,22 @@ def _bf16_head(x):
 
 
 def _row_parts(x):
-    """f32 `[B, N, T]` -> bf16 `[B, N, T, PARTS]` whose columns sum to `x` exactly."""
+    """f32 `[B, N, T]` -> bf16 `[B, N, T, PARTS]` whose columns sum to `x` exactly.
+
+    Built as 32-bit words, two parts each, padded with zero words and viewed as bf16:
+    XLA's GPU fusion of a 16-column bf16 concatenation wrote one element per thread,
+    129 us for 64k x 32 rows on an H200, this form 21 us."""
     x = x.astype(jnp.float32)
     finite = jnp.isfinite(x)
-    parts, rest = [], x
+    halves, rest = [], x
     for _ in range(3):
         part = _bf16_head(rest)
-        parts.append(part.astype(jnp.bfloat16))  # exact: part has 8 significant bits
+        halves.append(lax.bitcast_convert_type(part, jnp.uint32) >> 16)  # its bf16 bits
         rest = jnp.where(finite, rest - part, jnp.float32(0.0))
-    zeros = jnp.zeros((*x.shape, PARTS - len(parts)), jnp.bfloat16)
-    return jnp.concatenate([jnp.stack(parts, -1), zeros], -1)
+    # Little-endian: the word's low half is the lower column.
+    words = jnp.stack([halves[0] | (halves[1] << 16), halves[2]], -1)
+    words = jnp.pad(words, [(0, 0)] * x.ndim + [(0, PARTS // 2 - 2)])
+    return lax.bitcast_convert_type(words, jnp.bfloat16).reshape(*x.shape, PARTS)
 
 
 def _parts_tile(shape):
