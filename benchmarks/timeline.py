@@ -72,7 +72,7 @@ def _warpgroup_traces(events: list[dict]) -> dict[int, list[dict]]:
 
 
 def analyse(
-    events: list[dict], step_scopes, item_scopes=(), *, step="s_wait", item="locate"
+    events: list[dict], step_scopes, item_scopes=(), *, step="s_wait", item="q_wait"
 ) -> dict:
     """Cycles by scope from a Mosaic profiler trace's events (`traceEvents`: "B"/"E"
     pairs per warpgroup, `ts` in the profiler's units: cycles / 1000).

@@ -38,6 +38,7 @@ key positions with it instead of comparing ids: one unsigned comparison per entr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -52,6 +53,7 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
+    Steps,
     col_ids,
     drain,
     fit_stages,
@@ -101,13 +103,13 @@ STEP_SCOPES = {
     "turn": "wait for the V slot and the tensor cores' turn",
     "issue": "issue P V and the next Q K^T, hand the turn over and wait for it back",
 }
-# Per work item (a warpgroup's 64 query rows of one head):
+# Per work item (a warpgroup's 64 query rows of one head), "q_wait" first:
 ITEM_SCOPES = {
-    "locate": "the item's coordinates and key steps",
+    "locate": "the CTA's first item's coordinates and key steps (the others': in ticket)",
     "q_wait": "wait for its Q tile",
     "first": "issue its first Q K^T and take a turn",
     "last_pv": "wait for its last P V",
-    "ticket": "take the next item's ticket and start its Q load",
+    "ticket": "take the next item's ticket, find its coordinates and steps, start its Q load",
     "store_wait": "wait until the last output copy has read shared memory",
 }
 
@@ -189,13 +191,16 @@ def _fwd_kernel(
         plgpu.barrier_arrive(turn.at[rem(wg + 1, jnp.int32(wgs))])
 
     def locate(ticket, done):
-        """Work item `ticket`: `(batch, head, cta_start, Steps)`, `done` steps streamed
-        before it."""
-        batch, head, tile = items.coords(ticket, order_ref)
-        cta_start, st = query_tile_steps(
-            geom, block_kv, table_ref, batch, wg, wgs, tile=tile, base=done
-        )
-        return batch, head, cta_start, st
+        """Work item `ticket`: `(batch, head, tile, Steps)`, `done` steps streamed
+        before it (`ticket == total`, none left: the last item's, never run)."""
+        batch, head, tile = items.coords(jnp.minimum(ticket, total - 1), order_ref)
+        _, st = query_tile_steps(geom, block_kv, table_ref, batch, wg, wgs, tile=tile, base=done)
+        return batch, head, tile, st
+
+    def first_row(tile):
+        """This warpgroup's first query row in query tile `tile`: a multiple of its rows
+        that Mosaic can see (its TMA copies' tiling), also where `tile` is a loop carry."""
+        return tile * (wgs * bq) + wg * bq
 
     def read_ticket(k):
         """Compute warpgroups: the CTA's `k`-th work item (`total`: none left)."""
@@ -205,10 +210,9 @@ def _fwd_kernel(
         plgpu.barrier_arrive(ticket_free(slot))
         return ticket
 
-    def load_q(ticket):
-        """Work item `ticket`'s query rows of this warpgroup (and their ids)."""
-        batch, head, tile = items.coords(ticket, order_ref)
-        q_start = tile * (wgs * bq) + wg * bq
+    def load_q(batch, head, tile):
+        """A work item's query rows of this warpgroup (and their ids)."""
+        q_start = first_row(tile)
         plgpu.copy_gmem_to_smem(
             q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[wg], q_ready.at[wg]
         )
@@ -217,10 +221,10 @@ def _fwd_kernel(
                 qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
             )
 
-    def compute_item(k, batch, head, cta_start, st):
-        """The CTA's `k`-th work item; returns the ticket of the next one, whose Q
-        loads during this one's epilogue."""
-        q_start = cta_start + wg * bq
+    def compute_item(k, batch, head, tile, st):
+        """The CTA's `k`-th work item; returns the next one's ticket and `locate`,
+        taken (and its Q load started) before this one's epilogue."""
+        q_start = first_row(tile)
         q_smem = q_smem2.at[wg]
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
@@ -428,9 +432,12 @@ def _fwd_kernel(
 
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads while this one's output is normalised and stored.
+        # Its coordinates and steps are found here too: on packed rows they are reads
+        # of the tile order and table in HBM, whose wait the epilogue hides.
         with jax.named_scope("ticket"):
             ticket = read_ticket(k + 1)
-            pl.when(ticket < total)(lambda: load_q(ticket))
+            following = locate(ticket, st.base + st.count)
+            pl.when(ticket < total)(lambda: load_q(*following[:3]))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = o_smem2.at[wg]
@@ -450,28 +457,29 @@ def _fwd_kernel(
             lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)], commit_group=False
         )
         plgpu.commit_smem_to_gmem_group()
-        return ticket
+        return ticket, following
 
     @pl.when(wg < wgs)
     def _compute():
         regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
         plgpu.set_max_registers(regs, action="increase")
         first = read_ticket(jnp.int32(0))
-        pl.when(first < total)(lambda: load_q(first))
+        with jax.named_scope("locate"):
+            located = locate(first, jnp.int32(0))
+        pl.when(first < total)(lambda: load_q(*located[:3]))
         # Turns run on across the items: each warpgroup takes as many per item.
         if token:  # warpgroup 0 goes first
             pl.when(wg == wgs - 1)(hand)
         else:
             pl.when(wg == 1)(take_turn)
 
+        # The carry holds the next item's `locate` (`Steps` as a tuple of its fields).
         def item(carry):
-            k, ticket, done = carry
-            with jax.named_scope("locate"):
-                batch, head, cta_start, st = locate(ticket, done)
-            ticket = compute_item(k, batch, head, cta_start, st)
-            return k + 1, ticket, done + st.count
+            k, ticket, (batch, head, tile, st) = carry
+            ticket, following = compute_item(k, batch, head, tile, Steps(*st))
+            return k + 1, ticket, _flat(following)
 
-        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, jnp.int32(0)))
+        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, _flat(located)))
         if not token:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
@@ -528,6 +536,16 @@ def _fwd_kernel(
             @pl.loop(jnp.maximum(k - 1, 0), k + 1)
             def _(j):
                 plgpu.barrier_wait(ticket_free(rem(j, 2)))
+
+
+def _flat(located):
+    """`locate`'s `(batch, head, tile, Steps)` with the steps as a tuple of int32
+    scalars: a loop carry."""
+    *coords, st = located
+    return (
+        *coords,
+        tuple(jnp.asarray(getattr(st, f.name), jnp.int32) for f in dataclasses.fields(st)),
+    )
 
 
 def forms() -> str:

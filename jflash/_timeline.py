@@ -17,7 +17,7 @@ TIMELINE_KERNELS = {"fwd": "jflash_mosaic_fwd", "dkv": "jflash_mosaic_dkv"}
 # Per kernel: its scopes per key step and per work item, the scope that begins each step
 # and the one that begins each work item (None: one work item per CTA).
 KERNEL_SCOPES = {
-    "fwd": dict(step=STEP_SCOPES, item=ITEM_SCOPES, step_begins="s_wait", item_begins="locate"),
+    "fwd": dict(step=STEP_SCOPES, item=ITEM_SCOPES, step_begins="s_wait", item_begins="q_wait"),
     "dkv": dict(step=DKV_STEP_SCOPES, item={}, step_begins="in_wait", item_begins=None),
 }
 

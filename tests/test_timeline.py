@@ -22,17 +22,17 @@ def scope(events, tid, name, start, cycles):
 
 
 def warpgroup(events, tid, items, steps, gap_extra=0):
-    """`items` work items of `steps` steps each, in cycles: locate 10; per step s_wait 5,
+    """`items` work items of `steps` steps each, in cycles: q_wait 10; per step s_wait 5,
     softmax 100, turn 20 and 75 to issue the matmuls (200 in all); then ticket 30 (+
-    `gap_extra` cycles of unscoped epilogue) before the next item's locate."""
+    `gap_extra` cycles of unscoped epilogue) before the next item's q_wait."""
     t = 0
     for _ in range(items):
-        t = scope(events, tid, "locate", t, 10)
+        t = scope(events, tid, "q_wait", t, 10)
         for _ in range(steps):
             for name, cycles in (("s_wait", 5), ("softmax", 100), ("turn", 20), ("issue", 75)):
                 t = scope(events, tid, name, t, cycles)
         t = scope(events, tid, "ticket", t, 30) + gap_extra
-    scope(events, tid, "locate", t, 10)  # the next item, cut off by the profiler's space
+    scope(events, tid, "q_wait", t, 10)  # the next item, cut off by the profiler's space
 
 
 def test_analyse_counts_steps_gaps_and_shares():
@@ -44,8 +44,8 @@ def test_analyse_counts_steps_gaps_and_shares():
     assert r["steps"] == 24 and r["steps_per_item"] == 4
     assert r["step_cycles"] == pytest.approx(200)
     assert r["cycles_per_step"]["softmax"] == pytest.approx(100)
-    assert r["cycles_per_item"] == {"locate": pytest.approx(10), "ticket": pytest.approx(30)}
-    # Gap: ticket 30 (+ 60 on the second warpgroup) + the next locate 10; two per trace.
+    assert r["cycles_per_item"] == {"q_wait": pytest.approx(10), "ticket": pytest.approx(30)}
+    # Gap: ticket 30 (+ 60 on the second warpgroup) + the next q_wait 10; two per trace.
     assert r["item_gap_cycles"] == pytest.approx((40 + 100) / 2)
     # Spans: to the end of each trace's last kept ticket, 3 items of 840 cycles (+ 60
     # after each but the last on the second warpgroup).
