@@ -24,8 +24,8 @@ At D=64, calls of 16k queries or more run three compute warpgroups (192 query ro
 `THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
 (`turn.at[w]`, one arrival each) instead of the two-arrival turn barrier. With segment
 ids they run where the key ids are sorted, masking by the rows' spans only (the id
-compare does not fit in their registers); other ids take two warpgroups, chosen at run
-time (`lax.cond`).
+compare does not fit in their registers); other ids take two warpgroups. Both kernels
+launch, into the same outputs, and the one whose case the ids are not returns at once.
 
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
@@ -72,7 +72,7 @@ from jflash._mosaic_common import (
 )
 from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
-from jflash._vma import match, struct
+from jflash._vma import match, struct, vary, varying_axes
 from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
@@ -125,6 +125,7 @@ def _fwd_kernel(
     wgs: int,
     items: WorkItems,
     spans_only: bool = False,
+    run_if: bool | None = None,
 ):
     """`refs`: q, k,
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
@@ -133,7 +134,8 @@ def _fwd_kernel(
     `kv_ids`: None without ids; `kv_ids` None with `spans_only`).
 
     `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
-    and the key ids are not streamed."""
+    and the key ids are not streamed. `run_if`: None, or whether the kernel runs where
+    the sorted-ids flag is set (it returns at once otherwise, writing nothing)."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -165,6 +167,11 @@ def _fwd_kernel(
     # value) and their barriers share the allocations of the V slots' (one arrival) and
     # the K slots' (one per compute warpgroup): every small buffer costs its alignment,
     # and the f32-output forward at D = 128 fills shared memory to within 120 bytes.
+
+    runs = True
+    if run_if is not None:
+        flag = table_ref[jnp.int32(table_ref.shape[0] - 1)] != 0  # key ids sorted
+        runs = flag if run_if else jnp.logical_not(flag)
 
     def ticket_ready(slot):  # ticket slot `slot` holds the next item
         return v_ready.at[jnp.int32(stages) + slot]
@@ -228,24 +235,19 @@ def _fwd_kernel(
         q_smem = q_smem2.at[wg]
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
-        q_ids = lo = hi = spans = None
+        q_ids = lo = hi = None
         if segments and spans_only:
             lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in (1, 2))
         elif segments:
-            q_ids, lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in range(3))
-            spans = table_ref[jnp.int32(table_ref.shape[0] - 1)] != 0  # key ids sorted
+            q_ids = row_ids(q_ids2.at[wg, jnp.int32(0)])
         # Each span's length (0 where it is empty), for `by_spans`.
         width = None if lo is None else jnp.maximum(hi - lo, jnp.int32(0)).astype(jnp.uint32)
 
         def step_ids(slot, masked: bool):
-            """The step's key ids, read before its K slot is released (unused where the
-            rows' spans mask the tile)."""
+            """The step's key ids, read before its K slot is released."""
             if not (masked and segments) or spans_only:
                 return None
-            unused = plgpu.layout_cast(
-                jnp.zeros((block_kv,), jnp.int32), plgpu.Layout.WGMMA.reduce(0)
-            )
-            return lax.cond(spans, lambda: unused, lambda: col_ids(kv_ids.at[slot]))
+            return col_ids(kv_ids.at[slot])
 
         def by_spans(j, s):
             """`s` with the keys outside each row's span hidden (its document's keys,
@@ -269,10 +271,8 @@ def _fwd_kernel(
             fenced, so all of it is done before the turn is handed over."""
             if masked and segments and spans_only:
                 s = by_spans(j, s)
-            elif masked and segments:
-                s = lax.cond(spans, lambda: by_spans(j, s), lambda: by_ids(j, s, ids))
             elif masked:
-                s = by_ids(j, s, None)
+                s = by_ids(j, s, ids)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
@@ -459,7 +459,7 @@ def _fwd_kernel(
         plgpu.commit_smem_to_gmem_group()
         return ticket, following
 
-    @pl.when(wg < wgs)
+    @pl.when((wg < wgs) & runs)
     def _compute():
         regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
         plgpu.set_max_registers(regs, action="increase")
@@ -486,7 +486,7 @@ def _fwd_kernel(
         # kernel's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == wgs)
+    @pl.when((wg == wgs) & runs)
     def _memory():
         plgpu.set_max_registers(THREE_WG_REGS[1] if token else MEMORY_REGS, action="decrease")
 
@@ -555,7 +555,7 @@ def forms() -> str:
         f"the Mosaic forward: three compute warpgroups at head_dim {dims} from "
         f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; with "
         "segment_ids, sorted ids (packed documents) mask by each row's key span and "
-        "other ids compare ids on two warpgroups (chosen at run time)"
+        "other ids compare ids on two warpgroups (both kernels launch; the other returns at once)"
     )
 
 
@@ -593,47 +593,56 @@ def mosaic_fwd(
         and q.shape[1] >= THREE_WG_MIN_LEN
         and not interpret
     )
-    run = functools.partial(_forward, mask=mask, scale=scale, out_dtype=out_dtype)
-    two_wgs = functools.partial(
-        run, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages, interpret=interpret
-    )
+    common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
+    two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
     fast = two_wgs
     if three:
         # At least 3 stages: a turn may wait for the slot that the step before it freed.
         # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
-        fast = functools.partial(run, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
+        fast = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
     if not segments:
-        return fast(q, k, v, None, None, None)
+        return _forward(q, k, v, None, None, None, forms=(fast,))
     q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
-    ordered = ids_sorted(kv_seg)
-    if interpret:  # one kernel: its in-kernel choice of mask covers both
-        return two_wgs(q, k, v, q_seg, kv_seg, ordered)
     # Sorted key ids (packed documents): a kernel that masks by the rows' spans only and
     # streams no key ids. The id compare beside the spans costs registers: at D = 64
     # the kernel with both spills 1,096 bytes on two warpgroups (ptxas), the spans-only
     # one 92 on three. Other ids run the kernel that compares ids, on two warpgroups.
-    return lax.cond(
-        ordered,
-        functools.partial(fast, spans_only=True),
-        two_wgs,
-        q,
-        k,
-        v,
-        q_seg,
-        kv_seg,
-        ordered,
-    )
+    # Both launch, one after the other into the same outputs, and the one whose case
+    # the flag is not returns at once: a `lax.cond` on the flag copies it to the host
+    # and waits for it there (XLA's GPU conditional, outside a command buffer), which
+    # cost a jitted packed 64k forward 3% on an H200.
+    forms = (dict(fast, spans_only=True, run_if=True), dict(two_wgs, run_if=False))
+    return _forward(q, k, v, q_seg, kv_seg, ids_sorted(kv_seg), forms=forms)
 
 
-def _forward(q, k, v, q_seg, kv_seg, ordered, *, interpret: bool = False, **static):
-    """One launch of the forward kernel (`_launch`). Compiled, `jax.vmap` of it folds the
-    mapped axis into the batch: one launch whose work items cover every mapped call.
-    (Pallas would add a grid axis per mapped call, and all of them would share the one
-    counter the kernel takes its items from.)"""
-    run = functools.partial(_launch, interpret=interpret, **static)
-    if interpret:
+def _forward(q, k, v, q_seg, kv_seg, ordered, *, forms):
+    """The forward kernel's launches (`forms`: each one's `_launch` arguments; a second
+    writes into the first's outputs). Compiled, `jax.vmap` of them folds the mapped
+    axis into the batch: launches whose work items cover every mapped call. (Pallas
+    would add a grid axis per mapped call, and all of them would share the one counter
+    the kernel takes its items from.)"""
+    run = functools.partial(_launches, forms=forms)
+    if forms[0]["interpret"]:
         return run(q, k, v, q_seg, kv_seg, ordered)
     return _batch_folded(run)(q, k, v, q_seg, kv_seg, ordered)
+
+
+def _launches(q, k, v, q_seg, kv_seg, ordered, *, forms):
+    """`_launch` of each form in turn, the first one's outputs (as refs) taken by the
+    rest: `(o, lse)` cut to the queries."""
+    t = q.shape[1]
+    rows = max(round_up(t, f["wgs"] * WG_ROWS) for f in forms)  # every form's padding
+    first, *rest = forms
+    o, lse = _launch(q, k, v, q_seg, kv_seg, ordered, out_rows=rows, out_varying=not rest, **first)
+    if rest:
+        # The outputs of `plgpu.kernel` vary over no manual axis (`launch`): refs can
+        # hold them. The value read back is marked varying like the inputs.
+        axes = varying_axes(q, k, v, q_seg, kv_seg)
+        refs = (jax.new_ref(o), jax.new_ref(lse))
+        for form in rest:
+            _launch(q, k, v, q_seg, kv_seg, ordered, out_rows=rows, into=refs, **form)
+        o, lse = (vary(r[...], axes) for r in refs)
+    return o[:, :t], lse[:, :, :t]
 
 
 def _batch_folded(run):
@@ -681,11 +690,17 @@ def _launch(
     wgs: int,
     interpret: bool = False,
     spans_only: bool = False,
+    run_if: bool | None = None,
+    out_rows: int,
+    into=None,
+    out_varying: bool = True,
 ):
-    """One launch of the forward kernel on `wgs` compute warpgroups (`q_seg`, `kv_seg`:
-    int32, both None without segment ids; `ordered`: `ids_sorted(kv_seg)`, for the
-    kernel's in-kernel choice of mask; `spans_only`: the key ids are sorted, and not
-    streamed)."""
+    """One launch of the forward kernel on `wgs` compute warpgroups: `(o, lse)` with
+    `out_rows` query rows (padding past the queries), or nothing, written into `into`'s
+    refs. `q_seg`, `kv_seg`: int32, both None without segment ids; `ordered`:
+    `ids_sorted(kv_seg)`; `spans_only`: the key ids are sorted, and not streamed;
+    `run_if`: the kernel runs where `ordered` is this (None: always); `out_varying`:
+    the outputs marked as varying like the inputs inside a `jax.shard_map` (`launch`)."""
     segments = q_seg is not None
     stream_ids = segments and not spans_only  # the key ids ride with K
     b, t, n, h = q.shape
@@ -717,7 +732,7 @@ def _launch(
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
         order = heaviest_first(table, items.tiles, wgs, b, block_kv, geom)
-        table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])
+        table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])  # `run_if`
         spans = key_spans(q_seg, kv_seg, causal=mask.causal, diag=geom.diag, kv_len=s_len)
         rows_ids = jnp.concatenate([q_seg[:, None], spans], axis=1)  # [B, 3, T]
         inputs += (pad_to(rows_ids, 2, geom.q_pad),)
@@ -734,13 +749,14 @@ def _launch(
         wgs=wgs,
         items=items,
         spans_only=spans_only,
+        run_if=run_if,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
-    out_type = [
-        struct((b, geom.q_pad, n, h), out_dtype, q),
-        struct((b, n, geom.q_pad), jnp.float32, q),
-    ]
+    out_type = [struct((b, out_rows, n, h), out_dtype, q), struct((b, n, out_rows), jnp.float32, q)]
+    if into is not None:
+        inputs += tuple(into)  # the kernel's output refs
+        out_type = []
     call = launch(
         kernel,
         out_type=out_type,
@@ -766,6 +782,6 @@ def _launch(
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
         wgs=wgs,
+        varying=out_varying,
     )
-    o, lse = call(*inputs)
-    return o[:, :t], lse[:, :, :t]
+    return call(*inputs)

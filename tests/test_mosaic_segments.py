@@ -221,10 +221,11 @@ def test_vmap_over_calls_with_their_own_ids(second):
         check([x[i] for x in got], want, (seg, seg), causal=True, dtype=case.dtype)
 
 
-def test_vmap_keeps_one_forward_kernel(monkeypatch):
-    """Under `jax.vmap` with mapped segment ids the forward's choice of kernel (sorted
-    key ids or not) stays a conditional, one kernel run (lowered for CUDA, no GPU); a
-    mapped flag would run both kernels and select."""
+def test_vmap_launches_each_forward_kernel_once(monkeypatch):
+    """Under `jax.vmap` with mapped segment ids the forward launches its two kernels
+    (sorted key ids or not; the one whose case it is not returns at once) once each,
+    the mapped calls folded into the batch, and no conditional (XLA's GPU conditional
+    waits for its flag on the host): lowered for CUDA, no GPU."""
     import jflash._dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -243,8 +244,8 @@ def test_vmap_keeps_one_forward_kernel(monkeypatch):
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(jax.vmap(attend)).trace(q, kv, kv, seg)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.case") == 1
-    assert text.count("@mosaic_gpu") == 2  # the two forms, one in each branch
+    assert text.count("stablehlo.case") == 0
+    assert text.count("@mosaic_gpu") == 2  # the two forms, each launched once
 
 
 @pytest.mark.parametrize("q_offset, k_offset", [(0, 1), (64, 0)], ids=["striped", "later"])
@@ -253,8 +254,7 @@ def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
     """The forward's two masks, each row's key span (sorted key ids) and the id compare
     (any other order), give the same output and LSE on a ring block's offsets (a
     striped off-diagonal step: the key one position later; a later query block), and
-    match the dense oracle; so does the kernel that masks by spans only (what compiled
-    calls run for sorted ids; interpreted calls run the one that picks inside)."""
+    match the dense oracle; so does the id compare alone on the sorted ids."""
     case = Case(q_len=192, segments=4)
     q, k, v, *_ = inputs(case, 5)
     q_seg = random_segments(5, 1, 192, 4)
@@ -278,23 +278,11 @@ def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
     by_spans, by_ids = forward(q_seg), forward(unsorted)
     for a, b in zip(by_spans, by_ids, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    spans_only = _forward(
-        q,
-        k,
-        v,
-        q_seg,
-        q_seg,
-        jnp.bool_(True),
-        mask=mask,
-        scale=scale,
-        out_dtype=q.dtype,
-        block_kv=128,
-        stages=2,
-        wgs=2,
-        interpret=INTERPRET,
-        spans_only=True,
+    ids_only = dict(mask=mask, scale=scale, out_dtype=q.dtype, block_kv=128, stages=2, wgs=2)
+    ids_only = _forward(
+        q, k, v, q_seg, q_seg, jnp.bool_(True), forms=(dict(ids_only, interpret=INTERPRET),)
     )
-    for a, b in zip(by_spans, spans_only, strict=True):
+    for a, b in zip(by_spans, ids_only, strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     seen = mask.dense(192, 192, (q_seg, q_seg))[:, None]  # [B, 1, T, S]
     kr, vr = (jnp.repeat(x.astype(jnp.float32), 2, axis=2) for x in (k, v))
