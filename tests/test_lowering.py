@@ -337,7 +337,7 @@ def test_mosaic_pipeline_depth_fits_shared_memory():
         ("ring", 64, False, False),
         ("allgather", 64, True, False),
         ("ulysses", 128, True, False),
-        # With segment ids the forward chooses its kernel at run time (`lax.cond`).
+        # With segment ids the forward launches two kernels, the second into refs.
         ("user_shard_map", 64, True, True),
         ("ring", 128, True, True),
     ],
@@ -352,7 +352,8 @@ def test_mosaic_gradients_inside_shard_map_sum_nothing_over_devices(
     summed dO over the devices: wrong dQ on 2 H100s (non-causal ring and allgather at
     D=64), and Ulysses failed to trace its backward. On one sequence shard per device
     the backward needs no all-reduce: the lowering has none (the Triton kernels' neither).
-    With segment ids the forward's run-time choice of kernel lowers there too.
+    With segment ids the forward's two kernels (the second writing into the first's
+    outputs through refs) lower there too.
     """
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
@@ -479,21 +480,28 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     assert text.count("jflash_mosaic_fwd") >= len(launched)
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["", "documents"])
 @pytest.mark.parametrize("how", ["checkpoint_scan", "vmap", "user_shard_map_checkpoint"])
-def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how):
+def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how, documents):
     """The compiled Mosaic kernels as the models and users call them: inside
     `jax.checkpoint` (the attention names saved) inside `lax.scan` over layers, under
     `jax.grad`; under `jax.vmap`; and the same checkpointed layers inside a user's
     `jax.shard_map` (`check_vma=True`). A kernel given a mutable buffer (a `jax.new_ref`
     made per call) failed the first and the third: under `jax.checkpoint` the buffer
-    became a residual of the custom VJP, which jax refuses."""
+    became a residual of the custom VJP, which jax refuses. With segment ids the
+    forward's second kernel writes into the first's outputs through refs."""
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
     policy = jax.checkpoint_policies.save_only_these_names("attention_out", "attention_lse")
 
     def attend(h):
         kv = h[:, :, :2]
-        return jflash.flash_attention(h, kv, kv, causal=True, implementation="pallas_mosaic")
+        seg = None
+        if documents:  # two documents per row
+            seg = jnp.broadcast_to((jnp.arange(h.shape[1]) >= 200).astype(jnp.int32), h.shape[:2])
+        return jflash.flash_attention(
+            h, kv, kv, causal=True, segment_ids=seg, implementation="pallas_mosaic"
+        )
 
     def loss(x, ws):
         def layer(h, w):
