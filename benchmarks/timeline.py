@@ -72,20 +72,30 @@ def _warpgroup_traces(events: list[dict]) -> dict[int, list[dict]]:
 
 
 def analyse(
-    events: list[dict], step_scopes, item_scopes=(), *, step="s_wait", item="q_wait"
+    events: list[dict],
+    step,
+    item=(),
+    *,
+    step_begins="s_wait",
+    item_begins="q_wait",
+    gap_from="issue",
 ) -> dict:
     """Cycles by scope from a Mosaic profiler trace's events (`traceEvents`: "B"/"E"
     pairs per warpgroup, `ts` in the profiler's units: cycles / 1000).
 
-    Returns items and steps run (a `step` scope begins each step, an `item` scope each
-    work item; `item=None`: a warpgroup's whole trace is one, as in the dK/dV kernel's
-    one key tile per CTA), each scope's share of the warpgroups' time and its cycles per
-    step (step scopes) or per item (the rest), and the item gap: the median from the
-    end of a warpgroup's last "issue" before an item scope to that item's first step,
-    also as a share of an item's cycles (its steps' and the gap's). A trace cut short by
-    the profiler's space keeps its finished items only (with `item=None`, what it has).
+    The arguments are a kernel's `jflash.KERNEL_SCOPES` entry: its scopes per step
+    (`step`) and per work item (`item`), the scope that begins each step and the one
+    that begins each item (`item_begins=None`: a warpgroup's whole trace is one item, as
+    in the dK/dV kernel's one key tile per CTA), and the scope whose end starts the item
+    gap (`gap_from`: the last matmul issue; None: no gap). Returns items and steps run,
+    each scope's share of the warpgroups' time and its cycles per step (step scopes) or
+    per item (the rest), and the item gap: the median from the end of a warpgroup's last
+    `gap_from` before an item to that item's first step, also as a share of an item's
+    cycles (its steps' and the gap's). A trace cut short by the profiler's space keeps
+    its finished items only (with `item_begins=None`, what it has).
     """
-    step_scopes = set(step_scopes)
+    step_scopes, item_scopes = set(step), set(item)
+    step, item = step_begins, item_begins
     span = 0.0
     spent: dict[str, float] = {}
     items = steps = 0
@@ -120,7 +130,7 @@ def analyse(
                 if waiting_first and last_issue_end is not None:
                     gaps.append((begin["ts"] - last_issue_end) * 1000)
                 waiting_first = False
-            elif begin["name"] == "issue":
+            elif begin["name"] == gap_from:
                 last_issue_end = e["ts"]
     if not items or not span:
         raise ValueError("no finished work item in the trace (too little --space?)")
@@ -141,7 +151,7 @@ def analyse(
         "share": {k: v / span for k, v in sorted(spent.items(), key=lambda kv: -kv[1])},
         "cycles_per_step": per_step,
         "cycles_per_item": per_item,
-        "unknown_scopes": sorted(set(spent) - step_scopes - set(item_scopes)),
+        "unknown_scopes": sorted(set(spent) - step_scopes - item_scopes),
     }
 
 
@@ -228,13 +238,7 @@ def main(argv=None) -> int:
     import jflash
     from benchmarks.common import device_name
 
-    kernel = jflash.KERNEL_SCOPES[args.kernel]
-    scopes = dict(
-        step_scopes=kernel["step"],
-        item_scopes=kernel["item"],
-        step=kernel["step_begins"],
-        item=kernel["item_begins"],
-    )
+    scopes = jflash.KERNEL_SCOPES[args.kernel]
 
     if jax.devices()[0].platform != "gpu":
         parser.error("the Mosaic profiler needs a Hopper GPU (this machine has none)")

@@ -14,11 +14,20 @@ from jflash._validation import is_int
 # The kernels a timeline can cover, by the name `kernel_timeline` takes.
 TIMELINE_KERNELS = {"fwd": "jflash_mosaic_fwd", "dkv": "jflash_mosaic_dkv"}
 
-# Per kernel: its scopes per key step and per work item, the scope that begins each step
-# and the one that begins each work item (None: one work item per CTA).
+# Per kernel: its scopes per key step and per work item, the scope that begins each step,
+# the one that begins each work item (None: one work item per CTA) and the one whose end
+# starts the gap between items (the last matmul issue; None: no gap).
 KERNEL_SCOPES = {
-    "fwd": dict(step=STEP_SCOPES, item=ITEM_SCOPES, step_begins="s_wait", item_begins="q_wait"),
-    "dkv": dict(step=DKV_STEP_SCOPES, item={}, step_begins="in_wait", item_begins=None),
+    "fwd": dict(
+        step=STEP_SCOPES,
+        item=ITEM_SCOPES,
+        step_begins="s_wait",
+        item_begins="q_wait",
+        gap_from="issue",
+    ),
+    "dkv": dict(
+        step=DKV_STEP_SCOPES, item={}, step_begins="in_wait", item_begins=None, gap_from=None
+    ),
 }
 
 

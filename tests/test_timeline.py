@@ -9,7 +9,7 @@ import pytest
 
 import jflash
 from benchmarks import timeline
-from jflash import _mosaic_bwd, _mosaic_common, _mosaic_fwd
+from jflash import _mosaic_common, _mosaic_fwd
 from jflash._timeline import DEFAULT_SPACE, TIMELINE_KERNELS
 
 
@@ -39,7 +39,7 @@ def test_analyse_counts_steps_gaps_and_shares():
     events = []
     warpgroup(events, 1, items=3, steps=4)
     warpgroup(events, 2, items=3, steps=4, gap_extra=60)
-    r = timeline.analyse(events, _mosaic_fwd.STEP_SCOPES, _mosaic_fwd.ITEM_SCOPES)
+    r = timeline.analyse(events, **jflash.KERNEL_SCOPES["fwd"])
     assert r["warpgroup_items"] == 6  # the cut-off item is left out
     assert r["steps"] == 24 and r["steps_per_item"] == 4
     assert r["step_cycles"] == pytest.approx(200)
@@ -78,7 +78,7 @@ def test_analyse_takes_a_dkv_trace_as_one_item_per_warpgroup():
         for _ in range(3):  # three steps, one key tile
             for name, cycles in (("in_wait", 10), ("s_wait", 40), ("exp", 150), ("dq", 100)):
                 t = scope(events, tid, name, t, cycles)
-    r = timeline.analyse(events, _mosaic_bwd.DKV_STEP_SCOPES, step="in_wait", item=None)
+    r = timeline.analyse(events, **jflash.KERNEL_SCOPES["dkv"])
     assert r["warpgroup_items"] == 2 and r["steps"] == 6 and r["steps_per_item"] == 3
     assert r["step_cycles"] == pytest.approx(300)
     assert r["cycles_per_step"]["exp"] == pytest.approx(150)
@@ -177,3 +177,4 @@ def test_kernel_timeline_names_kernels_by_their_short_names(tmp_path):
     for kernel, scopes in jflash.KERNEL_SCOPES.items():
         assert scopes["step_begins"] in scopes["step"], kernel
         assert scopes["item_begins"] is None or scopes["item_begins"] in scopes["item"]
+        assert scopes["gap_from"] is None or scopes["gap_from"] in scopes["step"]
