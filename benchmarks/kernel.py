@@ -461,7 +461,8 @@ def tune(args):
 
 def kernel_split(args, iterations: int = 20):
     """Forward+backward at the `--seq`/`--head-dim` shape, traced: ms per call of each
-    GPU kernel, per implementation (which pass of ours or cuDNN's is the slower)."""
+    GPU kernel from `--kernel-share` of the call up, per implementation (which pass of
+    ours or a peer's is the slower, and what the small kernels around them cost)."""
     inputs = draw_inputs(1, args.seq, args.heads, args.kv_heads, args.head_dim)
     rows = []
     for impl in args.impls:
@@ -478,7 +479,7 @@ def kernel_split(args, iterations: int = 20):
             spent = kernel_durations(trace_dir)
         total = sum(spent.values())
         for name, ns in spent.items():
-            if ns < 0.01 * total:
+            if ns < args.kernel_share * total:
                 continue
             rows.append(
                 dict(impl=impl, kernel=name[:60], ms=ns / iterations / 1e6, share=ns / total)
@@ -869,6 +870,12 @@ def main(argv=None):
         "--kernels", action="store_true", help="time per GPU kernel at the --seq shape"
     )
     parser.add_argument(
+        "--kernel-share",
+        type=float,
+        default=0.01,
+        help="--kernels: leave out kernels under this share of the call (0: list all)",
+    )
+    parser.add_argument(
         "--launch-order",
         action="store_true",
         help="jflash kernels of --impls, heads- vs tiles-outermost launch, per --sweep-seqs",
@@ -940,6 +947,8 @@ def main(argv=None):
     args.impls = (args.impls or (MAIN_IMPLS if main_only else OTHER_IMPLS)).split(",")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
+    if not 0 <= args.kernel_share < 1:
+        parser.error(f"--kernel-share {args.kernel_share}: a share of the call, 0 to below 1")
     masks = {"causal": True, "full": False}
     if any(m not in masks for m in args.masks.split(",")):
         parser.error(f"--masks {args.masks!r}: a comma list of causal, full")

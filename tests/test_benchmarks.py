@@ -145,7 +145,14 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--masks", "causal,diagonal"], ["--seqs", "4k"], ["--masks", ""], ["--rounds", "0"]],
+    [
+        ["--masks", "causal,diagonal"],
+        ["--seqs", "4k"],
+        ["--masks", ""],
+        ["--rounds", "0"],
+        ["--kernel-share", "1.5"],
+        ["--kernel-share", "-0.1"],
+    ],
 )
 def test_main_rejects_bad_masks_and_seqs(argv, capsys):
     with pytest.raises(SystemExit):
