@@ -605,8 +605,9 @@ def mosaic_fwd(
     q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
     # Sorted key ids (packed documents): a kernel that masks by the rows' spans only and
     # streams no key ids. The id compare beside the spans costs registers: at D = 64
-    # the kernel with both spills 1,096 bytes on two warpgroups (ptxas), the spans-only
-    # one 92 on three. Other ids run the kernel that compares ids, on two warpgroups.
+    # a kernel with both spilled 1,096 bytes on two warpgroups (ptxas); the spans-only
+    # one spills 36 on three, the id compare alone 380 on two. Other ids run the kernel
+    # that compares ids, on two warpgroups.
     # Both launch, one after the other into the same outputs, and the one whose case
     # the flag is not returns at once: a `lax.cond` on the flag copies it to the host
     # and waits for it there (XLA's GPU conditional, outside a command buffer), which
