@@ -405,11 +405,13 @@ def _read_table(table_ref, batch, tile, n_tiles: int):
     return tuple(table_ref[base + i] for i in range(TABLE_COLS))
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Steps:
     """One warpgroup's share of its CTA's stream `[cta_lo, cta_hi)` (int32 scalars):
     steps `[cta_lo, lo)` and `[hi, cta_hi)` it only acknowledges, `[lo, clear_lo)` and
-    `[clear_hi, hi)` it computes with the mask, `[clear_lo, clear_hi)` without."""
+    `[clear_hi, hi)` it computes with the mask, `[clear_lo, clear_hi)` without. A pytree:
+    loops may carry it (the persistent forward carries its next item's)."""
 
     cta_lo: jax.Array
     cta_hi: jax.Array

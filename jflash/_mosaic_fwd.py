@@ -38,7 +38,6 @@ key positions with it instead of comparing ids: one unsigned comparison per entr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -53,7 +52,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    Steps,
     col_ids,
     drain,
     fit_stages,
@@ -473,13 +471,12 @@ def _fwd_kernel(
         else:
             pl.when(wg == 1)(take_turn)
 
-        # The carry holds the next item's `locate` (`Steps` as a tuple of its fields).
-        def item(carry):
-            k, ticket, (batch, head, tile, st) = carry
-            ticket, following = compute_item(k, batch, head, tile, Steps(*st))
-            return k + 1, ticket, _flat(following)
+        def item(carry):  # the carry holds the item's `locate`
+            k, ticket, located = carry
+            ticket, following = compute_item(k, *located)
+            return k + 1, ticket, following
 
-        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, _flat(located)))
+        lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, located))
         if not token:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
@@ -536,16 +533,6 @@ def _fwd_kernel(
             @pl.loop(jnp.maximum(k - 1, 0), k + 1)
             def _(j):
                 plgpu.barrier_wait(ticket_free(rem(j, 2)))
-
-
-def _flat(located):
-    """`locate`'s `(batch, head, tile, Steps)` with the steps as a tuple of int32
-    scalars: a loop carry."""
-    *coords, st = located
-    return (
-        *coords,
-        tuple(jnp.asarray(getattr(st, f.name), jnp.int32) for f in dataclasses.fields(st)),
-    )
 
 
 def forms() -> str:
