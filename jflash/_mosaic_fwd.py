@@ -598,7 +598,7 @@ def mosaic_fwd(
     # Both launch, one after the other into the same outputs, and the one whose case
     # the flag is not returns at once: a `lax.cond` on the flag copies it to the host
     # and waits for it there (XLA's GPU conditional, outside a command buffer), which
-    # cost a jitted packed 64k forward 3% on an H200.
+    # cost a jitted packed 64k forward 2.6% on an H200 (BENCHMARKS.md).
     forms = (dict(fast, spans_only=True, run_if=True), dict(two_wgs, run_if=False))
     return _forward(q, k, v, q_seg, kv_seg, ids_sorted(kv_seg), forms=forms)
 
