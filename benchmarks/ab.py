@@ -28,7 +28,9 @@ Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` t
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
 attention over 64k tokens packed from log-normal documents (`kernel.py --documents`);
 `--document-shapes S:D,...` adds such rows of S tokens (the same documents scaled to
-S, every batch row alike; batch = tokens // S) at head dim D.
+S, every batch row alike; batch = tokens // S) at head dim D. `--id-orders
+sorted,padded,permuted` times those rows with the documents labelled each way
+(`kernel.document_ids`: the same mask, labels that are not sorted along the row).
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import itertools
 import io
 import os
 import re
@@ -80,6 +83,7 @@ from benchmarks.kernel import (  # noqa: E402
     document_ids,
     document_lengths,
     draw_inputs,
+    parse_id_orders,
     relative_gap,
 )
 
@@ -296,10 +300,10 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
-        for seq, hd in doc_shapes:
+        for (seq, hd), order in itertools.product(doc_shapes, args.id_orders):
             batch = max(1, args.tokens // seq)
             lengths = document_lengths(seq)
-            seg = document_ids(lengths, batch)
+            seg = document_ids(lengths, batch, order)
             cands = {
                 label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
                 for label, m in modules.items()
@@ -311,6 +315,8 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             flops = batch * document_flops(lengths, args.heads, hd)
             name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
+            if order != "sorted":
+                name += f", {order} ids"
             rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
     return rows
@@ -330,6 +336,12 @@ def main(argv=None) -> int:
     parser.add_argument("--documents", action="store_true", help="add 64k packed documents")
     parser.add_argument(
         "--document-shapes", default="", help="S:D,...: packed-document rows (see above)"
+    )
+    parser.add_argument(
+        "--id-orders",
+        default="sorted",
+        help="packed-document rows: label the documents in each of these orders "
+        "(kernel.py's ID_ORDERS: sorted, padded, permuted; the same mask)",
     )
     parser.add_argument("--peers", default="", help="comma list: fa3 (where installed), cudnn")
     parser.add_argument(
@@ -362,6 +374,10 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.documents:
         doc_shapes.append((65536, 128))
+    try:
+        args.id_orders = parse_id_orders(args.id_orders)
+    except ValueError as e:
+        parser.error(str(e))
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
     peers = [p for p in args.peers.split(",") if p]

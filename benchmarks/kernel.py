@@ -695,11 +695,38 @@ def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
     return balance.packed_row_lengths(tokens, seed)
 
 
-def document_ids(lengths, batch: int = 1):
+# How `document_ids` labels the documents of a packed row; every order gives the same
+# mask (the same documents), so the same work and outputs:
+# - sorted: document i holds i (ids non-decreasing along the row);
+# - padded: documents 1, 2, ... and the last one 0, as packers label the padding that
+#   ends a row (MaxText, grain);
+# - permuted: a fixed random permutation of the labels (each document still one run).
+ID_ORDERS = ("sorted", "padded", "permuted")
+
+
+def document_ids(lengths, batch: int = 1, order: str = "sorted"):
     """Segment ids `[batch, sum(lengths)]` int32 of documents of `lengths` packed in a
-    row (document i's tokens hold i), every batch row alike."""
-    ids = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    row, labelled as `order` (`ID_ORDERS`), every batch row alike."""
+    n = len(lengths)
+    if order == "sorted":
+        labels = np.arange(n)
+    elif order == "padded":
+        labels = np.concatenate([np.arange(1, n), [0]])
+    elif order == "permuted":
+        labels = np.random.default_rng(0).permutation(n)
+    else:
+        raise ValueError(f"id order {order!r}: expected one of {ID_ORDERS}")
+    ids = np.repeat(labels.astype(np.int32), lengths)
     return jnp.asarray(np.broadcast_to(ids, (batch, ids.size)))
+
+
+def parse_id_orders(text: str) -> list[str]:
+    """`sorted,padded,...` -> the orders, in turn; ValueError naming a bad one."""
+    orders = [o for o in text.split(",") if o]
+    bad = [o for o in orders if o not in ID_ORDERS]
+    if bad or not orders:
+        raise ValueError(f"--id-orders {text!r}: a comma list of {', '.join(ID_ORDERS)}")
+    return orders
 
 
 def document_flops(lengths, heads: int, head_dim: int) -> float:
@@ -760,6 +787,10 @@ def documents(args):
         ("jflash (default)", "documents", jflash_fn(None, seg), doc_flops, None),
         ("jflash (default)", "one document", jflash_fn(None, None), whole_flops, None),
     ]
+    for order in parse_id_orders(args.id_orders):  # the same documents, labelled otherwise
+        if order != "sorted":
+            attn = jflash_fn(None, document_ids(lengths, order=order))
+            peers.append((f"jflash (default), {order} ids", "documents", attn, doc_flops, None))
     if not args.tune:
         triton = jflash_fn("pallas_triton", seg)
         peers.append(("jflash pallas_triton", "documents", triton, doc_flops, None))
@@ -889,6 +920,12 @@ def main(argv=None):
     )
     parser.add_argument("--iters", type=int, default=10, help="--documents: timed calls")
     parser.add_argument(
+        "--id-orders",
+        default="sorted",
+        help="--documents: jflash rows with the documents labelled in these orders too "
+        f"(a comma list of {', '.join(ID_ORDERS)}: the same mask, see `document_ids`)",
+    )
+    parser.add_argument(
         "--which",
         default="both",
         choices=("fwd", "bwd", "both"),
@@ -947,6 +984,10 @@ def main(argv=None):
     args.impls = (args.impls or (MAIN_IMPLS if main_only else OTHER_IMPLS)).split(",")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
+    try:
+        parse_id_orders(args.id_orders)
+    except ValueError as e:
+        parser.error(str(e))
     if not 0 <= args.kernel_share < 1:
         parser.error(f"--kernel-share {args.kernel_share}: a share of the call, 0 to below 1")
     masks = {"causal": True, "full": False}

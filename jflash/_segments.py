@@ -111,6 +111,32 @@ def _all_rows(axis_size, in_batched, seg):
     return ids_sorted(seg), False
 
 
+def padding_last(seg):
+    """Self-attention ids `[B, L]` with a row's last run relabelled, where that makes
+    the row's ids sorted and keeps its mask: the ids before the last run are sorted
+    and none of them is the last run's id (packed documents whose row ends in padding
+    labelled 0, as MaxText and grain label it). The last run then takes the largest of
+    the ids before it plus one; other rows (sorted ones included) stay as they are.
+
+    The mask is the same (equal ids stay equal, different ids different), and the
+    kernels take sorted ids' fast path (`ids_sorted`): key spans instead of the id
+    compare, and tiles skipped by id ranges that the padding's small id no longer
+    widens. Elementwise work and row reductions only (no sort, no scan): the sorted
+    rows of every packed call pay for it."""
+    length = seg.shape[1]
+    last = seg[:, -1:]
+    t = jnp.arange(length, dtype=jnp.int32)[None]
+    # The last run starts after the row's last id that differs from its last id.
+    start = jnp.max(jnp.where(seg != last, t + 1, 0), axis=1, keepdims=True)
+    head = t < start
+    ascending = jnp.all(~head[:, 1:] | (seg[:, 1:] >= seg[:, :-1]), axis=1, keepdims=True)
+    top = jnp.max(jnp.where(head, seg, jnp.iinfo(seg.dtype).min), axis=1, keepdims=True)
+    apart = jnp.all(~head | (seg != last), axis=1, keepdims=True)
+    # Rows sorted already (`last > top`) keep their ids.
+    relabel = ascending & apart & (last < top) & (top < jnp.iinfo(seg.dtype).max)
+    return jnp.where(relabel & ~head, top + 1, seg)
+
+
 def _search(sorted_ids, ids, side: str):
     """Per row, where each of `ids [B, M]` falls in `sorted_ids [B, L]`: int32 `[B, M]`.
     Unrolled, so that no XLA while loop runs inside the attention call."""

@@ -152,6 +152,7 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
         ["--rounds", "0"],
         ["--kernel-share", "1.5"],
         ["--kernel-share", "-0.1"],
+        ["--id-orders", "sorted,shuffled"],
     ],
 )
 def test_main_rejects_bad_masks_and_seqs(argv, capsys):
@@ -569,6 +570,7 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
         (["--rev", "HEAD", "--shapes", "full:4k:128"], "full:4k:128"),
         (["--rev", "HEAD", "--peers", "fa2"], "fa2"),
         (["--rev", "HEAD", "--rounds", "0"], "--rounds 0"),
+        (["--rev", "HEAD", "--id-orders", "shuffled"], "shuffled"),
     ],
 )
 def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
@@ -854,6 +856,24 @@ def test_power_tabulates_the_median_round():
     ]
     rows.append({"shape": "s", "impl": "b", "pass": "fwd", "ms": 5.0, "round": 0})
     assert [(r["impl"], r["round"]) for r in power.median_rounds(rows)] == [("a", 2), ("b", 0)]
+
+
+def test_document_id_orders_label_the_same_documents():
+    """Every id order masks alike (equal ids exactly within one document); padded ends
+    the row with id 0 after larger ids, permuted is neither sorted nor padded."""
+    lengths = kernel.document_lengths(4096)
+    rows = {o: np.asarray(kernel.document_ids(lengths, 2, o)) for o in kernel.ID_ORDERS}
+    same = rows["sorted"][0][:, None] == rows["sorted"][0][None, :]
+    for order, ids in rows.items():
+        assert ids.shape == (2, 4096) and ids.dtype == np.int32
+        np.testing.assert_array_equal(ids[0], ids[1])
+        np.testing.assert_array_equal(ids[0][:, None] == ids[0][None, :], same, err_msg=order)
+    assert np.all(np.diff(rows["sorted"][0]) >= 0)
+    padded = rows["padded"][0]
+    assert padded[-1] == 0 and np.all(np.diff(padded[: -lengths[-1]]) >= 0)
+    assert np.any(np.diff(rows["permuted"][0][: -lengths[-1]]) < 0)
+    with pytest.raises(ValueError, match="shuffled"):
+        kernel.document_ids(lengths, 1, "shuffled")
 
 
 def test_power_cases_build_the_packed_row(monkeypatch):

@@ -24,7 +24,7 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 
 import jflash
 from jflash._mask import Mask
-from jflash._segments import ids_sorted, key_spans, kv_tile_range, q_tile_range
+from jflash._segments import ids_sorted, key_spans, kv_tile_range, padding_last, q_tile_range
 
 # Small, mixed tiles: every pass cuts the sequence differently, and a few dozen tokens
 # already span several tiles.
@@ -197,6 +197,78 @@ def test_key_spans_are_the_mask_where_key_ids_are_sorted(causal, q_offset, k_off
     spans = np.asarray(key_spans(q_seg, shuffled, causal=False, diag=0, kv_len=90))
     seen = (keys >= spans[:, 0, :, None]) & (keys < spans[:, 1, :, None])
     assert (seen != np.asarray(Mask(causal=False).dense(70, 90, (q_seg, shuffled)))).any()
+
+
+def test_padding_last_sorts_padded_rows_and_keeps_every_mask():
+    """Rows of sorted documents ending in padding with a smaller id (0, or an id below
+    all) come out sorted; every other row keeps its ids: sorted rows, padding whose id
+    an earlier document has, shuffled or interleaved ids, the largest int32 before the
+    padding. Every row's mask (which pairs share an id) stays the same."""
+    top = np.iinfo(np.int32).max
+    rows = {
+        "padded": ids_from_lengths((5, 9, 3, 7)) + 1,
+        "padded below": np.concatenate([ids_from_lengths((10, 6, 4)) + 3, [-2] * 4]),
+        "sorted": ids_from_lengths((4, 8, 6, 6)),
+        "one run": np.full(24, 9),
+        "padding id earlier": np.concatenate([ids_from_lengths((8, 8)), [0] * 8]),
+        "shuffled": np.asarray([2, 0, 3, 1])[ids_from_lengths((6, 6, 6, 6))],
+        "interleaved": np.random.default_rng(0).integers(0, 3, 24),
+        "largest int32": np.concatenate([[1] * 12, [top] * 8, [0] * 4]),
+    }
+    rows["padded"][-6:] = 0
+    seg = jnp.asarray(np.stack(list(rows.values())), jnp.int32)
+    got = np.asarray(jax.jit(padding_last)(seg))
+    for (name, want), row in zip(rows.items(), got, strict=True):
+        same = want[:, None] == want[None, :]
+        np.testing.assert_array_equal(row[:, None] == row[None, :], same, err_msg=name)
+        if name.startswith("padded"):
+            assert np.all(np.diff(row) >= 0), name
+        else:
+            np.testing.assert_array_equal(row, want, err_msg=name)
+    assert bool(ids_sorted(padding_last(seg[:2]))) and not bool(ids_sorted(seg[:2]))
+
+
+@pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
+def test_padding_at_a_rows_end_masks_as_labelled(implementation):
+    """`flash_attention` with one id array whose rows end in padding labelled 0: the
+    oracle's result on the ids as given (the padding attends within itself), and the
+    same bits as the same documents labelled in order."""
+    lengths = ((20, 30, 14), (9, 41, 14))
+    padded = np.stack([ids_from_lengths(row) + 1 for row in lengths])
+    padded[:, -14:] = 0
+    in_order = np.stack([ids_from_lengths(row) for row in lengths])
+    q, k, v, do, dlse = make_inputs(
+        7, batch=2, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32
+    )
+    kernel = dict(causal=True, implementation=implementation)
+    if implementation == "pallas_triton":
+        kernel.update(block_sizes=SMALL, interpret=INTERPRET)
+    got = value_and_grads(
+        jflash.flash_attention,
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        return_lse=True,
+        segment_ids=jnp.asarray(padded),
+        **kernel,
+    )
+    want = oracle(q, k, v, do, dlse, causal=True, segment_ids=jnp.asarray(padded))
+    assert_close(got, want, jnp.float32)
+    alike = value_and_grads(
+        jflash.flash_attention,
+        q,
+        k,
+        v,
+        do,
+        dlse,
+        return_lse=True,
+        segment_ids=jnp.asarray(in_order),
+        **kernel,
+    )
+    for a, b in zip(got, alike, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
