@@ -47,8 +47,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import itertools
 import io
+import itertools
 import os
 import re
 import shutil
