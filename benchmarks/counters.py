@@ -1,18 +1,22 @@
-"""Hardware counters of the attention backward kernels (Nsight Compute), jflash beside
+"""Hardware counters of the attention kernels (Nsight Compute), jflash beside
 FlashAttention-3: where a kernel's time goes when the clock alone cannot say.
 
     python benchmarks/counters.py                        # Hopper GPU, `ncu` on PATH
     python benchmarks/counters.py --cases jflash:16384:64
     python benchmarks/counters.py --cases jflash:65536:128,fa3:65536:128 --mask full
+    python benchmarks/counters.py --cases jflash:65536:128,fa3:65536:128 --mask documents --pass fwd
     python benchmarks/counters.py --parse out/ncu-*.txt  # summarise saved ncu output
 
-Each case `impl:S:D` (impl `jflash` or `fa3`) runs one forward+backward call of
-`--tokens` tokens (batch = tokens // S), `--mask` causal or full, 32 query heads and
+Each case `impl:S:D` (impl `jflash` or `fa3`) runs one forward+backward call (`--pass
+fwdbwd`) or one forward (`--pass fwd`) of `--tokens` tokens (batch = tokens // S),
+`--mask` causal, full or documents (causal over `kernel.py --documents`' packed row
+of S tokens, batch 1, FA3 as its variable-length kernel), 32 query heads and
 `--kv-heads` (8), bf16, in a child process under `ncu --clock-control none` (clocks
-left as they are), which profiles the first launch of the backward kernels
-(`--kernels`, a regular expression on demangled names: jflash's dK/dV kernel, FA3's
-three backward kernels). The raw output goes to `--out-dir` (a mask or KV heads other
-than the defaults tag its names: `ncu-jflash-65536-128-full-kv8.txt`); the table gives
+left as they are), which profiles the first launch of the pass's kernels (a regular
+expression on demangled names, `KERNELS`: jflash's dK/dV kernel and FA3's three
+backward kernels, or the forward kernels). The raw output goes to `--out-dir` (a mask,
+KV heads or pass other than the defaults tag its names:
+`ncu-jflash-65536-128-full-kv8.txt`, `ncu-fa3-65536-128-documents-kv8-fwd.txt`); the table gives
 per kernel: time, tensor-pipe activity, issue activity, instructions, shared memory
 wavefronts (LSU and wgmma operand reads together), L2 hit rate, DRAM bytes read and
 written, and the stall reasons per issued instruction that dominate (a warp waiting on
@@ -37,7 +41,11 @@ from benchmarks.common import device_name, jit_passes, parse_specs, table, write
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_CASES = "jflash:16384:128,fa3:16384:128,jflash:16384:64"
-KERNELS = r"regex:jflash_mosaic_dkv|FlashAttnBwd"
+# The kernels profiled per pass (`--pass`): the backward's, or the forward's.
+KERNELS = {
+    "fwdbwd": r"regex:jflash_mosaic_dkv|FlashAttnBwd",
+    "fwd": r"regex:jflash_mosaic_fwd|FlashAttnFwd",
+}
 STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "gmma", "mio_throttle")
 METRICS = (
     "gpu__time_duration.sum",
@@ -81,7 +89,7 @@ def parse_cases(text: str) -> list[tuple[str, int, int]]:
 
 def short_name(kernel: str) -> str:
     """jflash's kernel name, or the FA3 class inside `device_kernel<...>`."""
-    m = re.search(r"(FlashAttnBwd\w*)", kernel)
+    m = re.search(r"(FlashAttn(?:Fwd|Bwd)\w*)", kernel)
     return m.group(1) if m else kernel.split()[0].removesuffix("_mosaic_gpu_kernel")
 
 
@@ -133,15 +141,26 @@ def summarise(case: str, kernels: list[dict]) -> list[dict]:
     return rows
 
 
-def call(impl: str, seq: int, hd: int, tokens: int, causal: bool, kv_heads: int) -> None:
-    """One forward+backward (what ncu profiles)."""
+def call(impl: str, seq: int, hd: int, tokens: int, mask: str, kv_heads: int, pass_: str) -> None:
+    """One forward+backward or forward (what ncu profiles). `mask` "documents": causal
+    over `kernel.py --documents`'s packed row of `seq` tokens (batch 1), FA3 as its
+    variable-length kernel."""
     import jax
 
     import jflash
-    from benchmarks.kernel import draw_inputs
+    from benchmarks import kernel
 
-    q, k, v, do = draw_inputs(max(1, tokens // seq), seq, 32, kv_heads, hd)
-    if impl == "fa3":
+    batch = 1 if mask == "documents" else max(1, tokens // seq)
+    q, k, v, do = kernel.draw_inputs(batch, seq, 32, kv_heads, hd)
+    causal, seg = mask != "full", None
+    if mask == "documents":
+        lengths = kernel.document_lengths(seq)
+        seg = kernel.document_ids(lengths)
+    if impl == "fa3" and seg is not None:
+        attn, error = kernel._fa3_varlen(lengths)
+        if attn is None:
+            raise SystemExit(f"FA3 varlen: {error}")
+    elif impl == "fa3":
         from flash_attn3_jax import flash_mha
 
         def attn(q, k, v):
@@ -149,16 +168,19 @@ def call(impl: str, seq: int, hd: int, tokens: int, causal: bool, kv_heads: int)
     else:
 
         def attn(q, k, v):
-            return jflash.flash_attention(q, k, v, causal=causal)
+            return jflash.flash_attention(q, k, v, causal=causal, segment_ids=seg)
 
-    fwdbwd = jit_passes(attn)["fwdbwd"][0]
-    jax.block_until_ready(fwdbwd(q, k, v, do))
+    fn, nargs = jit_passes(attn)[pass_]
+    jax.block_until_ready(fn(*(q, k, v, do)[:nargs]))
 
 
-def run_tag(mask: str, kv_heads: int) -> str:
-    """What a run's mask and KV heads add to its saved files' and cases' names: nothing
-    for the defaults (causal, 8), else `full-kv8`, `causal-kv32`, ..."""
-    return "" if (mask, kv_heads) == ("causal", 8) else f"{mask}-kv{kv_heads}"
+def run_tag(mask: str, kv_heads: int, pass_: str = "fwdbwd") -> str:
+    """What a run's mask, KV heads and pass add to its saved files' and cases' names:
+    nothing for the defaults (causal, 8, fwdbwd), else `full-kv8`, `causal-kv32`,
+    `documents-kv8-fwd`, ..."""
+    if (mask, kv_heads, pass_) == ("causal", 8, "fwdbwd"):
+        return ""
+    return f"{mask}-kv{kv_heads}" + ("" if pass_ == "fwdbwd" else f"-{pass_}")
 
 
 class CaseFailed(Exception):
@@ -166,7 +188,14 @@ class CaseFailed(Exception):
 
 
 def profile(
-    impl: str, seq: int, hd: int, tokens: int, out_dir: str, mask: str, kv_heads: int
+    impl: str,
+    seq: int,
+    hd: int,
+    tokens: int,
+    out_dir: str,
+    mask: str,
+    kv_heads: int,
+    pass_: str = "fwdbwd",
 ) -> str:
     """The ncu details page of one case (also saved to `out_dir`)."""
     cmd = [
@@ -176,9 +205,11 @@ def profile(
         "--kernel-name-base",
         "demangled",
         "--kernel-name",
-        KERNELS,
+        KERNELS[pass_],
         "--launch-count",
-        "3" if impl == "fa3" else "1",
+        # FA3's backward is three kernels; jflash's packed forward launches the sorted
+        # ids' kernel, then the other ids' one, which returns at once.
+        "3" if impl == "fa3" and pass_ == "fwdbwd" else "2" if mask == "documents" else "1",
         "--metrics",
         ",".join(METRICS),
         "--print-units",
@@ -193,10 +224,12 @@ def profile(
         mask,
         "--kv-heads",
         str(kv_heads),
+        "--pass",
+        pass_,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     text = done.stdout + done.stderr
-    tag = run_tag(mask, kv_heads)
+    tag = run_tag(mask, kv_heads, pass_)
     saved = os.path.join(out_dir, f"ncu-{impl}-{seq}-{hd}{'-' + tag if tag else ''}.txt")
     with open(saved, "w") as f:
         f.write(text)
@@ -215,7 +248,19 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--cases", default=DEFAULT_CASES, help="impl:S:D,... (see above)")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
-    parser.add_argument("--mask", choices=("causal", "full"), default="causal")
+    parser.add_argument(
+        "--mask",
+        choices=("causal", "full", "documents"),
+        default="causal",
+        help="documents: causal over kernel.py --documents' packed row of S tokens (batch 1)",
+    )
+    parser.add_argument(
+        "--pass",
+        dest="pass_",
+        choices=("fwdbwd", "fwd"),
+        default="fwdbwd",
+        help="the call profiled: forward+backward (the backward kernels) or forward",
+    )
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (32 query heads)")
     parser.add_argument("--parse", nargs="+", metavar="FILE", help="saved ncu output files")
     parser.add_argument("--device", default=None, help="with --parse: the GPU they ran on")
@@ -228,7 +273,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.call:
-        call(*cases[0], args.tokens, args.mask == "causal", args.kv_heads)
+        call(*cases[0], args.tokens, args.mask, args.kv_heads, args.pass_)
         return 0
 
     rows, meta = [], {}
@@ -258,12 +303,14 @@ def main(argv=None) -> int:
         failed = []
         for impl, seq, hd in cases:
             try:
-                text = profile(impl, seq, hd, args.tokens, out_dir, args.mask, args.kv_heads)
+                text = profile(
+                    impl, seq, hd, args.tokens, out_dir, args.mask, args.kv_heads, args.pass_
+                )
             except CaseFailed as e:  # the other cases still run
                 print(f"counters.py: {e}", file=sys.stderr)
                 failed.append(f"{impl}:{seq}:{hd}")
                 continue
-            tag = run_tag(args.mask, args.kv_heads)
+            tag = run_tag(args.mask, args.kv_heads, args.pass_)
             case = f"{impl}:{seq}:{hd}" + (f":{tag}" if tag else "")
             rows += summarise(case, parse_details(text))
         if failed:
@@ -275,7 +322,14 @@ def main(argv=None) -> int:
     print(table(rows, COLUMNS))
     out = args.out or os.path.join(RESULTS, f"counters-{gpu}.json")
     run = (
-        {} if args.parse else {"tokens": args.tokens, "mask": args.mask, "kv_heads": args.kv_heads}
+        {}
+        if args.parse
+        else {
+            "tokens": args.tokens,
+            "mask": args.mask,
+            "kv_heads": args.kv_heads,
+            "pass": args.pass_,
+        }
     )
     write_json(out, {**run, **meta, "rows": rows})
     return 1 if meta.get("failed") else 0

@@ -732,6 +732,36 @@ def test_counters_mask_and_kv_heads_reach_the_child_and_the_names(monkeypatch, t
     }
 
 
+def test_counters_profile_the_packed_forward(monkeypatch, tmp_path):
+    """`--mask documents --pass fwd`: the child runs the forward of the packed row
+    (which it can, here on CPU at a small S), ncu is asked for the forward kernels,
+    both of jflash's packed launches, and the names carry the pass."""
+    import subprocess
+
+    from benchmarks import counters
+
+    cmds = []
+
+    def fake_run(cmd, **kw):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout=COUNTERS_TEXT, stderr="")
+
+    monkeypatch.setattr(counters.shutil, "which", lambda name: "/usr/bin/ncu")
+    monkeypatch.setattr(counters.subprocess, "run", fake_run)
+    monkeypatch.setattr(counters, "device_name", lambda: "H200")
+    out = tmp_path / "c.json"
+    argv = ["--cases", "jflash:65536:128", "--mask", "documents", "--pass", "fwd"]
+    assert counters.main([*argv, "--out-dir", str(tmp_path), "--out", str(out)]) == 0
+    (cmd,) = cmds
+    assert cmd[cmd.index("--kernel-name") + 1] == counters.KERNELS["fwd"]
+    assert cmd[cmd.index("--launch-count") + 1] == "2"
+    assert cmd[cmd.index("--pass") + 1] == "fwd" and cmd[cmd.index("--mask") + 1] == "documents"
+    assert (tmp_path / "ncu-jflash-65536-128-documents-kv8-fwd.txt").exists()
+    assert json.loads(out.read_text())["pass"] == "fwd"
+    assert counters.short_name("void device_kernel<FlashAttnFwdSm90<X>>(...)") == "FlashAttnFwdSm90"
+    counters.call("jflash", 512, 64, 512, "documents", 2, "fwd")  # the child's work runs
+
+
 @pytest.mark.parametrize(
     "lengths, side, aligned, area, masked",
     [
