@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._mask import Mask
-from jflash._segments import padding_last
+from jflash._segments import first_positions
 from jflash._validation import (
     as_bool,
     check_causal,
@@ -97,9 +97,12 @@ def flash_attention(
       scale: logit scale, default `H ** -0.5`.
       segment_ids: `[B, T]` int ids (T == S) or a `(q_ids [B,T], kv_ids [B,S])` pair;
         attention stays inside equal ids (packed sequences). Fastest where each row's
-        ids are non-decreasing (documents labelled in order), which a row ending in
-        padding with a smaller id (MaxText's 0) counts as for one array; other orders
-        compare ids in every tile at a document boundary and skip fewer tiles.
+        ids are non-decreasing along it. One array whose documents are each one run of
+        tokens is relabelled so (by each id's first position; padding labelled 0 at a
+        row's end, labels in any order), where a row's ids span fewer values than it
+        has tokens. Others (a pair, an id in two places, ids far apart) compare ids on
+        every tile at a document boundary and skip only tiles whose id ranges are
+        apart: 10x slower on documents labelled out of order (BENCHMARKS.md).
       return_lse: also return the natural-log log-sum-exp `[B, N, T]` f32 (rows that see
         no key: `-inf`, output 0). Its cotangent flows through the VJP.
       q_offset, k_offset: static global positions of the first query / key (Python
@@ -123,9 +126,9 @@ def flash_attention(
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
     if segs is not None and not isinstance(segment_ids, (tuple, list)):
-        # One array for queries and keys: padding that ends a row of sorted ids takes
-        # the sorted ids' kernels (`padding_last`).
-        segs = (padding_last(segs[0]),) * 2
+        # One array for queries and keys: documents labelled in any order (padding
+        # labelled 0 at a row's end too) take the sorted ids' kernels.
+        segs = (first_positions(segs[0]),) * 2
     check_unsharded("flash_attention", q, k, v, segs)
     static = _Static(
         mask=Mask(check_causal(causal), *check_offsets(q_offset, k_offset, shapes)),

@@ -715,7 +715,9 @@ def _launch(
         q_len=t,
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
-    items = WorkItems.make(geom.q_pad // rows, n, b, causal=mask.causal, interpret=interpret)
+    items = WorkItems.make(
+        geom.q_pad // rows, n, b, causal=mask.causal, interpret=interpret, group=geom.group
+    )
     inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)

@@ -111,30 +111,32 @@ def _all_rows(axis_size, in_batched, seg):
     return ids_sorted(seg), False
 
 
-def padding_last(seg):
-    """Self-attention ids `[B, L]` with a row's last run relabelled, where that makes
-    the row's ids sorted and keeps its mask: the ids before the last run are sorted
-    and none of them is the last run's id (packed documents whose row ends in padding
-    labelled 0, as MaxText and grain label it). The last run then takes the largest of
-    the ids before it plus one; other rows (sorted ones included) stay as they are.
+def first_positions(seg):
+    """Self-attention ids `[B, L]` relabelled by where each id first occurs in its row,
+    for rows whose ids span fewer than `L` values; other rows stay as they are.
 
-    The mask is the same (equal ids stay equal, different ids different), and the
-    kernels take sorted ids' fast path (`ids_sorted`): key spans instead of the id
-    compare, and tiles skipped by id ranges that the padding's small id no longer
-    widens. Elementwise work and row reductions only (no sort, no scan): the sorted
-    rows of every packed call pay for it."""
-    length = seg.shape[1]
-    last = seg[:, -1:]
-    t = jnp.arange(length, dtype=jnp.int32)[None]
-    # The last run starts after the row's last id that differs from its last id.
-    start = jnp.max(jnp.where(seg != last, t + 1, 0), axis=1, keepdims=True)
-    head = t < start
-    ascending = jnp.all(~head[:, 1:] | (seg[:, 1:] >= seg[:, :-1]), axis=1, keepdims=True)
-    top = jnp.max(jnp.where(head, seg, jnp.iinfo(seg.dtype).min), axis=1, keepdims=True)
-    apart = jnp.all(~head | (seg != last), axis=1, keepdims=True)
-    # Rows sorted already (`last > top`) keep their ids.
-    relabel = ascending & apart & (last < top) & (top < jnp.iinfo(seg.dtype).max)
-    return jnp.where(relabel & ~head, top + 1, seg)
+    The mask is the same (equal ids stay equal, different ids different), and where
+    each id is one run of tokens (documents, whatever their labels: padding labelled 0
+    at a row's end as MaxText and grain label it, labels in any order) the new ids are
+    sorted along the row, so the kernels take sorted ids' fast path (`ids_sorted`): key
+    spans instead of the id compare, and tiles skipped by id ranges that labels out of
+    order would widen to every document between them. A scatter of the runs' starts
+    and a gather (no sort, no scan): the sorted rows of every packed call pay for it."""
+    b, length = seg.shape
+    wide = jnp.uint64 if seg.dtype.itemsize > 4 else jnp.uint32
+    # Offsets from the row's smallest id, unsigned: exact over the whole int range.
+    offset = (seg - seg.min(axis=1, keepdims=True)).astype(wide)
+    fits = jnp.all(offset < length, axis=1, keepdims=True)
+    offset = jnp.where(fits, offset, 0).astype(jnp.int32)
+    t = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, length))
+    # Only the runs' starts are scattered (the rest fall out of bounds and are dropped),
+    # so a long document is not thousands of atomics on one address.
+    bins = jnp.where(start, offset, length)
+    first = jnp.full((b, length), length, jnp.int32).at[rows, bins].min(t, mode="drop")
+    relabelled = jnp.take_along_axis(first, offset, axis=1)
+    return jnp.where(fits, relabelled.astype(seg.dtype), seg)
 
 
 def _search(sorted_ids, ids, side: str):

@@ -44,8 +44,10 @@ class WorkItems:
     `tiles x heads x batch` work items that a grid launch would give one CTA each.
 
     Items are numbered in the order `jflash._launch_order` picks for the grid (its outer
-    axis first, batch fastest), tile rank `r` being tile `tiles - 1 - r` (causal rows
-    near the end see the most keys: heaviest first), or `order[b, r]` where an order
+    axis first, batch fastest; with the heads outermost, one KV head's query heads
+    take each tile in turn, so that the `group` items that read one K/V stream run
+    side by side), tile rank `r` being tile `tiles - 1 - r` (causal rows near the end
+    see the most keys: heaviest first), or `order[b, r]` where an order
     table is given (packed documents: `heaviest_first`). Compiled, a CTA takes its next
     item from an atomic counter when it starts the previous one (`take_ticket`), so a
     CTA that finishes early takes more: what the hardware's CTA scheduler does for a grid
@@ -58,13 +60,23 @@ class WorkItems:
     batch: int
     ctas: int
     tiles_first: bool
+    group: int = 1  # query heads per KV head
 
     @classmethod
-    def make(cls, tiles: int, heads: int, batch: int, *, causal: bool, interpret: bool):
+    def make(
+        cls,
+        tiles: int,
+        heads: int,
+        batch: int,
+        *,
+        causal: bool,
+        interpret: bool,
+        group: int = 1,
+    ):
         total = tiles * heads * batch
         ctas = min(total, INTERPRET_CTAS if interpret else sm_count())
         first = _launch_order.tiles_first(tiles, heads, batch, causal=causal)
-        return cls(tiles, heads, batch, ctas, first)
+        return cls(tiles, heads, batch, ctas, first, group)
 
     @property
     def total(self) -> int:
@@ -84,8 +96,13 @@ class WorkItems:
             rank = lax.div(outer, jnp.int32(self.heads))
             head = lax.rem(outer, jnp.int32(self.heads))
         else:
-            head = lax.div(outer, jnp.int32(self.tiles))
-            rank = lax.rem(outer, jnp.int32(self.tiles))
+            # One KV head's query heads after another, each tile's `group` query heads
+            # side by side: they read the same K/V while it is in L2.
+            g = jnp.int32(self.group)
+            member = lax.rem(outer, g)
+            rank = lax.rem(lax.div(outer, g), jnp.int32(self.tiles))
+            kv_head = lax.div(outer, g * jnp.int32(self.tiles))
+            head = kv_head * g + member
         if order_ref is None:
             tile = jnp.int32(self.tiles - 1) - rank
         else:

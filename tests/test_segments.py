@@ -24,7 +24,7 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 
 import jflash
 from jflash._mask import Mask
-from jflash._segments import ids_sorted, key_spans, kv_tile_range, padding_last, q_tile_range
+from jflash._segments import first_positions, ids_sorted, key_spans, kv_tile_range, q_tile_range
 
 # Small, mixed tiles: every pass cuts the sequence differently, and a few dozen tokens
 # already span several tiles.
@@ -199,40 +199,43 @@ def test_key_spans_are_the_mask_where_key_ids_are_sorted(causal, q_offset, k_off
     assert (seen != np.asarray(Mask(causal=False).dense(70, 90, (q_seg, shuffled)))).any()
 
 
-def test_padding_last_sorts_padded_rows_and_keeps_every_mask():
-    """Rows of sorted documents ending in padding with a smaller id (0, or an id below
-    all) come out sorted; every other row keeps its ids: sorted rows, padding whose id
-    an earlier document has, shuffled or interleaved ids, the largest int32 before the
-    padding. Every row's mask (which pairs share an id) stays the same."""
+def test_first_positions_sort_documents_in_any_labels_and_keep_every_mask():
+    """Rows whose documents are each one run of tokens come out sorted, whatever their
+    labels (in order, padding labelled 0 or below at the end, shuffled, one document);
+    a row with an id in two places keeps its mask but not sorted; a row whose ids span
+    as many values as it has tokens or more stays as it is. Every row's mask (which pairs share
+    an id) stays the same."""
     top = np.iinfo(np.int32).max
     rows = {
         "padded": ids_from_lengths((5, 9, 3, 7)) + 1,
         "padded below": np.concatenate([ids_from_lengths((10, 6, 4)) + 3, [-2] * 4]),
-        "sorted": ids_from_lengths((4, 8, 6, 6)),
+        "sorted": ids_from_lengths((4, 8, 6, 6)) + 40,
         "one run": np.full(24, 9),
-        "padding id earlier": np.concatenate([ids_from_lengths((8, 8)), [0] * 8]),
         "shuffled": np.asarray([2, 0, 3, 1])[ids_from_lengths((6, 6, 6, 6))],
+        "padding id earlier": np.concatenate([ids_from_lengths((8, 8)), [0] * 8]),
         "interleaved": np.random.default_rng(0).integers(0, 3, 24),
-        "largest int32": np.concatenate([[1] * 12, [top] * 8, [0] * 4]),
+        "ids far apart": np.concatenate([[1] * 12, [top] * 8, [0] * 4]),
+        "ids wider than the row": np.arange(24)[::-1] * 2,
     }
     rows["padded"][-6:] = 0
     seg = jnp.asarray(np.stack(list(rows.values())), jnp.int32)
-    got = np.asarray(jax.jit(padding_last)(seg))
+    got = np.asarray(jax.jit(first_positions)(seg))
     for (name, want), row in zip(rows.items(), got, strict=True):
         same = want[:, None] == want[None, :]
         np.testing.assert_array_equal(row[:, None] == row[None, :], same, err_msg=name)
-        if name.startswith("padded"):
-            assert np.all(np.diff(row) >= 0), name
-        else:
+        one_run_each = name in ("padded", "padded below", "sorted", "one run", "shuffled")
+        assert bool(np.all(np.diff(row) >= 0)) == one_run_each, name
+        if name in ("ids far apart", "ids wider than the row"):
             np.testing.assert_array_equal(row, want, err_msg=name)
-    assert bool(ids_sorted(padding_last(seg[:2]))) and not bool(ids_sorted(seg[:2]))
+    assert bool(ids_sorted(first_positions(seg[:5]))) and not bool(ids_sorted(seg[:5]))
 
 
 @pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
 def test_padding_at_a_rows_end_masks_as_labelled(implementation):
     """`flash_attention` with one id array whose rows end in padding labelled 0: the
     oracle's result on the ids as given (the padding attends within itself), and the
-    same bits as the same documents labelled in order."""
+    same bits as the same documents labelled in order (the same sorted ids reach the
+    kernels)."""
     lengths = ((20, 30, 14), (9, 41, 14))
     padded = np.stack([ids_from_lengths(row) + 1 for row in lengths])
     padded[:, -14:] = 0

@@ -40,13 +40,16 @@ def test_interpreter_deal_takes_every_item_once(tiles, heads, batch, causal):
     assert sorted(taken) == list(range(items.total))
 
 
-@pytest.mark.parametrize("tiles,heads,batch", [(3, 2, 2), (80, 4, 1), (2, 32, 16)])
+@pytest.mark.parametrize(
+    "tiles,heads,batch,group", [(3, 2, 2, 1), (80, 4, 1, 1), (80, 8, 1, 4), (2, 32, 16, 4)]
+)
 @pytest.mark.parametrize("causal", [True, False])
-def test_items_number_every_tile_heaviest_first(tiles, heads, batch, causal):
+def test_items_number_every_tile_heaviest_first(tiles, heads, batch, group, causal):
     """Item numbers map onto (batch, head, tile) one to one; under a causal mask the
     tiles come in the grid launch's order: later (heavier) tiles first, with the tiles
-    or the heads outermost as `jflash._launch_order` picks."""
-    items = WorkItems.make(tiles, heads, batch, causal=causal, interpret=False)
+    or the heads outermost as `jflash._launch_order` picks. With the heads outermost,
+    one KV head's `group` query heads take each tile one after another."""
+    items = WorkItems.make(tiles, heads, batch, causal=causal, interpret=False, group=group)
     coords = [tuple(int(x) for x in items.coords(i)) for i in range(items.total)]
     assert len(set(coords)) == items.total
     assert all(0 <= b < batch and 0 <= h < heads and 0 <= t < tiles for b, h, t in coords)
@@ -55,12 +58,17 @@ def test_items_number_every_tile_heaviest_first(tiles, heads, batch, causal):
     ranks = [tiles - 1 - t for _, _, t in coords]
     if first:  # each head's heaviest tiles start before any head's lighter ones
         assert ranks == sorted(ranks)
-    else:  # one head after another, each heaviest first
-        heads_seen = [h for _, h, _ in coords]
-        assert heads_seen == sorted(heads_seen)
+    else:  # one KV head after another, each heaviest first, its query heads in turn
+        kv_seen = [h // group for _, h, _ in coords]
+        assert kv_seen == sorted(kv_seen)
         for h in range(heads):
             mine = [r for (_, hh, _), r in zip(coords, ranks, strict=True) if hh == h]
             assert mine == sorted(mine)
+        per_tile = [(h, t) for b, h, t in coords if b == 0]
+        for start in range(0, len(per_tile), group):
+            run = per_tile[start : start + group]
+            assert [h for h, _ in run] == [run[0][0] // group * group + m for m in range(group)]
+            assert len({t for _, t in run}) == 1
 
 
 def test_order_table_picks_the_tile():

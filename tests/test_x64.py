@@ -255,3 +255,15 @@ def test_triton_kernels_trace_identically(monkeypatch, causal, segments, interpr
         deterministic=None,
         interpret=interpret,
     )
+
+
+def test_first_positions_of_64_bit_ids():
+    """64-bit ids are relabelled by first position where they span fewer values than
+    the row has tokens, even beyond int32, and kept where they span more."""
+    from jflash._segments import first_positions
+
+    with x64():
+        ids = jnp.asarray([[2**40] * 3 + [2**40 + 1] * 3 + [2**40 - 1] * 2], jnp.int64)
+        np.testing.assert_array_equal(first_positions(ids), [[0, 0, 0, 3, 3, 3, 6, 6]])
+        apart = ids.at[0, 3:6].set(-(2**40))
+        np.testing.assert_array_equal(first_positions(apart), apart)
