@@ -66,13 +66,11 @@ from jflash._mosaic_common import (
     COMPUTE_REGS,
     COMPUTE_WGS,
     MEMORY_REGS,
-    TABLE_COLS,
     WG_ROWS,
     Geometry,
     col_ids,
     drain,
     fit_stages,
-    heaviest_key_tiles,
     key_table,
     key_tile_steps,
     launch,
@@ -253,7 +251,6 @@ def _dkv_kernel(
     *refs,
     geom: Geometry,
     block_q: int,
-    order_base: int | None,
     stages: int,
     qk_scale: float,
     scale: float,
@@ -263,8 +260,7 @@ def _dkv_kernel(
     split: str | None,
     interpret: bool,
 ):
-    """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` (then the key
-    tiles' order, from `order_base`: `heaviest_key_tiles`) first; then, if
+    """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
     `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
     GPU interpreter has no TMA reduce-add) one `[B, T, N, H]` slice per (key tile,
     warpgroup; per key tile if `split`), summed after; then the outputs and the scratch.
@@ -304,7 +300,7 @@ def _dkv_kernel(
     batch = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg, order_base)
+    cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
     if split is not None:
         st = lockstep(st)
@@ -807,9 +803,7 @@ def mosaic_bwd(
     if segments:
         q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
         ids = (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad))
-        table = key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS)
-        order = heaviest_key_tiles(table, b, block_q_dkv, geom)
-        dkv_ids = (*ids, jnp.concatenate([table, order]))
+        dkv_ids = (*ids, key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS))
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     same = jnp.dtype(grad_dtype) == q.dtype
     storable = same or jnp.dtype(grad_dtype) == jnp.float32
@@ -849,8 +843,6 @@ def mosaic_bwd(
     dkv_body = functools.partial(
         _dkv_kernel,
         block_q=block_q_dkv,
-        # The key tiles' order follows their table (`heaviest_key_tiles`).
-        order_base=b * kv_tiles * COMPUTE_WGS * TABLE_COLS if segments else None,
         stages=dkv_stages,
         grads_in_input_dtype=same,
         fused=fused,

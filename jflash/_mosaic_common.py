@@ -400,35 +400,6 @@ def key_table(q_seg, kv_seg, block_q: int, block_kv: int, n_tiles: int):
     return _table(q_tile_range(q_seg, kv_seg, block_q, block_kv), n_tiles)
 
 
-def heaviest_key_tiles(table, batch: int, block_q: int, geom: Geometry):
-    """dK/dV kernel with segment ids: int32 `[B * tiles]`, each batch row's key tiles
-    (`COMPUTE_WGS` warpgroup tiles each) by the query steps they stream, most first
-    (ties: the earlier tile first). `table`: `key_table` of the warpgroup tiles.
-
-    Packed documents: a key tile streams its document's queries from its diagonal on,
-    so the heavy tiles are each document's first, spread along the row; in the row's
-    order a long last document's heaviest tiles would start last (a model of the 64k
-    packed row put that 4% past the ideal finish, 0.2% in this order)."""
-    rows = COMPUTE_WGS * WG_ROWS
-    tiles = geom.kv_pad // rows
-    t = table[: batch * tiles * COMPUTE_WGS * TABLE_COLS].reshape(
-        batch, tiles, COMPUTE_WGS, TABLE_COLS
-    )
-    first, end = t[..., 0], t[..., 1]
-    k_start = (jnp.arange(tiles * COMPUTE_WGS, dtype=jnp.int32) * WG_ROWS).reshape(
-        tiles, COMPUTE_WGS
-    )
-    n_begin, _, n_q = q_range(geom, k_start, WG_ROWS, block_q)
-    lo = jnp.maximum(first, n_begin[None])
-    hi = jnp.minimum(end, n_q[None])
-    live = hi > lo
-    lo = jnp.where(live, lo, jnp.int32(2**30)).min(axis=-1)
-    hi = jnp.where(live, hi, jnp.int32(0)).max(axis=-1)
-    steps = jnp.maximum(hi - lo, 0)
-    key = jnp.arange(tiles, dtype=jnp.int32)[None] - steps * jnp.int32(tiles)
-    return jnp.argsort(key, axis=-1).astype(jnp.int32).reshape(-1)
-
-
 def _read_table(table_ref, batch, tile, n_tiles: int):
     base = (batch * n_tiles + tile) * TABLE_COLS
     return tuple(table_ref[base + i] for i in range(TABLE_COLS))
@@ -546,19 +517,13 @@ def query_tile_steps(
     return cta_start, _cta_steps(per_wg, wg, base)
 
 
-def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg, order_base=None):
+def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):
     """dK/dV kernel: `(cta_start, Steps)`, this CTA's first key row and the query steps
     (per query head) it streams and `wg` computes (`table_ref`: `key_table` of the
-    64-row key tiles, or None). Causal: `[n_begin, n_full)` needs the mask.
-
-    The grid's `kv_tiles` axis is the tile (causal: the first key tiles see the most
-    queries, so the grid runs them first) or, with `order_base`, a rank into
-    `heaviest_key_tiles`' order, stored in `table_ref` from that index."""
+    64-row key tiles, or None). Causal: `[n_begin, n_full)` needs the mask."""
     rows = COMPUTE_WGS * WG_ROWS
     tiles = geom.kv_pad // rows
     tile = lax.axis_index("kv_tiles")
-    if order_base is not None:
-        tile = table_ref[order_base + batch * tiles + tile]
     cta_start = tile * rows
     per_wg = []
     for w in range(COMPUTE_WGS):

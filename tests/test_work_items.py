@@ -79,29 +79,6 @@ def test_order_table_picks_the_tile():
     assert int(items.coords(0, order)[2]) == 2 and int(items.coords(1, order)[2]) == 1
 
 
-def test_key_tiles_of_packed_documents_run_heaviest_first():
-    """The dK/dV kernel's order with segment ids: every key tile once per batch row,
-    by the query steps it streams (its document's queries from its diagonal on), most
-    first; a long last document's first tile leads, not the row's first tile."""
-    from jflash._mask import Mask
-    from jflash._mosaic_common import Geometry, heaviest_key_tiles, key_table
-
-    lengths = (128, 256, 1152)  # the last document is the longest
-    seg = jnp.asarray(np.repeat(np.arange(3), lengths)[None].repeat(2, 0), jnp.int32)
-    t = seg.shape[1]
-    geom = Geometry(Mask(True), t, t, t, group=2, head_dim=64, q_len=t)
-    table = key_table(seg, seg, 64, 64, t // 64)
-    order = np.asarray(heaviest_key_tiles(table, 2, 64, geom)).reshape(2, -1)
-    tiles = t // 128
-    np.testing.assert_array_equal(order[0], order[1])
-    assert sorted(order[0]) == list(range(tiles))
-    doc = np.repeat(np.arange(3), lengths)
-    ends = np.cumsum(lengths)
-    steps = [(ends[doc[k * 128]] - k * 128) // 64 for k in range(tiles)]  # per head
-    assert [steps[k] for k in order[0]] == sorted(steps, reverse=True)
-    assert order[0][0] == 3  # the last document's first key tile (keys 384..511)
-
-
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the counter runs compiled only")
