@@ -126,11 +126,11 @@ def flash_attention(
     shapes = check_qkv(q, k, v)
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
+    check_unsharded("flash_attention", q, k, v, segs)
     if segs is not None and not isinstance(segment_ids, (tuple, list)):
         # One array for queries and keys: documents labelled in any order (padding
         # labelled 0 at a row's end too) take the sorted ids' kernels.
         segs = (first_positions(segs[0]),) * 2
-    check_unsharded("flash_attention", q, k, v, segs)
     static = _Static(
         mask=Mask(check_causal(causal), *check_offsets(q_offset, k_offset, shapes)),
         scale=default_scale(shapes.head_dim, scale),
