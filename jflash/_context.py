@@ -21,8 +21,9 @@ from jaxtyping import Array, Float
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import resolve
 from jflash._flash import flash_attention
-from jflash._layout import check_layout, check_layout_len
+from jflash._layout import check_layout, check_layout_len, from_layout, to_layout
 from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
+from jflash._segments import first_positions
 from jflash._ulysses import check_heads, hybrid_shard, ulysses_shard
 from jflash._validation import (
     as_bool,
@@ -265,7 +266,9 @@ def ring_attention_shard(
       segment_ids: this shard's ids `[B, T_local]` int (packed documents: attention
         stays inside equal ids; a document may span shards), in the same layout
         order as q, or a `(q_ids, kv_ids)` pair. Rows that see no key give 0 and LSE
-        `-inf`.
+        `-inf`. One array is relabelled by each id's first position along the whole
+        sequence (the shards gather it), as `jflash.flash_attention` relabels one:
+        documents labelled in any order reach the kernels as sorted ids.
       scale, return_lse, block_sizes, implementation, interpret, deterministic: as in
         `jflash.flash_attention`.
 
@@ -287,6 +290,10 @@ def ring_attention_shard(
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("ring_attention_shard", q, k, v, segs)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
+    # One id array for queries and keys: relabelled along the whole sequence (as
+    # `flash_attention` relabels one), so that documents labelled in any order reach
+    # the kernels as sorted ids on every shard.
+    self_ids = segs is not None and not isinstance(segment_ids, (tuple, list))
     kernel_choice = dict(
         block_sizes=block_sizes,
         implementation=implementation,
@@ -317,6 +324,7 @@ def ring_attention_shard(
             layout=layout,
             causal=causal,
             scale=scale,
+            self_ids=self_ids,
             **kernel_choice,
         )
         return (o, lse) if return_lse else o
@@ -346,13 +354,15 @@ def ring_attention_shard(
                 q,
                 k,
                 v,
-                segment_ids=segs,
+                segment_ids=segs[0] if self_ids else segs,
                 return_lse=True,
                 causal=causal,
                 scale=scale,
                 **kernel_choice,
             )
         q_seg, kv_seg = (None, None) if segs is None else segs
+        if self_ids:
+            q_seg = kv_seg = _relabelled(q_seg, ring_axis, ring_shards, layout)
         return _ring_shard(q, k, v, q_seg, kv_seg, cfg)
 
     if strategy == "hybrid":
@@ -360,6 +370,18 @@ def ring_attention_shard(
     else:
         o, lse = ring(q, k, v, segs)
     return (o, lse) if return_lse else o
+
+
+def _relabelled(seg, axis, shards: int, layout: str):
+    """This ring shard's self-attention ids `[B, T_local]` relabelled by first position
+    along the natural sequence (`first_positions` of the whole sequence's ids, which
+    every shard gathers and relabels alike): where each document is one run of the
+    sequence, every shard's ids come out sorted in any layout (its tokens are in
+    natural order), and equal ids stay equal across shards."""
+    local = seg.shape[1]
+    whole = lax.all_gather(seg, axis, axis=1, tiled=True)  # layout order
+    whole = to_layout(first_positions(from_layout(whole, shards, layout)), shards, layout)
+    return lax.dynamic_slice_in_dim(whole, lax.axis_index(axis) * local, local, axis=1)
 
 
 def ring_attention(

@@ -68,15 +68,21 @@ def gather_sequence(q, k, v, segs, axis, degree: int):
     return q, k, v, segs
 
 
-def ulysses_shard(q, k, v, segs, *, axis, degree: int, layout: str, **attention):
+def ulysses_shard(
+    q, k, v, segs, *, axis, degree: int, layout: str, self_ids: bool = False, **attention
+):
     """Per-shard Ulysses: `(o [B,T',N,H], lse [B,N,T'] f32)`. The gathered sequence is
     in `layout` order over `degree` shards; the kernel sees it in natural order.
-    `attention`: `flash_attention`'s keywords (causal, scale, kernel choice)."""
+    `self_ids`: the `(q, kv)` ids came as one array, and go to `flash_attention` as one
+    (which relabels it). `attention`: `flash_attention`'s keywords (causal, scale,
+    kernel choice)."""
     q, k, v, segs = gather_sequence(q, k, v, segs, axis, degree)
     reorder = layout != "contiguous" and degree > 1
     if reorder:
         q, k, v = (from_layout(x, degree, layout) for x in (q, k, v))
         segs = None if segs is None else tuple(from_layout(s, degree, layout) for s in segs)
+    if self_ids:
+        segs = segs[0]
     o, lse = flash_attention(q, k, v, segment_ids=segs, return_lse=True, **attention)
     if reorder:
         o, lse = to_layout(o, degree, layout), to_layout(lse, degree, layout, axis=2)

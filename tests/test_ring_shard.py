@@ -38,6 +38,9 @@ class Case:
     seq_len: int = 96
     batch: int = 2
     documents: int = 0  # 0: no segment ids
+    # How the documents are labelled: "sorted" (0, 1, ...), "padded" (1, 2, ... and the
+    # last document 0, as packers label the padding that ends a row) or "permuted".
+    labels: str = "sorted"
     partial: bool = False  # shard_map over `seq` only; `data` stays automatic
     implementation: str = "xla"
     dtype: type = jnp.float32
@@ -54,6 +57,8 @@ class Case:
         ]
         if self.documents:
             parts.append(f"docs{self.documents}")
+        if self.labels != "sorted":
+            parts.append(self.labels)
         if self.partial:
             parts.append("partial")
         parts.append(self.implementation)
@@ -63,7 +68,8 @@ class Case:
 
     @property
     def seed(self) -> int:
-        return zlib.crc32(str(self).encode())
+        """From the case, its labels left out: the same inputs under any labels."""
+        return zlib.crc32(str(dataclasses.replace(self, labels="sorted")).encode())
 
 
 def _mesh(case: Case):
@@ -150,6 +156,11 @@ def _inputs(case: Case):
     segs = None
     if case.documents:
         segs = random_segments(case.seed, case.batch, case.seq_len, case.documents)
+        n = case.documents
+        if case.labels == "padded":
+            segs = jnp.asarray(np.concatenate([np.arange(1, n), [0]]), jnp.int32)[segs]
+        elif case.labels == "permuted":
+            segs = jnp.asarray(np.random.default_rng(case.seed).permutation(n), jnp.int32)[segs]
     return q, k, v, segs, do, dlse
 
 
@@ -267,6 +278,57 @@ HYBRID = [
 )  # fmt: skip
 def test_ulysses_and_hybrid_match_oracle(case):
     _check(case)
+
+
+LABELS = [
+    Case(num_shards=p, layout=layout, strategy=strategy, documents=6, labels=labels, **kw)
+    for labels in ("padded", "permuted")
+    for p, layout, strategy, kw in (
+        (2, "zigzag", "ring", {}),
+        (4, "striped", "ring", {}),
+        (4, "contiguous", "allgather", {}),
+        (4, "zigzag", "ulysses", {"q_heads": 8}),
+        (2, "zigzag", "hybrid", {"a2a": 2, "q_heads": 8}),
+    )
+]
+
+
+@pytest.mark.parametrize("case", quick_subset(LABELS, lambda c: c.strategy, lambda c: c.labels))
+def test_documents_labelled_out_of_order_match_oracle(case):
+    """One id array whose documents are labelled out of order (padding 0 at the end,
+    or shuffled): relabelled along the whole sequence, right on every strategy, and
+    the same numbers as the documents labelled in order (the kernels get the same ids)."""
+    actual, _ = _check(case)
+    in_order, _ = _check(dataclasses.replace(case, labels="sorted"))
+    for a, b in zip(actual, in_order, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("layout", jflash.LAYOUTS)
+@pytest.mark.parametrize("num_shards", [2, 4])
+def test_relabelled_shards_hold_sorted_ids(layout, num_shards):
+    """`_relabelled` inside a shard_map: every shard's ids of documents labelled out of
+    order come out sorted, and equal ids stay equal across shards (the whole sequence's
+    mask is the same)."""
+    from jflash._context import _relabelled
+
+    mesh = jax.make_mesh((num_shards,), ("seq",), devices=jax.devices()[:num_shards])
+    natural = np.asarray([3, 0, 2, 1])[random_segments(1, 2, 48, 4)]  # shuffled labels
+    natural[:, -5:] = 9  # and padding labelled above them
+    seg = jflash.to_layout(jnp.asarray(natural), num_shards, layout)
+    fn = jax.shard_map(
+        lambda s: _relabelled(s, "seq", num_shards, layout),
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+    )
+    with jax.set_mesh(mesh):
+        got = np.asarray(jax.jit(fn)(jax.reshard(seg, P(None, "seq"))))
+    for shard in np.split(got, num_shards, axis=1):
+        assert np.all(np.diff(shard, axis=1) >= 0)
+    back = np.asarray(jflash.from_layout(jnp.asarray(got), num_shards, layout))
+    for row, want in zip(back, natural, strict=True):
+        np.testing.assert_array_equal(row[:, None] == row[None, :], want[:, None] == want[None, :])
 
 
 PALLAS = [
