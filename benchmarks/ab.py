@@ -378,6 +378,10 @@ def main(argv=None) -> int:
         args.id_orders = parse_id_orders(args.id_orders)
     except ValueError as e:
         parser.error(str(e))
+    if args.id_orders != ["sorted"] and not doc_shapes:
+        parser.error(
+            "--id-orders labels packed-document rows: add --documents or --document-shapes"
+        )
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
     peers = [p for p in args.peers.split(",") if p]

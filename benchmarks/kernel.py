@@ -985,9 +985,11 @@ def main(argv=None):
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
     try:
-        parse_id_orders(args.id_orders)
+        orders = parse_id_orders(args.id_orders)
     except ValueError as e:
         parser.error(str(e))
+    if orders != ["sorted"] and not args.documents:
+        parser.error(f"--id-orders {args.id_orders}: it labels --documents' rows; add --documents")
     if not 0 <= args.kernel_share < 1:
         parser.error(f"--kernel-share {args.kernel_share}: a share of the call, 0 to below 1")
     masks = {"causal": True, "full": False}

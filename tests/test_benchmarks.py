@@ -153,6 +153,7 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
         ["--kernel-share", "1.5"],
         ["--kernel-share", "-0.1"],
         ["--id-orders", "sorted,shuffled"],
+        ["--id-orders", "padded"],  # without --documents
     ],
 )
 def test_main_rejects_bad_masks_and_seqs(argv, capsys):
@@ -571,6 +572,7 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
         (["--rev", "HEAD", "--peers", "fa2"], "fa2"),
         (["--rev", "HEAD", "--rounds", "0"], "--rounds 0"),
         (["--rev", "HEAD", "--id-orders", "shuffled"], "shuffled"),
+        (["--rev", "HEAD", "--id-orders", "padded"], "--documents"),
     ],
 )
 def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
