@@ -699,9 +699,9 @@ def test_counters_goes_on_past_a_failing_case(monkeypatch, tmp_path, capsys):
     assert "no case ran under ncu (fa3:16384:128)" in capsys.readouterr().err
 
 
-def test_counters_mask_and_kv_heads_reach_the_child_and_the_names(monkeypatch, tmp_path):
-    """`--mask full --kv-heads 32` go to the profiled child, tag the saved file and the
-    case, are written to the JSON, and a tagged saved file parses under its tag."""
+def _fake_ncu(monkeypatch):
+    """`counters.py` with an `ncu` that prints `COUNTERS_TEXT`: the commands it was
+    given, in a list that fills as they run."""
     import subprocess
 
     from benchmarks import counters
@@ -715,6 +715,15 @@ def test_counters_mask_and_kv_heads_reach_the_child_and_the_names(monkeypatch, t
     monkeypatch.setattr(counters.shutil, "which", lambda name: "/usr/bin/ncu")
     monkeypatch.setattr(counters.subprocess, "run", fake_run)
     monkeypatch.setattr(counters, "device_name", lambda: "H200")
+    return cmds
+
+
+def test_counters_mask_and_kv_heads_reach_the_child_and_the_names(monkeypatch, tmp_path):
+    """`--mask full --kv-heads 32` go to the profiled child, tag the saved file and the
+    case, are written to the JSON, and a tagged saved file parses under its tag."""
+    from benchmarks import counters
+
+    cmds = _fake_ncu(monkeypatch)
     out = tmp_path / "c.json"
     argv = ["--cases", "jflash:16384:128", "--mask", "full", "--kv-heads", "32"]
     assert counters.main([*argv, "--out-dir", str(tmp_path), "--out", str(out)]) == 0
@@ -738,19 +747,9 @@ def test_counters_profile_the_packed_forward(monkeypatch, tmp_path):
     """`--mask documents --pass fwd`: the child runs the forward of the packed row
     (which it can, here on CPU at a small S), ncu is asked for the forward kernels,
     both of jflash's packed launches, and the names carry the pass."""
-    import subprocess
-
     from benchmarks import counters
 
-    cmds = []
-
-    def fake_run(cmd, **kw):
-        cmds.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout=COUNTERS_TEXT, stderr="")
-
-    monkeypatch.setattr(counters.shutil, "which", lambda name: "/usr/bin/ncu")
-    monkeypatch.setattr(counters.subprocess, "run", fake_run)
-    monkeypatch.setattr(counters, "device_name", lambda: "H200")
+    cmds = _fake_ncu(monkeypatch)
     out = tmp_path / "c.json"
     argv = ["--cases", "jflash:65536:128", "--mask", "documents", "--pass", "fwd"]
     assert counters.main([*argv, "--out-dir", str(tmp_path), "--out", str(out)]) == 0
