@@ -649,26 +649,31 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
     """Forward+backward at each `--sweep-seqs` length (causal, `--head-dim`) for each
     jflash implementation in `--impls`, once with every launch heads-outermost and once
     tiles-outermost (`jflash.tiles_first_limits`), alternating `repeats` times: device ms
-    per kernel from a trace. The evidence behind the default limits."""
+    per kernel from a trace. The evidence behind the default limits. With `--documents`
+    each length is one packed row of documents (`document_lengths`, ids in order)."""
     policies = {"heads_first": (-1, -1), "tiles_first": (1 << 40, 1 << 40)}
     impls = [impl for impl in args.impls if impl in JFLASH]
     seqs = [int(x) for x in args.sweep_seqs.split(",")]
     spent = {}  # (impl, seq, policy, kernel) -> [ms per call, one per repeat]
     for impl, seq in itertools.product(impls, seqs):
         inputs = draw_inputs(1, seq, args.heads, args.kv_heads, args.head_dim)
+        seg = document_ids(document_lengths(seq)) if args.documents else None
         for _, (policy, limits) in itertools.product(range(repeats), policies.items()):
             jax.clear_caches()
+            attn = attention_fn(impl, segment_ids=seg)
             with jflash.tiles_first_limits(*limits):
-                compiled = jit_passes(attention_fn(impl))["fwdbwd"][0].lower(*inputs).compile()
+                compiled = jit_passes(attn)["fwdbwd"][0].lower(*inputs).compile()
             jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
             with tempfile.TemporaryDirectory() as trace_dir:
                 with jax.profiler.trace(trace_dir):
                     jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
+                call = {}  # kernel -> ms per call, summed over its launches' names
                 for name, ns in kernel_durations(trace_dir).items():
                     kernel = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in name), None)
                     if name.startswith("jflash") and kernel is not None:
-                        key = (impl, seq, policy, kernel)
-                        spent.setdefault(key, []).append(ns / iterations / 1e6)
+                        call[kernel] = call.get(kernel, 0.0) + ns / iterations / 1e6
+                for kernel, ms in call.items():
+                    spent.setdefault((impl, seq, policy, kernel), []).append(ms)
     rows = []
     for impl, seq, kernel in itertools.product(impls, seqs, ("fwd", "dkv", "dq")):
         heads = min(spent.get((impl, seq, "heads_first", kernel), [0]))
@@ -685,7 +690,8 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
                 )
             )
     print(table(rows, list(rows[0])))
-    name = f"kernel-launch-order-{device_name()}-{args.head_dim}.json"
+    packed = "-documents" if args.documents else ""
+    name = f"kernel-launch-order{packed}-{device_name()}-{args.head_dim}.json"
     raw = [dict(impl=k[0], seq_len=k[1], policy=k[2], kernel=k[3], ms=v) for k, v in spent.items()]
     write_json(os.path.join(args.out, name), {"rows": rows, "raw": raw})
 
@@ -909,7 +915,8 @@ def main(argv=None):
     parser.add_argument(
         "--launch-order",
         action="store_true",
-        help="jflash kernels of --impls, heads- vs tiles-outermost launch, per --sweep-seqs",
+        help="jflash kernels of --impls, heads- vs tiles-outermost launch, per --sweep-seqs "
+        "(with --documents: packed rows of that many tokens)",
     )
     parser.add_argument("--long", type=int, default=0, help="sequence length for the memory run")
     parser.add_argument(
@@ -1008,14 +1015,14 @@ def main(argv=None):
         plot_sweep(axes, results.get("device", "?"), png)
     elif args.sweep:
         sweep(args)
+    elif args.launch_order:  # with --documents: on packed rows
+        launch_order(args)
     elif args.documents:  # with --tune: the Mosaic candidates on the packed row
         documents(args)
     elif args.tune:
         tune(args)
     elif args.kernels:
         kernel_split(args)
-    elif args.launch_order:
-        launch_order(args)
     elif args.long:
         long_context(args)
     else:
