@@ -890,7 +890,7 @@ def mosaic_bwd(
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
             _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # ones: the terms' A operand
         ],
-        **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal),
+        **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal, packed=segments),
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
@@ -927,7 +927,7 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
         ],
-        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=geom.mask.causal),
+        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=geom.mask.causal, packed=segments),
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
     )(q, k, v, do, s_start, dp_start, *dq_ids)

@@ -277,11 +277,14 @@ def wgmma_pair(inits, products, first, then, *, interpret: bool):
     return pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in inits))
 
 
-def tile_grid(tiles: int, heads: int, batch: int, tile_name: str, *, causal: bool) -> dict:
+def tile_grid(
+    tiles: int, heads: int, batch: int, tile_name: str, *, causal: bool, packed: bool = False
+) -> dict:
     """`grid` and `grid_names` of a (tiles, heads, batch) launch in the order
-    `jflash._launch_order` picks. CTAs start with the LAST grid axis fastest (Pallas
-    Mosaic GPU reverses the grid onto CUDA's x, y, z), so the outermost axis is first."""
-    if _launch_order.tiles_first(tiles, heads, batch, causal=causal):
+    `jflash._launch_order` picks (`packed`: a backward launch with segment ids). CTAs
+    start with the LAST grid axis fastest (Pallas Mosaic GPU reverses the grid onto
+    CUDA's x, y, z), so the outermost axis is first."""
+    if _launch_order.tiles_first(tiles, heads, batch, causal=causal, packed=packed):
         return dict(grid=(tiles, heads, batch), grid_names=(tile_name, "heads", "batch"))
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 

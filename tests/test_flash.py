@@ -272,6 +272,10 @@ def test_tile_grid_orders():
     many = tile_grid(32, TILES_FIRST_MAX_CTAS // 32, 2, "q_tiles", causal=True)
     assert many["grid"] == (TILES_FIRST_MAX_CTAS // 32, 32, 2)
     assert tile_grid(64, 8, 1, "q_tiles", causal=False)["grid"] == (8, 64, 1)
+    # a backward launch over packed documents: tiles outermost at any length, if causal
+    packed = tile_grid(512, 8, 1, "kv_tiles", causal=True, packed=True)
+    assert packed["grid_names"] == ("kv_tiles", "heads", "batch")
+    assert tile_grid(512, 8, 1, "kv_tiles", causal=False, packed=True)["grid"] == (8, 512, 1)
 
 
 HEADS_FIRST_CASES = [
@@ -617,6 +621,7 @@ def test_tiles_first_limits_set_the_launch_order_inside_the_block_only():
     assert tiles_first(**short)  # the default: a short causal launch goes tiles first
     with jflash.tiles_first_limits(-1, -1):
         assert not tiles_first(**short)
+        assert not tiles_first(tiles=512, heads=8, batch=1, causal=True, packed=True)
         with jflash.tiles_first_limits(1 << 40, 1 << 40):
             assert tiles_first(tiles=4096, heads=32, batch=4, causal=True)
         assert not tiles_first(**short)

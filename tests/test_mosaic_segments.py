@@ -369,3 +369,43 @@ def test_lowers_for_cuda(head_dim, deterministic):
     assert "jflash_mosaic_fwd" in text and "jflash_mosaic_dkv" in text
     fused = fuses_dq(head_dim, deterministic)
     assert ("jflash_mosaic_dq" in text) != fused
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launches_tiles_first_with_ids(deterministic, monkeypatch):
+    """LAUNCH_ORDER: with segment ids the causal backward kernels put their tiles
+    outermost at any length (a packed row's tiles are heaviest first only within each
+    document), the forward keeps heads outermost; lowered for CUDA, no GPU needed."""
+    from jflash import _launch_order
+
+    asked = []  # (packed, tiles first) per launch, in trace order
+    decide = _launch_order.tiles_first
+
+    def spy(*args, **kwargs):
+        asked.append((kwargs.get("packed", False), decide(*args, **kwargs)))
+        return asked[-1][1]
+
+    monkeypatch.setattr(_launch_order, "tiles_first", spy)
+    t = 16384  # 128 key tiles per head: heads outermost without ids
+    q = jax.ShapeDtypeStruct((1, t, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, t, 2, 64), jnp.bfloat16)
+    ids = (jax.ShapeDtypeStruct((1, t), jnp.int32),) * 2
+    dlse = jax.ShapeDtypeStruct((1, 8, t), jnp.float32)
+    h100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    for segs in (ids, None):
+        asked.clear()
+
+        def both(q, k, v, do, dlse, segs):
+            kw = dict(causal=True, deterministic=deterministic, interpret=False)
+            return kernels(q, k, v, do, dlse, segs, **kw)
+
+        with jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+        ):
+            jax.jit(both).trace(q, kv, kv, q, dlse, segs).lower(lowering_platforms=("cuda",))
+        backward = 2 if deterministic else 1  # dK/dV, and the dQ kernel
+        if segs is None:
+            assert asked and not any(first for _, first in asked), asked
+        else:
+            assert asked[-backward:] == [(True, True)] * backward, asked
+            assert not any(first for _, first in asked[:-backward]), asked
