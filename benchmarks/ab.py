@@ -22,7 +22,10 @@ times every forward, then every forward+backward, in an order from a balanced La
 square: over the rounds each candidate takes every turn and follows every other one
 equally often, since the turn and what ran just before moved a time by 1-4%.
 `--rounds` defaults to twice the candidates (one whole square or two). `--rev HEAD` on
-a clean tree times identical code: its `new/rev` is the run's noise floor.
+a clean tree times identical code: its `new/rev` is the run's noise floor. A reading
+(`--min-time` seconds) is three batches of calls dispatched back to back, each
+synchronised once (`common.time_pipelined`): the time per call carries no host launch
+and sync latency.
 
 Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` tokens
 (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16. `--documents` adds causal
@@ -71,7 +74,7 @@ from benchmarks.common import (  # noqa: E402
     jit_passes,
     parse_specs,
     table,
-    time_fn,
+    time_pipelined,
     write_json,
 )
 from benchmarks.kernel import (  # noqa: E402
@@ -246,7 +249,7 @@ def compare(
         slot, a = passes[p]
         label = labels[i]
         t0 = time.perf_counter()
-        t = time_fn(cands[label][slot], *a, min_time=min_time)
+        t = time_pipelined(cands[label][slot], *a, iters=None, round_s=min_time / 3)
         if t < best[label, p]:
             best[label, p] = t
             if sampler is not None:
@@ -353,7 +356,12 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=None, help="default: 2 x candidates")
-    parser.add_argument("--min-time", type=float, default=0.5, help="seconds timed per call")
+    parser.add_argument(
+        "--min-time",
+        type=float,
+        default=0.5,
+        help="seconds per reading (calls back to back, `common.time_pipelined`)",
+    )
     parser.add_argument(
         "--heat", type=float, default=HEAT_S, help="seconds of load before a shape's rounds"
     )

@@ -110,7 +110,7 @@ def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
         fn.__name__ = f"{kind}_{label}"
         return fn
 
-    monkeypatch.setattr(kernel, "time_fn", fake_time)
+    monkeypatch.setattr(kernel, "time_pipelined", fake_time)
     monkeypatch.setattr(kernel, "heat", lambda calls, seconds: None)
     entries = []
     for label in ("a", "b", "c"):
@@ -234,7 +234,7 @@ def test_check_outputs_keeps_the_first_and_flags_wrong_ones():
 
 def test_measure_checks_rows_against_the_first(monkeypatch):
     """A row whose output differs from the shape's first row is an error, not a time."""
-    monkeypatch.setattr(kernel, "time_fn", lambda fn, *args: 1e-3)
+    monkeypatch.setattr(kernel, "time_pipelined", lambda fn, *args, **kw: 1e-3)
     shape = dict(batch=1, seq=128, heads=2, kv_heads=1, head_dim=64)
     reference = {}
     first = kernel.measure("xla", reference=reference, **shape)
@@ -796,7 +796,7 @@ def test_measure_checks_a_later_call_not_only_the_first(monkeypatch):
     is an error, not a time: the outputs checked are of a second call."""
     from jax.experimental import io_callback
 
-    monkeypatch.setattr(kernel, "time_fn", lambda fn, *args: 1e-3)
+    monkeypatch.setattr(kernel, "time_pipelined", lambda fn, *args, **kw: 1e-3)
     shape = dict(batch=1, seq=128, heads=2, kv_heads=1, head_dim=64)
     reference = {}
     kernel.measure("xla", reference=reference, **shape)
@@ -1007,7 +1007,7 @@ def test_retime_rows_heats_then_drops_the_reading_after_compiling(monkeypatch):
     where `measure`'s reading right after compiling was faster."""
     heated, readings = [], iter([3.0, 2.0, 4.0, 5.0, 2.5, 6.0])
     monkeypatch.setattr(kernel, "heat", lambda calls, s: heated.append((len(calls), s)))
-    monkeypatch.setattr(kernel, "time_fn", lambda fn, *a, iters: next(readings) * 1e-3)
+    monkeypatch.setattr(kernel, "time_pipelined", lambda fn, *a, iters: next(readings) * 1e-3)
     rows = [{"fwd_ms": 1.0, "fwdbwd_ms": 1.0}, {"fwd_ms": 1.0}]
     entries = [
         (rows[0], {"fwd": (len, ("x",), 1e9), "fwdbwd": (len, ("x",), 3.5e9)}),
