@@ -1020,3 +1020,30 @@ def test_retime_rows_heats_then_drops_the_reading_after_compiling(monkeypatch):
     assert rows[0]["fwdbwd_ms"] == pytest.approx(4.0)
     assert rows[0]["fwd_tflops"] == pytest.approx(1e9 / 2.5e-3 / 1e12)
     assert rows[0]["rounds"] == rows[1]["rounds"] == 2
+
+
+def test_pipelined_timing_sizes_its_batches_and_waits_once_per_batch(monkeypatch):
+    """time_pipelined: `iters=None` sizes each batch from one synchronised call (at least
+    3 calls), every batch's calls are dispatched back to back and only the last call's
+    output is waited for; the time is per call, the median of the batches."""
+    from benchmarks import common
+
+    waited, calls = [], []
+
+    def fn(x):
+        calls.append(x)
+        return jnp.asarray(len(calls))
+
+    def block(out):
+        waited.append(int(out))
+        return out
+
+    monkeypatch.setattr(common.jax, "block_until_ready", block)
+    t = common.time_pipelined(fn, 1, warmup=1, iters=None, rounds=2, round_s=0.0)
+    # warmup, the sizing call, then two batches of 3 (round_s=0: the minimum)
+    assert len(calls) == 1 + 1 + 2 * 3
+    assert waited == [1, 2, 5, 8]  # each batch waits for its last call only
+    assert 0 <= t < 1
+    calls.clear(), waited.clear()
+    common.time_pipelined(fn, 1, warmup=0, iters=4, rounds=1)
+    assert len(calls) == 4 and waited == [4]
