@@ -31,6 +31,7 @@ from jflash._validation import (
     check_qkv,
     check_segment_ids,
     check_unsharded,
+    is_self_ids,
 )
 from jflash._vma import check_interpretable, match, varying_axes
 
@@ -293,7 +294,7 @@ def ring_attention_shard(
     # One id array for queries and keys: relabelled along the whole sequence (as
     # `flash_attention` relabels one), so that documents labelled in any order reach
     # the kernels as sorted ids on every shard.
-    self_ids = segs is not None and not isinstance(segment_ids, (tuple, list))
+    self_ids = is_self_ids(segment_ids)
     kernel_choice = dict(
         block_sizes=block_sizes,
         implementation=implementation,

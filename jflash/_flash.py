@@ -21,6 +21,7 @@ from jflash._validation import (
     check_segment_ids,
     check_unsharded,
     default_scale,
+    is_self_ids,
 )
 from jflash._vma import check_interpretable, match
 
@@ -127,7 +128,7 @@ def flash_attention(
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("flash_attention", q, k, v, segs)
-    if segs is not None and not isinstance(segment_ids, (tuple, list)):
+    if is_self_ids(segment_ids):
         # One array for queries and keys: documents labelled in any order (padding
         # labelled 0 at a row's end too) take the sorted ids' kernels.
         segs = (first_positions(segs[0]),) * 2

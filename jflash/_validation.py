@@ -110,6 +110,12 @@ def check_unsharded(where: str, q, k, v, segs) -> None:
             )
 
 
+def is_self_ids(segment_ids) -> bool:
+    """Whether `segment_ids` came as one array for queries and keys (not None, not a
+    pair): the ids `flash_attention` and the ring relabel by first position."""
+    return segment_ids is not None and not isinstance(segment_ids, (tuple, list))
+
+
 def check_segment_ids(segment_ids, shapes: Shapes):
     """Normalises `segment_ids` to a `(q_segment_ids [B,T], kv_segment_ids [B,S])` pair.
 
