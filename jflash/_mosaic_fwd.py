@@ -428,6 +428,15 @@ def _fwd_kernel(
                 hold()
                 hand()
 
+        else:
+            # An item the CTA streams no key for (query tiles whose ids meet none of
+            # the keys': the ring's blocks of packed documents) takes one turn each.
+            # The turns run on across the items, warpgroup 1 one behind: without one
+            # here, warpgroup 0 ran through such items alone until it waited for a
+            # ticket slot that warpgroup 1, waiting for warpgroup 0's next turn, had
+            # not freed. Two such items in a row deadlocked the CTA.
+            pl.when(st.count == 0)(take_turn)
+
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads while this one's output is normalised and stored.
         # Its coordinates and steps are found here too: on packed rows they are reads

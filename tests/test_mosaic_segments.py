@@ -409,3 +409,78 @@ def test_backward_launches_tiles_first_with_ids(deterministic, monkeypatch):
         else:
             assert asked[-backward:] == [(True, True)] * backward, asked
             assert not any(first for _, first in asked[:-backward]), asked
+
+
+# The child of `test_work_items_without_keys`: the forward of q ids that no key holds
+# for most query tiles, as the ring's blocks of packed documents give it, written to
+# the .npz named by argv[1]. Compiled (a GPU), 1,024 work items share the SMs;
+# interpreted, 8 share the interpreter's two CTAs.
+_ITEMS_WITHOUT_KEYS = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jflash._mask import Mask
+from jflash._mosaic_fwd import mosaic_fwd
+gpu = jax.default_backend() == "gpu"
+t, s, n = (4096, 2048, 32) if gpu else (512, 256, 2)
+ks = jax.random.split(jax.random.key(7), 3)
+q = jax.random.normal(ks[0], (1, t, n, 128), jnp.bfloat16)
+k, v = (jax.random.normal(x, (1, s, n // 4 or 1, 128), jnp.bfloat16) for x in ks[1:])
+q_seg = np.full((1, t), 7, np.int32)
+q_seg[:, t // 3 : 3 * t // 4], q_seg[:, 3 * t // 4 :] = 8, 2  # 7 and 8: no key holds them
+kv_seg = np.ones((1, s), np.int32)
+kv_seg[:, s // 2 :] = 2
+segs = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+out = {}
+for dtype in (jnp.float32, jnp.bfloat16):  # f32: the ring's partial outputs
+    o, lse = mosaic_fwd(q, k, v, segs, mask=Mask(False), scale=128**-0.5, out_dtype=dtype,
+                        block_kv=128, stages=2, interpret=not gpu)
+    out[jnp.dtype(dtype).name] = np.asarray(o, np.float32)
+    out["lse_" + jnp.dtype(dtype).name] = np.asarray(lse)
+np.savez(sys.argv[1], q_seg=q_seg, kv_seg=kv_seg, **out)
+"""
+
+
+def test_work_items_without_keys(tmp_path):
+    """DEADLOCK: a persistent forward CTA that takes several work items in a row whose
+    query ids meet no key (the ring's blocks of packed documents) finishes, rows that
+    see no key get o = 0 and LSE -inf, and the rest match the oracle. Before, two such
+    items in a row deadlocked the CTA's compute warpgroups (the GPU hung; so does the
+    interpreter): the forward runs in a child process with a time limit."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    path = tmp_path / "out.npz"
+    limit = 300
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _ITEMS_WITHOUT_KEYS, str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the forward did not finish in {limit} s: its warpgroups deadlocked")
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = np.load(path)
+    t, s = got["q_seg"].shape[1], got["kv_seg"].shape[1]
+    n = got["float32"].shape[2]
+    ks = jax.random.split(jax.random.key(7), 3)  # the child's inputs, drawn alike
+    q = jax.random.normal(ks[0], (1, t, n, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, s, n // 4 or 1, 128), jnp.bfloat16) for x in ks[1:])
+    segs = (jnp.asarray(got["q_seg"]), jnp.asarray(got["kv_seg"]))
+    do, dlse = jnp.zeros((1, t, n, 128), jnp.float32), jnp.zeros((1, n, t), jnp.float32)
+    want = oracle(q, k, v, do, dlse, causal=False, segment_ids=segs)
+    unseen = got["q_seg"][0] != 2
+    for name in ("float32", "bfloat16"):
+        o, lse = got[name], got["lse_" + name]
+        assert np.all(o[:, unseen] == 0) and np.all(np.isneginf(lse[:, :, unseen])), name
+        assert_close(
+            (o[:, ~unseen], lse[:, :, ~unseen]),
+            (want[0][:, ~unseen], want[1][:, :, ~unseen]),
+            jnp.bfloat16,
+            names=("out", "lse"),
+        )
