@@ -692,8 +692,9 @@ def _launch(
     into=None,
     out_varying: bool = True,
 ):
-    """One launch of the forward kernel on `wgs` compute warpgroups: `(o, lse)` with
-    `out_rows` query rows (padding past the queries), or nothing, written into `into`'s
+    """One launch of the forward kernel on `wgs` compute warpgroups: `(o, lse)` (the
+    output with the queries rounded up to 8 rows compiled, `out_rows` interpreted; the
+    LSE with `out_rows`: padding past the queries), or nothing, written into `into`'s
     refs. `q_seg`, `kv_seg`: int32, both None without segment ids; `ordered`:
     `ids_sorted(kv_seg)`; `spans_only`: the key ids are sorted, and not streamed;
     `run_if`: the kernel runs where `ordered` is this (None: always); `out_varying`:
@@ -727,7 +728,17 @@ def _launch(
     items = WorkItems.make(
         geom.q_pad // rows, n, b, causal=mask.causal, interpret=interpret, group=geom.group
     )
-    inputs = (pad_to(q, 1, geom.q_pad), pad_to(k, 1, geom.kv_pad), pad_to(v, 1, geom.kv_pad))
+    # Compiled, a TMA copy reads zeros past an array's end and drops what a store puts
+    # there, so Q, K, V and the output are padded only to the 8-row tiling of shared
+    # memory (which Mosaic asks of the arrays too): no copies around the kernel where
+    # the lengths are multiples of 8, though the query tiles (192 rows at D = 64)
+    # divide no power of two. The interpreter clamps a slice that runs past the end, so
+    # it gets arrays padded to whole tiles. The LSE keeps that padding: a TMA copy needs
+    # the rows of `[B, N, rows]` 16-byte aligned.
+    q_rows, kv_rows = (
+        (geom.q_pad, geom.kv_pad) if interpret else (round_up(t, 8), round_up(s_len, 8))
+    )
+    inputs = (pad_to(q, 1, q_rows), pad_to(k, 1, kv_rows), pad_to(v, 1, kv_rows))
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
         order = heaviest_first(table, items.tiles, wgs, b, block_kv, geom)
@@ -752,7 +763,8 @@ def _launch(
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
-    out_type = [struct((b, out_rows, n, h), out_dtype, q), struct((b, n, out_rows), jnp.float32, q)]
+    o_rows = out_rows if interpret else q_rows
+    out_type = [struct((b, o_rows, n, h), out_dtype, q), struct((b, n, out_rows), jnp.float32, q)]
     if into is not None:
         inputs += tuple(into)  # the kernel's output refs
         out_type = []

@@ -480,6 +480,29 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     assert text.count("jflash_mosaic_fwd") >= len(launched)
 
 
+@pytest.mark.parametrize(
+    "seq, head_dim, padded", [(16384, 64, False), (1000, 128, False), (1003, 64, True)]
+)
+def test_mosaic_forward_copies_no_padded_inputs(monkeypatch, seq, head_dim, padded):
+    """Compiled, the forward's TMA copies read zeros past the ends of Q, K and V and drop
+    stores past the output's: the arrays are padded only to Mosaic's 8-row tiling, never
+    to whole query tiles (192 rows at D = 64 from 16k queries, which divide no power of
+    two). At 1003 rows Q, K and V are padded to 1008."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, seq, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.bfloat16)
+
+    def fwd(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=True, implementation="pallas_mosaic")
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_fwd" in text
+    assert ("stablehlo.pad" in text) == padded
+
+
 @pytest.mark.parametrize("documents", [False, True], ids=["", "documents"])
 @pytest.mark.parametrize("how", ["checkpoint_scan", "vmap", "user_shard_map_checkpoint"])
 def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how, documents):
