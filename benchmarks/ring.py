@@ -45,6 +45,13 @@ imbalance `balance.py` predicts for the layout (max over ranks / mean of the mas
 and of the kernel tiles visited), and with `--profile` the measured one: max / mean
 over devices of each device's attention-kernel time in the trace (GPU only).
 
+`--row-timeout S` (default 600; 0: none): a row (or its one-device ideal) that has
+not finished after S seconds stops the run with every thread's stack printed and exit
+code 1: a kernel that hangs the GPU cannot be interrupted in the process. Before each
+row starts, the JSON already lists it with an `error` saying it did not finish, so a
+run stopped there (by this limit or from outside) names the row it stopped in; the
+rows before it are kept.
+
 `--cp-model`: beside each forward+backward row, `benchmarks/cp_model.py`'s prediction
 for its strategy and P (`model_eff_fwdbwd`, `model_exposed_ms`), with the kernel rate
 taken from this run's one-device ideal and the link bandwidth measured here (ppermute
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import functools
 import json
 import math
@@ -461,6 +469,19 @@ def derive(row: dict, ideal: dict, p: int, pairs: int, args, links, documents: b
         model_prediction(row, ideal, args, links)
 
 
+@contextlib.contextmanager
+def row_watch(rows: list[dict], row: dict, args, on_row):
+    """Around one row: `on_row` first sees it as unfinished, and past `--row-timeout`
+    seconds the process stops (stacks printed, exit code 1)."""
+    on_row([*rows, dict(row, error="did not finish: the run stopped during this row")])
+    if args.row_timeout:
+        faulthandler.dump_traceback_later(args.row_timeout, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list[dict]:
     """The table; `on_row(rows)` after each row (the JSON survives a run cut short)."""
     rows, ideal_cache = [], {}
@@ -474,7 +495,9 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
                 lengths = document_row(seq, args.documents)
             if seq not in ideal_cache:
                 ideal_cache.clear()  # one sequence's inputs and output held at a time
-                ideal_cache[seq] = single_device(seq, args, lengths)
+                one = dict(tokens_per_device=tokens, devices=1, seq_len=seq, strategy="ideal")
+                with row_watch(rows, one, args, on_row):
+                    ideal_cache[seq] = single_device(seq, args, lengths)
             ideal, natural, expected, ideal_ran = ideal_cache[seq]
             group = [(ideal, ideal_ran, None)]  # what --rounds times again
             pairs = attention_pairs(seq, causal, lengths)
@@ -501,7 +524,7 @@ def benchmark(args, on_row=lambda rows: None, links: dict | None = None) -> list
                     sharding = NamedSharding(mesh, P(None, axis))
                     inputs = [jax.device_put(x[:, pos], sharding) for x in natural]
                     attn = ring_fn(mesh, layout, strategy, args, axis, lengths is not None)
-                    with jax.set_mesh(mesh):
+                    with row_watch(rows, row, args, on_row), jax.set_mesh(mesh):
                         ran = time_passes(attn, inputs, args, row, documents=lengths is not None)
                         out = output_of(ran) if expected is not None else None
                         if args.profile and "fwdbwd_ms" in row:
@@ -756,6 +779,12 @@ def main(argv=None):
     )
     parser.add_argument("--profile-iters", type=int, default=3)
     parser.add_argument(
+        "--row-timeout",
+        type=float,
+        default=600,
+        help="seconds a row may take before the run stops, stacks printed (0: no limit)",
+    )
+    parser.add_argument(
         "--longest",
         action="store_true",
         help="also find the longest causal fwd+bwd on 1 vs all devices",
@@ -801,6 +830,8 @@ def main(argv=None):
             parser.error(f"{flag} {','.join(map(str, values))}: each must be >= 1")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
+    if not args.row_timeout >= 0:
+        parser.error(f"--row-timeout {args.row_timeout}: must be >= 0 seconds (0: no limit)")
     if args.documents is not None and args.documents < 1:
         parser.error(f"--documents {args.documents}: the mean document length must be >= 1")
     args.devices = args.devices or default_device_counts()

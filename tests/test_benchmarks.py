@@ -3,6 +3,9 @@
 `benchmarks/ring.py`'s documents, strategies and cp_model rows on tiny shapes (XLA)."""
 
 import json
+import os
+import pathlib
+import subprocess
 import sys
 import time
 import types
@@ -288,6 +291,7 @@ def test_result_row_uses_the_trainers_flop_formula():
 # ----------------------------------------------------------------------------------
 # benchmarks/ring.py: packed documents, strategies and cp_model's prediction (CPU, XLA)
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_RING = [
     "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--implementation", "xla",
     "--passes", "fwdbwd", "--iters", "1", "--warmup", "0",
@@ -1047,3 +1051,22 @@ def test_pipelined_timing_sizes_its_batches_and_waits_once_per_batch(monkeypatch
     calls.clear(), waited.clear()
     common.time_pipelined(fn, 1, warmup=0, iters=4, rounds=1)
     assert len(calls) == 4 and waited == [4]
+
+
+def test_ring_row_timeout_names_the_row_it_stopped_in(tmp_path):
+    """A row past `--row-timeout` stops the run (a hung GPU kernel cannot be interrupted
+    in the process) with exit code 1 and the stacks printed; the JSON written before
+    the row started lists it as unfinished. 10 ms: no row compiles that fast."""
+    out = tmp_path / "ring.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    run = subprocess.run(
+        [sys.executable, "benchmarks/ring.py", *TINY_RING, "--tokens-per-device", "64",
+         "--devices", "2", "--layouts", "zigzag", "--strategies", "ring",
+         "--row-timeout", "0.01", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "Timeout" in run.stderr and "Thread" in run.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["strategy"] == "ideal" and row["seq_len"] == 128
+    assert "did not finish" in row["error"]
