@@ -47,10 +47,11 @@ over devices of each device's attention-kernel time in the trace (GPU only).
 
 `--row-timeout S` (default 600; 0: none): a row (or its one-device ideal) that has
 not finished after S seconds stops the run with every thread's stack printed and exit
-code 1: a kernel that hangs the GPU cannot be interrupted in the process. Before each
-row starts, the JSON already lists it with an `error` saying it did not finish, so a
-run stopped there (by this limit or from outside) names the row it stopped in; the
-rows before it are kept.
+code 1: a kernel that hangs the GPU cannot be interrupted in the process. A SIGTERM
+(`timeout`, as `multi_gpu.sh` stops a step) prints the stacks too before the process
+ends. Before each row starts, the JSON already lists it with an `error` saying it did
+not finish, so a run stopped there names the row it stopped in; the rows before it
+are kept.
 
 `--cp-model`: beside each forward+backward row, `benchmarks/cp_model.py`'s prediction
 for its strategy and P (`model_eff_fwdbwd`, `model_exposed_ms`), with the kernel rate
@@ -67,6 +68,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -837,6 +839,7 @@ def main(argv=None):
     args.devices = args.devices or default_device_counts()
     if max(args.devices) > len(jax.devices()):
         parser.error(f"{args.devices=} but only {len(jax.devices())} devices")
+    faulthandler.register(signal.SIGTERM, chain=True)  # stacks, then the default: exit
     print(jflash.describe())
     out = args.out or RESULTS
     if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name

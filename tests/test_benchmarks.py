@@ -5,6 +5,7 @@
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -1070,3 +1071,31 @@ def test_ring_row_timeout_names_the_row_it_stopped_in(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["strategy"] == "ideal" and row["seq_len"] == 128
     assert "did not finish" in row["error"]
+
+
+def test_ring_stopped_from_outside_prints_its_stacks(tmp_path):
+    """A SIGTERM (a step's `timeout` in multi_gpu.sh) during a row prints every thread's
+    stack before the process ends, and the JSON names the row it stopped in."""
+    out = tmp_path / "ring.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    args = [*TINY_RING, "--tokens-per-device", "64", "--devices", "2", "--layouts", "zigzag",
+            "--strategies", "ring", "--row-timeout", "0", "--out", str(out)]  # fmt: skip
+    args[args.index("--iters") + 1] = "1000000"  # every row runs until stopped
+    proc = subprocess.Popen(
+        [sys.executable, "benchmarks/ring.py", *args],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and "did not finish" in out.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "no row started"
+            time.sleep(0.1)
+        time.sleep(0.5)  # inside the row
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    assert "Current thread" in stderr or "Thread 0x" in stderr, stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["strategy"] == "ideal" and "did not finish" in row["error"]
