@@ -157,9 +157,10 @@ def call(impl: str, seq: int, hd: int, tokens: int, mask: str, kv_heads: int, pa
         lengths = kernel.document_lengths(seq)
         seg = kernel.document_ids(lengths)
     if impl == "fa3" and seg is not None:
-        attn, error = kernel._fa3_varlen(lengths)
-        if attn is None:
-            raise SystemExit(f"FA3 varlen: {error}")
+        try:
+            attn = kernel.document_attention_fn("fa3", lengths)
+        except kernel.PeerUnavailable as e:
+            raise SystemExit(f"FA3 varlen: {e}") from e
     elif impl == "fa3":
         from flash_attn3_jax import flash_mha
 

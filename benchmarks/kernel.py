@@ -476,14 +476,8 @@ def kernel_split(args, iterations: int = 20):
         try:
             if lengths is None:
                 attn = attention_fn(impl, head_dim=args.head_dim)
-            elif impl == "fa3":
-                attn, error = _fa3_varlen(lengths)
-                if error is not None:
-                    raise PeerUnavailable(error)
-            elif impl in JFLASH:
-                attn = attention_fn(impl, segment_ids=document_ids(lengths))
             else:
-                raise PeerUnavailable("no packed-document form here")
+                attn = document_attention_fn(impl, lengths)
         except PeerUnavailable as e:
             print(f"note: {impl} skipped: {e}", flush=True)
             continue
@@ -675,9 +669,9 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
     for impl, seq in itertools.product(impls, seqs):
         inputs = draw_inputs(1, seq, args.heads, args.kv_heads, args.head_dim)
         seg = document_ids(document_lengths(seq)) if args.documents else None
+        attn = attention_fn(impl, segment_ids=seg)
         for _, (policy, limits) in itertools.product(range(repeats), policies.items()):
             jax.clear_caches()
-            attn = attention_fn(impl, segment_ids=seg)
             with jflash.tiles_first_limits(*limits):
                 compiled = jit_passes(attn)["fwdbwd"][0].lower(*inputs).compile()
             jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
@@ -776,6 +770,20 @@ def _fa3_varlen(lengths):
         return out[None]
 
     return attn, None
+
+
+def document_attention_fn(impl: str, lengths):
+    """`attn(q, k, v)` of `impl` on one packed row of documents of `lengths` (batch 1):
+    jflash's given their segment ids, FA3 as its variable-length kernel given their
+    offsets; PeerUnavailable for a peer with no such form or that cannot run here."""
+    if impl in JFLASH:
+        return attention_fn(impl, segment_ids=document_ids(lengths))
+    if impl == "fa3":
+        attn, error = _fa3_varlen(lengths)
+        if error is not None:
+            raise PeerUnavailable(error)
+        return attn
+    raise PeerUnavailable("no packed-documents form here (jflash's or fa3 only)")
 
 
 def documents(args):

@@ -173,18 +173,10 @@ def cases(args, shapes):
         yield f"{mask} S={seq} D={hd} B={batch}", inputs, flops, build
     if args.documents:
         lengths = kernel.document_lengths(args.tokens)
-        seg = kernel.document_ids(lengths)
         inputs = kernel.draw_inputs(1, args.tokens, args.heads, args.kv_heads, 128)
 
         def build(impl):
-            if impl in kernel.JFLASH:
-                return kernel.attention_fn(impl, causal=True, segment_ids=seg)
-            if impl == "fa3":
-                attn, error = kernel._fa3_varlen(lengths)
-                if error is not None:
-                    raise kernel.PeerUnavailable(error)
-                return attn
-            raise kernel.PeerUnavailable("no packed-documents form here (jflash's or fa3 only)")
+            return kernel.document_attention_fn(impl, lengths)
 
         label = f"documents S={args.tokens} ({len(lengths)} documents) D=128 B=1"
         yield label, inputs, kernel.document_flops(lengths, args.heads, 128), build
