@@ -302,6 +302,12 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
+
+    def backwards(g):
+        """Whether query head g of the group is streamed from the last step down (odd
+        heads, causal; None: never)."""
+        return (rem(g, 2) == 1) if geom.mask.causal else None
+
     if split is not None:
         st = lockstep(st)
 
@@ -347,9 +353,9 @@ def _dkv_kernel(
         def wait_inputs(slot):
             plgpu.barrier_wait(in_ready.at[slot])  # Q, dO, LSE, delta (and ids): one barrier
 
-        def step(qi, carry, *, g, base, masked: bool):
+        def step(qi, carry, *, g, pos, masked: bool):
             dk, dv = carry
-            slot = rem(base + qi, stages)
+            slot = rem(pos(qi), stages)
             with jax.named_scope("in_wait"):
                 wait_inputs(slot)
             q_t, do_t = q_smem.at[slot], do_smem.at[slot]
@@ -379,7 +385,7 @@ def _dkv_kernel(
                 else:
                     plgpu.copy_smem_to_gmem(dq_s, dq_ref.at[dst], reduction_op="add")
 
-            par = rem(base + qi, 2)  # the split forms' dS^T buffer of this step
+            par = rem(pos(qi), 2)  # the split forms' dS^T buffer of this step
 
             def add_split_dq():
                 """Once this warpgroup's dV and dK are done: the Q/dO slot released, the
@@ -521,22 +527,29 @@ def _dkv_kernel(
             add_dq(dq, lax.axis_index("kv_tiles") * COMPUTE_WGS + wg)  # a slice per warpgroup
             return dk, dv
 
-        def skip(qi, carry, *, base):
-            slot = rem(base + qi, stages)
+        def skip(qi, carry, *, pos):
+            slot = rem(pos(qi), stages)
             wait_inputs(slot)
             plgpu.barrier_arrive(free.at[slot])
             return carry
 
         def head(g, carry):
-            base = g * per_head - st.cta_lo  # stream index of (g, qi) is base + qi
+            reverse = backwards(g)
+
+            def pos(qi):  # the stream index of query step qi of head g
+                if reverse is None:
+                    return g * per_head + qi - st.cta_lo
+                return g * per_head + jnp.where(reverse, st.cta_hi - 1 - qi, qi - st.cta_lo)
+
             return run_steps(
                 st,
-                functools.partial(step, g=g, base=base),
-                functools.partial(skip, base=base),
+                functools.partial(step, g=g, pos=pos),
+                functools.partial(skip, pos=pos),
                 carry,
                 mask_first=True,
                 mask_last=segments or split is not None,
                 skip_first=split is None,
+                reverse=reverse,
             )
 
         zeros = plgpu.layout_cast(jnp.zeros((bk, geom.head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -573,8 +586,13 @@ def _dkv_kernel(
         @pl.loop(0, geom.group * per_head)
         def _(t):
             slot = rem(t, stages)
-            head = kv_head * geom.group + lax.div(t, per_head)
-            q_start = (st.cta_lo + rem(t, per_head)) * block_q
+            g = lax.div(t, per_head)
+            head = kv_head * geom.group + g
+            r = rem(t, per_head)
+            q_step = st.cta_lo + r
+            if backwards(g) is not None:
+                q_step = jnp.where(backwards(g), st.cta_hi - 1 - r, q_step)
+            q_start = q_step * block_q
 
             @pl.when(t >= stages)
             def _():

@@ -539,12 +539,27 @@ def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):
 
 
 def run_steps(
-    steps: Steps, step, skip, carry, *, mask_first: bool, mask_last: bool, skip_first: bool
+    steps: Steps,
+    step,
+    skip,
+    carry,
+    *,
+    mask_first: bool,
+    mask_last: bool,
+    skip_first: bool,
+    reverse=None,
 ):
     """A warpgroup's share of the stream, in stream order: `step(j, carry, masked=...)`
     on its own steps, `skip(j, None)` on the rest. The static flags leave out runs that
     are always empty (without segment ids: the forward's first masked run and leading
-    skips, the dK/dV kernel's last masked run)."""
+    skips, the dK/dV kernel's last masked run).
+
+    `reverse` (a traced bool, or None: never): the stream runs from `cta_hi - 1` down to
+    `cta_lo` instead, the same runs backwards, in one code path for both directions."""
+    if reverse is not None:
+        return _run_steps_either_way(
+            steps, step, skip, carry, mask=mask_first or mask_last, reverse=reverse
+        )
     if skip_first:
         lax.fori_loop(steps.cta_lo, steps.lo, skip, None)
     if mask_first:
@@ -555,6 +570,38 @@ def run_steps(
     if mask_last:
         carry = lax.fori_loop(steps.clear_hi, steps.hi, functools.partial(step, masked=True), carry)
     lax.fori_loop(steps.hi, steps.cta_hi, skip, None)
+    return carry
+
+
+def _run_steps_either_way(steps: Steps, step, skip, carry, *, mask: bool, reverse):
+    """`run_steps` forwards or (`reverse`) backwards: five runs whose kinds come in the
+    same order both ways (skip, masked, unmasked, masked, skip), each over its range in
+    the direction's order."""
+    s = steps
+    fwd = [
+        (s.cta_lo, s.lo),
+        (s.lo, s.clear_lo),
+        (s.clear_lo, s.clear_hi),
+        (s.clear_hi, s.hi),
+        (s.hi, s.cta_hi),
+    ]
+    runs = []
+    for i, (a, b) in enumerate(fwd):
+        ra, rb = fwd[len(fwd) - 1 - i]
+        runs.append((jnp.where(reverse, ra, a), jnp.where(reverse, rb, b)))
+    kinds = ["skip", "masked", "clear", "masked", "skip"]
+    for (a, b), kind in zip(runs, kinds, strict=True):
+        if kind == "masked" and not mask:
+            continue
+
+        def at(i, a=a, b=b):  # the run's i-th step in the direction's order
+            return jnp.where(reverse, a + b - 1 - i, i)
+
+        if kind == "skip":
+            lax.fori_loop(a, b, lambda i, c: skip(at(i), c), None)
+        else:
+            fn = functools.partial(step, masked=kind == "masked")
+            carry = lax.fori_loop(a, b, lambda i, c, fn=fn: fn(at(i), c), carry)
     return carry
 
 
