@@ -17,7 +17,8 @@ there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the
-  group in turn, so GQA needs no repeated K/V and no reduction afterwards.
+  group in turn, so GQA needs no repeated K/V and no reduction afterwards (causal, D = 128:
+  every other head from the last query step down, `ALTERNATE_PASSES_SPLITS`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -124,6 +125,17 @@ DKV_STEP_SCOPES = {
     "ds_wait": "release the Q/dO slot, wait for the other warpgroup's dS^T",
     "dq": "this warpgroup's dQ column half from both dS^T, reduce-added into HBM",
 }
+# Splits whose causal dK/dV kernel streams the odd query heads of its group backwards,
+# from the last query step down to the diagonal. A CTA streams its group's heads in
+# turn, each from its diagonal to the end; a later key tile's CTA has fewer steps per
+# head, so head by head the CTAs in flight drift apart along the sequence and the Q, dO
+# and dQ blocks they share leave L2 between one CTA's use and the next. A head walked
+# back down starts where the previous one ended, which keeps the odd heads as close
+# together as the even ones. H200, causal 64k, D = 128: DRAM read 25 -> 12.8 GB and
+# written 16.1 -> 9.2 GB per call, forward+backward +1.1-1.7% at 16k and +0.5% at 64k
+# (BENCHMARKS.md). Every head backwards: 22.3 GB read, slower. At D = 64 (the rows
+# split) it read 0.997-0.998x and is not taken.
+ALTERNATE_PASSES_SPLITS = ("cols",)
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
 # the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
@@ -304,9 +316,11 @@ def _dkv_kernel(
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
 
     def backwards(g):
-        """Whether query head g of the group is streamed from the last step down (odd
-        heads, causal; None: never)."""
-        return (rem(g, 2) == 1) if geom.mask.causal else None
+        """Whether query head g of the group is streamed from the last query step down
+        (`ALTERNATE_PASSES_SPLITS`: its odd heads, causal; None: never)."""
+        if geom.mask.causal and split in ALTERNATE_PASSES_SPLITS:
+            return rem(g, 2) == 1
+        return None
 
     if split is not None:
         st = lockstep(st)

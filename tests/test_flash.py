@@ -278,6 +278,35 @@ def test_tile_grid_orders():
     assert tile_grid(512, 8, 1, "kv_tiles", causal=False, packed=True)["grid"] == (8, 512, 1)
 
 
+@pytest.mark.parametrize("bounds", [(2, 3, 5, 9, 10, 12), (0, 0, 0, 4, 4, 4), (1, 1, 1, 1, 1, 3)])
+def test_run_steps_backwards_visits_the_stream_reversed(bounds):
+    """`run_steps(reverse=...)` (the dK/dV kernel's odd causal heads): backwards, every
+    computed step once, from the last down, each masked or not as forwards;
+    `reverse=False` is the plain order. (Skipped steps carry nothing to record.)"""
+    from jflash._mosaic_common import Steps, run_steps
+
+    cta_lo, lo, clear_lo, clear_hi, hi, cta_hi = (jnp.int32(b) for b in bounds)
+    steps = Steps(cta_lo, cta_hi, lo, clear_lo, clear_hi, hi)
+
+    def order(**reverse):
+        def step(j, carry, *, masked):
+            seen, n = carry
+            return seen.at[n].set(2 * j + masked), n + 1
+
+        start = (jnp.full(16, -1, jnp.int32), jnp.int32(0))
+        flags = dict(mask_first=True, mask_last=True, skip_first=True)
+        seen, n = run_steps(steps, step, lambda j, c: c, start, **flags, **reverse)
+        return [(int(x) // 2, bool(int(x) % 2)) for x in seen[: int(n)]]
+
+    plain = order()
+    assert [j for j, _ in plain] == list(range(bounds[1], bounds[4]))
+    assert [masked for j, masked in plain] == [
+        not bounds[2] <= j < bounds[3] for j in range(bounds[1], bounds[4])
+    ]
+    assert order(reverse=jnp.bool_(False)) == plain
+    assert order(reverse=jnp.bool_(True)) == plain[::-1]
+
+
 HEADS_FIRST_CASES = [
     pytest.param("pallas_triton", Case(segments=3, batch=2, q_heads=8, kv_heads=2), id="triton"),
     pytest.param("pallas_mosaic", MOSAIC_CASES[0], id="mosaic", marks=needs_hopper),
