@@ -136,13 +136,6 @@ DKV_STEP_SCOPES = {
 # (BENCHMARKS.md). Every head backwards: 22.3 GB read, slower. At D = 64 (the rows
 # split) it read 0.997-0.998x and is not taken.
 ALTERNATE_PASSES_SPLITS = ("cols",)
-# Splits whose dK/dV kernel adds -LSE in registers instead of on the tensor cores: the
-# memory warpgroup streams -LSE * log2 e as an f32 row, each thread loads its 16
-# columns while S^T is on the tensor cores, and the exponentials take them in an FMA
-# (`exp2(s * scale * log2 e - LSE * log2 e)`, FlashAttention-3's form), one K = 16
-# wgmma fewer per step. -delta stays on the tensor cores (in registers it costs an add
-# per element and 16 registers more where dS is formed).
-LSE_IN_REGS_SPLITS = ("cols",)
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
 # the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
@@ -277,7 +270,6 @@ def _dkv_kernel(
     segments: bool,
     fused: bool,
     split: str | None,
-    lse_in_regs: bool,
     interpret: bool,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
@@ -453,11 +445,8 @@ def _dkv_kernel(
             ones = ones_smem2.at[mine]
             init = (zeros, zeros)
 
-            def probabilities(s, neg_lse2=None):  # while dP^T is still on the tensor cores
-                if neg_lse2 is None:  # -LSE/scale came from the tensor cores
-                    p = jnp.exp2(s * qk_scale)
-                else:  # -LSE * log2 e, one value per column
-                    p = jnp.exp2(s * qk_scale + lax.broadcast_in_dim(neg_lse2, s.shape, [1]))
+            def probabilities(s):  # while dP^T is still on the tensor cores
+                p = jnp.exp2(s * qk_scale)
                 if masked:
                     seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                     if ids is not None:
@@ -465,14 +454,7 @@ def _dkv_kernel(
                     p = jnp.where(seen, p, jnp.float32(0.0))
                 return p
 
-            if lse_in_regs:
-                s_products = [(k_s, q_t.T)]
-                load_lse = lambda: plgpu.load(  # noqa: E731
-                    s_parts.at[slot], layout=plgpu.Layout.WGMMA.reduce(0)
-                )
-            else:
-                s_products = [(ones, s_parts.at[slot].T), (k_s, q_t.T)]
-                load_lse = lambda: None  # noqa: E731
+            s_products = [(ones, s_parts.at[slot].T), (k_s, q_t.T)]
             dp_products = [(ones, dp_parts.at[slot].T), (v_s, do_t.T)]
             if split == "cols" and not interpret:
                 # One wgmma scope per step: dV = P^T dO is issued as soon as P is formed,
@@ -488,11 +470,10 @@ def _dkv_kernel(
                         plgpu.wgmma(s_acc, a, b)
                     for a, b in dp_products:
                         plgpu.wgmma(dp_acc, a, b)
-                    neg_lse2 = load_lse()
                     with jax.named_scope("s_wait"):
                         s = plgpu.wgmma_accumulator_load(s_acc, wait_n=len(dp_products))
                     with jax.named_scope("exp"):
-                        p = probabilities(s, neg_lse2)
+                        p = probabilities(s)
                         plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)
                     with jax.named_scope("dp_wait"):
                         dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
@@ -512,7 +493,7 @@ def _dkv_kernel(
             p, ds = wgmma_pair(
                 init,
                 [s_products, dp_products],
-                lambda s: probabilities(s, load_lse()),
+                probabilities,
                 lambda p, dp: p * dp,
                 interpret=interpret,
             )
@@ -861,7 +842,6 @@ def mosaic_bwd(
     # block_q_dkv checked by `check_mosaic_block_sizes`
     fused = fuses_dq(h, deterministic, storable)
     split = splits_dq(h, deterministic, block_q_dkv, storable)
-    lse_in_regs = split in LSE_IN_REGS_SPLITS
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
@@ -888,10 +868,7 @@ def mosaic_bwd(
         + (fused_tiles if fused else 0)
         + ids_tile
         + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
-        per_stage=2 * block_q_dkv * h * size
-        + block_q_dkv * (4 if lse_in_regs else 2 * PARTS)  # -LSE terms
-        + block_q_dkv * 2 * PARTS  # -delta parts
-        + (block_q_dkv * 4 if segments else 0),
+        per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
     kv_tiles = geom.kv_pad // rows
     kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype, k)
@@ -902,11 +879,9 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         fused=fused,
         split=split,
-        lse_in_regs=lse_in_regs,
         **common,
     )
-    s_terms = s_start * (scale * LOG2E) if lse_in_regs else _row_parts(s_start)
-    inputs = (q, k, v, do, s_terms, _row_parts(dp_start), *dkv_ids)
+    inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
@@ -928,11 +903,7 @@ def mosaic_bwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
-            (
-                plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32)
-                if lse_in_regs
-                else _parts_tile((dkv_stages, block_q_dkv, PARTS))
-            ),
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
             _parts_tile((dkv_stages, block_q_dkv, PARTS)),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
             (
