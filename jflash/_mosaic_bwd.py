@@ -319,7 +319,7 @@ def _dkv_kernel(
         """Whether query head g of the group is streamed from the last query step down
         (`ALTERNATE_PASSES_SPLITS`: its odd heads, causal; None: never)."""
         if geom.mask.causal and split in ALTERNATE_PASSES_SPLITS:
-            return jnp.bool_(True)
+            return rem(g, 2) == 1
         return None
 
     if split is not None:
