@@ -550,10 +550,16 @@ def _dkv_kernel(
         def head(g, carry):
             reverse = backwards(g)
 
-            def pos(qi):  # the stream index of query step qi of head g
-                if reverse is None:
-                    return g * per_head + qi - st.cta_lo
-                return g * per_head + jnp.where(reverse, st.cta_hi - 1 - qi, qi - st.cta_lo)
+            # The stream index of query step qi of head g: g * per_head + its turn.
+            if reverse is None:
+                first, sign = st.cta_lo, 1
+            else:
+                first = jnp.where(reverse, st.cta_hi - 1, st.cta_lo)
+                sign = 1 - 2 * reverse.astype(jnp.int32)
+            origin = g * per_head - sign * first
+
+            def pos(qi):
+                return origin + sign * qi
 
             return run_steps(
                 st,
