@@ -550,16 +550,10 @@ def _dkv_kernel(
         def head(g, carry):
             reverse = backwards(g)
 
-            # The stream index of query step qi of head g: g * per_head + its turn.
-            if reverse is None:
-                first, sign = st.cta_lo, 1
-            else:
-                first = jnp.where(reverse, st.cta_hi - 1, st.cta_lo)
-                sign = 1 - 2 * reverse.astype(jnp.int32)
-            origin = g * per_head - sign * first
-
-            def pos(qi):
-                return origin + sign * qi
+            def pos(qi):  # the stream index of query step qi of head g
+                if reverse is None:
+                    return g * per_head + qi - st.cta_lo
+                return g * per_head + jnp.where(reverse, st.cta_hi - 1 - qi, qi - st.cta_lo)
 
             return run_steps(
                 st,

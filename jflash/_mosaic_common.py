@@ -576,26 +576,32 @@ def run_steps(
 def _run_steps_either_way(steps: Steps, step, skip, carry, *, mask: bool, reverse):
     """`run_steps` forwards or (`reverse`) backwards: five runs whose kinds come in the
     same order both ways (skip, masked, unmasked, masked, skip), each over its range in
-    the direction's order: step `start + sign * i` of a run at its i-th turn."""
+    the direction's order."""
     s = steps
-    ends = (s.cta_lo, s.lo, s.clear_lo, s.clear_hi, s.hi, s.cta_hi)
-    sign = 1 - 2 * reverse.astype(jnp.int32)
-    for k, kind in enumerate(("skip", "masked", "clear", "masked", "skip")):
+    fwd = [
+        (s.cta_lo, s.lo),
+        (s.lo, s.clear_lo),
+        (s.clear_lo, s.clear_hi),
+        (s.clear_hi, s.hi),
+        (s.hi, s.cta_hi),
+    ]
+    runs = []
+    for i, (a, b) in enumerate(fwd):
+        ra, rb = fwd[len(fwd) - 1 - i]
+        runs.append((jnp.where(reverse, ra, a), jnp.where(reverse, rb, b)))
+    kinds = ["skip", "masked", "clear", "masked", "skip"]
+    for (a, b), kind in zip(runs, kinds, strict=True):
         if kind == "masked" and not mask:
             continue
-        first, last = ends[k], ends[k + 1]  # forwards: [first, last)
-        back_first, back_last = ends[4 - k], ends[5 - k]  # backwards: down from back_last - 1
-        start = jnp.where(reverse, back_last - 1, first)
-        count = jnp.where(reverse, back_last - back_first, last - first)
 
-        def at(i, start=start):
-            return start + sign * i
+        def at(i, a=a, b=b):  # the run's i-th step in the direction's order
+            return jnp.where(reverse, a + b - 1 - i, i)
 
         if kind == "skip":
-            lax.fori_loop(0, count, lambda i, c, at=at: skip(at(i), c), None)
+            lax.fori_loop(a, b, lambda i, c: skip(at(i), c), None)
         else:
             fn = functools.partial(step, masked=kind == "masked")
-            carry = lax.fori_loop(0, count, lambda i, c, fn=fn, at=at: fn(at(i), c), carry)
+            carry = lax.fori_loop(a, b, lambda i, c, fn=fn: fn(at(i), c), carry)
     return carry
 
 
