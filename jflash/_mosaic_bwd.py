@@ -132,9 +132,9 @@ DKV_STEP_SCOPES = {
 # and dQ blocks they share leave L2 between one CTA's use and the next. A head walked
 # back down starts where the previous one ended, which keeps the odd heads as close
 # together as the even ones. H200, causal 64k, D = 128: DRAM read 25 -> 12.8 GB and
-# written 16.1 -> 9.2 GB per call, forward+backward +1.1-1.7% at 16k and +0.5% at 64k
-# (BENCHMARKS.md). Every head backwards: 22.3 GB read, slower. At D = 64 (the rows
-# split) it read 0.997-0.998x and is not taken.
+# written 16.1 -> 9.2 GB per call, forward+backward +1.1-1.7% at 16k and +0.3-0.7% at
+# 64k (BENCHMARKS.md). Every head backwards: 22.3 GB read, slower. At D = 64 (the rows
+# split) it read 0.996-0.998x and is not taken.
 ALTERNATE_PASSES_SPLITS = ("cols",)
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
