@@ -17,8 +17,9 @@ there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
   the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the
-  group in turn, so GQA needs no repeated K/V and no reduction afterwards (causal, D = 128:
-  every other head from the last query step down, `ALTERNATE_PASSES_SPLITS`).
+  group in turn, so GQA needs no repeated K/V and no reduction afterwards (causal, D =
+  128, no segment ids: every other head from the last query step down,
+  `ALTERNATE_PASSES_SPLITS`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -134,7 +135,8 @@ DKV_STEP_SCOPES = {
 # together as the even ones. H200, causal 64k, D = 128: DRAM read 25 -> 12.8 GB and
 # written 16.1 -> 9.2 GB per call, forward+backward +1.1-1.7% at 16k and +0.3-0.7% at
 # 64k (BENCHMARKS.md). Every head backwards: 22.3 GB read, slower. At D = 64 (the rows
-# split) it read 0.996-0.998x and is not taken.
+# split) it read 0.996-0.998x, and with segment ids (a key tile's queries end with its
+# document: short passes, no drift to undo) 0.988x on the 64k packed row: not taken.
 ALTERNATE_PASSES_SPLITS = ("cols",)
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
@@ -317,8 +319,9 @@ def _dkv_kernel(
 
     def backwards(g):
         """Whether query head g of the group is streamed from the last query step down
-        (`ALTERNATE_PASSES_SPLITS`: its odd heads, causal; None: never)."""
-        if geom.mask.causal and split in ALTERNATE_PASSES_SPLITS:
+        (`ALTERNATE_PASSES_SPLITS`: its odd heads, causal without segment ids; None:
+        never)."""
+        if geom.mask.causal and not segments and split in ALTERNATE_PASSES_SPLITS:
             return rem(g, 2) == 1
         return None
 
