@@ -606,9 +606,9 @@ def _dkv_kernel(
             g = lax.div(t, per_head)
             head = kv_head * geom.group + g
             r = rem(t, per_head)
-            q_step = st.cta_lo + r
-            if backwards(g) is not None:
-                q_step = jnp.where(backwards(g), st.cta_hi - 1 - r, q_step)
+            q_step, reverse = st.cta_lo + r, backwards(g)
+            if reverse is not None:
+                q_step = jnp.where(reverse, st.cta_hi - 1 - r, q_step)
             q_start = q_step * block_q
 
             @pl.when(t >= stages)

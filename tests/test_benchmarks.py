@@ -1054,18 +1054,23 @@ def test_pipelined_timing_sizes_its_batches_and_waits_once_per_batch(monkeypatch
     assert len(calls) == 4 and waited == [4]
 
 
+def _ring_child(out, *, row_timeout: str, iters: str = "1"):
+    """The command and environment of a tiny 2-device `benchmarks/ring.py` run (one
+    zigzag ring row and its one-device ideal) writing its JSON to `out`."""
+    args = [*TINY_RING, "--tokens-per-device", "64", "--devices", "2", "--layouts", "zigzag",
+            "--strategies", "ring", "--row-timeout", row_timeout, "--out", str(out)]  # fmt: skip
+    args[args.index("--iters") + 1] = iters
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    return [sys.executable, "benchmarks/ring.py", *args], env
+
+
 def test_ring_row_timeout_names_the_row_it_stopped_in(tmp_path):
     """A row past `--row-timeout` stops the run (a hung GPU kernel cannot be interrupted
     in the process) with exit code 1 and the stacks printed; the JSON written before
     the row started lists it as unfinished. 10 ms: no row compiles that fast."""
     out = tmp_path / "ring.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    run = subprocess.run(
-        [sys.executable, "benchmarks/ring.py", *TINY_RING, "--tokens-per-device", "64",
-         "--devices", "2", "--layouts", "zigzag", "--strategies", "ring",
-         "--row-timeout", "0.01", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    cmd, env = _ring_child(out, row_timeout="0.01")
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stderr[-2000:]
     assert "Timeout" in run.stderr and "Thread" in run.stderr
     (row,) = json.loads(out.read_text())["rows"]
@@ -1077,14 +1082,10 @@ def test_ring_stopped_from_outside_prints_its_stacks(tmp_path):
     """A SIGTERM (a step's `timeout` in multi_gpu.sh) during a row prints every thread's
     stack before the process ends, and the JSON names the row it stopped in."""
     out = tmp_path / "ring.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    args = [*TINY_RING, "--tokens-per-device", "64", "--devices", "2", "--layouts", "zigzag",
-            "--strategies", "ring", "--row-timeout", "0", "--out", str(out)]  # fmt: skip
-    args[args.index("--iters") + 1] = "1000000"  # every row runs until stopped
+    cmd, env = _ring_child(out, row_timeout="0", iters="1000000")  # each row runs until stopped
     proc = subprocess.Popen(
-        [sys.executable, "benchmarks/ring.py", *args],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and "did not finish" in out.read_text()):

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 import zlib
 
 import jax
@@ -447,10 +450,6 @@ def test_work_items_without_keys(tmp_path):
     see no key get o = 0 and LSE -inf, and the rest match the oracle. Before, two such
     items in a row deadlocked the CTA's compute warpgroups (the GPU hung; so does the
     interpreter): the forward runs in a child process with a time limit."""
-    import os
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     path = tmp_path / "out.npz"
