@@ -184,6 +184,12 @@ def _fwd_kernel(
     # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
     token = wgs > COMPUTE_WGS
+    # The loop with each step's P V and the next Q K^T issued together (compiled only).
+    # With two warpgroups it hands the turn over right after an item's last P V and
+    # takes it back before the next item's first Q K^T (`split`, as FA-3 does): each
+    # warpgroup's epilogue then runs beside the other's last step, not in its way.
+    overlap = (token or geom.head_dim in OVERLAP_HEAD_DIMS) and not interpret
+    split = overlap and not token
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -363,6 +369,8 @@ def _fwd_kernel(
                         hand()  # while these run, the others do their softmax
                     elif not last:
                         take_turn()  # while these run, the other warpgroup does softmax
+                    else:  # `split`: taken back at the next item's start
+                        plgpu.barrier_arrive(turn)
                 return m, l
 
             def first(j, carry):  # once, if this warpgroup has a step at all
@@ -405,7 +413,9 @@ def _fwd_kernel(
             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
             plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row),
         )
-        if (token or geom.head_dim in OVERLAP_HEAD_DIMS) and not interpret:
+        if overlap:
+            if split:  # the turn handed over after the last item's last P V
+                plgpu.barrier_wait(turn)
             if segments:
                 lax.fori_loop(st.cta_lo, st.lo, skip, None)
             acc, m, l = pl.run_scoped(
@@ -414,6 +424,8 @@ def _fwd_kernel(
                 plgpu.ACC((bq, geom.head_dim), jnp.float32),
             )
             lax.fori_loop(st.hi, st.cta_hi, skip, None)
+            if split:  # without a last step, hand the turn over here
+                pl.when(st.hi == st.lo)(lambda: plgpu.barrier_arrive(turn))
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
@@ -428,7 +440,7 @@ def _fwd_kernel(
                 hold()
                 hand()
 
-        else:
+        elif not split:
             # An item the CTA streams no key for (query tiles whose ids meet none of
             # the keys': the ring's blocks of packed documents) takes one turn each.
             # The turns run on across the items, warpgroup 1 one behind: without one
@@ -479,6 +491,8 @@ def _fwd_kernel(
             pl.when(wg == wgs - 1)(hand)
         else:
             pl.when(wg == 1)(take_turn)
+            if split:  # the turn each item takes back at its start
+                plgpu.barrier_arrive(turn)
 
         def item(carry):  # the carry holds the item's `locate`
             k, ticket, located = carry
@@ -486,7 +500,7 @@ def _fwd_kernel(
             return k + 1, ticket, following
 
         lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, located))
-        if not token:
+        if not token and not split:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
