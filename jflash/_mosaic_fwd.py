@@ -215,8 +215,18 @@ def _fwd_kernel(
 
     def read_ticket(k):
         """Compute warpgroups: the CTA's `k`-th work item (`total`: none left)."""
+        peek_ticket(k)
+        return release_ticket(k)
+
+    def peek_ticket(k):
+        """The `k`-th item's ticket, which stays in its slot until `release_ticket(k)`."""
         slot = rem(k, 2)
         plgpu.barrier_wait(ticket_ready(slot))
+        return tickets[slot]
+
+    def release_ticket(k):
+        """The `k`-th item's ticket (`peek_ticket(k)` done); its slot may be reused."""
+        slot = rem(k, 2)
         ticket = tickets[slot]
         plgpu.barrier_arrive(ticket_free(slot))
         return ticket
@@ -237,6 +247,15 @@ def _fwd_kernel(
         taken (and its Q load started) before this one's epilogue."""
         q_start = first_row(tile)
         q_smem = q_smem2.at[wg]
+        # Without segment ids (whose tile order and table are reads from HBM), the next
+        # item's Q loads from the last step on: its S wait is the last wgmma that reads Q.
+        early = split and not segments
+
+        def prefetch_q():
+            ticket = peek_ticket(k + 1)
+            coords = items.coords(jnp.minimum(ticket, total - 1), order_ref)
+            pl.when(ticket < total)(lambda: load_q(*coords))
+
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
         q_ids = lo = hi = None
@@ -352,6 +371,8 @@ def _fwd_kernel(
 
                 ids = step_ids(slot, masked)
                 plgpu.barrier_arrive(k_free.at[slot])
+                if last and early:
+                    prefetch_q()
                 with jax.named_scope("softmax_m" if masked else "softmax"):
                     o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
                     o_acc[...] = o
@@ -454,9 +475,14 @@ def _fwd_kernel(
         # Its coordinates and steps are found here too: on packed rows they are reads
         # of the tile order and table in HBM, whose wait the epilogue hides.
         with jax.named_scope("ticket"):
-            ticket = read_ticket(k + 1)
-            following = locate(ticket, st.base + st.count)
-            pl.when(ticket < total)(lambda: load_q(*following[:3]))
+            if early:
+                pl.when(st.hi == st.lo)(prefetch_q)  # no last step
+                ticket = release_ticket(k + 1)
+                following = locate(ticket, st.base + st.count)
+            else:
+                ticket = read_ticket(k + 1)
+                following = locate(ticket, st.base + st.count)
+                pl.when(ticket < total)(lambda: load_q(*following[:3]))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = o_smem2.at[wg]
