@@ -391,7 +391,7 @@ def _fwd_kernel(
                     elif not last:
                         take_turn()  # while these run, the other warpgroup does softmax
                     else:  # `split`: taken back at the next item's start
-                        plgpu.barrier_arrive(turn)
+                        pl.when(st.hi == st.cta_hi)(lambda: plgpu.barrier_arrive(turn))
                 return m, l
 
             def first(j, carry):  # once, if this warpgroup has a step at all
@@ -445,8 +445,9 @@ def _fwd_kernel(
                 plgpu.ACC((bq, geom.head_dim), jnp.float32),
             )
             lax.fori_loop(st.hi, st.cta_hi, skip, None)
-            if split:  # without a last step, hand the turn over here
-                pl.when(st.hi == st.lo)(lambda: plgpu.barrier_arrive(turn))
+            if split:  # without a last step, or after the steps only acknowledged
+                handed = (st.hi > st.lo) & (st.hi == st.cta_hi)
+                pl.when(jnp.logical_not(handed))(lambda: plgpu.barrier_arrive(turn))
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
