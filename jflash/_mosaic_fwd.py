@@ -7,7 +7,12 @@ take turns on the tensor cores (FA-3's ping-pong): while one runs its softmax th
 other's matmuls run, ordered by a two-arrival "turn" barrier that each passes twice
 per key step, warpgroup 1 starting one turn late. At D=128 a warpgroup's turn on the
 tensor cores issues its step's P V and its next step's Q K^T back to back, without
-waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`).
+waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). There a warpgroup
+hands the turn over right after its work item's last P V and takes it back before its
+next item's first Q K^T, so its epilogue does not hold up the other's last step; and,
+without segment ids, it loads the next item's Q from its last step on (both: forward
+1.026x at causal 4k, 1.018x at 16k; the turn alone 1.010x on packed documents;
+BENCHMARKS.md).
 
 The launch is persistent (`WorkItems`): one CTA per SM runs work items until none are
 left, heaviest first (causal rows near the end see the most keys; packed documents by
@@ -107,7 +112,8 @@ ITEM_SCOPES = {
     "q_wait": "wait for its Q tile",
     "first": "issue its first Q K^T and take a turn",
     "last_pv": "wait for its last P V",
-    "ticket": "take the next item's ticket, find its coordinates and steps, start its Q load",
+    "ticket": "take the next item's ticket, find its coordinates and steps, start its Q load "
+    "(where the last step did not)",
     "store_wait": "wait until the last output copy has read shared memory",
 }
 
@@ -472,9 +478,10 @@ def _fwd_kernel(
             pl.when(st.count == 0)(take_turn)
 
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
-        # item's Q loads while this one's output is normalised and stored.
-        # Its coordinates and steps are found here too: on packed rows they are reads
-        # of the tile order and table in HBM, whose wait the epilogue hides.
+        # item's Q loads (from the last step on where `early`) while this one's output
+        # is normalised and stored. Its coordinates and steps are found here: on packed
+        # rows they are reads of the tile order and table in HBM, whose wait the
+        # epilogue hides.
         with jax.named_scope("ticket"):
             if early:
                 pl.when(st.hi == st.lo)(prefetch_q)  # no last step
