@@ -80,9 +80,8 @@ from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
 # (`overlapped`): at D=128 the forward kernel is 2.6% faster (H100, 16k and 64k); at
-# D=64 (256-key steps, S in 128 registers) 38% slower (BENCHMARKS.md).
-# The GPU interpreter cannot store into a live accumulator, so interpret mode runs the
-# other loop.
+# D=64 (256-key steps, S in 128 registers) 38% slower (BENCHMARKS.md). The GPU
+# interpreter runs it too, with its accumulators in shared memory (`Accumulators`).
 OVERLAP_HEAD_DIMS = (128,)
 # Head dims whose compiled forward runs three compute warpgroups from THREE_WG_MIN_LEN
 # queries on (192-row query tiles, 128-key steps in 4 stages, each step's P V and the
@@ -118,6 +117,47 @@ ITEM_SCOPES = {
 }
 
 
+class Accumulators:
+    """The overlapped loop's S and O accumulators. Compiled: wgmma accumulators in
+    registers, each product issued asynchronously and waited for where it is read. The
+    GPU interpreter can neither store into an accumulator nor take a register operand,
+    so there they are f32 shared memory per warpgroup (`scratch`, the kernel's last
+    scratch refs) and each product is a dot added at once: the same numbers, and the
+    same barriers and turns around them."""
+
+    def __init__(self, scratch, interpret: bool):
+        self.scratch = scratch
+        self.interpret = interpret
+
+    def scoped(self, body, s_shape, o_shape):
+        """`body(s_acc, o_acc)`, both zero at first."""
+        if not self.interpret:
+            return pl.run_scoped(
+                body, plgpu.ACC(s_shape, jnp.float32), plgpu.ACC(o_shape, jnp.float32)
+            )
+        wg = lax.axis_index("wg")
+        s_acc, o_acc = (ref.at[wg] for ref in self.scratch)
+        s_acc[...] = jnp.zeros(s_shape, jnp.float32)
+        o_acc[...] = jnp.zeros(o_shape, jnp.float32)
+        return body(s_acc, o_acc)
+
+    def mma(self, acc, a, b, *, a_ref: bool, transpose_b: bool = False):
+        """`acc += a @ b` (`b.T` with `transpose_b`); `a` a shared-memory ref
+        (`a_ref`) or registers, `b` a shared-memory ref."""
+        if not self.interpret:
+            plgpu.wgmma(acc, a, b.T if transpose_b else b)
+            return
+        a = a[...] if a_ref else a
+        b = b[...].T if transpose_b else b[...]
+        acc[...] = acc[...] + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    def wait_load(self, acc):
+        """The accumulator's value once every product issued so far is done."""
+        if not self.interpret:
+            return plgpu.wgmma_accumulator_load(acc, wait_n=0)
+        return acc[...]
+
+
 def _fwd_kernel(
     *refs,
     geom: Geometry,
@@ -135,7 +175,8 @@ def _fwd_kernel(
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
     [B, S]` (not with `spans_only`), the `query_table` (the sorted-ids flag last) and the
     tiles' order (`heaviest_first`); then the outputs and the scratch (`q_ids`,
-    `kv_ids`: None without ids; `kv_ids` None with `spans_only`).
+    `kv_ids`: None without ids; `kv_ids` None with `spans_only`; interpreted, the
+    overlapped loop's f32 S and O per warpgroup last: `Accumulators`).
 
     `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
     and the key ids are not streamed. `run_if`: None, or whether the kernel runs where
@@ -166,6 +207,7 @@ def _fwd_kernel(
         k_free,
         v_free,
         turn,
+        *accs,
     ) = refs
     # The next two work items' tickets (`tickets[0:2]`, `tickets[2]`: the counter's last
     # value) and their barriers share the allocations of the V slots' (one arrival) and
@@ -176,6 +218,8 @@ def _fwd_kernel(
     if run_if is not None:
         flag = table_ref[jnp.int32(table_ref.shape[0] - 1)] != 0  # key ids sorted
         runs = flag if run_if else jnp.logical_not(flag)
+
+    acc_ops = Accumulators(accs, interpret)
 
     def ticket_ready(slot):  # ticket slot `slot` holds the next item
         return v_ready.at[jnp.int32(stages) + slot]
@@ -190,11 +234,12 @@ def _fwd_kernel(
     # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
     token = wgs > COMPUTE_WGS
-    # The loop with each step's P V and the next Q K^T issued together (compiled only).
-    # With two warpgroups it hands the turn over right after an item's last P V and
-    # takes it back before the next item's first Q K^T (`split`, as FA-3 does): each
-    # warpgroup's epilogue then runs beside the other's last step, not in its way.
-    overlap = (token or geom.head_dim in OVERLAP_HEAD_DIMS) and not interpret
+    # The loop with each step's P V and the next Q K^T issued together (interpreted
+    # with its accumulators in shared memory: `Accumulators`). With two warpgroups it
+    # hands the turn over right after an item's last P V and takes it back before the
+    # next item's first Q K^T (`split`, as FA-3 does): each warpgroup's epilogue then
+    # runs beside the other's last step, not in its way.
+    overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
 
     def take_turn():
@@ -354,22 +399,21 @@ def _fwd_kernel(
 
         def overlapped(s_acc, o_acc, stats):
             """The steps with each step's P V and the next step's Q K^T issued back to
-            back (compiled only: the GPU interpreter cannot store into `o_acc` while a
-            wgmma is pending). `s_acc` holds S of the step about to run; reading it
-            also waits for the previous P V, whose V slot is released then."""
+            back. `s_acc` holds S of the step about to run; reading it also waits for
+            the previous P V, whose V slot is released then."""
             zeros_s = plgpu.layout_cast(jnp.zeros((bq, block_kv), jnp.float32), plgpu.Layout.WGMMA)
 
             def issue_qk(j):
                 slot = st.slot(j, stages)
                 plgpu.barrier_wait(k_ready.at[slot])
                 s_acc[...] = zeros_s
-                plgpu.wgmma(s_acc, q_smem, k_smem.at[slot].T)
+                acc_ops.mma(s_acc, q_smem, k_smem.at[slot], a_ref=True, transpose_b=True)
 
             def step_(j, carry, *, masked: bool, last: bool):
                 m, l = carry
                 slot = st.slot(j, stages)
                 with jax.named_scope("s_wait"):
-                    s = plgpu.wgmma_accumulator_load(s_acc, wait_n=0)
+                    s = acc_ops.wait_load(s_acc)
 
                 @pl.when(j > st.lo)
                 def _():
@@ -389,7 +433,8 @@ def _fwd_kernel(
                     else:
                         take_tensor_cores(slot)
                 with jax.named_scope("issue"):
-                    plgpu.wgmma(o_acc, p16, v_smem.at[slot])  # += P V, waited for next step
+                    # += P V, waited for in the next step
+                    acc_ops.mma(o_acc, p16, v_smem.at[slot], a_ref=False)
                     if not last:
                         issue_qk(j + 1)
                     if token:
@@ -445,10 +490,10 @@ def _fwd_kernel(
                 plgpu.barrier_wait(turn)
             if segments:
                 lax.fori_loop(st.cta_lo, st.lo, skip, None)
-            acc, m, l = pl.run_scoped(
+            acc, m, l = acc_ops.scoped(
                 lambda s_acc, o_acc: overlapped(s_acc, o_acc, stats),
-                plgpu.ACC((bq, block_kv), jnp.float32),
-                plgpu.ACC((bq, geom.head_dim), jnp.float32),
+                (bq, block_kv),
+                (bq, geom.head_dim),
             )
             lax.fori_loop(st.hi, st.cta_hi, skip, None)
             if split:  # without a last step, or after the steps only acknowledged
@@ -534,7 +579,18 @@ def _fwd_kernel(
             return k + 1, ticket, following
 
         lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, located))
-        if not token and not split:
+        if split and interpret:
+            # Warpgroup 1 arrived once more: the GPU interpreter wants that phase
+            # completed and every phase observed by both.
+            @pl.when(wg == 0)
+            def _():
+                plgpu.barrier_wait(turn)
+                plgpu.barrier_arrive(turn)
+
+            plgpu.barrier_wait(turn)
+        elif token and interpret:  # the last warpgroup's last hand-over, observed
+            pl.when(wg == 0)(hold)
+        elif not token:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
@@ -628,15 +684,9 @@ def mosaic_fwd(
     segments = segs is not None
     q_seg, kv_seg = segs if segments else (None, None)
     q, k, v, q_seg, kv_seg = match(q, k, v, q_seg, kv_seg)
-    # Three warpgroups need the overlapped loop, which the GPU interpreter cannot run.
     # `own_tiles=False`: the caller chose `block_kv` and `stages` (`jflash.BlockSizes`),
     # which the three-warpgroup form would replace: two warpgroups run them.
-    three = (
-        own_tiles
-        and q.shape[3] in THREE_WG_HEAD_DIMS
-        and q.shape[1] >= THREE_WG_MIN_LEN
-        and not interpret
-    )
+    three = own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and q.shape[1] >= THREE_WG_MIN_LEN
     common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
     two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
     fast = two_wgs
@@ -836,6 +886,15 @@ def _launch(
             plgpu.Barrier(num_barriers=wgs)
             if wgs > COMPUTE_WGS
             else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+            # Interpreted: the overlapped loop's S and O (`Accumulators`).
+            *(
+                [
+                    plgpu.SMEM((wgs, WG_ROWS, block_kv), jnp.float32),
+                    plgpu.SMEM((wgs, WG_ROWS, h), jnp.float32),
+                ]
+                if interpret
+                else []
+            ),
         ],
         **items.grid,
         kernel_name="jflash_mosaic_fwd",

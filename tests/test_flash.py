@@ -183,9 +183,9 @@ def test_mosaic_gradients_of_long_rows(head_dim):
         assert np.abs(g - w).max() <= 4e-3 * np.abs(w).max(), name
 
 
-# The three-warpgroup D = 64 forward (compiled only: the interpreter cannot run its
-# loop): causal and full, a ragged length (192-row tiles with padding warpgroups),
-# offsets, MQA. Long calls take it by default; here every call does.
+# The three-warpgroup D = 64 forward: causal and full, a ragged length (192-row tiles
+# with padding warpgroups), offsets, MQA. Long calls take it by default; here every
+# call does. The interpreter runs the last two (the first two take it 20-60 s each).
 THREE_WG_CASES = [
     Case(q_heads=8, kv_heads=2, head_dim=64, q_len=1000, dtype=jnp.bfloat16, batch=2),
     Case(q_heads=4, kv_heads=4, head_dim=64, q_len=640, causal=False, dtype=jnp.float16),
@@ -228,6 +228,16 @@ def test_mosaic_three_warpgroup_forward(case, three_wg_launches):
     assert three_wg_launches and set(three_wg_launches) == {3}, three_wg_launches
 
 
+@pytest.mark.parametrize("case", THREE_WG_CASES[2:], ids=str)
+def test_mosaic_three_warpgroup_forward_interpreted(case, three_wg_launches):
+    """The same loop in the GPU interpreter, which also checks that every warpgroup
+    observes every phase of the token ring's barriers."""
+    got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=True)
+    assert_close(got, want, case.dtype)
+    np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+    assert three_wg_launches and set(three_wg_launches) == {3}, three_wg_launches
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
@@ -236,13 +246,34 @@ def test_mosaic_three_warpgroup_forward_with_segments(order, three_wg_launches):
     (packed documents, masked by each row's key span) and two warpgroups run the rest;
     both are traced, the ids choose at run time. Nine documents with random boundaries
     in a ragged length; the unsorted ids thread a tenth through all of them."""
-    case = Case(q_heads=8, kv_heads=2, head_dim=64, q_len=1000, dtype=jnp.bfloat16, batch=2)
-    q, k, v, do, dlse = make_inputs(
-        7, batch=2, q_len=1000, kv_len=1000, q_heads=8, kv_heads=2, head_dim=64, dtype=case.dtype
+    _three_warpgroups_with_segments(order, 2, 1000, 9, three_wg_launches, heads=(8, 2))
+
+
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_mosaic_three_warpgroup_forward_with_segments_interpreted(order, three_wg_launches):
+    """The same in the GPU interpreter, shorter: four documents in 300 tokens."""
+    _three_warpgroups_with_segments(
+        order, 1, 300, 4, three_wg_launches, heads=(4, 1), interpret=True
     )
-    seg = random_segments(7, 2, 1000, 9)
+
+
+def _three_warpgroups_with_segments(
+    order, batch, length, docs, launched, *, heads, interpret=False
+):
+    case = Case(q_heads=heads[0], kv_heads=heads[1], head_dim=64, q_len=length, dtype=jnp.bfloat16)
+    q, k, v, do, dlse = make_inputs(
+        7,
+        batch=batch,
+        q_len=length,
+        kv_len=length,
+        q_heads=heads[0],
+        kv_heads=heads[1],
+        head_dim=64,
+        dtype=case.dtype,
+    )
+    seg = random_segments(7, batch, length, docs)
     if order == "unsorted":
-        seg = seg.at[:, ::3].set(11)  # one document threaded through all the others
+        seg = seg.at[:, ::3].set(docs + 2)  # one document threaded through all the others
     got = value_and_grads(
         jflash.flash_attention,
         q,
@@ -254,10 +285,11 @@ def test_mosaic_three_warpgroup_forward_with_segments(order, three_wg_launches):
         causal=True,
         segment_ids=seg,
         implementation="pallas_mosaic",
+        interpret=interpret,
     )
     want = oracle(q, k, v, do, dlse, causal=True, segment_ids=seg)
     assert_close(got, want, case.dtype)
-    assert three_wg_launches[:2] == [3, 2], three_wg_launches
+    assert launched[:2] == [3, 2], launched
 
 
 def test_tile_grid_orders():
