@@ -80,8 +80,8 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.kernel import (  # noqa: E402
     FA3_HEAD_DIMS,
     FWDBWD_TOLERANCE,
-    _fa3_varlen,
     attention_fn,
+    document_attention_fn,
     document_flops,
     document_ids,
     document_lengths,
@@ -311,10 +311,8 @@ def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) 
                 label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
                 for label, m in modules.items()
             }
-            if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:
-                fa3, _ = _fa3_varlen(lengths)
-                if fa3 is not None:
-                    cands["fa3"] = _passes(fa3)
+            if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:  # its varlen form
+                cands["fa3"] = _passes(document_attention_fn("fa3", lengths))
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             flops = batch * document_flops(lengths, args.heads, hd)
             name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"

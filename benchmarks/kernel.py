@@ -752,13 +752,19 @@ def document_flops(lengths, heads: int, head_dim: int) -> float:
     return 4.0 * pairs * head_dim * heads
 
 
-def _fa3_varlen(lengths):
-    """FlashAttention-3's variable-length path as `attn(q, k, v)` on [1, S, ., H]
-    inputs, or the reason it cannot run here (a peer for the table, never a dependency)."""
+def document_attention_fn(impl: str, lengths):
+    """`attn(q, k, v)` of `impl` on one packed row of documents of `lengths` (batch 1):
+    jflash's given their segment ids, FA3 as its variable-length kernel given their
+    offsets; PeerUnavailable for a peer with no such form or that cannot run here (a
+    peer for the table, never a dependency)."""
+    if impl in JFLASH:
+        return attention_fn(impl, segment_ids=document_ids(lengths))
+    if impl != "fa3":
+        raise PeerUnavailable("no packed-documents form here (jflash's or fa3 only)")
     try:
         from flash_attn3_jax import flash_mha_varlen
     except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row
-        return None, _import_failure(e)
+        raise PeerUnavailable(_import_failure(e)) from e
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     longest = max(lengths)
 
@@ -769,21 +775,7 @@ def _fa3_varlen(lengths):
         )
         return out[None]
 
-    return attn, None
-
-
-def document_attention_fn(impl: str, lengths):
-    """`attn(q, k, v)` of `impl` on one packed row of documents of `lengths` (batch 1):
-    jflash's given their segment ids, FA3 as its variable-length kernel given their
-    offsets; PeerUnavailable for a peer with no such form or that cannot run here."""
-    if impl in JFLASH:
-        return attention_fn(impl, segment_ids=document_ids(lengths))
-    if impl == "fa3":
-        attn, error = _fa3_varlen(lengths)
-        if error is not None:
-            raise PeerUnavailable(error)
-        return attn
-    raise PeerUnavailable("no packed-documents form here (jflash's or fa3 only)")
+    return attn
 
 
 def documents(args):
@@ -813,7 +805,10 @@ def documents(args):
             block_sizes=block_sizes,
         )
 
-    fa3, fa3_error = _fa3_varlen(lengths)
+    try:
+        fa3, fa3_error = document_attention_fn("fa3", lengths), None
+    except PeerUnavailable as e:
+        fa3, fa3_error = None, str(e)
     peers = [
         ("jflash (default)", "documents", jflash_fn(None, seg), doc_flops, None),
         ("jflash (default)", "one document", jflash_fn(None, None), whole_flops, None),
