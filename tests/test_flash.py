@@ -82,6 +82,12 @@ MOSAIC_CASES = [
     Case(q_len=64, kv_len=192, q_offset=128, dtype=jnp.bfloat16),
     Case(q_heads=8, kv_heads=1, q_len=256, kv_len=256, k_offset=64, dtype=jnp.float16),
     Case(q_len=320, kv_len=96, q_offset=20, k_offset=50, head_dim=128, dtype=jnp.bfloat16),
+    # Queries 64 past the keys: each query tile's first warpgroup sees one key step fewer
+    # than its second (steps it only acknowledges after its last), the last tile's
+    # second warpgroup is padding.
+    Case(
+        q_heads=4, kv_heads=2, head_dim=128, q_len=320, kv_len=384, q_offset=64, dtype=jnp.bfloat16
+    ),
     Case(q_heads=4, kv_heads=2, head_dim=64, q_len=192, segments=3, dtype=jnp.bfloat16),
     # The benchmark's head layout: compiled only (the interpreter takes ~6 minutes).
     pytest.param(
