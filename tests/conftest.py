@@ -31,6 +31,8 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import faulthandler  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -41,6 +43,33 @@ import pytest  # noqa: E402
 # queued behind the kernel, held the device's in-flight slots that the callback's own
 # eager ops waited for. Inline, the test's thread cannot run ahead of the kernel.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+# A test that runs past TEST_TIMEOUT_S seconds (setup and teardown included) is a hang
+# until shown otherwise (a kernel waiting on a barrier no one arrives at): its process
+# prints every thread's stack and exits, so the run fails naming the test (pytest-xdist:
+# "worker crashed while running ...") instead of waiting for CI's time limit. The
+# slowest test takes about 35 s on a CPU, 60 s compiled on a GPU.
+# `JFLASH_TEST_TIMEOUT_S=0` turns it off.
+TEST_TIMEOUT_S = float(os.environ.get("JFLASH_TEST_TIMEOUT_S", "300"))
+_hang_report = None  # where the stacks go: the stderr pytest's capture saved
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _hang_report
+    if TEST_TIMEOUT_S <= 0:
+        yield
+        return
+    if _hang_report is None:  # fd 2 itself is pytest's capture file, lost on exit
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        err = getattr(getattr(capture, "_global_capturing", None), "err", None)
+        _hang_report = os.fdopen(os.dup(getattr(err, "targetfd_save", 2)), "w")
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=_hang_report)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
