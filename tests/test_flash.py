@@ -228,20 +228,23 @@ def three_wg_launches(monkeypatch):
 @needs_hopper
 @pytest.mark.parametrize("case", THREE_WG_CASES, ids=str)
 def test_mosaic_three_warpgroup_forward(case, three_wg_launches):
-    got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=False)
-    assert_close(got, want, case.dtype)
-    np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
-    assert three_wg_launches and set(three_wg_launches) == {3}, three_wg_launches
+    _three_warpgroup_forward(case, three_wg_launches, interpret=False)
 
 
 @pytest.mark.parametrize("case", THREE_WG_CASES[2:], ids=str)
 def test_mosaic_three_warpgroup_forward_interpreted(case, three_wg_launches):
     """The same loop in the GPU interpreter, which also checks that every warpgroup
     observes every phase of the token ring's barriers."""
-    got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=True)
+    _three_warpgroup_forward(case, three_wg_launches, interpret=True)
+
+
+def _three_warpgroup_forward(case, launched, *, interpret):
+    got, want = _run(
+        case, seed=case_seed(case), implementation="pallas_mosaic", interpret=interpret
+    )
     assert_close(got, want, case.dtype)
     np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
-    assert three_wg_launches and set(three_wg_launches) == {3}, three_wg_launches
+    assert launched and set(launched) == {3}, launched
 
 
 @pytest.mark.gpu
