@@ -579,6 +579,11 @@ def _fwd_kernel(
             return k + 1, ticket, following
 
         lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, located))
+        # The turns' last phases. Compiled, `split` leaves them unobserved: a wait there
+        # can find the barrier two phases on (warpgroup 1's last hand-over completing
+        # the phase after the one waited for), whose parity is the one waited for, and
+        # never return. A take_turn of warpgroup 0 here hung D = 128 forward calls
+        # whenever warpgroup 1 finished first.
         if split and interpret:
             # Warpgroup 1 arrived once more: the GPU interpreter wants that phase
             # completed and every phase observed by both.
@@ -590,7 +595,7 @@ def _fwd_kernel(
             plgpu.barrier_wait(turn)
         elif token and interpret:  # the last warpgroup's last hand-over, observed
             pl.when(wg == 0)(hold)
-        elif not token:
+        elif not token and not split:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
