@@ -580,10 +580,9 @@ def _fwd_kernel(
 
         lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, located))
         # The turns' last phases. Compiled, `split` leaves them unobserved: a wait there
-        # can find the barrier two phases on (warpgroup 1's last hand-over completing
-        # the phase after the one waited for), whose parity is the one waited for, and
-        # never return. A take_turn of warpgroup 0 here hung D = 128 forward calls
-        # whenever warpgroup 1 finished first.
+        # can find the barrier two phases on, at the parity it waits for, and never
+        # return. A take_turn of warpgroup 0 here does that whenever warpgroup 1's last
+        # hand-over comes first: its own arrival then completes the next phase too.
         if split and interpret:
             # Warpgroup 1 arrived once more: the GPU interpreter wants that phase
             # completed and every phase observed by both.
