@@ -189,6 +189,19 @@ def test_mosaic_gradients_of_long_rows(head_dim):
         assert np.abs(g - w).max() <= 4e-3 * np.abs(w).max(), name
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_mosaic_forward_with_more_items_than_ctas():
+    """D = 128, 2 x 2048 tokens, 8/2 heads: 256 query tiles for the persistent forward's
+    132 CTAs (an H200), so most CTAs run two work items and a warpgroup often ends its
+    last one before the other. A wait of warpgroup 0 for the turn barrier after its last
+    item, which can find the barrier two phases on at the parity it waits for, hung this
+    call every time; the kernel's end leaves those phases unobserved."""
+    case = Case(q_heads=8, kv_heads=2, head_dim=128, q_len=2048, dtype=jnp.bfloat16, batch=2)
+    got, want = _run(case, seed=case_seed(case), implementation="pallas_mosaic", interpret=False)
+    assert_close(got, want, case.dtype)
+
+
 # The three-warpgroup D = 64 forward: causal and full, a ragged length (192-row tiles
 # with padding warpgroups), offsets, MQA. Long calls take it by default; here every
 # call does. The interpreter runs the last two (the first two take it 20-60 s each).
