@@ -282,17 +282,12 @@ def test_mosaic_three_warpgroup_forward_with_segments_interpreted(order, three_w
 def _three_warpgroups_with_segments(
     order, batch, length, docs, launched, *, heads, interpret=False
 ):
-    case = Case(q_heads=heads[0], kv_heads=heads[1], head_dim=64, q_len=length, dtype=jnp.bfloat16)
+    dtype = jnp.bfloat16
+    q_heads, kv_heads = heads
     q, k, v, do, dlse = make_inputs(
-        7,
-        batch=batch,
-        q_len=length,
-        kv_len=length,
-        q_heads=heads[0],
-        kv_heads=heads[1],
-        head_dim=64,
-        dtype=case.dtype,
-    )
+        7, batch=batch, q_len=length, kv_len=length, q_heads=q_heads, kv_heads=kv_heads,
+        head_dim=64, dtype=dtype,
+    )  # fmt: skip
     seg = random_segments(7, batch, length, docs)
     if order == "unsorted":
         seg = seg.at[:, ::3].set(docs + 2)  # one document threaded through all the others
@@ -310,7 +305,7 @@ def _three_warpgroups_with_segments(
         interpret=interpret,
     )
     want = oracle(q, k, v, do, dlse, causal=True, segment_ids=seg)
-    assert_close(got, want, case.dtype)
+    assert_close(got, want, dtype)
     assert launched[:2] == [3, 2], launched
 
 
