@@ -579,22 +579,22 @@ def _fwd_kernel(
             return k + 1, ticket, following
 
         lax.while_loop(lambda c: c[1] < total, item, (jnp.int32(0), first, located))
-        # The turns' last phases. Compiled, `split` leaves them unobserved: a wait there
-        # can find the barrier two phases on, at the parity it waits for, and never
-        # return. A take_turn of warpgroup 0 here does that whenever warpgroup 1's last
-        # hand-over comes first: its own arrival then completes the next phase too.
-        if split and interpret:
-            # Warpgroup 1 arrived once more: the GPU interpreter wants that phase
-            # completed and every phase observed by both.
+        # Every warpgroup observes the turns' last phases, compiled as interpreted (the
+        # GPU interpreter checks this sequence). With `split`, warpgroup 1 arrived once
+        # more: warpgroup 0 waits for the phase that completed (the next one lacks its
+        # own arrival, so no wait here can find the barrier two phases on, at the
+        # parity it waits for), arrives, and both wait for that last phase.
+        if split:
+
             @pl.when(wg == 0)
             def _():
                 plgpu.barrier_wait(turn)
                 plgpu.barrier_arrive(turn)
 
             plgpu.barrier_wait(turn)
-        elif token and interpret:  # the last warpgroup's last hand-over, observed
+        elif token:  # the last warpgroup's last hand-over
             pl.when(wg == 0)(hold)
-        elif not token and not split:
+        else:
             pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
