@@ -7,11 +7,12 @@ broadcast operands they cost 32 registers per thread next to dK and dV, and load
 into the accumulators at each step's start they stalled it (9% of the compute warps'
 stall samples at D = 128). Two forms add them instead:
 
-- shuffled (`SHUFFLED_TERMS_SPLITS`: D = 128): f32 rows `-LSE log2 e` and `-delta`
-  streamed with Q and dO; each lane loads two of a step's 64 values and every thread
-  takes its 16 from their lanes by shuffles as it adds them (`plus_cols`, as
-  FlashAttention-3's shuffled statistics): `P = exp2(S^T scale log2 e - LSE log2 e)`,
-  `dS^T = P (dP^T - delta)`. No tensor work, two registers per term and thread.
+- shuffled (`SHUFFLED_TERMS_SPLITS`: the split dQ forms, D = 128 and 64): f32 rows
+  `-LSE log2 e` and `-delta` streamed with Q and dO; each lane loads 1/32 of a step's
+  values and every thread takes its own (a quarter) from their lanes by shuffles as it
+  adds them (`plus_cols`, as FlashAttention-3's shuffled statistics):
+  `P = exp2(S^T scale log2 e - LSE log2 e)`, `dS^T = P (dP^T - delta)`. No tensor
+  work; two registers per term and thread at 64 queries per step, four at 128.
 - from the tensor cores (the other forms): a K = 16 wgmma of ones times the terms' bf16
   parts (`-LSE / scale` and `-delta`, `_row_parts`) starts the S^T and dP^T
   accumulators, so no thread loads them. Against loading them at each step's start
@@ -148,10 +149,10 @@ DKV_STEP_SCOPES = {
 # document: short passes, no drift to undo) 0.988x on the 64k packed row: not taken.
 ALTERNATE_PASSES_SPLITS = ("cols",)
 # Splits whose dK/dV kernel adds the per-query terms (-LSE log2 e, -delta: f32 rows
-# streamed with Q and dO) with the threads, each lane holding two of a step's 64 and
-# the others taking theirs by shuffles (`plus_cols`), instead of K = 16 wgmmas of their
-# bf16 parts (`_row_parts`, 5% of the D = 128 kernel's tensor work).
-SHUFFLED_TERMS_SPLITS = ("cols",)
+# streamed with Q and dO) with the threads, each lane holding 1/32 of a step's values
+# and the others taking theirs by shuffles (`plus_cols`), instead of K = 16 wgmmas of
+# their bf16 parts (`_row_parts`: 5% of the kernel's tensor work at D = 128, 10% at 64).
+SHUFFLED_TERMS_SPLITS = ("cols", "rows")
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
 # the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
