@@ -1,31 +1,22 @@
 """FlashAttention backward as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
 
 The kernels take the *global* LSE and `delta = rowsum(dO * O) - dLSE`, so no forward
-is recomputed (the ring's contract). In the dK/dV kernel these per-query terms vary
-along the columns of S^T and dP^T, 16 values per thread at 64 queries: held as
-broadcast operands they cost 32 registers per thread next to dK and dV, and loaded
-into the accumulators at each step's start they stalled it (9% of the compute warps'
-stall samples at D = 128). Two forms add them instead:
-
-- shuffled (`SHUFFLED_TERMS_SPLITS`: the split dQ forms, D = 128 and 64): f32 rows
-  `-LSE log2 e` and `-delta` streamed with Q and dO; each lane loads 1/32 of a step's
-  values and every thread takes its own (a quarter) from their lanes by shuffles as it
-  adds them (`plus_cols`, as FlashAttention-3's shuffled statistics):
-  `P = exp2(S^T scale log2 e - LSE log2 e)`, `dS^T = P (dP^T - delta)`. No tensor
-  work; two registers per term and thread at 64 queries per step, four at 128.
-- from the tensor cores (the other forms): a K = 16 wgmma of ones times the terms' bf16
-  parts (`-LSE / scale` and `-delta`, `_row_parts`) starts the S^T and dP^T
-  accumulators, so no thread loads them. Against loading them at each step's start
-  the non-causal D = 128 backward ran 3% faster, the rest even (H200, BENCHMARKS.md);
-  their K = 16 wgmmas are 5% of the D = 128 kernel's tensor work. Loaded into
-  registers once the step's wgmmas are issued, all 16 per thread, the terms spilled
-  registers and the backward ran 1-7% slower.
-
-The dQ kernel holds two such registers per thread and adds them after its matmuls
-(starting its accumulators there cost it 2-4%: more moves per step).
+is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV
+kernel the tensor cores add them into the S^T and dP^T accumulators (a K = 16 wgmma of
+ones times their bf16 parts, `_row_parts`, streamed with Q and dO), so `P = exp2(S *
+scale * log2 e)` and `dS = P * dP` take no broadcast operand and no thread loads them:
+there they vary along the columns, 16 values per thread. Held as broadcast operands
+they cost 32 registers per thread next to dK and dV; loaded into the accumulators at
+each step's start they stalled it (9% of the compute warps' stall samples at D = 128);
+from the tensor cores the non-causal D = 128 backward runs 3% faster, the rest even
+(H200, BENCHMARKS.md). Their K = 16 wgmmas are 5% of the kernel's tensor work at D = 128;
+loaded into registers once the step's wgmmas are issued, as FlashAttention-3 does, the
+terms spilled registers here and the backward ran 1-7% slower. The dQ kernel holds two
+such registers per thread and adds them after its matmuls (starting its accumulators
+there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
-  the memory warpgroup streams (Q, dO and the per-query terms) tiles of every query head of the
+  the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards (causal, D =
   128, no segment ids: every other head from the last query step down,
   `ALTERNATE_PASSES_SPLITS`).
@@ -86,7 +77,6 @@ from jflash._mosaic_common import (
     key_tile_steps,
     launch,
     lockstep,
-    plus_cols,
     query_table,
     query_tile_steps,
     rem,
@@ -148,11 +138,6 @@ DKV_STEP_SCOPES = {
 # split) it read 0.996-0.998x, and with segment ids (a key tile's queries end with its
 # document: short passes, no drift to undo) 0.988x on the 64k packed row: not taken.
 ALTERNATE_PASSES_SPLITS = ("cols",)
-# Splits whose dK/dV kernel adds the per-query terms (-LSE log2 e, -delta: f32 rows
-# streamed with Q and dO) with the threads, each lane holding 1/32 of a step's values
-# and the others taking theirs by shuffles (`plus_cols`), instead of K = 16 wgmmas of
-# their bf16 parts (`_row_parts`: 5% of the kernel's tensor work at D = 128, 10% at 64).
-SHUFFLED_TERMS_SPLITS = ("cols", "rows")
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
 # the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
@@ -275,8 +260,8 @@ def _dkv_kernel(
     k_ref,
     v_ref,
     do_ref,
-    s_terms_ref,
-    dp_terms_ref,
+    s_parts_ref,
+    dp_parts_ref,
     *refs,
     geom: Geometry,
     block_q: int,
@@ -311,8 +296,8 @@ def _dkv_kernel(
         v_smem2,
         q_smem,
         do_smem,
-        s_terms,
-        dp_terms,
+        s_parts,
+        dp_parts,
         out_smem2,
         ds_smem2,
         dq_smem2,
@@ -329,7 +314,6 @@ def _dkv_kernel(
     batch = lax.axis_index("batch")
     kv_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    shuffled = split in SHUFFLED_TERMS_SPLITS  # else the terms' parts and their ones
     cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
 
@@ -366,8 +350,8 @@ def _dkv_kernel(
         # two-kernel backward's dK/dV kernel at D = 128 112-136 (+3% at 16k without
         # the spill); D = 64 unchanged.
         opaque[jnp.int32(0)] = jnp.int32(0)
-        if not shuffled:  # ones: the A operand that adds the terms' parts (module docstring)
-            ones_smem2.at[wg][...] = jnp.ones((bk, PARTS), ones_smem2.dtype)
+        # Ones: the A operand that adds the per-query terms' parts (module docstring).
+        ones_smem2.at[wg][...] = jnp.ones((bk, PARTS), ones_smem2.dtype)
         plgpu.commit_smem()
         for i in range(3 if segments else 2):
             plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
@@ -457,20 +441,15 @@ def _dkv_kernel(
 
             ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
-            # S^T = K Q^T and dP^T = V dO^T: [keys, queries] f32, less the per-query
-            # terms: added by the threads from f32 rows (`shuffled`: P = exp2(S^T
-            # qk_scale - LSE log2 e), dS^T = P (dP^T - delta)), or by the tensor cores
-            # into the accumulators, as ones [keys, 16] times the terms' bf16 parts [16,
-            # queries] (`_row_parts`: -LSE/scale and -delta).
+            # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32. The
+            # per-query terms come from the tensor cores too: ones [keys, 16] times the
+            # term's bf16 parts [16, queries] (`_row_parts`), so no thread loads them.
             zeros = plgpu.layout_cast(jnp.zeros((bk, block_q), jnp.float32), plgpu.Layout.WGMMA)
+            ones = ones_smem2.at[mine]
             init = (zeros, zeros)
-            s_in, dp_in = s_terms.at[slot], dp_terms.at[slot]
 
             def probabilities(s):  # while dP^T is still on the tensor cores
-                if shuffled:
-                    p = jnp.exp2(plus_cols(s, s_in, scale=qk_scale, interpret=interpret))
-                else:
-                    p = jnp.exp2(s * qk_scale)
+                p = jnp.exp2(s * qk_scale)
                 if masked:
                     seen = visible(geom, qi * block_q, k_start, s.shape, transposed=True)
                     if ids is not None:
@@ -478,16 +457,8 @@ def _dkv_kernel(
                     p = jnp.where(seen, p, jnp.float32(0.0))
                 return p
 
-            def scores_grad(p, dp):  # dS^T = P (dP^T - delta)
-                if shuffled:
-                    dp = plus_cols(dp, dp_in, interpret=interpret)
-                return p * dp
-
-            s_products, dp_products = [(k_s, q_t.T)], [(v_s, do_t.T)]
-            if not shuffled:
-                ones = ones_smem2.at[mine]
-                s_products.insert(0, (ones, s_in.T))
-                dp_products.insert(0, (ones, dp_in.T))
+            s_products = [(ones, s_parts.at[slot].T), (k_s, q_t.T)]
+            dp_products = [(ones, dp_parts.at[slot].T), (v_s, do_t.T)]
             if split == "cols" and not interpret:
                 # One wgmma scope per step: dV = P^T dO is issued as soon as P is formed,
                 # before the wait for dP^T, so the exponentials run while dP^T is on the
@@ -510,7 +481,7 @@ def _dkv_kernel(
                     with jax.named_scope("dp_wait"):
                         dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
                     with jax.named_scope("ds"):
-                        ds_b = scores_grad(p, dp).astype(k_smem.dtype)
+                        ds_b = (p * dp).astype(k_smem.dtype)
                         ds_smem2.at[par, wg][...] = ds_b
                         plgpu.commit_smem()
                         plgpu.barrier_arrive(ds_ready.at[par])
@@ -526,7 +497,7 @@ def _dkv_kernel(
                 init,
                 [s_products, dp_products],
                 probabilities,
-                scores_grad,
+                lambda p, dp: p * dp,
                 interpret=interpret,
             )
             # Register operands, converted where each wgmma is issued.
@@ -649,8 +620,8 @@ def _dkv_kernel(
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready)
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready)
             cols = (batch, head, pl.ds(q_start, block_q))
-            plgpu.copy_gmem_to_smem(s_terms_ref.at[cols], s_terms.at[slot], ready)
-            plgpu.copy_gmem_to_smem(dp_terms_ref.at[cols], dp_terms.at[slot], ready)
+            plgpu.copy_gmem_to_smem(s_parts_ref.at[cols], s_parts.at[slot], ready)
+            plgpu.copy_gmem_to_smem(dp_parts_ref.at[cols], dp_parts.at[slot], ready)
             if segments:
                 plgpu.copy_gmem_to_smem(
                     qseg_ref.at[batch, pl.ds(q_start, block_q)], q_ids.at[slot], ready
@@ -889,19 +860,18 @@ def mosaic_bwd(
         ds_buffers * WG_ROWS * block_q_dkv * size + dq_tile[0] * dq_tile[1] * 4
     )
     ids_tile = rows * 4 if segments else 0
-    # The dK/dV kernel's per-query terms: f32 rows (shuffled) or their bf16 parts, whose
-    # A operand is a [64, 16] tile of ones per warpgroup.
-    shuffled = split in SHUFFLED_TERMS_SPLITS
-    term_bytes = 4 if shuffled else 2 * PARTS  # per query and term
-    ones_tile = 0 if shuffled else COMPUTE_WGS * WG_ROWS * 2 * PARTS
     common = dict(
         geom=geom, qk_scale=scale * LOG2E, scale=scale, segments=segments, interpret=interpret
     )
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
         stages,
-        fixed=2 * rows * h * size + out_tile + (fused_tiles if fused else 0) + ids_tile + ones_tile,
-        per_stage=2 * block_q_dkv * (h * size + term_bytes) + (block_q_dkv * 4 if segments else 0),
+        fixed=2 * rows * h * size
+        + out_tile
+        + (fused_tiles if fused else 0)
+        + ids_tile
+        + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
+        per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
     kv_tiles = geom.kv_pad // rows
     kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype, k)
@@ -914,14 +884,7 @@ def mosaic_bwd(
         split=split,
         **common,
     )
-    if shuffled:  # P = exp2(S^T qk_scale - LSE log2 e)
-        lse2 = jnp.where(lse == -jnp.inf, -jnp.inf, lse.astype(jnp.float32) * -LOG2E)
-        terms = (pad_to(lse2, 2, geom.q_pad, -jnp.inf), dp_start)
-        term_tile = plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32)
-    else:
-        terms = (_row_parts(s_start), _row_parts(dp_start))
-        term_tile = _parts_tile((dkv_stages, block_q_dkv, PARTS))
-    inputs = (q, k, v, do, *terms, *dkv_ids)
+    inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
@@ -943,8 +906,8 @@ def mosaic_bwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
-            term_tile,
-            term_tile,
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
             (
                 smem_tile((*(2,) * (split is not None), COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
@@ -960,7 +923,7 @@ def mosaic_bwd(
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split is not None else None,
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
-            None if shuffled else _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # the ones
+            _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # ones: the terms' A operand
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal, packed=segments),
         kernel_name="jflash_mosaic_dkv",

@@ -23,13 +23,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, nvvm, vector
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jflash import _launch_order
@@ -623,77 +618,3 @@ def col_ids(ref):
 def same_segment(row_ids_, col_ids_, shape):
     """Boolean tile in the WGMMA layout: row and column hold the same segment id."""
     return lax.broadcast_in_dim(row_ids_, shape, [0]) == lax.broadcast_in_dim(col_ids_, shape, [1])
-
-
-def plus_cols(x, ref, *, scale=None, interpret: bool):
-    """`x * scale + t[None, :]` for an f32 `[64, N]` tile `x` in the WGMMA layout and an
-    f32 row `t` of its N columns in shared memory (`ref`, `[N]`, N a multiple of 64).
-
-    In the WGMMA layout a thread holds 2N/8 columns of `x` (2 of every 8), the same ones
-    as the 7 other lanes of its warp with the same `lane % 4`. Loaded as a column
-    broadcast, `t` would take N/4 registers per thread for the whole tile (16 at N = 64);
-    here each lane loads N/32 of its values (`t[64 h + 2 lane + e]`) and every thread
-    takes the ones it needs from their lane with a shuffle, one per element, as it adds
-    them (FlashAttention-3's shuffled statistics). The GPU interpreter, which runs no
-    inline Mosaic GPU code, adds the broadcast row."""
-    rows, n = x.shape
-    if rows != WG_ROWS or n % 64:
-        raise ValueError(
-            f"plus_cols: expected an f32 [64, N] tile with N a multiple of 64, got {x.shape}"
-        )
-    if interpret:
-        t = lax.broadcast_in_dim(plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0)), x.shape, [1])
-        return (x if scale is None else x * jnp.float32(scale)) + t
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
-        return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.float32, layout=plgpu.Layout.WGMMA),
-    )
-    def add(ctx, x, ref):
-        del ctx
-        return _plus_cols_mgpu(x, ref, scale)
-
-    return add(x, ref)
-
-
-def _plus_cols_mgpu(x, ref, scale):
-    """`plus_cols`' compiled body on a Mosaic GPU `FragmentedArray` in the WGMMA layout."""
-    layout = x.layout
-    if layout != mgpu_fa.WGMMA_LAYOUT:
-        raise ValueError(f"plus_cols: expected the WGMMA layout, got {layout}")
-    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-    idx_t = ir.IndexType.get()
-    c = mgpu_utils.c
-    lane = arith.remui(mgpu_utils.thread_idx(), c(32, i32))
-    quad = arith.andi(lane, c(3, i32))  # which column pair of each 8 this thread holds
-    first = arith.index_cast(idx_t, arith.muli(lane, c(2, i32)))
-    # held[h][e] = t[64 h + 2 lane + e]
-    held = [
-        [memref.load(ref, [arith.addi(first, c(64 * h + e, idx_t))]) for e in range(2)]
-        for h in range(x.shape[1] // 64)
-    ]
-    src_lanes = {}
-    scale_v = None
-    if scale is not None:
-        scale_v = vector.broadcast(ir.VectorType.get((2,), f32), c(float(scale), f32))
-    regs = np.empty_like(x.registers)
-    vec2 = ir.VectorType.get((2,), f32)
-    for ix, reg in np.ndenumerate(x.registers):
-        # The tiled index of this register with the warp, lane and vector at 0: its first
-        # element's column for lane 0; lane L's is that + 2 (L % 4).
-        col0 = layout.tiling.untile_indices(ix)[-1]
-        h, pair = divmod(col0, 64)
-        if pair % 2:
-            raise ValueError(f"plus_cols: odd first column {col0}")
-        if pair not in src_lanes:  # the lane that holds t[64 h + pair + 2 (L % 4) + e]
-            src_lanes[pair] = arith.addi(quad, c(pair // 2, i32))
-        ts = [
-            nvvm.shfl_sync(
-                c(0xFFFFFFFF, i32), held[h][e], src_lanes[pair], c(0x1F, i32), nvvm.ShflKind.idx
-            )
-            for e in range(2)
-        ]
-        t = vector.from_elements(vec2, ts)
-        y = reg if scale_v is None else arith.mulf(reg, scale_v)
-        regs[ix] = arith.addf(y, t)
-    return mgpu_fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
