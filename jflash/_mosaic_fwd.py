@@ -235,12 +235,12 @@ def _fwd_kernel(
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
     token = wgs > COMPUTE_WGS
     # The loop with each step's P V and the next Q K^T issued together (interpreted
-    # with its accumulators in shared memory: `Accumulators`). Two warpgroups, in
-    # either loop, hand the turn over right after an item's last P V and take it back
-    # before the next item's first Q K^T (`split`, as FA-3 does): each warpgroup's
-    # epilogue then runs beside the other's last step, not in its way.
+    # with its accumulators in shared memory: `Accumulators`). With two warpgroups it
+    # hands the turn over right after an item's last P V and takes it back before the
+    # next item's first Q K^T (`split`, as FA-3 does): each warpgroup's epilogue then
+    # runs beside the other's last step, not in its way.
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
-    split = not token
+    split = overlap and not token
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -300,7 +300,7 @@ def _fwd_kernel(
         q_smem = q_smem2.at[wg]
         # Without segment ids (whose tile order and table are reads from HBM), the next
         # item's Q loads from the last step on: its S wait is the last wgmma that reads Q.
-        early = overlap and split and not segments
+        early = split and not segments
 
         def prefetch_q():
             ticket = peek_ticket(k + 1)
@@ -500,13 +500,11 @@ def _fwd_kernel(
                 handed = (st.hi > st.lo) & (st.hi == st.cta_hi)
                 pl.when(jnp.logical_not(handed))(lambda: plgpu.barrier_arrive(turn))
         else:
-            plgpu.barrier_wait(turn)  # the turn handed over after the last item's steps
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
             acc, m, l = run_steps(
                 st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
             )
-            plgpu.barrier_arrive(turn)  # right after the last P V (or skip)
         if token:
             # A warpgroup with steps took one turn more than its skips (the first Q K^T):
             # one without takes it here, so every warpgroup takes as many.
