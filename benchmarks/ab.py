@@ -109,6 +109,16 @@ def _rename(pkg: str, name: str) -> None:
                     fh.write(word.sub(name, text))
 
 
+def commit_of(rev: str) -> str:
+    """The commit `rev` names (a branch moves; the result file keeps what was timed)."""
+    return subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
 def export_revision(rev: str, dest: str, name: str = BASELINE) -> str:
     """`git archive` of `rev`'s `jflash/` into `dest/name`, its imports renamed: the
     folder to put on `sys.path`. ValueError naming `rev` if git does not know it."""
@@ -410,7 +420,9 @@ def main(argv=None) -> int:
     print(table(rows, columns))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
     revs = dict(zip(labels, args.rev, strict=True))
-    write_json(out, {"revs": revs, "implementation": args.implementation, "rows": rows})
+    commits = {label: commit_of(rev) for label, rev in revs.items()}
+    payload = {"revs": revs, "rev_commits": commits, "implementation": args.implementation}
+    write_json(out, {**payload, "rows": rows})
     return 0
 
 

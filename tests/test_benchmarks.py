@@ -556,6 +556,10 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
     ab.main([*argv, "--rounds", "1", "--min-time", "0", "--heat", "0", "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["revs"] == {"rev1": "HEAD", "rev2": "HEAD"}
+    head = subprocess.run(
+        ["git", "-C", ab.ROOT, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    assert written["rev_commits"] == {"rev1": head, "rev2": head}  # what a branch named then
     (row,) = written["rows"]
     assert row["rev1_max_abs_diff"] == row["rev1_grad_max_abs_diff"] == 0.0
     assert row["rev2_max_abs_diff"] == 0.0 and row["rev2_grad_max_abs_diff"] > 0.1
