@@ -204,7 +204,8 @@ def _variants(c: int, args) -> dict[str, object]:
     return out
 
 
-def benchmark(args) -> list[dict]:
+def benchmark(args, done=lambda rows: None) -> list[dict]:
+    """`done(rows)` after each `--tokens-per-device` length (the rows so far)."""
     rows = []
     p = args.devices
     for tokens in args.tokens_per_device:
@@ -298,10 +299,11 @@ def benchmark(args) -> list[dict]:
                 {k: round(v, 3) for k, v in r["kernels"].items()},
                 flush=True,
             )
+        done(rows)
     return rows
 
 
-def documents_benchmark(args) -> list[dict]:
+def documents_benchmark(args, done=lambda rows: None) -> list[dict]:
     """`ideal` and every rank of a ring of `--devices` over one packed row per
     `--tokens-per-device`, in `--layout` order."""
     rows = []
@@ -365,6 +367,7 @@ def documents_benchmark(args) -> list[dict]:
         columns = ["tokens_per_device", "layout", "row", "ms", "tflops", "device_ms"]
         columns += ["attention_ms", "other_ms", "eff_vs_ideal", "max_abs_diff"]
         print(table(measured, columns), flush=True)
+        done(rows)
     return rows
 
 
@@ -405,12 +408,22 @@ def main(argv=None):
         parser.error(f"--documents {args.documents}: must be a mean length > 0 (or 0: none)")
     if args.documents and args.variants:
         parser.error("--variants times the dense ring's half blocks, not with --documents")
-    rows = documents_benchmark(args) if args.documents else benchmark(args)
     name = f"ring-blocks-p{args.devices}"
     if args.documents:
         name += f"-documents-{args.layout}"
     out = args.out or os.path.join(RESULTS, f"{name}-{device_name()}.json")
-    write_json(out, {"args": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows})
+    kept = {k: v for k, v in vars(args).items() if k != "out"}
+    # Each finished length goes to `<out>.partial` at once, so a run stopped during a
+    # later one keeps it; `out` itself is written (and the partial file removed) only
+    # when every length has run.
+    partial = out + ".partial"
+
+    def done(rows):
+        write_json(partial, {"args": kept, "partial": True, "rows": rows})
+
+    rows = (documents_benchmark if args.documents else benchmark)(args, done)
+    write_json(out, {"args": kept, "rows": rows})
+    os.remove(partial)
 
 
 if __name__ == "__main__":

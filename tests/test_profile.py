@@ -539,6 +539,7 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
         ]
     )  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
+    assert not (tmp_path / "blocks.json.partial").exists()  # removed once the run is whole
     names = [r["row"] for r in rows]
     assert names[:3] == ["ideal", "ring_rank0", "ring_rank1"]
     assert {"diag_f32", "block_f32", "diag_bf16", "block_bf16", "block_pair_f32"} <= set(names)
@@ -554,6 +555,26 @@ def test_ring_blocks_bench_on_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ring_blocks.main(["--documents", "-3"])
     assert "--documents -3: must be a mean length" in capsys.readouterr().err
+
+
+def test_ring_blocks_keeps_finished_lengths_of_a_stopped_run(tmp_path, monkeypatch):
+    """A run stopped during its second length: the first length's rows are in
+    `<out>.partial`, and a previous result at `out` is left as it was."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import ring_blocks
+
+    def stopped(args, done):
+        done([{"row": "ideal", "tokens_per_device": args.tokens_per_device[0]}])
+        raise KeyboardInterrupt  # killed while timing the next length
+
+    monkeypatch.setattr(ring_blocks, "benchmark", stopped)
+    out = tmp_path / "blocks.json"
+    out.write_text('{"rows": "the previous run"}')
+    with pytest.raises(KeyboardInterrupt):
+        ring_blocks.main(["--tokens-per-device", "8192,16384", "--out", str(out)])
+    kept = json.loads((tmp_path / "blocks.json.partial").read_text())
+    assert kept["partial"] is True and kept["rows"] == [{"row": "ideal", "tokens_per_device": 8192}]
+    assert json.loads(out.read_text()) == {"rows": "the previous run"}
 
 
 @pytest.mark.slow
