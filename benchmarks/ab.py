@@ -110,13 +110,19 @@ def _rename(pkg: str, name: str) -> None:
 
 
 def commit_of(rev: str) -> str:
-    """The commit `rev` names (a branch moves; the result file keeps what was timed)."""
-    return subprocess.run(
-        ["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    """The commit `rev` names, resolved once before anything is timed: that commit is
+    exported and recorded (a branch may move). ValueError naming `rev` if git does not
+    know it."""
+    try:
+        return subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except subprocess.CalledProcessError as e:
+        msg = e.stderr.strip().splitlines()
+        raise ValueError(f"--rev {rev!r}: {msg[-1] if msg else 'not a commit'}") from None
 
 
 def export_revision(rev: str, dest: str, name: str = BASELINE) -> str:
@@ -281,14 +287,16 @@ def compare(
     return row
 
 
-def measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser) -> list[dict]:
-    """Every shape's row (`compare`), the tree and the revisions imported once."""
+def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser) -> list[dict]:
+    """Every shape's row (`compare`), the tree and the revisions (`commits`: label ->
+    commit) imported once."""
+    labels = list(commits)
     with tempfile.TemporaryDirectory() as tmp:
         modules = {"new": import_tree(os.path.join(tmp, "tree"))}
-        for i, (label, rev) in enumerate(zip(labels, args.rev, strict=True)):
+        for i, (label, commit) in enumerate(commits.items()):
             name = BASELINE if i == 0 else f"{BASELINE}{i + 1}"
             try:
-                modules[label] = import_revision(rev, os.path.join(tmp, str(i)), name)
+                modules[label] = import_revision(commit, os.path.join(tmp, str(i)), name)
             except ValueError as e:
                 parser.error(str(e))
         if len(labels) > 1:
@@ -407,11 +415,15 @@ def main(argv=None) -> int:
         parser.error("--clocks: nvidia-smi is not on PATH (an NVIDIA GPU machine is needed)")
     impl = None if args.implementation == "default" else args.implementation
     labels = rev_labels(args.rev)
+    try:
+        commits = {label: commit_of(rev) for label, rev in zip(labels, args.rev, strict=True)}
+    except ValueError as e:
+        parser.error(str(e))
     sampler = None
     if args.clocks:
         sampler = power.Sampler(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0")
     try:
-        rows = measure_all(args, shapes, doc_shapes, peers, impl, labels, sampler, parser)
+        rows = measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
     finally:
         if sampler is not None:
             sampler.close()
@@ -420,7 +432,6 @@ def main(argv=None) -> int:
     print(table(rows, columns))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
     revs = dict(zip(labels, args.rev, strict=True))
-    commits = {label: commit_of(rev) for label, rev in revs.items()}
     payload = {"revs": revs, "rev_commits": commits, "implementation": args.implementation}
     write_json(out, {**payload, "rows": rows})
     return 0

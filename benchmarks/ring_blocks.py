@@ -401,6 +401,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"{args.devices=} must be >= 1")
+    if not args.tokens_per_device:
+        parser.error("--tokens-per-device: at least one length")
     for t in args.tokens_per_device:
         if t % 2:
             parser.error(f"tokens per device {t} must be even (zigzag halves)")
