@@ -147,7 +147,8 @@ ALTERNATE_PASSES_SPLITS = ("cols",)
 # rows. The per-query terms (-LSE, -delta) then vary along the rows, two registers per
 # thread, added by the exponentials' FMA and one add: no K = 16 term wgmmas (5% of the
 # kernel's tensor work). P and dS go through shared memory as the transposed A
-# operands of dV += P^T dO and dK += dS^T Q; dS is there for the dQ anyway.
+# operands of dV += P^T dO and dK += dS^T Q; dS is there for the dQ anyway. A split
+# left out runs the keys-as-rows form of the others.
 QUERY_ROWS_SPLITS = ("cols",)
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
@@ -498,8 +499,13 @@ def _dkv_kernel(
                 s_product = (q_t, k_dq.T)
                 dp_product = (do_t, v_smem2.at[mine].T)
                 if not interpret:
-                    # As the keys-as-rows form below: dV is issued before the wait for dP,
-                    # dK once dS is in shared memory; the scope's end waits for both.
+                    # One wgmma scope per step: dV = P^T dO is issued as soon as P is in
+                    # shared memory, before the wait for dP, so the exponentials run while
+                    # dP is on the tensor cores (ptxas cannot move that wait above dV's
+                    # issue) and dS is formed while dV runs; dS then goes to shared memory
+                    # for dK and the dQ, and dK is issued. The scope's end waits for dV and
+                    # dK. (At D = 64, the rows split, this order measured no faster and
+                    # spilled more: not taken there.)
 
                     def chain(refs):
                         s_acc, dp_acc, dv_acc, dk_acc = refs
@@ -556,40 +562,6 @@ def _dkv_kernel(
 
             s_products = [(ones, s_parts.at[slot].T), (k_s, q_t.T)]
             dp_products = [(ones, dp_parts.at[slot].T), (v_s, do_t.T)]
-            if split == "cols" and not interpret:
-                # One wgmma scope per step: dV = P^T dO is issued as soon as P is formed,
-                # before the wait for dP^T, so the exponentials run while dP^T is on the
-                # tensor cores (ptxas cannot move that wait above dV's issue) and dS is
-                # formed while dV runs; dS^T then goes to shared memory for the dQ and
-                # dK is issued. The scope's end waits for dV and dK. (At D = 64, the rows
-                # split, this order measured no faster and spilled more: not taken there.)
-
-                def chain(refs):
-                    s_acc, dp_acc, dv_acc, dk_acc = refs
-                    for a, b in s_products:
-                        plgpu.wgmma(s_acc, a, b)
-                    for a, b in dp_products:
-                        plgpu.wgmma(dp_acc, a, b)
-                    with jax.named_scope("s_wait"):
-                        s = plgpu.wgmma_accumulator_load(s_acc, wait_n=len(dp_products))
-                    with jax.named_scope("exp"):
-                        p = probabilities(s)
-                        plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)
-                    with jax.named_scope("dp_wait"):
-                        dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
-                    with jax.named_scope("ds"):
-                        ds_b = (p * dp).astype(k_smem.dtype)
-                        ds_smem2.at[par, wg][...] = ds_b
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(ds_ready.at[par])
-                        plgpu.wgmma(dk_acc, ds_b, q_t)
-
-                _, _, dv, dk = pl.run_state(chain)(
-                    tuple(plgpu.ACC.init(a) for a in (*init, dv, dk))
-                )
-                add_split_dq()
-                return dk, dv
-
             p, ds = wgmma_pair(
                 init,
                 [s_products, dp_products],
