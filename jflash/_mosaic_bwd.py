@@ -473,7 +473,8 @@ def _dkv_kernel(
                 row = plgpu.Layout.WGMMA.reduce(1)
                 neg_lse2 = plgpu.load(s_parts.at[slot], layout=row) * qk_scale  # -LSE log2 e
                 neg_delta = plgpu.load(dp_parts.at[slot], layout=row)
-                p_s, ds_s = p_smem2.at[wg], ds_smem2.at[par, wg]
+                # P's tile indexed by the per-step zero too (`mine`): a fixed descriptor.
+                p_s, ds_s = p_smem2.at[mine], ds_smem2.at[par, wg]
 
                 def probabilities_rows(s):  # while dP is still on the tensor cores
                     p = jnp.exp2(s * qk_scale + _bcast(neg_lse2, s.shape, 0))
