@@ -1,25 +1,22 @@
 """FlashAttention backward as Pallas Mosaic GPU kernels (Hopper: TMA, wgmma).
 
 The kernels take the *global* LSE and `delta = rowsum(dO * O) - dLSE`, so no forward
-is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. The fused D = 128
-dK/dV kernel forms S and dP with the step's queries as rows (`QUERY_ROWS_SPLITS`, as
-FlashAttention-3 does): the terms are two registers per thread there, and P and dS go
-through shared memory as the transposed A operands of dV and dK. The other dK/dV forms
-form S^T and dP^T (keys as rows, so P^T and dS^T are register A operands), where the
-terms vary along the columns, 16 values per thread: the tensor cores add them into the
-accumulators (a K = 16 wgmma of ones times their bf16 parts, `_row_parts`, streamed
-with Q and dO), so `P = exp2(S * scale * log2 e)` and `dS = P * dP` take no broadcast
-operand. Held as broadcast operands they cost 32 registers per thread next to dK and
-dV; loaded into the accumulators at each step's start they stalled it (9% of the
-compute warps' stall samples at D = 128); loaded into registers once the step's
-wgmmas are issued, or shuffled between the threads, they spilled registers and the
-backward ran 1-15% slower (H200, BENCHMARKS.md). Those K = 16 wgmmas were 5% of the
-fused D = 128 kernel's tensor work. The dQ kernel holds two such registers per thread
-and adds them after its matmuls (starting its accumulators there cost it 2-4%: more
-moves per step).
+is recomputed (the ring's contract), as `-LSE / scale` and `-delta`. In the dK/dV
+kernel the tensor cores add them into the S^T and dP^T accumulators (a K = 16 wgmma of
+ones times their bf16 parts, `_row_parts`, streamed with Q and dO), so `P = exp2(S *
+scale * log2 e)` and `dS = P * dP` take no broadcast operand and no thread loads them:
+there they vary along the columns, 16 values per thread. Held as broadcast operands
+they cost 32 registers per thread next to dK and dV; loaded into the accumulators at
+each step's start they stalled it (9% of the compute warps' stall samples at D = 128);
+from the tensor cores the non-causal D = 128 backward runs 3% faster, the rest even
+(H200, BENCHMARKS.md). Their K = 16 wgmmas are 5% of the kernel's tensor work at D = 128;
+loaded into registers once the step's wgmmas are issued, as FlashAttention-3 does, the
+terms spilled registers here and the backward ran 1-7% slower. The dQ kernel holds two
+such registers per thread and adds them after its matmuls (starting its accumulators
+there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
-  the memory warpgroup streams (Q, dO, LSE and delta) tiles of every query head of the
+  the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the
   group in turn, so GQA needs no repeated K/V and no reduction afterwards (causal, D =
   128, no segment ids: every other head from the last query step down,
   `ALTERNATE_PASSES_SPLITS`).
@@ -29,8 +26,8 @@ moves per step).
     adds it to an f32 dQ in HBM with a TMA reduce-add, unscaled: the softmax scale
     multiplies the sum once, where it is converted (as in FlashAttention-3; 32 fewer
     multiplies per thread and step). 5 matmuls per tile instead of 7; the order of the
-    f32 additions varies from run to run. The warpgroups share their dS (dS^T at D =
-    64) through shared memory, and each adds a `[64, 64]` part of the dQ over all 128 keys, which
+    f32 additions varies from run to run. The warpgroups share their dS^T through
+    shared memory, and each adds a `[64, 64]` part of the dQ over all 128 keys, which
     keeps its accumulator at 32 registers: at D = 128 one column half of a 64-query step
     (`SPLIT_DQ_HEAD_DIMS`), at D = 64 the rows of 64 of a 128-query step's queries
     (`ROW_SPLIT_DQ_HEAD_DIMS`; with `block_q_dkv=64` each warpgroup adds its own keys'
@@ -44,15 +41,15 @@ fixed K, V and dQ tiles with it. Without it, LLVM hoists the two dozen 64-bit wg
 descriptors of those tiles out of the step loop, where ptxas spills them (412 bytes;
 none now): forward+backward 472 -> 591 TFLOP/s at 64k on an H100 (BENCHMARKS.md).
 
-Both kernels issue the S and dP wgmmas together and exponentiate S while dP is still on
-the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Left to itself, ptxas puts the
-wait for dP after a quarter of the exponentials; the fused D = 128 step therefore
-issues dV = P^T dO between them (one wgmma scope for S, dP, dV and dK), which ptxas
-cannot reorder: every exponential runs under dP and dS is formed under dV (+0-3%
-forward+backward at D = 128, H200, measured with S^T and dP^T). Tiles fixed for a
-warpgroup's whole loop are wgmma A operands from registers (`A_IN_REGS`: K and V of the
-dK/dV kernel at D <= 64, Q and dO of the dQ kernel), which takes their reads off shared
-memory: at D=64 the fused kernel's binding resource (now at cuDNN's backward).
+Both kernels issue the S and dP wgmmas together and exponentiate S while dP is still
+on the tensor cores (`wgmma_pair`: dQ kernel -4 to -5%). Left to itself, ptxas puts
+the wait for dP^T after a quarter of the exponentials; the fused D = 128 step therefore
+issues dV = P^T dO between them (one wgmma scope for S^T, dP^T, dV and dK), which ptxas
+cannot reorder: every exponential runs under dP^T and dS is formed under dV (+0-3%
+forward+backward at D = 128, H200). Tiles fixed for a warpgroup's whole loop are wgmma
+A operands from registers (`A_IN_REGS`: K and V of the dK/dV kernel at D <= 64, Q and
+dO of the dQ kernel), which takes their reads off shared memory: at D=64 the fused
+kernel's binding resource (now at cuDNN's backward).
 
 Rows that see no key start S at -inf, so their probabilities are exactly 0.
 """
@@ -109,7 +106,7 @@ FUSED_DQ_HEAD_DIMS = (64,)
 # Against 232 + 40: no spill instead of 84 bytes, forward+backward 1-2% faster.
 SPLIT_REGS = (240, 24)
 # Head dims where the fused dQ is split between the warpgroups (`_dkv_kernel`'s
-# `split`): both write their dS to shared memory, and each forms the dQ of its half
+# `split`): both write their dS^T to shared memory, and each forms the dQ of its half
 # of the columns from all of the CTA's keys, so a warpgroup holds a [64, D/2] f32
 # accumulator (32 registers at D=128) and the reduce-add traffic is one [64, D] tile per
 # step, not two. f32 gradients (the ring's) leave through the [64, D/2] f32 dQ tile of
@@ -122,13 +119,12 @@ SPLIT_DQ_HEAD_DIMS = (128,)
 # scope, which waits for dV and dK, is left out (no scope can hold it alone).
 DKV_STEP_SCOPES = {
     "in_wait": "wait for the step's Q, dO and per-query terms",
-    "s_wait": "wait for S (dP still on the tensor cores)",
-    "exp": "P = exp2(S - LSE): the probabilities, masked where needed, to shared memory; "
-    "issue dV += P^T dO",
-    "dp_wait": "wait for dP",
-    "ds": "dS = P (dP - delta): to shared memory for dK and the dQ, issue dK += dS^T Q",
-    "ds_wait": "release the Q/dO slot, wait for the other warpgroup's dS",
-    "dq": "this warpgroup's dQ column half from both dS, reduce-added into HBM",
+    "s_wait": "wait for S^T (dP^T still on the tensor cores)",
+    "exp": "P = exp2(S^T): the probabilities, masked where needed; issue dV += P dO",
+    "dp_wait": "wait for dP^T",
+    "ds": "dS^T = P (dP^T): to shared memory for the dQ, issue dK += dS^T Q",
+    "ds_wait": "release the Q/dO slot, wait for the other warpgroup's dS^T",
+    "dq": "this warpgroup's dQ column half from both dS^T, reduce-added into HBM",
 }
 # Splits whose causal dK/dV kernel streams the odd query heads of its group backwards,
 # from the last query step down to the diagonal. A CTA streams its group's heads in
@@ -142,14 +138,6 @@ DKV_STEP_SCOPES = {
 # split) it read 0.996-0.998x, and with segment ids (a key tile's queries end with its
 # document: short passes, no drift to undo) 0.988x on the 64k packed row: not taken.
 ALTERNATE_PASSES_SPLITS = ("cols",)
-# Splits whose dK/dV kernel forms S and dP with the step's queries as rows, as
-# FlashAttention-3's D = 128 backward does, instead of S^T and dP^T with its keys as
-# rows. The per-query terms (-LSE, -delta) then vary along the rows, two registers per
-# thread, added by the exponentials' FMA and one add: no K = 16 term wgmmas (5% of the
-# kernel's tensor work). P and dS go through shared memory as the transposed A
-# operands of dV += P^T dO and dK += dS^T Q; dS is there for the dQ anyway. A split
-# left out runs the keys-as-rows form of the others.
-QUERY_ROWS_SPLITS = ("cols",)
 # Head dims where 128-query steps (`block_q_dkv=128`) split the fused dQ by rows: both
 # warpgroups write their dS^T [64 keys, 128 queries] to shared memory, and each forms
 # the dQ of 64 of the step's queries over all of the CTA's 128 keys ([64, D] f32, 32
@@ -321,7 +309,6 @@ def _dkv_kernel(
         ds_ready,
         opaque,
         ones_smem2,
-        p_smem2,
     ) = refs
     bk = WG_ROWS
     batch = lax.axis_index("batch")
@@ -329,9 +316,6 @@ def _dkv_kernel(
     wg = lax.axis_index("wg")
     cta_start, st = key_tile_steps(geom, block_q, table_ref, batch, wg)
     per_head = st.cta_hi - st.cta_lo  # query steps streamed per query head
-    # S and dP [queries, keys] (`QUERY_ROWS_SPLITS`); `s_parts` and `dp_parts` then hold
-    # the terms as f32 rows (-LSE/scale and -delta), not their bf16 parts.
-    query_rows = split in QUERY_ROWS_SPLITS
 
     def backwards(g):
         """Whether query head g of the group is streamed from the last query step down
@@ -366,14 +350,12 @@ def _dkv_kernel(
         # two-kernel backward's dK/dV kernel at D = 128 112-136 (+3% at 16k without
         # the spill); D = 64 unchanged.
         opaque[jnp.int32(0)] = jnp.int32(0)
-        if not query_rows:  # ones: the A operand that adds the terms' parts (module docstring)
-            ones_smem2.at[wg][...] = jnp.ones((bk, PARTS), ones_smem2.dtype)
+        # Ones: the A operand that adds the per-query terms' parts (module docstring).
+        ones_smem2.at[wg][...] = jnp.ones((bk, PARTS), ones_smem2.dtype)
         plgpu.commit_smem()
         for i in range(3 if segments else 2):
             plgpu.barrier_wait(kv_ready.at[wg, jnp.int32(i)])
-        k_ids = None
-        if segments:
-            k_ids = (col_ids if query_rows else row_ids)(k_ids2.at[wg])
+        k_ids = row_ids(k_ids2.at[wg]) if segments else None
         # K and V are this warpgroup's for the whole loop: at D <= 64 they sit in
         # registers (16 each per thread) as the A operands of S^T and dP^T, which takes
         # their reads off shared memory, the binding resource at D=64 (see A_IN_REGS),
@@ -437,7 +419,7 @@ def _dkv_kernel(
                     @pl.when(wg == w)
                     @jax.named_scope("dq")
                     def _(w=w):
-                        if split == "cols" and not query_rows:  # dQ[:, cols] = dS K, both WGs' keys
+                        if split == "cols":  # dQ[:, cols] = dS K over both warpgroups' keys
                             half = geom.head_dim // COMPUTE_WGS
                             cols = pl.ds(w * half, half)
                             shape = (block_q, half)
@@ -445,12 +427,6 @@ def _dkv_kernel(
                             terms = [
                                 (ds_smem2.at[par, j].T, k_smem2.at[j].at[:, cols]) for j in keys
                             ]
-                        elif query_rows:  # dS [queries, keys]: the A operand as it is
-                            half = geom.head_dim // COMPUTE_WGS
-                            cols = pl.ds(w * half, half)
-                            shape = (block_q, half)
-                            add = functools.partial(add_dq, part=part, cols=cols)
-                            terms = [(ds_smem2.at[par, j], k_smem2.at[j].at[:, cols]) for j in keys]
                         else:  # dQ[rows] = dS[rows] K over both warpgroups' keys
                             rows_w = pl.ds(w * WG_ROWS, WG_ROWS)
                             shape = (WG_ROWS, geom.head_dim)
@@ -463,87 +439,7 @@ def _dkv_kernel(
                         )
                         add(wgmma_sum(zeros_dq, terms, interpret=interpret))
 
-            ids = None
-            if masked and segments:
-                ids = (row_ids if query_rows else col_ids)(q_ids.at[slot])
-
-            if query_rows:
-                # S = Q K^T, dP = dO V^T: [queries, keys] f32; the per-query terms are
-                # rows, two registers per thread (`QUERY_ROWS_SPLITS`).
-                row = plgpu.Layout.WGMMA.reduce(1)
-                neg_lse2 = plgpu.load(s_parts.at[slot], layout=row) * qk_scale  # -LSE log2 e
-                neg_delta = plgpu.load(dp_parts.at[slot], layout=row)
-                # P's tile indexed by the per-step zero too (`mine`): a fixed descriptor.
-                p_s, ds_s = p_smem2.at[mine], ds_smem2.at[par, wg]
-
-                def probabilities_rows(s):  # while dP is still on the tensor cores
-                    p = jnp.exp2(s * qk_scale + _bcast(neg_lse2, s.shape, 0))
-                    if masked:
-                        seen = visible(geom, qi * block_q, k_start, s.shape)
-                        if ids is not None:
-                            seen = seen & same_segment(ids, k_ids, s.shape)
-                        p = jnp.where(seen, p, jnp.float32(0.0))
-                    return p
-
-                def d_scores(p, dp):
-                    return p * (dp + _bcast(neg_delta, p.shape, 0))
-
-                def publish_ds(ds):
-                    """dS to shared memory: dK's operand, and both warpgroups' dQ's."""
-                    ds_s[...] = ds.astype(ds_s.dtype)
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_ready.at[par])
-
-                zeros_r = plgpu.layout_cast(
-                    jnp.zeros((block_q, bk), jnp.float32), plgpu.Layout.WGMMA
-                )
-                s_product = (q_t, k_dq.T)
-                dp_product = (do_t, v_smem2.at[mine].T)
-                if not interpret:
-                    # One wgmma scope per step: dV = P^T dO is issued as soon as P is in
-                    # shared memory, before the wait for dP, so the exponentials run while
-                    # dP is on the tensor cores (ptxas cannot move that wait above dV's
-                    # issue) and dS is formed while dV runs; dS then goes to shared memory
-                    # for dK and the dQ, and dK is issued. The scope's end waits for dV and
-                    # dK. (At D = 64, the rows split, this order measured no faster and
-                    # spilled more: not taken there.)
-
-                    def chain(refs):
-                        s_acc, dp_acc, dv_acc, dk_acc = refs
-                        plgpu.wgmma(s_acc, *s_product)
-                        plgpu.wgmma(dp_acc, *dp_product)
-                        with jax.named_scope("s_wait"):
-                            s = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)
-                        with jax.named_scope("exp"):
-                            p = probabilities_rows(s)
-                            p_s[...] = p.astype(p_s.dtype)
-                            plgpu.commit_smem()
-                            plgpu.wgmma(dv_acc, p_s.T, do_t)
-                        with jax.named_scope("dp_wait"):
-                            dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
-                        with jax.named_scope("ds"):
-                            publish_ds(d_scores(p, dp))
-                            plgpu.wgmma(dk_acc, ds_s.T, q_t)
-
-                    _, _, dv, dk = pl.run_state(chain)(
-                        tuple(plgpu.ACC.init(a) for a in (zeros_r, zeros_r, dv, dk))
-                    )
-                else:
-                    p, ds = wgmma_pair(
-                        (zeros_r, zeros_r),
-                        [s_product, dp_product],
-                        probabilities_rows,
-                        d_scores,
-                        interpret=interpret,
-                    )
-                    p_s[...] = p.astype(p_s.dtype)
-                    plgpu.commit_smem()
-                    publish_ds(ds)
-                    dv, dk = wgmma_into(
-                        (dv, dk), [(p_s.T, do_t), (ds_s.T, q_t)], interpret=interpret
-                    )
-                add_split_dq()
-                return dk, dv
+            ids = col_ids(q_ids.at[slot]) if masked and segments else None
 
             # S^T = K Q^T - LSE/scale, dP^T = V dO^T - delta: [keys, queries] f32. The
             # per-query terms come from the tensor cores too: ones [keys, 16] times the
@@ -563,6 +459,40 @@ def _dkv_kernel(
 
             s_products = [(ones, s_parts.at[slot].T), (k_s, q_t.T)]
             dp_products = [(ones, dp_parts.at[slot].T), (v_s, do_t.T)]
+            if split == "cols" and not interpret:
+                # One wgmma scope per step: dV = P^T dO is issued as soon as P is formed,
+                # before the wait for dP^T, so the exponentials run while dP^T is on the
+                # tensor cores (ptxas cannot move that wait above dV's issue) and dS is
+                # formed while dV runs; dS^T then goes to shared memory for the dQ and
+                # dK is issued. The scope's end waits for dV and dK. (At D = 64, the rows
+                # split, this order measured no faster and spilled more: not taken there.)
+
+                def chain(refs):
+                    s_acc, dp_acc, dv_acc, dk_acc = refs
+                    for a, b in s_products:
+                        plgpu.wgmma(s_acc, a, b)
+                    for a, b in dp_products:
+                        plgpu.wgmma(dp_acc, a, b)
+                    with jax.named_scope("s_wait"):
+                        s = plgpu.wgmma_accumulator_load(s_acc, wait_n=len(dp_products))
+                    with jax.named_scope("exp"):
+                        p = probabilities(s)
+                        plgpu.wgmma(dv_acc, p.astype(k_smem.dtype), do_t)
+                    with jax.named_scope("dp_wait"):
+                        dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+                    with jax.named_scope("ds"):
+                        ds_b = (p * dp).astype(k_smem.dtype)
+                        ds_smem2.at[par, wg][...] = ds_b
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(ds_ready.at[par])
+                        plgpu.wgmma(dk_acc, ds_b, q_t)
+
+                _, _, dv, dk = pl.run_state(chain)(
+                    tuple(plgpu.ACC.init(a) for a in (*init, dv, dk))
+                )
+                add_split_dq()
+                return dk, dv
+
             p, ds = wgmma_pair(
                 init,
                 [s_products, dp_products],
@@ -915,9 +845,6 @@ def mosaic_bwd(
     # block_q_dkv checked by `check_mosaic_block_sizes`
     fused = fuses_dq(h, deterministic, storable)
     split = splits_dq(h, deterministic, block_q_dkv, storable)
-    query_rows = split in QUERY_ROWS_SPLITS  # the terms as f32 rows, no parts or ones
-    if query_rows and block_q_dkv != WG_ROWS:
-        raise ValueError(f"{block_q_dkv=}: S with queries as rows takes {WG_ROWS}-query steps")
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
     separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
@@ -943,10 +870,8 @@ def mosaic_bwd(
         + out_tile
         + (fused_tiles if fused else 0)
         + ids_tile
-        # P [queries, keys] per warpgroup, or the ones
-        + COMPUTE_WGS * WG_ROWS * (block_q_dkv * size if query_rows else 2 * PARTS),
-        per_stage=2 * block_q_dkv * (h * size + (4 if query_rows else 2 * PARTS))
-        + (block_q_dkv * 4 if segments else 0),
+        + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
+        per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
     kv_tiles = geom.kv_pad // rows
     kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype, k)
@@ -959,8 +884,7 @@ def mosaic_bwd(
         split=split,
         **common,
     )
-    terms = (s_start, dp_start) if query_rows else (_row_parts(s_start), _row_parts(dp_start))
-    inputs = (q, k, v, do, *terms, *dkv_ids)
+    inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
@@ -982,11 +906,8 @@ def mosaic_bwd(
             smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
-            *(
-                [plgpu.SMEM((dkv_stages, block_q_dkv), jnp.float32)] * 2
-                if query_rows
-                else [_parts_tile((dkv_stages, block_q_dkv, PARTS))] * 2
-            ),
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
+            _parts_tile((dkv_stages, block_q_dkv, PARTS)),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
             (
                 smem_tile((*(2,) * (split is not None), COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
@@ -1002,8 +923,7 @@ def mosaic_bwd(
             # split: dS^T written, by step parity; [2]: the loop is over (K may be reused)
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=3) if split is not None else None,
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
-            None if query_rows else _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # the ones
-            smem_tile((COMPUTE_WGS, block_q_dkv, WG_ROWS), q.dtype) if query_rows else None,  # P
+            _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # ones: the terms' A operand
         ],
         **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal, packed=segments),
         kernel_name="jflash_mosaic_dkv",
