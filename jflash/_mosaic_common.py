@@ -290,8 +290,8 @@ def tile_grid(
 
 
 # Mosaic GPU's on-device profiler (`profiling`): None, or `(directory, {kernel name:
-# ranges per warpgroup})`.
-_PROFILE: tuple[str, dict[str, int]] | None = None
+# ranges per warpgroup}, {names of those compiled with it so far})`.
+_PROFILE: tuple[str, dict[str, int], set[str]] | None = None
 
 
 @contextlib.contextmanager
@@ -301,11 +301,13 @@ def profiling(directory: str, spaces: dict[str, int]):
     trace per call into `directory`; each warpgroup keeps `spaces[name]` ranges (4 int32
     of shared memory each; later ones are dropped). Outside it the kernels are built as
     always: their named scopes change no instruction. `jflash.kernel_timeline` is the
-    checked entry."""
+    checked entry. Yields the set of the named kernels built with the profiler inside
+    the context (the GPU interpreter's are not)."""
     global _PROFILE
-    previous, _PROFILE = _PROFILE, (str(directory), dict(spaces))
+    compiled: set[str] = set()
+    previous, _PROFILE = _PROFILE, (str(directory), dict(spaces), compiled)
     try:
-        yield
+        yield compiled
     finally:
         _PROFILE = previous
 
@@ -315,7 +317,7 @@ def _compiler_params(kernel_name: str, interpret: bool = False):
     for the ones `profiling` names (compiled only: the GPU interpreter records none)."""
     extra = {}
     if _PROFILE is not None and kernel_name in _PROFILE[1]:
-        directory, space = _PROFILE[0], _PROFILE[1][kernel_name]
+        directory, space, compiled = _PROFILE[0], _PROFILE[1][kernel_name], _PROFILE[2]
         if interpret:
             warnings.warn(
                 f"jflash.kernel_timeline: {kernel_name} runs in the GPU interpreter here, "
@@ -323,6 +325,7 @@ def _compiler_params(kernel_name: str, interpret: bool = False):
                 stacklevel=2,
             )
         else:
+            compiled.add(kernel_name)
             extra = dict(profile_space=space, profile_dir=directory, profile_bounds_check=True)
     # Row max/sum of the WGMMA layout stay inside a warp (shuffles): no SMEM scratch for
     # reductions, which buys the f32-output variants their slots.

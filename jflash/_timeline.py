@@ -5,6 +5,7 @@ runs it and reads the traces)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 from jflash import _mosaic_common
 from jflash._mosaic_bwd import DKV_STEP_SCOPES
@@ -49,7 +50,9 @@ def kernel_timeline(directory: str, *, kernels=("fwd",), space: int | None = Non
     later ones dropped); None: `DEFAULT_SPACE` per kernel, which fits beside it (more
     than fits fails the kernel's lowering with Mosaic's shared-memory error). A call
     whose trace file exists already writes none. Kernels traced outside the block carry
-    no profiler: the scopes change no instruction.
+    no profiler: the scopes change no instruction. A block inside which none of
+    `kernels` was built for the GPU (on CPU, another implementation, a call jitted
+    before the block) warns as it ends: it will write nothing.
     """
     kernels = (kernels,) if isinstance(kernels, str) else tuple(kernels)
     unknown = [k for k in kernels if k not in TIMELINE_KERNELS]
@@ -60,5 +63,13 @@ def kernel_timeline(directory: str, *, kernels=("fwd",), space: int | None = Non
             raise ValueError(f"{space=} must be a positive int (ranges per warpgroup) or None")
         space = int(space)
     spaces = {TIMELINE_KERNELS[k]: DEFAULT_SPACE[k] if space is None else space for k in kernels}
-    with _mosaic_common.profiling(str(directory), spaces):
+    with _mosaic_common.profiling(str(directory), spaces) as compiled:
         yield
+    if not compiled:
+        warnings.warn(
+            f"jflash.kernel_timeline({str(directory)!r}): no kernel of kernels={kernels!r} was "
+            "built for the GPU inside the block, so no trace will be written; it records the "
+            "Mosaic kernels (implementation='pallas_mosaic', compiled on Hopper) of calls "
+            "traced inside it, and a function jitted before the block keeps its kernels",
+            stacklevel=3,
+        )

@@ -2,8 +2,10 @@
 the profiler switch the Mosaic kernels are built with (the profile itself needs a GPU)."""
 
 import types
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -147,6 +149,24 @@ def test_profiling_switch_reaches_only_the_named_kernels(tmp_path):
         with pytest.warns(UserWarning, match="GPU interpreter here, which records no timeline"):
             interpreted = _mosaic_common._compiler_params("jflash_mosaic_fwd", interpret=True)
     assert interpreted == plain
+
+
+def test_kernel_timeline_warns_when_no_kernel_of_it_was_built(tmp_path):
+    """A block inside which none of its kernels was built for the GPU (here: CPU, where
+    flash_attention runs another implementation) says it will write nothing."""
+    q = jnp.ones((1, 64, 2, 64), jnp.float32)
+    with pytest.warns(UserWarning, match=r"no kernel of kernels=\('fwd', 'dkv'\) was built"):
+        with jflash.kernel_timeline(tmp_path, kernels=("fwd", "dkv")):
+            jax.block_until_ready(jflash.flash_attention(q, q, q, causal=True, implementation="xla"))
+    assert not list(tmp_path.iterdir())
+    # A block that built one of them does not warn, and an error inside it is not masked.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jflash.kernel_timeline(tmp_path, kernels="dkv"):
+            _mosaic_common._compiler_params("jflash_mosaic_dkv")
+        with pytest.raises(KeyError):
+            with jflash.kernel_timeline(tmp_path):
+                raise KeyError("inside")
 
 
 def test_kernel_timeline_names_kernels_by_their_short_names(tmp_path):
