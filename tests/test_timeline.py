@@ -157,7 +157,9 @@ def test_kernel_timeline_warns_when_no_kernel_of_it_was_built(tmp_path):
     q = jnp.ones((1, 64, 2, 64), jnp.float32)
     with pytest.warns(UserWarning, match=r"no kernel of kernels=\('fwd', 'dkv'\) was built"):
         with jflash.kernel_timeline(tmp_path, kernels=("fwd", "dkv")):
-            jax.block_until_ready(jflash.flash_attention(q, q, q, causal=True, implementation="xla"))
+            jax.block_until_ready(
+                jflash.flash_attention(q, q, q, causal=True, implementation="xla")
+            )
     assert not list(tmp_path.iterdir())
     # A block that built one of them does not warn, and an error inside it is not masked.
     with warnings.catch_warnings():

@@ -15,6 +15,7 @@ from models.safetensors_io import SafetensorsFile
 from train import data as data_lib
 from train.__main__ import main
 from train.config import parse_args
+from train.dataset import TokenDataset
 from train.loop import TrainingError, run
 
 BASE = ["--model_name_or_path", "tiny", "--model_max_length", "64", "--progress", "false"]
@@ -295,3 +296,86 @@ def test_out_of_memory_advice_names_the_allocator_when_the_block_fits(monkeypatc
     assert "\n" not in message
     monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")  # already the advice
     assert "cuda_async" not in str(_oom_error(parse_args([]), error)).split(". Turn")[0]
+
+
+def test_resume_on_other_data_of_as_many_rows_is_refused(tmp_path, capsys):
+    """A checkpoint records a fingerprint of its data: the same rows in another order
+    (as many rows, so the row count cannot tell) are refused in one line, before the
+    new output directory is made; the same data resumes."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(1, 500, size=(48, 64), dtype=np.int32)
+    np.save(tmp_path / "a.npy", data)
+    np.save(tmp_path / "b.npy", data[rng.permutation(len(data))])
+    argv = [*BASE, "--max_steps", "2", "--save_steps", "1", "--report_to", "none"]
+    first = ["--data_path", str(tmp_path / "a.npy"), "--output_dir", str(tmp_path / "run")]
+    assert main([*argv, *first, "--export_hf", "false"]) == 0
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "1")]
+    other = ["--data_path", str(tmp_path / "b.npy"), "--output_dir", str(tmp_path / "b")]
+    err = _one_line_error([*argv, *resume, *other], capsys)
+    assert "was written on other data: as many rows, but their tokens differ" in err
+    assert not (tmp_path / "b").exists()
+    same = ["--data_path", str(tmp_path / "a.npy"), "--output_dir", str(tmp_path / "a")]
+    assert main([*argv, *resume, *same, "--export_hf", "false"]) == 0
+
+
+def test_data_fingerprint_follows_the_rows_tokens_and_order():
+    from train.loop import data_fingerprint
+
+    rows = TokenDataset.from_examples("x", [np.arange(1, 700) % 97]).rows(32, eos_id=0)
+    again = TokenDataset.from_examples("x", [np.arange(1, 700) % 97]).rows(32, eos_id=0)
+    assert data_fingerprint(rows) == data_fingerprint(again)
+    other = TokenDataset.from_examples("x", [np.arange(2, 701) % 97]).rows(32, eos_id=0)
+    assert data_fingerprint(other) != data_fingerprint(rows)
+
+
+def test_made_up_model_and_data_are_named_and_a_path_called_sample_is_data(
+    tmp_path, monkeypatch, capsys
+):
+    """A preset's random weights and generated data each get a line; a file or
+    directory named `sample` is the user's data, never replaced by generated data."""
+    out = tmp_path / "run"
+    argv = [*BASE, "--max_steps", "1", "--report_to", "none", "--export_hf", "false"]
+    assert main([*argv, "--data_path", "sample", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "--model_name_or_path tiny: the preset's shape, randomly initialised" in printed
+    assert "--data_path sample: generated Markov-chain data, not a dataset" in printed
+    monkeypatch.chdir(tmp_path)
+    np.save(tmp_path / "tokens.npy", np.ones((8, 64), np.int32))
+    os.rename(tmp_path / "tokens.npy", tmp_path / "sample")
+    assert main([*argv, "--data_path", "sample", "--output_dir", str(tmp_path / "b")]) == 2
+    captured = capsys.readouterr()
+    assert "Markov" not in captured.out and "sample" in captured.err
+
+
+def test_a_previous_run_without_checkpoints_is_not_offered_a_resume(tmp_path):
+    """A run stopped before its first save left a log but nothing to resume from: the
+    refusal offers what works (overwrite, another directory), not a resume that fails."""
+    from train import outputs
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    claim = dict(continuing=False, overwrite=False, resume_flag=None)
+    with pytest.raises(TrainingError, match="it saved no checkpoint") as refused:
+        outputs.check_claim(str(out), **claim)
+    assert "--resume_from_checkpoint" not in str(refused.value)
+    _previous_run(out)  # with a checkpoint, continuing is offered
+    with pytest.raises(TrainingError, match="continue it with --resume_from_checkpoint latest"):
+        outputs.check_claim(str(out), **claim)
+
+
+def test_the_demo_refuses_the_flags_it_owns_and_deletes_nothing(tmp_path, monkeypatch, capsys):
+    """`python -m train.demo --output_dir X` once replaced the run in X with the demo's:
+    the demo's model, data, config and output directory are its own and refused."""
+    from train import demo
+
+    monkeypatch.chdir(tmp_path)
+    previous = _previous_run(tmp_path / "precious")
+    for flag in (["--output_dir", "precious"], ["--output_dir=precious"], ["--data_path", "x"]):
+        assert demo.main(["--max_steps", "3", *flag]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag[0].split('=')[0]} is the demo's own"), err
+    for name, data in previous.items():
+        assert (tmp_path / "precious" / name).read_bytes() == data
+    assert not (tmp_path / "runs").exists()

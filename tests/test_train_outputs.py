@@ -360,3 +360,18 @@ def test_profile_window_before_a_resumed_runs_steps_is_named(tmp_path, capsys):
     assert "this run's steps are 3..3; tracing steps 3..3 of the window" in captured.err
     assert "--profile_steps: traced steps 3..3" in captured.out
     assert os.listdir(tmp_path / "b" / "tensorboard" / "plugins" / "profile")
+
+
+def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):
+    """Resuming a finished run trains nothing and leaves the directory as it was: its
+    settings file keeps the run's own learning rate, and no TensorBoard file is added."""
+    out = tmp_path / "run"
+    assert main(_args(out, "--save_steps", "3", "--learning_rate", "3e-3")) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    again = _args(out, "--learning_rate", "1e-3", "--resume_from_checkpoint", "latest")
+    assert main(again) == 0
+    said = capsys.readouterr().err
+    assert "nothing to train: checkpoint 3 is already at the run's 3 steps" in said
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert "learning_rate: 0.003" in (out / outputs.SETTINGS_FILE).read_text()

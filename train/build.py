@@ -81,6 +81,13 @@ def load_model(cfg: TrainConfig):
 SAMPLE_DATA = "sample"
 
 
+def is_sample_data(path: str) -> bool:
+    """`--data_path sample` means generated data only where no file or directory of
+    that name exists: a path the user has wins, as a local model directory wins over a
+    preset of its name."""
+    return path == SAMPLE_DATA and not os.path.exists(path)
+
+
 def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
     """The packed rows of `--data_path` (or `--eval_data_path` with `eval`): a data file
     (in memory, or through a token cache under `--data_cache_dir`) or a token cache
@@ -95,7 +102,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             "learnable data (--sample_num_examples, --sample_vocab_size)"
         )
     eos = data_eos(cfg, config)
-    if path == SAMPLE_DATA:
+    if is_sample_data(path):
         vocab = cfg.data.sample_vocab_size or config.vocab_size
         if vocab > config.vocab_size:
             raise TrainingError(

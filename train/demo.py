@@ -11,7 +11,10 @@
    simulated devices;
 4. writes the metrics report (`python -m train.tools.profile`) for the same mesh.
 
-Everything lands under `runs/demo/`.
+Everything lands under `runs/demo/`, which the demo owns: a rerun makes the model and
+data again (`--keep` reuses them) and replaces its training run once the new one's step
+has compiled. Other trainer flags pass through (`--max_steps 60`); the model, data,
+config and output directory are the demo's own and refused.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import numpy as np  # noqa: E402
 
 import models  # noqa: E402
 from train import data as data_lib  # noqa: E402
+from train import outputs  # noqa: E402
 from train.config import parse_args  # noqa: E402
-from train.loop import run  # noqa: E402
+from train.loop import TrainingError, run  # noqa: E402
 
 RUN_DIR = os.path.join("runs", "demo")
 CONFIG = os.path.join(
@@ -66,44 +70,66 @@ def documents(cfg, config: models.LlamaConfig) -> list[np.ndarray]:
     return [sample[:n] for sample, n in zip(samples, lengths, strict=True)]
 
 
+def _write_model(config: models.LlamaConfig, hf_dir: str) -> None:
+    """The demo's HF model, written beside and then moved over an earlier one."""
+    fresh = hf_dir + ".new"
+    if os.path.isdir(fresh):
+        shutil.rmtree(fresh)
+    params = models.init_params(config, jax.random.key(0))
+    models.export_hf(jax.tree.map(jax.device_get, params), config, fresh)
+    if os.path.isdir(hf_dir):
+        shutil.rmtree(hf_dir)
+    os.rename(fresh, hf_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
-    if os.path.isdir(RUN_DIR) and "--keep" not in argv:
-        shutil.rmtree(RUN_DIR)
+    refused = outputs.demo_flag_error(argv, RUN_DIR)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
+    # `--keep`: reuse the model and data of an earlier demo; without it they are made
+    # again. The training run replaces the earlier one once its step has compiled
+    # (`--overwrite_output_dir`), and the report replaces its own rows.
+    keep = "--keep" in argv
     argv = [a for a in argv if a != "--keep"]
     hf_dir = os.path.join(RUN_DIR, "hf_init")
     data_path = os.path.join(RUN_DIR, "data.pkl")
     config = tiny_llama3()
-    if not os.path.isdir(hf_dir):
-        params = models.init_params(config, jax.random.key(0))
-        models.export_hf(jax.tree.map(jax.device_get, params), config, hf_dir)
+    if not (keep and os.path.isdir(hf_dir)):
+        _write_model(config, hf_dir)
     # Sequence over 2 devices and FSDP over the rest (4 simulated CPUs: fsdp=2, seq=2).
     n = jax.device_count()
     seq = 2 if n >= 2 and n % 2 == 0 else 1
     mesh = ["--mesh", f"data=1,fsdp={n // seq},seq={seq}"]
-    cfg = parse_args(
-        [
-            "--config",
-            CONFIG,
-            "--model_name_or_path",
-            hf_dir,
-            "--output_dir",
-            os.path.join(RUN_DIR, "train"),
-            "--data_path",
-            data_path,
-            *mesh,
-            # The demo owns its output directory (`--keep` keeps the model and data).
-            *([] if "--resume_from_checkpoint" in argv else ["--overwrite_output_dir"]),
-            *argv,
-        ]
-    )
-    if not os.path.exists(data_path):
-        data_lib.save_dataset(data_path, documents(cfg, config))
-    print(
-        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
-        f"mesh {cfg.parallel.mesh}; model from {hf_dir}"
-    )
-    summary = run(cfg)
+    try:
+        cfg = parse_args(
+            [
+                "--config",
+                CONFIG,
+                "--model_name_or_path",
+                hf_dir,
+                "--output_dir",
+                os.path.join(RUN_DIR, "train"),
+                "--data_path",
+                data_path,
+                *mesh,
+                *([] if "--resume_from_checkpoint" in argv else ["--overwrite_output_dir"]),
+                *argv,
+            ]
+        )
+        if not (keep and os.path.exists(data_path)):
+            fresh = os.path.join(RUN_DIR, "data.new.pkl")
+            data_lib.save_dataset(fresh, documents(cfg, config))
+            os.replace(fresh, data_path)
+        print(
+            f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; "
+            f"mesh {cfg.parallel.mesh}; model from {hf_dir}"
+        )
+        summary = run(cfg)
+    except (TrainingError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     losses = summary["losses"]
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     print(f"loss: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")

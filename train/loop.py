@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import math
 import os
 import sys
@@ -17,7 +18,7 @@ from jax.experimental import multihost_utils
 import models
 from train import data as data_lib
 from train import outputs, reporters
-from train.build import Trainer, build, export_config, profile_window
+from train.build import Trainer, build, export_config, is_sample_data, profile_window
 from train.checkpoint import Checkpoints, resolve_resume, shapes_by_path
 from train.config import TrainConfig
 from train.errors import TrainingError
@@ -72,6 +73,8 @@ def run(cfg: TrainConfig) -> dict:
         resume_flag=cfg.run.resume_from_checkpoint,
     )
     t = build(cfg)
+    if is_main:
+        _say_what_is_made_up(cfg)
     split = ", ".join(f"{a}={t.sizes[a]}" for a in ("seq", "seq_a2a") if t.sizes[a] > 1)
     if is_main and split and cfg.model.ring_strategy == "auto":
         print(f"--ring_strategy auto: {t.cfg.model.ring_strategy} ({split})", flush=True)
@@ -100,17 +103,22 @@ def run(cfg: TrainConfig) -> dict:
             outputs.clear(out, is_main)
         if continuing and is_main:
             outputs.drop_after(out, start_step)
-        if is_main:
+        # A resume that finds its run done writes nothing: the settings file keeps the
+        # run's own, and no empty TensorBoard file is added.
+        trains = start_step < t.total_steps
+        if is_main and trains:
             outputs.write_settings(out, cfg)
-            if resume is not None and start_step < t.total_steps:
+            if resume is not None:
                 print(f"resumed from step {start_step} of {resume[0]}", flush=True)
-        if start_step >= t.total_steps and is_main:
+        if not trains and is_main:
             print(
                 f"nothing to train: checkpoint {start_step} is already at the run's "
                 f"{t.total_steps} steps",
                 file=sys.stderr,
             )
-        state, history = _train(t, state, start_step, step_fn, is_main)
+        history = []
+        if trains:
+            state, history = _train(t, state, start_step, step_fn, is_main)
         if cfg.run.export_hf and t.total_steps > start_step:
             host = multihost_utils.process_allgather(state["params"], tiled=True)
             if is_main:
@@ -130,12 +138,45 @@ def run(cfg: TrainConfig) -> dict:
     }
 
 
+def _say_what_is_made_up(cfg: TrainConfig) -> None:
+    """One line each where the run trains a randomly initialised preset or generated
+    data: neither is what a user's own model or dataset would be."""
+    name = cfg.model.model_name_or_path
+    if not os.path.isdir(name):
+        print(
+            f"--model_name_or_path {name}: the preset's shape, randomly initialised "
+            "(no weights loaded; a local HF directory loads its weights)",
+            flush=True,
+        )
+    paths = {"--data_path": cfg.data.data_path, "--eval_data_path": cfg.data.eval_data_path}
+    for flag, path in paths.items():
+        if path and is_sample_data(path):
+            print(f"{flag} sample: generated Markov-chain data, not a dataset", flush=True)
+
+
+# Rows whose tokens identify the training data in a checkpoint: spread over the data,
+# first and last included, so another file or another order of the same rows differs.
+FINGERPRINT_ROWS = 16
+
+
+def data_fingerprint(rows) -> str:
+    """A short hash of the input ids of `FINGERPRINT_ROWS` rows spread over `rows`
+    (and their count and length): what a resume checks the data against, cheaply at
+    any size."""
+    n = rows.num_rows
+    ids = np.unique(np.linspace(0, n - 1, min(n, FINGERPRINT_ROWS)).round().astype(np.int64))
+    digest = hashlib.sha256(f"{n} {rows.seq_len}".encode())
+    digest.update(np.ascontiguousarray(rows.take(ids)[0], np.int32).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _run_meta(t: Trainer) -> dict:
     """What fixes the data order and the schedule: a resumed run must match it."""
     return {
         "model_max_length": t.cfg.data.model_max_length,
         "rows_per_step": t.global_batch * t.accum,
         "num_rows": t.rows.num_rows,
+        "data": data_fingerprint(t.rows),
         "seed": t.cfg.run.seed,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
@@ -366,6 +407,15 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"this run asks for --optim {run_meta['optim']}. Resume with --optim "
             f"{old_optim}, or start a new run from the export (--model_name_or_path "
             "<output_dir>/hf, a new --output_dir)"
+        )
+    same_count = saved.get("num_rows") == run_meta["num_rows"]
+    if "data" in saved and saved["data"] != run_meta["data"] and same_count:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written on other data: as many rows, "
+            f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
+            "so resuming would not continue its data. Resume with the same --data_path, "
+            "tokenizer and --model_max_length, or start a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     schedule_keys = ("total_steps", "optim")
     changed = {

@@ -80,10 +80,14 @@ def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str
         return
     found = previous_outputs(out)
     if found and not overwrite:
+        directory = os.path.join(out, "checkpoints")
+        saved = os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+        resume = "continue it with --resume_from_checkpoint latest, " if saved else ""
+        kept = "" if saved else " (it saved no checkpoint to continue from)"
         raise TrainingError(
-            f"--output_dir={out!r} holds a previous run ({', '.join(found)}): continue it "
-            "with --resume_from_checkpoint latest, replace it with --overwrite_output_dir "
-            "true, or choose another --output_dir"
+            f"--output_dir={out!r} holds a previous run ({', '.join(found)}){kept}: "
+            f"{resume}replace it with --overwrite_output_dir true, or choose another "
+            "--output_dir"
         )
 
 
@@ -157,3 +161,27 @@ def copy_tokenizer(source: str, hf_dir: str) -> None:
         src = os.path.join(source, name)
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(hf_dir, name))
+
+
+# Flags a demo (`make demo`, `make demo-text`) sets itself; the others pass through.
+DEMO_FLAGS = (
+    "--config",
+    "--model_name_or_path",
+    "--data_path",
+    "--eval_data_path",
+    "--output_dir",
+    "--overwrite_output_dir",
+)
+
+
+def demo_flag_error(argv: list[str], run_dir: str) -> str | None:
+    """The one-line error for a demo given a flag it owns (`DEMO_FLAGS`), else None: a
+    demo writes only under `run_dir`, and would otherwise train into (and replace) a
+    directory the user named."""
+    owned = [a.split("=")[0] for a in argv if a.split("=")[0] in DEMO_FLAGS]
+    if not owned:
+        return None
+    return (
+        f"error: {owned[0]} is the demo's own (it writes under {run_dir}/); train your "
+        "own model, data or directory with `python -m train`"
+    )

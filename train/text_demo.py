@@ -28,7 +28,7 @@ import numpy as np
 
 from models import convert
 from train import data as data_lib
-from train import data_cache
+from train import data_cache, outputs
 from train.build import build, data_eos
 from train.config import parse_args
 from train.loop import run
@@ -96,6 +96,9 @@ def eval_loss(trainer) -> float:
 
 def main() -> None:
     start = time.time()
+    refused = outputs.demo_flag_error(sys.argv[1:], str(RUN_DIR))
+    if refused:
+        sys.exit(refused)
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     root = Path(sysconfig.get_paths()["purelib"])
     texts = gather(root)
