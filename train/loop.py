@@ -408,20 +408,12 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"{old_optim}, or start a new run from the export (--model_name_or_path "
             "<output_dir>/hf, a new --output_dir)"
         )
-    same_count = saved.get("num_rows") == run_meta["num_rows"]
-    if "data" in saved and saved["data"] != run_meta["data"] and same_count:
-        raise TrainingError(
-            f"checkpoint {meta['step']} in {where} was written on other data: as many rows, "
-            f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
-            "so resuming would not continue its data. Resume with the same --data_path, "
-            "tokenizer and --model_max_length, or start a new run from the export "
-            "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
-        )
-    schedule_keys = ("total_steps", "optim")
+    # Checked on their own, with their own advice.
+    own_checks = ("total_steps", "optim", "data")
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
-        if k in saved and saved[k] != v and k not in schedule_keys
+        if k in saved and saved[k] != v and k not in own_checks
     }
     if changed:
         text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
@@ -430,6 +422,14 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"({text}); resuming would not continue its data order. Use the same "
             "--model_max_length, data, global batch (per-device batch x data x fsdp x "
             "accumulation) and --seed"
+        )
+    if "data" in saved and saved["data"] != run_meta["data"]:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written on other data: as many rows, "
+            f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
+            "so resuming would not continue its data. Resume with the same --data_path, "
+            "tokenizer and --model_max_length, or start a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     old, new = saved.get("total_steps"), run_meta["total_steps"]
     if old is not None and old != new:
