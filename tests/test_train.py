@@ -197,7 +197,7 @@ def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monke
     [
         (["--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
         (["--mesh", "seq=-1,fsdp=-1"], "only one axis may be -1"),
-        (["--max_steps", "-1", "--num_train_epochs", "0"], "nothing to train: .* give 0 steps"),
+        (["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs=0.0 must be > 0"),
         (["--profile_steps", "0,5"], "ends after the run's 1 steps"),
         *[
             pytest.param(["--mesh", "data=2,fsdp=2,seq=2", *more], match, marks=EIGHT)
@@ -301,12 +301,19 @@ def test_config_flags_yaml_and_errors(tmp_path):
         ("model:\n  bf16: maybe\n", "bf16='maybe' is not a boolean"),
         ("run:\n  max_steps: null\n", "max_steps=None is not allowed"),
         ("run: [1\n", "is not valid YAML"),
+        ("run:\n  num_train_epochs: .inf\n", "--num_train_epochs=inf must be a finite"),
     ):
         yaml_path.write_text(text)
         with pytest.raises(ValueError, match=match):
             parse_args(["--config", str(yaml_path)])
     with pytest.raises(ValueError, match="--config='nope.yaml': No such file"):
         parse_args(["--config", "nope.yaml"])
+    with pytest.raises(ValueError) as error:  # one file: a second is refused by name
+        parse_args(["--config", str(yaml_path), "--config", "b.yaml", "--max_steps", "3"])
+    assert str(error.value) == (
+        f"--config={str(yaml_path)!r} and --config='b.yaml': pass one --config file "
+        "(flags override it)"
+    )
     one = {"seq_a2a": 1}
     assert parse_mesh("data=1,fsdp=-1,seq=4", 8) == {"data": 1, "fsdp": 2, "seq": 4, **one}
     assert parse_mesh("data=1,fsdp=-1,seq=2", 8, fsdp=False) == {
@@ -332,6 +339,20 @@ def test_config_flags_yaml_and_errors(tmp_path):
         ("--adam_epsilon", "0", "> 0"),
         ("--seed", "-1", r"in \[0, 2\*\*63\)"),
         ("--seed", "99999999999999999999", r"in \[0, 2\*\*63\)"),
+        ("--learning_rate", "inf", "a finite number >= 0"),
+        ("--learning_rate", "nan", "a finite number >= 0"),
+        ("--weight_decay", "inf", "a finite number >= 0"),
+        ("--max_grad_norm", "inf", r"a finite number >= 0 \(0: no clipping\)"),
+        ("--warmup_ratio", "nan", r"a finite number in \[0, 1\]"),
+        ("--adam_beta1", "nan", r"a finite number in \[0, 1\)"),
+        ("--adam_beta2", "-inf", r"a finite number in \[0, 1\)"),
+        ("--adam_epsilon", "inf", "a finite number > 0"),
+        ("--num_train_epochs", "inf", "a finite number > 0"),
+        ("--num_train_epochs", "nan", "a finite number > 0"),
+        ("--num_train_epochs", "0", "> 0"),
+        ("--num_train_epochs", "-2", "> 0"),
+        ("--max_steps", "-5", "a positive int, or -1 to train for --num_train_epochs"),
+        ("--max_steps", "0", "a positive int, or -1 to train for --num_train_epochs"),
     ],
 )
 def test_each_out_of_range_flag_is_named_alone(flag, value, rule):

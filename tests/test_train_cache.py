@@ -154,8 +154,20 @@ def test_cache_files_and_summary(tmp_path):
         data_cache.open_cache(tmp_path / "c", vocab_size=9)
     with pytest.raises(ValueError, match=r"tokens do not fill one row of seq_len=4"):
         cache.rows(4)
+    index = tmp_path / "c" / "index.npy"
+    written = index.read_bytes()
+    for damage, problem in ((index.unlink, "missing"), (lambda: index.write_text("1 2"), "not a")):
+        damage()
+        with pytest.raises(ValueError) as error:
+            data_cache.open_cache(tmp_path / "c")
+        assert str(error.value).startswith(f"{index}: {problem}"), str(error.value)
+        assert str(error.value).endswith("(a damaged cache: rebuild it)"), str(error.value)
+    index.write_bytes(written)
     (tmp_path / "c" / "tokens.bin").write_bytes(b"\0" * 8)  # truncated
     with pytest.raises(ValueError, match=r"tokens\.bin: 8 bytes, expected 3 tokens"):
+        data_cache.open_cache(tmp_path / "c")
+    (tmp_path / "c" / "tokens.bin").unlink()
+    with pytest.raises(ValueError, match=r"tokens\.bin: missing \(a damaged cache: rebuild it\)"):
         data_cache.open_cache(tmp_path / "c")
 
 
@@ -239,6 +251,27 @@ def test_trainer_reads_a_cache_dir_and_builds_caches_in_data_cache_dir(tmp_path)
     _assert_rows_equal(memory, direct.take(np.arange(memory.num_rows)))
     with pytest.raises(ValueError, match=r"built with eos_id=2, this run's is 7"):
         load_rows(_cfg(data_path=str(where), eos_token_id=7), config)
+
+
+def test_a_data_cache_dir_that_cannot_be_a_directory_is_named(tmp_path):
+    """A file, or a path under one (`/dev/null/x`): one line naming the flag and what
+    is in the way, not an OSError from makedirs."""
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    (tmp_path / "f").write_text("")
+    for root, blocked in (
+        (tmp_path / "f", tmp_path / "f"),
+        (tmp_path / "f" / "caches", tmp_path / "f"),
+        (Path("/dev/null/caches"), Path("/dev/null")),
+    ):
+        cfg = _cfg(data_path=str(source), model_max_length=16, data_cache_dir=str(root))
+        with pytest.raises(ValueError) as error:
+            load_rows(cfg, models.TINY)
+        assert str(error.value) == f"--data_cache_dir={str(root)!r}: {blocked} is not a directory"
+    # `python -m train.data cache`'s directory alike.
+    with pytest.raises(ValueError, match=r"f exists and is not a token cache"):
+        data_cache.build_cache(source, tmp_path / "f")
+    with pytest.raises(ValueError, match=rf"f/c: {tmp_path / 'f'} is not a directory"):
+        data_cache.build_cache(source, tmp_path / "f" / "c")
 
 
 def test_eos_token_id_flag(tmp_path):

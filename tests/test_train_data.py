@@ -14,6 +14,7 @@ import pytest
 
 from train import data_cache, readers
 from train.data import Batches, document_lengths, markov_samples, save_dataset
+from train.data import main as data_main
 from train.dataset import Rows, TokenDataset, load_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -199,10 +200,18 @@ def test_empty_texts_are_skipped_and_counted(tmp_path, monkeypatch, capsys):
         load_dataset(empty, tokenizer=tmp_path)
 
 
-def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch, capsys):
     path = _dump_jsonl(tmp_path / "t.jsonl", ['{"input_ids": [5]}', '{"text": "ab"}'])
     with pytest.raises(ValueError, match=r"t\.jsonl: line 2: .*no tokenizer was given"):
         load_dataset(path)
+    with pytest.raises(ValueError, match=r"given; pass --tokenizer_name_or_path \(a "):
+        load_dataset(path)  # the trainer's flag
+    for command in (["inspect", str(path)], ["cache", str(path), str(tmp_path / "c")]):
+        with pytest.raises(SystemExit):
+            data_main(command)  # these commands' own flag
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert "no tokenizer was given; pass --tokenizer (a tokenizer.json or its " in err, err
     with pytest.raises(ValueError, match=r"tokenizer\.json does not exist"):
         load_dataset(path, tokenizer=tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
@@ -289,6 +298,7 @@ def test_empty_and_unknown(tmp_path):
         load_dataset(tmp_path / "e.npy")
     with pytest.raises(ValueError, match=r"p\.pkl: expected a pickled list"):
         load_dataset(_dump_pkl(tmp_path / "p.pkl", {"input_ids": [1]}))
+    (tmp_path / "x.csv").write_text("1,2\n")
     with pytest.raises(ValueError, match=r"unknown data format '\.csv'"):
         load_dataset(tmp_path / "x.csv")
 
@@ -296,14 +306,20 @@ def test_empty_and_unknown(tmp_path):
 def test_missing_and_unreadable_files_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"nope\.pkl: no such data file"):
         load_dataset(tmp_path / "nope.pkl")
+    for missing in ("samples", "no/such/path"):  # no extension: missing, not of format ''
+        with pytest.raises(ValueError, match=rf"{missing}: no such data file"):
+            load_dataset(tmp_path / missing)
     (tmp_path / "g.pkl").write_bytes(b"garbage\n")
     (tmp_path / "t.pkl").write_bytes(pickle.dumps([[1, 2, 3]] * 50)[:40])
     for name in ("g.pkl", "t.pkl"):
         with pytest.raises(ValueError, match=rf"{name[0]}\.pkl: not a readable pickle"):
             load_dataset(tmp_path / name)
     (tmp_path / "g.npy").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match=r"g\.npy: not a readable \.npy array"):
-        load_dataset(tmp_path / "g.npy")
+    (tmp_path / "bad.npy").write_text("1 2 3\n")
+    for name in ("g.npy", "bad.npy"):  # not numpy's advice to unpickle it
+        with pytest.raises(ValueError) as error:
+            load_dataset(tmp_path / name)
+        assert str(error.value).endswith(f"{name}: not a valid .npy array file (no .npy header)")
     (tmp_path / "b.jsonl").write_bytes(b'{"input_ids": [1]}\n\xff\xfe\n')
     with pytest.raises(ValueError, match=r"b\.jsonl: line 2: not UTF-8 text"):
         load_dataset(tmp_path / "b.jsonl")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import math
 import re
 import sys
 import types
@@ -110,7 +111,7 @@ class OptimArgs:
 class RunArgs:
     output_dir: str = "runs/train"
     num_train_epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides num_train_epochs
+    max_steps: int = -1  # -1: train for num_train_epochs; > 0 overrides it
     per_device_train_batch_size: int = 1  # sequences per data-parallel rank
     gradient_accumulation_steps: int = 1
     logging_steps: int = 10
@@ -172,6 +173,7 @@ class TrainConfig:
             if value <= 0:
                 raise ValueError(f"--{name}={value} must be positive")
         ranges = [
+            ("run", "num_train_epochs", "> 0", lambda x: x > 0),
             ("optim", "learning_rate", ">= 0", lambda x: x >= 0),
             ("optim", "warmup_ratio", "in [0, 1]", lambda x: 0 <= x <= 1),
             ("optim", "warmup_steps", ">= 0", lambda x: x >= 0),
@@ -184,8 +186,15 @@ class TrainConfig:
         ]
         for section, name, rule, ok in ranges:
             value = getattr(getattr(self, section), name)
+            if not math.isfinite(value):
+                raise ValueError(f"--{name}={value} must be a finite number {rule}")
             if not ok(value):
                 raise ValueError(f"--{name}={value} must be {rule}")
+        if self.run.max_steps != -1 and self.run.max_steps < 1:
+            raise ValueError(
+                f"--max_steps={self.run.max_steps} must be a positive int, or -1 to train "
+                "for --num_train_epochs"
+            )
         _check_schedule(self.optim)
         reports = self.run.report_to.split(",")
         if self.run.report_to != "none" and (
@@ -331,7 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Llama on long sequences over a device mesh (jflash ring attention).",
         allow_abbrev=False,
     )
-    parser.add_argument("--config", help="YAML file of overrides, by section")
+    parser.add_argument(
+        "--config", action="append", help="YAML file of overrides, by section (one file)"
+    )
     for section, cls in _section_types().items():
         group = parser.add_argument_group(section)
         hints = typing.get_type_hints(cls)
@@ -456,8 +467,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             continue
         section, name = key.split(".")
         flags.setdefault(section, {})[name] = value
-    overrides = load_yaml(ns.config) if ns.config else {}
-    return from_overrides(overrides, flags, where=ns.config or "config")
+    configs = ns.config or []
+    if len(configs) > 1:
+        given = " and ".join(f"--config={c!r}" for c in configs)
+        raise ValueError(f"{given}: pass one --config file (flags override it)")
+    config = configs[0] if configs else None
+    overrides = load_yaml(config) if config else {}
+    return from_overrides(overrides, flags, where=config or "config")
 
 
 def gather_once_error(shard_over_seq: bool, gather_once: bool, *, dashes: bool = False):

@@ -33,7 +33,7 @@ import numpy as np
 from models.convert import special_token_ids
 from train import data_cache
 from train.dataset import Rows, load_dataset
-from train.readers import read_jsonl, tokenizer_file
+from train.readers import NoTokenizerError, read_jsonl, tokenizer_file
 
 # ---------------------------------------------------------------------------------------
 # Batches
@@ -397,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         _command(args)
+    except NoTokenizerError as e:
+        parser.exit(2, f"error: {e.asking_for('--tokenizer')}\n")
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 

@@ -94,7 +94,12 @@ class TokenCache:
         n = int(self.meta["num_tokens"])
         self.tokens = self._map(TOKENS, np.uint32, n)
         self.targets = self._map(LABELS, np.int32, n) if self.meta["labels"] else self.tokens
-        self.offsets = np.load(self.path / INDEX, mmap_mode="r")
+        index = self.path / INDEX
+        try:
+            self.offsets = np.load(index, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError, EOFError):
+            problem = "not a readable .npy array" if index.is_file() else "missing"
+            raise ValueError(f"{index}: {problem} (a damaged cache: rebuild it)") from None
         docs = int(self.meta["num_documents"])
         if self.offsets.shape != (docs + 1,) or int(self.offsets[-1]) != n:
             raise ValueError(
@@ -103,7 +108,9 @@ class TokenCache:
 
     def _map(self, name: str, dtype, n: int) -> np.memmap:
         file = self.path / name
-        size = file.stat().st_size if file.is_file() else -1
+        if not file.is_file():
+            raise ValueError(f"{file}: missing (a damaged cache: rebuild it)")
+        size = file.stat().st_size
         if size != n * np.dtype(dtype).itemsize:
             raise ValueError(
                 f"{file}: {size} bytes, expected {n} tokens of {np.dtype(dtype).name} "
@@ -294,13 +301,17 @@ def build_cache(
 
     Raises:
         ValueError: as :func:`train.dataset.load_dataset` for bad data (nothing is left
-            under ``cache_dir``); ``cache_dir`` exists and is neither a cache nor empty.
+            under ``cache_dir``); ``cache_dir`` exists and is neither a cache nor an empty
+            directory; a folder above it is not a directory.
     """
     source, cache_dir = Path(source), Path(cache_dir)
     if eos_id is not None and not 0 <= eos_id <= _MAX_ID:
         raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
-    if cache_dir.exists() and not is_cache(cache_dir) and any(cache_dir.iterdir()):
-        raise ValueError(f"{cache_dir} exists and is not a token cache; not writing over it")
+    if blocked := _file_in_the_way(cache_dir.parent):
+        raise ValueError(f"{cache_dir}: {blocked} is not a directory")
+    if cache_dir.exists() and not is_cache(cache_dir):
+        if not cache_dir.is_dir() or any(cache_dir.iterdir()):
+            raise ValueError(f"{cache_dir} exists and is not a token cache; not writing over it")
     stamp = source_stamp(source) if source.exists() else None
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -405,6 +416,16 @@ def ensure_cache(
     return cache, True
 
 
+def _file_in_the_way(folder: str | Path) -> Path | None:
+    """The path that keeps ``folder`` from being a directory: ``folder`` itself or a
+    folder above it that exists as something else (a file, ``/dev/null``); None if none."""
+    folder = Path(folder)
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
 def cache_location(source: str | Path, cache_root: str | Path) -> Path:
     """Where ``--data_cache_dir`` keeps the cache of ``source``: ``<root>/<name>-<hash of
     its absolute path>``."""
@@ -440,6 +461,8 @@ def packed_rows(
             )
         return cache.rows(seq_len)
     if cache_root:
+        if blocked := _file_in_the_way(cache_root):
+            raise ValueError(f"--data_cache_dir={str(cache_root)!r}: {blocked} is not a directory")
         location = cache_location(path, cache_root)
         cache, built = ensure_cache(
             path, location, tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size

@@ -69,8 +69,6 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
     """The examples of ``path`` in order, one at a time (its reader from :data:`READERS`)."""
     path = Path(path)
     suffix = data_format(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such data file")
     if suffix != SAVED_DATASET and not path.is_file():
         raise ValueError(f"{path}: not a file")
     return _noting_skips(READERS[suffix].read(path, parser), parser)
@@ -142,8 +140,14 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}: line {i}: invalid JSON ({e})") from None
 
 
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
+
+
 def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
     """The rows of an ``[N, L]`` array (or the one ``[L]`` stream), memory-mapped."""
+    with open(path, "rb") as f:
+        if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+            raise ValueError(f"{path}: not a valid .npy array file (no .npy header)")
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -239,8 +243,11 @@ FORMATS = tuple(READERS)
 
 def data_format(path: str | Path) -> str:
     """The key of ``path``'s reader in :data:`READERS`: a directory's is ``save_to_disk``,
-    a file's its lower-case extension; ValueError for an extension no reader has."""
+    a file's its lower-case extension; ValueError for a path that does not exist or an
+    extension no reader has."""
     path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such data file")
     if path.is_dir():
         if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
             raise ValueError(
@@ -356,6 +363,23 @@ class RecordParser:
         return self._tokenizer
 
 
+class NoTokenizerError(ValueError):
+    """Text data and no tokenizer given. The message asks for the trainer's
+    ``--tokenizer_name_or_path``; :meth:`asking_for` asks for another command's flag."""
+
+    def __init__(self, where: str, remedy: str = ""):
+        self.where = where
+        remedy = remedy or (
+            "--tokenizer_name_or_path (a tokenizer.json or its directory) or a model "
+            "directory that holds tokenizer.json"
+        )
+        super().__init__(f"{where} no tokenizer was given; pass {remedy}")
+
+    def asking_for(self, flag: str) -> NoTokenizerError:
+        """The same error asking for ``flag`` (a tokenizer.json or its directory)."""
+        return NoTokenizerError(self.where, f"{flag} (a tokenizer.json or its directory)")
+
+
 def tokenizer_file(tokenizer: str | Path) -> Path:
     """The ``tokenizer.json`` that ``tokenizer`` names: the file, or the one in the directory."""
     path = Path(tokenizer)
@@ -366,10 +390,7 @@ def load_tokenizer(tokenizer: str | Path | None, where: str = "text data needs a
     """``tokenizers.Tokenizer`` from a ``tokenizer.json`` or its directory, with clear errors
     (``where`` starts each message)."""
     if tokenizer is None:
-        raise ValueError(
-            f"{where} no tokenizer was given; pass --tokenizer_name_or_path (a "
-            "tokenizer.json or its directory) or a model directory that holds tokenizer.json"
-        )
+        raise NoTokenizerError(where)
     file = tokenizer_file(tokenizer)
     if not file.is_file():
         raise ValueError(f"{where} {file} does not exist")

@@ -640,7 +640,6 @@ def main(argv: list[str] | None = None) -> None:
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
             f"directory; presets: {sorted(PRESETS)} (nothing was run)"
         )
-    os.makedirs(args.out, exist_ok=True)
     old: dict = {"rows": []}
     if args.append and os.path.exists(path):
         try:
@@ -664,6 +663,7 @@ def main(argv: list[str] | None = None) -> None:
             mesh_device_count(mesh, ceilings["device_count"])
         except ValueError as e:
             parser.error(f"{e} (nothing was run)")
+    os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
     if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
