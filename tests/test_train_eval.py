@@ -14,6 +14,7 @@ import models
 from train import data as data_lib
 from train.build import end_of_text
 from train.config import parse_args
+from train.errors import TrainingError
 from train.loop import run
 from train.tensorboard import read_scalars
 
@@ -76,7 +77,7 @@ def test_eval_data_is_checked_before_anything_is_written(tmp_path):
     out = tmp_path / "run"
     argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "1"]
     argv += ["--model_max_length", "64", "--output_dir", str(out)]
-    with pytest.raises(ValueError, match="typo.jsonl: no such data file"):
+    with pytest.raises(TrainingError, match=r"--eval_data_path='.*typo.jsonl': no such data file"):
         run(parse_args([*argv, "--eval_data_path", str(tmp_path / "typo.jsonl")]))
     assert not out.exists()
     with pytest.raises(ValueError, match="--eval_strategy='never' must be one of"):

@@ -117,6 +117,9 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         examples = examples[train:] if eval else examples
         dataset = TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:
+        if not os.path.exists(path):
+            flag = "--eval_data_path" if eval else "--data_path"
+            raise TrainingError(f"{flag}={path!r}: no such data file")
         name = cfg.model.model_name_or_path
         tokenizer = cfg.data.tokenizer_name_or_path or (name if os.path.isdir(name) else None)
         return data_cache.packed_rows(
