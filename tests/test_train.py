@@ -301,6 +301,12 @@ def test_config_flags_yaml_and_errors(tmp_path):
         ("model:\n  bf16: maybe\n", "bf16='maybe' is not a boolean"),
         ("run:\n  max_steps: null\n", "max_steps=None is not allowed"),
         ("run: [1\n", "is not valid YAML"),
+        # A key given twice (PyYAML would keep the last silently), in one line.
+        ("optim:\n  learning_rate: 1.0\nrun: {}\noptim:\n  optim: lion\n", "'optim' given twice"),
+        (
+            "optim:\n  learning_rate: 1.0\n  learning_rate: 2.0\n",
+            r"given twice .*line 3\S* column 3$",
+        ),
         ("run:\n  num_train_epochs: .inf\n", "--num_train_epochs=inf must be a finite"),
     ):
         yaml_path.write_text(text)

@@ -396,14 +396,31 @@ def _replace_section(section_obj, overrides: dict[str, Any], where: str):
     return dataclasses.replace(section_obj, **values)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, but a key given twice in one mapping is an error (PyYAML keeps
+    the last silently: a second `optim:` section would drop the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     try:
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
     except OSError as e:
         raise ValueError(f"--config={path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"--config={path!r} is not valid YAML: {e}") from None
+        where = " ".join(str(e).split())  # PyYAML puts the position on lines of its own
+        raise ValueError(f"--config={path!r} is not valid YAML: {where}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
     unknown = sorted(set(data) - set(SECTIONS))
