@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from train import outputs
 from train.config import parse_args
 from train.loop import TrainingError, run
 
@@ -12,11 +13,7 @@ from train.loop import TrainingError, run
 def _interrupted(output_dir: str) -> str:
     """The line Ctrl-C ends a run with: where its last whole checkpoint is."""
     directory = os.path.join(output_dir, "checkpoints")
-    steps = (
-        sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-        if os.path.isdir(directory)
-        else []
-    )
+    steps = outputs.saved_steps(output_dir)
     if not steps:
         return f"interrupted: no checkpoint was written to {directory}"
     return (

@@ -88,7 +88,8 @@ def run(cfg: TrainConfig) -> dict:
             flush=True,
         )
     with jax.set_mesh(t.mesh):
-        state, start_step = _initial_state(t, resume, continuing)
+        run_meta = _run_meta(t)  # what a checkpoint records and a resume checks
+        state, start_step = _initial_state(t, resume, continuing, run_meta)
         t.state = None  # the loop owns (and donates) the state from here on
         step_fn = t.step_fn
         if start_step < t.total_steps:
@@ -118,7 +119,7 @@ def run(cfg: TrainConfig) -> dict:
             )
         history = []
         if trains:
-            state, history = _train(t, state, start_step, step_fn, is_main)
+            state, history = _train(t, state, start_step, step_fn, is_main, run_meta)
         if cfg.run.export_hf and t.total_steps > start_step:
             host = multihost_utils.process_allgather(state["params"], tiled=True)
             if is_main:
@@ -183,7 +184,7 @@ def _run_meta(t: Trainer) -> dict:
     }
 
 
-def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
+def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int]:
     """`(state, first step)`: the built state, or a checkpoint's (read, never written)."""
     if resume is None:
         return t.state, 0
@@ -207,7 +208,7 @@ def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
         # optimizer's state has another structure, which restoring would only fail on.
         saved = source.meta(step)
         if saved is not None:
-            _check_resumable(saved, _run_meta(t), source.directory)
+            _check_resumable(saved, run_meta, source.directory)
         _check_model(source.param_shapes(step), t.state["params"], step, cfg, source.directory)
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -218,7 +219,7 @@ def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
     finally:
         source.close()
     start_step = int(meta["step"])
-    _check_resumable(meta, _run_meta(t), source.directory)
+    _check_resumable(meta, run_meta, source.directory)
     # The saved data position must land on the same step with this data/batch.
     resumed = data_lib.Batches(
         t.rows, t.global_batch * t.accum, seed=cfg.run.seed, start=meta["data"]
@@ -231,12 +232,11 @@ def _initial_state(t: Trainer, resume, continuing: bool) -> tuple[dict, int]:
     return state, start_step
 
 
-def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool):
+def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta: dict):
     """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`."""
     cfg, out, total_steps = t.cfg, t.cfg.run.output_dir, t.total_steps
     # --save_strategy no: no checkpoints directory either.
     ckpt = Checkpoints(out, cfg.run.save_total_limit) if cfg.run.save_strategy != "no" else None
-    run_meta = _run_meta(t)
     writer = reporters.open_reporters(cfg) if is_main else None
     log = JsonlLog(os.path.join(out, "log.jsonl")) if is_main else None
     profile = _profile_steps(cfg, start_step, total_steps, is_main)

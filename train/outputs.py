@@ -80,8 +80,7 @@ def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str
         return
     found = previous_outputs(out)
     if found and not overwrite:
-        directory = os.path.join(out, "checkpoints")
-        saved = os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+        saved = bool(saved_steps(out))
         resume = "continue it with --resume_from_checkpoint latest, " if saved else ""
         kept = "" if saved else " (it saved no checkpoint to continue from)"
         raise TrainingError(
@@ -89,6 +88,15 @@ def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str
             f"{resume}replace it with --overwrite_output_dir true, or choose another "
             "--output_dir"
         )
+
+
+def saved_steps(out: str) -> list[int]:
+    """The steps of the whole checkpoints in `out/checkpoints`, in order (Orbax's
+    unfinished saves carry a suffix), read without opening Orbax."""
+    directory = os.path.join(out, "checkpoints")
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
 def clear(out: str, is_main: bool) -> None:
