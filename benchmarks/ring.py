@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import faulthandler
 import functools
 import json
@@ -71,6 +72,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -471,16 +473,37 @@ def derive(row: dict, ideal: dict, p: int, pairs: int, args, links, documents: b
         model_prediction(row, ideal, args, links)
 
 
+# Seconds past `--row-timeout` after which faulthandler's watchdog stops a row that
+# never lets the timer below run (a thread holding the GIL): the watchdog walks the
+# stacks without the GIL, while the threads change them, and can crash the process
+# mid-dump; the timer dumps them holding the GIL.
+WATCHDOG_GRACE_S = 30.0
+
+
+def _stop_row(timeout: float) -> None:
+    """`--row-timeout`'s end: every thread's stack on stderr, then exit code 1."""
+    sys.stderr.write(f"Timeout ({datetime.timedelta(seconds=timeout)})!\n")
+    faulthandler.dump_traceback(all_threads=True)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 @contextlib.contextmanager
 def row_watch(rows: list[dict], row: dict, args, on_row):
     """Around one row: `on_row` first sees it as unfinished, and past `--row-timeout`
     seconds the process stops (stacks printed, exit code 1)."""
     on_row([*rows, dict(row, error="did not finish: the run stopped during this row")])
+    timer = None
     if args.row_timeout:
-        faulthandler.dump_traceback_later(args.row_timeout, exit=True)
+        timer = threading.Timer(args.row_timeout, _stop_row, (args.row_timeout,))
+        timer.daemon = True
+        timer.start()
+        faulthandler.dump_traceback_later(args.row_timeout + WATCHDOG_GRACE_S, exit=True)
     try:
         yield
     finally:
+        if timer is not None:
+            timer.cancel()
         faulthandler.cancel_dump_traceback_later()
 
 
