@@ -59,7 +59,7 @@ from benchmarks.common import (  # noqa: E402
     time_pipelined,
     write_json,
 )
-from train.tools.trace import kernel_durations  # noqa: E402
+from train.tools.trace import kernel_durations, kernel_label  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -492,7 +492,13 @@ def kernel_split(args, iterations: int = 20):
             if ns < args.kernel_share * total:
                 continue
             rows.append(
-                dict(impl=impl, kernel=name[:60], ms=ns / iterations / 1e6, share=ns / total)
+                dict(
+                    impl=impl,
+                    kernel=kernel_label(name),
+                    ms=ns / iterations / 1e6,
+                    share=ns / total,
+                    name=name,
+                )
             )
         rows.append(dict(impl=impl, kernel="(all)", ms=total / iterations / 1e6, share=1.0))
     print(table(rows, ["impl", "kernel", "ms", "share"]))

@@ -78,6 +78,41 @@ def test_ring_benchmark_reads_device_breakdown():
     assert _close(parts, result["busy_ms"], 0.01), result
 
 
+# Kernel names as the profiler reports FlashAttention-3's (flash-attn3-jax 0.2.3), shortened.
+FA3_FWD = (
+    "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+    "flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>, cute::C<1>, cute::C<1> >, "
+    "cute::tuple<cute::C<128>, cute::C<128>, cute::C<128> >, 128, cutlass::bfloat16_t> > > >"
+    "(flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<int> >::Params)"
+)
+FA3_BWD = FA3_FWD.replace("FwdSm90", "BwdSm90")
+
+
+def _convert(tile: int) -> str:
+    return (
+        "void cutlass::device_kernel<flash::FlashAttnBwdPostprocessConvertdQ<cute::tuple<"
+        f"cute::C<{tile}>, cute::C<128> >, cutlass::bfloat16_t> >(Params)"
+    )
+
+
+def test_kernel_labels_tell_templated_kernels_apart():
+    """`benchmarks/kernel.py --kernels` and the profile report label kernels by
+    `kernel_label`: cutting the raw names made FlashAttention-3's forward and backward
+    one label (`void cutlass::device_kernel<flash::enable_sm90_or_later<flas`)."""
+    labels = [trace.kernel_label(n) for n in (FA3_FWD, FA3_BWD, _convert(64), _convert(128))]
+    assert labels[0].startswith("FlashAttnFwdSm90<CollectiveMainloopFwdSm90<2,")
+    assert labels[1].startswith("FlashAttnBwdSm90<")
+    assert labels[2].startswith("FlashAttnBwdPostprocessConvertdQ<tuple<C<64>, C<128")
+    assert len(set(labels)) == 4 and all(len(x) <= 60 for x in labels)
+    assert labels[0].endswith("...") and "::" not in labels[0]
+    # Whole when they fit; launchers' brackets and the parameter list go.
+    short = "void cutlass::device_kernel<flash::FlashAttnBwdPreprocess<int> >(Params)"
+    assert trace.kernel_label(short) == "FlashAttnBwdPreprocess<int>"
+    for plain in ("jflash_mosaic_dkv_mosaic_gpu_kernel", "loop_convert_fusion", "nccl_AllGather"):
+        assert trace.kernel_label(plain) == plain
+    assert trace.kernel_label("x" * 80, width=20) == "x" * 17 + "..."
+
+
 def test_kernel_durations_sum_the_first_gpu():
     """`benchmarks/kernel.py --kernels` reads this: device time per kernel name on GPU 0."""
     spent = trace.kernel_durations(GPU_TRACE)

@@ -21,6 +21,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from train.tools.trace import kernel_label  # noqa: E402
+
 # PyTorch + LightSeq's published numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
 SEED_REFERENCE = [
     {"model": "llama2-7b", "forward_ms": 132.6, "backward_ms": 538.3, "comm_ms": 68.4},
@@ -185,7 +187,7 @@ def _tail(stack: str, width: int) -> str:
 
 def _kernel_cells(k) -> list:
     return [
-        f"`{k['name'][:70]}`",
+        f"`{kernel_label(k['name'], 70)}`",
         k["kind"],
         k.get("phase", ""),
         k["ms"],
@@ -372,7 +374,12 @@ def markdown(report: dict) -> str:
         "slower on one GPU points at that device (or at uneven work); a communication "
         "kernel's time includes waiting for a slower peer.",
         lambda r: ["kernel", "class", *r["kernel_spread"][0]["ms"], "spread"],
-        lambda k: [f"`{k['name'][:70]}`", k["kind"], *k["ms"].values(), k["spread_ms"]],
+        lambda k: [
+            f"`{kernel_label(k['name'], 70)}`",
+            k["kind"],
+            *k["ms"].values(),
+            k["spread_ms"],
+        ],
     )
     lines += _per_row_tables(
         ok,
@@ -387,7 +394,7 @@ def markdown(report: dict) -> str:
             k["ms"],
             f"{k['share']:.1%}",
             k["launches"],
-            f"`{k['name'][:50]}`",
+            f"`{kernel_label(k['name'], 50)}`",
         ],
     )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]

@@ -222,6 +222,40 @@ def _gpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
     return out
 
 
+# Templates that only launch the kernel named inside them (CUTLASS, FlashAttention-3):
+# unwrapped by `kernel_label`, or every FlashAttention-3 kernel would read alike.
+_LAUNCHERS = ("cutlass::device_kernel<", "flash::enable_sm90_or_later<")
+_NAMESPACE = re.compile(r"\b[A-Za-z_]\w*::")
+
+
+def _without_parameters(name: str) -> str:
+    """A demangled C++ name without its parameter list (`f<T>(Params)` -> `f<T>`)."""
+    if not name.endswith(")"):
+        return name
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i].rstrip() if i > 0 else name
+    return name
+
+
+def kernel_label(name: str, width: int = 60) -> str:
+    """A GPU kernel's name short enough for a table and still telling kernels apart:
+    without `void`, its parameter list, the launcher templates around it
+    (`cutlass::device_kernel<...>`, `flash::enable_sm90_or_later<...>`) and namespace
+    qualifiers, cut to `width` characters (ending in `...`). Names without templates
+    are only cut."""
+    label, wrapped = _without_parameters(name.strip()).removeprefix("void "), 0
+    while (launcher := next((w for w in _LAUNCHERS if label.startswith(w)), None)) is not None:
+        label, wrapped = label[len(launcher) :], wrapped + 1
+    for _ in range(wrapped):  # the launchers' closing brackets
+        label = label.rstrip()
+        label = label[:-1] if label.endswith(">") else label
+    label = " ".join(_NAMESPACE.sub("", label).split())
+    return label if len(label) <= width else label[: width - 3] + "..."
+
+
 def kernel_durations(source: str | ProfileData) -> dict[str, float]:
     """Device time (ns) per kernel name on the first GPU of a trace, longest first;
     empty when the trace has no GPU kernels (CPU runs)."""
