@@ -379,3 +379,34 @@ def test_the_demo_refuses_the_flags_it_owns_and_deletes_nothing(tmp_path, monkey
     for name, data in previous.items():
         assert (tmp_path / "precious" / name).read_bytes() == data
     assert not (tmp_path / "runs").exists()
+
+
+def test_positions_past_the_models_context_get_a_line(tmp_path, capsys):
+    """Training past `max_position_embeddings` extends the context: allowed, and said."""
+    model = _tiny_model_dir(tmp_path / "m", max_position_embeddings=32)
+    argv = [
+        "--model_name_or_path",
+        str(model),
+        "--model_max_length",
+        "64",
+        "--progress",
+        "false",
+        "--max_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--export_hf",
+        "false",
+        "--data_path",
+        "sample",
+    ]
+    assert main([*argv, "--output_dir", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "--model_max_length 64: positions up to 63 run past the model's "
+        "max_position_embeddings 32 (RoPE default, theta 10000)" in printed
+    )
+    # Within the model's context: no line.
+    argv[3] = "32"
+    assert main([*argv, "--output_dir", str(tmp_path / "b")]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().out

@@ -75,6 +75,7 @@ def run(cfg: TrainConfig) -> dict:
     t = build(cfg)
     if is_main:
         _say_what_is_made_up(cfg)
+        _say_where_positions_run_past(t)
     split = ", ".join(f"{a}={t.sizes[a]}" for a in ("seq", "seq_a2a") if t.sizes[a] > 1)
     if is_main and split and cfg.model.ring_strategy == "auto":
         print(f"--ring_strategy auto: {t.cfg.model.ring_strategy} ({split})", flush=True)
@@ -153,6 +154,26 @@ def _say_what_is_made_up(cfg: TrainConfig) -> None:
     for flag, path in paths.items():
         if path and is_sample_data(path):
             print(f"{flag} sample: generated Markov-chain data, not a dataset", flush=True)
+
+
+def _say_where_positions_run_past(t: Trainer) -> None:
+    """One line where the rows' RoPE positions reach past the model's
+    `max_position_embeddings` (its pre-training context): allowed, since that is how a
+    context is extended by training, but a user extending Llama-2's 4k should know."""
+    longest = t.cfg.data.model_max_length
+    limit = t.config.max_position_embeddings
+    if longest <= limit:
+        return
+    rope = t.config.rope
+    restart = t.spec.mask_documents and t.cfg.data.packing_positions == "per_document"
+    print(
+        f"--model_max_length {longest}: positions up to {longest - 1}"
+        + (" (in documents that long)" if restart else "")
+        + f" run past the model's max_position_embeddings {limit} (RoPE {rope.type}, "
+        f"theta {rope.theta:g}): the run extends its context by training; a rope_scaling "
+        "in the model's config.json changes how",
+        flush=True,
+    )
 
 
 # Rows whose tokens identify the training data in a checkpoint: spread over the data,
