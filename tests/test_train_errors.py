@@ -410,3 +410,45 @@ def test_positions_past_the_models_context_get_a_line(tmp_path, capsys):
     argv[3] = "32"
     assert main([*argv, "--output_dir", str(tmp_path / "b")]) == 0
     assert "max_position_embeddings" not in capsys.readouterr().out
+
+
+def test_resume_with_another_learning_rate_schedule_is_refused(tmp_path, capsys):
+    """A checkpoint records its learning-rate schedule (flags, and rates sampled over
+    the run): a resume that would jump to another one is refused in one line, before
+    the new output directory is made; the same schedule spelt otherwise resumes."""
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "4", "--save_steps", "2"]
+    argv += ["--report_to", "none", "--export_hf", "false", "--learning_rate", "3e-3"]
+    assert main([*argv, "--warmup_steps", "1", "--output_dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "2")]
+    other = [*resume, "--warmup_steps", "1", "--output_dir", str(tmp_path / "b")]
+    err = _one_line_error([*argv, *other, "--learning_rate", "0.3"], capsys)
+    assert "was written with another learning-rate schedule (--learning_rate 0.003 -> 0.3" in err
+    assert "--config <output_dir>/train_config.yaml" in err
+    assert not (tmp_path / "b").exists()
+    # Without its warmup the curve differs too, though no flag it had is named again.
+    err = _one_line_error([*argv, *resume, "--output_dir", str(tmp_path / "b")], capsys)
+    assert "--warmup_steps 1 -> 0" in err and "lr at step" in err
+    # 1 warmup step of 4 as a ratio: the same rates, so the same schedule.
+    same = [*resume, "--warmup_ratio", "0.25", "--output_dir", str(tmp_path / "c")]
+    assert main([*argv, *same]) == 0
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys):
+    """A checkpoint whose arrays cannot be read (an interrupted copy, a pruned
+    directory) fails its resume in one line, without the traceback asyncio logs per
+    array, and names the checkpoint before it."""
+    out = tmp_path / "run"
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "2", "--save_steps", "1"]
+    argv += ["--report_to", "none", "--export_hf", "false", "--output_dir", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    state = out / "checkpoints" / "2" / "state"
+    damaged = [p for p in state.rglob("*") if p.is_file() and p.parent != state]
+    assert damaged, sorted(state.rglob("*"))
+    for p in damaged:
+        p.write_bytes(p.read_bytes()[:3])
+    err = _one_line_error([*argv, "--resume_from_checkpoint", "latest"], capsys)
+    assert f"checkpoint {out / 'checkpoints' / '2'} could not be restored, damaged" in err
+    assert f"an earlier one: --resume_from_checkpoint {out / 'checkpoints' / '1'}" in err
+    assert "Traceback" not in capsys.readouterr().err

@@ -15,6 +15,28 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Only critical records from logger `name` inside the block."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _root_cause(e: BaseException, width: int = 300) -> str:
+    """The innermost cause of `e` as `Type: first line`, cut to `width` characters (the
+    outer ones only wrap it; TensorStore appends a dump of its spec)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).split("See full TensorStore details")[0].strip().splitlines()
+    line = f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": .")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 class _ReadOnlyNotes(logging.Filter):
     """Orbax's two warnings that a manager opened read only is read only."""
 
@@ -103,16 +125,28 @@ class Checkpoints:
         if step not in steps:
             raise ValueError(f"no checkpoint {step} in {self.directory}; it has {steps}")
         try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                ),
-            )
+            # A damaged checkpoint fails every array's read: asyncio logs each failed
+            # task with its traceback (thousands of lines) before the error arrives.
+            with _quiet_logger("asyncio"):
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        meta=ocp.args.JsonRestore(),
+                    ),
+                )
         except Exception as e:  # noqa: BLE001 - any read failure: name the checkpoint
+            where = os.path.join(self.directory, str(step))
+            earlier = [s for s in steps if s < step]
+            advice = (
+                f"; an earlier one: --resume_from_checkpoint "
+                f"{os.path.join(self.directory, str(earlier[-1]))} (into a new --output_dir)"
+                if earlier
+                else ""
+            )
             raise ValueError(
-                f"checkpoint {os.path.join(self.directory, str(step))} could not be restored "
-                f"({type(e).__name__}: {str(e)[:500]})"
+                f"checkpoint {where} could not be restored, damaged or incomplete "
+                f"({_root_cause(e)}){advice}"
             ) from e
         if not isinstance(restored["meta"], dict) or "step" not in restored["meta"]:
             raise ValueError(f"checkpoint {step} in {self.directory} has no valid meta")

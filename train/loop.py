@@ -202,7 +202,57 @@ def _run_meta(t: Trainer) -> dict:
         "seed": t.cfg.run.seed,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
+        "schedule": _schedule_record(t),
     }
+
+
+# The flags that shape the learning-rate schedule, and where it is sampled (fractions of
+# the run, and the warmup's end) to tell one schedule from another whatever flags spell it.
+SCHEDULE_FLAGS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "min_lr_rate",
+    "decay_ratio",
+    "decay_type",
+)
+SCHEDULE_PROBES = 9
+
+
+def _schedule_record(t: Trainer) -> dict:
+    """The run's learning-rate schedule: its flags and its values at `SCHEDULE_PROBES`
+    steps spread over the run (the first and last included) and at the warmup's end."""
+    o, total = t.cfg.optim, t.total_steps
+    warmup = o.warmup_steps if o.warmup_steps > 0 else math.ceil(o.warmup_ratio * total)
+    steps = sorted(
+        {round(i * (total - 1) / (SCHEDULE_PROBES - 1)) for i in range(SCHEDULE_PROBES)}
+        | {min(warmup, total - 1)}
+    )
+    return {
+        "flags": {k: getattr(o, k) for k in SCHEDULE_FLAGS},
+        "lr": {str(i): float(t.lr_at(i)) for i in steps},
+    }
+
+
+def _schedule_error(saved: dict, new: dict) -> str | None:
+    """What differs between two `_schedule_record`s, or None where the rates agree (to
+    float32's precision) at every step either one sampled."""
+    steps = [i for i in saved["lr"] if i in new["lr"]]
+    apart = [
+        i for i in steps if not math.isclose(saved["lr"][i], new["lr"][i], rel_tol=1e-6, abs_tol=0)
+    ]
+    if steps and not apart:
+        return None
+    flags = [
+        f"--{k} {saved['flags'][k]} -> {new['flags'][k]}"
+        for k in SCHEDULE_FLAGS
+        if k in saved["flags"] and saved["flags"][k] != new["flags"][k]
+    ]
+    if apart:
+        i = apart[0]
+        flags.append(f"lr at step {int(i) + 1}: {saved['lr'][i]:.3g} -> {new['lr'][i]:.3g}")
+    return ", ".join(flags)
 
 
 def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int]:
@@ -430,7 +480,7 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "<output_dir>/hf, a new --output_dir)"
         )
     # Checked on their own, with their own advice.
-    own_checks = ("total_steps", "optim", "data")
+    own_checks = ("total_steps", "optim", "data", "schedule")
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
@@ -459,6 +509,19 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"has {new} (--max_steps / --num_train_epochs), which would change its "
             "learning-rate schedule mid-run (the decay would jump). Resume with the same "
             f"number of steps ({old}), or train further as a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
+        )
+    # A finished run trains nothing more: no schedule to jump.
+    left = meta["step"] < run_meta["total_steps"]
+    changed = (
+        left and "schedule" in saved and _schedule_error(saved["schedule"], run_meta["schedule"])
+    )
+    if changed:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written with another learning-rate "
+            f"schedule ({changed}): resuming would jump to this one mid-run. Resume with "
+            "its flags (its run's train_config.yaml holds them: --config "
+            "<output_dir>/train_config.yaml), or train on as a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
         )
 
