@@ -268,9 +268,11 @@ def test_export_writes_the_eos_the_run_packed_with(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_the_run_in_one_line_naming_its_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_ends_the_run_in_one_line_naming_its_last_checkpoint(tmp_path, how):
     """Ctrl-C (SIGINT) mid-run: exit status 130 and one line naming the last checkpoint,
-    no traceback and no abort from XLA's threads."""
+    no traceback and no abort from XLA's threads. SIGTERM (a scheduler's preemption)
+    alike, with status 143."""
     import signal
     import subprocess
     import time
@@ -293,14 +295,15 @@ def test_ctrl_c_ends_the_run_in_one_line_naming_its_last_checkpoint(tmp_path):
             while not (out / "checkpoints" / "4").is_dir() and proc.poll() is None:
                 assert time.monotonic() < deadline, "no checkpoint 4 in 180 s"
                 time.sleep(0.2)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(getattr(signal, how))
             proc.wait(timeout=120)
         finally:
             proc.kill()
     err = (tmp_path / "stderr").read_text()
-    assert proc.returncode == 130, err
+    assert proc.returncode == (130 if how == "SIGINT" else 143), err
     assert "Traceback" not in err and "terminate called" not in err, err
-    (last,) = re.findall(r"interrupted: the last checkpoint is step (\d+) in (\S+);", err)
+    said = "interrupted" if how == "SIGINT" else r"terminated \(SIGTERM\)"
+    (last,) = re.findall(said + r": the last checkpoint is step (\d+) in (\S+);", err)
     assert last[1] == str(out / "checkpoints") and int(last[0]) >= 4
     assert (out / "checkpoints" / last[0]).is_dir()
 

@@ -3,45 +3,61 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from train import outputs
 from train.config import parse_args
 from train.loop import TrainingError, run
 
 
-def _interrupted(output_dir: str) -> str:
-    """The line Ctrl-C ends a run with: where its last whole checkpoint is."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler preempting the job, `kill`): handled as Ctrl-C is."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
+def _interrupted(output_dir: str, how: str = "interrupted") -> str:
+    """The line Ctrl-C (or SIGTERM) ends a run with: where its last whole checkpoint is."""
     directory = os.path.join(output_dir, "checkpoints")
     steps = outputs.saved_steps(output_dir)
     if not steps:
-        return f"interrupted: no checkpoint was written to {directory}"
+        return f"{how}: no checkpoint was written to {directory}"
     return (
-        f"interrupted: the last checkpoint is step {steps[-1]} in {directory}; "
+        f"{how}: the last checkpoint is step {steps[-1]} in {directory}; "
         "continue with --resume_from_checkpoint latest"
     )
 
 
-def _from_interrupt(error: BaseException | None) -> bool:
-    """Whether Ctrl-C caused `error`: a KeyboardInterrupt, or an error raised while one
-    was handled. Ctrl-C during a checkpoint save reaches the loop as Orbax's
-    `RuntimeError('Event loop stopped before Future completed.')`."""
+def _from_interrupt(error: BaseException | None) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM) that caused `error`: a KeyboardInterrupt, or one being
+    handled when `error` was raised; None if none did. Ctrl-C during a checkpoint save
+    reaches the loop as Orbax's `RuntimeError('Event loop stopped before Future
+    completed.')`."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, KeyboardInterrupt):
-            return True
+            return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = None
+    # SIGTERM ends the run as Ctrl-C does: a save in flight finishes, one line names the
+    # last checkpoint. Signal handlers belong to the main thread only.
+    own = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
     try:
         cfg = parse_args(argv)
         summary = run(cfg)
     except BaseException as e:
-        if not _from_interrupt(e):
+        interrupt = _from_interrupt(e)
+        if interrupt is None:
             # NotImplementedError: a kernel option this setup cannot run (jflash names it).
             if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
                 print(f"error: {e}", file=sys.stderr)
@@ -50,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
         # now: XLA's threads may still hold the interrupted step, and tearing down the
         # interpreter around them aborts the process.
-        print(_interrupted(cfg.run.output_dir) if cfg else "interrupted", file=sys.stderr)
+        terminated = isinstance(interrupt, Terminated)
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(_interrupted(cfg.run.output_dir, how) if cfg else how, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(128 + signal.SIGTERM if terminated else 130)
+    finally:
+        if own and previous is not None:  # None: a handler set outside Python
+            signal.signal(signal.SIGTERM, previous)
     if summary["losses"]:
         print(f"done: {summary['total_steps']} steps, final loss {summary['losses'][-1]:.4f}")
     return 0
