@@ -429,6 +429,52 @@ def test_profile_job_names_and_passes_its_settings():
     assert report_lib._mesh(row) == "seq=1 +save_dots +unrolled"
 
 
+def test_profile_row_names_of_local_models_are_file_names(tmp_path):
+    """A local model's row is named by its directory's basename (the name is a path
+    under --out), made unique where two directories share one."""
+    from train.tools.profile import Job, model_labels
+
+    for sub in ("a/llama", "b/llama", "c/my model"):
+        (tmp_path / sub).mkdir(parents=True)
+    a, b, spaced = (str(tmp_path / sub) for sub in ("a/llama", "b/llama", "c/my model"))
+    assert model_labels(["tiny", a, b, spaced, a]) == {
+        "tiny": "tiny",
+        a: "llama",
+        b: "llama-2",
+        spaced: "my_model",
+    }
+    # --append: a label the report's rows give another model is taken.
+    assert model_labels([b], {"llama": a}) == {b: "llama-2"}
+    assert model_labels([a], {"llama": a}) == {a: "llama"}
+    assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "llama-256-seq2"
+
+
+def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
+    """`--models /abs/path/to/model`: the row's traces and trainer outputs stay under
+    --out (not beside the model directory); the report still names the model's path."""
+    import models
+
+    model_dir = tmp_path / "models" / "mine"
+    params = models.init_params(models.TINY, jax.random.key(0))
+    models.export_hf(jax.device_get(params), models.TINY, model_dir)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    out = tmp_path / "prof"
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--models", str(model_dir)]
+    cmd += ["--context", "256", "--mesh", "seq=2", "--steps", "1", "--warmup", "0"]
+    cmd += ["--trace-steps", "1", "--no-xla-cost", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new = [p for p in tmp_path.rglob("*") if p not in before and p != out]
+    assert new and all(out in p.parents for p in new), [p for p in new if out not in p.parents]
+    [row] = json.loads((out / "report.json").read_text())["rows"]
+    assert row["status"] == "ok", row
+    assert row["name"] == "mine-256-seq2" and row["model"] == str(model_dir)
+    assert row["trace_dir"] == os.path.join("tensorboard", "mine-256-seq2")
+    assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
+    assert f"| {model_dir} | 256 | seq=2 |" in (out / "report.md").read_text()
+
+
 @pytest.mark.multi_device(2)
 def test_profile_oom_inside_a_row_is_does_not_fit(tmp_path, monkeypatch):
     import train.build

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from train.config import OptimArgs, parse_args
+from train.mesh import parse_mesh
 from train.optim import optimizer, schedule
 
 
@@ -75,6 +76,10 @@ def test_wsd_matches_transformers(decay_type):
         (["--min_lr_rate", "0.1"], "--min_lr_rate=0.1 is used by"),
         (["--min_lr_rate", "1.5", "--lr_scheduler_type", "wsd"], "--min_lr_rate=1.5 must be"),
         (["--decay_ratio", "0.1"], "--decay_ratio=0.1 is used by --lr_scheduler_type wsd"),
+        (
+            ["--lr_scheduler_type", "linear", "--decay_type", "1-sqrt"],
+            "--decay_type='1-sqrt' is used by --lr_scheduler_type wsd, not 'linear'",
+        ),
         (["--lr_scheduler_type", "constant", "--warmup_steps", "3"], "constant_with_warmup"),
         (["--decay_type", "exp"], "--decay_type='exp' must be one of"),
         (["--optim", "sgd"], "--optim='sgd' must be one of"),
@@ -83,6 +88,25 @@ def test_wsd_matches_transformers(decay_type):
 def test_schedule_and_optimizer_flags_are_checked(flags, match):
     with pytest.raises(ValueError, match=match):
         parse_args(flags)
+
+
+def test_fsdp_off_refuses_an_fsdp_axis(tmp_path, capsys):
+    # `--fsdp ""` turns FSDP off: a -1 goes to data, and an fsdp axis above 1 is refused
+    # (it would still shard over it).
+    assert parse_mesh("data=1,fsdp=1,seq=2", 2, fsdp=False)["fsdp"] == 1
+    with pytest.raises(ValueError) as error:
+        parse_mesh("data=1,fsdp=2,seq=2", 4, fsdp=False)
+    assert str(error.value).startswith(
+        "--mesh 'data=1,fsdp=2,seq=2' gives fsdp=2 but --fsdp '' turns FSDP off: "
+    )
+    from train.__main__ import main
+
+    flags = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "1"]
+    flags += ["--fsdp", "", "--mesh", "data=1,fsdp=2,seq=2", "--output_dir", str(tmp_path)]
+    assert main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --mesh 'data=1,fsdp=2,seq=2' gives fsdp=2 but --fsdp ''"), err
+    assert "Traceback" not in err
 
 
 def _one_update(name: str, weight_decay: float, **kw):

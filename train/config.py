@@ -258,6 +258,10 @@ def _check_schedule(o: OptimArgs) -> None:
         raise ValueError(
             f"--decay_ratio={o.decay_ratio} is used by --lr_scheduler_type wsd, not {kind!r}"
         )
+    if kind != "wsd" and o.decay_type != OptimArgs.decay_type:
+        raise ValueError(
+            f"--decay_type={o.decay_type!r} is used by --lr_scheduler_type wsd, not {kind!r}"
+        )
     if kind == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):
         raise ValueError(
             f"--lr_scheduler_type constant has no warmup (as in HF; --warmup_steps="

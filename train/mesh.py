@@ -29,7 +29,8 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     """`"data=1,fsdp=-1,seq=4"` -> `{"data": 1, "fsdp": N/4, "seq": 4}`, checked.
 
     One axis may be -1 (the remaining devices). With `fsdp=False` (`--fsdp ""`) a -1
-    goes to `data` instead of `fsdp`. Raises before anything compiles.
+    goes to `data` instead of `fsdp`, and an `fsdp` size above 1 is an error. Raises
+    before anything compiles.
     """
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -49,6 +50,11 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
             ) from None
     for name in AXES:
         sizes.setdefault(name, 1)
+    if not fsdp and sizes["fsdp"] > 1:
+        raise ValueError(
+            f"--mesh {spec!r} gives fsdp={sizes['fsdp']} but --fsdp '' turns FSDP off: "
+            "use fsdp=1 (or -1, the devices then go to data), or --fsdp full_shard"
+        )
     if not fsdp and sizes["fsdp"] == -1:
         sizes["fsdp"], sizes["data"] = 1, -1 if sizes["data"] == 1 else sizes["data"]
     free = [n for n, s in sizes.items() if s == -1]

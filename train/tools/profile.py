@@ -13,7 +13,9 @@ For each model x context x mesh, one child process builds the trainer exactly as
 `--warmup` steps, times `--steps` steps with `block_until_ready` (latency, tokens/s,
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
-`<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`.
+`<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
+(`<model>`: a preset's name, or a local model directory's basename, made unique; the
+report shows the model as given).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
@@ -34,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -69,20 +72,46 @@ class Job:
     shard_over_seq: bool = False  # parameters and optimizer state also over `seq`
     gather_once: bool = False  # with shard_over_seq: weights gathered once per step
     scan_layers: bool = True  # False: unrolled layers (configs/llama3_2_1b_32k.yaml)
+    label: str = ""  # the model in `name` (`model_labels`); empty: `model_label(model)`
 
     @property
     def name(self) -> str:
-        """`model-context-mesh`, plus what differs from the trainer's defaults."""
+        """`label-context-mesh`, plus what differs from the trainer's defaults: one file
+        name, used under `out` (the row's traces and trainer outputs)."""
         mesh = self.mesh.replace("=", "").replace(",", "-")
         suffix = "-shard_over_seq" if self.shard_over_seq else ""
         suffix += "-gather_once" if self.gather_once else ""
         suffix += "" if self.remat == "save_attn" else f"-{self.remat}"
         suffix += "" if self.scan_layers else "-unrolled"
-        return f"{self.model}-{context_label(self.context)}-{mesh}{suffix}"
+        label = self.label or model_label(self.model)
+        return f"{label}-{context_label(self.context)}-{mesh}{suffix}"
 
     def settings(self) -> dict:
         """What a row records of how it ran (and what `--fill-xla-cost` reruns)."""
         return {name: getattr(self, name) for name in JOB_SETTINGS}
+
+
+def model_label(model: str) -> str:
+    """`model` as one file name: a local directory's basename, or a preset's name, with
+    anything but letters, digits, `.`, `_` and `-` replaced by `_`."""
+    name = os.path.basename(os.path.abspath(model)) if os.path.isdir(model) else model
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return "model" if name in ("", ".", "..") else name
+
+
+def model_labels(models: list[str], taken: dict[str, str] | None = None) -> dict[str, str]:
+    """Each model's `model_label`, made unique with `-2`, `-3`, ... where two models
+    share one. `taken`: labels already in use (label -> model), e.g. an appended
+    report's rows."""
+    used = dict(taken or {})
+    labels: dict[str, str] = {}
+    for model in models:
+        base = label = model_label(model)
+        count = 2
+        while used.get(label, model) != model:
+            label, count = f"{base}-{count}", count + 1
+        used[label], labels[model] = model, label
+    return labels
 
 
 def parse_context(text: str) -> int:
@@ -470,6 +499,7 @@ def fill_xla_cost(out: str, timeout: float) -> None:
             mesh=row["mesh"],
             out=os.path.abspath(out),
             layers=None if layers == row.get("layers_preset") else layers,
+            label=row.get("label", ""),
             **{name: row[name] for name in JOB_SETTINGS if name in row},
         )
         print(f"{row['name']}: XLA cost ...", flush=True)
@@ -646,6 +676,13 @@ def main(argv: list[str] | None = None) -> None:
             old = read_report(path)
         except ValueError as e:
             parser.error(f"--append: {e}")
+    # The rows' file names under --out: one label per model (a local directory's
+    # basename, not its path), distinct from the appended report's other models'.
+    taken = {
+        r.get("label") or model_label(r["model"]): r["model"] for r in old["rows"] if "model" in r
+    }
+    labels = model_labels(names, taken)
+    jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
     ceilings = old.get("ceilings") or {}
     if args.reuse_ceilings and ceilings.get("matmul_tflops"):
         print(f"ceilings: reused from {path} ({ceilings.get('device')})", flush=True)
@@ -704,6 +741,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {
             "name": job.name,
             "model": job.model,
+            "label": job.label,
             "context": job.context,
             "mesh": job.mesh,
             **job.settings(),
