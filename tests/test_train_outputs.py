@@ -265,6 +265,11 @@ def test_export_writes_the_eos_the_run_packed_with(tmp_path):
     assert export_config(cfg, llama3) is llama3
     cfg = parse_args(_args(out))
     assert export_config(cfg, model_config(cfg)) == model_config(cfg)
+    # Trained past its context: the export says how far.
+    short = model_config(cfg).replace(max_position_embeddings=16)
+    longest = cfg.data.model_max_length
+    assert longest > 16
+    assert export_config(cfg, short) == short.replace(max_position_embeddings=longest)
 
 
 @pytest.mark.slow

@@ -159,7 +159,10 @@ def export_config(cfg: TrainConfig, config: models.LlamaConfig) -> models.LlamaC
     """The config the HF export writes: `config` with the EOS the run packed documents
     with (`data_eos`) first among its EOS ids, so the exported model continues training
     and stops generating on the token it was trained with (a preset's own EOS is not
-    that of a `--tokenizer_name_or_path` BPE)."""
+    that of a `--tokenizer_name_or_path` BPE), and `max_position_embeddings` raised to
+    `--model_max_length` where the run trained past it (the context it was extended to)."""
+    if cfg.data.model_max_length > config.max_position_embeddings:
+        config = config.replace(max_position_embeddings=cfg.data.model_max_length)
     eos = data_eos(cfg, config)
     ids = config.eos_token_id
     if eos is None or end_of_text(config) == eos:
