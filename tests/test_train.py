@@ -195,7 +195,7 @@ def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monke
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (["--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
+        (["--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices|uses 3 of the"),
         (["--mesh", "seq=-1,fsdp=-1"], "only one axis may be -1"),
         (["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs=0.0 must be > 0"),
         (["--profile_steps", "0,5"], "ends after the run's 1 steps"),
@@ -329,6 +329,8 @@ def test_config_flags_yaml_and_errors(tmp_path):
         **one,
     }
     assert parse_mesh("seq=2,seq_a2a=-1", 8)["seq_a2a"] == 4
+    with pytest.raises(ValueError, match="uses 4 of the 8 devices .* put -1 on one axis"):
+        parse_mesh("data=1,fsdp=1,seq=4", 8)
     with pytest.raises(ValueError, match="axis 'data' is given twice"):
         parse_mesh("data=2,data=2", 4)
 

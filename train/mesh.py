@@ -71,9 +71,14 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
             )
         sizes[free[0]] = num_devices // fixed
     total = math.prod(sizes.values())
-    if total != num_devices:
+    if total > num_devices:
         raise ValueError(
             f"--mesh {spec!r} needs {total} devices ({sizes}), but {num_devices=} are available"
+        )
+    if total < num_devices:
+        raise ValueError(
+            f"--mesh {spec!r} uses {total} of the {num_devices} devices ({sizes}): a mesh "
+            "takes them all; put -1 on one axis, or make fewer visible (CUDA_VISIBLE_DEVICES)"
         )
     return {n: sizes[n] for n in AXES}
 
