@@ -55,7 +55,7 @@ def _tiny_model_dir(path, **config_changes):
     "extra, match",
     [
         (["--data_path", "typo.npy"], "no such data file"),
-        (["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=3"], "needs 3 devices"),
+        (["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=64"], "needs 64 devices"),
         (
             [
                 "--data_path",
@@ -452,3 +452,17 @@ def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys
     assert f"checkpoint {out / 'checkpoints' / '2'} could not be restored, damaged" in err
     assert f"an earlier one: --resume_from_checkpoint {out / 'checkpoints' / '1'}" in err
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_run_is_planned_in_one_line(tmp_path, capsys):
+    """What HF's "Running training" block says, in one line before the first step."""
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "3", "--report_to", "none"]
+    argv += ["--export_hf", "false", "--gradient_accumulation_steps", "2"]
+    assert main([*argv, "--output_dir", str(tmp_path / "a")]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("plan: ")]
+    n = jax.device_count()  # the default mesh: fsdp over every device
+    each = 256 // (2 * n)
+    assert line.startswith(f"plan: 256 rows of 64 tokens; 3 steps ({3 / each:.3g} epochs, {each}")
+    factors = f"(per-device batch 1 x data 1 x fsdp {n} x accumulation 2)"
+    assert f"each {2 * n} rows = {128 * n:,} tokens {factors}" in line
+    assert line.endswith(f"M parameters; mesh data=1,fsdp={n},seq=1,seq_a2a=1")

@@ -156,8 +156,8 @@ def test_packed_rows_say_what_the_mask_does(tmp_path, capsys):
 
 def test_refused_run_writes_no_settings(tmp_path):
     out = tmp_path / "run"
-    with pytest.raises(ValueError, match="needs 3 devices"):
-        run(parse_args(_args(out, "--mesh", "data=1,fsdp=1,seq=3")))
+    with pytest.raises(ValueError, match="needs 64 devices"):
+        run(parse_args(_args(out, "--mesh", "data=1,fsdp=1,seq=64")))
     assert not out.exists()
 
 

@@ -76,6 +76,7 @@ def run(cfg: TrainConfig) -> dict:
     if is_main:
         _say_what_is_made_up(cfg)
         _say_where_positions_run_past(t)
+        print(_plan(t), flush=True)
     split = ", ".join(f"{a}={t.sizes[a]}" for a in ("seq", "seq_a2a") if t.sizes[a] > 1)
     if is_main and split and cfg.model.ring_strategy == "auto":
         print(f"--ring_strategy auto: {t.cfg.model.ring_strategy} ({split})", flush=True)
@@ -154,6 +155,27 @@ def _say_what_is_made_up(cfg: TrainConfig) -> None:
     for flag, path in paths.items():
         if path and is_sample_data(path):
             print(f"{flag} sample: generated Markov-chain data, not a dataset", flush=True)
+
+
+def _plan(t: Trainer) -> str:
+    """The run in one line, as HF's "Running training" block gives it: the rows, a
+    step's rows and tokens and what multiplies into them, the steps and epochs, the
+    model's size and the mesh."""
+    cfg, seq = t.cfg, t.cfg.data.model_max_length
+    rows, per_step = t.rows.num_rows, t.global_batch * t.accum
+    epoch = t.batches.steps_per_epoch
+    params = sum(x.size for x in jax.tree.leaves(t.state["params"]))
+    mesh = ",".join(f"{a}={n}" for a, n in t.sizes.items())
+    factors = (
+        f"per-device batch {cfg.run.per_device_train_batch_size} x data {t.sizes['data']} "
+        f"x fsdp {t.sizes['fsdp']} x accumulation {t.accum}"
+    )
+    return (
+        f"plan: {rows:,} rows of {seq:,} tokens; {t.total_steps:,} steps "
+        f"({t.total_steps / epoch:.3g} epochs, {epoch:,} steps each), each {per_step:,} rows = "
+        f"{per_step * seq:,} tokens ({factors}); {params / 1e6:,.1f}M parameters; "
+        f"mesh {mesh}"
+    )
 
 
 def _say_where_positions_run_past(t: Trainer) -> None:
