@@ -466,3 +466,20 @@ def test_the_run_is_planned_in_one_line(tmp_path, capsys):
     factors = f"(per-device batch 1 x data 1 x fsdp {n} x accumulation 2)"
     assert f"each {2 * n} rows = {128 * n:,} tokens {factors}" in line
     assert line.endswith(f"M parameters; mesh data=1,fsdp={n},seq=1,seq_a2a=1")
+
+
+def test_a_misspelt_flag_is_answered_with_the_closest_one(capsys):
+    """argparse's one line for unknown flags, with the known flag each is closest to."""
+
+    def refused(*extra) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main([*BASE, *extra])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: unrecognized arguments") and err.count("\n") == 1
+        return err
+
+    err = refused("--learnig_rate", "3e-4", "--max_step=5")
+    assert "--learnig_rate: did you mean --learning_rate?" in err
+    assert "--max_step: did you mean --max_steps?" in err
+    assert "did you mean" not in refused("--bogus", "1")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import math
 import re
@@ -314,10 +315,21 @@ def _field_help(section_cls, field) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Errors in one line (the flag and what is wrong), not the whole usage."""
+    """Errors in one line (the flag and what is wrong), not the whole usage; an unknown
+    flag with the known ones it is closest to."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            unknown = [w.split("=")[0] for w in message.split(":", 1)[1].split()]
+            close = {
+                w: difflib.get_close_matches(w, known, n=1, cutoff=0.75)
+                for w in unknown
+                if w.startswith("--")
+            }
+            hint = "".join(f"; {w}: did you mean {m[0]}?" for w, m in close.items() if m)
+        self.exit(2, f"error: {message}{hint} (`{self.prog} --help` lists the flags)\n")
 
 
 def _join_negative_numbers(argv: list[str]) -> list[str]:
