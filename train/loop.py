@@ -24,6 +24,7 @@ from train.config import TrainConfig
 from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
+from train.optim import warmup_steps
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
 
@@ -246,7 +247,7 @@ def _schedule_record(t: Trainer) -> dict:
     """The run's learning-rate schedule: its flags and its values at `SCHEDULE_PROBES`
     steps spread over the run (the first and last included) and at the warmup's end."""
     o, total = t.cfg.optim, t.total_steps
-    warmup = o.warmup_steps if o.warmup_steps > 0 else math.ceil(o.warmup_ratio * total)
+    warmup = warmup_steps(o, total)
     steps = sorted(
         {round(i * (total - 1) / (SCHEDULE_PROBES - 1)) for i in range(SCHEDULE_PROBES)}
         | {min(warmup, total - 1)}
@@ -535,13 +536,14 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
         )
     # A finished run trains nothing more: no schedule to jump.
     left = meta["step"] < run_meta["total_steps"]
-    changed = (
-        left and "schedule" in saved and _schedule_error(saved["schedule"], run_meta["schedule"])
-    )
-    if changed:
+    if left and "schedule" in saved:
+        other = _schedule_error(saved["schedule"], run_meta["schedule"])
+    else:
+        other = None
+    if other:
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was written with another learning-rate "
-            f"schedule ({changed}): resuming would jump to this one mid-run. Resume with "
+            f"schedule ({other}): resuming would jump to this one mid-run. Resume with "
             "its flags (its run's train_config.yaml holds them: --config "
             "<output_dir>/train_config.yaml), or train on as a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
