@@ -383,3 +383,146 @@ def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):
     assert "nothing to train: checkpoint 3 is already at the run's 3 steps" in said
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert "learning_rate: 0.003" in (out / outputs.SETTINGS_FILE).read_text()
+
+
+def _files(out) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def _stopping_save(monkeypatch, at: dict):
+    """Checkpoints.save that records the directory's entries and raises KeyboardInterrupt
+    (Ctrl-C) at step `at["step"]`, before writing it."""
+    import train.loop as loop
+
+    real = loop.Checkpoints.save
+    at["seen"] = []
+
+    def save(self, step, state, meta):
+        at["seen"].append((step, sorted(os.listdir(os.path.dirname(self.directory)))))
+        if step == at["step"]:
+            raise KeyboardInterrupt
+        real(self, step, state, meta)
+
+    monkeypatch.setattr(loop.Checkpoints, "save", save)
+
+
+def test_overwrite_deletes_the_previous_run_only_once_the_new_one_has_a_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    """--overwrite_output_dir moves the previous run into previous_run/; a new run
+    stopped before its first checkpoint puts it back byte for byte and says so (Ctrl-C's
+    line does not offer the old checkpoints as its own); once the new run's first
+    checkpoint is whole, the previous run is deleted while the run goes on."""
+    import train.__main__ as entry
+
+    out = tmp_path / "run"
+    assert main(_args(out, "--save_steps", "3")) == 0
+    before = _files(out)
+    assert "checkpoints/3/meta/metadata" in before
+    again = _args(out, "--save_steps", "1", "--learning_rate", "1e-3", "--overwrite_output_dir")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(entry.os, "_exit", exit_)
+    at = {"step": 1}
+    _stopping_save(monkeypatch, at)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        entry.main(again)
+    assert ended.value.code == 130
+    assert at["seen"] == [
+        (
+            1,
+            [
+                "checkpoints",
+                "log.jsonl",
+                outputs.PREVIOUS_RUN,
+                "tensorboard",
+                outputs.SETTINGS_FILE,
+            ],
+        )
+    ]
+    assert _files(out) == before
+    captured = capsys.readouterr()
+    assert f"previous run's outputs are kept in {out / outputs.PREVIOUS_RUN}" in captured.out
+    assert captured.err.splitlines() == [
+        f"{outputs.PUT_BACK} {out}",
+        "interrupted: this run wrote no checkpoint",
+    ]
+
+    at.update(step=3, seen=[])  # checkpoints 1 and 2 are written; save 2 waits for save 1
+    with pytest.raises(KeyboardInterrupt):
+        run(parse_args(again))
+    assert outputs.PREVIOUS_RUN in at["seen"][0][1]
+    assert [step for step, _ in at["seen"]] == [1, 2, 3]
+    assert outputs.PREVIOUS_RUN not in at["seen"][2][1]
+    assert not (out / outputs.PREVIOUS_RUN).exists()
+    assert outputs.saved_steps(out) == [1, 2]
+    assert (
+        "this run wrote checkpoint 1; deleted the previous run's outputs" in capsys.readouterr().out
+    )
+
+
+def _outputs_by_hand(out, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = out / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
+    """A replacing run killed hard (no `settle`) leaves previous_run/ beside its own
+    outputs: a new run is refused naming it; --overwrite_output_dir keeps the killed
+    run's outputs where they hold a whole checkpoint (they had become the run), else
+    keeps the previous run; `settle` then deletes or puts back."""
+    old = {"checkpoints/3/meta": "old", "log.jsonl": "old log\n"}
+    killed = {"log.jsonl": "killed log\n", outputs.SETTINGS_FILE: "killed"}
+
+    out = tmp_path / "no_checkpoint"
+    _outputs_by_hand(out, {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()} | killed)
+    with pytest.raises(TrainingError, match=f"holds a previous run .*{outputs.PREVIOUS_RUN}"):
+        outputs.check_claim(str(out), continuing=False, overwrite=False, resume_flag=None)
+    aside = outputs.set_aside(str(out), is_main=True)
+    assert aside == str(out / outputs.PREVIOUS_RUN)
+    assert sorted(os.listdir(out)) == [outputs.PREVIOUS_RUN]  # the killed run's are gone
+    (out / "log.jsonl").write_text("new log\n")
+    assert outputs.settle(aside, str(out), good=False) == f"{outputs.PUT_BACK} {out}"
+    assert _files(out) == {k: v.encode() for k, v in old.items()}
+
+    out = tmp_path / "with_checkpoint"
+    became = killed | {"checkpoints/1/meta": "killed"}
+    _outputs_by_hand(out, {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()} | became)
+    aside = outputs.set_aside(str(out), is_main=True)
+    assert _files(out) == {f"{outputs.PREVIOUS_RUN}/{k}": v.encode() for k, v in became.items()}
+    assert outputs.settle(aside, str(out), good=True).endswith(
+        "finished; deleted the previous run's outputs"
+    )
+    assert not (out / outputs.PREVIOUS_RUN).exists()
+    assert outputs.settle(aside, str(out), good=False) is None  # settled once
+
+
+def test_settings_name_paths_absolute(tmp_path, monkeypatch):
+    """`--config <output_dir>/train_config.yaml` runs the same job from any directory:
+    relative paths are written absolute; a preset name and `sample` stay names."""
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    data_lib.save_dataset(tmp_path / "rows.npy", np.zeros((4, 65), np.int32))
+    cfg = parse_args(
+        ["--model_name_or_path", "tiny", "--data_path", "rows.npy", "--eval_data_path", "sample"]
+        + ["--output_dir", "runs/a", "--data_cache_dir", "cache", "--max_steps", "1"]
+    )
+    path = os.path.abspath(outputs.write_settings("runs/a", cfg))
+    with open(path) as f:
+        saved = yaml.safe_load(f)
+    assert saved["model"]["model_name_or_path"] == "tiny"
+    assert saved["data"]["data_path"] == str(tmp_path / "rows.npy")
+    assert saved["data"]["eval_data_path"] == "sample"
+    assert saved["data"]["data_cache_dir"] == str(tmp_path / "cache")
+    assert saved["data"]["tokenizer_name_or_path"] == ""
+    assert saved["run"]["output_dir"] == str(tmp_path / "runs" / "a")
+    assert saved["profile"]["profile_dir"] == ""
+    monkeypatch.chdir(tmp_path / "runs")
+    again = parse_args(["--config", str(path)])
+    assert again.data.data_path == str(tmp_path / "rows.npy") and again.run.max_steps == 1

@@ -20,10 +20,14 @@ def _on_sigterm(signum, frame):
     raise Terminated
 
 
-def _interrupted(output_dir: str, how: str = "interrupted") -> str:
-    """The line Ctrl-C (or SIGTERM) ends a run with: where its last whole checkpoint is."""
+def _interrupted(output_dir: str, how: str = "interrupted", put_back: bool = False) -> str:
+    """The line Ctrl-C (or SIGTERM) ends a run with: where its last whole checkpoint is.
+    `put_back`: the run wrote none, and the checkpoints there are the previous run's
+    (`--overwrite_output_dir`), which `run` has said."""
     directory = os.path.join(output_dir, "checkpoints")
     steps = outputs.saved_steps(output_dir)
+    if put_back:
+        return f"{how}: this run wrote no checkpoint"
     if not steps:
         return f"{how}: no checkpoint was written to {directory}"
     return (
@@ -68,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter around them aborts the process.
         terminated = isinstance(interrupt, Terminated)
         how = "terminated (SIGTERM)" if terminated else "interrupted"
-        print(_interrupted(cfg.run.output_dir, how) if cfg else how, file=sys.stderr)
+        put_back = any(n.startswith(outputs.PUT_BACK) for n in getattr(e, "__notes__", ()))
+        line = _interrupted(cfg.run.output_dir, how, put_back) if cfg else how
+        print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(128 + signal.SIGTERM if terminated else 130)

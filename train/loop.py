@@ -104,33 +104,27 @@ def run(cfg: TrainConfig) -> dict:
                     batch = next(t.eval_batches())
                     t.eval_fn = t.eval_fn.lower(state["params"], batch).compile()
         if cfg.run.overwrite_output_dir:
-            outputs.clear(out, is_main)
-        if continuing and is_main:
-            outputs.drop_after(out, start_step)
-        # A resume that finds its run done writes nothing: the settings file keeps the
-        # run's own, and no empty TensorBoard file is added.
-        trains = start_step < t.total_steps
-        if is_main and trains:
-            outputs.write_settings(out, cfg)
-            if resume is not None:
-                print(f"resumed from step {start_step} of {resume[0]}", flush=True)
-        if not trains and is_main:
-            print(
-                f"nothing to train: checkpoint {start_step} is already at the run's "
-                f"{t.total_steps} steps",
-                file=sys.stderr,
-            )
-        history = []
-        if trains:
-            state, history = _train(t, state, start_step, step_fn, is_main, run_meta)
-        if cfg.run.export_hf and t.total_steps > start_step:
-            host = multihost_utils.process_allgather(state["params"], tiled=True)
-            if is_main:
-                hf_dir = os.path.join(out, "hf")
-                config = export_config(cfg, t.config)
-                models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
-                tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
-                outputs.copy_tokenizer(tokenizer, hf_dir)
+            aside = outputs.set_aside(out, is_main)
+            if aside is not None:
+                print(
+                    f"--overwrite_output_dir: the previous run's outputs are kept in {aside} "
+                    "until this run writes its first checkpoint or finishes",
+                    flush=True,
+                )
+        else:  # a resume into a run that replaced another and was killed before settling
+            kept = os.path.join(out, outputs.PREVIOUS_RUN)
+            aside = kept if is_main and continuing and os.path.isdir(kept) else None
+        try:
+            state, history = _run_from(t, cfg, state, start_step, step_fn, resume, run_meta, aside)
+        except BaseException as e:
+            line = outputs.settle(aside, out, good=False) if is_main else None
+            if line is not None:
+                e.add_note(line)
+                print(line, file=sys.stderr, flush=True)
+            raise
+        line = outputs.settle(aside, out, good=True) if is_main else None
+        if line is not None:
+            print(line, flush=True)
     return {
         "losses": [h["loss"] for h in history if "loss" in h],
         "eval": [h for h in history if "eval_loss" in h],
@@ -140,6 +134,45 @@ def run(cfg: TrainConfig) -> dict:
         "mesh": t.sizes,
         "config": t.config,
     }
+
+
+def _run_from(
+    t: Trainer, cfg: TrainConfig, state, start_step: int, step_fn, resume, run_meta: dict, aside
+):
+    """`run` once the directory is claimed: settings, the loop, the export;
+    `(final state, history)`. `cfg`: the run's settings as given (`t.cfg` has `auto`
+    resolved). `aside`: where a previous run's outputs are kept (main process only; None
+    elsewhere)."""
+    out = cfg.run.output_dir
+    is_main = jax.process_index() == 0
+    continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
+    if continuing and is_main:
+        outputs.drop_after(out, start_step)
+    # A resume that finds its run done writes nothing: the settings file keeps the
+    # run's own, and no empty TensorBoard file is added.
+    trains = start_step < t.total_steps
+    if is_main and trains:
+        outputs.write_settings(out, cfg)
+        if resume is not None:
+            print(f"resumed from step {start_step} of {resume[0]}", flush=True)
+    if not trains and is_main:
+        print(
+            f"nothing to train: checkpoint {start_step} is already at the run's "
+            f"{t.total_steps} steps",
+            file=sys.stderr,
+        )
+    history = []
+    if trains:
+        state, history = _train(t, state, start_step, step_fn, is_main, run_meta, aside)
+    if cfg.run.export_hf and t.total_steps > start_step:
+        host = multihost_utils.process_allgather(state["params"], tiled=True)
+        if is_main:
+            hf_dir = os.path.join(out, "hf")
+            config = export_config(cfg, t.config)
+            models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
+            tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+            outputs.copy_tokenizer(tokenizer, hf_dir)
+    return state, history
 
 
 def _say_what_is_made_up(cfg: TrainConfig) -> None:
@@ -326,8 +359,10 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     return state, start_step
 
 
-def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta: dict):
-    """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`."""
+def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta: dict, aside):
+    """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`.
+    `aside`: a previous run's outputs (`outputs.set_aside`), deleted once this run has
+    a whole checkpoint."""
     cfg, out, total_steps = t.cfg, t.cfg.run.output_dir, t.total_steps
     # --save_strategy no: no checkpoints directory either.
     ckpt = Checkpoints(out, cfg.run.save_total_limit) if cfg.run.save_strategy != "no" else None
@@ -394,6 +429,12 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
+            # Saves are asynchronous: the first whole checkpoint shows up steps later.
+            if aside is not None and outputs.saved_steps(out):
+                line = outputs.settle(aside, out, good=True)
+                aside = None
+                if line is not None:
+                    bar.write(line) if bar is not None else print(line, flush=True)
     finally:
         if tracing:  # stopped early (an error): keep what was traced
             jax.profiler.stop_trace()

@@ -3,9 +3,11 @@ outputs go, and how a resumed run drops what its killed predecessor logged after
 checkpoint it resumes from.
 
 Order in `train.loop.run`: `check_writable` and `check_claim` first (they only read),
-then everything the run needs is built and compiled, and only then `clear` deletes a
-previous run's outputs (`--overwrite_output_dir`): a run that cannot start leaves the
-directory as it was.
+then everything the run needs is built and compiled, and only then `set_aside` moves a
+previous run's outputs into `previous_run/` (`--overwrite_output_dir`): a run that
+cannot start leaves the directory as it was. `settle` deletes them once the new run is
+known good (it has written a whole checkpoint, or finished) and puts them back where it
+stops before that.
 """
 
 from __future__ import annotations
@@ -26,7 +28,22 @@ from train.tensorboard import truncate_events
 
 # The run's resolved settings, every field of every section: `--config` reads it back.
 SETTINGS_FILE = "train_config.yaml"
-RUN_OUTPUTS = ("checkpoints", "log.jsonl", "tensorboard", "wandb", "hf", SETTINGS_FILE)
+# Where `--overwrite_output_dir` keeps a previous run's outputs until the new run is good.
+PREVIOUS_RUN = "previous_run"
+# What `settle` says where it puts them back (the interrupted line reads it).
+PUT_BACK = (
+    "--overwrite_output_dir: this run stopped before its first checkpoint; the previous "
+    "run's outputs are back in"
+)
+RUN_OUTPUTS = (
+    "checkpoints",
+    "log.jsonl",
+    "tensorboard",
+    "wandb",
+    "hf",
+    SETTINGS_FILE,
+    PREVIOUS_RUN,
+)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -99,31 +116,93 @@ def saved_steps(out: str) -> list[int]:
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
-def clear(out: str, is_main: bool) -> None:
-    """Deletes a previous run's outputs in `out` (`--overwrite_output_dir`); call it only
-    once the new run is known to start."""
+def _remove(out: str, names: list[str]) -> None:
+    for name in names:
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def set_aside(out: str, is_main: bool) -> str | None:
+    """Moves a previous run's outputs in `out` into `out/previous_run`
+    (`--overwrite_output_dir`); call it only once the new run is known to start. `settle`
+    deletes them or puts them back. Returns that directory where it holds a previous run
+    (on the main process), else None.
+
+    A `previous_run` already there was left by a replacing run that was killed before
+    `settle`: the outputs beside it are that run's, kept (and `previous_run` dropped)
+    where they hold a whole checkpoint, else dropped."""
+    aside = os.path.join(out, PREVIOUS_RUN)
     if is_main:
-        for name in previous_outputs(out):
-            path = os.path.join(out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        names = [n for n in previous_outputs(out) if n != PREVIOUS_RUN]
+        if os.path.isdir(aside):
+            if saved_steps(out):
+                shutil.rmtree(aside)
+            else:
+                _remove(out, names)
+                names = []
+        if names:
+            os.makedirs(aside)
+            for name in names:
+                os.rename(os.path.join(out, name), os.path.join(aside, name))
     if jax.process_count() > 1:  # every process waits here, whatever it found
-        multihost_utils.sync_global_devices("jflash: output_dir cleared")
+        multihost_utils.sync_global_devices("jflash: output_dir set aside")
+    return aside if is_main and os.path.isdir(aside) else None
+
+
+def settle(aside: str | None, out: str, *, good: bool) -> str | None:
+    """Ends the keeping of a previous run's outputs (`set_aside`): deleted where the new
+    run is good (`good`: it finished; or it has written a whole checkpoint), else the new
+    run's outputs are deleted and the previous ones put back. Returns the line that says
+    which, or None where nothing was kept."""
+    if aside is None or not os.path.isdir(aside):
+        return None
+    steps = saved_steps(out)
+    if good or steps:
+        shutil.rmtree(aside)
+        why = f"wrote checkpoint {steps[0]}" if steps else "finished"
+        return f"--overwrite_output_dir: this run {why}; deleted the previous run's outputs"
+    _remove(out, [n for n in previous_outputs(out) if n != PREVIOUS_RUN])
+    for name in os.listdir(aside):
+        os.rename(os.path.join(aside, name), os.path.join(out, name))
+    os.rmdir(aside)
+    return f"{PUT_BACK} {out}"
+
+
+# The settings that name files or directories, written as absolute paths so that
+# `--config` runs the same job from any directory (a preset name, `sample`, stays).
+PATH_SETTINGS = (
+    ("model", "model_name_or_path"),
+    ("data", "data_path"),
+    ("data", "eval_data_path"),
+    ("data", "tokenizer_name_or_path"),
+    ("data", "data_cache_dir"),
+    ("run", "output_dir"),
+    ("profile", "profile_dir"),
+)
+# Of those, the ones the run creates (made absolute whether or not they exist yet).
+CREATED_DIRS = ("data_cache_dir", "output_dir", "profile_dir")
 
 
 def write_settings(out: str, cfg: TrainConfig) -> str:
     """Writes every setting of the run (defaults included) as `--config` YAML, by section
     (HF's `training_args`); call it only once the run is known to start.
 
-    What this invocation did to the directory is left out (`--overwrite_output_dir`,
-    `--resume_from_checkpoint`): the file describes the job, so that running it again
-    into the same directory is refused like any other run, not allowed to delete it."""
+    Paths are written absolute (`PATH_SETTINGS`). What this invocation did to the
+    directory is left out (`--overwrite_output_dir`, `--resume_from_checkpoint`): the
+    file describes the job, so that running it again into the same directory is refused
+    like any other run, not allowed to delete it."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, SETTINGS_FILE)
     job = dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, resume_from_checkpoint=None, overwrite_output_dir=False),
     )
-    text = yaml.safe_dump(dataclasses.asdict(job), sort_keys=False, default_flow_style=False)
+    record = dataclasses.asdict(job)
+    for section, name in PATH_SETTINGS:
+        value = record[section][name]
+        if value and (name in CREATED_DIRS or os.path.exists(value)):
+            record[section][name] = os.path.abspath(value)
+    text = yaml.safe_dump(record, sort_keys=False, default_flow_style=False)
     header = "# The settings of the run in this directory: python -m train --config <this file>\n"
     with open(path, "w") as f:
         f.write(header + text)
