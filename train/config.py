@@ -122,9 +122,7 @@ class RunArgs:
     eval_steps: int = 0  # evaluate every N steps; 0: every save_steps
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest"
-    overwrite_output_dir: bool = (
-        False  # replace a previous run in output_dir, once this one is good
-    )
+    overwrite_output_dir: bool = False  # replace a previous run once this one is good
     export_hf: bool = True  # write an HF directory at the end
     seed: int = 42
     progress: bool = True  # process 0: tqdm bar on a terminal, else step lines on stdout
