@@ -3,6 +3,7 @@ that is not a terminal, and the scalars of `--report_to` (tensorboard, wandb, no
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -459,9 +460,8 @@ def test_overwrite_deletes_the_previous_run_only_once_the_new_one_has_a_checkpoi
     assert outputs.PREVIOUS_RUN not in at["seen"][2][1]
     assert not (out / outputs.PREVIOUS_RUN).exists()
     assert outputs.saved_steps(out) == [1, 2]
-    assert (
-        "this run wrote checkpoint 1; deleted the previous run's outputs" in capsys.readouterr().out
-    )
+    deleted = f"this run has a whole checkpoint (step 1): deleted the run it replaces ({out}/"
+    assert deleted in capsys.readouterr().out
 
 
 def _outputs_by_hand(out, files: dict[str, str]) -> None:
@@ -481,7 +481,7 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
 
     out = tmp_path / "no_checkpoint"
     _outputs_by_hand(out, {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()} | killed)
-    with pytest.raises(TrainingError, match=f"holds a previous run .*{outputs.PREVIOUS_RUN}"):
+    with pytest.raises(TrainingError, match="holds a run set aside in .* and was killed"):
         outputs.check_claim(str(out), continuing=False, overwrite=False, resume_flag=None)
     aside = outputs.set_aside(str(out), is_main=True)
     assert aside == str(out / outputs.PREVIOUS_RUN)
@@ -495,8 +495,8 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
     _outputs_by_hand(out, {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()} | became)
     aside = outputs.set_aside(str(out), is_main=True)
     assert _files(out) == {f"{outputs.PREVIOUS_RUN}/{k}": v.encode() for k, v in became.items()}
-    assert outputs.settle(aside, str(out), good=True).endswith(
-        "finished; deleted the previous run's outputs"
+    assert outputs.settle(aside, str(out), good=True).startswith(
+        "this run finished: deleted the run it replaces"
     )
     assert not (out / outputs.PREVIOUS_RUN).exists()
     assert outputs.settle(aside, str(out), good=False) is None  # settled once
@@ -526,3 +526,131 @@ def test_settings_name_paths_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "runs")
     again = parse_args(["--config", str(path)])
     assert again.data.data_path == str(tmp_path / "rows.npy") and again.run.max_steps == 1
+
+
+def test_overwrite_refuses_what_it_cannot_replace_cleanly(tmp_path):
+    """A symlinked output (its target would stay behind), a file named previous_run,
+    and an input inside the outputs being replaced are refused before anything moves."""
+    out = tmp_path / "run"
+    _outputs_by_hand(out, {"log.jsonl": "old\n", "hf/config.json": "{}"})
+    claim = functools.partial(
+        outputs.check_claim, str(out), continuing=False, overwrite=True, resume_flag=None
+    )
+    with pytest.raises(TrainingError, match="--model_name_or_path=.* lies in .*hf, which"):
+        claim(inputs={"--model_name_or_path": str(out / "hf"), "--data_path": "sample"})
+    claim(inputs={"--model_name_or_path": "tiny", "--data_path": str(tmp_path / "absent")})
+    (tmp_path / "elsewhere").mkdir()
+    (out / "checkpoints").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(TrainingError, match="checkpoints is a symlink"):
+        claim()
+    (out / "checkpoints").unlink()
+    (out / outputs.PREVIOUS_RUN).write_text("a file")
+    with pytest.raises(TrainingError, match="previous_run is a file"):
+        claim()
+
+
+def test_set_aside_and_settle_failures_are_said_not_raised_midway(tmp_path, monkeypatch):
+    """A move that fails is undone and refused in one line; a deletion that fails once
+    the new run is good is a warning (the run goes on), not a crash."""
+    out = tmp_path / "run"
+    old = {"checkpoints/3/meta": "old", "log.jsonl": "old log\n", "hf/config.json": "{}"}
+    _outputs_by_hand(out, old)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if str(src).endswith("log.jsonl"):
+            raise PermissionError(13, "Permission denied")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(outputs.os, "rename", rename)
+    with pytest.raises(TrainingError, match=r"could not move .*log.jsonl .*is as it was"):
+        outputs.set_aside(str(out), is_main=True)
+    assert _files(out) == {k: v.encode() for k, v in old.items()}
+    monkeypatch.setattr(outputs.os, "rename", real_rename)
+
+    aside = outputs.set_aside(str(out), is_main=True)
+
+    def rmtree(path, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", os.path.join(path, "hf"))
+
+    monkeypatch.setattr(outputs.shutil, "rmtree", rmtree)
+    line = outputs.settle(aside, str(out), good=True)
+    assert line.startswith("warning: this run finished, but the run it replaces could not")
+    assert "Operation not permitted; delete it yourself" in line
+
+
+def test_signals_held_until_the_block_ends():
+    """Ctrl-C inside the block is raised at its end (or dropped where the run is already
+    stopping); outside the main thread the block holds nothing."""
+    import signal
+    import threading
+
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with outputs.signals_held():
+            signal.raise_signal(signal.SIGINT)
+            ran.append("after the signal")
+    assert ran == ["after the signal"]
+    with outputs.signals_held(reraise=False):
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(outputs.signals_held().__enter__()))
+    thread.start()
+    thread.join()
+    assert seen == [None]
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
+    """While a run holds its --output_dir, another run into it is refused in one line
+    (a lock the system drops however the holder ends)."""
+    import subprocess
+
+    out = tmp_path / "run"
+    with outputs.claimed(str(out), is_main=True):
+        with pytest.raises(TrainingError, match="is in use by another run"):
+            run(parse_args(_args(out, "--report_to", "none")))
+        holder = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+        holder += "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"
+        other = subprocess.run([sys.executable, "-c", holder, str(out)], capture_output=True)
+        assert other.returncode != 0 and b"BlockingIOError" in other.stderr
+    with outputs.claimed(str(out), is_main=True):  # released at the end of the block
+        pass
+
+
+def test_overwrite_with_nothing_to_train_changes_nothing(tmp_path, capsys):
+    """Resuming a finished run into another directory with --overwrite_output_dir has
+    nothing to train: the directory it would replace is left as it was."""
+    first, out = tmp_path / "first", tmp_path / "run"
+    run(parse_args(_args(first, "--save_steps", "3", "--report_to", "none")))
+    _outputs_by_hand(out, {"log.jsonl": "old\n", "checkpoints/2/meta": "old"})
+    before = _files(out)
+    done = str(first / "checkpoints" / "3")
+    again = _args(out, "--resume_from_checkpoint", done, "--overwrite_output_dir")
+    run(parse_args([*again, "--report_to", "none"]))
+    assert _files(out) == before
+    assert "previous_run" not in capsys.readouterr().out
+
+
+def test_ctrl_c_before_an_overwrite_run_starts_leaves_the_directory(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while an --overwrite_output_dir run compiles: its line says the directory
+    is as it was, not that the previous run's checkpoints are this run's to continue."""
+    import train.__main__ as entry
+    import train.loop as loop
+
+    out = tmp_path / "run"
+    _outputs_by_hand(out, {"log.jsonl": "old\n", "checkpoints/2/meta": "old"})
+
+    def interrupted_build(cfg):
+        raise KeyboardInterrupt
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(loop, "build", interrupted_build)
+    monkeypatch.setattr(entry.os, "_exit", exit_)
+    with pytest.raises(SystemExit) as ended:
+        entry.main(_args(out, "--overwrite_output_dir"))
+    assert ended.value.code == 130
+    assert capsys.readouterr().err == f"interrupted before the run started: {out} is as it was\n"
+    assert _files(out) == {"log.jsonl": b"old\n", "checkpoints/2/meta": b"old"}

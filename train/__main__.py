@@ -20,14 +20,20 @@ def _on_sigterm(signum, frame):
     raise Terminated
 
 
-def _interrupted(output_dir: str, how: str = "interrupted", put_back: bool = False) -> str:
+def _interrupted(
+    output_dir: str, how: str = "interrupted", put_back: bool = False, not_started: bool = False
+) -> str:
     """The line Ctrl-C (or SIGTERM) ends a run with: where its last whole checkpoint is.
     `put_back`: the run wrote none, and the checkpoints there are the previous run's
-    (`--overwrite_output_dir`), which `run` has said."""
+    (`--overwrite_output_dir`), which `run` has said. `not_started`: an
+    `--overwrite_output_dir` run stopped before it changed anything (the checkpoints
+    there are the previous run's)."""
     directory = os.path.join(output_dir, "checkpoints")
     steps = outputs.saved_steps(output_dir)
     if put_back:
         return f"{how}: this run wrote no checkpoint"
+    if not_started:
+        return f"{how} before the run started: {output_dir} is as it was"
     if not steps:
         return f"{how}: no checkpoint was written to {directory}"
     return (
@@ -48,6 +54,17 @@ def _from_interrupt(error: BaseException | None) -> KeyboardInterrupt | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def _notes(error: BaseException) -> list[str]:
+    """The notes on `error` and the exceptions it was raised from or while handling (a
+    Ctrl-C held through a cleanup is raised after it, over the first one)."""
+    notes, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        notes += getattr(error, "__notes__", [])
+        error = error.__cause__ or error.__context__
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter around them aborts the process.
         terminated = isinstance(interrupt, Terminated)
         how = "terminated (SIGTERM)" if terminated else "interrupted"
-        put_back = any(n.startswith(outputs.PUT_BACK) for n in getattr(e, "__notes__", ()))
-        line = _interrupted(cfg.run.output_dir, how, put_back) if cfg else how
+        notes = _notes(e)
+        put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
+        not_started = outputs.NOT_STARTED in notes
+        line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
         print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import math
 import os
@@ -54,8 +55,21 @@ def run(cfg: TrainConfig) -> dict:
 
     Everything that can refuse the run (flags, output directory, model, data, mesh, the
     checkpoint to resume, the step's compilation) is checked before a previous run's
-    outputs are deleted (`--overwrite_output_dir`) or its log is cut back (resume).
+    outputs are set aside (`--overwrite_output_dir`) or its log is cut back (resume). An
+    `--overwrite_output_dir` run stopped before then carries the note
+    `outputs.NOT_STARTED`.
     """
+    stage = {"claimed": False}
+    try:
+        return _run(cfg, stage)
+    except BaseException as e:
+        if cfg.run.overwrite_output_dir and not stage["claimed"]:
+            e.add_note(outputs.NOT_STARTED)
+        raise
+
+
+def _run(cfg: TrainConfig, stage: dict) -> dict:
+    """`run`; sets `stage["claimed"]` once it starts to change the output directory."""
     initialize_distributed(cfg)
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
@@ -67,12 +81,22 @@ def run(cfg: TrainConfig) -> dict:
             raise TrainingError(f"--profile_dir={where!r} is a file, not a directory")
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
-    outputs.check_claim(
+    inputs = {
+        "--model_name_or_path": cfg.model.model_name_or_path,
+        "--tokenizer_name_or_path": cfg.data.tokenizer_name_or_path,
+        "--data_path": cfg.data.data_path,
+        "--eval_data_path": cfg.data.eval_data_path,
+        "--resume_from_checkpoint": resume[0] if resume is not None else "",
+    }
+    claim = functools.partial(
+        outputs.check_claim,
         out,
         continuing=continuing,
         overwrite=cfg.run.overwrite_output_dir,
         resume_flag=cfg.run.resume_from_checkpoint,
+        inputs=inputs,
     )
+    claim()
     t = build(cfg)
     if is_main:
         _say_what_is_made_up(cfg)
@@ -103,28 +127,37 @@ def run(cfg: TrainConfig) -> dict:
                 if t.eval_rows is not None:
                     batch = next(t.eval_batches())
                     t.eval_fn = t.eval_fn.lower(state["params"], batch).compile()
-        if cfg.run.overwrite_output_dir:
-            aside = outputs.set_aside(out, is_main)
-            if aside is not None:
-                print(
-                    f"--overwrite_output_dir: the previous run's outputs are kept in {aside} "
-                    "until this run writes its first checkpoint or finishes",
-                    flush=True,
+        # A run with nothing to train writes nothing (and replaces nothing).
+        trains = start_step < t.total_steps
+        with contextlib.ExitStack() as held:
+            if trains:
+                _claim_under_lock(held, out, claim, is_main)
+            stage["claimed"] = True
+            aside = None
+            if cfg.run.overwrite_output_dir and trains:
+                aside = outputs.set_aside(out, is_main)
+                if aside is not None:
+                    print(
+                        f"--overwrite_output_dir: the previous run's outputs are kept in "
+                        f"{aside} until this run writes its first checkpoint or finishes",
+                        flush=True,
+                    )
+            elif continuing and is_main:  # a resume of a replacing run that was killed
+                kept = os.path.join(out, outputs.PREVIOUS_RUN)
+                aside = kept if os.path.isdir(kept) else None
+            try:
+                state, history = _run_from(
+                    t, cfg, state, start_step, step_fn, resume, run_meta, aside
                 )
-        else:  # a resume into a run that replaced another and was killed before settling
-            kept = os.path.join(out, outputs.PREVIOUS_RUN)
-            aside = kept if is_main and continuing and os.path.isdir(kept) else None
-        try:
-            state, history = _run_from(t, cfg, state, start_step, step_fn, resume, run_meta, aside)
-        except BaseException as e:
-            line = outputs.settle(aside, out, good=False) if is_main else None
+            except BaseException as e:
+                line = outputs.settle(aside, out, good=False) if is_main else None
+                if line is not None:
+                    e.add_note(line)
+                    print(line, file=sys.stderr, flush=True)
+                raise
+            line = outputs.settle(aside, out, good=True) if is_main else None
             if line is not None:
-                e.add_note(line)
-                print(line, file=sys.stderr, flush=True)
-            raise
-        line = outputs.settle(aside, out, good=True) if is_main else None
-        if line is not None:
-            print(line, flush=True)
+                print(line, flush=True)
     return {
         "losses": [h["loss"] for h in history if "loss" in h],
         "eval": [h for h in history if "eval_loss" in h],
@@ -134,6 +167,27 @@ def run(cfg: TrainConfig) -> dict:
         "mesh": t.sizes,
         "config": t.config,
     }
+
+
+def _claim_under_lock(held: contextlib.ExitStack, out: str, claim, is_main: bool) -> None:
+    """The main process takes `out`'s lock (held until `held` closes) and checks the
+    claim again under it (a run may have written into `out` since the first check);
+    every process learns the verdict, so that none goes on alone."""
+    error = None
+    if is_main:
+        try:
+            held.enter_context(outputs.claimed(out, True))
+            claim()
+        except TrainingError as e:
+            error = e
+    if jax.process_count() > 1:
+        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+            raise TrainingError(
+                f"--output_dir={out!r} was refused on process 0 (its output says why)"
+            )
+    if error is not None:
+        raise error
 
 
 def _run_from(
@@ -323,7 +377,16 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     try:
         step = resume[1] if resume[1] is not None else source.latest_step()
         if step is None:
-            raise TrainingError(f"--resume_from_checkpoint: no checkpoint in {source.directory}")
+            kept = os.path.join(resume[0], outputs.PREVIOUS_RUN)
+            also = (
+                f"; the run it was replacing is kept in {kept} (--overwrite_output_dir true "
+                "replaces both, or move its contents back)"
+                if os.path.isdir(kept)
+                else ""
+            )
+            raise TrainingError(
+                f"--resume_from_checkpoint: no checkpoint in {source.directory}{also}"
+            )
         later = [s for s in source.all_steps() if s > step]
         if continuing and later:
             raise TrainingError(
@@ -390,6 +453,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     pending = None
     tracing = False
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
+    finished = False
     try:
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
@@ -426,7 +490,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
             if save:
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
-                ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
+                with outputs.signals_held():  # a save is never cut off by Ctrl-C
+                    ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
             # Saves are asynchronous: the first whole checkpoint shows up steps later.
@@ -435,17 +500,20 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 aside = None
                 if line is not None:
                     bar.write(line) if bar is not None else print(line, flush=True)
+        finished = True
     finally:
-        if tracing:  # stopped early (an error): keep what was traced
-            jax.profiler.stop_trace()
-        if ckpt is not None:
-            ckpt.close()
-        if bar is not None:
-            bar.close()
-        if writer is not None:
-            writer.close()
-        if log is not None:
-            log.close()
+        # A Ctrl-C here waits: the save in flight finishes and the logs are closed.
+        with outputs.signals_held(reraise=finished):
+            if tracing:  # stopped early (an error): keep what was traced
+                jax.profiler.stop_trace()
+            if ckpt is not None:
+                ckpt.close()
+            if bar is not None:
+                bar.close()
+            if writer is not None:
+                writer.close()
+            if log is not None:
+                log.close()
     return state, history
 
 

@@ -12,11 +12,16 @@ stops before that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import math
 import os
 import shutil
+import signal
+import threading
 
 import jax
 import yaml
@@ -35,6 +40,9 @@ PUT_BACK = (
     "--overwrite_output_dir: this run stopped before its first checkpoint; the previous "
     "run's outputs are back in"
 )
+# The note on an `--overwrite_output_dir` run's exception from before it changed
+# anything (the interrupted line reads it).
+NOT_STARTED = "the run stopped before it changed the output directory"
 RUN_OUTPUTS = (
     "checkpoints",
     "log.jsonl",
@@ -78,15 +86,25 @@ def previous_outputs(out: str) -> list[str]:
     return [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
 
 
-def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str | None) -> None:
+def check_claim(
+    out: str,
+    *,
+    continuing: bool,
+    overwrite: bool,
+    resume_flag: str | None,
+    inputs: dict[str, str] | None = None,
+) -> None:
     """Refuses to mix a new run into a previous run's outputs (Orbax would skip saving
-    steps at or below the old run's latest checkpoint); deletes nothing.
+    steps at or below the old run's latest checkpoint), and an `--overwrite_output_dir`
+    that could not replace them cleanly; deletes nothing.
 
     Args:
       out: the output directory.
       continuing: the run resumes from this directory's own checkpoints.
       overwrite: `--overwrite_output_dir`.
       resume_flag: `--resume_from_checkpoint`, for the message.
+      inputs: `{flag: path}` the run reads (model, tokenizer, data), which must not lie
+        inside the outputs that `--overwrite_output_dir` replaces.
     """
     if continuing:
         if overwrite:
@@ -96,6 +114,17 @@ def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str
             )
         return
     found = previous_outputs(out)
+    aside = os.path.join(out, PREVIOUS_RUN)
+    if found and overwrite:
+        _check_replaceable(out, found, inputs or {})
+    if os.path.isdir(aside) and not overwrite:
+        raise TrainingError(
+            f"--output_dir={out!r} holds a run set aside in {aside} by a run that replaced "
+            f"it and was killed ({', '.join(n for n in found if n != PREVIOUS_RUN)} beside "
+            "it): --overwrite_output_dir true replaces both (the set-aside run is kept until "
+            "the new run has a checkpoint), --resume_from_checkpoint latest continues the "
+            f"killed run if it saved a checkpoint; or move {PREVIOUS_RUN}/'s contents back"
+        )
     if found and not overwrite:
         saved = bool(saved_steps(out))
         resume = "continue it with --resume_from_checkpoint latest, " if saved else ""
@@ -105,6 +134,84 @@ def check_claim(out: str, *, continuing: bool, overwrite: bool, resume_flag: str
             f"{resume}replace it with --overwrite_output_dir true, or choose another "
             "--output_dir"
         )
+
+
+def _check_replaceable(out: str, found: list[str], inputs: dict[str, str]) -> None:
+    """What `set_aside` cannot replace cleanly: a symlinked output (its target's files
+    would stay behind while the new run wrote beside it), a `previous_run` that is not a
+    directory, and an input inside the outputs (the run would delete what it reads)."""
+    for name in found:
+        path = os.path.join(out, name)
+        if os.path.islink(path):
+            raise TrainingError(
+                f"--overwrite_output_dir: {path} is a symlink (to {os.readlink(path)}); "
+                "empty or remove it yourself, or choose another --output_dir"
+            )
+    aside = os.path.join(out, PREVIOUS_RUN)
+    if os.path.exists(aside) and not os.path.isdir(aside):
+        raise TrainingError(
+            f"--overwrite_output_dir: {aside} is a file; the previous run is kept there "
+            "until the new one has a checkpoint: move it, or choose another --output_dir"
+        )
+    for flag, value in inputs.items():
+        if not value or not os.path.exists(value):
+            continue
+        real = os.path.realpath(value)
+        for name in found:
+            output = os.path.realpath(os.path.join(out, name))
+            if real == output or real.startswith(output + os.sep):
+                raise TrainingError(
+                    f"{flag}={value!r} lies in {os.path.join(out, name)}, which "
+                    "--overwrite_output_dir replaces: copy it elsewhere first, or choose "
+                    "another --output_dir"
+                )
+
+
+@contextlib.contextmanager
+def signals_held(reraise: bool = True):
+    """Ctrl-C and SIGTERM wait until the block is done (then raised, with `reraise`; a
+    block that runs while the run is already stopping drops them), so that moving,
+    deleting or saving a run's outputs is never cut off halfway. Only in the main
+    thread, where Python runs signal handlers; a signal ignored stays so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    held = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+            held[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        if got and reraise:
+            signal.raise_signal(got[0])
+
+
+@contextlib.contextmanager
+def claimed(out: str, is_main: bool):
+    """Holds `out` for this run (an exclusive `flock` on the directory, which the system
+    releases whatever way the process ends): a second run into it while this one goes
+    on is refused in one line. Where the filesystem has no such locks, runs unguarded."""
+    if not is_main:
+        yield
+        return
+    os.makedirs(out, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise TrainingError(
+                    f"--output_dir={out!r} is in use by another run (it holds the "
+                    "directory's lock); wait for it, or choose another --output_dir"
+                ) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def saved_steps(out: str) -> list[int]:
@@ -126,24 +233,43 @@ def set_aside(out: str, is_main: bool) -> str | None:
     """Moves a previous run's outputs in `out` into `out/previous_run`
     (`--overwrite_output_dir`); call it only once the new run is known to start. `settle`
     deletes them or puts them back. Returns that directory where it holds a previous run
-    (on the main process), else None.
+    (on the main process), else None. A move that fails is undone, and refused in one
+    line.
 
     A `previous_run` already there was left by a replacing run that was killed before
     `settle`: the outputs beside it are that run's, kept (and `previous_run` dropped)
     where they hold a whole checkpoint, else dropped."""
     aside = os.path.join(out, PREVIOUS_RUN)
     if is_main:
-        names = [n for n in previous_outputs(out) if n != PREVIOUS_RUN]
-        if os.path.isdir(aside):
-            if saved_steps(out):
-                shutil.rmtree(aside)
-            else:
-                _remove(out, names)
-                names = []
-        if names:
-            os.makedirs(aside)
-            for name in names:
-                os.rename(os.path.join(out, name), os.path.join(aside, name))
+        with signals_held():
+            names = [n for n in previous_outputs(out) if n != PREVIOUS_RUN]
+            try:
+                if os.path.isdir(aside):
+                    if saved_steps(out):
+                        shutil.rmtree(aside)
+                    else:
+                        _remove(out, names)
+                        names = []
+            except OSError as e:
+                raise TrainingError(
+                    f"--overwrite_output_dir: could not delete {e.filename} ({e.strerror}), "
+                    "left by a run that was killed"
+                ) from None
+            if names:
+                os.makedirs(aside)
+                moved = []
+                try:
+                    for name in names:
+                        os.rename(os.path.join(out, name), os.path.join(aside, name))
+                        moved.append(name)
+                except OSError as e:
+                    for back in moved:
+                        os.rename(os.path.join(aside, back), os.path.join(out, back))
+                    os.rmdir(aside)
+                    raise TrainingError(
+                        f"--overwrite_output_dir: could not move {os.path.join(out, name)} "
+                        f"into {aside} ({e.strerror}); {out} is as it was"
+                    ) from None
     if jax.process_count() > 1:  # every process waits here, whatever it found
         multihost_utils.sync_global_devices("jflash: output_dir set aside")
     return aside if is_main and os.path.isdir(aside) else None
@@ -153,18 +279,26 @@ def settle(aside: str | None, out: str, *, good: bool) -> str | None:
     """Ends the keeping of a previous run's outputs (`set_aside`): deleted where the new
     run is good (`good`: it finished; or it has written a whole checkpoint), else the new
     run's outputs are deleted and the previous ones put back. Returns the line that says
-    which, or None where nothing was kept."""
+    which, or None where nothing was kept. A deletion that fails is said, not raised:
+    the run goes on, and a resume tries again."""
     if aside is None or not os.path.isdir(aside):
         return None
-    steps = saved_steps(out)
-    if good or steps:
-        shutil.rmtree(aside)
-        why = f"wrote checkpoint {steps[0]}" if steps else "finished"
-        return f"--overwrite_output_dir: this run {why}; deleted the previous run's outputs"
-    _remove(out, [n for n in previous_outputs(out) if n != PREVIOUS_RUN])
-    for name in os.listdir(aside):
-        os.rename(os.path.join(aside, name), os.path.join(out, name))
-    os.rmdir(aside)
+    with signals_held(reraise=good):
+        steps = saved_steps(out)
+        if good or steps:
+            why = f"has a whole checkpoint (step {steps[0]})" if steps else "finished"
+            try:
+                shutil.rmtree(aside)
+            except OSError as e:
+                return (
+                    f"warning: this run {why}, but the run it replaces could not all be "
+                    f"deleted from {aside}: {e.filename}: {e.strerror}; delete it yourself"
+                )
+            return f"this run {why}: deleted the run it replaces ({aside})"
+        _remove(out, [n for n in previous_outputs(out) if n != PREVIOUS_RUN])
+        for name in os.listdir(aside):
+            os.rename(os.path.join(aside, name), os.path.join(out, name))
+        os.rmdir(aside)
     return f"{PUT_BACK} {out}"
 
 
