@@ -199,7 +199,11 @@ def claimed(out: str, is_main: bool):
         yield
         return
     os.makedirs(out, exist_ok=True)
-    fd = os.open(out, os.O_RDONLY)
+    try:
+        fd = os.open(out, os.O_RDONLY)
+    except OSError:  # a directory that cannot be opened for reading: unguarded
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
