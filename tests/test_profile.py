@@ -801,6 +801,9 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     (tmp_path / "list" / "report.json").write_text("[]")
     (tmp_path / "afile").write_text("")
     (tmp_path / "one").mkdir()
+    (tmp_path / "partial").mkdir()  # a row without its fields: report.md stays as it was
+    (tmp_path / "partial" / "report.json").write_text('{"rows": [{"name": "x"}]}')
+    (tmp_path / "partial" / "report.md").write_text("the last good report")
     ceilings = {"matmul_tflops": 1.0, "copy_gbps": 1.0, "device": "cpu", "device_count": 1}
     (tmp_path / "one" / "report.json").write_text(json.dumps({"rows": [], "ceilings": ceilings}))
     out = ["--out", str(tmp_path / "new")]
@@ -816,6 +819,12 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (["--timeout", "-5", *out], "--timeout=-5.0 must be > 0 seconds"),
         (["--batch", "0", *out], "--batch=0 must be >= 1"),
         (["--out", str(tmp_path / "afile")], "afile' is a file, not a directory"),
+        (["--out", str(tmp_path / "afile" / "sub")], "sub' cannot be created: "),
+        (["--models", ",", *out], "--models=',' names no model"),
+        (
+            ["--report-only", str(tmp_path / "partial")],
+            "report.json' is not a whole profile report",
+        ),
         (
             ["--append", "--reuse-ceilings", "--mesh", "seq=4", "--out", str(tmp_path / "one")],
             "(nothing was run)",
@@ -829,6 +838,7 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         assert "Traceback" not in err
         assert err.strip().splitlines()[-1].startswith("python -m train.tools.profile: error:")
     assert not (tmp_path / "new").exists()
+    assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
 
 
 def test_profile_error_row_names_the_exception_first():
@@ -943,3 +953,26 @@ def test_single_point_note_covers_no_point(tmp_path, monkeypatch):
                     assert not inside, (fig.texts, note.get_text(), (x, y), box)
                     checked += 1
     assert checked > 0
+
+
+def test_unreadable_traces_are_named(tmp_path):
+    """An empty or corrupt .xplane.pb is a ValueError naming the file, not a bare
+    parser error or a claim that the trace has no kernels."""
+    empty = tmp_path / "a" / "host.xplane.pb"
+    empty.parent.mkdir()
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"host.xplane.pb' is empty"):
+        trace.parse(str(tmp_path / "a"))
+    corrupt = tmp_path / "b.xplane.pb"
+    corrupt.write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"b.xplane.pb' is not a readable jax.profiler trace"):
+        trace.parse(str(corrupt))
+
+
+def test_profile_dir_that_cannot_be_created_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("")
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "2"]
+    argv += ["--output_dir", str(tmp_path / "run"), "--profile_steps", "0,1"]
+    with pytest.raises(Exception, match=r"--profile_dir='.*afile/sub' cannot be created"):
+        run(parse_args([*argv, "--profile_dir", str(tmp_path / "afile" / "sub")]))
+    assert not (tmp_path / "run").exists()

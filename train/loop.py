@@ -76,9 +76,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     reporters.check(cfg.run.report_to)
     outputs.check_writable(out)
     if cfg.profile.profile_steps and cfg.profile.profile_dir:
-        where = cfg.profile.profile_dir
-        if os.path.exists(where) and not os.path.isdir(where):
-            raise TrainingError(f"--profile_dir={where!r} is a file, not a directory")
+        outputs.check_writable(cfg.profile.profile_dir, "--profile_dir")
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
     inputs = {
@@ -465,8 +463,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                     state, metrics = step_fn(state, t.batch(step))
             if tracing and step == profile[1] - 1:
                 jax.block_until_ready(state)
+                tracing = False  # stopped once, even where writing the trace fails
                 jax.profiler.stop_trace()
-                tracing = False
                 if is_main:
                     print(
                         f"--profile_steps: traced steps {profile[0] + 1}..{profile[1]} (as the "

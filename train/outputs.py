@@ -62,12 +62,12 @@ TOKENIZER_FILES = (
 )
 
 
-def check_writable(out: str) -> None:
-    """Refuses an `--output_dir` that is a file, lies under a file, or cannot be
-    written; creates nothing."""
+def check_writable(out: str, flag: str = "--output_dir") -> None:
+    """Refuses a directory (`--output_dir`, or `flag`) that is a file, lies under a file,
+    or cannot be written; creates nothing."""
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise TrainingError(f"--output_dir={out!r} is a file, not a directory")
+        raise TrainingError(f"{flag}={out!r} is a file, not a directory")
     probe = path
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
@@ -75,10 +75,10 @@ def check_writable(out: str) -> None:
             break
         probe = parent
     if not os.path.isdir(probe):
-        raise TrainingError(f"--output_dir={out!r} cannot be created: {probe} is a file")
+        raise TrainingError(f"{flag}={out!r} cannot be created: {probe} is a file")
     if not os.access(probe, os.W_OK | os.X_OK):
         what = "is not writable" if probe == path else f"cannot be created in {probe}"
-        raise TrainingError(f"--output_dir={out!r} {what} (permission denied)")
+        raise TrainingError(f"{flag}={out!r} {what} (permission denied)")
 
 
 def previous_outputs(out: str) -> list[str]:

@@ -614,11 +614,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         if not os.path.isfile(os.path.join(args.report_only, "report.json")):
             parser.error(f"--report-only={args.report_only!r}: no report.json there")
+        path = os.path.join(args.report_only, "report.json")
         try:
-            report = read_report(os.path.join(args.report_only, "report.json"))
+            report = read_report(path)
         except ValueError as e:
             parser.error(f"--report-only: {e}")
-        report_lib.render(report, args.report_only)
+        try:
+            report_lib.render(report, args.report_only)
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
+            parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
         return
     if args.fill_xla_cost:
         try:
@@ -635,6 +640,8 @@ def main(argv: list[str] | None = None) -> None:
     if not contexts:
         parser.error(f"--context={args.context!r} names no context")
     names = [m for m in (x.strip() for x in args.models.split(",")) if m]
+    if not names:
+        parser.error(f"--models={args.models!r} names no model")
     jobs = [
         Job(
             model=m,
@@ -656,8 +663,13 @@ def main(argv: list[str] | None = None) -> None:
         for mesh in meshes
         for c in contexts
     ]
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out={args.out!r} is a file, not a directory")
+    from train.errors import TrainingError
+    from train.outputs import check_writable
+
+    try:
+        check_writable(args.out, "--out")
+    except TrainingError as e:
+        parser.error(str(e))
     path = os.path.join(args.out, "report.json")
     if os.path.exists(path) and not args.append:
         parser.error(

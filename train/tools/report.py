@@ -764,12 +764,16 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
 
 
 def render(report: dict, out_dir: str) -> list[str]:
-    """Writes report.md and the plots into `out_dir`; returns the files written."""
+    """Writes report.md and the plots into `out_dir`; returns the files written. The
+    markdown is formed first, so a report it cannot render (a field missing) changes no
+    file, and report.md is replaced whole."""
+    text = markdown(report)
     names = plots_written(report)
     paths = [os.path.join(out_dir, f"{plot.name}.png") for plot in PLOTS if plot.name in names]
     for plot, path in zip((p for p in PLOTS if p.name in names), paths, strict=True):
         draw_plot(plot, report, path)
     md = os.path.join(out_dir, "report.md")
-    with open(md, "w") as f:
-        f.write(markdown(report))
+    with open(md + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(md + ".tmp", md)
     return [md, *paths]

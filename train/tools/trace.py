@@ -161,12 +161,18 @@ def find_xplane(path: str) -> str:
 
 
 def load(path: str) -> ProfileData:
-    """A `ProfileData` from an `.xplane.pb`, a gzipped one, or a log directory."""
+    """A `ProfileData` from an `.xplane.pb`, a gzipped one, or a log directory; a
+    ValueError naming the file where it is empty or not a trace."""
     path = find_xplane(path)
-    if path.endswith(".gz"):
-        with gzip.open(path, "rb") as f:
-            return ProfileData.from_serialized_xspace(f.read())
-    return ProfileData.from_file(path)
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{path!r} is empty (a trace that was never written out)")
+    try:
+        if path.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                return ProfileData.from_serialized_xspace(f.read())
+        return ProfileData.from_file(path)
+    except (RuntimeError, OSError, EOFError) as e:
+        raise ValueError(f"{path!r} is not a readable jax.profiler trace ({e})") from None
 
 
 def _stats(event) -> dict[str, Any]:
@@ -652,7 +658,8 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
     if not devices:
         devices, platform = _cpu_kernels(data), "cpu"
     if not devices:
-        raise ValueError("the trace has no GPU kernels and no CPU XLA thunks to attribute")
+        where = "" if isinstance(source, ProfileData) else f" ({find_xplane(source)})"
+        raise ValueError(f"the trace{where} has no GPU kernels and no CPU XLA thunks to attribute")
     marks = _step_annotations(data, step_name)
     totals: collections.Counter = collections.Counter()
     for ks in devices.values():
