@@ -183,8 +183,10 @@ def main(argv=None) -> int:
         stacks = parse_stacks(args.stack)
     except ValueError as e:
         parser.error(str(e))
-
-    import torch
+    try:
+        import torch
+    except ImportError as e:  # the baselines' own stack, not a jflash dependency
+        parser.error(f"the PyTorch baselines need torch and transformers installed ({e})")
 
     config = models.preset(args.model)
     if args.layers:

@@ -264,6 +264,17 @@ def test_hf_baseline_rejects_unknown_stack_before_torch(capsys):
     assert "megatron" in capsys.readouterr().err
 
 
+def test_hf_baseline_without_torch_is_one_line(monkeypatch, capsys):
+    """The PyTorch baselines' stack is not a jflash dependency: without torch the script
+    says so in one line, not with an import traceback."""
+    hide(monkeypatch, "torch")
+    with pytest.raises(SystemExit) as exit_:
+        hf_baseline.main(["--stack", "hf"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "need torch and transformers installed" in err
+    assert "Traceback" not in err
+
+
 def test_liger_missing_is_a_note(monkeypatch):
     torch = types.ModuleType("torch")
     torch.__version__ = "9.9"
