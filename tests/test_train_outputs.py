@@ -618,14 +618,14 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
     import subprocess
 
     out = tmp_path / "run"
-    with outputs.claimed(str(out), is_main=True):
+    with outputs.claimed(str(out)):
         with pytest.raises(TrainingError, match="is in use by another run"):
             run(parse_args(_args(out, "--report_to", "none")))
         holder = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
         holder += "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"
         other = subprocess.run([sys.executable, "-c", holder, str(out)], capture_output=True)
         assert other.returncode != 0 and b"BlockingIOError" in other.stderr
-    with outputs.claimed(str(out), is_main=True):  # released at the end of the block
+    with outputs.claimed(str(out)):  # released at the end of the block
         pass
 
 

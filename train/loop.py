@@ -79,13 +79,13 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         outputs.check_writable(cfg.profile.profile_dir, "--profile_dir")
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
+    # What the run reads, which --overwrite_output_dir must not replace.
     inputs = {
-        "--model_name_or_path": cfg.model.model_name_or_path,
-        "--tokenizer_name_or_path": cfg.data.tokenizer_name_or_path,
-        "--data_path": cfg.data.data_path,
-        "--eval_data_path": cfg.data.eval_data_path,
-        "--resume_from_checkpoint": resume[0] if resume is not None else "",
+        f"--{name}": getattr(getattr(cfg, section), name)
+        for section, name in outputs.PATH_SETTINGS
+        if name not in outputs.CREATED_DIRS
     }
+    inputs["--resume_from_checkpoint"] = resume[0] if resume is not None else ""
     claim = functools.partial(
         outputs.check_claim,
         out,
@@ -145,7 +145,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
                 aside = kept if os.path.isdir(kept) else None
             try:
                 state, history = _run_from(
-                    t, cfg, state, start_step, step_fn, resume, run_meta, aside
+                    t, cfg, state, start_step, step_fn, resume, continuing, run_meta, aside
                 )
             except BaseException as e:
                 line = outputs.settle(aside, out, good=False) if is_main else None
@@ -174,7 +174,7 @@ def _claim_under_lock(held: contextlib.ExitStack, out: str, claim, is_main: bool
     error = None
     if is_main:
         try:
-            held.enter_context(outputs.claimed(out, True))
+            held.enter_context(outputs.claimed(out))
             claim()
         except TrainingError as e:
             error = e
@@ -189,7 +189,15 @@ def _claim_under_lock(held: contextlib.ExitStack, out: str, claim, is_main: bool
 
 
 def _run_from(
-    t: Trainer, cfg: TrainConfig, state, start_step: int, step_fn, resume, run_meta: dict, aside
+    t: Trainer,
+    cfg: TrainConfig,
+    state,
+    start_step: int,
+    step_fn,
+    resume,
+    continuing: bool,
+    run_meta: dict,
+    aside,
 ):
     """`run` once the directory is claimed: settings, the loop, the export;
     `(final state, history)`. `cfg`: the run's settings as given (`t.cfg` has `auto`
@@ -197,7 +205,6 @@ def _run_from(
     elsewhere)."""
     out = cfg.run.output_dir
     is_main = jax.process_index() == 0
-    continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
     if continuing and is_main:
         outputs.drop_after(out, start_step)
     # A resume that finds its run done writes nothing: the settings file keeps the
@@ -452,6 +459,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     tracing = False
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
     finished = False
+    saved_any = False  # no checkpoint to look for before the first save is issued
     try:
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
@@ -490,10 +498,11 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 data_pos = {"epoch": epoch, "index": index}
                 with outputs.signals_held():  # a save is never cut off by Ctrl-C
                     ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
+                saved_any = True
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
             # Saves are asynchronous: the first whole checkpoint shows up steps later.
-            if aside is not None and outputs.saved_steps(out):
+            if aside is not None and saved_any and outputs.saved_steps(out):
                 line = outputs.settle(aside, out, good=True)
                 aside = None
                 if line is not None:

@@ -86,6 +86,11 @@ def previous_outputs(out: str) -> list[str]:
     return [n for n in RUN_OUTPUTS if os.path.exists(os.path.join(out, n))]
 
 
+def _beside_previous_run(out: str) -> list[str]:
+    """`previous_outputs` but `previous_run`: the outputs of the run writing into `out`."""
+    return [n for n in previous_outputs(out) if n != PREVIOUS_RUN]
+
+
 def check_claim(
     out: str,
     *,
@@ -120,7 +125,7 @@ def check_claim(
     if os.path.isdir(aside) and not overwrite:
         raise TrainingError(
             f"--output_dir={out!r} holds a run set aside in {aside} by a run that replaced "
-            f"it and was killed ({', '.join(n for n in found if n != PREVIOUS_RUN)} beside "
+            f"it and was killed ({', '.join(_beside_previous_run(out))} beside "
             "it): --overwrite_output_dir true replaces both (the set-aside run is kept until "
             "the new run has a checkpoint), --resume_from_checkpoint latest continues the "
             f"killed run if it saved a checkpoint; or move {PREVIOUS_RUN}/'s contents back"
@@ -191,13 +196,11 @@ def signals_held(reraise: bool = True):
 
 
 @contextlib.contextmanager
-def claimed(out: str, is_main: bool):
+def claimed(out: str):
     """Holds `out` for this run (an exclusive `flock` on the directory, which the system
     releases whatever way the process ends): a second run into it while this one goes
-    on is refused in one line. Where the filesystem has no such locks, runs unguarded."""
-    if not is_main:
-        yield
-        return
+    on is refused in one line. Where the filesystem has no such locks, runs unguarded.
+    The main process's to take (`train.loop`)."""
     os.makedirs(out, exist_ok=True)
     try:
         fd = os.open(out, os.O_RDONLY)
@@ -246,7 +249,7 @@ def set_aside(out: str, is_main: bool) -> str | None:
     aside = os.path.join(out, PREVIOUS_RUN)
     if is_main:
         with signals_held():
-            names = [n for n in previous_outputs(out) if n != PREVIOUS_RUN]
+            names = _beside_previous_run(out)
             try:
                 if os.path.isdir(aside):
                     if saved_steps(out):
@@ -299,7 +302,7 @@ def settle(aside: str | None, out: str, *, good: bool) -> str | None:
                     f"deleted from {aside}: {e.filename}: {e.strerror}; delete it yourself"
                 )
             return f"this run {why}: deleted the run it replaces ({aside})"
-        _remove(out, [n for n in previous_outputs(out) if n != PREVIOUS_RUN])
+        _remove(out, _beside_previous_run(out))
         for name in os.listdir(aside):
             os.rename(os.path.join(aside, name), os.path.join(out, name))
         os.rmdir(aside)

@@ -612,9 +612,9 @@ def main(argv: list[str] | None = None) -> None:
     from train.tools import report as report_lib
 
     if args.report_only:
-        if not os.path.isfile(os.path.join(args.report_only, "report.json")):
-            parser.error(f"--report-only={args.report_only!r}: no report.json there")
         path = os.path.join(args.report_only, "report.json")
+        if not os.path.isfile(path):
+            parser.error(f"--report-only={args.report_only!r}: no report.json there")
         try:
             report = read_report(path)
         except ValueError as e:
