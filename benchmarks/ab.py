@@ -6,6 +6,10 @@
     python benchmarks/ab.py --rev main --peers cudnn --shapes causal:16384:64  # and cuDNN
     python benchmarks/ab.py --rev branch-a --rev branch-b       # several: rev1, rev2
 
+Without a GPU it stops at once with one line saying so (exit status 2); `--interpret`
+runs the same code on the CPU, Pallas kernels in interpret mode as the tests run them,
+and its tables and JSON say so (`"interpreted": true`): the times are not kernel times.
+
 Absolute times move by a few percent between GPUs of the same kind and between runs, so a
 change is measured against its baseline in the same process: each revision's `jflash`
 package is exported (`git archive`) into a temporary folder under another name, and the
@@ -68,7 +72,9 @@ sys.path.insert(0, ROOT)
 from benchmarks import power  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
+    add_interpret_flag,
     device_name,
+    gpu_or_interpret,
     heat,
     interleaved,
     jit_passes,
@@ -387,6 +393,7 @@ def main(argv=None) -> int:
         help="sample the SM clock and power (nvidia-smi) and add clock cycles per call",
     )
     parser.add_argument("--out", default=None, help="JSON path (default: results/ab-<gpu>.json)")
+    add_interpret_flag(parser)
     args = parser.parse_args(argv)
     try:
         shapes = parse_shapes(args.shapes)
@@ -419,6 +426,7 @@ def main(argv=None) -> int:
         commits = {label: commit_of(rev) for label, rev in zip(labels, args.rev, strict=True)}
     except ValueError as e:
         parser.error(str(e))
+    note = gpu_or_interpret("benchmarks/ab.py", args.interpret)
     sampler = None
     if args.clocks:
         sampler = power.Sampler(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0")
@@ -429,11 +437,11 @@ def main(argv=None) -> int:
             sampler.close()
     diffs = [f"{label}_{d}" for label in labels for d in ("max_abs_diff", "grad_rel_diff")]
     columns = ["shape", *diffs] + [k for k in rows[0] if k.endswith("_ms") or k.startswith("new/")]
-    print(table(rows, columns))
+    print(table(rows, columns, note))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
     revs = dict(zip(labels, args.rev, strict=True))
     payload = {"revs": revs, "rev_commits": commits, "implementation": args.implementation}
-    write_json(out, {**payload, "rows": rows})
+    write_json(out, {**payload, "rows": rows}, note=note)
     return 0
 
 

@@ -7,9 +7,56 @@ import math
 import os
 import re
 import statistics
+import sys
 import time
 
 import jax
+
+INTERPRET_HELP = (
+    "run without a GPU: the same code on the CPU, Pallas kernels in interpret mode (as "
+    "the tests run them); the table and JSON say so, and the times mean nothing. On a "
+    "GPU it changes nothing"
+)
+
+
+def add_interpret_flag(parser) -> None:
+    """`--interpret`, which `gpu_or_interpret` reads: the one way to run a GPU benchmark
+    without a GPU."""
+    parser.add_argument("--interpret", action="store_true", help=INTERPRET_HELP)
+
+
+def interpreted_note(backend: str) -> str:
+    """The line printed before an interpreted run's tables (and kept in its JSON)."""
+    return (
+        f"interpreted: no GPU (jax backend {backend!r}) and --interpret given: Pallas "
+        f"kernels in interpret mode, the rest on the {backend}; the times are not GPU "
+        "kernel times"
+    )
+
+
+def gpu_or_interpret(script: str, interpret: bool) -> str | None:
+    """Whether a script that times GPU kernels runs here, called once its flags are
+    parsed and before anything is compiled. On a GPU: None (the kernels run compiled;
+    `--interpret` changes nothing). Without one: with `--interpret`, the note for its
+    tables and JSON (`table(..., note=)`, `write_json(..., note=)`); without it, one line
+    saying so on stderr and exit status 2, instead of a slow interpreted run whose table
+    looks like a benchmark's."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        if interpret:
+            print(f"{script}: --interpret: this machine has a GPU, the kernels run compiled")
+        return None
+    if not interpret:
+        print(
+            f"{script} times GPU kernels: no GPU found (jax backend {backend!r}); pass "
+            "--interpret to run the same code in Pallas interpret mode on CPU, as the tests "
+            "do (the times then mean nothing)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    note = interpreted_note(backend)
+    print(note, flush=True)
+    return note
 
 
 def balanced_order(labels: list, r: int) -> list:
@@ -132,12 +179,16 @@ def device_name() -> str:
     return kind.replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
-def write_json(path: str, payload: dict) -> None:
+def write_json(path: str, payload: dict, *, note: str | None = None) -> None:
+    """`payload` with the date, device and jax version, at `path`; with an interpreted
+    run's `note` (`gpu_or_interpret`) also `"interpreted": true` and the note."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    marker = {"interpreted": True, "interpreted_note": note} if note else {}
     payload = {
         "date": time.strftime("%Y-%m-%d"),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
+        **marker,
         **payload,
     }
     with open(path, "w") as f:
@@ -145,8 +196,9 @@ def write_json(path: str, payload: dict) -> None:
     print(f"wrote {path}")
 
 
-def table(rows: list[dict], columns: list[str]) -> str:
-    """A Markdown table of `rows` (missing values shown as '-')."""
+def table(rows: list[dict], columns: list[str], note: str | None = None) -> str:
+    """A Markdown table of `rows` (missing values shown as '-'), after the line `note`
+    where one is given (an interpreted run's, `gpu_or_interpret`)."""
 
     def fmt(v):
         if isinstance(v, float):
@@ -155,7 +207,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(([note] if note else []) + lines)
 
 
 def parse_specs(text: str, flag: str, kind: str, kinds: tuple[str, ...]) -> list[tuple]:

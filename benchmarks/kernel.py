@@ -11,6 +11,10 @@ kernel and XLA, in one process.
     python benchmarks/kernel.py --documents       # 64k packed documents vs FA3 varlen
     python benchmarks/kernel.py --documents --tune --which fwd  # Mosaic block sizes on them
 
+Without a GPU it stops at once with one line saying so (exit status 2); `--interpret`
+runs the same code on the CPU, Pallas kernels in interpret mode as the tests run them,
+and its tables and JSON say so (`"interpreted": true`): the times are not kernel times.
+
 Each shape's rows (and `--documents`' rows) are timed again in `--rounds` interleaved
 rounds (default 3; a balanced order, each pass in its own sweep) after `--heat` seconds
 of load, and keep their best times, so the ratios between them carry neither the GPU's
@@ -51,7 +55,9 @@ import jflash  # noqa: E402
 from benchmarks import balance  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
+    add_interpret_flag,
     device_name,
+    gpu_or_interpret,
     heat,
     interleaved,
     jit_passes,
@@ -391,10 +397,11 @@ def main_table(args):
         reference.clear()
         del entries
     add_ratios(rows)
-    print(table(rows, MAIN_COLUMNS))
+    print(table(rows, MAIN_COLUMNS, args.note))
     # One mask alone (a run split in two) names its file after it.
     suffix = "" if len(args.masks) == 2 else "-causal" if args.masks[0] else "-full"
-    write_json(os.path.join(args.out, f"kernel-{device_name()}{suffix}.json"), {"rows": rows})
+    path = os.path.join(args.out, f"kernel-{device_name()}{suffix}.json")
+    write_json(path, {"rows": rows}, note=args.note)
 
 
 def run_candidates(args, impl: str, candidates, baselines, name: str):
@@ -411,10 +418,12 @@ def run_candidates(args, impl: str, candidates, baselines, name: str):
         row = measure(baseline, **shape)
         row["block_sizes"] = baseline
         rows.append(row)
-    print(table(rows, ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]))
+    columns = ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]
+    print(table(rows, columns, args.note))
     write_json(
         os.path.join(args.out, f"{name}-{device_name()}-{args.seq}-{args.head_dim}.json"),
         {"rows": rows},
+        note=args.note,
     )
 
 
@@ -501,10 +510,10 @@ def kernel_split(args, iterations: int = 20):
                 )
             )
         rows.append(dict(impl=impl, kernel="(all)", ms=total / iterations / 1e6, share=1.0))
-    print(table(rows, ["impl", "kernel", "ms", "share"]))
+    print(table(rows, ["impl", "kernel", "ms", "share"], args.note))
     packed = "-documents" if args.documents else ""
     name = f"kernel-split{packed}-{device_name()}-{seq}-{args.head_dim}.json"
-    write_json(os.path.join(args.out, name), {"rows": rows})
+    write_json(os.path.join(args.out, name), {"rows": rows}, note=args.note)
 
 
 def long_context(args):
@@ -535,11 +544,13 @@ def long_context(args):
                 "fwdbwd_temp_gib",
                 "fwdbwd_error",
             ],
+            args.note,
         )
     )
     write_json(
         os.path.join(args.out, f"kernel-long-{device_name()}.json"),
         {"rows": rows, "peak_bytes_in_use": stats.get("peak_bytes_in_use")},
+        note=args.note,
     )
 
 
@@ -550,6 +561,11 @@ SWEEP_LABELS = {
     "cudnn": "cuDNN (jax.nn.dot_product_attention)",
     "xla": "plain XLA attention",
 }
+
+
+def sweep_device(device_kind: str, interpreted: bool) -> str:
+    """The device named in the sweep's figure (an interpreted run's says so)."""
+    return device_kind + (" (interpreted, no GPU: not kernel times)" if interpreted else "")
 
 
 def plot_sweep(results: dict, device_kind: str, png: str) -> None:
@@ -629,8 +645,9 @@ def sweep(args):
                 results[axis].append(row)
                 print(row, flush=True)
     png = os.path.join(args.out, f"kernel-sweep-{device_name()}.png")
-    plot_sweep(results, jax.devices()[0].device_kind, png)
-    write_json(os.path.join(args.out, f"kernel-sweep-{device_name()}.json"), results)
+    plot_sweep(results, sweep_device(jax.devices()[0].device_kind, bool(args.note)), png)
+    path = os.path.join(args.out, f"kernel-sweep-{device_name()}.json")
+    write_json(path, results, note=args.note)
 
 
 def tune_mosaic(args):
@@ -706,11 +723,11 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
                     heads_over_tiles=heads / tiles,
                 )
             )
-    print(table(rows, list(rows[0])))
+    print(table(rows, list(rows[0]), args.note))
     packed = "-documents" if args.documents else ""
     name = f"kernel-launch-order{packed}-{device_name()}-{args.head_dim}.json"
     raw = [dict(impl=k[0], seq_len=k[1], policy=k[2], kernel=k[3], ms=v) for k, v in spent.items()]
-    write_json(os.path.join(args.out, name), {"rows": rows, "raw": raw})
+    write_json(os.path.join(args.out, name), {"rows": rows, "raw": raw}, note=args.note)
 
 
 def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
@@ -895,7 +912,7 @@ def documents(args):
         "fwd_error",
         "fwdbwd_error",
     ]
-    print(table(rows, columns))
+    print(table(rows, columns, args.note))
     write_json(
         os.path.join(args.out, f"kernel-documents-{device_name()}.json"),
         {
@@ -904,6 +921,7 @@ def documents(args):
             "shape": dict(tokens=tokens, heads=heads, kv_heads=kv_heads, head_dim=head_dim),
             "mask_pairs": int(doc_flops / (4 * head_dim * heads)),
         },
+        note=args.note,
     )
 
 
@@ -1011,6 +1029,7 @@ def main(argv=None):
         help="--sweep: skip plain XLA attention whose S²·N·4 exceeds this",
     )
     parser.add_argument("--out", default=RESULTS)
+    add_interpret_flag(parser)
     args = parser.parse_args(argv)
     main_only = not (
         args.sweep_replot
@@ -1040,12 +1059,16 @@ def main(argv=None):
         args.seqs = [int(x) for x in args.seqs.split(",") if x]
     except ValueError:
         parser.error(f"--seqs {args.seqs!r}: a comma list of sequence lengths")
+    # Everything but redrawing a figure times kernels.
+    args.note = (
+        None if args.sweep_replot else gpu_or_interpret("benchmarks/kernel.py", args.interpret)
+    )
     if args.sweep_replot:
         with open(args.sweep_replot) as f:
             results = json.load(f)
         axes = {k: v for k, v in results.items() if k in ("seq_len", "heads", "head_dim")}
         png = args.sweep_replot.removesuffix(".json") + ".png"
-        plot_sweep(axes, results.get("device", "?"), png)
+        plot_sweep(axes, sweep_device(results.get("device", "?"), results.get("interpreted")), png)
     elif args.sweep:
         sweep(args)
     elif args.launch_order:  # with --documents: on packed rows

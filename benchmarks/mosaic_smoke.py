@@ -1,8 +1,10 @@
-"""One Mosaic kernel at a time on a small problem, max error vs the oracle.
+"""One Mosaic kernel at a time on a small problem, max error vs the oracle (GPU).
 
-    python benchmarks/mosaic_smoke.py fwd|bwd [seq] [head_dim] [causal]
+    python benchmarks/mosaic_smoke.py fwd|bwd [seq] [head_dim] [causal] [--interpret]
 
-Run each stage under `timeout`: a pipeline bug shows up as a hang, not an error.
+Run each stage under `timeout`: a pipeline bug shows up as a hang, not an error. Without
+a GPU it stops at once, saying so; `--interpret` runs the stage in jax's GPU interpreter
+on CPU (its times are then the interpreter's).
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
+from benchmarks.common import gpu_or_interpret  # noqa: E402
 
 
 def main():
-    stage = sys.argv[1]
-    seq = int(sys.argv[2]) if len(sys.argv) > 2 else 256
-    hd = int(sys.argv[3]) if len(sys.argv) > 3 else 128
-    causal = (sys.argv[4] if len(sys.argv) > 4 else "1") == "1"
+    argv = [a for a in sys.argv[1:] if a != "--interpret"]
+    if not argv or argv[0] not in ("fwd", "bwd"):
+        sys.exit(
+            "usage: benchmarks/mosaic_smoke.py fwd|bwd [seq] [head_dim] [causal] [--interpret]"
+        )
+    stage = argv[0]
+    seq = int(argv[1]) if len(argv) > 1 else 256
+    hd = int(argv[2]) if len(argv) > 2 else 128
+    causal = (argv[3] if len(argv) > 3 else "1") == "1"
+    gpu_or_interpret("benchmarks/mosaic_smoke.py", "--interpret" in sys.argv[1:])
     ks = jax.random.split(jax.random.key(0), 4)
     shape_q, shape_kv = (1, seq, 4, hd), (1, seq, 2, hd)
     q = jax.random.normal(ks[0], shape_q, jnp.bfloat16)

@@ -34,7 +34,8 @@
 #                                            # cp_model's prediction
 #   bash benchmarks/multi_gpu.sh cpu-check   # the same pipeline, tiny, on 2 CPU devices
 #                                            # (CPU_PARTS="capacity train32k": only those;
-#                                            # cp runs on 4)
+#                                            # cp runs on 4; the benchmark scripts that time
+#                                            # GPU kernels get --interpret)
 #
 # Run from anywhere (it cds to the repo root). Results go to $OUT (default
 # benchmarks/results/; cpu-check: /tmp/jflash-cpu-check/out), scratch (profile traces,
@@ -374,7 +375,8 @@ part_scale() {
     ring_args=(--tokens-per-device 16384 --iters 5 --longest-start 131072)
   else
     ring_args=(--tokens-per-device 64 --iters 1 --warmup 0 --heads 2 --kv-heads 1 --head-dim 16
-      --implementation xla --longest-start 128 --longest-max 65536 --longest-limit-gib 0.004)
+      --implementation xla --longest-start 128 --longest-max 65536 --longest-limit-gib 0.004
+      --interpret)
   fi
   step ring-longest 200 60 150 env "XLA_FLAGS=$BASE_XLA_FLAGS" "$PY" benchmarks/ring.py \
     --devices 2 --layouts zigzag --strategies ring --longest --longest-refine 4 \
@@ -580,7 +582,7 @@ part_ring() {
   else # a few tests and tiny shapes: checks the command lines
     test_filter=(-k "test_zigzag_order or (sampled and allgather and zigzag)")
     ring_args=(--tokens-per-device 128 --iters 1 --warmup 0 --heads 4 --kv-heads 2 --head-dim 32
-      --implementation xla --profile-iters 1)
+      --implementation xla --profile-iters 1 --interpret)
   fi
   if [ "${RING_TESTS:-1}" != 0 ]; then
     step ring-tests 150 60 380 env "XLA_FLAGS=$BASE_XLA_FLAGS --xla_gpu_autotune_level=0" \
@@ -633,7 +635,7 @@ part_cp() {
     test_filter+=" or lowers))"
   else # tiny shapes: checks the command lines
     shape=(--heads 4 --kv-heads 2 --head-dim 32 --implementation xla --iters 1 --warmup 0
-      --profile-iters 1 --rounds 2)
+      --profile-iters 1 --rounds 2 --interpret)
     doc_mean=32 doc_tokens=64,128 tokens=64,128,256
     test_filter="P2x2-D1-zigzag-hybrid or (ulysses and P4-D1-striped) or test_zigzag_order"
     test_filter+=" or (user_shard_map and P4-D1-striped-ring-causal-N4K2-T96-docs7)"

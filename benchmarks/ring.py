@@ -9,8 +9,13 @@
         --layouts zigzag --passes fwdbwd --cp-model                 # + cp_model's prediction
     python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
         --strategies ring --longest --longest-start 131072     # one table row + longest
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/ring.py \\
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/ring.py --interpret \\
         --tokens-per-device 128 --heads 4 --kv-heads 2 --head-dim 32 --implementation xla
+
+Without a GPU it stops at once with one line saying so (exit status 2); `--interpret`
+runs the same code on the CPU (the last example: on simulated CPU devices), Pallas
+kernels in interpret mode as the tests run them, and its tables and JSON say so
+(`"interpreted": true`): the times are not kernel times.
 
 Ideal time at P devices: forward(+backward) of the whole sequence (P x tokens per
 device) on one device with the same kernel, divided by P. Efficiency = ideal /
@@ -86,7 +91,9 @@ import jflash  # noqa: E402
 from benchmarks import balance, cp_model  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
+    add_interpret_flag,
     device_name,
+    gpu_or_interpret,
     heat,
     interleaved,
     jit_passes,
@@ -838,6 +845,7 @@ def main(argv=None):
         default=None,
         help="JSON path (default: benchmarks/results/ring-<devices>x<gpu>.json: ring-2xh200.json)",
     )
+    add_interpret_flag(parser)
     args = parser.parse_args(argv)
     for flag, values, allowed in (
         ("--layouts", args.layouts, jflash.LAYOUTS),
@@ -859,6 +867,7 @@ def main(argv=None):
         parser.error(f"--row-timeout {args.row_timeout}: must be >= 0 seconds (0: no limit)")
     if args.documents is not None and args.documents < 1:
         parser.error(f"--documents {args.documents}: the mean document length must be >= 1")
+    note = gpu_or_interpret("benchmarks/ring.py", args.interpret)
     args.devices = args.devices or default_device_counts()
     if max(args.devices) > len(jax.devices()):
         parser.error(f"{args.devices=} but only {len(jax.devices())} devices")
@@ -869,6 +878,7 @@ def main(argv=None):
         out = os.path.join(out, f"ring-{len(jax.devices())}x{device_name()}.json")
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["notes"] = NOTES
+    save = functools.partial(write_json, note=note)
     links = None
     if args.cp_model:
         links = config["links"] = link_gbps()
@@ -877,18 +887,18 @@ def main(argv=None):
     columns = table_columns(args)
     print(table([], columns))
     rows = benchmark(
-        args, on_row=lambda rows: write_json(out, {"config": config, "rows": rows}), links=links
+        args, on_row=lambda rows: save(out, {"config": config, "rows": rows}), links=links
     )
     print()
-    print(table(rows, columns))
+    print(table(rows, columns, note))
     if args.profile:
         print("\nDevice time per iteration (ms, mean over devices; calls back to back):")
-        print(table(rows, PROFILE_COLUMNS))
+        print(table(rows, PROFILE_COLUMNS, note))
     payload = {"config": config, "rows": rows}
     if args.longest:
-        write_json(out, payload)  # the table survives a search stopped from outside
+        save(out, payload)  # the table survives a search stopped from outside
         payload["longest"] = longest(args)
-    write_json(out, payload)
+    save(out, payload)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
     python benchmarks/ring_blocks.py                          # 8k and 16k tokens/device, P=2
     python benchmarks/ring_blocks.py --tokens-per-device 8192 --variants
 
+Without a GPU it stops at once with one line saying so (exit status 2); `--interpret`
+runs the same code on the CPU, Pallas kernels in interpret mode as the tests run them,
+and its tables and JSON say so (`"interpreted": true`): the times are not kernel times.
+
 `benchmarks/ring.py` measures the ring against its ideal (the whole sequence on one
 GPU, ÷ P). This script splits the gap in two without a second GPU: it runs on one
 device exactly what one rank of the zigzag ring computes (`jflash.ring_attention_rank`:
@@ -49,7 +53,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import device_name, table, time_pipelined, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_interpret_flag,
+    device_name,
+    gpu_or_interpret,
+    table,
+    time_pipelined,
+    write_json,
+)
 from benchmarks.kernel import document_flops  # noqa: E402
 from benchmarks.ring import document_row  # noqa: E402
 from train.tools.trace import kernel_durations  # noqa: E402
@@ -287,6 +298,7 @@ def benchmark(args, done=lambda rows: None) -> list[dict]:
                     "other_ms",
                     "eff_vs_ideal",
                 ],
+                args.note,
             ),
             flush=True,
         )
@@ -366,7 +378,7 @@ def documents_benchmark(args, done=lambda rows: None) -> list[dict]:
         rows.extend(measured)
         columns = ["tokens_per_device", "layout", "row", "ms", "tflops", "device_ms"]
         columns += ["attention_ms", "other_ms", "eff_vs_ideal", "max_abs_diff"]
-        print(table(measured, columns), flush=True)
+        print(table(measured, columns, args.note), flush=True)
         done(rows)
     return rows
 
@@ -398,6 +410,7 @@ def main(argv=None):
     parser.add_argument(
         "--out", default=None, help="JSON path (default: results/ring-blocks-p<P>-<gpu>.json)"
     )
+    add_interpret_flag(parser)
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"{args.devices=} must be >= 1")
@@ -410,21 +423,22 @@ def main(argv=None):
         parser.error(f"--documents {args.documents}: must be a mean length > 0 (or 0: none)")
     if args.documents and args.variants:
         parser.error("--variants times the dense ring's half blocks, not with --documents")
+    args.note = gpu_or_interpret("benchmarks/ring_blocks.py", args.interpret)
     name = f"ring-blocks-p{args.devices}"
     if args.documents:
         name += f"-documents-{args.layout}"
     out = args.out or os.path.join(RESULTS, f"{name}-{device_name()}.json")
-    kept = {k: v for k, v in vars(args).items() if k != "out"}
+    kept = {k: v for k, v in vars(args).items() if k not in ("out", "note")}
     # Each finished length goes to `<out>.partial` at once, so a run stopped during a
     # later one keeps it; `out` itself is written (and the partial file removed) only
     # when every length has run.
     partial = out + ".partial"
 
     def done(rows):
-        write_json(partial, {"args": kept, "partial": True, "rows": rows})
+        write_json(partial, {"args": kept, "partial": True, "rows": rows}, note=args.note)
 
     rows = (documents_benchmark if args.documents else benchmark)(args, done)
-    write_json(out, {"args": kept, "rows": rows})
+    write_json(out, {"args": kept, "rows": rows}, note=args.note)
     os.remove(partial)
 
 

@@ -1,6 +1,8 @@
 """The benchmark scripts' table, JSON and optional-peer paths on CPU, with fake timings
 (`benchmarks/kernel.py`'s main table, `benchmarks/hf_baseline.py`'s stacks), and
-`benchmarks/ring.py`'s documents, strategies and cp_model rows on tiny shapes (XLA)."""
+`benchmarks/ring.py`'s documents, strategies and cp_model rows on tiny shapes (XLA).
+The GPU benchmarks run here with `--interpret`: without it and without a GPU they stop
+at once, saying so."""
 
 import json
 import os
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import INTERPRET
 from jax import lax
 
 import jflash
@@ -76,15 +79,21 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(kernel, "measure", measure)
     monkeypatch.setattr(kernel, "SHAPES", [(4096, 128), (16384, 128)])
     monkeypatch.setattr(kernel, "peer_notes", lambda impls: [])
-    kernel.main(["--impls", "jflash_mosaic,cudnn,fa3,xla", "--out", str(tmp_path)])
+    argv = ["--impls", "jflash_mosaic,cudnn,fa3,xla", "--heat", "0", "--interpret"]
+    kernel.main([*argv, "--out", str(tmp_path)])
     assert len(calls) == 2 * 2 * 3 + 2  # shapes × masks × impls, xla at 4k only
     assert {c[3] for c in calls} == {True, False}
-    out = capsys.readouterr().out
-    header = next(line for line in out.splitlines() if line.startswith("| impl"))
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("| impl"))
     for column in ("mask", "fwd_vs_cudnn", "fwdbwd_vs_cudnn", "fwd_vs_fa3", "fwdbwd_vs_fa3"):
-        assert f" {column} " in header
+        assert f" {column} " in out[at]
+    # Without a GPU the line above the table says the run was interpreted, as the JSON does.
+    assert out[at - 1].startswith("interpreted: no GPU") == INTERPRET
     (path,) = tmp_path.glob("kernel-*.json")
-    rows = json.loads(path.read_text())["rows"]
+    payload = json.loads(path.read_text())
+    assert payload.get("interpreted", False) == INTERPRET
+    assert ("not GPU kernel times" in payload.get("interpreted_note", "")) == INTERPRET
+    rows = payload["rows"]
     mosaic = [r for r in rows if r["impl"] == "jflash_mosaic"]
     assert len(mosaic) == 4
     assert all(r["fwd_vs_cudnn"] == pytest.approx(2.0) for r in mosaic)
@@ -94,7 +103,8 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     assert [r["fwd_vs_cudnn"] for r in xla if "fwd_error" not in r] == [0.5, 0.5]
 
     calls.clear()
-    kernel.main(["--impls", "cudnn", "--masks", "full", "--seqs", "16384", "--out", str(tmp_path)])
+    argv = ["--impls", "cudnn", "--masks", "full", "--seqs", "16384", "--out", str(tmp_path)]
+    kernel.main([*argv, "--heat", "0", "--interpret"])
     assert calls == [("cudnn", 16384, 128, False)]
     assert (tmp_path / f"{path.stem}-full.json").exists()  # one mask: its own file
 
@@ -142,7 +152,8 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kernel, "measure", measure)
     monkeypatch.setattr(kernel, "peer_notes", lambda impls: [])
-    kernel.main(["--seqs", "4096", "--masks", "causal", "--out", str(tmp_path)])
+    argv = ["--seqs", "4096", "--masks", "causal", "--heat", "0", "--interpret"]
+    kernel.main([*argv, "--out", str(tmp_path)])
     assert calls == kernel.MAIN_IMPLS.split(",")
     assert {"fa3", "tokamax", "jax_triton", "jflash_mosaic_det"} <= set(calls)
 
@@ -306,7 +317,7 @@ def test_result_row_uses_the_trainers_flop_formula():
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_RING = [
     "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--implementation", "xla",
-    "--passes", "fwdbwd", "--iters", "1", "--warmup", "0",
+    "--passes", "fwdbwd", "--iters", "1", "--warmup", "0", "--interpret",
 ]  # fmt: skip
 
 
@@ -427,6 +438,7 @@ def test_ring_rounds_keep_each_rows_best_of_interleaved_timings(tmp_path, monkey
         tmp_path, "--devices", "2", "--tokens-per-device", "64", "--layouts", "zigzag",
         "--strategies", "ring,allgather", "--rounds", "3", "--heat", "0",
     )  # fmt: skip
+    assert result.get("interpreted", False) == INTERPRET  # --interpret, without a GPU
     rows = result["rows"]
     assert len(calls) == 3 * 3  # ideal + 2 rows, 3 rounds, one pass (fwdbwd)
     first, later = calls[:3], [calls[3:6], calls[6:9]]
@@ -507,9 +519,11 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
     argv += ["--tokens", "128", "--heads", "2", "--kv-heads", "1", "--rounds", "1"]
-    argv += ["--peers", "cudnn", "--document-shapes", "128:64"]
+    argv += ["--peers", "cudnn", "--document-shapes", "128:64", "--interpret"]
     ab.main([*argv, "--min-time", "0", "--heat", "0", "--out", str(out)])
-    row, documents = json.loads(out.read_text())["rows"]
+    written = json.loads(out.read_text())
+    assert written.get("interpreted", False) == INTERPRET
+    row, documents = written["rows"]
     assert row["shape"] == "causal S=128 D=64 B=1"
     assert documents["shape"].startswith("documents S=128 (") and documents["shape"].endswith(
         "D=64 B=1"
@@ -527,7 +541,9 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     assert (
         not rev.__file__.startswith(ab.ROOT) and rev.flash_attention is not jflash.flash_attention
     )
-    assert "new/rev_fwd" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("| shape"))
+    assert "new/rev_fwd" in out[at] and out[at - 1].startswith("interpreted: no GPU") == INTERPRET
 
 
 def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys):
@@ -562,7 +578,7 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(ab, "import_revision", import_revision)
     out = tmp_path / "ab.json"
-    argv = ["--rev", "HEAD", "--rev", "HEAD", "--implementation", "xla"]
+    argv = ["--rev", "HEAD", "--rev", "HEAD", "--implementation", "xla", "--interpret"]
     argv += ["--shapes", "causal:128:64", "--tokens", "128", "--heads", "2", "--kv-heads", "1"]
     ab.main([*argv, "--rounds", "1", "--min-time", "0", "--heat", "0", "--out", str(out)])
     written = json.loads(out.read_text())
@@ -1115,3 +1131,88 @@ def test_ring_stopped_from_outside_prints_its_stacks(tmp_path):
     assert "Current thread" in stderr or "Thread 0x" in stderr, stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["strategy"] == "ideal" and "did not finish" in row["error"]
+
+
+# ----------------------------------------------------------------------------------
+# The GPU benchmarks without a GPU: one line and exit status 2 unless --interpret
+
+GPU_BENCHMARKS = [
+    ["kernel.py"],
+    ["ab.py", "--rev", "HEAD"],
+    ["ring.py"],
+    ["ring_blocks.py"],
+    ["mosaic_smoke.py", "fwd"],
+]
+
+
+@pytest.mark.parametrize("command", GPU_BENCHMARKS, ids=lambda c: c[0])
+def test_gpu_benchmarks_without_a_gpu_refuse_in_one_line(command):
+    """Run as a user would on a machine without a GPU, a benchmark that times GPU kernels
+    stops at once, before compiling anything (`JAX_LOG_COMPILES=1` would log any compile
+    on stderr), in one line naming it and `--interpret`, with exit status 2: not a slow
+    interpreted run ending in a table that looks like a benchmark's."""
+    script, *argv = command
+    if script == "ab.py" and not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (ab.py --rev checks the revision first)")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_LOG_COMPILES="1")
+    run = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"benchmarks/{script} times GPU kernels: no GPU found (jax backend")
+    assert "pass --interpret to run the same code in Pallas interpret mode" in line
+    assert run.stdout == ""
+
+
+def test_gpu_or_interpret_on_each_kind_of_machine(monkeypatch, capsys):
+    """`common.gpu_or_interpret`: on a GPU nothing to mark (with `--interpret` a line
+    saying the kernels run compiled); without one, `--interpret` gives the note that
+    `table` prints above the table and `write_json` keeps, and no flag exits 2."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
+    assert common.gpu_or_interpret("x.py", False) is None
+    assert capsys.readouterr().out == ""
+    assert common.gpu_or_interpret("x.py", True) is None
+    assert "--interpret: this machine has a GPU" in capsys.readouterr().out
+
+    monkeypatch.setattr(common.jax, "default_backend", lambda: "cpu")
+    with pytest.raises(SystemExit) as exit_:
+        common.gpu_or_interpret("x.py", False)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("x.py times GPU kernels: no GPU found (jax backend 'cpu')")
+    assert captured.out == ""
+    note = common.gpu_or_interpret("x.py", True)
+    assert capsys.readouterr().out.strip() == note
+    assert note.startswith("interpreted: no GPU (jax backend 'cpu')") and "not GPU kernel" in note
+    assert common.table([{"a": 1}], ["a"], note).splitlines()[0] == note
+    assert common.table([{"a": 1}], ["a"]).splitlines()[0] == "| a |"
+
+
+def test_sweep_replot_needs_no_gpu_and_keeps_the_mark(monkeypatch, tmp_path):
+    """`kernel.py --sweep-replot` times nothing: it runs without a GPU and without
+    `--interpret`, and the figure of an interpreted sweep says so."""
+    drawn = []
+    monkeypatch.setattr(kernel, "plot_sweep", lambda axes, device, png: drawn.append(device))
+    path = tmp_path / "kernel-sweep-cpu.json"
+    path.write_text(json.dumps({"device": "cpu", "interpreted": True, "seq_len": []}))
+    kernel.main(["--sweep-replot", str(path)])
+    assert drawn == ["cpu (interpreted, no GPU: not kernel times)"]
+
+
+def test_write_json_marks_an_interpreted_run(tmp_path):
+    from benchmarks import common
+
+    common.write_json(str(tmp_path / "a.json"), {"rows": []}, note="interpreted: ...")
+    marked = json.loads((tmp_path / "a.json").read_text())
+    assert marked["interpreted"] is True and marked["interpreted_note"] == "interpreted: ..."
+    common.write_json(str(tmp_path / "b.json"), {"rows": []})
+    assert "interpreted" not in json.loads((tmp_path / "b.json").read_text())

@@ -584,7 +584,7 @@ def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
             "--iters", "1", "--warmup", "0",
             "--longest", "--longest-start", "256", "--longest-max", "65536",
             "--longest-refine", "0", "--longest-limit-gib", "0.002",
-            "--out", str(out),
+            "--interpret", "--out", str(out),
         ]
     )  # fmt: skip
     result = json.loads(out.read_text())["longest"]
@@ -602,7 +602,7 @@ def test_ring_bench_longest_on_cpu_with_a_limit(tmp_path):
 # `benchmarks/ring_blocks.py` on CPU: XLA attention, a tiny shape, one timed pass.
 _RING_BLOCKS_TINY = [
     "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--implementation", "xla",
-    "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0",
+    "--iters", "2", "--warmup", "0", "--trace-iters", "1", "--warm-s", "0", "--interpret",
 ]  # fmt: skip
 
 
@@ -653,9 +653,10 @@ def test_ring_blocks_keeps_finished_lengths_of_a_stopped_run(tmp_path, monkeypat
     out = tmp_path / "blocks.json"
     out.write_text('{"rows": "the previous run"}')
     with pytest.raises(KeyboardInterrupt):
-        ring_blocks.main(["--tokens-per-device", "8192,16384", "--out", str(out)])
+        ring_blocks.main(["--tokens-per-device", "8192,16384", "--out", str(out), "--interpret"])
     kept = json.loads((tmp_path / "blocks.json.partial").read_text())
     assert kept["partial"] is True and kept["rows"] == [{"row": "ideal", "tokens_per_device": 8192}]
+    assert kept.get("interpreted", False) == (not ON_GPU)  # --interpret, without a GPU
     assert json.loads(out.read_text()) == {"rows": "the previous run"}
 
 

@@ -409,6 +409,7 @@ def test_documents_benchmark_on_cpu(tmp_path):
             "2",
             "--out",
             str(tmp_path),
+            "--interpret",
         ]
     )
     (path,) = tmp_path.glob("kernel-documents-*.json")
@@ -444,7 +445,7 @@ def test_documents_tune_times_mosaic_block_sizes_on_the_packed_row(tmp_path, mon
     monkeypatch.setattr(jflash, "flash_attention", spy)
     tiny = ["--documents-tokens", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "64"]
     kernel.main(["--documents", "--tune", "--which", "fwd", *tiny, "--iters", "1",
-                 "--rounds", "1", "--out", str(tmp_path)])  # fmt: skip
+                 "--rounds", "1", "--out", str(tmp_path), "--interpret"])  # fmt: skip
     (path,) = tmp_path.glob("kernel-documents-*.json")
     rows = {r["impl"]: r for r in json.loads(path.read_text())["rows"]}
     labels = [label for _, _, label in kernel.mosaic_candidates(kernel.argparse.Namespace(
