@@ -529,16 +529,37 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
 
 
 def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
-    """`--mesh seq=4` on 2 devices: refused by name before any row runs, and before
-    `--out` is made."""
+    """`--mesh seq=4` on 2 devices: one line naming the mesh and the machine's device
+    count, exit status 2, before the ceilings or any row run and before `--out` is made;
+    `--fill-xla-cost` alike for a row whose mesh needs more devices than there are."""
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
     cmd = [sys.executable, "-m", "train.tools.profile", "--models", "tiny", "--context", "256"]
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    assert "--mesh 'seq=4' needs 4 devices, but available=2 (nothing was run)" in proc.stderr
-    assert "tiny-256" not in proc.stdout and not out.exists()
+    [line] = proc.stderr.strip().splitlines()[-1:]
+    assert line == (
+        "python -m train.tools.profile: error: --mesh 'seq=4' needs 4 devices; this machine "
+        "has 2 (nothing was run)"
+    )
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
+
+    timed = tmp_path / "timed"
+    timed.mkdir()
+    row = _report_row(256, name="tiny-256-seq4", mesh="seq=4", xla=None)
+    (timed / "report.json").write_text(json.dumps(_report([row])))
+    before = (timed / "report.json").read_text()
+    cmd = [sys.executable, "-m", "train.tools.profile", "--fill-xla-cost", str(timed)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "python -m train.tools.profile: error: --fill-xla-cost: row 'tiny-256-seq4': --mesh "
+        "'seq=4' needs 4 devices; this machine has 2 (nothing was run)"
+    )
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert (timed / "report.json").read_text() == before
+    assert sorted(p.name for p in timed.iterdir()) == ["report.json"]
 
 
 def test_ring_bench_longest_search():
@@ -822,12 +843,18 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (["--out", str(tmp_path / "afile" / "sub")], "sub' cannot be created: "),
         (["--models", ",", *out], "--models=',' names no model"),
         (
+            ["--mesh", "seq=2", "--mesh", "foo=2", *out],
+            "--mesh 'foo=2': unknown axis 'foo'; axes are data, fsdp, seq, seq_a2a "
+            "(nothing was run)",
+        ),
+        (["--mesh", "seq=two", *out], "--mesh 'seq=two': size of 'seq' is not an int: 'two'"),
+        (
             ["--report-only", str(tmp_path / "partial")],
             "report.json' is not a whole profile report",
         ),
         (
-            ["--append", "--reuse-ceilings", "--mesh", "seq=4", "--out", str(tmp_path / "one")],
-            "(nothing was run)",
+            ["--append", "--reuse-ceilings", "--mesh", "seq=64", "--out", str(tmp_path / "one")],
+            f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (nothing",
         ),
     ]
     for argv, message in cases:

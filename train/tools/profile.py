@@ -406,13 +406,21 @@ def run_row(job: Job) -> dict:
 
 
 def run_ceilings() -> dict:
-    """The roofline's ceilings, and how many devices this machine has (for the parent,
-    which never starts a backend, to refuse a mesh it cannot build before any row)."""
+    """The roofline's ceilings, measured on this machine's first device, and its device
+    count (recorded in the report)."""
     import jax
 
     from train.tools.roofline import measure_ceilings
 
     return {**dataclasses.asdict(measure_ceilings()), "device_count": jax.device_count()}
+
+
+def run_devices() -> dict:
+    """How many devices this machine has: for the parent, which never starts a backend,
+    to refuse a mesh it cannot build before anything else runs."""
+    import jax
+
+    return {"device_count": jax.device_count(), "platform": jax.default_backend()}
 
 
 # ----------------------------------------------------------------------------------
@@ -474,12 +482,45 @@ def _worker(kind: str, job_path: str, out_path: str) -> None:
         payload = json.load(f)
     if kind == "ceilings":
         result = run_ceilings()
+    elif kind == "devices":
+        result = run_devices()
     elif kind == "xla_cost":
         result = run_xla_cost(Job(**payload))
     else:
         result = run_row(Job(**payload))
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def rows_without_xla(report: dict) -> list[dict]:
+    """The timed rows that have no XLA cost: what `--fill-xla-cost` compiles."""
+    return [r for r in report["rows"] if r.get("status") == "ok" and not r.get("xla")]
+
+
+def count_devices(timeout: float) -> int:
+    """This machine's device count, from one child process (the parent never starts a
+    backend); a ValueError with the child's first line where it fails."""
+    result = _child("devices", {}, timeout)
+    if "device_count" not in result:
+        first = result.get("error", "no result").split("\n")[0]
+        raise ValueError(f"counting this machine's devices failed ({first})")
+    return result["device_count"]
+
+
+def mesh_error(mesh: str, available: int | None = None) -> str | None:
+    """Why `mesh` cannot run here, in one line, or None: a malformed spec or an unknown
+    axis (checked without devices when `available` is None), or more devices than
+    `available`."""
+    from train.mesh import mesh_device_count, mesh_sizes, parse_mesh
+
+    try:
+        if available is None:
+            mesh_sizes(mesh)
+        else:
+            parse_mesh(mesh, mesh_device_count(mesh, available))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def fill_xla_cost(out: str, timeout: float) -> None:
@@ -489,9 +530,7 @@ def fill_xla_cost(out: str, timeout: float) -> None:
     path = os.path.join(out, "report.json")
     with open(path) as f:
         report = json.load(f)
-    for row in report["rows"]:
-        if row.get("status") != "ok" or row.get("xla"):
-            continue
+    for row in rows_without_xla(report):
         layers = row.get("layers")
         job = Job(
             model=row["model"],
@@ -505,7 +544,8 @@ def fill_xla_cost(out: str, timeout: float) -> None:
         print(f"{row['name']}: XLA cost ...", flush=True)
         result = _child("xla_cost", dataclasses.asdict(job), timeout)
         if result.get("status") == "error" or "xla" not in result:
-            print(f"  failed: {result.get('error', result)}", file=sys.stderr, flush=True)
+            first = str(result.get("error", result)).split("\n")[0]
+            print(f"  failed: {first}", file=sys.stderr, flush=True)
             continue
         _with_xla(row, result["xla"])
         if row.get("hbm_gbps") is not None:
@@ -627,12 +667,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fill_xla_cost:
         try:
-            read_report(os.path.join(args.fill_xla_cost, "report.json"))
+            todo = rows_without_xla(read_report(os.path.join(args.fill_xla_cost, "report.json")))
+            available = count_devices(args.timeout) if todo else None
         except ValueError as e:
             parser.error(f"--fill-xla-cost: {e}")
+        for row in todo:
+            if error := mesh_error(row["mesh"], available):
+                parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
         fill_xla_cost(args.fill_xla_cost, args.timeout)
         return
     meshes = args.mesh or ["seq=2"]
+    for mesh in meshes:  # the spec's form and axes need no devices: refused first
+        if error := mesh_error(mesh):
+            parser.error(f"{error} (nothing was run)")
     try:
         contexts = [parse_context(c) for c in args.context.split(",") if c.strip()]
     except ValueError as e:
@@ -695,6 +742,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     labels = model_labels(names, taken)
     jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+    try:
+        available = count_devices(args.timeout)
+    except ValueError as e:
+        parser.error(f"{e} (nothing was run)")
+    for mesh in meshes:
+        if error := mesh_error(mesh, available):
+            parser.error(f"{error} (nothing was run)")
     ceilings = old.get("ceilings") or {}
     if args.reuse_ceilings and ceilings.get("matmul_tflops"):
         print(f"ceilings: reused from {path} ({ceilings.get('device')})", flush=True)
@@ -704,14 +758,6 @@ def main(argv: list[str] | None = None) -> None:
         if "error" in ceilings:
             first = ceilings["error"].split("\n")[0]
             print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
-    from train.mesh import mesh_device_count
-
-    # Reused ceilings are this machine's too (--reuse-ceilings): their device count holds.
-    for mesh in meshes if "device_count" in ceilings else ():
-        try:
-            mesh_device_count(mesh, ceilings["device_count"])
-        except ValueError as e:
-            parser.error(f"{e} (nothing was run)")
     os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
