@@ -309,7 +309,7 @@ def test_profile_cli_on_cpu(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
     assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
-    assert "Timed: 2 steps after 1 warm-up step, compile excluded" in md
+    assert "Steps: 1 warm-up step, 2 timed steps, 2 traced steps." in md
     assert "- `–` peak memory: the CPU backend reports no memory stats (tiny-256-seq2" in md
     assert "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics." in md
     first_step_intensity = rows[0]["intensity"]["step"]["intensity"]
@@ -419,6 +419,13 @@ def test_profile_job_names_and_passes_its_settings():
     row = {"mesh": "seq=2", **job.settings()}
     assert report_lib._mesh(row) == "seq=2 +shard_over_seq +save_dots +unrolled"
     assert Job(model="tiny", context=512, mesh="seq=1", out="x").name == "tiny-512-seq1"
+    # --layers and --batch: rows that differ only by them have different names.
+    small = Job(model="tiny", context=512, mesh="seq=1", out="x", layers=1, batch=2)
+    assert small.name == "tiny-512-seq1-layers1-batch2"
+    assert parse_args(_trainer_args(small)).run.per_device_train_batch_size == 2
+    row = {"mesh": "seq=1", **small.settings(), **small.facts()}
+    assert report_lib._mesh(row) == "seq=1 +layers=1 +batch=2"
+    assert small.facts()["steps"] == {"timed": 3, "warmup": 2, "traced": 2}
     once = dataclasses.replace(job, gather_once=True)
     assert once.name == "tiny-32k-seq2-shard_over_seq-gather_once-save_dots-unrolled"
     assert parse_args(_trainer_args(once)).parallel.gather_once is True
@@ -505,7 +512,7 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     # 255 tokens cannot split over seq=2: the child refuses the row.
     base = [sys.executable, "-m", "train.tools.profile", "--context", "255", "--out", str(out)]
     base += ["--models", "tiny", "--no-xla-cost"]
-    second = ["--append", "--reuse-ceilings", "--shard-over-seq"]
+    second = ["--append", "--reuse-ceilings", "--shard-over-seq", "--steps", "1"]
     for extra in ([], second):
         proc = subprocess.run(
             base + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -522,7 +529,11 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     assert all(r["status"] == "error" for r in report["rows"])
     assert "must be divisible" in report["rows"][0]["error"]
     assert len(report["commands"]) == 2 and "--append" in report["commands"][1]
+    # Each row keeps the steps it was run with, and the report says both.
+    assert [r["steps"]["timed"] for r in report["rows"]] == [3, 1]
+    assert all(r["xla_flags"] == env["XLA_FLAGS"] for r in report["rows"])
     md = (out / "report.md").read_text()
+    assert "Steps: mixed: 2 warm-up steps, 3 timed steps, 2 traced steps (tiny-255-seq2); " in md
     assert "## Rows that did not run" in md
     assert "| tiny | 255 | seq=2 +shard_over_seq | error |" in md
     assert "Commands (rows added with `--append`, in order)" in md
@@ -935,16 +946,60 @@ def test_report_says_why_mfu_and_peak_memory_are_missing():
 
 def test_step_counts_are_pluralised():
     for steps, text in (
-        ({"timed": 1, "warmup": 1, "traced": 1}, "Timed: 1 step after 1 warm-up step,"),
-        ({"timed": 3, "warmup": 2, "traced": 2}, "Timed: 3 steps after 2 warm-up steps,"),
-        ({"timed": 2, "warmup": 0, "traced": 1}, "Timed: 2 steps after 0 warm-up steps,"),
+        ({"timed": 1, "warmup": 1, "traced": 1}, "1 warm-up step, 1 timed step, 1 traced step."),
+        ({"timed": 3, "warmup": 2, "traced": 2}, "2 warm-up steps, 3 timed steps, 2 traced steps."),
+        ({"timed": 2, "warmup": 0, "traced": 1}, "0 warm-up steps, 2 timed steps, 1 traced step."),
     ):
         md = report_lib.markdown({**_report([_report_row(256)]), "steps": steps})
-        assert text in md, md
-        more = "1 more step." if steps["traced"] == 1 else f"{steps['traced']} more steps."
-        assert f"traced: {more}" in md
+        assert f"Steps: {text}" in md, md
     md = report_lib.markdown({**_report([_report_row(256)]), "layers_override": 1})
     assert "every model runs 1 layer**" in md
+
+
+def test_report_says_how_each_row_ran_where_appended_runs_differ():
+    """Rows added with --append keep their own steps, --layers, XLA_FLAGS and jax: the
+    report states a fact once where the rows agree and per row where they differ, never
+    the newest run's value for all (a report.json that recorded them once for all rows
+    still renders, and appending to it keeps them for its rows)."""
+    from train.tools.profile import with_row_facts
+
+    old = {
+        **_report([_report_row(256)]),
+        "xla_flags": "--old",
+        "layers_override": None,
+        "jax": "0.10.0",
+    }
+    appended = with_row_facts(old)
+    assert "steps" not in appended and "xla_flags" not in appended
+    assert appended["rows"][0]["steps"] == {"timed": 2, "warmup": 1, "traced": 2}
+    assert appended["rows"][0]["xla_flags"] == "--old"
+    assert report_lib.markdown(appended) == report_lib.markdown(old)
+    new = _report_row(
+        512,
+        name="tiny-512-layers1",
+        steps={"timed": 3, "warmup": 2, "traced": 2},
+        layers_override=1,
+        layers=1,
+        xla_flags="",
+        jax="0.11.2",
+    )
+    appended["rows"].append(new)
+    md = report_lib.markdown(appended)
+    assert (
+        "Steps: mixed: 1 warm-up step, 2 timed steps, 2 traced steps (tiny-256); "
+        "2 warm-up steps, 3 timed steps, 2 traced steps (tiny-512-layers1)."
+    ) in md
+    assert "XLA_FLAGS: mixed: `--old` (tiny-256); `(none)` (tiny-512-layers1)." in md
+    assert "mixed: jax 0.10.0 (tiny-256); jax 0.11.2 (tiny-512-layers1)" in md
+    assert (
+        "**Layers overridden in some rows** (column `layers`): mixed: the preset's layers "
+        "(tiny-256); 1 layer (tiny-512-layers1)."
+    ) in md
+    assert "every model runs" not in md
+    assert "| tiny | 512 | seq=2 +layers=1 |" in md
+    md = report_lib.markdown(_report([new]))
+    assert "mixed" not in md and "Steps: 2 warm-up steps, 3 timed steps, 2 traced steps." in md
+    assert "every model runs 1 layer**" in md and "XLA_FLAGS: `(none)`." in md
 
 
 def test_single_point_note_covers_no_point(tmp_path, monkeypatch):

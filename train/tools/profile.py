@@ -51,7 +51,11 @@ from train.oom import is_oom
 # XLA_FLAGS (simulated device count, command buffers) before jax starts.
 
 
-JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers")  # recorded in each row
+# Recorded in each row, and rerun by --fill-xla-cost.
+JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers", "batch")
+# What a row records of the run it came from, beside JOB_SETTINGS: runs added with
+# --append can differ in these, so the report says them per row.
+ROW_FACTS = ("steps", "layers_override", "xla_flags", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +80,13 @@ class Job:
 
     @property
     def name(self) -> str:
-        """`label-context-mesh`, plus what differs from the trainer's defaults: one file
-        name, used under `out` (the row's traces and trainer outputs)."""
+        """`label-context-mesh`, plus what differs from the defaults (`--layers`,
+        `--batch` and the trainer's settings): one file name, used under `out` (the row's
+        traces and trainer outputs)."""
         mesh = self.mesh.replace("=", "").replace(",", "-")
-        suffix = "-shard_over_seq" if self.shard_over_seq else ""
+        suffix = "" if self.layers is None else f"-layers{self.layers}"
+        suffix += "" if self.batch == 1 else f"-batch{self.batch}"
+        suffix += "-shard_over_seq" if self.shard_over_seq else ""
         suffix += "-gather_once" if self.gather_once else ""
         suffix += "" if self.remat == "save_attn" else f"-{self.remat}"
         suffix += "" if self.scan_layers else "-unrolled"
@@ -89,6 +96,12 @@ class Job:
     def settings(self) -> dict:
         """What a row records of how it ran (and what `--fill-xla-cost` reruns)."""
         return {name: getattr(self, name) for name in JOB_SETTINGS}
+
+    def facts(self) -> dict:
+        """The row's steps (warm-up, timed, traced) and `--layers`: of `ROW_FACTS`, those
+        the job knows (the parent adds the rest)."""
+        steps = {"timed": self.steps, "warmup": self.warmup, "traced": self.trace_steps}
+        return {"steps": steps, "layers_override": self.layers}
 
 
 def model_label(model: str) -> str:
@@ -140,6 +153,15 @@ def read_report(path: str) -> dict:
     if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
         raise ValueError(f"{path!r} is not a profile report (no list of 'rows')")
     return report
+
+
+def with_row_facts(report: dict) -> dict:
+    """`report` with `ROW_FACTS` in every row: a report.json written before rows
+    recorded them has them once, for all its rows (its last run's values). Appending
+    to it then leaves its rows' facts as they were."""
+    shared = {key: report[key] for key in ROW_FACTS if key in report}
+    rows = [{**shared, **row} for row in report["rows"]]
+    return {**{k: v for k, v in report.items() if k not in ROW_FACTS}, "rows": rows}
 
 
 def context_label(tokens: int) -> str:
@@ -537,7 +559,9 @@ def fill_xla_cost(out: str, timeout: float) -> None:
             context=row["context"],
             mesh=row["mesh"],
             out=os.path.abspath(out),
-            layers=None if layers == row.get("layers_preset") else layers,
+            layers=row.get(
+                "layers_override", None if layers == row.get("layers_preset") else layers
+            ),
             label=row.get("label", ""),
             **{name: row[name] for name in JOB_SETTINGS if name in row},
         )
@@ -732,7 +756,7 @@ def main(argv: list[str] | None = None) -> None:
     old: dict = {"rows": []}
     if args.append and os.path.exists(path):
         try:
-            old = read_report(path)
+            old = with_row_facts(read_report(path))
         except ValueError as e:
             parser.error(f"--append: {e}")
     # The rows' file names under --out: one label per model (a local directory's
@@ -772,19 +796,18 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m train.tools.profile " + args_text
     import jax  # only its version: the parent never starts a backend
 
+    run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
+
     def write(rows: list[dict]) -> dict:
-        """report.json with the rows so far (and, with --append, the old ones)."""
+        """report.json with the rows so far (and, with --append, the old ones). How the
+        rows ran (ROW_FACTS) is in each row: appended runs may differ."""
         fresh = {r["name"] for r in rows}
         kept = [r for r in old["rows"] if r["name"] not in fresh]
         report = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
-            "jax": jax.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "command": command,
             "commands": (old.get("commands") or ([old["command"]] if "command" in old else []))
             + [command],
-            "layers_override": args.layers,
-            "steps": {"timed": args.steps, "warmup": args.warmup, "traced": args.trace_steps},
             "ceilings": ceilings,
             "rows": kept + rows,
         }
@@ -803,6 +826,8 @@ def main(argv: list[str] | None = None) -> None:
             "context": job.context,
             "mesh": job.mesh,
             **job.settings(),
+            **job.facts(),
+            **run_facts,
             **row,
         }
         rows.append(row)

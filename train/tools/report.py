@@ -146,11 +146,15 @@ def _mean(row: dict) -> dict:
 
 
 def _mesh(row: dict) -> str:
-    """The row's mesh; `+shard_over_seq` (`+gather_once`) when parameters are also
-    sharded over a `seq` axis of more than one device (and gathered once per step), and
-    the remat policy and unrolled layers where they differ from the defaults."""
+    """The row's mesh; `+layers=N` and `+batch=N` where `--layers` and `--batch` were
+    given, `+shard_over_seq` (`+gather_once`) when parameters are also sharded over a
+    `seq` axis of more than one device (and gathered once per step), and the remat
+    policy and unrolled layers where they differ from the defaults."""
     over_seq = row.get("mesh_sizes", {}).get("seq", 2) > 1  # unknown (error rows): say it
-    label = row["mesh"] + (" +shard_over_seq" if over_seq and row.get("shard_over_seq") else "")
+    label = row["mesh"]
+    label += f" +layers={row['layers_override']}" if row.get("layers_override") else ""
+    label += f" +batch={row['batch']}" if row.get("batch", 1) != 1 else ""
+    label += " +shard_over_seq" if over_seq and row.get("shard_over_seq") else ""
     label += " +gather_once" if over_seq and row.get("gather_once") else ""
     if row.get("remat", "save_attn") != "save_attn":
         label += f" +{row['remat']}"
@@ -159,6 +163,50 @@ def _mesh(row: dict) -> str:
 
 def _label(row: dict) -> str:
     return f"{row['model']} ({_mesh(row)})"
+
+
+def row_fact(report: dict, row: dict, key: str):
+    """How `row` ran (`train.tools.profile.ROW_FACTS`: steps, `--layers`, XLA_FLAGS,
+    jax): its own record, else the report's (a report.json written before rows
+    recorded them)."""
+    return row[key] if key in row else report.get(key)
+
+
+def per_row(report: dict, rows: list[dict], key: str, text: Callable) -> str:
+    """`text` of the rows' `key`: said once where they agree, else `mixed:` and each
+    value with the rows it holds for (rows added with `--append` can differ)."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        groups.setdefault(text(row_fact(report, r, key)), []).append(r["name"])
+    if len(groups) > 1:
+        return "mixed: " + "; ".join(f"{t} ({', '.join(names)})" for t, names in groups.items())
+    return next(iter(groups), None) or text(report.get(key))
+
+
+def steps_text(steps: dict) -> str:
+    """A row's steps: `2 warm-up steps, 3 timed steps, 2 traced steps`."""
+    return (
+        f"{plural(steps['warmup'], 'warm-up step')}, {plural(steps['timed'], 'timed step')}, "
+        f"{plural(steps['traced'], 'traced step')}"
+    )
+
+
+def _layers_text(layers: int | None) -> str:
+    return plural(layers, "layer") if layers else "the preset's layers"
+
+
+def layers_note(report: dict, ok: list[dict]) -> list[str]:
+    """The lines saying which rows ran with `--layers` (none where no row did)."""
+    said = per_row(report, ok, "layers_override", _layers_text)
+    if said == _layers_text(None):
+        return []
+    if said.startswith("mixed: "):
+        return [f"**Layers overridden in some rows** (column `layers`): {said}.", ""]
+    return [
+        f"**Layers overridden: every model runs {said}** (column `layers`; the preset's "
+        "count is in report.json).",
+        "",
+    ]
 
 
 def _commands(report: dict) -> str:
@@ -213,27 +261,23 @@ def markdown(report: dict) -> str:
     """The Markdown report."""
     rows, ok = report["rows"], _ok(report)
     ceil = report.get("ceilings") or {}
-    device = next((r.get("device_kind") for r in ok), ceil.get("device", "?"))
-    steps = report["steps"]
+    measured = [r for r in ok if r.get("device_kind")]
+    device = per_row(report, measured, "device_kind", lambda d: d or ceil.get("device", "?"))
+    jax_version = per_row(report, rows, "jax", lambda v: f"jax {v}")
+    flags = per_row(report, rows, "xla_flags", lambda v: f"`{v or '(none)'}`")
+    steps = per_row(report, ok or rows, "steps", steps_text)
     lines = [
         "# Training profile",
         "",
-        f"{report['date']}, jax {report['jax']}, device: {device}. {_commands(report)} "
-        f"XLA_FLAGS: `{report.get('xla_flags') or '(none)'}`.",
+        f"{report['date']}, {jax_version}, device: {device}. {_commands(report)} "
+        f"XLA_FLAGS: {flags}.",
         "",
-        f"Timed: {plural(steps['timed'], 'step')} after "
-        f"{plural(steps['warmup'], 'warm-up step')}, compile excluded, `block_until_ready` "
-        f"around the window; traced: {plural(steps['traced'], 'more step')}. Per-device "
-        "times are the mean over devices and traced steps. Model FLOPs "
+        f"Steps: {steps}. Compile excluded, `block_until_ready` around the timed steps. "
+        "Per-device times are the mean over devices and traced steps. Model FLOPs "
         "(`models.training_flops_per_token`, recompute not counted) give TFLOP/s and MFU.",
         "",
     ]
-    if report.get("layers_override"):
-        lines += [
-            f"**Layers overridden: every model runs {plural(report['layers_override'], 'layer')}** "
-            "(column `layers`; the preset's count is in report.json).",
-            "",
-        ]
+    lines += layers_note(report, ok)
     lines += ["## Time per step (ms per device)", ""]
     lines += [
         "Phases partition the traced step: forward + backward + recompute + update "
