@@ -479,7 +479,9 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     assert row["name"] == "mine-256-seq2" and row["model"] == str(model_dir)
     assert row["trace_dir"] == os.path.join("tensorboard", "mine-256-seq2")
     assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
-    assert f"| {model_dir} | 256 | seq=2 |" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert f"| {model_dir} | 256 | seq=2 |" in md
+    assert row["xla_cost"] is False and "XLA cost analysis not run (--no-xla-cost;" in md
 
 
 @pytest.mark.multi_device(2)
@@ -738,6 +740,8 @@ def _report_row(context: int, **changes) -> dict:
         "top_kernels": {},
         "kernel_spread": [],
         "intensity": {"step": {"intensity": 3.0, "tflops": 0.00042}},
+        "xla": {"flops": 2.1e9, "bytes": 7e8, "method": "XLA cost analysis"},
+        "hbm_gbps": 140.0,
     }
     return {**row, **changes}
 
@@ -931,7 +935,8 @@ def test_report_says_why_mfu_and_peak_memory_are_missing():
     recorded = _report_row(256, not_measured=_not_measured({"mfu": None}, [cpu]))
     derived = _report_row(512, platform="cpu", device_kind="cpu")
     measured = _report_row(1024, name="gpu-1k", mfu=0.4, peak_memory_gib=3.0)
-    md = report_lib.markdown(_report([recorded, derived, measured]))
+    report = {**_report([recorded, derived, measured]), "ceilings": {"copy_gbps": 200.0}}
+    md = report_lib.markdown(report)
     throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
     table_end = throughput.rindex("|")
     notes = throughput[table_end + 1 :].strip().splitlines()
@@ -940,8 +945,42 @@ def test_report_says_why_mfu_and_peak_memory_are_missing():
         "(tiny-256, tiny-512)",
         "- `–` peak memory: the CPU backend reports no memory stats (tiny-256, tiny-512)",
     ], throughput
-    md = report_lib.markdown(_report([measured]))
+    md = report_lib.markdown({**report, "rows": [measured]})
     assert "- `–`" not in md
+
+
+def test_report_says_why_xla_cost_columns_are_missing():
+    """HBM GB/s and the step's intensity are `–` without XLA's cost: the report says why
+    under each table, naming the rows, and only where that is the reason (a row timed
+    with --no-xla-cost, a cost analysis without bytes); `HBM % of copy` is `–` also
+    without a measured copy bandwidth, said as such."""
+    skipped = _report_row(256, xla_cost=False, xla=None, hbm_gbps=None)
+    skipped["intensity"] = {"step": None}
+    empty = _report_row(512, xla_cost=True, xla=None, hbm_gbps=None)
+    empty["intensity"] = {"step": None}
+    analysed = _report_row(1024, xla_cost=True)
+    report = {**_report([skipped, empty, analysed]), "ceilings": {"copy_gbps": 200.0}}
+    md = report_lib.markdown(report)
+    throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
+    intensity = md.split("## Arithmetic intensity")[1].split("## PyTorch")[0]
+    not_run = (
+        "XLA cost analysis not run (--no-xla-cost; `python -m train.tools.profile "
+        "--fill-xla-cost DIR` computes it) (tiny-256)"
+    )
+    no_bytes = "XLA's cost analysis reported no bytes accessed (tiny-512)"
+    assert [x for x in throughput.splitlines() if x.startswith("- `–` HBM")] == [
+        f"- `–` HBM GB/s, HBM % of copy: {not_run}",
+        f"- `–` HBM GB/s, HBM % of copy: {no_bytes}",
+    ], throughput
+    assert intensity.strip().splitlines()[-2:] == [
+        f"- `–` step FLOP/B, step TFLOP/s: {not_run}",
+        f"- `–` step FLOP/B, step TFLOP/s: {no_bytes}",
+    ], intensity
+    assert "| tiny | 1k | seq=2 | 5 | 51.2 | 0.00042 | – | 140.0 | 70% |" in throughput
+    md = report_lib.markdown({**report, "rows": [analysed]})
+    assert "- `–` HBM" not in md and "- `–` step" not in md and "XLA cost" not in md
+    md = report_lib.markdown({**report, "rows": [analysed], "ceilings": {}})
+    assert "- `–` HBM % of copy: no copy bandwidth measured (tiny-1024)" in md
 
 
 def test_step_counts_are_pluralised():

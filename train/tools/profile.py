@@ -55,7 +55,7 @@ from train.oom import is_oom
 JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers", "batch")
 # What a row records of the run it came from, beside JOB_SETTINGS: runs added with
 # --append can differ in these, so the report says them per row.
-ROW_FACTS = ("steps", "layers_override", "xla_flags", "jax")
+ROW_FACTS = ("steps", "layers_override", "xla_cost", "xla_flags", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +98,10 @@ class Job:
         return {name: getattr(self, name) for name in JOB_SETTINGS}
 
     def facts(self) -> dict:
-        """The row's steps (warm-up, timed, traced) and `--layers`: of `ROW_FACTS`, those
-        the job knows (the parent adds the rest)."""
+        """The row's steps (warm-up, timed, traced), `--layers` and whether XLA's cost
+        was analysed: of `ROW_FACTS`, those the job knows (the parent adds the rest)."""
         steps = {"timed": self.steps, "warmup": self.warmup, "traced": self.trace_steps}
-        return {"steps": steps, "layers_override": self.layers}
+        return {"steps": steps, "layers_override": self.layers, "xla_cost": self.xla_cost}
 
 
 def model_label(model: str) -> str:

@@ -101,6 +101,38 @@ def unreported_notes(ok: list[dict]) -> list[str]:
     return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
 
 
+def xla_cost_reason(row: dict) -> str | None:
+    """Why the row has no XLA cost (its HBM GB/s and step intensity are `–`), or None
+    where it has one."""
+    if row.get("xla"):
+        return None
+    if row.get("xla_cost") is False:
+        return (
+            "XLA cost analysis not run (--no-xla-cost; `python -m train.tools.profile "
+            "--fill-xla-cost DIR` computes it)"
+        )
+    if row.get("xla_cost"):
+        return "XLA's cost analysis reported no bytes accessed"
+    return "no XLA cost recorded (timed with --no-xla-cost, or the analysis had no bytes)"
+
+
+def xla_cost_notes(ok: list[dict], columns: str) -> list[str]:
+    """One line per reason the `columns` that need XLA's bytes are `–`, naming the
+    rows; none where every row has them."""
+    notes: dict[str, list[str]] = {}
+    for r in ok:
+        if reason := xla_cost_reason(r):
+            notes.setdefault(f"{columns}: {reason}", []).append(r["name"])
+    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+
+
+def copy_note(ok: list[dict], copy_gbps: float | None) -> list[str]:
+    """The line for `HBM % of copy` cells that are `–` for want of a measured copy
+    bandwidth (rows that have HBM GB/s), or none."""
+    rows = [r["name"] for r in ok if r.get("hbm_gbps") and not copy_gbps]
+    return [f"- `–` HBM % of copy: no copy bandwidth measured ({', '.join(rows)})"] if rows else []
+
+
 def trace_timed_warning(row: dict) -> str | None:
     """The warning for a row whose traced step is far from its timed step, or None."""
     ratio = row.get("trace_vs_timed")
@@ -361,7 +393,8 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
-    if notes := unreported_notes(ok):  # under the table, where its `–` are
+    notes = xla_cost_notes(ok, "HBM GB/s, HBM % of copy") + copy_note(ok, copy)
+    if notes := notes + unreported_notes(ok):  # under the table, where its `–` are
         lines += [*notes, ""]
     lines += ["## Kernel classes (ms per device)", ""]
     lines += [
@@ -474,6 +507,8 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
+    if notes := xla_cost_notes(ok, "step FLOP/B, step TFLOP/s"):
+        lines += [*notes, ""]
     if ceil.get("matmul_tflops"):
         lines += [
             "## Ceilings (measured on this machine at startup)",
