@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -309,7 +310,8 @@ def test_profile_cli_on_cpu(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
     assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
-    assert "Steps: 1 warm-up step, 2 timed steps, 2 traced steps." in md
+    assert "the trace): warm-up 1, timed 2..3, traced 4..5." in md
+    assert [r["trace"]["steps"] for r in rows] == [[4, 5], [4, 5]]
     assert "- `–` peak memory: the CPU backend reports no memory stats (tiny-256-seq2" in md
     assert "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics." in md
     first_step_intensity = rows[0]["intensity"]["step"]["intensity"]
@@ -479,6 +481,10 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     assert row["name"] == "mine-256-seq2" and row["model"] == str(model_dir)
     assert row["trace_dir"] == os.path.join("tensorboard", "mine-256-seq2")
     assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
+    # Steps count from 1: step 1 is timed, step 2 traced (the trace's step number).
+    assert row["trace"]["steps"] == [2]
+    line = "ok: {:.1f} ms/step, {:.0f} tokens/s (timed steps 1; traced steps 2: slower under "
+    assert line.format(row["step_ms"], row["tokens_per_s"]) in proc.stdout, proc.stdout
     md = (out / "report.md").read_text()
     assert f"| {model_dir} | 256 | seq=2 |" in md
     assert row["xla_cost"] is False and "XLA cost analysis not run (--no-xla-cost;" in md
@@ -535,7 +541,7 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     assert [r["steps"]["timed"] for r in report["rows"]] == [3, 1]
     assert all(r["xla_flags"] == env["XLA_FLAGS"] for r in report["rows"])
     md = (out / "report.md").read_text()
-    assert "Steps: mixed: 2 warm-up steps, 3 timed steps, 2 traced steps (tiny-255-seq2); " in md
+    assert "mixed: warm-up 1..2, timed 3..5, traced 6..7 (tiny-255-seq2); " in md
     assert "## Rows that did not run" in md
     assert "| tiny | 255 | seq=2 +shard_over_seq | error |" in md
     assert "Commands (rows added with `--append`, in order)" in md
@@ -983,14 +989,40 @@ def test_report_says_why_xla_cost_columns_are_missing():
     assert "- `–` HBM % of copy: no copy bandwidth measured (tiny-1024)" in md
 
 
-def test_step_counts_are_pluralised():
+def test_steps_are_numbered_from_one_everywhere():
+    """Warm-up, timed and traced steps count from 1 in each row's run, as the trainer's
+    step lines do: in the report, the CLI's help (its defaults) and the row's line;
+    the tokens/s are said to come from the timed steps, not the traced ones."""
+    from train.tools.profile import build_parser
+
     for steps, text in (
-        ({"timed": 1, "warmup": 1, "traced": 1}, "1 warm-up step, 1 timed step, 1 traced step."),
-        ({"timed": 3, "warmup": 2, "traced": 2}, "2 warm-up steps, 3 timed steps, 2 traced steps."),
-        ({"timed": 2, "warmup": 0, "traced": 1}, "0 warm-up steps, 2 timed steps, 1 traced step."),
+        ({"timed": 1, "warmup": 1, "traced": 1}, "warm-up 1, timed 2, traced 3."),
+        ({"timed": 3, "warmup": 2, "traced": 2}, "warm-up 1..2, timed 3..5, traced 6..7."),
+        ({"timed": 2, "warmup": 0, "traced": 1}, "warm-up none, timed 1..2, traced 3."),
     ):
         md = report_lib.markdown({**_report([_report_row(256)]), "steps": steps})
-        assert f"Steps: {text}" in md, md
+        assert "as the trainer's step lines count (the traced ones carry these numbers in " in md
+        assert f"the trace): {text}" in md, md
+    assert "the traced steps, slower under the profiler, are not timed" in md
+    throughput = md.split("## Throughput and memory")[1].split("|")[0]
+    assert "tokens/s, TFLOP/s and MFU: the timed steps" in throughput
+    assert "none of the traced steps (slower under the profiler: not timed" in throughput
+    parser = build_parser()
+    defaults = {
+        "warmup": parser.get_default("warmup"),
+        "timed": parser.get_default("steps"),
+        "traced": parser.get_default("trace_steps"),
+    }
+    spans = report_lib.step_spans(defaults)
+    help_text = " ".join(parser.format_help().split())
+    assert "steps count from 1 in each row, as the trainer's step lines do" in help_text
+    for part, flag in (("warmup", "--warmup"), ("timed", "--steps"), ("traced", "--trace-steps")):
+        metavar = flag[2:].upper().replace("-", "_")
+        said = re.search(rf"{flag} {metavar} ([^\[\]]*?) --[a-z]", help_text).group(1)
+        assert f"with the defaults, steps {spans[part]})" in said, (flag, said)
+    assert report_lib.timing_text(defaults) == (
+        "timed steps 3..5; traced steps 6..7: slower under the profiler, not timed"
+    )
     md = report_lib.markdown({**_report([_report_row(256)]), "layers_override": 1})
     assert "every model runs 1 layer**" in md
 
@@ -1025,8 +1057,8 @@ def test_report_says_how_each_row_ran_where_appended_runs_differ():
     appended["rows"].append(new)
     md = report_lib.markdown(appended)
     assert (
-        "Steps: mixed: 1 warm-up step, 2 timed steps, 2 traced steps (tiny-256); "
-        "2 warm-up steps, 3 timed steps, 2 traced steps (tiny-512-layers1)."
+        "the trace): mixed: warm-up 1, timed 2..3, traced 4..5 (tiny-256); "
+        "warm-up 1..2, timed 3..5, traced 6..7 (tiny-512-layers1)."
     ) in md
     assert "XLA_FLAGS: mixed: `--old` (tiny-256); `(none)` (tiny-512-layers1)." in md
     assert "mixed: jax 0.10.0 (tiny-256); jax 0.11.2 (tiny-512-layers1)" in md
@@ -1037,7 +1069,7 @@ def test_report_says_how_each_row_ran_where_appended_runs_differ():
     assert "every model runs" not in md
     assert "| tiny | 512 | seq=2 +layers=1 |" in md
     md = report_lib.markdown(_report([new]))
-    assert "mixed" not in md and "Steps: 2 warm-up steps, 3 timed steps, 2 traced steps." in md
+    assert "mixed" not in md and "the trace): warm-up 1..2, timed 3..5, traced 6..7." in md
     assert "every model runs 1 layer**" in md and "XLA_FLAGS: `(none)`." in md
 
 

@@ -366,10 +366,11 @@ def run_row(job: Job) -> dict:
             row["not_measured"] = _not_measured(row, devices)
 
             trace_dir = os.path.join(job.out, "tensorboard", job.name)
+            first = job.warmup + job.steps + 1  # the step lines' numbering: from 1
             jax.profiler.start_trace(trace_dir)
             try:
                 for i in range(job.trace_steps):
-                    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                    with jax.profiler.StepTraceAnnotation("train", step_num=first + i):
                         state, metrics = compiled(state, batches[i % 2])
                 jax.block_until_ready((state, metrics))
             finally:
@@ -592,9 +593,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="mesh spec, repeatable (default seq=2); uses the first N devices it names",
     )
     p.add_argument("--layers", type=int, default=None, help="override every model's layers")
-    p.add_argument("--steps", type=int, default=3, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--trace-steps", type=int, default=2, help="profiled steps")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="timed steps, after the warm-up: latency, tokens/s, TFLOP/s and MFU (steps "
+        "count from 1 in each row, as the trainer's step lines do: with the defaults, "
+        "steps 3..5)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps after compiling (with the defaults, steps 1..2)",
+    )
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=2,
+        help="profiled steps after the timed ones, slower under the profiler and not timed; "
+        "the trace's step numbers (with the defaults, steps 6..7)",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
     p.add_argument(
@@ -834,7 +853,8 @@ def main(argv: list[str] | None = None) -> None:
         summary = (
             row.get("error", "").split("\n")[0]
             if row.get("status") != "ok"
-            else (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s")
+            else f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s "
+            f"({report_lib.timing_text(row['steps'])})"
         )
         print(f"  {row.get('status')}: {summary}", flush=True)
         for w in row.get("warnings", []):

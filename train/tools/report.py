@@ -215,11 +215,30 @@ def per_row(report: dict, rows: list[dict], key: str, text: Callable) -> str:
     return next(iter(groups), None) or text(report.get(key))
 
 
+def step_spans(steps: dict) -> dict[str, str]:
+    """A row's warm-up, timed and traced steps as the step numbers they ran as, counted
+    from 1 as the trainer's step lines count (the traced ones are the trace's step
+    numbers): `{"warmup": "1..2", "timed": "3..5", "traced": "6..7"}`, `none` for none."""
+    spans, first = {}, 1
+    for part in ("warmup", "timed", "traced"):
+        n = steps[part]
+        spans[part] = "none" if n == 0 else str(first) if n == 1 else f"{first}..{first + n - 1}"
+        first += n
+    return spans
+
+
 def steps_text(steps: dict) -> str:
-    """A row's steps: `2 warm-up steps, 3 timed steps, 2 traced steps`."""
+    """A row's steps: `warm-up 1..2, timed 3..5, traced 6..7`."""
+    spans = step_spans(steps)
+    return f"warm-up {spans['warmup']}, timed {spans['timed']}, traced {spans['traced']}"
+
+
+def timing_text(steps: dict) -> str:
+    """Which steps a row's latency and tokens/s come from, and which were traced."""
+    spans = step_spans(steps)
     return (
-        f"{plural(steps['warmup'], 'warm-up step')}, {plural(steps['timed'], 'timed step')}, "
-        f"{plural(steps['traced'], 'traced step')}"
+        f"timed steps {spans['timed']}; traced steps {spans['traced']}: slower under the "
+        "profiler, not timed"
     )
 
 
@@ -304,9 +323,13 @@ def markdown(report: dict) -> str:
         f"{report['date']}, {jax_version}, device: {device}. {_commands(report)} "
         f"XLA_FLAGS: {flags}.",
         "",
-        f"Steps: {steps}. Compile excluded, `block_until_ready` around the timed steps. "
-        "Per-device times are the mean over devices and traced steps. Model FLOPs "
-        "(`models.training_flops_per_token`, recompute not counted) give TFLOP/s and MFU.",
+        f"Steps, counted from 1 in each row's run as the trainer's step lines count (the "
+        f"traced ones carry these numbers in the trace): {steps}. Compile excluded, "
+        "`block_until_ready` around the timed steps. Latency, tokens/s, TFLOP/s and MFU come "
+        "from the timed steps only; the traced steps, slower under the profiler, are not "
+        "timed. Per-device phase and kernel times are the mean over devices and traced "
+        "steps. Model FLOPs (`models.training_flops_per_token`, recompute not counted) give "
+        "TFLOP/s and MFU.",
         "",
     ]
     lines += layers_note(report, ok)
@@ -350,9 +373,12 @@ def markdown(report: dict) -> str:
     )
     lines += ["## Throughput and memory", ""]
     lines += [
-        "HBM GB/s: bytes per XLA's cost analysis ÷ timed step (see `xla.method` in "
-        "report.json); HBM % of copy: that ÷ the measured copy bandwidth, over 100% where "
-        "caches serve some of the counted bytes (small steps, CPU). Ring GB/s: bytes of "
+        "Latency, tokens/s, TFLOP/s and MFU: the timed steps (`block_until_ready` around "
+        "them), none of the traced steps (slower under the profiler: not timed; their time "
+        "is the `traced step` above). HBM GB/s: bytes per XLA's cost analysis ÷ timed "
+        "step (see `xla.method` in report.json); HBM % of copy: that ÷ the measured copy "
+        "bandwidth, over 100% where caches serve some of the counted bytes (small steps, "
+        "CPU). Ring GB/s: bytes of "
         "the collective-permutes (K/V and dK/dV transfers) ÷ the time they run, per "
         "device (includes waiting for the peer, so a lower bound on the link). Memory "
         "per device: peak measured by the allocator, and the compiler's estimate "
@@ -782,7 +808,7 @@ def _roofline():
 PLOTS = (
     Plot(
         "latency_throughput",
-        "Latency and throughput vs context",
+        "Latency and throughput vs context (timed steps, not the traced ones)",
         _lines(
             Line("step_ms", "ms per step", "Step latency"),
             Line("tokens_per_s", "tokens/s", "Throughput"),
