@@ -14,6 +14,7 @@ import sys
 import jax
 import pytest
 from conftest import ON_GPU, cpu_devices
+from matplotlib.text import Text
 
 from train import xla_flags
 from train.config import parse_args
@@ -1106,6 +1107,87 @@ def test_single_point_note_covers_no_point(tmp_path, monkeypatch):
                     assert not inside, (fig.texts, note.get_text(), (x, y), box)
                     checked += 1
     assert checked > 0
+
+
+def _many_rows() -> list[dict]:
+    """A report's rows as a three-mesh, four-context run of two models gives them: long
+    mesh labels, and roofline points of one kind close together."""
+    rows = []
+    for m, model in enumerate(("llama2-7b", "llama3.2-1b")):
+        for s, mesh in enumerate(("seq=1", "seq=2", "seq=4")):
+            for c, context in enumerate((8192, 16384, 32768, 65536)):
+                i = 1 + 0.04 * (c + 4 * s + 12 * m)
+                row = _report_row(context, name=f"{model}-{context}-{mesh}", mesh=mesh)
+                row.update(model=model, devices=int(mesh[-1]), mesh_sizes={"seq": int(mesh[-1])})
+                row.update(shard_over_seq=m == 0, gather_once=m == 0, step_ms=5.0 * i)
+                row["intensity"] = {
+                    kind: {"intensity": x * i, "tflops": y * i}
+                    for kind, x, y in (
+                        ("step", 30, 100),
+                        ("attention", 300, 300),
+                        ("matmul", 250, 500),
+                    )
+                }
+                rows.append(row)
+    return rows
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_plot_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Many rows: the bar plots grow wider with their bars and name each mesh once under
+    its bars, and the roofline's context labels sit apart (leader lines where moved):
+    no two labels' boxes, as the renderer draws them, overlap, and no roofline label
+    covers a marker."""
+    figures = []
+    monkeypatch.setattr(report_lib.plt, "close", figures.append)
+    ceilings = {"matmul_tflops": 800.0, "copy_gbps": 4000.0, "matmul_label": "m", "copy_label": "c"}
+    report = {**_report(_many_rows()), "ceilings": ceilings}
+    report_lib.render(report, str(tmp_path))
+    drawn = dict(zip(report_lib.plots_written(report), figures, strict=True))
+    for name in ("phases", "kernels"):
+        fig = drawn[name]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [t for ax in fig.axes for t in [*ax.get_xticklabels(), *ax.texts, ax.title]]
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_text()]
+        assert len(boxes) > 2 * 12, name
+        for i, (text, box) in enumerate(boxes):
+            inside = box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y0 >= 0
+            assert inside, (name, text, box, fig.bbox)
+            for other, box2 in boxes[i + 1 :]:
+                assert not _boxes_overlap(box, box2), (name, text, other)
+    fig = drawn["roofline"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    labels = [Text.get_window_extent(t, renderer) for t in ax.texts]  # without leader lines
+    assert len(labels) == 3 * len(report["rows"])
+    markers = []
+    for line in ax.get_lines():
+        if line.get_marker() not in (None, "None", "", " ") and len(line.get_xydata()):
+            r = line.get_markersize() / 72 * fig.dpi / 2
+            markers += [(x, y, r) for x, y in line.get_transform().transform(line.get_xydata())]
+    frame = ax.get_window_extent(renderer)
+    for i, box in enumerate(labels):
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0
+        assert box.y1 <= frame.y1, (box, frame)
+        assert not any(_boxes_overlap(box, other) for other in labels[i + 1 :]), i
+        for x, y, r in markers:
+            assert not (box.x0 - r < x < box.x1 + r and box.y0 - r < y < box.y1 + r), (i, x, y)
+
+    # Wider with more bars: a model of four rows keeps the panel's least width.
+    few = {**report, "rows": report["rows"][:4]}
+    widths = {}
+    for name, rows in (("few", few), ("many", report)):
+        figures.clear()
+        report_lib.draw_plot(report_lib.PLOTS[2], rows, str(tmp_path / f"{name}.png"))
+        widths[name] = figures[0].get_size_inches()[0]
+    assert report_lib.PLOTS[2].name == "phases"
+    assert widths["few"] == report_lib.PLOTS[2].panel_size[0]
+    assert widths["many"] / 2 > 1.5 * widths["few"]  # per panel: three meshes' bars
 
 
 def test_unreadable_traces_are_named(tmp_path):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 from train.tools.trace import kernel_label  # noqa: E402
 
@@ -29,6 +31,7 @@ SEED_REFERENCE = [
     {"model": "llama3.2-3b", "forward_ms": 93.6, "backward_ms": 261.2, "comm_ms": 35.0},
     {"model": "llama3.2-1b", "forward_ms": 53.3, "backward_ms": 157.8, "comm_ms": 21.2},
 ]
+DPI = 110  # the plots' resolution
 PHASES = ("forward", "backward", "recompute", "update", "idle")
 # Traced step / timed step beyond 1 +- this: the per-phase times (traced) do not
 # describe the timed step (profiling overhead, or a noisy timing).
@@ -631,7 +634,11 @@ class Plot:
     draw: Callable[[list, list[dict], dict], None]  # (panels, rows, report) fills the panels
     rows: Callable[[list[dict]], list[dict]] = lambda ok: ok  # [] when the plot has nothing
     panels: Callable[[list[dict]], int] = lambda rows: 1  # side by side
-    panel_size: tuple[float, float] = (7.0, 4.2)  # inches
+    panel_size: tuple[float, float] = (7.0, 4.2)  # inches (the width at least)
+    # Inches a panel needs for its labels, from the rows (more rows: wider); None: fixed.
+    width: Callable[[list[dict]], float] | None = None
+    # Run on the figure once its layout is final (labels placed where they fit).
+    place: Callable[[plt.Figure], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -716,32 +723,80 @@ def _models(rows: list[dict]) -> int:
     return len(dict.fromkeys(r["model"] for r in rows))
 
 
+# Text sizes for sizing a figure before it is drawn: inches per character of a label
+# (DejaVu Sans, with room to spare) at a font size of 1 pt, and a bar's least width.
+CHAR_IN_PER_PT = 0.65 / 72
+BAR_IN = 0.5
+GROUP_FONT = 8  # the mesh under each group of bars
+
+
+def _mesh_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """A model's rows by mesh label (in order of appearance), each group by context."""
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (_mesh(r), r["context"])):
+        groups.setdefault(_mesh(r), []).append(r)
+    return list(groups.items())
+
+
+def _mesh_lines(mesh: str) -> str:
+    return mesh.replace(" +", "\n+")
+
+
+def _stacked_width(rows: list[dict]) -> float:
+    """Inches a `_stacked` panel needs: each mesh's group as wide as its bars or its
+    longest label line, whichever is wider, and the axis' own margin."""
+    widths = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        groups = _mesh_groups([r for r in rows if r["model"] == model])
+        width = 1.4  # the y label, ticks and the panel's padding
+        for mesh, rs in groups:
+            line = max(len(x) for x in _mesh_lines(mesh).split("\n"))
+            text = line * GROUP_FONT * CHAR_IN_PER_PT if len(groups) > 1 else 0.0
+            width += max(len(rs) * BAR_IN, text) + BAR_IN / 2
+        widths.append(width)
+    return max(widths)
+
+
 def _stacked(parts: tuple[str, ...]):
-    """One panel per model: bars of `parts` (`<part>_ms` of the traced mean) per context
-    and mesh, with the timed step as a mark."""
+    """One panel per model: bars of `parts` (`<part>_ms` of the traced mean) per context,
+    grouped by mesh (named once under its group), with the timed step as a mark."""
 
     def draw(axes, rows, report):
         models = list(dict.fromkeys(r["model"] for r in rows))
         for ax, model in zip(axes, models, strict=True):
-            rs = sorted(
-                (r for r in rows if r["model"] == model), key=lambda r: (_mesh(r), r["context"])
-            )
-            meshes = list(dict.fromkeys(_mesh(r) for r in rs))
-            if len(meshes) == 1:  # one mesh: said once, in the title (long labels collide)
-                names = [_ctx(r["context"]) for r in rs]
-            else:
-                names = [
-                    f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs
-                ]
+            groups = _mesh_groups([r for r in rows if r["model"] == model])
+            xs, rs, centers, x = [], [], [], 0.0
+            for mesh, group in groups:
+                line = max(len(t) for t in _mesh_lines(mesh).split("\n"))
+                slots = max(len(group), line * GROUP_FONT * CHAR_IN_PER_PT / BAR_IN)
+                first = x + (slots - len(group)) / 2  # the bars centred in their group
+                xs += [first + i for i in range(len(group))]
+                rs += group
+                centers.append((first + (len(group) - 1) / 2, mesh))
+                x += slots + 0.5
             bottom = [0.0] * len(rs)
             for part in parts:
                 values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
-                ax.bar(
-                    names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " ")
-                )
+                ax.bar(xs, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " "))
                 bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-            ax.plot(names, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
-            ax.set_title(f"{model} ({meshes[0]})" if len(meshes) == 1 else model)
+            ax.plot(xs, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
+            ax.set_xticks(xs, [_ctx(r["context"]) for r in rs])
+            ax.set_xlim(-0.75, x - 0.75)
+            if len(groups) == 1:  # one mesh: said once, in the title
+                ax.set_title(f"{model} ({groups[0][0]})")
+            else:
+                ax.set_title(model)
+                for center, mesh in centers:
+                    ax.annotate(
+                        _mesh_lines(mesh),
+                        (center, 0),
+                        xycoords=("data", "axes fraction"),
+                        xytext=(0, -20),
+                        textcoords="offset points",
+                        ha="center",
+                        va="top",
+                        fontsize=GROUP_FONT,
+                    )
             ax.set_ylabel("ms per step, per device")
             ax.grid(axis="y", alpha=0.3)
         axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), markerscale=0.4)
@@ -749,9 +804,14 @@ def _stacked(parts: tuple[str, ...]):
     return draw
 
 
+POINT_LABEL = "point-label"  # the gid of a roofline point's context label
+LABEL_FONT = 7
+
+
 def _roofline():
     """Step, attention kernels and matmuls at their arithmetic intensity, under the
-    measured matmul and copy ceilings."""
+    measured matmul and copy ceilings; each point's context beside it (`_place_labels`
+    moves the labels apart once the layout is final) and the legend outside the axes."""
 
     def draw(axes, rows, report):
         (ax,) = axes
@@ -763,10 +823,11 @@ def _roofline():
             if p and p.get("tflops")
         ]
         xs = [p["intensity"] for _, _, p in points] or [1.0]
-        lo, hi = min(xs + [1.0]) / 4, max(xs + [1e3]) * 4
         peak, bw = ceil.get("matmul_tflops"), ceil.get("copy_gbps")
-        if peak and bw:
-            ridge = peak * 1e12 / (bw * 1e9)
+        ridge = peak * 1e12 / (bw * 1e9) if peak and bw else None
+        # From a decade left of the leftmost point or the ridge, to right of both.
+        lo, hi = min(xs + [ridge or xs[0]]) / 10, max(xs + [ridge or xs[0]]) * 4
+        if ridge:
             grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
             ax.plot(
                 grid,
@@ -776,33 +837,105 @@ def _roofline():
                 label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
             )
         markers = {"step": "o", "attention": "^", "matmul": "s"}
-        # A series' points of one kind sit close together (one per context): their
-        # context labels take turns above and below, so neighbours do not run together.
-        offsets = ((3, 3), (3, -9))
         for i, label in enumerate(_series(rows)):
-            seen: dict[str, int] = {}
             for r, kind, p in points:
                 if _label(r) == label:
                     ax.plot(p["intensity"], p["tflops"], markers[kind], color=f"C{i}", ms=7)
-                    turn = seen[kind] = seen.get(kind, -1) + 1
                     ax.annotate(
                         _ctx(r["context"]),
                         (p["intensity"], p["tflops"]),
-                        fontsize=7,
-                        xytext=offsets[turn % len(offsets)],
+                        fontsize=LABEL_FONT,
+                        xytext=(6, 6),
                         textcoords="offset points",
+                        ha="center",
+                        va="center",
+                        gid=POINT_LABEL,
+                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4", "shrinkB": 4},
                     )
             ax.plot([], [], "o", color=f"C{i}", label=label)
         for kind, m in markers.items():
             ax.plot([], [], m, color="gray", label=kind)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ys = [p["tflops"] for _, _, p in points]
+        if ys:  # a decade below the lowest point: the points spread over the height
+            ax.set_ylim(min(ys) / 10, max(ys + [peak or 0.0]) * 2)
         ax.set_xlabel("arithmetic intensity (FLOP/byte)")
         ax.set_ylabel("achieved TFLOP/s per device")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=LABEL_FONT, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 
     return draw
+
+
+def _roofline_width(rows: list[dict]) -> float:
+    """Inches the roofline needs: its axes and, beside them, the legend's longest entry."""
+    ceilings = len("ceilings: 1e+03 TFLOP/s, 4.8e+03 GB/s (ridge 200 FLOP/B)")
+    longest = max([ceilings, *(len(label) for label in _series(rows))])
+    return 6.5 + longest * LABEL_FONT * CHAR_IN_PER_PT + 0.6
+
+
+# Where a point's label may go, in points from the point: rings of offsets, nearest first.
+LABEL_OFFSETS = [
+    (round(r * math.cos(a * math.pi / 8), 1), round(r * math.sin(a * math.pi / 8), 1))
+    for r in (7, 11, 16, 22, 29, 37, 46, 56, 67, 79, 92)
+    for a in (2, 0, 4, 6, 1, 3, 5, 7, 15, 9, 14, 10, 13, 11, 12, 8)
+]
+
+
+def _overlap(a: tuple, b: tuple) -> float:
+    """The area two boxes `(x0, y0, x1, y1)` share."""
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def _marker_boxes(ax, dpi: float) -> list[tuple]:
+    """The display boxes of the markers drawn on `ax`."""
+    boxes = []
+    for line in ax.get_lines():
+        if line.get_marker() in (None, "None", "", " ") or not len(line.get_xydata()):
+            continue
+        half = line.get_markersize() / 72 * dpi / 2
+        for x, y in line.get_transform().transform(line.get_xydata()):
+            boxes.append((x - half, y - half, x + half, y + half))
+    return boxes
+
+
+def _label_cost(box: tuple, frame, taken: list[tuple]) -> tuple[bool, float]:
+    """How bad a label at display box `box` is: outside the axes' `frame` first, then
+    the area it shares with the boxes `taken`."""
+    inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] <= box[3] <= frame.y1
+    return not inside, sum(_overlap(box, b) for b in taken)
+
+
+def _place_label(label, renderer, frame, taken: list[tuple]) -> tuple:
+    """Moves `label` to the first of `LABEL_OFFSETS` where `_label_cost` is least; its
+    display box there."""
+    text = Text.get_window_extent(label, renderer)  # the text alone, not its leader line
+    pad = 2 * label.figure.dpi / 72  # 2 points around each label
+    w, h = text.width / 2 + pad, text.height / 2 + pad
+    px, py = label.axes.transData.transform(label.xy)
+    scale = label.figure.dpi / 72  # display pixels per point
+    boxes = []
+    for dx, dy in LABEL_OFFSETS:
+        cx, cy = px + dx * scale, py + dy * scale
+        boxes.append((cx - w, cy - h, cx + w, cy + h))
+    best = min(range(len(boxes)), key=lambda i: _label_cost(boxes[i], frame, taken))
+    label.xyann = LABEL_OFFSETS[best]
+    return boxes[best]
+
+
+def _place_labels(fig) -> None:
+    """Moves each point label (`POINT_LABEL`) to the nearest offset where it overlaps no
+    other label and no marker and stays inside the axes (else to where it overlaps
+    least); a leader line joins a label set apart to its point."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        frame = ax.get_window_extent(renderer)
+        taken = _marker_boxes(ax, fig.dpi)
+        for label in [t for t in ax.texts if t.get_gid() == POINT_LABEL]:
+            taken.append(_place_label(label, renderer, frame, taken))
 
 
 PLOTS = (
@@ -823,6 +956,7 @@ PLOTS = (
         _stacked(PHASES),
         panels=_models,
         panel_size=(4.5, 4.5),
+        width=_stacked_width,
     ),
     Plot(
         "kernels",
@@ -831,12 +965,15 @@ PLOTS = (
         rows=lambda ok: ok if any(_mean(r)["attention_ms"] is not None for r in ok) else [],
         panels=_models,
         panel_size=(4.5, 4.5),
+        width=_stacked_width,
     ),
     Plot(
         "roofline",
         "Roofline: step, attention kernels and matmuls",
         _roofline(),
         panel_size=(7.5, 5.0),
+        width=_roofline_width,
+        place=_place_labels,
     ),
     Plot(
         "scaling",
@@ -857,6 +994,7 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
     rows = plot.rows(_ok(report))
     n = plot.panels(rows)
     width, height = plot.panel_size
+    width = max(width, plot.width(rows)) if plot.width else width
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
     plot.draw(list(axes[0]), rows, report)
     if n == 1 and not axes[0][0].get_title():
@@ -864,7 +1002,9 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
     else:
         fig.suptitle(plot.title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if plot.place:
+        plot.place(fig)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
