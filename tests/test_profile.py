@@ -582,6 +582,83 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     assert sorted(p.name for p in timed.iterdir()) == ["report.json"]
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_profile_stopped_ends_its_running_worker(tmp_path, how):
+    """SIGTERM (or Ctrl-C) to the tool while a row's worker runs: the worker and its
+    process group are ended, not orphaned, and the tool exits with one line naming the
+    row (status 143, or 130 for Ctrl-C)."""
+    import signal
+    import time
+
+    out = tmp_path / "profile"
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    argv = ["--models", "tiny", "--context", "256", "--mesh", "seq=2", "--steps", "100000"]
+    argv += ["--no-xla-cost", "--out", str(out)]
+    # As a terminal starts it: a shell running these tests in the background hands its
+    # children SIGINT ignored, and Python keeps that.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = ['profile', *{argv!r}]; runpy.run_module('train.tools.profile', "
+        "run_name='__main__')"
+    )
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", start], stdout=stdout, stderr=stderr, env=env, cwd=ROOT
+        )
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not workers:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "stderr"
+            ).read_text()
+            if "tiny-256-seq2 ..." in (tmp_path / "stdout").read_text():
+                workers = _children(proc.pid)
+            time.sleep(0.1)
+        time.sleep(1)  # the worker under way (importing jax, compiling)
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=60)
+        gone = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), workers
+    finally:
+        proc.kill()
+        for pid in workers:  # an orphaned worker: not left running after the test
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    err = (tmp_path / "stderr").read_text()
+    assert proc.returncode == (143 if how == "SIGTERM" else 130), err
+    said = "terminated (SIGTERM)" if how == "SIGTERM" else "interrupted"
+    assert err.strip().splitlines()[-1] == (
+        f"{said}: the worker (row tiny-256-seq2) was ended; no row had finished"
+    ), err
+    assert "Traceback" not in err
+
+
 def test_ring_bench_longest_search():
     sys.path.insert(0, ROOT)
     from train.tools.capacity import search_longest

@@ -19,8 +19,9 @@ report shows the model as given).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
-`report.json` is rewritten after every row, so a run stopped from outside keeps the
-rows it finished (`--report-only` then renders them). The report (`report.json`,
+`report.json` is rewritten (whole) after every row, so a run stopped from outside keeps
+the rows it finished (`--report-only` then renders them); Ctrl-C or SIGTERM ends the
+running child's process group and exits with one line naming it. The report (`report.json`,
 `report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
@@ -37,9 +38,11 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from models.config import REMAT_POLICIES
@@ -484,20 +487,74 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
     return {"status": "error", "error": f"{how}: {cause}\n{tail}"}
 
 
-def _child(kind: str, payload: dict, timeout: float) -> dict:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the parent: handled as Ctrl-C is (the running worker is ended)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Ends a worker and whatever it started (its own process group: SIGTERM, then
+    SIGKILL after 5 s), and reaps it. A second Ctrl-C or SIGTERM waits until it is done."""
+    from train.outputs import signals_held
+
+    with signals_held(reraise=False):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.communicate()
+
+
+def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
+    """Runs one worker (`--worker kind`) in its own process group; its result, or the
+    row of a worker that failed. `what` names it in the line a Ctrl-C or SIGTERM ends
+    the parent with: the worker is ended first, never left running."""
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
         cmd = [sys.executable, "-m", "train.tools.profile", "--worker", kind, job_path, out_path]
+        pipe = subprocess.PIPE
+        proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _end(proc)
             return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+        except KeyboardInterrupt as e:
+            _end(proc)
+            e.add_note(f"the worker ({what}) was ended")
+            raise
         if proc.returncode != 0 or not os.path.exists(out_path):
-            return failed_child(proc.returncode, proc.stdout, proc.stderr)
+            return failed_child(proc.returncode, stdout, stderr)
         with open(out_path) as f:
             return json.load(f)
+
+
+def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
+    """The line a Ctrl-C or SIGTERM ends the tool with: which worker was ended, and what
+    report.json holds."""
+    how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted"
+    ended = "; ".join(getattr(error, "__notes__", [])) or "no worker was running"
+    if os.path.exists(report_path):
+        return f"{how}: {ended}; {report_path} holds the rows finished before"
+    return f"{how}: {ended}; no row had finished"
+
+
+def write_json(path: str, data: dict) -> None:
+    """`data` into `path`, whole or not at all (a stopped run keeps the previous file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def _worker(kind: str, job_path: str, out_path: str) -> None:
@@ -523,7 +580,7 @@ def rows_without_xla(report: dict) -> list[dict]:
 def count_devices(timeout: float) -> int:
     """This machine's device count, from one child process (the parent never starts a
     backend); a ValueError with the child's first line where it fails."""
-    result = _child("devices", {}, timeout)
+    result = _child("devices", {}, timeout, "counting the devices")
     if "device_count" not in result:
         first = result.get("error", "no result").split("\n")[0]
         raise ValueError(f"counting this machine's devices failed ({first})")
@@ -567,7 +624,7 @@ def fill_xla_cost(out: str, timeout: float) -> None:
             **{name: row[name] for name in JOB_SETTINGS if name in row},
         )
         print(f"{row['name']}: XLA cost ...", flush=True)
-        result = _child("xla_cost", dataclasses.asdict(job), timeout)
+        result = _child("xla_cost", dataclasses.asdict(job), timeout, f"XLA cost of {row['name']}")
         if result.get("status") == "error" or "xla" not in result:
             first = str(result.get("error", result)).split("\n")[0]
             print(f"  failed: {first}", file=sys.stderr, flush=True)
@@ -575,8 +632,7 @@ def fill_xla_cost(out: str, timeout: float) -> None:
         _with_xla(row, result["xla"])
         if row.get("hbm_gbps") is not None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
-        with open(path, "w") as f:  # a run stopped from outside keeps the rows it filled
-            json.dump(report, f, indent=1, default=str)
+        write_json(path, report)  # a run stopped from outside keeps the rows it filled
     report_lib.render(report, out)
     print(f"wrote {os.path.join(out, 'report.md')}")
 
@@ -671,9 +727,8 @@ def _known(model: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses a bad flag value in one line naming it."""
     if args.steps < 1 or args.trace_steps < 1 or args.warmup < 0:
         parser.error(
             f"need --steps={args.steps} >= 1, --trace-steps={args.trace_steps} >= 1 "
@@ -689,36 +744,41 @@ def main(argv: list[str] | None = None) -> None:
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
         parser.error(error)
-    if args.worker:
-        _worker(*args.worker)
-        return
+
+
+def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
+    """`--report-only DIR`: re-renders DIR/report.json."""
     from train.tools import report as report_lib
 
-    if args.report_only:
-        path = os.path.join(args.report_only, "report.json")
-        if not os.path.isfile(path):
-            parser.error(f"--report-only={args.report_only!r}: no report.json there")
-        try:
-            report = read_report(path)
-        except ValueError as e:
-            parser.error(f"--report-only: {e}")
-        try:
-            report_lib.render(report, args.report_only)
-        except (KeyError, TypeError, ValueError) as e:
-            what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
-            parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
-        return
-    if args.fill_xla_cost:
-        try:
-            todo = rows_without_xla(read_report(os.path.join(args.fill_xla_cost, "report.json")))
-            available = count_devices(args.timeout) if todo else None
-        except ValueError as e:
-            parser.error(f"--fill-xla-cost: {e}")
-        for row in todo:
-            if error := mesh_error(row["mesh"], available):
-                parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
-        fill_xla_cost(args.fill_xla_cost, args.timeout)
-        return
+    path = os.path.join(directory, "report.json")
+    if not os.path.isfile(path):
+        parser.error(f"--report-only={directory!r}: no report.json there")
+    try:
+        report = read_report(path)
+    except ValueError as e:
+        parser.error(f"--report-only: {e}")
+    try:
+        report_lib.render(report, directory)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
+        parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
+
+
+def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
+    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
+    try:
+        todo = rows_without_xla(read_report(os.path.join(directory, "report.json")))
+        available = count_devices(timeout) if todo else None
+    except ValueError as e:
+        parser.error(f"--fill-xla-cost: {e}")
+    for row in todo:
+        if error := mesh_error(row["mesh"], available):
+            parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
+    fill_xla_cost(directory, timeout)
+
+
+def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job]:
+    """The rows to run, model x mesh x context; a bad value refused by name."""
     meshes = args.mesh or ["seq=2"]
     for mesh in meshes:  # the spec's form and axes need no devices: refused first
         if error := mesh_error(mesh):
@@ -732,7 +792,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [m for m in (x.strip() for x in args.models.split(",")) if m]
     if not names:
         parser.error(f"--models={args.models!r} names no model")
-    jobs = [
+    return [
         Job(
             model=m,
             context=c,
@@ -753,6 +813,11 @@ def main(argv: list[str] | None = None) -> None:
         for mesh in meshes
         for c in contexts
     ]
+
+
+def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs) -> dict:
+    """The report the rows are added to (`--append`; empty otherwise), after refusing an
+    --out that cannot be written or holds a report, and models that do not exist."""
     from train.errors import TrainingError
     from train.outputs import check_writable
 
@@ -766,41 +831,86 @@ def main(argv: list[str] | None = None) -> None:
             f"--out={args.out!r} holds a report: pass --append to add these rows to it, or "
             "choose another --out (nothing was run)"
         )
-    unknown = [m for m in names if not _known(m)]
+    unknown = [m for m in dict.fromkeys(j.model for j in jobs) if not _known(m)]
     if unknown:
         parser.error(
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
             f"directory; presets: {sorted(PRESETS)} (nothing was run)"
         )
-    old: dict = {"rows": []}
-    if args.append and os.path.exists(path):
-        try:
-            old = with_row_facts(read_report(path))
-        except ValueError as e:
-            parser.error(f"--append: {e}")
+    if not (args.append and os.path.exists(path)):
+        return {"rows": []}
+    try:
+        return with_row_facts(read_report(path))
+    except ValueError as e:
+        parser.error(f"--append: {e}")
+
+
+def _ceilings(args: argparse.Namespace, old: dict) -> dict:
+    """The roofline's ceilings: the appended report's (`--reuse-ceilings`), else
+    measured in a child."""
+    ceilings = old.get("ceilings") or {}
+    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
+        where = os.path.join(args.out, "report.json")
+        print(f"ceilings: reused from {where} ({ceilings.get('device')})", flush=True)
+        return ceilings
+    print("ceilings ...", flush=True)
+    ceilings = _child("ceilings", {}, args.timeout, "measuring the ceilings")
+    if "error" in ceilings:
+        first = ceilings["error"].split("\n")[0]
+        print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
+    return ceilings
+
+
+def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
+    """One row in its child, with what it records of how it ran; its line printed."""
+    from train.tools import report as report_lib
+
+    print(f"{job.name} ...", flush=True)
+    row = _child("row", dataclasses.asdict(job), timeout, f"row {job.name}")
+    row = {
+        "name": job.name,
+        "model": job.model,
+        "label": job.label,
+        "context": job.context,
+        "mesh": job.mesh,
+        **job.settings(),
+        **job.facts(),
+        **run_facts,
+        **row,
+    }
+    summary = (
+        row.get("error", "").split("\n")[0]
+        if row.get("status") != "ok"
+        else f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s "
+        f"({report_lib.timing_text(row['steps'])})"
+    )
+    print(f"  {row.get('status')}: {summary}", flush=True)
+    for w in row.get("warnings", []):
+        print(f"  warning: {w}", file=sys.stderr, flush=True)
+    return row
+
+
+def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) -> None:
+    """The rows, one child each, then the report."""
+    from train.tools import report as report_lib
+
+    jobs = _jobs(parser, args)
+    old = _old_report(parser, args, jobs)
     # The rows' file names under --out: one label per model (a local directory's
     # basename, not its path), distinct from the appended report's other models'.
     taken = {
         r.get("label") or model_label(r["model"]): r["model"] for r in old["rows"] if "model" in r
     }
-    labels = model_labels(names, taken)
+    labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
     jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
     try:
         available = count_devices(args.timeout)
     except ValueError as e:
         parser.error(f"{e} (nothing was run)")
-    for mesh in meshes:
+    for mesh in dict.fromkeys(j.mesh for j in jobs):
         if error := mesh_error(mesh, available):
             parser.error(f"{error} (nothing was run)")
-    ceilings = old.get("ceilings") or {}
-    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
-        print(f"ceilings: reused from {path} ({ceilings.get('device')})", flush=True)
-    else:
-        print("ceilings ...", flush=True)
-        ceilings = _child("ceilings", {}, args.timeout)
-        if "error" in ceilings:
-            first = ceilings["error"].split("\n")[0]
-            print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
+    ceilings = _ceilings(args, old)
     os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
@@ -816,6 +926,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax  # only its version: the parent never starts a backend
 
     run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
+    path = os.path.join(args.out, "report.json")
 
     def write(rows: list[dict]) -> dict:
         """report.json with the rows so far (and, with --append, the old ones). How the
@@ -830,41 +941,46 @@ def main(argv: list[str] | None = None) -> None:
             "ceilings": ceilings,
             "rows": kept + rows,
         }
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_json(path, report)
         return report
 
     rows: list[dict] = []
     for job in jobs:
-        print(f"{job.name} ...", flush=True)
-        row = _child("row", dataclasses.asdict(job), args.timeout)
-        row = {
-            "name": job.name,
-            "model": job.model,
-            "label": job.label,
-            "context": job.context,
-            "mesh": job.mesh,
-            **job.settings(),
-            **job.facts(),
-            **run_facts,
-            **row,
-        }
-        rows.append(row)
-        summary = (
-            row.get("error", "").split("\n")[0]
-            if row.get("status") != "ok"
-            else f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s "
-            f"({report_lib.timing_text(row['steps'])})"
-        )
-        print(f"  {row.get('status')}: {summary}", flush=True)
-        for w in row.get("warnings", []):
-            print(f"  warning: {w}", file=sys.stderr, flush=True)
+        rows.append(_run_row(job, args.timeout, run_facts))
         write(rows)  # a run stopped from outside keeps the rows it finished
     report = write(rows)
     report_lib.render(report, args.out)
     print(f"wrote {os.path.join(args.out, 'report.md')}")
     if rows and all(r.get("status") != "ok" for r in rows):
         sys.exit("error: every row failed (see report.md)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    if args.worker:
+        _worker(*args.worker)
+        return
+    if args.report_only:
+        _report_only(parser, args.report_only)
+        return
+    # SIGTERM ends the run as Ctrl-C does: the running worker (its process group) is
+    # ended, never left behind, and one line says what report.json keeps.
+    own = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
+    try:
+        if args.fill_xla_cost:
+            _fill(parser, args.fill_xla_cost, args.timeout)
+        else:
+            _profile(parser, args, argv)
+    except KeyboardInterrupt as e:
+        report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
+        print(stop_line(e, report_path), file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+    finally:
+        if previous is not None:  # None: a handler set outside Python
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
