@@ -311,7 +311,7 @@ def test_profile_cli_on_cpu(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
     assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
-    assert "the trace): warm-up 1, timed 2..3, traced 4..5." in md
+    assert "step lines count: warm-up 1, timed 2..3, traced 4..5." in md
     assert [r["trace"]["steps"] for r in rows] == [[4, 5], [4, 5]]
     assert "- `–` peak memory: the CPU backend reports no memory stats (tiny-256-seq2" in md
     assert "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics." in md
@@ -1079,8 +1079,7 @@ def test_steps_are_numbered_from_one_everywhere():
         ({"timed": 2, "warmup": 0, "traced": 1}, "warm-up none, timed 1..2, traced 3."),
     ):
         md = report_lib.markdown({**_report([_report_row(256)]), "steps": steps})
-        assert "as the trainer's step lines count (the traced ones carry these numbers in " in md
-        assert f"the trace): {text}" in md, md
+        assert f"step lines count: {text}" in md, md
     assert "the traced steps, slower under the profiler, are not timed" in md
     throughput = md.split("## Throughput and memory")[1].split("|")[0]
     assert "tokens/s, TFLOP/s and MFU: the timed steps" in throughput
@@ -1135,7 +1134,7 @@ def test_report_says_how_each_row_ran_where_appended_runs_differ():
     appended["rows"].append(new)
     md = report_lib.markdown(appended)
     assert (
-        "the trace): mixed: warm-up 1, timed 2..3, traced 4..5 (tiny-256); "
+        "step lines count: mixed: warm-up 1, timed 2..3, traced 4..5 (tiny-256); "
         "warm-up 1..2, timed 3..5, traced 6..7 (tiny-512-layers1)."
     ) in md
     assert "XLA_FLAGS: mixed: `--old` (tiny-256); `(none)` (tiny-512-layers1)." in md
@@ -1147,7 +1146,7 @@ def test_report_says_how_each_row_ran_where_appended_runs_differ():
     assert "every model runs" not in md
     assert "| tiny | 512 | seq=2 +layers=1 |" in md
     md = report_lib.markdown(_report([new]))
-    assert "mixed" not in md and "the trace): warm-up 1..2, timed 3..5, traced 6..7." in md
+    assert "mixed" not in md and "step lines count: warm-up 1..2, timed 3..5, traced 6..7." in md
     assert "every model runs 1 layer**" in md and "XLA_FLAGS: `(none)`." in md
 
 

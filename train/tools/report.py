@@ -326,8 +326,8 @@ def markdown(report: dict) -> str:
         f"{report['date']}, {jax_version}, device: {device}. {_commands(report)} "
         f"XLA_FLAGS: {flags}.",
         "",
-        f"Steps, counted from 1 in each row's run as the trainer's step lines count (the "
-        f"traced ones carry these numbers in the trace): {steps}. Compile excluded, "
+        f"Steps, counted from 1 in each row's run as the trainer's step lines count: "
+        f"{steps}. Compile excluded, "
         "`block_until_ready` around the timed steps. Latency, tokens/s, TFLOP/s and MFU come "
         "from the timed steps only; the traced steps, slower under the profiler, are not "
         "timed. Per-device phase and kernel times are the mean over devices and traced "
