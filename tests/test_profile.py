@@ -484,7 +484,7 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
     # Steps count from 1: step 1 is timed, step 2 traced (the trace's step number).
     assert row["trace"]["steps"] == [2]
-    line = "ok: {:.1f} ms/step, {:.0f} tokens/s (timed steps 1; traced steps 2: slower under "
+    line = "ok: {:.1f} ms/step, {:.0f} tokens/s (timed step 1; traced step 2: slower under "
     assert line.format(row["step_ms"], row["tokens_per_s"]) in proc.stdout, proc.stdout
     md = (out / "report.md").read_text()
     assert f"| {model_dir} | 256 | seq=2 |" in md
@@ -1099,6 +1099,9 @@ def test_steps_are_numbered_from_one_everywhere():
         assert f"with the defaults, steps {spans[part]})" in said, (flag, said)
     assert report_lib.timing_text(defaults) == (
         "timed steps 3..5; traced steps 6..7: slower under the profiler, not timed"
+    )
+    assert report_lib.timing_text({"warmup": 0, "timed": 1, "traced": 1}) == (
+        "timed step 1; traced step 2: slower under the profiler, not timed"
     )
     md = report_lib.markdown({**_report([_report_row(256)]), "layers_override": 1})
     assert "every model runs 1 layer**" in md

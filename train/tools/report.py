@@ -239,9 +239,11 @@ def steps_text(steps: dict) -> str:
 def timing_text(steps: dict) -> str:
     """Which steps a row's latency and tokens/s come from, and which were traced."""
     spans = step_spans(steps)
+    timed = "step" if steps["timed"] == 1 else "steps"
+    traced = "step" if steps["traced"] == 1 else "steps"
     return (
-        f"timed steps {spans['timed']}; traced steps {spans['traced']}: slower under the "
-        "profiler, not timed"
+        f"timed {timed} {spans['timed']}; traced {traced} {spans['traced']}: slower under "
+        "the profiler, not timed"
     )
 
 
