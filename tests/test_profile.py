@@ -459,6 +459,7 @@ def test_profile_row_names_of_local_models_are_file_names(tmp_path):
     assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "llama-256-seq2"
 
 
+@pytest.mark.slow
 def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     """`--models /abs/path/to/model`: the row's traces and trainer outputs stay under
     --out (not beside the model directory); the report still names the model's path."""
