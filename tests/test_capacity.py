@@ -43,7 +43,7 @@ def test_context_parsing_and_search():
 def test_bad_models_and_meshes_are_refused_before_probing(capsys):
     for argv, match in (
         (["--models", "nope"], "--model_name_or_path='nope' is neither"),
-        (["--models", "tiny", "--mesh", "seq=x"], "size 'x' is not an int"),
+        (["--models", "tiny", "--mesh", "seq=x"], "size of 'seq' is not an int: 'x'"),
         (["--models", "tiny", "--mesh", "seq=64"], "needs 64 devices"),
         (["--models", "tiny", "--gather-once"], "--gather-once needs --shard-over-seq"),
     ):

@@ -7,12 +7,14 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
 import jax
 import pytest
 from conftest import ON_GPU, cpu_devices
+from matplotlib.text import Text
 
 from train import xla_flags
 from train.config import parse_args
@@ -309,7 +311,8 @@ def test_profile_cli_on_cpu(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
     assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
-    assert "Timed: 2 steps after 1 warm-up step, compile excluded" in md
+    assert "step lines count: warm-up 1, timed 2..3, traced 4..5." in md
+    assert [r["trace"]["steps"] for r in rows] == [[4, 5], [4, 5]]
     assert "- `–` peak memory: the CPU backend reports no memory stats (tiny-256-seq2" in md
     assert "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics." in md
     first_step_intensity = rows[0]["intensity"]["step"]["intensity"]
@@ -419,6 +422,13 @@ def test_profile_job_names_and_passes_its_settings():
     row = {"mesh": "seq=2", **job.settings()}
     assert report_lib._mesh(row) == "seq=2 +shard_over_seq +save_dots +unrolled"
     assert Job(model="tiny", context=512, mesh="seq=1", out="x").name == "tiny-512-seq1"
+    # --layers and --batch: rows that differ only by them have different names.
+    small = Job(model="tiny", context=512, mesh="seq=1", out="x", layers=1, batch=2)
+    assert small.name == "tiny-512-seq1-layers1-batch2"
+    assert parse_args(_trainer_args(small)).run.per_device_train_batch_size == 2
+    row = {"mesh": "seq=1", **small.settings(), **small.facts()}
+    assert report_lib._mesh(row) == "seq=1 +layers=1 +batch=2"
+    assert small.facts()["steps"] == {"timed": 3, "warmup": 2, "traced": 2}
     once = dataclasses.replace(job, gather_once=True)
     assert once.name == "tiny-32k-seq2-shard_over_seq-gather_once-save_dots-unrolled"
     assert parse_args(_trainer_args(once)).parallel.gather_once is True
@@ -449,6 +459,7 @@ def test_profile_row_names_of_local_models_are_file_names(tmp_path):
     assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "llama-256-seq2"
 
 
+@pytest.mark.slow
 def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     """`--models /abs/path/to/model`: the row's traces and trainer outputs stay under
     --out (not beside the model directory); the report still names the model's path."""
@@ -472,7 +483,13 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     assert row["name"] == "mine-256-seq2" and row["model"] == str(model_dir)
     assert row["trace_dir"] == os.path.join("tensorboard", "mine-256-seq2")
     assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
-    assert f"| {model_dir} | 256 | seq=2 |" in (out / "report.md").read_text()
+    # Steps count from 1: step 1 is timed, step 2 traced (the trace's step number).
+    assert row["trace"]["steps"] == [2]
+    line = "ok: {:.1f} ms/step, {:.0f} tokens/s (timed step 1; traced step 2: slower under "
+    assert line.format(row["step_ms"], row["tokens_per_s"]) in proc.stdout, proc.stdout
+    md = (out / "report.md").read_text()
+    assert f"| {model_dir} | 256 | seq=2 |" in md
+    assert row["xla_cost"] is False and "XLA cost analysis not run (--no-xla-cost;" in md
 
 
 @pytest.mark.multi_device(2)
@@ -505,7 +522,7 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     # 255 tokens cannot split over seq=2: the child refuses the row.
     base = [sys.executable, "-m", "train.tools.profile", "--context", "255", "--out", str(out)]
     base += ["--models", "tiny", "--no-xla-cost"]
-    second = ["--append", "--reuse-ceilings", "--shard-over-seq"]
+    second = ["--append", "--reuse-ceilings", "--shard-over-seq", "--steps", "1"]
     for extra in ([], second):
         proc = subprocess.run(
             base + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -522,23 +539,125 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     assert all(r["status"] == "error" for r in report["rows"])
     assert "must be divisible" in report["rows"][0]["error"]
     assert len(report["commands"]) == 2 and "--append" in report["commands"][1]
+    # Each row keeps the steps it was run with, and the report says both.
+    assert [r["steps"]["timed"] for r in report["rows"]] == [3, 1]
+    assert all(r["xla_flags"] == env["XLA_FLAGS"] for r in report["rows"])
     md = (out / "report.md").read_text()
+    assert "mixed: warm-up 1..2, timed 3..5, traced 6..7 (tiny-255-seq2); " in md
     assert "## Rows that did not run" in md
     assert "| tiny | 255 | seq=2 +shard_over_seq | error |" in md
     assert "Commands (rows added with `--append`, in order)" in md
 
 
 def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
-    """`--mesh seq=4` on 2 devices: refused by name before any row runs, and before
-    `--out` is made."""
+    """`--mesh seq=4` on 2 devices: one line naming the mesh and the machine's device
+    count, exit status 2, before the ceilings or any row run and before `--out` is made;
+    `--fill-xla-cost` alike for a row whose mesh needs more devices than there are."""
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
     cmd = [sys.executable, "-m", "train.tools.profile", "--models", "tiny", "--context", "256"]
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    assert "--mesh 'seq=4' needs 4 devices, but available=2 (nothing was run)" in proc.stderr
-    assert "tiny-256" not in proc.stdout and not out.exists()
+    [line] = proc.stderr.strip().splitlines()[-1:]
+    assert line == (
+        "python -m train.tools.profile: error: --mesh 'seq=4' needs 4 devices; this machine "
+        "has 2 (nothing was run)"
+    )
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
+
+    timed = tmp_path / "timed"
+    timed.mkdir()
+    row = _report_row(256, name="tiny-256-seq4", mesh="seq=4", xla=None)
+    (timed / "report.json").write_text(json.dumps(_report([row])))
+    before = (timed / "report.json").read_text()
+    cmd = [sys.executable, "-m", "train.tools.profile", "--fill-xla-cost", str(timed)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "python -m train.tools.profile: error: --fill-xla-cost: row 'tiny-256-seq4': --mesh "
+        "'seq=4' needs 4 devices; this machine has 2 (nothing was run)"
+    )
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert (timed / "report.json").read_text() == before
+    assert sorted(p.name for p in timed.iterdir()) == ["report.json"]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_profile_stopped_ends_its_running_worker(tmp_path, how):
+    """SIGTERM (or Ctrl-C) to the tool while a row's worker runs: the worker and its
+    process group are ended, not orphaned, and the tool exits with one line naming the
+    row (status 143, or 130 for Ctrl-C)."""
+    import signal
+    import time
+
+    out = tmp_path / "profile"
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    argv = ["--models", "tiny", "--context", "256", "--mesh", "seq=2", "--steps", "100000"]
+    argv += ["--no-xla-cost", "--out", str(out)]
+    # As a terminal starts it: a shell running these tests in the background hands its
+    # children SIGINT ignored, and Python keeps that.
+    start = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        f"sys.argv = ['profile', *{argv!r}]; runpy.run_module('train.tools.profile', "
+        "run_name='__main__')"
+    )
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", start], stdout=stdout, stderr=stderr, env=env, cwd=ROOT
+        )
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not workers:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "stderr"
+            ).read_text()
+            if "tiny-256-seq2 ..." in (tmp_path / "stdout").read_text():
+                workers = _children(proc.pid)
+            time.sleep(0.1)
+        time.sleep(1)  # the worker under way (importing jax, compiling)
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=60)
+        gone = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), workers
+    finally:
+        proc.kill()
+        for pid in workers:  # an orphaned worker: not left running after the test
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    err = (tmp_path / "stderr").read_text()
+    assert proc.returncode == (143 if how == "SIGTERM" else 130), err
+    said = "terminated (SIGTERM)" if how == "SIGTERM" else "interrupted"
+    assert err.strip().splitlines()[-1] == (
+        f"{said}: the worker (row tiny-256-seq2) was ended; no row had finished"
+    ), err
+    assert "Traceback" not in err
 
 
 def test_ring_bench_longest_search():
@@ -707,6 +826,8 @@ def _report_row(context: int, **changes) -> dict:
         "top_kernels": {},
         "kernel_spread": [],
         "intensity": {"step": {"intensity": 3.0, "tflops": 0.00042}},
+        "xla": {"flops": 2.1e9, "bytes": 7e8, "method": "XLA cost analysis"},
+        "hbm_gbps": 140.0,
     }
     return {**row, **changes}
 
@@ -823,12 +944,18 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (["--out", str(tmp_path / "afile" / "sub")], "sub' cannot be created: "),
         (["--models", ",", *out], "--models=',' names no model"),
         (
+            ["--mesh", "seq=2", "--mesh", "foo=2", *out],
+            "--mesh 'foo=2': unknown axis 'foo'; axes are data, fsdp, seq, seq_a2a "
+            "(nothing was run)",
+        ),
+        (["--mesh", "seq=two", *out], "--mesh 'seq=two': size of 'seq' is not an int: 'two'"),
+        (
             ["--report-only", str(tmp_path / "partial")],
             "report.json' is not a whole profile report",
         ),
         (
-            ["--append", "--reuse-ceilings", "--mesh", "seq=4", "--out", str(tmp_path / "one")],
-            "(nothing was run)",
+            ["--append", "--reuse-ceilings", "--mesh", "seq=64", "--out", str(tmp_path / "one")],
+            f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (nothing",
         ),
     ]
     for argv, message in cases:
@@ -894,7 +1021,8 @@ def test_report_says_why_mfu_and_peak_memory_are_missing():
     recorded = _report_row(256, not_measured=_not_measured({"mfu": None}, [cpu]))
     derived = _report_row(512, platform="cpu", device_kind="cpu")
     measured = _report_row(1024, name="gpu-1k", mfu=0.4, peak_memory_gib=3.0)
-    md = report_lib.markdown(_report([recorded, derived, measured]))
+    report = {**_report([recorded, derived, measured]), "ceilings": {"copy_gbps": 200.0}}
+    md = report_lib.markdown(report)
     throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
     table_end = throughput.rindex("|")
     notes = throughput[table_end + 1 :].strip().splitlines()
@@ -903,22 +1031,128 @@ def test_report_says_why_mfu_and_peak_memory_are_missing():
         "(tiny-256, tiny-512)",
         "- `–` peak memory: the CPU backend reports no memory stats (tiny-256, tiny-512)",
     ], throughput
-    md = report_lib.markdown(_report([measured]))
+    md = report_lib.markdown({**report, "rows": [measured]})
     assert "- `–`" not in md
 
 
-def test_step_counts_are_pluralised():
+def test_report_says_why_xla_cost_columns_are_missing():
+    """HBM GB/s and the step's intensity are `–` without XLA's cost: the report says why
+    under each table, naming the rows, and only where that is the reason (a row timed
+    with --no-xla-cost, a cost analysis without bytes); `HBM % of copy` is `–` also
+    without a measured copy bandwidth, said as such."""
+    skipped = _report_row(256, xla_cost=False, xla=None, hbm_gbps=None)
+    skipped["intensity"] = {"step": None}
+    empty = _report_row(512, xla_cost=True, xla=None, hbm_gbps=None)
+    empty["intensity"] = {"step": None}
+    analysed = _report_row(1024, xla_cost=True)
+    report = {**_report([skipped, empty, analysed]), "ceilings": {"copy_gbps": 200.0}}
+    md = report_lib.markdown(report)
+    throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
+    intensity = md.split("## Arithmetic intensity")[1].split("## PyTorch")[0]
+    not_run = (
+        "XLA cost analysis not run (--no-xla-cost; `python -m train.tools.profile "
+        "--fill-xla-cost DIR` computes it) (tiny-256)"
+    )
+    no_bytes = "XLA's cost analysis reported no bytes accessed (tiny-512)"
+    assert [x for x in throughput.splitlines() if x.startswith("- `–` HBM")] == [
+        f"- `–` HBM GB/s, HBM % of copy: {not_run}",
+        f"- `–` HBM GB/s, HBM % of copy: {no_bytes}",
+    ], throughput
+    assert intensity.strip().splitlines()[-2:] == [
+        f"- `–` step FLOP/B, step TFLOP/s: {not_run}",
+        f"- `–` step FLOP/B, step TFLOP/s: {no_bytes}",
+    ], intensity
+    assert "| tiny | 1k | seq=2 | 5 | 51.2 | 0.00042 | – | 140.0 | 70% |" in throughput
+    md = report_lib.markdown({**report, "rows": [analysed]})
+    assert "- `–` HBM" not in md and "- `–` step" not in md and "XLA cost" not in md
+    md = report_lib.markdown({**report, "rows": [analysed], "ceilings": {}})
+    assert "- `–` HBM % of copy: no copy bandwidth measured (tiny-1024)" in md
+
+
+def test_steps_are_numbered_from_one_everywhere():
+    """Warm-up, timed and traced steps count from 1 in each row's run, as the trainer's
+    step lines do: in the report, the CLI's help (its defaults) and the row's line;
+    the tokens/s are said to come from the timed steps, not the traced ones."""
+    from train.tools.profile import build_parser
+
     for steps, text in (
-        ({"timed": 1, "warmup": 1, "traced": 1}, "Timed: 1 step after 1 warm-up step,"),
-        ({"timed": 3, "warmup": 2, "traced": 2}, "Timed: 3 steps after 2 warm-up steps,"),
-        ({"timed": 2, "warmup": 0, "traced": 1}, "Timed: 2 steps after 0 warm-up steps,"),
+        ({"timed": 1, "warmup": 1, "traced": 1}, "warm-up 1, timed 2, traced 3."),
+        ({"timed": 3, "warmup": 2, "traced": 2}, "warm-up 1..2, timed 3..5, traced 6..7."),
+        ({"timed": 2, "warmup": 0, "traced": 1}, "warm-up none, timed 1..2, traced 3."),
     ):
         md = report_lib.markdown({**_report([_report_row(256)]), "steps": steps})
-        assert text in md, md
-        more = "1 more step." if steps["traced"] == 1 else f"{steps['traced']} more steps."
-        assert f"traced: {more}" in md
+        assert f"step lines count: {text}" in md, md
+    assert "the traced steps, slower under the profiler, are not timed" in md
+    throughput = md.split("## Throughput and memory")[1].split("|")[0]
+    assert "tokens/s, TFLOP/s and MFU: the timed steps" in throughput
+    assert "none of the traced steps (slower under the profiler: not timed" in throughput
+    parser = build_parser()
+    defaults = {
+        "warmup": parser.get_default("warmup"),
+        "timed": parser.get_default("steps"),
+        "traced": parser.get_default("trace_steps"),
+    }
+    spans = report_lib.step_spans(defaults)
+    help_text = " ".join(parser.format_help().split())
+    assert "steps count from 1 in each row, as the trainer's step lines do" in help_text
+    for part, flag in (("warmup", "--warmup"), ("timed", "--steps"), ("traced", "--trace-steps")):
+        metavar = flag[2:].upper().replace("-", "_")
+        said = re.search(rf"{flag} {metavar} ([^\[\]]*?) --[a-z]", help_text).group(1)
+        assert f"with the defaults, steps {spans[part]})" in said, (flag, said)
+    assert report_lib.timing_text(defaults) == (
+        "timed steps 3..5; traced steps 6..7: slower under the profiler, not timed"
+    )
+    assert report_lib.timing_text({"warmup": 0, "timed": 1, "traced": 1}) == (
+        "timed step 1; traced step 2: slower under the profiler, not timed"
+    )
     md = report_lib.markdown({**_report([_report_row(256)]), "layers_override": 1})
     assert "every model runs 1 layer**" in md
+
+
+def test_report_says_how_each_row_ran_where_appended_runs_differ():
+    """Rows added with --append keep their own steps, --layers, XLA_FLAGS and jax: the
+    report states a fact once where the rows agree and per row where they differ, never
+    the newest run's value for all (a report.json that recorded them once for all rows
+    still renders, and appending to it keeps them for its rows)."""
+    from train.tools.profile import with_row_facts
+
+    old = {
+        **_report([_report_row(256)]),
+        "xla_flags": "--old",
+        "layers_override": None,
+        "jax": "0.10.0",
+    }
+    appended = with_row_facts(old)
+    assert "steps" not in appended and "xla_flags" not in appended
+    assert appended["rows"][0]["steps"] == {"timed": 2, "warmup": 1, "traced": 2}
+    assert appended["rows"][0]["xla_flags"] == "--old"
+    assert report_lib.markdown(appended) == report_lib.markdown(old)
+    new = _report_row(
+        512,
+        name="tiny-512-layers1",
+        steps={"timed": 3, "warmup": 2, "traced": 2},
+        layers_override=1,
+        layers=1,
+        xla_flags="",
+        jax="0.11.2",
+    )
+    appended["rows"].append(new)
+    md = report_lib.markdown(appended)
+    assert (
+        "step lines count: mixed: warm-up 1, timed 2..3, traced 4..5 (tiny-256); "
+        "warm-up 1..2, timed 3..5, traced 6..7 (tiny-512-layers1)."
+    ) in md
+    assert "XLA_FLAGS: mixed: `--old` (tiny-256); `(none)` (tiny-512-layers1)." in md
+    assert "mixed: jax 0.10.0 (tiny-256); jax 0.11.2 (tiny-512-layers1)" in md
+    assert (
+        "**Layers overridden in some rows** (column `layers`): mixed: the preset's layers "
+        "(tiny-256); 1 layer (tiny-512-layers1)."
+    ) in md
+    assert "every model runs" not in md
+    assert "| tiny | 512 | seq=2 +layers=1 |" in md
+    md = report_lib.markdown(_report([new]))
+    assert "mixed" not in md and "step lines count: warm-up 1..2, timed 3..5, traced 6..7." in md
+    assert "every model runs 1 layer**" in md and "XLA_FLAGS: `(none)`." in md
 
 
 def test_single_point_note_covers_no_point(tmp_path, monkeypatch):
@@ -954,6 +1188,87 @@ def test_single_point_note_covers_no_point(tmp_path, monkeypatch):
                     assert not inside, (fig.texts, note.get_text(), (x, y), box)
                     checked += 1
     assert checked > 0
+
+
+def _many_rows() -> list[dict]:
+    """A report's rows as a three-mesh, four-context run of two models gives them: long
+    mesh labels, and roofline points of one kind close together."""
+    rows = []
+    for m, model in enumerate(("llama2-7b", "llama3.2-1b")):
+        for s, mesh in enumerate(("seq=1", "seq=2", "seq=4")):
+            for c, context in enumerate((8192, 16384, 32768, 65536)):
+                i = 1 + 0.04 * (c + 4 * s + 12 * m)
+                row = _report_row(context, name=f"{model}-{context}-{mesh}", mesh=mesh)
+                row.update(model=model, devices=int(mesh[-1]), mesh_sizes={"seq": int(mesh[-1])})
+                row.update(shard_over_seq=m == 0, gather_once=m == 0, step_ms=5.0 * i)
+                row["intensity"] = {
+                    kind: {"intensity": x * i, "tflops": y * i}
+                    for kind, x, y in (
+                        ("step", 30, 100),
+                        ("attention", 300, 300),
+                        ("matmul", 250, 500),
+                    )
+                }
+                rows.append(row)
+    return rows
+
+
+def _boxes_overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_plot_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Many rows: the bar plots grow wider with their bars and name each mesh once under
+    its bars, and the roofline's context labels sit apart (leader lines where moved):
+    no two labels' boxes, as the renderer draws them, overlap, and no roofline label
+    covers a marker."""
+    figures = []
+    monkeypatch.setattr(report_lib.plt, "close", figures.append)
+    ceilings = {"matmul_tflops": 800.0, "copy_gbps": 4000.0, "matmul_label": "m", "copy_label": "c"}
+    report = {**_report(_many_rows()), "ceilings": ceilings}
+    report_lib.render(report, str(tmp_path))
+    drawn = dict(zip(report_lib.plots_written(report), figures, strict=True))
+    for name in ("phases", "kernels"):
+        fig = drawn[name]
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [t for ax in fig.axes for t in [*ax.get_xticklabels(), *ax.texts, ax.title]]
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts if t.get_text()]
+        assert len(boxes) > 2 * 12, name
+        for i, (text, box) in enumerate(boxes):
+            inside = box.x0 >= 0 and box.x1 <= fig.bbox.x1 and box.y0 >= 0
+            assert inside, (name, text, box, fig.bbox)
+            for other, box2 in boxes[i + 1 :]:
+                assert not _boxes_overlap(box, box2), (name, text, other)
+    fig = drawn["roofline"]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    labels = [Text.get_window_extent(t, renderer) for t in ax.texts]  # without leader lines
+    assert len(labels) == 3 * len(report["rows"])
+    markers = []
+    for line in ax.get_lines():
+        if line.get_marker() not in (None, "None", "", " ") and len(line.get_xydata()):
+            r = line.get_markersize() / 72 * fig.dpi / 2
+            markers += [(x, y, r) for x, y in line.get_transform().transform(line.get_xydata())]
+    frame = ax.get_window_extent(renderer)
+    for i, box in enumerate(labels):
+        assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0
+        assert box.y1 <= frame.y1, (box, frame)
+        assert not any(_boxes_overlap(box, other) for other in labels[i + 1 :]), i
+        for x, y, r in markers:
+            assert not (box.x0 - r < x < box.x1 + r and box.y0 - r < y < box.y1 + r), (i, x, y)
+
+    # Wider with more bars: a model of four rows keeps the panel's least width.
+    few = {**report, "rows": report["rows"][:4]}
+    widths = {}
+    for name, rows in (("few", few), ("many", report)):
+        figures.clear()
+        report_lib.draw_plot(report_lib.PLOTS[2], rows, str(tmp_path / f"{name}.png"))
+        widths[name] = figures[0].get_size_inches()[0]
+    assert report_lib.PLOTS[2].name == "phases"
+    assert widths["few"] == report_lib.PLOTS[2].panel_size[0]
+    assert widths["many"] / 2 > 1.5 * widths["few"]  # per panel: three meshes' bars
 
 
 def test_unreadable_traces_are_named(tmp_path):

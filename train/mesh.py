@@ -32,22 +32,7 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     goes to `data` instead of `fsdp`, and an `fsdp` size above 1 is an error. Raises
     before anything compiles.
     """
-    sizes: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        if "=" not in part:
-            raise ValueError(f"--mesh {spec!r}: {part!r} is not axis=size")
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in AXES:
-            raise ValueError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {AXES}")
-        if name in sizes:
-            raise ValueError(f"--mesh {spec!r}: axis {name!r} is given twice")
-        try:
-            sizes[name] = int(value)
-        except ValueError:
-            raise ValueError(
-                f"--mesh {spec!r}: size of {name!r} is not an int: {value!r}"
-            ) from None
+    sizes = mesh_sizes(spec)
     for name in AXES:
         sizes.setdefault(name, 1)
     if not fsdp and sizes["fsdp"] > 1:
@@ -83,18 +68,36 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     return {n: sizes[n] for n in AXES}
 
 
-def mesh_device_count(spec: str, available: int) -> int:
-    """Devices a `--mesh` spec needs: the product of its sizes, or all for a -1."""
-    sizes = []
+def mesh_sizes(spec: str) -> dict[str, int]:
+    """The sizes a `--mesh` spec names, by axis (a -1 kept, axes it leaves out absent),
+    checked for form only: every part `axis=int`, each axis one of `AXES`, given once.
+    Needs no devices; a ValueError naming the part otherwise."""
+    sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        _, _, value = part.partition("=")
+        if "=" not in part:
+            raise ValueError(f"--mesh {spec!r}: {part!r} is not axis=size")
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in AXES:
+            raise ValueError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
+        if name in sizes:
+            raise ValueError(f"--mesh {spec!r}: axis {name!r} is given twice")
         try:
-            sizes.append(int(value))
+            sizes[name] = int(value)
         except ValueError:
-            raise ValueError(f"--mesh {spec!r}: size {value!r} is not an int") from None
+            raise ValueError(
+                f"--mesh {spec!r}: size of {name!r} is not an int: {value!r}"
+            ) from None
+    return sizes
+
+
+def mesh_device_count(spec: str, available: int) -> int:
+    """Devices a `--mesh` spec needs: the product of its sizes, or all for a -1; a
+    ValueError naming the spec where it is malformed or needs more than `available`."""
+    sizes = mesh_sizes(spec).values()
     need = available if -1 in sizes else math.prod(sizes)
     if need > available:
-        raise ValueError(f"--mesh {spec!r} needs {need} devices, but {available=}")
+        raise ValueError(f"--mesh {spec!r} needs {need} devices; this machine has {available}")
     return need
 
 

@@ -19,8 +19,9 @@ report shows the model as given).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
-`report.json` is rewritten after every row, so a run stopped from outside keeps the
-rows it finished (`--report-only` then renders them). The report (`report.json`,
+`report.json` is rewritten (whole) after every row, so a run stopped from outside keeps
+the rows it finished (`--report-only` then renders them); Ctrl-C or SIGTERM ends the
+running child's process group and exits with one line naming it. The report (`report.json`,
 `report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
@@ -37,9 +38,11 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from models.config import REMAT_POLICIES
@@ -51,7 +54,11 @@ from train.oom import is_oom
 # XLA_FLAGS (simulated device count, command buffers) before jax starts.
 
 
-JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers")  # recorded in each row
+# Recorded in each row, and rerun by --fill-xla-cost.
+JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers", "batch")
+# What a row records of the run it came from, beside JOB_SETTINGS: runs added with
+# --append can differ in these, so the report says them per row.
+ROW_FACTS = ("steps", "layers_override", "xla_cost", "xla_flags", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +83,13 @@ class Job:
 
     @property
     def name(self) -> str:
-        """`label-context-mesh`, plus what differs from the trainer's defaults: one file
-        name, used under `out` (the row's traces and trainer outputs)."""
+        """`label-context-mesh`, plus what differs from the defaults (`--layers`,
+        `--batch` and the trainer's settings): one file name, used under `out` (the row's
+        traces and trainer outputs)."""
         mesh = self.mesh.replace("=", "").replace(",", "-")
-        suffix = "-shard_over_seq" if self.shard_over_seq else ""
+        suffix = "" if self.layers is None else f"-layers{self.layers}"
+        suffix += "" if self.batch == 1 else f"-batch{self.batch}"
+        suffix += "-shard_over_seq" if self.shard_over_seq else ""
         suffix += "-gather_once" if self.gather_once else ""
         suffix += "" if self.remat == "save_attn" else f"-{self.remat}"
         suffix += "" if self.scan_layers else "-unrolled"
@@ -89,6 +99,12 @@ class Job:
     def settings(self) -> dict:
         """What a row records of how it ran (and what `--fill-xla-cost` reruns)."""
         return {name: getattr(self, name) for name in JOB_SETTINGS}
+
+    def facts(self) -> dict:
+        """The row's steps (warm-up, timed, traced), `--layers` and whether XLA's cost
+        was analysed: of `ROW_FACTS`, those the job knows (the parent adds the rest)."""
+        steps = {"timed": self.steps, "warmup": self.warmup, "traced": self.trace_steps}
+        return {"steps": steps, "layers_override": self.layers, "xla_cost": self.xla_cost}
 
 
 def model_label(model: str) -> str:
@@ -140,6 +156,15 @@ def read_report(path: str) -> dict:
     if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
         raise ValueError(f"{path!r} is not a profile report (no list of 'rows')")
     return report
+
+
+def with_row_facts(report: dict) -> dict:
+    """`report` with `ROW_FACTS` in every row: a report.json written before rows
+    recorded them has them once, for all its rows (its last run's values). Appending
+    to it then leaves its rows' facts as they were."""
+    shared = {key: report[key] for key in ROW_FACTS if key in report}
+    rows = [{**shared, **row} for row in report["rows"]]
+    return {**{k: v for k, v in report.items() if k not in ROW_FACTS}, "rows": rows}
 
 
 def context_label(tokens: int) -> str:
@@ -344,10 +369,11 @@ def run_row(job: Job) -> dict:
             row["not_measured"] = _not_measured(row, devices)
 
             trace_dir = os.path.join(job.out, "tensorboard", job.name)
+            first = job.warmup + job.steps + 1  # the step lines' numbering: from 1
             jax.profiler.start_trace(trace_dir)
             try:
                 for i in range(job.trace_steps):
-                    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                    with jax.profiler.StepTraceAnnotation("train", step_num=first + i):
                         state, metrics = compiled(state, batches[i % 2])
                 jax.block_until_ready((state, metrics))
             finally:
@@ -406,13 +432,21 @@ def run_row(job: Job) -> dict:
 
 
 def run_ceilings() -> dict:
-    """The roofline's ceilings, and how many devices this machine has (for the parent,
-    which never starts a backend, to refuse a mesh it cannot build before any row)."""
+    """The roofline's ceilings, measured on this machine's first device, and its device
+    count (recorded in the report)."""
     import jax
 
     from train.tools.roofline import measure_ceilings
 
     return {**dataclasses.asdict(measure_ceilings()), "device_count": jax.device_count()}
+
+
+def run_devices() -> dict:
+    """How many devices this machine has: for the parent, which never starts a backend,
+    to refuse a mesh it cannot build before anything else runs."""
+    import jax
+
+    return {"device_count": jax.device_count(), "platform": jax.default_backend()}
 
 
 # ----------------------------------------------------------------------------------
@@ -453,20 +487,74 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
     return {"status": "error", "error": f"{how}: {cause}\n{tail}"}
 
 
-def _child(kind: str, payload: dict, timeout: float) -> dict:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the parent: handled as Ctrl-C is (the running worker is ended)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Ends a worker and whatever it started (its own process group: SIGTERM, then
+    SIGKILL after 5 s), and reaps it. A second Ctrl-C or SIGTERM waits until it is done."""
+    from train.outputs import signals_held
+
+    with signals_held(reraise=False):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.communicate()
+
+
+def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
+    """Runs one worker (`--worker kind`) in its own process group; its result, or the
+    row of a worker that failed. `what` names it in the line a Ctrl-C or SIGTERM ends
+    the parent with: the worker is ended first, never left running."""
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
         cmd = [sys.executable, "-m", "train.tools.profile", "--worker", kind, job_path, out_path]
+        pipe = subprocess.PIPE
+        proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _end(proc)
             return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+        except KeyboardInterrupt as e:
+            _end(proc)
+            e.add_note(f"the worker ({what}) was ended")
+            raise
         if proc.returncode != 0 or not os.path.exists(out_path):
-            return failed_child(proc.returncode, proc.stdout, proc.stderr)
+            return failed_child(proc.returncode, stdout, stderr)
         with open(out_path) as f:
             return json.load(f)
+
+
+def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
+    """The line a Ctrl-C or SIGTERM ends the tool with: which worker was ended, and what
+    report.json holds."""
+    how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted"
+    ended = "; ".join(getattr(error, "__notes__", [])) or "no worker was running"
+    if os.path.exists(report_path):
+        return f"{how}: {ended}; {report_path} holds the rows finished before"
+    return f"{how}: {ended}; no row had finished"
+
+
+def write_json(path: str, data: dict) -> None:
+    """`data` into `path`, whole or not at all (a stopped run keeps the previous file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def _worker(kind: str, job_path: str, out_path: str) -> None:
@@ -474,12 +562,45 @@ def _worker(kind: str, job_path: str, out_path: str) -> None:
         payload = json.load(f)
     if kind == "ceilings":
         result = run_ceilings()
+    elif kind == "devices":
+        result = run_devices()
     elif kind == "xla_cost":
         result = run_xla_cost(Job(**payload))
     else:
         result = run_row(Job(**payload))
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def rows_without_xla(report: dict) -> list[dict]:
+    """The timed rows that have no XLA cost: what `--fill-xla-cost` compiles."""
+    return [r for r in report["rows"] if r.get("status") == "ok" and not r.get("xla")]
+
+
+def count_devices(timeout: float) -> int:
+    """This machine's device count, from one child process (the parent never starts a
+    backend); a ValueError with the child's first line where it fails."""
+    result = _child("devices", {}, timeout, "counting the devices")
+    if "device_count" not in result:
+        first = result.get("error", "no result").split("\n")[0]
+        raise ValueError(f"counting this machine's devices failed ({first})")
+    return result["device_count"]
+
+
+def mesh_error(mesh: str, available: int | None = None) -> str | None:
+    """Why `mesh` cannot run here, in one line, or None: a malformed spec or an unknown
+    axis (checked without devices when `available` is None), or more devices than
+    `available`."""
+    from train.mesh import mesh_device_count, mesh_sizes, parse_mesh
+
+    try:
+        if available is None:
+            mesh_sizes(mesh)
+        else:
+            parse_mesh(mesh, mesh_device_count(mesh, available))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def fill_xla_cost(out: str, timeout: float) -> None:
@@ -489,29 +610,29 @@ def fill_xla_cost(out: str, timeout: float) -> None:
     path = os.path.join(out, "report.json")
     with open(path) as f:
         report = json.load(f)
-    for row in report["rows"]:
-        if row.get("status") != "ok" or row.get("xla"):
-            continue
+    for row in rows_without_xla(report):
         layers = row.get("layers")
         job = Job(
             model=row["model"],
             context=row["context"],
             mesh=row["mesh"],
             out=os.path.abspath(out),
-            layers=None if layers == row.get("layers_preset") else layers,
+            layers=row.get(
+                "layers_override", None if layers == row.get("layers_preset") else layers
+            ),
             label=row.get("label", ""),
             **{name: row[name] for name in JOB_SETTINGS if name in row},
         )
         print(f"{row['name']}: XLA cost ...", flush=True)
-        result = _child("xla_cost", dataclasses.asdict(job), timeout)
+        result = _child("xla_cost", dataclasses.asdict(job), timeout, f"XLA cost of {row['name']}")
         if result.get("status") == "error" or "xla" not in result:
-            print(f"  failed: {result.get('error', result)}", file=sys.stderr, flush=True)
+            first = str(result.get("error", result)).split("\n")[0]
+            print(f"  failed: {first}", file=sys.stderr, flush=True)
             continue
         _with_xla(row, result["xla"])
         if row.get("hbm_gbps") is not None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
-        with open(path, "w") as f:  # a run stopped from outside keeps the rows it filled
-            json.dump(report, f, indent=1, default=str)
+        write_json(path, report)  # a run stopped from outside keeps the rows it filled
     report_lib.render(report, out)
     print(f"wrote {os.path.join(out, 'report.md')}")
 
@@ -528,9 +649,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="mesh spec, repeatable (default seq=2); uses the first N devices it names",
     )
     p.add_argument("--layers", type=int, default=None, help="override every model's layers")
-    p.add_argument("--steps", type=int, default=3, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--trace-steps", type=int, default=2, help="profiled steps")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="timed steps, after the warm-up: latency, tokens/s, TFLOP/s and MFU (steps "
+        "count from 1 in each row, as the trainer's step lines do: with the defaults, "
+        "steps 3..5)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps after compiling (with the defaults, steps 1..2)",
+    )
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=2,
+        help="profiled steps after the timed ones, slower under the profiler and not timed; "
+        "the trace's step numbers (with the defaults, steps 6..7)",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
     p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
     p.add_argument(
@@ -588,9 +727,8 @@ def _known(model: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses a bad flag value in one line naming it."""
     if args.steps < 1 or args.trace_steps < 1 or args.warmup < 0:
         parser.error(
             f"need --steps={args.steps} >= 1, --trace-steps={args.trace_steps} >= 1 "
@@ -606,33 +744,45 @@ def main(argv: list[str] | None = None) -> None:
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
         parser.error(error)
-    if args.worker:
-        _worker(*args.worker)
-        return
+
+
+def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
+    """`--report-only DIR`: re-renders DIR/report.json."""
     from train.tools import report as report_lib
 
-    if args.report_only:
-        path = os.path.join(args.report_only, "report.json")
-        if not os.path.isfile(path):
-            parser.error(f"--report-only={args.report_only!r}: no report.json there")
-        try:
-            report = read_report(path)
-        except ValueError as e:
-            parser.error(f"--report-only: {e}")
-        try:
-            report_lib.render(report, args.report_only)
-        except (KeyError, TypeError, ValueError) as e:
-            what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
-            parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
-        return
-    if args.fill_xla_cost:
-        try:
-            read_report(os.path.join(args.fill_xla_cost, "report.json"))
-        except ValueError as e:
-            parser.error(f"--fill-xla-cost: {e}")
-        fill_xla_cost(args.fill_xla_cost, args.timeout)
-        return
+    path = os.path.join(directory, "report.json")
+    if not os.path.isfile(path):
+        parser.error(f"--report-only={directory!r}: no report.json there")
+    try:
+        report = read_report(path)
+    except ValueError as e:
+        parser.error(f"--report-only: {e}")
+    try:
+        report_lib.render(report, directory)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
+        parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
+
+
+def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
+    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
+    try:
+        todo = rows_without_xla(read_report(os.path.join(directory, "report.json")))
+        available = count_devices(timeout) if todo else None
+    except ValueError as e:
+        parser.error(f"--fill-xla-cost: {e}")
+    for row in todo:
+        if error := mesh_error(row["mesh"], available):
+            parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
+    fill_xla_cost(directory, timeout)
+
+
+def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job]:
+    """The rows to run, model x mesh x context; a bad value refused by name."""
     meshes = args.mesh or ["seq=2"]
+    for mesh in meshes:  # the spec's form and axes need no devices: refused first
+        if error := mesh_error(mesh):
+            parser.error(f"{error} (nothing was run)")
     try:
         contexts = [parse_context(c) for c in args.context.split(",") if c.strip()]
     except ValueError as e:
@@ -642,7 +792,7 @@ def main(argv: list[str] | None = None) -> None:
     names = [m for m in (x.strip() for x in args.models.split(",")) if m]
     if not names:
         parser.error(f"--models={args.models!r} names no model")
-    jobs = [
+    return [
         Job(
             model=m,
             context=c,
@@ -663,6 +813,11 @@ def main(argv: list[str] | None = None) -> None:
         for mesh in meshes
         for c in contexts
     ]
+
+
+def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs) -> dict:
+    """The report the rows are added to (`--append`; empty otherwise), after refusing an
+    --out that cannot be written or holds a report, and models that do not exist."""
     from train.errors import TrainingError
     from train.outputs import check_writable
 
@@ -676,42 +831,86 @@ def main(argv: list[str] | None = None) -> None:
             f"--out={args.out!r} holds a report: pass --append to add these rows to it, or "
             "choose another --out (nothing was run)"
         )
-    unknown = [m for m in names if not _known(m)]
+    unknown = [m for m in dict.fromkeys(j.model for j in jobs) if not _known(m)]
     if unknown:
         parser.error(
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
             f"directory; presets: {sorted(PRESETS)} (nothing was run)"
         )
-    old: dict = {"rows": []}
-    if args.append and os.path.exists(path):
-        try:
-            old = read_report(path)
-        except ValueError as e:
-            parser.error(f"--append: {e}")
+    if not (args.append and os.path.exists(path)):
+        return {"rows": []}
+    try:
+        return with_row_facts(read_report(path))
+    except ValueError as e:
+        parser.error(f"--append: {e}")
+
+
+def _ceilings(args: argparse.Namespace, old: dict) -> dict:
+    """The roofline's ceilings: the appended report's (`--reuse-ceilings`), else
+    measured in a child."""
+    ceilings = old.get("ceilings") or {}
+    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
+        where = os.path.join(args.out, "report.json")
+        print(f"ceilings: reused from {where} ({ceilings.get('device')})", flush=True)
+        return ceilings
+    print("ceilings ...", flush=True)
+    ceilings = _child("ceilings", {}, args.timeout, "measuring the ceilings")
+    if "error" in ceilings:
+        first = ceilings["error"].split("\n")[0]
+        print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
+    return ceilings
+
+
+def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
+    """One row in its child, with what it records of how it ran; its line printed."""
+    from train.tools import report as report_lib
+
+    print(f"{job.name} ...", flush=True)
+    row = _child("row", dataclasses.asdict(job), timeout, f"row {job.name}")
+    row = {
+        "name": job.name,
+        "model": job.model,
+        "label": job.label,
+        "context": job.context,
+        "mesh": job.mesh,
+        **job.settings(),
+        **job.facts(),
+        **run_facts,
+        **row,
+    }
+    summary = (
+        row.get("error", "").split("\n")[0]
+        if row.get("status") != "ok"
+        else f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s "
+        f"({report_lib.timing_text(row['steps'])})"
+    )
+    print(f"  {row.get('status')}: {summary}", flush=True)
+    for w in row.get("warnings", []):
+        print(f"  warning: {w}", file=sys.stderr, flush=True)
+    return row
+
+
+def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) -> None:
+    """The rows, one child each, then the report."""
+    from train.tools import report as report_lib
+
+    jobs = _jobs(parser, args)
+    old = _old_report(parser, args, jobs)
     # The rows' file names under --out: one label per model (a local directory's
     # basename, not its path), distinct from the appended report's other models'.
     taken = {
         r.get("label") or model_label(r["model"]): r["model"] for r in old["rows"] if "model" in r
     }
-    labels = model_labels(names, taken)
+    labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
     jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
-    ceilings = old.get("ceilings") or {}
-    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
-        print(f"ceilings: reused from {path} ({ceilings.get('device')})", flush=True)
-    else:
-        print("ceilings ...", flush=True)
-        ceilings = _child("ceilings", {}, args.timeout)
-        if "error" in ceilings:
-            first = ceilings["error"].split("\n")[0]
-            print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
-    from train.mesh import mesh_device_count
-
-    # Reused ceilings are this machine's too (--reuse-ceilings): their device count holds.
-    for mesh in meshes if "device_count" in ceilings else ():
-        try:
-            mesh_device_count(mesh, ceilings["device_count"])
-        except ValueError as e:
-            parser.error(f"{e} (nothing was run)")
+    try:
+        available = count_devices(args.timeout)
+    except ValueError as e:
+        parser.error(f"{e} (nothing was run)")
+    for mesh in dict.fromkeys(j.mesh for j in jobs):
+        if error := mesh_error(mesh, available):
+            parser.error(f"{error} (nothing was run)")
+    ceilings = _ceilings(args, old)
     os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
@@ -726,54 +925,62 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m train.tools.profile " + args_text
     import jax  # only its version: the parent never starts a backend
 
+    run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
+    path = os.path.join(args.out, "report.json")
+
     def write(rows: list[dict]) -> dict:
-        """report.json with the rows so far (and, with --append, the old ones)."""
+        """report.json with the rows so far (and, with --append, the old ones). How the
+        rows ran (ROW_FACTS) is in each row: appended runs may differ."""
         fresh = {r["name"] for r in rows}
         kept = [r for r in old["rows"] if r["name"] not in fresh]
         report = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
-            "jax": jax.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "command": command,
             "commands": (old.get("commands") or ([old["command"]] if "command" in old else []))
             + [command],
-            "layers_override": args.layers,
-            "steps": {"timed": args.steps, "warmup": args.warmup, "traced": args.trace_steps},
             "ceilings": ceilings,
             "rows": kept + rows,
         }
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        write_json(path, report)
         return report
 
     rows: list[dict] = []
     for job in jobs:
-        print(f"{job.name} ...", flush=True)
-        row = _child("row", dataclasses.asdict(job), args.timeout)
-        row = {
-            "name": job.name,
-            "model": job.model,
-            "label": job.label,
-            "context": job.context,
-            "mesh": job.mesh,
-            **job.settings(),
-            **row,
-        }
-        rows.append(row)
-        summary = (
-            row.get("error", "").split("\n")[0]
-            if row.get("status") != "ok"
-            else (f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s")
-        )
-        print(f"  {row.get('status')}: {summary}", flush=True)
-        for w in row.get("warnings", []):
-            print(f"  warning: {w}", file=sys.stderr, flush=True)
+        rows.append(_run_row(job, args.timeout, run_facts))
         write(rows)  # a run stopped from outside keeps the rows it finished
     report = write(rows)
     report_lib.render(report, args.out)
     print(f"wrote {os.path.join(args.out, 'report.md')}")
     if rows and all(r.get("status") != "ok" for r in rows):
         sys.exit("error: every row failed (see report.md)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    if args.worker:
+        _worker(*args.worker)
+        return
+    if args.report_only:
+        _report_only(parser, args.report_only)
+        return
+    # SIGTERM ends the run as Ctrl-C does: the running worker (its process group) is
+    # ended, never left behind, and one line says what report.json keeps.
+    own = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
+    try:
+        if args.fill_xla_cost:
+            _fill(parser, args.fill_xla_cost, args.timeout)
+        else:
+            _profile(parser, args, argv)
+    except KeyboardInterrupt as e:
+        report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
+        print(stop_line(e, report_path), file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+    finally:
+        if previous is not None:  # None: a handler set outside Python
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
 
 from train.tools.trace import kernel_label  # noqa: E402
 
@@ -29,6 +31,7 @@ SEED_REFERENCE = [
     {"model": "llama3.2-3b", "forward_ms": 93.6, "backward_ms": 261.2, "comm_ms": 35.0},
     {"model": "llama3.2-1b", "forward_ms": 53.3, "backward_ms": 157.8, "comm_ms": 21.2},
 ]
+DPI = 110  # the plots' resolution
 PHASES = ("forward", "backward", "recompute", "update", "idle")
 # Traced step / timed step beyond 1 +- this: the per-phase times (traced) do not
 # describe the timed step (profiling overhead, or a noisy timing).
@@ -101,6 +104,38 @@ def unreported_notes(ok: list[dict]) -> list[str]:
     return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
 
 
+def xla_cost_reason(row: dict) -> str | None:
+    """Why the row has no XLA cost (its HBM GB/s and step intensity are `–`), or None
+    where it has one."""
+    if row.get("xla"):
+        return None
+    if row.get("xla_cost") is False:
+        return (
+            "XLA cost analysis not run (--no-xla-cost; `python -m train.tools.profile "
+            "--fill-xla-cost DIR` computes it)"
+        )
+    if row.get("xla_cost"):
+        return "XLA's cost analysis reported no bytes accessed"
+    return "no XLA cost recorded (timed with --no-xla-cost, or the analysis had no bytes)"
+
+
+def xla_cost_notes(ok: list[dict], columns: str) -> list[str]:
+    """One line per reason the `columns` that need XLA's bytes are `–`, naming the
+    rows; none where every row has them."""
+    notes: dict[str, list[str]] = {}
+    for r in ok:
+        if reason := xla_cost_reason(r):
+            notes.setdefault(f"{columns}: {reason}", []).append(r["name"])
+    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+
+
+def copy_note(ok: list[dict], copy_gbps: float | None) -> list[str]:
+    """The line for `HBM % of copy` cells that are `–` for want of a measured copy
+    bandwidth (rows that have HBM GB/s), or none."""
+    rows = [r["name"] for r in ok if r.get("hbm_gbps") and not copy_gbps]
+    return [f"- `–` HBM % of copy: no copy bandwidth measured ({', '.join(rows)})"] if rows else []
+
+
 def trace_timed_warning(row: dict) -> str | None:
     """The warning for a row whose traced step is far from its timed step, or None."""
     ratio = row.get("trace_vs_timed")
@@ -146,11 +181,15 @@ def _mean(row: dict) -> dict:
 
 
 def _mesh(row: dict) -> str:
-    """The row's mesh; `+shard_over_seq` (`+gather_once`) when parameters are also
-    sharded over a `seq` axis of more than one device (and gathered once per step), and
-    the remat policy and unrolled layers where they differ from the defaults."""
+    """The row's mesh; `+layers=N` and `+batch=N` where `--layers` and `--batch` were
+    given, `+shard_over_seq` (`+gather_once`) when parameters are also sharded over a
+    `seq` axis of more than one device (and gathered once per step), and the remat
+    policy and unrolled layers where they differ from the defaults."""
     over_seq = row.get("mesh_sizes", {}).get("seq", 2) > 1  # unknown (error rows): say it
-    label = row["mesh"] + (" +shard_over_seq" if over_seq and row.get("shard_over_seq") else "")
+    label = row["mesh"]
+    label += f" +layers={row['layers_override']}" if row.get("layers_override") else ""
+    label += f" +batch={row['batch']}" if row.get("batch", 1) != 1 else ""
+    label += " +shard_over_seq" if over_seq and row.get("shard_over_seq") else ""
     label += " +gather_once" if over_seq and row.get("gather_once") else ""
     if row.get("remat", "save_attn") != "save_attn":
         label += f" +{row['remat']}"
@@ -159,6 +198,71 @@ def _mesh(row: dict) -> str:
 
 def _label(row: dict) -> str:
     return f"{row['model']} ({_mesh(row)})"
+
+
+def row_fact(report: dict, row: dict, key: str):
+    """How `row` ran (`train.tools.profile.ROW_FACTS`: steps, `--layers`, XLA_FLAGS,
+    jax): its own record, else the report's (a report.json written before rows
+    recorded them)."""
+    return row[key] if key in row else report.get(key)
+
+
+def per_row(report: dict, rows: list[dict], key: str, text: Callable) -> str:
+    """`text` of the rows' `key`: said once where they agree, else `mixed:` and each
+    value with the rows it holds for (rows added with `--append` can differ)."""
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        groups.setdefault(text(row_fact(report, r, key)), []).append(r["name"])
+    if len(groups) > 1:
+        return "mixed: " + "; ".join(f"{t} ({', '.join(names)})" for t, names in groups.items())
+    return next(iter(groups), None) or text(report.get(key))
+
+
+def step_spans(steps: dict) -> dict[str, str]:
+    """A row's warm-up, timed and traced steps as the step numbers they ran as, counted
+    from 1 as the trainer's step lines count (the traced ones are the trace's step
+    numbers): `{"warmup": "1..2", "timed": "3..5", "traced": "6..7"}`, `none` for none."""
+    spans, first = {}, 1
+    for part in ("warmup", "timed", "traced"):
+        n = steps[part]
+        spans[part] = "none" if n == 0 else str(first) if n == 1 else f"{first}..{first + n - 1}"
+        first += n
+    return spans
+
+
+def steps_text(steps: dict) -> str:
+    """A row's steps: `warm-up 1..2, timed 3..5, traced 6..7`."""
+    spans = step_spans(steps)
+    return f"warm-up {spans['warmup']}, timed {spans['timed']}, traced {spans['traced']}"
+
+
+def timing_text(steps: dict) -> str:
+    """Which steps a row's latency and tokens/s come from, and which were traced."""
+    spans = step_spans(steps)
+    timed = "step" if steps["timed"] == 1 else "steps"
+    traced = "step" if steps["traced"] == 1 else "steps"
+    return (
+        f"timed {timed} {spans['timed']}; traced {traced} {spans['traced']}: slower under "
+        "the profiler, not timed"
+    )
+
+
+def _layers_text(layers: int | None) -> str:
+    return plural(layers, "layer") if layers else "the preset's layers"
+
+
+def layers_note(report: dict, ok: list[dict]) -> list[str]:
+    """The lines saying which rows ran with `--layers` (none where no row did)."""
+    said = per_row(report, ok, "layers_override", _layers_text)
+    if said == _layers_text(None):
+        return []
+    if said.startswith("mixed: "):
+        return [f"**Layers overridden in some rows** (column `layers`): {said}.", ""]
+    return [
+        f"**Layers overridden: every model runs {said}** (column `layers`; the preset's "
+        "count is in report.json).",
+        "",
+    ]
 
 
 def _commands(report: dict) -> str:
@@ -213,27 +317,27 @@ def markdown(report: dict) -> str:
     """The Markdown report."""
     rows, ok = report["rows"], _ok(report)
     ceil = report.get("ceilings") or {}
-    device = next((r.get("device_kind") for r in ok), ceil.get("device", "?"))
-    steps = report["steps"]
+    measured = [r for r in ok if r.get("device_kind")]
+    device = per_row(report, measured, "device_kind", lambda d: d or ceil.get("device", "?"))
+    jax_version = per_row(report, rows, "jax", lambda v: f"jax {v}")
+    flags = per_row(report, rows, "xla_flags", lambda v: f"`{v or '(none)'}`")
+    steps = per_row(report, ok or rows, "steps", steps_text)
     lines = [
         "# Training profile",
         "",
-        f"{report['date']}, jax {report['jax']}, device: {device}. {_commands(report)} "
-        f"XLA_FLAGS: `{report.get('xla_flags') or '(none)'}`.",
+        f"{report['date']}, {jax_version}, device: {device}. {_commands(report)} "
+        f"XLA_FLAGS: {flags}.",
         "",
-        f"Timed: {plural(steps['timed'], 'step')} after "
-        f"{plural(steps['warmup'], 'warm-up step')}, compile excluded, `block_until_ready` "
-        f"around the window; traced: {plural(steps['traced'], 'more step')}. Per-device "
-        "times are the mean over devices and traced steps. Model FLOPs "
-        "(`models.training_flops_per_token`, recompute not counted) give TFLOP/s and MFU.",
+        f"Steps, counted from 1 in each row's run as the trainer's step lines count: "
+        f"{steps}. Compile excluded, "
+        "`block_until_ready` around the timed steps. Latency, tokens/s, TFLOP/s and MFU come "
+        "from the timed steps only; the traced steps, slower under the profiler, are not "
+        "timed. Per-device phase and kernel times are the mean over devices and traced "
+        "steps. Model FLOPs (`models.training_flops_per_token`, recompute not counted) give "
+        "TFLOP/s and MFU.",
         "",
     ]
-    if report.get("layers_override"):
-        lines += [
-            f"**Layers overridden: every model runs {plural(report['layers_override'], 'layer')}** "
-            "(column `layers`; the preset's count is in report.json).",
-            "",
-        ]
+    lines += layers_note(report, ok)
     lines += ["## Time per step (ms per device)", ""]
     lines += [
         "Phases partition the traced step: forward + backward + recompute + update "
@@ -274,9 +378,12 @@ def markdown(report: dict) -> str:
     )
     lines += ["## Throughput and memory", ""]
     lines += [
-        "HBM GB/s: bytes per XLA's cost analysis ÷ timed step (see `xla.method` in "
-        "report.json); HBM % of copy: that ÷ the measured copy bandwidth, over 100% where "
-        "caches serve some of the counted bytes (small steps, CPU). Ring GB/s: bytes of "
+        "Latency, tokens/s, TFLOP/s and MFU: the timed steps (`block_until_ready` around "
+        "them), none of the traced steps (slower under the profiler: not timed; their time "
+        "is the `traced step` above). HBM GB/s: bytes per XLA's cost analysis ÷ timed "
+        "step (see `xla.method` in report.json); HBM % of copy: that ÷ the measured copy "
+        "bandwidth, over 100% where caches serve some of the counted bytes (small steps, "
+        "CPU). Ring GB/s: bytes of "
         "the collective-permutes (K/V and dK/dV transfers) ÷ the time they run, per "
         "device (includes waiting for the peer, so a lower bound on the link). Memory "
         "per device: peak measured by the allocator, and the compiler's estimate "
@@ -317,7 +424,8 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
-    if notes := unreported_notes(ok):  # under the table, where its `–` are
+    notes = xla_cost_notes(ok, "HBM GB/s, HBM % of copy") + copy_note(ok, copy)
+    if notes := notes + unreported_notes(ok):  # under the table, where its `–` are
         lines += [*notes, ""]
     lines += ["## Kernel classes (ms per device)", ""]
     lines += [
@@ -430,6 +538,8 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
+    if notes := xla_cost_notes(ok, "step FLOP/B, step TFLOP/s"):
+        lines += [*notes, ""]
     if ceil.get("matmul_tflops"):
         lines += [
             "## Ceilings (measured on this machine at startup)",
@@ -526,7 +636,11 @@ class Plot:
     draw: Callable[[list, list[dict], dict], None]  # (panels, rows, report) fills the panels
     rows: Callable[[list[dict]], list[dict]] = lambda ok: ok  # [] when the plot has nothing
     panels: Callable[[list[dict]], int] = lambda rows: 1  # side by side
-    panel_size: tuple[float, float] = (7.0, 4.2)  # inches
+    panel_size: tuple[float, float] = (7.0, 4.2)  # inches (the width at least)
+    # Inches a panel needs for its labels, from the rows (more rows: wider); None: fixed.
+    width: Callable[[list[dict]], float] | None = None
+    # Run on the figure once its layout is final (labels placed where they fit).
+    place: Callable[[plt.Figure], None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -611,32 +725,80 @@ def _models(rows: list[dict]) -> int:
     return len(dict.fromkeys(r["model"] for r in rows))
 
 
+# Text sizes for sizing a figure before it is drawn: inches per character of a label
+# (DejaVu Sans, with room to spare) at a font size of 1 pt, and a bar's least width.
+CHAR_IN_PER_PT = 0.65 / 72
+BAR_IN = 0.5
+GROUP_FONT = 8  # the mesh under each group of bars
+
+
+def _mesh_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """A model's rows by mesh label (in order of appearance), each group by context."""
+    groups: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (_mesh(r), r["context"])):
+        groups.setdefault(_mesh(r), []).append(r)
+    return list(groups.items())
+
+
+def _mesh_lines(mesh: str) -> str:
+    return mesh.replace(" +", "\n+")
+
+
+def _stacked_width(rows: list[dict]) -> float:
+    """Inches a `_stacked` panel needs: each mesh's group as wide as its bars or its
+    longest label line, whichever is wider, and the axis' own margin."""
+    widths = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        groups = _mesh_groups([r for r in rows if r["model"] == model])
+        width = 1.4  # the y label, ticks and the panel's padding
+        for mesh, rs in groups:
+            line = max(len(x) for x in _mesh_lines(mesh).split("\n"))
+            text = line * GROUP_FONT * CHAR_IN_PER_PT if len(groups) > 1 else 0.0
+            width += max(len(rs) * BAR_IN, text) + BAR_IN / 2
+        widths.append(width)
+    return max(widths)
+
+
 def _stacked(parts: tuple[str, ...]):
-    """One panel per model: bars of `parts` (`<part>_ms` of the traced mean) per context
-    and mesh, with the timed step as a mark."""
+    """One panel per model: bars of `parts` (`<part>_ms` of the traced mean) per context,
+    grouped by mesh (named once under its group), with the timed step as a mark."""
 
     def draw(axes, rows, report):
         models = list(dict.fromkeys(r["model"] for r in rows))
         for ax, model in zip(axes, models, strict=True):
-            rs = sorted(
-                (r for r in rows if r["model"] == model), key=lambda r: (_mesh(r), r["context"])
-            )
-            meshes = list(dict.fromkeys(_mesh(r) for r in rs))
-            if len(meshes) == 1:  # one mesh: said once, in the title (long labels collide)
-                names = [_ctx(r["context"]) for r in rs]
-            else:
-                names = [
-                    f"{_ctx(r['context'])}\n{_mesh(r).replace(' +', chr(10) + '+')}" for r in rs
-                ]
+            groups = _mesh_groups([r for r in rows if r["model"] == model])
+            xs, rs, centers, x = [], [], [], 0.0
+            for mesh, group in groups:
+                line = max(len(t) for t in _mesh_lines(mesh).split("\n"))
+                slots = max(len(group), line * GROUP_FONT * CHAR_IN_PER_PT / BAR_IN)
+                first = x + (slots - len(group)) / 2  # the bars centred in their group
+                xs += [first + i for i in range(len(group))]
+                rs += group
+                centers.append((first + (len(group) - 1) / 2, mesh))
+                x += slots + 0.5
             bottom = [0.0] * len(rs)
             for part in parts:
                 values = [_mean(r)[f"{part}_ms"] or 0.0 for r in rs]
-                ax.bar(
-                    names, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " ")
-                )
+                ax.bar(xs, values, bottom=bottom, color=COLORS[part], label=part.replace("_", " "))
                 bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-            ax.plot(names, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
-            ax.set_title(f"{model} ({meshes[0]})" if len(meshes) == 1 else model)
+            ax.plot(xs, [r["step_ms"] for r in rs], "k_", ms=30, mew=2, label="timed step")
+            ax.set_xticks(xs, [_ctx(r["context"]) for r in rs])
+            ax.set_xlim(-0.75, x - 0.75)
+            if len(groups) == 1:  # one mesh: said once, in the title
+                ax.set_title(f"{model} ({groups[0][0]})")
+            else:
+                ax.set_title(model)
+                for center, mesh in centers:
+                    ax.annotate(
+                        _mesh_lines(mesh),
+                        (center, 0),
+                        xycoords=("data", "axes fraction"),
+                        xytext=(0, -20),
+                        textcoords="offset points",
+                        ha="center",
+                        va="top",
+                        fontsize=GROUP_FONT,
+                    )
             ax.set_ylabel("ms per step, per device")
             ax.grid(axis="y", alpha=0.3)
         axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), markerscale=0.4)
@@ -644,9 +806,14 @@ def _stacked(parts: tuple[str, ...]):
     return draw
 
 
+POINT_LABEL = "point-label"  # the gid of a roofline point's context label
+LABEL_FONT = 7
+
+
 def _roofline():
     """Step, attention kernels and matmuls at their arithmetic intensity, under the
-    measured matmul and copy ceilings."""
+    measured matmul and copy ceilings; each point's context beside it (`_place_labels`
+    moves the labels apart once the layout is final) and the legend outside the axes."""
 
     def draw(axes, rows, report):
         (ax,) = axes
@@ -658,10 +825,11 @@ def _roofline():
             if p and p.get("tflops")
         ]
         xs = [p["intensity"] for _, _, p in points] or [1.0]
-        lo, hi = min(xs + [1.0]) / 4, max(xs + [1e3]) * 4
         peak, bw = ceil.get("matmul_tflops"), ceil.get("copy_gbps")
-        if peak and bw:
-            ridge = peak * 1e12 / (bw * 1e9)
+        ridge = peak * 1e12 / (bw * 1e9) if peak and bw else None
+        # From a decade left of the leftmost point or the ridge, to right of both.
+        lo, hi = min(xs + [ridge or xs[0]]) / 10, max(xs + [ridge or xs[0]]) * 4
+        if ridge:
             grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
             ax.plot(
                 grid,
@@ -671,39 +839,111 @@ def _roofline():
                 label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
             )
         markers = {"step": "o", "attention": "^", "matmul": "s"}
-        # A series' points of one kind sit close together (one per context): their
-        # context labels take turns above and below, so neighbours do not run together.
-        offsets = ((3, 3), (3, -9))
         for i, label in enumerate(_series(rows)):
-            seen: dict[str, int] = {}
             for r, kind, p in points:
                 if _label(r) == label:
                     ax.plot(p["intensity"], p["tflops"], markers[kind], color=f"C{i}", ms=7)
-                    turn = seen[kind] = seen.get(kind, -1) + 1
                     ax.annotate(
                         _ctx(r["context"]),
                         (p["intensity"], p["tflops"]),
-                        fontsize=7,
-                        xytext=offsets[turn % len(offsets)],
+                        fontsize=LABEL_FONT,
+                        xytext=(6, 6),
                         textcoords="offset points",
+                        ha="center",
+                        va="center",
+                        gid=POINT_LABEL,
+                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4", "shrinkB": 4},
                     )
             ax.plot([], [], "o", color=f"C{i}", label=label)
         for kind, m in markers.items():
             ax.plot([], [], m, color="gray", label=kind)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ys = [p["tflops"] for _, _, p in points]
+        if ys:  # a decade below the lowest point: the points spread over the height
+            ax.set_ylim(min(ys) / 10, max(ys + [peak or 0.0]) * 2)
         ax.set_xlabel("arithmetic intensity (FLOP/byte)")
         ax.set_ylabel("achieved TFLOP/s per device")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=LABEL_FONT, loc="upper left", bbox_to_anchor=(1.02, 1.0))
 
     return draw
+
+
+def _roofline_width(rows: list[dict]) -> float:
+    """Inches the roofline needs: its axes and, beside them, the legend's longest entry."""
+    ceilings = len("ceilings: 1e+03 TFLOP/s, 4.8e+03 GB/s (ridge 200 FLOP/B)")
+    longest = max([ceilings, *(len(label) for label in _series(rows))])
+    return 6.5 + longest * LABEL_FONT * CHAR_IN_PER_PT + 0.6
+
+
+# Where a point's label may go, in points from the point: rings of offsets, nearest first.
+LABEL_OFFSETS = [
+    (round(r * math.cos(a * math.pi / 8), 1), round(r * math.sin(a * math.pi / 8), 1))
+    for r in (7, 11, 16, 22, 29, 37, 46, 56, 67, 79, 92)
+    for a in (2, 0, 4, 6, 1, 3, 5, 7, 15, 9, 14, 10, 13, 11, 12, 8)
+]
+
+
+def _overlap(a: tuple, b: tuple) -> float:
+    """The area two boxes `(x0, y0, x1, y1)` share."""
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    return w * h if w > 0 and h > 0 else 0.0
+
+
+def _marker_boxes(ax, dpi: float) -> list[tuple]:
+    """The display boxes of the markers drawn on `ax`."""
+    boxes = []
+    for line in ax.get_lines():
+        if line.get_marker() in (None, "None", "", " ") or not len(line.get_xydata()):
+            continue
+        half = line.get_markersize() / 72 * dpi / 2
+        for x, y in line.get_transform().transform(line.get_xydata()):
+            boxes.append((x - half, y - half, x + half, y + half))
+    return boxes
+
+
+def _label_cost(box: tuple, frame, taken: list[tuple]) -> tuple[bool, float]:
+    """How bad a label at display box `box` is: outside the axes' `frame` first, then
+    the area it shares with the boxes `taken`."""
+    inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] <= box[3] <= frame.y1
+    return not inside, sum(_overlap(box, b) for b in taken)
+
+
+def _place_label(label, renderer, frame, taken: list[tuple]) -> tuple:
+    """Moves `label` to the first of `LABEL_OFFSETS` where `_label_cost` is least; its
+    display box there."""
+    text = Text.get_window_extent(label, renderer)  # the text alone, not its leader line
+    pad = 2 * label.figure.dpi / 72  # 2 points around each label
+    w, h = text.width / 2 + pad, text.height / 2 + pad
+    px, py = label.axes.transData.transform(label.xy)
+    scale = label.figure.dpi / 72  # display pixels per point
+    boxes = []
+    for dx, dy in LABEL_OFFSETS:
+        cx, cy = px + dx * scale, py + dy * scale
+        boxes.append((cx - w, cy - h, cx + w, cy + h))
+    best = min(range(len(boxes)), key=lambda i: _label_cost(boxes[i], frame, taken))
+    label.xyann = LABEL_OFFSETS[best]
+    return boxes[best]
+
+
+def _place_labels(fig) -> None:
+    """Moves each point label (`POINT_LABEL`) to the nearest offset where it overlaps no
+    other label and no marker and stays inside the axes (else to where it overlaps
+    least); a leader line joins a label set apart to its point."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        frame = ax.get_window_extent(renderer)
+        taken = _marker_boxes(ax, fig.dpi)
+        for label in [t for t in ax.texts if t.get_gid() == POINT_LABEL]:
+            taken.append(_place_label(label, renderer, frame, taken))
 
 
 PLOTS = (
     Plot(
         "latency_throughput",
-        "Latency and throughput vs context",
+        "Latency and throughput vs context (timed steps, not the traced ones)",
         _lines(
             Line("step_ms", "ms per step", "Step latency"),
             Line("tokens_per_s", "tokens/s", "Throughput"),
@@ -718,6 +958,7 @@ PLOTS = (
         _stacked(PHASES),
         panels=_models,
         panel_size=(4.5, 4.5),
+        width=_stacked_width,
     ),
     Plot(
         "kernels",
@@ -726,12 +967,15 @@ PLOTS = (
         rows=lambda ok: ok if any(_mean(r)["attention_ms"] is not None for r in ok) else [],
         panels=_models,
         panel_size=(4.5, 4.5),
+        width=_stacked_width,
     ),
     Plot(
         "roofline",
         "Roofline: step, attention kernels and matmuls",
         _roofline(),
         panel_size=(7.5, 5.0),
+        width=_roofline_width,
+        place=_place_labels,
     ),
     Plot(
         "scaling",
@@ -752,6 +996,7 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
     rows = plot.rows(_ok(report))
     n = plot.panels(rows)
     width, height = plot.panel_size
+    width = max(width, plot.width(rows)) if plot.width else width
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
     plot.draw(list(axes[0]), rows, report)
     if n == 1 and not axes[0][0].get_title():
@@ -759,7 +1004,9 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
     else:
         fig.suptitle(plot.title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if plot.place:
+        plot.place(fig)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
