@@ -227,6 +227,45 @@ def test_hlo_facts():
     assert trace._phases([orphan], hlo)[0] == ["update"]
 
 
+def test_gpu_permutes_are_sized_by_their_name_stack():
+    """A GPU trace names a ring transfer as it was before XLA made it asynchronous
+    (`ppermute.10.1`); the compiled text calls it `collective-permute-start.N` (as a
+    2-GPU H200 step's HLO does). Such events are sized by their jax name stack; where
+    one stack sends several transfers (the backward's K/V and f32 dK/dV), by their
+    mean, which the step's total keeps."""
+    fwd = "jit(train_step)/jvp()/while/body/layer/attention/attention_ring/shard_map/ppermute"
+    bwd = "jit(train_step)/transpose(jvp())/while/body/layer/attention_ring/shard_map/ppermute"
+
+    def start(name, dtype, stack):
+        return (
+            f"  %{name} = (({dtype}[2,1,4096,8,64]{{4,3,2,1,0}}), {dtype}[2,1,4096,8,64]"
+            f"{{4,3,2,1,0}}) collective-permute-start(%x), channel_id=1, "
+            f'source_target_pairs={{{{0,1}},{{1,0}}}}, metadata={{op_name="{stack}"}}'
+        )
+
+    def done(name, dtype, stack):
+        return (
+            f"  %{name.replace('start', 'done')} = {dtype}[2,1,4096,8,64]{{4,3,2,1,0}} "
+            f'collective-permute-done(%{name}), metadata={{op_name="{stack}"}}'
+        )
+
+    lines = []
+    for name, dtype, stack in (
+        ("collective-permute-start.2", "bf16", fwd),
+        ("collective-permute-start", "bf16", bwd),
+        ("collective-permute-start.1", "f32", bwd),
+    ):
+        lines += [start(name, dtype, stack), done(name, dtype, stack)]
+    hlo = parse_hlo("\n".join(lines))
+    kv = 2 * 4096 * 8 * 64 * 2
+    assert hlo.permute_size("collective-permute-start.1") == 2 * kv
+    assert hlo.permute_size("ppermute.14.1", fwd) == kv
+    backward = [hlo.permute_size(op, bwd) for op in ("ppermute.10.1", "ppermute.11.1")]
+    assert sum(backward) == kv + 2 * kv
+    assert hlo.permute_size("ppermute.3", "jit(train_step)/elsewhere") is None
+    assert hlo.permute_size("ppermute.3") is None
+
+
 @pytest.mark.multi_device(8)
 @pytest.mark.skipif(ON_GPU, reason="reads a CPU trace; GPU traces: test_gpu_trace_*")
 @pytest.mark.slow
@@ -1025,13 +1064,15 @@ def test_report_says_why_mfu_and_peak_memory_are_missing():
     md = report_lib.markdown(report)
     throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
     table_end = throughput.rindex("|")
-    notes = throughput[table_end + 1 :].strip().splitlines()
+    lines = throughput[table_end + 1 :].strip().splitlines()
+    notes = [x for x in lines if not x.startswith("- `–` ring GB/s")]  # its own test
     assert notes == [
         "- `–` MFU: no peak FLOP/s known for device cpu in train.metrics.PEAK_BF16_FLOPS "
         "(tiny-256, tiny-512)",
         "- `–` peak memory: the CPU backend reports no memory stats (tiny-256, tiny-512)",
     ], throughput
-    md = report_lib.markdown({**report, "rows": [measured]})
+    ring = {"bytes_per_step": 2e9, "permute_ms": 10.0, "gbps": 200.0}
+    md = report_lib.markdown({**report, "rows": [{**measured, "ring": ring}]})
     assert "- `–`" not in md
 
 
@@ -1067,6 +1108,23 @@ def test_report_says_why_xla_cost_columns_are_missing():
     assert "- `–` HBM" not in md and "- `–` step" not in md and "XLA cost" not in md
     md = report_lib.markdown({**report, "rows": [analysed], "ceilings": {}})
     assert "- `–` HBM % of copy: no copy bandwidth measured (tiny-1024)" in md
+
+
+def test_report_says_why_ring_bandwidth_is_missing():
+    """`ring GB/s` is `–` where no ring ran (one device on `seq`, Ulysses, all-gather) or
+    its bytes are unknown: the report says which, naming the rows, and nothing where
+    every row has it."""
+    ring = _report_row(256, ring={"bytes_per_step": 2e9, "permute_ms": 10.0, "gbps": 200.0})
+    no_ring = _report_row(512, not_measured={"ring": "no collective-permute in the traced steps"})
+    unknown = _report_row(1024)
+    md = report_lib.markdown(_report([ring, no_ring, unknown]))
+    throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
+    assert [x for x in throughput.splitlines() if x.startswith("- `–` ring")] == [
+        "- `–` ring GB/s: no collective-permute in the traced steps (tiny-512)",
+        "- `–` ring GB/s: no ring transfer recorded (tiny-1024)",
+    ], throughput
+    assert "| 200.0 |" in throughput
+    assert "- `–` ring" not in report_lib.markdown(_report([ring]))
 
 
 def test_steps_are_numbered_from_one_everywhere():

@@ -55,19 +55,35 @@ class HloOps:
       permute_bytes: collective-permute instruction name -> bytes one device sends
         each time it runs (the operand; for an async `-start`, half of its buffers;
         for a `-done`, its result, the same size in a ring).
+      permute_bytes_by_stack: jax name stack -> bytes of each transfer issued there
+        (one per `collective-permute` or `-start`), for `permute_size`.
     """
 
     name_stacks: dict[str, str]
     opcodes: dict[str, str]
     permute_bytes: dict[str, int]
+    permute_bytes_by_stack: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def name_stack(self, hlo_op: str) -> str:
         return self.name_stacks.get(hlo_op, "")
 
+    def permute_size(self, hlo_op: str, stack: str = "") -> int | None:
+        """Bytes a device sends per run of the collective-permute that a trace event
+        names. On GPUs the trace names the instruction as it was before XLA made it
+        asynchronous (`ppermute.10.1`), which the compiled text has renamed
+        (`collective-permute-start.2`); such an event is sized by its jax name stack,
+        which both keep. Where one stack issues several transfers (the ring's backward
+        step sends K/V and the f32 dK/dV), each event there counts their mean: exact
+        for the step's total, as each of them runs once per ring step. None: unknown."""
+        if hlo_op in self.permute_bytes:
+            return self.permute_bytes[hlo_op]
+        sizes = self.permute_bytes_by_stack.get(stack)
+        return sum(sizes) // len(sizes) if sizes else None
+
 
 def parse_hlo(text: str) -> HloOps:
     """Reads `compiled.as_text()` (one module or several concatenated)."""
-    stacks, opcodes, permutes = {}, {}, {}
+    stacks, opcodes, permutes, by_stack = {}, {}, {}, {}
     for line in text.splitlines():
         m = _INSTRUCTION.match(line)
         if not m:
@@ -80,4 +96,8 @@ def parse_hlo(text: str) -> HloOps:
         if op in COLLECTIVE_PERMUTES:
             sizes = [b for b in array_bytes(m.group("type")) if b > 4]  # drop u32[] sync flags
             permutes[name] = sum(sizes) // 2 if op.endswith("-start") else sum(sizes)
-    return HloOps(name_stacks=stacks, opcodes=opcodes, permute_bytes=permutes)
+            if meta and not op.endswith("-done"):
+                by_stack.setdefault(meta.group("stack"), []).append(permutes[name])
+    return HloOps(
+        name_stacks=stacks, opcodes=opcodes, permute_bytes=permutes, permute_bytes_by_stack=by_stack
+    )

@@ -411,6 +411,15 @@ def run_row(job: Job) -> dict:
             "permute_ms": phases.permute_ms,
             "gbps": phases.permute_bytes / (phases.permute_ms / 1e3) / 1e9,
         }
+    elif phases.permute_ms > 0:
+        row.setdefault("not_measured", {})["ring"] = (
+            "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
+        )
+    else:
+        row.setdefault("not_measured", {})["ring"] = (
+            "no collective-permute in the traced steps (no ring: one device on `seq`, or "
+            "Ulysses or all-gather, which `--ring_strategy auto` picks on one host)"
+        )
     seq_shards = t.sizes["seq"] * t.sizes["seq_a2a"]
     sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
     attn = attention_work(config, job.context, seq_shards, sequences)

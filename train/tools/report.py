@@ -129,6 +129,17 @@ def xla_cost_notes(ok: list[dict], columns: str) -> list[str]:
     return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
 
 
+def ring_notes(ok: list[dict]) -> list[str]:
+    """One line per reason `ring GB/s` is `–`, naming the rows; none where every row
+    has it."""
+    notes: dict[str, list[str]] = {}
+    for r in ok:
+        if not r.get("ring"):
+            why = (r.get("not_measured") or {}).get("ring") or "no ring transfer recorded"
+            notes.setdefault(f"ring GB/s: {why}", []).append(r["name"])
+    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+
+
 def copy_note(ok: list[dict], copy_gbps: float | None) -> list[str]:
     """The line for `HBM % of copy` cells that are `–` for want of a measured copy
     bandwidth (rows that have HBM GB/s), or none."""
@@ -425,6 +436,7 @@ def markdown(report: dict) -> str:
         ],
     )
     notes = xla_cost_notes(ok, "HBM GB/s, HBM % of copy") + copy_note(ok, copy)
+    notes += ring_notes(ok)
     if notes := notes + unreported_notes(ok):  # under the table, where its `–` are
         lines += [*notes, ""]
     lines += ["## Kernel classes (ms per device)", ""]

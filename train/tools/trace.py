@@ -688,7 +688,7 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
             or (hlo is not None and hlo.opcodes.get(k.hlo_op) in COLLECTIVE_PERMUTES)
             for k in ks
         ]
-        sizes = [hlo.permute_bytes.get(k.hlo_op) if hlo is not None else None for k in ks]
+        sizes = [hlo.permute_size(k.hlo_op, k.stack) if hlo is not None else None for k in ks]
         if use_steps:
             windows = _windows(ks, starts, module)
         else:
