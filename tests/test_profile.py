@@ -24,7 +24,7 @@ from train.tools import trace
 from train.tools.hlo import parse_hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# 2x H200, tiny model, seq=2 ring, trainer steps 3 and 4 (`--profile_steps 3,5`).
+# 2x H200, tiny model, seq=2 ring, two traced trainer steps annotated 3 and 4.
 GPU_TRACE = os.path.join(ROOT, "tests", "data", "tiny.xplane.pb.gz")
 PHASE_FIELDS = ("forward_ms", "backward_ms", "recompute_ms", "update_ms", "idle_ms")
 CLASS_FIELDS = ("attention_ms", "matmul_ms", "exposed_comm_ms", "other_ms")
@@ -279,7 +279,7 @@ def test_cpu_trace_from_the_trainer(tmp_path):
                 "--sample_num_examples", "16",
                 "--mesh", "data=1,fsdp=-1,seq=2",
                 "--max_steps", "3",
-                "--profile_steps", "1,3",
+                "--profile_steps", "2,4",
                 "--save_strategy", "no",
                 "--export_hf", "false",
                 "--progress", "false",
@@ -289,7 +289,7 @@ def test_cpu_trace_from_the_trainer(tmp_path):
     )  # fmt: skip
     report = trace.parse(os.path.join(tmp_path, "tensorboard"))
     assert report.platform == "cpu"
-    assert report.windows == "steps" and report.steps == [1, 2]
+    assert report.windows == "steps" and report.steps == [2, 3]  # as the step lines count
     assert len(report.devices) == 8
     b = report.mean
     assert b.step_ms > 0 and 0 <= b.idle_ms <= b.step_ms
@@ -1346,7 +1346,7 @@ def test_unreadable_traces_are_named(tmp_path):
 def test_profile_dir_that_cannot_be_created_is_refused_before_training(tmp_path):
     (tmp_path / "afile").write_text("")
     argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "2"]
-    argv += ["--output_dir", str(tmp_path / "run"), "--profile_steps", "0,1"]
+    argv += ["--output_dir", str(tmp_path / "run"), "--profile_steps", "1,2"]
     with pytest.raises(Exception, match=r"--profile_dir='.*afile/sub' cannot be created"):
         run(parse_args([*argv, "--profile_dir", str(tmp_path / "afile" / "sub")]))
     assert not (tmp_path / "run").exists()

@@ -359,12 +359,12 @@ def test_profile_window_before_a_resumed_runs_steps_is_named(tmp_path, capsys):
     run(parse_args(_args(first, "--save_steps", "2", "--report_to", "none")))
     resume = ["--resume_from_checkpoint", str(first / "checkpoints" / "2"), "--report_to", "none"]
     capsys.readouterr()
-    run(parse_args(_args(tmp_path / "a", *resume, "--profile_steps", "0,2")))
+    run(parse_args(_args(tmp_path / "a", *resume, "--profile_steps", "1,3")))
     err = capsys.readouterr().err
-    assert "--profile_steps='0,2' lies outside this run's steps 3..3" in err
+    assert "--profile_steps='1,3' lies outside this run's steps 3..3" in err
     assert "nothing will be traced" in err
     assert not (tmp_path / "a" / "tensorboard").exists()
-    run(parse_args(_args(tmp_path / "b", *resume, "--profile_steps", "1,3")))
+    run(parse_args(_args(tmp_path / "b", *resume, "--profile_steps", "2,4")))
     captured = capsys.readouterr()
     assert "this run's steps are 3..3; tracing steps 3..3 of the window" in captured.err
     assert "--profile_steps: traced steps 3..3" in captured.out

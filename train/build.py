@@ -531,6 +531,9 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
 
 
 def profile_window(cfg: TrainConfig) -> tuple[int, int] | None:
+    """`--profile_steps start,stop`: the steps `start .. stop - 1` as the step lines (and
+    the trace's step numbers) count them, from 1; returned as the loop's 0-based
+    `(first, stop)`, or None without the flag."""
     text = cfg.profile.profile_steps.strip()
     if not text:
         return None
@@ -538,6 +541,9 @@ def profile_window(cfg: TrainConfig) -> tuple[int, int] | None:
         start, stop = (int(x) for x in text.split(","))
     except ValueError:
         raise TrainingError(f"--profile_steps={text!r} must be 'start,stop'") from None
-    if not 0 <= start < stop:
-        raise TrainingError(f"--profile_steps={text!r} needs 0 <= start < stop")
-    return start, stop
+    if not 1 <= start < stop:
+        raise TrainingError(
+            f"--profile_steps={text!r} needs 1 <= start < stop (steps count from 1, as the "
+            "step lines do)"
+        )
+    return start - 1, stop - 1

@@ -131,7 +131,7 @@ class RunArgs:
 
 @dataclasses.dataclass(frozen=True)
 class ProfileArgs:
-    profile_steps: str = ""  # e.g. "5,8": jax.profiler trace of steps 5..7
+    profile_steps: str = ""  # e.g. "5,8": jax.profiler trace of steps 5..7 (from 1)
     profile_dir: str = ""  # default: <output_dir>/tensorboard (TensorBoard's profile plugin)
 
 

@@ -466,7 +466,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 jax.block_until_ready(state)
                 jax.profiler.start_trace(trace_dir)
                 tracing = True
-            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+            # The trace numbers steps as the step lines do (from 1).
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 with _oom_advice(cfg):
                     state, metrics = step_fn(state, t.batch(step))
             if tracing and step == profile[1] - 1:
