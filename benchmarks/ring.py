@@ -7,7 +7,7 @@
         --strategies ring --tokens-per-device 8192,16384 --passes fwdbwd --profile
     python benchmarks/ring.py --devices 4 --strategies ring,ulysses,hybrid,allgather \\
         --layouts zigzag --passes fwdbwd --cp-model                 # + cp_model's prediction
-    python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \
+    python benchmarks/ring.py --tokens-per-device 16384 --devices 2 --layouts zigzag \\
         --strategies ring --longest --longest-start 131072     # one table row + longest
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/ring.py --interpret \\
         --tokens-per-device 128 --heads 4 --kv-heads 2 --head-dim 32 --implementation xla
