@@ -349,7 +349,12 @@ def test_profile_cli_on_cpu(tmp_path):
     for name in names:
         assert (out / f"{name}.png").stat().st_size > 5000, name
     md = (out / "report.md").read_text()
-    assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md and "| 132.6 |" in md
+    assert "| tiny | 256 | seq=4 |" in md and "ms per device" in md
+    # PyTorch + LightSeq's published 4-GPU table stands beside GPU rows only.
+    assert "LightSeq" not in md
+    on_gpu = {**report, "rows": [{**r, "platform": "gpu"} for r in rows]}
+    assert "| 132.6 |" in report_lib.markdown(on_gpu)
+    assert "Batch (sequences per data-parallel rank): 1. Attention split over `seq`: " in md
     assert "step lines count: warm-up 1, timed 2..3, traced 4..5." in md
     assert [r["trace"]["steps"] for r in rows] == [[4, 5], [4, 5]]
     assert "- `–` peak memory: the CPU backend reports no memory stats (tiny-256-seq2" in md
@@ -1089,7 +1094,7 @@ def test_report_says_why_xla_cost_columns_are_missing():
     report = {**_report([skipped, empty, analysed]), "ceilings": {"copy_gbps": 200.0}}
     md = report_lib.markdown(report)
     throughput = md.split("## Throughput and memory")[1].split("## Kernel classes")[0]
-    intensity = md.split("## Arithmetic intensity")[1].split("## PyTorch")[0]
+    intensity = md.split("## Arithmetic intensity")[1].split("\n## ")[0]
     not_run = (
         "XLA cost analysis not run (--no-xla-cost; `python -m train.tools.profile "
         "--fill-xla-cost DIR` computes it) (tiny-256)"
@@ -1100,9 +1105,11 @@ def test_report_says_why_xla_cost_columns_are_missing():
         f"- `–` HBM GB/s, HBM % of copy: {no_bytes}",
     ], throughput
     assert intensity.strip().splitlines()[-2:] == [
-        f"- `–` step FLOP/B, step TFLOP/s: {not_run}",
-        f"- `–` step FLOP/B, step TFLOP/s: {no_bytes}",
+        f"- `–` step FLOP/B: {not_run}",
+        f"- `–` step FLOP/B: {no_bytes}",
     ], intensity
+    # The step's TFLOP/s is model FLOPs ÷ step time: known without XLA's bytes.
+    assert "| tiny | 256 | seq=2 | – | 0.00042 |" in intensity, intensity
     assert "| tiny | 1k | seq=2 | 5 | 51.2 | 0.00042 | – | 140.0 | 70% |" in throughput
     md = report_lib.markdown({**report, "rows": [analysed]})
     assert "- `–` HBM" not in md and "- `–` step" not in md and "XLA cost" not in md

@@ -324,6 +324,21 @@ def _per_row_tables(rows, key: str, title: str, intro: str, header, cells) -> li
     return lines
 
 
+def _seed_reference() -> list[str]:
+    """The PyTorch + LightSeq table (4 GPUs, published), as a section."""
+    lines = ["## PyTorch + LightSeq's numbers, for reference", ""]
+    lines += [
+        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (the original PyTorch project's "
+        "published table); its latency was "
+        "CUDA + CPU time and its 'bandwidth' memory ÷ time, so only the phase times compare.",
+        "",
+    ]
+    return lines + _table(
+        ["model", "forward (ms)", "backward (ms)", "communication (ms)"],
+        [[s["model"], s["forward_ms"], s["backward_ms"], s["comm_ms"]] for s in SEED_REFERENCE],
+    )
+
+
 def markdown(report: dict) -> str:
     """The Markdown report."""
     rows, ok = report["rows"], _ok(report)
@@ -333,6 +348,10 @@ def markdown(report: dict) -> str:
     jax_version = per_row(report, rows, "jax", lambda v: f"jax {v}")
     flags = per_row(report, rows, "xla_flags", lambda v: f"`{v or '(none)'}`")
     steps = per_row(report, ok or rows, "steps", steps_text)
+    batch = per_row(report, ok or rows, "batch", lambda b: str(b or 1))
+    strategy = per_row(
+        report, ok or rows, "ring_strategy", lambda s: f"`--ring_strategy {s or 'ring'}`"
+    )
     lines = [
         "# Training profile",
         "",
@@ -346,6 +365,11 @@ def markdown(report: dict) -> str:
         "timed. Per-device phase and kernel times are the mean over devices and traced "
         "steps. Model FLOPs (`models.training_flops_per_token`, recompute not counted) give "
         "TFLOP/s and MFU.",
+        "",
+        f"Batch (sequences per data-parallel rank): {batch}. Attention split over `seq`: "
+        f"{strategy}, the K/V ring, whose transfers the report measures (the trainer's "
+        "default, `auto`, runs Ulysses instead on one host where `seq` divides the query "
+        "heads).",
         "",
     ]
     lines += layers_note(report, ok)
@@ -442,7 +466,9 @@ def markdown(report: dict) -> str:
     lines += ["## Kernel classes (ms per device)", ""]
     lines += [
         "A second partition of busy time (traced step − idle): attention kernels + "
-        "matmuls + exposed communication + other.",
+        "matmuls + exposed communication + other. `phase share named`: the share of "
+        "busy time whose phase came from a name stack (the rest takes the phase of the "
+        "kernel before it on its stream).",
         "",
     ]
     lines += _table(
@@ -475,7 +501,8 @@ def markdown(report: dict) -> str:
             "## Top kernels (first device, ms per traced step)",
             "The ten kernels with the most device time and the name stack that spent most "
             "of it: what the class totals above hide (a kernel slower than its peers, f32 "
-            "matmuls in a bf16 model).",
+            "matmuls in a bf16 model). `share`: of the summed time of all the device's "
+            "kernels in the traced steps (overlapping kernels count each).",
         ),
         (
             "top_update_kernels",
@@ -506,14 +533,15 @@ def markdown(report: dict) -> str:
         "top_other_scopes",
         "## Where the other kernels run (first device, ms per traced step)",
         "The class `other` (elementwise and reduction fusions, copies XLA writes) by model "
-        "scope, every layer's kernels added up: norms, RoPE, SwiGLU, the loss.",
+        "scope, every layer's kernels added up: norms, RoPE, SwiGLU, the loss. `share`: of "
+        "the summed time of all the device's kernels; `launches`: per traced step.",
         lambda r: ["scope", "phase", "ms", "share", "launches", "largest kernel"],
         lambda k: [
             f"`{_tail(k['scope'], 90)}`",
             k["phase"],
             k["ms"],
             f"{k['share']:.1%}",
-            k["launches"],
+            f"{k['launches']:.3g}" if isinstance(k["launches"], float) else k["launches"],
             f"`{kernel_label(k['name'], 50)}`",
         ],
     )
@@ -526,6 +554,8 @@ def markdown(report: dict) -> str:
 
     def point(r, key, field):
         p = (r.get("intensity") or {}).get(key)
+        if p is None and (key, field) == ("step", "tflops"):
+            return r.get("tflops_per_device")  # model FLOPs ÷ step: no XLA bytes needed
         return None if p is None else p[field]
 
     lines += _table(
@@ -550,7 +580,7 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
-    if notes := xla_cost_notes(ok, "step FLOP/B, step TFLOP/s"):
+    if notes := xla_cost_notes(ok, "step FLOP/B"):
         lines += [*notes, ""]
     if ceil.get("matmul_tflops"):
         lines += [
@@ -560,17 +590,8 @@ def markdown(report: dict) -> str:
             f"- {ceil['copy_label']}: {significant(ceil['copy_gbps'])} GB/s",
             "",
         ]
-    lines += ["## PyTorch + LightSeq's numbers, for reference", ""]
-    lines += [
-        "4 GPUs, PyTorch + LightSeq, fp16, **512 tokens** (the original PyTorch project's "
-        "published table); its latency was "
-        "CUDA + CPU time and its 'bandwidth' memory ÷ time, so only the phase times compare.",
-        "",
-    ]
-    lines += _table(
-        ["model", "forward (ms)", "backward (ms)", "communication (ms)"],
-        [[s["model"], s["forward_ms"], s["backward_ms"], s["comm_ms"]] for s in SEED_REFERENCE],
-    )
+    if any(r.get("platform") == "gpu" for r in ok):  # a GPU reference, beside GPU rows
+        lines += _seed_reference()
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         lines += ["## Rows that did not run", ""]
@@ -722,7 +743,7 @@ def _memory():
             (r["memory_limit_gib"] for r in rows if r.get("memory_limit_gib")), default=None
         )
         if limit:
-            ax.axhline(limit, color="k", lw=1, ls=":", label=f"device limit {limit:.0f} GiB")
+            ax.axhline(limit, color="k", lw=1, ls=":", label=f"allocator limit {limit:.0f} GiB")
         _context_axis(ax, rows)
         ax.set_ylabel("GiB per device")
         if single_point(rows):
@@ -867,8 +888,10 @@ def _roofline():
                         arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4", "shrinkB": 4},
                     )
             ax.plot([], [], "o", color=f"C{i}", label=label)
+        drawn = {kind for _, kind, _ in points}
         for kind, m in markers.items():
-            ax.plot([], [], m, color="gray", label=kind)
+            if kind in drawn:  # no legend entry for a kind without points (the step
+                ax.plot([], [], m, color="gray", label=kind)  # without XLA's bytes)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ys = [p["tflops"] for _, _, p in points]
