@@ -299,6 +299,70 @@ def test_cpu_trace_from_the_trainer(tmp_path):
         assert getattr(b, field) is None and field in report.not_measured
 
 
+def _fake_cpu_trace(events: list[tuple[str, str, float, float, dict]]):
+    """A `ProfileData` stand-in: one `/host:CPU` plane of (thread, name, start, duration,
+    stats) events, as `trace._cpu_kernels` and `trace._step_annotations` read them."""
+    from types import SimpleNamespace
+
+    lines = collections.defaultdict(list)
+    for thread, name, start, duration, stats in events:
+        event = SimpleNamespace(
+            name=name, start_ns=start, duration_ns=duration, stats=list(stats.items())
+        )
+        lines[thread].append(event)
+    plane = SimpleNamespace(
+        name="/host:CPU",
+        lines=[SimpleNamespace(name=k, events=v) for k, v in lines.items()],
+    )
+    return SimpleNamespace(planes=[plane])
+
+
+def test_cpu_run_is_launched_when_its_first_thunk_starts():
+    """A CPU run's launch (which step it belongs to) is when it began: its first thunk,
+    which runs before the host's `Execute (wait for completion)` begins. A step that
+    began inside its own annotation stays in that step, although the wait for it
+    starts after the next step's annotation."""
+    wait = "ThunkExecutor::Execute (wait for completion)"
+    thunk = {"hlo_module": "jit_step", "device_ordinal": 0}
+    events = [
+        ("python", "train", 0, 5, {"step_num": 1}),
+        ("python", "train", 10, 5, {"step_num": 2}),
+        ("client", wait, 12, 8, {"run_id": 7, "device_ordinal": 0}),
+        ("eigen", "fusion", 6, 3, {**thunk, "hlo_op": "fusion", "run_id": 7}),
+        ("eigen", "fusion.1", 13, 5, {**thunk, "hlo_op": "fusion.1", "run_id": 7}),
+        ("client", wait, 21, 8, {"run_id": 8, "device_ordinal": 0}),
+        ("eigen", "fusion", 21, 3, {**thunk, "hlo_op": "fusion", "run_id": 8}),
+        ("eigen", "fusion.1", 24, 5, {**thunk, "hlo_op": "fusion.1", "run_id": 8}),
+    ]
+    data = _fake_cpu_trace(events)
+    kernels = trace._cpu_kernels(data)["cpu:0"]
+    assert [k.launch for k in kernels] == [6, 6, 21, 21]
+    marks = trace._step_annotations(data, "train")
+    windows = trace._windows(kernels, [t for t, _ in marks], "jit_step")
+    assert [(marks[i][1], s, e) for i, s, e in windows] == [(1, 6, 21), (2, 21, 29)]
+
+
+def test_profile_one_device_cpu_row_traces_each_step_in_its_own_window(tmp_path):
+    """One device on CPU: the host dispatches the traced steps ahead of the device, and
+    each still gets its own window (steps 4, 5 and 6 here, not one window holding
+    them all: the trace's step would then be about 3x the timed one). In a worker, as
+    the tool runs a row: this process's CPU client runs steps inline."""
+    from train.tools.profile import Job
+
+    job = Job(model="tiny", context=256, mesh="seq=1", out=str(tmp_path), steps=2, warmup=1)
+    job = dataclasses.replace(job, trace_steps=3, xla_cost=False)
+    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
+    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(1))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "ok", row
+    assert row["trace"]["steps"] == [4, 5, 6]
+    assert 0.5 < row["trace_vs_timed"] < 1.5, row["trace_vs_timed"]
+
+
 def test_profile_refuses_an_existing_report_and_unknown_models(tmp_path, capsys):
     """Nothing runs, and the earlier report stays, for an --out that holds one (unless
     --append) or a model that is neither a preset nor a directory."""

@@ -370,11 +370,19 @@ def run_row(job: Job) -> dict:
 
             trace_dir = os.path.join(job.out, "tensorboard", job.name)
             first = job.warmup + job.steps + 1  # the step lines' numbering: from 1
+            # On CPU a step's thunks are matched to the annotation during which the step
+            # started running, not the one that dispatched it: each traced step waits
+            # for the previous one (as the trainer's steps do), or a step dispatched
+            # ahead would be counted in the next one's window. GPU kernels carry their
+            # launch's time, and a wait would only add host gaps between the windows.
+            sync = devices[0].platform == "cpu"
             jax.profiler.start_trace(trace_dir)
             try:
                 for i in range(job.trace_steps):
                     with jax.profiler.StepTraceAnnotation("train", step_num=first + i):
                         state, metrics = compiled(state, batches[i % 2])
+                    if sync:
+                        jax.block_until_ready((state, metrics))
                 jax.block_until_ready((state, metrics))
             finally:
                 jax.profiler.stop_trace()
