@@ -709,16 +709,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
-def test_profile_stopped_ends_its_running_worker(tmp_path, how):
-    """SIGTERM (or Ctrl-C) to the tool while a row's worker runs: the worker and its
-    process group are ended, not orphaned, and the tool exits with one line naming the
-    row (status 143, or 130 for Ctrl-C)."""
+def _stop_the_tool_in_a_row(tmp_path, how: str) -> tuple[subprocess.Popen, list[int]]:
+    """Starts the tool on a row that runs for long, sends `how` (a signal's name) to it
+    while the row's worker runs, and waits for the workers to end (10 s at most): the
+    finished tool and the workers still running then (killed before this returns). Its
+    temporary folders go to `tmp_path / "tmp"`."""
     import signal
     import time
 
     out = tmp_path / "profile"
-    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path / "tmp"), **cpu_devices(2))
     argv = ["--models", "tiny", "--context", "256", "--mesh", "seq=2", "--steps", "100000"]
     argv += ["--no-xla-cost", "--out", str(out)]
     # As a terminal starts it: a shell running these tests in the background hands its
@@ -748,19 +749,43 @@ def test_profile_stopped_ends_its_running_worker(tmp_path, how):
         gone = time.monotonic() + 10
         while any(map(_alive, workers)) and time.monotonic() < gone:
             time.sleep(0.1)
-        assert not any(map(_alive, workers)), workers
+        return proc, [pid for pid in workers if _alive(pid)]
     finally:
         proc.kill()
         for pid in workers:  # an orphaned worker: not left running after the test
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_profile_stopped_ends_its_running_worker(tmp_path, how):
+    """SIGTERM, Ctrl-C or SIGHUP (a closed terminal) to the tool while a row's worker
+    runs: the worker and its process group are ended, not orphaned, its temporary
+    folder is removed, and the tool exits with one line naming the row (status 143,
+    130 for Ctrl-C, 129 for SIGHUP)."""
+    proc, running = _stop_the_tool_in_a_row(tmp_path, how)
+    assert running == []
     err = (tmp_path / "stderr").read_text()
-    assert proc.returncode == (143 if how == "SIGTERM" else 130), err
-    said = "terminated (SIGTERM)" if how == "SIGTERM" else "interrupted"
+    status, said = {
+        "SIGTERM": (143, "terminated (SIGTERM)"),
+        "SIGINT": (130, "interrupted"),
+        "SIGHUP": (129, "hung up (SIGHUP)"),
+    }[how]
+    assert proc.returncode == status, err
     assert err.strip().splitlines()[-1] == (
         f"{said}: the worker (row tiny-256-seq2) was ended; no row had finished"
     ), err
     assert "Traceback" not in err
+    assert list((tmp_path / "tmp").glob("*/job.json")) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_profile_killed_outright_takes_its_worker_along(tmp_path):
+    """SIGKILL to the tool (nothing it can handle) while a row's worker runs: the
+    worker, in its own process group, still ends within seconds."""
+    proc, running = _stop_the_tool_in_a_row(tmp_path, "SIGKILL")
+    assert proc.returncode == -9
+    assert running == []
 
 
 def test_ring_bench_longest_search():

@@ -20,8 +20,9 @@ A child per row keeps peak-memory numbers separate and turns an out-of-memory in
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
 `report.json` is rewritten (whole) after every row, so a run stopped from outside keeps
-the rows it finished (`--report-only` then renders them); Ctrl-C or SIGTERM ends the
-running child's process group and exits with one line naming it. The report (`report.json`,
+the rows it finished (`--report-only` then renders them); Ctrl-C, SIGTERM or SIGHUP ends
+the running child's process group and exits with one line naming it (a child also ends
+when the parent is killed outright). The report (`report.json`,
 `report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
@@ -505,19 +506,30 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM to the parent: handled as Ctrl-C is (the running worker is ended)."""
+    """SIGTERM or SIGHUP (`signum`) to the parent: handled as Ctrl-C is (the running
+    worker is ended)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+# What ends the tool as Ctrl-C does (a terminal closed sends SIGHUP), by the line it
+# ends with; the exit status is 128 + the signal's number.
+STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
 
 
 def _end(proc: subprocess.Popen) -> None:
     """Ends a worker and whatever it started (its own process group: SIGTERM, then
-    SIGKILL after 5 s), and reaps it. A second Ctrl-C or SIGTERM waits until it is done."""
+    SIGKILL after 5 s), and reaps it. A second Ctrl-C, SIGTERM or SIGHUP waits until it
+    is done."""
     from train.outputs import signals_held
 
-    with signals_held(reraise=False):
+    with signals_held(reraise=False, signals=(signal.SIGINT, *STOP_SIGNALS)):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
@@ -531,17 +543,53 @@ def _end(proc: subprocess.Popen) -> None:
         proc.communicate()
 
 
+def _prctl():
+    """libc's `prctl`, on Linux (None elsewhere, or where it cannot be loaded)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+PR_SET_PDEATHSIG = 1
+PARENT_ENV = "JFLASH_PROFILE_PARENT"  # the pid of the tool that started a worker
+
+
+def _die_with_parent() -> None:
+    """In a worker: SIGTERM when the tool that started it dies, however it dies (SIGKILL
+    included: the worker is in its own process group, so nothing else would reach it).
+    Linux only. Set here rather than in a `preexec_fn`, which runs Python in the forked
+    child before `exec` (unsafe in a process with threads, as jax's); a parent that died
+    before this ran is caught by the check after it."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    prctl = _prctl() if parent else None
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
     """Runs one worker (`--worker kind`) in its own process group; its result, or the
-    row of a worker that failed. `what` names it in the line a Ctrl-C or SIGTERM ends
-    the parent with: the worker is ended first, never left running."""
-    with tempfile.TemporaryDirectory() as tmp:
+    row of a worker that failed. `what` names it in the line a Ctrl-C, SIGTERM or SIGHUP
+    ends the parent with: the worker is ended first, never left running, and its
+    temporary folder is removed (a worker whose parent is killed outright ends too:
+    `_die_with_parent`)."""
+    with tempfile.TemporaryDirectory(prefix="jflash-profile-") as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
         cmd = [sys.executable, "-m", "train.tools.profile", "--worker", kind, job_path, out_path]
         pipe = subprocess.PIPE
-        proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        proc = subprocess.Popen(
+            cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, env=env
+        )
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -558,9 +606,9 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
 
 
 def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
-    """The line a Ctrl-C or SIGTERM ends the tool with: which worker was ended, and what
-    report.json holds."""
-    how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted"
+    """The line a Ctrl-C, SIGTERM or SIGHUP ends the tool with: which worker was ended,
+    and what report.json holds."""
+    how = STOP_SIGNALS[error.signum] if isinstance(error, Terminated) else "interrupted"
     ended = "; ".join(getattr(error, "__notes__", [])) or "no worker was running"
     if os.path.exists(report_path):
         return f"{how}: {ended}; {report_path} holds the rows finished before"
@@ -977,15 +1025,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _check_args(parser, args)
     if args.worker:
+        _die_with_parent()
         _worker(*args.worker)
         return
     if args.report_only:
         _report_only(parser, args.report_only)
         return
-    # SIGTERM ends the run as Ctrl-C does: the running worker (its process group) is
-    # ended, never left behind, and one line says what report.json keeps.
-    own = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
+    # SIGTERM and SIGHUP (a closed terminal) end the run as Ctrl-C does: the running
+    # worker (its process group) is ended, never left behind, its temporary folder is
+    # removed, and one line says what report.json keeps. A signal ignored (`nohup`)
+    # stays so. Signal handlers belong to the main thread only.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _on_signal)
     try:
         if args.fill_xla_cost:
             _fill(parser, args.fill_xla_cost, args.timeout)
@@ -993,11 +1047,17 @@ def main(argv: list[str] | None = None) -> None:
             _profile(parser, args, argv)
     except KeyboardInterrupt as e:
         report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
-        print(stop_line(e, report_path), file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+        status = 128 + e.signum if isinstance(e, Terminated) else 130
+        try:
+            print(stop_line(e, report_path), file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        except OSError:  # a closed terminal: nowhere to say it
+            os._exit(status)
+        sys.exit(status)
     finally:
-        if previous is not None:  # None: a handler set outside Python
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler set outside Python
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
