@@ -361,6 +361,12 @@ def test_profile_one_device_cpu_row_traces_each_step_in_its_own_window(tmp_path)
     assert row["status"] == "ok", row
     assert row["trace"]["steps"] == [4, 5, 6]
     assert 0.5 < row["trace_vs_timed"] < 1.5, row["trace_vs_timed"]
+    # No ring on one device, and the reason says so (not another --ring_strategy).
+    assert "ring" not in row
+    assert row["not_measured"]["ring"] == (
+        "one device on `seq`: no ring transfers (`--ring_strategy ring` passes K/V blocks "
+        "between the devices on `seq`)"
+    )
 
 
 def test_profile_refuses_an_existing_report_and_unknown_models(tmp_path, capsys):
@@ -540,6 +546,19 @@ def test_profile_job_names_and_passes_its_settings():
     # On one sequence shard there is nothing to shard or gather: the label says so.
     row = {"mesh": "seq=1", "mesh_sizes": {"seq": 1}, **once.settings()}
     assert report_lib._mesh(row) == "seq=1 +save_dots +unrolled"
+
+
+def test_profile_rows_record_the_ring_strategy(monkeypatch):
+    """Every row records the trainer's `--ring_strategy` the tool runs it with (a fact
+    of the row, as its steps are: appended runs could differ), also a row that failed."""
+    import train.tools.profile as profile
+
+    job = profile.Job(model="tiny", context=256, mesh="seq=2", out="x")
+    assert "ring_strategy" in profile.ROW_FACTS
+    assert job.facts()["ring_strategy"] == "ring"
+    assert parse_args(profile._trainer_args(job)).model.ring_strategy == "ring"
+    monkeypatch.setattr(profile, "_child", lambda *args: {"status": "error", "error": "x"})
+    assert profile._run_row(job, 1.0, {})["ring_strategy"] == "ring"
 
 
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):

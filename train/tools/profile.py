@@ -59,7 +59,11 @@ from train.oom import is_oom
 JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers", "batch")
 # What a row records of the run it came from, beside JOB_SETTINGS: runs added with
 # --append can differ in these, so the report says them per row.
-ROW_FACTS = ("steps", "layers_override", "xla_cost", "xla_flags", "jax")
+ROW_FACTS = ("steps", "layers_override", "xla_cost", "ring_strategy", "xla_flags", "jax")
+# The trainer's --ring_strategy every row runs: the report measures the K/V ring (its
+# bytes and GB/s); the trainer's `auto` would pick Ulysses on one host where the mesh's
+# seq divides the heads.
+RING_STRATEGY = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +106,16 @@ class Job:
         return {name: getattr(self, name) for name in JOB_SETTINGS}
 
     def facts(self) -> dict:
-        """The row's steps (warm-up, timed, traced), `--layers` and whether XLA's cost
-        was analysed: of `ROW_FACTS`, those the job knows (the parent adds the rest)."""
+        """The row's steps (warm-up, timed, traced), `--layers`, whether XLA's cost was
+        analysed and the trainer's `--ring_strategy`: of `ROW_FACTS`, those the job knows
+        (the parent adds the rest)."""
         steps = {"timed": self.steps, "warmup": self.warmup, "traced": self.trace_steps}
-        return {"steps": steps, "layers_override": self.layers, "xla_cost": self.xla_cost}
+        return {
+            "steps": steps,
+            "layers_override": self.layers,
+            "xla_cost": self.xla_cost,
+            "ring_strategy": RING_STRATEGY,
+        }
 
 
 def model_label(model: str) -> str:
@@ -186,10 +196,8 @@ def _trainer_args(job: Job) -> list[str]:
         job.mesh,
         "--attention",
         "ring",
-        # The report measures the K/V ring (its bytes and GB/s); the trainer's `auto`
-        # would pick Ulysses on one host where the mesh's seq divides the heads.
         "--ring_strategy",
-        "ring",
+        RING_STRATEGY,
         "--remat_policy",
         job.remat,
         "--per_device_train_batch_size",
@@ -424,10 +432,15 @@ def run_row(job: Job) -> dict:
         row.setdefault("not_measured", {})["ring"] = (
             "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
         )
+    elif t.sizes["seq"] == 1:
+        row.setdefault("not_measured", {})["ring"] = (
+            f"one device on `seq`: no ring transfers (`--ring_strategy {RING_STRATEGY}` "
+            "passes K/V blocks between the devices on `seq`)"
+        )
     else:
         row.setdefault("not_measured", {})["ring"] = (
-            "no collective-permute in the traced steps (no ring: one device on `seq`, or "
-            "Ulysses or all-gather, which `--ring_strategy auto` picks on one host)"
+            f"no collective-permute in the traced steps, with {t.sizes['seq']} devices on "
+            f"`seq` and `--ring_strategy {RING_STRATEGY}`"
         )
     seq_shards = t.sizes["seq"] * t.sizes["seq_a2a"]
     sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
