@@ -1075,6 +1075,10 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     (tmp_path / "partial" / "report.md").write_text("the last good report")
     ceilings = {"matmul_tflops": 1.0, "copy_gbps": 1.0, "device": "cpu", "device_count": 1}
     (tmp_path / "one" / "report.json").write_text(json.dumps({"rows": [], "ceilings": ceilings}))
+    (tmp_path / "h200").mkdir()
+    elsewhere = {**ceilings, "device": "NVIDIA H200", "device_count": 2}
+    (tmp_path / "h200" / "report.json").write_text(json.dumps({"rows": [], "ceilings": elsewhere}))
+    here = jax.devices()[0].device_kind
     out = ["--out", str(tmp_path / "new")]
     cases = [
         (["--report-only", str(tmp_path / "empty")], "empty/report.json' is not readable JSON"),
@@ -1103,6 +1107,13 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (
             ["--append", "--reuse-ceilings", "--mesh", "seq=64", "--out", str(tmp_path / "one")],
             f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (nothing",
+        ),
+        (["--reuse-ceilings", *out], "--reuse-ceilings needs --append: it reuses the ceilings"),
+        (
+            ["--append", "--reuse-ceilings", "--mesh", "seq=1", "--out", str(tmp_path / "h200")],
+            f"--reuse-ceilings: the ceilings in {tmp_path / 'h200' / 'report.json'} were "
+            f"measured on NVIDIA H200, this machine's devices are {here}: drop "
+            "--reuse-ceilings to measure them here (nothing was run)",
         ),
     ]
     for argv, message in cases:

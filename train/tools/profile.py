@@ -473,11 +473,16 @@ def run_ceilings() -> dict:
 
 
 def run_devices() -> dict:
-    """How many devices this machine has: for the parent, which never starts a backend,
-    to refuse a mesh it cannot build before anything else runs."""
+    """This machine's devices, for the parent, which never starts a backend: how many
+    (to refuse a mesh it cannot build before anything else runs), their platform and
+    their kind (whose ceilings `--reuse-ceilings` may reuse)."""
     import jax
 
-    return {"device_count": jax.device_count(), "platform": jax.default_backend()}
+    return {
+        "device_count": jax.device_count(),
+        "platform": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+    }
 
 
 # ----------------------------------------------------------------------------------
@@ -655,14 +660,15 @@ def rows_without_xla(report: dict) -> list[dict]:
     return [r for r in report["rows"] if r.get("status") == "ok" and not r.get("xla")]
 
 
-def count_devices(timeout: float) -> int:
-    """This machine's device count, from one child process (the parent never starts a
-    backend); a ValueError with the child's first line where it fails."""
+def this_machine(timeout: float) -> dict:
+    """This machine's devices (`run_devices`: `device_count`, `platform`,
+    `device_kind`), from one child process (the parent never starts a backend); a
+    ValueError with the child's first line where it fails."""
     result = _child("devices", {}, timeout, "counting the devices")
     if "device_count" not in result:
         first = result.get("error", "no result").split("\n")[0]
         raise ValueError(f"counting this machine's devices failed ({first})")
-    return result["device_count"]
+    return result
 
 
 def mesh_error(mesh: str, available: int | None = None) -> str | None:
@@ -788,7 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reuse-ceilings",
         action="store_true",
         help="with --append: keep the existing report's measured ceilings instead of "
-        "measuring them again (same machine, measured earlier the same day)",
+        "measuring them again (same machine, measured earlier the same day; refused where "
+        "they were measured on another kind of device)",
     )
     p.add_argument("--worker", nargs=3, metavar=("KIND", "JOB", "OUT"), help=argparse.SUPPRESS)
     return p
@@ -822,6 +829,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
         parser.error(error)
+    if args.reuse_ceilings and not args.append:
+        parser.error(
+            "--reuse-ceilings needs --append: it reuses the ceilings of the report the rows "
+            "are appended to"
+        )
 
 
 def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
@@ -846,7 +858,7 @@ def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> No
     """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
     try:
         todo = rows_without_xla(read_report(os.path.join(directory, "report.json")))
-        available = count_devices(timeout) if todo else None
+        available = this_machine(timeout)["device_count"] if todo else None
     except ValueError as e:
         parser.error(f"--fill-xla-cost: {e}")
     for row in todo:
@@ -923,14 +935,31 @@ def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs)
         parser.error(f"--append: {e}")
 
 
-def _ceilings(args: argparse.Namespace, old: dict) -> dict:
-    """The roofline's ceilings: the appended report's (`--reuse-ceilings`), else
-    measured in a child."""
+def _reused_ceilings(parser, args: argparse.Namespace, old: dict, machine: dict) -> dict:
+    """The appended report's ceilings where `--reuse-ceilings` asks for them and it has
+    some (empty otherwise), after refusing ceilings measured on another kind of device
+    than this machine's (`this_machine`)."""
     ceilings = old.get("ceilings") or {}
-    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
+    if not (args.reuse_ceilings and ceilings.get("matmul_tflops")):
+        return {}
+    where = os.path.join(args.out, "report.json")
+    if ceilings.get("device") != machine["device_kind"]:
+        parser.error(
+            f"--reuse-ceilings: the ceilings in {where} were measured on "
+            f"{ceilings.get('device') or 'an unrecorded device'}, this machine's devices "
+            f"are {machine['device_kind']}: drop --reuse-ceilings to measure them here "
+            "(nothing was run)"
+        )
+    return ceilings
+
+
+def _ceilings(args: argparse.Namespace, reused: dict) -> dict:
+    """The roofline's ceilings: `reused` (`_reused_ceilings`) where there are some,
+    else measured in a child."""
+    if reused:
         where = os.path.join(args.out, "report.json")
-        print(f"ceilings: reused from {where} ({ceilings.get('device')})", flush=True)
-        return ceilings
+        print(f"ceilings: reused from {where} ({reused.get('device')})", flush=True)
+        return reused
     print("ceilings ...", flush=True)
     ceilings = _child("ceilings", {}, args.timeout, "measuring the ceilings")
     if "error" in ceilings:
@@ -982,17 +1011,18 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
     jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
     try:
-        available = count_devices(args.timeout)
+        machine = this_machine(args.timeout)
     except ValueError as e:
         parser.error(f"{e} (nothing was run)")
     for mesh in dict.fromkeys(j.mesh for j in jobs):
-        if error := mesh_error(mesh, available):
+        if error := mesh_error(mesh, machine["device_count"]):
             parser.error(f"{error} (nothing was run)")
-    ceilings = _ceilings(args, old)
+    reused = _reused_ceilings(parser, args, old, machine)
+    ceilings = _ceilings(args, reused)
     os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
-    if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
+    if machine["platform"] == "gpu" and command_buffers_on():
         print(
             f"warning: command buffers are on (XLA_FLAGS lacks {NO_COMMAND_BUFFERS}): "
             "the traces will show CUDA graphs and the per-phase attribution will be empty",
