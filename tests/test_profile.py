@@ -548,6 +548,36 @@ def test_profile_job_names_and_passes_its_settings():
     assert report_lib._mesh(row) == "seq=1 +save_dots +unrolled"
 
 
+def test_profile_row_replaces_its_earlier_trace_once_it_succeeded(tmp_path, monkeypatch):
+    """A row run again (`--append` replacing a same-name row) leaves one trace session
+    in its folder, its own, once it has succeeded; a row that failed keeps the earlier
+    trace (removed only after the new row succeeded, never before)."""
+    import train.tools.profile as profile
+
+    job = profile.Job(model="tiny", context=256, mesh="seq=1", out=str(tmp_path), steps=1)
+    sessions = tmp_path / "tensorboard" / job.name / "plugins" / "profile"
+    (sessions / "2020_01_01_00_00_00").mkdir(parents=True)
+    (sessions / "2020_01_01_00_00_00" / "host.xplane.pb").write_bytes(b"old")
+    seen = []
+
+    def child(kind, payload, timeout, what, status="ok"):
+        seen.append(profile.trace_sessions(str(tmp_path), job.name))
+        (sessions / f"2030_01_01_00_00_0{len(seen)}").mkdir()
+        return {"status": status, "step_ms": 1.0, "tokens_per_s": 1.0, "error": "failed"}
+
+    monkeypatch.setattr(profile, "_child", lambda *args: child(*args, status="error"))
+    assert profile._run_row(job, 1.0, {})["status"] == "error"
+    assert sorted(p.name for p in sessions.iterdir()) == [
+        "2020_01_01_00_00_00",
+        "2030_01_01_00_00_01",
+    ]
+    monkeypatch.setattr(profile, "_child", child)
+    assert profile._run_row(job, 1.0, {})["status"] == "ok"
+    assert [p.name for p in sessions.iterdir()] == ["2030_01_01_00_00_02"]
+    # Nothing was removed before the row ran.
+    assert [len(s) for s in seen] == [1, 2]
+
+
 def test_profile_rows_record_the_ring_strategy(monkeypatch):
     """Every row records the trainer's `--ring_strategy` the tool runs it with (a fact
     of the row, as its steps are: appended runs could differ), also a row that failed."""
@@ -1109,6 +1139,13 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
             f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (nothing",
         ),
         (["--reuse-ceilings", *out], "--reuse-ceilings needs --append: it reuses the ceilings"),
+        (
+            ["--models", "tiny,tiny", "--context", "256", *out],
+            "row 'tiny-256-seq2' is asked for more than once (the same model, context and "
+            "--mesh): give each once (nothing was run)",
+        ),
+        (["--context", "1k,1024", *out], "row 'llama3.2-1b-1k-seq2' is asked for more than"),
+        (["--context", "1k", "--mesh", "seq=1", "--mesh", "seq=1", *out], "-1k-seq1' is asked"),
         (
             ["--append", "--reuse-ceilings", "--mesh", "seq=1", "--out", str(tmp_path / "h200")],
             f"--reuse-ceilings: the ceilings in {tmp_path / 'h200' / 'report.json'} were "

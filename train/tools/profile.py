@@ -788,7 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--append",
         action="store_true",
-        help="keep the rows of an existing <out>/report.json (same-name rows are replaced)",
+        help="keep the rows of an existing <out>/report.json (a same-name row is replaced, "
+        "and its trace once the new row has succeeded)",
     )
     p.add_argument(
         "--reuse-ceilings",
@@ -968,12 +969,32 @@ def _ceilings(args: argparse.Namespace, reused: dict) -> dict:
     return ceilings
 
 
+def trace_sessions(out: str, name: str) -> list[str]:
+    """The trace sessions in row `name`'s trace folder under `out`: the folders
+    `jax.profiler` writes one trace into each (`plugins/profile/<date>/`)."""
+    profile = os.path.join(out, "tensorboard", name, "plugins", "profile")
+    try:
+        return sorted(os.path.join(profile, d) for d in os.listdir(profile))
+    except OSError:  # none yet
+        return []
+
+
 def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
-    """One row in its child, with what it records of how it ran; its line printed."""
+    """One row in its child, with what it records of how it ran; its line printed. The
+    row's earlier traces (a row it replaces, or a run stopped midway) are removed once
+    it has succeeded, never before: a failed row keeps them."""
+    import shutil
+
+    from train.outputs import signals_held
     from train.tools import report as report_lib
 
     print(f"{job.name} ...", flush=True)
+    earlier = trace_sessions(job.out, job.name)
     row = _child("row", dataclasses.asdict(job), timeout, f"row {job.name}")
+    if row.get("status") == "ok":
+        with signals_held():  # a Ctrl-C waits until the old traces are gone
+            for session in earlier:
+                shutil.rmtree(session, ignore_errors=True)
     row = {
         "name": job.name,
         "model": job.model,
@@ -1010,6 +1031,13 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     }
     labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
     jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+    # A row asked for twice would run twice into one name (its trace folder, its row).
+    names = [job.name for job in jobs]
+    if twice := next((name for name in names if names.count(name) > 1), None):
+        parser.error(
+            f"row {twice!r} is asked for more than once (the same model, context and "
+            "--mesh): give each once (nothing was run)"
+        )
     try:
         machine = this_machine(args.timeout)
     except ValueError as e:
