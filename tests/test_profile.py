@@ -711,10 +711,8 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    [line] = proc.stderr.strip().splitlines()[-1:]
-    assert line == (
-        "python -m train.tools.profile: error: --mesh 'seq=4' needs 4 devices; this machine "
-        "has 2 (nothing was run)"
+    assert proc.stderr == (
+        "error: --mesh 'seq=4' needs 4 devices; this machine has 2 (nothing was run)\n"
     )
     assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
 
@@ -726,9 +724,9 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     cmd = [sys.executable, "-m", "train.tools.profile", "--fill-xla-cost", str(timed)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "python -m train.tools.profile: error: --fill-xla-cost: row 'tiny-256-seq4': --mesh "
-        "'seq=4' needs 4 devices; this machine has 2 (nothing was run)"
+    assert proc.stderr == (
+        "error: --fill-xla-cost: row 'tiny-256-seq4': --mesh 'seq=4' needs 4 devices; this "
+        "machine has 2 (nothing was run)\n"
     )
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert (timed / "report.json").read_text() == before
@@ -1089,7 +1087,8 @@ def test_report_plots_are_one_table(tmp_path, monkeypatch):
 
 def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     """A bad flag value or a missing, empty or malformed report.json is refused with
-    one line naming the value, before any child runs: never a traceback."""
+    one line naming the value (`error: ...`, as the trainer's, never argparse's usage
+    block or a traceback), exit status 2, before any row runs."""
     from train.tools.profile import main
 
     (tmp_path / "empty").mkdir()
@@ -1152,16 +1151,36 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
             f"measured on NVIDIA H200, this machine's devices are {here}: drop "
             "--reuse-ceilings to measure them here (nothing was run)",
         ),
+        (
+            ["--report-only", str(tmp_path / "one"), "--models", "tiny", "--steps", "3"],
+            "--report-only takes no other flag (it makes no rows): --models, --steps given",
+        ),
+        (
+            ["--fill-xla-cost", str(tmp_path / "one"), "--timeout", "9", "--append", *out],
+            "--fill-xla-cost takes no other flag but --timeout (it makes no rows): --out, "
+            "--append given",
+        ),
+        (["--steps", "x"], "error: argument --steps: invalid int value: 'x' (`python -m "),
+        (["--stesp", "3"], "--stesp: did you mean --steps? (`python -m train.tools.profile"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err, (argv, err)
-        assert "Traceback" not in err
-        assert err.strip().splitlines()[-1].startswith("python -m train.tools.profile: error:")
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "new").exists()
     assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
+
+
+def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
+    """`--report-only DIR` re-renders DIR/report.json and says where, in one line."""
+    from train.tools.profile import main
+
+    (tmp_path / "report.json").write_text(json.dumps(_report([_report_row(256)])))
+    main(["--report-only", str(tmp_path)])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'report.md'}\n"
+    assert (tmp_path / "report.md").is_file()
 
 
 def test_profile_error_row_names_the_exception_first():

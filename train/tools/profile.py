@@ -722,9 +722,9 @@ def fill_xla_cost(out: str, timeout: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m train.tools.profile", description=__doc__.split("\n")[0]
-    )
+    from train.config import OneLineParser  # errors in one line, as the trainer's
+
+    p = OneLineParser(prog="python -m train.tools.profile", description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets")
     p.add_argument("--context", default="8k", help="comma-separated lengths: 8k,16k,32k")
     p.add_argument(
@@ -813,6 +813,39 @@ def _known(model: str) -> bool:
     return True
 
 
+# The modes that make no rows, and the flags each reads besides its own: any other flag
+# given with one is refused (it would be ignored).
+MODE_FLAGS = {"report_only": (), "fill_xla_cost": ("timeout",)}
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags on the command line (by their `dest`), in the parser's order."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(probe.parse_args(argv))
+    return [a.dest for a in parser._actions if a.dest in given]
+
+
+def _flag(parser: argparse.ArgumentParser, dest: str) -> str:
+    return next(a.option_strings[-1] for a in parser._actions if a.dest == dest)
+
+
+def _check_modes(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Refuses, in one line, a flag given with a mode that does not read it
+    (`--report-only DIR --models x`)."""
+    given = _given(parser, argv)
+    for mode, reads in MODE_FLAGS.items():
+        if mode in given:
+            other = [_flag(parser, d) for d in given if d != mode and d not in reads]
+            if other:
+                but = f" but {', '.join(_flag(parser, d) for d in reads)}" if reads else ""
+                parser.error(
+                    f"{_flag(parser, mode)} takes no other flag{but} (it makes no rows): "
+                    f"{', '.join(other)} given"
+                )
+
+
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses a bad flag value in one line naming it."""
     if args.steps < 1 or args.trace_steps < 1 or args.warmup < 0:
@@ -853,6 +886,7 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
     except (KeyError, TypeError, ValueError) as e:
         what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
         parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
+    print(f"wrote {os.path.join(directory, 'report.md')}")
 
 
 def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
@@ -1094,6 +1128,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_modes(parser, sys.argv[1:] if argv is None else argv)
     _check_args(parser, args)
     if args.worker:
         _die_with_parent()
