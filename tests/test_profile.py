@@ -1342,6 +1342,27 @@ def test_steps_are_numbered_from_one_everywhere():
     assert "every model runs 1 layer**" in md
 
 
+def test_profile_help_says_the_defaults_and_what_models_are():
+    """`--help`: a whole sentence for what the tool does, the defaults of `--models`,
+    `--context` and `--out`, and that a model is a preset or a local HF model folder."""
+    from train.tools.profile import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert (
+        "communication time, bandwidth and memory per model and context, measured from "
+        "traces. options:"
+    ) in text
+    for flag, default in (
+        ("--models", "llama3.2-1b"),
+        ("--context", "8k"),
+        ("--out", "runs/profile"),
+    ):
+        said = re.search(rf"{flag} {flag[2:].upper()} (.*?) --[a-z]", text).group(1)
+        assert said.endswith(f"(default: {default})"), (flag, said)
+    assert "presets (llama3.2-1b, llama2-7b, tiny" in text
+    assert "or local HF model folders" in text
+
+
 def test_report_says_how_each_row_ran_where_appended_runs_differ():
     """Rows added with --append keep their own steps, --layers, XLA_FLAGS and jax: the
     report states a fact once where the rows agree and per row where they differ, never

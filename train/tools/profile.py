@@ -724,9 +724,20 @@ def fill_xla_cost(out: str, timeout: float) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from train.config import OneLineParser  # errors in one line, as the trainer's
 
-    p = OneLineParser(prog="python -m train.tools.profile", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets")
-    p.add_argument("--context", default="8k", help="comma-separated lengths: 8k,16k,32k")
+    # The docstring's first paragraph: one sentence.
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    p = OneLineParser(prog="python -m train.tools.profile", description=description)
+    p.add_argument(
+        "--models",
+        default="llama3.2-1b",
+        help="comma-separated models: presets (llama3.2-1b, llama2-7b, tiny, ...: "
+        "models.presets) or local HF model folders (default: %(default)s)",
+    )
+    p.add_argument(
+        "--context",
+        default="8k",
+        help="comma-separated context lengths in tokens: 8k,16k,32k (default: %(default)s)",
+    )
     p.add_argument(
         "--mesh",
         action="append",
@@ -777,7 +788,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
-    p.add_argument("--out", default="runs/profile")
+    p.add_argument(
+        "--out",
+        default="runs/profile",
+        help="the report, its plots, the rows' traces and the trainer's outputs go here "
+        "(default: %(default)s)",
+    )
     p.add_argument("--report-only", metavar="DIR", help="re-render DIR/report.json")
     p.add_argument(
         "--fill-xla-cost",
