@@ -299,6 +299,76 @@ def test_cpu_trace_from_the_trainer(tmp_path):
         assert getattr(b, field) is None and field in report.not_measured
 
 
+def _fake_cpu_trace(events: list[tuple[str, str, float, float, dict]]):
+    """A `ProfileData` stand-in: one `/host:CPU` plane of (thread, name, start, duration,
+    stats) events, as `trace._cpu_kernels` and `trace._step_annotations` read them."""
+    from types import SimpleNamespace
+
+    lines = collections.defaultdict(list)
+    for thread, name, start, duration, stats in events:
+        event = SimpleNamespace(
+            name=name, start_ns=start, duration_ns=duration, stats=list(stats.items())
+        )
+        lines[thread].append(event)
+    plane = SimpleNamespace(
+        name="/host:CPU",
+        lines=[SimpleNamespace(name=k, events=v) for k, v in lines.items()],
+    )
+    return SimpleNamespace(planes=[plane])
+
+
+def test_cpu_run_is_launched_when_its_first_thunk_starts():
+    """A CPU run's launch (which step it belongs to) is when it began: its first thunk,
+    which runs before the host's `Execute (wait for completion)` begins. A step that
+    began inside its own annotation stays in that step, although the wait for it
+    starts after the next step's annotation."""
+    wait = "ThunkExecutor::Execute (wait for completion)"
+    thunk = {"hlo_module": "jit_step", "device_ordinal": 0}
+    events = [
+        ("python", "train", 0, 5, {"step_num": 1}),
+        ("python", "train", 10, 5, {"step_num": 2}),
+        ("client", wait, 12, 8, {"run_id": 7, "device_ordinal": 0}),
+        ("eigen", "fusion", 6, 3, {**thunk, "hlo_op": "fusion", "run_id": 7}),
+        ("eigen", "fusion.1", 13, 5, {**thunk, "hlo_op": "fusion.1", "run_id": 7}),
+        ("client", wait, 21, 8, {"run_id": 8, "device_ordinal": 0}),
+        ("eigen", "fusion", 21, 3, {**thunk, "hlo_op": "fusion", "run_id": 8}),
+        ("eigen", "fusion.1", 24, 5, {**thunk, "hlo_op": "fusion.1", "run_id": 8}),
+    ]
+    data = _fake_cpu_trace(events)
+    kernels = trace._cpu_kernels(data)["cpu:0"]
+    assert [k.launch for k in kernels] == [6, 6, 21, 21]
+    marks = trace._step_annotations(data, "train")
+    windows = trace._windows(kernels, [t for t, _ in marks], "jit_step")
+    assert [(marks[i][1], s, e) for i, s, e in windows] == [(1, 6, 21), (2, 21, 29)]
+
+
+def test_profile_one_device_cpu_row_traces_each_step_in_its_own_window(tmp_path):
+    """One device on CPU: the host dispatches the traced steps ahead of the device, and
+    each still gets its own window (steps 4, 5 and 6 here, not one window holding
+    them all: the trace's step would then be about 3x the timed one). In a worker, as
+    the tool runs a row: this process's CPU client runs steps inline."""
+    from train.tools.profile import Job
+
+    job = Job(model="tiny", context=256, mesh="seq=1", out=str(tmp_path), steps=2, warmup=1)
+    job = dataclasses.replace(job, trace_steps=3, xla_cost=False)
+    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
+    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(1))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "ok", row
+    assert row["trace"]["steps"] == [4, 5, 6]
+    assert 0.5 < row["trace_vs_timed"] < 1.5, row["trace_vs_timed"]
+    # No ring on one device, and the reason says so (not another --ring_strategy).
+    assert "ring" not in row
+    assert row["not_measured"]["ring"] == (
+        "one device on `seq`: no ring transfers (`--ring_strategy ring` passes K/V blocks "
+        "between the devices on `seq`)"
+    )
+
+
 def test_profile_refuses_an_existing_report_and_unknown_models(tmp_path, capsys):
     """Nothing runs, and the earlier report stays, for an --out that holds one (unless
     --append) or a model that is neither a preset nor a directory."""
@@ -483,6 +553,49 @@ def test_profile_job_names_and_passes_its_settings():
     assert report_lib._mesh(row) == "seq=1 +save_dots +unrolled"
 
 
+def test_profile_row_replaces_its_earlier_trace_once_it_succeeded(tmp_path, monkeypatch):
+    """A row run again (`--append` replacing a same-name row) leaves one trace session
+    in its folder, its own, once it has succeeded; a row that failed keeps the earlier
+    trace (removed only after the new row succeeded, never before)."""
+    import train.tools.profile as profile
+
+    job = profile.Job(model="tiny", context=256, mesh="seq=1", out=str(tmp_path), steps=1)
+    sessions = tmp_path / "tensorboard" / job.name / "plugins" / "profile"
+    (sessions / "2020_01_01_00_00_00").mkdir(parents=True)
+    (sessions / "2020_01_01_00_00_00" / "host.xplane.pb").write_bytes(b"old")
+    seen = []
+
+    def child(kind, payload, timeout, what, status="ok"):
+        seen.append(profile.trace_sessions(str(tmp_path), job.name))
+        (sessions / f"2030_01_01_00_00_0{len(seen)}").mkdir()
+        return {"status": status, "step_ms": 1.0, "tokens_per_s": 1.0, "error": "failed"}
+
+    monkeypatch.setattr(profile, "_child", lambda *args: child(*args, status="error"))
+    assert profile._run_row(job, 1.0, {})["status"] == "error"
+    assert sorted(p.name for p in sessions.iterdir()) == [
+        "2020_01_01_00_00_00",
+        "2030_01_01_00_00_01",
+    ]
+    monkeypatch.setattr(profile, "_child", child)
+    assert profile._run_row(job, 1.0, {})["status"] == "ok"
+    assert [p.name for p in sessions.iterdir()] == ["2030_01_01_00_00_02"]
+    # Nothing was removed before the row ran.
+    assert [len(s) for s in seen] == [1, 2]
+
+
+def test_profile_rows_record_the_ring_strategy(monkeypatch):
+    """Every row records the trainer's `--ring_strategy` the tool runs it with (a fact
+    of the row, as its steps are: appended runs could differ), also a row that failed."""
+    import train.tools.profile as profile
+
+    job = profile.Job(model="tiny", context=256, mesh="seq=2", out="x")
+    assert "ring_strategy" in profile.ROW_FACTS
+    assert job.facts()["ring_strategy"] == "ring"
+    assert parse_args(profile._trainer_args(job)).model.ring_strategy == "ring"
+    monkeypatch.setattr(profile, "_child", lambda *args: {"status": "error", "error": "x"})
+    assert profile._run_row(job, 1.0, {})["ring_strategy"] == "ring"
+
+
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):
     """A local model's row is named by its directory's basename (the name is a path
     under --out), made unique where two directories share one."""
@@ -603,10 +716,8 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     cmd += ["--mesh", "seq=2", "--mesh", "seq=4", "--out", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    [line] = proc.stderr.strip().splitlines()[-1:]
-    assert line == (
-        "python -m train.tools.profile: error: --mesh 'seq=4' needs 4 devices; this machine "
-        "has 2 (nothing was run)"
+    assert proc.stderr == (
+        "error: --mesh 'seq=4' needs 4 devices; this machine has 2 (nothing was run)\n"
     )
     assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
 
@@ -618,9 +729,9 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     cmd = [sys.executable, "-m", "train.tools.profile", "--fill-xla-cost", str(timed)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "python -m train.tools.profile: error: --fill-xla-cost: row 'tiny-256-seq4': --mesh "
-        "'seq=4' needs 4 devices; this machine has 2 (nothing was run)"
+    assert proc.stderr == (
+        "error: --fill-xla-cost: row 'tiny-256-seq4': --mesh 'seq=4' needs 4 devices; this "
+        "machine has 2 (nothing was run)\n"
     )
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert (timed / "report.json").read_text() == before
@@ -650,16 +761,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
-def test_profile_stopped_ends_its_running_worker(tmp_path, how):
-    """SIGTERM (or Ctrl-C) to the tool while a row's worker runs: the worker and its
-    process group are ended, not orphaned, and the tool exits with one line naming the
-    row (status 143, or 130 for Ctrl-C)."""
+def _stop_the_tool_in_a_row(tmp_path, how: str) -> tuple[subprocess.Popen, list[int]]:
+    """Starts the tool on a row that runs for long, sends `how` (a signal's name) to it
+    while the row's worker runs, and waits for the workers to end (10 s at most): the
+    finished tool and the workers still running then (killed before this returns). Its
+    temporary folders go to `tmp_path / "tmp"`."""
     import signal
     import time
 
     out = tmp_path / "profile"
-    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path / "tmp"), **cpu_devices(2))
     argv = ["--models", "tiny", "--context", "256", "--mesh", "seq=2", "--steps", "100000"]
     argv += ["--no-xla-cost", "--out", str(out)]
     # As a terminal starts it: a shell running these tests in the background hands its
@@ -689,19 +801,43 @@ def test_profile_stopped_ends_its_running_worker(tmp_path, how):
         gone = time.monotonic() + 10
         while any(map(_alive, workers)) and time.monotonic() < gone:
             time.sleep(0.1)
-        assert not any(map(_alive, workers)), workers
+        return proc, [pid for pid in workers if _alive(pid)]
     finally:
         proc.kill()
         for pid in workers:  # an orphaned worker: not left running after the test
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_profile_stopped_ends_its_running_worker(tmp_path, how):
+    """SIGTERM, Ctrl-C or SIGHUP (a closed terminal) to the tool while a row's worker
+    runs: the worker and its process group are ended, not orphaned, its temporary
+    folder is removed, and the tool exits with one line naming the row (status 143,
+    130 for Ctrl-C, 129 for SIGHUP)."""
+    proc, running = _stop_the_tool_in_a_row(tmp_path, how)
+    assert running == []
     err = (tmp_path / "stderr").read_text()
-    assert proc.returncode == (143 if how == "SIGTERM" else 130), err
-    said = "terminated (SIGTERM)" if how == "SIGTERM" else "interrupted"
+    status, said = {
+        "SIGTERM": (143, "terminated (SIGTERM)"),
+        "SIGINT": (130, "interrupted"),
+        "SIGHUP": (129, "hung up (SIGHUP)"),
+    }[how]
+    assert proc.returncode == status, err
     assert err.strip().splitlines()[-1] == (
         f"{said}: the worker (row tiny-256-seq2) was ended; no row had finished"
     ), err
     assert "Traceback" not in err
+    assert list((tmp_path / "tmp").glob("*/job.json")) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_profile_killed_outright_takes_its_worker_along(tmp_path):
+    """SIGKILL to the tool (nothing it can handle) while a row's worker runs: the
+    worker, in its own process group, still ends within seconds."""
+    proc, running = _stop_the_tool_in_a_row(tmp_path, "SIGKILL")
+    assert proc.returncode == -9
+    assert running == []
 
 
 def test_ring_bench_longest_search():
@@ -956,7 +1092,8 @@ def test_report_plots_are_one_table(tmp_path, monkeypatch):
 
 def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     """A bad flag value or a missing, empty or malformed report.json is refused with
-    one line naming the value, before any child runs: never a traceback."""
+    one line naming the value (`error: ...`, as the trainer's, never argparse's usage
+    block or a traceback), exit status 2, before any row runs."""
     from train.tools.profile import main
 
     (tmp_path / "empty").mkdir()
@@ -972,6 +1109,10 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     (tmp_path / "partial" / "report.md").write_text("the last good report")
     ceilings = {"matmul_tflops": 1.0, "copy_gbps": 1.0, "device": "cpu", "device_count": 1}
     (tmp_path / "one" / "report.json").write_text(json.dumps({"rows": [], "ceilings": ceilings}))
+    (tmp_path / "h200").mkdir()
+    elsewhere = {**ceilings, "device": "NVIDIA H200", "device_count": 2}
+    (tmp_path / "h200" / "report.json").write_text(json.dumps({"rows": [], "ceilings": elsewhere}))
+    here = jax.devices()[0].device_kind
     out = ["--out", str(tmp_path / "new")]
     cases = [
         (["--report-only", str(tmp_path / "empty")], "empty/report.json' is not readable JSON"),
@@ -1001,16 +1142,50 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
             ["--append", "--reuse-ceilings", "--mesh", "seq=64", "--out", str(tmp_path / "one")],
             f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (nothing",
         ),
+        (["--reuse-ceilings", *out], "--reuse-ceilings needs --append: it reuses the ceilings"),
+        (
+            ["--models", "tiny,tiny", "--context", "256", *out],
+            "row 'tiny-256-seq2' is asked for more than once (the same model, context and "
+            "--mesh): give each once (nothing was run)",
+        ),
+        (["--context", "1k,1024", *out], "row 'llama3.2-1b-1k-seq2' is asked for more than"),
+        (["--context", "1k", "--mesh", "seq=1", "--mesh", "seq=1", *out], "-1k-seq1' is asked"),
+        (
+            ["--append", "--reuse-ceilings", "--mesh", "seq=1", "--out", str(tmp_path / "h200")],
+            f"--reuse-ceilings: the ceilings in {tmp_path / 'h200' / 'report.json'} were "
+            f"measured on NVIDIA H200, this machine's devices are {here}: drop "
+            "--reuse-ceilings to measure them here (nothing was run)",
+        ),
+        (
+            ["--report-only", str(tmp_path / "one"), "--models", "tiny", "--steps", "3"],
+            "--report-only takes no other flag (it makes no rows): --models, --steps given",
+        ),
+        (
+            ["--fill-xla-cost", str(tmp_path / "one"), "--timeout", "9", "--append", *out],
+            "--fill-xla-cost takes no other flag but --timeout (it makes no rows): --out, "
+            "--append given",
+        ),
+        (["--steps", "x"], "error: argument --steps: invalid int value: 'x' (`python -m "),
+        (["--stesp", "3"], "--stesp: did you mean --steps? (`python -m train.tools.profile"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err, (argv, err)
-        assert "Traceback" not in err
-        assert err.strip().splitlines()[-1].startswith("python -m train.tools.profile: error:")
+        assert err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "new").exists()
     assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
+
+
+def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
+    """`--report-only DIR` re-renders DIR/report.json and says where, in one line."""
+    from train.tools.profile import main
+
+    (tmp_path / "report.json").write_text(json.dumps(_report([_report_row(256)])))
+    main(["--report-only", str(tmp_path)])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'report.md'}\n"
+    assert (tmp_path / "report.md").is_file()
 
 
 def test_profile_error_row_names_the_exception_first():
@@ -1172,6 +1347,27 @@ def test_steps_are_numbered_from_one_everywhere():
     )
     md = report_lib.markdown({**_report([_report_row(256)]), "layers_override": 1})
     assert "every model runs 1 layer**" in md
+
+
+def test_profile_help_says_the_defaults_and_what_models_are():
+    """`--help`: a whole sentence for what the tool does, the defaults of `--models`,
+    `--context` and `--out`, and that a model is a preset or a local HF model folder."""
+    from train.tools.profile import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert (
+        "communication time, bandwidth and memory per model and context, measured from "
+        "traces. options:"
+    ) in text
+    for flag, default in (
+        ("--models", "llama3.2-1b"),
+        ("--context", "8k"),
+        ("--out", "runs/profile"),
+    ):
+        said = re.search(rf"{flag} {flag[2:].upper()} (.*?) --[a-z]", text).group(1)
+        assert said.endswith(f"(default: {default})"), (flag, said)
+    assert "presets (llama3.2-1b, llama2-7b, tiny" in text
+    assert "or local HF model folders" in text
 
 
 def test_report_says_how_each_row_ran_where_appended_runs_differ():

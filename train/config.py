@@ -314,11 +314,25 @@ def _field_help(section_cls, field) -> str:
     return f"{comment} ({default})" if comment else default
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors in one line (the flag and what is wrong), not the whole usage; an unknown
-    flag with the known ones it is closest to."""
+class OneLineParser(argparse.ArgumentParser):
+    """Errors in one line (`error: ...`, exit status 2), not the whole usage: a flag the
+    command line gets wrong (found while parsing it), with the known flags it is closest
+    to and a pointer to `--help`; a value the program refuses after parsing (its own
+    `parser.error(...)`), as it is. The trainer's parser, and the tools' (`python -m
+    train.tools.profile`)."""
+
+    _parsing = False
+
+    def parse_args(self, args=None, namespace=None):
+        self._parsing = True
+        try:
+            return super().parse_args(args, namespace)
+        finally:
+            self._parsing = False
 
     def error(self, message: str):
+        if not self._parsing:
+            self.exit(2, f"error: {message}\n")
         hint = ""
         if message.startswith("unrecognized arguments:"):
             known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
@@ -351,7 +365,7 @@ def _join_negative_numbers(argv: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m train",
         description="Train a Llama on long sequences over a device mesh (jflash ring attention).",
         allow_abbrev=False,

@@ -173,17 +173,17 @@ def _check_replaceable(out: str, found: list[str], inputs: dict[str, str]) -> No
 
 
 @contextlib.contextmanager
-def signals_held(reraise: bool = True):
-    """Ctrl-C and SIGTERM wait until the block is done (then raised, with `reraise`; a
-    block that runs while the run is already stopping drops them), so that moving,
-    deleting or saving a run's outputs is never cut off halfway. Only in the main
-    thread, where Python runs signal handlers; a signal ignored stays so."""
+def signals_held(reraise: bool = True, signals: tuple = (signal.SIGINT, signal.SIGTERM)):
+    """Ctrl-C and SIGTERM (or `signals`) wait until the block is done (then raised, with
+    `reraise`; a block that runs while the run is already stopping drops them), so that
+    moving, deleting or saving a run's outputs is never cut off halfway. Only in the
+    main thread, where Python runs signal handlers; a signal ignored stays so."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     got = []
     held = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         if signal.getsignal(sig) not in (signal.SIG_IGN, None):
             held[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
     try:

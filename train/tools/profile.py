@@ -20,8 +20,9 @@ A child per row keeps peak-memory numbers separate and turns an out-of-memory in
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
 `report.json` is rewritten (whole) after every row, so a run stopped from outside keeps
-the rows it finished (`--report-only` then renders them); Ctrl-C or SIGTERM ends the
-running child's process group and exits with one line naming it. The report (`report.json`,
+the rows it finished (`--report-only` then renders them); Ctrl-C, SIGTERM or SIGHUP ends
+the running child's process group and exits with one line naming it (a child also ends
+when the parent is killed outright). The report (`report.json`,
 `report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
@@ -58,7 +59,11 @@ from train.oom import is_oom
 JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers", "batch")
 # What a row records of the run it came from, beside JOB_SETTINGS: runs added with
 # --append can differ in these, so the report says them per row.
-ROW_FACTS = ("steps", "layers_override", "xla_cost", "xla_flags", "jax")
+ROW_FACTS = ("steps", "layers_override", "xla_cost", "ring_strategy", "xla_flags", "jax")
+# The trainer's --ring_strategy every row runs: the report measures the K/V ring (its
+# bytes and GB/s); the trainer's `auto` would pick Ulysses on one host where the mesh's
+# seq divides the heads.
+RING_STRATEGY = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +106,16 @@ class Job:
         return {name: getattr(self, name) for name in JOB_SETTINGS}
 
     def facts(self) -> dict:
-        """The row's steps (warm-up, timed, traced), `--layers` and whether XLA's cost
-        was analysed: of `ROW_FACTS`, those the job knows (the parent adds the rest)."""
+        """The row's steps (warm-up, timed, traced), `--layers`, whether XLA's cost was
+        analysed and the trainer's `--ring_strategy`: of `ROW_FACTS`, those the job knows
+        (the parent adds the rest)."""
         steps = {"timed": self.steps, "warmup": self.warmup, "traced": self.trace_steps}
-        return {"steps": steps, "layers_override": self.layers, "xla_cost": self.xla_cost}
+        return {
+            "steps": steps,
+            "layers_override": self.layers,
+            "xla_cost": self.xla_cost,
+            "ring_strategy": RING_STRATEGY,
+        }
 
 
 def model_label(model: str) -> str:
@@ -185,10 +196,8 @@ def _trainer_args(job: Job) -> list[str]:
         job.mesh,
         "--attention",
         "ring",
-        # The report measures the K/V ring (its bytes and GB/s); the trainer's `auto`
-        # would pick Ulysses on one host where the mesh's seq divides the heads.
         "--ring_strategy",
-        "ring",
+        RING_STRATEGY,
         "--remat_policy",
         job.remat,
         "--per_device_train_batch_size",
@@ -370,11 +379,19 @@ def run_row(job: Job) -> dict:
 
             trace_dir = os.path.join(job.out, "tensorboard", job.name)
             first = job.warmup + job.steps + 1  # the step lines' numbering: from 1
+            # On CPU a step's thunks are matched to the annotation during which the step
+            # started running, not the one that dispatched it: each traced step waits
+            # for the previous one (as the trainer's steps do), or a step dispatched
+            # ahead would be counted in the next one's window. GPU kernels carry their
+            # launch's time, and a wait would only add host gaps between the windows.
+            sync = devices[0].platform == "cpu"
             jax.profiler.start_trace(trace_dir)
             try:
                 for i in range(job.trace_steps):
                     with jax.profiler.StepTraceAnnotation("train", step_num=first + i):
                         state, metrics = compiled(state, batches[i % 2])
+                    if sync:
+                        jax.block_until_ready((state, metrics))
                 jax.block_until_ready((state, metrics))
             finally:
                 jax.profiler.stop_trace()
@@ -415,10 +432,15 @@ def run_row(job: Job) -> dict:
         row.setdefault("not_measured", {})["ring"] = (
             "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
         )
+    elif t.sizes["seq"] == 1:
+        row.setdefault("not_measured", {})["ring"] = (
+            f"one device on `seq`: no ring transfers (`--ring_strategy {RING_STRATEGY}` "
+            "passes K/V blocks between the devices on `seq`)"
+        )
     else:
         row.setdefault("not_measured", {})["ring"] = (
-            "no collective-permute in the traced steps (no ring: one device on `seq`, or "
-            "Ulysses or all-gather, which `--ring_strategy auto` picks on one host)"
+            f"no collective-permute in the traced steps, with {t.sizes['seq']} devices on "
+            f"`seq` and `--ring_strategy {RING_STRATEGY}`"
         )
     seq_shards = t.sizes["seq"] * t.sizes["seq_a2a"]
     sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
@@ -451,11 +473,16 @@ def run_ceilings() -> dict:
 
 
 def run_devices() -> dict:
-    """How many devices this machine has: for the parent, which never starts a backend,
-    to refuse a mesh it cannot build before anything else runs."""
+    """This machine's devices, for the parent, which never starts a backend: how many
+    (to refuse a mesh it cannot build before anything else runs), their platform and
+    their kind (whose ceilings `--reuse-ceilings` may reuse)."""
     import jax
 
-    return {"device_count": jax.device_count(), "platform": jax.default_backend()}
+    return {
+        "device_count": jax.device_count(),
+        "platform": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+    }
 
 
 # ----------------------------------------------------------------------------------
@@ -497,19 +524,30 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM to the parent: handled as Ctrl-C is (the running worker is ended)."""
+    """SIGTERM or SIGHUP (`signum`) to the parent: handled as Ctrl-C is (the running
+    worker is ended)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+# What ends the tool as Ctrl-C does (a terminal closed sends SIGHUP), by the line it
+# ends with; the exit status is 128 + the signal's number.
+STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
 
 
 def _end(proc: subprocess.Popen) -> None:
     """Ends a worker and whatever it started (its own process group: SIGTERM, then
-    SIGKILL after 5 s), and reaps it. A second Ctrl-C or SIGTERM waits until it is done."""
+    SIGKILL after 5 s), and reaps it. A second Ctrl-C, SIGTERM or SIGHUP waits until it
+    is done."""
     from train.outputs import signals_held
 
-    with signals_held(reraise=False):
+    with signals_held(reraise=False, signals=(signal.SIGINT, *STOP_SIGNALS)):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
@@ -523,17 +561,53 @@ def _end(proc: subprocess.Popen) -> None:
         proc.communicate()
 
 
+def _prctl():
+    """libc's `prctl`, on Linux (None elsewhere, or where it cannot be loaded)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+PR_SET_PDEATHSIG = 1
+PARENT_ENV = "JFLASH_PROFILE_PARENT"  # the pid of the tool that started a worker
+
+
+def _die_with_parent() -> None:
+    """In a worker: SIGTERM when the tool that started it dies, however it dies (SIGKILL
+    included: the worker is in its own process group, so nothing else would reach it).
+    Linux only. Set here rather than in a `preexec_fn`, which runs Python in the forked
+    child before `exec` (unsafe in a process with threads, as jax's); a parent that died
+    before this ran is caught by the check after it."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    prctl = _prctl() if parent else None
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
     """Runs one worker (`--worker kind`) in its own process group; its result, or the
-    row of a worker that failed. `what` names it in the line a Ctrl-C or SIGTERM ends
-    the parent with: the worker is ended first, never left running."""
-    with tempfile.TemporaryDirectory() as tmp:
+    row of a worker that failed. `what` names it in the line a Ctrl-C, SIGTERM or SIGHUP
+    ends the parent with: the worker is ended first, never left running, and its
+    temporary folder is removed (a worker whose parent is killed outright ends too:
+    `_die_with_parent`)."""
+    with tempfile.TemporaryDirectory(prefix="jflash-profile-") as tmp:
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
         cmd = [sys.executable, "-m", "train.tools.profile", "--worker", kind, job_path, out_path]
         pipe = subprocess.PIPE
-        proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        proc = subprocess.Popen(
+            cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, env=env
+        )
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -550,9 +624,9 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
 
 
 def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
-    """The line a Ctrl-C or SIGTERM ends the tool with: which worker was ended, and what
-    report.json holds."""
-    how = "terminated (SIGTERM)" if isinstance(error, Terminated) else "interrupted"
+    """The line a Ctrl-C, SIGTERM or SIGHUP ends the tool with: which worker was ended,
+    and what report.json holds."""
+    how = STOP_SIGNALS[error.signum] if isinstance(error, Terminated) else "interrupted"
     ended = "; ".join(getattr(error, "__notes__", [])) or "no worker was running"
     if os.path.exists(report_path):
         return f"{how}: {ended}; {report_path} holds the rows finished before"
@@ -586,14 +660,15 @@ def rows_without_xla(report: dict) -> list[dict]:
     return [r for r in report["rows"] if r.get("status") == "ok" and not r.get("xla")]
 
 
-def count_devices(timeout: float) -> int:
-    """This machine's device count, from one child process (the parent never starts a
-    backend); a ValueError with the child's first line where it fails."""
+def this_machine(timeout: float) -> dict:
+    """This machine's devices (`run_devices`: `device_count`, `platform`,
+    `device_kind`), from one child process (the parent never starts a backend); a
+    ValueError with the child's first line where it fails."""
     result = _child("devices", {}, timeout, "counting the devices")
     if "device_count" not in result:
         first = result.get("error", "no result").split("\n")[0]
         raise ValueError(f"counting this machine's devices failed ({first})")
-    return result["device_count"]
+    return result
 
 
 def mesh_error(mesh: str, available: int | None = None) -> str | None:
@@ -647,11 +722,22 @@ def fill_xla_cost(out: str, timeout: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m train.tools.profile", description=__doc__.split("\n")[0]
+    from train.config import OneLineParser  # errors in one line, as the trainer's
+
+    # The docstring's first paragraph: one sentence.
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    p = OneLineParser(prog="python -m train.tools.profile", description=description)
+    p.add_argument(
+        "--models",
+        default="llama3.2-1b",
+        help="comma-separated models: presets (llama3.2-1b, llama2-7b, tiny, ...: "
+        "models.presets) or local HF model folders (default: %(default)s)",
     )
-    p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets")
-    p.add_argument("--context", default="8k", help="comma-separated lengths: 8k,16k,32k")
+    p.add_argument(
+        "--context",
+        default="8k",
+        help="comma-separated context lengths in tokens: 8k,16k,32k (default: %(default)s)",
+    )
     p.add_argument(
         "--mesh",
         action="append",
@@ -702,7 +788,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
-    p.add_argument("--out", default="runs/profile")
+    p.add_argument(
+        "--out",
+        default="runs/profile",
+        help="the report, its plots, the rows' traces and the trainer's outputs go here "
+        "(default: %(default)s)",
+    )
     p.add_argument("--report-only", metavar="DIR", help="re-render DIR/report.json")
     p.add_argument(
         "--fill-xla-cost",
@@ -713,13 +804,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--append",
         action="store_true",
-        help="keep the rows of an existing <out>/report.json (same-name rows are replaced)",
+        help="keep the rows of an existing <out>/report.json (a same-name row is replaced, "
+        "and its trace once the new row has succeeded)",
     )
     p.add_argument(
         "--reuse-ceilings",
         action="store_true",
         help="with --append: keep the existing report's measured ceilings instead of "
-        "measuring them again (same machine, measured earlier the same day)",
+        "measuring them again (same machine, measured earlier the same day; refused where "
+        "they were measured on another kind of device)",
     )
     p.add_argument("--worker", nargs=3, metavar=("KIND", "JOB", "OUT"), help=argparse.SUPPRESS)
     return p
@@ -734,6 +827,39 @@ def _known(model: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# The modes that make no rows, and the flags each reads besides its own: any other flag
+# given with one is refused (it would be ignored).
+MODE_FLAGS = {"report_only": (), "fill_xla_cost": ("timeout",)}
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags on the command line (by their `dest`), in the parser's order."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(probe.parse_args(argv))
+    return [a.dest for a in parser._actions if a.dest in given]
+
+
+def _flag(parser: argparse.ArgumentParser, dest: str) -> str:
+    return next(a.option_strings[-1] for a in parser._actions if a.dest == dest)
+
+
+def _check_modes(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Refuses, in one line, a flag given with a mode that does not read it
+    (`--report-only DIR --models x`)."""
+    given = _given(parser, argv)
+    for mode, reads in MODE_FLAGS.items():
+        if mode in given:
+            other = [_flag(parser, d) for d in given if d != mode and d not in reads]
+            if other:
+                but = f" but {', '.join(_flag(parser, d) for d in reads)}" if reads else ""
+                parser.error(
+                    f"{_flag(parser, mode)} takes no other flag{but} (it makes no rows): "
+                    f"{', '.join(other)} given"
+                )
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -753,6 +879,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
         parser.error(error)
+    if args.reuse_ceilings and not args.append:
+        parser.error(
+            "--reuse-ceilings needs --append: it reuses the ceilings of the report the rows "
+            "are appended to"
+        )
 
 
 def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
@@ -771,13 +902,14 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
     except (KeyError, TypeError, ValueError) as e:
         what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
         parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
+    print(f"wrote {os.path.join(directory, 'report.md')}")
 
 
 def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
     """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
     try:
         todo = rows_without_xla(read_report(os.path.join(directory, "report.json")))
-        available = count_devices(timeout) if todo else None
+        available = this_machine(timeout)["device_count"] if todo else None
     except ValueError as e:
         parser.error(f"--fill-xla-cost: {e}")
     for row in todo:
@@ -854,14 +986,31 @@ def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs)
         parser.error(f"--append: {e}")
 
 
-def _ceilings(args: argparse.Namespace, old: dict) -> dict:
-    """The roofline's ceilings: the appended report's (`--reuse-ceilings`), else
-    measured in a child."""
+def _reused_ceilings(parser, args: argparse.Namespace, old: dict, machine: dict) -> dict:
+    """The appended report's ceilings where `--reuse-ceilings` asks for them and it has
+    some (empty otherwise), after refusing ceilings measured on another kind of device
+    than this machine's (`this_machine`)."""
     ceilings = old.get("ceilings") or {}
-    if args.reuse_ceilings and ceilings.get("matmul_tflops"):
+    if not (args.reuse_ceilings and ceilings.get("matmul_tflops")):
+        return {}
+    where = os.path.join(args.out, "report.json")
+    if ceilings.get("device") != machine["device_kind"]:
+        parser.error(
+            f"--reuse-ceilings: the ceilings in {where} were measured on "
+            f"{ceilings.get('device') or 'an unrecorded device'}, this machine's devices "
+            f"are {machine['device_kind']}: drop --reuse-ceilings to measure them here "
+            "(nothing was run)"
+        )
+    return ceilings
+
+
+def _ceilings(args: argparse.Namespace, reused: dict) -> dict:
+    """The roofline's ceilings: `reused` (`_reused_ceilings`) where there are some,
+    else measured in a child."""
+    if reused:
         where = os.path.join(args.out, "report.json")
-        print(f"ceilings: reused from {where} ({ceilings.get('device')})", flush=True)
-        return ceilings
+        print(f"ceilings: reused from {where} ({reused.get('device')})", flush=True)
+        return reused
     print("ceilings ...", flush=True)
     ceilings = _child("ceilings", {}, args.timeout, "measuring the ceilings")
     if "error" in ceilings:
@@ -870,12 +1019,32 @@ def _ceilings(args: argparse.Namespace, old: dict) -> dict:
     return ceilings
 
 
+def trace_sessions(out: str, name: str) -> list[str]:
+    """The trace sessions in row `name`'s trace folder under `out`: the folders
+    `jax.profiler` writes one trace into each (`plugins/profile/<date>/`)."""
+    profile = os.path.join(out, "tensorboard", name, "plugins", "profile")
+    try:
+        return sorted(os.path.join(profile, d) for d in os.listdir(profile))
+    except OSError:  # none yet
+        return []
+
+
 def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
-    """One row in its child, with what it records of how it ran; its line printed."""
+    """One row in its child, with what it records of how it ran; its line printed. The
+    row's earlier traces (a row it replaces, or a run stopped midway) are removed once
+    it has succeeded, never before: a failed row keeps them."""
+    import shutil
+
+    from train.outputs import signals_held
     from train.tools import report as report_lib
 
     print(f"{job.name} ...", flush=True)
+    earlier = trace_sessions(job.out, job.name)
     row = _child("row", dataclasses.asdict(job), timeout, f"row {job.name}")
+    if row.get("status") == "ok":
+        with signals_held():  # a Ctrl-C waits until the old traces are gone
+            for session in earlier:
+                shutil.rmtree(session, ignore_errors=True)
     row = {
         "name": job.name,
         "model": job.model,
@@ -912,18 +1081,26 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     }
     labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
     jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+    # A row asked for twice would run twice into one name (its trace folder, its row).
+    names = [job.name for job in jobs]
+    if twice := next((name for name in names if names.count(name) > 1), None):
+        parser.error(
+            f"row {twice!r} is asked for more than once (the same model, context and "
+            "--mesh): give each once (nothing was run)"
+        )
     try:
-        available = count_devices(args.timeout)
+        machine = this_machine(args.timeout)
     except ValueError as e:
         parser.error(f"{e} (nothing was run)")
     for mesh in dict.fromkeys(j.mesh for j in jobs):
-        if error := mesh_error(mesh, available):
+        if error := mesh_error(mesh, machine["device_count"]):
             parser.error(f"{error} (nothing was run)")
-    ceilings = _ceilings(args, old)
+    reused = _reused_ceilings(parser, args, old, machine)
+    ceilings = _ceilings(args, reused)
     os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
-    if ceilings.get("device", "cpu") != "cpu" and command_buffers_on():
+    if machine["platform"] == "gpu" and command_buffers_on():
         print(
             f"warning: command buffers are on (XLA_FLAGS lacks {NO_COMMAND_BUFFERS}): "
             "the traces will show CUDA graphs and the per-phase attribution will be empty",
@@ -967,17 +1144,24 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_modes(parser, sys.argv[1:] if argv is None else argv)
     _check_args(parser, args)
     if args.worker:
+        _die_with_parent()
         _worker(*args.worker)
         return
     if args.report_only:
         _report_only(parser, args.report_only)
         return
-    # SIGTERM ends the run as Ctrl-C does: the running worker (its process group) is
-    # ended, never left behind, and one line says what report.json keeps.
-    own = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
+    # SIGTERM and SIGHUP (a closed terminal) end the run as Ctrl-C does: the running
+    # worker (its process group) is ended, never left behind, its temporary folder is
+    # removed, and one line says what report.json keeps. A signal ignored (`nohup`)
+    # stays so. Signal handlers belong to the main thread only.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _on_signal)
     try:
         if args.fill_xla_cost:
             _fill(parser, args.fill_xla_cost, args.timeout)
@@ -985,11 +1169,17 @@ def main(argv: list[str] | None = None) -> None:
             _profile(parser, args, argv)
     except KeyboardInterrupt as e:
         report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
-        print(stop_line(e, report_path), file=sys.stderr, flush=True)
-        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+        status = 128 + e.signum if isinstance(e, Terminated) else 130
+        try:
+            print(stop_line(e, report_path), file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        except OSError:  # a closed terminal: nowhere to say it
+            os._exit(status)
+        sys.exit(status)
     finally:
-        if previous is not None:  # None: a handler set outside Python
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler set outside Python
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,11 @@ Input: the `.xplane.pb` that `jax.profiler` writes (TensorBoard's
 * CPU: thunk events on `/host:CPU` threads with stats `hlo_op`, `hlo_module`,
   `device_ordinal` and `run_id` (matching the host's `Execute`). They carry no name
   stack; pass the compiled module's text (`train.tools.hlo.parse_hlo`) to attribute phases.
+  Nothing links a run to the host call that dispatched it: the run's start (its first
+  thunk, or the host's `Execute` wait, whichever is first) stands for its launch. The
+  host dispatches ahead, so a step must have started before the next step's annotation
+  begins, or it is counted in a later step's window: `train.tools.profile` waits for
+  each traced step on CPU, the trainer for the step before the one it dispatched.
 
 Steps are cut at the trainer's `jax.profiler.StepTraceAnnotation("train",
 step_num=...)`: each kernel belongs to the step during which the host launched it;
@@ -444,8 +449,15 @@ def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
                     launch=_int(st.get("run_id")),  # resolved to a time below
                 )
             )
+    # A run's launch: when it began, its first thunk or the host's wait for it, whichever
+    # is first (the wait begins once the thunks the caller's thread runs are done).
+    began = dict(executes)
+    for ks in thunks.values():
+        for k in ks:
+            if k.launch in began:
+                began[k.launch] = min(began[k.launch], k.start)
     return {
-        device: [dataclasses.replace(k, launch=executes.get(k.launch)) for k in ks]
+        device: [dataclasses.replace(k, launch=began.get(k.launch)) for k in ks]
         for device, ks in sorted(thunks.items())
     }
 
