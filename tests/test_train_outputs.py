@@ -371,6 +371,17 @@ def test_profile_window_before_a_resumed_runs_steps_is_named(tmp_path, capsys):
     assert os.listdir(tmp_path / "b" / "tensorboard" / "plugins" / "profile")
 
 
+def test_step_line_of_a_traced_window_says_so(tmp_path, capsys):
+    """The tokens/s of a logging window that holds `--profile_steps` are the profiler's
+    too: its step line says so; the other windows' lines do not."""
+    extra = ["--max_steps", "6", "--logging_steps", "2", "--profile_steps", "3,4"]
+    run(parse_args(_args(tmp_path / "run", "--report_to", "none", "--save_strategy", "no", *extra)))
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    note = "tokens/s (traced steps in this window: slower under the profiler)"
+    assert [note in x for x in lines] == [False, True, False], lines
+    assert all("tokens/s" in x for x in lines[1:]), lines
+
+
 def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):
     """Resuming a finished run trains nothing and leaves the directory as it was: its
     settings file keeps the run's own learning rate, and no TensorBoard file is added."""

@@ -47,6 +47,8 @@ class _Timer:
     start: float = 0.0
     tokens: int = 0
     steps: int = 0  # timed steps in the window (compilation's step is not one)
+    profile: tuple[int, int] | None = None  # the traced steps, 0-based `(first, stop)`
+    traced: bool = False  # the window holds a traced step (slower under the profiler)
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -449,7 +451,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     # Not a terminal (a log file, a batch job): one line per logging step instead of a bar.
     lines = is_main and cfg.run.progress and not sys.stdout.isatty()
     history = []
-    timer = _Timer()
+    timer = _Timer(profile=profile)
     finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, lines, total_steps)
     steps_per_epoch = t.batches.steps_per_epoch
     # Metrics are fetched one step late (the next step is already queued), except at
@@ -735,12 +737,14 @@ def _oom_advice(cfg: TrainConfig):
         raise
 
 
-def _step_line(record: dict, total_steps: int, eta: float | None) -> str:
+def _step_line(record: dict, total_steps: int, eta: float | None, traced: bool = False) -> str:
     """`step 20/100: loss 4.1234, lr 3.000e-03, 51,234 tokens/s, ETA 0:02:10`; the first
-    window (the compilation's step only) has no speed or ETA."""
+    window (the compilation's step only) has no speed or ETA; a window that holds
+    `--profile_steps` says its speed is the profiler's too."""
     parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.3e}"]
     if "tokens_per_s" in record:
-        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+        note = " (traced steps in this window: slower under the profiler)" if traced else ""
+        parts.append(f"{record['tokens_per_s']:,.0f} tokens/s{note}")
     if eta is not None:
         parts.append(f"ETA {datetime.timedelta(seconds=round(eta))}")
     return f"step {record['step']}/{total_steps}: " + ", ".join(parts)
@@ -763,6 +767,8 @@ def _finish(
             "of earlier steps, if any, are intact). Lower --learning_rate or check the data."
         )
     done = step + 1
+    if timer.profile and timer.profile[0] <= step < timer.profile[1]:
+        timer.traced = True
     if timer.start == 0.0:  # the first step includes compilation: throughput starts after it
         timer.start = time.perf_counter()
     else:
@@ -785,8 +791,8 @@ def _finish(
         record.update(memory())
         if lines:
             eta = (now - timer.start) / timer.steps * (total_steps - done) if timer.steps else None
-            print(_step_line(record, total_steps, eta), flush=True)
-        timer.start, timer.tokens, timer.steps = now, 0, 0
+            print(_step_line(record, total_steps, eta, timer.traced), flush=True)
+        timer.start, timer.tokens, timer.steps, timer.traced = now, 0, 0, False
         if writer is not None:
             writer.scalars({f"train/{k}": v for k, v in record.items() if k != "step"}, done)
         if log is not None:
