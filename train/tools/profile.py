@@ -687,13 +687,12 @@ def mesh_error(mesh: str, available: int | None = None) -> str | None:
     return None
 
 
-def fill_xla_cost(out: str, timeout: float) -> None:
-    """`--fill-xla-cost`: XLA's cost for every timed row without it, one child each."""
+def fill_xla_cost(out: str, report: dict, timeout: float) -> None:
+    """`--fill-xla-cost`: XLA's cost for every timed row of `report` (`out`'s
+    report.json) without it, one child each."""
     from train.tools import report as report_lib
 
     path = os.path.join(out, "report.json")
-    with open(path) as f:
-        report = json.load(f)
     for row in rows_without_xla(report):
         layers = row.get("layers")
         job = Job(
@@ -908,14 +907,15 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
 def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
     """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
     try:
-        todo = rows_without_xla(read_report(os.path.join(directory, "report.json")))
+        report = read_report(os.path.join(directory, "report.json"))
+        todo = rows_without_xla(report)
         available = this_machine(timeout)["device_count"] if todo else None
     except ValueError as e:
         parser.error(f"--fill-xla-cost: {e}")
     for row in todo:
         if error := mesh_error(row["mesh"], available):
             parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
-    fill_xla_cost(directory, timeout)
+    fill_xla_cost(directory, report, timeout)
 
 
 def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job]:

@@ -93,15 +93,24 @@ def _unreported_why(row: dict, field: str) -> str:
     return why or unreported_reason(field, row.get("device_kind"), row.get("platform"))
 
 
+def dash_notes(reasons) -> list[str]:
+    """`- `–` reason (rows)`, one line per reason: `reasons` are `(text, row name)`
+    pairs, in the order the lines come."""
+    notes: dict[str, list[str]] = {}
+    for text, name in reasons:
+        notes.setdefault(text, []).append(name)
+    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+
+
 def unreported_notes(ok: list[dict]) -> list[str]:
     """One line per reason a throughput-table value is `–` (MFU, peak memory), naming
     the rows; none where every row has its values."""
-    notes: dict[str, list[str]] = {}
-    for r in ok:
-        for field, label in UNREPORTED.items():
-            if r.get(field) is None:
-                notes.setdefault(f"{label}: {_unreported_why(r, field)}", []).append(r["name"])
-    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+    return dash_notes(
+        (f"{label}: {_unreported_why(r, field)}", r["name"])
+        for r in ok
+        for field, label in UNREPORTED.items()
+        if r.get(field) is None
+    )
 
 
 def xla_cost_reason(row: dict) -> str | None:
@@ -122,22 +131,19 @@ def xla_cost_reason(row: dict) -> str | None:
 def xla_cost_notes(ok: list[dict], columns: str) -> list[str]:
     """One line per reason the `columns` that need XLA's bytes are `–`, naming the
     rows; none where every row has them."""
-    notes: dict[str, list[str]] = {}
-    for r in ok:
-        if reason := xla_cost_reason(r):
-            notes.setdefault(f"{columns}: {reason}", []).append(r["name"])
-    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+    return dash_notes(
+        (f"{columns}: {reason}", r["name"]) for r in ok if (reason := xla_cost_reason(r))
+    )
 
 
 def ring_notes(ok: list[dict]) -> list[str]:
     """One line per reason `ring GB/s` is `–`, naming the rows; none where every row
     has it."""
-    notes: dict[str, list[str]] = {}
-    for r in ok:
-        if not r.get("ring"):
-            why = (r.get("not_measured") or {}).get("ring") or "no ring transfer recorded"
-            notes.setdefault(f"ring GB/s: {why}", []).append(r["name"])
-    return [f"- `–` {text} ({', '.join(names)})" for text, names in notes.items()]
+
+    def why(r: dict) -> str:
+        return (r.get("not_measured") or {}).get("ring") or "no ring transfer recorded"
+
+    return dash_notes((f"ring GB/s: {why(r)}", r["name"]) for r in ok if not r.get("ring"))
 
 
 def copy_note(ok: list[dict], copy_gbps: float | None) -> list[str]:
