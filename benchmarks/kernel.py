@@ -432,7 +432,7 @@ def tune(args):
     if args.tune_impl == "jflash_mosaic":
         return tune_mosaic(args)
     base = jflash.default_block_sizes(args.seq, args.head_dim, jnp.bfloat16)
-    # Candidates around the winners of the 16k sweeps (BENCHMARKS.md "Kernel tuning").
+    # Candidates around the winners of the 16k sweeps (the defaults in jflash/_block_sizes.py).
     fwd_candidates = [
         (128, 128, 8, 3),
         (128, 64, 8, 3),

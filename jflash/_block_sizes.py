@@ -122,7 +122,10 @@ def default_block_sizes(
             block_q_dq=_fit(bq, seq_len),
             block_kv_dq=_fit(bk, kv_len),
         )
-    # Measured on H100, bf16, causal, GQA 32/8 (BENCHMARKS.md "Kernel tuning").
+    # Triton tiles from `benchmarks/kernel.py --tune` sweeps at 16k on an H100 (bf16,
+    # causal, GQA 32/8): forward 128x128, 8 warps, 3 stages 3% ahead of 128x64; dK/dV
+    # 64q x 128kv with dQ 128q x 64kv, 8 warps, 3 stages 3% ahead of 64x64; D = 64 best
+    # at 128x64 / 64x64. Rerun the sweep on new hardware.
     if wide:  # f32 tiles or D > 128: halve the tiles so they fit shared memory
         fwd = (64, 32, 4, 2)
         bwd = (32, 32, 32, 32, 4, 2)

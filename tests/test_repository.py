@@ -160,3 +160,40 @@ def test_nothing_outside_jflash_imports_its_private_modules():
             if (path, statement) not in PRIVATE_IMPORT_EXCEPTIONS:
                 failures.append(f"{path}:{line}: {statement}")
     assert not failures, "Import jflash's public API only:\n" + "\n".join(failures)
+
+
+# `BENCHMARKS.md, "Heading"` or `BENCHMARKS.md "Heading"`, across a comment's line breaks.
+BENCHMARKS_CITATION = re.compile(r'BENCHMARKS\.md,?\s+"([^"]+)"')
+
+
+def cited_benchmarks_sections(text: str) -> list[str]:
+    """The section titles `text` cites in BENCHMARKS.md (comment markers between lines
+    dropped, so a citation wrapped in a `#` comment reads as one line)."""
+    joined = re.sub(r"\n\s*(?:#+\s*)?", " ", text)
+    return [" ".join(title.split()) for title in BENCHMARKS_CITATION.findall(joined)]
+
+
+def test_citation_rule_reads_wrapped_comments():
+    wrapped = 'see (BENCHMARKS.md,\n    # "Two GPUs, sequence\n# split").'
+    assert cited_benchmarks_sections(wrapped) == ["Two GPUs, sequence split"]
+    assert cited_benchmarks_sections('BENCHMARKS.md "Packed documents"') == ["Packed documents"]
+    assert cited_benchmarks_sections("BENCHMARKS.md (0.908 at 8k)") == []
+
+
+def test_cited_benchmarks_sections_exist():
+    """A section that code or docs cite by its title is a heading of BENCHMARKS.md (the
+    start of one: `"Two GPUs, sequence split"` names `Two GPUs, sequence split (seq=2)`)."""
+    headings = [
+        line.lstrip("#").strip().replace("`", "")
+        for line in (ROOT / "BENCHMARKS.md").read_text().splitlines()
+        if line.startswith("#")
+    ]
+    failures = []
+    for path in tracked_files():
+        if path in SELF or path.startswith("benchmarks/results/"):
+            continue
+        text = text_of(path)
+        for title in cited_benchmarks_sections(text or ""):
+            if not any(h.startswith(title.replace("`", "")) for h in headings):
+                failures.append(f'{path}: "{title}"')
+    assert not failures, "Cited sections missing from BENCHMARKS.md:\n" + "\n".join(failures)
