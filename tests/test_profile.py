@@ -57,6 +57,38 @@ def test_gpu_trace_partitions_and_attribution():
     json.dumps(report.to_dict())
 
 
+def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
+    """`python -m train.tools.trace` with no trace: one line naming what is missing,
+    exit status 2 (not a silent 0); `--help` lists the flags; given a trace, the mean
+    per field, `–` and its reason where one is not measured; a path that holds no
+    trace: one line naming it."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "train.tools.trace"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith("error: the following arguments are required: TRACE")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    with pytest.raises(SystemExit) as e:
+        trace.main(["--help"])
+    assert e.value.code == 0
+    assert "usage: python -m train.tools.trace" in capsys.readouterr().out
+    report = trace.main([GPU_TRACE])
+    out = capsys.readouterr().out
+    assert out.startswith("gpu, 2 device(s), steps 3, 4, program jit_train_step;")
+    assert f"  step (ms): {report.mean.step_ms:.4g}\n" in out
+    assert "  permute_bytes: –\n" in out
+    assert "– permute_bytes: needs the compiled HLO (collective-permute sizes)" in out
+    trace.main([GPU_TRACE, "--json"])
+    assert json.loads(capsys.readouterr().out)["steps"] == [3, 4]
+    with pytest.raises(SystemExit) as e:
+        trace.main([str(tmp_path)])
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: TRACE={str(tmp_path)!r}: no *.xplane.pb under {str(tmp_path)!r}\n"
+    )
+
+
 def test_mean_and_none_fields():
     b = trace.parse(GPU_TRACE).mean
     assert trace.mean([b, b]) == b
