@@ -1210,6 +1210,55 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
 
 
+def _no_space_for_reports(monkeypatch):
+    """`os.replace` onto a report.json fails as a full disk does (other files move)."""
+    replace = os.replace
+
+    def no_space(src, dst):
+        if str(dst).endswith("report.json"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", no_space)
+
+
+def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """A report.json that cannot be written (a full disk) ends the tool with one line
+    naming the flag that chose the place and the file, not a traceback: `--out` for a
+    run's rows, `--fill-xla-cost` for the rows it fills; the earlier report.json stays
+    and no `.tmp` is left."""
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        if kind == "xla_cost":
+            return {"xla": {"flops": 1e9, "bytes": 1e8, "method": "test"}}
+        return {} if kind == "ceilings" else {"status": "error", "error": "failed"}
+
+    monkeypatch.setattr(profile, "_child", child)
+    _no_space_for_reports(monkeypatch)
+    out = tmp_path / "profile"
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--models", "tiny", "--context", "256", "--out", str(out)])
+    path = out / "report.json"
+    assert e.value.code == f"error: --out: cannot write {path} (No space left on device)"
+    assert list(out.iterdir()) == []
+
+    timed = tmp_path / "timed"
+    timed.mkdir()
+    report = _report([_report_row(256, xla=None, hbm_gbps=None, xla_cost=False)])
+    (timed / "report.json").write_text(json.dumps(report))
+    before = (timed / "report.json").read_text()
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--fill-xla-cost", str(timed)])
+    path = timed / "report.json"
+    assert e.value.code == f"error: --fill-xla-cost: cannot write {path} (No space left on device)"
+    assert path.read_text() == before
+    assert [p.name for p in timed.iterdir()] == ["report.json"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
     """`--report-only DIR` re-renders DIR/report.json and says where, in one line."""
     from train.tools.profile import main

@@ -49,6 +49,7 @@ import time
 from models.config import REMAT_POLICIES
 from models.presets import PRESETS, preset
 from train.oom import is_oom
+from train.tools.jsonfile import write_json
 
 # jax (and everything that imports it) is imported inside the functions that run in a
 # child process: the parent never initialises a backend, so each child can set its own
@@ -633,13 +634,6 @@ def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
     return f"{how}: {ended}; no row had finished"
 
 
-def write_json(path: str, data: dict) -> None:
-    """`data` into `path`, whole or not at all (a stopped run keeps the previous file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-
-
 def _worker(kind: str, job_path: str, out_path: str) -> None:
     with open(job_path) as f:
         payload = json.load(f)
@@ -715,7 +709,8 @@ def fill_xla_cost(out: str, report: dict, timeout: float) -> None:
         _with_xla(row, result["xla"])
         if row.get("hbm_gbps") is not None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
-        write_json(path, report)  # a run stopped from outside keeps the rows it filled
+        # a run stopped from outside keeps the rows it filled
+        write_json(path, report, "--fill-xla-cost")
     report_lib.render(report, out)
     print(f"wrote {os.path.join(out, 'report.md')}")
 
@@ -1127,7 +1122,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
             "ceilings": ceilings,
             "rows": kept + rows,
         }
-        write_json(path, report)
+        write_json(path, report, "--out")
         return report
 
     rows: list[dict] = []
