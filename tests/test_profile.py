@@ -1259,6 +1259,45 @@ def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch
     assert "Traceback" not in capsys.readouterr().err
 
 
+def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatch, capsys):
+    """`--fill-xla-cost DIR` records in each row it fills (`xla.filled` in report.json)
+    the command, the date and the device it compiled on, and the report says in its
+    header, and where the columns are defined, which rows' XLA columns were filled in
+    afterwards; a row timed with its XLA cost is not named."""
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "TPU v9"}
+        assert kind == "xla_cost", kind
+        return {"xla": {"flops": 2e9, "bytes": 5e8, "method": "test"}}
+
+    monkeypatch.setattr(profile, "_child", child)
+    rows = [
+        _report_row(256, name="tiny-256", xla=None, hbm_gbps=None, xla_cost=False),
+        _report_row(512, name="tiny-512"),
+    ]
+    (tmp_path / "report.json").write_text(json.dumps(_report(rows)))
+    before = report_lib.markdown(_report(rows))
+    assert "filled in afterwards" not in before
+    profile.main(["--fill-xla-cost", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    filled = report["rows"][0]["xla"]["filled"]
+    command = f"python -m train.tools.profile --fill-xla-cost {tmp_path}"
+    assert filled["command"] == command and filled["device"] == "TPU v9"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", filled["date"]), filled
+    assert "filled" not in report["rows"][1]["xla"]
+    md = (tmp_path / "report.md").read_text()
+    header = md.split("\n\n")[1]
+    assert header.endswith(
+        f"HBM GB/s, HBM % of copy and step FLOP/B filled in afterwards, on {filled['date']} "
+        f"by `{command}` (compiled on TPU v9, not run), for row tiny-256."
+    ), header
+    assert "in rows filled in afterwards, as the header says, the bytes of a later" in md
+    assert "Step: model FLOPs ÷ XLA's bytes (filled in afterwards in the rows the" in md
+    capsys.readouterr()
+
+
 def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
     """`--report-only DIR` re-renders DIR/report.json and says where, in one line."""
     from train.tools.profile import main

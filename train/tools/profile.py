@@ -681,9 +681,11 @@ def mesh_error(mesh: str, available: int | None = None) -> str | None:
     return None
 
 
-def fill_xla_cost(out: str, report: dict, timeout: float) -> None:
+def fill_xla_cost(out: str, report: dict, timeout: float, filled: dict) -> None:
     """`--fill-xla-cost`: XLA's cost for every timed row of `report` (`out`'s
-    report.json) without it, one child each."""
+    report.json) without it, one child each. `filled` (`command`, `date`, `device`: how,
+    when and where the cost was computed) goes into each row's `xla` as `filled`: its
+    HBM GB/s and step intensity were filled in after the row was timed."""
     from train.tools import report as report_lib
 
     path = os.path.join(out, "report.json")
@@ -706,7 +708,8 @@ def fill_xla_cost(out: str, report: dict, timeout: float) -> None:
             first = str(result.get("error", result)).split("\n")[0]
             print(f"  failed: {first}", file=sys.stderr, flush=True)
             continue
-        _with_xla(row, result["xla"])
+        xla = result["xla"] and {**result["xla"], "filled": filled}
+        _with_xla(row, xla)
         if row.get("hbm_gbps") is not None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
         # a run stopped from outside keeps the rows it filled
@@ -899,18 +902,24 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
     print(f"wrote {os.path.join(directory, 'report.md')}")
 
 
-def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
-    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
+def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, command: str) -> None:
+    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build.
+    `command`: the command line, recorded in the rows it fills."""
     try:
         report = read_report(os.path.join(directory, "report.json"))
         todo = rows_without_xla(report)
-        available = this_machine(timeout)["device_count"] if todo else None
+        machine = this_machine(timeout) if todo else {}
     except ValueError as e:
         parser.error(f"--fill-xla-cost: {e}")
     for row in todo:
-        if error := mesh_error(row["mesh"], available):
+        if error := mesh_error(row["mesh"], machine["device_count"]):
             parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
-    fill_xla_cost(directory, report, timeout)
+    filled = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": machine.get("device_kind"),
+    }
+    fill_xla_cost(directory, report, timeout, filled)
 
 
 def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job]:
@@ -1063,6 +1072,11 @@ def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
     return row
 
 
+def command_line(argv: list[str] | None) -> str:
+    """The tool's command line, as report.json records it."""
+    return " ".join(["python -m train.tools.profile", *(sys.argv[1:] if argv is None else argv)])
+
+
 def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) -> None:
     """The rows, one child each, then the report."""
     from train.tools import report as report_lib
@@ -1102,8 +1116,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
             file=sys.stderr,
             flush=True,
         )
-    args_text = " ".join(argv if argv is not None else sys.argv[1:])
-    command = "python -m train.tools.profile " + args_text
+    command = command_line(argv)
     import jax  # only its version: the parent never starts a backend
 
     run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
@@ -1159,7 +1172,7 @@ def main(argv: list[str] | None = None) -> None:
                 previous[sig] = signal.signal(sig, _on_signal)
     try:
         if args.fill_xla_cost:
-            _fill(parser, args.fill_xla_cost, args.timeout)
+            _fill(parser, args.fill_xla_cost, args.timeout, command_line(argv))
         else:
             _profile(parser, args, argv)
     except KeyboardInterrupt as e:

@@ -128,6 +128,27 @@ def xla_cost_reason(row: dict) -> str | None:
     return "no XLA cost recorded (timed with --no-xla-cost, or the analysis had no bytes)"
 
 
+XLA_COLUMNS = "HBM GB/s, HBM % of copy and step FLOP/B"  # the columns of XLA's bytes
+
+
+def filled_text(ok: list[dict]) -> str:
+    """The sentences saying which rows' XLA bytes (`XLA_COLUMNS`) were filled in after
+    they were timed (`--fill-xla-cost`: `xla.filled` in report.json), by which command,
+    when and on which device; empty where none were."""
+    fills: dict[tuple, list[str]] = {}
+    for r in ok:
+        filled = (r.get("xla") or {}).get("filled")
+        if filled:
+            key = (filled.get("command"), filled.get("date"), filled.get("device"))
+            fills.setdefault(key, []).append(r["name"])
+    return " ".join(
+        f"{XLA_COLUMNS} filled in afterwards, on {date or '?'} by `{command or '?'}` "
+        f"(compiled on {device or 'an unrecorded device'}, not run), for "
+        f"{'row' if len(names) == 1 else 'rows'} {', '.join(names)}."
+        for (command, date, device), names in fills.items()
+    )
+
+
 def xla_cost_notes(ok: list[dict], columns: str) -> list[str]:
     """One line per reason the `columns` that need XLA's bytes are `–`, naming the
     rows; none where every row has them."""
@@ -358,11 +379,12 @@ def markdown(report: dict) -> str:
     strategy = per_row(
         report, ok or rows, "ring_strategy", lambda s: f"`--ring_strategy {s or 'ring'}`"
     )
+    filled = filled_text(ok)
     lines = [
         "# Training profile",
         "",
         f"{report['date']}, {jax_version}, device: {device}. {_commands(report)} "
-        f"XLA_FLAGS: {flags}.",
+        f"XLA_FLAGS: {flags}." + (f" {filled}" if filled else ""),
         "",
         f"Steps, counted from 1 in each row's run as the trainer's step lines count: "
         f"{steps}. Compile excluded, "
@@ -422,7 +444,14 @@ def markdown(report: dict) -> str:
         "Latency, tokens/s, TFLOP/s and MFU: the timed steps (`block_until_ready` around "
         "them), none of the traced steps (slower under the profiler: not timed; their time "
         "is the `traced step` above). HBM GB/s: bytes per XLA's cost analysis ÷ timed "
-        "step (see `xla.method` in report.json); HBM % of copy: that ÷ the measured copy "
+        "step (see `xla.method` in report.json"
+        + (
+            "; in rows filled in afterwards, as the header says, the bytes of a later "
+            "compile (`xla.filled`) ÷ the step timed in the row's own run"
+            if filled
+            else ""
+        )
+        + "); HBM % of copy: that ÷ the measured copy "
         "bandwidth, over 100% where caches serve some of the counted bytes (small steps, "
         "CPU). Ring GB/s: bytes of "
         "the collective-permutes (K/V and dK/dV transfers) ÷ the time they run, per "
@@ -553,7 +582,9 @@ def markdown(report: dict) -> str:
     )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
-        "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "
+        "Step: model FLOPs ÷ XLA's bytes"
+        + (" (filled in afterwards in the rows the header names)" if filled else "")
+        + ". Attention and matmuls: analytic FLOPs ÷ "
         "compulsory bytes (`train.tools.roofline`), achieved rate over the traced kernel time.",
         "",
     ]
