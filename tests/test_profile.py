@@ -629,23 +629,51 @@ def test_profile_rows_record_the_ring_strategy(monkeypatch):
 
 
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):
-    """A local model's row is named by its directory's basename (the name is a path
-    under --out), made unique where two directories share one."""
-    from train.tools.profile import Job, model_labels
+    """A local model's row is named `local-` and its directory's basename (the name is a
+    path under --out), made unique where two directories share one; a directory named
+    as a preset is never named as the preset's rows are."""
+    from models.presets import PRESETS
+    from train.tools.profile import Job, labelled, model_labels
 
-    for sub in ("a/llama", "b/llama", "c/my model"):
+    for sub in ("a/llama", "b/llama", "c/my model", "d/llama3.2-1b", "e/tiny"):
         (tmp_path / sub).mkdir(parents=True)
-    a, b, spaced = (str(tmp_path / sub) for sub in ("a/llama", "b/llama", "c/my model"))
-    assert model_labels(["tiny", a, b, spaced, a]) == {
+    a, b, spaced, preset_named, tiny = (
+        str(tmp_path / sub)
+        for sub in ("a/llama", "b/llama", "c/my model", "d/llama3.2-1b", "e/tiny")
+    )
+    assert model_labels(["tiny", a, b, spaced, a, tiny]) == {
         "tiny": "tiny",
-        a: "llama",
-        b: "llama-2",
-        spaced: "my_model",
+        a: "local-llama",
+        b: "local-llama-2",
+        spaced: "local-my_model",
+        tiny: "local-tiny",
     }
-    # --append: a label the report's rows give another model is taken.
-    assert model_labels([b], {"llama": a}) == {b: "llama-2"}
+    # No preset's name starts as a local directory's label does.
+    assert not any("".join(filter(str.isalnum, key)).startswith("local") for key in PRESETS)
+    local = Job(model=preset_named, context=8192, mesh="seq=2", out="x")
+    assert local.name == "local-llama3.2-1b-8k-seq2"
+    assert Job(model="llama3.2-1b", context=8192, mesh="seq=2", out="x").name == (
+        "llama3.2-1b-8k-seq2"
+    )
+    # --append: a label the report's rows give another model is taken; the one they give
+    # this model is kept (its rows replace theirs).
+    assert model_labels([b], {"local-llama": a}) == {b: "local-llama-2"}
+    assert model_labels([a], {"local-llama": a}) == {a: "local-llama"}
     assert model_labels([a], {"llama": a}) == {a: "llama"}
-    assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "llama-256-seq2"
+    assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "local-llama-256-seq2"
+
+    # No two rows of different models share a name: an appended report's row of another
+    # model (a report whose rows recorded no label, its directory since gone) keeps its
+    # name, and the new row takes another.
+    jobs = [Job(model=m, context=256, mesh="seq=2", out="x") for m in (a, "tiny")]
+    old = [
+        {"name": "local-llama-256-seq2", "model": "/gone/llama"},
+        {"name": "tiny-256-seq2", "model": "tiny", "label": "tiny"},
+    ]
+    assert [job.name for job in labelled(jobs, old)] == [
+        "local-llama-2-256-seq2",
+        "tiny-256-seq2",  # the same model's row: replaced
+    ]
 
 
 @pytest.mark.slow
@@ -669,8 +697,8 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     assert new and all(out in p.parents for p in new), [p for p in new if out not in p.parents]
     [row] = json.loads((out / "report.json").read_text())["rows"]
     assert row["status"] == "ok", row
-    assert row["name"] == "mine-256-seq2" and row["model"] == str(model_dir)
-    assert row["trace_dir"] == os.path.join("tensorboard", "mine-256-seq2")
+    assert row["name"] == "local-mine-256-seq2" and row["model"] == str(model_dir)
+    assert row["trace_dir"] == os.path.join("tensorboard", "local-mine-256-seq2")
     assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
     # Steps count from 1: step 1 is timed, step 2 traced (the trace's step number).
     assert row["trace"]["steps"] == [2]

@@ -14,8 +14,8 @@ For each model x context x mesh, one child process builds the trainer exactly as
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
-(`<model>`: a preset's name, or a local model directory's basename, made unique; the
-report shows the model as given).
+(`<model>`: a preset's name, or `local-` and a local model directory's basename, made
+unique; the report shows the model as given).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
@@ -119,27 +119,61 @@ class Job:
         }
 
 
+# Before a local model directory's basename in its rows' names: no preset's name starts
+# with it, so `local-llama3.2-1b-8k-seq2` is never taken for the preset's row.
+LOCAL_LABEL = "local-"
+
+
 def model_label(model: str) -> str:
-    """`model` as one file name: a local directory's basename, or a preset's name, with
-    anything but letters, digits, `.`, `_` and `-` replaced by `_`."""
-    name = os.path.basename(os.path.abspath(model)) if os.path.isdir(model) else model
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)
-    return "model" if name in ("", ".", "..") else name
+    """`model` as one file name: a preset's name, or `LOCAL_LABEL` and a local
+    directory's basename, with anything but letters, digits, `.`, `_` and `-` replaced
+    by `_`."""
+    if not os.path.isdir(model):
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", model)
+        return "model" if name in ("", ".", "..") else name
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.abspath(model)))
+    return LOCAL_LABEL + (name or "model")
 
 
-def model_labels(models: list[str], taken: dict[str, str] | None = None) -> dict[str, str]:
-    """Each model's `model_label`, made unique with `-2`, `-3`, ... where two models
-    share one. `taken`: labels already in use (label -> model), e.g. an appended
-    report's rows."""
+def model_labels(models: list[str], taken: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Each model's label in its rows' names: the one `taken` gives it, else its
+    `model_label`, made unique with `-2`, `-3`, ... where two models share one.
+    `taken`: labels already in use (label -> model; None: by no model that may have it),
+    e.g. an appended report's rows."""
     used = dict(taken or {})
+    given = {model: label for label, model in used.items() if model is not None}
     labels: dict[str, str] = {}
     for model in models:
+        if model in given:
+            labels[model] = given[model]
+            continue
         base = label = model_label(model)
         count = 2
         while used.get(label, model) != model:
             label, count = f"{base}-{count}", count + 1
         used[label], labels[model] = model, label
     return labels
+
+
+def labelled(jobs: list[Job], old_rows: list[dict]) -> list[Job]:
+    """`jobs` with their models' labels (`model_labels`): the ones `old_rows` (an
+    appended report's) give their models, else new ones; no job shares its name with a
+    job or old row of another model (an old row of the same name and model is the row
+    it replaces)."""
+    taken: dict[str, str | None] = {
+        r.get("label") or model_label(r["model"]): r["model"] for r in old_rows if "model" in r
+    }
+    models = list(dict.fromkeys(job.model for job in jobs))
+    while True:
+        labels = model_labels(models, taken)
+        named = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+        owners = {r["name"]: r.get("model") for r in old_rows if "name" in r}
+        clashes = [
+            job.label for job in named if owners.setdefault(job.name, job.model) != job.model
+        ]
+        if not clashes:
+            return named
+        taken.update(dict.fromkeys(clashes))  # no model takes these labels again
 
 
 def parse_context(text: str) -> int:
@@ -1083,13 +1117,10 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
 
     jobs = _jobs(parser, args)
     old = _old_report(parser, args, jobs)
-    # The rows' file names under --out: one label per model (a local directory's
-    # basename, not its path), distinct from the appended report's other models'.
-    taken = {
-        r.get("label") or model_label(r["model"]): r["model"] for r in old["rows"] if "model" in r
-    }
-    labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
-    jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+    # The rows' file names under --out: one label per model (a preset's name, or
+    # `local-` and a local directory's basename), distinct from the appended report's
+    # other models'.
+    jobs = labelled(jobs, old["rows"])
     # A row asked for twice would run twice into one name (its trace folder, its row).
     names = [job.name for job in jobs]
     if twice := next((name for name in names if names.count(name) > 1), None):
