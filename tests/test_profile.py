@@ -1440,6 +1440,59 @@ def test_report_says_why_xla_cost_columns_are_missing():
     assert "- `–` HBM % of copy: no copy bandwidth measured (tiny-1024)" in md
 
 
+def test_report_says_where_a_point_is_above_its_measured_roof(tmp_path):
+    """A roofline point above the measured roof at its intensity (a matmul at 619.9
+    TFLOP/s under a 616 TFLOP/s matmul ceiling, a step above the copy bandwidth's line)
+    is said under the intensity table, with the rows and why a measured point can be
+    there, and ringed in the plot; points under their roof are not named."""
+    import matplotlib.pyplot as plt
+
+    def row(context, matmul_tflops, step=None):
+        point = {"flops": 1e12, "bytes": 1e9, "intensity": 1000.0, "tflops": matmul_tflops}
+        return _report_row(
+            context,
+            name=f"tiny-{context}",
+            intensity={"step": step, "attention": None, "matmul": point},
+        )
+
+    ceilings = {
+        "matmul_tflops": 615.86,
+        "copy_gbps": 3000.0,
+        "matmul_label": "bfloat16 matmul 8192^3 (gpu: NVIDIA H200)",
+        "copy_label": "copy of 1024 MiB, read + write (gpu: NVIDIA H200)",
+    }
+    below = _report([row(256, 575.0), row(512, 606.9)])
+    below["ceilings"] = ceilings
+    assert "Above the measured" not in report_lib.markdown(below)
+    assert report_lib.above_roof(below["rows"], ceilings) == []
+
+    # 30 FLOP/B under 3000 GB/s: a roof of 90 TFLOP/s.
+    step = {"flops": 3e12, "bytes": 1e11, "intensity": 30.0, "tflops": 95.0}
+    report = _report([row(256, 575.0), row(1024, 619.9), row(2048, 620.5, step=step)])
+    report["ceilings"] = ceilings
+    md = report_lib.markdown(report)
+    intensity = md.split("## Arithmetic intensity")[1].split("## Ceilings")[0]
+    assert (
+        "- Above the measured matmul roof: matmul TFLOP/s 619.9 > 615.9 (tiny-1024); "
+        "620.5 > 615.9 (tiny-2048). That roof is the median rate of one matmul timed at "
+        "startup (bfloat16 matmul 8192^3 (gpu: NVIDIA H200)), not the device's limit, and "
+        "each point is a measurement too (analytic FLOPs over the traced matmul kernels' "
+        "time)"
+    ) in intensity
+    assert (
+        "- Above the measured copy roof: step TFLOP/s 95 > 90 (tiny-2048). That roof is the "
+        "point's intensity × the copy bandwidth measured at startup"
+    ) in intensity
+    assert "(tiny-256)" not in intensity
+
+    fig, ax = plt.subplots()
+    rows = report_lib._ok(report)
+    report_lib._roofline()([ax], rows, report)
+    [ring] = [line for line in ax.get_lines() if line.get_label() == report_lib.ABOVE_ROOF]
+    assert sorted(ring.get_ydata()) == [95.0, 619.9, 620.5]
+    plt.close(fig)
+
+
 def test_report_says_why_ring_bandwidth_is_missing():
     """`ring GB/s` is `–` where no ring ran (one device on `seq`, Ulysses, all-gather) or
     its bytes are unknown: the report says which, naming the rows, and nothing where
