@@ -898,6 +898,68 @@ def test_profile_killed_outright_takes_its_worker_along(tmp_path):
     proc, running = _stop_the_tool_in_a_row(tmp_path, "SIGKILL")
     assert proc.returncode == -9
     assert running == []
+    # Its worker's temporary folder stays, and names both processes; the tool's next
+    # run (here one refused at once) removes it, both having ended.
+    [left] = (tmp_path / "tmp").glob("jflash-profile-*")
+    owner = json.loads((left / "owner.json").read_text())
+    assert owner["tool"] == "train.tools.profile"
+    assert [p["pid"] for p in owner["processes"]][0] == proc.pid
+    assert len(owner["processes"]) == 2
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path / "tmp"))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--models", "nosuch"]
+    cmd += ["--out", str(tmp_path / "again")]
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "'nosuch' is neither a preset" in again.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process start times: /proc")
+def test_profile_removes_only_its_own_stale_temporary_folders(tmp_path):
+    """`remove_stale_temp` removes a `jflash-profile-*` folder only where its owner
+    record is this tool's and every process it names has ended (or its id now belongs
+    to a process started later); a folder of a running process, without a record, with
+    another tool's or a malformed record, a link, a file or another name stays."""
+    from train.tools import profile
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    me = profile._process(os.getpid())
+    gone = {"pid": ended.pid, "started": "1"}
+    records = {
+        "ended": {"tool": "train.tools.profile", "processes": [gone]},
+        "ended-worker-too": {"tool": "train.tools.profile", "processes": [gone, gone]},
+        "reused-id": {"tool": "train.tools.profile", "processes": [{**me, "started": "1"}]},
+        "running": {"tool": "train.tools.profile", "processes": [me]},
+        "worker-running": {"tool": "train.tools.profile", "processes": [gone, me]},
+        "another-tool": {"tool": "something else", "processes": [gone]},
+        "no-processes": {"tool": "train.tools.profile", "processes": []},
+        "pid-zero": {"tool": "train.tools.profile", "processes": [{"pid": 0}]},
+        "pid-negative": {"tool": "train.tools.profile", "processes": [{"pid": -1}]},
+        "pid-text": {"tool": "train.tools.profile", "processes": [{"pid": "1"}]},
+        "not-a-dict": ["train.tools.profile"],
+    }
+    for name, record in records.items():
+        (tmp_path / f"jflash-profile-{name}").mkdir()
+        (tmp_path / f"jflash-profile-{name}" / "owner.json").write_text(json.dumps(record))
+        (tmp_path / f"jflash-profile-{name}" / "job.json").write_text("{}")
+    (tmp_path / "jflash-profile-no-record").mkdir()
+    (tmp_path / "jflash-profile-malformed").mkdir()
+    (tmp_path / "jflash-profile-malformed" / "owner.json").write_text("{not json")
+    (tmp_path / "jflash-profile-file").write_text(json.dumps(records["ended"]))
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "owner.json").write_text(json.dumps(records["ended"]))
+    (tmp_path / "jflash-profile-link").symlink_to(target)
+    (tmp_path / "other-ended").mkdir()
+    (tmp_path / "other-ended" / "owner.json").write_text(json.dumps(records["ended"]))
+    before = {p.name for p in tmp_path.iterdir()}
+
+    removed = profile.remove_stale_temp(str(tmp_path))
+    stale = ["ended", "ended-worker-too", "reused-id"]
+    assert sorted(removed) == sorted(str(tmp_path / f"jflash-profile-{n}") for n in stale)
+    assert {p.name for p in tmp_path.iterdir()} == before - {f"jflash-profile-{n}" for n in stale}
+    assert (target / "owner.json").exists()
+    assert profile.remove_stale_temp(str(tmp_path / "missing")) == []
 
 
 def test_ring_bench_longest_search():

@@ -22,7 +22,8 @@ raising); any other failure is an "error" row, and the report is still written.
 `report.json` is rewritten (whole) after every row, so a run stopped from outside keeps
 the rows it finished (`--report-only` then renders them); Ctrl-C, SIGTERM or SIGHUP ends
 the running child's process group and exits with one line naming it (a child also ends
-when the parent is killed outright). The report (`report.json`,
+when the parent is killed outright, and the next run removes the temporary folder that
+then stays: `remove_stale_temp`). The report (`report.json`,
 `report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
@@ -35,6 +36,7 @@ run with them on if that matters).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -627,13 +629,107 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# A worker's temporary folder: `<TMPDIR>/jflash-profile-*`, holding OWNER_FILE, which
+# names this tool and the processes that use the folder (the tool, then its worker).
+TEMP_PREFIX = "jflash-profile-"
+OWNER_FILE = "owner.json"
+OWNER_TOOL = "train.tools.profile"
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started (Linux: its start time in /proc, clock ticks since
+    boot), "zombie" for a process that has ended but is not reaped yet, None where
+    unknown (no such process, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return "zombie" if fields[0] == "Z" else fields[19]
+
+
+def _process(pid: int) -> dict:
+    """What names process `pid` in an OWNER_FILE: its id and its start time (`_started`),
+    so a later process given the same id is not taken for it."""
+    return {"pid": pid, "started": _started(pid)}
+
+
+def _runs(process) -> bool:
+    """Whether the process an OWNER_FILE names (`_process`) still runs; True where that
+    cannot be told (a record not of `_process`'s form, or no /proc and the id in use)."""
+    if not isinstance(process, dict):
+        return True
+    pid, started = process.get("pid"), process.get("started")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: in use
+        return True
+    now = _started(pid)
+    if now == "zombie":
+        return False
+    return started is None or now is None or now == started  # else: the id was reused
+
+
+def _write_owner(folder: str, pids: list[int]) -> None:
+    """Records in `folder` (whole, through a .tmp) that this tool and `pids` use it."""
+    owner = {"tool": OWNER_TOOL, "processes": [_process(pid) for pid in pids]}
+    path = os.path.join(folder, OWNER_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(owner, f)
+    os.replace(path + ".tmp", path)
+
+
+def remove_stale_temp(root: str | None = None) -> list[str]:
+    """Removes the temporary folders that runs of this tool left behind (a tool killed
+    outright, SIGKILL, cannot remove its worker's folder); the folders removed. Only a
+    folder that is provably one of them goes: under `root` (default: the temporary
+    directory, `$TMPDIR`), named `TEMP_PREFIX*`, a directory (not a link) this user
+    owns, holding an OWNER_FILE of this tool, every process of which has ended. Anything
+    else, and a folder that cannot be read or removed, is left as it is."""
+    import shutil
+
+    root = root or tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        try:
+            if not (
+                entry.name.startswith(TEMP_PREFIX)
+                and entry.is_dir(follow_symlinks=False)
+                and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+            ):
+                continue
+            with open(os.path.join(entry.path, OWNER_FILE)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(owner, dict) or owner.get("tool") != OWNER_TOOL:
+            continue
+        processes = owner.get("processes")
+        if not isinstance(processes, list) or not processes or any(map(_runs, processes)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            removed.append(entry.path)
+    return removed
+
+
 def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
     """Runs one worker (`--worker kind`) in its own process group; its result, or the
     row of a worker that failed. `what` names it in the line a Ctrl-C, SIGTERM or SIGHUP
     ends the parent with: the worker is ended first, never left running, and its
     temporary folder is removed (a worker whose parent is killed outright ends too:
-    `_die_with_parent`)."""
-    with tempfile.TemporaryDirectory(prefix="jflash-profile-") as tmp:
+    `_die_with_parent`; its folder, which names both in its OWNER_FILE, is removed by
+    the tool's next run, `remove_stale_temp`)."""
+    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as tmp:
+        _write_owner(tmp, [os.getpid()])
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
@@ -644,6 +740,8 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
             cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, env=env
         )
         try:
+            with contextlib.suppress(OSError):  # a failed write keeps the record above
+                _write_owner(tmp, [os.getpid(), proc.pid])
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
@@ -1202,6 +1300,7 @@ def main(argv: list[str] | None = None) -> None:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 previous[sig] = signal.signal(sig, _on_signal)
     try:
+        remove_stale_temp()  # what runs of this tool killed outright left behind
         if args.fill_xla_cost:
             _fill(parser, args.fill_xla_cost, args.timeout, command_line(argv))
         else:
