@@ -187,7 +187,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_no_tmp(tmp_path, monkeypatch)
     argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
     with pytest.raises(SystemExit) as e:
         capacity.main([*argv, "--max", "1k", "--out", str(out)])
-    assert str(e.value.code) == f"--out {out}: cannot write the result (No space left on device)"
+    assert e.value.code == f"error: --out: cannot write {out} (No space left on device)"
     assert out.read_text() == '{"earlier": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["capacity.json"]
 

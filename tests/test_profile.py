@@ -57,6 +57,38 @@ def test_gpu_trace_partitions_and_attribution():
     json.dumps(report.to_dict())
 
 
+def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
+    """`python -m train.tools.trace` with no trace: one line naming what is missing,
+    exit status 2 (not a silent 0); `--help` lists the flags; given a trace, the mean
+    per field, `–` and its reason where one is not measured; a path that holds no
+    trace: one line naming it."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "train.tools.trace"]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith("error: the following arguments are required: TRACE")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    with pytest.raises(SystemExit) as e:
+        trace.main(["--help"])
+    assert e.value.code == 0
+    assert "usage: python -m train.tools.trace" in capsys.readouterr().out
+    report = trace.main([GPU_TRACE])
+    out = capsys.readouterr().out
+    assert out.startswith("gpu, 2 device(s), steps 3, 4, program jit_train_step;")
+    assert f"  step (ms): {report.mean.step_ms:.4g}\n" in out
+    assert "  permute_bytes: –\n" in out
+    assert "– permute_bytes: needs the compiled HLO (collective-permute sizes)" in out
+    trace.main([GPU_TRACE, "--json"])
+    assert json.loads(capsys.readouterr().out)["steps"] == [3, 4]
+    with pytest.raises(SystemExit) as e:
+        trace.main([str(tmp_path)])
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: TRACE={str(tmp_path)!r}: no *.xplane.pb under {str(tmp_path)!r}\n"
+    )
+
+
 def test_mean_and_none_fields():
     b = trace.parse(GPU_TRACE).mean
     assert trace.mean([b, b]) == b
@@ -597,23 +629,51 @@ def test_profile_rows_record_the_ring_strategy(monkeypatch):
 
 
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):
-    """A local model's row is named by its directory's basename (the name is a path
-    under --out), made unique where two directories share one."""
-    from train.tools.profile import Job, model_labels
+    """A local model's row is named `local-` and its directory's basename (the name is a
+    path under --out), made unique where two directories share one; a directory named
+    as a preset is never named as the preset's rows are."""
+    from models.presets import PRESETS
+    from train.tools.profile import Job, labelled, model_labels
 
-    for sub in ("a/llama", "b/llama", "c/my model"):
+    for sub in ("a/llama", "b/llama", "c/my model", "d/llama3.2-1b", "e/tiny"):
         (tmp_path / sub).mkdir(parents=True)
-    a, b, spaced = (str(tmp_path / sub) for sub in ("a/llama", "b/llama", "c/my model"))
-    assert model_labels(["tiny", a, b, spaced, a]) == {
+    a, b, spaced, preset_named, tiny = (
+        str(tmp_path / sub)
+        for sub in ("a/llama", "b/llama", "c/my model", "d/llama3.2-1b", "e/tiny")
+    )
+    assert model_labels(["tiny", a, b, spaced, a, tiny]) == {
         "tiny": "tiny",
-        a: "llama",
-        b: "llama-2",
-        spaced: "my_model",
+        a: "local-llama",
+        b: "local-llama-2",
+        spaced: "local-my_model",
+        tiny: "local-tiny",
     }
-    # --append: a label the report's rows give another model is taken.
-    assert model_labels([b], {"llama": a}) == {b: "llama-2"}
+    # No preset's name starts as a local directory's label does.
+    assert not any("".join(filter(str.isalnum, key)).startswith("local") for key in PRESETS)
+    local = Job(model=preset_named, context=8192, mesh="seq=2", out="x")
+    assert local.name == "local-llama3.2-1b-8k-seq2"
+    assert Job(model="llama3.2-1b", context=8192, mesh="seq=2", out="x").name == (
+        "llama3.2-1b-8k-seq2"
+    )
+    # --append: a label the report's rows give another model is taken; the one they give
+    # this model is kept (its rows replace theirs).
+    assert model_labels([b], {"local-llama": a}) == {b: "local-llama-2"}
+    assert model_labels([a], {"local-llama": a}) == {a: "local-llama"}
     assert model_labels([a], {"llama": a}) == {a: "llama"}
-    assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "llama-256-seq2"
+    assert Job(model=a + "/", context=256, mesh="seq=2", out="x").name == "local-llama-256-seq2"
+
+    # No two rows of different models share a name: an appended report's row of another
+    # model (a report whose rows recorded no label, its directory since gone) keeps its
+    # name, and the new row takes another.
+    jobs = [Job(model=m, context=256, mesh="seq=2", out="x") for m in (a, "tiny")]
+    old = [
+        {"name": "local-llama-256-seq2", "model": "/gone/llama"},
+        {"name": "tiny-256-seq2", "model": "tiny", "label": "tiny"},
+    ]
+    assert [job.name for job in labelled(jobs, old)] == [
+        "local-llama-2-256-seq2",
+        "tiny-256-seq2",  # the same model's row: replaced
+    ]
 
 
 @pytest.mark.slow
@@ -637,8 +697,8 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     assert new and all(out in p.parents for p in new), [p for p in new if out not in p.parents]
     [row] = json.loads((out / "report.json").read_text())["rows"]
     assert row["status"] == "ok", row
-    assert row["name"] == "mine-256-seq2" and row["model"] == str(model_dir)
-    assert row["trace_dir"] == os.path.join("tensorboard", "mine-256-seq2")
+    assert row["name"] == "local-mine-256-seq2" and row["model"] == str(model_dir)
+    assert row["trace_dir"] == os.path.join("tensorboard", "local-mine-256-seq2")
     assert (out / row["trace_dir"] / "plugins" / "profile").is_dir()
     # Steps count from 1: step 1 is timed, step 2 traced (the trace's step number).
     assert row["trace"]["steps"] == [2]
@@ -838,6 +898,68 @@ def test_profile_killed_outright_takes_its_worker_along(tmp_path):
     proc, running = _stop_the_tool_in_a_row(tmp_path, "SIGKILL")
     assert proc.returncode == -9
     assert running == []
+    # Its worker's temporary folder stays, and names both processes; the tool's next
+    # run (here one refused at once) removes it, both having ended.
+    [left] = (tmp_path / "tmp").glob("jflash-profile-*")
+    owner = json.loads((left / "owner.json").read_text())
+    assert owner["tool"] == "train.tools.profile"
+    assert [p["pid"] for p in owner["processes"]][0] == proc.pid
+    assert len(owner["processes"]) == 2
+    env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path / "tmp"))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--models", "nosuch"]
+    cmd += ["--out", str(tmp_path / "again")]
+    again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "'nosuch' is neither a preset" in again.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process start times: /proc")
+def test_profile_removes_only_its_own_stale_temporary_folders(tmp_path):
+    """`remove_stale_temp` removes a `jflash-profile-*` folder only where its owner
+    record is this tool's and every process it names has ended (or its id now belongs
+    to a process started later); a folder of a running process, without a record, with
+    another tool's or a malformed record, a link, a file or another name stays."""
+    from train.tools import profile
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    me = profile._process(os.getpid())
+    gone = {"pid": ended.pid, "started": "1"}
+    records = {
+        "ended": {"tool": "train.tools.profile", "processes": [gone]},
+        "ended-worker-too": {"tool": "train.tools.profile", "processes": [gone, gone]},
+        "reused-id": {"tool": "train.tools.profile", "processes": [{**me, "started": "1"}]},
+        "running": {"tool": "train.tools.profile", "processes": [me]},
+        "worker-running": {"tool": "train.tools.profile", "processes": [gone, me]},
+        "another-tool": {"tool": "something else", "processes": [gone]},
+        "no-processes": {"tool": "train.tools.profile", "processes": []},
+        "pid-zero": {"tool": "train.tools.profile", "processes": [{"pid": 0}]},
+        "pid-negative": {"tool": "train.tools.profile", "processes": [{"pid": -1}]},
+        "pid-text": {"tool": "train.tools.profile", "processes": [{"pid": "1"}]},
+        "not-a-dict": ["train.tools.profile"],
+    }
+    for name, record in records.items():
+        (tmp_path / f"jflash-profile-{name}").mkdir()
+        (tmp_path / f"jflash-profile-{name}" / "owner.json").write_text(json.dumps(record))
+        (tmp_path / f"jflash-profile-{name}" / "job.json").write_text("{}")
+    (tmp_path / "jflash-profile-no-record").mkdir()
+    (tmp_path / "jflash-profile-malformed").mkdir()
+    (tmp_path / "jflash-profile-malformed" / "owner.json").write_text("{not json")
+    (tmp_path / "jflash-profile-file").write_text(json.dumps(records["ended"]))
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "owner.json").write_text(json.dumps(records["ended"]))
+    (tmp_path / "jflash-profile-link").symlink_to(target)
+    (tmp_path / "other-ended").mkdir()
+    (tmp_path / "other-ended" / "owner.json").write_text(json.dumps(records["ended"]))
+    before = {p.name for p in tmp_path.iterdir()}
+
+    removed = profile.remove_stale_temp(str(tmp_path))
+    stale = ["ended", "ended-worker-too", "reused-id"]
+    assert sorted(removed) == sorted(str(tmp_path / f"jflash-profile-{n}") for n in stale)
+    assert {p.name for p in tmp_path.iterdir()} == before - {f"jflash-profile-{n}" for n in stale}
+    assert (target / "owner.json").exists()
+    assert profile.remove_stale_temp(str(tmp_path / "missing")) == []
 
 
 def test_ring_bench_longest_search():
@@ -1178,6 +1300,94 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
 
 
+def _no_space_for_reports(monkeypatch):
+    """`os.replace` onto a report.json fails as a full disk does (other files move)."""
+    replace = os.replace
+
+    def no_space(src, dst):
+        if str(dst).endswith("report.json"):
+            raise OSError(28, "No space left on device")
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", no_space)
+
+
+def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """A report.json that cannot be written (a full disk) ends the tool with one line
+    naming the flag that chose the place and the file, not a traceback: `--out` for a
+    run's rows, `--fill-xla-cost` for the rows it fills; the earlier report.json stays
+    and no `.tmp` is left."""
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        if kind == "xla_cost":
+            return {"xla": {"flops": 1e9, "bytes": 1e8, "method": "test"}}
+        return {} if kind == "ceilings" else {"status": "error", "error": "failed"}
+
+    monkeypatch.setattr(profile, "_child", child)
+    _no_space_for_reports(monkeypatch)
+    out = tmp_path / "profile"
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--models", "tiny", "--context", "256", "--out", str(out)])
+    path = out / "report.json"
+    assert e.value.code == f"error: --out: cannot write {path} (No space left on device)"
+    assert list(out.iterdir()) == []
+
+    timed = tmp_path / "timed"
+    timed.mkdir()
+    report = _report([_report_row(256, xla=None, hbm_gbps=None, xla_cost=False)])
+    (timed / "report.json").write_text(json.dumps(report))
+    before = (timed / "report.json").read_text()
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--fill-xla-cost", str(timed)])
+    path = timed / "report.json"
+    assert e.value.code == f"error: --fill-xla-cost: cannot write {path} (No space left on device)"
+    assert path.read_text() == before
+    assert [p.name for p in timed.iterdir()] == ["report.json"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatch, capsys):
+    """`--fill-xla-cost DIR` records in each row it fills (`xla.filled` in report.json)
+    the command, the date and the device it compiled on, and the report says in its
+    header, and where the columns are defined, which rows' XLA columns were filled in
+    afterwards; a row timed with its XLA cost is not named."""
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "TPU v9"}
+        assert kind == "xla_cost", kind
+        return {"xla": {"flops": 2e9, "bytes": 5e8, "method": "test"}}
+
+    monkeypatch.setattr(profile, "_child", child)
+    rows = [
+        _report_row(256, name="tiny-256", xla=None, hbm_gbps=None, xla_cost=False),
+        _report_row(512, name="tiny-512"),
+    ]
+    (tmp_path / "report.json").write_text(json.dumps(_report(rows)))
+    before = report_lib.markdown(_report(rows))
+    assert "filled in afterwards" not in before
+    profile.main(["--fill-xla-cost", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    filled = report["rows"][0]["xla"]["filled"]
+    command = f"python -m train.tools.profile --fill-xla-cost {tmp_path}"
+    assert filled["command"] == command and filled["device"] == "TPU v9"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", filled["date"]), filled
+    assert "filled" not in report["rows"][1]["xla"]
+    md = (tmp_path / "report.md").read_text()
+    header = md.split("\n\n")[1]
+    assert header.endswith(
+        f"HBM GB/s, HBM % of copy and step FLOP/B filled in afterwards, on {filled['date']} "
+        f"by `{command}` (compiled on TPU v9, not run), for row tiny-256."
+    ), header
+    assert "in rows filled in afterwards, as the header says, the bytes of a later" in md
+    assert "Step: model FLOPs ÷ XLA's bytes (filled in afterwards in the rows the" in md
+    capsys.readouterr()
+
+
 def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
     """`--report-only DIR` re-renders DIR/report.json and says where, in one line."""
     from train.tools.profile import main
@@ -1290,6 +1500,59 @@ def test_report_says_why_xla_cost_columns_are_missing():
     assert "- `–` HBM" not in md and "- `–` step" not in md and "XLA cost" not in md
     md = report_lib.markdown({**report, "rows": [analysed], "ceilings": {}})
     assert "- `–` HBM % of copy: no copy bandwidth measured (tiny-1024)" in md
+
+
+def test_report_says_where_a_point_is_above_its_measured_roof(tmp_path):
+    """A roofline point above the measured roof at its intensity (a matmul at 619.9
+    TFLOP/s under a 616 TFLOP/s matmul ceiling, a step above the copy bandwidth's line)
+    is said under the intensity table, with the rows and why a measured point can be
+    there, and ringed in the plot; points under their roof are not named."""
+    import matplotlib.pyplot as plt
+
+    def row(context, matmul_tflops, step=None):
+        point = {"flops": 1e12, "bytes": 1e9, "intensity": 1000.0, "tflops": matmul_tflops}
+        return _report_row(
+            context,
+            name=f"tiny-{context}",
+            intensity={"step": step, "attention": None, "matmul": point},
+        )
+
+    ceilings = {
+        "matmul_tflops": 615.86,
+        "copy_gbps": 3000.0,
+        "matmul_label": "bfloat16 matmul 8192^3 (gpu: NVIDIA H200)",
+        "copy_label": "copy of 1024 MiB, read + write (gpu: NVIDIA H200)",
+    }
+    below = _report([row(256, 575.0), row(512, 606.9)])
+    below["ceilings"] = ceilings
+    assert "Above the measured" not in report_lib.markdown(below)
+    assert report_lib.above_roof(below["rows"], ceilings) == []
+
+    # 30 FLOP/B under 3000 GB/s: a roof of 90 TFLOP/s.
+    step = {"flops": 3e12, "bytes": 1e11, "intensity": 30.0, "tflops": 95.0}
+    report = _report([row(256, 575.0), row(1024, 619.9), row(2048, 620.5, step=step)])
+    report["ceilings"] = ceilings
+    md = report_lib.markdown(report)
+    intensity = md.split("## Arithmetic intensity")[1].split("## Ceilings")[0]
+    assert (
+        "- Above the measured matmul roof: matmul TFLOP/s 619.9 > 615.9 (tiny-1024); "
+        "620.5 > 615.9 (tiny-2048). That roof is the median rate of one matmul timed at "
+        "startup (bfloat16 matmul 8192^3 (gpu: NVIDIA H200)), not the device's limit, and "
+        "each point is a measurement too (analytic FLOPs over the traced matmul kernels' "
+        "time)"
+    ) in intensity
+    assert (
+        "- Above the measured copy roof: step TFLOP/s 95 > 90 (tiny-2048). That roof is the "
+        "point's intensity × the copy bandwidth measured at startup"
+    ) in intensity
+    assert "(tiny-256)" not in intensity
+
+    fig, ax = plt.subplots()
+    rows = report_lib._ok(report)
+    report_lib._roofline()([ax], rows, report)
+    [ring] = [line for line in ax.get_lines() if line.get_label() == report_lib.ABOVE_ROOF]
+    assert sorted(ring.get_ydata()) == [95.0, 619.9, 620.5]
+    plt.close(fig)
 
 
 def test_report_says_why_ring_bandwidth_is_missing():

@@ -3,6 +3,8 @@
 - `profile`: forward/backward/recompute/communication time, bandwidth and memory per
   model and context, from `jax.profiler` traces (with `trace`, `hlo`, `roofline`,
   `report`);
+- `trace`: one `jax.profiler` trace's time per phase, kernel class and communication
+  (the trainer's `--profile_steps` traces, or a profile row's);
 - `capacity`: the longest context a training step fits in, compiled, nothing run;
 - `gradcheck`: one step's gradients under several layouts, per parameter.
 

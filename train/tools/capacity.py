@@ -38,7 +38,6 @@ remat policy of its train_config.yaml) as a star.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -47,6 +46,7 @@ from collections.abc import Callable
 
 from models.config import REMAT_POLICIES
 from train.oom import is_oom
+from train.tools.jsonfile import write_json
 
 
 def search_longest(
@@ -362,23 +362,6 @@ def out_error(out: str, what: str = "the report") -> str | None:
     return None
 
 
-def write_json(data, out: str) -> None:
-    """`data` into `out` through `out.tmp`, replaced whole: `out` is either the earlier
-    file or the new one, and no `.tmp` is left behind; one line naming `out` if it
-    cannot be written."""
-    tmp = f"{out}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, out)
-    except OSError as e:
-        raise SystemExit(f"--out {out}: cannot write the result ({e.strerror or e})") from None
-    finally:
-        if os.path.lexists(tmp) and not os.path.isdir(tmp):
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.tools.capacity",
@@ -498,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
             "rows": rows,
         }
         if args.out:
-            write_json(result, args.out)
+            write_json(args.out, result, "--out")
         return result
 
     rows = []

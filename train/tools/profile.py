@@ -14,15 +14,16 @@ For each model x context x mesh, one child process builds the trainer exactly as
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
-(`<model>`: a preset's name, or a local model directory's basename, made unique; the
-report shows the model as given).
+(`<model>`: a preset's name, or `local-` and a local model directory's basename, made
+unique; the report shows the model as given).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
 `report.json` is rewritten (whole) after every row, so a run stopped from outside keeps
 the rows it finished (`--report-only` then renders them); Ctrl-C, SIGTERM or SIGHUP ends
 the running child's process group and exits with one line naming it (a child also ends
-when the parent is killed outright). The report (`report.json`,
+when the parent is killed outright, and the next run removes the temporary folder that
+then stays: `remove_stale_temp`). The report (`report.json`,
 `report.md`, PNG plots) is written by `train.tools.report`.
 
 Command buffers: with them on (XLA's default on GPU) a trace shows CUDA graphs, not
@@ -35,6 +36,7 @@ run with them on if that matters).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,6 +51,7 @@ import time
 from models.config import REMAT_POLICIES
 from models.presets import PRESETS, preset
 from train.oom import is_oom
+from train.tools.jsonfile import write_json
 
 # jax (and everything that imports it) is imported inside the functions that run in a
 # child process: the parent never initialises a backend, so each child can set its own
@@ -118,27 +121,61 @@ class Job:
         }
 
 
+# Before a local model directory's basename in its rows' names: no preset's name starts
+# with it, so `local-llama3.2-1b-8k-seq2` is never taken for the preset's row.
+LOCAL_LABEL = "local-"
+
+
 def model_label(model: str) -> str:
-    """`model` as one file name: a local directory's basename, or a preset's name, with
-    anything but letters, digits, `.`, `_` and `-` replaced by `_`."""
-    name = os.path.basename(os.path.abspath(model)) if os.path.isdir(model) else model
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", name)
-    return "model" if name in ("", ".", "..") else name
+    """`model` as one file name: a preset's name, or `LOCAL_LABEL` and a local
+    directory's basename, with anything but letters, digits, `.`, `_` and `-` replaced
+    by `_`."""
+    if not os.path.isdir(model):
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", model)
+        return "model" if name in ("", ".", "..") else name
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.abspath(model)))
+    return LOCAL_LABEL + (name or "model")
 
 
-def model_labels(models: list[str], taken: dict[str, str] | None = None) -> dict[str, str]:
-    """Each model's `model_label`, made unique with `-2`, `-3`, ... where two models
-    share one. `taken`: labels already in use (label -> model), e.g. an appended
-    report's rows."""
+def model_labels(models: list[str], taken: dict[str, str | None] | None = None) -> dict[str, str]:
+    """Each model's label in its rows' names: the one `taken` gives it, else its
+    `model_label`, made unique with `-2`, `-3`, ... where two models share one.
+    `taken`: labels already in use (label -> model; None: by no model that may have it),
+    e.g. an appended report's rows."""
     used = dict(taken or {})
+    given = {model: label for label, model in used.items() if model is not None}
     labels: dict[str, str] = {}
     for model in models:
+        if model in given:
+            labels[model] = given[model]
+            continue
         base = label = model_label(model)
         count = 2
         while used.get(label, model) != model:
             label, count = f"{base}-{count}", count + 1
         used[label], labels[model] = model, label
     return labels
+
+
+def labelled(jobs: list[Job], old_rows: list[dict]) -> list[Job]:
+    """`jobs` with their models' labels (`model_labels`): the ones `old_rows` (an
+    appended report's) give their models, else new ones; no job shares its name with a
+    job or old row of another model (an old row of the same name and model is the row
+    it replaces)."""
+    taken: dict[str, str | None] = {
+        r.get("label") or model_label(r["model"]): r["model"] for r in old_rows if "model" in r
+    }
+    models = list(dict.fromkeys(job.model for job in jobs))
+    while True:
+        labels = model_labels(models, taken)
+        named = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+        owners = {r["name"]: r.get("model") for r in old_rows if "name" in r}
+        clashes = [
+            job.label for job in named if owners.setdefault(job.name, job.model) != job.model
+        ]
+        if not clashes:
+            return named
+        taken.update(dict.fromkeys(clashes))  # no model takes these labels again
 
 
 def parse_context(text: str) -> int:
@@ -592,13 +629,107 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# A worker's temporary folder: `<TMPDIR>/jflash-profile-*`, holding OWNER_FILE, which
+# names this tool and the processes that use the folder (the tool, then its worker).
+TEMP_PREFIX = "jflash-profile-"
+OWNER_FILE = "owner.json"
+OWNER_TOOL = "train.tools.profile"
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started (Linux: its start time in /proc, clock ticks since
+    boot), "zombie" for a process that has ended but is not reaped yet, None where
+    unknown (no such process, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return "zombie" if fields[0] == "Z" else fields[19]
+
+
+def _process(pid: int) -> dict:
+    """What names process `pid` in an OWNER_FILE: its id and its start time (`_started`),
+    so a later process given the same id is not taken for it."""
+    return {"pid": pid, "started": _started(pid)}
+
+
+def _runs(process) -> bool:
+    """Whether the process an OWNER_FILE names (`_process`) still runs; True where that
+    cannot be told (a record not of `_process`'s form, or no /proc and the id in use)."""
+    if not isinstance(process, dict):
+        return True
+    pid, started = process.get("pid"), process.get("started")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: in use
+        return True
+    now = _started(pid)
+    if now == "zombie":
+        return False
+    return started is None or now is None or now == started  # else: the id was reused
+
+
+def _write_owner(folder: str, pids: list[int]) -> None:
+    """Records in `folder` (whole, through a .tmp) that this tool and `pids` use it."""
+    owner = {"tool": OWNER_TOOL, "processes": [_process(pid) for pid in pids]}
+    path = os.path.join(folder, OWNER_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(owner, f)
+    os.replace(path + ".tmp", path)
+
+
+def remove_stale_temp(root: str | None = None) -> list[str]:
+    """Removes the temporary folders that runs of this tool left behind (a tool killed
+    outright, SIGKILL, cannot remove its worker's folder); the folders removed. Only a
+    folder that is provably one of them goes: under `root` (default: the temporary
+    directory, `$TMPDIR`), named `TEMP_PREFIX*`, a directory (not a link) this user
+    owns, holding an OWNER_FILE of this tool, every process of which has ended. Anything
+    else, and a folder that cannot be read or removed, is left as it is."""
+    import shutil
+
+    root = root or tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        try:
+            if not (
+                entry.name.startswith(TEMP_PREFIX)
+                and entry.is_dir(follow_symlinks=False)
+                and entry.stat(follow_symlinks=False).st_uid == os.getuid()
+            ):
+                continue
+            with open(os.path.join(entry.path, OWNER_FILE)) as f:
+                owner = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(owner, dict) or owner.get("tool") != OWNER_TOOL:
+            continue
+        processes = owner.get("processes")
+        if not isinstance(processes, list) or not processes or any(map(_runs, processes)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        if not os.path.lexists(entry.path):
+            removed.append(entry.path)
+    return removed
+
+
 def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
     """Runs one worker (`--worker kind`) in its own process group; its result, or the
     row of a worker that failed. `what` names it in the line a Ctrl-C, SIGTERM or SIGHUP
     ends the parent with: the worker is ended first, never left running, and its
     temporary folder is removed (a worker whose parent is killed outright ends too:
-    `_die_with_parent`)."""
-    with tempfile.TemporaryDirectory(prefix="jflash-profile-") as tmp:
+    `_die_with_parent`; its folder, which names both in its OWNER_FILE, is removed by
+    the tool's next run, `remove_stale_temp`)."""
+    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as tmp:
+        _write_owner(tmp, [os.getpid()])
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(payload, f)
@@ -609,6 +740,8 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
             cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True, env=env
         )
         try:
+            with contextlib.suppress(OSError):  # a failed write keeps the record above
+                _write_owner(tmp, [os.getpid(), proc.pid])
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
@@ -631,13 +764,6 @@ def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
     if os.path.exists(report_path):
         return f"{how}: {ended}; {report_path} holds the rows finished before"
     return f"{how}: {ended}; no row had finished"
-
-
-def write_json(path: str, data: dict) -> None:
-    """`data` into `path`, whole or not at all (a stopped run keeps the previous file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
 
 
 def _worker(kind: str, job_path: str, out_path: str) -> None:
@@ -687,9 +813,11 @@ def mesh_error(mesh: str, available: int | None = None) -> str | None:
     return None
 
 
-def fill_xla_cost(out: str, report: dict, timeout: float) -> None:
+def fill_xla_cost(out: str, report: dict, timeout: float, filled: dict) -> None:
     """`--fill-xla-cost`: XLA's cost for every timed row of `report` (`out`'s
-    report.json) without it, one child each."""
+    report.json) without it, one child each. `filled` (`command`, `date`, `device`: how,
+    when and where the cost was computed) goes into each row's `xla` as `filled`: its
+    HBM GB/s and step intensity were filled in after the row was timed."""
     from train.tools import report as report_lib
 
     path = os.path.join(out, "report.json")
@@ -712,10 +840,12 @@ def fill_xla_cost(out: str, report: dict, timeout: float) -> None:
             first = str(result.get("error", result)).split("\n")[0]
             print(f"  failed: {first}", file=sys.stderr, flush=True)
             continue
-        _with_xla(row, result["xla"])
+        xla = result["xla"] and {**result["xla"], "filled": filled}
+        _with_xla(row, xla)
         if row.get("hbm_gbps") is not None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
-        write_json(path, report)  # a run stopped from outside keeps the rows it filled
+        # a run stopped from outside keeps the rows it filled
+        write_json(path, report, "--fill-xla-cost")
     report_lib.render(report, out)
     print(f"wrote {os.path.join(out, 'report.md')}")
 
@@ -904,18 +1034,24 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
     print(f"wrote {os.path.join(directory, 'report.md')}")
 
 
-def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float) -> None:
-    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build."""
+def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, command: str) -> None:
+    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build.
+    `command`: the command line, recorded in the rows it fills."""
     try:
         report = read_report(os.path.join(directory, "report.json"))
         todo = rows_without_xla(report)
-        available = this_machine(timeout)["device_count"] if todo else None
+        machine = this_machine(timeout) if todo else {}
     except ValueError as e:
         parser.error(f"--fill-xla-cost: {e}")
     for row in todo:
-        if error := mesh_error(row["mesh"], available):
+        if error := mesh_error(row["mesh"], machine["device_count"]):
             parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
-    fill_xla_cost(directory, report, timeout)
+    filled = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": machine.get("device_kind"),
+    }
+    fill_xla_cost(directory, report, timeout, filled)
 
 
 def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job]:
@@ -1068,19 +1204,21 @@ def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
     return row
 
 
+def command_line(argv: list[str] | None) -> str:
+    """The tool's command line, as report.json records it."""
+    return " ".join(["python -m train.tools.profile", *(sys.argv[1:] if argv is None else argv)])
+
+
 def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) -> None:
     """The rows, one child each, then the report."""
     from train.tools import report as report_lib
 
     jobs = _jobs(parser, args)
     old = _old_report(parser, args, jobs)
-    # The rows' file names under --out: one label per model (a local directory's
-    # basename, not its path), distinct from the appended report's other models'.
-    taken = {
-        r.get("label") or model_label(r["model"]): r["model"] for r in old["rows"] if "model" in r
-    }
-    labels = model_labels(list(dict.fromkeys(j.model for j in jobs)), taken)
-    jobs = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
+    # The rows' file names under --out: one label per model (a preset's name, or
+    # `local-` and a local directory's basename), distinct from the appended report's
+    # other models'.
+    jobs = labelled(jobs, old["rows"])
     # A row asked for twice would run twice into one name (its trace folder, its row).
     names = [job.name for job in jobs]
     if twice := next((name for name in names if names.count(name) > 1), None):
@@ -1107,8 +1245,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
             file=sys.stderr,
             flush=True,
         )
-    args_text = " ".join(argv if argv is not None else sys.argv[1:])
-    command = "python -m train.tools.profile " + args_text
+    command = command_line(argv)
     import jax  # only its version: the parent never starts a backend
 
     run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
@@ -1127,7 +1264,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
             "ceilings": ceilings,
             "rows": kept + rows,
         }
-        write_json(path, report)
+        write_json(path, report, "--out")
         return report
 
     rows: list[dict] = []
@@ -1163,8 +1300,9 @@ def main(argv: list[str] | None = None) -> None:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 previous[sig] = signal.signal(sig, _on_signal)
     try:
+        remove_stale_temp()  # what runs of this tool killed outright left behind
         if args.fill_xla_cost:
-            _fill(parser, args.fill_xla_cost, args.timeout)
+            _fill(parser, args.fill_xla_cost, args.timeout, command_line(argv))
         else:
             _profile(parser, args, argv)
     except KeyboardInterrupt as e:

@@ -128,12 +128,101 @@ def xla_cost_reason(row: dict) -> str | None:
     return "no XLA cost recorded (timed with --no-xla-cost, or the analysis had no bytes)"
 
 
+XLA_COLUMNS = "HBM GB/s, HBM % of copy and step FLOP/B"  # the columns of XLA's bytes
+
+
+def filled_text(ok: list[dict]) -> str:
+    """The sentences saying which rows' XLA bytes (`XLA_COLUMNS`) were filled in after
+    they were timed (`--fill-xla-cost`: `xla.filled` in report.json), by which command,
+    when and on which device; empty where none were."""
+    fills: dict[tuple, list[str]] = {}
+    for r in ok:
+        filled = (r.get("xla") or {}).get("filled")
+        if filled:
+            key = (filled.get("command"), filled.get("date"), filled.get("device"))
+            fills.setdefault(key, []).append(r["name"])
+    return " ".join(
+        f"{XLA_COLUMNS} filled in afterwards, on {date or '?'} by `{command or '?'}` "
+        f"(compiled on {device or 'an unrecorded device'}, not run), for "
+        f"{'row' if len(names) == 1 else 'rows'} {', '.join(names)}."
+        for (command, date, device), names in fills.items()
+    )
+
+
 def xla_cost_notes(ok: list[dict], columns: str) -> list[str]:
     """One line per reason the `columns` that need XLA's bytes are `–`, naming the
     rows; none where every row has them."""
     return dash_notes(
         (f"{columns}: {reason}", r["name"]) for r in ok if (reason := xla_cost_reason(r))
     )
+
+
+def roof(intensity: float, ceil: dict) -> tuple[float, str] | None:
+    """The measured roof at `intensity` FLOP/byte, in TFLOP/s, and which ceiling it is
+    (`matmul`, or `copy`: `intensity` × the copy bandwidth), the lower of the two; None
+    where no ceiling was measured."""
+    roofs = []
+    if ceil.get("matmul_tflops"):
+        roofs.append((ceil["matmul_tflops"], "matmul"))
+    if ceil.get("copy_gbps"):
+        roofs.append((intensity * ceil["copy_gbps"] / 1e3, "copy"))
+    return min(roofs) if roofs else None
+
+
+def above_roof(ok: list[dict], ceil: dict) -> list[tuple[dict, str, dict, float, str]]:
+    """The roofline's points (row, kind, point) that lie above the measured roof at their
+    intensity, each with that roof (`roof`)."""
+    found = []
+    for r in ok:
+        for kind, p in (r.get("intensity") or {}).items():
+            if not (p and p.get("tflops") and p.get("intensity")):
+                continue
+            top = roof(p["intensity"], ceil)
+            if top and p["tflops"] > top[0]:
+                found.append((r, kind, p, *top))
+    return found
+
+
+# What each roofline point's two coordinates are measured from.
+POINT_RATE = {
+    "step": "model FLOPs over the timed step",
+    "attention": "analytic FLOPs over the traced attention kernels' time",
+    "matmul": "analytic FLOPs over the traced matmul kernels' time",
+}
+POINT_BYTES = {
+    "step": "XLA's bytes accessed, some of which caches can serve",
+    "attention": "compulsory bytes, each operand read once",
+    "matmul": "compulsory bytes, each operand read once",
+}
+
+
+def roof_notes(ok: list[dict], ceil: dict) -> list[str]:
+    """One line per kind of point and roof where points lie above the measured roof,
+    with their rates and rows, and why a measured point can: none where none does."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r, kind, p, top, which in above_roof(ok, ceil):
+        text = f"{_fmt(p['tflops'])} > {_fmt(top)} ({r['name']})"
+        groups.setdefault((kind, which), []).append(text)
+    lines = []
+    for (kind, which), points in groups.items():
+        if which == "matmul":
+            why = (
+                f"That roof is the median rate of one matmul timed at startup "
+                f"({ceil.get('matmul_label', 'the matmul ceiling')}), not the device's "
+                f"limit, and each point is a measurement too ({POINT_RATE[kind]}): a point "
+                "a few percent above it ran about as fast as that matmul."
+            )
+        else:
+            why = (
+                "That roof is the point's intensity × the copy bandwidth measured at "
+                f"startup ({ceil.get('copy_label', 'the copy ceiling')}), not the memory's "
+                f"limit, and the bytes behind the intensity are counted ({POINT_BYTES[kind]}), "
+                "not measured traffic."
+            )
+        lines.append(
+            f"- Above the measured {which} roof: {kind} TFLOP/s {'; '.join(points)}. {why}"
+        )
+    return lines
 
 
 def ring_notes(ok: list[dict]) -> list[str]:
@@ -358,11 +447,12 @@ def markdown(report: dict) -> str:
     strategy = per_row(
         report, ok or rows, "ring_strategy", lambda s: f"`--ring_strategy {s or 'ring'}`"
     )
+    filled = filled_text(ok)
     lines = [
         "# Training profile",
         "",
         f"{report['date']}, {jax_version}, device: {device}. {_commands(report)} "
-        f"XLA_FLAGS: {flags}.",
+        f"XLA_FLAGS: {flags}." + (f" {filled}" if filled else ""),
         "",
         f"Steps, counted from 1 in each row's run as the trainer's step lines count: "
         f"{steps}. Compile excluded, "
@@ -422,7 +512,14 @@ def markdown(report: dict) -> str:
         "Latency, tokens/s, TFLOP/s and MFU: the timed steps (`block_until_ready` around "
         "them), none of the traced steps (slower under the profiler: not timed; their time "
         "is the `traced step` above). HBM GB/s: bytes per XLA's cost analysis ÷ timed "
-        "step (see `xla.method` in report.json); HBM % of copy: that ÷ the measured copy "
+        "step (see `xla.method` in report.json"
+        + (
+            "; in rows filled in afterwards, as the header says, the bytes of a later "
+            "compile (`xla.filled`) ÷ the step timed in the row's own run"
+            if filled
+            else ""
+        )
+        + "); HBM % of copy: that ÷ the measured copy "
         "bandwidth, over 100% where caches serve some of the counted bytes (small steps, "
         "CPU). Ring GB/s: bytes of "
         "the collective-permutes (K/V and dK/dV transfers) ÷ the time they run, per "
@@ -553,7 +650,9 @@ def markdown(report: dict) -> str:
     )
     lines += ["## Arithmetic intensity (FLOP/byte) and achieved TFLOP/s per device", ""]
     lines += [
-        "Step: model FLOPs ÷ XLA's bytes. Attention and matmuls: analytic FLOPs ÷ "
+        "Step: model FLOPs ÷ XLA's bytes"
+        + (" (filled in afterwards in the rows the header names)" if filled else "")
+        + ". Attention and matmuls: analytic FLOPs ÷ "
         "compulsory bytes (`train.tools.roofline`), achieved rate over the traced kernel time.",
         "",
     ]
@@ -586,7 +685,7 @@ def markdown(report: dict) -> str:
             for r in ok
         ],
     )
-    if notes := xla_cost_notes(ok, "step FLOP/B"):
+    if notes := xla_cost_notes(ok, "step FLOP/B") + roof_notes(ok, ceil):
         lines += [*notes, ""]
     if ceil.get("matmul_tflops"):
         lines += [
@@ -846,6 +945,7 @@ def _stacked(parts: tuple[str, ...]):
 
 
 POINT_LABEL = "point-label"  # the gid of a roofline point's context label
+ABOVE_ROOF = "above the measured roof (report.md says why)"  # the ring's legend entry
 LABEL_FONT = 7
 
 
@@ -894,6 +994,17 @@ def _roofline():
                         arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4", "shrinkB": 4},
                     )
             ax.plot([], [], "o", color=f"C{i}", label=label)
+        if above := above_roof(rows, ceil):  # ringed, and report.md says why
+            ax.plot(
+                [p["intensity"] for _, _, p, _, _ in above],
+                [p["tflops"] for _, _, p, _, _ in above],
+                "o",
+                ms=13,
+                mfc="none",
+                mec="red",
+                mew=1.2,
+                label=ABOVE_ROOF,
+            )
         drawn = {kind for _, kind, _ in points}
         for kind, m in markers.items():
             if kind in drawn:  # no legend entry for a kind without points (the step
@@ -914,7 +1025,7 @@ def _roofline():
 def _roofline_width(rows: list[dict]) -> float:
     """Inches the roofline needs: its axes and, beside them, the legend's longest entry."""
     ceilings = len("ceilings: 1e+03 TFLOP/s, 4.8e+03 GB/s (ridge 200 FLOP/B)")
-    longest = max([ceilings, *(len(label) for label in _series(rows))])
+    longest = max([ceilings, len(ABOVE_ROOF), *(len(label) for label in _series(rows))])
     return 6.5 + longest * LABEL_FONT * CHAR_IN_PER_PT + 0.6
 
 

@@ -1,5 +1,7 @@
 """Where a training step's device time goes, read from a `jax.profiler` trace.
 
+    python -m train.tools.trace runs/x/tensorboard [--hlo step.hlo.txt] [--json]
+
 Input: the `.xplane.pb` that `jax.profiler` writes (TensorBoard's
 `plugins/profile/<run>/<host>.xplane.pb`), read with `jax.profiler.ProfileData`.
 
@@ -748,3 +750,83 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
         named_fraction=named_fraction,
         not_measured=not_measured,
     )
+
+
+# ----------------------------------------------------------------------------------
+# Command line
+
+
+def summary(report: TraceReport) -> str:
+    """`report` as text: what was read, the mean over devices and steps per field (ms,
+    `–` where not measured), and why each `–` is one."""
+    steps = ", ".join(str(s) for s in report.steps if s is not None)
+    windows = f"steps {steps}" if report.windows == "steps" else "the whole trace"
+    lines = [
+        f"{report.platform}, {len(report.devices)} device(s), {windows}, program "
+        f"{report.module}; per device and step (the mean over devices and steps):"
+    ]
+    for field in dataclasses.fields(Breakdown):
+        value = getattr(report.mean, field.name)
+        text = "–" if value is None else f"{value:.4g}"
+        name = (
+            f"{field.name.removesuffix('_ms')} (ms)" if field.name.endswith("_ms") else field.name
+        )
+        lines.append(f"  {name}: {text}")
+    lines.append(f"  phase share named: {report.named_fraction:.0%}")
+    lines += [f"– {field}: {why}" for field, why in report.not_measured.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> TraceReport:
+    """`python -m train.tools.trace TRACE [--hlo FILE] [--step-name NAME] [--json]`."""
+    import json
+
+    from train.config import OneLineParser  # errors in one line, as the trainer's
+
+    p = OneLineParser(
+        prog="python -m train.tools.trace",
+        description="Where a training step's device time goes, read from a jax.profiler "
+        "trace: forward, backward, recompute, update and idle, kernel classes and "
+        "communication, per device and step (the profile tool's attribution).",
+    )
+    p.add_argument(
+        "trace",
+        metavar="TRACE",
+        help="an .xplane.pb (or .xplane.pb.gz), or a directory holding one: the newest "
+        "under it is read (`python -m train --profile_steps` writes them under "
+        "<output_dir>/tensorboard)",
+    )
+    p.add_argument(
+        "--hlo",
+        metavar="FILE",
+        help="the step's compiled HLO text (`compiled.as_text()`): name stacks for CPU "
+        "thunks (the phases) and the ring's bytes",
+    )
+    p.add_argument(
+        "--step-name",
+        default="train",
+        help="the StepTraceAnnotation that cuts steps (default: %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print the whole attribution as JSON")
+    args = p.parse_args(argv)
+    hlo = None
+    if args.hlo:
+        from train.tools.hlo import parse_hlo
+
+        try:
+            with open(args.hlo) as f:
+                hlo = parse_hlo(f.read())
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--hlo={args.hlo!r} cannot be read ({getattr(e, 'strerror', None) or e})")
+    try:
+        report = parse(args.trace, hlo=hlo, step_name=args.step_name)
+    except FileNotFoundError as e:
+        p.error(f"TRACE={args.trace!r}: {e}")
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps(report.to_dict(), indent=1) if args.json else summary(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
