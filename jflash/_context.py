@@ -438,7 +438,8 @@ def ring_attention(
         span nodes).
       segment_ids: `[B, T]` int ids in the same layout order as q (packed documents;
         attention stays inside equal ids, across shard boundaries too), or a
-        `(q_ids, kv_ids)` pair.
+        `(q_ids, kv_ids)` pair. One array is relabelled along the whole sequence,
+        as `ring_attention_shard` relabels one.
       scale: logit scale, default `H ** -0.5`.
       return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
       batch_axes: mesh axes that split the batch. Default: on Auto axes, every other
@@ -481,6 +482,10 @@ def ring_attention(
     if degree > 1:
         check_heads(shapes.q_heads, degree, names[-1])
     segs = check_segment_ids(segment_ids, shapes)
+    if is_self_ids(segment_ids):
+        # One array goes to every shard as one array, which relabels it along the
+        # whole sequence (a pair goes as given).
+        segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
@@ -542,9 +547,11 @@ def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options, check_vma):
         return ring_attention_shard(q, k, v, segment_ids=segs, return_lse=True, **options)
 
     q, k, v = _to_spec((q, k, v), mesh, qkv_spec)
-    if segs is not None:
-        segs = _to_spec(segs, mesh, seg_spec)
-    seg_specs = None if segs is None else (seg_spec, seg_spec)
+    if segs is not None:  # one id array, or a (q ids, kv ids) pair
+        pair = isinstance(segs, tuple)
+        segs = _to_spec(segs if pair else (segs,), mesh, seg_spec)
+        segs = segs if pair else segs[0]
+    seg_specs = jax.tree.map(lambda _: seg_spec, segs)
     return jax.shard_map(
         body,
         mesh=mesh,

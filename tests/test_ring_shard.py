@@ -498,6 +498,44 @@ def test_global_ring_attention_with_documents():
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
 
 
+@pytest.mark.parametrize("strategy", jflash.STRATEGIES)
+def test_global_ring_attention_relabels_one_id_array(strategy, monkeypatch):
+    """One id array given to `jflash.ring_attention`, its documents labelled out of
+    order, reaches every kernel as sorted ids (relabelled along the whole sequence, as
+    the per-shard form relabels it), and the answer is the oracle's."""
+    from jflash import _dispatch
+
+    seen = []
+
+    def spy(*args, segs, **kwargs):
+        if segs is not None:
+            jax.debug.callback(lambda *ids: seen.extend(np.asarray(i) for i in ids), *segs)
+        return xla_fwd(*args, segs=segs, **kwargs)
+
+    xla_fwd = _dispatch.xla_fwd
+    monkeypatch.setattr(_dispatch, "xla_fwd", spy)
+    hybrid = strategy == "hybrid"
+    case = Case(num_shards=2, a2a=2 if hybrid else 1, strategy=strategy, documents=6)
+    case = dataclasses.replace(case, labels="permuted")
+    mesh = _mesh(case)
+    q, k, v, segs, _, _ = _inputs(case)
+    assert not np.all(np.diff(np.asarray(segs), axis=1) >= 0)
+    p, seq_axis = case.num_shards, ("seq", "a2a") if hybrid else "seq"
+    zq, zk, zv, zs = (jflash.zigzag(x, p, axis=1) for x in (q, k, v, segs))
+    with jax.set_mesh(mesh):
+        out = jflash.ring_attention(
+            zq, zk, zv, mesh=mesh, seq_axis=seq_axis, causal=True, segment_ids=zs,
+            strategy=strategy, implementation="xla",
+        )  # fmt: skip
+        out = jax.block_until_ready(jflash.unzigzag(out, p, axis=1))
+    assert seen
+    for ids in seen:
+        assert np.all(np.diff(ids, axis=1) >= 0), ids
+    want, _ = jflash.attention_reference(q, k, v, causal=True, segment_ids=segs)
+    tol = TOLERANCE[jnp.float32]["out"]
+    np.testing.assert_allclose(out, want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_one_shard_runs_the_single_device_kernels(strategy):
     """A sequence axis of size 1 (a trainer's `seq=1`) calls `flash_attention`'s kernels:
