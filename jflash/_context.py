@@ -82,6 +82,12 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
     sizes = dict(mesh.shape)
     batch = q.shape[0]
     typed = jax.typeof(q).sharding
+    if AxisType.Explicit in typed.mesh.axis_types and dict(typed.mesh.shape) != sizes:
+        raise ValueError(
+            f"q is placed on a mesh with axes {dict(typed.mesh.shape)}, not on the "
+            f"mesh={sizes} passed to ring_attention: put q, k and v on that mesh "
+            "(jax.device_put with a NamedSharding of it), or pass the mesh they are on"
+        )
     if batch_axes is None and AxisType.Explicit in typed.mesh.axis_types:
         # Explicit axes: keep the batch sharding q's type already has (even
         # replicated), so the output's type matches the code around the call.
