@@ -127,6 +127,11 @@ def _warn_interpreter_threads() -> None:
         )
 
 
+def _off_gpu(platform: str) -> str:
+    """Why `implementation=None` runs the XLA path on a backend other than a GPU."""
+    return f"{platform=}: no compiled Pallas kernel, blockwise XLA"
+
+
 def resolve(
     implementation: str | None,
     interpret: bool | None,
@@ -154,7 +159,7 @@ def resolve(
         elif platform == "gpu":
             implementation, reason = _gpu_default(head_dim=head_dim, dtype=dtype)
         else:
-            implementation, reason = "xla", f"{platform=}: no compiled Pallas kernel, blockwise XLA"
+            implementation, reason = "xla", _off_gpu(platform)
     else:
         reason = "named by the caller"
     if implementation == "pallas_mosaic":
@@ -238,7 +243,8 @@ def describe() -> str:
             lines.append(forms())
     else:
         lines.append(
-            "implementation=None -> 'xla' (deterministic: only the Mosaic kernels fuse dQ)"
+            f"implementation=None -> 'xla' ({_off_gpu(platform)}; deterministic: only the "
+            "Mosaic kernels fuse dQ)"
         )
     if platform == "gpu":
         deterministic = wants_determinism(None)
