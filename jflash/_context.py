@@ -518,7 +518,8 @@ def ring_attention(
         layout=layout,
         strategy=strategy,
         scale=cfg.scale,
-        block_sizes=block_sizes,
+        # Unused by the XLA path (`resolve` above warned once): not warned again per shard.
+        block_sizes=None if cfg.kernel.name == "xla" else block_sizes,
         implementation=implementation,
         interpret=interpret,
         deterministic=deterministic,

@@ -33,6 +33,7 @@ from jflash._validation import as_bool
 from jflash._vma import vary, varying_axes
 
 IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
+_JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _last_choice: dict[str, str] = {}
 
 
@@ -199,7 +200,7 @@ def resolve(
                 )
             warnings.warn(
                 f"block_sizes is not used: {reason} (implementation='xla' takes no tiles)",
-                stacklevel=3,
+                skip_file_prefixes=_JFLASH_FILES,  # the caller's line, at any depth
             )
         kernel = Kernel("xla", None, False, reason)
     else:
