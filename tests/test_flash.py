@@ -557,6 +557,13 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ),
         ({"segment_ids": jnp.zeros((1, 32))}, (_q, _kv, _kv), ValueError, "must be integers"),
         (
+            {"segment_ids": jnp.zeros((1, 32), jnp.int32)},
+            (_q, _kv[:, :16], _kv[:, :16]),
+            ValueError,
+            r"one segment_ids array labels queries and keys alike, but q_len=32 != kv_len=16: "
+            r"pass a \(q_ids",
+        ),
+        (
             {"segment_ids": np.array([[0] * 16 + [2**32] * 16])},
             (_q, _kv, _kv),
             ValueError,
