@@ -418,7 +418,8 @@ def ring_attention(
     `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
     not); the sequence dimension is split over the `seq_axis` mesh axes. Works with
     Explicit and Auto mesh axes, inside `jax.jit` next to other sharded code. Code
-    that is already inside a `shard_map` calls `ring_attention_shard`.
+    that is already inside a `shard_map` (over any axes) calls `ring_attention_shard`:
+    this function is refused there.
 
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
@@ -474,11 +475,21 @@ def ring_attention(
     for name in names:
         if name not in mesh.axis_names:
             raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
-    if set(names) & set(jax.sharding.get_abstract_mesh().manual_axes):
+    manual = list(jax.sharding.get_abstract_mesh().manual_axes)
+    if set(names) & set(manual):
         raise ValueError(
             f"{seq_axis=} is already a manual axis here (inside a jax.shard_map over it): "
             "ring_attention takes global arrays; on this device's shard call "
             "jflash.ring_attention_shard"
+        )
+    if manual:
+        # Its own shard_map would nest in the caller's, and jax 0.11.2 fails to lower
+        # gradients through nested shard_maps (or to trace them with a concrete mesh).
+        raise ValueError(
+            f"ring_attention is called inside a jax.shard_map over {manual}: it takes "
+            "global arrays and builds its own shard_map, which jax 0.11.2 cannot nest; "
+            f"there call jflash.ring_attention_shard, with {seq_axis=} among that "
+            "shard_map's axis_names"
         )
     sizes = dict(mesh.shape)
     ring_shards, degree = _split(names, strategy, [sizes[n] for n in names])

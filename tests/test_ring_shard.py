@@ -770,6 +770,27 @@ def test_errors_name_the_problem():
         jflash.ring_attention(q, k, v, mesh=mesh, seq_axis=("seq", "seq"), **call)
     with pytest.raises(ValueError, match="seq_axis='seq' is already a manual axis here"):
         mapped(lambda q, k, v: jflash.ring_attention(q, k, v, mesh=mesh, **call), q, k, v)
+
+    # Inside a shard_map over another axis: refused by name, on Auto and Explicit axes
+    # (jax's own errors were a mesh mismatch, a manual-axis type error, and gradients
+    # that failed to lower).
+    def nested(outer):
+        with jax.set_mesh(outer):
+            return jax.shard_map(
+                lambda q, k, v: jflash.ring_attention(q, k, v, mesh=outer, **call),
+                mesh=outer,
+                in_specs=P("data"),
+                out_specs=P("data"),
+                axis_names={"data"},
+            )(q, k, v)
+
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    for outer in (
+        mesh,
+        jax.make_mesh((1, 2), ("data", "seq"), explicit, devices=jax.devices()[:2]),
+    ):
+        with pytest.raises(ValueError, match=r"called inside a jax.shard_map over \['data'\]"):
+            nested(outer)
     # in_specs that leave the sequence whole: every device would hold all of it, and
     # the ring would attend over 2 copies (with check_vma, q's type says so).
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"q is the same on every device of"):
