@@ -522,6 +522,29 @@ def test_global_ring_attention_with_documents():
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
 
 
+@pytest.mark.multi_device(8)
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_ring_over_axes_named_out_of_mesh_order(layout):
+    """The sequence split over `("y", "x")` of an `("x", "y")` mesh, y major: each
+    ring transfer goes to the next rank in that order (jax refuses a ppermute over
+    axes named out of the mesh's order; the ring maps its ranks onto that order)."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), devices=jax.devices()[:8])
+    case = Case(num_shards=8, layout=layout, documents=5, seq_len=128)
+    q, k, v, segs, do, dlse = _inputs(case)
+
+    def fn(q, k, v, segs):
+        zq, zk, zv, zs = (jflash.to_layout(x, 8, layout) for x in (q, k, v, segs))
+        out, lse = jflash.ring_attention(
+            zq, zk, zv, mesh=mesh, seq_axis=("y", "x"), causal=True, layout=layout,
+            segment_ids=zs, return_lse=True, implementation="xla",
+        )  # fmt: skip
+        return jflash.from_layout(out, 8, layout), jflash.from_layout(lse, 8, layout, axis=2)
+
+    with jax.set_mesh(mesh):
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k, v, segs, do, dlse)
+    assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
+
+
 @pytest.mark.parametrize("strategy", jflash.STRATEGIES)
 def test_global_ring_attention_relabels_one_id_array(strategy, monkeypatch):
     """One id array given to `jflash.ring_attention`, its documents labelled out of
