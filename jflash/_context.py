@@ -82,6 +82,12 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
     sizes = dict(mesh.shape)
     batch = q.shape[0]
     typed = jax.typeof(q).sharding
+    if AxisType.Explicit in typed.mesh.axis_types and dict(typed.mesh.shape) != sizes:
+        raise ValueError(
+            f"q is placed on a mesh with axes {dict(typed.mesh.shape)}, not on the "
+            f"mesh={sizes} passed to ring_attention: put q, k and v on that mesh "
+            "(jax.device_put with a NamedSharding of it), or pass the mesh they are on"
+        )
     if batch_axes is None and AxisType.Explicit in typed.mesh.axis_types:
         # Explicit axes: keep the batch sharding q's type already has (even
         # replicated), so the output's type matches the code around the call.
@@ -249,6 +255,8 @@ def ring_attention_shard(
         `[B, T_local, K, H]`, `N % K == 0` (GQA/MQA: K/V travel at KV-head size).
       axis_name: the mesh axis the sequence is split over, or a tuple of axes split
         jointly, major first. `strategy="hybrid"` takes two: `(ring_axis, a2a_axis)`.
+        The axes that split dimension 1 in the `shard_map`'s in_specs: an axis that
+        splits the batch instead cannot be told apart, and gives a wrong answer.
       causal: causal mask on global positions (required: non-causal ignores order).
       layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
         work; T_local even), `"striped"` (shard r holds tokens r, r+P, ...: balanced
@@ -410,7 +418,8 @@ def ring_attention(
     `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
     not); the sequence dimension is split over the `seq_axis` mesh axes. Works with
     Explicit and Auto mesh axes, inside `jax.jit` next to other sharded code. Code
-    that is already inside a `shard_map` calls `ring_attention_shard`.
+    that is already inside a `shard_map` (over any axes) calls `ring_attention_shard`:
+    this function is refused there.
 
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, T, K, H]`, `N % K == 0`
@@ -438,7 +447,8 @@ def ring_attention(
         span nodes).
       segment_ids: `[B, T]` int ids in the same layout order as q (packed documents;
         attention stays inside equal ids, across shard boundaries too), or a
-        `(q_ids, kv_ids)` pair.
+        `(q_ids, kv_ids)` pair. One array is relabelled along the whole sequence,
+        as `ring_attention_shard` relabels one.
       scale: logit scale, default `H ** -0.5`.
       return_lse: also return the f32 log-sum-exp `[B, N, T]`; its cotangent flows.
       batch_axes: mesh axes that split the batch. Default: on Auto axes, every other
@@ -465,11 +475,21 @@ def ring_attention(
     for name in names:
         if name not in mesh.axis_names:
             raise ValueError(f"{seq_axis=} is not an axis of the mesh; {mesh.axis_names=}")
-    if set(names) & set(jax.sharding.get_abstract_mesh().manual_axes):
+    manual = list(jax.sharding.get_abstract_mesh().manual_axes)
+    if set(names) & set(manual):
         raise ValueError(
             f"{seq_axis=} is already a manual axis here (inside a jax.shard_map over it): "
             "ring_attention takes global arrays; on this device's shard call "
             "jflash.ring_attention_shard"
+        )
+    if manual:
+        # Its own shard_map would nest in the caller's, and jax 0.11.2 fails to lower
+        # gradients through nested shard_maps (or to trace them with a concrete mesh).
+        raise ValueError(
+            f"ring_attention is called inside a jax.shard_map over {manual}: it takes "
+            "global arrays and builds its own shard_map, which jax 0.11.2 cannot nest; "
+            f"there call jflash.ring_attention_shard, with {seq_axis=} among that "
+            "shard_map's axis_names"
         )
     sizes = dict(mesh.shape)
     ring_shards, degree = _split(names, strategy, [sizes[n] for n in names])
@@ -481,6 +501,10 @@ def ring_attention(
     if degree > 1:
         check_heads(shapes.q_heads, degree, names[-1])
     segs = check_segment_ids(segment_ids, shapes)
+    if is_self_ids(segment_ids):
+        # One array goes to every shard as one array, which relabels it along the
+        # whole sequence (a pair goes as given).
+        segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
@@ -507,7 +531,8 @@ def ring_attention(
         layout=layout,
         strategy=strategy,
         scale=cfg.scale,
-        block_sizes=block_sizes,
+        # Unused by the XLA path (`resolve` above warned once): not warned again per shard.
+        block_sizes=None if cfg.kernel.name == "xla" else block_sizes,
         implementation=implementation,
         interpret=interpret,
         deterministic=deterministic,
@@ -542,9 +567,11 @@ def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options, check_vma):
         return ring_attention_shard(q, k, v, segment_ids=segs, return_lse=True, **options)
 
     q, k, v = _to_spec((q, k, v), mesh, qkv_spec)
-    if segs is not None:
-        segs = _to_spec(segs, mesh, seg_spec)
-    seg_specs = None if segs is None else (seg_spec, seg_spec)
+    if segs is not None:  # one id array, or a (q ids, kv ids) pair
+        pair = isinstance(segs, tuple)
+        segs = _to_spec(segs if pair else (segs,), mesh, seg_spec)
+        segs = segs if pair else segs[0]
+    seg_specs = jax.tree.map(lambda _: seg_spec, segs)
     return jax.shard_map(
         body,
         mesh=mesh,

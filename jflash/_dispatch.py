@@ -33,6 +33,7 @@ from jflash._validation import as_bool
 from jflash._vma import vary, varying_axes
 
 IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
+_JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _last_choice: dict[str, str] = {}
 
 
@@ -127,6 +128,11 @@ def _warn_interpreter_threads() -> None:
         )
 
 
+def _off_gpu(platform: str) -> str:
+    """Why `implementation=None` runs the XLA path on a backend other than a GPU."""
+    return f"{platform=}: no compiled Pallas kernel, blockwise XLA"
+
+
 def resolve(
     implementation: str | None,
     interpret: bool | None,
@@ -154,7 +160,7 @@ def resolve(
         elif platform == "gpu":
             implementation, reason = _gpu_default(head_dim=head_dim, dtype=dtype)
         else:
-            implementation, reason = "xla", f"{platform=}: no compiled Pallas kernel, blockwise XLA"
+            implementation, reason = "xla", _off_gpu(platform)
     else:
         reason = "named by the caller"
     if implementation == "pallas_mosaic":
@@ -194,7 +200,7 @@ def resolve(
                 )
             warnings.warn(
                 f"block_sizes is not used: {reason} (implementation='xla' takes no tiles)",
-                stacklevel=3,
+                skip_file_prefixes=_JFLASH_FILES,  # the caller's line, at any depth
             )
         kernel = Kernel("xla", None, False, reason)
     else:
@@ -238,7 +244,8 @@ def describe() -> str:
             lines.append(forms())
     else:
         lines.append(
-            "implementation=None -> 'xla' (deterministic: only the Mosaic kernels fuse dQ)"
+            f"implementation=None -> 'xla' ({_off_gpu(platform)}; deterministic: only the "
+            "Mosaic kernels fuse dQ)"
         )
     if platform == "gpu":
         deterministic = wants_determinism(None)

@@ -48,9 +48,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -205,12 +207,34 @@ def _fwd_step(step: int, rank, q, kv, q_seg, kv_seg, o, lse, cfg: _Ring):
     return _merge(o, lse, o_blk, jnp.where(before, lse_blk, -jnp.inf))
 
 
+def _mesh_ordered(axis):
+    """`(axes, index)`: the ring's axes in the mesh's order, as `lax.ppermute` takes
+    them, and `index[r]`, the position there of rank r (ranks count over `axis` in
+    its own order, major first, as `lax.axis_index` and `lax.all_gather` do)."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis)
+    sizes = [lax.axis_size(n) for n in names]
+    mesh_names = jax.sharding.get_abstract_mesh().axis_names
+    if not set(names) <= set(mesh_names):  # axes not of a mesh (vmap's, say): as named
+        return axis, np.arange(math.prod(sizes))
+    ordered = tuple(sorted(names, key=mesh_names.index))
+    ranks = np.arange(math.prod(sizes)).reshape(sizes)
+    index = np.empty(ranks.size, int)
+    mesh_major = np.transpose(ranks, [names.index(n) for n in ordered]).reshape(-1)
+    index[mesh_major] = np.arange(ranks.size)
+    return (ordered[0] if len(ordered) == 1 else ordered), index
+
+
 def _shift(x, cfg: _Ring):
     """Sends `x` to the next rank on the ring (rank r receives from r-1)."""
     if x is None:
         return None
     p = cfg.num_shards
-    return lax.ppermute(x, cfg.axis, [(j, (j + 1) % p) for j in range(p)])
+    if isinstance(cfg.axis, str):
+        return lax.ppermute(x, cfg.axis, [(j, (j + 1) % p) for j in range(p)])
+    # A tuple of axes: jax's ppermute takes them in the mesh's order (and refuses
+    # another), so the pairs name each rank's position in that order.
+    axes, at = _mesh_ordered(cfg.axis)
+    return lax.ppermute(x, axes, [(int(at[j]), int(at[(j + 1) % p])) for j in range(p)])
 
 
 def _ring_fwd_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):

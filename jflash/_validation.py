@@ -130,6 +130,12 @@ def check_segment_ids(segment_ids, shapes: Shapes):
             )
         q_seg, kv_seg = segment_ids
     else:
+        if shapes.q_len != shapes.kv_len:
+            raise ValueError(
+                "one segment_ids array labels queries and keys alike, but "
+                f"q_len={shapes.q_len} != kv_len={shapes.kv_len}: pass a "
+                "(q_ids [batch, q_len], kv_ids [batch, kv_len]) pair"
+            )
         q_seg = kv_seg = segment_ids
     check_array("q segment ids", q_seg)
     check_array("kv segment ids", kv_seg)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET, ON_HOPPER, needs_hopper, quick_subset
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 from kernel_cases import assert_close, make_inputs, oracle, random_segments, value_and_grads
 
 import jflash
@@ -482,7 +484,9 @@ def test_default_implementation_is_described():
         )
         assert f"deterministic=None -> {want}" in text
     else:  # the Mosaic backward's default is not this backend's business
-        assert "implementation=None -> 'xla' (deterministic" in text
+        want = f"implementation=None -> 'xla' (platform={jax.default_backend()!r}: no compiled"
+        assert want in text  # why, before any call is traced
+        assert "deterministic: only the Mosaic kernels fuse dQ" in text
         assert "last traced call: implementation=xla" in text
         assert "deterministic=None" not in text
 
@@ -553,6 +557,13 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ),
         ({"segment_ids": jnp.zeros((1, 32))}, (_q, _kv, _kv), ValueError, "must be integers"),
         (
+            {"segment_ids": jnp.zeros((1, 32), jnp.int32)},
+            (_q, _kv[:, :16], _kv[:, :16]),
+            ValueError,
+            r"one segment_ids array labels queries and keys alike, but q_len=32 != kv_len=16: "
+            r"pass a \(q_ids",
+        ),
+        (
             {"segment_ids": np.array([[0] * 16 + [2**32] * 16])},
             (_q, _kv, _kv),
             ValueError,
@@ -619,10 +630,29 @@ def test_traced_causal_is_named():
         f(True)
 
 
+@pytest.mark.multi_device(2)
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the default is 'xla' off GPUs")
 def test_tiles_the_default_xla_path_cannot_use_are_named():
-    with pytest.warns(UserWarning, match="block_sizes is not used: platform='cpu'"):
-        jflash.flash_attention(_q, _kv, _kv, causal=True, block_sizes=jflash.BlockSizes())
+    """Once per call, at the caller's line: `flash_attention`, `ring_attention` (which
+    resolves the kernel twice) and `ring_attention_shard` inside a `shard_map`."""
+    tiles = jflash.BlockSizes()
+    mesh = jax.make_mesh((2,), ("seq",), (AxisType.Auto,), devices=jax.devices()[:2])
+    per_shard = jax.shard_map(
+        lambda q, k, v: jflash.ring_attention_shard(
+            q, k, v, axis_name="seq", causal=True, block_sizes=tiles
+        ),
+        mesh=mesh,
+        in_specs=P(None, "seq"),
+        out_specs=P(None, "seq"),
+    )
+    for call in (
+        lambda: jflash.flash_attention(_q, _kv, _kv, causal=True, block_sizes=tiles),
+        lambda: jflash.ring_attention(_q, _kv, _kv, mesh=mesh, causal=True, block_sizes=tiles),
+        lambda: jax.jit(per_shard)(_q, _kv, _kv),
+    ):
+        with pytest.warns(UserWarning, match="block_sizes is not used: platform='cpu'") as got:
+            call()
+        assert [w.filename for w in got] == [__file__]
 
 
 def test_numpy_int_tiles_are_accepted():

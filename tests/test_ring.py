@@ -659,6 +659,19 @@ def test_batch_sharded_over_seq_axis_raises():
         jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
 
 
+@pytest.mark.multi_device(8)
+def test_inputs_on_another_mesh_raise():
+    """q placed on an Explicit mesh other than `mesh` (another axis, another size) is
+    named with both meshes, not a KeyError on q's batch axis."""
+    two_d = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
+    for placed, spec in ((two_d, P("data", "seq")), (_seq_mesh(8), P(None, "seq"))):
+        q, k, v = (
+            jax.device_put(jnp.ones((2, 16, 2, 8)), NamedSharding(placed, spec)) for _ in "qkv"
+        )
+        with pytest.raises(ValueError, match=re.escape("not on the mesh={'seq': 4} passed")):
+            jflash.ring_attention(q, k, v, mesh=_seq_mesh(4), causal=True, implementation="xla")
+
+
 @pytest.mark.multi_device(4)
 def test_explicit_batch_left_replicated_warns():
     """Explicit axes keep q's own batch sharding: where it leaves a mesh axis out that
