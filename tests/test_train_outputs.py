@@ -419,6 +419,26 @@ def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
         )
 
 
+def test_evaluation_time_is_not_in_the_training_speed(tmp_path, monkeypatch):
+    """A logging window that holds an evaluation reports the speed of its training
+    steps: the evaluation's time is left out of its tokens/s and ETA."""
+    now = _ticking_clock(monkeypatch)
+    evaluate = loop._evaluate
+
+    def slow_evaluate(*args):
+        now[0] += 1000.0  # an evaluation that takes long
+        return evaluate(*args)
+
+    monkeypatch.setattr(loop, "_evaluate", slow_evaluate)
+    out = tmp_path / "run"
+    extra = ["--eval_data_path", "sample", "--eval_steps", "2", "--max_steps", "4"]
+    run(parse_args(_args(out, "--save_strategy", "no", "--logging_steps", "2", *extra)))
+    records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    step_tokens = jax.device_count() * 64
+    assert len(speeds) == 2 and min(speeds) > step_tokens / 10, records
+
+
 def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):
     """Resuming a finished run trains nothing and leaves the directory as it was: its
     settings file keeps the run's own learning rate, and no TensorBoard file is added."""

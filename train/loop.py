@@ -499,7 +499,10 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 if pending is not None:  # the step's own record goes first
                     history.append(_finish(pending, *finish_args))
                     pending = None
+                began = time.perf_counter()
                 history.append(_evaluate(t, state["params"], done, writer, log, bar))
+                # Training speed: the window leaves the evaluation's time out.
+                timer.start += time.perf_counter() - began
             if save:
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
