@@ -308,6 +308,23 @@ def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
         data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "x", vocab_size=100)
 
 
+def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):
+    """A text with fewer merges than --vocab-size asks gives a smaller vocabulary (a
+    model from it gets that size): the line says the size written, and that it is short."""
+    text = tmp_path / "little.txt"
+    text.write_text("a little text, a little text")
+    data_lib.main(["tokenizer", str(text), "--out", str(tmp_path / "tok")])
+    size = convert.tokenizer_vocab_size(tmp_path / "tok" / "tokenizer.json")
+    assert size < 4096
+    assert capsys.readouterr().out == (
+        f"wrote {tmp_path / 'tok' / 'tokenizer.json'}: vocab_size={size} (of --vocab-size "
+        "4096: the text has no more merges)\n"
+    )
+    argv = ["tokenizer", str(bpe.parent / "corpus.txt"), "--out", str(tmp_path / "t2")]
+    data_lib.main([*argv, "--vocab-size", "300"])
+    assert capsys.readouterr().out.endswith(": vocab_size=300\n")
+
+
 @pytest.mark.parametrize("as_file", [False, True])
 def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_file):
     texts = ["Packed rows of text.", "Labels never cross documents."]

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from models.convert import special_token_ids
+from models.convert import special_token_ids, tokenizer_vocab_size
 from train import data_cache
 from train.dataset import Rows, load_dataset
 from train.readers import NoTokenizerError, read_jsonl, tokenizer_file
@@ -458,7 +458,9 @@ def _command(args: argparse.Namespace) -> None:
         )
     else:
         file = train_tokenizer(args.files, args.out, vocab_size=args.vocab_size)
-        print(f"wrote {file}: vocab_size={args.vocab_size}")
+        size = tokenizer_vocab_size(file)
+        short = f" (of --vocab-size {args.vocab_size}: the text has no more merges)"
+        print(f"wrote {file}: vocab_size={size}{short if size < args.vocab_size else ''}")
 
 
 if __name__ == "__main__":
