@@ -325,6 +325,19 @@ def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):
     assert capsys.readouterr().out.endswith(": vocab_size=300\n")
 
 
+def test_cli_tokenizer_out_that_is_a_file_is_one_line(bpe, tmp_path, capsys):
+    """--out a file, or under one: one line naming it, before any training."""
+    (tmp_path / "f").write_text("")
+    text = str(bpe.parent / "corpus.txt")
+    for out, why in (("f", "is a file, not a directory"), ("f/tok", "cannot be created")):
+        with pytest.raises(SystemExit) as stopped:
+            data_lib.main(["tokenizer", text, "--out", str(tmp_path / out)])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --out={str(tmp_path / out)!r} {why}"), err
+        assert len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("as_file", [False, True])
 def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_file):
     texts = ["Packed rows of text.", "Labels never cross documents."]

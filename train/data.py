@@ -301,6 +301,13 @@ def train_tokenizer(
             else:
                 yield Path(f).read_text(encoding="utf-8", errors="replace")
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out={str(out)!r} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file above it, no permission
+        raise ValueError(f"--out={str(out)!r} cannot be created ({e.strerror})") from None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -311,8 +318,6 @@ def train_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts(), trainer)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
