@@ -543,3 +543,7 @@ def test_cli_errors_are_one_line(tmp_path):
     ):
         result = _cli(*args, returncode=2)
         assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    (tmp_path / "f").write_text("")
+    out = str(tmp_path / "f" / "d.pkl")  # under a file
+    result = _cli("sample", "--out", out, "--num-samples", "4", "--seq-len", "8", returncode=2)
+    assert result.stderr == f"error: --out={out!r} cannot be written (Not a directory)\n"

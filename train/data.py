@@ -429,7 +429,10 @@ def _command(args: argparse.Namespace) -> None:
             examples = [e[:n] for e, n in zip(examples, lengths, strict=True)]
         if args.stream:
             examples = [np.concatenate(examples)]
-        save_dataset(args.out, examples)
+        try:
+            save_dataset(args.out, examples)
+        except OSError as e:  # a directory that does not exist, or is a file; no permission
+            raise ValueError(f"--out={args.out!r} cannot be written ({e.strerror})") from None
         count, sizes = len(examples), [len(e) for e in examples]
         span = f"{sizes[0]}" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
         plural = "s" * (count > 1)
