@@ -547,3 +547,6 @@ def test_cli_errors_are_one_line(tmp_path):
     out = str(tmp_path / "f" / "d.pkl")  # under a file
     result = _cli("sample", "--out", out, "--num-samples", "4", "--seq-len", "8", returncode=2)
     assert result.stderr == f"error: --out={out!r} cannot be written (Not a directory)\n"
+    for flag in ("--num-samples", "--seq-len"):
+        result = _cli("sample", "--out", str(tmp_path / "d.pkl"), flag, "0", returncode=2)
+        assert result.stderr == f"error: {flag}=0 must be positive\n"

@@ -411,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _command(args: argparse.Namespace) -> None:
     if args.command == "sample":
         writer_of(args.out)  # before making the samples
+        for flag, value in (("--num-samples", args.num_samples), ("--seq-len", args.seq_len)):
+            if value < 1:
+                raise ValueError(f"{flag}={value} must be positive")
         if args.lengths == "lognormal" and Path(args.out).suffix.lower() == ".npy":
             raise ValueError(f"{args.out}: .npy holds examples of one length; use .jsonl or .pkl")
         if args.lengths == "lognormal":
