@@ -439,6 +439,23 @@ def test_evaluation_time_is_not_in_the_training_speed(tmp_path, monkeypatch):
     assert len(speeds) == 2 and min(speeds) > step_tokens / 10, records
 
 
+def test_last_line_says_what_the_run_left_where(tmp_path, capsys):
+    """The run ends with its final loss, its last checkpoint and its export, by path."""
+    out = tmp_path / "run"
+    assert main(_args(out, "--report_to", "none", "--max_steps", "2", "--export_hf", "true")) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: 2 steps, final loss \d+\.\d{{4}}; checkpoint 2 in {out / 'checkpoints'}, the "
+        rf"HF model in {out / 'hf'}",
+        last,
+    ), last
+    again = _args(tmp_path / "b", "--report_to", "none", "--save_strategy", "no")
+    assert main(again) == 0
+    assert re.fullmatch(
+        r"done: 3 steps, final loss \d+\.\d{4}", capsys.readouterr().out.splitlines()[-1]
+    )
+
+
 def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):
     """Resuming a finished run trains nothing and leaves the directory as it was: its
     settings file keeps the run's own learning rate, and no TensorBoard file is added."""
