@@ -463,6 +463,14 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     rows = load_rows(cfg, config)
     evaluates = cfg.data.eval_data_path and cfg.run.eval_strategy != "no"
     eval_rows = load_rows(cfg, config, eval=True) if evaluates else None
+    for flag, path, data, what in (
+        ("--data_path", cfg.data.data_path, rows, "train on"),
+        ("--eval_data_path", cfg.data.eval_data_path, eval_rows, "evaluate"),
+    ):
+        if data is not None and not data.labelled:
+            raise TrainingError(
+                f"{flag}={path!r}: every label is -100, no labelled tokens to {what}"
+            )
     global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
     accum = cfg.run.gradient_accumulation_steps
     if global_batch * accum > rows.num_rows:

@@ -221,6 +221,11 @@ class CachedRows:
         starts = starts[starts < self._num_rows * self._seq_len]
         return bool((starts % self._seq_len).any())
 
+    @property
+    def labelled(self) -> bool:
+        """Whether some token of the cache has a label (its records' are not all ``-100``)."""
+        return self.cache.meta["max_label"] >= 0
+
     def take(self, ids) -> Rows:
         """Rows ``ids`` as int32 arrays ``[len(ids), seq_len]``."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -59,6 +59,11 @@ class Rows(NamedTuple):
         """Whether some row holds more than one example (ids count up from 0 in a row)."""
         return bool(self.num_rows) and bool(self.segment_ids[:, -1].any())
 
+    @property
+    def labelled(self) -> bool:
+        """Whether some token of the rows has a label (not all ``-100``)."""
+        return bool((self.labels != IGNORE_INDEX).any())
+
     def take(self, ids: np.ndarray) -> Rows:
         """The rows ``ids`` (an int array), contiguous copies. :class:`Batches` and the
         evaluation read rows only through ``take``, ``num_rows`` and ``seq_len``, so a
