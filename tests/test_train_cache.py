@@ -71,15 +71,21 @@ def _assert_rows_equal(a, b) -> None:
 
 @pytest.mark.parametrize("eos_id", [None, EOS])
 @pytest.mark.parametrize("mask_boundaries", [True, False])
-def test_cache_rows_and_batches_equal_in_memory(tmp_path, small_flushes, eos_id, mask_boundaries):
+@pytest.mark.parametrize("pad_last", [False, True])
+def test_cache_rows_and_batches_equal_in_memory(
+    tmp_path, small_flushes, eos_id, mask_boundaries, pad_last
+):
     source = _pkl(tmp_path / "d.pkl", _records())
     cache = data_cache.build_cache(source, tmp_path / "cache", eos_id=eos_id)
     assert cache.meta["labels"] and cache.eos_id == eos_id
     dataset = load_dataset(source)
     for seq_len in (1, 7, 32):
-        memory = dataset.rows(seq_len, eos_id=eos_id, mask_boundaries=mask_boundaries)
-        cached = cache.rows(seq_len, mask_boundaries=mask_boundaries)
-        assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
+        memory = dataset.rows(
+            seq_len, eos_id=eos_id, mask_boundaries=mask_boundaries, pad_last=pad_last
+        )
+        cached = cache.rows(seq_len, mask_boundaries=mask_boundaries, pad_last=pad_last)
+        rounded = -(-cache.num_tokens // seq_len) if pad_last else cache.num_tokens // seq_len
+        assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len) == (rounded, seq_len)
         _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
         assert cached.packed == memory.packed == bool(memory.segment_ids.any())
         assert memory.packed == (seq_len > 1)
