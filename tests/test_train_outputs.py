@@ -419,20 +419,24 @@ def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
         )
 
 
-def test_evaluation_time_is_not_in_the_training_speed(tmp_path, monkeypatch):
-    """A logging window that holds an evaluation reports the speed of its training
-    steps: the evaluation's time is left out of its tokens/s and ETA."""
+@pytest.mark.parametrize("slow", ["evaluation", "save"])
+def test_evaluation_and_save_time_is_not_in_the_training_speed(tmp_path, monkeypatch, slow):
+    """A logging window that holds an evaluation or a checkpoint save reports the speed
+    of its training steps: their time is left out of its tokens/s and ETA."""
     now = _ticking_clock(monkeypatch)
-    evaluate = loop._evaluate
+    owner, name = (loop, "_evaluate") if slow == "evaluation" else (loop.Checkpoints, "save")
+    fast = getattr(owner, name)
 
-    def slow_evaluate(*args):
-        now[0] += 1000.0  # an evaluation that takes long
-        return evaluate(*args)
+    def slowly(*args):
+        now[0] += 1000.0  # one that takes long
+        return fast(*args)
 
-    monkeypatch.setattr(loop, "_evaluate", slow_evaluate)
+    monkeypatch.setattr(owner, name, slowly)
     out = tmp_path / "run"
     extra = ["--eval_data_path", "sample", "--eval_steps", "2", "--max_steps", "4"]
-    run(parse_args(_args(out, "--save_strategy", "no", "--logging_steps", "2", *extra)))
+    if slow == "save":
+        extra = ["--save_steps", "2", "--max_steps", "4"]
+    run(parse_args(_args(out, "--logging_steps", "2", *extra)))
     records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     step_tokens = jax.device_count() * 64

@@ -501,16 +501,18 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                     pending = None
                 began = time.perf_counter()
                 history.append(_evaluate(t, state["params"], done, writer, log, bar))
-                # Training speed: the window leaves the evaluation's time out.
+                # Training speed: the window leaves an evaluation's (and a save's) time out.
                 timer.start += time.perf_counter() - began
             if save:
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
+                began = time.perf_counter()
                 with outputs.signals_held():  # a save is never cut off by Ctrl-C
                     ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
                 saved_any = True
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
+                timer.start += time.perf_counter() - began
             # Saves are asynchronous: the first whole checkpoint shows up steps later.
             if aside is not None and saved_any and outputs.saved_steps(out):
                 line = outputs.settle(aside, out, good=True)
