@@ -278,6 +278,15 @@ def test_config_flags_yaml_and_errors(tmp_path):
     yaml_path.write_text("optim:\n  learning_rat: 0.5\n")
     with pytest.raises(ValueError, match="unknown keys \\['learning_rat'\\]"):
         parse_args(["--config", str(yaml_path)])
+    # A setting outside its section (HF's YAML files are flat) is told where it goes.
+    for text, keys in (
+        ("learning_rate: 0.5\nmax_steps: 3\n", "learning_rate under optim:, max_steps under run:"),
+        ("run:\n  learning_rate: 0.5\n", "learning_rate under optim:"),
+    ):
+        yaml_path.write_text(text)
+        with pytest.raises(ValueError) as error:
+            parse_args(["--config", str(yaml_path)])
+        assert str(error.value).endswith(f" (settings go under their section: {keys})")
     with pytest.raises(ValueError, match="lr_scheduler_type='step'"):
         parse_args(["--lr_scheduler_type", "step"])
     for flags, match in (

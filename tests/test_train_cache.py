@@ -71,15 +71,21 @@ def _assert_rows_equal(a, b) -> None:
 
 @pytest.mark.parametrize("eos_id", [None, EOS])
 @pytest.mark.parametrize("mask_boundaries", [True, False])
-def test_cache_rows_and_batches_equal_in_memory(tmp_path, small_flushes, eos_id, mask_boundaries):
+@pytest.mark.parametrize("pad_last", [False, True])
+def test_cache_rows_and_batches_equal_in_memory(
+    tmp_path, small_flushes, eos_id, mask_boundaries, pad_last
+):
     source = _pkl(tmp_path / "d.pkl", _records())
     cache = data_cache.build_cache(source, tmp_path / "cache", eos_id=eos_id)
     assert cache.meta["labels"] and cache.eos_id == eos_id
     dataset = load_dataset(source)
     for seq_len in (1, 7, 32):
-        memory = dataset.rows(seq_len, eos_id=eos_id, mask_boundaries=mask_boundaries)
-        cached = cache.rows(seq_len, mask_boundaries=mask_boundaries)
-        assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
+        memory = dataset.rows(
+            seq_len, eos_id=eos_id, mask_boundaries=mask_boundaries, pad_last=pad_last
+        )
+        cached = cache.rows(seq_len, mask_boundaries=mask_boundaries, pad_last=pad_last)
+        rounded = -(-cache.num_tokens // seq_len) if pad_last else cache.num_tokens // seq_len
+        assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len) == (rounded, seq_len)
         _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
         assert cached.packed == memory.packed == bool(memory.segment_ids.any())
         assert memory.packed == (seq_len > 1)
@@ -306,6 +312,36 @@ def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
     assert tokenizer.decode(ids) == "The trainer packs documents." and max(ids) < 300
     with pytest.raises(ValueError, match=r"--vocab-size=100 must be at least 257"):
         data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "x", vocab_size=100)
+
+
+def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):
+    """A text with fewer merges than --vocab-size asks gives a smaller vocabulary (a
+    model from it gets that size): the line says the size written, and that it is short."""
+    text = tmp_path / "little.txt"
+    text.write_text("a little text, a little text")
+    data_lib.main(["tokenizer", str(text), "--out", str(tmp_path / "tok")])
+    size = convert.tokenizer_vocab_size(tmp_path / "tok" / "tokenizer.json")
+    assert size < 4096
+    assert capsys.readouterr().out == (
+        f"wrote {tmp_path / 'tok' / 'tokenizer.json'}: vocab_size={size} (of --vocab-size "
+        "4096: the text has no more merges)\n"
+    )
+    argv = ["tokenizer", str(bpe.parent / "corpus.txt"), "--out", str(tmp_path / "t2")]
+    data_lib.main([*argv, "--vocab-size", "300"])
+    assert capsys.readouterr().out.endswith(": vocab_size=300\n")
+
+
+def test_cli_tokenizer_out_that_is_a_file_is_one_line(bpe, tmp_path, capsys):
+    """--out a file, or under one: one line naming it, before any training."""
+    (tmp_path / "f").write_text("")
+    text = str(bpe.parent / "corpus.txt")
+    for out, why in (("f", "is a file, not a directory"), ("f/tok", "cannot be created")):
+        with pytest.raises(SystemExit) as stopped:
+            data_lib.main(["tokenizer", text, "--out", str(tmp_path / out)])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --out={str(tmp_path / out)!r} {why}"), err
+        assert len(err.splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("as_file", [False, True])

@@ -337,6 +337,22 @@ def test_rows_labels_are_the_next_token():
     assert _dataset(range(8)).rows(4).labels[-1, -1] == IGNORE  # nothing after the stream
 
 
+def test_evaluation_rows_fill_the_tail_up_instead_of_dropping_it():
+    """`pad_last`: the tokens past the last whole row make one more row, filled with
+    ignored tokens in the last document's segment (after every real token: causal
+    attention never reads them); the last real token has nothing after it to predict."""
+    rows = _dataset([1, 2, 3], range(10, 17)).rows(4, pad_last=True)  # 10 tokens
+    assert rows.input_ids.tolist() == [[1, 2, 3, 10], [11, 12, 13, 14], [15, 16, 0, 0]]
+    assert rows.labels.tolist() == [
+        [2, 3, IGNORE, 11],
+        [12, 13, 14, 15],
+        [16, IGNORE, IGNORE, IGNORE],
+    ]
+    assert rows.segment_ids.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert _dataset([1, 2, 3]).rows(4, pad_last=True).num_rows == 1  # less than a row
+    assert _dataset(range(8)).rows(4, pad_last=True).num_rows == 2  # nothing to fill
+
+
 def test_rows_mask_document_boundaries_and_segments():
     dataset = _dataset([1, 2, 3], [4, 5], [6, 7, 8])
     masked = dataset.rows(4)
@@ -543,3 +559,10 @@ def test_cli_errors_are_one_line(tmp_path):
     ):
         result = _cli(*args, returncode=2)
         assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    (tmp_path / "f").write_text("")
+    out = str(tmp_path / "f" / "d.pkl")  # under a file
+    result = _cli("sample", "--out", out, "--num-samples", "4", "--seq-len", "8", returncode=2)
+    assert result.stderr == f"error: --out={out!r} cannot be written (Not a directory)\n"
+    for flag in ("--num-samples", "--seq-len"):
+        result = _cli("sample", "--out", str(tmp_path / "d.pkl"), flag, "0", returncode=2)
+        assert result.stderr == f"error: {flag}=0 must be positive\n"

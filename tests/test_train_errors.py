@@ -125,6 +125,29 @@ def test_missing_data_path_is_refused_even_with_a_model_directory(tmp_path, caps
     assert not out.exists()
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_data_whose_every_label_is_ignored_is_refused(tmp_path, capsys, cached):
+    """Records whose labels are all -100 (and end in the EOS, so none is added) leave
+    nothing to learn or measure: refused by flag before anything is written, in memory
+    and through a token cache alike, instead of training on a loss of 0."""
+    eos = models.TINY.eos_token_id
+    masked = tmp_path / "masked.jsonl"
+    with open(masked, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"input_ids": [5 + i] * 63 + [eos], "labels": [-100] * 64}) + "\n")
+    out = tmp_path / "out"
+    argv = [*BASE, "--output_dir", str(out), "--max_steps", "1", "--mesh", "data=-1"]
+    argv += ["--data_cache_dir", str(tmp_path / "caches")] if cached else []
+    err = _one_line_error([*argv, "--data_path", str(masked)], capsys)
+    assert err == (
+        f"error: --data_path={str(masked)!r}: every label is -100, no labelled tokens to train on\n"
+    )
+    argv += ["--data_path", "sample", "--eval_data_path", str(masked)]
+    err = _one_line_error(argv, capsys)
+    assert err.endswith("every label is -100, no labelled tokens to evaluate\n"), err
+    assert not out.exists()
+
+
 def test_output_dir_that_cannot_be_written(tmp_path, capsys, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("not a directory")

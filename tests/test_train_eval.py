@@ -19,9 +19,10 @@ from train.loop import run
 from train.tensorboard import read_scalars
 
 SEQ_LEN = 64
-# With an EOS after each: row 1 holds the first three, row 2 the last two; 2 rows under
-# a global batch of 4 (fsdp=4), so the evaluation's one batch is half filler.
-EVAL_LENGTHS = (20, 30, 11, 40, 22)
+# With an EOS after each: row 1 holds the first three, row 2 the next two, and the last
+# one (10 tokens) a third row, filled up with ignored tokens; 3 rows under a global batch
+# of 4 (fsdp=4), so the evaluation's one batch has a row of filler.
+EVAL_LENGTHS = (20, 30, 11, 40, 22, 9)
 
 
 def _hand_loss(config, params, docs, eos: int) -> float:

@@ -4,16 +4,19 @@ that is not a terminal, and the scalars of `--report_to` (tensorboard, wandb, no
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import sys
 import types
 
+import jax
 import numpy as np
 import pytest
 
+import models
 from train import data as data_lib
-from train import outputs
+from train import loop, outputs
 from train.__main__ import main
 from train.config import parse_args
 from train.loop import TrainingError, run
@@ -380,6 +383,81 @@ def test_step_line_of_a_traced_window_says_so(tmp_path, capsys):
     note = "tokens/s (traced steps in this window: slower under the profiler)"
     assert [note in x for x in lines] == [False, True, False], lines
     assert all("tokens/s" in x for x in lines[1:]), lines
+
+
+def _ticking_clock(monkeypatch) -> list[float]:
+    """`train.loop`'s clock advances one second per reading; the returned cell moves it
+    on by hand."""
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    return now
+
+
+def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
+    """tokens/s, TFLOP/s and MFU count the step's rows x their length: the tokens the
+    model computes, labelled or not (records whose labels are mostly -100 take as long)."""
+    _ticking_clock(monkeypatch)
+    data = tmp_path / "masked.jsonl"
+    with open(data, "w") as f:
+        for i in range(24):
+            ids = [3 + (i + j) % 200 for j in range(40)]
+            f.write(json.dumps({"input_ids": ids, "labels": [-100] * 35 + ids[35:]}) + "\n")
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--data_path", str(data), "--save_strategy", "no")))
+    records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    step_tokens = jax.device_count() * 64  # a row per device of --model_max_length 64
+    flops = models.training_flops_per_token(models.TINY, 64)
+    for r in records[1:]:  # each window is one step, one second on the clock
+        assert r["tokens_per_s"] == step_tokens, r
+        assert r["tflops_per_device"] == pytest.approx(
+            step_tokens * flops / jax.device_count() / 1e12
+        )
+
+
+@pytest.mark.parametrize("slow", ["evaluation", "save"])
+def test_evaluation_and_save_time_is_not_in_the_training_speed(tmp_path, monkeypatch, slow):
+    """A logging window that holds an evaluation or a checkpoint save reports the speed
+    of its training steps: their time is left out of its tokens/s and ETA."""
+    now = _ticking_clock(monkeypatch)
+    owner, name = (loop, "_evaluate") if slow == "evaluation" else (loop.Checkpoints, "save")
+    fast = getattr(owner, name)
+
+    def slowly(*args):
+        now[0] += 1000.0  # one that takes long
+        return fast(*args)
+
+    monkeypatch.setattr(owner, name, slowly)
+    out = tmp_path / "run"
+    extra = ["--eval_data_path", "sample", "--eval_steps", "2", "--max_steps", "4"]
+    if slow == "save":
+        extra = ["--save_steps", "2", "--max_steps", "4"]
+    run(parse_args(_args(out, "--logging_steps", "2", *extra)))
+    records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    step_tokens = jax.device_count() * 64
+    assert len(speeds) == 2 and min(speeds) > step_tokens / 10, records
+
+
+def test_last_line_says_what_the_run_left_where(tmp_path, capsys):
+    """The run ends with its final loss, its last checkpoint and its export, by path."""
+    out = tmp_path / "run"
+    assert main(_args(out, "--report_to", "none", "--max_steps", "2", "--export_hf", "true")) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: 2 steps, final loss \d+\.\d{{4}}; checkpoint 2 in {out / 'checkpoints'}, the "
+        rf"HF model in {out / 'hf'}",
+        last,
+    ), last
+    again = _args(tmp_path / "b", "--report_to", "none", "--save_strategy", "no")
+    assert main(again) == 0
+    assert re.fullmatch(
+        r"done: 3 steps, final loss \d+\.\d{4}", capsys.readouterr().out.splitlines()[-1]
+    )
 
 
 def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):

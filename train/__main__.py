@@ -101,8 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         if own and previous is not None:  # None: a handler set outside Python
             signal.signal(signal.SIGTERM, previous)
     if summary["losses"]:
-        print(f"done: {summary['total_steps']} steps, final loss {summary['losses'][-1]:.4f}")
+        print(_done_line(cfg, summary))
     return 0
+
+
+def _done_line(cfg, summary: dict) -> str:
+    """`done: 300 steps, final loss 4.1234; checkpoint 300 in <out>/checkpoints, the HF
+    model in <out>/hf`: what the run leaves, and where."""
+    out = cfg.run.output_dir
+    steps = outputs.saved_steps(out)
+    kept = [f"checkpoint {steps[-1]} in {os.path.join(out, 'checkpoints')}"] if steps else []
+    if cfg.run.export_hf:
+        kept.append(f"the HF model in {os.path.join(out, 'hf')}")
+    where = "; " + ", ".join(kept) if kept else ""
+    return f"done: {summary['total_steps']} steps, final loss {summary['losses'][-1]:.4f}{where}"
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
     (in memory, or through a token cache under `--data_cache_dir`) or a token cache
     directory (`train.data_cache.packed_rows`); `sample` makes learnable sample data in
     memory (the same on every host: it depends only on the flags and `--seed`; the
-    evaluation's is held out from the same chain)."""
+    evaluation's is held out from the same chain). The evaluation's tail that does not
+    fill a row makes a last row, filled up with ignored tokens: every token is evaluated."""
     path = cfg.data.eval_data_path if eval else cfg.data.data_path
     if not path:
         raise TrainingError(
@@ -129,8 +130,9 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             eos_id=eos,
             vocab_size=config.vocab_size,
             cache_root=cfg.data.data_cache_dir or None,
+            pad_last=eval,
         )
-    return dataset.rows(cfg.data.model_max_length, eos_id=eos)
+    return dataset.rows(cfg.data.model_max_length, eos_id=eos, pad_last=eval)
 
 
 def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
@@ -463,6 +465,14 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     rows = load_rows(cfg, config)
     evaluates = cfg.data.eval_data_path and cfg.run.eval_strategy != "no"
     eval_rows = load_rows(cfg, config, eval=True) if evaluates else None
+    for flag, path, data, what in (
+        ("--data_path", cfg.data.data_path, rows, "train on"),
+        ("--eval_data_path", cfg.data.eval_data_path, eval_rows, "evaluate"),
+    ):
+        if data is not None and not data.labelled:
+            raise TrainingError(
+                f"{flag}={path!r}: every label is -100, no labelled tokens to {what}"
+            )
     global_batch = cfg.run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
     accum = cfg.run.gradient_accumulation_steps
     if global_batch * accum > rows.num_rows:

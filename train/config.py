@@ -416,11 +416,25 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
         raise ValueError(f"{where}: {key}={value!r} is not {kind}") from None
 
 
+def _sections_of(keys) -> str:
+    """Where `keys` that are settings of some section belong, as a hint to add to an
+    error: ` (settings go under their section: learning_rate under optim:)`, or ''."""
+    homes = {
+        name: section
+        for section, cls in _section_types().items()
+        for name in (f.name for f in dataclasses.fields(cls))
+    }
+    found = [f"{k} under {homes[k]}:" for k in keys if k in homes]
+    return f" (settings go under their section: {', '.join(found)})" if found else ""
+
+
 def _replace_section(section_obj, overrides: dict[str, Any], where: str):
     names = {f.name for f in dataclasses.fields(section_obj)}
     unknown = sorted(set(overrides) - names)
     if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
+        raise ValueError(
+            f"{where}: unknown keys {unknown}; known: {sorted(names)}{_sections_of(unknown)}"
+        )
     hints = typing.get_type_hints(type(section_obj))
     values = {k: _coerce(v, hints[k], k, where) for k, v in overrides.items()}
     return dataclasses.replace(section_obj, **values)
@@ -455,7 +469,9 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
     unknown = sorted(set(data) - set(SECTIONS))
     if unknown:
-        raise ValueError(f"{path}: unknown sections {unknown}; known: {sorted(SECTIONS)}")
+        raise ValueError(
+            f"{path}: unknown sections {unknown}; known: {sorted(SECTIONS)}" + _sections_of(unknown)
+        )
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: section {section!r} must be a mapping")

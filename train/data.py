@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from models.convert import special_token_ids
+from models.convert import special_token_ids, tokenizer_vocab_size
 from train import data_cache
 from train.dataset import Rows, load_dataset
 from train.readers import NoTokenizerError, read_jsonl, tokenizer_file
@@ -301,6 +301,13 @@ def train_tokenizer(
             else:
                 yield Path(f).read_text(encoding="utf-8", errors="replace")
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out={str(out)!r} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file above it, no permission
+        raise ValueError(f"--out={str(out)!r} cannot be created ({e.strerror})") from None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -311,8 +318,6 @@ def train_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts(), trainer)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
@@ -406,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _command(args: argparse.Namespace) -> None:
     if args.command == "sample":
         writer_of(args.out)  # before making the samples
+        for flag, value in (("--num-samples", args.num_samples), ("--seq-len", args.seq_len)):
+            if value < 1:
+                raise ValueError(f"{flag}={value} must be positive")
         if args.lengths == "lognormal" and Path(args.out).suffix.lower() == ".npy":
             raise ValueError(f"{args.out}: .npy holds examples of one length; use .jsonl or .pkl")
         if args.lengths == "lognormal":
@@ -424,7 +432,10 @@ def _command(args: argparse.Namespace) -> None:
             examples = [e[:n] for e, n in zip(examples, lengths, strict=True)]
         if args.stream:
             examples = [np.concatenate(examples)]
-        save_dataset(args.out, examples)
+        try:
+            save_dataset(args.out, examples)
+        except OSError as e:  # a directory that does not exist, or is a file; no permission
+            raise ValueError(f"--out={args.out!r} cannot be written ({e.strerror})") from None
         count, sizes = len(examples), [len(e) for e in examples]
         span = f"{sizes[0]}" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
         plural = "s" * (count > 1)
@@ -458,7 +469,9 @@ def _command(args: argparse.Namespace) -> None:
         )
     else:
         file = train_tokenizer(args.files, args.out, vocab_size=args.vocab_size)
-        print(f"wrote {file}: vocab_size={args.vocab_size}")
+        size = tokenizer_vocab_size(file)
+        short = f" (of --vocab-size {args.vocab_size}: the text has no more merges)"
+        print(f"wrote {file}: vocab_size={size}{short if size < args.vocab_size else ''}")
 
 
 if __name__ == "__main__":

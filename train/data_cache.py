@@ -173,8 +173,10 @@ class TokenCache:
                 reasons.append(f"its text was tokenized by another tokenizer ({used['path']})")
         return reasons
 
-    def rows(self, seq_len: int, *, mask_boundaries: bool = True) -> CachedRows:
-        return CachedRows(self, seq_len, mask_boundaries=mask_boundaries)
+    def rows(
+        self, seq_len: int, *, mask_boundaries: bool = True, pad_last: bool = False
+    ) -> CachedRows:
+        return CachedRows(self, seq_len, mask_boundaries=mask_boundaries, pad_last=pad_last)
 
 
 def open_cache(path: str | Path, *, vocab_size: int | None = None) -> TokenCache:
@@ -190,17 +192,27 @@ class CachedRows:
 
     Row ``r`` is stream positions ``[r * seq_len, (r + 1) * seq_len)``; its labels read
     one position further (``-100`` past the stream's end, and across a document
-    boundary with ``mask_boundaries``). Quacks like :class:`train.dataset.Rows` for
-    :class:`train.data.Batches`: ``num_rows``, ``seq_len``, ``take``.
+    boundary with ``mask_boundaries``); with ``pad_last`` a last row past the stream's
+    end is filled as :meth:`train.dataset.TokenDataset.rows` fills it. Quacks like
+    :class:`train.dataset.Rows` for :class:`train.data.Batches`: ``num_rows``,
+    ``seq_len``, ``take``.
     """
 
-    def __init__(self, cache: TokenCache, seq_len: int, *, mask_boundaries: bool = True):
+    def __init__(
+        self,
+        cache: TokenCache,
+        seq_len: int,
+        *,
+        mask_boundaries: bool = True,
+        pad_last: bool = False,
+    ):
         if seq_len < 1:
             raise ValueError(f"{seq_len=} must be positive")
         self.cache = cache
         self.mask_boundaries = mask_boundaries
         self._seq_len = seq_len
-        self._num_rows = cache.num_tokens // seq_len
+        rounding = seq_len - 1 if pad_last else 0
+        self._num_rows = (cache.num_tokens + rounding) // seq_len
         if self._num_rows == 0:
             raise ValueError(
                 f"{cache.path}: {cache.num_tokens} tokens do not fill one row of {seq_len=}"
@@ -221,22 +233,31 @@ class CachedRows:
         starts = starts[starts < self._num_rows * self._seq_len]
         return bool((starts % self._seq_len).any())
 
+    @property
+    def labelled(self) -> bool:
+        """Whether some token of the cache has a label (its records' are not all ``-100``)."""
+        return self.cache.meta["max_label"] >= 0
+
     def take(self, ids) -> Rows:
         """Rows ``ids`` as int32 arrays ``[len(ids), seq_len]``."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self._num_rows):
             raise IndexError(f"row ids must be in [0, {self._num_rows}), got {ids}")
         L, n = self._seq_len, self.cache.num_tokens
-        out = [np.empty((ids.size, L), np.int32) for _ in range(3)]
+        out = [np.zeros((ids.size, L), np.int32) for _ in range(3)]
         for j, r in enumerate(ids):
             begin = int(r) * L
             end = min(begin + L + 1, n)  # one past the row, for its last label
-            docs = np.searchsorted(self.cache.offsets, np.arange(begin, end), side="right") - 1
-            out[0][j] = self.cache.tokens[begin : begin + L]
+            # Padding past the stream's end (`pad_last`) joins the last document.
+            at = np.minimum(np.arange(begin, max(end, begin + L)), n - 1)
+            docs = np.searchsorted(self.cache.offsets, at, side="right") - 1
+            tokens = self.cache.tokens[begin : begin + L]
+            out[0][j, : len(tokens)] = tokens
             labels = np.full(L, IGNORE_INDEX, np.int32)
             labels[: end - begin - 1] = self.cache.targets[begin + 1 : end]
             if self.mask_boundaries:
-                labels[: end - begin - 1][docs[1:] != docs[:-1]] = IGNORE_INDEX
+                crossing = docs[1 : end - begin] != docs[: end - begin - 1]
+                labels[: end - begin - 1][crossing] = IGNORE_INDEX
             out[1][j] = labels
             out[2][j] = docs[:L] - docs[0]
         return Rows(*out)
@@ -442,11 +463,13 @@ def packed_rows(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     cache_root: str | Path | None = None,
+    pad_last: bool = False,
 ) -> Rows | CachedRows:
     """The trainer's rows of ``path``: a token cache directory (checked against
     ``eos_id``, ``tokenizer`` and its recorded source), a data file cached under
     ``cache_root`` (built on first use, rebuilt when stale), or without ``cache_root``
-    a data file loaded into memory."""
+    a data file loaded into memory. ``pad_last``: the tail that does not fill a row
+    makes a last row, filled up (evaluation), instead of being dropped."""
     if is_cache(path):
         cache = open_cache(path, vocab_size=vocab_size)
         stale = cache.mismatch(tokenizer=tokenizer, eos_id=eos_id)
@@ -459,7 +482,7 @@ def packed_rows(
                 "rebuild it: python -m train.data cache "
                 f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
-        return cache.rows(seq_len)
+        return cache.rows(seq_len, pad_last=pad_last)
     if cache_root:
         if blocked := _file_in_the_way(cache_root):
             raise ValueError(f"--data_cache_dir={str(cache_root)!r}: {blocked} is not a directory")
@@ -469,6 +492,6 @@ def packed_rows(
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
-        return cache.rows(seq_len)
+        return cache.rows(seq_len, pad_last=pad_last)
     dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
-    return dataset.rows(seq_len, eos_id=eos_id)
+    return dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last)

@@ -7,7 +7,9 @@ tokenized once, for datasets that should not be loaded whole into memory.
 Row scheme (:meth:`TokenDataset.rows`): all examples are concatenated, in file order,
 into one token stream (each followed by ``eos_id`` when one is given) and the stream is
 cut into consecutive, non-overlapping rows of ``seq_len`` tokens; the tail that does not
-fill a row is dropped. ``labels[t]`` is the label of the stream token *after*
+fill a row is dropped (training), or with ``pad_last`` (evaluation) filled up to a row
+with token 0, labelled ``-100``, in the last example's segment: after every real token,
+so causal attention never reads it. ``labels[t]`` is the label of the stream token *after*
 ``input_ids[t]``: already shifted, so ``labels[t]`` is the target of ``logits[t]``
 (``models.loss`` convention). The last row's last label looks past the stream and is
 ``-100``. With ``mask_boundaries=True`` (default) a label whose token belongs to a
@@ -58,6 +60,11 @@ class Rows(NamedTuple):
     def packed(self) -> bool:
         """Whether some row holds more than one example (ids count up from 0 in a row)."""
         return bool(self.num_rows) and bool(self.segment_ids[:, -1].any())
+
+    @property
+    def labelled(self) -> bool:
+        """Whether some token of the rows has a label (not all ``-100``)."""
+        return bool((self.labels != IGNORE_INDEX).any())
 
     def take(self, ids: np.ndarray) -> Rows:
         """The rows ``ids`` (an int array), contiguous copies. :class:`Batches` and the
@@ -153,7 +160,12 @@ class TokenDataset:
         }
 
     def rows(
-        self, seq_len: int, *, eos_id: int | None = None, mask_boundaries: bool = True
+        self,
+        seq_len: int,
+        *,
+        eos_id: int | None = None,
+        mask_boundaries: bool = True,
+        pad_last: bool = False,
     ) -> Rows:
         """Packs the examples into rows of ``seq_len`` tokens with shifted labels.
 
@@ -162,13 +174,21 @@ class TokenDataset:
             eos_id: if given, appended after every example (as part of it) that does
                 not already end with it.
             mask_boundaries: set labels that cross from one example into the next to -100.
+            pad_last: fill the tail up to a last row (ignored tokens) instead of dropping
+                it: every token is evaluated.
 
         Returns:
-            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens).
+            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens;
+            rounded up with ``pad_last``).
         """
         if seq_len < 1:
             raise ValueError(f"{seq_len=} must be positive")
         tokens, targets, docs = self._stream(eos_id)
+        if pad_last and len(tokens) % seq_len:
+            fill = seq_len - len(tokens) % seq_len
+            tokens = np.append(tokens, np.zeros(fill, np.int32))
+            targets = np.append(targets, np.full(fill, IGNORE_INDEX, np.int32))
+            docs = np.append(docs, np.full(fill, docs[-1], np.int32))
         num_rows = len(tokens) // seq_len
         if num_rows == 0:
             raise ValueError(f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}")

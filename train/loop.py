@@ -47,6 +47,9 @@ class _Timer:
     start: float = 0.0
     tokens: int = 0
     steps: int = 0  # timed steps in the window (compilation's step is not one)
+    # Tokens a step computes: its rows x their length, labelled or not (what throughput,
+    # TFLOP/s and MFU count; the loss counts only the labelled ones).
+    step_tokens: int = 0
     profile: tuple[int, int] | None = None  # the traced steps, 0-based `(first, stop)`
     traced: bool = False  # the window holds a traced step (slower under the profiler)
 
@@ -451,7 +454,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     # Not a terminal (a log file, a batch job): one line per logging step instead of a bar.
     lines = is_main and cfg.run.progress and not sys.stdout.isatty()
     history = []
-    timer = _Timer(profile=profile)
+    step_tokens = t.global_batch * t.accum * cfg.data.model_max_length
+    timer = _Timer(profile=profile, step_tokens=step_tokens)
     finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, lines, total_steps)
     steps_per_epoch = t.batches.steps_per_epoch
     # Metrics are fetched one step late (the next step is already queued), except at
@@ -495,15 +499,20 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 if pending is not None:  # the step's own record goes first
                     history.append(_finish(pending, *finish_args))
                     pending = None
+                began = time.perf_counter()
                 history.append(_evaluate(t, state["params"], done, writer, log, bar))
+                # Training speed: the window leaves an evaluation's (and a save's) time out.
+                timer.start += time.perf_counter() - began
             if save:
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
+                began = time.perf_counter()
                 with outputs.signals_held():  # a save is never cut off by Ctrl-C
                     ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
                 saved_any = True
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
+                timer.start += time.perf_counter() - began
             # Saves are asynchronous: the first whole checkpoint shows up steps later.
             if aside is not None and saved_any and outputs.saved_steps(out):
                 line = outputs.settle(aside, out, good=True)
@@ -772,7 +781,7 @@ def _finish(
     if timer.start == 0.0:  # the first step includes compilation: throughput starts after it
         timer.start = time.perf_counter()
     else:
-        timer.tokens += int(metrics["tokens"])
+        timer.tokens += timer.step_tokens
         timer.steps += 1
     record = {
         "step": done,
