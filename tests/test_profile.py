@@ -1300,12 +1300,13 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
 
 
-def _no_space_for_reports(monkeypatch):
-    """`os.replace` onto a report.json fails as a full disk does (other files move)."""
+def _no_space_for_reports(monkeypatch, name: str = "report.json"):
+    """`os.replace` onto a file called `name` fails as a full disk does (other files
+    move)."""
     replace = os.replace
 
     def no_space(src, dst):
-        if str(dst).endswith("report.json"):
+        if os.path.basename(dst) == name:
             raise OSError(28, "No space left on device")
         replace(src, dst)
 
@@ -1346,6 +1347,28 @@ def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch
     assert e.value.code == f"error: --fill-xla-cost: cannot write {path} (No space left on device)"
     assert path.read_text() == before
     assert [p.name for p in timed.iterdir()] == ["report.json"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["report.md", "roofline.png"])
+def test_report_files_that_cannot_be_written_are_one_line(tmp_path, monkeypatch, capsys, name):
+    """report.md or a plot that cannot be written (a full disk) ends the tool with one
+    line naming the flag that chose the folder and the file, exit status 1, not a
+    traceback: the earlier file stays and no `.tmp` is left."""
+    import train.tools.profile as profile
+
+    (tmp_path / "report.json").write_text(json.dumps(_report([_report_row(256)])))
+    (tmp_path / name).write_bytes(b"the earlier file")
+    _no_space_for_reports(monkeypatch, name)
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--report-only", str(tmp_path)])
+    path = tmp_path / name
+    assert e.value.code == f"error: --report-only: cannot write {path} (No space left on device)"
+    assert path.read_bytes() == b"the earlier file"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(SystemExit) as e:
+        report_lib.render(_report([_report_row(256)]), str(tmp_path), "--fill-xla-cost")
+    assert e.value.code.startswith(f"error: --fill-xla-cost: cannot write {path} (")
     assert "Traceback" not in capsys.readouterr().err
 
 

@@ -846,7 +846,7 @@ def fill_xla_cost(out: str, report: dict, timeout: float, filled: dict) -> None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
         # a run stopped from outside keeps the rows it filled
         write_json(path, report, "--fill-xla-cost")
-    report_lib.render(report, out)
+    report_lib.render(report, out, "--fill-xla-cost")
     print(f"wrote {os.path.join(out, 'report.md')}")
 
 
@@ -1027,7 +1027,7 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
     except ValueError as e:
         parser.error(f"--report-only: {e}")
     try:
-        report_lib.render(report, directory)
+        report_lib.render(report, directory, "--report-only")
     except (KeyError, TypeError, ValueError) as e:
         what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
         parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
@@ -1272,7 +1272,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
         rows.append(_run_row(job, args.timeout, run_facts))
         write(rows)  # a run stopped from outside keeps the rows it finished
     report = write(rows)
-    report_lib.render(report, args.out)
+    report_lib.render(report, args.out, "--out")
     print(f"wrote {os.path.join(args.out, 'report.md')}")
     if rows and all(r.get("status") != "ok" for r in rows):
         sys.exit("error: every row failed (see report.md)")

@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
+from train.tools.jsonfile import write_text, write_whole  # noqa: E402
 from train.tools.trace import kernel_label  # noqa: E402
 
 # PyTorch + LightSeq's published numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
@@ -1143,8 +1144,9 @@ def plots_written(report: dict) -> list[str]:
     return [plot.name for plot in PLOTS if ok and plot.rows(ok)]
 
 
-def draw_plot(plot: Plot, report: dict, path: str) -> None:
-    """Draws one `PLOTS` entry from the report's measured rows into `path`."""
+def draw_plot(plot: Plot, report: dict, path: str, flag: str = "--out") -> None:
+    """Draws one `PLOTS` entry from the report's measured rows into `path`, written as
+    `write_whole` writes (`flag`: the command-line flag that chose its folder)."""
     rows = plot.rows(_ok(report))
     n = plot.panels(rows)
     width, height = plot.panel_size
@@ -1158,21 +1160,23 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
     fig.tight_layout()
     if plot.place:
         plot.place(fig)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    try:
+        write_whole(path, lambda f: fig.savefig(f, format="png", dpi=DPI), flag, binary=True)
+    finally:
+        plt.close(fig)
 
 
-def render(report: dict, out_dir: str) -> list[str]:
+def render(report: dict, out_dir: str, flag: str = "--out") -> list[str]:
     """Writes report.md and the plots into `out_dir`; returns the files written. The
     markdown is formed first, so a report it cannot render (a field missing) changes no
-    file, and report.md is replaced whole."""
+    file. Each file is replaced whole (`train.tools.jsonfile.write_whole`): one that
+    cannot be written ends the tool with one line naming `flag` (the command-line flag
+    that chose `out_dir`) and the file, and keeps its earlier version."""
     text = markdown(report)
     names = plots_written(report)
     paths = [os.path.join(out_dir, f"{plot.name}.png") for plot in PLOTS if plot.name in names]
     for plot, path in zip((p for p in PLOTS if p.name in names), paths, strict=True):
-        draw_plot(plot, report, path)
+        draw_plot(plot, report, path, flag)
     md = os.path.join(out_dir, "report.md")
-    with open(md + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(md + ".tmp", md)
+    write_text(md, text, flag)
     return [md, *paths]
