@@ -89,6 +89,21 @@ def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
     )
 
 
+def test_trace_cli_ends_quietly_on_a_closed_pipe():
+    """`python -m train.tools.trace TRACE | head -1`: a reader that closed the pipe
+    before the summary is written ends the tool quietly, exit status 141 (128 +
+    SIGPIPE), no BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "train.tools.trace", GPU_TRACE]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # closed before the tool has read the trace, let alone printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
 def test_mean_and_none_fields():
     b = trace.parse(GPU_TRACE).mean
     assert trace.mean([b, b]) == b
