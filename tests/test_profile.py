@@ -1353,8 +1353,8 @@ def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch
 
     timed = tmp_path / "timed"
     timed.mkdir()
-    report = _report([_report_row(256, xla=None, hbm_gbps=None, xla_cost=False)])
-    (timed / "report.json").write_text(json.dumps(report))
+    row = _report_row(256, xla=None, hbm_gbps=None, xla_cost=False, device_kind="cpu")
+    (timed / "report.json").write_text(json.dumps(_report([row])))
     before = (timed / "report.json").read_text()
     with pytest.raises(SystemExit) as e:
         profile.main(["--fill-xla-cost", str(timed)])
@@ -1405,6 +1405,7 @@ def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatc
         _report_row(256, name="tiny-256", xla=None, hbm_gbps=None, xla_cost=False),
         _report_row(512, name="tiny-512"),
     ]
+    rows = [{**r, "device_kind": "TPU v9"} for r in rows]
     (tmp_path / "report.json").write_text(json.dumps(_report(rows)))
     before = report_lib.markdown(_report(rows))
     assert "filled in afterwards" not in before
@@ -1424,6 +1425,39 @@ def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatc
     assert "in rows filled in afterwards, as the header says, the bytes of a later" in md
     assert "Step: model FLOPs ÷ XLA's bytes (filled in afterwards in the rows the" in md
     capsys.readouterr()
+
+
+def test_fill_xla_cost_refuses_rows_timed_on_another_device(tmp_path, monkeypatch, capsys):
+    """`--fill-xla-cost DIR` on a machine whose devices are of another kind than the one
+    a row was timed on (`device_kind` in report.json): bytes compiled here would be
+    divided by a step timed there, so it is refused in one line naming both devices,
+    exit status 2, before anything is compiled; report.json stays as it was."""
+    import train.tools.profile as profile
+
+    ran = []
+
+    def child(kind, payload, timeout, what):
+        ran.append(kind)
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        return {"xla": {"flops": 2e9, "bytes": 5e8, "method": "test"}}
+
+    monkeypatch.setattr(profile, "_child", child)
+    path = tmp_path / "report.json"
+    for device, named in (("NVIDIA H200", "NVIDIA H200"), (None, "an unrecorded device")):
+        row = _report_row(256, xla=None, hbm_gbps=None, xla_cost=False, device_kind=device)
+        path.write_text(json.dumps(_report([row])))
+        before = path.read_text()
+        with pytest.raises(SystemExit) as e:
+            profile.main(["--fill-xla-cost", str(tmp_path)])
+        assert e.value.code == 2 and ran == ["devices"], ran
+        assert capsys.readouterr().err == (
+            f"error: --fill-xla-cost: row 'tiny-256' in {path} was timed on {named}, this "
+            "machine's devices are cpu: fill it in on the kind of device it was timed on "
+            "(nothing was run)\n"
+        )
+        assert path.read_text() == before and sorted(os.listdir(tmp_path)) == ["report.json"]
+        ran.clear()
 
 
 def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
