@@ -694,7 +694,8 @@ def test_profile_row_names_of_local_models_are_file_names(tmp_path):
 @pytest.mark.slow
 def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     """`--models /abs/path/to/model`: the row's traces and trainer outputs stay under
-    --out (not beside the model directory); the report still names the model's path."""
+    --out (not beside the model directory); the report shows it as its row's name
+    begins and names the model's path."""
     import models
 
     model_dir = tmp_path / "models" / "mine"
@@ -720,7 +721,7 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     line = "ok: {:.1f} ms/step, {:.0f} tokens/s (timed step 1; traced step 2: slower under "
     assert line.format(row["step_ms"], row["tokens_per_s"]) in proc.stdout, proc.stdout
     md = (out / "report.md").read_text()
-    assert f"| {model_dir} | 256 | seq=2 |" in md
+    assert "| local-mine | 256 | seq=2 |" in md and f"`local-mine` is `{model_dir}`" in md
     assert row["xla_cost"] is False and "XLA cost analysis not run (--no-xla-cost;" in md
 
 
@@ -1500,6 +1501,41 @@ class _Device:
 
     def memory_stats(self):
         return self._stats
+
+
+def test_report_names_local_models_as_their_rows_do(tmp_path, capsys):
+    """A local directory named after a preset (`--models llama3.2-1b` where such a
+    folder exists) is shown in the tables and plots as its rows' names begin,
+    `local-llama3.2-1b`, never as the preset, and one line says which directory it is;
+    a report.json whose rows recorded no label still renders, its models as given."""
+    from train.tools.profile import main
+
+    local = _report_row(256, name="local-llama3.2-1b-256", model="llama3.2-1b")
+    local["label"] = "local-llama3.2-1b"
+    preset = _report_row(256, name="llama3.2-1b-256", model="llama3.2-1b", label="llama3.2-1b")
+    failed = {**local, "status": "error", "error": "x", "name": "local-llama3.2-1b-512"}
+    report = _report([local, preset, {**failed, "context": 512}])
+    md = report_lib.markdown(report)
+    tables = [line for line in md.splitlines() if line.startswith("| ")]
+    assert sum(line.startswith("| local-llama3.2-1b | 256 | seq=2 |") for line in tables) == 4
+    assert sum(line.startswith("| llama3.2-1b | 256 | seq=2 |") for line in tables) == 4
+    assert "| local-llama3.2-1b | 512 | seq=2 | error |" in md
+    assert (
+        "Column `model` names each model as its rows' names begin (a local directory: "
+        "`local-` and its basename): `local-llama3.2-1b` is `llama3.2-1b`." in md
+    )
+    assert list(report_lib._series(_report([local, preset])["rows"])) == [
+        "local-llama3.2-1b (seq=2)",
+        "llama3.2-1b (seq=2)",
+    ]
+
+    old = _report([_report_row(256)])  # rows without `label`
+    assert "label" not in old["rows"][0]
+    (tmp_path / "report.json").write_text(json.dumps(old))
+    main(["--report-only", str(tmp_path)])
+    md = (tmp_path / "report.md").read_text()
+    assert "| tiny | 256 | seq=2 |" in md and "Column `model` names" not in md
+    capsys.readouterr()
 
 
 def test_report_says_why_mfu_and_peak_memory_are_missing():

@@ -15,7 +15,8 @@ TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
 (`<model>`: a preset's name, or `local-` and a local model directory's basename, made
-unique; the report shows the model as given).
+unique; the report's tables and plots show it so, and say which directory each
+`local-` name is).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.

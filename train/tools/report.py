@@ -303,8 +303,30 @@ def _mesh(row: dict) -> str:
     return label + ("" if row.get("scan_layers", True) else " +unrolled")
 
 
+def _model(row: dict) -> str:
+    """The row's model as its name begins (`label` in report.json: a preset's name, or
+    `local-` and a local directory's basename, made unique), so a local directory is
+    never shown as the preset it may be named after; the model as given where the row
+    recorded no label (a report.json written before rows did)."""
+    return row.get("label") or row["model"]
+
+
+def models_note(rows: list[dict]) -> list[str]:
+    """The lines saying which model each `model` column entry that differs from the
+    model as given stands for (`local-mine` for `/data/mine`); none where none does."""
+    given = dict.fromkeys((_model(r), r["model"]) for r in rows if _model(r) != r["model"])
+    if not given:
+        return []
+    said = "; ".join(f"`{label}` is `{model}`" for label, model in given)
+    return [
+        "Column `model` names each model as its rows' names begin (a local directory: "
+        f"`local-` and its basename): {said}.",
+        "",
+    ]
+
+
 def _label(row: dict) -> str:
-    return f"{row['model']} ({_mesh(row)})"
+    return f"{_model(row)} ({_mesh(row)})"
 
 
 def row_fact(report: dict, row: dict, key: str):
@@ -415,7 +437,7 @@ def _per_row_tables(rows, key: str, title: str, intro: str, header, cells) -> li
         return []
     lines = [title, "", intro, ""]
     for r in rows:
-        lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
+        lines += [f"**{_model(r)}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
         lines += _table(header(r), [cells(k) for k in r[key]])
     return lines
 
@@ -469,6 +491,7 @@ def markdown(report: dict) -> str:
         "heads).",
         "",
     ]
+    lines += models_note(rows)
     lines += layers_note(report, ok)
     lines += ["## Time per step (ms per device)", ""]
     lines += [
@@ -496,7 +519,7 @@ def markdown(report: dict) -> str:
             "exposed comm.",
         ],
         [
-            [r["model"], _ctx(r["context"]), _mesh(r), r["layers"]]
+            [_model(r), _ctx(r["context"]), _mesh(r), r["layers"]]
             + [_mean(r)[f"{p}_ms"] for p in PHASES]
             + [
                 _mean(r)["step_ms"],
@@ -547,7 +570,7 @@ def markdown(report: dict) -> str:
         ],
         [
             [
-                r["model"],
+                _model(r),
                 _ctx(r["context"]),
                 _mesh(r),
                 r["step_ms"],
@@ -589,7 +612,7 @@ def markdown(report: dict) -> str:
             "phase share named",
         ],
         [
-            [r["model"], _ctx(r["context"]), _mesh(r)]
+            [_model(r), _ctx(r["context"]), _mesh(r)]
             + [_mean(r)[f"{c}_ms"] for c in CLASSES]
             + [
                 _mean(r)["step_ms"] - _mean(r)["idle_ms"],
@@ -677,7 +700,7 @@ def markdown(report: dict) -> str:
             "matmul TFLOP/s",
         ],
         [
-            [r["model"], _ctx(r["context"]), _mesh(r)]
+            [_model(r), _ctx(r["context"]), _mesh(r)]
             + [
                 point(r, k, f)
                 for k in ("step", "attention", "matmul")
@@ -705,7 +728,7 @@ def markdown(report: dict) -> str:
             ["model", "context", "mesh", "status", "detail"],
             [
                 [
-                    r["model"],
+                    _model(r),
                     _ctx(r["context"]),
                     _mesh(r),
                     r.get("status"),
@@ -795,7 +818,7 @@ def _by_shape(ok: list[dict]) -> dict[str, list[dict]]:
     """Rows of one model and context, over device counts."""
     groups: dict[str, list[dict]] = {}
     for r in ok:
-        groups.setdefault(f"{r['model']} {_ctx(r['context'])}", []).append(r)
+        groups.setdefault(f"{_model(r)} {_ctx(r['context'])}", []).append(r)
     return {k: sorted(v, key=lambda r: r["devices"]) for k, v in groups.items()}
 
 
@@ -861,7 +884,7 @@ def _memory():
 
 
 def _models(rows: list[dict]) -> int:
-    return len(dict.fromkeys(r["model"] for r in rows))
+    return len(dict.fromkeys(_model(r) for r in rows))
 
 
 # Text sizes for sizing a figure before it is drawn: inches per character of a label
@@ -887,8 +910,8 @@ def _stacked_width(rows: list[dict]) -> float:
     """Inches a `_stacked` panel needs: each mesh's group as wide as its bars or its
     longest label line, whichever is wider, and the axis' own margin."""
     widths = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        groups = _mesh_groups([r for r in rows if r["model"] == model])
+    for model in dict.fromkeys(_model(r) for r in rows):
+        groups = _mesh_groups([r for r in rows if _model(r) == model])
         width = 1.4  # the y label, ticks and the panel's padding
         for mesh, rs in groups:
             line = max(len(x) for x in _mesh_lines(mesh).split("\n"))
@@ -903,9 +926,9 @@ def _stacked(parts: tuple[str, ...]):
     grouped by mesh (named once under its group), with the timed step as a mark."""
 
     def draw(axes, rows, report):
-        models = list(dict.fromkeys(r["model"] for r in rows))
+        models = list(dict.fromkeys(_model(r) for r in rows))
         for ax, model in zip(axes, models, strict=True):
-            groups = _mesh_groups([r for r in rows if r["model"] == model])
+            groups = _mesh_groups([r for r in rows if _model(r) == model])
             xs, rs, centers, x = [], [], [], 0.0
             for mesh, group in groups:
                 line = max(len(t) for t in _mesh_lines(mesh).split("\n"))
