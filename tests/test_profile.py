@@ -1612,9 +1612,10 @@ def test_report_says_why_xla_cost_columns_are_missing():
 
 def test_report_says_where_a_point_is_above_its_measured_roof(tmp_path):
     """A roofline point above the measured roof at its intensity (a matmul at 619.9
-    TFLOP/s under a 616 TFLOP/s matmul ceiling, a step above the copy bandwidth's line)
+    TFLOP/s under a 615.9 TFLOP/s matmul ceiling, a step above the copy bandwidth's line)
     is said under the intensity table, with the rows and why a measured point can be
-    there, and ringed in the plot; points under their roof are not named."""
+    there, and ringed in the plot; points under their roof are not named. The roof is
+    written alike in that note, the Ceilings section and the plot's legend."""
     import matplotlib.pyplot as plt
 
     def row(context, matmul_tflops, step=None):
@@ -1654,12 +1655,17 @@ def test_report_says_where_a_point_is_above_its_measured_roof(tmp_path):
         "point's intensity × the copy bandwidth measured at startup"
     ) in intensity
     assert "(tiny-256)" not in intensity
+    ceilings_section = md.split("## Ceilings")[1].split("##")[0]
+    assert "- bfloat16 matmul 8192^3 (gpu: NVIDIA H200): 615.9 TFLOP/s" in ceilings_section
+    assert "- copy of 1024 MiB, read + write (gpu: NVIDIA H200): 3,000 GB/s" in ceilings_section
 
     fig, ax = plt.subplots()
     rows = report_lib._ok(report)
     report_lib._roofline()([ax], rows, report)
     [ring] = [line for line in ax.get_lines() if line.get_label() == report_lib.ABOVE_ROOF]
     assert sorted(ring.get_ydata()) == [95.0, 619.9, 620.5]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "ceilings: 615.9 TFLOP/s, 3,000 GB/s (ridge 205.3 FLOP/B)" in labels, labels
     plt.close(fig)
 
 

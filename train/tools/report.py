@@ -262,6 +262,10 @@ def single_point(ok: list[dict]) -> bool:
 
 
 def _fmt(value, digits: int = 3) -> str:
+    """A value as the report writes every number it measured (tables, notes, ceilings,
+    the roofline's legend): `–` for None; a float with `digits` significant digits,
+    one decimal from 100 and thousands grouped from 1000 (`0.0123`, `61.6`, `615.9`,
+    `4,812`), so a point just above a roof reads above it (`619.9 > 615.9`)."""
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -715,8 +719,8 @@ def markdown(report: dict) -> str:
         lines += [
             "## Ceilings (measured on this machine at startup)",
             "",
-            f"- {ceil['matmul_label']}: {significant(ceil['matmul_tflops'])} TFLOP/s",
-            f"- {ceil['copy_label']}: {significant(ceil['copy_gbps'])} GB/s",
+            f"- {ceil['matmul_label']}: {_fmt(ceil['matmul_tflops'])} TFLOP/s",
+            f"- {ceil['copy_label']}: {_fmt(ceil['copy_gbps'])} GB/s",
             "",
         ]
     if any(r.get("platform") == "gpu" for r in ok):  # a GPU reference, beside GPU rows
@@ -999,7 +1003,8 @@ def _roofline():
                 [min(peak, x * bw * 1e9 / 1e12) for x in grid],
                 "k-",
                 lw=1.5,
-                label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
+                label=f"ceilings: {_fmt(peak)} TFLOP/s, {_fmt(bw)} GB/s "
+                f"(ridge {_fmt(ridge)} FLOP/B)",
             )
         markers = {"step": "o", "attention": "^", "matmul": "s"}
         for i, label in enumerate(_series(rows)):
@@ -1048,7 +1053,7 @@ def _roofline():
 
 def _roofline_width(rows: list[dict]) -> float:
     """Inches the roofline needs: its axes and, beside them, the legend's longest entry."""
-    ceilings = len("ceilings: 1e+03 TFLOP/s, 4.8e+03 GB/s (ridge 200 FLOP/B)")
+    ceilings = len("ceilings: 999.9 TFLOP/s, 4,800 GB/s (ridge 999.9 FLOP/B)")
     longest = max([ceilings, len(ABOVE_ROOF), *(len(label) for label in _series(rows))])
     return 6.5 + longest * LABEL_FONT * CHAR_IN_PER_PT + 0.6
 
