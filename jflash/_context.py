@@ -15,6 +15,7 @@ import warnings
 
 import jax
 from jax import lax
+from jax._src import core  # is_concrete: a value known without jit tracing
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
@@ -140,6 +141,38 @@ def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
             f"{mesh.axis_names=}, {mesh.axis_types=}"
         )
     return tuple(None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
+
+
+def _specs(seq_axis, batch_spec) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+    """The global arrays' specs over the mesh: q/k/v/out, LSE and segment ids, the
+    sequence split over `seq_axis` and the batch over `batch_spec`."""
+    names = _names(seq_axis)
+    seq_spec = names if len(names) > 1 else names[0]
+    return (
+        PartitionSpec(batch_spec, seq_spec, None, None),
+        PartitionSpec(batch_spec, None, seq_spec),
+        PartitionSpec(batch_spec, seq_spec),
+    )
+
+
+def _onto_mesh(x, mesh, spec: PartitionSpec):
+    """`x` put onto `mesh` with `spec` (as `jax.device_put` puts it) where its value is
+    a concrete jax Array on devices other than the mesh's (committed to one device,
+    say), which the jitted `shard_map` would refuse: an array, or one an eager
+    `jax.grad` traces (the transfer is differentiated). Anything else (values traced
+    under `jax.jit`, numpy arrays, arrays already on the mesh's devices) as it is."""
+    value = x
+    if isinstance(x, jax.core.Tracer):
+        value = x.to_concrete_value() if core.is_concrete(x) else None
+    if (
+        isinstance(mesh, Mesh)
+        and isinstance(value, jax.Array)
+        and value.is_fully_addressable
+        and not mesh.is_multi_process
+        and value.devices() != set(mesh.devices.flat)
+    ):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    return x
 
 
 def _mosaic_interpret_error(num_devices: int) -> NotImplementedError:
@@ -416,7 +449,9 @@ def ring_attention(
 
     Global arrays in, global arrays out: builds a `jax.shard_map` over `mesh` around
     `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
-    not); the sequence dimension is split over the `seq_axis` mesh axes. Works with
+    not); the sequence dimension is split over the `seq_axis` mesh axes. Called
+    outside `jax.jit`, arrays on other devices than the mesh's (committed to one
+    device, say) are first put onto it, as `jax.device_put` would. Works with
     Explicit and Auto mesh axes, inside `jax.jit` next to other sharded code. Code
     that is already inside a `shard_map` (over any axes) calls `ring_attention_shard`:
     this function is refused there.
@@ -507,6 +542,9 @@ def ring_attention(
         segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
+    qkv_spec, _, seg_spec = _specs(seq_axis, batch or None)
+    q, k, v = (_onto_mesh(x, mesh, qkv_spec) for x in (q, k, v))
+    segs = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, seg_spec), segs)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
     cfg = ring_config(
         names[0],
@@ -557,11 +595,7 @@ def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options, check_vma):
     `mesh`, on global arrays. Jitted: an eager `shard_map` would run the ring op by
     op (seconds for a few tokens on CPU), and a second call reuses the program."""
     options = dict(options)
-    names = _names(options["axis_name"])
-    seq_spec = names if len(names) > 1 else names[0]
-    qkv_spec = PartitionSpec(batch_spec, seq_spec, None, None)
-    lse_spec = PartitionSpec(batch_spec, None, seq_spec)
-    seg_spec = PartitionSpec(batch_spec, seq_spec)
+    qkv_spec, lse_spec, seg_spec = _specs(options["axis_name"], batch_spec)
 
     def body(q, k, v, segs):
         return ring_attention_shard(q, k, v, segment_ids=segs, return_lse=True, **options)

@@ -89,6 +89,21 @@ def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
     )
 
 
+def test_trace_cli_ends_quietly_on_a_closed_pipe():
+    """`python -m train.tools.trace TRACE | head -1`: a reader that closed the pipe
+    before the summary is written ends the tool quietly, exit status 141 (128 +
+    SIGPIPE), no BrokenPipeError traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "train.tools.trace", GPU_TRACE]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    proc.stdout.close()  # closed before the tool has read the trace, let alone printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert err == ""
+
+
 def test_mean_and_none_fields():
     b = trace.parse(GPU_TRACE).mean
     assert trace.mean([b, b]) == b
@@ -679,7 +694,8 @@ def test_profile_row_names_of_local_models_are_file_names(tmp_path):
 @pytest.mark.slow
 def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     """`--models /abs/path/to/model`: the row's traces and trainer outputs stay under
-    --out (not beside the model directory); the report still names the model's path."""
+    --out (not beside the model directory); the report shows it as its row's name
+    begins and names the model's path."""
     import models
 
     model_dir = tmp_path / "models" / "mine"
@@ -705,7 +721,7 @@ def test_profile_cli_keeps_a_local_model_row_under_out(tmp_path):
     line = "ok: {:.1f} ms/step, {:.0f} tokens/s (timed step 1; traced step 2: slower under "
     assert line.format(row["step_ms"], row["tokens_per_s"]) in proc.stdout, proc.stdout
     md = (out / "report.md").read_text()
-    assert f"| {model_dir} | 256 | seq=2 |" in md
+    assert "| local-mine | 256 | seq=2 |" in md and f"`local-mine` is `{model_dir}`" in md
     assert row["xla_cost"] is False and "XLA cost analysis not run (--no-xla-cost;" in md
 
 
@@ -1300,12 +1316,13 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     assert (tmp_path / "partial" / "report.md").read_text() == "the last good report"
 
 
-def _no_space_for_reports(monkeypatch):
-    """`os.replace` onto a report.json fails as a full disk does (other files move)."""
+def _no_space_for_reports(monkeypatch, name: str = "report.json"):
+    """`os.replace` onto a file called `name` fails as a full disk does (other files
+    move)."""
     replace = os.replace
 
     def no_space(src, dst):
-        if str(dst).endswith("report.json"):
+        if os.path.basename(dst) == name:
             raise OSError(28, "No space left on device")
         replace(src, dst)
 
@@ -1337,8 +1354,8 @@ def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch
 
     timed = tmp_path / "timed"
     timed.mkdir()
-    report = _report([_report_row(256, xla=None, hbm_gbps=None, xla_cost=False)])
-    (timed / "report.json").write_text(json.dumps(report))
+    row = _report_row(256, xla=None, hbm_gbps=None, xla_cost=False, device_kind="cpu")
+    (timed / "report.json").write_text(json.dumps(_report([row])))
     before = (timed / "report.json").read_text()
     with pytest.raises(SystemExit) as e:
         profile.main(["--fill-xla-cost", str(timed)])
@@ -1346,6 +1363,28 @@ def test_profile_write_errors_are_one_line_naming_the_flag(tmp_path, monkeypatch
     assert e.value.code == f"error: --fill-xla-cost: cannot write {path} (No space left on device)"
     assert path.read_text() == before
     assert [p.name for p in timed.iterdir()] == ["report.json"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["report.md", "roofline.png"])
+def test_report_files_that_cannot_be_written_are_one_line(tmp_path, monkeypatch, capsys, name):
+    """report.md or a plot that cannot be written (a full disk) ends the tool with one
+    line naming the flag that chose the folder and the file, exit status 1, not a
+    traceback: the earlier file stays and no `.tmp` is left."""
+    import train.tools.profile as profile
+
+    (tmp_path / "report.json").write_text(json.dumps(_report([_report_row(256)])))
+    (tmp_path / name).write_bytes(b"the earlier file")
+    _no_space_for_reports(monkeypatch, name)
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--report-only", str(tmp_path)])
+    path = tmp_path / name
+    assert e.value.code == f"error: --report-only: cannot write {path} (No space left on device)"
+    assert path.read_bytes() == b"the earlier file"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    with pytest.raises(SystemExit) as e:
+        report_lib.render(_report([_report_row(256)]), str(tmp_path), "--fill-xla-cost")
+    assert e.value.code.startswith(f"error: --fill-xla-cost: cannot write {path} (")
     assert "Traceback" not in capsys.readouterr().err
 
 
@@ -1367,6 +1406,7 @@ def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatc
         _report_row(256, name="tiny-256", xla=None, hbm_gbps=None, xla_cost=False),
         _report_row(512, name="tiny-512"),
     ]
+    rows = [{**r, "device_kind": "TPU v9"} for r in rows]
     (tmp_path / "report.json").write_text(json.dumps(_report(rows)))
     before = report_lib.markdown(_report(rows))
     assert "filled in afterwards" not in before
@@ -1386,6 +1426,39 @@ def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatc
     assert "in rows filled in afterwards, as the header says, the bytes of a later" in md
     assert "Step: model FLOPs ÷ XLA's bytes (filled in afterwards in the rows the" in md
     capsys.readouterr()
+
+
+def test_fill_xla_cost_refuses_rows_timed_on_another_device(tmp_path, monkeypatch, capsys):
+    """`--fill-xla-cost DIR` on a machine whose devices are of another kind than the one
+    a row was timed on (`device_kind` in report.json): bytes compiled here would be
+    divided by a step timed there, so it is refused in one line naming both devices,
+    exit status 2, before anything is compiled; report.json stays as it was."""
+    import train.tools.profile as profile
+
+    ran = []
+
+    def child(kind, payload, timeout, what):
+        ran.append(kind)
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        return {"xla": {"flops": 2e9, "bytes": 5e8, "method": "test"}}
+
+    monkeypatch.setattr(profile, "_child", child)
+    path = tmp_path / "report.json"
+    for device, named in (("NVIDIA H200", "NVIDIA H200"), (None, "an unrecorded device")):
+        row = _report_row(256, xla=None, hbm_gbps=None, xla_cost=False, device_kind=device)
+        path.write_text(json.dumps(_report([row])))
+        before = path.read_text()
+        with pytest.raises(SystemExit) as e:
+            profile.main(["--fill-xla-cost", str(tmp_path)])
+        assert e.value.code == 2 and ran == ["devices"], ran
+        assert capsys.readouterr().err == (
+            f"error: --fill-xla-cost: row 'tiny-256' in {path} was timed on {named}, this "
+            "machine's devices are cpu: fill it in on the kind of device it was timed on "
+            "(nothing was run)\n"
+        )
+        assert path.read_text() == before and sorted(os.listdir(tmp_path)) == ["report.json"]
+        ran.clear()
 
 
 def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
@@ -1428,6 +1501,41 @@ class _Device:
 
     def memory_stats(self):
         return self._stats
+
+
+def test_report_names_local_models_as_their_rows_do(tmp_path, capsys):
+    """A local directory named after a preset (`--models llama3.2-1b` where such a
+    folder exists) is shown in the tables and plots as its rows' names begin,
+    `local-llama3.2-1b`, never as the preset, and one line says which directory it is;
+    a report.json whose rows recorded no label still renders, its models as given."""
+    from train.tools.profile import main
+
+    local = _report_row(256, name="local-llama3.2-1b-256", model="llama3.2-1b")
+    local["label"] = "local-llama3.2-1b"
+    preset = _report_row(256, name="llama3.2-1b-256", model="llama3.2-1b", label="llama3.2-1b")
+    failed = {**local, "status": "error", "error": "x", "name": "local-llama3.2-1b-512"}
+    report = _report([local, preset, {**failed, "context": 512}])
+    md = report_lib.markdown(report)
+    tables = [line for line in md.splitlines() if line.startswith("| ")]
+    assert sum(line.startswith("| local-llama3.2-1b | 256 | seq=2 |") for line in tables) == 4
+    assert sum(line.startswith("| llama3.2-1b | 256 | seq=2 |") for line in tables) == 4
+    assert "| local-llama3.2-1b | 512 | seq=2 | error |" in md
+    assert (
+        "Column `model` names each model as its rows' names begin (a local directory: "
+        "`local-` and its basename): `local-llama3.2-1b` is `llama3.2-1b`." in md
+    )
+    assert list(report_lib._series(_report([local, preset])["rows"])) == [
+        "local-llama3.2-1b (seq=2)",
+        "llama3.2-1b (seq=2)",
+    ]
+
+    old = _report([_report_row(256)])  # rows without `label`
+    assert "label" not in old["rows"][0]
+    (tmp_path / "report.json").write_text(json.dumps(old))
+    main(["--report-only", str(tmp_path)])
+    md = (tmp_path / "report.md").read_text()
+    assert "| tiny | 256 | seq=2 |" in md and "Column `model` names" not in md
+    capsys.readouterr()
 
 
 def test_report_says_why_mfu_and_peak_memory_are_missing():
@@ -1504,9 +1612,10 @@ def test_report_says_why_xla_cost_columns_are_missing():
 
 def test_report_says_where_a_point_is_above_its_measured_roof(tmp_path):
     """A roofline point above the measured roof at its intensity (a matmul at 619.9
-    TFLOP/s under a 616 TFLOP/s matmul ceiling, a step above the copy bandwidth's line)
+    TFLOP/s under a 615.9 TFLOP/s matmul ceiling, a step above the copy bandwidth's line)
     is said under the intensity table, with the rows and why a measured point can be
-    there, and ringed in the plot; points under their roof are not named."""
+    there, and ringed in the plot; points under their roof are not named. The roof is
+    written alike in that note, the Ceilings section and the plot's legend."""
     import matplotlib.pyplot as plt
 
     def row(context, matmul_tflops, step=None):
@@ -1546,12 +1655,17 @@ def test_report_says_where_a_point_is_above_its_measured_roof(tmp_path):
         "point's intensity × the copy bandwidth measured at startup"
     ) in intensity
     assert "(tiny-256)" not in intensity
+    ceilings_section = md.split("## Ceilings")[1].split("##")[0]
+    assert "- bfloat16 matmul 8192^3 (gpu: NVIDIA H200): 615.9 TFLOP/s" in ceilings_section
+    assert "- copy of 1024 MiB, read + write (gpu: NVIDIA H200): 3,000 GB/s" in ceilings_section
 
     fig, ax = plt.subplots()
     rows = report_lib._ok(report)
     report_lib._roofline()([ax], rows, report)
     [ring] = [line for line in ax.get_lines() if line.get_label() == report_lib.ABOVE_ROOF]
     assert sorted(ring.get_ydata()) == [95.0, 619.9, 620.5]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "ceilings: 615.9 TFLOP/s, 3,000 GB/s (ridge 205.3 FLOP/B)" in labels, labels
     plt.close(fig)
 
 

@@ -601,6 +601,37 @@ def test_eager_call_is_one_compiled_program(monkeypatch):
     np.testing.assert_allclose(jflash.unzigzag(first, 2), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.multi_device(8)
+@pytest.mark.parametrize("axis_types", [(AxisType.Explicit,), (AxisType.Auto,)])
+def test_inputs_committed_to_one_device_are_put_on_the_mesh(axis_types):
+    """Called eagerly with arrays committed to one device (of the mesh, or outside it),
+    ring_attention puts them onto the mesh as numpy inputs go, instead of jit refusing
+    the devices of its internal program; under an eager `jax.grad` too, the gradient
+    coming back to the input's device."""
+    mesh = _seq_mesh(4, axis_types)
+    q, k, v, *_ = make_inputs(
+        0, batch=2, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=8, dtype=jnp.float32
+    )
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    ids = np.repeat(np.arange(4, dtype=np.int32), 8)[None].repeat(2, axis=0)
+    call = dict(mesh=mesh, causal=True, implementation="xla")
+    want = jflash.ring_attention(q, k, v, segment_ids=ids, **call)
+    for device in (jax.devices()[0], jax.devices()[6]):
+        qd, kd, vd, idd = (jax.device_put(x, device) for x in (q, k, v, ids))
+        for segs in (idd, (idd, idd)):
+            out = jflash.ring_attention(qd, kd, vd, segment_ids=segs, **call)
+            assert out.sharding.mesh == mesh and out.sharding.spec[1] == "seq"
+            np.testing.assert_array_equal(out, want)
+        with jax.set_mesh(mesh):
+
+            def loss(q, k, v):
+                return jflash.ring_attention(q, k, v, **call).sum()
+
+            grad = jax.grad(loss)(qd, kd, vd)
+            assert grad.devices() == {device}
+            np.testing.assert_allclose(grad, jax.grad(loss)(q, k, v), atol=1e-6)
+
+
 @pytest.mark.multi_device(4)
 def test_ring_errors():
     mesh = _seq_mesh(4)

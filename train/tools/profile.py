@@ -15,7 +15,8 @@ TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
 (`<model>`: a preset's name, or `local-` and a local model directory's basename, made
-unique; the report shows the model as given).
+unique; the report's tables and plots show it so, and say which directory each
+`local-` name is).
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
@@ -797,6 +798,18 @@ def this_machine(timeout: float) -> dict:
     return result
 
 
+def device_error(what: str, recorded: str | None, machine: dict) -> str | None:
+    """Why `what` (`the ceilings in X were measured`), done on devices of kind `recorded`,
+    cannot be used on this machine (`this_machine`) in one phrase naming both kinds, or
+    None where they are the same kind."""
+    if recorded == machine["device_kind"]:
+        return None
+    return (
+        f"{what} on {recorded or 'an unrecorded device'}, this machine's devices are "
+        f"{machine['device_kind']}"
+    )
+
+
 def mesh_error(mesh: str, available: int | None = None) -> str | None:
     """Why `mesh` cannot run here, in one line, or None: a malformed spec or an unknown
     axis (checked without devices when `available` is None), or more devices than
@@ -846,7 +859,7 @@ def fill_xla_cost(out: str, report: dict, timeout: float, filled: dict) -> None:
             print(f"  {report_lib.significant(row['hbm_gbps'])} GB/s", flush=True)
         # a run stopped from outside keeps the rows it filled
         write_json(path, report, "--fill-xla-cost")
-    report_lib.render(report, out)
+    report_lib.render(report, out, "--fill-xla-cost")
     print(f"wrote {os.path.join(out, 'report.md')}")
 
 
@@ -928,7 +941,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fill-xla-cost",
         metavar="DIR",
         help="compute XLA's bytes (HBM GB/s) for the rows of DIR/report.json timed with "
-        "--no-xla-cost (compiles only, on the same kind of machine), then re-render",
+        "--no-xla-cost (compiles only; refused on another kind of device than the rows' "
+        "own), then re-render",
     )
     p.add_argument(
         "--append",
@@ -1027,7 +1041,7 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
     except ValueError as e:
         parser.error(f"--report-only: {e}")
     try:
-        report_lib.render(report, directory)
+        report_lib.render(report, directory, "--report-only")
     except (KeyError, TypeError, ValueError) as e:
         what = f"field {e.args[0]!r} missing" if isinstance(e, KeyError) else str(e)
         parser.error(f"--report-only: {path!r} is not a whole profile report ({what})")
@@ -1035,10 +1049,13 @@ def _report_only(parser: argparse.ArgumentParser, directory: str) -> None:
 
 
 def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, command: str) -> None:
-    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build.
-    `command`: the command line, recorded in the rows it fills."""
+    """`--fill-xla-cost DIR`, after refusing a row whose mesh this machine cannot build
+    or that was timed on another kind of device than this machine's (its bytes, compiled
+    here, would be divided by a step timed there). `command`: the command line, recorded
+    in the rows it fills."""
+    path = os.path.join(directory, "report.json")
     try:
-        report = read_report(os.path.join(directory, "report.json"))
+        report = read_report(path)
         todo = rows_without_xla(report)
         machine = this_machine(timeout) if todo else {}
     except ValueError as e:
@@ -1046,6 +1063,12 @@ def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, comma
     for row in todo:
         if error := mesh_error(row["mesh"], machine["device_count"]):
             parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
+        timed = f"row {row['name']!r} in {path} was timed"
+        if error := device_error(timed, row.get("device_kind"), machine):
+            parser.error(
+                f"--fill-xla-cost: {error}: fill it in on the kind of device it was timed on "
+                "(nothing was run)"
+            )
     filled = {
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -1129,12 +1152,10 @@ def _reused_ceilings(parser, args: argparse.Namespace, old: dict, machine: dict)
     ceilings = old.get("ceilings") or {}
     if not (args.reuse_ceilings and ceilings.get("matmul_tflops")):
         return {}
-    where = os.path.join(args.out, "report.json")
-    if ceilings.get("device") != machine["device_kind"]:
+    measured = f"the ceilings in {os.path.join(args.out, 'report.json')} were measured"
+    if error := device_error(measured, ceilings.get("device"), machine):
         parser.error(
-            f"--reuse-ceilings: the ceilings in {where} were measured on "
-            f"{ceilings.get('device') or 'an unrecorded device'}, this machine's devices "
-            f"are {machine['device_kind']}: drop --reuse-ceilings to measure them here "
+            f"--reuse-ceilings: {error}: drop --reuse-ceilings to measure them here "
             "(nothing was run)"
         )
     return ceilings
@@ -1272,7 +1293,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
         rows.append(_run_row(job, args.timeout, run_facts))
         write(rows)  # a run stopped from outside keeps the rows it finished
     report = write(rows)
-    report_lib.render(report, args.out)
+    report_lib.render(report, args.out, "--out")
     print(f"wrote {os.path.join(args.out, 'report.md')}")
     if rows and all(r.get("status") != "ok" for r in rows):
         sys.exit("error: every row failed (see report.md)")

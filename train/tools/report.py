@@ -23,6 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
+from train.tools.jsonfile import write_text, write_whole  # noqa: E402
 from train.tools.trace import kernel_label  # noqa: E402
 
 # PyTorch + LightSeq's published numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
@@ -261,6 +262,10 @@ def single_point(ok: list[dict]) -> bool:
 
 
 def _fmt(value, digits: int = 3) -> str:
+    """A value as the report writes every number it measured (tables, notes, ceilings,
+    the roofline's legend): `–` for None; a float with `digits` significant digits,
+    one decimal from 100 and thousands grouped from 1000 (`0.0123`, `61.6`, `615.9`,
+    `4,812`), so a point just above a roof reads above it (`619.9 > 615.9`)."""
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -302,8 +307,30 @@ def _mesh(row: dict) -> str:
     return label + ("" if row.get("scan_layers", True) else " +unrolled")
 
 
+def _model(row: dict) -> str:
+    """The row's model as its name begins (`label` in report.json: a preset's name, or
+    `local-` and a local directory's basename, made unique), so a local directory is
+    never shown as the preset it may be named after; the model as given where the row
+    recorded no label (a report.json written before rows did)."""
+    return row.get("label") or row["model"]
+
+
+def models_note(rows: list[dict]) -> list[str]:
+    """The lines saying which model each `model` column entry that differs from the
+    model as given stands for (`local-mine` for `/data/mine`); none where none does."""
+    given = dict.fromkeys((_model(r), r["model"]) for r in rows if _model(r) != r["model"])
+    if not given:
+        return []
+    said = "; ".join(f"`{label}` is `{model}`" for label, model in given)
+    return [
+        "Column `model` names each model as its rows' names begin (a local directory: "
+        f"`local-` and its basename): {said}.",
+        "",
+    ]
+
+
 def _label(row: dict) -> str:
-    return f"{row['model']} ({_mesh(row)})"
+    return f"{_model(row)} ({_mesh(row)})"
 
 
 def row_fact(report: dict, row: dict, key: str):
@@ -414,7 +441,7 @@ def _per_row_tables(rows, key: str, title: str, intro: str, header, cells) -> li
         return []
     lines = [title, "", intro, ""]
     for r in rows:
-        lines += [f"**{r['model']}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
+        lines += [f"**{_model(r)}, {_ctx(r['context'])}, {_mesh(r)}**", ""]
         lines += _table(header(r), [cells(k) for k in r[key]])
     return lines
 
@@ -468,6 +495,7 @@ def markdown(report: dict) -> str:
         "heads).",
         "",
     ]
+    lines += models_note(rows)
     lines += layers_note(report, ok)
     lines += ["## Time per step (ms per device)", ""]
     lines += [
@@ -495,7 +523,7 @@ def markdown(report: dict) -> str:
             "exposed comm.",
         ],
         [
-            [r["model"], _ctx(r["context"]), _mesh(r), r["layers"]]
+            [_model(r), _ctx(r["context"]), _mesh(r), r["layers"]]
             + [_mean(r)[f"{p}_ms"] for p in PHASES]
             + [
                 _mean(r)["step_ms"],
@@ -546,7 +574,7 @@ def markdown(report: dict) -> str:
         ],
         [
             [
-                r["model"],
+                _model(r),
                 _ctx(r["context"]),
                 _mesh(r),
                 r["step_ms"],
@@ -588,7 +616,7 @@ def markdown(report: dict) -> str:
             "phase share named",
         ],
         [
-            [r["model"], _ctx(r["context"]), _mesh(r)]
+            [_model(r), _ctx(r["context"]), _mesh(r)]
             + [_mean(r)[f"{c}_ms"] for c in CLASSES]
             + [
                 _mean(r)["step_ms"] - _mean(r)["idle_ms"],
@@ -676,7 +704,7 @@ def markdown(report: dict) -> str:
             "matmul TFLOP/s",
         ],
         [
-            [r["model"], _ctx(r["context"]), _mesh(r)]
+            [_model(r), _ctx(r["context"]), _mesh(r)]
             + [
                 point(r, k, f)
                 for k in ("step", "attention", "matmul")
@@ -691,8 +719,8 @@ def markdown(report: dict) -> str:
         lines += [
             "## Ceilings (measured on this machine at startup)",
             "",
-            f"- {ceil['matmul_label']}: {significant(ceil['matmul_tflops'])} TFLOP/s",
-            f"- {ceil['copy_label']}: {significant(ceil['copy_gbps'])} GB/s",
+            f"- {ceil['matmul_label']}: {_fmt(ceil['matmul_tflops'])} TFLOP/s",
+            f"- {ceil['copy_label']}: {_fmt(ceil['copy_gbps'])} GB/s",
             "",
         ]
     if any(r.get("platform") == "gpu" for r in ok):  # a GPU reference, beside GPU rows
@@ -704,7 +732,7 @@ def markdown(report: dict) -> str:
             ["model", "context", "mesh", "status", "detail"],
             [
                 [
-                    r["model"],
+                    _model(r),
                     _ctx(r["context"]),
                     _mesh(r),
                     r.get("status"),
@@ -794,7 +822,7 @@ def _by_shape(ok: list[dict]) -> dict[str, list[dict]]:
     """Rows of one model and context, over device counts."""
     groups: dict[str, list[dict]] = {}
     for r in ok:
-        groups.setdefault(f"{r['model']} {_ctx(r['context'])}", []).append(r)
+        groups.setdefault(f"{_model(r)} {_ctx(r['context'])}", []).append(r)
     return {k: sorted(v, key=lambda r: r["devices"]) for k, v in groups.items()}
 
 
@@ -860,7 +888,7 @@ def _memory():
 
 
 def _models(rows: list[dict]) -> int:
-    return len(dict.fromkeys(r["model"] for r in rows))
+    return len(dict.fromkeys(_model(r) for r in rows))
 
 
 # Text sizes for sizing a figure before it is drawn: inches per character of a label
@@ -886,8 +914,8 @@ def _stacked_width(rows: list[dict]) -> float:
     """Inches a `_stacked` panel needs: each mesh's group as wide as its bars or its
     longest label line, whichever is wider, and the axis' own margin."""
     widths = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        groups = _mesh_groups([r for r in rows if r["model"] == model])
+    for model in dict.fromkeys(_model(r) for r in rows):
+        groups = _mesh_groups([r for r in rows if _model(r) == model])
         width = 1.4  # the y label, ticks and the panel's padding
         for mesh, rs in groups:
             line = max(len(x) for x in _mesh_lines(mesh).split("\n"))
@@ -902,9 +930,9 @@ def _stacked(parts: tuple[str, ...]):
     grouped by mesh (named once under its group), with the timed step as a mark."""
 
     def draw(axes, rows, report):
-        models = list(dict.fromkeys(r["model"] for r in rows))
+        models = list(dict.fromkeys(_model(r) for r in rows))
         for ax, model in zip(axes, models, strict=True):
-            groups = _mesh_groups([r for r in rows if r["model"] == model])
+            groups = _mesh_groups([r for r in rows if _model(r) == model])
             xs, rs, centers, x = [], [], [], 0.0
             for mesh, group in groups:
                 line = max(len(t) for t in _mesh_lines(mesh).split("\n"))
@@ -975,7 +1003,8 @@ def _roofline():
                 [min(peak, x * bw * 1e9 / 1e12) for x in grid],
                 "k-",
                 lw=1.5,
-                label=f"ceilings: {peak:.3g} TFLOP/s, {bw:.3g} GB/s (ridge {ridge:.3g} FLOP/B)",
+                label=f"ceilings: {_fmt(peak)} TFLOP/s, {_fmt(bw)} GB/s "
+                f"(ridge {_fmt(ridge)} FLOP/B)",
             )
         markers = {"step": "o", "attention": "^", "matmul": "s"}
         for i, label in enumerate(_series(rows)):
@@ -1024,7 +1053,7 @@ def _roofline():
 
 def _roofline_width(rows: list[dict]) -> float:
     """Inches the roofline needs: its axes and, beside them, the legend's longest entry."""
-    ceilings = len("ceilings: 1e+03 TFLOP/s, 4.8e+03 GB/s (ridge 200 FLOP/B)")
+    ceilings = len("ceilings: 999.9 TFLOP/s, 4,800 GB/s (ridge 999.9 FLOP/B)")
     longest = max([ceilings, len(ABOVE_ROOF), *(len(label) for label in _series(rows))])
     return 6.5 + longest * LABEL_FONT * CHAR_IN_PER_PT + 0.6
 
@@ -1143,8 +1172,9 @@ def plots_written(report: dict) -> list[str]:
     return [plot.name for plot in PLOTS if ok and plot.rows(ok)]
 
 
-def draw_plot(plot: Plot, report: dict, path: str) -> None:
-    """Draws one `PLOTS` entry from the report's measured rows into `path`."""
+def draw_plot(plot: Plot, report: dict, path: str, flag: str = "--out") -> None:
+    """Draws one `PLOTS` entry from the report's measured rows into `path`, written as
+    `write_whole` writes (`flag`: the command-line flag that chose its folder)."""
     rows = plot.rows(_ok(report))
     n = plot.panels(rows)
     width, height = plot.panel_size
@@ -1158,21 +1188,23 @@ def draw_plot(plot: Plot, report: dict, path: str) -> None:
     fig.tight_layout()
     if plot.place:
         plot.place(fig)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    try:
+        write_whole(path, lambda f: fig.savefig(f, format="png", dpi=DPI), flag, binary=True)
+    finally:
+        plt.close(fig)
 
 
-def render(report: dict, out_dir: str) -> list[str]:
+def render(report: dict, out_dir: str, flag: str = "--out") -> list[str]:
     """Writes report.md and the plots into `out_dir`; returns the files written. The
     markdown is formed first, so a report it cannot render (a field missing) changes no
-    file, and report.md is replaced whole."""
+    file. Each file is replaced whole (`train.tools.jsonfile.write_whole`): one that
+    cannot be written ends the tool with one line naming `flag` (the command-line flag
+    that chose `out_dir`) and the file, and keeps its earlier version."""
     text = markdown(report)
     names = plots_written(report)
     paths = [os.path.join(out_dir, f"{plot.name}.png") for plot in PLOTS if plot.name in names]
     for plot, path in zip((p for p in PLOTS if p.name in names), paths, strict=True):
-        draw_plot(plot, report, path)
+        draw_plot(plot, report, path, flag)
     md = os.path.join(out_dir, "report.md")
-    with open(md + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(md + ".tmp", md)
+    write_text(md, text, flag)
     return [md, *paths]

@@ -48,6 +48,7 @@ import glob
 import gzip
 import os
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -824,8 +825,22 @@ def main(argv: list[str] | None = None) -> TraceReport:
         p.error(f"TRACE={args.trace!r}: {e}")
     except ValueError as e:
         p.error(str(e))
-    print(json.dumps(report.to_dict(), indent=1) if args.json else summary(report))
+    _print(json.dumps(report.to_dict(), indent=1) if args.json else summary(report))
     return report
+
+
+PIPE_CLOSED = 141  # the exit status of a reader's closed pipe: 128 + SIGPIPE, as `yes | head`
+
+
+def _print(text: str) -> None:
+    """`text` on stdout; where the reader has closed it (`... | head -1`), the tool ends
+    quietly with exit status `PIPE_CLOSED`, not a BrokenPipeError traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python flushes stdout again as it exits: into /dev/null, not a second error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(PIPE_CLOSED) from None
 
 
 if __name__ == "__main__":
