@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 from models.config import REMAT_POLICIES
 from train.oom import is_oom
-from train.tools.jsonfile import write_json
+from train.tools.files import write_json
 
 
 def search_longest(

@@ -52,7 +52,7 @@ import time
 from models.config import REMAT_POLICIES
 from models.presets import PRESETS, preset
 from train.oom import is_oom
-from train.tools.jsonfile import write_json
+from train.tools.files import write_json
 
 # jax (and everything that imports it) is imported inside the functions that run in a
 # child process: the parent never initialises a backend, so each child can set its own

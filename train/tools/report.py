@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from train.tools.jsonfile import write_text, write_whole  # noqa: E402
+from train.tools.files import write_text, write_whole  # noqa: E402
 from train.tools.trace import kernel_label  # noqa: E402
 
 # PyTorch + LightSeq's published numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
@@ -1197,7 +1197,7 @@ def draw_plot(plot: Plot, report: dict, path: str, flag: str = "--out") -> None:
 def render(report: dict, out_dir: str, flag: str = "--out") -> list[str]:
     """Writes report.md and the plots into `out_dir`; returns the files written. The
     markdown is formed first, so a report it cannot render (a field missing) changes no
-    file. Each file is replaced whole (`train.tools.jsonfile.write_whole`): one that
+    file. Each file is replaced whole (`train.tools.files.write_whole`): one that
     cannot be written ends the tool with one line naming `flag` (the command-line flag
     that chose `out_dir`) and the file, and keeps its earlier version."""
     text = markdown(report)
