@@ -143,6 +143,22 @@ def test_llama3_1_8b_preset_is_the_published_config():
         (_HF | {"attention_bias": True}, NotImplementedError, "attention_bias"),
         (_HF | {"hidden_act": "gelu"}, NotImplementedError, "gelu"),
         (_HF | {"num_key_value_heads": 3}, ValueError, "num_kv_heads=3"),
+        (_HF | {"num_key_value_heads": 0}, ValueError, "num_kv_heads=0"),
+        (_HF | {"hidden_size": None}, ValueError, "hidden_size"),
+        (_HF | {"vocab_size": 128.5}, ValueError, "vocab_size=128.5 must be an integer"),
+        (_HF | {"num_hidden_layers": "2"}, ValueError, "num_hidden_layers='2'"),
+        (_HF | {"tie_word_embeddings": "false"}, ValueError, "tie_word_embeddings='false'"),
+        (_HF | {"rms_norm_eps": "1e-5"}, ValueError, "rms_norm_eps='1e-5' must be a number"),
+        (_HF | {"eos_token_id": "</s>"}, ValueError, "eos_token_id='</s>'"),
+        (_HF | {"rope_scaling": {"factor": 4.0}}, ValueError, "names no 'rope_type'"),
+        (_HF | {"rope_scaling": {"type": "linear", "factor": None}}, ValueError, "factor"),
+        (_HF | {"rope_scaling": {"type": "llama3"} | _LLAMA3 | {"factor": "8"}}, ValueError, "'8'"),
+        (
+            {k: v for k, v in _HF.items() if k != "model_type"}
+            | {"architectures": ["MistralForCausalLM"]},
+            ValueError,
+            "MistralForCausalLM",
+        ),
     ],
 )
 def test_config_rejects_bad_input_naming_it(hf, error, match):
