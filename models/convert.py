@@ -154,8 +154,10 @@ class _TensorIndex(Mapping[str, np.ndarray]):
             try:
                 with open(index) as f:
                     weight_map: dict[str, str] = json.load(f)["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("'weight_map' is not an object")
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(name, str) for name in weight_map.values()
+                ):
+                    raise TypeError("'weight_map' is not an object of file names")
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
         elif os.path.exists(single):
@@ -174,6 +176,9 @@ class _TensorIndex(Mapping[str, np.ndarray]):
         self._files = {
             name: SafetensorsFile(os.path.join(path, name)) for name in set(weight_map.values())
         }
+        absent = {key: name for key, name in weight_map.items() if key not in self._files[name]}
+        if absent:
+            raise ValueError(f"{index} lists tensors that its shards do not hold: {absent}")
         self._where = weight_map
 
     def __getitem__(self, key: str) -> np.ndarray:
@@ -211,6 +216,8 @@ def load_hf(
         ValueError: listing all missing, unexpected and mis-shaped tensors.
     """
     path = os.fspath(path)
+    if os.path.isfile(path):
+        raise ValueError(f"{path} is a file: load_hf reads an HF checkpoint directory")
     config = from_hf_config(path)
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
@@ -234,7 +241,8 @@ def load_hf(
     for key in sorted(set(tensors) - used):
         if key.endswith(_IGNORED_SUFFIXES):
             continue
-        if key == "lm_head.weight" and config.tie_word_embeddings:
+        tied = config.tie_word_embeddings and "model.embed_tokens.weight" in tensors
+        if key == "lm_head.weight" and tied:
             embed = tensors["model.embed_tokens.weight"]
             if tensors[key].shape == embed.shape and np.array_equal(tensors[key], embed):
                 continue

@@ -608,6 +608,38 @@ def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
         models.load_hf(tmp_path)
 
 
+def test_malformed_checkpoints_raise_one_value_error_naming_the_fault(tmp_path, params):
+    """A tied config whose file holds only lm_head.weight, an index that sends a tensor
+    to a shard without it or lists no file names, and a file for a directory: each a
+    ValueError naming the fault, not a KeyError or TypeError from inside the loader."""
+    tied = SMALL.replace(tie_word_embeddings=True)
+    models.export_hf(models.init_params(tied, jax.random.key(3)), tied, tmp_path / "tied")
+    state = {
+        k: np.array(v) for k, v in SafetensorsFile(tmp_path / "tied" / "model.safetensors").items()
+    }
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, tmp_path / "tied" / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing=\['model.embed_tokens.weight'\]"):
+        models.load_hf(tmp_path / "tied")
+
+    models.export_hf(params, SMALL, tmp_path / "sharded", max_shard_bytes=20_000)
+    index_path = tmp_path / "sharded" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    moved = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.norm.weight"] = next(s for s in shards if s != moved)
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="lists tensors that its shards do not hold.*norm"):
+        models.load_hf(tmp_path / "sharded")
+    index["weight_map"]["model.norm.weight"] = 1
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="not a valid safetensors index"):
+        models.load_hf(tmp_path / "sharded")
+
+    with pytest.raises(ValueError, match="config.json is a file"):
+        models.load_hf(tmp_path / "tied" / "config.json")
+
+
 def test_bf16_export_and_sharding(tmp_path, params):
     models.export_hf(params, SMALL, tmp_path, dtype="bfloat16", max_shard_bytes=20_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
