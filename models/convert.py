@@ -34,6 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from models.config import (
+    DTYPES,
     LlamaConfig,
     config_from_dict,
     config_to_dict,
@@ -292,7 +293,15 @@ def export_hf(
         dtype: dtype of the written tensors.
         max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards with
             an index when the total size exceeds this (default: one file).
+
+    Raises:
+        ValueError: params that do not match ``config``, a ``dtype`` other than
+            ``float32 | bfloat16 | float16``, or a ``max_shard_bytes`` below 1.
     """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} not in {DTYPES}")
+    if max_shard_bytes is not None and not max_shard_bytes >= 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be at least 1")
     check_params(config, params)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)

@@ -655,6 +655,20 @@ def test_bf16_export_and_sharding(tmp_path, params):
     )
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "int8"}, "dtype='int8' not in"),  # was written: every weight truncated to 0
+        ({"dtype": "bf16"}, "dtype='bf16' not in"),
+        ({"max_shard_bytes": 0}, "max_shard_bytes=0 must be at least 1"),
+    ],
+)
+def test_export_refuses_bad_dtype_and_shard_size_writing_nothing(tmp_path, params, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models.export_hf(params, SMALL, tmp_path / "hf", **kwargs)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params):
     """A sharded export over a single-file one, and the reverse: the earlier weight files
     go (once the new ones are written), so every loader reads the new weights; other
