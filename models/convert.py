@@ -43,7 +43,7 @@ from models.config import (
 )
 from models.functional import Params, abstract_params, check_params, init_params
 from models.presets import preset
-from models.safetensors_io import SafetensorsFile, save_file
+from models.safetensors_io import SafetensorsFile, atomic_write, save_file
 
 Transform = Literal["identity", "transpose"]
 
@@ -112,6 +112,7 @@ _TOKENIZER_FILES = (
 )
 NATIVE_PARAMS = "params.safetensors"
 NATIVE_CONFIG = "jflash_config.json"
+_STAGED = ".partial"  # suffix of export_hf's files until all of them are written
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -308,31 +309,45 @@ def export_hf(
     state = to_hf_state_dict(params, config, dtype)
     metadata = {"format": "pt"}
     total = sum(a.nbytes for a in state.values())
-    written = {"config.json"}
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(state, os.path.join(path, "model.safetensors"), metadata)
-        written.add("model.safetensors")
-    else:
-        shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
-        for key in sorted(state):
-            if shards[-1] and size + state[key].nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][key] = state[key]
-            size += state[key].nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata)
-            weight_map.update(dict.fromkeys(shard, name))
-            written.add(name)
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        written.add("model.safetensors.index.json")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
-    _remove_stale_weights(path, written)
+    # Every file is written under a temporary name first and renamed once all are
+    # complete: an export that fails part way leaves an earlier checkpoint in `path`
+    # whole, never new shards under an old index or new weights under an old config.
+    staged: list[str] = []
+
+    def stage(name: str) -> str:
+        staged.append(name)
+        return os.path.join(path, name + _STAGED)
+
+    try:
+        if max_shard_bytes is None or total <= max_shard_bytes:
+            save_file(state, stage("model.safetensors"), metadata)
+        else:
+            shards: list[dict[str, np.ndarray]] = [{}]
+            size = 0
+            for key in sorted(state):
+                if shards[-1] and size + state[key].nbytes > max_shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][key] = state[key]
+                size += state[key].nbytes
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, stage(name), metadata)
+                weight_map.update(dict.fromkeys(shard, name))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(stage("model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        with open(stage("config.json"), "w") as f:
+            json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
+    except BaseException:
+        for name in staged:
+            if os.path.exists(os.path.join(path, name + _STAGED)):
+                os.remove(os.path.join(path, name + _STAGED))
+        raise
+    for name in staged:
+        os.replace(os.path.join(path, name + _STAGED), os.path.join(path, name))
+    _remove_stale_weights(path, set(staged))
 
 
 def _remove_stale_weights(path: str, written: set[str]) -> None:
@@ -356,7 +371,7 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
         "/".join(k.key for k in keys): np.asarray(jax.device_get(leaf)) for keys, leaf in flat
     }
     save_file(tensors, os.path.join(path, NATIVE_PARAMS), {"format": "jflash"})
-    with open(os.path.join(path, NATIVE_CONFIG), "w") as f:
+    with atomic_write(os.path.join(path, NATIVE_CONFIG), "w") as f:
         json.dump(config_to_dict(config), f, indent=2)
 
 

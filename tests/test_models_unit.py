@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from functools import partial
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jflash
 import models
+from models import safetensors_io
 from models.attention import attend
 from models.convert import main as convert_main
 from models.safetensors_io import SafetensorsFile, save_file
@@ -686,6 +688,48 @@ def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params
     models.export_hf(other, SMALL, tmp_path, max_shard_bytes=20_000)
     assert not (tmp_path / "model.safetensors").exists()
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], other)
+
+
+def test_an_export_that_fails_part_way_leaves_the_earlier_checkpoint(tmp_path, params, monkeypatch):
+    """The disk fills up as a sharded export over an earlier one starts its second
+    shard: the earlier checkpoint loads as it was (its first shard not replaced, its
+    second not truncated) and no partial file stays."""
+    models.export_hf(params, SMALL, tmp_path, max_shard_bytes=20_000)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    opened = []
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            if len(opened) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+    def full_disk_open(name, mode="r", *args, **kwargs):
+        file = real_open(name, mode, *args, **kwargs)
+        if "w" not in mode:
+            return file
+        opened.append(name)
+        return FullDisk(file)
+
+    monkeypatch.setattr(safetensors_io, "open", full_disk_open, raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        models.export_hf(
+            jax.tree.map(lambda a: a + 1.0, params), SMALL, tmp_path, max_shard_bytes=20_000
+        )
+    monkeypatch.undo()
+    assert len(opened) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
