@@ -8,12 +8,14 @@ Per-layer entries (``{layer}`` in the key) are stacked on a leading ``[L]`` axis
 CLI::
 
     python -m models.convert --from-hf HF_DIR --out NATIVE_DIR
-    python -m models.convert --to-hf NATIVE_DIR --out HF_DIR [--dtype bfloat16]
-    python -m models.convert --init PRESET [--tokenizer TOKENIZER] --out HF_DIR
+    python -m models.convert --to-hf NATIVE_DIR --out HF_DIR [--dtype bfloat16] [--max-shard-gb 5]
+    python -m models.convert --init PRESET [--tokenizer TOKENIZER] [--vocab-size V]
+        [--seed S] [--dtype bfloat16] [--max-shard-gb 5] --out HF_DIR
 
 ``--init`` writes a randomly initialised preset as an HF directory; with a tokenizer
 (a ``tokenizer.json`` or its directory) the vocabulary size and BOS / EOS ids come from
-it and its files are copied along.
+it and its files are copied along. A flag that the chosen conversion does not read is
+refused.
 
 A native directory holds ``params.safetensors`` (keys ``embed/embedding``, ...)
 and ``jflash_config.json``; tokenizer files are copied along in both directions.
@@ -457,11 +459,14 @@ def init_hf(
     tokenizer: str | os.PathLike[str] | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    max_shard_bytes: int | None = None,
 ) -> LlamaConfig:
     """Writes preset ``preset_name``, randomly initialised (``init_params`` with
     ``seed``), as an HF directory ``out`` (``config.json``, ``model.safetensors``, the
-    tokenizer's files). With ``tokenizer`` (``tokenizer.json`` or its directory) the
-    vocabulary size (unless ``vocab_size``) and BOS / EOS ids are the tokenizer's."""
+    tokenizer's files); ``dtype`` and ``max_shard_bytes`` as :func:`export_hf`'s. With
+    ``tokenizer`` (``tokenizer.json`` or its directory) the vocabulary size (unless
+    ``vocab_size``) and BOS / EOS ids are the tokenizer's."""
     config = preset(preset_name)
     files = None
     if tokenizer is not None:
@@ -480,18 +485,18 @@ def init_hf(
                 f"({needed} ids): its tokens would index past the embedding"
             )
         config = config.replace(
-            vocab_size=vocab_size or needed,
+            vocab_size=needed if vocab_size is None else vocab_size,
             bos_token_id=special.get("bos_token", config.bos_token_id),
             eos_token_id=special.get("eos_token", config.eos_token_id),
         )
-    elif vocab_size:
+    elif vocab_size is not None:
         config = config.replace(vocab_size=vocab_size)
     for key in ("bos_token_id", "eos_token_id"):
         value = getattr(config, key)
         if isinstance(value, int) and not 0 <= value < config.vocab_size:
             config = config.replace(**{key: None})  # the preset's id is not in this vocabulary
     params = init_params(config, jax.random.key(seed))
-    export_hf(params, config, out)
+    export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     if files is not None:
         _copy_tokenizer(files, os.fspath(out))
         if os.path.basename(tokenizer_json) != "tokenizer.json":
@@ -501,7 +506,11 @@ def init_hf(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m models.convert``: HF directory <-> native directory, or a new model."""
-    parser = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m models.convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="DIR", help="HF checkpoint directory to read")
     source.add_argument("--to-hf", metavar="DIR", help="native directory to export to HF")
@@ -514,18 +523,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="--init: default the tokenizer's"
     )
-    parser.add_argument("--seed", type=int, default=0, help="--init: initialisation seed")
+    parser.add_argument("--seed", type=int, default=None, help="--init: initialisation seed (0)")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory")
     parser.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=("float32", "bfloat16", "float16"),
-        help="tensor dtype written by --to-hf (default float32)",
+        help="--to-hf, --init: dtype of the written tensors (default float32)",
     )
     parser.add_argument(
-        "--max-shard-gb", type=float, default=None, help="--to-hf: shard size limit in GB"
+        "--max-shard-gb", type=float, default=None, help="--to-hf, --init: shard size limit in GB"
     )
     args = parser.parse_args(argv)
+    # A flag the chosen conversion does not read is refused, not silently dropped.
+    command = "--init" if args.init else "--from-hf" if args.from_hf else "--to-hf"
+    for flag, used_by in _FLAG_USERS.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None and command not in used_by:
+            parser.error(f"{flag} applies to {' and '.join(used_by)} only, not {command}")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        parser.error(f"--vocab-size={args.vocab_size} must be at least 1")
     if args.max_shard_gb is not None and not args.max_shard_gb > 0:
         parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -536,6 +552,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {e}\n")
 
 
+# Options of `python -m models.convert` and the conversions that read them.
+_FLAG_USERS = {
+    "--tokenizer": ("--init",),
+    "--vocab-size": ("--init",),
+    "--seed": ("--init",),
+    "--dtype": ("--to-hf", "--init"),
+    "--max-shard-gb": ("--to-hf", "--init"),
+}
+
+
+def _shard_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.max_shard_gb is None else max(1, int(args.max_shard_gb * 1e9))
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.init:
         config = init_hf(
@@ -543,7 +573,9 @@ def _run(args: argparse.Namespace) -> None:
             args.out,
             tokenizer=args.tokenizer,
             vocab_size=args.vocab_size,
-            seed=args.seed,
+            seed=args.seed or 0,
+            dtype=args.dtype or "float32",
+            max_shard_bytes=_shard_bytes(args),
         )
         print(
             f"wrote {args.out}: {args.init} randomly initialised, vocab_size="
@@ -557,8 +589,13 @@ def _run(args: argparse.Namespace) -> None:
         src = args.from_hf
     else:
         config, params = load_native(args.to_hf)
-        max_bytes = None if args.max_shard_gb is None else int(args.max_shard_gb * 1e9)
-        export_hf(params, config, args.out, dtype=args.dtype, max_shard_bytes=max_bytes)
+        export_hf(
+            params,
+            config,
+            args.out,
+            dtype=args.dtype or "float32",
+            max_shard_bytes=_shard_bytes(args),
+        )
         _copy_tokenizer(args.to_hf, args.out)
         src = args.to_hf
     num = sum(np.size(x) for x in jax.tree.leaves(params))

@@ -747,6 +747,13 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             ["--init", "tiny", "--tokenizer", str(tok), "--vocab-size", "100", "--out", "o"],
             "--vocab-size=100 is smaller than .*300 ids",
         ),
+        # flags the conversion does not read: refused, not dropped
+        (
+            ["--from-hf", "x", "--dtype", "bfloat16", "--out", str(tmp_path / "o")],
+            "--dtype applies to --to-hf and --init only, not --from-hf",
+        ),
+        (["--to-hf", "x", "--seed", "1", "--out", "o"], "--seed applies to --init only"),
+        (["--init", "tiny", "--vocab-size", "0", "--out", "o"], "--vocab-size=0 must be at least"),
     ]
     for argv, match in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -755,6 +762,22 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert re.search(match, err) and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_init_writes_the_dtype_and_shards_asked_for(tmp_path):
+    out = tmp_path / "hf"
+    convert_main(
+        ["--init", "tiny", "--dtype", "bfloat16", "--max-shard-gb", "5e-4"] + ["--out", str(out)]
+    )
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 2 and not (out / "model.safetensors").exists()
+    assert {
+        SafetensorsFile(out / shards[0])[k].dtype for k in SafetensorsFile(out / shards[0])
+    } == {np.dtype(ml_dtypes.bfloat16)}
+    config, _ = models.load_hf(out)
+    assert config == models.TINY
 
 
 def test_cli_round_trip(tmp_path, params, capsys):
