@@ -418,12 +418,19 @@ def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
 
 
 def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
-    """Inverse of :func:`config_to_dict`; unknown keys raise ``ValueError``."""
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    unknown = sorted(set(data) - fields)
+    """Inverse of :func:`config_to_dict`; unknown or missing keys raise ``ValueError``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object of LlamaConfig fields, got {data!r}")
+    fields = dataclasses.fields(LlamaConfig)
+    unknown = sorted(set(data) - {f.name for f in fields})
     if unknown:
         raise ValueError(f"unknown LlamaConfig keys {unknown}")
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+    if missing:
+        raise ValueError(f"LlamaConfig keys {missing} are missing")
     data = dict(data)
+    if "rope" in data and not isinstance(data["rope"], dict | RopeConfig):
+        raise ValueError(f"rope={data['rope']!r} must be an object of RopeConfig fields")
     if "rope" in data and isinstance(data["rope"], dict):
         rope_fields = {f.name for f in dataclasses.fields(RopeConfig)}
         unknown = sorted(set(data["rope"]) - rope_fields)

@@ -380,8 +380,16 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
 def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
     """Reads a directory written by :func:`save_native` (strict, like :func:`load_hf`)."""
     path = os.fspath(path)
-    with open(os.path.join(path, NATIVE_CONFIG)) as f:
-        config = config_from_dict(json.load(f))
+    config_path = os.path.join(path, NATIVE_CONFIG)
+    if not os.path.isfile(config_path):
+        hf = os.path.isfile(os.path.join(path, "config.json"))
+        hint = " (an HF directory: read it with load_hf, --from-hf)" if hf else ""
+        raise ValueError(f"{path} is not a native directory: it has no {NATIVE_CONFIG}{hint}")
+    data = _read_json(config_path)
+    try:
+        config = config_from_dict(data)
+    except (TypeError, ValueError) as e:  # TypeError: a field of the wrong type
+        raise ValueError(f"{config_path}: {e}") from None
     params: Params = {}
     for key, array in SafetensorsFile(os.path.join(path, NATIVE_PARAMS)).items():
         _set(params, tuple(key.split("/")), np.array(array))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import re
@@ -739,7 +740,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 299}}}))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    rope_5 = dataclasses.asdict(SMALL) | {"rope": 5}
+    for name, native_config in [("native", {"vocab_size": 8}), ("rope", rope_5)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "jflash_config.json").write_text(json.dumps(native_config))
+    o = str(tmp_path / "o")
     cases = [
+        (["--to-hf", str(tmp_path / "hf"), "--out", o], "not a native directory.*--from-hf"),
+        (["--to-hf", str(tmp_path / "native"), "--out", o], "'num_layers', .* are missing"),
+        (["--to-hf", str(tmp_path / "rope"), "--out", o], "rope=5 must be an object"),
         (["--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
         (["--init", "tiny", "--out", str(tmp_path / "afile")], "is a file, not a directory"),
         (["--to-hf", "x", "--out", str(tmp_path / "o"), "--max-shard-gb", "0"], "must be > 0"),
