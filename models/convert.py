@@ -398,6 +398,9 @@ def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
+    """The tokenizer files of directory ``src`` into ``dst`` (none when they are one)."""
+    if os.path.isdir(dst) and os.path.samefile(src, dst):
+        return
     for name in _TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))

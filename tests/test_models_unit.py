@@ -806,3 +806,6 @@ def test_cli_round_trip(tmp_path, params, capsys):
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
     assert "parameters" in capsys.readouterr().out
+    # in place: the tokenizer is already there, which is no error
+    convert_main(["--to-hf", str(tmp_path / "native"), "--out", str(tmp_path / "native")])
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path / "native")[1], params)
