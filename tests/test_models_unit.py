@@ -252,6 +252,16 @@ def test_bad_params_raise_listing_paths(params, ids):
     assert "extra/w" in str(err.value) and "embed/embedding" in str(err.value)
 
 
+def test_token_rows_as_lists_run_and_other_ranks_are_refused(params, ids):
+    """Ids, positions and segment ids as nested lists give the arrays' logits; ids of
+    one row without its batch axis are refused naming their shape."""
+    rows = np.asarray(ids[:1, :8]).tolist()
+    as_lists = models.logits(SMALL, params, rows, [list(range(8))], segment_ids=[[1] * 8])
+    np.testing.assert_array_equal(as_lists, models.logits(SMALL, params, ids[:1, :8]))
+    with pytest.raises(ValueError, match=re.escape("input_ids.shape=(32,): expected [B, T]")):
+        models.logits(SMALL, params, ids[0])
+
+
 @pytest.mark.slow
 def test_scan_unscanned_and_remat_agree(params, ids, capsys):
     ref = _logits(SMALL, params, ids)
