@@ -477,7 +477,8 @@ def init_hf(
     ``seed``), as an HF directory ``out`` (``config.json``, ``model.safetensors``, the
     tokenizer's files); ``dtype`` and ``max_shard_bytes`` as :func:`export_hf`'s. With
     ``tokenizer`` (``tokenizer.json`` or its directory) the vocabulary size (unless
-    ``vocab_size``) and BOS / EOS ids are the tokenizer's."""
+    ``vocab_size``) and BOS / EOS ids are the tokenizer's (None where its
+    ``tokenizer_config.json`` / ``special_tokens_map.json`` name none)."""
     config = preset(preset_name)
     files = None
     if tokenizer is not None:
@@ -497,8 +498,9 @@ def init_hf(
             )
         config = config.replace(
             vocab_size=needed if vocab_size is None else vocab_size,
-            bos_token_id=special.get("bos_token", config.bos_token_id),
-            eos_token_id=special.get("eos_token", config.eos_token_id),
+            # the preset's ids are other tokens of this vocabulary, if any
+            bos_token_id=special.get("bos_token"),
+            eos_token_id=special.get("eos_token"),
         )
     elif vocab_size is not None:
         config = config.replace(vocab_size=vocab_size)

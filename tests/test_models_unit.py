@@ -785,6 +785,20 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_init_takes_bos_and_eos_from_the_tokenizer_only(tmp_path, capsys):
+    """A tokenizer that names an EOS and no BOS: the config has its EOS and no BOS, not
+    the preset's id 1 (another token of this vocabulary)."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "c": 3}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(tmp_path / "hf")])
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["vocab_size"], hf["bos_token_id"], hf["eos_token_id"]) == (4, None, 0)
+    assert "eos_token_id=0" in capsys.readouterr().out
+
+
 def test_cli_init_writes_the_dtype_and_shards_asked_for(tmp_path):
     out = tmp_path / "hf"
     convert_main(
