@@ -422,12 +422,23 @@ def _read_json(path: str) -> dict:
 def _token_ids(tokenizer_json: str) -> dict[str, int]:
     """Token -> id of a ``tokenizer.json``: its model's vocabulary and added tokens."""
     data = _read_json(tokenizer_json)
-    vocab = (data.get("model") or {}).get("vocab") or {}
+    model = data.get("model") or {}
+    vocab = (model.get("vocab") if isinstance(model, dict) else None) or {}
     ids = dict(vocab) if isinstance(vocab, dict) else {}
     if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-        ids = {piece[0]: i for i, piece in enumerate(vocab)}
+        ids = {
+            piece[0] if isinstance(piece, list) and piece else None: i
+            for i, piece in enumerate(vocab)
+        }
     for token in data.get("added_tokens") or []:
-        ids[token["content"]] = int(token["id"])
+        token = token if isinstance(token, dict) else {}
+        ids[token.get("content")] = token.get("id")
+    bad = {k: v for k, v in ids.items() if not isinstance(k, str) or type(v) is not int or v < 0}
+    if bad:
+        shown = dict(list(bad.items())[:3])
+        raise ValueError(
+            f"{tokenizer_json}: not a tokenizer.json vocabulary: tokens and ids like {shown}"
+        )
     return ids
 
 

@@ -750,6 +750,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 299}}}))
+    for name, tokenizer in [
+        ("tok_no_id", {"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<s>"}]}),
+        ("tok_str_id", {"model": {"vocab": {"a": "0", "b": 1}}}),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     rope_5 = dataclasses.asdict(SMALL) | {"rope": 5}
@@ -767,6 +773,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (
             ["--init", "tiny", "--tokenizer", str(tok), "--vocab-size", "100", "--out", "o"],
             "--vocab-size=100 is smaller than .*300 ids",
+        ),
+        (
+            ["--init", "tiny", "--tokenizer", str(tmp_path / "tok_no_id"), "--out", o],
+            "not a tokenizer.json vocabulary: .*'<s>': None",
+        ),
+        (
+            ["--init", "tiny", "--tokenizer", str(tmp_path / "tok_str_id"), "--out", o],
+            "not a tokenizer.json vocabulary: .*'a': '0'",
         ),
         # flags the conversion does not read: refused, not dropped
         (
