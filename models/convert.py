@@ -149,12 +149,15 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 class _TensorIndex(Mapping[str, np.ndarray]):
-    """All tensors of an HF directory: one ``model.safetensors`` or an index + shards."""
+    """All tensors of an HF directory: one ``model.safetensors`` or an index + shards
+    (where both are there, the single file, as transformers' ``from_pretrained``)."""
 
     def __init__(self, path: str) -> None:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
+        if os.path.isfile(single):
+            weight_map = dict.fromkeys(SafetensorsFile(single), "model.safetensors")
+        elif os.path.exists(index):
             try:
                 with open(index) as f:
                     weight_map: dict[str, str] = json.load(f)["weight_map"]
@@ -164,8 +167,6 @@ class _TensorIndex(Mapping[str, np.ndarray]):
                     raise TypeError("'weight_map' is not an object of file names")
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
-        elif os.path.exists(single):
-            weight_map = dict.fromkeys(SafetensorsFile(single), "model.safetensors")
         else:
             raise ValueError(
                 f"{path} has no weights: neither model.safetensors nor model.safetensors.index.json"

@@ -701,6 +701,18 @@ def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], other)
 
 
+def test_a_single_file_beside_an_index_is_the_checkpoint_as_for_transformers(tmp_path, params):
+    """A directory with model.safetensors and also an index with its shards (not one
+    export_hf writes): transformers' from_pretrained reads the single file, and so does
+    load_hf, not the shards' other weights."""
+    models.export_hf(
+        jax.tree.map(lambda a: a + 1.0, params), SMALL, tmp_path, max_shard_bytes=20_000
+    )
+    save_file(models.convert.to_hf_state_dict(params, SMALL), tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
+
+
 def test_an_export_that_fails_part_way_leaves_the_earlier_checkpoint(tmp_path, params, monkeypatch):
     """The disk fills up as a sharded export over an earlier one starts its second
     shard: the earlier checkpoint loads as it was (its first shard not replaced, its
