@@ -214,38 +214,74 @@ class LlamaConfig:
 _UNSUPPORTED_TRUE = ("attention_bias", "mlp_bias")
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _typed(hf: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    """``hf[key]`` (``default`` when absent or null), refused unless it is a JSON value of
+    ``kind`` (``int``, ``float`` or ``bool``): ``"false"`` is not false, ``4096.5`` not
+    4096, and ``true`` not 1 (nothing is coerced into another value)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"config.json: {key}={value!r} must be {_KINDS[kind]}")
+    return float(value) if kind is float else value
+
+
+def _token_id(hf: dict[str, Any], key: str) -> int | list[int] | None:
+    """A ``bos_token_id`` / ``eos_token_id``: null, an integer or a list of integers."""
+    value = hf.get(key)
+    ids = value if isinstance(value, list) else [value]
+    if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"config.json: {key}={value!r} must be an integer or a list of them")
+    return value
+
+
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     """Reads ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
     params = hf.get("rope_parameters")
     if params is not None and "full_attention" in params:
         params = params["full_attention"]
-    scaling = dict(params) if params else dict(hf.get("rope_scaling") or {})
-    theta = scaling.pop("rope_theta", None)
+    scaling = params if params else hf.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ValueError(f"config.json: rope scaling {scaling!r} must be an object")
+    scaling = dict(scaling)
+    theta = _typed(scaling, "rope_theta", float)
+    scaling.pop("rope_theta", None)
     if theta is None:
-        theta = hf.get("rope_theta", 10000.0)
+        theta = _typed(hf, "rope_theta", float, 10000.0)
+    if scaling and "rope_type" not in scaling and "type" not in scaling:
+        # transformers cannot build this rotary embedding either: it names no type.
+        raise ValueError(f"config.json: rope scaling {scaling} names no 'rope_type'")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope type {rope_type!r} in config.json; supported: {ROPE_TYPES}")
     if rope_type == "default":
-        return RopeConfig(theta=float(theta))
-    if "factor" not in scaling:
+        return RopeConfig(theta=theta)
+    if scaling.get("factor") is None:
         raise ValueError(f"rope type {rope_type!r} needs 'factor'; got {scaling}")
+    factor = _typed(scaling, "factor", float)
     if rope_type == "linear":
-        return RopeConfig(theta=float(theta), type="linear", factor=float(scaling["factor"]))
+        return RopeConfig(theta=theta, type="linear", factor=factor)
     missing = [
         k
         for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if k not in scaling
+        if scaling.get(k) is None
     ]
     if missing:
         raise ValueError(f"llama3 rope parameters missing {missing}; got {scaling}")
     return RopeConfig(
-        theta=float(theta),
+        theta=theta,
         type="llama3",
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor=factor,
+        low_freq_factor=_typed(scaling, "low_freq_factor", float),
+        high_freq_factor=_typed(scaling, "high_freq_factor", float),
+        original_max_position_embeddings=_typed(scaling, "original_max_position_embeddings", int),
     )
 
 
@@ -260,7 +296,8 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
         no remat); change them with :meth:`LlamaConfig.replace`.
 
     Raises:
-        ValueError: not a Llama config, unknown rope type, or missing fields.
+        ValueError: not a Llama config, unknown rope type, missing fields, or a field
+            whose JSON type is wrong (``"tie_word_embeddings": "false"``, a null size).
         NotImplementedError: biases in attention/MLP or an activation other than SiLU.
     """
     if not isinstance(hf, dict):
@@ -281,6 +318,9 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"model_type={model_type!r}: only 'llama' checkpoints are supported")
+    architectures = hf.get("architectures") or []
+    if "model_type" not in hf and any(not str(a).startswith("Llama") for a in architectures):
+        raise ValueError(f"architectures={architectures}: only Llama checkpoints are supported")
     for key in _UNSUPPORTED_TRUE:
         if hf.get(key, False):
             raise NotImplementedError(f"config.json has {key}=true; Llama biases are unsupported")
@@ -294,26 +334,29 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
         "num_hidden_layers",
         "num_attention_heads",
     ]
-    missing = [k for k in required if k not in hf]
+    missing = [k for k in required if hf.get(k) is None]
     if missing:
         raise ValueError(f"config.json is missing required keys {missing}")
-    num_heads = int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    num_heads = _typed(hf, "num_attention_heads", int)
+    hidden_size = _typed(hf, "hidden_size", int)
+    head_dim = _typed(hf, "head_dim", int)
+    if head_dim is None and num_heads > 0:
+        head_dim = hidden_size // num_heads  # HF's default
     return LlamaConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=_typed(hf, "vocab_size", int),
+        hidden_size=hidden_size,
+        intermediate_size=_typed(hf, "intermediate_size", int),
+        num_layers=_typed(hf, "num_hidden_layers", int),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=_typed(hf, "num_key_value_heads", int, num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=_typed(hf, "rms_norm_eps", float, 1e-6),
         rope=_rope_from_hf(hf),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        initializer_range=float(hf.get("initializer_range", 0.02)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
+        tie_word_embeddings=_typed(hf, "tie_word_embeddings", bool, False),
+        max_position_embeddings=_typed(hf, "max_position_embeddings", int, 2048),
+        initializer_range=_typed(hf, "initializer_range", float, 0.02),
+        bos_token_id=_token_id(hf, "bos_token_id"),
+        eos_token_id=_token_id(hf, "eos_token_id"),
     )
 
 
@@ -375,12 +418,19 @@ def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
 
 
 def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
-    """Inverse of :func:`config_to_dict`; unknown keys raise ``ValueError``."""
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    unknown = sorted(set(data) - fields)
+    """Inverse of :func:`config_to_dict`; unknown or missing keys raise ``ValueError``."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object of LlamaConfig fields, got {data!r}")
+    fields = dataclasses.fields(LlamaConfig)
+    unknown = sorted(set(data) - {f.name for f in fields})
     if unknown:
         raise ValueError(f"unknown LlamaConfig keys {unknown}")
+    missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+    if missing:
+        raise ValueError(f"LlamaConfig keys {missing} are missing")
     data = dict(data)
+    if "rope" in data and not isinstance(data["rope"], dict | RopeConfig):
+        raise ValueError(f"rope={data['rope']!r} must be an object of RopeConfig fields")
     if "rope" in data and isinstance(data["rope"], dict):
         rope_fields = {f.name for f in dataclasses.fields(RopeConfig)}
         unknown = sorted(set(data["rope"]) - rope_fields)

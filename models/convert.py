@@ -8,12 +8,14 @@ Per-layer entries (``{layer}`` in the key) are stacked on a leading ``[L]`` axis
 CLI::
 
     python -m models.convert --from-hf HF_DIR --out NATIVE_DIR
-    python -m models.convert --to-hf NATIVE_DIR --out HF_DIR [--dtype bfloat16]
-    python -m models.convert --init PRESET [--tokenizer TOKENIZER] --out HF_DIR
+    python -m models.convert --to-hf NATIVE_DIR --out HF_DIR [--dtype bfloat16] [--max-shard-gb 5]
+    python -m models.convert --init PRESET [--tokenizer TOKENIZER] [--vocab-size V]
+        [--seed S] [--dtype bfloat16] [--max-shard-gb 5] --out HF_DIR
 
 ``--init`` writes a randomly initialised preset as an HF directory; with a tokenizer
 (a ``tokenizer.json`` or its directory) the vocabulary size and BOS / EOS ids come from
-it and its files are copied along.
+it and its files are copied along. A flag that the chosen conversion does not read is
+refused.
 
 A native directory holds ``params.safetensors`` (keys ``embed/embedding``, ...)
 and ``jflash_config.json``; tokenizer files are copied along in both directions.
@@ -34,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from models.config import (
+    DTYPES,
     LlamaConfig,
     config_from_dict,
     config_to_dict,
@@ -42,7 +45,7 @@ from models.config import (
 )
 from models.functional import Params, abstract_params, check_params, init_params
 from models.presets import preset
-from models.safetensors_io import SafetensorsFile, save_file
+from models.safetensors_io import SafetensorsFile, atomic_write, save_file
 
 Transform = Literal["identity", "transpose"]
 
@@ -111,6 +114,7 @@ _TOKENIZER_FILES = (
 )
 NATIVE_PARAMS = "params.safetensors"
 NATIVE_CONFIG = "jflash_config.json"
+_STAGED = ".partial"  # suffix of export_hf's files until all of them are written
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -145,21 +149,24 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 class _TensorIndex(Mapping[str, np.ndarray]):
-    """All tensors of an HF directory: one ``model.safetensors`` or an index + shards."""
+    """All tensors of an HF directory: one ``model.safetensors`` or an index + shards
+    (where both are there, the single file, as transformers' ``from_pretrained``)."""
 
     def __init__(self, path: str) -> None:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
+        if os.path.isfile(single):
+            weight_map = dict.fromkeys(SafetensorsFile(single), "model.safetensors")
+        elif os.path.exists(index):
             try:
                 with open(index) as f:
                     weight_map: dict[str, str] = json.load(f)["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("'weight_map' is not an object")
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(name, str) for name in weight_map.values()
+                ):
+                    raise TypeError("'weight_map' is not an object of file names")
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
-        elif os.path.exists(single):
-            weight_map = dict.fromkeys(SafetensorsFile(single), "model.safetensors")
         else:
             raise ValueError(
                 f"{path} has no weights: neither model.safetensors nor model.safetensors.index.json"
@@ -174,6 +181,9 @@ class _TensorIndex(Mapping[str, np.ndarray]):
         self._files = {
             name: SafetensorsFile(os.path.join(path, name)) for name in set(weight_map.values())
         }
+        absent = {key: name for key, name in weight_map.items() if key not in self._files[name]}
+        if absent:
+            raise ValueError(f"{index} lists tensors that its shards do not hold: {absent}")
         self._where = weight_map
 
     def __getitem__(self, key: str) -> np.ndarray:
@@ -211,6 +221,8 @@ def load_hf(
         ValueError: listing all missing, unexpected and mis-shaped tensors.
     """
     path = os.fspath(path)
+    if os.path.isfile(path):
+        raise ValueError(f"{path} is a file: load_hf reads an HF checkpoint directory")
     config = from_hf_config(path)
     if param_dtype is not None:
         config = config.replace(param_dtype=param_dtype)
@@ -234,7 +246,8 @@ def load_hf(
     for key in sorted(set(tensors) - used):
         if key.endswith(_IGNORED_SUFFIXES):
             continue
-        if key == "lm_head.weight" and config.tie_word_embeddings:
+        tied = config.tie_word_embeddings and "model.embed_tokens.weight" in tensors
+        if key == "lm_head.weight" and tied:
             embed = tensors["model.embed_tokens.weight"]
             if tensors[key].shape == embed.shape and np.array_equal(tensors[key], embed):
                 continue
@@ -284,38 +297,60 @@ def export_hf(
         dtype: dtype of the written tensors.
         max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards with
             an index when the total size exceeds this (default: one file).
+
+    Raises:
+        ValueError: params that do not match ``config``, a ``dtype`` other than
+            ``float32 | bfloat16 | float16``, or a ``max_shard_bytes`` below 1.
     """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} not in {DTYPES}")
+    if max_shard_bytes is not None and not max_shard_bytes >= 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be at least 1")
     check_params(config, params)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     state = to_hf_state_dict(params, config, dtype)
     metadata = {"format": "pt"}
     total = sum(a.nbytes for a in state.values())
-    written = {"config.json"}
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(state, os.path.join(path, "model.safetensors"), metadata)
-        written.add("model.safetensors")
-    else:
-        shards: list[dict[str, np.ndarray]] = [{}]
-        size = 0
-        for key in sorted(state):
-            if shards[-1] and size + state[key].nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][key] = state[key]
-            size += state[key].nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, name), metadata)
-            weight_map.update(dict.fromkeys(shard, name))
-            written.add(name)
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        written.add("model.safetensors.index.json")
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
-    _remove_stale_weights(path, written)
+    # Every file is written under a temporary name first and renamed once all are
+    # complete: an export that fails part way leaves an earlier checkpoint in `path`
+    # whole, never new shards under an old index or new weights under an old config.
+    staged: list[str] = []
+
+    def stage(name: str) -> str:
+        staged.append(name)
+        return os.path.join(path, name + _STAGED)
+
+    try:
+        if max_shard_bytes is None or total <= max_shard_bytes:
+            save_file(state, stage("model.safetensors"), metadata)
+        else:
+            shards: list[dict[str, np.ndarray]] = [{}]
+            size = 0
+            for key in sorted(state):
+                if shards[-1] and size + state[key].nbytes > max_shard_bytes:
+                    shards.append({})
+                    size = 0
+                shards[-1][key] = state[key]
+                size += state[key].nbytes
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, stage(name), metadata)
+                weight_map.update(dict.fromkeys(shard, name))
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with open(stage("model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        with open(stage("config.json"), "w") as f:
+            json.dump(to_hf_config(config, torch_dtype=dtype), f, indent=2)
+    except BaseException:
+        for name in staged:
+            if os.path.exists(os.path.join(path, name + _STAGED)):
+                os.remove(os.path.join(path, name + _STAGED))
+        raise
+    for name in staged:
+        os.replace(os.path.join(path, name + _STAGED), os.path.join(path, name))
+    _remove_stale_weights(path, set(staged))
 
 
 def _remove_stale_weights(path: str, written: set[str]) -> None:
@@ -339,15 +374,23 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
         "/".join(k.key for k in keys): np.asarray(jax.device_get(leaf)) for keys, leaf in flat
     }
     save_file(tensors, os.path.join(path, NATIVE_PARAMS), {"format": "jflash"})
-    with open(os.path.join(path, NATIVE_CONFIG), "w") as f:
+    with atomic_write(os.path.join(path, NATIVE_CONFIG), "w") as f:
         json.dump(config_to_dict(config), f, indent=2)
 
 
 def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
     """Reads a directory written by :func:`save_native` (strict, like :func:`load_hf`)."""
     path = os.fspath(path)
-    with open(os.path.join(path, NATIVE_CONFIG)) as f:
-        config = config_from_dict(json.load(f))
+    config_path = os.path.join(path, NATIVE_CONFIG)
+    if not os.path.isfile(config_path):
+        hf = os.path.isfile(os.path.join(path, "config.json"))
+        hint = " (an HF directory: read it with load_hf, --from-hf)" if hf else ""
+        raise ValueError(f"{path} is not a native directory: it has no {NATIVE_CONFIG}{hint}")
+    data = _read_json(config_path)
+    try:
+        config = config_from_dict(data)
+    except (TypeError, ValueError) as e:  # TypeError: a field of the wrong type
+        raise ValueError(f"{config_path}: {e}") from None
     params: Params = {}
     for key, array in SafetensorsFile(os.path.join(path, NATIVE_PARAMS)).items():
         _set(params, tuple(key.split("/")), np.array(array))
@@ -356,6 +399,9 @@ def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
+    """The tokenizer files of directory ``src`` into ``dst`` (none when they are one)."""
+    if os.path.isdir(dst) and os.path.samefile(src, dst):
+        return
     for name in _TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
@@ -377,12 +423,23 @@ def _read_json(path: str) -> dict:
 def _token_ids(tokenizer_json: str) -> dict[str, int]:
     """Token -> id of a ``tokenizer.json``: its model's vocabulary and added tokens."""
     data = _read_json(tokenizer_json)
-    vocab = (data.get("model") or {}).get("vocab") or {}
+    model = data.get("model") or {}
+    vocab = (model.get("vocab") if isinstance(model, dict) else None) or {}
     ids = dict(vocab) if isinstance(vocab, dict) else {}
     if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
-        ids = {piece[0]: i for i, piece in enumerate(vocab)}
+        ids = {
+            piece[0] if isinstance(piece, list) and piece else None: i
+            for i, piece in enumerate(vocab)
+        }
     for token in data.get("added_tokens") or []:
-        ids[token["content"]] = int(token["id"])
+        token = token if isinstance(token, dict) else {}
+        ids[token.get("content")] = token.get("id")
+    bad = {k: v for k, v in ids.items() if not isinstance(k, str) or type(v) is not int or v < 0}
+    if bad:
+        shown = dict(list(bad.items())[:3])
+        raise ValueError(
+            f"{tokenizer_json}: not a tokenizer.json vocabulary: tokens and ids like {shown}"
+        )
     return ids
 
 
@@ -425,11 +482,15 @@ def init_hf(
     tokenizer: str | os.PathLike[str] | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+    max_shard_bytes: int | None = None,
 ) -> LlamaConfig:
     """Writes preset ``preset_name``, randomly initialised (``init_params`` with
     ``seed``), as an HF directory ``out`` (``config.json``, ``model.safetensors``, the
-    tokenizer's files). With ``tokenizer`` (``tokenizer.json`` or its directory) the
-    vocabulary size (unless ``vocab_size``) and BOS / EOS ids are the tokenizer's."""
+    tokenizer's files); ``dtype`` and ``max_shard_bytes`` as :func:`export_hf`'s. With
+    ``tokenizer`` (``tokenizer.json`` or its directory) the vocabulary size (unless
+    ``vocab_size``) and BOS / EOS ids are the tokenizer's (None where its
+    ``tokenizer_config.json`` / ``special_tokens_map.json`` name none)."""
     config = preset(preset_name)
     files = None
     if tokenizer is not None:
@@ -448,18 +509,19 @@ def init_hf(
                 f"({needed} ids): its tokens would index past the embedding"
             )
         config = config.replace(
-            vocab_size=vocab_size or needed,
-            bos_token_id=special.get("bos_token", config.bos_token_id),
-            eos_token_id=special.get("eos_token", config.eos_token_id),
+            vocab_size=needed if vocab_size is None else vocab_size,
+            # the preset's ids are other tokens of this vocabulary, if any
+            bos_token_id=special.get("bos_token"),
+            eos_token_id=special.get("eos_token"),
         )
-    elif vocab_size:
+    elif vocab_size is not None:
         config = config.replace(vocab_size=vocab_size)
     for key in ("bos_token_id", "eos_token_id"):
         value = getattr(config, key)
         if isinstance(value, int) and not 0 <= value < config.vocab_size:
             config = config.replace(**{key: None})  # the preset's id is not in this vocabulary
     params = init_params(config, jax.random.key(seed))
-    export_hf(params, config, out)
+    export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     if files is not None:
         _copy_tokenizer(files, os.fspath(out))
         if os.path.basename(tokenizer_json) != "tokenizer.json":
@@ -469,7 +531,11 @@ def init_hf(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m models.convert``: HF directory <-> native directory, or a new model."""
-    parser = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m models.convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from-hf", metavar="DIR", help="HF checkpoint directory to read")
     source.add_argument("--to-hf", metavar="DIR", help="native directory to export to HF")
@@ -482,18 +548,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=None, help="--init: default the tokenizer's"
     )
-    parser.add_argument("--seed", type=int, default=0, help="--init: initialisation seed")
+    parser.add_argument("--seed", type=int, default=None, help="--init: initialisation seed (0)")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory")
     parser.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=("float32", "bfloat16", "float16"),
-        help="tensor dtype written by --to-hf (default float32)",
+        help="--to-hf, --init: dtype of the written tensors (default float32)",
     )
     parser.add_argument(
-        "--max-shard-gb", type=float, default=None, help="--to-hf: shard size limit in GB"
+        "--max-shard-gb", type=float, default=None, help="--to-hf, --init: shard size limit in GB"
     )
     args = parser.parse_args(argv)
+    # A flag the chosen conversion does not read is refused, not silently dropped.
+    command = "--init" if args.init else "--from-hf" if args.from_hf else "--to-hf"
+    for flag, used_by in _FLAG_USERS.items():
+        if getattr(args, flag.lstrip("-").replace("-", "_")) is not None and command not in used_by:
+            parser.error(f"{flag} applies to {' and '.join(used_by)} only, not {command}")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        parser.error(f"--vocab-size={args.vocab_size} must be at least 1")
     if args.max_shard_gb is not None and not args.max_shard_gb > 0:
         parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -504,6 +577,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {e}\n")
 
 
+# Options of `python -m models.convert` and the conversions that read them.
+_FLAG_USERS = {
+    "--tokenizer": ("--init",),
+    "--vocab-size": ("--init",),
+    "--seed": ("--init",),
+    "--dtype": ("--to-hf", "--init"),
+    "--max-shard-gb": ("--to-hf", "--init"),
+}
+
+
+def _shard_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.max_shard_gb is None else max(1, int(args.max_shard_gb * 1e9))
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.init:
         config = init_hf(
@@ -511,7 +598,9 @@ def _run(args: argparse.Namespace) -> None:
             args.out,
             tokenizer=args.tokenizer,
             vocab_size=args.vocab_size,
-            seed=args.seed,
+            seed=args.seed or 0,
+            dtype=args.dtype or "float32",
+            max_shard_bytes=_shard_bytes(args),
         )
         print(
             f"wrote {args.out}: {args.init} randomly initialised, vocab_size="
@@ -525,8 +614,13 @@ def _run(args: argparse.Namespace) -> None:
         src = args.from_hf
     else:
         config, params = load_native(args.to_hf)
-        max_bytes = None if args.max_shard_gb is None else int(args.max_shard_gb * 1e9)
-        export_hf(params, config, args.out, dtype=args.dtype, max_shard_bytes=max_bytes)
+        export_hf(
+            params,
+            config,
+            args.out,
+            dtype=args.dtype or "float32",
+            max_shard_bytes=_shard_bytes(args),
+        )
         _copy_tokenizer(args.to_hf, args.out)
         src = args.to_hf
     num = sum(np.size(x) for x in jax.tree.leaves(params))

@@ -298,7 +298,9 @@ class Llama(nnx.Module):
         """Final-norm hidden states in the compute dtype.
 
         Args:
-            input_ids: token ids.
+            input_ids: token ids ``[B, T]`` in ``[0, V)``; the embedding lookup does not
+                check them (under jit it cannot): an id of V or more gives NaN logits, a
+                negative one counts from the end of the vocabulary.
             positions: global position of every token (default ``arange(T)``);
                 pass the true positions of sequence-sharded or permuted tokens, or
                 positions that restart at each packed document (HF's packed
@@ -307,9 +309,14 @@ class Llama(nnx.Module):
                 inside equal ids (None: one document per row).
         """
         config = self.config
+        input_ids = jnp.asarray(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids.shape={input_ids.shape}: expected [B, T] token rows")
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions = jnp.asarray(positions)
+        segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         if positions.shape != (b, t):
             raise ValueError(f"positions.shape={positions.shape} != input_ids.shape={(b, t)}")
         if segment_ids is not None and segment_ids.shape != (b, t):

@@ -8,10 +8,12 @@ Reads are memory-mapped: a tensor's bytes are touched only when it is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 from collections.abc import Iterator, Mapping
+from typing import IO
 
 import ml_dtypes
 import numpy as np
@@ -104,7 +106,11 @@ def save_file(
     path: str | os.PathLike[str],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Writes ``tensors`` to one safetensors file (keys sorted, 8-byte aligned header)."""
+    """Writes ``tensors`` to one safetensors file (keys sorted, 8-byte aligned header).
+
+    The bytes go to ``path + ".tmp"``, renamed over ``path`` once complete: a write that
+    fails (a full disk) leaves an earlier file at ``path`` as it was, and readers that
+    memory-map it keep reading the old bytes."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -124,7 +130,8 @@ def save_file(
         arrays[name] = array
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
+    path = os.fspath(path)
+    with atomic_write(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name in sorted(arrays):
@@ -132,3 +139,18 @@ def save_file(
             if array.dtype.byteorder == ">":
                 array = array.byteswap().view(array.dtype.newbyteorder("<"))
             f.write(array.view(np.uint8).tobytes())
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
+    """A file opened at ``path + ".tmp"`` and renamed over ``path`` when the block ends;
+    if the block raises, the partial file is removed and ``path`` is left untouched."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

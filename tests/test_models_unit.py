@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import re
 from functools import partial
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jflash
 import models
+from models import safetensors_io
 from models.attention import attend
 from models.convert import main as convert_main
 from models.safetensors_io import SafetensorsFile, save_file
@@ -143,6 +146,22 @@ def test_llama3_1_8b_preset_is_the_published_config():
         (_HF | {"attention_bias": True}, NotImplementedError, "attention_bias"),
         (_HF | {"hidden_act": "gelu"}, NotImplementedError, "gelu"),
         (_HF | {"num_key_value_heads": 3}, ValueError, "num_kv_heads=3"),
+        (_HF | {"num_key_value_heads": 0}, ValueError, "num_kv_heads=0"),
+        (_HF | {"hidden_size": None}, ValueError, "hidden_size"),
+        (_HF | {"vocab_size": 128.5}, ValueError, "vocab_size=128.5 must be an integer"),
+        (_HF | {"num_hidden_layers": "2"}, ValueError, "num_hidden_layers='2'"),
+        (_HF | {"tie_word_embeddings": "false"}, ValueError, "tie_word_embeddings='false'"),
+        (_HF | {"rms_norm_eps": "1e-5"}, ValueError, "rms_norm_eps='1e-5' must be a number"),
+        (_HF | {"eos_token_id": "</s>"}, ValueError, "eos_token_id='</s>'"),
+        (_HF | {"rope_scaling": {"factor": 4.0}}, ValueError, "names no 'rope_type'"),
+        (_HF | {"rope_scaling": {"type": "linear", "factor": None}}, ValueError, "factor"),
+        (_HF | {"rope_scaling": {"type": "llama3"} | _LLAMA3 | {"factor": "8"}}, ValueError, "'8'"),
+        (
+            {k: v for k, v in _HF.items() if k != "model_type"}
+            | {"architectures": ["MistralForCausalLM"]},
+            ValueError,
+            "MistralForCausalLM",
+        ),
     ],
 )
 def test_config_rejects_bad_input_naming_it(hf, error, match):
@@ -231,6 +250,16 @@ def test_bad_params_raise_listing_paths(params, ids):
     with pytest.raises(ValueError, match="final_norm/scale") as err:
         models.logits(SMALL, broken, ids)
     assert "extra/w" in str(err.value) and "embed/embedding" in str(err.value)
+
+
+def test_token_rows_as_lists_run_and_other_ranks_are_refused(params, ids):
+    """Ids, positions and segment ids as nested lists give the arrays' logits; ids of
+    one row without its batch axis are refused naming their shape."""
+    rows = np.asarray(ids[:1, :8]).tolist()
+    as_lists = models.logits(SMALL, params, rows, [list(range(8))], segment_ids=[[1] * 8])
+    np.testing.assert_array_equal(as_lists, models.logits(SMALL, params, ids[:1, :8]))
+    with pytest.raises(ValueError, match=re.escape("input_ids.shape=(32,): expected [B, T]")):
+        models.logits(SMALL, params, ids[0])
 
 
 @pytest.mark.slow
@@ -592,6 +621,38 @@ def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
         models.load_hf(tmp_path)
 
 
+def test_malformed_checkpoints_raise_one_value_error_naming_the_fault(tmp_path, params):
+    """A tied config whose file holds only lm_head.weight, an index that sends a tensor
+    to a shard without it or lists no file names, and a file for a directory: each a
+    ValueError naming the fault, not a KeyError or TypeError from inside the loader."""
+    tied = SMALL.replace(tie_word_embeddings=True)
+    models.export_hf(models.init_params(tied, jax.random.key(3)), tied, tmp_path / "tied")
+    state = {
+        k: np.array(v) for k, v in SafetensorsFile(tmp_path / "tied" / "model.safetensors").items()
+    }
+    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, tmp_path / "tied" / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing=\['model.embed_tokens.weight'\]"):
+        models.load_hf(tmp_path / "tied")
+
+    models.export_hf(params, SMALL, tmp_path / "sharded", max_shard_bytes=20_000)
+    index_path = tmp_path / "sharded" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    moved = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.norm.weight"] = next(s for s in shards if s != moved)
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="lists tensors that its shards do not hold.*norm"):
+        models.load_hf(tmp_path / "sharded")
+    index["weight_map"]["model.norm.weight"] = 1
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="not a valid safetensors index"):
+        models.load_hf(tmp_path / "sharded")
+
+    with pytest.raises(ValueError, match="config.json is a file"):
+        models.load_hf(tmp_path / "tied" / "config.json")
+
+
 def test_bf16_export_and_sharding(tmp_path, params):
     models.export_hf(params, SMALL, tmp_path, dtype="bfloat16", max_shard_bytes=20_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -605,6 +666,20 @@ def test_bf16_export_and_sharding(tmp_path, params):
         loaded,
         params,
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "int8"}, "dtype='int8' not in"),  # was written: every weight truncated to 0
+        ({"dtype": "bf16"}, "dtype='bf16' not in"),
+        ({"max_shard_bytes": 0}, "max_shard_bytes=0 must be at least 1"),
+    ],
+)
+def test_export_refuses_bad_dtype_and_shard_size_writing_nothing(tmp_path, params, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        models.export_hf(params, SMALL, tmp_path / "hf", **kwargs)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params):
@@ -626,6 +701,60 @@ def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], other)
 
 
+def test_a_single_file_beside_an_index_is_the_checkpoint_as_for_transformers(tmp_path, params):
+    """A directory with model.safetensors and also an index with its shards (not one
+    export_hf writes): transformers' from_pretrained reads the single file, and so does
+    load_hf, not the shards' other weights."""
+    models.export_hf(
+        jax.tree.map(lambda a: a + 1.0, params), SMALL, tmp_path, max_shard_bytes=20_000
+    )
+    save_file(models.convert.to_hf_state_dict(params, SMALL), tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
+
+
+def test_an_export_that_fails_part_way_leaves_the_earlier_checkpoint(tmp_path, params, monkeypatch):
+    """The disk fills up as a sharded export over an earlier one starts its second
+    shard: the earlier checkpoint loads as it was (its first shard not replaced, its
+    second not truncated) and no partial file stays."""
+    models.export_hf(params, SMALL, tmp_path, max_shard_bytes=20_000)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    opened = []
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            if len(opened) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(data)
+
+    def full_disk_open(name, mode="r", *args, **kwargs):
+        file = real_open(name, mode, *args, **kwargs)
+        if "w" not in mode:
+            return file
+        opened.append(name)
+        return FullDisk(file)
+
+    monkeypatch.setattr(safetensors_io, "open", full_disk_open, raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        models.export_hf(
+            jax.tree.map(lambda a: a + 1.0, params), SMALL, tmp_path, max_shard_bytes=20_000
+        )
+    monkeypatch.undo()
+    assert len(opened) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     """Bad inputs of `python -m models.convert`: one line naming the value, exit 2, no
     traceback; nothing is written."""
@@ -633,7 +762,23 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     tok = tmp_path / "tok"
     tok.mkdir()
     (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 299}}}))
+    for name, tokenizer in [
+        ("tok_no_id", {"model": {"vocab": {"a": 0}}, "added_tokens": [{"content": "<s>"}]}),
+        ("tok_str_id", {"model": {"vocab": {"a": "0", "b": 1}}}),
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    rope_5 = dataclasses.asdict(SMALL) | {"rope": 5}
+    for name, native_config in [("native", {"vocab_size": 8}), ("rope", rope_5)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "jflash_config.json").write_text(json.dumps(native_config))
+    o = str(tmp_path / "o")
     cases = [
+        (["--to-hf", str(tmp_path / "hf"), "--out", o], "not a native directory.*--from-hf"),
+        (["--to-hf", str(tmp_path / "native"), "--out", o], "'num_layers', .* are missing"),
+        (["--to-hf", str(tmp_path / "rope"), "--out", o], "rope=5 must be an object"),
         (["--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
         (["--init", "tiny", "--out", str(tmp_path / "afile")], "is a file, not a directory"),
         (["--to-hf", "x", "--out", str(tmp_path / "o"), "--max-shard-gb", "0"], "must be > 0"),
@@ -641,6 +786,21 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             ["--init", "tiny", "--tokenizer", str(tok), "--vocab-size", "100", "--out", "o"],
             "--vocab-size=100 is smaller than .*300 ids",
         ),
+        (
+            ["--init", "tiny", "--tokenizer", str(tmp_path / "tok_no_id"), "--out", o],
+            "not a tokenizer.json vocabulary: .*'<s>': None",
+        ),
+        (
+            ["--init", "tiny", "--tokenizer", str(tmp_path / "tok_str_id"), "--out", o],
+            "not a tokenizer.json vocabulary: .*'a': '0'",
+        ),
+        # flags the conversion does not read: refused, not dropped
+        (
+            ["--from-hf", "x", "--dtype", "bfloat16", "--out", str(tmp_path / "o")],
+            "--dtype applies to --to-hf and --init only, not --from-hf",
+        ),
+        (["--to-hf", "x", "--seed", "1", "--out", "o"], "--seed applies to --init only"),
+        (["--init", "tiny", "--vocab-size", "0", "--out", "o"], "--vocab-size=0 must be at least"),
     ]
     for argv, match in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -649,6 +809,36 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         err = capsys.readouterr().err
         assert re.search(match, err) and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_init_takes_bos_and_eos_from_the_tokenizer_only(tmp_path, capsys):
+    """A tokenizer that names an EOS and no BOS: the config has its EOS and no BOS, not
+    the preset's id 1 (another token of this vocabulary)."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2, "c": 3}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(tmp_path / "hf")])
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["vocab_size"], hf["bos_token_id"], hf["eos_token_id"]) == (4, None, 0)
+    assert "eos_token_id=0" in capsys.readouterr().out
+
+
+def test_cli_init_writes_the_dtype_and_shards_asked_for(tmp_path):
+    out = tmp_path / "hf"
+    convert_main(
+        ["--init", "tiny", "--dtype", "bfloat16", "--max-shard-gb", "5e-4"] + ["--out", str(out)]
+    )
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == 2 and not (out / "model.safetensors").exists()
+    assert {
+        SafetensorsFile(out / shards[0])[k].dtype for k in SafetensorsFile(out / shards[0])
+    } == {np.dtype(ml_dtypes.bfloat16)}
+    config, _ = models.load_hf(out)
+    assert config == models.TINY
 
 
 def test_cli_round_trip(tmp_path, params, capsys):
@@ -666,3 +856,6 @@ def test_cli_round_trip(tmp_path, params, capsys):
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
     assert "parameters" in capsys.readouterr().out
+    # in place: the tokenizer is already there, which is no error
+    convert_main(["--to-hf", str(tmp_path / "native"), "--out", str(tmp_path / "native")])
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path / "native")[1], params)
