@@ -506,3 +506,21 @@ def test_a_misspelt_flag_is_answered_with_the_closest_one(capsys):
     assert "--learnig_rate: did you mean --learning_rate?" in err
     assert "--max_step: did you mean --max_steps?" in err
     assert "did you mean" not in refused("--bogus", "1")
+
+
+def test_the_demo_turns_command_buffers_off_before_jax_starts():
+    """On a GPU the demo's trace and metrics report attribute kernels to phases, which
+    kernels run as CUDA graphs (XLA's default there) do not allow: the demo sets the
+    flag before jax starts, keeping the user's other flags."""
+    import subprocess
+    import sys
+
+    from train.xla_flags import NO_COMMAND_BUFFERS
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_dump_to=/nonexistent-dump"
+    code = "import os, train.demo; print(os.environ['XLA_FLAGS'])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert NO_COMMAND_BUFFERS in out and "--xla_dump_to=/nonexistent-dump" in out

@@ -24,6 +24,8 @@ import shutil
 import subprocess
 import sys
 
+from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # imports no jax
+
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
     "XLA_FLAGS", ""
 ):
@@ -31,6 +33,10 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
+if "jax" not in sys.modules and command_buffers_on():
+    # Only affects GPUs: the demo's trace and its metrics report attribute kernels to
+    # phases and name scopes, which kernels run as CUDA graphs do not carry.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + NO_COMMAND_BUFFERS).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
