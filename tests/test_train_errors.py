@@ -524,3 +524,23 @@ def test_the_demo_turns_command_buffers_off_before_jax_starts():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert NO_COMMAND_BUFFERS in out and "--xla_dump_to=/nonexistent-dump" in out
+
+
+def test_a_model_larger_than_the_hosts_memory_is_refused_on_cpu(tmp_path, capsys, monkeypatch):
+    """On the CPU backend a training state larger than MemAvailable is refused in one line
+    naming the model, the estimate and what is available (the kernel would kill the
+    process without a word); a state that fits trains."""
+    import train.build as build_lib
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the check is the CPU backend's")
+    cfg = parse_args([*BASE, "--data_path", "sample", "--output_dir", str(tmp_path / "o")])
+    need = build_lib.state_bytes(cfg, build_lib.model_config(cfg))
+    assert need == models.param_count(models.TINY) * 16  # fp32 params, grads, two moments
+    monkeypatch.setattr(build_lib, "available_host_bytes", lambda: need // 2)
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "1", "--output_dir"]
+    err = _one_line_error([*argv, str(tmp_path / "o")], capsys)
+    assert "'tiny'" in err and f"{need / 1e9:.3g} GB" in err and "available" in err, err
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setattr(build_lib, "available_host_bytes", lambda: need)
+    assert main([*argv, str(tmp_path / "o2")]) == 0

@@ -69,6 +69,51 @@ def model_config(cfg: TrainConfig) -> models.LlamaConfig:
         ) from e
 
 
+# Bytes per parameter of the training state beside the fp32 parameter and its fp32
+# gradient: AdamW's two moments, Lion's one; Adafactor's factored moments are rows and
+# columns, small beside the weights.
+OPTIMIZER_BYTES = {"adamw": 8, "lion": 4, "adafactor": 0}
+
+
+def state_bytes(cfg: TrainConfig, config: models.LlamaConfig) -> int:
+    """The training state's bytes: fp32 parameters and gradients (the trainer keeps
+    parameters in float32 whatever `--bf16`) and `--optim`'s state."""
+    return models.param_count(config) * (4 + 4 + OPTIMIZER_BYTES.get(cfg.optim.optim, 8))
+
+
+def available_host_bytes() -> int | None:
+    """`/proc/meminfo`'s MemAvailable: what the host can give without swapping (None
+    where the file is not there or does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(cfg: TrainConfig, config: models.LlamaConfig) -> None:
+    """On the CPU backend, refuse a model whose training state is larger than the host's
+    available memory: the kernel would kill the process without a word. (A GPU reports
+    its out-of-memory error, which the trainer explains.)"""
+    if jax.default_backend() != "cpu":
+        return
+    available = available_host_bytes()
+    need = state_bytes(cfg, config)
+    if available is None or need <= available:
+        return
+    gb = 1e9
+    raise TrainingError(
+        f"--model_name_or_path={cfg.model.model_name_or_path!r}: its training state "
+        f"(fp32 parameters, gradients and {cfg.optim.optim} state, "
+        f"{models.param_count(config) / 1e9:.3g}B parameters) needs about {need / gb:.3g} GB "
+        f"but this host has {available / gb:.3g} GB available; train a smaller preset "
+        "(e.g. tiny) or run on GPUs with enough memory"
+    )
+
+
 def load_model(cfg: TrainConfig):
     """`(LlamaConfig, host params or None)`: an HF directory, or a preset (random init)."""
     name = cfg.model.model_name_or_path
@@ -456,6 +501,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     cfg = resolve_strategy(cfg, arch, sizes, devices)
     check_layout(cfg, sizes)
     check_heads(cfg, arch, sizes)
+    check_host_memory(cfg, arch)
     if config is None:
         config, host_params = load_model(cfg)
     else:
