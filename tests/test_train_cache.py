@@ -372,6 +372,26 @@ def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_fi
         load_rows(_cfg(data_path=str(source), model_max_length=4), models.TINY)
 
 
+def test_a_tokenizer_with_more_ids_than_the_model_is_named_as_the_cause(bpe, tmp_path):
+    """Text whose ids run past the model's vocabulary because the tokenizer has more ids
+    than the model: the error names the tokenizer, its size and the model's."""
+    source = tmp_path / "t.jsonl"
+    source.write_text(json.dumps({"text": "Packed rows of text for the trainer."}) + "\n")
+    cfg = _cfg(data_path=str(source), model_max_length=4, tokenizer_name_or_path=str(bpe))
+    small = models.TINY.replace(vocab_size=258)
+    with pytest.raises(TrainingError) as refused:
+        load_rows(cfg, small)
+    message = str(refused.value)
+    assert "is out of range for vocab_size=258" in message
+    assert f"--tokenizer_name_or_path={str(bpe)!r} has 300 ids" in message
+    assert "the model's vocab_size is 258" in message and "\n" not in message
+    # Pre-tokenized ids past the vocabulary are the data's own: no tokenizer named.
+    ids = _pkl(tmp_path / "v.pkl", [[1], [2], [300]])
+    with pytest.raises(ValueError, match="out of range") as refused:
+        load_rows(_cfg(data_path=str(ids), model_max_length=4), small)
+    assert "--tokenizer_name_or_path" not in str(refused.value)
+
+
 def test_cache_of_another_tokenizer_names_it_in_the_rebuild_command(bpe, tmp_path):
     """The command a refused cache suggests rebuilds it with this run's tokenizer."""
     source = tmp_path / "t.jsonl"

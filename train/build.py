@@ -168,16 +168,44 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             raise TrainingError(f"{flag}={path!r}: no such data file")
         name = cfg.model.model_name_or_path
         tokenizer = cfg.data.tokenizer_name_or_path or (name if os.path.isdir(name) else None)
-        return data_cache.packed_rows(
-            path,
-            cfg.data.model_max_length,
-            tokenizer=tokenizer,
-            eos_id=eos,
-            vocab_size=config.vocab_size,
-            cache_root=cfg.data.data_cache_dir or None,
-            pad_last=eval,
-        )
+        try:
+            return data_cache.packed_rows(
+                path,
+                cfg.data.model_max_length,
+                tokenizer=tokenizer,
+                eos_id=eos,
+                vocab_size=config.vocab_size,
+                cache_root=cfg.data.data_cache_dir or None,
+                pad_last=eval,
+            )
+        except ValueError as e:
+            if tokenizer and "out of range for vocab_size" in str(e):
+                _blame_the_tokenizer(cfg, tokenizer, config.vocab_size, e)
+            raise
     return dataset.rows(cfg.data.model_max_length, eos_id=eos, pad_last=eval)
+
+
+def _blame_the_tokenizer(cfg: TrainConfig, tokenizer: str, vocab_size: int, error) -> None:
+    """Where the data's out-of-range id comes from a tokenizer with more ids than the
+    model has, a TrainingError naming both sizes; else nothing (the data's own ids)."""
+    try:
+        from models.convert import tokenizer_vocab_size
+
+        size = tokenizer_vocab_size(data_lib.tokenizer_file(tokenizer))
+    except (OSError, ValueError):
+        return
+    if size <= vocab_size:
+        return
+    which = (
+        f"--tokenizer_name_or_path={tokenizer!r}"
+        if cfg.data.tokenizer_name_or_path
+        else f"the tokenizer of --model_name_or_path={tokenizer!r}"
+    )
+    raise TrainingError(
+        f"{error}: {which} has {size} ids but the model's vocab_size is {vocab_size}; "
+        f"train a model of vocab_size >= {size} (its config.json) or use a tokenizer of "
+        f"at most {vocab_size} ids"
+    ) from None
 
 
 def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
