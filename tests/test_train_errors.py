@@ -491,6 +491,34 @@ def test_the_run_is_planned_in_one_line(tmp_path, capsys):
     assert line.endswith(f"M parameters; mesh data=1,fsdp={n},seq=1,seq_a2a=1")
 
 
+def test_the_plan_and_done_lines_count_one_in_the_singular(tmp_path):
+    """One row, one step an epoch, one epoch: `1 row`, `1 step each`, `1 epoch`."""
+    from types import SimpleNamespace
+
+    from train.__main__ import _done_line
+    from train.loop import _plan
+
+    cfg = parse_args([*BASE, "--output_dir", str(tmp_path), "--export_hf", "false"])
+    t = SimpleNamespace(
+        cfg=cfg,
+        rows=SimpleNamespace(num_rows=1),
+        global_batch=1,
+        accum=1,
+        batches=SimpleNamespace(steps_per_epoch=1),
+        state={"params": {"w": np.zeros(3)}},
+        sizes={"data": 1, "fsdp": 1, "seq": 1},
+        total_steps=1,
+    )
+    line = _plan(t)
+    assert line.startswith("plan: 1 row of 64 tokens; 1 step (1 epoch, 1 step each), ")
+    assert "each 1 row = 64 tokens (" in line, line
+    t.rows.num_rows, t.total_steps, t.batches.steps_per_epoch = 1200, 3, 1
+    assert _plan(t).startswith("plan: 1,200 rows of 64 tokens; 3 steps (3 epochs, 1 step each)")
+    one = {"total_steps": 1, "losses": [4.0]}
+    assert _done_line(cfg, one) == "done: 1 step, final loss 4.0000"
+    assert _done_line(cfg, {**one, "total_steps": 2}) == "done: 2 steps, final loss 4.0000"
+
+
 def test_a_misspelt_flag_is_answered_with_the_closest_one(capsys):
     """argparse's one line for unknown flags, with the known flag each is closest to."""
 

@@ -10,6 +10,7 @@ import threading
 from train import outputs
 from train.config import parse_args
 from train.loop import TrainingError, run
+from train.words import plural
 
 
 class Terminated(KeyboardInterrupt):
@@ -114,7 +115,8 @@ def _done_line(cfg, summary: dict) -> str:
     if cfg.run.export_hf:
         kept.append(f"the HF model in {os.path.join(out, 'hf')}")
     where = "; " + ", ".join(kept) if kept else ""
-    return f"done: {summary['total_steps']} steps, final loss {summary['losses'][-1]:.4f}{where}"
+    trained = plural(summary["total_steps"], "step")
+    return f"done: {trained}, final loss {summary['losses'][-1]:.4f}{where}"
 
 
 if __name__ == "__main__":

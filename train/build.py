@@ -42,6 +42,7 @@ from train.mesh import (
 )
 from train.optim import optimizer, schedule
 from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
+from train.words import plural
 
 
 def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig:
@@ -569,7 +570,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     if profile and profile[1] > total_steps:
         raise TrainingError(
             f"--profile_steps={cfg.profile.profile_steps!r} ends after the run's "
-            f"{total_steps} steps; the trace would never be written"
+            f"{plural(total_steps, 'step')}; the trace would never be written"
         )
 
     packed = rows.packed or (eval_rows is not None and eval_rows.packed)

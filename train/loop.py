@@ -26,6 +26,7 @@ from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
 from train.optim import warmup_steps
+from train.words import plural
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
 
@@ -222,7 +223,7 @@ def _run_from(
     if not trains and is_main:
         print(
             f"nothing to train: checkpoint {start_step} is already at the run's "
-            f"{t.total_steps} steps",
+            f"{plural(t.total_steps, 'step')}",
             file=sys.stderr,
         )
     history = []
@@ -268,11 +269,15 @@ def _plan(t: Trainer) -> str:
         f"per-device batch {cfg.run.per_device_train_batch_size} x data {t.sizes['data']} "
         f"x fsdp {t.sizes['fsdp']} x accumulation {t.accum}"
     )
+    epochs = f"{t.total_steps / epoch:.3g}"
+    epochs += " epoch" if epochs == "1" else " epochs"
     return (
-        f"plan: {rows:,} rows of {seq:,} tokens; {t.total_steps:,} steps "
-        f"({t.total_steps / epoch:.3g} epochs, {epoch:,} steps each), each {per_step:,} rows = "
-        f"{per_step * seq:,} tokens ({factors}); {params / 1e6:,.1f}M parameters; "
-        f"mesh {mesh}"
+        f"plan: {plural(rows, 'row', grouped=True)} of {plural(seq, 'token', grouped=True)}; "
+        f"{plural(t.total_steps, 'step', grouped=True)} ({epochs}, "
+        f"{plural(epoch, 'step', grouped=True)} each), each "
+        f"{plural(per_step, 'row', grouped=True)} = "
+        f"{plural(per_step * seq, 'token', grouped=True)} ({factors}); "
+        f"{params / 1e6:,.1f}M parameters; mesh {mesh}"
     )
 
 

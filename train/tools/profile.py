@@ -290,7 +290,7 @@ def _xla_cost(cfg, config, devices) -> dict | None:
         if not analysis or "bytes accessed" not in analysis:
             return None
         costs.append((analysis.get("flops", 0.0), analysis["bytes accessed"]))
-    from train.tools.report import plural
+    from train.words import plural
 
     (f1, b1), (f2, b2) = costs
     n = config.num_layers

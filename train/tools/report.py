@@ -25,6 +25,7 @@ from matplotlib.text import Text  # noqa: E402
 
 from train.tools.files import write_text, write_whole  # noqa: E402
 from train.tools.trace import kernel_label  # noqa: E402
+from train.words import plural  # noqa: E402
 
 # PyTorch + LightSeq's published numbers: 4 GPUs, PyTorch + LightSeq, fp16, 512 tokens.
 SEED_REFERENCE = [
@@ -61,11 +62,6 @@ def significant(value: float, digits: int = 3) -> str:
     if value == 0 or abs(value) >= 10 ** (digits - 1):
         return f"{value:,.0f}"
     return f"{value:.{digits}g}"
-
-
-def plural(n: int, word: str) -> str:
-    """`1 step`, `2 steps`."""
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 # The throughput table's columns that a device may not report, and why where a row does
