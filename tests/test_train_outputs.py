@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import sys
 import types
 
@@ -754,3 +755,28 @@ def test_ctrl_c_before_an_overwrite_run_starts_leaves_the_directory(tmp_path, mo
     assert ended.value.code == 130
     assert capsys.readouterr().err == f"interrupted before the run started: {out} is as it was\n"
     assert _files(out) == {"log.jsonl": b"old\n", "checkpoints/2/meta": b"old"}
+
+
+def test_saves_cut_off_by_a_kill_are_removed_when_the_run_resumes(tmp_path, capsys):
+    """Orbax's temporary directories of saves a kill cut off are removed, in one line,
+    when a run resumes in their output directory; other names there are kept."""
+    import orbax.checkpoint._src.path.atomicity_types as atomicity_types
+
+    from train.checkpoint import PARTIAL_SAVE
+
+    assert PARTIAL_SAVE.fullmatch("4" + atomicity_types.TMP_DIR_SUFFIX)  # orbax's own name
+    out = tmp_path / "run"
+    argv = _args(out, "--report_to", "none", "--max_steps", "4", "--save_steps", "2")
+    assert main(argv) == 0
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / "4")
+    for name in ("4.orbax-checkpoint-tmp", "3.orbax-checkpoint-tmp-1712", "notes"):
+        (checkpoints / name / "state").mkdir(parents=True)
+    capsys.readouterr()
+    assert main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"removed 2 checkpoint saves cut off before completing in {checkpoints}: "
+        "3.orbax-checkpoint-tmp-1712, 4.orbax-checkpoint-tmp\n"
+    ) in said
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "notes"]

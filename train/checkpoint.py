@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 
 import jax
 import orbax.checkpoint as ocp
@@ -58,6 +60,30 @@ def _quiet_read_only_notes():
         yield
     finally:
         logger.removeFilter(notes)
+
+
+# Orbax's name for a save in progress, `<step>.orbax-checkpoint-tmp` (older versions
+# append `-<timestamp>`): renamed to `<step>` when the save is complete, so one left
+# behind is a save cut off by a kill.
+PARTIAL_SAVE = re.compile(r"\d+\.orbax-checkpoint-tmp(-\d+)?")
+
+
+def remove_partial_saves(output_dir: str) -> list[str]:
+    """Deletes the directories of saves cut off in `<output_dir>/checkpoints` (orbax's
+    temporary names only, nothing else there) and returns their names, sorted. Called
+    before the run writes a checkpoint, so none of them is a save in progress."""
+    directory = os.path.join(output_dir, "checkpoints")
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if PARTIAL_SAVE.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+            removed.append(name)
+    return removed
 
 
 class Checkpoints:

@@ -20,7 +20,12 @@ import models
 from train import data as data_lib
 from train import outputs, reporters
 from train.build import Trainer, build, export_config, is_sample_data, profile_window
-from train.checkpoint import Checkpoints, resolve_resume, shapes_by_path
+from train.checkpoint import (
+    Checkpoints,
+    remove_partial_saves,
+    resolve_resume,
+    shapes_by_path,
+)
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.metrics import JsonlLog, memory, throughput
@@ -149,6 +154,12 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
             elif continuing and is_main:  # a resume of a replacing run that was killed
                 kept = os.path.join(out, outputs.PREVIOUS_RUN)
                 aside = kept if os.path.isdir(kept) else None
+            if trains and is_main and (cut := remove_partial_saves(out)):
+                print(
+                    f"removed {plural(len(cut), 'checkpoint save')} cut off before completing "
+                    f"in {os.path.join(out, 'checkpoints')}: {', '.join(cut)}",
+                    flush=True,
+                )
             try:
                 state, history = _run_from(
                     t, cfg, state, start_step, step_fn, resume, continuing, run_meta, aside
