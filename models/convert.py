@@ -218,7 +218,8 @@ def load_hf(
         with the shardings you want).
 
     Raises:
-        ValueError: listing all missing, unexpected and mis-shaped tensors.
+        ValueError: listing all missing, unexpected and mis-shaped tensors; naming a
+            tensor with a weight beyond ``param_dtype``'s range (float16: 65504).
     """
     path = os.fspath(path)
     if os.path.isfile(path):
@@ -260,9 +261,25 @@ def load_hf(
 
     params: Params = {}
     for m in _active(config):
-        arrays = [_apply(tensors[key], m.transform).astype(dtype) for key in _hf_keys(m, L)]
+        arrays = [_cast(tensors, key, m.transform, dtype, path) for key in _hf_keys(m, L)]
         _set(params, m.path, np.stack(arrays) if m.per_layer else arrays[0])
     return config, params
+
+
+def _cast(tensors, key: str, transform: Transform, dtype: np.dtype, path: str) -> np.ndarray:
+    """Tensor `key` in `dtype`; ValueError naming it where a finite weight is beyond
+    `dtype`'s range (float16's 65504), which the cast would make inf."""
+    array = _apply(tensors[key], transform)
+    limit = float(ml_dtypes.finfo(dtype).max)
+    if array.size and limit < float(ml_dtypes.finfo(array.dtype).max):
+        largest = float(np.max(np.abs(array[np.isfinite(array)]), initial=0.0))
+        if largest > limit:
+            raise ValueError(
+                f"checkpoint {path}: {key} holds a weight of magnitude {largest:.6g}, "
+                f"beyond {dtype.name}'s largest {limit:g}: param_dtype={dtype.name!r} "
+                "would make it inf; load it as 'float32' or 'bfloat16'"
+            )
+    return array.astype(dtype)
 
 
 def to_hf_state_dict(

@@ -606,6 +606,25 @@ def test_load_hf_into_bf16_params(tmp_path, params):
     assert _logits(config, loaded, jnp.zeros((1, 8), jnp.int32)).dtype == jnp.float32
 
 
+def test_load_hf_into_fp16_refuses_a_weight_beyond_its_range(tmp_path, params):
+    """A weight past float16's 65504 would load as inf: refused, naming the tensor and
+    its largest magnitude; float32 and bfloat16 load it."""
+    host = jax.device_get(params)
+    scale = np.array(host["final_norm"]["scale"])
+    scale[3] = -7e4
+    models.export_hf({**host, "final_norm": {"scale": scale}}, SMALL, tmp_path)
+    with pytest.raises(
+        ValueError, match=r"model\.norm\.weight holds a weight of magnitude 70000, "
+    ):
+        models.load_hf(tmp_path, param_dtype="float16")
+    for dtype in ("float32", "bfloat16"):
+        _, loaded = models.load_hf(tmp_path, param_dtype=dtype)
+        assert np.isfinite(np.asarray(loaded["final_norm"]["scale"], np.float32)).all()
+    models.export_hf(host, SMALL, tmp_path / "fits")
+    _, loaded = models.load_hf(tmp_path / "fits", param_dtype="float16")
+    assert all(x.dtype == np.float16 for x in jax.tree.leaves(loaded))
+
+
 def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
     config = SMALL.replace(tie_word_embeddings=True)
     params = models.init_params(config, jax.random.key(3))
