@@ -188,3 +188,21 @@ def test_plot_out_that_is_a_directory_is_refused(tmp_path, capsys):
         capacity.main_plot([str(result), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"--out {tmp_path} is a directory; give a file path for" in err
+
+
+def test_plot_that_cannot_be_written_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    """A write that fails (a full disk) ends in one line naming --out and the file, and
+    leaves neither the PNG nor its temporary file."""
+    import matplotlib.figure
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    result = tmp_path / "capacity.json"
+    result.write_text(json.dumps(SAVE))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    out = tmp_path / "p.png"
+    with pytest.raises(SystemExit) as e:
+        capacity.main_plot([str(result), "--out", str(out)])
+    assert str(e.value) == f"error: --out: cannot write {out} (No space left on device)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json"]

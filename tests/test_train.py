@@ -598,6 +598,25 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     np.testing.assert_allclose(gathered, replicated, rtol=1e-5)
 
 
+def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """`gradcheck --out` under a file: one line naming --out and the path (the
+    layouts' gradients stubbed: only the writing is under test)."""
+    from train.tools import gradcheck
+
+    grads = {"a": np.ones(3, np.float32)}
+    got = {"loss": 1.0, "tokens": 64, "rows": 1, "grads": grads}
+    monkeypatch.setattr(gradcheck, "layout_gradients", lambda flags: dict(got))
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "gradcheck.json"
+    layouts = ["--layout", "--mesh data=1", "--layout", "--mesh data=1", "--out"]
+    with pytest.raises(SystemExit) as e:
+        gradcheck.main([*layouts, str(out)])
+    assert str(e.value) == f"error: --out: cannot write {out} (Not a directory)"
+    good = tmp_path / "gradcheck.json"
+    rows = gradcheck.main([*layouts, str(good)])
+    assert json.loads(good.read_text()) == json.loads(json.dumps(rows))
+
+
 @pytest.mark.multi_device(2)
 @pytest.mark.slow
 def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):

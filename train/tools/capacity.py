@@ -46,7 +46,7 @@ from collections.abc import Callable
 
 from models.config import REMAT_POLICIES
 from train.oom import is_oom
-from train.tools.files import write_json
+from train.tools.files import write_json, write_whole
 
 
 def search_longest(
@@ -728,9 +728,15 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
     if shared:
         title += "\n" + ", ".join(shared)
     fig.suptitle(title)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except OSError as e:
+        plt.close(fig)
+        raise SystemExit(f"error: --out: cannot write {out} ({e.strerror or e})") from None
+    try:
+        write_whole(out, lambda f: fig.savefig(f, format="png", dpi=110), "--out", binary=True)
+    finally:
+        plt.close(fig)
     print(f"wrote {out}")
     return out
 

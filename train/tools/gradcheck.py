@@ -23,12 +23,13 @@ as in the trainer (`--data_path sample` for made-up data, the same for every lay
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
 
 import numpy as np
+
+from train.tools.files import write_json
 
 
 def _tree_paths(tree) -> dict[str, np.ndarray]:
@@ -155,8 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             _print(row, results[0], args.top)
             del got
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results, "--out")
         print(f"wrote {args.out}")
     return results
 
