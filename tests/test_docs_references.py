@@ -71,8 +71,8 @@ def _help(main, argv) -> str:
 
 
 @pytest.fixture(scope="module")
-def cli_flags() -> set[str]:
-    """Every flag of the trainer, its data and conversion commands and its tools."""
+def cli_helps() -> list[str]:
+    """The `--help` of the trainer, its data and conversion commands and its tools."""
     from models import convert
     from train import config, data
     from train.tools import capacity, gradcheck, profile, trace
@@ -87,7 +87,47 @@ def cli_flags() -> set[str]:
         _help(trace.main, ["--help"]),
         *(_help(data.main, [c, "--help"]) for c in ("sample", "inspect", "cache", "tokenizer")),
     ]
-    return {"--keep"} | {f for text in texts for f in _FLAG.findall(text)}  # --keep: train.demo
+    return texts
+
+
+@pytest.fixture(scope="module")
+def cli_flags(cli_helps) -> set[str]:
+    """Every flag of those commands, and `python -m train.demo`'s `--keep`."""
+    return {"--keep"} | {f for text in cli_helps for f in _FLAG.findall(text)}
+
+
+def test_names_in_help_exist(cli_helps):
+    """A `jflash.X`, `models.X` or `train.X` a `--help` points to can be imported."""
+    import importlib
+
+    missing = []
+    for text in cli_helps:
+        for name in set(re.findall(r"\b(?:jflash|models|train)(?:\.\w+)+", " ".join(text.split()))):
+            parts = name.split(".")
+            for i in range(len(parts), 0, -1):
+                try:
+                    found = importlib.import_module(".".join(parts[:i]))
+                    break
+                except ImportError:
+                    continue
+            for attribute in parts[i:]:
+                found = getattr(found, attribute, None)
+            if found is None:
+                missing.append(name)
+    assert missing == []
+
+
+def test_trainer_help_lists_every_choice():
+    from train import config
+
+    helps = {a.dest: a.help for a in config.build_parser()._actions}
+    unlisted = [
+        f"--{name}: {choice}"
+        for (section, name), allowed in config.CHOICES.items()
+        for choice in allowed
+        if choice is not None and str(choice) not in helps[f"{section}.{name}"]
+    ]
+    assert unlisted == []
 
 
 # Flags of other programs the guides quote: XLA's, TensorBoard's and XProf's.
