@@ -141,3 +141,9 @@ def test_documented_flags_exist(document, cli_flags):
     text = text.split("## Kernel and ring benchmarks")[0]
     named = {f for f in _FLAG.findall(text) if not OTHER_PROGRAMS.match(f)}
     assert sorted(named - cli_flags) == []
+
+
+def test_trainer_guide_names_every_config():
+    guide = (ROOT / "docs/trainer.md").read_text()
+    configs = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert [c for c in configs if f"`{c}`" not in guide and f"configs/{c}" not in guide] == []
