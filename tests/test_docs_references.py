@@ -147,3 +147,14 @@ def test_trainer_guide_names_every_config():
     guide = (ROOT / "docs/trainer.md").read_text()
     configs = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert [c for c in configs if f"`{c}`" not in guide and f"configs/{c}" not in guide] == []
+
+
+@pytest.mark.parametrize("document", ["docs/library.md", "docs/profiling.md", "BENCHMARKS.md"])
+def test_documented_benchmark_flags_exist(document, cli_flags):
+    """A flag the benchmark sections give is a tool's, or one a script in `benchmarks/`
+    defines (read from the scripts' text: they need a GPU to import)."""
+    sources = " ".join(p.read_text() for p in sorted((ROOT / "benchmarks").glob("*.py")))
+    defined = set(re.findall(r"[\"'](--[a-z][\w-]*)[\"']", sources))
+    text = (ROOT / document).read_text()
+    named = {f for f in _FLAG.findall(text) if not OTHER_PROGRAMS.match(f)}
+    assert sorted(named - cli_flags - defined) == []
