@@ -37,7 +37,7 @@ class ModelArgs:
     # auto | jflash.STRATEGIES; auto: ulysses on one host where seq divides the heads, else
     # ring (hybrid with a seq_a2a axis; `train.build.resolve_strategy`)
     ring_strategy: str = "auto"
-    remat_policy: str = "save_attn"  # models.REMAT_POLICIES
+    remat_policy: str = "save_attn"  # models.config.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
     fp16: bool = False  # HF Trainer's flag: runs as bf16 compute (no loss scaling needed)
@@ -102,9 +102,8 @@ class OptimArgs:
     min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
-    # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none); HF's
-    # adamw_torch, adamw_torch_fused and adamw_hf name adamw
-    optim: str = "adamw"
+    # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none)
+    optim: str = "adamw"  # also HF's adamw_torch, adamw_torch_fused and adamw_hf: adamw
     optimizer_offload: bool = False  # optimizer state in pinned host memory, on device to update
 
 
@@ -135,6 +134,22 @@ class ProfileArgs:
     profile_dir: str = ""  # default: <output_dir>/tensorboard (TensorBoard's profile plugin)
 
 
+# The settings that take one of a few values (checked in `TrainConfig`, listed in --help).
+CHOICES: dict[tuple[str, str], tuple] = {
+    ("model", "attention"): ATTENTION_KINDS,
+    ("model", "ring_layout"): jflash.LAYOUTS,
+    ("model", "ring_strategy"): ("auto", *jflash.STRATEGIES),
+    ("model", "attention_implementation"): (None, *jflash.IMPLEMENTATIONS),
+    ("model", "remat_policy"): REMAT_POLICIES,
+    ("data", "packing_positions"): ("per_document", "running"),
+    ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
+    ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
+    ("optim", "optim"): OPTIMIZERS,
+    ("run", "save_strategy"): ("steps", "epoch", "no"),
+    ("run", "eval_strategy"): ("steps", "epoch", "no"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelArgs = ModelArgs()
@@ -145,20 +160,7 @@ class TrainConfig:
     profile: ProfileArgs = ProfileArgs()
 
     def __post_init__(self):
-        choices = {
-            ("model", "attention"): ATTENTION_KINDS,
-            ("model", "ring_layout"): jflash.LAYOUTS,
-            ("model", "ring_strategy"): ("auto", *jflash.STRATEGIES),
-            ("model", "attention_implementation"): (None, *jflash.IMPLEMENTATIONS),
-            ("model", "remat_policy"): REMAT_POLICIES,
-            ("data", "packing_positions"): ("per_document", "running"),
-            ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
-            ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
-            ("optim", "optim"): OPTIMIZERS,
-            ("run", "save_strategy"): ("steps", "epoch", "no"),
-            ("run", "eval_strategy"): ("steps", "epoch", "no"),
-        }
-        for (section, name), allowed in choices.items():
+        for (section, name), allowed in CHOICES.items():
             value = getattr(getattr(self, section), name)
             if value not in allowed:
                 raise ValueError(f"--{name}={value!r} must be one of {allowed}")
@@ -308,9 +310,12 @@ def _field_comments(cls) -> dict[str, str]:
     return dict(pattern.findall(source))
 
 
-def _field_help(section_cls, field) -> str:
+def _field_help(section: str, section_cls, field) -> str:
     comment = _field_comments(section_cls).get(field.name)
     default = f"default: {field.default!r}"
+    allowed = CHOICES.get((section, field.name))
+    if allowed and not all(str(a) in (comment or "") for a in allowed if a is not None):
+        comment = " | ".join(str(a) for a in allowed) + (f"; {comment}" if comment else "")
     return f"{comment} ({default})" if comment else default
 
 
@@ -379,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         for field in dataclasses.fields(cls):
             conv, optional = _parser_type(hints[field.name])
             kwargs: dict[str, Any] = dict(
-                default=None, help=_field_help(cls, field), metavar=field.name.upper()
+                default=None, help=_field_help(section, cls, field), metavar=field.name.upper()
             )
             if conv is _parse_bool:
                 kwargs.update(nargs="?", const=True, type=_parse_bool)

@@ -350,9 +350,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="write learnable Markov-chain sample data")
     sample.add_argument("--out", required=True, help="output file: .pkl, .jsonl or .npy")
-    sample.add_argument("--num-samples", type=int, default=512)
     sample.add_argument(
-        "--seq-len", type=int, default=1024, help="tokens per example (the mean, with --lengths)"
+        "--num-samples", type=int, default=512, help="examples (default: %(default)s)"
+    )
+    sample.add_argument(
+        "--seq-len",
+        type=int,
+        default=1024,
+        help="tokens per example (the mean, with --lengths; default: %(default)s)",
     )
     sample.add_argument(
         "--lengths",
@@ -361,10 +366,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="example lengths: all --seq-len, or log-normal (sigma 1) with mean --seq-len, "
         "capped at 16x (packed documents of a long-tailed corpus)",
     )
-    sample.add_argument("--vocab-size", type=int, default=32000)
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--num-states", type=int, default=256, help="distinct tokens used")
-    sample.add_argument("--branching", type=int, default=4, help="successors per token")
+    sample.add_argument(
+        "--vocab-size",
+        type=int,
+        default=32000,
+        help="at most the model's (512 for the tiny preset; default: %(default)s, Llama-2's)",
+    )
+    sample.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    sample.add_argument(
+        "--num-states", type=int, default=256, help="distinct tokens used (default: %(default)s)"
+    )
+    sample.add_argument(
+        "--branching", type=int, default=4, help="successors per token (default: %(default)s)"
+    )
     sample.add_argument(
         "--stream",
         action="store_true",
@@ -398,7 +412,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     tok.add_argument("files", nargs="+", help="UTF-8 text files, or .jsonl files of 'text'")
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
-    tok.add_argument("--vocab-size", type=int, default=4096)
+    tok.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help="at most this many tokens (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     try:
         _command(args)

@@ -1,4 +1,4 @@
-"""The jitted training step: gradient accumulation, token-normalised loss, AdamW update.
+"""The jitted training step: gradient accumulation, token-normalised loss, the optimizer update.
 
 `input_ids`, `labels`, `segment_ids` and `positions` `[accum, B, T]` arrive in natural
 token order, sharded batch over `data x fsdp` and sequence over `seq`. With the zigzag

@@ -369,7 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    p.add_argument("--models", default="llama3.2-1b", help="comma-separated presets or HF dirs")
+    p.add_argument(
+        "--models",
+        default="llama3.2-1b",
+        help="comma-separated presets or HF dirs (default: %(default)s)",
+    )
     p.add_argument("--mesh", action="append", help="repeatable; default seq=1 and all devices")
     p.add_argument("--shard-over-seq", action="store_true", help="ZeRO-3 over seq as well")
     p.add_argument(
@@ -377,8 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --shard-over-seq: weights gathered once per step (the trainer's --gather_once)",
     )
-    p.add_argument("--attention", default="ring")
-    p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
+    p.add_argument(
+        "--attention", default="ring", help="the trainer's --attention (default: %(default)s)"
+    )
+    p.add_argument(
+        "--remat",
+        default="save_attn",
+        choices=REMAT_POLICIES,
+        help="the trainer's --remat_policy (default: %(default)s)",
+    )
     p.add_argument(
         "--mlp-tile",
         type=int,
@@ -391,15 +402,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer state in pinned host memory (the trainer's --optimizer_offload)",
     )
     p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
-    p.add_argument("--start", type=_tokens, default=8192, help="first context (e.g. 8k)")
-    p.add_argument("--max", type=_tokens, default=4 * 1024 * 1024, help="largest context")
-    p.add_argument("--refine", type=int, default=3, help="bisection steps after doubling")
+    p.add_argument(
+        "--start", type=_tokens, default=8192, help="first context (e.g. 16k; default: 8k)"
+    )
+    p.add_argument(
+        "--max", type=_tokens, default=4 * 1024 * 1024, help="largest context (default: 4M)"
+    )
+    p.add_argument(
+        "--refine",
+        type=int,
+        default=3,
+        help="bisection steps after doubling (default: %(default)s)",
+    )
     p.add_argument("--limit-gib", type=float, default=None, help="default: the device's")
     p.add_argument(
         "--host-limit-gib",
         type=float,
         default=None,
-        help="host memory per device (default: physical memory / local devices)",
+        help=(
+            "host memory per device (default: physical memory, on GPUs at most XLA's pinned "
+            f"host pool, ${HOST_POOL_ENV} or {HOST_POOL_DEFAULT_GIB} GiB, over the local devices)"
+        ),
     )
     p.add_argument("--out", default="", help="write the result JSON here")
     return p

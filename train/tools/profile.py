@@ -892,23 +892,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="timed steps, after the warm-up: latency, tokens/s, TFLOP/s and MFU (steps "
         "count from 1 in each row, as the trainer's step lines do: with the defaults, "
-        "steps 3..5)",
+        "steps 3..5; default: %(default)s)",
     )
     p.add_argument(
         "--warmup",
         type=int,
         default=2,
-        help="untimed steps after compiling (with the defaults, steps 1..2)",
+        help="untimed steps after compiling (with the defaults, steps 1..2; default: %(default)s)",
     )
     p.add_argument(
         "--trace-steps",
         type=int,
         default=2,
         help="profiled steps after the timed ones, slower under the profiler and not timed; "
-        "the trace's step numbers (with the defaults, steps 6..7)",
+        "the trace's step numbers (with the defaults, steps 6..7; default: %(default)s)",
     )
-    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
-    p.add_argument("--remat", default="save_attn", choices=REMAT_POLICIES)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences per data-parallel rank (default: %(default)s)",
+    )
+    p.add_argument(
+        "--remat",
+        default="save_attn",
+        choices=REMAT_POLICIES,
+        help="the trainer's --remat_policy (default: %(default)s)",
+    )
     p.add_argument(
         "--no-xla-cost", action="store_true", help="skip the 1-/2-layer compiles (HBM GB/s)"
     )
@@ -929,7 +939,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per row")
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="seconds per row (default: %(default)s)"
+    )
     p.add_argument(
         "--out",
         default="runs/profile",
