@@ -1715,7 +1715,8 @@ def test_steps_are_numbered_from_one_everywhere():
     for part, flag in (("warmup", "--warmup"), ("timed", "--steps"), ("traced", "--trace-steps")):
         metavar = flag[2:].upper().replace("-", "_")
         said = re.search(rf"{flag} {metavar} ([^\[\]]*?) --[a-z]", help_text).group(1)
-        assert f"with the defaults, steps {spans[part]})" in said, (flag, said)
+        default = parser.get_default(flag[2:].replace("-", "_"))
+        assert f"with the defaults, steps {spans[part]}; default: {default})" in said, (flag, said)
     assert report_lib.timing_text(defaults) == (
         "timed steps 3..5; traced steps 6..7: slower under the profiler, not timed"
     )
