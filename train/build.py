@@ -79,7 +79,7 @@ OPTIMIZER_BYTES = {"adamw": 8, "lion": 4, "adafactor": 0}
 def state_bytes(cfg: TrainConfig, config: models.LlamaConfig) -> int:
     """The training state's bytes: fp32 parameters and gradients (the trainer keeps
     parameters in float32 whatever `--bf16`) and `--optim`'s state."""
-    return models.param_count(config) * (4 + 4 + OPTIMIZER_BYTES.get(cfg.optim.optim, 8))
+    return models.param_count(config) * (4 + 4 + OPTIMIZER_BYTES[cfg.optim.optim])
 
 
 def available_host_bytes() -> int | None:
