@@ -275,7 +275,9 @@ SHAPES = [  # (seq, head_dim)
     (8192, 128),
     (16384, 128),
     (65536, 128),
+    (4096, 64),
     (16384, 64),
+    (65536, 64),
 ]
 
 
@@ -359,7 +361,7 @@ def main_table(args):
         print(note, flush=True)
     rows = []
     for (seq, hd), causal in itertools.product(SHAPES, args.masks):
-        if args.seqs and seq not in args.seqs:
+        if (args.seqs and seq not in args.seqs) or (args.head_dims and hd not in args.head_dims):
             continue
         reference = {}  # the first row's outputs: later rows are checked against them
         entries = []  # (row, timers): what --rounds times again
@@ -1009,6 +1011,9 @@ def main(argv=None):
         "--seqs", default="", help="main table: only these of its sequence lengths (4096,...)"
     )
     parser.add_argument(
+        "--head-dims", default="", help="main table: only these of its head dims (64,128)"
+    )
+    parser.add_argument(
         "--tokens",
         type=int,
         default=65536,
@@ -1059,6 +1064,13 @@ def main(argv=None):
         args.seqs = [int(x) for x in args.seqs.split(",") if x]
     except ValueError:
         parser.error(f"--seqs {args.seqs!r}: a comma list of sequence lengths")
+    try:
+        args.head_dims = [int(x) for x in args.head_dims.split(",") if x]
+    except ValueError:
+        parser.error(f"--head-dims {args.head_dims!r}: a comma list of head dims")
+    shown = {hd for _, hd in SHAPES}
+    if main_only and any(hd not in shown for hd in args.head_dims):
+        parser.error(f"--head-dims {args.head_dims}: the main table has head dims {sorted(shown)}")
     # Everything but redrawing a figure times kernels.
     args.note = (
         None if args.sweep_replot else gpu_or_interpret("benchmarks/kernel.py", args.interpret)

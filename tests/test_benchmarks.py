@@ -108,6 +108,12 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     assert calls == [("cudnn", 16384, 128, False)]
     assert (tmp_path / f"{path.stem}-full.json").exists()  # one mask: its own file
 
+    calls.clear()  # --head-dims filters them too
+    monkeypatch.setattr(kernel, "SHAPES", [(4096, 128), (4096, 64), (16384, 64)])
+    argv = ["--impls", "cudnn", "--masks", "causal", "--head-dims", "64", "--out", str(tmp_path)]
+    kernel.main([*argv, "--heat", "0", "--interpret"])
+    assert calls == [("cudnn", 4096, 64, True), ("cudnn", 16384, 64, True)]
+
 
 def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
     """retime_rows: after the heat, R rounds time every row's passes, forwards first,
@@ -152,8 +158,8 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kernel, "measure", measure)
     monkeypatch.setattr(kernel, "peer_notes", lambda impls: [])
-    argv = ["--seqs", "4096", "--masks", "causal", "--heat", "0", "--interpret"]
-    kernel.main([*argv, "--out", str(tmp_path)])
+    argv = ["--seqs", "4096", "--head-dims", "128", "--masks", "causal", "--heat", "0"]
+    kernel.main([*argv, "--interpret", "--out", str(tmp_path)])
     assert calls == kernel.MAIN_IMPLS.split(",")
     assert {"fa3", "tokamax", "jax_triton", "jflash_mosaic_det"} <= set(calls)
 
@@ -163,6 +169,8 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
     [
         ["--masks", "causal,diagonal"],
         ["--seqs", "4k"],
+        ["--head-dims", "d64"],
+        ["--head-dims", "96"],  # not a head dim of the main table
         ["--masks", ""],
         ["--rounds", "0"],
         ["--kernel-share", "1.5"],
