@@ -262,6 +262,20 @@ def test_token_rows_as_lists_run_and_other_ranks_are_refused(params, ids):
         models.logits(SMALL, params, ids[0])
 
 
+@pytest.mark.parametrize("bad", [SMALL.vocab_size, SMALL.vocab_size + 7, -1])
+def test_eager_ids_outside_the_vocabulary_are_named(params, ids, bad):
+    """An eager call names the first id outside [0, vocab_size); under jit the ids are
+    not checked (the trainer checks its data when it loads it)."""
+    wrong = np.asarray(ids).copy()
+    wrong[1, 5] = bad
+    message = f"input id {bad} (input_ids[1, 5]) is out of range for vocab_size=96"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.logits(SMALL, params, wrong)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.hidden_states(SMALL, params, jnp.asarray(wrong))
+    assert _logits(SMALL, params, wrong).shape == (2, SEQ, SMALL.vocab_size)
+
+
 @pytest.mark.slow
 def test_scan_unscanned_and_remat_agree(params, ids, capsys):
     ref = _logits(SMALL, params, ids)
