@@ -29,6 +29,25 @@ def write_whole(path: str, write: Callable[[IO], object], flag: str, binary: boo
                 os.remove(tmp)
 
 
+def check_writable_file(path: str, flag: str) -> None:
+    """Refuses, before the work whose result goes there, a `path` that `write_whole`
+    could not write: a directory, or a file whose directory is missing, not a directory,
+    or not writable. SystemExit with one line naming `flag` and `path`, as `write_whole`
+    fails; creates nothing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        reason = "it is a directory"
+    elif not os.path.exists(folder):
+        reason = f"no such directory {folder}"
+    elif not os.path.isdir(folder):
+        reason = f"{folder} is not a directory"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        reason = f"{folder} is not writable"
+    else:
+        return
+    raise SystemExit(f"error: {flag}: cannot write {path} ({reason})")
+
+
 def write_json(path: str, data, flag: str) -> None:
     """`data` as JSON into `path`, as `write_whole` writes."""
     write_whole(path, lambda f: json.dump(data, f, indent=1, default=str), flag)
