@@ -734,6 +734,26 @@ def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], other)
 
 
+def test_an_export_removes_what_a_killed_export_left_staged(tmp_path, params):
+    """A sharded export killed outright (SIGKILL) part way leaves its staged files: the
+    next export into the directory removes the staged files of the names an export
+    writes, also ones it does not write itself, and keeps every other file."""
+    stale = [
+        "model-00001-of-00003.safetensors.partial",
+        "model-00002-of-00003.safetensors.partial.tmp",
+        "model.safetensors.index.json.partial",
+        "config.json.partial",
+    ]
+    kept = ["notes.partial", "tokenizer.json.partial", "model.safetensors.partial.bak"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"left behind")
+    models.export_hf(params, SMALL, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["config.json", "model.safetensors", *kept]
+    )
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
+
+
 def test_a_single_file_beside_an_index_is_the_checkpoint_as_for_transformers(tmp_path, params):
     """A directory with model.safetensors and also an index with its shards (not one
     export_hf writes): transformers' from_pretrained reads the single file, and so does
