@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from typing import Literal
@@ -115,6 +116,10 @@ _TOKENIZER_FILES = (
 NATIVE_PARAMS = "params.safetensors"
 NATIVE_CONFIG = "jflash_config.json"
 _STAGED = ".partial"  # suffix of export_hf's files until all of them are written
+# The files export_hf writes (each first as name + _STAGED).
+_EXPORT_NAME = re.compile(
+    r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5,}-of-\d{5,}\.safetensors"
+)
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -315,6 +320,10 @@ def export_hf(
         max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards with
             an index when the total size exceeds this (default: one file).
 
+    Every file is staged (written under a temporary name) and renamed once all are
+    written; staged files of these names that an export killed part way left in
+    ``path`` are removed first.
+
     Raises:
         ValueError: params that do not match ``config``, a ``dtype`` other than
             ``float32 | bfloat16 | float16``, or a ``max_shard_bytes`` below 1.
@@ -326,6 +335,7 @@ def export_hf(
     check_params(config, params)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    _remove_stale_staged(path)
     state = to_hf_state_dict(params, config, dtype)
     metadata = {"format": "pt"}
     total = sum(a.nbytes for a in state.values())
@@ -368,6 +378,20 @@ def export_hf(
     for name in staged:
         os.replace(os.path.join(path, name + _STAGED), os.path.join(path, name))
     _remove_stale_weights(path, set(staged))
+
+
+def _remove_stale_staged(path: str) -> None:
+    """Removes what an export into ``path`` killed part way (SIGKILL: nothing cleaned
+    up) left staged: its ``name + _STAGED`` files, and the ``.tmp`` of one it was
+    writing, for the names :func:`export_hf` writes; other files stay."""
+    for name in os.listdir(path):
+        staged = name.removesuffix(".tmp")
+        if (
+            staged.endswith(_STAGED)
+            and _EXPORT_NAME.fullmatch(staged.removesuffix(_STAGED))
+            and os.path.isfile(os.path.join(path, name))
+        ):
+            os.remove(os.path.join(path, name))
 
 
 def _remove_stale_weights(path: str, written: set[str]) -> None:

@@ -106,8 +106,8 @@ def logits(
     Args:
         config: the model (static under jit).
         params: parameter dict.
-        input_ids: token ids ``[B, T]`` in ``[0, V)`` (unchecked: see
-            :meth:`~models.llama.Llama.hidden_states`).
+        input_ids: token ids ``[B, T]`` in ``[0, V)`` (checked only where concrete,
+            not under jit: see :meth:`~models.llama.Llama.hidden_states`).
         positions: global positions ``[B, T]`` (default ``arange(T)``); pass the
             true positions of sequence-sharded or zigzag-ordered tokens.
         attention: attention backend (static under jit).

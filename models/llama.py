@@ -207,6 +207,20 @@ class DecoderLayer(nnx.Module):
         return _seq_tiled(self._mlp_block, x, tile, self.seq_shards)
 
 
+def _check_ids(input_ids: Int[Array, "B T"], vocab_size: int) -> None:
+    """ValueError naming the first of the concrete ``input_ids`` outside ``[0, vocab_size)``
+    (evaluated on the device, also while a jit traces around them)."""
+    with jax.ensure_compile_time_eval():
+        bad = (input_ids < 0) | (input_ids >= vocab_size)
+        if not bool(bad.any()):
+            return
+        b, t = np.unravel_index(int(jnp.argmax(bad)), bad.shape)
+        value = int(input_ids[b, t])
+    raise ValueError(
+        f"input id {value} (input_ids[{b}, {t}]) is out of range for vocab_size={vocab_size}"
+    )
+
+
 def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     """Token embedding gather; under an Explicit-axes mesh the output keeps the
     ids' sharding (``[B, T]`` as the ids, D replicated), which jax cannot infer."""
@@ -298,9 +312,11 @@ class Llama(nnx.Module):
         """Final-norm hidden states in the compute dtype.
 
         Args:
-            input_ids: token ids ``[B, T]`` in ``[0, V)``; the embedding lookup does not
-                check them (under jit it cannot): an id of V or more gives NaN logits, a
-                negative one counts from the end of the vocabulary.
+            input_ids: token ids ``[B, T]`` in ``[0, V)``. Concrete ids (an eager call)
+                are checked: ValueError naming the first id outside it. Traced ids (under
+                jit) cannot be: there an id of V or more gives NaN logits, a negative one
+                counts from the end of the vocabulary (the trainer checks its data's ids
+                when it loads them).
             positions: global position of every token (default ``arange(T)``);
                 pass the true positions of sequence-sharded or permuted tokens, or
                 positions that restart at each packed document (HF's packed
@@ -312,6 +328,8 @@ class Llama(nnx.Module):
         input_ids = jnp.asarray(input_ids)
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids.shape={input_ids.shape}: expected [B, T] token rows")
+        if not isinstance(input_ids, jax.core.Tracer):
+            _check_ids(input_ids, config.vocab_size)
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))

@@ -262,6 +262,20 @@ def test_token_rows_as_lists_run_and_other_ranks_are_refused(params, ids):
         models.logits(SMALL, params, ids[0])
 
 
+@pytest.mark.parametrize("bad", [SMALL.vocab_size, SMALL.vocab_size + 7, -1])
+def test_eager_ids_outside_the_vocabulary_are_named(params, ids, bad):
+    """An eager call names the first id outside [0, vocab_size); under jit the ids are
+    not checked (the trainer checks its data when it loads it)."""
+    wrong = np.asarray(ids).copy()
+    wrong[1, 5] = bad
+    message = f"input id {bad} (input_ids[1, 5]) is out of range for vocab_size=96"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.logits(SMALL, params, wrong)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.hidden_states(SMALL, params, jnp.asarray(wrong))
+    assert _logits(SMALL, params, wrong).shape == (2, SEQ, SMALL.vocab_size)
+
+
 @pytest.mark.slow
 def test_scan_unscanned_and_remat_agree(params, ids, capsys):
     ref = _logits(SMALL, params, ids)
@@ -718,6 +732,26 @@ def test_export_over_an_earlier_one_leaves_only_its_own_weights(tmp_path, params
     models.export_hf(other, SMALL, tmp_path, max_shard_bytes=20_000)
     assert not (tmp_path / "model.safetensors").exists()
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], other)
+
+
+def test_an_export_removes_what_a_killed_export_left_staged(tmp_path, params):
+    """A sharded export killed outright (SIGKILL) part way leaves its staged files: the
+    next export into the directory removes the staged files of the names an export
+    writes, also ones it does not write itself, and keeps every other file."""
+    stale = [
+        "model-00001-of-00003.safetensors.partial",
+        "model-00002-of-00003.safetensors.partial.tmp",
+        "model.safetensors.index.json.partial",
+        "config.json.partial",
+    ]
+    kept = ["notes.partial", "tokenizer.json.partial", "model.safetensors.partial.bak"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"left behind")
+    models.export_hf(params, SMALL, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["config.json", "model.safetensors", *kept]
+    )
+    jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path)[1], params)
 
 
 def test_a_single_file_beside_an_index_is_the_checkpoint_as_for_transformers(tmp_path, params):

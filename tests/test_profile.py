@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
@@ -1386,6 +1387,42 @@ def test_report_files_that_cannot_be_written_are_one_line(tmp_path, monkeypatch,
         report_lib.render(_report([_report_row(256)]), str(tmp_path), "--fill-xla-cost")
     assert e.value.code.startswith(f"error: --fill-xla-cost: cannot write {path} (")
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_report_file_that_cannot_be_written_replaces_none_of_the_set(tmp_path, monkeypatch):
+    """A plot that cannot be written (the disk full while the third one is saved) leaves
+    every earlier file of the set (report.json, report.md, the plots before and after
+    it) as it was, and no `.tmp`; a whole set written replaces them all."""
+    from matplotlib.figure import Figure
+
+    report = _report([_report_row(256), _report_row(512)])
+    written = report_lib.render(report, str(tmp_path), with_json=True)
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    files = [tmp_path / "report.json", *map(Path, written)]
+    assert len(files) > 4
+    for file in files:
+        file.write_bytes(b"the earlier " + file.name.encode())
+    save, saved = Figure.savefig, []
+
+    def no_space_at_the_third(self, *args, **kwargs):
+        saved.append(1)
+        if len(saved) == 3:
+            raise OSError(28, "No space left on device")
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", no_space_at_the_third)
+    third = Path(written[3])
+    with pytest.raises(SystemExit) as e:
+        report_lib.render({**report, "date": "later"}, str(tmp_path), with_json=True)
+    assert e.value.code == f"error: --out: cannot write {third} (No space left on device)"
+    assert {f.name: f.read_bytes() for f in files} == {
+        f.name: b"the earlier " + f.name.encode() for f in files
+    }
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(Figure, "savefig", save)
+    report_lib.render({**report, "date": "later"}, str(tmp_path), with_json=True)
+    assert json.loads((tmp_path / "report.json").read_text())["date"] == "later"
+    assert all(not f.read_bytes().startswith(b"the earlier") for f in files)
 
 
 def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatch, capsys):

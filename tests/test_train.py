@@ -611,10 +611,47 @@ def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch)
     layouts = ["--layout", "--mesh data=1", "--layout", "--mesh data=1", "--out"]
     with pytest.raises(SystemExit) as e:
         gradcheck.main([*layouts, str(out)])
-    assert str(e.value) == f"error: --out: cannot write {out} (Not a directory)"
+    assert str(e.value) == f"error: --out: cannot write {out} ({out.parent} is not a directory)"
     good = tmp_path / "gradcheck.json"
     rows = gradcheck.main([*layouts, str(good)])
     assert json.loads(good.read_text()) == json.loads(json.dumps(rows))
+
+
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        ("missing/gradcheck.json", "no such directory {tmp}/missing"),
+        ("file/gradcheck.json", "{tmp}/file is not a directory"),
+        ("folder", "it is a directory"),
+        ("locked/gradcheck.json", "{tmp}/locked is not writable"),
+    ],
+)
+def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
+    tmp_path, monkeypatch, where, reason
+):
+    """An --out that cannot be written is one line naming --out and the path, before
+    any layout's gradients are computed."""
+    from train.tools import files, gradcheck
+
+    def computed(flags):
+        raise AssertionError("a layout was computed before --out was checked")
+
+    monkeypatch.setattr(gradcheck, "layout_gradients", computed)
+    (tmp_path / "file").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "locked").mkdir()
+    real_access = os.access  # the tests may run as root, whom every mode lets write
+    monkeypatch.setattr(
+        files.os,
+        "access",
+        lambda path, mode: "locked" not in str(path) and real_access(path, mode),
+    )
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as e:
+        gradcheck.main(
+            ["--layout", "--mesh data=1", "--layout", "--mesh data=1", "--out", str(out)]
+        )
+    assert str(e.value) == f"error: --out: cannot write {out} ({reason.format(tmp=tmp_path)})"
 
 
 @pytest.mark.multi_device(2)

@@ -142,6 +142,48 @@ def test_eos_goes_between_documents_once(tmp_path):
     assert plain.eos_id is None and not (tmp_path / "p" / data_cache.LABELS).exists()
 
 
+def test_eos_after_a_masked_record_is_ignored_in_the_cache(tmp_path):
+    """The cache labels the appended EOS as the in-memory rows do: -100 after a record
+    whose last label is -100, the EOS itself after a labelled one."""
+    records = [
+        {"input_ids": [5, 6], "labels": [IGNORE, IGNORE]},
+        {"input_ids": [7, 8], "labels": [IGNORE, 8]},
+        [9, 10],
+    ]
+    source = tmp_path / "d.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cache = data_cache.build_cache(source, tmp_path / "c", eos_id=EOS)
+    assert np.asarray(cache.targets).tolist() == [
+        IGNORE,
+        IGNORE,
+        IGNORE,
+        IGNORE,
+        8,
+        EOS,
+        9,
+        10,
+        EOS,
+    ]
+    memory = load_dataset(source).rows(9, eos_id=EOS)
+    _assert_rows_equal(memory, cache.rows(9).take([0]))
+    assert memory.labels.tolist() == [[IGNORE, IGNORE, IGNORE, 8, EOS, IGNORE, 10, EOS, IGNORE]]
+
+
+def test_older_caches_without_labels_are_read_and_with_labels_rebuilt(tmp_path, capsys):
+    source = _pkl(tmp_path / "d.pkl", [[5, 6], {"input_ids": [7, 8], "labels": [IGNORE, IGNORE]}])
+    plain = _pkl(tmp_path / "p.pkl", [[5, 6], [7, 8]])
+    for path, cache_dir in ((source, tmp_path / "c"), (plain, tmp_path / "p")):
+        data_cache.build_cache(path, cache_dir, eos_id=EOS)
+        meta = json.loads((cache_dir / data_cache.META).read_text())
+        (cache_dir / data_cache.META).write_text(json.dumps({**meta, "version": 1}))
+    assert data_cache.open_cache(tmp_path / "p").num_tokens == 6
+    with pytest.raises(ValueError, match="token cache version 1, this jflash reads 2; rebuild"):
+        data_cache.open_cache(tmp_path / "c")
+    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    assert built and cache.meta["version"] == data_cache.VERSION
+    assert "is stale" in capsys.readouterr().out
+
+
 def test_cache_files_and_summary(tmp_path):
     cache = data_cache.build_cache(_pkl(tmp_path / "d.pkl", [[5, 6], [9]]), tmp_path / "c")
     meta = json.loads((tmp_path / "c" / "meta.json").read_text())

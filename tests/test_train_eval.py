@@ -98,6 +98,37 @@ def test_evaluation_settings_without_evaluation_data_are_refused():
     assert parse_args(["--eval_steps", "0", "--eval_strategy", "steps"]).run.eval_steps == 0
 
 
+def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
+    """HF scripts pass --save_steps / --eval_steps beside a strategy of no: accepted,
+    with one warning line naming both flags where the steps were given (on the command
+    line, or in the YAML away from the default: a run's saved settings hold every
+    setting); none where --save_steps still sets the evaluation's interval."""
+
+    def warnings(*argv: str) -> list[str]:
+        parse_args(list(argv))
+        return capsys.readouterr().err.splitlines()
+
+    assert warnings("--save_strategy", "no", "--save_steps", "2") == [
+        "warning: --save_steps=2 has no effect with --save_strategy no (no checkpoints are saved)"
+    ]
+    assert warnings("--eval_strategy", "no", "--eval_steps", "2") == [
+        "warning: --eval_steps=2 has no effect with --eval_strategy no (no evaluation is run)"
+    ]
+    assert warnings("--save_strategy", "no", "--eval_strategy", "no") == []
+    assert warnings("--save_steps", "2", "--eval_strategy", "steps", "--eval_data_path", "x") == []
+    evaluating = ["--eval_data_path", "sample", "--save_strategy", "no", "--save_steps", "2"]
+    assert warnings(*evaluating) == []
+    assert len(warnings(*evaluating, "--eval_steps", "5")) == 1
+
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("run:\n  save_strategy: 'no'\n  save_steps: 7\n  eval_steps: 0\n")
+    assert warnings("--config", str(yaml)) == [
+        "warning: --save_steps=7 has no effect with --save_strategy no (no checkpoints are saved)"
+    ]
+    yaml.write_text("run:\n  save_strategy: 'no'\n  save_steps: 500\n  eval_strategy: 'no'\n")
+    assert warnings("--config", str(yaml)) == []
+
+
 def test_eval_strategy_no_reads_no_evaluation_data(tmp_path):
     """HF's --eval_strategy no: evaluation off, even where --eval_data_path names data (it
     is not read: a missing file is not an error)."""

@@ -200,6 +200,17 @@ def test_eos_goes_between_documents_once():
     assert end_of_text(models.TINY.replace(eos_token_id=None)) is None
 
 
+def test_eos_after_a_record_takes_its_last_tokens_labelling():
+    """The EOS after a record whose last label is -100 (a prompt-only record) is not
+    learned; after a record whose last token is labelled, or one without labels, it is."""
+    ids = [np.array([5, 6]), np.array([7, 8]), np.array([9, 10]), np.array([11])]
+    labels = [np.array([-100, -100]), np.array([-100, 8]), np.array([9, -100]), None]
+    rows = TokenDataset.from_examples("x", ids, labels).rows(12, eos_id=2, pad_last=True)
+    assert rows.input_ids.tolist() == [[5, 6, 2, 7, 8, 2, 9, 10, 2, 11, 2, 0]]
+    # labels[t] is the target of input_ids[t]: the EOS's label sits on the token before it.
+    assert rows.labels.tolist() == [[-100, -100, -100, 8, 2, -100, -100, -100, -100, 2, -100, -100]]
+
+
 @pytest.mark.gpu
 def test_cudnn_attention_keeps_to_documents():
     """cuDNN takes the documents as a dense mask: the same output as the dense

@@ -524,8 +524,32 @@ def _check_unused(cfg: TrainConfig) -> None:
             )
 
 
+def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
+    """Warning lines for `--save_steps` / `--eval_steps` in `given` (the settings the
+    user gave) while their strategy is `no`: accepted, as HF accepts them, but unused.
+    `--save_steps` still sets the evaluation's interval where `--eval_steps` is 0."""
+    run = cfg.run
+    evaluates_every_save_steps = (
+        bool(cfg.data.eval_data_path) and run.eval_strategy == "steps" and run.eval_steps == 0
+    )
+    lines = []
+    if "save_steps" in given and run.save_strategy == "no" and not evaluates_every_save_steps:
+        lines.append(
+            f"warning: --save_steps={run.save_steps} has no effect with --save_strategy no "
+            "(no checkpoints are saved)"
+        )
+    if "eval_steps" in given and run.eval_strategy == "no":
+        lines.append(
+            f"warning: --eval_steps={run.eval_steps} has no effect with --eval_strategy no "
+            "(no evaluation is run)"
+        )
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Flags (and `--config` YAML) -> `TrainConfig`; explicit flags win over the YAML."""
+    """Flags (and `--config` YAML) -> `TrainConfig`; explicit flags win over the YAML.
+    A `*_steps` setting its `*_strategy no` leaves unused gets a warning line on stderr
+    (`ignored_steps`)."""
     if argv is None:
         argv = sys.argv[1:]
     ns = build_parser().parse_args(_join_negative_numbers(list(argv)))
@@ -541,7 +565,18 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise ValueError(f"{given}: pass one --config file (flags override it)")
     config = configs[0] if configs else None
     overrides = load_yaml(config) if config else {}
-    return from_overrides(overrides, flags, where=config or "config")
+    cfg = from_overrides(overrides, flags, where=config or "config")
+    # Given: on the command line, or in the YAML away from the default (a run's saved
+    # train_config.yaml holds every setting).
+    defaults = RunArgs()
+    given = set(flags.get("run", {})) | {
+        name
+        for name in overrides.get("run", {})
+        if getattr(cfg.run, name) != getattr(defaults, name)
+    }
+    for line in ignored_steps(cfg, given):
+        print(line, file=sys.stderr, flush=True)
+    return cfg
 
 
 def gather_once_error(shard_over_seq: bool, gather_once: bool, *, dashes: bool = False):

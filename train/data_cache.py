@@ -6,7 +6,8 @@ A cache is a directory:
   by ``eos_id`` when one is given and it does not already end with it (the stream of
   :meth:`train.dataset.TokenDataset.rows`, EOS included);
 - ``labels.bin``: int32, the same length, only where some record carries ``"labels"``
-  (``-100`` = ignored; the appended EOS is its own label);
+  (``-100`` = ignored; the appended EOS is its own label, or ``-100`` after a record
+  whose last label is ``-100``);
 - ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
   ``tokens[index[i]:index[i + 1]]``;
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
@@ -38,7 +39,10 @@ from train.dataset import Rows, load_dataset
 from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
 
 FORMAT = "jflash-token-cache"
-VERSION = 1
+VERSION = 2
+# Versions whose caches without labels.bin are this version's (version 1's labels.bin
+# labels every appended EOS, also after a record whose last label is -100).
+UNLABELLED_VERSIONS = (1, VERSION)
 META = "meta.json"
 TOKENS = "tokens.bin"
 LABELS = "labels.bin"
@@ -86,7 +90,10 @@ class TokenCache:
         if not is_cache(self.path):
             raise ValueError(f"{self.path}: not a token cache (no {META} of format {FORMAT!r})")
         self.meta = json.loads((self.path / META).read_text())
-        if self.meta.get("version") != VERSION:
+        version = self.meta.get("version")
+        if version != VERSION and not (
+            version in UNLABELLED_VERSIONS and self.meta.get("labels") is False
+        ):
             raise ValueError(
                 f"{self.path}: token cache version {self.meta.get('version')}, this jflash "
                 f"reads {VERSION}; rebuild it with python -m train.data cache"
@@ -348,7 +355,9 @@ def build_cache(
                     _check_vocab(source, f"{word} {example.number}", ids, labels, vocab_size)
                 if eos_id is not None and ids[-1] != eos_id:
                     ids = np.append(ids, np.int32(eos_id))
-                    labels = None if labels is None else np.append(labels, np.int32(eos_id))
+                    if labels is not None:
+                        eos_label = IGNORE_INDEX if labels[-1] == IGNORE_INDEX else eos_id
+                        labels = np.append(labels, np.int32(eos_label))
                 writer.add(ids, labels)
         finally:
             writer.close()

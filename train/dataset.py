@@ -15,7 +15,10 @@ so causal attention never reads it. ``labels[t]`` is the label of the stream tok
 ``-100``. With ``mask_boundaries=True`` (default) a label whose token belongs to a
 different example than ``input_ids[t]`` is ``-100``: nothing is learned across unrelated
 documents, including at row ends when examples are exactly ``seq_len`` long. An
-``eos_id`` separator belongs to the example before it, so predicting EOS is learned.
+``eos_id`` separator belongs to the example before it and takes its last token's
+labelling: predicting EOS is learned after an example whose last token is labelled
+(every example without ``"labels"``), and ignored (``-100``) after one whose last token
+is ignored (e.g. a prompt-only record).
 """
 
 from __future__ import annotations
@@ -172,7 +175,8 @@ class TokenDataset:
         Args:
             seq_len: tokens per row.
             eos_id: if given, appended after every example (as part of it) that does
-                not already end with it.
+                not already end with it; labelled ``-100`` where the example's last
+                token is.
             mask_boundaries: set labels that cross from one example into the next to -100.
             pad_last: fill the tail up to a last row (ignored tokens) instead of dropping
                 it: every token is evaluated.
@@ -206,7 +210,8 @@ class TokenDataset:
 
     def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
-        ``eos_id`` goes after every example that does not already end with it."""
+        ``eos_id`` goes after every example that does not already end with it, its target
+        ``-100`` where the example's last target is."""
         docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
         if eos_id is None:
             return self.tokens, self.targets, docs
@@ -215,9 +220,10 @@ class TokenDataset:
         ends = self.offsets[1:]
         need = self.tokens[ends - 1] != eos_id
         ends, which = ends[need], np.flatnonzero(need).astype(np.int32)
+        eos_targets = np.where(self.targets[ends - 1] == IGNORE_INDEX, IGNORE_INDEX, eos_id)
         return (
             np.insert(self.tokens, ends, eos_id),
-            np.insert(self.targets, ends, eos_id),
+            np.insert(self.targets, ends, eos_targets.astype(np.int32)),
             np.insert(docs, ends, which),
         )
 

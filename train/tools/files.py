@@ -1,12 +1,13 @@
-"""Writing a tool's output files (JSON, text, images): whole or not at all, and a
-failure in one line."""
+"""Writing a tool's output files (JSON, text, images): whole or not at all, one file or
+a set of them, and a failure in one line."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO
 
 
@@ -16,22 +17,63 @@ def write_whole(path: str, write: Callable[[IO], object], flag: str, binary: boo
     stopped midway keeps the earlier one), and no `.tmp` is left behind. Where it cannot
     be written: SystemExit with one line naming `flag` (the command-line flag that chose
     the place) and `path` (exit status 1)."""
-    tmp = f"{path}.tmp"
+    write_set([(path, write, binary)], flag)
+
+
+def write_set(files: Sequence[tuple[str, Callable[[IO], object], bool]], flag: str) -> None:
+    """Each `(path, write, binary)` of `files` as `write_whole` writes it, the files as one
+    set: every one is written to its `path.tmp` first, and only when all are written are
+    they renamed into place. A file that cannot be written (a full disk, or an error
+    while `write` forms it) replaces none of the earlier files: the written `.tmp` files
+    are removed, and the error is `write_whole`'s. (A rename that fails, which renaming a
+    written file in its own folder rarely does, keeps the files renamed before it.)"""
+    staged: list[str] = []
+    path = ""
     try:
-        with open(tmp, "wb" if binary else "w") as f:
-            write(f)
-        os.replace(tmp, path)
+        for path, write, binary in files:
+            if os.path.isdir(path):  # the rename onto it would fail after the others
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            staged.append(f"{path}.tmp")
+            with open(staged[-1], "wb" if binary else "w") as f:
+                write(f)
+        for path, _, _ in files:
+            os.replace(f"{path}.tmp", path)
     except OSError as e:
         raise SystemExit(f"error: {flag}: cannot write {path} ({e.strerror or e})") from None
     finally:
-        if os.path.lexists(tmp) and not os.path.isdir(tmp):
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        for tmp in staged:
+            if os.path.lexists(tmp) and not os.path.isdir(tmp):
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """Refuses, before the work whose result goes there, a `path` that `write_whole`
+    could not write: a directory, or a file whose directory is missing, not a directory,
+    or not writable. SystemExit with one line naming `flag` and `path`, as `write_whole`
+    fails; creates nothing."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        reason = "it is a directory"
+    elif not os.path.exists(folder):
+        reason = f"no such directory {folder}"
+    elif not os.path.isdir(folder):
+        reason = f"{folder} is not a directory"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        reason = f"{folder} is not writable"
+    else:
+        return
+    raise SystemExit(f"error: {flag}: cannot write {path} ({reason})")
+
+
+def json_writer(data) -> Callable[[IO], object]:
+    """The `write` of `data` as JSON for `write_whole` and `write_set`."""
+    return lambda f: json.dump(data, f, indent=1, default=str)
 
 
 def write_json(path: str, data, flag: str) -> None:
     """`data` as JSON into `path`, as `write_whole` writes."""
-    write_whole(path, lambda f: json.dump(data, f, indent=1, default=str), flag)
+    write_whole(path, json_writer(data), flag)
 
 
 def write_text(path: str, text: str, flag: str) -> None:

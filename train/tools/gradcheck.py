@@ -14,8 +14,9 @@ loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, trainer),
 while in f32 every layout agrees to ~1e-4. For each other layout it prints the loss,
 the gradient norm, and the parameters whose gradients differ most from the
 reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
-as JSON. Flags other than `--layout`, `--top` and `--out` go to every layout's trainer
-configuration (`python -m train --help`); a layout's own flags come last and win. Nothing
+as JSON (an `--out` that cannot be written is refused before the first layout). Flags
+other than `--layout`, `--top` and `--out` go to every layout's trainer configuration
+(`python -m train --help`); a layout's own flags come last and win. Nothing
 is trained or saved: `--output_dir` is a temporary directory. `--data_path` is required
 as in the trainer (`--data_path sample` for made-up data, the same for every layout).
 """
@@ -29,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from train.tools.files import write_json
+from train.tools.files import check_writable_file, write_json
 
 
 def _tree_paths(tree) -> dict[str, np.ndarray]:
@@ -108,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="trainer flags of one layout, quoted (repeat; the first is the reference)",
     )
     p.add_argument("--top", type=int, default=10, help="parameters listed per layout")
-    p.add_argument("--out", default="", help="write the comparison as JSON here")
+    p.add_argument(
+        "--out",
+        default="",
+        help="write the comparison as JSON here (its directory must exist and be writable)",
+    )
     return p
 
 
@@ -117,6 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args, common = parser.parse_known_args(argv)
     if len(args.layout) < 2:
         parser.error(f"need at least 2 --layout to compare, got {len(args.layout)}")
+    if args.out:
+        check_writable_file(args.out, "--out")
     import jax
 
     from train.errors import TrainingError

@@ -1284,12 +1284,12 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
     path = os.path.join(args.out, "report.json")
 
-    def write(rows: list[dict]) -> dict:
+    def report_of(rows: list[dict]) -> dict:
         """report.json with the rows so far (and, with --append, the old ones). How the
         rows ran (ROW_FACTS) is in each row: appended runs may differ."""
         fresh = {r["name"] for r in rows}
         kept = [r for r in old["rows"] if r["name"] not in fresh]
-        report = {
+        return {
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": command,
             "commands": (old.get("commands") or ([old["command"]] if "command" in old else []))
@@ -1297,15 +1297,14 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
             "ceilings": ceilings,
             "rows": kept + rows,
         }
-        write_json(path, report, "--out")
-        return report
 
     rows: list[dict] = []
     for job in jobs:
         rows.append(_run_row(job, args.timeout, run_facts))
-        write(rows)  # a run stopped from outside keeps the rows it finished
-    report = write(rows)
-    report_lib.render(report, args.out, "--out")
+        # a run stopped from outside keeps the rows it finished
+        write_json(path, report_of(rows), "--out")
+    # The final report.json, report.md and plots: one set.
+    report_lib.render(report_of(rows), args.out, "--out", with_json=True)
     print(f"wrote {os.path.join(args.out, 'report.md')}")
     if rows and all(r.get("status") != "ok" for r in rows):
         sys.exit("error: every row failed (see report.md)")

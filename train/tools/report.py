@@ -1,6 +1,7 @@
 """The profiling report: `report.json` -> `report.md` and PNG plots.
 
-`render(report, out_dir)` writes, beside `report.json`:
+`render(report, out_dir)` writes, beside `report.json`, as one set (all new files or
+none; `train.tools.files.write_set`):
 
 * `report.md`: tables with units (per-phase time, throughput and memory, kernel
   classes, arithmetic intensity), the measured ceilings, PyTorch + LightSeq's published numbers for
@@ -16,6 +17,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
+from typing import IO
 
 import matplotlib
 
@@ -23,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.text import Text  # noqa: E402
 
-from train.tools.files import write_text, write_whole  # noqa: E402
+from train.tools.files import json_writer, write_set, write_whole  # noqa: E402
 from train.tools.trace import kernel_label  # noqa: E402
 from train.words import plural  # noqa: E402
 
@@ -1171,36 +1173,51 @@ def plots_written(report: dict) -> list[str]:
 def draw_plot(plot: Plot, report: dict, path: str, flag: str = "--out") -> None:
     """Draws one `PLOTS` entry from the report's measured rows into `path`, written as
     `write_whole` writes (`flag`: the command-line flag that chose its folder)."""
+    write_whole(path, lambda f: save_plot(plot, report, f), flag, binary=True)
+
+
+def save_plot(plot: Plot, report: dict, f: IO) -> None:
+    """Draws one `PLOTS` entry from the report's measured rows as PNG into `f` (open
+    for bytes)."""
     rows = plot.rows(_ok(report))
     n = plot.panels(rows)
     width, height = plot.panel_size
     width = max(width, plot.width(rows)) if plot.width else width
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
-    plot.draw(list(axes[0]), rows, report)
-    if n == 1 and not axes[0][0].get_title():
-        axes[0][0].set_title(plot.title)
-    else:
-        fig.suptitle(plot.title)
-    fig.tight_layout()
-    if plot.place:
-        plot.place(fig)
     try:
-        write_whole(path, lambda f: fig.savefig(f, format="png", dpi=DPI), flag, binary=True)
+        plot.draw(list(axes[0]), rows, report)
+        if n == 1 and not axes[0][0].get_title():
+            axes[0][0].set_title(plot.title)
+        else:
+            fig.suptitle(plot.title)
+        fig.tight_layout()
+        if plot.place:
+            plot.place(fig)
+        fig.savefig(f, format="png", dpi=DPI)
     finally:
         plt.close(fig)
 
 
-def render(report: dict, out_dir: str, flag: str = "--out") -> list[str]:
-    """Writes report.md and the plots into `out_dir`; returns the files written. The
-    markdown is formed first, so a report it cannot render (a field missing) changes no
-    file. Each file is replaced whole (`train.tools.files.write_whole`): one that
-    cannot be written ends the tool with one line naming `flag` (the command-line flag
-    that chose `out_dir`) and the file, and keeps its earlier version."""
+def render(
+    report: dict, out_dir: str, flag: str = "--out", *, with_json: bool = False
+) -> list[str]:
+    """Writes report.md and the plots (and with `with_json` report.json) into `out_dir`;
+    returns the files written. The markdown is formed first, so a report it cannot
+    render (a field missing) changes no file. The files are written as one set
+    (`train.tools.files.write_set`): every one under a `.tmp` name first, then all
+    renamed into place, so a file that cannot be written ends the tool with one line
+    naming `flag` (the command-line flag that chose `out_dir`) and the file, and keeps
+    every earlier file of the set."""
     text = markdown(report)
     names = plots_written(report)
-    paths = [os.path.join(out_dir, f"{plot.name}.png") for plot in PLOTS if plot.name in names]
-    for plot, path in zip((p for p in PLOTS if p.name in names), paths, strict=True):
-        draw_plot(plot, report, path, flag)
+    plots = [plot for plot in PLOTS if plot.name in names]
+    paths = [os.path.join(out_dir, f"{plot.name}.png") for plot in plots]
     md = os.path.join(out_dir, "report.md")
-    write_text(md, text, flag)
+    files = [
+        (path, lambda f, plot=plot: save_plot(plot, report, f), True)
+        for plot, path in zip(plots, paths, strict=True)
+    ]
+    if with_json:
+        files.append((os.path.join(out_dir, "report.json"), json_writer(report), False))
+    write_set([*files, (md, lambda f: f.write(text), False)], flag)
     return [md, *paths]
