@@ -15,7 +15,6 @@ import warnings
 
 import jax
 from jax import lax
-from jax._src import core  # is_concrete: a value known without jit tracing
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
@@ -161,9 +160,8 @@ def _onto_mesh(x, mesh, spec: PartitionSpec):
     say), which the jitted `shard_map` would refuse: an array, or one an eager
     `jax.grad` traces (the transfer is differentiated). Anything else (values traced
     under `jax.jit`, numpy arrays, arrays already on the mesh's devices) as it is."""
-    value = x
-    if isinstance(x, jax.core.Tracer):
-        value = x.to_concrete_value() if core.is_concrete(x) else None
+    # A tracer's concrete value, where it has one (an eager `jax.grad`'s), else None.
+    value = x.to_concrete_value() if isinstance(x, jax.core.Tracer) else x
     if (
         isinstance(mesh, Mesh)
         and isinstance(value, jax.Array)
