@@ -414,6 +414,33 @@ def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_fi
         load_rows(_cfg(data_path=str(source), model_max_length=4), models.TINY)
 
 
+def test_prompt_completion_records_through_the_trainer_flags(bpe, tmp_path):
+    """Prompt/completion records tokenized by --tokenizer_name_or_path: the rows, in
+    memory and through --data_cache_dir, learn the completions and the EOS after each,
+    nothing of the prompts."""
+    pairs = [("Packed rows of", " text."), ("Labels never cross", " documents.")]
+    source = tmp_path / "qa.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
+    encode = load_tokenizer(bpe).encode
+    stream, targets = [], []
+    for prompt, completion in pairs:
+        question, answer = encode(prompt).ids, encode(completion, add_special_tokens=False).ids
+        stream += [*question, *answer, 0]  # the tokenizer's EOS is 0
+        targets += [IGNORE] * len(question) + [*answer, 0]
+    for cache_dir in ("", str(tmp_path / "cc")):
+        cfg = _cfg(
+            data_path=str(source),
+            model_max_length=len(stream),
+            tokenizer_name_or_path=str(bpe),
+            data_cache_dir=cache_dir,
+        )
+        rows = load_rows(cfg, models.TINY)
+        row = rows.take([0])
+        assert rows.num_rows == 1 and rows.labelled
+        assert row.input_ids[0].tolist() == stream
+        assert row.labels[0].tolist() == [*targets[1:], IGNORE]  # shifted: the next token's
+
+
 def test_a_tokenizer_with_more_ids_than_the_model_is_named_as_the_cause(bpe, tmp_path):
     """Text whose ids run past the model's vocabulary because the tokenizer has more ids
     than the model: the error names the tokenizer, its size and the model's."""
