@@ -338,6 +338,11 @@ def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
 # ---------------------------------------------------------------------------------------
 
 
+# The data commands' --tokenizer: what it is and which records need it.
+TOKENIZER_HELP = (
+    "tokenizer.json or its directory, for 'text' records and 'prompt' / 'completion' records"
+)
+
 # The command line's description: the data pipeline, file to batch.
 DESCRIPTION = (
     "Training data: read examples (a table of formats), pack rows, shuffle resumable batches."
@@ -387,18 +392,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
-    inspect.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json or its directory, for 'text' records"
-    )
+    inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
     cache = commands.add_parser(
         "cache", help="tokenize a dataset once into a memory-mapped token cache directory"
     )
     cache.add_argument("input", help="a data file or save_to_disk directory (any format)")
     cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
-    cache.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json or its directory, for 'text' records"
-    )
+    cache.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     cache.add_argument(
         "--eos-id",
         type=int,
