@@ -356,6 +356,23 @@ def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
         data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "x", vocab_size=100)
 
 
+def test_train_tokenizer_learns_from_prompt_completion_records(bpe, tmp_path):
+    """A .jsonl of prompt/completion records is text to learn from, as one of text
+    records is: the same merges as the two fields' text records give."""
+    text = (bpe.parent / "corpus.txt").read_text()
+    half = len(text) // 2
+    pairs = tmp_path / "qa.jsonl"
+    pairs.write_text(json.dumps({"prompt": text[:half], "completion": text[half:]}) + "\n")
+    texts = tmp_path / "t.jsonl"
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in (text[:half], text[half:])))
+    data_lib.train_tokenizer([pairs], tmp_path / "qa", vocab_size=300)
+    data_lib.train_tokenizer([texts], tmp_path / "t", vocab_size=300)
+    assert convert.tokenizer_vocab_size(tmp_path / "qa" / "tokenizer.json") == 300
+    assert (tmp_path / "qa" / "tokenizer.json").read_bytes() == (
+        tmp_path / "t" / "tokenizer.json"
+    ).read_bytes()
+
+
 def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):
     """A text with fewer merges than --vocab-size asks gives a smaller vocabulary (a
     model from it gets that size): the line says the size written, and that it is short."""
