@@ -28,8 +28,10 @@ this order (other keys are ignored):
   tokenizer's special tokens, the completion separately without them
   (``add_special_tokens=False``), and the ids are the two concatenated; the prompt's
   labels are ``-100``, the completion's its tokens. Being tokenized separately, the
-  completion's leading space is its own (``" Paris"``, not ``"Paris"``, after
-  ``"The capital of France is"``), as in TRL. A record whose completion tokenizes to
+  completion's leading space is its own: ``" Paris"``, not ``"Paris"``, after
+  ``"The capital of France is"``, as in TRL, with a byte-level BPE (Llama-3's); a
+  tokenizer whose normalizer prepends ``▁`` to every text (Llama-2's) gives the
+  completion that space itself (``"Paris"``). A record whose completion tokenizes to
   nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
   the log says how many.
 
