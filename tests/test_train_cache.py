@@ -356,6 +356,23 @@ def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
         data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "x", vocab_size=100)
 
 
+def test_train_tokenizer_learns_from_prompt_completion_records(bpe, tmp_path):
+    """A .jsonl of prompt/completion records is text to learn from, as one of text
+    records is: the same merges as the two fields' text records give."""
+    text = (bpe.parent / "corpus.txt").read_text()
+    half = len(text) // 2
+    pairs = tmp_path / "qa.jsonl"
+    pairs.write_text(json.dumps({"prompt": text[:half], "completion": text[half:]}) + "\n")
+    texts = tmp_path / "t.jsonl"
+    texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in (text[:half], text[half:])))
+    data_lib.train_tokenizer([pairs], tmp_path / "qa", vocab_size=300)
+    data_lib.train_tokenizer([texts], tmp_path / "t", vocab_size=300)
+    assert convert.tokenizer_vocab_size(tmp_path / "qa" / "tokenizer.json") == 300
+    assert (tmp_path / "qa" / "tokenizer.json").read_bytes() == (
+        tmp_path / "t" / "tokenizer.json"
+    ).read_bytes()
+
+
 def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):
     """A text with fewer merges than --vocab-size asks gives a smaller vocabulary (a
     model from it gets that size): the line says the size written, and that it is short."""
@@ -412,6 +429,33 @@ def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_fi
     # Without a tokenizer, text is refused by name (the tiny preset has no directory).
     with pytest.raises(ValueError, match=r"t\.jsonl: line 1: has 'text' but no tokenizer"):
         load_rows(_cfg(data_path=str(source), model_max_length=4), models.TINY)
+
+
+def test_prompt_completion_records_through_the_trainer_flags(bpe, tmp_path):
+    """Prompt/completion records tokenized by --tokenizer_name_or_path: the rows, in
+    memory and through --data_cache_dir, learn the completions and the EOS after each,
+    nothing of the prompts."""
+    pairs = [("Packed rows of", " text."), ("Labels never cross", " documents.")]
+    source = tmp_path / "qa.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
+    encode = load_tokenizer(bpe).encode
+    stream, targets = [], []
+    for prompt, completion in pairs:
+        question, answer = encode(prompt).ids, encode(completion, add_special_tokens=False).ids
+        stream += [*question, *answer, 0]  # the tokenizer's EOS is 0
+        targets += [IGNORE] * len(question) + [*answer, 0]
+    for cache_dir in ("", str(tmp_path / "cc")):
+        cfg = _cfg(
+            data_path=str(source),
+            model_max_length=len(stream),
+            tokenizer_name_or_path=str(bpe),
+            data_cache_dir=cache_dir,
+        )
+        rows = load_rows(cfg, models.TINY)
+        row = rows.take([0])
+        assert rows.num_rows == 1 and rows.labelled
+        assert row.input_ids[0].tolist() == stream
+        assert row.labels[0].tolist() == [*targets[1:], IGNORE]  # shifted: the next token's
 
 
 def test_a_tokenizer_with_more_ids_than_the_model_is_named_as_the_cause(bpe, tmp_path):

@@ -3,6 +3,7 @@ malformed data, row packing, batches, resume, CLI."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from train import data_cache, readers
-from train.data import Batches, document_lengths, markov_samples, save_dataset
+from train.data import Batches, document_lengths, markov_samples, save_dataset, train_tokenizer
 from train.data import main as data_main
 from train.dataset import Rows, TokenDataset, load_dataset
 
@@ -160,18 +161,35 @@ def test_a_format_is_one_reader_entry(tmp_path, monkeypatch):
 
 
 class _FakeTokenizer:
-    """Stands in for ``tokenizers.Tokenizer``: one id per character."""
+    """Stands in for ``tokenizers.Tokenizer``: one id per character, after the BOS id
+    ``bos`` (None: none) where special tokens are added."""
+
+    bos: int | None = None
 
     @classmethod
     def from_file(cls, path):
         assert Path(path).name == "tokenizer.json"
         return cls()
 
-    def encode(self, text):
-        return types.SimpleNamespace(ids=[ord(c) for c in text])
+    def encode(self, text, add_special_tokens=True):
+        bos = [self.bos] if add_special_tokens and self.bos is not None else []
+        return types.SimpleNamespace(ids=bos + [ord(c) for c in text])
 
-    def encode_batch(self, texts):
-        return [self.encode(t) for t in texts]
+    def encode_batch(self, texts, add_special_tokens=True):
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+
+class _FakeBosTokenizer(_FakeTokenizer):
+    """A fake tokenizer whose post-processor adds BOS ``1``, as Llama's does."""
+
+    bos = 1
+
+
+def _fake_tokenizer(monkeypatch, folder: Path, cls=_FakeBosTokenizer) -> Path:
+    """``folder``, holding a ``tokenizer.json`` that ``cls`` stands in for."""
+    monkeypatch.setitem(sys.modules, "tokenizers", types.SimpleNamespace(Tokenizer=cls))
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
 
 
 def test_text_records_use_the_model_tokenizer(tmp_path, monkeypatch):
@@ -220,6 +238,244 @@ def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch, capsys):
         load_dataset(path, tokenizer=tmp_path)
 
 
+# --- prompt/completion records ---------------------------------------------------------
+
+
+def _write(path: Path, records: list) -> Path:
+    """``records`` as a ``.jsonl`` file (one per line) or a pickled ``.pkl`` list."""
+    if path.suffix == ".pkl":
+        return _dump_pkl(path, records)
+    return _dump_jsonl(path, [json.dumps(r) for r in records])
+
+
+@pytest.fixture(scope="module")
+def bos_bpe(tmp_path_factory) -> Path:
+    """A byte-level BPE of 300 tokens whose post-processor adds BOS ``<|endoftext|>``
+    (id 0) before every text, as Llama's adds its ``<s>``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("bos_bpe")
+    (folder / "corpus.txt").write_text((REPO / "docs" / "trainer.md").read_text())
+    file = train_tokenizer([folder / "corpus.txt"], folder / "tok", vocab_size=300)
+    tokenizer = tokenizers.Tokenizer.from_file(str(file))
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    tokenizer.save(str(file))
+    return folder / "tok"
+
+
+def test_prompt_completion_records_label_the_completion_only(bos_bpe, tmp_path):
+    """The prompt is tokenized with the tokenizer's special tokens (its BOS), the
+    completion without them; the ids are both, the labels -100 on the prompt."""
+    pairs = [
+        ("The trainer packs documents", " into rows."),
+        ("Labels never cross", " an example boundary"),
+        ("", "An empty prompt is fine."),
+    ]
+    path = _write(tmp_path / "qa.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
+    dataset = load_dataset(path, tokenizer=bos_bpe)
+    tokenizer = readers.load_tokenizer(bos_bpe)
+    assert dataset.num_examples == 3 and list(dataset.lines) == [1, 2, 3]
+    for i, (prompt, completion) in enumerate(pairs):
+        question = tokenizer.encode(prompt).ids
+        answer = tokenizer.encode(completion, add_special_tokens=False).ids
+        assert question[0] == 0 and 0 not in answer  # the BOS opens the prompt only
+        span = slice(dataset.offsets[i], dataset.offsets[i + 1])
+        assert dataset.tokens[span].tolist() == question + answer
+        assert dataset.targets[span].tolist() == [IGNORE] * len(question) + answer
+
+
+def test_the_eos_after_a_completion_is_learned(tmp_path, monkeypatch):
+    """Packed with an EOS after each record, a prompt/completion record's EOS is
+    labelled (the model learns to stop), in memory and in the token cache alike; the
+    labelled positions are the completion's tokens and its EOS, nothing of the prompt."""
+    tok = _fake_tokenizer(monkeypatch, tmp_path)
+    records = [{"prompt": "ab", "completion": "cd"}, {"prompt": "e", "completion": "f"}]
+    path = _write(tmp_path / "qa.jsonl", records)
+    eos = 2
+    rows = load_dataset(path, tokenizer=tok).rows(12, eos_id=eos, pad_last=True)
+    bos, a, b, c, d, e, f = 1, 97, 98, 99, 100, 101, 102
+    assert rows.input_ids.tolist() == [[bos, a, b, c, d, eos, bos, e, f, eos, 0, 0]]
+    # labels[t] is the target of input_ids[t]: the last prompt token's is the completion's
+    # first token, the completion's last token's the EOS.
+    assert rows.labels.tolist() == [
+        [IGNORE, IGNORE, c, d, eos, IGNORE, IGNORE, f, eos, IGNORE, IGNORE, IGNORE]
+    ]
+    assert rows.labelled and (rows.labels != IGNORE).sum() == len("cd") + 1 + len("f") + 1
+    cache = data_cache.build_cache(path, tmp_path / "c", tokenizer=tok, eos_id=eos)
+    assert np.asarray(cache.targets).tolist() == [
+        *[IGNORE, IGNORE, IGNORE, c, d, eos],
+        *[IGNORE, IGNORE, f, eos],
+    ]
+    cached = cache.rows(12, pad_last=True)
+    assert cached.labelled
+    for got, want in zip(cached.take([0]), rows, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_the_token_cache_reads_prompt_completion_records(tmp_path, monkeypatch, capsys):
+    """`python -m train.data cache` builds a cache of prompt/completion records with
+    their labels (labels.bin: they carry labels) and their tokenizer's stamp; rows cut
+    from it are the in-memory rows."""
+    tok = _fake_tokenizer(monkeypatch, tmp_path)
+    records = [{"prompt": "ab", "completion": "c"}, {"input_ids": [5, 6]}, {"text": "d"}]
+    path = _write(tmp_path / "qa.jsonl", records)
+    data_main(["cache", str(path), str(tmp_path / "c"), "--tokenizer", str(tok), "--eos-id", "2"])
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'c'}: 3 documents, 11 tokens")
+    meta = json.loads((tmp_path / "c" / data_cache.META).read_text())
+    assert meta["labels"] and (tmp_path / "c" / data_cache.LABELS).is_file()
+    assert meta["tokenizer"]["path"] == str((tmp_path / "tokenizer.json").resolve())
+    cache = data_cache.open_cache(tmp_path / "c")
+    assert np.asarray(cache.tokens).tolist() == [1, 97, 98, 99, 2, 5, 6, 2, 1, 100, 2]
+    assert np.asarray(cache.targets).tolist() == [
+        *[IGNORE, IGNORE, IGNORE, 99, 2],
+        *[5, 6, 2],
+        *[1, 100, 2],
+    ]
+    memory = load_dataset(path, tokenizer=tok).rows(4, eos_id=2)
+    for got, want in zip(cache.rows(4).take(np.arange(memory.num_rows)), memory, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".pkl"])
+def test_mixed_records_are_read_by_their_first_kind(tmp_path, monkeypatch, suffix):
+    """input_ids, text and prompt/completion records side by side, each read by the
+    first of those keys it has (input_ids, then text, then prompt and completion)."""
+    tok = _fake_tokenizer(monkeypatch, tmp_path)
+    records = [
+        {"input_ids": [5, 6], "labels": [IGNORE, 6]},
+        {"text": "ab"},
+        {"prompt": "c", "completion": "de", "source": "qa"},
+        [7],
+        {"input_ids": [8], "prompt": "x", "completion": "y"},
+        {"text": "f", "prompt": "x", "completion": 3},
+        {"prompt": "", "completion": "g"},
+    ]
+    dataset = load_dataset(_write(tmp_path / f"mixed{suffix}", records), tokenizer=tok)
+    assert dataset.lengths.tolist() == [2, 3, 4, 1, 1, 2, 2]
+    assert dataset.tokens.tolist() == [5, 6, 1, 97, 98, 1, 99, 100, 101, 7, 8, 1, 102, 1, 103]
+    assert dataset.targets.tolist() == [
+        *[IGNORE, 6],
+        *[1, 97, 98],
+        *[IGNORE, IGNORE, 100, 101],
+        *[7, 8, 1, 102],
+        *[IGNORE, 103],
+    ]
+
+
+def test_prompt_completion_is_tokenized_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """One encode_batch call for a chunk's prompts and one for its completions (the
+    completions without special tokens), none per record."""
+    calls = []
+
+    class Counting(_FakeBosTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            raise AssertionError("tokenized one record at a time")
+
+        def encode_batch(self, texts, add_special_tokens=True):
+            calls.append((len(texts), add_special_tokens))
+            return [super(Counting, self).encode(t, add_special_tokens) for t in texts]
+
+    tok = _fake_tokenizer(monkeypatch, tmp_path, Counting)
+    records = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(700)]
+    dataset = load_dataset(_write(tmp_path / "qa.jsonl", records), tokenizer=tok)
+    assert dataset.num_examples == 700
+    assert calls == [(512, True), (512, False), (188, True), (188, False)]
+
+
+@pytest.mark.parametrize(
+    ("record", "pattern"),
+    [
+        ({"prompt": "a"}, r"has 'prompt' but no 'completion' \(a prompt/completion record"),
+        ({"completion": "a"}, r"has 'completion' but no 'prompt'"),
+        ({"prompt": 3, "completion": "a"}, r"'prompt' must be a str, got int$"),
+        ({"prompt": "a", "completion": None}, r"'completion' must be a str, got NoneType$"),
+        (
+            {"prompt": [{"role": "user", "content": "a"}], "completion": "b"},
+            r"'prompt' must be a str, got list \(apply the chat template",
+        ),
+    ],
+)
+@pytest.mark.parametrize(("suffix", "where"), [(".jsonl", "line 2"), (".pkl", "record 1")])
+def test_malformed_prompt_completion_names_file_record_and_field(
+    tmp_path, monkeypatch, record, pattern, suffix, where
+):
+    tok = _fake_tokenizer(monkeypatch, tmp_path)
+    path = _write(tmp_path / f"bad{suffix}", [{"prompt": "a", "completion": "b"}, record])
+    with pytest.raises(ValueError, match=rf"bad\{suffix}: {where}: {pattern}") as error:
+        load_dataset(path, tokenizer=tok)
+    assert "\n" not in str(error.value)
+
+
+def test_empty_completions_are_skipped_and_counted(tmp_path, monkeypatch, capsys):
+    """A completion that tokenizes to nothing leaves nothing to learn: the record is
+    skipped and counted, in one log line with the empty texts; an empty prompt is fine."""
+    tok = _fake_tokenizer(monkeypatch, tmp_path, _FakeTokenizer)
+    records = [
+        {"prompt": "ab", "completion": ""},
+        {"text": ""},
+        {"prompt": "", "completion": "c"},
+        {"prompt": "d", "completion": ""},
+        {"input_ids": [5]},
+    ]
+    path = _write(tmp_path / "qa.jsonl", records)
+    dataset = load_dataset(path, tokenizer=tok)
+    assert dataset.tokens.tolist() == [99, 5] and list(dataset.lines) == [3, 5]
+    assert dataset.targets.tolist() == [99, 5]
+    assert capsys.readouterr().out == (
+        f"{path}: skipped 1 record whose 'text' tokenizes to nothing (empty text) and 2 "
+        "records whose 'completion' tokenizes to nothing (no token to learn)\n"
+    )
+    cache, _ = data_cache.ensure_cache(path, tmp_path / "c", tokenizer=tok, eos_id=None)
+    assert np.asarray(cache.tokens).tolist() == [99, 5]  # the token cache reads alike
+    assert "and 2 records whose 'completion'" in capsys.readouterr().out
+    only = _write(tmp_path / "e.jsonl", [{"prompt": "a", "completion": ""}])
+    with pytest.raises(ValueError, match="e.jsonl: the dataset has no examples"):
+        load_dataset(only, tokenizer=tok)
+    assert "skipped 1 record whose 'completion' tokenizes" in capsys.readouterr().out
+
+
+def test_prompt_completion_without_tokenizer_names_the_fields(tmp_path):
+    path = _write(tmp_path / "qa.jsonl", [{"input_ids": [5]}, {"prompt": "a", "completion": "b"}])
+    with pytest.raises(
+        ValueError, match=r"qa\.jsonl: line 2: has 'prompt' and 'completion' but no tokenizer"
+    ):
+        load_dataset(path)
+
+
+def test_table_columns_prompt_and_completion(tmp_path):
+    """A table is read from its `prompt` and `completion` columns where it has neither
+    `input_ids` nor `text` (those come first, as in records); one of the two is refused."""
+    columns = readers._columns
+    assert columns(tmp_path, ["id", "prompt", "completion"]) == ["prompt", "completion"]
+    assert columns(tmp_path, ["prompt", "completion", "text"]) == ["text"]
+    assert columns(tmp_path, ["completion", "prompt", "input_ids"]) == ["input_ids"]
+    with pytest.raises(
+        ValueError,
+        match=r"expected a column 'input_ids' or 'text', or columns 'prompt' and 'completion', "
+        r"got \['prompt', 'answer'\]",
+    ):
+        columns(tmp_path, ["prompt", "answer"])
+
+
+def test_parquet_prompt_completion(tmp_path, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    tok = _fake_tokenizer(monkeypatch, tmp_path)
+    table = pa.table({"prompt": ["ab", "", "c"], "completion": ["d", "e", ""], "id": [0, 1, 2]})
+    pq.write_table(table, tmp_path / "qa.parquet", row_group_size=2)
+    dataset = load_dataset(tmp_path / "qa.parquet", tokenizer=tok)
+    assert dataset.tokens.tolist() == [1, 97, 98, 100, 1, 101]
+    assert dataset.targets.tolist() == [IGNORE, IGNORE, IGNORE, 100, IGNORE, 101]
+    nulls = pa.table({"prompt": ["a", "b"], "completion": ["c", None]})
+    pq.write_table(nulls, tmp_path / "null.parquet")
+    with pytest.raises(ValueError, match=r"null\.parquet: record 1: 'completion' must be a str"):
+        load_dataset(tmp_path / "null.parquet", tokenizer=tok)
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "half.parquet")
+    with pytest.raises(ValueError, match=r"half\.parquet: expected a column 'input_ids' or"):
+        load_dataset(tmp_path / "half.parquet", tokenizer=tok)
+
+
 # --- malformed data --------------------------------------------------------------------
 
 
@@ -232,7 +488,11 @@ def test_text_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch, capsys):
         ([[1], [True]], r"record 1: 'input_ids' must be a list of ints, got elements of bool"),
         ([[1], [[1], [2, 3]]], r"record 1: 'input_ids' must be a list of ints"),
         ([[1], []], r"record 1: 'input_ids' must be a non-empty 1-D list"),
-        ([{"tokens": [1]}], r"record 0: expected key 'input_ids' or 'text', got \['tokens'\]"),
+        (
+            [{"tokens": [1]}],
+            r"record 0: expected key 'input_ids' or 'text', or keys 'prompt' and 'completion', "
+            r"got \['tokens'\]",
+        ),
         ([{"input_ids": [1, 2], "labels": [1]}], r"record 0: 'labels' has 1 entries"),
         ([{"input_ids": [1], "labels": [-5]}], r"record 0: 'labels': id -5 .* is negative"),
         ([[1], 7], r"record 1: 'input_ids' must be a list of ints, got int"),

@@ -33,7 +33,7 @@ import numpy as np
 from models.convert import special_token_ids, tokenizer_vocab_size
 from train import data_cache
 from train.dataset import Rows, load_dataset
-from train.readers import NoTokenizerError, read_jsonl, tokenizer_file
+from train.readers import PROMPT_COMPLETION, NoTokenizerError, read_jsonl, tokenizer_file
 
 # ---------------------------------------------------------------------------------------
 # Batches
@@ -276,10 +276,10 @@ def train_tokenizer(
     files: Sequence[str | Path], out: str | Path, *, vocab_size: int = 4096
 ) -> Path:
     """Trains a byte-level BPE (the ``tokenizers`` package, GPT-2's scheme) on text files
-    (each file one document; a ``.jsonl`` file's records' ``"text"``, in order) and
-    writes ``out/tokenizer.json`` with a ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
-    Deterministic for the same files in the same order."""
+    (each file one document; a ``.jsonl`` file's records' ``"text"``, or ``"prompt"``
+    and ``"completion"``, each one, in order) and writes ``out/tokenizer.json`` with a
+    ``tokenizer_config.json`` and ``special_tokens_map.json`` naming ``<|endoftext|>``
+    (id 0) as its BOS and EOS. Deterministic for the same files in the same order."""
     if vocab_size < 257:
         raise ValueError(f"--vocab-size={vocab_size} must be at least 257 (256 bytes + EOS)")
     missing = [str(f) for f in files if not Path(f).is_file()]
@@ -296,8 +296,9 @@ def train_tokenizer(
         for f in files:
             if Path(f).suffix.lower() == ".jsonl":
                 for _, record in read_jsonl(Path(f)):
-                    if isinstance(record, dict) and isinstance(record.get("text"), str):
-                        yield record["text"]
+                    if isinstance(record, dict):
+                        keys = ("text",) if "text" in record else PROMPT_COMPLETION
+                        yield from (v for k in keys if isinstance(v := record.get(k), str))
             else:
                 yield Path(f).read_text(encoding="utf-8", errors="replace")
 
@@ -337,6 +338,11 @@ def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
 # The command line
 # ---------------------------------------------------------------------------------------
 
+
+# The data commands' --tokenizer: what it is and which records need it.
+TOKENIZER_HELP = (
+    "tokenizer.json or its directory, for 'text' records and 'prompt' / 'completion' records"
+)
 
 # The command line's description: the data pipeline, file to batch.
 DESCRIPTION = (
@@ -387,18 +393,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
-    inspect.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json or its directory, for 'text' records"
-    )
+    inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
     cache = commands.add_parser(
         "cache", help="tokenize a dataset once into a memory-mapped token cache directory"
     )
     cache.add_argument("input", help="a data file or save_to_disk directory (any format)")
     cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
-    cache.add_argument(
-        "--tokenizer", default=None, help="tokenizer.json or its directory, for 'text' records"
-    )
+    cache.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     cache.add_argument(
         "--eos-id",
         type=int,
@@ -410,7 +412,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = commands.add_parser(
         "tokenizer", help="train a byte-level BPE tokenizer (the tokenizers package) on text"
     )
-    tok.add_argument("files", nargs="+", help="UTF-8 text files, or .jsonl files of 'text'")
+    tok.add_argument(
+        "files",
+        nargs="+",
+        help="UTF-8 text files, or .jsonl files of 'text' (or 'prompt' and 'completion')",
+    )
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
     tok.add_argument(
         "--vocab-size",

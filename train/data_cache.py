@@ -5,13 +5,14 @@ A cache is a directory:
 - ``tokens.bin``: uint32, every document's tokens back to back, each document followed
   by ``eos_id`` when one is given and it does not already end with it (the stream of
   :meth:`train.dataset.TokenDataset.rows`, EOS included);
-- ``labels.bin``: int32, the same length, only where some record carries ``"labels"``
-  (``-100`` = ignored; the appended EOS is its own label, or ``-100`` after a record
-  whose last label is ``-100``);
+- ``labels.bin``: int32, the same length, only where some record carries labels (its
+  ``"labels"``, or a prompt/completion record's: ``-100`` on the prompt; ``-100`` =
+  ignored; the appended EOS is its own label, or ``-100`` after a record whose last
+  label is ``-100``);
 - ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
   ``tokens[index[i]:index[i + 1]]``;
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
-  tokenizer file's sha256 where text was tokenized), ``eos_id`` and counts.
+  tokenizer file's sha256 where records were tokenized), ``eos_id`` and counts.
 
 It is written under a temporary name beside ``cache_dir`` and renamed into place when
 complete: a failed build leaves nothing under the final name, and a stale cache it

@@ -17,8 +17,9 @@ different example than ``input_ids[t]`` is ``-100``: nothing is learned across u
 documents, including at row ends when examples are exactly ``seq_len`` long. An
 ``eos_id`` separator belongs to the example before it and takes its last token's
 labelling: predicting EOS is learned after an example whose last token is labelled
-(every example without ``"labels"``), and ignored (``-100``) after one whose last token
-is ignored (e.g. a prompt-only record).
+(every example without ``"labels"``, and a prompt/completion record, whose completion
+is), and ignored (``-100``) after one whose last token is ignored (e.g. a prompt-only
+record).
 """
 
 from __future__ import annotations

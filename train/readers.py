@@ -3,24 +3,42 @@
 Formats (chosen by extension, one entry each in :data:`READERS`):
 
 - ``.pkl``: a pickled list of examples (the ``data.pkl`` of PyTorch + LightSeq training
-  scripts). Each example is a list / 1-D array of token ids, a dict with
-  ``"input_ids"`` (and optional ``"labels"``), or a dict with ``"text"``. Unpickling
-  runs code: load trusted files only.
-- ``.jsonl``: one JSON object per line, ``{"input_ids": [...]}`` (optional ``"labels"``)
-  or ``{"text": "..."}``. Blank lines are skipped; errors name the 1-based line number
-  (blank lines counted, as an editor shows it). Other formats' errors name the 0-based
-  index of the record.
+  scripts). Each example is a list / 1-D array of token ids, or a dict: a record as
+  below. Unpickling runs code: load trusted files only.
+- ``.jsonl``: one JSON object per line, a record as below. Blank lines are skipped;
+  errors name the 1-based line number (blank lines counted, as an editor shows it).
+  Other formats' errors name the 0-based index of the record.
 - ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
   memory-mapped while it is read.
-- ``.parquet``: a column ``input_ids`` (optional ``labels``) or ``text`` (``pyarrow``,
-  from the ``hf`` extra), read a batch of rows at a time.
+- ``.parquet``: a column ``input_ids`` (optional ``labels``), ``text``, or columns
+  ``prompt`` and ``completion`` (``pyarrow``, from the ``hf`` extra), read a batch of
+  rows at a time.
 - a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
   ``save_to_disk``), with the same columns (the ``hf`` extra).
 
-``"labels"`` follow the HuggingFace convention: aligned with ``input_ids`` (the model
-shifts), ``-100`` = ignored. ``"text"`` is tokenized with a ``tokenizer.json`` (the file,
-or the directory holding it, e.g. the model's; the ``tokenizers`` package, imported only
-when text is present).
+A record (a dict, or a table's row) is read by the first of its keys that it has, in
+this order (other keys are ignored):
+
+- ``"input_ids"``: token ids, with optional ``"labels"`` in the HuggingFace convention:
+  aligned with ``input_ids`` (the model shifts), ``-100`` = ignored.
+- ``"text"``: a str, tokenized (with the tokenizer's special tokens, e.g. the BOS its
+  post-processor adds); every token is labelled.
+- ``"prompt"`` and ``"completion"`` (HF TRL's prompt-completion format; both str):
+  supervised fine-tuning with the prompt masked. The prompt is tokenized with the
+  tokenizer's special tokens, the completion separately without them
+  (``add_special_tokens=False``), and the ids are the two concatenated; the prompt's
+  labels are ``-100``, the completion's its tokens. Being tokenized separately, the
+  completion's leading space is its own: ``" Paris"``, not ``"Paris"``, after
+  ``"The capital of France is"``, as in TRL, with a byte-level BPE (Llama-3's); a
+  tokenizer whose normalizer prepends ``▁`` to every text (Llama-2's) gives the
+  completion that space itself (``"Paris"``). A record whose completion tokenizes to
+  nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
+  the log says how many.
+
+Text is tokenized with a ``tokenizer.json`` (the file, or the directory holding it,
+e.g. the model's; the ``tokenizers`` package, imported only when a record needs it),
+one ``encode_batch`` call per ``_CHUNK`` records (for prompt/completion records one for
+the prompts, one for the completions).
 
 :func:`read_examples` yields a file's examples one at a time; the in-memory dataset
 (:func:`train.dataset.load_dataset`) and the token cache (:mod:`train.data_cache`) both
@@ -75,37 +93,42 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
 
 
 def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator[Example]:
-    """`examples`, then one log line for the empty texts that reading skipped."""
+    """`examples`, then one log line for the records that reading skipped: texts, or
+    prompt/completion records' completions, that tokenize to nothing."""
     yield from examples
-    if parser.empty_texts:
-        print(
-            f"{parser.path}: skipped {parser.empty_texts} records whose 'text' tokenizes to "
-            "nothing (empty text)",
-            flush=True,
+    skipped = [
+        f"{n} record{'s' * (n != 1)} whose '{key}' tokenizes to nothing ({why})"
+        for n, key, why in (
+            (parser.empty_texts, "text", "empty text"),
+            (parser.empty_completions, "completion", "no token to learn"),
         )
+        if n
+    ]
+    if skipped:
+        print(f"{parser.path}: skipped {' and '.join(skipped)}", flush=True)
 
 
 def records_reader(
     read: Callable[[Path], Iterator[tuple[int, Any]]], by_line: bool = False
 ) -> Callable[[Path, RecordParser], Iterator[Example]]:
     """A reader from a function yielding ``(number, record)``: records are parsed (ids,
-    labels, or text tokenized, ``_CHUNK`` texts per ``encode_batch`` call) a chunk at a
-    time, so the file is never all in memory as Python objects."""
+    labels, or text tokenized, ``_CHUNK`` records per ``encode_batch`` call) a chunk at
+    a time, so the file is never all in memory as Python objects."""
     word = "line" if by_line else "record"
 
     def parse_all(path: Path, parser: RecordParser) -> Iterator[Example]:
         for chunk in itertools.batched(read(path), _CHUNK):
             wheres = [f"{word} {number}" for number, _ in chunk]
-            texts = parser.tokenize_texts(wheres, [record for _, record in chunk])
-            for where, (number, record), ids in zip(wheres, chunk, texts, strict=True):
-                if ids is not None and not ids.size:
-                    continue  # empty text: nothing to train on (counted by the parser)
-                yield Example(number, *parser.parse(where, record, ids))
+            tokenized = parser.tokenize_texts(wheres, [record for _, record in chunk])
+            for where, (number, record), tokens in zip(wheres, chunk, tokenized, strict=True):
+                if tokens is not None and not tokens[0].size:
+                    continue  # nothing to train on (counted by the parser)
+                yield Example(number, *parser.parse(where, record, tokens))
 
     return parse_all
 
 
-_CHUNK = 512  # records parsed (and texts tokenized) together
+_CHUNK = 512  # records parsed (and their texts tokenized) together
 
 
 def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -170,12 +193,18 @@ def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
 
 
 def _columns(path: Path, names: Sequence[str]) -> list[str]:
-    """The columns a table's records are read from: ``input_ids`` (+ ``labels``) or ``text``."""
+    """The columns a table's records are read from, the first a table has of:
+    ``input_ids`` (+ ``labels``), ``text``, ``prompt`` and ``completion``."""
     if "input_ids" in names:
         return ["input_ids"] + (["labels"] if "labels" in names else [])
     if "text" in names:
         return ["text"]
-    raise ValueError(f"{path}: expected a column 'input_ids' or 'text', got {list(names)}")
+    if "prompt" in names and "completion" in names:
+        return list(PROMPT_COMPLETION)
+    raise ValueError(
+        f"{path}: expected a column 'input_ids' or 'text', or columns 'prompt' and "
+        f"'completion', got {list(names)}"
+    )
 
 
 def _table_records(batches: Iterator[dict[str, list]]) -> Iterator[tuple[int, Any]]:
@@ -226,6 +255,7 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
     yield from _table_records(dataset.select_columns(columns).iter(batch_size=1024))
 
 
+PROMPT_COMPLETION = ("prompt", "completion")  # a record's fields for prompt-masked training
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
@@ -265,64 +295,112 @@ def data_format(path: str | Path) -> str:
     return suffix
 
 
+# What a reader gets for a record that is tokenized: ``(input_ids, labels or None)``.
+Tokens = tuple[np.ndarray, np.ndarray | None]
+
+
 class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
-    ``tokenizer.json`` or its directory, loaded at the first ``"text"`` record."""
+    ``tokenizer.json`` or its directory, loaded at the first record that needs it
+    (``"text"``, or ``"prompt"`` and ``"completion"``)."""
 
     def __init__(self, path: Path, tokenizer: str | Path | None):
         self.path = path
         self.tokenizer = tokenizer
         self._tokenizer = None
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
+        self.empty_completions = 0  # prompt/completion records whose completion does (skipped)
 
     @property
     def used_tokenizer(self) -> bool:
-        """Whether any record was text (so the tokenizer shaped the tokens)."""
+        """Whether any record was tokenized (so the tokenizer shaped the tokens)."""
         return self._tokenizer is not None
 
     def parse(
-        self, where: str, record: Any, text_ids: np.ndarray | None = None
+        self, where: str, record: Any, tokens: Tokens | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(input_ids, labels or None)``; ``text_ids``: the record's text, tokenized."""
+        """``(input_ids, labels or None)``; ``tokens``: the record's text (or prompt and
+        completion), tokenized by :meth:`tokenize_texts`."""
         if not isinstance(record, dict):
             return self._ids(where, "input_ids", record), None
         if "input_ids" in record:
             ids = self._ids(where, "input_ids", record["input_ids"])
             labels = record.get("labels")
             return ids, None if labels is None else self._labels(where, labels, len(ids))
-        if "text" in record:
-            if text_ids is None:
-                text_ids = self.tokenize_texts([where], [record])[0]
-            return text_ids, None
+        if "text" in record or any(key in record for key in PROMPT_COMPLETION):
+            if tokens is None:
+                tokens = self.tokenize_texts([where], [record])[0]
+            return tokens
         raise ValueError(
-            f"{self.path}: {where}: expected key 'input_ids' or 'text', got {sorted(record)}"
+            f"{self.path}: {where}: expected key 'input_ids' or 'text', or keys 'prompt' and "
+            f"'completion', got {sorted(record)}"
         )
 
-    def tokenize_texts(
-        self, wheres: Sequence[str], records: Sequence[Any]
-    ) -> list[np.ndarray | None]:
-        """The token ids of each text record (one ``encode_batch`` call; empty where the
-        text gives no tokens, counted in ``empty_texts``: the reader skips it), None for
-        the others; ValueError naming the first text that is not a str."""
-        texts = [
-            (i, r["text"])
-            for i, r in enumerate(records)
-            if isinstance(r, dict) and "input_ids" not in r and "text" in r
-        ]
-        out: list[np.ndarray | None] = [None] * len(records)
-        if not texts:
-            return out
-        for i, text in texts:
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{self.path}: {wheres[i]}: 'text' must be a str, got {type(text)}"
+    def tokenize_texts(self, wheres: Sequence[str], records: Sequence[Any]) -> list[Tokens | None]:
+        """The tokens of each record that holds text: a ``"text"`` record's ids (labels
+        None); a prompt/completion record's ids and labels (the prompt's ``-100``). None
+        for the others. One ``encode_batch`` call for the texts, one for the prompts and
+        one for the completions. Empty ids where the record has nothing to train on (a
+        text, or a completion, that tokenizes to nothing, counted in ``empty_texts`` /
+        ``empty_completions``): the reader skips it. ValueError naming the first record
+        whose field is not a str, or that has only one of prompt and completion."""
+        texts: list[tuple[int, str]] = []
+        pairs: list[tuple[int, str, str]] = []
+        for i, record in enumerate(records):
+            if not isinstance(record, dict) or "input_ids" in record:
+                continue
+            if "text" in record:
+                texts.append((i, self._string(wheres[i], record, "text")))
+            elif any(key in record for key in PROMPT_COMPLETION):
+                prompt, completion = (
+                    self._string(wheres[i], record, key) for key in PROMPT_COMPLETION
                 )
-        tokenizer = self._get_tokenizer(wheres[texts[0][0]])
-        encodings = tokenizer.encode_batch([text for _, text in texts])
-        for (i, _), encoding in zip(texts, encodings, strict=True):
-            self.empty_texts += not encoding.ids
-            out[i] = np.asarray(encoding.ids, dtype=np.int32)
+                pairs.append((i, prompt, completion))
+        out: list[Tokens | None] = [None] * len(records)
+        if not texts and not pairs:
+            return out
+        first = min(i for i, *_ in texts[:1] + pairs[:1])
+        fields = "'text'" if texts and texts[0][0] == first else "'prompt' and 'completion'"
+        tokenizer = self._get_tokenizer(f"{wheres[first]}: has {fields}")
+        if texts:
+            for (i, _), encoding in zip(
+                texts, tokenizer.encode_batch([text for _, text in texts]), strict=True
+            ):
+                ids = np.asarray(encoding.ids, dtype=np.int32)
+                self.empty_texts += not ids.size
+                out[i] = ids, None
+        if pairs:
+            prompts = tokenizer.encode_batch([prompt for _, prompt, _ in pairs])
+            completions = tokenizer.encode_batch(
+                [completion for *_, completion in pairs], add_special_tokens=False
+            )
+            for (i, *_), prompt, completion in zip(pairs, prompts, completions, strict=True):
+                answer = np.asarray(completion.ids, dtype=np.int32)
+                if not answer.size:
+                    self.empty_completions += 1
+                    out[i] = answer, None
+                    continue
+                question = np.asarray(prompt.ids, dtype=np.int32)
+                ignored = np.full(question.shape, IGNORE_INDEX, dtype=np.int32)
+                out[i] = np.concatenate([question, answer]), np.concatenate([ignored, answer])
         return out
+
+    def _string(self, where: str, record: dict, key: str) -> str:
+        """``record[key]``, a str; ValueError naming the record and the field otherwise."""
+        prefix = f"{self.path}: {where}:"
+        if key not in record:
+            (other,) = set(PROMPT_COMPLETION) - {key}
+            raise ValueError(
+                f"{prefix} has {other!r} but no {key!r} (a prompt/completion record needs both)"
+            )
+        value = record[key]
+        if not isinstance(value, str):
+            hint = " (apply the chat template to conversational records first)"
+            raise ValueError(
+                f"{prefix} {key!r} must be a str, got {type(value).__name__}"
+                + (hint if isinstance(value, list) and key != "text" else "")
+            )
+        return value
 
     def _ids(self, where: str, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
         prefix = f"{self.path}: {where}: {key!r}"
@@ -356,10 +434,9 @@ class RecordParser:
         return labels
 
     def _get_tokenizer(self, where: str):
+        """The tokenizer, loaded the first time; ``where``: the record needing it, and why."""
         if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(
-                self.tokenizer, f"{self.path}: {where}: has 'text' but"
-            )
+            self._tokenizer = load_tokenizer(self.tokenizer, f"{self.path}: {where} but")
         return self._tokenizer
 
 
