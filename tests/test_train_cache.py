@@ -194,10 +194,16 @@ def test_cache_files_and_summary(tmp_path):
     assert cache.summary() == {
         "examples": 2,
         "tokens": 3,
+        "labelled_tokens": 3,
         "min_length": 1,
         "max_length": 2,
         "max_id": 9,
     }
+    labelled = data_cache.build_cache(
+        _pkl(tmp_path / "l.pkl", [[5, 6], {"input_ids": [7, 8, 9], "labels": [-100, -100, 9]}]),
+        tmp_path / "l",
+    )
+    assert labelled.summary()["labelled_tokens"] == 3  # 5, 6 and 9; labels.bin read
     with pytest.raises(ValueError, match=r"c: token id 9 is out of range for vocab_size=9"):
         data_cache.open_cache(tmp_path / "c", vocab_size=9)
     with pytest.raises(ValueError, match=r"tokens do not fill one row of seq_len=4"):

@@ -401,7 +401,8 @@ def _ticking_clock(monkeypatch) -> list[float]:
 
 def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
     """tokens/s, TFLOP/s and MFU count the step's rows x their length: the tokens the
-    model computes, labelled or not (records whose labels are mostly -100 take as long)."""
+    model computes, labelled or not (records whose labels are mostly -100 take as long);
+    `labelled_tokens` counts those the loss averages over."""
     _ticking_clock(monkeypatch)
     data = tmp_path / "masked.jsonl"
     with open(data, "w") as f:
@@ -415,6 +416,8 @@ def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
     flops = models.training_flops_per_token(models.TINY, 64)
     for r in records[1:]:  # each window is one step, one second on the clock
         assert r["tokens_per_s"] == step_tokens, r
+        # The loss's own count: 6 of every 41 tokens (5 labels and the EOS) are labelled.
+        assert 0 < r["labelled_tokens"] < step_tokens // 4, r
         assert r["tflops_per_device"] == pytest.approx(
             step_tokens * flops / jax.device_count() / 1e12
         )

@@ -137,9 +137,13 @@ class TokenCache:
     def summary(self) -> dict[str, Any]:
         """Counts as :meth:`TokenDataset.summary` gives them (EOS tokens included)."""
         lengths = np.diff(np.asarray(self.offsets))
+        labelled = self.num_tokens
+        if self.targets is not self.tokens:  # one pass over labels.bin
+            labelled = int(np.count_nonzero(self.targets != IGNORE_INDEX))
         return {
             "examples": int(self.meta["num_documents"]),
             "tokens": self.num_tokens,
+            "labelled_tokens": labelled,
             "min_length": int(lengths.min()),
             "max_length": int(lengths.max()),
             "max_id": int(self.meta["max_id"]),

@@ -154,10 +154,13 @@ class TokenDataset:
                 )
 
     def summary(self) -> dict[str, int]:
-        """Counts: examples, tokens, min/max example length, max token id."""
+        """Counts: examples, tokens, labelled tokens (those whose label is not ``-100``:
+        every token of unlabelled data; before packing adds EOS and shifts the labels),
+        min/max example length, max token id."""
         return {
             "examples": self.num_examples,
             "tokens": self.num_tokens,
+            "labelled_tokens": int(np.count_nonzero(self.targets != IGNORE_INDEX)),
             "min_length": int(self.lengths.min()),
             "max_length": int(self.lengths.max()),
             "max_id": int(self.tokens.max()),

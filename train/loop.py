@@ -804,6 +804,8 @@ def _finish(
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": float(lr_at(step)),
+        # The tokens the step's loss averages over (labels not -100), of its step_tokens.
+        "labelled_tokens": int(metrics["tokens"]),
     }
     if bar is not None:
         bar.update(1)
