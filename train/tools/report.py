@@ -290,12 +290,15 @@ def _mean(row: dict) -> dict:
 
 
 def _mesh(row: dict) -> str:
-    """The row's mesh; `+layers=N` and `+batch=N` where `--layers` and `--batch` were
-    given, `+shard_over_seq` (`+gather_once`) when parameters are also sharded over a
+    """The row's mesh; its `--ring_strategy` (`+ulysses`) where it is not the ring,
+    `+layers=N` and `+batch=N` where `--layers` and `--batch` were given,
+    `+shard_over_seq` (`+gather_once`) when parameters are also sharded over a
     `seq` axis of more than one device (and gathered once per step), and the remat
     policy and unrolled layers where they differ from the defaults."""
     over_seq = row.get("mesh_sizes", {}).get("seq", 2) > 1  # unknown (error rows): say it
     label = row["mesh"]
+    strategy = row.get("ring_strategy") or "ring"
+    label += "" if strategy == "ring" else f" +{strategy}"
     label += f" +layers={row['layers_override']}" if row.get("layers_override") else ""
     label += f" +batch={row['batch']}" if row.get("batch", 1) != 1 else ""
     label += " +shard_over_seq" if over_seq and row.get("shard_over_seq") else ""
