@@ -733,6 +733,43 @@ def test_profile_rows_record_the_ring_strategy_they_ran(tmp_path, monkeypatch):
     assert "| tiny | 256 | seq=2 +ulysses |" in md and "| tiny | 256 | seq=2 |" in md
 
 
+def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
+    """A row whose strategy passes no K/V blocks (Ulysses, all-gather) has no ring
+    GB/s, and its reason, one line, names the strategy: here `auto` on 2 CPU devices
+    of one host, where the trainer picks Ulysses (the row records the pick). A
+    hybrid row without permutes is told apart from one with one device on `seq`."""
+    from train.tools.profile import Job, ring_unmeasured
+
+    job = Job(model="tiny", context=256, mesh="seq=2", out=str(tmp_path), steps=1, warmup=1)
+    job = dataclasses.replace(job, trace_steps=1, xla_cost=False, ring_strategy="auto")
+    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
+    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "ok" and row["ring_strategy"] == "ulysses", row
+    assert "ring" not in row and row["trace"]["mean"]["permute_ms"] == 0
+    ulysses = (
+        "`--ring_strategy ulysses` passes no K/V blocks between the devices on `seq` (it "
+        "splits attention by an all-to-all over the heads): no ring transfers"
+    )
+    assert row["not_measured"]["ring"] == ulysses
+    md = report_lib.markdown(_report([{**_report_row(256), **row, "name": "tiny-256"}]))
+    assert f"- `–` ring GB/s: {ulysses} (tiny-256)" in md.splitlines()
+    # Ulysses and all-gather: no ring, even were some collective-permute in the step.
+    assert ring_unmeasured("allgather", 2, 3.0, 1e6) == (
+        "`--ring_strategy allgather` passes no K/V blocks between the devices on `seq` (it "
+        "splits attention by an all-gather of K/V): no ring transfers"
+    )
+    assert ring_unmeasured("hybrid", 2, 3.0, 1e6) is None  # its ring on `seq`: measured
+    assert ring_unmeasured("hybrid", 2, 0.0, None) == (
+        "no collective-permute in the traced steps, with 2 devices on `seq` and "
+        "`--ring_strategy hybrid`"
+    )
+
+
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):
     """A local model's row is named `local-` and its directory's basename (the name is a
     path under --out), made unique where two directories share one; a directory named

@@ -75,6 +75,9 @@ ROW_FACTS = ("steps", "layers_override", "xla_cost", "ring_strategy", "xla_flags
 # ring, whose bytes and GB/s the report measures (the trainer's `auto` picks Ulysses on
 # one host where the mesh's seq divides the heads).
 RING_STRATEGY = "ring"
+# The strategies that pass no K/V blocks between the devices on `seq` (no ring GB/s),
+# and how each splits attention instead; `ring` and `hybrid` (on `seq`) pass them.
+NO_KV_RING = {"ulysses": "an all-to-all over the heads", "allgather": "an all-gather of K/V"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +375,32 @@ def _not_measured(row: dict, devices) -> dict[str, str]:
     }
 
 
+def ring_unmeasured(
+    strategy: str, seq: int, permute_ms: float, permute_bytes: float | None
+) -> str | None:
+    """Why a row run with `--ring_strategy strategy` over `seq` devices on the `seq`
+    axis has no ring GB/s, in one line, or None where its traced steps' collective-permutes
+    (`permute_ms`, `permute_bytes`) measure the K/V ring."""
+    if strategy in NO_KV_RING:
+        return (
+            f"`--ring_strategy {strategy}` passes no K/V blocks between the devices on "
+            f"`seq` (it splits attention by {NO_KV_RING[strategy]}): no ring transfers"
+        )
+    if permute_ms > 0 and permute_bytes is None:
+        return "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
+    if permute_ms > 0:
+        return None
+    if seq == 1:
+        return (
+            f"one device on `seq`: no ring transfers (`--ring_strategy {strategy}` passes "
+            "K/V blocks between the devices on `seq`)"
+        )
+    return (
+        f"no collective-permute in the traced steps, with {seq} devices on `seq` and "
+        f"`--ring_strategy {strategy}`"
+    )
+
+
 def run_row(job: Job) -> dict:
     """Builds, compiles, times and traces one row (in this process)."""
     import jax
@@ -471,26 +500,14 @@ def run_row(job: Job) -> dict:
                 f"command buffers are on: rerun with XLA_FLAGS={NO_COMMAND_BUFFERS}"
             )
     per_device_tokens = tokens / n
-    if phases.permute_bytes is not None and phases.permute_ms > 0:
+    if why := ring_unmeasured(strategy, t.sizes["seq"], phases.permute_ms, phases.permute_bytes):
+        row.setdefault("not_measured", {})["ring"] = why
+    else:
         row["ring"] = {
             "bytes_per_step": phases.permute_bytes,
             "permute_ms": phases.permute_ms,
             "gbps": phases.permute_bytes / (phases.permute_ms / 1e3) / 1e9,
         }
-    elif phases.permute_ms > 0:
-        row.setdefault("not_measured", {})["ring"] = (
-            "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
-        )
-    elif t.sizes["seq"] == 1:
-        row.setdefault("not_measured", {})["ring"] = (
-            f"one device on `seq`: no ring transfers (`--ring_strategy {strategy}` "
-            "passes K/V blocks between the devices on `seq`)"
-        )
-    else:
-        row.setdefault("not_measured", {})["ring"] = (
-            f"no collective-permute in the traced steps, with {t.sizes['seq']} devices on "
-            f"`seq` and `--ring_strategy {strategy}`"
-        )
     seq_shards = t.sizes["seq"] * t.sizes["seq_a2a"]
     sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
     attn = attention_work(config, job.context, seq_shards, sequences)
