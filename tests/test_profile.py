@@ -730,7 +730,15 @@ def test_profile_rows_record_the_ring_strategy_they_ran(tmp_path, monkeypatch):
         "tiny-256-seq2": "ring",
     }
     md = (tmp_path / "profile" / "report.md").read_text()
+    assert (
+        "Attention split over `seq`: mixed: `--ring_strategy ulysses`, an all-to-all over "
+        "the heads, no K/V ring (tiny-256-seq2-ulysses, tiny-256-seq2-auto); "
+        "`--ring_strategy ring`, the K/V ring (tiny-256-seq2). Ring GB/s measures the K/V "
+        "ring's transfers;"
+    ) in md
     assert "| tiny | 256 | seq=2 +ulysses |" in md and "| tiny | 256 | seq=2 |" in md
+    one = report_lib.markdown(_report([rows[-1]]))
+    assert "Attention split over `seq`: `--ring_strategy ring`, the K/V ring. " in one
 
 
 def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
