@@ -644,6 +644,140 @@ def test_profile_rows_record_the_ring_strategy(monkeypatch):
     assert profile._run_row(job, 1.0, {})["ring_strategy"] == "ring"
 
 
+def test_profile_ring_strategy_flag_reaches_the_trainer():
+    """`--ring-strategy` takes the trainer's `--ring_strategy` values, `auto` included,
+    defaults to `ring` (the K/V ring the report measures), and every row's trainer
+    flags carry it."""
+    from train.config import CHOICES
+    from train.tools.profile import _jobs, _trainer_args, build_parser
+
+    parser = build_parser()
+    [action] = [a for a in parser._actions if a.dest == "ring_strategy"]
+    assert tuple(action.choices) == CHOICES[("model", "ring_strategy")]
+    assert "auto" in action.choices and parser.get_default("ring_strategy") == "ring"
+    base = ["--models", "tiny", "--context", "256,512", "--mesh", "seq=2"]
+    for argv, strategy in ((base, "ring"), (base + ["--ring-strategy", "ulysses"], "ulysses")):
+        jobs = _jobs(parser, parser.parse_args(argv))
+        assert [job.ring_strategy for job in jobs] == [strategy, strategy]
+        for job in jobs:
+            assert parse_args(_trainer_args(job)).model.ring_strategy == strategy
+    [job] = _jobs(parser, parser.parse_args([*base[:2], "--ring-strategy", "auto"]))
+    assert parse_args(_trainer_args(job)).model.ring_strategy == "auto"
+
+
+def test_profile_row_names_differ_by_ring_strategy():
+    """Rows of one model, context and mesh run with different strategies have different
+    names (their folders under --out) and mesh labels; the ring, the default, adds
+    nothing."""
+    from train.tools.profile import Job
+
+    names, labels = [], []
+    for strategy in ("ring", "auto", "ulysses", "allgather", "hybrid"):
+        job = Job(model="tiny", context=256, mesh="seq=2", out="x", ring_strategy=strategy)
+        names.append(job.name)
+        labels.append(report_lib._mesh({"mesh": job.mesh, **job.settings(), **job.facts()}))
+    assert names == [
+        "tiny-256-seq2",
+        "tiny-256-seq2-auto",
+        "tiny-256-seq2-ulysses",
+        "tiny-256-seq2-allgather",
+        "tiny-256-seq2-hybrid",
+    ]
+    assert labels == [
+        "seq=2",
+        "seq=2 +auto",
+        "seq=2 +ulysses",
+        "seq=2 +allgather",
+        "seq=2 +hybrid",
+    ]
+    job = Job(model="tiny", context=256, mesh="seq=2", out="x", layers=1, ring_strategy="ulysses")
+    assert job.name == "tiny-256-seq2-ulysses-layers1"
+
+
+def test_profile_rows_record_the_ring_strategy_they_ran(tmp_path, monkeypatch):
+    """Each row records the strategy it ran: the one given, or, for `auto`, the one the
+    trainer picked in the row's run (`auto` where the row failed before); runs appended
+    with other strategies keep their own, and the report says them per row."""
+    import train.tools.profile as profile
+
+    payloads = []
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        if kind == "ceilings":
+            return {}
+        payloads.append(payload)
+        if payload["context"] == 512:
+            return {"status": "error", "error": "failed"}
+        row = {k: v for k, v in _report_row(256).items() if k != "name"}
+        # the child's row says what the trainer ran: `auto` picked Ulysses at seq=2
+        picked = "ulysses" if payload["ring_strategy"] == "auto" else payload["ring_strategy"]
+        return {**row, "ring_strategy": picked}
+
+    monkeypatch.setattr(profile, "_child", child)
+    out = str(tmp_path / "profile")
+    base = ["--models", "tiny", "--mesh", "seq=2", "--out", out, "--no-xla-cost"]
+    profile.main([*base, "--context", "256", "--ring-strategy", "ulysses"])
+    profile.main([*base, "--context", "256,512", "--ring-strategy", "auto", "--append"])
+    profile.main([*base, "--context", "256", "--append"])
+    assert [p["ring_strategy"] for p in payloads] == ["ulysses", "auto", "auto", "ring"]
+    rows = json.loads((tmp_path / "profile" / "report.json").read_text())["rows"]
+    assert {r["name"]: r["ring_strategy"] for r in rows} == {
+        "tiny-256-seq2-ulysses": "ulysses",
+        "tiny-256-seq2-auto": "ulysses",
+        "tiny-512-seq2-auto": "auto",
+        "tiny-256-seq2": "ring",
+    }
+    md = (tmp_path / "profile" / "report.md").read_text()
+    assert (
+        "Attention split over `seq`: mixed: `--ring_strategy ulysses`, an all-to-all over "
+        "the heads, no K/V ring (tiny-256-seq2-ulysses, tiny-256-seq2-auto); "
+        "`--ring_strategy ring`, the K/V ring (tiny-256-seq2). Ring GB/s measures the K/V "
+        "ring's transfers;"
+    ) in md
+    assert "| tiny | 256 | seq=2 +ulysses |" in md and "| tiny | 256 | seq=2 |" in md
+    one = report_lib.markdown(_report([rows[-1]]))
+    assert "Attention split over `seq`: `--ring_strategy ring`, the K/V ring. " in one
+
+
+def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
+    """A row whose strategy passes no K/V blocks (Ulysses, all-gather) has no ring
+    GB/s, and its reason, one line, names the strategy: here `auto` on 2 CPU devices
+    of one host, where the trainer picks Ulysses (the row records the pick). A
+    hybrid row without permutes is told apart from one with one device on `seq`."""
+    from train.tools.profile import Job, ring_unmeasured
+
+    job = Job(model="tiny", context=256, mesh="seq=2", out=str(tmp_path), steps=1, warmup=1)
+    job = dataclasses.replace(job, trace_steps=1, xla_cost=False, ring_strategy="auto")
+    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
+    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row["status"] == "ok" and row["ring_strategy"] == "ulysses", row
+    assert "ring" not in row and row["trace"]["mean"]["permute_ms"] == 0
+    ulysses = (
+        "`--ring_strategy ulysses` passes no K/V blocks between the devices on `seq` (it "
+        "splits attention by an all-to-all over the heads): no ring transfers"
+    )
+    assert row["not_measured"]["ring"] == ulysses
+    md = report_lib.markdown(_report([{**_report_row(256), **row, "name": "tiny-256"}]))
+    assert f"- `–` ring GB/s: {ulysses} (tiny-256)" in md.splitlines()
+    # Ulysses and all-gather: no ring, even were some collective-permute in the step.
+    assert ring_unmeasured("allgather", 2, 3.0, 1e6) == (
+        "`--ring_strategy allgather` passes no K/V blocks between the devices on `seq` (it "
+        "splits attention by an all-gather of K/V): no ring transfers"
+    )
+    assert ring_unmeasured("hybrid", 2, 3.0, 1e6) is None  # its ring on `seq`: measured
+    assert ring_unmeasured("hybrid", 2, 0.0, None) == (
+        "no collective-permute in the traced steps, with 2 devices on `seq` and "
+        "`--ring_strategy hybrid`"
+    )
+
+
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):
     """A local model's row is named `local-` and its directory's basename (the name is a
     path under --out), made unique where two directories share one; a directory named
@@ -1463,6 +1597,56 @@ def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatc
     assert "in rows filled in afterwards, as the header says, the bytes of a later" in md
     assert "Step: model FLOPs ÷ XLA's bytes (filled in afterwards in the rows the" in md
     capsys.readouterr()
+
+
+def test_fill_xla_cost_compiles_each_row_with_its_ring_strategy(tmp_path, monkeypatch, capsys):
+    """`--fill-xla-cost` compiles each row's step with the strategy the row ran (a row
+    run with `auto` recorded the trainer's pick), not the tool's default; a row that
+    recorded none ran the ring."""
+    import train.tools.profile as profile
+
+    payloads = []
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        payloads.append(payload)
+        return {"xla": {"flops": 2e9, "bytes": 5e8, "method": "test"}}
+
+    monkeypatch.setattr(profile, "_child", child)
+    unfilled = {"xla": None, "hbm_gbps": None, "xla_cost": False, "device_kind": "cpu"}
+    rows = [
+        _report_row(256, name="tiny-256-seq2-ulysses", ring_strategy="ulysses", **unfilled),
+        _report_row(512, name="tiny-512-seq2-auto", ring_strategy="ulysses", **unfilled),
+        _report_row(1024, name="tiny-1024-seq2-hybrid", ring_strategy="hybrid", **unfilled),
+        _report_row(2048, name="tiny-2048-seq2", **unfilled),
+    ]
+    (tmp_path / "report.json").write_text(json.dumps(_report(rows)))
+    profile.main(["--fill-xla-cost", str(tmp_path)])
+    assert [p["ring_strategy"] for p in payloads] == ["ulysses", "ulysses", "hybrid", "ring"]
+    for payload in payloads:
+        cfg = parse_args(profile._trainer_args(profile.Job(**payload)))
+        assert cfg.model.ring_strategy == payload["ring_strategy"]
+    filled = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [r["ring_strategy"] for r in filled[:3]] == ["ulysses", "ulysses", "hybrid"]
+    assert all(r["hbm_gbps"] for r in filled)
+    capsys.readouterr()
+
+
+def test_profile_refuses_an_unknown_ring_strategy_in_one_line(tmp_path, capsys):
+    """A `--ring-strategy` that is not one of the trainer's is refused by the parser in
+    one line naming the value and the choices, exit status 2, before anything runs."""
+    from train.tools.profile import main
+
+    out = tmp_path / "new"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--models", "tiny", "--ring-strategy", "zigzag", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(
+        "error: argument --ring-strategy: invalid choice: 'zigzag' (choose from "
+    ), err
+    assert "auto" in err and "ulysses" in err and not out.exists()
 
 
 def test_fill_xla_cost_refuses_rows_timed_on_another_device(tmp_path, monkeypatch, capsys):

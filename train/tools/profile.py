@@ -6,6 +6,8 @@ bandwidth and memory per model and context, measured from traces.
         --mesh seq=2 [--mesh fsdp=2] [--steps 3 --warmup 2 --layers N] --out runs/profile
     python -m train.tools.profile --models llama2-7b --context 8k,16k --mesh seq=2 \\
         --shard-over-seq --append --reuse-ceilings --out runs/profile  # 7B: ZeRO-3 over seq
+    python -m train.tools.profile --models llama3.2-1b --context 32k --mesh seq=2 \\
+        --ring-strategy auto --append --reuse-ceilings --out runs/profile  # as trained
     python -m train.tools.profile --report-only runs/profile      # re-render report.json
 
 For each model x context x mesh, one child process builds the trainer exactly as
@@ -17,6 +19,11 @@ steps (one `StepTraceAnnotation("train")` each) into
 (`<model>`: a preset's name, or `local-` and a local model directory's basename, made
 unique; the report's tables and plots show it so, and say which directory each
 `local-` name is).
+Attention over `seq` runs the trainer's `--ring_strategy ring` (the K/V ring, whose
+transfers the report's ring GB/s measures) unless `--ring-strategy` names another (the
+row's folder then names it after the mesh: `<model>-<ctx>-<mesh>-ulysses`); `auto`,
+the trainer's default, picks Ulysses on one host where `seq` divides the query heads,
+and each row records the strategy it ran.
 A child per row keeps peak-memory numbers separate and turns an out-of-memory into
 a "does not fit" row instead of a crash (also when the child dies of it rather than
 raising); any other failure is an "error" row, and the report is still written.
@@ -64,10 +71,13 @@ JOB_SETTINGS = ("shard_over_seq", "gather_once", "remat", "scan_layers", "batch"
 # What a row records of the run it came from, beside JOB_SETTINGS: runs added with
 # --append can differ in these, so the report says them per row.
 ROW_FACTS = ("steps", "layers_override", "xla_cost", "ring_strategy", "xla_flags", "jax")
-# The trainer's --ring_strategy every row runs: the report measures the K/V ring (its
-# bytes and GB/s); the trainer's `auto` would pick Ulysses on one host where the mesh's
-# seq divides the heads.
+# The trainer's --ring_strategy a row runs unless --ring-strategy names another: the K/V
+# ring, whose bytes and GB/s the report measures (the trainer's `auto` picks Ulysses on
+# one host where the mesh's seq divides the heads).
 RING_STRATEGY = "ring"
+# The strategies that pass no K/V blocks between the devices on `seq` (no ring GB/s),
+# and how each splits attention instead; `ring` and `hybrid` (on `seq`) pass them.
+NO_KV_RING = {"ulysses": "an all-to-all over the heads", "allgather": "an all-gather of K/V"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +99,16 @@ class Job:
     gather_once: bool = False  # with shard_over_seq: weights gathered once per step
     scan_layers: bool = True  # False: unrolled layers (configs/llama3_2_1b_32k.yaml)
     label: str = ""  # the model in `name` (`model_labels`); empty: `model_label(model)`
+    ring_strategy: str = RING_STRATEGY  # the trainer's --ring_strategy (`auto` included)
 
     @property
     def name(self) -> str:
         """`label-context-mesh`, plus what differs from the defaults (`--layers`,
-        `--batch` and the trainer's settings): one file name, used under `out` (the row's
-        traces and trainer outputs)."""
+        `--batch` and the trainer's settings, `--ring_strategy` first): one file name,
+        used under `out` (the row's traces and trainer outputs)."""
         mesh = self.mesh.replace("=", "").replace(",", "-")
-        suffix = "" if self.layers is None else f"-layers{self.layers}"
+        suffix = "" if self.ring_strategy == RING_STRATEGY else f"-{self.ring_strategy}"
+        suffix += "" if self.layers is None else f"-layers{self.layers}"
         suffix += "" if self.batch == 1 else f"-batch{self.batch}"
         suffix += "-shard_over_seq" if self.shard_over_seq else ""
         suffix += "-gather_once" if self.gather_once else ""
@@ -111,14 +123,15 @@ class Job:
 
     def facts(self) -> dict:
         """The row's steps (warm-up, timed, traced), `--layers`, whether XLA's cost was
-        analysed and the trainer's `--ring_strategy`: of `ROW_FACTS`, those the job knows
+        analysed and the trainer's `--ring_strategy` as given (the row's run replaces
+        `auto` by the strategy the trainer picked): of `ROW_FACTS`, those the job knows
         (the parent adds the rest)."""
         steps = {"timed": self.steps, "warmup": self.warmup, "traced": self.trace_steps}
         return {
             "steps": steps,
             "layers_override": self.layers,
             "xla_cost": self.xla_cost,
-            "ring_strategy": RING_STRATEGY,
+            "ring_strategy": self.ring_strategy,
         }
 
 
@@ -235,7 +248,7 @@ def _trainer_args(job: Job) -> list[str]:
         "--attention",
         "ring",
         "--ring_strategy",
-        RING_STRATEGY,
+        job.ring_strategy,
         "--remat_policy",
         job.remat,
         "--per_device_train_batch_size",
@@ -362,6 +375,32 @@ def _not_measured(row: dict, devices) -> dict[str, str]:
     }
 
 
+def ring_unmeasured(
+    strategy: str, seq: int, permute_ms: float, permute_bytes: float | None
+) -> str | None:
+    """Why a row run with `--ring_strategy strategy` over `seq` devices on the `seq`
+    axis has no ring GB/s, in one line, or None where its traced steps' collective-permutes
+    (`permute_ms`, `permute_bytes`) measure the K/V ring."""
+    if strategy in NO_KV_RING:
+        return (
+            f"`--ring_strategy {strategy}` passes no K/V blocks between the devices on "
+            f"`seq` (it splits attention by {NO_KV_RING[strategy]}): no ring transfers"
+        )
+    if permute_ms > 0 and permute_bytes is None:
+        return "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
+    if permute_ms > 0:
+        return None
+    if seq == 1:
+        return (
+            f"one device on `seq`: no ring transfers (`--ring_strategy {strategy}` passes "
+            "K/V blocks between the devices on `seq`)"
+        )
+    return (
+        f"no collective-permute in the traced steps, with {seq} devices on `seq` and "
+        f"`--ring_strategy {strategy}`"
+    )
+
+
 def run_row(job: Job) -> dict:
     """Builds, compiles, times and traces one row (in this process)."""
     import jax
@@ -389,6 +428,7 @@ def run_row(job: Job) -> dict:
     row["devices"] = n
     try:
         t = build(cfg, config, devices=devices)
+        row["ring_strategy"] = strategy = t.cfg.model.ring_strategy  # `auto`: the pick
         row["mesh_sizes"] = t.sizes
         tokens = t.global_batch * t.accum * job.context
         row["tokens_per_step"] = tokens
@@ -460,26 +500,14 @@ def run_row(job: Job) -> dict:
                 f"command buffers are on: rerun with XLA_FLAGS={NO_COMMAND_BUFFERS}"
             )
     per_device_tokens = tokens / n
-    if phases.permute_bytes is not None and phases.permute_ms > 0:
+    if why := ring_unmeasured(strategy, t.sizes["seq"], phases.permute_ms, phases.permute_bytes):
+        row.setdefault("not_measured", {})["ring"] = why
+    else:
         row["ring"] = {
             "bytes_per_step": phases.permute_bytes,
             "permute_ms": phases.permute_ms,
             "gbps": phases.permute_bytes / (phases.permute_ms / 1e3) / 1e9,
         }
-    elif phases.permute_ms > 0:
-        row.setdefault("not_measured", {})["ring"] = (
-            "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
-        )
-    elif t.sizes["seq"] == 1:
-        row.setdefault("not_measured", {})["ring"] = (
-            f"one device on `seq`: no ring transfers (`--ring_strategy {RING_STRATEGY}` "
-            "passes K/V blocks between the devices on `seq`)"
-        )
-    else:
-        row.setdefault("not_measured", {})["ring"] = (
-            f"no collective-permute in the traced steps, with {t.sizes['seq']} devices on "
-            f"`seq` and `--ring_strategy {RING_STRATEGY}`"
-        )
     seq_shards = t.sizes["seq"] * t.sizes["seq_a2a"]
     sequences = t.global_batch * t.accum // (t.sizes["data"] * t.sizes["fsdp"])
     attn = attention_work(config, job.context, seq_shards, sequences)
@@ -845,6 +873,8 @@ def fill_xla_cost(out: str, report: dict, timeout: float, filled: dict) -> None:
                 "layers_override", None if layers == row.get("layers_preset") else layers
             ),
             label=row.get("label", ""),
+            # the strategy the row ran (`auto`: the one the trainer picked)
+            ring_strategy=row.get("ring_strategy") or RING_STRATEGY,
             **{name: row[name] for name in JOB_SETTINGS if name in row},
         )
         print(f"{row['name']}: XLA cost ...", flush=True)
@@ -864,7 +894,7 @@ def fill_xla_cost(out: str, report: dict, timeout: float, filled: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from train.config import OneLineParser  # errors in one line, as the trainer's
+    from train.config import CHOICES, OneLineParser  # errors in one line, as the trainer's
 
     # The docstring's first paragraph: one sentence.
     description = " ".join(__doc__.split("\n\n")[0].split())
@@ -918,6 +948,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="save_attn",
         choices=REMAT_POLICIES,
         help="the trainer's --remat_policy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ring-strategy",
+        default=RING_STRATEGY,
+        choices=CHOICES[("model", "ring_strategy")],
+        help="the trainer's --ring_strategy: how attention is split over seq; ring GB/s "
+        "measures the K/V ring's transfers (ring, and hybrid on seq), which ulysses and "
+        "allgather do not make; auto, the trainer's default, is recorded in each row as the "
+        "strategy it picked (default: %(default)s)",
     )
     p.add_argument(
         "--no-xla-cost", action="store_true", help="skip the 1-/2-layer compiles (HBM GB/s)"
@@ -1120,6 +1159,7 @@ def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job
             shard_over_seq=args.shard_over_seq,
             gather_once=args.gather_once,
             scan_layers=not args.unroll_layers,
+            ring_strategy=args.ring_strategy,
         )
         for m in names
         for mesh in meshes

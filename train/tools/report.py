@@ -290,12 +290,15 @@ def _mean(row: dict) -> dict:
 
 
 def _mesh(row: dict) -> str:
-    """The row's mesh; `+layers=N` and `+batch=N` where `--layers` and `--batch` were
-    given, `+shard_over_seq` (`+gather_once`) when parameters are also sharded over a
+    """The row's mesh; its `--ring_strategy` (`+ulysses`) where it is not the ring,
+    `+layers=N` and `+batch=N` where `--layers` and `--batch` were given,
+    `+shard_over_seq` (`+gather_once`) when parameters are also sharded over a
     `seq` axis of more than one device (and gathered once per step), and the remat
     policy and unrolled layers where they differ from the defaults."""
     over_seq = row.get("mesh_sizes", {}).get("seq", 2) > 1  # unknown (error rows): say it
     label = row["mesh"]
+    strategy = row.get("ring_strategy") or "ring"
+    label += "" if strategy == "ring" else f" +{strategy}"
     label += f" +layers={row['layers_override']}" if row.get("layers_override") else ""
     label += f" +batch={row['batch']}" if row.get("batch", 1) != 1 else ""
     label += " +shard_over_seq" if over_seq and row.get("shard_over_seq") else ""
@@ -336,6 +339,24 @@ def row_fact(report: dict, row: dict, key: str):
     jax): its own record, else the report's (a report.json written before rows
     recorded them)."""
     return row[key] if key in row else report.get(key)
+
+
+# How each `--ring_strategy` splits attention over `seq`, as the report's header says it.
+STRATEGY_TEXT = {
+    "ring": "the K/V ring",
+    "allgather": "K/V all-gathered, no K/V ring",
+    "ulysses": "an all-to-all over the heads, no K/V ring",
+    "hybrid": "an all-to-all over the heads on `seq_a2a`, the K/V ring on `seq`",
+    "auto": "the strategy the trainer picks, unknown where the row ended before it picked",
+}
+
+
+def strategy_text(strategy: str | None) -> str:
+    """A row's `--ring_strategy` and how it splits attention: `--ring_strategy ring`,
+    the K/V ring (a row that recorded none ran the ring)."""
+    strategy = strategy or "ring"
+    how = STRATEGY_TEXT.get(strategy)
+    return f"`--ring_strategy {strategy}`" + (f", {how}" if how else "")
 
 
 def per_row(report: dict, rows: list[dict], key: str, text: Callable) -> str:
@@ -469,9 +490,7 @@ def markdown(report: dict) -> str:
     flags = per_row(report, rows, "xla_flags", lambda v: f"`{v or '(none)'}`")
     steps = per_row(report, ok or rows, "steps", steps_text)
     batch = per_row(report, ok or rows, "batch", lambda b: str(b or 1))
-    strategy = per_row(
-        report, ok or rows, "ring_strategy", lambda s: f"`--ring_strategy {s or 'ring'}`"
-    )
+    strategy = per_row(report, ok or rows, "ring_strategy", strategy_text)
     filled = filled_text(ok)
     lines = [
         "# Training profile",
@@ -488,9 +507,10 @@ def markdown(report: dict) -> str:
         "TFLOP/s and MFU.",
         "",
         f"Batch (sequences per data-parallel rank): {batch}. Attention split over `seq`: "
-        f"{strategy}, the K/V ring, whose transfers the report measures (the trainer's "
-        "default, `auto`, runs Ulysses instead on one host where `seq` divides the query "
-        "heads).",
+        f"{strategy}. Ring GB/s measures the K/V ring's transfers; the tool runs the ring "
+        "unless its `--ring-strategy` names another strategy (a row run with the trainer's "
+        "default, `auto`, which picks Ulysses on one host where `seq` divides the query "
+        "heads, says the strategy it picked).",
         "",
     ]
     lines += models_note(rows)
