@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET
+from conftest import INTERPRET, cpu_devices
 from jax import lax
 
 import jflash
@@ -1099,7 +1099,7 @@ def _ring_child(out, *, row_timeout: str, iters: str = "1"):
     args = [*TINY_RING, "--tokens-per-device", "64", "--devices", "2", "--layouts", "zigzag",
             "--strategies", "ring", "--row-timeout", row_timeout, "--out", str(out)]  # fmt: skip
     args[args.index("--iters") + 1] = iters
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, **cpu_devices(2))  # 2 simulated CPU devices, on a GPU machine too
     return [sys.executable, "benchmarks/ring.py", *args], env
 
 

@@ -192,6 +192,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_no_tmp(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == ["capacity.json"]
 
 
+@pytest.mark.multi_device(3)
 def test_a_start_the_mesh_cannot_split_is_refused_before_probing(monkeypatch, capsys):
     """seq=3 splits a zigzag ring into 6 chunks: --start=1024 is refused by name, with
     the divisor, instead of a row of "none from --start"."""

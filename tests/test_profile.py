@@ -1382,10 +1382,11 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
     (tmp_path / "partial" / "report.md").write_text("the last good report")
     ceilings = {"matmul_tflops": 1.0, "copy_gbps": 1.0, "device": "cpu", "device_count": 1}
     (tmp_path / "one" / "report.json").write_text(json.dumps({"rows": [], "ceilings": ceilings}))
-    (tmp_path / "h200").mkdir()
-    elsewhere = {**ceilings, "device": "NVIDIA H200", "device_count": 2}
-    (tmp_path / "h200" / "report.json").write_text(json.dumps({"rows": [], "ceilings": elsewhere}))
     here = jax.devices()[0].device_kind
+    other = "NVIDIA H200" if here != "NVIDIA H200" else "NVIDIA H100 80GB HBM3"  # not this one
+    (tmp_path / "h200").mkdir()
+    elsewhere = {**ceilings, "device": other, "device_count": 2}
+    (tmp_path / "h200" / "report.json").write_text(json.dumps({"rows": [], "ceilings": elsewhere}))
     out = ["--out", str(tmp_path / "new")]
     cases = [
         (["--report-only", str(tmp_path / "empty")], "empty/report.json' is not readable JSON"),
@@ -1426,7 +1427,7 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (
             ["--append", "--reuse-ceilings", "--mesh", "seq=1", "--out", str(tmp_path / "h200")],
             f"--reuse-ceilings: the ceilings in {tmp_path / 'h200' / 'report.json'} were "
-            f"measured on NVIDIA H200, this machine's devices are {here}: drop "
+            f"measured on {other}, this machine's devices are {here}: drop "
             "--reuse-ceilings to measure them here (nothing was run)",
         ),
         (

@@ -329,7 +329,9 @@ def test_ulysses_repeated_kv_heads_sum_gradients_in_f32():
 
 
 @pytest.mark.parametrize("layout", jflash.LAYOUTS)
-@pytest.mark.parametrize("num_shards", [2, 4])
+@pytest.mark.parametrize(
+    "num_shards", [pytest.param(p, marks=pytest.mark.multi_device(p)) for p in (2, 4)]
+)
 def test_relabelled_shards_hold_sorted_ids(layout, num_shards):
     """`_relabelled` inside a shard_map: every shard's ids of documents labelled out of
     order come out sorted, and equal ids stay equal across shards (the whole sequence's
@@ -709,6 +711,7 @@ def test_kv_shared_over_data_gets_gradients_summed_over_it(strategy):
     assert_close(actual, expected, jnp.float32)
 
 
+@pytest.mark.multi_device(4)
 def test_inputs_sharded_over_explicit_axes_are_named():
     """A batch split over an Explicit axis that the shard_map leaves to jax (or no
     shard_map at all): named in one line, not a type error deep inside XLA or Pallas."""
@@ -750,6 +753,7 @@ def test_interpreted_kernel_under_check_vma_is_named():
         jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(*args)
 
 
+@pytest.mark.multi_device(2)
 def test_errors_name_the_problem():
     auto = (jax.sharding.AxisType.Auto,) * 2
     mesh = jax.make_mesh((1, 2), ("data", "seq"), devices=jax.devices()[:2], axis_types=auto)

@@ -433,7 +433,7 @@ def test_cli_config_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("error: --lr_scheduler_type='step'") and "Traceback" not in err
     # A kernel the model cannot use (Mosaic needs head dim 64/128; the tiny model has 32).
     args = ["--attention_implementation", "pallas_mosaic", "--max_steps", "1"]
-    assert main(_args(tmp_path, *args)) == 2
+    assert main(_args(tmp_path, *args, mesh="data=-1,fsdp=1,seq=1")) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: implementation='pallas_mosaic' head_dim=32"), err
 

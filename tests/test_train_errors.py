@@ -56,7 +56,7 @@ def _tiny_model_dir(path, **config_changes):
     [
         (["--data_path", "typo.npy"], "no such data file"),
         (["--data_path", "sample", "--mesh", "data=1,fsdp=1,seq=64"], "needs 64 devices"),
-        (
+        pytest.param(
             [
                 "--data_path",
                 "sample",
@@ -66,8 +66,9 @@ def _tiny_model_dir(path, **config_changes):
                 "ring",
             ],
             "seq_a2a axis is the all-to-all axis of --ring_strategy hybrid",
+            marks=pytest.mark.multi_device(2),
         ),
-        (
+        pytest.param(
             [
                 "--data_path",
                 "sample",
@@ -79,8 +80,9 @@ def _tiny_model_dir(path, **config_changes):
                 "34",
             ],
             "must be divisible by 4",
+            marks=pytest.mark.multi_device(4),
         ),
-        (
+        pytest.param(
             # The tiny model's 4 query heads over 8 devices.
             [
                 "--data_path",
@@ -91,6 +93,7 @@ def _tiny_model_dir(path, **config_changes):
                 "ulysses",
             ],
             "splits the model's 4 query heads over seq=8, which does not divide them",
+            marks=pytest.mark.multi_device(8),
         ),
         (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
         (["--data_path", "sample", "--model_name_or_path", "nope"], "neither a local"),
