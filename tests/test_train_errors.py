@@ -355,6 +355,40 @@ def test_data_fingerprint_follows_the_rows_tokens_and_order():
     assert data_fingerprint(other) != data_fingerprint(rows)
 
 
+def test_resume_on_the_same_tokens_with_other_labels_is_refused():
+    """Prompt/completion records and the same texts as plain `text` records tokenize to
+    the same ids with other labels (the loss on the completions only, or on every
+    token): a checkpoint records its rows' labels too, and a resume on the other labels
+    is refused; a checkpoint from before that record resumes as before."""
+    from train.loop import _check_resumable, data_fingerprint, label_fingerprint
+
+    ids = np.arange(1, 700) % 97
+    prompted = np.where(np.arange(699) % 7 < 4, -100, ids)
+    sft = TokenDataset.from_examples("x", [ids], [prompted]).rows(32, eos_id=0)
+    text = TokenDataset.from_examples("x", [ids]).rows(32, eos_id=0)
+    assert data_fingerprint(sft) == data_fingerprint(text)  # the same tokens
+    assert label_fingerprint(sft) != label_fingerprint(text)
+    again = TokenDataset.from_examples("x", [ids], [prompted]).rows(32, eos_id=0)
+    assert label_fingerprint(again) == label_fingerprint(sft)
+
+    def run_meta(rows):
+        return {
+            "num_rows": rows.num_rows,
+            "data": data_fingerprint(rows),
+            "labels": label_fingerprint(rows),
+            "total_steps": 30,
+            "optim": "adamw",
+        }
+
+    meta = {"step": 10, "run": run_meta(sft)}
+    _check_resumable(meta, run_meta(again), "ckpts")
+    with pytest.raises(TrainingError, match="the same tokens, but other labels") as refused:
+        _check_resumable(meta, run_meta(text), "ckpts")
+    assert "\n" not in str(refused.value)
+    older = {"step": 10, "run": {k: v for k, v in run_meta(sft).items() if k != "labels"}}
+    _check_resumable(older, run_meta(text), "ckpts")
+
+
 def test_made_up_model_and_data_are_named_and_a_path_called_sample_is_data(
     tmp_path, monkeypatch, capsys
 ):

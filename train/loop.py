@@ -312,20 +312,31 @@ def _say_where_positions_run_past(t: Trainer) -> None:
     )
 
 
-# Rows whose tokens identify the training data in a checkpoint: spread over the data,
-# first and last included, so another file or another order of the same rows differs.
+# Rows whose tokens and labels identify the training data in a checkpoint: spread over
+# the data, first and last included, so another file or another order of the same rows
+# differs.
 FINGERPRINT_ROWS = 16
+
+
+def _fingerprint(rows, field: int) -> str:
+    n = rows.num_rows
+    ids = np.unique(np.linspace(0, n - 1, min(n, FINGERPRINT_ROWS)).round().astype(np.int64))
+    digest = hashlib.sha256(f"{n} {rows.seq_len}".encode())
+    digest.update(np.ascontiguousarray(rows.take(ids)[field], np.int32).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def data_fingerprint(rows) -> str:
     """A short hash of the input ids of `FINGERPRINT_ROWS` rows spread over `rows`
     (and their count and length): what a resume checks the data against, cheaply at
     any size."""
-    n = rows.num_rows
-    ids = np.unique(np.linspace(0, n - 1, min(n, FINGERPRINT_ROWS)).round().astype(np.int64))
-    digest = hashlib.sha256(f"{n} {rows.seq_len}".encode())
-    digest.update(np.ascontiguousarray(rows.take(ids)[0], np.int32).tobytes())
-    return digest.hexdigest()[:16]
+    return _fingerprint(rows, 0)
+
+
+def label_fingerprint(rows) -> str:
+    """The same rows' labels, hashed likewise: the same tokens with other labels (text
+    records against prompt/completion records of the same texts) are other data."""
+    return _fingerprint(rows, 1)
 
 
 def _run_meta(t: Trainer) -> dict:
@@ -335,6 +346,7 @@ def _run_meta(t: Trainer) -> dict:
         "rows_per_step": t.global_batch * t.accum,
         "num_rows": t.rows.num_rows,
         "data": data_fingerprint(t.rows),
+        "labels": label_fingerprint(t.rows),
         "seed": t.cfg.run.seed,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
@@ -647,7 +659,7 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "<output_dir>/hf, a new --output_dir)"
         )
     # Checked on their own, with their own advice.
-    own_checks = ("total_steps", "optim", "data", "schedule")
+    own_checks = ("total_steps", "optim", "data", "labels", "schedule")
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
@@ -668,6 +680,15 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "so resuming would not continue its data. Resume with the same --data_path, "
             "tokenizer and --model_max_length, or start a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
+        )
+    if "labels" in saved and saved["labels"] != run_meta["labels"]:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written on other data: the same "
+            f"tokens, but other labels (labels {saved['labels']} there, "
+            f"{run_meta['labels']} here: the loss is on other tokens, as with text records "
+            "in place of prompt/completion ones), so resuming would not continue its "
+            "training. Resume with the same --data_path, or start a new run from the "
+            "export (--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     old, new = saved.get("total_steps"), run_meta["total_steps"]
     if old is not None and old != new:
