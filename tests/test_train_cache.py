@@ -608,3 +608,39 @@ def test_text_demo_gathers_each_text_once_in_path_order(tmp_path):
     texts = text_demo.gather(tmp_path)
     assert texts == [files["a/README.md"], files["a/docs/x.rst"], files["b/LICENSE"],
                      "The description. " + body]  # fmt: skip
+
+
+def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
+    """A prompt/completion example longer than a row is cut across rows, and its
+    completion past the first row trains without the start of its prompt: one line
+    says how many and which, in memory, through --data_cache_dir and from a cache.
+    Plain documents longer than a row (a token stream) and short prompted examples
+    are cut as always, without a word."""
+
+    def prompted(n_prompt: int, n_completion: int) -> str:
+        ids = list(range(3, 3 + n_prompt + n_completion))
+        return json.dumps({"input_ids": ids, "labels": [IGNORE] * n_prompt + ids[n_prompt:]})
+
+    source = tmp_path / "d.jsonl"
+    lines = [prompted(4, 2), prompted(20, 3), json.dumps(list(range(3, 60))), prompted(30, 1)]
+    source.write_text("\n".join(lines) + "\n")
+    warned = (
+        f"{source}: 2 examples with a prompt (tokens labelled -100) are longer than a row of "
+        "16 tokens (the longest: 31 tokens, line 4): each is cut across rows, and its "
+        "tokens past its first row train without the start of its prompt; raise "
+        "--model_max_length or shorten them\n"
+    )
+    load_rows(_cfg(data_path=str(source), model_max_length=16), models.TINY)
+    assert capsys.readouterr().out == warned
+    # A cache numbers its documents (records) from 0, as the file's order has them.
+    cached = warned.replace(", line 4)", ", record 3)")
+    cache_dir = str(tmp_path / "cc")
+    load_rows(
+        _cfg(data_path=str(source), model_max_length=16, data_cache_dir=cache_dir), models.TINY
+    )
+    assert capsys.readouterr().out.endswith(cached)
+    (cache,) = (tmp_path / "cc").iterdir()
+    load_rows(_cfg(data_path=str(cache), model_max_length=16), models.TINY)
+    assert capsys.readouterr().out == cached.replace(f"{source}: ", f"{cache}: ")
+    load_rows(_cfg(data_path=str(source), model_max_length=32), models.TINY)
+    assert capsys.readouterr().out == ""

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from models.loss import IGNORE_INDEX
-from train.dataset import Rows, load_dataset
+from train.dataset import Rows, TokenDataset, load_dataset
 from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
 
 FORMAT = "jflash-token-cache"
@@ -184,6 +184,19 @@ class TokenCache:
             if tokenizer_stamp(tokenizer)["sha256"] != used["sha256"]:
                 reasons.append(f"its text was tokenized by another tokenizer ({used['path']})")
         return reasons
+
+    def prompted_longer_than(self, seq_len: int) -> np.ndarray:
+        """:meth:`train.dataset.TokenDataset.prompted_longer_than` of the cached
+        documents: reads the labels of those longer than ``seq_len`` only."""
+        if not self.meta["labels"]:
+            return np.zeros(0, np.int64)
+        offsets = np.asarray(self.offsets)
+        lengths = np.diff(offsets) - (self.eos_id is not None)
+        long = np.flatnonzero(lengths > seq_len)
+        prompted = [
+            i for i in long if (self.targets[offsets[i] : offsets[i + 1]] == IGNORE_INDEX).any()
+        ]
+        return np.asarray(prompted, np.int64)
 
     def rows(
         self, seq_len: int, *, mask_boundaries: bool = True, pad_last: bool = False
@@ -496,6 +509,7 @@ def packed_rows(
                 "rebuild it: python -m train.data cache "
                 f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
+        _note_cut_prompts(path, seq_len, cache)
         return cache.rows(seq_len, pad_last=pad_last)
     if cache_root:
         if blocked := _file_in_the_way(cache_root):
@@ -506,6 +520,36 @@ def packed_rows(
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
+        _note_cut_prompts(path, seq_len, cache)
         return cache.rows(seq_len, pad_last=pad_last)
     dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
+    _note_cut_prompts(path, seq_len, dataset)
     return dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last)
+
+
+def _note_cut_prompts(path: str | Path, seq_len: int, data: TokenDataset | TokenCache) -> None:
+    """One line where examples with a prompt are longer than a row: packing cuts them
+    across rows, and their completions past the first row train without the prompt's
+    start (a silent loss of context otherwise)."""
+    cut = data.prompted_longer_than(seq_len)
+    if not cut.size:
+        return
+    offsets = np.asarray(data.offsets)
+    lengths = offsets[cut + 1] - offsets[cut]
+    if isinstance(data, TokenCache):
+        lengths -= data.eos_id is not None
+        where = f"record {int(cut[np.argmax(lengths)])}"
+    else:
+        where = data.where(int(cut[np.argmax(lengths)]))
+    many = (
+        "examples with a prompt (tokens labelled -100) are"
+        if cut.size > 1
+        else ("example with a prompt (tokens labelled -100) is")
+    )
+    print(
+        f"{path}: {cut.size} {many} longer than a row of {seq_len} tokens (the longest: "
+        f"{int(lengths.max())} tokens, {where}): each is cut across rows, and its tokens "
+        "past its first row train without the start of its prompt; raise "
+        "--model_max_length or shorten them",
+        flush=True,
+    )
