@@ -644,3 +644,39 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
     assert capsys.readouterr().out == cached.replace(f"{source}: ", f"{cache}: ")
     load_rows(_cfg(data_path=str(source), model_max_length=32), models.TINY)
     assert capsys.readouterr().out == ""
+
+
+def test_cli_inspect_of_a_file_counts_as_its_cache_does(bpe, tmp_path, capsys):
+    """`inspect FILE` counts the EOS that packing appends (the tokenizer's, or
+    --eos-id), as `inspect` of the file's cache does and as the trainer's labelled
+    tokens count it: prompt/completion records learn their EOS."""
+    source = tmp_path / "qa.jsonl"
+    records = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(5)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def inspect(*args) -> dict[str, str]:
+        data_lib.main(["inspect", *map(str, args)])
+        return dict(line.split(": ") for line in capsys.readouterr().out.splitlines())
+
+    data_lib.main(["cache", str(source), str(tmp_path / "c"), "--tokenizer", str(bpe)])
+    capsys.readouterr()
+    cached = inspect(tmp_path / "c")
+    assert inspect(source, "--tokenizer", bpe) == cached
+    assert cached["eos_id"] == "0"
+    plain = inspect(source, "--tokenizer", bpe, "--no-eos")
+    assert plain["eos_id"] == "none"
+    for key in ("tokens", "labelled_tokens", "min_length", "max_length"):
+        assert int(plain[key]) == int(cached[key]) - (5 if "length" not in key else 1), key
+    # Token ids with labels: no tokenizer names an EOS; --eos-id counts one.
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}) + "\n")
+    assert inspect(ids)["tokens"] == "3" and inspect(ids)["eos_id"] == "none"
+    counted = inspect(ids, "--eos-id", 2)
+    assert (counted["tokens"], counted["labelled_tokens"], counted["eos_id"]) == ("4", "3", "2")
+    # A cache holds its own EOS: another one asked for is refused.
+    with pytest.raises(SystemExit):
+        data_lib.main(["inspect", str(tmp_path / "c"), "--eos-id", "3"])
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'c'}: the token cache holds eos_id=0 after each document, "
+        "not --eos-id 3; its counts include it\n"
+    )

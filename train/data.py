@@ -394,6 +394,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
     inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    inspect.add_argument(
+        "--eos-id",
+        type=int,
+        default=None,
+        help="token that packing appends after each example, counted (default: the "
+        "tokenizer's eos_token; a cache's own)",
+    )
+    inspect.add_argument("--no-eos", action="store_true", help="count no token between examples")
     inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
     cache = commands.add_parser(
         "cache", help="tokenize a dataset once into a memory-mapped token cache directory"
@@ -467,19 +475,23 @@ def _command(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}: {count} example{plural} x {span} tokens ({sum(sizes)} in all)")
     elif args.command == "inspect":
         if data_cache.is_cache(args.path):
-            summary = data_cache.open_cache(args.path, vocab_size=args.vocab_size).summary()
+            cache = data_cache.open_cache(args.path, vocab_size=args.vocab_size)
+            asked = None if args.no_eos else args.eos_id
+            if (args.no_eos or args.eos_id is not None) and asked != cache.eos_id:
+                flag = "--no-eos" if args.no_eos else f"--eos-id {args.eos_id}"
+                raise ValueError(
+                    f"{args.path}: the token cache holds eos_id={cache.eos_id} after each "
+                    f"document, not {flag}; its counts include it"
+                )
+            summary, eos_id = cache.summary(), cache.eos_id
         else:
-            summary = load_dataset(
-                args.path, tokenizer=args.tokenizer, vocab_size=args.vocab_size
-            ).summary()
-        for key, value in summary.items():
+            eos_id = _eos_flags(args)
+            dataset = load_dataset(args.path, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+            summary = dataset.summary(eos_id)
+        for key, value in {**summary, "eos_id": "none" if eos_id is None else eos_id}.items():
             print(f"{key}: {value}")
     elif args.command == "cache":
-        if args.no_eos and args.eos_id is not None:
-            raise ValueError("give --eos-id or --no-eos, not both")
-        eos_id = args.eos_id
-        if eos_id is None and not args.no_eos and args.tokenizer is not None:
-            eos_id = tokenizer_eos_id(args.tokenizer)
+        eos_id = _eos_flags(args)
         cache, built = data_cache.ensure_cache(
             args.input,
             args.cache_dir,
@@ -497,6 +509,15 @@ def _command(args: argparse.Namespace) -> None:
         size = tokenizer_vocab_size(file)
         short = f" (of --vocab-size {args.vocab_size}: the text has no more merges)"
         print(f"wrote {file}: vocab_size={size}{short if size < args.vocab_size else ''}")
+
+
+def _eos_flags(args: argparse.Namespace) -> int | None:
+    """The EOS of ``--eos-id`` / ``--no-eos``, else the tokenizer's ``eos_token``."""
+    if args.no_eos and args.eos_id is not None:
+        raise ValueError("give --eos-id or --no-eos, not both")
+    if args.eos_id is None and not args.no_eos and args.tokenizer is not None:
+        return tokenizer_eos_id(args.tokenizer)
+    return args.eos_id
 
 
 if __name__ == "__main__":

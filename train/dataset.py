@@ -161,17 +161,20 @@ class TokenDataset:
                     f"range for {vocab_size=}"
                 )
 
-    def summary(self) -> dict[str, int]:
+    def summary(self, eos_id: int | None = None) -> dict[str, int]:
         """Counts: examples, tokens, labelled tokens (those whose label is not ``-100``:
-        every token of unlabelled data; before packing adds EOS and shifts the labels),
-        min/max example length, max token id."""
+        every token of unlabelled data; before packing shifts the labels), min/max
+        example length, max token id; with ``eos_id``, each example's EOS as packing
+        appends it (labelled as :meth:`rows` labels it), as a token cache counts them."""
+        tokens, targets, docs = self._stream(eos_id)
+        lengths = np.bincount(docs, minlength=self.num_examples)
         return {
             "examples": self.num_examples,
-            "tokens": self.num_tokens,
-            "labelled_tokens": int(np.count_nonzero(self.targets != IGNORE_INDEX)),
-            "min_length": int(self.lengths.min()),
-            "max_length": int(self.lengths.max()),
-            "max_id": int(self.tokens.max()),
+            "tokens": len(tokens),
+            "labelled_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
+            "min_length": int(lengths.min()),
+            "max_length": int(lengths.max()),
+            "max_id": int(tokens.max()),
         }
 
     def rows(
