@@ -116,6 +116,19 @@ def test_overwrite_keeps_the_previous_run_when_the_new_one_cannot_start(tmp_path
         assert (out / name).read_bytes() == data, name
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_data_shorter_than_a_row_names_model_max_length(tmp_path, capsys, cached):
+    """Data of fewer tokens than one row: one line naming the flag that sets the row's
+    length (the user's name for it), in memory and through a token cache alike."""
+    small = tmp_path / "small.npy"
+    data_lib.save_dataset(small, np.arange(300, dtype=np.int32).reshape(3, 100) % 500)
+    caches = ["--data_cache_dir", str(tmp_path / "caches")] if cached else []
+    argv = [*BASE, "--data_path", str(small), "--model_max_length", "4096", *caches]
+    err = _one_line_error([*argv, "--output_dir", str(tmp_path / "out")], capsys)
+    assert "303 tokens do not fill one row of --model_max_length=4096 tokens" in err, err
+    assert "lower --model_max_length or add data" in err
+
+
 def test_missing_data_path_is_refused_even_with_a_model_directory(tmp_path, capsys):
     """No silent made-up data: `--data_path` is required; `sample` asks for it."""
     model = _tiny_model_dir(tmp_path / "model")

@@ -182,6 +182,13 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         except ValueError as e:
             if tokenizer and "out of range for vocab_size" in str(e):
                 _blame_the_tokenizer(cfg, tokenizer, config.vocab_size, e)
+            short = f"do not fill one row of seq_len={cfg.data.model_max_length}"
+            if str(e).endswith(short):  # the row's length by its flag
+                flag = f"--model_max_length={cfg.data.model_max_length}"
+                raise TrainingError(
+                    f"{str(e).removesuffix(short)}do not fill one row of {flag} tokens; lower "
+                    "--model_max_length or add data"
+                ) from None
             raise
     return dataset.rows(cfg.data.model_max_length, eos_id=eos, pad_last=eval)
 
