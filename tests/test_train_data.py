@@ -509,8 +509,10 @@ def test_malformed_pkl_names_file_and_record(tmp_path, records, pattern):
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     bad_json = _dump_jsonl(tmp_path / "a.jsonl", ['{"input_ids": [1]}', '{"input_ids": [2,'])
-    with pytest.raises(ValueError, match=r"a\.jsonl: line 2: invalid JSON"):
+    with pytest.raises(ValueError, match=r"a\.jsonl: line 2: invalid JSON") as error:
         load_dataset(bad_json)
+    # The file's line, not json's own count of the lines in it (its line break made 2).
+    assert str(error.value).endswith("(Expecting value, column 18)"), error.value
     wrong_type = _dump_jsonl(tmp_path / "b.jsonl", ['{"input_ids": [1]}', "", '{"input_ids": 3}'])
     with pytest.raises(ValueError, match=r"b\.jsonl: line 3: 'input_ids' must be a list"):
         load_dataset(wrong_type)

@@ -158,9 +158,10 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield i, json.loads(line)
+                yield i, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {i}: invalid JSON ({e})") from None
+                where = f"column {e.colno}"  # of the file's line i, the one json read
+                raise ValueError(f"{path}: line {i}: invalid JSON ({e.msg}, {where})") from None
 
 
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
