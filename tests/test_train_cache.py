@@ -627,7 +627,7 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
     warned = (
         f"{source}: 2 examples with a prompt (tokens labelled -100) are longer than a row of "
         "16 tokens (the longest: 31 tokens, line 4): each is cut across rows, and its "
-        "tokens past its first row train without the start of its prompt; raise "
+        "tokens past its first row are predicted without the start of its prompt; raise "
         "--model_max_length or shorten them\n"
     )
     load_rows(_cfg(data_path=str(source), model_max_length=16), models.TINY)

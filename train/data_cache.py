@@ -541,15 +541,12 @@ def _note_cut_prompts(path: str | Path, seq_len: int, data: TokenDataset | Token
         where = f"record {int(cut[np.argmax(lengths)])}"
     else:
         where = data.where(int(cut[np.argmax(lengths)]))
-    many = (
-        "examples with a prompt (tokens labelled -100) are"
-        if cut.size > 1
-        else ("example with a prompt (tokens labelled -100) is")
-    )
+    plural = cut.size > 1
+    many = f"example{'s' * plural} with a prompt (tokens labelled -100) {'are' if plural else 'is'}"
     print(
         f"{path}: {cut.size} {many} longer than a row of {seq_len} tokens (the longest: "
         f"{int(lengths.max())} tokens, {where}): each is cut across rows, and its tokens "
-        "past its first row train without the start of its prompt; raise "
+        "past its first row are predicted without the start of its prompt; raise "
         "--model_max_length or shorten them",
         flush=True,
     )

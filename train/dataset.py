@@ -145,7 +145,8 @@ class TokenDataset:
     def prompted_longer_than(self, seq_len: int) -> np.ndarray:
         """Indices of the examples longer than ``seq_len`` tokens (an appended EOS not
         counted) that hold a token labelled ``-100`` (a prompt): packing cuts each across
-        rows, and its tokens past its first row train without the start of its prompt."""
+        rows, and its tokens past its first row are predicted without the start of its
+        prompt."""
         ignored = np.concatenate([[0], np.cumsum(self.targets == IGNORE_INDEX)])
         prompted = ignored[self.offsets[1:]] > ignored[self.offsets[:-1]]
         return np.flatnonzero(prompted & (self.lengths > seq_len))
