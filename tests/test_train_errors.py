@@ -129,6 +129,19 @@ def test_data_shorter_than_a_row_names_model_max_length(tmp_path, capsys, cached
     assert "lower --model_max_length or add data" in err
 
 
+def test_text_data_with_a_model_directory_without_a_tokenizer_asks_for_one(tmp_path, capsys):
+    """A model directory without tokenizer.json (`models.convert --init` without
+    `--tokenizer`) and prompt/completion records: the line asks for
+    --tokenizer_name_or_path, rather than naming a tokenizer.json nobody gave."""
+    model = _tiny_model_dir(tmp_path / "model")
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"prompt": "Q: 1 + 1?\nA:", "completion": " 2"}) + "\n")
+    argv = ["--model_name_or_path", str(model), "--data_path", str(data), "--max_steps", "1"]
+    err = _one_line_error([*argv, "--output_dir", str(tmp_path / "out")], capsys)
+    assert "line 1: has 'prompt' and 'completion' but no tokenizer was given; pass " in err
+    assert "--tokenizer_name_or_path" in err and "does not exist" not in err
+
+
 def test_missing_data_path_is_refused_even_with_a_model_directory(tmp_path, capsys):
     """No silent made-up data: `--data_path` is required; `sample` asks for it."""
     model = _tiny_model_dir(tmp_path / "model")

@@ -168,7 +168,9 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             flag = "--eval_data_path" if eval else "--data_path"
             raise TrainingError(f"{flag}={path!r}: no such data file")
         name = cfg.model.model_name_or_path
-        tokenizer = cfg.data.tokenizer_name_or_path or (name if os.path.isdir(name) else None)
+        # The model directory's tokenizer where it has one; text without any asks for one.
+        own = os.path.isdir(name) and data_lib.tokenizer_file(name).is_file()
+        tokenizer = cfg.data.tokenizer_name_or_path or (name if own else None)
         try:
             return data_cache.packed_rows(
                 path,
