@@ -257,3 +257,100 @@ def test_accumulated_micro_batches_equal_one_batch(tmp_path):
     assert loss2 == pytest.approx(loss1, rel=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _whole_examples(rng, n: int, seq_len: int):
+    """`n` prompt/completion-like examples of 1 to 2.5 rows' length (most shorter than a
+    row), tokens >= 3 (EOS 2, padding 0); a third with a prompt labelled -100."""
+    ids, labels = [], []
+    for i in range(n):
+        length = (
+            int(rng.integers(1, seq_len + 1)) if i % 6 else int(rng.integers(1, 5 * seq_len // 2))
+        )
+        doc = rng.integers(3, 500, size=length).astype(np.int32)
+        ids.append(doc)
+        label = doc.copy()
+        if i % 3 == 0:
+            label[: length // 2] = -100
+        labels.append(label if i % 3 == 0 else None)
+    return ids, labels
+
+
+@pytest.mark.parametrize("mask_boundaries", [True, False])
+def test_whole_packing_never_cuts_an_example_that_fits_a_row(mask_boundaries):
+    """`packing="whole"`: every example (with its EOS) of at most a row lies in one row;
+    a longer one starts a row and runs on as in the stream; the rest of a row an example
+    did not fit in is padding (token 0, never labelled, the segment before it); each
+    example's labels are those it has on its own, and no token is dropped (`pad_last`)."""
+    seq_len, eos = 16, 2
+    ids, labels = _whole_examples(np.random.default_rng(1), 80, seq_len)
+    dataset = TokenDataset.from_examples("x", ids, labels)
+    rows = dataset.rows(
+        seq_len, eos_id=eos, mask_boundaries=mask_boundaries, pad_last=True, packing="whole"
+    )
+    pieces = []  # (row, start in row, tokens, labels) of each segment's real tokens
+    for r in range(rows.num_rows):
+        real = rows.input_ids[r] != 0
+        n = int(real.sum())
+        assert real[:n].all(), "padding only ends a row"
+        assert (rows.labels[r, n:] == -100).all(), "padding is never labelled"
+        assert (rows.segment_ids[r, n:] == rows.segment_ids[r, n - 1]).all()
+        seg = rows.segment_ids[r, :n]
+        for s in np.unique(seg):
+            at = np.flatnonzero(seg == s)
+            pieces.append((r, int(at[0]), rows.input_ids[r, at], rows.labels[r, at]))
+    for i, doc in enumerate(ids):
+        alone = TokenDataset.from_examples("x", [doc], [labels[i]]).rows(len(doc) + 1, eos_id=eos)
+        want_ids, want_labels = alone.input_ids[0], alone.labels[0]
+        got_ids, got_labels = [], []
+        first = pieces[0]
+        while sum(map(len, got_ids)) < len(want_ids):
+            row, start, piece_ids, piece_labels = pieces.pop(0)
+            got_ids.append(piece_ids)
+            got_labels.append(piece_labels)
+        if len(want_ids) <= seq_len:
+            assert len(got_ids) == 1, f"example {i} ({len(want_ids)} tokens) is cut"
+        else:
+            assert first[1] == 0, f"example {i}, longer than a row, starts inside one"
+        np.testing.assert_array_equal(np.concatenate(got_ids), want_ids)
+        # Unmasked, an example's last label is the next one's first token where that
+        # follows it in the row (as in the stream).
+        last = None if mask_boundaries else -1
+        np.testing.assert_array_equal(np.concatenate(got_labels)[:last], want_labels[:last])
+    assert not pieces
+    stream = dataset.rows(seq_len, eos_id=eos, mask_boundaries=mask_boundaries, pad_last=True)
+    assert rows.num_rows > stream.num_rows
+    if mask_boundaries:  # every label of the stream, none lost to a cut
+        assert (stream.labels != -100).sum() == (rows.labels != -100).sum()
+
+
+def test_whole_packing_pads_rows_and_splits_over_long_examples_from_a_row_start():
+    """A row's rest that the next example does not fit is padding; an example longer
+    than a row starts the next row and runs on across rows; training drops the tail that
+    does not fill a row, evaluation (`pad_last`) pads it."""
+    docs = [np.arange(1, 4), np.arange(10, 16), np.arange(20, 22), np.arange(30, 40)]
+    labels = [None, np.array([-100, -100, -100, 13, 14, 15]), None, None]
+    dataset = TokenDataset.from_examples("x", docs, labels)
+    rows = dataset.rows(8, eos_id=0, pad_last=True, packing="whole")
+    assert rows.input_ids.tolist() == [
+        [1, 2, 3, 0, 0, 0, 0, 0],
+        [10, 11, 12, 13, 14, 15, 0, 0],
+        [20, 21, 0, 0, 0, 0, 0, 0],
+        [30, 31, 32, 33, 34, 35, 36, 37],
+        [38, 39, 0, 0, 0, 0, 0, 0],
+    ]
+    x = -100
+    assert rows.labels.tolist() == [
+        [2, 3, 0, x, x, x, x, x],
+        [x, x, 13, 14, 15, 0, x, x],
+        [21, 0, x, x, x, x, x, x],
+        [31, 32, 33, 34, 35, 36, 37, 38],
+        [39, 0, x, x, x, x, x, x],
+    ]
+    assert not rows.segment_ids.any() and not rows.packed
+    assert dataset.rows(8, eos_id=0, packing="whole").num_rows == 4
+    shared = TokenDataset.from_examples("x", [np.arange(1, 4), np.arange(5, 8), np.arange(9, 14)])
+    rows = shared.rows(8, eos_id=0, pad_last=True, packing="whole")
+    assert rows.input_ids.tolist() == [[1, 2, 3, 0, 5, 6, 7, 0], [9, 10, 11, 12, 13, 0, 0, 0]]
+    assert rows.segment_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [0] * 8]
+    assert rows.packed

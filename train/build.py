@@ -180,6 +180,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                 vocab_size=config.vocab_size,
                 cache_root=cfg.data.data_cache_dir or None,
                 pad_last=eval,
+                packing=cfg.data.packing,
             )
         except ValueError as e:
             if tokenizer and "out of range for vocab_size" in str(e):
@@ -192,7 +193,9 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                     "--model_max_length or add data"
                 ) from None
             raise
-    return dataset.rows(cfg.data.model_max_length, eos_id=eos, pad_last=eval)
+    return dataset.rows(
+        cfg.data.model_max_length, eos_id=eos, pad_last=eval, packing=cfg.data.packing
+    )
 
 
 def _blame_the_tokenizer(cfg: TrainConfig, tokenizer: str, vocab_size: int, error) -> None:

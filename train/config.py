@@ -24,6 +24,7 @@ import yaml
 import jflash
 from models.attention import ATTENTION_KINDS
 from models.config import REMAT_POLICIES
+from train.dataset import PACKINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class DataArgs:
     model_max_length: int = 2048  # tokens per training sequence
     mask_documents: bool = True  # attention stays inside each packed example; false: crosses
     packing_positions: str = "per_document"  # RoPE positions: per_document (restart) | running
+    packing: str = "stream"  # stream: cut at row ends | whole: an example fitting a row is not cut
     sample_vocab_size: int = 0  # sample data: 0 means the model's vocabulary
     sample_num_examples: int = 256  # --data_path sample: rows of one example each
     eval_data_path: str = ""  # validation data (formats as data_path); empty: no evaluation
@@ -142,6 +144,7 @@ CHOICES: dict[tuple[str, str], tuple] = {
     ("model", "attention_implementation"): (None, *jflash.IMPLEMENTATIONS),
     ("model", "remat_policy"): REMAT_POLICIES,
     ("data", "packing_positions"): ("per_document", "running"),
+    ("data", "packing"): PACKINGS,
     ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
     ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
     ("optim", "optim"): OPTIMIZERS,

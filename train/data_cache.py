@@ -19,7 +19,9 @@ complete: a failed build leaves nothing under the final name, and a stale cache 
 replaces is removed only after the new one is in place. :class:`CachedRows` cuts rows
 exactly as ``TokenDataset.rows`` does (same labels, segment ids and boundary masking),
 computed per row from the memory map when a batch asks for it, so batches, losses and
-resume positions are the in-memory path's.
+resume positions are the in-memory path's; ``packing="whole"`` lays the documents out
+from ``index.npy`` (:func:`train.dataset.whole_layout`, once) and pads as the in-memory
+path does.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from models.loss import IGNORE_INDEX
-from train.dataset import Rows, TokenDataset, load_dataset
+from train.dataset import PACKINGS, Rows, TokenDataset, load_dataset, padding_tokens, whole_layout
 from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
 
 FORMAT = "jflash-token-cache"
@@ -199,9 +201,16 @@ class TokenCache:
         return np.asarray(prompted, np.int64)
 
     def rows(
-        self, seq_len: int, *, mask_boundaries: bool = True, pad_last: bool = False
+        self,
+        seq_len: int,
+        *,
+        mask_boundaries: bool = True,
+        pad_last: bool = False,
+        packing: str = "stream",
     ) -> CachedRows:
-        return CachedRows(self, seq_len, mask_boundaries=mask_boundaries, pad_last=pad_last)
+        return CachedRows(
+            self, seq_len, mask_boundaries=mask_boundaries, pad_last=pad_last, packing=packing
+        )
 
 
 def open_cache(path: str | Path, *, vocab_size: int | None = None) -> TokenCache:
@@ -218,7 +227,9 @@ class CachedRows:
     Row ``r`` is stream positions ``[r * seq_len, (r + 1) * seq_len)``; its labels read
     one position further (``-100`` past the stream's end, and across a document
     boundary with ``mask_boundaries``); with ``pad_last`` a last row past the stream's
-    end is filled as :meth:`train.dataset.TokenDataset.rows` fills it. Quacks like
+    end is filled as :meth:`train.dataset.TokenDataset.rows` fills it. With
+    ``packing="whole"`` the positions are those of the padded stream of
+    :func:`train.dataset.whole_layout`, computed once from the document index. Quacks like
     :class:`train.dataset.Rows` for :class:`train.data.Batches`: ``num_rows``,
     ``seq_len``, ``take``.
     """
@@ -230,14 +241,23 @@ class CachedRows:
         *,
         mask_boundaries: bool = True,
         pad_last: bool = False,
+        packing: str = "stream",
     ):
         if seq_len < 1:
             raise ValueError(f"{seq_len=} must be positive")
+        if packing not in PACKINGS:
+            raise ValueError(f"{packing=} must be one of {PACKINGS}")
         self.cache = cache
         self.mask_boundaries = mask_boundaries
+        self.packing = packing
         self._seq_len = seq_len
+        self._total = cache.num_tokens  # the (padded) stream's length
+        if packing == "whole":
+            self._offsets = np.asarray(cache.offsets)
+            self._lengths = np.diff(self._offsets)
+            self._starts, self._total = whole_layout(self._lengths, seq_len)
         rounding = seq_len - 1 if pad_last else 0
-        self._num_rows = (cache.num_tokens + rounding) // seq_len
+        self._num_rows = (self._total + rounding) // seq_len
         if self._num_rows == 0:
             raise ValueError(
                 f"{cache.path}: {cache.num_tokens} tokens do not fill one row of {seq_len=}"
@@ -252,9 +272,18 @@ class CachedRows:
         return self._seq_len
 
     @property
+    def padding(self) -> int:
+        """How many of the rows' tokens are padding (``"whole"`` packing; else 0 but for
+        ``pad_last``'s fill)."""
+        return padding_tokens(self._num_rows, self._seq_len, self.cache.num_tokens, self._total)
+
+    @property
     def packed(self) -> bool:
         """Whether some row holds more than one document: a document starts inside a row."""
-        starts = np.asarray(self.cache.offsets[1:-1])
+        if self.packing == "whole":
+            starts = self._starts[1:]
+        else:
+            starts = np.asarray(self.cache.offsets[1:-1])
         starts = starts[starts < self._num_rows * self._seq_len]
         return bool((starts % self._seq_len).any())
 
@@ -268,6 +297,8 @@ class CachedRows:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self._num_rows):
             raise IndexError(f"row ids must be in [0, {self._num_rows}), got {ids}")
+        if self.packing == "whole":
+            return self._take_whole(ids)
         L, n = self._seq_len, self.cache.num_tokens
         out = [np.zeros((ids.size, L), np.int32) for _ in range(3)]
         for j, r in enumerate(ids):
@@ -283,6 +314,28 @@ class CachedRows:
             if self.mask_boundaries:
                 crossing = docs[1 : end - begin] != docs[: end - begin - 1]
                 labels[: end - begin - 1][crossing] = IGNORE_INDEX
+            out[1][j] = labels
+            out[2][j] = docs[:L] - docs[0]
+        return Rows(*out)
+
+    def _take_whole(self, ids: np.ndarray) -> Rows:
+        """:meth:`take` in ``"whole"`` packing: each position of the padded stream is a
+        document's token or padding after it (token 0, target ``-100``, its segment)."""
+        L = self._seq_len
+        out = [np.zeros((ids.size, L), np.int32) for _ in range(3)]
+        for j, r in enumerate(ids):
+            at = np.arange(int(r) * L, (int(r) + 1) * L + 1)  # one past, for the last label
+            docs = np.searchsorted(self._starts, at, side="right") - 1
+            within = at - self._starts[docs]
+            real = within < self._lengths[docs]
+            source = self._offsets[docs] + np.minimum(within, self._lengths[docs] - 1)
+            tokens = np.where(real, self.cache.tokens[source], 0)
+            targets = np.where(real, self.cache.targets[source], IGNORE_INDEX)
+            labels = targets[1:].astype(np.int32)
+            if self.mask_boundaries:
+                labels[docs[1:] != docs[:-1]] = IGNORE_INDEX
+            labels[~real[:L]] = IGNORE_INDEX  # padding is never labelled
+            out[0][j] = tokens[:L]
             out[1][j] = labels
             out[2][j] = docs[:L] - docs[0]
         return Rows(*out)
@@ -491,12 +544,15 @@ def packed_rows(
     vocab_size: int | None = None,
     cache_root: str | Path | None = None,
     pad_last: bool = False,
+    packing: str = "stream",
 ) -> Rows | CachedRows:
     """The trainer's rows of ``path``: a token cache directory (checked against
     ``eos_id``, ``tokenizer`` and its recorded source), a data file cached under
     ``cache_root`` (built on first use, rebuilt when stale), or without ``cache_root``
     a data file loaded into memory. ``pad_last``: the tail that does not fill a row
-    makes a last row, filled up (evaluation), instead of being dropped."""
+    makes a last row, filled up (evaluation), instead of being dropped. ``packing``:
+    ``"stream"`` or ``"whole"`` (:mod:`train.dataset`); ``"whole"`` prints how many of
+    the rows' tokens are padding."""
     if is_cache(path):
         cache = open_cache(path, vocab_size=vocab_size)
         stale = cache.mismatch(tokenizer=tokenizer, eos_id=eos_id)
@@ -510,7 +566,7 @@ def packed_rows(
                 f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
         _note_cut_prompts(path, seq_len, cache)
-        return cache.rows(seq_len, pad_last=pad_last)
+        return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     if cache_root:
         if blocked := _file_in_the_way(cache_root):
             raise ValueError(f"--data_cache_dir={str(cache_root)!r}: {blocked} is not a directory")
@@ -521,10 +577,36 @@ def packed_rows(
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
         _note_cut_prompts(path, seq_len, cache)
-        return cache.rows(seq_len, pad_last=pad_last)
+        return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
     _note_cut_prompts(path, seq_len, dataset)
-    return dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last)
+    rows = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing)
+    if packing == "whole":
+        lengths = dataset.stream_lengths(eos_id)
+        _, total = whole_layout(lengths, seq_len)
+        _say_padding(
+            path,
+            rows.num_rows,
+            seq_len,
+            padding_tokens(rows.num_rows, seq_len, int(lengths.sum()), total),
+        )
+    return rows
+
+
+def _note_padding(path: str | Path, rows: CachedRows) -> CachedRows:
+    if rows.packing == "whole":
+        _say_padding(path, rows.num_rows, rows.seq_len, rows.padding)
+    return rows
+
+
+def _say_padding(path: str | Path, num_rows: int, seq_len: int, padding: int) -> None:
+    """One line: how much of ``"whole"`` packing's rows is padding (compute on nothing)."""
+    tokens = num_rows * seq_len
+    print(
+        f"{path}: --packing whole: {padding:,} of the rows' {tokens:,} tokens "
+        f"({padding / tokens:.1%}) are padding",
+        flush=True,
+    )
 
 
 def _note_cut_prompts(path: str | Path, seq_len: int, data: TokenDataset | TokenCache) -> None:

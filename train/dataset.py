@@ -20,6 +20,16 @@ labelling: predicting EOS is learned after an example whose last token is labell
 (every example without ``"labels"``, and a prompt/completion record, whose completion
 is), and ignored (``-100``) after one whose last token is ignored (e.g. a prompt-only
 record).
+
+Packing (``packing``): ``"stream"`` is the scheme above, examples cut wherever a row
+ends. ``"whole"`` places the same examples (each with its EOS) in file order but never
+cuts one that fits in a row: an example longer than what is left of the current row
+starts the next row, and the rest of the current row is padding, as ``pad_last`` pads
+(token 0, labelled ``-100``, in the segment of the example before it, after its tokens).
+An example longer than a row starts a row and runs on across the next ones as in
+``"stream"``. Labels, segment ids and boundary masking are the stream's, computed on
+the padded stream (:func:`whole_layout` gives where each example starts in it);
+padding is never labelled.
 """
 
 from __future__ import annotations
@@ -35,6 +45,33 @@ from models.loss import IGNORE_INDEX
 from train.readers import READERS, RecordParser, data_format, read_examples
 
 _MAX_ID = np.iinfo(np.int32).max
+# How examples go into rows (see the module docstring): `--packing`'s values.
+PACKINGS = ("stream", "whole")
+
+
+def whole_layout(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
+    """``(starts, total)`` of ``"whole"`` packing: int64 ``starts[i]``, where example
+    ``i`` (``lengths[i]`` tokens, its EOS included) starts in the padded stream, and the
+    padded stream's length. An example that does not fit in the rest of its row starts
+    the next one; the positions skipped are padding."""
+    if seq_len < 1:
+        raise ValueError(f"{seq_len=} must be positive")
+    starts = np.empty(len(lengths), np.int64)
+    pos = 0
+    for i, n in enumerate(np.asarray(lengths).tolist()):
+        used = pos % seq_len
+        if used and n > seq_len - used:
+            pos += seq_len - used
+        starts[i] = pos
+        pos += n
+    return starts, pos
+
+
+def padding_tokens(num_rows: int, seq_len: int, stream_tokens: int, total: int) -> int:
+    """How many of ``num_rows`` rows' tokens are padding, for a stream of
+    ``stream_tokens`` padded to ``total`` by :func:`whole_layout` (padding only ever ends
+    a row, so a dropped tail holds none)."""
+    return max(num_rows * seq_len, total) - stream_tokens
 
 
 class Rows(NamedTuple):
@@ -185,6 +222,7 @@ class TokenDataset:
         eos_id: int | None = None,
         mask_boundaries: bool = True,
         pad_last: bool = False,
+        packing: str = "stream",
     ) -> Rows:
         """Packs the examples into rows of ``seq_len`` tokens with shifted labels.
 
@@ -196,25 +234,35 @@ class TokenDataset:
             mask_boundaries: set labels that cross from one example into the next to -100.
             pad_last: fill the tail up to a last row (ignored tokens) instead of dropping
                 it: every token is evaluated.
+            packing: ``"stream"`` or ``"whole"`` (see the module docstring).
 
         Returns:
-            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens;
-            rounded up with ``pad_last``).
+            :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens,
+            and in ``"whole"`` packing the padding; rounded up with ``pad_last``).
         """
         if seq_len < 1:
             raise ValueError(f"{seq_len=} must be positive")
+        if packing not in PACKINGS:
+            raise ValueError(f"{packing=} must be one of {PACKINGS}")
         tokens, targets, docs = self._stream(eos_id)
+        padding = None
+        if packing == "whole":
+            tokens, targets, docs, padding = _place_whole(tokens, targets, docs, seq_len)
         if pad_last and len(tokens) % seq_len:
             fill = seq_len - len(tokens) % seq_len
             tokens = np.append(tokens, np.zeros(fill, np.int32))
             targets = np.append(targets, np.full(fill, IGNORE_INDEX, np.int32))
             docs = np.append(docs, np.full(fill, docs[-1], np.int32))
+            if padding is not None:
+                padding = np.append(padding, np.ones(fill, bool))
         num_rows = len(tokens) // seq_len
         if num_rows == 0:
             raise ValueError(f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}")
         next_targets = np.append(targets[1:], np.int32(IGNORE_INDEX))
         if mask_boundaries:
             next_targets[:-1][docs[1:] != docs[:-1]] = IGNORE_INDEX
+        if padding is not None:
+            next_targets[padding] = IGNORE_INDEX
         shape = (num_rows, seq_len)
         used = num_rows * seq_len
         row_docs = docs[:used].reshape(shape)
@@ -223,6 +271,13 @@ class TokenDataset:
             labels=next_targets[:used].reshape(shape),
             segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
         )
+
+    def stream_lengths(self, eos_id: int | None = None) -> np.ndarray:
+        """int64 ``[num_examples]``: tokens per example in the packed stream, an appended
+        EOS included (the lengths of a token cache's documents)."""
+        if eos_id is None:
+            return self.lengths
+        return self.lengths + (self.tokens[self.offsets[1:] - 1] != eos_id)
 
     def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
@@ -242,6 +297,27 @@ class TokenDataset:
             np.insert(self.targets, ends, eos_targets.astype(np.int32)),
             np.insert(docs, ends, which),
         )
+
+
+def _place_whole(
+    tokens: np.ndarray, targets: np.ndarray, docs: np.ndarray, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The stream ``(tokens, targets, docs)`` laid out by :func:`whole_layout`, and a
+    bool mask of its padding: token 0, target ``-100``, the example before it."""
+    lengths = np.bincount(docs, minlength=int(docs[-1]) + 1)
+    starts, total = whole_layout(lengths, seq_len)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    where = np.repeat(starts - offsets, lengths) + np.arange(len(tokens))
+    placed_tokens = np.zeros(total, np.int32)
+    placed_tokens[where] = tokens
+    placed_targets = np.full(total, IGNORE_INDEX, np.int32)
+    placed_targets[where] = targets
+    placed_docs = np.zeros(total, np.int32)
+    placed_docs[where] = docs
+    placed_docs = np.maximum.accumulate(placed_docs)  # padding: the example before it
+    padding = np.ones(total, bool)
+    padding[where] = False
+    return placed_tokens, placed_targets, placed_docs, padding
 
 
 def load_dataset(

@@ -343,6 +343,7 @@ def _run_meta(t: Trainer) -> dict:
     """What fixes the data order and the schedule: a resumed run must match it."""
     return {
         "model_max_length": t.cfg.data.model_max_length,
+        "packing": t.cfg.data.packing,
         "rows_per_step": t.global_batch * t.accum,
         "num_rows": t.rows.num_rows,
         "data": data_fingerprint(t.rows),
@@ -670,15 +671,15 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was written by a run with other settings "
             f"({text}); resuming would not continue its data order. Use the same "
-            "--model_max_length, data, global batch (per-device batch x data x fsdp x "
-            "accumulation) and --seed"
+            "--model_max_length, --packing, data, global batch (per-device batch x data x "
+            "fsdp x accumulation) and --seed"
         )
     if "data" in saved and saved["data"] != run_meta["data"]:
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was written on other data: as many rows, "
             f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
             "so resuming would not continue its data. Resume with the same --data_path, "
-            "tokenizer and --model_max_length, or start a new run from the export "
+            "tokenizer, --model_max_length and --packing, or start a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     if "labels" in saved and saved["labels"] != run_meta["labels"]:
