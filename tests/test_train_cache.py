@@ -108,6 +108,67 @@ def test_cache_of_jsonl_and_npy_equal_in_memory(tmp_path):
         _assert_rows_equal(memory, cache.rows(8).take(np.arange(memory.num_rows)))
 
 
+@pytest.mark.parametrize("eos_id", [None, EOS])
+@pytest.mark.parametrize("mask_boundaries", [True, False])
+@pytest.mark.parametrize("pad_last", [False, True])
+def test_cache_rows_equal_in_memory_with_whole_packing(
+    tmp_path, small_flushes, eos_id, mask_boundaries, pad_last
+):
+    """`packing="whole"` from the cache (laid out from index.npy) is the in-memory rows:
+    the same padding, labels, segment ids and row count, and the same batches."""
+    source = _pkl(tmp_path / "d.pkl", _records())
+    cache = data_cache.build_cache(source, tmp_path / "cache", eos_id=eos_id)
+    dataset = load_dataset(source)
+    for seq_len in (1, 7, 32, 64):
+        memory = dataset.rows(
+            seq_len,
+            eos_id=eos_id,
+            mask_boundaries=mask_boundaries,
+            pad_last=pad_last,
+            packing="whole",
+        )
+        cached = cache.rows(
+            seq_len, mask_boundaries=mask_boundaries, pad_last=pad_last, packing="whole"
+        )
+        assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
+        _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
+        assert cached.packed == memory.packed == bool(memory.segment_ids.any())
+        stream = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last)
+        if seq_len > 1:  # some example of 1-40 tokens does not fit the rest of a row
+            assert memory.num_rows > stream.num_rows and cached.padding > 0
+    a = Batches(dataset.rows(16, eos_id=eos_id, packing="whole"), 4, seed=3, num_epochs=2)
+    b = Batches(cache.rows(16, packing="whole"), 4, seed=3, num_epochs=2)
+    for x, y in zip(a, b, strict=True):
+        _assert_rows_equal(x, y)
+
+
+@pytest.mark.parametrize("eval", [False, True])
+def test_trainer_packing_whole_through_a_cache_equals_in_memory(tmp_path, capsys, eval):
+    """`--packing whole` reaches the training and the evaluation rows, in memory and
+    through `--data_cache_dir` alike, and the log says how many tokens are padding; the
+    evaluation (`pad_last`) keeps every label the stream packing has."""
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    key = "eval_data_path" if eval else "data_path"
+
+    def rows(**flags):
+        return load_rows(
+            _cfg(**{key: str(source)}, model_max_length=16, **flags), models.TINY, eval=eval
+        )
+
+    memory = rows(packing="whole")
+    said = capsys.readouterr().out
+    cached = rows(packing="whole", data_cache_dir=str(tmp_path / "cc"))
+    assert isinstance(cached, data_cache.CachedRows)
+    _assert_rows_equal(memory, cached.take(np.arange(memory.num_rows)))
+    assert said.count("--packing whole: ") == 1 and "are padding" in said
+    assert f"{cached.padding:,} of the rows' {cached.num_rows * 16:,} tokens" in said
+    assert f"{cached.padding:,} of the rows'" in capsys.readouterr().out
+    stream = rows()
+    assert memory.num_rows > stream.num_rows
+    if eval:
+        assert (memory.labels != IGNORE).sum() == (stream.labels != IGNORE).sum()
+
+
 def test_cache_resumes_at_the_exact_batch(tmp_path):
     cache = data_cache.build_cache(_pkl(tmp_path / "d.pkl", _records(80)), tmp_path / "c")
     rows = cache.rows(8)

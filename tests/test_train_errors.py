@@ -635,3 +635,28 @@ def test_a_model_larger_than_the_hosts_memory_is_refused_on_cpu(tmp_path, capsys
     assert not (tmp_path / "o").exists()
     monkeypatch.setattr(build_lib, "available_host_bytes", lambda: need)
     assert main([*argv, str(tmp_path / "o2")]) == 0
+
+
+def test_packing_takes_stream_or_whole(capsys):
+    err = _one_line_error([*BASE, "--data_path", "sample", "--packing", "wholes"], capsys)
+    assert "--packing='wholes' must be one of ('stream', 'whole')" in err
+
+
+def test_resume_with_the_other_packing_is_refused(tmp_path, capsys):
+    """A checkpoint records its packing: a resume that packs the same file the other way
+    (other rows) is refused in one line naming `--packing`; the same packing resumes."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 500, size=int(rng.integers(5, 60))) for _ in range(80)]
+    data_lib.save_dataset(tmp_path / "d.pkl", docs)
+    argv = [*BASE, "--max_steps", "2", "--save_steps", "1", "--report_to", "none"]
+    argv += ["--data_path", str(tmp_path / "d.pkl"), "--export_hf", "false"]
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "1")]
+    other = ["--packing", "whole", "--output_dir", str(tmp_path / "b")]
+    err = _one_line_error([*argv, *resume, *other], capsys)
+    assert "was written by a run with other settings (packing stream -> whole" in err
+    assert "Use the same --model_max_length, --packing," in err
+    assert not (tmp_path / "b").exists()
+    same = ["--packing", "stream", "--output_dir", str(tmp_path / "a")]
+    assert main([*argv, *resume, *same]) == 0
