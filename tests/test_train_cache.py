@@ -675,8 +675,8 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
     """A prompt/completion example longer than a row is cut across rows, and its
     completion past the first row trains without the start of its prompt: one line
     says how many and which, in memory, through --data_cache_dir and from a cache.
-    Plain documents longer than a row (a token stream) and short prompted examples
-    are cut as always, without a word."""
+    Plain documents longer than a row (a token stream) are cut as always, without a
+    word."""
 
     def prompted(n_prompt: int, n_completion: int) -> str:
         ids = list(range(3, 3 + n_prompt + n_completion))
@@ -703,8 +703,16 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
     (cache,) = (tmp_path / "cc").iterdir()
     load_rows(_cfg(data_path=str(cache), model_max_length=16), models.TINY)
     assert capsys.readouterr().out == cached.replace(f"{source}: ", f"{cache}: ")
+    # At 32 none is longer than a row, but the last straddles a row end: the stream
+    # packing's own line names that one (`test_stream_packing_names_...`).
     load_rows(_cfg(data_path=str(source), model_max_length=32), models.TINY)
-    assert capsys.readouterr().out == ""
+    said = capsys.readouterr().out
+    assert "longer than a row" not in said
+    assert said == (
+        f"{source}: 1 of 3 examples with a prompt are cut at a row end of 32 tokens (their "
+        "tokens past the cut are predicted without the start of their prompt); --packing "
+        "whole keeps each that fits a row in one\n"
+    )
 
 
 def test_cli_inspect_of_a_file_counts_as_its_cache_does(bpe, tmp_path, capsys):
@@ -741,3 +749,33 @@ def test_cli_inspect_of_a_file_counts_as_its_cache_does(bpe, tmp_path, capsys):
         f"error: {tmp_path / 'c'}: the token cache holds eos_id=0 after each document, "
         "not --eos-id 3; its counts include it\n"
     )
+
+
+def test_stream_packing_names_the_prompted_examples_it_cuts(tmp_path, capsys):
+    """With `--packing stream`, examples with a prompt that fit a row but straddle a row
+    end are counted in one line pointing to `--packing whole` (in memory and from the
+    cache alike, the count worked out here by hand); whole packing cuts none and says
+    nothing of it."""
+    records = _records(40)
+    source = _pkl(tmp_path / "d.pkl", records)
+
+    def rows(**flags):
+        return load_rows(_cfg(data_path=str(source), model_max_length=16, **flags), models.TINY)
+
+    eos = models.TINY.eos_token_id
+    lengths, prompted = [], []
+    for r in records:
+        ids = r["input_ids"] if isinstance(r, dict) else r
+        lengths.append(len(ids) + (ids[-1] != eos))
+        prompted.append(isinstance(r, dict) and IGNORE in r["labels"])
+    ends = np.cumsum(lengths)
+    starts = ends - np.asarray(lengths)
+    cut = np.asarray(prompted) & (np.asarray(lengths) <= 16) & (starts // 16 != (ends - 1) // 16)
+    want = f"{int(cut.sum())} of {sum(prompted)} examples with a prompt are cut at a row end of 16"
+    assert cut.sum() > 0
+    for flags in ({}, {"data_cache_dir": str(tmp_path / "cc")}):
+        rows(**flags)
+        said = capsys.readouterr().out
+        assert want in said and "--packing whole keeps each that fits a row" in said, said
+        rows(packing="whole", **flags)
+        assert "are cut at a row end" not in capsys.readouterr().out

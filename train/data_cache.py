@@ -187,6 +187,15 @@ class TokenCache:
                 reasons.append(f"its text was tokenized by another tokenizer ({used['path']})")
         return reasons
 
+    def prompted(self) -> np.ndarray:
+        """bool ``[num_documents]``: which documents hold a token labelled ``-100`` (a
+        prompt); one pass over ``labels.bin`` where there is one (-100 is the least
+        label, and no document is empty)."""
+        offsets = np.asarray(self.offsets)
+        if not self.meta["labels"]:
+            return np.zeros(len(offsets) - 1, bool)
+        return np.minimum.reduceat(self.targets, offsets[:-1]) == IGNORE_INDEX
+
     def prompted_longer_than(self, seq_len: int) -> np.ndarray:
         """:meth:`train.dataset.TokenDataset.prompted_longer_than` of the cached
         documents: reads the labels of those longer than ``seq_len`` only."""
@@ -566,6 +575,7 @@ def packed_rows(
                 f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
         _note_cut_prompts(path, seq_len, cache)
+        _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     if cache_root:
         if blocked := _file_in_the_way(cache_root):
@@ -577,9 +587,11 @@ def packed_rows(
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
         _note_cut_prompts(path, seq_len, cache)
+        _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
     _note_cut_prompts(path, seq_len, dataset)
+    _note_stream_cuts(path, seq_len, packing, dataset, dataset.stream_lengths(eos_id))
     rows = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing)
     if packing == "whole":
         lengths = dataset.stream_lengths(eos_id)
@@ -607,6 +619,35 @@ def _say_padding(path: str | Path, num_rows: int, seq_len: int, padding: int) ->
         f"({padding / tokens:.1%}) are padding",
         flush=True,
     )
+
+
+def _note_stream_cuts(
+    path: str | Path,
+    seq_len: int,
+    packing: str,
+    data: TokenDataset | TokenCache,
+    lengths: np.ndarray,
+) -> None:
+    """With ``"stream"`` packing, one line where examples with a prompt that fit a row
+    are cut at a row end anyway (``lengths``: each example's tokens in the stream, EOS
+    included): their tokens past the cut are predicted without the start of their
+    prompt, which ``--packing whole`` avoids."""
+    if packing != "stream":
+        return
+    prompted = data.prompted()
+    if not prompted.any():
+        return
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    cut = prompted & (lengths <= seq_len) & (starts // seq_len != (ends - 1) // seq_len)
+    if n := int(np.count_nonzero(cut)):
+        print(
+            f"{path}: {n} of {int(np.count_nonzero(prompted))} examples with a prompt are cut "
+            f"at a row end of {seq_len} tokens (their tokens past the cut are predicted "
+            "without the start of their prompt); --packing whole keeps each that fits a row "
+            "in one",
+            flush=True,
+        )
 
 
 def _note_cut_prompts(path: str | Path, seq_len: int, data: TokenDataset | TokenCache) -> None:

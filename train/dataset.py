@@ -179,14 +179,18 @@ class TokenDataset:
         """Example ``i`` as an error message names it: ``line N`` or ``record i``."""
         return f"record {i}" if self.lines is None else f"line {int(self.lines[i])}"
 
+    def prompted(self) -> np.ndarray:
+        """bool ``[num_examples]``: which examples hold a token labelled ``-100`` (a
+        prompt)."""
+        ignored = np.concatenate([[0], np.cumsum(self.targets == IGNORE_INDEX)])
+        return ignored[self.offsets[1:]] > ignored[self.offsets[:-1]]
+
     def prompted_longer_than(self, seq_len: int) -> np.ndarray:
         """Indices of the examples longer than ``seq_len`` tokens (an appended EOS not
         counted) that hold a token labelled ``-100`` (a prompt): packing cuts each across
         rows, and its tokens past its first row are predicted without the start of its
         prompt."""
-        ignored = np.concatenate([[0], np.cumsum(self.targets == IGNORE_INDEX)])
-        prompted = ignored[self.offsets[1:]] > ignored[self.offsets[:-1]]
-        return np.flatnonzero(prompted & (self.lengths > seq_len))
+        return np.flatnonzero(self.prompted() & (self.lengths > seq_len))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError naming file, record and id for a token or label ``>= vocab_size``."""
