@@ -264,6 +264,11 @@ def test_non_finite_gradient_stops_before_anything_is_saved():
     cfg = parse_args([])
     with pytest.raises(TrainingError, match="non-finite loss 2.0 or gradient norm nan at step 3"):
         _finish((2, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, False, 10)
+    # At the first step no update has acted: the advice is not the learning rate's.
+    with pytest.raises(TrainingError) as e:
+        _finish((0, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, False, 10)
+    assert "at step 1;" in str(e.value) and "--learning_rate" not in str(e.value)
+    assert "before any update" in str(e.value) and "--attention_implementation xla" in str(e.value)
 
 
 def test_config_flags_yaml_and_errors(tmp_path):

@@ -808,10 +808,19 @@ def _finish(
         metrics = jax.device_get(metrics)
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        # The first step's gradient is the initial weights' on the first batch: no update,
+        # so no learning rate, has acted yet.
+        advice = (
+            "It came before any update, so not from the learning rate: check the data and "
+            "the model's weights, and rerun with --attention_implementation xla to rule out "
+            "the attention kernel."
+            if step == 0
+            else "Lower --learning_rate or check the data."
+        )
         raise TrainingError(
             f"non-finite loss {loss} or gradient norm {grad_norm} at step {step + 1}; "
             "training stopped. No checkpoint was written for this step or later ones (those "
-            "of earlier steps, if any, are intact). Lower --learning_rate or check the data."
+            f"of earlier steps, if any, are intact). {advice}"
         )
     done = step + 1
     if timer.profile and timer.profile[0] <= step < timer.profile[1]:
