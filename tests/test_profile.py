@@ -390,6 +390,18 @@ def test_cpu_run_is_launched_when_its_first_thunk_starts():
     assert [(marks[i][1], s, e) for i, s, e in windows] == [(1, 6, 21), (2, 21, 29)]
 
 
+def _worker_row(tmp_path, job, devices: int) -> dict:
+    """The row `python -m train.tools.profile --worker row` writes for `job`, run in a
+    child process on `devices` simulated CPU devices."""
+    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
+    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(devices))
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "row.json").read_text())
+
+
 def test_profile_one_device_cpu_row_traces_each_step_in_its_own_window(tmp_path):
     """One device on CPU: the host dispatches the traced steps ahead of the device, and
     each still gets its own window (steps 4, 5 and 6 here, not one window holding
@@ -399,13 +411,7 @@ def test_profile_one_device_cpu_row_traces_each_step_in_its_own_window(tmp_path)
 
     job = Job(model="tiny", context=256, mesh="seq=1", out=str(tmp_path), steps=2, warmup=1)
     job = dataclasses.replace(job, trace_steps=3, xla_cost=False)
-    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
-    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
-    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
-    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(1))
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads((tmp_path / "row.json").read_text())
+    row = _worker_row(tmp_path, job, devices=1)
     assert row["status"] == "ok", row
     assert row["trace"]["steps"] == [4, 5, 6]
     assert 0.5 < row["trace_vs_timed"] < 1.5, row["trace_vs_timed"]
@@ -750,13 +756,7 @@ def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
 
     job = Job(model="tiny", context=256, mesh="seq=2", out=str(tmp_path), steps=1, warmup=1)
     job = dataclasses.replace(job, trace_steps=1, xla_cost=False, ring_strategy="auto")
-    (tmp_path / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
-    cmd = [sys.executable, "-m", "train.tools.profile", "--worker", "row"]
-    cmd += [str(tmp_path / "job.json"), str(tmp_path / "row.json")]
-    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads((tmp_path / "row.json").read_text())
+    row = _worker_row(tmp_path, job, devices=2)
     assert row["status"] == "ok" and row["ring_strategy"] == "ulysses", row
     assert "ring" not in row and row["trace"]["mean"]["permute_ms"] == 0
     ulysses = (
