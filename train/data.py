@@ -499,10 +499,10 @@ def _command(args: argparse.Namespace) -> None:
             eos_id=eos_id,
             vocab_size=args.vocab_size,
         )
-        s = cache.summary()
+        documents = int(cache.meta["num_documents"])  # not summary(): it reads labels.bin
         print(
-            f"{'wrote' if built else 'up to date:'} {args.cache_dir}: {s['examples']} documents, "
-            f"{s['tokens']} tokens (eos_id={cache.eos_id})"
+            f"{'wrote' if built else 'up to date:'} {args.cache_dir}: {documents} documents, "
+            f"{cache.num_tokens} tokens (eos_id={cache.eos_id})"
         )
     else:
         file = train_tokenizer(args.files, args.out, vocab_size=args.vocab_size)
