@@ -342,7 +342,6 @@ def launch(
     kernel_name: str,
     interpret: bool,
     wgs: int = COMPUTE_WGS,
-    varying: bool = True,
 ):
     """`plgpu.kernel` with what every jflash Mosaic kernel shares: `wgs` compute (two, or
     the D = 64 forward's three) + 1 memory warpgroups, approximate exp2/reciprocal, and
@@ -352,9 +351,7 @@ def launch(
     `out_type` (`_vma.struct`): its outputs come back typed as the same on every device.
     They are marked varying again here, inside the kernels' custom VJPs; left unmarked,
     jax would mark them at the `shard_map`'s boundary, outside the VJP, and the transpose
-    of that mark sums the output's cotangent over the devices (wrong gradients).
-    `varying=False` leaves them unmarked, for a caller that makes refs of them (Pallas
-    refuses a ref that varies) and marks what it reads back."""
+    of that mark sums the output's cotangent over the devices (wrong gradients)."""
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -372,8 +369,6 @@ def launch(
 
     def call(*args):
         out = kernel(*args)
-        if not varying:
-            return out
         if types is None:
             return vary(out, out_type.manual_axis_type.varying)
         return type(out)(

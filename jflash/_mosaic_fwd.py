@@ -30,7 +30,12 @@ At D=64, calls of 16k queries or more run three compute warpgroups (192 query ro
 (`turn.at[w]`, one arrival each) instead of the two-arrival turn barrier. With segment
 ids they run where the key ids are sorted, masking by the rows' spans only (the id
 compare does not fit in their registers); other ids take two warpgroups. Both kernels
-launch, into the same outputs, and the one whose case the ids are not returns at once.
+launch: the id compare first, returning at once where the ids are sorted, then the span
+kernel, which runs there and elsewhere copies the first one's outputs into its own. No
+launch relies on an output aliased to an input: XLA's dynamic-slice fusion writes a
+custom call's result straight into a `dynamic_update_slice` target (a `lax.scan`'s
+stacked outputs, such as remat's saved residuals), which drops what an aliased input
+held.
 
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
@@ -75,7 +80,7 @@ from jflash._mosaic_common import (
 )
 from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
-from jflash._vma import match, struct, vary, varying_axes
+from jflash._vma import match, struct
 from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
@@ -170,17 +175,20 @@ def _fwd_kernel(
     items: WorkItems,
     spans_only: bool = False,
     run_if: bool | None = None,
+    copies: bool = False,
 ):
     """`refs`: q, k,
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
     [B, S]` (not with `spans_only`), the `query_table` (the sorted-ids flag last) and the
-    tiles' order (`heaviest_first`); then the outputs and the scratch (`q_ids`,
+    tiles' order (`heaviest_first`); with `copies`, another launch's `o` and `lse`; then
+    the outputs and the scratch (`q_ids`,
     `kv_ids`: None without ids; `kv_ids` None with `spans_only`; interpreted, the
     overlapped loop's f32 S and O per warpgroup last: `Accumulators`).
 
     `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
     and the key ids are not streamed. `run_if`: None, or whether the kernel runs where
-    the sorted-ids flag is set (it returns at once otherwise, writing nothing)."""
+    the sorted-ids flag is set (otherwise it returns at once, writing nothing, or with
+    `copies` copies the other launch's outputs into its own)."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -190,6 +198,9 @@ def _fwd_kernel(
         qseg_ref, table_ref, order_ref, *refs = refs
     elif segments:
         qseg_ref, kvseg_ref, table_ref, order_ref, *refs = refs
+    o_src = lse_src = None
+    if copies:
+        o_src, lse_src, *refs = refs
     (
         o_ref,
         lse_ref,
@@ -600,6 +611,36 @@ def _fwd_kernel(
         # kernel's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    if copies:
+
+        @pl.when((wg < wgs) & jnp.logical_not(runs))
+        def _copy():
+            """The other launch ran: its output and LSE become this one's, each warpgroup
+            copying its rows of the CTA's share of the work items through its slots."""
+            ctas = jnp.int32(items.ctas)
+
+            def copy_item(j, _):
+                batch, head, tile = items.coords(cta + j * ctas)
+                q_start = first_row(tile)
+                o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+                o_rows = o_ref.at[batch, pl.ds(q_start, bq), head]
+                lse_rows = lse_ref.at[batch, head, pl.ds(q_start, bq)]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last copy read them
+                # Two arrivals, as a work item's Q and its ids.
+                plgpu.copy_gmem_to_smem(
+                    o_src.at[batch, pl.ds(q_start, bq), head], o_smem, q_ready.at[wg]
+                )
+                plgpu.copy_gmem_to_smem(
+                    lse_src.at[batch, head, pl.ds(q_start, bq)], lse_smem, q_ready.at[wg]
+                )
+                plgpu.barrier_wait(q_ready.at[wg])
+                plgpu.copy_smem_to_gmem(o_smem, o_rows, commit_group=False)
+                plgpu.copy_smem_to_gmem(lse_smem, lse_rows, commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+
+            lax.fori_loop(jnp.int32(0), lax.div(total - cta + ctas - 1, ctas), copy_item, None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
     @pl.when((wg == wgs) & runs)
     def _memory():
         plgpu.set_max_registers(THREE_WG_REGS[1] if token else MEMORY_REGS, action="decrease")
@@ -706,17 +747,20 @@ def mosaic_fwd(
     # a kernel with both spilled 1,096 bytes on two warpgroups (ptxas); the spans-only
     # one spills 36 on three, the id compare alone 380 on two. Other ids run the kernel
     # that compares ids, on two warpgroups.
-    # Both launch, one after the other into the same outputs, and the one whose case
-    # the flag is not returns at once: a `lax.cond` on the flag copies it to the host
+    # Both launch, the id compare first: it returns at once where the ids are sorted,
+    # and the span kernel, last, runs there and elsewhere copies the compare's outputs
+    # into its own. So the last launch writes all of its outputs, and no result rests on
+    # an output aliased to an input (which XLA's dynamic-slice fusion drops inside a
+    # `lax.scan`: the module docstring). A `lax.cond` on the flag copies it to the host
     # and waits for it there (XLA's GPU conditional, outside a command buffer), which
     # cost a jitted packed 64k forward 2.6% on an H200 (BENCHMARKS.md).
-    forms = (dict(fast, spans_only=True, run_if=True), dict(two_wgs, run_if=False))
+    forms = (dict(two_wgs, run_if=False), dict(fast, spans_only=True, run_if=True))
     return _forward(q, k, v, q_seg, kv_seg, ids_sorted(kv_seg), forms=forms)
 
 
 def _forward(q, k, v, q_seg, kv_seg, ordered, *, forms):
     """The forward kernel's launches (`forms`: each one's `_launch` arguments; a second
-    writes into the first's outputs). Compiled, `jax.vmap` of them folds the mapped
+    copies the first's outputs where it does not run). Compiled, `jax.vmap` of them folds the mapped
     axis into the batch: launches whose work items cover every mapped call. (Pallas
     would add a grid axis per mapped call, and all of them would share the one counter
     the kernel takes its items from.)"""
@@ -727,20 +771,14 @@ def _forward(q, k, v, q_seg, kv_seg, ordered, *, forms):
 
 
 def _launches(q, k, v, q_seg, kv_seg, ordered, *, forms):
-    """`_launch` of each form in turn, the first one's outputs (as refs) taken by the
-    rest: `(o, lse)` cut to the queries."""
+    """`_launch` of each form in turn, each after the first taking the outputs of the one
+    before, which it copies where it does not run: `(o, lse)` cut to the queries."""
     t = q.shape[1]
     rows = max(round_up(t, f["wgs"] * WG_ROWS) for f in forms)  # every form's padding
-    first, *rest = forms
-    o, lse = _launch(q, k, v, q_seg, kv_seg, ordered, out_rows=rows, out_varying=not rest, **first)
-    if rest:
-        # The outputs of `plgpu.kernel` vary over no manual axis (`launch`): refs can
-        # hold them. The value read back is marked varying like the inputs.
-        axes = varying_axes(q, k, v, q_seg, kv_seg)
-        refs = (jax.new_ref(o), jax.new_ref(lse))
-        for form in rest:
-            _launch(q, k, v, q_seg, kv_seg, ordered, out_rows=rows, into=refs, **form)
-        o, lse = (vary(r[...], axes) for r in refs)
+    outs = None
+    for form in forms:
+        outs = _launch(q, k, v, q_seg, kv_seg, ordered, out_rows=rows, copy_from=outs, **form)
+    o, lse = outs
     return o[:, :t], lse[:, :, :t]
 
 
@@ -791,16 +829,15 @@ def _launch(
     spans_only: bool = False,
     run_if: bool | None = None,
     out_rows: int,
-    into=None,
-    out_varying: bool = True,
+    copy_from=None,
 ):
     """One launch of the forward kernel on `wgs` compute warpgroups: `(o, lse)` (the
     output with the queries rounded up to 8 rows compiled, `out_rows` interpreted; the
-    LSE with `out_rows`: padding past the queries), or nothing, written into `into`'s
-    refs. `q_seg`, `kv_seg`: int32, both None without segment ids; `ordered`:
-    `ids_sorted(kv_seg)`; `spans_only`: the key ids are sorted, and not streamed;
-    `run_if`: the kernel runs where `ordered` is this (None: always); `out_varying`:
-    the outputs marked as varying like the inputs inside a `jax.shard_map` (`launch`)."""
+    LSE with `out_rows`: padding past the queries). `q_seg`, `kv_seg`: int32, both None
+    without segment ids; `ordered`: `ids_sorted(kv_seg)`; `spans_only`: the key ids are
+    sorted, and not streamed; `run_if`: the kernel runs where `ordered` is this (None:
+    always); `copy_from`: another launch's `(o, lse)`, copied where this one does not run
+    (with `run_if`)."""
     segments = q_seg is not None
     stream_ids = segments and not spans_only  # the key ids ride with K
     b, t, n, h = q.shape
@@ -862,14 +899,14 @@ def _launch(
         items=items,
         spans_only=spans_only,
         run_if=run_if,
+        copies=copy_from is not None,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
     o_rows = out_rows if interpret else q_rows
     out_type = [struct((b, o_rows, n, h), out_dtype, q), struct((b, n, out_rows), jnp.float32, q)]
-    if into is not None:
-        inputs += tuple(into)  # the kernel's output refs
-        out_type = []
+    if copy_from is not None:
+        inputs += tuple(copy_from)
     call = launch(
         kernel,
         out_type=out_type,
@@ -904,6 +941,5 @@ def _launch(
         kernel_name="jflash_mosaic_fwd",
         interpret=interpret,
         wgs=wgs,
-        varying=out_varying,
     )
     return call(*inputs)

@@ -446,8 +446,9 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
 def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     """From 16k queries at D = 64 the forward runs three warpgroups with its own tiles,
     unless the caller chose the tiles (`block_sizes`): then two run those. With segment
-    ids two kernels are lowered, that one for sorted key ids and two warpgroups
-    comparing ids for others (a `lax.cond` on the ids at run time)."""
+    ids two kernels are lowered: first two warpgroups comparing ids (they run where the
+    key ids are not sorted), then that one (for sorted key ids; elsewhere it copies the
+    first one's outputs)."""
     from jflash import _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -481,8 +482,8 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
-    # With ids: the kernel for sorted ids (spans only), then the one for any ids.
-    assert launched == [2 if given else 3] + ([2] if segments else [])
+    # With ids: the kernel for any ids, then the one for sorted ids (spans only).
+    assert launched == ([2] if segments else []) + [2 if given else 3]
     assert text.count("jflash_mosaic_fwd") >= len(launched)
 
 

@@ -251,6 +251,85 @@ def test_vmap_launches_each_forward_kernel_once(monkeypatch):
     assert text.count("@mosaic_gpu") == 2  # the two forms, each launched once
 
 
+def test_forward_outputs_alias_no_input(monkeypatch):
+    """With segment ids the forward launches two kernels, and neither's output or LSE is
+    aliased to an input (only the work-item counter, Pallas's zeroed scratch, is): XLA's
+    dynamic-slice fusion writes a custom call's result straight into the
+    `dynamic_update_slice` that stacks it (a `lax.scan`'s outputs, remat's saved
+    residuals), which loses what an aliased input held. A second launch that wrote into
+    the first one's outputs gave every row stale values under `lax.scan` on an H200, and
+    a trainer step infinite gradients. Lowered for CUDA, no GPU."""
+    import re
+
+    import jflash._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    h100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
+    q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+
+    def attend(q, k, v, seg):
+        return jflash.flash_attention(
+            q, k, v, causal=True, segment_ids=seg, implementation="pallas_mosaic"
+        )
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(attend).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2
+    for call in calls:
+        aliased = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d+)\]", call)
+        assert aliased == ["2"], aliased  # outputs: (o, lse, the counter)
+
+
+@pytest.mark.parametrize("order", ["packed", "interleaved"])
+def test_scan_stacks_each_layers_output(order):
+    """`flash_attention` with segment ids inside a `lax.scan` whose outputs stack each
+    step's output and LSE (as remat's saved residuals do in a scanned model), with
+    gradients through them: every layer matches the oracle. Sorted ids run the span
+    kernel; interleaved ones the id compare, whose outputs the span kernel copies.
+    Compiled, XLA fuses the stacking into the kernel's last launch."""
+    case = Case(q_len=256, segments=4, order=order)
+    q, k, v, do, dlse = inputs(case, 7)
+    seg = segment_ids(case, 7)[0]
+    scales = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
+
+    def layers(q, k, v, do, dlse, implementation):
+        def one(_, c):
+            out, lse = jflash.flash_attention(
+                (q * c).astype(q.dtype),
+                k,
+                v,
+                causal=True,
+                segment_ids=seg,
+                return_lse=True,
+                implementation=implementation,
+                interpret=INTERPRET if implementation == "pallas_mosaic" else None,
+            )
+            return None, (out, lse)
+
+        def loss(q, k, v):
+            out, lse = jax.lax.scan(one, None, scales)[1]
+            dots = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)[None])
+            return dots + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, lse) * dlse[None]), (out, lse)
+
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, lse, *grads)
+
+    got = jax.jit(functools.partial(layers, implementation="pallas_mosaic"))(q, k, v, do, dlse)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do, dlse)]
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(functools.partial(layers, implementation="xla"))(*f32)
+    for i in range(len(scales)):
+        assert_close(
+            (got[0][i], got[1][i]), (want[0][i], want[1][i]), case.dtype, names=("out", "lse")
+        )
+    assert_close(got[2:], want[2:], case.dtype, names=("dq", "dk", "dv"))
+
+
 @pytest.mark.parametrize("q_offset, k_offset", [(0, 1), (64, 0)], ids=["striped", "later"])
 @pytest.mark.slow
 def test_sorted_and_unsorted_ids_mask_alike_at_offsets(q_offset, k_offset):
