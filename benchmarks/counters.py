@@ -208,8 +208,8 @@ def profile(
         "--kernel-name",
         KERNELS[pass_],
         "--launch-count",
-        # FA3's backward is three kernels; jflash's packed forward launches the sorted
-        # ids' kernel, then the other ids' one, which returns at once.
+        # FA3's backward is three kernels; jflash's packed forward launches the other
+        # ids' kernel, which returns at once, then the sorted ids' one.
         "3" if impl == "fa3" and pass_ == "fwdbwd" else "2" if mask == "documents" else "1",
         "--metrics",
         ",".join(METRICS),

@@ -700,7 +700,9 @@ def forms() -> str:
         f"the Mosaic forward: three compute warpgroups at head_dim {dims} from "
         f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; with "
         "segment_ids, sorted ids (packed documents) mask by each row's key span and "
-        "other ids compare ids on two warpgroups (both kernels launch; the other returns at once)"
+        "other ids compare ids on two warpgroups (both kernels launch: the id compare first, "
+        "returning at once where the ids are sorted, then the span kernel, which copies the "
+        "compare's outputs where they are not)"
     )
 
 

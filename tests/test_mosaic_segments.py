@@ -226,7 +226,7 @@ def test_vmap_over_calls_with_their_own_ids(second):
 
 def test_vmap_launches_each_forward_kernel_once(monkeypatch):
     """Under `jax.vmap` with mapped segment ids the forward launches its two kernels
-    (sorted key ids or not; the one whose case it is not returns at once) once each,
+    (any ids, then sorted key ids; each runs where its case holds) once each,
     the mapped calls folded into the batch, and no conditional (XLA's GPU conditional
     waits for its flag on the host): lowered for CUDA, no GPU."""
     import jflash._dispatch as dispatch
