@@ -15,7 +15,9 @@ CLI::
 ``--init`` writes a randomly initialised preset as an HF directory; with a tokenizer
 (a ``tokenizer.json`` or its directory) the vocabulary size and BOS / EOS ids come from
 it and its files are copied along. A flag that the chosen conversion does not read is
-refused.
+refused. An ``--out`` that already holds files the conversion would write or remove (a
+model's config or weights, tokenizer files from another directory) is refused unless
+``--overwrite`` is given.
 
 A native directory holds ``params.safetensors`` (keys ``embed/embedding``, ...)
 and ``jflash_config.json``; tokenizer files are copied along in both directions.
@@ -600,6 +602,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--max-shard-gb", type=float, default=None, help="--to-hf, --init: shard size limit in GB"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model and tokenizer files already in --out",
+    )
     args = parser.parse_args(argv)
     # A flag the chosen conversion does not read is refused, not silently dropped.
     command = "--init" if args.init else "--from-hf" if args.from_hf else "--to-hf"
@@ -612,6 +619,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out={args.out!r} is a file, not a directory")
+    held = [] if args.overwrite else _replaced(args)
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        parser.error(
+            f"--out={args.out!r} already holds {shown}, which this conversion would "
+            "replace: pass --overwrite to replace them, or choose another directory"
+        )
     try:
         _run(args)
     except (ValueError, NotImplementedError, OSError) as e:  # one line, naming the input
@@ -626,6 +640,38 @@ _FLAG_USERS = {
     "--dtype": ("--to-hf", "--init"),
     "--max-shard-gb": ("--to-hf", "--init"),
 }
+
+
+def _replaced(args: argparse.Namespace) -> list[str]:
+    """The files in ``--out`` that the conversion would write over or remove: a native
+    directory's two files (``--from-hf``); an HF export's config and weights, and any
+    other weight files, which it removes (``--to-hf``, ``--init``); and the tokenizer
+    files it would copy in from another directory."""
+    out = args.out
+    if not os.path.isdir(out):
+        return []
+    names = sorted(os.listdir(out))
+    if args.from_hf:
+        written = {NATIVE_PARAMS, NATIVE_CONFIG}
+        weights = set()
+        source = args.from_hf
+    else:
+        written = {"config.json"}
+        weights = {
+            n
+            for n in names
+            if n.startswith(("model.safetensors", "model-", "pytorch_model"))
+            and n.endswith((".safetensors", ".bin", ".index.json"))
+        }
+        source = args.to_hf or args.tokenizer
+    if source is not None and os.path.isfile(source):  # --tokenizer given as its file
+        written.add("tokenizer.json")
+        source = os.path.dirname(source) or "."
+    if source is not None and os.path.isdir(source) and not os.path.samefile(source, out):
+        written |= {n for n in _TOKENIZER_FILES if os.path.exists(os.path.join(source, n))}
+    return [
+        n for n in names if (n in written or n in weights) and os.path.isfile(os.path.join(out, n))
+    ]
 
 
 def _shard_bytes(args: argparse.Namespace) -> int | None:

@@ -864,6 +864,51 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_refuses_to_replace_what_out_holds(tmp_path, capsys):
+    """`python -m models.convert` into a directory that holds a model (an HF one, a
+    native one) or another directory's tokenizer files is refused in one line naming
+    them, and nothing there changes; `--overwrite` replaces them. Other files (a
+    README) and an empty directory are no obstacle."""
+    hf, native, tok = tmp_path / "hf", tmp_path / "native", tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    convert_main(["--init", "tiny", "--out", str(hf)])
+    convert_main(["--from-hf", str(hf), "--out", str(native)])
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cases = [
+        (["--init", "tiny", "--seed", "1", "--out", str(hf)], "config.json, model.safetensors"),
+        (["--to-hf", str(native), "--out", str(hf)], "config.json, model.safetensors"),
+        (["--from-hf", str(hf), "--out", str(native)], "jflash_config.json, params.safetensors"),
+        (["--init", "tiny", "--tokenizer", str(tok), "--out", str(tok)], None),  # its own: fine
+    ]
+    for argv, held in cases[:3]:
+        with pytest.raises(SystemExit) as exit_info:
+            convert_main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]  # argparse's usage, then the one error line
+        assert f"already holds {held}" in last and "--overwrite" in last, err
+        assert "Traceback" not in err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # Another directory's tokenizer over the one in --out.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"x": 0, "y": 1}}}))
+    (other / "README.md").write_text("notes")
+    with pytest.raises(SystemExit):
+        convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(other)])
+    assert "already holds tokenizer.json" in capsys.readouterr().err
+    assert json.loads((other / "tokenizer.json").read_text())["model"]["vocab"] == {"x": 0, "y": 1}
+    # The tokenizer's own directory, a directory of other files, and --overwrite: written.
+    convert_main(cases[3][0])
+    (tmp_path / "empty").mkdir()
+    convert_main(["--init", "tiny", "--out", str(tmp_path / "empty")])
+    convert_main(["--init", "tiny", "--seed", "1", "--out", str(hf), "--overwrite"])
+    assert (hf / "model.safetensors").read_bytes() != before[hf / "model.safetensors"]
+    convert_main(["--from-hf", str(hf), "--out", str(native), "--overwrite"])
+    assert (native / "params.safetensors").read_bytes() != before[native / "params.safetensors"]
+
+
 def test_init_takes_bos_and_eos_from_the_tokenizer_only(tmp_path, capsys):
     """A tokenizer that names an EOS and no BOS: the config has its EOS and no BOS, not
     the preset's id 1 (another token of this vocabulary)."""
