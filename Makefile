@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 oracle: $(ORACLE)/.installed
 $(ORACLE)/.installed: Makefile
 	$(PY311) -m venv $(ORACLE)
-	$(ORACLE)/bin/python -m pip install -q torch==2.13.0 "transformers>=4.45" safetensors numpy
+	$(ORACLE)/bin/python -m pip install -q torch==2.13.0 "transformers>=4.45" safetensors numpy "jinja2>=3.1.6"
 	touch $@
 
 test: venv oracle

@@ -96,7 +96,7 @@ def test_parquet_columns(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.parquet: record 1: 'input_ids': id -7"):
         load_dataset(tmp_path / "bad.parquet")
     pq.write_table(pa.table({"tokens": [[1]]}), tmp_path / "cols.parquet")
-    with pytest.raises(ValueError, match=r"cols\.parquet: expected a column 'input_ids' or 'text'"):
+    with pytest.raises(ValueError, match=r"cols\.parquet: expected a column 'input_ids', "):
         load_dataset(tmp_path / "cols.parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(ValueError, match=r"junk\.parquet: not a readable parquet file"):
@@ -394,7 +394,7 @@ def test_prompt_completion_is_tokenized_a_chunk_at_a_time(tmp_path, monkeypatch)
         ({"prompt": "a", "completion": None}, r"'completion' must be a str, got NoneType$"),
         (
             {"prompt": [{"role": "user", "content": "a"}], "completion": "b"},
-            r"'prompt' must be a str, got list \(apply the chat template",
+            r"'prompt' must be a str, got list \(a conversation goes in one 'messages' list",
         ),
     ],
 )
@@ -454,8 +454,8 @@ def test_table_columns_prompt_and_completion(tmp_path):
     assert columns(tmp_path, ["completion", "prompt", "input_ids"]) == ["input_ids"]
     with pytest.raises(
         ValueError,
-        match=r"expected a column 'input_ids' or 'text', or columns 'prompt' and 'completion', "
-        r"got \['prompt', 'answer'\]",
+        match=r"expected a column 'input_ids', 'text' or 'messages', or columns 'prompt' and "
+        r"'completion', got \['prompt', 'answer'\]",
     ):
         columns(tmp_path, ["prompt", "answer"])
 
@@ -474,7 +474,7 @@ def test_parquet_prompt_completion(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"null\.parquet: record 1: 'completion' must be a str"):
         load_dataset(tmp_path / "null.parquet", tokenizer=tok)
     pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "half.parquet")
-    with pytest.raises(ValueError, match=r"half\.parquet: expected a column 'input_ids' or"):
+    with pytest.raises(ValueError, match=r"half\.parquet: expected a column 'input_ids', "):
         load_dataset(tmp_path / "half.parquet", tokenizer=tok)
 
 
@@ -492,8 +492,8 @@ def test_parquet_prompt_completion(tmp_path, monkeypatch):
         ([[1], []], r"record 1: 'input_ids' must be a non-empty 1-D list"),
         (
             [{"tokens": [1]}],
-            r"record 0: expected key 'input_ids' or 'text', or keys 'prompt' and 'completion', "
-            r"got \['tokens'\]",
+            r"record 0: expected key 'input_ids', 'text' or 'messages', or keys 'prompt' and "
+            r"'completion', got \['tokens'\]",
         ),
         ([{"input_ids": [1, 2], "labels": [1]}], r"record 0: 'labels' has 1 entries"),
         ([{"input_ids": [1], "labels": [-5]}], r"record 0: 'labels': id -5 .* is negative"),

@@ -1,9 +1,10 @@
 """Training data from rows to batches, sample data, and ``python -m train.data``.
 
-The pipeline's modules, each importing only those before it: :mod:`train.readers` (the
-table of file formats, each read into examples of token ids), :mod:`train.dataset`
-(examples in memory, packed into rows), :mod:`train.data_cache` (examples tokenized once
-into a memory-mapped token cache, its rows cut on demand), and this one: shuffled,
+The pipeline's modules, each importing only those before it: :mod:`train.chat` (chat
+templates, for conversational records), :mod:`train.readers` (the table of file formats,
+each read into examples of token ids), :mod:`train.dataset` (examples in memory, packed
+into rows), :mod:`train.data_cache` (examples tokenized once into a memory-mapped token
+cache, its rows cut on demand), and this one: shuffled,
 resumable batches of either's rows, learnable sample data, writing datasets, training a
 BPE tokenizer, and the command line (``sample | inspect | cache | tokenizer``).
 
@@ -33,7 +34,14 @@ import numpy as np
 from models.convert import special_token_ids, tokenizer_vocab_size
 from train import data_cache
 from train.dataset import Rows, load_dataset
-from train.readers import PROMPT_COMPLETION, NoTokenizerError, read_jsonl, tokenizer_file
+from train.readers import (
+    MESSAGES,
+    PROMPT_COMPLETION,
+    NoTokenizerError,
+    read_jsonl,
+    record_kind,
+    tokenizer_file,
+)
 
 # ---------------------------------------------------------------------------------------
 # Batches
@@ -276,10 +284,11 @@ def train_tokenizer(
     files: Sequence[str | Path], out: str | Path, *, vocab_size: int = 4096
 ) -> Path:
     """Trains a byte-level BPE (the ``tokenizers`` package, GPT-2's scheme) on text files
-    (each file one document; a ``.jsonl`` file's records' ``"text"``, or ``"prompt"``
-    and ``"completion"``, each one, in order) and writes ``out/tokenizer.json`` with a
-    ``tokenizer_config.json`` and ``special_tokens_map.json`` naming ``<|endoftext|>``
-    (id 0) as its BOS and EOS. Deterministic for the same files in the same order."""
+    (each file one document; a ``.jsonl`` file's records' ``"text"``, ``"prompt"`` and
+    ``"completion"``, or ``"messages"``' contents, each one, in order) and writes
+    ``out/tokenizer.json`` with a ``tokenizer_config.json`` and
+    ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
+    Deterministic for the same files in the same order."""
     if vocab_size < 257:
         raise ValueError(f"--vocab-size={vocab_size} must be at least 257 (256 bytes + EOS)")
     missing = [str(f) for f in files if not Path(f).is_file()]
@@ -297,8 +306,7 @@ def train_tokenizer(
             if Path(f).suffix.lower() == ".jsonl":
                 for _, record in read_jsonl(Path(f)):
                     if isinstance(record, dict):
-                        keys = ("text",) if "text" in record else PROMPT_COMPLETION
-                        yield from (v for k in keys if isinstance(v := record.get(k), str))
+                        yield from _record_texts(record)
             else:
                 yield Path(f).read_text(encoding="utf-8", errors="replace")
 
@@ -327,6 +335,18 @@ def train_tokenizer(
     return out / "tokenizer.json"
 
 
+def _record_texts(record: dict) -> Iterator[str]:
+    """The strings a tokenizer learns from a record: its ``"text"``, else its messages'
+    contents where it is read by them, else its ``"prompt"`` and ``"completion"``."""
+    if "text" in record:
+        values = [record["text"]]
+    elif record_kind(record) == MESSAGES and isinstance(record[MESSAGES], list):
+        values = [m.get("content") for m in record[MESSAGES] if isinstance(m, dict)]
+    else:
+        values = [record.get(key) for key in PROMPT_COMPLETION]
+    yield from (v for v in values if isinstance(v, str))
+
+
 def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
     """The id of the tokenizer's ``eos_token`` (named in ``tokenizer_config.json`` or
     ``special_tokens_map.json`` beside its ``tokenizer.json``); None where none is named.
@@ -341,7 +361,8 @@ def tokenizer_eos_id(tokenizer: str | Path) -> int | None:
 
 # The data commands' --tokenizer: what it is and which records need it.
 TOKENIZER_HELP = (
-    "tokenizer.json or its directory, for 'text' records and 'prompt' / 'completion' records"
+    "tokenizer.json or its directory, for 'text' records, 'prompt' / 'completion' records "
+    "and 'messages' records (rendered with its directory's chat template)"
 )
 
 # The command line's description: the data pipeline, file to batch.
@@ -423,7 +444,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok.add_argument(
         "files",
         nargs="+",
-        help="UTF-8 text files, or .jsonl files of 'text' (or 'prompt' and 'completion')",
+        help="UTF-8 text files, or .jsonl files of 'text' (or 'prompt' and 'completion', or "
+        "'messages')",
     )
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
     tok.add_argument(

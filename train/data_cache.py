@@ -6,13 +6,16 @@ A cache is a directory:
   by ``eos_id`` when one is given and it does not already end with it (the stream of
   :meth:`train.dataset.TokenDataset.rows`, EOS included);
 - ``labels.bin``: int32, the same length, only where some record carries labels (its
-  ``"labels"``, or a prompt/completion record's: ``-100`` on the prompt; ``-100`` =
-  ignored; the appended EOS is its own label, or ``-100`` after a record whose last
-  label is ``-100``);
+  ``"labels"``, a prompt/completion record's: ``-100`` on the prompt, or a
+  ``"messages"`` record's: ``-100`` but on the assistant turns; ``-100`` = ignored;
+  the appended EOS is its own label, or ``-100`` after a record whose last label is
+  ``-100``);
 - ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
   ``tokens[index[i]:index[i + 1]]``;
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
-  tokenizer file's sha256 where records were tokenized), ``eos_id`` and counts.
+  tokenizer file's sha256 where records were tokenized; the chat template's file and a
+  sha256 of its text and the special tokens it was given where conversations were
+  rendered), ``eos_id`` and counts.
 
 It is written under a temporary name beside ``cache_dir`` and renamed into place when
 complete: a failed build leaves nothing under the final name, and a stale cache it
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from models.loss import IGNORE_INDEX
+from train.chat import chat_template_stamp
 from train.dataset import PACKINGS, Rows, TokenDataset, load_dataset, padding_tokens, whole_layout
 from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
 
@@ -167,7 +171,8 @@ class TokenCache:
         eos_id: int | None = None,
     ) -> list[str]:
         """Why this cache is not what ``source`` (default: the recorded source, where it
-        still exists), ``tokenizer`` (compared where both tokenized text) and ``eos_id``
+        still exists), ``tokenizer`` (compared where both tokenized text; its chat
+        template where the cache's conversations were rendered with one) and ``eos_id``
         would build; empty when it is."""
         reasons = []
         if eos_id != self.eos_id:
@@ -185,6 +190,13 @@ class TokenCache:
         if used is not None and tokenizer is not None and tokenizer_file(tokenizer).is_file():
             if tokenizer_stamp(tokenizer)["sha256"] != used["sha256"]:
                 reasons.append(f"its text was tokenized by another tokenizer ({used['path']})")
+        chat = self.meta.get("chat_template")  # absent from caches of no conversation
+        if chat is not None and tokenizer is not None and tokenizer_file(tokenizer).is_file():
+            now = chat_template_stamp(tokenizer_file(tokenizer).parent)
+            if now is None or now["sha256"] != chat["sha256"]:
+                reasons.append(
+                    f"its conversations were rendered with another chat template ({chat['path']})"
+                )
         return reasons
 
     def prompted(self) -> np.ndarray:
@@ -449,6 +461,7 @@ def build_cache(
             "version": VERSION,
             "source": stamp,
             "tokenizer": tokenizer_stamp(tokenizer) if parser.used_tokenizer else None,
+            "chat_template": parser.chat_template and parser.chat_template.stamp,
             "eos_id": eos_id,
             "num_tokens": writer.offsets[-1],
             "num_documents": len(writer.offsets) - 1,

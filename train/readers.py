@@ -10,9 +10,9 @@ Formats (chosen by extension, one entry each in :data:`READERS`):
   Other formats' errors name the 0-based index of the record.
 - ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
   memory-mapped while it is read.
-- ``.parquet``: a column ``input_ids`` (optional ``labels``), ``text``, or columns
-  ``prompt`` and ``completion`` (``pyarrow``, from the ``hf`` extra), read a batch of
-  rows at a time.
+- ``.parquet``: a column ``input_ids`` (optional ``labels``), ``text``, columns
+  ``prompt`` and ``completion``, or a column ``messages`` (a list of structs)
+  (``pyarrow``, from the ``hf`` extra), read a batch of rows at a time.
 - a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
   ``save_to_disk``), with the same columns (the ``hf`` extra).
 
@@ -34,11 +34,24 @@ this order (other keys are ignored):
   completion that space itself (``"Paris"``). A record whose completion tokenizes to
   nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
   the log says how many.
+- ``"messages"`` (HF TRL's conversational format: a list of ``{"role": str, "content":
+  str}`` dicts): supervised fine-tuning on the assistant turns. The conversation is
+  rendered with the tokenizer's chat template (:mod:`train.chat`) and the text
+  tokenized whole, without adding special tokens (the template writes the BOS), as
+  transformers' ``apply_chat_template(tokenize=True)`` does, so the ids are its ids. A
+  token is labelled (its id) where its character span overlaps an assistant turn (the
+  turn's content and what the template writes to end it, e.g. ``<|eot_id|>``; a token
+  straddling the turn's boundary is labelled whole), every other token ``-100``. The
+  assistant turns are found by the prefix rule of :mod:`train.chat`. A conversation
+  without an assistant turn with a token to learn is skipped, and the log says how
+  many. A record with ``"messages"`` and only one of ``"prompt"`` and ``"completion"``
+  is read by its messages (``"prompt"`` beside ``"messages"``, as in some chat
+  datasets); with both, or with ``"input_ids"`` or ``"text"``, by those.
 
 Text is tokenized with a ``tokenizer.json`` (the file, or the directory holding it,
 e.g. the model's; the ``tokenizers`` package, imported only when a record needs it),
 one ``encode_batch`` call per ``_CHUNK`` records (for prompt/completion records one for
-the prompts, one for the completions).
+the prompts, one for the completions; one for the conversations).
 
 :func:`read_examples` yields a file's examples one at a time; the in-memory dataset
 (:func:`train.dataset.load_dataset`) and the token cache (:mod:`train.data_cache`) both
@@ -59,6 +72,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.loss import IGNORE_INDEX
+from train.chat import ASSISTANT, ChatTemplate, ChatTemplateError, assistant_labels
 
 _MAX_ID = np.iinfo(np.int32).max
 
@@ -94,13 +108,15 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
 
 def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator[Example]:
     """`examples`, then one log line for the records that reading skipped: texts, or
-    prompt/completion records' completions, that tokenize to nothing."""
+    prompt/completion records' completions, that tokenize to nothing, and conversations
+    without an assistant turn to learn."""
     yield from examples
     skipped = [
-        f"{n} record{'s' * (n != 1)} whose '{key}' tokenizes to nothing ({why})"
-        for n, key, why in (
-            (parser.empty_texts, "text", "empty text"),
-            (parser.empty_completions, "completion", "no token to learn"),
+        f"{n} record{'s' * (n != 1)} whose {why}"
+        for n, why in (
+            (parser.empty_texts, "'text' tokenizes to nothing (empty text)"),
+            (parser.empty_completions, "'completion' tokenizes to nothing (no token to learn)"),
+            (parser.empty_conversations, "'messages' have no assistant turn (no token to learn)"),
         )
         if n
     ]
@@ -195,16 +211,18 @@ def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
 
 def _columns(path: Path, names: Sequence[str]) -> list[str]:
     """The columns a table's records are read from, the first a table has of:
-    ``input_ids`` (+ ``labels``), ``text``, ``prompt`` and ``completion``."""
+    ``input_ids`` (+ ``labels``), ``text``, ``prompt`` and ``completion``, ``messages``."""
     if "input_ids" in names:
         return ["input_ids"] + (["labels"] if "labels" in names else [])
     if "text" in names:
         return ["text"]
     if "prompt" in names and "completion" in names:
         return list(PROMPT_COMPLETION)
+    if MESSAGES in names:
+        return [MESSAGES]
     raise ValueError(
-        f"{path}: expected a column 'input_ids' or 'text', or columns 'prompt' and "
-        f"'completion', got {list(names)}"
+        f"{path}: expected a column 'input_ids', 'text' or 'messages', or columns 'prompt' "
+        f"and 'completion', got {list(names)}"
     )
 
 
@@ -257,6 +275,7 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 PROMPT_COMPLETION = ("prompt", "completion")  # a record's fields for prompt-masked training
+MESSAGES = "messages"  # a conversational record's field (its assistant turns are learned)
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
@@ -300,17 +319,39 @@ def data_format(path: str | Path) -> str:
 Tokens = tuple[np.ndarray, np.ndarray | None]
 
 
+def record_kind(record: dict) -> str | None:
+    """The key a record is read by: ``"input_ids"``, ``"text"``, ``"prompt"`` (a
+    prompt/completion record), ``"messages"``, or None (none of them). The first it has
+    of ``input_ids``, ``text``, both ``prompt`` and ``completion``, ``messages``; a
+    record with one of ``prompt`` and ``completion`` and no ``messages`` is ``"prompt"``
+    (refused for the missing one)."""
+    if "input_ids" in record:
+        return "input_ids"
+    if "text" in record:
+        return "text"
+    if all(key in record for key in PROMPT_COMPLETION):
+        return "prompt"
+    if MESSAGES in record:
+        return MESSAGES
+    if any(key in record for key in PROMPT_COMPLETION):
+        return "prompt"
+    return None
+
+
 class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
     ``tokenizer.json`` or its directory, loaded at the first record that needs it
-    (``"text"``, or ``"prompt"`` and ``"completion"``)."""
+    (``"text"``, ``"prompt"`` and ``"completion"``, or ``"messages"``, which also load
+    its directory's chat template)."""
 
     def __init__(self, path: Path, tokenizer: str | Path | None):
         self.path = path
         self.tokenizer = tokenizer
         self._tokenizer = None
+        self.chat_template = None  # train.chat.ChatTemplate, at the first "messages" record
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
         self.empty_completions = 0  # prompt/completion records whose completion does (skipped)
+        self.empty_conversations = 0  # messages records without an assistant token (skipped)
 
     @property
     def used_tokenizer(self) -> bool:
@@ -321,47 +362,61 @@ class RecordParser:
         self, where: str, record: Any, tokens: Tokens | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(input_ids, labels or None)``; ``tokens``: the record's text (or prompt and
-        completion), tokenized by :meth:`tokenize_texts`."""
+        completion, or conversation), tokenized by :meth:`tokenize_texts`."""
         if not isinstance(record, dict):
             return self._ids(where, "input_ids", record), None
-        if "input_ids" in record:
+        kind = record_kind(record)
+        if kind == "input_ids":
             ids = self._ids(where, "input_ids", record["input_ids"])
             labels = record.get("labels")
             return ids, None if labels is None else self._labels(where, labels, len(ids))
-        if "text" in record or any(key in record for key in PROMPT_COMPLETION):
+        if kind is not None:
             if tokens is None:
                 tokens = self.tokenize_texts([where], [record])[0]
             return tokens
         raise ValueError(
-            f"{self.path}: {where}: expected key 'input_ids' or 'text', or keys 'prompt' and "
-            f"'completion', got {sorted(record)}"
+            f"{self.path}: {where}: expected key 'input_ids', 'text' or 'messages', or keys "
+            f"'prompt' and 'completion', got {sorted(record)}"
         )
 
     def tokenize_texts(self, wheres: Sequence[str], records: Sequence[Any]) -> list[Tokens | None]:
         """The tokens of each record that holds text: a ``"text"`` record's ids (labels
-        None); a prompt/completion record's ids and labels (the prompt's ``-100``). None
-        for the others. One ``encode_batch`` call for the texts, one for the prompts and
-        one for the completions. Empty ids where the record has nothing to train on (a
-        text, or a completion, that tokenizes to nothing, counted in ``empty_texts`` /
-        ``empty_completions``): the reader skips it. ValueError naming the first record
-        whose field is not a str, or that has only one of prompt and completion."""
+        None); a prompt/completion record's ids and labels (the prompt's ``-100``); a
+        ``"messages"`` record's ids and labels (``-100`` but on the assistant turns).
+        None for the others. One ``encode_batch`` call for the texts, one for the
+        prompts, one for the completions and one for the conversations. Empty ids where
+        the record has nothing to train on (a text, or a completion, that tokenizes to
+        nothing, or a conversation without an assistant token, counted in
+        ``empty_texts`` / ``empty_completions`` / ``empty_conversations``): the reader
+        skips it. ValueError naming the first record whose field is not a str (or a
+        list of messages), that has only one of prompt and completion, or whose
+        conversation the chat template cannot render."""
         texts: list[tuple[int, str]] = []
         pairs: list[tuple[int, str, str]] = []
+        chats: list[tuple[int, list[dict[str, Any]]]] = []
         for i, record in enumerate(records):
-            if not isinstance(record, dict) or "input_ids" in record:
-                continue
-            if "text" in record:
+            kind = record_kind(record) if isinstance(record, dict) else None
+            if kind == "text":
                 texts.append((i, self._string(wheres[i], record, "text")))
-            elif any(key in record for key in PROMPT_COMPLETION):
+            elif kind == "prompt":
                 prompt, completion = (
                     self._string(wheres[i], record, key) for key in PROMPT_COMPLETION
                 )
                 pairs.append((i, prompt, completion))
+            elif kind == MESSAGES:
+                chats.append((i, self._messages(wheres[i], record[MESSAGES])))
         out: list[Tokens | None] = [None] * len(records)
-        if not texts and not pairs:
+        if not texts and not pairs and not chats:
             return out
-        first = min(i for i, *_ in texts[:1] + pairs[:1])
-        fields = "'text'" if texts and texts[0][0] == first else "'prompt' and 'completion'"
+        first, fields = min(
+            (found[0][0], name)
+            for found, name in (
+                (texts, "'text'"),
+                (pairs, "'prompt' and 'completion'"),
+                (chats, "'messages'"),
+            )
+            if found
+        )
         tokenizer = self._get_tokenizer(f"{wheres[first]}: has {fields}")
         if texts:
             for (i, _), encoding in zip(
@@ -384,7 +439,70 @@ class RecordParser:
                 question = np.asarray(prompt.ids, dtype=np.int32)
                 ignored = np.full(question.shape, IGNORE_INDEX, dtype=np.int32)
                 out[i] = np.concatenate([question, answer]), np.concatenate([ignored, answer])
+        if chats:
+            self._tokenize_chats(wheres, chats, tokenizer, out)
         return out
+
+    def _tokenize_chats(
+        self,
+        wheres: Sequence[str],
+        chats: Sequence[tuple[int, list[dict[str, Any]]]],
+        tokenizer,
+        out: list[Tokens | None],
+    ) -> None:
+        """Renders each conversation with the chat template and tokenizes the texts in
+        one ``encode_batch`` call (no special tokens added: the template wrote them),
+        labelling the tokens of the assistant turns (:func:`train.chat.assistant_labels`)."""
+        if self.chat_template is None:
+            where = f"{self.path}: {wheres[chats[0][0]]}: has 'messages' but"
+            self.chat_template = ChatTemplate(tokenizer_file(self.tokenizer).parent, where)
+        rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
+        for i, messages in chats:
+            if not any(m["role"] == ASSISTANT for m in messages):
+                self.empty_conversations += 1
+                out[i] = np.zeros(0, np.int32), None
+                continue
+            try:
+                text, spans = self.chat_template.assistant_spans(messages)
+            except ChatTemplateError as e:
+                raise ValueError(f"{self.path}: {wheres[i]}: 'messages': {e}") from None
+            rendered.append((i, text, spans))
+        texts = [text for _, text, _ in rendered]
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+        for (i, _, spans), encoding in zip(rendered, encodings, strict=True):
+            ids = np.asarray(encoding.ids, dtype=np.int32)
+            learned = np.asarray(assistant_labels(encoding.ids, encoding.offsets, spans), bool)
+            if not learned.any():
+                self.empty_conversations += 1
+                out[i] = np.zeros(0, np.int32), None
+                continue
+            out[i] = ids, np.where(learned, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+
+    def _messages(self, where: str, value: Any) -> list[dict[str, Any]]:
+        """A conversation's messages, each a dict with str ``role`` and ``content``, its
+        keys whose value is None dropped (as transformers drops them: a table's missing
+        struct fields); ValueError naming the record, the message and the field."""
+        prefix = f"{self.path}: {where}: 'messages'"
+        shape = "a list of {'role': str, 'content': str} dicts"
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{prefix} must be {shape}, got {type(value).__name__}")
+        messages = []
+        for n, message in enumerate(value):
+            if not isinstance(message, dict):
+                raise ValueError(
+                    f"{prefix}[{n}] must be a dict with str 'role' and 'content', got "
+                    f"{type(message).__name__}"
+                )
+            message = {k: v for k, v in message.items() if v is not None}
+            for key in ("role", "content"):
+                if key not in message:
+                    raise ValueError(f"{prefix}[{n}] has no {key!r} (each message needs a str one)")
+                if not isinstance(message[key], str):
+                    raise ValueError(
+                        f"{prefix}[{n}]: {key!r} must be a str, got {type(message[key]).__name__}"
+                    )
+            messages.append(message)
+        return messages
 
     def _string(self, where: str, record: dict, key: str) -> str:
         """``record[key]``, a str; ValueError naming the record and the field otherwise."""
@@ -396,7 +514,7 @@ class RecordParser:
             )
         value = record[key]
         if not isinstance(value, str):
-            hint = " (apply the chat template to conversational records first)"
+            hint = " (a conversation goes in one 'messages' list of role/content dicts)"
             raise ValueError(
                 f"{prefix} {key!r} must be a str, got {type(value).__name__}"
                 + (hint if isinstance(value, list) and key != "text" else "")

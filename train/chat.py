@@ -1,0 +1,276 @@
+"""Chat templates: conversations (``"messages"`` records, HF TRL's conversational
+format) rendered with the model tokenizer's chat template, and where their assistant
+turns lie in the rendered text.
+
+The template is the one transformers loads for a tokenizer directory (the folder of
+its ``tokenizer.json``; the functions here take that folder): ``chat_template.jinja``
+where that file exists, else the ``"chat_template"`` of ``tokenizer_config.json`` (a
+str, or a list of named templates, of which the one named ``"default"``). It is
+rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
+environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
+``loopcontrols`` extension and a ``{% generation %}`` block that renders its body), the
+globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
+escape HTML, and the variables ``messages``, ``add_generation_prompt``, ``tools`` and
+``documents`` (None) and the tokenizer's named special tokens (``bos_token``,
+``eos_token``, ...) as strings, from ``tokenizer_config.json`` (else
+``special_tokens_map.json``). The reader drops a message's keys whose value is None
+before (a table's missing struct fields), as transformers drops them.
+
+Assistant turns (:meth:`ChatTemplate.assistant_spans`): for each assistant message
+``i``, the rendering of ``messages[:i]`` with the generation prompt must be a prefix of
+the rendering of ``messages[:i + 1]``, which must be a prefix of the whole
+conversation's rendering; the turn is the text between the two (its content and what
+the template writes to end the turn, e.g. ``<|eot_id|>``). A template for which that
+does not hold (one that rewrites earlier turns, e.g. drops their reasoning) is refused.
+
+``jinja2`` (the ``text`` extra) is imported only when a template is compiled. The first
+of the data modules: it imports none of ``train``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+# The named special tokens transformers passes to a chat template (its special_tokens_map).
+SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+ASSISTANT = "assistant"  # the role whose turns are learned
+
+
+class ChatTemplateError(ValueError):
+    """A conversation the template cannot render, or whose assistant turns it does not
+    render as prefixes; the message says why (the caller names file and record)."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def read_chat_template(folder: str | Path) -> tuple[str, Path] | None:
+    """``(template text, the file it came from)`` for the tokenizer directory
+    ``folder``; None where it has none. ValueError for a ``tokenizer_config.json`` whose
+    ``chat_template`` is neither a str nor a list of named templates with a
+    ``"default"`` one."""
+    folder = Path(folder)
+    jinja_file = folder / CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), jinja_file
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{jinja_file}: not a readable text file ({e})") from None
+    config = folder / TOKENIZER_CONFIG
+    if not config.is_file():
+        return None
+    template = _read_json(config).get("chat_template")
+    if template is None:
+        return None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            raise ValueError(
+                f"{config}: 'chat_template' holds the templates {sorted(map(str, named))} and "
+                "none named 'default' (the one conversations are rendered with)"
+            )
+        template = named["default"]
+    if not isinstance(template, str):
+        raise ValueError(f"{config}: 'chat_template' must be a str, got {type(template).__name__}")
+    return template, config
+
+
+def special_tokens(folder: str | Path) -> dict[str, str]:
+    """The named special tokens of the tokenizer directory ``folder`` as strings
+    (``tokenizer_config.json``'s, else ``special_tokens_map.json``'s; str or
+    ``{"content": ...}``)."""
+    folder = Path(folder)
+    tokens: dict[str, str] = {}
+    for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):  # the latter wins
+        if (folder / name).is_file():
+            config = _read_json(folder / name)
+            for key in SPECIAL_TOKENS:
+                value = config.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str):
+                    tokens[key] = value
+    return tokens
+
+
+def chat_template_stamp(folder: str | Path) -> dict[str, str] | None:
+    """``{"path", "sha256"}``: the template's file and a hash of the template text and
+    the special tokens passed to it (what a token cache records: another template
+    renders the conversations otherwise); None where the tokenizer has no template.
+    Reads the files only (no ``jinja2`` needed)."""
+    found = read_chat_template(folder)
+    if found is None:
+        return None
+    text, path = found
+    variables = json.dumps(special_tokens(folder), sort_keys=True)
+    digest = hashlib.sha256(f"{text}\0{variables}".encode()).hexdigest()
+    return {"path": str(path.resolve()), "sha256": digest}
+
+
+def _compile(template: str, jinja2):
+    """The template compiled as transformers compiles chat templates (module docstring)."""
+    sandbox = importlib.import_module("jinja2.sandbox")
+    ext = importlib.import_module("jinja2.ext")
+
+    class Generation(ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: renders its body (transformers
+        uses the block to mark assistant text; here the prefix rule finds it)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format):
+        return datetime.datetime.now().strftime(format)
+
+    env = sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
+class ChatTemplate:
+    """A tokenizer's chat template, compiled: :meth:`render` and :meth:`assistant_spans`.
+
+    Args:
+        folder: the tokenizer directory (of its ``tokenizer.json``).
+        where: starts each error message (the data file and the record needing it).
+
+    Raises:
+        ValueError: the tokenizer has no chat template; ``jinja2`` is missing (naming
+            the extra that installs it); the template does not compile.
+    """
+
+    def __init__(self, folder: str | Path, where: str):
+        folder = Path(folder)
+        found = read_chat_template(folder)
+        if found is None:
+            raise ValueError(
+                f"{where} {folder} has no chat_template in {TOKENIZER_CONFIG} or "
+                f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, or write the "
+                "conversations as 'prompt' / 'completion' records"
+            )
+        self.text, self.path = found
+        self.variables = special_tokens(folder)
+        self.stamp = chat_template_stamp(folder)
+        try:
+            jinja2 = importlib.import_module("jinja2")
+        except ImportError:
+            raise ValueError(
+                f"{where} rendering them needs the 'jinja2' package: pip install 'jflash[text]'"
+            ) from None
+        try:
+            self._template = _compile(self.text, jinja2)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(
+                f"{where} {self.path}: the chat template does not compile ({e})"
+            ) from None
+
+    def render(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+    ) -> str:
+        """The template's text for ``messages``; :class:`ChatTemplateError` where the
+        template raises (its message)."""
+        try:
+            return self._template.render(
+                **self.variables,
+                messages=list(messages),
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # noqa: BLE001 - a template is code: whatever it raises
+            raise ChatTemplateError(
+                f"the chat template ({self.path.name}) raised {type(e).__name__}: {e}"
+            ) from None
+
+    def assistant_spans(
+        self, messages: Sequence[dict[str, Any]]
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: the conversation's rendering and the ``[start, end)``
+        character span of each assistant turn in it (see the module docstring); no span
+        without an assistant message. :class:`ChatTemplateError` where the template
+        raises or does not render the turns as prefixes."""
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != ASSISTANT:
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            turn = f"assistant turn {len(spans) + 1} (message {i})"
+            if not through.startswith(before):
+                raise ChatTemplateError(
+                    f"the chat template ({self.path.name}) renders the messages before {turn} "
+                    "with its generation prompt as text that does not begin its rendering "
+                    "through that turn, so the turn's text cannot be told apart (a template "
+                    "that rewrites earlier turns)"
+                )
+            if not text.startswith(through):
+                raise ChatTemplateError(
+                    f"the chat template ({self.path.name}) renders the messages through "
+                    f"{turn} as text that does not begin the whole conversation's rendering, "
+                    "so the turn's text cannot be told apart (a template that rewrites "
+                    "earlier turns)"
+                )
+            spans.append((len(before), len(through)))
+        return text, spans
+
+
+def assistant_labels(
+    ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> list[bool]:
+    """Which tokens are learned: those whose character span ``offsets[t]`` overlaps an
+    assistant span (``start < span end`` and ``end > span start``), as transformers'
+    ``return_assistant_tokens_mask`` marks them: a token straddling a turn's boundary
+    is learned whole. ``offsets`` and ``spans`` both in text order."""
+    learned = [False] * len(ids)
+    k = 0
+    for t, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        learned[t] = end > spans[k][0]
+    return learned
