@@ -245,6 +245,36 @@ def test_older_caches_without_labels_are_read_and_with_labels_rebuilt(tmp_path, 
     assert "is stale" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("packing", ["stream", "whole"])
+def test_summary_counts_the_targets_the_rows_hold(tmp_path, packing):
+    """`labelled_tokens` of a dataset and of its cache is the number of labels that are
+    not -100 in all its rows (none dropped): what the loss is taken on over an epoch.
+    Unlabelled examples, prompt-masked ones, a prompt-only one, each with its EOS."""
+    records = [
+        [5, 6, 7, 8],
+        {"input_ids": [9, 10, 11, 12, 13], "labels": [-100, -100, 11, 12, 13]},
+        {"input_ids": [14, 15], "labels": [-100, -100]},
+        [16, 17, 18],
+        {"input_ids": [19, 20, 21], "labels": [19, -100, 21]},
+    ]
+    source = _pkl(tmp_path / "d.pkl", records)
+    dataset = load_dataset(source)
+    cache = data_cache.build_cache(source, tmp_path / "c", eos_id=2)
+    for seq_len in (3, 4, 7):
+        held = [
+            int(np.count_nonzero(rows.labels != -100))
+            for rows in (
+                dataset.rows(seq_len, eos_id=2, pad_last=True, packing=packing),
+                cache.rows(seq_len, pad_last=True, packing=packing).take(
+                    np.arange(cache.rows(seq_len, pad_last=True, packing=packing).num_rows)
+                ),
+            )
+        ]
+        # 6 7 8 EOS | 11 12 13 EOS | - | 17 18 EOS | 21 EOS (not 20, nor the firsts)
+        assert held == [13, 13], (seq_len, held)
+    assert dataset.summary(eos_id=2)["labelled_tokens"] == cache.summary()["labelled_tokens"] == 13
+
+
 def test_cache_files_and_summary(tmp_path):
     cache = data_cache.build_cache(_pkl(tmp_path / "d.pkl", [[5, 6], [9]]), tmp_path / "c")
     meta = json.loads((tmp_path / "c" / "meta.json").read_text())
@@ -255,7 +285,7 @@ def test_cache_files_and_summary(tmp_path):
     assert cache.summary() == {
         "examples": 2,
         "tokens": 3,
-        "labelled_tokens": 3,
+        "labelled_tokens": 1,  # 6: each document's first token is no target
         "min_length": 1,
         "max_length": 2,
         "max_id": 9,
@@ -264,7 +294,7 @@ def test_cache_files_and_summary(tmp_path):
         _pkl(tmp_path / "l.pkl", [[5, 6], {"input_ids": [7, 8, 9], "labels": [-100, -100, 9]}]),
         tmp_path / "l",
     )
-    assert labelled.summary()["labelled_tokens"] == 3  # 5, 6 and 9; labels.bin read
+    assert labelled.summary()["labelled_tokens"] == 2  # 6 and 9; labels.bin read
     with pytest.raises(ValueError, match=r"c: token id 9 is out of range for vocab_size=9"):
         data_cache.open_cache(tmp_path / "c", vocab_size=9)
     with pytest.raises(ValueError, match=r"tokens do not fill one row of seq_len=4"):

@@ -58,7 +58,7 @@ def test_round_trip(tmp_path, suffix):
     assert dataset.summary() == {
         "examples": 6,
         "tokens": 6 * 33,
-        "labelled_tokens": 6 * 33,
+        "labelled_tokens": 6 * 32,  # each example's first token is no target
         "min_length": 33,
         "max_length": 33,
         "max_id": int(examples.max()),
@@ -74,7 +74,8 @@ def test_pkl_accepts_lists_arrays_and_dicts_with_labels(tmp_path):
     assert dataset.lengths.tolist() == [3, 2, 2]
     assert dataset.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert dataset.targets.tolist() == [1, 2, 3, 4, 5, IGNORE, 7]
-    assert dataset.summary()["labelled_tokens"] == 6  # the -100 label is not counted
+    # 2, 3, 5 and 7: not the -100 label, nor an example's first token (1, 4, 6)
+    assert dataset.summary()["labelled_tokens"] == 4
 
 
 def test_npy_token_stream(tmp_path):

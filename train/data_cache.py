@@ -142,10 +142,14 @@ class TokenCache:
 
     def summary(self) -> dict[str, Any]:
         """Counts as :meth:`TokenDataset.summary` gives them (EOS tokens included)."""
-        lengths = np.diff(np.asarray(self.offsets))
-        labelled = self.num_tokens
+        offsets = np.asarray(self.offsets)
+        lengths = np.diff(offsets)
+        # Each document's first token is no target (nothing before it in its document).
+        labelled = self.num_tokens - len(lengths)
         if self.targets is not self.tokens:  # one pass over labels.bin
+            firsts = np.asarray(self.targets[offsets[:-1]])
             labelled = int(np.count_nonzero(self.targets != IGNORE_INDEX))
+            labelled -= int(np.count_nonzero(firsts != IGNORE_INDEX))
         return {
             "examples": int(self.meta["num_documents"]),
             "tokens": self.num_tokens,

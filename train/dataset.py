@@ -204,16 +204,19 @@ class TokenDataset:
                 )
 
     def summary(self, eos_id: int | None = None) -> dict[str, int]:
-        """Counts: examples, tokens, labelled tokens (those whose label is not ``-100``:
-        every token of unlabelled data; before packing shifts the labels), min/max
-        example length, max token id; with ``eos_id``, each example's EOS as packing
-        appends it (labelled as :meth:`rows` labels it), as a token cache counts them."""
+        """Counts: examples, tokens, labelled tokens (the targets the loss is taken on,
+        as :meth:`rows` makes them: the tokens whose label is not ``-100``, every token of
+        unlabelled data, but each example's first, which nothing before it in the example
+        predicts), min/max example length, max token id; with ``eos_id``, each example's
+        EOS as packing appends it (labelled as :meth:`rows` labels it), as a token cache
+        counts them."""
         tokens, targets, docs = self._stream(eos_id)
         lengths = np.bincount(docs, minlength=self.num_examples)
+        first = np.concatenate([[True], docs[1:] != docs[:-1]])
         return {
             "examples": self.num_examples,
             "tokens": len(tokens),
-            "labelled_tokens": int(np.count_nonzero(targets != IGNORE_INDEX)),
+            "labelled_tokens": int(np.count_nonzero((targets != IGNORE_INDEX) & ~first)),
             "min_length": int(lengths.min()),
             "max_length": int(lengths.max()),
             "max_id": int(tokens.max()),
