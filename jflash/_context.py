@@ -33,7 +33,7 @@ from jflash._validation import (
     check_unsharded,
     is_self_ids,
 )
-from jflash._vma import check_interpretable, match, varying_axes
+from jflash._vma import check_interpretable, match, mosaic_interpret_error, varying_axes
 
 STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
 
@@ -171,16 +171,6 @@ def _onto_mesh(x, mesh, spec: PartitionSpec):
     ):
         return jax.device_put(x, NamedSharding(mesh, spec))
     return x
-
-
-def _mosaic_interpret_error(num_devices: int) -> NotImplementedError:
-    return NotImplementedError(
-        f"implementation='pallas_mosaic' in interpret mode cannot run on {num_devices} "
-        "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
-        "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
-        "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
-        "use implementation='pallas_triton' or 'xla'"
-    )
 
 
 def _check_strategy(layout: str, strategy: str, causal: bool) -> None:
@@ -351,8 +341,6 @@ def ring_attention_shard(
             dtype=q.dtype,
             deterministic=deterministic,
         )
-        if resolved.name == "pallas_mosaic" and resolved.interpret and degree > 1:
-            raise _mosaic_interpret_error(degree)
         check_interpretable(resolved.name, resolved.interpret, q, k, v, *(segs or ()))
         o, lse = ulysses_shard(
             q,
@@ -381,8 +369,6 @@ def ring_attention_shard(
         scale=scale,
         **kernel_choice,
     )
-    if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and ring_shards * degree > 1:
-        raise _mosaic_interpret_error(ring_shards * degree)
     check_interpretable(cfg.kernel.name, cfg.kernel.interpret, q, k, v, *(segs or ()))
 
     def ring(q, k, v, segs):
@@ -560,7 +546,7 @@ def ring_attention(
         deterministic=deterministic,
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
-        raise _mosaic_interpret_error(mesh.size)
+        raise mosaic_interpret_error(mesh.size)
     options = dict(
         axis_name=seq_axis,
         causal=causal,

@@ -45,10 +45,26 @@ def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
 
+def mosaic_interpret_error(num_devices: int) -> NotImplementedError:
+    return NotImplementedError(
+        f"implementation='pallas_mosaic' in interpret mode cannot run on {num_devices} "
+        "devices: jax 0.11.2's GPU interpreter keeps one barrier table for every device "
+        "of a shard_map and fails its end-of-kernel check ('Barrier remains allocated'). "
+        "It runs on a one-device mesh, and compiled on Hopper GPUs; in interpret mode "
+        "use implementation='pallas_triton' or 'xla'"
+    )
+
+
 def check_interpretable(implementation: str, interpret: bool, *xs) -> None:
-    """Refuses an interpreted Pallas kernel inside `shard_map(check_vma=True)`: jax
-    0.11.2's Pallas interpreter does not carry manual-axis types through a kernel
-    body, and fails deep inside with a type error. Compiled kernels run there."""
+    """Refuses an interpreted Pallas kernel where jax 0.11.2's interpreters fail deep
+    inside; compiled kernels run there. Inside a `shard_map` over 2+ devices the GPU
+    (Mosaic) interpreter fails, whatever the kernel's own axes (a data-parallel
+    `shard_map` too), and only after the call has returned (its check runs in a
+    callback). Inside `shard_map(check_vma=True)` no Pallas interpreter carries
+    manual-axis types through a kernel body, and each fails with a type error."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if interpret and implementation == "pallas_mosaic" and mesh.manual_axes and mesh.size > 1:
+        raise mosaic_interpret_error(mesh.size)
     if interpret and implementation != "xla" and varying_axes(*xs):
         raise NotImplementedError(
             f"implementation={implementation!r} in interpret mode cannot run inside "

@@ -754,6 +754,32 @@ def test_interpreted_kernel_under_check_vma_is_named():
 
 
 @pytest.mark.multi_device(2)
+@pytest.mark.skipif(not INTERPRET, reason="the GPU interpreter's limit; compiled Mosaic runs")
+@pytest.mark.parametrize("call", ["flash_attention", "ring_attention_shard"])
+def test_mosaic_interpreter_in_a_shard_map_over_devices_is_refused(call):
+    """The GPU interpreter fails its end-of-kernel barrier check in a `shard_map` over
+    2+ devices whatever the sequence axis's size: a data-parallel `shard_map` around
+    `flash_attention`, or `ring_attention_shard` over a "seq" axis of size 1 beside
+    "data" of 2, is refused by name before tracing a kernel, as `ring_attention` is."""
+    mesh = jax.make_mesh((2, 1), ("data", "seq"), devices=jax.devices()[:2])
+    q, k, v, *_ = make_inputs(
+        0, batch=2, q_len=64, kv_len=64, q_heads=2, kv_heads=1, head_dim=64, dtype=jnp.bfloat16
+    )
+    spec = P("data", "seq")
+    options = dict(causal=True, implementation="pallas_mosaic", interpret=True)
+
+    def per_shard(q, k, v):
+        if call == "flash_attention":
+            return jflash.flash_attention(q, k, v, **options)
+        return jflash.ring_attention_shard(q, k, v, axis_name="seq", **options)
+
+    attend = jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="in interpret mode cannot run on 2 devices"):
+        jax.jit(attend)(*args)
+
+
+@pytest.mark.multi_device(2)
 def test_errors_name_the_problem():
     auto = (jax.sharding.AxisType.Auto,) * 2
     mesh = jax.make_mesh((1, 2), ("data", "seq"), devices=jax.devices()[:2], axis_types=auto)
