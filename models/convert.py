@@ -31,7 +31,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import jax
@@ -401,10 +401,7 @@ def _remove_stale_weights(path: str, written: set[str]) -> None:
     the same directory (a sharded export over a single-file one, or the reverse):
     loaders would read those instead of, or mixed with, the new weights."""
     for name in os.listdir(path):
-        weights = name.startswith(("model.safetensors", "model-", "pytorch_model")) and (
-            name.endswith((".safetensors", ".bin", ".index.json"))
-        )
-        if weights and name not in written:
+        if _is_weights(name) and name not in written:
             os.remove(os.path.join(path, name))
 
 
@@ -621,11 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--out={args.out!r} is a file, not a directory")
     held = [] if args.overwrite else _replaced(args)
     if held:
-        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
-        parser.error(
-            f"--out={args.out!r} already holds {shown}, which this conversion would "
-            "replace: pass --overwrite to replace them, or choose another directory"
-        )
+        parser.error(replace_refusal(args.out, held))
     try:
         _run(args)
     except (ValueError, NotImplementedError, OSError) as e:  # one line, naming the input
@@ -650,28 +643,51 @@ def _replaced(args: argparse.Namespace) -> list[str]:
     out = args.out
     if not os.path.isdir(out):
         return []
-    names = sorted(os.listdir(out))
     if args.from_hf:
         written = {NATIVE_PARAMS, NATIVE_CONFIG}
-        weights = set()
         source = args.from_hf
     else:
         written = {"config.json"}
-        weights = {
-            n
-            for n in names
-            if n.startswith(("model.safetensors", "model-", "pytorch_model"))
-            and n.endswith((".safetensors", ".bin", ".index.json"))
-        }
         source = args.to_hf or args.tokenizer
     if source is not None and os.path.isfile(source):  # --tokenizer given as its file
         written.add("tokenizer.json")
         source = os.path.dirname(source) or "."
     if source is not None and os.path.isdir(source) and not os.path.samefile(source, out):
         written |= {n for n in _TOKENIZER_FILES if os.path.exists(os.path.join(source, n))}
+    return replaced_files(out, written, weights=not args.from_hf)
+
+
+def replaced_files(out: str, written: Iterable[str], *, weights: bool) -> list[str]:
+    """The files in directory ``out`` (sorted; none where it is no directory) that
+    writing the files named ``written`` there would replace, and with ``weights`` every
+    HF weight file there, which :func:`export_hf` removes where it does not write it:
+    what a command writing a model into ``out`` refuses to replace without
+    ``--overwrite`` (:func:`replace_refusal`)."""
+    if not os.path.isdir(out):
+        return []
+    written = set(written)
     return [
-        n for n in names if (n in written or n in weights) and os.path.isfile(os.path.join(out, n))
+        n
+        for n in sorted(os.listdir(out))
+        if (n in written or (weights and _is_weights(n))) and os.path.isfile(os.path.join(out, n))
     ]
+
+
+def replace_refusal(out: str, held: list[str], what: str = "this conversion") -> str:
+    """The one line refusing ``--out`` that holds the files ``held``
+    (:func:`replaced_files`), which ``what`` would replace."""
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return (
+        f"--out={out!r} already holds {shown}, which {what} would replace: pass "
+        "--overwrite to replace them, or choose another directory"
+    )
+
+
+def _is_weights(name: str) -> bool:
+    """An HF weight file's name (safetensors or PyTorch, single or sharded, its index)."""
+    return name.startswith(("model.safetensors", "model-", "pytorch_model")) and name.endswith(
+        (".safetensors", ".bin", ".index.json")
+    )
 
 
 def _shard_bytes(args: argparse.Namespace) -> int | None:

@@ -75,13 +75,14 @@ def cli_helps() -> list[str]:
     """The `--help` of the trainer, its data and conversion commands and its tools."""
     from models import convert
     from train import config, data
-    from train.tools import capacity, gradcheck, profile, trace
+    from train.tools import capacity, export, gradcheck, profile, trace
 
     texts = [
         config.build_parser().format_help(),
         _help(convert.main, ["--help"]),
         _help(capacity.main, ["--help"]),
         _help(capacity.main_plot, ["--help"]),
+        _help(export.main, ["--help"]),
         _help(gradcheck.main, ["--help"]),
         _help(profile.main, ["--help"]),
         _help(trace.main, ["--help"]),

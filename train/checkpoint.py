@@ -147,6 +147,35 @@ class Checkpoints:
         """`(state, meta)` of `step`, placed with the shardings of `abstract_state`.
 
         Raises ValueError naming the checkpoint when it is missing or unreadable."""
+        return self._restore(
+            step,
+            ocp.args.StandardRestore(abstract_state),
+            lambda earlier: (
+                f"--resume_from_checkpoint {os.path.join(self.directory, str(earlier))} "
+                "(into a new --output_dir)"
+            ),
+        )
+
+    def restore_params(self, step: int, abstract_params):
+        """`(params, meta)` of `step`: only the `params` subtree of the saved state is
+        read (the optimizer state, two or three times its size, stays on disk), placed
+        with the shardings of `abstract_params` (whatever the mesh that saved it).
+
+        Raises ValueError naming the checkpoint when it is missing or unreadable."""
+        item = {"params": abstract_params}
+        restore_args = jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(
+                sharding=x.sharding, global_shape=x.shape, dtype=x.dtype
+            ),
+            item,
+        )
+        args = ocp.args.PyTreeRestore(item, restore_args=restore_args, partial_restore=True)
+        state, meta = self._restore(step, args, lambda earlier: f"--step {earlier}")
+        return state["params"], meta
+
+    def _restore(self, step: int, state_args, advise):
+        """`(state, meta)` of `step`, the state read with `state_args`; `advise(earlier)`
+        words the advice to read the checkpoint `earlier` where `step` cannot be read."""
         steps = self.all_steps()
         if step not in steps:
             raise ValueError(f"no checkpoint {step} in {self.directory}; it has {steps}")
@@ -156,20 +185,12 @@ class Checkpoints:
             with _quiet_logger("asyncio"):
                 restored = self._manager.restore(
                     step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
-                        meta=ocp.args.JsonRestore(),
-                    ),
+                    args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()),
                 )
         except Exception as e:  # noqa: BLE001 - any read failure: name the checkpoint
             where = os.path.join(self.directory, str(step))
             earlier = [s for s in steps if s < step]
-            advice = (
-                f"; an earlier one: --resume_from_checkpoint "
-                f"{os.path.join(self.directory, str(earlier[-1]))} (into a new --output_dir)"
-                if earlier
-                else ""
-            )
+            advice = f"; an earlier one: {advise(earlier[-1])}" if earlier else ""
             raise ValueError(
                 f"checkpoint {where} could not be restored, damaged or incomplete "
                 f"({_root_cause(e)}){advice}"

@@ -383,12 +383,17 @@ def copy_tokenizer(source: str, hf_dir: str) -> None:
     if os.path.isfile(source):
         shutil.copy2(source, os.path.join(hf_dir, "tokenizer.json"))
         return
+    for name in tokenizer_files(source):
+        shutil.copy2(os.path.join(source, name), os.path.join(hf_dir, name))
+
+
+def tokenizer_files(source: str) -> list[str]:
+    """The names of the files `copy_tokenizer` writes from `source`."""
+    if os.path.isfile(source):
+        return ["tokenizer.json"]
     if not os.path.isdir(source):
-        return
-    for name in TOKENIZER_FILES:
-        src = os.path.join(source, name)
-        if os.path.isfile(src):
-            shutil.copy2(src, os.path.join(hf_dir, name))
+        return []
+    return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
 
 
 # Flags a demo (`make demo`, `make demo-text`) sets itself; the others pass through.

@@ -6,7 +6,9 @@
 - `trace`: one `jax.profiler` trace's time per phase, kernel class and communication
   (the trainer's `--profile_steps` traces, or a profile row's);
 - `capacity`: the longest context a training step fits in, compiled, nothing run;
-- `gradcheck`: one step's gradients under several layouts, per parameter.
+- `gradcheck`: one step's gradients under several layouts, per parameter;
+- `export`: any saved checkpoint of a run as an HF directory (the run's own `hf/` is
+  its last step's).
 
 The job (`python -m train`) imports none of them.
 """

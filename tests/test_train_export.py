@@ -1,0 +1,216 @@
+"""`python -m train.tools.export`: any saved checkpoint of a run as an HF directory, the
+one the run's own end-of-run export (`hf/`) is for the same step; refusals in one line
+that write nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import models
+from models.safetensors_io import SafetensorsFile
+from train import data as data_lib
+from train.config import parse_args
+from train.loop import run
+from train.tools import export
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _argv(out: Path, tokenizer: Path, max_steps: int) -> list[str]:
+    return [
+        "--model_name_or_path",
+        "tiny",
+        "--data_path",
+        "sample",
+        "--tokenizer_name_or_path",
+        str(tokenizer),
+        "--model_max_length",
+        "64",
+        "--sample_num_examples",
+        "24",
+        "--mesh",
+        "data=1,fsdp=-1,seq=1",  # parameters sharded over 8 devices; the export has one
+        "--attention",
+        "xla",
+        "--max_steps",
+        str(max_steps),
+        "--save_steps",
+        "2",
+        # A schedule that does not depend on the run's length: steps 1-2 of a 4-step run
+        # are those of a 2-step run.
+        "--lr_scheduler_type",
+        "constant",
+        "--learning_rate",
+        "1e-3",
+        "--report_to",
+        "none",
+        "--progress",
+        "false",
+        "--output_dir",
+        str(out),
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A 4-step run saving steps 2 and 4 and a 2-step run, alike but for their length,
+    with a BPE tokenizer whose EOS (0) is not the preset's (2)."""
+    pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("export")
+    corpus = root / "corpus.txt"
+    corpus.write_text((REPO / "docs" / "trainer.md").read_text())
+    data_lib.train_tokenizer([corpus], root / "tok", vocab_size=300)
+    run(parse_args(_argv(root / "long", root / "tok", 4)))
+    run(parse_args(_argv(root / "short", root / "tok", 2)))
+    return {"long": root / "long", "short": root / "short", "root": root}
+
+
+def _tensors(directory: Path) -> dict[str, np.ndarray]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update({k: np.array(v) for k, v in SafetensorsFile(str(file)).items()})
+    return tensors
+
+
+def _same_hf(a: Path, b: Path) -> None:
+    """The two HF directories hold the same files, configs and tokenizer byte for byte,
+    tensors bitwise."""
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    for name in os.listdir(a):
+        if not name.endswith(".safetensors"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys() and ta
+    for key in ta:
+        assert ta[key].dtype == tb[key].dtype and np.array_equal(
+            ta[key].view(np.uint8), tb[key].view(np.uint8)
+        ), key
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `directory` with its size and modification time."""
+    return {
+        str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+    }
+
+
+def test_latest_is_the_runs_own_hf(runs, tmp_path, capsys):
+    long = runs["long"]
+    before = _snapshot(long)
+    assert export.main([str(long), "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out.startswith(f"exported checkpoint 4 of {long} -> ")
+    _same_hf(tmp_path / "hf", long / "hf")
+    # The run's EOS (the tokenizer's), not the preset's; the tokenizer goes along.
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == 0 != models.preset("tiny").eos_token_id
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert _snapshot(long) == before  # the run is only read
+    # --step 4 is the same checkpoint.
+    assert export.main([str(long), "--out", str(tmp_path / "four"), "--step", "4"]) == 0
+    _same_hf(tmp_path / "four", long / "hf")
+
+
+def test_an_earlier_step_is_the_hf_of_a_run_stopped_there(runs, tmp_path):
+    out = tmp_path / "two"
+    assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
+    _same_hf(out, runs["short"] / "hf")
+    two, four = _tensors(out), _tensors(runs["long"] / "hf")
+    assert any(not np.array_equal(two[k], four[k]) for k in two)  # it trained on
+    config, params = models.load_hf(str(out))
+    assert config.eos_token_id == 0
+    np.testing.assert_array_equal(params["embed"]["embedding"], two["model.embed_tokens.weight"])
+
+
+def test_dtype_and_shards(runs, tmp_path):
+    out = tmp_path / "bf16"
+    argv = [str(runs["long"]), "--out", str(out), "--dtype", "bfloat16", "--max-shard-gb", "1e-4"]
+    assert export.main(argv) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    ref = _tensors(runs["long"] / "hf")
+    got = _tensors(out)
+    for key in ref:
+        np.testing.assert_array_equal(got[key], ref[key].astype(got[key].dtype))
+        assert got[key].dtype.name == "bfloat16"
+
+
+def test_overwrite_replaces_the_model_in_out(runs, tmp_path):
+    out = tmp_path / "out"
+    assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
+    (out / "tokenizer.model").write_text("another model's")  # not the run's: dropped
+    (out / "notes.txt").write_text("mine")  # not a model's file: kept
+    assert export.main([str(runs["long"]), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    _same_hf(out, runs["long"] / "hf")
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit:
+        export.main(argv)
+    assert exit.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
+def test_refusals_write_nothing(runs, tmp_path, capsys):
+    long = runs["long"]
+    before = _snapshot(long)
+    out = tmp_path / "new"
+    line = _refused([str(long), "--out", str(out), "--step", "3"], capsys)
+    assert line.endswith(
+        f"--step='3': no such checkpoint in {long}/checkpoints; it has 2, 4 (or latest)"
+    )
+    assert "not a run's --output_dir: it has no train_config.yaml" in _refused(
+        [str(tmp_path), "--out", str(out)], capsys
+    )
+    line = _refused([str(long), "--out", str(long / "checkpoints" / "hf")], capsys)
+    assert f"lies in the run's {long}/checkpoints" in line
+    assert "lies in the run's" in _refused([str(long), "--out", str(long / "hf")], capsys)
+    assert "invalid choice: 'int8'" in _refused(
+        [str(long), "--out", str(out), "--dtype", "int8"], capsys
+    )
+    assert not out.exists()
+    # An --out that holds a model: its files stay as they were.
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "config.json").write_text("{}")
+    (held / "model-00001-of-00002.safetensors").write_text("old")
+    kept = _snapshot(held)
+    line = _refused([str(long), "--out", str(held)], capsys)
+    assert line == (
+        f"error: --out={str(held)!r} already holds config.json, "
+        "model-00001-of-00002.safetensors, which the export would replace: pass "
+        "--overwrite to replace them, or choose another directory"
+    )
+    assert _snapshot(held) == kept
+    assert _snapshot(long) == before
+
+
+def test_a_run_without_checkpoints_or_a_damaged_one(runs, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(runs["long"] / "train_config.yaml", bare)
+    line = _refused([str(bare), "--out", str(tmp_path / "x")], capsys)
+    assert line == f"error: RUN_DIR={str(bare)!r} has no checkpoints/ (the run saved none)"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs["long"], damaged)
+    state = damaged / "checkpoints" / "4" / "state"
+    for part in state.iterdir():
+        if part.is_dir() and part.name != "array_metadatas":
+            shutil.rmtree(part)
+    line = _refused([str(damaged), "--out", str(tmp_path / "x")], capsys)
+    assert line.startswith(f"error: checkpoint {damaged}/checkpoints/4 could not be restored")
+    assert line.endswith("; an earlier one: --step 2")
+    assert not (tmp_path / "x").exists()

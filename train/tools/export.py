@@ -1,0 +1,215 @@
+"""`python -m train.tools.export RUN_DIR --out DIR`: one saved checkpoint of a run as an
+HF directory, the one the run's end-of-run export (`<output_dir>/hf`) would be had the
+run ended at that step.
+
+    python -m train.tools.export RUN_DIR --out DIR [--step N | --step latest]
+        [--dtype float32|bfloat16|float16] [--max-shard-gb N] [--overwrite]
+
+RUN_DIR is a run's `--output_dir`: its `train_config.yaml` gives the model and the
+tokenizer (the model's config as the run built it, with the EOS it packed documents
+with: `train.build.export_config`), its `checkpoints/<step>` the weights. Only the
+checkpoint's parameters are read (not the optimizer state), onto the host CPU, whatever
+mesh saved them. RUN_DIR is only read. An `--out` that already holds a model (its
+config, weights or tokenizer files) is refused unless `--overwrite` is given, and one
+inside the run's own outputs always is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+
+import models
+from models.convert import replace_refusal, replaced_files
+from train import outputs
+from train.build import export_config, model_config
+from train.checkpoint import Checkpoints, shapes_by_path
+from train.config import OneLineParser, from_overrides, load_yaml
+from train.errors import TrainingError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(
+        prog="python -m train.tools.export",
+        description="Export one saved checkpoint of a run as an HF directory.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's --output_dir")
+    p.add_argument("--out", required=True, metavar="DIR", help="the HF directory to write")
+    p.add_argument(
+        "--step", default="latest", help="the checkpoint's step, or latest (default: latest)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="dtype of the written tensors (default float32, as the run's own export)",
+    )
+    p.add_argument(
+        "--max-shard-gb",
+        type=float,
+        default=None,
+        help="split the weights into shards of at most this many GB (default: one file)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model and tokenizer files already in --out",
+    )
+    return p
+
+
+# The files an export writes into `--out` or, with `--overwrite`, removes there: the
+# config, and every tokenizer file (the run's are copied in, another model's dropped);
+# the weight files are `replaced_files`'s.
+WRITTEN = ("config.json", *outputs.TOKENIZER_FILES)
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory + os.sep)
+
+
+def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
+    """Refuses an `--out` that is a file, the run's directory or inside its outputs (the
+    export never writes into the run), or that holds a model, without `overwrite`."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise TrainingError(f"--out={out!r} is a file, not a directory")
+    if os.path.realpath(out) == os.path.realpath(run_dir):
+        raise TrainingError(f"--out={out!r} is RUN_DIR itself, which the export only reads")
+    for name in outputs.RUN_OUTPUTS:
+        if _inside(out, os.path.join(run_dir, name)):
+            raise TrainingError(
+                f"--out={out!r} lies in the run's {os.path.join(run_dir, name)}, which the "
+                "export only reads: choose a directory outside the run's outputs"
+            )
+    held = [] if overwrite else replaced_files(out, WRITTEN, weights=True)
+    if held:
+        raise TrainingError(replace_refusal(out, held, "the export"))
+    outputs.check_writable(out, "--out")
+
+
+def _settings(run_dir: str):
+    """The run's `TrainConfig`, from its `train_config.yaml`."""
+    path = os.path.join(run_dir, outputs.SETTINGS_FILE)
+    if not os.path.isdir(run_dir):
+        raise TrainingError(f"RUN_DIR={run_dir!r} is not a directory")
+    if not os.path.isfile(path):
+        raise TrainingError(
+            f"RUN_DIR={run_dir!r} is not a run's --output_dir: it has no {outputs.SETTINGS_FILE}"
+        )
+    try:
+        return from_overrides(load_yaml(path), {}, where=path)
+    except (ValueError, TypeError) as e:
+        raise TrainingError(f"{path}: not the settings of a run this trainer reads ({e})") from None
+
+
+def _step(value: str, checkpoints: Checkpoints) -> int:
+    """`--step`: `latest`, or one of the saved steps."""
+    steps = checkpoints.all_steps()
+    if not steps:
+        raise TrainingError(f"no checkpoint in {checkpoints.directory}")
+    if value == "latest":
+        return steps[-1]
+    if not value.isdigit() or int(value) not in steps:
+        raise TrainingError(
+            f"--step={value!r}: no such checkpoint in {checkpoints.directory}; it has "
+            f"{', '.join(map(str, steps))} (or latest)"
+        )
+    return int(value)
+
+
+def export(
+    run_dir: str,
+    out: str,
+    step: str = "latest",
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+) -> tuple[int, int]:
+    """Writes checkpoint `step` (a step, or "latest") of the run in `run_dir` as an HF
+    directory `out`, with the run's tokenizer; returns `(step, parameter count)`.
+
+    Raises TrainingError (one line, naming the value) where `run_dir` is no run's
+    directory, `step` is not saved there, the checkpoint cannot be read, or `out` cannot
+    take the export (see `_check_out`)."""
+    if dtype not in DTYPES:
+        raise TrainingError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    cfg = _settings(run_dir)
+    _check_out(run_dir, out, overwrite)
+    if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        raise TrainingError(f"RUN_DIR={run_dir!r} has no checkpoints/ (the run saved none)")
+    # The run's model config as it built it, and what its own export changes there.
+    try:
+        config = export_config(cfg, model_config(cfg))
+    except TrainingError as e:  # the model or tokenizer the run read is gone
+        raise TrainingError(f"{os.path.join(run_dir, outputs.SETTINGS_FILE)}: {e}") from None
+    checkpoints = Checkpoints(run_dir, None, read_only=True)
+    try:
+        chosen = _step(step, checkpoints)
+        abstract = models.abstract_params(config)
+        saved = checkpoints.param_shapes(chosen)
+        now = shapes_by_path(abstract)
+        if saved is not None and saved != now:
+            k = next(k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k))
+            raise TrainingError(
+                f"checkpoint {chosen} in {checkpoints.directory} holds another model's "
+                f"parameters ({k}: {saved.get(k, 'absent')} there, {now.get(k, 'absent')} in "
+                f"the run's --model_name_or_path={cfg.model.model_name_or_path!r} now)"
+            )
+        cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), abstract
+        )
+        try:
+            params, _ = checkpoints.restore_params(chosen, abstract)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+    finally:
+        checkpoints.close()
+    params = jax.tree.map(np.asarray, params)
+    models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+    outputs.copy_tokenizer(tokenizer, out)
+    copied = outputs.tokenizer_files(tokenizer)
+    for name in outputs.TOKENIZER_FILES:  # another model's, where --overwrite replaced it
+        path = os.path.join(out, name)
+        if name not in copied and os.path.isfile(path):
+            os.remove(path)
+    return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_shard_gb is not None and not args.max_shard_gb > 0:
+        parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
+    shard = None if args.max_shard_gb is None else max(1, int(args.max_shard_gb * 1e9))
+    try:
+        step, count = export(
+            args.run_dir,
+            args.out,
+            args.step,
+            dtype=args.dtype,
+            max_shard_bytes=shard,
+            overwrite=args.overwrite,
+        )
+    except (TrainingError, OSError) as e:
+        parser.exit(2, f"error: {e}\n")
+    print(
+        f"exported checkpoint {step} of {args.run_dir} -> {args.out}: {count:,} parameters, "
+        f"{args.dtype}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    # The export reads and writes on the host: it leaves any accelerator (perhaps
+    # training this run) alone.
+    jax.config.update("jax_platforms", "cpu")
+    sys.exit(main())
