@@ -690,8 +690,9 @@ def _is_weights(name: str) -> bool:
     )
 
 
-def _shard_bytes(args: argparse.Namespace) -> int | None:
-    return None if args.max_shard_gb is None else max(1, int(args.max_shard_gb * 1e9))
+def shard_bytes(max_shard_gb: float | None) -> int | None:
+    """``--max-shard-gb`` as ``export_hf``'s ``max_shard_bytes`` (None: one file)."""
+    return None if max_shard_gb is None else max(1, int(max_shard_gb * 1e9))
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -703,7 +704,7 @@ def _run(args: argparse.Namespace) -> None:
             vocab_size=args.vocab_size,
             seed=args.seed or 0,
             dtype=args.dtype or "float32",
-            max_shard_bytes=_shard_bytes(args),
+            max_shard_bytes=shard_bytes(args.max_shard_gb),
         )
         print(
             f"wrote {args.out}: {args.init} randomly initialised, vocab_size="
@@ -722,7 +723,7 @@ def _run(args: argparse.Namespace) -> None:
             config,
             args.out,
             dtype=args.dtype or "float32",
-            max_shard_bytes=_shard_bytes(args),
+            max_shard_bytes=shard_bytes(args.max_shard_gb),
         )
         _copy_tokenizer(args.to_hf, args.out)
         src = args.to_hf

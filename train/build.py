@@ -27,7 +27,7 @@ from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache
 from train.config import TrainConfig
-from train.dataset import Rows, TokenDataset
+from train.dataset import Rows, ShortData, TokenDataset
 from train.errors import TrainingError
 from train.mesh import (
     SEQ_AXES,
@@ -182,16 +182,14 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                 pad_last=eval,
                 packing=cfg.data.packing,
             )
+        except ShortData as e:  # the row's length by its flag
+            raise TrainingError(
+                f"{e.source}: {e.tokens} tokens do not fill one row of "
+                f"--model_max_length={e.seq_len} tokens; lower --model_max_length or add data"
+            ) from None
         except ValueError as e:
             if tokenizer and "out of range for vocab_size" in str(e):
                 _blame_the_tokenizer(cfg, tokenizer, config.vocab_size, e)
-            short = f"do not fill one row of seq_len={cfg.data.model_max_length}"
-            if str(e).endswith(short):  # the row's length by its flag
-                flag = f"--model_max_length={cfg.data.model_max_length}"
-                raise TrainingError(
-                    f"{str(e).removesuffix(short)}do not fill one row of {flag} tokens; lower "
-                    "--model_max_length or add data"
-                ) from None
             raise
     return dataset.rows(
         cfg.data.model_max_length, eos_id=eos, pad_last=eval, packing=cfg.data.packing

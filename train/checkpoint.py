@@ -213,6 +213,21 @@ def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
     return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
+def other_params(saved: dict | None, params) -> str | None:
+    """Where a checkpoint's parameter shapes (`Checkpoints.param_shapes`; None: unknown)
+    differ from those of `params`: `"<path>: <shape> there, <shape>"` for the first
+    path in order (`absent` on the side that lacks it), to which the caller adds where
+    the second shape comes from; None where they are the same."""
+    if saved is None:
+        return None
+    now = shapes_by_path(params)
+    differ = [k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
+    if not differ:
+        return None
+    k = differ[0]
+    return f"{k}: {saved.get(k, 'absent')} there, {now.get(k, 'absent')}"
+
+
 def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None] | None:
     """`--resume_from_checkpoint` -> `(output_dir to read, step or None=latest)`.
 

@@ -42,7 +42,15 @@ import numpy as np
 
 from models.loss import IGNORE_INDEX
 from train.chat import chat_template_stamp
-from train.dataset import PACKINGS, Rows, TokenDataset, load_dataset, padding_tokens, whole_layout
+from train.dataset import (
+    PACKINGS,
+    Rows,
+    ShortData,
+    TokenDataset,
+    load_dataset,
+    padding_tokens,
+    whole_layout,
+)
 from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
 
 FORMAT = "jflash-token-cache"
@@ -284,9 +292,7 @@ class CachedRows:
         rounding = seq_len - 1 if pad_last else 0
         self._num_rows = (self._total + rounding) // seq_len
         if self._num_rows == 0:
-            raise ValueError(
-                f"{cache.path}: {cache.num_tokens} tokens do not fill one row of {seq_len=}"
-            )
+            raise ShortData(cache.path, cache.num_tokens, seq_len)
 
     @property
     def num_rows(self) -> int:
@@ -607,11 +613,11 @@ def packed_rows(
         _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
+    lengths = dataset.stream_lengths(eos_id)
     _note_cut_prompts(path, seq_len, dataset)
-    _note_stream_cuts(path, seq_len, packing, dataset, dataset.stream_lengths(eos_id))
+    _note_stream_cuts(path, seq_len, packing, dataset, lengths)
     rows = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing)
     if packing == "whole":
-        lengths = dataset.stream_lengths(eos_id)
         _, total = whole_layout(lengths, seq_len)
         _say_padding(
             path,

@@ -49,6 +49,14 @@ _MAX_ID = np.iinfo(np.int32).max
 PACKINGS = ("stream", "whole")
 
 
+class ShortData(ValueError):
+    """Data of fewer tokens than one row: ``source`` (its path), ``tokens``, ``seq_len``."""
+
+    def __init__(self, source, tokens: int, seq_len: int):
+        super().__init__(f"{source}: {tokens} tokens do not fill one row of {seq_len=}")
+        self.source, self.tokens, self.seq_len = source, tokens, seq_len
+
+
 def whole_layout(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
     """``(starts, total)`` of ``"whole"`` packing: int64 ``starts[i]``, where example
     ``i`` (``lengths[i]`` tokens, its EOS included) starts in the padded stream, and the
@@ -264,7 +272,7 @@ class TokenDataset:
                 padding = np.append(padding, np.ones(fill, bool))
         num_rows = len(tokens) // seq_len
         if num_rows == 0:
-            raise ValueError(f"{self.path}: {len(tokens)} tokens do not fill one row of {seq_len=}")
+            raise ShortData(self.path, len(tokens), seq_len)
         next_targets = np.append(targets[1:], np.int32(IGNORE_INDEX))
         if mask_boundaries:
             next_targets[:-1][docs[1:] != docs[:-1]] = IGNORE_INDEX

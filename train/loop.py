@@ -22,9 +22,9 @@ from train import outputs, reporters
 from train.build import Trainer, build, export_config, is_sample_data, profile_window
 from train.checkpoint import (
     Checkpoints,
+    other_params,
     remove_partial_saves,
     resolve_resume,
-    shapes_by_path,
 )
 from train.config import TrainConfig
 from train.errors import TrainingError
@@ -633,15 +633,9 @@ def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
 def _check_model(saved: dict | None, params, step: int, cfg: TrainConfig, where: str) -> None:
     """Refuses a checkpoint of another model (other parameters or shapes) before its
     state is read: Orbax would fail on every array, a screen of tracebacks each."""
-    if saved is None:
-        return
-    now = shapes_by_path(params)
-    differ = [k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
-    if differ:
-        k = differ[0]
+    if differ := other_params(saved, params):
         raise TrainingError(
-            f"checkpoint {step} in {where} holds another model's parameters ({k}: "
-            f"{saved.get(k, 'absent')} there, {now.get(k, 'absent')} in "
+            f"checkpoint {step} in {where} holds another model's parameters ({differ} in "
             f"--model_name_or_path={cfg.model.model_name_or_path!r}); resume with the model "
             "that wrote it"
         )

@@ -23,14 +23,13 @@ import jax
 import numpy as np
 
 import models
-from models.convert import replace_refusal, replaced_files
+from models.config import DTYPES
+from models.convert import replace_refusal, replaced_files, shard_bytes
 from train import outputs
 from train.build import export_config, model_config
-from train.checkpoint import Checkpoints, shapes_by_path
+from train.checkpoint import Checkpoints, other_params
 from train.config import OneLineParser, from_overrides, load_yaml
 from train.errors import TrainingError
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_parser() -> OneLineParser:
@@ -153,14 +152,11 @@ def export(
     try:
         chosen = _step(step, checkpoints)
         abstract = models.abstract_params(config)
-        saved = checkpoints.param_shapes(chosen)
-        now = shapes_by_path(abstract)
-        if saved is not None and saved != now:
-            k = next(k for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k))
+        if differ := other_params(checkpoints.param_shapes(chosen), abstract):
             raise TrainingError(
                 f"checkpoint {chosen} in {checkpoints.directory} holds another model's "
-                f"parameters ({k}: {saved.get(k, 'absent')} there, {now.get(k, 'absent')} in "
-                f"the run's --model_name_or_path={cfg.model.model_name_or_path!r} now)"
+                f"parameters ({differ} in the run's "
+                f"--model_name_or_path={cfg.model.model_name_or_path!r} now)"
             )
         cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         abstract = jax.tree.map(
@@ -189,14 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_shard_gb is not None and not args.max_shard_gb > 0:
         parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
-    shard = None if args.max_shard_gb is None else max(1, int(args.max_shard_gb * 1e9))
     try:
         step, count = export(
             args.run_dir,
             args.out,
             args.step,
             dtype=args.dtype,
-            max_shard_bytes=shard,
+            max_shard_bytes=shard_bytes(args.max_shard_gb),
             overwrite=args.overwrite,
         )
     except (TrainingError, OSError) as e:
