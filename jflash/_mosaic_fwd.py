@@ -320,7 +320,8 @@ def _fwd_kernel(
         q_smem = q_smem2.at[wg]
         # Without segment ids (whose tile order and table are reads from HBM), the next
         # item's Q loads from the last step on: its S wait is the last wgmma that reads Q.
-        early = split and not segments
+        # (Not on three warpgroups, whose next Q K^T a later turn may issue.)
+        early = (split or not overlap) and not segments
 
         def prefetch_q():
             ticket = peek_ticket(k + 1)
@@ -396,6 +397,8 @@ def _fwd_kernel(
                 return acc[...]  # [64, width] f32
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, width), jnp.float32))
+            if early:  # this warpgroup's last read of Q is done
+                pl.when(j == st.hi - 1)(prefetch_q)
             ids = step_ids(slot, masked, width)
             plgpu.barrier_arrive(k_free.at[slot])
             acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
