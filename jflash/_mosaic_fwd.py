@@ -99,12 +99,6 @@ THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
-# The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries, in
-# 256-key steps) runs a masked step whose second half no row of the warpgroup sees
-# (the causal diagonal's last step, for every other 128-row query tile) on its first
-# half: at causal 4k that is 16 of a head's 272 steps halved, about 3% of the work.
-HALF_STEPS = True
-HALF_STEP_MIN = 64  # keys in a half step (a wgmma's N and P V's K are multiples of 16)
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
 # (`_mosaic_common.profiling`, `benchmarks/timeline.py`); outside the profiler they
 # change no instruction. Per key step of the overlapped loop (two warpgroups at D=128,
@@ -258,9 +252,6 @@ def _fwd_kernel(
     # runs beside the other's last step, not in its way.
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
-    # The other loop (D = 64 under THREE_WG_MIN_LEN queries, 256-key steps) runs a
-    # masked step on its first half where no row sees the second (`HALF_STEPS`).
-    half_steps = HALF_STEPS and not overlap and block_kv >= 2 * HALF_STEP_MIN
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -320,7 +311,7 @@ def _fwd_kernel(
         q_smem = q_smem2.at[wg]
         # Without segment ids (whose tile order and table are reads from HBM), the next
         # item's Q loads from the last step on: its S wait is the last wgmma that reads Q.
-        # (Not on three warpgroups, whose next Q K^T a later turn may issue.)
+        # (Three warpgroups load it after their last P V.)
         early = (split or not overlap) and not segments
 
         def prefetch_q():
@@ -338,27 +329,27 @@ def _fwd_kernel(
         # Each span's length (0 where it is empty), for `by_spans`.
         width = None if lo is None else jnp.maximum(hi - lo, jnp.int32(0)).astype(jnp.uint32)
 
-        def step_ids(slot, masked: bool, width: int = block_kv):
-            """The step's key ids (its first `width`), read before its K slot is released."""
+        def step_ids(slot, masked: bool):
+            """The step's key ids, read before its K slot is released."""
             if not (masked and segments) or spans_only:
                 return None
-            return col_ids(kv_ids.at[slot].at[:width])
+            return col_ids(kv_ids.at[slot])
 
         def by_spans(j, s):
             """`s` with the keys outside each row's span hidden (its document's keys,
             cut at the diagonal and the real length): `lo <= k < hi` as one unsigned
             comparison per entry, `k - lo < hi - lo` (a key before `lo` wraps round to a
             large unsigned number)."""
-            shape = s.shape
+            shape = (bq, block_kv)
             col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
             rel = col + lax.broadcast_in_dim(j * block_kv - lo, shape, [0])  # k - lo
             seen = rel.astype(jnp.uint32) < lax.broadcast_in_dim(width, shape, [0])
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def by_ids(j, s, ids):
-            seen = visible(geom, q_start, j * block_kv, s.shape)
+            seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
             if ids is not None:
-                seen = seen & same_segment(q_ids, ids, s.shape)
+                seen = seen & same_segment(q_ids, ids, (bq, block_kv))
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
@@ -382,47 +373,26 @@ def _fwd_kernel(
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(turn)  # tensor cores are ours
 
-        def step_of(j, carry, *, masked: bool, width: int = block_kv):
-            """One key step over the slot's first `width` keys (the rest hidden)."""
+        def step(j, carry, *, masked: bool):
             acc, m, l = carry
             slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
-            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
-            if width < block_kv:
-                k_tile, v_tile = k_tile.at[:width], v_tile.at[:width]
 
             def qk(acc):
-                plgpu.wgmma(acc, q_smem, k_tile.T)
+                plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
                 take_turn()  # while this wgmma runs, the other warpgroup does softmax
-                return acc[...]  # [64, width] f32
+                return acc[...]  # [64, block_kv] f32
 
-            s = pl.run_scoped(qk, plgpu.ACC((bq, width), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
             if early:  # this warpgroup's last read of Q is done
                 pl.when(j == st.hi - 1)(prefetch_q)
-            ids = step_ids(slot, masked, width)
+            ids = step_ids(slot, masked)
             plgpu.barrier_arrive(k_free.at[slot])
             acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             take_tensor_cores(slot)
-            (acc,) = wgmma_into((acc,), [(p16, v_tile)], interpret=interpret)  # += P V
+            (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
-
-        # The last key this warpgroup's rows may see, by the causal diagonal and the
-        # real length (segment ids only hide more).
-        k_end = jnp.int32(geom.kv_len)
-        if geom.mask.causal:
-            k_end = jnp.minimum(k_end, q_start + bq + geom.diag)
-
-        def step(j, carry, *, masked: bool):
-            if not (masked and half_steps):
-                return step_of(j, carry, masked=masked)
-            # A masked step whose second half no row sees (the causal diagonal's last
-            # step for half the query tiles) runs on its first half only.
-            half = (k_end <= j * block_kv + block_kv // 2).astype(jnp.int32)
-            whole = functools.partial(step_of, j, masked=True)
-            carry = lax.fori_loop(0, 1 - half, lambda _, c: whole(c), carry)
-            part = functools.partial(step_of, j, masked=True, width=block_kv // 2)
-            return lax.fori_loop(0, half, lambda _, c: part(c), carry)
 
         def skip(j, carry):
             # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
