@@ -9,12 +9,16 @@ import threading
 
 from train import outputs
 from train.config import parse_args
+from train.errors import Preempted
 from train.loop import TrainingError, run
 from train.words import plural
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler preempting the job, `kill`): handled as Ctrl-C is."""
+    """SIGTERM (a scheduler preempting the job, `kill`) outside the training loop, or
+    inside it with `--save_on_preemption false` or `--save_strategy no`: handled as
+    Ctrl-C is. Inside it otherwise the loop saves the step it reached first
+    (`train.errors.Preempted`)."""
 
 
 def _on_sigterm(signum, frame):
@@ -71,7 +75,8 @@ def _notes(error: BaseException) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     cfg = None
     # SIGTERM ends the run as Ctrl-C does: a save in flight finishes, one line names the
-    # last checkpoint. Signal handlers belong to the main thread only.
+    # last checkpoint (while the loop trains, it saves the step reached first:
+    # `train.loop._Preemption`). Signal handlers belong to the main thread only.
     own = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
     try:
@@ -88,12 +93,21 @@ def main(argv: list[str] | None = None) -> int:
         # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
         # now: XLA's threads may still hold the interrupted step, and tearing down the
         # interpreter around them aborts the process.
-        terminated = isinstance(interrupt, Terminated)
+        terminated = isinstance(interrupt, (Terminated, Preempted))
         how = "terminated (SIGTERM)" if terminated else "interrupted"
         notes = _notes(e)
         put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
         not_started = outputs.NOT_STARTED in notes
-        line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
+        if isinstance(interrupt, Preempted) and interrupt.saved:
+            line = (
+                f"SIGTERM: saved a checkpoint at step {interrupt.step} in "
+                f"{interrupt.directory}; resume with --resume_from_checkpoint latest"
+            )
+        elif isinstance(interrupt, Preempted):
+            how = f"{how} after step {interrupt.step}, nothing saved ({interrupt.why})"
+            line = _interrupted(cfg.run.output_dir, how, put_back, not_started)
+        else:
+            line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
         print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()

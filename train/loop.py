@@ -9,7 +9,9 @@ import functools
 import hashlib
 import math
 import os
+import signal
 import sys
+import threading
 import time
 
 import jax
@@ -27,7 +29,7 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import TrainConfig
-from train.errors import TrainingError
+from train.errors import Preempted, TrainingError
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
 from train.optim import warmup_steps
@@ -461,6 +463,52 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     return state, start_step
 
 
+class _Preemption:
+    """How the loop learns that a SIGTERM (a scheduler preempting the job) asks it to
+    stop, and at which step. Where jax's preemption service runs
+    (`outputs.preemption_service`: `jax.distributed.initialize` started it, as every
+    multi-process run does), every process calls `reached_preemption_sync_point` once per
+    step, and it answers True on all of them at the same step, after a SIGTERM to any;
+    without it (one process), this class's own SIGTERM handler notes the signal, while
+    the loop runs (`watching`), and the loop stops after the step in flight.
+
+    `save`: the step reached is saved (`--save_on_preemption`, and a `--save_strategy`
+    other than `no`). In one process without it, SIGTERM keeps its handler from
+    `train.__main__` (the run stops at once, naming its last checkpoint)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.sync = outputs.preemption_service()
+        self.save = cfg.run.save_on_preemption and cfg.run.save_strategy != "no"
+        self.why = (
+            "--save_strategy no" if cfg.run.save_strategy == "no" else "--save_on_preemption false"
+        )
+        self.noted = False  # this process's own handler saw a SIGTERM
+
+    @contextlib.contextmanager
+    def watching(self):
+        own = (
+            not self.sync
+            and self.save
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, None)
+        )
+        previous = signal.signal(signal.SIGTERM, self._note) if own else None
+        try:
+            yield
+        finally:
+            if own:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _note(self, signum, frame) -> None:
+        self.noted = True
+
+    def reached(self, done: int) -> bool:
+        """Called once per step on every process, after step `done` is dispatched."""
+        if self.sync:
+            return bool(multihost_utils.reached_preemption_sync_point(done))
+        return self.noted
+
+
 def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta: dict, aside):
     """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`.
     `aside`: a previous run's outputs (`outputs.set_aside`), deleted once this run has
@@ -495,7 +543,10 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
     finished = False
     saved_any = False  # no checkpoint to look for before the first save is issued
+    preemption = _Preemption(cfg)
+    watch = contextlib.ExitStack()  # SIGTERM's handler while the loop runs
     try:
+        watch.enter_context(preemption.watching())
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
                 jax.block_until_ready(state)
@@ -519,8 +570,10 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 history.append(_finish(pending, *finish_args))
                 pending = None
             done = step + 1
+            # SIGTERM: the step just dispatched is the last; it is saved as a save step is.
+            preempted = preemption.reached(done)
             save = _should_save(cfg, done, total_steps, steps_per_epoch)
-            if save or done % cfg.run.logging_steps == 0 or done == total_steps:
+            if save or preempted or done % cfg.run.logging_steps == 0 or done == total_steps:
                 history.append(_finish((step, metrics), *finish_args))
             else:
                 pending = (step, metrics)
@@ -532,16 +585,30 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 history.append(_evaluate(t, state["params"], done, writer, log, bar))
                 # Training speed: the window leaves an evaluation's (and a save's) time out.
                 timer.start += time.perf_counter() - began
-            if save:
+            if not preempted and not preemption.sync and preemption.noted:
+                # It came during the step's metrics or evaluation: this step is the last.
+                preempted = True
+                if pending is not None:
+                    history.append(_finish(pending, *finish_args))
+                    pending = None
+            if save or (preempted and preemption.save):
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
                 began = time.perf_counter()
-                with outputs.signals_held():  # a save is never cut off by Ctrl-C
+                # A save is never cut off by Ctrl-C; a preemption's is waited for on
+                # disk, and a second SIGTERM or Ctrl-C meanwhile is dropped (the run is
+                # stopping already).
+                with outputs.signals_held(reraise=not preempted):
                     ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
+                    if preempted:
+                        ckpt.wait()
                 saved_any = True
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
                 timer.start += time.perf_counter() - began
+            if preempted:
+                saved = save or preemption.save
+                raise Preempted(done, os.path.join(out, "checkpoints"), saved, preemption.why)
             # Saves are asynchronous: the first whole checkpoint shows up steps later.
             if aside is not None and saved_any and outputs.saved_steps(out):
                 line = outputs.settle(aside, out, good=True)
@@ -550,6 +617,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                     bar.write(line) if bar is not None else print(line, flush=True)
         finished = True
     finally:
+        watch.close()  # SIGTERM as before the loop (the run stops at once)
         # A Ctrl-C here waits: the save in flight finishes and the logs are closed.
         with outputs.signals_held(reraise=finished):
             if tracing:  # stopped early (an error): keep what was traced

@@ -172,15 +172,29 @@ def _check_replaceable(out: str, found: list[str], inputs: dict[str, str]) -> No
                 )
 
 
+def preemption_service() -> bool:
+    """Whether jax's preemption sync manager runs (`jax.distributed.initialize` starts
+    it, on by `jax_enable_preemption_service`): its own SIGTERM handler (C++, which
+    replaced Python's) notes a preemption for `reached_preemption_sync_point`, so
+    Python must not take SIGTERM back."""
+    from jax._src import distributed
+
+    return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
+
+
 @contextlib.contextmanager
-def signals_held(reraise: bool = True, signals: tuple = (signal.SIGINT, signal.SIGTERM)):
+def signals_held(reraise: bool = True, signals: tuple | None = None):
     """Ctrl-C and SIGTERM (or `signals`) wait until the block is done (then raised, with
     `reraise`; a block that runs while the run is already stopping drops them), so that
     moving, deleting or saving a run's outputs is never cut off halfway. Only in the
-    main thread, where Python runs signal handlers; a signal ignored stays so."""
+    main thread, where Python runs signal handlers; a signal ignored stays so. SIGTERM
+    is left to jax's preemption service where it runs (`preemption_service`: it only
+    notes the signal, which cuts nothing off)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    if signals is None:
+        signals = (signal.SIGINT,) if preemption_service() else (signal.SIGINT, signal.SIGTERM)
     got = []
     held = {}
     for sig in signals:

@@ -1,0 +1,216 @@
+"""SIGTERM (a scheduler preempting the job) while `python -m train` trains: the step it
+reached is saved, and a resume continues it as if nothing had happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import cpu_devices
+
+from train import loop, outputs
+from train.checkpoint import Checkpoints
+from train.config import parse_args
+from train.errors import Preempted
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 10
+TINY = [
+    "--model_name_or_path",
+    "tiny",
+    "--data_path",
+    "sample",
+    "--model_max_length",
+    "64",
+    "--sample_num_examples",
+    "24",
+    "--attention",
+    "xla",
+    "--learning_rate",
+    "3e-3",
+    "--max_steps",
+    str(STEPS),
+    "--save_steps",
+    "100",  # no regular save before the end: only the preemption's
+    "--logging_steps",
+    "1",
+    "--progress",
+    "false",
+    "--export_hf",
+    "false",
+    "--report_to",
+    "none",
+]
+# `python -m train` with each step's metrics fetched 0.25 s late: steps slow enough to
+# signal the run mid-way, whatever the machine.
+SLOW_STEPS = (
+    "import runpy, sys, time; import train.loop as loop; finish = loop._finish; "
+    "loop._finish = lambda *a, **k: (time.sleep(0.25), finish(*a, **k))[1]; "
+    "sys.argv = ['train', *sys.argv[1:]]; runpy.run_module('train', run_name='__main__')"
+)
+
+
+def _env(devices: int = 1, **extra) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(devices), **extra)
+
+
+def _train(out, *extra, slow=False, env=None) -> subprocess.Popen:
+    start = ["-c", SLOW_STEPS] if slow else ["-m", "train"]
+    return subprocess.Popen(
+        [sys.executable, *start, *TINY, "--output_dir", str(out), *extra],
+        env=env or _env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _losses(out) -> dict[int, float]:
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def _terminate_after_step(proc: subprocess.Popen, out, step: int = 3) -> tuple[str, str]:
+    """SIGTERM to `proc` once its log holds `step`; its `(stdout, stderr)`."""
+    log, deadline = os.path.join(out, "log.jsonl"), time.monotonic() + 120
+    while not (os.path.exists(log) and step in _losses(out)):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before step {step}: {proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"no step {step} in 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=120)
+
+
+def test_sigterm_in_the_loop_saves_the_step_in_flight(tmp_path, monkeypatch):
+    """In process: a SIGTERM while step 3's metrics are fetched stops the loop after
+    step 3, saved as a regular save is (its step and data position), complete on disk;
+    the handler from before the run is back."""
+    finish = loop._finish
+
+    def finish_then_sigterm(pending, *args):
+        record = finish(pending, *args)
+        if record["step"] == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return record
+
+    def before(signum, frame):
+        raise AssertionError("the run's own SIGTERM handler was not in place")
+
+    monkeypatch.setattr(loop, "_finish", finish_then_sigterm)
+    out = tmp_path / "run"
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        with pytest.raises(Preempted) as stopped:
+            loop.run(parse_args([*TINY, "--output_dir", str(out)]))
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (stopped.value.step, stopped.value.saved) == (3, True)
+    assert stopped.value.directory == str(out / "checkpoints")
+    assert os.listdir(out / "checkpoints") == ["3"] and max(_losses(out)) == 3
+    saved = Checkpoints(str(out), None, read_only=True)
+    try:
+        meta = saved.meta(3)
+    finally:
+        saved.close()
+    epoch, index = divmod(3, 24 // meta["run"]["rows_per_step"])  # 24 rows, a batch a step
+    assert meta["step"] == 3 and meta["data"] == {"epoch": epoch, "index": index}
+    assert meta["run"]["total_steps"] == STEPS
+
+
+# Three runs of `python -m train`, two at once: about 15 s on two cores.
+@pytest.mark.slow
+def test_sigterm_saves_the_step_reached_and_a_resume_matches_an_uninterrupted_run(tmp_path):
+    """SIGTERM mid-run (no checkpoint since the start): the step in flight finishes and
+    is saved, with status 143 and one line naming it; a resume from it reaches every
+    loss of an uninterrupted run (the saved data position is right)."""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    reference = _train(whole)  # meanwhile
+    stdout, stderr = _terminate_after_step(_train(out, slow=True), out)
+    assert reference.wait(timeout=120) == 0, reference.communicate()[1][-3000:]
+    assert "Traceback" not in stderr, stderr
+    (step, where) = re.findall(
+        r"SIGTERM: saved a checkpoint at step (\d+) in (\S+); resume with "
+        r"--resume_from_checkpoint latest",
+        stderr,
+    )[0]
+    step = int(step)
+    assert where == str(out / "checkpoints")
+    assert 3 <= step < STEPS, stderr
+    # The step saved is the last one logged, and it is whole (no orbax temporary left).
+    assert max(_losses(out)) == step
+    assert os.listdir(out / "checkpoints") == [str(step)]
+    assert outputs.saved_steps(out) == [step]
+
+    resumed = _train(out, "--resume_from_checkpoint", "latest")
+    stdout, stderr = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert f"resumed from step {step} of {out}" in stdout
+    assert _losses(out) == _losses(whole)
+
+
+@pytest.mark.parametrize(
+    "flags", [["--save_on_preemption", "false"], ["--save_strategy", "no"]], ids=str
+)
+def test_sigterm_without_a_preemption_save_stops_saving_nothing(tmp_path, flags):
+    """`--save_on_preemption false`, or `--save_strategy no` (no checkpoints asked for):
+    SIGTERM stops the run at once, status 143, saying no checkpoint was written."""
+    out = tmp_path / "run"
+    proc = _train(out, *flags, slow=True)
+    _, stderr = _terminate_after_step(proc, out)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    assert f"terminated (SIGTERM): no checkpoint was written to {out / 'checkpoints'}" in stderr
+    assert "SIGTERM: saved" not in stderr
+    assert outputs.saved_steps(out) == []
+    assert max(_losses(out)) < STEPS
+
+
+@pytest.mark.slow
+def test_two_processes_save_the_same_step_after_a_sigterm_to_one(tmp_path):
+    """Two processes (jax.distributed, its preemption service): a SIGTERM to process 1
+    alone stops both at the same step, which both save together, each with status 143
+    and the line naming it."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = _env(2, JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    out = tmp_path / "run"
+    procs = [
+        _train(
+            out,
+            "--mesh",
+            "data=1,fsdp=-1,seq=1",
+            "--coordinator_address",
+            f"localhost:{port}",
+            "--num_processes",
+            "2",
+            "--process_id",
+            str(i),
+            slow=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    try:
+        _, stderr1 = _terminate_after_step(procs[1], out)
+        _, stderr0 = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    lines = []
+    for p, err in zip(procs, (stderr0, stderr1), strict=True):
+        assert p.returncode == 143, err[-3000:]
+        lines.append(re.findall(r"SIGTERM: saved a checkpoint at step (\d+) in (\S+);", err))
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    step = int(lines[0][0][0])
+    assert 3 <= step < STEPS
+    assert outputs.saved_steps(out) == [step] and max(_losses(out)) == step
