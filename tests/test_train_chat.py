@@ -971,3 +971,94 @@ def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
     dataset = load_dataset(path, tokenizer=folder)
     assert 0 < (dataset.targets != IGNORE).sum() < dataset.num_tokens / 4
     assert all(0 < r["labelled_tokens"] < 8 * 512 / 4 for r in steps)
+
+
+ORACLE_TOOLS = """
+import json, sys
+from transformers import AutoTokenizer
+cases = json.loads(open(sys.argv[1]).read())
+out = []
+for case in cases:
+    tokenizer = AutoTokenizer.from_pretrained(case["folder"])
+    kwargs = {"tools": case["tools"], "tokenize": True, "return_dict": True}
+    ids = tokenizer.apply_chat_template(case["messages"], **kwargs)["input_ids"]
+    mask = None
+    if case["marked"]:
+        mask = tokenizer.apply_chat_template(case["messages"], chat_template=case["marked"],
+            return_assistant_tokens_mask=True, **kwargs)["assistant_masks"]
+    out.append({"ids": list(ids), "mask": mask})
+print(json.dumps(out))
+"""
+
+
+def _mark_llama31(template: str) -> str:
+    """Llama-3.1's template with {% generation %} around each assistant turn's text (its
+    content or tool call and its end of turn): the same text, and transformers' mask."""
+    replaced = template
+    for old, new in (
+        (  # a plain message: the assistant's content and end of turn marked
+            "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ "
+            "message['content'] | trim + '<|eot_id|>' }}",
+            "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+            "{% if message.role == 'assistant' %}{% generation %}"
+            "{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+            "{% else %}{{- message['content'] | trim + '<|eot_id|>' }}{% endif %}",
+        ),
+        (  # a tool call: the header written once before the call, the rest marked
+            "{%- set tool_call = message.tool_calls[0].function %}",
+            "{%- set tool_call = message.tool_calls[0].function %}"
+            "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}",
+        ),
+        ("{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n", ""),
+        (
+            '            {{- "<|eot_id|>" }}\n        {%- endif %}\n',
+            '            {{- "<|eot_id|>" }}\n        {%- endif %}{% endgeneration %}\n',
+        ),
+    ):
+        assert old in replaced, old
+        replaced = replaced.replace(old, new)
+    return replaced
+
+
+@pytest.mark.slow
+def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template(messages, tools=tools, tokenize=True)`` gives
+    the ids of tool-call conversations (null content dropped, tool results, tools in the
+    prompt, arguments as objects and JSON strings) with Llama-3.1's and Qwen2.5's
+    templates; with {% generation %} marks on Llama-3.1's, its assistant mask gives the
+    labelled tokens. Skipped without the oracle."""
+    exe = _oracle_python()
+    if exe is None:
+        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
+    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
+    llama = _write_tokenizer(tmp_path / "llama", llama3_bpe, template=LLAMA31_TEMPLATE)
+    qwen = _qwen_tokenizer(tmp_path / "qwen", llama3_bpe)
+    marked = _mark_llama31(LLAMA31_TEMPLATE)
+    no_system = TOOL_CHAT[1:]
+    cases = [
+        (llama, TOOL_CHAT, [WEATHER, TIME], marked),
+        (llama, no_system, [WEATHER], marked),
+        (llama, CONVERSATIONS[0], None, marked),
+        (qwen, TOOL_CHAT, [WEATHER, TIME], None),
+        (qwen, PARALLEL_CHAT, [WEATHER, TIME], None),
+        (qwen, no_system, None, None),
+    ]
+    spec = [{"folder": str(f), "messages": m, "tools": t, "marked": k} for f, m, t, k in cases]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    result = subprocess.run(
+        [exe, "-c", ORACLE_TOOLS, str(tmp_path / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    oracle = json.loads(result.stdout.strip().splitlines()[-1])
+    for (folder, messages, tools, mark), want in zip(cases, oracle, strict=True):
+        record = {"messages": messages} | ({"tools": tools} if tools is not None else {})
+        dataset = load_dataset(_jsonl(tmp_path / "one.jsonl", [record]), tokenizer=folder)
+        ids, labels = _learned(dataset, 0)
+        assert ids == want["ids"], folder.name
+        if mark:
+            assert [int(label != IGNORE) for label in labels] == want["mask"]
