@@ -175,10 +175,15 @@ GOOD = {"messages": CONVERSATIONS[1]}
         ),
         ({"messages": [{"role": "user", "content": "a"}, "b"]}, r"'messages'\[1\] must be a dict"),
         ({"messages": [{"content": "a"}]}, r"'messages'\[0\] has no 'role'"),
-        ({"messages": [{"role": "user", "content": None}]}, r"'messages'\[0\] has no 'content'"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]},
-            r"'messages'\[0\]: 'content' must be a str, got list$",
+            {"messages": [{"role": "user", "content": None}]},
+            r"'messages'\[0\] has no 'content' \(each message needs a str or a list of text "
+            r"parts; only one with 'tool_calls' may go without\)$",
+        ),
+        (
+            {"messages": [{"role": "user", "content": 3}]},
+            r"'messages'\[0\]: 'content' must be a str or a list of \{'type': 'text', 'text': "
+            r"str\} parts, got int$",
         ),
         ({"messages": [{"role": 1, "content": "a"}]}, r"'messages'\[0\]: 'role' must be a str"),
         (
@@ -500,3 +505,560 @@ def test_the_trainer_learns_the_assistant_turns(llama3_bpe, tmp_path, capsys):
     dataset = load_dataset(path, tokenizer=llama3_bpe)
     assert (dataset.targets != IGNORE).sum() < dataset.num_tokens / 3
     assert all(0 < r["labelled_tokens"] < 8 * 64 / 3 for r in steps)
+
+
+# ---------------------------------------------------------------------------------------
+# Tool calls, tool results, a record's tools and content lists
+# ---------------------------------------------------------------------------------------
+
+TEMPLATES = REPO / "tests" / "data" / "chat_templates"
+# Llama-3.1-8B-Instruct's chat template (tool calls as JSON, tool results as ipython
+# turns, the tools in the first user message) and Qwen2.5-Instruct's (tools in the
+# system turn, <tool_call> blocks, consecutive tool results in one user turn).
+LLAMA31_TEMPLATE = (TEMPLATES / "llama3.1.jinja").read_text()
+QWEN25_TEMPLATE = (TEMPLATES / "qwen2.5.jinja").read_text()
+# Llama-3.2-1B-Instruct's: 3.1's with today's date (strftime_now) in the system turn.
+LLAMA32_TEMPLATE = LLAMA31_TEMPLATE.replace(
+    '{%- set date_string = "26 Jul 2024" %}',
+    '{%- if strftime_now is defined %}{%- set date_string = strftime_now("%d %b %Y") %}'
+    '{%- else %}{%- set date_string = "26 Jul 2024" %}{%- endif %}',
+)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city."}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def _call(name: str, arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# One call per turn (Llama-3.1 takes one), the assistant's content null as OpenAI writes it.
+TOOL_CHAT = [
+    {"role": "system", "content": "You check the weather."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [_call("get_weather", {"city": "Paris"})]},
+    {"role": "tool", "name": "get_weather", "content": '{"temperature": 21, "sky": "clear"}'},
+    {"role": "assistant", "content": "It is 21 degrees and clear in Paris."},
+    {"role": "user", "content": "And in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", {"city": "Oslo"})]},
+    {"role": "tool", "name": "get_weather", "content": '{"temperature": 4, "sky": "rain"}'},
+    {"role": "assistant", "content": "4 degrees and raining in Oslo."},
+]
+# Two calls in one turn, with content, arguments as a JSON string, two results in a row.
+PARALLEL_CHAT = [
+    {"role": "user", "content": "Weather and time in Rome?"},
+    {
+        "role": "assistant",
+        "content": "Checking both.",
+        "tool_calls": [
+            _call("get_weather", {"city": "Rome"}),
+            {"type": "function", "function": {"name": "get_time", "arguments": '{"city": "Rome"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 25"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+    {"role": "assistant", "content": "Sunny and 25 degrees; it is 14:05."},
+]
+
+
+def _qwen_tokenizer(folder: Path, base: Path, template: str = QWEN25_TEMPLATE) -> Path:
+    """``folder``: ``base``'s BPE with Qwen's <|im_start|> / <|im_end|> as special tokens
+    and no BOS added, and Qwen's tokenizer_config (eos <|im_end|>, no BOS) with
+    ``template``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizers.Tokenizer.from_file(str(base / "tokenizer.json"))
+    tokenizer.add_special_tokens([IM_START, IM_END])
+    tokenizer.post_processor = tokenizers.processors.TemplateProcessing(single="$A")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": IM_END,
+        "pad_token": "<|endoftext|>",
+        "chat_template": template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def _learned(dataset, i: int) -> tuple[list[int], list[int]]:
+    ids = dataset.example(i).tolist()
+    labels = dataset.targets[dataset.offsets[i] : dataset.offsets[i + 1]].tolist()
+    return ids, labels
+
+
+def test_tool_calls_and_results_render_and_only_the_assistant_turns_are_learned(
+    llama3_bpe, tmp_path
+):
+    """A small template, its rendering written out by hand: each message reaches it with
+    its keys (tool_calls, a tool result's name; the null content dropped), the record's
+    tools too; the tool-calling turn is learned, the tool's result is not."""
+    template = (
+        "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') "
+        "| join(', ') }}\n{% endif %}"
+        "{% for m in messages %}<{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}>"
+        "{% if 'content' not in m %}[no content]{% endif %}{{ m.content }}"
+        "{% for c in m.tool_calls %}call {{ c.function.name }}"
+        "{{ c.function.arguments | tojson }}{% endfor %}</>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
+    messages = TOOL_CHAT[1:5]
+    records = [{"messages": messages, "tools": [WEATHER, TIME]}, {"messages": messages}]
+    path = _jsonl(tmp_path / "tools.jsonl", records)
+    dataset = load_dataset(path, tokenizer=folder)
+    tokenizer = readers.load_tokenizer(folder)
+    turns = [
+        '[no content]call get_weather{"city": "Paris"}</>\n',
+        "It is 21 degrees and clear in Paris.</>\n",
+    ]
+    body = (
+        "<user>What is the weather in Paris?</>\n<assistant>"
+        + turns[0]
+        + '<tool get_weather>{"temperature": 21, "sky": "clear"}</>\n<assistant>'
+        + turns[1]
+    )
+    for i, head in enumerate(["tools: get_weather, get_time\n", ""]):
+        ids, labels = _learned(dataset, i)
+        assert ids == tokenizer.encode(head + body, add_special_tokens=False).ids
+        learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+        assert tokenizer.decode(learned) == "".join(turns)
+    spans = chat.ChatTemplate(folder, "where:").assistant_spans(
+        readers.RecordParser(path, folder)._messages("line 1", messages), [WEATHER, TIME]
+    )
+    text, found = spans
+    assert [text[a:b] for a, b in found] == turns
+
+
+@pytest.mark.parametrize(
+    ("template", "messages", "turns"),
+    [
+        (
+            LLAMA31_TEMPLATE,
+            TOOL_CHAT,
+            [
+                '{"name": "get_weather", "parameters": {"city": "Paris"}}' + EOT,
+                "It is 21 degrees and clear in Paris." + EOT,
+                '{"name": "get_weather", "parameters": {"city": "Oslo"}}' + EOT,
+                "4 degrees and raining in Oslo." + EOT,
+            ],
+        ),
+        (
+            LLAMA32_TEMPLATE,
+            TOOL_CHAT[1:5],
+            [
+                '{"name": "get_weather", "parameters": {"city": "Paris"}}' + EOT,
+                "It is 21 degrees and clear in Paris." + EOT,
+            ],
+        ),
+        (
+            QWEN25_TEMPLATE,
+            TOOL_CHAT,
+            [
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                "</tool_call><|im_end|>\n",
+                "It is 21 degrees and clear in Paris.<|im_end|>\n",
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                "</tool_call><|im_end|>\n",
+                "4 degrees and raining in Oslo.<|im_end|>\n",
+            ],
+        ),
+        (
+            QWEN25_TEMPLATE,
+            PARALLEL_CHAT,
+            [
+                'Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                '"Rome"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+                '"{\\"city\\": \\"Rome\\"}"}\n</tool_call><|im_end|>\n',
+                "Sunny and 25 degrees; it is 14:05.<|im_end|>\n",
+            ],
+        ),
+    ],
+    ids=["llama3.1", "llama3.2", "qwen2.5", "qwen2.5-parallel"],
+)
+def test_real_templates_keep_the_prefix_rule_with_tool_calls(
+    llama3_bpe, tmp_path, template, messages, turns
+):
+    """Llama-3.1/3.2's and Qwen2.5's templates, given the tools: each assistant turn (a
+    tool call, or the answer after the tool's result) is the text between the rendering
+    before it with the generation prompt and the rendering through it; tool results,
+    the tools' descriptions and the headers are not in any turn."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
+    path = _jsonl(tmp_path / "tools.jsonl", [{"messages": messages, "tools": [WEATHER, TIME]}])
+    parser = readers.RecordParser(path, folder)
+    text, spans = chat.ChatTemplate(folder, "where:").assistant_spans(
+        parser._messages("line 1", messages), parser._tools("line 1", [WEATHER, TIME])
+    )
+    assert [text[a:b] for a, b in spans] == turns
+    assert "get_time" in text  # the tools reached the template
+    dataset = load_dataset(path, tokenizer=folder)  # the reader learns those turns
+    ids, labels = _learned(dataset, 0)
+    tokenizer = readers.load_tokenizer(folder)
+    learned = tokenizer.decode(
+        [t for t, label in zip(ids, labels, strict=True) if label != IGNORE],
+        skip_special_tokens=False,
+    )
+    for turn in turns:
+        assert turn.strip() in learned
+    for result in ("temperature", "sunny, 25", "14:05\n", "The city."):
+        assert result not in learned
+
+
+def test_content_lists_are_their_text(llama3_bpe, tmp_path):
+    """A content list of text parts gives the ids and labels of the same text as a str
+    (the parts back to back), in every role, the tool's result too."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN25_TEMPLATE)
+
+    def parts(text: str) -> list[dict]:
+        half = len(text) // 2
+        return [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]
+
+    listed = [{**m, "content": parts(m["content"])} if m.get("content") else m for m in TOOL_CHAT]
+    records = [
+        {"messages": listed, "tools": [WEATHER]},
+        {"messages": TOOL_CHAT, "tools": [WEATHER]},
+    ]
+    dataset = load_dataset(_jsonl(tmp_path / "parts.jsonl", records), tokenizer=folder)
+    assert _learned(dataset, 0) == _learned(dataset, 1)
+    one = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, GOOD["messages"][1]]
+    plain = [{"role": "user", "content": "Hi"}, GOOD["messages"][1]]
+    path = _jsonl(tmp_path / "one.jsonl", [{"messages": one}, {"messages": plain}])
+    dataset = load_dataset(path, tokenizer=llama3_bpe)
+    assert _learned(dataset, 0) == _learned(dataset, 1)
+
+
+def test_a_tool_use_template_renders_the_conversations_with_tools(llama3_bpe, tmp_path):
+    """tokenizer_config.json's named templates: a conversation given tools is rendered
+    with the 'tool_use' one, as transformers picks it; one without, with 'default'. Both
+    are in the token cache's stamp."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=None)
+    named = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}\n{% endfor %}"},
+        {
+            "name": "tool_use",
+            "template": "{{ tools | length }} tools\n{% for m in messages %}{{ m.content }}\n"
+            "{% endfor %}",
+        },
+    ]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    template = chat.ChatTemplate(folder, "where:")
+    messages = [{"role": "user", "content": "a"}]
+    assert template.render(messages) == "a\n"
+    assert template.render(messages, tools=[WEATHER]) == "1 tools\na\n"
+    assert template.render(messages, tools=[]) == "0 tools\na\n"
+    stamp = chat.chat_template_stamp(folder)
+    named[1]["template"] = named[1]["template"].replace("tools\n", "functions\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    assert chat.chat_template_stamp(folder)["sha256"] != stamp["sha256"]
+
+
+def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
+    """The token cache's stamp records what the template was given (messages and tools):
+    a cache whose stamp lacks it (rendered before tools were passed) is rebuilt."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
+    path = _jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT, "tools": [WEATHER]}])
+    eot = readers.load_tokenizer(folder).token_to_id(EOT)
+    cache, built = data_cache.ensure_cache(path, tmp_path / "c", tokenizer=folder, eos_id=eot)
+    assert built and cache.meta["chat_template"]["inputs"] == "messages, tools"
+    assert cache.mismatch(path, tokenizer=folder, eos_id=eot) == []
+    memory = load_dataset(path, tokenizer=folder)
+    np.testing.assert_array_equal(np.asarray(cache.targets), memory.targets)  # EOT: the EOS
+    meta_file = Path(cache.path) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["chat_template"]["inputs"]
+    meta_file.write_text(json.dumps(meta))
+    old = data_cache.open_cache(tmp_path / "c")
+    assert old.mismatch(path, tokenizer=folder, eos_id=eot) == [
+        "its conversations' template was given messages, this jflash gives it messages, tools"
+    ]
+
+
+BAD_TOOLS = {"messages": TOOL_CHAT[1:5]}
+
+
+@pytest.mark.parametrize(
+    ("record", "pattern"),
+    [
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": {"a": 1}}]},
+            r"'messages'\[0\]: 'tool_calls' must be a list of \{'type': 'function', 'function': "
+            r"\{'name': str, 'arguments': dict or JSON str\}\} dicts, got dict$",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": ["get_weather"]}]},
+            r"'messages'\[0\]: 'tool_calls'\[0\] must be a dict, got str$",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": "get_weather"}]}]},
+            r"'messages'\[0\]: 'tool_calls'\[0\]: 'function' must be a dict with a str 'name', "
+            r"got str$",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+            r"'messages'\[0\]: 'tool_calls'\[0\]: 'function': 'name' must be a str \(the "
+            r"function called\), got none$",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [_call("f", [1, 2])]}]},
+            r"'messages'\[0\]: 'tool_calls'\[0\]: 'function': 'arguments' must be a dict or a "
+            r"JSON str, got list$",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"text": "a"}]}]},
+            r"'messages'\[0\]: 'content'\[0\] has no 'type' \(a text part: \{'type': 'text', "
+            r"'text': str\}\)$",
+        ),
+        (
+            {"messages": [{"role": "user", "content": ["a"]}]},
+            r"'messages'\[0\]: 'content'\[0\] must be a dict with a 'type' .*, got str$",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": "s"},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is this?"},
+                            {"type": "image", "url": "cat.png"},
+                        ],
+                    },
+                ]
+            },
+            r"'messages'\[1\]: 'content'\[1\] is a 'image' part: only text parts can be trained "
+            r"\(a text-only model\); drop the record or its non-text parts$",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
+                ]
+            },
+            r"'messages'\[0\]: 'content'\[0\] is a 'input_audio' part: only text parts",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            r"'messages'\[0\]: 'content'\[0\]: a text part's 'text' must be a str, got int$",
+        ),
+        (
+            {"messages": [{"role": "assistant"}]},
+            r"'messages'\[0\] has no 'content' \(each message needs a str or a list of text parts",
+        ),
+        (
+            {**BAD_TOOLS, "tools": json.dumps([WEATHER])},
+            r"'tools' must be a list of dicts \(the functions' JSON schemas\), got str \(a JSON "
+            r"string of them: parse it into the list\)$",
+        ),
+        (
+            {**BAD_TOOLS, "tools": {"get_weather": WEATHER}},
+            r"'tools' must be a list of dicts \(the functions' JSON schemas\), got dict$",
+        ),
+        (
+            {**BAD_TOOLS, "tools": [WEATHER, "get_time"]},
+            r"'tools'\[1\] must be a dict \(a function's JSON schema\), got str$",
+        ),
+    ],
+)
+def test_malformed_tool_calls_parts_and_tools_name_file_line_and_field(
+    llama3_bpe, tmp_path, record, pattern
+):
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
+    path = _jsonl(tmp_path / "bad.jsonl", [GOOD, record])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl: line 2: {pattern}") as error:
+        load_dataset(path, tokenizer=folder)
+    assert "\n" not in str(error.value)
+
+
+def test_a_template_that_refuses_the_tool_calls_is_named(llama3_bpe, tmp_path):
+    """Llama-3.1's template takes one call a turn: two are its own error, with the line."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
+    path = _jsonl(tmp_path / "two.jsonl", [{"messages": PARALLEL_CHAT, "tools": [WEATHER]}])
+    with pytest.raises(
+        ValueError,
+        match=r"two\.jsonl: line 1: 'messages': the chat template "
+        r"\(tokenizer_config\.json\) raised TemplateError: This model only "
+        r"supports single tool-calls at once!$",
+    ):
+        load_dataset(path, tokenizer=folder)
+
+
+def test_nested_none_values_are_dropped_and_a_tools_column_is_read(llama3_bpe, tmp_path):
+    """A table's missing struct fields (None at any depth: a tool call's arguments, a
+    schema's properties) are dropped, as TRL drops them; a table's 'tools' column is
+    read beside 'messages'."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN25_TEMPLATE)
+    holey = json.loads(json.dumps(TOOL_CHAT[1:5]))
+    holey[0]["tool_call_id"] = None
+    holey[1]["tool_calls"][0]["function"]["arguments"]["units"] = None
+    schema = json.loads(json.dumps(WEATHER))
+    schema["function"]["parameters"]["properties"]["units"] = None
+    records = [
+        {"messages": holey, "tools": [schema]},
+        {"messages": TOOL_CHAT[1:5], "tools": [WEATHER]},
+    ]
+    dataset = load_dataset(_jsonl(tmp_path / "holey.jsonl", records), tokenizer=folder)
+    assert _learned(dataset, 0) == _learned(dataset, 1)
+    assert readers._columns(tmp_path, ["tools", "messages"]) == ["messages", "tools"]
+    assert readers._columns(tmp_path, ["tools", "text"]) == ["text"]
+
+
+def test_train_tokenizer_learns_the_text_parts(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    line = [{"role": "user", "content": [{"type": "text", "text": "quokka " * 20}]}]
+    line.append({"role": "assistant", "content": "wombat " * 20})
+    path = _jsonl(tmp_path / "chat.jsonl", [{"messages": line}] * 5)
+    file = train_tokenizer([path], tmp_path / "tok", vocab_size=300)
+    tokenizer = tokenizers.Tokenizer.from_file(str(file))
+    assert len(tokenizer.encode(" quokka").ids) == 1
+
+
+def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
+    """`python -m train` on a tool-use .jsonl (Llama-3.1's template, tools per record,
+    tool calls with null content, tool results, a content list): two steps of the tiny
+    model, rows packed whole, the loss finite and on the assistant turns only."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
+    records = []
+    for i in range(24):
+        city = f"City{i}"
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Weather in {city}?"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [_call("get_weather", {"city": city})],
+                    },
+                    {"role": "tool", "name": "get_weather", "content": f"{i} degrees"},
+                    {"role": "assistant", "content": [{"type": "text", "text": f"{i} degrees."}]},
+                ],
+                "tools": [WEATHER],
+            }
+        )
+    path = _jsonl(tmp_path / "tools.jsonl", records)
+    from train.config import parse_args
+    from train.loop import run
+
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", "tiny", "--data_path", str(path), "--progress", "false"]
+    argv += ["--tokenizer_name_or_path", str(folder), "--model_max_length", "512"]
+    argv += ["--packing", "whole", "--max_steps", "2", "--logging_steps", "1"]
+    argv += ["--mesh", "data=-1", "--per_device_train_batch_size", "1"]
+    run(parse_args([*argv, "--output_dir", str(out)]))
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
+    dataset = load_dataset(path, tokenizer=folder)
+    assert 0 < (dataset.targets != IGNORE).sum() < dataset.num_tokens / 4
+    assert all(0 < r["labelled_tokens"] < 8 * 512 / 4 for r in steps)
+
+
+ORACLE_TOOLS = """
+import json, sys
+from transformers import AutoTokenizer
+cases = json.loads(open(sys.argv[1]).read())
+out = []
+for case in cases:
+    tokenizer = AutoTokenizer.from_pretrained(case["folder"])
+    kwargs = {"tools": case["tools"], "tokenize": True, "return_dict": True}
+    ids = tokenizer.apply_chat_template(case["messages"], **kwargs)["input_ids"]
+    mask = None
+    if case["marked"]:
+        mask = tokenizer.apply_chat_template(case["messages"], chat_template=case["marked"],
+            return_assistant_tokens_mask=True, **kwargs)["assistant_masks"]
+    out.append({"ids": list(ids), "mask": mask})
+print(json.dumps(out))
+"""
+
+
+def _mark_llama31(template: str) -> str:
+    """Llama-3.1's template with {% generation %} around each assistant turn's text (its
+    content or tool call and its end of turn): the same text, and transformers' mask."""
+    replaced = template
+    for old, new in (
+        (  # a plain message: the assistant's content and end of turn marked
+            "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ "
+            "message['content'] | trim + '<|eot_id|>' }}",
+            "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+            "{% if message.role == 'assistant' %}{% generation %}"
+            "{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+            "{% else %}{{- message['content'] | trim + '<|eot_id|>' }}{% endif %}",
+        ),
+        (  # a tool call: the header written once before the call, the rest marked
+            "{%- set tool_call = message.tool_calls[0].function %}",
+            "{%- set tool_call = message.tool_calls[0].function %}"
+            "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% generation %}",
+        ),
+        ("{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n", ""),
+        (
+            '            {{- "<|eot_id|>" }}\n        {%- endif %}\n',
+            '            {{- "<|eot_id|>" }}\n        {%- endif %}{% endgeneration %}\n',
+        ),
+    ):
+        assert old in replaced, old
+        replaced = replaced.replace(old, new)
+    return replaced
+
+
+@pytest.mark.slow
+def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template(messages, tools=tools, tokenize=True)`` gives
+    the ids of tool-call conversations (null content dropped, tool results, tools in the
+    prompt, arguments as objects and JSON strings) with Llama-3.1's and Qwen2.5's
+    templates; with {% generation %} marks on Llama-3.1's, its assistant mask gives the
+    labelled tokens. Skipped without the oracle."""
+    exe = _oracle_python()
+    if exe is None:
+        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
+    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
+    llama = _write_tokenizer(tmp_path / "llama", llama3_bpe, template=LLAMA31_TEMPLATE)
+    qwen = _qwen_tokenizer(tmp_path / "qwen", llama3_bpe)
+    marked = _mark_llama31(LLAMA31_TEMPLATE)
+    no_system = TOOL_CHAT[1:]
+    cases = [
+        (llama, TOOL_CHAT, [WEATHER, TIME], marked),
+        (llama, no_system, [WEATHER], marked),
+        (llama, CONVERSATIONS[0], None, marked),
+        (qwen, TOOL_CHAT, [WEATHER, TIME], None),
+        (qwen, PARALLEL_CHAT, [WEATHER, TIME], None),
+        (qwen, no_system, None, None),
+    ]
+    spec = [{"folder": str(f), "messages": m, "tools": t, "marked": k} for f, m, t, k in cases]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    result = subprocess.run(
+        [exe, "-c", ORACLE_TOOLS, str(tmp_path / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    oracle = json.loads(result.stdout.strip().splitlines()[-1])
+    for (folder, messages, tools, mark), want in zip(cases, oracle, strict=True):
+        record = {"messages": messages} | ({"tools": tools} if tools is not None else {})
+        dataset = load_dataset(_jsonl(tmp_path / "one.jsonl", [record]), tokenizer=folder)
+        ids, labels = _learned(dataset, 0)
+        assert ids == want["ids"], folder.name
+        if mark:
+            assert [int(label != IGNORE) for label in labels] == want["mask"]

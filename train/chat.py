@@ -5,23 +5,30 @@ turns lie in the rendered text.
 The template is the one transformers loads for a tokenizer directory (the folder of
 its ``tokenizer.json``; the functions here take that folder): ``chat_template.jinja``
 where that file exists, else the ``"chat_template"`` of ``tokenizer_config.json`` (a
-str, or a list of named templates, of which the one named ``"default"``). It is
-rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
-environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
-``loopcontrols`` extension and a ``{% generation %}`` block that renders its body), the
-globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
-escape HTML, and the variables ``messages``, ``add_generation_prompt``, ``tools`` and
-``documents`` (None) and the tokenizer's named special tokens (``bos_token``,
-``eos_token``, ...) as strings, from ``tokenizer_config.json`` (else
-``special_tokens_map.json``). The reader drops a message's keys whose value is None
-before (a table's missing struct fields), as transformers drops them.
+str, or a list of named templates, of which the one named ``"default"``, and for a
+conversation given ``tools`` the one named ``"tool_use"`` where there is one, as
+transformers picks). It is rendered as transformers' ``apply_chat_template`` renders
+it: a sandboxed Jinja environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``,
+``lstrip_blocks``, the ``loopcontrols`` extension and a ``{% generation %}`` block that
+renders its body), the globals ``raise_exception`` and ``strftime_now``, a ``tojson``
+filter that does not escape HTML, and the variables ``messages`` (each message dict as
+the reader gives it, every key passed: ``tool_calls``, a tool message's ``name`` or
+``tool_call_id``, ...), ``tools`` (the record's list of function schemas, else None),
+``documents`` (None), ``add_generation_prompt`` and the tokenizer's named special
+tokens (``bos_token``, ``eos_token``, ...) as strings, from ``tokenizer_config.json``
+(else ``special_tokens_map.json``). What the reader changes before (train/readers.py):
+keys whose value is None are dropped at every depth (a table's missing struct fields,
+as TRL's SFTTrainer drops them from a dataset's rows; transformers drops a message's
+own), and a ``content`` list of text parts is joined into one str.
 
 Assistant turns (:meth:`ChatTemplate.assistant_spans`): for each assistant message
-``i``, the rendering of ``messages[:i]`` with the generation prompt must be a prefix of
-the rendering of ``messages[:i + 1]``, which must be a prefix of the whole
-conversation's rendering; the turn is the text between the two (its content and what
-the template writes to end the turn, e.g. ``<|eot_id|>``). A template for which that
-does not hold (one that rewrites earlier turns, e.g. drops their reasoning) is refused.
+``i`` (one that calls tools too), the rendering of ``messages[:i]`` with the generation
+prompt must be a prefix of the rendering of ``messages[:i + 1]``, which must be a
+prefix of the whole conversation's rendering (all with the conversation's ``tools``);
+the turn is the text between the two (its content or tool calls and what the template
+writes to end the turn, e.g. ``<|eot_id|>``). A tool's result (a ``"tool"`` message) is
+not a turn: it is never learned. A template for which that does not hold (one that
+rewrites earlier turns, e.g. drops their reasoning) is refused.
 
 ``jinja2`` (the ``text`` extra) is imported only when a template is compiled. The first
 of the data modules: it imports none of ``train``.
@@ -51,6 +58,11 @@ SPECIAL_TOKENS = (
     "mask_token",
 )
 ASSISTANT = "assistant"  # the role whose turns are learned
+DEFAULT = "default"  # the named template conversations are rendered with
+TOOL_USE = "tool_use"  # the named template for a conversation given tools, where there is one
+# What the reader gives a template besides the special tokens (documents is None): part
+# of the token cache's stamp, so that a cache rendered with other inputs is rebuilt.
+TEMPLATE_INPUTS = "messages, tools"
 
 
 class ChatTemplateError(ValueError):
@@ -68,16 +80,17 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def read_chat_template(folder: str | Path) -> tuple[str, Path] | None:
-    """``(template text, the file it came from)`` for the tokenizer directory
-    ``folder``; None where it has none. ValueError for a ``tokenizer_config.json`` whose
+def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None:
+    """``({name: template text}, the file they came from)`` for the tokenizer directory
+    ``folder``: ``"default"``, and ``"tool_use"`` where ``tokenizer_config.json`` names
+    one; None where it has none. ValueError for a ``tokenizer_config.json`` whose
     ``chat_template`` is neither a str nor a list of named templates with a
     ``"default"`` one."""
     folder = Path(folder)
     jinja_file = folder / CHAT_TEMPLATE_FILE
     if jinja_file.is_file():
         try:
-            return jinja_file.read_text(encoding="utf-8"), jinja_file
+            return {DEFAULT: jinja_file.read_text(encoding="utf-8")}, jinja_file
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"{jinja_file}: not a readable text file ({e})") from None
     config = folder / TOKENIZER_CONFIG
@@ -88,15 +101,17 @@ def read_chat_template(folder: str | Path) -> tuple[str, Path] | None:
         return None
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if not isinstance(named.get("default"), str):
+        if not isinstance(named.get(DEFAULT), str):
             raise ValueError(
                 f"{config}: 'chat_template' holds the templates {sorted(map(str, named))} and "
                 "none named 'default' (the one conversations are rendered with)"
             )
-        template = named["default"]
+        return {
+            k: v for k, v in named.items() if k in (DEFAULT, TOOL_USE) and isinstance(v, str)
+        }, config
     if not isinstance(template, str):
         raise ValueError(f"{config}: 'chat_template' must be a str, got {type(template).__name__}")
-    return template, config
+    return {DEFAULT: template}, config
 
 
 def special_tokens(folder: str | Path) -> dict[str, str]:
@@ -117,17 +132,21 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
 
 
 def chat_template_stamp(folder: str | Path) -> dict[str, str] | None:
-    """``{"path", "sha256"}``: the template's file and a hash of the template text and
-    the special tokens passed to it (what a token cache records: another template
-    renders the conversations otherwise); None where the tokenizer has no template.
-    Reads the files only (no ``jinja2`` needed)."""
+    """``{"path", "sha256", "inputs"}``: the template's file, a hash of the template
+    text (and of the ``tool_use`` one, where there is one) and the special tokens passed
+    to it, and :data:`TEMPLATE_INPUTS` (what a token cache records: another template, or
+    other inputs, render the conversations otherwise); None where the tokenizer has no
+    template. Reads the files only (no ``jinja2`` needed)."""
     found = read_chat_template(folder)
     if found is None:
         return None
-    text, path = found
+    templates, path = found
     variables = json.dumps(special_tokens(folder), sort_keys=True)
-    digest = hashlib.sha256(f"{text}\0{variables}".encode()).hexdigest()
-    return {"path": str(path.resolve()), "sha256": digest}
+    hashed = f"{templates[DEFAULT]}\0{variables}"
+    if TOOL_USE in templates:
+        hashed += f"\0{TOOL_USE}\0{templates[TOOL_USE]}"
+    digest = hashlib.sha256(hashed.encode()).hexdigest()
+    return {"path": str(path.resolve()), "sha256": digest, "inputs": TEMPLATE_INPUTS}
 
 
 def _compile(template: str, jinja2):
@@ -191,7 +210,8 @@ class ChatTemplate:
                 f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, or write the "
                 "conversations as 'prompt' / 'completion' records"
             )
-        self.text, self.path = found
+        self.templates, self.path = found
+        self.text = self.templates[DEFAULT]
         self.variables = special_tokens(folder)
         self.stamp = chat_template_stamp(folder)
         try:
@@ -200,56 +220,74 @@ class ChatTemplate:
             raise ValueError(
                 f"{where} rendering them needs the 'jinja2' package: pip install 'jflash[text]'"
             ) from None
-        try:
-            self._template = _compile(self.text, jinja2)
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(
-                f"{where} {self.path}: the chat template does not compile ({e})"
-            ) from None
+        self._compiled = {}
+        for name, text in self.templates.items():
+            try:
+                self._compiled[name] = _compile(text, jinja2)
+            except jinja2.exceptions.TemplateError as e:
+                named = "the chat template" if name == DEFAULT else f"the {name!r} chat template"
+                raise ValueError(f"{where} {self.path}: {named} does not compile ({e})") from None
+
+    def _name(self, tools: Sequence[dict[str, Any]] | None) -> str:
+        """The named template a conversation is rendered with (``tool_use`` given tools,
+        where there is one, as transformers picks it)."""
+        return TOOL_USE if tools is not None and TOOL_USE in self._compiled else DEFAULT
+
+    def _label(self, tools: Sequence[dict[str, Any]] | None) -> str:
+        """The template in an error message: its file, and its name where not the default."""
+        name = self._name(tools)
+        return self.path.name + ("" if name == DEFAULT else f", {name!r}")
 
     def render(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
-        """The template's text for ``messages``; :class:`ChatTemplateError` where the
-        template raises (its message)."""
+        """The template's text for ``messages`` (and ``tools``, the functions' JSON
+        schemas, or None); :class:`ChatTemplateError` where the template raises (its
+        message)."""
         try:
-            return self._template.render(
+            return self._compiled[self._name(tools)].render(
                 **self.variables,
                 messages=list(messages),
-                tools=None,
+                tools=None if tools is None else list(tools),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # noqa: BLE001 - a template is code: whatever it raises
             raise ChatTemplateError(
-                f"the chat template ({self.path.name}) raised {type(e).__name__}: {e}"
+                f"the chat template ({self._label(tools)}) raised {type(e).__name__}: {e}"
             ) from None
 
     def assistant_spans(
-        self, messages: Sequence[dict[str, Any]]
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
-        """``(text, spans)``: the conversation's rendering and the ``[start, end)``
-        character span of each assistant turn in it (see the module docstring); no span
-        without an assistant message. :class:`ChatTemplateError` where the template
-        raises or does not render the turns as prefixes."""
-        text = self.render(messages)
+        """``(text, spans)``: the conversation's rendering (with ``tools``) and the
+        ``[start, end)`` character span of each assistant turn in it (see the module
+        docstring); no span without an assistant message. :class:`ChatTemplateError`
+        where the template raises or does not render the turns as prefixes."""
+        text = self.render(messages, tools=tools)
+        label = self._label(tools)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
+            through = self.render(messages[: i + 1], tools=tools)
             turn = f"assistant turn {len(spans) + 1} (message {i})"
             if not through.startswith(before):
                 raise ChatTemplateError(
-                    f"the chat template ({self.path.name}) renders the messages before {turn} "
+                    f"the chat template ({label}) renders the messages before {turn} "
                     "with its generation prompt as text that does not begin its rendering "
                     "through that turn, so the turn's text cannot be told apart (a template "
                     "that rewrites earlier turns)"
                 )
             if not text.startswith(through):
                 raise ChatTemplateError(
-                    f"the chat template ({self.path.name}) renders the messages through "
+                    f"the chat template ({label}) renders the messages through "
                     f"{turn} as text that does not begin the whole conversation's rendering, "
                     "so the turn's text cannot be told apart (a template that rewrites "
                     "earlier turns)"

@@ -337,11 +337,16 @@ def train_tokenizer(
 
 def _record_texts(record: dict) -> Iterator[str]:
     """The strings a tokenizer learns from a record: its ``"text"``, else its messages'
-    contents where it is read by them, else its ``"prompt"`` and ``"completion"``."""
+    contents (a str, or the texts of a list of parts) where it is read by them, else its
+    ``"prompt"`` and ``"completion"``."""
     if "text" in record:
         values = [record["text"]]
     elif record_kind(record) == MESSAGES and isinstance(record[MESSAGES], list):
-        values = [m.get("content") for m in record[MESSAGES] if isinstance(m, dict)]
+        values = []
+        for message in record[MESSAGES]:
+            content = message.get("content") if isinstance(message, dict) else None
+            parts = content if isinstance(content, list) else [{"text": content}]
+            values += [p.get("text") for p in parts if isinstance(p, dict)]
     else:
         values = [record.get(key) for key in PROMPT_COMPLETION]
     yield from (v for v in values if isinstance(v, str))

@@ -13,9 +13,10 @@ A cache is a directory:
 - ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
   ``tokens[index[i]:index[i + 1]]``;
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
-  tokenizer file's sha256 where records were tokenized; the chat template's file and a
-  sha256 of its text and the special tokens it was given where conversations were
-  rendered), ``eos_id`` and counts.
+  tokenizer file's sha256 where records were tokenized; the chat template's file, a
+  sha256 of its text (and its ``tool_use`` template's) and the special tokens it was
+  given, and the inputs the reader gives it (``train.chat.TEMPLATE_INPUTS``) where
+  conversations were rendered), ``eos_id`` and counts.
 
 It is written under a temporary name beside ``cache_dir`` and renamed into place when
 complete: a failed build leaves nothing under the final name, and a stale cache it
@@ -208,6 +209,11 @@ class TokenCache:
             if now is None or now["sha256"] != chat["sha256"]:
                 reasons.append(
                     f"its conversations were rendered with another chat template ({chat['path']})"
+                )
+            elif chat.get("inputs", "messages") != now["inputs"]:  # a cache before tools
+                reasons.append(
+                    f"its conversations' template was given {chat.get('inputs', 'messages')}, "
+                    f"this jflash gives it {now['inputs']}"
                 )
         return reasons
 

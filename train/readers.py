@@ -11,8 +11,9 @@ Formats (chosen by extension, one entry each in :data:`READERS`):
 - ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
   memory-mapped while it is read.
 - ``.parquet``: a column ``input_ids`` (optional ``labels``), ``text``, columns
-  ``prompt`` and ``completion``, or a column ``messages`` (a list of structs)
-  (``pyarrow``, from the ``hf`` extra), read a batch of rows at a time.
+  ``prompt`` and ``completion``, or a column ``messages`` (a list of structs; with an
+  optional column ``tools``) (``pyarrow``, from the ``hf`` extra), read a batch of rows
+  at a time.
 - a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
   ``save_to_disk``), with the same columns (the ``hf`` extra).
 
@@ -35,14 +36,25 @@ this order (other keys are ignored):
   nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
   the log says how many.
 - ``"messages"`` (HF TRL's conversational format: a list of ``{"role": str, "content":
-  str}`` dicts): supervised fine-tuning on the assistant turns. The conversation is
-  rendered with the tokenizer's chat template (:mod:`train.chat`) and the text
-  tokenized whole, without adding special tokens (the template writes the BOS), as
-  transformers' ``apply_chat_template(tokenize=True)`` does, so the ids are its ids. A
-  token is labelled (its id) where its character span overlaps an assistant turn (the
-  turn's content and what the template writes to end it, e.g. ``<|eot_id|>``; a token
-  straddling the turn's boundary is labelled whole), every other token ``-100``. The
-  assistant turns are found by the prefix rule of :mod:`train.chat`. A conversation
+  ...}`` dicts, with an optional record-level ``"tools"``): supervised fine-tuning on
+  the assistant turns. Keys whose value is None are dropped at every depth (a table's
+  missing struct fields; TRL's SFTTrainer drops them so), and each message is passed
+  to the template with all its keys. A message's ``content`` is a str, or a list of
+  parts ``{"type": "text", "text": str}`` joined into one str (only text is trained: a
+  part of another type, e.g. ``"image"``, is refused); an assistant message with
+  ``"tool_calls"`` (a list of ``{"type": "function", "function": {"name": str,
+  "arguments": dict or JSON str}}``, or of the function dicts themselves) may have no
+  content; a tool's result is a ``{"role": "tool", "content": ..., "name" or
+  "tool_call_id": ...}`` message. ``"tools"`` (a list of the functions' JSON schemas)
+  goes to the template as its ``tools``, as TRL passes a dataset's ``tools`` column.
+  The conversation is rendered with the tokenizer's chat template (:mod:`train.chat`)
+  and the text tokenized whole, without adding special tokens (the template writes the
+  BOS), as transformers' ``apply_chat_template(tokenize=True)`` does, so the ids are
+  its ids. A token is labelled (its id) where its character span overlaps an assistant
+  turn (the turn's content or tool calls and what the template writes to end it, e.g.
+  ``<|eot_id|>``; a token straddling the turn's boundary is labelled whole), every
+  other token ``-100`` (a tool's result too). The assistant turns are found by the
+  prefix rule of :mod:`train.chat`. A conversation
   without an assistant turn with a token to learn is skipped, and the log says how
   many. A record with ``"messages"`` and only one of ``"prompt"`` and ``"completion"``
   is read by its messages (``"prompt"`` beside ``"messages"``, as in some chat
@@ -219,7 +231,7 @@ def _columns(path: Path, names: Sequence[str]) -> list[str]:
     if "prompt" in names and "completion" in names:
         return list(PROMPT_COMPLETION)
     if MESSAGES in names:
-        return [MESSAGES]
+        return [MESSAGES] + ([TOOLS] if TOOLS in names else [])
     raise ValueError(
         f"{path}: expected a column 'input_ids', 'text' or 'messages', or columns 'prompt' "
         f"and 'completion', got {list(names)}"
@@ -276,6 +288,7 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
 
 PROMPT_COMPLETION = ("prompt", "completion")  # a record's fields for prompt-masked training
 MESSAGES = "messages"  # a conversational record's field (its assistant turns are learned)
+TOOLS = "tools"  # a conversational record's functions (JSON schemas), passed to the template
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
@@ -338,6 +351,87 @@ def record_kind(record: dict) -> str | None:
     return None
 
 
+def _without_none(value: Any) -> Any:
+    """``value`` with the keys of its dicts whose value is None dropped, at every depth
+    (as TRL's SFTTrainer cleans a dataset's rows: a table's missing struct fields)."""
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def _content_text(field: str, content: Any) -> str:
+    """A message's ``content``: a str, or a list of text parts ``{"type": "text",
+    "text": str}`` joined into one str (what a template that iterates the parts writes
+    for them; one that does not would write the list's Python repr). ValueError naming
+    the part for a malformed one or one of another type (an image: only text is
+    trained)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(
+            f"{field}: 'content' must be a str or a list of {{'type': 'text', 'text': str}} "
+            f"parts, got {type(content).__name__}"
+        )
+    texts = []
+    for k, part in enumerate(content):
+        where = f"{field}: 'content'[{k}]"
+        if not isinstance(part, dict):
+            raise ValueError(
+                f"{where} must be a dict with a 'type' (a text part: {{'type': 'text', "
+                f"'text': str}}), got {type(part).__name__}"
+            )
+        kind = part.get("type")
+        if kind is None:
+            raise ValueError(
+                f"{where} has no 'type' (a text part: {{'type': 'text', 'text': str}})"
+            )
+        if kind != "text":
+            raise ValueError(
+                f"{where} is a {kind!r} part: only text parts can be trained (a text-only "
+                "model); drop the record or its non-text parts"
+            )
+        if not isinstance(part.get("text"), str):
+            got = type(part["text"]).__name__ if "text" in part else "none"
+            raise ValueError(f"{where}: a text part's 'text' must be a str, got {got}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _check_tool_calls(field: str, calls: Any) -> None:
+    """ValueError naming the call and the field unless ``calls`` is a list of
+    ``{"type": "function", "function": {"name": str, "arguments": dict or str}}`` (or of
+    the function dicts themselves; ``type`` and ``arguments`` optional)."""
+    shape = (
+        "a list of {'type': 'function', 'function': {'name': str, 'arguments': dict or "
+        "JSON str}} dicts"
+    )
+    if not isinstance(calls, list):
+        raise ValueError(f"{field}: 'tool_calls' must be {shape}, got {type(calls).__name__}")
+    for k, call in enumerate(calls):
+        where = f"{field}: 'tool_calls'[{k}]"
+        if not isinstance(call, dict):
+            raise ValueError(f"{where} must be a dict, got {type(call).__name__}")
+        if "type" in call and not isinstance(call["type"], str):
+            raise ValueError(f"{where}: 'type' must be a str, got {type(call['type']).__name__}")
+        function = call.get("function", call)
+        if "function" in call:
+            where += ": 'function'"
+            if not isinstance(function, dict):
+                raise ValueError(
+                    f"{where} must be a dict with a str 'name', got {type(function).__name__}"
+                )
+        if not isinstance(function.get("name"), str):
+            got = type(function["name"]).__name__ if "name" in function else "none"
+            raise ValueError(f"{where}: 'name' must be a str (the function called), got {got}")
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, (dict, str)):
+            raise ValueError(
+                f"{where}: 'arguments' must be a dict or a JSON str, got {type(arguments).__name__}"
+            )
+
+
 class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
     ``tokenizer.json`` or its directory, loaded at the first record that needs it
@@ -389,11 +483,12 @@ class RecordParser:
         nothing, or a conversation without an assistant token, counted in
         ``empty_texts`` / ``empty_completions`` / ``empty_conversations``): the reader
         skips it. ValueError naming the first record whose field is not a str (or a
-        list of messages), that has only one of prompt and completion, or whose
-        conversation the chat template cannot render."""
+        list of messages, or whose messages or tools are malformed), that has only one
+        of prompt and completion, or whose conversation the chat template cannot
+        render."""
         texts: list[tuple[int, str]] = []
         pairs: list[tuple[int, str, str]] = []
-        chats: list[tuple[int, list[dict[str, Any]]]] = []
+        chats: list[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None]] = []
         for i, record in enumerate(records):
             kind = record_kind(record) if isinstance(record, dict) else None
             if kind == "text":
@@ -404,7 +499,8 @@ class RecordParser:
                 )
                 pairs.append((i, prompt, completion))
             elif kind == MESSAGES:
-                chats.append((i, self._messages(wheres[i], record[MESSAGES])))
+                messages = self._messages(wheres[i], record[MESSAGES])
+                chats.append((i, messages, self._tools(wheres[i], record.get(TOOLS))))
         out: list[Tokens | None] = [None] * len(records)
         if not texts and not pairs and not chats:
             return out
@@ -446,7 +542,7 @@ class RecordParser:
     def _tokenize_chats(
         self,
         wheres: Sequence[str],
-        chats: Sequence[tuple[int, list[dict[str, Any]]]],
+        chats: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None]],
         tokenizer,
         out: list[Tokens | None],
     ) -> None:
@@ -457,13 +553,13 @@ class RecordParser:
             where = f"{self.path}: {wheres[chats[0][0]]}: has 'messages' but"
             self.chat_template = ChatTemplate(tokenizer_file(self.tokenizer).parent, where)
         rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
-        for i, messages in chats:
+        for i, messages, tools in chats:
             if not any(m["role"] == ASSISTANT for m in messages):
                 self.empty_conversations += 1
                 out[i] = np.zeros(0, np.int32), None
                 continue
             try:
-                text, spans = self.chat_template.assistant_spans(messages)
+                text, spans = self.chat_template.assistant_spans(messages, tools)
             except ChatTemplateError as e:
                 raise ValueError(f"{self.path}: {wheres[i]}: 'messages': {e}") from None
             rendered.append((i, text, spans))
@@ -479,9 +575,12 @@ class RecordParser:
             out[i] = ids, np.where(learned, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
 
     def _messages(self, where: str, value: Any) -> list[dict[str, Any]]:
-        """A conversation's messages, each a dict with str ``role`` and ``content``, its
-        keys whose value is None dropped (as transformers drops them: a table's missing
-        struct fields); ValueError naming the record, the message and the field."""
+        """A conversation's messages as the template gets them: each a dict with a str
+        ``role``; a ``content`` str or list of text parts (joined into one str), which
+        only a message with ``tool_calls`` may lack; ``tool_calls`` a list of function
+        calls; keys whose value is None dropped at every depth (module docstring), the
+        others passed as they are. ValueError naming the record, the message and the
+        field."""
         prefix = f"{self.path}: {where}: 'messages'"
         shape = "a list of {'role': str, 'content': str} dicts"
         if not isinstance(value, (list, tuple)):
@@ -493,16 +592,46 @@ class RecordParser:
                     f"{prefix}[{n}] must be a dict with str 'role' and 'content', got "
                     f"{type(message).__name__}"
                 )
-            message = {k: v for k, v in message.items() if v is not None}
-            for key in ("role", "content"):
-                if key not in message:
-                    raise ValueError(f"{prefix}[{n}] has no {key!r} (each message needs a str one)")
-                if not isinstance(message[key], str):
-                    raise ValueError(
-                        f"{prefix}[{n}]: {key!r} must be a str, got {type(message[key]).__name__}"
-                    )
+            message = _without_none(message)
+            field = f"{prefix}[{n}]"
+            if "role" not in message:
+                raise ValueError(f"{field} has no 'role' (each message needs a str one)")
+            if not isinstance(message["role"], str):
+                raise ValueError(
+                    f"{field}: 'role' must be a str, got {type(message['role']).__name__}"
+                )
+            if "tool_calls" in message:
+                _check_tool_calls(field, message["tool_calls"])
+            if "content" in message:
+                message["content"] = _content_text(field, message["content"])
+            elif "tool_calls" not in message:
+                raise ValueError(
+                    f"{field} has no 'content' (each message needs a str or a list of text "
+                    "parts; only one with 'tool_calls' may go without)"
+                )
             messages.append(message)
         return messages
+
+    def _tools(self, where: str, value: Any) -> list[dict[str, Any]] | None:
+        """A conversation's ``tools`` (None where it has none): a list of dicts, the
+        functions' JSON schemas, keys whose value is None dropped at every depth;
+        ValueError naming the record and the field."""
+        if value is None:
+            return None
+        prefix = f"{self.path}: {where}: 'tools'"
+        if not isinstance(value, (list, tuple)):
+            hint = " (a JSON string of them: parse it into the list)" * isinstance(value, str)
+            raise ValueError(
+                f"{prefix} must be a list of dicts (the functions' JSON schemas), got "
+                f"{type(value).__name__}{hint}"
+            )
+        for n, tool in enumerate(value):
+            if not isinstance(tool, dict):
+                raise ValueError(
+                    f"{prefix}[{n}] must be a dict (a function's JSON schema), got "
+                    f"{type(tool).__name__}"
+                )
+        return [_without_none(tool) for tool in value]
 
     def _string(self, where: str, record: dict, key: str) -> str:
         """``record[key]``, a str; ValueError naming the record and the field otherwise."""
