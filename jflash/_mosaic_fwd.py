@@ -12,7 +12,8 @@ hands the turn over right after its work item's last P V and takes it back befor
 next item's first Q K^T, so its epilogue does not hold up the other's last step; and,
 without segment ids, it loads the next item's Q from its last step on (both: forward
 1.026x at causal 4k, 1.018x at 16k; the turn alone 1.010x on packed documents;
-BENCHMARKS.md).
+BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under 16k queries)
+loads its next Q from its last step on too (forward 1.04x at causal 4k).
 
 The launch is persistent (`WorkItems`): one CTA per SM runs work items until none are
 left, heaviest first (causal rows near the end see the most keys; packed documents by
