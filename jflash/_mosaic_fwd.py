@@ -312,8 +312,8 @@ def _fwd_kernel(
         q_smem = q_smem2.at[wg]
         # The next item's Q (and its rows' ids) loads from the last step on: its S wait
         # is the last wgmma that reads Q. With segment ids, finding the next item reads
-        # the tile order from HBM there.
-        early = True
+        # the tile order from HBM there. (Three warpgroups load it after their last P V.)
+        early = split or not overlap
 
         def prefetch_q():
             ticket = peek_ticket(k + 1)
