@@ -310,10 +310,10 @@ def _fwd_kernel(
         taken (and its Q load started) before this one's epilogue."""
         q_start = first_row(tile)
         q_smem = q_smem2.at[wg]
-        # The next item's Q (and its rows' ids) loads from the last step on: its S wait
-        # is the last wgmma that reads Q. With segment ids, finding the next item reads
-        # the tile order from HBM there. (Three warpgroups load it after their last P V.)
-        early = split or not overlap
+        # Without segment ids (whose tile order and table are reads from HBM), the next
+        # item's Q loads from the last step on: its S wait is the last wgmma that reads Q.
+        # (Three warpgroups load it after their last P V.)
+        early = (split or not overlap) and not segments
 
         def prefetch_q():
             ticket = peek_ticket(k + 1)
