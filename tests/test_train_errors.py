@@ -467,6 +467,45 @@ def test_the_demo_refuses_the_flags_it_owns_and_deletes_nothing(tmp_path, monkey
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_demo_ends_a_preempted_run_with_its_resume_command(tmp_path, monkeypatch, capsys):
+    """SIGTERM in the demo's training (the loop saved the step reached) ends it in one
+    line that names the demo's own resume command, with SIGTERM's exit status; a resume
+    measures the loss's fall from the log's first loss, before the resume."""
+    from train import demo
+    from train.errors import Preempted
+
+    monkeypatch.chdir(tmp_path)
+
+    def preempted(cfg):
+        raise Preempted(52, "runs/demo/train/checkpoints", saved=True)
+
+    monkeypatch.setattr(demo, "run", preempted)
+    assert demo.main(["--max_steps", "3"]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "SIGTERM: saved a checkpoint at step 52 in runs/demo/train/checkpoints; resume with "
+        "python -m train.demo --keep --resume_from_checkpoint latest"
+    ), err
+
+    log = tmp_path / "runs" / "demo" / "train" / "log.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text('{"step": 10, "loss": 5.348}\n{"step": 60, "loss": 1.3}\n')
+    resumed = {"losses": [1.3] * 5 + [1.08] * 10, "start_step": 52}
+    configs = []
+    monkeypatch.setattr(demo, "run", lambda cfg: configs.append(cfg) or resumed)
+    monkeypatch.setattr(demo.subprocess, "run", lambda *a, **k: None)  # the report
+    for argv in (
+        ["--keep", "--resume_from_checkpoint", "latest"],
+        ["--keep", "--resume_from_checkpoint=latest"],
+    ):
+        assert demo.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "loss: step 10 (before the resume) 5.348 -> last 10 steps 1.080" in out, out
+        assert not configs[-1].run.overwrite_output_dir  # a resume keeps the run it continues
+    monkeypatch.setattr(demo, "run", lambda cfg: {"losses": [], "start_step": 300})
+    assert demo.main(argv) == 0  # a finished run resumed: nothing trained, nothing to check
+
+
 def test_positions_past_the_models_context_get_a_line(tmp_path, capsys):
     """Training past `max_position_embeddings` extends the context: allowed, and said."""
     model = _tiny_model_dir(tmp_path / "m", max_position_embeddings=32)

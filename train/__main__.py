@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
         not_started = outputs.NOT_STARTED in notes
         if isinstance(interrupt, Preempted) and interrupt.saved:
-            line = (
-                f"SIGTERM: saved a checkpoint at step {interrupt.step} in "
-                f"{interrupt.directory}; resume with --resume_from_checkpoint latest"
-            )
+            line = interrupt.line()
         elif isinstance(interrupt, Preempted):
             how = f"{how} after step {interrupt.step}, nothing saved ({interrupt.why})"
             line = _interrupted(cfg.run.output_dir, how, put_back, not_started)

@@ -19,8 +19,10 @@ config and output directory are the demo's own and refused.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -45,6 +47,7 @@ import models  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import outputs  # noqa: E402
 from train.config import parse_args  # noqa: E402
+from train.errors import Preempted  # noqa: E402
 from train.loop import TrainingError, run  # noqa: E402
 
 RUN_DIR = os.path.join("runs", "demo")
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--data_path",
                 data_path,
                 *mesh,
-                *([] if "--resume_from_checkpoint" in argv else ["--overwrite_output_dir"]),
+                *([] if outputs.demo_resumes(argv) else ["--overwrite_output_dir"]),
                 *argv,
             ]
         )
@@ -136,9 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # SIGTERM: the step reached is saved (--save_on_preemption)
+        resume = "python -m train.demo --keep --resume_from_checkpoint latest"
+        print(e.line(resume), file=sys.stderr)
+        return 128 + signal.SIGTERM
     losses = summary["losses"]
+    if not losses:  # a resume of a finished run trains nothing (the run said so)
+        return 0
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    print(f"loss: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+    start = "first 10 steps"
+    if summary["start_step"] > 0:  # resumed: the run's first loss is in its log
+        with open(os.path.join(RUN_DIR, "train", "log.jsonl")) as f:
+            record = next(r for r in map(json.loads, f) if "loss" in r)
+        first, start = record["loss"], f"step {record['step']} (before the resume)"
+    print(f"loss: {start} {first:.3f} -> last 10 steps {last:.3f}")
     print(
         f"outputs under {os.path.join(RUN_DIR, 'train')}: checkpoints/, tensorboard/ "
         "(scalars + profile: `tensorboard --logdir` it), log.jsonl, hf/"

@@ -15,3 +15,12 @@ class Preempted(KeyboardInterrupt):
     def __init__(self, step: int, directory: str, saved: bool, why: str = ""):
         super().__init__(step)
         self.step, self.directory, self.saved, self.why = step, directory, saved, why
+
+    def line(self, resume: str = "--resume_from_checkpoint latest") -> str:
+        """The one line a run stopped so ends with (`resume`: how to continue it)."""
+        if self.saved:
+            return (
+                f"SIGTERM: saved a checkpoint at step {self.step} in {self.directory}; "
+                f"resume with {resume}"
+            )
+        return f"terminated (SIGTERM) after step {self.step}, nothing saved ({self.why})"

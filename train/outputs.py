@@ -432,3 +432,9 @@ def demo_flag_error(argv: list[str], run_dir: str) -> str | None:
         f"error: {owned[0]} is the demo's own (it writes under {run_dir}/); train your "
         "own model, data or directory with `python -m train`"
     )
+
+
+def demo_resumes(argv: list[str]) -> bool:
+    """Whether a demo's flags resume its last run (`--resume_from_checkpoint`, either
+    form): it then keeps that run's outputs instead of replacing them."""
+    return any(a.split("=")[0] == "--resume_from_checkpoint" for a in argv)

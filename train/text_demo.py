@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import sys
 import sysconfig
 import time
@@ -31,6 +32,7 @@ from train import data as data_lib
 from train import data_cache, outputs
 from train.build import build, data_eos
 from train.config import parse_args
+from train.errors import Preempted
 from train.loop import run
 
 RUN_DIR = Path("runs") / "text_demo"
@@ -132,12 +134,18 @@ def main() -> None:
     argv = ["--config", str(CONFIG), "--model_name_or_path", str(model)]
     argv += ["--data_path", str(caches["train"]), "--eval_data_path", str(caches["val"])]
     argv += ["--eval_steps", "100"]
-    argv += ["--output_dir", str(RUN_DIR / "run"), "--overwrite_output_dir", "true"]
+    argv += ["--output_dir", str(RUN_DIR / "run")]
+    if not outputs.demo_resumes(sys.argv[1:]):  # a new run replaces the last
+        argv += ["--overwrite_output_dir", "true"]
     cfg = parse_args(argv + sys.argv[1:])
     assert data_eos(cfg, config) == config.eos_token_id
     before = eval_loss(build(cfg))
     print(f"val loss before training: {before:.3f} (ln(vocab) = {np.log(VOCAB_SIZE):.3f})")
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except Preempted as e:  # SIGTERM: the step reached is saved (--save_on_preemption)
+        print(e.line("python -m train.text_demo --resume_from_checkpoint latest"), file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     after = summary["eval"][-1]["eval_loss"]
     print(
         f"val loss after {summary['total_steps']} steps: {after:.3f} (from {before:.3f}); "
