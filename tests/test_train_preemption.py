@@ -214,3 +214,32 @@ def test_two_processes_save_the_same_step_after_a_sigterm_to_one(tmp_path):
     step = int(lines[0][0][0])
     assert 3 <= step < STEPS
     assert outputs.saved_steps(out) == [step] and max(_losses(out)) == step
+
+
+def test_auto_resume_starts_a_job_and_continues_it(tmp_path, monkeypatch, capsys):
+    """`--resume_from_checkpoint auto`, one command for a job's first start and its
+    requeue: from the start where `--output_dir` holds no checkpoint (saying so), from
+    its latest where it does, `--overwrite_output_dir` then ignored rather than
+    deleting them; the log ends holding every step once."""
+    finish = loop._finish
+
+    def finish_then_sigterm(pending, *args):
+        record = finish(pending, *args)
+        if record["step"] == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return record
+
+    out = tmp_path / "job"
+    argv = [*TINY, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
+    monkeypatch.setattr(loop, "_finish", finish_then_sigterm)
+    with pytest.raises(Preempted):
+        loop.run(parse_args(argv))
+    said = capsys.readouterr().out
+    assert f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'}" in said
+    assert os.listdir(out / "checkpoints") == ["3"]
+    monkeypatch.setattr(loop, "_finish", finish)
+    summary = loop.run(parse_args([*argv, "--overwrite_output_dir", "true"]))
+    assert summary["start_step"] == 3
+    assert f"resumed from step 3 of {out}" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))

@@ -249,6 +249,6 @@ def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None]
     if os.path.isdir(os.path.join(path, "checkpoints")):
         return path, None
     raise ValueError(
-        f"--resume_from_checkpoint={value!r}: not 'latest', a checkpoints directory or a "
-        "checkpoints/<step> directory"
+        f"--resume_from_checkpoint={value!r}: not 'latest', 'auto', a checkpoints directory "
+        "or a checkpoints/<step> directory"
     )

@@ -123,7 +123,7 @@ class RunArgs:
     eval_steps: int = 0  # evaluate every N steps; 0: every save_steps
     save_total_limit: int | None = None
     save_on_preemption: bool = True  # SIGTERM while training: save the step reached, exit 143
-    resume_from_checkpoint: str | None = None  # a checkpoint dir, or "latest"
+    resume_from_checkpoint: str | None = None  # a checkpoint dir, "latest", or "auto"
     overwrite_output_dir: bool = False  # replace a previous run once this one is good
     export_hf: bool = True  # write an HF directory at the end
     seed: int = 42

@@ -85,6 +85,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     """`run`; sets `stage["claimed"]` once it starts to change the output directory."""
     initialize_distributed(cfg)
     is_main = jax.process_index() == 0
+    cfg = _resolve_auto_resume(cfg, is_main)
     out = cfg.run.output_dir
     reporters.check(cfg.run.report_to)
     outputs.check_writable(out)
@@ -404,6 +405,32 @@ def _schedule_error(saved: dict, new: dict) -> str | None:
         i = apart[0]
         flags.append(f"lr at step {int(i) + 1}: {saved['lr'][i]:.3g} -> {new['lr'][i]:.3g}")
     return ", ".join(flags)
+
+
+def _resolve_auto_resume(cfg: TrainConfig, is_main: bool) -> TrainConfig:
+    """`--resume_from_checkpoint auto` (one command for a job's first start and every
+    restart, e.g. a scheduler's requeue after a preemption): `latest` where
+    `--output_dir` holds a whole checkpoint, where `--overwrite_output_dir` is then
+    ignored (it would delete them); else a start from step 0, as without the flag
+    (`--overwrite_output_dir` replacing what a run that saved nothing left)."""
+    value = cfg.run.resume_from_checkpoint
+    if value is None or value.lower() != "auto":
+        return cfg
+    out = cfg.run.output_dir
+    steps = outputs.saved_steps(out)
+    if steps:
+        run_args = dataclasses.replace(
+            cfg.run, resume_from_checkpoint="latest", overwrite_output_dir=False
+        )
+    else:
+        run_args = dataclasses.replace(cfg.run, resume_from_checkpoint=None)
+        if is_main:
+            where = os.path.join(out, "checkpoints")
+            print(
+                f"--resume_from_checkpoint auto: no checkpoint in {where}; training from the start",
+                flush=True,
+            )
+    return dataclasses.replace(cfg, run=run_args)
 
 
 def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int]:
