@@ -699,3 +699,18 @@ def test_resume_with_the_other_packing_is_refused(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
     same = ["--packing", "stream", "--output_dir", str(tmp_path / "a")]
     assert main([*argv, *resume, *same]) == 0
+
+
+def test_a_resume_without_checkpoints_is_refused_before_the_data_loads(tmp_path):
+    """`--resume_from_checkpoint latest` where `--output_dir` has no checkpoints is
+    refused first, in one line (pointing at `auto`), not after loading the model and
+    data: here the data file does not even exist."""
+    out = tmp_path / "none"
+    args = ["--model_name_or_path", "tiny", "--data_path", str(tmp_path / "missing.jsonl")]
+    args += ["--output_dir", str(out), "--resume_from_checkpoint", "latest"]
+    with pytest.raises(TrainingError) as refused:
+        run(parse_args(args))
+    assert str(refused.value) == (
+        f"--resume_from_checkpoint: {out / 'checkpoints'} does not exist (`auto` starts "
+        "from step 0 where there is none)"
+    )

@@ -93,6 +93,11 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         outputs.check_writable(cfg.profile.profile_dir, "--profile_dir")
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)
     continuing = resume is not None and os.path.abspath(resume[0]) == os.path.abspath(out)
+    if resume is not None and not os.path.isdir(os.path.join(resume[0], "checkpoints")):
+        # Said before the model and data load (`Checkpoints` says it again on reading).
+        where = os.path.abspath(os.path.join(resume[0], "checkpoints"))
+        auto = " (`auto` starts from step 0 where there is none)" if continuing else ""
+        raise TrainingError(f"--resume_from_checkpoint: {where} does not exist{auto}")
     # What the run reads, which --overwrite_output_dir must not replace.
     inputs = {
         f"--{name}": getattr(getattr(cfg, section), name)
