@@ -809,3 +809,36 @@ def test_stream_packing_names_the_prompted_examples_it_cuts(tmp_path, capsys):
         assert want in said and "--packing whole keeps each that fits a row" in said, said
         rows(packing="whole", **flags)
         assert "are cut at a row end" not in capsys.readouterr().out
+
+
+def test_cli_inspect_shows_the_tokens_the_loss_learns(bpe, tmp_path, capsys):
+    """`inspect --show N` prints the first N examples with the learned tokens in [[ ]]:
+    of a prompt/completion file, the completion and the EOS packing appends, as its
+    token cache shows them; as ids without a tokenizer; the example's first token never
+    (nothing predicts it)."""
+    source = tmp_path / "qa.jsonl"
+    records = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(3)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def shown(*args) -> list[str]:
+        data_lib.main(["inspect", *map(str, args)])
+        lines = capsys.readouterr().out.splitlines()
+        return lines[next(i for i, s in enumerate(lines) if s.startswith("---")) :]
+
+    got = shown(source, "--tokenizer", bpe, "--show", 2)
+    assert len(got) == 4 and got[0].startswith("--- example 0: ")
+    assert got[1] == "Question 0?[[ Answer 0.<|endoftext|>]]", got
+    assert got[3] == "Question 1?[[ Answer 1.<|endoftext|>]]", got
+    data_lib.main(["cache", str(source), str(tmp_path / "c"), "--tokenizer", str(bpe)])
+    capsys.readouterr()
+    assert shown(tmp_path / "c", "--tokenizer", bpe, "--show", 2) == got
+
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]}) + "\n")
+    assert shown(ids, "--no-eos", "--show", 5) == [
+        "--- example 0: 4 tokens, 2 learned (in [[ ]])",
+        "5 6 [[7 8]]",
+    ]
+    with pytest.raises(SystemExit):
+        data_lib.main(["inspect", str(ids), "--show", "-1"])
+    assert capsys.readouterr() == ("", "error: --show -1: give a number of examples, 0 or more\n")

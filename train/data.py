@@ -23,6 +23,7 @@ chain (see :func:`markov_samples`), so a tiny model's loss visibly falls.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
@@ -32,12 +33,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.convert import special_token_ids, tokenizer_vocab_size
+from models.loss import IGNORE_INDEX
 from train import data_cache
 from train.dataset import Rows, load_dataset
 from train.readers import (
     MESSAGES,
     PROMPT_COMPLETION,
     NoTokenizerError,
+    load_tokenizer,
     read_jsonl,
     record_kind,
     tokenizer_file,
@@ -429,6 +432,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     inspect.add_argument("--no-eos", action="store_true", help="count no token between examples")
     inspect.add_argument("--vocab-size", type=int, default=None, help="also check id range")
+    inspect.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the first N examples, the tokens the loss learns in [[ ]] (decoded "
+        "with --tokenizer, else as ids)",
+    )
     cache = commands.add_parser(
         "cache", help="tokenize a dataset once into a memory-mapped token cache directory"
     )
@@ -501,6 +512,8 @@ def _command(args: argparse.Namespace) -> None:
         plural = "s" * (count > 1)
         print(f"wrote {args.out}: {count} example{plural} x {span} tokens ({sum(sizes)} in all)")
     elif args.command == "inspect":
+        if args.show < 0:
+            raise ValueError(f"--show {args.show}: give a number of examples, 0 or more")
         if data_cache.is_cache(args.path):
             cache = data_cache.open_cache(args.path, vocab_size=args.vocab_size)
             asked = None if args.no_eos else args.eos_id
@@ -511,12 +524,21 @@ def _command(args: argparse.Namespace) -> None:
                     f"document, not {flag}; its counts include it"
                 )
             summary, eos_id = cache.summary(), cache.eos_id
+            stream = cache.tokens, cache.targets, cache.offsets
         else:
             eos_id = _eos_flags(args)
             dataset = load_dataset(args.path, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
             summary = dataset.summary(eos_id)
+            stream = dataset.packed_stream(eos_id)  # as a cache holds them: EOS included
         for key, value in {**summary, "eos_id": "none" if eos_id is None else eos_id}.items():
             print(f"{key}: {value}")
+        if args.show:
+            decode = None
+            if args.tokenizer is not None:
+                tokenizer = load_tokenizer(args.tokenizer, "--tokenizer:")
+                decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+            for line in shown_examples(*stream, args.show, decode):
+                print(line)
     elif args.command == "cache":
         eos_id = _eos_flags(args)
         cache, built = data_cache.ensure_cache(
@@ -536,6 +558,32 @@ def _command(args: argparse.Namespace) -> None:
         size = tokenizer_vocab_size(file)
         short = f" (of --vocab-size {args.vocab_size}: the text has no more merges)"
         print(f"wrote {file}: vocab_size={size}{short if size < args.vocab_size else ''}")
+
+
+def shown_examples(tokens, targets, offsets, count: int, decode=None) -> list[str]:
+    """The first ``count`` examples as ``inspect --show`` prints them: a header line
+    (tokens, tokens learned), then the example with each run of tokens the loss learns
+    (a label other than ``-100``, the example's first token never: nothing before it
+    predicts it) in ``[[ ]]``; ``decode(ids) -> str`` per run (the tokenizer's, special
+    tokens kept), else the ids. A run cut inside a multi-byte character decodes as the
+    tokenizer decodes it alone."""
+    lines = []
+    for i in range(min(count, len(offsets) - 1)):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        ids = np.asarray(tokens[a:b]).astype(np.int64).tolist()
+        learned = (np.asarray(targets[a:b]) != IGNORE_INDEX).tolist()
+        if learned:
+            learned[0] = False
+        lines.append(f"--- example {i}: {len(ids)} tokens, {sum(learned)} learned (in [[ ]])")
+        parts, start = [], 0
+        for j in range(1, len(ids) + 1):
+            if j == len(ids) or learned[j] != learned[start]:
+                run = ids[start:j]
+                text = decode(run) if decode is not None else " ".join(map(str, run))
+                parts.append(f"[[{text}]]" if learned[start] else text)
+                start = j
+        lines.append(("" if decode is not None else " ").join(parts))
+    return lines
 
 
 def _eos_flags(args: argparse.Namespace) -> int | None:

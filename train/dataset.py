@@ -294,6 +294,14 @@ class TokenDataset:
             return self.lengths
         return self.lengths + (self.tokens[self.offsets[1:] - 1] != eos_id)
 
+    def packed_stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens, targets, offsets)`` of the stream packing reads (``eos_id`` after
+        each example, as :meth:`_stream` appends it), example ``i`` at
+        ``offsets[i]:offsets[i + 1]``, as a token cache stores its documents."""
+        tokens, targets, _ = self._stream(eos_id)
+        offsets = np.concatenate([[0], np.cumsum(self.stream_lengths(eos_id))])
+        return tokens, targets, offsets
+
     def _stream(self, eos_id: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
         ``eos_id`` goes after every example that does not already end with it, its target
