@@ -108,11 +108,13 @@ MAPPINGS: tuple[ParamMapping, ...] = (
 
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_TOKENIZER_FILES = (
+# A model directory's tokenizer files, copied with it (conversion, the trainer's export).
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",  # where transformers saves a tokenizer's chat template
     "generation_config.json",
 )
 NATIVE_PARAMS = "params.safetensors"
@@ -442,7 +444,7 @@ def _copy_tokenizer(src: str, dst: str) -> None:
     """The tokenizer files of directory ``src`` into ``dst`` (none when they are one)."""
     if os.path.isdir(dst) and os.path.samefile(src, dst):
         return
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
@@ -653,7 +655,7 @@ def _replaced(args: argparse.Namespace) -> list[str]:
         written.add("tokenizer.json")
         source = os.path.dirname(source) or "."
     if source is not None and os.path.isdir(source) and not os.path.samefile(source, out):
-        written |= {n for n in _TOKENIZER_FILES if os.path.exists(os.path.join(source, n))}
+        written |= {n for n in TOKENIZER_FILES if os.path.exists(os.path.join(source, n))}
     return replaced_files(out, written, weights=not args.from_hf)
 
 

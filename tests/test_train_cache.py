@@ -842,3 +842,41 @@ def test_cli_inspect_shows_the_tokens_the_loss_learns(bpe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         data_lib.main(["inspect", str(ids), "--show", "-1"])
     assert capsys.readouterr() == ("", "error: --show -1: give a number of examples, 0 or more\n")
+
+
+def test_cli_tokenizer_with_special_tokens_and_a_chat_template(bpe, tmp_path):
+    """`train.data tokenizer --special-tokens ... --chat-template FILE`: the tokens get
+    ids 1, 2, ... and are never split, the template lands as chat_template.jinja, and
+    `models.convert --init --tokenizer` carries it into the model, where a conversation
+    renders with it."""
+    from models.convert import main as convert_main
+    from train.chat import read_chat_template
+
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for m in messages %}<|start|>{{ m['role'] }}: {{ m['content'] }}<|eot|>{% endfor %}"
+    )
+    specials = ["<|start|>", "<|eot|>"]
+    data_lib.main(
+        ["tokenizer", str(bpe.parent / "corpus.txt"), "--out", str(tmp_path / "tok")]
+        + ["--vocab-size", "300", "--special-tokens", *specials, "--chat-template", str(template)]
+    )
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    assert [tokenizer.token_to_id(t) for t in specials] == [1, 2]
+    assert tokenizer.encode("<|start|>user: hi<|eot|>").ids[0] == 1
+    assert tokenizer.encode("<|start|>user: hi<|eot|>").ids[-1] == 2
+    convert_main(
+        ["--init", "tiny", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "m")]
+    )
+    assert read_chat_template(tmp_path / "m")[0] == {"default": template.read_text()}
+    with pytest.raises(SystemExit):
+        data_lib.main(
+            [
+                "tokenizer",
+                str(template),
+                "--out",
+                str(tmp_path / "x"),
+                "--chat-template",
+                "no.jinja",
+            ]
+        )

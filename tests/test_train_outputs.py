@@ -237,13 +237,15 @@ def test_export_takes_the_runs_tokenizer(tmp_path):
     tok_dir.mkdir()
     (tok_dir / "tokenizer.json").write_text('{"from": "dir"}')
     (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "<e>"}')
+    (tok_dir / "chat_template.jinja").write_text("{{ messages }}")  # a chat model's template
     loose = tmp_path / "my-bpe.json"
     loose.write_text('{"from": "file"}')
 
     outputs.copy_tokenizer("llama3.2-1b", str(hf))
     assert list(hf.iterdir()) == []
     outputs.copy_tokenizer(str(tok_dir), str(hf))
-    assert sorted(p.name for p in hf.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    names = sorted(p.name for p in hf.iterdir())
+    assert names == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
     outputs.copy_tokenizer(str(loose), str(hf))
     assert (hf / "tokenizer.json").read_text() == '{"from": "file"}'
 

@@ -35,6 +35,7 @@ import numpy as np
 from models.convert import special_token_ids, tokenizer_vocab_size
 from models.loss import IGNORE_INDEX
 from train import data_cache
+from train.chat import CHAT_TEMPLATE_FILE
 from train.dataset import Rows, load_dataset
 from train.readers import (
     MESSAGES,
@@ -284,19 +285,41 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 def train_tokenizer(
-    files: Sequence[str | Path], out: str | Path, *, vocab_size: int = 4096
+    files: Sequence[str | Path],
+    out: str | Path,
+    *,
+    vocab_size: int = 4096,
+    special_tokens: Sequence[str] = (),
+    chat_template: str | Path | None = None,
 ) -> Path:
     """Trains a byte-level BPE (the ``tokenizers`` package, GPT-2's scheme) on text files
     (each file one document; a ``.jsonl`` file's records' ``"text"``, ``"prompt"`` and
     ``"completion"``, or ``"messages"``' contents, each one, in order) and writes
     ``out/tokenizer.json`` with a ``tokenizer_config.json`` and
     ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
+    ``special_tokens`` (e.g. a chat template's ``<|eot_id|>``) get ids 1, 2, ... and are
+    never split; ``chat_template``, a Jinja file, is copied to
+    ``out/chat_template.jinja``, where transformers and :mod:`train.chat` find it.
     Deterministic for the same files in the same order."""
-    if vocab_size < 257:
-        raise ValueError(f"--vocab-size={vocab_size} must be at least 257 (256 bytes + EOS)")
+    extra = list(dict.fromkeys(t for t in special_tokens if t != END_OF_TEXT))
+    if any(not t or t != t.strip() for t in extra):
+        raise ValueError(
+            f"--special-tokens {extra}: each must be a non-empty string without spaces around it"
+        )
+    if vocab_size < 257 + len(extra):
+        raise ValueError(
+            f"--vocab-size={vocab_size} must be at least {257 + len(extra)} (256 bytes + EOS"
+            + (f" + {len(extra)} special tokens)" if extra else ")")
+        )
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing:
         raise ValueError(f"no such text files: {missing}")
+    template = None
+    if chat_template is not None:
+        try:
+            template = Path(chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--chat-template={str(chat_template)!r}: {e.strerror}") from None
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:
@@ -325,7 +348,7 @@ def train_tokenizer(
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
+        special_tokens=[END_OF_TEXT, *extra],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -335,6 +358,8 @@ def train_tokenizer(
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    if template is not None:
+        (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
     return out / "tokenizer.json"
 
 
@@ -465,6 +490,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
     tok.add_argument(
+        "--special-tokens",
+        nargs="+",
+        default=[],
+        metavar="TOKEN",
+        help="tokens never split, ids 1, 2, ... after <|endoftext|> (e.g. a chat template's "
+        "<|start_header_id|> <|end_header_id|> <|eot_id|>)",
+    )
+    tok.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template, written as chat_template.jinja beside tokenizer.json",
+    )
+    tok.add_argument(
         "--vocab-size",
         type=int,
         default=4096,
@@ -554,7 +593,13 @@ def _command(args: argparse.Namespace) -> None:
             f"{cache.num_tokens} tokens (eos_id={cache.eos_id})"
         )
     else:
-        file = train_tokenizer(args.files, args.out, vocab_size=args.vocab_size)
+        file = train_tokenizer(
+            args.files,
+            args.out,
+            vocab_size=args.vocab_size,
+            special_tokens=args.special_tokens,
+            chat_template=args.chat_template,
+        )
         size = tokenizer_vocab_size(file)
         short = f" (of --vocab-size {args.vocab_size}: the text has no more merges)"
         print(f"wrote {file}: vocab_size={size}{short if size < args.vocab_size else ''}")

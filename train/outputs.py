@@ -27,6 +27,7 @@ import jax
 import yaml
 from jax.experimental import multihost_utils
 
+from models.convert import TOKENIZER_FILES
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.tensorboard import truncate_events
@@ -51,14 +52,6 @@ RUN_OUTPUTS = (
     "hf",
     SETTINGS_FILE,
     PREVIOUS_RUN,
-)
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "generation_config.json",
 )
 
 
