@@ -89,17 +89,25 @@ def _terminate_after_step(proc: subprocess.Popen, out, step: int = 3) -> tuple[s
     return proc.communicate(timeout=120)
 
 
+def _sigterm_after(finish, step: int):
+    """`loop._finish` that sends this process SIGTERM once step `step`'s record is made
+    (in process: while the step's metrics are fetched)."""
+
+    def finish_then_sigterm(pending, *args):
+        record = finish(pending, *args)
+        if record["step"] == step:
+            signal.raise_signal(signal.SIGTERM)
+        return record
+
+    return finish_then_sigterm
+
+
 def test_sigterm_in_the_loop_saves_the_step_in_flight(tmp_path, monkeypatch):
     """In process: a SIGTERM while step 3's metrics are fetched stops the loop after
     step 3, saved as a regular save is (its step and data position), complete on disk;
     the handler from before the run is back."""
     finish = loop._finish
-
-    def finish_then_sigterm(pending, *args):
-        record = finish(pending, *args)
-        if record["step"] == 3:
-            signal.raise_signal(signal.SIGTERM)
-        return record
+    finish_then_sigterm = _sigterm_after(finish, 3)
 
     def before(signum, frame):
         raise AssertionError("the run's own SIGTERM handler was not in place")
@@ -222,12 +230,7 @@ def test_auto_resume_starts_a_job_and_continues_it(tmp_path, monkeypatch, capsys
     its latest where it does, `--overwrite_output_dir` then ignored rather than
     deleting them; the log ends holding every step once."""
     finish = loop._finish
-
-    def finish_then_sigterm(pending, *args):
-        record = finish(pending, *args)
-        if record["step"] == 3:
-            signal.raise_signal(signal.SIGTERM)
-        return record
+    finish_then_sigterm = _sigterm_after(finish, 3)
 
     out = tmp_path / "job"
     argv = [*TINY, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
