@@ -1062,3 +1062,37 @@ def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, t
         assert ids == want["ids"], folder.name
         if mark:
             assert [int(label != IGNORE) for label in labels] == want["mask"]
+
+
+def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bpe, tmp_path):
+    """TRL's conversational prompt-completion records (`prompt` and `completion` lists of
+    messages) read as the conversation `prompt + completion`: the same ids as that
+    `messages` record, learning only the completion's assistant turns (an assistant
+    turn in the prompt is context); a completion without one has nothing to learn;
+    `prompt` a list beside a str `completion` is refused by name."""
+    prompt = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Capital of France?"},
+    ]
+    completion = [{"role": "assistant", "content": "Paris."}]
+    records = [
+        {"prompt": prompt, "completion": completion},
+        {"messages": prompt + completion},
+        {"prompt": prompt, "completion": [{"role": "user", "content": "no answer"}]},
+    ]
+    path = tmp_path / "pc.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    parser = readers.RecordParser(path, llama3_bpe)
+    got = parser.tokenize_texts(["line 1", "line 2", "line 3"], records)
+    (pc_ids, pc_labels), (ids, labels), (empty, _) = got
+    assert pc_ids.tolist() == ids.tolist() and empty.size == 0
+    assert parser.empty_conversations == 1
+    learned = pc_labels != -100
+    assert 0 < learned.sum() < (labels != -100).sum()  # the prompt's assistant turn is not
+    encoding = readers.load_tokenizer(llama3_bpe)
+    assert "Paris." in encoding.decode(pc_ids[learned].tolist())
+    assert "Hello" not in encoding.decode(pc_ids[learned].tolist())
+    bad = {"prompt": prompt, "completion": "Paris."}
+    with pytest.raises(ValueError, match=r"line 4: 'prompt' must be a str, got list"):
+        parser.tokenize_texts(["line 4"], [bad])

@@ -370,14 +370,23 @@ def _record_texts(record: dict) -> Iterator[str]:
     if "text" in record:
         values = [record["text"]]
     elif record_kind(record) == MESSAGES and isinstance(record[MESSAGES], list):
+        values = _contents(record[MESSAGES])
+    else:  # a prompt and completion: strs, or lists of messages (TRL's conversational form)
         values = []
-        for message in record[MESSAGES]:
-            content = message.get("content") if isinstance(message, dict) else None
-            parts = content if isinstance(content, list) else [{"text": content}]
-            values += [p.get("text") for p in parts if isinstance(p, dict)]
-    else:
-        values = [record.get(key) for key in PROMPT_COMPLETION]
+        for key in PROMPT_COMPLETION:
+            value = record.get(key)
+            values += _contents(value) if isinstance(value, list) else [value]
     yield from (v for v in values if isinstance(v, str))
+
+
+def _contents(messages: list) -> list:
+    """The contents of a list of messages: each a str, or the texts of a list of parts."""
+    values = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = content if isinstance(content, list) else [{"text": content}]
+        values += [p.get("text") for p in parts if isinstance(p, dict)]
+    return values
 
 
 def tokenizer_eos_id(tokenizer: str | Path) -> int | None:

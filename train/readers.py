@@ -34,7 +34,9 @@ this order (other keys are ignored):
   tokenizer whose normalizer prepends ``▁`` to every text (Llama-2's) gives the
   completion that space itself (``"Paris"``). A record whose completion tokenizes to
   nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
-  the log says how many.
+  the log says how many. Both lists of messages (TRL's conversational prompt-completion
+  form): the conversation ``prompt + completion`` (and ``"tools"``), read as
+  ``"messages"`` are, learning the completion's assistant turns only.
 - ``"messages"`` (HF TRL's conversational format: a list of ``{"role": str, "content":
   ...}`` dicts, with an optional record-level ``"tools"``): supervised fine-tuning on
   the assistant turns. Keys whose value is None are dropped at every depth (a table's
@@ -432,6 +434,13 @@ def _check_tool_calls(field: str, calls: Any) -> None:
             )
 
 
+def _conversation_field(learned_from: int) -> str:
+    """How an error names a conversation's field: ``'messages'``, or the messages of a
+    conversational prompt-completion record (its completion learned from message
+    ``learned_from`` on)."""
+    return f"'{MESSAGES}'" if not learned_from else "'prompt' and 'completion' messages"
+
+
 class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
     ``tokenizer.json`` or its directory, loaded at the first record that needs it
@@ -488,11 +497,20 @@ class RecordParser:
         render."""
         texts: list[tuple[int, str]] = []
         pairs: list[tuple[int, str, str]] = []
-        chats: list[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None]] = []
+        # (record, messages, tools, the first message whose assistant turns are learned)
+        chats: list[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None, int]] = []
         for i, record in enumerate(records):
             kind = record_kind(record) if isinstance(record, dict) else None
             if kind == "text":
                 texts.append((i, self._string(wheres[i], record, "text")))
+            elif kind == "prompt" and all(
+                isinstance(record.get(key), list) for key in PROMPT_COMPLETION
+            ):  # TRL's conversational prompt-completion: the completion's turns learned
+                prompt, completion = (
+                    self._messages(wheres[i], record[key], key) for key in PROMPT_COMPLETION
+                )
+                tools = self._tools(wheres[i], record.get(TOOLS))
+                chats.append((i, prompt + completion, tools, len(prompt)))
             elif kind == "prompt":
                 prompt, completion = (
                     self._string(wheres[i], record, key) for key in PROMPT_COMPLETION
@@ -500,7 +518,7 @@ class RecordParser:
                 pairs.append((i, prompt, completion))
             elif kind == MESSAGES:
                 messages = self._messages(wheres[i], record[MESSAGES])
-                chats.append((i, messages, self._tools(wheres[i], record.get(TOOLS))))
+                chats.append((i, messages, self._tools(wheres[i], record.get(TOOLS)), 0))
         out: list[Tokens | None] = [None] * len(records)
         if not texts and not pairs and not chats:
             return out
@@ -509,7 +527,7 @@ class RecordParser:
             for found, name in (
                 (texts, "'text'"),
                 (pairs, "'prompt' and 'completion'"),
-                (chats, "'messages'"),
+                (chats, _conversation_field(chats[0][3]) if chats else ""),
             )
             if found
         )
@@ -542,7 +560,7 @@ class RecordParser:
     def _tokenize_chats(
         self,
         wheres: Sequence[str],
-        chats: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None]],
+        chats: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None, int]],
         tokenizer,
         out: list[Tokens | None],
     ) -> None:
@@ -550,18 +568,22 @@ class RecordParser:
         one ``encode_batch`` call (no special tokens added: the template wrote them),
         labelling the tokens of the assistant turns (:func:`train.chat.assistant_labels`)."""
         if self.chat_template is None:
-            where = f"{self.path}: {wheres[chats[0][0]]}: has 'messages' but"
+            field = _conversation_field(chats[0][3])
+            where = f"{self.path}: {wheres[chats[0][0]]}: has {field} but"
             self.chat_template = ChatTemplate(tokenizer_file(self.tokenizer).parent, where)
         rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
-        for i, messages, tools in chats:
-            if not any(m["role"] == ASSISTANT for m in messages):
+        for i, messages, tools, learned_from in chats:
+            turns = [j for j, m in enumerate(messages) if m["role"] == ASSISTANT]
+            if not any(j >= learned_from for j in turns):
                 self.empty_conversations += 1
                 out[i] = np.zeros(0, np.int32), None
                 continue
+            field = _conversation_field(learned_from)
             try:
                 text, spans = self.chat_template.assistant_spans(messages, tools)
             except ChatTemplateError as e:
-                raise ValueError(f"{self.path}: {wheres[i]}: 'messages': {e}") from None
+                raise ValueError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
+            spans = [span for j, span in zip(turns, spans, strict=True) if j >= learned_from]
             rendered.append((i, text, spans))
         texts = [text for _, text, _ in rendered]
         encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -574,14 +596,14 @@ class RecordParser:
                 continue
             out[i] = ids, np.where(learned, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
 
-    def _messages(self, where: str, value: Any) -> list[dict[str, Any]]:
-        """A conversation's messages as the template gets them: each a dict with a str
-        ``role``; a ``content`` str or list of text parts (joined into one str), which
-        only a message with ``tool_calls`` may lack; ``tool_calls`` a list of function
-        calls; keys whose value is None dropped at every depth (module docstring), the
-        others passed as they are. ValueError naming the record, the message and the
-        field."""
-        prefix = f"{self.path}: {where}: 'messages'"
+    def _messages(self, where: str, value: Any, key: str = MESSAGES) -> list[dict[str, Any]]:
+        """A conversation's messages (the record's ``key``) as the template gets them:
+        each a dict with a str ``role``; a ``content`` str or list of text parts (joined
+        into one str), which only a message with ``tool_calls`` may lack; ``tool_calls`` a
+        list of function calls; keys whose value is None dropped at every depth (module
+        docstring), the others passed as they are. ValueError naming the record, the
+        message and the field."""
+        prefix = f"{self.path}: {where}: {key!r}"
         shape = "a list of {'role': str, 'content': str} dicts"
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{prefix} must be {shape}, got {type(value).__name__}")
