@@ -478,12 +478,24 @@ def test_ids_and_labels_match_transformers_apply_chat_template(llama3_bpe, tmp_p
         assert (targets != IGNORE).astype(int).tolist() == oracle["masks"][i]
 
 
-def test_the_trainer_learns_the_assistant_turns(llama3_bpe, tmp_path, capsys):
-    """`python -m train` on conversations: two steps of the tiny model, rows packed whole,
-    the loss finite and averaged over the assistant tokens only (and their EOS)."""
+def _two_steps(path: Path, tokenizer: Path, seq_len: int, out: Path) -> list[dict]:
+    """`python -m train` (in process) for two steps of the tiny model on `path`, rows of
+    `seq_len` tokens packed whole, one a device: the logged step records."""
     from train.config import parse_args
     from train.loop import run
 
+    argv = ["--model_name_or_path", "tiny", "--data_path", str(path), "--progress", "false"]
+    argv += ["--tokenizer_name_or_path", str(tokenizer), "--model_max_length", str(seq_len)]
+    argv += ["--packing", "whole", "--max_steps", "2", "--logging_steps", "1"]
+    argv += ["--mesh", "data=-1", "--per_device_train_batch_size", "1"]
+    run(parse_args([*argv, "--output_dir", str(out)]))
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return [r for r in records if "loss" in r]
+
+
+def test_the_trainer_learns_the_assistant_turns(llama3_bpe, tmp_path, capsys):
+    """`python -m train` on conversations: two steps of the tiny model, rows packed whole,
+    the loss finite and averaged over the assistant tokens only (and their EOS)."""
     conversations = [
         [
             {"role": "user", "content": f"What is {i} plus {i}?"},
@@ -492,14 +504,7 @@ def test_the_trainer_learns_the_assistant_turns(llama3_bpe, tmp_path, capsys):
         for i in range(48)
     ]
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in conversations])
-    out = tmp_path / "out"
-    argv = ["--model_name_or_path", "tiny", "--data_path", str(path), "--progress", "false"]
-    argv += ["--tokenizer_name_or_path", str(llama3_bpe), "--model_max_length", "64"]
-    argv += ["--packing", "whole", "--max_steps", "2", "--logging_steps", "1"]
-    argv += ["--mesh", "data=-1", "--per_device_train_batch_size", "1"]
-    run(parse_args([*argv, "--output_dir", str(out)]))
-    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
+    steps = _two_steps(path, llama3_bpe, 64, tmp_path / "out")
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     # 8 rows of 64 tokens a step, a third or less of each conversation learned.
     dataset = load_dataset(path, tokenizer=llama3_bpe)
@@ -956,17 +961,7 @@ def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
             }
         )
     path = _jsonl(tmp_path / "tools.jsonl", records)
-    from train.config import parse_args
-    from train.loop import run
-
-    out = tmp_path / "out"
-    argv = ["--model_name_or_path", "tiny", "--data_path", str(path), "--progress", "false"]
-    argv += ["--tokenizer_name_or_path", str(folder), "--model_max_length", "512"]
-    argv += ["--packing", "whole", "--max_steps", "2", "--logging_steps", "1"]
-    argv += ["--mesh", "data=-1", "--per_device_train_batch_size", "1"]
-    run(parse_args([*argv, "--output_dir", str(out)]))
-    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    steps = [r for r in logged if "loss" in r]
+    steps = _two_steps(path, folder, 512, tmp_path / "out")
     assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
     dataset = load_dataset(path, tokenizer=folder)
     assert 0 < (dataset.targets != IGNORE).sum() < dataset.num_tokens / 4
