@@ -57,7 +57,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jflash._exp2 import POLY_EVERY, poly_exp2, split_exp2
 from jflash._mosaic_common import (
     COMPUTE_REGS,
     COMPUTE_WGS,
@@ -98,10 +97,6 @@ OVERLAP_HEAD_DIMS = (128,)
 # at 16k, 1.07x at 32k, 1.05x at 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k
 # causal, so shorter calls keep two (BENCHMARKS.md).
 THREE_WG_HEAD_DIMS = (64,)
-# Head dims whose unmasked forward steps take a share of their exponentials on the FMA
-# units (`jflash._exp2.split_exp2`): at D = 64 a score's `ex2` on the SFU takes as long
-# as its 256 FLOPs on the tensor cores.
-POLY_EXP2_HEAD_DIMS = (64, 128)
 THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
@@ -258,15 +253,6 @@ def _fwd_kernel(
     # runs beside the other's last step, not in its way.
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
-    # Unmasked steps share their exponentials between the SFU and the FMA units.
-    poly = geom.head_dim in POLY_EXP2_HEAD_DIMS
-
-    def exp2_shared(x):
-        if not interpret:
-            return split_exp2(x)
-        # Interpreted: the same polynomial on every POLY_EVERY-th column.
-        col = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-        return jnp.where(lax.rem(col, jnp.int32(POLY_EVERY)) == 0, poly_exp2(x), jnp.exp2(x))
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -378,8 +364,7 @@ def _fwd_kernel(
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
-            x = s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0])
-            p = exp2_shared(x) if poly and not masked else jnp.exp2(x)
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
             l = l * alpha + p.sum(axis=1)
             return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
