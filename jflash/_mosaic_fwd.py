@@ -97,9 +97,6 @@ OVERLAP_HEAD_DIMS = (128,)
 # at 16k, 1.07x at 32k, 1.05x at 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k
 # causal, so shorter calls keep two (BENCHMARKS.md).
 THREE_WG_HEAD_DIMS = (64,)
-# The loop without overlap adds its rows' sums of P on the tensor cores: one more wgmma
-# with P V, of N = ROW_SUM_COLS ones, instead of 128 adds per thread and step at D = 64.
-ROW_SUM_COLS = 16
 THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
@@ -222,7 +219,6 @@ def _fwd_kernel(
         k_free,
         v_free,
         turn,
-        ones_smem2,
         *accs,
     ) = refs
     # The next two work items' tickets (`tickets[0:2]`, `tickets[2]`: the counter's last
@@ -257,9 +253,6 @@ def _fwd_kernel(
     # runs beside the other's last step, not in its way.
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
-    # The loop without overlap takes its rows' sums of P from the tensor cores: P times
-    # a [block_kv, 16] tile of ones, issued with P V (`ROW_SUM_COLS`).
-    sums_on_tc = not overlap
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -373,10 +366,7 @@ def _fwd_kernel(
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-            if l.ndim == 2:  # the row sums' accumulator: P's sums come from the tensor cores
-                l = l * lax.broadcast_in_dim(alpha, l.shape, [0])
-            else:
-                l = l * alpha + p.sum(axis=1)
+            l = l * alpha + p.sum(axis=1)
             return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
 
         def take_tensor_cores(slot):
@@ -385,7 +375,7 @@ def _fwd_kernel(
             plgpu.barrier_wait(turn)  # tensor cores are ours
 
         def step(j, carry, *, masked: bool):
-            acc, l, m = carry
+            acc, m, l = carry
             slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
 
@@ -401,12 +391,9 @@ def _fwd_kernel(
             plgpu.barrier_arrive(k_free.at[slot])
             acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             take_tensor_cores(slot)
-            # += P V, and P's row sums (P times ones)
-            acc, l = wgmma_into(
-                (acc, l), [(p16, v_smem.at[slot]), (p16, ones_smem2.at[wg])], interpret=interpret
-            )
+            (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc, l, m
+            return acc, m, l
 
         def skip(j, carry):
             # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
@@ -529,18 +516,10 @@ def _fwd_kernel(
                 pl.when(jnp.logical_not(handed))(lambda: plgpu.barrier_arrive(turn))
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
-            sums = jnp.zeros((bq, ROW_SUM_COLS), jnp.float32)
-            carry = tuple(plgpu.layout_cast(x, plgpu.Layout.WGMMA) for x in (zeros, sums))
-            acc, sums, m = run_steps(
-                st,
-                step,
-                skip,
-                (*carry, stats[0]),
-                mask_first=segments,
-                mask_last=True,
-                skip_first=segments,
+            carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
+            acc, m, l = run_steps(
+                st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
             )
-            l = sums.max(axis=1)  # every column holds the row's sum
         if token:
             # A warpgroup with steps took one turn more than its skips (the first Q K^T):
             # one without takes it here, so every warpgroup takes as many.
@@ -597,10 +576,6 @@ def _fwd_kernel(
     def _compute():
         regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
         plgpu.set_max_registers(regs, action="increase")
-        if sums_on_tc:
-            ones = ones_smem2.at[wg]
-            ones[...] = jnp.ones(ones.shape, ones.dtype)
-            plgpu.commit_smem()
         first = read_ticket(jnp.int32(0))
         with jax.named_scope("locate"):
             located = locate(first, jnp.int32(0))
@@ -876,11 +851,8 @@ def _launch(
     rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
 
-    sums_on_tc = wgs == COMPUTE_WGS and h not in OVERLAP_HEAD_DIMS  # `_fwd_kernel`'s
-
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
         fixed = rows * h * size + rows * 4 + (3 * rows * 4 if segments else 0)
-        fixed += wgs * block * ROW_SUM_COLS * size if sums_on_tc else 0  # the ones
         fixed += rows * h * jnp.dtype(out_dtype).itemsize  # the output's own slot
         return fixed, 2 * block * h * size + (block * 4 if stream_ids else 0)
 
@@ -961,17 +933,6 @@ def _launch(
             plgpu.Barrier(num_barriers=wgs)
             if wgs > COMPUTE_WGS
             else plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-            # Ones, P's right operand for its row sums (the loop without overlap).
-            plgpu.SMEM(
-                (wgs, block_kv, ROW_SUM_COLS),
-                q.dtype,
-                transforms=(
-                    plgpu.TilingTransform((8, ROW_SUM_COLS)),
-                    plgpu.SwizzleTransform(ROW_SUM_COLS * size),
-                ),
-            )
-            if sums_on_tc
-            else None,
             # Interpreted: the overlapped loop's S and O (`Accumulators`).
             *(
                 [
