@@ -251,7 +251,7 @@ def _fwd_kernel(
     # hands the turn over right after an item's last P V and takes it back before the
     # next item's first Q K^T (`split`, as FA-3 does): each warpgroup's epilogue then
     # runs beside the other's last step, not in its way.
-    overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS or block_kv <= 128
+    overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
 
     def take_turn():
@@ -740,8 +740,6 @@ def mosaic_fwd(
     three = own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and q.shape[1] >= THREE_WG_MIN_LEN
     common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
     two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
-    if own_tiles and q.shape[3] == 64:
-        two_wgs = dict(two_wgs, block_kv=128, stages=THREE_WG_STAGES)
     fast = two_wgs
     if three:
         # At least 3 stages: a turn may wait for the slot that the step before it freed.
