@@ -246,3 +246,38 @@ def test_auto_resume_starts_a_job_and_continues_it(tmp_path, monkeypatch, capsys
     assert f"resumed from step 3 of {out}" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
+
+
+def test_a_sigterm_on_the_last_step_then_the_requeue_writes_the_export(
+    tmp_path, monkeypatch, capsys
+):
+    """A SIGTERM during the last step saves it and stops before the HF export; the
+    requeued command (`auto`) finds the run done, and writes the export an uninterrupted
+    run writes, byte for byte."""
+    finish = loop._finish
+    out = tmp_path / "job"
+    argv = [*TINY, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
+    argv += ["--export_hf", "true"]
+    monkeypatch.setattr(loop, "_finish", _sigterm_after(finish, STEPS))
+    with pytest.raises(Preempted):
+        loop.run(parse_args(argv))
+    assert os.listdir(out / "checkpoints") == [str(STEPS)]
+    assert not outputs.has_export(str(out))
+    monkeypatch.setattr(loop, "_finish", finish)
+    capsys.readouterr()
+    summary = loop.run(parse_args(argv))
+    assert (summary["start_step"], summary["losses"]) == (STEPS, [])
+    said = capsys.readouterr()
+    assert f"checkpoint {STEPS} has no HF export" in said.out, said
+    assert outputs.has_export(str(out))
+    whole = tmp_path / "whole"
+    loop.run(parse_args([*TINY, "--output_dir", str(whole), "--export_hf", "true"]))
+
+    def files(d):
+        return {p.name: p.read_bytes() for p in (d / "hf").iterdir()}
+
+    assert files(out) == files(whole)
+    # Run again, the export whole: nothing is written.
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    loop.run(parse_args(argv))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before

@@ -144,10 +144,13 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
                 if t.eval_rows is not None:
                     batch = next(t.eval_batches())
                     t.eval_fn = t.eval_fn.lower(state["params"], batch).compile()
-        # A run with nothing to train writes nothing (and replaces nothing).
+        # A run with nothing to train writes nothing (and replaces nothing), but the
+        # export of a run stopped after its last checkpoint (a SIGTERM on the last step,
+        # or during the export).
         trains = start_step < t.total_steps
+        exports = cfg.run.export_hf and (trains or _export_missing(out, is_main))
         with contextlib.ExitStack() as held:
-            if trains:
+            if trains or exports:
                 _claim_under_lock(held, out, claim, is_main)
             stage["claimed"] = True
             aside = None
@@ -170,7 +173,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
                 )
             try:
                 state, history = _run_from(
-                    t, cfg, state, start_step, step_fn, resume, continuing, run_meta, aside
+                    t, cfg, state, start_step, step_fn, resume, continuing, run_meta, aside, exports
                 )
             except BaseException as e:
                 line = outputs.settle(aside, out, good=False) if is_main else None
@@ -223,11 +226,12 @@ def _run_from(
     continuing: bool,
     run_meta: dict,
     aside,
+    exports: bool,
 ):
     """`run` once the directory is claimed: settings, the loop, the export;
     `(final state, history)`. `cfg`: the run's settings as given (`t.cfg` has `auto`
     resolved). `aside`: where a previous run's outputs are kept (main process only; None
-    elsewhere)."""
+    elsewhere). `exports`: whether the HF export is written at the end."""
     out = cfg.run.output_dir
     is_main = jax.process_index() == 0
     if continuing and is_main:
@@ -248,15 +252,33 @@ def _run_from(
     history = []
     if trains:
         state, history = _train(t, state, start_step, step_fn, is_main, run_meta, aside)
-    if cfg.run.export_hf and t.total_steps > start_step:
+    if exports:
+        hf_dir = outputs.hf_dir(out)
+        if not trains and is_main:
+            print(
+                f"checkpoint {start_step} has no HF export (the run stopped after saving "
+                f"it): writing {hf_dir}",
+                flush=True,
+            )
         host = multihost_utils.process_allgather(state["params"], tiled=True)
         if is_main:
-            hf_dir = os.path.join(out, "hf")
-            config = export_config(cfg, t.config)
-            models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
+            # The tokenizer first: the export's config.json, renamed into place last,
+            # then marks a whole export (`outputs.has_export`).
+            os.makedirs(hf_dir, exist_ok=True)
             tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
             outputs.copy_tokenizer(tokenizer, hf_dir)
+            config = export_config(cfg, t.config)
+            models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
     return state, history
+
+
+def _export_missing(out: str, is_main: bool) -> bool:
+    """Whether `out` lacks a whole HF export, as process 0 sees it (every process
+    takes part in an export)."""
+    missing = is_main and not outputs.has_export(out)
+    if jax.process_count() > 1:
+        missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+    return missing
 
 
 def _say_what_is_made_up(cfg: TrainConfig) -> None:

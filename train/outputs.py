@@ -55,6 +55,18 @@ RUN_OUTPUTS = (
 )
 
 
+def hf_dir(out: str) -> str:
+    """Where a run's HF export goes."""
+    return os.path.join(out, "hf")
+
+
+def has_export(out: str) -> bool:
+    """Whether `out` holds a whole HF export: `models.export_hf` renames its
+    `config.json` into place after the weights, and the trainer copies the tokenizer
+    before both."""
+    return os.path.isfile(os.path.join(hf_dir(out), "config.json"))
+
+
 def check_writable(out: str, flag: str = "--output_dir") -> None:
     """Refuses a directory (`--output_dir`, or `flag`) that is a file, lies under a file,
     or cannot be written; creates nothing."""
