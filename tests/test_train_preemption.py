@@ -281,3 +281,31 @@ def test_a_sigterm_on_the_last_step_then_the_requeue_writes_the_export(
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     loop.run(parse_args(argv))
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(
+    tmp_path, monkeypatch
+):
+    """SIGTERM then, while its save is being written, another SIGTERM and a Ctrl-C: the
+    save completes, the run stops as one preempted once (no KeyboardInterrupt), and the
+    checkpoint reads back whole."""
+    monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3))
+    save = loop.Checkpoints.save
+    seen = []
+
+    def save_under_signals(self, step, state, meta):
+        seen.append(step)
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        return save(self, step, state, meta)
+
+    monkeypatch.setattr(loop.Checkpoints, "save", save_under_signals)
+    out = tmp_path / "run"
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*TINY, "--output_dir", str(out)]))
+    assert (stopped.value.step, stopped.value.saved, seen) == (3, True, [3])
+    saved = Checkpoints(str(out), None, read_only=True)
+    try:
+        assert saved.meta(3)["step"] == 3
+    finally:
+        saved.close()
