@@ -428,7 +428,7 @@ def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
         hf = os.path.isfile(os.path.join(path, "config.json"))
         hint = " (an HF directory: read it with load_hf, --from-hf)" if hf else ""
         raise ValueError(f"{path} is not a native directory: it has no {NATIVE_CONFIG}{hint}")
-    data = _read_json(config_path)
+    data = read_json(config_path)
     try:
         config = config_from_dict(data)
     except (TypeError, ValueError) as e:  # TypeError: a field of the wrong type
@@ -449,7 +449,9 @@ def _copy_tokenizer(src: str, dst: str) -> None:
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str | os.PathLike[str]) -> dict:
+    """The JSON object in file ``path``; ValueError naming the file where it cannot be
+    read, is not JSON or holds another value."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -464,7 +466,7 @@ def _read_json(path: str) -> dict:
 
 def _token_ids(tokenizer_json: str) -> dict[str, int]:
     """Token -> id of a ``tokenizer.json``: its model's vocabulary and added tokens."""
-    data = _read_json(tokenizer_json)
+    data = read_json(tokenizer_json)
     model = data.get("model") or {}
     vocab = (model.get("vocab") if isinstance(model, dict) else None) or {}
     ids = dict(vocab) if isinstance(vocab, dict) else {}
@@ -504,7 +506,7 @@ def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
         path = os.path.join(folder, config)
         if os.path.isfile(path):
             for key in ("bos_token", "eos_token"):
-                value = _read_json(path).get(key)
+                value = read_json(path).get(key)
                 value = value.get("content") if isinstance(value, dict) else value
                 if isinstance(value, str):
                     names[key] = value

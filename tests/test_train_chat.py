@@ -213,6 +213,22 @@ def test_a_tokenizer_without_a_chat_template_is_named(llama3_bpe, tmp_path):
         load_dataset(path)
 
 
+def test_a_broken_tokenizer_config_is_named_as_the_model_tools_name_it(llama3_bpe, tmp_path):
+    """A tokenizer_config.json that is not JSON: one line naming it, the error that
+    models.convert gives for the same file (one reader of a tokenizer's JSON files)."""
+    from models import convert
+
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe)
+    config = folder / "tokenizer_config.json"
+    config.write_text('{"chat_template": ')
+    with pytest.raises(ValueError) as error:
+        load_dataset(_jsonl(tmp_path / "chat.jsonl", [GOOD]), tokenizer=folder)
+    with pytest.raises(ValueError) as converting:
+        convert.special_token_ids(folder / "tokenizer.json")
+    assert str(error.value).startswith(f"{config} is not valid JSON (")
+    assert str(error.value) == str(converting.value) and "\n" not in str(error.value)
+
+
 def test_chat_template_jinja_comes_before_tokenizer_config(llama3_bpe, tmp_path):
     """A ``chat_template.jinja`` beside the tokenizer (newer transformers write it) is the
     template, in place of tokenizer_config.json's, as transformers loads it."""

@@ -44,6 +44,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from models.convert import read_json
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
@@ -70,16 +72,6 @@ class ChatTemplateError(ValueError):
     render as prefixes; the message says why (the caller names file and record)."""
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None:
     """``({name: template text}, the file they came from)`` for the tokenizer directory
     ``folder``: ``"default"``, and ``"tool_use"`` where ``tokenizer_config.json`` names
@@ -96,7 +88,7 @@ def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None
     config = folder / TOKENIZER_CONFIG
     if not config.is_file():
         return None
-    template = _read_json(config).get("chat_template")
+    template = read_json(config).get("chat_template")
     if template is None:
         return None
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -122,7 +114,7 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
     tokens: dict[str, str] = {}
     for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):  # the latter wins
         if (folder / name).is_file():
-            config = _read_json(folder / name)
+            config = read_json(folder / name)
             for key in SPECIAL_TOKENS:
                 value = config.get(key)
                 value = value.get("content") if isinstance(value, dict) else value
