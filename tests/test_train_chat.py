@@ -441,6 +441,22 @@ def _oracle_python() -> str | None:
     return exe if os.path.isfile(exe) or not os.path.isabs(exe) else None
 
 
+def _oracle(script: str, *args) -> object:
+    """``script`` run by the oracle's interpreter with ``args``: the JSON its last line of
+    output holds. Skips the test without the oracle (or its transformers or jinja2)."""
+    exe = _oracle_python()
+    if exe is None:
+        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
+    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
+    result = subprocess.run(
+        [exe, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 ORACLE_CHAT = """
 import json, sys
 from transformers import AutoTokenizer
@@ -460,12 +476,6 @@ def test_ids_and_labels_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     """transformers' ``apply_chat_template(messages, tokenize=True)`` gives the ids for the
     same tokenizer directory, and its assistant mask (from the template's
     ``{% generation %}`` markers) the labelled tokens. Skipped without the oracle."""
-    exe = _oracle_python()
-    if exe is None:
-        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
     marked = LLAMA3_TEMPLATE.replace(  # the assistant's content and end of turn marked
         "{{ content }}",
         "{% if message['role'] == 'assistant' %}{{ content.split('\\n\\n', 1)[0] + '\\n\\n' }}"
@@ -475,14 +485,7 @@ def test_ids_and_labels_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     conversations = [*CONVERSATIONS, [{"role": "user", "content": "Tab\tand  spaces"}]]
     conversations[-1].append({"role": "assistant", "content": "  ok  "})
     (tmp_path / "c.json").write_text(json.dumps(conversations))
-    result = subprocess.run(
-        [exe, "-c", ORACLE_CHAT, str(llama3_bpe), str(tmp_path / "c.json"), marked],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    oracle = json.loads(result.stdout.strip().splitlines()[-1])
+    oracle = _oracle(ORACLE_CHAT, llama3_bpe, tmp_path / "c.json", marked)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in conversations])
     dataset = load_dataset(path, tokenizer=llama3_bpe)
     for i in range(len(conversations)):
@@ -793,6 +796,44 @@ def test_a_tool_use_template_renders_the_conversations_with_tools(llama3_bpe, tm
     assert chat.chat_template_stamp(folder)["sha256"] != stamp["sha256"]
 
 
+def test_named_templates_in_additional_chat_templates(llama3_bpe, tmp_path):
+    """transformers 5 saves named templates as chat_template.jinja (the default) and
+    additional_chat_templates/<name>.jinja, and those files win over tokenizer_config.json:
+    a conversation given tools is rendered with tool_use.jinja, one without with the
+    default; the stamp covers tool_use.jinja; without a default, a one-line error."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template="config's {{ messages }}")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    )
+    named = folder / "additional_chat_templates"
+    named.mkdir()
+    (named / "tool_use.jinja").write_text("{{ tools | length }} tools\n{{ messages[0].content }}")
+    (named / "rag.jinja").write_text("{{ documents }}")  # never rendered here
+    template = chat.ChatTemplate(folder, "where:")
+    messages = [{"role": "user", "content": "a"}]
+    assert template.render(messages) == "a\n"
+    assert template.render(messages, tools=[WEATHER]) == "1 tools\na"
+    stamp = chat.chat_template_stamp(folder)
+    assert stamp["path"] == str((folder / "chat_template.jinja").resolve())
+    (named / "tool_use.jinja").write_text("{{ tools | length }} functions")
+    assert chat.chat_template_stamp(folder)["sha256"] != stamp["sha256"]
+    (named / "tool_use.jinja").write_text("{{ raise_exception('no') }}")
+    path = _jsonl(tmp_path / "t.jsonl", [{"messages": GOOD["messages"], "tools": [WEATHER]}])
+    with pytest.raises(
+        ValueError,
+        match=r"line 1: 'messages': the chat template "
+        r"\(additional_chat_templates/tool_use\.jinja\) raised TemplateError: no$",
+    ):
+        load_dataset(path, tokenizer=folder)
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError) as error:
+        chat.ChatTemplate(folder, "where:")
+    assert str(error.value) == (
+        f"{named} holds the templates ['rag', 'tool_use'] and {folder} has no "
+        "chat_template.jinja (the default one, that conversations are rendered with)"
+    )
+
+
 def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     """The token cache's stamp records what the template was given (messages and tools):
     a cache whose stamp lacks it (rendered before tools were passed) is rebuilt."""
@@ -991,11 +1032,13 @@ cases = json.loads(open(sys.argv[1]).read())
 out = []
 for case in cases:
     tokenizer = AutoTokenizer.from_pretrained(case["folder"])
-    kwargs = {"tools": case["tools"], "tokenize": True, "return_dict": True}
-    ids = tokenizer.apply_chat_template(case["messages"], **kwargs)["input_ids"]
+    record = case["record"]
+    kwargs = {"tools": record.get("tools"), "tokenize": True, "return_dict": True}
+    kwargs |= record.get("chat_template_kwargs") or {}
+    ids = tokenizer.apply_chat_template(record["messages"], **kwargs)["input_ids"]
     mask = None
     if case["marked"]:
-        mask = tokenizer.apply_chat_template(case["messages"], chat_template=case["marked"],
+        mask = tokenizer.apply_chat_template(record["messages"], chat_template=case["marked"],
             return_assistant_tokens_mask=True, **kwargs)["assistant_masks"]
     out.append({"ids": list(ids), "mask": mask})
 print(json.dumps(out))
@@ -1038,12 +1081,6 @@ def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, t
     prompt, arguments as objects and JSON strings) with Llama-3.1's and Qwen2.5's
     templates; with {% generation %} marks on Llama-3.1's, its assistant mask gives the
     labelled tokens. Skipped without the oracle."""
-    exe = _oracle_python()
-    if exe is None:
-        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
     llama = _write_tokenizer(tmp_path / "llama", llama3_bpe, template=LLAMA31_TEMPLATE)
     qwen = _qwen_tokenizer(tmp_path / "qwen", llama3_bpe)
     marked = _mark_llama31(LLAMA31_TEMPLATE)
@@ -1056,22 +1093,60 @@ def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, t
         (qwen, PARALLEL_CHAT, [WEATHER, TIME], None),
         (qwen, no_system, None, None),
     ]
-    spec = [{"folder": str(f), "messages": m, "tools": t, "marked": k} for f, m, t, k in cases]
-    (tmp_path / "cases.json").write_text(json.dumps(spec))
-    result = subprocess.run(
-        [exe, "-c", ORACLE_TOOLS, str(tmp_path / "cases.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    _match_the_oracle(tmp_path, [(f, {"messages": m, "tools": t}, k) for f, m, t, k in cases])
+
+
+ORACLE_SAVE = """
+import json, os, sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+tokenizer.chat_template = json.loads(sys.argv[2])
+tokenizer.save_pretrained(sys.argv[3])
+print(json.dumps(sorted(os.path.relpath(os.path.join(d, f), sys.argv[3])
+                        for d, _, files in os.walk(sys.argv[3]) for f in files)))
+"""
+
+
+@pytest.mark.slow
+def test_named_templates_as_transformers_saves_them(llama3_bpe, tmp_path):
+    """A tokenizer whose named templates transformers saved (the default in
+    chat_template.jinja, tool_use in additional_chat_templates/): conversations with
+    and without tools get transformers' ids, Qwen2.5's template for those with tools,
+    Llama-3.1's for the others. Skipped without the oracle."""
+    source = _write_tokenizer(tmp_path / "source", llama3_bpe, template=None)
+    templates = {"default": LLAMA31_TEMPLATE, "tool_use": QWEN25_TEMPLATE}
+    saved = tmp_path / "saved"
+    written = _oracle(ORACLE_SAVE, source, json.dumps(templates), saved)
+    assert {"chat_template.jinja", "additional_chat_templates/tool_use.jinja"} <= set(written)
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    cases = [
+        (saved, {"messages": TOOL_CHAT, "tools": [WEATHER, TIME]}, None),
+        (saved, {"messages": CONVERSATIONS[0]}, None),
+    ]
+    _match_the_oracle(tmp_path, cases)
+    dataset = load_dataset(_jsonl(tmp_path / "t.jsonl", [cases[0][1]]), tokenizer=saved)
+    assert IM_START in readers.load_tokenizer(saved).decode(
+        dataset.example(0).tolist(), skip_special_tokens=False
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    oracle = json.loads(result.stdout.strip().splitlines()[-1])
-    for (folder, messages, tools, mark), want in zip(cases, oracle, strict=True):
-        record = {"messages": messages} | ({"tools": tools} if tools is not None else {})
+
+
+def _match_the_oracle(tmp_path: Path, cases: list[tuple[Path, dict, str | None]]) -> None:
+    """Each ``(tokenizer folder, record, marked template or None)``: the reader's ids for
+    the record are transformers' ``apply_chat_template`` ids for its messages, given its
+    tools and ``chat_template_kwargs``; with a marked template, the labelled tokens are
+    its assistant mask."""
+    spec = [
+        {"folder": str(folder), "record": record, "marked": marked}
+        for folder, record, marked in cases
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    oracle = _oracle(ORACLE_TOOLS, tmp_path / "cases.json")
+    for (folder, record, marked), want in zip(cases, oracle, strict=True):
+        record = {k: v for k, v in record.items() if v is not None}
         dataset = load_dataset(_jsonl(tmp_path / "one.jsonl", [record]), tokenizer=folder)
         ids, labels = _learned(dataset, 0)
-        assert ids == want["ids"], folder.name
-        if mark:
+        assert ids == want["ids"], (folder.name, record)
+        if marked:
             assert [int(label != IGNORE) for label in labels] == want["mask"]
 
 

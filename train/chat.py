@@ -3,14 +3,16 @@ format) rendered with the model tokenizer's chat template, and where their assis
 turns lie in the rendered text.
 
 The template is the one transformers loads for a tokenizer directory (the folder of
-its ``tokenizer.json``; the functions here take that folder): ``chat_template.jinja``
-where that file exists, else the ``"chat_template"`` of ``tokenizer_config.json`` (a
-str, or a list of named templates, of which the one named ``"default"``, and for a
-conversation given ``tools`` the one named ``"tool_use"`` where there is one, as
-transformers picks). It is rendered as transformers' ``apply_chat_template`` renders
-it: a sandboxed Jinja environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``,
-``lstrip_blocks``, the ``loopcontrols`` extension and a ``{% generation %}`` block that
-renders its body), the globals ``raise_exception`` and ``strftime_now``, a ``tojson``
+its ``tokenizer.json``; the functions here take that folder): ``chat_template.jinja``,
+with the named templates ``additional_chat_templates/<name>.jinja`` (as transformers 5
+saves several), where those files exist, else the ``"chat_template"`` of
+``tokenizer_config.json`` (a str, or a list of named templates). Of named templates,
+the one named ``"default"`` (``chat_template.jinja``), and for a conversation given
+``tools`` the one named ``"tool_use"`` where there is one, as transformers picks. It is
+rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
+environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
+``loopcontrols`` extension and a ``{% generation %}`` block that renders its body), the
+globals ``raise_exception`` and ``strftime_now``, a ``tojson``
 filter that does not escape HTML, and the variables ``messages`` (each message dict as
 the reader gives it, every key passed: ``tool_calls``, a tool message's ``name`` or
 ``tool_call_id``, ...), ``tools`` (the record's list of function schemas, else None),
@@ -47,6 +49,7 @@ from typing import Any
 from models.convert import read_json
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' other named templates
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # The named special tokens transformers passes to a chat template (its special_tokens_map).
@@ -72,19 +75,38 @@ class ChatTemplateError(ValueError):
     render as prefixes; the message says why (the caller names file and record)."""
 
 
-def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None:
-    """``({name: template text}, the file they came from)`` for the tokenizer directory
-    ``folder``: ``"default"``, and ``"tool_use"`` where ``tokenizer_config.json`` names
-    one; None where it has none. ValueError for a ``tokenizer_config.json`` whose
-    ``chat_template`` is neither a str nor a list of named templates with a
-    ``"default"`` one."""
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not a readable text file ({e})") from None
+
+
+def read_chat_template(folder: str | Path) -> tuple[dict[str, str], dict[str, Path]] | None:
+    """``({name: template text}, {name: the file it came from})`` for the tokenizer
+    directory ``folder``: ``"default"``, and ``"tool_use"`` where there is one (the
+    others are never rendered here); None where it has none. As transformers loads them:
+    ``chat_template.jinja`` (the default) and the ``<name>.jinja`` files of
+    ``additional_chat_templates/`` where either exists, else ``tokenizer_config.json``'s
+    ``chat_template`` (a str, or a list of named templates). ValueError where there is
+    no default among named templates, or a ``chat_template`` of another type."""
     folder = Path(folder)
-    jinja_file = folder / CHAT_TEMPLATE_FILE
-    if jinja_file.is_file():
-        try:
-            return {DEFAULT: jinja_file.read_text(encoding="utf-8")}, jinja_file
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{jinja_file}: not a readable text file ({e})") from None
+    files = {}
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        files[DEFAULT] = folder / CHAT_TEMPLATE_FILE
+    named_dir = folder / CHAT_TEMPLATE_DIR
+    if named_dir.is_dir():  # after chat_template.jinja: a default.jinja here wins, as in HF
+        files |= {
+            f.name.removesuffix(".jinja"): f for f in named_dir.glob("*.jinja") if f.is_file()
+        }
+    if files:
+        if DEFAULT not in files:
+            raise ValueError(
+                f"{named_dir} holds the templates {sorted(files)} and {folder} has no "
+                f"{CHAT_TEMPLATE_FILE} (the default one, that conversations are rendered with)"
+            )
+        files = {k: v for k, v in files.items() if k in (DEFAULT, TOOL_USE)}
+        return {k: _read_text(v) for k, v in files.items()}, files
     config = folder / TOKENIZER_CONFIG
     if not config.is_file():
         return None
@@ -98,12 +120,11 @@ def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None
                 f"{config}: 'chat_template' holds the templates {sorted(map(str, named))} and "
                 "none named 'default' (the one conversations are rendered with)"
             )
-        return {
-            k: v for k, v in named.items() if k in (DEFAULT, TOOL_USE) and isinstance(v, str)
-        }, config
+        named = {k: v for k, v in named.items() if k in (DEFAULT, TOOL_USE) and isinstance(v, str)}
+        return named, dict.fromkeys(named, config)
     if not isinstance(template, str):
         raise ValueError(f"{config}: 'chat_template' must be a str, got {type(template).__name__}")
-    return {DEFAULT: template}, config
+    return {DEFAULT: template}, {DEFAULT: config}
 
 
 def special_tokens(folder: str | Path) -> dict[str, str]:
@@ -132,13 +153,13 @@ def chat_template_stamp(folder: str | Path) -> dict[str, str] | None:
     found = read_chat_template(folder)
     if found is None:
         return None
-    templates, path = found
+    templates, files = found
     variables = json.dumps(special_tokens(folder), sort_keys=True)
     hashed = f"{templates[DEFAULT]}\0{variables}"
     if TOOL_USE in templates:
         hashed += f"\0{TOOL_USE}\0{templates[TOOL_USE]}"
     digest = hashlib.sha256(hashed.encode()).hexdigest()
-    return {"path": str(path.resolve()), "sha256": digest, "inputs": TEMPLATE_INPUTS}
+    return {"path": str(files[DEFAULT].resolve()), "sha256": digest, "inputs": TEMPLATE_INPUTS}
 
 
 def _compile(template: str, jinja2):
@@ -202,7 +223,9 @@ class ChatTemplate:
                 f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, or write the "
                 "conversations as 'prompt' / 'completion' records"
             )
-        self.templates, self.path = found
+        self.folder = folder
+        self.templates, self.files = found
+        self.path = self.files[DEFAULT]
         self.text = self.templates[DEFAULT]
         self.variables = special_tokens(folder)
         self.stamp = chat_template_stamp(folder)
@@ -218,7 +241,9 @@ class ChatTemplate:
                 self._compiled[name] = _compile(text, jinja2)
             except jinja2.exceptions.TemplateError as e:
                 named = "the chat template" if name == DEFAULT else f"the {name!r} chat template"
-                raise ValueError(f"{where} {self.path}: {named} does not compile ({e})") from None
+                raise ValueError(
+                    f"{where} {self.files[name]}: {named} does not compile ({e})"
+                ) from None
 
     def _name(self, tools: Sequence[dict[str, Any]] | None) -> str:
         """The named template a conversation is rendered with (``tool_use`` given tools,
@@ -226,9 +251,12 @@ class ChatTemplate:
         return TOOL_USE if tools is not None and TOOL_USE in self._compiled else DEFAULT
 
     def _label(self, tools: Sequence[dict[str, Any]] | None) -> str:
-        """The template in an error message: its file, and its name where not the default."""
+        """The template in an error message: its file (in the tokenizer directory), and
+        its name where that file holds several."""
         name = self._name(tools)
-        return self.path.name + ("" if name == DEFAULT else f", {name!r}")
+        file = self.files[name]
+        named = name != DEFAULT and file.name == TOKENIZER_CONFIG
+        return file.relative_to(self.folder).as_posix() + (f", {name!r}" if named else "")
 
     def render(
         self,
