@@ -457,6 +457,18 @@ def _oracle(script: str, *args) -> object:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _mark_llama3(template: str) -> str:
+    """Llama-3's template (or one that writes a turn as it does) with {% generation %}
+    around each assistant turn's content and end of turn: the same text, and
+    transformers' assistant mask (for contents without a blank line)."""
+    return template.replace(
+        "{{ content }}",
+        "{% if message['role'] == 'assistant' %}{{ content.split('\\n\\n', 1)[0] + '\\n\\n' }}"
+        "{% generation %}{{ content.split('\\n\\n', 1)[1] }}{% endgeneration %}"
+        "{% else %}{{ content }}{% endif %}",
+    )
+
+
 ORACLE_CHAT = """
 import json, sys
 from transformers import AutoTokenizer
@@ -476,12 +488,7 @@ def test_ids_and_labels_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     """transformers' ``apply_chat_template(messages, tokenize=True)`` gives the ids for the
     same tokenizer directory, and its assistant mask (from the template's
     ``{% generation %}`` markers) the labelled tokens. Skipped without the oracle."""
-    marked = LLAMA3_TEMPLATE.replace(  # the assistant's content and end of turn marked
-        "{{ content }}",
-        "{% if message['role'] == 'assistant' %}{{ content.split('\\n\\n', 1)[0] + '\\n\\n' }}"
-        "{% generation %}{{ content.split('\\n\\n', 1)[1] }}{% endgeneration %}"
-        "{% else %}{{ content }}{% endif %}",
-    )
+    marked = _mark_llama3(LLAMA3_TEMPLATE)
     conversations = [*CONVERSATIONS, [{"role": "user", "content": "Tab\tand  spaces"}]]
     conversations[-1].append({"role": "assistant", "content": "  ok  "})
     (tmp_path / "c.json").write_text(json.dumps(conversations))
@@ -747,27 +754,105 @@ def test_real_templates_keep_the_prefix_rule_with_tool_calls(
         assert result not in learned
 
 
-def test_content_lists_are_their_text(llama3_bpe, tmp_path):
-    """A content list of text parts gives the ids and labels of the same text as a str
-    (the parts back to back), in every role, the tool's result too."""
-    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN25_TEMPLATE)
+# Llama-3's template, each content part rendered trimmed where the content is a list of
+# parts (as list-aware templates, Gemma-3's and Llama-4's, render their text parts).
+PARTS_TEMPLATE = LLAMA3_TEMPLATE.replace(
+    "+ message['content'] | trim + '<|eot_id|>' %}",
+    "%}{% set ns = namespace(text='') %}{% if message['content'] is string %}"
+    "{% set ns.text = message['content'] | trim %}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{% set ns.text = ns.text + part['text'] | trim %}{% endif %}{% endfor %}{% endif %}"
+    "{% set content = content + ns.text + '<|eot_id|>' %}",
+)
+assert PARTS_TEMPLATE != LLAMA3_TEMPLATE
 
-    def parts(text: str) -> list[dict]:
-        half = len(text) // 2
-        return [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]
 
-    listed = [{**m, "content": parts(m["content"])} if m.get("content") else m for m in TOOL_CHAT]
-    records = [
-        {"messages": listed, "tools": [WEATHER]},
-        {"messages": TOOL_CHAT, "tools": [WEATHER]},
+def _parts(text: str) -> list[dict]:
+    """``text`` as two text parts, cut after its first space (a space either side of
+    the cut, which a template that trims each part drops)."""
+    cut = text.index(" ") + 1
+    return [{"type": "text", "text": text[:cut]}, {"type": "text", "text": " " + text[cut:]}]
+
+
+PARTS_CHAT = [
+    {"role": "system", "content": _parts("You pack rows of text.")},
+    {"role": "user", "content": "How are documents packed?"},
+    {"role": "assistant", "content": _parts("Back to back, with an EOS after each.")},
+    {"role": "user", "content": _parts("And labels?")},
+    {"role": "assistant", "content": "They never cross an example boundary."},
+]
+
+
+def test_content_lists_reach_the_template_as_they_are(llama3_bpe, tmp_path):
+    """A content list of text parts goes to the template as a list, as transformers
+    passes it: a template that iterates the parts renders each (here trimmed, so the
+    text is not the parts joined), and an assistant turn given as parts is learned."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=PARTS_TEMPLATE)
+    dataset = load_dataset(
+        _jsonl(tmp_path / "p.jsonl", [{"messages": PARTS_CHAT}]), tokenizer=folder
+    )
+    ids, labels = _learned(dataset, 0)
+    tokenizer = readers.load_tokenizer(folder)
+    text = BOS
+    for m in PARTS_CHAT:
+        content = m["content"]
+        words = (
+            content.strip()
+            if isinstance(content, str)
+            else "".join(p["text"].strip() for p in content)
+        )
+        text += f"{HEADER}{m['role']}{END_HEADER}\n\n{words}{EOT}"
+    assert "Backto back, with an EOS" in text
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+    assert tokenizer.decode(learned, skip_special_tokens=False) == (
+        f"Backto back, with an EOS after each.{EOT}They never cross an example boundary.{EOT}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "pattern"),
+    [
+        (  # Llama-3's: `content | trim` writes the list's Python text
+            LLAMA3_TEMPLATE,
+            r"the chat template \(tokenizer_config\.json\) writes message 0's content list as "
+            r"Python text \(\{'type': 'text', 'text': 'You '\}\) \(a template that takes str "
+            r"content only; write the content as a str, or use a template that renders text "
+            r"parts\)$",
+        ),
+        (  # Qwen2.5's: `'\n' + message.content` raises
+            QWEN25_TEMPLATE,
+            r"the chat template \(tokenizer_config\.json\) raised TypeError: can only "
+            r"concatenate str \(not \"list\"\) to str \(a template that takes str content "
+            r"only; .*\)$",
+        ),
+        (  # Qwen3's way: a content that is not a str written as nothing
+            "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
+            "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
+            r"the chat template \(tokenizer_config\.json\) writes nothing of message 0's "
+            r"content part 0 \('You'\) \(a template that takes str content only; .*\)$",
+        ),
+    ],
+    ids=["repr", "raises", "nothing"],
+)
+def test_a_template_that_takes_str_content_only_is_refused_for_lists(
+    llama3_bpe, tmp_path, template, pattern
+):
+    """transformers renders a content list with such a template too, as garbage (the
+    list's Python text, or nothing of it): the reader refuses it in one line, naming the
+    message and the remedy; the same conversation with str contents renders."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
+    path = _jsonl(tmp_path / "p.jsonl", [GOOD, {"messages": PARTS_CHAT}])
+    with pytest.raises(ValueError, match=rf"p\.jsonl: line 2: 'messages': {pattern}") as error:
+        load_dataset(path, tokenizer=folder)
+    assert "\n" not in str(error.value)
+    joined = [
+        {**m, "content": "".join(p["text"] for p in m["content"])}
+        if isinstance(m["content"], list)
+        else m
+        for m in PARTS_CHAT
     ]
-    dataset = load_dataset(_jsonl(tmp_path / "parts.jsonl", records), tokenizer=folder)
-    assert _learned(dataset, 0) == _learned(dataset, 1)
-    one = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, GOOD["messages"][1]]
-    plain = [{"role": "user", "content": "Hi"}, GOOD["messages"][1]]
-    path = _jsonl(tmp_path / "one.jsonl", [{"messages": one}, {"messages": plain}])
-    dataset = load_dataset(path, tokenizer=llama3_bpe)
-    assert _learned(dataset, 0) == _learned(dataset, 1)
+    load_dataset(_jsonl(tmp_path / "s.jsonl", [{"messages": joined}]), tokenizer=folder)
 
 
 def test_a_tool_use_template_renders_the_conversations_with_tools(llama3_bpe, tmp_path):
@@ -841,7 +926,7 @@ def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     path = _jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT, "tools": [WEATHER]}])
     eot = readers.load_tokenizer(folder).token_to_id(EOT)
     cache, built = data_cache.ensure_cache(path, tmp_path / "c", tokenizer=folder, eos_id=eot)
-    assert built and cache.meta["chat_template"]["inputs"] == "messages, tools"
+    assert built and cache.meta["chat_template"]["inputs"] == chat.TEMPLATE_INPUTS
     assert cache.mismatch(path, tokenizer=folder, eos_id=eot) == []
     memory = load_dataset(path, tokenizer=folder)
     np.testing.assert_array_equal(np.asarray(cache.targets), memory.targets)  # EOT: the EOS
@@ -851,7 +936,8 @@ def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     meta_file.write_text(json.dumps(meta))
     old = data_cache.open_cache(tmp_path / "c")
     assert old.mismatch(path, tokenizer=folder, eos_id=eot) == [
-        "its conversations' template was given messages, this jflash gives it messages, tools"
+        "its conversations' template was given messages, this jflash gives it "
+        + chat.TEMPLATE_INPUTS
     ]
 
 
@@ -996,8 +1082,8 @@ def test_train_tokenizer_learns_the_text_parts(tmp_path):
 
 def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
     """`python -m train` on a tool-use .jsonl (Llama-3.1's template, tools per record,
-    tool calls with null content, tool results, a content list): two steps of the tiny
-    model, rows packed whole, the loss finite and on the assistant turns only."""
+    tool calls with null content, tool results): two steps of the tiny model, rows
+    packed whole, the loss finite and on the assistant turns only."""
     folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
     records = []
     for i in range(24):
@@ -1012,7 +1098,7 @@ def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
                         "tool_calls": [_call("get_weather", {"city": city})],
                     },
                     {"role": "tool", "name": "get_weather", "content": f"{i} degrees"},
-                    {"role": "assistant", "content": [{"type": "text", "text": f"{i} degrees."}]},
+                    {"role": "assistant", "content": f"{i} degrees."},
                 ],
                 "tools": [WEATHER],
             }
@@ -1094,6 +1180,23 @@ def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, t
         (qwen, no_system, None, None),
     ]
     _match_the_oracle(tmp_path, [(f, {"messages": m, "tools": t}, k) for f, m, t, k in cases])
+
+
+@pytest.mark.slow
+def test_content_lists_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template`` gives the ids of conversations with content
+    lists (system, user and assistant messages) rendered by a template that iterates
+    the parts, and with {% generation %} marks its assistant mask the labelled tokens.
+    Skipped without the oracle."""
+    folder = _write_tokenizer(tmp_path / "parts", llama3_bpe, template=PARTS_TEMPLATE)
+    marked = _mark_llama3(PARTS_TEMPLATE)
+    listed = [{**m, "content": _parts(m["content"])} for m in CONVERSATIONS[0]]
+    cases = [
+        (folder, {"messages": PARTS_CHAT}, marked),
+        (folder, {"messages": listed}, marked),
+        (folder, {"messages": CONVERSATIONS[0]}, marked),
+    ]
+    _match_the_oracle(tmp_path, cases)
 
 
 ORACLE_SAVE = """

@@ -21,7 +21,14 @@ tokens (``bos_token``, ``eos_token``, ...) as strings, from ``tokenizer_config.j
 (else ``special_tokens_map.json``). What the reader changes before (train/readers.py):
 keys whose value is None are dropped at every depth (a table's missing struct fields,
 as TRL's SFTTrainer drops them from a dataset's rows; transformers drops a message's
-own), and a ``content`` list of text parts is joined into one str.
+own).
+
+A ``content`` list of text parts reaches the template as it is, as transformers passes
+it: a template that iterates the parts renders them (its ids are transformers'). One
+that takes a str only writes the list as Python text (``[{'type': 'text', ...}]``) or
+nothing of it; transformers renders that too, but as training data it is garbage, so
+a conversation whose rendering holds a part's Python text, or lacks a part's text
+(trimmed; as written, or JSON-escaped), is refused: write such contents as a str.
 
 Assistant turns (:meth:`ChatTemplate.assistant_spans`): for each assistant message
 ``i`` (one that calls tools too), the rendering of ``messages[:i]`` with the generation
@@ -65,9 +72,14 @@ SPECIAL_TOKENS = (
 ASSISTANT = "assistant"  # the role whose turns are learned
 DEFAULT = "default"  # the named template conversations are rendered with
 TOOL_USE = "tool_use"  # the named template for a conversation given tools, where there is one
+# The remedy for a template that takes a message's content as a str only.
+TAKES_STR = (
+    "a template that takes str content only; write the content as a str, or use a template "
+    "that renders text parts"
+)
 # What the reader gives a template besides the special tokens (documents is None): part
 # of the token cache's stamp, so that a cache rendered with other inputs is rebuilt.
-TEMPLATE_INPUTS = "messages, tools"
+TEMPLATE_INPUTS = "messages (content lists as given), tools"
 
 
 class ChatTemplateError(ValueError):
@@ -276,8 +288,13 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # noqa: BLE001 - a template is code: whatever it raises
+            hint = ""
+            if isinstance(e, TypeError) and any(
+                isinstance(m.get("content"), list) for m in messages
+            ):
+                hint = f" ({TAKES_STR})"
             raise ChatTemplateError(
-                f"the chat template ({self._label(tools)}) raised {type(e).__name__}: {e}"
+                f"the chat template ({self._label(tools)}) raised {type(e).__name__}: {e}{hint}"
             ) from None
 
     def assistant_spans(
@@ -291,6 +308,8 @@ class ChatTemplate:
         where the template raises or does not render the turns as prefixes."""
         text = self.render(messages, tools=tools)
         label = self._label(tools)
+        if why := _unrendered_parts(messages, text):
+            raise ChatTemplateError(f"the chat template ({label}) {why} ({TAKES_STR})")
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
@@ -314,6 +333,22 @@ class ChatTemplate:
                 )
             spans.append((len(before), len(through)))
         return text, spans
+
+
+def _unrendered_parts(messages: Sequence[dict[str, Any]], text: str) -> str | None:
+    """Why ``text``, the rendering of ``messages``, does not render their content lists'
+    text parts (module docstring), or None where it does."""
+    for n, message in enumerate(messages):
+        content = message.get("content")
+        for k, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                continue  # the reader refuses such parts before
+            if str(part) in text:
+                return f"writes message {n}'s content list as Python text ({str(part)[:60]})"
+            words = part["text"].strip()
+            if words not in text and json.dumps(words, ensure_ascii=False)[1:-1] not in text:
+                return f"writes nothing of message {n}'s content part {k} ({words[:60]!r})"
+    return None
 
 
 def assistant_labels(

@@ -42,8 +42,10 @@ this order (other keys are ignored):
   the assistant turns. Keys whose value is None are dropped at every depth (a table's
   missing struct fields; TRL's SFTTrainer drops them so), and each message is passed
   to the template with all its keys. A message's ``content`` is a str, or a list of
-  parts ``{"type": "text", "text": str}`` joined into one str (only text is trained: a
-  part of another type, e.g. ``"image"``, is refused); an assistant message with
+  parts ``{"type": "text", "text": str}``, passed as it is (as transformers passes it:
+  a template that iterates the parts renders them; one that takes a str only is refused,
+  :mod:`train.chat`; only text is trained: a part of another type, e.g. ``"image"``,
+  is refused); an assistant message with
   ``"tool_calls"`` (a list of ``{"type": "function", "function": {"name": str,
   "arguments": dict or JSON str}}``, or of the function dicts themselves) may have no
   content; a tool's result is a ``{"role": "tool", "content": ..., "name" or
@@ -363,20 +365,17 @@ def _without_none(value: Any) -> Any:
     return value
 
 
-def _content_text(field: str, content: Any) -> str:
-    """A message's ``content``: a str, or a list of text parts ``{"type": "text",
-    "text": str}`` joined into one str (what a template that iterates the parts writes
-    for them; one that does not would write the list's Python repr). ValueError naming
-    the part for a malformed one or one of another type (an image: only text is
-    trained)."""
+def _check_content(field: str, content: Any) -> None:
+    """ValueError naming the field, or the part, unless a message's ``content`` is a str
+    or a list of text parts ``{"type": "text", "text": str}`` (a part of another type,
+    e.g. an image, is refused: only text is trained)."""
     if isinstance(content, str):
-        return content
+        return
     if not isinstance(content, list):
         raise ValueError(
             f"{field}: 'content' must be a str or a list of {{'type': 'text', 'text': str}} "
             f"parts, got {type(content).__name__}"
         )
-    texts = []
     for k, part in enumerate(content):
         where = f"{field}: 'content'[{k}]"
         if not isinstance(part, dict):
@@ -397,8 +396,6 @@ def _content_text(field: str, content: Any) -> str:
         if not isinstance(part.get("text"), str):
             got = type(part["text"]).__name__ if "text" in part else "none"
             raise ValueError(f"{where}: a text part's 'text' must be a str, got {got}")
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 def _check_tool_calls(field: str, calls: Any) -> None:
@@ -598,8 +595,8 @@ class RecordParser:
 
     def _messages(self, where: str, value: Any, key: str = MESSAGES) -> list[dict[str, Any]]:
         """A conversation's messages (the record's ``key``) as the template gets them:
-        each a dict with a str ``role``; a ``content`` str or list of text parts (joined
-        into one str), which only a message with ``tool_calls`` may lack; ``tool_calls`` a
+        each a dict with a str ``role``; a ``content`` str or list of text parts, which
+        only a message with ``tool_calls`` may lack; ``tool_calls`` a
         list of function calls; keys whose value is None dropped at every depth (module
         docstring), the others passed as they are. ValueError naming the record, the
         message and the field."""
@@ -625,7 +622,7 @@ class RecordParser:
             if "tool_calls" in message:
                 _check_tool_calls(field, message["tool_calls"])
             if "content" in message:
-                message["content"] = _content_text(field, message["content"])
+                _check_content(field, message["content"])
             elif "tool_calls" not in message:
                 raise ValueError(
                     f"{field} has no 'content' (each message needs a str or a list of text "
