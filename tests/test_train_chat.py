@@ -1285,3 +1285,72 @@ def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bp
     bad = {"prompt": prompt, "completion": "Paris."}
     with pytest.raises(ValueError, match=r"line 4: 'prompt' must be a str, got list"):
         parser.tokenize_texts(["line 4"], [bad])
+
+
+# ---------------------------------------------------------------------------------------
+# Reasoning, and the template's other variables
+# ---------------------------------------------------------------------------------------
+
+# In the manner of Qwen3's template: an assistant turn's reasoning (reasoning_content) in
+# a <think> block, the turn marked for transformers' assistant mask, and with
+# enable_thinking false an empty <think> block in the generation prompt.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{% generation %}<think>\n"
+    "{{ m.reasoning_content if m.reasoning_content is string else '' }}\n</think>\n\n"
+    "{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+# In the manner of gpt-oss's: the reasoning (thinking) in an analysis channel.
+CHANNEL_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}{% if m.thinking is defined %}"
+    "<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>{{ m.role }}{% endif %}"
+    "<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+QUESTION = {"role": "user", "content": "Capital of France?"}
+
+
+def _reasoned(key: str, reasoning: str = "The capital is Paris.") -> list[dict]:
+    return [QUESTION, {"role": "assistant", "content": "Paris.", key: reasoning}]
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_both_names(llama3_bpe, tmp_path):
+    """A message's reasoning, given as reasoning_content, thinking or reasoning, reaches
+    a template that reads reasoning_content (Qwen3's) and one that reads thinking
+    (gpt-oss's), as transformers 5 gives it; the reasoning is in the learned turn."""
+    records = [{"messages": _reasoned(key)} for key in chat.REASONING]
+    for template, turn in (
+        (THINK_TEMPLATE, "<think>\nThe capital is Paris.\n</think>\n\nParis.<|im_end|>\n"),
+        (CHANNEL_TEMPLATE, "<|channel|>analysis<|message|>The capital is Paris.<|end|>"),
+    ):
+        folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
+        dataset = load_dataset(_jsonl(tmp_path / "r.jsonl", records), tokenizer=folder)
+        tokenizer = readers.load_tokenizer(folder)
+        for i in range(len(records)):
+            ids, labels = _learned(dataset, i)
+            assert (ids, labels) == _learned(dataset, 0)
+            learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+            assert turn in tokenizer.decode(learned, skip_special_tokens=False)
+    both = {**_reasoned("thinking", "B")[1], "reasoning_content": "A"}
+    template = chat.ChatTemplate(folder, "where:")
+    assert "analysis<|message|>B<|end|>" in template.render([QUESTION, both])  # its own
+
+
+@pytest.mark.slow
+def test_reasoning_matches_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template`` gives the ids of conversations whose
+    assistant reasons (under each name, for a template reading either), and its
+    assistant mask the labelled tokens. Skipped without the oracle."""
+    think = _qwen_tokenizer(tmp_path / "think", llama3_bpe, template=THINK_TEMPLATE)
+    channel = _qwen_tokenizer(tmp_path / "channel", llama3_bpe, template=CHANNEL_TEMPLATE)
+    cases = [(think, {"messages": _reasoned(key)}, THINK_TEMPLATE) for key in chat.REASONING]
+    cases += [(channel, {"messages": _reasoned(key)}, None) for key in chat.REASONING]
+    both = [QUESTION, {**_reasoned("thinking", "B")[1], "reasoning_content": "A"}]
+    cases += [(think, {"messages": both}, THINK_TEMPLATE), (channel, {"messages": both}, None)]
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    cases.append((think, {"messages": plain}, THINK_TEMPLATE))
+    _match_the_oracle(tmp_path, cases)

@@ -12,16 +12,19 @@ the one named ``"default"`` (``chat_template.jinja``), and for a conversation gi
 rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
 environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
 ``loopcontrols`` extension and a ``{% generation %}`` block that renders its body), the
-globals ``raise_exception`` and ``strftime_now``, a ``tojson``
-filter that does not escape HTML, and the variables ``messages`` (each message dict as
-the reader gives it, every key passed: ``tool_calls``, a tool message's ``name`` or
-``tool_call_id``, ...), ``tools`` (the record's list of function schemas, else None),
-``documents`` (None), ``add_generation_prompt`` and the tokenizer's named special
-tokens (``bos_token``, ``eos_token``, ...) as strings, from ``tokenizer_config.json``
-(else ``special_tokens_map.json``). What the reader changes before (train/readers.py):
-keys whose value is None are dropped at every depth (a table's missing struct fields,
-as TRL's SFTTrainer drops them from a dataset's rows; transformers drops a message's
-own).
+globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
+escape HTML, and the variables ``messages`` (each message dict as the reader gives it,
+every key passed: ``tool_calls``, a tool message's ``name`` or ``tool_call_id``, an
+assistant's ``reasoning_content``, ...), ``tools`` (the record's list of function
+schemas, else None), ``documents`` (None), ``add_generation_prompt`` and the
+tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) as strings, from
+``tokenizer_config.json`` (else ``special_tokens_map.json``). As transformers 5 gives
+them, a message's reasoning (the first of its ``reasoning_content``, ``thinking`` and
+``reasoning``) is its ``reasoning_content`` (which Qwen3's template reads) and, where
+it has none, its ``thinking`` (gpt-oss's). What the reader changes before
+(train/readers.py): keys whose value is None are dropped at every depth (a table's
+missing struct fields, as TRL's SFTTrainer drops them from a dataset's rows;
+transformers drops a message's own).
 
 A ``content`` list of text parts reaches the template as it is, as transformers passes
 it: a template that iterates the parts renders them (its ids are transformers'). One
@@ -72,6 +75,8 @@ SPECIAL_TOKENS = (
 ASSISTANT = "assistant"  # the role whose turns are learned
 DEFAULT = "default"  # the named template conversations are rendered with
 TOOL_USE = "tool_use"  # the named template for a conversation given tools, where there is one
+# A message's reasoning, by the names templates read it under (transformers' order).
+REASONING = ("reasoning_content", "thinking", "reasoning")
 # The remedy for a template that takes a message's content as a str only.
 TAKES_STR = (
     "a template that takes str content only; write the content as a str, or use a template "
@@ -79,7 +84,7 @@ TAKES_STR = (
 )
 # What the reader gives a template besides the special tokens (documents is None): part
 # of the token cache's stamp, so that a cache rendered with other inputs is rebuilt.
-TEMPLATE_INPUTS = "messages (content lists as given), tools"
+TEMPLATE_INPUTS = "messages (content lists as given, reasoning under both names), tools"
 
 
 class ChatTemplateError(ValueError):
@@ -282,7 +287,7 @@ class ChatTemplate:
         try:
             return self._compiled[self._name(tools)].render(
                 **self.variables,
-                messages=list(messages),
+                messages=[_with_reasoning_aliases(m) for m in messages],
                 tools=None if tools is None else list(tools),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
@@ -333,6 +338,16 @@ class ChatTemplate:
                 )
             spans.append((len(before), len(through)))
         return text, spans
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with its reasoning (the first of :data:`REASONING` it has) as
+    ``reasoning_content`` and, where it has none, ``thinking``, as transformers 5 gives
+    a template its messages."""
+    reasoning = next((message[k] for k in REASONING if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _unrendered_parts(messages: Sequence[dict[str, Any]], text: str) -> str | None:
