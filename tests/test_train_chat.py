@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -1353,4 +1354,177 @@ def test_reasoning_matches_transformers_apply_chat_template(llama3_bpe, tmp_path
     cases += [(think, {"messages": both}, THINK_TEMPLATE), (channel, {"messages": both}, None)]
     plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
     cases.append((think, {"messages": plain}, THINK_TEMPLATE))
+    _match_the_oracle(tmp_path, cases)
+
+
+THINKING_OFF = {"enable_thinking": False}
+
+
+def test_chat_template_kwargs_reach_the_template(llama3_bpe, tmp_path):
+    """A record's chat_template_kwargs, and those given for every conversation, are
+    template variables as apply_chat_template(**kwargs) passes them: with
+    enable_thinking false the generation prompt holds the empty <think> block, which is
+    then not learned; a record's own win over the global ones, both over the special
+    tokens."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    records = [
+        {"messages": plain},
+        {"messages": plain, "chat_template_kwargs": THINKING_OFF},
+        {"messages": plain, "chat_template_kwargs": {"enable_thinking": True}},
+        {"messages": plain, "chat_template_kwargs": None},  # a table's missing value
+    ]
+    path = _jsonl(tmp_path / "k.jsonl", records)
+    tokenizer = readers.load_tokenizer(folder)
+
+    def turns(dataset) -> list[str]:
+        return [
+            tokenizer.decode(
+                [t for t, label in zip(*_learned(dataset, i), strict=True) if label != IGNORE],
+                skip_special_tokens=False,
+            )
+            for i in range(len(records))
+        ]
+
+    thinking, off = "<think>\n\n</think>\n\nParis.<|im_end|>\n", "Paris.<|im_end|>\n"
+    dataset = load_dataset(path, tokenizer=folder)
+    assert turns(dataset) == [thinking, off, thinking, thinking]
+    assert len({tuple(_learned(dataset, i)[0]) for i in range(len(records))}) == 1  # same ids
+    everywhere = load_dataset(path, tokenizer=folder, chat_template_kwargs=THINKING_OFF)
+    assert turns(everywhere) == [off, off, thinking, off]
+    template = chat.ChatTemplate(
+        _write_tokenizer(tmp_path / "b", llama3_bpe, "{{ bos_token }}"), ""
+    )
+    assert template.render(plain) == BOS
+    assert template.render(plain, kwargs={"bos_token": "<s>"}) == "<s>"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            "enable_thinking=false",
+            r"'chat_template_kwargs' must be a dict of chat template variables \(e\.g\. "
+            r'\{"enable_thinking": false\}\), got str$',
+        ),
+        ([["enable_thinking", False]], r"'chat_template_kwargs' must be a dict .*, got list$"),
+        (
+            {"tools": [WEATHER]},
+            r"'chat_template_kwargs': 'tools' is not a variable it may set \(a str, none of "
+            r"messages, tools, documents, add_generation_prompt: the conversation's own\)$",
+        ),
+    ],
+)
+def test_malformed_chat_template_kwargs_name_file_line_and_field(
+    llama3_bpe, tmp_path, kwargs, pattern
+):
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    path = _jsonl(tmp_path / "bad.jsonl", [GOOD, {**GOOD, "chat_template_kwargs": kwargs}])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl: line 2: {pattern}") as error:
+        load_dataset(path, tokenizer=folder)
+    assert "\n" not in str(error.value)
+
+
+def test_the_chat_template_kwargs_flags(llama3_bpe, tmp_path, capsys):
+    """The trainer's --chat_template_kwargs (checked with the other settings) reaches
+    the conversations it reads; the data commands' --chat-template-kwargs too; a value
+    that is not a JSON object is refused in one line naming it."""
+    import models
+    from train.build import load_rows
+    from train.config import parse_args
+
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    path = _jsonl(tmp_path / "k.jsonl", [{"messages": plain}] * 4)
+    argv = ["--data_path", str(path), "--tokenizer_name_or_path", str(folder)]
+    argv += ["--model_max_length", "16", "--packing", "whole"]
+    learned = []
+    for extra in ([], ["--chat_template_kwargs", json.dumps(THINKING_OFF)]):
+        rows = load_rows(parse_args([*argv, *extra]), models.TINY)
+        learned.append(int((rows.labels != IGNORE).sum()))
+    assert learned[0] > learned[1] > 0
+    for bad, why in (("{enable_thinking: false}", "is not JSON"), ("[]", "must be a dict")):
+        with pytest.raises(ValueError, match=rf"^--chat_template_kwargs='{re.escape(bad)}' {why}"):
+            parse_args([*argv, "--chat_template_kwargs", bad])
+    data_main(["inspect", str(path), "--tokenizer", str(folder)])
+    data_main(
+        ["inspect", str(path), "--tokenizer", str(folder)]
+        + ["--chat-template-kwargs", json.dumps(THINKING_OFF)]
+    )
+    counts = [
+        int(line.split(": ")[1])
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("labelled_tokens")
+    ]
+    assert counts[0] > counts[1] > 0
+    with pytest.raises(SystemExit):
+        data_main(["inspect", str(path), "--tokenizer", str(folder), "--chat-template-kwargs", "1"])
+    assert capsys.readouterr().err == (
+        "error: --chat-template-kwargs='1' must be a dict of chat template variables (e.g. "
+        '{"enable_thinking": false}), got int\n'
+    )
+
+
+def test_the_token_cache_records_the_chat_template_kwargs(llama3_bpe, tmp_path, capsys):
+    """A token cache records the template variables given to every conversation: built
+    with other ones it is stale (rebuilt under --data_cache_dir, refused as
+    --data_path with the command that rebuilds it); a record's own are in the source,
+    whose change rebuilds it too."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    path = _jsonl(tmp_path / "k.jsonl", [{"messages": plain}])
+    eos = readers.load_tokenizer(folder).token_to_id(IM_END)
+    where = tmp_path / "c"
+    cache, built = data_cache.ensure_cache(
+        path, where, tokenizer=folder, eos_id=eos, chat_template_kwargs=THINKING_OFF
+    )
+    assert built and cache.meta["chat_template"]["kwargs"] == THINKING_OFF
+    assert (
+        cache.mismatch(path, tokenizer=folder, eos_id=eos, chat_template_kwargs=THINKING_OFF) == []
+    )
+    assert cache.mismatch(path, tokenizer=folder, eos_id=eos) == [
+        'its conversations were rendered with chat_template_kwargs {"enable_thinking": false}, '
+        "not {}"
+    ]
+    with pytest.raises(ValueError) as error:
+        data_cache.packed_rows(
+            where, 8, tokenizer=folder, eos_id=eos, chat_template_kwargs={"x": 1}
+        )
+    assert str(error.value).endswith(
+        f"--eos-id {eos} --tokenizer {folder} --chat-template-kwargs '{{\"x\": 1}}'"
+    )
+    _, built = data_cache.ensure_cache(path, where, tokenizer=folder, eos_id=eos)
+    assert built and "chat_template_kwargs" in capsys.readouterr().out
+    _jsonl(path, [{"messages": plain, "chat_template_kwargs": THINKING_OFF}])
+    cache, built = data_cache.ensure_cache(path, where, tokenizer=folder, eos_id=eos)
+    memory = load_dataset(path, tokenizer=folder)
+    assert built and np.asarray(cache.targets)[:-1].tolist() == memory.targets.tolist()
+
+
+def test_a_tables_conversation_columns():
+    """A table's tools and chat_template_kwargs columns are read beside its messages, or
+    its prompt and completion."""
+    names = ["chat_template_kwargs", "messages", "tools", "id"]
+    assert readers._columns(Path("t"), names) == ["messages", "tools", "chat_template_kwargs"]
+    names = ["prompt", "completion", "chat_template_kwargs"]
+    assert readers._columns(Path("t"), names) == ["prompt", "completion", "chat_template_kwargs"]
+
+
+@pytest.mark.slow
+def test_chat_template_kwargs_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template(messages, **chat_template_kwargs)`` gives the
+    ids of records with chat_template_kwargs (Llama-3.1's date_string and
+    tools_in_user_message, with its assistant mask; enable_thinking; a special token
+    overridden). Skipped without the oracle."""
+    llama = _write_tokenizer(tmp_path / "llama", llama3_bpe, template=LLAMA31_TEMPLATE)
+    think = _qwen_tokenizer(tmp_path / "think", llama3_bpe, template=THINK_TEMPLATE)
+    dated = {"date_string": "01 Jan 2025", "tools_in_user_message": False}
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    cases = [
+        (llama, {"messages": TOOL_CHAT, "tools": [WEATHER], "chat_template_kwargs": dated}, None),
+        (llama, {"messages": CONVERSATIONS[0], "chat_template_kwargs": dated}, None),
+        (llama, {"messages": CONVERSATIONS[1], "chat_template_kwargs": {"bos_token": ""}}, None),
+        (think, {"messages": plain, "chat_template_kwargs": THINKING_OFF}, None),
+    ]
+    cases = [(f, r, _mark_llama31(LLAMA31_TEMPLATE) if f == llama else m) for f, r, m in cases]
     _match_the_oracle(tmp_path, cases)

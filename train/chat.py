@@ -18,13 +18,15 @@ every key passed: ``tool_calls``, a tool message's ``name`` or ``tool_call_id``,
 assistant's ``reasoning_content``, ...), ``tools`` (the record's list of function
 schemas, else None), ``documents`` (None), ``add_generation_prompt`` and the
 tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) as strings, from
-``tokenizer_config.json`` (else ``special_tokens_map.json``). As transformers 5 gives
-them, a message's reasoning (the first of its ``reasoning_content``, ``thinking`` and
-``reasoning``) is its ``reasoning_content`` (which Qwen3's template reads) and, where
-it has none, its ``thinking`` (gpt-oss's). What the reader changes before
-(train/readers.py): keys whose value is None are dropped at every depth (a table's
-missing struct fields, as TRL's SFTTrainer drops them from a dataset's rows;
-transformers drops a message's own).
+``tokenizer_config.json`` (else ``special_tokens_map.json``), and the variables of
+``chat_template_kwargs`` (the trainer's ``--chat_template_kwargs``, then a record's own,
+each winning over those before it, as ``apply_chat_template(..., **kwargs)`` passes
+them: e.g. ``enable_thinking``). As transformers 5 gives them, a message's reasoning
+(the first of its ``reasoning_content``, ``thinking`` and ``reasoning``) is its
+``reasoning_content`` (which Qwen3's template reads) and, where it has none, its
+``thinking`` (gpt-oss's). What the reader changes before (train/readers.py): keys whose
+value is None are dropped at every depth (a table's missing struct fields, as TRL's
+SFTTrainer drops them from a dataset's rows; transformers drops a message's own).
 
 A ``content`` list of text parts reaches the template as it is, as transformers passes
 it: a template that iterates the parts renders them (its ids are transformers'). One
@@ -84,7 +86,41 @@ TAKES_STR = (
 )
 # What the reader gives a template besides the special tokens (documents is None): part
 # of the token cache's stamp, so that a cache rendered with other inputs is rebuilt.
-TEMPLATE_INPUTS = "messages (content lists as given, reasoning under both names), tools"
+TEMPLATE_INPUTS = (
+    "messages (content lists as given, reasoning under both names), tools, chat_template_kwargs"
+)
+# The variables the reader sets itself, which chat_template_kwargs may not.
+READER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def template_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """``value``, extra variables for a chat template (``chat_template_kwargs``, e.g.
+    ``{"enable_thinking": false}``), as a dict; ValueError starting with ``where`` for
+    one that is not a dict, or that sets a variable of :data:`READER_VARIABLES`."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where} must be a dict of chat template variables (e.g. "
+            f'{{"enable_thinking": false}}), got {type(value).__name__}'
+        )
+    for key in value:
+        if not isinstance(key, str) or key in READER_VARIABLES:
+            raise ValueError(
+                f"{where}: {key!r} is not a variable it may set (a str, none of "
+                f"{', '.join(READER_VARIABLES)}: the conversation's own)"
+            )
+    return dict(value)
+
+
+def parse_template_kwargs(text: str, flag: str) -> dict[str, Any]:
+    """``text``, a JSON object of chat template variables (a flag's value; empty: none),
+    as a dict; ValueError naming ``flag`` and the value where it is not one."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}={text!r} is not JSON ({e}); give an object") from None
+    return template_kwargs(value, f"{flag}={text!r}")
 
 
 class ChatTemplateError(ValueError):
@@ -161,12 +197,15 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
     return tokens
 
 
-def chat_template_stamp(folder: str | Path) -> dict[str, str] | None:
-    """``{"path", "sha256", "inputs"}``: the template's file, a hash of the template
-    text (and of the ``tool_use`` one, where there is one) and the special tokens passed
-    to it, and :data:`TEMPLATE_INPUTS` (what a token cache records: another template, or
-    other inputs, render the conversations otherwise); None where the tokenizer has no
-    template. Reads the files only (no ``jinja2`` needed)."""
+def chat_template_stamp(
+    folder: str | Path, kwargs: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """``{"path", "sha256", "inputs", "kwargs"}``: the template's file, a hash of the
+    template text (and of the ``tool_use`` one, where there is one) and the special
+    tokens passed to it, :data:`TEMPLATE_INPUTS` and the template variables ``kwargs``
+    given to every conversation (what a token cache records: another template, other
+    inputs or other variables render the conversations otherwise); None where the
+    tokenizer has no template. Reads the files only (no ``jinja2`` needed)."""
     found = read_chat_template(folder)
     if found is None:
         return None
@@ -176,7 +215,12 @@ def chat_template_stamp(folder: str | Path) -> dict[str, str] | None:
     if TOOL_USE in templates:
         hashed += f"\0{TOOL_USE}\0{templates[TOOL_USE]}"
     digest = hashlib.sha256(hashed.encode()).hexdigest()
-    return {"path": str(files[DEFAULT].resolve()), "sha256": digest, "inputs": TEMPLATE_INPUTS}
+    return {
+        "path": str(files[DEFAULT].resolve()),
+        "sha256": digest,
+        "inputs": TEMPLATE_INPUTS,
+        "kwargs": dict(kwargs or {}),
+    }
 
 
 def _compile(template: str, jinja2):
@@ -225,13 +269,17 @@ class ChatTemplate:
     Args:
         folder: the tokenizer directory (of its ``tokenizer.json``).
         where: starts each error message (the data file and the record needing it).
+        kwargs: template variables for every conversation (checked by
+            :func:`template_kwargs`), as transformers' ``apply_chat_template(**kwargs)``
+            passes them; a conversation's own win over them, and both over the special
+            tokens.
 
     Raises:
         ValueError: the tokenizer has no chat template; ``jinja2`` is missing (naming
             the extra that installs it); the template does not compile.
     """
 
-    def __init__(self, folder: str | Path, where: str):
+    def __init__(self, folder: str | Path, where: str, kwargs: dict[str, Any] | None = None):
         folder = Path(folder)
         found = read_chat_template(folder)
         if found is None:
@@ -245,7 +293,8 @@ class ChatTemplate:
         self.path = self.files[DEFAULT]
         self.text = self.templates[DEFAULT]
         self.variables = special_tokens(folder)
-        self.stamp = chat_template_stamp(folder)
+        self.kwargs = dict(kwargs or {})
+        self.stamp = chat_template_stamp(folder, self.kwargs)
         try:
             jinja2 = importlib.import_module("jinja2")
         except ImportError:
@@ -280,13 +329,14 @@ class ChatTemplate:
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = False,
         tools: Sequence[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text for ``messages`` (and ``tools``, the functions' JSON
-        schemas, or None); :class:`ChatTemplateError` where the template raises (its
-        message)."""
+        schemas, or None; ``kwargs``, the conversation's template variables);
+        :class:`ChatTemplateError` where the template raises (its message)."""
         try:
             return self._compiled[self._name(tools)].render(
-                **self.variables,
+                **{**self.variables, **self.kwargs, **(kwargs or {})},
                 messages=[_with_reasoning_aliases(m) for m in messages],
                 tools=None if tools is None else list(tools),
                 documents=None,
@@ -306,12 +356,14 @@ class ChatTemplate:
         self,
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
-        """``(text, spans)``: the conversation's rendering (with ``tools``) and the
-        ``[start, end)`` character span of each assistant turn in it (see the module
-        docstring); no span without an assistant message. :class:`ChatTemplateError`
-        where the template raises or does not render the turns as prefixes."""
-        text = self.render(messages, tools=tools)
+        """``(text, spans)``: the conversation's rendering (with ``tools`` and template
+        variables ``kwargs``) and the ``[start, end)`` character span of each assistant
+        turn in it (see the module docstring); no span without an assistant message.
+        :class:`ChatTemplateError` where the template raises or does not render the
+        turns as prefixes."""
+        text = self.render(messages, tools=tools, kwargs=kwargs)
         label = self._label(tools)
         if why := _unrendered_parts(messages, text):
             raise ChatTemplateError(f"the chat template ({label}) {why} ({TAKES_STR})")
@@ -319,8 +371,10 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
-            through = self.render(messages[: i + 1], tools=tools)
+            before = self.render(
+                messages[:i], add_generation_prompt=True, tools=tools, kwargs=kwargs
+            )
+            through = self.render(messages[: i + 1], tools=tools, kwargs=kwargs)
             turn = f"assistant turn {len(spans) + 1} (message {i})"
             if not through.startswith(before):
                 raise ChatTemplateError(
