@@ -108,13 +108,15 @@ MAPPINGS: tuple[ParamMapping, ...] = (
 
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# A model directory's tokenizer files, copied with it (conversion, the trainer's export).
+# A model directory's tokenizer files, copied with it (conversion, the trainer's export);
+# a directory among them goes with the files in it (:func:`tokenizer_files`).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer.model",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",  # where transformers saves a tokenizer's chat template
+    "additional_chat_templates",  # a directory: its other named templates, <name>.jinja
     "generation_config.json",
 )
 NATIVE_PARAMS = "params.safetensors"
@@ -428,7 +430,7 @@ def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
         hf = os.path.isfile(os.path.join(path, "config.json"))
         hint = " (an HF directory: read it with load_hf, --from-hf)" if hf else ""
         raise ValueError(f"{path} is not a native directory: it has no {NATIVE_CONFIG}{hint}")
-    data = _read_json(config_path)
+    data = read_json(config_path)
     try:
         config = config_from_dict(data)
     except (TypeError, ValueError) as e:  # TypeError: a field of the wrong type
@@ -440,16 +442,33 @@ def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
     return config, params
 
 
+def tokenizer_files(folder: str | os.PathLike[str]) -> list[str]:
+    """The tokenizer files (:data:`TOKENIZER_FILES`) in directory ``folder``, as paths
+    relative to it, in that order: a directory's files by their paths
+    (``additional_chat_templates/tool_use.jinja``)."""
+    found = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            found.append(name)
+        elif os.path.isdir(path):
+            inside = sorted(os.listdir(path))
+            found += [f"{name}/{n}" for n in inside if os.path.isfile(os.path.join(path, n))]
+    return found
+
+
 def _copy_tokenizer(src: str, dst: str) -> None:
     """The tokenizer files of directory ``src`` into ``dst`` (none when they are one)."""
     if os.path.isdir(dst) and os.path.samefile(src, dst):
         return
-    for name in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    for name in tokenizer_files(src):
+        os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
+        shutil.copy(os.path.join(src, name), os.path.join(dst, name))
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str | os.PathLike[str]) -> dict:
+    """The JSON object in file ``path``; ValueError naming the file where it cannot be
+    read, is not JSON or holds another value."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -464,7 +483,7 @@ def _read_json(path: str) -> dict:
 
 def _token_ids(tokenizer_json: str) -> dict[str, int]:
     """Token -> id of a ``tokenizer.json``: its model's vocabulary and added tokens."""
-    data = _read_json(tokenizer_json)
+    data = read_json(tokenizer_json)
     model = data.get("model") or {}
     vocab = (model.get("vocab") if isinstance(model, dict) else None) or {}
     ids = dict(vocab) if isinstance(vocab, dict) else {}
@@ -504,7 +523,7 @@ def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
         path = os.path.join(folder, config)
         if os.path.isfile(path):
             for key in ("bos_token", "eos_token"):
-                value = _read_json(path).get(key)
+                value = read_json(path).get(key)
                 value = value.get("content") if isinstance(value, dict) else value
                 if isinstance(value, str):
                     names[key] = value
@@ -655,24 +674,27 @@ def _replaced(args: argparse.Namespace) -> list[str]:
         written.add("tokenizer.json")
         source = os.path.dirname(source) or "."
     if source is not None and os.path.isdir(source) and not os.path.samefile(source, out):
-        written |= {n for n in TOKENIZER_FILES if os.path.exists(os.path.join(source, n))}
+        written |= set(tokenizer_files(source))
     return replaced_files(out, written, weights=not args.from_hf)
 
 
 def replaced_files(out: str, written: Iterable[str], *, weights: bool) -> list[str]:
-    """The files in directory ``out`` (sorted; none where it is no directory) that
-    writing the files named ``written`` there would replace, and with ``weights`` every
-    HF weight file there, which :func:`export_hf` removes where it does not write it:
-    what a command writing a model into ``out`` refuses to replace without
-    ``--overwrite`` (:func:`replace_refusal`)."""
+    """The files in directory ``out`` (paths relative to it, sorted; none where it is no
+    directory) that writing the files named ``written`` there would replace (a name that
+    is a directory in ``out``: the files in it), and with ``weights`` every HF weight
+    file there, which :func:`export_hf` removes where it does not write it: what a
+    command writing a model into ``out`` refuses to replace without ``--overwrite``
+    (:func:`replace_refusal`)."""
     if not os.path.isdir(out):
         return []
-    written = set(written)
-    return [
-        n
-        for n in sorted(os.listdir(out))
-        if (n in written or (weights and _is_weights(n))) and os.path.isfile(os.path.join(out, n))
-    ]
+    held = {n for n in os.listdir(out) if weights and _is_weights(n)}
+    for name in written:
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            held |= {f"{name}/{n}" for n in os.listdir(path)}
+        else:
+            held.add(name)
+    return sorted(n for n in held if os.path.isfile(os.path.join(out, n)))
 
 
 def replace_refusal(out: str, held: list[str], what: str = "this conversion") -> str:

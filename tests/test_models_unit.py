@@ -899,6 +899,20 @@ def test_cli_refuses_to_replace_what_out_holds(tmp_path, capsys):
         convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(other)])
     assert "already holds tokenizer.json" in capsys.readouterr().err
     assert json.loads((other / "tokenizer.json").read_text())["model"]["vocab"] == {"x": 0, "y": 1}
+    # A named chat template (transformers' additional_chat_templates/) goes along, and
+    # one there from another directory is replaced only with --overwrite.
+    (tok / "additional_chat_templates").mkdir()
+    (tok / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    (other / "tokenizer.json").unlink()
+    (other / "additional_chat_templates").mkdir()
+    (other / "additional_chat_templates" / "tool_use.jinja").write_text("other's")
+    with pytest.raises(SystemExit):
+        convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(other)])
+    assert "already holds additional_chat_templates/tool_use.jinja," in capsys.readouterr().err
+    convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(tmp_path / "named")])
+    assert (tmp_path / "named" / "additional_chat_templates" / "tool_use.jinja").read_text() == (
+        "{{ tools }}"
+    )
     # The tokenizer's own directory, a directory of other files, and --overwrite: written.
     convert_main(cases[3][0])
     (tmp_path / "empty").mkdir()

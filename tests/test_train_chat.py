@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,22 @@ def test_a_tokenizer_without_a_chat_template_is_named(llama3_bpe, tmp_path):
     )
     with pytest.raises(ValueError, match=r"line 2: has 'messages' but no tokenizer was given"):
         load_dataset(path)
+
+
+def test_a_broken_tokenizer_config_is_named_as_the_model_tools_name_it(llama3_bpe, tmp_path):
+    """A tokenizer_config.json that is not JSON: one line naming it, the error that
+    models.convert gives for the same file (one reader of a tokenizer's JSON files)."""
+    from models import convert
+
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe)
+    config = folder / "tokenizer_config.json"
+    config.write_text('{"chat_template": ')
+    with pytest.raises(ValueError) as error:
+        load_dataset(_jsonl(tmp_path / "chat.jsonl", [GOOD]), tokenizer=folder)
+    with pytest.raises(ValueError) as converting:
+        convert.special_token_ids(folder / "tokenizer.json")
+    assert str(error.value).startswith(f"{config} is not valid JSON (")
+    assert str(error.value) == str(converting.value) and "\n" not in str(error.value)
 
 
 def test_chat_template_jinja_comes_before_tokenizer_config(llama3_bpe, tmp_path):
@@ -425,6 +442,34 @@ def _oracle_python() -> str | None:
     return exe if os.path.isfile(exe) or not os.path.isabs(exe) else None
 
 
+def _oracle(script: str, *args) -> object:
+    """``script`` run by the oracle's interpreter with ``args``: the JSON its last line of
+    output holds. Skips the test without the oracle (or its transformers or jinja2)."""
+    exe = _oracle_python()
+    if exe is None:
+        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
+    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
+    result = subprocess.run(
+        [exe, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _mark_llama3(template: str) -> str:
+    """Llama-3's template (or one that writes a turn as it does) with {% generation %}
+    around each assistant turn's content and end of turn: the same text, and
+    transformers' assistant mask (for contents without a blank line)."""
+    return template.replace(
+        "{{ content }}",
+        "{% if message['role'] == 'assistant' %}{{ content.split('\\n\\n', 1)[0] + '\\n\\n' }}"
+        "{% generation %}{{ content.split('\\n\\n', 1)[1] }}{% endgeneration %}"
+        "{% else %}{{ content }}{% endif %}",
+    )
+
+
 ORACLE_CHAT = """
 import json, sys
 from transformers import AutoTokenizer
@@ -444,29 +489,11 @@ def test_ids_and_labels_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     """transformers' ``apply_chat_template(messages, tokenize=True)`` gives the ids for the
     same tokenizer directory, and its assistant mask (from the template's
     ``{% generation %}`` markers) the labelled tokens. Skipped without the oracle."""
-    exe = _oracle_python()
-    if exe is None:
-        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
-    marked = LLAMA3_TEMPLATE.replace(  # the assistant's content and end of turn marked
-        "{{ content }}",
-        "{% if message['role'] == 'assistant' %}{{ content.split('\\n\\n', 1)[0] + '\\n\\n' }}"
-        "{% generation %}{{ content.split('\\n\\n', 1)[1] }}{% endgeneration %}"
-        "{% else %}{{ content }}{% endif %}",
-    )
+    marked = _mark_llama3(LLAMA3_TEMPLATE)
     conversations = [*CONVERSATIONS, [{"role": "user", "content": "Tab\tand  spaces"}]]
     conversations[-1].append({"role": "assistant", "content": "  ok  "})
     (tmp_path / "c.json").write_text(json.dumps(conversations))
-    result = subprocess.run(
-        [exe, "-c", ORACLE_CHAT, str(llama3_bpe), str(tmp_path / "c.json"), marked],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    oracle = json.loads(result.stdout.strip().splitlines()[-1])
+    oracle = _oracle(ORACLE_CHAT, llama3_bpe, tmp_path / "c.json", marked)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in conversations])
     dataset = load_dataset(path, tokenizer=llama3_bpe)
     for i in range(len(conversations)):
@@ -728,27 +755,105 @@ def test_real_templates_keep_the_prefix_rule_with_tool_calls(
         assert result not in learned
 
 
-def test_content_lists_are_their_text(llama3_bpe, tmp_path):
-    """A content list of text parts gives the ids and labels of the same text as a str
-    (the parts back to back), in every role, the tool's result too."""
-    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN25_TEMPLATE)
+# Llama-3's template, each content part rendered trimmed where the content is a list of
+# parts (as list-aware templates, Gemma-3's and Llama-4's, render their text parts).
+PARTS_TEMPLATE = LLAMA3_TEMPLATE.replace(
+    "+ message['content'] | trim + '<|eot_id|>' %}",
+    "%}{% set ns = namespace(text='') %}{% if message['content'] is string %}"
+    "{% set ns.text = message['content'] | trim %}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{% set ns.text = ns.text + part['text'] | trim %}{% endif %}{% endfor %}{% endif %}"
+    "{% set content = content + ns.text + '<|eot_id|>' %}",
+)
+assert PARTS_TEMPLATE != LLAMA3_TEMPLATE
 
-    def parts(text: str) -> list[dict]:
-        half = len(text) // 2
-        return [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]
 
-    listed = [{**m, "content": parts(m["content"])} if m.get("content") else m for m in TOOL_CHAT]
-    records = [
-        {"messages": listed, "tools": [WEATHER]},
-        {"messages": TOOL_CHAT, "tools": [WEATHER]},
+def _parts(text: str) -> list[dict]:
+    """``text`` as two text parts, cut after its first space (a space either side of
+    the cut, which a template that trims each part drops)."""
+    cut = text.index(" ") + 1
+    return [{"type": "text", "text": text[:cut]}, {"type": "text", "text": " " + text[cut:]}]
+
+
+PARTS_CHAT = [
+    {"role": "system", "content": _parts("You pack rows of text.")},
+    {"role": "user", "content": "How are documents packed?"},
+    {"role": "assistant", "content": _parts("Back to back, with an EOS after each.")},
+    {"role": "user", "content": _parts("And labels?")},
+    {"role": "assistant", "content": "They never cross an example boundary."},
+]
+
+
+def test_content_lists_reach_the_template_as_they_are(llama3_bpe, tmp_path):
+    """A content list of text parts goes to the template as a list, as transformers
+    passes it: a template that iterates the parts renders each (here trimmed, so the
+    text is not the parts joined), and an assistant turn given as parts is learned."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=PARTS_TEMPLATE)
+    dataset = load_dataset(
+        _jsonl(tmp_path / "p.jsonl", [{"messages": PARTS_CHAT}]), tokenizer=folder
+    )
+    ids, labels = _learned(dataset, 0)
+    tokenizer = readers.load_tokenizer(folder)
+    text = BOS
+    for m in PARTS_CHAT:
+        content = m["content"]
+        words = (
+            content.strip()
+            if isinstance(content, str)
+            else "".join(p["text"].strip() for p in content)
+        )
+        text += f"{HEADER}{m['role']}{END_HEADER}\n\n{words}{EOT}"
+    assert "Backto back, with an EOS" in text
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+    assert tokenizer.decode(learned, skip_special_tokens=False) == (
+        f"Backto back, with an EOS after each.{EOT}They never cross an example boundary.{EOT}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "pattern"),
+    [
+        (  # Llama-3's: `content | trim` writes the list's Python text
+            LLAMA3_TEMPLATE,
+            r"the chat template \(tokenizer_config\.json\) writes message 0's content list as "
+            r"Python text \(\{'type': 'text', 'text': 'You '\}\) \(a template that takes str "
+            r"content only; write the content as a str, or use a template that renders text "
+            r"parts\)$",
+        ),
+        (  # Qwen2.5's: `'\n' + message.content` raises
+            QWEN25_TEMPLATE,
+            r"the chat template \(tokenizer_config\.json\) raised TypeError: can only "
+            r"concatenate str \(not \"list\"\) to str \(a template that takes str content "
+            r"only; .*\)$",
+        ),
+        (  # Qwen3's way: a content that is not a str written as nothing
+            "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
+            "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
+            r"the chat template \(tokenizer_config\.json\) writes nothing of message 0's "
+            r"content part 0 \('You'\) \(a template that takes str content only; .*\)$",
+        ),
+    ],
+    ids=["repr", "raises", "nothing"],
+)
+def test_a_template_that_takes_str_content_only_is_refused_for_lists(
+    llama3_bpe, tmp_path, template, pattern
+):
+    """transformers renders a content list with such a template too, as garbage (the
+    list's Python text, or nothing of it): the reader refuses it in one line, naming the
+    message and the remedy; the same conversation with str contents renders."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
+    path = _jsonl(tmp_path / "p.jsonl", [GOOD, {"messages": PARTS_CHAT}])
+    with pytest.raises(ValueError, match=rf"p\.jsonl: line 2: 'messages': {pattern}") as error:
+        load_dataset(path, tokenizer=folder)
+    assert "\n" not in str(error.value)
+    joined = [
+        {**m, "content": "".join(p["text"] for p in m["content"])}
+        if isinstance(m["content"], list)
+        else m
+        for m in PARTS_CHAT
     ]
-    dataset = load_dataset(_jsonl(tmp_path / "parts.jsonl", records), tokenizer=folder)
-    assert _learned(dataset, 0) == _learned(dataset, 1)
-    one = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, GOOD["messages"][1]]
-    plain = [{"role": "user", "content": "Hi"}, GOOD["messages"][1]]
-    path = _jsonl(tmp_path / "one.jsonl", [{"messages": one}, {"messages": plain}])
-    dataset = load_dataset(path, tokenizer=llama3_bpe)
-    assert _learned(dataset, 0) == _learned(dataset, 1)
+    load_dataset(_jsonl(tmp_path / "s.jsonl", [{"messages": joined}]), tokenizer=folder)
 
 
 def test_a_tool_use_template_renders_the_conversations_with_tools(llama3_bpe, tmp_path):
@@ -777,6 +882,44 @@ def test_a_tool_use_template_renders_the_conversations_with_tools(llama3_bpe, tm
     assert chat.chat_template_stamp(folder)["sha256"] != stamp["sha256"]
 
 
+def test_named_templates_in_additional_chat_templates(llama3_bpe, tmp_path):
+    """transformers 5 saves named templates as chat_template.jinja (the default) and
+    additional_chat_templates/<name>.jinja, and those files win over tokenizer_config.json:
+    a conversation given tools is rendered with tool_use.jinja, one without with the
+    default; the stamp covers tool_use.jinja; without a default, a one-line error."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template="config's {{ messages }}")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    )
+    named = folder / "additional_chat_templates"
+    named.mkdir()
+    (named / "tool_use.jinja").write_text("{{ tools | length }} tools\n{{ messages[0].content }}")
+    (named / "rag.jinja").write_text("{{ documents }}")  # never rendered here
+    template = chat.ChatTemplate(folder, "where:")
+    messages = [{"role": "user", "content": "a"}]
+    assert template.render(messages) == "a\n"
+    assert template.render(messages, tools=[WEATHER]) == "1 tools\na"
+    stamp = chat.chat_template_stamp(folder)
+    assert stamp["path"] == str((folder / "chat_template.jinja").resolve())
+    (named / "tool_use.jinja").write_text("{{ tools | length }} functions")
+    assert chat.chat_template_stamp(folder)["sha256"] != stamp["sha256"]
+    (named / "tool_use.jinja").write_text("{{ raise_exception('no') }}")
+    path = _jsonl(tmp_path / "t.jsonl", [{"messages": GOOD["messages"], "tools": [WEATHER]}])
+    with pytest.raises(
+        ValueError,
+        match=r"line 1: 'messages': the chat template "
+        r"\(additional_chat_templates/tool_use\.jinja\) raised TemplateError: no$",
+    ):
+        load_dataset(path, tokenizer=folder)
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError) as error:
+        chat.ChatTemplate(folder, "where:")
+    assert str(error.value) == (
+        f"{named} holds the templates ['rag', 'tool_use'] and {folder} has no "
+        "chat_template.jinja (the default one, that conversations are rendered with)"
+    )
+
+
 def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     """The token cache's stamp records what the template was given (messages and tools):
     a cache whose stamp lacks it (rendered before tools were passed) is rebuilt."""
@@ -784,7 +927,7 @@ def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     path = _jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT, "tools": [WEATHER]}])
     eot = readers.load_tokenizer(folder).token_to_id(EOT)
     cache, built = data_cache.ensure_cache(path, tmp_path / "c", tokenizer=folder, eos_id=eot)
-    assert built and cache.meta["chat_template"]["inputs"] == "messages, tools"
+    assert built and cache.meta["chat_template"]["inputs"] == chat.TEMPLATE_INPUTS
     assert cache.mismatch(path, tokenizer=folder, eos_id=eot) == []
     memory = load_dataset(path, tokenizer=folder)
     np.testing.assert_array_equal(np.asarray(cache.targets), memory.targets)  # EOT: the EOS
@@ -794,7 +937,8 @@ def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     meta_file.write_text(json.dumps(meta))
     old = data_cache.open_cache(tmp_path / "c")
     assert old.mismatch(path, tokenizer=folder, eos_id=eot) == [
-        "its conversations' template was given messages, this jflash gives it messages, tools"
+        "its conversations' template was given messages, this jflash gives it "
+        + chat.TEMPLATE_INPUTS
     ]
 
 
@@ -939,8 +1083,8 @@ def test_train_tokenizer_learns_the_text_parts(tmp_path):
 
 def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
     """`python -m train` on a tool-use .jsonl (Llama-3.1's template, tools per record,
-    tool calls with null content, tool results, a content list): two steps of the tiny
-    model, rows packed whole, the loss finite and on the assistant turns only."""
+    tool calls with null content, tool results): two steps of the tiny model, rows
+    packed whole, the loss finite and on the assistant turns only."""
     folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
     records = []
     for i in range(24):
@@ -955,7 +1099,7 @@ def test_the_trainer_learns_tool_calling_turns(llama3_bpe, tmp_path):
                         "tool_calls": [_call("get_weather", {"city": city})],
                     },
                     {"role": "tool", "name": "get_weather", "content": f"{i} degrees"},
-                    {"role": "assistant", "content": [{"type": "text", "text": f"{i} degrees."}]},
+                    {"role": "assistant", "content": f"{i} degrees."},
                 ],
                 "tools": [WEATHER],
             }
@@ -975,11 +1119,13 @@ cases = json.loads(open(sys.argv[1]).read())
 out = []
 for case in cases:
     tokenizer = AutoTokenizer.from_pretrained(case["folder"])
-    kwargs = {"tools": case["tools"], "tokenize": True, "return_dict": True}
-    ids = tokenizer.apply_chat_template(case["messages"], **kwargs)["input_ids"]
+    record = case["record"]
+    kwargs = {"tools": record.get("tools"), "tokenize": True, "return_dict": True}
+    kwargs |= record.get("chat_template_kwargs") or {}
+    ids = tokenizer.apply_chat_template(record["messages"], **kwargs)["input_ids"]
     mask = None
     if case["marked"]:
-        mask = tokenizer.apply_chat_template(case["messages"], chat_template=case["marked"],
+        mask = tokenizer.apply_chat_template(record["messages"], chat_template=case["marked"],
             return_assistant_tokens_mask=True, **kwargs)["assistant_masks"]
     out.append({"ids": list(ids), "mask": mask})
 print(json.dumps(out))
@@ -1022,12 +1168,6 @@ def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, t
     prompt, arguments as objects and JSON strings) with Llama-3.1's and Qwen2.5's
     templates; with {% generation %} marks on Llama-3.1's, its assistant mask gives the
     labelled tokens. Skipped without the oracle."""
-    exe = _oracle_python()
-    if exe is None:
-        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
     llama = _write_tokenizer(tmp_path / "llama", llama3_bpe, template=LLAMA31_TEMPLATE)
     qwen = _qwen_tokenizer(tmp_path / "qwen", llama3_bpe)
     marked = _mark_llama31(LLAMA31_TEMPLATE)
@@ -1040,22 +1180,77 @@ def test_tool_conversations_match_transformers_apply_chat_template(llama3_bpe, t
         (qwen, PARALLEL_CHAT, [WEATHER, TIME], None),
         (qwen, no_system, None, None),
     ]
-    spec = [{"folder": str(f), "messages": m, "tools": t, "marked": k} for f, m, t, k in cases]
-    (tmp_path / "cases.json").write_text(json.dumps(spec))
-    result = subprocess.run(
-        [exe, "-c", ORACLE_TOOLS, str(tmp_path / "cases.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    _match_the_oracle(tmp_path, [(f, {"messages": m, "tools": t}, k) for f, m, t, k in cases])
+
+
+@pytest.mark.slow
+def test_content_lists_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template`` gives the ids of conversations with content
+    lists (system, user and assistant messages) rendered by a template that iterates
+    the parts, and with {% generation %} marks its assistant mask the labelled tokens.
+    Skipped without the oracle."""
+    folder = _write_tokenizer(tmp_path / "parts", llama3_bpe, template=PARTS_TEMPLATE)
+    marked = _mark_llama3(PARTS_TEMPLATE)
+    listed = [{**m, "content": _parts(m["content"])} for m in CONVERSATIONS[0]]
+    cases = [
+        (folder, {"messages": PARTS_CHAT}, marked),
+        (folder, {"messages": listed}, marked),
+        (folder, {"messages": CONVERSATIONS[0]}, marked),
+    ]
+    _match_the_oracle(tmp_path, cases)
+
+
+ORACLE_SAVE = """
+import json, os, sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+tokenizer.chat_template = json.loads(sys.argv[2])
+tokenizer.save_pretrained(sys.argv[3])
+print(json.dumps(sorted(os.path.relpath(os.path.join(d, f), sys.argv[3])
+                        for d, _, files in os.walk(sys.argv[3]) for f in files)))
+"""
+
+
+@pytest.mark.slow
+def test_named_templates_as_transformers_saves_them(llama3_bpe, tmp_path):
+    """A tokenizer whose named templates transformers saved (the default in
+    chat_template.jinja, tool_use in additional_chat_templates/): conversations with
+    and without tools get transformers' ids, Qwen2.5's template for those with tools,
+    Llama-3.1's for the others. Skipped without the oracle."""
+    source = _write_tokenizer(tmp_path / "source", llama3_bpe, template=None)
+    templates = {"default": LLAMA31_TEMPLATE, "tool_use": QWEN25_TEMPLATE}
+    saved = tmp_path / "saved"
+    written = _oracle(ORACLE_SAVE, source, json.dumps(templates), saved)
+    assert {"chat_template.jinja", "additional_chat_templates/tool_use.jinja"} <= set(written)
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    cases = [
+        (saved, {"messages": TOOL_CHAT, "tools": [WEATHER, TIME]}, None),
+        (saved, {"messages": CONVERSATIONS[0]}, None),
+    ]
+    _match_the_oracle(tmp_path, cases)
+    dataset = load_dataset(_jsonl(tmp_path / "t.jsonl", [cases[0][1]]), tokenizer=saved)
+    assert IM_START in readers.load_tokenizer(saved).decode(
+        dataset.example(0).tolist(), skip_special_tokens=False
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    oracle = json.loads(result.stdout.strip().splitlines()[-1])
-    for (folder, messages, tools, mark), want in zip(cases, oracle, strict=True):
-        record = {"messages": messages} | ({"tools": tools} if tools is not None else {})
+
+
+def _match_the_oracle(tmp_path: Path, cases: list[tuple[Path, dict, str | None]]) -> None:
+    """Each ``(tokenizer folder, record, marked template or None)``: the reader's ids for
+    the record are transformers' ``apply_chat_template`` ids for its messages, given its
+    tools and ``chat_template_kwargs``; with a marked template, the labelled tokens are
+    its assistant mask."""
+    spec = [
+        {"folder": str(folder), "record": record, "marked": marked}
+        for folder, record, marked in cases
+    ]
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    oracle = _oracle(ORACLE_TOOLS, tmp_path / "cases.json")
+    for (folder, record, marked), want in zip(cases, oracle, strict=True):
+        record = {k: v for k, v in record.items() if v is not None}
         dataset = load_dataset(_jsonl(tmp_path / "one.jsonl", [record]), tokenizer=folder)
         ids, labels = _learned(dataset, 0)
-        assert ids == want["ids"], folder.name
-        if mark:
+        assert ids == want["ids"], (folder.name, record)
+        if marked:
             assert [int(label != IGNORE) for label in labels] == want["mask"]
 
 
@@ -1091,3 +1286,245 @@ def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bp
     bad = {"prompt": prompt, "completion": "Paris."}
     with pytest.raises(ValueError, match=r"line 4: 'prompt' must be a str, got list"):
         parser.tokenize_texts(["line 4"], [bad])
+
+
+# ---------------------------------------------------------------------------------------
+# Reasoning, and the template's other variables
+# ---------------------------------------------------------------------------------------
+
+# In the manner of Qwen3's template: an assistant turn's reasoning (reasoning_content) in
+# a <think> block, the turn marked for transformers' assistant mask, and with
+# enable_thinking false an empty <think> block in the generation prompt.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{% generation %}<think>\n"
+    "{{ m.reasoning_content if m.reasoning_content is string else '' }}\n</think>\n\n"
+    "{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+# In the manner of gpt-oss's: the reasoning (thinking) in an analysis channel.
+CHANNEL_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m.role }}{% if m.thinking is defined %}"
+    "<|channel|>analysis<|message|>{{ m.thinking }}<|end|><|start|>{{ m.role }}{% endif %}"
+    "<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+QUESTION = {"role": "user", "content": "Capital of France?"}
+
+
+def _reasoned(key: str, reasoning: str = "The capital is Paris.") -> list[dict]:
+    return [QUESTION, {"role": "assistant", "content": "Paris.", key: reasoning}]
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_both_names(llama3_bpe, tmp_path):
+    """A message's reasoning, given as reasoning_content, thinking or reasoning, reaches
+    a template that reads reasoning_content (Qwen3's) and one that reads thinking
+    (gpt-oss's), as transformers 5 gives it; the reasoning is in the learned turn."""
+    records = [{"messages": _reasoned(key)} for key in chat.REASONING]
+    for template, turn in (
+        (THINK_TEMPLATE, "<think>\nThe capital is Paris.\n</think>\n\nParis.<|im_end|>\n"),
+        (CHANNEL_TEMPLATE, "<|channel|>analysis<|message|>The capital is Paris.<|end|>"),
+    ):
+        folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
+        dataset = load_dataset(_jsonl(tmp_path / "r.jsonl", records), tokenizer=folder)
+        tokenizer = readers.load_tokenizer(folder)
+        for i in range(len(records)):
+            ids, labels = _learned(dataset, i)
+            assert (ids, labels) == _learned(dataset, 0)
+            learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+            assert turn in tokenizer.decode(learned, skip_special_tokens=False)
+    both = {**_reasoned("thinking", "B")[1], "reasoning_content": "A"}
+    template = chat.ChatTemplate(folder, "where:")
+    assert "analysis<|message|>B<|end|>" in template.render([QUESTION, both])  # its own
+
+
+@pytest.mark.slow
+def test_reasoning_matches_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template`` gives the ids of conversations whose
+    assistant reasons (under each name, for a template reading either), and its
+    assistant mask the labelled tokens. Skipped without the oracle."""
+    think = _qwen_tokenizer(tmp_path / "think", llama3_bpe, template=THINK_TEMPLATE)
+    channel = _qwen_tokenizer(tmp_path / "channel", llama3_bpe, template=CHANNEL_TEMPLATE)
+    cases = [(think, {"messages": _reasoned(key)}, THINK_TEMPLATE) for key in chat.REASONING]
+    cases += [(channel, {"messages": _reasoned(key)}, None) for key in chat.REASONING]
+    both = [QUESTION, {**_reasoned("thinking", "B")[1], "reasoning_content": "A"}]
+    cases += [(think, {"messages": both}, THINK_TEMPLATE), (channel, {"messages": both}, None)]
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    cases.append((think, {"messages": plain}, THINK_TEMPLATE))
+    _match_the_oracle(tmp_path, cases)
+
+
+THINKING_OFF = {"enable_thinking": False}
+
+
+def test_chat_template_kwargs_reach_the_template(llama3_bpe, tmp_path):
+    """A record's chat_template_kwargs, and those given for every conversation, are
+    template variables as apply_chat_template(**kwargs) passes them: with
+    enable_thinking false the generation prompt holds the empty <think> block, which is
+    then not learned; a record's own win over the global ones, both over the special
+    tokens."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    records = [
+        {"messages": plain},
+        {"messages": plain, "chat_template_kwargs": THINKING_OFF},
+        {"messages": plain, "chat_template_kwargs": {"enable_thinking": True}},
+        {"messages": plain, "chat_template_kwargs": None},  # a table's missing value
+    ]
+    path = _jsonl(tmp_path / "k.jsonl", records)
+    tokenizer = readers.load_tokenizer(folder)
+
+    def turns(dataset) -> list[str]:
+        return [
+            tokenizer.decode(
+                [t for t, label in zip(*_learned(dataset, i), strict=True) if label != IGNORE],
+                skip_special_tokens=False,
+            )
+            for i in range(len(records))
+        ]
+
+    thinking, off = "<think>\n\n</think>\n\nParis.<|im_end|>\n", "Paris.<|im_end|>\n"
+    dataset = load_dataset(path, tokenizer=folder)
+    assert turns(dataset) == [thinking, off, thinking, thinking]
+    assert len({tuple(_learned(dataset, i)[0]) for i in range(len(records))}) == 1  # same ids
+    everywhere = load_dataset(path, tokenizer=folder, chat_template_kwargs=THINKING_OFF)
+    assert turns(everywhere) == [off, off, thinking, off]
+    template = chat.ChatTemplate(
+        _write_tokenizer(tmp_path / "b", llama3_bpe, "{{ bos_token }}"), ""
+    )
+    assert template.render(plain) == BOS
+    assert template.render(plain, kwargs={"bos_token": "<s>"}) == "<s>"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            "enable_thinking=false",
+            r"'chat_template_kwargs' must be a dict of chat template variables \(e\.g\. "
+            r'\{"enable_thinking": false\}\), got str$',
+        ),
+        ([["enable_thinking", False]], r"'chat_template_kwargs' must be a dict .*, got list$"),
+        (
+            {"tools": [WEATHER]},
+            r"'chat_template_kwargs': 'tools' is not a variable it may set \(a str, none of "
+            r"messages, tools, documents, add_generation_prompt: the conversation's own\)$",
+        ),
+    ],
+)
+def test_malformed_chat_template_kwargs_name_file_line_and_field(
+    llama3_bpe, tmp_path, kwargs, pattern
+):
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    path = _jsonl(tmp_path / "bad.jsonl", [GOOD, {**GOOD, "chat_template_kwargs": kwargs}])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl: line 2: {pattern}") as error:
+        load_dataset(path, tokenizer=folder)
+    assert "\n" not in str(error.value)
+
+
+def test_the_chat_template_kwargs_flags(llama3_bpe, tmp_path, capsys):
+    """The trainer's --chat_template_kwargs (checked with the other settings) reaches
+    the conversations it reads; the data commands' --chat-template-kwargs too; a value
+    that is not a JSON object is refused in one line naming it."""
+    import models
+    from train.build import load_rows
+    from train.config import parse_args
+
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    path = _jsonl(tmp_path / "k.jsonl", [{"messages": plain}] * 4)
+    argv = ["--data_path", str(path), "--tokenizer_name_or_path", str(folder)]
+    argv += ["--model_max_length", "16", "--packing", "whole"]
+    learned = []
+    for extra in ([], ["--chat_template_kwargs", json.dumps(THINKING_OFF)]):
+        rows = load_rows(parse_args([*argv, *extra]), models.TINY)
+        learned.append(int((rows.labels != IGNORE).sum()))
+    assert learned[0] > learned[1] > 0
+    for bad, why in (("{enable_thinking: false}", "is not JSON"), ("[]", "must be a dict")):
+        with pytest.raises(ValueError, match=rf"^--chat_template_kwargs='{re.escape(bad)}' {why}"):
+            parse_args([*argv, "--chat_template_kwargs", bad])
+    data_main(["inspect", str(path), "--tokenizer", str(folder)])
+    data_main(
+        ["inspect", str(path), "--tokenizer", str(folder)]
+        + ["--chat-template-kwargs", json.dumps(THINKING_OFF)]
+    )
+    counts = [
+        int(line.split(": ")[1])
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("labelled_tokens")
+    ]
+    assert counts[0] > counts[1] > 0
+    with pytest.raises(SystemExit):
+        data_main(["inspect", str(path), "--tokenizer", str(folder), "--chat-template-kwargs", "1"])
+    assert capsys.readouterr().err == (
+        "error: --chat-template-kwargs='1' must be a dict of chat template variables (e.g. "
+        '{"enable_thinking": false}), got int\n'
+    )
+
+
+def test_the_token_cache_records_the_chat_template_kwargs(llama3_bpe, tmp_path, capsys):
+    """A token cache records the template variables given to every conversation: built
+    with other ones it is stale (rebuilt under --data_cache_dir, refused as
+    --data_path with the command that rebuilds it); a record's own are in the source,
+    whose change rebuilds it too."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    path = _jsonl(tmp_path / "k.jsonl", [{"messages": plain}])
+    eos = readers.load_tokenizer(folder).token_to_id(IM_END)
+    where = tmp_path / "c"
+    cache, built = data_cache.ensure_cache(
+        path, where, tokenizer=folder, eos_id=eos, chat_template_kwargs=THINKING_OFF
+    )
+    assert built and cache.meta["chat_template"]["kwargs"] == THINKING_OFF
+    assert (
+        cache.mismatch(path, tokenizer=folder, eos_id=eos, chat_template_kwargs=THINKING_OFF) == []
+    )
+    assert cache.mismatch(path, tokenizer=folder, eos_id=eos) == [
+        'its conversations were rendered with chat_template_kwargs {"enable_thinking": false}, '
+        "not {}"
+    ]
+    with pytest.raises(ValueError) as error:
+        data_cache.packed_rows(
+            where, 8, tokenizer=folder, eos_id=eos, chat_template_kwargs={"x": 1}
+        )
+    assert str(error.value).endswith(
+        f"--eos-id {eos} --tokenizer {folder} --chat-template-kwargs '{{\"x\": 1}}'"
+    )
+    _, built = data_cache.ensure_cache(path, where, tokenizer=folder, eos_id=eos)
+    assert built and "chat_template_kwargs" in capsys.readouterr().out
+    _jsonl(path, [{"messages": plain, "chat_template_kwargs": THINKING_OFF}])
+    cache, built = data_cache.ensure_cache(path, where, tokenizer=folder, eos_id=eos)
+    memory = load_dataset(path, tokenizer=folder)
+    assert built and np.asarray(cache.targets)[:-1].tolist() == memory.targets.tolist()
+
+
+def test_a_tables_conversation_columns():
+    """A table's tools and chat_template_kwargs columns are read beside its messages, or
+    its prompt and completion."""
+    names = ["chat_template_kwargs", "messages", "tools", "id"]
+    assert readers._columns(Path("t"), names) == ["messages", "tools", "chat_template_kwargs"]
+    names = ["prompt", "completion", "chat_template_kwargs"]
+    assert readers._columns(Path("t"), names) == ["prompt", "completion", "chat_template_kwargs"]
+
+
+@pytest.mark.slow
+def test_chat_template_kwargs_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template(messages, **chat_template_kwargs)`` gives the
+    ids of records with chat_template_kwargs (Llama-3.1's date_string and
+    tools_in_user_message, with its assistant mask; enable_thinking; a special token
+    overridden). Skipped without the oracle."""
+    llama = _write_tokenizer(tmp_path / "llama", llama3_bpe, template=LLAMA31_TEMPLATE)
+    think = _qwen_tokenizer(tmp_path / "think", llama3_bpe, template=THINK_TEMPLATE)
+    dated = {"date_string": "01 Jan 2025", "tools_in_user_message": False}
+    plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
+    cases = [
+        (llama, {"messages": TOOL_CHAT, "tools": [WEATHER], "chat_template_kwargs": dated}, None),
+        (llama, {"messages": CONVERSATIONS[0], "chat_template_kwargs": dated}, None),
+        (llama, {"messages": CONVERSATIONS[1], "chat_template_kwargs": {"bos_token": ""}}, None),
+        (think, {"messages": plain, "chat_template_kwargs": THINKING_OFF}, None),
+    ]
+    cases = [(f, r, _mark_llama31(LLAMA31_TEMPLATE) if f == llama else m) for f, r, m in cases]
+    _match_the_oracle(tmp_path, cases)

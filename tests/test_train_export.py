@@ -146,6 +146,8 @@ def test_overwrite_replaces_the_model_in_out(runs, tmp_path):
     out = tmp_path / "out"
     assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
     (out / "tokenizer.model").write_text("another model's")  # not the run's: dropped
+    (out / "additional_chat_templates").mkdir()  # nor its named chat template
+    (out / "additional_chat_templates" / "tool_use.jinja").write_text("another model's")
     (out / "notes.txt").write_text("mine")  # not a model's file: kept
     assert export.main([str(runs["long"]), "--out", str(out), "--overwrite"]) == 0
     assert (out / "notes.txt").read_text() == "mine"

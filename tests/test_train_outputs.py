@@ -238,14 +238,27 @@ def test_export_takes_the_runs_tokenizer(tmp_path):
     (tok_dir / "tokenizer.json").write_text('{"from": "dir"}')
     (tok_dir / "tokenizer_config.json").write_text('{"eos_token": "<e>"}')
     (tok_dir / "chat_template.jinja").write_text("{{ messages }}")  # a chat model's template
+    (tok_dir / "additional_chat_templates").mkdir()  # its other named templates
+    (tok_dir / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
     loose = tmp_path / "my-bpe.json"
     loose.write_text('{"from": "file"}')
 
     outputs.copy_tokenizer("llama3.2-1b", str(hf))
     assert list(hf.iterdir()) == []
     outputs.copy_tokenizer(str(tok_dir), str(hf))
-    names = sorted(p.name for p in hf.iterdir())
-    assert names == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    names = sorted(p.relative_to(hf).as_posix() for p in hf.rglob("*") if p.is_file())
+    assert names == [
+        "additional_chat_templates/tool_use.jinja",
+        "chat_template.jinja",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert outputs.tokenizer_files(str(tok_dir)) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "additional_chat_templates/tool_use.jinja",
+    ]
     outputs.copy_tokenizer(str(loose), str(hf))
     assert (hf / "tokenizer.json").read_text() == '{"from": "file"}'
 

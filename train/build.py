@@ -26,6 +26,7 @@ from models.loss import IGNORE_INDEX
 from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache
+from train.chat import parse_template_kwargs
 from train.config import TrainConfig
 from train.dataset import Rows, ShortData, TokenDataset
 from train.errors import TrainingError
@@ -181,6 +182,9 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                 cache_root=cfg.data.data_cache_dir or None,
                 pad_last=eval,
                 packing=cfg.data.packing,
+                chat_template_kwargs=parse_template_kwargs(
+                    cfg.data.chat_template_kwargs, "--chat_template_kwargs"
+                ),
             )
         except ShortData as e:  # the row's length by its flag
             raise TrainingError(

@@ -3,23 +3,37 @@ format) rendered with the model tokenizer's chat template, and where their assis
 turns lie in the rendered text.
 
 The template is the one transformers loads for a tokenizer directory (the folder of
-its ``tokenizer.json``; the functions here take that folder): ``chat_template.jinja``
-where that file exists, else the ``"chat_template"`` of ``tokenizer_config.json`` (a
-str, or a list of named templates, of which the one named ``"default"``, and for a
-conversation given ``tools`` the one named ``"tool_use"`` where there is one, as
-transformers picks). It is rendered as transformers' ``apply_chat_template`` renders
-it: a sandboxed Jinja environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``,
-``lstrip_blocks``, the ``loopcontrols`` extension and a ``{% generation %}`` block that
-renders its body), the globals ``raise_exception`` and ``strftime_now``, a ``tojson``
-filter that does not escape HTML, and the variables ``messages`` (each message dict as
-the reader gives it, every key passed: ``tool_calls``, a tool message's ``name`` or
-``tool_call_id``, ...), ``tools`` (the record's list of function schemas, else None),
-``documents`` (None), ``add_generation_prompt`` and the tokenizer's named special
-tokens (``bos_token``, ``eos_token``, ...) as strings, from ``tokenizer_config.json``
-(else ``special_tokens_map.json``). What the reader changes before (train/readers.py):
-keys whose value is None are dropped at every depth (a table's missing struct fields,
-as TRL's SFTTrainer drops them from a dataset's rows; transformers drops a message's
-own), and a ``content`` list of text parts is joined into one str.
+its ``tokenizer.json``; the functions here take that folder): ``chat_template.jinja``,
+with the named templates ``additional_chat_templates/<name>.jinja`` (as transformers 5
+saves several), where those files exist, else the ``"chat_template"`` of
+``tokenizer_config.json`` (a str, or a list of named templates). Of named templates,
+the one named ``"default"`` (``chat_template.jinja``), and for a conversation given
+``tools`` the one named ``"tool_use"`` where there is one, as transformers picks. It is
+rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
+environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
+``loopcontrols`` extension and a ``{% generation %}`` block that renders its body), the
+globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
+escape HTML, and the variables ``messages`` (each message dict as the reader gives it,
+every key passed: ``tool_calls``, a tool message's ``name`` or ``tool_call_id``, an
+assistant's ``reasoning_content``, ...), ``tools`` (the record's list of function
+schemas, else None), ``documents`` (None), ``add_generation_prompt`` and the
+tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) as strings, from
+``tokenizer_config.json`` (else ``special_tokens_map.json``), and the variables of
+``chat_template_kwargs`` (the trainer's ``--chat_template_kwargs``, then a record's own,
+each winning over those before it, as ``apply_chat_template(..., **kwargs)`` passes
+them: e.g. ``enable_thinking``). As transformers 5 gives them, a message's reasoning
+(the first of its ``reasoning_content``, ``thinking`` and ``reasoning``) is its
+``reasoning_content`` (which Qwen3's template reads) and, where it has none, its
+``thinking`` (gpt-oss's). What the reader changes before (train/readers.py): keys whose
+value is None are dropped at every depth (a table's missing struct fields, as TRL's
+SFTTrainer drops them from a dataset's rows; transformers drops a message's own).
+
+A ``content`` list of text parts reaches the template as it is, as transformers passes
+it: a template that iterates the parts renders them (its ids are transformers'). One
+that takes a str only writes the list as Python text (``[{'type': 'text', ...}]``) or
+nothing of it; transformers renders that too, but as training data it is garbage, so
+a conversation whose rendering holds a part's Python text, or lacks a part's text
+(trimmed; as written, or JSON-escaped), is refused: write such contents as a str.
 
 Assistant turns (:meth:`ChatTemplate.assistant_spans`): for each assistant message
 ``i`` (one that calls tools too), the rendering of ``messages[:i]`` with the generation
@@ -44,7 +58,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from models.convert import read_json
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"  # transformers' other named templates
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 # The named special tokens transformers passes to a chat template (its special_tokens_map).
@@ -60,9 +77,50 @@ SPECIAL_TOKENS = (
 ASSISTANT = "assistant"  # the role whose turns are learned
 DEFAULT = "default"  # the named template conversations are rendered with
 TOOL_USE = "tool_use"  # the named template for a conversation given tools, where there is one
+# A message's reasoning, by the names templates read it under (transformers' order).
+REASONING = ("reasoning_content", "thinking", "reasoning")
+# The remedy for a template that takes a message's content as a str only.
+TAKES_STR = (
+    "a template that takes str content only; write the content as a str, or use a template "
+    "that renders text parts"
+)
 # What the reader gives a template besides the special tokens (documents is None): part
 # of the token cache's stamp, so that a cache rendered with other inputs is rebuilt.
-TEMPLATE_INPUTS = "messages, tools"
+TEMPLATE_INPUTS = (
+    "messages (content lists as given, reasoning under both names), tools, chat_template_kwargs"
+)
+# The variables the reader sets itself, which chat_template_kwargs may not.
+READER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def template_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """``value``, extra variables for a chat template (``chat_template_kwargs``, e.g.
+    ``{"enable_thinking": false}``), as a dict; ValueError starting with ``where`` for
+    one that is not a dict, or that sets a variable of :data:`READER_VARIABLES`."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where} must be a dict of chat template variables (e.g. "
+            f'{{"enable_thinking": false}}), got {type(value).__name__}'
+        )
+    for key in value:
+        if not isinstance(key, str) or key in READER_VARIABLES:
+            raise ValueError(
+                f"{where}: {key!r} is not a variable it may set (a str, none of "
+                f"{', '.join(READER_VARIABLES)}: the conversation's own)"
+            )
+    return dict(value)
+
+
+def parse_template_kwargs(text: str, flag: str) -> dict[str, Any]:
+    """``text``, a JSON object of chat template variables (a flag's value; empty: none),
+    as a dict; ValueError naming ``flag`` and the value where it is not one."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}={text!r} is not JSON ({e}); give an object") from None
+    return template_kwargs(value, f"{flag}={text!r}")
 
 
 class ChatTemplateError(ValueError):
@@ -70,33 +128,42 @@ class ChatTemplateError(ValueError):
     render as prefixes; the message says why (the caller names file and record)."""
 
 
-def _read_json(path: Path) -> dict:
+def _read_text(file: Path) -> str:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not a readable text file ({e})") from None
 
 
-def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None:
-    """``({name: template text}, the file they came from)`` for the tokenizer directory
-    ``folder``: ``"default"``, and ``"tool_use"`` where ``tokenizer_config.json`` names
-    one; None where it has none. ValueError for a ``tokenizer_config.json`` whose
-    ``chat_template`` is neither a str nor a list of named templates with a
-    ``"default"`` one."""
+def read_chat_template(folder: str | Path) -> tuple[dict[str, str], dict[str, Path]] | None:
+    """``({name: template text}, {name: the file it came from})`` for the tokenizer
+    directory ``folder``: ``"default"``, and ``"tool_use"`` where there is one (the
+    others are never rendered here); None where it has none. As transformers loads them:
+    ``chat_template.jinja`` (the default) and the ``<name>.jinja`` files of
+    ``additional_chat_templates/`` where either exists, else ``tokenizer_config.json``'s
+    ``chat_template`` (a str, or a list of named templates). ValueError where there is
+    no default among named templates, or a ``chat_template`` of another type."""
     folder = Path(folder)
-    jinja_file = folder / CHAT_TEMPLATE_FILE
-    if jinja_file.is_file():
-        try:
-            return {DEFAULT: jinja_file.read_text(encoding="utf-8")}, jinja_file
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{jinja_file}: not a readable text file ({e})") from None
+    files = {}
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        files[DEFAULT] = folder / CHAT_TEMPLATE_FILE
+    named_dir = folder / CHAT_TEMPLATE_DIR
+    if named_dir.is_dir():  # after chat_template.jinja: a default.jinja here wins, as in HF
+        files |= {
+            f.name.removesuffix(".jinja"): f for f in named_dir.glob("*.jinja") if f.is_file()
+        }
+    if files:
+        if DEFAULT not in files:
+            raise ValueError(
+                f"{named_dir} holds the templates {sorted(files)} and {folder} has no "
+                f"{CHAT_TEMPLATE_FILE} (the default one, that conversations are rendered with)"
+            )
+        files = {k: v for k, v in files.items() if k in (DEFAULT, TOOL_USE)}
+        return {k: _read_text(v) for k, v in files.items()}, files
     config = folder / TOKENIZER_CONFIG
     if not config.is_file():
         return None
-    template = _read_json(config).get("chat_template")
+    template = read_json(config).get("chat_template")
     if template is None:
         return None
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -106,12 +173,11 @@ def read_chat_template(folder: str | Path) -> tuple[dict[str, str], Path] | None
                 f"{config}: 'chat_template' holds the templates {sorted(map(str, named))} and "
                 "none named 'default' (the one conversations are rendered with)"
             )
-        return {
-            k: v for k, v in named.items() if k in (DEFAULT, TOOL_USE) and isinstance(v, str)
-        }, config
+        named = {k: v for k, v in named.items() if k in (DEFAULT, TOOL_USE) and isinstance(v, str)}
+        return named, dict.fromkeys(named, config)
     if not isinstance(template, str):
         raise ValueError(f"{config}: 'chat_template' must be a str, got {type(template).__name__}")
-    return {DEFAULT: template}, config
+    return {DEFAULT: template}, {DEFAULT: config}
 
 
 def special_tokens(folder: str | Path) -> dict[str, str]:
@@ -122,7 +188,7 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
     tokens: dict[str, str] = {}
     for name in (SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG):  # the latter wins
         if (folder / name).is_file():
-            config = _read_json(folder / name)
+            config = read_json(folder / name)
             for key in SPECIAL_TOKENS:
                 value = config.get(key)
                 value = value.get("content") if isinstance(value, dict) else value
@@ -131,22 +197,30 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
     return tokens
 
 
-def chat_template_stamp(folder: str | Path) -> dict[str, str] | None:
-    """``{"path", "sha256", "inputs"}``: the template's file, a hash of the template
-    text (and of the ``tool_use`` one, where there is one) and the special tokens passed
-    to it, and :data:`TEMPLATE_INPUTS` (what a token cache records: another template, or
-    other inputs, render the conversations otherwise); None where the tokenizer has no
-    template. Reads the files only (no ``jinja2`` needed)."""
+def chat_template_stamp(
+    folder: str | Path, kwargs: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """``{"path", "sha256", "inputs", "kwargs"}``: the template's file, a hash of the
+    template text (and of the ``tool_use`` one, where there is one) and the special
+    tokens passed to it, :data:`TEMPLATE_INPUTS` and the template variables ``kwargs``
+    given to every conversation (what a token cache records: another template, other
+    inputs or other variables render the conversations otherwise); None where the
+    tokenizer has no template. Reads the files only (no ``jinja2`` needed)."""
     found = read_chat_template(folder)
     if found is None:
         return None
-    templates, path = found
+    templates, files = found
     variables = json.dumps(special_tokens(folder), sort_keys=True)
     hashed = f"{templates[DEFAULT]}\0{variables}"
     if TOOL_USE in templates:
         hashed += f"\0{TOOL_USE}\0{templates[TOOL_USE]}"
     digest = hashlib.sha256(hashed.encode()).hexdigest()
-    return {"path": str(path.resolve()), "sha256": digest, "inputs": TEMPLATE_INPUTS}
+    return {
+        "path": str(files[DEFAULT].resolve()),
+        "sha256": digest,
+        "inputs": TEMPLATE_INPUTS,
+        "kwargs": dict(kwargs or {}),
+    }
 
 
 def _compile(template: str, jinja2):
@@ -195,13 +269,17 @@ class ChatTemplate:
     Args:
         folder: the tokenizer directory (of its ``tokenizer.json``).
         where: starts each error message (the data file and the record needing it).
+        kwargs: template variables for every conversation (checked by
+            :func:`template_kwargs`), as transformers' ``apply_chat_template(**kwargs)``
+            passes them; a conversation's own win over them, and both over the special
+            tokens.
 
     Raises:
         ValueError: the tokenizer has no chat template; ``jinja2`` is missing (naming
             the extra that installs it); the template does not compile.
     """
 
-    def __init__(self, folder: str | Path, where: str):
+    def __init__(self, folder: str | Path, where: str, kwargs: dict[str, Any] | None = None):
         folder = Path(folder)
         found = read_chat_template(folder)
         if found is None:
@@ -210,10 +288,13 @@ class ChatTemplate:
                 f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, or write the "
                 "conversations as 'prompt' / 'completion' records"
             )
-        self.templates, self.path = found
+        self.folder = folder
+        self.templates, self.files = found
+        self.path = self.files[DEFAULT]
         self.text = self.templates[DEFAULT]
         self.variables = special_tokens(folder)
-        self.stamp = chat_template_stamp(folder)
+        self.kwargs = dict(kwargs or {})
+        self.stamp = chat_template_stamp(folder, self.kwargs)
         try:
             jinja2 = importlib.import_module("jinja2")
         except ImportError:
@@ -226,7 +307,9 @@ class ChatTemplate:
                 self._compiled[name] = _compile(text, jinja2)
             except jinja2.exceptions.TemplateError as e:
                 named = "the chat template" if name == DEFAULT else f"the {name!r} chat template"
-                raise ValueError(f"{where} {self.path}: {named} does not compile ({e})") from None
+                raise ValueError(
+                    f"{where} {self.files[name]}: {named} does not compile ({e})"
+                ) from None
 
     def _name(self, tools: Sequence[dict[str, Any]] | None) -> str:
         """The named template a conversation is rendered with (``tool_use`` given tools,
@@ -234,49 +317,64 @@ class ChatTemplate:
         return TOOL_USE if tools is not None and TOOL_USE in self._compiled else DEFAULT
 
     def _label(self, tools: Sequence[dict[str, Any]] | None) -> str:
-        """The template in an error message: its file, and its name where not the default."""
+        """The template in an error message: its file (in the tokenizer directory), and
+        its name where that file holds several."""
         name = self._name(tools)
-        return self.path.name + ("" if name == DEFAULT else f", {name!r}")
+        file = self.files[name]
+        named = name != DEFAULT and file.name == TOKENIZER_CONFIG
+        return file.relative_to(self.folder).as_posix() + (f", {name!r}" if named else "")
 
     def render(
         self,
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = False,
         tools: Sequence[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The template's text for ``messages`` (and ``tools``, the functions' JSON
-        schemas, or None); :class:`ChatTemplateError` where the template raises (its
-        message)."""
+        schemas, or None; ``kwargs``, the conversation's template variables);
+        :class:`ChatTemplateError` where the template raises (its message)."""
         try:
             return self._compiled[self._name(tools)].render(
-                **self.variables,
-                messages=list(messages),
+                **{**self.variables, **self.kwargs, **(kwargs or {})},
+                messages=[_with_reasoning_aliases(m) for m in messages],
                 tools=None if tools is None else list(tools),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
         except Exception as e:  # noqa: BLE001 - a template is code: whatever it raises
+            hint = ""
+            if isinstance(e, TypeError) and any(
+                isinstance(m.get("content"), list) for m in messages
+            ):
+                hint = f" ({TAKES_STR})"
             raise ChatTemplateError(
-                f"the chat template ({self._label(tools)}) raised {type(e).__name__}: {e}"
+                f"the chat template ({self._label(tools)}) raised {type(e).__name__}: {e}{hint}"
             ) from None
 
     def assistant_spans(
         self,
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
-        """``(text, spans)``: the conversation's rendering (with ``tools``) and the
-        ``[start, end)`` character span of each assistant turn in it (see the module
-        docstring); no span without an assistant message. :class:`ChatTemplateError`
-        where the template raises or does not render the turns as prefixes."""
-        text = self.render(messages, tools=tools)
+        """``(text, spans)``: the conversation's rendering (with ``tools`` and template
+        variables ``kwargs``) and the ``[start, end)`` character span of each assistant
+        turn in it (see the module docstring); no span without an assistant message.
+        :class:`ChatTemplateError` where the template raises or does not render the
+        turns as prefixes."""
+        text = self.render(messages, tools=tools, kwargs=kwargs)
         label = self._label(tools)
+        if why := _unrendered_parts(messages, text):
+            raise ChatTemplateError(f"the chat template ({label}) {why} ({TAKES_STR})")
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
-            through = self.render(messages[: i + 1], tools=tools)
+            before = self.render(
+                messages[:i], add_generation_prompt=True, tools=tools, kwargs=kwargs
+            )
+            through = self.render(messages[: i + 1], tools=tools, kwargs=kwargs)
             turn = f"assistant turn {len(spans) + 1} (message {i})"
             if not through.startswith(before):
                 raise ChatTemplateError(
@@ -294,6 +392,32 @@ class ChatTemplate:
                 )
             spans.append((len(before), len(through)))
         return text, spans
+
+
+def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with its reasoning (the first of :data:`REASONING` it has) as
+    ``reasoning_content`` and, where it has none, ``thinking``, as transformers 5 gives
+    a template its messages."""
+    reasoning = next((message[k] for k in REASONING if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def _unrendered_parts(messages: Sequence[dict[str, Any]], text: str) -> str | None:
+    """Why ``text``, the rendering of ``messages``, does not render their content lists'
+    text parts (module docstring), or None where it does."""
+    for n, message in enumerate(messages):
+        content = message.get("content")
+        for k, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                continue  # the reader refuses such parts before
+            if str(part) in text:
+                return f"writes message {n}'s content list as Python text ({str(part)[:60]})"
+            words = part["text"].strip()
+            if words not in text and json.dumps(words, ensure_ascii=False)[1:-1] not in text:
+                return f"writes nothing of message {n}'s content part {k} ({words[:60]!r})"
+    return None
 
 
 def assistant_labels(

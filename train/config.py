@@ -24,6 +24,7 @@ import yaml
 import jflash
 from models.attention import ATTENTION_KINDS
 from models.config import REMAT_POLICIES
+from train.chat import parse_template_kwargs
 from train.dataset import PACKINGS
 
 
@@ -59,6 +60,9 @@ class DataArgs:
     tokenizer_name_or_path: str = ""  # tokenizer.json or its directory; empty: the model dir's
     eos_token_id: int | None = None  # between packed documents; None: the tokenizer's / model's
     data_cache_dir: str = ""  # tokenize data files once into token caches here; empty: in memory
+    # Every conversation's, as apply_chat_template(**kwargs) takes them (a JSON object;
+    # a record's own chat_template_kwargs win over them); empty: none
+    chat_template_kwargs: str = ""  # chat template variables (JSON): {"enable_thinking": false}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +231,7 @@ class TrainConfig:
                 "that restart mid-row with attention across documents mean nothing); pass "
                 "--packing_positions running with --mask_documents false"
             )
+        parse_template_kwargs(self.data.chat_template_kwargs, "--chat_template_kwargs")
         if self.model.mlp_tile < -1:
             raise ValueError(f"--mlp_tile={self.model.mlp_tile} must be -1 (auto), 0 (off) or > 0")
         if self.run.save_total_limit is not None and self.run.save_total_limit < 1:

@@ -35,7 +35,7 @@ import numpy as np
 from models.convert import special_token_ids, tokenizer_vocab_size
 from models.loss import IGNORE_INDEX
 from train import data_cache
-from train.chat import CHAT_TEMPLATE_FILE
+from train.chat import CHAT_TEMPLATE_FILE, parse_template_kwargs
 from train.dataset import Rows, load_dataset
 from train.readers import (
     MESSAGES,
@@ -407,6 +407,12 @@ TOKENIZER_HELP = (
     "and 'messages' records (rendered with its directory's chat template)"
 )
 
+# The data commands' --chat-template-kwargs, as the trainer's --chat_template_kwargs.
+TEMPLATE_KWARGS_HELP = (
+    "chat template variables for every 'messages' record, a JSON object (e.g. "
+    "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win over them)"
+)
+
 # The command line's description: the data pipeline, file to batch.
 DESCRIPTION = (
     "Training data: read examples (a table of formats), pack rows, shuffle resumable batches."
@@ -457,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
     inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    inspect.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
     inspect.add_argument(
         "--eos-id",
         type=int,
@@ -480,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cache.add_argument("input", help="a data file or save_to_disk directory (any format)")
     cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
     cache.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    cache.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
     cache.add_argument(
         "--eos-id",
         type=int,
@@ -575,7 +583,12 @@ def _command(args: argparse.Namespace) -> None:
             stream = cache.tokens, cache.targets, cache.offsets
         else:
             eos_id = _eos_flags(args)
-            dataset = load_dataset(args.path, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+            dataset = load_dataset(
+                args.path,
+                tokenizer=args.tokenizer,
+                vocab_size=args.vocab_size,
+                chat_template_kwargs=_template_kwargs(args),
+            )
             summary = dataset.summary(eos_id)
             stream = dataset.packed_stream(eos_id)  # as a cache holds them: EOS included
         for key, value in {**summary, "eos_id": "none" if eos_id is None else eos_id}.items():
@@ -595,6 +608,7 @@ def _command(args: argparse.Namespace) -> None:
             tokenizer=args.tokenizer,
             eos_id=eos_id,
             vocab_size=args.vocab_size,
+            chat_template_kwargs=_template_kwargs(args),
         )
         documents = int(cache.meta["num_documents"])  # not summary(): it reads labels.bin
         print(
@@ -647,6 +661,11 @@ def _eos_flags(args: argparse.Namespace) -> int | None:
     if args.eos_id is None and not args.no_eos and args.tokenizer is not None:
         return tokenizer_eos_id(args.tokenizer)
     return args.eos_id
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--chat-template-kwargs`` as a dict (:func:`train.chat.parse_template_kwargs`)."""
+    return parse_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ A cache is a directory:
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
   tokenizer file's sha256 where records were tokenized; the chat template's file, a
   sha256 of its text (and its ``tool_use`` template's) and the special tokens it was
-  given, and the inputs the reader gives it (``train.chat.TEMPLATE_INPUTS``) where
-  conversations were rendered), ``eos_id`` and counts.
+  given, the inputs the reader gives it (``train.chat.TEMPLATE_INPUTS``) and the
+  template variables given to every conversation (``chat_template_kwargs``; a record's
+  own are in the source) where conversations were rendered), ``eos_id`` and counts.
 
 It is written under a temporary name beside ``cache_dir`` and renamed into place when
 complete: a failed build leaves nothing under the final name, and a stale cache it
@@ -182,11 +183,13 @@ class TokenCache:
         *,
         tokenizer: str | Path | None = None,
         eos_id: int | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[str]:
         """Why this cache is not what ``source`` (default: the recorded source, where it
         still exists), ``tokenizer`` (compared where both tokenized text; its chat
-        template where the cache's conversations were rendered with one) and ``eos_id``
-        would build; empty when it is."""
+        template where the cache's conversations were rendered with one),
+        ``chat_template_kwargs`` (where they were) and ``eos_id`` would build; empty
+        when it is."""
         reasons = []
         if eos_id != self.eos_id:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
@@ -215,6 +218,12 @@ class TokenCache:
                     f"its conversations' template was given {chat.get('inputs', 'messages')}, "
                     f"this jflash gives it {now['inputs']}"
                 )
+        kwargs = dict(chat_template_kwargs or {})
+        if chat is not None and chat.get("kwargs", {}) != kwargs:
+            reasons.append(
+                f"its conversations were rendered with chat_template_kwargs "
+                f"{json.dumps(chat.get('kwargs', {}))}, not {json.dumps(kwargs)}"
+            )
         return reasons
 
     def prompted(self) -> np.ndarray:
@@ -430,10 +439,13 @@ def build_cache(
     tokenizer: str | Path | None = None,
     eos_id: int | None = None,
     vocab_size: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> TokenCache:
     """Tokenizes ``source`` (any format of :data:`train.readers.READERS`) into a cache at
     ``cache_dir``, one record at a time, written under a temporary name and renamed into
-    place when complete (replacing an older cache there only then).
+    place when complete (replacing an older cache there only then);
+    ``chat_template_kwargs``: template variables for every conversation, as
+    :func:`train.dataset.load_dataset` takes them.
 
     Raises:
         ValueError: as :func:`train.dataset.load_dataset` for bad data (nothing is left
@@ -453,7 +465,7 @@ def build_cache(
     tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        parser = RecordParser(source, tokenizer)
+        parser = RecordParser(source, tokenizer, chat_template_kwargs)
         word = "line" if READERS[data_format(source)].by_line else "record"
         writer = _Writer(tmp)
         try:
@@ -531,17 +543,23 @@ def ensure_cache(
     tokenizer: str | Path | None = None,
     eos_id: int | None = None,
     vocab_size: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[TokenCache, bool]:
     """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
-    ``tokenizer`` and ``eos_id`` (see :meth:`TokenCache.mismatch`), else a new one built
-    there (replacing the stale one)."""
+    ``tokenizer``, ``eos_id`` and ``chat_template_kwargs`` (see
+    :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one)."""
     source = Path(source)
     if not source.exists():
         raise ValueError(f"{source}: no such data file")
     if is_cache(cache_dir):
         try:
             cache = open_cache(cache_dir)
-            stale = cache.mismatch(source, tokenizer=tokenizer, eos_id=eos_id)
+            stale = cache.mismatch(
+                source,
+                tokenizer=tokenizer,
+                eos_id=eos_id,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
         if not stale:
@@ -550,7 +568,12 @@ def ensure_cache(
             return cache, False
         print(f"token cache {cache_dir} is stale ({'; '.join(stale)}): rebuilding", flush=True)
     cache = build_cache(
-        source, cache_dir, tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size
+        source,
+        cache_dir,
+        tokenizer=tokenizer,
+        eos_id=eos_id,
+        vocab_size=vocab_size,
+        chat_template_kwargs=chat_template_kwargs,
     )
     return cache, True
 
@@ -583,9 +606,11 @@ def packed_rows(
     cache_root: str | Path | None = None,
     pad_last: bool = False,
     packing: str = "stream",
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Rows | CachedRows:
     """The trainer's rows of ``path``: a token cache directory (checked against
-    ``eos_id``, ``tokenizer`` and its recorded source), a data file cached under
+    ``eos_id``, ``tokenizer``, ``chat_template_kwargs`` and its recorded source), a
+    data file cached under
     ``cache_root`` (built on first use, rebuilt when stale), or without ``cache_root``
     a data file loaded into memory. ``pad_last``: the tail that does not fill a row
     makes a last row, filled up (evaluation), instead of being dropped. ``packing``:
@@ -593,11 +618,15 @@ def packed_rows(
     the rows' tokens are padding."""
     if is_cache(path):
         cache = open_cache(path, vocab_size=vocab_size)
-        stale = cache.mismatch(tokenizer=tokenizer, eos_id=eos_id)
+        stale = cache.mismatch(
+            tokenizer=tokenizer, eos_id=eos_id, chat_template_kwargs=chat_template_kwargs
+        )
         if stale:
             flags = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
             if tokenizer is not None and cache.meta["tokenizer"] is not None:
                 flags += f" --tokenizer {tokenizer}"  # its text is this run's tokenizer's
+            if chat_template_kwargs and cache.meta.get("chat_template") is not None:
+                flags += f" --chat-template-kwargs {shlex.quote(json.dumps(chat_template_kwargs))}"
             raise ValueError(
                 f"{path}: the token cache does not match this run ({'; '.join(stale)}); "
                 "rebuild it: python -m train.data cache "
@@ -611,14 +640,21 @@ def packed_rows(
             raise ValueError(f"--data_cache_dir={str(cache_root)!r}: {blocked} is not a directory")
         location = cache_location(path, cache_root)
         cache, built = ensure_cache(
-            path, location, tokenizer=tokenizer, eos_id=eos_id, vocab_size=vocab_size
+            path,
+            location,
+            tokenizer=tokenizer,
+            eos_id=eos_id,
+            vocab_size=vocab_size,
+            chat_template_kwargs=chat_template_kwargs,
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
         _note_cut_prompts(path, seq_len, cache)
         _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
-    dataset = load_dataset(path, tokenizer=tokenizer, vocab_size=vocab_size)
+    dataset = load_dataset(
+        path, tokenizer=tokenizer, vocab_size=vocab_size, chat_template_kwargs=chat_template_kwargs
+    )
     lengths = dataset.stream_lengths(eos_id)
     _note_cut_prompts(path, seq_len, dataset)
     _note_stream_cuts(path, seq_len, packing, dataset, lengths)

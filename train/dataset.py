@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -344,7 +344,11 @@ def _place_whole(
 
 
 def load_dataset(
-    path: str | Path, *, tokenizer: str | Path | None = None, vocab_size: int | None = None
+    path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    vocab_size: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> TokenDataset:
     """Loads a dataset of any format in :data:`train.readers.READERS` into memory.
 
@@ -352,6 +356,8 @@ def load_dataset(
         path: the data file (or ``save_to_disk`` directory).
         tokenizer: ``tokenizer.json`` or a directory holding it, needed for ``"text"``.
         vocab_size: if given, every token id and label must be below it.
+        chat_template_kwargs: chat template variables for every conversation
+            (:class:`train.chat.ChatTemplate`), under a record's own.
 
     Raises:
         ValueError: malformed data, naming the file and record index; an empty dataset;
@@ -359,7 +365,7 @@ def load_dataset(
     """
     path = Path(path)
     reader = READERS[data_format(path)]
-    parser = RecordParser(path, tokenizer)
+    parser = RecordParser(path, tokenizer, chat_template_kwargs)
     examples = list(read_examples(path, parser))
     if not examples:
         raise ValueError(f"{path}: the dataset has no examples")

@@ -27,7 +27,7 @@ import jax
 import yaml
 from jax.experimental import multihost_utils
 
-from models.convert import TOKENIZER_FILES
+from models.convert import tokenizer_files as folder_tokenizer_files
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.tensorboard import truncate_events
@@ -403,16 +403,19 @@ def copy_tokenizer(source: str, hf_dir: str) -> None:
         shutil.copy2(source, os.path.join(hf_dir, "tokenizer.json"))
         return
     for name in tokenizer_files(source):
+        os.makedirs(os.path.dirname(os.path.join(hf_dir, name)), exist_ok=True)
         shutil.copy2(os.path.join(source, name), os.path.join(hf_dir, name))
 
 
 def tokenizer_files(source: str) -> list[str]:
-    """The names of the files `copy_tokenizer` writes from `source`."""
+    """The paths (relative to `hf_dir`) of the files `copy_tokenizer` writes from
+    `source`: a directory's `models.convert.TOKENIZER_FILES`, the named chat templates
+    in its `additional_chat_templates/` included."""
     if os.path.isfile(source):
         return ["tokenizer.json"]
     if not os.path.isdir(source):
         return []
-    return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
+    return folder_tokenizer_files(source)
 
 
 # Flags a demo (`make demo`, `make demo-text`) sets itself; the others pass through.

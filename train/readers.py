@@ -11,9 +11,9 @@ Formats (chosen by extension, one entry each in :data:`READERS`):
 - ``.npy``: an integer array ``[N, L]`` (N examples) or ``[L]`` (one token stream),
   memory-mapped while it is read.
 - ``.parquet``: a column ``input_ids`` (optional ``labels``), ``text``, columns
-  ``prompt`` and ``completion``, or a column ``messages`` (a list of structs; with an
-  optional column ``tools``) (``pyarrow``, from the ``hf`` extra), read a batch of rows
-  at a time.
+  ``prompt`` and ``completion``, or a column ``messages`` (a list of structs; with
+  optional columns ``tools`` and ``chat_template_kwargs``, also beside ``prompt`` and
+  ``completion``) (``pyarrow``, from the ``hf`` extra), read a batch of rows at a time.
 - a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
   ``save_to_disk``), with the same columns (the ``hf`` extra).
 
@@ -35,20 +35,26 @@ this order (other keys are ignored):
   completion that space itself (``"Paris"``). A record whose completion tokenizes to
   nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
   the log says how many. Both lists of messages (TRL's conversational prompt-completion
-  form): the conversation ``prompt + completion`` (and ``"tools"``), read as
+  form): the conversation ``prompt + completion`` (with the record's ``"tools"`` and
+  ``"chat_template_kwargs"``), read as
   ``"messages"`` are, learning the completion's assistant turns only.
 - ``"messages"`` (HF TRL's conversational format: a list of ``{"role": str, "content":
   ...}`` dicts, with an optional record-level ``"tools"``): supervised fine-tuning on
   the assistant turns. Keys whose value is None are dropped at every depth (a table's
   missing struct fields; TRL's SFTTrainer drops them so), and each message is passed
   to the template with all its keys. A message's ``content`` is a str, or a list of
-  parts ``{"type": "text", "text": str}`` joined into one str (only text is trained: a
-  part of another type, e.g. ``"image"``, is refused); an assistant message with
+  parts ``{"type": "text", "text": str}``, passed as it is (as transformers passes it:
+  a template that iterates the parts renders them; one that takes a str only is refused,
+  :mod:`train.chat`; only text is trained: a part of another type, e.g. ``"image"``,
+  is refused); an assistant message with
   ``"tool_calls"`` (a list of ``{"type": "function", "function": {"name": str,
   "arguments": dict or JSON str}}``, or of the function dicts themselves) may have no
   content; a tool's result is a ``{"role": "tool", "content": ..., "name" or
   "tool_call_id": ...}`` message. ``"tools"`` (a list of the functions' JSON schemas)
-  goes to the template as its ``tools``, as TRL passes a dataset's ``tools`` column.
+  goes to the template as its ``tools``, as TRL passes a dataset's ``tools`` column,
+  and ``"chat_template_kwargs"`` (a dict, e.g. ``{"enable_thinking": false}``) as
+  extra template variables, as TRL passes them to ``apply_chat_template``, over the
+  trainer's ``--chat_template_kwargs``.
   The conversation is rendered with the tokenizer's chat template (:mod:`train.chat`)
   and the text tokenized whole, without adding special tokens (the template writes the
   BOS), as transformers' ``apply_chat_template(tokenize=True)`` does, so the ids are
@@ -86,7 +92,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.loss import IGNORE_INDEX
-from train.chat import ASSISTANT, ChatTemplate, ChatTemplateError, assistant_labels
+from train.chat import (
+    ASSISTANT,
+    ChatTemplate,
+    ChatTemplateError,
+    assistant_labels,
+    template_kwargs,
+)
 
 _MAX_ID = np.iinfo(np.int32).max
 
@@ -225,15 +237,17 @@ def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
 
 def _columns(path: Path, names: Sequence[str]) -> list[str]:
     """The columns a table's records are read from, the first a table has of:
-    ``input_ids`` (+ ``labels``), ``text``, ``prompt`` and ``completion``, ``messages``."""
+    ``input_ids`` (+ ``labels``), ``text``, ``prompt`` and ``completion``, ``messages``
+    (the last two with :data:`CONVERSATION_COLUMNS`, where the table has them)."""
     if "input_ids" in names:
         return ["input_ids"] + (["labels"] if "labels" in names else [])
     if "text" in names:
         return ["text"]
+    extra = [name for name in CONVERSATION_COLUMNS if name in names]
     if "prompt" in names and "completion" in names:
-        return list(PROMPT_COMPLETION)
+        return [*PROMPT_COMPLETION, *extra]
     if MESSAGES in names:
-        return [MESSAGES] + ([TOOLS] if TOOLS in names else [])
+        return [MESSAGES, *extra]
     raise ValueError(
         f"{path}: expected a column 'input_ids', 'text' or 'messages', or columns 'prompt' "
         f"and 'completion', got {list(names)}"
@@ -291,6 +305,9 @@ def _read_saved_dataset(path: Path) -> Iterator[tuple[int, Any]]:
 PROMPT_COMPLETION = ("prompt", "completion")  # a record's fields for prompt-masked training
 MESSAGES = "messages"  # a conversational record's field (its assistant turns are learned)
 TOOLS = "tools"  # a conversational record's functions (JSON schemas), passed to the template
+CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"  # a conversational record's template variables
+# A table's columns read beside a conversation's (prompt and completion, or messages).
+CONVERSATION_COLUMNS = (TOOLS, CHAT_TEMPLATE_KWARGS)
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
@@ -363,20 +380,17 @@ def _without_none(value: Any) -> Any:
     return value
 
 
-def _content_text(field: str, content: Any) -> str:
-    """A message's ``content``: a str, or a list of text parts ``{"type": "text",
-    "text": str}`` joined into one str (what a template that iterates the parts writes
-    for them; one that does not would write the list's Python repr). ValueError naming
-    the part for a malformed one or one of another type (an image: only text is
-    trained)."""
+def _check_content(field: str, content: Any) -> None:
+    """ValueError naming the field, or the part, unless a message's ``content`` is a str
+    or a list of text parts ``{"type": "text", "text": str}`` (a part of another type,
+    e.g. an image, is refused: only text is trained)."""
     if isinstance(content, str):
-        return content
+        return
     if not isinstance(content, list):
         raise ValueError(
             f"{field}: 'content' must be a str or a list of {{'type': 'text', 'text': str}} "
             f"parts, got {type(content).__name__}"
         )
-    texts = []
     for k, part in enumerate(content):
         where = f"{field}: 'content'[{k}]"
         if not isinstance(part, dict):
@@ -397,8 +411,6 @@ def _content_text(field: str, content: Any) -> str:
         if not isinstance(part.get("text"), str):
             got = type(part["text"]).__name__ if "text" in part else "none"
             raise ValueError(f"{where}: a text part's 'text' must be a str, got {got}")
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 def _check_tool_calls(field: str, calls: Any) -> None:
@@ -441,15 +453,33 @@ def _conversation_field(learned_from: int) -> str:
     return f"'{MESSAGES}'" if not learned_from else "'prompt' and 'completion' messages"
 
 
+class Chat(NamedTuple):
+    """A conversation to render: record ``index``'s ``messages``, ``tools`` and template
+    variables ``kwargs`` (each None where it has none), its assistant turns learned from
+    message ``learned_from`` on."""
+
+    index: int
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any] | None
+    learned_from: int
+
+
 class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
     ``tokenizer.json`` or its directory, loaded at the first record that needs it
     (``"text"``, ``"prompt"`` and ``"completion"``, or ``"messages"``, which also load
     its directory's chat template)."""
 
-    def __init__(self, path: Path, tokenizer: str | Path | None):
+    def __init__(
+        self,
+        path: Path,
+        tokenizer: str | Path | None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
         self.path = path
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # for every conversation
         self._tokenizer = None
         self.chat_template = None  # train.chat.ChatTemplate, at the first "messages" record
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
@@ -497,8 +527,7 @@ class RecordParser:
         render."""
         texts: list[tuple[int, str]] = []
         pairs: list[tuple[int, str, str]] = []
-        # (record, messages, tools, the first message whose assistant turns are learned)
-        chats: list[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None, int]] = []
+        chats: list[Chat] = []
         for i, record in enumerate(records):
             kind = record_kind(record) if isinstance(record, dict) else None
             if kind == "text":
@@ -509,8 +538,7 @@ class RecordParser:
                 prompt, completion = (
                     self._messages(wheres[i], record[key], key) for key in PROMPT_COMPLETION
                 )
-                tools = self._tools(wheres[i], record.get(TOOLS))
-                chats.append((i, prompt + completion, tools, len(prompt)))
+                chats.append(self._chat(wheres[i], i, record, prompt + completion, len(prompt)))
             elif kind == "prompt":
                 prompt, completion = (
                     self._string(wheres[i], record, key) for key in PROMPT_COMPLETION
@@ -518,7 +546,7 @@ class RecordParser:
                 pairs.append((i, prompt, completion))
             elif kind == MESSAGES:
                 messages = self._messages(wheres[i], record[MESSAGES])
-                chats.append((i, messages, self._tools(wheres[i], record.get(TOOLS)), 0))
+                chats.append(self._chat(wheres[i], i, record, messages, 0))
         out: list[Tokens | None] = [None] * len(records)
         if not texts and not pairs and not chats:
             return out
@@ -527,7 +555,7 @@ class RecordParser:
             for found, name in (
                 (texts, "'text'"),
                 (pairs, "'prompt' and 'completion'"),
-                (chats, _conversation_field(chats[0][3]) if chats else ""),
+                (chats, _conversation_field(chats[0].learned_from) if chats else ""),
             )
             if found
         )
@@ -560,7 +588,7 @@ class RecordParser:
     def _tokenize_chats(
         self,
         wheres: Sequence[str],
-        chats: Sequence[tuple[int, list[dict[str, Any]], list[dict[str, Any]] | None, int]],
+        chats: Sequence[Chat],
         tokenizer,
         out: list[Tokens | None],
     ) -> None:
@@ -568,11 +596,12 @@ class RecordParser:
         one ``encode_batch`` call (no special tokens added: the template wrote them),
         labelling the tokens of the assistant turns (:func:`train.chat.assistant_labels`)."""
         if self.chat_template is None:
-            field = _conversation_field(chats[0][3])
-            where = f"{self.path}: {wheres[chats[0][0]]}: has {field} but"
-            self.chat_template = ChatTemplate(tokenizer_file(self.tokenizer).parent, where)
+            field = _conversation_field(chats[0].learned_from)
+            where = f"{self.path}: {wheres[chats[0].index]}: has {field} but"
+            folder = tokenizer_file(self.tokenizer).parent
+            self.chat_template = ChatTemplate(folder, where, self.chat_template_kwargs)
         rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
-        for i, messages, tools, learned_from in chats:
+        for i, messages, tools, kwargs, learned_from in chats:
             turns = [j for j, m in enumerate(messages) if m["role"] == ASSISTANT]
             if not any(j >= learned_from for j in turns):
                 self.empty_conversations += 1
@@ -580,7 +609,7 @@ class RecordParser:
                 continue
             field = _conversation_field(learned_from)
             try:
-                text, spans = self.chat_template.assistant_spans(messages, tools)
+                text, spans = self.chat_template.assistant_spans(messages, tools, kwargs)
             except ChatTemplateError as e:
                 raise ValueError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
             spans = [span for j, span in zip(turns, spans, strict=True) if j >= learned_from]
@@ -598,8 +627,8 @@ class RecordParser:
 
     def _messages(self, where: str, value: Any, key: str = MESSAGES) -> list[dict[str, Any]]:
         """A conversation's messages (the record's ``key``) as the template gets them:
-        each a dict with a str ``role``; a ``content`` str or list of text parts (joined
-        into one str), which only a message with ``tool_calls`` may lack; ``tool_calls`` a
+        each a dict with a str ``role``; a ``content`` str or list of text parts, which
+        only a message with ``tool_calls`` may lack; ``tool_calls`` a
         list of function calls; keys whose value is None dropped at every depth (module
         docstring), the others passed as they are. ValueError naming the record, the
         message and the field."""
@@ -625,7 +654,7 @@ class RecordParser:
             if "tool_calls" in message:
                 _check_tool_calls(field, message["tool_calls"])
             if "content" in message:
-                message["content"] = _content_text(field, message["content"])
+                _check_content(field, message["content"])
             elif "tool_calls" not in message:
                 raise ValueError(
                     f"{field} has no 'content' (each message needs a str or a list of text "
@@ -633,6 +662,23 @@ class RecordParser:
                 )
             messages.append(message)
         return messages
+
+    def _chat(
+        self,
+        where: str,
+        index: int,
+        record: dict,
+        messages: list[dict[str, Any]],
+        learned_from: int,
+    ) -> Chat:
+        """Record ``index``'s conversation: its ``messages``, and its ``tools`` and
+        ``chat_template_kwargs`` (keys whose value is None dropped at every depth);
+        ValueError naming the record and the field where they are malformed."""
+        tools = self._tools(where, record.get(TOOLS))
+        kwargs = _without_none(record.get(CHAT_TEMPLATE_KWARGS))
+        if kwargs is not None:
+            kwargs = template_kwargs(kwargs, f"{self.path}: {where}: {CHAT_TEMPLATE_KWARGS!r}")
+        return Chat(index, messages, tools, kwargs, learned_from)
 
     def _tools(self, where: str, value: Any) -> list[dict[str, Any]] | None:
         """A conversation's ``tools`` (None where it has none): a list of dicts, the

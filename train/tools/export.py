@@ -24,7 +24,7 @@ import numpy as np
 
 import models
 from models.config import DTYPES
-from models.convert import replace_refusal, replaced_files, shard_bytes
+from models.convert import TOKENIZER_FILES, replace_refusal, replaced_files, shard_bytes
 from train import outputs
 from train.build import export_config, model_config
 from train.checkpoint import Checkpoints, other_params
@@ -65,7 +65,7 @@ def build_parser() -> OneLineParser:
 # The files an export writes into `--out` or, with `--overwrite`, removes there: the
 # config, and every tokenizer file (the run's are copied in, another model's dropped);
 # the weight files are `replaced_files`'s.
-WRITTEN = ("config.json", *outputs.TOKENIZER_FILES)
+WRITTEN = ("config.json", *TOKENIZER_FILES)
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -173,10 +173,12 @@ def export(
     tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
     outputs.copy_tokenizer(tokenizer, out)
     copied = outputs.tokenizer_files(tokenizer)
-    for name in outputs.TOKENIZER_FILES:  # another model's, where --overwrite replaced it
-        path = os.path.join(out, name)
-        if name not in copied and os.path.isfile(path):
-            os.remove(path)
+    for name in outputs.tokenizer_files(out):  # another model's, where --overwrite replaced it
+        if name not in copied:
+            os.remove(os.path.join(out, name))
+            folder = os.path.dirname(name)  # additional_chat_templates/, once emptied
+            if folder and not os.listdir(os.path.join(out, folder)):
+                os.rmdir(os.path.join(out, folder))
     return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
 
 
