@@ -9,7 +9,7 @@ import threading
 
 from train import outputs
 from train.config import parse_args
-from train.errors import Preempted
+from train.errors import Preempted, signal_status
 from train.loop import TrainingError, run
 from train.words import plural
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(128 + signal.SIGTERM if terminated else 130)
+        os._exit(signal_status(signal.SIGTERM if terminated else signal.SIGINT))
     finally:
         if own and previous is not None:  # None: a handler set outside Python
             signal.signal(signal.SIGTERM, previous)

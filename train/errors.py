@@ -1,8 +1,15 @@
-"""The trainer's user-facing error, and the stop a preemption makes."""
+"""The trainer's user-facing error, the stop a preemption makes, and the exit status a
+signal's stop ends with."""
 
 
 class TrainingError(RuntimeError):
     """A failure the user can act on (the message says what to change)."""
+
+
+def signal_status(signum: int) -> int:
+    """The exit status of a run that signal `signum` stopped, as a shell reports one the
+    signal killed: 128 + its number (130 for Ctrl-C's SIGINT, 143 for SIGTERM)."""
+    return 128 + signum
 
 
 class Preempted(KeyboardInterrupt):

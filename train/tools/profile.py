@@ -58,6 +58,7 @@ import time
 
 from models.config import REMAT_POLICIES
 from models.presets import PRESETS, preset
+from train.errors import signal_status
 from train.oom import is_oom
 from train.tools.files import write_json
 
@@ -603,7 +604,7 @@ def _on_signal(signum, frame):
 
 
 # What ends the tool as Ctrl-C does (a terminal closed sends SIGHUP), by the line it
-# ends with; the exit status is 128 + the signal's number.
+# ends with; the exit status is the signal's (`train.errors.signal_status`).
 STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
 
 
@@ -1379,7 +1380,7 @@ def main(argv: list[str] | None = None) -> None:
             _profile(parser, args, argv)
     except KeyboardInterrupt as e:
         report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
-        status = 128 + e.signum if isinstance(e, Terminated) else 130
+        status = signal_status(e.signum if isinstance(e, Terminated) else signal.SIGINT)
         try:
             print(stop_line(e, report_path), file=sys.stderr, flush=True)
             sys.stdout.flush()
