@@ -23,11 +23,14 @@ class Preempted(KeyboardInterrupt):
         super().__init__(step)
         self.step, self.directory, self.saved, self.why = step, directory, saved, why
 
-    def line(self, resume: str = "--resume_from_checkpoint latest") -> str:
-        """The one line a run stopped so ends with (`resume`: how to continue it)."""
+    def line(self, resume: str = "--resume_from_checkpoint latest", last: str = "") -> str:
+        """The one line a run stopped so ends with (`resume`: how to continue it). `last`:
+        where a run that saved nothing has its last checkpoint (`no checkpoint was
+        written to ...`), said after a colon."""
         if self.saved:
             return (
                 f"SIGTERM: saved a checkpoint at step {self.step} in {self.directory}; "
                 f"resume with {resume}"
             )
-        return f"terminated (SIGTERM) after step {self.step}, nothing saved ({self.why})"
+        line = f"terminated (SIGTERM) after step {self.step}, nothing saved ({self.why})"
+        return f"{line}: {last}" if last else line
