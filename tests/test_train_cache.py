@@ -844,6 +844,33 @@ def test_cli_inspect_shows_the_tokens_the_loss_learns(bpe, tmp_path, capsys):
     assert capsys.readouterr() == ("", "error: --show -1: give a number of examples, 0 or more\n")
 
 
+def test_cli_inspect_reads_a_data_files_stream_once(tmp_path, monkeypatch, capsys):
+    """`inspect --show N` of a data file builds its packed stream once, for the counts
+    and the examples both, and counts as `TokenDataset.summary` does."""
+    from train.dataset import TokenDataset
+
+    path = tmp_path / "ids.jsonl"
+    records = [{"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]}, {"input_ids": [9, 3]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = []
+    stream = TokenDataset._stream
+    monkeypatch.setattr(
+        TokenDataset, "_stream", lambda self, eos_id: built.append(eos_id) or stream(self, eos_id)
+    )
+    data_lib.main(["inspect", str(path), "--eos-id", "3", "--show", "2"])
+    assert built == [3]
+    summary = load_dataset(path).summary(3)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[: len(summary)] == [f"{k}: {v}" for k, v in summary.items()]
+    assert printed[len(summary) :] == [
+        "eos_id: 3",
+        "--- example 0: 5 tokens, 3 learned (in [[ ]])",
+        "5 6 [[7 8 3]]",
+        "--- example 1: 2 tokens, 1 learned (in [[ ]])",
+        "9 [[3]]",
+    ]
+
+
 def test_cli_tokenizer_with_special_tokens_and_a_chat_template(bpe, tmp_path):
     """`train.data tokenizer --special-tokens ... --chat-template FILE`: the tokens get
     ids 1, 2, ... and are never split, the template lands as chat_template.jinja, and

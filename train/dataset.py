@@ -218,17 +218,7 @@ class TokenDataset:
         predicts), min/max example length, max token id; with ``eos_id``, each example's
         EOS as packing appends it (labelled as :meth:`rows` labels it), as a token cache
         counts them."""
-        tokens, targets, docs = self._stream(eos_id)
-        lengths = np.bincount(docs, minlength=self.num_examples)
-        first = np.concatenate([[True], docs[1:] != docs[:-1]])
-        return {
-            "examples": self.num_examples,
-            "tokens": len(tokens),
-            "labelled_tokens": int(np.count_nonzero((targets != IGNORE_INDEX) & ~first)),
-            "min_length": int(lengths.min()),
-            "max_length": int(lengths.max()),
-            "max_id": int(tokens.max()),
-        }
+        return stream_summary(*self.packed_stream(eos_id))
 
     def rows(
         self,
@@ -320,6 +310,24 @@ class TokenDataset:
             np.insert(self.targets, ends, eos_targets.astype(np.int32)),
             np.insert(docs, ends, which),
         )
+
+
+def stream_summary(tokens: np.ndarray, targets: np.ndarray, offsets: np.ndarray) -> dict[str, int]:
+    """:meth:`TokenDataset.summary`'s counts of the stream ``(tokens, targets, offsets)``
+    of :meth:`TokenDataset.packed_stream`: for a caller that reads the stream too (one
+    pass over the examples)."""
+    lengths = np.diff(offsets)
+    # Each example's first token is no target (nothing before it in its example).
+    firsts = targets[offsets[:-1][lengths > 0]]
+    labelled = np.count_nonzero(targets != IGNORE_INDEX) - np.count_nonzero(firsts != IGNORE_INDEX)
+    return {
+        "examples": len(lengths),
+        "tokens": len(tokens),
+        "labelled_tokens": int(labelled),
+        "min_length": int(lengths.min()),
+        "max_length": int(lengths.max()),
+        "max_id": int(tokens.max()),
+    }
 
 
 def _place_whole(
