@@ -133,6 +133,14 @@ def test_cache_rows_equal_in_memory_with_whole_packing(
         assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
         _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
         assert cached.packed == memory.packed == bool(memory.segment_ids.any())
+        _, padding = dataset.rows_and_padding(
+            seq_len,
+            eos_id=eos_id,
+            mask_boundaries=mask_boundaries,
+            pad_last=pad_last,
+            packing="whole",
+        )
+        assert padding == cached.padding
         stream = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last)
         if seq_len > 1:  # some example of 1-40 tokens does not fit the rest of a row
             assert memory.num_rows > stream.num_rows and cached.padding > 0
@@ -140,6 +148,28 @@ def test_cache_rows_equal_in_memory_with_whole_packing(
     b = Batches(cache.rows(16, packing="whole"), 4, seed=3, num_epochs=2)
     for x, y in zip(a, b, strict=True):
         _assert_rows_equal(x, y)
+
+
+def test_packing_whole_in_memory_lays_the_examples_out_once(tmp_path, monkeypatch, capsys):
+    """`packed_rows` of a data file loaded into memory with `packing="whole"` runs
+    `whole_layout` (a loop over the examples) once, for the rows and the padding it
+    says alike."""
+    from train import dataset as dataset_lib
+
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    layouts = []
+    layout = dataset_lib.whole_layout
+
+    def counted(lengths, seq_len):
+        layouts.append(seq_len)
+        return layout(lengths, seq_len)
+
+    monkeypatch.setattr(dataset_lib, "whole_layout", counted)
+    monkeypatch.setattr(data_cache, "whole_layout", counted)
+    rows = data_cache.packed_rows(source, 16, eos_id=0, packing="whole")
+    assert layouts == [16]
+    _, padding = load_dataset(source).rows_and_padding(16, eos_id=0, packing="whole")
+    assert f"{padding:,} of the rows' {rows.num_rows * 16:,} tokens" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("eval", [False, True])
