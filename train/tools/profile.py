@@ -76,9 +76,6 @@ ROW_FACTS = ("steps", "layers_override", "xla_cost", "ring_strategy", "xla_flags
 # ring, whose bytes and GB/s the report measures (the trainer's `auto` picks Ulysses on
 # one host where the mesh's seq divides the heads).
 RING_STRATEGY = "ring"
-# The strategies that pass no K/V blocks between the devices on `seq` (no ring GB/s),
-# and how each splits attention instead; `ring` and `hybrid` (on `seq`) pass them.
-NO_KV_RING = {"ulysses": "an all-to-all over the heads", "allgather": "an all-gather of K/V"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,10 +379,12 @@ def ring_unmeasured(
     """Why a row run with `--ring_strategy strategy` over `seq` devices on the `seq`
     axis has no ring GB/s, in one line, or None where its traced steps' collective-permutes
     (`permute_ms`, `permute_bytes`) measure the K/V ring."""
+    from train.tools.report import NO_KV_RING, STRATEGY_TEXT
+
     if strategy in NO_KV_RING:
         return (
             f"`--ring_strategy {strategy}` passes no K/V blocks between the devices on "
-            f"`seq` (it splits attention by {NO_KV_RING[strategy]}): no ring transfers"
+            f"`seq` (it splits attention by {STRATEGY_TEXT[strategy]}): no ring transfers"
         )
     if permute_ms > 0 and permute_bytes is None:
         return "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
