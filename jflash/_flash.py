@@ -109,7 +109,8 @@ def flash_attention(
         no key: `-inf`, output 0). Its cotangent flows through the VJP.
       q_offset, k_offset: static global positions of the first query / key (Python
         ints >= 0, every position of the block below 2**31), so a caller can compute
-        one block of a larger causal problem (ring attention).
+        one block of a larger causal problem (ring attention). They only shift the
+        causal mask: with `causal=False` an offset other than 0 is refused.
       block_sizes: tile shapes (`jflash.BlockSizes`); default from
         `default_block_sizes`.
       implementation: `"pallas_triton" | "pallas_mosaic" | "xla" | None` (None: the
@@ -132,8 +133,9 @@ def flash_attention(
         # One array for queries and keys: documents labelled in any order (padding
         # labelled 0 at a row's end too) take the sorted ids' kernels.
         segs = (first_positions(segs[0]),) * 2
+    causal = check_causal(causal)
     static = _Static(
-        mask=Mask(check_causal(causal), *check_offsets(q_offset, k_offset, shapes)),
+        mask=Mask(causal, *check_offsets(q_offset, k_offset, shapes, causal)),
         scale=default_scale(shapes.head_dim, scale),
         kernel=resolve(
             implementation,

@@ -50,8 +50,9 @@ def attention_reference(
     shapes = check_qkv(q, k, v)
     segs = check_segment_ids(segment_ids, shapes)
     scale = default_scale(shapes.head_dim, scale)
-    offsets = check_offsets(q_offset, k_offset, shapes)
-    mask = Mask(check_causal(causal), *offsets).dense(shapes.q_len, shapes.kv_len, segs)
+    causal = check_causal(causal)
+    offsets = check_offsets(q_offset, k_offset, shapes, causal)
+    mask = Mask(causal, *offsets).dense(shapes.q_len, shapes.kv_len, segs)
     qg = _grouped(q.astype(jnp.float32), shapes.kv_heads)
     s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32), precision=_HIGHEST) * scale
     s = jnp.where(mask[:, None, None], s, -jnp.inf)

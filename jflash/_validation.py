@@ -72,10 +72,11 @@ def check_qkv(q, k, v) -> Shapes:
     return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
 
 
-def check_offsets(q_offset, k_offset, shapes: Shapes) -> tuple[int, int]:
+def check_offsets(q_offset, k_offset, shapes: Shapes, causal: bool) -> tuple[int, int]:
     """`(q_offset, k_offset)` as Python ints: the global positions of the first query
     and key, static, >= 0, and every position of the block within int32 (past it the
-    kernels' positions would wrap and the mask come out wrong)."""
+    kernels' positions would wrap and the mask come out wrong); 0 unless `causal` (they
+    only shift the causal mask: without it one would change nothing)."""
     checked = []
     for name, value, length in (
         ("q_offset", q_offset, shapes.q_len),
@@ -91,6 +92,12 @@ def check_offsets(q_offset, k_offset, shapes: Shapes) -> tuple[int, int]:
                 "(positions are int32)"
             )
         checked.append(int(value))
+    for name, value in zip(("q_offset", "k_offset"), checked, strict=True):
+        if value and not causal:
+            raise ValueError(
+                f"{name}={value} with causal=False: offsets only shift the causal mask "
+                "(non-causal attention sees every key); pass causal=True, or no offsets"
+            )
     return checked[0], checked[1]
 
 

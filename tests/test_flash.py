@@ -682,6 +682,17 @@ def test_numpy_int_offsets_are_accepted():
         np.testing.assert_allclose(out, want, atol=1e-6)
 
 
+def test_offsets_without_the_causal_mask_are_refused():
+    """Offsets only shift the causal mask: with `causal=False` one other than 0 would
+    change nothing, and is refused by name in `flash_attention` and the oracle alike; 0
+    (numpy's too) passes."""
+    for call in (jflash.flash_attention, jflash.attention_reference):
+        for name, value in (("q_offset", 32), ("k_offset", np.int64(5))):
+            with pytest.raises(ValueError, match=f"^{name}={value} with causal=False: "):
+                call(_q, _kv, _kv, causal=False, **{name: value})
+        call(_q, _kv, _kv, causal=False, q_offset=0, k_offset=np.int32(0))
+
+
 def test_causal_is_required():
     """No default: jax.nn's is non-causal, a decoder's is causal; the caller says which."""
     with pytest.raises(TypeError, match="causal"):

@@ -778,6 +778,23 @@ def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
     )
 
 
+def test_report_header_and_ring_reason_split_attention_in_the_same_words():
+    """How a strategy splits attention reads alike in the report's header and in the
+    reason a row has no ring GB/s."""
+    from train.tools.profile import ring_unmeasured
+
+    assert report_lib.strategy_text("allgather") == (
+        "`--ring_strategy allgather`, an all-gather of K/V, no K/V ring"
+    )
+    assert report_lib.strategy_text(None) == "`--ring_strategy ring`, the K/V ring"
+    assert report_lib.strategy_text("hybrid") == (
+        "`--ring_strategy hybrid`, an all-to-all over the heads on `seq_a2a`, the K/V ring on `seq`"
+    )
+    for strategy in report_lib.NO_KV_RING:
+        how = report_lib.strategy_text(strategy).split(", ")[1]
+        assert f"(it splits attention by {how}): " in ring_unmeasured(strategy, 2, 0.0, None)
+
+
 def test_profile_row_names_of_local_models_are_file_names(tmp_path):
     """A local model's row is named `local-` and its directory's basename (the name is a
     path under --out), made unique where two directories share one; a directory named

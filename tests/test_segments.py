@@ -47,7 +47,8 @@ def ids_from_lengths(lengths, first_id: int = 0):
 @dataclasses.dataclass(frozen=True)
 class Doc:
     """One packed-document problem: per batch row, the document lengths of the keys;
-    queries are the last `q_len` key positions (`q_offset = S - T`) unless `unsorted`."""
+    queries are the last `q_len` key positions (causal: `q_offset = S - T`) unless
+    `unsorted`."""
 
     name: str
     lengths: tuple[tuple[int, ...], ...]
@@ -95,7 +96,8 @@ def _run(doc: Doc, block_sizes=SMALL):
         head_dim=doc.head_dim,
         dtype=doc.dtype,
     )
-    common = dict(causal=doc.causal, segment_ids=(q_seg, kv_seg), q_offset=kv_len - q_len)
+    offset = kv_len - q_len if doc.causal else 0  # offsets only shift the causal mask
+    common = dict(causal=doc.causal, segment_ids=(q_seg, kv_seg), q_offset=offset)
     got = value_and_grads(
         jflash.flash_attention,
         q,
@@ -277,7 +279,7 @@ def test_skipped_tiles_are_never_read(causal):
     hidden = (kv_seg == 5)[:, :, None, None]
     k_nan, v_nan = jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.nan, v)
     # Queries at positions 32..127: causally they see every key of their document.
-    common = dict(causal=causal, segment_ids=(q_seg, kv_seg), q_offset=32)
+    common = dict(causal=causal, segment_ids=(q_seg, kv_seg), q_offset=32 if causal else 0)
     bs = jflash.BlockSizes(
         block_q=32, block_kv=32, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
     )

@@ -133,6 +133,14 @@ def test_cache_rows_equal_in_memory_with_whole_packing(
         assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
         _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
         assert cached.packed == memory.packed == bool(memory.segment_ids.any())
+        _, padding = dataset.rows_and_padding(
+            seq_len,
+            eos_id=eos_id,
+            mask_boundaries=mask_boundaries,
+            pad_last=pad_last,
+            packing="whole",
+        )
+        assert padding == cached.padding
         stream = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last)
         if seq_len > 1:  # some example of 1-40 tokens does not fit the rest of a row
             assert memory.num_rows > stream.num_rows and cached.padding > 0
@@ -140,6 +148,28 @@ def test_cache_rows_equal_in_memory_with_whole_packing(
     b = Batches(cache.rows(16, packing="whole"), 4, seed=3, num_epochs=2)
     for x, y in zip(a, b, strict=True):
         _assert_rows_equal(x, y)
+
+
+def test_packing_whole_in_memory_lays_the_examples_out_once(tmp_path, monkeypatch, capsys):
+    """`packed_rows` of a data file loaded into memory with `packing="whole"` runs
+    `whole_layout` (a loop over the examples) once, for the rows and the padding it
+    says alike."""
+    from train import dataset as dataset_lib
+
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    layouts = []
+    layout = dataset_lib.whole_layout
+
+    def counted(lengths, seq_len):
+        layouts.append(seq_len)
+        return layout(lengths, seq_len)
+
+    monkeypatch.setattr(dataset_lib, "whole_layout", counted)
+    monkeypatch.setattr(data_cache, "whole_layout", counted)
+    rows = data_cache.packed_rows(source, 16, eos_id=0, packing="whole")
+    assert layouts == [16]
+    _, padding = load_dataset(source).rows_and_padding(16, eos_id=0, packing="whole")
+    assert f"{padding:,} of the rows' {rows.num_rows * 16:,} tokens" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("eval", [False, True])
@@ -842,6 +872,33 @@ def test_cli_inspect_shows_the_tokens_the_loss_learns(bpe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         data_lib.main(["inspect", str(ids), "--show", "-1"])
     assert capsys.readouterr() == ("", "error: --show -1: give a number of examples, 0 or more\n")
+
+
+def test_cli_inspect_reads_a_data_files_stream_once(tmp_path, monkeypatch, capsys):
+    """`inspect --show N` of a data file builds its packed stream once, for the counts
+    and the examples both, and counts as `TokenDataset.summary` does."""
+    from train.dataset import TokenDataset
+
+    path = tmp_path / "ids.jsonl"
+    records = [{"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]}, {"input_ids": [9, 3]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    built = []
+    stream = TokenDataset._stream
+    monkeypatch.setattr(
+        TokenDataset, "_stream", lambda self, eos_id: built.append(eos_id) or stream(self, eos_id)
+    )
+    data_lib.main(["inspect", str(path), "--eos-id", "3", "--show", "2"])
+    assert built == [3]
+    summary = load_dataset(path).summary(3)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[: len(summary)] == [f"{k}: {v}" for k, v in summary.items()]
+    assert printed[len(summary) :] == [
+        "eos_id: 3",
+        "--- example 0: 5 tokens, 3 learned (in [[ ]])",
+        "5 6 [[7 8 3]]",
+        "--- example 1: 2 tokens, 1 learned (in [[ ]])",
+        "9 [[3]]",
+    ]
 
 
 def test_cli_tokenizer_with_special_tokens_and_a_chat_template(bpe, tmp_path):

@@ -467,6 +467,19 @@ def test_the_demo_refuses_the_flags_it_owns_and_deletes_nothing(tmp_path, monkey
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_signal_stop_exits_with_the_shells_status_for_the_signal():
+    """The trainer, the demos and the profiling tools end a run a signal stopped with
+    the status a shell gives a process that signal killed: 128 + its number."""
+    import signal
+
+    from train.errors import signal_status
+    from train.tools.trace import PIPE_CLOSED
+
+    assert signal_status(signal.SIGTERM) == 143
+    assert signal_status(signal.SIGINT) == 130
+    assert PIPE_CLOSED == signal_status(signal.SIGPIPE) == 141
+
+
 def test_the_demo_ends_a_preempted_run_with_its_resume_command(tmp_path, monkeypatch, capsys):
     """SIGTERM in the demo's training (the loop saved the step reached) ends it in one
     line that names the demo's own resume command, with SIGTERM's exit status; a resume

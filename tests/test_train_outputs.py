@@ -368,6 +368,43 @@ def test_ctrl_c_during_a_checkpoint_save_ends_in_the_same_line(tmp_path, monkeyp
         entry.main(_args(tmp_path / "run"))
 
 
+def test_a_preemption_that_saved_nothing_names_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """A SIGTERM the loop stopped at without saving (`--save_on_preemption false` where
+    jax's preemption service runs) ends in `train.errors.Preempted`'s line, then where
+    the last whole checkpoint is, with SIGTERM's exit status."""
+    import train.__main__ as entry
+    from train.errors import Preempted
+
+    out = tmp_path / "run"
+
+    def preempted(cfg):
+        raise Preempted(4, str(out / "checkpoints"), False, "--save_on_preemption false")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(entry.os, "_exit", exit_)
+    monkeypatch.setattr(entry, "run", preempted)
+    for saved, last in (
+        ([], f"no checkpoint was written to {out / 'checkpoints'}"),
+        (
+            ["2"],
+            f"the last checkpoint is step 2 in {out / 'checkpoints'}; continue with "
+            "--resume_from_checkpoint latest",
+        ),
+    ):
+        for step in saved:
+            (out / "checkpoints" / step).mkdir(parents=True)
+        with pytest.raises(SystemExit) as ended:
+            entry.main(_args(out))
+        assert ended.value.code == 143
+        line = "terminated (SIGTERM) after step 4, nothing saved (--save_on_preemption false)"
+        assert capsys.readouterr().err == f"{line}: {last}\n"
+        assert Preempted(4, "", False, "--save_on_preemption false").line(last=last) == (
+            f"{line}: {last}"
+        )
+
+
 def test_save_strategy_no_leaves_no_checkpoints_directory(tmp_path):
     out = tmp_path / "run"
     run(parse_args(_args(out, "--save_strategy", "no", "--report_to", "none")))

@@ -189,7 +189,7 @@ def _traced_kernels(implementation, *, causal, segments, head_dim, deterministic
             k,
             v,
             causal=causal,
-            q_offset=64,
+            q_offset=64 if causal else 0,  # offsets only shift the causal mask
             segment_ids=segs,
             return_lse=True,
             implementation=implementation,

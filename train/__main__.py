@@ -9,7 +9,7 @@ import threading
 
 from train import outputs
 from train.config import parse_args
-from train.errors import Preempted
+from train.errors import Preempted, signal_status
 from train.loop import TrainingError, run
 from train.words import plural
 
@@ -33,16 +33,22 @@ def _interrupted(
     (`--overwrite_output_dir`), which `run` has said. `not_started`: an
     `--overwrite_output_dir` run stopped before it changed anything (the checkpoints
     there are the previous run's)."""
+    if not_started and not put_back:
+        return f"{how} before the run started: {output_dir} is as it was"
+    return f"{how}: {_last_checkpoint(output_dir, put_back)}"
+
+
+def _last_checkpoint(output_dir: str, put_back: bool = False) -> str:
+    """Where a stopped run's last whole checkpoint is, and how to continue from it
+    (`put_back`: as `_interrupted`)."""
     directory = os.path.join(output_dir, "checkpoints")
     steps = outputs.saved_steps(output_dir)
     if put_back:
-        return f"{how}: this run wrote no checkpoint"
-    if not_started:
-        return f"{how} before the run started: {output_dir} is as it was"
+        return "this run wrote no checkpoint"
     if not steps:
-        return f"{how}: no checkpoint was written to {directory}"
+        return f"no checkpoint was written to {directory}"
     return (
-        f"{how}: the last checkpoint is step {steps[-1]} in {directory}; "
+        f"the last checkpoint is step {steps[-1]} in {directory}; "
         "continue with --resume_from_checkpoint latest"
     )
 
@@ -98,17 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         notes = _notes(e)
         put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
         not_started = outputs.NOT_STARTED in notes
-        if isinstance(interrupt, Preempted) and interrupt.saved:
-            line = interrupt.line()
-        elif isinstance(interrupt, Preempted):
-            how = f"{how} after step {interrupt.step}, nothing saved ({interrupt.why})"
-            line = _interrupted(cfg.run.output_dir, how, put_back, not_started)
+        if isinstance(interrupt, Preempted):  # raised by the loop: the run had started
+            last = "" if interrupt.saved else _last_checkpoint(cfg.run.output_dir, put_back)
+            line = interrupt.line(last=last)
         else:
             line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
         print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(128 + signal.SIGTERM if terminated else 130)
+        os._exit(signal_status(signal.SIGTERM if terminated else signal.SIGINT))
     finally:
         if own and previous is not None:  # None: a handler set outside Python
             signal.signal(signal.SIGTERM, previous)

@@ -36,7 +36,7 @@ from models.convert import special_token_ids, tokenizer_vocab_size
 from models.loss import IGNORE_INDEX
 from train import data_cache
 from train.chat import CHAT_TEMPLATE_FILE, parse_template_kwargs
-from train.dataset import Rows, load_dataset
+from train.dataset import Rows, load_dataset, stream_summary
 from train.readers import (
     MESSAGES,
     PROMPT_COMPLETION,
@@ -589,8 +589,8 @@ def _command(args: argparse.Namespace) -> None:
                 vocab_size=args.vocab_size,
                 chat_template_kwargs=_template_kwargs(args),
             )
-            summary = dataset.summary(eos_id)
             stream = dataset.packed_stream(eos_id)  # as a cache holds them: EOS included
+            summary = stream_summary(*stream)  # the counts of that same stream: one pass
         for key, value in {**summary, "eos_id": "none" if eos_id is None else eos_id}.items():
             print(f"{key}: {value}")
         if args.show:

@@ -658,15 +658,11 @@ def packed_rows(
     lengths = dataset.stream_lengths(eos_id)
     _note_cut_prompts(path, seq_len, dataset)
     _note_stream_cuts(path, seq_len, packing, dataset, lengths)
-    rows = dataset.rows(seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing)
+    rows, padding = dataset.rows_and_padding(
+        seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing
+    )
     if packing == "whole":
-        _, total = whole_layout(lengths, seq_len)
-        _say_padding(
-            path,
-            rows.num_rows,
-            seq_len,
-            padding_tokens(rows.num_rows, seq_len, int(lengths.sum()), total),
-        )
+        _say_padding(path, rows.num_rows, seq_len, padding)
     return rows
 
 

@@ -218,17 +218,7 @@ class TokenDataset:
         predicts), min/max example length, max token id; with ``eos_id``, each example's
         EOS as packing appends it (labelled as :meth:`rows` labels it), as a token cache
         counts them."""
-        tokens, targets, docs = self._stream(eos_id)
-        lengths = np.bincount(docs, minlength=self.num_examples)
-        first = np.concatenate([[True], docs[1:] != docs[:-1]])
-        return {
-            "examples": self.num_examples,
-            "tokens": len(tokens),
-            "labelled_tokens": int(np.count_nonzero((targets != IGNORE_INDEX) & ~first)),
-            "min_length": int(lengths.min()),
-            "max_length": int(lengths.max()),
-            "max_id": int(tokens.max()),
-        }
+        return stream_summary(*self.packed_stream(eos_id))
 
     def rows(
         self,
@@ -255,14 +245,36 @@ class TokenDataset:
             :class:`Rows`, ``[num_tokens // seq_len, seq_len]`` each (counting EOS tokens,
             and in ``"whole"`` packing the padding; rounded up with ``pad_last``).
         """
+        return self.rows_and_padding(
+            seq_len,
+            eos_id=eos_id,
+            mask_boundaries=mask_boundaries,
+            pad_last=pad_last,
+            packing=packing,
+        )[0]
+
+    def rows_and_padding(
+        self,
+        seq_len: int,
+        *,
+        eos_id: int | None = None,
+        mask_boundaries: bool = True,
+        pad_last: bool = False,
+        packing: str = "stream",
+    ) -> tuple[Rows, int]:
+        """:meth:`rows`, and how many of their tokens are padding (``"whole"``
+        packing's, and ``pad_last``'s fill), as
+        :attr:`train.data_cache.CachedRows.padding` counts them."""
         if seq_len < 1:
             raise ValueError(f"{seq_len=} must be positive")
         if packing not in PACKINGS:
             raise ValueError(f"{packing=} must be one of {PACKINGS}")
         tokens, targets, docs = self._stream(eos_id)
+        stream_tokens = len(tokens)
         padding = None
         if packing == "whole":
             tokens, targets, docs, padding = _place_whole(tokens, targets, docs, seq_len)
+        total = len(tokens)  # the padded stream's length, before pad_last's fill
         if pad_last and len(tokens) % seq_len:
             fill = seq_len - len(tokens) % seq_len
             tokens = np.append(tokens, np.zeros(fill, np.int32))
@@ -281,11 +293,12 @@ class TokenDataset:
         shape = (num_rows, seq_len)
         used = num_rows * seq_len
         row_docs = docs[:used].reshape(shape)
-        return Rows(
+        rows = Rows(
             input_ids=tokens[:used].reshape(shape),
             labels=next_targets[:used].reshape(shape),
             segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
         )
+        return rows, padding_tokens(num_rows, seq_len, stream_tokens, total)
 
     def stream_lengths(self, eos_id: int | None = None) -> np.ndarray:
         """int64 ``[num_examples]``: tokens per example in the packed stream, an appended
@@ -320,6 +333,24 @@ class TokenDataset:
             np.insert(self.targets, ends, eos_targets.astype(np.int32)),
             np.insert(docs, ends, which),
         )
+
+
+def stream_summary(tokens: np.ndarray, targets: np.ndarray, offsets: np.ndarray) -> dict[str, int]:
+    """:meth:`TokenDataset.summary`'s counts of the stream ``(tokens, targets, offsets)``
+    of :meth:`TokenDataset.packed_stream`: for a caller that reads the stream too (one
+    pass over the examples)."""
+    lengths = np.diff(offsets)
+    # Each example's first token is no target (nothing before it in its example).
+    firsts = targets[offsets[:-1][lengths > 0]]
+    labelled = np.count_nonzero(targets != IGNORE_INDEX) - np.count_nonzero(firsts != IGNORE_INDEX)
+    return {
+        "examples": len(lengths),
+        "tokens": len(tokens),
+        "labelled_tokens": int(labelled),
+        "min_length": int(lengths.min()),
+        "max_length": int(lengths.max()),
+        "max_id": int(tokens.max()),
+    }
 
 
 def _place_whole(

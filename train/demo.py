@@ -47,7 +47,7 @@ import models  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import outputs  # noqa: E402
 from train.config import parse_args  # noqa: E402
-from train.errors import Preempted  # noqa: E402
+from train.errors import Preempted, signal_status  # noqa: E402
 from train.loop import TrainingError, run  # noqa: E402
 
 RUN_DIR = os.path.join("runs", "demo")
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # SIGTERM: the step reached is saved (--save_on_preemption)
         resume = "python -m train.demo --keep --resume_from_checkpoint latest"
         print(e.line(resume), file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return signal_status(signal.SIGTERM)
     losses = summary["losses"]
     if not losses:  # a resume of a finished run trains nothing (the run said so)
         return 0

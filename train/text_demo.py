@@ -32,7 +32,7 @@ from train import data as data_lib
 from train import data_cache, outputs
 from train.build import build, data_eos
 from train.config import parse_args
-from train.errors import Preempted
+from train.errors import Preempted, signal_status
 from train.loop import run
 
 RUN_DIR = Path("runs") / "text_demo"
@@ -145,7 +145,7 @@ def main() -> None:
         summary = run(cfg)
     except Preempted as e:  # SIGTERM: the step reached is saved (--save_on_preemption)
         print(e.line("python -m train.text_demo --resume_from_checkpoint latest"), file=sys.stderr)
-        sys.exit(128 + signal.SIGTERM)
+        sys.exit(signal_status(signal.SIGTERM))
     after = summary["eval"][-1]["eval_loss"]
     print(
         f"val loss after {summary['total_steps']} steps: {after:.3f} (from {before:.3f}); "

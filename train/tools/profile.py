@@ -58,6 +58,7 @@ import time
 
 from models.config import REMAT_POLICIES
 from models.presets import PRESETS, preset
+from train.errors import signal_status
 from train.oom import is_oom
 from train.tools.files import write_json
 
@@ -75,9 +76,6 @@ ROW_FACTS = ("steps", "layers_override", "xla_cost", "ring_strategy", "xla_flags
 # ring, whose bytes and GB/s the report measures (the trainer's `auto` picks Ulysses on
 # one host where the mesh's seq divides the heads).
 RING_STRATEGY = "ring"
-# The strategies that pass no K/V blocks between the devices on `seq` (no ring GB/s),
-# and how each splits attention instead; `ring` and `hybrid` (on `seq`) pass them.
-NO_KV_RING = {"ulysses": "an all-to-all over the heads", "allgather": "an all-gather of K/V"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,10 +379,12 @@ def ring_unmeasured(
     """Why a row run with `--ring_strategy strategy` over `seq` devices on the `seq`
     axis has no ring GB/s, in one line, or None where its traced steps' collective-permutes
     (`permute_ms`, `permute_bytes`) measure the K/V ring."""
+    from train.tools.report import NO_KV_RING, STRATEGY_TEXT
+
     if strategy in NO_KV_RING:
         return (
             f"`--ring_strategy {strategy}` passes no K/V blocks between the devices on "
-            f"`seq` (it splits attention by {NO_KV_RING[strategy]}): no ring transfers"
+            f"`seq` (it splits attention by {STRATEGY_TEXT[strategy]}): no ring transfers"
         )
     if permute_ms > 0 and permute_bytes is None:
         return "collective-permutes ran, but their bytes are unknown (no HLO for the step)"
@@ -603,7 +603,7 @@ def _on_signal(signum, frame):
 
 
 # What ends the tool as Ctrl-C does (a terminal closed sends SIGHUP), by the line it
-# ends with; the exit status is 128 + the signal's number.
+# ends with; the exit status is the signal's (`train.errors.signal_status`).
 STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
 
 
@@ -1379,7 +1379,7 @@ def main(argv: list[str] | None = None) -> None:
             _profile(parser, args, argv)
     except KeyboardInterrupt as e:
         report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
-        status = 128 + e.signum if isinstance(e, Terminated) else 130
+        status = signal_status(e.signum if isinstance(e, Terminated) else signal.SIGINT)
         try:
             print(stop_line(e, report_path), file=sys.stderr, flush=True)
             sys.stdout.flush()

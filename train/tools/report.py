@@ -341,14 +341,18 @@ def row_fact(report: dict, row: dict, key: str):
     return row[key] if key in row else report.get(key)
 
 
-# How each `--ring_strategy` splits attention over `seq`, as the report's header says it.
+# How each `--ring_strategy` splits attention over `seq`: as the report's header says it,
+# and `train.tools.profile` why a row has no ring GB/s.
 STRATEGY_TEXT = {
     "ring": "the K/V ring",
-    "allgather": "K/V all-gathered, no K/V ring",
-    "ulysses": "an all-to-all over the heads, no K/V ring",
+    "allgather": "an all-gather of K/V",
+    "ulysses": "an all-to-all over the heads",
     "hybrid": "an all-to-all over the heads on `seq_a2a`, the K/V ring on `seq`",
     "auto": "the strategy the trainer picks, unknown where the row ended before it picked",
 }
+# The strategies that pass no K/V blocks between the devices on `seq` (no ring GB/s);
+# `ring` and `hybrid` (on `seq`) pass them.
+NO_KV_RING = ("allgather", "ulysses")
 
 
 def strategy_text(strategy: str | None) -> str:
@@ -356,7 +360,8 @@ def strategy_text(strategy: str | None) -> str:
     the K/V ring (a row that recorded none ran the ring)."""
     strategy = strategy or "ring"
     how = STRATEGY_TEXT.get(strategy)
-    return f"`--ring_strategy {strategy}`" + (f", {how}" if how else "")
+    no_ring = ", no K/V ring" if strategy in NO_KV_RING else ""
+    return f"`--ring_strategy {strategy}`" + (f", {how}{no_ring}" if how else "")
 
 
 def per_row(report: dict, rows: list[dict], key: str, text: Callable) -> str:

@@ -48,12 +48,14 @@ import glob
 import gzip
 import os
 import re
+import signal
 import sys
 import warnings
 from typing import Any
 
 from jax.profiler import ProfileData
 
+from train.errors import signal_status
 from train.tools.hlo import COLLECTIVE_PERMUTES, HloOps
 from train.xla_flags import NO_COMMAND_BUFFERS
 
@@ -829,7 +831,8 @@ def main(argv: list[str] | None = None) -> TraceReport:
     return report
 
 
-PIPE_CLOSED = 141  # the exit status of a reader's closed pipe: 128 + SIGPIPE, as `yes | head`
+# The exit status of a reader's closed pipe (SIGPIPE's), as `yes | head` ends.
+PIPE_CLOSED = signal_status(signal.SIGPIPE)
 
 
 def _print(text: str) -> None:
