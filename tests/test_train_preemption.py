@@ -283,9 +283,7 @@ def test_a_sigterm_on_the_last_step_then_the_requeue_writes_the_export(
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
-def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(
-    tmp_path, monkeypatch
-):
+def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(tmp_path, monkeypatch):
     """SIGTERM then, while its save is being written, another SIGTERM and a Ctrl-C: the
     save completes, the run stops as one preempted once (no KeyboardInterrupt), and the
     checkpoint reads back whole."""
