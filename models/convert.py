@@ -458,12 +458,30 @@ def tokenizer_files(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def _copy_tokenizer(src: str, dst: str) -> None:
-    """The tokenizer files of directory ``src`` into ``dst`` (none when they are one)."""
+    """The tokenizer files of directory ``src`` into ``dst`` (none when they are one).
+    Where ``src`` has a tokenizer, the tokenizer files of ``dst`` that are not its (those
+    of another model, which ``--overwrite`` replaces: a chat template the new tokenizer
+    lacks) are removed, so that no model is left beside another one's template."""
     if os.path.isdir(dst) and os.path.samefile(src, dst):
         return
-    for name in tokenizer_files(src):
+    copied = tokenizer_files(src)
+    for name in copied:
         os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
         shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    if copied:
+        remove_other_tokenizer_files(dst, copied)
+
+
+def remove_other_tokenizer_files(folder: str, kept: Iterable[str]) -> None:
+    """Removes the tokenizer files of directory ``folder`` (:func:`tokenizer_files`)
+    not named in ``kept``, and ``additional_chat_templates/`` once it is empty."""
+    kept = set(kept)
+    for name in tokenizer_files(folder):
+        if name not in kept:
+            os.remove(os.path.join(folder, name))
+            parent = os.path.dirname(name)
+            if parent and not os.listdir(os.path.join(folder, parent)):
+                os.rmdir(os.path.join(folder, parent))
 
 
 def read_json(path: str | os.PathLike[str]) -> dict:
@@ -674,7 +692,9 @@ def _replaced(args: argparse.Namespace) -> list[str]:
         written.add("tokenizer.json")
         source = os.path.dirname(source) or "."
     if source is not None and os.path.isdir(source) and not os.path.samefile(source, out):
-        written |= set(tokenizer_files(source))
+        copied = set(tokenizer_files(source))
+        # and, where it copies a tokenizer, removes another one's files (`_copy_tokenizer`)
+        written |= copied | (set(tokenizer_files(out)) if copied else set())
     return replaced_files(out, written, weights=not args.from_hf)
 
 

@@ -923,6 +923,34 @@ def test_cli_refuses_to_replace_what_out_holds(tmp_path, capsys):
     assert (native / "params.safetensors").read_bytes() != before[native / "params.safetensors"]
 
 
+def test_overwrite_leaves_no_other_models_tokenizer_files(tmp_path, capsys):
+    """Over a directory holding another model's tokenizer with chat templates, a
+    conversion refuses naming the templates too, and with `--overwrite` leaves the new
+    tokenizer's files only: no template the new tokenizer lacks stays beside it."""
+    old, new, out = tmp_path / "old", tmp_path / "new", tmp_path / "out"
+    for folder, vocab in ((old, {"a": 0, "b": 1}), (new, {"x": 0, "y": 1, "z": 2})):
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    (old / "chat_template.jinja").write_text("{{ messages }}")
+    (old / "additional_chat_templates").mkdir()
+    (old / "additional_chat_templates" / "tool_use.jinja").write_text("{{ tools }}")
+    convert_main(["--init", "tiny", "--tokenizer", str(old), "--out", str(out)])
+    assert (out / "additional_chat_templates" / "tool_use.jinja").is_file()
+    argv = ["--init", "tiny", "--tokenizer", str(new), "--out", str(out)]
+    with pytest.raises(SystemExit):
+        convert_main(argv)
+    said = capsys.readouterr().err
+    assert "already holds additional_chat_templates/tool_use.jinja, chat_template.jinja," in said
+    convert_main([*argv, "--overwrite"])
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert left == ["config.json", "model.safetensors", "tokenizer.json"], left
+    assert json.loads((out / "tokenizer.json").read_text())["model"]["vocab"] == {
+        "x": 0,
+        "y": 1,
+        "z": 2,
+    }
+
+
 def test_init_takes_bos_and_eos_from_the_tokenizer_only(tmp_path, capsys):
     """A tokenizer that names an EOS and no BOS: the config has its EOS and no BOS, not
     the preset's id 1 (another token of this vocabulary)."""

@@ -24,7 +24,13 @@ import numpy as np
 
 import models
 from models.config import DTYPES
-from models.convert import TOKENIZER_FILES, replace_refusal, replaced_files, shard_bytes
+from models.convert import (
+    TOKENIZER_FILES,
+    remove_other_tokenizer_files,
+    replace_refusal,
+    replaced_files,
+    shard_bytes,
+)
 from train import outputs
 from train.build import export_config, model_config
 from train.checkpoint import Checkpoints, other_params
@@ -172,13 +178,8 @@ def export(
     models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
     outputs.copy_tokenizer(tokenizer, out)
-    copied = outputs.tokenizer_files(tokenizer)
-    for name in outputs.tokenizer_files(out):  # another model's, where --overwrite replaced it
-        if name not in copied:
-            os.remove(os.path.join(out, name))
-            folder = os.path.dirname(name)  # additional_chat_templates/, once emptied
-            if folder and not os.listdir(os.path.join(out, folder)):
-                os.rmdir(os.path.join(out, folder))
+    # Another model's, where --overwrite replaced it.
+    remove_other_tokenizer_files(out, outputs.tokenizer_files(tokenizer))
     return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
 
 
