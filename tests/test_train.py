@@ -280,6 +280,14 @@ def test_config_flags_yaml_and_errors(tmp_path):
     assert (
         parse_args(["--gradient_checkpointing", "True", "--remat_policy", "none"]).remat == "full"
     )
+    # A JSON-valued flag's setting as a YAML mapping, or as the flag's JSON text.
+    for text in ("{enable_thinking: false}", "'{\"enable_thinking\": false}'"):
+        yaml_path.write_text(f"data:\n  chat_template_kwargs: {text}\n")
+        cfg = parse_args(["--config", str(yaml_path)])
+        assert json.loads(cfg.data.chat_template_kwargs) == {"enable_thinking": False}
+    yaml_path.write_text("data:\n  chat_template_kwargs: [1]\n")
+    with pytest.raises(ValueError, match="chat_template_kwargs=\\[1\\] is not a string"):
+        parse_args(["--config", str(yaml_path)])
     yaml_path.write_text("optim:\n  learning_rat: 0.5\n")
     with pytest.raises(ValueError, match="unknown keys \\['learning_rat'\\]"):
         parse_args(["--config", str(yaml_path)])

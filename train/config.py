@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import re
 import sys
@@ -403,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Settings whose flag takes a JSON object, which a YAML config may give as a mapping.
+JSON_FIELDS = ("chat_template_kwargs",)
+
+
 def _coerce(value: Any, annotation, key: str, where: str) -> Any:
     """A YAML value as its field's type: YAML 1.1 reads `1e-8` as a string and
     `"false"` would be truthy, so every value is converted and checked by name."""
@@ -412,6 +417,8 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
         if optional:
             return None
         raise ValueError(f"{where}: {key}=None is not allowed ({kind} is)")
+    if key in JSON_FIELDS and isinstance(value, dict):  # a YAML mapping: the flag's JSON
+        return json.dumps(value)
     try:
         if conv is _parse_bool:
             return value if isinstance(value, bool) else _parse_bool(value)
