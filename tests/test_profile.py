@@ -90,6 +90,19 @@ def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
     )
 
 
+def test_trace_cli_refuses_an_hlo_file_without_instructions(tmp_path, capsys):
+    """`--hlo` given a file that holds no HLO (a report, a log): one line naming it, exit
+    status 2, not an attribution that silently ignored it."""
+    notes = tmp_path / "report.md"
+    notes.write_text("# Training profile\n\nno HLO here\n")
+    with pytest.raises(SystemExit) as e:
+        trace.main([GPU_TRACE, "--hlo", str(notes)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --hlo={str(notes)!r} holds no HLO instructions")
+    assert len(err.splitlines()) == 1, err
+
+
 def test_trace_cli_ends_quietly_on_a_closed_pipe():
     """`python -m train.tools.trace TRACE | head -1`: a reader that closed the pipe
     before the summary is written ends the tool quietly, exit status 141 (128 +

@@ -821,6 +821,12 @@ def main(argv: list[str] | None = None) -> TraceReport:
                 hlo = parse_hlo(f.read())
         except (OSError, UnicodeDecodeError) as e:
             p.error(f"--hlo={args.hlo!r} cannot be read ({getattr(e, 'strerror', None) or e})")
+        if not hlo.opcodes:
+            p.error(
+                f"--hlo={args.hlo!r} holds no HLO instructions: pass the compiled step's "
+                "text (`compiled.as_text()`, or the `*after_optimizations.txt` that "
+                "XLA_FLAGS=--xla_dump_to=DIR writes)"
+            )
     try:
         report = parse(args.trace, hlo=hlo, step_name=args.step_name)
     except FileNotFoundError as e:
