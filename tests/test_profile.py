@@ -103,6 +103,19 @@ def test_trace_cli_refuses_an_hlo_file_without_instructions(tmp_path, capsys):
     assert len(err.splitlines()) == 1, err
 
 
+def test_trace_cli_refuses_a_step_name_the_trace_lacks(capsys):
+    """`--step-name` naming no annotation in the trace: one line naming it and the trace,
+    exit status 2, not the whole trace read as one step; the trainer's name is taken."""
+    with pytest.raises(SystemExit) as e:
+        trace.main([GPU_TRACE, "--step-name", "step"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --step-name='step': no such step annotation (with a step_num) in {GPU_TRACE!r}\n"
+    )
+    assert trace.main([GPU_TRACE, "--step-name", "train"]).steps == [3, 4]
+
+
 def test_trace_cli_ends_quietly_on_a_closed_pipe():
     """`python -m train.tools.trace TRACE | head -1`: a reader that closed the pipe
     before the summary is written ends the tool quietly, exit status 141 (128 +

@@ -807,8 +807,8 @@ def main(argv: list[str] | None = None) -> TraceReport:
     )
     p.add_argument(
         "--step-name",
-        default="train",
-        help="the StepTraceAnnotation that cuts steps (default: %(default)s)",
+        help="the StepTraceAnnotation that cuts steps (default: train, the trainer's; "
+        "a trace without it is one window)",
     )
     p.add_argument("--json", action="store_true", help="print the whole attribution as JSON")
     args = p.parse_args(argv)
@@ -828,7 +828,13 @@ def main(argv: list[str] | None = None) -> TraceReport:
                 "XLA_FLAGS=--xla_dump_to=DIR writes)"
             )
     try:
-        report = parse(args.trace, hlo=hlo, step_name=args.step_name)
+        # A name given that cuts nothing would leave the whole trace as one "step".
+        if args.step_name is not None and not _step_annotations(load(args.trace), args.step_name):
+            p.error(
+                f"--step-name={args.step_name!r}: no such step annotation (with a step_num) "
+                f"in {find_xplane(args.trace)!r}"
+            )
+        report = parse(args.trace, hlo=hlo, step_name=args.step_name or "train")
     except FileNotFoundError as e:
         p.error(f"TRACE={args.trace!r}: {e}")
     except ValueError as e:
