@@ -1603,6 +1603,39 @@ def test_a_report_file_that_cannot_be_written_replaces_none_of_the_set(tmp_path,
     assert all(not f.read_bytes().startswith(b"the earlier") for f in files)
 
 
+def test_out_that_cannot_be_created_is_one_line(tmp_path, monkeypatch, capsys):
+    """An --out that passes the up-front checks but cannot be made (a read-only file
+    system, /proc; root passes every permission check): one line naming it, exit
+    status 2, no traceback and no row run."""
+    import errno
+
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        assert kind == "ceilings", kind  # no row
+        return {"matmul_tflops": 1.0, "copy_gbps": 1.0, "device": "cpu", "device_count": 2}
+
+    out = str(tmp_path / "ro" / "profile")
+    makedirs = os.makedirs
+
+    def read_only(path, *args, **kwargs):
+        if os.fspath(path) == out:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(profile, "_child", child)
+    monkeypatch.setattr(profile.os, "makedirs", read_only)
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--models", "tiny", "--context", "256", "--out", out])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --out={out!r} cannot be created (Read-only file system) (nothing was run)\n"
+    )
+
+
 def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatch, capsys):
     """`--fill-xla-cost DIR` records in each row it fills (`xla.filled` in report.json)
     the command, the date and the device it compiled on, and the report says in its

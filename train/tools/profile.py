@@ -1308,7 +1308,10 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
             parser.error(f"{error} (nothing was run)")
     reused = _reused_ceilings(parser, args, old, machine)
     ceilings = _ceilings(args, reused)
-    os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
+    try:
+        os.makedirs(args.out, exist_ok=True)  # only now: a refused command leaves no --out
+    except OSError as e:  # what check_writable cannot see: a read-only or special file system
+        parser.error(f"--out={args.out!r} cannot be created ({e.strerror or e}) (nothing was run)")
     from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on  # no jax import
 
     if machine["platform"] == "gpu" and command_buffers_on():
