@@ -962,8 +962,9 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
 
 def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     """`--mesh seq=4` on 2 devices: one line naming the mesh and the machine's device
-    count, exit status 2, before the ceilings or any row run and before `--out` is made;
-    `--fill-xla-cost` alike for a row whose mesh needs more devices than there are."""
+    count (on CPU, how to simulate more), exit status 2, before the ceilings or any row
+    run and before `--out` is made; `--fill-xla-cost` alike for a row whose mesh needs
+    more devices than there are."""
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
     cmd = [sys.executable, "-m", "train.tools.profile", "--models", "tiny", "--context", "256"]
@@ -971,7 +972,8 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
     assert proc.stderr == (
-        "error: --mesh 'seq=4' needs 4 devices; this machine has 2 (nothing was run)\n"
+        "error: --mesh 'seq=4' needs 4 devices; this machine has 2 (on CPU, "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=4 simulates 4) (nothing was run)\n"
     )
     assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
 
@@ -985,7 +987,8 @@ def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
     assert proc.stderr == (
         "error: --fill-xla-cost: row 'tiny-256-seq4': --mesh 'seq=4' needs 4 devices; this "
-        "machine has 2 (nothing was run)\n"
+        "machine has 2 (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=4 simulates "
+        "4) (nothing was run)\n"
     )
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert (timed / "report.json").read_text() == before
@@ -1457,7 +1460,8 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         ),
         (
             ["--append", "--reuse-ceilings", "--mesh", "seq=64", "--out", str(tmp_path / "one")],
-            f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (nothing",
+            f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} (on CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=64 simulates 64) (nothing",
         ),
         (["--reuse-ceilings", *out], "--reuse-ceilings needs --append: it reuses the ceilings"),
         (

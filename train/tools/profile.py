@@ -838,18 +838,27 @@ def device_error(what: str, recorded: str | None, machine: dict) -> str | None:
     )
 
 
-def mesh_error(mesh: str, available: int | None = None) -> str | None:
+def mesh_error(mesh: str, available: int | None = None, platform: str = "") -> str | None:
     """Why `mesh` cannot run here, in one line, or None: a malformed spec or an unknown
     axis (checked without devices when `available` is None), or more devices than
-    `available`."""
+    `available` (on `platform` "cpu", with how to simulate them)."""
+    import math
+
     from train.mesh import mesh_device_count, mesh_sizes, parse_mesh
 
     try:
-        if available is None:
-            mesh_sizes(mesh)
-        else:
-            parse_mesh(mesh, mesh_device_count(mesh, available))
+        sizes = mesh_sizes(mesh)
     except ValueError as e:
+        return str(e)
+    if available is None:
+        return None
+    try:
+        parse_mesh(mesh, mesh_device_count(mesh, available))
+    except ValueError as e:
+        need = math.prod(sizes.values())
+        if platform == "cpu" and need > available:  # a -1 axis makes `need` negative
+            flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+            return f"{e} (on CPU, {flag} simulates {need})"
         return str(e)
     return None
 
@@ -1112,7 +1121,7 @@ def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, comma
     except ValueError as e:
         parser.error(f"--fill-xla-cost: {e}")
     for row in todo:
-        if error := mesh_error(row["mesh"], machine["device_count"]):
+        if error := mesh_error(row["mesh"], machine["device_count"], machine["platform"]):
             parser.error(f"--fill-xla-cost: row {row['name']!r}: {error} (nothing was run)")
         timed = f"row {row['name']!r} in {path} was timed"
         if error := device_error(timed, row.get("device_kind"), machine):
@@ -1304,7 +1313,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     except ValueError as e:
         parser.error(f"{e} (nothing was run)")
     for mesh in dict.fromkeys(j.mesh for j in jobs):
-        if error := mesh_error(mesh, machine["device_count"]):
+        if error := mesh_error(mesh, machine["device_count"], machine["platform"]):
             parser.error(f"{error} (nothing was run)")
     reused = _reused_ceilings(parser, args, old, machine)
     ceilings = _ceilings(args, reused)
