@@ -1669,6 +1669,15 @@ def test_fill_xla_cost_says_in_the_report_what_it_filled_in(tmp_path, monkeypatc
     assert filled["command"] == command and filled["device"] == "TPU v9"
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", filled["date"]), filled
     assert "filled" not in report["rows"][1]["xla"]
+    out = capsys.readouterr().out
+    assert "tiny-256: XLA cost ..." in out and "nothing to fill" not in out
+    profile.main(["--fill-xla-cost", str(tmp_path)])  # again: every row has its cost
+    path = tmp_path / "report.json"
+    assert capsys.readouterr().out == (
+        f"--fill-xla-cost: every row of {path} has XLA's cost already: nothing to fill\n"
+        f"wrote {tmp_path / 'report.md'}\n"
+    )
+    assert json.loads(path.read_text())["rows"][0]["xla"]["filled"] == filled
     md = (tmp_path / "report.md").read_text()
     header = md.split("\n\n")[1]
     assert header.endswith(

@@ -1129,6 +1129,8 @@ def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, comma
                 f"--fill-xla-cost: {error}: fill it in on the kind of device it was timed on "
                 "(nothing was run)"
             )
+    if not todo:
+        print(f"--fill-xla-cost: every row of {path} has XLA's cost already: nothing to fill")
     filled = {
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M"),
