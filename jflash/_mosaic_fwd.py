@@ -110,6 +110,8 @@ STEP_SCOPES = {
     "softmax_m": "online softmax of a masked step",
     "turn": "wait for the V slot and the tensor cores' turn",
     "issue": "issue P V and the next Q K^T, hand the turn over and wait for it back",
+    "qk_turn": "(two warpgroups, no overlap) wait for the turn after issuing Q K^T",
+    "s_read": "(two warpgroups, no overlap) wait for S",
 }
 # Per work item (a warpgroup's 64 query rows of one head), "q_wait" first:
 ITEM_SCOPES = {
@@ -377,21 +379,27 @@ def _fwd_kernel(
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
             slot = st.slot(j, stages)
-            plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc):
                 plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
-                take_turn()  # while this wgmma runs, the other warpgroup does softmax
-                return acc[...]  # [64, block_kv] f32
+                with jax.named_scope("qk_turn"):
+                    take_turn()  # while this wgmma runs, the other warpgroup does softmax
+                with jax.named_scope("s_read"):
+                    return acc[...]  # [64, block_kv] f32
 
+            with jax.named_scope("s_wait"):
+                plgpu.barrier_wait(k_ready.at[slot])
             s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
             if early:  # this warpgroup's last read of Q is done
                 pl.when(j == st.hi - 1)(prefetch_q)
             ids = step_ids(slot, masked)
             plgpu.barrier_arrive(k_free.at[slot])
-            acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
-            take_tensor_cores(slot)
-            (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)  # += P V
+            with jax.named_scope("softmax_m" if masked else "softmax"):
+                acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
+            with jax.named_scope("turn"):
+                take_tensor_cores(slot)
+            with jax.named_scope("issue"):
+                (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
 
