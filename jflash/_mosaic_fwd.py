@@ -355,10 +355,9 @@ def _fwd_kernel(
                 seen = seen & same_segment(q_ids, ids, (bq, block_kv))
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
-        def softmax(j, s, o, m, l, *, masked: bool, ids, sums: bool = True):
+        def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
-            fenced, so all of it is done before the turn is handed over. Without `sums`
-            the returned `l` is only `l * alpha`: the caller adds P's row sums."""
+            fenced, so all of it is done before the turn is handed over."""
             if masked and segments and spans_only:
                 s = by_spans(j, s)
             elif masked:
@@ -369,7 +368,7 @@ def _fwd_kernel(
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-            l = l * alpha + p.sum(axis=1) if sums else l * alpha
+            l = l * alpha + p.sum(axis=1)
             return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
 
         def take_tensor_cores(slot):
@@ -396,33 +395,13 @@ def _fwd_kernel(
             ids = step_ids(slot, masked)
             plgpu.barrier_arrive(k_free.at[slot])
             with jax.named_scope("softmax_m" if masked else "softmax"):
-                acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids, sums=False)
+                acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             with jax.named_scope("turn"):
                 take_tensor_cores(slot)
             with jax.named_scope("issue"):
-                # += P V; P's row sums (of its bf16 values) are added while it runs, off
-                # the exponentials' path, where their adds waited for the SFU's results.
-                acc, l = pv_and_sums(acc, l, p16, v_smem.at[slot])
+                (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
-
-        def pv_and_sums(acc, l, p16, v):
-            """`(acc + P V, l + P's row sums)`, the sums added after the wgmma is issued
-            and before it is waited for."""
-
-            def row_sums():
-                return p16.astype(jnp.float32).sum(axis=1)
-
-            if interpret:
-                (acc,) = wgmma_into((acc,), [(p16, v)], interpret=True)
-                return acc, l + row_sums()
-
-            def issue(refs):
-                acc_ref, l_ref = refs
-                plgpu.wgmma(acc_ref, p16, v)
-                l_ref[...] = l_ref[...] + row_sums()
-
-            return pl.run_state(issue)((plgpu.ACC.init(acc), l))
 
         def skip(j, carry):
             # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
