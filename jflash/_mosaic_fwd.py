@@ -103,7 +103,7 @@ THREE_WG_HEAD_DIMS = (64,)
 # overlapped loops; MAX_GROWTH: how far (base 2) a row's max may exceed the running
 # max before the step is redone exactly (FlashAttention-4's threshold, 2^8).
 SPECULATE_TWO_WG = True
-SPECULATE_OVERLAP = True
+SPECULATE_OVERLAP = False
 MAX_GROWTH = 8.0
 THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
