@@ -207,48 +207,6 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
     return stages
 
 
-def any_in_warp(flags):
-    """Whether any entry of `flags` (bool, a row vector of the WGMMA layout) is set in
-    this thread's warp: an int32 scalar, 1 or 0, the same in the warp's 32 threads
-    (not across the warpgroup's four warps), from one `vote.any`. A branch on it is
-    taken by each warp alone: it may hold no warpgroup-wide operation."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA.reduce(1),),
-        return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(())),
-    )
-    def vote(_, fa):
-        bits = None
-        for reg in fa.registers.flat:  # this thread's rows
-            if isinstance(reg.type, ir.VectorType):
-                n = ir.VectorType(reg.type).shape[0]
-                words = [
-                    vector.extract(
-                        reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
-                    )
-                    for i in range(n)
-                ]
-            else:
-                words = [reg]
-            for word in words:
-                bits = word if bits is None else arith.ori(bits, word)
-        out = llvm.inline_asm(
-            ir.IntegerType.get_signless(32),
-            [bits],
-            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; vote.sync.any.pred q, p, 0xffffffff; "
-            "selp.s32 $0, 1, 0, q; }",
-            "=r,r",
-        )
-        return mgpu.FragmentedArray.splat(
-            out, (), layout=mgpu.WGSplatFragLayout(()), is_signed=True
-        )
-
-    return vote(flags.astype(jnp.int32))
-
-
 def wgmma_into(accs, products, *, interpret: bool):
     """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
 

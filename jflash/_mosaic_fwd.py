@@ -63,7 +63,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    any_in_warp,
     col_ids,
     drain,
     fit_stages,
@@ -98,13 +97,6 @@ OVERLAP_HEAD_DIMS = (128,)
 # at 16k, 1.07x at 32k, 1.05x at 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k
 # causal, so shorter calls keep two (BENCHMARKS.md).
 THREE_WG_HEAD_DIMS = (64,)
-# The forward's exponentials taken against the running max before each step's row max
-# is known (`softmax`), in the two-warpgroup loop without overlap and in the
-# overlapped loops; MAX_GROWTH: how far (base 2) a row's max may exceed the running
-# max before the step is redone exactly (FlashAttention-4's threshold, 2^8).
-SPECULATE_TWO_WG = True
-SPECULATE_OVERLAP = False
-MAX_GROWTH = 8.0
 THREE_WG_MIN_LEN = 16384
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
@@ -263,8 +255,6 @@ def _fwd_kernel(
     # runs beside the other's last step, not in its way.
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
-    # Exponentials against the running max, before the step's row max is known.
-    speculate = (not overlap) and SPECULATE_TWO_WG or overlap and SPECULATE_OVERLAP
 
     def take_turn():
         plgpu.barrier_arrive(turn)
@@ -365,57 +355,21 @@ def _fwd_kernel(
                 seen = seen & same_segment(q_ids, ids, (bq, block_kv))
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
-        def softmax(j, s, o, m, l, *, masked: bool, ids, first=None):
+        def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
-            fenced, so all of it is done before the turn is handed over.
-
-            With `speculate`, the step's exponentials are taken against the running
-            max `m` before the step's own row max is known, so that the SFU starts as
-            soon as S is in registers; they stand where no row's max exceeds `m` by
-            more than `MAX_GROWTH` (P at most 2^MAX_GROWTH, o and l not rescaled),
-            and a warp with such a row takes the exact step instead (`stale`: one
-            vote per warp). `first` (a traced bool): the item's first step, which
-            takes the exact step at once."""
+            fenced, so all of it is done before the turn is handed over."""
             if masked and segments and spans_only:
                 s = by_spans(j, s)
             elif masked:
                 s = by_ids(j, s, ids)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
-            row_max = s.max(axis=1) * qk_scale
-
-            def exact():
-                m_new = jnp.maximum(m, row_max)
-                m_use = (
-                    jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new)
-                    if masked or speculate
-                    else m_new
-                )
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                o_ = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-                l_ = l * alpha + p.sum(axis=1)
-                return o_, l_, m_new, p.astype(q_smem.dtype)
-
-            if not speculate:
-                return lax.optimization_barrier(exact())
-
-            def speculative():
-                m_ref = jnp.where(m == -jnp.inf, jnp.float32(0.0), m)
-                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_ref, s.shape, [0]))
-                grown = row_max > m + jnp.float32(MAX_GROWTH)
-                kept = (o, l + p.sum(axis=1), m, p.astype(q_smem.dtype))
-                return lax.cond(stale(grown), exact, lambda: kept)
-
-            if first is None:
-                return lax.optimization_barrier(speculative())
-            return lax.optimization_barrier(lax.cond(first, exact, speculative))
-
-        def stale(grown):
-            """Whether any row of this thread's warp has `grown` (a scalar, the same
-            in every thread of a warp); interpreted: any row of the warpgroup."""
-            if interpret:
-                return jnp.any(grown)
-            return any_in_warp(grown) != 0
+            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+            m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
 
         def take_tensor_cores(slot):
             plgpu.barrier_arrive(turn)  # softmax done
@@ -441,9 +395,7 @@ def _fwd_kernel(
             ids = step_ids(slot, masked)
             plgpu.barrier_arrive(k_free.at[slot])
             with jax.named_scope("softmax_m" if masked else "softmax"):
-                acc, l, m, p16 = softmax(
-                    j, s, acc, m, l, masked=masked, ids=ids, first=j == st.lo
-                )
+                acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             with jax.named_scope("turn"):
                 take_tensor_cores(slot)
             with jax.named_scope("issue"):
@@ -495,9 +447,7 @@ def _fwd_kernel(
                 if last and early:
                     prefetch_q()
                 with jax.named_scope("softmax_m" if masked else "softmax"):
-                    o, l, m, p16 = softmax(
-                        j, s, o_acc[...], m, l, masked=masked, ids=ids, first=j == st.lo
-                    )
+                    o, l, m, p16 = softmax(j, s, o_acc[...], m, l, masked=masked, ids=ids)
                     o_acc[...] = o
                 with jax.named_scope("turn"):
                     if token:
