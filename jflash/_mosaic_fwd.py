@@ -102,16 +102,20 @@ THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
 # (`_mosaic_common.profiling`, `benchmarks/timeline.py`); outside the profiler they
-# change no instruction. Per key step of the overlapped loop (two warpgroups at D=128,
-# three at D=64 from THREE_WG_MIN_LEN queries; the other loop records item scopes only):
+# change no instruction. Per key step, in the overlapped loop (two warpgroups at D=128,
+# three at D=64 from THREE_WG_MIN_LEN queries): s_wait, softmax, turn, issue; in the
+# two-warpgroup loop without overlap (D=64 under THREE_WG_MIN_LEN queries): s_wait,
+# qk_turn, s_read, softmax, turn, issue, where s_wait is the wait for the step's K and
+# issue is P V, issued and waited for:
 STEP_SCOPES = {
-    "s_wait": "wait for this step's Q K^T (and the last P V)",
+    "s_wait": "wait for this step's Q K^T and the last P V (no overlap: for its K)",
     "softmax": "online softmax of an unmasked step",
     "softmax_m": "online softmax of a masked step",
     "turn": "wait for the V slot and the tensor cores' turn",
-    "issue": "issue P V and the next Q K^T, hand the turn over and wait for it back",
-    "qk_turn": "(two warpgroups, no overlap) wait for the turn after issuing Q K^T",
-    "s_read": "(two warpgroups, no overlap) wait for S",
+    "issue": "issue P V and the next Q K^T, hand the turn over and wait for it back "
+    "(no overlap: issue P V and wait for it)",
+    "qk_turn": "no overlap: issue Q K^T and wait for the turn (the other's softmax)",
+    "s_read": "no overlap: wait for S",
 }
 # Per work item (a warpgroup's 64 query rows of one head), "q_wait" first:
 ITEM_SCOPES = {
@@ -381,8 +385,8 @@ def _fwd_kernel(
             slot = st.slot(j, stages)
 
             def qk(acc):
-                plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
                 with jax.named_scope("qk_turn"):
+                    plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
                     take_turn()  # while this wgmma runs, the other warpgroup does softmax
                 with jax.named_scope("s_read"):
                     return acc[...]  # [64, block_kv] f32
