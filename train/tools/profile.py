@@ -16,9 +16,9 @@ For each model x context x mesh, one child process builds the trainer exactly as
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
-(`<model>`: a preset's name, or `local-` and a local model directory's basename, made
-unique; the report's tables and plots show it so, and say which directory each
-`local-` name is).
+(`<model>`: a preset's name in one spelling, `models.presets.preset_name`'s, or
+`local-` and a local model directory's basename, made unique; the report's tables and
+plots show it so, and say which directory each `local-` name is).
 Attention over `seq` runs the trainer's `--ring_strategy ring` (the K/V ring, whose
 transfers the report's ring GB/s measures) unless `--ring-strategy` names another (the
 row's folder then names it after the mesh: `<model>-<ctx>-<mesh>-ulysses`); `auto`,
@@ -57,7 +57,7 @@ import threading
 import time
 
 from models.config import REMAT_POLICIES
-from models.presets import PRESETS, preset
+from models.presets import PRESET_NAMES, preset_name
 from train.errors import signal_status
 from train.oom import is_oom
 from train.tools.files import write_json
@@ -138,6 +138,18 @@ class Job:
 LOCAL_LABEL = "local-"
 
 
+def model_name(model: str) -> str:
+    """`model` as rows record, name and match it: a local directory as given, a preset
+    in its one spelling (`models.presets.preset_name`: `llama3_2_1b` and `Llama-3.2-1B`
+    are `llama3.2-1b`), anything else as given (refused later as unknown)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        return preset_name(model)
+    except ValueError:
+        return model
+
+
 def model_label(model: str) -> str:
     """`model` as one file name: a preset's name, or `LOCAL_LABEL` and a local
     directory's basename, with anything but letters, digits, `.`, `_` and `-` replaced
@@ -173,15 +185,23 @@ def labelled(jobs: list[Job], old_rows: list[dict]) -> list[Job]:
     """`jobs` with their models' labels (`model_labels`): the ones `old_rows` (an
     appended report's) give their models, else new ones; no job shares its name with a
     job or old row of another model (an old row of the same name and model is the row
-    it replaces)."""
+    it replaces). An old row's preset is matched in any spelling (`model_name`): a
+    report written with `--models llama3_2_1b` has its rows replaced by `llama3.2-1b`'s."""
+
+    def model(row: dict) -> str | None:
+        if "model" not in row:
+            return None
+        label = row.get("label") or model_label(row["model"])
+        return row["model"] if label.startswith(LOCAL_LABEL) else model_name(row["model"])
+
     taken: dict[str, str | None] = {
-        r.get("label") or model_label(r["model"]): r["model"] for r in old_rows if "model" in r
+        r.get("label") or model_label(r["model"]): model(r) for r in old_rows if "model" in r
     }
     models = list(dict.fromkeys(job.model for job in jobs))
     while True:
         labels = model_labels(models, taken)
         named = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
-        owners = {r["name"]: r.get("model") for r in old_rows if "name" in r}
+        owners = {r["name"]: model(r) for r in old_rows if "name" in r}
         clashes = [
             job.label for job in named if owners.setdefault(job.name, job.model) != job.model
         ]
@@ -1026,7 +1046,7 @@ def _known(model: str) -> bool:
     if os.path.isdir(model):
         return True
     try:
-        preset(model)
+        preset_name(model)
     except ValueError:
         return False
     return True
@@ -1151,7 +1171,9 @@ def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job
         parser.error(str(e))
     if not contexts:
         parser.error(f"--context={args.context!r} names no context")
-    names = [m for m in (x.strip() for x in args.models.split(",")) if m]
+    # A preset in one spelling (`llama3_2_1b` is `llama3.2-1b`): a model given twice in
+    # two spellings is one model, refused as given twice, and its rows replace a report's.
+    names = [model_name(m) for m in (x.strip() for x in args.models.split(",")) if m]
     if not names:
         parser.error(f"--models={args.models!r} names no model")
     return [
@@ -1198,7 +1220,7 @@ def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs)
     if unknown:
         parser.error(
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
-            f"directory; presets: {sorted(PRESETS)} (nothing was run)"
+            f"directory; presets: {', '.join(PRESET_NAMES.values())} (nothing was run)"
         )
     if not (args.append and os.path.exists(path)):
         return {"rows": []}
