@@ -826,6 +826,46 @@ def test_profile_names_a_preset_in_one_spelling(tmp_path, monkeypatch, capsys):
     )
 
 
+def test_profile_timeout_is_named_where_a_worker_runs_out_of_it(tmp_path, monkeypatch, capsys):
+    """`--timeout` caps every worker: the device count and the ceilings before the rows
+    too. Where one runs out, its line names the flag with its value and says to raise
+    it: the device count's refuses the run in one line (nothing was run), the ceilings'
+    is a warning, a row's is its error."""
+    import train.tools.profile as profile
+
+    out = tmp_path / "profile"
+    argv = ["--models", "tiny", "--context", "256", "--timeout", "0.01", "--out", str(out)]
+    with pytest.raises(SystemExit) as e:
+        profile.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: counting the devices timed out after 0.01 s (--timeout 0.01; raise it) "
+        "(nothing was run)\n"
+    )
+    assert not out.exists()
+    child = profile._child
+
+    def devices_counted(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        return child(kind, payload, timeout, what)  # a worker run, out of time at once
+
+    monkeypatch.setattr(profile, "_child", devices_counted)
+    with pytest.raises(SystemExit, match="every row failed"):
+        profile.main(argv)
+    said = capsys.readouterr()
+    limit = "timed out after 0.01 s (--timeout 0.01; raise it)"
+    assert f"warning: measuring the ceilings {limit}\n" in said.err
+    assert f"  error: {limit}\n" in said.out
+    assert json.loads((out / "report.json").read_text())["rows"][0]["error"] == limit
+    help_text = " ".join(profile.build_parser().format_help().split())
+    assert (
+        "--timeout TIMEOUT seconds each worker process may run: each row (each row's compile "
+        "with --fill-xla-cost), and the device count and ceilings measured before the rows "
+        "(default: 1800)"
+    ) in help_text
+
+
 def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
     """A row whose strategy passes no K/V blocks (Ulysses, all-gather) has no ring
     GB/s, and its reason, one line, names the strategy: here `auto` on 2 CPU devices

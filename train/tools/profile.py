@@ -770,6 +770,24 @@ def remove_stale_temp(root: str | None = None) -> list[str]:
     return removed
 
 
+# How a worker's error says it ran out of time (`timed_out`).
+TIMED_OUT = "timed out after"
+
+
+def timed_out(timeout: float) -> str:
+    """What a worker ended after `timeout` seconds says: the limit, the flag that set it
+    (every worker runs under `--timeout`) and what to do."""
+    seconds = f"{timeout:.0f}" if float(timeout).is_integer() else f"{timeout:g}"
+    return f"{TIMED_OUT} {seconds} s (--timeout {seconds}; raise it)"
+
+
+def failed(what: str, result: dict) -> str:
+    """The line saying that `what` (`counting the devices`) failed: a worker's result
+    (`_child`) without what it was run for."""
+    first = str(result.get("error", "no result")).split("\n")[0]
+    return f"{what} {first}" if first.startswith(TIMED_OUT) else f"{what} failed ({first})"
+
+
 def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
     """Runs one worker (`--worker kind`) in its own process group; its result, or the
     row of a worker that failed. `what` names it in the line a Ctrl-C, SIGTERM or SIGHUP
@@ -794,7 +812,7 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
-            return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+            return {"status": "error", "error": timed_out(timeout)}
         except KeyboardInterrupt as e:
             _end(proc)
             e.add_note(f"the worker ({what}) was ended")
@@ -837,12 +855,12 @@ def rows_without_xla(report: dict) -> list[dict]:
 
 def this_machine(timeout: float) -> dict:
     """This machine's devices (`run_devices`: `device_count`, `platform`,
-    `device_kind`), from one child process (the parent never starts a backend); a
-    ValueError with the child's first line where it fails."""
+    `device_kind`), from one child process (the parent never starts a backend) run under
+    `--timeout` as the rows are (it starts the backend every row starts, and does less);
+    a ValueError with the child's first line where it fails (`failed`)."""
     result = _child("devices", {}, timeout, "counting the devices")
     if "device_count" not in result:
-        first = result.get("error", "no result").split("\n")[0]
-        raise ValueError(f"counting this machine's devices failed ({first})")
+        raise ValueError(failed("counting the devices", result))
     return result
 
 
@@ -1008,7 +1026,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
     p.add_argument(
-        "--timeout", type=float, default=1800, help="seconds per row (default: %(default)s)"
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds each worker process may run: each row (each row's compile with "
+        "--fill-xla-cost), and the device count and ceilings measured before the rows "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--out",
@@ -1256,8 +1279,7 @@ def _ceilings(args: argparse.Namespace, reused: dict) -> dict:
     print("ceilings ...", flush=True)
     ceilings = _child("ceilings", {}, args.timeout, "measuring the ceilings")
     if "error" in ceilings:
-        first = ceilings["error"].split("\n")[0]
-        print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
+        print(f"warning: {failed('measuring the ceilings', ceilings)}", file=sys.stderr, flush=True)
     return ceilings
 
 
