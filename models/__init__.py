@@ -60,9 +60,11 @@ from models.presets import (
     LLAMA3_2_1B,
     LLAMA3_2_3B,
     LLAMA3_8B,
+    PRESET_NAMES,
     PRESETS,
     TINY,
     preset,
+    preset_name,
 )
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "MAPPINGS",
     "MLP",
     "PRESETS",
+    "PRESET_NAMES",
     "SAVE_ATTN_NAMES",
     "TINY",
     "Attention",
@@ -108,6 +111,7 @@ __all__ = [
     "next_token_labels",
     "param_count",
     "preset",
+    "preset_name",
     "save_native",
     "to_hf_config",
     "training_flops_per_token",

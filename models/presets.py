@@ -116,15 +116,41 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3_2_3b": LLAMA3_2_3B,
     "tiny": TINY,
 }
+# Each preset's name as command lines spell it (`--model_name_or_path llama3.2-1b`,
+# `python -m train.tools.profile --models llama3.2-1b`) and as the profile's rows and
+# reports name it: the published name in lower case. `preset_name` gives it for any
+# spelling `preset` takes.
+PRESET_NAMES: dict[str, str] = {
+    "llama2_7b": "llama2-7b",
+    "llama2_13b": "llama2-13b",
+    "llama2_3b": "llama2-3b",
+    "llama3_8b": "llama3-8b",
+    "llama3_1_8b": "llama3.1-8b",
+    "llama3_2_1b": "llama3.2-1b",
+    "llama3_2_3b": "llama3.2-3b",
+    "tiny": "tiny",
+}
 
 
-def preset(name: str) -> LlamaConfig:
-    """The preset called ``name``, ignoring case and separators (``Llama-3.2-1B``)."""
+def _key(name: str) -> str:
+    """The `PRESETS` key of preset `name`, ignoring case and separators; a ValueError
+    for a name no preset has."""
 
     def squash(text: str) -> str:
         return "".join(ch for ch in text.lower() if ch.isalnum())
 
-    matches = [config for key, config in PRESETS.items() if squash(key) == squash(name)]
+    matches = [key for key in PRESETS if squash(key) == squash(name)]
     if not matches:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return matches[0]
+
+
+def preset(name: str) -> LlamaConfig:
+    """The preset called ``name``, ignoring case and separators (``Llama-3.2-1B``)."""
+    return PRESETS[_key(name)]
+
+
+def preset_name(name: str) -> str:
+    """Preset ``name`` (any spelling :func:`preset` takes: ``Llama-3.2-1B``,
+    ``llama3_2_1b``) as ``PRESET_NAMES`` spells it (``llama3.2-1b``)."""
+    return PRESET_NAMES[_key(name)]

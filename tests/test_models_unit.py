@@ -135,6 +135,20 @@ def test_llama3_1_8b_preset_is_the_published_config():
     assert round(models.param_count(preset) / 1e9, 2) == 8.03
 
 
+def test_every_preset_has_one_spelling_for_command_lines():
+    """`PRESET_NAMES`: one spelling per preset (the published name in lower case, as
+    command lines and profile reports name it), which `preset` takes; `preset_name`
+    gives it for any spelling `preset` takes."""
+    assert list(models.PRESET_NAMES) == list(models.PRESETS)
+    assert len(set(models.PRESET_NAMES.values())) == len(models.PRESETS)
+    for key, name in models.PRESET_NAMES.items():
+        assert models.preset(name) is models.PRESETS[key]
+        assert models.preset_name(key) == models.preset_name(name.upper()) == name
+    assert models.preset_name("Llama-3.2-1B") == models.preset_name("llama3_2_1b") == "llama3.2-1b"
+    with pytest.raises(ValueError, match="unknown preset 'llama9'"):
+        models.preset_name("llama9")
+
+
 @pytest.mark.parametrize(
     ("hf", "error", "match"),
     [

@@ -773,6 +773,99 @@ def test_profile_rows_record_the_ring_strategy_they_ran(tmp_path, monkeypatch):
     assert "Attention split over `seq`: `--ring_strategy ring`, the K/V ring. " in one
 
 
+def test_profile_names_a_preset_in_one_spelling(tmp_path, monkeypatch, capsys):
+    """A preset given in any spelling `models.preset` takes (`llama3_2_1b`,
+    `Llama-3.2-1B`) is the preset as the docs spell it (`llama3.2-1b`): its rows are
+    named and recorded so, replace an appended report's rows of the preset (also rows a
+    report recorded in another spelling), and the preset given twice in two spellings
+    is refused as a row asked for twice; an unknown model's error lists the presets as
+    they are typed."""
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        if kind == "ceilings":
+            return {}
+        return {k: v for k, v in _report_row(256).items() if k not in ("name", "model")}
+
+    def rows(out) -> list[tuple[str, str]]:
+        report = json.loads((out / "report.json").read_text())
+        return [(r["name"], r["model"]) for r in report["rows"]]
+
+    monkeypatch.setattr(profile, "_child", child)
+    out = tmp_path / "profile"
+    base = ["--context", "256", "--mesh", "seq=2", "--no-xla-cost", "--out", str(out)]
+    profile.main(["--models", "llama3_2_1b", *base])
+    assert rows(out) == [("llama3.2-1b-256-seq2", "llama3.2-1b")]
+    profile.main(["--models", "Llama-3.2-1B", *base, "--append"])
+    assert rows(out) == [("llama3.2-1b-256-seq2", "llama3.2-1b")]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        profile.main(["--models", "llama3.2-1b,llama3_2_1b", *base, "--append"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: row 'llama3.2-1b-256-seq2' is asked for more than once (the same model, "
+        "context and --mesh): give each once (nothing was run)\n"
+    )
+    # A report whose rows recorded the preset in another spelling: replaced, not kept
+    # beside the new row.
+    old = tmp_path / "old"
+    old.mkdir()
+    row = _report_row(256, name="llama3_2_1b-256-seq2", model="llama3_2_1b", label="llama3_2_1b")
+    (old / "report.json").write_text(json.dumps(_report([row])))
+    profile.main(["--models", "llama3.2-1b", *base[:-1], str(old), "--append"])
+    assert rows(old) == [("llama3_2_1b-256-seq2", "llama3.2-1b")]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        profile.main(["--models", "llama9", *base[:-1], str(tmp_path / "new")])
+    assert capsys.readouterr().err == (
+        "error: --models: 'llama9' is neither a preset nor a local HF directory; presets: "
+        "llama2-7b, llama2-13b, llama2-3b, llama3-8b, llama3.1-8b, llama3.2-1b, llama3.2-3b, "
+        "tiny (nothing was run)\n"
+    )
+
+
+def test_profile_timeout_is_named_where_a_worker_runs_out_of_it(tmp_path, monkeypatch, capsys):
+    """`--timeout` caps every worker: the device count and the ceilings before the rows
+    too. Where one runs out, its line names the flag with its value and says to raise
+    it: the device count's refuses the run in one line (nothing was run), the ceilings'
+    is a warning, a row's is its error."""
+    import train.tools.profile as profile
+
+    out = tmp_path / "profile"
+    argv = ["--models", "tiny", "--context", "256", "--timeout", "0.01", "--out", str(out)]
+    with pytest.raises(SystemExit) as e:
+        profile.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: counting the devices timed out after 0.01 s (--timeout 0.01; raise it) "
+        "(nothing was run)\n"
+    )
+    assert not out.exists()
+    child = profile._child
+
+    def devices_counted(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        return child(kind, payload, timeout, what)  # a worker run, out of time at once
+
+    monkeypatch.setattr(profile, "_child", devices_counted)
+    with pytest.raises(SystemExit, match="every row failed"):
+        profile.main(argv)
+    said = capsys.readouterr()
+    limit = "timed out after 0.01 s (--timeout 0.01; raise it)"
+    assert f"warning: measuring the ceilings {limit}\n" in said.err
+    assert f"  error: {limit}\n" in said.out
+    assert json.loads((out / "report.json").read_text())["rows"][0]["error"] == limit
+    help_text = " ".join(profile.build_parser().format_help().split())
+    assert (
+        "--timeout TIMEOUT seconds each worker process may run: each row (each row's compile "
+        "with --fill-xla-cost), and the device count and ceilings measured before the rows "
+        "(default: 1800)"
+    ) in help_text
+
+
 def test_profile_ulysses_row_says_why_it_has_no_ring_bandwidth(tmp_path):
     """A row whose strategy passes no K/V blocks (Ulysses, all-gather) has no ring
     GB/s, and its reason, one line, names the strategy: here `auto` on 2 CPU devices

@@ -16,9 +16,9 @@ For each model x context x mesh, one child process builds the trainer exactly as
 TFLOP/s per device, MFU), then records a `jax.profiler` trace of `--trace-steps`
 steps (one `StepTraceAnnotation("train")` each) into
 `<out>/tensorboard/<model>-<ctx>-<mesh>/` and attributes it with `train.tools.trace`
-(`<model>`: a preset's name, or `local-` and a local model directory's basename, made
-unique; the report's tables and plots show it so, and say which directory each
-`local-` name is).
+(`<model>`: a preset's name in one spelling, `models.presets.preset_name`'s, or
+`local-` and a local model directory's basename, made unique; the report's tables and
+plots show it so, and say which directory each `local-` name is).
 Attention over `seq` runs the trainer's `--ring_strategy ring` (the K/V ring, whose
 transfers the report's ring GB/s measures) unless `--ring-strategy` names another (the
 row's folder then names it after the mesh: `<model>-<ctx>-<mesh>-ulysses`); `auto`,
@@ -57,7 +57,7 @@ import threading
 import time
 
 from models.config import REMAT_POLICIES
-from models.presets import PRESETS, preset
+from models.presets import PRESET_NAMES, preset_name
 from train.errors import signal_status
 from train.oom import is_oom
 from train.tools.files import write_json
@@ -138,6 +138,18 @@ class Job:
 LOCAL_LABEL = "local-"
 
 
+def model_name(model: str) -> str:
+    """`model` as rows record, name and match it: a local directory as given, a preset
+    in its one spelling (`models.presets.preset_name`: `llama3_2_1b` and `Llama-3.2-1B`
+    are `llama3.2-1b`), anything else as given (refused later as unknown)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        return preset_name(model)
+    except ValueError:
+        return model
+
+
 def model_label(model: str) -> str:
     """`model` as one file name: a preset's name, or `LOCAL_LABEL` and a local
     directory's basename, with anything but letters, digits, `.`, `_` and `-` replaced
@@ -173,15 +185,23 @@ def labelled(jobs: list[Job], old_rows: list[dict]) -> list[Job]:
     """`jobs` with their models' labels (`model_labels`): the ones `old_rows` (an
     appended report's) give their models, else new ones; no job shares its name with a
     job or old row of another model (an old row of the same name and model is the row
-    it replaces)."""
+    it replaces). An old row's preset is matched in any spelling (`model_name`): a
+    report written with `--models llama3_2_1b` has its rows replaced by `llama3.2-1b`'s."""
+
+    def model(row: dict) -> str | None:
+        if "model" not in row:
+            return None
+        label = row.get("label") or model_label(row["model"])
+        return row["model"] if label.startswith(LOCAL_LABEL) else model_name(row["model"])
+
     taken: dict[str, str | None] = {
-        r.get("label") or model_label(r["model"]): r["model"] for r in old_rows if "model" in r
+        r.get("label") or model_label(r["model"]): model(r) for r in old_rows if "model" in r
     }
     models = list(dict.fromkeys(job.model for job in jobs))
     while True:
         labels = model_labels(models, taken)
         named = [dataclasses.replace(job, label=labels[job.model]) for job in jobs]
-        owners = {r["name"]: r.get("model") for r in old_rows if "name" in r}
+        owners = {r["name"]: model(r) for r in old_rows if "name" in r}
         clashes = [
             job.label for job in named if owners.setdefault(job.name, job.model) != job.model
         ]
@@ -750,6 +770,24 @@ def remove_stale_temp(root: str | None = None) -> list[str]:
     return removed
 
 
+# How a worker's error says it ran out of time (`timed_out`).
+TIMED_OUT = "timed out after"
+
+
+def timed_out(timeout: float) -> str:
+    """What a worker ended after `timeout` seconds says: the limit, the flag that set it
+    (every worker runs under `--timeout`) and what to do."""
+    seconds = f"{timeout:.0f}" if float(timeout).is_integer() else f"{timeout:g}"
+    return f"{TIMED_OUT} {seconds} s (--timeout {seconds}; raise it)"
+
+
+def failed(what: str, result: dict) -> str:
+    """The line saying that `what` (`counting the devices`) failed: a worker's result
+    (`_child`) without what it was run for."""
+    first = str(result.get("error", "no result")).split("\n")[0]
+    return f"{what} {first}" if first.startswith(TIMED_OUT) else f"{what} failed ({first})"
+
+
 def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
     """Runs one worker (`--worker kind`) in its own process group; its result, or the
     row of a worker that failed. `what` names it in the line a Ctrl-C, SIGTERM or SIGHUP
@@ -774,7 +812,7 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
-            return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+            return {"status": "error", "error": timed_out(timeout)}
         except KeyboardInterrupt as e:
             _end(proc)
             e.add_note(f"the worker ({what}) was ended")
@@ -817,12 +855,12 @@ def rows_without_xla(report: dict) -> list[dict]:
 
 def this_machine(timeout: float) -> dict:
     """This machine's devices (`run_devices`: `device_count`, `platform`,
-    `device_kind`), from one child process (the parent never starts a backend); a
-    ValueError with the child's first line where it fails."""
+    `device_kind`), from one child process (the parent never starts a backend) run under
+    `--timeout` as the rows are (it starts the backend every row starts, and does less);
+    a ValueError with the child's first line where it fails (`failed`)."""
     result = _child("devices", {}, timeout, "counting the devices")
     if "device_count" not in result:
-        first = result.get("error", "no result").split("\n")[0]
-        raise ValueError(f"counting this machine's devices failed ({first})")
+        raise ValueError(failed("counting the devices", result))
     return result
 
 
@@ -988,7 +1026,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
     p.add_argument(
-        "--timeout", type=float, default=1800, help="seconds per row (default: %(default)s)"
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds each worker process may run: each row (each row's compile with "
+        "--fill-xla-cost), and the device count and ceilings measured before the rows "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--out",
@@ -1026,7 +1069,7 @@ def _known(model: str) -> bool:
     if os.path.isdir(model):
         return True
     try:
-        preset(model)
+        preset_name(model)
     except ValueError:
         return False
     return True
@@ -1151,7 +1194,9 @@ def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job
         parser.error(str(e))
     if not contexts:
         parser.error(f"--context={args.context!r} names no context")
-    names = [m for m in (x.strip() for x in args.models.split(",")) if m]
+    # A preset in one spelling (`llama3_2_1b` is `llama3.2-1b`): a model given twice in
+    # two spellings is one model, refused as given twice, and its rows replace a report's.
+    names = [model_name(m) for m in (x.strip() for x in args.models.split(",")) if m]
     if not names:
         parser.error(f"--models={args.models!r} names no model")
     return [
@@ -1198,7 +1243,7 @@ def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs)
     if unknown:
         parser.error(
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
-            f"directory; presets: {sorted(PRESETS)} (nothing was run)"
+            f"directory; presets: {', '.join(PRESET_NAMES.values())} (nothing was run)"
         )
     if not (args.append and os.path.exists(path)):
         return {"rows": []}
@@ -1234,8 +1279,7 @@ def _ceilings(args: argparse.Namespace, reused: dict) -> dict:
     print("ceilings ...", flush=True)
     ceilings = _child("ceilings", {}, args.timeout, "measuring the ceilings")
     if "error" in ceilings:
-        first = ceilings["error"].split("\n")[0]
-        print(f"warning: measuring the ceilings failed ({first})", file=sys.stderr, flush=True)
+        print(f"warning: {failed('measuring the ceilings', ceilings)}", file=sys.stderr, flush=True)
     return ceilings
 
 
