@@ -258,13 +258,6 @@ def test_chat_template_jinja_comes_before_tokenizer_config(llama3_bpe, tmp_path)
             r"line 2: 'messages': the chat template \(tokenizer_config\.json\) raised "
             r"TemplateError: Conversation roles must alternate user/assistant$",
         ),
-        (  # earlier assistant turns shortened: the prefix rule does not hold
-            "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[answer]"
-            "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}",
-            r"line 2: 'messages': the chat template \(tokenizer_config\.json\) renders the "
-            r"messages through assistant turn 1 \(message 1\) as text that does not begin the "
-            r"whole conversation's rendering",
-        ),
         (  # a generation prompt that the assistant's turn does not begin with
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<answer>{% endif %}",
@@ -1528,3 +1521,393 @@ def test_chat_template_kwargs_match_transformers_apply_chat_template(llama3_bpe,
     ]
     cases = [(f, r, _mark_llama31(LLAMA31_TEMPLATE) if f == llama else m) for f, r, m in cases]
     _match_the_oracle(tmp_path, cases)
+
+
+# ---------------------------------------------------------------------------------------
+# Templates that rewrite earlier turns: one example per assistant turn (chat_turns)
+# ---------------------------------------------------------------------------------------
+
+# Qwen3's chat template (Qwen3-8B's tokenizer_config.json): an assistant turn's <think>
+# block (its reasoning, or an empty one) written only after the last user query.
+QWEN3_TEMPLATE = (TEMPLATES / "qwen3.jinja").read_text()
+# Two questions and a thanks, each answer reasoned but the last.
+REASONED_CHAT = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Capital of France?"},
+    {"role": "assistant", "content": "Paris.", "reasoning_content": "France's capital is Paris."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome.", "reasoning_content": "Italy's capital is Rome."},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You're welcome."},
+]
+# Qwen3's rendering of REASONED_CHAT through each assistant turn, written out by hand:
+# (the text before the turn, ending with the generation prompt; the turn). An earlier
+# turn has lost its <think> block; the last one has it, empty where it has no reasoning.
+_HEAD = f"{IM_START}system\nYou answer briefly.{IM_END}\n{IM_START}user\nCapital of France?"
+_ITALY = f"{IM_END}\n{IM_START}user\nAnd of Italy?{IM_END}\n{IM_START}assistant\n"
+_THANKS = f"{IM_END}\n{IM_START}user\nThanks!{IM_END}\n{IM_START}assistant\n"
+REASONED_TURNS = [
+    (
+        f"{_HEAD}{IM_END}\n{IM_START}assistant\n",
+        f"<think>\nFrance's capital is Paris.\n</think>\n\nParis.{IM_END}\n",
+    ),
+    (
+        f"{_HEAD}{IM_END}\n{IM_START}assistant\nParis.{_ITALY}",
+        f"<think>\nItaly's capital is Rome.\n</think>\n\nRome.{IM_END}\n",
+    ),
+    (
+        f"{_HEAD}{IM_END}\n{IM_START}assistant\nParis.{_ITALY}Rome.{_THANKS}",
+        f"<think>\n\n</think>\n\nYou're welcome.{IM_END}\n",
+    ),
+]
+
+
+def _split_line(path, conversations: int, examples: int, turns: str = "auto") -> str:
+    why = ": their chat template rewrites earlier turns" if turns == "auto" else ""
+    return (
+        f"{path}: split {conversations} conversation{'s' * (conversations != 1)} into "
+        f"{examples} example{'s' * (examples != 1)}, one per assistant turn, each the "
+        f"conversation rendered through its turn (chat_turns {turns}{why})"
+    )
+
+
+def _decoded_turns(tokenizer, dataset) -> list[str]:
+    """Each example's learned tokens, decoded (special tokens kept)."""
+    return [
+        tokenizer.decode(
+            [t for t, label in zip(*_learned(dataset, i), strict=True) if label != IGNORE],
+            skip_special_tokens=False,
+        )
+        for i in range(dataset.num_examples)
+    ]
+
+
+def test_a_template_that_drops_earlier_reasoning_splits_the_conversation(
+    llama3_bpe, tmp_path, capsys
+):
+    """Qwen3's template drops the reasoning of the turns before the last question, so
+    the whole rendering breaks the prefix rule: by default the conversation is one
+    example per assistant turn, example i the template's rendering of the messages
+    through turn i (its reasoning kept, as at inference), turn i learned and nothing
+    else; the examples keep the record's line, and the log counts them. A conversation
+    of one question (the rule holds) is one example."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    path = _jsonl(
+        tmp_path / "r.jsonl", [{"messages": REASONED_CHAT[:3]}, {"messages": REASONED_CHAT}]
+    )
+    dataset = load_dataset(path, tokenizer=folder)
+    assert capsys.readouterr().out == _split_line(path, 1, 3) + "\n"
+    assert dataset.num_examples == 4 and list(dataset.lines) == [1, 2, 2, 2]
+    tokenizer = readers.load_tokenizer(folder)
+    for i, (before, turn) in enumerate([REASONED_TURNS[0], *REASONED_TURNS]):
+        ids, labels = _learned(dataset, i)
+        assert ids == tokenizer.encode(before + turn, add_special_tokens=False).ids
+        n = len(tokenizer.encode(before, add_special_tokens=False).ids)
+        assert set(labels[:n]) == {IGNORE} and IGNORE not in labels[n:]
+    assert _decoded_turns(tokenizer, dataset) == [REASONED_TURNS[0][1]] + [
+        turn for _, turn in REASONED_TURNS
+    ]
+    template = chat.ChatTemplate(folder, "where:")
+    for (before, turn), i in zip(REASONED_TURNS, (2, 4, 6), strict=True):
+        assert template.render(REASONED_CHAT[: i + 1]) == before + turn  # the template's own
+        assert template.render(REASONED_CHAT[:i], add_generation_prompt=True) == before
+    assert "France's capital" not in template.render(REASONED_CHAT)  # the whole drops it
+
+
+# A template that shortens every assistant turn but the last (the prefix rule's second
+# half does not hold), and one whose generation prompt does not begin the turn (its
+# first half does not: no split tells the turn apart).
+SHORTENING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}[answer]\n"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+MISPROMPTING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<answer>{% endif %}"
+)
+
+
+def test_chat_turns_whole_refuses_such_a_conversation_naming_the_flag(llama3_bpe, tmp_path, capsys):
+    """With chat_turns whole a conversation whose template rewrites its earlier turns is
+    refused in one line naming the flag that learns it (the trainer's --chat_turns, the
+    data commands' --chat-turns); auto and split learn it. A turn that its generation
+    prompt does not begin is refused whatever the setting, naming no flag."""
+    from train.config import parse_args
+
+    why = (
+        "'messages': the chat template (tokenizer_config.json) renders the messages through "
+        "assistant turn {turn} (message {message}) as text that does not begin the whole "
+        "conversation's rendering, so the turn's text cannot be told apart (a template that "
+        "rewrites earlier turns); {flag} auto (or split) learns such a conversation as one "
+        "example per assistant turn, each the conversation rendered through that turn as "
+        "the model sees it at inference"
+    )
+    qwen = _qwen_tokenizer(tmp_path / "qwen", llama3_bpe, template=QWEN3_TEMPLATE)
+    path = _jsonl(
+        tmp_path / "r.jsonl", [{"messages": REASONED_CHAT[:3]}, {"messages": REASONED_CHAT}]
+    )
+    with pytest.raises(ValueError) as error:
+        load_dataset(path, tokenizer=qwen, chat_turns="whole")
+    assert str(error.value) == f"{path}: line 2: " + why.format(
+        turn=1, message=2, flag="--chat_turns"
+    )
+    with pytest.raises(SystemExit):
+        data_main(["inspect", str(path), "--tokenizer", str(qwen), "--chat-turns", "whole"])
+    assert capsys.readouterr().err == (
+        f"error: {path}: line 2: {why.format(turn=1, message=2, flag='--chat-turns')}\n"
+    )
+    argv = ["--data_path", str(path), "--tokenizer_name_or_path", str(qwen)]
+    assert parse_args(argv).data.chat_turns == "auto"
+    with pytest.raises(ValueError, match=r"^--chat_turns='all' must be one of \('auto', "):
+        parse_args([*argv, "--chat_turns", "all"])
+    shortening = _write_tokenizer(tmp_path / "short", llama3_bpe, template=SHORTENING_TEMPLATE)
+    messages = [*GOOD["messages"], *GOOD["messages"]]
+    path = _jsonl(tmp_path / "s.jsonl", [{"messages": messages}])
+    with pytest.raises(ValueError) as error:
+        load_dataset(path, tokenizer=shortening, chat_turns="whole")
+    assert str(error.value) == f"{path}: line 1: " + why.format(
+        turn=1, message=1, flag="--chat_turns"
+    )
+    tokenizer = readers.load_tokenizer(shortening)
+    for turns in ("auto", "split"):
+        dataset = load_dataset(path, tokenizer=shortening, chat_turns=turns)
+        assert [t.strip() for t in _decoded_turns(tokenizer, dataset)] == [
+            messages[1]["content"],
+            messages[3]["content"],
+        ]
+    misprompting = _write_tokenizer(tmp_path / "mis", llama3_bpe, template=MISPROMPTING_TEMPLATE)
+    for turns in chat.CHAT_TURNS:
+        with pytest.raises(ValueError) as error:
+            load_dataset(path, tokenizer=misprompting, chat_turns=turns)
+        assert str(error.value).endswith(
+            "renders the messages before assistant turn 1 (message 1) with its generation "
+            "prompt as text that does not begin its rendering through that turn, so the "
+            "turn's text cannot be told apart (a template that rewrites earlier turns)"
+        )
+        assert "--chat_turns" not in str(error.value)
+
+
+def test_conversations_that_keep_the_prefix_rule_are_one_example_unless_split(
+    llama3_bpe, tmp_path, capsys
+):
+    """A conversation the prefix rule holds for is one example under auto (the
+    default) and whole alike, and nothing is said; split makes it one example per
+    assistant turn, the template's rendering of the messages through it, learning that
+    turn: together the examples learn the whole example's turns."""
+    folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
+    records = [{"messages": c} for c in CONVERSATIONS]
+    records.append({"messages": TOOL_CHAT, "tools": [WEATHER]})
+    path = _jsonl(tmp_path / "c.jsonl", records)
+    auto = load_dataset(path, tokenizer=folder)
+    whole = load_dataset(path, tokenizer=folder, chat_turns="whole")
+    for field in ("tokens", "targets", "offsets", "lines"):
+        np.testing.assert_array_equal(getattr(auto, field), getattr(whole, field))
+    assert auto.num_examples == 3 and capsys.readouterr().out == ""
+    split = load_dataset(path, tokenizer=folder, chat_turns="split")
+    assert capsys.readouterr().out == _split_line(path, 3, 7, "split") + "\n"
+    assert list(split.lines) == [1, 1, 2, 3, 3, 3, 3]
+    tokenizer = readers.load_tokenizer(folder)
+    template = chat.ChatTemplate(folder, "where:")
+    parser = readers.RecordParser(path, folder)
+    learned, k = _decoded_turns(tokenizer, split), 0
+    for n, record in enumerate(records):
+        messages = parser._messages("line 1", record["messages"])
+        for i in [i for i, m in enumerate(messages) if m["role"] == "assistant"]:
+            text = template.render(messages[: i + 1], tools=record.get("tools"))
+            assert split.example(k).tolist() == tokenizer.encode(text, add_special_tokens=False).ids
+            k += 1
+        turns = sum(m["role"] == "assistant" for m in messages)
+        assert "".join(learned[k - turns : k]) == _decoded_turns(tokenizer, whole)[n]
+
+
+def test_a_prompts_rewritten_turn_is_context(llama3_bpe, tmp_path, capsys):
+    """A conversational prompt-completion record learns its completion's turns only, so
+    only those keep the prefix rule: an assistant turn of the prompt that Qwen3's
+    template rewrites (its reasoning dropped, as at inference) is context, and the
+    record is one example under every setting."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    record = {"prompt": REASONED_CHAT[:4], "completion": [REASONED_CHAT[4]]}
+    path = _jsonl(tmp_path / "pc.jsonl", [record])
+    tokenizer = readers.load_tokenizer(folder)
+    before, turn = REASONED_TURNS[1]
+    for turns in (None, "auto", "whole", "split"):
+        given = {} if turns is None else {"chat_turns": turns}  # the default first
+        dataset = load_dataset(path, tokenizer=folder, **given)
+        assert dataset.num_examples == 1
+        assert dataset.example(0).tolist() == tokenizer.encode(before + turn).ids
+        assert _decoded_turns(tokenizer, dataset) == [turn]
+    assert capsys.readouterr().out == _split_line(path, 1, 1, "split") + "\n"
+
+
+def test_the_token_cache_records_chat_turns(llama3_bpe, tmp_path, capsys):
+    """A token cache records chat_turns and how many conversations it split, and holds
+    the in-memory examples: read with another setting it is stale (rebuilt under
+    --data_cache_dir, refused as --data_path with the command that rebuilds it), but
+    auto and whole build the same cache where auto split none (one from before the
+    setting, read whole, is kept); read as it is, it says in a line what it split."""
+    qwen = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    path = _jsonl(
+        tmp_path / "r.jsonl", [{"messages": REASONED_CHAT[:3]}, {"messages": REASONED_CHAT}]
+    )
+    eos = readers.load_tokenizer(qwen).token_to_id(IM_END)
+    where = tmp_path / "c"
+    cache, built = data_cache.ensure_cache(path, where, tokenizer=qwen, eos_id=eos)
+    assert built and capsys.readouterr().out == _split_line(path, 1, 3) + "\n"
+    recorded = cache.meta["chat_template"]
+    assert (recorded["turns"], recorded["split_conversations"], recorded["split_examples"]) == (
+        "auto",
+        1,
+        3,
+    )
+    stream = load_dataset(path, tokenizer=qwen).packed_stream(eos)
+    for got, want in zip((cache.tokens, cache.targets, cache.offsets), stream, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    capsys.readouterr()
+    assert cache.mismatch(path, tokenizer=qwen, eos_id=eos) == []
+    for turns in ("whole", "split"):
+        assert cache.mismatch(path, tokenizer=qwen, eos_id=eos, chat_turns=turns) == [
+            f"its conversations were read with chat_turns auto (1 of them split), not {turns}"
+        ]
+    data_cache.packed_rows(where, 16, tokenizer=qwen, eos_id=eos)
+    assert capsys.readouterr().out.startswith(
+        _split_line(where, 1, 3).replace(f"{where}: ", f"{where}: token cache: ") + "\n"
+    )
+    with pytest.raises(ValueError) as error:
+        data_cache.packed_rows(where, 16, tokenizer=qwen, eos_id=eos, chat_turns="split")
+    assert str(error.value).endswith(
+        f"{where} --eos-id {eos} --tokenizer {qwen} --chat-turns split"
+    )
+    cache, built = data_cache.ensure_cache(
+        path, where, tokenizer=qwen, eos_id=eos, chat_turns="split"
+    )
+    assert built and "(its conversations were read with chat_turns auto" in capsys.readouterr().out
+    assert cache.meta["chat_template"]["turns"] == "split"
+    with pytest.raises(ValueError, match=r"line 2: .* --chat_turns auto \(or split\) learns"):
+        data_cache.ensure_cache(path, where, tokenizer=qwen, eos_id=eos, chat_turns="whole")
+    assert data_cache.open_cache(where).meta["chat_template"]["turns"] == "split"  # kept
+    # Conversations the prefix rule holds for: auto and whole build the same cache.
+    plain = _jsonl(tmp_path / "l.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    eot = readers.load_tokenizer(llama3_bpe).token_to_id(EOT)
+    where = tmp_path / "l"
+    cache, built = data_cache.ensure_cache(plain, where, tokenizer=llama3_bpe, eos_id=eot)
+    assert built and cache.meta["chat_template"]["split_conversations"] == 0
+    for turns, rebuilt in (("whole", False), ("auto", False), ("split", True)):
+        _, built = data_cache.ensure_cache(
+            plain, where, tokenizer=llama3_bpe, eos_id=eot, chat_turns=turns
+        )
+        assert built == rebuilt, turns
+    cache, _ = data_cache.ensure_cache(plain, where, tokenizer=llama3_bpe, eos_id=eot)
+    meta_file = where / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for key in ("turns", "split_conversations", "split_examples"):
+        del meta["chat_template"][key]  # as a cache from before the setting
+    meta_file.write_text(json.dumps(meta))
+    old = data_cache.open_cache(where)
+    assert old.mismatch(plain, tokenizer=llama3_bpe, eos_id=eot) == []
+    assert old.mismatch(plain, tokenizer=llama3_bpe, eos_id=eot, chat_turns="split") == [
+        "its conversations were read with chat_turns whole, not split"
+    ]
+
+
+def test_inspect_and_cache_say_what_they_split(llama3_bpe, tmp_path, capsys):
+    """`train.data inspect` counts the split examples as examples, with the line that
+    says how many conversations gave them, of a data file and of its token cache alike;
+    `cache` says it again when the cache is up to date."""
+    qwen = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    path = _jsonl(
+        tmp_path / "r.jsonl", [{"messages": REASONED_CHAT[:3]}, {"messages": REASONED_CHAT}]
+    )
+    data_main(["inspect", str(path), "--tokenizer", str(qwen)])
+    first, *counts = capsys.readouterr().out.splitlines()
+    assert first == _split_line(path, 1, 3)
+    assert dict(line.split(": ") for line in counts)["examples"] == "4"
+    where = tmp_path / "c"
+    data_main(["cache", str(path), str(where), "--tokenizer", str(qwen)])
+    assert capsys.readouterr().out.splitlines()[0] == _split_line(path, 1, 3)
+    data_main(["inspect", str(where)])
+    cached_first, *cached = capsys.readouterr().out.splitlines()
+    assert cached_first == _split_line(where, 1, 3) and cached == counts
+    data_main(["cache", str(path), str(where), "--tokenizer", str(qwen)])
+    assert capsys.readouterr().out.splitlines()[1] == _split_line(where, 1, 3)
+    data_main(["inspect", str(path), "--tokenizer", str(qwen), "--chat-turns", "split"])
+    assert capsys.readouterr().out.splitlines()[0] == _split_line(path, 2, 4, "split")
+
+
+def test_the_trainer_learns_a_qwen3_conversation_turn_by_turn(llama3_bpe, tmp_path, capsys):
+    """`python -m train` on multi-turn Qwen3 conversations with reasoning, by default:
+    two steps of the tiny model, the loss finite, the log saying how many conversations
+    it split into how many examples."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    path = _jsonl(tmp_path / "r.jsonl", [{"messages": REASONED_CHAT}] * 8)
+    steps = _two_steps(path, folder, 128, tmp_path / "out")
+    assert [r["step"] for r in steps] == [1, 2] and all(np.isfinite(r["loss"]) for r in steps)
+    assert _split_line(path, 8, 24) in capsys.readouterr().out
+
+
+ORACLE_TURNS = """
+import json, sys
+from transformers import AutoTokenizer
+cases = json.loads(open(sys.argv[1]).read())
+out = []
+for case in cases:
+    tokenizer = AutoTokenizer.from_pretrained(case["folder"])
+    messages, tools = case["messages"], case["tools"]
+    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(messages[:-1], tools=tools, tokenize=True,
+                                           return_dict=True, add_generation_prompt=True)
+    out.append({"ids": list(ids), "prompt": list(prompt["input_ids"])})
+print(json.dumps(out))
+"""
+
+# A Qwen3 tool-use conversation, reasoned: in the whole rendering the first question's
+# turns lose their reasoning; rendered through the answer to it, the call keeps its
+# own (after the last question, and reasoned).
+QWEN3_TOOL_CHAT = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I should ask the weather tool.",
+        "tool_calls": [_call("get_weather", {"city": "Paris"})],
+    },
+    {"role": "tool", "name": "get_weather", "content": '{"temperature": 21}'},
+    {"role": "assistant", "content": "21 degrees.", "reasoning_content": "The tool says 21."},
+    {"role": "user", "content": "And in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [_call("get_weather", {"city": "Oslo"})]},
+    {"role": "tool", "name": "get_weather", "content": '{"temperature": 4}'},
+    {"role": "assistant", "content": "4 degrees."},
+]
+
+
+@pytest.mark.slow
+def test_split_examples_match_transformers_apply_chat_template(llama3_bpe, tmp_path):
+    """transformers' ``apply_chat_template`` of the messages through each assistant turn
+    gives each split example's ids (Qwen3's template, reasoned turns, tool calls and
+    results), and the tokens after its rendering of the messages before the turn with
+    the generation prompt are the example's learned ones. Skipped without the oracle."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    records = [
+        {"messages": REASONED_CHAT},
+        {"messages": QWEN3_TOOL_CHAT, "tools": [WEATHER]},
+        {"messages": QWEN3_TOOL_CHAT},
+    ]
+    path = _jsonl(tmp_path / "r.jsonl", records)
+    dataset = load_dataset(path, tokenizer=folder)
+    parser = readers.RecordParser(path, folder)
+    cases = []
+    for record in records:
+        messages = parser._messages("line 1", record["messages"])
+        for i in [i for i, m in enumerate(messages) if m["role"] == "assistant"]:
+            cases.append({"folder": str(folder), "messages": messages[: i + 1]})
+            cases[-1]["tools"] = record.get("tools")
+    assert dataset.num_examples == len(cases) == 3 + 4 + 4
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    oracle = _oracle(ORACLE_TURNS, tmp_path / "cases.json")
+    for k, want in enumerate(oracle):
+        ids, labels = _learned(dataset, k)
+        assert ids == want["ids"], k
+        n = len(want["prompt"])
+        assert ids[:n] == want["prompt"], k
+        assert [label != IGNORE for label in labels] == [j >= n for j in range(len(ids))], k

@@ -185,6 +185,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                 chat_template_kwargs=parse_template_kwargs(
                     cfg.data.chat_template_kwargs, "--chat_template_kwargs"
                 ),
+                chat_turns=cfg.data.chat_turns,
             )
         except ShortData as e:  # the row's length by its flag
             raise TrainingError(

@@ -35,14 +35,29 @@ nothing of it; transformers renders that too, but as training data it is garbage
 a conversation whose rendering holds a part's Python text, or lacks a part's text
 (trimmed; as written, or JSON-escaped), is refused: write such contents as a str.
 
-Assistant turns (:meth:`ChatTemplate.assistant_spans`): for each assistant message
-``i`` (one that calls tools too), the rendering of ``messages[:i]`` with the generation
-prompt must be a prefix of the rendering of ``messages[:i + 1]``, which must be a
-prefix of the whole conversation's rendering (all with the conversation's ``tools``);
-the turn is the text between the two (its content or tool calls and what the template
-writes to end the turn, e.g. ``<|eot_id|>``). A tool's result (a ``"tool"`` message) is
-not a turn: it is never learned. A template for which that does not hold (one that
-rewrites earlier turns, e.g. drops their reasoning) is refused.
+Assistant turns (:meth:`ChatTemplate.examples`), the prefix rule: for each assistant
+message ``i`` (one that calls tools too) that is learned, the rendering of
+``messages[:i]`` with the generation prompt must be a prefix of the rendering of
+``messages[:i + 1]``, which must be a prefix of the whole conversation's rendering (all
+with the conversation's ``tools``); the turn is the text between the two (its content
+or tool calls and what the template writes to end the turn, e.g. ``<|eot_id|>``). A
+tool's result (a ``"tool"`` message) is not a turn: it is never learned. Where the rule
+holds the conversation is one example, its whole rendering, learning every turn.
+
+A template that rewrites earlier turns breaks the rule's second half: Qwen3's writes the
+``<think>`` block (the reasoning, or an empty one) of an assistant turn only after the
+last user query, so in a conversation of several questions an earlier turn, as the
+whole rendering writes it, is not the turn the model wrote at inference. Such a
+conversation is learned as the model sees it at inference by splitting it: one example
+per learned assistant turn ``i``, the rendering of ``messages[:i + 1]`` (where turn
+``i`` is the last, its reasoning kept), learning turn ``i`` only, found by the first
+half of the rule on that example alone. ``chat_turns`` (:data:`CHAT_TURNS`, the
+trainer's ``--chat_turns``) picks: ``"auto"`` (the default) splits exactly the
+conversations whose whole rendering breaks the rule, so a conversation that keeps it is
+one example as before; ``"whole"`` refuses those (:class:`RewrittenTurns`); ``"split"``
+splits every conversation, one example per learned turn. A template whose generation
+prompt does not begin its rendering of the turn (the first half) is refused either way:
+no split tells such a turn apart.
 
 ``jinja2`` (the ``text`` extra) is imported only when a template is compiled. The first
 of the data modules: it imports none of ``train``.
@@ -91,6 +106,11 @@ TEMPLATE_INPUTS = (
 )
 # The variables the reader sets itself, which chat_template_kwargs may not.
 READER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+# How a conversation's assistant turns become examples (module docstring; the trainer's
+# --chat_turns), the default first: one example where the prefix rule holds, else one
+# per turn; always one (else refused); always one per turn.
+CHAT_TURNS = ("auto", "whole", "split")
+AUTO, WHOLE, SPLIT = CHAT_TURNS
 
 
 def template_kwargs(value: Any, where: str) -> dict[str, Any]:
@@ -126,6 +146,16 @@ def parse_template_kwargs(text: str, flag: str) -> dict[str, Any]:
 class ChatTemplateError(ValueError):
     """A conversation the template cannot render, or whose assistant turns it does not
     render as prefixes; the message says why (the caller names file and record)."""
+
+
+class RewrittenTurns(ChatTemplateError):
+    """A conversation whose whole rendering does not begin with its rendering through an
+    assistant turn (a template that rewrites earlier turns), read with ``chat_turns``
+    ``"whole"``: splitting it (``"auto"`` or ``"split"``) would learn it."""
+
+
+# A rendered example of a conversation: its text, the [start, end) character spans learned.
+Rendered = tuple[str, list[tuple[int, int]]]
 
 
 def _read_text(file: Path) -> str:
@@ -362,36 +392,74 @@ class ChatTemplate:
         variables ``kwargs``) and the ``[start, end)`` character span of each assistant
         turn in it (see the module docstring); no span without an assistant message.
         :class:`ChatTemplateError` where the template raises or does not render the
-        turns as prefixes."""
-        text = self.render(messages, tools=tools, kwargs=kwargs)
+        turns as prefixes (:class:`RewrittenTurns` where only splitting would learn
+        them). :meth:`examples` with ``"whole"``."""
+        (example,), _ = self.examples(messages, tools, kwargs, WHOLE)
+        return example
+
+    def examples(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        turns: str = AUTO,
+        first: int = 0,
+    ) -> tuple[list[Rendered], bool]:
+        """``(examples, split)``: the conversation (with ``tools`` and template variables
+        ``kwargs``) as ``(text, spans)`` examples, the ``[start, end)`` character span of
+        each learned turn in its text, learning the assistant messages from message
+        ``first`` on (those before are context); ``split``: whether it is one example per
+        learned turn (rendered through it) rather than one of its whole rendering.
+        ``turns``, one of :data:`CHAT_TURNS`, picks (module docstring); without a learned
+        turn, ``"auto"`` and ``"whole"`` give the whole rendering and no span,
+        ``"split"`` no example. :class:`ChatTemplateError` where the template raises or
+        does not render a learned turn as a prefix; :class:`RewrittenTurns` where
+        ``turns`` is ``"whole"`` and only splitting would learn it."""
+        if turns not in CHAT_TURNS:
+            raise ValueError(f"chat_turns={turns!r} must be one of {CHAT_TURNS}")
         label = self._label(tools)
-        if why := _unrendered_parts(messages, text):
-            raise ChatTemplateError(f"the chat template ({label}) {why} ({TAKES_STR})")
-        spans = []
+        text = None  # "split" needs no whole rendering
+        if turns != SPLIT:
+            text = self.render(messages, tools=tools, kwargs=kwargs)
+            if why := _unrendered_parts(messages, text):
+                raise ChatTemplateError(f"the chat template ({label}) {why} ({TAKES_STR})")
+        found: list[tuple[int, str, str]] = []  # (message, before it, through it)
+        rewritten = None  # the first learned turn that the whole rendering rewrites
+        number = 0
         for i, message in enumerate(messages):
             if message["role"] != ASSISTANT:
+                continue
+            number += 1
+            if i < first:
                 continue
             before = self.render(
                 messages[:i], add_generation_prompt=True, tools=tools, kwargs=kwargs
             )
             through = self.render(messages[: i + 1], tools=tools, kwargs=kwargs)
-            turn = f"assistant turn {len(spans) + 1} (message {i})"
-            if not through.startswith(before):
+            turn = f"assistant turn {number} (message {i})"
+            if not through.startswith(before):  # no split tells this turn apart
                 raise ChatTemplateError(
                     f"the chat template ({label}) renders the messages before {turn} "
                     "with its generation prompt as text that does not begin its rendering "
                     "through that turn, so the turn's text cannot be told apart (a template "
                     "that rewrites earlier turns)"
                 )
-            if not text.startswith(through):
-                raise ChatTemplateError(
-                    f"the chat template ({label}) renders the messages through "
-                    f"{turn} as text that does not begin the whole conversation's rendering, "
-                    "so the turn's text cannot be told apart (a template that rewrites "
-                    "earlier turns)"
-                )
-            spans.append((len(before), len(through)))
-        return text, spans
+            if text is not None and rewritten is None and not text.startswith(through):
+                rewritten = turn
+            found.append((i, before, through))
+        if rewritten is not None and turns == WHOLE:
+            raise RewrittenTurns(
+                f"the chat template ({label}) renders the messages through "
+                f"{rewritten} as text that does not begin the whole conversation's rendering, "
+                "so the turn's text cannot be told apart (a template that rewrites "
+                "earlier turns)"
+            )
+        if rewritten is None and turns != SPLIT:
+            return [(text, [(len(before), len(through)) for _, before, through in found])], False
+        for i, _, through in found:
+            if why := _unrendered_parts(messages[: i + 1], through):
+                raise ChatTemplateError(f"the chat template ({label}) {why} ({TAKES_STR})")
+        return [(through, [(len(before), len(through))]) for _, before, through in found], True
 
 
 def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:

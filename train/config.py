@@ -25,7 +25,7 @@ import yaml
 import jflash
 from models.attention import ATTENTION_KINDS
 from models.config import REMAT_POLICIES
-from train.chat import parse_template_kwargs
+from train.chat import CHAT_TURNS, parse_template_kwargs
 from train.dataset import PACKINGS
 
 
@@ -64,6 +64,11 @@ class DataArgs:
     # Every conversation's, as apply_chat_template(**kwargs) takes them (a JSON object;
     # a record's own chat_template_kwargs win over them); empty: none
     chat_template_kwargs: str = ""  # chat template variables (JSON): {"enable_thinking": false}
+    # A conversation whose chat template rewrites its earlier turns (Qwen3's drops their
+    # reasoning) is split into one example per assistant turn, the conversation rendered
+    # through that turn as at inference: auto splits only those (a log line counts
+    # them), whole refuses them, split splits every conversation (train.chat)
+    chat_turns: str = "auto"  # auto: split what the template rewrites | whole: refuse | split: all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +156,7 @@ CHOICES: dict[tuple[str, str], tuple] = {
     ("model", "remat_policy"): REMAT_POLICIES,
     ("data", "packing_positions"): ("per_document", "running"),
     ("data", "packing"): PACKINGS,
+    ("data", "chat_turns"): CHAT_TURNS,
     ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
     ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
     ("optim", "optim"): OPTIMIZERS,

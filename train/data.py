@@ -35,11 +35,12 @@ import numpy as np
 from models.convert import special_token_ids, tokenizer_vocab_size
 from models.loss import IGNORE_INDEX
 from train import data_cache
-from train.chat import CHAT_TEMPLATE_FILE, parse_template_kwargs
+from train.chat import AUTO, CHAT_TEMPLATE_FILE, CHAT_TURNS, parse_template_kwargs
 from train.dataset import Rows, load_dataset, stream_summary
 from train.readers import (
     MESSAGES,
     PROMPT_COMPLETION,
+    ChatTurnsError,
     NoTokenizerError,
     load_tokenizer,
     read_jsonl,
@@ -413,6 +414,14 @@ TEMPLATE_KWARGS_HELP = (
     "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win over them)"
 )
 
+# The data commands' --chat-turns, as the trainer's --chat_turns.
+TURNS_HELP = (
+    "a conversation whose chat template rewrites its earlier turns (Qwen3's drops their "
+    "reasoning) as one example per assistant turn, rendered through that turn: auto "
+    "splits only those, whole refuses them, split splits every conversation (default: "
+    "%(default)s)"
+)
+
 # The command line's description: the data pipeline, file to batch.
 DESCRIPTION = (
     "Training data: read examples (a table of formats), pack rows, shuffle resumable batches."
@@ -464,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     inspect.add_argument("path")
     inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     inspect.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
+    inspect.add_argument("--chat-turns", choices=CHAT_TURNS, default=AUTO, help=TURNS_HELP)
     inspect.add_argument(
         "--eos-id",
         type=int,
@@ -488,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
     cache.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     cache.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
+    cache.add_argument("--chat-turns", choices=CHAT_TURNS, default=AUTO, help=TURNS_HELP)
     cache.add_argument(
         "--eos-id",
         type=int,
@@ -531,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _command(args)
     except NoTokenizerError as e:
         parser.exit(2, f"error: {e.asking_for('--tokenizer')}\n")
+    except ChatTurnsError as e:
+        parser.exit(2, f"error: {e.asking_for('--chat-turns')}\n")
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 
@@ -581,6 +594,8 @@ def _command(args: argparse.Namespace) -> None:
                 )
             summary, eos_id = cache.summary(), cache.eos_id
             stream = cache.tokens, cache.targets, cache.offsets
+            if note := data_cache.cache_split_note(cache):  # as reading the file printed it
+                print(f"{args.path}: {note}")
         else:
             eos_id = _eos_flags(args)
             dataset = load_dataset(
@@ -588,6 +603,7 @@ def _command(args: argparse.Namespace) -> None:
                 tokenizer=args.tokenizer,
                 vocab_size=args.vocab_size,
                 chat_template_kwargs=_template_kwargs(args),
+                chat_turns=args.chat_turns,
             )
             stream = dataset.packed_stream(eos_id)  # as a cache holds them: EOS included
             summary = stream_summary(*stream)  # the counts of that same stream: one pass
@@ -609,12 +625,15 @@ def _command(args: argparse.Namespace) -> None:
             eos_id=eos_id,
             vocab_size=args.vocab_size,
             chat_template_kwargs=_template_kwargs(args),
+            chat_turns=args.chat_turns,
         )
         documents = int(cache.meta["num_documents"])  # not summary(): it reads labels.bin
         print(
             f"{'wrote' if built else 'up to date:'} {args.cache_dir}: {documents} documents, "
             f"{cache.num_tokens} tokens (eos_id={cache.eos_id})"
         )
+        if not built and (note := data_cache.cache_split_note(cache)):  # as building said
+            print(f"{args.cache_dir}: {note}")
     else:
         file = train_tokenizer(
             args.files,

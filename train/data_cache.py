@@ -15,9 +15,11 @@ A cache is a directory:
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
   tokenizer file's sha256 where records were tokenized; the chat template's file, a
   sha256 of its text (and its ``tool_use`` template's) and the special tokens it was
-  given, the inputs the reader gives it (``train.chat.TEMPLATE_INPUTS``) and the
+  given, the inputs the reader gives it (``train.chat.TEMPLATE_INPUTS``), the
   template variables given to every conversation (``chat_template_kwargs``; a record's
-  own are in the source) where conversations were rendered), ``eos_id`` and counts.
+  own are in the source), and ``chat_turns`` with how many conversations it split into
+  how many examples (``split_conversations``, ``split_examples``; each example a
+  document) where conversations were rendered), ``eos_id`` and counts.
 
 It is written under a temporary name beside ``cache_dir`` and renamed into place when
 complete: a failed build leaves nothing under the final name, and a stale cache it
@@ -43,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from models.loss import IGNORE_INDEX
-from train.chat import chat_template_stamp
+from train.chat import AUTO, WHOLE, chat_template_stamp
 from train.dataset import (
     PACKINGS,
     Rows,
@@ -53,7 +55,14 @@ from train.dataset import (
     padding_tokens,
     whole_layout,
 )
-from train.readers import READERS, RecordParser, data_format, read_examples, tokenizer_file
+from train.readers import (
+    READERS,
+    RecordParser,
+    data_format,
+    read_examples,
+    split_note,
+    tokenizer_file,
+)
 
 FORMAT = "jflash-token-cache"
 VERSION = 2
@@ -184,12 +193,15 @@ class TokenCache:
         tokenizer: str | Path | None = None,
         eos_id: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_turns: str = AUTO,
     ) -> list[str]:
         """Why this cache is not what ``source`` (default: the recorded source, where it
         still exists), ``tokenizer`` (compared where both tokenized text; its chat
         template where the cache's conversations were rendered with one),
-        ``chat_template_kwargs`` (where they were) and ``eos_id`` would build; empty
-        when it is."""
+        ``chat_template_kwargs`` and ``chat_turns`` (where they were: ``"auto"`` and
+        ``"whole"`` build the same cache where ``"auto"`` split no conversation; a cache
+        from before the setting read them whole) and ``eos_id`` would build; empty when
+        it is."""
         reasons = []
         if eos_id != self.eos_id:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
@@ -224,6 +236,15 @@ class TokenCache:
                 f"its conversations were rendered with chat_template_kwargs "
                 f"{json.dumps(chat.get('kwargs', {}))}, not {json.dumps(kwargs)}"
             )
+        if chat is not None:
+            built = chat.get("turns", WHOLE)  # a cache from before the setting: whole
+            split = chat.get("split_conversations", 0)
+            alike = {built, chat_turns} == {AUTO, WHOLE} and not split  # auto split none
+            if built != chat_turns and not alike:
+                how = f" ({split} of them split)" if split else ""
+                reasons.append(
+                    f"its conversations were read with chat_turns {built}{how}, not {chat_turns}"
+                )
         return reasons
 
     def prompted(self) -> np.ndarray:
@@ -440,12 +461,14 @@ def build_cache(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_turns: str = AUTO,
 ) -> TokenCache:
     """Tokenizes ``source`` (any format of :data:`train.readers.READERS`) into a cache at
     ``cache_dir``, one record at a time, written under a temporary name and renamed into
     place when complete (replacing an older cache there only then);
-    ``chat_template_kwargs``: template variables for every conversation, as
-    :func:`train.dataset.load_dataset` takes them.
+    ``chat_template_kwargs`` and ``chat_turns``: template variables for every
+    conversation and which conversations are split into an example per assistant turn,
+    as :func:`train.dataset.load_dataset` takes them.
 
     Raises:
         ValueError: as :func:`train.dataset.load_dataset` for bad data (nothing is left
@@ -465,7 +488,7 @@ def build_cache(
     tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        parser = RecordParser(source, tokenizer, chat_template_kwargs)
+        parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns)
         word = "line" if READERS[data_format(source)].by_line else "record"
         writer = _Writer(tmp)
         try:
@@ -489,7 +512,13 @@ def build_cache(
             "version": VERSION,
             "source": stamp,
             "tokenizer": tokenizer_stamp(tokenizer) if parser.used_tokenizer else None,
-            "chat_template": parser.chat_template and parser.chat_template.stamp,
+            "chat_template": parser.chat_template
+            and {
+                **parser.chat_template.stamp,
+                "turns": parser.chat_turns,
+                "split_conversations": parser.split_conversations,
+                "split_examples": parser.split_examples,
+            },
             "eos_id": eos_id,
             "num_tokens": writer.offsets[-1],
             "num_documents": len(writer.offsets) - 1,
@@ -544,9 +573,10 @@ def ensure_cache(
     eos_id: int | None = None,
     vocab_size: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_turns: str = AUTO,
 ) -> tuple[TokenCache, bool]:
     """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
-    ``tokenizer``, ``eos_id`` and ``chat_template_kwargs`` (see
+    ``tokenizer``, ``eos_id``, ``chat_template_kwargs`` and ``chat_turns`` (see
     :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one)."""
     source = Path(source)
     if not source.exists():
@@ -559,6 +589,7 @@ def ensure_cache(
                 tokenizer=tokenizer,
                 eos_id=eos_id,
                 chat_template_kwargs=chat_template_kwargs,
+                chat_turns=chat_turns,
             )
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
@@ -574,6 +605,7 @@ def ensure_cache(
         eos_id=eos_id,
         vocab_size=vocab_size,
         chat_template_kwargs=chat_template_kwargs,
+        chat_turns=chat_turns,
     )
     return cache, True
 
@@ -607,19 +639,24 @@ def packed_rows(
     pad_last: bool = False,
     packing: str = "stream",
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_turns: str = AUTO,
 ) -> Rows | CachedRows:
     """The trainer's rows of ``path``: a token cache directory (checked against
-    ``eos_id``, ``tokenizer``, ``chat_template_kwargs`` and its recorded source), a
-    data file cached under
+    ``eos_id``, ``tokenizer``, ``chat_template_kwargs``, ``chat_turns`` and its recorded
+    source), a data file cached under
     ``cache_root`` (built on first use, rebuilt when stale), or without ``cache_root``
     a data file loaded into memory. ``pad_last``: the tail that does not fill a row
     makes a last row, filled up (evaluation), instead of being dropped. ``packing``:
     ``"stream"`` or ``"whole"`` (:mod:`train.dataset`); ``"whole"`` prints how many of
-    the rows' tokens are padding."""
+    the rows' tokens are padding. A cache read as it is (not built now) says in a line
+    how many conversations it split, as reading them says it (:func:`_note_split`)."""
     if is_cache(path):
         cache = open_cache(path, vocab_size=vocab_size)
         stale = cache.mismatch(
-            tokenizer=tokenizer, eos_id=eos_id, chat_template_kwargs=chat_template_kwargs
+            tokenizer=tokenizer,
+            eos_id=eos_id,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_turns=chat_turns,
         )
         if stale:
             flags = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
@@ -627,11 +664,14 @@ def packed_rows(
                 flags += f" --tokenizer {tokenizer}"  # its text is this run's tokenizer's
             if chat_template_kwargs and cache.meta.get("chat_template") is not None:
                 flags += f" --chat-template-kwargs {shlex.quote(json.dumps(chat_template_kwargs))}"
+            if chat_turns != AUTO and cache.meta.get("chat_template") is not None:
+                flags += f" --chat-turns {chat_turns}"
             raise ValueError(
                 f"{path}: the token cache does not match this run ({'; '.join(stale)}); "
                 "rebuild it: python -m train.data cache "
                 f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
+        _note_split(path, cache)
         _note_cut_prompts(path, seq_len, cache)
         _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
@@ -646,14 +686,21 @@ def packed_rows(
             eos_id=eos_id,
             vocab_size=vocab_size,
             chat_template_kwargs=chat_template_kwargs,
+            chat_turns=chat_turns,
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
+        else:
+            _note_split(path, cache)
         _note_cut_prompts(path, seq_len, cache)
         _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     dataset = load_dataset(
-        path, tokenizer=tokenizer, vocab_size=vocab_size, chat_template_kwargs=chat_template_kwargs
+        path,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        chat_template_kwargs=chat_template_kwargs,
+        chat_turns=chat_turns,
     )
     lengths = dataset.stream_lengths(eos_id)
     _note_cut_prompts(path, seq_len, dataset)
@@ -664,6 +711,22 @@ def packed_rows(
     if packing == "whole":
         _say_padding(path, rows.num_rows, seq_len, padding)
     return rows
+
+
+def _note_split(path: str | Path, cache: TokenCache) -> None:
+    """One line where the cache's conversations were split into an example per
+    assistant turn, in the words reading them prints (:func:`train.readers.split_note`)."""
+    if note := cache_split_note(cache):
+        print(f"{path}: token cache: {note}", flush=True)
+
+
+def cache_split_note(cache: TokenCache) -> str | None:
+    """:func:`train.readers.split_note` of the conversations the cache split, or None
+    where it split none."""
+    chat = cache.meta.get("chat_template") or {}
+    if not chat.get("split_conversations"):
+        return None
+    return split_note(chat["split_conversations"], chat["split_examples"], chat["turns"])
 
 
 def _note_padding(path: str | Path, rows: CachedRows) -> CachedRows:

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.loss import IGNORE_INDEX
+from train.chat import AUTO
 from train.readers import READERS, RecordParser, data_format, read_examples
 
 _MAX_ID = np.iinfo(np.int32).max
@@ -380,6 +381,7 @@ def load_dataset(
     tokenizer: str | Path | None = None,
     vocab_size: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_turns: str = AUTO,
 ) -> TokenDataset:
     """Loads a dataset of any format in :data:`train.readers.READERS` into memory.
 
@@ -389,6 +391,8 @@ def load_dataset(
         vocab_size: if given, every token id and label must be below it.
         chat_template_kwargs: chat template variables for every conversation
             (:class:`train.chat.ChatTemplate`), under a record's own.
+        chat_turns: which conversations are split into one example per assistant turn
+            (:data:`train.chat.CHAT_TURNS`); a split one's examples share its line.
 
     Raises:
         ValueError: malformed data, naming the file and record index; an empty dataset;
@@ -396,7 +400,7 @@ def load_dataset(
     """
     path = Path(path)
     reader = READERS[data_format(path)]
-    parser = RecordParser(path, tokenizer, chat_template_kwargs)
+    parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns)
     examples = list(read_examples(path, parser))
     if not examples:
         raise ValueError(f"{path}: the dataset has no examples")

@@ -62,7 +62,12 @@ this order (other keys are ignored):
   turn (the turn's content or tool calls and what the template writes to end it, e.g.
   ``<|eot_id|>``; a token straddling the turn's boundary is labelled whole), every
   other token ``-100`` (a tool's result too). The assistant turns are found by the
-  prefix rule of :mod:`train.chat`. A conversation
+  prefix rule of :mod:`train.chat`; a conversation whose template rewrites its earlier
+  turns (Qwen3's drops their reasoning) is split, under the parser's ``chat_turns``
+  (``"auto"``, the default; ``"whole"`` refuses it, ``"split"`` splits every one), into
+  one example per learned assistant turn, the conversation rendered through that turn,
+  each with the record's number, and the log says how many conversations gave how many
+  examples. A conversation
   without an assistant turn with a token to learn is skipped, and the log says how
   many. A record with ``"messages"`` and only one of ``"prompt"`` and ``"completion"``
   is read by its messages (``"prompt"`` beside ``"messages"``, as in some chat
@@ -94,8 +99,11 @@ import numpy as np
 from models.loss import IGNORE_INDEX
 from train.chat import (
     ASSISTANT,
+    AUTO,
+    CHAT_TURNS,
     ChatTemplate,
     ChatTemplateError,
+    RewrittenTurns,
     assistant_labels,
     template_kwargs,
 )
@@ -135,8 +143,12 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
 def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator[Example]:
     """`examples`, then one log line for the records that reading skipped: texts, or
     prompt/completion records' completions, that tokenize to nothing, and conversations
-    without an assistant turn to learn."""
+    without an assistant turn to learn; and one for the conversations split into an
+    example per assistant turn (:func:`split_note`)."""
     yield from examples
+    if parser.split_conversations:
+        note = split_note(parser.split_conversations, parser.split_examples, parser.chat_turns)
+        print(f"{parser.path}: {note}", flush=True)
     skipped = [
         f"{n} record{'s' * (n != 1)} whose {why}"
         for n, why in (
@@ -163,9 +175,10 @@ def records_reader(
             wheres = [f"{word} {number}" for number, _ in chunk]
             tokenized = parser.tokenize_texts(wheres, [record for _, record in chunk])
             for where, (number, record), tokens in zip(wheres, chunk, tokenized, strict=True):
-                if tokens is not None and not tokens[0].size:
-                    continue  # nothing to train on (counted by the parser)
-                yield Example(number, *parser.parse(where, record, tokens))
+                parsed = parser.parse(where, record, tokens)
+                for ids, labels in parsed if isinstance(parsed, list) else [parsed]:
+                    if ids.size:  # else nothing to train on (counted by the parser)
+                        yield Example(number, ids, labels)
 
     return parse_all
 
@@ -347,8 +360,38 @@ def data_format(path: str | Path) -> str:
     return suffix
 
 
-# What a reader gets for a record that is tokenized: ``(input_ids, labels or None)``.
+# What a reader gets for a record that is tokenized: ``(input_ids, labels or None)``;
+# for a conversation split into one example per assistant turn, a list of them.
 Tokens = tuple[np.ndarray, np.ndarray | None]
+
+
+def split_note(conversations: int, examples: int, chat_turns: str) -> str:
+    """The log's words for ``conversations`` split into ``examples``, one per assistant
+    turn, under ``chat_turns`` (:data:`train.chat.CHAT_TURNS`)."""
+    why = ": their chat template rewrites earlier turns" if chat_turns == AUTO else ""
+    return (
+        f"split {conversations} conversation{'s' * (conversations != 1)} into {examples} "
+        f"example{'s' * (examples != 1)}, one per assistant turn, each the conversation "
+        f"rendered through its turn (chat_turns {chat_turns}{why})"
+    )
+
+
+class ChatTurnsError(ValueError):
+    """A conversation whose template rewrites its earlier turns, read whole (chat_turns
+    ``"whole"``): the message names the trainer's ``--chat_turns``, which splits it;
+    :meth:`asking_for` names another command's flag."""
+
+    def __init__(self, where: str, flag: str = "--chat_turns"):
+        self.where = where
+        super().__init__(
+            f"{where}; {flag} auto (or split) learns such a conversation as one example per "
+            "assistant turn, each the conversation rendered through that turn as the model "
+            "sees it at inference"
+        )
+
+    def asking_for(self, flag: str) -> ChatTurnsError:
+        """The same error naming ``flag``."""
+        return ChatTurnsError(self.where, flag)
 
 
 def record_kind(record: dict) -> str | None:
@@ -476,15 +519,21 @@ class RecordParser:
         path: Path,
         tokenizer: str | Path | None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_turns: str = AUTO,
     ):
+        if chat_turns not in CHAT_TURNS:
+            raise ValueError(f"chat_turns={chat_turns!r} must be one of {CHAT_TURNS}")
         self.path = path
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # for every conversation
+        self.chat_turns = chat_turns  # train.chat.CHAT_TURNS: which conversations are split
         self._tokenizer = None
         self.chat_template = None  # train.chat.ChatTemplate, at the first "messages" record
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
         self.empty_completions = 0  # prompt/completion records whose completion does (skipped)
         self.empty_conversations = 0  # messages records without an assistant token (skipped)
+        self.split_conversations = 0  # conversations read as one example per assistant turn
+        self.split_examples = 0  # the examples they gave
 
     @property
     def used_tokenizer(self) -> bool:
@@ -492,9 +541,10 @@ class RecordParser:
         return self._tokenizer is not None
 
     def parse(
-        self, where: str, record: Any, tokens: Tokens | None = None
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """``(input_ids, labels or None)``; ``tokens``: the record's text (or prompt and
+        self, where: str, record: Any, tokens: Tokens | list[Tokens] | None = None
+    ) -> Tokens | list[Tokens]:
+        """``(input_ids, labels or None)`` (a list of them for a conversation split into
+        one example per assistant turn); ``tokens``: the record's text (or prompt and
         completion, or conversation), tokenized by :meth:`tokenize_texts`."""
         if not isinstance(record, dict):
             return self._ids(where, "input_ids", record), None
@@ -512,19 +562,23 @@ class RecordParser:
             f"'prompt' and 'completion', got {sorted(record)}"
         )
 
-    def tokenize_texts(self, wheres: Sequence[str], records: Sequence[Any]) -> list[Tokens | None]:
+    def tokenize_texts(
+        self, wheres: Sequence[str], records: Sequence[Any]
+    ) -> list[Tokens | list[Tokens] | None]:
         """The tokens of each record that holds text: a ``"text"`` record's ids (labels
         None); a prompt/completion record's ids and labels (the prompt's ``-100``); a
-        ``"messages"`` record's ids and labels (``-100`` but on the assistant turns).
-        None for the others. One ``encode_batch`` call for the texts, one for the
-        prompts, one for the completions and one for the conversations. Empty ids where
-        the record has nothing to train on (a text, or a completion, that tokenizes to
-        nothing, or a conversation without an assistant token, counted in
-        ``empty_texts`` / ``empty_completions`` / ``empty_conversations``): the reader
-        skips it. ValueError naming the first record whose field is not a str (or a
-        list of messages, or whose messages or tools are malformed), that has only one
-        of prompt and completion, or whose conversation the chat template cannot
-        render."""
+        ``"messages"`` record's ids and labels (``-100`` but on the assistant turns), or
+        a list of them, one per learned assistant turn, for a conversation split
+        (``chat_turns``, :mod:`train.chat`). None for the others. One ``encode_batch``
+        call for the texts, one for the prompts, one for the completions and one for the
+        conversations. Empty ids where the record has nothing to train on (a text, or a
+        completion, that tokenizes to nothing, or a conversation without an assistant
+        token, counted in ``empty_texts`` / ``empty_completions`` /
+        ``empty_conversations``): the reader skips it. ValueError naming the first
+        record whose field is not a str (or a list of messages, or whose messages or
+        tools are malformed), that has only one of prompt and completion, or whose
+        conversation the chat template cannot render (:class:`ChatTurnsError` where
+        only splitting it would learn it)."""
         texts: list[tuple[int, str]] = []
         pairs: list[tuple[int, str, str]] = []
         chats: list[Chat] = []
@@ -547,7 +601,7 @@ class RecordParser:
             elif kind == MESSAGES:
                 messages = self._messages(wheres[i], record[MESSAGES])
                 chats.append(self._chat(wheres[i], i, record, messages, 0))
-        out: list[Tokens | None] = [None] * len(records)
+        out: list[Tokens | list[Tokens] | None] = [None] * len(records)
         if not texts and not pairs and not chats:
             return out
         first, fields = min(
@@ -590,17 +644,20 @@ class RecordParser:
         wheres: Sequence[str],
         chats: Sequence[Chat],
         tokenizer,
-        out: list[Tokens | None],
+        out: list[Tokens | list[Tokens] | None],
     ) -> None:
-        """Renders each conversation with the chat template and tokenizes the texts in
-        one ``encode_batch`` call (no special tokens added: the template wrote them),
-        labelling the tokens of the assistant turns (:func:`train.chat.assistant_labels`)."""
+        """Renders each conversation with the chat template (one example, or one per
+        learned assistant turn where it is split: :meth:`train.chat.ChatTemplate.examples`
+        under ``chat_turns``) and tokenizes the texts in one ``encode_batch`` call (no
+        special tokens added: the template wrote them), labelling the tokens of the
+        assistant turns (:func:`train.chat.assistant_labels`). An example without a
+        learned token is dropped; a conversation left without one is empty."""
         if self.chat_template is None:
             field = _conversation_field(chats[0].learned_from)
             where = f"{self.path}: {wheres[chats[0].index]}: has {field} but"
             folder = tokenizer_file(self.tokenizer).parent
             self.chat_template = ChatTemplate(folder, where, self.chat_template_kwargs)
-        rendered: list[tuple[int, str, list[tuple[int, int]]]] = []
+        rendered: list[tuple[int, list[tuple[str, list[tuple[int, int]]]], bool]] = []
         for i, messages, tools, kwargs, learned_from in chats:
             turns = [j for j, m in enumerate(messages) if m["role"] == ASSISTANT]
             if not any(j >= learned_from for j in turns):
@@ -609,21 +666,34 @@ class RecordParser:
                 continue
             field = _conversation_field(learned_from)
             try:
-                text, spans = self.chat_template.assistant_spans(messages, tools, kwargs)
+                examples, split = self.chat_template.examples(
+                    messages, tools, kwargs, self.chat_turns, learned_from
+                )
+            except RewrittenTurns as e:
+                raise ChatTurnsError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
             except ChatTemplateError as e:
                 raise ValueError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
-            spans = [span for j, span in zip(turns, spans, strict=True) if j >= learned_from]
-            rendered.append((i, text, spans))
-        texts = [text for _, text, _ in rendered]
-        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
-        for (i, _, spans), encoding in zip(rendered, encodings, strict=True):
-            ids = np.asarray(encoding.ids, dtype=np.int32)
-            learned = np.asarray(assistant_labels(encoding.ids, encoding.offsets, spans), bool)
-            if not learned.any():
+            rendered.append((i, examples, split))
+        texts = [text for _, examples, _ in rendered for text, _ in examples]
+        encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
+        for i, examples, split in rendered:
+            tokens = []
+            mine = itertools.islice(encodings, len(examples))
+            for (_, spans), encoding in zip(examples, mine, strict=True):
+                learned = np.asarray(assistant_labels(encoding.ids, encoding.offsets, spans), bool)
+                if learned.any():
+                    ids = np.asarray(encoding.ids, dtype=np.int32)
+                    labels = np.where(learned, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+                    tokens.append((ids, labels))
+            if not tokens:
                 self.empty_conversations += 1
                 out[i] = np.zeros(0, np.int32), None
-                continue
-            out[i] = ids, np.where(learned, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+            elif split:
+                self.split_conversations += 1
+                self.split_examples += len(tokens)
+                out[i] = tokens
+            else:
+                (out[i],) = tokens
 
     def _messages(self, where: str, value: Any, key: str = MESSAGES) -> list[dict[str, Any]]:
         """A conversation's messages (the record's ``key``) as the template gets them:
