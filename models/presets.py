@@ -141,7 +141,9 @@ def _key(name: str) -> str:
 
     matches = [key for key in PRESETS if squash(key) == squash(name)]
     if not matches:
-        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        raise ValueError(
+            f"unknown preset {name!r}; known: {', '.join(sorted(PRESET_NAMES.values()))}"
+        )
     return matches[0]
 
 

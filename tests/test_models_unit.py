@@ -145,8 +145,10 @@ def test_every_preset_has_one_spelling_for_command_lines():
         assert models.preset(name) is models.PRESETS[key]
         assert models.preset_name(key) == models.preset_name(name.upper()) == name
     assert models.preset_name("Llama-3.2-1B") == models.preset_name("llama3_2_1b") == "llama3.2-1b"
-    with pytest.raises(ValueError, match="unknown preset 'llama9'"):
+    with pytest.raises(ValueError, match="unknown preset 'llama9'") as e:
         models.preset_name("llama9")
+    # The error lists the spellings command lines use, not the table's keys.
+    assert "llama3.2-1b, llama3.2-3b" in str(e.value) and "llama3_2_1b" not in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,11 @@ def _tiny_model_dir(path, **config_changes):
             marks=pytest.mark.multi_device(8),
         ),
         (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
-        (["--data_path", "sample", "--model_name_or_path", "nope"], "neither a local"),
+        (
+            ["--data_path", "sample", "--model_name_or_path", "nope"],
+            r"neither a local HF directory nor a preset \(llama2-13b, .* llama3.2-1b, "
+            r"llama3.2-3b, tiny\)",
+        ),
     ],
 )
 def test_overwrite_keeps_the_previous_run_when_the_new_one_cannot_start(tmp_path, extra, match):

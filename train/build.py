@@ -67,7 +67,7 @@ def model_config(cfg: TrainConfig) -> models.LlamaConfig:
     except (KeyError, ValueError) as e:
         raise TrainingError(
             f"--model_name_or_path={name!r} is neither a local HF directory nor a preset "
-            f"({sorted(models.PRESETS)})"
+            f"({', '.join(sorted(models.PRESET_NAMES.values()))})"
         ) from e
 
 
