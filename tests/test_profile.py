@@ -1125,9 +1125,10 @@ def _stop_the_tool_in_a_row(tmp_path, how: str) -> tuple[subprocess.Popen, list[
     argv = ["--models", "tiny", "--context", "256", "--mesh", "seq=2", "--steps", "100000"]
     argv += ["--no-xla-cost", "--out", str(out)]
     # As a terminal starts it: a shell running these tests in the background hands its
-    # children SIGINT ignored, and Python keeps that.
+    # children SIGINT ignored, and `nohup` SIGHUP, and Python keeps both.
     start = (
         "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL); "
         f"sys.argv = ['profile', *{argv!r}]; runpy.run_module('train.tools.profile', "
         "run_name='__main__')"
     )
