@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The Mosaic GPU kernels on a Hopper GPU: compiled correctness tests, then the
-# same-run kernel table against cuDNN and the Triton kernel.
-#   bash benchmarks/mosaic_check.sh [tests|table|tune|split|all]
+# same-run kernel table against cuDNN and the Triton kernel; `ptxas` (not in `all`)
+# prints each kernel's registers and spills as ptxas reports them, for a kernel change
+# to be read before it is timed.
+#   bash benchmarks/mosaic_check.sh [tests|table|tune|split|ptxas|all]
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -39,3 +41,35 @@ if [[ $part == tests || $part == all ]]; then
     tests/test_work_items.py -k "mosaic or repeated" -p no:cacheprovider 2>&1 | tail -25
 fi
 stamp done
+if [[ $part == ptxas ]]; then
+  # Each kernel a causal forward+backward compiles (bf16, 16/4 heads; PTXAS_SHAPES: "S:D ...").
+  for shape in ${PTXAS_SHAPES:-4096:64 16384:64 16384:128}; do
+    seq=${shape%%:*} hd=${shape##*:}
+    dir=$(mktemp -d)
+    stamp "ptxas S=$seq D=$hd"
+    MOSAIC_GPU_DUMP_TO="$dir" MOSAIC_GPU_DUMP_PTXAS=1 timeout 240 python3 - "$seq" "$hd" <<'PY' 2>&1 | grep -v Warning | tail -3
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jflash
+
+seq, hd = map(int, sys.argv[1:])
+q = jnp.ones((1, seq, 16, hd), jnp.bfloat16)
+kv = jnp.ones((1, seq, 4, hd), jnp.bfloat16)
+
+
+def loss(q, k, v):
+    return jflash.flash_attention(q, k, v, causal=True).astype(jnp.float32).sum()
+
+
+jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv))
+PY
+    for f in "$dir"/*.ptxas; do
+      [[ -e $f ]] || { echo "  no ptxas report (not a Hopper GPU?)"; break; }
+      echo "  $(basename "$f" .ptxas): $(grep -h -o 'Used [0-9]* registers\|[0-9]* bytes spill stores' "$f" | paste -sd ' ')"
+    done
+    rm -rf "$dir"
+  done
+fi
