@@ -208,7 +208,8 @@ def test_a_tokenizer_without_a_chat_template_is_named(llama3_bpe, tmp_path):
     assert str(error.value) == (
         f"{path}: line 2: has 'messages' but {plain} has no chat_template in "
         "tokenizer_config.json or chat_template.jinja; add the model's chat template there, "
-        "or write the conversations as 'prompt' / 'completion' records"
+        "give one in its place (the trainer's --chat_template FILE), or write the "
+        "conversations as 'prompt' / 'completion' records"
     )
     with pytest.raises(ValueError, match=r"line 2: has 'messages' but no tokenizer was given"):
         load_dataset(path)

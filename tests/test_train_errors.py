@@ -96,6 +96,10 @@ def _tiny_model_dir(path, **config_changes):
             marks=pytest.mark.multi_device(8),
         ),
         (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
+        (  # refused whatever the data: the export carries it
+            ["--data_path", "sample", "--chat_template", "typo.jinja"],
+            r"^--chat_template='.*typo\.jinja': no such file or directory",
+        ),
         (
             ["--data_path", "sample", "--model_name_or_path", "nope"],
             r"neither a local HF directory nor a preset \(llama2-13b, .* llama3.2-1b, "
@@ -111,7 +115,8 @@ def test_overwrite_keeps_the_previous_run_when_the_new_one_cannot_start(tmp_path
     small = tmp_path / "small.npy"
     data_lib.save_dataset(small, np.arange(300, dtype=np.int32).reshape(3, 100) % 500)
     extra = [
-        str(small) if a == "SMALL" else str(tmp_path / a) if a == "typo.npy" else a for a in extra
+        str(small) if a == "SMALL" else str(tmp_path / a) if a.startswith("typo.") else a
+        for a in extra
     ]
     argv = [*BASE, "--output_dir", str(out), "--overwrite_output_dir", "--max_steps", "1"]
     with pytest.raises((TrainingError, ValueError), match=match):

@@ -26,7 +26,7 @@ from models.loss import IGNORE_INDEX
 from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache
-from train.chat import parse_template_kwargs
+from train.chat import check_template_path, parse_template_kwargs
 from train.config import TrainConfig
 from train.dataset import Rows, ShortData, TokenDataset
 from train.errors import TrainingError
@@ -186,6 +186,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                     cfg.data.chat_template_kwargs, "--chat_template_kwargs"
                 ),
                 chat_turns=cfg.data.chat_turns,
+                chat_template=cfg.data.chat_template or None,
             )
         except ShortData as e:  # the row's length by its flag
             raise TrainingError(
@@ -222,6 +223,20 @@ def _blame_the_tokenizer(cfg: TrainConfig, tokenizer: str, vocab_size: int, erro
         f"train a model of vocab_size >= {size} (its config.json) or use a tokenizer of "
         f"at most {vocab_size} ids"
     ) from None
+
+
+def chat_templates(cfg: TrainConfig) -> dict[str, str] | None:
+    """`--chat_template`'s templates by name (`train.chat.check_template_path`: read and
+    compiled), what the run renders its conversations with and its export carries; None
+    without the flag (the tokenizer's own). Refused whatever the data, before anything
+    is written: a missing file, a directory without a template, one that does not
+    compile."""
+    if not cfg.data.chat_template:
+        return None
+    try:
+        return check_template_path(cfg.data.chat_template, "--chat_template")
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
 
 
 def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
@@ -371,6 +386,8 @@ class Trainer:
     flops_token: float
     eval_rows: Rows | data_cache.CachedRows | None = None
     eval_fn: Callable | None = None
+    # `--chat_template`'s templates as the run read them (`chat_templates`): the export's
+    chat_templates: dict[str, str] | None = None
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """`BATCH_KEYS` `[accum, global batch, T]` for `step`, sharded."""
@@ -545,6 +562,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     cfg = resolve_strategy(cfg, arch, sizes, devices)
     check_layout(cfg, sizes)
     check_heads(cfg, arch, sizes)
+    templates = chat_templates(cfg)
     check_host_memory(cfg, arch)
     if config is None:
         config, host_params = load_model(cfg)
@@ -627,6 +645,7 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         flops_token=models.training_flops_per_token(config, seq_len),
         eval_rows=eval_rows,
         eval_fn=plan.eval_fn,
+        chat_templates=templates,
     )
 
 

@@ -8,8 +8,19 @@ with the named templates ``additional_chat_templates/<name>.jinja`` (as transfor
 saves several), where those files exist, else the ``"chat_template"`` of
 ``tokenizer_config.json`` (a str, or a list of named templates). Of named templates,
 the one named ``"default"`` (``chat_template.jinja``), and for a conversation given
-``tools`` the one named ``"tool_use"`` where there is one, as transformers picks. It is
-rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
+``tools`` the one named ``"tool_use"`` where there is one, as transformers picks.
+
+A template given in its place (the trainer's ``--chat_template``, as TRL's
+``chat_template_path``; ``train.data inspect`` and ``cache``: ``--chat-template``)
+renders every conversation instead, also for a tokenizer without one (a base model's),
+or where the model's does not suit training: a Jinja file is the default template, a
+directory's templates are read as a tokenizer directory's (:func:`read_template_path`);
+the tokenizer still gives the special tokens. The token cache hashes its text, and the
+trainer's HF export carries it as transformers 5 saves a tokenizer's templates
+(:func:`save_chat_template`: ``chat_template.jinja``, no other template beside it), so
+that ``apply_chat_template`` at inference renders what training saw.
+
+A template is rendered as transformers' ``apply_chat_template`` renders it: a sandboxed Jinja
 environment (``ImmutableSandboxedEnvironment``, ``trim_blocks``, ``lstrip_blocks``, the
 ``loopcontrols`` extension and a ``{% generation %}`` block that renders its body), the
 globals ``raise_exception`` and ``strftime_now``, a ``tojson`` filter that does not
@@ -210,6 +221,99 @@ def read_chat_template(folder: str | Path) -> tuple[dict[str, str], dict[str, Pa
     return {DEFAULT: template}, {DEFAULT: config}
 
 
+def read_template_path(path: str | Path, prefix: str) -> tuple[dict[str, str], dict[str, Path]]:
+    """The templates of ``path``, given in place of a tokenizer's (the trainer's
+    ``--chat_template``), as :func:`read_chat_template` gives them: a Jinja file is the
+    default template; a directory's are read as a tokenizer directory's. ValueError
+    starting with ``prefix`` where ``path`` does not exist, is a directory without a chat
+    template, or is not a text file, or an empty one."""
+    path = Path(path)
+    if path.is_dir():
+        try:
+            found = read_chat_template(path)
+        except ValueError as e:
+            raise ValueError(f"{prefix}: {e}") from None
+        if found is None:
+            raise ValueError(
+                f"{prefix}: a directory without a chat template (no {CHAT_TEMPLATE_FILE}, "
+                f"{CHAT_TEMPLATE_DIR}/ or 'chat_template' in {TOKENIZER_CONFIG}); give a Jinja "
+                "file, or a tokenizer directory with one"
+            )
+        return found
+    if not path.is_file():
+        raise ValueError(
+            f"{prefix}: no such file or directory (give a Jinja chat template file, or a "
+            "tokenizer directory with one)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{prefix}: not a readable text file ({e})") from None
+    if not text.strip():
+        raise ValueError(f"{prefix}: an empty file (a Jinja chat template renders nothing)")
+    return {DEFAULT: text}, {DEFAULT: path}
+
+
+def check_template_path(path: str | Path, flag: str) -> dict[str, str]:
+    """``{name: template text}`` of ``path`` (:func:`read_template_path`), each compiled
+    as it will render; ValueError starting with ``flag=path`` (one line) where it cannot
+    be read, ``jinja2`` is missing, or a template does not compile."""
+    prefix = f"{flag}={str(path)!r}"
+    templates, files = read_template_path(path, prefix)
+    given = Path(path)
+    _compile_all(
+        templates,
+        files,
+        f"{prefix}:",
+        lambda name: f"{prefix}:" if files[name] == given else f"{prefix}: {files[name]}:",
+    )
+    return templates
+
+
+def template_files(names: Sequence[str]) -> list[str]:
+    """The files that hold the named templates ``names`` as transformers 5 saves them
+    (paths relative to the tokenizer directory): the default in ``chat_template.jinja``,
+    each other in ``additional_chat_templates/<name>.jinja``."""
+    return [
+        CHAT_TEMPLATE_FILE if name == DEFAULT else f"{CHAT_TEMPLATE_DIR}/{name}.jinja"
+        for name in names
+    ]
+
+
+def is_template_file(name: str) -> bool:
+    """Whether ``name`` (a path relative to a tokenizer directory) holds a chat template
+    as transformers 5 saves them."""
+    return name == CHAT_TEMPLATE_FILE or name.startswith(f"{CHAT_TEMPLATE_DIR}/")
+
+
+def save_chat_template(folder: str | Path, templates: dict[str, str]) -> list[str]:
+    """Writes ``templates`` (``{name: text}``, a ``"default"`` among them) into the
+    tokenizer directory ``folder`` as transformers 5's ``save_pretrained`` saves them
+    (:func:`template_files`), and removes what would give another template: other
+    ``additional_chat_templates/*.jinja`` files, and ``tokenizer_config.json``'s
+    ``chat_template`` (transformers 5 reads the ``.jinja`` files first; older versions
+    that read only the config then find none rather than another). Returns the files
+    written."""
+    folder = Path(folder)
+    written = template_files(list(templates))
+    for text, file in zip(templates.values(), written, strict=True):
+        (folder / file).parent.mkdir(parents=True, exist_ok=True)
+        (folder / file).write_text(text, encoding="utf-8")
+    named_dir = folder / CHAT_TEMPLATE_DIR
+    if named_dir.is_dir():
+        for f in named_dir.glob("*.jinja"):
+            if f"{CHAT_TEMPLATE_DIR}/{f.name}" not in written:
+                f.unlink()
+        if not any(named_dir.iterdir()):
+            named_dir.rmdir()
+    config = folder / TOKENIZER_CONFIG
+    if config.is_file():
+        values = read_json(config)
+        if values.pop("chat_template", None) is not None:
+            config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+    return written
+
+
 def special_tokens(folder: str | Path) -> dict[str, str]:
     """The named special tokens of the tokenizer directory ``folder`` as strings
     (``tokenizer_config.json``'s, else ``special_tokens_map.json``'s; str or
@@ -228,15 +332,22 @@ def special_tokens(folder: str | Path) -> dict[str, str]:
 
 
 def chat_template_stamp(
-    folder: str | Path, kwargs: dict[str, Any] | None = None
+    folder: str | Path,
+    kwargs: dict[str, Any] | None = None,
+    template: str | Path | None = None,
 ) -> dict[str, Any] | None:
     """``{"path", "sha256", "inputs", "kwargs"}``: the template's file, a hash of the
     template text (and of the ``tool_use`` one, where there is one) and the special
     tokens passed to it, :data:`TEMPLATE_INPUTS` and the template variables ``kwargs``
     given to every conversation (what a token cache records: another template, other
     inputs or other variables render the conversations otherwise); None where the
-    tokenizer has no template. Reads the files only (no ``jinja2`` needed)."""
-    found = read_chat_template(folder)
+    tokenizer has no template. ``template``: the templates given in place of the
+    tokenizer's (:func:`read_template_path`), whose text is hashed then. Reads the files
+    only (no ``jinja2`` needed)."""
+    if template is None:
+        found = read_chat_template(folder)
+    else:
+        found = read_template_path(template, f"the chat template {template}")
     if found is None:
         return None
     templates, files = found
@@ -293,6 +404,28 @@ def _compile(template: str, jinja2):
     return env.from_string(template)
 
 
+def _compile_all(templates: dict[str, str], files: dict[str, Path], where: str, label) -> dict:
+    """``{name: compiled template}``; ValueError starting with ``where`` where ``jinja2``
+    is missing, or with ``label(name)`` (which names the template's file) where a
+    template does not compile (with the line)."""
+    try:
+        jinja2 = importlib.import_module("jinja2")
+    except ImportError:
+        raise ValueError(
+            f"{where} rendering them needs the 'jinja2' package: pip install 'jflash[text]'"
+        ) from None
+    compiled = {}
+    for name, text in templates.items():
+        try:
+            compiled[name] = _compile(text, jinja2)
+        except jinja2.exceptions.TemplateError as e:
+            named = "the chat template" if name == DEFAULT else f"the {name!r} chat template"
+            line = getattr(e, "lineno", None)
+            at = f"line {line}: " if line else ""
+            raise ValueError(f"{label(name)} {named} does not compile ({at}{e})") from None
+    return compiled
+
+
 class ChatTemplate:
     """A tokenizer's chat template, compiled: :meth:`render` and :meth:`assistant_spans`.
 
@@ -303,20 +436,36 @@ class ChatTemplate:
             :func:`template_kwargs`), as transformers' ``apply_chat_template(**kwargs)``
             passes them; a conversation's own win over them, and both over the special
             tokens.
+        template: a Jinja file, or a directory, whose templates render the conversations
+            in place of the tokenizer's (:func:`read_template_path`; the trainer's
+            ``--chat_template``); None: the tokenizer's.
 
     Raises:
-        ValueError: the tokenizer has no chat template; ``jinja2`` is missing (naming
-            the extra that installs it); the template does not compile.
+        ValueError: the tokenizer has no chat template (and none is given), or the one
+            given cannot be read; ``jinja2`` is missing (naming the extra that installs
+            it); the template does not compile.
     """
 
-    def __init__(self, folder: str | Path, where: str, kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        where: str,
+        kwargs: dict[str, Any] | None = None,
+        template: str | Path | None = None,
+    ):
         folder = Path(folder)
-        found = read_chat_template(folder)
+        if template is None:
+            found = read_chat_template(folder)
+            self.base: Path | None = folder  # where the error messages' files are named from
+        else:
+            found = read_template_path(template, f"{where} the chat template {template}")
+            self.base = Path(template) if Path(template).is_dir() else None
         if found is None:
             raise ValueError(
                 f"{where} {folder} has no chat_template in {TOKENIZER_CONFIG} or "
-                f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, or write the "
-                "conversations as 'prompt' / 'completion' records"
+                f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, give one in its "
+                "place (the trainer's --chat_template FILE), or write the conversations as "
+                "'prompt' / 'completion' records"
             )
         self.folder = folder
         self.templates, self.files = found
@@ -324,22 +473,10 @@ class ChatTemplate:
         self.text = self.templates[DEFAULT]
         self.variables = special_tokens(folder)
         self.kwargs = dict(kwargs or {})
-        self.stamp = chat_template_stamp(folder, self.kwargs)
-        try:
-            jinja2 = importlib.import_module("jinja2")
-        except ImportError:
-            raise ValueError(
-                f"{where} rendering them needs the 'jinja2' package: pip install 'jflash[text]'"
-            ) from None
-        self._compiled = {}
-        for name, text in self.templates.items():
-            try:
-                self._compiled[name] = _compile(text, jinja2)
-            except jinja2.exceptions.TemplateError as e:
-                named = "the chat template" if name == DEFAULT else f"the {name!r} chat template"
-                raise ValueError(
-                    f"{where} {self.files[name]}: {named} does not compile ({e})"
-                ) from None
+        self.stamp = chat_template_stamp(folder, self.kwargs, template)
+        self._compiled = _compile_all(
+            self.templates, self.files, where, lambda name: f"{where} {self.files[name]}:"
+        )
 
     def _name(self, tools: Sequence[dict[str, Any]] | None) -> str:
         """The named template a conversation is rendered with (``tool_use`` given tools,
@@ -352,7 +489,8 @@ class ChatTemplate:
         name = self._name(tools)
         file = self.files[name]
         named = name != DEFAULT and file.name == TOKENIZER_CONFIG
-        return file.relative_to(self.folder).as_posix() + (f", {name!r}" if named else "")
+        shown = str(file) if self.base is None else file.relative_to(self.base).as_posix()
+        return shown + (f", {name!r}" if named else "")
 
     def render(
         self,

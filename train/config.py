@@ -61,6 +61,10 @@ class DataArgs:
     tokenizer_name_or_path: str = ""  # tokenizer.json or its directory; empty: the model dir's
     eos_token_id: int | None = None  # between packed documents; None: the tokenizer's / model's
     data_cache_dir: str = ""  # tokenize data files once into token caches here; empty: in memory
+    # The chat template that renders every conversation in place of the tokenizer's (a
+    # base model's has none; TRL's chat_template_path): a Jinja file, or a tokenizer
+    # directory whose template(s) to use; the HF export carries it (train.chat)
+    chat_template: str = ""  # replaces the tokenizer's chat template: .jinja file or tokenizer dir
     # Every conversation's, as apply_chat_template(**kwargs) takes them (a JSON object;
     # a record's own chat_template_kwargs win over them); empty: none
     chat_template_kwargs: str = ""  # chat template variables (JSON): {"enable_thinking": false}

@@ -35,7 +35,13 @@ import numpy as np
 from models.convert import special_token_ids, tokenizer_vocab_size
 from models.loss import IGNORE_INDEX
 from train import data_cache
-from train.chat import AUTO, CHAT_TEMPLATE_FILE, CHAT_TURNS, parse_template_kwargs
+from train.chat import (
+    AUTO,
+    CHAT_TEMPLATE_FILE,
+    CHAT_TURNS,
+    check_template_path,
+    parse_template_kwargs,
+)
 from train.dataset import Rows, load_dataset, stream_summary
 from train.readers import (
     MESSAGES,
@@ -414,6 +420,12 @@ TEMPLATE_KWARGS_HELP = (
     "'{\"enable_thinking\": false}'; a record's own chat_template_kwargs win over them)"
 )
 
+# The data commands' --chat-template, as the trainer's --chat_template.
+TEMPLATE_HELP = (
+    "a Jinja file, or a tokenizer directory, whose chat template renders the 'messages' "
+    "records in place of --tokenizer's (e.g. for a base model's tokenizer, which has none)"
+)
+
 # The data commands' --chat-turns, as the trainer's --chat_turns.
 TURNS_HELP = (
     "a conversation whose chat template rewrites its earlier turns (Qwen3's drops their "
@@ -472,6 +484,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
     inspect.add_argument("path")
     inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    inspect.add_argument("--chat-template", default=None, metavar="PATH", help=TEMPLATE_HELP)
     inspect.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
     inspect.add_argument("--chat-turns", choices=CHAT_TURNS, default=AUTO, help=TURNS_HELP)
     inspect.add_argument(
@@ -497,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cache.add_argument("input", help="a data file or save_to_disk directory (any format)")
     cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
     cache.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    cache.add_argument("--chat-template", default=None, metavar="PATH", help=TEMPLATE_HELP)
     cache.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
     cache.add_argument("--chat-turns", choices=CHAT_TURNS, default=AUTO, help=TURNS_HELP)
     cache.add_argument(
@@ -604,6 +618,7 @@ def _command(args: argparse.Namespace) -> None:
                 vocab_size=args.vocab_size,
                 chat_template_kwargs=_template_kwargs(args),
                 chat_turns=args.chat_turns,
+                chat_template=_chat_template(args),
             )
             stream = dataset.packed_stream(eos_id)  # as a cache holds them: EOS included
             summary = stream_summary(*stream)  # the counts of that same stream: one pass
@@ -626,6 +641,7 @@ def _command(args: argparse.Namespace) -> None:
             vocab_size=args.vocab_size,
             chat_template_kwargs=_template_kwargs(args),
             chat_turns=args.chat_turns,
+            chat_template=_chat_template(args),
         )
         documents = int(cache.meta["num_documents"])  # not summary(): it reads labels.bin
         print(
@@ -685,6 +701,15 @@ def _eos_flags(args: argparse.Namespace) -> int | None:
 def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``--chat-template-kwargs`` as a dict (:func:`train.chat.parse_template_kwargs`)."""
     return parse_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs")
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """``--chat-template``, checked (read and compiled) before any record is read, or
+    None without it (:func:`train.chat.check_template_path`)."""
+    if not args.chat_template:
+        return None
+    check_template_path(args.chat_template, "--chat-template")
+    return args.chat_template
 
 
 if __name__ == "__main__":

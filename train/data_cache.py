@@ -13,13 +13,14 @@ A cache is a directory:
 - ``index.npy``: int64 ``[num_documents + 1]``, document ``i`` is
   ``tokens[index[i]:index[i + 1]]``;
 - ``meta.json``: what it was built from (the source's path, size and mtime; the
-  tokenizer file's sha256 where records were tokenized; the chat template's file, a
-  sha256 of its text (and its ``tool_use`` template's) and the special tokens it was
-  given, the inputs the reader gives it (``train.chat.TEMPLATE_INPUTS``), the
-  template variables given to every conversation (``chat_template_kwargs``; a record's
-  own are in the source), and ``chat_turns`` with how many conversations it split into
-  how many examples (``split_conversations``, ``split_examples``; each example a
-  document) where conversations were rendered), ``eos_id`` and counts.
+  tokenizer file's sha256 where records were tokenized; the chat template's file (the
+  tokenizer's, or the one given in its place: ``--chat_template``), a sha256 of its text
+  (and its ``tool_use`` template's) and the special tokens it was given, the inputs the
+  reader gives it (``train.chat.TEMPLATE_INPUTS``), the template variables given to
+  every conversation (``chat_template_kwargs``; a record's own are in the source), and
+  ``chat_turns`` with how many conversations it split into how many examples
+  (``split_conversations``, ``split_examples``; each example a document) where
+  conversations were rendered), ``eos_id`` and counts.
 
 It is written under a temporary name beside ``cache_dir`` and renamed into place when
 complete: a failed build leaves nothing under the final name, and a stale cache it
@@ -194,14 +195,15 @@ class TokenCache:
         eos_id: int | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_turns: str = AUTO,
+        chat_template: str | Path | None = None,
     ) -> list[str]:
         """Why this cache is not what ``source`` (default: the recorded source, where it
         still exists), ``tokenizer`` (compared where both tokenized text; its chat
-        template where the cache's conversations were rendered with one),
-        ``chat_template_kwargs`` and ``chat_turns`` (where they were: ``"auto"`` and
-        ``"whole"`` build the same cache where ``"auto"`` split no conversation; a cache
-        from before the setting read them whole) and ``eos_id`` would build; empty when
-        it is."""
+        template where the cache's conversations were rendered with one, or
+        ``chat_template``'s, given in its place), ``chat_template_kwargs`` and
+        ``chat_turns`` (where they were: ``"auto"`` and ``"whole"`` build the same cache
+        where ``"auto"`` split no conversation; a cache from before the setting read them
+        whole) and ``eos_id`` would build; empty when it is."""
         reasons = []
         if eos_id != self.eos_id:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
@@ -220,7 +222,7 @@ class TokenCache:
                 reasons.append(f"its text was tokenized by another tokenizer ({used['path']})")
         chat = self.meta.get("chat_template")  # absent from caches of no conversation
         if chat is not None and tokenizer is not None and tokenizer_file(tokenizer).is_file():
-            now = chat_template_stamp(tokenizer_file(tokenizer).parent)
+            now = chat_template_stamp(tokenizer_file(tokenizer).parent, template=chat_template)
             if now is None or now["sha256"] != chat["sha256"]:
                 reasons.append(
                     f"its conversations were rendered with another chat template ({chat['path']})"
@@ -462,13 +464,15 @@ def build_cache(
     vocab_size: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_turns: str = AUTO,
+    chat_template: str | Path | None = None,
 ) -> TokenCache:
     """Tokenizes ``source`` (any format of :data:`train.readers.READERS`) into a cache at
     ``cache_dir``, one record at a time, written under a temporary name and renamed into
     place when complete (replacing an older cache there only then);
-    ``chat_template_kwargs`` and ``chat_turns``: template variables for every
-    conversation and which conversations are split into an example per assistant turn,
-    as :func:`train.dataset.load_dataset` takes them.
+    ``chat_template_kwargs``, ``chat_turns`` and ``chat_template``: template variables
+    for every conversation, which conversations are split into an example per assistant
+    turn, and the template given in place of the tokenizer's, as
+    :func:`train.dataset.load_dataset` takes them.
 
     Raises:
         ValueError: as :func:`train.dataset.load_dataset` for bad data (nothing is left
@@ -488,7 +492,7 @@ def build_cache(
     tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns)
+        parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns, chat_template)
         word = "line" if READERS[data_format(source)].by_line else "record"
         writer = _Writer(tmp)
         try:
@@ -574,9 +578,11 @@ def ensure_cache(
     vocab_size: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_turns: str = AUTO,
+    chat_template: str | Path | None = None,
 ) -> tuple[TokenCache, bool]:
     """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
-    ``tokenizer``, ``eos_id``, ``chat_template_kwargs`` and ``chat_turns`` (see
+    ``tokenizer``, ``eos_id``, ``chat_template_kwargs``, ``chat_turns`` and
+    ``chat_template`` (see
     :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one)."""
     source = Path(source)
     if not source.exists():
@@ -590,6 +596,7 @@ def ensure_cache(
                 eos_id=eos_id,
                 chat_template_kwargs=chat_template_kwargs,
                 chat_turns=chat_turns,
+                chat_template=chat_template,
             )
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
@@ -606,6 +613,7 @@ def ensure_cache(
         vocab_size=vocab_size,
         chat_template_kwargs=chat_template_kwargs,
         chat_turns=chat_turns,
+        chat_template=chat_template,
     )
     return cache, True
 
@@ -640,10 +648,11 @@ def packed_rows(
     packing: str = "stream",
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_turns: str = AUTO,
+    chat_template: str | Path | None = None,
 ) -> Rows | CachedRows:
     """The trainer's rows of ``path``: a token cache directory (checked against
-    ``eos_id``, ``tokenizer``, ``chat_template_kwargs``, ``chat_turns`` and its recorded
-    source), a data file cached under
+    ``eos_id``, ``tokenizer``, ``chat_template_kwargs``, ``chat_turns``,
+    ``chat_template`` and its recorded source), a data file cached under
     ``cache_root`` (built on first use, rebuilt when stale), or without ``cache_root``
     a data file loaded into memory. ``pad_last``: the tail that does not fill a row
     makes a last row, filled up (evaluation), instead of being dropped. ``packing``:
@@ -657,6 +666,7 @@ def packed_rows(
             eos_id=eos_id,
             chat_template_kwargs=chat_template_kwargs,
             chat_turns=chat_turns,
+            chat_template=chat_template,
         )
         if stale:
             flags = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
@@ -666,6 +676,8 @@ def packed_rows(
                 flags += f" --chat-template-kwargs {shlex.quote(json.dumps(chat_template_kwargs))}"
             if chat_turns != AUTO and cache.meta.get("chat_template") is not None:
                 flags += f" --chat-turns {chat_turns}"
+            if chat_template is not None and cache.meta.get("chat_template") is not None:
+                flags += f" --chat-template {shlex.quote(str(chat_template))}"
             raise ValueError(
                 f"{path}: the token cache does not match this run ({'; '.join(stale)}); "
                 "rebuild it: python -m train.data cache "
@@ -687,6 +699,7 @@ def packed_rows(
             vocab_size=vocab_size,
             chat_template_kwargs=chat_template_kwargs,
             chat_turns=chat_turns,
+            chat_template=chat_template,
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
@@ -701,6 +714,7 @@ def packed_rows(
         vocab_size=vocab_size,
         chat_template_kwargs=chat_template_kwargs,
         chat_turns=chat_turns,
+        chat_template=chat_template,
     )
     lengths = dataset.stream_lengths(eos_id)
     _note_cut_prompts(path, seq_len, dataset)

@@ -382,6 +382,7 @@ def load_dataset(
     vocab_size: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_turns: str = AUTO,
+    chat_template: str | Path | None = None,
 ) -> TokenDataset:
     """Loads a dataset of any format in :data:`train.readers.READERS` into memory.
 
@@ -393,6 +394,8 @@ def load_dataset(
             (:class:`train.chat.ChatTemplate`), under a record's own.
         chat_turns: which conversations are split into one example per assistant turn
             (:data:`train.chat.CHAT_TURNS`); a split one's examples share its line.
+        chat_template: a Jinja file, or a directory, whose chat template renders the
+            conversations in place of the tokenizer's (:func:`train.chat.read_template_path`).
 
     Raises:
         ValueError: malformed data, naming the file and record index; an empty dataset;
@@ -400,7 +403,7 @@ def load_dataset(
     """
     path = Path(path)
     reader = READERS[data_format(path)]
-    parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns)
+    parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns, chat_template)
     examples = list(read_examples(path, parser))
     if not examples:
         raise ValueError(f"{path}: the dataset has no examples")

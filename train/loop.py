@@ -266,7 +266,7 @@ def _run_from(
             # then marks a whole export (`outputs.has_export`).
             os.makedirs(hf_dir, exist_ok=True)
             tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
-            outputs.copy_tokenizer(tokenizer, hf_dir)
+            outputs.copy_tokenizer(tokenizer, hf_dir, t.chat_templates)
             config = export_config(cfg, t.config)
             models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
     return state, history

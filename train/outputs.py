@@ -28,6 +28,7 @@ import yaml
 from jax.experimental import multihost_utils
 
 from models.convert import tokenizer_files as folder_tokenizer_files
+from train.chat import is_template_file, save_chat_template, template_files
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.tensorboard import truncate_events
@@ -335,6 +336,7 @@ PATH_SETTINGS = (
     ("data", "data_path"),
     ("data", "eval_data_path"),
     ("data", "tokenizer_name_or_path"),
+    ("data", "chat_template"),
     ("data", "data_cache_dir"),
     ("run", "output_dir"),
     ("profile", "profile_dir"),
@@ -395,27 +397,40 @@ def truncate_log(path: str, last_step: int) -> None:
             f.writelines(keep)
 
 
-def copy_tokenizer(source: str, hf_dir: str) -> None:
+def copy_tokenizer(source: str, hf_dir: str, chat_templates: dict[str, str] | None = None) -> None:
     """The run's tokenizer goes with the export, so it loads as a model: `source` is
     `--tokenizer_name_or_path` (a `tokenizer.json` or its directory) or, without it, the
-    input model's directory (nothing to copy for a preset)."""
+    input model's directory (nothing to copy for a preset). `chat_templates`: the
+    templates the run rendered its conversations with in place of the tokenizer's
+    (`--chat_template`, `{name: text}`), written as transformers 5 saves a tokenizer's
+    (`train.chat.save_chat_template`) instead of the tokenizer's own, so that
+    `apply_chat_template` renders what training saw."""
     if os.path.isfile(source):
         shutil.copy2(source, os.path.join(hf_dir, "tokenizer.json"))
-        return
-    for name in tokenizer_files(source):
-        os.makedirs(os.path.dirname(os.path.join(hf_dir, name)), exist_ok=True)
-        shutil.copy2(os.path.join(source, name), os.path.join(hf_dir, name))
+    else:
+        for name in tokenizer_files(source, chat_templates):
+            if chat_templates is not None and is_template_file(name):
+                continue  # written below
+            os.makedirs(os.path.dirname(os.path.join(hf_dir, name)), exist_ok=True)
+            shutil.copy2(os.path.join(source, name), os.path.join(hf_dir, name))
+    if chat_templates is not None:
+        save_chat_template(hf_dir, chat_templates)
 
 
-def tokenizer_files(source: str) -> list[str]:
+def tokenizer_files(source: str, chat_templates: dict[str, str] | None = None) -> list[str]:
     """The paths (relative to `hf_dir`) of the files `copy_tokenizer` writes from
     `source`: a directory's `models.convert.TOKENIZER_FILES`, the named chat templates
-    in its `additional_chat_templates/` included."""
+    in its `additional_chat_templates/` included; with `chat_templates`, theirs in place
+    of the tokenizer's (`train.chat.template_files`)."""
     if os.path.isfile(source):
-        return ["tokenizer.json"]
-    if not os.path.isdir(source):
-        return []
-    return folder_tokenizer_files(source)
+        found = ["tokenizer.json"]
+    elif os.path.isdir(source):
+        found = folder_tokenizer_files(source)
+    else:
+        found = []
+    if chat_templates is None:
+        return found
+    return [n for n in found if not is_template_file(n)] + template_files(list(chat_templates))
 
 
 # Flags a demo (`make demo`, `make demo-text`) sets itself; the others pass through.

@@ -55,9 +55,10 @@ this order (other keys are ignored):
   and ``"chat_template_kwargs"`` (a dict, e.g. ``{"enable_thinking": false}``) as
   extra template variables, as TRL passes them to ``apply_chat_template``, over the
   trainer's ``--chat_template_kwargs``.
-  The conversation is rendered with the tokenizer's chat template (:mod:`train.chat`)
-  and the text tokenized whole, without adding special tokens (the template writes the
-  BOS), as transformers' ``apply_chat_template(tokenize=True)`` does, so the ids are
+  The conversation is rendered with the tokenizer's chat template, or the one given in
+  its place (the trainer's ``--chat_template``; :mod:`train.chat`), and the text
+  tokenized whole, without adding special tokens (the template writes the BOS), as
+  transformers' ``apply_chat_template(tokenize=True)`` does, so the ids are
   its ids. A token is labelled (its id) where its character span overlaps an assistant
   turn (the turn's content or tool calls and what the template writes to end it, e.g.
   ``<|eot_id|>``; a token straddling the turn's boundary is labelled whole), every
@@ -512,7 +513,7 @@ class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
     ``tokenizer.json`` or its directory, loaded at the first record that needs it
     (``"text"``, ``"prompt"`` and ``"completion"``, or ``"messages"``, which also load
-    its directory's chat template)."""
+    its directory's chat template, or ``chat_template``'s in its place)."""
 
     def __init__(
         self,
@@ -520,6 +521,7 @@ class RecordParser:
         tokenizer: str | Path | None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_turns: str = AUTO,
+        chat_template: str | Path | None = None,
     ):
         if chat_turns not in CHAT_TURNS:
             raise ValueError(f"chat_turns={chat_turns!r} must be one of {CHAT_TURNS}")
@@ -527,6 +529,9 @@ class RecordParser:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # for every conversation
         self.chat_turns = chat_turns  # train.chat.CHAT_TURNS: which conversations are split
+        # A Jinja file or directory whose template renders the conversations (None: the
+        # tokenizer's own, train.chat.read_template_path)
+        self.chat_template_path = None if chat_template is None else Path(chat_template)
         self._tokenizer = None
         self.chat_template = None  # train.chat.ChatTemplate, at the first "messages" record
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
@@ -656,7 +661,9 @@ class RecordParser:
             field = _conversation_field(chats[0].learned_from)
             where = f"{self.path}: {wheres[chats[0].index]}: has {field} but"
             folder = tokenizer_file(self.tokenizer).parent
-            self.chat_template = ChatTemplate(folder, where, self.chat_template_kwargs)
+            self.chat_template = ChatTemplate(
+                folder, where, self.chat_template_kwargs, self.chat_template_path
+            )
         rendered: list[tuple[int, list[tuple[str, list[tuple[int, int]]]], bool]] = []
         for i, messages, tools, kwargs, learned_from in chats:
             turns = [j for j, m in enumerate(messages) if m["role"] == ASSISTANT]

@@ -7,7 +7,8 @@ run ended at that step.
 
 RUN_DIR is a run's `--output_dir`: its `train_config.yaml` gives the model and the
 tokenizer (the model's config as the run built it, with the EOS it packed documents
-with: `train.build.export_config`), its `checkpoints/<step>` the weights. Only the
+with: `train.build.export_config`; the run's `--chat_template`, read from its file now,
+in place of the tokenizer's template), its `checkpoints/<step>` the weights. Only the
 checkpoint's parameters are read (not the optimizer state), onto the host CPU, whatever
 mesh saved them. RUN_DIR is only read. An `--out` that already holds a model (its
 config, weights or tokenizer files) is refused unless `--overwrite` is given, and one
@@ -32,7 +33,7 @@ from models.convert import (
     shard_bytes,
 )
 from train import outputs
-from train.build import export_config, model_config
+from train.build import chat_templates, export_config, model_config
 from train.checkpoint import Checkpoints, other_params
 from train.config import OneLineParser, from_overrides, load_yaml
 from train.errors import TrainingError
@@ -152,7 +153,8 @@ def export(
     # The run's model config as it built it, and what its own export changes there.
     try:
         config = export_config(cfg, model_config(cfg))
-    except TrainingError as e:  # the model or tokenizer the run read is gone
+        templates = chat_templates(cfg)  # --chat_template's, which the export carries
+    except TrainingError as e:  # the model, tokenizer or chat template the run read is gone
         raise TrainingError(f"{os.path.join(run_dir, outputs.SETTINGS_FILE)}: {e}") from None
     checkpoints = Checkpoints(run_dir, None, read_only=True)
     try:
@@ -177,9 +179,9 @@ def export(
     params = jax.tree.map(np.asarray, params)
     models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
-    outputs.copy_tokenizer(tokenizer, out)
+    outputs.copy_tokenizer(tokenizer, out, templates)
     # Another model's, where --overwrite replaced it.
-    remove_other_tokenizer_files(out, outputs.tokenizer_files(tokenizer))
+    remove_other_tokenizer_files(out, outputs.tokenizer_files(tokenizer, templates))
     return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
 
 
