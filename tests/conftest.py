@@ -121,3 +121,27 @@ def pytest_collection_modifyitems(config, items):
         if count < marker.args[0]:
             reason = f"needs {marker.args[0]} devices; {jax.device_count()=}"
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def run_oracle(script: str, *args) -> object:
+    """``script`` run by the HF parity oracle's interpreter (``$JFLASH_ORACLE_PYTHON``,
+    default ``.venv-oracle/bin/python``, as tests/test_models_parity.py finds it) with
+    ``args``: the JSON its last line of output holds. Skips the test without the oracle
+    (or its transformers or jinja2)."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = os.environ.get("JFLASH_ORACLE_PYTHON") or os.path.join(
+        root, ".venv-oracle", "bin", "python"
+    )
+    if os.path.isabs(exe) and not os.path.isfile(exe):
+        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
+    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
+    result = subprocess.run(
+        [exe, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -5,14 +5,13 @@ tokenizer command, transformers' parity and a trainer run."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_oracle
 
 from train import chat, data_cache, readers
 from train.data import main as data_main
@@ -429,29 +428,6 @@ def test_inspect_counts_the_assistant_tokens(llama3_bpe, tmp_path, capsys):
     assert 0 < int(counts["labelled_tokens"]) < int(counts["tokens"]) == dataset.num_tokens
 
 
-def _oracle_python() -> str | None:
-    """The parity oracle's interpreter (as tests/test_models_parity.py finds it), or None
-    where it is absent."""
-    exe = os.environ.get("JFLASH_ORACLE_PYTHON") or str(REPO / ".venv-oracle" / "bin" / "python")
-    return exe if os.path.isfile(exe) or not os.path.isabs(exe) else None
-
-
-def _oracle(script: str, *args) -> object:
-    """``script`` run by the oracle's interpreter with ``args``: the JSON its last line of
-    output holds. Skips the test without the oracle (or its transformers or jinja2)."""
-    exe = _oracle_python()
-    if exe is None:
-        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
-    result = subprocess.run(
-        [exe, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def _mark_llama3(template: str) -> str:
     """Llama-3's template (or one that writes a turn as it does) with {% generation %}
     around each assistant turn's content and end of turn: the same text, and
@@ -487,7 +463,7 @@ def test_ids_and_labels_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     conversations = [*CONVERSATIONS, [{"role": "user", "content": "Tab\tand  spaces"}]]
     conversations[-1].append({"role": "assistant", "content": "  ok  "})
     (tmp_path / "c.json").write_text(json.dumps(conversations))
-    oracle = _oracle(ORACLE_CHAT, llama3_bpe, tmp_path / "c.json", marked)
+    oracle = run_oracle(ORACLE_CHAT, llama3_bpe, tmp_path / "c.json", marked)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in conversations])
     dataset = load_dataset(path, tokenizer=llama3_bpe)
     for i in range(len(conversations)):
@@ -1214,7 +1190,7 @@ def test_named_templates_as_transformers_saves_them(llama3_bpe, tmp_path):
     source = _write_tokenizer(tmp_path / "source", llama3_bpe, template=None)
     templates = {"default": LLAMA31_TEMPLATE, "tool_use": QWEN25_TEMPLATE}
     saved = tmp_path / "saved"
-    written = _oracle(ORACLE_SAVE, source, json.dumps(templates), saved)
+    written = run_oracle(ORACLE_SAVE, source, json.dumps(templates), saved)
     assert {"chat_template.jinja", "additional_chat_templates/tool_use.jinja"} <= set(written)
     assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
     cases = [
@@ -1238,7 +1214,7 @@ def _match_the_oracle(tmp_path: Path, cases: list[tuple[Path, dict, str | None]]
         for folder, record, marked in cases
     ]
     (tmp_path / "cases.json").write_text(json.dumps(spec))
-    oracle = _oracle(ORACLE_TOOLS, tmp_path / "cases.json")
+    oracle = run_oracle(ORACLE_TOOLS, tmp_path / "cases.json")
     for (folder, record, marked), want in zip(cases, oracle, strict=True):
         record = {k: v for k, v in record.items() if v is not None}
         dataset = load_dataset(_jsonl(tmp_path / "one.jsonl", [record]), tokenizer=folder)
@@ -1905,7 +1881,7 @@ def test_split_examples_match_transformers_apply_chat_template(llama3_bpe, tmp_p
             cases[-1]["tools"] = record.get("tools")
     assert dataset.num_examples == len(cases) == 3 + 4 + 4
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    oracle = _oracle(ORACLE_TURNS, tmp_path / "cases.json")
+    oracle = run_oracle(ORACLE_TURNS, tmp_path / "cases.json")
     for k, want in enumerate(oracle):
         ids, labels = _learned(dataset, k)
         assert ids == want["ids"], k

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from conftest import run_oracle
 
 from train import chat, data_cache, readers
 from train.__main__ import main
@@ -369,23 +369,6 @@ print(json.dumps([
 """
 
 
-def _oracle(script: str, *args) -> object:
-    """``script`` run by the oracle's interpreter (``$JFLASH_ORACLE_PYTHON``, default
-    ``.venv-oracle/bin/python``) with ``args``: the JSON its last line of output holds.
-    Skips the test without the oracle (or its transformers or jinja2)."""
-    exe = os.environ.get("JFLASH_ORACLE_PYTHON") or str(REPO / ".venv-oracle" / "bin" / "python")
-    if os.path.isabs(exe) and not os.path.isfile(exe):
-        pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
-    if probe.returncode:
-        pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
-    result = subprocess.run(
-        [exe, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_transformers_renders_with_the_exported_template_what_training_saw(trained, tmp_path):
     """transformers' ``apply_chat_template`` with the run's exported tokenizer renders
@@ -393,7 +376,7 @@ def test_transformers_renders_with_the_exported_template_what_training_saw(train
     the oracle."""
     conversations = [json.loads(line)["messages"] for line in trained["data"].open()][:3]
     (tmp_path / "c.json").write_text(json.dumps(conversations))
-    oracle = _oracle(ORACLE_RENDER, trained["run"] / "hf", tmp_path / "c.json")
+    oracle = run_oracle(ORACLE_RENDER, trained["run"] / "hf", tmp_path / "c.json")
     template = chat.ChatTemplate(trained["tokenizer"], "test:", template=trained["template"])
     dataset = load_dataset(
         trained["data"], tokenizer=trained["tokenizer"], chat_template=trained["template"]
