@@ -405,6 +405,49 @@ def test_mosaic_deterministic(case_index):
     assert_close(first, want, case.dtype)
 
 
+# (score jump at one key, dtype): none; a row max grown by 11.5 (f16) and 27 (bf16) in
+# base 2 after two key steps; and by 180, past what an exponential against the earlier
+# max holds in f32.
+JUMP_CASES = {
+    "steady-f16": (0.0, jnp.float16),
+    "grown-f16": (64.0, jnp.float16),
+    "grown-bf16": (150.0, jnp.bfloat16),
+    "far-f16": (1000.0, jnp.float16),
+    "far-bf16": (1000.0, jnp.bfloat16),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("jump_case", JUMP_CASES)
+def test_mosaic_forward_row_max_jumps(jump_case, causal):
+    """Rows whose max jumps late: one key (position 600, the D = 64 forward's third
+    256-key step) scores `jump` higher for every other 16 query rows (one warp's rows
+    in two), so their running max grows by up to 2^180 after two steps of keys, in
+    some warps of a warpgroup and not others. A forward that rescales late or takes
+    exponentials against a stale max overflows here; the oracle's answer is the bar."""
+    jump, dtype = JUMP_CASES[jump_case]
+    q, k, v, *_ = make_inputs(
+        5, batch=1, q_len=1024, kv_len=1024, q_heads=2, kv_heads=1, head_dim=64, dtype=dtype
+    )
+    rows = (jnp.arange(1024) // 16) % 2 == 0
+    q = q.at[0, :, :, 0].set(jnp.where(rows, 1.0, 0.0)[:, None].astype(dtype))
+    k = k.at[0, :, :, 0].set(0.0).at[0, 600, :, 0].set(jump)
+    got = jflash.flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        return_lse=True,
+        implementation="pallas_mosaic",
+        interpret=INTERPRET,
+    )
+    want = jflash.attention_reference(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal=causal
+    )
+    assert_close(got, want, dtype, names=("out", "lse"))
+
+
 @needs_hopper
 def test_mosaic_rows_that_see_nothing():
     """Rows that see no key give exactly 0 / -inf (the ring merges them as no-ops); the
