@@ -326,18 +326,42 @@ def test_the_exports_carry_the_given_template_alone(trained, tmp_path):
     assert _template_files(trained["tokenizer"])[0].startswith("additional")  # read only
 
 
-def test_the_export_tool_refuses_a_template_gone_since_the_run(trained, tmp_path, capsys):
-    """The run's --chat_template, moved away since: the export names the settings file
-    and the flag, and writes nothing."""
+def test_the_export_tool_carries_the_template_the_run_read(trained, tmp_path):
+    """The run keeps its --chat_template as it read it (chat_template/ in its directory),
+    and train.tools.export carries that copy: the file edited, then moved away since the
+    run, changes nothing in the export."""
+    assert (trained["run"] / "chat_template" / "chat_template.jinja").read_text() == CHATML
     template = trained["template"]
+    template.write_text(CHATML.replace(IM_END, "<|end|>"))
     moved = template.with_suffix(".moved")
+    try:
+        export.export(str(trained["run"]), str(tmp_path / "edited"))
+        os.rename(template, moved)
+        export.export(str(trained["run"]), str(tmp_path / "moved"))
+    finally:
+        if moved.exists():
+            os.rename(moved, template)
+        template.write_text(CHATML)
+    for out in ("edited", "moved"):
+        assert _template_files(tmp_path / out) == ["chat_template.jinja"], out
+        assert (tmp_path / out / "chat_template.jinja").read_text() == CHATML, out
+
+
+def test_the_export_tool_refuses_a_template_gone_with_no_copy_in_the_run(trained, tmp_path, capsys):
+    """A run directory without its copy of the template (chat_template/ deleted) and the
+    run's --chat_template moved away since: the export names the settings file and the
+    flag, and writes nothing."""
+    template, copy = trained["template"], trained["run"] / "chat_template"
+    moved, kept = template.with_suffix(".moved"), tmp_path / "kept"
     os.rename(template, moved)
+    os.rename(copy, kept)
     try:
         code = export.main([str(trained["run"]), "--out", str(tmp_path / "x")])
     except SystemExit as e:
         code = e.code
     finally:
         os.rename(moved, template)
+        os.rename(kept, copy)
     err = capsys.readouterr().err
     assert code == 2 and f"--chat_template={str(template)!r}: no such file" in err, err
     assert "train_config.yaml" in err and not (tmp_path / "x").exists()

@@ -241,6 +241,8 @@ def _run_from(
     trains = start_step < t.total_steps
     if is_main and trains:
         outputs.write_settings(out, cfg)
+        if t.chat_templates is not None:
+            outputs.write_chat_templates(out, t.chat_templates)
         if resume is not None:
             print(f"resumed from step {start_step} of {resume[0]}", flush=True)
     if not trains and is_main:

@@ -28,7 +28,7 @@ import yaml
 from jax.experimental import multihost_utils
 
 from models.convert import tokenizer_files as folder_tokenizer_files
-from train.chat import is_template_file, save_chat_template, template_files
+from train.chat import is_template_file, read_chat_template, save_chat_template, template_files
 from train.config import TrainConfig
 from train.errors import TrainingError
 from train.tensorboard import truncate_events
@@ -45,6 +45,9 @@ PUT_BACK = (
 # The note on an `--overwrite_output_dir` run's exception from before it changed
 # anything (the interrupted line reads it).
 NOT_STARTED = "the run stopped before it changed the output directory"
+# `--chat_template`'s templates as the run read them (`write_chat_templates`), which
+# `train.tools.export` carries: a file edited or moved since changes no later export.
+RUN_TEMPLATES = "chat_template"
 RUN_OUTPUTS = (
     "checkpoints",
     "log.jsonl",
@@ -52,6 +55,7 @@ RUN_OUTPUTS = (
     "wandb",
     "hf",
     SETTINGS_FILE,
+    RUN_TEMPLATES,
     PREVIOUS_RUN,
 )
 
@@ -369,6 +373,25 @@ def write_settings(out: str, cfg: TrainConfig) -> str:
     with open(path, "w") as f:
         f.write(header + text)
     return path
+
+
+def write_chat_templates(out: str, templates: dict[str, str]) -> str:
+    """Writes `templates` (`--chat_template`'s, `{name: text}`) into `<out>/chat_template/`
+    as a tokenizer directory holds them (`chat_template.jinja`, the others in
+    `additional_chat_templates/`), replacing what a run before it wrote there; returns
+    the directory. Call it with `write_settings`."""
+    folder = os.path.join(out, RUN_TEMPLATES)
+    os.makedirs(folder, exist_ok=True)
+    save_chat_template(folder, templates)
+    return folder
+
+
+def run_chat_templates(out: str) -> dict[str, str] | None:
+    """The templates the run in `out` rendered its conversations with, as it wrote them
+    (`write_chat_templates`); None where it wrote none (no `--chat_template`)."""
+    folder = os.path.join(out, RUN_TEMPLATES)
+    found = read_chat_template(folder) if os.path.isdir(folder) else None
+    return None if found is None else found[0]
 
 
 def drop_after(out: str, last_step: int) -> None:

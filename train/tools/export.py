@@ -7,8 +7,9 @@ run ended at that step.
 
 RUN_DIR is a run's `--output_dir`: its `train_config.yaml` gives the model and the
 tokenizer (the model's config as the run built it, with the EOS it packed documents
-with: `train.build.export_config`; the run's `--chat_template`, read from its file now,
-in place of the tokenizer's template), its `checkpoints/<step>` the weights. Only the
+with: `train.build.export_config`; the run's `--chat_template` in place of the
+tokenizer's template, as the run saved it in its `chat_template/`, so that a template
+file edited or moved since changes nothing), its `checkpoints/<step>` the weights. Only the
 checkpoint's parameters are read (not the optimizer state), onto the host CPU, whatever
 mesh saved them. RUN_DIR is only read. An `--out` that already holds a model (its
 config, weights or tokenizer files) is refused unless `--overwrite` is given, and one
@@ -153,7 +154,14 @@ def export(
     # The run's model config as it built it, and what its own export changes there.
     try:
         config = export_config(cfg, model_config(cfg))
-        templates = chat_templates(cfg)  # --chat_template's, which the export carries
+        # --chat_template's, which the export carries: as the run saved them (where the
+        # run directory holds no copy: the file, read now).
+        try:
+            templates = outputs.run_chat_templates(run_dir)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        if templates is None:
+            templates = chat_templates(cfg)
     except TrainingError as e:  # the model, tokenizer or chat template the run read is gone
         raise TrainingError(f"{os.path.join(run_dir, outputs.SETTINGS_FILE)}: {e}") from None
     checkpoints = Checkpoints(run_dir, None, read_only=True)
