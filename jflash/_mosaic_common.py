@@ -23,6 +23,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -205,6 +206,93 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
             f"{SMEM_BYTES}; use smaller streamed blocks in jflash.BlockSizes"
         )
     return stages
+
+
+def exp_rows(s, m, scale: float, dtype, chains: int = 4):
+    """`(P, P's row sums)` for S `s` (f32, [rows, cols] in the WGMMA layout) and a row
+    vector `m` (its reduced layout): `P = exp2(s * scale - m)` in `dtype` (bf16 or f16)
+    and the sums of P in f32 (of the f32 exponentials, before rounding), in
+    `chains` chains per row and thread.
+
+    Mosaic GPU emits each of the three as a pass over all of a thread's 128 values
+    (the FMAs, then the exponentials, then the sums and the conversions), which ptxas
+    keeps mostly in that order: the adds and conversions wait for the last
+    exponential. Here they are emitted value by value, FMA, exponential, add, and a
+    conversion per pair, so that they run between the SFU's exponentials."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    rows = s.shape[0]
+    pack = {jnp.bfloat16: "bf16x2", jnp.float16: "f16x2"}[jnp.dtype(dtype).type]
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+        return_type=(
+            plgpu.ShapeDtypeStruct(s.shape, dtype, layout=plgpu.Layout.WGMMA),
+            plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(1)),
+        ),
+    )
+    def core(_, s_fa, m_fa):
+        f32 = ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
+        regs = s_fa.registers
+        m_regs = m_fa.registers
+        # A thread's registers: one per 8-column tile and row half (rows r and r + 8
+        # of its warp's 16); the row vector's: one per row half, in the same order.
+        halves = m_regs.size
+        assert regs.size % halves == 0, (regs.shape, m_regs.shape)
+        half_axis = [i for i, d in enumerate(regs.shape) if d == halves and d > 1]
+        assert len(half_axis) == 1 or halves == 1, (regs.shape, m_regs.shape)
+
+        def scalar(v, i):
+            return vector.extract(
+                v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
+            )
+
+        neg_m = []
+        for reg in m_regs.flat:
+            x = scalar(reg, 0) if isinstance(reg.type, ir.VectorType) else reg
+            neg_m.append(arith.negf(x))
+        c = arith.constant(f32, ir.FloatAttr.get(f32, float(scale)))
+        sums = [[None] * chains for _ in range(halves)]
+        out = np.empty(regs.shape, dtype=object)
+        bf2 = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(jnp.dtype(dtype)))
+        count = [0] * halves
+        for idx in np.ndindex(regs.shape):
+            h = idx[half_axis[0]] if halves > 1 else 0
+            reg = regs[idx]
+            p = []
+            for i in range(2):
+                x = llvm.inline_asm(
+                    f32, [scalar(reg, i), c, neg_m[h]], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"
+                )
+                e = llvm.inline_asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+                p.append(e)
+                k = count[h] % chains
+                count[h] += 1
+                sums[h][k] = e if sums[h][k] is None else arith.addf(sums[h][k], e)
+            word = llvm.inline_asm(i32, [p[0], p[1]], f"cvt.rn.{pack}.f32 $0, $2, $1;", "=r,f,f")
+            out[idx] = vector.bitcast(bf2, vector.broadcast(ir.VectorType.get((1,), i32), word))
+        sum_regs = np.empty(m_regs.shape, dtype=object)
+        for h, idx in enumerate(np.ndindex(m_regs.shape)):
+            total = None
+            for part in sums[h]:
+                if part is not None:
+                    total = part if total is None else arith.addf(total, part)
+            for distance in (1, 2):  # the four threads of a row
+                total = arith.addf(total, mgpu_utils.shfl_bfly(total, distance))
+            reg_ty = m_regs[idx].type
+            sum_regs[idx] = (
+                vector.broadcast(reg_ty, total) if isinstance(reg_ty, ir.VectorType) else total
+            )
+        return (
+            mgpu.FragmentedArray(_registers=out, _layout=s_fa.layout, _is_signed=None),
+            mgpu.FragmentedArray(_registers=sum_regs, _layout=m_fa.layout, _is_signed=None),
+        )
+
+    return core(s, m)
 
 
 def wgmma_into(accs, products, *, interpret: bool):

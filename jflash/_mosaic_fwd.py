@@ -65,6 +65,7 @@ from jflash._mosaic_common import (
     Geometry,
     col_ids,
     drain,
+    exp_rows,
     fit_stages,
     fits_smem,
     launch,
@@ -98,6 +99,10 @@ OVERLAP_HEAD_DIMS = (128,)
 # causal, so shorter calls keep two (BENCHMARKS.md).
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
+# The softmax's FMA, exponential, row-sum add and bf16 conversion emitted value by
+# value (`exp_rows`) instead of as one pass each, so that ptxas runs the adds and
+# conversions between the SFU's exponentials rather than after the last one.
+INTERLEAVE = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -370,10 +375,14 @@ def _fwd_kernel(
             m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            return lax.optimization_barrier((o, l, m_new, p.astype(q_smem.dtype)))
+            if interpret or not INTERLEAVE:
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                p16, p_sum = p.astype(q_smem.dtype), p.sum(axis=1)
+            else:
+                p16, p_sum = exp_rows(s, m_use, qk_scale, q_smem.dtype)
+            l = l * alpha + p_sum
+            return lax.optimization_barrier((o, l, m_new, p16))
 
         def take_tensor_cores(slot):
             plgpu.barrier_arrive(turn)  # softmax done
