@@ -282,6 +282,32 @@ def test_the_token_cache_rebuilds_when_the_templates_text_changes(base_tokenizer
         data_cache.ensure_cache(path, where, tokenizer=base_tokenizer, eos_id=eos)
 
 
+def test_inspect_of_a_cache_refuses_a_template_it_was_not_built_with(
+    base_tokenizer, tmp_path, capsys
+):
+    """`train.data inspect CACHE` counts the cache, not the flags: the template it was
+    built with passes, another template (or template variables) is refused in one
+    line naming the difference, where it used to be ignored."""
+    path = _chats(tmp_path, 4)
+    template = _template(tmp_path / "t.jinja")
+    other = _template(tmp_path / "o.jinja", CHATML.replace(IM_END + "\n", IM_END))
+    where = tmp_path / "cache"
+    data_main(["cache", str(path), str(where), "--tokenizer", str(base_tokenizer),
+               "--chat-template", str(template)])  # fmt: skip
+    capsys.readouterr()
+    data_main(["inspect", str(where), "--chat-template", str(template)])
+    assert "examples: 4" in capsys.readouterr().out
+    for flags, reason in (
+        (["--chat-template", str(other)], "rendered with another chat template"),
+        (["--chat-template-kwargs", '{"x": 1}'], "rendered with chat_template_kwargs {}"),
+    ):
+        with pytest.raises(SystemExit):
+            data_main(["inspect", str(where), *flags])
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {where}: the token cache was built otherwise"), err
+        assert reason in err and err.count("\n") == 1, err
+
+
 # ---------------------------------------------------------------------------------------
 # The HF exports
 # ---------------------------------------------------------------------------------------

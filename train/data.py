@@ -606,6 +606,7 @@ def _command(args: argparse.Namespace) -> None:
                     f"{args.path}: the token cache holds eos_id={cache.eos_id} after each "
                     f"document, not {flag}; its counts include it"
                 )
+            _check_rendering(args, cache)
             summary, eos_id = cache.summary(), cache.eos_id
             stream = cache.tokens, cache.targets, cache.offsets
             if note := data_cache.cache_split_note(cache):  # as reading the file printed it
@@ -696,6 +697,32 @@ def _eos_flags(args: argparse.Namespace) -> int | None:
     if args.eos_id is None and not args.no_eos and args.tokenizer is not None:
         return tokenizer_eos_id(args.tokenizer)
     return args.eos_id
+
+
+def _check_rendering(args: argparse.Namespace, cache: data_cache.TokenCache) -> None:
+    """``inspect`` of a token cache: the tokenizer and chat settings given must be the
+    ones the cache was built with (its counts and ``--show`` come from the cache, not
+    from the flags). ValueError naming the first difference."""
+    given = args.tokenizer or args.chat_template or args.chat_template_kwargs
+    if not (given or args.chat_turns != AUTO):
+        return
+    tokenizer = args.tokenizer
+    used = cache.meta["tokenizer"]
+    if args.chat_template and tokenizer is None and used is not None:
+        if Path(used["path"]).exists():
+            tokenizer = used["path"]  # the cache's own, beside which its template is read
+    reasons = cache.rendering_mismatch(
+        tokenizer=tokenizer,
+        chat_template_kwargs=_template_kwargs(args),
+        chat_turns=args.chat_turns,
+        chat_template=_chat_template(args),
+    )
+    if reasons:
+        raise ValueError(
+            f"{args.path}: the token cache was built otherwise than these flags say: "
+            f"{reasons[0]}; inspect the data file with them, or rebuild the cache "
+            "(python -m train.data cache)"
+        )
 
 
 def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:

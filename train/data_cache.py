@@ -216,6 +216,27 @@ class TokenCache:
                 reasons.append(f"built from {recorded['path']}, not {now['path']}")
             elif (now["size"], now["mtime_ns"]) != (recorded["size"], recorded["mtime_ns"]):
                 reasons.append(f"{now['path']} changed since the cache was built (size or mtime)")
+        reasons += self.rendering_mismatch(
+            tokenizer=tokenizer,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_turns=chat_turns,
+            chat_template=chat_template,
+        )
+        return reasons
+
+    def rendering_mismatch(
+        self,
+        *,
+        tokenizer: str | Path | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_turns: str = AUTO,
+        chat_template: str | Path | None = None,
+    ) -> list[str]:
+        """`mismatch`'s reasons about how the examples were tokenized and rendered:
+        ``tokenizer`` (where both tokenized text), its chat template or
+        ``chat_template``, ``chat_template_kwargs`` and ``chat_turns`` (where the cache
+        holds conversations); empty when they match."""
+        reasons = []
         used = self.meta["tokenizer"]
         if used is not None and tokenizer is not None and tokenizer_file(tokenizer).is_file():
             if tokenizer_stamp(tokenizer)["sha256"] != used["sha256"]:
