@@ -937,3 +937,16 @@ def test_cli_tokenizer_with_special_tokens_and_a_chat_template(bpe, tmp_path):
                 "no.jinja",
             ]
         )
+
+
+def test_errors_name_the_record_an_example_came_from(bpe, tmp_path):
+    """In a format without lines (a pickle), an error names the record the example came
+    from, not the example's index: here an empty text is dropped before it, so the
+    out-of-range record is record 2, the dataset's example 1."""
+    source = tmp_path / "r.pkl"
+    records = [{"text": "The trainer packs documents."}, {"text": ""}, {"input_ids": [4, 400]}]
+    source.write_bytes(pickle.dumps(records))
+    dataset = load_dataset(source, tokenizer=bpe)
+    assert dataset.num_examples == 2 and dataset.where(1) == "record 2"
+    with pytest.raises(ValueError, match=r"r\.pkl: record 2: token id 400 is out of range"):
+        load_dataset(source, tokenizer=bpe, vocab_size=300)

@@ -135,7 +135,10 @@ class TokenDataset:
         offsets: int64 ``[num_examples + 1]``; example ``i`` is
             ``tokens[offsets[i]:offsets[i + 1]]``.
         lines: int64 ``[num_examples]``, the 1-based line of each example in a
-            ``.jsonl`` file (for error messages); None: examples are named by index.
+            ``.jsonl`` file (for error messages); None: examples are named by record.
+        records: int64 ``[num_examples]``, the 0-based record each example came from in
+            other formats (an example is not its record's index once empty records are
+            dropped or conversations split); None: by the example's own index.
     """
 
     path: str
@@ -143,6 +146,7 @@ class TokenDataset:
     targets: np.ndarray
     offsets: np.ndarray
     lines: np.ndarray | None = None
+    records: np.ndarray | None = None
 
     @classmethod
     def from_examples(
@@ -151,9 +155,11 @@ class TokenDataset:
         input_ids: Sequence[np.ndarray],
         labels: Sequence[np.ndarray | None] | None = None,
         lines: Sequence[int] | None = None,
+        records: Sequence[int] | None = None,
     ) -> TokenDataset:
         """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens;
-        ``lines``: each example's 1-based line in a ``.jsonl`` file)."""
+        ``lines``: each example's 1-based line in a ``.jsonl`` file; ``records``: else
+        each example's 0-based record)."""
         if not input_ids:
             raise ValueError(f"{path}: the dataset has no examples")
         labels = labels if labels is not None else [None] * len(input_ids)
@@ -165,6 +171,7 @@ class TokenDataset:
             targets=np.concatenate(targets).astype(np.int32),
             offsets=np.concatenate([[0], np.cumsum(lengths)]),
             lines=None if lines is None else np.asarray(lines, dtype=np.int64),
+            records=None if records is None else np.asarray(records, dtype=np.int64),
         )
 
     @property
@@ -185,8 +192,11 @@ class TokenDataset:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
     def where(self, i: int) -> str:
-        """Example ``i`` as an error message names it: ``line N`` or ``record i``."""
-        return f"record {i}" if self.lines is None else f"line {int(self.lines[i])}"
+        """Example ``i`` as an error message names it: ``line N`` or ``record N``, where
+        it came from."""
+        if self.lines is not None:
+            return f"line {int(self.lines[i])}"
+        return f"record {i if self.records is None else int(self.records[i])}"
 
     def prompted(self) -> np.ndarray:
         """bool ``[num_examples]``: which examples hold a token labelled ``-100`` (a
@@ -412,6 +422,7 @@ def load_dataset(
         [e.input_ids for e in examples],
         [e.labels for e in examples],
         lines=[e.number for e in examples] if reader.by_line else None,
+        records=None if reader.by_line else [e.number for e in examples],
     )
     if vocab_size is not None:
         dataset.check_vocab(vocab_size)
