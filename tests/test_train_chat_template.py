@@ -118,7 +118,8 @@ def test_a_base_tokenizer_learns_conversations_with_the_given_template(
     """A tokenizer without a chat template: conversations are refused naming the flag
     that gives one; with `--chat_template file.jinja` the trainer learns them (the
     assistant turns only), records the template in its settings, and its HF export
-    carries it as chat_template.jinja, the only template there."""
+    carries it as chat_template.jinja and tokenizer_config.json's chat_template, the
+    only template there."""
     data = _chats(tmp_path)
     template = _template(tmp_path / "chatml.jinja")
     assert main(_argv(data, base_tokenizer, tmp_path / "none")) == 2
@@ -137,7 +138,9 @@ def test_a_base_tokenizer_learns_conversations_with_the_given_template(
         template.resolve()
     )
     assert (out / "hf" / "chat_template.jinja").read_text() == CHATML
-    assert _template_files(out / "hf") == ["chat_template.jinja"]
+    both = ["chat_template.jinja", "tokenizer_config.json: chat_template"]
+    assert _template_files(out / "hf") == both
+    assert json.loads((out / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML
     assert (out / "hf" / "tokenizer.json").read_bytes() == (
         base_tokenizer / "tokenizer.json"
     ).read_bytes()
@@ -330,9 +333,9 @@ def trained(base_tokenizer, tmp_path_factory) -> dict[str, Path]:
 
 def test_the_exports_carry_the_given_template_alone(trained, tmp_path):
     """The run's hf/ and train.tools.export's directory hold the given template as
-    chat_template.jinja, and none of the tokenizer's own (no additional_chat_templates/,
-    no chat_template in tokenizer_config.json, whose other keys are kept), also where
-    --overwrite replaces a model that had them."""
+    chat_template.jinja and as tokenizer_config.json's chat_template (whose other keys
+    are kept), and none of the tokenizer's own (no additional_chat_templates/), also
+    where --overwrite replaces a model that had them."""
     assert _template_files(trained["tokenizer"]) == [
         "additional_chat_templates/tool_use.jinja",
         "chat_template.jinja",
@@ -344,9 +347,11 @@ def test_the_exports_carry_the_given_template_alone(trained, tmp_path):
         (out / name).write_bytes((trained["tokenizer"] / name).read_bytes())
     export.export(str(trained["run"]), str(out), overwrite=True)
     config = json.loads((trained["tokenizer"] / "tokenizer_config.json").read_text())
-    del config["chat_template"]
+    assert config["chat_template"] == PLAIN
+    config["chat_template"] = CHATML
     for folder in (trained["run"] / "hf", out):
-        assert _template_files(folder) == ["chat_template.jinja"], folder
+        want = ["chat_template.jinja", "tokenizer_config.json: chat_template"]
+        assert _template_files(folder) == want, folder
         assert (folder / "chat_template.jinja").read_text() == CHATML
         assert json.loads((folder / "tokenizer_config.json").read_text()) == config
     assert _template_files(trained["tokenizer"])[0].startswith("additional")  # read only
@@ -369,7 +374,8 @@ def test_the_export_tool_carries_the_template_the_run_read(trained, tmp_path):
             os.rename(moved, template)
         template.write_text(CHATML)
     for out in ("edited", "moved"):
-        assert _template_files(tmp_path / out) == ["chat_template.jinja"], out
+        want = ["chat_template.jinja", "tokenizer_config.json: chat_template"]
+        assert _template_files(tmp_path / out) == want, out
         assert (tmp_path / out / "chat_template.jinja").read_text() == CHATML, out
 
 

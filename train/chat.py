@@ -289,11 +289,11 @@ def is_template_file(name: str) -> bool:
 def save_chat_template(folder: str | Path, templates: dict[str, str]) -> list[str]:
     """Writes ``templates`` (``{name: text}``, a ``"default"`` among them) into the
     tokenizer directory ``folder`` as transformers 5's ``save_pretrained`` saves them
-    (:func:`template_files`), and removes what would give another template: other
-    ``additional_chat_templates/*.jinja`` files, and ``tokenizer_config.json``'s
-    ``chat_template`` (transformers 5 reads the ``.jinja`` files first; older versions
-    that read only the config then find none rather than another). Returns the files
-    written."""
+    (:func:`template_files`), and into its ``tokenizer_config.json``'s ``chat_template``
+    where there is one (the text, or a list of ``{"name", "template"}`` where there are
+    several, as transformers 4 saves them: the versions that read only the config find
+    the same templates), and removes other ``additional_chat_templates/*.jinja`` files,
+    which would give another. Returns the files written."""
     folder = Path(folder)
     written = template_files(list(templates))
     for text, file in zip(templates.values(), written, strict=True):
@@ -309,8 +309,12 @@ def save_chat_template(folder: str | Path, templates: dict[str, str]) -> list[st
     config = folder / TOKENIZER_CONFIG
     if config.is_file():
         values = read_json(config)
-        if values.pop("chat_template", None) is not None:
-            config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+        values["chat_template"] = (
+            templates["default"]
+            if list(templates) == ["default"]
+            else [{"name": name, "template": text} for name, text in templates.items()]
+        )
+        config.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
     return written
 
 
