@@ -218,7 +218,9 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     (the FMAs, then the exponentials, then the sums and the conversions), which ptxas
     keeps mostly in that order: the adds and conversions wait for the last
     exponential. Here they are emitted value by value, FMA, exponential, add, and a
-    conversion per pair, so that they run between the SFU's exponentials."""
+    conversion per pair: ptxas then runs the FMAs and adds between the SFU's
+    exponentials (one every 8 cycles), though it still puts the conversions after the
+    last one."""
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir

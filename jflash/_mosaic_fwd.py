@@ -101,8 +101,8 @@ THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
 # The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries) emits
 # its softmax's FMA, exponential, row-sum add and conversion value by value
-# (`exp_rows`) instead of as one pass each: forward 1.02-1.03x at causal and full 4k,
-# 1.01-1.02x at 8k; the overlapped loops were level with it (BENCHMARKS.md).
+# (`exp_rows`) instead of as one pass each: forward 1.01-1.03x at causal and full 4k
+# and 8k in two runs; the overlapped loops were level with it (BENCHMARKS.md).
 INTERLEAVE = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
