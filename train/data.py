@@ -708,9 +708,8 @@ def _check_rendering(args: argparse.Namespace, cache: data_cache.TokenCache) -> 
         return
     tokenizer = args.tokenizer
     used = cache.meta["tokenizer"]
-    if args.chat_template and tokenizer is None and used is not None:
-        if Path(used["path"]).exists():
-            tokenizer = used["path"]  # the cache's own, beside which its template is read
+    if args.chat_template and tokenizer is None and used and Path(used["path"]).exists():
+        tokenizer = used["path"]  # the cache's own, beside which its template is read
     reasons = cache.rendering_mismatch(
         tokenizer=tokenizer,
         chat_template_kwargs=_template_kwargs(args),

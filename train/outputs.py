@@ -381,16 +381,19 @@ def write_chat_templates(out: str, templates: dict[str, str]) -> str:
     `additional_chat_templates/`), replacing what a run before it wrote there; returns
     the directory. Call it with `write_settings`."""
     folder = os.path.join(out, RUN_TEMPLATES)
-    os.makedirs(folder, exist_ok=True)
-    save_chat_template(folder, templates)
+    save_chat_template(folder, templates)  # makes the directories it writes into
     return folder
 
 
 def run_chat_templates(out: str) -> dict[str, str] | None:
     """The templates the run in `out` rendered its conversations with, as it wrote them
-    (`write_chat_templates`); None where it wrote none (no `--chat_template`)."""
+    (`write_chat_templates`); None where it wrote none (no `--chat_template`).
+    TrainingError (one line, naming the file) where the copy cannot be read."""
     folder = os.path.join(out, RUN_TEMPLATES)
-    found = read_chat_template(folder) if os.path.isdir(folder) else None
+    try:
+        found = read_chat_template(folder) if os.path.isdir(folder) else None
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
     return None if found is None else found[0]
 
 

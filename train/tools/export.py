@@ -156,12 +156,7 @@ def export(
         config = export_config(cfg, model_config(cfg))
         # --chat_template's, which the export carries: as the run saved them (where the
         # run directory holds no copy: the file, read now).
-        try:
-            templates = outputs.run_chat_templates(run_dir)
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
-        if templates is None:
-            templates = chat_templates(cfg)
+        templates = outputs.run_chat_templates(run_dir) or chat_templates(cfg)
     except TrainingError as e:  # the model, tokenizer or chat template the run read is gone
         raise TrainingError(f"{os.path.join(run_dir, outputs.SETTINGS_FILE)}: {e}") from None
     checkpoints = Checkpoints(run_dir, None, read_only=True)
