@@ -104,6 +104,7 @@ THREE_WG_MIN_LEN = 16384
 # (`exp_rows`) instead of as one pass each: forward 1.01-1.03x at causal and full 4k
 # and 8k in two runs; the overlapped loops were level with it (BENCHMARKS.md).
 INTERLEAVE = True
+NO_TURNS = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -266,7 +267,13 @@ def _fwd_kernel(
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
 
+    # The two-warpgroup loop without overlap and without turns: the warpgroups issue
+    # their matmuls and softmax freely (`NO_TURNS`).
+    free = NO_TURNS and not overlap
+
     def take_turn():
+        if free:
+            return
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
@@ -386,9 +393,11 @@ def _fwd_kernel(
             return lax.optimization_barrier((o, l, m_new, p16))
 
         def take_tensor_cores(slot):
-            plgpu.barrier_arrive(turn)  # softmax done
+            if not free:
+                plgpu.barrier_arrive(turn)  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(turn)  # tensor cores are ours
+            if not free:
+                plgpu.barrier_wait(turn)  # tensor cores are ours
 
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
