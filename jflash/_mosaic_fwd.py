@@ -2,18 +2,21 @@
 
 A work item = 128 query rows of one head: two compute warpgroups of 64 rows each and a
 memory warpgroup that streams the K and V tiles of the head's KV head (`h // group`:
-GQA without copies) into `stages` shared-memory slots. The two compute warpgroups
-take turns on the tensor cores (FA-3's ping-pong): while one runs its softmax the
-other's matmuls run, ordered by a two-arrival "turn" barrier that each passes twice
-per key step, warpgroup 1 starting one turn late. At D=128 a warpgroup's turn on the
-tensor cores issues its step's P V and its next step's Q K^T back to back, without
-waiting for P V in between (`overlapped`; `OVERLAP_HEAD_DIMS`). There a warpgroup
+GQA without copies) into `stages` shared-memory slots. At D=128 the two compute
+warpgroups take turns on the tensor cores (FA-3's ping-pong): while one runs its
+softmax the other's matmuls run, ordered by a two-arrival "turn" barrier that each
+passes twice per key step, warpgroup 1 starting one turn late; a warpgroup's turn
+issues its step's P V and its next step's Q K^T back to back, without waiting for P V
+in between (`overlapped`; `OVERLAP_HEAD_DIMS`). There a warpgroup
 hands the turn over right after its work item's last P V and takes it back before its
 next item's first Q K^T, so its epilogue does not hold up the other's last step; and,
 without segment ids, it loads the next item's Q from its last step on (both: forward
 1.026x at causal 4k, 1.018x at 16k; the turn alone 1.010x on packed documents;
 BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under 16k queries)
-loads its next Q from its last step on too (forward 1.04x at causal 4k).
+takes no turns: each warpgroup issues its matmuls as its own steps allow, waiting
+only for its K and V slots (against ping-pong turns there, forward 1.01-1.02x at 4k
+and 8k, outputs bitwise equal). It loads its next Q from its last step on too
+(forward 1.04x at causal 4k).
 
 The launch is persistent (`WorkItems`): one CTA per SM runs work items until none are
 left, heaviest first (causal rows near the end see the most keys; packed documents by
@@ -104,7 +107,6 @@ THREE_WG_MIN_LEN = 16384
 # (`exp_rows`) instead of as one pass each: forward 1.01-1.03x at causal and full 4k
 # and 8k in two runs; the overlapped loops were level with it (BENCHMARKS.md).
 INTERLEAVE = True
-NO_TURNS = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -112,16 +114,16 @@ THREE_WG_STAGES = 4
 # change no instruction. Per key step, in the overlapped loop (two warpgroups at D=128,
 # three at D=64 from THREE_WG_MIN_LEN queries): s_wait, softmax, turn, issue; in the
 # two-warpgroup loop without overlap (D=64 under THREE_WG_MIN_LEN queries): s_wait,
-# qk_turn, s_read, softmax, turn, issue, where s_wait is the wait for the step's K and
-# issue is P V, issued and waited for:
+# qk, s_read, softmax, turn, issue, where s_wait is the wait for the step's K, turn for
+# its V and issue is P V, issued and waited for:
 STEP_SCOPES = {
     "s_wait": "wait for this step's Q K^T and the last P V (no overlap: for its K)",
     "softmax": "online softmax of an unmasked step",
     "softmax_m": "online softmax of a masked step",
-    "turn": "wait for the V slot and the tensor cores' turn",
+    "turn": "wait for the V slot and the tensor cores' turn (no overlap: the V slot)",
     "issue": "issue P V and the next Q K^T, hand the turn over and wait for it back "
     "(no overlap: issue P V and wait for it)",
-    "qk_turn": "no overlap: issue Q K^T and wait for the turn (the other's softmax)",
+    "qk": "no overlap: issue Q K^T",
     "s_read": "no overlap: wait for S",
 }
 # Per work item (a warpgroup's 64 query rows of one head), "q_wait" first:
@@ -267,13 +269,7 @@ def _fwd_kernel(
     overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
 
-    # The two-warpgroup loop without overlap and without turns: the warpgroups issue
-    # their matmuls and softmax freely (`NO_TURNS`).
-    free = NO_TURNS and not overlap
-
     def take_turn():
-        if free:
-            return
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
@@ -393,20 +389,17 @@ def _fwd_kernel(
             return lax.optimization_barrier((o, l, m_new, p16))
 
         def take_tensor_cores(slot):
-            if not free:
-                plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_arrive(turn)  # softmax done
             plgpu.barrier_wait(v_ready.at[slot])
-            if not free:
-                plgpu.barrier_wait(turn)  # tensor cores are ours
+            plgpu.barrier_wait(turn)  # tensor cores are ours
 
         def step(j, carry, *, masked: bool):
             acc, m, l = carry
             slot = st.slot(j, stages)
 
             def qk(acc):
-                with jax.named_scope("qk_turn"):
+                with jax.named_scope("qk"):
                     plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
-                    take_turn()  # while this wgmma runs, the other warpgroup does softmax
                 with jax.named_scope("s_read"):
                     return acc[...]  # [64, block_kv] f32
 
@@ -420,14 +413,15 @@ def _fwd_kernel(
             with jax.named_scope("softmax_m" if masked else "softmax"):
                 acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             with jax.named_scope("turn"):
-                take_tensor_cores(slot)
+                plgpu.barrier_wait(v_ready.at[slot])
             with jax.named_scope("issue"):
                 (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
 
         def skip(j, carry):
-            # Steps the other warpgroup needs: acknowledge them, keep the turns paired.
+            # Steps the other warpgroup needs: acknowledge them, keep the turns (where
+            # the warpgroups take them) paired.
             slot = st.slot(j, stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
@@ -437,10 +431,12 @@ def _fwd_kernel(
                 hold()
                 hand()
                 return carry
-            take_turn()
+            if split:
+                take_turn()
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()
+            if split:
+                take_turn()
             return carry
 
         def overlapped(s_acc, o_acc, stats):
@@ -559,15 +555,6 @@ def _fwd_kernel(
                 hold()
                 hand()
 
-        elif not split:
-            # An item the CTA streams no key for (query tiles whose ids meet none of
-            # the keys': the ring's blocks of packed documents) takes one turn each.
-            # The turns run on across the items, warpgroup 1 one behind: without one
-            # here, warpgroup 0 ran through such items alone until it waited for a
-            # ticket slot that warpgroup 1, waiting for warpgroup 0's next turn, had
-            # not freed. Two such items in a row deadlocked the CTA.
-            pl.when(st.count == 0)(take_turn)
-
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads (from the last step on where `early`) while this one's output
         # is normalised and stored. Its coordinates and steps are found here: on packed
@@ -614,10 +601,9 @@ def _fwd_kernel(
         # Turns run on across the items: each warpgroup takes as many per item.
         if token:  # warpgroup 0 goes first
             pl.when(wg == wgs - 1)(hand)
-        else:
+        elif split:
             pl.when(wg == 1)(take_turn)
-            if split:  # the turn each item takes back at its start
-                plgpu.barrier_arrive(turn)
+            plgpu.barrier_arrive(turn)  # the turn each item takes back at its start
 
         def item(carry):  # the carry holds the item's `locate`
             k, ticket, located = carry
@@ -640,8 +626,6 @@ def _fwd_kernel(
             plgpu.barrier_wait(turn)
         elif token:  # the last warpgroup's last hand-over
             pl.when(wg == 0)(hold)
-        else:
-            pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
