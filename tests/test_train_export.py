@@ -117,6 +117,33 @@ def test_latest_is_the_runs_own_hf(runs, tmp_path, capsys):
     _same_hf(tmp_path / "four", long / "hf")
 
 
+def test_the_exports_carry_the_tokenizer_the_run_read(runs, tmp_path):
+    """The run keeps its tokenizer as it read it (tokenizer/ in its directory), and
+    train.tools.export carries that copy, EOS included: the tokenizer edited, then moved
+    away since the run, changes nothing in the export."""
+    long, tok = runs["long"], runs["root"] / "tok"
+    read = {p.name: p.read_bytes() for p in tok.iterdir() if p.is_file()}
+    assert "tokenizer.json" in read
+    copy = long / "tokenizer"
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == read
+    moved = tok.with_name("tok.moved")
+    edited = tok / "tokenizer.json"
+    edited.write_bytes(read["tokenizer.json"] + b"\n")
+    try:
+        assert export.main([str(long), "--out", str(tmp_path / "edited")]) == 0
+        os.rename(tok, moved)
+        assert export.main([str(long), "--out", str(tmp_path / "moved")]) == 0
+    finally:
+        if moved.exists():
+            os.rename(moved, tok)
+        edited.write_bytes(read["tokenizer.json"])
+    for out in ("edited", "moved"):
+        _same_hf(tmp_path / out, long / "hf")
+        assert (tmp_path / out / "tokenizer.json").read_bytes() == read["tokenizer.json"]
+        config = json.loads((tmp_path / out / "config.json").read_text())
+        assert config["eos_token_id"] == 0, out
+
+
 def test_an_earlier_step_is_the_hf_of_a_run_stopped_there(runs, tmp_path):
     out = tmp_path / "two"
     assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0

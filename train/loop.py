@@ -243,6 +243,9 @@ def _run_from(
         outputs.write_settings(out, cfg)
         if t.chat_templates is not None:
             outputs.write_chat_templates(out, t.chat_templates)
+        outputs.write_tokenizer(
+            out, cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+        )
         if resume is not None:
             print(f"resumed from step {start_step} of {resume[0]}", flush=True)
     if not trains and is_main:
@@ -264,12 +267,13 @@ def _run_from(
             )
         host = multihost_utils.process_allgather(state["params"], tiled=True)
         if is_main:
-            # The tokenizer first: the export's config.json, renamed into place last,
-            # then marks a whole export (`outputs.has_export`).
+            # The tokenizer first (the run's copy of it, where it has one): the
+            # export's config.json, renamed into place last, then marks a whole
+            # export (`outputs.has_export`).
             os.makedirs(hf_dir, exist_ok=True)
-            tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+            export_cfg, tokenizer = outputs.with_run_tokenizer(cfg, out)
             outputs.copy_tokenizer(tokenizer, hf_dir, t.chat_templates)
-            config = export_config(cfg, t.config)
+            config = export_config(export_cfg, t.config)
             models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
     return state, history
 

@@ -48,6 +48,9 @@ NOT_STARTED = "the run stopped before it changed the output directory"
 # `--chat_template`'s templates as the run read them (`write_chat_templates`), which
 # `train.tools.export` carries: a file edited or moved since changes no later export.
 RUN_TEMPLATES = "chat_template"
+# The tokenizer's files as the run read them (`write_tokenizer`), which the HF exports
+# carry (`run_tokenizer`): a tokenizer edited or moved since changes no later export.
+RUN_TOKENIZER = "tokenizer"
 RUN_OUTPUTS = (
     "checkpoints",
     "log.jsonl",
@@ -56,6 +59,7 @@ RUN_OUTPUTS = (
     "hf",
     SETTINGS_FILE,
     RUN_TEMPLATES,
+    RUN_TOKENIZER,
     PREVIOUS_RUN,
 )
 
@@ -395,6 +399,50 @@ def run_chat_templates(out: str) -> dict[str, str] | None:
     except ValueError as e:
         raise TrainingError(str(e)) from None
     return None if found is None else found[0]
+
+
+def write_tokenizer(out: str, source: str) -> str | None:
+    """Copies the tokenizer the run reads (`source`: `--tokenizer_name_or_path`, a
+    `tokenizer.json` or its directory, or else the input model's directory) into
+    `<out>/tokenizer/`, its files as `copy_tokenizer` takes them, replacing what a run
+    before it wrote there; returns the directory, or None where `source` has no
+    tokenizer file (a preset). The copy is written beside it and renamed into place, so
+    a run killed meanwhile leaves the last whole copy. Call it with `write_settings`."""
+    if not tokenizer_files(source):
+        return None
+    folder = os.path.join(out, RUN_TOKENIZER)
+    staged = folder + ".partial"
+    shutil.rmtree(staged, ignore_errors=True)
+    os.makedirs(staged)
+    copy_tokenizer(source, staged)
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.rename(staged, folder)
+    return folder
+
+
+def run_tokenizer(out: str) -> str | None:
+    """The directory of the tokenizer the run in `out` read, as it copied it
+    (`write_tokenizer`); None where it holds no copy (a preset's run, or one written
+    before runs kept it)."""
+    folder = os.path.join(out, RUN_TOKENIZER)
+    return folder if tokenizer_files(folder) else None
+
+
+def with_run_tokenizer(cfg: TrainConfig, out: str) -> tuple[TrainConfig, str]:
+    """`(cfg, tokenizer)` for exporting the run in `out`: its copy of the tokenizer
+    (`run_tokenizer`) in place of `--tokenizer_name_or_path` where it has one, and the
+    tokenizer whose files the export carries (that copy, else the flag's, else the
+    input model's directory)."""
+    copy = run_tokenizer(out)
+    source = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+    if copy is None:
+        return cfg, source
+    if cfg.data.tokenizer_name_or_path:
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, tokenizer_name_or_path=copy)
+        )
+    return cfg, copy
 
 
 def drop_after(out: str, last_step: int) -> None:

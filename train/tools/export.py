@@ -7,9 +7,10 @@ run ended at that step.
 
 RUN_DIR is a run's `--output_dir`: its `train_config.yaml` gives the model and the
 tokenizer (the model's config as the run built it, with the EOS it packed documents
-with: `train.build.export_config`; the run's `--chat_template` in place of the
-tokenizer's template, as the run saved it in its `chat_template/`, so that a template
-file edited or moved since changes nothing), its `checkpoints/<step>` the weights. Only the
+with: `train.build.export_config`; the tokenizer's files as the run copied them into
+its `tokenizer/`, and the run's `--chat_template` in place of the tokenizer's template,
+as the run saved it in its `chat_template/`, so that a tokenizer or template edited or
+moved since changes nothing), its `checkpoints/<step>` the weights. Only the
 checkpoint's parameters are read (not the optimizer state), onto the host CPU, whatever
 mesh saved them. RUN_DIR is only read. An `--out` that already holds a model (its
 config, weights or tokenizer files) is refused unless `--overwrite` is given, and one
@@ -147,7 +148,8 @@ def export(
     take the export (see `_check_out`)."""
     if dtype not in DTYPES:
         raise TrainingError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    cfg = _settings(run_dir)
+    # The run's copy of its tokenizer, where it has one, for the EOS and the files.
+    cfg, tokenizer = outputs.with_run_tokenizer(_settings(run_dir), run_dir)
     _check_out(run_dir, out, overwrite)
     if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
         raise TrainingError(f"RUN_DIR={run_dir!r} has no checkpoints/ (the run saved none)")
@@ -181,7 +183,6 @@ def export(
         checkpoints.close()
     params = jax.tree.map(np.asarray, params)
     models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    tokenizer = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
     outputs.copy_tokenizer(tokenizer, out, templates)
     # Another model's, where --overwrite replaced it.
     remove_other_tokenizer_files(out, outputs.tokenizer_files(tokenizer, templates))
