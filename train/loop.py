@@ -243,9 +243,7 @@ def _run_from(
         outputs.write_settings(out, cfg)
         if t.chat_templates is not None:
             outputs.write_chat_templates(out, t.chat_templates)
-        outputs.write_tokenizer(
-            out, cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
-        )
+        outputs.write_tokenizer(out, cfg)
         if resume is not None:
             print(f"resumed from step {start_step} of {resume[0]}", flush=True)
     if not trains and is_main:

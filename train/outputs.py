@@ -401,13 +401,19 @@ def run_chat_templates(out: str) -> dict[str, str] | None:
     return None if found is None else found[0]
 
 
-def write_tokenizer(out: str, source: str) -> str | None:
-    """Copies the tokenizer the run reads (`source`: `--tokenizer_name_or_path`, a
-    `tokenizer.json` or its directory, or else the input model's directory) into
+def tokenizer_source(cfg: TrainConfig) -> str:
+    """The tokenizer a run reads: `--tokenizer_name_or_path` (a `tokenizer.json` or its
+    directory), else the input model's directory (or preset name)."""
+    return cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
+
+
+def write_tokenizer(out: str, cfg: TrainConfig) -> str | None:
+    """Copies the tokenizer the run reads (`tokenizer_source`) into
     `<out>/tokenizer/`, its files as `copy_tokenizer` takes them, replacing what a run
     before it wrote there; returns the directory, or None where `source` has no
     tokenizer file (a preset). The copy is written beside it and renamed into place, so
     a run killed meanwhile leaves the last whole copy. Call it with `write_settings`."""
+    source = tokenizer_source(cfg)
     if not tokenizer_files(source):
         return None
     folder = os.path.join(out, RUN_TOKENIZER)
@@ -432,12 +438,10 @@ def run_tokenizer(out: str) -> str | None:
 def with_run_tokenizer(cfg: TrainConfig, out: str) -> tuple[TrainConfig, str]:
     """`(cfg, tokenizer)` for exporting the run in `out`: its copy of the tokenizer
     (`run_tokenizer`) in place of `--tokenizer_name_or_path` where it has one, and the
-    tokenizer whose files the export carries (that copy, else the flag's, else the
-    input model's directory)."""
+    tokenizer whose files the export carries (that copy, else `tokenizer_source`)."""
     copy = run_tokenizer(out)
-    source = cfg.data.tokenizer_name_or_path or cfg.model.model_name_or_path
     if copy is None:
-        return cfg, source
+        return cfg, tokenizer_source(cfg)
     if cfg.data.tokenizer_name_or_path:
         cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, tokenizer_name_or_path=copy)
