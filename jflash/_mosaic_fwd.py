@@ -192,6 +192,7 @@ def _fwd_kernel(
     spans_only: bool = False,
     run_if: bool | None = None,
     copies: bool = False,
+    overlap: bool | None = None,
 ):
     """`refs`: q, k,
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
@@ -204,7 +205,9 @@ def _fwd_kernel(
     `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
     and the key ids are not streamed. `run_if`: None, or whether the kernel runs where
     the sorted-ids flag is set (otherwise it returns at once, writing nothing, or with
-    `copies` copies the other launch's outputs into its own)."""
+    `copies` copies the other launch's outputs into its own). `overlap`: whether the
+    steps run the overlapped loop (None: at `OVERLAP_HEAD_DIMS` and on three
+    warpgroups)."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -260,13 +263,14 @@ def _fwd_kernel(
     total = jnp.int32(items.total)
     # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
-    token = wgs > COMPUTE_WGS
+    if overlap is None:
+        overlap = wgs > COMPUTE_WGS or geom.head_dim in OVERLAP_HEAD_DIMS
+    token = wgs > COMPUTE_WGS and overlap
     # The loop with each step's P V and the next Q K^T issued together (interpreted
     # with its accumulators in shared memory: `Accumulators`). With two warpgroups it
     # hands the turn over right after an item's last P V and takes it back before the
     # next item's first Q K^T (`split`, as FA-3 does): each warpgroup's epilogue then
     # runs beside the other's last step, not in its way.
-    overlap = token or geom.head_dim in OVERLAP_HEAD_DIMS
     split = overlap and not token
 
     def take_turn():
@@ -592,7 +596,7 @@ def _fwd_kernel(
 
     @pl.when((wg < wgs) & runs)
     def _compute():
-        regs = THREE_WG_REGS[0] if token else COMPUTE_REGS
+        regs = THREE_WG_REGS[0] if wgs > COMPUTE_WGS else COMPUTE_REGS
         plgpu.set_max_registers(regs, action="increase")
         first = read_ticket(jnp.int32(0))
         with jax.named_scope("locate"):
@@ -662,7 +666,9 @@ def _fwd_kernel(
 
     @pl.when((wg == wgs) & runs)
     def _memory():
-        plgpu.set_max_registers(THREE_WG_REGS[1] if token else MEMORY_REGS, action="decrease")
+        plgpu.set_max_registers(
+            THREE_WG_REGS[1] if wgs > COMPUTE_WGS else MEMORY_REGS, action="decrease"
+        )
 
         def fetch(k):
             """The CTA's `k`-th work item, for all warpgroups (slot `k % 2`), taken when
@@ -755,11 +761,15 @@ def mosaic_fwd(
     three = own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and q.shape[1] >= THREE_WG_MIN_LEN
     common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
     two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
-    fast = two_wgs
+    fast = spans = two_wgs
+    if own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and not three:
+        # Packed documents under THREE_WG_MIN_LEN: three warpgroups without overlap or
+        # turns, 128-key steps (S in 64 registers of the 160).
+        spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES, overlap=False)
     if three:
         # At least 3 stages: a turn may wait for the slot that the step before it freed.
         # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
-        fast = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
+        fast = spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
     if not segments:
         return _forward(q, k, v, None, None, None, forms=(fast,))
     q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
@@ -775,7 +785,7 @@ def mosaic_fwd(
     # `lax.scan`: the module docstring). A `lax.cond` on the flag copies it to the host
     # and waits for it there (XLA's GPU conditional, outside a command buffer), which
     # cost a jitted packed 64k forward 2.6% on an H200 (BENCHMARKS.md).
-    forms = (dict(two_wgs, run_if=False), dict(fast, spans_only=True, run_if=True))
+    forms = (dict(two_wgs, run_if=False), dict(spans, spans_only=True, run_if=True))
     return _forward(q, k, v, q_seg, kv_seg, ids_sorted(kv_seg), forms=forms)
 
 
@@ -851,6 +861,7 @@ def _launch(
     run_if: bool | None = None,
     out_rows: int,
     copy_from=None,
+    overlap: bool | None = None,
 ):
     """One launch of the forward kernel on `wgs` compute warpgroups: `(o, lse)` (the
     output with the queries rounded up to 8 rows compiled, `out_rows` interpreted; the
@@ -921,6 +932,7 @@ def _launch(
         spans_only=spans_only,
         run_if=run_if,
         copies=copy_from is not None,
+        overlap=overlap,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
