@@ -41,6 +41,13 @@ custom call's result straight into a `dynamic_update_slice` target (a `lax.scan`
 stacked outputs, such as remat's saved residuals), which drops what an aliased input
 held.
 
+Packed documents at D=64 under 16k queries: the span kernel runs three compute
+warpgroups in the loop without overlap (128-key steps, no turns) where dense calls run
+two with 256-key steps. A document of a few hundred tokens fills less of a 256-key step
+than of two 128-key ones: forward 1.37-1.40x on rows of 22 documents at 4k and 8k, where
+two warpgroups with 128-key steps reached 1.13-1.15x; dense calls on three warpgroups
+without overlap were 1-2% slower (BENCHMARKS.md).
+
 Segment ids (packed documents): a query tile streams only the key tiles whose ids may
 meet its own (`jflash._segments`, intersected with the causal bounds), and masks only
 the tiles that hold more than one id or sit on the causal diagonal. The key ids ride
@@ -100,6 +107,8 @@ OVERLAP_HEAD_DIMS = (128,)
 # instead of one. Registers: 3 x 160 + 24. H200, forward against two warpgroups: 1.03x
 # at 16k, 1.07x at 32k, 1.05x at 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k
 # causal, so shorter calls keep two (BENCHMARKS.md).
+# Under THREE_WG_MIN_LEN queries the span kernel for packed documents runs three as well,
+# in the loop without overlap (`mosaic_fwd`).
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
 # The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries) emits
@@ -113,7 +122,8 @@ THREE_WG_STAGES = 4
 # (`_mosaic_common.profiling`, `benchmarks/timeline.py`); outside the profiler they
 # change no instruction. Per key step, in the overlapped loop (two warpgroups at D=128,
 # three at D=64 from THREE_WG_MIN_LEN queries): s_wait, softmax, turn, issue; in the
-# two-warpgroup loop without overlap (D=64 under THREE_WG_MIN_LEN queries): s_wait,
+# loop without overlap (D=64 under THREE_WG_MIN_LEN queries: two warpgroups, three for
+# packed documents): s_wait,
 # qk, s_read, softmax, turn, issue, where s_wait is the wait for the step's K, turn for
 # its V and issue is P V, issued and waited for:
 STEP_SCOPES = {
@@ -207,7 +217,7 @@ def _fwd_kernel(
     the sorted-ids flag is set (otherwise it returns at once, writing nothing, or with
     `copies` copies the other launch's outputs into its own). `overlap`: whether the
     steps run the overlapped loop (None: at `OVERLAP_HEAD_DIMS` and on three
-    warpgroups)."""
+    warpgroups); three warpgroups without it take no turns."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -724,8 +734,9 @@ def forms() -> str:
     return (
         f"the Mosaic forward: three compute warpgroups at head_dim {dims} from "
         f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; with "
-        "segment_ids, sorted ids (packed documents) mask by each row's key span and "
-        "other ids compare ids on two warpgroups (both kernels launch: the id compare first, "
+        "segment_ids, sorted ids (packed documents) mask by each row's key span (on "
+        f"three warpgroups at head_dim {dims} under {THREE_WG_MIN_LEN} queries as well, "
+        "128-key steps without overlap) and other ids compare ids on two warpgroups (both kernels launch: the id compare first, "
         "returning at once where the ids are sorted, then the span kernel, which copies the "
         "compare's outputs where they are not)"
     )
@@ -764,7 +775,8 @@ def mosaic_fwd(
     fast = spans = two_wgs
     if own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and not three:
         # Packed documents under THREE_WG_MIN_LEN: three warpgroups without overlap or
-        # turns, 128-key steps (S in 64 registers of the 160).
+        # turns, 128-key steps (S in 64 registers of the 160): short documents fill
+        # 128-key steps better than 256-key ones (the module docstring).
         spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES, overlap=False)
     if three:
         # At least 3 stages: a turn may wait for the slot that the step before it freed.

@@ -441,13 +441,16 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
     assert dispatch.dq_accumulator(x[:, :200], kernel()) is None  # padded queries
 
 
+@pytest.mark.parametrize("long", [True, False], ids=["16k", "4k"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("given", [False, True])
-def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
+def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, long):
     """From 16k queries at D = 64 the forward runs three warpgroups with its own tiles,
-    unless the caller chose the tiles (`block_sizes`): then two run those. With segment
-    ids two kernels are lowered: first two warpgroups comparing ids (they run where the
-    key ids are not sorted), then that one (for sorted key ids; elsewhere it copies the
+    in the overlapped loop, unless the caller chose the tiles (`block_sizes`): then two
+    run those. Under 16k two run, without overlap, except for packed documents: the span
+    kernel runs three there, without overlap in 128-key steps. With segment ids two
+    kernels are lowered: first two warpgroups comparing ids (they run where the key ids
+    are not sorted), then the span kernel (for sorted key ids; elsewhere it copies the
     first one's outputs)."""
     from jflash import _mosaic_fwd
 
@@ -456,12 +459,13 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     launched = []
     launch = _mosaic_fwd.launch
 
-    def spy(*args, **kwargs):
-        launched.append(kwargs["wgs"])
-        return launch(*args, **kwargs)
+    def spy(kernel, **kwargs):
+        k = kernel.keywords
+        launched.append((k["wgs"], k["block_kv"], bool(k["spans_only"])))
+        return launch(kernel, **kwargs)
 
     monkeypatch.setattr(_mosaic_fwd, "launch", spy)
-    seq = _mosaic_fwd.THREE_WG_MIN_LEN
+    seq = _mosaic_fwd.THREE_WG_MIN_LEN if long else 4096
     q = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
     bs = jflash.default_block_sizes(seq, 64, jnp.bfloat16, implementation="pallas_mosaic")
@@ -483,7 +487,14 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments):
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
     # With ids: the kernel for any ids, then the one for sorted ids (spans only).
-    assert launched == ([2] if segments else []) + [2 if given else 3]
+    tiles = bs.block_kv
+    ids = [(2, tiles, False)] if segments else []
+    if given:
+        assert launched == ids + [(2, tiles, segments)]
+    elif long or segments:
+        assert launched == ids + [(3, 128, segments)]
+    else:
+        assert launched == [(2, tiles, False)]
     assert text.count("jflash_mosaic_fwd") >= len(launched)
 
 
