@@ -736,9 +736,10 @@ def forms() -> str:
         f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; with "
         "segment_ids, sorted ids (packed documents) mask by each row's key span (on "
         f"three warpgroups at head_dim {dims} under {THREE_WG_MIN_LEN} queries as well, "
-        "128-key steps without overlap) and other ids compare ids on two warpgroups (both kernels launch: the id compare first, "
-        "returning at once where the ids are sorted, then the span kernel, which copies the "
-        "compare's outputs where they are not)"
+        "128-key steps without overlap) and other ids compare ids on two warpgroups "
+        "(both kernels launch: the id compare first, returning at once where the ids are "
+        "sorted, then the span kernel, which copies the compare's outputs where they are "
+        "not)"
     )
 
 

@@ -144,6 +144,35 @@ def test_the_exports_carry_the_tokenizer_the_run_read(runs, tmp_path):
         assert config["eos_token_id"] == 0, out
 
 
+def test_the_export_reads_the_model_config_the_run_built(runs, tmp_path):
+    """A run from an HF directory keeps its model's config.json as it built the model
+    (model_config.json in its directory), and train.tools.export reads that copy: the
+    input model's config.json edited (another rope_theta), then the model moved away
+    since the run, changes nothing in the export."""
+    import jax
+
+    root = runs["root"]
+    model = tmp_path / "model"
+    config = models.preset("tiny")
+    params = models.init_params(config, jax.random.key(0))
+    models.export_hf(jax.tree.map(np.asarray, params), config, str(model))
+    argv = _argv(tmp_path / "run", root / "tok", 2)
+    argv[argv.index("tiny")] = str(model)
+    run(parse_args(argv))
+    built = tmp_path / "run" / "model_config.json"
+    assert models.from_hf_config(json.loads(built.read_text())) == config
+    source = model / "config.json"
+    original = source.read_text()
+    edited = json.loads(original)
+    edited["rope_theta"] = 2 * edited["rope_theta"]
+    source.write_text(json.dumps(edited))
+    assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "edited")]) == 0
+    os.rename(model, tmp_path / "moved")
+    assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "gone")]) == 0
+    for out in ("edited", "gone"):
+        _same_hf(tmp_path / out, tmp_path / "run" / "hf")
+
+
 def test_an_earlier_step_is_the_hf_of_a_run_stopped_there(runs, tmp_path):
     out = tmp_path / "two"
     assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0

@@ -408,7 +408,7 @@ def test_a_preemption_that_saved_nothing_names_the_last_checkpoint(tmp_path, mon
 def test_save_strategy_no_leaves_no_checkpoints_directory(tmp_path):
     out = tmp_path / "run"
     run(parse_args(_args(out, "--save_strategy", "no", "--report_to", "none")))
-    assert sorted(os.listdir(out)) == ["log.jsonl", outputs.SETTINGS_FILE]
+    assert sorted(os.listdir(out)) == ["log.jsonl", outputs.RUN_MODEL_CONFIG, outputs.SETTINGS_FILE]
 
 
 @pytest.mark.slow
@@ -587,6 +587,7 @@ def test_overwrite_deletes_the_previous_run_only_once_the_new_one_has_a_checkpoi
             [
                 "checkpoints",
                 "log.jsonl",
+                outputs.RUN_MODEL_CONFIG,
                 outputs.PREVIOUS_RUN,
                 "tensorboard",
                 outputs.SETTINGS_FILE,

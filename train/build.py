@@ -56,10 +56,16 @@ def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig
     )
 
 
-def model_config(cfg: TrainConfig) -> models.LlamaConfig:
-    """The model's `LlamaConfig` (an HF directory's config.json, or a preset) with the
-    run's dtypes and remat policy; reads no weights."""
+def model_config(cfg: TrainConfig, hf_config: str | None = None) -> models.LlamaConfig:
+    """The model's `LlamaConfig` (an HF directory's config.json, or a preset; or the
+    config.json `hf_config`, such as a run's own copy) with the run's dtypes and remat
+    policy; reads no weights."""
     name = cfg.model.model_name_or_path
+    if hf_config is not None:
+        try:
+            return _for_run(models.from_hf_config(hf_config), cfg)
+        except (OSError, ValueError) as e:
+            raise TrainingError(f"{hf_config}: {e}") from None
     if os.path.isdir(name):
         return _for_run(models.from_hf_config(name), cfg)
     try:

@@ -244,6 +244,7 @@ def _run_from(
         if t.chat_templates is not None:
             outputs.write_chat_templates(out, t.chat_templates)
         outputs.write_tokenizer(out, cfg)
+        outputs.write_model_config(out, models.to_hf_config(t.config))
         if resume is not None:
             print(f"resumed from step {start_step} of {resume[0]}", flush=True)
     if not trains and is_main:

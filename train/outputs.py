@@ -51,6 +51,10 @@ RUN_TEMPLATES = "chat_template"
 # The tokenizer's files as the run read them (`write_tokenizer`), which the HF exports
 # carry (`run_tokenizer`): a tokenizer edited or moved since changes no later export.
 RUN_TOKENIZER = "tokenizer"
+# The model's config.json as the run built the model (`write_model_config`), which
+# `train.tools.export` reads (`run_model_config`): the input model's config.json edited
+# or moved since changes no later export.
+RUN_MODEL_CONFIG = "model_config.json"
 RUN_OUTPUTS = (
     "checkpoints",
     "log.jsonl",
@@ -60,6 +64,7 @@ RUN_OUTPUTS = (
     SETTINGS_FILE,
     RUN_TEMPLATES,
     RUN_TOKENIZER,
+    RUN_MODEL_CONFIG,
     PREVIOUS_RUN,
 )
 
@@ -447,6 +452,27 @@ def with_run_tokenizer(cfg: TrainConfig, out: str) -> tuple[TrainConfig, str]:
             cfg, data=dataclasses.replace(cfg.data, tokenizer_name_or_path=copy)
         )
     return cfg, copy
+
+
+def write_model_config(out: str, hf_config: dict) -> str:
+    """Writes the run's model config (`models.to_hf_config` of the model it built) as
+    `<out>/model_config.json`, written beside it and renamed into place, replacing what
+    a run before it wrote there; returns the path. Call it with `write_settings`."""
+    path = os.path.join(out, RUN_MODEL_CONFIG)
+    staged = path + ".partial"
+    with open(staged, "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(staged, path)
+    return path
+
+
+def run_model_config(out: str) -> str | None:
+    """The model config the run in `out` built its model from, as it wrote it
+    (`write_model_config`); None where it holds none (a run written before runs kept
+    it)."""
+    path = os.path.join(out, RUN_MODEL_CONFIG)
+    return path if os.path.isfile(path) else None
 
 
 def drop_after(out: str, last_step: int) -> None:

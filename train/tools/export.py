@@ -153,9 +153,10 @@ def export(
     _check_out(run_dir, out, overwrite)
     if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
         raise TrainingError(f"RUN_DIR={run_dir!r} has no checkpoints/ (the run saved none)")
-    # The run's model config as it built it, and what its own export changes there.
+    # The run's model config as it built it (its copy, where it has one), and what its
+    # own export changes there.
     try:
-        config = export_config(cfg, model_config(cfg))
+        config = export_config(cfg, model_config(cfg, outputs.run_model_config(run_dir)))
         # --chat_template's, which the export carries: as the run saved them (where the
         # run directory holds no copy: the file, read now).
         templates = outputs.run_chat_templates(run_dir) or chat_templates(cfg)
