@@ -294,7 +294,7 @@ def test_resume_with_another_number_of_steps_is_refused():
 
 def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):
     """A checkpoint of another model (here another vocabulary) is refused in one line
-    naming the parameter, before Orbax reads it (which logs a traceback per array)."""
+    naming what differs, before Orbax reads it (which logs a traceback per array)."""
     out = tmp_path / "run"
     argv = [*BASE, "--data_path", "sample", "--max_steps", "1", "--report_to", "none"]
     assert main([*argv, "--output_dir", str(out), "--export_hf", "false"]) == 0
@@ -303,8 +303,27 @@ def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys
     resume = ["--resume_from_checkpoint", str(out / "checkpoints" / "1")]
     other = ["--model_name_or_path", str(model), "--sample_vocab_size", "512"]
     err = _one_line_error([*argv, *other, *resume, "--output_dir", str(tmp_path / "b")], capsys)
-    assert "holds another model's parameters (['embed']['embedding']: (512, 128) there, " in err
-    assert "(1024, 128) in --model_name_or_path" in err
+    assert "was trained as another model (vocab_size 512 -> 1024); resume with" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_resume_with_another_rope_is_refused(tmp_path, capsys):
+    """A model directory whose config.json changed since the checkpoint in a way no
+    parameter shape shows (another rope_theta) is refused in one line naming the key:
+    resuming would train the weights as another model."""
+    model = _tiny_model_dir(tmp_path / "model")
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "1", "--report_to", "none"]
+    argv[argv.index("tiny")] = str(model)
+    out = tmp_path / "run"
+    assert main([*argv, "--output_dir", str(out), "--export_hf", "false"]) == 0
+    capsys.readouterr()
+    config = json.loads((model / "config.json").read_text())
+    theta = config["rope_theta"]
+    config["rope_theta"] = 2 * theta
+    (model / "config.json").write_text(json.dumps(config))
+    resume = ["--resume_from_checkpoint", str(out / "checkpoints" / "1")]
+    err = _one_line_error([*argv, *resume, "--output_dir", str(tmp_path / "b")], capsys)
+    assert f"was trained as another model (rope_theta {theta} -> {2 * theta});" in err
     assert not (tmp_path / "b").exists()
 
 

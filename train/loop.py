@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import json
 import math
 import os
 import signal
@@ -374,9 +375,28 @@ def label_fingerprint(rows) -> str:
     return _fingerprint(rows, 1)
 
 
+# HF config keys that change nothing a step computes: a resume may see them differ.
+MODEL_KEYS_FREE = (
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+)
+
+
+def _model_record(config) -> dict:
+    """The model a step computes, as HF config keys (JSON values, as a checkpoint's
+    metadata holds them)."""
+    hf = {k: v for k, v in models.to_hf_config(config).items() if k not in MODEL_KEYS_FREE}
+    return json.loads(json.dumps(hf))
+
+
 def _run_meta(t: Trainer) -> dict:
-    """What fixes the data order and the schedule: a resumed run must match it."""
+    """What fixes the model, the data order and the schedule: a resumed run must match
+    it."""
     return {
+        "model": _model_record(t.config),
         "model_max_length": t.cfg.data.model_max_length,
         "packing": t.cfg.data.packing,
         "rows_per_step": t.global_batch * t.accum,
@@ -780,8 +800,16 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"{old_optim}, or start a new run from the export (--model_name_or_path "
             "<output_dir>/hf, a new --output_dir)"
         )
+    if "model" in saved and saved["model"] != run_meta["model"]:
+        old, new = saved["model"], run_meta["model"]
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        text = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in keys)
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was trained as another model ({text}); "
+            "resume with the model config that wrote it (the run's model_config.json)"
+        )
     # Checked on their own, with their own advice.
-    own_checks = ("total_steps", "optim", "data", "labels", "schedule")
+    own_checks = ("total_steps", "optim", "data", "labels", "schedule", "model")
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
