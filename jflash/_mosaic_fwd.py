@@ -774,15 +774,15 @@ def mosaic_fwd(
     common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
     two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
     fast = spans = two_wgs
-    if own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and not three:
-        # Packed documents under THREE_WG_MIN_LEN: three warpgroups without overlap or
-        # turns, 128-key steps (S in 64 registers of the 160): short documents fill
-        # 128-key steps better than 256-key ones (the module docstring).
-        spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES, overlap=False)
     if three:
         # At least 3 stages: a turn may wait for the slot that the step before it freed.
         # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
         fast = spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
+    elif own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS:
+        # Packed documents under THREE_WG_MIN_LEN: three warpgroups without overlap or
+        # turns, 128-key steps: short documents fill 128-key steps better than 256-key
+        # ones (the module docstring).
+        spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES, overlap=False)
     if not segments:
         return _forward(q, k, v, None, None, None, forms=(fast,))
     q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
