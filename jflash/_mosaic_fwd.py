@@ -16,7 +16,9 @@ BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under 16k queries
 takes no turns: each warpgroup issues its matmuls as its own steps allow, waiting
 only for its K and V slots (against ping-pong turns there, forward 1.01-1.02x at 4k
 and 8k, outputs bitwise equal). It loads its next Q from its last step on too
-(forward 1.04x at causal 4k).
+(forward 1.04x at causal 4k), and a warpgroup whose rows see none of its last step's
+second 128 keys computes only the first 128 (`HALF_LAST`: causal, every other tile's
+diagonal step; forward 1.01-1.03x at causal 4k, outputs bitwise equal).
 
 The launch is persistent (`WorkItems`): one CTA per SM runs work items until none are
 left, heaviest first (causal rows near the end see the most keys; packed documents by
@@ -78,6 +80,7 @@ from jflash._mosaic_common import (
     exp_rows,
     fit_stages,
     fits_smem,
+    kv_range,
     launch,
     query_table,
     query_tile_steps,
@@ -116,6 +119,12 @@ THREE_WG_MIN_LEN = 16384
 # (`exp_rows`) instead of as one pass each: forward 1.01-1.03x at causal and full 4k
 # and 8k in two runs; the overlapped loops were level with it (BENCHMARKS.md).
 INTERLEAVE = True
+# The same loop (two warpgroups, no segment ids) cuts a warpgroup's last step to its
+# first half where its rows see none of the second: with 128 query rows per tile and
+# 256 keys per step, every other causal tile's diagonal step is half hidden from both
+# warpgroups. Its K and V still arrive whole. Forward 1.01-1.03x at causal 4k, 1.02x at
+# 8k, full 4k unchanged (BENCHMARKS.md).
+HALF_LAST = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -377,7 +386,7 @@ def _fwd_kernel(
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def by_ids(j, s, ids):
-            seen = visible(geom, q_start, j * block_kv, (bq, block_kv))
+            seen = visible(geom, q_start, j * block_kv, s.shape)
             if ids is not None:
                 seen = seen & same_segment(q_ids, ids, (bq, block_kv))
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
@@ -407,19 +416,22 @@ def _fwd_kernel(
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_wait(turn)  # tensor cores are ours
 
-        def step(j, carry, *, masked: bool):
+        def step(j, carry, *, masked: bool, width: int = block_kv):
+            """Step j; `width` < block_kv: only its first `width` keys (the step's others
+            are hidden from every row of the warpgroup)."""
             acc, m, l = carry
             slot = st.slot(j, stages)
+            keys = (slot,) if width == block_kv else (slot, pl.ds(0, width))
 
             def qk(acc):
                 with jax.named_scope("qk"):
-                    plgpu.wgmma(acc, q_smem, k_smem.at[slot].T)
+                    plgpu.wgmma(acc, q_smem, k_smem.at[keys].T)
                 with jax.named_scope("s_read"):
-                    return acc[...]  # [64, block_kv] f32
+                    return acc[...]  # [64, width] f32
 
             with jax.named_scope("s_wait"):
                 plgpu.barrier_wait(k_ready.at[slot])
-            s = pl.run_scoped(qk, plgpu.ACC((bq, block_kv), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((bq, width), jnp.float32))
             if early:  # this warpgroup's last read of Q is done
                 pl.when(j == st.hi - 1)(prefetch_q)
             ids = step_ids(slot, masked)
@@ -429,7 +441,7 @@ def _fwd_kernel(
             with jax.named_scope("turn"):
                 plgpu.barrier_wait(v_ready.at[slot])
             with jax.named_scope("issue"):
-                (acc,) = wgmma_into((acc,), [(p16, v_smem.at[slot])], interpret=interpret)
+                (acc,) = wgmma_into((acc,), [(p16, v_smem.at[keys])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m, l
 
@@ -536,6 +548,23 @@ def _fwd_kernel(
 
             return acc, m, l
 
+        def half_last(carry):
+            """`run_steps` without segment ids, the last step cut to its first half
+            where the warpgroup's rows see none of its second (causal: every other
+            query tile's diagonal step at 128 rows per tile and 256 keys per step)."""
+            half = block_kv // 2
+            _, n_halves = kv_range(geom, q_start, bq, half)
+            cut = ((n_halves == 2 * st.hi - 1) & (st.hi > st.lo)).astype(jnp.int32)
+            hi = st.hi - cut
+            clear_hi = jnp.minimum(st.clear_hi, hi)
+            clear, masked = (functools.partial(step, masked=b) for b in (False, True))
+            carry = lax.fori_loop(st.clear_lo, clear_hi, clear, carry)
+            carry = lax.fori_loop(clear_hi, hi, masked, carry)
+            cut_step = functools.partial(step, masked=True, width=half)
+            carry = lax.fori_loop(hi, st.hi, cut_step, carry)
+            lax.fori_loop(st.hi, st.cta_hi, skip, None)
+            return carry
+
         row = plgpu.Layout.WGMMA.reduce(1)
         stats = (
             plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row),
@@ -558,9 +587,12 @@ def _fwd_kernel(
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
-            acc, m, l = run_steps(
-                st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
-            )
+            if HALF_LAST and not segments and wgs == COMPUTE_WGS and block_kv > WG_ROWS:
+                acc, m, l = half_last(carry)
+            else:
+                acc, m, l = run_steps(
+                    st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
+                )
         if token:
             # A warpgroup with steps took one turn more than its skips (the first Q K^T):
             # one without takes it here, so every warpgroup takes as many.

@@ -498,6 +498,26 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, l
     assert text.count("jflash_mosaic_fwd") >= len(launched)
 
 
+def test_d64_forward_cuts_the_last_step(monkeypatch):
+    """At D = 64 under 16k queries (two warpgroups, 256-key steps, 128 query rows per
+    tile) a warpgroup whose rows see only the first half of its last step computes that
+    half alone (causal: every other tile's diagonal step): the kernel lowers a Q K^T of
+    128 keys beside its 256-key ones, and its P V over 128 keys."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.bfloat16)
+
+    def fwd(q, k, v):
+        return jflash.flash_attention(q, k, v, causal=True, implementation="pallas_mosaic")
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "wgmma.mma_async.sync.aligned.m64n256k16" in text  # Q K^T of a whole step
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in text  # Q K^T of a cut one
+
+
 @pytest.mark.parametrize(
     "seq, head_dim, padded", [(16384, 64, False), (1000, 128, False), (1003, 64, True)]
 )
