@@ -1425,6 +1425,31 @@ def _report_row(context: int, **changes) -> dict:
     return {**row, **changes}
 
 
+def test_report_names_unmeasured_trace_fields_by_their_columns():
+    """What the trace could not measure is noted in the tables' words, one line per
+    reason: `attention, matmul, other, memcpy (union)`, not `attention_ms`, ...."""
+    from train.tools import report as report_lib
+
+    cpu = "CPU thunks do not say which kernel class they are"
+    not_measured = {f"{k}_ms": cpu for k in ("attention", "matmul", "other", "memcpy")}
+    not_measured["permute_bytes"] = "needs the compiled HLO (collective-permute sizes)"
+    row = _report_row(256)
+    row["trace"] = {**row["trace"], "not_measured": not_measured}
+    md = report_lib.markdown(
+        {
+            "date": "today",
+            "jax": jax.__version__,
+            "command": "python -m train.tools.profile",
+            "steps": {"timed": 2, "warmup": 1, "traced": 2},
+            "rows": [row],
+        }
+    )
+    notes = md.split("## Not measured, and warnings")[1].split("##")[0]
+    assert f"- `–` attention, matmul, other, memcpy (union): {cpu} (tiny-256)" in notes
+    assert "- `–` ring GB/s: needs the compiled HLO" in notes
+    assert "_ms" not in notes and "permute_bytes" not in notes
+
+
 def test_report_small_ceilings_warnings_and_single_points(tmp_path):
     """A CPU's ceilings keep their significant digits (not `0.0 TFLOP/s`); a row whose
     traced step is far from its timed step is warned about; plots of one context say

@@ -71,6 +71,30 @@ def significant(value: float, digits: int = 3) -> str:
 UNREPORTED = {"mfu": "MFU", "peak_memory_gib": "peak memory"}
 
 
+# The trace's fields that `train.tools.trace.TraceReport.not_measured` names, by the
+# report's column that shows each (its `–` says why in the notes).
+TRACE_COLUMNS = {
+    "forward_ms": "forward",
+    "backward_ms": "backward",
+    "recompute_ms": "recompute",
+    "update_ms": "update",
+    "attention_ms": "attention",
+    "matmul_ms": "matmul",
+    "other_ms": "other",
+    "memcpy_ms": "memcpy (union)",
+    "permute_bytes": "ring GB/s",
+}
+
+
+def trace_notes(not_measured: dict[str, str]) -> list[str]:
+    """The trace's unmeasured fields as notes, `` `–` column, column: why ``, one per
+    reason, in the columns' words."""
+    by_why: dict[str, list[str]] = {}
+    for field, why in not_measured.items():
+        by_why.setdefault(why, []).append(TRACE_COLUMNS.get(field, field))
+    return [f"`–` {', '.join(columns)}: {why}" for why, columns in by_why.items()]
+
+
 def unreported_reason(
     field: str, device_kind: str | None = None, platform: str | None = None, memory_stats=None
 ) -> str:
@@ -766,8 +790,8 @@ def markdown(report: dict) -> str:
         )
     notes = {}
     for r in ok:
-        for field, why in r["trace"]["not_measured"].items():
-            notes.setdefault(f"{field}: {why}", []).append(r["name"])
+        for note in trace_notes(r["trace"]["not_measured"]):
+            notes.setdefault(note, []).append(r["name"])
         for w in r.get("warnings", []):
             notes.setdefault(f"warning: {w}", []).append(r["name"])
         trace_warning = trace_timed_warning(r)
