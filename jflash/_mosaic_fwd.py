@@ -587,7 +587,8 @@ def _fwd_kernel(
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
-            if HALF_LAST and not segments and wgs == COMPUTE_WGS and block_kv > WG_ROWS:
+            # Halves of whole 64-key tiles only: a caller's 192-key steps stay whole.
+            if HALF_LAST and not segments and wgs == COMPUTE_WGS and block_kv % (2 * WG_ROWS) == 0:
                 acc, m, l = half_last(carry)
             else:
                 acc, m, l = run_steps(
