@@ -61,6 +61,7 @@ key positions with it instead of comparing ids: one unsigned comparison per entr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -388,7 +389,7 @@ def _fwd_kernel(
         def by_ids(j, s, ids):
             seen = visible(geom, q_start, j * block_kv, s.shape)
             if ids is not None:
-                seen = seen & same_segment(q_ids, ids, (bq, block_kv))
+                seen = seen & same_segment(q_ids, ids, s.shape)
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
@@ -554,14 +555,15 @@ def _fwd_kernel(
             query tile's diagonal step at 128 rows per tile and 256 keys per step)."""
             half = block_kv // 2
             _, n_halves = kv_range(geom, q_start, bq, half)
-            cut = ((n_halves == 2 * st.hi - 1) & (st.hi > st.lo)).astype(jnp.int32)
-            hi = st.hi - cut
-            clear_hi = jnp.minimum(st.clear_hi, hi)
-            clear, masked = (functools.partial(step, masked=b) for b in (False, True))
-            carry = lax.fori_loop(st.clear_lo, clear_hi, clear, carry)
-            carry = lax.fori_loop(clear_hi, hi, masked, carry)
-            cut_step = functools.partial(step, masked=True, width=half)
-            carry = lax.fori_loop(hi, st.hi, cut_step, carry)
+            hi = st.hi - ((n_halves == 2 * st.hi - 1) & (st.hi > st.lo)).astype(jnp.int32)
+            whole = dataclasses.replace(
+                st, hi=hi, cta_hi=hi, clear_hi=jnp.minimum(st.clear_hi, hi)
+            )  # the steps before the cut one, none acknowledged after them
+            carry = run_steps(
+                whole, step, skip, carry, mask_first=False, mask_last=True, skip_first=False
+            )
+            cut = functools.partial(step, masked=True, width=half)
+            carry = lax.fori_loop(hi, st.hi, cut, carry)
             lax.fori_loop(st.hi, st.cta_hi, skip, None)
             return carry
 
