@@ -190,13 +190,16 @@ def test_vmapped_calls_agree_with_each_call():
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the counter runs compiled only")
-def test_calls_inside_a_scan_under_checkpoint_agree_with_each_call():
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_calls_inside_a_scan_under_checkpoint_agree_with_each_call(head_dim):
     """Compiled, the forward inside `lax.scan` (a loop: one buffer for the counter
     across iterations, unless each starts from zero) under `jax.checkpoint` and
     `jax.grad`, as a model's layers call it: each iteration's output equals the same
-    call made alone, bit for bit, and the gradients match the XLA path's."""
+    call made alone, bit for bit, and the gradients match the XLA path's. The scan
+    stacks each layer's dQ, which the fused backward reduce-adds into an f32 buffer
+    aliased to its output (split by columns at D = 128, by rows at D = 64)."""
     q, k, v, *_ = make_inputs(
-        2, batch=1, q_len=2048, kv_len=2048, q_heads=8, kv_heads=2, head_dim=128,
+        2, batch=1, q_len=2048, kv_len=2048, q_heads=8, kv_heads=2, head_dim=head_dim,
         dtype=jnp.bfloat16,
     )  # fmt: skip
     qs = jnp.stack([q, q * 0.5, q * -1.0])  # three "layers"
