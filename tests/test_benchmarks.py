@@ -1224,3 +1224,87 @@ def test_write_json_marks_an_interpreted_run(tmp_path):
     assert marked["interpreted"] is True and marked["interpreted_note"] == "interpreted: ..."
     common.write_json(str(tmp_path / "b.json"), {"rows": []})
     assert "interpreted" not in json.loads((tmp_path / "b.json").read_text())
+
+
+# nvdisasm -bbcfg's form: a block's instructions in its DOT label, `\l` between lines and
+# `\ ` for spaces; an outer loop (.L_x_1 .. .L_x_2) round an inner one (.L_x_2 alone).
+SASS_DOT = (pathlib.Path(__file__).parent / "data" / "sass-bbcfg.dot").read_text()
+
+
+def test_sass_loops_count_each_pass():
+    """`benchmarks/sass.py` finds the natural loops of nvdisasm's block graph, nested,
+    and counts one pass's wgmmas, SFU ops, spills and barriers per loop."""
+    from benchmarks import sass
+
+    entry, blocks, succ = sass.parse_cfg(SASS_DOT)
+    assert entry == "k" and blocks[".L_x_1"] == ["HGMMA.64x64x16.F32.BF16", "MUFU.EX2"]
+    assert sass.natural_loops(entry, succ) == {
+        ".L_x_2": {".L_x_2"},
+        ".L_x_1": {".L_x_1", ".L_x_2"},
+    }
+    outer, inner = sass.loop_rows("k", SASS_DOT)
+    assert outer == dict(
+        kernel="k", loop=".L_x_1", depth=1, blocks=2, instructions=6,
+        hgmma=1, mufu=1, ldl=1, stl=1, barriers=1, warpgroup=0,
+    )  # fmt: skip
+    assert (inner["loop"], inner["depth"], inner["instructions"]) == (".L_x_2", 2, 4)
+    assert (inner["hgmma"], inner["ldl"], inner["stl"]) == (0, 1, 1)
+    with pytest.raises(ValueError, match="no basic blocks"):
+        sass.parse_cfg("digraph f {}")
+
+
+def test_sass_refuses_missing_files_and_tools(tmp_path, capsys):
+    from benchmarks import sass
+
+    with pytest.raises(SystemExit):
+        sass.main([str(tmp_path / "none.ptx")])
+    assert "none.ptx" in capsys.readouterr().err
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text("")
+    with pytest.raises(SystemExit, match="--nvdisasm='/no/nvdisasm': no such file"):
+        sass.main([str(ptx), "--nvdisasm", "/no/nvdisasm"])
+
+
+TINY_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry tiny(.param .u64 out, .param .u32 n)
+{
+    .reg .b32 %r<4>;
+    .reg .b64 %rd<2>;
+    .reg .f32 %f<2>;
+    .reg .pred %p<2>;
+    ld.param.u64 %rd1, [out];
+    ld.param.u32 %r1, [n];
+    mov.u32 %r2, 0;
+    mov.f32 %f1, 0f3F800000;
+LOOP:
+    ex2.approx.ftz.f32 %f1, %f1;
+    add.s32 %r2, %r2, 1;
+    setp.lt.u32 %p1, %r2, %r1;
+    @%p1 bra LOOP;
+    st.global.f32 [%rd1], %f1;
+    ret;
+}
+"""
+
+
+def test_sass_reads_a_kernel_assembled_here(tmp_path, capsys):
+    """With ptxas and nvdisasm installed: a PTX loop of exponentials assembles, and its
+    loop shows its MUFU and no spill."""
+    from benchmarks import sass
+
+    try:
+        tools = [sass.find_tool("ptxas", None), sass.find_tool("nvdisasm", None)]
+    except SystemExit as e:
+        pytest.skip(str(e))
+    ptx = tmp_path / "tiny.ptx"
+    ptx.write_text(TINY_PTX)
+    out = tmp_path / "sass.json"
+    argv = [str(ptx), "--ptxas", tools[0], "--nvdisasm", tools[1], "--out", str(out)]
+    assert sass.main(argv) == 0
+    written = json.loads(out.read_text())
+    assert written["kernels"][0]["spill_stores"] == 0
+    assert written["kernels"][0]["serialised"] == []
+    assert any(r["mufu"] >= 1 and r["ldl"] == r["stl"] == 0 for r in written["rows"])
+    assert "tiny: " in capsys.readouterr().out

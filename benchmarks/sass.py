@@ -1,0 +1,239 @@
+"""A Mosaic GPU kernel's machine code, read per loop on any machine: where its spills
+sit, and what one pass of each loop issues.
+
+    # on a Hopper GPU: dump the kernels a call compiles
+    MOSAIC_GPU_DUMP_TO=dump MOSAIC_GPU_DUMP_PTXAS=1 python my_call.py
+    # anywhere with ptxas and nvdisasm (pip install nvidia-cuda-nvdisasm)
+    python benchmarks/sass.py dump/jflash_mosaic_fwd_0.ptx dump/jflash_mosaic_dkv_1.ptx
+
+ptxas reports a kernel's registers and spill bytes, not where the spills are. Each
+`.ptx` given is assembled again (`ptxas -arch=sm_90a -O3 -v`: the same counts as on the
+GPU, the same ptxas major version aside) and the cubin disassembled into its basic-block
+graph (`nvdisasm -bbcfg`); a `.cubin` is disassembled as it is. Loops are the graph's
+natural loops (a back edge to a block that dominates it, with every block that reaches
+the edge without passing the header); blocks shared by nested loops count in each. Per
+loop the table gives its header, nesting depth, blocks and instructions, and per pass:
+wgmmas (`HGMMA`), SFU ops (`MUFU`), local-memory loads and stores (`LDL`/`STL`: the
+spills' reloads and stores), mbarrier and named-barrier ops (`SYNCS`, `BAR`), and
+`WARPGROUP` syncs (waits on wgmmas and `wgmma.fence`). Only loops with wgmmas, SFU ops or
+local memory are shown unless `--all`. `--out` writes the rows as JSON.
+
+`--ptxas` / `--nvdisasm` name the tools; by default each is looked up on PATH and then,
+for nvdisasm, in the `nvidia-cuda-nvdisasm` wheel's `nvidia/cu*/bin`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.common import table, write_json  # noqa: E402
+
+ARCH = "sm_90a"
+# Opcode prefixes counted per loop pass: column name -> prefixes.
+KINDS = {
+    "hgmma": ("HGMMA",),
+    "mufu": ("MUFU",),
+    "ldl": ("LDL",),
+    "stl": ("STL",),
+    "barriers": ("SYNCS", "BAR"),
+    "warpgroup": ("WARPGROUP",),
+}
+COLUMNS = ["kernel", "loop", "depth", "blocks", "instructions", *KINDS]
+_NODE = re.compile(r'^"([^"]+)"\s*$')
+_LABEL = re.compile(r'^\[label="\{(.*)\}"\]\s*$')
+_EDGE = re.compile(r'^"([^"]+)"(?::\w+)?(?::\w)?\s*->\s*"([^"]+)"')
+
+
+def parse_cfg(dot: str) -> tuple[str, dict[str, list[str]], dict[str, list[str]]]:
+    """`(entry, instructions per block, successors per block)` of nvdisasm's
+    `-bbcfg` output for one function (its first block is the entry)."""
+    blocks: dict[str, list[str]] = {}
+    succ: dict[str, list[str]] = {}
+    name = None
+    for line in dot.splitlines():
+        if m := _NODE.match(line):
+            name = m.group(1)
+            blocks.setdefault(name, [])
+            succ.setdefault(name, [])
+        elif (m := _LABEL.match(line)) and name is not None:
+            blocks[name] = _instructions(m.group(1))
+        elif m := _EDGE.match(line):
+            succ.setdefault(m.group(1), []).append(m.group(2))
+            succ.setdefault(m.group(2), [])
+            blocks.setdefault(m.group(1), [])
+            blocks.setdefault(m.group(2), [])
+    if not blocks:
+        raise ValueError("no basic blocks in the disassembly (not nvdisasm -bbcfg output?)")
+    return next(iter(blocks)), blocks, succ
+
+
+def _instructions(label: str) -> list[str]:
+    """The opcodes of one DOT node label (`\\l`-separated lines, `\\ ` for spaces), each
+    without its predicate (`@P0`, `@!P1`)."""
+    ops = []
+    for raw in label.split("\\l"):
+        text = re.sub(r"\\(.)", r"\1", raw).strip()
+        if not text.endswith(";") or text.startswith("."):
+            continue
+        words = text.rstrip(";").split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if words:
+            ops.append(words[0])
+    return ops
+
+
+def dominators(entry: str, succ: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Each block reachable from `entry`: the blocks that dominate it (itself included)."""
+    order, seen, stack = [], {entry}, [entry]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        for nxt in succ.get(node, ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    preds: dict[str, list[str]] = {n: [] for n in order}
+    for node in order:
+        for nxt in succ.get(node, ()):
+            preds[nxt].append(node)
+    dom = {n: set(order) for n in order}
+    dom[entry] = {entry}
+    changed = True
+    while changed:
+        changed = False
+        for node in order[1:]:
+            new = set.intersection(*(dom[p] for p in preds[node])) | {node}
+            if new != dom[node]:
+                dom[node], changed = new, True
+    return dom
+
+
+def natural_loops(entry: str, succ: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Header -> the blocks of its natural loop (the loops of back edges to one header
+    merged)."""
+    dom = dominators(entry, succ)
+    preds: dict[str, list[str]] = {n: [] for n in dom}
+    for node in dom:
+        for nxt in succ.get(node, ()):
+            preds[nxt].append(node)
+    loops: dict[str, set[str]] = {}
+    for node in dom:
+        for header in succ.get(node, ()):
+            if header in dom[node]:  # a back edge node -> header
+                body, stack = {header, node}, [] if node == header else [node]
+                while stack:
+                    for p in preds[stack.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                loops.setdefault(header, set()).update(body)
+    return loops
+
+
+def loop_rows(kernel: str, dot: str, *, everything: bool = False) -> list[dict]:
+    """One row per natural loop of the function in `dot`, outermost first."""
+    entry, blocks, succ = parse_cfg(dot)
+    loops = natural_loops(entry, succ)
+    rows = []
+    for header, body in loops.items():
+        depth = sum(1 for other in loops.values() if body < other) + 1
+        ops = [op for b in body for op in blocks.get(b, [])]
+        row = dict(kernel=kernel, loop=header, depth=depth, blocks=len(body), instructions=len(ops))
+        for col, prefixes in KINDS.items():
+            row[col] = sum(op.startswith(prefixes) for op in ops)
+        if everything or row["hgmma"] or row["mufu"] or row["ldl"] or row["stl"]:
+            rows.append(row)
+    return sorted(rows, key=lambda r: (r["depth"], -r["instructions"]))
+
+
+def find_tool(name: str, given: str | None) -> str:
+    if given:
+        if not os.path.isfile(given):
+            raise SystemExit(f"--{name}={given!r}: no such file")
+        return given
+    found = shutil.which(name)
+    if found is None:  # the nvidia-cuda-nvdisasm wheel
+        site = sysconfig.get_paths()["purelib"]
+        wheels = sorted(glob.glob(os.path.join(site, "nvidia", "cu*", "bin", name)))
+        found = wheels[-1] if wheels else None
+    if found is None:
+        hint = " (pip install nvidia-cuda-nvdisasm)" if name == "nvdisasm" else ""
+        raise SystemExit(f"{name} not found on PATH{hint}; name it with --{name}")
+    return found
+
+
+def assemble(ptx: str, ptxas: str, out_dir: str) -> tuple[str, dict]:
+    """`(cubin path, ptxas's report)`: registers, spill store/load bytes and any
+    wgmma serialisation messages (C7510-C7519)."""
+    cubin = os.path.join(out_dir, os.path.basename(ptx) + ".cubin")
+    run = subprocess.run(
+        [ptxas, f"-arch={ARCH}", "-O3", "-v", ptx, "-o", cubin], capture_output=True, text=True
+    )
+    if run.returncode:
+        raise SystemExit(f"ptxas failed on {ptx}: {run.stderr.strip().splitlines()[-1:]}")
+    text = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    stores = re.search(r"(\d+) bytes spill stores", text)
+    loads = re.search(r"(\d+) bytes spill loads", text)
+    report = dict(
+        registers=int(regs.group(1)) if regs else None,
+        spill_stores=int(stores.group(1)) if stores else 0,
+        spill_loads=int(loads.group(1)) if loads else 0,
+        serialised=sorted(set(re.findall(r"C75\d\d", text))),
+    )
+    return cubin, report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", help=".ptx (assembled here) or .cubin files")
+    parser.add_argument("--ptxas", default=None)
+    parser.add_argument("--nvdisasm", default=None)
+    parser.add_argument("--all", action="store_true", help="every loop, not only busy ones")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        if not os.path.isfile(path):
+            parser.error(f"{path!r}: no such file")
+        if not path.endswith((".ptx", ".cubin")):
+            parser.error(f"{path!r}: give a .ptx or a .cubin")
+    nvdisasm = find_tool("nvdisasm", args.nvdisasm)
+    ptxas = find_tool("ptxas", args.ptxas) if any(p.endswith(".ptx") for p in args.files) else None
+    rows, kernels = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in args.files:
+            kernel = os.path.basename(path).rsplit(".", 1)[0]
+            report: dict = {}
+            cubin = path
+            if path.endswith(".ptx"):
+                cubin, report = assemble(path, ptxas, tmp)
+                kernels.append(dict(kernel=kernel, **report))
+            run = subprocess.run([nvdisasm, "-bbcfg", cubin], capture_output=True, text=True)
+            if run.returncode:
+                raise SystemExit(f"nvdisasm failed on {cubin}: {run.stderr.strip()[-300:]}")
+            rows += loop_rows(kernel, run.stdout, everything=args.all)
+    for k in kernels:
+        serialised = ", ".join(k["serialised"]) or "none"
+        print(
+            f"{k['kernel']}: {k['registers']} registers, spill stores / loads "
+            f"{k['spill_stores']} / {k['spill_loads']} bytes, serialised wgmmas: {serialised}"
+        )
+    print(table(rows, COLUMNS))
+    if args.out:
+        write_json(args.out, {"arch": ARCH, "kernels": kernels, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
