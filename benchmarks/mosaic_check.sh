@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Mosaic GPU kernels on a Hopper GPU: compiled correctness tests, then the
 # same-run kernel table against cuDNN and the Triton kernel; `ptxas` (not in `all`)
-# prints each kernel's registers and spills as ptxas reports them, for a kernel change
+# prints each kernel's registers and spills as ptxas reports them (and, with nvdisasm,
+# where they sit per loop: benchmarks/sass.py), for a kernel change
 # to be read before it is timed.
 #   bash benchmarks/mosaic_check.sh [tests|table|tune|split|ptxas|all]
 set -u
@@ -70,6 +71,8 @@ PY
       [[ -e $f ]] || { echo "  no ptxas report (not a Hopper GPU?)"; break; }
       echo "  $(basename "$f" .ptxas): $(grep -h -o 'Used [0-9]* registers\|[0-9]* bytes spill stores' "$f" | paste -sd ' ')"
     done
+    # Where the spills sit, per loop (ptxas and nvdisasm needed: benchmarks/sass.py).
+    compgen -G "$dir/*.ptx" >/dev/null && python3 benchmarks/sass.py "$dir"/*.ptx 2>&1 | tail -40
     rm -rf "$dir"
   done
 fi
