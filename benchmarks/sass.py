@@ -93,6 +93,15 @@ def _instructions(label: str) -> list[str]:
     return ops
 
 
+def _predecessors(nodes, succ: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each of `nodes` (closed under `succ`): the blocks that branch to it."""
+    preds: dict[str, list[str]] = {n: [] for n in nodes}
+    for node in nodes:
+        for nxt in succ.get(node, ()):
+            preds[nxt].append(node)
+    return preds
+
+
 def dominators(entry: str, succ: dict[str, list[str]]) -> dict[str, set[str]]:
     """Each block reachable from `entry`: the blocks that dominate it (itself included)."""
     order, seen, stack = [], {entry}, [entry]
@@ -103,10 +112,7 @@ def dominators(entry: str, succ: dict[str, list[str]]) -> dict[str, set[str]]:
             if nxt not in seen:
                 seen.add(nxt)
                 stack.append(nxt)
-    preds: dict[str, list[str]] = {n: [] for n in order}
-    for node in order:
-        for nxt in succ.get(node, ()):
-            preds[nxt].append(node)
+    preds = _predecessors(order, succ)
     dom = {n: set(order) for n in order}
     dom[entry] = {entry}
     changed = True
@@ -123,10 +129,7 @@ def natural_loops(entry: str, succ: dict[str, list[str]]) -> dict[str, set[str]]
     """Header -> the blocks of its natural loop (the loops of back edges to one header
     merged)."""
     dom = dominators(entry, succ)
-    preds: dict[str, list[str]] = {n: [] for n in dom}
-    for node in dom:
-        for nxt in succ.get(node, ()):
-            preds[nxt].append(node)
+    preds = _predecessors(dom, succ)
     loops: dict[str, set[str]] = {}
     for node in dom:
         for header in succ.get(node, ()):

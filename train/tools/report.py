@@ -74,10 +74,7 @@ UNREPORTED = {"mfu": "MFU", "peak_memory_gib": "peak memory"}
 # The trace's fields that `train.tools.trace.TraceReport.not_measured` names, by the
 # report's column that shows each (its `–` says why in the notes).
 TRACE_COLUMNS = {
-    "forward_ms": "forward",
-    "backward_ms": "backward",
-    "recompute_ms": "recompute",
-    "update_ms": "update",
+    **{f"{phase}_ms": phase for phase in PHASES},
     "attention_ms": "attention",
     "matmul_ms": "matmul",
     "other_ms": "other",
