@@ -25,6 +25,24 @@ def _on_sigterm(signum, frame):
     raise Terminated
 
 
+def _leave_together() -> None:
+    """A preempted multi-process run: every process stopped at the same step (jax's
+    preemption sync point) and saved it. Each leaves jax's distributed service before
+    it exits, which waits for the others (jax's shutdown barrier), so process 0, which
+    hosts the service, does not take it down under a process still on its way out
+    (that one then aborts, SIGABRT, instead of exiting 143). jax does this at a normal
+    exit (its atexit handler); `os._exit` skips it."""
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # the checkpoint is saved: exit 143 all the same
+        print(f"warning: leaving jax's distributed service: {e}", file=sys.stderr)
+        sys.stderr.flush()
+
+
 def _interrupted(
     output_dir: str, how: str = "interrupted", put_back: bool = False, not_started: bool = False
 ) -> str:
@@ -112,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
+        if isinstance(interrupt, Preempted):
+            _leave_together()
         os._exit(signal_status(signal.SIGTERM if terminated else signal.SIGINT))
     finally:
         if own and previous is not None:  # None: a handler set outside Python
