@@ -742,24 +742,29 @@ def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
 # - sorted: document i holds i (ids non-decreasing along the row);
 # - padded: documents 1, 2, ... and the last one 0, as packers label the padding that
 #   ends a row (MaxText, grain);
-# - permuted: a fixed random permutation of the labels (each document still one run).
-ID_ORDERS = ("sorted", "padded", "permuted")
+# - permuted: a fixed random permutation of the labels (each document still one run);
+# - pair: the permuted labels as a `(query ids, key ids)` pair, which jflash does not
+#   relabel by first position (it relabels one array): the key ids stay unsorted, so its
+#   forward compares ids instead of masking by each row's key span.
+ID_ORDERS = ("sorted", "padded", "permuted", "pair")
 
 
 def document_ids(lengths, batch: int = 1, order: str = "sorted"):
     """Segment ids `[batch, sum(lengths)]` int32 of documents of `lengths` packed in a
-    row, labelled as `order` (`ID_ORDERS`), every batch row alike."""
+    row, labelled as `order` (`ID_ORDERS`), every batch row alike (`pair`: the same
+    array twice, as query and key ids)."""
     n = len(lengths)
     if order == "sorted":
         labels = np.arange(n)
     elif order == "padded":
         labels = np.concatenate([np.arange(1, n), [0]])
-    elif order == "permuted":
+    elif order in ("permuted", "pair"):
         labels = np.random.default_rng(0).permutation(n)
     else:
         raise ValueError(f"id order {order!r}: expected one of {ID_ORDERS}")
     ids = np.repeat(labels.astype(np.int32), lengths)
-    return jnp.asarray(np.broadcast_to(ids, (batch, ids.size)))
+    ids = jnp.asarray(np.broadcast_to(ids, (batch, ids.size)))
+    return (ids, ids) if order == "pair" else ids
 
 
 def parse_id_orders(text: str) -> list[str]:

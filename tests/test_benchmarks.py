@@ -935,9 +935,15 @@ def test_power_tabulates_the_median_round():
 
 def test_document_id_orders_label_the_same_documents():
     """Every id order masks alike (equal ids exactly within one document); padded ends
-    the row with id 0 after larger ids, permuted is neither sorted nor padded."""
+    the row with id 0 after larger ids, permuted is neither sorted nor padded, pair is
+    the permuted ids as query and key ids."""
     lengths = kernel.document_lengths(4096)
-    rows = {o: np.asarray(kernel.document_ids(lengths, 2, o)) for o in kernel.ID_ORDERS}
+    pair = kernel.document_ids(lengths, 2, "pair")
+    assert isinstance(pair, tuple) and len(pair) == 2
+    np.testing.assert_array_equal(pair[0], pair[1])
+    np.testing.assert_array_equal(pair[0], kernel.document_ids(lengths, 2, "permuted"))
+    orders = [o for o in kernel.ID_ORDERS if o != "pair"]
+    rows = {o: np.asarray(kernel.document_ids(lengths, 2, o)) for o in orders}
     same = rows["sorted"][0][:, None] == rows["sorted"][0][None, :]
     for order, ids in rows.items():
         assert ids.shape == (2, 4096) and ids.dtype == np.int32
