@@ -23,7 +23,7 @@ from jflash._dispatch import resolve
 from jflash._flash import flash_attention
 from jflash._layout import check_layout, check_layout_len, from_layout, to_layout
 from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
-from jflash._segments import first_positions
+from jflash._segments import first_positions, key_first_positions
 from jflash._ulysses import check_heads, hybrid_shard, ulysses_shard
 from jflash._validation import (
     as_bool,
@@ -389,6 +389,8 @@ def ring_attention_shard(
         q_seg, kv_seg = (None, None) if segs is None else segs
         if self_ids:
             q_seg = kv_seg = _relabelled(q_seg, ring_axis, ring_shards, layout)
+        elif segs is not None:
+            q_seg, kv_seg = _relabelled_pair(q_seg, kv_seg, ring_axis, ring_shards, layout)
         return _ring_shard(q, k, v, q_seg, kv_seg, cfg)
 
     if strategy == "hybrid":
@@ -408,6 +410,21 @@ def _relabelled(seg, axis, shards: int, layout: str):
     whole = lax.all_gather(seg, axis, axis=1, tiled=True)  # layout order
     whole = to_layout(first_positions(from_layout(whole, shards, layout)), shards, layout)
     return lax.dynamic_slice_in_dim(whole, lax.axis_index(axis) * local, local, axis=1)
+
+
+def _relabelled_pair(q_seg, kv_seg, axis, shards: int, layout: str):
+    """This ring shard's `(query ids, key ids)` relabelled as `_relabelled` relabels
+    one array, by `key_first_positions` of the whole sequence's pair."""
+    local = q_seg.shape[1]
+    natural = [
+        from_layout(lax.all_gather(s, axis, axis=1, tiled=True), shards, layout)
+        for s in (q_seg, kv_seg)
+    ]
+    start = lax.axis_index(axis) * local
+    return tuple(
+        lax.dynamic_slice_in_dim(to_layout(s, shards, layout), start, local, axis=1)
+        for s in key_first_positions(*natural)
+    )
 
 
 def ring_attention(

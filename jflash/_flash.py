@@ -12,7 +12,7 @@ from jaxtyping import Array, Float
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import Kernel, attention_bwd, attention_fwd, delta_from, resolve
 from jflash._mask import Mask
-from jflash._segments import first_positions
+from jflash._segments import first_positions, key_first_positions
 from jflash._validation import (
     as_bool,
     check_causal,
@@ -133,6 +133,8 @@ def flash_attention(
         # One array for queries and keys: documents labelled in any order (padding
         # labelled 0 at a row's end too) take the sorted ids' kernels.
         segs = (first_positions(segs[0]),) * 2
+    elif segs is not None:  # a pair: relabelled by the key ids, the same way
+        segs = key_first_positions(*segs)
     causal = check_causal(causal)
     static = _Static(
         mask=Mask(causal, *check_offsets(q_offset, k_offset, shapes, causal)),

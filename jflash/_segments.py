@@ -122,10 +122,46 @@ def first_positions(seg):
     spans instead of the id compare, and tiles skipped by id ranges that labels out of
     order would widen to every document between them. A scatter of the runs' starts
     and a gather (no sort, no scan): the sorted rows of every packed call pay for it."""
+    first, offset, fits, _ = _first_table(seg)
+    relabelled = jnp.take_along_axis(first, offset, axis=1)
+    return jnp.where(fits, relabelled.astype(seg.dtype), seg)
+
+
+def key_first_positions(q_seg, kv_seg):
+    """A `(query ids [B, T], key ids [B, S])` pair relabelled as `first_positions`
+    relabels one array, by where each id first occurs among the row's key ids: the key
+    ids as `first_positions(kv_seg)`, a query id by its key's label, and a query id that
+    no key holds by `S`, which no key's label is (that row sees no key, as before). Rows
+    whose key ids span `S` values or more stay as they are. The mask is the same; where
+    each id's keys are one run, the key ids come out sorted, so a pair labelled in any
+    order takes sorted ids' fast path as one array does."""
+    first, offset, fits, lo = _first_table(kv_seg)
+    length = kv_seg.shape[1]
+    kv_new = jnp.take_along_axis(first, offset, axis=1)
+    # `q - lo` as unsigned is the exact offset where q >= lo (the difference fits it).
+    q_off = (q_seg - lo).astype(_unsigned(q_seg))
+    inside = (q_seg >= lo) & (q_off < length)
+    q_new = jnp.take_along_axis(first, jnp.where(inside, q_off, 0).astype(jnp.int32), axis=1)
+    q_new = jnp.where(inside, q_new, length)
+    return (
+        jnp.where(fits, q_new.astype(q_seg.dtype), q_seg),
+        jnp.where(fits, kv_new.astype(kv_seg.dtype), kv_seg),
+    )
+
+
+def _unsigned(seg):
+    return jnp.uint64 if seg.dtype.itemsize > 4 else jnp.uint32
+
+
+def _first_table(seg):
+    """`(first [B, L], offset [B, L], fits [B, 1], lo [B, 1])` of ids `seg [B, L]`:
+    `first[b, i]` is where the id `lo + i` first occurs in row b (`L` where it does not
+    occur), `offset` each id's index into it; rows whose ids span `L` values or more
+    (`fits` false) get offsets 0."""
     b, length = seg.shape
-    wide = jnp.uint64 if seg.dtype.itemsize > 4 else jnp.uint32
+    lo = seg.min(axis=1, keepdims=True)
     # Offsets from the row's smallest id, unsigned: exact over the whole int range.
-    offset = (seg - seg.min(axis=1, keepdims=True)).astype(wide)
+    offset = (seg - lo).astype(_unsigned(seg))
     fits = jnp.all(offset < length, axis=1, keepdims=True)
     offset = jnp.where(fits, offset, 0).astype(jnp.int32)
     t = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
@@ -135,8 +171,7 @@ def first_positions(seg):
     # so a long document is not thousands of atomics on one address.
     bins = jnp.where(start, offset, length)
     first = jnp.full((b, length), length, jnp.int32).at[rows, bins].min(t, mode="drop")
-    relabelled = jnp.take_along_axis(first, offset, axis=1)
-    return jnp.where(fits, relabelled.astype(seg.dtype), seg)
+    return first, offset, fits, lo
 
 
 def _search(sorted_ids, ids, side: str):

@@ -547,11 +547,13 @@ def test_ring_over_axes_named_out_of_mesh_order(layout):
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), jnp.float32)
 
 
+@pytest.mark.parametrize("pair", [False, True], ids=["array", "pair"])
 @pytest.mark.parametrize("strategy", jflash.STRATEGIES)
-def test_global_ring_attention_relabels_one_id_array(strategy, monkeypatch):
-    """One id array given to `jflash.ring_attention`, its documents labelled out of
-    order, reaches every kernel as sorted ids (relabelled along the whole sequence, as
-    the per-shard form relabels it), and the answer is the oracle's."""
+def test_global_ring_attention_relabels_the_ids(strategy, pair, monkeypatch):
+    """One id array given to `jflash.ring_attention`, or the same ids as a (q, kv) pair,
+    its documents labelled out of order, reaches every kernel as sorted ids (relabelled
+    along the whole sequence, as the per-shard form relabels it), and the answer is the
+    oracle's."""
     from jflash import _dispatch
 
     seen = []
@@ -573,8 +575,8 @@ def test_global_ring_attention_relabels_one_id_array(strategy, monkeypatch):
     zq, zk, zv, zs = (jflash.zigzag(x, p, axis=1) for x in (q, k, v, segs))
     with jax.set_mesh(mesh):
         out = jflash.ring_attention(
-            zq, zk, zv, mesh=mesh, seq_axis=seq_axis, causal=True, segment_ids=zs,
-            strategy=strategy, implementation="xla",
+            zq, zk, zv, mesh=mesh, seq_axis=seq_axis, causal=True,
+            segment_ids=(zs, zs) if pair else zs, strategy=strategy, implementation="xla",
         )  # fmt: skip
         out = jax.block_until_ready(jflash.unzigzag(out, p, axis=1))
     assert seen

@@ -24,7 +24,14 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 
 import jflash
 from jflash._mask import Mask
-from jflash._segments import first_positions, ids_sorted, key_spans, kv_tile_range, q_tile_range
+from jflash._segments import (
+    first_positions,
+    ids_sorted,
+    key_first_positions,
+    key_spans,
+    kv_tile_range,
+    q_tile_range,
+)
 
 # Small, mixed tiles: every pass cuts the sequence differently, and a few dozen tokens
 # already span several tiles.
@@ -230,6 +237,68 @@ def test_first_positions_sort_documents_in_any_labels_and_keep_every_mask():
         if name in ("ids far apart", "ids wider than the row"):
             np.testing.assert_array_equal(row, want, err_msg=name)
     assert bool(ids_sorted(first_positions(seg[:5]))) and not bool(ids_sorted(seg[:5]))
+
+
+def test_key_first_positions_keep_the_mask_of_any_pair():
+    """A (query ids, key ids) pair relabelled by the key ids: which query meets which key
+    stays the same for pairs of any lengths and values (the int32 extremes too); where
+    each id's keys are one run, the key ids come out sorted; a query id no key holds
+    becomes the key count (no key's label); for one array as both, the same as
+    `first_positions`."""
+    rng = np.random.default_rng(3)
+    info = np.iinfo(np.int32)
+    for trial in range(60):
+        t, s = (int(x) for x in rng.integers(1, 40, 2))
+        if trial % 3 == 0:  # documents as runs, labelled in any order
+            kv = np.repeat(rng.permutation(9), rng.integers(1, 6, 9))[:s]
+            kv = np.pad(kv, (0, s - kv.size), constant_values=kv[-1])
+            kv = np.stack([kv, kv[::-1]])
+        elif trial % 3 == 1:
+            kv = rng.integers(-4, 12, (2, s))
+        else:
+            kv = rng.choice([info.min + 1, info.max, 0, 1], (2, s))
+        q = rng.choice(np.concatenate([kv.ravel(), [info.min, info.max, -7, 99]]), (2, t))
+        q, kv = jnp.asarray(q, jnp.int32), jnp.asarray(kv, jnp.int32)
+        q_new, kv_new = (np.asarray(x) for x in jax.jit(key_first_positions)(q, kv))
+        want = np.asarray(q)[:, :, None] == np.asarray(kv)[:, None, :]
+        np.testing.assert_array_equal(q_new[:, :, None] == kv_new[:, None, :], want)
+        fits = np.ptp(np.asarray(kv), axis=1) < s  # rows whose ids span fewer than s values
+        if trial % 3 == 0:
+            assert np.all(np.diff(kv_new[fits], axis=1) >= 0)
+            absent = ~want.any(axis=2) & fits[:, None]
+            np.testing.assert_array_equal(q_new[absent], s)
+        if t == s:
+            one = np.asarray(first_positions(kv))
+            for got in key_first_positions(kv, kv):
+                np.testing.assert_array_equal(np.asarray(got), one)
+
+
+def test_flash_attention_relabels_an_id_pair(monkeypatch):
+    """A `(q_ids, kv_ids)` pair whose documents are labelled out of order reaches the
+    kernel as sorted ids (relabelled by the key ids, as one array is by its own), and
+    the answer is the oracle's on the ids as given."""
+    from jflash import _dispatch
+
+    seen = []
+
+    def spy(*args, segs, **kwargs):
+        jax.debug.callback(lambda *ids: seen.extend(np.asarray(i) for i in ids), *segs)
+        return xla_fwd(*args, segs=segs, **kwargs)
+
+    xla_fwd = _dispatch.xla_fwd
+    monkeypatch.setattr(_dispatch, "xla_fwd", spy)
+    kv_seg = np.asarray([3, 0, 2, 1])[ids_from_lengths((20, 12, 16, 16))][None]
+    q_seg = kv_seg[:, 16:].copy()
+    q_seg[:, -4:] = 8  # no key has id 8: those rows see nothing
+    shape = dict(batch=1, q_len=48, kv_len=64, q_heads=4, kv_heads=2, head_dim=32)
+    q, k, v = make_inputs(5, **shape, dtype=jnp.float32)[:3]
+    segs = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    out = jflash.flash_attention(q, k, v, causal=False, segment_ids=segs, implementation="xla")
+    out = jax.block_until_ready(out)
+    assert len(seen) == 2 and np.all(np.diff(seen[1], axis=1) >= 0), seen
+    want, _ = jflash.attention_reference(q, k, v, causal=False, segment_ids=segs)
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out)[:, -4:], 0)
 
 
 @pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
