@@ -38,7 +38,7 @@ attention over 64k tokens packed from log-normal documents (`kernel.py --documen
 S, every batch row alike; batch = tokens // S) at head dim D. `--id-orders
 sorted,padded,permuted,pair` times those rows with the documents labelled each way
 (`kernel.document_ids`: the same mask, labels that are not sorted along the row; `pair`
-gives them as query and key ids, which jflash's forward compares).
+gives the permuted labels as query and key ids).
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 

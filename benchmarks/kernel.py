@@ -743,9 +743,8 @@ def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
 # - padded: documents 1, 2, ... and the last one 0, as packers label the padding that
 #   ends a row (MaxText, grain);
 # - permuted: a fixed random permutation of the labels (each document still one run);
-# - pair: the permuted labels as a `(query ids, key ids)` pair, which jflash does not
-#   relabel by first position (it relabels one array): the key ids stay unsorted, so its
-#   forward compares ids instead of masking by each row's key span.
+# - pair: the permuted labels as a `(query ids, key ids)` pair, which jflash relabels by
+#   the key ids' first positions (as it relabels one array by its own).
 ID_ORDERS = ("sorted", "padded", "permuted", "pair")
 
 

@@ -297,8 +297,9 @@ def ring_attention_shard(
         stays inside equal ids; a document may span shards), in the same layout
         order as q, or a `(q_ids, kv_ids)` pair. Rows that see no key give 0 and LSE
         `-inf`. One array is relabelled by each id's first position along the whole
-        sequence (the shards gather it), as `jflash.flash_attention` relabels one:
-        documents labelled in any order reach the kernels as sorted ids.
+        sequence (the shards gather it), as `jflash.flash_attention` relabels one, and
+        a pair by each id's first position among the key ids: documents labelled in
+        any order reach the kernels as sorted ids.
       scale, return_lse, block_sizes, implementation, interpret, deterministic: as in
         `jflash.flash_attention`.
 
@@ -320,9 +321,9 @@ def ring_attention_shard(
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("ring_attention_shard", q, k, v, segs)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
-    # One id array for queries and keys: relabelled along the whole sequence (as
-    # `flash_attention` relabels one), so that documents labelled in any order reach
-    # the kernels as sorted ids on every shard.
+    # Ids relabelled along the whole sequence (as `flash_attention` relabels them: one
+    # array by its own first positions, a pair by the key ids'), so that documents
+    # labelled in any order reach the kernels as sorted ids on every shard.
     self_ids = is_self_ids(segment_ids)
     kernel_choice = dict(
         block_sizes=block_sizes,
@@ -539,7 +540,7 @@ def ring_attention(
     segs = check_segment_ids(segment_ids, shapes)
     if is_self_ids(segment_ids):
         # One array goes to every shard as one array, which relabels it along the
-        # whole sequence (a pair goes as given).
+        # whole sequence (a pair as a pair, relabelled by its key ids).
         segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)

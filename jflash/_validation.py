@@ -119,7 +119,8 @@ def check_unsharded(where: str, q, k, v, segs) -> None:
 
 def is_self_ids(segment_ids) -> bool:
     """Whether `segment_ids` came as one array for queries and keys (not None, not a
-    pair): the ids `flash_attention` and the ring relabel by first position."""
+    pair): `flash_attention` and the ring relabel such ids by their own first
+    positions, a pair by its key ids' (`key_first_positions`)."""
     return segment_ids is not None and not isinstance(segment_ids, (tuple, list))
 
 
