@@ -407,24 +407,27 @@ def _relabelled(seg, axis, shards: int, layout: str):
     every shard gathers and relabels alike): where each document is one run of the
     sequence, every shard's ids come out sorted in any layout (its tokens are in
     natural order), and equal ids stay equal across shards."""
-    local = seg.shape[1]
-    whole = lax.all_gather(seg, axis, axis=1, tiled=True)  # layout order
-    whole = to_layout(first_positions(from_layout(whole, shards, layout)), shards, layout)
-    return lax.dynamic_slice_in_dim(whole, lax.axis_index(axis) * local, local, axis=1)
+    relabel = lambda whole: (first_positions(whole),)  # noqa: E731
+    return _relabelled_along(relabel, (seg,), axis, shards, layout)[0]
 
 
 def _relabelled_pair(q_seg, kv_seg, axis, shards: int, layout: str):
     """This ring shard's `(query ids, key ids)` relabelled as `_relabelled` relabels
     one array, by `key_first_positions` of the whole sequence's pair."""
-    local = q_seg.shape[1]
+    return _relabelled_along(key_first_positions, (q_seg, kv_seg), axis, shards, layout)
+
+
+def _relabelled_along(relabel, segs, axis, shards: int, layout: str):
+    """`relabel(*whole)` of the whole sequence's ids in natural order (each of `segs`
+    gathered over `axis`), cut back to this shard's part of each, in layout order."""
+    local = segs[0].shape[1]
     natural = [
-        from_layout(lax.all_gather(s, axis, axis=1, tiled=True), shards, layout)
-        for s in (q_seg, kv_seg)
+        from_layout(lax.all_gather(s, axis, axis=1, tiled=True), shards, layout) for s in segs
     ]
     start = lax.axis_index(axis) * local
     return tuple(
         lax.dynamic_slice_in_dim(to_layout(s, shards, layout), start, local, axis=1)
-        for s in key_first_positions(*natural)
+        for s in relabel(*natural)
     )
 
 
