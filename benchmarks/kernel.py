@@ -28,8 +28,8 @@ attention counts 4·B·N·S²·H. With packed documents the count is the mask ar
 (query, key) pairs × 4·H per head.
 
 Peers outside jax, each imported where installed and otherwise a row saying why (never a
-dependency): `--impls fa3` is `flash_attn3_jax.flash_mha` (FlashAttention-3, D = 128
-only), `--impls jax_triton` the Triton-language kernel of `benchmarks/triton_attention.py`
+dependency): `--impls fa3` is `flash_attn3_jax.flash_mha` (FlashAttention-3, D = 64
+and 128), `--impls jax_triton` the Triton-language kernel of `benchmarks/triton_attention.py`
 through `jax_triton.triton_call`, `--impls tokamax` tokamax's Pallas Mosaic GPU
 FlashAttention (`tokamax.dot_product_attention(..., implementation="mosaic")`, forward
 and backward on Hopper); jax-triton and tokamax are in the `bench` extra.
@@ -88,7 +88,7 @@ PEERS = {
     "tokamax": "tokamax's Pallas Mosaic GPU kernels (tokamax.dot_product_attention)",
 }
 TOKAMAX_IMPLEMENTATION = "mosaic"  # tokamax.dot_product_attention's implementation=
-FA3_HEAD_DIMS = (128,)  # the flash-attn3-jax wheel's kernels: hdim128 (and no backward else)
+FA3_HEAD_DIMS = (64, 128)  # flash-attn3-jax 0.2.3: forward and backward run at both
 
 
 class PeerUnavailable(Exception):
@@ -105,7 +105,7 @@ def peer_fn(impl: str, causal: bool, head_dim: int):
     """`attn(q, k, v)` of a peer in PEERS, or PeerUnavailable saying why not."""
     if impl == "fa3":
         if head_dim not in FA3_HEAD_DIMS:
-            raise PeerUnavailable(f"flash-attn3-jax has no D={head_dim} kernels (D=128 only)")
+            raise PeerUnavailable(f"flash-attn3-jax: D={head_dim} not timed (D=64 and 128 only)")
         try:
             from flash_attn3_jax import flash_mha
         except Exception as e:  # noqa: BLE001 - missing or built for another jax: a row

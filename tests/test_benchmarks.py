@@ -224,10 +224,10 @@ def test_tokamax_row_runs_its_mosaic_implementation(monkeypatch):
     assert set(asked) == {(True, "mosaic")}
 
 
-def test_fa3_head_dim_64_cell_says_why_without_importing(monkeypatch):
+def test_fa3_head_dim_96_cell_says_why_without_importing(monkeypatch):
     hide(monkeypatch, "flash_attn3_jax")  # the D check comes first: no import tried
-    row = kernel.measure("fa3", batch=1, seq=256, heads=4, kv_heads=1, head_dim=64)
-    assert "no D=64" in row["fwd_error"] and "no D=64" in row["fwdbwd_error"]
+    row = kernel.measure("fa3", batch=1, seq=256, heads=4, kv_heads=1, head_dim=96)
+    assert "D=96 not timed" in row["fwd_error"] and "D=96 not timed" in row["fwdbwd_error"]
     with pytest.raises(ValueError, match="unknown peer"):
         kernel.peer_fn("fa2", True, 128)
 
