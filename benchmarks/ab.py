@@ -36,9 +36,10 @@ Shapes are `mask:S:D` with mask `causal` or `full`; each call holds `--tokens` t
 attention over 64k tokens packed from log-normal documents (`kernel.py --documents`);
 `--document-shapes S:D,...` adds such rows of S tokens (the same documents scaled to
 S, every batch row alike; batch = tokens // S) at head dim D. `--id-orders
-sorted,padded,permuted,pair` times those rows with the documents labelled each way
-(`kernel.document_ids`: the same mask, labels that are not sorted along the row; `pair`
-gives the permuted labels as query and key ids).
+sorted,padded,permuted,pair,hashed` times those rows with the documents labelled each
+way (`kernel.document_ids`: the same mask, labels that are not sorted along the row;
+`pair` gives the permuted labels as query and key ids, `hashed` labels wider than the
+row).
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
         "--id-orders",
         default="sorted",
         help="packed-document rows: label the documents in each of these orders "
-        "(kernel.py's ID_ORDERS: sorted, padded, permuted, pair; the same mask)",
+        "(kernel.py's ID_ORDERS: sorted, padded, permuted, pair, hashed; the same mask)",
     )
     parser.add_argument("--peers", default="", help="comma list: fa3 (where installed), cudnn")
     parser.add_argument(

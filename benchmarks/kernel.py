@@ -744,14 +744,17 @@ def document_lengths(tokens: int, *, seed: int = 0) -> list[int]:
 #   ends a row (MaxText, grain);
 # - permuted: a fixed random permutation of the labels (each document still one run);
 # - pair: the permuted labels as a `(query ids, key ids)` pair, which jflash relabels by
-#   the key ids' first positions (as it relabels one array by its own).
-ID_ORDERS = ("sorted", "padded", "permuted", "pair")
+#   the key ids' first positions (as it relabels one array by its own);
+# - hashed: distinct labels spread over all of int32 (dataset indices, hashes), wider
+#   than the row, which jflash relabels through hash tables.
+ID_ORDERS = ("sorted", "padded", "permuted", "pair", "hashed")
 
 
 def document_ids(lengths, batch: int = 1, order: str = "sorted"):
     """Segment ids `[batch, sum(lengths)]` int32 of documents of `lengths` packed in a
     row, labelled as `order` (`ID_ORDERS`), every batch row alike (`pair`: the same
-    array twice, as query and key ids)."""
+    array twice, as query and key ids; `hashed`: distinct labels drawn from all of
+    int32, as dataset indices or hashes would be)."""
     n = len(lengths)
     if order == "sorted":
         labels = np.arange(n)
@@ -759,6 +762,9 @@ def document_ids(lengths, batch: int = 1, order: str = "sorted"):
         labels = np.concatenate([np.arange(1, n), [0]])
     elif order in ("permuted", "pair"):
         labels = np.random.default_rng(0).permutation(n)
+    elif order == "hashed":
+        info = np.iinfo(np.int32)
+        labels = np.random.default_rng(0).choice(info.max, n, replace=False) * 2 + info.min
     else:
         raise ValueError(f"id order {order!r}: expected one of {ID_ORDERS}")
     ids = np.repeat(labels.astype(np.int32), lengths)

@@ -100,12 +100,12 @@ def flash_attention(
         attention stays inside equal ids (packed sequences). Fastest where each row's
         ids are non-decreasing along it. One array whose documents are each one run of
         tokens is relabelled so (by each id's first position; padding labelled 0 at a
-        row's end, labels in any order), where a row's ids span fewer values than it
-        has tokens; a pair likewise, by each id's first position among the key ids (a
-        query id no key holds becomes one no key has). Others (an id in two places,
-        ids far apart) compare ids on every tile at a document boundary and skip only
-        tiles whose id ranges are apart (documents labelled out of order ran 8-17x
-        slower so, before the relabelling: BENCHMARKS.md).
+        row's end, labels in any order, labels spread wider than the row as dataset
+        indices or hashes are); a pair likewise, by each id's first position among the
+        key ids (a query id no key holds becomes one no key has). Others (an id in two
+        places) compare ids on every tile at a document boundary and skip only tiles
+        whose id ranges are apart (documents labelled out of order ran 8-17x slower so,
+        before the relabelling: BENCHMARKS.md).
       return_lse: also return the natural-log log-sum-exp `[B, N, T]` f32 (rows that see
         no key: `-inf`, output 0). Its cotangent flows through the VJP.
       q_offset, k_offset: static global positions of the first query / key (Python

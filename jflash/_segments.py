@@ -20,6 +20,8 @@ the rows' ids with the key ids streamed beside K.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -112,19 +114,19 @@ def _all_rows(axis_size, in_batched, seg):
 
 
 def first_positions(seg):
-    """Self-attention ids `[B, L]` relabelled by where each id first occurs in its row,
-    for rows whose ids span fewer than `L` values; other rows stay as they are.
+    """Self-attention ids `[B, L]` relabelled by where each id first occurs in its row.
 
     The mask is the same (equal ids stay equal, different ids different), and where
     each id is one run of tokens (documents, whatever their labels: padding labelled 0
-    at a row's end as MaxText and grain label it, labels in any order) the new ids are
-    sorted along the row, so the kernels take sorted ids' fast path (`ids_sorted`): key
-    spans instead of the id compare, and tiles skipped by id ranges that labels out of
-    order would widen to every document between them. A scatter of the runs' starts
-    and a gather (no sort, no scan): the sorted rows of every packed call pay for it."""
-    first, offset, fits, _ = _first_table(seg)
-    relabelled = jnp.take_along_axis(first, offset, axis=1)
-    return jnp.where(fits, relabelled.astype(seg.dtype), seg)
+    at a row's end as MaxText and grain label it, labels in any order, hashes or
+    dataset indices) the new ids are sorted along the row, so the kernels take sorted
+    ids' fast path (`ids_sorted`): key spans instead of the id compare, and tiles
+    skipped by id ranges that labels out of order would widen to every document
+    between them. Scatters of the runs' starts into two tables and a few gathers (no
+    sort, no scan): the sorted rows of every packed call pay for it (`_first`)."""
+    label, found = _first(seg, seg)
+    exact = jnp.all(found, axis=1, keepdims=True)
+    return jnp.where(exact, label.astype(seg.dtype), seg)
 
 
 def key_first_positions(q_seg, kv_seg):
@@ -132,46 +134,88 @@ def key_first_positions(q_seg, kv_seg):
     relabels one array, by where each id first occurs among the row's key ids: the key
     ids as `first_positions(kv_seg)`, a query id by its key's label, and a query id that
     no key holds by `S`, which no key's label is (that row sees no key, as before). Rows
-    whose key ids span `S` values or more stay as they are. The mask is the same; where
-    each id's keys are one run, the key ids come out sorted, so a pair labelled in any
-    order takes sorted ids' fast path as one array does."""
-    first, offset, fits, lo = _first_table(kv_seg)
-    length = kv_seg.shape[1]
-    kv_new = jnp.take_along_axis(first, offset, axis=1)
-    # `q - lo` as unsigned is the exact offset where q >= lo (the difference fits it).
-    q_off = (q_seg - lo).astype(_unsigned(q_seg))
-    inside = (q_seg >= lo) & (q_off < length)
-    q_new = jnp.take_along_axis(first, jnp.where(inside, q_off, 0).astype(jnp.int32), axis=1)
-    q_new = jnp.where(inside, q_new, length)
+    that `first_positions` keeps as they are stay so. The mask is the same; where each
+    id's keys are one run, the key ids come out sorted, so a pair labelled in any order
+    takes sorted ids' fast path as one array does."""
+    kv_new, kv_found = _first(kv_seg, kv_seg)
+    exact = jnp.all(kv_found, axis=1, keepdims=True)
+    q_new, _ = _first(q_seg, kv_seg)  # `S` where no key holds the id
     return (
-        jnp.where(fits, q_new.astype(q_seg.dtype), q_seg),
-        jnp.where(fits, kv_new.astype(kv_seg.dtype), kv_seg),
+        jnp.where(exact, q_new.astype(q_seg.dtype), q_seg),
+        jnp.where(exact, kv_new.astype(kv_seg.dtype), kv_seg),
     )
+
+
+def _first(ids, table_ids):
+    """`(label [B, M], found [B, M])`: where each of `ids [B, M]` first occurs in its row
+    of `table_ids [B, L]` (`L` where it is not found).
+
+    Two tables per row (one scatter), each slot holding the first position of the runs
+    that start in it (the runs' starts only are scattered, so a long document is not
+    thousands of atomics on one address). The first has a slot per value where the row's ids span
+    fewer than `L` values, exact then; otherwise both hash the ids, with different
+    seeds, into a power of two of at least `2 L` slots. A slot's position is an id's
+    first position exactly when that position holds the id (a position holding the id
+    is never before its first, and the slot's is never after it), so an id is found
+    unless another id took its slot in both tables: for a row of n documents about
+    n³ / (4 L)² of the time (`first_positions` then keeps the row as it is)."""
+    b, length = table_ids.shape
+    width = _table_width(length)
+    lo = table_ids.min(axis=1, keepdims=True)
+    # Offsets from the row's smallest id, unsigned: exact over the whole int range.
+    narrow = (table_ids.max(axis=1, keepdims=True) - lo).astype(_unsigned(lo)) < length
+
+    def slots(x):
+        """`[B, 2 M]`: `x`'s slots in both tables, the second's after the first's."""
+        offset = (x - lo).astype(_unsigned(x))
+        by_value = jnp.where((x >= lo) & (offset < length), offset, 0).astype(jnp.int32)
+        one, two = (_hash(x, width, seed) for seed in SEEDS)
+        return jnp.concatenate([jnp.where(narrow, by_value, one), two + width], axis=1)
+
+    twice = functools.partial(jnp.tile, reps=(1, 2))
+    t = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, 2 * length))
+    start = jnp.concatenate([jnp.ones((b, 1), bool), table_ids[:, 1:] != table_ids[:, :-1]], axis=1)
+    bins = jnp.where(twice(start), slots(table_ids), 2 * width)  # out of bounds: dropped
+    first = jnp.full((b, 2 * width), length, jnp.int32).at[rows, bins].min(twice(t), mode="drop")
+    at = jnp.take_along_axis(first, slots(ids), axis=1)
+    held = jnp.take_along_axis(table_ids, jnp.minimum(at, length - 1), axis=1)
+    hit = (at < length) & (held == twice(ids))
+    (at_one, at_two), (hit_one, hit_two) = jnp.split(at, 2, axis=1), jnp.split(hit, 2, axis=1)
+    label = jnp.where(hit_one, at_one, jnp.where(hit_two, at_two, length))
+    return label, hit_one | hit_two
+
+
+SEEDS = (0, 0x9E3779B9)  # `_first`'s two tables' hashes
+
+
+def _table_width(length: int) -> int:
+    """`_first`'s slots per table and row of `length` ids: a power of two, at least
+    `2 * length`."""
+    return 1 << max(1, (2 * length - 1).bit_length())
 
 
 def _unsigned(seg):
     return jnp.uint64 if seg.dtype.itemsize > 4 else jnp.uint32
 
 
-def _first_table(seg):
-    """`(first [B, L], offset [B, L], fits [B, 1], lo [B, 1])` of ids `seg [B, L]`:
-    `first[b, i]` is where the id `lo + i` first occurs in row b (`L` where it does not
-    occur), `offset` each id's index into it; rows whose ids span `L` values or more
-    (`fits` false) get offsets 0."""
-    b, length = seg.shape
-    lo = seg.min(axis=1, keepdims=True)
-    # Offsets from the row's smallest id, unsigned: exact over the whole int range.
-    offset = (seg - lo).astype(_unsigned(seg))
-    fits = jnp.all(offset < length, axis=1, keepdims=True)
-    offset = jnp.where(fits, offset, 0).astype(jnp.int32)
-    t = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    start = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, length))
-    # Only the runs' starts are scattered (the rest fall out of bounds and are dropped),
-    # so a long document is not thousands of atomics on one address.
-    bins = jnp.where(start, offset, length)
-    first = jnp.full((b, length), length, jnp.int32).at[rows, bins].min(t, mode="drop")
-    return first, offset, fits, lo
+def _mix(x):
+    """A bijection of uint32 that spreads every input bit over the output's high bits
+    (MurmurHash3's finaliser)."""
+    for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x = (x ^ (x >> shift)) * jnp.uint32(mult)
+    return x ^ (x >> 16)
+
+
+def _hash(ids, width: int, seed: int = 0):
+    """Ids of any int dtype -> int32 slots in `[0, width)` (`width` a power of two),
+    from all of their bits."""
+    bits = lax.bitcast_convert_type(ids, _unsigned(ids))
+    if ids.dtype.itemsize > 4:
+        high = _mix((bits >> 32).astype(jnp.uint32))
+        bits = bits.astype(jnp.uint32) ^ high  # the low 32 bits, the high mixed in
+    mixed = _mix(bits ^ jnp.uint32(seed))
+    return (mixed >> (33 - width.bit_length())).astype(jnp.int32)
 
 
 def _search(sorted_ids, ids, side: str):

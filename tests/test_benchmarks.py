@@ -936,7 +936,8 @@ def test_power_tabulates_the_median_round():
 def test_document_id_orders_label_the_same_documents():
     """Every id order masks alike (equal ids exactly within one document); padded ends
     the row with id 0 after larger ids, permuted is neither sorted nor padded, pair is
-    the permuted ids as query and key ids."""
+    the permuted ids as query and key ids, hashed labels span more values than the row
+    has tokens and are not sorted."""
     lengths = kernel.document_lengths(4096)
     pair = kernel.document_ids(lengths, 2, "pair")
     assert isinstance(pair, tuple) and len(pair) == 2
@@ -953,6 +954,8 @@ def test_document_id_orders_label_the_same_documents():
     padded = rows["padded"][0]
     assert padded[-1] == 0 and np.all(np.diff(padded[: -lengths[-1]]) >= 0)
     assert np.any(np.diff(rows["permuted"][0][: -lengths[-1]]) < 0)
+    hashed = rows["hashed"][0].astype(np.int64)
+    assert np.ptp(hashed) >= hashed.size and np.any(np.diff(hashed) < 0)
     with pytest.raises(ValueError, match="shuffled"):
         kernel.document_ids(lengths, 1, "shuffled")
 

@@ -25,6 +25,9 @@ from kernel_cases import assert_close, make_inputs, oracle, value_and_grads
 import jflash
 from jflash._mask import Mask
 from jflash._segments import (
+    SEEDS,
+    _hash,
+    _table_width,
     first_positions,
     ids_sorted,
     key_first_positions,
@@ -210,9 +213,9 @@ def test_key_spans_are_the_mask_where_key_ids_are_sorted(causal, q_offset, k_off
 
 def test_first_positions_sort_documents_in_any_labels_and_keep_every_mask():
     """Rows whose documents are each one run of tokens come out sorted, whatever their
-    labels (in order, padding labelled 0 or below at the end, shuffled, one document);
-    a row with an id in two places keeps its mask but not sorted; a row whose ids span
-    as many values as it has tokens or more stays as it is. Every row's mask (which pairs share
+    labels (in order, padding labelled 0 or below at the end, shuffled, one document,
+    labels far apart, 24 one-token documents labelled wider than the row); a row with an
+    id in two places keeps its mask but not sorted. Every row's mask (which pairs share
     an id) stays the same."""
     top = np.iinfo(np.int32).max
     rows = {
@@ -224,6 +227,7 @@ def test_first_positions_sort_documents_in_any_labels_and_keep_every_mask():
         "padding id earlier": np.concatenate([ids_from_lengths((8, 8)), [0] * 8]),
         "interleaved": np.random.default_rng(0).integers(0, 3, 24),
         "ids far apart": np.concatenate([[1] * 12, [top] * 8, [0] * 4]),
+        "hash-like ids": np.repeat([10**9, 7, -5 * 10**8, 123456789], 6),
         "ids wider than the row": np.arange(24)[::-1] * 2,
     }
     rows["padded"][-6:] = 0
@@ -232,10 +236,8 @@ def test_first_positions_sort_documents_in_any_labels_and_keep_every_mask():
     for (name, want), row in zip(rows.items(), got, strict=True):
         same = want[:, None] == want[None, :]
         np.testing.assert_array_equal(row[:, None] == row[None, :], same, err_msg=name)
-        one_run_each = name in ("padded", "padded below", "sorted", "one run", "shuffled")
+        one_run_each = name not in ("padding id earlier", "interleaved")
         assert bool(np.all(np.diff(row) >= 0)) == one_run_each, name
-        if name in ("ids far apart", "ids wider than the row"):
-            np.testing.assert_array_equal(row, want, err_msg=name)
     assert bool(ids_sorted(first_positions(seg[:5]))) and not bool(ids_sorted(seg[:5]))
 
 
@@ -247,13 +249,15 @@ def test_key_first_positions_keep_the_mask_of_any_pair():
     `first_positions`."""
     rng = np.random.default_rng(3)
     info = np.iinfo(np.int32)
-    for trial in range(60):
+    runs = relabelled = 0
+    for trial in range(80):
         t, s = (int(x) for x in rng.integers(1, 40, 2))
-        if trial % 3 == 0:  # documents as runs, labelled in any order
-            kv = np.repeat(rng.permutation(9), rng.integers(1, 6, 9))[:s]
+        if trial % 4 in (0, 3):  # documents as runs, labelled in any order (3: any int32)
+            labels = rng.permutation(9) if trial % 4 == 0 else rng.integers(info.min, info.max, 9)
+            kv = np.repeat(labels, rng.integers(1, 6, 9))[:s]
             kv = np.pad(kv, (0, s - kv.size), constant_values=kv[-1])
             kv = np.stack([kv, kv[::-1]])
-        elif trial % 3 == 1:
+        elif trial % 4 == 1:
             kv = rng.integers(-4, 12, (2, s))
         else:
             kv = rng.choice([info.min + 1, info.max, 0, 1], (2, s))
@@ -262,15 +266,44 @@ def test_key_first_positions_keep_the_mask_of_any_pair():
         q_new, kv_new = (np.asarray(x) for x in jax.jit(key_first_positions)(q, kv))
         want = np.asarray(q)[:, :, None] == np.asarray(kv)[:, None, :]
         np.testing.assert_array_equal(q_new[:, :, None] == kv_new[:, None, :], want)
-        fits = np.ptp(np.asarray(kv), axis=1) < s  # rows whose ids span fewer than s values
-        if trial % 3 == 0:
-            assert np.all(np.diff(kv_new[fits], axis=1) >= 0)
-            absent = ~want.any(axis=2) & fits[:, None]
+        if trial % 4 in (0, 3):  # sorted, or as they were (hashed ids sharing a slot)
+            done = ~np.all(kv_new == np.asarray(kv), axis=1) | np.all(np.diff(kv, axis=1) >= 0)
+            assert np.all(np.diff(kv_new[done], axis=1) >= 0)
+            absent = ~want.any(axis=2) & done[:, None]
             np.testing.assert_array_equal(q_new[absent], s)
+            runs, relabelled = runs + 2, relabelled + int(done.sum())
         if t == s:
             one = np.asarray(first_positions(kv))
             for got in key_first_positions(kv, kv):
                 np.testing.assert_array_equal(np.asarray(got), one)
+    # Rows of at most 9 documents in 64 hash slots or more: few share a slot.
+    assert relabelled >= 0.9 * runs, (relabelled, runs)
+
+
+def test_ids_that_share_hash_slots_stay_as_they_are():
+    """Ids spread wider than the row are relabelled through two hash tables of their
+    values: an id whose slot another id took in one table is found in the other; where
+    two documents' ids share their slots in both, the row (and a pair's query ids) stay
+    as they are, since one label would join the two documents."""
+    width = _table_width(16)
+    a = 10**9
+    others = np.arange(-(10**6), 10**6)
+    same = [
+        np.asarray(_hash(jnp.asarray(others, jnp.int32), width, seed))
+        == int(_hash(jnp.asarray([a], jnp.int32), width, seed)[0])
+        for seed in SEEDS
+    ]
+    both, first_only, neither = (
+        int(others[m & (others != a)][0])
+        for m in (same[0] & same[1], same[0] & ~same[1], ~same[0] & ~same[1])
+    )
+    seg = jnp.asarray([[a] * 8 + [x] * 8 for x in (both, first_only, neither)], jnp.int32)
+    got = np.asarray(first_positions(seg))
+    np.testing.assert_array_equal(got, [seg[0], [0] * 8 + [8] * 8, [0] * 8 + [8] * 8])
+    q = jnp.asarray([[x, a, 5] for x in (both, first_only, neither)], jnp.int32)
+    q_new, kv_new = (np.asarray(x) for x in key_first_positions(q, seg))
+    np.testing.assert_array_equal(q_new, [q[0], [8, 0, 16], [8, 0, 16]])
+    np.testing.assert_array_equal(kv_new, got)
 
 
 def test_flash_attention_relabels_an_id_pair(monkeypatch):

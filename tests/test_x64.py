@@ -258,12 +258,17 @@ def test_triton_kernels_trace_identically(monkeypatch, causal, segments, interpr
 
 
 def test_first_positions_of_64_bit_ids():
-    """64-bit ids are relabelled by first position where they span fewer values than
-    the row has tokens, even beyond int32, and kept where they span more."""
+    """64-bit ids are relabelled by first position beyond int32, both where they span
+    fewer values than the row has tokens (a slot per value) and where they span more
+    (hashed, all 64 bits: ids equal in their low 32 bits stay apart)."""
     from jflash._segments import first_positions
 
     with x64():
         ids = jnp.asarray([[2**40] * 3 + [2**40 + 1] * 3 + [2**40 - 1] * 2], jnp.int64)
         np.testing.assert_array_equal(first_positions(ids), [[0, 0, 0, 3, 3, 3, 6, 6]])
         apart = ids.at[0, 3:6].set(-(2**40))
-        np.testing.assert_array_equal(first_positions(apart), apart)
+        np.testing.assert_array_equal(first_positions(apart), [[0, 0, 0, 3, 3, 3, 6, 6]])
+        low_bits_equal = jnp.asarray([[2**40 + 5] * 4 + [5] * 4 + [2**40 + 5] * 2], jnp.int64)
+        np.testing.assert_array_equal(
+            first_positions(low_bits_equal), [[0, 0, 0, 0, 4, 4, 4, 4, 0, 0]]
+        )
