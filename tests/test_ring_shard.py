@@ -161,6 +161,10 @@ def _inputs(case: Case):
             segs = jnp.asarray(np.concatenate([np.arange(1, n), [0]]), jnp.int32)[segs]
         elif case.labels == "permuted":
             segs = jnp.asarray(np.random.default_rng(case.seed).permutation(n), jnp.int32)[segs]
+        elif case.labels == "hashed":  # distinct labels over all of int32
+            top = np.iinfo(np.int32).max
+            labels = np.random.default_rng(case.seed).choice(top, n, replace=False) * 2 - top
+            segs = jnp.asarray(labels, jnp.int32)[segs]
     return q, k, v, segs, do, dlse
 
 
@@ -548,11 +552,13 @@ def test_ring_over_axes_named_out_of_mesh_order(layout):
 
 
 @pytest.mark.parametrize("strategy", jflash.STRATEGIES)
-def test_global_ring_attention_relabels_one_id_array(strategy, monkeypatch):
+@pytest.mark.parametrize("labels", ["permuted", "hashed"])
+def test_global_ring_attention_relabels_one_id_array(strategy, labels, monkeypatch):
     """One id array given to `jflash.ring_attention`, its documents labelled out of
-    order, reaches every kernel as sorted ids (relabelled along the whole sequence, as
-    the per-shard form relabels it), and the answer is the oracle's."""
-    _check_relabelled(strategy, False, monkeypatch)
+    order (shuffled, or over all of int32), reaches every kernel as sorted ids
+    (relabelled along the whole sequence, as the per-shard form relabels it), and the
+    answer is the oracle's."""
+    _check_relabelled(strategy, False, monkeypatch, labels)
 
 
 @pytest.mark.parametrize("strategy", jflash.STRATEGIES)
@@ -563,7 +569,7 @@ def test_global_ring_attention_relabels_an_id_pair(strategy, monkeypatch):
     _check_relabelled(strategy, True, monkeypatch)
 
 
-def _check_relabelled(strategy, pair, monkeypatch):
+def _check_relabelled(strategy, pair, monkeypatch, labels="permuted"):
     from jflash import _dispatch
 
     seen = []
@@ -575,9 +581,10 @@ def _check_relabelled(strategy, pair, monkeypatch):
 
     xla_fwd = _dispatch.xla_fwd
     monkeypatch.setattr(_dispatch, "xla_fwd", spy)
+    jax.clear_caches()  # a call traced before, with other labels, would skip the spy
     hybrid = strategy == "hybrid"
     case = Case(num_shards=2, a2a=2 if hybrid else 1, strategy=strategy, documents=6)
-    case = dataclasses.replace(case, labels="permuted")
+    case = dataclasses.replace(case, labels=labels)
     mesh = _mesh(case)
     q, k, v, segs, _, _ = _inputs(case)
     assert not np.all(np.diff(np.asarray(segs), axis=1) >= 0)
