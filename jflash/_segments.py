@@ -124,7 +124,7 @@ def first_positions(seg):
     skipped by id ranges that labels out of order would widen to every document
     between them. Scatters of the runs' starts into two tables and a few gathers (no
     sort, no scan): the sorted rows of every packed call pay for it (`_first`)."""
-    label, found = _first(seg, seg)
+    ((label, found),) = _first(seg, seg)
     exact = jnp.all(found, axis=1, keepdims=True)
     return jnp.where(exact, label.astype(seg.dtype), seg)
 
@@ -137,28 +137,28 @@ def key_first_positions(q_seg, kv_seg):
     that `first_positions` keeps as they are stay so. The mask is the same; where each
     id's keys are one run, the key ids come out sorted, so a pair labelled in any order
     takes sorted ids' fast path as one array does."""
-    kv_new, kv_found = _first(kv_seg, kv_seg)
+    # A query id that no key holds is not found: its label is `S`.
+    (kv_new, kv_found), (q_new, _) = _first(kv_seg, kv_seg, q_seg)
     exact = jnp.all(kv_found, axis=1, keepdims=True)
-    q_new, _ = _first(q_seg, kv_seg)  # `S` where no key holds the id
     return (
         jnp.where(exact, q_new.astype(q_seg.dtype), q_seg),
         jnp.where(exact, kv_new.astype(kv_seg.dtype), kv_seg),
     )
 
 
-def _first(ids, table_ids):
-    """`(label [B, M], found [B, M])`: where each of `ids [B, M]` first occurs in its row
-    of `table_ids [B, L]` (`L` where it is not found).
+def _first(table_ids, *lookups):
+    """For each of `lookups` (ids `[B, M]`), `(label [B, M], found [B, M])`: where each
+    id first occurs in its row of `table_ids [B, L]` (`L` where it is not found).
 
     Two tables per row (one scatter), each slot holding the first position of the runs
     that start in it (the runs' starts only are scattered, so a long document is not
-    thousands of atomics on one address). The first has a slot per value where the row's ids span
-    fewer than `L` values, exact then; otherwise both hash the ids, with different
-    seeds, into a power of two of at least `2 L` slots. A slot's position is an id's
-    first position exactly when that position holds the id (a position holding the id
-    is never before its first, and the slot's is never after it), so an id is found
-    unless another id took its slot in both tables: for a row of n documents about
-    n³ / (4 L)² of the time (`first_positions` then keeps the row as it is)."""
+    thousands of atomics on one address). The first has a slot per value where the
+    row's ids span fewer than `L` values, exact then; otherwise both hash the ids, with
+    different seeds, into a power of two of at least `2 L` slots. A slot's position is
+    an id's first position exactly when that position holds the id (a position holding
+    the id is never before its first, and the slot's is never after it), so an id is
+    found unless another id took its slot in both tables: for a row of n documents
+    about n³ / (4 L)² of the time (`first_positions` then keeps the row as it is)."""
     b, length = table_ids.shape
     width = _table_width(length)
     lo = table_ids.min(axis=1, keepdims=True)
@@ -178,12 +178,15 @@ def _first(ids, table_ids):
     start = jnp.concatenate([jnp.ones((b, 1), bool), table_ids[:, 1:] != table_ids[:, :-1]], axis=1)
     bins = jnp.where(twice(start), slots(table_ids), 2 * width)  # out of bounds: dropped
     first = jnp.full((b, 2 * width), length, jnp.int32).at[rows, bins].min(twice(t), mode="drop")
-    at = jnp.take_along_axis(first, slots(ids), axis=1)
-    held = jnp.take_along_axis(table_ids, jnp.minimum(at, length - 1), axis=1)
-    hit = (at < length) & (held == twice(ids))
-    (at_one, at_two), (hit_one, hit_two) = jnp.split(at, 2, axis=1), jnp.split(hit, 2, axis=1)
-    label = jnp.where(hit_one, at_one, jnp.where(hit_two, at_two, length))
-    return label, hit_one | hit_two
+
+    def look_up(ids):
+        at = jnp.take_along_axis(first, slots(ids), axis=1)
+        held = jnp.take_along_axis(table_ids, jnp.minimum(at, length - 1), axis=1)
+        hit = (at < length) & (held == twice(ids))
+        (at_one, at_two), (hit_one, hit_two) = jnp.split(at, 2, axis=1), jnp.split(hit, 2, axis=1)
+        return jnp.where(hit_one, at_one, jnp.where(hit_two, at_two, length)), hit_one | hit_two
+
+    return [look_up(ids) for ids in lookups]
 
 
 SEEDS = (0, 0x9E3779B9)  # `_first`'s two tables' hashes
