@@ -176,11 +176,12 @@ def _first(table_ids, *lookups):
     t = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, 2 * length))
     start = jnp.concatenate([jnp.ones((b, 1), bool), table_ids[:, 1:] != table_ids[:, :-1]], axis=1)
-    bins = jnp.where(twice(start), slots(table_ids), 2 * width)  # out of bounds: dropped
+    own = slots(table_ids)
+    bins = jnp.where(twice(start), own, 2 * width)  # out of bounds: dropped
     first = jnp.full((b, 2 * width), length, jnp.int32).at[rows, bins].min(twice(t), mode="drop")
 
     def look_up(ids):
-        at = jnp.take_along_axis(first, slots(ids), axis=1)
+        at = jnp.take_along_axis(first, own if ids is table_ids else slots(ids), axis=1)
         held = jnp.take_along_axis(table_ids, jnp.minimum(at, length - 1), axis=1)
         hit = (at < length) & (held == twice(ids))
         (at_one, at_two), (hit_one, hit_two) = jnp.split(at, 2, axis=1), jnp.split(hit, 2, axis=1)
