@@ -297,6 +297,115 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     return core(s, m)
 
 
+def hide_keys(s, limit, chunk: int | None = 64):
+    """`s` (f32, [rows, cols] in the WGMMA layout) with each row's keys from `limit` on
+    hidden: row r keeps columns `c < limit[r]` and the rest become -inf. `limit` is an
+    int32 row vector (the reduced layout); any value is allowed (<= 0 hides the row).
+
+    One compare against an immediate and one select per value: a thread's column is a
+    constant of the register plus its lane's offset, which is taken off the limit once
+    per row. With `chunk`, a thread's columns are taken `chunk` at a time, and a chunk
+    whose columns all lie below (or all at or past) both of its rows' limits is kept
+    (or hidden) whole, without a compare: on a causal diagonal step only the chunk that
+    holds the diagonal needs them. (`visible` builds each value's row and column from
+    Mosaic's iota, a few integer operations per value more.)"""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, scf, vector
+
+    rows, cols = s.shape
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
+        return_type=plgpu.ShapeDtypeStruct(s.shape, jnp.float32, layout=plgpu.Layout.WGMMA),
+    )
+    def core(_, s_fa, lim_fa):
+        i32 = ir.IntegerType.get_signless(32)
+        f32 = ir.F32Type.get()
+        layout = s_fa.layout
+        regs, lim_regs = s_fa.registers, lim_fa.registers
+        # The columns as Mosaic's iota builds them (`TiledLayout.thread_idxs`): a
+        # register's linear index is a constant of the register plus the thread's offset
+        # (warp and lane); a value of a vector register adds its place in the vector.
+        tile_strides = layout.tiling.tile_strides((cols, 1))
+        dyn = [mgpu_utils.c(x, i32) for x in tile_strides[-layout.tiled_tiling_rank :]]
+        offset = arith.addi(
+            mgpu_utils.dyn_dot(layout.warp_indices(), dyn),
+            mgpu_utils.dyn_dot(layout.lane_indices(), dyn),
+        )
+        lane_col = arith.remui(offset, mgpu_utils.c(cols, i32))
+        width = ir.VectorType(regs.flat[0].type).shape[0]
+        halves = lim_regs.size
+        half_axis = [i for i, d in enumerate(regs.shape) if d == halves and d > 1]
+        assert len(half_axis) == 1 or halves == 1, (regs.shape, lim_regs.shape)
+
+        def scalar(v, i):
+            return vector.extract(
+                v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
+            )
+
+        # Per row half: the limit less the lane's column, so that a value's test is its
+        # register's constant column against it.
+        bound = []
+        for reg in lim_regs.flat:
+            x = scalar(reg, 0) if isinstance(reg.type, ir.VectorType) else reg
+            bound.append(arith.subi(x, lane_col))
+        neg_inf = arith.constant(f32, ir.FloatAttr.get(f32, float("-inf")))
+        col0, half_of = {}, {}
+        for idx in np.ndindex(regs.shape):
+            lin = sum(i * st for i, st in zip(idx, tile_strides, strict=True))
+            col0[idx] = lin % cols
+            # The lane's offset (under 8 columns) never carries into the next row.
+            assert col0[idx] % 8 == 0 and col0[idx] + 8 <= cols, (idx, lin)
+            half_of[idx] = idx[half_axis[0]] if halves > 1 else 0
+
+        def masked(idx):
+            vals = []
+            for i in range(width):
+                seen = arith.cmpi(
+                    arith.CmpIPredicate.slt, mgpu_utils.c(col0[idx] + i, i32), bound[half_of[idx]]
+                )
+                vals.append(arith.select(seen, scalar(regs[idx], i), neg_inf))
+            return vector.from_elements(regs[idx].type, vals)
+
+        out = np.empty(regs.shape, dtype=object)
+        if chunk is None:
+            for idx in np.ndindex(regs.shape):
+                out[idx] = masked(idx)
+        else:
+            assert cols % chunk == 0 and chunk % 8 == 0, (cols, chunk)
+            low, high = bound[0], bound[0]
+            for b in bound[1:]:
+                low, high = arith.minsi(low, b), arith.maxsi(high, b)
+            hidden_reg = vector.broadcast(regs.flat[0].type, neg_inf)
+            for first in range(0, cols, chunk):
+                group = [i for i in np.ndindex(regs.shape) if first <= col0[i] < first + chunk]
+                if not group:
+                    continue
+                last = max(col0[idx] for idx in group) + width - 1
+                types = [regs[idx].type for idx in group]
+                # Every column of the chunk below both limits: kept as it is.
+                kept = arith.cmpi(arith.CmpIPredicate.sgt, low, mgpu_utils.c(last, i32))
+                # Every column at or past both limits: hidden.
+                gone = arith.cmpi(arith.CmpIPredicate.sle, high, mgpu_utils.c(first, i32))
+                outer = scf.IfOp(kept, types, has_else=True)
+                with ir.InsertionPoint(outer.then_block):
+                    scf.yield_([regs[idx] for idx in group])
+                with ir.InsertionPoint(outer.else_block):
+                    inner = scf.IfOp(gone, types, has_else=True)
+                    with ir.InsertionPoint(inner.then_block):
+                        scf.yield_([hidden_reg] * len(group))
+                    with ir.InsertionPoint(inner.else_block):
+                        scf.yield_([masked(idx) for idx in group])
+                    scf.yield_(list(inner.results))
+                for idx, res in zip(group, outer.results, strict=True):
+                    out[idx] = res
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return core(s, limit)
+
+
 def wgmma_into(accs, products, *, interpret: bool):
     """`acc_i + a_i @ b_i` on the tensor cores, for each accumulator and `(a, b)` pair.
 

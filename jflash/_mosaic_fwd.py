@@ -20,6 +20,13 @@ and 8k, outputs bitwise equal). It loads its next Q from its last step on too
 second 128 keys computes only the first 128 (`HALF_LAST`: causal, every other tile's
 diagonal step; forward 1.01-1.03x at causal 4k, outputs bitwise equal).
 
+Without segment ids every loop masks a step (the causal diagonal, keys past the real
+length) by each row's count of keys it sees (`hide_keys`): a compare against an
+immediate and a select per value where a 64-key chunk holds a row's limit, nothing
+where a chunk is all seen or all hidden. `visible`'s mask from Mosaic's iotas had cost
+about four integer operations per value (forward 1.01x at causal 2k and 4k, outputs
+bitwise equal).
+
 The launch is persistent (`WorkItems`): one CTA per SM runs work items until none are
 left, heaviest first (causal rows near the end see the most keys; packed documents by
 the key steps a tile streams). The memory warpgroup takes the CTA's next item from an
@@ -81,6 +88,7 @@ from jflash._mosaic_common import (
     exp_rows,
     fit_stages,
     fits_smem,
+    hide_keys,
     kv_range,
     launch,
     query_table,
@@ -126,6 +134,14 @@ INTERLEAVE = True
 # warpgroups. Its K and V still arrive whole. Forward 1.01-1.03x at causal 4k, 1.02x at
 # 8k, full 4k unchanged (BENCHMARKS.md).
 HALF_LAST = True
+# Masked steps without segment ids hide the keys past each row's limit (`hide_keys`):
+# a compare and a select per value in the 64-key chunk that holds the limit, none in
+# chunks all seen or all hidden. Against `visible`'s mask, forward 0.996-1.02x at
+# causal 2k-8k in three runs (1.01x at 2k and 4k in the longest), outputs bitwise
+# equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
+# at causal 4k and 8k (BENCHMARKS.md).
+HIDE_KEYS = True
+HIDE_KEYS_CHUNK = 64
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -387,10 +403,25 @@ def _fwd_kernel(
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
 
         def by_ids(j, s, ids):
+            if ids is None and not interpret and HIDE_KEYS:
+                return by_limits(j, s)
             seen = visible(geom, q_start, j * block_kv, s.shape)
             if ids is not None:
                 seen = seen & same_segment(q_ids, ids, s.shape)
             return jnp.where(seen, s, jnp.float32(-jnp.inf))
+
+        def by_limits(j, s):
+            """`visible`'s mask as each row's count of keys it sees in the step
+            (`hide_keys`): the real length, and the diagonal where causal."""
+            k_start = j * block_kv
+            row = plgpu.Layout.WGMMA.reduce(1)
+            # In the rows' layout even where it is one value (no causal mask).
+            limit = plgpu.layout_cast(jnp.full((s.shape[0],), geom.kv_len, jnp.int32), row)
+            limit = limit - k_start
+            if geom.mask.causal:
+                rows = plgpu.broadcasted_iota(jnp.int32, (s.shape[0],), 0, layout=row)
+                limit = jnp.minimum(limit, rows + (q_start + geom.diag + 1 - k_start))
+            return hide_keys(s, limit, chunk=HIDE_KEYS_CHUNK)
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;

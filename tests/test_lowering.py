@@ -498,6 +498,59 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, l
     assert text.count("jflash_mosaic_fwd") >= len(launched)
 
 
+@pytest.mark.parametrize(
+    "seq,kv_seq,head_dim,causal,segments,want",
+    [
+        (4096, 4096, 64, True, False, {(64, 256), (64, 128)}),  # two warpgroups, cut steps
+        (16384, 16384, 64, True, False, {(64, 128)}),  # three warpgroups
+        (4096, 4096, 128, True, False, {(64, 128)}),  # overlapped
+        (1000, 1000, 64, False, False, {(64, 256), (64, 128)}),  # keys past the length
+        (1000, 1000, 128, False, False, {(64, 128)}),
+        (4096, 4096, 64, True, True, set()),  # ids: compared, or the rows' spans
+    ],
+    ids=["d64-4k", "d64-16k", "d128-4k", "d64-full-odd", "d128-full-odd", "ids"],
+)
+def test_masked_forward_steps_hide_keys_by_row_limits(
+    monkeypatch, seq, kv_seq, head_dim, causal, segments, want
+):
+    """Every compiled forward loop masks a step without segment ids through `hide_keys`
+    (each row's count of keys it sees), on each step width the loop traces (256 keys
+    and the cut last step's 128, the 128-key loops); with ids it compares them or the
+    rows' spans instead. The values are checked on a GPU (`test_mosaic_matches_oracle`, compiled:
+    causal, offsets, lengths that are not whole tiles)."""
+    from jflash import _mosaic_fwd
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    widths = set()
+    hide = _mosaic_fwd.hide_keys
+
+    def spy(s, limit, **kwargs):
+        widths.add(tuple(s.shape))
+        assert tuple(limit.shape) == (s.shape[0],) and limit.dtype == jnp.int32
+        return hide(s, limit, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "hide_keys", spy)
+    q = jax.ShapeDtypeStruct((1, seq, 8, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, kv_seq, 2, head_dim), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def fwd(q, k, v, seg):
+        return jflash.flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg if segments else None,
+            implementation="pallas_mosaic",
+        )
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        jax.jit(fwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",))
+    assert widths == want
+
+
 def test_d64_forward_cuts_the_last_step(monkeypatch):
     """At D = 64 under 16k queries (two warpgroups, 256-key steps, 128 query rows per
     tile) a warpgroup whose rows see only the first half of its last step computes that
