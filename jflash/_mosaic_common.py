@@ -208,6 +208,30 @@ def fit_stages(name: str, stages: int, fixed: int, per_stage: int) -> int:
     return stages
 
 
+def _element(v, i):
+    """The `i`-th value of a vector register (MLIR)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import vector
+
+    return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+
+
+def _row_halves(regs, row_regs, fn=lambda x: x):
+    """For a WGMMA-layout array's registers `regs` and a row vector's `row_regs` (its
+    reduced layout): `fn` of the row vector's values, one per row half (a thread's rows
+    r and r + 8 of its warp's 16), and the function giving a register's row half. A
+    thread holds one register per 8-column tile and row half, in the row vector's
+    order."""
+    from jaxlib.mlir import ir
+
+    halves = row_regs.size
+    assert regs.size % halves == 0, (regs.shape, row_regs.shape)
+    half_axis = [i for i, d in enumerate(regs.shape) if d == halves and d > 1]
+    assert len(half_axis) == 1 or halves == 1, (regs.shape, row_regs.shape)
+    values = [fn(_element(r, 0) if isinstance(r.type, ir.VectorType) else r) for r in row_regs.flat]
+    return values, (lambda idx: idx[half_axis[0]] if halves > 1 else 0)
+
+
 def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     """`(P, P's row sums)` for S `s` (f32, [rows, cols] in the WGMMA layout) and a row
     vector `m` (its reduced layout): `P = exp2(s * scale - m)` in `dtype` (bf16 or f16)
@@ -241,34 +265,20 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
         i32 = ir.IntegerType.get_signless(32)
         regs = s_fa.registers
         m_regs = m_fa.registers
-        # A thread's registers: one per 8-column tile and row half (rows r and r + 8
-        # of its warp's 16); the row vector's: one per row half, in the same order.
-        halves = m_regs.size
-        assert regs.size % halves == 0, (regs.shape, m_regs.shape)
-        half_axis = [i for i, d in enumerate(regs.shape) if d == halves and d > 1]
-        assert len(half_axis) == 1 or halves == 1, (regs.shape, m_regs.shape)
-
-        def scalar(v, i):
-            return vector.extract(
-                v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
-            )
-
-        neg_m = []
-        for reg in m_regs.flat:
-            x = scalar(reg, 0) if isinstance(reg.type, ir.VectorType) else reg
-            neg_m.append(arith.negf(x))
+        neg_m, half_of = _row_halves(regs, m_regs, arith.negf)
+        halves = len(neg_m)
         c = arith.constant(f32, ir.FloatAttr.get(f32, float(scale)))
         sums = [[None] * chains for _ in range(halves)]
         out = np.empty(regs.shape, dtype=object)
         bf2 = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(jnp.dtype(dtype)))
         count = [0] * halves
         for idx in np.ndindex(regs.shape):
-            h = idx[half_axis[0]] if halves > 1 else 0
+            h = half_of(idx)
             reg = regs[idx]
             p = []
             for i in range(2):
                 x = llvm.inline_asm(
-                    f32, [scalar(reg, i), c, neg_m[h]], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"
+                    f32, [_element(reg, i), c, neg_m[h]], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"
                 )
                 e = llvm.inline_asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
                 p.append(e)
@@ -336,37 +346,24 @@ def hide_keys(s, limit, chunk: int | None = 64):
         )
         lane_col = arith.remui(offset, mgpu_utils.c(cols, i32))
         width = ir.VectorType(regs.flat[0].type).shape[0]
-        halves = lim_regs.size
-        half_axis = [i for i, d in enumerate(regs.shape) if d == halves and d > 1]
-        assert len(half_axis) == 1 or halves == 1, (regs.shape, lim_regs.shape)
-
-        def scalar(v, i):
-            return vector.extract(
-                v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])
-            )
-
         # Per row half: the limit less the lane's column, so that a value's test is its
         # register's constant column against it.
-        bound = []
-        for reg in lim_regs.flat:
-            x = scalar(reg, 0) if isinstance(reg.type, ir.VectorType) else reg
-            bound.append(arith.subi(x, lane_col))
+        bound, half_of = _row_halves(regs, lim_regs, lambda x: arith.subi(x, lane_col))
         neg_inf = arith.constant(f32, ir.FloatAttr.get(f32, float("-inf")))
-        col0, half_of = {}, {}
+        col0 = {}
         for idx in np.ndindex(regs.shape):
             lin = sum(i * st for i, st in zip(idx, tile_strides, strict=True))
             col0[idx] = lin % cols
             # The lane's offset (under 8 columns) never carries into the next row.
             assert col0[idx] % 8 == 0 and col0[idx] + 8 <= cols, (idx, lin)
-            half_of[idx] = idx[half_axis[0]] if halves > 1 else 0
 
         def masked(idx):
             vals = []
             for i in range(width):
                 seen = arith.cmpi(
-                    arith.CmpIPredicate.slt, mgpu_utils.c(col0[idx] + i, i32), bound[half_of[idx]]
+                    arith.CmpIPredicate.slt, mgpu_utils.c(col0[idx] + i, i32), bound[half_of(idx)]
                 )
-                vals.append(arith.select(seen, scalar(regs[idx], i), neg_inf))
+                vals.append(arith.select(seen, _element(regs[idx], i), neg_inf))
             return vector.from_elements(regs[idx].type, vals)
 
         out = np.empty(regs.shape, dtype=object)
