@@ -1317,3 +1317,58 @@ def test_sass_reads_a_kernel_assembled_here(tmp_path, capsys):
     assert written["kernels"][0]["serialised"] == []
     assert any(r["mufu"] >= 1 and r["ldl"] == r["stl"] == 0 for r in written["rows"])
     assert "tiny: " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_kernel_modules_tell_a_kernel_change_from_a_refactor(tmp_path, monkeypatch, capsys):
+    """`benchmarks/kernel_modules.py` on CPU: HEAD against HEAD (exported twice, as the
+    tree may hold edits) builds the same kernels; the same tree with its masked forward
+    steps back on `visible` (`HIDE_KEYS` off) builds another forward kernel and the same
+    dK/dV kernel, and `--diff` writes both forward texts."""
+    import importlib
+
+    from benchmarks import ab, kernel_modules
+
+    try:
+        subprocess.run(["git", "-C", ab.ROOT, "rev-parse", "HEAD"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+
+    def forget_exports():  # each run imports both sides afresh
+        for name in (ab.TREE, ab.BASELINE):
+            for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                monkeypatch.delitem(sys.modules, mod)
+
+    def committed_tree(dest, *, hide_keys=True):
+        sys.path.insert(0, ab.export_revision("HEAD", dest, ab.TREE))
+        pkg = importlib.import_module(ab.TREE)
+        monkeypatch.setattr(sys.modules[f"{ab.TREE}._mosaic_fwd"], "HIDE_KEYS", hide_keys)
+        return pkg
+
+    argv = ["--rev", "HEAD", "--shapes", "causal:256:64", "--heads", "2", "--kv-heads", "1"]
+    forget_exports()
+    monkeypatch.setattr(ab, "import_tree", committed_tree)
+    assert kernel_modules.main([*argv, "--out", str(tmp_path / "same.json")]) == 0
+    rows = json.loads((tmp_path / "same.json").read_text())["rows"]
+    assert [(r["kernel"], r["result"]) for r in rows] == [
+        ("jflash_mosaic_fwd", "same"),
+        ("jflash_mosaic_dkv", "same"),
+    ]
+
+    forget_exports()
+    monkeypatch.setattr(ab, "import_tree", lambda dest: committed_tree(dest, hide_keys=False))
+    out, diff = tmp_path / "changed.json", tmp_path / "diff"
+    assert kernel_modules.main([*argv, "--out", str(out), "--diff", str(diff)]) == 0
+    fwd, dkv = json.loads(out.read_text())["rows"]
+    assert fwd["kernel"] == "jflash_mosaic_fwd" and fwd["result"].startswith("differs: ")
+    assert dkv == {"shape": "causal:256:64", "kernel": "jflash_mosaic_dkv", "result": "same"}
+    stem = diff / "causal-256-64-jflash_mosaic_fwd"
+    tree_text = pathlib.Path(f"{stem}.tree.mlir").read_text()
+    assert tree_text != pathlib.Path(f"{stem}.rev.mlir").read_text()
+    assert "| causal:256:64 | jflash_mosaic_dkv | same |" in capsys.readouterr().out
+    assert kernel_modules.compare([("a", "x")], []) == [
+        {"kernel": "a", "result": "only in the tree"}
+    ]
+    assert kernel_modules.compare([("a", "x")], [("b", "x")])[0]["result"] == (
+        "the tree builds a where the revision builds b"
+    )
