@@ -324,7 +324,7 @@ def hide_keys(s, limit, chunk: int | None = 64):
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, scf, vector
 
-    rows, cols = s.shape
+    _, cols = s.shape
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
