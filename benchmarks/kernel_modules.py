@@ -10,9 +10,10 @@ kernels' modules while lowering. That is done once with the working tree's jflas
 once with `--rev`'s (exported as `ab.py` exports it, under another name, in the same
 process). Each Mosaic kernel's module is taken before it is serialised and printed
 without debug information (source locations move with any edit), and the two are
-compared kernel by kernel: `same`, or how many lines the change adds or removes (values
-are numbered in order, so one new operation renumbers the lines after it; `--diff DIR`
-writes both texts, `<shape>-<kernel>.{tree,rev}.mlir`).
+compared kernel by kernel: `same` where the texts are equal, or how many lines the
+change adds or removes, counted with the values' names taken out (one new operation
+renumbers every value after it); `--diff DIR` writes both texts,
+`<shape>-<kernel>.{tree,rev}.mlir`.
 
 A change that reads `same` everywhere builds the kernels the revision built: what a GPU
 measured for the revision (the compiled tests, `ab.py`'s times) holds for it, since the
@@ -48,6 +49,7 @@ H100 = ("NVIDIA H100 80GB HBM3", 132, "gpu")
 # the process, which differs between the two sides.
 _DUMP_NAME = re.compile(r'mosaic_gpu\.dump_basename = "[^"]*"')
 _MODULE_NAME = re.compile(r"module @([\w.$-]+)")
+_VALUE = re.compile(r"%[\w.$-]+(#\d+)?")  # an SSA value's name (and result number)
 
 
 def modules_of(fn, *args) -> list[tuple[str, str]]:
@@ -121,14 +123,22 @@ def compare(tree: list[tuple[str, str]], rev: list[tuple[str, str]]) -> list[dic
                 what = f"the tree builds {t[0]} where the revision builds {r[0]}"
             rows.append({"kernel": name, "result": what})
             continue
-        lines = r[1].splitlines()
+        if t[1] == r[1]:
+            rows.append({"kernel": name, "result": "same"})
+            continue
+        # Counted with the values' names taken out: one new operation renumbers every
+        # value after it, which is not a change of the lines that use them.
+        lines = [_VALUE.sub("%", line) for line in r[1].splitlines()]
         changed = sum(
             1
-            for line in difflib.unified_diff(lines, t[1].splitlines(), n=0)
+            for line in difflib.unified_diff(
+                lines, [_VALUE.sub("%", line) for line in t[1].splitlines()], n=0
+            )
             if line[:1] in "+-" and not line.startswith(("+++", "---"))
         )
-        result = f"differs: {changed} lines of {len(lines)} added or removed"
-        rows.append({"kernel": name, "result": result if changed else "same"})
+        rows.append(
+            {"kernel": name, "result": f"differs: {changed} lines of {len(lines)} added or removed"}
+        )
     return rows
 
 
