@@ -13,7 +13,8 @@ without debug information (source locations move with any edit), and the two are
 compared kernel by kernel: `same` where the texts are equal, or how many lines the
 change adds or removes, counted with the values' names taken out (one new operation
 renumbers every value after it); `--diff DIR` writes both texts,
-`<shape>-<kernel>.{tree,rev}.mlir`.
+`<shape>-<kernel>.{tree,rev}.mlir` (`-2`, `-3` after the kernel where a shape builds it
+again).
 
 A change that reads `same` everywhere builds the kernels the revision built: what a GPU
 measured for the revision (the compiled tests, `ab.py`'s times) holds for it, since the
@@ -29,6 +30,7 @@ stdout and the rows to `--out` (JSON).
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import os
 import re
@@ -79,10 +81,11 @@ def modules_of(fn, *args) -> list[tuple[str, str]]:
     return built
 
 
-def kernels(pkg, causal: bool, seq: int, head_dim: int, **kw):
+def kernels(
+    pkg, causal: bool, seq: int, head_dim: int, *, heads, kv_heads, documents, deterministic
+):
     """The Mosaic kernels that package `pkg` (a jflash) builds for one shape's forward
-    and backward, `[(name, text)]`; `kw`: heads, kv_heads, documents, deterministic."""
-    heads, kv_heads, documents = kw["heads"], kw["kv_heads"], kw["documents"]
+    and backward, `[(name, text)]`."""
     dispatch = sys.modules[f"{pkg.__name__}._dispatch"]
     saved = dispatch._platform, dispatch._is_hopper
     dispatch._platform, dispatch._is_hopper = (lambda: "gpu"), (lambda: True)
@@ -99,7 +102,7 @@ def kernels(pkg, causal: bool, seq: int, head_dim: int, **kw):
             causal=causal,
             segment_ids=seg,
             implementation="pallas_mosaic",
-            deterministic=kw["deterministic"],
+            deterministic=deterministic,
         )
         return jnp.sum(out.astype(jnp.float32))
 
@@ -183,18 +186,19 @@ def main(argv=None) -> int:
                     side: kernels(pkg, causal, seq, head_dim, **kw)
                     for side, pkg in (("tree", tree_pkg), ("rev", rev_pkg))
                 }
-                for row in compare(built["tree"], built["rev"]):
+                seen = collections.Counter()
+                for i, row in enumerate(compare(built["tree"], built["rev"])):
                     rows.append({"shape": label, **row})
+                    seen[row["kernel"]] += 1
                     if args.diff and row["result"] != "same":
-                        os.makedirs(args.diff, exist_ok=True)
+                        # The i-th kernel of each side; a name built again gets its count.
                         stem = f"{label.replace(':', '-').replace(' ', '-')}-{row['kernel']}"
+                        stem += f"-{seen[row['kernel']]}" if seen[row["kernel"]] > 1 else ""
+                        os.makedirs(args.diff, exist_ok=True)
                         for side, texts in built.items():
-                            for name, text in texts:
-                                if name == row["kernel"]:
-                                    with open(
-                                        os.path.join(args.diff, f"{stem}.{side}.mlir"), "w"
-                                    ) as f:
-                                        f.write(text)
+                            if i < len(texts):
+                                with open(os.path.join(args.diff, f"{stem}.{side}.mlir"), "w") as f:
+                                    f.write(texts[i][1])
     print(f"the tree against {args.rev} ({commit[:12]}):")
     print(table(rows, ["shape", "kernel", "result"]))
     if args.out:

@@ -407,9 +407,10 @@ def _relabelled(seg, axis, shards: int, layout: str):
     every shard gathers and relabels alike): where each document is one run of the
     sequence, every shard's ids come out sorted in any layout (its tokens are in
     natural order), and equal ids stay equal across shards."""
-    return _relabelled_along(lambda whole: (first_positions(whole),), (seg,), axis, shards, layout)[
-        0
-    ]
+    (ids,) = _relabelled_along(
+        lambda whole: (first_positions(whole),), (seg,), axis, shards, layout
+    )
+    return ids
 
 
 def _relabelled_pair(q_seg, kv_seg, axis, shards: int, layout: str):

@@ -216,7 +216,7 @@ def _element(v, i):
     return vector.extract(v, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
 
 
-def _row_halves(regs, row_regs, fn=lambda x: x):
+def _row_halves(regs, row_regs, fn):
     """For a WGMMA-layout array's registers `regs` and a row vector's `row_regs` (its
     reduced layout): `fn` of the row vector's values, one per row half (a thread's rows
     r and r + 8 of its warp's 16), and the function giving a register's row half. A
@@ -307,17 +307,17 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     return core(s, m)
 
 
-def hide_keys(s, limit, chunk: int | None = 64):
+def hide_keys(s, limit, chunk: int = 64):
     """`s` (f32, [rows, cols] in the WGMMA layout) with each row's keys from `limit` on
     hidden: row r keeps columns `c < limit[r]` and the rest become -inf. `limit` is an
     int32 row vector (the reduced layout); any value is allowed (<= 0 hides the row).
 
-    One compare against an immediate and one select per value: a thread's column is a
-    constant of the register plus its lane's offset, which is taken off the limit once
-    per row. With `chunk`, a thread's columns are taken `chunk` at a time, and a chunk
-    whose columns all lie below (or all at or past) both of its rows' limits is kept
-    (or hidden) whole, without a compare: on a causal diagonal step only the chunk that
-    holds the diagonal needs them. (`visible` builds each value's row and column from
+    A thread's columns are taken `chunk` at a time. A chunk whose columns all lie below
+    (or all at or past) both of its rows' limits is kept (or hidden) whole; in the others
+    each value costs one compare against an immediate and one select (a thread's column
+    is a constant of the register plus its lane's offset, which is taken off the limit
+    once per row). On a causal diagonal step only the chunk that holds the diagonal
+    needs them. (`visible` builds each value's row and column from
     Mosaic's iota, a few integer operations per value more.)"""
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -367,37 +367,33 @@ def hide_keys(s, limit, chunk: int | None = 64):
             return vector.from_elements(regs[idx].type, vals)
 
         out = np.empty(regs.shape, dtype=object)
-        if chunk is None:
-            for idx in np.ndindex(regs.shape):
-                out[idx] = masked(idx)
-        else:
-            assert cols % chunk == 0 and chunk % 8 == 0, (cols, chunk)
-            low, high = bound[0], bound[0]
-            for b in bound[1:]:
-                low, high = arith.minsi(low, b), arith.maxsi(high, b)
-            hidden_reg = vector.broadcast(regs.flat[0].type, neg_inf)
-            for first in range(0, cols, chunk):
-                group = [i for i in np.ndindex(regs.shape) if first <= col0[i] < first + chunk]
-                if not group:
-                    continue
-                last = max(col0[idx] for idx in group) + width - 1
-                types = [regs[idx].type for idx in group]
-                # Every column of the chunk below both limits: kept as it is.
-                kept = arith.cmpi(arith.CmpIPredicate.sgt, low, mgpu_utils.c(last, i32))
-                # Every column at or past both limits: hidden.
-                gone = arith.cmpi(arith.CmpIPredicate.sle, high, mgpu_utils.c(first, i32))
-                outer = scf.IfOp(kept, types, has_else=True)
-                with ir.InsertionPoint(outer.then_block):
-                    scf.yield_([regs[idx] for idx in group])
-                with ir.InsertionPoint(outer.else_block):
-                    inner = scf.IfOp(gone, types, has_else=True)
-                    with ir.InsertionPoint(inner.then_block):
-                        scf.yield_([hidden_reg] * len(group))
-                    with ir.InsertionPoint(inner.else_block):
-                        scf.yield_([masked(idx) for idx in group])
-                    scf.yield_(list(inner.results))
-                for idx, res in zip(group, outer.results, strict=True):
-                    out[idx] = res
+        assert cols % chunk == 0 and chunk % 8 == 0, (cols, chunk)
+        low, high = bound[0], bound[0]
+        for b in bound[1:]:
+            low, high = arith.minsi(low, b), arith.maxsi(high, b)
+        hidden_reg = vector.broadcast(regs.flat[0].type, neg_inf)
+        for first in range(0, cols, chunk):
+            group = [i for i in np.ndindex(regs.shape) if first <= col0[i] < first + chunk]
+            if not group:
+                continue
+            last = max(col0[idx] for idx in group) + width - 1
+            types = [regs[idx].type for idx in group]
+            # Every column of the chunk below both limits: kept as it is.
+            kept = arith.cmpi(arith.CmpIPredicate.sgt, low, mgpu_utils.c(last, i32))
+            # Every column at or past both limits: hidden.
+            gone = arith.cmpi(arith.CmpIPredicate.sle, high, mgpu_utils.c(first, i32))
+            outer = scf.IfOp(kept, types, has_else=True)
+            with ir.InsertionPoint(outer.then_block):
+                scf.yield_([regs[idx] for idx in group])
+            with ir.InsertionPoint(outer.else_block):
+                inner = scf.IfOp(gone, types, has_else=True)
+                with ir.InsertionPoint(inner.then_block):
+                    scf.yield_([hidden_reg] * len(group))
+                with ir.InsertionPoint(inner.else_block):
+                    scf.yield_([masked(idx) for idx in group])
+                scf.yield_(list(inner.results))
+            for idx, res in zip(group, outer.results, strict=True):
+                out[idx] = res
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
     return core(s, limit)

@@ -141,7 +141,6 @@ HALF_LAST = True
 # equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
 # at causal 4k and 8k (BENCHMARKS.md).
 HIDE_KEYS = True
-HIDE_KEYS_CHUNK = 64
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -421,7 +420,7 @@ def _fwd_kernel(
             if geom.mask.causal:
                 rows = plgpu.broadcasted_iota(jnp.int32, (s.shape[0],), 0, layout=row)
                 limit = jnp.minimum(limit, rows + (q_start + geom.diag + 1 - k_start))
-            return hide_keys(s, limit, chunk=HIDE_KEYS_CHUNK)
+            return hide_keys(s, limit)
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
