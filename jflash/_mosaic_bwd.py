@@ -149,6 +149,15 @@ ALTERNATE_PASSES_SPLITS = ("cols",)
 # 16k); 1.10-1.14x cuDNN (BENCHMARKS.md).
 ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 
+# Head dims whose dK/dV kernel streams its inputs from one warp of the memory
+# warpgroup (`plgpu.warp_map`) instead of all four, where each copy first synchronised
+# the warpgroup (a `bar.sync` per copy) and 128 threads polled every barrier: 114
+# instructions per step and warp beside the compute warps' ~490. Forward+backward 1.02x
+# at causal 32k D = 64 and 0.987-0.988x at causal 16k and 64k D = 128 (H200,
+# BENCHMARKS.md). Outside `shard_map` only: `mpmd_map` takes no Ref that varies over a
+# manual axis.
+MEMORY_WARP_HEAD_DIMS = (64,)
+
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
 # dQ kernel's Q and dO. Each costs D/4 registers per thread.
@@ -272,6 +281,7 @@ def _dkv_kernel(
     segments: bool,
     fused: bool,
     split: str | None,
+    memory_warp: bool,
     interpret: bool,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
@@ -626,15 +636,13 @@ def _dkv_kernel(
                     qseg_ref.at[batch, pl.ds(q_start, block_q)], q_ids.at[slot], ready
                 )
 
-        if interpret:  # the GPU interpreter has no warp-level semantics
+        if not memory_warp:  # the whole warpgroup streams
             pl.loop(0, geom.group * per_head)(stream)
-            drain((free,), geom.group * per_head, stages)
+            if interpret:
+                drain((free,), geom.group * per_head, stages)
             return
 
-        # One warp streams: as a warpgroup, each of its 4 warps waited on
-        # every barrier and each copy synchronised the warpgroup first (a `bar.sync` per
-        # copy), 114 instructions per step and warp beside the compute warps' ~490.
-        @plgpu.warp_map
+        @plgpu.warp_map  # one warp streams (`MEMORY_WARP_HEAD_DIMS`)
         def _(warp):
             @pl.when(warp == 0)
             def _():
@@ -892,6 +900,8 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         fused=fused,
         split=split,
+        # The GPU interpreter has no warp-level semantics.
+        memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
         **common,
     )
     inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)

@@ -646,3 +646,45 @@ def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how, documents):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_fwd" in text
     assert "atom.relaxed.gpu.global.add" in text  # the work items' counter
+
+
+@pytest.mark.parametrize(
+    "head_dim, in_shard_map, want",
+    [(64, False, True), (128, False, False), (64, True, False)],
+    ids=["d64", "d128", "d64-shard-map"],
+)
+def test_dkv_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want):
+    """The D = 64 dK/dV kernel streams its inputs from one warp of the memory
+    warpgroup (`plgpu.warp_map`); D = 128 and calls inside a `shard_map` (whose Refs
+    `mpmd_map` refuses: they vary over its axes) from the whole warpgroup. Both lower."""
+    from jflash import _mosaic_bwd
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    mapped = []
+    warp_map = _mosaic_bwd.plgpu.warp_map
+
+    def spy(f):
+        mapped.append(f)
+        return warp_map(f)
+
+    monkeypatch.setattr(_mosaic_bwd.plgpu, "warp_map", spy)
+    q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = jflash.flash_attention(q, k, v, causal=True, implementation="pallas_mosaic")
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    mesh = jax.sharding.AbstractMesh(
+        (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
+    )
+    spec = jax.sharding.PartitionSpec(None, "x")  # each device attends over its rows
+    fn = jax.shard_map(grads, mesh=mesh, in_specs=spec, out_specs=spec) if in_shard_map else grads
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_dkv" in text
+    assert bool(mapped) == want
