@@ -16,10 +16,10 @@ such registers per thread and adds them after its matmuls (starting its accumula
 there cost it 2-4%: more moves per step).
 
 - dK/dV: one CTA per 128 keys of one KV head (two compute warpgroups of 64 keys);
-  the memory warpgroup streams (Q, dO, LSE and delta parts) tiles of every query head of the
-  group in turn, so GQA needs no repeated K/V and no reduction afterwards (causal, D =
-  128, no segment ids: every other head from the last query step down,
-  `ALTERNATE_PASSES_SPLITS`).
+  the memory warpgroup (one warp of it at D = 64, `MEMORY_WARP_HEAD_DIMS`) streams (Q,
+  dO, LSE and delta parts) tiles of every query head of the group in turn, so GQA needs
+  no repeated K/V and no reduction afterwards (causal, D = 128, no segment ids: every
+  other head from the last query step down, `ALTERNATE_PASSES_SPLITS`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -152,10 +152,10 @@ ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 # Head dims whose dK/dV kernel streams its inputs from one warp of the memory
 # warpgroup (`plgpu.warp_map`) instead of all four, where each copy first synchronised
 # the warpgroup (a `bar.sync` per copy) and 128 threads polled every barrier: 114
-# instructions per step and warp beside the compute warps' ~490. Forward+backward 1.02x
-# at causal 32k D = 64 and 0.987-0.988x at causal 16k and 64k D = 128 (H200,
-# BENCHMARKS.md). Outside `shard_map` only: `mpmd_map` takes no Ref that varies over a
-# manual axis.
+# instructions per step and warp beside the compute warps' ~490. Forward+backward
+# 1.01-1.02x at causal 32k D = 64 (two runs), 0.987-0.988x at causal 16k and 64k
+# D = 128 (H200, BENCHMARKS.md). Outside `shard_map` only: `mpmd_map` takes no Ref that
+# varies over a manual axis.
 MEMORY_WARP_HEAD_DIMS = (64,)
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
