@@ -18,6 +18,17 @@ spills' reloads and stores), mbarrier and named-barrier ops (`SYNCS`, `BAR`), an
 `WARPGROUP` syncs (waits on wgmmas and `wgmma.fence`). Only loops with wgmmas, SFU ops or
 local memory are shown unless `--all`. `--out` writes the rows as JSON.
 
+A cubin of several kernels, or one whose block graph nvdisasm will not draw (cubins of
+other toolchains, such as FlashAttention-3's from its wheel: "Old format", no dataflow
+analysis), is read from the plain disassembly instead (`nvdisasm -c`): blocks from its
+labels and branches, one graph per function. `--function TEXT` keeps the functions whose
+mangled name contains TEXT; `--opcodes` adds each loop's opcode counts.
+
+    # FlashAttention-3's backward kernels from the flash-attn3-jax wheel
+    cuobjdump -lelf flash_attn3_jax_lib/flash_api*.so          # lists the cubins
+    cuobjdump -xelf flash_bwd_hdim128_bf16_sm90.sm_90a.cubin flash_attn3_jax_lib/flash_api*.so
+    python benchmarks/sass.py flash_bwd_hdim128_bf16_sm90.sm_90a.cubin --function Bwd --opcodes
+
 `--ptxas` / `--nvdisasm` name the tools; by default each is looked up on PATH and then,
 for nvdisasm, in the `nvidia-cuda-nvdisasm` wheel's `nvidia/cu*/bin`.
 """
@@ -144,9 +155,69 @@ def natural_loops(entry: str, succ: dict[str, list[str]]) -> dict[str, set[str]]
     return loops
 
 
-def loop_rows(kernel: str, dot: str, *, everything: bool = False) -> list[dict]:
-    """One row per natural loop of the function in `dot`, outermost first."""
-    entry, blocks, succ = parse_cfg(dot)
+_SECTION = re.compile(r"^\s*\.section\s+\.text\.(\S+?)(?:,|\s|$)")
+_TEXT_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_TEXT_INST = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+_JUMPS = ("BRA", "BRX", "JMP", "EXIT", "RET")
+
+
+def text_cfgs(text: str) -> dict[str, tuple[str, dict[str, list[str]], dict[str, list[str]]]]:
+    """Per function of nvdisasm's plain disassembly (`-c`), by mangled name: `(entry,
+    instructions per block, successors per block)`, as `parse_cfg` gives for one. A
+    block starts at a label and after a jump or an exit; a jump's target is an edge,
+    and so is the next block unless the jump or exit is unconditional."""
+    out = {}
+    for chunk in re.split(r"(?m)^(?=\s*\.section\s+\.text\.)", text):
+        if m := _SECTION.match(chunk):
+            out[m.group(1)] = _text_cfg(m.group(1), chunk.splitlines())
+    return {name: cfg for name, cfg in out.items() if cfg is not None}
+
+
+def _text_cfg(name: str, lines: list[str]):
+    """`text_cfgs`' graph of one function's lines (None: no instructions)."""
+    blocks: dict[str, list[str]] = {}
+    succ: dict[str, list[str]] = {}
+    order: list[str] = []
+    current, ended, falls = None, True, False
+    for line in lines:
+        label = lm.group(1) if (lm := _TEXT_LABEL.match(line)) else None
+        im = None if label else _TEXT_INST.search(line)
+        if label is None and im is None:
+            continue
+        if label is not None or ended:  # a new block
+            new = label or f"{name}+{len(order)}"
+            if current is not None and falls:
+                succ[current].append(new)
+            current, ended, falls = new, False, True
+            order.append(new)
+            blocks.setdefault(new, [])
+            succ.setdefault(new, [])
+        if im is None:
+            continue
+        words = im.group(1).split()
+        predicated = words[0].startswith("@")
+        op = words[1] if predicated else words[0]
+        blocks[current].append(op)
+        if op.startswith(_JUMPS):
+            if tm := _TARGET.search(im.group(1)):
+                succ[current].append(tm.group(1))
+            ended, falls = True, predicated  # a predicated jump may fall through
+    for targets in list(succ.values()):
+        for target in targets:
+            blocks.setdefault(target, [])
+            succ.setdefault(target, [])
+    return (order[0], blocks, succ) if order else None
+
+
+def loop_rows(kernel: str, dot, *, everything: bool = False, opcodes: bool = False) -> list[dict]:
+    """One row per natural loop of the function in `dot` (nvdisasm's `-bbcfg` output,
+    or a `(entry, blocks, successors)` graph from `text_cfgs`), outermost first; with
+    `opcodes`, each row's opcode counts too (the opcode's first word part, `FSEL`
+    for `FSEL`, `HGMMA` for `HGMMA.64x64x16.F32.BF16`)."""
+    entry, blocks, succ = parse_cfg(dot) if isinstance(dot, str) else dot
     loops = natural_loops(entry, succ)
     rows = []
     for header, body in loops.items():
@@ -155,6 +226,11 @@ def loop_rows(kernel: str, dot: str, *, everything: bool = False) -> list[dict]:
         row = dict(kernel=kernel, loop=header, depth=depth, blocks=len(body), instructions=len(ops))
         for col, prefixes in KINDS.items():
             row[col] = sum(op.startswith(prefixes) for op in ops)
+        if opcodes:
+            counts: dict[str, int] = {}
+            for op in ops:
+                counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
+            row["opcodes"] = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         if everything or row["hgmma"] or row["mufu"] or row["ldl"] or row["stl"]:
             rows.append(row)
     return sorted(rows, key=lambda r: (r["depth"], -r["instructions"]))
@@ -198,12 +274,38 @@ def assemble(ptx: str, ptxas: str, out_dir: str) -> tuple[str, dict]:
     return cubin, report
 
 
+def cubin_rows(kernel: str, cubin: str, nvdisasm: str, args) -> list[dict]:
+    """The loop rows of one cubin: from its block graph where nvdisasm draws one for a
+    single function and no `--function` is given, else from its plain disassembly, one
+    kernel label per function (`kernel:index`, the index among the cubin's functions)."""
+    kw = dict(everything=args.all, opcodes=args.opcodes)
+    if args.function is None:
+        run = subprocess.run([nvdisasm, "-bbcfg", cubin], capture_output=True, text=True)
+        if run.returncode == 0 and run.stdout.count("digraph") == 1:
+            return loop_rows(kernel, run.stdout, **kw)
+    run = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"nvdisasm failed on {cubin}: {run.stderr.strip()[-300:]}")
+    cfgs = text_cfgs(run.stdout)
+    rows = []
+    for i, (name, cfg) in enumerate(cfgs.items()):
+        if args.function is None or args.function in name:
+            rows += loop_rows(f"{kernel}:{i}" if len(cfgs) > 1 else kernel, cfg, **kw)
+    if not rows and args.function is not None:
+        raise SystemExit(f"--function {args.function!r}: no function of {cubin} has loops")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help=".ptx (assembled here) or .cubin files")
     parser.add_argument("--ptxas", default=None)
     parser.add_argument("--nvdisasm", default=None)
     parser.add_argument("--all", action="store_true", help="every loop, not only busy ones")
+    parser.add_argument(
+        "--function", default=None, help="only functions whose mangled name holds this text"
+    )
+    parser.add_argument("--opcodes", action="store_true", help="each loop's opcode counts")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     for path in args.files:
@@ -222,10 +324,7 @@ def main(argv=None) -> int:
             if path.endswith(".ptx"):
                 cubin, report = assemble(path, ptxas, tmp)
                 kernels.append(dict(kernel=kernel, **report))
-            run = subprocess.run([nvdisasm, "-bbcfg", cubin], capture_output=True, text=True)
-            if run.returncode:
-                raise SystemExit(f"nvdisasm failed on {cubin}: {run.stderr.strip()[-300:]}")
-            rows += loop_rows(kernel, run.stdout, everything=args.all)
+            rows += cubin_rows(kernel, cubin, nvdisasm, args)
     for k in kernels:
         serialised = ", ".join(k["serialised"]) or "none"
         print(
@@ -233,6 +332,10 @@ def main(argv=None) -> int:
             f"{k['spill_stores']} / {k['spill_loads']} bytes, serialised wgmmas: {serialised}"
         )
     print(table(rows, COLUMNS))
+    if args.opcodes:
+        for row in rows:
+            ops = ", ".join(f"{op} {n}" for op, n in row["opcodes"].items())
+            print(f"{row['kernel']} {row['loop']}: {ops}")
     if args.out:
         write_json(args.out, {"arch": ARCH, "kernels": kernels, "rows": rows})
     return 0

@@ -152,7 +152,7 @@ ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 # Head dims whose dK/dV kernel streams its inputs from one warp of the memory
 # warpgroup (`plgpu.warp_map`) instead of all four, where each copy first synchronised
 # the warpgroup (a `bar.sync` per copy) and 128 threads polled every barrier: 114
-# instructions per step and warp beside the compute warps' ~490. Forward+backward
+# instructions per step and warp beside the compute warps' ~470. Forward+backward
 # 1.01-1.02x at causal 32k D = 64 (two runs), 0.987-0.988x at causal 16k and 64k
 # D = 128 (H200, BENCHMARKS.md). Outside `shard_map` only: `mpmd_map` takes no Ref that
 # varies over a manual axis.

@@ -1262,6 +1262,50 @@ def test_sass_loops_count_each_pass():
         sass.parse_cfg("digraph f {}")
 
 
+# nvdisasm -c's form, two functions: in "outer", a loop (.L_x_1, back by a predicated
+# branch) holding an inner one (.L_x_2) and a forward jump over a block; "other" exits.
+SASS_TEXT = """
+        .section        .text.outer,"ax",@progbits
+outer:
+        /*0000*/                   S2R R0, SR_TID.X ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 gdesc[UR4], RZ, !UPT ;
+.L_x_2:
+        /*0020*/                   MUFU.EX2 R1, R1 ;
+        /*0030*/               @P0 BRA `(.L_x_2) ;
+        /*0040*/                   BRA `(.L_x_3) ;
+        /*0050*/                   FSEL R2, R2, RZ, P1 ;
+.L_x_3:
+        /*0060*/                   FSEL R3, R3, RZ, P1 ;
+        /*0070*/              @!P1 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+        .section        .text.other,"ax",@progbits
+other:
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_sass_loops_from_plain_disassembly():
+    """Where nvdisasm draws no block graph (cubins of other toolchains), `sass.py`
+    builds one per function from the plain disassembly's labels and branches: a
+    predicated branch falls through, an unconditional one and an exit do not."""
+    from benchmarks import sass
+
+    cfgs = sass.text_cfgs(SASS_TEXT)
+    assert list(cfgs) == ["outer", "other"]
+    entry, blocks, succ = cfgs["outer"]
+    assert sass.natural_loops(entry, succ) == {
+        ".L_x_2": {".L_x_2"},
+        ".L_x_1": {".L_x_1", ".L_x_2", "outer+3", ".L_x_3"},
+    }
+    assert blocks["outer+4"] == ["FSEL"] and succ["outer+4"] == [".L_x_3"]  # jumped over
+    outer, inner = sass.loop_rows("k", cfgs["outer"], opcodes=True)
+    assert (outer["instructions"], outer["hgmma"], outer["mufu"]) == (6, 1, 1)
+    assert outer["opcodes"] == {"BRA": 3, "FSEL": 1, "HGMMA": 1, "MUFU": 1}
+    assert (inner["loop"], inner["depth"], inner["instructions"]) == (".L_x_2", 2, 2)
+    assert sass.loop_rows("k", cfgs["other"], everything=True) == []
+
+
 def test_sass_refuses_missing_files_and_tools(tmp_path, capsys):
     from benchmarks import sass
 
