@@ -36,6 +36,7 @@ for nvdisasm, in the `nvidia-cuda-nvdisasm` wheel's `nvidia/cu*/bin`.
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import os
 import re
@@ -171,9 +172,9 @@ def text_cfgs(text: str) -> dict[str, tuple[str, dict[str, list[str]], dict[str,
     and so is the next block unless the jump or exit is unconditional."""
     out = {}
     for chunk in re.split(r"(?m)^(?=\s*\.section\s+\.text\.)", text):
-        if m := _SECTION.match(chunk):
-            out[m.group(1)] = _text_cfg(m.group(1), chunk.splitlines())
-    return {name: cfg for name, cfg in out.items() if cfg is not None}
+        if (m := _SECTION.match(chunk)) and (cfg := _text_cfg(m.group(1), chunk.splitlines())):
+            out[m.group(1)] = cfg
+    return out
 
 
 def _text_cfg(name: str, lines: list[str]):
@@ -227,9 +228,7 @@ def loop_rows(kernel: str, dot, *, everything: bool = False, opcodes: bool = Fal
         for col, prefixes in KINDS.items():
             row[col] = sum(op.startswith(prefixes) for op in ops)
         if opcodes:
-            counts: dict[str, int] = {}
-            for op in ops:
-                counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
+            counts = collections.Counter(op.split(".")[0] for op in ops)
             row["opcodes"] = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         if everything or row["hgmma"] or row["mufu"] or row["ldl"] or row["stl"]:
             rows.append(row)

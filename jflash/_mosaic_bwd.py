@@ -900,7 +900,8 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         fused=fused,
         split=split,
-        # The GPU interpreter has no warp-level semantics.
+        # Compiled (the GPU interpreter has no warp-level semantics) and outside
+        # `shard_map` (`MEMORY_WARP_HEAD_DIMS`).
         memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
         **common,
     )

@@ -317,8 +317,8 @@ def hide_keys(s, limit, chunk: int = 64):
     each value costs one compare against an immediate and one select (a thread's column
     is a constant of the register plus its lane's offset, which is taken off the limit
     once per row). On a causal diagonal step only the chunk that holds the diagonal
-    needs them. (`visible` builds each value's row and column from
-    Mosaic's iota, a few integer operations per value more.)"""
+    needs them. (`visible` builds each value's row and column from Mosaic's iota, a
+    few integer operations per value more.)"""
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
