@@ -36,7 +36,9 @@ warpgroup loads its next Q (the output has its own slot), while the last item's 
 is normalised and stored. Against one CTA per item: forward 1.01-1.03x at causal 4k and
 16k, 1.00x at 64k, 1.02-1.03x on packed documents (two H200 runs, BENCHMARKS.md). A
 static deal of the items instead (every CTA the same share, no counter) lost 1-6% on an
-H200, whose SMs finish equal shares at different times.
+H200, whose SMs finish equal shares at different times. The tickets are the whole
+memory warpgroup's; each item's K and V stream from one warp of it
+(`MEMORY_WARP_HEAD_DIMS`).
 
 At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
 `THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
@@ -104,7 +106,7 @@ from jflash._mosaic_common import (
 )
 from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
-from jflash._vma import match, struct
+from jflash._vma import match, struct, varying_axes
 from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
@@ -123,6 +125,14 @@ OVERLAP_HEAD_DIMS = (128,)
 # in the loop without overlap (`mosaic_fwd`).
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
+# Head dims whose forward streams K and V from one warp of the memory warpgroup
+# (`plgpu.warp_map`) instead of all four, where each copy first synchronised the
+# warpgroup and 128 threads polled every barrier (as the dK/dV kernel's
+# `MEMORY_WARP_HEAD_DIMS`). H200, forward against the whole warpgroup: 1.01x at causal
+# and full 4k and packed 16k (D = 64), 1.02x at causal 16k (three warpgroups), 1.03x
+# and 1.01x at causal 16k and 64k (D = 128); outputs bitwise equal (BENCHMARKS.md).
+# Outside `shard_map` only: `mpmd_map` takes no Ref that varies over a manual axis.
+MEMORY_WARP_HEAD_DIMS = (64, 128)
 # The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries) emits
 # its softmax's FMA, exponential, row-sum add and conversion value by value
 # (`exp_rows`) instead of as one pass each: forward 1.01-1.03x at causal and full 4k
@@ -228,6 +238,7 @@ def _fwd_kernel(
     run_if: bool | None = None,
     copies: bool = False,
     overlap: bool | None = None,
+    memory_warp: bool = False,
 ):
     """`refs`: q, k,
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
@@ -242,7 +253,9 @@ def _fwd_kernel(
     the sorted-ids flag is set (otherwise it returns at once, writing nothing, or with
     `copies` copies the other launch's outputs into its own). `overlap`: whether the
     steps run the overlapped loop (None: at `OVERLAP_HEAD_DIMS` and on three
-    warpgroups); three warpgroups without it take no turns."""
+    warpgroups); three warpgroups without it take no turns. `memory_warp`: one warp of
+    the memory warpgroup streams each item's K and V (the tickets stay the whole
+    warpgroup's)."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -767,20 +780,31 @@ def _fwd_kernel(
             k, ticket, done = carry
             following = fetch(k + 1)
             batch, head, _, st = locate(ticket, done)
-            stream_kv(
-                (k_ref, v_ref),
-                (k_smem, v_smem),
-                (k_ready, v_ready),
-                (k_free, v_free),
-                batch=batch,
-                head=head,
-                group=geom.group,
-                steps=st,
-                block_kv=block_kv,
-                stages=stages,
-                ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
-                regs=None,
-            )
+
+            def stream():
+                stream_kv(
+                    (k_ref, v_ref),
+                    (k_smem, v_smem),
+                    (k_ready, v_ready),
+                    (k_free, v_free),
+                    batch=batch,
+                    head=head,
+                    group=geom.group,
+                    steps=st,
+                    block_kv=block_kv,
+                    stages=stages,
+                    ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
+                    regs=None,
+                )
+
+            if memory_warp:  # one warp streams (`MEMORY_WARP_HEAD_DIMS`)
+
+                @plgpu.warp_map
+                def _(warp):
+                    pl.when(warp == 0)(stream)
+
+            else:
+                stream()
             return k + 1, following, done + st.count
 
         start = (jnp.int32(0), fetch(jnp.int32(0)), jnp.int32(0))
@@ -1011,6 +1035,8 @@ def _launch(
         run_if=run_if,
         copies=copy_from is not None,
         overlap=overlap,
+        # Compiled (the GPU interpreter has no warp semantics) and outside `shard_map`.
+        memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers

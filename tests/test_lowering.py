@@ -657,10 +657,11 @@ def test_dkv_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want):
     """The D = 64 dK/dV kernel streams its inputs from one warp of the memory
     warpgroup (`plgpu.warp_map`); D = 128 and calls inside a `shard_map` (whose Refs
     `mpmd_map` refuses: they vary over its axes) from the whole warpgroup. Both lower."""
-    from jflash import _mosaic_bwd
+    from jflash import _mosaic_bwd, _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    monkeypatch.setattr(_mosaic_fwd, "MEMORY_WARP_HEAD_DIMS", ())  # the backward's only
     mapped = []
     warp_map = _mosaic_bwd.plgpu.warp_map
 
@@ -688,3 +689,49 @@ def test_dkv_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want):
         text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_dkv" in text
     assert bool(mapped) == want
+
+
+@pytest.mark.parametrize("head_dim, seq", [(64, 512), (64, 16384), (128, 512)])
+@pytest.mark.parametrize("in_shard_map", [False, True], ids=["plain", "shard-map"])
+@pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents"])
+def test_forward_streams_from_one_warp(monkeypatch, head_dim, seq, in_shard_map, documents):
+    """The forward streams K and V from one warp of the memory warpgroup
+    (`plgpu.warp_map`) at `MEMORY_WARP_HEAD_DIMS`, on two and three compute warpgroups
+    (D = 64 from 16k queries) and with segment ids (both launches); calls inside a
+    `shard_map` from the whole warpgroup. All lower."""
+    from jflash import _mosaic_fwd
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    mapped = []
+    warp_map = _mosaic_fwd.plgpu.warp_map
+
+    def spy(f):
+        mapped.append(f)
+        return warp_map(f)
+
+    monkeypatch.setattr(_mosaic_fwd.plgpu, "warp_map", spy)
+    q = jax.ShapeDtypeStruct((2, seq, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
+
+    def forward(q, k, v, ids):
+        segs = (ids, ids) if documents else None
+        return jflash.flash_attention(
+            q, k, v, causal=True, segment_ids=segs, implementation="pallas_mosaic"
+        )
+
+    mesh = jax.sharding.AbstractMesh(
+        (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
+    )
+    spec = jax.sharding.PartitionSpec("x")  # each device attends over its batch rows
+    fn = (
+        jax.shard_map(forward, mesh=mesh, in_specs=spec, out_specs=spec)
+        if in_shard_map
+        else forward
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_fwd" in text
+    want = head_dim in _mosaic_fwd.MEMORY_WARP_HEAD_DIMS and not in_shard_map
+    assert len(mapped) == (2 if documents else 1) * want
