@@ -3,6 +3,7 @@
     python benchmarks/ab.py --rev HEAD~1                        # causal 4k/16k/64k, D=128
     python benchmarks/ab.py --rev main --shapes causal:4096:128,full:65536:128 --documents
     python benchmarks/ab.py --rev HEAD~1 --peers fa3            # FlashAttention-3 beside them
+    python benchmarks/ab.py --rev HEAD~1 --deterministic        # the deterministic backward
     python benchmarks/ab.py --rev main --peers cudnn --shapes causal:16384:64  # and cuDNN
     python benchmarks/ab.py --rev branch-a --rev branch-b       # several: rev1, rev2
 
@@ -204,12 +205,18 @@ def _passes(attn):
     return passes["fwd"][0], passes["fwdbwd"][0]
 
 
-def candidate(module, *, causal: bool, implementation, segment_ids=None):
+def candidate(module, *, causal: bool, implementation, segment_ids=None, deterministic=None):
     """Jitted `(fwd, fwdbwd)` of `module.flash_attention`."""
 
     def attn(q, k, v):
         return module.flash_attention(
-            q, k, v, causal=causal, implementation=implementation, segment_ids=segment_ids
+            q,
+            k,
+            v,
+            causal=causal,
+            implementation=implementation,
+            segment_ids=segment_ids,
+            deterministic=deterministic,
         )
 
     return _passes(attn)
@@ -299,6 +306,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
     """Every shape's row (`compare`), the tree and the revisions (`commits`: label ->
     commit) imported once."""
     labels = list(commits)
+    det = True if args.deterministic else None
     with tempfile.TemporaryDirectory() as tmp:
         modules = {"new": import_tree(os.path.join(tmp, "tree"))}
         for i, (label, commit) in enumerate(commits.items()):
@@ -317,7 +325,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
         for causal, seq, hd in shapes:
             batch = max(1, args.tokens // seq)
             cands = {
-                label: candidate(m, causal=causal, implementation=impl)
+                label: candidate(m, causal=causal, implementation=impl, deterministic=det)
                 for label, m in modules.items()
             }
             if "fa3" in peers and hd in FA3_HEAD_DIMS:
@@ -334,7 +342,9 @@ def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
             lengths = document_lengths(seq)
             seg = document_ids(lengths, batch, order)
             cands = {
-                label: candidate(m, causal=True, implementation=impl, segment_ids=seg)
+                label: candidate(
+                    m, causal=True, implementation=impl, segment_ids=seg, deterministic=det
+                )
                 for label, m in modules.items()
             }
             if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:  # its varlen form
@@ -375,6 +385,12 @@ def main(argv=None) -> int:
         "--implementation",
         default="pallas_mosaic",
         help="jflash implementation to compare (`default`: what implementation=None picks)",
+    )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="time jflash's deterministic backward (`deterministic=True`: the separate dQ "
+        "kernel) instead of the default",
     )
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
     parser.add_argument("--heads", type=int, default=32)
@@ -442,7 +458,12 @@ def main(argv=None) -> int:
     print(table(rows, columns, note))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
     revs = dict(zip(labels, args.rev, strict=True))
-    payload = {"revs": revs, "rev_commits": commits, "implementation": args.implementation}
+    payload = {
+        "revs": revs,
+        "rev_commits": commits,
+        "implementation": args.implementation,
+        "deterministic": args.deterministic,
+    }
     write_json(out, {**payload, "rows": rows}, note=note)
     return 0
 

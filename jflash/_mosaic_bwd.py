@@ -33,8 +33,8 @@ there cost it 2-4%: more moves per step).
     (`ROW_SPLIT_DQ_HEAD_DIMS`; with `block_q_dkv=64` each warpgroup adds its own keys'
     dQ instead).
   - two kernels (deterministic): a second kernel, one CTA per 128 queries of one head,
-    recomputes S and dP while its memory warpgroup streams K and V. No atomics:
-    bitwise reproducible.
+    recomputes S and dP while its memory warpgroup (one warp of it at D = 64) streams
+    K and V. No atomics: bitwise reproducible.
 
 The fused D = 128 kernel reads a zero from shared memory at every step and indexes its
 fixed K, V and dQ tiles with it. Without it, LLVM hoists the two dozen 64-bit wgmma
@@ -149,13 +149,14 @@ ALTERNATE_PASSES_SPLITS = ("cols",)
 # 16k); 1.10-1.14x cuDNN (BENCHMARKS.md).
 ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 
-# Head dims whose dK/dV kernel streams its inputs from one warp of the memory
-# warpgroup (`plgpu.warp_map`) instead of all four, where each copy first synchronised
-# the warpgroup (a `bar.sync` per copy) and 128 threads polled every barrier: 114
-# instructions per step and warp beside the compute warps' ~470. Forward+backward
-# 1.01-1.02x at causal 32k D = 64 (two runs), 0.987-0.988x at causal 16k and 64k
-# D = 128 (H200, BENCHMARKS.md). Outside `shard_map` only: `mpmd_map` takes no Ref that
-# varies over a manual axis.
+# Head dims whose backward kernels (dK/dV, and the deterministic dQ kernel) stream
+# their inputs from one warp of the memory warpgroup (`plgpu.warp_map`) instead of all
+# four, where each copy first synchronised the warpgroup (a `bar.sync` per copy) and
+# 128 threads polled every barrier: 114 instructions per step and warp beside the
+# compute warps' ~470. Forward+backward 1.01-1.02x at causal 32k D = 64 (two runs),
+# 0.987-0.988x at causal 16k and 64k D = 128; deterministic 1.01x at causal 4k and 16k
+# D = 64, 0.995x at 16k D = 128 (H200, BENCHMARKS.md). Outside `shard_map` only:
+# `mpmd_map` takes no Ref that varies over a manual axis.
 MEMORY_WARP_HEAD_DIMS = (64,)
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
@@ -667,9 +668,11 @@ def _dq_kernel(
     scale: float,
     segments: bool,
     interpret: bool,
+    memory_warp: bool,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `query_table` first; then
-    the output and the scratch (`q_ids`, `kv_ids`: None without ids)."""
+    the output and the scratch (`q_ids`, `kv_ids`: None without ids). `memory_warp`:
+    one warp of the memory warpgroup streams K and V."""
     qseg_ref = kvseg_ref = table_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -774,20 +777,32 @@ def _dq_kernel(
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        stream_kv(
-            (k_ref, v_ref),
-            (k_smem, v_smem),
-            (k_ready, v_ready),
-            (k_free, v_free),
-            batch=batch,
-            head=head,
-            group=geom.group,
-            steps=st,
-            block_kv=block_kv,
-            stages=stages,
-            ids=(kvseg_ref, kv_ids) if segments else None,
-            interpret=interpret,
-        )
+        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+
+        def stream():
+            stream_kv(
+                (k_ref, v_ref),
+                (k_smem, v_smem),
+                (k_ready, v_ready),
+                (k_free, v_free),
+                batch=batch,
+                head=head,
+                group=geom.group,
+                steps=st,
+                block_kv=block_kv,
+                stages=stages,
+                ids=(kvseg_ref, kv_ids) if segments else None,
+                interpret=interpret,
+                regs=None,
+            )
+
+        if not memory_warp:  # the whole warpgroup streams
+            stream()
+            return
+
+        @plgpu.warp_map  # one warp streams (`MEMORY_WARP_HEAD_DIMS`)
+        def _(warp):
+            pl.when(warp == 0)(stream)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -879,7 +894,14 @@ def mosaic_bwd(
     )
     ids_tile = rows * 4 if segments else 0
     common = dict(
-        geom=geom, qk_scale=scale * LOG2E, scale=scale, segments=segments, interpret=interpret
+        geom=geom,
+        qk_scale=scale * LOG2E,
+        scale=scale,
+        segments=segments,
+        interpret=interpret,
+        # Compiled (the GPU interpreter has no warp-level semantics) and outside
+        # `shard_map` (`MEMORY_WARP_HEAD_DIMS`).
+        memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
     )
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",
@@ -902,7 +924,6 @@ def mosaic_bwd(
         split=split,
         # Compiled (the GPU interpreter has no warp-level semantics) and outside
         # `shard_map` (`MEMORY_WARP_HEAD_DIMS`).
-        memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
         **common,
     )
     inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)

@@ -653,10 +653,12 @@ def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how, documents):
     [(64, False, True), (128, False, False), (64, True, False)],
     ids=["d64", "d128", "d64-shard-map"],
 )
-def test_dkv_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want):
-    """The D = 64 dK/dV kernel streams its inputs from one warp of the memory
-    warpgroup (`plgpu.warp_map`); D = 128 and calls inside a `shard_map` (whose Refs
-    `mpmd_map` refuses: they vary over its axes) from the whole warpgroup. Both lower."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_backward_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want, deterministic):
+    """At D = 64 the backward's kernels (dK/dV, and the deterministic dQ kernel)
+    stream their inputs from one warp of the memory warpgroup (`plgpu.warp_map`); at
+    D = 128 and inside a `shard_map` (whose Refs `mpmd_map` refuses: they vary over its
+    axes) from the whole warpgroup. All lower."""
     from jflash import _mosaic_bwd, _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -675,7 +677,9 @@ def test_dkv_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want):
 
     def grads(q, k, v):
         def loss(q, k, v):
-            out = jflash.flash_attention(q, k, v, causal=True, implementation="pallas_mosaic")
+            out = jflash.flash_attention(
+                q, k, v, causal=True, implementation="pallas_mosaic", deterministic=deterministic
+            )
             return jnp.sum(out.astype(jnp.float32))
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -688,7 +692,8 @@ def test_dkv_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want):
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_dkv" in text
-    assert bool(mapped) == want
+    assert ("jflash_mosaic_dq" in text) == deterministic
+    assert len(mapped) == (2 if deterministic else 1) * want
 
 
 @pytest.mark.parametrize("head_dim, seq", [(64, 512), (64, 16384), (128, 512)])
