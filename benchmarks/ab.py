@@ -41,6 +41,9 @@ sorted,padded,permuted,pair,hashed` times those rows with the documents labelled
 way (`kernel.document_ids`: the same mask, labels that are not sorted along the row;
 `pair` gives the permuted labels as query and key ids, `hashed` labels wider than the
 row).
+The JSON is written after every row (`"complete": false` until the last), so a run
+cut short keeps the rows it finished. `--deterministic` times jflash's deterministic
+backward (its separate dQ kernel) instead of the default.
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 
@@ -302,9 +305,11 @@ def compare(
     return row
 
 
-def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser) -> list[dict]:
+def measure_all(
+    args, shapes, doc_shapes, peers, impl, commits, sampler, parser, on_row
+) -> list[dict]:
     """Every shape's row (`compare`), the tree and the revisions (`commits`: label ->
-    commit) imported once."""
+    commit) imported once; `on_row(rows)` after each row."""
     labels = list(commits)
     det = True if args.deterministic else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -337,6 +342,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
             a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
             rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
+            on_row(rows)
         for (seq, hd), order in itertools.product(doc_shapes, args.id_orders):
             batch = max(1, args.tokens // seq)
             lengths = document_lengths(seq)
@@ -356,6 +362,7 @@ def measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
                 name += f", {order} ids"
             rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
+            on_row(rows)
     return rows
 
 
@@ -448,14 +455,6 @@ def main(argv=None) -> int:
     sampler = None
     if args.clocks:
         sampler = power.Sampler(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0")
-    try:
-        rows = measure_all(args, shapes, doc_shapes, peers, impl, commits, sampler, parser)
-    finally:
-        if sampler is not None:
-            sampler.close()
-    diffs = [f"{label}_{d}" for label in labels for d in ("max_abs_diff", "grad_rel_diff")]
-    columns = ["shape", *diffs] + [k for k in rows[0] if k.endswith("_ms") or k.startswith("new/")]
-    print(table(rows, columns, note))
     out = args.out or os.path.join(RESULTS, f"ab-{device_name()}.json")
     revs = dict(zip(labels, args.rev, strict=True))
     payload = {
@@ -464,7 +463,29 @@ def main(argv=None) -> int:
         "implementation": args.implementation,
         "deterministic": args.deterministic,
     }
-    write_json(out, {**payload, "rows": rows}, note=note)
+
+    def save(rows, complete):  # after each row too: a run cut short keeps its rows
+        write_json(out, {**payload, "complete": complete, "rows": rows}, note=note)
+
+    try:
+        rows = measure_all(
+            args,
+            shapes,
+            doc_shapes,
+            peers,
+            impl,
+            commits,
+            sampler,
+            parser,
+            lambda r: save(r, False),
+        )
+    finally:
+        if sampler is not None:
+            sampler.close()
+    diffs = [f"{label}_{d}" for label in labels for d in ("max_abs_diff", "grad_rel_diff")]
+    columns = ["shape", *diffs] + [k for k in rows[0] if k.endswith("_ms") or k.startswith("new/")]
+    print(table(rows, columns, note))
+    save(rows, True)
     return 0
 
 

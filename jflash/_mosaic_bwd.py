@@ -777,32 +777,21 @@ def _dq_kernel(
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
-        plgpu.set_max_registers(MEMORY_REGS, action="decrease")
-
-        def stream():
-            stream_kv(
-                (k_ref, v_ref),
-                (k_smem, v_smem),
-                (k_ready, v_ready),
-                (k_free, v_free),
-                batch=batch,
-                head=head,
-                group=geom.group,
-                steps=st,
-                block_kv=block_kv,
-                stages=stages,
-                ids=(kvseg_ref, kv_ids) if segments else None,
-                interpret=interpret,
-                regs=None,
-            )
-
-        if not memory_warp:  # the whole warpgroup streams
-            stream()
-            return
-
-        @plgpu.warp_map  # one warp streams (`MEMORY_WARP_HEAD_DIMS`)
-        def _(warp):
-            pl.when(warp == 0)(stream)
+        stream_kv(
+            (k_ref, v_ref),
+            (k_smem, v_smem),
+            (k_ready, v_ready),
+            (k_free, v_free),
+            batch=batch,
+            head=head,
+            group=geom.group,
+            steps=st,
+            block_kv=block_kv,
+            stages=stages,
+            ids=(kvseg_ref, kv_ids) if segments else None,
+            interpret=interpret,
+            one_warp=memory_warp,  # `MEMORY_WARP_HEAD_DIMS`
+        )
 
 
 # ----------------------------------------------------------------------------- wrapper

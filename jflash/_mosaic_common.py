@@ -141,6 +141,7 @@ def stream_kv(
     ids=None,
     interpret: bool = False,
     regs: int | None = MEMORY_REGS,
+    one_warp: bool = False,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
@@ -154,34 +155,50 @@ def stream_kv(
     `regs`: the warpgroup's register count, set here (None: the caller set it). A
     persistent kernel streams its work items one after another (`steps.base` steps
     before this one) and drains once, after the last (`interpret=False` here).
+    `one_warp`: warp 0 streams alone (`plgpu.warp_map`), instead of the whole warpgroup,
+    which synchronises its 4 warps before each copy and polls each barrier with all 128
+    threads. Compiled only, and outside `shard_map` (`warp_map` refuses Refs that vary
+    over a manual axis).
     """
     if regs is not None:
         plgpu.set_max_registers(regs, action="decrease")
-    kv_head = lax.div(head, jnp.int32(group))
-    base = index(steps.base)
-    num_steps = steps.count
 
-    @pl.loop(jnp.int32(0), num_steps)
-    def _(t):
-        slot = rem(base + t, stages)
-        keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
-        for i, (src, dst, is_ready, is_free) in enumerate(
-            zip(srcs, slots, ready, free, strict=True)
-        ):
+    def stream():
+        kv_head = lax.div(head, jnp.int32(group))
+        base = index(steps.base)
+        num_steps = steps.count
 
-            @pl.when(base + t >= stages)
-            def _(is_free=is_free):
-                plgpu.barrier_wait(is_free.at[slot])
+        @pl.loop(jnp.int32(0), num_steps)
+        def _(t):
+            slot = rem(base + t, stages)
+            keys = pl.ds((steps.cta_lo + t) * block_kv, block_kv)
+            for i, (src, dst, is_ready, is_free) in enumerate(
+                zip(srcs, slots, ready, free, strict=True)
+            ):
 
-            plgpu.copy_gmem_to_smem(src.at[batch, keys, kv_head], dst.at[slot], is_ready.at[slot])
-            if i == 0 and ids is not None:
-                ids_ref, ids_smem = ids
+                @pl.when(base + t >= stages)
+                def _(is_free=is_free):
+                    plgpu.barrier_wait(is_free.at[slot])
+
                 plgpu.copy_gmem_to_smem(
-                    ids_ref.at[batch, keys], ids_smem.at[slot], is_ready.at[slot]
+                    src.at[batch, keys, kv_head], dst.at[slot], is_ready.at[slot]
                 )
+                if i == 0 and ids is not None:
+                    ids_ref, ids_smem = ids
+                    plgpu.copy_gmem_to_smem(
+                        ids_ref.at[batch, keys], ids_smem.at[slot], is_ready.at[slot]
+                    )
 
+    if one_warp:
+
+        @plgpu.warp_map
+        def _(warp):
+            pl.when(warp == 0)(stream)
+
+    else:
+        stream()
     if interpret:
-        drain(free, base + num_steps, stages)
+        drain(free, index(steps.base) + steps.count, stages)
 
 
 SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA

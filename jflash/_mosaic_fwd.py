@@ -781,30 +781,21 @@ def _fwd_kernel(
             following = fetch(k + 1)
             batch, head, _, st = locate(ticket, done)
 
-            def stream():
-                stream_kv(
-                    (k_ref, v_ref),
-                    (k_smem, v_smem),
-                    (k_ready, v_ready),
-                    (k_free, v_free),
-                    batch=batch,
-                    head=head,
-                    group=geom.group,
-                    steps=st,
-                    block_kv=block_kv,
-                    stages=stages,
-                    ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
-                    regs=None,
-                )
-
-            if memory_warp:  # one warp streams (`MEMORY_WARP_HEAD_DIMS`)
-
-                @plgpu.warp_map
-                def _(warp):
-                    pl.when(warp == 0)(stream)
-
-            else:
-                stream()
+            stream_kv(
+                (k_ref, v_ref),
+                (k_smem, v_smem),
+                (k_ready, v_ready),
+                (k_free, v_free),
+                batch=batch,
+                head=head,
+                group=geom.group,
+                steps=st,
+                block_kv=block_kv,
+                stages=stages,
+                ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
+                regs=None,
+                one_warp=memory_warp,  # `MEMORY_WARP_HEAD_DIMS`
+            )
             return k + 1, following, done + st.count
 
         start = (jnp.int32(0), fetch(jnp.int32(0)), jnp.int32(0))

@@ -527,10 +527,11 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--implementation", "xla", "--shapes", "causal:128:64"]
     argv += ["--tokens", "128", "--heads", "2", "--kv-heads", "1", "--rounds", "1"]
-    argv += ["--peers", "cudnn", "--document-shapes", "128:64", "--interpret"]
+    argv += ["--peers", "cudnn", "--document-shapes", "128:64", "--interpret", "--deterministic"]
     ab.main([*argv, "--min-time", "0", "--heat", "0", "--out", str(out)])
     written = json.loads(out.read_text())
     assert written.get("interpreted", False) == INTERPRET
+    assert written["deterministic"] is True and written["complete"] is True
     row, documents = written["rows"]
     assert row["shape"] == "causal S=128 D=64 B=1"
     assert documents["shape"].startswith("documents S=128 (") and documents["shape"].endswith(
@@ -552,6 +553,8 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(out) if line.startswith("| shape"))
     assert "new/rev_fwd" in out[at] and out[at - 1].startswith("interpreted: no GPU") == INTERPRET
+    # The JSON was written after each row (a run cut short keeps its rows), then once more.
+    assert out.count(f"wrote {tmp_path / 'ab.json'}") == 3
 
 
 def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys):

@@ -648,30 +648,41 @@ def test_mosaic_forward_lowers_as_models_call_it(monkeypatch, how, documents):
     assert "atom.relaxed.gpu.global.add" in text  # the work items' counter
 
 
+@pytest.fixture
+def mapped(monkeypatch):
+    """The functions passed to `plgpu.warp_map` (one warp of a memory warpgroup
+    streams) while the test traces."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    calls = []
+    warp_map = plgpu.warp_map
+
+    def spy(f):
+        calls.append(f)
+        return warp_map(f)
+
+    monkeypatch.setattr(plgpu, "warp_map", spy)
+    return calls
+
+
 @pytest.mark.parametrize(
     "head_dim, in_shard_map, want",
     [(64, False, True), (128, False, False), (64, True, False)],
     ids=["d64", "d128", "d64-shard-map"],
 )
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
-def test_backward_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, want, deterministic):
+def test_backward_streams_from_one_warp(
+    monkeypatch, mapped, head_dim, in_shard_map, want, deterministic
+):
     """At D = 64 the backward's kernels (dK/dV, and the deterministic dQ kernel)
     stream their inputs from one warp of the memory warpgroup (`plgpu.warp_map`); at
     D = 128 and inside a `shard_map` (whose Refs `mpmd_map` refuses: they vary over its
     axes) from the whole warpgroup. All lower."""
-    from jflash import _mosaic_bwd, _mosaic_fwd
+    from jflash import _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
     monkeypatch.setattr(_mosaic_fwd, "MEMORY_WARP_HEAD_DIMS", ())  # the backward's only
-    mapped = []
-    warp_map = _mosaic_bwd.plgpu.warp_map
-
-    def spy(f):
-        mapped.append(f)
-        return warp_map(f)
-
-    monkeypatch.setattr(_mosaic_bwd.plgpu, "warp_map", spy)
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
 
@@ -699,7 +710,7 @@ def test_backward_streams_from_one_warp(monkeypatch, head_dim, in_shard_map, wan
 @pytest.mark.parametrize("head_dim, seq", [(64, 512), (64, 16384), (128, 512)])
 @pytest.mark.parametrize("in_shard_map", [False, True], ids=["plain", "shard-map"])
 @pytest.mark.parametrize("documents", [False, True], ids=["dense", "documents"])
-def test_forward_streams_from_one_warp(monkeypatch, head_dim, seq, in_shard_map, documents):
+def test_forward_streams_from_one_warp(monkeypatch, mapped, head_dim, seq, in_shard_map, documents):
     """The forward streams K and V from one warp of the memory warpgroup
     (`plgpu.warp_map`) at `MEMORY_WARP_HEAD_DIMS`, on two and three compute warpgroups
     (D = 64 from 16k queries) and with segment ids (both launches); calls inside a
@@ -708,14 +719,6 @@ def test_forward_streams_from_one_warp(monkeypatch, head_dim, seq, in_shard_map,
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    mapped = []
-    warp_map = _mosaic_fwd.plgpu.warp_map
-
-    def spy(f):
-        mapped.append(f)
-        return warp_map(f)
-
-    monkeypatch.setattr(_mosaic_fwd.plgpu, "warp_map", spy)
     q = jax.ShapeDtypeStruct((2, seq, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, seq, 2, head_dim), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((2, seq), jnp.int32)
