@@ -911,8 +911,6 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         fused=fused,
         split=split,
-        # Compiled (the GPU interpreter has no warp-level semantics) and outside
-        # `shard_map` (`MEMORY_WARP_HEAD_DIMS`).
         **common,
     )
     inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)

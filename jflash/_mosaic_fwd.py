@@ -128,9 +128,10 @@ THREE_WG_MIN_LEN = 16384
 # Head dims whose forward streams K and V from one warp of the memory warpgroup
 # (`plgpu.warp_map`) instead of all four, where each copy first synchronised the
 # warpgroup and 128 threads polled every barrier (as the dK/dV kernel's
-# `MEMORY_WARP_HEAD_DIMS`). H200, forward against the whole warpgroup: 1.01x at causal
-# and full 4k and packed 16k (D = 64), 1.02x at causal 16k (three warpgroups), 1.03x
-# and 1.01x at causal 16k and 64k (D = 128); outputs bitwise equal (BENCHMARKS.md).
+# `MEMORY_WARP_HEAD_DIMS`). H200, forward against the whole warpgroup, two runs:
+# 0.995-1.012x at causal and full 4k, 1.016x at causal 16k (three warpgroups), 1.011x
+# on packed 16k (D = 64); 1.014-1.030x at causal 16k and 64k D = 128, where identical
+# code read 1.024x the same day; outputs bitwise equal (BENCHMARKS.md).
 # Outside `shard_map` only: `mpmd_map` takes no Ref that varies over a manual axis.
 MEMORY_WARP_HEAD_DIMS = (64, 128)
 # The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries) emits
@@ -780,7 +781,6 @@ def _fwd_kernel(
             k, ticket, done = carry
             following = fetch(k + 1)
             batch, head, _, st = locate(ticket, done)
-
             stream_kv(
                 (k_ref, v_ref),
                 (k_smem, v_smem),
