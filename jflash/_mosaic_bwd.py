@@ -77,6 +77,7 @@ from jflash._mosaic_common import (
     key_tile_steps,
     launch,
     lockstep,
+    one_warp_streams,
     query_table,
     query_tile_steps,
     rem,
@@ -888,9 +889,7 @@ def mosaic_bwd(
         scale=scale,
         segments=segments,
         interpret=interpret,
-        # Compiled (the GPU interpreter has no warp-level semantics) and outside
-        # `shard_map` (`MEMORY_WARP_HEAD_DIMS`).
-        memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
+        memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
     )
     dkv_stages = fit_stages(
         "jflash_mosaic_dkv",

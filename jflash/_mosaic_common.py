@@ -32,7 +32,7 @@ from jflash import _launch_order
 from jflash._mask import Mask
 from jflash._segments import kv_tile_range, q_tile_range
 from jflash._triton_common import index, pad_to, visible_kv_range, visible_q_range
-from jflash._vma import vary
+from jflash._vma import vary, varying_axes
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -124,6 +124,14 @@ def drain(free_barriers, num_steps, stages: int) -> None:
     def _(j):
         for free in free_barriers:
             plgpu.barrier_wait(free.at[rem(j, stages)])
+
+
+def one_warp_streams(q, head_dims, interpret: bool) -> bool:
+    """Whether a kernel on `q` streams from one warp of its memory warpgroup
+    (`plgpu.warp_map`): at `head_dims`, compiled (the GPU interpreter has no warp
+    semantics) and outside `shard_map` (`warp_map` refuses Refs that vary over a manual
+    axis)."""
+    return q.shape[-1] in head_dims and not interpret and not varying_axes(q)
 
 
 def stream_kv(

@@ -93,6 +93,7 @@ from jflash._mosaic_common import (
     hide_keys,
     kv_range,
     launch,
+    one_warp_streams,
     query_table,
     query_tile_steps,
     rem,
@@ -106,7 +107,7 @@ from jflash._mosaic_common import (
 )
 from jflash._segments import ids_sorted, key_spans
 from jflash._triton_common import LN2, LOG2E, pad_to, round_up
-from jflash._vma import match, struct, varying_axes
+from jflash._vma import match, struct
 from jflash._work_items import WorkItems, heaviest_first, take_ticket
 
 # Head dims whose forward issues each step's P V and the next step's Q K^T together
@@ -1026,8 +1027,7 @@ def _launch(
         run_if=run_if,
         copies=copy_from is not None,
         overlap=overlap,
-        # Compiled (the GPU interpreter has no warp semantics) and outside `shard_map`.
-        memory_warp=h in MEMORY_WARP_HEAD_DIMS and not interpret and not varying_axes(q),
+        memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
