@@ -173,6 +173,18 @@ def _onto_mesh(x, mesh, spec: PartitionSpec):
     return x
 
 
+def _on_one_device(mesh, *arrays) -> bool:
+    """Whether `ring_attention` runs `flash_attention` itself, without a `shard_map`: a
+    mesh of one device, and arrays (a pytree each) whose types name no mesh axis. On
+    Explicit axes of size 1 a spec that names one keeps the `shard_map`, which returns
+    that type."""
+    if mesh.size != 1:
+        return False
+    return not any(
+        entry is not None for x in jax.tree.leaves(arrays) for entry in jax.typeof(x).sharding.spec
+    )
+
+
 def _check_strategy(layout: str, strategy: str, causal: bool) -> None:
     check_layout(layout)
     if strategy not in STRATEGIES:
@@ -455,7 +467,9 @@ def ring_attention(
     """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
 
     Global arrays in, global arrays out: builds a `jax.shard_map` over `mesh` around
-    `jflash.ring_attention_shard` (one implementation). Pass global arrays (jitted or
+    `jflash.ring_attention_shard` (one implementation); on a mesh of one device it
+    calls `jflash.flash_attention` instead (every layout is the natural order there),
+    unless the arrays' types name a mesh axis. Pass global arrays (jitted or
     not); the sequence dimension is split over the `seq_axis` mesh axes. Called
     outside `jax.jit`, arrays on other devices than the mesh's (committed to one
     device, say) are first put onto it, as `jax.device_put` would. Works with
@@ -549,9 +563,6 @@ def ring_attention(
         segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     batch = _batch_axes(mesh, seq_axis, q, batch_axes)
-    qkv_spec, _, seg_spec = _specs(seq_axis, batch or None)
-    q, k, v = (_onto_mesh(x, mesh, qkv_spec) for x in (q, k, v))
-    segs = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, seg_spec), segs)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
     cfg = ring_config(
         names[0],
@@ -570,6 +581,28 @@ def ring_attention(
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)
+    if _on_one_device(mesh, q, k, v, segment_ids):
+        # Every layout is the natural order on one shard, and the one-device kernels
+        # run without a shard_map around them, where the Mosaic kernels stream their
+        # inputs from one warp (`one_warp_streams`: no Ref varies over a manual axis).
+        q, k, v = (_onto_mesh(x, mesh, PartitionSpec()) for x in (q, k, v))
+        segment_ids = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, PartitionSpec()), segment_ids)
+        return flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=segment_ids,
+            scale=scale,
+            return_lse=return_lse,
+            block_sizes=block_sizes,
+            implementation=implementation,
+            interpret=interpret,
+            deterministic=deterministic,
+        )
+    qkv_spec, _, seg_spec = _specs(seq_axis, batch or None)
+    q, k, v = (_onto_mesh(x, mesh, qkv_spec) for x in (q, k, v))
+    segs = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, seg_spec), segs)
     options = dict(
         axis_name=seq_axis,
         causal=causal,

@@ -1153,6 +1153,38 @@ def test_ring_stopped_from_outside_prints_its_stacks(tmp_path):
     assert row["strategy"] == "ideal" and "did not finish" in row["error"]
 
 
+def test_in_shard_map_times_both_calls_in_a_balanced_order(tmp_path, monkeypatch, capsys):
+    """`benchmarks/in_shard_map.py`: each shape's direct call (what `ring_attention`
+    runs on one device) and the same attention inside a one-device `shard_map`, both
+    passes of each in every round (`balanced_order`), the best kept; equal outputs; the
+    ratios from those bests; bad flags refused by value."""
+    from benchmarks import in_shard_map
+
+    timed = []
+
+    def fake_time(fn, *args, **kwargs):
+        timed.append(fn)
+        return 0.002 if len(timed) % 2 else 0.003  # forward 2 ms, forward+backward 3 ms
+
+    monkeypatch.setattr(in_shard_map, "time_pipelined", fake_time)
+    out = tmp_path / "r.json"
+    argv = ["--shapes", "causal:64:16,full:64:16", "--tokens", "64", "--heads", "4"]
+    argv += ["--kv-heads", "2", "--rounds", "2", "--interpret", "--out", str(out)]
+    assert in_shard_map.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["causal S=64 D=16 B=1", "full S=64 D=16 B=1"]
+    assert len(timed) == 2 * 2 * 2 * 2  # shapes x rounds x calls x passes
+    for row in rows:
+        assert row["max_abs_diff"] == 0.0
+        assert row["direct_fwd_ms"] == row["shard_map_fwd_ms"] == 2.0
+        assert row["shard_map/direct_fwdbwd"] == 1.0
+    assert "shard_map/direct_fwd" in capsys.readouterr().out
+    for bad, named in ((["--shapes", "causal:64"], "causal:64"), (["--rounds", "0"], "0")):
+        with pytest.raises(SystemExit):
+            in_shard_map.main([*bad, "--interpret"])
+        assert named in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------
 # The GPU benchmarks without a GPU: one line and exit status 2 unless --interpret
 
@@ -1162,6 +1194,7 @@ GPU_BENCHMARKS = [
     ["ring.py"],
     ["ring_blocks.py"],
     ["mosaic_smoke.py", "fwd"],
+    ["in_shard_map.py"],
 ]
 
 

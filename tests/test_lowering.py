@@ -743,3 +743,32 @@ def test_forward_streams_from_one_warp(monkeypatch, mapped, head_dim, seq, in_sh
     assert "jflash_mosaic_fwd" in text
     want = head_dim in _mosaic_fwd.MEMORY_WARP_HEAD_DIMS and not in_shard_map
     assert len(mapped) == (2 if documents else 1) * want
+
+
+@pytest.mark.parametrize("devices, want", [(1, 2), (2, 0)], ids=["one-device", "two-devices"])
+def test_ring_attention_on_one_device_streams_from_one_warp(monkeypatch, mapped, devices, want):
+    """`ring_attention` on a mesh of one device calls `flash_attention` without a
+    `shard_map`, so its Mosaic forward and dK/dV kernel stream from one warp at D = 64
+    (the trainer's one-GPU runs); on two devices the kernels run inside the `shard_map`,
+    from the whole warpgroup. Both lower."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+    mesh = jax.sharding.AbstractMesh(
+        (devices,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
+    )
+
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = jflash.ring_attention(
+                q, k, v, mesh=mesh, causal=True, implementation="pallas_mosaic"
+            )
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_fwd" in text and "jflash_mosaic_dkv" in text
+    assert len(mapped) == want

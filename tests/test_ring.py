@@ -324,6 +324,55 @@ def test_single_device_matches_flash_attention():
     np.testing.assert_allclose(lse, want_lse, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_one_device_mesh_calls_flash_attention(axis_type):
+    """On a mesh of one device `ring_attention` is `flash_attention` itself, with no
+    `shard_map` around it (every layout is the natural order on one shard): the same
+    outputs, LSE and gradients, bitwise, with one id array or a pair. Arrays whose
+    Explicit type names the mesh's axis keep the `shard_map`, which returns that type,
+    and the same numbers."""
+    mesh = _seq_mesh(1, (axis_type,))
+    q, k, v, *_ = make_inputs(
+        0, batch=2, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32
+    )
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[None].repeat(2, axis=0)
+    call = dict(causal=True, return_lse=True, implementation="xla")
+
+    def both(attend):
+        def loss(q, k, v, segs):
+            out, lse = attend(q, k, v, segs)
+            return jnp.sum(out * out) + jnp.sum(lse), (out, lse)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    want = both(lambda q, k, v, s: jflash.flash_attention(q, k, v, segment_ids=s, **call))
+    got = both(
+        lambda q, k, v, s: jflash.ring_attention(
+            q, k, v, mesh=mesh, layout="zigzag", segment_ids=s, **call
+        )
+    )
+    for segs in (None, ids, (ids, ids)):
+        jaxpr = str(jax.make_jaxpr(got)(q, k, v, segs))
+        assert "shard_map" not in jaxpr
+        pairs = zip(
+            jax.tree.leaves(got(q, k, v, segs)), jax.tree.leaves(want(q, k, v, segs)), strict=True
+        )
+        for a, b in pairs:
+            np.testing.assert_array_equal(a, b)
+    if axis_type == AxisType.Explicit:  # typed as split over "seq" (of size 1)
+        split = NamedSharding(mesh, P(None, "seq"))
+        qs, ks, vs = (jax.device_put(x, split) for x in (q, k, v))
+        with jax.set_mesh(mesh):
+            assert "shard_map" in str(jax.make_jaxpr(got)(qs, ks, vs, None))
+            grads, (out, lse) = got(qs, ks, vs, None)
+        assert jax.typeof(out).sharding.spec[1] == "seq"
+        pairs = zip(
+            jax.tree.leaves((grads, out, lse)), jax.tree.leaves(want(q, k, v, None)), strict=True
+        )
+        for a, b in pairs:
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.multi_device(8)
 @pytest.mark.slow
 def test_bf16_error_does_not_grow_with_devices():
