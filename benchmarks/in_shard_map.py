@@ -13,7 +13,7 @@ device, as the ring runs its kernels on every device of a larger mesh (and as
 `shard_map` the Mosaic kernels' inputs vary over its axis, and `plgpu.warp_map` refuses
 such Refs, so their memory warpgroups stream from all four warps there
 (`_mosaic_common.one_warp_streams`). Forward and forward+backward of each are timed in
-`--rounds` interleaved rounds (`common.balanced_order`, `common.time_pipelined`), each
+`--rounds` interleaved rounds (`common.interleaved`, `common.time_pipelined`), each
 one's best; the outputs are compared (`max_abs_diff`). Columns: ms and `shard_map/direct`
 (above 1: the call inside the `shard_map` is slower). Shapes are `mask:S:D` (`ab.py`'s),
 `--tokens` per call (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16.
@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_interpret_flag,
-    balanced_order,
     device_name,
     gpu_or_interpret,
+    interleaved,
     jit_passes,
     parse_specs,
     table,
@@ -103,12 +103,11 @@ def main(argv=None) -> int:
         diff = jnp.abs(outs[0].astype(jnp.float32) - outs[1].astype(jnp.float32)).max()
         row = dict(shape=f"{mask} S={seq} D={head_dim} B={batch}", max_abs_diff=float(diff))
         del outs
-        for r in range(args.rounds):
-            for name in balanced_order(list(CALLS), r):
-                for pass_name, (fn, arity) in passes[name].items():
-                    ms = 1e3 * time_pipelined(fn, *(q, k, v, do)[:arity], iters=None)
-                    key = f"{name}_{pass_name}_ms"
-                    row[key] = min(row.get(key, ms), ms)
+        for _, pass_name, i in interleaved(len(CALLS), range(args.rounds), ("fwd", "fwdbwd")):
+            fn, arity = passes[CALLS[i]][pass_name]
+            ms = 1e3 * time_pipelined(fn, *(q, k, v, do)[:arity], iters=None)
+            key = f"{CALLS[i]}_{pass_name}_ms"
+            row[key] = min(row.get(key, ms), ms)
         for pass_name in ("fwd", "fwdbwd"):
             row[f"shard_map/direct_{pass_name}"] = (
                 row[f"shard_map_{pass_name}_ms"] / row[f"direct_{pass_name}_ms"]

@@ -32,6 +32,7 @@ from jflash._validation import (
     check_segment_ids,
     check_unsharded,
     is_self_ids,
+    names_mesh_axes,
 )
 from jflash._vma import check_interpretable, match, mosaic_interpret_error, varying_axes
 
@@ -178,11 +179,7 @@ def _on_one_device(mesh, *arrays) -> bool:
     mesh of one device, and arrays (a pytree each) whose types name no mesh axis. On
     Explicit axes of size 1 a spec that names one keeps the `shard_map`, which returns
     that type."""
-    if mesh.size != 1:
-        return False
-    return not any(
-        entry is not None for x in jax.tree.leaves(arrays) for entry in jax.typeof(x).sharding.spec
-    )
+    return mesh.size == 1 and not any(map(names_mesh_axes, jax.tree.leaves(arrays)))
 
 
 def _check_strategy(layout: str, strategy: str, causal: bool) -> None:

@@ -101,6 +101,11 @@ def check_offsets(q_offset, k_offset, shapes: Shapes, causal: bool) -> tuple[int
     return checked[0], checked[1]
 
 
+def names_mesh_axes(x) -> bool:
+    """Whether `x`'s type names a mesh axis (sharded over Explicit axes)."""
+    return any(entry is not None for entry in jax.typeof(x).sharding.spec)
+
+
 def check_unsharded(where: str, q, k, v, segs) -> None:
     """Refuses inputs (q, k, v and the `check_segment_ids` pair `segs` or None) sharded
     over Explicit mesh axes (their type names the axes): the kernels take one device's
@@ -108,8 +113,8 @@ def check_unsharded(where: str, q, k, v, segs) -> None:
     `shard_map`, and on Auto axes, nothing is."""
     named = [("q", q), ("k", k), ("v", v), *(("segment_ids", s) for s in segs or ())]
     for name, x in named:
-        spec = jax.typeof(x).sharding.spec
-        if any(entry is not None for entry in spec):
+        if names_mesh_axes(x):
+            spec = jax.typeof(x).sharding.spec
             raise ValueError(
                 f"{name} is sharded over Explicit mesh axes ({name}'s spec is {spec}): {where} "
                 "takes one device's arrays; call it inside a jax.shard_map whose manual "
