@@ -9,14 +9,17 @@ Per shape, two calls of the same attention on one device: `direct`, what
 `jflash.ring_attention` runs on a mesh of one device (`flash_attention` itself), and
 `shard_map`, `jflash.ring_attention_shard` inside a `jax.shard_map` over a mesh of one
 device, as the ring runs its kernels on every device of a larger mesh (and as
-`ring_attention` did on one device before it called `flash_attention`). Inside a
-`shard_map` the Mosaic kernels' inputs vary over its axis, and `plgpu.warp_map` refuses
-such Refs, so their memory warpgroups stream from all four warps there
-(`_mosaic_common.one_warp_streams`). Forward and forward+backward of each are timed in
+`ring_attention` did on one device before it called `flash_attention`). Both run the
+same kernels (inside the `shard_map` their operands are handed over typed as unvarying,
+`_vma.unvarying`, so they stream from one warp there too): a ratio off 1 is what the
+`shard_map` itself costs. Forward and forward+backward of each are timed in
 `--rounds` interleaved rounds (`common.interleaved`, `common.time_pipelined`), each
 one's best; the outputs are compared (`max_abs_diff`). Columns: ms and `shard_map/direct`
-(above 1: the call inside the `shard_map` is slower). Shapes are `mask:S:D` (`ab.py`'s),
-`--tokens` per call (batch = tokens // S), GQA `--heads`/`--kv-heads`, bf16.
+(above 1: the call inside the `shard_map` is slower), then each call's device time, summed
+over its kernels from a trace of 10 calls (`*_device_ms`; per kernel in the JSON's
+`*_kernels`): wall time beyond it is the host's or the gaps between kernels. Shapes are
+`mask:S:D` (`ab.py`'s), `--tokens` per call (batch = tokens // S), GQA
+`--heads`/`--kv-heads`, bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +48,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from benchmarks.kernel import draw_inputs  # noqa: E402
+from train.tools.trace import kernel_durations, kernel_label  # noqa: E402
 
 SHAPES = "causal:32768:64,causal:16384:128,causal:65536:128"
 CALLS = ("direct", "shard_map")
@@ -67,6 +72,17 @@ def calls(mesh, causal: bool, interpret: bool):
         return jflash.ring_attention_shard(q, k, v, axis_name="seq", **options)
 
     return {"direct": direct, "shard_map": in_shard_map}
+
+
+def device_ms(fn, args, iterations: int = 10) -> dict[str, float]:
+    """Device time (ms) per call of each kernel `fn` launches, from a trace of
+    `iterations` calls (empty on a CPU)."""
+    jax.block_until_ready([fn(*args) for _ in range(3)])  # clocks up
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([fn(*args) for _ in range(iterations)])
+        spent = kernel_durations(trace_dir)
+    return {kernel_label(name): ns / iterations / 1e6 for name, ns in spent.items()}
 
 
 def main(argv=None) -> int:
@@ -112,11 +128,17 @@ def main(argv=None) -> int:
             row[f"shard_map/direct_{pass_name}"] = (
                 row[f"shard_map_{pass_name}_ms"] / row[f"direct_{pass_name}_ms"]
             )
+            for name in CALLS:  # where the time goes: device time per kernel
+                fn, arity = passes[name][pass_name]
+                spent = device_ms(fn, (q, k, v, do)[:arity])
+                row[f"{name}_{pass_name}_kernels"] = spent
+                row[f"{name}_{pass_name}_device_ms"] = sum(spent.values())
         rows.append(row)
         print(row, flush=True)
     columns = ["shape", "max_abs_diff"]
     columns += [f"{n}_{p}_ms" for n in CALLS for p in ("fwd", "fwdbwd")]
     columns += ["shard_map/direct_fwd", "shard_map/direct_fwdbwd"]
+    columns += [f"{n}_{p}_device_ms" for n in CALLS for p in ("fwd", "fwdbwd")]
     print(table(rows, columns, note))
     out = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", f"in-shard-map-{device_name()}.json"

@@ -579,9 +579,8 @@ def ring_attention(
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)
     if _on_one_device(mesh, q, k, v, segment_ids):
-        # Every layout is the natural order on one shard, and the one-device kernels
-        # run without a shard_map around them, where the Mosaic kernels stream their
-        # inputs from one warp (`one_warp_streams`: no Ref varies over a manual axis).
+        # Every layout is the natural order on one shard: the one-device call, with no
+        # shard_map, layout permutation or ring step around its kernels.
         q, k, v = (_onto_mesh(x, mesh, PartitionSpec()) for x in (q, k, v))
         segment_ids = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, PartitionSpec()), segment_ids)
         return flash_attention(

@@ -156,8 +156,8 @@ ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 # 128 threads polled every barrier: 114 instructions per step and warp beside the
 # compute warps' ~470. Forward+backward 1.01-1.02x at causal 32k D = 64 (two runs),
 # 0.987-0.988x at causal 16k and 64k D = 128; deterministic 1.01x at causal 4k and 16k
-# D = 64, 0.995x at 16k D = 128 (H200, BENCHMARKS.md). Outside `shard_map` only:
-# `mpmd_map` takes no Ref that varies over a manual axis.
+# D = 64, 0.995x at 16k D = 128 (H200, BENCHMARKS.md). Inside `shard_map` too:
+# `launch` hands the kernel operands that vary over no manual axis.
 MEMORY_WARP_HEAD_DIMS = (64,)
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers

@@ -32,7 +32,7 @@ from jflash import _launch_order
 from jflash._mask import Mask
 from jflash._segments import kv_tile_range, q_tile_range
 from jflash._triton_common import index, pad_to, visible_kv_range, visible_q_range
-from jflash._vma import vary, varying_axes
+from jflash._vma import unvarying, vary
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -128,10 +128,9 @@ def drain(free_barriers, num_steps, stages: int) -> None:
 
 def one_warp_streams(q, head_dims, interpret: bool) -> bool:
     """Whether a kernel on `q` streams from one warp of its memory warpgroup
-    (`plgpu.warp_map`): at `head_dims`, compiled (the GPU interpreter has no warp
-    semantics) and outside `shard_map` (`warp_map` refuses Refs that vary over a manual
-    axis)."""
-    return q.shape[-1] in head_dims and not interpret and not varying_axes(q)
+    (`plgpu.warp_map`): at `head_dims`, and compiled (the GPU interpreter has no warp
+    semantics). Inside `shard_map` too: `launch` hands the kernel unvarying operands."""
+    return q.shape[-1] in head_dims and not interpret
 
 
 def stream_kv(
@@ -165,8 +164,7 @@ def stream_kv(
     before this one) and drains once, after the last (`interpret=False` here).
     `one_warp`: warp 0 streams alone (`plgpu.warp_map`), instead of the whole warpgroup,
     which synchronises its 4 warps before each copy and polls each barrier with all 128
-    threads. Compiled only, and outside `shard_map` (`warp_map` refuses Refs that vary
-    over a manual axis).
+    threads. Compiled only.
     """
     if regs is not None:
         plgpu.set_max_registers(regs, action="decrease")
@@ -564,11 +562,13 @@ def launch(
     the D = 64 forward's three) + 1 memory warpgroups, approximate exp2/reciprocal, and
     the GPU interpreter when asked.
 
-    Inside a `jax.shard_map`, `plgpu.kernel` (jax 0.11.2) drops the manual axes of
-    `out_type` (`_vma.struct`): its outputs come back typed as the same on every device.
-    They are marked varying again here, inside the kernels' custom VJPs; left unmarked,
-    jax would mark them at the `shard_map`'s boundary, outside the VJP, and the transpose
-    of that mark sums the output's cotangent over the devices (wrong gradients)."""
+    Inside a `jax.shard_map`, the operands are handed to the kernel typed as the same on
+    every device (`_vma.unvarying`, a no-op in value): `plgpu.warp_map` inside a kernel
+    refuses Refs that vary over a manual axis. `plgpu.kernel` (jax 0.11.2) also drops
+    the manual axes of `out_type` (`_vma.struct`). The outputs are marked varying again
+    here, inside the kernels' custom VJPs; left unmarked, jax would mark them at the
+    `shard_map`'s boundary, outside the VJP, and the transpose of that mark sums the
+    output's cotangent over the devices (wrong gradients)."""
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -585,7 +585,7 @@ def launch(
     types = out_type if isinstance(out_type, (list, tuple)) else None
 
     def call(*args):
-        out = kernel(*args)
+        out = kernel(*(unvarying(x) for x in args))
         if types is None:
             return vary(out, out_type.manual_axis_type.varying)
         return type(out)(

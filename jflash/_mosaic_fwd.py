@@ -132,8 +132,8 @@ THREE_WG_MIN_LEN = 16384
 # `MEMORY_WARP_HEAD_DIMS`). H200, forward against the whole warpgroup, two runs:
 # 0.995-1.012x at causal and full 4k, 1.016x at causal 16k (three warpgroups), 1.011x
 # on packed 16k (D = 64); 1.014-1.030x at causal 16k and 64k D = 128, where identical
-# code read 1.024x the same day; outputs bitwise equal (BENCHMARKS.md).
-# Outside `shard_map` only: `mpmd_map` takes no Ref that varies over a manual axis.
+# code read 1.024x the same day; outputs bitwise equal (BENCHMARKS.md). Inside
+# `shard_map` too: `launch` hands the kernel operands that vary over no manual axis.
 MEMORY_WARP_HEAD_DIMS = (64, 128)
 # The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries) emits
 # its softmax's FMA, exponential, row-sum add and conversion value by value

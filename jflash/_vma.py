@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 
 def varying_axes(*xs) -> frozenset:
@@ -38,6 +40,27 @@ def match(*xs):
     gradient varies where its input does not)."""
     axes = varying_axes(*xs)
     return tuple(vary(x, axes) for x in xs)
+
+
+# A no-op whose type says "the same on every device". A Mosaic kernel's operands pass
+# through it inside `shard_map`: each device's kernel reads only its own buffers, and
+# `plgpu.warp_map` (an `mpmd_map` nested in the kernel, jax 0.11.2) refuses Refs that
+# vary over a manual axis, where `pallas_call` strips those types from its Refs itself.
+# `_mosaic_common.launch` marks the kernel's outputs varying again, inside the custom
+# VJP that holds it; no gradient passes through here (no differentiation rule).
+_unvarying_p = Primitive("jflash_unvarying")
+_unvarying_p.def_impl(lambda x: x)
+_unvarying_p.def_abstract_eval(lambda a: a.update(manual_axis_type=type(a.manual_axis_type)()))
+mlir.register_lowering(_unvarying_p, lambda ctx, x: [x])
+batching.primitive_batchers[_unvarying_p] = lambda args, dims: (_unvarying_p.bind(*args), dims[0])
+
+
+def unvarying(x):
+    """`x` typed as not varying over any manual axis (a no-op in value; `x` itself
+    outside `shard_map`, or for a Ref, which is never varying here)."""
+    if x is None or not isinstance(x, jax.Array) or not varying_axes(x):
+        return x
+    return _unvarying_p.bind(x)
 
 
 def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:

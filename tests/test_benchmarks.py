@@ -1157,7 +1157,8 @@ def test_in_shard_map_times_both_calls_in_a_balanced_order(tmp_path, monkeypatch
     """`benchmarks/in_shard_map.py`: each shape's direct call (what `ring_attention`
     runs on one device) and the same attention inside a one-device `shard_map`, both
     passes of each in every round (`balanced_order`), the best kept; equal outputs; the
-    ratios from those bests; bad flags refused by value."""
+    ratios from those bests; each call's device time per kernel; bad flags refused by
+    value."""
     from benchmarks import in_shard_map
 
     timed = []
@@ -1167,6 +1168,13 @@ def test_in_shard_map_times_both_calls_in_a_balanced_order(tmp_path, monkeypatch
         return 0.002 if len(timed) % 2 else 0.003  # forward 2 ms, forward+backward 3 ms
 
     monkeypatch.setattr(in_shard_map, "time_pipelined", fake_time)
+    traced = []
+
+    def fake_device_ms(fn, args):
+        traced.append(len(args))
+        return {"jflash_mosaic_fwd": 1.5, "copy": 0.25}
+
+    monkeypatch.setattr(in_shard_map, "device_ms", fake_device_ms)
     out = tmp_path / "r.json"
     argv = ["--shapes", "causal:64:16,full:64:16", "--tokens", "64", "--heads", "4"]
     argv += ["--kv-heads", "2", "--rounds", "2", "--interpret", "--out", str(out)]
@@ -1178,6 +1186,9 @@ def test_in_shard_map_times_both_calls_in_a_balanced_order(tmp_path, monkeypatch
         assert row["max_abs_diff"] == 0.0
         assert row["direct_fwd_ms"] == row["shard_map_fwd_ms"] == 2.0
         assert row["shard_map/direct_fwdbwd"] == 1.0
+        assert row["shard_map_fwd_kernels"] == {"jflash_mosaic_fwd": 1.5, "copy": 0.25}
+        assert row["direct_fwdbwd_device_ms"] == 1.75
+    assert traced == [3, 3, 4, 4] * 2  # each call's forward, then forward+backward
     assert "shard_map/direct_fwd" in capsys.readouterr().out
     for bad, named in ((["--shapes", "causal:64"], "causal:64"), (["--rounds", "0"], "0")):
         with pytest.raises(SystemExit):

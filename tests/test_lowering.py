@@ -667,17 +667,17 @@ def mapped(monkeypatch):
 
 @pytest.mark.parametrize(
     "head_dim, in_shard_map, want",
-    [(64, False, True), (128, False, False), (64, True, False)],
-    ids=["d64", "d128", "d64-shard-map"],
+    [(64, False, True), (128, False, False), (64, True, True), (128, True, False)],
+    ids=["d64", "d128", "d64-shard-map", "d128-shard-map"],
 )
 @pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
 def test_backward_streams_from_one_warp(
     monkeypatch, mapped, head_dim, in_shard_map, want, deterministic
 ):
     """At D = 64 the backward's kernels (dK/dV, and the deterministic dQ kernel)
-    stream their inputs from one warp of the memory warpgroup (`plgpu.warp_map`); at
-    D = 128 and inside a `shard_map` (whose Refs `mpmd_map` refuses: they vary over its
-    axes) from the whole warpgroup. All lower."""
+    stream their inputs from one warp of the memory warpgroup (`plgpu.warp_map`), inside
+    a `shard_map` too (`_vma.unvarying`: `mpmd_map` refuses Refs that vary over its
+    axes); at D = 128 from the whole warpgroup. All lower."""
     from jflash import _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -713,8 +713,8 @@ def test_backward_streams_from_one_warp(
 def test_forward_streams_from_one_warp(monkeypatch, mapped, head_dim, seq, in_shard_map, documents):
     """The forward streams K and V from one warp of the memory warpgroup
     (`plgpu.warp_map`) at `MEMORY_WARP_HEAD_DIMS`, on two and three compute warpgroups
-    (D = 64 from 16k queries) and with segment ids (both launches); calls inside a
-    `shard_map` from the whole warpgroup. All lower."""
+    (D = 64 from 16k queries) and with segment ids (both launches), inside a `shard_map`
+    too. All lower."""
     from jflash import _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
@@ -741,18 +741,31 @@ def test_forward_streams_from_one_warp(monkeypatch, mapped, head_dim, seq, in_sh
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_fwd" in text
-    want = head_dim in _mosaic_fwd.MEMORY_WARP_HEAD_DIMS and not in_shard_map
+    want = head_dim in _mosaic_fwd.MEMORY_WARP_HEAD_DIMS
     assert len(mapped) == (2 if documents else 1) * want
 
 
-@pytest.mark.parametrize("devices, want", [(1, 2), (2, 0)], ids=["one-device", "two-devices"])
-def test_ring_attention_on_one_device_streams_from_one_warp(monkeypatch, mapped, devices, want):
-    """`ring_attention` on a mesh of one device calls `flash_attention` without a
-    `shard_map`, so its Mosaic forward and dK/dV kernel stream from one warp at D = 64
-    (the trainer's one-GPU runs); on two devices the kernels run inside the `shard_map`,
-    from the whole warpgroup. Both lower."""
+@pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "two-devices"])
+def test_ring_attention_streams_from_one_warp(monkeypatch, mapped, devices):
+    """Every Mosaic kernel `ring_attention` launches at D = 64 (forward and dK/dV)
+    streams from one warp: on a mesh of one device (`flash_attention` without a
+    `shard_map`, the trainer's one-GPU runs), and on two, inside the ring's `shard_map`
+    (each ring step's calls). Both lower."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    bodies = []  # the kernel name of every Mosaic kernel body traced
+    kernel = plgpu.kernel
+
+    def spy(body, **kwargs):
+        def counted(*args, **kw):
+            bodies.append(kwargs["kernel_name"])
+            return body(*args, **kw)
+
+        return kernel(counted, **kwargs)
+
+    monkeypatch.setattr(plgpu, "kernel", spy)
     q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
     mesh = jax.sharding.AbstractMesh(
@@ -771,4 +784,6 @@ def test_ring_attention_on_one_device_streams_from_one_warp(monkeypatch, mapped,
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_fwd" in text and "jflash_mosaic_dkv" in text
-    assert len(mapped) == want
+    assert {"jflash_mosaic_fwd", "jflash_mosaic_dkv"} <= set(bodies)
+    assert len(bodies) >= (2 if devices == 1 else 6)  # 2 ring steps: 3 forward calls
+    assert len(mapped) == len(bodies)

@@ -379,13 +379,17 @@ def test_pallas_kernels_in_user_shard_map(case):
 
 
 # The Mosaic kernels (Hopper's default) in a user's shard_map, compiled: every strategy,
-# causal and not, D = 64 and 128, with documents. Their outputs must vary over the
-# shard_map's axes like their inputs (a sum of dO over the devices gave wrong dQ once).
+# causal and not, D = 64 and 128, with documents, and on a mesh of one device (one GPU
+# runs those: the kernels' one-warp streams inside a shard_map). Their outputs must vary
+# over the shard_map's axes like their inputs (a sum of dO over the devices gave wrong
+# dQ once).
 MOSAIC = [
     Case(
         seq_len=512, q_heads=4, kv_heads=2, implementation="pallas_mosaic", dtype=jnp.bfloat16, **kw
     )
     for kw in (
+        {"head_dim": 64, "num_shards": 1, "documents": 3},
+        {"head_dim": 128, "num_shards": 1, "causal": False},
         {"head_dim": 64, "causal": False, "documents": 5},
         {"head_dim": 64, "strategy": "allgather", "layout": "contiguous"},
         {"head_dim": 128, "strategy": "ulysses"},
