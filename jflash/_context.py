@@ -351,7 +351,7 @@ def ring_attention_shard(
             dtype=q.dtype,
             deterministic=deterministic,
         )
-        check_interpretable(resolved.name, resolved.interpret, q, k, v, *(segs or ()))
+        check_interpretable(resolved.name, resolved.interpret)
         o, lse = ulysses_shard(
             q,
             k,
@@ -379,7 +379,7 @@ def ring_attention_shard(
         scale=scale,
         **kernel_choice,
     )
-    check_interpretable(cfg.kernel.name, cfg.kernel.interpret, q, k, v, *(segs or ()))
+    check_interpretable(cfg.kernel.name, cfg.kernel.interpret)
 
     def ring(q, k, v, segs):
         if ring_shards == 1:
@@ -619,14 +619,12 @@ def ring_attention(
         mesh=mesh,
         batch_spec=batch or None,  # a tuple of axis names splits the batch over all of them
         options=tuple(options.items()),
-        # Interpreted Pallas kernels lose manual-axis types (see `check_interpretable`).
-        check_vma=not cfg.kernel.interpret,
     )
     return (o, lse) if return_lse else o
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "batch_spec", "options", "check_vma"))
-def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options, check_vma):
+@functools.partial(jax.jit, static_argnames=("mesh", "batch_spec", "options"))
+def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options):
     """`ring_attention_shard` (keyword arguments `options`) in a `shard_map` over
     `mesh`, on global arrays. Jitted: an eager `shard_map` would run the ring op by
     op (seconds for a few tokens on CPU), and a second call reuses the program."""
@@ -647,5 +645,4 @@ def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options, check_vma):
         mesh=mesh,
         in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_specs),
         out_specs=(qkv_spec, lse_spec),
-        check_vma=check_vma,
     )(q, k, v, segs)

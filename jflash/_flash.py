@@ -151,7 +151,7 @@ def flash_attention(
             deterministic=deterministic,
         ),
     )
-    check_interpretable(static.kernel.name, static.kernel.interpret, q, k, v, *(segs or ()))
+    check_interpretable(static.kernel.name, static.kernel.interpret)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     o, lse = _flash(q, k, v, segs, static)
     return (o, lse) if return_lse else o

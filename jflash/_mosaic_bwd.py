@@ -902,7 +902,7 @@ def mosaic_bwd(
         per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
     kv_tiles = geom.kv_pad // rows
-    kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype, k)
+    kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype)
     dkv_body = functools.partial(
         _dkv_kernel,
         block_q=block_q_dkv,
@@ -973,7 +973,7 @@ def mosaic_bwd(
     with_ids = 2 if segments else 1  # TMA arrivals on the K barrier
     dq = launch(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, stages=dq_stages, **common),
-        out_type=struct((b, geom.q_pad, n, h), grad_dtype, q),
+        out_type=struct((b, geom.q_pad, n, h), grad_dtype),
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), q.dtype),

@@ -32,7 +32,7 @@ from jflash import _launch_order
 from jflash._mask import Mask
 from jflash._segments import kv_tile_range, q_tile_range
 from jflash._triton_common import index, pad_to, visible_kv_range, visible_q_range
-from jflash._vma import unvarying, vary
+from jflash._vma import per_device
 
 WG_ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 COMPUTE_WGS = 2
@@ -562,13 +562,8 @@ def launch(
     the D = 64 forward's three) + 1 memory warpgroups, approximate exp2/reciprocal, and
     the GPU interpreter when asked.
 
-    Inside a `jax.shard_map`, the operands are handed to the kernel typed as the same on
-    every device (`_vma.unvarying`, a no-op in value): `plgpu.warp_map` inside a kernel
-    refuses Refs that vary over a manual axis. `plgpu.kernel` (jax 0.11.2) also drops
-    the manual axes of `out_type` (`_vma.struct`). The outputs are marked varying again
-    here, inside the kernels' custom VJPs; left unmarked, jax would mark them at the
-    `shard_map`'s boundary, outside the VJP, and the transpose of that mark sums the
-    output's cotangent over the devices (wrong gradients)."""
+    Inside a `jax.shard_map` the kernel runs per device (`_vma.per_device`): its
+    operands typed as unvarying, its outputs marked varying like them."""
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
@@ -582,17 +577,7 @@ def launch(
         # The GPU interpreter simulates warpgroups, barriers and TMA on CPU.
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    types = out_type if isinstance(out_type, (list, tuple)) else None
-
-    def call(*args):
-        out = kernel(*(unvarying(x) for x in args))
-        if types is None:
-            return vary(out, out_type.manual_axis_type.varying)
-        return type(out)(
-            vary(x, t.manual_axis_type.varying) for x, t in zip(out, types, strict=True)
-        )
-
-    return call
+    return per_device(kernel)
 
 
 # ----------------------------------------------------------------------------- steps

@@ -1032,7 +1032,10 @@ def _launch(
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
     o_rows = out_rows if interpret else q_rows
-    out_type = [struct((b, o_rows, n, h), out_dtype, q), struct((b, n, out_rows), jnp.float32, q)]
+    out_type = [
+        struct((b, o_rows, n, h), out_dtype),
+        struct((b, n, out_rows), jnp.float32),
+    ]
     if copy_from is not None:
         inputs += tuple(copy_from)
     call = launch(

@@ -242,24 +242,26 @@ def flash_bwd(
             *tile_range_specs(at_kv_tile),
         ]
         args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp), *q_tile_range(*segs, bq, bk)]
-    dk, dv = pl.pallas_call(
-        functools.partial(
-            _flash_bwd_dkv_kernel,
-            scale=scale,
-            mask=mask,
-            q_len=t,
-            block_q=bq,
-            block_kv=bk,
-            group=group,
-            tile_axis=launch.tile_axis,
-        ),
-        grid=launch.grid,
-        in_specs=in_specs,
-        out_specs=[tile_spec, tile_spec],
-        out_shape=[_vma.struct((b, sp, kh, hp), grad_dtype, like=q)] * 2,
-        compiler_params=params,
-        interpret=interpret,
-        name="jflash_bwd_dkv",
+    dk, dv = _vma.per_device(
+        pl.pallas_call(
+            functools.partial(
+                _flash_bwd_dkv_kernel,
+                scale=scale,
+                mask=mask,
+                q_len=t,
+                block_q=bq,
+                block_kv=bk,
+                group=group,
+                tile_axis=launch.tile_axis,
+            ),
+            grid=launch.grid,
+            in_specs=in_specs,
+            out_specs=[tile_spec, tile_spec],
+            out_shape=[_vma.struct((b, sp, kh, hp), grad_dtype)] * 2,
+            compiler_params=params,
+            interpret=interpret,
+            name="jflash_bwd_dkv",
+        )
     )(*args)
 
     # dQ: one program per (query block, batch, query head).
@@ -291,22 +293,24 @@ def flash_bwd(
             *tile_range_specs(at_q_tile),
         ]
         args += [pad_to(segs[0], 1, tp), pad_to(segs[1], 1, sp), *kv_tile_range(*segs, bq, bk)]
-    dq = pl.pallas_call(
-        functools.partial(
-            _flash_bwd_dq_kernel,
-            scale=scale,
-            mask=mask,
-            kv_len=s_len,
-            block_q=bq,
-            block_kv=bk,
-            tile_axis=launch.tile_axis,
-        ),
-        grid=launch.grid,
-        in_specs=in_specs,
-        out_specs=q_spec,
-        out_shape=_vma.struct((b, tp, n, hp), grad_dtype, like=q),
-        compiler_params=params,
-        interpret=interpret,
-        name="jflash_bwd_dq",
+    dq = _vma.per_device(
+        pl.pallas_call(
+            functools.partial(
+                _flash_bwd_dq_kernel,
+                scale=scale,
+                mask=mask,
+                kv_len=s_len,
+                block_q=bq,
+                block_kv=bk,
+                tile_axis=launch.tile_axis,
+            ),
+            grid=launch.grid,
+            in_specs=in_specs,
+            out_specs=q_spec,
+            out_shape=_vma.struct((b, tp, n, hp), grad_dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="jflash_bwd_dq",
+        )
     )(*args)
     return dq[:, :t, :, :h], dk[:, :s_len, :, :h], dv[:, :s_len, :, :h]

@@ -188,24 +188,26 @@ def flash_fwd(
         num_heads=n,
         tile_axis=launch.tile_axis,
     )
-    o, lse = pl.pallas_call(
-        kernel,
-        grid=launch.grid,
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, bq, None, hp), q_map),
-            pl.BlockSpec(
-                (None, None, bq), launch.index_map(lambda bh, i: (bh // n, bh % n, nq - 1 - i))
+    o, lse = _vma.per_device(
+        pl.pallas_call(
+            kernel,
+            grid=launch.grid,
+            in_specs=in_specs,
+            out_specs=[
+                pl.BlockSpec((None, bq, None, hp), q_map),
+                pl.BlockSpec(
+                    (None, None, bq), launch.index_map(lambda bh, i: (bh // n, bh % n, nq - 1 - i))
+                ),
+            ],
+            out_shape=[
+                _vma.struct((b, tp, n, hp), out_dtype),
+                _vma.struct((b, n, tp), jnp.float32),
+            ],
+            compiler_params=plgpu.CompilerParams(
+                num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
             ),
-        ],
-        out_shape=[
-            _vma.struct((b, tp, n, hp), out_dtype, like=q),
-            _vma.struct((b, n, tp), jnp.float32, like=q),
-        ],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
-        ),
-        interpret=interpret,
-        name="jflash_fwd",
+            interpret=interpret,
+            name="jflash_fwd",
+        )
     )(*args)
     return o[:, :t, :, :h], lse[:, :, :t]

@@ -1,9 +1,9 @@
 """Manual-axis types inside a user's `jax.shard_map` (jax's `check_vma=True`).
 
-Inside `shard_map`, every value records which manual mesh axes it varies over. A kernel
-whose output shapes or loop carries are built fresh carries no such axes, and jax then
-refuses it. These helpers give kernels the types their inputs have; outside
-`shard_map` they change nothing.
+Inside `shard_map`, every value records which manual mesh axes it varies over. A value
+built fresh (a loop carry, a kernel's output) varies over none, and jax refuses to mix it
+with one that varies. These helpers give values the types their inputs have, and run
+each Pallas kernel per device (`per_device`); outside `shard_map` they change nothing.
 """
 
 from __future__ import annotations
@@ -42,15 +42,12 @@ def match(*xs):
     return tuple(vary(x, axes) for x in xs)
 
 
-# A no-op whose type says "the same on every device". A Mosaic kernel's operands pass
-# through it inside `shard_map`: each device's kernel reads only its own buffers, and
-# `plgpu.warp_map` (an `mpmd_map` nested in the kernel, jax 0.11.2) refuses Refs that
-# vary over a manual axis, where `pallas_call` strips those types from its Refs itself.
-# `_mosaic_common.launch` marks the kernel's outputs varying again, inside the custom
-# VJP that holds it; no gradient passes through here (no differentiation rule).
+# A no-op whose type says "the same on every device": what `per_device` hands a kernel.
+# No gradient passes through it (no differentiation rule): it lives inside the kernels'
+# custom VJPs.
 _unvarying_p = Primitive("jflash_unvarying")
 _unvarying_p.def_impl(lambda x: x)
-_unvarying_p.def_abstract_eval(lambda a: a.update(manual_axis_type=type(a.manual_axis_type)()))
+_unvarying_p.def_abstract_eval(lambda a: a.update(manual_axis_type=jax.sharding.ManualAxisType()))
 mlir.register_lowering(_unvarying_p, lambda ctx, x: [x])
 batching.primitive_batchers[_unvarying_p] = lambda args, dims: (_unvarying_p.bind(*args), dims[0])
 
@@ -63,9 +60,29 @@ def unvarying(x):
     return _unvarying_p.bind(x)
 
 
-def struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
-    """An output shape for a Pallas call that varies like the array `like`."""
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+def struct(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An output shape for a Pallas call run by `per_device`: varying over no manual
+    axis (`pallas_call` under `check_vma` takes no shape without a type)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType())
+
+
+def per_device(kernel):
+    """`kernel` (a Pallas call, its output shapes `struct`s) called with every
+    operand typed as unvarying (`unvarying`), its outputs marked varying over the axes
+    its operands varied over: each device's kernel reads and writes its own buffers.
+    Inside `shard_map`, Mosaic GPU's `plgpu.warp_map` refuses Refs that vary over a
+    manual axis (`plgpu.kernel` keeps the operands' types on its Refs, jax 0.11.2), and
+    the Pallas interpreters mix varying and unvarying values inside a kernel body.
+    Called inside the kernels' custom VJPs: jax's transpose of the outputs' mark, were
+    it made at the `shard_map`'s boundary instead, would sum their cotangents over the
+    devices (wrong gradients)."""
+
+    def call(*args):
+        axes = varying_axes(*(x for x in args if isinstance(x, jax.Array)))
+        out = kernel(*(unvarying(x) for x in args))
+        return jax.tree.map(lambda x: vary(x, axes), out)
+
+    return call
 
 
 def mosaic_interpret_error(num_devices: int) -> NotImplementedError:
@@ -78,20 +95,11 @@ def mosaic_interpret_error(num_devices: int) -> NotImplementedError:
     )
 
 
-def check_interpretable(implementation: str, interpret: bool, *xs) -> None:
-    """Refuses an interpreted Pallas kernel where jax 0.11.2's interpreters fail deep
-    inside; compiled kernels run there. Inside a `shard_map` over 2+ devices the GPU
-    (Mosaic) interpreter fails, whatever the kernel's own axes (a data-parallel
-    `shard_map` too), and only after the call has returned (its check runs in a
-    callback). Inside `shard_map(check_vma=True)` no Pallas interpreter carries
-    manual-axis types through a kernel body, and each fails with a type error."""
+def check_interpretable(implementation: str, interpret: bool) -> None:
+    """Refuses the interpreted Mosaic kernels where jax 0.11.2's GPU interpreter fails
+    deep inside; compiled kernels run there. Inside a `shard_map` over 2+ devices it
+    fails, whatever the kernel's own axes (a data-parallel `shard_map` too), and only
+    after the call has returned (its check runs in a callback)."""
     mesh = jax.sharding.get_abstract_mesh()
     if interpret and implementation == "pallas_mosaic" and mesh.manual_axes and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)
-    if interpret and implementation != "xla" and varying_axes(*xs):
-        raise NotImplementedError(
-            f"implementation={implementation!r} in interpret mode cannot run inside "
-            "jax.shard_map with check_vma=True (jax 0.11.2's Pallas interpreter loses the "
-            "manual-axis types): pass check_vma=False to that shard_map, or use "
-            "implementation='xla'; compiled on a GPU it runs with check_vma=True"
-        )

@@ -108,8 +108,6 @@ def _user_fn(case: Case, mesh):
         mesh=mesh,
         in_specs=(qkv, qkv, qkv, None if not case.documents else seg),
         out_specs=(qkv, lse_spec),
-        # Interpreted Pallas kernels need the check off (jflash says so if it is on).
-        check_vma=not (INTERPRET and case.implementation != "xla"),
         **(
             {"axis_names": set(axis) if case.strategy == "hybrid" else {"seq"}}
             if case.partial
@@ -404,10 +402,10 @@ MOSAIC = [
 @needs_hopper
 @pytest.mark.parametrize("case", MOSAIC, ids=str)
 def test_mosaic_kernels_in_user_shard_map(case):
-    if INTERPRET:
+    if INTERPRET and case.num_shards > 1:
         pytest.skip(
-            "compiled on Hopper GPUs only: jax 0.11.2's GPU interpreter runs neither "
-            "check_vma=True nor P >= 2 (tests/test_lowering.py checks their types on CPU)"
+            "compiled on Hopper GPUs only: jax 0.11.2's GPU interpreter fails in a "
+            "shard_map over 2+ devices (tests/test_lowering.py checks their types on CPU)"
         )
     _check(case)
 
@@ -647,7 +645,7 @@ def test_one_shard_runs_the_single_device_kernels(strategy):
 def test_flash_attention_in_data_parallel_shard_map(implementation, head_dim, seq, dtype):
     """The single-device op inside a plain data-parallel shard_map, check_vma on."""
     if implementation != "xla" and INTERPRET:
-        pytest.skip("compiled on a Hopper GPU only (the interpreter runs no check_vma=True)")
+        pytest.skip("compiled on a Hopper GPU only (the GPU interpreter runs on one device)")
     n = 2 if implementation != "xla" else 4
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices")
@@ -758,22 +756,42 @@ def test_inputs_sharded_over_explicit_axes_are_named():
             jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, **call))(*args)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled kernels run with check_vma=True")
-def test_interpreted_kernel_under_check_vma_is_named():
+@pytest.mark.multi_device(2)
+def test_interpreted_triton_kernel_under_check_vma():
+    """The Pallas (Triton) kernels in interpret mode run inside a user's `shard_map`
+    with `check_vma=True` over 2 devices, gradients too (as compiled ones do: each
+    device's kernel gets operands typed as unvarying, `_vma.per_device`); jax 0.11.2's
+    interpreter alone mixes varying and unvarying values inside the kernel body."""
     mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
-    q, k, v, *_ = make_inputs(
-        0, batch=1, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
+    q, k, v, do, dlse = make_inputs(
+        0, batch=1, q_len=64, kv_len=64, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
     )
     spec = P(None, "seq")
 
-    def per_shard(q, k, v):
+    def per_shard(q, k, v, segs):
         return jflash.ring_attention_shard(
-            q, k, v, axis_name="seq", causal=True, implementation="pallas_triton"
+            q,
+            k,
+            v,
+            axis_name="seq",
+            causal=True,
+            segment_ids=segs,
+            layout="contiguous",
+            return_lse=True,
+            implementation="pallas_triton",
+            interpret=INTERPRET,
         )
 
-    with jax.set_mesh(mesh), pytest.raises(NotImplementedError, match="check_vma=False"):
-        args = (jax.reshard(x, spec) for x in (q, k, v))
-        jax.shard_map(per_shard, mesh=mesh, in_specs=spec, out_specs=spec)(*args)
+    fn = jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(spec, spec, spec, None),
+        out_specs=(spec, P(None, None, "seq")),
+    )
+    with jax.set_mesh(mesh):
+        args = [jax.reshard(x, spec) for x in (q, k, v)]
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(*args, None, do, dlse)
+    assert_close(actual, oracle(q, k, v, do, dlse, causal=True), jnp.float32)
 
 
 @pytest.mark.multi_device(2)
