@@ -5,21 +5,20 @@
     python benchmarks/in_shard_map.py --interpret --shapes causal:256:64 --tokens 256 \\
         --heads 4 --kv-heads 2 --rounds 2                       # the code path on CPU
 
-Per shape, two calls of the same attention on one device: `direct`, what
-`jflash.ring_attention` runs on a mesh of one device (`flash_attention` itself), and
-`shard_map`, `jflash.ring_attention_shard` inside a `jax.shard_map` over a mesh of one
-device, as the ring runs its kernels on every device of a larger mesh (and as
-`ring_attention` did on one device before it called `flash_attention`). Both run the
-same kernels (inside the `shard_map` their operands are handed over typed as unvarying,
-`_vma.unvarying`, so they stream from one warp there too): a ratio off 1 is what the
-`shard_map` itself costs. Forward and forward+backward of each are timed in
-`--rounds` interleaved rounds (`common.interleaved`, `common.time_pipelined`), each
-one's best; the outputs are compared (`max_abs_diff`). Columns: ms and `shard_map/direct`
-(above 1: the call inside the `shard_map` is slower), then each call's device time, summed
-over its kernels from a trace of 10 calls (`*_device_ms`; per kernel in the JSON's
-`*_kernels`): wall time beyond it is the host's or the gaps between kernels. Shapes are
-`mask:S:D` (`ab.py`'s), `--tokens` per call (batch = tokens // S), GQA
-`--heads`/`--kv-heads`, bf16.
+Per shape, two calls of the same attention on one device: `direct`,
+`jflash.flash_attention`, and `shard_map`, `jflash.ring_attention_shard` inside a
+`jax.shard_map` over a mesh of one device, as the ring runs its kernels on every device of
+a larger mesh (and as `jflash.ring_attention` runs on a mesh of one device). Both run the
+same kernels (inside the `shard_map` each kernel's operands are handed over typed as
+unvarying, `_vma.per_device`, so they stream from one warp there too): a ratio off 1 is
+what the `shard_map` itself costs, or the timing's noise. Forward and forward+backward of
+each are timed in `--rounds` interleaved rounds (`common.interleaved`,
+`common.time_pipelined`), each one's best; the outputs are compared (`max_abs_diff`).
+Columns: ms and `shard_map/direct` (above 1: the call inside the `shard_map` is slower),
+then each call's device time, summed over its kernels from a trace of 10 calls
+(`*_device_ms`; per kernel in the JSON's `*_kernels`): wall time beyond it is the host's
+or the gaps between kernels. Shapes are `mask:S:D` (`ab.py`'s), `--tokens` per call (batch
+= tokens // S), GQA `--heads`/`--kv-heads`, bf16.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def calls(mesh, causal: bool, interpret: bool):
     options = dict(causal=causal, interpret=interpret or None)
 
     def direct(q, k, v):
-        return jflash.ring_attention(q, k, v, mesh=mesh, **options)
+        return jflash.flash_attention(q, k, v, **options)
 
     @functools.partial(
         jax.shard_map,

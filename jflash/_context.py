@@ -32,7 +32,6 @@ from jflash._validation import (
     check_segment_ids,
     check_unsharded,
     is_self_ids,
-    names_mesh_axes,
 )
 from jflash._vma import check_interpretable, match, mosaic_interpret_error, varying_axes
 
@@ -172,14 +171,6 @@ def _onto_mesh(x, mesh, spec: PartitionSpec):
     ):
         return jax.device_put(x, NamedSharding(mesh, spec))
     return x
-
-
-def _on_one_device(mesh, *arrays) -> bool:
-    """Whether `ring_attention` runs `flash_attention` itself, without a `shard_map`: a
-    mesh of one device, and arrays (a pytree each) whose types name no mesh axis. On
-    Explicit axes of size 1 a spec that names one keeps the `shard_map`, which returns
-    that type."""
-    return mesh.size == 1 and not any(map(names_mesh_axes, jax.tree.leaves(arrays)))
 
 
 def _check_strategy(layout: str, strategy: str, causal: bool) -> None:
@@ -464,9 +455,8 @@ def ring_attention(
     """Exact self-attention over a sequence sharded along `seq_axis`, differentiable.
 
     Global arrays in, global arrays out: builds a `jax.shard_map` over `mesh` around
-    `jflash.ring_attention_shard` (one implementation); on a mesh of one device it
-    calls `jflash.flash_attention` instead (every layout is the natural order there),
-    unless the arrays' types name a mesh axis. Pass global arrays (jitted or
+    `jflash.ring_attention_shard` (one implementation; on a mesh of one device that
+    runs `jflash.flash_attention`'s kernels). Pass global arrays (jitted or
     not); the sequence dimension is split over the `seq_axis` mesh axes. Called
     outside `jax.jit`, arrays on other devices than the mesh's (committed to one
     device, say) are first put onto it, as `jax.device_put` would. Works with
@@ -578,24 +568,6 @@ def ring_attention(
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)
-    if _on_one_device(mesh, q, k, v, segment_ids):
-        # Every layout is the natural order on one shard: the one-device call, with no
-        # shard_map, layout permutation or ring step around its kernels.
-        q, k, v = (_onto_mesh(x, mesh, PartitionSpec()) for x in (q, k, v))
-        segment_ids = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, PartitionSpec()), segment_ids)
-        return flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=segment_ids,
-            scale=scale,
-            return_lse=return_lse,
-            block_sizes=block_sizes,
-            implementation=implementation,
-            interpret=interpret,
-            deterministic=deterministic,
-        )
     qkv_spec, _, seg_spec = _specs(seq_axis, batch or None)
     q, k, v = (_onto_mesh(x, mesh, qkv_spec) for x in (q, k, v))
     segs = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, seg_spec), segs)

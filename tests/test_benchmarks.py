@@ -1154,8 +1154,8 @@ def test_ring_stopped_from_outside_prints_its_stacks(tmp_path):
 
 
 def test_in_shard_map_times_both_calls_in_a_balanced_order(tmp_path, monkeypatch, capsys):
-    """`benchmarks/in_shard_map.py`: each shape's direct call (what `ring_attention`
-    runs on one device) and the same attention inside a one-device `shard_map`, both
+    """`benchmarks/in_shard_map.py`: each shape's direct call (`flash_attention`) and
+    the same attention inside a one-device `shard_map`, both
     passes of each in every round (`balanced_order`), the best kept; equal outputs; the
     ratios from those bests; each call's device time per kernel; bad flags refused by
     value."""

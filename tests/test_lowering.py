@@ -748,9 +748,8 @@ def test_forward_streams_from_one_warp(monkeypatch, mapped, head_dim, seq, in_sh
 @pytest.mark.parametrize("devices", [1, 2], ids=["one-device", "two-devices"])
 def test_ring_attention_streams_from_one_warp(monkeypatch, mapped, devices):
     """Every Mosaic kernel `ring_attention` launches at D = 64 (forward and dK/dV)
-    streams from one warp: on a mesh of one device (`flash_attention` without a
-    `shard_map`, the trainer's one-GPU runs), and on two, inside the ring's `shard_map`
-    (each ring step's calls). Both lower."""
+    streams from one warp, inside its `shard_map`: on a mesh of one device (the
+    trainer's one-GPU runs), and on two (each ring step's calls). Both lower."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")

@@ -325,12 +325,12 @@ def test_single_device_matches_flash_attention():
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
-def test_one_device_mesh_calls_flash_attention(axis_type):
-    """On a mesh of one device `ring_attention` is `flash_attention` itself, with no
-    `shard_map` around it (every layout is the natural order on one shard): the same
+def test_one_device_mesh_matches_flash_attention(axis_type):
+    """On a mesh of one device `ring_attention` runs `flash_attention`'s kernels in a
+    `shard_map` of one shard (every layout is the natural order there): the same
     outputs, LSE and gradients, bitwise, with one id array or a pair. Arrays whose
-    Explicit type names the mesh's axis keep the `shard_map`, which returns that type,
-    and the same numbers."""
+    Explicit type names the mesh's axis come back with that type, and the same
+    numbers."""
     mesh = _seq_mesh(1, (axis_type,))
     q, k, v, *_ = make_inputs(
         0, batch=2, q_len=64, kv_len=64, q_heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32
@@ -352,8 +352,6 @@ def test_one_device_mesh_calls_flash_attention(axis_type):
         )
     )
     for segs in (None, ids, (ids, ids)):
-        jaxpr = str(jax.make_jaxpr(got)(q, k, v, segs))
-        assert "shard_map" not in jaxpr
         pairs = zip(
             jax.tree.leaves(got(q, k, v, segs)), jax.tree.leaves(want(q, k, v, segs)), strict=True
         )
@@ -363,7 +361,6 @@ def test_one_device_mesh_calls_flash_attention(axis_type):
         split = NamedSharding(mesh, P(None, "seq"))
         qs, ks, vs = (jax.device_put(x, split) for x in (q, k, v))
         with jax.set_mesh(mesh):
-            assert "shard_map" in str(jax.make_jaxpr(got)(qs, ks, vs, None))
             grads, (out, lse) = got(qs, ks, vs, None)
         assert jax.typeof(out).sharding.spec[1] == "seq"
         pairs = zip(
