@@ -400,7 +400,12 @@ MOSAIC = [
 
 
 @needs_hopper
-@pytest.mark.parametrize("case", MOSAIC, ids=str)
+@pytest.mark.parametrize(
+    "case",
+    # One device: interpreted on CPU too, 25-50 s each there.
+    [pytest.param(c, marks=pytest.mark.slow) if c.num_shards == 1 else c for c in MOSAIC],
+    ids=str,
+)
 def test_mosaic_kernels_in_user_shard_map(case):
     if INTERPRET and case.num_shards > 1:
         pytest.skip(
