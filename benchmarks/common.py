@@ -8,6 +8,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -167,6 +168,17 @@ def time_pipelined(
         per_call.append((time.perf_counter() - t0) / iters)
         del out
     return statistics.median(per_call)
+
+
+def traced_kernels(fn, args, iterations: int) -> dict[str, float]:
+    """Device time (ns) per kernel name, summed over `iterations` calls of `fn(*args)`
+    run under a `jax.profiler` trace, longest first (empty without a GPU)."""
+    from train.tools.trace import kernel_durations
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready([fn(*args) for _ in range(iterations)])
+        return kernel_durations(trace_dir)
 
 
 def device_name() -> str:

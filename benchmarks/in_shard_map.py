@@ -27,7 +27,6 @@ import argparse
 import functools
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +43,11 @@ from benchmarks.common import (  # noqa: E402
     parse_specs,
     table,
     time_pipelined,
+    traced_kernels,
     write_json,
 )
 from benchmarks.kernel import draw_inputs  # noqa: E402
-from train.tools.trace import kernel_durations, kernel_label  # noqa: E402
+from train.tools.trace import kernel_label  # noqa: E402
 
 SHAPES = "causal:32768:64,causal:16384:128,causal:65536:128"
 CALLS = ("direct", "shard_map")
@@ -76,10 +76,7 @@ def device_ms(fn, args, iterations: int = 10) -> dict[str, float]:
     """Device time (ms) per call of each kernel `fn` launches, from a trace of
     `iterations` calls (empty on a CPU)."""
     jax.block_until_ready([fn(*args) for _ in range(3)])  # clocks up
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready([fn(*args) for _ in range(iterations)])
-        spent = kernel_durations(trace_dir)
+    spent = traced_kernels(fn, args, iterations)
     return {kernel_label(name): ns / iterations / 1e6 for name, ns in spent.items()}
 
 

@@ -44,7 +44,6 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -63,9 +62,10 @@ from benchmarks.common import (  # noqa: E402
     jit_passes,
     table,
     time_pipelined,
+    traced_kernels,
     write_json,
 )
-from train.tools.trace import kernel_durations, kernel_label  # noqa: E402
+from train.tools.trace import kernel_label  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -494,10 +494,7 @@ def kernel_split(args, iterations: int = 20):
             continue
         compiled = jit_passes(attn)["fwdbwd"][0].lower(*inputs).compile()
         jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
-        with tempfile.TemporaryDirectory() as trace_dir:
-            with jax.profiler.trace(trace_dir):
-                jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
-            spent = kernel_durations(trace_dir)
+        spent = traced_kernels(compiled, inputs, iterations)
         total = sum(spent.values())
         for name, ns in spent.items():
             if ns < args.kernel_share * total:
@@ -700,16 +697,13 @@ def launch_order(args, iterations: int = 10, repeats: int = 2):
             with jflash.tiles_first_limits(*limits):
                 compiled = jit_passes(attn)["fwdbwd"][0].lower(*inputs).compile()
             jax.block_until_ready([compiled(*inputs) for _ in range(3)])  # clocks up
-            with tempfile.TemporaryDirectory() as trace_dir:
-                with jax.profiler.trace(trace_dir):
-                    jax.block_until_ready([compiled(*inputs) for _ in range(iterations)])
-                call = {}  # kernel -> ms per call, summed over its launches' names
-                for name, ns in kernel_durations(trace_dir).items():
-                    kernel = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in name), None)
-                    if name.startswith("jflash") and kernel is not None:
-                        call[kernel] = call.get(kernel, 0.0) + ns / iterations / 1e6
-                for kernel, ms in call.items():
-                    spent.setdefault((impl, seq, policy, kernel), []).append(ms)
+            call = {}  # kernel -> ms per call, summed over its launches' names
+            for name, ns in traced_kernels(compiled, inputs, iterations).items():
+                kernel = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in name), None)
+                if name.startswith("jflash") and kernel is not None:
+                    call[kernel] = call.get(kernel, 0.0) + ns / iterations / 1e6
+            for kernel, ms in call.items():
+                spent.setdefault((impl, seq, policy, kernel), []).append(ms)
     rows = []
     for impl, seq, kernel in itertools.product(impls, seqs, ("fwd", "dkv", "dq")):
         heads = min(spent.get((impl, seq, "heads_first", kernel), [0]))

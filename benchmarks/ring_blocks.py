@@ -43,7 +43,6 @@ import dataclasses
 import functools
 import os
 import sys
-import tempfile
 import time
 from typing import NamedTuple
 
@@ -59,11 +58,11 @@ from benchmarks.common import (  # noqa: E402
     gpu_or_interpret,
     table,
     time_pipelined,
+    traced_kernels,
     write_json,
 )
 from benchmarks.kernel import document_flops  # noqa: E402
 from benchmarks.ring import document_row  # noqa: E402
-from train.tools.trace import kernel_durations  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -167,10 +166,7 @@ def _measure(name: str, fn, inputs, flops: float, args, scale: float = 1.0) -> d
         jax.block_until_ready(compiled(*inputs))
     t = time_pipelined(compiled, *inputs, warmup=args.warmup, iters=args.iters) * 1e3
     row = {"row": name, "ms": t * scale, "tflops": flops / (t * 1e-3) / 1e12}
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            jax.block_until_ready([compiled(*inputs) for _ in range(args.trace_iters)])
-        per_kernel = kernel_durations(trace_dir)
+    per_kernel = traced_kernels(compiled, inputs, args.trace_iters)
     total = sum(per_kernel.values())
 
     def ms(ns):  # per call, scaled
