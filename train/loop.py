@@ -615,8 +615,11 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, lines, total_steps)
     steps_per_epoch = t.batches.steps_per_epoch
     # Metrics are fetched one step late (the next step is already queued), except at
-    # logging and saving steps, which wait for their own step: throughput windows
-    # then start and end at completed steps, and nothing non-finite is saved.
+    # the run's first step and at logging and saving steps, which wait for their own
+    # step: throughput windows then start and end at completed steps, before the next
+    # step is queued (queueing a step can take the host longer than the GPU takes to
+    # finish the one before: with XLA's command buffers off, the first window had read
+    # 11% fast), and nothing non-finite is saved.
     pending = None
     tracing = False
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
@@ -652,7 +655,14 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
             # SIGTERM: the step just dispatched is the last; it is saved as a save step is.
             preempted = preemption.reached(done)
             save = _should_save(cfg, done, total_steps, steps_per_epoch)
-            if save or preempted or done % cfg.run.logging_steps == 0 or done == total_steps:
+            first = step == start_step  # the throughput window starts at its end
+            if (
+                first
+                or save
+                or preempted
+                or done % cfg.run.logging_steps == 0
+                or done == total_steps
+            ):
                 history.append(_finish((step, metrics), *finish_args))
             else:
                 pending = (step, metrics)
@@ -974,7 +984,9 @@ def _finish(
     done = step + 1
     if timer.profile and timer.profile[0] <= step < timer.profile[1]:
         timer.traced = True
-    if timer.start == 0.0:  # the first step includes compilation: throughput starts after it
+    # The run's first step (compiled before) runs its one-time work (CUDA modules loaded,
+    # command buffers recorded): throughput starts after it.
+    if timer.start == 0.0:
         timer.start = time.perf_counter()
     else:
         timer.tokens += timer.step_tokens
