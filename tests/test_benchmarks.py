@@ -164,6 +164,18 @@ def test_main_table_names_every_peer_by_default(monkeypatch, tmp_path):
     assert {"fa3", "tokamax", "jax_triton", "jflash_mosaic_det"} <= set(calls)
 
 
+def test_launch_order_without_kernel_times_says_so(monkeypatch, tmp_path, capsys):
+    """On a CPU (interpreted) the traces hold no kernel: a line says so, the JSON holds no
+    rows, and nothing fails."""
+    monkeypatch.setattr(kernel, "traced_kernels", lambda fn, args, iterations: {})
+    argv = ["--launch-order", "--impls", "jflash_triton", "--sweep-seqs", "128"]
+    shape = ["--head-dim", "64", "--heads", "2", "--kv-heads", "1"]
+    kernel.main([*argv, *shape, "--interpret", "--out", str(tmp_path)])
+    assert "no jflash kernel's device time" in capsys.readouterr().out
+    [path] = tmp_path.glob("kernel-launch-order-*.json")
+    assert json.loads(path.read_text())["rows"] == []
+
+
 @pytest.mark.parametrize(
     "argv",
     [
