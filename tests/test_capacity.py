@@ -14,11 +14,13 @@ from train.tools import capacity
 @pytest.mark.slow
 def test_two_devices_hold_a_longer_context(tmp_path):
     """On 2 simulated devices with a tight limit, seq=2 fits a longer context than seq=1:
-    the trainer's real step (ring attention, remat, sharded state) is what is compiled."""
+    the trainer's real step (ring attention, remat, sharded state) is what is compiled.
+    The limit (0.03 GiB: seq=1 needs 0.020 at 512 and 0.035 at 1,024; seq=2 0.021 at
+    1,024 and 0.038 at 2,048) keeps it to five compilations."""
     out = tmp_path / "capacity.json"
     result = capacity.main(
         [
-            "--models", "tiny", "--mesh", "seq=1", "--mesh", "seq=2", "--limit-gib", "0.05",
+            "--models", "tiny", "--mesh", "seq=1", "--mesh", "seq=2", "--limit-gib", "0.03",
             "--start", "512", "--refine", "0", "--out", str(out),
         ]
     )  # fmt: skip
@@ -27,7 +29,7 @@ def test_two_devices_hold_a_longer_context(tmp_path):
     assert one["longest"] >= 512 and two["longest"] >= 2 * one["longest"]
     assert two["vs_first_mesh"] == two["longest"] / one["longest"]
     for row in result["rows"]:  # the probe past the answer is the one that did not fit
-        assert row["probes"][-1]["fits"] is False and row["probes"][-1]["gib"] > 0.05
+        assert row["probes"][-1]["fits"] is False and row["probes"][-1]["gib"] > 0.03
     saved = json.loads(out.read_text())
     assert saved["method"].startswith("compiled memory analysis")
     assert saved["settings"]["shard_over_seq"] is False
