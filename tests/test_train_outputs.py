@@ -508,7 +508,7 @@ def test_first_window_starts_before_the_next_step_is_queued(tmp_path, monkeypatc
     before (XLA's command buffers off: thousands of kernel launches). The first window
     starts where the run's first step is done, before the second is queued, so it holds
     the second's queueing as every later window holds its steps': all windows read
-    alike. (It had started once the second was queued: 11% fast on an H200.)"""
+    alike."""
     now = _ticking_clock(monkeypatch)
     train = loop._train
 

@@ -618,8 +618,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     # the run's first step and at logging and saving steps, which wait for their own
     # step: throughput windows then start and end at completed steps, before the next
     # step is queued (queueing a step can take the host longer than the GPU takes to
-    # finish the one before: with XLA's command buffers off, the first window had read
-    # 11% fast), and nothing non-finite is saved.
+    # finish the one before, with XLA's command buffers off), and nothing non-finite is
+    # saved.
     pending = None
     tracing = False
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
