@@ -25,7 +25,10 @@ $(ORACLE)/.installed: Makefile
 	$(ORACLE)/bin/python -m pip install -q torch==2.13.0 "transformers>=4.45" safetensors numpy "jinja2>=3.1.6"
 	touch $@
 
-test: venv oracle
+# The two environments are built side by side (on a clean machine their downloads are
+# most of the setup), then the suite runs with both.
+test:
+	$(MAKE) --no-print-directory -j 2 venv oracle
 	JFLASH_ORACLE_PYTHON=$(abspath $(ORACLE))/bin/python $(VENV)/bin/python -m pytest -n 2 $(PYTEST_ARGS)
 
 # The quick subset: `-m "not slow"` (each oracle grid's covering cases, no 10 s+ tests),
