@@ -160,7 +160,7 @@ def inputs(case: Case, seed: int):
 # D = 64 (dQ fused into the dK/dV kernel, or the dQ kernel) and 128, T != S, ragged
 # lengths, batch > 1.
 CASES = [
-    Case(q_len=320, segments=5, batch=2),
+    Case(q_len=320, segments=5),
     Case(causal=False, head_dim=128, lengths=(70, 1, 1, 60, 1, 123)),
     Case(head_dim=128, q_heads=4, kv_heads=1, q_len=192, order="shuffled"),
     Case(causal=False, q_len=200, kv_len=264, segments=3, deterministic=True, batch=2),
