@@ -662,7 +662,7 @@ def _own_steps(visible_steps, clear_steps, seg):
     return lo, c_lo, c_hi, hi
 
 
-def cta_steps(per_wg, wg, base=0) -> Steps:
+def _cta_steps(per_wg, wg, base=0) -> Steps:
     """The CTA's stream: the union of its warpgroups' ranges (empty ones left out), and
     warpgroup `wg`'s own share of it (an empty one at `cta_lo`)."""
     empty = [hi <= lo for lo, _, _, hi in per_wg]
@@ -706,15 +706,6 @@ def query_tile_steps(
     tiles = geom.q_pad // rows
     if tile is None:
         tile = tiles - 1 - lax.axis_index("q_tiles")
-    per_wg = query_tile_ranges(geom, block_kv, table_ref, batch, wgs, tile)
-    return tile * rows, cta_steps(per_wg, wg, base)
-
-
-def query_tile_ranges(geom: Geometry, block_kv: int, table_ref, batch, wgs: int, tile):
-    """Each of the `wgs` compute warpgroups' `(lo, clear_lo, clear_hi, hi)` key steps in
-    query tile `tile` (`query_tile_steps` before they are joined into `Steps`)."""
-    rows = wgs * WG_ROWS
-    tiles = geom.q_pad // rows
     cta_start = tile * rows
     per_wg = []
     for w in range(wgs):
@@ -726,7 +717,7 @@ def query_tile_ranges(geom: Geometry, block_kv: int, table_ref, batch, wgs: int,
         if table_ref is not None:
             seg = _read_table(table_ref, batch, tile * wgs + w, tiles * wgs)
         per_wg.append(_own_steps((0, n_end), (0, n_full), seg))
-    return per_wg
+    return cta_start, _cta_steps(per_wg, wg, base)
 
 
 def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):
@@ -744,7 +735,7 @@ def key_tile_steps(geom: Geometry, block_q: int, table_ref, batch, wg):
         if table_ref is not None:
             seg = _read_table(table_ref, batch, tile * COMPUTE_WGS + w, tiles * COMPUTE_WGS)
         per_wg.append(_own_steps((n_begin, n_q), (n_full, n_q), seg))
-    return cta_start, cta_steps(per_wg, wg)
+    return cta_start, _cta_steps(per_wg, wg)
 
 
 def run_steps(

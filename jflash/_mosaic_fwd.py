@@ -85,9 +85,7 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    Steps,
     col_ids,
-    cta_steps,
     drain,
     exp_rows,
     fit_stages,
@@ -97,7 +95,6 @@ from jflash._mosaic_common import (
     launch,
     one_warp_streams,
     query_table,
-    query_tile_ranges,
     query_tile_steps,
     rem,
     row_ids,
@@ -156,11 +153,6 @@ HALF_LAST = True
 # equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
 # at causal 4k and 8k (BENCHMARKS.md).
 HIDE_KEYS = True
-# The two-warpgroup loop without overlap (no segment ids) reads each next work item's
-# coordinates and steps from shared memory, where the memory warpgroup wrote them
-# beside its ticket (`item_fields`), instead of working them out between the item's last
-# P V and its output's store (`uses_published`).
-PUBLISHED = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -191,24 +183,6 @@ ITEM_SCOPES = {
     "(where the last step did not)",
     "store_wait": "wait until the last output copy has read shared memory",
 }
-
-
-def overlaps(wgs: int, head_dim: int, overlap: bool | None) -> bool:
-    """Whether the forward runs the overlapped loop (`overlap` None: at
-    `OVERLAP_HEAD_DIMS` and on three warpgroups)."""
-    return (wgs > COMPUTE_WGS or head_dim in OVERLAP_HEAD_DIMS) if overlap is None else overlap
-
-
-def item_fields(wgs: int) -> int:
-    """int32 fields per published work item: `(batch, head, tile, cta_lo, cta_hi)` and
-    each compute warpgroup's `(lo, clear_lo, clear_hi, hi)`."""
-    return 5 + 4 * wgs
-
-
-def uses_published(wgs: int, head_dim: int, overlap: bool | None, segments: bool) -> bool:
-    """Whether the compute warpgroups read each next item's fields (`PUBLISHED`): the
-    loop without overlap, without segment ids (whose next Q loads from the last step)."""
-    return PUBLISHED and not segments and not overlaps(wgs, head_dim, overlap)
 
 
 class Accumulators:
@@ -267,7 +241,6 @@ def _fwd_kernel(
     copies: bool = False,
     overlap: bool | None = None,
     memory_warp: bool = False,
-    published: bool = False,
 ):
     """`refs`: q, k,
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
@@ -284,9 +257,7 @@ def _fwd_kernel(
     steps run the overlapped loop (None: at `OVERLAP_HEAD_DIMS` and on three
     warpgroups); three warpgroups without it take no turns. `memory_warp`: one warp of
     the memory warpgroup streams each item's K and V (the tickets stay the whole
-    warpgroup's). `published`: the memory warpgroup also writes each ticket's
-    coordinates and every compute warpgroup's steps beside it (`item_fields`), which the
-    compute warpgroups read instead of working them out (`uses_published`)."""
+    warpgroup's)."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -342,7 +313,8 @@ def _fwd_kernel(
     total = jnp.int32(items.total)
     # Two warpgroups meet at one two-arrival barrier; three pass a token round a ring of
     # one-arrival barriers (`turn.at[w]`: warpgroup w may issue its matmuls).
-    overlap = overlaps(wgs, geom.head_dim, overlap)
+    if overlap is None:
+        overlap = wgs > COMPUTE_WGS or geom.head_dim in OVERLAP_HEAD_DIMS
     token = wgs > COMPUTE_WGS and overlap
     # The loop with each step's P V and the next Q K^T issued together (interpreted
     # with its accumulators in shared memory: `Accumulators`). With two warpgroups it
@@ -367,31 +339,6 @@ def _fwd_kernel(
         batch, head, tile = items.coords(jnp.minimum(ticket, total - 1), order_ref)
         _, st = query_tile_steps(geom, block_kv, table_ref, batch, wg, wgs, tile=tile, base=done)
         return batch, head, tile, st
-
-    def fields(slot):  # where ticket slot `slot`'s item is written out (`published`)
-        return jnp.int32(3) + slot * jnp.int32(item_fields(wgs))
-
-    def publish(slot, ticket):
-        """Memory warpgroup: ticket `ticket`'s `(batch, head, tile)`, its stream's
-        `(cta_lo, cta_hi)` and each compute warpgroup's `(lo, clear_lo, clear_hi, hi)`,
-        into the slot's fields."""
-        batch, head, tile = items.coords(jnp.minimum(ticket, total - 1), order_ref)
-        per_wg = query_tile_ranges(geom, block_kv, table_ref, batch, wgs, tile)
-        own = [cta_steps(per_wg, w) for w in range(wgs)]
-        values = [batch, head, tile, own[0].cta_lo, own[0].cta_hi]
-        values += [x for st in own for x in (st.lo, st.clear_lo, st.clear_hi, st.hi)]
-        at = fields(slot)
-        for i, x in enumerate(values):
-            tickets[at + i] = x
-
-    def read_published(k, done):
-        """Compute warpgroups: `locate` of the `k`-th item (its ticket peeked, not yet
-        released) from the fields the memory warpgroup wrote."""
-        at = fields(rem(k, 2))
-        batch, head, tile, cta_lo, cta_hi = (tickets[at + i] for i in range(5))
-        own = at + 5 + wg * 4
-        lo, clear_lo, clear_hi, hi = (tickets[own + i] for i in range(4))
-        return batch, head, tile, Steps(cta_lo, cta_hi, lo, clear_lo, clear_hi, hi, done)
 
     def first_row(tile):
         """This warpgroup's first query row in query tile `tile`: a multiple of its rows
@@ -439,10 +386,7 @@ def _fwd_kernel(
 
         def prefetch_q():
             ticket = peek_ticket(k + 1)
-            if published:
-                coords = read_published(k + 1, 0)[:3]
-            else:
-                coords = items.coords(jnp.minimum(ticket, total - 1), order_ref)
+            coords = items.coords(jnp.minimum(ticket, total - 1), order_ref)
             pl.when(ticket < total)(lambda: load_q(*coords))
 
         with jax.named_scope("q_wait"):
@@ -711,11 +655,7 @@ def _fwd_kernel(
         # rows they are reads of the tile order and table in HBM, whose wait the
         # epilogue hides.
         with jax.named_scope("ticket"):
-            if early and published:
-                pl.when(st.hi == st.lo)(prefetch_q)  # no last step
-                following = read_published(k + 1, st.base + st.count)
-                ticket = release_ticket(k + 1)  # after its fields are read
-            elif early:
+            if early:
                 pl.when(st.hi == st.lo)(prefetch_q)  # no last step
                 ticket = release_ticket(k + 1)
                 following = locate(ticket, st.base + st.count)
@@ -835,8 +775,6 @@ def _fwd_kernel(
                 take_ticket(counter_ref, tickets.at[pl.ds(2, 1)])
                 ticket = jnp.minimum(tickets[jnp.int32(2)], total)
             tickets[slot] = ticket
-            if published:
-                publish(slot, ticket)
             plgpu.barrier_arrive(ticket_ready(slot))
             return ticket
 
@@ -1029,7 +967,6 @@ def _launch(
     segments = q_seg is not None
     stream_ids = segments and not spans_only  # the key ids ride with K
     b, t, n, h = q.shape
-    published = uses_published(wgs, h, overlap, segments)
     s_len, kh = k.shape[1], k.shape[2]
     rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
@@ -1091,11 +1028,8 @@ def _launch(
         copies=copy_from is not None,
         overlap=overlap,
         memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
-        published=published,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
-    # Two work items' tickets, the counter's value, and where published each slot's fields.
-    ticket_words = 3 + (2 * item_fields(wgs) if published else 0)
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
     o_rows = out_rows if interpret else q_rows
     out_type = [
@@ -1115,7 +1049,7 @@ def _launch(
             plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
             plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((stages, block_kv), jnp.int32) if stream_ids else None,
-            plgpu.SMEM((ticket_words,), jnp.int32),
+            plgpu.SMEM((3,), jnp.int32),  # two work items' tickets, the counter's value
             plgpu.Barrier(num_arrivals=with_ids, num_barriers=wgs),
             plgpu.Barrier(num_arrivals=with_kv_ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages + 2),  # and 2: a ticket is in its slot
