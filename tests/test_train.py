@@ -529,7 +529,9 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
     """Llama-3.2's tied embedding (the loss takes the table as stored, [V, D]) through
     one step on 1 device and on seq=2 with replicated, sharded and gathered-once
     parameters: the same loss and gradient norm (f32: to rounding; bf16: it runs, and
-    stays within bf16 noise; XLA:CPU used to refuse a transposed bf16 dot here)."""
+    stays within bf16 noise; XLA:CPU used to refuse a transposed bf16 dot here). bf16
+    leaves out the replicated layout, whose device runs the one device's dots on half
+    the rows."""
     from train.build import build, model_config
 
     layouts = {
@@ -538,7 +540,7 @@ def test_tied_embeddings_every_parameter_layout(tmp_path, bf16):
         "sharded": ("data=1,fsdp=1,seq=2", ["--shard_over_seq"]),
         "gathered": ("data=1,fsdp=1,seq=2", ["--shard_over_seq", "--gather_once", "true"]),
     }
-    if bf16:  # the replicated layout's bf16 dots are the one device's, ring aside
+    if bf16:
         del layouts["replicated"]
     got = {}
     for name, (mesh, extra) in layouts.items():
