@@ -74,6 +74,9 @@ def pytest_runtest_protocol(item, nextitem):
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 ON_HOPPER = ON_GPU and str(getattr(jax.devices()[0], "compute_capability", "")) == "9.0"
+# Tokens of the ring's one-device Mosaic cases (the only ones the GPU interpreter runs):
+# 256 interpreted (two query tiles, about half the time of 512), 512 compiled.
+MOSAIC_ONE_DEVICE_LEN = 256 if INTERPRET else 512
 
 
 def cpu_devices(n: int) -> dict[str, str]:

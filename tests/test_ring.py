@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET, needs_hopper, quick_subset
+from conftest import INTERPRET, MOSAIC_ONE_DEVICE_LEN, needs_hopper, quick_subset
 from jax._src import mesh as mesh_lib
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -240,14 +240,10 @@ def test_matches_oracle_pallas(case):
     _check(case)
 
 
-# One device interpreted on CPU (the P = 1 cases, the only ones the interpreter runs):
-# 256 tokens, two query tiles, about half the time of 512; GPUs run 512.
-ONE_DEVICE_LEN = 256 if INTERPRET else 512
-
 MOSAIC = [
     Case(
         num_shards=1,
-        seq_len=ONE_DEVICE_LEN,
+        seq_len=MOSAIC_ONE_DEVICE_LEN,
         q_heads=8,
         kv_heads=2,
         head_dim=128,
@@ -288,7 +284,7 @@ MOSAIC = [
     *[
         Case(
             num_shards=p,
-            seq_len=ONE_DEVICE_LEN if p == 1 else 512,
+            seq_len=MOSAIC_ONE_DEVICE_LEN if p == 1 else 512,
             q_heads=4,
             kv_heads=2,
             head_dim=64,

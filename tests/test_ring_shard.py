@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET, needs_hopper, quick_subset
+from conftest import INTERPRET, MOSAIC_ONE_DEVICE_LEN, needs_hopper, quick_subset
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from kernel_cases import TOLERANCE, assert_close, make_inputs, oracle, random_segments
@@ -386,9 +386,7 @@ def test_pallas_kernels_in_user_shard_map(case):
 # dQ once).
 MOSAIC = [
     Case(
-        # One device interpreted on CPU: 256 tokens (2 query tiles, one key step), half the
-        # time of 512.
-        seq_len=256 if INTERPRET and kw.get("num_shards") == 1 else 512,
+        seq_len=MOSAIC_ONE_DEVICE_LEN if kw.get("num_shards") == 1 else 512,
         q_heads=4,
         kv_heads=2,
         implementation="pallas_mosaic",
