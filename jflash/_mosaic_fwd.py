@@ -85,7 +85,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    Steps,
     col_ids,
     drain,
     exp_rows,
@@ -385,25 +384,10 @@ def _fwd_kernel(
         # (Three warpgroups load it after their last P V.)
         early = (split or not overlap) and not segments
 
-        # Without overlap (the loop's carry a register value), the next item is located
-        # in the last step, while its Q K^T runs, and carried out of the loops: not
-        # between the last P V and the store.
-        ahead = early and not overlap
-
         def prefetch_q():
             ticket = peek_ticket(k + 1)
             coords = items.coords(jnp.minimum(ticket, total - 1), order_ref)
             pl.when(ticket < total)(lambda: load_q(*coords))
-
-        def next_item():
-            """`(ticket, locate)` of the next item, its ticket waited for (once per item;
-            `Steps.base` 0 until this item's count is known)."""
-            ticket = peek_ticket(k + 1)
-            return ticket, locate(ticket, jnp.int32(0))
-
-        def load_next(nxt):
-            ticket, (batch, head, tile, _) = nxt
-            pl.when(ticket < total)(lambda: load_q(batch, head, tile))
 
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_ready.at[wg])
@@ -481,26 +465,20 @@ def _fwd_kernel(
         def step(j, carry, *, masked: bool, width: int = block_kv):
             """Step j; `width` < block_kv: only its first `width` keys (the step's others
             are hidden from every row of the warpgroup)."""
-            acc, m, l, *nxt = carry
+            acc, m, l = carry
             slot = st.slot(j, stages)
             keys = (slot,) if width == block_kv else (slot, pl.ds(0, width))
 
             def qk(acc):
                 with jax.named_scope("qk"):
                     plgpu.wgmma(acc, q_smem, k_smem.at[keys].T)
-                found = nxt
-                if ahead:  # the last step's Q K^T runs while the next item is located
-                    with jax.named_scope("locate"):
-                        found = [lax.cond(j == st.hi - 1, next_item, lambda: nxt[0])]
                 with jax.named_scope("s_read"):
-                    return acc[...], found  # [64, width] f32
+                    return acc[...]  # [64, width] f32
 
             with jax.named_scope("s_wait"):
                 plgpu.barrier_wait(k_ready.at[slot])
-            s, nxt = pl.run_scoped(qk, plgpu.ACC((bq, width), jnp.float32))
-            if ahead:  # this warpgroup's last read of Q is done
-                pl.when(j == st.hi - 1)(lambda: load_next(nxt[0]))
-            elif early:
+            s = pl.run_scoped(qk, plgpu.ACC((bq, width), jnp.float32))
+            if early:  # this warpgroup's last read of Q is done
                 pl.when(j == st.hi - 1)(prefetch_q)
             ids = step_ids(slot, masked)
             plgpu.barrier_arrive(k_free.at[slot])
@@ -511,7 +489,7 @@ def _fwd_kernel(
             with jax.named_scope("issue"):
                 (acc,) = wgmma_into((acc,), [(p16, v_smem.at[keys])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m, l, *nxt
+            return acc, m, l
 
         def skip(j, carry):
             # Steps the other warpgroup needs: acknowledge them, keep the turns (where
@@ -656,14 +634,11 @@ def _fwd_kernel(
         else:
             zeros = jnp.zeros((bq, geom.head_dim), jnp.float32)
             carry = (plgpu.layout_cast(zeros, plgpu.Layout.WGMMA), *stats)
-            if ahead:  # the next item's `(ticket, locate)`, set in the last step
-                none = jnp.int32(0)
-                carry += ((none, (none, none, none, Steps(*[none] * 7))),)
             # Halves of whole 64-key tiles only: a caller's 192-key steps stay whole.
             if HALF_LAST and not segments and wgs == COMPUTE_WGS and block_kv % (2 * WG_ROWS) == 0:
-                acc, m, l, *nxt = half_last(carry)
+                acc, m, l = half_last(carry)
             else:
-                acc, m, l, *nxt = run_steps(
+                acc, m, l = run_steps(
                     st, step, skip, carry, mask_first=segments, mask_last=True, skip_first=segments
                 )
         if token:
@@ -680,18 +655,7 @@ def _fwd_kernel(
         # rows they are reads of the tile order and table in HBM, whose wait the
         # epilogue hides.
         with jax.named_scope("ticket"):
-            if ahead:
-
-                def now():  # no last step: located and its Q loaded here
-                    found = next_item()
-                    load_next(found)
-                    return found
-
-                ticket, (*coords, steps) = lax.cond(st.hi == st.lo, now, lambda: nxt[0])
-                release_ticket(k + 1)
-                steps = dataclasses.replace(steps, base=st.base + st.count)
-                following = (*coords, steps)
-            elif early:
+            if early:
                 pl.when(st.hi == st.lo)(prefetch_q)  # no last step
                 ticket = release_ticket(k + 1)
                 following = locate(ticket, st.base + st.count)
