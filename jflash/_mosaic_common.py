@@ -53,13 +53,15 @@ def rem(x, n):
     return lax.rem(index(x), jnp.int32(n))
 
 
-def smem_tile(shape, dtype):
-    """An SMEM scratch with the tiling + 128-byte swizzle that TMA and wgmma want."""
-    cols = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+def smem_tile(shape, dtype, swizzle: int = SWIZZLE_BYTES):
+    """An SMEM scratch with the tiling + swizzle (128 bytes unless said) that TMA and
+    wgmma want. A wgmma contracts over a B operand's rows `swizzle` bytes of elements
+    at a time: a 64-byte swizzle lets a tile of 160 keys be the B of P V."""
+    cols = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(
         shape,
         dtype,
-        transforms=(plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(SWIZZLE_BYTES)),
+        transforms=(plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(swizzle)),
     )
 
 

@@ -20,6 +20,10 @@ and 8k, outputs bitwise equal). It loads its next Q from its last step on too
 second 128 keys computes only the first 128 (`HALF_LAST`: causal, every other tile's
 diagonal step; forward 1.01-1.03x at causal 4k, outputs bitwise equal).
 
+Non-causal calls at D=128 stream 160 keys per step where two stages of them fit shared
+memory (2-byte outputs, no segment ids; `FULL_BLOCK_KV`): forward 1.05x at full 16k and
+64k. V's tile then takes a 64-byte swizzle, since P V contracts over the step's keys.
+
 Without segment ids every loop masks a step (the causal diagonal, keys past the real
 length) by each row's count of keys it sees (`hide_keys`): a compare against an
 immediate and a select per value where a 64-key chunk holds a row's limit, nothing
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +158,14 @@ HALF_LAST = True
 # equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
 # at causal 4k and 8k (BENCHMARKS.md).
 HIDE_KEYS = True
+# Non-causal calls at these head dims (without `jflash.BlockSizes`) stream this many keys
+# per step where two stages fit shared memory: 2-byte outputs, no segment ids (else 128).
+# Fewer steps per key: barriers, turns and rescales. FlashAttention-3 takes 176 there;
+# 176 or 192 keys do not fit beside jflash's Q and output slots. P V contracts over the
+# 160 keys, so V's tile takes a 64-byte swizzle (a wgmma's B rows go by the swizzle's
+# width). H200, forward against 128-key steps: 1.05x at full 16k and 64k, 1.00x at 4k
+# (26 steps, the last 96 keys, against 32); forward+backward 1.01x (BENCHMARKS.md).
+FULL_BLOCK_KV = {128: 160}
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -435,7 +448,7 @@ def _fwd_kernel(
             if geom.mask.causal:
                 rows = plgpu.broadcasted_iota(jnp.int32, (s.shape[0],), 0, layout=row)
                 limit = jnp.minimum(limit, rows + (q_start + geom.diag + 1 - k_start))
-            return hide_keys(s, limit)
+            return hide_keys(s, limit, chunk=math.gcd(block_kv, 64))
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
@@ -812,9 +825,11 @@ def _fwd_kernel(
 def forms() -> str:
     """Which forward kernel runs for which call, in one line (for `jflash.describe`)."""
     dims = ", ".join(map(str, THREE_WG_HEAD_DIMS))
+    wide = ", ".join(f"{keys} keys per step at head_dim {d}" for d, keys in FULL_BLOCK_KV.items())
     return (
         f"the Mosaic forward: three compute warpgroups at head_dim {dims} from "
-        f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; with "
+        f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; non-causal "
+        f"calls without segment_ids stream {wide} (2-byte outputs, without block_sizes); with "
         "segment_ids, sorted ids (packed documents) mask by each row's key span (on "
         f"three warpgroups at head_dim {dims} under {THREE_WG_MIN_LEN} queries as well, "
         "128-key steps without overlap) and other ids compare ids on two warpgroups "
@@ -855,6 +870,9 @@ def mosaic_fwd(
     common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
     two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
     fast = spans = two_wgs
+    wide = FULL_BLOCK_KV.get(q.shape[3]) if own_tiles and not mask.causal else None
+    if wide:  # `_launch` falls back to 128 keys where two stages of these do not fit
+        fast = spans = two_wgs = dict(two_wgs, block_kv=wide)
     if three:
         # At least 3 stages: a turn may wait for the slot that the step before it freed.
         # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
@@ -978,8 +996,9 @@ def _launch(
 
     # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
     # segment ids: the ring over packed documents), the streamed block halves.
+    # (A step that is not a power of two, `FULL_BLOCK_KV`, falls to the one below it.)
     while block_kv > WG_ROWS and not fits_smem(2, *smem(block_kv)):
-        block_kv //= 2
+        block_kv = 1 << (block_kv.bit_length() - 1) if block_kv & (block_kv - 1) else block_kv // 2
     geom = Geometry(
         mask=mask,
         kv_len=s_len,
@@ -1044,7 +1063,8 @@ def _launch(
         scratch_types=[
             smem_tile((wgs, WG_ROWS, h), q.dtype),
             smem_tile((stages, block_kv, h), k.dtype),
-            smem_tile((stages, block_kv, h), v.dtype),
+            # P V contracts over the step's keys, a multiple of the swizzle's elements.
+            smem_tile((stages, block_kv, h), v.dtype, swizzle=64 if block_kv % 64 else 128),
             smem_tile((wgs, WG_ROWS, h), out_dtype),
             plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
             plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,

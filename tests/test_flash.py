@@ -91,6 +91,10 @@ MOSAIC_CASES = [
         q_heads=4, kv_heads=2, head_dim=128, q_len=320, kv_len=384, q_offset=64, dtype=jnp.bfloat16
     ),
     Case(q_heads=4, kv_heads=2, head_dim=64, q_len=192, segments=3, dtype=jnp.bfloat16),
+    # Non-causal D = 128: 160-key steps (`FULL_BLOCK_KV`), the last one 80 keys.
+    Case(
+        q_heads=4, kv_heads=2, head_dim=128, causal=False, q_len=192, kv_len=400, dtype=jnp.bfloat16
+    ),
     # The benchmark's head layout: compiled only (the interpreter takes ~6 minutes).
     pytest.param(
         Case(q_heads=32, kv_heads=8, head_dim=128, q_len=1024, dtype=jnp.bfloat16, batch=2),
@@ -450,6 +454,51 @@ def test_mosaic_forward_row_max_jumps(jump_case, causal):
 
 
 @needs_hopper
+@pytest.mark.parametrize(
+    "causal, head_dim, dtype, out_dtype, segments, want",
+    [
+        (False, 128, jnp.bfloat16, jnp.bfloat16, False, 160),  # `FULL_BLOCK_KV`
+        (False, 128, jnp.float16, jnp.float16, False, 160),
+        (True, 128, jnp.bfloat16, jnp.bfloat16, False, 128),  # 128-row tiles on the diagonal
+        # Two stages of 160 keys overflow shared memory beside the rows' spans, or beside
+        # the ring's f32 outputs.
+        (False, 128, jnp.bfloat16, jnp.bfloat16, True, 128),
+        (False, 128, jnp.bfloat16, jnp.float32, False, 128),
+        (False, 64, jnp.bfloat16, jnp.bfloat16, False, 256),
+    ],
+)
+def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtype, segments, want):
+    """The keys per step each forward kernel is traced with (`jax.eval_shape`: nothing
+    runs). Non-causal calls at D = 128 stream 160 where two stages fit shared memory;
+    where they do not, 128 (a multiple of 64, as every other step)."""
+    from jflash import _mosaic_fwd
+    from jflash._mask import Mask
+
+    steps = []
+    launch = _mosaic_fwd.launch
+
+    def spy(kernel, **kwargs):
+        steps.append(kernel.keywords["block_kv"])
+        return launch(kernel, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), dtype)
+    seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
+    bs = jflash.default_block_sizes(1000, head_dim, dtype, implementation="pallas_mosaic")
+
+    def forward(q, k, v, seg):
+        return _mosaic_fwd.mosaic_fwd(
+            q, k, v, (seg, seg) if segments else None, mask=Mask(causal), scale=0.1,
+            out_dtype=out_dtype, block_kv=bs.block_kv, stages=bs.num_stages,
+            interpret=INTERPRET,
+        )  # fmt: skip
+
+    jax.eval_shape(forward, q, kv, kv, seg)
+    assert steps and set(steps) == {want}, steps
+
+
+@needs_hopper
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_mosaic_rows_that_see_nothing(head_dim):
     """Rows that see no key give exactly 0 / -inf (the ring merges them as no-ops); the
@@ -550,6 +599,7 @@ def test_describe_says_which_mosaic_forward_runs(monkeypatch):
     line = f"three compute warpgroups at head_dim 64 from {_mosaic_fwd.THREE_WG_MIN_LEN} queries"
     text = jflash.describe()
     assert line in text and "sorted ids (packed documents) mask by each row's key span" in text
+    assert "non-causal calls without segment_ids stream 160 keys per step at head_dim 128" in text
     monkeypatch.setattr(_dispatch, "_is_hopper", lambda: False)
     assert "the Mosaic forward" not in jflash.describe()
 
