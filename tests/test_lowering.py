@@ -505,7 +505,7 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, l
         (16384, 16384, 64, True, False, {(64, 128)}),  # three warpgroups
         (4096, 4096, 128, True, False, {(64, 128)}),  # overlapped
         (1000, 1000, 64, False, False, {(64, 256), (64, 128)}),  # keys past the length
-        (1000, 1000, 128, False, False, {(64, 128)}),
+        (1000, 1000, 128, False, False, {(64, 160)}),  # 160-key steps (`FULL_BLOCK_KV`)
         (4096, 4096, 64, True, True, set()),  # ids: compared, or the rows' spans
     ],
     ids=["d64-4k", "d64-16k", "d128-4k", "d64-full-odd", "d128-full-odd", "ids"],
@@ -515,9 +515,10 @@ def test_masked_forward_steps_hide_keys_by_row_limits(
 ):
     """Every compiled forward loop masks a step without segment ids through `hide_keys`
     (each row's count of keys it sees), on each step width the loop traces (256 keys
-    and the cut last step's 128, the 128-key loops); with ids it compares them or the
-    rows' spans instead. The values are checked on a GPU (`test_mosaic_matches_oracle`, compiled:
-    causal, offsets, lengths that are not whole tiles)."""
+    and the cut last step's 128, the 128-key loops, non-causal D = 128's 160); with
+    ids it compares them or the rows' spans instead. The values are checked on a GPU
+    (`test_mosaic_matches_oracle`, compiled: causal, offsets, lengths that are not whole
+    tiles)."""
     from jflash import _mosaic_fwd
 
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
