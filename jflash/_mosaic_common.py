@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax
@@ -337,7 +338,8 @@ def hide_keys(s, limit, chunk: int = 64):
     hidden: row r keeps columns `c < limit[r]` and the rest become -inf. `limit` is an
     int32 row vector (the reduced layout); any value is allowed (<= 0 hides the row).
 
-    A thread's columns are taken `chunk` at a time. A chunk whose columns all lie below
+    A thread's columns are taken `chunk` at a time (fewer where they do not divide the
+    step: 32 of a 160-key step). A chunk whose columns all lie below
     (or all at or past) both of its rows' limits is kept (or hidden) whole; in the others
     each value costs one compare against an immediate and one select (a thread's column
     is a constant of the register plus its lane's offset, which is taken off the limit
@@ -350,6 +352,7 @@ def hide_keys(s, limit, chunk: int = 64):
     from jaxlib.mlir.dialects import arith, scf, vector
 
     _, cols = s.shape
+    chunk = math.gcd(cols, chunk)  # 160-key steps: 32-key chunks
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),

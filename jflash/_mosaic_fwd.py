@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -448,7 +447,7 @@ def _fwd_kernel(
             if geom.mask.causal:
                 rows = plgpu.broadcasted_iota(jnp.int32, (s.shape[0],), 0, layout=row)
                 limit = jnp.minimum(limit, rows + (q_start + geom.diag + 1 - k_start))
-            return hide_keys(s, limit, chunk=math.gcd(block_kv, 64))
+            return hide_keys(s, limit)
 
         def softmax(j, s, o, m, l, *, masked: bool, ids):
             """One step's online softmax: `(o * alpha, l, m, P)`, P in the input dtype;
@@ -996,9 +995,9 @@ def _launch(
 
     # Where two stages of `block_kv` keys do not fit (D = 128 with f32 outputs and
     # segment ids: the ring over packed documents), the streamed block halves.
-    # (A step that is not a power of two, `FULL_BLOCK_KV`, falls to the one below it.)
+    # (To the power of two below it: 160 keys, `FULL_BLOCK_KV`, fall to 128.)
     while block_kv > WG_ROWS and not fits_smem(2, *smem(block_kv)):
-        block_kv = 1 << (block_kv.bit_length() - 1) if block_kv & (block_kv - 1) else block_kv // 2
+        block_kv = 1 << ((block_kv - 1).bit_length() - 1)
     geom = Geometry(
         mask=mask,
         kv_len=s_len,
