@@ -165,6 +165,13 @@ HIDE_KEYS = True
 # width). H200, forward against 128-key steps: 1.05x at full 16k and 64k, 1.00x at 4k
 # (26 steps, the last 96 keys, against 32); forward+backward 1.01x (BENCHMARKS.md).
 FULL_BLOCK_KV = {128: 160}
+# Head dims whose work items go one batch row after another (`WorkItems.rows_outer`,
+# where the heads are outermost) instead of the rows side by side: with 16 rows at 4k,
+# the items in flight read one K/V stream instead of 16. H200, forward against the rows
+# side by side, outputs bitwise equal: 1.043x at full 4k, 1.01x at full 16k and causal
+# 4k (D = 128); 0.991-0.997x at causal and full 4k at D = 64, which keeps them side by
+# side (BENCHMARKS.md).
+ROWS_OUTER_HEAD_DIMS = (128,)
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -1009,7 +1016,13 @@ def _launch(
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     items = WorkItems.make(
-        geom.q_pad // rows, n, b, causal=mask.causal, interpret=interpret, group=geom.group
+        geom.q_pad // rows,
+        n,
+        b,
+        causal=mask.causal,
+        interpret=interpret,
+        group=geom.group,
+        rows_outer=h in ROWS_OUTER_HEAD_DIMS,
     )
     # Compiled, a TMA copy reads zeros past an array's end and drops what a store puts
     # there, so Q, K, V and the output are padded only to the 8-row tiling of shared

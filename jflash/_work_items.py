@@ -46,14 +46,16 @@ class WorkItems:
     Items are numbered in the order `jflash._launch_order` picks for the grid (its outer
     axis first, batch fastest; with the heads outermost, one KV head's query heads
     take each tile in turn, so that the `group` items that read one K/V stream run
-    side by side), tile rank `r` being tile `tiles - 1 - r` (causal rows near the end
-    see the most keys: heaviest first), or `order[b, r]` where an order
-    table is given (packed documents: `heaviest_first`). Compiled, a CTA takes its next
-    item from an atomic counter when it starts the previous one (`take_ticket`), so a
-    CTA that finishes early takes more: what the hardware's CTA scheduler does for a grid
-    launch, without a CTA launch per tile, and with each item's first K/V and Q loads
-    overlapping the previous item's epilogue. The GPU interpreter has no atomics: there
-    CTA `c` takes items `c, 2C - 1 - c, 2C + c, ...` (a snake, `dealt`)."""
+    side by side; with `rows_outer` as well, one batch row after another, so that the
+    items in flight share fewer K/V streams), tile rank `r` being tile `tiles - 1 - r`
+    (causal rows near the end see the most keys: heaviest first), or `order[b, r]`
+    where an order table is given (packed documents: `heaviest_first`). Compiled, a
+    CTA takes its next item from an atomic counter when it starts the previous one
+    (`take_ticket`), so a CTA that finishes early takes more: what the hardware's CTA
+    scheduler does for a grid launch, without a CTA launch per tile, and with each
+    item's first K/V and Q loads overlapping the previous item's epilogue. The GPU
+    interpreter has no atomics: there CTA `c` takes items `c, 2C - 1 - c, 2C + c,
+    ...` (a snake, `dealt`)."""
 
     tiles: int
     heads: int
@@ -61,6 +63,7 @@ class WorkItems:
     ctas: int
     tiles_first: bool
     group: int = 1  # query heads per KV head
+    rows_outer: bool = False  # heads outermost: the batch rows outside them
 
     @classmethod
     def make(
@@ -72,11 +75,12 @@ class WorkItems:
         causal: bool,
         interpret: bool,
         group: int = 1,
+        rows_outer: bool = False,
     ):
         total = tiles * heads * batch
         ctas = min(total, INTERPRET_CTAS if interpret else sm_count())
         first = _launch_order.tiles_first(tiles, heads, batch, causal=causal)
-        return cls(tiles, heads, batch, ctas, first, group)
+        return cls(tiles, heads, batch, ctas, first, group, rows_outer and not first)
 
     @property
     def total(self) -> int:
@@ -90,8 +94,11 @@ class WorkItems:
         """Item `i` -> `(batch, head, tile)` int32 scalars."""
         i = index(i)
         nb = jnp.int32(self.batch)
-        b = lax.rem(i, nb)
-        outer = lax.div(i, nb)
+        if self.rows_outer:
+            per_row = jnp.int32(self.tiles * self.heads)
+            b, outer = lax.div(i, per_row), lax.rem(i, per_row)
+        else:
+            b, outer = lax.rem(i, nb), lax.div(i, nb)
         if self.tiles_first:
             rank = lax.div(outer, jnp.int32(self.heads))
             head = lax.rem(outer, jnp.int32(self.heads))

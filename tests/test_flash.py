@@ -6,6 +6,7 @@ On CPU the Pallas kernel runs in interpret mode; on a GPU the same tests run com
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import zlib
@@ -496,6 +497,37 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
 
     jax.eval_shape(forward, q, kv, kv, seg)
     assert steps and set(steps) == {want}, steps
+
+
+@pytest.mark.parametrize(
+    "causal, head_dim, want",
+    [
+        (False, 128, True),  # `ROWS_OUTER_HEAD_DIMS`
+        (False, 64, False),
+        (True, 128, False),  # few causal tiles: the tiles outermost, the rows fastest
+    ],
+)
+def test_mosaic_forward_work_items_take_rows_in_turn(monkeypatch, causal, head_dim, want):
+    """At D = 128 the persistent forward's work items go one batch row after another
+    where the heads are outermost (`jax.eval_shape`: nothing runs)."""
+    from jflash import _mosaic_fwd
+
+    taken = []
+    launch = _mosaic_fwd.launch
+
+    def spy(kernel, **kwargs):
+        taken.append(kernel.keywords["items"])
+        return launch(kernel, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    q = jax.ShapeDtypeStruct((3, 256, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((3, 256, 2, head_dim), jnp.bfloat16)
+    attend = functools.partial(
+        jflash.flash_attention, causal=causal, implementation="pallas_mosaic", interpret=INTERPRET
+    )
+    jax.eval_shape(attend, q, kv, kv)
+    assert taken and {items.rows_outer for items in taken} == {want}, taken
+    assert all(items.batch == 3 for items in taken)
 
 
 @needs_hopper

@@ -44,12 +44,16 @@ def test_interpreter_deal_takes_every_item_once(tiles, heads, batch, causal):
     "tiles,heads,batch,group", [(3, 2, 2, 1), (80, 4, 1, 1), (80, 8, 1, 4), (2, 32, 16, 4)]
 )
 @pytest.mark.parametrize("causal", [True, False])
-def test_items_number_every_tile_heaviest_first(tiles, heads, batch, group, causal):
+@pytest.mark.parametrize("rows_outer", [False, True])
+def test_items_number_every_tile_heaviest_first(tiles, heads, batch, group, causal, rows_outer):
     """Item numbers map onto (batch, head, tile) one to one; under a causal mask the
     tiles come in the grid launch's order: later (heavier) tiles first, with the tiles
     or the heads outermost as `jflash._launch_order` picks. With the heads outermost,
-    one KV head's `group` query heads take each tile one after another."""
-    items = WorkItems.make(tiles, heads, batch, causal=causal, interpret=False, group=group)
+    one KV head's `group` query heads take each tile one after another, the batch rows
+    side by side or, with `rows_outer`, one row after another."""
+    items = WorkItems.make(
+        tiles, heads, batch, causal=causal, interpret=False, group=group, rows_outer=rows_outer
+    )
     coords = [tuple(int(x) for x in items.coords(i)) for i in range(items.total)]
     assert len(set(coords)) == items.total
     assert all(0 <= b < batch and 0 <= h < heads and 0 <= t < tiles for b, h, t in coords)
@@ -58,11 +62,17 @@ def test_items_number_every_tile_heaviest_first(tiles, heads, batch, group, caus
     ranks = [tiles - 1 - t for _, _, t in coords]
     if first:  # each head's heaviest tiles start before any head's lighter ones
         assert ranks == sorted(ranks)
-    else:  # one KV head after another, each heaviest first, its query heads in turn
-        kv_seen = [h // group for _, h, _ in coords]
+        assert [b for b, _, _ in coords] == [i % batch for i in range(items.total)]
+    else:  # one KV head after another, heaviest first, query heads in turn
+        rows = [b for b, _, _ in coords]
+        if rows_outer:  # row after row
+            assert rows == sorted(rows)
+        else:  # the rows side by side
+            assert rows == [i % batch for i in range(items.total)]
+        kv_seen = [h // group for b, h, _ in coords if b == batch - 1]
         assert kv_seen == sorted(kv_seen)
-        for h in range(heads):
-            mine = [r for (_, hh, _), r in zip(coords, ranks, strict=True) if hh == h]
+        for b, h in itertools.product(range(batch), range(heads)):
+            mine = [r for (bb, hh, _), r in zip(coords, ranks, strict=True) if (bb, hh) == (b, h)]
             assert mine == sorted(mine)
         per_tile = [(h, t) for b, h, t in coords if b == 0]
         for start in range(0, len(per_tile), group):
