@@ -475,14 +475,7 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
     from jflash import _mosaic_fwd
     from jflash._mask import Mask
 
-    steps = []
-    launch = _mosaic_fwd.launch
-
-    def spy(kernel, **kwargs):
-        steps.append(kernel.keywords["block_kv"])
-        return launch(kernel, **kwargs)
-
-    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    kernels = _spy_forward_launches(monkeypatch)
     q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), dtype)
     seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
@@ -496,7 +489,24 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
         )  # fmt: skip
 
     jax.eval_shape(forward, q, kv, kv, seg)
+    steps = [kernel["block_kv"] for kernel in kernels]
     assert steps and set(steps) == {want}, steps
+
+
+def _spy_forward_launches(monkeypatch) -> list[dict]:
+    """The keyword arguments of each Mosaic forward kernel launched (or traced) from
+    now on, in a list that fills as they are."""
+    from jflash import _mosaic_fwd
+
+    kernels = []
+    launch = _mosaic_fwd.launch
+
+    def spy(kernel, **kwargs):
+        kernels.append(kernel.keywords)
+        return launch(kernel, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    return kernels
 
 
 @pytest.mark.parametrize(
@@ -510,22 +520,14 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
 def test_mosaic_forward_work_items_take_rows_in_turn(monkeypatch, causal, head_dim, want):
     """At D = 128 the persistent forward's work items go one batch row after another
     where the heads are outermost (`jax.eval_shape`: nothing runs)."""
-    from jflash import _mosaic_fwd
-
-    taken = []
-    launch = _mosaic_fwd.launch
-
-    def spy(kernel, **kwargs):
-        taken.append(kernel.keywords["items"])
-        return launch(kernel, **kwargs)
-
-    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
+    kernels = _spy_forward_launches(monkeypatch)
     q = jax.ShapeDtypeStruct((3, 256, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((3, 256, 2, head_dim), jnp.bfloat16)
     attend = functools.partial(
         jflash.flash_attention, causal=causal, implementation="pallas_mosaic", interpret=INTERPRET
     )
     jax.eval_shape(attend, q, kv, kv)
+    taken = [kernel["items"] for kernel in kernels]
     assert taken and {items.rows_outer for items in taken} == {want}, taken
     assert all(items.batch == 3 for items in taken)
 
