@@ -93,11 +93,11 @@ class WorkItems:
     def coords(self, i, order_ref=None):
         """Item `i` -> `(batch, head, tile)` int32 scalars."""
         i = index(i)
-        nb = jnp.int32(self.batch)
         if self.rows_outer:
             per_row = jnp.int32(self.tiles * self.heads)
             b, outer = lax.div(i, per_row), lax.rem(i, per_row)
         else:
+            nb = jnp.int32(self.batch)
             b, outer = lax.rem(i, nb), lax.div(i, nb)
         if self.tiles_first:
             rank = lax.div(outer, jnp.int32(self.heads))
