@@ -69,8 +69,9 @@ def test_items_number_every_tile_heaviest_first(tiles, heads, batch, group, caus
             assert rows == sorted(rows)
         else:  # the rows side by side
             assert rows == [i % batch for i in range(items.total)]
-        kv_seen = [h // group for b, h, _ in coords if b == batch - 1]
-        assert kv_seen == sorted(kv_seen)
+        for row in range(batch) if rows_outer else [None]:  # side by side: the whole list
+            kv_seen = [h // group for b, h, _ in coords if row in (None, b)]
+            assert kv_seen == sorted(kv_seen)
         for b, h in itertools.product(range(batch), range(heads)):
             mine = [r for (bb, hh, _), r in zip(coords, ranks, strict=True) if (bb, hh) == (b, h)]
             assert mine == sorted(mine)
