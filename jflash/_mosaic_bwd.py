@@ -160,6 +160,15 @@ ROW_SPLIT_DQ_HEAD_DIMS = (64,)
 # `launch` hands the kernel operands that vary over no manual axis.
 MEMORY_WARP_HEAD_DIMS = (64,)
 
+# The backward kernels whose launches take the batch rows one after another where the
+# heads are outermost (`tile_grid`'s `rows_outer`), instead of side by side: with 16
+# rows of 4k tokens the dK/dV CTAs in flight stream one row's Q, dO and dQ instead of
+# 16 rows', which L2 then serves. H200, forward+backward against the rows side by side
+# (the forward unchanged): full 4k 1.038x (D = 128), 1.028x (D = 64); causal 4k and 16k,
+# full 16k 1.007-1.012x; deterministic full 4k D = 128 1.033x (BENCHMARKS.md). Batch 1
+# launches are the same either way.
+BWD_ROWS_OUTER = ("dkv", "dq")
+
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
 # dQ kernel's Q and dO. Each costs D/4 registers per thread.
@@ -953,7 +962,15 @@ def mosaic_bwd(
             plgpu.SMEM((1,), jnp.int32),  # the per-step zero (`opaque`)
             _parts_tile((COMPUTE_WGS, WG_ROWS, PARTS)),  # ones: the terms' A operand
         ],
-        **tile_grid(kv_tiles, kh, b, "kv_tiles", causal=geom.mask.causal, packed=segments),
+        **tile_grid(
+            kv_tiles,
+            kh,
+            b,
+            "kv_tiles",
+            causal=geom.mask.causal,
+            packed=segments,
+            rows_outer="dkv" in BWD_ROWS_OUTER,
+        ),
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
@@ -990,7 +1007,15 @@ def mosaic_bwd(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=dq_stages),
         ],
-        **tile_grid(geom.q_pad // rows, n, b, "q_tiles", causal=geom.mask.causal, packed=segments),
+        **tile_grid(
+            geom.q_pad // rows,
+            n,
+            b,
+            "q_tiles",
+            causal=geom.mask.causal,
+            packed=segments,
+            rows_outer="dq" in BWD_ROWS_OUTER,
+        ),
         kernel_name="jflash_mosaic_dq",
         interpret=interpret,
     )(q, k, v, do, s_start, dp_start, *dq_ids)

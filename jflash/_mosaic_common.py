@@ -498,14 +498,25 @@ def wgmma_pair(inits, products, first, then, *, interpret: bool):
 
 
 def tile_grid(
-    tiles: int, heads: int, batch: int, tile_name: str, *, causal: bool, packed: bool = False
+    tiles: int,
+    heads: int,
+    batch: int,
+    tile_name: str,
+    *,
+    causal: bool,
+    packed: bool = False,
+    rows_outer: bool = False,
 ) -> dict:
     """`grid` and `grid_names` of a (tiles, heads, batch) launch in the order
     `jflash._launch_order` picks (`packed`: a backward launch with segment ids). CTAs
     start with the LAST grid axis fastest (Pallas Mosaic GPU reverses the grid onto
-    CUDA's x, y, z), so the outermost axis is first."""
+    CUDA's x, y, z), so the outermost axis is first. `rows_outer`: where the heads
+    would be outermost, the batch rows go outside them (one row's heads and tiles
+    before the next row's) instead of running side by side."""
     if _launch_order.tiles_first(tiles, heads, batch, causal=causal, packed=packed):
         return dict(grid=(tiles, heads, batch), grid_names=(tile_name, "heads", "batch"))
+    if rows_outer:
+        return dict(grid=(batch, heads, tiles), grid_names=("batch", "heads", tile_name))
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 
 

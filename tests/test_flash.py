@@ -334,6 +334,12 @@ def test_tile_grid_orders():
     packed = tile_grid(512, 8, 1, "kv_tiles", causal=True, packed=True)
     assert packed["grid_names"] == ("kv_tiles", "heads", "batch")
     assert tile_grid(512, 8, 1, "kv_tiles", causal=False, packed=True)["grid"] == (8, 512, 1)
+    # `rows_outer`: the batch rows outside the heads, where the heads are outermost
+    rows = tile_grid(64, 8, 3, "q_tiles", causal=False, rows_outer=True)
+    assert rows == dict(grid=(3, 8, 64), grid_names=("batch", "heads", "q_tiles"))
+    assert tile_grid(64, 8, 3, "kv_tiles", causal=True, rows_outer=True) == dict(
+        grid=(64, 8, 3), grid_names=("kv_tiles", "heads", "batch")
+    )
 
 
 @pytest.mark.parametrize("bounds", [(2, 3, 5, 9, 10, 12), (0, 0, 0, 4, 4, 4), (1, 1, 1, 1, 1, 3)])
@@ -530,6 +536,55 @@ def test_mosaic_forward_work_items_take_rows_in_turn(monkeypatch, causal, head_d
     taken = [kernel["items"] for kernel in kernels]
     assert taken and {items.rows_outer for items in taken} == {want}, taken
     assert all(items.batch == 3 for items in taken)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize(
+    "causal, head_dim, rows_outer",
+    [
+        (False, 128, True),  # `BWD_ROWS_OUTER`
+        (False, 64, True),
+        (True, 128, False),  # few causal tiles: the tiles outermost, the rows fastest
+    ],
+)
+def test_mosaic_backward_launches_take_rows_in_turn(
+    monkeypatch, causal, head_dim, rows_outer, deterministic
+):
+    """The backward kernels take the batch rows one after another where the heads are
+    outermost (`jax.eval_shape`: nothing runs): the dK/dV kernel, and the deterministic
+    backward's dQ kernel."""
+    from jflash import _mosaic_bwd
+
+    grids = {}
+    launch = _mosaic_bwd.launch
+
+    def spy(kernel, **kwargs):
+        grids[kwargs["kernel_name"]] = kwargs["grid_names"]
+        return launch(kernel, **kwargs)
+
+    monkeypatch.setattr(_mosaic_bwd, "launch", spy)
+    q = jax.ShapeDtypeStruct((3, 256, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((3, 256, 2, head_dim), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = jflash.flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            implementation="pallas_mosaic",
+            deterministic=deterministic,
+            interpret=INTERPRET,
+        )
+        return out.astype(jnp.float32).sum()
+
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    assert set(grids) == {"jflash_mosaic_dkv"} | ({"jflash_mosaic_dq"} if deterministic else set())
+    for name, names in grids.items():
+        if rows_outer:
+            assert names[:2] == ("batch", "heads"), (name, names)
+        else:
+            assert names[0].endswith("_tiles") and names[1:] == ("heads", "batch"), (name, names)
 
 
 @needs_hopper
