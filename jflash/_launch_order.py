@@ -25,6 +25,12 @@ document start together. Measured on packed rows of long-tailed documents
 (`--launch-order --documents`), the Mosaic dK/dV kernel's heads-first ÷ tiles-first
 time: 1.08-1.09 at 32k tokens (D = 64 and 128), 1.06 / 1.00 at 64k (D = 64 / 128).
 The persistent forward keeps heads outermost there (0.94-1.00 tiles first).
+
+Where the heads are outermost, the batch rows of a launch go either side by side
+(fastest) or one after another (outside the heads). One row after another, the CTAs in
+flight share one row's streams in L2 instead of each row's: the Mosaic backward kernels
+take it at every head dim (`_mosaic_bwd.BWD_ROWS_OUTER`), the persistent forward at
+D = 128 (`_mosaic_fwd.ROWS_OUTER_HEAD_DIMS`); tiles outermost keeps the rows fastest.
 """
 
 from __future__ import annotations
