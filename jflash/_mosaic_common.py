@@ -210,6 +210,7 @@ def stream_kv(
         drain(free, index(steps.base) + steps.count, stages)
 
 
+GRID_YZ_MAX = 65535  # CUDA's largest grid along y and z (x: 2**31 - 1)
 SMEM_BYTES = 232448  # Hopper: 227 KiB of shared memory per CTA
 # Barriers and the alignment of the small buffers beside the tiles: 1,112 bytes for the
 # forward with segment ids and f32 outputs (the largest measured).
@@ -512,10 +513,14 @@ def tile_grid(
     start with the LAST grid axis fastest (Pallas Mosaic GPU reverses the grid onto
     CUDA's x, y, z), so the outermost axis is first. `rows_outer`: where the heads
     would be outermost, the batch rows go outside them (one row's heads and tiles
-    before the next row's) instead of running side by side."""
+    before the next row's) instead of running side by side.
+
+    CUDA allows at most `GRID_YZ_MAX` along y and z: more batch rows than that (calls
+    folded by `jax.vmap`, say) keep the rows fastest, on x; more tiles than that (rows
+    of over 8M tokens) go fastest."""
     if _launch_order.tiles_first(tiles, heads, batch, causal=causal, packed=packed):
         return dict(grid=(tiles, heads, batch), grid_names=(tile_name, "heads", "batch"))
-    if rows_outer:
+    if (rows_outer and batch <= GRID_YZ_MAX) or tiles > GRID_YZ_MAX:
         return dict(grid=(batch, heads, tiles), grid_names=("batch", "heads", tile_name))
     return dict(grid=(heads, tiles, batch), grid_names=("heads", tile_name, "batch"))
 

@@ -321,7 +321,7 @@ def _three_warpgroups_with_segments(
 def test_tile_grid_orders():
     """LAUNCH_ORDER: small causal launches tiles outermost, the rest heads outermost."""
     from jflash._launch_order import TILES_FIRST_MAX_CTAS, TILES_FIRST_MAX_TILES
-    from jflash._mosaic_common import tile_grid
+    from jflash._mosaic_common import GRID_YZ_MAX, tile_grid
 
     small = tile_grid(64, 8, 1, "kv_tiles", causal=True)
     assert small == dict(grid=(64, 8, 1), grid_names=("kv_tiles", "heads", "batch"))
@@ -339,6 +339,20 @@ def test_tile_grid_orders():
     assert rows == dict(grid=(3, 8, 64), grid_names=("batch", "heads", "q_tiles"))
     assert tile_grid(64, 8, 3, "kv_tiles", causal=True, rows_outer=True) == dict(
         grid=(64, 8, 3), grid_names=("kv_tiles", "heads", "batch")
+    )
+    # CUDA's grid allows 65,535 along y and z: more rows, or more tiles, go on x
+    assert tile_grid(4, 8, GRID_YZ_MAX, "q_tiles", causal=False, rows_outer=True)["grid"] == (
+        GRID_YZ_MAX,
+        8,
+        4,
+    )
+    assert tile_grid(4, 8, GRID_YZ_MAX + 1, "q_tiles", causal=False, rows_outer=True) == dict(
+        grid=(8, 4, GRID_YZ_MAX + 1), grid_names=("heads", "q_tiles", "batch")
+    )
+    assert tile_grid(GRID_YZ_MAX + 1, 8, 1, "kv_tiles", causal=False)["grid"] == (
+        1,
+        8,
+        GRID_YZ_MAX + 1,
     )
 
 
