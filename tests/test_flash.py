@@ -341,19 +341,12 @@ def test_tile_grid_orders():
         grid=(64, 8, 3), grid_names=("kv_tiles", "heads", "batch")
     )
     # CUDA's grid allows 65,535 along y and z: more rows, or more tiles, go on x
-    assert tile_grid(4, 8, GRID_YZ_MAX, "q_tiles", causal=False, rows_outer=True)["grid"] == (
-        GRID_YZ_MAX,
-        8,
-        4,
-    )
-    assert tile_grid(4, 8, GRID_YZ_MAX + 1, "q_tiles", causal=False, rows_outer=True) == dict(
-        grid=(8, 4, GRID_YZ_MAX + 1), grid_names=("heads", "q_tiles", "batch")
-    )
-    assert tile_grid(GRID_YZ_MAX + 1, 8, 1, "kv_tiles", causal=False)["grid"] == (
-        1,
-        8,
-        GRID_YZ_MAX + 1,
-    )
+    most = tile_grid(4, 8, GRID_YZ_MAX, "q_tiles", causal=False, rows_outer=True)
+    assert most["grid"] == (GRID_YZ_MAX, 8, 4)
+    more = tile_grid(4, 8, GRID_YZ_MAX + 1, "q_tiles", causal=False, rows_outer=True)
+    assert more == dict(grid=(8, 4, GRID_YZ_MAX + 1), grid_names=("heads", "q_tiles", "batch"))
+    long_row = tile_grid(GRID_YZ_MAX + 1, 8, 1, "kv_tiles", causal=False)
+    assert long_row["grid"] == (1, 8, GRID_YZ_MAX + 1)
 
 
 @pytest.mark.parametrize("bounds", [(2, 3, 5, 9, 10, 12), (0, 0, 0, 4, 4, 4), (1, 1, 1, 1, 1, 3)])
@@ -495,7 +488,7 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
     from jflash import _mosaic_fwd
     from jflash._mask import Mask
 
-    kernels = _spy_forward_launches(monkeypatch)
+    launches = _spy_launches(monkeypatch, _mosaic_fwd)
     q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), dtype)
     seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
@@ -509,24 +502,23 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
         )  # fmt: skip
 
     jax.eval_shape(forward, q, kv, kv, seg)
-    steps = [kernel["block_kv"] for kernel in kernels]
+    steps = [kernel["block_kv"] for kernel, _ in launches]
     assert steps and set(steps) == {want}, steps
 
 
-def _spy_forward_launches(monkeypatch) -> list[dict]:
-    """The keyword arguments of each Mosaic forward kernel launched (or traced) from
-    now on, in a list that fills as they are."""
-    from jflash import _mosaic_fwd
-
-    kernels = []
-    launch = _mosaic_fwd.launch
+def _spy_launches(monkeypatch, module) -> list[tuple[dict, dict]]:
+    """`(kernel keywords, launch keywords)` of each Mosaic kernel that `module` (the
+    forward's or the backward's) launches (or traces) from now on, in a list that fills
+    as they are."""
+    launches = []
+    launch = module.launch
 
     def spy(kernel, **kwargs):
-        kernels.append(kernel.keywords)
+        launches.append((kernel.keywords, kwargs))
         return launch(kernel, **kwargs)
 
-    monkeypatch.setattr(_mosaic_fwd, "launch", spy)
-    return kernels
+    monkeypatch.setattr(module, "launch", spy)
+    return launches
 
 
 @pytest.mark.parametrize(
@@ -540,14 +532,16 @@ def _spy_forward_launches(monkeypatch) -> list[dict]:
 def test_mosaic_forward_work_items_take_rows_in_turn(monkeypatch, causal, head_dim, want):
     """At D = 128 the persistent forward's work items go one batch row after another
     where the heads are outermost (`jax.eval_shape`: nothing runs)."""
-    kernels = _spy_forward_launches(monkeypatch)
+    from jflash import _mosaic_fwd
+
+    launches = _spy_launches(monkeypatch, _mosaic_fwd)
     q = jax.ShapeDtypeStruct((3, 256, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((3, 256, 2, head_dim), jnp.bfloat16)
     attend = functools.partial(
         jflash.flash_attention, causal=causal, implementation="pallas_mosaic", interpret=INTERPRET
     )
     jax.eval_shape(attend, q, kv, kv)
-    taken = [kernel["items"] for kernel in kernels]
+    taken = [kernel["items"] for kernel, _ in launches]
     assert taken and {items.rows_outer for items in taken} == {want}, taken
     assert all(items.batch == 3 for items in taken)
 
@@ -569,14 +563,7 @@ def test_mosaic_backward_launches_take_rows_in_turn(
     backward's dQ kernel."""
     from jflash import _mosaic_bwd
 
-    grids = {}
-    launch = _mosaic_bwd.launch
-
-    def spy(kernel, **kwargs):
-        grids[kwargs["kernel_name"]] = kwargs["grid_names"]
-        return launch(kernel, **kwargs)
-
-    monkeypatch.setattr(_mosaic_bwd, "launch", spy)
+    launches = _spy_launches(monkeypatch, _mosaic_bwd)
     q = jax.ShapeDtypeStruct((3, 256, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((3, 256, 2, head_dim), jnp.bfloat16)
 
@@ -593,6 +580,7 @@ def test_mosaic_backward_launches_take_rows_in_turn(
         return out.astype(jnp.float32).sum()
 
     jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+    grids = {launch["kernel_name"]: launch["grid_names"] for _, launch in launches}
     assert set(grids) == {"jflash_mosaic_dkv"} | ({"jflash_mosaic_dq"} if deterministic else set())
     for name, names in grids.items():
         if rows_outer:
