@@ -12,7 +12,7 @@ hands the turn over right after its work item's last P V and takes it back befor
 next item's first Q K^T, so its epilogue does not hold up the other's last step; and,
 without segment ids, it loads the next item's Q from its last step on (both: forward
 1.026x at causal 4k, 1.018x at 16k; the turn alone 1.010x on packed documents;
-BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under 16k queries)
+BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under the three-warpgroup lengths)
 takes no turns: each warpgroup issues its matmuls as its own steps allow, waiting
 only for its K and V slots (against ping-pong turns there, forward 1.01-1.02x at 4k
 and 8k, outputs bitwise equal). It loads its next Q from its last step on too
@@ -44,7 +44,8 @@ H200, whose SMs finish equal shares at different times. The tickets are the whol
 memory warpgroup's; each item's K and V stream from one warp of it
 (`MEMORY_WARP_HEAD_DIMS`).
 
-At D=64, calls of 16k queries or more run three compute warpgroups (192 query rows,
+At D=64, causal calls of 16k queries or more and non-causal ones of 8k or more
+(`THREE_WG_MIN_LEN`, `THREE_WG_MIN_LEN_FULL`) run three compute warpgroups (192 query rows,
 `THREE_WG_HEAD_DIMS`): the overlapped loop, with a token passed round the three
 (`turn.at[w]`, one arrival each) instead of the two-arrival turn barrier. With segment
 ids they run where the key ids are sorted, masking by the rows' spans only (the id
@@ -56,7 +57,7 @@ custom call's result straight into a `dynamic_update_slice` target (a `lax.scan`
 stacked outputs, such as remat's saved residuals), which drops what an aliased input
 held.
 
-Packed documents at D=64 under 16k queries: the span kernel runs three compute
+Packed documents at D=64 under those lengths: the span kernel runs three compute
 warpgroups in the loop without overlap (128-key steps, no turns) where dense calls run
 two with 256-key steps. A document of a few hundred tokens fills less of a 256-key step
 than of two 128-key ones: forward 1.37-1.40x on rows of 22 documents at 4k and 8k, where
@@ -120,16 +121,19 @@ from jflash._work_items import WorkItems, heaviest_first, take_ticket
 # interpreter runs it too, with its accumulators in shared memory (`Accumulators`).
 OVERLAP_HEAD_DIMS = (128,)
 # Head dims whose compiled forward runs three compute warpgroups from THREE_WG_MIN_LEN
-# queries on (192-row query tiles, 128-key steps in 4 stages, each step's P V and the
-# next Q K^T issued together), FlashAttention-3's D = 64 forward: the tensor cores pass
-# round the three in turn, so each warpgroup has two others' turns for its softmax
-# instead of one. Registers: 3 x 160 + 24. H200, forward against two warpgroups: 1.03x
-# at 16k, 1.07x at 32k, 1.05x at 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k
-# causal, so shorter calls keep two (BENCHMARKS.md).
+# queries on, causal, and THREE_WG_MIN_LEN_FULL non-causal (192-row query tiles, 128-key
+# steps in 4 stages, each step's P V and the next Q K^T issued together),
+# FlashAttention-3's D = 64 forward: the tensor cores pass round the three in turn, so
+# each warpgroup has two others' turns for its softmax instead of one. Registers: 3 x
+# 160 + 24. H200, forward against two warpgroups: 1.03x at 16k, 1.07x at 32k, 1.05x at
+# 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k causal, so shorter causal calls
+# keep two. Non-causal: 1.023x at 8k, 1.045x at 12k (whole 192-row tiles), 1.007x at 4k,
+# where the last tile's 128 rows past the length are 3% of the work (BENCHMARKS.md).
 # Under THREE_WG_MIN_LEN queries the span kernel for packed documents runs three as well,
 # in the loop without overlap (`mosaic_fwd`).
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
+THREE_WG_MIN_LEN_FULL = 8192
 # Head dims whose forward streams K and V from one warp of the memory warpgroup
 # (`plgpu.warp_map`) instead of all four, where each copy first synchronised the
 # warpgroup and 128 threads polled every barrier (as the dK/dV kernel's
@@ -139,7 +143,7 @@ THREE_WG_MIN_LEN = 16384
 # code read 1.024x the same day; outputs bitwise equal (BENCHMARKS.md). Inside
 # `shard_map` too: `launch` hands the kernel operands that vary over no manual axis.
 MEMORY_WARP_HEAD_DIMS = (64, 128)
-# The two-warpgroup loop without overlap (D = 64 under THREE_WG_MIN_LEN queries) emits
+# The two-warpgroup loop without overlap (D = 64 under the three-warpgroup lengths) emits
 # its softmax's FMA, exponential, row-sum add and conversion value by value
 # (`exp_rows`) instead of as one pass each: forward 1.01-1.03x at causal and full 4k
 # and 8k in two runs; the overlapped loops were level with it (BENCHMARKS.md).
@@ -177,8 +181,8 @@ THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
 # (`_mosaic_common.profiling`, `benchmarks/timeline.py`); outside the profiler they
 # change no instruction. Per key step, in the overlapped loop (two warpgroups at D=128,
-# three at D=64 from THREE_WG_MIN_LEN queries): s_wait, softmax, turn, issue; in the
-# loop without overlap (D=64 under THREE_WG_MIN_LEN queries: two warpgroups, three for
+# three at D=64 from the three-warpgroup lengths): s_wait, softmax, turn, issue; in the
+# loop without overlap (D=64 under those lengths: two warpgroups, three for
 # packed documents): s_wait,
 # qk, s_read, softmax, turn, issue, where s_wait is the wait for the step's K, turn for
 # its V and issue is P V, issued and waited for:
@@ -834,10 +838,11 @@ def forms() -> str:
     wide = ", ".join(f"{keys} keys per step at head_dim {d}" for d, keys in FULL_BLOCK_KV.items())
     return (
         f"the Mosaic forward: three compute warpgroups at head_dim {dims} from "
-        f"{THREE_WG_MIN_LEN} queries (without block_sizes), two otherwise; non-causal "
+        f"{THREE_WG_MIN_LEN} queries causal, {THREE_WG_MIN_LEN_FULL} non-causal (without "
+        "block_sizes), two otherwise; non-causal "
         f"calls without segment_ids stream {wide} (2-byte outputs, without block_sizes); with "
         "segment_ids, sorted ids (packed documents) mask by each row's key span (on "
-        f"three warpgroups at head_dim {dims} under {THREE_WG_MIN_LEN} queries as well, "
+        f"three warpgroups at head_dim {dims} under those lengths as well, "
         "128-key steps without overlap) and other ids compare ids on two warpgroups "
         "(both kernels launch: the id compare first, returning at once where the ids are "
         "sorted, then the span kernel, which copies the compare's outputs where they are "
@@ -872,7 +877,8 @@ def mosaic_fwd(
     q, k, v, q_seg, kv_seg = match(q, k, v, q_seg, kv_seg)
     # `own_tiles=False`: the caller chose `block_kv` and `stages` (`jflash.BlockSizes`),
     # which the three-warpgroup form would replace: two warpgroups run them.
-    three = own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and q.shape[1] >= THREE_WG_MIN_LEN
+    min_len = THREE_WG_MIN_LEN if mask.causal else THREE_WG_MIN_LEN_FULL
+    three = own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS and q.shape[1] >= min_len
     common = dict(mask=mask, scale=scale, out_dtype=out_dtype, interpret=interpret)
     two_wgs = dict(common, wgs=COMPUTE_WGS, block_kv=block_kv, stages=stages)
     fast = spans = two_wgs
@@ -884,7 +890,7 @@ def mosaic_fwd(
         # 128 keys per step: S of 64 x 128 keys is 64 registers of the 160.
         fast = spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES)
     elif own_tiles and q.shape[3] in THREE_WG_HEAD_DIMS:
-        # Packed documents under THREE_WG_MIN_LEN: three warpgroups without overlap or
+        # Packed documents under those lengths: three warpgroups without overlap or
         # turns, 128-key steps: short documents fill 128-key steps better than 256-key
         # ones (the module docstring).
         spans = dict(common, wgs=3, block_kv=128, stages=THREE_WG_STAGES, overlap=False)

@@ -238,6 +238,7 @@ def three_wg_launches(monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
+    monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN_FULL", 0)
     monkeypatch.setattr(_mosaic_fwd, "launch", spy)
     jax.clear_caches()
     yield launched
@@ -687,7 +688,10 @@ def test_describe_says_which_mosaic_forward_runs(monkeypatch):
 
     monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(_dispatch, "_is_hopper", lambda: True)
-    line = f"three compute warpgroups at head_dim 64 from {_mosaic_fwd.THREE_WG_MIN_LEN} queries"
+    line = (
+        f"three compute warpgroups at head_dim 64 from {_mosaic_fwd.THREE_WG_MIN_LEN} queries "
+        f"causal, {_mosaic_fwd.THREE_WG_MIN_LEN_FULL} non-causal"
+    )
     text = jflash.describe()
     assert line in text and "sorted ids (packed documents) mask by each row's key span" in text
     assert "non-causal calls without segment_ids stream 160 keys per step at head_dim 128" in text

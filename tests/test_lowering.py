@@ -441,13 +441,15 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
     assert dispatch.dq_accumulator(x[:, :200], kernel()) is None  # padded queries
 
 
-@pytest.mark.parametrize("long", [True, False], ids=["16k", "4k"])
+@pytest.mark.parametrize("long", [True, False], ids=["long", "4k"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("segments", [False, True])
 @pytest.mark.parametrize("given", [False, True])
-def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, long):
-    """From 16k queries at D = 64 the forward runs three warpgroups with its own tiles,
-    in the overlapped loop, unless the caller chose the tiles (`block_sizes`): then two
-    run those. Under 16k two run, without overlap, except for packed documents: the span
+def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, causal, long):
+    """From 16k queries at D = 64 (8k non-causal) the forward runs three warpgroups with
+    its own tiles, in the overlapped loop, unless the caller chose the tiles
+    (`block_sizes`): then two run those. Under that length two run, without overlap,
+    except for packed documents: the span
     kernel runs three there, without overlap in 128-key steps. With segment ids two
     kernels are lowered: first two warpgroups comparing ids (they run where the key ids
     are not sorted), then the span kernel (for sorted key ids; elsewhere it copies the
@@ -465,7 +467,9 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, l
         return launch(kernel, **kwargs)
 
     monkeypatch.setattr(_mosaic_fwd, "launch", spy)
-    seq = _mosaic_fwd.THREE_WG_MIN_LEN if long else 4096
+    threshold = _mosaic_fwd.THREE_WG_MIN_LEN if causal else _mosaic_fwd.THREE_WG_MIN_LEN_FULL
+    assert threshold > 4096
+    seq = threshold if long else 4096
     q = jax.ShapeDtypeStruct((1, seq, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
     bs = jflash.default_block_sizes(seq, 64, jnp.bfloat16, implementation="pallas_mosaic")
@@ -477,7 +481,7 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, l
             q,
             k,
             v,
-            causal=True,
+            causal=causal,
             segment_ids=seg if segments else None,
             implementation="pallas_mosaic",
             block_sizes=bs if given else None,
