@@ -590,6 +590,34 @@ def test_mosaic_backward_launches_take_rows_in_turn(
             assert names[0].endswith("_tiles") and names[1:] == ("heads", "batch"), (name, names)
 
 
+# Backward launches past CUDA's grid limit of 65,535 CTAs along y and z
+# (`_mosaic_common.GRID_YZ_MAX`): more batch rows than that (both backward kernels), a
+# row of more query tiles (the deterministic dQ kernel) or key tiles (the dK/dV kernel).
+# On an H200 the first failed to launch with the limit ignored (CUDA_ERROR_INVALID_VALUE).
+GRID_LIMIT_CASES = {
+    "rows": (Case(causal=False, q_heads=1, kv_heads=1, q_len=64, batch=65_600), True),
+    "query-tiles": (Case(causal=False, q_heads=1, kv_heads=1, q_len=65_537 * 64, kv_len=64), True),
+    "key-tiles": (Case(causal=False, q_heads=1, kv_heads=1, q_len=64, kv_len=65_537 * 128), False),
+}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("name", GRID_LIMIT_CASES)
+def test_mosaic_backward_past_the_grid_limit(name):
+    """Each launches and matches the oracle (bf16, D = 64)."""
+    case, deterministic = GRID_LIMIT_CASES[name]
+    case = dataclasses.replace(case, dtype=jnp.bfloat16)
+    got, want = _run(
+        case,
+        seed=case_seed(case),
+        implementation="pallas_mosaic",
+        interpret=False,
+        deterministic=deterministic,
+    )
+    assert_close(got, want, case.dtype)
+
+
 @needs_hopper
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_mosaic_rows_that_see_nothing(head_dim):
