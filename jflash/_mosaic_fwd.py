@@ -12,13 +12,13 @@ hands the turn over right after its work item's last P V and takes it back befor
 next item's first Q K^T, so its epilogue does not hold up the other's last step; and,
 without segment ids, it loads the next item's Q from its last step on (both: forward
 1.026x at causal 4k, 1.018x at 16k; the turn alone 1.010x on packed documents;
-BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under the three-warpgroup lengths)
-takes no turns: each warpgroup issues its matmuls as its own steps allow, waiting
-only for its K and V slots (against ping-pong turns there, forward 1.01-1.02x at 4k
-and 8k, outputs bitwise equal). It loads its next Q from its last step on too
-(forward 1.04x at causal 4k), and a warpgroup whose rows see none of its last step's
-second 128 keys computes only the first 128 (`HALF_LAST`: causal, every other tile's
-diagonal step; forward 1.01-1.03x at causal 4k, outputs bitwise equal).
+BENCHMARKS.md). The two-warpgroup loop without overlap (D = 64 under the lengths that
+take three warpgroups, below) takes no turns: each warpgroup issues its matmuls as its
+own steps allow, waiting only for its K and V slots (against ping-pong turns there,
+forward 1.01-1.02x at 4k and 8k, outputs bitwise equal). It loads its next Q from its
+last step on too (forward 1.04x at causal 4k), and a warpgroup whose rows see none of
+its last step's second 128 keys computes only the first 128 (`HALF_LAST`: causal, every
+other tile's diagonal step; forward 1.01-1.03x at causal 4k, outputs bitwise equal).
 
 Non-causal calls at D=128 stream 160 keys per step where two stages of them fit shared
 memory (2-byte outputs, no segment ids; `FULL_BLOCK_KV`): forward 1.05x at full 16k and
@@ -129,8 +129,8 @@ OVERLAP_HEAD_DIMS = (128,)
 # 64k causal, 1.06x full 16k; 0.95x at 4k and 1.01x at 8k causal, so shorter causal calls
 # keep two. Non-causal: 1.023x at 8k, 1.045x at 12k (whole 192-row tiles), 1.007x at 4k,
 # where the last tile's 128 rows past the length are 3% of the work (BENCHMARKS.md).
-# Under THREE_WG_MIN_LEN queries the span kernel for packed documents runs three as well,
-# in the loop without overlap (`mosaic_fwd`).
+# Under those lengths the span kernel for packed documents runs three as well, in the
+# loop without overlap (`mosaic_fwd`).
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384
 THREE_WG_MIN_LEN_FULL = 8192

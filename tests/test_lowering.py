@@ -449,8 +449,8 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, c
     """From 16k queries at D = 64 (8k non-causal) the forward runs three warpgroups with
     its own tiles, in the overlapped loop, unless the caller chose the tiles
     (`block_sizes`): then two run those. Under that length two run, without overlap,
-    except for packed documents: the span
-    kernel runs three there, without overlap in 128-key steps. With segment ids two
+    except for packed documents: the span kernel runs three there, without overlap in
+    128-key steps. With segment ids two
     kernels are lowered: first two warpgroups comparing ids (they run where the key ids
     are not sorted), then the span kernel (for sorted key ids; elsewhere it copies the
     first one's outputs)."""
