@@ -1218,6 +1218,7 @@ GPU_BENCHMARKS = [
     ["ring_blocks.py"],
     ["mosaic_smoke.py", "fwd"],
     ["in_shard_map.py"],
+    ["accuracy.py"],
 ]
 
 
@@ -1475,3 +1476,42 @@ def test_kernel_modules_tell_a_kernel_change_from_a_refactor(tmp_path, monkeypat
     assert kernel_modules.compare([("a", "x")], [("b", "x")])[0]["result"] == (
         "the tree builds a where the revision builds b"
     )
+
+
+# ----------------------------------------------------------------------------------
+# benchmarks/accuracy.py: implementations against float64 over long rows of keys
+
+
+def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
+    """`accuracy.compare`'s float64 reference, built in chunks of keys (the last one
+    ragged), against jflash's f32 oracle on the same bf16 values: within f32 rounding,
+    with no bias; then the CLI in interpret mode on a short row (the kernels' errors at
+    bf16 rounding, their bias near zero), a missing peer as a row saying why, and bad
+    flags refused by name."""
+    from benchmarks import accuracy
+
+    args = accuracy.argparse.Namespace(seed=3, queries=24, heads=4, kv_heads=2, head_dim=64)
+    q, k, v, do = accuracy.draw(300, args)
+    oracle = accuracy.run(
+        lambda q, k, v: jflash.attention_reference(q, k, v, causal=False)[0],
+        *(x.astype(jnp.float32) for x in (q, k, v, do)),
+    )
+    (cells,) = accuracy.compare({"f32": oracle}, q, k, v, do, chunk=128, scale=64**-0.5).values()
+    for t in accuracy.TENSORS:
+        assert cells[f"{t}_err"] < 2e-5 and abs(cells[f"{t}_bias"]) < 1e-6, (t, cells)
+
+    out = tmp_path / "accuracy.json"
+    argv = ["--interpret", "--keys", "200", "--queries", "16", "--chunk", "64"]
+    rows = accuracy.main([*argv, "--impls", "jflash,no_such_peer", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["interpreted"] == (jax.default_backend() != "gpu") and written["rows"] == rows
+    kernel_row, missing = rows
+    assert kernel_row["impl"] == "jflash" and "error" not in kernel_row
+    for t in accuracy.TENSORS:
+        assert kernel_row[f"{t}_err"] < 2e-2 and abs(kernel_row[f"{t}_bias"]) < 2e-3, kernel_row
+    assert missing["impl"] == "no_such_peer" and missing["error"]
+    bad_flags = (["--keys", "8k"], "'8k'"), (["--heads", "3", "--kv-heads", "2"], "--heads 3")
+    for bad, named in bad_flags:
+        with pytest.raises(SystemExit):
+            accuracy.main([*bad, "--interpret"])
+        assert named in capsys.readouterr().err
