@@ -440,9 +440,10 @@ def test_profile_one_device_cpu_row_traces_each_step_in_its_own_window(tmp_path)
     row = _worker_row(tmp_path, job, devices=1)
     assert row["status"] == "ok", row
     assert row["trace"]["steps"] == [4, 5, 6]
-    # One window holding all three steps reads about 3; a step's own window about 1, up
-    # to 1.6 seen with the other test worker busy on a 2-core machine.
-    assert 0.5 < row["trace_vs_timed"] < 2.2, row["trace_vs_timed"]
+    # Three windows, one per step (above). Their mean against the timed step reads about
+    # 1 (one window holding all three would read about 3), up to 2.26 seen under the
+    # profiler with the other test worker busy on a 2-core machine: a loose bound.
+    assert 0.5 < row["trace_vs_timed"] < 2.7, row["trace_vs_timed"]
     # No ring on one device, and the reason says so (not another --ring_strategy).
     assert "ring" not in row
     assert row["not_measured"]["ring"] == (
