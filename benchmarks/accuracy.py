@@ -29,7 +29,6 @@ missing one is a row saying why). Without a GPU it stops at once with one line s
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -37,7 +36,6 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jflash  # noqa: E402
 from benchmarks import kernel  # noqa: E402
 from benchmarks.common import add_interpret_flag, gpu_or_interpret, table, write_json  # noqa: E402
 
@@ -56,20 +54,6 @@ def draw(keys: int, args):
         normal(kv, (1, keys, kh, d)),
         normal(kd, (1, t, n, d)),
     )
-
-
-def implementation(name: str, head_dim: int, interpret: bool):
-    """`attn(q, k, v)` of row `name`, non-causal; `kernel.PeerUnavailable` if it cannot run."""
-    if name in kernel.JFLASH:
-        impl, deterministic = kernel.JFLASH[name]
-        return functools.partial(
-            jflash.flash_attention,
-            causal=False,
-            implementation=impl,
-            deterministic=deterministic,
-            interpret=interpret or None,
-        )
-    return kernel.attention_fn(name, causal=False, head_dim=head_dim)
 
 
 def run(attn, q, k, v, do):
@@ -186,8 +170,7 @@ def main(argv=None):
     try:
         keys = parse_keys(args.keys)
         for flag in ("queries", "heads", "kv_heads", "head_dim", "chunk"):
-            if getattr(args, flag) < 1:
-                value = getattr(args, flag)
+            if (value := getattr(args, flag)) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
         if args.heads % args.kv_heads:
             raise ValueError(
@@ -203,7 +186,9 @@ def main(argv=None):
         outputs, failed = {}, {}
         for name in names:
             try:
-                attn = implementation(name, args.head_dim, args.interpret)
+                attn = kernel.attention_fn(
+                    name, causal=False, head_dim=args.head_dim, interpret=args.interpret
+                )
                 outputs[name] = run(attn, q, k, v, do)
             except kernel.PeerUnavailable as e:
                 failed[name] = str(e)
@@ -215,7 +200,7 @@ def main(argv=None):
             if name in failed:
                 row["error"] = failed[name]
             rows.append(row)
-            print({c: x for c, x in row.items()}, flush=True)
+            print(row, flush=True)
         del q, k, v, do, outputs
     columns = ["keys", "impl", *(f"{t}_{m}" for t in TENSORS for m in ("err", "bias")), "error"]
     print(table(rows, columns, note=note))

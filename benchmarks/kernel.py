@@ -129,9 +129,15 @@ def peer_fn(impl: str, causal: bool, head_dim: int):
 
 
 def attention_fn(
-    impl: str, block_sizes=None, causal: bool = True, head_dim: int = 128, segment_ids=None
+    impl: str,
+    block_sizes=None,
+    causal: bool = True,
+    head_dim: int = 128,
+    segment_ids=None,
+    interpret: bool = False,
 ):
-    """`attn(q, k, v)` of `impl`: jflash's (with `segment_ids`, if given) or a peer's."""
+    """`attn(q, k, v)` of `impl`: jflash's (with `segment_ids`, if given; its Pallas
+    kernels in interpret mode with `interpret`) or a peer's."""
     if impl in JFLASH:
         implementation, deterministic = JFLASH[impl]
         return functools.partial(
@@ -141,6 +147,7 @@ def attention_fn(
             block_sizes=block_sizes,
             implementation=implementation,
             deterministic=deterministic,
+            interpret=interpret or None,
         )
     if impl in PEERS:
         return peer_fn(impl, causal, head_dim)
