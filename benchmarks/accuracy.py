@@ -12,7 +12,9 @@ chunks of `--chunk` keys. Per implementation and tensor (`o`, `dq`, `dk`, `dv`):
 
 - `err`: the largest |a - r| over the largest |r|;
 - `bias`: <a - r, r> / <r, r>, the part of the error along the true values (negative:
-  they shrink toward zero).
+  they shrink toward zero);
+- `nonfinite`: the count of NaN or infinite entries per tensor, where there are any (then
+  that tensor's `err` and `bias` are left empty).
 
 Rounding to nearest leaves errors without a direction: their bias stays near zero however
 long the row. An accumulator that drops its low bits toward zero at every addition gives a
@@ -67,19 +69,28 @@ def run(attn, q, k, v, do):
 
 
 class Stats:
-    """Running `max |a - r|`, `max |r|`, `<a - r, r>`, `<r, r>` of one tensor, in float64."""
+    """Running `max |a - r|`, `max |r|`, `<a - r, r>`, `<r, r>` of one tensor, in float64,
+    over `a`'s finite entries, and the count of the others (NaN or infinite)."""
 
     def __init__(self):
         self.worst = self.largest = self.along = self.norm = 0.0
+        self.nonfinite = 0
 
     def add(self, a, r):
-        e = a.astype(jnp.float64) - r
+        a = a.astype(jnp.float64)
+        finite = jnp.isfinite(a)
+        self.nonfinite += int(a.size - jnp.sum(finite))
+        e = jnp.where(finite, a - r, 0.0)
         self.worst = max(self.worst, float(jnp.max(jnp.abs(e))))
         self.largest = max(self.largest, float(jnp.max(jnp.abs(r))))
         self.along += float(jnp.sum(e * r))
         self.norm += float(jnp.sum(r * r))
 
     def cells(self, tensor: str) -> dict:
+        """`{tensor}_err` and `{tensor}_bias`; both None where an entry is not finite (the
+        count is in `nonfinite`): an error over the finite entries would read as a pass."""
+        if self.nonfinite:
+            return {f"{tensor}_err": None, f"{tensor}_bias": None}
         return {
             f"{tensor}_err": self.worst / self.largest if self.largest else None,
             f"{tensor}_bias": self.along / self.norm if self.norm else None,
@@ -139,9 +150,12 @@ def compare(outputs: dict, q, k, v, do, *, chunk: int, scale: float) -> dict:
         for name, (o_a, dq_a, _, _) in outputs.items():
             stats[name]["o"].add(o_a[0].reshape(o.shape), o)
             stats[name]["dq"].add(dq_a[0].reshape(dq.shape), dq)
-    return {
-        name: {c: v for t in TENSORS for c, v in s[t].cells(t).items()} for name, s in stats.items()
-    }
+    cells = {}
+    for name, s in stats.items():
+        cells[name] = {c: v for t in TENSORS for c, v in s[t].cells(t).items()}
+        if bad := [f"{t}: {s[t].nonfinite}" for t in TENSORS if s[t].nonfinite]:
+            cells[name]["nonfinite"] = ", ".join(bad)
+    return cells
 
 
 def parse_keys(text: str) -> list[int]:
@@ -202,7 +216,8 @@ def main(argv=None):
             rows.append(row)
             print(row, flush=True)
         del q, k, v, do, outputs
-    columns = ["keys", "impl", *(f"{t}_{m}" for t in TENSORS for m in ("err", "bias")), "error"]
+    columns = ["keys", "impl", *(f"{t}_{m}" for t in TENSORS for m in ("err", "bias"))]
+    columns += ["nonfinite", "error"]
     print(table(rows, columns, note=note))
     shape = dict(queries=args.queries, heads=args.heads, kv_heads=args.kv_heads)
     out = args.out or os.path.join(RESULTS, f"accuracy-{kernel.device_name()}.json")

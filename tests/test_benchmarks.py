@@ -1499,6 +1499,12 @@ def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
     (cells,) = accuracy.compare({"f32": oracle}, q, k, v, do, chunk=128, scale=64**-0.5).values()
     for t in accuracy.TENSORS:
         assert cells[f"{t}_err"] < 2e-5 and abs(cells[f"{t}_bias"]) < 1e-6, (t, cells)
+    assert "nonfinite" not in cells
+    # A NaN is counted, not skipped: max() over a NaN error would have read as 0.
+    broken = (oracle[0], oracle[1].at[0, 3, 1, 5].set(jnp.nan), *oracle[2:])
+    (cells,) = accuracy.compare({"nan": broken}, q, k, v, do, chunk=128, scale=64**-0.5).values()
+    assert cells["nonfinite"] == "dq: 1" and cells["dq_err"] is None, cells
+    assert cells["o_err"] < 2e-5, cells
 
     out = tmp_path / "accuracy.json"
     argv = ["--interpret", "--keys", "200", "--queries", "16", "--chunk", "64"]
