@@ -126,11 +126,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def run_oracle(script: str, *args) -> object:
+def run_oracle(script: str, *args, transformers_min: tuple[int, int] = (0, 0)) -> object:
     """``script`` run by the HF parity oracle's interpreter (``$JFLASH_ORACLE_PYTHON``,
     default ``.venv-oracle/bin/python``, as tests/test_models_parity.py finds it) with
     ``args``: the JSON its last line of output holds. Skips the test without the oracle
-    (or its transformers or jinja2)."""
+    (or its transformers or jinja2), or where its transformers is older than
+    ``transformers_min`` (major, minor): behaviour that version brought."""
     import json
     import subprocess
 
@@ -140,9 +141,17 @@ def run_oracle(script: str, *args) -> object:
     )
     if os.path.isabs(exe) and not os.path.isfile(exe):
         pytest.skip("no HF oracle interpreter (make oracle, or JFLASH_ORACLE_PYTHON)")
-    probe = subprocess.run([exe, "-c", "import transformers, jinja2"], capture_output=True)
+    probe = subprocess.run(
+        [exe, "-c", "import transformers, jinja2; print(transformers.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode:
         pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
+    version = probe.stdout.strip().splitlines()[-1]
+    if tuple(int(x) for x in version.split(".")[:2]) < transformers_min:
+        need = ".".join(map(str, transformers_min))
+        pytest.skip(f"the oracle's transformers is {version}; this needs {need} or later")
     result = subprocess.run(
         [exe, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=300
     )

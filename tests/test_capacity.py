@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 
 import models
@@ -87,7 +88,10 @@ def test_long_context_knobs_report_device_and_host_memory(capsys):
     assert plain["host_gib"] == 0 and row["host_gib"] >= moments
     assert row["gib"] < plain["gib"]
     assert plain["longest"] == 1024 and plain["gib_per_1k"] > 0
-    assert row["host_gib_per_1k"] == 0  # the state does not grow with the context
+    if jax.default_backend() == "cpu":  # offload_full's residuals stay where they are
+        assert row["host_gib_per_1k"] == 0  # the state does not grow with the context
+    else:  # they go to the host, and grow with the context there
+        assert row["host_gib_per_1k"] > 0
     table = capsys.readouterr().out
     assert "| GiB/1k tokens device | GiB/1k tokens host |" in table
     tiled = capacity.main([*common, "--mlp-tile", "300"])["rows"][0]  # divides no length

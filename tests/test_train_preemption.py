@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 from conftest import cpu_devices
 
@@ -276,7 +278,27 @@ def test_a_sigterm_on_the_last_step_then_the_requeue_writes_the_export(
     def files(d):
         return {p.name: p.read_bytes() for p in (d / "hf").iterdir()}
 
-    assert files(out) == files(whole)
+    if jax.default_backend() == "cpu":
+        assert files(out) == files(whole)
+    else:
+        # Two GPU runs of one job differ unless XLA runs deterministic ops (atomic adds,
+        # XLA's scatters), and Adam's steps magnify that where a gradient is near zero:
+        # on an H200 after 10 steps, up to 0.43% of a tensor's norm (the embedding) and
+        # 11% of its largest entry, where the export of step 1 is 15-31% of each
+        # matrix's norm away. The same files, each tensor within 1% of its norm.
+        from safetensors.numpy import load_file
+
+        ours, theirs = files(out), files(whole)
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            if name.endswith(".safetensors"):
+                a, b = load_file(out / "hf" / name), load_file(whole / "hf" / name)
+                assert a.keys() == b.keys()
+                for key in a:
+                    gap = np.linalg.norm(a[key] - b[key]) / np.linalg.norm(b[key])
+                    assert gap <= 1e-2, (name, key, gap)
+            else:
+                assert ours[name] == theirs[name], name
     # Run again, the export whole: nothing is written.
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     loop.run(parse_args(argv))

@@ -32,7 +32,7 @@ tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) as strings,
 ``tokenizer_config.json`` (else ``special_tokens_map.json``), and the variables of
 ``chat_template_kwargs`` (the trainer's ``--chat_template_kwargs``, then a record's own,
 each winning over those before it, as ``apply_chat_template(..., **kwargs)`` passes
-them: e.g. ``enable_thinking``). As transformers 5 gives them, a message's reasoning
+them: e.g. ``enable_thinking``). As transformers 5.21+ gives them, a message's reasoning
 (the first of its ``reasoning_content``, ``thinking`` and ``reasoning``) is its
 ``reasoning_content`` (which Qwen3's template reads) and, where it has none, its
 ``thinking`` (gpt-oss's). What the reader changes before (train/readers.py): keys whose
@@ -606,7 +606,7 @@ class ChatTemplate:
 
 def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` with its reasoning (the first of :data:`REASONING` it has) as
-    ``reasoning_content`` and, where it has none, ``thinking``, as transformers 5 gives
+    ``reasoning_content`` and, where it has none, ``thinking``, as transformers 5.21+ gives
     a template its messages."""
     reasoning = next((message[k] for k in REASONING if message.get(k) is not None), None)
     if reasoning is None:
