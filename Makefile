@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 oracle: $(ORACLE)/.installed
 $(ORACLE)/.installed: Makefile
 	$(PY311) -m venv $(ORACLE)
-	$(ORACLE)/bin/python -m pip install -q torch==2.13.0 "transformers>=4.45" safetensors numpy "jinja2>=3.1.6"
+	$(ORACLE)/bin/python -m pip install -q torch==2.13.0 "transformers>=5.21" safetensors numpy "jinja2>=3.1.6"
 	touch $@
 
 # The two environments are built side by side (on a clean machine their downloads are
