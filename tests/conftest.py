@@ -4,6 +4,7 @@ On a GPU machine the same kernel tests run compiled (`INTERPRET` is False there)
 """
 
 import os
+import re
 import tempfile
 
 # On CPU machines (no NVIDIA device), XLA compiles without LLVM's optimisations: the
@@ -149,7 +150,7 @@ def run_oracle(script: str, *args, transformers_min: tuple[int, int] = (0, 0)) -
     if probe.returncode:
         pytest.skip(f"the oracle interpreter {exe} lacks transformers or jinja2")
     version = probe.stdout.strip().splitlines()[-1]
-    if tuple(int(x) for x in version.split(".")[:2]) < transformers_min:
+    if tuple(map(int, re.match(r"(\d+)\.(\d+)", version).groups())) < transformers_min:
         need = ".".join(map(str, transformers_min))
         pytest.skip(f"the oracle's transformers is {version}; this needs {need} or later")
     result = subprocess.run(
