@@ -161,11 +161,11 @@ def compare(outputs: dict, q, k, v, do, *, chunk: int, scale: float) -> dict:
 def parse_keys(text: str) -> list[int]:
     try:
         keys = [int(x) for x in text.split(",")]
+        if min(keys) >= 1:
+            return keys
     except ValueError:
-        raise ValueError(f"--keys {text!r}: comma-separated positive integers") from None
-    if not keys or min(keys) < 1:
-        raise ValueError(f"--keys {text!r}: comma-separated positive integers")
-    return keys
+        pass
+    raise ValueError(f"--keys {text!r}: comma-separated positive integers")
 
 
 def main(argv=None):

@@ -18,9 +18,6 @@ from train.config import parse_args
 
 CONFIG = models.TINY.replace(num_layers=2, mlp_tile=0)
 SEQ = 128
-# f32 matmuls in f32 on GPUs too (their default may round the operands to TF32), so that
-# tiled and whole MLPs differ by the order of additions only.
-HIGHEST = "highest"
 
 
 def _loss(params, config, ids):
@@ -36,7 +33,9 @@ def setup():
     params = models.init_params(CONFIG, jax.random.key(0))
     ids = jax.random.randint(jax.random.key(1), (2, SEQ), 0, CONFIG.vocab_size)
     grad = jax.jit(jax.value_and_grad(_loss), static_argnums=1)
-    with jax.default_matmul_precision(HIGHEST):
+    # f32 matmuls in f32 on GPUs too (their default may round the operands to TF32), so
+    # that tiled and whole MLPs differ by the order of additions only.
+    with jax.default_matmul_precision("highest"):
         return params, ids, grad, grad(params, CONFIG, ids)
 
 
@@ -51,7 +50,7 @@ def _assert_same(got, want):
 def test_tiled_mlp_and_offload_keep_loss_and_gradients(setup, remat):
     params, ids, grad, want = setup
     for tile in (0, 32):
-        with jax.default_matmul_precision(HIGHEST):
+        with jax.default_matmul_precision("highest"):
             got = grad(params, CONFIG.replace(remat=remat, mlp_tile=tile), ids)
         _assert_same(got, want)
 

@@ -1585,7 +1585,7 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
             f"--mesh 'seq=64' needs 64 devices; this machine has {jax.device_count()} "
             + (
                 "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=64 simulates 64) "
-                if jax.default_backend() == "cpu"
+                if not ON_GPU
                 else ""
             )
             + "(nothing",
