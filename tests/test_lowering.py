@@ -487,9 +487,13 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, c
             block_sizes=bs if given else None,
         )
 
+    # The launches are chosen while tracing; one case of each loop is lowered too (the
+    # others' kernels lower in `test_forward_streams_from_one_warp` and above).
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+        traced = jax.jit(fwd).trace(q, kv, kv, seg)
+        lower = not given and causal and not segments
+        text = traced.lower(lowering_platforms=("cuda",)).as_text() if lower else None
     # With ids: the kernel for any ids, then the one for sorted ids (spans only).
     tiles = bs.block_kv
     ids = [(2, tiles, False)] if segments else []
@@ -499,7 +503,7 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, c
         assert launched == ids + [(3, 128, segments)]
     else:
         assert launched == [(2, tiles, False)]
-    assert text.count("jflash_mosaic_fwd") >= len(launched)
+    assert text is None or text.count("jflash_mosaic_fwd") >= len(launched)
 
 
 @pytest.mark.parametrize(
