@@ -487,12 +487,14 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, c
             block_sizes=bs if given else None,
         )
 
-    # The launches are chosen while tracing; one case of each loop is lowered too (the
-    # others' kernels lower in `test_forward_streams_from_one_warp` and above).
+    # The launches are chosen while tracing. The default tiles' loops (two and three
+    # warpgroups, causal and not) are lowered here too; the caller's tiles run the
+    # two-warpgroup loop, and the kernels for ids lower in the documents cases of
+    # `test_forward_streams_from_one_warp`.
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(fwd).trace(q, kv, kv, seg)
-        lower = not given and causal and not segments
+        lower = not given and not segments
         text = traced.lower(lowering_platforms=("cuda",)).as_text() if lower else None
     # With ids: the kernel for any ids, then the one for sorted ids (spans only).
     tiles = bs.block_kv
