@@ -523,9 +523,11 @@ def kernel_split(args, iterations: int = 20):
 
 
 def long_context(args):
-    """Forward+backward at very long S: memory stays linear (compiler estimate + peak)."""
+    """Forward+backward at very long S: memory stays linear (compiler estimate + peak).
+    jflash's kernels (Mosaic where the GPU runs them, Triton), cuDNN and FA3 where
+    installed; an implementation that cannot run here is a row saying why."""
     rows = []
-    for impl in ("jflash", "cudnn"):
+    for impl in ("jflash_mosaic", "jflash", "cudnn", "fa3"):
         row = measure(
             impl,
             batch=1,
@@ -565,6 +567,7 @@ SWEEP_LABELS = {
     "jflash_mosaic": "jflash, Mosaic kernel (default on Hopper)",
     "jflash_mosaic_det": "jflash, Mosaic, deterministic",
     "cudnn": "cuDNN (jax.nn.dot_product_attention)",
+    "fa3": "FlashAttention-3 (flash-attn3-jax)",
     "xla": "plain XLA attention",
 }
 

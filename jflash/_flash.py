@@ -91,7 +91,7 @@ def flash_attention(
 
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, S, K, H]` with `N % K == 0`
-        (GQA/MQA: query head `n` reads KV head `n // (N // K)`; K/V are never repeated).
+        (GQA/MQA: query head `n` reads KV head `n // (N // K)`; pass K/V unrepeated).
       causal: query `q_offset + i` sees key `k_offset + j` only when `>=`. Required
         (`jax.nn.dot_product_attention` defaults to non-causal; a default either way
         would surprise half the callers).

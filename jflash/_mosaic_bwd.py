@@ -19,7 +19,9 @@ there cost it 2-4%: more moves per step).
   the memory warpgroup (one warp of it at D = 64, `MEMORY_WARP_HEAD_DIMS`) streams (Q,
   dO, LSE and delta parts) tiles of every query head of the group in turn, so GQA needs
   no repeated K/V and no reduction afterwards (causal, D = 128, no segment ids: every
-  other head from the last query step down, `ALTERNATE_PASSES_SPLITS`).
+  other head from the last query step down, `ALTERNATE_PASSES_SPLITS`). A causal launch
+  of few CTAs shares each group among several CTAs instead, their f32 dK/dV summed after
+  (`HEAD_SPLIT_WAVE_CTAS`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -56,6 +58,7 @@ Rows that see no key start S at -inf, so their probabilities are exactly 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -168,6 +171,36 @@ MEMORY_WARP_HEAD_DIMS = (64,)
 # full 16k 1.007-1.012x; deterministic full 4k D = 128 1.033x (BENCHMARKS.md). Batch 1
 # launches are the same either way.
 BWD_ROWS_OUTER = ("dkv", "dq")
+
+# A causal dK/dV launch of one wave or less (HEAD_SPLIT_WAVE_CTAS, one CTA per 128 keys
+# of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
+# heads among `head_split` CTAs: K and V repeated per share, each CTA's dK and dV in f32,
+# summed over the shares and cast after the kernel (FlashAttention-3 runs a CTA per query
+# head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
+# long as its heaviest tile (the first keys see every query) while the other SMs idle.
+# On an H200, forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs)
+# 0.182 -> 0.133 ms, 8k x 2 KV heads (128 CTAs) 1.22 -> 0.91 ms; past one wave, 192
+# CTAs (3k x 8) were 5% slower and 256 CTAs 4-6% slower (the SMs already take new tiles
+# as they finish), and a non-causal launch (every tile the same work) 14% slower at 128
+# CTAs, so neither splits. Shares: the least that reaches HEAD_SPLIT_MIN_CTAS, none past
+# HEAD_SPLIT_MAX_CTAS, which bounds the f32 copies (2048 x 128 keys x D x 4 bytes each of
+# dK and dV: 128 MiB at D = 128).
+HEAD_SPLIT_WAVE_CTAS = 132  # the SMs of an H100 SXM or H200
+HEAD_SPLIT_MIN_CTAS = 512
+HEAD_SPLIT_MAX_CTAS = 2048
+
+
+def head_split(ctas: int, group: int, causal: bool) -> int:
+    """The CTAs per KV head of a dK/dV launch of `ctas` (one per key tile and KV head):
+    1 unless it is causal and at most `HEAD_SPLIT_WAVE_CTAS`; then the least divisor of
+    `group` that takes it to `HEAD_SPLIT_MIN_CTAS`, else the largest, none that takes it
+    past `HEAD_SPLIT_MAX_CTAS`."""
+    if not causal or ctas > HEAD_SPLIT_WAVE_CTAS:
+        return 1
+    shares = [d for d in range(1, group + 1) if group % d == 0]
+    shares = [d for d in shares if d == 1 or ctas * d <= HEAD_SPLIT_MAX_CTAS]
+    return next((d for d in shares if ctas * d >= HEAD_SPLIT_MIN_CTAS), shares[-1])
+
 
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
@@ -872,15 +905,20 @@ def mosaic_bwd(
         ids = (pad_to(q_seg, 1, geom.q_pad), pad_to(kv_seg, 1, geom.kv_pad))
         dkv_ids = (*ids, key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS))
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
-    same = jnp.dtype(grad_dtype) == q.dtype
-    storable = same or jnp.dtype(grad_dtype) == jnp.float32
+    kv_tiles = geom.kv_pad // rows
+    # A causal launch of few CTAs: `shares` of them per KV head, each over group / shares
+    # query heads, their dK and dV in f32 (`HEAD_SPLIT_WAVE_CTAS`).
+    shares = head_split(b * kh * kv_tiles, geom.group, geom.mask.causal)
+    dkv_dtype = jnp.float32 if shares > 1 else grad_dtype
+    same = jnp.dtype(dkv_dtype) == q.dtype
+    storable = same or jnp.dtype(dkv_dtype) == jnp.float32
     # block_q_dkv checked by `check_mosaic_block_sizes`
     fused = fuses_dq(h, deterministic, storable)
     split = splits_dq(h, deterministic, block_q_dkv, storable)
     size = jnp.dtype(q.dtype).itemsize
     # f32 gradients of the fused kernel are stored through its f32 dQ tiles.
-    separate_out = not same and not (fused and jnp.dtype(grad_dtype) == jnp.float32)
-    out_tile = rows * h * jnp.dtype(grad_dtype).itemsize if separate_out else 0
+    separate_out = not same and not (fused and jnp.dtype(dkv_dtype) == jnp.float32)
+    out_tile = rows * h * jnp.dtype(dkv_dtype).itemsize if separate_out else 0
     ds_buffers = 2 if split is not None else 1  # split: by step parity
     # Each warpgroup's f32 dQ tile: its step's queries and all columns, half of them
     # ("cols"), or 64 of the step's queries ("rows").
@@ -910,8 +948,7 @@ def mosaic_bwd(
         + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
         per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
-    kv_tiles = geom.kv_pad // rows
-    kv_type = struct((b, geom.kv_pad, kh, h), grad_dtype)
+    kv_type = struct((b, geom.kv_pad, kh * shares, h), dkv_dtype)
     dkv_body = functools.partial(
         _dkv_kernel,
         block_q=block_q_dkv,
@@ -919,9 +956,11 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         fused=fused,
         split=split,
-        **common,
+        **dict(common, geom=dataclasses.replace(geom, group=geom.group // shares)),
     )
-    inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
+    # Query head j's KV head is j // group either way: KV head i's share r is i * shares + r.
+    k_dkv, v_dkv = (jnp.repeat(x, shares, axis=2) if shares > 1 else x for x in (k, v))
+    inputs = (q, k_dkv, v_dkv, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
@@ -945,7 +984,7 @@ def mosaic_bwd(
             smem_tile((dkv_stages, block_q_dkv, h), q.dtype),
             _parts_tile((dkv_stages, block_q_dkv, PARTS)),
             _parts_tile((dkv_stages, block_q_dkv, PARTS)),
-            smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype) if separate_out else None,
+            smem_tile((COMPUTE_WGS, WG_ROWS, h), dkv_dtype) if separate_out else None,
             (
                 smem_tile((*(2,) * (split is not None), COMPUTE_WGS, WG_ROWS, block_q_dkv), q.dtype)
                 if fused
@@ -964,7 +1003,7 @@ def mosaic_bwd(
         ],
         **tile_grid(
             kv_tiles,
-            kh,
+            kh * shares,
             b,
             "kv_tiles",
             causal=geom.mask.causal,
@@ -974,6 +1013,10 @@ def mosaic_bwd(
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
+    if shares > 1:
+        dk, dv = (
+            x.reshape(b, geom.kv_pad, kh, shares, h).sum(3).astype(grad_dtype) for x in (dk, dv)
+        )
     if fused and dq_into is not None:
         return None, dk[:, :s_len], dv[:, :s_len]
     if fused:
@@ -981,6 +1024,8 @@ def mosaic_bwd(
         dq = ((dq.sum(0) if interpret else dq) * scale).astype(grad_dtype)
         return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
+    same = jnp.dtype(grad_dtype) == q.dtype
+    out_tile = 0 if same else rows * h * jnp.dtype(grad_dtype).itemsize
     dq_stages = fit_stages(
         "jflash_mosaic_dq",
         stages,

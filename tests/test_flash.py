@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import INTERPRET, ON_HOPPER, needs_hopper, quick_subset
+from conftest import INTERPRET, ON_GPU, ON_HOPPER, needs_hopper, quick_subset
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from kernel_cases import assert_close, make_inputs, oracle, random_segments, value_and_grads
@@ -252,6 +252,14 @@ def test_mosaic_three_warpgroup_forward(case, three_wg_launches):
     _three_warpgroup_forward(case, three_wg_launches, interpret=False)
 
 
+# The interpreter's barrier checks run on CPU. On a GPU the compiled tests run instead:
+# the interpreter there took past 5 minutes a case (compiling each thread's jaxprs).
+INTERPRETER_ONLY_ON_CPU = pytest.mark.skipif(
+    ON_GPU, reason="interpreter checks run on CPU; on a GPU the compiled test runs"
+)
+
+
+@INTERPRETER_ONLY_ON_CPU
 @pytest.mark.parametrize("case", THREE_WG_CASES[2:], ids=str)
 def test_mosaic_three_warpgroup_forward_interpreted(case, three_wg_launches):
     """The same loop in the GPU interpreter, which also checks that every warpgroup
@@ -281,6 +289,7 @@ def test_mosaic_three_warpgroup_forward_with_segments(order, three_wg_launches):
     _three_warpgroups_with_segments(order, 2, 1000, 9, three_wg_launches, heads=(8, 2))
 
 
+@INTERPRETER_ONLY_ON_CPU
 @pytest.mark.parametrize("order", ["sorted", "unsorted"])
 def test_mosaic_three_warpgroup_forward_with_segments_interpreted(order, three_wg_launches):
     """The same in the GPU interpreter, shorter: four documents in 300 tokens."""
@@ -588,6 +597,91 @@ def test_mosaic_backward_launches_take_rows_in_turn(
             assert names[:2] == ("batch", "heads"), (name, names)
         else:
             assert names[0].endswith("_tiles") and names[1:] == ("heads", "batch"), (name, names)
+
+
+@pytest.mark.parametrize(
+    "ctas, group, causal, want",
+    [
+        (512, 4, True, 1),
+        (256, 4, True, 1),  # past one wave: splitting measured slower
+        (133, 4, True, 1),
+        (132, 4, True, 4),
+        (64, 4, True, 4),
+        (128, 4, False, 1),  # non-causal: every tile the same work
+        (100, 1, True, 1),
+        (8, 6, True, 6),
+        (100, 6, True, 6),
+        (120, 16, True, 8),
+        (10, 512, True, 64),  # the least share past 512 CTAs
+        (100, 32, True, 8),
+    ],
+)
+def test_head_split_takes_the_least_share_that_fills_a_small_causal_launch(
+    ctas, group, causal, want
+):
+    from jflash import _mosaic_bwd
+
+    assert (
+        _mosaic_bwd.HEAD_SPLIT_WAVE_CTAS,
+        _mosaic_bwd.HEAD_SPLIT_MIN_CTAS,
+        _mosaic_bwd.HEAD_SPLIT_MAX_CTAS,
+    ) == (132, 512, 2048)
+    assert _mosaic_bwd.head_split(ctas, group, causal) == want
+
+
+def test_head_split_stays_under_its_cta_cap(monkeypatch):
+    """With a high floor the largest share that keeps the launch at or below the cap."""
+    from jflash import _mosaic_bwd
+
+    monkeypatch.setattr(_mosaic_bwd, "HEAD_SPLIT_MIN_CTAS", 1 << 30)
+    assert _mosaic_bwd.head_split(130, 16, True) == 8  # 16 shares: 2,080 CTAs
+    assert _mosaic_bwd.head_split(120, 17, True) == 17  # 2,040
+    assert _mosaic_bwd.head_split(121, 17, True) == 1  # 2,057: no share fits
+
+
+# (case, deterministic): GQA causal, D = 64 and 128, rows and keys that are not tile
+# multiples, a query offset, the two-kernel backward (bf16).
+HEAD_SPLIT_CASES = {
+    "causal-d64": (Case(q_heads=8, kv_heads=2, head_dim=64, q_len=192, dtype=jnp.bfloat16), False),
+    "causal-d128-det": (
+        Case(q_heads=4, kv_heads=2, head_dim=128, q_len=320, kv_len=384, q_offset=64),
+        True,
+    ),
+}
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", HEAD_SPLIT_CASES)
+@pytest.mark.parametrize(
+    "split",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["one-cta-per-kv-head", "split"],
+)
+def test_mosaic_backward_head_split(monkeypatch, name, split):
+    """The dK/dV kernel with each KV head's query heads shared among CTAs (the f32
+    shares summed after) and with one CTA per KV head: each launches the grid it says
+    and matches the oracle (the tests' small causal launches share by default)."""
+    from jflash import _mosaic_bwd
+
+    case, deterministic = HEAD_SPLIT_CASES[name]
+    case = dataclasses.replace(case, dtype=jnp.bfloat16)
+    group = case.q_heads // case.kv_heads
+    monkeypatch.setattr(_mosaic_bwd, "head_split", lambda ctas, g, causal: g if split else 1)
+    launches = _spy_launches(monkeypatch, _mosaic_bwd)
+    jax.clear_caches()
+    got, want = _run(
+        case,
+        seed=case_seed(case),
+        implementation="pallas_mosaic",
+        interpret=INTERPRET,
+        deterministic=deterministic,
+    )
+    jax.clear_caches()
+    assert_close(got, want, case.dtype)
+    (dkv,) = [(k, kw) for k, kw in launches if kw["kernel_name"] == "jflash_mosaic_dkv"]
+    heads = dict(zip(dkv[1]["grid_names"], dkv[1]["grid"], strict=True))["heads"]
+    assert heads == case.kv_heads * (group if split else 1)
+    assert dkv[0]["geom"].group == (1 if split else group)
 
 
 # Backward launches past CUDA's grid limit of 65,535 CTAs along y and z
