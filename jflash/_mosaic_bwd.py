@@ -1024,12 +1024,13 @@ def mosaic_bwd(
         dq = ((dq.sum(0) if interpret else dq) * scale).astype(grad_dtype)
         return dq[:, :t], dk[:, :s_len], dv[:, :s_len]
 
-    same = jnp.dtype(grad_dtype) == q.dtype
-    out_tile = 0 if same else rows * h * jnp.dtype(grad_dtype).itemsize
+    # The dQ kernel writes in grad_dtype itself (the dK/dV kernel's may be f32 shares).
+    dq_same = jnp.dtype(grad_dtype) == q.dtype
+    dq_out_tile = 0 if dq_same else rows * h * jnp.dtype(grad_dtype).itemsize
     dq_stages = fit_stages(
         "jflash_mosaic_dq",
         stages,
-        fixed=2 * rows * h * size + 2 * rows * 4 + out_tile + ids_tile,
+        fixed=2 * rows * h * size + 2 * rows * 4 + dq_out_tile + ids_tile,
         per_stage=2 * block_kv_dq * h * size + (block_kv_dq * 4 if segments else 0),
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the K barrier
@@ -1043,7 +1044,7 @@ def mosaic_bwd(
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
             smem_tile((dq_stages, block_kv_dq, h), k.dtype),
             smem_tile((dq_stages, block_kv_dq, h), v.dtype),
-            None if same else smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype),
+            None if dq_same else smem_tile((COMPUTE_WGS, WG_ROWS, h), grad_dtype),
             plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((dq_stages, block_kv_dq), jnp.int32) if segments else None,
             plgpu.Barrier(num_barriers=(COMPUTE_WGS, 5 if segments else 4)),
