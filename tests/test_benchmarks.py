@@ -22,7 +22,7 @@ from jax import lax
 
 import jflash
 import models
-from benchmarks import hf_baseline, kernel
+from benchmarks import head_split, hf_baseline, kernel
 
 
 def fake_row(impl, seq, hd, causal, fwd, fwdbwd):
@@ -1523,3 +1523,30 @@ def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
         with pytest.raises(SystemExit):
             accuracy.main([*bad, "--interpret"])
         assert named in capsys.readouterr().err
+
+
+def test_head_split_bench_shapes_and_shares(capsys):
+    """The default shapes: the rule splits the causal launches of one wave or less (four
+    shares at GQA 4:1), not 3k or 4k x 8 KV heads, two batch rows of 2k, or full 2k; bad
+    shapes are refused by name; without a GPU the script stops with status 2."""
+    shapes = head_split.parse_shapes(head_split.SHAPES)
+    got = [(s["seq"], s["kv_heads"], s["head_dim"], s["mask"], s["batch"]) for s in shapes]
+    shares = [head_split.shares_of(s) for s in shapes]
+    assert list(zip(got, shares, strict=True)) == [
+        ((1024, 8, 128, "causal", 1), 4),
+        ((2048, 8, 128, "causal", 1), 4),
+        ((3072, 8, 128, "causal", 1), 1),
+        ((4096, 8, 128, "causal", 1), 1),
+        ((8192, 2, 128, "causal", 1), 4),
+        ((2048, 8, 128, "causal", 2), 1),
+        ((2048, 8, 128, "full", 1), 1),
+        ((1024, 8, 64, "causal", 1), 4),
+        ((2048, 8, 64, "causal", 1), 4),
+        ((8192, 2, 64, "causal", 1), 4),
+    ]
+    for bad in ("1024:32:8:128", "1024:32:8:128:sliding", "1024:32:5:128:causal", "x:1:1:64:full"):
+        with pytest.raises(ValueError, match=f"--shapes item '{bad}'"):
+            head_split.parse_shapes(bad)
+    if jax.default_backend() != "gpu":
+        assert head_split.main([]) == 2
+        assert "no GPU" in capsys.readouterr().out
