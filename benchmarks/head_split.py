@@ -1,34 +1,40 @@
-"""The dK/dV head split of short causal launches (`jflash._mosaic_bwd.head_split`): each
-shape's Mosaic forward+backward with one CTA per (128-key tile, KV head) ("unsplit")
-and as jflash runs it, beside FlashAttention-3 (where installed) and cuDNN, in one
-process. Rows the rule does not split are timed once.
+"""The dK/dV head split of short causal launches: each shape's Mosaic forward+backward
+with a fixed number of dK/dV CTAs per KV head (`jflash.BlockSizes.head_shares_dkv`; 1:
+one CTA per (128-key tile, KV head)) and as jflash runs it (its own choice), beside
+FlashAttention-3 (where installed) and cuDNN, in one process.
 
     python benchmarks/head_split.py
     python benchmarks/head_split.py --shapes 1024:32:8:128:causal,8192:8:2:64:causal
+    python benchmarks/head_split.py --shares 1,2,4
 
-A shape is `S:heads:kv_heads:D:mask[:batch]`. Prints a table, writes
+A shape is `S:heads:kv_heads:D:mask[:batch]`; a share that does not divide a shape's
+query heads per KV head is left out of its rows. The fixed shares pass their tiles
+(`jflash.default_block_sizes`), so their forward is two warpgroups' with those tiles
+where jflash's own may take another form: `bwd_ms` (forward+backward less forward)
+compares the backward alone. Prints a table, writes
 `ab-head-split-<gpu>.json`. GPU only: on a CPU it stops with one line (exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 import jax
+import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jflash  # noqa: E402
 from benchmarks.common import device_name, table, write_json  # noqa: E402
 from benchmarks.kernel import measure  # noqa: E402
-from jflash import _mosaic_bwd  # noqa: E402
 
 SHAPES = (
     "1024:32:8:128:causal,2048:32:8:128:causal,3072:32:8:128:causal,4096:32:8:128:causal,"
     "8192:8:2:128:causal,2048:32:8:128:causal:2,2048:32:8:128:full,"
     "1024:32:8:64:causal,2048:32:8:64:causal,8192:8:2:64:causal"
 )
-ROWS = 128  # keys per dK/dV CTA
 
 
 def parse_shapes(text: str) -> list[dict]:
@@ -48,50 +54,74 @@ def parse_shapes(text: str) -> list[dict]:
     return shapes
 
 
-def shares_of(shape: dict) -> int:
-    """The rule's shares for `shape`'s dK/dV launch."""
-    ctas = shape["batch"] * shape["kv_heads"] * -(-shape["seq"] // ROWS)
+def parse_shares(text: str) -> list[int]:
+    """Positive ints, comma separated."""
+    try:
+        shares = [int(item) for item in text.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or min(shares) < 1:
+        raise ValueError(f"--shares {text!r}: want positive ints, comma separated (1,2,4)")
+    return shares
+
+
+def settings_of(shape: dict, shares: list[int]) -> list[tuple[str, int]]:
+    """`(setting, head_shares_dkv)` per Mosaic row of `shape`: each of `shares` that
+    divides its group, then jflash's own choice (0)."""
     group = shape["heads"] // shape["kv_heads"]
-    return _mosaic_bwd.head_split(ctas, group, shape["mask"] == "causal")
+    fixed = [(f"shares={n}", n) for n in dict.fromkeys(shares) if group % n == 0]
+    return [*fixed, ("jflash", 0)]
+
+
+def backward_ms(row: dict) -> float | None:
+    """Forward+backward less forward, where the row timed both."""
+    fwd, both = row.get("fwd_ms"), row.get("fwdbwd_ms")
+    return None if fwd is None or both is None else round(both - fwd, 4)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="S:heads:kv_heads:D:mask[:batch], ...")
+    p.add_argument("--shares", default="1", help="dK/dV CTAs per KV head to time, e.g. 1,2,4")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     try:
-        shapes = parse_shapes(args.shapes)
+        shapes, shares = parse_shapes(args.shapes), parse_shares(args.shares)
     except ValueError as e:
         p.error(str(e))
     if jax.default_backend() != "gpu":
         print(f"head_split.py times GPU kernels: no GPU (jax backend {jax.default_backend()!r})")
         return 2
-    rule = _mosaic_bwd.head_split
     rows = []
     for shape in shapes:
-        shares, reference = shares_of(shape), {}
-        settings = ["unsplit", "jflash"] if shares > 1 else ["jflash"]
-        for name in [*settings, "fa3", "cudnn"]:
+        reference = {}
+        sizes = dict(
+            batch=shape["batch"],
+            seq=shape["seq"],
+            heads=shape["heads"],
+            kv_heads=shape["kv_heads"],
+            head_dim=shape["head_dim"],
+            causal=shape["mask"] == "causal",
+        )
+        tiles = jflash.default_block_sizes(
+            shape["seq"], shape["head_dim"], jnp.bfloat16, implementation="pallas_mosaic"
+        )
+        runs = [(name, "jflash_mosaic", n) for name, n in settings_of(shape, shares)]
+        for name, impl, n in [*runs, ("fa3", "fa3", None), ("cudnn", "cudnn", None)]:
             jax.clear_caches()
-            _mosaic_bwd.head_split = (lambda c, g, causal: 1) if name == "unsplit" else rule
-            impl = "jflash_mosaic" if name in ("unsplit", "jflash") else name
+            # Tiles that are the defaults but for the head split keep the forward's forms.
+            block_sizes = dataclasses.replace(tiles, head_shares_dkv=n) if n else None
             row = measure(
                 impl,
-                batch=shape["batch"],
-                seq=shape["seq"],
-                heads=shape["heads"],
-                kv_heads=shape["kv_heads"],
-                head_dim=shape["head_dim"],
-                causal=shape["mask"] == "causal",
+                **sizes,
+                block_sizes=block_sizes,
                 reference=reference if impl == "jflash_mosaic" else None,
             )
-            row.update(setting=name, shares=shares)
+            row.update(setting=name, bwd_ms=backward_ms(row))
             rows.append(row)
             print(row, flush=True)
-    _mosaic_bwd.head_split = rule
     columns = ["setting", "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim"]
-    print(table(rows, [*columns, "shares", "fwd_ms", "fwdbwd_ms", "grad_rel_diff"]))
+    print(table(rows, [*columns, "fwd_ms", "fwdbwd_ms", "bwd_ms", "grad_rel_diff"]))
     write_json(os.path.join(args.out, f"ab-head-split-{device_name()}.json"), {"rows": rows})
     return 0
 

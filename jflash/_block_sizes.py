@@ -24,6 +24,10 @@ class BlockSizes:
       block_q_dq, block_kv_dq: dQ kernel (queries per program, keys per loop step).
       num_warps, num_stages: forward launch parameters.
       num_warps_bwd, num_stages_bwd: backward launch parameters.
+      head_shares_dkv: Mosaic dK/dV launch: CTAs per KV head, each over
+        group / head_shares_dkv of its query heads (a divisor of the group); 0 (the
+        default) lets jflash choose: several only for causal launches of one wave or
+        less (docs/library.md). The Triton kernels take 0 only.
 
     For `implementation="pallas_mosaic"` (`mosaic_block_sizes`): the per-program rows
     (`block_q`, `block_kv_dkv`, `block_q_dq`) are 64 per compute warpgroup (two per
@@ -42,6 +46,7 @@ class BlockSizes:
     num_stages: int = 3
     num_warps_bwd: int = 4
     num_stages_bwd: int = 2
+    head_shares_dkv: int = 0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -55,6 +60,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f.name}={value} must be 1, 2, 4, 8 or 16")
             if f.name.startswith("num_stages") and not 1 <= value <= 8:
                 raise ValueError(f"BlockSizes.{f.name}={value} must be in 1..8")
+            if f.name == "head_shares_dkv" and value < 0:
+                raise ValueError(f"BlockSizes.{f.name}={value} must be >= 0 (0: jflash chooses)")
 
 
 def _fit(block: int, length: int) -> int:
@@ -180,6 +187,16 @@ def mosaic_block_sizes(head_dim: int, *, deterministic: bool = False) -> BlockSi
         num_warps=4,  # unused by Mosaic (warpgroups: 2 compute + 1 memory)
         num_warps_bwd=4,
     )
+
+
+def check_head_shares(shares: int, group: int) -> None:
+    """`BlockSizes.head_shares_dkv` (`shares`) is 0 or divides `group`, the query heads
+    per KV head."""
+    if shares and group % shares:
+        raise ValueError(
+            f"BlockSizes.head_shares_dkv={shares} must divide the {group} query heads per "
+            "KV head (or be 0: jflash chooses)"
+        )
 
 
 def check_mosaic_block_sizes(bs: BlockSizes, *, fused_block_q: tuple[int, ...] = ()) -> None:

@@ -15,7 +15,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jflash._block_sizes import BlockSizes, check_mosaic_block_sizes, default_block_sizes
+from jflash._block_sizes import (
+    BlockSizes,
+    check_head_shares,
+    check_mosaic_block_sizes,
+    default_block_sizes,
+)
 from jflash._mask import Mask
 from jflash._mosaic_bwd import (
     FUSED_DQ_HEAD_DIMS,
@@ -143,9 +148,11 @@ def resolve(
     head_dim: int,
     dtype,
     deterministic: bool | None = None,
+    group: int | None = None,
 ) -> Kernel:
     """Turns the user's `implementation` / `interpret` / `block_sizes` /
-    `deterministic` into a `Kernel`."""
+    `deterministic` into a `Kernel`. `group`: query heads per KV head, where known
+    (else the backward checks `BlockSizes.head_shares_dkv` against it)."""
     platform = _platform()
     deterministic = wants_determinism(deterministic)
     if interpret is not None:  # not truth-tested: interpret="no" would interpret
@@ -186,6 +193,8 @@ def resolve(
             )
         fused = fused_block_q(head_dim) if fuses_dq(head_dim, deterministic) else ()
         check_mosaic_block_sizes(block_sizes, fused_block_q=fused)
+        if group is not None:
+            check_head_shares(block_sizes.head_shares_dkv, group)
         kernel = Kernel(
             "pallas_mosaic", block_sizes, bool(interpret), reason, deterministic, default_tiles
         )
@@ -214,6 +223,11 @@ def resolve(
         if block_sizes is None:
             block_sizes = default_block_sizes(
                 q_len, head_dim, dtype, "cpu" if interpret else "gpu", kv_len=kv_len
+            )
+        if block_sizes.head_shares_dkv:
+            raise ValueError(
+                f"BlockSizes.head_shares_dkv={block_sizes.head_shares_dkv} splits the Mosaic "
+                "dK/dV launch; implementation='pallas_triton' takes 0"
             )
         kernel = Kernel("pallas_triton", block_sizes, bool(interpret), reason)
     _last_choice.update(
@@ -378,6 +392,7 @@ def attention_bwd(
             deterministic=kernel.deterministic,
             interpret=kernel.interpret,
             dq_into=dq_into,
+            head_shares=bs.head_shares_dkv,
         )
     if dq_into is not None:
         raise ValueError(f"dq_into is for the fused Mosaic backward, not {kernel.name!r}")

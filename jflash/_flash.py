@@ -149,6 +149,7 @@ def flash_attention(
             head_dim=shapes.head_dim,
             dtype=q.dtype,
             deterministic=deterministic,
+            group=shapes.group,
         ),
     )
     check_interpretable(static.kernel.name, static.kernel.interpret)

@@ -67,6 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jflash._block_sizes import check_head_shares
 from jflash._mosaic_common import (
     COMPUTE_REGS,
     COMPUTE_WGS,
@@ -858,6 +859,7 @@ def mosaic_bwd(
     deterministic: bool = False,
     interpret: bool = False,
     dq_into=None,
+    head_shares: int = 0,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
 
@@ -874,6 +876,9 @@ def mosaic_bwd(
     scales the sum once, as the kernel does its own accumulator); dQ is then returned as
     None (the ring's steps share one accumulator instead of a zeroed buffer and a sum
     per step).
+
+    `head_shares`: the dK/dV launch's CTAs per KV head (`jflash.BlockSizes.head_shares_dkv`,
+    a divisor of the group); 0: `head_split` chooses.
     """
     segments = segs is not None
     q_seg, kv_seg = segs if segments else (None, None)
@@ -908,7 +913,11 @@ def mosaic_bwd(
     kv_tiles = geom.kv_pad // rows
     # A causal launch of few CTAs: `shares` of them per KV head, each over group / shares
     # query heads, their dK and dV in f32 (`HEAD_SPLIT_WAVE_CTAS`).
-    shares = head_split(b * kh * kv_tiles, geom.group, geom.mask.causal)
+    if head_shares:
+        check_head_shares(head_shares, geom.group)
+        shares = head_shares
+    else:
+        shares = head_split(b * kh * kv_tiles, geom.group, geom.mask.causal)
     dkv_dtype = jnp.float32 if shares > 1 else grad_dtype
     same = jnp.dtype(dkv_dtype) == q.dtype
     storable = same or jnp.dtype(dkv_dtype) == jnp.float32

@@ -529,9 +529,11 @@ def ring_config(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     deterministic: bool | None = None,
+    group: int | None = None,
 ) -> _Ring:
     """The static config of a ring over `num_shards` shards of a `seq_len` sequence
-    (inputs checked by the caller), with the kernel resolved for the blocks it runs."""
+    (inputs checked by the caller), with the kernel resolved for the blocks it runs.
+    `group`: query heads per KV head, where known (`resolve`)."""
     shard_len = seq_len // num_shards
     # Zigzag causal steps use half blocks; tiles sized for them fit the diagonal too.
     # The allgather strategy runs each query run against the whole sequence.
@@ -553,6 +555,7 @@ def ring_config(
             head_dim=head_dim,
             dtype=dtype,
             deterministic=deterministic,
+            group=group,
         ),
     )
 
@@ -659,6 +662,7 @@ def ring_attention_rank(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
+        group=shapes[0].group,
     )
     kvs = [jnp.stack([k, v]) for k, v in sources]
     o = lse = None

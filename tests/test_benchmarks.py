@@ -1526,27 +1526,40 @@ def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
 
 
 def test_head_split_bench_shapes_and_shares(capsys):
-    """The default shapes: the rule splits the causal launches of one wave or less (four
-    shares at GQA 4:1), not 3k or 4k x 8 KV heads, two batch rows of 2k, or full 2k; bad
-    shapes are refused by name; without a GPU the script stops with status 2."""
+    """The default shapes (causal launches of one wave or less, 3k and 4k x 8 KV heads,
+    two batch rows of 2k, full 2k) each time a fixed share per KV head and jflash's own
+    choice; a share that does not divide a shape's group is left out; bad shapes and
+    shares are refused by name; without a GPU the script stops with status 2."""
     shapes = head_split.parse_shapes(head_split.SHAPES)
     got = [(s["seq"], s["kv_heads"], s["head_dim"], s["mask"], s["batch"]) for s in shapes]
-    shares = [head_split.shares_of(s) for s in shapes]
-    assert list(zip(got, shares, strict=True)) == [
-        ((1024, 8, 128, "causal", 1), 4),
-        ((2048, 8, 128, "causal", 1), 4),
-        ((3072, 8, 128, "causal", 1), 1),
-        ((4096, 8, 128, "causal", 1), 1),
-        ((8192, 2, 128, "causal", 1), 4),
-        ((2048, 8, 128, "causal", 2), 1),
-        ((2048, 8, 128, "full", 1), 1),
-        ((1024, 8, 64, "causal", 1), 4),
-        ((2048, 8, 64, "causal", 1), 4),
-        ((8192, 2, 64, "causal", 1), 4),
+    assert got == [
+        (1024, 8, 128, "causal", 1),
+        (2048, 8, 128, "causal", 1),
+        (3072, 8, 128, "causal", 1),
+        (4096, 8, 128, "causal", 1),
+        (8192, 2, 128, "causal", 1),
+        (2048, 8, 128, "causal", 2),
+        (2048, 8, 128, "full", 1),
+        (1024, 8, 64, "causal", 1),
+        (2048, 8, 64, "causal", 1),
+        (8192, 2, 64, "causal", 1),
+    ]
+    assert all(head_split.settings_of(s, [1]) == [("shares=1", 1), ("jflash", 0)] for s in shapes)
+    six = head_split.parse_shapes("1024:12:2:128:causal")[0]
+    assert head_split.settings_of(six, head_split.parse_shares("1,2,4,2,3")) == [
+        ("shares=1", 1),
+        ("shares=2", 2),
+        ("shares=3", 3),
+        ("jflash", 0),
     ]
     for bad in ("1024:32:8:128", "1024:32:8:128:sliding", "1024:32:5:128:causal", "x:1:1:64:full"):
         with pytest.raises(ValueError, match=f"--shapes item '{bad}'"):
             head_split.parse_shapes(bad)
+    assert head_split.backward_ms({"fwd_ms": 1.0, "fwdbwd_ms": 3.5}) == 2.5
+    assert head_split.backward_ms({"fwd_ms": 1.0, "fwdbwd_error": "out of memory"}) is None
+    for bad in ("0", "1,x", "", "-2"):
+        with pytest.raises(ValueError, match=f"--shares '{bad}'"):
+            head_split.parse_shares(bad)
     if jax.default_backend() != "gpu":
         assert head_split.main([]) == 2
         assert "no GPU" in capsys.readouterr().out

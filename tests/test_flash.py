@@ -629,6 +629,59 @@ def test_head_split_takes_the_least_share_that_fills_a_small_causal_launch(
     assert _mosaic_bwd.head_split(ctas, group, causal) == want
 
 
+def test_head_shares_are_checked_by_name():
+    """`BlockSizes.head_shares_dkv`: not negative, a divisor of the group (checked
+    before tracing, as a ring's kernels are too), the Mosaic backward's only."""
+    from jflash._dispatch import resolve
+
+    with pytest.raises(ValueError, match=r"head_shares_dkv=-1 must be >= 0"):
+        jflash.BlockSizes(head_shares_dkv=-1)
+    q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    tiles = jflash.default_block_sizes(128, 64, jnp.bfloat16, implementation="pallas_mosaic")
+    three = dataclasses.replace(tiles, head_shares_dkv=3)
+    with pytest.raises(ValueError, match=r"head_shares_dkv=3 must divide the 4 query heads"):
+        jflash.flash_attention(
+            q, kv, kv, causal=True, implementation="pallas_mosaic", block_sizes=three
+        )
+    mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with pytest.raises(ValueError, match=r"head_shares_dkv=3 must divide the 4 query heads"):
+        jflash.ring_attention(
+            q,
+            kv,
+            kv,
+            mesh=mesh,
+            seq_axis="seq",
+            causal=True,
+            implementation="pallas_mosaic",
+            block_sizes=three,
+            batch_axes=(),
+        )
+    with pytest.raises(ValueError, match=r"head_shares_dkv=2 splits the Mosaic"):
+        jflash.flash_attention(
+            q,
+            kv,
+            kv,
+            causal=True,
+            implementation="pallas_triton",
+            interpret=True,
+            block_sizes=jflash.BlockSizes(head_shares_dkv=2),
+        )
+    assert (
+        resolve(
+            "pallas_mosaic",
+            True,
+            dataclasses.replace(tiles, head_shares_dkv=2),
+            q_len=128,
+            kv_len=128,
+            head_dim=64,
+            dtype=jnp.bfloat16,
+            group=4,
+        ).block_sizes.head_shares_dkv
+        == 2
+    )
+
+
 def test_head_split_stays_under_its_cta_cap(monkeypatch):
     """With a high floor the largest share that keeps the launch at or below the cap."""
     from jflash import _mosaic_bwd
@@ -659,14 +712,22 @@ HEAD_SPLIT_CASES = {
 )
 def test_mosaic_backward_head_split(monkeypatch, name, split):
     """The dK/dV kernel with each KV head's query heads shared among CTAs (the f32
-    shares summed after) and with one CTA per KV head: each launches the grid it says
-    and matches the oracle (the tests' small causal launches share by default)."""
+    shares summed after) and with one CTA per KV head, as `BlockSizes.head_shares_dkv`
+    asks: each launches the grid it says and matches the oracle (the tests' small causal
+    launches share by default)."""
     from jflash import _mosaic_bwd
 
     case, deterministic = HEAD_SPLIT_CASES[name]
     case = dataclasses.replace(case, dtype=jnp.bfloat16)
     group = case.q_heads // case.kv_heads
-    monkeypatch.setattr(_mosaic_bwd, "head_split", lambda ctas, g, causal: g if split else 1)
+    tiles = jflash.default_block_sizes(
+        case.q_len,
+        case.head_dim,
+        case.dtype,
+        kv_len=case.kv_len,
+        implementation="pallas_mosaic",
+        deterministic=deterministic,
+    )
     launches = _spy_launches(monkeypatch, _mosaic_bwd)
     jax.clear_caches()
     got, want = _run(
@@ -675,6 +736,7 @@ def test_mosaic_backward_head_split(monkeypatch, name, split):
         implementation="pallas_mosaic",
         interpret=INTERPRET,
         deterministic=deterministic,
+        block_sizes=dataclasses.replace(tiles, head_shares_dkv=group if split else 1),
     )
     jax.clear_caches()
     assert_close(got, want, case.dtype)
