@@ -632,8 +632,6 @@ def test_head_split_takes_the_least_share_that_fills_a_small_causal_launch(
 def test_head_shares_are_checked_by_name():
     """`BlockSizes.head_shares_dkv`: not negative, a divisor of the group (checked
     before tracing, as a ring's kernels are too), the Mosaic backward's only."""
-    from jflash._dispatch import resolve
-
     with pytest.raises(ValueError, match=r"head_shares_dkv=-1 must be >= 0"):
         jflash.BlockSizes(head_shares_dkv=-1)
     q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
@@ -644,19 +642,25 @@ def test_head_shares_are_checked_by_name():
         jflash.flash_attention(
             q, kv, kv, causal=True, implementation="pallas_mosaic", block_sizes=three
         )
-    mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with pytest.raises(ValueError, match=r"head_shares_dkv=3 must divide the 4 query heads"):
-        jflash.ring_attention(
-            q,
-            kv,
-            kv,
-            mesh=mesh,
-            seq_axis="seq",
-            causal=True,
-            implementation="pallas_mosaic",
-            block_sizes=three,
-            batch_axes=(),
-        )
+    # Ulysses over 2 devices repeats an MQA call's one KV head: 4 query heads per KV
+    # head on each device, not 8.
+    mqa = dataclasses.replace(tiles, head_shares_dkv=8)
+    for strategy, shares, k, group in (("ring", three, kv, 4), ("ulysses", mqa, kv[:, :, :1], 4)):
+        mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
+        with pytest.raises(
+            ValueError, match=rf"={shares.head_shares_dkv} must divide the {group} "
+        ):
+            jflash.ring_attention(
+                q,
+                k,
+                k,
+                mesh=mesh,
+                causal=True,
+                strategy=strategy,
+                implementation="pallas_mosaic",
+                block_sizes=shares,
+                batch_axes=(),
+            )
     with pytest.raises(ValueError, match=r"head_shares_dkv=2 splits the Mosaic"):
         jflash.flash_attention(
             q,
@@ -667,19 +671,6 @@ def test_head_shares_are_checked_by_name():
             interpret=True,
             block_sizes=jflash.BlockSizes(head_shares_dkv=2),
         )
-    assert (
-        resolve(
-            "pallas_mosaic",
-            True,
-            dataclasses.replace(tiles, head_shares_dkv=2),
-            q_len=128,
-            kv_len=128,
-            head_dim=64,
-            dtype=jnp.bfloat16,
-            group=4,
-        ).block_sizes.head_shares_dkv
-        == 2
-    )
 
 
 def test_head_split_stays_under_its_cta_cap(monkeypatch):
