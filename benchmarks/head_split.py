@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         runs = [(name, "jflash_mosaic", n) for name, n in settings_of(shape, shares)]
         for name, impl, n in [*runs, ("fa3", "fa3", None), ("cudnn", "cudnn", None)]:
             jax.clear_caches()
-            # Tiles that are the defaults but for the head split keep the forward's forms.
+            # A fixed share passes its tiles (two warpgroups' forward); jflash's row none.
             block_sizes = dataclasses.replace(tiles, head_shares_dkv=n) if n else None
             row = measure(
                 impl,
