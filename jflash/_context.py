@@ -24,7 +24,7 @@ from jflash._flash import flash_attention
 from jflash._layout import check_layout, check_layout_len, from_layout, to_layout
 from jflash._ring import RING_STRATEGIES, _ring_shard, ring_config
 from jflash._segments import first_positions, key_first_positions
-from jflash._ulysses import check_heads, hybrid_shard, kv_repeats, ulysses_shard
+from jflash._ulysses import check_heads, hybrid_shard, kernel_group, ulysses_shard
 from jflash._validation import (
     as_bool,
     check_causal,
@@ -341,7 +341,7 @@ def ring_attention_shard(
             head_dim=shapes.head_dim,
             dtype=q.dtype,
             deterministic=deterministic,
-            group=shapes.group // kv_repeats(shapes.kv_heads, degree),
+            group=kernel_group(shapes.group, shapes.kv_heads, degree),
         )
         check_interpretable(resolved.name, resolved.interpret)
         o, lse = ulysses_shard(
@@ -369,7 +369,7 @@ def ring_attention_shard(
         head_dim=shapes.head_dim,
         dtype=q.dtype,
         scale=scale,
-        group=shapes.group // kv_repeats(shapes.kv_heads, degree),
+        group=kernel_group(shapes.group, shapes.kv_heads, degree),
         **kernel_choice,
     )
     check_interpretable(cfg.kernel.name, cfg.kernel.interpret)
@@ -567,7 +567,7 @@ def ring_attention(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
-        group=shapes.group // kv_repeats(shapes.kv_heads, degree),
+        group=kernel_group(shapes.group, shapes.kv_heads, degree),
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)

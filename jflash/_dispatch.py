@@ -151,8 +151,8 @@ def resolve(
     group: int | None = None,
 ) -> Kernel:
     """Turns the user's `implementation` / `interpret` / `block_sizes` /
-    `deterministic` into a `Kernel`. `group`: query heads per KV head, where known
-    (else the backward checks `BlockSizes.head_shares_dkv` against it)."""
+    `deterministic` into a `Kernel`. `group`: query heads per KV head of the kernels'
+    calls, which `BlockSizes.head_shares_dkv` must divide (None: the backward checks)."""
     platform = _platform()
     deterministic = wants_determinism(deterministic)
     if interpret is not None:  # not truth-tested: interpret="no" would interpret

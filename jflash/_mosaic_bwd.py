@@ -911,8 +911,8 @@ def mosaic_bwd(
         dkv_ids = (*ids, key_table(q_seg, kv_seg, block_q_dkv, WG_ROWS, geom.kv_pad // WG_ROWS))
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     kv_tiles = geom.kv_pad // rows
-    # A causal launch of few CTAs: `shares` of them per KV head, each over group / shares
-    # query heads, their dK and dV in f32 (`HEAD_SPLIT_WAVE_CTAS`).
+    # `shares` CTAs per KV head, each over group / shares query heads, their dK and dV in
+    # f32: as asked, else by the rule (causal launches of few CTAs, `HEAD_SPLIT_WAVE_CTAS`).
     if head_shares:
         check_head_shares(head_shares, geom.group)
         shares = head_shares

@@ -533,7 +533,7 @@ def ring_config(
 ) -> _Ring:
     """The static config of a ring over `num_shards` shards of a `seq_len` sequence
     (inputs checked by the caller), with the kernel resolved for the blocks it runs.
-    `group`: query heads per KV head, where known (`resolve`)."""
+    `group`: query heads per KV head of its kernels' calls (`resolve`)."""
     shard_len = seq_len // num_shards
     # Zigzag causal steps use half blocks; tiles sized for them fit the diagonal too.
     # The allgather strategy runs each query run against the whole sequence.

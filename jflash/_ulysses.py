@@ -38,6 +38,12 @@ def kv_repeats(kv_heads: int, degree: int) -> int:
     return degree // math.gcd(kv_heads, degree)
 
 
+def kernel_group(group: int, kv_heads: int, degree: int) -> int:
+    """Query heads per KV head of each device's kernels after the all-to-all over
+    `degree` devices (a repeated KV head serves fewer query heads; degree 1: `group`)."""
+    return group // kv_repeats(kv_heads, degree)
+
+
 def check_heads(q_heads: int, degree: int, axis) -> None:
     if q_heads % degree != 0:
         raise ValueError(
