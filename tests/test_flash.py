@@ -629,21 +629,43 @@ def test_head_split_takes_the_least_share_that_fills_a_small_causal_launch(
     assert _mosaic_bwd.head_split(ctas, group, causal) == want
 
 
-def test_head_shares_are_checked_by_name():
-    """`BlockSizes.head_shares_dkv`: not negative, a divisor of the group (checked
-    before tracing, as a ring's kernels are too), the Mosaic backward's only."""
-    with pytest.raises(ValueError, match=r"head_shares_dkv=-1 must be >= 0"):
-        jflash.BlockSizes(head_shares_dkv=-1)
+def _shares_case():
     q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     tiles = jflash.default_block_sizes(128, 64, jnp.bfloat16, implementation="pallas_mosaic")
+    return q, kv, tiles
+
+
+def test_head_shares_are_checked_by_name():
+    """`BlockSizes.head_shares_dkv`: not negative, a divisor of the group (checked
+    before tracing), the Mosaic backward's only."""
+    with pytest.raises(ValueError, match=r"head_shares_dkv=-1 must be >= 0"):
+        jflash.BlockSizes(head_shares_dkv=-1)
+    q, kv, tiles = _shares_case()
     three = dataclasses.replace(tiles, head_shares_dkv=3)
     with pytest.raises(ValueError, match=r"head_shares_dkv=3 must divide the 4 query heads"):
         jflash.flash_attention(
             q, kv, kv, causal=True, implementation="pallas_mosaic", block_sizes=three
         )
-    # Ulysses over 2 devices repeats an MQA call's one KV head: 4 query heads per KV
-    # head on each device, not 8.
+    with pytest.raises(ValueError, match=r"head_shares_dkv=2 splits the Mosaic"):
+        jflash.flash_attention(
+            q,
+            kv,
+            kv,
+            causal=True,
+            implementation="pallas_triton",
+            interpret=True,
+            block_sizes=jflash.BlockSizes(head_shares_dkv=2),
+        )
+
+
+@pytest.mark.multi_device(2)
+def test_head_shares_are_checked_against_each_devices_group():
+    """A ring's kernels are checked before tracing too, and Ulysses' against the group on
+    each device: over 2 devices it repeats an MQA call's one KV head, so 4 query heads
+    per KV head there, not 8."""
+    q, kv, tiles = _shares_case()
+    three = dataclasses.replace(tiles, head_shares_dkv=3)
     mqa = dataclasses.replace(tiles, head_shares_dkv=8)
     for strategy, shares, k, group in (("ring", three, kv, 4), ("ulysses", mqa, kv[:, :, :1], 4)):
         mesh = jax.make_mesh((2,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -661,16 +683,6 @@ def test_head_shares_are_checked_by_name():
                 block_sizes=shares,
                 batch_axes=(),
             )
-    with pytest.raises(ValueError, match=r"head_shares_dkv=2 splits the Mosaic"):
-        jflash.flash_attention(
-            q,
-            kv,
-            kv,
-            causal=True,
-            implementation="pallas_triton",
-            interpret=True,
-            block_sizes=jflash.BlockSizes(head_shares_dkv=2),
-        )
 
 
 def test_head_split_stays_under_its_cta_cap(monkeypatch):
