@@ -20,8 +20,8 @@ there cost it 2-4%: more moves per step).
   dO, LSE and delta parts) tiles of every query head of the group in turn, so GQA needs
   no repeated K/V and no reduction afterwards (causal, D = 128, no segment ids: every
   other head from the last query step down, `ALTERNATE_PASSES_SPLITS`). A causal launch
-  of few CTAs shares each group among several CTAs instead, their f32 dK/dV summed after
-  (`HEAD_SPLIT_WAVE_CTAS`).
+  of few CTAs shares each group among several CTAs instead, each reading its KV head's K
+  and V in place, their f32 dK/dV summed after (`HEAD_SPLIT_WAVE_CTAS`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -175,9 +175,10 @@ BWD_ROWS_OUTER = ("dkv", "dq")
 
 # A causal dK/dV launch of one wave or less (HEAD_SPLIT_WAVE_CTAS, one CTA per 128 keys
 # of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
-# heads among `head_split` CTAs: K and V repeated per share, each CTA's dK and dV in f32,
-# summed over the shares and cast after the kernel (FlashAttention-3 runs a CTA per query
-# head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
+# heads among `head_split` CTAs: each share reads its KV head's K and V in place (no
+# repeated copy: 1.02-1.13x forward+backward over repeating them, 1k-8k rows), its dK and
+# dV in f32, summed over the shares and cast after the kernel (FlashAttention-3 runs a CTA
+# per query head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
 # long as its heaviest tile (the first keys see every query) while the other SMs idle.
 # On an H200, forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs)
 # 0.182 -> 0.133 ms, 8k x 2 KV heads (128 CTAs) 1.22 -> 0.91 ms; past one wave, 192
@@ -328,6 +329,7 @@ def _dkv_kernel(
     split: str | None,
     memory_warp: bool,
     interpret: bool,
+    shares: int = 1,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
     `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
@@ -338,7 +340,11 @@ def _dkv_kernel(
     shared memory (two buffers, by step parity, and a barrier pair `ds_ready`) and each
     adds the dQ of its half of the columns ("cols") or of the step's queries ("rows").
     Both then walk the CTA's whole stream in lockstep (steps outside a warpgroup's own
-    range run masked: P = 0 there)."""
+    range run masked: P = 0 there).
+
+    `shares`: CTAs per KV head (`head_split`): the grid's head index is KV head
+    `index // shares`'s share `index % shares`; the CTA reads that KV head's K and V in
+    place and writes its own f32 dK/dV slice (`geom.group` is the share's query heads)."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -389,9 +395,10 @@ def _dkv_kernel(
         plgpu.set_max_registers(regs, action="increase")
         k_start = cta_start + wg * bk
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        rows = (batch, pl.ds(k_start, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_ready.at[wg, jnp.int32(0)])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_ready.at[wg, jnp.int32(1)])
+        rows = (batch, pl.ds(k_start, bk), kv_head)  # this CTA's dK/dV (its share's)
+        kv_rows = (batch, pl.ds(k_start, bk), lax.div(kv_head, shares) if shares > 1 else kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_ready.at[wg, jnp.int32(0)])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_ready.at[wg, jnp.int32(1)])
         if segments:
             plgpu.copy_gmem_to_smem(
                 kvseg_ref.at[batch, pl.ds(k_start, bk)],
@@ -965,11 +972,12 @@ def mosaic_bwd(
         grads_in_input_dtype=same,
         fused=fused,
         split=split,
+        shares=shares,
         **dict(common, geom=dataclasses.replace(geom, group=geom.group // shares)),
     )
-    # Query head j's KV head is j // group either way: KV head i's share r is i * shares + r.
-    k_dkv, v_dkv = (jnp.repeat(x, shares, axis=2) if shares > 1 else x for x in (k, v))
-    inputs = (q, k_dkv, v_dkv, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
+    # Query head j's KV head is j // group either way: KV head i's share r is grid head
+    # i * shares + r, which reads K and V of head i in place.
+    inputs = (q, k, v, do, _row_parts(s_start), _row_parts(dp_start), *dkv_ids)
     if fused:
         # The interpreter has no TMA reduce-add: one f32 slice per (key tile,
         # warpgroup), each written once per query tile it sees, summed below.
