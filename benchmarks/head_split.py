@@ -12,7 +12,9 @@ query heads per KV head is left out of its rows. The fixed shares pass their til
 (`jflash.default_block_sizes`), so their forward is two warpgroups' with those tiles
 where jflash's own may take another form: `bwd_ms` (forward+backward less forward)
 compares the backward alone. Prints a table, writes
-`ab-head-split-<gpu>.json`. GPU only: on a CPU it stops with one line (exit status 2).
+`ab-head-split-<gpu>.json` after every row (`"complete": false` until the last, so a run
+cut short keeps the rows it timed). GPU only: on a CPU it stops with one line (exit
+status 2).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu":
         print(f"head_split.py times GPU kernels: no GPU (jax backend {jax.default_backend()!r})")
         return 2
+    out = os.path.join(args.out, f"ab-head-split-{device_name()}.json")
     rows = []
     for shape in shapes:
         reference = {}
@@ -120,9 +123,10 @@ def main(argv=None) -> int:
             row.update(setting=name, bwd_ms=backward_ms(row))
             rows.append(row)
             print(row, flush=True)
+            write_json(out, {"complete": False, "rows": rows})
     columns = ["setting", "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim"]
     print(table(rows, [*columns, "fwd_ms", "fwdbwd_ms", "bwd_ms", "grad_rel_diff"]))
-    write_json(os.path.join(args.out, f"ab-head-split-{device_name()}.json"), {"rows": rows})
+    write_json(out, {"complete": True, "rows": rows})
     return 0
 
 

@@ -1563,3 +1563,35 @@ def test_head_split_bench_shapes_and_shares(capsys):
     if jax.default_backend() != "gpu":
         assert head_split.main([]) == 2
         assert "no GPU" in capsys.readouterr().out
+
+
+def test_head_split_bench_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_path):
+    """The JSON is written after every row, `"complete": false` until the last: a run
+    stopped part way (here the third timing raises) leaves the rows it timed."""
+    calls = []
+
+    def fake_measure(impl, **kwargs):
+        calls.append((impl, kwargs["block_sizes"]))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a time limit's kill, as far as the file is concerned
+        return {"impl": impl, "fwd_ms": 1.0, "fwdbwd_ms": 3.0 + len(calls)}
+
+    monkeypatch.setattr(head_split.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(head_split, "measure", fake_measure)
+    monkeypatch.setattr(head_split, "device_name", lambda: "fake")
+    argv = ["--shapes", "1024:4:1:64:causal", "--shares", "2", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        head_split.main(argv)
+    written = json.loads((tmp_path / "ab-head-split-fake.json").read_text())
+    assert written["complete"] is False
+    assert [(r["setting"], r["bwd_ms"]) for r in written["rows"]] == [
+        ("shares=2", 3.0),
+        ("jflash", 4.0),
+    ]
+    assert calls[0][1].head_shares_dkv == 2 and calls[1][1] is None
+    calls.clear()
+    monkeypatch.setattr(head_split, "measure", lambda impl, **kw: {"impl": impl, "fwd_ms": 1.0})
+    assert head_split.main(argv) == 0
+    written = json.loads((tmp_path / "ab-head-split-fake.json").read_text())
+    assert written["complete"] is True
+    assert [r["setting"] for r in written["rows"]] == ["shares=2", "jflash", "fa3", "cudnn"]
