@@ -175,18 +175,19 @@ BWD_ROWS_OUTER = ("dkv", "dq")
 
 # A causal dK/dV launch of one wave or less (HEAD_SPLIT_WAVE_CTAS, one CTA per 128 keys
 # of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
-# heads among `head_split` CTAs: each share reads its KV head's K and V in place (no
-# repeated copy: 1.02-1.13x forward+backward over repeating them, 1k-8k rows), its dK and
-# dV in f32, summed over the shares and cast after the kernel (FlashAttention-3 runs a CTA
-# per query head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
+# heads among `head_split` CTAs: each share reads its KV head's K and V in place (1.02-
+# 1.13x forward+backward over a repeated copy of them, 1k-8k rows), its dK and dV in f32,
+# summed over the shares and cast after the kernel (FlashAttention-3 runs a CTA per query
+# head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
 # long as its heaviest tile (the first keys see every query) while the other SMs idle.
 # On an H200, forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs)
-# 0.182 -> 0.133 ms, 8k x 2 KV heads (128 CTAs) 1.22 -> 0.91 ms; past one wave, 192
-# CTAs (3k x 8) were 5% slower and 256 CTAs 4-6% slower (the SMs already take new tiles
-# as they finish), and a non-causal launch (every tile the same work) 14% slower at 128
-# CTAs, so neither splits. Shares: the least that reaches HEAD_SPLIT_MIN_CTAS, none past
-# HEAD_SPLIT_MAX_CTAS, which bounds the f32 copies (2048 x 128 keys x D x 4 bytes each of
-# dK and dV: 128 MiB at D = 128).
+# 0.181 -> 0.117 ms, 8k x 2 KV heads (128 CTAs) 1.23 -> 0.90 ms. Past one wave the SMs
+# already take new tiles as they finish: 256 CTAs (4k x 8, 2k x 2 rows) were 3-4% slower
+# with two shares; 192 CTAs (3k x 8) 4% faster, one length in one reading, not a rule
+# (BENCHMARKS.md, "Short causal launches"). A non-causal launch (every tile the same
+# work) was 4-8% slower at 128 CTAs, so it does not split. Shares: the least that reaches
+# HEAD_SPLIT_MIN_CTAS, none past HEAD_SPLIT_MAX_CTAS, which bounds the f32 copies (2048 x
+# 128 keys x D x 4 bytes each of dK and dV: 128 MiB at D = 128).
 HEAD_SPLIT_WAVE_CTAS = 132  # the SMs of an H100 SXM or H200
 HEAD_SPLIT_MIN_CTAS = 512
 HEAD_SPLIT_MAX_CTAS = 2048
