@@ -397,7 +397,9 @@ def _dkv_kernel(
         k_start = cta_start + wg * bk
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         rows = (batch, pl.ds(k_start, bk), kv_head)  # this CTA's dK/dV (its share's)
-        kv_rows = (batch, pl.ds(k_start, bk), lax.div(kv_head, shares) if shares > 1 else kv_head)
+        # The KV head whose K and V this share reads (int32 under x64 too).
+        kv_in = lax.div(kv_head, jnp.int32(shares)) if shares > 1 else kv_head
+        kv_rows = (batch, pl.ds(k_start, bk), kv_in)
         plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_ready.at[wg, jnp.int32(0)])
         plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_ready.at[wg, jnp.int32(1)])
         if segments:
