@@ -330,7 +330,7 @@ def _dkv_kernel(
     split: str | None,
     memory_warp: bool,
     interpret: bool,
-    shares: int = 1,
+    shares: int,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
     `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
