@@ -1589,7 +1589,6 @@ def test_head_split_bench_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_pat
         ("jflash", 4.0),
     ]
     assert calls[0][1].head_shares_dkv == 2 and calls[1][1] is None
-    calls.clear()
     monkeypatch.setattr(head_split, "measure", lambda impl, **kw: {"impl": impl, "fwd_ms": 1.0})
     assert head_split.main(argv) == 0
     written = json.loads((tmp_path / "ab-head-split-fake.json").read_text())
