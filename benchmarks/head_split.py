@@ -33,9 +33,9 @@ from benchmarks.common import device_name, table, write_json  # noqa: E402
 from benchmarks.kernel import measure  # noqa: E402
 
 SHAPES = (
-    "1024:32:8:128:causal,2048:32:8:128:causal,3072:32:8:128:causal,4096:32:8:128:causal,"
-    "8192:8:2:128:causal,2048:32:8:128:causal:2,2048:32:8:128:full,"
-    "1024:32:8:64:causal,2048:32:8:64:causal,8192:8:2:64:causal"
+    "1024:32:8:128:causal,2048:32:8:128:causal,2560:32:8:128:causal,3072:32:8:128:causal,"
+    "4096:32:8:128:causal,8192:8:2:128:causal,2048:32:8:128:causal:2,2048:32:8:128:full,"
+    "1024:32:8:64:causal,2048:32:8:64:causal,3072:32:8:64:causal,8192:8:2:64:causal"
 )
 
 

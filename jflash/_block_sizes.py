@@ -26,8 +26,8 @@ class BlockSizes:
       num_warps_bwd, num_stages_bwd: backward launch parameters.
       head_shares_dkv: Mosaic dK/dV launch: CTAs per KV head, each over
         group / head_shares_dkv of its query heads (a divisor of the group); 0 (the
-        default) lets jflash choose: several only for causal launches of one wave or
-        less (docs/library.md). The Triton kernels take 0 only.
+        default) lets jflash choose: several only for causal launches of up to a wave
+        and a half (docs/library.md). The Triton kernels take 0 only.
 
     For `implementation="pallas_mosaic"` (`mosaic_block_sizes`): the per-program rows
     (`block_q`, `block_kv_dkv`, `block_q_dq`) are 64 per compute warpgroup (two per

@@ -181,25 +181,32 @@ BWD_ROWS_OUTER = ("dkv", "dq")
 # head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
 # long as its heaviest tile (the first keys see every query) while the other SMs idle.
 # On an H200, forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs)
-# 0.181 -> 0.117 ms, 8k x 2 KV heads (128 CTAs) 1.23 -> 0.90 ms. Past one wave the SMs
-# already take new tiles as they finish: 256 CTAs (4k x 8, 2k x 2 rows) were 3-4% slower
-# with two shares; 192 CTAs (3k x 8) 4% faster, one length in one reading, not a rule
+# 0.181 -> 0.117 ms, 8k x 2 KV heads (128 CTAs) 1.23 -> 0.90 ms. Shares: the least that
+# reaches HEAD_SPLIT_MIN_CTAS, none past HEAD_SPLIT_MAX_CTAS, which bounds the f32 copies
+# (2048 x 128 keys x D x 4 bytes each of dK and dV: 128 MiB at D = 128).
+# Past one wave the SMs take new tiles as they finish, and the heaviest tile (n query
+# tiles of work, the mean n / 2) stays longer than an SM's mean share of the work while
+# the launch is under two waves; two shares (not more: four read 0.99x at 192 CTAs) up to
+# HEAD_SPLIT_TWO_SHARES_CTAS, a wave and a half. Unsplit time / two shares, D = 128 / 64:
+# 160 CTAs 1.10 / 1.13, 192 CTAs 1.06 / 1.04, 224 CTAs 1.01 / 0.99, 256 CTAs 0.97 / 0.96
 # (BENCHMARKS.md, "Short causal launches"). A non-causal launch (every tile the same
-# work) was 4-8% slower at 128 CTAs, so it does not split. Shares: the least that reaches
-# HEAD_SPLIT_MIN_CTAS, none past HEAD_SPLIT_MAX_CTAS, which bounds the f32 copies (2048 x
-# 128 keys x D x 4 bytes each of dK and dV: 128 MiB at D = 128).
+# work) was 4-8% slower at 128 CTAs, so it does not split.
 HEAD_SPLIT_WAVE_CTAS = 132  # the SMs of an H100 SXM or H200
+HEAD_SPLIT_TWO_SHARES_CTAS = 198  # 1.5 waves
 HEAD_SPLIT_MIN_CTAS = 512
 HEAD_SPLIT_MAX_CTAS = 2048
 
 
 def head_split(ctas: int, group: int, causal: bool) -> int:
     """The CTAs per KV head of a dK/dV launch of `ctas` (one per key tile and KV head):
-    1 unless it is causal and at most `HEAD_SPLIT_WAVE_CTAS`; then the least divisor of
-    `group` that takes it to `HEAD_SPLIT_MIN_CTAS`, else the largest, none that takes it
-    past `HEAD_SPLIT_MAX_CTAS`."""
-    if not causal or ctas > HEAD_SPLIT_WAVE_CTAS:
+    1 unless it is causal and at most `HEAD_SPLIT_TWO_SHARES_CTAS`; past
+    `HEAD_SPLIT_WAVE_CTAS` 2 where 2 divides `group`; at most one wave, the least divisor
+    of `group` that takes it to `HEAD_SPLIT_MIN_CTAS`, else the largest, none that takes
+    it past `HEAD_SPLIT_MAX_CTAS`."""
+    if not causal or ctas > HEAD_SPLIT_TWO_SHARES_CTAS:
         return 1
+    if ctas > HEAD_SPLIT_WAVE_CTAS:
+        return 2 if group % 2 == 0 else 1
     shares = [d for d in range(1, group + 1) if group % d == 0]
     shares = [d for d in shares if d == 1 or ctas * d <= HEAD_SPLIT_MAX_CTAS]
     return next((d for d in shares if ctas * d >= HEAD_SPLIT_MIN_CTAS), shares[-1])

@@ -1526,8 +1526,8 @@ def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
 
 
 def test_head_split_bench_shapes_and_shares(capsys):
-    """The default shapes (causal launches of one wave or less, 3k and 4k x 8 KV heads,
-    two batch rows of 2k, full 2k) each time a fixed share per KV head and jflash's own
+    """The default shapes (causal launches of one wave or less, 2.5k, 3k and 4k x 8 KV
+    heads, two batch rows of 2k, full 2k) each time a fixed share per KV head and jflash's own
     choice; a share that does not divide a shape's group is left out; bad shapes and
     shares are refused by name; without a GPU the script stops with status 2."""
     shapes = head_split.parse_shapes(head_split.SHAPES)
@@ -1535,6 +1535,7 @@ def test_head_split_bench_shapes_and_shares(capsys):
     assert got == [
         (1024, 8, 128, "causal", 1),
         (2048, 8, 128, "causal", 1),
+        (2560, 8, 128, "causal", 1),
         (3072, 8, 128, "causal", 1),
         (4096, 8, 128, "causal", 1),
         (8192, 2, 128, "causal", 1),
@@ -1542,6 +1543,7 @@ def test_head_split_bench_shapes_and_shares(capsys):
         (2048, 8, 128, "full", 1),
         (1024, 8, 64, "causal", 1),
         (2048, 8, 64, "causal", 1),
+        (3072, 8, 64, "causal", 1),
         (8192, 2, 64, "causal", 1),
     ]
     assert all(head_split.settings_of(s, [1]) == [("shares=1", 1), ("jflash", 0)] for s in shapes)

@@ -603,8 +603,13 @@ def test_mosaic_backward_launches_take_rows_in_turn(
     "ctas, group, causal, want",
     [
         (512, 4, True, 1),
-        (256, 4, True, 1),  # past one wave: splitting measured slower
-        (133, 4, True, 1),
+        (256, 4, True, 1),  # two waves: splitting measured slower
+        (199, 4, True, 1),
+        (198, 4, True, 2),  # a wave and a half: two shares
+        (133, 4, True, 2),
+        (133, 8, True, 2),
+        (160, 3, True, 1),  # two shares do not divide the group
+        (198, 4, False, 1),
         (132, 4, True, 4),
         (64, 4, True, 4),
         (128, 4, False, 1),  # non-causal: every tile the same work
@@ -616,16 +621,15 @@ def test_mosaic_backward_launches_take_rows_in_turn(
         (100, 32, True, 8),
     ],
 )
-def test_head_split_takes_the_least_share_that_fills_a_small_causal_launch(
-    ctas, group, causal, want
-):
+def test_head_split_shares_small_causal_launches(ctas, group, causal, want):
     from jflash import _mosaic_bwd
 
     assert (
         _mosaic_bwd.HEAD_SPLIT_WAVE_CTAS,
+        _mosaic_bwd.HEAD_SPLIT_TWO_SHARES_CTAS,
         _mosaic_bwd.HEAD_SPLIT_MIN_CTAS,
         _mosaic_bwd.HEAD_SPLIT_MAX_CTAS,
-    ) == (132, 512, 2048)
+    ) == (132, 198, 512, 2048)
     assert _mosaic_bwd.head_split(ctas, group, causal) == want
 
 
