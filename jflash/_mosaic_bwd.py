@@ -21,7 +21,8 @@ there cost it 2-4%: more moves per step).
   no repeated K/V and no reduction afterwards (causal, D = 128, no segment ids: every
   other head from the last query step down, `ALTERNATE_PASSES_SPLITS`). A causal launch
   of few CTAs shares each group among several CTAs instead, each reading its KV head's K
-  and V in place, their f32 dK/dV summed after (`HEAD_SPLIT_WAVE_CTAS`).
+  and V in place and adding its dK/dV into that KV head's f32 accumulators with TMA
+  reduce-adds (`HEAD_SPLIT_WAVE_CTAS`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -176,14 +177,17 @@ BWD_ROWS_OUTER = ("dkv", "dq")
 # A causal dK/dV launch of one wave or less (HEAD_SPLIT_WAVE_CTAS, one CTA per 128 keys
 # of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
 # heads among `head_split` CTAs: each share reads its KV head's K and V in place (1.02-
-# 1.13x forward+backward over a repeated copy of them, 1k-8k rows), its dK and dV in f32,
-# summed over the shares and cast after the kernel (FlashAttention-3 runs a CTA per query
-# head and adds its GQA dK/dV the same way). With a CTA per KV head such a launch runs as
-# long as its heaviest tile (the first keys see every query) while the other SMs idle.
+# 1.13x forward+backward over a repeated copy of them, 1k-8k rows) and adds its dK and dV
+# into the KV head's f32 accumulators with TMA reduce-adds, cast after the kernel (1.03-
+# 1.04x at 1k-2k, D = 128, over an f32 slice per share summed by XLA; FlashAttention-3
+# runs a CTA per query head and adds its GQA dK/dV the same way). With a CTA per KV head
+# such a launch runs as long as its heaviest tile (the first keys see every query) while
+# the other SMs idle.
 # On an H200, forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs)
 # 0.181 -> 0.117 ms, 8k x 2 KV heads (128 CTAs) 1.23 -> 0.90 ms. Shares: the least that
-# reaches HEAD_SPLIT_MIN_CTAS, none past HEAD_SPLIT_MAX_CTAS, which bounds the f32 copies
-# (2048 x 128 keys x D x 4 bytes each of dK and dV: 128 MiB at D = 128).
+# reaches HEAD_SPLIT_MIN_CTAS, none past HEAD_SPLIT_MAX_CTAS, which bounds the reduce-adds
+# into each accumulator's rows and the interpreter's f32 slices (one per share: 2048 x 128
+# keys x D x 4 bytes each of dK and dV, 128 MiB at D = 128).
 # Past one wave the SMs take new tiles as they finish, and the heaviest tile (n query
 # tiles of work, the mean n / 2) stays longer than an SM's mean share of the work while
 # the launch is under two waves; two shares (not more: four read 0.99x at 192 CTAs) up to
@@ -258,12 +262,13 @@ def fused_block_q(head_dim: int) -> tuple[int, ...]:
     return (WG_ROWS,)
 
 
-def _store_tile(value, smem, dst):
-    """Registers -> SMEM -> HBM (TMA), waiting until SMEM may be reused (the write
-    completes by the kernel's end, which no CTA waits for)."""
+def _store_tile(value, smem, dst, add: bool = False):
+    """Registers -> SMEM -> HBM (TMA; `add`: a reduce-add into `dst`), waiting until
+    SMEM may be reused (the write completes by the kernel's end, which no CTA waits
+    for)."""
     smem[...] = value.astype(smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem, dst)
+    plgpu.copy_smem_to_gmem(smem, dst, reduction_op="add" if add else None)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -352,7 +357,10 @@ def _dkv_kernel(
 
     `shares`: CTAs per KV head (`head_split`): the grid's head index is KV head
     `index // shares`'s share `index % shares`; the CTA reads that KV head's K and V in
-    place and writes its own f32 dK/dV slice (`geom.group` is the share's query heads)."""
+    place and adds its dK/dV into that KV head's f32 `[B, S, K, H]` accumulators (TMA
+    reduce-add; `geom.group` is the share's query heads), which then come before the
+    scratch in place of the outputs. Interpreted (no reduce-add), each share writes its
+    own f32 slice of `[B, S, K * shares, H]` outputs instead, summed after."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -403,10 +411,13 @@ def _dkv_kernel(
         plgpu.set_max_registers(regs, action="increase")
         k_start = cta_start + wg * bk
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        rows = (batch, pl.ds(k_start, bk), kv_head)  # this CTA's dK/dV (its share's)
         # The KV head whose K and V this share reads (int32 under x64 too).
         kv_in = lax.div(kv_head, jnp.int32(shares)) if shares > 1 else kv_head
         kv_rows = (batch, pl.ds(k_start, bk), kv_in)
+        # This CTA's dK/dV: added into its KV head's, or (one CTA per KV head, or
+        # interpreted) its own slice.
+        add_shares = shares > 1 and not interpret
+        rows = kv_rows if add_shares else (batch, pl.ds(k_start, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_ready.at[wg, jnp.int32(0)])
         plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_ready.at[wg, jnp.int32(1)])
         if segments:
@@ -655,7 +666,7 @@ def _dkv_kernel(
                 for c in range(COMPUTE_WGS):
                     cols = slice(c * half, (c + 1) * half)
                     dst = ref.at[(*rows, pl.ds(c * half, half))]
-                    _store_tile(value[:, cols], dq_smem2.at[wg], dst)
+                    _store_tile(value[:, cols], dq_smem2.at[wg], dst, add_shares)
         else:
             if out_smem2 is not None:
                 dk_smem = dv_smem = out_smem2.at[wg]
@@ -663,8 +674,8 @@ def _dkv_kernel(
                 dk_smem, dv_smem = k_smem, v_smem
             else:  # f32 gradients of the fused kernel: its f32 dQ tile is free now
                 dk_smem = dv_smem = dq_smem2.at[wg]
-            _store_tile(dk * scale, dk_smem, dk_ref.at[rows])
-            _store_tile(dv, dv_smem, dv_ref.at[rows])
+            _store_tile(dk * scale, dk_smem, dk_ref.at[rows], add_shares)
+            _store_tile(dv, dv_smem, dv_ref.at[rows], add_shares)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory():
@@ -974,7 +985,10 @@ def mosaic_bwd(
         + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
         per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
-    kv_type = struct((b, geom.kv_pad, kh * shares, h), dkv_dtype)
+    # Shares add into f32 accumulators of their KV heads (TMA reduce-add); the
+    # interpreter has none: one f32 slice per share, summed below.
+    add_shares = shares > 1 and not interpret
+    kv_type = struct((b, geom.kv_pad, kh * (1 if add_shares else shares), h), dkv_dtype)
     dkv_body = functools.partial(
         _dkv_kernel,
         block_q=block_q_dkv,
@@ -1001,9 +1015,13 @@ def mosaic_bwd(
         else:
             dq_acc = dq_into
         inputs = (*inputs, dq_acc)
-    dk, dv = launch(
+    if add_shares:
+        # Unvarying accumulators inside a shard_map, as dQ's above.
+        dkv_acc = [jax.new_ref(jnp.zeros(kv_type.shape, jnp.float32)) for _ in range(2)]
+        inputs = (*inputs, *dkv_acc)
+    outputs = launch(
         dkv_body,
-        out_type=[kv_type, kv_type],
+        out_type=[] if add_shares else [kv_type, kv_type],
         scratch_types=[
             smem_tile((COMPUTE_WGS, WG_ROWS, h), k.dtype),
             smem_tile((COMPUTE_WGS, WG_ROWS, h), v.dtype),
@@ -1040,10 +1058,14 @@ def mosaic_bwd(
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,
     )(*inputs)
-    if shares > 1:
+    if add_shares:
+        dk, dv = (vary(acc[...], varying_axes(k)).astype(grad_dtype) for acc in dkv_acc)
+    elif shares > 1:
         dk, dv = (
-            x.reshape(b, geom.kv_pad, kh, shares, h).sum(3).astype(grad_dtype) for x in (dk, dv)
+            x.reshape(b, geom.kv_pad, kh, shares, h).sum(3).astype(grad_dtype) for x in outputs
         )
+    else:
+        dk, dv = outputs
     if fused and dq_into is not None:
         return None, dk[:, :s_len], dv[:, :s_len]
     if fused:

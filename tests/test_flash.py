@@ -716,10 +716,10 @@ HEAD_SPLIT_CASES = {
     ids=["one-cta-per-kv-head", "split"],
 )
 def test_mosaic_backward_head_split(monkeypatch, name, split):
-    """The dK/dV kernel with each KV head's query heads shared among CTAs (the f32
-    shares summed after) and with one CTA per KV head, as `BlockSizes.head_shares_dkv`
-    asks: each launches the grid it says and matches the oracle (the tests' small causal
-    launches share by default)."""
+    """The dK/dV kernel with each KV head's query heads shared among CTAs (compiled, each
+    adding into its KV head's f32 dK/dV; interpreted, f32 slices summed after) and with
+    one CTA per KV head, as `BlockSizes.head_shares_dkv` asks: each launches the grid it
+    says and matches the oracle (the tests' small causal launches share by default)."""
     from jflash import _mosaic_bwd
 
     case, deterministic = HEAD_SPLIT_CASES[name]

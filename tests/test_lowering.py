@@ -6,6 +6,8 @@ block-shape rules, unsupported ops), by lowering against an abstract H100.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -797,3 +799,42 @@ def test_ring_attention_streams_from_one_warp(monkeypatch, mapped, devices):
     assert {"jflash_mosaic_fwd", "jflash_mosaic_dkv"} <= set(bodies)
     assert len(bodies) >= (2 if devices == 1 else 6)  # 2 ring steps: 3 forward calls
     assert len(mapped) == len(bodies)
+
+
+@pytest.mark.parametrize("in_shard_map", [False, True], ids=["plain", "shard-map"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shares", [1, 2])
+def test_dkv_shares_add_into_their_kv_heads(monkeypatch, shares, head_dim, in_shard_map):
+    """Compiled, each CTA of a split dK/dV launch adds its dK and dV into its KV head's
+    f32 accumulators with TMA reduce-adds (no f32 slice per share, no sum after); one
+    CTA per KV head stores its own. The deterministic backward adds no dQ, so the
+    reduce-adds are the shares'. It lowers inside a `shard_map` too (the accumulators
+    unvarying, as dQ's)."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
+    tiles = jflash.default_block_sizes(
+        256, head_dim, jnp.bfloat16, implementation="pallas_mosaic", deterministic=True
+    )
+    tiles = dataclasses.replace(tiles, head_shares_dkv=shares)
+
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = jflash.flash_attention(
+                q, k, v, causal=True, implementation="pallas_mosaic", deterministic=True,
+                block_sizes=tiles,
+            )  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    mesh = jax.sharding.AbstractMesh(
+        (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
+    )
+    spec = jax.sharding.PartitionSpec(None, "x")
+    fn = jax.shard_map(grads, mesh=mesh, in_specs=spec, out_specs=spec) if in_shard_map else grads
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jflash_mosaic_dkv" in text and "jflash_mosaic_dq" in text
+    assert ("cp.reduce.async.bulk.tensor" in text) == (shares > 1)
