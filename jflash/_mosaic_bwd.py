@@ -22,7 +22,7 @@ there cost it 2-4%: more moves per step).
   other head from the last query step down, `ALTERNATE_PASSES_SPLITS`). A causal launch
   of few CTAs shares each group among several CTAs instead, each reading its KV head's K
   and V in place and adding its dK/dV into that KV head's f32 accumulators with TMA
-  reduce-adds (`HEAD_SPLIT_WAVE_CTAS`).
+  reduce-adds (`head_split`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -99,6 +99,7 @@ from jflash._mosaic_common import (
 )
 from jflash._triton_common import LOG2E, pad_to, round_up
 from jflash._vma import match, struct, vary, varying_axes
+from jflash._work_items import HOPPER_SMS, sm_count
 
 # Head dims where the dK/dV kernel fuses the dQ. At D=64 with 64-query steps each
 # warpgroup adds its own keys' dQ (H100: 0.94-0.97x cuDNN against 0.91 for two kernels);
@@ -174,8 +175,8 @@ MEMORY_WARP_HEAD_DIMS = (64,)
 # launches are the same either way.
 BWD_ROWS_OUTER = ("dkv", "dq")
 
-# A causal dK/dV launch of one wave or less (HEAD_SPLIT_WAVE_CTAS, one CTA per 128 keys
-# of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
+# A causal dK/dV launch of one wave or less (a CTA per SM of the GPU, `sm_count`; one CTA
+# per 128 keys of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
 # heads among `head_split` CTAs: each share reads its KV head's K and V in place (1.02-
 # 1.13x forward+backward over a repeated copy of them, 1k-8k rows) and adds its dK and dV
 # into the KV head's f32 accumulators with TMA reduce-adds, cast after the kernel (1.03-
@@ -191,25 +192,25 @@ BWD_ROWS_OUTER = ("dkv", "dq")
 # Past one wave the SMs take new tiles as they finish, and the heaviest tile (n query
 # tiles of work, the mean n / 2) stays longer than an SM's mean share of the work while
 # the launch is under two waves; two shares (not more: four read 0.99x at 192 CTAs) up to
-# HEAD_SPLIT_TWO_SHARES_CTAS, a wave and a half. Unsplit time / two shares, D = 128 / 64:
+# HEAD_SPLIT_TWO_SHARES_WAVES, a wave and a half. Unsplit time / two shares, D = 128 / 64:
 # 160 CTAs 1.10 / 1.13, 192 CTAs 1.06 / 1.04, 224 CTAs 1.01 / 0.99, 256 CTAs 0.97 / 0.96
 # (BENCHMARKS.md, "Short causal launches"). A non-causal launch (every tile the same
 # work) was 4-8% slower at 128 CTAs, so it does not split.
-HEAD_SPLIT_WAVE_CTAS = 132  # the SMs of an H100 SXM or H200
-HEAD_SPLIT_TWO_SHARES_CTAS = 198  # 1.5 waves
+# Measured on 132 SMs (H200); a wave is the GPU's own SM count.
+HEAD_SPLIT_TWO_SHARES_WAVES = 1.5
 HEAD_SPLIT_MIN_CTAS = 512
 HEAD_SPLIT_MAX_CTAS = 2048
 
 
-def head_split(ctas: int, group: int, causal: bool) -> int:
-    """The CTAs per KV head of a dK/dV launch of `ctas` (one per key tile and KV head):
-    1 unless it is causal and at most `HEAD_SPLIT_TWO_SHARES_CTAS`; past
-    `HEAD_SPLIT_WAVE_CTAS` 2 where 2 divides `group`; at most one wave, the least divisor
-    of `group` that takes it to `HEAD_SPLIT_MIN_CTAS`, else the largest, none that takes
-    it past `HEAD_SPLIT_MAX_CTAS`."""
-    if not causal or ctas > HEAD_SPLIT_TWO_SHARES_CTAS:
+def head_split(ctas: int, group: int, causal: bool, sms: int = HOPPER_SMS) -> int:
+    """The CTAs per KV head of a dK/dV launch of `ctas` (one per key tile and KV head)
+    on a GPU of `sms` SMs (one wave): 1 unless it is causal and at most
+    `HEAD_SPLIT_TWO_SHARES_WAVES` waves; past one wave 2 where 2 divides `group`; at most
+    one wave, the least divisor of `group` that takes it to `HEAD_SPLIT_MIN_CTAS`, else
+    the largest, none that takes it past `HEAD_SPLIT_MAX_CTAS`."""
+    if not causal or ctas > HEAD_SPLIT_TWO_SHARES_WAVES * sms:
         return 1
-    if ctas > HEAD_SPLIT_WAVE_CTAS:
+    if ctas > sms:
         return 2 if group % 2 == 0 else 1
     shares = [d for d in range(1, group + 1) if group % d == 0]
     shares = [d for d in shares if d == 1 or ctas * d <= HEAD_SPLIT_MAX_CTAS]
@@ -940,12 +941,12 @@ def mosaic_bwd(
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     kv_tiles = geom.kv_pad // rows
     # `shares` CTAs per KV head, each over group / shares query heads, their dK and dV in
-    # f32: as asked, else by the rule (causal launches of few CTAs, `HEAD_SPLIT_WAVE_CTAS`).
+    # f32: as asked, else by the rule (causal launches of few CTAs, `head_split`).
     if head_shares:
         check_head_shares(head_shares, geom.group)
         shares = head_shares
     else:
-        shares = head_split(b * kh * kv_tiles, geom.group, geom.mask.causal)
+        shares = head_split(b * kh * kv_tiles, geom.group, geom.mask.causal, sm_count())
     dkv_dtype = jnp.float32 if shares > 1 else grad_dtype
     same = jnp.dtype(dkv_dtype) == q.dtype
     storable = same or jnp.dtype(dkv_dtype) == jnp.float32

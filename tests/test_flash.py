@@ -625,12 +625,24 @@ def test_head_split_shares_small_causal_launches(ctas, group, causal, want):
     from jflash import _mosaic_bwd
 
     assert (
-        _mosaic_bwd.HEAD_SPLIT_WAVE_CTAS,
-        _mosaic_bwd.HEAD_SPLIT_TWO_SHARES_CTAS,
+        _mosaic_bwd.HEAD_SPLIT_TWO_SHARES_WAVES,
         _mosaic_bwd.HEAD_SPLIT_MIN_CTAS,
         _mosaic_bwd.HEAD_SPLIT_MAX_CTAS,
-    ) == (132, 198, 512, 2048)
-    assert _mosaic_bwd.head_split(ctas, group, causal) == want
+    ) == (1.5, 512, 2048)
+    assert _mosaic_bwd.head_split(ctas, group, causal) == want  # 132 SMs
+    assert _mosaic_bwd.head_split(ctas, group, causal, sms=132) == want
+
+
+@pytest.mark.parametrize(
+    "ctas, want",
+    [(64, 4), (78, 4), (79, 2), (117, 2), (118, 1), (133, 1), (198, 1)],
+)
+def test_head_split_counts_waves_in_the_gpus_sms(ctas, want):
+    """A wave is the GPU's own SM count: on 78 SMs a launch of 79-117 CTAs is past one
+    wave and under a wave and a half (two shares), one of 118 or more is not split."""
+    from jflash import _mosaic_bwd
+
+    assert _mosaic_bwd.head_split(ctas, 4, True, sms=78) == want
 
 
 def _shares_case():

@@ -838,3 +838,30 @@ def test_dkv_shares_add_into_their_kv_heads(monkeypatch, shares, head_dim, in_sh
         text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     assert "jflash_mosaic_dkv" in text and "jflash_mosaic_dq" in text
     assert ("cp.reduce.async.bulk.tensor" in text) == (shares > 1)
+
+
+@pytest.mark.parametrize("sms, split", [(132, True), (6, True), (4, False)])
+def test_head_split_takes_the_devices_sm_count(monkeypatch, sms, split):
+    """The dK/dV launch's rule counts waves in the GPU's SMs (`sm_count`): 8 CTAs (4 key
+    tiles x 2 KV heads) split on 132 SMs and on 6 (1.33 waves), not on 4 (2 waves)."""
+    from jflash import _mosaic_bwd
+
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    monkeypatch.setattr(_mosaic_bwd, "sm_count", lambda: sms)
+    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = jflash.flash_attention(
+                q, k, v, causal=True, implementation="pallas_mosaic", deterministic=True
+            )
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("cp.reduce.async.bulk.tensor" in text) == split
