@@ -678,6 +678,21 @@ def mapped(monkeypatch):
     return calls
 
 
+def _causal_mosaic_grads(**options):
+    """q, k, v -> the gradients of a causal Mosaic attention's sum, with `options`."""
+
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = jflash.flash_attention(
+                q, k, v, causal=True, implementation="pallas_mosaic", **options
+            )
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    return grads
+
+
 @pytest.mark.parametrize(
     "head_dim, in_shard_map, want",
     [(64, False, True), (128, False, False), (64, True, True), (128, True, False)],
@@ -699,15 +714,7 @@ def test_backward_streams_from_one_warp(
     q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
 
-    def grads(q, k, v):
-        def loss(q, k, v):
-            out = jflash.flash_attention(
-                q, k, v, causal=True, implementation="pallas_mosaic", deterministic=deterministic
-            )
-            return jnp.sum(out.astype(jnp.float32))
-
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
+    grads = _causal_mosaic_grads(deterministic=deterministic)
     mesh = jax.sharding.AbstractMesh(
         (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
     )
@@ -819,16 +826,7 @@ def test_dkv_shares_add_into_their_kv_heads(monkeypatch, shares, head_dim, in_sh
     )
     tiles = dataclasses.replace(tiles, head_shares_dkv=shares)
 
-    def grads(q, k, v):
-        def loss(q, k, v):
-            out = jflash.flash_attention(
-                q, k, v, causal=True, implementation="pallas_mosaic", deterministic=True,
-                block_sizes=tiles,
-            )  # fmt: skip
-            return jnp.sum(out.astype(jnp.float32))
-
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
+    grads = _causal_mosaic_grads(deterministic=True, block_sizes=tiles)
     mesh = jax.sharding.AbstractMesh(
         (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
     )
@@ -852,15 +850,7 @@ def test_head_split_takes_the_devices_sm_count(monkeypatch, sms, split):
     q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
 
-    def grads(q, k, v):
-        def loss(q, k, v):
-            out = jflash.flash_attention(
-                q, k, v, causal=True, implementation="pallas_mosaic", deterministic=True
-            )
-            return jnp.sum(out.astype(jnp.float32))
-
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
+    grads = _causal_mosaic_grads(deterministic=True)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
