@@ -344,6 +344,7 @@ def _dkv_kernel(
     memory_warp: bool,
     interpret: bool,
     shares: int,
+    add_shares: bool,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
     `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
@@ -358,10 +359,11 @@ def _dkv_kernel(
 
     `shares`: CTAs per KV head (`head_split`): the grid's head index is KV head
     `index // shares`'s share `index % shares`; the CTA reads that KV head's K and V in
-    place and adds its dK/dV into that KV head's f32 `[B, S, K, H]` accumulators (TMA
-    reduce-add; `geom.group` is the share's query heads), which then come before the
-    scratch in place of the outputs. Interpreted (no reduce-add), each share writes its
-    own f32 slice of `[B, S, K * shares, H]` outputs instead, summed after."""
+    place (`geom.group` is the share's query heads). `add_shares`: it adds its dK/dV
+    into that KV head's f32 `[B, S, K, H]` accumulators (TMA reduce-add), which then
+    come before the scratch in place of the outputs; else it writes its own f32 slice
+    of `[B, S, K * shares, H]` outputs, summed after (interpreted: no reduce-add;
+    deterministic: a fixed order of additions)."""
     qseg_ref = kvseg_ref = table_ref = dq_ref = None
     if segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
@@ -415,9 +417,7 @@ def _dkv_kernel(
         # The KV head whose K and V this share reads (int32 under x64 too).
         kv_in = lax.div(kv_head, jnp.int32(shares)) if shares > 1 else kv_head
         kv_rows = (batch, pl.ds(k_start, bk), kv_in)
-        # This CTA's dK/dV: added into its KV head's, or (one CTA per KV head, or
-        # interpreted) its own slice.
-        add_shares = shares > 1 and not interpret
+        # This CTA's dK/dV: added into its KV head's (`add_shares`), or its own slice.
         rows = kv_rows if add_shares else (batch, pl.ds(k_start, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_ready.at[wg, jnp.int32(0)])
         plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_ready.at[wg, jnp.int32(1)])
@@ -986,9 +986,10 @@ def mosaic_bwd(
         + COMPUTE_WGS * WG_ROWS * 2 * PARTS,  # the ones
         per_stage=2 * block_q_dkv * (h * size + 2 * PARTS) + (block_q_dkv * 4 if segments else 0),
     )
-    # Shares add into f32 accumulators of their KV heads (TMA reduce-add); the
-    # interpreter has none: one f32 slice per share, summed below.
-    add_shares = shares > 1 and not interpret
+    # Shares add into f32 accumulators of their KV heads (TMA reduce-add), in the order
+    # the CTAs finish. The deterministic backward keeps one f32 slice per share, summed
+    # below in a fixed order, as the interpreter does (it has no reduce-add).
+    add_shares = shares > 1 and not interpret and not deterministic
     kv_type = struct((b, geom.kv_pad, kh * (1 if add_shares else shares), h), dkv_dtype)
     dkv_body = functools.partial(
         _dkv_kernel,
@@ -998,6 +999,7 @@ def mosaic_bwd(
         fused=fused,
         split=split,
         shares=shares,
+        add_shares=add_shares,
         **dict(common, geom=dataclasses.replace(geom, group=geom.group // shares)),
     )
     # Query head j's KV head is j // group either way: KV head i's share r is grid head

@@ -7,6 +7,7 @@ block-shape rules, unsupported ops), by lowering against an abstract H100.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -808,50 +809,65 @@ def test_ring_attention_streams_from_one_warp(monkeypatch, mapped, devices):
     assert len(mapped) == len(bodies)
 
 
-@pytest.mark.parametrize("in_shard_map", [False, True], ids=["plain", "shard-map"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("shares", [1, 2])
-def test_dkv_shares_add_into_their_kv_heads(monkeypatch, shares, head_dim, in_shard_map):
-    """Compiled, each CTA of a split dK/dV launch adds its dK and dV into its KV head's
-    f32 accumulators with TMA reduce-adds (no f32 slice per share, no sum after); one
-    CTA per KV head stores its own. The deterministic backward adds no dQ, so the
-    reduce-adds are the shares'. It lowers inside a `shard_map` too (the accumulators
-    unvarying, as dQ's)."""
+def _lowered_split(monkeypatch, head_dim=128, shares=0, in_shard_map=False, sms=132, **options):
+    """The CUDA lowering's text of a causal Mosaic backward of 512 tokens, 8 query heads
+    over 2 KV heads (8 dK/dV CTAs before any split), with `head_shares_dkv=shares` (0:
+    jflash's choice) on a GPU of `sms` SMs, in a 2-device `shard_map` if asked."""
+    from jflash import _mosaic_bwd
+
     monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
     monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    q = jax.ShapeDtypeStruct((1, 512, 4, head_dim), jnp.bfloat16)
+    monkeypatch.setattr(_mosaic_bwd, "sm_count", lambda: sms)
+    q = jax.ShapeDtypeStruct((1, 512, 8, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, head_dim), jnp.bfloat16)
     tiles = jflash.default_block_sizes(
-        256, head_dim, jnp.bfloat16, implementation="pallas_mosaic", deterministic=True
+        256, head_dim, jnp.bfloat16, implementation="pallas_mosaic", **options
     )
-    tiles = dataclasses.replace(tiles, head_shares_dkv=shares)
-
-    grads = _causal_mosaic_grads(deterministic=True, block_sizes=tiles)
+    grads = _causal_mosaic_grads(
+        block_sizes=dataclasses.replace(tiles, head_shares_dkv=shares), **options
+    )
     mesh = jax.sharding.AbstractMesh(
         (2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=_H100
     )
     spec = jax.sharding.PartitionSpec(None, "x")
     fn = jax.shard_map(grads, mesh=mesh, in_specs=spec, out_specs=spec) if in_shard_map else grads
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jflash_mosaic_dkv" in text and "jflash_mosaic_dq" in text
-    assert ("cp.reduce.async.bulk.tensor" in text) == (shares > 1)
+        return jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _f32_heads(text: str, heads: int, head_dim: int) -> bool:
+    """Whether the lowering holds an f32 `[1, T, heads, head_dim]` tensor (T: 512, or
+    256 on each of 2 devices). With 8 query heads over 2 KV heads, 2 heads are the f32
+    dK/dV accumulators of a split launch, 4 the slices of 2 shares (the output, dO and
+    the fused dQ have 8)."""
+    return re.search(rf"tensor<1x(512|256)x{heads}x{head_dim}xf32>", text) is not None
+
+
+@pytest.mark.parametrize("in_shard_map", [False, True], ids=["plain", "shard-map"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dkv_shares_add_into_their_kv_heads(monkeypatch, head_dim, in_shard_map):
+    """Compiled, each CTA of a split dK/dV launch adds its dK and dV into its KV head's
+    f32 accumulators (TMA reduce-adds, as the fused dQ): no f32 slice per share, no sum
+    after; one CTA per KV head stores its own, in bf16. It lowers inside a `shard_map`
+    too (the accumulators unvarying, as dQ's)."""
+    two = _lowered_split(monkeypatch, head_dim, 2, in_shard_map)
+    assert _f32_heads(two, 2, head_dim) and not _f32_heads(two, 4, head_dim)
+    one = _lowered_split(monkeypatch, head_dim, 1, in_shard_map)
+    assert not _f32_heads(one, 2, head_dim) and not _f32_heads(one, 4, head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_deterministic_dkv_shares_sum_in_a_fixed_order(monkeypatch, head_dim):
+    """The deterministic backward's split launch writes one f32 slice per share, which
+    XLA sums in a fixed order: no reduce-add, whose order would follow the CTAs' (the
+    deterministic dQ has none either)."""
+    text = _lowered_split(monkeypatch, head_dim, 2, deterministic=True)
+    assert "cp.reduce.async.bulk.tensor" not in text
+    assert _f32_heads(text, 4, head_dim)
 
 
 @pytest.mark.parametrize("sms, split", [(132, True), (6, True), (4, False)])
 def test_head_split_takes_the_devices_sm_count(monkeypatch, sms, split):
     """The dK/dV launch's rule counts waves in the GPU's SMs (`sm_count`): 8 CTAs (4 key
     tiles x 2 KV heads) split on 132 SMs and on 6 (1.33 waves), not on 4 (2 waves)."""
-    from jflash import _mosaic_bwd
-
-    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
-    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    monkeypatch.setattr(_mosaic_bwd, "sm_count", lambda: sms)
-    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
-
-    grads = _causal_mosaic_grads(deterministic=True)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(grads).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("cp.reduce.async.bulk.tensor" in text) == split
+    assert _f32_heads(_lowered_split(monkeypatch, sms=sms), 2, 128) == split
