@@ -175,17 +175,17 @@ MEMORY_WARP_HEAD_DIMS = (64,)
 # launches are the same either way.
 BWD_ROWS_OUTER = ("dkv", "dq")
 
-# A causal dK/dV launch of one wave or less (a CTA per SM of the GPU, `sm_count`; one CTA
-# per 128 keys of a KV head: short rows, few KV heads, batch 1) shares each KV head's group of query
-# heads among `head_split` CTAs: each share reads its KV head's K and V in place (1.02-
-# 1.13x forward+backward over a repeated copy of them, 1k-8k rows) and adds its dK and dV
-# into the KV head's f32 accumulators with TMA reduce-adds, cast after the kernel (1.03-
-# 1.04x at 1k-2k, D = 128, over an f32 slice per share summed by XLA; FlashAttention-3
-# runs a CTA per query head and adds its GQA dK/dV the same way). With a CTA per KV head
-# such a launch runs as long as its heaviest tile (the first keys see every query) while
-# the other SMs idle.
-# On an H200, forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs)
-# 0.181 -> 0.117 ms, 8k x 2 KV heads (128 CTAs) 1.23 -> 0.90 ms. Shares: the least that
+# A causal dK/dV launch of one wave or less (a CTA per SM of the GPU, `sm_count`; one
+# CTA per 128 keys of a KV head: short rows, few KV heads, batch 1) shares each KV head's
+# group of query heads among `head_split` CTAs: each share reads its KV head's K and V in
+# place (1.02-1.13x forward+backward over a repeated copy of them, 1k-8k rows) and adds
+# its dK and dV into the KV head's f32 accumulators with TMA reduce-adds, cast after the
+# kernel (1.03-1.04x at 1k-2k, D = 128, over an f32 slice per share summed by XLA, which
+# the deterministic backward keeps; FlashAttention-3 runs a CTA per query head and adds
+# its GQA dK/dV the same way). With a CTA per KV head such a launch runs as long as its
+# heaviest tile (the first keys see every query) while the other SMs idle. On an H200,
+# forward+backward, GQA 4:1, four shares: 1k tokens x 8 KV heads (64 CTAs) 0.181 ->
+# 0.117 ms, 8k x 2 KV heads (128 CTAs) 1.23 -> 0.90 ms. Shares: the least that
 # reaches HEAD_SPLIT_MIN_CTAS, none past HEAD_SPLIT_MAX_CTAS, which bounds the reduce-adds
 # into each accumulator's rows and the interpreter's f32 slices (one per share: 2048 x 128
 # keys x D x 4 bytes each of dK and dV, 128 MiB at D = 128).
