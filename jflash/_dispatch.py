@@ -28,6 +28,7 @@ from jflash._mosaic_bwd import (
     adds_dq_into,
     fused_block_q,
     fuses_dq,
+    head_split_rule,
     mosaic_bwd,
 )
 from jflash._mosaic_fwd import forms, mosaic_fwd
@@ -36,6 +37,7 @@ from jflash._triton_bwd import flash_bwd
 from jflash._triton_fwd import flash_fwd
 from jflash._validation import as_bool
 from jflash._vma import vary, varying_axes
+from jflash._work_items import sm_count
 
 IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
 _JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
@@ -255,7 +257,7 @@ def describe() -> str:
                 f"implementation=None, {head_dim=}, {jnp.dtype(dtype).name}: {default!r} ({why})"
             )
         if _is_hopper():
-            lines.append(forms())
+            lines.extend([forms(), head_split_rule(sm_count())])
     else:
         lines.append(
             f"implementation=None -> 'xla' ({_off_gpu(platform)}; deterministic: only the "

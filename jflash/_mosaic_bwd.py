@@ -217,6 +217,19 @@ def head_split(ctas: int, group: int, causal: bool, sms: int = HOPPER_SMS) -> in
     return next((d for d in shares if ctas * d >= HEAD_SPLIT_MIN_CTAS), shares[-1])
 
 
+def head_split_rule(sms: int) -> str:
+    """`head_split` on a GPU of `sms` SMs, in one line (for `jflash.describe`)."""
+    two = int(HEAD_SPLIT_TWO_SHARES_WAVES * sms)
+    return (
+        f"the Mosaic backward: a causal dK/dV launch (a CTA per 128 keys and KV head) of at "
+        f"most {sms} CTAs (one wave on {sms} SMs) shares each KV head's query heads among "
+        f"the least number of CTAs that reaches {HEAD_SPLIT_MIN_CTAS} (none past "
+        f"{HEAD_SPLIT_MAX_CTAS}), one of {sms + 1}-{two} CTAs among two; the shares add "
+        "their f32 dK/dV (deterministic: slices summed in a fixed order); other launches "
+        "run a CTA per KV head (BlockSizes.head_shares_dkv sets it)"
+    )
+
+
 # Which tiles, fixed for a warpgroup's whole loop, are wgmma A operands from registers
 # instead of shared memory, per kernel and head dim: the dK/dV kernel's K and V, the
 # dQ kernel's Q and dO. Each costs D/4 registers per thread.

@@ -900,6 +900,21 @@ def test_describe_says_which_mosaic_forward_runs(monkeypatch):
     assert "the Mosaic forward" not in jflash.describe()
 
 
+def test_describe_says_how_the_backward_splits_on_this_gpu(monkeypatch):
+    """On Hopper the dK/dV head split's limits are named in this GPU's SMs."""
+    from jflash import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dispatch, "_is_hopper", lambda: True)
+    for sms, two in ((132, 198), (78, 117)):
+        monkeypatch.setattr(_dispatch, "sm_count", lambda sms=sms: sms)
+        text = jflash.describe()
+        assert f"of at most {sms} CTAs (one wave on {sms} SMs)" in text
+        assert f"one of {sms + 1}-{two} CTAs among two" in text
+    monkeypatch.setattr(_dispatch, "_is_hopper", lambda: False)
+    assert "dK/dV launch" not in jflash.describe()
+
+
 def test_describe_names_the_last_traced_call():
     """The line is written when a call is traced: a cached jitted call leaves it."""
 
