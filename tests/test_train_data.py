@@ -590,6 +590,17 @@ def test_missing_and_unreadable_files_name_the_file(tmp_path):
         load_dataset(tmp_path / "b.jsonl")
 
 
+def test_a_byte_order_mark_opening_a_jsonl_file_is_not_json(tmp_path):
+    """Windows editors save UTF-8 with a byte order mark; a later line's is refused."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"input_ids": [1, 2]}\n{"input_ids": [3]}\n')
+    bom = load_dataset(path)
+    assert bom.tokens.tolist() == [1, 2, 3] and bom.offsets.tolist() == [0, 2, 3]
+    path.write_bytes(b'{"input_ids": [1, 2]}\n\xef\xbb\xbf{"input_ids": [3]}\n')
+    with pytest.raises(ValueError, match=r"bom\.jsonl: line 2: invalid JSON"):
+        load_dataset(path)
+
+
 # --- rows ------------------------------------------------------------------------------
 
 

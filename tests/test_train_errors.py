@@ -600,6 +600,46 @@ def test_resume_with_another_learning_rate_schedule_is_refused(tmp_path, capsys)
     assert main([*argv, *same]) == 0
 
 
+def test_resume_with_other_update_settings_is_refused(tmp_path, capsys):
+    """A checkpoint records the flags its optimizer's update reads and the compute
+    dtype: a resume that changes them mid-run is refused in one line naming each, before
+    the new output directory is made (its train_config.yaml would name settings its
+    first steps did not use)."""
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "4", "--save_steps", "2"]
+    argv += ["--report_to", "none", "--export_hf", "false"]
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "2")]
+    other = [*resume, "--output_dir", str(tmp_path / "b"), "--weight_decay", "0.1"]
+    err = _one_line_error([*argv, *other, "--bf16", "false", "--max_grad_norm", "0.5"], capsys)
+    assert "was trained with other update settings (" in err
+    named = ["--weight_decay 0.0 -> 0.1", "--max_grad_norm 1.0 -> 0.5"]
+    named.append("compute dtype (--bf16 / --fp16) bfloat16 -> float32")
+    assert all(x in err for x in named), err
+    assert "--config <output_dir>/train_config.yaml" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_update_settings_are_those_the_optimizer_reads():
+    """Adafactor has no betas or epsilon: changing them does not refuse its resume."""
+    from train.config import OptimArgs
+    from train.optim import update_settings
+
+    adamw = update_settings(OptimArgs(adam_beta2=0.95))
+    assert adamw == {
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_epsilon": 1e-8,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+    }
+    assert "adam_epsilon" not in update_settings(OptimArgs(optim="lion"))
+    assert update_settings(OptimArgs(optim="adafactor", adam_beta2=0.5)) == {
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+    }
+
+
 def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys):
     """A checkpoint whose arrays cannot be read (an interrupted copy, a pruned
     directory) fails its resume in one line, without the traceback asyncio logs per
@@ -660,6 +700,12 @@ def test_the_plan_and_done_lines_count_one_in_the_singular(tmp_path):
     one = {"total_steps": 1, "losses": [4.0]}
     assert _done_line(cfg, one) == "done: 1 step, final loss 4.0000"
     assert _done_line(cfg, {**one, "total_steps": 2}) == "done: 2 steps, final loss 4.0000"
+    bench = parse_args(
+        [*BASE, "--output_dir", str(tmp_path), "--export_hf", "false", "--save_strategy", "no"]
+    )
+    assert _done_line(bench, one) == (
+        "done: 1 step, final loss 4.0000; no weights kept (--save_strategy no, --export_hf false)"
+    )
 
 
 def test_a_misspelt_flag_is_answered_with_the_closest_one(capsys):

@@ -143,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _done_line(cfg, summary: dict) -> str:
     """`done: 300 steps, final loss 4.1234; checkpoint 300 in <out>/checkpoints, the HF
-    model in <out>/hf`: what the run leaves, and where."""
+    model in <out>/hf`: what the run leaves, and where; a run told to keep no weights
+    says so (`--save_strategy no --export_hf false`, as a benchmark config runs)."""
     out = cfg.run.output_dir
     steps = outputs.saved_steps(out)
     kept = [f"checkpoint {steps[-1]} in {os.path.join(out, 'checkpoints')}"] if steps else []
     if cfg.run.export_hf:
         kept.append(f"the HF model in {os.path.join(out, 'hf')}")
     where = "; " + ", ".join(kept) if kept else ""
+    if not kept and cfg.run.save_strategy == "no":
+        where = "; no weights kept (--save_strategy no, --export_hf false)"
     trained = plural(summary["total_steps"], "step")
     return f"done: {trained}, final loss {summary['losses'][-1]:.4f}{where}"
 

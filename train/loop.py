@@ -33,7 +33,7 @@ from train.config import TrainConfig
 from train.errors import Preempted, TrainingError
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
-from train.optim import warmup_steps
+from train.optim import update_settings, warmup_steps
 from train.words import plural
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
@@ -393,8 +393,8 @@ def _model_record(config) -> dict:
 
 
 def _run_meta(t: Trainer) -> dict:
-    """What fixes the model, the data order and the schedule: a resumed run must match
-    it."""
+    """What fixes the model, the data order, the schedule and each step's update (the
+    optimizer's flags, the compute dtype): a resumed run must match it."""
     return {
         "model": _model_record(t.config),
         "model_max_length": t.cfg.data.model_max_length,
@@ -406,6 +406,7 @@ def _run_meta(t: Trainer) -> dict:
         "seed": t.cfg.run.seed,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
+        "update": {**update_settings(t.cfg.optim), "compute_dtype": t.config.dtype},
         "schedule": _schedule_record(t),
     }
 
@@ -819,7 +820,7 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "resume with the model config that wrote it (the run's model_config.json)"
         )
     # Checked on their own, with their own advice.
-    own_checks = ("total_steps", "optim", "data", "labels", "schedule", "model")
+    own_checks = ("total_steps", "optim", "data", "labels", "schedule", "model", "update")
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
@@ -859,8 +860,21 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"number of steps ({old}), or train further as a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
         )
-    # A finished run trains nothing more: no schedule to jump.
+    # A finished run trains nothing more: no schedule to jump, no update to change.
     left = meta["step"] < run_meta["total_steps"]
+    old, new = saved.get("update"), run_meta.get("update")
+    if left and old is not None and new is not None and old != new:
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        flag = {"compute_dtype": "compute dtype (--bf16 / --fp16)"}
+        text = ", ".join(f"{flag.get(k, '--' + k)} {old.get(k)} -> {new.get(k)}" for k in keys)
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was trained with other update settings "
+            f"({text}): resuming would change how its remaining steps update the weights, "
+            "and its train_config.yaml would name settings its first steps did not use. "
+            "Resume with its flags (--config <output_dir>/train_config.yaml), or train on "
+            "as a new run from the export (--model_name_or_path <output_dir>/hf, a new "
+            "--output_dir)"
+        )
     if left and "schedule" in saved:
         other = _schedule_error(saved["schedule"], run_meta["schedule"])
     else:

@@ -84,6 +84,18 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def update_settings(args: OptimArgs) -> dict:
+    """The flags `optimizer` reads besides the schedule's, for `args.optim`: the
+    settings a resumed run must keep (`train.loop`), since every step's update uses
+    them."""
+    names = {
+        "adamw": ("adam_beta1", "adam_beta2", "adam_epsilon", "weight_decay"),
+        "lion": ("adam_beta1", "adam_beta2", "weight_decay"),
+        "adafactor": ("weight_decay",),
+    }[args.optim]
+    return {k: getattr(args, k) for k in (*names, "max_grad_norm")}
+
+
 def optimizer(args: OptimArgs, total_steps: int) -> optax.GradientTransformation:
     """Global-norm clipping, then `--optim` under the schedule. Weight decay skips norm
     scales; it is decoupled and scaled by the LR in all three (AdamW's `lr * wd * p`)."""

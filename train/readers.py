@@ -203,12 +203,13 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
     A generator, read line by line: the caller turns each record into int32 arrays
     before the next is parsed, so the file's JSON (Python ints, ~9x the bytes of the
-    arrays) is never all in memory at once.
+    arrays) is never all in memory at once. A UTF-8 byte order mark opening the file
+    (as Windows editors save it) is dropped.
     """
     with open(path, "rb") as f:
         for i, raw in enumerate(f, start=1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}: line {i}: not UTF-8 text ({e})") from None
             if not line.strip():
