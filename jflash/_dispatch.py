@@ -295,6 +295,7 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
     Attention of `q` against one K/V block under `mask`; rows that see nothing get
     o = 0, lse = -inf, so partial results merge with `logaddexp`.
     """
+    mask = mask.for_kernels(q.shape[1], k.shape[1])
     if kernel.name == "xla":
         return xla_fwd(q, k, v, mask=mask, segs=segs, scale=scale, out_dtype=out_dtype)
     segs = kernel_segs(segs)
@@ -370,6 +371,7 @@ def attention_bwd(
     from `dq_accumulator` (f32 gradients); dQ / scale is added into it and dQ returned
     as None.
     """
+    mask = mask.for_kernels(q.shape[1], k.shape[1])
     if kernel.name == "xla":
         return xla_bwd(
             q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype

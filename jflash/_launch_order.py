@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 
+from jflash._validation import is_int
+
 # Tiles outermost when a causal launch has at most this many tiles per head and CTAs.
 TILES_FIRST_MAX_TILES = 64
 TILES_FIRST_MAX_CTAS = 2048
@@ -59,10 +61,10 @@ def tiles_first_limits(max_tiles: int, max_ctas: int):
     function is traced: one compiled before keeps its order."""
     global TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS
     for name, value in (("max_tiles", max_tiles), ("max_ctas", max_ctas)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name}={value!r} must be a Python int (-1: never tiles first)")
+        if not is_int(value):
+            raise ValueError(f"{name}={value!r} must be an int (-1: never tiles first)")
     saved = TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS
-    TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS = max_tiles, max_ctas
+    TILES_FIRST_MAX_TILES, TILES_FIRST_MAX_CTAS = int(max_tiles), int(max_ctas)
     try:
         yield
     finally:

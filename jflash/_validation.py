@@ -139,7 +139,9 @@ def check_segment_ids(segment_ids, shapes: Shapes):
     if isinstance(segment_ids, (tuple, list)):
         if len(segment_ids) != 2:
             raise ValueError(
-                f"segment_ids must be an array or a (q, kv) pair; got {len(segment_ids)=}"
+                "segment_ids must be an array [batch, T] or a (q_ids, kv_ids) pair; got a "
+                f"{type(segment_ids).__name__} of {len(segment_ids)} (a list or tuple is "
+                "read as the pair: pass the ids of one array as an array)"
             )
         q_seg, kv_seg = segment_ids
     else:

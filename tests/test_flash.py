@@ -1005,6 +1005,12 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
         ({"return_lse": "no"}, (_q, _kv, _kv), ValueError, "return_lse='no' must be True"),
         ({}, ([[1.0]], _kv, _kv), TypeError, "q must be a jax or numpy array; got list"),
         ({"segment_ids": ([[0] * 32], [[0] * 32])}, (_q, _kv, _kv), TypeError, "q segment ids"),
+        (
+            {"segment_ids": [[0] * 32]},
+            (_q, _kv, _kv),
+            ValueError,
+            r"got a list of 1 \(a list or tuple is read as the pair",
+        ),
     ],
 )
 def test_bad_input_raises(kwargs, args, error, match):
@@ -1090,6 +1096,63 @@ def test_numpy_int_offsets_are_accepted():
         np.testing.assert_allclose(out, want, atol=1e-6)
 
 
+# Offsets near the int32 limit, where `q_offset - k_offset` is near 2**31 too: every
+# key seen, none seen, and two diagonals through the block. 100 rows and keys: the last
+# tiles hold padding past the lengths.
+EDGE = 2**31 - 100
+EDGE_OFFSETS = [(EDGE, 0), (0, EDGE), (EDGE, EDGE - 40), (EDGE - 80, EDGE)]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_triton", "pallas_mosaic"])
+def test_offsets_near_the_int32_limit(implementation):
+    """The kernels add local positions to the diagonal in int32: a diagonal near 2**31
+    once wrapped there, so that Triton's later query tiles saw no key (a silent wrong
+    answer) or its loop bound overflowed while tracing; the kernels now take the
+    diagonal clamped to the block (`Mask.for_kernels`), which changes no row's keys."""
+    if implementation == "pallas_mosaic" and ON_GPU and not ON_HOPPER:
+        pytest.skip("compiled Mosaic GPU kernels need an sm90 GPU")
+    dtype = jnp.bfloat16 if implementation == "pallas_mosaic" else jnp.float32
+    q, k, v, do, dlse = make_inputs(
+        5, batch=1, q_len=100, kv_len=100, q_heads=2, kv_heads=1, head_dim=64, dtype=dtype
+    )
+    interpret = None if implementation == "xla" else INTERPRET
+    for q_offset, k_offset in EDGE_OFFSETS:
+        common = dict(causal=True, q_offset=q_offset, k_offset=k_offset)
+        got = value_and_grads(
+            jflash.flash_attention,
+            q,
+            k,
+            v,
+            do,
+            dlse,
+            return_lse=True,
+            implementation=implementation,
+            interpret=interpret,
+            **common,
+        )
+        want = oracle(q, k, v, do, dlse, **common)
+        assert_close(got, want, dtype)
+        np.testing.assert_array_equal(np.isneginf(got[1]), np.isneginf(want[1]))
+        if (q_offset, k_offset) == (EDGE, 0):  # every key seen: as without the mask
+            assert_close(got, oracle(q, k, v, do, dlse, causal=False), dtype)
+        if (q_offset, k_offset) == (0, EDGE):  # none seen: o = 0 (and dQ, dK, dV)
+            assert all(not np.asarray(x).any() for x in (got[0], *got[2:]))
+
+
+def test_the_kernels_mask_keeps_every_rows_keys():
+    """`Mask.for_kernels` clamps the diagonal only where no row's keys change, the
+    padded rows and keys of the last tiles included (here 256 past 100)."""
+    from jflash._mask import KERNEL_MARGIN, Mask
+
+    rows, cols = np.arange(356)[:, None], np.arange(356)[None, :]
+    for q_offset, k_offset in [*EDGE_OFFSETS, (5, 0), (0, 7), (300, 0), (0, 300)]:
+        clamped = Mask(True, q_offset, k_offset).for_kernels(100, 100)
+        assert max(clamped.q_offset, clamped.k_offset) <= 100 + KERNEL_MARGIN
+        want = rows + np.int64(q_offset) >= cols + np.int64(k_offset)
+        np.testing.assert_array_equal(np.asarray(clamped.dense(356, 356))[0], want)
+    assert Mask(False).for_kernels(100, 100) == Mask(False)
+
+
 def test_offsets_without_the_causal_mask_are_refused():
     """Offsets only shift the causal mask: with `causal=False` one other than 0 would
     change nothing, and is refused by name in `flash_attention` and the oracle alike; 0
@@ -1156,7 +1219,9 @@ def test_tiles_first_limits_set_the_launch_order_inside_the_block_only():
         assert not tiles_first(**short)
     assert tiles_first(**short) and not tiles_first(tiles=4096, heads=32, batch=4, causal=True)
     for limits in (("64", 2048), (64, 2048.0), (True, 2048)):
-        with pytest.raises(ValueError, match="must be a Python int"):
+        with pytest.raises(ValueError, match=r"must be an int \(-1: never tiles first\)"):
             with jflash.tiles_first_limits(*limits):
                 pass
+    with jflash.tiles_first_limits(np.int64(-1), np.int32(-1)):  # numpy's ints are ints
+        assert not tiles_first(**short)
     assert tiles_first(**short)
