@@ -103,6 +103,34 @@ def test_trace_cli_refuses_an_hlo_file_without_instructions(tmp_path, capsys):
     assert len(err.splitlines()) == 1, err
 
 
+def test_trace_cli_refuses_the_hlo_of_another_program_or_compile(tmp_path, capsys):
+    """`--hlo` must be the compile whose run the trace holds: its name stacks decide
+    the phases. Another module's text is refused by name; an XLA dump's file (named
+    `module_NNNN.<name>.*` by the module's id, which the trace's events carry as their
+    program id) of another compile is refused by its id. The trace's own passes."""
+    line = "  %fusion.1 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop"
+    text = "HloModule MODULE, is_scheduled=true\n\nENTRY %main {\n" + line + "\n}\n"
+
+    def refused(name: str, module: str) -> str:
+        path = tmp_path / name
+        path.write_text(text.replace("MODULE", module))
+        with pytest.raises(SystemExit) as e:
+            trace.main([GPU_TRACE, "--hlo", str(path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1, err
+        return err
+
+    err = refused("eval.hlo.txt", "jit_eval_step")
+    assert "holds module jit_eval_step, not the trace's program jit_train_step" in err
+    err = refused("module_0028.jit_train_step.sm_9.0_gpu_after_optimizations.txt", "jit_train_step")
+    assert "is XLA's dump of program 28, but the trace's jit_train_step ran program 3331" in err
+    assert "pass module_3331.jit_train_step.*after_optimizations.txt" in err
+    own = tmp_path / "module_3331.jit_train_step.sm_9.0_gpu_after_optimizations.txt"
+    own.write_text(text.replace("MODULE", "jit_train_step"))
+    assert trace.main([GPU_TRACE, "--hlo", str(own)]).module == "jit_train_step"
+
+
 def test_trace_cli_refuses_a_step_name_the_trace_lacks(capsys):
     """`--step-name` naming no annotation in the trace: one line naming it and the trace,
     exit status 2, not the whole trace read as one step; the trainer's name is taken."""
@@ -774,6 +802,44 @@ def test_profile_rows_record_the_ring_strategy_they_ran(tmp_path, monkeypatch):
     assert "| tiny | 256 | seq=2 +ulysses |" in md and "| tiny | 256 | seq=2 |" in md
     one = report_lib.markdown(_report([rows[-1]]))
     assert "Attention split over `seq`: `--ring_strategy ring`, the K/V ring. " in one
+
+
+def test_an_appended_row_that_fails_keeps_the_rows_earlier_success(tmp_path, monkeypatch, capsys):
+    """`--append` re-running a row that succeeded before: where the new run fails (a
+    timeout, an error), report.json keeps the earlier row and its trace, and a line
+    says so; a row that had failed before is replaced by the new failure."""
+    import train.tools.profile as profile
+
+    fail = set()
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        if kind == "ceilings":
+            return {}
+        if payload["context"] in fail:
+            return {"status": "error", "error": f"failed at {len(fail)}"}
+        return {k: v for k, v in _report_row(payload["context"]).items() if k != "name"}
+
+    monkeypatch.setattr(profile, "_child", child)
+    out = tmp_path / "profile"
+    base = ["--models", "tiny", "--mesh", "seq=2", "--out", str(out), "--no-xla-cost"]
+    fail.add(512)
+    profile.main([*base, "--context", "256,512"])
+    trace = out / "tensorboard" / "tiny-256-seq2" / "kept.txt"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    trace.write_text("the earlier row's trace")
+    capsys.readouterr()
+    fail.add(256)
+    with pytest.raises(SystemExit, match="every row failed"):
+        profile.main([*base, "--context", "256,512", "--append"])
+    said = capsys.readouterr().out
+    assert "row tiny-256-seq2: error this time; report.json keeps its earlier row" in said
+    assert "row tiny-512-seq2" not in said
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    status = {r["name"]: (r["status"], r.get("error")) for r in rows}
+    assert status == {"tiny-256-seq2": ("ok", None), "tiny-512-seq2": ("error", "failed at 2")}
+    assert trace.read_text() == "the earlier row's trace"
 
 
 def test_profile_names_a_preset_in_one_spelling(tmp_path, monkeypatch, capsys):

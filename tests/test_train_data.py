@@ -795,6 +795,56 @@ def test_cli_sample_and_inspect(tmp_path):
     assert int(lines["max_id"]) < 1000
 
 
+def test_cli_sample_and_tokenizer_replace_nothing_unasked(tmp_path, capsys, monkeypatch):
+    """`sample` refuses an --out file that exists and `tokenizer` an --out holding a
+    tokenizer (a model directory's), unless --overwrite; a sample write that fails
+    leaves the file that was there (written beside it, then renamed)."""
+    from train import data as data_lib
+
+    def refused(*argv) -> str:
+        with pytest.raises(SystemExit) as info:
+            data_lib.main(list(argv))
+        assert info.value.code == 2
+        return capsys.readouterr().err
+
+    out = tmp_path / "d.jsonl"
+    out.write_text('{"input_ids": [1, 2]}\n')
+    sizes = ["--num-samples", "4", "--seq-len", "8", "--vocab-size", "100"]
+    err = refused("sample", "--out", str(out), *sizes)
+    assert (
+        err
+        == f"error: --out={str(out)!r} exists: pass --overwrite to replace it (nothing was written)\n"
+    )
+    assert out.read_text() == '{"input_ids": [1, 2]}\n'
+
+    def full_disk(path, examples):
+        Path(path).write_text("part")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(data_lib.WRITERS, ".jsonl", full_disk)
+    err = refused("sample", "--out", str(out), *sizes, "--overwrite")
+    assert "cannot be written (No space left on device)" in err
+    assert out.read_text() == '{"input_ids": [1, 2]}\n' and sorted(tmp_path.iterdir()) == [out]
+    monkeypatch.undo()
+    data_lib.main(["sample", "--out", str(out), *sizes, "--overwrite"])
+    assert load_dataset(out).num_examples == 4
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    (model / "chat_template.jinja").write_text("{{ messages }}")
+    err = refused("tokenizer", str(corpus), "--out", str(model), "--vocab-size", "300")
+    assert f"--out={str(model)!r} holds a tokenizer (tokenizer.json, chat_template.jinja)" in err
+    assert (model / "tokenizer.json").read_text() == "{}"
+    data_lib.main(
+        ["tokenizer", str(corpus), "--out", str(model), "--vocab-size", "300", "--overwrite"]
+    )
+    assert (model / "tokenizer.json").read_text() != "{}"
+    assert not (model / "chat_template.jinja").exists()  # the earlier tokenizer's
+
+
 def test_document_lengths_are_long_tailed():
     lengths = document_lengths(4000, 2400, seed=0)
     assert lengths.min() >= 1 and lengths.max() <= 16 * 2400

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -269,10 +270,20 @@ def save_dataset(path: str | Path, examples: np.ndarray | Sequence[np.ndarray]) 
     """Writes examples (``[N, L]`` or a list of 1-D int arrays) by extension.
 
     ``.pkl``: a list of ``{"input_ids": [...]}`` dicts; ``.jsonl``: one such object per
-    line; ``.npy``: an int32 ``[N, L]`` array (examples must have equal lengths).
+    line; ``.npy``: an int32 ``[N, L]`` array (examples must have equal lengths). A file
+    at ``path`` is replaced once the new one is whole.
     """
     path = Path(path)
-    writer_of(path)(path, examples)
+    writer = writer_of(path)
+    # Written whole beside it, then renamed: a write that fails (a full disk) leaves the
+    # file that was there as it was. The temporary name keeps the extension (np.save
+    # would add one).
+    part = path.with_name(f".{path.stem}.part{path.suffix}")
+    try:
+        writer(part, examples)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def writer_of(path: str | Path) -> Callable[[Path, Any], None]:
@@ -289,6 +300,13 @@ def writer_of(path: str | Path) -> Callable[[Path, Any], None]:
 
 
 END_OF_TEXT = "<|endoftext|>"
+# What `train_tokenizer` writes into its directory (the chat template where given).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    CHAT_TEMPLATE_FILE,
+)
 
 
 def train_tokenizer(
@@ -306,7 +324,8 @@ def train_tokenizer(
     ``special_tokens_map.json`` naming ``<|endoftext|>`` (id 0) as its BOS and EOS.
     ``special_tokens`` (e.g. a chat template's ``<|eot_id|>``) get ids 1, 2, ... and are
     never split; ``chat_template``, a Jinja file, is copied to
-    ``out/chat_template.jinja``, where transformers and :mod:`train.chat` find it.
+    ``out/chat_template.jinja``, where transformers and :mod:`train.chat` find it (and
+    without one, a ``chat_template.jinja`` already in ``out`` is removed).
     Deterministic for the same files in the same order."""
     extra = list(dict.fromkeys(t for t in special_tokens if t != END_OF_TEXT))
     if any(not t or t != t.strip() for t in extra):
@@ -367,6 +386,8 @@ def train_tokenizer(
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     if template is not None:
         (out / CHAT_TEMPLATE_FILE).write_text(template, encoding="utf-8")
+    else:  # an earlier tokenizer's template there would pair with this one
+        (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
     return out / "tokenizer.json"
 
 
@@ -446,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     sample = commands.add_parser("sample", help="write learnable Markov-chain sample data")
     sample.add_argument("--out", required=True, help="output file: .pkl, .jsonl or .npy")
+    sample.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     sample.add_argument(
         "--num-samples", type=int, default=512, help="examples (default: %(default)s)"
     )
@@ -532,6 +554,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
     tok.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a tokenizer already in --out (its files: " + ", ".join(TOKENIZER_FILES) + ")",
+    )
+    tok.add_argument(
         "--special-tokens",
         nargs="+",
         default=[],
@@ -565,6 +592,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _command(args: argparse.Namespace) -> None:
     if args.command == "sample":
         writer_of(args.out)  # before making the samples
+        if os.path.lexists(args.out) and not args.overwrite:
+            raise ValueError(
+                f"--out={args.out!r} exists: pass --overwrite to replace it (nothing was written)"
+            )
         for flag, value in (("--num-samples", args.num_samples), ("--seq-len", args.seq_len)):
             if value < 1:
                 raise ValueError(f"{flag}={value} must be positive")
@@ -652,6 +683,12 @@ def _command(args: argparse.Namespace) -> None:
         if not built and (note := data_cache.cache_split_note(cache)):  # as building said
             print(f"{args.cache_dir}: {note}")
     else:
+        held = [f for f in TOKENIZER_FILES if os.path.lexists(os.path.join(args.out, f))]
+        if held and not args.overwrite:
+            raise ValueError(
+                f"--out={args.out!r} holds a tokenizer ({', '.join(held)}): pass --overwrite "
+                "to replace it, or another --out (nothing was written)"
+            )
         file = train_tokenizer(
             args.files,
             args.out,

@@ -63,6 +63,8 @@ class HloOps:
     opcodes: dict[str, str]
     permute_bytes: dict[str, int]
     permute_bytes_by_stack: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    modules: tuple[str, ...] = ()  # the `HloModule` names the text holds
+    program_id: int | None = None  # the module's id, where known (an XLA dump's file name)
 
     def name_stack(self, hlo_op: str) -> str:
         return self.name_stacks.get(hlo_op, "")
@@ -83,8 +85,11 @@ class HloOps:
 
 def parse_hlo(text: str) -> HloOps:
     """Reads `compiled.as_text()` (one module or several concatenated)."""
-    stacks, opcodes, permutes, by_stack = {}, {}, {}, {}
+    stacks, opcodes, permutes, by_stack, modules = {}, {}, {}, {}, []
     for line in text.splitlines():
+        if line.startswith("HloModule "):
+            modules.append(line.split()[1].rstrip(","))
+            continue
         m = _INSTRUCTION.match(line)
         if not m:
             continue
@@ -99,5 +104,9 @@ def parse_hlo(text: str) -> HloOps:
             if meta and not op.endswith("-done"):
                 by_stack.setdefault(meta.group("stack"), []).append(permutes[name])
     return HloOps(
-        name_stacks=stacks, opcodes=opcodes, permute_bytes=permutes, permute_bytes_by_stack=by_stack
+        name_stacks=stacks,
+        opcodes=opcodes,
+        permute_bytes=permutes,
+        permute_bytes_by_stack=by_stack,
+        modules=tuple(dict.fromkeys(modules)),
     )

@@ -1382,9 +1382,13 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
     path = os.path.join(args.out, "report.json")
 
+    good = {r["name"] for r in old["rows"] if r.get("status") == "ok"}
+
     def report_of(rows: list[dict]) -> dict:
         """report.json with the rows so far (and, with --append, the old ones). How the
-        rows ran (ROW_FACTS) is in each row: appended runs may differ."""
+        rows ran (ROW_FACTS) is in each row: appended runs may differ. A new row that
+        failed does not replace an old row of its name that succeeded."""
+        rows = [r for r in rows if r.get("status") == "ok" or r["name"] not in good]
         fresh = {r["name"] for r in rows}
         kept = [r for r in old["rows"] if r["name"] not in fresh]
         return {
@@ -1399,6 +1403,12 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     rows: list[dict] = []
     for job in jobs:
         rows.append(_run_row(job, args.timeout, run_facts))
+        if rows[-1].get("status") != "ok" and job.name in good:
+            print(
+                f"row {job.name}: {rows[-1].get('status')} this time; report.json keeps its "
+                "earlier row, which succeeded",
+                flush=True,
+            )
         # a run stopped from outside keeps the rows it finished
         write_json(path, report_of(rows), "--out")
     # The final report.json, report.md and plots: one set.

@@ -85,6 +85,7 @@ class Kernel:
     module: str
     stream: str
     launch: float | None  # host time of the launch (step assignment); None if unknown
+    program: int | None = None  # the compiled module's id (XLA's unique id); None if unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +232,7 @@ def _gpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
                         module=str(st.get("hlo_module", "")),
                         stream=line.name,
                         launch=launches.get((ordinal, _int(st.get("correlation_id")))),
+                        program=_int(st["program_id"]) if "program_id" in st else None,
                     )
                 )
         if kernels:
@@ -452,6 +454,7 @@ def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
                     module=str(st.get("hlo_module", "")),
                     stream=line.name,
                     launch=_int(st.get("run_id")),  # resolved to a time below
+                    program=_int(st["program_id"]) if "program_id" in st else None,
                 )
             )
     # A run's launch: when it began, its first thunk or the host's wait for it, whichever
@@ -653,6 +656,26 @@ def mean(items: list[Breakdown]) -> Breakdown:
 # Entry point
 
 
+def _check_hlo(hlo: HloOps, module: str, programs: set) -> None:
+    """Raises where `hlo` is not the compile of the trace's program `module`: another
+    module's name, or, for a file XLA dumped (`module_NNNN.<name>.*`: NNNN is the
+    program's id, which the trace's events carry), another compile's id. Its name
+    stacks would put the ops of one compile into the phases of another."""
+    if hlo.modules and module not in hlo.modules:
+        raise ValueError(
+            f"the HLO (--hlo) holds module {', '.join(hlo.modules)}, not the trace's "
+            f"program {module}: pass that program's compiled text"
+        )
+    programs.discard(None)
+    if hlo.program_id is not None and programs and hlo.program_id not in programs:
+        ran = ", ".join(str(p) for p in sorted(programs))
+        raise ValueError(
+            f"the HLO (--hlo) is XLA's dump of program {hlo.program_id}, but the trace's "
+            f"{module} ran program {ran} (another compile): pass module_"
+            f"{min(programs):04d}.{module}.*after_optimizations.txt"
+        )
+
+
 def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str = "train"):
     """Attributes every device's time in a trace (see the module docstring).
 
@@ -688,6 +711,10 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
             for k in ks:
                 totals[k.module] += k.end - k.start
     module = totals.most_common(1)[0][0]
+    if hlo is not None:
+        _check_hlo(
+            hlo, module, {k.program for ks in devices.values() for k in ks if k.module == module}
+        )
     starts = [t for t, _ in marks]
     use_steps = (
         bool(marks) and totals and any(k.launch is not None for ks in devices.values() for k in ks)
@@ -819,6 +846,9 @@ def main(argv: list[str] | None = None) -> TraceReport:
         try:
             with open(args.hlo) as f:
                 hlo = parse_hlo(f.read())
+            # XLA_FLAGS=--xla_dump_to names each file by the module's id, its program's.
+            if m := re.match(r"module_(\d+)\.", os.path.basename(args.hlo)):
+                hlo = dataclasses.replace(hlo, program_id=int(m.group(1)))
         except (OSError, UnicodeDecodeError) as e:
             p.error(f"--hlo={args.hlo!r} cannot be read ({getattr(e, 'strerror', None) or e})")
         if not hlo.opcodes:
