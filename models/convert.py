@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -651,8 +652,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{flag} applies to {' and '.join(used_by)} only, not {command}")
     if args.vocab_size is not None and args.vocab_size < 1:
         parser.error(f"--vocab-size={args.vocab_size} must be at least 1")
-    if args.max_shard_gb is not None and not args.max_shard_gb > 0:
-        parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
+    if error := shard_gb_error(args.max_shard_gb):
+        parser.error(error)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out={args.out!r} is a file, not a directory")
     held = [] if args.overwrite else _replaced(args)
@@ -731,6 +732,16 @@ def _is_weights(name: str) -> bool:
     """An HF weight file's name (safetensors or PyTorch, single or sharded, its index)."""
     return name.startswith(("model.safetensors", "model-", "pytorch_model")) and name.endswith(
         (".safetensors", ".bin", ".index.json")
+    )
+
+
+def shard_gb_error(max_shard_gb: float | None) -> str | None:
+    """Why ``--max-shard-gb`` cannot be taken (not a finite number above 0), or None."""
+    if max_shard_gb is None or (math.isfinite(max_shard_gb) and max_shard_gb > 0):
+        return None
+    return (
+        f"--max-shard-gb={max_shard_gb} must be a finite number > 0 (leave it out for one "
+        "weights file)"
     )
 
 

@@ -850,7 +850,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["--to-hf", str(tmp_path / "rope"), "--out", o], "rope=5 must be an object"),
         (["--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
         (["--init", "tiny", "--out", str(tmp_path / "afile")], "is a file, not a directory"),
-        (["--to-hf", "x", "--out", str(tmp_path / "o"), "--max-shard-gb", "0"], "must be > 0"),
+        (["--to-hf", "x", "--out", o, "--max-shard-gb", "0"], "must be a finite number > 0"),
+        (["--init", "tiny", "--out", o, "--max-shard-gb", "inf"], r"--max-shard-gb=inf must be"),
+        (["--init", "tiny", "--out", o, "--max-shard-gb", "nan"], r"--max-shard-gb=nan must be"),
         (
             ["--init", "tiny", "--tokenizer", str(tok), "--vocab-size", "100", "--out", "o"],
             "--vocab-size=100 is smaller than .*300 ids",

@@ -651,6 +651,11 @@ def test_profile_job_names_and_passes_its_settings():
     small = Job(model="tiny", context=512, mesh="seq=1", out="x", layers=1, batch=2)
     assert small.name == "tiny-512-seq1-layers1-batch2"
     assert parse_args(_trainer_args(small)).run.per_device_train_batch_size == 2
+    # Sample data of at least one step's rows: 16 x fsdp over every device (8 rows
+    # before, so --batch 16 failed every row).
+    wide = dataclasses.replace(small, batch=16, mesh="fsdp=-1")
+    assert parse_args(_trainer_args(wide)).data.sample_num_examples == 16 * jax.device_count()
+    assert parse_args(_trainer_args(small)).data.sample_num_examples == 8
     row = {"mesh": "seq=1", **small.settings(), **small.facts()}
     assert report_lib._mesh(row) == "seq=1 +layers=1 +batch=2"
     assert small.facts()["steps"] == {"timed": 3, "warmup": 2, "traced": 2}
@@ -889,10 +894,15 @@ def test_profile_names_a_preset_in_one_spelling(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         profile.main(["--models", "llama9", *base[:-1], str(tmp_path / "new")])
     assert capsys.readouterr().err == (
-        "error: --models: 'llama9' is neither a preset nor a local HF directory; presets: "
-        "llama2-7b, llama2-13b, llama2-3b, llama3-8b, llama3.1-8b, llama3.2-1b, llama3.2-3b, "
-        "tiny (nothing was run)\n"
+        "error: --models: 'llama9' is neither a preset nor a local HF directory (with a "
+        "config.json); presets: llama2-7b, llama2-13b, llama2-3b, llama3-8b, llama3.1-8b, "
+        "llama3.2-1b, llama3.2-3b, tiny (nothing was run)\n"
     )
+    # A directory that holds no model (a profile's own output, say) is no HF directory.
+    with pytest.raises(SystemExit):
+        profile.main(["--models", str(old), *base[:-1], str(tmp_path / "new")])
+    assert f"--models: {str(old)!r} is neither a preset" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
 
 
 def test_profile_timeout_is_named_where_a_worker_runs_out_of_it(tmp_path, monkeypatch, capsys):

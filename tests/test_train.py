@@ -632,6 +632,34 @@ def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch)
     assert json.loads(good.read_text()) == json.loads(json.dumps(rows))
 
 
+def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
+    """A layout that cannot run (an unbalanced quote, a mesh of more devices than the
+    machine has, a bad value) is one line naming it before any layout's gradients are
+    computed, not a traceback or a failure after the reference's run; `--top` below 0
+    is refused."""
+    from train.tools import gradcheck
+
+    def computed(flags):
+        raise AssertionError("a layout was computed before every layout was read")
+
+    monkeypatch.setattr(gradcheck, "layout_gradients", computed)
+    first = ["--data_path", "sample", "--layout", "--mesh data=1"]
+    many = jax.device_count() + 1
+    for layout, why in [
+        ("--mesh 'seq=2", "No closing quotation"),
+        (f"--mesh data={many}", f"needs {many} devices; this machine has {jax.device_count()}"),
+        ("--ring_layout foo", "--ring_layout='foo' must be one of"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            gradcheck.main([*first, "--layout", layout])
+        assert str(e.value).startswith(f"error: layout {layout!r}: "), e.value
+        assert why in str(e.value) and str(e.value).endswith("(nothing was run)")
+    with pytest.raises(SystemExit) as e:
+        gradcheck.main([*first, "--layout", "--mesh data=1", "--top", "-1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: --top=-1 must be >= 0\n"
+
+
 @pytest.mark.parametrize(
     "where, reason",
     [

@@ -811,10 +811,8 @@ def test_cli_sample_and_tokenizer_replace_nothing_unasked(tmp_path, capsys, monk
     out.write_text('{"input_ids": [1, 2]}\n')
     sizes = ["--num-samples", "4", "--seq-len", "8", "--vocab-size", "100"]
     err = refused("sample", "--out", str(out), *sizes)
-    assert (
-        err
-        == f"error: --out={str(out)!r} exists: pass --overwrite to replace it (nothing was written)\n"
-    )
+    refusal = "exists: pass --overwrite to replace it (nothing was written)"
+    assert err == f"error: --out={str(out)!r} {refusal}\n"
     assert out.read_text() == '{"input_ids": [1, 2]}\n'
 
     def full_disk(path, examples):

@@ -12,9 +12,10 @@ its `tokenizer/`, and the run's `--chat_template` in place of the tokenizer's te
 as the run saved it in its `chat_template/`, so that a tokenizer or template edited or
 moved since changes nothing), its `checkpoints/<step>` the weights. Only the
 checkpoint's parameters are read (not the optimizer state), onto the host CPU, whatever
-mesh saved them. RUN_DIR is only read. An `--out` that already holds a model (its
-config, weights or tokenizer files) is refused unless `--overwrite` is given, and one
-inside the run's own outputs always is.
+mesh saved them. The run's outputs are only read: an `--out` inside them (RUN_DIR
+itself, its `checkpoints/`, `hf/`, ...) is always refused; a new folder beside them is
+taken. An `--out` that already holds a model (its config, weights or tokenizer files)
+is refused unless `--overwrite` is given.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from models.convert import (
     replace_refusal,
     replaced_files,
     shard_bytes,
+    shard_gb_error,
 )
 from train import outputs
 from train.build import chat_templates, export_config, model_config
@@ -193,8 +195,8 @@ def export(
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_shard_gb is not None and not args.max_shard_gb > 0:
-        parser.error(f"--max-shard-gb={args.max_shard_gb} must be > 0")
+    if error := shard_gb_error(args.max_shard_gb):
+        parser.error(error)
     try:
         step, count = export(
             args.run_dir,

@@ -97,7 +97,9 @@ def global_norm(grads: dict[str, np.ndarray]) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from train.config import OneLineParser  # errors in one line, as the trainer's
+
+    p = OneLineParser(
         prog="python -m train.tools.gradcheck",
         description=__doc__.split("\n\n")[0],
         epilog="Other flags are trainer flags, shared by every layout.",
@@ -122,6 +124,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args, common = parser.parse_known_args(argv)
     if len(args.layout) < 2:
         parser.error(f"need at least 2 --layout to compare, got {len(args.layout)}")
+    if args.top < 0:
+        parser.error(f"--top={args.top} must be >= 0")
+    layouts = _layout_flags(args.layout, common)
     if args.out:
         check_writable_file(args.out, "--out")
     import jax
@@ -134,12 +139,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # One scratch --output_dir for every layout (nothing is written there).
     with tempfile.TemporaryDirectory(prefix="jflash-gradcheck-") as work:
         reference = None
-        for layout in args.layout:
-            flags = [*common, "--output_dir", work, *shlex.split(layout)]
+        for layout, flags in layouts.items():
+            flags = [*common, "--output_dir", work, *flags]
             try:
                 got = layout_gradients(flags)
             except (TrainingError, ValueError, NotImplementedError) as e:
-                raise SystemExit(f"layout {layout!r}: {e}") from None
+                raise SystemExit(f"error: layout {layout!r}: {e}") from None
             row = {
                 "layout": layout,
                 "loss": got["loss"],
@@ -151,8 +156,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             else:
                 if got["rows"] != reference["rows"] or got["tokens"] != reference["tokens"]:
                     raise SystemExit(
-                        f"layout {layout!r} takes {got['rows']} rows ({got['tokens']} tokens) "
-                        f"per step, the reference {reference['rows']} ({reference['tokens']}): "
+                        f"error: layout {layout!r} takes {got['rows']} rows "
+                        f"({got['tokens']} tokens) per step, the reference "
+                        f"{reference['rows']} ({reference['tokens']}): "
                         "give every layout the same global batch (data x fsdp x "
                         "--per_device_train_batch_size x accumulation)"
                     )
@@ -166,6 +172,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_json(args.out, results, "--out")
         print(f"wrote {args.out}")
     return results
+
+
+def _layout_flags(layouts: list[str], common: list[str]) -> dict[str, list[str]]:
+    """Each `--layout`'s trainer flags, every one read and its mesh counted before any
+    layout runs: a bad second layout fails at once, not after the reference's run."""
+    import jax
+
+    from train.config import parse_args
+    from train.mesh import mesh_device_count
+
+    out = {}
+    for layout in layouts:
+        try:
+            flags = shlex.split(layout)  # an unbalanced quote: ValueError
+            cfg = parse_args([*common, "--output_dir", "unused", *flags])
+            mesh_device_count(cfg.parallel.mesh, jax.device_count())
+        except ValueError as e:
+            raise SystemExit(f"error: layout {layout!r}: {e} (nothing was run)") from None
+        out[layout] = flags
+    return out
 
 
 def _print(row: dict, reference: dict, top: int) -> None:

@@ -255,6 +255,17 @@ def context_label(tokens: int) -> str:
 # Child process: one row, or the ceilings
 
 
+def _sample_rows(job: Job) -> int:
+    """Rows of sample data a row's trainer makes: one step's (per-device batch x data x
+    fsdp; a -1 axis takes the devices the others leave), and at least 8."""
+    import jax
+
+    from train.mesh import mesh_device_count, parse_mesh
+
+    sizes = parse_mesh(job.mesh, mesh_device_count(job.mesh, jax.device_count()))
+    return max(8, job.batch * sizes["data"] * sizes["fsdp"])
+
+
 def _trainer_args(job: Job) -> list[str]:
     return [
         "--model_name_or_path",
@@ -274,7 +285,7 @@ def _trainer_args(job: Job) -> list[str]:
         "--data_path",
         "sample",
         "--sample_num_examples",
-        "8",
+        str(_sample_rows(job)),
         "--max_steps",
         str(job.warmup + job.steps + job.trace_steps),
         "--save_strategy",
@@ -1065,9 +1076,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known(model: str) -> bool:
-    """Whether a row's model exists: a local HF directory or a preset's name."""
+    """Whether a row's model exists: a local HF directory (one holding a config.json)
+    or a preset's name."""
     if os.path.isdir(model):
-        return True
+        return os.path.isfile(os.path.join(model, "config.json"))
     try:
         preset_name(model)
     except ValueError:
@@ -1243,7 +1255,8 @@ def _old_report(parser: argparse.ArgumentParser, args: argparse.Namespace, jobs)
     if unknown:
         parser.error(
             f"--models: {', '.join(map(repr, unknown))} is neither a preset nor a local HF "
-            f"directory; presets: {', '.join(PRESET_NAMES.values())} (nothing was run)"
+            "directory (with a config.json); presets: "
+            f"{', '.join(PRESET_NAMES.values())} (nothing was run)"
         )
     if not (args.append and os.path.exists(path)):
         return {"rows": []}
