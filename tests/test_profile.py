@@ -1102,9 +1102,12 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
     whose every row failed exits non-zero (the report is still written)."""
     out = tmp_path / "profile"
     env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(2))
-    # 255 tokens cannot split over seq=2: the child refuses the row.
-    base = [sys.executable, "-m", "train.tools.profile", "--context", "255", "--out", str(out)]
-    base += ["--models", "tiny", "--no-xla-cost"]
+    # A local model directory whose config.json the child cannot read: it fails the row.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    base = [sys.executable, "-m", "train.tools.profile", "--context", "256", "--out", str(out)]
+    base += ["--models", str(broken), "--no-xla-cost"]
     second = ["--append", "--reuse-ceilings", "--shard-over-seq", "--steps", "1"]
     for extra in ([], second):
         proc = subprocess.run(
@@ -1116,20 +1119,54 @@ def test_profile_cli_failing_rows_keep_the_report(tmp_path):
         assert ("ceilings: reused" in proc.stdout) == ("--reuse-ceilings" in extra)
     report = json.loads((out / "report.json").read_text())
     assert [r["name"] for r in report["rows"]] == [
-        "tiny-255-seq2",
-        "tiny-255-seq2-shard_over_seq",
+        "local-broken-256-seq2",
+        "local-broken-256-seq2-shard_over_seq",
     ]
     assert all(r["status"] == "error" for r in report["rows"])
-    assert "must be divisible" in report["rows"][0]["error"]
+    assert "config.json is missing required keys" in report["rows"][0]["error"]
     assert len(report["commands"]) == 2 and "--append" in report["commands"][1]
     # Each row keeps the steps it was run with, and the report says both.
     assert [r["steps"]["timed"] for r in report["rows"]] == [3, 1]
     assert all(r["xla_flags"] == env["XLA_FLAGS"] for r in report["rows"])
     md = (out / "report.md").read_text()
-    assert "mixed: warm-up 1..2, timed 3..5, traced 6..7 (tiny-255-seq2); " in md
+    assert "mixed: warm-up 1..2, timed 3..5, traced 6..7 (local-broken-256-seq2); " in md
     assert "## Rows that did not run" in md
-    assert "| tiny | 255 | seq=2 +shard_over_seq | error |" in md
+    assert "| local-broken | 256 | seq=2 +shard_over_seq | error |" in md
     assert "Commands (rows added with `--append`, in order)" in md
+
+
+def test_profile_refuses_a_row_the_trainer_would_refuse_before_anything_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """A context the sequence axes cannot split, `seq_a2a` without the hybrid strategy
+    and a `--mesh` naming no axis: one line naming the row (in the tool's flags), exit
+    status 2, before the ceilings run or `--out` is made; not an error row after."""
+    import train.tools.profile as profile
+
+    def child(kind, payload, timeout, what):
+        if kind == "devices":
+            return {"device_count": 2, "platform": "cpu", "device_kind": "cpu"}
+        raise AssertionError(f"a {kind} child ran before the rows were checked")
+
+    monkeypatch.setattr(profile, "_child", child)
+    out = tmp_path / "profile"
+    for argv, said in [
+        (["--context", "255", "--mesh", "seq=2"], "row tiny-255-seq2: --context=255 must be "),
+        (["--context", "256", "--mesh", "seq_a2a=2"], "but --ring-strategy='ring': the seq_a2a"),
+        (["--context", "256", "--mesh="], "--mesh '' names no axis"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            profile.main(["--models", "tiny", "--no-xla-cost", "--out", str(out), *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and err.endswith("(nothing was run)\n") and err.count("\n") == 1, err
+    assert not out.exists()
+    # With the hybrid strategy the seq_a2a row is taken (here the fake child stops it).
+    with pytest.raises(AssertionError, match="a ceilings child ran"):
+        profile.main(
+            ["--models", "tiny", "--no-xla-cost", "--out", str(out), "--context", "256"]
+            + ["--mesh", "seq_a2a=2", "--ring-strategy", "hybrid"]
+        )
 
 
 def test_profile_cli_refuses_a_mesh_larger_than_the_machine(tmp_path):
@@ -2445,3 +2482,24 @@ def test_profile_dir_that_cannot_be_created_is_refused_before_training(tmp_path)
     with pytest.raises(Exception, match=r"--profile_dir='.*afile/sub' cannot be created"):
         run(parse_args([*argv, "--profile_dir", str(tmp_path / "afile" / "sub")]))
     assert not (tmp_path / "run").exists()
+
+
+def test_peak_flops_tells_the_pcie_and_nvl_cards_from_the_sxm_parts():
+    """MFU's peak by device kind: an H100 PCIe or NVL is not an SXM H100 (a part of its
+    name), a GH200 is an H200; an unknown device has none."""
+    from types import SimpleNamespace
+
+    from train.metrics import peak_flops
+
+    kinds = {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H200": 989e12,
+        "NVIDIA GH200 480GB": 989e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA H20": None,
+        "cpu": None,
+    }
+    for kind, peak in kinds.items():
+        assert peak_flops(SimpleNamespace(device_kind=kind)) == peak, kind

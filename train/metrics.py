@@ -7,8 +7,13 @@ import os
 
 import jax
 
-# Dense bf16 peak per device (datasheet, FLOP/s), for MFU. Unknown devices: no MFU.
+# Dense bf16 peak per device (datasheet, FLOP/s), for MFU, by a part of the device kind
+# (`NVIDIA H100 80GB HBM3`), the first that matches: the PCIe and NVL cards before the
+# SXM parts whose name they share. Unknown devices: no MFU.
 PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H800 PCIe": 756e12,
     "H100": 989e12,
     "H200": 989e12,
     "H800": 989e12,

@@ -887,6 +887,36 @@ def device_error(what: str, recorded: str | None, machine: dict) -> str | None:
     )
 
 
+def layout_error(job: Job, available: int) -> str | None:
+    """Why the trainer would refuse `job`'s context on its mesh (`train.build.check_layout`:
+    a length the sequence axes cannot split, `seq_a2a` without the hybrid strategy), in
+    one line, or None: checked before the ceilings run, not as an error row after. With
+    `--ring-strategy auto`, the strategy the trainer would pick is as strict as `ring`
+    (`hybrid` where the mesh has `seq_a2a`)."""
+    from train.build import check_layout
+    from train.config import DataArgs, ModelArgs, TrainConfig
+    from train.errors import TrainingError
+    from train.mesh import mesh_device_count, parse_mesh
+
+    sizes = parse_mesh(job.mesh, mesh_device_count(job.mesh, available))
+    strategy = job.ring_strategy
+    if strategy == "auto":
+        strategy = "hybrid" if sizes["seq_a2a"] > 1 else "ring"
+    cfg = TrainConfig(
+        model=ModelArgs(attention="ring", ring_strategy=strategy),
+        data=DataArgs(model_max_length=job.context),
+    )
+    try:
+        check_layout(cfg, sizes)
+    except TrainingError as e:
+        return (
+            str(e)
+            .replace("--ring_strategy", "--ring-strategy")
+            .replace("--model_max_length", "--context")
+        )
+    return None
+
+
 def mesh_error(mesh: str, available: int | None = None, platform: str = "") -> str | None:
     """Why `mesh` cannot run here, in one line, or None: a malformed spec or an unknown
     axis (checked without devices when `available` is None), or more devices than
@@ -899,6 +929,8 @@ def mesh_error(mesh: str, available: int | None = None, platform: str = "") -> s
         sizes = mesh_sizes(mesh)
     except ValueError as e:
         return str(e)
+    if not sizes:
+        return f"--mesh {mesh!r} names no axis (data, fsdp, seq, seq_a2a): give one, e.g. seq=1"
     if available is None:
         return None
     try:
@@ -1374,6 +1406,9 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     for mesh in dict.fromkeys(j.mesh for j in jobs):
         if error := mesh_error(mesh, machine["device_count"], machine["platform"]):
             parser.error(f"{error} (nothing was run)")
+    for job in jobs:
+        if error := layout_error(job, machine["device_count"]):
+            parser.error(f"row {job.name}: {error} (nothing was run)")
     reused = _reused_ceilings(parser, args, old, machine)
     ceilings = _ceilings(args, reused)
     try:
