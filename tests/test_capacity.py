@@ -45,9 +45,10 @@ def test_context_parsing_and_search():
 
 def test_bad_models_and_meshes_are_refused_before_probing(capsys):
     for argv, match in (
-        (["--models", "nope"], "--model_name_or_path='nope' is neither"),
+        (["--models", "nope"], "--models='nope' is neither"),
         (["--models", "tiny", "--mesh", "seq=x"], "size of 'seq' is not an int: 'x'"),
         (["--models", "tiny", "--mesh", "seq=64"], "needs 64 devices"),
+        (["--models", "tiny", "--mesh", "seq=64"], "device_count=64 simulates 64)"),
         (["--models", "tiny", "--gather-once"], "--gather-once needs --shard-over-seq"),
     ):
         with pytest.raises(SystemExit):
@@ -63,6 +64,8 @@ def test_bad_sizes_are_refused_before_probing(capsys):
         (["--start", "0", "--max", "1k"], "need 1 <= --start=0 <= --max=1024 tokens"),
         (["--start", "512", "--max", "256"], "need 1 <= --start=512 <= --max=256 tokens"),
         (["--refine", "-1"], "--refine=-1 must be >= 0"),
+        (["--start", "abc"], "argument --start: 'abc' is not a number of tokens (e.g. 8192"),
+        (["--max", "1.5"], "argument --max: '1.5' is not a whole number of tokens"),
         (["--limit-gib", "-1"], "--limit-gib=-1.0 must be > 0"),
         (["--limit-gib", "1", "--host-limit-gib", "0"], "--host-limit-gib=0.0 must be > 0"),
     ):
@@ -169,7 +172,7 @@ def test_bad_out_is_refused_before_probing(tmp_path, monkeypatch, capsys):
             capacity.main([*argv, "--out", str(out)])
         last = capsys.readouterr().err.strip().splitlines()[-1]  # after the usage line
         assert e.value.code == 2 and last.endswith(match), last
-        assert last.startswith(f"python -m train.tools.capacity: error: --out {out}")
+        assert last.startswith(f"error: --out {out}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
     monkeypatch.setattr(capacity, "step_memory_gib", lambda *a: {"device": 0.1, "host": 0.0})

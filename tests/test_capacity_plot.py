@@ -106,10 +106,10 @@ def test_bad_inputs_are_refused_in_one_line_naming_the_file(tmp_path):
         with pytest.raises(SystemExit) as e:
             capacity.main_plot([*argv, "--out", out])
         message = str(e.value.code)
-        assert message.startswith(match) and "\n" not in message, message
+        assert message.startswith(f"error: {match}") and "\n" not in message, message
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps(SAVE))
-    with pytest.raises(SystemExit, match=f"--measured {tmp_path}: no {tmp_path}/log.jsonl"):
+    with pytest.raises(SystemExit, match=f"^error: --measured {tmp_path}: no {tmp_path}/log"):
         capacity.main_plot([str(ok), "--measured", str(tmp_path), "--out", out])
     assert not (tmp_path / "never.png").exists()
 
@@ -128,7 +128,9 @@ def test_command_line_plot_subcommand(tmp_path):
     _png_ok(out)
     command[4] = str(tmp_path / "nope.json")
     done = subprocess.run(command, **run)
-    assert done.returncode == 1 and done.stderr.strip() == f"{tmp_path}/nope.json: no such file"
+    assert (
+        done.returncode == 1 and done.stderr.strip() == f"error: {tmp_path}/nope.json: no such file"
+    )
 
 
 def test_tick_labels():

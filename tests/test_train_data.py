@@ -890,3 +890,5 @@ def test_cli_errors_are_one_line(tmp_path):
     for flag in ("--num-samples", "--seq-len"):
         result = _cli("sample", "--out", str(tmp_path / "d.pkl"), flag, "0", returncode=2)
         assert result.stderr == f"error: {flag}=0 must be positive\n"
+    result = _cli("sample", "--out", str(tmp_path / "d.pkl"), "--vocab-size", "0", returncode=2)
+    assert result.stderr == "error: need 1 <= --branching=4 <= --num-states=256 <= --vocab-size=0\n"

@@ -272,3 +272,18 @@ def test_a_run_without_checkpoints_or_a_damaged_one(runs, tmp_path, capsys):
     assert line.startswith(f"error: checkpoint {damaged}/checkpoints/4 could not be restored")
     assert line.endswith("; an earlier one: --step 2")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_write_that_fails_names_the_flag_and_the_file(runs, tmp_path, monkeypatch, capsys):
+    """An OSError while writing (a file size limit, a full disk) is one line naming
+    --out and the file, exit status 1, not the bare `[Errno 27] File too large`."""
+    out = tmp_path / "big"
+
+    def too_large(*args, **kwargs):
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(export.models, "export_hf", too_large)
+    with pytest.raises(SystemExit) as e:
+        export.main([str(runs["long"]), "--out", str(out)])
+    assert e.value.code == 1
+    assert capsys.readouterr().err == f"error: --out: cannot write {out} (File too large)\n"

@@ -599,6 +599,11 @@ def _command(args: argparse.Namespace) -> None:
         for flag, value in (("--num-samples", args.num_samples), ("--seq-len", args.seq_len)):
             if value < 1:
                 raise ValueError(f"{flag}={value} must be positive")
+        if not 1 <= args.branching <= args.num_states <= args.vocab_size:
+            raise ValueError(
+                f"need 1 <= --branching={args.branching} <= --num-states={args.num_states} "
+                f"<= --vocab-size={args.vocab_size}"
+            )
         if args.lengths == "lognormal" and Path(args.out).suffix.lower() == ".npy":
             raise ValueError(f"{args.out}: .npy holds examples of one length; use .jsonl or .pkl")
         if args.lengths == "lognormal":

@@ -101,9 +101,19 @@ def search_longest(
 
 
 def _tokens(text: str) -> int:
-    text = text.strip().lower()
+    """`16k`, `1m`, `8192`: a context in tokens (argparse names the flag where it is
+    not one)."""
+    raw, text = text, text.strip().lower()
     scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
-    return int(float(text.rstrip("km")) * scale)
+    try:
+        value = float(text.rstrip("km")) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not a number of tokens (e.g. 8192, 16k, 1m)"
+        ) from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number of tokens")
+    return int(value)
 
 
 def host_bytes(compiled, abstract_state) -> tuple[int, bool]:
@@ -363,7 +373,9 @@ def out_error(out: str, what: str = "the report") -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from train.config import OneLineParser  # errors in one line, as the trainer's
+
+    p = OneLineParser(
         prog="python -m train.tools.capacity",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -449,16 +461,27 @@ def main(argv: list[str] | None = None) -> dict:
     from train.build import model_config
     from train.config import parse_args
     from train.errors import TrainingError
-    from train.mesh import mesh_device_count, parse_mesh
+    from train.mesh import mesh_device_count, mesh_sizes, parse_mesh
 
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})
     models_list = list(filter(None, args.models.split(",")))
     try:  # refuse an unknown model or a mesh these devices cannot form before probing
         tile = ["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []
         for model in models_list:
-            model_config(parse_args(["--model_name_or_path", model, *tile]))
+            try:
+                model_config(parse_args(["--model_name_or_path", model, *tile]))
+            except (TrainingError, ValueError) as e:  # in this tool's flag's name
+                raise ValueError(str(e).replace("--model_name_or_path", "--models")) from None
         for mesh in meshes:
-            parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
+            count = jax.device_count()
+            try:
+                parse_mesh(mesh, mesh_device_count(mesh, count))
+            except ValueError as e:
+                need = math.prod(mesh_sizes(mesh).values())
+                if jax.default_backend() == "cpu" and need > count:
+                    flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+                    raise ValueError(f"{e} (on CPU, {flag} simulates {need})") from None
+                raise
     except (TrainingError, ValueError) as e:
         parser.error(str(e))
     # Doubling keeps what divides --start, and the bisection's lengths are multiples of
@@ -766,7 +789,9 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
 
 def main_plot(argv: list[str] | None = None) -> str:
     """`python -m train.tools.capacity plot RESULT.json ... --out memory.png`."""
-    p = argparse.ArgumentParser(
+    from train.config import OneLineParser
+
+    p = OneLineParser(
         prog="python -m train.tools.capacity plot",
         description="Capacity probes' device and host GiB against the context, per remat policy.",
     )
@@ -785,7 +810,12 @@ def main_plot(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     if error := out_error(args.out, "the PNG"):
         p.error(error)
-    return plot_memory(args.results, args.out, args.measured)
+    try:
+        return plot_memory(args.results, args.out, args.measured)
+    except SystemExit as e:  # an input it cannot read: one line, said as an error
+        if isinstance(e.code, str) and not e.code.startswith("error: "):
+            raise SystemExit(f"error: {e.code}") from None
+        raise
 
 
 if __name__ == "__main__":

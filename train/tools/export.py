@@ -206,8 +206,15 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=shard_bytes(args.max_shard_gb),
             overwrite=args.overwrite,
         )
-    except (TrainingError, OSError) as e:
+    except TrainingError as e:
         parser.exit(2, f"error: {e}\n")
+    except OSError as e:  # a full disk, a file size limit: which file, and which flag
+        where = str(e.filename) if e.filename else args.out
+        if e.filename and _inside(where, args.run_dir) and not _inside(where, args.out):
+            what = f"RUN_DIR: cannot read {where}"
+        else:
+            what = f"--out: cannot write {where}"
+        parser.exit(1, f"error: {what} ({e.strerror or e})\n")
     print(
         f"exported checkpoint {step} of {args.run_dir} -> {args.out}: {count:,} parameters, "
         f"{args.dtype}"
