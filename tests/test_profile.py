@@ -128,7 +128,13 @@ def test_trace_cli_refuses_the_hlo_of_another_program_or_compile(tmp_path, capsy
     assert "pass module_3331.jit_train_step.*after_optimizations.txt" in err
     own = tmp_path / "module_3331.jit_train_step.sm_9.0_gpu_after_optimizations.txt"
     own.write_text(text.replace("MODULE", "jit_train_step"))
-    assert trace.main([GPU_TRACE, "--hlo", str(own)]).module == "jit_train_step"
+    report = trace.main([GPU_TRACE, "--hlo", str(own)])
+    assert report.module == "jit_train_step"
+    # The ring's permutes are not in this stand-in's text: no bytes, and why.
+    assert report.mean.permute_bytes is None
+    assert "– permute_bytes: a collective-permute the trace ran has no size in the HLO" in (
+        capsys.readouterr().out
+    )
 
 
 def test_trace_cli_refuses_a_step_name_the_trace_lacks(capsys):

@@ -766,9 +766,14 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
             )
         for field in ("forward_ms", "backward_ms", "recompute_ms", "update_ms"):
             not_measured[field] = reason
+    device_means = {d: mean(rows) for d, rows in per_step.items()}
     if hlo is None:
         not_measured["permute_bytes"] = "needs the compiled HLO (collective-permute sizes)"
-    device_means = {d: mean(rows) for d, rows in per_step.items()}
+    elif any(m.permute_bytes is None for m in device_means.values()):
+        not_measured["permute_bytes"] = (
+            "a collective-permute the trace ran has no size in the HLO (by its name or "
+            "its name stack)"
+        )
     return TraceReport(
         platform=platform,
         windows="steps" if use_steps else "whole trace",
