@@ -424,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--refine",
         type=int,
         default=3,
-        help="bisection steps after doubling (default: %(default)s)",
+        help="bisection steps after doubling, each on multiples of lcm(1024, 2 x the "
+        "sequence shards) tokens: fewer where the interval is that fine already "
+        "(default: %(default)s)",
     )
     p.add_argument("--limit-gib", type=float, default=None, help="default: the device's")
     p.add_argument(
