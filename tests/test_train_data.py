@@ -809,7 +809,7 @@ def test_cli_sample_and_tokenizer_replace_nothing_unasked(tmp_path, capsys, monk
 
     out = tmp_path / "d.jsonl"
     out.write_text('{"input_ids": [1, 2]}\n')
-    sizes = ["--num-samples", "4", "--seq-len", "8", "--vocab-size", "100"]
+    sizes = ["--num-samples", "4", "--seq-len", "8", "--vocab-size", "100", "--num-states", "16"]
     err = refused("sample", "--out", str(out), *sizes)
     refusal = "exists: pass --overwrite to replace it (nothing was written)"
     assert err == f"error: --out={str(out)!r} {refusal}\n"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ON_GPU
 
 import models
 from models.safetensors_io import SafetensorsFile
@@ -78,9 +79,9 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _same_hf(a: Path, b: Path) -> None:
+def _same_hf(a: Path, b: Path, exact: bool = True) -> None:
     """The two HF directories hold the same files, configs and tokenizer byte for byte,
-    tensors bitwise."""
+    tensors bitwise (`exact`) or within 1e-5 (two runs' weights on a GPU)."""
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))
     for name in os.listdir(a):
         if not name.endswith(".safetensors"):
@@ -88,9 +89,11 @@ def _same_hf(a: Path, b: Path) -> None:
     ta, tb = _tensors(a), _tensors(b)
     assert ta.keys() == tb.keys() and ta
     for key in ta:
-        assert ta[key].dtype == tb[key].dtype and np.array_equal(
-            ta[key].view(np.uint8), tb[key].view(np.uint8)
-        ), key
+        assert ta[key].dtype == tb[key].dtype, key
+        if exact:
+            assert np.array_equal(ta[key].view(np.uint8), tb[key].view(np.uint8)), key
+        else:
+            np.testing.assert_allclose(ta[key], tb[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
@@ -174,9 +177,12 @@ def test_the_export_reads_the_model_config_the_run_built(runs, tmp_path):
 
 
 def test_an_earlier_step_is_the_hf_of_a_run_stopped_there(runs, tmp_path):
+    """Step 2 of the 4-step run exported is the 2-step run's export: bitwise on a CPU;
+    on a GPU, whose reductions are not deterministic without XLA's flag, two runs'
+    weights differ in their last bits (one f32 ulp of lm_head seen on an H200)."""
     out = tmp_path / "two"
     assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
-    _same_hf(out, runs["short"] / "hf")
+    _same_hf(out, runs["short"] / "hf", exact=not ON_GPU)
     two, four = _tensors(out), _tensors(runs["long"] / "hf")
     assert any(not np.array_equal(two[k], four[k]) for k in two)  # it trained on
     config, params = models.load_hf(str(out))

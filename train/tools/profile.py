@@ -257,13 +257,19 @@ def context_label(tokens: int) -> str:
 
 def _sample_rows(job: Job) -> int:
     """Rows of sample data a row's trainer makes: one step's (per-device batch x data x
-    fsdp; a -1 axis takes the devices the others leave), and at least 8."""
+    fsdp; a -1 axis takes the devices the others leave), and at least 8. Whether the
+    mesh fits this machine is checked elsewhere (`mesh_error`)."""
+    import math
+
     import jax
 
-    from train.mesh import mesh_device_count, parse_mesh
+    from train.mesh import mesh_sizes
 
-    sizes = parse_mesh(job.mesh, mesh_device_count(job.mesh, jax.device_count()))
-    return max(8, job.batch * sizes["data"] * sizes["fsdp"])
+    sizes = {"data": 1, "fsdp": 1, **mesh_sizes(job.mesh)}
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    rest = max(jax.device_count() // fixed, 1)
+    data, fsdp = (rest if sizes[a] == -1 else sizes[a] for a in ("data", "fsdp"))
+    return max(8, job.batch * data * fsdp)
 
 
 def _trainer_args(job: Job) -> list[str]:
