@@ -39,6 +39,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from models.cli import OneLineParser
 from models.config import (
     DTYPES,
     LlamaConfig,
@@ -611,7 +612,7 @@ def init_hf(
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m models.convert``: HF directory <-> native directory, or a new model."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m models.convert",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

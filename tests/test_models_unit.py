@@ -879,6 +879,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert re.search(match, err) and "Traceback" not in err, err
+        assert err.startswith("error: ") and err.count("\n") == 1, err  # not the usage
     assert not (tmp_path / "o").exists()
 
 
