@@ -1637,6 +1637,10 @@ def test_report_plots_are_one_table(tmp_path, monkeypatch):
         "phases",
         "roofline",
     ]
+    # Several device counts, but never one model and context on two: no scaling plot.
+    apart = _report([_report_row(256), _report_row(512, devices=4)])
+    assert "scaling" not in report_lib.plots_written(apart)
+    assert report_lib._scaling_rows(report["rows"]) == report["rows"][1:]
 
     extra = report_lib.Plot(
         "flops",

@@ -7,12 +7,14 @@ none; `train.tools.files.write_set`):
   classes, arithmetic intensity), the measured ceilings, PyTorch + LightSeq's published numbers for
   reference, and every field that could not be measured, with the reason.
 * `latency_throughput.png`, `memory.png`, `phases.png`, `kernels.png`,
-  `roofline.png` and, with several device counts, `scaling.png`: one entry each in
-  `PLOTS` (file, which rows, panels, title), so a new plot is one more entry.
+  `roofline.png` and, with a model and context on several device counts,
+  `scaling.png`: one entry each in `PLOTS` (file, which rows, panels, title), so a
+  new plot is one more entry.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -1206,9 +1208,18 @@ PLOTS = (
         "scaling",
         "Scaling with devices (same model and context)",
         _lines(Line("tokens_per_s", "tokens/s"), x="devices"),
-        rows=lambda ok: ok if len({r["devices"] for r in ok}) > 1 else [],
+        rows=lambda ok: _scaling_rows(ok),
     ),
 )
+
+
+def _scaling_rows(ok: list[dict]) -> list[dict]:
+    """The rows of a model and context measured on several device counts (none: no
+    scaling plot, though the report holds several device counts)."""
+    counts = collections.defaultdict(set)
+    for r in ok:
+        counts[r["model"], r["context"]].add(r["devices"])
+    return [r for r in ok if len(counts[r["model"], r["context"]]) > 1]
 
 
 def plots_written(report: dict) -> list[str]:
