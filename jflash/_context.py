@@ -318,14 +318,7 @@ def ring_attention_shard(
         check_heads(shapes.q_heads, degree, names[-1] if strategy == "hybrid" else axis_name)
     shard_len = shapes.q_len * degree  # what one ring shard holds after the all-to-all
     shards = ring_shards if ring_shards > 1 else degree
-    if layout == "zigzag" and (shard_len * ring_shards) % (2 * shards):
-        # In the caller's terms: the local length, not the whole sequence's.
-        raise ValueError(
-            f"layout='zigzag' holds two equal chunks of the sequence per shard: the local "
-            f"length q.shape[1]={shapes.q_len} ({shard_len * ring_shards} tokens over "
-            f"{shards} shards) does not split into {2 * shards} chunks"
-        )
-    check_layout_len(shard_len * ring_shards, shards, layout)
+    check_layout_len(shard_len * ring_shards, shards, layout, local_len=shapes.q_len)
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("ring_attention_shard", q, k, v, segs)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why

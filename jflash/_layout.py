@@ -46,18 +46,30 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"{layout=} is not one of {LAYOUTS}")
 
 
-def check_zigzag_len(seq_len: int, num_shards: int) -> None:
-    """Raises unless `seq_len` splits into `2 * num_shards` equal chunks."""
+def check_zigzag_len(seq_len: int, num_shards: int, local_len: int | None = None) -> None:
+    """Raises unless `seq_len` splits into `2 * num_shards` equal chunks. `local_len`:
+    the length the caller holds per device (inside a `shard_map`), which the message
+    names instead of the whole sequence's."""
     _check_shards(num_shards)
-    if seq_len % (2 * num_shards) != 0:
+    if seq_len % (2 * num_shards) == 0:
+        return
+    if local_len is None:
         raise ValueError(f"{seq_len=} must be divisible by {2 * num_shards=} for the zigzag layout")
+    raise ValueError(
+        f"layout='zigzag' holds two equal chunks of the sequence per shard: the local "
+        f"length q.shape[1]={local_len} ({seq_len} tokens over {num_shards} shards) does "
+        f"not split into {2 * num_shards} chunks"
+    )
 
 
-def check_layout_len(seq_len: int, num_shards: int, layout: str) -> None:
-    """Raises unless a `seq_len` sequence splits into `layout` over `num_shards`."""
+def check_layout_len(
+    seq_len: int, num_shards: int, layout: str, local_len: int | None = None
+) -> None:
+    """Raises unless a `seq_len` sequence splits into `layout` over `num_shards`
+    (`local_len`: as `check_zigzag_len`)."""
     check_layout(layout)
     if layout == "zigzag":
-        check_zigzag_len(seq_len, num_shards)
+        check_zigzag_len(seq_len, num_shards, local_len)
     else:
         _check_shards(num_shards)
         if seq_len % num_shards != 0:

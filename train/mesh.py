@@ -91,13 +91,20 @@ def mesh_sizes(spec: str) -> dict[str, int]:
     return sizes
 
 
-def mesh_device_count(spec: str, available: int) -> int:
+def mesh_device_count(spec: str, available: int, platform: str = "") -> int:
     """Devices a `--mesh` spec needs: the product of its sizes, or all for a -1; a
-    ValueError naming the spec where it is malformed or needs more than `available`."""
+    ValueError naming the spec where it is malformed or needs more than `available`
+    (on `platform` "cpu", with how to simulate them)."""
     sizes = mesh_sizes(spec).values()
     need = available if -1 in sizes else math.prod(sizes)
     if need > available:
-        raise ValueError(f"--mesh {spec!r} needs {need} devices; this machine has {available}")
+        hint = ""
+        if platform == "cpu":
+            flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
+            hint = f" (on CPU, {flag} simulates {need})"
+        raise ValueError(
+            f"--mesh {spec!r} needs {need} devices; this machine has {available}{hint}"
+        )
     return need
 
 

@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
     from train.build import model_config
     from train.config import parse_args
     from train.errors import TrainingError
-    from train.mesh import mesh_device_count, mesh_sizes, parse_mesh
+    from train.mesh import mesh_device_count, parse_mesh
 
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})
     models_list = list(filter(None, args.models.split(",")))
@@ -475,15 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
             except (TrainingError, ValueError) as e:  # in this tool's flag's name
                 raise ValueError(str(e).replace("--model_name_or_path", "--models")) from None
         for mesh in meshes:
-            count = jax.device_count()
-            try:
-                parse_mesh(mesh, mesh_device_count(mesh, count))
-            except ValueError as e:
-                need = math.prod(mesh_sizes(mesh).values())
-                if jax.default_backend() == "cpu" and need > count:
-                    flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
-                    raise ValueError(f"{e} (on CPU, {flag} simulates {need})") from None
-                raise
+            count = mesh_device_count(mesh, jax.device_count(), jax.default_backend())
+            parse_mesh(mesh, count)
     except (TrainingError, ValueError) as e:
         parser.error(str(e))
     # Doubling keeps what divides --start, and the bisection's lengths are multiples of
@@ -583,9 +576,9 @@ def load_results(path: str) -> list[dict]:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise SystemExit(f"{path}: no such file") from None
+        raise SystemExit(f"error: {path}: no such file") from None
     except (OSError, ValueError) as e:
-        raise SystemExit(f"{path}: not a capacity result JSON ({e})") from None
+        raise SystemExit(f"error: {path}: not a capacity result JSON ({e})") from None
     results = data if isinstance(data, list) else [data]
     well_formed = all(
         isinstance(r, dict)
@@ -595,7 +588,7 @@ def load_results(path: str) -> list[dict]:
     )
     if not well_formed or not any(r["rows"] for r in results):
         raise SystemExit(
-            f"{path}: not a capacity result (no rows with probes; "
+            f"error: {path}: not a capacity result (no rows with probes; "
             "`python -m train.tools.capacity --out FILE` writes one)"
         )
     return results
@@ -614,7 +607,7 @@ def load_measured(run: str) -> dict:
     log, settings = os.path.join(run_dir, "log.jsonl"), os.path.join(run_dir, SETTINGS_FILE)
     for path in (log, settings):
         if not os.path.isfile(path):
-            raise SystemExit(f"--measured {run}: no {path} (a `python -m train` output_dir)")
+            raise SystemExit(f"error: --measured {run}: no {path} (a `python -m train` output_dir)")
     try:
         with open(settings) as f:
             cfg = yaml.safe_load(f)
@@ -624,12 +617,14 @@ def load_measured(run: str) -> dict:
             remat = "full"  # the trainer's effective policy (TrainConfig.remat)
         seq = int(cfg["data"]["model_max_length"])
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as e:
-        raise SystemExit(f"{settings}: not a run's settings ({type(e).__name__}: {e})") from None
+        raise SystemExit(
+            f"error: {settings}: not a run's settings ({type(e).__name__}: {e})"
+        ) from None
     try:
         with open(log) as f:
             records = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as e:
-        raise SystemExit(f"{log}: not a run's log ({e})") from None
+        raise SystemExit(f"error: {log}: not a run's log ({e})") from None
     peaks = [r["peak_memory_gib"] for r in records if "peak_memory_gib" in r]
     return {
         "name": os.path.basename(os.path.normpath(run_dir)),
@@ -679,7 +674,7 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
                 elif not p.get("fits"):  # ran out of memory while compiling
                     failed.add(p["seq"])
     if not any(probes for panel in panels.values() for probes in panel["series"].values()):
-        raise SystemExit(f"{', '.join(paths)}: no probe compiled; nothing to plot")
+        raise SystemExit(f"error: {', '.join(paths)}: no probe compiled; nothing to plot")
 
     def order(key):
         policy, mesh = key
@@ -812,12 +807,7 @@ def main_plot(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     if error := out_error(args.out, "the PNG"):
         p.error(error)
-    try:
-        return plot_memory(args.results, args.out, args.measured)
-    except SystemExit as e:  # an input it cannot read: one line, said as an error
-        if isinstance(e.code, str) and not e.code.startswith("error: "):
-            raise SystemExit(f"error: {e.code}") from None
-        raise
+    return plot_memory(args.results, args.out, args.measured)
 
 
 if __name__ == "__main__":

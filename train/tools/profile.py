@@ -927,8 +927,6 @@ def mesh_error(mesh: str, available: int | None = None, platform: str = "") -> s
     """Why `mesh` cannot run here, in one line, or None: a malformed spec or an unknown
     axis (checked without devices when `available` is None), or more devices than
     `available` (on `platform` "cpu", with how to simulate them)."""
-    import math
-
     from train.mesh import mesh_device_count, mesh_sizes, parse_mesh
 
     try:
@@ -940,12 +938,8 @@ def mesh_error(mesh: str, available: int | None = None, platform: str = "") -> s
     if available is None:
         return None
     try:
-        parse_mesh(mesh, mesh_device_count(mesh, available))
+        parse_mesh(mesh, mesh_device_count(mesh, available, platform))
     except ValueError as e:
-        need = math.prod(sizes.values())
-        if platform == "cpu" and need > available:  # a -1 axis makes `need` negative
-            flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={need}"
-            return f"{e} (on CPU, {flag} simulates {need})"
         return str(e)
     return None
 
