@@ -412,15 +412,25 @@ def _remove_stale_weights(path: str, written: set[str]) -> None:
 
 
 def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str]) -> None:
-    """Writes ``params`` (keys ``a/b/c``) and the full config to directory ``path``."""
+    """Writes ``params`` (keys ``a/b/c``) and the full config to directory ``path``.
+
+    The config marks a whole directory (:func:`load_native` reads it first): one already
+    there is removed before the parameters are written (staged, then renamed), and the
+    new one written last, so that a write cut off leaves no directory that reads as a
+    model with another model's parameters, or with parameters half written."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     tensors = {
         "/".join(k.key for k in keys): np.asarray(jax.device_get(leaf)) for keys, leaf in flat
     }
-    save_file(tensors, os.path.join(path, NATIVE_PARAMS), {"format": "jflash"})
-    with atomic_write(os.path.join(path, NATIVE_CONFIG), "w") as f:
+    config_path = os.path.join(path, NATIVE_CONFIG)
+    if os.path.lexists(config_path):
+        os.remove(config_path)
+    staged = os.path.join(path, NATIVE_PARAMS + _STAGED)
+    save_file(tensors, staged, {"format": "jflash"})
+    os.replace(staged, os.path.join(path, NATIVE_PARAMS))
+    with atomic_write(config_path, "w") as f:
         json.dump(config_to_dict(config), f, indent=2)
 
 

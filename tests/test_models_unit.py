@@ -1018,3 +1018,28 @@ def test_cli_round_trip(tmp_path, params, capsys):
     # in place: the tokenizer is already there, which is no error
     convert_main(["--to-hf", str(tmp_path / "native"), "--out", str(tmp_path / "native")])
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path / "native")[1], params)
+
+
+def test_save_native_cut_off_leaves_no_directory_that_reads(tmp_path, params, monkeypatch):
+    """`save_native` over another model drops its config (what `load_native` reads
+    first) before the parameters are written, staged: a write cut off leaves a directory
+    that is refused, never another model's config over half-written parameters."""
+    import models.convert as convert
+
+    models.save_native(params, SMALL, tmp_path / "native")
+
+    def cut_off(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert, "save_file", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        models.save_native(params, SMALL, tmp_path / "native")
+    with pytest.raises(ValueError, match="is not a native directory"):
+        models.load_native(tmp_path / "native")
+    monkeypatch.undo()
+    models.save_native(params, SMALL, tmp_path / "native")
+    config, native = models.load_native(tmp_path / "native")
+    assert config == SMALL
+    jax.tree.map(np.testing.assert_array_equal, native, params)

@@ -217,6 +217,24 @@ def test_overwrite_replaces_the_model_in_out(runs, tmp_path):
     _same_hf(out, runs["long"] / "hf")
 
 
+def test_an_overwrite_cut_off_leaves_no_model_that_loads(runs, tmp_path, monkeypatch):
+    """--overwrite drops the other model's config.json (what marks a whole model) before
+    it writes the tokenizer and the weights: an export stopped midway leaves a directory
+    that does not load, never one model's tokenizer beside another's weights."""
+    out = tmp_path / "out"
+    assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
+    (out / "tokenizer.json").write_text("another model's")
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.models, "export_hf", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        export.main([str(runs["long"]), "--out", str(out), "--overwrite"])
+    assert not (out / "config.json").exists()
+    assert (out / "tokenizer.json").read_text() != "another model's"
+
+
 def _refused(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit:
         export.main(argv)

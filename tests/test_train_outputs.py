@@ -652,9 +652,12 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
     keeps the previous run; `settle` then deletes or puts back."""
     old = {"checkpoints/3/meta": "old", "log.jsonl": "old log\n"}
     killed = {"log.jsonl": "killed log\n", outputs.SETTINGS_FILE: "killed"}
+    record = json.dumps({"state": "aside", "names": ["checkpoints", "log.jsonl"]})
+    old_aside = {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()}
+    old_aside[f"{outputs.PREVIOUS_RUN}/{outputs.MOVES}"] = record
 
     out = tmp_path / "no_checkpoint"
-    _outputs_by_hand(out, {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()} | killed)
+    _outputs_by_hand(out, old_aside | killed)
     with pytest.raises(TrainingError, match="holds a run set aside in .* and was killed"):
         outputs.check_claim(str(out), continuing=False, overwrite=False, resume_flag=None)
     aside = outputs.set_aside(str(out), is_main=True)
@@ -666,14 +669,133 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
 
     out = tmp_path / "with_checkpoint"
     became = killed | {"checkpoints/1/meta": "killed"}
-    _outputs_by_hand(out, {f"{outputs.PREVIOUS_RUN}/{k}": v for k, v in old.items()} | became)
+    _outputs_by_hand(out, old_aside | became)
     aside = outputs.set_aside(str(out), is_main=True)
-    assert _files(out) == {f"{outputs.PREVIOUS_RUN}/{k}": v.encode() for k, v in became.items()}
+    moved = {f"{outputs.PREVIOUS_RUN}/{k}": v.encode() for k, v in became.items()}
+    record = {"state": "aside", "names": ["checkpoints", "log.jsonl", outputs.SETTINGS_FILE]}
+    assert _files(out) == moved | {
+        f"{outputs.PREVIOUS_RUN}/{outputs.MOVES}": json.dumps(record).encode()
+    }
     assert outputs.settle(aside, str(out), good=True).startswith(
         "this run finished: deleted the run it replaces"
     )
     assert not (out / outputs.PREVIOUS_RUN).exists()
     assert outputs.settle(aside, str(out), good=False) is None  # settled once
+
+
+@pytest.mark.parametrize("state", ["moving", "returning"])
+def test_a_previous_run_split_by_a_kill_between_two_moves_is_made_whole(tmp_path, state):
+    """A replacing run killed between two of the renames that set the previous run aside
+    (or put it back) leaves it split: the next run into the directory puts it back whole
+    from previous_run/'s record, whatever it was asked to do, before it reads the
+    directory; an overwrite then sets all of it aside, and a stop puts all of it back."""
+    old = {
+        "checkpoints/3/meta": "old",
+        "log.jsonl": "old log\n",
+        "hf/config.json": "{}",
+        "tensorboard/events.out.tfevents.1": "e",
+        outputs.SETTINGS_FILE: "old",
+    }
+    out = tmp_path / "run"
+    _outputs_by_hand(out, old)
+    names = outputs.previous_outputs(str(out))
+    aside = out / outputs.PREVIOUS_RUN
+    aside.mkdir()
+    (aside / outputs.MOVES).write_text(json.dumps({"state": state, "names": names}))
+    for name in ("checkpoints", "log.jsonl"):  # the kill came after two of five renames
+        os.rename(out / name, aside / name)
+    line = outputs.recover(str(out), is_main=True)
+    how = "setting them aside" if state == "moving" else "putting them back"
+    assert line == (
+        f"--output_dir: a run that was killed while {how} had left part of the previous "
+        f"run's outputs in {aside}: checkpoints, log.jsonl back in {out}"
+    )
+    assert _files(out) == {k: v.encode() for k, v in old.items()}
+    assert outputs.recover(str(out), is_main=True) is None  # whole: nothing to do
+
+    kept = outputs.set_aside(str(out), is_main=True)
+    assert sorted(os.listdir(out)) == [outputs.PREVIOUS_RUN]
+    (out / "log.jsonl").write_text("new log\n")
+    assert outputs.settle(kept, str(out), good=False) == f"{outputs.PUT_BACK} {out}"
+    assert _files(out) == {k: v.encode() for k, v in old.items()}
+
+
+def test_a_run_through_the_trainer_makes_a_split_previous_run_whole_first(tmp_path, capsys):
+    """The trainer's own path: a plain run into a directory holding a split previous run
+    puts it back, says so, and then refuses to mix into it, naming all of it."""
+    out = tmp_path / "run"
+    old = {"checkpoints/3/meta": "old", "log.jsonl": "old log\n", "hf/config.json": "{}"}
+    _outputs_by_hand(out, old)
+    aside = out / outputs.PREVIOUS_RUN
+    aside.mkdir()
+    names = ["checkpoints", "hf", "log.jsonl"]
+    (aside / outputs.MOVES).write_text(json.dumps({"state": "moving", "names": names}))
+    os.rename(out / "checkpoints", aside / "checkpoints")
+    with pytest.raises(TrainingError, match=r"holds a previous run \(checkpoints, log.jsonl, hf\)"):
+        run(parse_args(_args(out)))
+    assert "checkpoints back in" in capsys.readouterr().out
+    assert _files(out) == {k: v.encode() for k, v in old.items()}
+
+
+def test_a_previous_run_without_its_record_is_refused_not_sorted(tmp_path):
+    """previous_run/ without the record of its moves (made by hand, or by an older
+    version): which outputs are whose is not known, so every run is refused in one line
+    and nothing moves or is deleted."""
+    out = tmp_path / "run"
+    files = {f"{outputs.PREVIOUS_RUN}/log.jsonl": "old\n", "hf/config.json": "{}"}
+    _outputs_by_hand(out, files)
+    assert outputs.recover(str(out), is_main=True) is None
+    for continuing, overwrite in ((False, False), (False, True), (True, False)):
+        with pytest.raises(TrainingError, match=r"without a record of how it was set aside"):
+            outputs.check_claim(
+                str(out), continuing=continuing, overwrite=overwrite, resume_flag="latest"
+            )
+    assert _files(out) == {k: v.encode() for k, v in files.items()}
+    os.remove(out / outputs.PREVIOUS_RUN / "log.jsonl")  # empty: a kill before its record
+    assert outputs.recover(str(out), is_main=True) is None
+    assert sorted(os.listdir(out)) == ["hf"]
+
+
+def test_a_deletion_cut_off_leaves_nothing_under_the_previous_runs_name(tmp_path, monkeypatch):
+    """`settle` renames previous_run/ before deleting it: a deletion cut off leaves only
+    `DELETING`, which the next run deletes."""
+    out = tmp_path / "run"
+    _outputs_by_hand(out, {"log.jsonl": "old\n", "hf/config.json": "{}"})
+    aside = outputs.set_aside(str(out), is_main=True)
+    real_rmtree = shutil.rmtree
+
+    def cut_off(path, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs.shutil, "rmtree", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        outputs.settle(aside, str(out), good=True)
+    assert sorted(os.listdir(out)) == [outputs.DELETING]
+    monkeypatch.setattr(outputs.shutil, "rmtree", real_rmtree)
+    assert outputs.recover(str(out), is_main=True) is None
+    assert os.listdir(out) == []
+
+
+def test_a_resume_cut_off_while_it_trims_the_log_keeps_the_log(tmp_path, monkeypatch):
+    """The log is trimmed into `<log>.part`, which then replaces it: a stop before the
+    replace leaves the whole old log (and the next trim removes the `.part`)."""
+    out = tmp_path / "run"
+    lines = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)]
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "log.jsonl").write_text("".join(lines))
+    real_replace = os.replace
+
+    def cut_off(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outputs.os, "replace", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        outputs.drop_after(str(out), 3)
+    assert (out / "log.jsonl").read_text() == "".join(lines)
+    monkeypatch.setattr(outputs.os, "replace", real_replace)
+    outputs.drop_after(str(out), 3)
+    assert (out / "log.jsonl").read_text() == "".join(lines[:3])
+    assert sorted(os.listdir(out)) == ["log.jsonl", "tensorboard"]
 
 
 def test_settings_name_paths_absolute(tmp_path, monkeypatch):
@@ -846,7 +968,7 @@ def test_saves_cut_off_by_a_kill_are_removed_when_the_run_resumes(tmp_path, caps
     when a run resumes in their output directory; other names there are kept."""
     import orbax.checkpoint._src.path.atomicity_types as atomicity_types
 
-    from train.checkpoint import PARTIAL_SAVE
+    from train.checkpoint import DELETED, PARTIAL_SAVE
 
     assert PARTIAL_SAVE.fullmatch("4" + atomicity_types.TMP_DIR_SUFFIX)  # orbax's own name
     out = tmp_path / "run"
@@ -856,6 +978,7 @@ def test_saves_cut_off_by_a_kill_are_removed_when_the_run_resumes(tmp_path, caps
     shutil.rmtree(checkpoints / "4")
     for name in ("4.orbax-checkpoint-tmp", "3.orbax-checkpoint-tmp-1712", "notes"):
         (checkpoints / name / "state").mkdir(parents=True)
+    (checkpoints / DELETED / "1" / "state").mkdir(parents=True)  # a deletion cut off
     capsys.readouterr()
     assert main([*argv, "--resume_from_checkpoint", "latest"]) == 0
     said = capsys.readouterr().out
@@ -864,3 +987,28 @@ def test_saves_cut_off_by_a_kill_are_removed_when_the_run_resumes(tmp_path, caps
         "3.orbax-checkpoint-tmp-1712, 4.orbax-checkpoint-tmp\n"
     ) in said
     assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "notes"]
+
+
+def test_save_total_limit_drops_checkpoints_whole(tmp_path, monkeypatch):
+    """A checkpoint that --save_total_limit drops leaves its step's name in one rename
+    (into `checkpoints/.deleted/`, emptied at the next save and at the end): a kill while
+    it is deleted leaves no half-deleted checkpoint that reads as a step."""
+    from train.checkpoint import DELETED
+
+    out = tmp_path / "run"
+    renamed = []
+
+    def watched(real):
+        def rename(src, dst, *args, **kwargs):
+            if f"{os.sep}{DELETED}{os.sep}" in os.fspath(dst):
+                renamed.append(os.path.basename(os.fspath(src)))
+            return real(src, dst, *args, **kwargs)
+
+        return rename
+
+    monkeypatch.setattr(os, "rename", watched(os.rename))
+    monkeypatch.setattr(os, "replace", watched(os.replace))
+    argv = ["--report_to", "none", "--save_steps", "1", "--save_total_limit", "1"]
+    assert main(_args(out, *argv)) == 0
+    assert renamed == ["1", "2"]
+    assert sorted(os.listdir(out / "checkpoints")) == ["3"]

@@ -1,7 +1,10 @@
 """Orbax checkpoints: async saves of the train state and the data position, resume.
 
 Layout: `<output_dir>/checkpoints/<step>/{state,meta}`. `--save_total_limit` keeps the
-newest N. A checkpoint is only written for a finite loss, so the last one is always good.
+newest N: Orbax moves an older one into `checkpoints/.deleted/` in one rename, and it is
+deleted from there at the next save and at the end, so that a kill during a deletion
+leaves no half-deleted checkpoint under a step's name. A checkpoint is only written for a
+finite loss, so the last one is always good.
 """
 
 from __future__ import annotations
@@ -68,11 +71,17 @@ def _quiet_read_only_notes():
 PARTIAL_SAVE = re.compile(r"\d+\.orbax-checkpoint-tmp(-\d+)?")
 
 
+# Where Orbax moves the checkpoints that `--save_total_limit` drops (`todelete_subdir`).
+DELETED = ".deleted"
+
+
 def remove_partial_saves(output_dir: str) -> list[str]:
     """Deletes the directories of saves cut off in `<output_dir>/checkpoints` (orbax's
-    temporary names only, nothing else there) and returns their names, sorted. Called
-    before the run writes a checkpoint, so none of them is a save in progress."""
+    temporary names only, nothing else there) and returns their names, sorted; and what
+    a kill left of dropped checkpoints (`DELETED`). Called before the run writes a
+    checkpoint, so none of them is a save in progress."""
     directory = os.path.join(output_dir, "checkpoints")
+    shutil.rmtree(os.path.join(directory, DELETED), ignore_errors=True)
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -91,11 +100,13 @@ class Checkpoints:
 
     def __init__(self, output_dir: str, save_total_limit: int | None, read_only: bool = False):
         self.directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
+        self._read_only = read_only
         if read_only and not os.path.isdir(self.directory):
             raise ValueError(f"--resume_from_checkpoint: {self.directory} does not exist")
         with _quiet_read_only_notes() if read_only else contextlib.nullcontext():
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=save_total_limit,
+                todelete_subdir=None if read_only else DELETED,
                 enable_async_checkpointing=True,
                 create=not read_only,
                 read_only=read_only,
@@ -103,6 +114,7 @@ class Checkpoints:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state, meta: dict) -> None:
+        self.wait()  # as Orbax's save would: then what it dropped is deleted
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -201,10 +213,16 @@ class Checkpoints:
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
+        self._empty_deleted()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
+
+    def _empty_deleted(self) -> None:
+        """Deletes the checkpoints Orbax has dropped (`DELETED`; its primary process's)."""
+        if not self._read_only and jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self.directory, DELETED), ignore_errors=True)
 
 
 def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:

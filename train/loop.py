@@ -86,10 +86,14 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     """`run`; sets `stage["claimed"]` once it starts to change the output directory."""
     initialize_distributed(cfg)
     is_main = jax.process_index() == 0
-    cfg = _resolve_auto_resume(cfg, is_main)
     out = cfg.run.output_dir
-    reporters.check(cfg.run.report_to)
     outputs.check_writable(out)
+    # A previous run split by a replacing run killed midway is made whole before
+    # anything reads the directory (which checkpoint to resume, what it holds).
+    if (line := outputs.recover(out, is_main)) is not None:
+        print(line, flush=True)
+    cfg = _resolve_auto_resume(cfg, is_main)
+    reporters.check(cfg.run.report_to)
     if cfg.profile.profile_steps and cfg.profile.profile_dir:
         outputs.check_writable(cfg.profile.profile_dir, "--profile_dir")
     resume = resolve_resume(cfg.run.resume_from_checkpoint, out)

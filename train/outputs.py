@@ -7,7 +7,9 @@ then everything the run needs is built and compiled, and only then `set_aside` m
 previous run's outputs into `previous_run/` (`--overwrite_output_dir`): a run that
 cannot start leaves the directory as it was. `settle` deletes them once the new run is
 known good (it has written a whole checkpoint, or finished) and puts them back where it
-stops before that.
+stops before that. A run killed halfway through those moves leaves a record of them
+(`MOVES`), from which the next run into the directory puts the previous run back whole
+(`recover`) before it looks at the directory.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ from train.tensorboard import truncate_events
 SETTINGS_FILE = "train_config.yaml"
 # Where `--overwrite_output_dir` keeps a previous run's outputs until the new run is good.
 PREVIOUS_RUN = "previous_run"
+# `previous_run/`'s record of what `set_aside` moved there and how far the moves got,
+# `{"state": "moving" | "aside" | "returning", "names": [...]}`, written before each
+# series of renames: a kill between two renames leaves the previous run split between
+# `previous_run/` and the directory, and `recover` makes it whole again from the record.
+MOVES = ".moves.json"
+# Where a `previous_run/` goes, in one rename, before it is deleted (`_delete`), so that
+# a deletion cut off leaves no part of it under its name; `recover` deletes what is left.
+DELETING = ".previous_run.deleting"
 # What `settle` says where it puts them back (the interrupted line reads it).
 PUT_BACK = (
     "--overwrite_output_dir: this run stopped before its first checkpoint; the previous "
@@ -130,6 +140,13 @@ def check_claim(
       inputs: `{flag: path}` the run reads (model, tokenizer, data), which must not lie
         inside the outputs that `--overwrite_output_dir` replaces.
     """
+    aside = os.path.join(out, PREVIOUS_RUN)
+    if os.path.isdir(aside) and _read_moves(aside) is None:
+        raise TrainingError(
+            f"--output_dir={out!r} holds {aside} without a record of how it was set aside "
+            f"({MOVES}), so which outputs are the previous run's is not known: move "
+            f"them back into {out} or delete {aside} yourself"
+        )
     if continuing:
         if overwrite:
             raise TrainingError(
@@ -138,7 +155,6 @@ def check_claim(
             )
         return
     found = previous_outputs(out)
-    aside = os.path.join(out, PREVIOUS_RUN)
     if found and overwrite:
         _check_replaceable(out, found, inputs or {})
     if os.path.isdir(aside) and not overwrite:
@@ -269,12 +285,101 @@ def _remove(out: str, names: list[str]) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
+def _write_moves(aside: str, state: str, names: list[str]) -> None:
+    """`aside`'s record of its moves (`MOVES`), replaced whole (never half written)."""
+    path = os.path.join(aside, MOVES)
+    with open(path + ".part", "w") as f:
+        json.dump({"state": state, "names": names}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".part", path)
+
+
+def _read_moves(aside: str) -> dict | None:
+    """`aside`'s record (`MOVES`), or None where there is none that can be read; an
+    empty `aside` (a kill before its record was written) reads as a record of no move."""
+    try:
+        with open(os.path.join(aside, MOVES)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = None
+    if record is None and not set(os.listdir(aside)) - {MOVES + ".part"}:
+        return {"state": "moving", "names": []}
+    if not isinstance(record, dict) or record.get("state") not in ("moving", "aside", "returning"):
+        return None
+    names = record.get("names")
+    plain = isinstance(names, list) and all(
+        isinstance(n, str) and n not in ("", ".", "..") and os.sep not in n for n in names
+    )
+    return record if plain else None
+
+
+def _delete(out: str, aside: str) -> None:
+    """Deletes `aside`: first renamed to `DELETING` in one step, so that a deletion cut
+    off leaves nothing under its name (`recover` deletes the rest)."""
+    gone = os.path.join(out, DELETING)
+    if os.path.exists(gone):
+        shutil.rmtree(gone)
+    os.rename(aside, gone)
+    shutil.rmtree(gone)
+
+
+def recover(out: str, is_main: bool) -> str | None:
+    """Makes a previous run whole again where a run that replaced it
+    (`--overwrite_output_dir`) was killed between two of the renames that set it aside or
+    put it back: its outputs are all moved back into `out` (the killed run had written
+    nothing yet, or its outputs were deleted already), by `previous_run/`'s record
+    (`MOVES`). Also deletes what a deletion cut off left (`DELETING`). Run before
+    anything reads `out`; takes `out`'s lock while it moves. Returns the line that says
+    what it did, or None."""
+    aside, gone = os.path.join(out, PREVIOUS_RUN), os.path.join(out, DELETING)
+    line = None
+    if is_main and (os.path.isdir(aside) or os.path.isdir(gone)):
+        with claimed(out), signals_held():
+            if os.path.isdir(gone):
+                shutil.rmtree(gone, ignore_errors=True)
+            record = _read_moves(aside) if os.path.isdir(aside) else None
+            if record is not None and record["state"] != "aside":
+                line = _put_back(out, aside, record)
+    if jax.process_count() > 1:  # every process waits here, whatever it found
+        multihost_utils.sync_global_devices("jflash: output_dir recovered")
+    return line
+
+
+def _put_back(out: str, aside: str, record: dict) -> str | None:
+    """`recover`'s moves: the record's names from `aside` back into `out`."""
+    names = [n for n in record["names"] if os.path.lexists(os.path.join(aside, n))]
+    clash = [n for n in names if os.path.lexists(os.path.join(out, n))]
+    extra = sorted(set(os.listdir(aside)) - set(record["names"]) - {MOVES, MOVES + ".part"})
+    if clash or extra:
+        which = ", ".join(clash or extra)
+        where = f"both {out} and {aside}" if clash else f"{aside} (not in its record)"
+        raise TrainingError(
+            f"--output_dir={out!r}: a run killed while it moved a previous run's outputs "
+            f"left {which} in {where}; sort them by hand, then run again"
+        )
+    for name in names:
+        os.rename(os.path.join(aside, name), os.path.join(out, name))
+    for name in (MOVES, MOVES + ".part"):
+        if os.path.exists(os.path.join(aside, name)):
+            os.remove(os.path.join(aside, name))
+    os.rmdir(aside)
+    if not names:
+        return None
+    how = "setting them aside" if record["state"] == "moving" else "putting them back"
+    return (
+        f"--output_dir: a run that was killed while {how} had left part of the previous "
+        f"run's outputs in {aside}: {', '.join(names)} back in {out}"
+    )
+
+
 def set_aside(out: str, is_main: bool) -> str | None:
     """Moves a previous run's outputs in `out` into `out/previous_run`
-    (`--overwrite_output_dir`); call it only once the new run is known to start. `settle`
-    deletes them or puts them back. Returns that directory where it holds a previous run
-    (on the main process), else None. A move that fails is undone, and refused in one
-    line.
+    (`--overwrite_output_dir`); call it only once the new run is known to start (and
+    after `recover`). `settle` deletes them or puts them back. Returns that directory
+    where it holds a previous run (on the main process), else None. A move that fails
+    is undone, and refused in one line; a kill between two moves is undone by the next
+    run (`recover`, from the record written before the first move).
 
     A `previous_run` already there was left by a replacing run that was killed before
     `settle`: the outputs beside it are that run's, kept (and `previous_run` dropped)
@@ -286,7 +391,7 @@ def set_aside(out: str, is_main: bool) -> str | None:
             try:
                 if os.path.isdir(aside):
                     if saved_steps(out):
-                        shutil.rmtree(aside)
+                        _delete(out, aside)
                     else:
                         _remove(out, names)
                         names = []
@@ -297,6 +402,7 @@ def set_aside(out: str, is_main: bool) -> str | None:
                 ) from None
             if names:
                 os.makedirs(aside)
+                _write_moves(aside, "moving", names)
                 moved = []
                 try:
                     for name in names:
@@ -305,11 +411,13 @@ def set_aside(out: str, is_main: bool) -> str | None:
                 except OSError as e:
                     for back in moved:
                         os.rename(os.path.join(aside, back), os.path.join(out, back))
+                    os.remove(os.path.join(aside, MOVES))
                     os.rmdir(aside)
                     raise TrainingError(
                         f"--overwrite_output_dir: could not move {os.path.join(out, name)} "
                         f"into {aside} ({e.strerror}); {out} is as it was"
                     ) from None
+                _write_moves(aside, "aside", names)
     if jax.process_count() > 1:  # every process waits here, whatever it found
         multihost_utils.sync_global_devices("jflash: output_dir set aside")
     return aside if is_main and os.path.isdir(aside) else None
@@ -318,7 +426,8 @@ def set_aside(out: str, is_main: bool) -> str | None:
 def settle(aside: str | None, out: str, *, good: bool) -> str | None:
     """Ends the keeping of a previous run's outputs (`set_aside`): deleted where the new
     run is good (`good`: it finished; or it has written a whole checkpoint), else the new
-    run's outputs are deleted and the previous ones put back. Returns the line that says
+    run's outputs are deleted and the previous ones put back (the record says so first:
+    a kill midway is finished by the next run's `recover`). Returns the line that says
     which, or None where nothing was kept. A deletion that fails is said, not raised:
     the run goes on, and a resume tries again."""
     if aside is None or not os.path.isdir(aside):
@@ -328,16 +437,19 @@ def settle(aside: str | None, out: str, *, good: bool) -> str | None:
         if good or steps:
             why = f"has a whole checkpoint (step {steps[0]})" if steps else "finished"
             try:
-                shutil.rmtree(aside)
+                _delete(out, aside)
             except OSError as e:
                 return (
                     f"warning: this run {why}, but the run it replaces could not all be "
-                    f"deleted from {aside}: {e.filename}: {e.strerror}; delete it yourself"
+                    f"deleted from {e.filename}: {e.strerror}; delete it yourself"
                 )
             return f"this run {why}: deleted the run it replaces ({aside})"
         _remove(out, _beside_previous_run(out))
-        for name in os.listdir(aside):
+        names = sorted(set(os.listdir(aside)) - {MOVES, MOVES + ".part"})
+        _write_moves(aside, "returning", names)
+        for name in names:
             os.rename(os.path.join(aside, name), os.path.join(out, name))
+        os.remove(os.path.join(aside, MOVES))
         os.rmdir(aside)
     return f"{PUT_BACK} {out}"
 
@@ -477,13 +589,20 @@ def run_model_config(out: str) -> str | None:
 
 def drop_after(out: str, last_step: int) -> None:
     """Drops the log records and TensorBoard scalars after the checkpoint resumed from
-    (a killed run logged steps it never saved; they are run again)."""
-    truncate_log(os.path.join(out, "log.jsonl"), last_step)
-    truncate_events(os.path.join(out, "tensorboard"), last_step)
+    (a killed run logged steps it never saved; they are run again). Each file is
+    rewritten beside itself and then replaces the old one, and Ctrl-C or SIGTERM waits
+    until both are done: a stop cuts neither in half."""
+    with signals_held():
+        truncate_log(os.path.join(out, "log.jsonl"), last_step)
+        truncate_events(os.path.join(out, "tensorboard"), last_step)
 
 
 def truncate_log(path: str, last_step: int) -> None:
-    """Keeps the records of `path` (JSON lines) at or before `last_step`."""
+    """Keeps the records of `path` (JSON lines) at or before `last_step`: written to
+    `<path>.part`, which then replaces `path` (a failure or a kill leaves the old log)."""
+    part = path + ".part"
+    if os.path.exists(part):  # left by a kill before it replaced the log
+        os.remove(part)
     if not os.path.exists(path):
         return
 
@@ -497,8 +616,9 @@ def truncate_log(path: str, last_step: int) -> None:
         lines = f.readlines()
     keep = [line for line in lines if step_of(line) <= last_step]
     if len(keep) != len(lines):
-        with open(path, "w") as f:
+        with open(part, "w") as f:
             f.writelines(keep)
+        os.replace(part, path)
 
 
 def copy_tokenizer(source: str, hf_dir: str, chat_templates: dict[str, str] | None = None) -> None:

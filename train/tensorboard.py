@@ -29,6 +29,11 @@ _U64 = (1 << 64) - 1
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 
 
+# A rewritten event file's name until it replaces the file (`truncate_events`): without
+# "tfevents", which TensorBoard and `event_files` take for an event file.
+REWRITE_NAME = "rewrite.part"
+
+
 def _crc32c_table() -> tuple[int, ...]:
     """Byte table of CRC-32C (Castagnoli), reflected polynomial 0x82F63B78."""
     table = []
@@ -315,11 +320,14 @@ def truncate_events(logdir: str | os.PathLike, last_step: int) -> None:
     ``logdir`` (a resumed run writes those steps again; TensorBoard would show both).
 
     A record torn by a kill at the end of a file is dropped too. Files are rewritten
-    through a temporary file and ``os.replace``, so a failure leaves the old file.
+    through a temporary file (``REWRITE_NAME``, which no reader takes for an event file)
+    and ``os.replace``, so a failure leaves the old file; one left by a kill is removed.
     """
     logdir = Path(logdir)
     if not logdir.is_dir():
         return
+    tmp = logdir / REWRITE_NAME
+    tmp.unlink(missing_ok=True)
     for file in event_files(logdir):
         data = file.read_bytes()
         keep, offset, changed = [], 0, False
@@ -341,6 +349,5 @@ def truncate_events(logdir: str | os.PathLike, last_step: int) -> None:
                 keep.append(data[offset : end + 4])
             offset = end + 4
         if changed:
-            tmp = file.with_name(file.name + ".tmp")
             tmp.write_bytes(b"".join(keep))
             os.replace(tmp, file)

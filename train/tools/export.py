@@ -185,10 +185,17 @@ def export(
     finally:
         checkpoints.close()
     params = jax.tree.map(np.asarray, params)
-    models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    # `config.json` marks a whole model (`models.export_hf` renames its own into place
+    # last): another model's goes first (--overwrite), then the tokenizer is written,
+    # then the weights, so that an export cut off leaves no directory that loads as a
+    # model with one model's weights and another's tokenizer.
+    if os.path.lexists(os.path.join(out, "config.json")):
+        os.remove(os.path.join(out, "config.json"))
+    os.makedirs(out, exist_ok=True)
     outputs.copy_tokenizer(tokenizer, out, templates)
     # Another model's, where --overwrite replaced it.
     remove_other_tokenizer_files(out, outputs.tokenizer_files(tokenizer, templates))
+    models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
 
 
