@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 import numpy as np
@@ -493,6 +494,22 @@ def test_the_demo_refuses_the_flags_it_owns_and_deletes_nothing(tmp_path, monkey
     for name, data in previous.items():
         assert (tmp_path / "precious" / name).read_bytes() == data
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_demos_help_writes_nothing(tmp_path, monkeypatch, capsys):
+    """`--help` of either demo says what it does and which flags it owns, and writes
+    nothing (it once made the model, tokenizer and caches first)."""
+    from train import demo, text_demo
+
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--help"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("`make demo`") and "--keep: reuse" in said
+    assert "--output_dir, --overwrite_output_dir: the demo's own" in said
+    monkeypatch.setattr(sys, "argv", ["text_demo", "-h"])
+    text_demo.main()
+    assert capsys.readouterr().out.startswith("`make demo-text`")
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_signal_stop_exits_with_the_shells_status_for_the_signal():

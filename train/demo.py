@@ -93,6 +93,10 @@ def _write_model(config: models.LlamaConfig, hf_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
+    own = ("--keep: reuse the model and data of an earlier demo",)
+    if (usage := outputs.demo_help(argv, __doc__, RUN_DIR, own)) is not None:
+        print(usage)
+        return 0
     refused = outputs.demo_flag_error(argv, RUN_DIR)
     if refused:
         print(refused, file=sys.stderr)

@@ -681,6 +681,20 @@ def demo_flag_error(argv: list[str], run_dir: str) -> str | None:
     )
 
 
+def demo_help(argv: list[str], doc: str, run_dir: str, own: tuple[str, ...] = ()) -> str | None:
+    """A demo's `--help` / `-h` (before it writes anything), else None: what it does
+    (`doc`, its module docstring), its own flags (`own`, "--flag: what"), and which of
+    the trainer's flags pass through."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    flags = "".join(f"\n  {line}" for line in own)
+    return (
+        f"{doc.strip()}\n\nflags:{flags}\n  any `python -m train` flag (`python -m train "
+        f"--help` lists them) but {', '.join(DEMO_FLAGS)}: the demo's own (it writes "
+        f"under {run_dir}/)"
+    )
+
+
 def demo_resumes(argv: list[str]) -> bool:
     """Whether a demo's flags resume its last run (`--resume_from_checkpoint`, either
     form): it then keeps that run's outputs instead of replacing them."""

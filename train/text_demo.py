@@ -98,6 +98,9 @@ def eval_loss(trainer) -> float:
 
 def main() -> None:
     start = time.time()
+    if (usage := outputs.demo_help(sys.argv[1:], __doc__, str(RUN_DIR))) is not None:
+        print(usage)
+        return
     refused = outputs.demo_flag_error(sys.argv[1:], str(RUN_DIR))
     if refused:
         sys.exit(refused)

@@ -495,7 +495,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"capacity on {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"limit {limit:.2f} GiB/device and {host_limit:.2f} GiB host/device, "
-        f"remat={args.remat}, mlp_tile={args.mlp_tile}, "
+        f"remat={args.remat}, "
+        f"mlp_tile={'the trainer default' if args.mlp_tile is None else args.mlp_tile}, "
         f"optimizer_offload={args.optimizer_offload}",
         flush=True,
     )
