@@ -96,6 +96,7 @@ class LlamaConfig:
         initializer_range: std of the normal initialiser (HF default 0.02).
         bos_token_id: carried through conversion.
         eos_token_id: carried through conversion (Llama 3 lists several).
+        pad_token_id: carried through conversion (a tokenizer's padding id, if any).
         dtype: compute dtype (``"bfloat16"`` for training); norms, RoPE angles,
             softmax and logits are always computed in float32.
         param_dtype: storage dtype of the parameters (``"float32"`` master weights).
@@ -135,6 +136,7 @@ class LlamaConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = 1
     eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
     dtype: str = "float32"
     param_dtype: str = "float32"
     scan_layers: bool = True
@@ -234,7 +236,8 @@ def _typed(hf: dict[str, Any], key: str, kind: type, default: Any = None) -> Any
 
 
 def _token_id(hf: dict[str, Any], key: str) -> int | list[int] | None:
-    """A ``bos_token_id`` / ``eos_token_id``: null, an integer or a list of integers."""
+    """A ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: null, an integer or a
+    list of integers."""
     value = hf.get(key)
     ids = value if isinstance(value, list) else [value]
     if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -243,13 +246,38 @@ def _token_id(hf: dict[str, Any], key: str) -> int | list[int] | None:
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    """Reads ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = hf.get("rope_parameters")
-    if params is not None and "full_attention" in params:
-        params = params["full_attention"]
-    scaling = params if params else hf.get("rope_scaling") or {}
+    """The RoPE a Llama ``config.json`` gives in transformers 5: ``rope_scaling`` (the
+    4.x key) where it is given, else ``rope_parameters`` (see :func:`_rope_of`). Where
+    both are given and each would give another RoPE, refused: transformers then reads
+    ``rope_scaling`` alone, ``rope_parameters``' ``rope_theta`` too, so a config edited
+    to add one beside the other runs a RoPE neither says."""
+    params, scaling = hf.get("rope_parameters"), hf.get("rope_scaling")
+    if params and scaling:
+        read, other = _rope_of(hf, scaling), _rope_of(hf, params)
+        if read != other:
+            raise ValueError(
+                f"config.json: rope_scaling={scaling} and rope_parameters={params} give "
+                f"different RoPE ({read} against {other}); transformers reads rope_scaling "
+                "alone: keep the one the model was trained with"
+            )
+        return read
+    return _rope_of(hf, scaling or params or {})
+
+
+def _rope_of(hf: dict[str, Any], scaling: Any) -> RopeConfig:
+    """The RoPE of one ``rope_scaling`` / ``rope_parameters`` object, as transformers 5
+    standardises it for a Llama: ``rope_theta`` from the object, else the top level, else
+    10,000; llama3's ``original_max_position_embeddings`` from the top level where it is
+    given there, else the object's, else ``max_position_embeddings``."""
     if not isinstance(scaling, dict):
         raise ValueError(f"config.json: rope scaling {scaling!r} must be an object")
+    nested = sorted(k for k, v in scaling.items() if isinstance(v, dict))
+    if nested:
+        raise ValueError(
+            f"config.json: rope parameters nested by layer type ({', '.join(nested)}) are "
+            "not a Llama's (transformers' Llama ignores them and runs the default RoPE): "
+            "write the inner object as rope_parameters"
+        )
     scaling = dict(scaling)
     theta = _typed(scaling, "rope_theta", float)
     scaling.pop("rope_theta", None)
@@ -268,11 +296,13 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     factor = _typed(scaling, "factor", float)
     if rope_type == "linear":
         return RopeConfig(theta=theta, type="linear", factor=factor)
-    missing = [
-        k
-        for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if scaling.get(k) is None
-    ]
+    if hf.get("original_max_position_embeddings") is not None:
+        original = _typed(hf, "original_max_position_embeddings", int)
+    elif scaling.get("original_max_position_embeddings") is not None:
+        original = _typed(scaling, "original_max_position_embeddings", int)
+    else:
+        original = _typed(hf, "max_position_embeddings", int, 2048)
+    missing = [k for k in ("low_freq_factor", "high_freq_factor") if scaling.get(k) is None]
     if missing:
         raise ValueError(f"llama3 rope parameters missing {missing}; got {scaling}")
     return RopeConfig(
@@ -281,7 +311,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         factor=factor,
         low_freq_factor=_typed(scaling, "low_freq_factor", float),
         high_freq_factor=_typed(scaling, "high_freq_factor", float),
-        original_max_position_embeddings=_typed(scaling, "original_max_position_embeddings", int),
+        original_max_position_embeddings=original,
     )
 
 
@@ -357,6 +387,7 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
         initializer_range=_typed(hf, "initializer_range", float, 0.02),
         bos_token_id=_token_id(hf, "bos_token_id"),
         eos_token_id=_token_id(hf, "eos_token_id"),
+        pad_token_id=_token_id(hf, "pad_token_id"),
     )
 
 
@@ -407,6 +438,7 @@ def to_hf_config(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str,
         "mlp_bias": False,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "pad_token_id": config.pad_token_id,
         "torch_dtype": torch_dtype,
         "use_cache": True,
     }

@@ -181,6 +181,17 @@ class _TensorIndex(Mapping[str, np.ndarray]):
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index}: not a valid safetensors index ({e!r})") from None
         else:
+            pickled = [
+                n
+                for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                if os.path.isfile(os.path.join(path, n))
+            ]
+            if pickled:
+                raise ValueError(
+                    f"{path} holds PyTorch pickle weights ({pickled[0]}), which are not read "
+                    "(loading a pickle runs its code): save the model as safetensors first, "
+                    "e.g. transformers' from_pretrained(path).save_pretrained(out)"
+                )
             raise ValueError(
                 f"{path} has no weights: neither model.safetensors nor model.safetensors.index.json"
             )
@@ -265,6 +276,11 @@ def load_hf(
             embed = tensors["model.embed_tokens.weight"]
             if tensors[key].shape == embed.shape and np.array_equal(tensors[key], embed):
                 continue
+            raise ValueError(
+                f"checkpoint {path} has an lm_head.weight other than its "
+                "model.embed_tokens.weight, but its config.json says tie_word_embeddings: "
+                "true (transformers then loads the head untied): set it to false"
+            )
         unexpected.append(key)
     if missing or unexpected or misshaped:
         raise ValueError(

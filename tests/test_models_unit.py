@@ -81,6 +81,40 @@ def test_config_reads_transformers4_and_5_rope_spellings():
     assert models.from_hf_config(_HF | {"head_dim": 40}).head_dim == 40
 
 
+def test_config_reads_rope_as_transformers_5_does():
+    """transformers 5 standardises a Llama's RoPE so: `rope_scaling` over
+    `rope_parameters`, theta from the object, then the top level, then 10,000; llama3's
+    original length from the top level, then the object, then max_position_embeddings.
+    Two objects that disagree are refused (transformers silently reads `rope_scaling`
+    alone, the theta of `rope_parameters` dropped), as are objects nested by layer type
+    (transformers' Llama ignores them)."""
+    linear = {"rope_type": "linear", "factor": 4.0}
+    read = models.from_hf_config(_HF | {"rope_parameters": linear, "rope_scaling": linear})
+    assert read.rope == models.RopeConfig(theta=10000.0, type="linear", factor=4.0)
+    both = _HF | {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    with pytest.raises(ValueError, match=r"give different RoPE .*reads rope_scaling alone"):
+        models.from_hf_config(both | {"rope_scaling": linear})
+    same_theta = both | {"rope_theta": 5e5, "rope_scaling": {"rope_type": "default"}}
+    assert models.from_hf_config(same_theta).rope == models.RopeConfig(theta=5e5)
+    with pytest.raises(ValueError, match=r"nested by layer type \(full_attention\)"):
+        models.from_hf_config(_HF | {"rope_parameters": {"full_attention": linear}})
+    llama3 = {"rope_type": "llama3"} | _LLAMA3
+    top = models.from_hf_config(
+        _HF | {"rope_scaling": llama3, "original_max_position_embeddings": 64}
+    )
+    assert top.rope.original_max_position_embeddings == 64
+    unsaid = {k: v for k, v in llama3.items() if k != "original_max_position_embeddings"}
+    default = models.from_hf_config(_HF | {"rope_scaling": unsaid, "max_position_embeddings": 512})
+    assert default.rope.original_max_position_embeddings == 512
+
+
+def test_pad_token_id_is_carried_through_conversion():
+    config = models.from_hf_config(_HF | {"pad_token_id": 5})
+    assert config.pad_token_id == 5
+    assert models.to_hf_config(config)["pad_token_id"] == 5
+    assert models.from_hf_config(_HF).pad_token_id is None
+
+
 def test_config_hf_round_trip():
     for preset in models.PRESETS.values():
         back = models.from_hf_config(json.loads(json.dumps(models.to_hf_config(preset))))
@@ -666,7 +700,8 @@ def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
     assert "lm_head" not in loaded
     state["lm_head.weight"] = state["lm_head.weight"] + 1
     save_file(state, tmp_path / "model.safetensors", {"format": "pt"})
-    with pytest.raises(ValueError, match="unexpected=\\['lm_head.weight'\\]"):
+    # transformers loads such a head untied: refused, naming the flag to change.
+    with pytest.raises(ValueError, match="lm_head.weight other than .*tie_word_embeddings: true"):
         models.load_hf(tmp_path)
 
 
@@ -1043,3 +1078,12 @@ def test_save_native_cut_off_leaves_no_directory_that_reads(tmp_path, params, mo
     config, native = models.load_native(tmp_path / "native")
     assert config == SMALL
     jax.tree.map(np.testing.assert_array_equal, native, params)
+
+
+def test_load_hf_says_pickle_weights_are_not_read(tmp_path, params):
+    """PyTorch pickle weights (`pytorch_model.bin`) are refused in one line saying what
+    to do, not as a directory without weights."""
+    models.export_hf(params, SMALL, tmp_path / "bin")
+    (tmp_path / "bin" / "model.safetensors").rename(tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"PyTorch pickle weights \(pytorch_model.bin\)"):
+        models.load_hf(tmp_path / "bin")
