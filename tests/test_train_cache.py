@@ -4,6 +4,7 @@ and `models.convert --init`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -278,7 +279,8 @@ def test_older_caches_without_labels_are_read_and_with_labels_rebuilt(tmp_path, 
 @pytest.mark.parametrize("packing", ["stream", "whole"])
 def test_summary_counts_the_targets_the_rows_hold(tmp_path, packing):
     """`labelled_tokens` of a dataset and of its cache is the number of labels that are
-    not -100 in all its rows (none dropped): what the loss is taken on over an epoch.
+    not -100 in all its rows (none dropped): what the loss is taken on over an epoch, but
+    the EOS that whole packing leaves out after an example exactly a row long.
     Unlabelled examples, prompt-masked ones, a prompt-only one, each with its EOS."""
     records = [
         [5, 6, 7, 8],
@@ -300,9 +302,50 @@ def test_summary_counts_the_targets_the_rows_hold(tmp_path, packing):
                 ),
             )
         ]
-        # 6 7 8 EOS | 11 12 13 EOS | - | 17 18 EOS | 21 EOS (not 20, nor the firsts)
-        assert held == [13, 13], (seq_len, held)
+        # 6 7 8 EOS | 11 12 13 EOS | - | 17 18 EOS | 21 EOS (not 20, nor the firsts); in
+        # whole rows, an example of seq_len tokens fills a row without its EOS: the last
+        # two at 3, the first at 4
+        expected = 13 - {3: 2, 4: 1}.get(seq_len, 0) * (packing == "whole")
+        assert held == [expected, expected], (seq_len, held)
     assert dataset.summary(eos_id=2)["labelled_tokens"] == cache.summary()["labelled_tokens"] == 13
+
+
+def test_whole_packing_fills_a_row_with_an_example_of_its_length(tmp_path):
+    """An example exactly a row long fills its row without its EOS (as one cut to the
+    row's length ends), in memory and from a cache: before, its EOS alone began the next
+    row and the rest of that row was padding, a row of nothing to learn."""
+    examples = [list(range(10 + 8 * i, 18 + 8 * i)) for i in range(3)] + [[40, 41]]
+    source = _pkl(tmp_path / "d.pkl", examples)
+    cache = data_cache.build_cache(source, tmp_path / "c", eos_id=2)
+    in_memory, padding = load_dataset(source).rows_and_padding(8, eos_id=2, packing="whole")
+    cached = cache.rows(8, packing="whole")
+    for rows in (in_memory, cached.take(np.arange(cached.num_rows))):
+        assert rows.input_ids.tolist() == [*examples[:3], [40, 41, 2, 0, 0, 0, 0, 0]][:3]
+        assert rows.labels[0].tolist() == [*range(11, 18), -100]  # no EOS to predict
+        assert rows.segment_ids.tolist() == [[0] * 8] * 3
+    assert padding == cached.padding == 0
+    assert cached.num_rows == 3  # the last row, 3 tokens and padding, is the dropped tail
+    rows = cache.rows(8, packing="whole", pad_last=True)
+    assert rows.take([3]).input_ids.tolist() == [[40, 41, 2, 0, 0, 0, 0, 0]]
+    assert rows.padding == 5
+
+
+def test_a_cache_whose_only_labels_are_first_tokens_has_nothing_to_learn(tmp_path):
+    """A document's first token is no target, whatever its label: a cache whose only
+    labels sit there is unlabelled, as the same data in memory is (the trainer refuses
+    both, not trains at loss 0); a cache written before `max_target` is counted."""
+    records = [{"input_ids": [5, 6, 7], "labels": [5, -100, -100]}] * 6
+    source = _pkl(tmp_path / "d.pkl", records)
+    cache = data_cache.build_cache(source, tmp_path / "c", eos_id=2)
+    assert not load_dataset(source).rows(4, eos_id=2).labelled
+    assert not cache.rows(4).labelled
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    del meta["max_target"]
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
+    assert not data_cache.open_cache(tmp_path / "c").rows(4).labelled
+    records[2] = {"input_ids": [5, 6, 7], "labels": [5, 6, -100]}
+    labelled = data_cache.build_cache(_pkl(tmp_path / "l.pkl", records), tmp_path / "l", eos_id=2)
+    assert labelled.rows(4).labelled
 
 
 def test_cache_files_and_summary(tmp_path):
@@ -664,6 +707,23 @@ def test_convert_init_round_trip(bpe, tmp_path):
         convert.main(["--init", "no-such-preset", "--out", str(tmp_path / "x")])
 
 
+def test_the_model_directorys_tokenizer_names_the_eos_packed(bpe, tmp_path):
+    """Without --tokenizer_name_or_path the run reads the model directory's tokenizer, and
+    packs its eos_token: an Instruct model's end of turn (Llama-3's `<|eot_id|>`), not
+    config.json's first EOS (`<|end_of_text|>`), which would follow each conversation's
+    own end of turn as a second EOS to learn."""
+    out = tmp_path / "model"
+    convert.main(["--init", "tiny", "--tokenizer", str(bpe), "--out", str(out)])
+    hf = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(hf | {"eos_token_id": [7, 0]}))
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == "<|endoftext|>"  # id 0
+    cfg = TrainConfig(model=ModelArgs(model_name_or_path=str(out)))
+    loaded, _ = load_model(cfg)
+    assert data_eos(cfg, loaded) == 0
+    assert data_eos(dataclasses.replace(cfg, data=DataArgs(eos_token_id=7)), loaded) == 7
+
+
 @pytest.mark.slow
 def test_convert_init_loads_in_transformers(bpe, tmp_path):
     """HF's own loader reads the directory, where the side environment is built."""
@@ -753,8 +813,8 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
     )
     load_rows(_cfg(data_path=str(source), model_max_length=16), models.TINY)
     assert capsys.readouterr().out == warned
-    # A cache numbers its documents (records) from 0, as the file's order has them.
-    cached = warned.replace(", line 4)", ", record 3)")
+    # A cache keeps no line numbers: it counts its examples from 1 in the file's order.
+    cached = warned.replace(", line 4)", ", the cache's example 4)")
     cache_dir = str(tmp_path / "cc")
     load_rows(
         _cfg(data_path=str(source), model_max_length=16, data_cache_dir=cache_dir), models.TINY

@@ -247,8 +247,11 @@ def chat_templates(cfg: TrainConfig) -> dict[str, str] | None:
 
 def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
     """The token between packed documents: `--eos_token_id`, else the `eos_token` of
-    `--tokenizer_name_or_path` (where its files name one), else the model's
-    (`end_of_text`)."""
+    the run's tokenizer (`--tokenizer_name_or_path`, else the one in the
+    `--model_name_or_path` directory) where its files name one, as `train.data` and
+    HF's packing take it, else the model's (`end_of_text`). An Instruct model's
+    tokenizer names its end of turn (Llama-3's `<|eot_id|>`), which then ends each
+    conversation once, where its config.json lists `<|end_of_text|>` first."""
     tokenizer = cfg.data.tokenizer_name_or_path
     if tokenizer and not (file := data_lib.tokenizer_file(tokenizer)).is_file():
         # Refused whatever the data: the export carries this tokenizer.
@@ -257,9 +260,13 @@ def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
             "tokenizer.json or the directory that holds it)"
         )
     eos, where = cfg.data.eos_token_id, "--eos_token_id"
+    model = cfg.model.model_name_or_path
     if eos is None and tokenizer:
         eos = data_lib.tokenizer_eos_id(tokenizer)
         where = f"the eos_token of --tokenizer_name_or_path={tokenizer!r}"
+    elif eos is None and os.path.isdir(model) and data_lib.tokenizer_file(model).is_file():
+        eos = data_lib.tokenizer_eos_id(model)
+        where = f"the eos_token of the tokenizer in --model_name_or_path={model!r}"
     if eos is None:
         return end_of_text(config)
     if not 0 <= eos < config.vocab_size:

@@ -55,6 +55,7 @@ from train.dataset import (
     load_dataset,
     padding_tokens,
     whole_layout,
+    whole_lengths,
 )
 from train.readers import (
     READERS,
@@ -162,14 +163,8 @@ class TokenCache:
 
     def summary(self) -> dict[str, Any]:
         """Counts as :meth:`TokenDataset.summary` gives them (EOS tokens included)."""
-        offsets = np.asarray(self.offsets)
-        lengths = np.diff(offsets)
-        # Each document's first token is no target (nothing before it in its document).
-        labelled = self.num_tokens - len(lengths)
-        if self.targets is not self.tokens:  # one pass over labels.bin
-            firsts = np.asarray(self.targets[offsets[:-1]])
-            labelled = int(np.count_nonzero(self.targets != IGNORE_INDEX))
-            labelled -= int(np.count_nonzero(firsts != IGNORE_INDEX))
+        lengths = np.diff(np.asarray(self.offsets))
+        labelled = self.labelled_tokens()
         return {
             "examples": int(self.meta["num_documents"]),
             "tokens": self.num_tokens,
@@ -178,6 +173,17 @@ class TokenCache:
             "max_length": int(lengths.max()),
             "max_id": int(self.meta["max_id"]),
         }
+
+    def labelled_tokens(self) -> int:
+        """How many tokens are targets with a label: not a document's first token (nothing
+        before it in its document predicts it), not ``-100`` (one pass over labels.bin)."""
+        offsets = np.asarray(self.offsets)
+        labelled = self.num_tokens - (len(offsets) - 1)
+        if self.targets is not self.tokens:
+            firsts = np.asarray(self.targets[offsets[:-1]])
+            labelled = int(np.count_nonzero(self.targets != IGNORE_INDEX))
+            labelled -= int(np.count_nonzero(firsts != IGNORE_INDEX))
+        return labelled
 
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the cache and the largest id where it is ``>= vocab_size``."""
@@ -344,9 +350,18 @@ class CachedRows:
         self.packing = packing
         self._seq_len = seq_len
         self._total = cache.num_tokens  # the (padded) stream's length
+        self._stream_tokens = cache.num_tokens  # those the rows hold
         if packing == "whole":
             self._offsets = np.asarray(cache.offsets)
-            self._lengths = np.diff(self._offsets)
+            lengths = np.diff(self._offsets)
+            # An example one row long leaves its EOS out (`whole_lengths`).
+            ends = np.zeros(len(lengths), bool)
+            if cache.eos_id is not None:
+                one_row = np.flatnonzero(lengths == seq_len + 1)
+                last = np.asarray(cache.tokens[self._offsets[one_row + 1] - 1])
+                ends[one_row] = last == cache.eos_id
+            self._lengths = whole_lengths(lengths, seq_len, ends)
+            self._stream_tokens = int(self._lengths.sum())
             self._starts, self._total = whole_layout(self._lengths, seq_len)
         rounding = seq_len - 1 if pad_last else 0
         self._num_rows = (self._total + rounding) // seq_len
@@ -365,7 +380,7 @@ class CachedRows:
     def padding(self) -> int:
         """How many of the rows' tokens are padding (``"whole"`` packing; else 0 but for
         ``pad_last``'s fill)."""
-        return padding_tokens(self._num_rows, self._seq_len, self.cache.num_tokens, self._total)
+        return padding_tokens(self._num_rows, self._seq_len, self._stream_tokens, self._total)
 
     @property
     def packed(self) -> bool:
@@ -379,8 +394,12 @@ class CachedRows:
 
     @property
     def labelled(self) -> bool:
-        """Whether some token of the cache has a label (its records' are not all ``-100``)."""
-        return self.cache.meta["max_label"] >= 0
+        """Whether some token of the cache is a target with a label: a document's first
+        token is none, whatever its label (`max_target`, which the writer records; a cache
+        written before it: counted, one pass over its labels)."""
+        if "max_target" in self.cache.meta:
+            return self.cache.meta["max_target"] >= 0
+        return self.cache.labelled_tokens() > 0
 
     def take(self, ids) -> Rows:
         """Rows ``ids`` as int32 arrays ``[len(ids), seq_len]``."""
@@ -420,7 +439,8 @@ class CachedRows:
             real = within < self._lengths[docs]
             source = self._offsets[docs] + np.minimum(within, self._lengths[docs] - 1)
             tokens = np.where(real, self.cache.tokens[source], 0)
-            targets = np.where(real, self.cache.targets[source], IGNORE_INDEX)
+            # int32 first: an unlabelled cache's targets are its uint32 tokens (ids < 2**31)
+            targets = np.where(real, self.cache.targets[source].astype(np.int32), IGNORE_INDEX)
             labels = targets[1:].astype(np.int32)
             if self.mask_boundaries:
                 labels[docs[1:] != docs[:-1]] = IGNORE_INDEX
@@ -443,6 +463,7 @@ class _Writer:
         self.buffered = 0
         self.offsets = [0]
         self.max_id, self.max_label = -1, -1
+        self.max_target = -1  # of the labels past each document's first token
 
     def add(self, ids: np.ndarray, labels: np.ndarray | None) -> None:
         if labels is not None and self.labels is None:
@@ -454,7 +475,10 @@ class _Writer:
         self.buffered += len(ids)
         self.offsets.append(self.offsets[-1] + len(ids))
         self.max_id = max(self.max_id, int(ids.max()))
-        self.max_label = max(self.max_label, int((ids if labels is None else labels).max()))
+        targets = ids if labels is None else labels
+        self.max_label = max(self.max_label, int(targets.max()))
+        if len(targets) > 1:
+            self.max_target = max(self.max_target, int(targets[1:].max()))
         if self.buffered >= _FLUSH_TOKENS:
             self.flush()
 
@@ -549,6 +573,7 @@ def build_cache(
             "num_documents": len(writer.offsets) - 1,
             "max_id": writer.max_id,
             "max_label": writer.max_label,
+            "max_target": writer.max_target,
             "labels": writer.labels is not None,
             "token_dtype": "uint32",
         }
@@ -820,7 +845,9 @@ def _note_cut_prompts(path: str | Path, seq_len: int, data: TokenDataset | Token
     lengths = offsets[cut + 1] - offsets[cut]
     if isinstance(data, TokenCache):
         lengths -= data.eos_id is not None
-        where = f"record {int(cut[np.argmax(lengths)])}"
+        # A cache keeps no line numbers: its examples are counted (from 1) in file order,
+        # a split conversation's turns each one.
+        where = f"the cache's example {int(cut[np.argmax(lengths)]) + 1}"
     else:
         where = data.where(int(cut[np.argmax(lengths)]))
     plural = cut.size > 1

@@ -27,9 +27,12 @@ cuts one that fits in a row: an example longer than what is left of the current 
 starts the next row, and the rest of the current row is padding, as ``pad_last`` pads
 (token 0, labelled ``-100``, in the segment of the example before it, after its tokens).
 An example longer than a row starts a row and runs on across the next ones as in
-``"stream"``. Labels, segment ids and boundary masking are the stream's, computed on
-the padded stream (:func:`whole_layout` gives where each example starts in it);
-padding is never labelled.
+``"stream"``, but one of exactly a row's length with its EOS after it fills its row
+alone, without that EOS (:func:`whole_lengths`), as an example cut to the row's length
+ends: else the EOS alone would begin the next row and the rest of that row be padding.
+Labels, segment ids and boundary masking are the stream's, computed on the padded
+stream (:func:`whole_layout` gives where each example starts in it); padding is never
+labelled.
 """
 
 from __future__ import annotations
@@ -74,6 +77,14 @@ def whole_layout(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
         starts[i] = pos
         pos += n
     return starts, pos
+
+
+def whole_lengths(lengths: np.ndarray, seq_len: int, ends_with_eos: np.ndarray) -> np.ndarray:
+    """The lengths ``"whole"`` packing places (int64): ``lengths`` (each example's tokens,
+    its EOS included), but ``seq_len`` for an example of ``seq_len + 1`` tokens whose last
+    is its EOS (``ends_with_eos``): it fills one row, and its EOS is left out."""
+    lengths = np.asarray(lengths, np.int64)
+    return np.where((lengths == seq_len + 1) & np.asarray(ends_with_eos, bool), seq_len, lengths)
 
 
 def padding_tokens(num_rows: int, seq_len: int, stream_tokens: int, total: int) -> int:
@@ -284,7 +295,8 @@ class TokenDataset:
         stream_tokens = len(tokens)
         padding = None
         if packing == "whole":
-            tokens, targets, docs, padding = _place_whole(tokens, targets, docs, seq_len)
+            tokens, targets, docs, padding = _place_whole(tokens, targets, docs, seq_len, eos_id)
+            stream_tokens = int(np.count_nonzero(~padding))  # less the EOS tokens left out
         total = len(tokens)  # the padded stream's length, before pad_last's fill
         if pad_last and len(tokens) % seq_len:
             fill = seq_len - len(tokens) % seq_len
@@ -365,11 +377,19 @@ def stream_summary(tokens: np.ndarray, targets: np.ndarray, offsets: np.ndarray)
 
 
 def _place_whole(
-    tokens: np.ndarray, targets: np.ndarray, docs: np.ndarray, seq_len: int
+    tokens: np.ndarray, targets: np.ndarray, docs: np.ndarray, seq_len: int, eos_id: int | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The stream ``(tokens, targets, docs)`` laid out by :func:`whole_layout`, and a
-    bool mask of its padding: token 0, target ``-100``, the example before it."""
+    """The stream ``(tokens, targets, docs)`` laid out by :func:`whole_layout` (the EOS of
+    an example one row long left out: :func:`whole_lengths`), and a bool mask of its
+    padding: token 0, target ``-100``, the example before it."""
     lengths = np.bincount(docs, minlength=int(docs[-1]) + 1)
+    ends = np.cumsum(lengths) - 1
+    eos_last = np.zeros(len(lengths), bool) if eos_id is None else tokens[ends] == eos_id
+    placed = whole_lengths(lengths, seq_len, eos_last & (lengths > 0))
+    if (placed != lengths).any():
+        keep = np.ones(len(tokens), bool)
+        keep[ends[placed != lengths]] = False
+        tokens, targets, docs, lengths = tokens[keep], targets[keep], docs[keep], placed
     starts, total = whole_layout(lengths, seq_len)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     where = np.repeat(starts - offsets, lengths) + np.arange(len(tokens))
