@@ -320,7 +320,7 @@ def test_config_flags_yaml_and_errors(tmp_path):
     assert cfg.run.save_total_limit == 2
     for text, match in (
         ("optim:\n  learning_rate: fast\n", "learning_rate='fast' is not a number"),
-        ("optim:\n  warmup_steps: 2.5\n", "warmup_steps=2.5 is not an integer"),
+        ("optim:\n  warmup_steps: 2.5\n", "warmup_steps=2.5 must be a whole number of steps"),
         ("model:\n  bf16: maybe\n", "bf16='maybe' is not a boolean"),
         ("run:\n  max_steps: null\n", "max_steps=None is not allowed"),
         ("run: [1\n", "is not valid YAML"),

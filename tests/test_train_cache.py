@@ -204,8 +204,9 @@ def test_cache_resumes_at_the_exact_batch(tmp_path):
     cache = data_cache.build_cache(_pkl(tmp_path / "d.pkl", _records(80)), tmp_path / "c")
     rows = cache.rows(8)
     full = [b.input_ids for b in Batches(rows, 3, seed=1, num_epochs=3)]
-    assert len(full) == 3 * (rows.num_rows // 3)
-    for k in (1, 5, rows.num_rows // 3 + 2):  # inside the first epoch and into the second
+    each = -(-rows.num_rows // 3)  # the epoch's last batch filled up
+    assert len(full) == 3 * each
+    for k in (1, 5, each + 2):  # inside the first epoch and into the second
         first = Batches(rows, 3, seed=1, num_epochs=3)
         for _ in range(k):
             next(first)

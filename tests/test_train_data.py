@@ -687,24 +687,35 @@ def test_shuffle_is_deterministic_and_differs_per_epoch():
         np.testing.assert_array_equal(np.sort(epoch[:, 0]), rows.input_ids[:, 0])
 
 
-def test_drop_last_and_num_epochs():
+def test_the_last_batch_is_filled_not_dropped_and_num_epochs():
+    """Every row once per epoch, as HF's dataloader without drop_last: the last batch is
+    filled up with rows of nothing to learn (labels -100), also a process's share of it."""
     rows = _rows(11)
     batches = Batches(rows, 4, num_epochs=2, shuffle=False)
-    assert batches.steps_per_epoch == 2
-    got = [b.input_ids[:, 0].tolist() for b in batches]
-    assert got == [[0, 4, 8, 12], [16, 20, 24, 28]] * 2  # rows 8..10 dropped every epoch
+    assert batches.steps_per_epoch == 3
+    got = list(batches)
+    assert [b.input_ids[:, 0].tolist() for b in got] == [
+        [0, 4, 8, 12], [16, 20, 24, 28], [32, 36, 40, 0]
+    ] * 2  # fmt: skip
+    assert (got[2].labels[3] == IGNORE).all() and (got[2].labels[:3] != IGNORE).any()
+    assert got[2].segment_ids[3].tolist() == [0] * rows.seq_len
     assert batches.state() == {"epoch": 2, "index": 0}
+    last = Batches(rows, 4, shuffle=False, process_index=1, process_count=2).batch_at(2)
+    assert last.input_ids[:, 0].tolist() == [40, 0] and (last.labels[1] == IGNORE).all()
+    dropped = Batches(rows, 4, num_epochs=2, shuffle=False, drop_last=True)  # HF's flag
+    assert dropped.steps_per_epoch == 2
+    assert [b.input_ids[:, 0].tolist() for b in dropped] == [[0, 4, 8, 12], [16, 20, 24, 28]] * 2
 
 
 @pytest.mark.parametrize("k", [0, 3, 5, 7, 12])
 def test_resume_sees_the_uninterrupted_batches(k):
     rows = _rows(23)
-    uninterrupted = Batches(rows, 5, seed=3)  # 4 steps per epoch
+    uninterrupted = Batches(rows, 5, seed=3)  # 5 steps per epoch, the last filled up
     reference = [next(uninterrupted) for _ in range(k + 6)]
     interrupted = Batches(rows, 5, seed=3)
     _collect(interrupted, k)
     state = interrupted.state()
-    assert state == {"epoch": k // 4, "index": k % 4}
+    assert state == {"epoch": k // 5, "index": k % 5}
     for resumed in (Batches(rows, 5, seed=3, start=state), Batches(rows, 5, seed=3, start_step=k)):
         assert resumed.step == k
         for expected in reference[k:]:
@@ -738,8 +749,8 @@ def test_batches_validation():
         Batches(rows, 6, process_count=4)
     with pytest.raises(ValueError, match=r"process_index=2 must be in"):
         Batches(rows, 4, process_index=2, process_count=2)
-    with pytest.raises(ValueError, match=r"does not fit 2 steps per epoch"):
-        Batches(rows, 4, start={"epoch": 0, "index": 2})
+    with pytest.raises(ValueError, match=r"does not fit 3 steps per epoch"):
+        Batches(rows, 4, start={"epoch": 0, "index": 3})
     with pytest.raises(ValueError, match=r"keys 'epoch' and 'index'"):
         Batches(rows, 4, start={"step": 1})
 

@@ -714,6 +714,11 @@ def test_the_plan_and_done_lines_count_one_in_the_singular(tmp_path):
     assert "each 1 row = 64 tokens (" in line, line
     t.rows.num_rows, t.total_steps, t.batches.steps_per_epoch = 1200, 3, 1
     assert _plan(t).startswith("plan: 1,200 rows of 64 tokens; 3 steps (3 epochs, 1 step each)")
+    # Rows that do not divide into steps: the epoch's last step is filled up, or dropped.
+    t.rows.num_rows, t.global_batch, t.batches.drop_last = 9, 4, False
+    assert "1 step each, the last filled up with 3 empty rows), each 4 rows" in _plan(t)
+    t.batches.drop_last = True
+    assert "1 step each, the last 1 row of each epoch dropped), each 4 rows" in _plan(t)
     one = {"total_steps": 1, "losses": [4.0]}
     assert _done_line(cfg, one) == "done: 1 step, final loss 4.0000"
     assert _done_line(cfg, {**one, "total_steps": 2}) == "done: 2 steps, final loss 4.0000"

@@ -161,6 +161,84 @@ def test_adafactor_step_has_an_absolute_lr():
     assert 0.05 < rms <= 0.1 + 1e-6
 
 
+def _hf_adafactor_steps(params, grads_by_step, lr, wd):
+    """transformers.Adafactor(scale_parameter=False, relative_step=False), written out for
+    one tensor as HF holds it: factored second moments for a matrix (rows' and columns'
+    means of g^2 + 1e-30, beta2 = 1 - step^-0.8), the update clipped to an RMS of 1,
+    `p -= lr * wd * p`, then `p -= lr * update`."""
+    p = np.asarray(params, np.float64)
+    row = col = v = None
+    for step, g in enumerate(grads_by_step, start=1):
+        g = np.asarray(g, np.float64)
+        beta2, sq = 1 - step**-0.8, g * g + 1e-30
+        if p.ndim >= 2:
+            row = sq.mean(-1) if row is None else beta2 * row + (1 - beta2) * sq.mean(-1)
+            col = sq.mean(-2) if col is None else beta2 * col + (1 - beta2) * sq.mean(-2)
+            u = g / np.sqrt(row / row.mean(-1, keepdims=True))[:, None] / np.sqrt(col)[None]
+        else:
+            v = sq if v is None else beta2 * v + (1 - beta2) * sq
+            u = g / np.sqrt(v)
+        u /= max(np.sqrt(np.mean(u * u)), 1.0)
+        p = p - lr * wd * p - lr * u
+    return p
+
+
+def test_adafactor_is_hfs_one_layer_at_a_time():
+    """--optim adafactor against HF's Adafactor written out: per layer of a stacked
+    `layers/...` leaf (each layer's update clipped on its own, as HF's separate tensors
+    are), small matrices factored too, norm vectors kept whole, the embedding and head
+    as one matrix each; weight decay but on norm scales."""
+    rng = np.random.default_rng(0)
+    shapes = {
+        ("layers", "mlp", "kernel"): (3, 40, 24),
+        ("layers", "norm", "scale"): (3, 24),
+        ("embed", "embedding"): (50, 24),
+        ("final_norm", "scale"): (24,),
+    }
+    params, grads = {}, [{} for _ in range(3)]
+    for path, shape in shapes.items():
+        leaf = rng.normal(size=shape).astype(np.float32)
+        *outer, last = path
+        node = params
+        for key in outer:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+        for step in range(3):
+            g = (
+                rng.normal(size=shape).astype(np.float32)
+                * (1 + 50 * (np.arange(shape[0]) == 0))[(...,) + (None,) * (len(shape) - 1)]
+            )  # one layer's (row's) gradient 50x the rest: the clipping tells them apart
+            node = grads[step]
+            for key in outer:
+                node = node.setdefault(key, {})
+            node[last] = g
+    args = OptimArgs(
+        optim="adafactor", learning_rate=0.01, weight_decay=0.1, max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+    )  # fmt: skip
+    tx = optimizer(args, 3)
+    p, state = jax.tree.map(jnp.asarray, params), tx.init(params)
+    for g in grads:
+        updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, p)
+        p = jax.tree.map(jnp.add, p, updates)
+
+    def leaf(tree, path):
+        for key in path:
+            tree = tree[key]
+        return tree
+
+    for path in shapes:
+        wd = 0.0 if path[-1] == "scale" else 0.1
+        got, start = np.asarray(leaf(p, path)), leaf(params, path)
+        steps = [leaf(g, path) for g in grads]
+        if path[0] == "layers":  # HF's tensors: one per layer
+            want = np.stack([_hf_adafactor_steps(start[i], [g[i] for g in steps], 0.01, wd)
+                             for i in range(start.shape[0])])  # fmt: skip
+        else:
+            want = _hf_adafactor_steps(start, steps, 0.01, wd)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want - start).max())
+
+
 def test_hf_optimizer_names_and_settings_the_optimizer_ignores():
     """HF's names for AdamW are taken as adamw; Adam settings away from their defaults are
     refused where the optimizer has no use for them (a run's saved settings, which
@@ -178,3 +256,23 @@ def test_hf_optimizer_names_and_settings_the_optimizer_ignores():
             parse_args(["--optim", optim, flag, value])
     assert parse_args(["--optim", "adafactor", "--adam_beta1", "0.9"]).optim.optim == "adafactor"
     assert parse_args(["--optim", "lion", "--adam_beta2", "0.99"]).optim.adam_beta2 == 0.99
+
+
+def test_defaults_and_warmup_fractions_are_hfs():
+    """An HF command line that leaves the optimizer flags out trains as HF would:
+    TrainingArguments' learning rate (5e-5) and linear schedule; transformers 5's
+    `--warmup_steps` below 1 is a fraction of the run (ceil), 1 and above steps; and
+    `cosine_with_min_lr` without its floor is refused, as HF refuses it."""
+    from train.optim import warmup_steps
+
+    args = parse_args([]).optim
+    assert (args.learning_rate, args.lr_scheduler_type) == (5e-5, "linear")
+    assert warmup_steps(parse_args(["--warmup_steps", "0.03"]).optim, 100) == 3
+    assert warmup_steps(parse_args(["--warmup_steps", "0.25"]).optim, 10) == 3  # ceil(2.5)
+    whole = parse_args(["--warmup_steps", "4"]).optim
+    assert whole.warmup_steps == 4 and isinstance(whole.warmup_steps, int)
+    assert warmup_steps(whole, 100) == 4
+    with pytest.raises(ValueError, match="cosine_with_min_lr needs --min_lr_rate in"):
+        parse_args(["--lr_scheduler_type", "cosine_with_min_lr"])
+    floored = parse_args(["--lr_scheduler_type", "cosine_with_min_lr", "--min_lr_rate", "0.1"])
+    assert floored.optim.min_lr_rate == 0.1

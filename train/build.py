@@ -602,7 +602,9 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
             f"{global_batch} x accumulation {accum}) but the data has {rows.num_rows}; lower "
             "--model_max_length, --per_device_train_batch_size or the accumulation, or add data"
         )
-    batches = data_lib.Batches(rows, global_batch * accum, seed=cfg.run.seed)
+    batches = data_lib.Batches(
+        rows, global_batch * accum, seed=cfg.run.seed, drop_last=cfg.data.dataloader_drop_last
+    )
     if cfg.run.max_steps > 0:
         total_steps = cfg.run.max_steps
     else:

@@ -73,6 +73,9 @@ class DataArgs:
     # through that turn as at inference: auto splits only those (a log line counts
     # them), whole refuses them, split splits every conversation (train.chat)
     chat_turns: str = "auto"  # auto: split what the template rewrites | whole: refuse | split: all
+    # HF's: drop each epoch's last batch where the rows do not fill it (false: it is filled
+    # up with rows of nothing to learn, every row trained once an epoch)
+    dataloader_drop_last: bool = False  # drop each epoch's partial last batch (HF's flag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,21 +109,29 @@ REPORT_TO = ("tensorboard", "wandb")
 
 @dataclasses.dataclass(frozen=True)
 class OptimArgs:
-    learning_rate: float = 2e-5
+    learning_rate: float = 5e-5  # HF's default, as every default here but bf16's
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0  # wins over warmup_ratio when > 0 (as in HF)
-    lr_scheduler_type: str = "cosine"  # train.config.LR_SCHEDULERS: HF's names, and wsd
+    warmup_ratio: float = 0.0  # transformers 4's: a fraction of the run's steps
+    # Steps, or below 1 a fraction of the run's steps (transformers 5's, which has no
+    # warmup_ratio); wins over warmup_ratio when > 0.
+    warmup_steps: float = 0
+    lr_scheduler_type: str = "linear"  # train.config.LR_SCHEDULERS: HF's names, and wsd
     min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
     # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none)
     optim: str = "adamw"  # also HF's adamw_torch, adamw_torch_fused and adamw_hf: adamw
     optimizer_offload: bool = False  # optimizer state in pinned host memory, on device to update
+
+    def __post_init__(self) -> None:
+        # A whole number of warmup steps reads as one (`1`, not `1.0`), a fraction stays.
+        steps = self.warmup_steps
+        if isinstance(steps, float) and steps >= 1 and steps == int(steps):
+            object.__setattr__(self, "warmup_steps", int(steps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +223,12 @@ class TrainConfig:
                 raise ValueError(f"--{name}={value} must be a finite number {rule}")
             if not ok(value):
                 raise ValueError(f"--{name}={value} must be {rule}")
+        steps = self.optim.warmup_steps
+        if steps >= 1 and steps != int(steps):
+            raise ValueError(
+                f"--warmup_steps={steps} must be a whole number of steps, or below 1 a "
+                "fraction of the run's steps"
+            )
         if self.run.max_steps != -1 and self.run.max_steps < 1:
             raise ValueError(
                 f"--max_steps={self.run.max_steps} must be a positive int, or -1 to train "
@@ -265,13 +282,20 @@ def _check_schedule(o: OptimArgs) -> None:
         raise ValueError(
             f"--min_lr_rate={o.min_lr_rate} must be in [0, 1] (a fraction of the peak)"
         )
+    if kind == "cosine_with_min_lr" and o.min_lr_rate == 0:
+        raise ValueError(
+            "--lr_scheduler_type cosine_with_min_lr needs --min_lr_rate in (0, 1] (its "
+            "floor, a fraction of --learning_rate; HF refuses it without one): for a decay "
+            "to 0 use cosine"
+        )
     if o.min_lr_rate > 0 and kind not in FLOORED_SCHEDULERS:
         raise ValueError(
             f"--min_lr_rate={o.min_lr_rate} is used by --lr_scheduler_type "
             f"{' or '.join(FLOORED_SCHEDULERS)}, not {kind!r}"
         )
     if kind == "wsd":
-        warm = 0 if o.warmup_steps > 0 else o.warmup_ratio
+        steps = o.warmup_steps
+        warm = 0 if steps >= 1 else steps if steps > 0 else o.warmup_ratio  # a fraction
         if not 0 < o.decay_ratio <= 1 - warm:
             raise ValueError(
                 f"--lr_scheduler_type wsd needs --decay_ratio in (0, 1 - --warmup_ratio]; "

@@ -91,6 +91,8 @@ class Batches:
         start: position to start from, ``state()`` of an earlier instance.
         start_step: alternatively, the number of batches already consumed.
         num_epochs: stop after this many epochs; None iterates forever.
+        drop_last: drop each epoch's last batch where the rows do not fill it, instead of
+            filling it up with rows of nothing to learn.
         process_index: this process (host) in multi-host training.
         process_count: number of processes; each yields ``global_batch_size //
             process_count`` rows, a contiguous block of every global batch.
@@ -108,6 +110,7 @@ class Batches:
         num_epochs: int | None = None,
         process_index: int = 0,
         process_count: int = 1,
+        drop_last: bool = False,
     ):
         if global_batch_size < 1:
             raise ValueError(f"{global_batch_size=} must be positive")
@@ -127,6 +130,7 @@ class Batches:
         self.seed = seed
         self.shuffle = shuffle
         self.num_epochs = num_epochs
+        self.drop_last = drop_last
         self.local_batch_size = global_batch_size // process_count
         self._local_start = process_index * self.local_batch_size
         self._perm_epoch, self._perm = -1, np.arange(0)
@@ -139,8 +143,14 @@ class Batches:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Full global batches per epoch (drop-last)."""
-        return self.rows.num_rows // self.global_batch_size
+        """Global batches per epoch: every row once, the last batch filled up with rows of
+        nothing to learn where the rows do not divide into batches (HF's
+        `dataloader_drop_last=False`: a step's loss is per labelled token, so the filled
+        step's update is that of its real rows, as HF's partial last batch's); with
+        `drop_last`, the full batches only."""
+        if self.drop_last:
+            return self.rows.num_rows // self.global_batch_size
+        return -(-self.rows.num_rows // self.global_batch_size)
 
     @property
     def step(self) -> int:
@@ -157,7 +167,10 @@ class Batches:
         epoch, index = divmod(step, self.steps_per_epoch)
         begin = index * self.global_batch_size + self._local_start
         ids = self._permutation(epoch)[begin : begin + self.local_batch_size]
-        return Batch(*self.rows.take(ids))
+        rows = self.rows.take(ids)
+        if len(ids) < self.local_batch_size:  # the epoch's last batch: filled up
+            rows = _filled(rows, self.local_batch_size - len(ids))
+        return Batch(*rows)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -187,6 +200,18 @@ class Batches:
             self._perm = rng.permutation(n) if self.shuffle else np.arange(n)
             self._perm_epoch = epoch
         return self._perm
+
+
+def _filled(rows: Rows, count: int) -> Rows:
+    """`rows` and `count` rows of nothing to learn after them: token 0, labels -100, one
+    segment each."""
+    shape = (count, rows.input_ids.shape[1])
+    fill = (np.zeros(shape, np.int32), np.full(shape, IGNORE_INDEX, np.int32))
+    return Rows(
+        np.concatenate([rows.input_ids, fill[0]]),
+        np.concatenate([rows.labels, fill[1]]),
+        np.concatenate([rows.segment_ids, fill[0]]),
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -322,10 +322,16 @@ def _plan(t: Trainer) -> str:
     )
     epochs = f"{t.total_steps / epoch:.3g}"
     epochs += " epoch" if epochs == "1" else " epochs"
+    if rows % per_step == 0:
+        last = ""
+    elif t.batches.drop_last:
+        last = f", the last {plural(rows % per_step, 'row')} of each epoch dropped"
+    else:
+        last = f", the last filled up with {plural(per_step - rows % per_step, 'empty row')}"
     return (
         f"plan: {plural(rows, 'row', grouped=True)} of {plural(seq, 'token', grouped=True)}; "
         f"{plural(t.total_steps, 'step', grouped=True)} ({epochs}, "
-        f"{plural(epoch, 'step', grouped=True)} each), each "
+        f"{plural(epoch, 'step', grouped=True)} each{last}), each "
         f"{plural(per_step, 'row', grouped=True)} = "
         f"{plural(per_step * seq, 'token', grouped=True)} ({factors}); "
         f"{params / 1e6:,.1f}M parameters; mesh {mesh}"
@@ -537,12 +543,18 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     _check_resumable(meta, run_meta, source.directory)
     # The saved data position must land on the same step with this data/batch.
     resumed = data_lib.Batches(
-        t.rows, t.global_batch * t.accum, seed=cfg.run.seed, start=meta["data"]
+        t.rows,
+        t.global_batch * t.accum,
+        seed=cfg.run.seed,
+        start=meta["data"],
+        drop_last=cfg.data.dataloader_drop_last,
     )
     if resumed.step != start_step:
         raise TrainingError(
             f"checkpoint step {start_step} and data position {meta['data']} disagree: "
-            "did the data, --model_max_length or the batch size change?"
+            "did the data, --model_max_length, the batch size or --dataloader_drop_last "
+            "change? (a checkpoint written when each epoch dropped its last partial batch "
+            "resumes with --dataloader_drop_last true)"
         )
     return state, start_step
 

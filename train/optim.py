@@ -1,22 +1,26 @@
-"""AdamW, Adafactor or Lion (optax) with HuggingFace-exact learning-rate schedules and
-gradient clipping."""
+"""AdamW, Adafactor or Lion (optax; Adafactor as HF's, per layer) with HuggingFace-exact
+learning-rate schedules and gradient clipping."""
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from train.config import OPTIMIZERS, OptimArgs
 
 
 def warmup_steps(args: OptimArgs, total_steps: int) -> int:
-    """HF `TrainingArguments.get_warmup_steps`: explicit steps, else ceil(ratio * total)."""
-    return (
-        args.warmup_steps if args.warmup_steps > 0 else math.ceil(args.warmup_ratio * total_steps)
-    )
+    """HF `TrainingArguments.get_warmup_steps`: `--warmup_steps` (transformers 5: below 1,
+    a fraction of the run: ceil(fraction * total)), else ceil(`--warmup_ratio` * total)."""
+    steps = args.warmup_steps
+    if steps >= 1:
+        return int(steps)
+    return math.ceil((steps if steps > 0 else args.warmup_ratio) * total_steps)
 
 
 def decay_steps(args: OptimArgs, total_steps: int) -> int:
@@ -84,6 +88,83 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+class AdafactorState(NamedTuple):
+    """`hf_adafactor`'s state: the step count and, in trees shaped as the parameters, the
+    factored second moments' rows and columns, or the whole one (placeholders elsewhere)."""
+
+    count: jax.Array
+    v_row: Any
+    v_col: Any
+    v: Any
+
+
+def _layer_axes(path) -> int:
+    """How many leading axes of a parameter index layers: 1 under `layers` (the model
+    stacks every per-layer leaf, `models.llama`), else 0."""
+    return int(getattr(path[0], "key", None) == "layers")
+
+
+def hf_adafactor(decay_rate: float = -0.8, eps: float = 1e-30, clip: float = 1.0):
+    """HF Trainer's Adafactor (`transformers.Adafactor` with `scale_parameter=False,
+    relative_step=False`, no momentum) up to the learning rate: each layer's weight as
+    HF holds it, one matrix per layer, not the model's stacked `[L, ...]` leaf. Per
+    layer, a matrix's second moment is factored into its rows' and columns' means, a
+    vector's is kept whole, with `beta2 = 1 - step ** decay_rate`; the update `g / sqrt(v)`
+    is then scaled down to an RMS of at most `clip`. (optax's adafactor clips each
+    stacked leaf as a whole, and factors only matrices whose two largest sides reach 128.)"""
+
+    def init(params):
+        def moments(path, p):
+            shape, lead = p.shape, _layer_axes(path)
+            if p.ndim - lead >= 2:
+                return (
+                    jnp.zeros(shape[:-1], jnp.float32),
+                    jnp.zeros(shape[:-2] + shape[-1:], jnp.float32),
+                    jnp.zeros((1,), jnp.float32),
+                )
+            placeholder = jnp.zeros((1,), jnp.float32)
+            return placeholder, placeholder, jnp.zeros(shape, jnp.float32)
+
+        parts = jax.tree_util.tree_map_with_path(moments, params)
+        pick = [jax.tree.map(lambda t, i=i: t[i], parts, is_leaf=_triple) for i in range(3)]
+        return AdafactorState(jnp.zeros([], jnp.int32), *pick)
+
+    def update(updates, state, params=None):
+        del params
+        count = state.count + 1
+        beta2 = 1.0 - count.astype(jnp.float32) ** decay_rate
+
+        def one(path, g, v_row, v_col, v):
+            g = g.astype(jnp.float32)
+            lead = _layer_axes(path)
+            sq = g * g + eps
+            if g.ndim - lead >= 2:
+                v_row = beta2 * v_row + (1 - beta2) * sq.mean(-1)
+                v_col = beta2 * v_col + (1 - beta2) * sq.mean(-2)
+                row = lax.rsqrt(v_row / v_row.mean(-1, keepdims=True))[..., None]
+                u = g * row * lax.rsqrt(v_col)[..., None, :]
+            else:
+                v = beta2 * v + (1 - beta2) * sq
+                u = g * lax.rsqrt(v)
+            axes = tuple(range(lead, u.ndim))
+            rms = jnp.sqrt(jnp.mean(u * u, axis=axes, keepdims=True))
+            return u / jnp.maximum(rms / clip, 1.0), v_row, v_col, v
+
+        out = jax.tree_util.tree_map_with_path(one, updates, state.v_row, state.v_col, state.v)
+        pick = [jax.tree.map(lambda t, i=i: t[i], out, is_leaf=_quad) for i in range(4)]
+        return pick[0], AdafactorState(count, *pick[1:])
+
+    return optax.GradientTransformation(init, update)
+
+
+def _triple(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and not isinstance(x, AdafactorState)
+
+
+def _quad(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 4 and not isinstance(x, AdafactorState)
+
+
 def update_settings(args: OptimArgs) -> dict:
     """The flags `optimizer` reads besides the schedule's, for `args.optim`: the
     settings a resumed run must keep (`train.loop`), since every step's update uses
@@ -120,15 +201,11 @@ def optimizer(args: OptimArgs, total_steps: int) -> optax.GradientTransformation
         )
     elif args.optim == "adafactor":
         # HF Trainer's Adafactor: an absolute LR (no relative step, no parameter scale),
-        # no momentum. optax adds the decay after the LR scaling, so it gets lr * wd.
-        decay = None
-        if args.weight_decay > 0:
-            decay = lambda count: args.weight_decay * lr(count)
-        update = optax.adafactor(
-            lr,
-            multiply_by_parameter_scale=False,
-            weight_decay_rate=decay,
-            weight_decay_mask=_decay_mask,
+        # no momentum; its decay `p -= lr * wd * p` before the update, as AdamW's.
+        update = optax.chain(
+            hf_adafactor(),
+            optax.add_decayed_weights(args.weight_decay, mask=_decay_mask),
+            optax.scale_by_learning_rate(lr),
         )
     else:
         raise ValueError(f"--optim={args.optim!r} must be one of {OPTIMIZERS}")
