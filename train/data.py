@@ -10,8 +10,10 @@ BPE tokenizer, and the command line (``sample | inspect | cache | tokenizer``).
 
 Batches (:class:`Batches`): per epoch the rows are permuted by a numpy Generator seeded
 with ``(seed, epoch)``; batch ``i`` of the epoch is rows ``perm[i*G:(i+1)*G]`` for the
-global batch size ``G``. Drop-last: the ``num_rows % G`` rows at the end of each epoch's
-permutation are not used that epoch (a different set every epoch). The position
+global batch size ``G``. Where ``G`` does not divide the rows, the epoch's last batch
+holds its ``num_rows % G`` rows and is filled up with rows of nothing to learn (token 0,
+labels -100), as HF's dataloader keeps its partial last batch; with ``drop_last`` those
+rows are not used that epoch (a different set every epoch). The position
 ``(epoch, index)`` is the next batch to yield, so a run restarted from a saved position
 sees exactly the batches of an uninterrupted run. In multi-host training process ``p``
 of ``P`` gets the contiguous block ``[p*G/P, (p+1)*G/P)`` of every global batch.
