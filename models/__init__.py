@@ -34,6 +34,7 @@ from models.attention import ATTENTION_KINDS, AttentionConfig
 from models.config import LlamaConfig, RopeConfig, from_hf_config, to_hf_config
 from models.flops import (
     FlopsPerToken,
+    document_keys,
     flops_per_token,
     matmul_param_count,
     param_count,
@@ -97,6 +98,7 @@ __all__ = [
     "check_params",
     "chunked_cross_entropy",
     "cross_entropy",
+    "document_keys",
     "export_hf",
     "flops_per_token",
     "from_hf_config",

@@ -8,14 +8,18 @@ per forward matmul). Per token:
   weight, the LM head included (tied or not) and the embedding lookup excluded;
 * attention (Q K^T and P V): ``2 * 2 * L * N * H * S_eff`` forward FLOPs with
   ``S_eff = T`` keys per query, halved for causal masks (the FlashAttention-2
-  paper's convention: the diagonal's extra half-token is not counted). Times 3
-  for training. Recomputation by remat or by the attention backward is *not*
-  counted (it is hardware FLOPs, not model FLOPs).
+  paper's convention: the diagonal's extra half-token is not counted); with packed
+  documents whose attention stays inside each, ``S_eff`` is the mean over the tokens
+  of half their document's length (:func:`document_keys`). Times 3 for training.
+  Recomputation by remat or by the attention backward is *not* counted (it is hardware
+  FLOPs, not model FLOPs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from models.config import LlamaConfig
 
@@ -64,21 +68,39 @@ class FlopsPerToken:
         return 3.0 * self.forward
 
 
-def flops_per_token(config: LlamaConfig, seq_len: int, *, causal: bool = True) -> FlopsPerToken:
+def document_keys(segment_ids) -> float:
+    """Keys per query of causal attention that stays inside each document, in the FLOP
+    count's convention: each token of a document of ``n`` tokens counts ``n / 2``.
+    ``segment_ids``: int ``[rows, T]``, numbered from 0 in each row (``train.data``'s)."""
+    seg = np.asarray(segment_ids, np.int64)
+    rows, t = seg.shape
+    counts = np.bincount((seg + np.arange(rows)[:, None] * t).ravel())
+    return float((counts.astype(np.float64) ** 2).sum() / 2 / max(rows * t, 1))
+
+
+def flops_per_token(
+    config: LlamaConfig, seq_len: int, *, causal: bool = True, keys: float | None = None
+) -> FlopsPerToken:
     """Model FLOPs per token for sequences of ``seq_len`` tokens.
 
     Args:
         config: the model.
         seq_len: tokens per sequence (the attention term grows with it).
         causal: halve the attention term for a causal mask.
+        keys: keys per query in place of ``seq_len`` (halved if causal): packed
+            documents' (:func:`document_keys`).
     """
     if seq_len <= 0:
         raise ValueError(f"{seq_len=} must be positive")
-    keys = seq_len / 2 if causal else seq_len
+    if keys is None:
+        keys = seq_len / 2 if causal else seq_len
     attention = 4.0 * config.num_layers * config.num_heads * config.head_dim * keys
     return FlopsPerToken(matmul=2.0 * matmul_param_count(config), attention=attention)
 
 
-def training_flops_per_token(config: LlamaConfig, seq_len: int, *, causal: bool = True) -> float:
-    """``6 * N_matmul + 12 * L * N * H * seq_len * (1/2 if causal)``."""
-    return flops_per_token(config, seq_len, causal=causal).training
+def training_flops_per_token(
+    config: LlamaConfig, seq_len: int, *, causal: bool = True, keys: float | None = None
+) -> float:
+    """``6 * N_matmul + 12 * L * N * H * seq_len * (1/2 if causal)`` (``keys`` in place of
+    ``seq_len * (1/2 if causal)`` where given)."""
+    return flops_per_token(config, seq_len, causal=causal, keys=keys).training

@@ -2496,7 +2496,8 @@ def test_profile_dir_that_cannot_be_created_is_refused_before_training(tmp_path)
 
 def test_peak_flops_tells_the_pcie_and_nvl_cards_from_the_sxm_parts():
     """MFU's peak by device kind: an H100 PCIe or NVL is not an SXM H100 (a part of its
-    name), a GH200 is an H200; an unknown device has none."""
+    name), nor an H200 NVL an H200 or a GB200 a B200; a GH200 is an H200; an unknown
+    device has none."""
     from types import SimpleNamespace
 
     from train.metrics import peak_flops
@@ -2506,7 +2507,10 @@ def test_peak_flops_tells_the_pcie_and_nvl_cards_from_the_sxm_parts():
         "NVIDIA H100 PCIe": 756e12,
         "NVIDIA H100 NVL": 835e12,
         "NVIDIA H200": 989e12,
+        "NVIDIA H200 NVL": 835e12,
         "NVIDIA GH200 480GB": 989e12,
+        "NVIDIA B200": 2250e12,
+        "NVIDIA GB200": 2500e12,
         "NVIDIA A100-SXM4-80GB": 312e12,
         "NVIDIA H20": None,
         "cpu": None,

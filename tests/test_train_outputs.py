@@ -466,7 +466,10 @@ def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
             ids = [3 + (i + j) % 200 for j in range(40)]
             f.write(json.dumps({"input_ids": ids, "labels": [-100] * 35 + ids[35:]}) + "\n")
     out = tmp_path / "run"
-    run(parse_args(_args(out, "--data_path", str(data), "--save_strategy", "no")))
+    # Attention across the packed records: each row's model FLOPs are one causal row's.
+    argv = ["--data_path", str(data), "--save_strategy", "no", "--mask_documents", "false"]
+    argv += ["--packing_positions", "running"]
+    run(parse_args(_args(out, *argv)))
     records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     step_tokens = jax.device_count() * 64  # a row per device of --model_max_length 64
     flops = models.training_flops_per_token(models.TINY, 64)
@@ -477,6 +480,29 @@ def test_throughput_counts_every_token_a_step_computes(tmp_path, monkeypatch):
         assert r["tflops_per_device"] == pytest.approx(
             step_tokens * flops / jax.device_count() / 1e12
         )
+
+
+def test_tflops_count_the_attention_inside_each_packed_document(tmp_path, monkeypatch):
+    """With attention kept inside packed documents, TFLOP/s and MFU count each
+    document's causal attention (half its length per token), not a whole row's: rows of
+    two 32-token documents count 16 keys per token, not 32."""
+    _ticking_clock(monkeypatch)
+    data = tmp_path / "docs.jsonl"
+    with open(data, "w") as f:  # 31 tokens and the EOS: two documents fill a row of 64
+        for i in range(48):
+            f.write(json.dumps({"input_ids": [3 + (i + j) % 200 for j in range(31)]}) + "\n")
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--data_path", str(data), "--save_strategy", "no")))
+    records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    step_tokens = jax.device_count() * 64
+    flops = models.training_flops_per_token(models.TINY, 64, keys=16)
+    assert flops < models.training_flops_per_token(models.TINY, 64)
+    for r in records[1:]:
+        assert r["tflops_per_device"] == pytest.approx(
+            step_tokens * flops / jax.device_count() / 1e12
+        )
+    rows = np.array([[0] * 32 + [1] * 32, [0] * 10 + [1] * 54])
+    assert models.document_keys(rows) == pytest.approx((2 * 32**2 + 10**2 + 54**2) / 2 / 128)
 
 
 @pytest.mark.parametrize("slow", ["evaluation", "save"])

@@ -401,10 +401,26 @@ class Trainer:
     eval_fn: Callable | None = None
     # `--chat_template`'s templates as the run read them (`chat_templates`): the export's
     chat_templates: dict[str, str] | None = None
+    # Where attention stays inside packed documents: the model FLOPs per token of the
+    # steps whose batches were made and not yet counted (`step_flops_token`).
+    _step_flops: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """`BATCH_KEYS` `[accum, global batch, T]` for `step`, sharded."""
-        return host_batch(self.cfg, self.mesh, self.batches.batch_at(step), self.accum)
+        rows = self.batches.batch_at(step)
+        if self.spec.mask_documents:  # this process's rows stand for the step's
+            keys = models.document_keys(rows.segment_ids)
+            seq_len = rows.input_ids.shape[-1]
+            self._step_flops[step] = models.training_flops_per_token(
+                self.config, seq_len, keys=keys
+            )
+        return host_batch(self.cfg, self.mesh, rows, self.accum)
+
+    def step_flops_token(self, step: int) -> float:
+        """The model FLOPs per token of step `step` (its batch made by `batch`): with
+        packed documents whose attention stays inside each, the attention its rows'
+        documents hold (`models.document_keys`), else one causal row (`flops_token`)."""
+        return self._step_flops.pop(step, self.flops_token)
 
     def eval_batches(self):
         """The evaluation rows in order, `global_batch` at a time, as `BATCH_KEYS`

@@ -59,6 +59,7 @@ class _Timer:
     # Tokens a step computes: its rows x their length, labelled or not (what throughput,
     # TFLOP/s and MFU count; the loss counts only the labelled ones).
     step_tokens: int = 0
+    flops: float = 0.0  # the window's model FLOPs (each step's tokens x its FLOPs per token)
     profile: tuple[int, int] | None = None  # the traced steps, 0-based `(first, stop)`
     traced: bool = False  # the window holds a traced step (slower under the profiler)
 
@@ -629,7 +630,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     history = []
     step_tokens = t.global_batch * t.accum * cfg.data.model_max_length
     timer = _Timer(profile=profile, step_tokens=step_tokens)
-    finish_args = (cfg, t.lr_at, timer, t.flops_token, writer, log, bar, lines, total_steps)
+    finish_args = (cfg, t.lr_at, timer, t.step_flops_token, writer, log, bar, lines, total_steps)
     steps_per_epoch = t.batches.steps_per_epoch
     # Metrics are fetched one step late (the next step is already queued), except at
     # the run's first step and at logging and saving steps, which wait for their own
@@ -987,7 +988,7 @@ def _step_line(record: dict, total_steps: int, eta: float | None, traced: bool =
 
 
 def _finish(
-    pending, cfg, lr_at, timer: _Timer, flops_token, writer, log, bar, lines: bool, total_steps
+    pending, cfg, lr_at, timer: _Timer, flops_of, writer, log, bar, lines: bool, total_steps
 ) -> dict:
     """Fetches one step's metrics; stops on a non-finite loss or gradient (the update of
     a non-finite gradient makes the parameters non-finite); logs every logging_steps
@@ -1016,10 +1017,12 @@ def _finish(
         timer.traced = True
     # The run's first step (compiled before) runs its one-time work (CUDA modules loaded,
     # command buffers recorded): throughput starts after it.
+    flops_token = flops_of(step)  # the step's model FLOPs per token (`Trainer`)
     if timer.start == 0.0:
         timer.start = time.perf_counter()
     else:
         timer.tokens += timer.step_tokens
+        timer.flops += timer.step_tokens * flops_token
         timer.steps += 1
     record = {
         "step": done,
@@ -1036,12 +1039,14 @@ def _finish(
         now = time.perf_counter()
         if timer.tokens:  # the window holds timed steps (the first one is compilation)
             seconds = now - timer.start
-            record.update(throughput(timer.tokens, seconds, flops_token, jax.device_count()))
+            flops = timer.flops / timer.tokens
+            record.update(throughput(timer.tokens, seconds, flops, jax.device_count()))
         record.update(memory())
         if lines:
             eta = (now - timer.start) / timer.steps * (total_steps - done) if timer.steps else None
             print(_step_line(record, total_steps, eta, timer.traced), flush=True)
-        timer.start, timer.tokens, timer.steps, timer.traced = now, 0, 0, False
+        timer.start, timer.tokens, timer.flops, timer.steps = now, 0, 0.0, 0
+        timer.traced = False
         if writer is not None:
             writer.scalars({f"train/{k}": v for k, v in record.items() if k != "step"}, done)
         if log is not None:
