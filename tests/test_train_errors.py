@@ -823,3 +823,26 @@ def test_a_resume_without_checkpoints_is_refused_before_the_data_loads(tmp_path)
         f"--resume_from_checkpoint: {out / 'checkpoints'} does not exist (`auto` starts "
         "from step 0 where there is none)"
     )
+
+
+def test_a_resume_that_changes_dataloader_drop_last_is_refused_naming_it(tmp_path, capsys):
+    """Where the rows do not divide into batches, --dataloader_drop_last changes every
+    epoch's batches after the first: a resume that flips it is refused naming it (the
+    checkpoint records it), as is one with another --seed on sample data (made from it)."""
+    # 10 rows in batches of one row per device (4 or 8): the last batch of each epoch is
+    # filled up.
+    argv = [*BASE, "--data_path", "sample", "--sample_num_examples", "10", "--attention"]
+    argv += ["xla", "--max_steps", "3", "--save_steps", "2", "--report_to", "none"]
+    argv += ["--export_hf", "false"]
+    assert main([*argv, "--output_dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "2")]
+    err = _one_line_error(
+        [*argv, *resume, "--dataloader_drop_last", "true", "--output_dir", str(tmp_path / "b")],
+        capsys,
+    )
+    assert "(dataloader_drop_last False -> True)" in err, err
+    err = _one_line_error(
+        [*argv, *resume, "--seed", "7", "--output_dir", str(tmp_path / "c")], capsys
+    )
+    assert "seed 42 -> 7" in err and "(--data_path sample is made from --seed)" in err, err

@@ -415,6 +415,7 @@ def _run_meta(t: Trainer) -> dict:
         "data": data_fingerprint(t.rows),
         "labels": label_fingerprint(t.rows),
         "seed": t.cfg.run.seed,
+        "dataloader_drop_last": t.cfg.data.dataloader_drop_last,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
         "update": {**update_settings(t.cfg.optim), "compute_dtype": t.config.dtype},
@@ -551,11 +552,19 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
         drop_last=cfg.data.dataloader_drop_last,
     )
     if resumed.step != start_step:
+        # A checkpoint whose record has no `dataloader_drop_last` was written when every
+        # epoch dropped its partial last batch.
+        older = "dataloader_drop_last" not in (meta.get("run") or {})
+        hint = (
+            " (a checkpoint written when each epoch dropped its last partial batch resumes "
+            "with --dataloader_drop_last true)"
+            if older and not cfg.data.dataloader_drop_last
+            else ""
+        )
         raise TrainingError(
             f"checkpoint step {start_step} and data position {meta['data']} disagree: "
             "did the data, --model_max_length, the batch size or --dataloader_drop_last "
-            "change? (a checkpoint written when each epoch dropped its last partial batch "
-            "resumes with --dataloader_drop_last true)"
+            f"change?{hint}"
         )
     return state, start_step
 
@@ -849,7 +858,8 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"checkpoint {meta['step']} in {where} was written by a run with other settings "
             f"({text}); resuming would not continue its data order. Use the same "
             "--model_max_length, --packing, data, global batch (per-device batch x data x "
-            "fsdp x accumulation) and --seed"
+            "fsdp x accumulation), --seed and --dataloader_drop_last"
+            + (" (--data_path sample is made from --seed)" if "seed" in changed else "")
         )
     if "data" in saved and saved["data"] != run_meta["data"]:
         raise TrainingError(
