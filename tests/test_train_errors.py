@@ -846,3 +846,17 @@ def test_a_resume_that_changes_dataloader_drop_last_is_refused_naming_it(tmp_pat
         [*argv, *resume, "--seed", "7", "--output_dir", str(tmp_path / "c")], capsys
     )
     assert "seed 42 -> 7" in err and "(--data_path sample is made from --seed)" in err, err
+
+
+def test_an_adafactor_checkpoint_of_optaxs_state_is_refused_with_the_way_on():
+    """Adafactor's state changed layout (HF's, per layer): a checkpoint whose record names
+    no such state (optax's, written before) is refused in one line pointing to the export,
+    not failed in Orbax's restore as if damaged; AdamW's never changed."""
+    from train.loop import OPTIM_STATES, _check_resumable
+
+    now = {"optim": "adafactor", "optim_state": OPTIM_STATES["adafactor"], "total_steps": 4}
+    with pytest.raises(TrainingError, match=r"holds optax's --optim adafactor state.*export"):
+        _check_resumable({"step": 2, "run": {"optim": "adafactor"}}, now, "ckpts")
+    _check_resumable({"step": 2, "run": dict(now)}, now, "ckpts")
+    adamw = {"optim": "adamw", "optim_state": None, "total_steps": 4}
+    _check_resumable({"step": 2, "run": {"optim": "adamw"}}, adamw, "ckpts")

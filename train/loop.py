@@ -403,6 +403,11 @@ def _model_record(config) -> dict:
     return json.loads(json.dumps(hf))
 
 
+# The layout of an optimizer's state where it changed: a checkpoint whose record names
+# another (or none, written before) cannot be restored into this one.
+OPTIM_STATES = {"adafactor": "hf_adafactor"}  # train.optim.hf_adafactor, per layer
+
+
 def _run_meta(t: Trainer) -> dict:
     """What fixes the model, the data order, the schedule and each step's update (the
     optimizer's flags, the compute dtype): a resumed run must match it."""
@@ -418,6 +423,7 @@ def _run_meta(t: Trainer) -> dict:
         "dataloader_drop_last": t.cfg.data.dataloader_drop_last,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
+        "optim_state": OPTIM_STATES.get(t.cfg.optim.optim),
         "update": {**update_settings(t.cfg.optim), "compute_dtype": t.config.dtype},
         "schedule": _schedule_record(t),
     }
@@ -837,6 +843,14 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"{old_optim}, or start a new run from the export (--model_name_or_path "
             "<output_dir>/hf, a new --output_dir)"
         )
+    if saved.get("optim_state") != run_meta.get("optim_state") and old_optim in OPTIM_STATES:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} holds optax's --optim {old_optim} state, "
+            f"which this version replaced by HF's ({run_meta.get('optim_state')}, one layer "
+            "at a time): it does not carry over. Train on as a new run from its weights "
+            "(python -m train.tools.export, then --model_name_or_path that directory and a "
+            "new --output_dir)"
+        )
     if "model" in saved and saved["model"] != run_meta["model"]:
         old, new = saved["model"], run_meta["model"]
         keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -846,7 +860,16 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "resume with the model config that wrote it (the run's model_config.json)"
         )
     # Checked on their own, with their own advice.
-    own_checks = ("total_steps", "optim", "data", "labels", "schedule", "model", "update")
+    own_checks = (
+        "total_steps",
+        "optim",
+        "optim_state",
+        "data",
+        "labels",
+        "schedule",
+        "model",
+        "update",
+    )
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
