@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
-from models.loss import IGNORE_INDEX
 from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache
@@ -428,14 +427,9 @@ class Trainer:
         all ignored (they count no tokens)."""
         rows, n = self.eval_rows, self.global_batch
         for begin in range(0, rows.num_rows, n):
-            part = list(rows.take(np.arange(begin, min(begin + n, rows.num_rows))))
-            missing = n - len(part[0])
-            if missing:
-                fill = (0, IGNORE_INDEX, 0)
-                part = [
-                    np.concatenate([a, np.full((missing, a.shape[1]), v, a.dtype)])
-                    for a, v in zip(part, fill, strict=True)
-                ]
+            part = rows.take(np.arange(begin, min(begin + n, rows.num_rows)))
+            if len(part.input_ids) < n:
+                part = data_lib.filled_rows(part, n - len(part.input_ids))
             yield host_batch(self.cfg, self.mesh, data_lib.Batch(*part), 1)
 
 

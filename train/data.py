@@ -171,7 +171,7 @@ class Batches:
         ids = self._permutation(epoch)[begin : begin + self.local_batch_size]
         rows = self.rows.take(ids)
         if len(ids) < self.local_batch_size:  # the epoch's last batch: filled up
-            rows = _filled(rows, self.local_batch_size - len(ids))
+            rows = filled_rows(rows, self.local_batch_size - len(ids))
         return Batch(*rows)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -204,7 +204,7 @@ class Batches:
         return self._perm
 
 
-def _filled(rows: Rows, count: int) -> Rows:
+def filled_rows(rows: Rows, count: int) -> Rows:
     """`rows` and `count` rows of nothing to learn after them: token 0, labels -100, one
     segment each."""
     shape = (count, rows.input_ids.shape[1])

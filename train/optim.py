@@ -126,8 +126,8 @@ def hf_adafactor(decay_rate: float = -0.8, eps: float = 1e-30, clip: float = 1.0
             return placeholder, placeholder, jnp.zeros(shape, jnp.float32)
 
         parts = jax.tree_util.tree_map_with_path(moments, params)
-        pick = [jax.tree.map(lambda t, i=i: t[i], parts, is_leaf=_triple) for i in range(3)]
-        return AdafactorState(jnp.zeros([], jnp.int32), *pick)
+        rows, cols, whole = _unzip(params, parts, 3)
+        return AdafactorState(jnp.zeros([], jnp.int32), rows, cols, whole)
 
     def update(updates, state, params=None):
         del params
@@ -151,18 +151,16 @@ def hf_adafactor(decay_rate: float = -0.8, eps: float = 1e-30, clip: float = 1.0
             return u / jnp.maximum(rms / clip, 1.0), v_row, v_col, v
 
         out = jax.tree_util.tree_map_with_path(one, updates, state.v_row, state.v_col, state.v)
-        pick = [jax.tree.map(lambda t, i=i: t[i], out, is_leaf=_quad) for i in range(4)]
-        return pick[0], AdafactorState(count, *pick[1:])
+        new, rows, cols, whole = _unzip(updates, out, 4)
+        return new, AdafactorState(count, rows, cols, whole)
 
     return optax.GradientTransformation(init, update)
 
 
-def _triple(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and not isinstance(x, AdafactorState)
-
-
-def _quad(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 4 and not isinstance(x, AdafactorState)
+def _unzip(like, tree, n: int) -> tuple:
+    """`n` trees shaped as `like` from `tree`, `like`'s shape with an `n`-tuple per leaf."""
+    inner = jax.tree.structure((0,) * n)
+    return jax.tree.transpose(jax.tree.structure(like), inner, tree)
 
 
 def update_settings(args: OptimArgs) -> dict:
