@@ -3,12 +3,14 @@ three optimizers' first update against their update rules."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_oracle
 
 from train.config import OptimArgs, parse_args
 from train.mesh import parse_mesh
@@ -66,6 +68,236 @@ def test_wsd_matches_transformers(decay_type):
     want = [_hf_wsd(s, 10, 70, 20, decay_type, 0.05) for s in range(101)]
     np.testing.assert_allclose(lrs, want, atol=1e-6)
     assert lrs[0] == pytest.approx(0.05) and lrs[79] == 1.0 and lrs[100] == pytest.approx(0.05)
+
+
+ORACLE_SCHEDULES = """
+import json, sys, torch
+from transformers import get_scheduler
+out = []
+for c in json.load(open(sys.argv[1])):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=c["lr"])
+    s = get_scheduler(c["name"], opt, num_warmup_steps=c["warm"],
+                      num_training_steps=c["total"], scheduler_specific_kwargs=c["kw"])
+    out.append([c["lr"] * s.lr_lambdas[0](i) for i in range(c["total"] + 3)])
+print(json.dumps(out))
+"""
+
+# Every schedule by HF's name, with and without its --lr_scheduler_kwargs, odd step counts.
+HF_SCHEDULES = [
+    ("linear", 10, 100, {}),
+    ("cosine", 0, 50, {}),
+    ("cosine", 10, 100, {"num_cycles": 2.0}),
+    ("cosine_with_restarts", 5, 37, {}),
+    ("cosine_with_restarts", 10, 100, {"num_cycles": 3}),
+    ("polynomial", 0, 40, {}),
+    ("polynomial", 10, 100, {"lr_end": 0.1, "power": 2.0}),
+    ("constant", 0, 20, {}),
+    ("constant_with_warmup", 4, 20, {}),
+    ("inverse_sqrt", 0, 30, {}),
+    ("inverse_sqrt", 10, 100, {}),
+    ("inverse_sqrt", 0, 60, {"timescale": 7}),
+    ("cosine_with_min_lr", 10, 100, {"min_lr": 0.05, "num_cycles": 0.7}),
+    ("cosine_warmup_with_min_lr", 10, 100, {"min_lr_rate": 0.1}),
+    ("cosine_warmup_with_min_lr", 10, 100, {"min_lr_rate": 0.1, "warmup_lr_rate": 0.2}),
+    ("warmup_stable_decay", 10, 100, {"num_decay_steps": 20}),
+    (
+        "warmup_stable_decay",
+        10,
+        100,
+        {
+            "num_decay_steps": 20,
+            "num_stable_steps": 30,  # 40 steps short of the run: the rest at the floor
+            "warmup_type": "cosine",
+            "decay_type": "1-sqrt",
+            "min_lr_ratio": 0.1,
+            "num_cycles": 1.0,
+        },
+    ),
+    (
+        "warmup_stable_decay",
+        8,
+        60,
+        {
+            "num_decay_steps": 12,
+            "warmup_type": "1-sqrt",
+            "decay_type": "linear",
+            "min_lr_ratio": 0.2,
+        },
+    ),
+]
+
+
+def test_every_hf_schedule_matches_transformers_get_scheduler(tmp_path):
+    """transformers' own `get_scheduler(name, ..., scheduler_specific_kwargs)` (in the
+    HF oracle interpreter) against `schedule`, at every step of the run and two past it."""
+    lr = 0.5
+    cases = [dict(name=n, warm=w, total=t, kw=k, lr=lr) for n, w, t, k in HF_SCHEDULES]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    want = run_oracle(ORACLE_SCHEDULES, tmp_path / "cases.json")
+    for (name, warm, total, kw), hf in zip(HF_SCHEDULES, want, strict=True):
+        flags = [
+            "--lr_scheduler_type",
+            name,
+            "--warmup_steps",
+            str(warm),
+            "--learning_rate",
+            str(lr),
+        ]
+        flags += ["--lr_scheduler_kwargs", json.dumps(kw)] if kw else []
+        f = schedule(parse_args(flags).optim, total)
+        got = [float(f(i)) for i in range(total + 3)]
+        np.testing.assert_allclose(got, hf, atol=1e-6, err_msg=f"{name} {kw}")
+
+
+def test_hf_schedules_by_hand():
+    """The same schedules without the oracle, at points worked out from HF's formulas."""
+    # cosine_with_restarts, 3 cycles over 90 steps after 10 of warmup: restarts at 40, 70.
+    lrs = _lrs(
+        100,
+        lr_scheduler_type="cosine_with_restarts",
+        warmup_steps=10,
+        lr_scheduler_kwargs='{"num_cycles": 3}',
+    )
+    assert lrs[10] == 1.0 and lrs[40] == pytest.approx(1.0) and lrs[70] == pytest.approx(1.0)
+    assert lrs[25] == pytest.approx(0.5, abs=1e-6) and lrs[100] == 0.0
+    # polynomial, power 2, lr_end 0.1: (1 - 0.1) * (1 - 45 / 90) ** 2 + 0.1 at step 55.
+    lrs = _lrs(
+        100,
+        lr_scheduler_type="polynomial",
+        warmup_steps=10,
+        lr_scheduler_kwargs='{"power": 2, "lr_end": 0.1}',
+    )
+    assert lrs[55] == pytest.approx(0.9 * 0.25 + 0.1) and lrs[100] == pytest.approx(0.1)
+    # inverse_sqrt, timescale = warmup = 16: 1 / sqrt(step / 16) after warmup.
+    lrs = _lrs(100, lr_scheduler_type="inverse_sqrt", warmup_steps=16)
+    assert lrs[64] == pytest.approx(0.5) and lrs[16] == pytest.approx(1.0)
+    # warmup_stable_decay, 20 decay steps: held until 80, floor 0.1 reached at 100.
+    lrs = _lrs(
+        100,
+        lr_scheduler_type="warmup_stable_decay",
+        warmup_steps=10,
+        lr_scheduler_kwargs='{"num_decay_steps": 20, "min_lr_ratio": 0.1}',
+    )
+    assert lrs[0] == pytest.approx(0.1) and lrs[79] == 1.0 and lrs[100] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--lr_scheduler_kwargs", "{num_cycles: 3}"], "is not JSON"),
+        (["--lr_scheduler_kwargs", "[3]"], "must be a JSON object of linear's arguments"),
+        (
+            ["--lr_scheduler_kwargs", '{"num_cycles": 3}'],
+            "--lr_scheduler_type linear has no num_cycles \\(it takes none\\)",
+        ),
+        (
+            ["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"power": 2}'],
+            "cosine has no power \\(its arguments: num_cycles\\)",
+        ),
+        (
+            [
+                "--lr_scheduler_type",
+                "cosine_with_restarts",
+                "--lr_scheduler_kwargs",
+                '{"num_cycles": 1.5}',
+            ],
+            "num_cycles=1.5 must be a whole number >= 1",
+        ),
+        (
+            ["--lr_scheduler_type", "polynomial", "--lr_scheduler_kwargs", '{"lr_end": 1e-4}'],
+            "lr_end=0.0001 must be in \\[0, --learning_rate=5e-05\\)",
+        ),
+        (
+            ["--lr_scheduler_type", "inverse_sqrt", "--lr_scheduler_kwargs", '{"timescale": 0}'],
+            "timescale=0 must be a whole number of steps >= 1",
+        ),
+        (
+            ["--lr_scheduler_type", "cosine", "--lr_scheduler_kwargs", '{"num_cycles": "3"}'],
+            "num_cycles='3' must be a number > 0",
+        ),
+        (["--lr_scheduler_type", "warmup_stable_decay"], "needs num_decay_steps"),
+        (
+            [
+                "--lr_scheduler_type",
+                "warmup_stable_decay",
+                "--lr_scheduler_kwargs",
+                '{"num_decay_steps": 5, "decay_type": "exp"}',
+            ],
+            "decay_type='exp' must be one of",
+        ),
+        (
+            ["--lr_scheduler_type", "warmup_stable_decay", "--decay_ratio", "0.2"],
+            "takes num_decay_steps and decay_type in --lr_scheduler_kwargs",
+        ),
+        (
+            [
+                "--lr_scheduler_type",
+                "cosine_with_min_lr",
+                "--lr_scheduler_kwargs",
+                '{"min_lr": 1e-6, "min_lr_rate": 0.1}',
+            ],
+            "give one of min_lr and min_lr_rate",
+        ),
+        (
+            [
+                "--lr_scheduler_type",
+                "cosine_with_min_lr",
+                "--min_lr_rate",
+                "0.1",
+                "--lr_scheduler_kwargs",
+                '{"min_lr_rate": 0.1}',
+            ],
+            "both set the floor",
+        ),
+        (["--lr_scheduler_type", "cosine_warmup_with_min_lr"], "or min_lr_rate or min_lr in"),
+        (["--lr_scheduler_type", "reduce_lr_on_plateau"], "must be one of"),
+    ],
+)
+def test_scheduler_kwargs_are_checked(flags, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(flags)
+
+
+def test_scheduler_kwargs_from_yaml_and_the_floor_either_way(tmp_path):
+    """A YAML config gives `lr_scheduler_kwargs` as a mapping; cosine_with_min_lr's floor
+    as --min_lr_rate, or as HF's min_lr (absolute) or min_lr_rate, gives one schedule."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "optim:\n  lr_scheduler_type: cosine_with_restarts\n"
+        "  lr_scheduler_kwargs: {num_cycles: 2}\n"
+    )
+    args = parse_args(["--config", str(config)]).optim
+    assert json.loads(args.lr_scheduler_kwargs) == {"num_cycles": 2}
+    spelt = [
+        ["--min_lr_rate", "0.1"],
+        ["--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
+        ["--lr_scheduler_kwargs", '{"min_lr": 1e-4}'],
+    ]
+    runs = []
+    for extra in spelt:
+        o = parse_args(
+            ["--lr_scheduler_type", "cosine_with_min_lr", "--learning_rate", "1e-3", *extra]
+        ).optim
+        f = schedule(o, 50)
+        runs.append([float(f(i)) for i in range(51)])
+    np.testing.assert_allclose(runs[1], runs[0], rtol=1e-6)
+    np.testing.assert_allclose(runs[2], runs[0], rtol=1e-6)
+    assert runs[0][-1] == pytest.approx(1e-4)
+
+
+def test_warmup_stable_decay_longer_than_the_run_is_refused():
+    o = parse_args(
+        [
+            "--lr_scheduler_type",
+            "warmup_stable_decay",
+            "--warmup_steps",
+            "10",
+            "--lr_scheduler_kwargs",
+            '{"num_decay_steps": 95}',
+        ]
+    ).optim
+    with pytest.raises(ValueError, match="num_decay_steps=95 is more than the run's 90 steps"):
+        schedule(o, 100)
 
 
 @pytest.mark.parametrize(

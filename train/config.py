@@ -91,16 +91,45 @@ class ParallelArgs:
     process_id: int | None = None
 
 
-LR_SCHEDULERS = (
-    "cosine",
-    "linear",
-    "constant",
-    "constant_with_warmup",
+# HF's schedules by its names (transformers' `get_scheduler`; all but
+# reduce_lr_on_plateau and greedy, which follow the evaluation loss), and wsd, jflash's
+# warmup-stable-decay spelt with flags. Each with the keyword arguments it takes from
+# `--lr_scheduler_kwargs` (HF's `scheduler_specific_kwargs`) and their defaults.
+SCHEDULER_KWARGS: dict[str, dict[str, Any]] = {
+    "linear": {},
+    "cosine": {"num_cycles": 0.5},
+    "cosine_with_restarts": {"num_cycles": 1},
+    "polynomial": {"lr_end": 1e-7, "power": 1.0},
+    "constant": {},
+    "constant_with_warmup": {},
+    "inverse_sqrt": {"timescale": None},
+    "cosine_with_min_lr": {"num_cycles": 0.5, "min_lr": None, "min_lr_rate": None},
+    "cosine_warmup_with_min_lr": {
+        "num_cycles": 0.5,
+        "min_lr": None,
+        "min_lr_rate": None,
+        "warmup_lr_rate": None,
+    },
+    "warmup_stable_decay": {
+        "num_decay_steps": None,
+        "num_stable_steps": None,
+        "warmup_type": "linear",
+        "decay_type": "cosine",
+        "min_lr_ratio": 0.0,
+        "num_cycles": 0.5,
+    },
+    "wsd": {},
+}
+LR_SCHEDULERS = tuple(SCHEDULER_KWARGS)
+# Schedules that decay to a floor rather than to 0 (or not at all): `--min_lr_rate`, or
+# their own keyword argument (`min_lr_rate` / `min_lr`, `min_lr_ratio`).
+FLOORED_SCHEDULERS = (
     "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
     "wsd",
 )
-# Schedules that decay to `--min_lr_rate` rather than to 0 (or not at all).
-FLOORED_SCHEDULERS = ("cosine_with_min_lr", "wsd")
+WARMUP_DECAY_TYPES = ("linear", "cosine", "1-sqrt")
 OPTIMIZERS = ("adamw", "adafactor", "lion")
 # HF Trainer's names for the same optimizers, taken as written in HF command lines.
 OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw"}
@@ -120,6 +149,8 @@ class OptimArgs:
     # warmup_ratio); wins over warmup_ratio when > 0.
     warmup_steps: float = 0
     lr_scheduler_type: str = "linear"  # train.config.LR_SCHEDULERS: HF's names, and wsd
+    # HF's scheduler-specific arguments, a JSON object: e.g. '{"num_cycles": 3}'
+    lr_scheduler_kwargs: str = ""
     min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
@@ -173,7 +204,7 @@ CHOICES: dict[tuple[str, str], tuple] = {
     ("data", "packing"): PACKINGS,
     ("data", "chat_turns"): CHAT_TURNS,
     ("optim", "lr_scheduler_type"): LR_SCHEDULERS,
-    ("optim", "decay_type"): ("linear", "cosine", "1-sqrt"),
+    ("optim", "decay_type"): WARMUP_DECAY_TYPES,
     ("optim", "optim"): OPTIMIZERS,
     ("run", "save_strategy"): ("steps", "epoch", "no"),
     ("run", "eval_strategy"): ("steps", "epoch", "no"),
@@ -282,16 +313,10 @@ def _check_schedule(o: OptimArgs) -> None:
         raise ValueError(
             f"--min_lr_rate={o.min_lr_rate} must be in [0, 1] (a fraction of the peak)"
         )
-    if kind == "cosine_with_min_lr" and o.min_lr_rate == 0:
-        raise ValueError(
-            "--lr_scheduler_type cosine_with_min_lr needs --min_lr_rate in (0, 1] (its "
-            "floor, a fraction of --learning_rate; HF refuses it without one): for a decay "
-            "to 0 use cosine"
-        )
     if o.min_lr_rate > 0 and kind not in FLOORED_SCHEDULERS:
         raise ValueError(
             f"--min_lr_rate={o.min_lr_rate} is used by --lr_scheduler_type "
-            f"{' or '.join(FLOORED_SCHEDULERS)}, not {kind!r}"
+            f"{', '.join(FLOORED_SCHEDULERS)}, not {kind!r}"
         )
     if kind == "wsd":
         steps = o.warmup_steps
@@ -304,16 +329,120 @@ def _check_schedule(o: OptimArgs) -> None:
     elif o.decay_ratio != 0:
         raise ValueError(
             f"--decay_ratio={o.decay_ratio} is used by --lr_scheduler_type wsd, not {kind!r}"
+            + _IN_KWARGS.get(kind, "")
         )
     if kind != "wsd" and o.decay_type != OptimArgs.decay_type:
         raise ValueError(
             f"--decay_type={o.decay_type!r} is used by --lr_scheduler_type wsd, not {kind!r}"
+            + _IN_KWARGS.get(kind, "")
         )
     if kind == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):
         raise ValueError(
             f"--lr_scheduler_type constant has no warmup (as in HF; --warmup_steps="
             f"{o.warmup_steps}, --warmup_ratio={o.warmup_ratio}): use constant_with_warmup"
         )
+    scheduler_kwargs(o)
+
+
+_IN_KWARGS = {
+    "warmup_stable_decay": (
+        " (warmup_stable_decay takes num_decay_steps and decay_type in --lr_scheduler_kwargs)"
+    )
+}
+
+
+def scheduler_kwargs(o: OptimArgs) -> dict[str, Any]:
+    """`--lr_scheduler_kwargs` for `--lr_scheduler_type`, checked, over the schedule's
+    defaults (`SCHEDULER_KWARGS`), with `floor`: the rate it decays to, a fraction of the
+    peak (`--min_lr_rate`, or the schedule's own `min_lr_rate`, `min_lr` or
+    `min_lr_ratio`; 0 for the schedules without one). ValueError naming the value where
+    an argument is unknown to the schedule, of the wrong kind, or given twice."""
+    kind, text = o.lr_scheduler_type, o.lr_scheduler_kwargs
+    flag = f"--lr_scheduler_kwargs={text!r}"
+    given: Any = {}
+    if text:
+        try:
+            given = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{flag} is not JSON ({e}); give an object") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"{flag} must be a JSON object of {kind}'s arguments")
+    known = SCHEDULER_KWARGS.get(kind, {})
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        takes = f"its arguments: {', '.join(known)}" if known else "it takes none"
+        raise ValueError(
+            f"{flag}: --lr_scheduler_type {kind} has no {', '.join(unknown)} ({takes})"
+        )
+    args = {**known, **given}
+
+    def number(name: str, rule: str, ok, whole: bool = False, optional: bool = False):
+        value = args[name]
+        if value is None and optional:
+            return
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or (whole and value != int(value))
+            or not ok(value)
+        ):
+            raise ValueError(f"{flag}: {name}={value!r} must be {rule}")
+        if whole:
+            args[name] = int(value)
+
+    lr = o.learning_rate
+    if "num_cycles" in args:
+        if kind == "cosine_with_restarts":
+            number("num_cycles", "a whole number >= 1 (of restarts)", lambda x: x >= 1, True)
+        else:
+            number("num_cycles", "a number > 0 (of cosine waves)", lambda x: x > 0)
+    if kind == "polynomial":
+        number("lr_end", f"in [0, --learning_rate={lr}) (as in HF)", lambda x: 0 <= x < lr)
+        number("power", "a number > 0", lambda x: x > 0)
+    if kind == "inverse_sqrt":
+        number("timescale", "a whole number of steps >= 1", lambda x: x >= 1, True, True)
+    if "min_lr" in args:
+        number("min_lr", f"in [0, --learning_rate={lr}]", lambda x: 0 <= x <= lr, False, True)
+        number("min_lr_rate", "in [0, 1]", lambda x: 0 <= x <= 1, False, True)
+    if "warmup_lr_rate" in args:
+        number("warmup_lr_rate", "in [0, 1]", lambda x: 0 <= x <= 1, False, True)
+    if kind == "warmup_stable_decay":
+        if args["num_decay_steps"] is None:
+            raise ValueError(
+                f"{flag}: --lr_scheduler_type warmup_stable_decay needs num_decay_steps "
+                "(as in HF), e.g. --lr_scheduler_kwargs '{\"num_decay_steps\": 100}'"
+            )
+        number("num_decay_steps", "a whole number of steps >= 0", lambda x: x >= 0, True)
+        number("num_stable_steps", "a whole number of steps >= 0", lambda x: x >= 0, True, True)
+        number("min_lr_ratio", "in [0, 1]", lambda x: 0 <= x <= 1)
+        for name in ("warmup_type", "decay_type"):
+            if args[name] not in WARMUP_DECAY_TYPES:
+                raise ValueError(
+                    f"{flag}: {name}={args[name]!r} must be one of {WARMUP_DECAY_TYPES}"
+                )
+
+    floor = o.min_lr_rate
+    own = [k for k in ("min_lr", "min_lr_rate", "min_lr_ratio") if given.get(k) is not None]
+    if len(own) > 1:
+        raise ValueError(f"{flag}: give one of {' and '.join(own)} (both set the floor)")
+    if own and floor > 0:
+        raise ValueError(
+            f"--min_lr_rate={floor} and {own[0]} in {flag} both set the floor: give one"
+        )
+    if own:
+        name = own[0]
+        if name == "min_lr" and lr == 0:
+            raise ValueError(f"{flag}: min_lr needs --learning_rate > 0 (it is a fraction of it)")
+        floor = given[name] / lr if name == "min_lr" else given[name]
+    elif kind in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and floor == 0:
+        raise ValueError(
+            f"--lr_scheduler_type {kind} needs --min_lr_rate in (0, 1] (its floor, a fraction "
+            "of --learning_rate), or min_lr_rate or min_lr in --lr_scheduler_kwargs (HF "
+            "refuses it without one): for a decay to 0 use cosine"
+        )
+    args["floor"] = float(floor)
+    return args
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -407,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Settings whose flag takes a JSON object, which a YAML config may give as a mapping.
-JSON_FIELDS = ("chat_template_kwargs",)
+JSON_FIELDS = ("chat_template_kwargs", "lr_scheduler_kwargs")
 
 
 def _coerce(value: Any, annotation, key: str, where: str) -> Any:

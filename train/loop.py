@@ -434,6 +434,7 @@ def _run_meta(t: Trainer) -> dict:
 SCHEDULE_FLAGS = (
     "learning_rate",
     "lr_scheduler_type",
+    "lr_scheduler_kwargs",
     "warmup_steps",
     "warmup_ratio",
     "min_lr_rate",

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from train.config import OPTIMIZERS, OptimArgs
+from train.config import OPTIMIZERS, OptimArgs, scheduler_kwargs
 
 
 def warmup_steps(args: OptimArgs, total_steps: int) -> int:
@@ -31,49 +31,100 @@ def decay_steps(args: OptimArgs, total_steps: int) -> int:
 
 
 def schedule(args: OptimArgs, total_steps: int) -> optax.Schedule:
-    """The LR at optimizer step `count` (0-based), as HF's `get_scheduler(name)`.
+    """The LR at optimizer step `count` (0-based), as HF's `get_scheduler(name)` with
+    `--lr_scheduler_kwargs` as its `scheduler_specific_kwargs`.
 
-    Warmup is `lr * step / warmup` (wsd: from the floor, `min_lr_rate`, up to `lr`), then:
-    cosine: `lr * 0.5 * (1 + cos(pi * progress))`, progress 0 -> 1 after warmup;
-    cosine_with_min_lr: the same factor scaled into `[min_lr_rate, 1]`;
-    linear: decays to 0 at `total_steps`; constant: `lr` from step 0 (no warmup);
-    constant_with_warmup: `lr` after warmup;
-    wsd (HF `get_wsd_schedule`): warmup, `lr` held, then the last `decay_steps` decay
-    (`decay_type` linear | cosine | 1-sqrt) to `lr * min_lr_rate`.
+    Warmup is `lr * step / warmup` (wsd and warmup_stable_decay: from the floor up to
+    `lr`; cosine_warmup_with_min_lr: HF's own), then:
+    linear: decays to 0 at `total_steps`; cosine: `lr * 0.5 * (1 + cos(2 pi num_cycles
+    progress))`, progress 0 -> 1 after warmup; cosine_with_restarts: `num_cycles` hard
+    restarts of a half cosine; polynomial: `(lr - lr_end) * (1 - progress) ** power +
+    lr_end`; inverse_sqrt: `lr / sqrt((step + timescale - warmup) / timescale)`;
+    cosine_with_min_lr and cosine_warmup_with_min_lr: the cosine scaled into `[floor, 1]`;
+    constant: `lr` from step 0 (no warmup); constant_with_warmup: `lr` after warmup;
+    warmup_stable_decay (HF `get_wsd_schedule`): warmup, `lr` held, then `num_decay_steps`
+    decay to the floor; wsd: the same, the last `decay_steps` decaying (`decay_type`).
     """
+    kw = scheduler_kwargs(args)
     warm = warmup_steps(args, total_steps)
     peak = args.learning_rate
     kind = args.lr_scheduler_type
-    floor = args.min_lr_rate
-    decay = decay_steps(args, total_steps)
-    stable_end = total_steps - decay
+    floor = kw["floor"]
+    cycles = kw.get("num_cycles", 0.5)
+    if kind == "wsd":
+        decay = decay_steps(args, total_steps)
+        stable = total_steps - decay - warm
+        warmup_type, decay_type = "linear", args.decay_type
+    elif kind == "warmup_stable_decay":
+        decay = kw["num_decay_steps"]
+        stable = kw["num_stable_steps"]
+        if stable is None:
+            stable = total_steps - warm - decay
+            if stable < 0:
+                raise ValueError(
+                    f"--lr_scheduler_kwargs num_decay_steps={decay} is more than the run's "
+                    f"{total_steps - warm} steps after {warm} of warmup"
+                )
+        warmup_type, decay_type = kw["warmup_type"], kw["decay_type"]
 
-    def shape(progress, decay_type):
-        if decay_type == "linear":
+    def wave(progress):
+        return 0.5 * (1.0 + jnp.cos(jnp.pi * cycles * 2.0 * progress))
+
+    def shape(progress, kind_of):
+        if kind_of == "linear":
             return 1.0 - progress
-        if decay_type == "1-sqrt":
+        if kind_of == "1-sqrt":
             return 1.0 - jnp.sqrt(progress)
-        return 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return wave(progress)
+
+    def rise(progress, kind_of):
+        if kind_of == "linear":
+            return progress
+        if kind_of == "1-sqrt":
+            return 1.0 - jnp.sqrt(1.0 - progress)
+        return 0.5 * (1.0 - jnp.cos(jnp.pi * progress))
 
     def lr(count):
         step = jnp.asarray(count, jnp.float32)
         ramp = step / max(1, warm)
         progress = (step - warm) / max(1, total_steps - warm)
-        if kind == "cosine":
-            after = jnp.maximum(0.0, shape(progress, "cosine"))
-        elif kind == "cosine_with_min_lr":
-            after = jnp.maximum(0.0, shape(progress, "cosine") * (1.0 - floor) + floor)
+        if kind == "constant":
+            return peak * jnp.ones_like(step)
+        if kind == "constant_with_warmup":
+            after = jnp.ones_like(step)
         elif kind == "linear":
             after = jnp.maximum(0.0, (total_steps - step) / max(1, total_steps - warm))
-        elif kind == "wsd":
-            ramp = ramp * (1.0 - floor) + floor
-            down = jnp.clip((step - stable_end) / max(1, decay), 0.0, 1.0)
-            decayed = jnp.maximum(0.0, shape(down, args.decay_type) * (1.0 - floor) + floor)
-            after = jnp.where(step < stable_end, 1.0, decayed)
-        elif kind == "constant":
-            return peak * jnp.ones_like(step)
-        else:  # constant_with_warmup
-            after = jnp.ones_like(step)
+        elif kind == "cosine":
+            after = jnp.maximum(0.0, wave(progress))
+        elif kind == "cosine_with_min_lr":
+            after = jnp.maximum(0.0, wave(progress) * (1.0 - floor) + floor)
+        elif kind == "cosine_with_restarts":
+            turn = jnp.pi * jnp.mod(cycles * progress, 1.0)
+            after = jnp.where(progress >= 1.0, 0.0, jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(turn))))
+        elif kind == "polynomial":
+            end = kw["lr_end"]
+            left = jnp.maximum(0.0, 1.0 - progress)
+            after = jnp.where(
+                step > total_steps, end / peak, ((peak - end) * left ** kw["power"] + end) / peak
+            )
+        elif kind == "inverse_sqrt":
+            scale = kw["timescale"] or warm or 10_000
+            after = 1.0 / jnp.sqrt((step + scale - warm) / scale)
+        elif kind == "cosine_warmup_with_min_lr":
+            start = kw["warmup_lr_rate"]
+            if start is None:
+                ramp = (step + 1.0) / max(1, warm)
+            else:
+                ramp = start + (1.0 - start) * step / max(1, warm - 1)
+            late = (step - warm + 1.0) / max(1, total_steps - warm)
+            after = jnp.maximum(0.0, wave(late) * (1.0 - floor) + floor)
+        else:  # wsd, warmup_stable_decay
+            ramp = jnp.maximum(0.0, rise(ramp, warmup_type) * (1.0 - floor) + floor)
+            down = (step - warm - stable) / max(1, decay)
+            decayed = jnp.maximum(0.0, shape(down, decay_type) * (1.0 - floor) + floor)
+            after = jnp.where(
+                step < warm + stable, 1.0, jnp.where(step < warm + stable + decay, decayed, floor)
+            )
         return peak * jnp.where(step < warm, ramp, after)
 
     return lr
