@@ -134,7 +134,7 @@ def test_cache_rows_equal_in_memory_with_whole_packing(
         assert (cached.num_rows, cached.seq_len) == (memory.num_rows, seq_len)
         _assert_rows_equal(memory, cached.take(np.arange(cached.num_rows)))
         assert cached.packed == memory.packed == bool(memory.segment_ids.any())
-        _, padding = dataset.rows_and_padding(
+        _, padding, _ = dataset.rows_and_padding(
             seq_len,
             eos_id=eos_id,
             mask_boundaries=mask_boundaries,
@@ -169,7 +169,7 @@ def test_packing_whole_in_memory_lays_the_examples_out_once(tmp_path, monkeypatc
     monkeypatch.setattr(data_cache, "whole_layout", counted)
     rows = data_cache.packed_rows(source, 16, eos_id=0, packing="whole")
     assert layouts == [16]
-    _, padding = load_dataset(source).rows_and_padding(16, eos_id=0, packing="whole")
+    _, padding, _ = load_dataset(source).rows_and_padding(16, eos_id=0, packing="whole")
     assert f"{padding:,} of the rows' {rows.num_rows * 16:,} tokens" in capsys.readouterr().out
 
 
@@ -318,7 +318,7 @@ def test_whole_packing_fills_a_row_with_an_example_of_its_length(tmp_path):
     examples = [list(range(10 + 8 * i, 18 + 8 * i)) for i in range(3)] + [[40, 41]]
     source = _pkl(tmp_path / "d.pkl", examples)
     cache = data_cache.build_cache(source, tmp_path / "c", eos_id=2)
-    in_memory, padding = load_dataset(source).rows_and_padding(8, eos_id=2, packing="whole")
+    in_memory, padding, _ = load_dataset(source).rows_and_padding(8, eos_id=2, packing="whole")
     cached = cache.rows(8, packing="whole")
     for rows in (in_memory, cached.take(np.arange(cached.num_rows))):
         assert rows.input_ids.tolist() == [*examples[:3], [40, 41, 2, 0, 0, 0, 0, 0]][:3]
@@ -329,6 +329,36 @@ def test_whole_packing_fills_a_row_with_an_example_of_its_length(tmp_path):
     rows = cache.rows(8, packing="whole", pad_last=True)
     assert rows.take([3]).input_ids.tolist() == [[40, 41, 2, 0, 0, 0, 0, 0]]
     assert rows.padding == 5
+
+
+def test_the_dropped_tail_is_counted_in_memory_and_from_a_cache(tmp_path, capsys):
+    """The tail past the last whole row is not trained on: its tokens, and the examples
+    wholly in it (with whole packing up to a row of conversations), are said in one line,
+    the same in memory and from a cache; evaluation's rows (pad_last) drop nothing."""
+    examples = [list(range(10, 10 + n)) for n in (50, 60, 40, 30, 20, 5, 3)]
+    source = _pkl(tmp_path / "d.pkl", examples)
+    cache = data_cache.build_cache(source, tmp_path / "c", eos_id=2)
+    dataset = load_dataset(source)
+    # Lengths with EOS 51 61 41 31 21 6 4 (215). Stream: 3 rows of 64 keep 192, the last
+    # 23 tokens hold examples 6 and 7 whole. Whole: rows start 0, 64, 128 (examples 1-3),
+    # and 31 + 21 + 6 + 4 tokens past 192 (the 4th row, unfilled).
+    for packing, tail in (("stream", (23, 2)), ("whole", (62, 4))):
+        assert dataset.rows_and_padding(64, eos_id=2, packing=packing)[2] == tail
+        assert cache.rows(64, packing=packing).tail == tail
+        assert dataset.rows_and_padding(64, eos_id=2, packing=packing, pad_last=True)[2] == (0, 0)
+        assert cache.rows(64, packing=packing, pad_last=True).tail == (0, 0)
+    capsys.readouterr()
+    data_cache.packed_rows(source, 64, eos_id=2, packing="whole")
+    data_cache.packed_rows(tmp_path / "c", 64, eos_id=2, packing="whole")
+    said = [line for line in capsys.readouterr().out.splitlines() if "not trained on" in line]
+    assert said == [
+        f"{source}: the last 62 tokens (less than a row of 64; 4 whole examples among them) "
+        "are not trained on",
+        f"{tmp_path / 'c'}: the last 62 tokens (less than a row of 64; 4 whole examples "
+        "among them) are not trained on",
+    ]
+    data_cache.packed_rows(source, 64, eos_id=2, pad_last=True)
+    assert "not trained on" not in capsys.readouterr().out
 
 
 def test_a_cache_whose_only_labels_are_first_tokens_has_nothing_to_learn(tmp_path):
@@ -812,18 +842,19 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
         "tokens past its first row are predicted without the start of its prompt; raise "
         "--model_max_length or shorten them\n"
     )
+    tail = f"{source}: the last 9 tokens (less than a row of 16) are not trained on\n"
     load_rows(_cfg(data_path=str(source), model_max_length=16), models.TINY)
-    assert capsys.readouterr().out == warned
+    assert capsys.readouterr().out == warned + tail
     # A cache keeps no line numbers: it counts its examples from 1 in the file's order.
     cached = warned.replace(", line 4)", ", the cache's example 4)")
     cache_dir = str(tmp_path / "cc")
     load_rows(
         _cfg(data_path=str(source), model_max_length=16, data_cache_dir=cache_dir), models.TINY
     )
-    assert capsys.readouterr().out.endswith(cached)
+    assert capsys.readouterr().out.endswith(cached + tail)
     (cache,) = (tmp_path / "cc").iterdir()
     load_rows(_cfg(data_path=str(cache), model_max_length=16), models.TINY)
-    assert capsys.readouterr().out == cached.replace(f"{source}: ", f"{cache}: ")
+    assert capsys.readouterr().out == (cached + tail).replace(f"{source}: ", f"{cache}: ")
     # At 32 none is longer than a row, but the last straddles a row end: the stream
     # packing's own line names that one (`test_stream_packing_names_...`).
     load_rows(_cfg(data_path=str(source), model_max_length=32), models.TINY)
@@ -833,6 +864,7 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
         f"{source}: 1 of 3 examples with a prompt are cut at a row end of 32 tokens (their "
         "tokens past the cut are predicted without the start of their prompt); --packing "
         "whole keeps each that fits a row in one\n"
+        f"{source}: the last 25 tokens (less than a row of 32) are not trained on\n"
     )
 
 

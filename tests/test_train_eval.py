@@ -95,7 +95,10 @@ def test_evaluation_settings_without_evaluation_data_are_refused():
         with pytest.raises(ValueError, match=f"{flag}={value} needs --eval_data_path"):
             parse_args([flag, value])
     assert parse_args(["--eval_strategy", "no", "--eval_steps", "10"]).run.eval_steps == 10
-    assert parse_args(["--eval_steps", "0", "--eval_strategy", "steps"]).run.eval_steps == 0
+    # Asked for on the command line, the default strategy too needs the data.
+    with pytest.raises(ValueError, match="^--eval_strategy=steps needs --eval_data_path"):
+        parse_args(["--eval_steps", "0", "--eval_strategy", "steps"])
+    assert parse_args(["--eval_steps", "0"]).run.eval_steps == 0
 
 
 def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
@@ -115,6 +118,15 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
         "warning: --eval_steps=2 has no effect with --eval_strategy no (no evaluation is run)"
     ]
     assert warnings("--save_strategy", "no", "--eval_strategy", "no") == []
+    by_epoch = ["--eval_data_path", "x", "--eval_strategy", "epoch", "--eval_steps", "2"]
+    assert warnings(*by_epoch) == [
+        "warning: --eval_steps=2 has no effect with --eval_strategy epoch (evaluation runs "
+        "at each epoch's end and at the run's)"
+    ]
+    assert warnings("--save_strategy", "epoch", "--save_steps", "3") == [
+        "warning: --save_steps=3 has no effect with --save_strategy epoch (a checkpoint is "
+        "saved at each epoch's end)"
+    ]
     assert warnings("--save_steps", "2", "--eval_strategy", "steps", "--eval_data_path", "x") == []
     evaluating = ["--eval_data_path", "sample", "--save_strategy", "no", "--save_steps", "2"]
     assert warnings(*evaluating) == []

@@ -201,6 +201,9 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         except ValueError as e:
             if tokenizer and "out of range for vocab_size" in str(e):
                 _blame_the_tokenizer(cfg, tokenizer, config.vocab_size, e)
+            flag = "--eval_data_path" if eval else "--data_path"
+            if str(e).startswith(path) and flag not in str(e):  # which flag's data it is
+                raise ValueError(f"{flag} {e}") from None
             raise
     return dataset.rows(
         cfg.data.model_max_length, eos_id=eos, pad_last=eval, packing=cfg.data.packing

@@ -673,7 +673,8 @@ def _check_unused(cfg: TrainConfig) -> None:
 
 def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
     """Warning lines for `--save_steps` / `--eval_steps` in `given` (the settings the
-    user gave) while their strategy is `no`: accepted, as HF accepts them, but unused.
+    user gave) while their strategy is `no` or `epoch`: accepted, as HF accepts them,
+    but unused.
     `--save_steps` still sets the evaluation's interval where `--eval_steps` is 0."""
     run = cfg.run
     evaluates_every_save_steps = (
@@ -689,6 +690,16 @@ def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
         lines.append(
             f"warning: --eval_steps={run.eval_steps} has no effect with --eval_strategy no "
             "(no evaluation is run)"
+        )
+    if "eval_steps" in given and run.eval_strategy == "epoch":
+        lines.append(
+            f"warning: --eval_steps={run.eval_steps} has no effect with --eval_strategy epoch "
+            "(evaluation runs at each epoch's end and at the run's)"
+        )
+    if "save_steps" in given and run.save_strategy == "epoch" and not evaluates_every_save_steps:
+        lines.append(
+            f"warning: --save_steps={run.save_steps} has no effect with --save_strategy epoch "
+            "(a checkpoint is saved at each epoch's end)"
         )
     return lines
 
@@ -721,6 +732,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         for name in overrides.get("run", {})
         if getattr(cfg.run, name) != getattr(defaults, name)
     }
+    # A strategy that evaluates, asked for on the command line, needs evaluation data
+    # (as HF refuses it), though it is the default (`_check_unused` catches the rest).
+    asked = flags.get("run", {}).get("eval_strategy")
+    if asked is not None and asked != "no" and not cfg.data.eval_data_path:
+        raise ValueError(
+            f"--eval_strategy={asked} needs --eval_data_path (no evaluation data given); "
+            "pass one, or --eval_strategy no"
+        )
     for line in ignored_steps(cfg, given):
         print(line, file=sys.stderr, flush=True)
     return cfg

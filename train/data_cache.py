@@ -52,6 +52,7 @@ from train.dataset import (
     Rows,
     ShortData,
     TokenDataset,
+    dropped_tail,
     load_dataset,
     padding_tokens,
     whole_layout,
@@ -65,6 +66,7 @@ from train.readers import (
     split_note,
     tokenizer_file,
 )
+from train.words import plural
 
 FORMAT = "jflash-token-cache"
 VERSION = 2
@@ -381,6 +383,15 @@ class CachedRows:
         """How many of the rows' tokens are padding (``"whole"`` packing; else 0 but for
         ``pad_last``'s fill)."""
         return padding_tokens(self._num_rows, self._seq_len, self._stream_tokens, self._total)
+
+    @property
+    def tail(self) -> tuple[int, int]:
+        """The tail the rows leave out (:func:`train.dataset.dropped_tail`: its tokens and
+        the documents wholly in it); none with ``pad_last``."""
+        if self._num_rows * self._seq_len >= self._total:
+            return 0, 0
+        starts = self._starts if self.packing == "whole" else self.cache.offsets[:-1]
+        return dropped_tail(starts, self._total, self._seq_len)
 
     @property
     def packed(self) -> bool:
@@ -765,11 +776,12 @@ def packed_rows(
     lengths = dataset.stream_lengths(eos_id)
     _note_cut_prompts(path, seq_len, dataset)
     _note_stream_cuts(path, seq_len, packing, dataset, lengths)
-    rows, padding = dataset.rows_and_padding(
+    rows, padding, tail = dataset.rows_and_padding(
         seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing
     )
     if packing == "whole":
         _say_padding(path, rows.num_rows, seq_len, padding)
+    _say_tail(path, seq_len, *tail)
     return rows
 
 
@@ -792,7 +804,21 @@ def cache_split_note(cache: TokenCache) -> str | None:
 def _note_padding(path: str | Path, rows: CachedRows) -> CachedRows:
     if rows.packing == "whole":
         _say_padding(path, rows.num_rows, rows.seq_len, rows.padding)
+    _say_tail(path, rows.seq_len, *rows.tail)
     return rows
+
+
+def _say_tail(path: str | Path, seq_len: int, tokens: int, examples: int) -> None:
+    """One line where the rows leave a tail out (less than a row: not trained on), and
+    how many examples lie wholly in it."""
+    if not tokens:
+        return
+    whole = f"; {plural(examples, 'whole example')} among them" if examples else ""
+    print(
+        f"{path}: the last {plural(tokens, 'token', grouped=True)} (less than a row of "
+        f"{seq_len:,}{whole}) {'is' if tokens == 1 else 'are'} not trained on",
+        flush=True,
+    )
 
 
 def _say_padding(path: str | Path, num_rows: int, seq_len: int, padding: int) -> None:

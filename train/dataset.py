@@ -94,6 +94,14 @@ def padding_tokens(num_rows: int, seq_len: int, stream_tokens: int, total: int) 
     return max(num_rows * seq_len, total) - stream_tokens
 
 
+def dropped_tail(starts: np.ndarray, total: int, seq_len: int) -> tuple[int, int]:
+    """``(tokens, examples)``: what of a (padded) stream of ``total`` tokens, its
+    examples starting at ``starts``, lies past its last whole row of ``seq_len``, the
+    tail training drops: its tokens, and how many examples lie wholly in it."""
+    kept = total // seq_len * seq_len
+    return total - kept, int(np.count_nonzero(np.asarray(starts) >= kept))
+
+
 class Rows(NamedTuple):
     """Fixed-length training rows (see the module docstring for the scheme).
 
@@ -283,10 +291,10 @@ class TokenDataset:
         mask_boundaries: bool = True,
         pad_last: bool = False,
         packing: str = "stream",
-    ) -> tuple[Rows, int]:
-        """:meth:`rows`, and how many of their tokens are padding (``"whole"``
-        packing's, and ``pad_last``'s fill), as
-        :attr:`train.data_cache.CachedRows.padding` counts them."""
+    ) -> tuple[Rows, int, tuple[int, int]]:
+        """:meth:`rows`, how many of their tokens are padding (``"whole"`` packing's, and
+        ``pad_last``'s fill), as :attr:`train.data_cache.CachedRows.padding` counts them,
+        and the tail they leave out (:func:`dropped_tail`; none with ``pad_last``)."""
         if seq_len < 1:
             raise ValueError(f"{seq_len=} must be positive")
         if packing not in PACKINGS:
@@ -294,10 +302,14 @@ class TokenDataset:
         tokens, targets, docs = self._stream(eos_id)
         stream_tokens = len(tokens)
         padding = None
+        starts = np.flatnonzero(np.diff(docs, prepend=-1))  # each example's first token
         if packing == "whole":
-            tokens, targets, docs, padding = _place_whole(tokens, targets, docs, seq_len, eos_id)
+            tokens, targets, docs, padding, starts = _place_whole(
+                tokens, targets, docs, seq_len, eos_id
+            )
             stream_tokens = int(np.count_nonzero(~padding))  # less the EOS tokens left out
         total = len(tokens)  # the padded stream's length, before pad_last's fill
+        tail = (0, 0) if pad_last else dropped_tail(starts, total, seq_len)
         if pad_last and len(tokens) % seq_len:
             fill = seq_len - len(tokens) % seq_len
             tokens = np.append(tokens, np.zeros(fill, np.int32))
@@ -321,7 +333,7 @@ class TokenDataset:
             labels=next_targets[:used].reshape(shape),
             segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
         )
-        return rows, padding_tokens(num_rows, seq_len, stream_tokens, total)
+        return rows, padding_tokens(num_rows, seq_len, stream_tokens, total), tail
 
     def stream_lengths(self, eos_id: int | None = None) -> np.ndarray:
         """int64 ``[num_examples]``: tokens per example in the packed stream, an appended
@@ -378,10 +390,10 @@ def stream_summary(tokens: np.ndarray, targets: np.ndarray, offsets: np.ndarray)
 
 def _place_whole(
     tokens: np.ndarray, targets: np.ndarray, docs: np.ndarray, seq_len: int, eos_id: int | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The stream ``(tokens, targets, docs)`` laid out by :func:`whole_layout` (the EOS of
-    an example one row long left out: :func:`whole_lengths`), and a bool mask of its
-    padding: token 0, target ``-100``, the example before it."""
+    an example one row long left out: :func:`whole_lengths`), a bool mask of its
+    padding (token 0, target ``-100``, the example before it), and the examples' starts."""
     lengths = np.bincount(docs, minlength=int(docs[-1]) + 1)
     ends = np.cumsum(lengths) - 1
     eos_last = np.zeros(len(lengths), bool) if eos_id is None else tokens[ends] == eos_id
@@ -402,7 +414,7 @@ def _place_whole(
     placed_docs = np.maximum.accumulate(placed_docs)  # padding: the example before it
     padding = np.ones(total, bool)
     padding[where] = False
-    return placed_tokens, placed_targets, placed_docs, padding
+    return placed_tokens, placed_targets, placed_docs, padding, starts
 
 
 def load_dataset(
