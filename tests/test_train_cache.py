@@ -706,6 +706,25 @@ def test_cli_cache_and_inspect(bpe, tmp_path, capsys):
     with pytest.raises(SystemExit):
         data_lib.main([*argv, "--eos-id", "3", "--no-eos"])
     assert capsys.readouterr().err.startswith("error: give --eos-id or --no-eos")
+    # Another data file into the same directory: refused, the cache kept, unless asked.
+    other = tmp_path / "u.jsonl"
+    other.write_text(json.dumps({"text": "Other text, another corpus."}) + "\n" * 2)
+    before = (tmp_path / "c" / "meta.json").read_text()
+    with pytest.raises(SystemExit):
+        data_lib.main(["cache", str(other), str(tmp_path / "c"), "--tokenizer", str(bpe)])
+    assert capsys.readouterr().err.startswith(
+        f"error: {tmp_path / 'c'} holds the token cache of another data file, {source}: "
+        "pass --overwrite to replace it (nothing was written)"
+    )
+    assert (tmp_path / "c" / "meta.json").read_text() == before
+    data_lib.main(
+        ["cache", str(other), str(tmp_path / "c"), "--tokenizer", str(bpe), "--overwrite"]
+    )
+    assert f"\nwrote {tmp_path / 'c'}: 1 documents" in capsys.readouterr().out
+    # The same file changed is rebuilt without --overwrite (a stale cache of it).
+    other.write_text(json.dumps({"text": "Changed."}) + "\n")
+    data_lib.main(["cache", str(other), str(tmp_path / "c"), "--tokenizer", str(bpe)])
+    assert "is stale" in capsys.readouterr().out
 
 
 # --- models.convert --init -------------------------------------------------------------

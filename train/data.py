@@ -570,6 +570,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     cache.add_argument("--no-eos", action="store_true", help="no token between documents")
     cache.add_argument("--vocab-size", type=int, default=None, help="also check id range")
+    cache.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a cache in cache_dir built from another data file (one of this file "
+        "that is stale is rebuilt without it)",
+    )
     tok = commands.add_parser(
         "tokenizer", help="train a byte-level BPE tokenizer (the tokenizers package) on text"
     )
@@ -706,6 +712,7 @@ def _command(args: argparse.Namespace) -> None:
             chat_template_kwargs=_template_kwargs(args),
             chat_turns=args.chat_turns,
             chat_template=_chat_template(args),
+            replace_other_source=args.overwrite,
         )
         documents = int(cache.meta["num_documents"])  # not summary(): it reads labels.bin
         print(

@@ -636,17 +636,23 @@ def ensure_cache(
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_turns: str = AUTO,
     chat_template: str | Path | None = None,
+    replace_other_source: bool = True,
 ) -> tuple[TokenCache, bool]:
     """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
     ``tokenizer``, ``eos_id``, ``chat_template_kwargs``, ``chat_turns`` and
     ``chat_template`` (see
-    :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one)."""
+    :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one).
+    Without ``replace_other_source``, a cache there of another data file is refused
+    (ValueError), not replaced: the tokenization of another corpus is kept."""
     source = Path(source)
     if not source.exists():
         raise ValueError(f"{source}: no such data file")
     if is_cache(cache_dir):
         try:
             cache = open_cache(cache_dir)
+            other = (cache.meta.get("source") or {}).get("path")
+            if not replace_other_source and other and other != str(source.resolve()):
+                raise FileExistsError(other)
             stale = cache.mismatch(
                 source,
                 tokenizer=tokenizer,
@@ -655,6 +661,11 @@ def ensure_cache(
                 chat_turns=chat_turns,
                 chat_template=chat_template,
             )
+        except FileExistsError as e:
+            raise ValueError(
+                f"{cache_dir} holds the token cache of another data file, {e}: pass "
+                "--overwrite to replace it (nothing was written)"
+            ) from None
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
         if not stale:
