@@ -273,7 +273,7 @@ def test_template_errors_name_file_line_and_why(llama3_bpe, tmp_path, template, 
     ok = {"messages": [{"role": "user", "content": "a"}]}  # no assistant turn: not rendered
     bad = {"messages": [*GOOD["messages"], *GOOD["messages"]]}
     if "raise_exception" in template:
-        bad = {"messages": [{"role": "assistant", "content": "a"}]}
+        bad = {"messages": [ok["messages"][0], *GOOD["messages"]]}  # user, user, assistant
     path = _jsonl(tmp_path / "chat.jsonl", [ok, bad])
     with pytest.raises(ValueError, match=rf"chat\.jsonl: {pattern}") as error:
         load_dataset(path, tokenizer=folder)
@@ -1899,3 +1899,74 @@ def test_split_examples_match_transformers_apply_chat_template(llama3_bpe, tmp_p
         n = len(want["prompt"])
         assert ids[:n] == want["prompt"], k
         assert [label != IGNORE for label in labels] == [j >= n for j in range(len(ids))], k
+
+
+def test_an_opening_assistant_message_is_context(llama3_bpe, tmp_path, capsys):
+    """An assistant message that opens a conversation answers nothing: it is context, not
+    learned (its prefix, no message with the generation prompt, is no rendering a
+    template gives), and the log counts such conversations; one with no other turn is
+    skipped. Before, the template's failure on no messages refused the whole file."""
+    greeting = {"role": "assistant", "content": "Welcome to the front desk."}
+    answer = {"role": "assistant", "content": "Paris."}
+    path = _jsonl(
+        tmp_path / "a.jsonl",
+        [{"messages": [greeting, QUESTION, answer]}, {"messages": [greeting]}, GOOD],
+    )
+    dataset = load_dataset(path, tokenizer=llama3_bpe)
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}: skipped 1 record whose 'messages' have no assistant turn (no token to learn)",
+        f"{path}: 2 conversations open with an assistant message: context, not learned "
+        "(nothing before it to answer)",
+    ]
+    assert list(dataset.lines) == [1, 3]
+    tokenizer = readers.load_tokenizer(llama3_bpe)
+    ids, labels = _learned(dataset, 0)
+    learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
+    assert tokenizer.decode(learned, skip_special_tokens=False) == "Paris.<|eot_id|>"
+    assert "Welcome to the front desk." in tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_what_the_template_writes_nothing_of_is_said(llama3_bpe, tmp_path, capsys):
+    """Reasoning a template does not render (Llama 3's writes no reasoning_content), and
+    a message of a role it skips (Qwen3's writes user, system, assistant and tool only),
+    never reach the model: one line each says how many, where a template that renders
+    them says nothing."""
+    path = _jsonl(tmp_path / "r.jsonl", [{"messages": _reasoned("reasoning_content")}, GOOD])
+    load_dataset(path, tokenizer=llama3_bpe)
+    assert capsys.readouterr().out == (
+        f"{path}: the chat template writes nothing of 1 assistant message's reasoning: not "
+        "learned (a template that does not render reasoning_content; --chat_template gives "
+        "one that does)\n"
+    )
+    think = _qwen_tokenizer(tmp_path / "think", llama3_bpe, template=THINK_TEMPLATE)
+    load_dataset(path, tokenizer=think)
+    assert capsys.readouterr().out == ""
+    narrator = {"role": "narrator", "content": "The hall falls quiet."}
+    roles = _jsonl(
+        tmp_path / "n.jsonl",
+        [{"messages": [QUESTION, narrator, {"role": "assistant", "content": "Paris."}]}],
+    )
+    qwen3 = _qwen_tokenizer(tmp_path / "qwen3", llama3_bpe, template=QWEN3_TEMPLATE)
+    load_dataset(roles, tokenizer=qwen3)
+    assert capsys.readouterr().out == (
+        f"{roles}: the chat template writes nothing of some messages (1 'narrator'): their "
+        "content is in no rendering (a role it skips?), so the model never sees it\n"
+    )
+    load_dataset(roles, tokenizer=llama3_bpe)  # Llama 3's writes any role's header
+    assert capsys.readouterr().out == ""
+
+
+def test_reasoning_with_thinking_off_is_named_as_the_cause(llama3_bpe, tmp_path):
+    """Qwen3's template with enable_thinking false writes an empty think block as the
+    generation prompt, which a turn with reasoning does not begin with: the error says
+    so, not that the template rewrites earlier turns."""
+    folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
+    path = _jsonl(
+        tmp_path / "r.jsonl",
+        [{"messages": REASONED_CHAT[:3], "chat_template_kwargs": THINKING_OFF}],
+    )
+    with pytest.raises(
+        ValueError, match="the turn has reasoning, which the generation prompt"
+    ) as e:
+        load_dataset(path, tokenizer=folder)
+    assert "drop the variable or the reasoning" in str(e.value) and "\n" not in str(e.value)

@@ -52,7 +52,9 @@ message ``i`` (one that calls tools too) that is learned, the rendering of
 ``messages[:i + 1]``, which must be a prefix of the whole conversation's rendering (all
 with the conversation's ``tools``); the turn is the text between the two (its content
 or tool calls and what the template writes to end the turn, e.g. ``<|eot_id|>``). A
-tool's result (a ``"tool"`` message) is not a turn: it is never learned. Where the rule
+tool's result (a ``"tool"`` message) is not a turn: it is never learned; nor is an
+assistant message that opens the conversation (it answers nothing, and no rendering of
+no messages begins it). Where the rule
 holds the conversation is one example, its whole rendering, learning every turn.
 
 A template that rewrites earlier turns breaks the rule's second half: Qwen3's writes the
@@ -572,7 +574,7 @@ class ChatTemplate:
             if message["role"] != ASSISTANT:
                 continue
             number += 1
-            if i < first:
+            if i < first or i == 0:  # an opening assistant message answers nothing
                 continue
             before = self.render(
                 messages[:i], add_generation_prompt=True, tools=tools, kwargs=kwargs
@@ -580,11 +582,17 @@ class ChatTemplate:
             through = self.render(messages[: i + 1], tools=tools, kwargs=kwargs)
             turn = f"assistant turn {number} (message {i})"
             if not through.startswith(before):  # no split tells this turn apart
+                why = "a template that rewrites earlier turns"
+                if reasoning_of(message) is not None:
+                    why = (
+                        "the turn has reasoning, which the generation prompt does not leave "
+                        "room for: a template variable such as enable_thinking false writes "
+                        "an empty think block there; drop the variable or the reasoning"
+                    )
                 raise ChatTemplateError(
                     f"the chat template ({label}) renders the messages before {turn} "
                     "with its generation prompt as text that does not begin its rendering "
-                    "through that turn, so the turn's text cannot be told apart (a template "
-                    "that rewrites earlier turns)"
+                    f"through that turn, so the turn's text cannot be told apart ({why})"
                 )
             if text is not None and rewritten is None and not text.startswith(through):
                 rewritten = turn
@@ -604,11 +612,43 @@ class ChatTemplate:
         return [(through, [(len(before), len(through))]) for _, before, through in found], True
 
 
+def reasoning_of(message: dict[str, Any]) -> Any:
+    """A message's reasoning: the first of :data:`REASONING` it has (None: none)."""
+    return next((message[k] for k in REASONING if message.get(k) is not None), None)
+
+
+def _found(words: str, texts: Sequence[str]) -> bool:
+    """Whether ``words`` (stripped), as written or JSON-escaped, is in one of ``texts``."""
+    words = words.strip()
+    escaped = json.dumps(words, ensure_ascii=False)[1:-1]
+    return any(words in text or escaped in text for text in texts)
+
+
+def unrendered(
+    messages: Sequence[dict[str, Any]], texts: Sequence[str], first: int = 0
+) -> tuple[list, int]:
+    """What of ``messages`` the renderings ``texts`` (a conversation's examples) hold
+    nothing of: the roles of the messages whose str content is missing (a role the
+    template skips), and how many learned assistant messages' (from message ``first``
+    on) reasoning is (a template that does not write ``reasoning_content``; a context
+    turn's may be dropped, as Qwen3's drops it at inference). Empty content and
+    reasoning count as written."""
+    roles, reasoning = [], 0
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str) and content.strip() and not _found(content, texts):
+            roles.append(message["role"])
+        thought = reasoning_of(message) if i >= max(first, 1) else None
+        if isinstance(thought, str) and thought.strip() and not _found(thought, texts):
+            reasoning += 1
+    return roles, reasoning
+
+
 def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` with its reasoning (the first of :data:`REASONING` it has) as
     ``reasoning_content`` and, where it has none, ``thinking``, as transformers 5.21+ gives
     a template its messages."""
-    reasoning = next((message[k] for k in REASONING if message.get(k) is not None), None)
+    reasoning = reasoning_of(message)
     if reasoning is None:
         return message
     return {"thinking": reasoning, **message, "reasoning_content": reasoning}

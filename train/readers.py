@@ -107,6 +107,7 @@ from train.chat import (
     RewrittenTurns,
     assistant_labels,
     template_kwargs,
+    unrendered,
 )
 
 _MAX_ID = np.iinfo(np.int32).max
@@ -161,6 +162,27 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
     ]
     if skipped:
         print(f"{parser.path}: skipped {' and '.join(skipped)}", flush=True)
+    if n := parser.opening_turns:
+        print(
+            f"{parser.path}: {n} conversation{'s' * (n != 1)} open{'s' * (n == 1)} with an "
+            "assistant message: context, not learned (nothing before it to answer)",
+            flush=True,
+        )
+    if parser.unrendered_roles:
+        counts = ", ".join(f"{n} {role!r}" for role, n in parser.unrendered_roles.items())
+        print(
+            f"{parser.path}: the chat template writes nothing of some messages ({counts}): "
+            "their content is in no rendering (a role it skips?), so the model never sees it",
+            flush=True,
+        )
+    if n := parser.unrendered_reasoning:
+        whose = "messages'" if n != 1 else "message's"
+        print(
+            f"{parser.path}: the chat template writes nothing of {n} assistant {whose} "
+            "reasoning: not learned (a template that does not render reasoning_content; "
+            "--chat_template gives one that does)",
+            flush=True,
+        )
 
 
 def records_reader(
@@ -540,6 +562,9 @@ class RecordParser:
         self.empty_conversations = 0  # messages records without an assistant token (skipped)
         self.split_conversations = 0  # conversations read as one example per assistant turn
         self.split_examples = 0  # the examples they gave
+        self.opening_turns = 0  # conversations opened by an assistant message (context)
+        self.unrendered_roles: dict[str, int] = {}  # messages the template writes nothing of
+        self.unrendered_reasoning = 0  # assistant messages whose reasoning it writes nothing of
 
     @property
     def used_tokenizer(self) -> bool:
@@ -668,7 +693,9 @@ class RecordParser:
         rendered: list[tuple[int, list[tuple[str, list[tuple[int, int]]]], bool]] = []
         for i, messages, tools, kwargs, learned_from in chats:
             turns = [j for j, m in enumerate(messages) if m["role"] == ASSISTANT]
-            if not any(j >= learned_from for j in turns):
+            if turns and turns[0] == 0 and learned_from == 0:
+                self.opening_turns += 1  # context: nothing before it to answer
+            if not any(j >= max(learned_from, 1) for j in turns):
                 self.empty_conversations += 1
                 out[i] = np.zeros(0, np.int32), None
                 continue
@@ -681,6 +708,10 @@ class RecordParser:
                 raise ChatTurnsError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
             except ChatTemplateError as e:
                 raise ValueError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
+            roles, reasoning = unrendered(messages, [text for text, _ in examples], learned_from)
+            for role in roles:
+                self.unrendered_roles[role] = self.unrendered_roles.get(role, 0) + 1
+            self.unrendered_reasoning += reasoning
             rendered.append((i, examples, split))
         texts = [text for _, examples, _ in rendered for text, _ in examples]
         encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
