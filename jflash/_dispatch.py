@@ -349,6 +349,21 @@ def dq_accumulated(acc, q, scale: float):
     return vary(acc[...], varying_axes(q)) * scale
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(name: str, args):
+    """`args` as they are; differentiated (a gradient of a gradient through the Pallas
+    backward kernels, which have no derivative), a one-line error naming `name`."""
+    return args
+
+
+@_first_order_only.defjvp
+def _second_order(name: str, primals, tangents):
+    raise NotImplementedError(
+        f"a gradient of a gradient through implementation={name!r} is not defined (its "
+        "backward kernels have no derivative of their own); implementation='xla' has one"
+    )
+
+
 def attention_bwd(
     q,
     k,
@@ -377,6 +392,7 @@ def attention_bwd(
             q, k, v, do, lse, delta, mask=mask, segs=segs, scale=scale, grad_dtype=grad_dtype
         )
     segs = kernel_segs(segs)
+    q, k, v, do, lse, delta = _first_order_only(kernel.name, (q, k, v, do, lse, delta))
     if kernel.name == "pallas_mosaic":
         bs = kernel.block_sizes
         return mosaic_bwd(
