@@ -14,6 +14,9 @@ class OneLineParser(argparse.ArgumentParser):
     train.tools.profile`) and `python -m models.convert`'s."""
 
     _parsing = False
+    # Flags of other programs (HF TrainingArguments' for the trainer) that this one has
+    # no use for, each with what to do instead: said in place of a "did you mean".
+    explained: dict[str, str] = {}
 
     def parse_args(self, args=None, namespace=None):
         self._parsing = True
@@ -34,5 +37,12 @@ class OneLineParser(argparse.ArgumentParser):
                 for w in unknown
                 if w.startswith("--")
             }
-            hint = "".join(f"; {w}: did you mean {m[0]}?" for w, m in close.items() if m)
+            hint = "".join(
+                f"; {w}: {self.explained[w]}"
+                if w in self.explained
+                else f"; {w}: did you mean {m[0]}?"
+                if m
+                else ""
+                for w, m in close.items()
+            )
         self.exit(2, f"error: {message}{hint} (`{self.prog} --help` lists the flags)\n")

@@ -20,7 +20,7 @@ from conftest import cpu_devices
 
 import models
 from train import data as data_lib
-from train.config import TrainConfig, parse_args
+from train.config import HF_ONLY_FLAGS, TrainConfig, build_parser, parse_args
 from train.loop import TrainingError, run
 from train.mesh import parse_mesh
 from train.tensorboard import read_scalars
@@ -436,6 +436,27 @@ def test_gather_once_state_splits_no_minor_dimension(tmp_path):
     assert "seq" in str(up[-1]), up
     up, _, _ = mlp_specs("--shard_over_seq", "--gather_once", "true", mesh="data=1,fsdp=2,seq=2")
     assert "fsdp" in str(up[-1]), up
+
+
+def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):
+    """An HF command line's TrainingArguments flags that the trainer has no use for are
+    refused in the one line with what to do instead; a misspelt flag keeps its "did
+    you mean"."""
+    from train.__main__ import main
+
+    argv = ["--do_train", "--per_device_eval_batch_size", "4", "--leraning_rate", "3"]
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: unrecognized arguments: --do_train --per_device_eval_batch_size 4 "
+        "--leraning_rate 3; --do_train: the trainer always trains; leave it out; "
+        "--per_device_eval_batch_size: evaluation runs the training's global batch; "
+        "--leraning_rate: did you mean --learning_rate? (`python -m train --help` lists "
+        "the flags)\n"
+    )
+    flags = {o for a in build_parser()._actions for o in a.option_strings}
+    assert not set(HF_ONLY_FLAGS) & flags  # none of them is a flag after all
 
 
 def test_cli_config_errors_are_one_line(tmp_path, capsys):

@@ -510,12 +510,50 @@ def _join_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
+# HF TrainingArguments' flags that have no place here, and what does their work: an HF
+# command line that passes one is told, in the one-line error, instead of "unrecognized".
+HF_ONLY_FLAGS = {
+    "--do_train": "the trainer always trains; leave it out",
+    "--do_eval": "evaluation runs where --eval_data_path is given (--eval_strategy)",
+    "--do_predict": "no prediction: export the model (--export_hf) and run it elsewhere",
+    "--per_device_eval_batch_size": "evaluation runs the training's global batch",
+    "--eval_accumulation_steps": "evaluation sums its losses batch by batch; leave it out",
+    "--prediction_loss_only": "evaluation computes the loss only; leave it out",
+    "--load_best_model_at_end": "no best-model selection: --save_total_limit keeps the latest",
+    "--metric_for_best_model": "no best-model selection: --save_total_limit keeps the latest",
+    "--greater_is_better": "no best-model selection: --save_total_limit keeps the latest",
+    "--logging_dir": "TensorBoard's events go to <output_dir>/tensorboard",
+    "--logging_strategy": "the metrics are logged every --logging_steps steps",
+    "--logging_first_step": "the metrics are logged every --logging_steps steps",
+    "--run_name": "a wandb run is named after --output_dir's last folder",
+    "--tf32": "the matmuls run in --bf16 (or --fp16) on the GPU; leave it out",
+    "--torch_compile": "every step is compiled by XLA (jax.jit); leave it out",
+    "--dataloader_num_workers": "rows are memory-mapped and batched in process; leave it out",
+    "--dataloader_pin_memory": "rows are memory-mapped and batched in process; leave it out",
+    "--deepspeed": "sharding is --mesh with --fsdp full_shard (docs/trainer.md)",
+    "--fsdp_config": "sharding is --mesh with --fsdp full_shard (docs/trainer.md)",
+    "--ddp_backend": "data parallelism is --mesh's data axis; leave it out",
+    "--ddp_find_unused_parameters": "data parallelism is --mesh's data axis; leave it out",
+    "--local_rank": "several hosts: --coordinator_address, --num_processes, --process_id",
+    "--gradient_checkpointing_kwargs": "--remat_policy picks what the layers keep",
+    "--save_safetensors": "checkpoints are Orbax's; --export_hf writes safetensors",
+    "--save_only_model": "checkpoints hold the optimizer state (a resume needs it)",
+    "--push_to_hub": "nothing is uploaded: --export_hf writes the HF directory to upload",
+    "--hub_model_id": "nothing is uploaded: --export_hf writes the HF directory to upload",
+    "--remove_unused_columns": "records are read by their own keys; leave it out",
+    "--group_by_length": "rows are packed to --model_max_length; nothing to group",
+    "--use_cpu": "jax picks the devices: JAX_PLATFORMS=cpu for the CPU",
+    "--optim_args": "each optimizer setting is a flag of its own (--adam_beta1, ...)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m train",
         description="Train a Llama on long sequences over a device mesh (jflash ring attention).",
         allow_abbrev=False,
     )
+    parser.explained = HF_ONLY_FLAGS
     parser.add_argument(
         "--config", action="append", help="YAML file of overrides, by section (one file)"
     )
