@@ -149,9 +149,8 @@ class OptimArgs:
     # warmup_ratio); wins over warmup_ratio when > 0.
     warmup_steps: float = 0
     lr_scheduler_type: str = "linear"  # train.config.LR_SCHEDULERS: HF's names, and wsd
-    # HF's scheduler-specific arguments, a JSON object: e.g. '{"num_cycles": 3}'
-    lr_scheduler_kwargs: str = ""
-    min_lr_rate: float = 0.0  # cosine_with_min_lr and wsd: the floor, a fraction of learning_rate
+    lr_scheduler_kwargs: str = ""  # HF's scheduler arguments as JSON, e.g. '{"num_cycles": 3}'
+    min_lr_rate: float = 0.0  # the floored schedules' floor, a fraction of learning_rate
     decay_ratio: float = 0.0  # wsd: the fraction of the steps that decays (the last ones)
     decay_type: str = "cosine"  # wsd's decay to the floor: linear | cosine | 1-sqrt
     # adamw | adafactor | lion (betas: --adam_beta1/2; adafactor has none)
