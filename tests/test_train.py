@@ -352,8 +352,9 @@ def test_config_flags_yaml_and_errors(tmp_path):
         **one,
     }
     assert parse_mesh("seq=2,seq_a2a=-1", 8)["seq_a2a"] == 4
-    with pytest.raises(ValueError, match="uses 4 of the 8 devices .* put -1 on one axis"):
+    with pytest.raises(ValueError, match="uses 4 of the 8 devices .* put -1 on one axis") as e:
         parse_mesh("data=1,fsdp=1,seq=4", 8)
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count" in str(e.value)  # the CPU's way
     with pytest.raises(ValueError, match="axis 'data' is given twice"):
         parse_mesh("data=2,data=2", 4)
 
@@ -436,6 +437,39 @@ def test_gather_once_state_splits_no_minor_dimension(tmp_path):
     assert "seq" in str(up[-1]), up
     up, _, _ = mlp_specs("--shard_over_seq", "--gather_once", "true", mesh="data=1,fsdp=2,seq=2")
     assert "fsdp" in str(up[-1]), up
+
+
+def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
+    """A length zigzag cannot split but striped or contiguous can is refused with them
+    named; --ring_strategy hybrid without a seq_a2a axis and --shard_over_seq without a
+    split sequence run (the ring alone; fsdp alone), each said in a line."""
+    from train.build import check_layout
+    from train.loop import _say_what_the_mesh_leaves_unused
+
+    cfg = parse_args(["--model_max_length", "124", "--ring_strategy", "ulysses"])
+    sizes = {"data": 1, "fsdp": 1, "seq": 4, "seq_a2a": 1}
+    with pytest.raises(TrainingError, match="^--model_max_length=124 must be divisible by 8 "):
+        check_layout(cfg, sizes)
+    with pytest.raises(TrainingError, match="striped or contiguous needs a multiple of 4$"):
+        check_layout(cfg, sizes)
+    check_layout(parse_args(["--model_max_length", "124", "--ring_layout", "striped"]), sizes)
+    with pytest.raises(TrainingError, match=r"layout=zigzag\)$"):  # none would: no hint
+        check_layout(parse_args(["--model_max_length", "126"]), sizes)
+
+    def said(*argv, **mesh):
+        cfg = parse_args(list(argv))
+        _say_what_the_mesh_leaves_unused(types.SimpleNamespace(cfg=cfg, sizes=mesh))
+        return capsys.readouterr().out
+
+    assert said("--ring_strategy", "hybrid", seq=2, seq_a2a=1).startswith(
+        "--ring_strategy hybrid: the mesh has no seq_a2a axis (seq_a2a=1), so it runs the "
+        "ring alone over seq=2"
+    )
+    assert said("--ring_strategy", "hybrid", seq=2, seq_a2a=2) == ""
+    assert said("--shard_over_seq", "true", seq=1, seq_a2a=1).startswith(
+        "--shard_over_seq: the mesh does not split the sequence"
+    )
+    assert said("--shard_over_seq", "true", seq=2, seq_a2a=1) == ""
 
 
 def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):

@@ -345,9 +345,13 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
     chunks = 2 * ring if (ring > 1 and cfg.model.ring_layout == "zigzag") else ring
     need = math.lcm(chunks, seq * a2a)
     if seq_len % need:
+        other = math.lcm(ring, seq * a2a)  # striped and contiguous: one chunk per rank
+        hint = ""
+        if cfg.model.ring_layout == "zigzag" and seq_len % other == 0:
+            hint = f"; --ring_layout striped or contiguous needs a multiple of {other}"
         raise TrainingError(
             f"--model_max_length={seq_len} must be divisible by {need} "
-            f"(seq={seq}, seq_a2a={a2a}, layout={cfg.model.ring_layout})"
+            f"(seq={seq}, seq_a2a={a2a}, layout={cfg.model.ring_layout}){hint}"
         )
 
 

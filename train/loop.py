@@ -124,6 +124,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     if is_main:
         _say_what_is_made_up(cfg)
         _say_where_positions_run_past(t)
+        _say_what_the_mesh_leaves_unused(t)
         print(_plan(t), flush=True)
     split = ", ".join(f"{a}={t.sizes[a]}" for a in ("seq", "seq_a2a") if t.sizes[a] > 1)
     if is_main and split and cfg.model.ring_strategy == "auto":
@@ -337,6 +338,25 @@ def _plan(t: Trainer) -> str:
         f"{plural(per_step * seq, 'token', grouped=True)} ({factors}); "
         f"{params / 1e6:,.1f}M parameters; mesh {mesh}"
     )
+
+
+def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
+    """One line each for settings the mesh gives nothing to do: `--ring_strategy hybrid`
+    without a `seq_a2a` axis (it runs the ring alone), and `--shard_over_seq` (with
+    `--gather_once`) where the sequence is not split."""
+    seq, a2a = t.sizes["seq"], t.sizes["seq_a2a"]
+    if t.cfg.model.ring_strategy == "hybrid" and a2a == 1:
+        print(
+            f"--ring_strategy hybrid: the mesh has no seq_a2a axis (seq_a2a=1), so it runs "
+            f"the ring alone over seq={seq}; give seq_a2a=2 or more for its all-to-all",
+            flush=True,
+        )
+    if t.cfg.parallel.shard_over_seq and seq * a2a == 1:
+        print(
+            "--shard_over_seq: the mesh does not split the sequence (seq=1, seq_a2a=1), so "
+            "the parameters are sharded over fsdp alone",
+            flush=True,
+        )
 
 
 def _say_where_positions_run_past(t: Trainer) -> None:

@@ -63,7 +63,8 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     if total < num_devices:
         raise ValueError(
             f"--mesh {spec!r} uses {total} of the {num_devices} devices ({sizes}): a mesh "
-            "takes them all; put -1 on one axis, or make fewer visible (CUDA_VISIBLE_DEVICES)"
+            "takes them all; put -1 on one axis, or make fewer visible (CUDA_VISIBLE_DEVICES "
+            "on GPUs; on the CPU, XLA_FLAGS=--xla_force_host_platform_device_count)"
         )
     return {n: sizes[n] for n in AXES}
 
