@@ -262,7 +262,7 @@ for name, state in status.items():
     print(f"  {name}: {state}")
 EOF
 if want capacity; then  # the probes per model and remat policy, the training runs' peaks on them
-    plot=(--out "$OUT/capacity-memory.png")
+    plot=(--out "$OUT/capacity-memory.png" --overwrite)  # the summary, rewritten with capacity.json
     for log in "$WORK"/*/log.jsonl; do
         [[ -f $log ]] && plot+=(--measured "$(dirname "$log")")
     done

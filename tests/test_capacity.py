@@ -100,9 +100,11 @@ def test_long_context_knobs_report_device_and_host_memory(capsys):
         assert row["host_gib_per_1k"] > 0
     table = capsys.readouterr().out
     assert "| GiB/1k tokens device | GiB/1k tokens host |" in table
-    tiled = capacity.main([*common, "--mlp-tile", "300"])["rows"][0]  # divides no length
-    assert tiled["longest"] is None
-    assert "mlp_tile=300 must divide" in tiled["probes"][0]["error"]
+    with pytest.raises(SystemExit):  # a tile that does not divide --start's: before probing
+        capacity.main([*common, "--mlp-tile", "300"])
+    assert capsys.readouterr().err.startswith(
+        "error: --mlp-tile=300 does not divide the 512 tokens a device holds of --start=512"
+    )
 
 
 def test_per_1k_tokens_is_the_slope_between_fitting_probes():
@@ -198,7 +200,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_no_tmp(tmp_path, monkeypatch)
     monkeypatch.setattr(capacity.os, "replace", no_replace)
     argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
     with pytest.raises(SystemExit) as e:
-        capacity.main([*argv, "--max", "1k", "--out", str(out)])
+        capacity.main([*argv, "--max", "1k", "--out", str(out), "--overwrite"])
     assert e.value.code == f"error: --out: cannot write {out} (No space left on device)"
     assert out.read_text() == '{"earlier": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["capacity.json"]
@@ -230,10 +232,10 @@ def test_a_search_that_reaches_max_is_a_lower_bound(monkeypatch, capsys):
     argv = ["--models", "tiny", "--mesh", "seq=1", "--start", "512", "--max", "2k"]
     capped = capacity.main([*argv, "--limit-gib", "9", "--refine", "0"])["rows"][0]
     assert capped["longest"] == 2048 and capped["capped_by_max"] is True
-    assert "| tiny | seq=1 | ≥ 2,048 (reached --max) |" in capsys.readouterr().out
+    assert "| tiny | seq=1 | ring | ≥ 2,048 (reached --max) |" in capsys.readouterr().out
     found = capacity.main([*argv, "--limit-gib", "1.5", "--refine", "0"])["rows"][0]
     assert found["longest"] == 1024 and found["capped_by_max"] is False
-    assert "| tiny | seq=1 | 1,024 |" in capsys.readouterr().out
+    assert "| tiny | seq=1 | ring | 1,024 |" in capsys.readouterr().out
     # A row without the field: read from its probes.
     assert capacity.reached_max({k: v for k, v in capped.items() if k != "capped_by_max"})
     assert not capacity.reached_max({k: v for k, v in found.items() if k != "capped_by_max"})
@@ -242,3 +244,37 @@ def test_a_search_that_reaches_max_is_a_lower_bound(monkeypatch, capsys):
     assert capacity.longest_text(failed) == f"none: {error}"
     failed["probes"][0]["error"] = "out of memory at compile time"
     assert capacity.longest_text(failed) == "none from --start"
+
+
+def test_nothing_is_written_over_and_the_strategy_is_recorded(tmp_path, monkeypatch, capsys):
+    """An --out that exists (another result, a run's file, the plot's own input) is
+    refused unless --overwrite; a model named twice and a negative --layers are refused;
+    the strategy each row ran (--ring-strategy, auto resolved) is in the table and JSON."""
+    monkeypatch.setattr(capacity, "step_memory_gib", lambda *a: {"device": 0.1, "host": 0.0})
+    out = tmp_path / "capacity.json"
+    out.write_text('{"earlier": true}')
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
+    argv += ["--max", "1k", "--out", str(out)]
+    for extra, error in (
+        ([], f"--out {out} exists: pass --overwrite to replace it (nothing was written)"),
+        (["--models", "tiny,tiny", "--overwrite"], "--models='tiny,tiny' names a model twice"),
+        (["--layers", "-1", "--overwrite"], "--layers=-1 must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            capacity.main([*argv, *extra])
+        assert capsys.readouterr().err.startswith(f"error: {error}")
+        assert out.read_text() == '{"earlier": true}'
+    result = capacity.main([*argv, "--overwrite", "--ring-strategy", "allgather"])
+    assert result["settings"]["ring_strategy"] == "allgather"
+    assert result["rows"][0]["ring_strategy"] == "allgather"
+    assert "| tiny | seq=1 | allgather | " in capsys.readouterr().out
+    auto = capacity.main([*argv, "--overwrite"])  # seq=1: auto is the ring
+    assert (auto["settings"]["ring_strategy"], auto["rows"][0]["ring_strategy"]) == ("auto", "ring")
+    for plot_out, error in (
+        (out, f"--out {out} is one of the inputs"),
+        (tmp_path / "memory.svg", "the plot is a PNG"),
+    ):
+        with pytest.raises(SystemExit):
+            capacity.main_plot([str(out), "--out", str(plot_out), "--overwrite"])
+        assert error in capsys.readouterr().err
+    assert json.loads(out.read_text())["rows"][0]["model"] == "tiny"

@@ -120,6 +120,7 @@ def test_command_line_plot_subcommand(tmp_path):
     result.write_text(json.dumps(SAVE))
     out = tmp_path / "memory.png"
     command = [sys.executable, "-m", "train.tools.capacity", "plot", str(result), "--out", str(out)]
+    command.append("--overwrite")  # the second run's out is the first's
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     run = dict(cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     done = subprocess.run(command, **run)
@@ -175,11 +176,13 @@ def test_search_that_reached_max_is_marked_on_the_plot(tmp_path, monkeypatch):
         path = tmp_path / "capped.json"
         path.write_text(json.dumps({**capped, "rows": [{**row, **field}]}))
         calls.clear()
-        capacity.main_plot([str(path), "--out", str(tmp_path / "p.png")])
+        capacity.main_plot([str(path), "--out", str(tmp_path / "p.png"), "--overwrite"])
         assert [c for c in calls if c[2] == ">"] == [([512 * K], [50.0], ">")], field
     calls.clear()
     (tmp_path / "save.json").write_text(json.dumps(SAVE))
-    capacity.main_plot([str(tmp_path / "save.json"), "--out", str(tmp_path / "p.png")])
+    capacity.main_plot(
+        [str(tmp_path / "save.json"), "--out", str(tmp_path / "p.png"), "--overwrite"]
+    )
     assert not [c for c in calls if c[2] == ">"]
 
 

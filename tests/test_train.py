@@ -685,6 +685,13 @@ def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch)
     good = tmp_path / "gradcheck.json"
     rows = gradcheck.main([*layouts, str(good)])
     assert json.loads(good.read_text()) == json.loads(json.dumps(rows))
+    # A file already there (a run's, another comparison) is kept unless --overwrite.
+    with pytest.raises(SystemExit) as e:
+        gradcheck.main([*layouts, str(good)])
+    assert str(e.value) == (
+        f"error: --out {good} exists: pass --overwrite to replace it (nothing was written)"
+    )
+    gradcheck.main([*layouts, str(good), "--overwrite"])
 
 
 def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):

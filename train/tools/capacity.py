@@ -11,8 +11,10 @@ aliased, per device) is compared with the device's allocator limit (or `--limit-
 The context doubles from `--start` until a step does not fit, then bisects `--refine`
 times; a search that reaches `--max` with every probe fitting reports a lower bound
 (`≥ N (reached --max)`, `"capped_by_max": true` in the JSON). A `--start` that a mesh's
-sequence axes do not divide, and an `--out` that is a directory or lies under a file, are
-refused before anything compiles. The long-context knobs are the trainer's: `--mlp-tile`,
+sequence axes do not divide, an `--mlp-tile` that does not divide its share, and an
+`--out` that is a directory, lies under a file or exists (without `--overwrite`), are
+refused before anything compiles. `--ring-strategy` is the trainer's (`auto` resolved as
+it resolves it; each row records the one it ran). The long-context knobs are the trainer's: `--mlp-tile`,
 `--remat offload_attn` / `offload_full` (residuals in pinned host memory) and
 `--optimizer-offload`; a step fits when its device bytes fit the device and its host
 bytes (offloaded residuals and state) fit `--host-limit-gib`. "GiB/1k tokens" is the
@@ -42,7 +44,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from models.config import REMAT_POLICIES
 from train.oom import is_oom
@@ -156,6 +158,8 @@ def _trainer_config(model: str, context: int, mesh: str, args):
             mesh,
             "--attention",
             args.attention,
+            "--ring_strategy",
+            args.ring_strategy,
             "--remat_policy",
             args.remat,
             "--per_device_train_batch_size",
@@ -169,6 +173,22 @@ def _trainer_config(model: str, context: int, mesh: str, args):
             *(["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []),
         ]
     )
+
+
+def ring_strategy(model: str, context: int, mesh: str, args) -> str:
+    """The strategy the trainer runs `model` with over `mesh` (`--ring-strategy`, `auto`
+    resolved as the trainer resolves it)."""
+    import jax
+
+    from train.build import model_config, resolve_strategy
+    from train.mesh import mesh_device_count, parse_mesh
+
+    cfg = _trainer_config(model, context, mesh, args)
+    count = mesh_device_count(mesh, jax.device_count())
+    sizes = parse_mesh(mesh, count, fsdp=bool(cfg.parallel.fsdp))
+    return resolve_strategy(
+        cfg, model_config(cfg), sizes, jax.devices()[:count]
+    ).model.ring_strategy
 
 
 def layout_error(model: str, context: int, mesh: str, args) -> str | None:
@@ -356,12 +376,19 @@ def longest(
     return _row(model, mesh, best, probes, searching=False)
 
 
-def out_error(out: str, what: str = "the report") -> str | None:
-    """Why `out` cannot be the file `what` is written to, or None: a directory, or a
-    path under a file or an unwritable directory. A missing parent directory is fine
-    (it is created)."""
+def out_error(
+    out: str, what: str = "the report", *, overwrite: bool = False, inputs: Sequence[str] = ()
+) -> str | None:
+    """Why `out` cannot be the file `what` is written to, or None: a directory, one of
+    the `inputs`, a file already there (without `overwrite`: another run's result, or
+    any file, is kept), or a path under a file or an unwritable directory. A missing
+    parent directory is fine (it is created)."""
     if os.path.isdir(out):
         return f"--out {out} is a directory; give a file path for {what}"
+    if any(os.path.exists(i) and os.path.samefile(out, i) for i in inputs if os.path.exists(out)):
+        return f"--out {out} is one of the inputs; give another file for {what}"
+    if os.path.lexists(out) and not overwrite:
+        return f"--out {out} exists: pass --overwrite to replace it (nothing was written)"
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -373,6 +400,7 @@ def out_error(out: str, what: str = "the report") -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jflash import STRATEGIES
     from train.config import OneLineParser  # errors in one line, as the trainer's
 
     p = OneLineParser(
@@ -397,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention", default="ring", help="the trainer's --attention (default: %(default)s)"
     )
     p.add_argument(
+        "--ring-strategy",
+        default="auto",
+        choices=("auto", *STRATEGIES),
+        help="the trainer's --ring_strategy (default: %(default)s, the trainer's: ulysses "
+        "where seq divides the heads on one host; each row records the one it ran)",
+    )
+    p.add_argument(
         "--remat",
         default="save_attn",
         choices=REMAT_POLICIES,
@@ -414,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer state in pinned host memory (the trainer's --optimizer_offload)",
     )
     p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
+    p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     p.add_argument(
         "--start", type=_tokens, default=8192, help="first context (e.g. 16k; default: 8k)"
     )
@@ -456,8 +492,15 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, gib in (("--limit-gib", args.limit_gib), ("--host-limit-gib", args.host_limit_gib)):
         if gib is not None and not gib > 0:
             parser.error(f"{flag}={gib} must be > 0")
-    if args.out and (error := out_error(args.out)):
+    if args.out and (error := out_error(args.out, overwrite=args.overwrite)):
         parser.error(error)
+    if args.layers < 0:
+        parser.error(f"--layers={args.layers} must be >= 1 (or 0: the model's own)")
+    names = list(filter(None, args.models.split(",")))
+    if len(set(names)) != len(names):
+        parser.error(f"--models={args.models!r} names a model twice")
+    if args.mlp_tile is not None and args.mlp_tile < -1:
+        parser.error(f"--mlp-tile={args.mlp_tile} must be -1 (auto), 0 (off) or > 0")
     import jax
 
     from train.build import model_config
@@ -485,6 +528,14 @@ def main(argv: list[str] | None = None) -> dict:
         for mesh in meshes:
             if error := layout_error(model, args.start, mesh, args):
                 parser.error(f"--mesh {mesh} cannot split --start={args.start} ({error})")
+            tile = args.mlp_tile or 0
+            sizes = parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
+            local = args.start // (sizes["seq"] * sizes["seq_a2a"])
+            if 0 < tile < local and local % tile:
+                parser.error(
+                    f"--mlp-tile={tile} does not divide the {local} tokens a device holds of "
+                    f"--start={args.start} over --mesh {mesh}"
+                )
     if args.out:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -495,7 +546,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"capacity on {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"limit {limit:.2f} GiB/device and {host_limit:.2f} GiB host/device, "
-        f"remat={args.remat}, "
+        f"ring_strategy={args.ring_strategy}, remat={args.remat}, "
         f"mlp_tile={'the trainer default' if args.mlp_tile is None else args.mlp_tile}, "
         f"optimizer_offload={args.optimizer_offload}",
         flush=True,
@@ -511,6 +562,7 @@ def main(argv: list[str] | None = None) -> dict:
             "host_limit_gib": host_limit,
             "method": "compiled memory analysis of the training step, not run",
             "settings": {
+                "ring_strategy": args.ring_strategy,
                 "shard_over_seq": args.shard_over_seq,
                 "gather_once": args.gather_once,
                 "attention": args.attention,
@@ -533,15 +585,16 @@ def main(argv: list[str] | None = None) -> dict:
             row = longest(
                 model, mesh, args, limit, host_limit, progress=lambda r: write([*rows, r])
             )
+            row["ring_strategy"] = ring_strategy(model, args.start, mesh, args)
             base = base or row["longest"]
             row["vs_first_mesh"] = row["longest"] / base if row["longest"] and base else None
             rows.append(row)
             write(rows)  # a run stopped by a timeout keeps the rows it finished
     print(
-        "\n| model | mesh | longest context | GiB/device | GiB host | "
+        "\n| model | mesh | strategy | longest context | GiB/device | GiB host | "
         "GiB/1k tokens device | GiB/1k tokens host | vs first mesh |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def num(value, fmt=".3g"):
         return "–" if value is None else format(value, fmt)
@@ -549,7 +602,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         ratio = f"{r['vs_first_mesh']:.2f}" if r["vs_first_mesh"] else "–"
         print(
-            f"| {r['model']} | {r['mesh']} | {longest_text(r)} | {num(r['gib'])} | "
+            f"| {r['model']} | {r['mesh']} | {r['ring_strategy']} | {longest_text(r)} | "
+            f"{num(r['gib'])} | "
             f"{num(r['host_gib'])} | {num(r['gib_per_1k'], '.4f')} | "
             f"{num(r['host_gib_per_1k'], '.4f')} | {ratio} |"
         )
@@ -805,9 +859,12 @@ def main_plot(argv: list[str] | None = None) -> str:
         help="training output dirs (or their log.jsonl): the measured peak, as a star",
     )
     p.add_argument("--out", default="capacity-memory.png", help="the PNG to write")
+    p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     args = p.parse_args(argv)
-    if error := out_error(args.out, "the PNG"):
+    if error := out_error(args.out, "the PNG", overwrite=args.overwrite, inputs=args.results):
         p.error(error)
+    if not args.out.lower().endswith(".png"):
+        p.error(f"--out {args.out}: the plot is a PNG; give a file name ending in .png")
     return plot_memory(args.results, args.out, args.measured)
 
 

@@ -47,14 +47,18 @@ def write_set(files: Sequence[tuple[str, Callable[[IO], object], bool]], flag: s
                     os.remove(tmp)
 
 
-def check_writable_file(path: str, flag: str) -> None:
+def check_writable_file(path: str, flag: str, *, overwrite: bool = False) -> None:
     """Refuses, before the work whose result goes there, a `path` that `write_whole`
     could not write: a directory, or a file whose directory is missing, not a directory,
-    or not writable. SystemExit with one line naming `flag` and `path`, as `write_whole`
-    fails; creates nothing."""
+    or not writable; and, without `overwrite`, a file already there (kept). SystemExit
+    with one line naming `flag` and `path`, as `write_whole` fails; creates nothing."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         reason = "it is a directory"
+    elif os.path.lexists(path) and not overwrite:
+        raise SystemExit(
+            f"error: {flag} {path} exists: pass --overwrite to replace it (nothing was written)"
+        )
     elif not os.path.exists(folder):
         reason = f"no such directory {folder}"
     elif not os.path.isdir(folder):

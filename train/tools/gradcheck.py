@@ -14,7 +14,8 @@ loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, trainer),
 while in f32 every layout agrees to ~1e-4. For each other layout it prints the loss,
 the gradient norm, and the parameters whose gradients differ most from the
 reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
-as JSON (an `--out` that cannot be written is refused before the first layout). Flags
+as JSON (an `--out` that cannot be written, or that exists without `--overwrite`, is
+refused before the first layout). Flags
 other than `--layout`, `--top` and `--out` go to every layout's trainer configuration
 (`python -m train --help`); a layout's own flags come last and win. Nothing
 is trained or saved: `--output_dir` is a temporary directory. `--data_path` is required
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="trainer flags of one layout, quoted (repeat; the first is the reference)",
     )
     p.add_argument("--top", type=int, default=10, help="parameters listed per layout")
+    p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     p.add_argument(
         "--out",
         default="",
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--top={args.top} must be >= 0")
     layouts = _layout_flags(args.layout, common)
     if args.out:
-        check_writable_file(args.out, "--out")
+        check_writable_file(args.out, "--out", overwrite=args.overwrite)
     import jax
 
     from train.errors import TrainingError
