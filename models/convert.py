@@ -401,7 +401,7 @@ def export_hf(
         raise
     for name in staged:
         os.replace(os.path.join(path, name + _STAGED), os.path.join(path, name))
-    _remove_stale_weights(path, set(staged))
+    remove_other_weights(path, set(staged))
 
 
 def _remove_stale_staged(path: str) -> None:
@@ -418,7 +418,7 @@ def _remove_stale_staged(path: str) -> None:
             os.remove(os.path.join(path, name))
 
 
-def _remove_stale_weights(path: str, written: set[str]) -> None:
+def remove_other_weights(path: str, written: set[str]) -> None:
     """Once the new checkpoint is written, drops the weight files of an earlier one in
     the same directory (a sharded export over a single-file one, or the reverse):
     loaders would read those instead of, or mixed with, the new weights."""

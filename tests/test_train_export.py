@@ -217,22 +217,32 @@ def test_overwrite_replaces_the_model_in_out(runs, tmp_path):
     _same_hf(out, runs["long"] / "hf")
 
 
-def test_an_overwrite_cut_off_leaves_no_model_that_loads(runs, tmp_path, monkeypatch):
-    """--overwrite drops the other model's config.json (what marks a whole model) before
-    it writes the tokenizer and the weights: an export stopped midway leaves a directory
-    that does not load, never one model's tokenizer beside another's weights."""
+def test_an_overwrite_cut_off_leaves_the_model_that_was_there(runs, tmp_path, monkeypatch):
+    """--overwrite writes the whole export into a staging folder in --out before it
+    replaces anything: an export stopped while writing leaves the model that was there
+    whole (its config.json, tokenizer and weights), and a staging folder that a killed
+    export left behind is removed by the next one, which a fresh --out then takes
+    without --overwrite (nothing of a model is in it)."""
     out = tmp_path / "out"
     assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
-    (out / "tokenizer.json").write_text("another model's")
+    before = _snapshot(out)
+    real = export.models.export_hf
 
-    def stopped(*args, **kwargs):
+    def stopped(params, config, path, **kwargs):
+        real(params, config, path, **kwargs)  # written whole in the staging folder
         raise KeyboardInterrupt
 
     monkeypatch.setattr(export.models, "export_hf", stopped)
     with pytest.raises(KeyboardInterrupt):
         export.main([str(runs["long"]), "--out", str(out), "--overwrite"])
-    assert not (out / "config.json").exists()
-    assert (out / "tokenizer.json").read_text() != "another model's"
+    assert _snapshot(out) == before  # no staging folder either
+    monkeypatch.setattr(export.models, "export_hf", real)
+    fresh = tmp_path / "fresh"
+    (fresh / f"{export.STAGING}1234abcd").mkdir(parents=True)  # a SIGKILL's leftovers
+    (fresh / f"{export.STAGING}1234abcd" / "tokenizer.json").write_text("partial")
+    assert export.main([str(runs["long"]), "--out", str(fresh)]) == 0
+    assert not [p for p in fresh.iterdir() if p.name.startswith(export.STAGING)]
+    _same_hf(fresh, runs["long"] / "hf")
 
 
 def _refused(argv: list[str], capsys) -> str:

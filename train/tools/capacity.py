@@ -9,19 +9,19 @@ shardings, remat policy and ring attention as `python -m train`) is compiled on 
 state, never run, and XLA's memory analysis (arguments + outputs + temporaries -
 aliased, per device) is compared with the device's allocator limit (or `--limit-gib`).
 The context doubles from `--start` until a step does not fit, then bisects `--refine`
-times; a search that reaches `--max` with every probe fitting reports a lower bound
-(`≥ N (reached --max)`, `"capped_by_max": true` in the JSON). A `--start` that a mesh's
+times; a search that reaches `--max` with every probe fitting reports a lower bound (`≥
+N (reached --max)`, `"capped_by_max": true` in the JSON). A `--start` that a mesh's
 sequence axes do not divide, an `--mlp-tile` that does not divide its share, and an
 `--out` that is a directory, lies under a file or exists (without `--overwrite`), are
 refused before anything compiles. `--ring-strategy` is the trainer's (`auto` resolved as
-it resolves it; each row records the one it ran). The long-context knobs are the trainer's: `--mlp-tile`,
-`--remat offload_attn` / `offload_full` (residuals in pinned host memory) and
-`--optimizer-offload`; a step fits when its device bytes fit the device and its host
-bytes (offloaded residuals and state) fit `--host-limit-gib`. "GiB/1k tokens" is the
-growth per 1024 tokens of context between the shortest and the longest probe that fit
-(the marginal cost: what one more 1k tokens needs), device and host. A mesh naming fewer
-devices than the machine has uses the first ones, so `--mesh seq=1 --mesh seq=2` answers
-"how much longer on 2 GPUs than on 1".
+it resolves it; each row records the one it ran). The long-context knobs are the
+trainer's: `--mlp-tile`, `--remat offload_attn` / `offload_full` (residuals in pinned
+host memory) and `--optimizer-offload`; a step fits when its device bytes fit the device
+and its host bytes (offloaded residuals and state) fit `--host-limit-gib`. "GiB/1k
+tokens" is the growth per 1024 tokens of context between the shortest and the longest
+probe that fit (the marginal cost: what one more 1k tokens needs), device and host. A
+mesh naming fewer devices than the machine has uses the first ones, so `--mesh seq=1
+--mesh seq=2` answers "how much longer on 2 GPUs than on 1".
 
 Compiled memory is XLA's plan, not a run: check the winner with `python -m train`.
 

@@ -15,13 +15,17 @@ checkpoint's parameters are read (not the optimizer state), onto the host CPU, w
 mesh saved them. The run's outputs are only read: an `--out` inside them (RUN_DIR
 itself, its `checkpoints/`, `hf/`, ...) is always refused; a new folder beside them is
 taken. An `--out` that already holds a model (its config, weights or tokenizer files)
-is refused unless `--overwrite` is given.
+is refused unless `--overwrite` is given. The export is written whole into a staging
+folder in `--out` before it replaces anything there: one cut off leaves the model that
+was there as it was.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import uuid
 
 import jax
 import numpy as np
@@ -31,6 +35,7 @@ from models.config import DTYPES
 from models.convert import (
     TOKENIZER_FILES,
     remove_other_tokenizer_files,
+    remove_other_weights,
     replace_refusal,
     replaced_files,
     shard_bytes,
@@ -185,18 +190,54 @@ def export(
     finally:
         checkpoints.close()
     params = jax.tree.map(np.asarray, params)
-    # `config.json` marks a whole model (`models.export_hf` renames its own into place
-    # last): another model's goes first (--overwrite), then the tokenizer is written,
-    # then the weights, so that an export cut off leaves no directory that loads as a
-    # model with one model's weights and another's tokenizer.
+    # The whole export is written into a staging folder inside `out` first; only then
+    # does it replace what `out` holds (`_publish`): an export cut off while writing
+    # leaves the model that was there whole (and the staging folder, which the next
+    # export removes), never a directory that loads as no model or a mixed one.
+    os.makedirs(out, exist_ok=True)
+    _remove_stale_staging(out)
+    staging = os.path.join(out, f"{STAGING}{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(staging)
+        outputs.copy_tokenizer(tokenizer, staging, templates)
+        models.export_hf(params, config, staging, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        with outputs.signals_held():
+            _publish(staging, out, outputs.tokenizer_files(tokenizer, templates))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
+
+
+# The folder inside `--out` an export is written into before it replaces `--out`'s files.
+STAGING = ".export-staging-"
+
+
+def _remove_stale_staging(out: str) -> None:
+    """Removes the staging folders an export killed part way left in `out`."""
+    for name in os.listdir(out):
+        if name.startswith(STAGING) and os.path.isdir(os.path.join(out, name)):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+
+
+def _publish(staging: str, out: str, tokenizer_files: list[str]) -> None:
+    """Moves the whole export in `staging` into `out`: the `config.json` there (which
+    marks a whole model) goes first, then every new file but the config replaces its
+    name, another model's tokenizer and weight files are removed, and the new
+    `config.json` comes last. Renames within one filesystem: moments, not the write."""
+    written = sorted(
+        os.path.relpath(os.path.join(root, name), staging)
+        for root, _, names in os.walk(staging)
+        for name in names
+    )
     if os.path.lexists(os.path.join(out, "config.json")):
         os.remove(os.path.join(out, "config.json"))
-    os.makedirs(out, exist_ok=True)
-    outputs.copy_tokenizer(tokenizer, out, templates)
-    # Another model's, where --overwrite replaced it.
-    remove_other_tokenizer_files(out, outputs.tokenizer_files(tokenizer, templates))
-    models.export_hf(params, config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    return chosen, sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    for name in written:
+        if name != "config.json":
+            os.makedirs(os.path.dirname(os.path.join(out, name)) or out, exist_ok=True)
+            os.replace(os.path.join(staging, name), os.path.join(out, name))
+    remove_other_tokenizer_files(out, tokenizer_files)  # another model's (--overwrite)
+    remove_other_weights(out, set(written))
+    os.replace(os.path.join(staging, "config.json"), os.path.join(out, "config.json"))
 
 
 def main(argv: list[str] | None = None) -> int:
