@@ -321,3 +321,23 @@ def test_a_write_that_fails_names_the_flag_and_the_file(runs, tmp_path, monkeypa
         export.main([str(runs["long"]), "--out", str(out)])
     assert e.value.code == 1
     assert capsys.readouterr().err == f"error: --out: cannot write {out} (File too large)\n"
+
+
+def test_the_shared_modules_say_they_are_no_command():
+    """`python -m train.tools.hlo` (or roofline, report, files) exits 1 with one line
+    naming the commands, not 0 with nothing done."""
+    import subprocess
+    import sys
+
+    from train.tools import COMMANDS
+
+    done = subprocess.run(
+        [sys.executable, "-m", "train.tools.roofline", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("error: train.tools.roofline is a module the tools share")
+    assert all(f"train.tools.{c}" in done.stderr for c in COMMANDS)

@@ -10,5 +10,15 @@
 - `export`: any saved checkpoint of a run as an HF directory (the run's own `hf/` is
   its last step's).
 
-The job (`python -m train`) imports none of them.
+The job (`python -m train`) imports none of them. `hlo`, `roofline`, `report` and
+`files` are modules these commands share, not commands: run as one, each says so.
 """
+
+COMMANDS = ("profile", "trace", "capacity", "gradcheck", "export")
+
+
+def not_a_command(module: str) -> str:
+    """The one line a shared module run as a command (`python -m train.tools.hlo`) exits
+    with."""
+    commands = ", ".join(f"train.tools.{c}" for c in COMMANDS)
+    return f"error: {module} is a module the tools share, not a command; the commands: {commands}"

@@ -83,3 +83,11 @@ def write_json(path: str, data, flag: str) -> None:
 def write_text(path: str, text: str, flag: str) -> None:
     """`text` into `path`, as `write_whole` writes."""
     write_whole(path, lambda f: f.write(text), flag)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from train.tools import not_a_command
+
+    sys.exit(not_a_command("train.tools.files"))

@@ -110,3 +110,11 @@ def parse_hlo(text: str) -> HloOps:
         permute_bytes_by_stack=by_stack,
         modules=tuple(dict.fromkeys(modules)),
     )
+
+
+if __name__ == "__main__":
+    import sys
+
+    from train.tools import not_a_command
+
+    sys.exit(not_a_command("train.tools.hlo"))

@@ -1278,3 +1278,11 @@ def render(
         files.append((os.path.join(out_dir, "report.json"), json_writer(report), False))
     write_set([*files, (md, lambda f: f.write(text), False)], flag)
     return [md, *paths]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from train.tools import not_a_command
+
+    sys.exit(not_a_command("train.tools.report"))

@@ -119,3 +119,11 @@ def attention_work(config: LlamaConfig, seq_len: int, seq_shards: int, batch: in
     fwd_flops = 4 * t_q * seq_len * hq * hd / 2
     layers = config.num_layers * batch
     return Work(flops=3.5 * fwd_flops * layers, bytes=(fwd_bytes + bwd_bytes) * layers)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from train.tools import not_a_command
+
+    sys.exit(not_a_command("train.tools.roofline"))
