@@ -683,12 +683,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(error)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out={args.out!r} is a file, not a directory")
-    source = args.from_hf or args.to_hf
-    if source and os.path.exists(args.out) and os.path.samefile(source, args.out):
-        parser.error(
-            f"--out={args.out!r} is the {command} directory itself: the other format goes "
-            "in a directory of its own"
-        )
     held = [] if args.overwrite else _replaced(args)
     if held:
         parser.error(replace_refusal(args.out, held))

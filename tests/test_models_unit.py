@@ -944,15 +944,6 @@ def test_cli_refuses_to_replace_what_out_holds(tmp_path, capsys):
         assert f"already holds {held}" in last and "--overwrite" in last, err
         assert "Traceback" not in err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
-    # The input directory itself as --out: the other format would mix into it.
-    for argv in (
-        ["--from-hf", str(hf), "--out", str(hf)],
-        ["--to-hf", str(native), "--out", str(native)],
-    ):
-        with pytest.raises(SystemExit):
-            convert_main([*argv, "--overwrite"])
-        assert "is the --" in capsys.readouterr().err.strip().splitlines()[-1]
-    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     # Another directory's tokenizer over the one in --out.
     other = tmp_path / "other"
     other.mkdir()
