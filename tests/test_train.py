@@ -572,6 +572,40 @@ def test_two_processes_train_together(tmp_path):
     assert os.path.isdir(tmp_path / "checkpoints" / "4")
 
 
+@pytest.mark.slow
+def test_processes_given_other_flags_are_refused_by_every_one(tmp_path):
+    """A process of a multi-host run given another --learning_rate (or seed, data,
+    steps, mesh, output directory) trained a mix of the two under process 0's record,
+    or hung in a collective: every process now refuses at start, naming the flag and
+    each process's value, and nothing is written."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = _env(2)
+    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
+    common = [*SMALL, "--mesh", "data=1,fsdp=2,seq=2", "--output_dir", str(tmp_path / "run")]
+    common += ["--max_steps", "2", "--coordinator_address", f"localhost:{port}"]
+    common += ["--num_processes", "2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "train", *common, "--process_id", str(i)]
+            + (["--learning_rate", "1e-2"] if i else []),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0].decode() for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 2, out[-3000:]
+        assert (
+            "error: the processes were given different settings (--learning_rate: process 0 "
+            "has 0.003, process 1 has 0.01): every process of a run takes the same flags"
+        ) in out, out[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_sample_data_is_learnable_and_shaped():
     samples = data_lib.markov_samples(8, 64, 512, seed=0)
     assert samples.shape == (8, 64) and samples.max() < 512

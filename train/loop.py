@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -83,9 +84,48 @@ def run(cfg: TrainConfig) -> dict:
         raise
 
 
+def same_on_every_process(values: dict[str, Any], what: str) -> None:
+    """Refuses, on every process at once (TrainingError), `values` that differ between
+    the processes of a multi-host run: each process gathers every process's (JSON) and
+    names what differs. A run whose hosts were given other flags or other data would
+    train a mix of them under process 0's record, or hang in a collective."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    text = json.dumps(values, sort_keys=True, default=str).encode()
+    sizes = multihost_utils.process_allgather(np.array([len(text)], np.int32)).reshape(-1)
+    mine = np.zeros(int(sizes.max()), np.uint8)
+    mine[: len(text)] = np.frombuffer(text, np.uint8)
+    every = multihost_utils.process_allgather(mine).reshape(len(sizes), -1)
+    views = [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, sizes, strict=True)]
+    differ = [k for k in sorted(views[0]) if any(v.get(k) != views[0][k] for v in views)]
+    if differ:
+        shown = "; ".join(
+            f"{k}: " + ", ".join(f"process {i} has {v.get(k)!r}" for i, v in enumerate(views))
+            for k in differ[:3]
+        )
+        raise TrainingError(
+            f"the processes were given different {what} ({shown}): every process of a run "
+            "takes the same flags (but --process_id) and reads the same data"
+        )
+
+
+def _settings_of(cfg: TrainConfig) -> dict[str, Any]:
+    """Every setting by its flag, but `--process_id` (each process's own)."""
+    flat = {
+        f"--{name}": value
+        for section in dataclasses.asdict(cfg).values()
+        for name, value in section.items()
+    }
+    del flat["--process_id"]
+    return flat
+
+
 def _run(cfg: TrainConfig, stage: dict) -> dict:
     """`run`; sets `stage["claimed"]` once it starts to change the output directory."""
     initialize_distributed(cfg)
+    same_on_every_process(_settings_of(cfg), "settings")
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
     outputs.check_writable(out)
@@ -121,6 +161,14 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     )
     claim()
     t = build(cfg)
+    same_on_every_process(
+        {
+            "rows": t.rows.num_rows,
+            "tokens": data_fingerprint(t.rows),
+            "labels": label_fingerprint(t.rows),
+        },
+        "data (--data_path's rows: their count, and a hash of their tokens and labels)",
+    )
     if is_main:
         _say_what_is_made_up(cfg)
         _say_where_positions_run_past(t)
