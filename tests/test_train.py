@@ -529,35 +529,19 @@ def test_hf_schedule_matches_transformers_formula():
     assert abs(float(lin(55)) - 45 / 90) < 1e-6
 
 
-@pytest.mark.slow
-def test_two_processes_train_together(tmp_path):
+def _two_processes(*argv: str, second: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """`python -m train *argv` as the two processes of one run (2 CPU devices each, gloo,
+    a free localhost port), process 1 with `second` last: `(exit status, output)` each."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = _env(2)
     env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
+    common = [*argv, "--coordinator_address", f"localhost:{port}", "--num_processes", "2"]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "train",
-                *SMALL,
-                "--mesh",
-                "data=1,fsdp=2,seq=2",
-                "--output_dir",
-                str(tmp_path),
-                "--max_steps",
-                "4",
-                "--save_steps",
-                "4",
-                "--coordinator_address",
-                f"localhost:{port}",
-                "--num_processes",
-                "2",
-                "--process_id",
-                str(i),
-            ],
+            [sys.executable, "-m", "train", *common, "--process_id", str(i)]
+            + list(second if i else ()),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -565,9 +549,19 @@ def test_two_processes_train_together(tmp_path):
         for i in range(2)
     ]
     outs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-    assert "done: 4 steps" in outs[0]
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
+@pytest.mark.slow
+def test_two_processes_train_together(tmp_path):
+    ran = _two_processes(
+        *SMALL,
+        *("--mesh", "data=1,fsdp=2,seq=2", "--output_dir", str(tmp_path)),
+        *("--max_steps", "4", "--save_steps", "4"),
+    )
+    for code, out in ran:
+        assert code == 0, out[-3000:]
+    assert "done: 4 steps" in ran[0][1]
     assert sorted(_log(tmp_path)) == [1, 2, 3, 4]
     assert os.path.isdir(tmp_path / "checkpoints" / "4")
 
@@ -578,27 +572,14 @@ def test_processes_given_other_flags_are_refused_by_every_one(tmp_path):
     steps, mesh, output directory) trained a mix of the two under process 0's record,
     or hung in a collective: every process now refuses at start, naming the flag and
     each process's value, and nothing is written."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = _env(2)
-    env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"
-    common = [*SMALL, "--mesh", "data=1,fsdp=2,seq=2", "--output_dir", str(tmp_path / "run")]
-    common += ["--max_steps", "2", "--coordinator_address", f"localhost:{port}"]
-    common += ["--num_processes", "2"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "train", *common, "--process_id", str(i)]
-            + (["--learning_rate", "1e-2"] if i else []),
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600)[0].decode() for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 2, out[-3000:]
+    ran = _two_processes(
+        *SMALL,
+        *("--mesh", "data=1,fsdp=2,seq=2", "--output_dir", str(tmp_path / "run")),
+        *("--max_steps", "2"),
+        second=("--learning_rate", "1e-2"),
+    )
+    for code, out in ran:
+        assert code == 2, out[-3000:]
         assert (
             "error: the processes were given different settings (--learning_rate: process 0 "
             "has 0.003, process 1 has 0.01): every process of a run takes the same flags"
