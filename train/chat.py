@@ -664,8 +664,8 @@ def _unrendered_parts(messages: Sequence[dict[str, Any]], text: str) -> str | No
                 continue  # the reader refuses such parts before
             if str(part) in text:
                 return f"writes message {n}'s content list as Python text ({str(part)[:60]})"
-            words = part["text"].strip()
-            if words not in text and json.dumps(words, ensure_ascii=False)[1:-1] not in text:
+            if not _found(part["text"], [text]):
+                words = part["text"].strip()
                 return f"writes nothing of message {n}'s content part {k} ({words[:60]!r})"
     return None
 

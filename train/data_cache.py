@@ -648,11 +648,10 @@ def ensure_cache(
     if not source.exists():
         raise ValueError(f"{source}: no such data file")
     if is_cache(cache_dir):
+        other = None
         try:
             cache = open_cache(cache_dir)
             other = (cache.meta.get("source") or {}).get("path")
-            if not replace_other_source and other and other != str(source.resolve()):
-                raise FileExistsError(other)
             stale = cache.mismatch(
                 source,
                 tokenizer=tokenizer,
@@ -661,13 +660,13 @@ def ensure_cache(
                 chat_turns=chat_turns,
                 chat_template=chat_template,
             )
-        except FileExistsError as e:
-            raise ValueError(
-                f"{cache_dir} holds the token cache of another data file, {e}: pass "
-                "--overwrite to replace it (nothing was written)"
-            ) from None
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
+        if not replace_other_source and other and other != str(source.resolve()):
+            raise ValueError(
+                f"{cache_dir} holds the token cache of another data file, {other}: pass "
+                "--overwrite to replace it (nothing was written)"
+            )
         if not stale:
             if vocab_size is not None:
                 cache.check_vocab(vocab_size)

@@ -385,7 +385,7 @@ def out_error(
     parent directory is fine (it is created)."""
     if os.path.isdir(out):
         return f"--out {out} is a directory; give a file path for {what}"
-    if any(os.path.exists(i) and os.path.samefile(out, i) for i in inputs if os.path.exists(out)):
+    if os.path.exists(out) and any(os.path.exists(i) and os.path.samefile(out, i) for i in inputs):
         return f"--out {out} is one of the inputs; give another file for {what}"
     if os.path.lexists(out) and not overwrite:
         return f"--out {out} exists: pass --overwrite to replace it (nothing was written)"
