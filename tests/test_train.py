@@ -529,9 +529,12 @@ def test_hf_schedule_matches_transformers_formula():
     assert abs(float(lin(55)) - 45 / 90) < 1e-6
 
 
-def _two_processes(*argv: str, second: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+def _two_processes(
+    *argv: str, second: tuple[str, ...] = (), cwds: tuple[str, str] | None = None
+) -> list[tuple[int, str]]:
     """`python -m train *argv` as the two processes of one run (2 CPU devices each, gloo,
-    a free localhost port), process 1 with `second` last: `(exit status, output)` each."""
+    a free localhost port), process 1 with `second` last, each in its working directory
+    of `cwds` (as two hosts' own disks): `(exit status, output)` each."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
@@ -543,6 +546,7 @@ def _two_processes(*argv: str, second: tuple[str, ...] = ()) -> list[tuple[int, 
             [sys.executable, "-m", "train", *common, "--process_id", str(i)]
             + list(second if i else ()),
             env=env,
+            cwd=cwds[i] if cwds else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -564,6 +568,81 @@ def test_two_processes_train_together(tmp_path):
     assert "done: 4 steps" in ran[0][1]
     assert sorted(_log(tmp_path)) == [1, 2, 3, 4]
     assert os.path.isdir(tmp_path / "checkpoints" / "4")
+    assert not list(tmp_path.glob(".jflash-shared-*"))  # the shared-directory probe went
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flag, extra",
+    [
+        ("--output_dir", ()),
+        ("--resume_from_checkpoint", ("--save_strategy", "no")),
+    ],
+)
+def test_a_directory_the_processes_do_not_share_is_refused_at_start(tmp_path, flag, extra):
+    """Two hosts each with its own disk at the same path (here: a relative path in each
+    process's own working directory) trained to the first checkpoint and then waited
+    forever in it, each host holding half of every save. Now every process refuses at
+    start, in one line naming the flag and each process's path, and nothing is left."""
+    hosts = (tmp_path / "host0", tmp_path / "host1")
+    for host in hosts:
+        host.mkdir()
+    if flag == "--resume_from_checkpoint":
+        (hosts[0] / "previous" / "checkpoints").mkdir(parents=True)
+    if flag == "--output_dir":
+        paths = ("--output_dir", "run")
+    else:  # an output directory the processes share, a checkpoint to start from they do not
+        paths = ("--output_dir", str(tmp_path / "run"), flag, "previous")
+    ran = _two_processes(
+        *SMALL,
+        *("--mesh", "data=1,fsdp=2,seq=2", "--max_steps", "2", *paths, *extra),
+        cwds=tuple(map(str, hosts)),
+    )
+    for code, out in ran:
+        assert code == 2, out[-3000:]
+        name, where, why = (
+            ("run", "", "saves its part of every checkpoint there")
+            if flag == "--output_dir"
+            else ("previous", "previous", "reads its part of the checkpoint")
+        )
+        assert (
+            f"error: {flag}={name!r} is not one directory shared by the run's processes: "
+            f"process 1 cannot see a file process 0 wrote in {hosts[0] / where} (process 0: "
+            f"{hosts[0] / name}; process 1: {hosts[1] / name}). Each process {why}: give a "
+            "path on a filesystem every host mounts"
+        ) in out, out[-3000:]
+    assert sorted(p.name for p in hosts[0].iterdir()) == (
+        ["previous"] if flag != "--output_dir" else []
+    )
+    assert not list(hosts[1].iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host0", "host1"]
+
+
+def test_processes_that_do_not_meet_end_in_one_line(tmp_path):
+    """A process whose peers never come (a wrong --process_id, --num_processes or
+    coordinator address) waited jax's 300 s and ended in a C++ abort and stack; it now
+    ends after --ddp_timeout seconds with one line saying what it waited for."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    argv = ["--coordinator_address", f"localhost:{port}", "--num_processes", "2"]
+    argv += ["--process_id", "1", "--ddp_timeout", "3", "--output_dir", str(tmp_path / "run")]
+    done = subprocess.run(
+        [sys.executable, "-m", "train", *SMALL, *argv],
+        env=_env(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: process 1 of 2 waited --ddp_timeout=3 s at localhost:{port} and the run's "
+        "processes did not all meet: is every process started, with the same "
+        "--coordinator_address (process 0's host:port, reachable from this host) and "
+        "--num_processes, and each its own --process_id?"
+    )
+    assert "Check failure" not in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
@@ -815,3 +894,8 @@ def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
     assert doubled[0]["param"] == "b" and doubled[0]["rel_diff"] == pytest.approx(1.0)
     with pytest.raises(SystemExit):
         gradcheck.main([*common, "--layout", "--mesh data=1"])  # one layout: nothing to compare
+
+
+def test_ddp_timeout_must_be_positive():
+    with pytest.raises(ValueError, match=r"^--ddp_timeout=0 must be positive$"):
+        parse_args(["--ddp_timeout", "0"])

@@ -246,15 +246,27 @@ def other_params(saved: dict | None, params) -> str | None:
     return f"{k}: {saved.get(k, 'absent')} there, {now.get(k, 'absent')}"
 
 
+RESUME_OFF = ("false", "no", "none")  # --resume_from_checkpoint: start from step 0
+RESUME_LATEST = ("latest", "true", "yes")  # this run's own latest checkpoint
+
+
+def resume_path(value: str | None) -> str | None:
+    """The directory a `--resume_from_checkpoint` value names, None where it names none
+    (off, `latest`, `auto`: the run's own `--output_dir`)."""
+    if not value or value.lower() in (*RESUME_OFF, *RESUME_LATEST, "auto"):
+        return None
+    return value
+
+
 def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None] | None:
     """`--resume_from_checkpoint` -> `(output_dir to read, step or None=latest)`.
 
     Accepts "latest"/"true" (this run's own checkpoints), a `.../checkpoints` directory,
     or one step directory `.../checkpoints/<step>`.
     """
-    if not value or value.lower() in ("false", "no", "none"):
+    if not value or value.lower() in RESUME_OFF:
         return None
-    if value.lower() in ("latest", "true", "yes"):
+    if value.lower() in RESUME_LATEST:
         return output_dir, None
     path = os.path.abspath(value.rstrip("/"))
     base = os.path.basename(path)

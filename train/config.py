@@ -89,6 +89,8 @@ class ParallelArgs:
     coordinator_address: str | None = None  # multi-host: host:port of process 0
     num_processes: int | None = None
     process_id: int | None = None
+    # HF's flag: seconds the processes of a multi-host run wait at start for each other
+    ddp_timeout: int = 1800
 
 
 # HF's schedules by its names (transformers' `get_scheduler`; all but
@@ -230,6 +232,7 @@ class TrainConfig:
             ("run", "gradient_accumulation_steps"),
             ("run", "logging_steps"),
             ("run", "save_steps"),
+            ("parallel", "ddp_timeout"),
         ]
         for section, name in positive:
             value = getattr(getattr(self, section), name)

@@ -25,31 +25,21 @@ from train import data as data_lib
 from train import outputs, reporters
 from train.build import Trainer, build, export_config, is_sample_data, profile_window
 from train.checkpoint import (
+    RESUME_OFF,
     Checkpoints,
     other_params,
     remove_partial_saves,
     resolve_resume,
+    resume_path,
 )
 from train.config import TrainConfig
 from train.errors import Preempted, TrainingError
+from train.hosts import check_shared, initialize_distributed, same_on_every_process
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
 from train.optim import update_settings, warmup_steps
 from train.words import plural
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
-
-
-def initialize_distributed(cfg: TrainConfig) -> None:
-    """Multi-host through jax's own engine: flags, or the usual cluster variables."""
-    p = cfg.parallel
-    if p.coordinator_address or (p.num_processes or 0) > 1:
-        jax.distributed.initialize(
-            coordinator_address=p.coordinator_address,
-            num_processes=p.num_processes,
-            process_id=p.process_id,
-        )
-    elif "JAX_COORDINATOR_ADDRESS" in os.environ or "SLURM_JOB_ID" in os.environ:
-        jax.distributed.initialize()
 
 
 @dataclasses.dataclass
@@ -84,31 +74,11 @@ def run(cfg: TrainConfig) -> dict:
         raise
 
 
-def same_on_every_process(values: dict[str, Any], what: str) -> None:
-    """Refuses, on every process at once (TrainingError), `values` that differ between
-    the processes of a multi-host run: each process gathers every process's (JSON) and
-    names what differs. A run whose hosts were given other flags or other data would
-    train a mix of them under process 0's record, or hang in a collective."""
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    text = json.dumps(values, sort_keys=True, default=str).encode()
-    sizes = multihost_utils.process_allgather(np.array([len(text)], np.int32)).reshape(-1)
-    mine = np.zeros(int(sizes.max()), np.uint8)
-    mine[: len(text)] = np.frombuffer(text, np.uint8)
-    every = multihost_utils.process_allgather(mine).reshape(len(sizes), -1)
-    views = [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, sizes, strict=True)]
-    differ = [k for k in sorted(views[0]) if any(v.get(k) != views[0][k] for v in views)]
-    if differ:
-        shown = "; ".join(
-            f"{k}: " + ", ".join(f"process {i} has {v.get(k)!r}" for i, v in enumerate(views))
-            for k in differ[:3]
-        )
-        raise TrainingError(
-            f"the processes were given different {what} ({shown}): every process of a run "
-            "takes the same flags (but --process_id) and reads the same data"
-        )
+def checkpoints_used(cfg: TrainConfig) -> bool:
+    """Whether the run may write or read checkpoints in `--output_dir` (a multi-host
+    run's processes then need it to be one directory, `hosts.check_shared`)."""
+    resume = (cfg.run.resume_from_checkpoint or "").lower()
+    return cfg.run.save_strategy != "no" or resume not in ("", *RESUME_OFF)
 
 
 def _settings_of(cfg: TrainConfig) -> dict[str, Any]:
@@ -129,6 +99,12 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
     outputs.check_writable(out)
+    if checkpoints_used(cfg):
+        check_shared(out, "--output_dir", "Each process saves its part of every checkpoint there")
+    if (other := resume_path(cfg.run.resume_from_checkpoint)) is not None:
+        check_shared(  # before any process reads it
+            other, "--resume_from_checkpoint", "Each process reads its part of the checkpoint"
+        )
     # A previous run split by a replacing run killed midway is made whole before
     # anything reads the directory (which checkpoint to resume, what it holds).
     if (line := outputs.recover(out, is_main)) is not None:
