@@ -618,6 +618,47 @@ def test_a_directory_the_processes_do_not_share_is_refused_at_start(tmp_path, fl
     assert sorted(p.name for p in tmp_path.iterdir()) == ["host0", "host1"]
 
 
+@pytest.mark.slow
+def test_a_shared_token_cache_is_built_once_by_process_0(tmp_path):
+    """Every process of a run tokenized the data into the same --data_cache_dir at once
+    (one process per GPU on a host: the same corpus tokenized 8 times over on its
+    CPUs), all but one build then thrown away. Process 0 now builds a cache directory
+    the processes share and the others read it; on each host's own disk each builds
+    its own; a build that fails on process 0 stops every process in one line."""
+    data = tmp_path / "d.npy"
+    np.save(data, data_lib.markov_samples(96, 63, 256, seed=0))
+    common = (*SMALL, "--data_path", str(data), "--mesh", "data=1,fsdp=2,seq=2")
+    common += ("--max_steps", "2", "--save_strategy", "no")
+    shared = (*common, "--output_dir", str(tmp_path / "run"))
+    ran = _two_processes(*shared, "--data_cache_dir", str(tmp_path / "cache"))
+    for code, out in ran:
+        assert code == 0, out[-3000:]
+    assert "token cache: wrote" in ran[0][1] and "token cache: wrote" not in ran[1][1]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # no other build left beside it
+    hosts = (tmp_path / "host0", tmp_path / "host1")
+    for host in hosts:
+        host.mkdir()
+    ran = _two_processes(
+        *common,
+        *("--output_dir", "run", "--data_cache_dir", "cache"),
+        cwds=tuple(map(str, hosts)),
+    )
+    for (code, out), host in zip(ran, hosts, strict=True):
+        assert code == 0, out[-3000:]
+        assert "token cache: wrote" in out
+        assert len(list((host / "cache").iterdir())) == 1
+    ran = _two_processes(
+        *common,
+        *("--output_dir", str(tmp_path / "run2"), "--data_cache_dir", str(tmp_path / "cache2")),
+        *("--model_max_length", "8192"),
+    )
+    assert ran[0][0] == 2 and "do not fill one row" in ran[0][1], ran[0][1][-3000:]
+    assert ran[1][0] == 2, ran[1][1][-3000:]
+    assert (
+        f"error: --data_cache_dir: caching {data} failed on process 0 (its output says why)"
+    ) in ran[1][1]
+
+
 def test_processes_that_do_not_meet_end_in_one_line(tmp_path):
     """A process whose peers never come (a wrong --process_id, --num_processes or
     coordinator address) waited jax's 300 s and ended in a C++ abort and stack; it now

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import models
 from models.sharding import spec_axes
 from train import data as data_lib
-from train import data_cache
+from train import data_cache, hosts
 from train.chat import check_template_path, parse_template_kwargs
 from train.config import TrainConfig
 from train.dataset import Rows, ShortData, TokenDataset
@@ -177,22 +177,29 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         # The model directory's tokenizer where it has one; text without any asks for one.
         own = os.path.isdir(name) and data_lib.tokenizer_file(name).is_file()
         tokenizer = cfg.data.tokenizer_name_or_path or (name if own else None)
+        cache_root = cfg.data.data_cache_dir or None
+        read = functools.partial(
+            data_cache.packed_rows,
+            path,
+            cfg.data.model_max_length,
+            tokenizer=tokenizer,
+            eos_id=eos,
+            vocab_size=config.vocab_size,
+            cache_root=cache_root,
+            pad_last=eval,
+            packing=cfg.data.packing,
+            chat_template_kwargs=parse_template_kwargs(
+                cfg.data.chat_template_kwargs, "--chat_template_kwargs"
+            ),
+            chat_turns=cfg.data.chat_turns,
+            chat_template=cfg.data.chat_template or None,
+        )
         try:
-            return data_cache.packed_rows(
-                path,
-                cfg.data.model_max_length,
-                tokenizer=tokenizer,
-                eos_id=eos,
-                vocab_size=config.vocab_size,
-                cache_root=cfg.data.data_cache_dir or None,
-                pad_last=eval,
-                packing=cfg.data.packing,
-                chat_template_kwargs=parse_template_kwargs(
-                    cfg.data.chat_template_kwargs, "--chat_template_kwargs"
-                ),
-                chat_turns=cfg.data.chat_turns,
-                chat_template=cfg.data.chat_template or None,
-            )
+            # A cache directory every process shares is built once, by process 0, and
+            # then read by the others (on each host's own disk, each builds its own).
+            if cache_root and not data_cache.is_cache(path) and hosts.shared(cache_root):
+                return hosts.first_on_process_0(read, f"--data_cache_dir: caching {path}")
+            return read()
         except ShortData as e:  # the row's length by its flag
             raise TrainingError(
                 f"{e.source}: {e.tokens} tokens do not fill one row of "

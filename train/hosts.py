@@ -8,6 +8,7 @@ import os
 import secrets
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -97,17 +98,12 @@ def same_on_every_process(values: dict[str, Any], what: str) -> None:
         )
 
 
-def check_shared(folder: str, flag: str, why: str) -> None:
-    """Refuses, on every process at once (TrainingError), a directory (`flag`'s value)
-    that is not one directory to all the processes of a multi-host run (`why`: what
-    they do there): a checkpoint saved on each host's own disk waits forever for the
-    others' parts. Process 0 writes a file
-    with a random name where the directory is (or the nearest folder above it that
-    exists), every process looks for it at the same place in its own view of the path
-    (a relative path resolves in each process's working directory), and process 0
-    removes it."""
-    if jax.process_count() == 1:
-        return
+def _probe(folder: str) -> tuple[str, list[dict[str, Any]], str | None]:
+    """Process 0 writes a file with a random name where `folder` is (or the nearest
+    folder above it that exists), every process looks for it at the same place in its
+    own view of the path (a relative path resolves in each process's working
+    directory), and process 0 removes it. `(process 0's folder, each process's
+    {"sees", "path"}, what process 0 could not write or None)`."""
     path = os.path.abspath(folder)
     probe, up = path, 0
     while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
@@ -135,6 +131,27 @@ def check_shared(folder: str, flag: str, why: str) -> None:
     views = gather({"sees": sees, "path": path})
     if is_main and wrote is None:
         os.remove(marker)
+    wrote = gather(wrote)[0]
+    return first["where"], views, wrote
+
+
+def shared(folder: str) -> bool:
+    """Whether `folder` is one directory to every process of the run (True with one
+    process; False where process 0 cannot write there)."""
+    if jax.process_count() == 1:
+        return True
+    _, views, wrote = _probe(folder)
+    return wrote is None and all(v["sees"] for v in views)
+
+
+def check_shared(folder: str, flag: str, why: str) -> None:
+    """Refuses, on every process at once (TrainingError), a directory (`flag`'s value)
+    that is not one directory to all the processes of a multi-host run (`why`: what
+    they do there): a checkpoint saved on each host's own disk waits forever for the
+    others' parts. See `_probe`."""
+    if jax.process_count() == 1:
+        return
+    where, views, wrote = _probe(folder)
     if wrote is not None:
         raise TrainingError(f"{flag}={folder!r}: process 0 could not write {wrote}")
     blind = [i for i, v in enumerate(views) if not v["sees"]]
@@ -144,5 +161,26 @@ def check_shared(folder: str, flag: str, why: str) -> None:
             f"{flag}={folder!r} is not one directory shared by the run's processes: "
             f"{'process' if len(blind) == 1 else 'processes'} "
             f"{', '.join(map(str, blind[:8]))} cannot see a file process 0 wrote in "
-            f"{first['where']} ({paths}). {why}: give a path on a filesystem every host mounts"
+            f"{where} ({paths}). {why}: give a path on a filesystem every host mounts"
         )
+
+
+def first_on_process_0[T](fn: Callable[[], T], what: str) -> T:
+    """`fn()` on process 0, then, once it has returned, on the other processes (what
+    process 0 makes, the others find made); an error on process 0 is raised on every
+    process (TrainingError on the others, naming `what`), so none waits alone."""
+    if jax.process_count() == 1:
+        return fn()
+    is_main = jax.process_index() == 0
+    error = result = None
+    if is_main:
+        try:
+            result = fn()
+        except Exception as e:  # every process learns of it, then process 0 raises it
+            error = e
+    failed = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if error is not None:
+        raise error
+    if failed:
+        raise TrainingError(f"{what} failed on process 0 (its output says why)")
+    return result if is_main else fn()
