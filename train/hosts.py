@@ -8,6 +8,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ from train.errors import TrainingError
 # jax's own deadline for the processes to meet, past `--ddp_timeout`: it ends the
 # process with a C++ abort and a stack, so jflash's one line comes first.
 _ABORT_MARGIN_S = 10
+# The shared-directory probe: reads of the file process 0 wrote, and the wait between.
+_PROBE_READS, _PROBE_WAIT_S = 10, 0.3
 
 
 def initialize_distributed(cfg: TrainConfig) -> None:
@@ -123,11 +126,16 @@ def _probe(folder: str) -> tuple[str, list[dict[str, Any]], str | None]:
         except OSError as e:
             wrote = f"{marker}: {e.strerror}"
     multihost_utils.sync_global_devices("jflash: shared directory probe written")
-    try:
-        with open(marker) as f:
-            sees = f.read() == first["token"]
-    except OSError:
-        sees = False
+    sees = False
+    for _ in range(_PROBE_READS):  # a network filesystem may show a new file late
+        try:
+            with open(marker) as f:
+                sees = f.read() == first["token"]
+        except OSError:
+            pass
+        if sees:
+            break
+        time.sleep(_PROBE_WAIT_S)
     views = gather({"sees": sees, "path": path})
     if is_main and wrote is None:
         os.remove(marker)
