@@ -24,6 +24,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
@@ -74,6 +75,15 @@ class AttentionConfig:
             raise ValueError(f"layout={self.layout!r} must be one of {jflash.LAYOUTS}")
         if self.strategy not in jflash.STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} must be one of {jflash.STRATEGIES}")
+
+    @property
+    def seq_shards(self) -> int:
+        """How many devices split the sequence the model sees (``ring``'s mesh axes; 1
+        for the other kinds)."""
+        if self.kind != "ring" or self.mesh is None:
+            return 1
+        axes = (self.seq_axis,) if isinstance(self.seq_axis, str) else self.seq_axis
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
 
 
 def as_attention_config(attention: AttentionConfig | str) -> AttentionConfig:

@@ -159,14 +159,6 @@ def _seq_tiled(fn, x: Float[Array, "B T D"], tile: int, shards: int) -> Float[Ar
     return jnp.moveaxis(out, 0, 2).reshape(b, t, d)
 
 
-def _seq_shards(attention: AttentionConfig) -> int:
-    """How many devices split the sequence the model sees (ring attention's mesh axes)."""
-    if attention.kind != "ring" or attention.mesh is None:
-        return 1
-    axes = (attention.seq_axis,) if isinstance(attention.seq_axis, str) else attention.seq_axis
-    return int(np.prod([attention.mesh.shape[a] for a in axes]))
-
-
 def _tile(config: LlamaConfig, x: Float[Array, "B T D"], shards: int) -> int:
     """Tokens per sequence tile of the token-wise parts (norms, MLP) for ``x``; 0: none."""
     if x.shape[1] % shards:
@@ -187,7 +179,7 @@ class DecoderLayer(nnx.Module):
         )
         self.mlp = MLP(config, rngs=rngs)
         self.config = config
-        self.seq_shards = _seq_shards(attention)
+        self.seq_shards = attention.seq_shards
 
     def _mlp_block(self, x: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
         return x + self.mlp(self.post_attn_norm(x))
@@ -291,7 +283,7 @@ class Llama(nnx.Module):
             embedding_init=nnx.initializers.normal(config.initializer_range),
             rngs=rngs,
         )
-        self.seq_shards = _seq_shards(attention)
+        self.seq_shards = attention.seq_shards
         make_layer = functools.partial(DecoderLayer, config, attention)
         layer_graph = nnx.graphdef(nnx.eval_shape(lambda: make_layer(rngs=nnx.Rngs(0))))
         keys = jax.random.split(rngs.params(), config.num_layers)

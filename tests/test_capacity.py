@@ -99,6 +99,12 @@ def test_long_context_knobs_report_device_and_host_memory(capsys):
     else:  # they go to the host, and grow with the context there
         assert row["host_gib_per_1k"] > 0
     table = capsys.readouterr().out
+    warning = (
+        "warning: --remat offload_full on the cpu backend: its one memory space keeps the "
+        "residuals the policy offloads on the device in XLA's plan, so the device GiB below "
+        "are full's and the host GiB leave them out; plan offload on a GPU"
+    )
+    assert (warning in table) == (not ON_GPU)  # said once, not silently planned as offloaded
     assert "| GiB/1k tokens device | GiB/1k tokens host |" in table
     with pytest.raises(SystemExit):  # a tile that does not divide --start's: before probing
         capacity.main([*common, "--mlp-tile", "300"])

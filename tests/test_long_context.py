@@ -201,6 +201,43 @@ def test_trainer_refuses_a_tile_that_does_not_divide_the_share(tmp_path):
         plan_step(cfg, model_config(cfg), jax.devices()[:1])
 
 
+@pytest.mark.multi_device(4)
+def test_the_tile_check_counts_the_hybrid_strategys_share(tmp_path):
+    """The hybrid strategy splits a row over seq x seq_a2a: a device holds 16 of 64
+    tokens. The check divided by seq alone (32): it refused a tile of 24, which the
+    model runs whole, and passed one that the model then refused after the plan line."""
+    from train.build import model_config, plan_step
+    from train.errors import TrainingError
+
+    hybrid = ("--ring_strategy", "hybrid")
+    mesh = "data=1,fsdp=1,seq=2,seq_a2a=2"
+    cfg = parse_args(_trainer_args(tmp_path, "--mlp_tile", "24", *hybrid, mesh=mesh))
+    plan_step(cfg, model_config(cfg), jax.devices()[:4])  # 24 >= 16: the MLP runs whole
+    for tile, length in (("16", "96"), ("32", "192")):
+        cfg = parse_args(
+            _trainer_args(
+                tmp_path, "--mlp_tile", tile, "--model_max_length", length, *hybrid, mesh=mesh
+            )
+        )
+        share = int(length) // 4
+        with pytest.raises(
+            TrainingError, match=f"^--mlp_tile: mlp_tile={tile} must divide the {share} tokens"
+        ):
+            plan_step(cfg, model_config(cfg), jax.devices()[:4])
+
+
+@pytest.mark.multi_device(2)
+@pytest.mark.slow
+def test_a_tile_as_long_as_the_share_is_said_to_run_the_mlp_whole(tmp_path, capsys):
+    from train.loop import run
+
+    run(parse_args(_trainer_args(tmp_path, "--mlp_tile", "48", mesh="data=1,fsdp=-1,seq=2")))
+    assert (
+        "--mlp_tile 48: a device holds 32 tokens of a row, one tile at most, so the MLP runs "
+        "whole (no memory saved); give a divisor of it to tile"
+    ) in capsys.readouterr().out
+
+
 @pytest.mark.multi_device(2)
 def test_sequence_tiles_keep_an_explicit_seq_sharding():
     """Under an Explicit-axes mesh the tiled function's output and gradient keep the

@@ -533,7 +533,7 @@ def plan_step(
         opt_abstract = jax.eval_shape(tx.init, abstract_params)
         o_shard = param_shardings(opt_abstract, mesh, axes, minor_last=whole)
     try:  # a tile that does not divide a device's share is refused here, not mid-trace
-        config.mlp_tile_for(seq_len // sizes["seq"])
+        config.mlp_tile_for(seq_len // attention.seq_shards)
     except ValueError as e:
         raise TrainingError(f"--mlp_tile: {e}") from None
     offload = None

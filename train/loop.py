@@ -366,8 +366,9 @@ def _plan(t: Trainer) -> str:
 
 def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
     """One line each for settings the mesh gives nothing to do: `--ring_strategy hybrid`
-    without a `seq_a2a` axis (it runs the ring alone), and `--shard_over_seq` (with
-    `--gather_once`) where the sequence is not split."""
+    without a `seq_a2a` axis (it runs the ring alone), `--shard_over_seq` (with
+    `--gather_once`) where the sequence is not split, and an `--mlp_tile` as long as a
+    device's share of a row or longer."""
     seq, a2a = t.sizes["seq"], t.sizes["seq_a2a"]
     if t.cfg.model.ring_strategy == "hybrid" and a2a == 1:
         print(
@@ -379,6 +380,13 @@ def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
         print(
             "--shard_over_seq: the mesh does not split the sequence (seq=1, seq_a2a=1), so "
             "the parameters are sharded over fsdp alone",
+            flush=True,
+        )
+    tile, share = t.cfg.model.mlp_tile, t.cfg.data.model_max_length // t.spec.attention.seq_shards
+    if tile > 0 and t.config.mlp_tile_for(share) == 0:
+        print(
+            f"--mlp_tile {tile}: a device holds {share} tokens of a row, one tile at most, "
+            "so the MLP runs whole (no memory saved); give a divisor of it to tile",
             flush=True,
         )
 

@@ -551,6 +551,15 @@ def main(argv: list[str] | None = None) -> dict:
         f"optimizer_offload={args.optimizer_offload}",
         flush=True,
     )
+    if args.remat.startswith("offload") and jax.default_backend() == "cpu":
+        on_device = {"offload_attn": "save_attn", "offload_full": "full"}[args.remat]
+        print(
+            f"warning: --remat {args.remat} on the cpu backend: its one memory space keeps "
+            "the residuals the policy offloads on the device in XLA's plan, so the device "
+            f"GiB below are {on_device}'s and the host GiB leave them out; plan offload on a "
+            "GPU",
+            flush=True,
+        )
 
     def write(rows: list[dict]) -> dict:
         """The result so far; into `--out` (rewritten whole) when given."""
