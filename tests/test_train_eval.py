@@ -105,7 +105,8 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
     """HF scripts pass --save_steps / --eval_steps beside a strategy of no: accepted,
     with one warning line naming both flags where the steps were given (on the command
     line, or in the YAML away from the default: a run's saved settings hold every
-    setting); none where --save_steps still sets the evaluation's interval."""
+    setting). The evaluation's interval falls back to --logging_steps, as HF's does, so
+    --save_steps never sets it."""
 
     def warnings(*argv: str) -> list[str]:
         parse_args(list(argv))
@@ -129,8 +130,9 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
     ]
     assert warnings("--save_steps", "2", "--eval_strategy", "steps", "--eval_data_path", "x") == []
     evaluating = ["--eval_data_path", "sample", "--save_strategy", "no", "--save_steps", "2"]
-    assert warnings(*evaluating) == []
-    assert len(warnings(*evaluating, "--eval_steps", "5")) == 1
+    assert warnings(*evaluating) == [
+        "warning: --save_steps=2 has no effect with --save_strategy no (no checkpoints are saved)"
+    ]
 
     yaml = tmp_path / "run.yaml"
     yaml.write_text("run:\n  save_strategy: 'no'\n  save_steps: 7\n  eval_steps: 0\n")
@@ -151,3 +153,16 @@ def test_eval_strategy_no_reads_no_evaluation_data(tmp_path):
     argv += ["--save_strategy", "no", "--export_hf", "false", "--report_to", "none"]
     summary = run(parse_args([*argv, "--output_dir", str(out), "--eval_steps", "1"]))
     assert summary["eval"] == [] and len(summary["losses"]) == 2
+
+
+def test_eval_steps_fall_back_to_logging_steps_as_hf(tmp_path):
+    """HF evaluates every --logging_steps where --eval_steps is not given; jflash took
+    --save_steps (500 by default): an HF command line with --logging_steps 2 evaluated
+    250 times less often, silently. The default number of epochs is HF's 3."""
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "4"]
+    argv += ["--model_max_length", "64", "--mesh", "data=1,fsdp=-1,seq=1", "--attention", "xla"]
+    argv += ["--eval_data_path", "sample", "--logging_steps", "2", "--save_strategy", "no"]
+    argv += ["--export_hf", "false", "--report_to", "none", "--progress", "false"]
+    summary = run(parse_args([*argv, "--output_dir", str(tmp_path / "run")]))
+    assert [e["step"] for e in summary["eval"]] == [2, 4]
+    assert parse_args([]).run.num_train_epochs == 3.0

@@ -169,7 +169,7 @@ class OptimArgs:
 @dataclasses.dataclass(frozen=True)
 class RunArgs:
     output_dir: str = "runs/train"
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = 3.0
     max_steps: int = -1  # -1: train for num_train_epochs; > 0 overrides it
     per_device_train_batch_size: int = 1  # sequences per data-parallel rank
     gradient_accumulation_steps: int = 1
@@ -177,7 +177,7 @@ class RunArgs:
     save_strategy: str = "steps"  # steps | epoch | no
     save_steps: int = 500
     eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end) | no
-    eval_steps: int = 0  # evaluate every N steps; 0: every save_steps
+    eval_steps: int = 0  # evaluate every N steps; 0: every logging_steps (HF's)
     save_total_limit: int | None = None
     save_on_preemption: bool = True  # SIGTERM while training: save the step reached, exit 143
     resume_from_checkpoint: str | None = None  # a checkpoint dir, "latest", or "auto"
@@ -225,7 +225,13 @@ class TrainConfig:
         for (section, name), allowed in CHOICES.items():
             value = getattr(getattr(self, section), name)
             if value not in allowed:
-                raise ValueError(f"--{name}={value!r} must be one of {allowed}")
+                trl = (
+                    " (rows are always packed, documents kept apart by --mask_documents: "
+                    "TRL's true/false --packing has no counterpart)"
+                    if name == "packing" and str(value).lower() in ("true", "false")
+                    else ""
+                )
+                raise ValueError(f"--{name}={value!r} must be one of {allowed}{trl}")
         positive = [
             ("data", "model_max_length"),
             ("run", "per_device_train_batch_size"),
@@ -277,7 +283,9 @@ class TrainConfig:
                 f"{REPORT_TO}, comma-separated, each once"
             )
         if self.run.eval_steps < 0:
-            raise ValueError(f"--eval_steps={self.run.eval_steps} must be >= 0 (0: save_steps)")
+            raise ValueError(
+                f"--eval_steps={self.run.eval_steps} must be >= 0 (0: --logging_steps)"
+            )
         if self.parallel.fsdp and "full_shard" not in self.parallel.fsdp.split():
             raise ValueError(
                 f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "
@@ -457,11 +465,33 @@ def _section_types() -> dict[str, type]:
 
 def _parse_bool(text: str) -> bool:
     lowered = str(text).lower()
-    if lowered in ("1", "true", "yes", "y"):
+    if lowered in ("1", "true", "t", "yes", "y"):  # HF's spellings (string_to_bool)
         return True
-    if lowered in ("0", "false", "no", "n"):
+    if lowered in ("0", "false", "f", "no", "n"):
         return False
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+# Intervals in steps, which HF also takes as a fraction of the run (a value below 1).
+STEP_COUNTS = ("logging_steps", "save_steps", "eval_steps")
+
+
+def _step_count(text: str) -> int:
+    """A whole number of steps; HF's fraction-of-the-run form is refused by name."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps, got {text!r}") from None
+    if 0 < value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} is HF's fraction of the run, which is not taken here: give a number of "
+            "steps (the plan line says how many the run has)"
+        )
+    raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
 
 
 def _parser_type(annotation) -> tuple[Any, bool]:
@@ -546,6 +576,22 @@ HF_ONLY_FLAGS = {
     "--group_by_length": "rows are packed to --model_max_length; nothing to group",
     "--use_cpu": "jax picks the devices: JAX_PLATFORMS=cpu for the CPU",
     "--optim_args": "each optimizer setting is a flag of its own (--adam_beta1, ...)",
+    "--data_seed": "--seed sets the data order too",
+    "--label_smoothing_factor": "the loss is the plain token cross-entropy; leave it out",
+    "--neftune_noise_alpha": "no embedding noise; leave it out",
+    "--use_liger_kernel": "the loss and layers are fused by XLA and jflash's kernels; leave it out",
+    "--include_num_input_tokens_seen": "log.jsonl counts the tokens (labelled_tokens, tokens/s)",
+    "--max_seq_length": "the row length is --model_max_length",
+    "--max_length": "the row length is --model_max_length",
+    "--dataset_text_field": "records are read by their own keys (docs/trainer.md, Data)",
+    "--eval_on_start": "evaluation runs every --eval_steps and at the end",
+    "--disable_tqdm": "--progress false prints step lines instead of the bar",
+    "--log_level": "the trainer prints its lines on process 0; leave it out",
+    "--full_determinism": "set XLA_FLAGS=--xla_gpu_deterministic_ops=true (the attention's "
+    "deterministic backward included)",
+    "--auto_find_batch_size": "python -m train.tools.capacity finds what fits",
+    "--attn_implementation": "the attention is --attention (jflash, ring, xla, cudnn) with "
+    "--attention_implementation (pallas_mosaic, pallas_triton, xla)",
 }
 
 
@@ -569,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
             )
             if conv is _parse_bool:
                 kwargs.update(nargs="?", const=True, type=_parse_bool)
+            elif field.name in STEP_COUNTS:
+                kwargs["type"] = _step_count
             else:
                 kwargs["type"] = conv
             group.add_argument(f"--{field.name}", dest=f"{section}.{field.name}", **kwargs)
@@ -714,14 +762,10 @@ def _check_unused(cfg: TrainConfig) -> None:
 def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
     """Warning lines for `--save_steps` / `--eval_steps` in `given` (the settings the
     user gave) while their strategy is `no` or `epoch`: accepted, as HF accepts them,
-    but unused.
-    `--save_steps` still sets the evaluation's interval where `--eval_steps` is 0."""
+    but unused."""
     run = cfg.run
-    evaluates_every_save_steps = (
-        bool(cfg.data.eval_data_path) and run.eval_strategy == "steps" and run.eval_steps == 0
-    )
     lines = []
-    if "save_steps" in given and run.save_strategy == "no" and not evaluates_every_save_steps:
+    if "save_steps" in given and run.save_strategy == "no":
         lines.append(
             f"warning: --save_steps={run.save_steps} has no effect with --save_strategy no "
             "(no checkpoints are saved)"
@@ -736,7 +780,7 @@ def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
             f"warning: --eval_steps={run.eval_steps} has no effect with --eval_strategy epoch "
             "(evaluation runs at each epoch's end and at the run's)"
         )
-    if "save_steps" in given and run.save_strategy == "epoch" and not evaluates_every_save_steps:
+    if "save_steps" in given and run.save_strategy == "epoch":
         lines.append(
             f"warning: --save_steps={run.save_steps} has no effect with --save_strategy epoch "
             "(a checkpoint is saved at each epoch's end)"

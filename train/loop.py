@@ -382,7 +382,8 @@ def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
             "the parameters are sharded over fsdp alone",
             flush=True,
         )
-    tile, share = t.cfg.model.mlp_tile, t.cfg.data.model_max_length // t.spec.attention.seq_shards
+    tile = t.cfg.model.mlp_tile
+    share = t.cfg.data.model_max_length // t.spec.attention.seq_shards if tile > 0 else 0
     if tile > 0 and t.config.mlp_tile_for(share) == 0:
         print(
             f"--mlp_tile {tile}: a device holds {share} tokens of a row, one tile at most, "
@@ -841,7 +842,7 @@ def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
         return True
     if cfg.run.eval_strategy == "epoch":
         return done % steps_per_epoch == 0
-    return done % (cfg.run.eval_steps or cfg.run.save_steps) == 0
+    return done % (cfg.run.eval_steps or cfg.run.logging_steps) == 0
 
 
 def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
