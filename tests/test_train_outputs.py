@@ -211,6 +211,15 @@ class _FakeWandb(types.ModuleType):
         self.finished += 1
 
 
+def test_report_to_takes_hf_s_list_of_words_or_commas():
+    """transformers 4 scripts pass `--report_to tensorboard wandb`, which was refused
+    as an unrecognized `wandb`."""
+    for argv in (["tensorboard", "wandb"], ["tensorboard,wandb"]):
+        assert parse_args(["--report_to", *argv]).run.report_to == "tensorboard,wandb"
+    with pytest.raises(ValueError, match="each once"):
+        parse_args(["--report_to", "wandb", "wandb"])
+
+
 @pytest.mark.slow
 def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, monkeypatch):
     fake = _FakeWandb()

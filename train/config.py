@@ -617,6 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs.update(nargs="?", const=True, type=_parse_bool)
             elif field.name in STEP_COUNTS:
                 kwargs["type"] = _step_count
+            elif field.name == "report_to":  # HF's list: several words, or one with commas
+                kwargs.update(type=str, nargs="+")
             else:
                 kwargs["type"] = conv
             group.add_argument(f"--{field.name}", dest=f"{section}.{field.name}", **kwargs)
@@ -800,7 +802,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         if key == "config" or value is None:
             continue
         section, name = key.split(".")
-        flags.setdefault(section, {})[name] = value
+        flags.setdefault(section, {})[name] = ",".join(value) if isinstance(value, list) else value
     configs = ns.config or []
     if len(configs) > 1:
         given = " and ".join(f"--config={c!r}" for c in configs)
