@@ -250,6 +250,12 @@ RESUME_OFF = ("false", "no", "none")  # --resume_from_checkpoint: start from ste
 RESUME_LATEST = ("latest", "true", "yes")  # this run's own latest checkpoint
 
 
+def resumes(value: str | None) -> bool:
+    """Whether a `--resume_from_checkpoint` value starts from a checkpoint (or, `auto`,
+    may)."""
+    return bool(value) and value.lower() not in RESUME_OFF
+
+
 def resume_path(value: str | None) -> str | None:
     """The directory a `--resume_from_checkpoint` value names, None where it names none
     (off, `latest`, `auto`: the run's own `--output_dir`)."""
@@ -264,7 +270,7 @@ def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None]
     Accepts "latest"/"true" (this run's own checkpoints), a `.../checkpoints` directory,
     or one step directory `.../checkpoints/<step>`.
     """
-    if not value or value.lower() in RESUME_OFF:
+    if not resumes(value):
         return None
     if value.lower() in RESUME_LATEST:
         return output_dir, None

@@ -106,7 +106,7 @@ def _probe(folder: str) -> tuple[str, list[dict[str, Any]], str | None]:
     folder above it that exists), every process looks for it at the same place in its
     own view of the path (a relative path resolves in each process's working
     directory), and process 0 removes it. `(process 0's folder, each process's
-    {"sees", "path"}, what process 0 could not write or None)`."""
+    {"sees", "path", "wrote"}, what process 0 could not write or None)`."""
     path = os.path.abspath(folder)
     probe, up = path, 0
     while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
@@ -136,11 +136,10 @@ def _probe(folder: str) -> tuple[str, list[dict[str, Any]], str | None]:
         if sees:
             break
         time.sleep(_PROBE_WAIT_S)
-    views = gather({"sees": sees, "path": path})
+    views = gather({"sees": sees, "path": path, "wrote": wrote})
     if is_main and wrote is None:
         os.remove(marker)
-    wrote = gather(wrote)[0]
-    return first["where"], views, wrote
+    return first["where"], views, views[0]["wrote"]
 
 
 def shared(folder: str) -> bool:

@@ -25,12 +25,12 @@ from train import data as data_lib
 from train import outputs, reporters
 from train.build import Trainer, build, export_config, is_sample_data, profile_window
 from train.checkpoint import (
-    RESUME_OFF,
     Checkpoints,
     other_params,
     remove_partial_saves,
     resolve_resume,
     resume_path,
+    resumes,
 )
 from train.config import TrainConfig
 from train.errors import Preempted, TrainingError
@@ -77,8 +77,7 @@ def run(cfg: TrainConfig) -> dict:
 def checkpoints_used(cfg: TrainConfig) -> bool:
     """Whether the run may write or read checkpoints in `--output_dir` (a multi-host
     run's processes then need it to be one directory, `hosts.check_shared`)."""
-    resume = (cfg.run.resume_from_checkpoint or "").lower()
-    return cfg.run.save_strategy != "no" or resume not in ("", *RESUME_OFF)
+    return cfg.run.save_strategy != "no" or resumes(cfg.run.resume_from_checkpoint)
 
 
 def _settings_of(cfg: TrainConfig) -> dict[str, Any]:
@@ -382,14 +381,14 @@ def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
             "the parameters are sharded over fsdp alone",
             flush=True,
         )
-    tile = t.cfg.model.mlp_tile
-    share = t.cfg.data.model_max_length // t.spec.attention.seq_shards if tile > 0 else 0
-    if tile > 0 and t.config.mlp_tile_for(share) == 0:
-        print(
-            f"--mlp_tile {tile}: a device holds {share} tokens of a row, one tile at most, "
-            "so the MLP runs whole (no memory saved); give a divisor of it to tile",
-            flush=True,
-        )
+    if (tile := t.cfg.model.mlp_tile) > 0:
+        share = t.cfg.data.model_max_length // t.spec.attention.seq_shards
+        if t.config.mlp_tile_for(share) == 0:
+            print(
+                f"--mlp_tile {tile}: a device holds {share} tokens of a row, one tile at "
+                "most, so the MLP runs whole (no memory saved); give a divisor of it to tile",
+                flush=True,
+            )
 
 
 def _say_where_positions_run_past(t: Trainer) -> None:

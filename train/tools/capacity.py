@@ -509,12 +509,12 @@ def main(argv: list[str] | None = None) -> dict:
     from train.mesh import mesh_device_count, parse_mesh
 
     meshes = args.mesh or sorted({"seq=1", f"seq={jax.device_count()}"})
-    models_list = list(filter(None, args.models.split(",")))
+    configs = {}
     try:  # refuse an unknown model or a mesh these devices cannot form before probing
         tile = ["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []
-        for model in models_list:
+        for model in names:
             try:
-                model_config(parse_args(["--model_name_or_path", model, *tile]))
+                configs[model] = model_config(parse_args(["--model_name_or_path", model, *tile]))
             except (TrainingError, ValueError) as e:  # in this tool's flag's name
                 raise ValueError(str(e).replace("--model_name_or_path", "--models")) from None
         for mesh in meshes:
@@ -524,17 +524,18 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(e))
     # Doubling keeps what divides --start, and the bisection's lengths are multiples of
     # 2 x the sequence shards: where the mesh divides --start, it divides every probe.
-    for model in models_list:
+    for model in names:
         for mesh in meshes:
             if error := layout_error(model, args.start, mesh, args):
                 parser.error(f"--mesh {mesh} cannot split --start={args.start} ({error})")
-            tile = args.mlp_tile or 0
             sizes = parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
             local = args.start // (sizes["seq"] * sizes["seq_a2a"])
-            if 0 < tile < local and local % tile:
+            try:  # the model's own rule (`LlamaConfig.mlp_tile_for`)
+                configs[model].mlp_tile_for(local)
+            except ValueError:
                 parser.error(
-                    f"--mlp-tile={tile} does not divide the {local} tokens a device holds of "
-                    f"--start={args.start} over --mesh {mesh}"
+                    f"--mlp-tile={args.mlp_tile} does not divide the {local} tokens a device "
+                    f"holds of --start={args.start} over --mesh {mesh}"
                 )
     if args.out:
         try:
@@ -588,7 +589,7 @@ def main(argv: list[str] | None = None) -> dict:
         return result
 
     rows = []
-    for model in models_list:
+    for model in names:
         base = None
         for mesh in meshes:
             row = longest(
