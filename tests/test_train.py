@@ -860,18 +860,21 @@ def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
 @pytest.mark.parametrize(
     "where, reason",
     [
-        ("missing/gradcheck.json", "no such directory {tmp}/missing"),
-        ("file/gradcheck.json", "{tmp}/file is not a directory"),
-        ("folder", "it is a directory"),
-        ("locked/gradcheck.json", "{tmp}/locked is not writable"),
+        ("missing/gradcheck.json", "{out}: no such directory {tmp}/missing"),
+        ("file/gradcheck.json", "{out}: {tmp}/file is a file, not a directory"),
+        ("folder", "{out} is a directory; give a file path for the output"),
+        ("locked/gradcheck.json", "{out}: {tmp}/locked is not writable (Permission denied)"),
+        ("/proc/gradcheck.json", "{out}: /proc is not writable (No such file or directory)"),
     ],
 )
 def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
     tmp_path, monkeypatch, where, reason
 ):
     """An --out that cannot be written is one line naming --out and the path, before
-    any layout's gradients are computed."""
-    from train.tools import files, gradcheck
+    any layout's gradients are computed: a folder is writable where a file can be
+    created in it, which the permission bits do not tell (/proc passes them)."""
+    from train import outputs
+    from train.tools import gradcheck
 
     def computed(flags):
         raise AssertionError("a layout was computed before --out was checked")
@@ -880,18 +883,20 @@ def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
     (tmp_path / "file").write_text("")
     (tmp_path / "folder").mkdir()
     (tmp_path / "locked").mkdir()
-    real_access = os.access  # the tests may run as root, whom every mode lets write
+    probe = outputs.cannot_write_in  # the tests may run as root, whom every mode lets write
     monkeypatch.setattr(
-        files.os,
-        "access",
-        lambda path, mode: "locked" not in str(path) and real_access(path, mode),
+        outputs,
+        "cannot_write_in",
+        lambda folder: "Permission denied" if "locked" in folder else probe(folder),
     )
     out = tmp_path / where
     with pytest.raises(SystemExit) as e:
         gradcheck.main(
             ["--layout", "--mesh data=1", "--layout", "--mesh data=1", "--out", str(out)]
         )
-    assert str(e.value) == f"error: --out: cannot write {out} ({reason.format(tmp=tmp_path)})"
+    assert str(e.value) == f"error: --out {reason.format(out=out, tmp=tmp_path)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder", "locked"]
+    assert not list((tmp_path / "locked").iterdir())
 
 
 @pytest.mark.multi_device(2)

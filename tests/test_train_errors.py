@@ -14,6 +14,7 @@ import pytest
 import models
 from models.safetensors_io import SafetensorsFile
 from train import data as data_lib
+from train import outputs
 from train.__main__ import main
 from train.config import parse_args
 from train.dataset import TokenDataset
@@ -195,9 +196,11 @@ def test_output_dir_that_cannot_be_written(tmp_path, capsys, monkeypatch):
     assert f"--output_dir='{afile}' is a file" in err
     err = _one_line_error([*argv, "--output_dir", str(afile / "run")], capsys)
     assert f"{afile} is a file" in err
-    monkeypatch.setattr(os, "access", lambda path, mode: False)  # root may write anywhere
+    err = _one_line_error([*argv, "--output_dir", "/proc/run"], capsys)  # root passes os.access
+    assert "--output_dir='/proc/run' cannot be created in /proc (No such file or directory)" in err
+    monkeypatch.setattr(outputs, "cannot_write_in", lambda folder: "Permission denied")
     err = _one_line_error([*argv, "--output_dir", str(tmp_path / "new" / "run")], capsys)
-    assert f"cannot be created in {tmp_path}" in err and "permission denied" in err
+    assert f"cannot be created in {tmp_path} (Permission denied)" in err
     assert not afile.is_dir() and afile.read_text() == "not a directory"
 
 

@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import signal
+import tempfile
 import threading
 
 import jax
@@ -91,9 +92,24 @@ def has_export(out: str) -> bool:
     return os.path.isfile(os.path.join(hf_dir(out), "config.json"))
 
 
+def cannot_write_in(folder: str) -> str | None:
+    """Why no file can be created in the existing directory `folder` (the error's text),
+    or None. Tried by creating and removing an empty file there: the permission bits do
+    not tell (root passes them, and so do `/proc` and a read-only mount)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".jflash-write-probe-")
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.remove(name)
+    return None
+
+
 def check_writable(out: str, flag: str = "--output_dir") -> None:
     """Refuses a directory (`--output_dir`, or `flag`) that is a file, lies under a file,
-    or cannot be written; creates nothing."""
+    or cannot be written (`cannot_write_in` its nearest existing folder); creates
+    nothing that stays."""
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise TrainingError(f"{flag}={out!r} is a file, not a directory")
@@ -105,9 +121,9 @@ def check_writable(out: str, flag: str = "--output_dir") -> None:
         probe = parent
     if not os.path.isdir(probe):
         raise TrainingError(f"{flag}={out!r} cannot be created: {probe} is a file")
-    if not os.access(probe, os.W_OK | os.X_OK):
+    if why := cannot_write_in(probe):
         what = "is not writable" if probe == path else f"cannot be created in {probe}"
-        raise TrainingError(f"{flag}={out!r} {what} (permission denied)")
+        raise TrainingError(f"{flag}={out!r} {what} ({why})")
 
 
 def previous_outputs(out: str) -> list[str]:

@@ -44,11 +44,11 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from models.config import REMAT_POLICIES
 from train.oom import is_oom
-from train.tools.files import write_json, write_whole
+from train.tools.files import out_error, write_json, write_whole
 
 
 def search_longest(
@@ -376,29 +376,6 @@ def longest(
     return _row(model, mesh, best, probes, searching=False)
 
 
-def out_error(
-    out: str, what: str = "the report", *, overwrite: bool = False, inputs: Sequence[str] = ()
-) -> str | None:
-    """Why `out` cannot be the file `what` is written to, or None: a directory, one of
-    the `inputs`, a file already there (without `overwrite`: another run's result, or
-    any file, is kept), or a path under a file or an unwritable directory. A missing
-    parent directory is fine (it is created)."""
-    if os.path.isdir(out):
-        return f"--out {out} is a directory; give a file path for {what}"
-    if os.path.exists(out) and any(os.path.exists(i) and os.path.samefile(out, i) for i in inputs):
-        return f"--out {out} is one of the inputs; give another file for {what}"
-    if os.path.lexists(out) and not overwrite:
-        return f"--out {out} exists: pass --overwrite to replace it (nothing was written)"
-    parent = os.path.dirname(os.path.abspath(out))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"--out {out}: {parent} is a file, not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--out {out}: {parent} is not writable"
-    return None
-
-
 def build_parser() -> argparse.ArgumentParser:
     from jflash import STRATEGIES
     from train.config import OneLineParser  # errors in one line, as the trainer's
@@ -492,7 +469,9 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, gib in (("--limit-gib", args.limit_gib), ("--host-limit-gib", args.host_limit_gib)):
         if gib is not None and not gib > 0:
             parser.error(f"{flag}={gib} must be > 0")
-    if args.out and (error := out_error(args.out, overwrite=args.overwrite)):
+    if args.out and (
+        error := out_error(args.out, what="the report", overwrite=args.overwrite, make_parent=True)
+    ):
         parser.error(error)
     if args.layers < 0:
         parser.error(f"--layers={args.layers} must be >= 1 (or 0: the model's own)")
@@ -871,7 +850,9 @@ def main_plot(argv: list[str] | None = None) -> str:
     p.add_argument("--out", default="capacity-memory.png", help="the PNG to write")
     p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
     args = p.parse_args(argv)
-    if error := out_error(args.out, "the PNG", overwrite=args.overwrite, inputs=args.results):
+    if error := out_error(
+        args.out, what="the PNG", overwrite=args.overwrite, inputs=args.results, make_parent=True
+    ):
         p.error(error)
     if not args.out.lower().endswith(".png"):
         p.error(f"--out {args.out}: the plot is a PNG; give a file name ending in .png")

@@ -10,6 +10,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import IO
 
+from train import outputs
+
 
 def write_whole(path: str, write: Callable[[IO], object], flag: str, binary: bool = False) -> None:
     """`write(f)` into `path` through `path.tmp` (`f` open for text, or bytes where
@@ -47,27 +49,46 @@ def write_set(files: Sequence[tuple[str, Callable[[IO], object], bool]], flag: s
                     os.remove(tmp)
 
 
+def out_error(
+    path: str,
+    flag: str = "--out",
+    what: str = "the output",
+    *,
+    overwrite: bool = False,
+    inputs: Sequence[str] = (),
+    make_parent: bool = False,
+) -> str | None:
+    """Why `path` cannot be the file `what` is written to (one line naming `flag` and
+    `path`), or None: a directory, one of the `inputs`, a file already there (without
+    `overwrite`: another run's result, or any file, is kept), or a file whose directory is
+    missing (where not `make_parent`: the writer creates it), not a directory, or one no
+    file can be created in (`outputs.cannot_write_in`, tried on the nearest existing
+    folder). Creates nothing that stays."""
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory; give a file path for {what}"
+    if os.path.exists(path) and any(
+        os.path.exists(i) and os.path.samefile(path, i) for i in inputs
+    ):
+        return f"{flag} {path} is one of the inputs; give another file for {what}"
+    if os.path.lexists(path) and not overwrite:
+        return f"{flag} {path} exists: pass --overwrite to replace it (nothing was written)"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not make_parent and not os.path.exists(folder):
+        return f"{flag} {path}: no such directory {folder}"
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{flag} {path}: {folder} is a file, not a directory"
+    if why := outputs.cannot_write_in(folder):
+        return f"{flag} {path}: {folder} is not writable ({why})"
+    return None
+
+
 def check_writable_file(path: str, flag: str, *, overwrite: bool = False) -> None:
     """Refuses, before the work whose result goes there, a `path` that `write_whole`
-    could not write: a directory, or a file whose directory is missing, not a directory,
-    or not writable; and, without `overwrite`, a file already there (kept). SystemExit
-    with one line naming `flag` and `path`, as `write_whole` fails; creates nothing."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        reason = "it is a directory"
-    elif os.path.lexists(path) and not overwrite:
-        raise SystemExit(
-            f"error: {flag} {path} exists: pass --overwrite to replace it (nothing was written)"
-        )
-    elif not os.path.exists(folder):
-        reason = f"no such directory {folder}"
-    elif not os.path.isdir(folder):
-        reason = f"{folder} is not a directory"
-    elif not os.access(folder, os.W_OK | os.X_OK):
-        reason = f"{folder} is not writable"
-    else:
-        return
-    raise SystemExit(f"error: {flag}: cannot write {path} ({reason})")
+    could not write (`out_error`, its directory not created): SystemExit with its line."""
+    if error := out_error(path, flag, overwrite=overwrite):
+        raise SystemExit(f"error: {error}")
 
 
 def json_writer(data) -> Callable[[IO], object]:
