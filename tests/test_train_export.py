@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -233,8 +234,9 @@ def test_an_overwrite_cut_off_leaves_the_model_that_was_there(runs, tmp_path, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(export.models, "export_hf", stopped)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as e:
         export.main([str(runs["long"]), "--out", str(out), "--overwrite"])
+    assert e.value.code == 130
     assert _snapshot(out) == before  # no staging folder either
     monkeypatch.setattr(export.models, "export_hf", real)
     fresh = tmp_path / "fresh"
@@ -243,6 +245,42 @@ def test_an_overwrite_cut_off_leaves_the_model_that_was_there(runs, tmp_path, mo
     assert export.main([str(runs["long"]), "--out", str(fresh)]) == 0
     assert not [p for p in fresh.iterdir() if p.name.startswith(export.STAGING)]
     _same_hf(fresh, runs["long"] / "hf")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_ends_an_export_in_one_line_leaving_out_as_it_was(
+    runs, tmp_path, monkeypatch, capsys, signum
+):
+    """SIGTERM (a scheduler) or SIGHUP (a closed terminal) while the export is written
+    ends it as Ctrl-C does: its staging folder is removed, --out keeps what it held,
+    and one line says so, with the signal's exit status (128 + its number)."""
+    out = tmp_path / "out"
+    real = export.models.export_hf
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+
+    def killed(params, config, path, **kwargs):
+        real(params, config, path, **kwargs)
+        os.kill(os.getpid(), signum)  # Python runs the handler at its next bytecode
+        raise AssertionError("the signal did not stop the export")
+
+    monkeypatch.setattr(export.models, "export_hf", killed)
+    with pytest.raises(SystemExit) as e:
+        export.main([str(runs["long"]), "--out", str(out)])
+    assert e.value.code == 128 + signum
+    how = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}[signum]
+    assert capsys.readouterr().err == (
+        f"{how}: the export was not finished; nothing was exported to {out}\n"
+    )
+    assert list(out.iterdir()) == []
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == handlers
+    monkeypatch.setattr(export.models, "export_hf", real)
+    assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
+    before = _snapshot(out)
+    monkeypatch.setattr(export.models, "export_hf", killed)
+    with pytest.raises(SystemExit):
+        export.main([str(runs["long"]), "--out", str(out), "--overwrite"])
+    assert capsys.readouterr().err.endswith(f"; {out} holds the model it held before\n")
+    assert _snapshot(out) == before
 
 
 def _refused(argv: list[str], capsys) -> str:

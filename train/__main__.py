@@ -9,20 +9,17 @@ import threading
 
 from train import outputs
 from train.config import parse_args
-from train.errors import Preempted, signal_status
+from train.errors import Preempted, Terminated, signal_status
 from train.loop import TrainingError, run
 from train.words import plural
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler preempting the job, `kill`) outside the training loop, or
-    inside it with `--save_on_preemption false` or `--save_strategy no`: handled as
-    Ctrl-C is. Inside it otherwise the loop saves the step it reached first
-    (`train.errors.Preempted`)."""
-
-
 def _on_sigterm(signum, frame):
-    raise Terminated
+    # SIGTERM (a scheduler preempting the job, `kill`) outside the training loop, or
+    # inside it with `--save_on_preemption false` or `--save_strategy no`: handled as
+    # Ctrl-C is. Inside it otherwise the loop saves the step it reached first
+    # (`train.errors.Preempted`).
+    raise Terminated(signum)
 
 
 def _leave_together() -> None:

@@ -1,5 +1,9 @@
-"""The trainer's user-facing error, the stop a preemption makes, and the exit status a
-signal's stop ends with."""
+"""The trainer's user-facing error, the stop a preemption makes, the exit status a
+signal's stop ends with, and SIGTERM / SIGHUP handled as Ctrl-C is (the tools)."""
+
+import contextlib
+import signal
+import threading
 
 
 class TrainingError(RuntimeError):
@@ -34,3 +38,49 @@ class Preempted(KeyboardInterrupt):
             )
         line = f"terminated (SIGTERM) after step {self.step}, nothing saved ({self.why})"
         return f"{line}: {last}" if last else line
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`signum`) handled as Ctrl-C is (`signals_as_interrupts`):
+    `finally` blocks run, and the tool ends with one line and `signal_status(signum)`."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# What ends a tool as Ctrl-C does (a terminal closed sends SIGHUP), by the words its
+# line says it with.
+STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
+
+
+def stopped_how(error: KeyboardInterrupt) -> str:
+    """How a stop came: `terminated (SIGTERM)`, `hung up (SIGHUP)` or `interrupted`."""
+    return STOP_SIGNALS[error.signum] if isinstance(error, Terminated) else "interrupted"
+
+
+def stop_status(error: KeyboardInterrupt) -> int:
+    """The exit status of a tool `error` stopped: the signal's (`signal_status`)."""
+    return signal_status(error.signum if isinstance(error, Terminated) else signal.SIGINT)
+
+
+def _on_signal(signum, frame):
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def signals_as_interrupts():
+    """Inside the block, SIGTERM and SIGHUP raise `Terminated` as Ctrl-C raises
+    KeyboardInterrupt. A signal ignored (`nohup`) stays so; only in the main thread,
+    where Python runs signal handlers."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler set outside Python
+                signal.signal(sig, handler)

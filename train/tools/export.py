@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import uuid
 
@@ -45,7 +46,13 @@ from train import outputs
 from train.build import chat_templates, export_config, model_config
 from train.checkpoint import Checkpoints, other_params
 from train.config import OneLineParser, from_overrides, load_yaml
-from train.errors import TrainingError
+from train.errors import (
+    STOP_SIGNALS,
+    TrainingError,
+    signals_as_interrupts,
+    stop_status,
+    stopped_how,
+)
 
 
 def build_parser() -> OneLineParser:
@@ -201,7 +208,8 @@ def export(
         os.makedirs(staging)
         outputs.copy_tokenizer(tokenizer, staging, templates)
         models.export_hf(params, config, staging, dtype=dtype, max_shard_bytes=max_shard_bytes)
-        with outputs.signals_held():
+        # Moments of renames; a stop asked meanwhile is dropped: the export is whole.
+        with outputs.signals_held(reraise=False, signals=(signal.SIGINT, *STOP_SIGNALS)):
             _publish(staging, out, outputs.tokenizer_files(tokenizer, templates))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -240,20 +248,32 @@ def _publish(staging: str, out: str, tokenizer_files: list[str]) -> None:
     os.replace(os.path.join(staging, "config.json"), os.path.join(out, "config.json"))
 
 
+def kept(out: str) -> str:
+    """What an export stopped before it was moved into place leaves in `out`."""
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return f"{out} holds the model it held before"
+    return f"nothing was exported to {out}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if error := shard_gb_error(args.max_shard_gb):
         parser.error(error)
     try:
-        step, count = export(
-            args.run_dir,
-            args.out,
-            args.step,
-            dtype=args.dtype,
-            max_shard_bytes=shard_bytes(args.max_shard_gb),
-            overwrite=args.overwrite,
-        )
+        with signals_as_interrupts():  # SIGTERM and SIGHUP end it as Ctrl-C does
+            step, count = export(
+                args.run_dir,
+                args.out,
+                args.step,
+                dtype=args.dtype,
+                max_shard_bytes=shard_bytes(args.max_shard_gb),
+                overwrite=args.overwrite,
+            )
+    except KeyboardInterrupt as e:  # before the export was moved into place
+        print(f"{stopped_how(e)}: the export was not finished; {kept(args.out)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.exit(stop_status(e))
     except TrainingError as e:
         parser.exit(2, f"error: {e}\n")
     except OSError as e:  # a full disk, a file size limit: which file, and which flag

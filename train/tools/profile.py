@@ -53,12 +53,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from models.config import REMAT_POLICIES
 from models.presets import PRESET_NAMES, preset_name
-from train.errors import signal_status
+from train.errors import STOP_SIGNALS, signals_as_interrupts, stop_status, stopped_how
 from train.oom import is_oom
 from train.tools.files import write_json
 
@@ -626,24 +625,6 @@ def failed_child(returncode: int, stdout: str, stderr: str) -> dict:
     return {"status": "error", "error": f"{how}: {cause}\n{tail}"}
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (`signum`) to the parent: handled as Ctrl-C is (the running
-    worker is ended)."""
-
-    def __init__(self, signum: int = signal.SIGTERM):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _on_signal(signum, frame):
-    raise Terminated(signum)
-
-
-# What ends the tool as Ctrl-C does (a terminal closed sends SIGHUP), by the line it
-# ends with; the exit status is the signal's (`train.errors.signal_status`).
-STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
-
-
 def _end(proc: subprocess.Popen) -> None:
     """Ends a worker and whatever it started (its own process group: SIGTERM, then
     SIGKILL after 5 s), and reaps it. A second Ctrl-C, SIGTERM or SIGHUP waits until it
@@ -843,7 +824,7 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
 def stop_line(error: KeyboardInterrupt, report_path: str) -> str:
     """The line a Ctrl-C, SIGTERM or SIGHUP ends the tool with: which worker was ended,
     and what report.json holds."""
-    how = STOP_SIGNALS[error.signum] if isinstance(error, Terminated) else "interrupted"
+    how = stopped_how(error)
     ended = "; ".join(getattr(error, "__notes__", [])) or "no worker was running"
     if os.path.exists(report_path):
         return f"{how}: {ended}; {report_path} holds the rows finished before"
@@ -1482,30 +1463,22 @@ def main(argv: list[str] | None = None) -> None:
     # worker (its process group) is ended, never left behind, its temporary folder is
     # removed, and one line says what report.json keeps. A signal ignored (`nohup`)
     # stays so. Signal handlers belong to the main thread only.
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, _on_signal)
     try:
-        remove_stale_temp()  # what runs of this tool killed outright left behind
-        if args.fill_xla_cost:
-            _fill(parser, args.fill_xla_cost, args.timeout, command_line(argv))
-        else:
-            _profile(parser, args, argv)
+        with signals_as_interrupts():
+            remove_stale_temp()  # what runs of this tool killed outright left behind
+            if args.fill_xla_cost:
+                _fill(parser, args.fill_xla_cost, args.timeout, command_line(argv))
+            else:
+                _profile(parser, args, argv)
     except KeyboardInterrupt as e:
         report_path = os.path.join(args.fill_xla_cost or args.out, "report.json")
-        status = signal_status(e.signum if isinstance(e, Terminated) else signal.SIGINT)
+        status = stop_status(e)
         try:
             print(stop_line(e, report_path), file=sys.stderr, flush=True)
             sys.stdout.flush()
         except OSError:  # a closed terminal: nowhere to say it
             os._exit(status)
         sys.exit(status)
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:  # None: a handler set outside Python
-                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
