@@ -4,6 +4,7 @@ computed under the training mesh and attention, logged beside the training metri
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +167,39 @@ def test_eval_steps_fall_back_to_logging_steps_as_hf(tmp_path):
     summary = run(parse_args([*argv, "--output_dir", str(tmp_path / "run")]))
     assert [e["step"] for e in summary["eval"]] == [2, 4]
     assert parse_args([]).run.num_train_epochs == 3.0
+
+
+def test_intervals_below_1_are_a_fraction_of_the_run_as_hf(tmp_path, capsys):
+    """HF reads --logging_steps, --save_steps and --eval_steps below 1 as a fraction of
+    the run's steps, rounded up: 0.25, 0.5 and 0.3 of 8 steps log every 2, save every 4
+    and evaluate every 3 (and at the end), and one line says so. A fraction above 1 is
+    refused by name, as is a word."""
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "8"]
+    argv += ["--model_max_length", "64", "--mesh", "data=1,fsdp=-1,seq=1", "--attention", "xla"]
+    argv += ["--eval_data_path", "sample", "--logging_steps", "0.25", "--save_steps", "0.5"]
+    argv += ["--eval_steps", "0.3", "--export_hf", "false", "--report_to", "none"]
+    argv += ["--progress", "false", "--output_dir", str(tmp_path / "run")]
+    summary = run(parse_args(argv))
+    assert [e["step"] for e in summary["eval"]] == [3, 6, 8]
+    assert sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()) == [4, 8]
+    log = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in log if '"loss"' in line]
+    assert logged == [2, 4, 6, 8]
+    out = capsys.readouterr().out
+    assert (
+        "of the run's 8 steps, --logging_steps 0.25: every 2 steps; --save_steps 0.5: every "
+        "4 steps; --eval_steps 0.3: every 3 steps\n" in out
+    )
+    assert parse_args(["--save_steps", "3.0"]).run.save_steps == 3
+    for flag, value, error in (
+        ("--save_steps", "2.5", "--save_steps=2.5 must be a whole number of steps, or below 1"),
+        ("--logging_steps", "0", "--logging_steps=0 must be positive"),
+        ("--eval_steps", "nan", "--eval_steps=nan must be a whole number of steps"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(error)):
+            parse_args([flag, value])
+    with pytest.raises(SystemExit):
+        parse_args(["--save_steps", "often"])
+    assert "expected a number of steps (or below 1 a fraction of the run's), got 'often'" in (
+        capsys.readouterr().err
+    )

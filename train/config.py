@@ -166,6 +166,10 @@ class OptimArgs:
             object.__setattr__(self, "warmup_steps", int(steps))
 
 
+# Intervals in steps, which HF also takes as a fraction of the run (a value below 1).
+STEP_COUNTS = ("logging_steps", "save_steps", "eval_steps")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunArgs:
     output_dir: str = "runs/train"
@@ -173,11 +177,11 @@ class RunArgs:
     max_steps: int = -1  # -1: train for num_train_epochs; > 0 overrides it
     per_device_train_batch_size: int = 1  # sequences per data-parallel rank
     gradient_accumulation_steps: int = 1
-    logging_steps: int = 10
+    logging_steps: float = 10  # steps, or below 1 a fraction of the run's (HF's): `every`
     save_strategy: str = "steps"  # steps | epoch | no
-    save_steps: int = 500
+    save_steps: float = 500  # steps, or below 1 a fraction of the run's (HF's)
     eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end) | no
-    eval_steps: int = 0  # evaluate every N steps; 0: every logging_steps (HF's)
+    eval_steps: float = 0  # as save_steps; 0: every logging_steps (HF's)
     save_total_limit: int | None = None
     save_on_preemption: bool = True  # SIGTERM while training: save the step reached, exit 143
     resume_from_checkpoint: str | None = None  # a checkpoint dir, "latest", or "auto"
@@ -186,6 +190,22 @@ class RunArgs:
     seed: int = 42
     progress: bool = True  # process 0: tqdm bar on a terminal, else step lines on stdout
     report_to: str = "tensorboard"  # tensorboard | wandb | none; several: tensorboard,wandb
+
+    def __post_init__(self) -> None:
+        # A whole number of steps reads as one (`10`, not `10.0`), a fraction stays.
+        for name in STEP_COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, float) and math.isfinite(value) and value == int(value):
+                object.__setattr__(self, name, int(value))
+
+    def every(self, name: str, total_steps: int) -> int:
+        """The interval `name` (one of `STEP_COUNTS`; `eval_steps` 0: `logging_steps`'s)
+        in steps of a run of `total_steps`: a value below 1 is that fraction of the run,
+        rounded up as HF rounds it (at least 1)."""
+        value = getattr(self, name)
+        if name == "eval_steps" and value == 0:
+            value = self.logging_steps
+        return int(value) if value >= 1 else max(1, math.ceil(value * total_steps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,12 +282,13 @@ class TrainConfig:
                 raise ValueError(f"--{name}={value} must be a finite number {rule}")
             if not ok(value):
                 raise ValueError(f"--{name}={value} must be {rule}")
-        steps = self.optim.warmup_steps
-        if steps >= 1 and steps != int(steps):
-            raise ValueError(
-                f"--warmup_steps={steps} must be a whole number of steps, or below 1 a "
-                "fraction of the run's steps"
-            )
+        for section, name in [("optim", "warmup_steps")] + [("run", n) for n in STEP_COUNTS]:
+            steps = getattr(getattr(self, section), name)
+            if not math.isfinite(steps) or (steps >= 1 and steps != int(steps)):
+                raise ValueError(
+                    f"--{name}={steps} must be a whole number of steps, or below 1 a "
+                    "fraction of the run's steps"
+                )
         if self.run.max_steps != -1 and self.run.max_steps < 1:
             raise ValueError(
                 f"--max_steps={self.run.max_steps} must be a positive int, or -1 to train "
@@ -472,26 +493,18 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-# Intervals in steps, which HF also takes as a fraction of the run (a value below 1).
-STEP_COUNTS = ("logging_steps", "save_steps", "eval_steps")
-
-
-def _step_count(text: str) -> int:
-    """A whole number of steps; HF's fraction-of-the-run form is refused by name."""
+def _step_count(text: str) -> int | float:
+    """A number of steps, or below 1 a fraction of the run's (HF's form)."""
     try:
         return int(text)
     except ValueError:
         pass
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of steps, got {text!r}") from None
-    if 0 < value < 1:
         raise argparse.ArgumentTypeError(
-            f"{text} is HF's fraction of the run, which is not taken here: give a number of "
-            "steps (the plan line says how many the run has)"
-        )
-    raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
+            f"expected a number of steps (or below 1 a fraction of the run's), got {text!r}"
+        ) from None
 
 
 def _parser_type(annotation) -> tuple[Any, bool]:

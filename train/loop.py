@@ -32,7 +32,7 @@ from train.checkpoint import (
     resume_path,
     resumes,
 )
-from train.config import TrainConfig
+from train.config import STEP_COUNTS, TrainConfig
 from train.errors import Preempted, TrainingError
 from train.hosts import check_shared, initialize_distributed, same_on_every_process
 from train.metrics import JsonlLog, memory, throughput
@@ -149,6 +149,8 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         _say_where_positions_run_past(t)
         _say_what_the_mesh_leaves_unused(t)
         print(_plan(t), flush=True)
+        if line := _intervals(t):
+            print(line, flush=True)
     split = ", ".join(f"{a}={t.sizes[a]}" for a in ("seq", "seq_a2a") if t.sizes[a] > 1)
     if is_main and split and cfg.model.ring_strategy == "auto":
         print(f"--ring_strategy auto: {t.cfg.model.ring_strategy} ({split})", flush=True)
@@ -361,6 +363,17 @@ def _plan(t: Trainer) -> str:
         f"{plural(per_step * seq, 'token', grouped=True)} ({factors}); "
         f"{params / 1e6:,.1f}M parameters; mesh {mesh}"
     )
+
+
+def _intervals(t: Trainer) -> str | None:
+    """The intervals given as a fraction of the run (HF's form), in steps, or None."""
+    run = t.cfg.run
+    given = [n for n in STEP_COUNTS if 0 < getattr(run, n) < 1]
+    parts = [
+        f"--{n} {getattr(run, n)}: every {plural(run.every(n, t.total_steps), 'step')}"
+        for n in given
+    ]
+    return f"of the run's {t.total_steps} steps, " + "; ".join(parts) if parts else None
 
 
 def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
@@ -746,7 +759,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 first
                 or save
                 or preempted
-                or done % cfg.run.logging_steps == 0
+                or done % cfg.run.every("logging_steps", total_steps) == 0
                 or done == total_steps
             ):
                 history.append(_finish((step, metrics), *finish_args))
@@ -841,7 +854,7 @@ def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
         return True
     if cfg.run.eval_strategy == "epoch":
         return done % steps_per_epoch == 0
-    return done % (cfg.run.eval_steps or cfg.run.logging_steps) == 0
+    return done % cfg.run.every("eval_steps", total) == 0
 
 
 def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
@@ -1006,7 +1019,7 @@ def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
         return False
     if cfg.run.save_strategy == "epoch":
         return done % steps_per_epoch == 0 or done == total
-    return done % cfg.run.save_steps == 0 or done == total
+    return done % cfg.run.every("save_steps", total) == 0 or done == total
 
 
 def _oom_error(cfg: TrainConfig, error: BaseException) -> TrainingError:
@@ -1121,7 +1134,7 @@ def _finish(
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
-    if done % cfg.run.logging_steps == 0 or done == total_steps:
+    if done % cfg.run.every("logging_steps", total_steps) == 0 or done == total_steps:
         now = time.perf_counter()
         if timer.tokens:  # the window holds timed steps (the first one is compilation)
             seconds = now - timer.start
