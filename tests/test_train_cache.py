@@ -887,6 +887,27 @@ def test_examples_with_a_prompt_longer_than_a_row_are_named(tmp_path, capsys):
     )
 
 
+def test_an_examples_own_eos_counts_as_an_appended_one_does(tmp_path, capsys):
+    """An example of a row's length ending with its own EOS fits the row as one without
+    it does (the EOS packing appends is not counted either): in memory and from a cache
+    alike, neither is named as longer than a row."""
+    eos = data_eos(_cfg(), models.TINY)
+    ids = list(range(3, 19))  # 16 tokens: a row of 16, then the EOS
+    own = {"input_ids": [*ids, eos], "labels": [IGNORE] * 8 + ids[8:] + [eos]}
+    appended = {"input_ids": ids, "labels": [IGNORE] * 8 + ids[8:]}
+    longer = {"input_ids": [*ids, 19, eos], "labels": [IGNORE] * 8 + ids[8:] + [19, eos]}
+    source = tmp_path / "d.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in (own, appended, longer)))
+    for cache_dir in (None, str(tmp_path / "cc")):
+        load_rows(
+            _cfg(data_path=str(source), model_max_length=16, data_cache_dir=cache_dir),
+            models.TINY,
+        )
+        said = capsys.readouterr().out
+        assert "1 example with a prompt (tokens labelled -100) is longer than a row of 16 " in said
+        assert "(the longest: 17 tokens, " in said
+
+
 def test_cli_inspect_of_a_file_counts_as_its_cache_does(bpe, tmp_path, capsys):
     """`inspect FILE` counts the EOS that packing appends (the tokenizer's, or
     --eos-id), as `inspect` of the file's cache does and as the trainer's labelled

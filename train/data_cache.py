@@ -287,14 +287,18 @@ class TokenCache:
             return np.zeros(len(offsets) - 1, bool)
         return np.minimum.reduceat(self.targets, offsets[:-1]) == IGNORE_INDEX
 
-    def prompted_longer_than(self, seq_len: int) -> np.ndarray:
+    def content_lengths(self, eos_id: int | None = None) -> np.ndarray:
+        """int64 ``[num_documents]``: tokens per document, its EOS not counted (as
+        :meth:`train.dataset.TokenDataset.content_lengths`; ``eos_id``: the cache's own)."""
+        return np.diff(np.asarray(self.offsets)) - (self.eos_id is not None)
+
+    def prompted_longer_than(self, seq_len: int, eos_id: int | None = None) -> np.ndarray:
         """:meth:`train.dataset.TokenDataset.prompted_longer_than` of the cached
         documents: reads the labels of those longer than ``seq_len`` only."""
         if not self.meta["labels"]:
             return np.zeros(0, np.int64)
         offsets = np.asarray(self.offsets)
-        lengths = np.diff(offsets) - (self.eos_id is not None)
-        long = np.flatnonzero(lengths > seq_len)
+        long = np.flatnonzero(self.content_lengths() > seq_len)
         prompted = [
             i for i in long if (self.targets[offsets[i] : offsets[i + 1]] == IGNORE_INDEX).any()
         ]
@@ -751,7 +755,7 @@ def packed_rows(
                 f"{shlex.quote(str(cache.meta['source']['path']))} {path} {flags}"
             )
         _note_split(path, cache)
-        _note_cut_prompts(path, seq_len, cache)
+        _note_cut_prompts(path, seq_len, cache, eos_id)
         _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     if cache_root:
@@ -772,7 +776,7 @@ def packed_rows(
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
         else:
             _note_split(path, cache)
-        _note_cut_prompts(path, seq_len, cache)
+        _note_cut_prompts(path, seq_len, cache, eos_id)
         _note_stream_cuts(path, seq_len, packing, cache, np.diff(cache.offsets))
         return _note_padding(path, cache.rows(seq_len, pad_last=pad_last, packing=packing))
     dataset = load_dataset(
@@ -784,7 +788,7 @@ def packed_rows(
         chat_template=chat_template,
     )
     lengths = dataset.stream_lengths(eos_id)
-    _note_cut_prompts(path, seq_len, dataset)
+    _note_cut_prompts(path, seq_len, dataset, eos_id)
     _note_stream_cuts(path, seq_len, packing, dataset, lengths)
     rows, padding, tail = dataset.rows_and_padding(
         seq_len, eos_id=eos_id, pad_last=pad_last, packing=packing
@@ -870,17 +874,17 @@ def _note_stream_cuts(
         )
 
 
-def _note_cut_prompts(path: str | Path, seq_len: int, data: TokenDataset | TokenCache) -> None:
+def _note_cut_prompts(
+    path: str | Path, seq_len: int, data: TokenDataset | TokenCache, eos_id: int | None
+) -> None:
     """One line where examples with a prompt are longer than a row: packing cuts them
     across rows, and their completions past the first row train without the prompt's
     start (a silent loss of context otherwise)."""
-    cut = data.prompted_longer_than(seq_len)
+    cut = data.prompted_longer_than(seq_len, eos_id)
     if not cut.size:
         return
-    offsets = np.asarray(data.offsets)
-    lengths = offsets[cut + 1] - offsets[cut]
+    lengths = data.content_lengths(eos_id)[cut]
     if isinstance(data, TokenCache):
-        lengths -= data.eos_id is not None
         # A cache keeps no line numbers: its examples are counted (from 1) in file order,
         # a split conversation's turns each one.
         where = f"the cache's example {int(cut[np.argmax(lengths)]) + 1}"

@@ -223,12 +223,19 @@ class TokenDataset:
         ignored = np.concatenate([[0], np.cumsum(self.targets == IGNORE_INDEX)])
         return ignored[self.offsets[1:]] > ignored[self.offsets[:-1]]
 
-    def prompted_longer_than(self, seq_len: int) -> np.ndarray:
-        """Indices of the examples longer than ``seq_len`` tokens (an appended EOS not
-        counted) that hold a token labelled ``-100`` (a prompt): packing cuts each across
-        rows, and its tokens past its first row are predicted without the start of its
-        prompt."""
-        return np.flatnonzero(self.prompted() & (self.lengths > seq_len))
+    def content_lengths(self, eos_id: int | None = None) -> np.ndarray:
+        """int64 ``[num_examples]``: tokens per example, an EOS ``eos_id`` at its end (its
+        own, or the one packing appends) not counted, as a token cache counts them."""
+        if eos_id is None:
+            return self.lengths
+        return self.lengths - (self.tokens[self.offsets[1:] - 1] == eos_id)
+
+    def prompted_longer_than(self, seq_len: int, eos_id: int | None = None) -> np.ndarray:
+        """Indices of the examples longer than ``seq_len`` tokens (an EOS at the end not
+        counted: :meth:`content_lengths`) that hold a token labelled ``-100`` (a prompt):
+        packing cuts each across rows, and its tokens past its first row are predicted
+        without the start of its prompt."""
+        return np.flatnonzero(self.prompted() & (self.content_lengths(eos_id) > seq_len))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError naming file, record and id for a token or label ``>= vocab_size``."""
