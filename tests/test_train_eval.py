@@ -66,7 +66,8 @@ def test_eval_loss_equals_a_hand_computation(tmp_path, capsys):
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     scalars = read_scalars(out / "tensorboard")
     assert [s for s, _ in scalars["eval/loss"]] == [2, 3]
-    assert "eval/perplexity" in scalars
+    assert {"eval/perplexity", "eval/runtime"} <= scalars.keys()
+    assert scalars["eval/tokens"] == [(2, sum(EVAL_LENGTHS)), (3, sum(EVAL_LENGTHS))]
     assert f"eval at step 3: loss {last['eval_loss']:.4f}" in capsys.readouterr().out
     assert len(summary["losses"]) == 3
 

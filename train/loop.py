@@ -860,7 +860,7 @@ def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
 def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
     """The mean token loss and perplexity over all evaluation rows (sums over batches,
     one division), logged like the training metrics."""
-    total, count = 0.0, 0
+    total, count, start = 0.0, 0, time.perf_counter()
     with _oom_advice(t.cfg):
         for batch in t.eval_batches():
             loss_sum, n = jax.device_get(t.eval_fn(params, batch))
@@ -875,9 +875,10 @@ def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
         "eval_loss": loss,
         "eval_perplexity": math.exp(loss) if loss < 700 else math.inf,
         "eval_tokens": count,
+        "eval_runtime": time.perf_counter() - start,  # seconds, as HF's
     }
     if writer is not None:
-        writer.scalars({"eval/loss": loss, "eval/perplexity": record["eval_perplexity"]}, done)
+        writer.scalars({f"eval/{k[5:]}": v for k, v in record.items() if k != "step"}, done)
     if log is not None:
         log.write(record)
     if jax.process_index() == 0 and t.cfg.run.progress:
