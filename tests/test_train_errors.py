@@ -4,7 +4,9 @@ writes anything."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import sys
 
 import jax
@@ -660,7 +662,7 @@ def test_update_settings_are_those_the_optimizer_reads():
     }
 
 
-def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys):
+def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys, caplog):
     """A checkpoint whose arrays cannot be read (an interrupted copy, a pruned
     directory) fails its resume in one line, without the traceback asyncio logs per
     array, and names the checkpoint before it."""
@@ -678,6 +680,13 @@ def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys
     assert f"checkpoint {out / 'checkpoints' / '2'} could not be restored, damaged" in err
     assert f"an earlier one: --resume_from_checkpoint {out / 'checkpoints' / '1'}" in err
     assert "Traceback" not in capsys.readouterr().err
+    # An empty checkpoint directory (a copy cut off): the line alone, no orbax warning.
+    shutil.rmtree(out / "checkpoints" / "2")
+    (out / "checkpoints" / "3").mkdir()
+    with caplog.at_level(logging.WARNING):
+        err = _one_line_error([*argv, "--resume_from_checkpoint", "latest"], capsys)
+    assert f"checkpoint {out / 'checkpoints' / '3'} could not be restored, damaged" in err
+    assert "Metadata file does not exist" not in caplog.text
 
 
 def test_the_run_is_planned_in_one_line(tmp_path, capsys):

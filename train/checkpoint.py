@@ -42,21 +42,31 @@ def _root_cause(e: BaseException, width: int = 300) -> str:
     return line if len(line) <= width else line[: width - 3] + "..."
 
 
-class _ReadOnlyNotes(logging.Filter):
-    """Orbax's two warnings that a manager opened read only is read only."""
+class _Notes(logging.Filter):
+    """Drops the log records whose message holds one of `phrases`."""
+
+    def __init__(self, *phrases: str):
+        super().__init__()
+        self.phrases = phrases
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        return not (
-            "read_only=True, setting save_interval_steps" in text or "is read only=" in text
-        )
+        return not any(phrase in text for phrase in self.phrases)
+
+
+# Orbax's two warnings that a manager opened read only is read only: they read as a
+# problem with a directory that is writable and asked for read-only.
+READ_ONLY_NOTES = ("read_only=True, setting save_interval_steps", "is read only=")
+# Orbax's warning on a checkpoint directory without its metadata (empty, or cut off),
+# logged from its threads as well: the trainer's error where such a checkpoint cannot be
+# read names it and what to read instead. Dropped for the whole process (`Checkpoints`).
+NO_METADATA = _Notes("Metadata file does not exist")
 
 
 @contextlib.contextmanager
-def _quiet_read_only_notes():
-    """Drops orbax's read-only notes while a resume opens the source run's checkpoints
-    (they read as a problem with a directory that is writable and asked for read-only)."""
-    notes = _ReadOnlyNotes()
+def _quiet_orbax_notes(*phrases: str):
+    """Drops orbax's warnings (absl's logger) that hold one of `phrases` in the block."""
+    notes = _Notes(*phrases)
     logger = logging.getLogger("absl")
     logger.addFilter(notes)
     try:
@@ -101,9 +111,10 @@ class Checkpoints:
     def __init__(self, output_dir: str, save_total_limit: int | None, read_only: bool = False):
         self.directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
         self._read_only = read_only
+        logging.getLogger("absl").addFilter(NO_METADATA)  # once: the same filter object
         if read_only and not os.path.isdir(self.directory):
             raise ValueError(f"--resume_from_checkpoint: {self.directory} does not exist")
-        with _quiet_read_only_notes() if read_only else contextlib.nullcontext():
+        with _quiet_orbax_notes(*READ_ONLY_NOTES) if read_only else contextlib.nullcontext():
             options = ocp.CheckpointManagerOptions(
                 max_to_keep=save_total_limit,
                 todelete_subdir=None if read_only else DELETED,
