@@ -803,7 +803,7 @@ def test_shard_over_seq_matches_replicated_parameters(tmp_path):
     # tied embeddings by test_tied_embeddings_every_parameter_layout (seq=2 both).
 
 
-def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys):
     """`gradcheck --out` under a file: one line naming --out and the path (the
     layouts' gradients stubbed: only the writing is under test)."""
     from train.tools import gradcheck
@@ -816,15 +816,20 @@ def test_gradcheck_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch)
     layouts = ["--layout", "--mesh data=1", "--layout", "--mesh data=1", "--out"]
     with pytest.raises(SystemExit) as e:
         gradcheck.main([*layouts, str(out)])
-    assert str(e.value) == f"error: --out: cannot write {out} ({out.parent} is not a directory)"
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err == f"error: --out {out}: {out.parent} is a file, not a directory\n"
+    )
     good = tmp_path / "gradcheck.json"
     rows = gradcheck.main([*layouts, str(good)])
     assert json.loads(good.read_text()) == json.loads(json.dumps(rows))
     # A file already there (a run's, another comparison) is kept unless --overwrite.
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         gradcheck.main([*layouts, str(good)])
-    assert str(e.value) == (
-        f"error: --out {good} exists: pass --overwrite to replace it (nothing was written)"
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {good} exists: pass --overwrite to replace it (nothing was written)\n"
     )
     gradcheck.main([*layouts, str(good), "--overwrite"])
 
@@ -849,8 +854,9 @@ def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
     ]:
         with pytest.raises(SystemExit) as e:
             gradcheck.main([*first, "--layout", layout])
-        assert str(e.value).startswith(f"error: layout {layout!r}: "), e.value
-        assert why in str(e.value) and str(e.value).endswith("(nothing was run)")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: layout {layout!r}: "), err
+        assert why in err and err.endswith("(nothing was run)\n")
     with pytest.raises(SystemExit) as e:
         gradcheck.main([*first, "--layout", "--mesh data=1", "--top", "-1"])
     assert e.value.code == 2
@@ -868,7 +874,7 @@ def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
     ],
 )
 def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
-    tmp_path, monkeypatch, where, reason
+    tmp_path, monkeypatch, capsys, where, reason
 ):
     """An --out that cannot be written is one line naming --out and the path, before
     any layout's gradients are computed: a folder is writable where a file can be
@@ -894,7 +900,8 @@ def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
         gradcheck.main(
             ["--layout", "--mesh data=1", "--layout", "--mesh data=1", "--out", str(out)]
         )
-    assert str(e.value) == f"error: --out {reason.format(out=out, tmp=tmp_path)}"
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: --out {reason.format(out=out, tmp=tmp_path)}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder", "locked"]
     assert not list((tmp_path / "locked").iterdir())
 
@@ -931,10 +938,12 @@ def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
             gradcheck._tree_paths(models.init_params(models.TINY, jax.random.key(0)))
         ), "one row per parameter"
     assert "(reference)" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="layout '--ring_layout foo': --ring_layout='foo'"):
+    with pytest.raises(SystemExit):
         gradcheck.main([*common, "--layout", "--ring_layout foo", "--layout", "--mesh data=1"])
-    with pytest.raises(SystemExit, match="give every layout the same global batch"):
+    assert "layout '--ring_layout foo': --ring_layout='foo'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         gradcheck.main([*common, "--layout", "--mesh data=1", "--layout", "--mesh data=2"])
+    assert "give every layout the same global batch" in capsys.readouterr().err
     ref = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
     doubled = gradcheck.compare(ref, {"a": ref["a"], "b": 2 * ref["b"]})
     assert doubled[0]["param"] == "b" and doubled[0]["rel_diff"] == pytest.approx(1.0)

@@ -7,8 +7,9 @@ import contextlib
 import errno
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
-from typing import IO
+from typing import IO, NoReturn
 
 from train import outputs
 
@@ -86,9 +87,17 @@ def out_error(
 
 def check_writable_file(path: str, flag: str, *, overwrite: bool = False) -> None:
     """Refuses, before the work whose result goes there, a `path` that `write_whole`
-    could not write (`out_error`, its directory not created): SystemExit with its line."""
+    could not write (`out_error`, its directory not created): `refuse` with its line."""
     if error := out_error(path, flag, overwrite=overwrite):
-        raise SystemExit(f"error: {error}")
+        refuse(error)
+
+
+def refuse(line: str) -> NoReturn:
+    """Ends a tool that refuses its input before its work: `error: <line>` on stderr and
+    exit status 2, as argparse's refusals and the trainer's (a failure during the work,
+    such as a write on a full disk, exits 1)."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def json_writer(data) -> Callable[[IO], object]:

@@ -31,7 +31,7 @@ import tempfile
 
 import numpy as np
 
-from train.tools.files import check_writable_file, write_json
+from train.tools.files import check_writable_file, refuse, write_json
 
 
 def _tree_paths(tree) -> dict[str, np.ndarray]:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             try:
                 got = layout_gradients(flags)
             except (TrainingError, ValueError, NotImplementedError) as e:
-                raise SystemExit(f"error: layout {layout!r}: {e}") from None
+                refuse(f"layout {layout!r}: {e}")
             row = {
                 "layout": layout,
                 "loss": got["loss"],
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 reference = got
             else:
                 if got["rows"] != reference["rows"] or got["tokens"] != reference["tokens"]:
-                    raise SystemExit(
-                        f"error: layout {layout!r} takes {got['rows']} rows "
+                    refuse(
+                        f"layout {layout!r} takes {got['rows']} rows "
                         f"({got['tokens']} tokens) per step, the reference "
                         f"{reference['rows']} ({reference['tokens']}): "
                         "give every layout the same global batch (data x fsdp x "
@@ -191,7 +191,7 @@ def _layout_flags(layouts: list[str], common: list[str]) -> dict[str, list[str]]
             cfg = parse_args([*common, "--output_dir", "unused", *flags])
             mesh_device_count(cfg.parallel.mesh, jax.device_count())
         except ValueError as e:
-            raise SystemExit(f"error: layout {layout!r}: {e} (nothing was run)") from None
+            refuse(f"layout {layout!r}: {e} (nothing was run)")
         out[layout] = flags
     return out
 
