@@ -276,8 +276,9 @@ def ring_attention_shard(
         `[B, T_local, K, H]`, `N % K == 0` (GQA/MQA: K/V travel at KV-head size).
       axis_name: the mesh axis the sequence is split over, or a tuple of axes split
         jointly, major first. `strategy="hybrid"` takes two: `(ring_axis, a2a_axis)`.
-        The axes that split dimension 1 in the `shard_map`'s in_specs: an axis that
-        splits the batch instead cannot be told apart, and gives a wrong answer.
+        The axes that split dimension 1 in the `shard_map`'s in_specs, in their order
+        there: an axis that splits the batch instead, or a tuple in another order,
+        cannot be told apart, and gives a wrong causal answer.
       causal: causal mask on global positions (required: non-causal ignores order).
       layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
         work; T_local even), `"striped"` (shard r holds tokens r, r+P, ...: balanced
