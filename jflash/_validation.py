@@ -49,6 +49,12 @@ def check_qkv(q, k, v) -> Shapes:
             raise ValueError(
                 f"{name} must be rank 4 [batch, seq, heads, head_dim]; got {name}.shape={x.shape}"
             )
+        if symbolic := [d for d in x.shape[1:] if not isinstance(d, int)]:
+            raise NotImplementedError(
+                f"{name}.shape={x.shape} has the symbolic dimension {str(symbolic[0])!r}: the "
+                "sequence length, heads and head dim must be concrete (the kernels' tiles and "
+                "masks depend on them; a symbolic batch is taken), so jax.export with them fixed"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype=}, {k.dtype=}, {v.dtype=}")
     if q.dtype not in SUPPORTED_DTYPES:

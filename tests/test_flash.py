@@ -1164,6 +1164,25 @@ def test_offsets_without_the_causal_mask_are_refused():
         call(_q, _kv, _kv, causal=False, q_offset=0, k_offset=np.int32(0))
 
 
+def test_a_symbolic_sequence_length_is_refused_by_name_and_a_symbolic_batch_exports():
+    """`jax.export` with shape polymorphism: a symbolic batch is taken (the export runs
+    any batch, as the direct call does); a symbolic sequence length is one line naming
+    the dimension, not a comparison error from inside the library."""
+    from jax import export
+
+    def attend(q):
+        return jflash.flash_attention(q, q, q, causal=True, implementation="xla")
+
+    batch = export.symbolic_shape("b, 64, 4, 32")
+    exported = export.export(jax.jit(attend))(jax.ShapeDtypeStruct(batch, jnp.float32))
+    q = jax.random.normal(jax.random.key(0), (3, 64, 4, 32), jnp.float32)
+    np.testing.assert_allclose(exported.call(q), attend(q), atol=1e-6)
+    for spec, name in (("b, t, 4, 32", "t"), ("2, 64, n, 32", "n")):
+        shape = jax.ShapeDtypeStruct(export.symbolic_shape(spec), jnp.float32)
+        with pytest.raises(NotImplementedError, match=f"the symbolic dimension '{name}': "):
+            export.export(jax.jit(attend))(shape)
+
+
 def test_causal_is_required():
     """No default: jax.nn's is non-causal, a decoder's is causal; the caller says which."""
     with pytest.raises(TypeError, match="causal"):
