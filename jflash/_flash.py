@@ -7,6 +7,8 @@ import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from jflash._block_sizes import BlockSizes
@@ -19,9 +21,9 @@ from jflash._validation import (
     check_offsets,
     check_qkv,
     check_segment_ids,
-    check_unsharded,
     default_scale,
     is_self_ids,
+    names_mesh_axes,
 )
 from jflash._vma import check_interpretable, match
 
@@ -87,7 +89,8 @@ def flash_attention(
     interpret: bool | None = None,
     deterministic: bool | None = None,
 ):
-    """Exact (Flash) attention on one device, differentiable.
+    """Exact (Flash) attention on one device, differentiable. Inputs split over
+    Explicit mesh axes along the batch and the heads run on each device's part.
 
     Args:
       q: queries `[B, T, N, H]`; k, v: keys/values `[B, S, K, H]` with `N % K == 0`
@@ -129,7 +132,21 @@ def flash_attention(
     shapes = check_qkv(q, k, v)
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
-    check_unsharded("flash_attention", q, k, v, segs)
+    if any(names_mesh_axes(x) for x in (q, k, v, *(segs or ()))):
+        # Split over Explicit mesh axes (batch, heads): each device its own part.
+        call = functools.partial(
+            flash_attention,
+            causal=causal,
+            scale=scale,
+            q_offset=q_offset,
+            k_offset=k_offset,
+            block_sizes=block_sizes,
+            implementation=implementation,
+            interpret=interpret,
+            deterministic=deterministic,
+        )
+        o, lse = _per_device(call, q, k, v, segment_ids, shapes)
+        return (o, lse) if return_lse else o
     if is_self_ids(segment_ids):
         # One array for queries and keys: documents labelled in any order (padding
         # labelled 0 at a row's end too) take the sorted ids' kernels.
@@ -156,3 +173,78 @@ def flash_attention(
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     o, lse = _flash(q, k, v, segs, static)
     return (o, lse) if return_lse else o
+
+
+def _spec(x) -> tuple:
+    """`x`'s typed sharding as one entry per dimension (None: not split)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def _axes_size(mesh, entry) -> int:
+    """How many parts a spec entry (None, an axis, or a tuple of axes) splits into."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    size = 1
+    for name in names:
+        size *= mesh.shape[name]
+    return size
+
+
+def _per_device(call, q, k, v, segment_ids, shapes):
+    """`call(q, k, v, segment_ids=..., return_lse=True)` on each device's part of inputs
+    split over Explicit mesh axes along the batch and the heads (q's split; k, v and
+    the ids are resharded to match it), in a `jax.shard_map`: `(out, lse)` split alike.
+    A split sequence or head dim is refused by name (a sequence over a mesh axis is
+    `ring_attention`'s), as are heads that k's do not divide into equal parts."""
+    named = [("q", q), ("k", k), ("v", v)]
+    if segment_ids is not None:
+        ids = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,)
+        named += [("segment_ids", s) for s in ids]
+    mesh = next(jax.typeof(x).sharding.mesh for _, x in named if names_mesh_axes(x))
+    for name, x in named:
+        spec = _spec(x)
+        if spec[1] is not None:
+            raise ValueError(
+                f"{name} is split along its sequence over the mesh axis {spec[1]!r} ({name}'s "
+                f"spec is {jax.typeof(x).sharding.spec}): flash_attention takes whole "
+                "sequences; jflash.ring_attention splits one over a mesh axis"
+            )
+        if x.ndim == 4 and spec[3] is not None:
+            raise ValueError(
+                f"{name} is split along its head dim over the mesh axis {spec[3]!r} "
+                f"({name}'s spec is {jax.typeof(x).sharding.spec}): attention needs each "
+                "head whole; split the batch or the heads"
+            )
+    batch, heads = _spec(q)[0], _spec(q)[2]
+    parts = _axes_size(mesh, heads)
+    if shapes.kv_heads % parts:
+        raise ValueError(
+            f"q's {shapes.q_heads} heads are split over {heads!r} into {parts} parts, which "
+            f"k's and v's {shapes.kv_heads} heads do not divide (each part's query heads "
+            "read their own KV heads): split fewer ways, or split the batch"
+        )
+    qkv_spec, ids_spec = P(batch, None, heads, None), P(batch, None)
+
+    def placed(x, spec):
+        return jax.reshard(x, NamedSharding(mesh, spec))
+
+    q, k, v = (placed(x, qkv_spec) for x in (q, k, v))
+    if segment_ids is None:
+        body = lambda q, k, v: call(q, k, v, return_lse=True)  # noqa: E731
+        args, specs = (q, k, v), (qkv_spec,) * 3
+    else:
+        ids = jax.tree.map(lambda s: placed(s, ids_spec), segment_ids)
+        body = lambda q, k, v, ids: call(q, k, v, segment_ids=ids, return_lse=True)  # noqa: E731
+        args = (q, k, v, ids)
+        specs = ((qkv_spec,) * 3) + (jax.tree.map(lambda _: ids_spec, segment_ids),)
+    # Over the mesh's Explicit axes only: inside a caller's partial shard_map the
+    # others are already manual.
+    types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    explicit = {a for a, t in types if t == AxisType.Explicit}
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=(qkv_spec, P(batch, heads, None)),
+        axis_names=explicit,
+    )(*args)

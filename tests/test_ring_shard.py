@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import zlib
 
 import jax
@@ -745,10 +746,70 @@ def test_kv_shared_over_data_gets_gradients_summed_over_it(strategy):
     assert_close(actual, expected, jnp.float32)
 
 
+@pytest.mark.multi_device(8)
+@pytest.mark.parametrize("segmented", [False, True])
+def test_flash_attention_on_inputs_split_over_explicit_axes(segmented):
+    """`flash_attention` on inputs split over Explicit mesh axes along the batch and the
+    heads (`jax.make_mesh`'s default axes, no shard_map) runs each device's part: the
+    values, LSE and gradients are the one-device call's, split as q is; k, v and the ids
+    split otherwise (or not) are resharded to match q; eager, jitted and inside a
+    caller's partial shard_map. A split sequence or head dim, and heads k's do not
+    divide, are refused by name."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "tp", "x"), devices=jax.devices()[:8])
+    q, k, v, do, dlse = make_inputs(
+        0, batch=4, q_len=32, kv_len=32, q_heads=8, kv_heads=4, head_dim=16, dtype=jnp.float32
+    )
+    segs = (
+        jnp.repeat(jnp.arange(4, dtype=jnp.int32)[None], 4, 0).repeat(8, 1) if segmented else None
+    )
+
+    def attend(q, k, v, segs):
+        return jflash.flash_attention(
+            q, k, v, causal=True, segment_ids=segs, return_lse=True, implementation="xla"
+        )
+
+    expected = _value_and_grads(attend, q, k, v, segs, do, dlse)
+    layouts = [
+        (P("data", None, "tp"), P("data", None, "tp")),
+        (P(("data", "x")), P()),  # k and v whole: resharded to q's split
+        (P(None, None, ("tp", "x")), P("data")),
+    ]
+    with jax.set_mesh(mesh):
+        for q_spec, kv_spec in layouts:
+            args = [jax.reshard(q, q_spec), *(jax.reshard(x, kv_spec) for x in (k, v))]
+            ids = None if segs is None else jax.reshard(segs, P(q_spec[0]))
+            for run in (lambda f: f, jax.jit):
+                actual = run(functools.partial(_value_and_grads, attend))(*args, ids, do, dlse)
+                assert_close(actual, expected, jnp.float32)
+                assert jax.typeof(actual[0]).sharding.spec[:3] == (*q_spec, None, None)[:3]
+        partial = jax.shard_map(
+            lambda q, k, v, segs: attend(q, k, v, segs)[0],
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P(),
+            axis_names={"x"},
+        )
+        args = [jax.reshard(x, P("data", None, "tp")) for x in (q, k, v)]
+        ids = None if segs is None else jax.reshard(segs, P("data"))
+        actual = jax.jit(partial)(*args, ids)
+        assert_close((actual,), expected[:1], jnp.float32, names=("out",))
+        for q_spec, error in (
+            (P(None, "data"), "q is split along its sequence over the mesh axis 'data'"),
+            (P(None, None, None, "tp"), "q is split along its head dim over the mesh axis 'tp'"),
+            (
+                P(None, None, ("data", "tp", "x")),
+                "q's 8 heads are split over ('data', 'tp', 'x') into 8 parts, which k's and "
+                "v's 4 heads do not divide",
+            ),
+        ):
+            with pytest.raises(ValueError, match=re.escape(error)):
+                attend(jax.reshard(q, q_spec), k, v, None)
+
+
 @pytest.mark.multi_device(4)
 def test_inputs_sharded_over_explicit_axes_are_named():
-    """A batch split over an Explicit axis that the shard_map leaves to jax (or no
-    shard_map at all): named in one line, not a type error deep inside XLA or Pallas."""
+    """A batch split over an Explicit axis that the shard_map leaves to jax: named in
+    one line, not a type error deep inside XLA or Pallas."""
     mesh = jax.make_mesh((2, 2), ("data", "seq"), devices=jax.devices()[:4])
     q, k, v, *_ = make_inputs(
         0, batch=2, q_len=32, kv_len=32, q_heads=2, kv_heads=1, head_dim=16, dtype=jnp.float32
@@ -764,9 +825,6 @@ def test_inputs_sharded_over_explicit_axes_are_named():
         args = [jax.reshard(x, P("data", "seq")) for x in (q, k, v)]
         with pytest.raises(ValueError, match=r"q is sharded over Explicit mesh axes .*'data'"):
             jax.jit(partial)(*args)
-        args = [jax.reshard(x, P("data")) for x in (q, k, v)]
-        with pytest.raises(ValueError, match="flash_attention takes one device's arrays"):
-            jax.jit(lambda q, k, v: jflash.flash_attention(q, k, v, **call))(*args)
 
 
 @pytest.mark.multi_device(2)
