@@ -216,6 +216,9 @@ class LlamaConfig:
 _UNSUPPORTED_TRUE = ("attention_bias", "mlp_bias")
 
 
+# A native directory's config (`models.save_native`), beside its `params.safetensors`.
+NATIVE_CONFIG = "jflash_config.json"
+
 _KINDS = {int: "an integer", float: "a number", bool: "true or false"}
 
 
@@ -226,13 +229,31 @@ def _typed(hf: dict[str, Any], key: str, kind: type, default: Any = None) -> Any
     value = hf.get(key)
     if value is None:
         return default
-    if kind is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if not ok:
+    if not _is_kind(value, kind):
         raise ValueError(f"config.json: {key}={value!r} must be {_KINDS[kind]}")
     return float(value) if kind is float else value
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    """Whether `value` is a JSON value of `kind` (`int`, `float` or `bool`; `str` too):
+    an integer is a number, but true is neither."""
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+# The dataclass fields (their annotations' text) whose JSON values `_check_kinds` checks.
+_FIELD_KINDS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _check_kinds(cls: type, data: dict[str, Any]) -> None:
+    """Refuses a value of `data` that is not of its `cls` field's kind: `"1e-6"` is not
+    a number, nor `"false"` false (nothing is coerced into another value)."""
+    for field in dataclasses.fields(cls):
+        kind = _FIELD_KINDS.get(field.type)
+        if kind is not None and field.name in data and not _is_kind(data[field.name], kind):
+            what = "a string" if kind is str else _KINDS[kind]
+            raise ValueError(f"{field.name}={data[field.name]!r} must be {what}")
 
 
 def _token_id(hf: dict[str, Any], key: str) -> int | list[int] | None:
@@ -338,6 +359,12 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
             with open(path) as f:
                 hf = json.load(f)
         except FileNotFoundError:
+            folder = os.path.dirname(path)
+            if os.path.isfile(os.path.join(folder, NATIVE_CONFIG)):
+                raise ValueError(
+                    f"{folder} is a native directory ({NATIVE_CONFIG}), not an HF one: "
+                    f"`python -m models.convert --to-hf {folder} --out HF_DIR` makes one"
+                ) from None
             raise ValueError(f"{path} does not exist (not an HF model directory?)") from None
         except OSError as e:
             raise ValueError(f"{path}: cannot read ({e.strerror})") from None
@@ -355,7 +382,7 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
         if hf.get(key, False):
             raise NotImplementedError(f"config.json has {key}=true; Llama biases are unsupported")
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' two names of one function
         raise NotImplementedError(f"hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
     required = [
         "vocab_size",
@@ -461,6 +488,7 @@ def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
     if missing:
         raise ValueError(f"LlamaConfig keys {missing} are missing")
     data = dict(data)
+    _check_kinds(LlamaConfig, data)
     if "rope" in data and not isinstance(data["rope"], dict | RopeConfig):
         raise ValueError(f"rope={data['rope']!r} must be an object of RopeConfig fields")
     if "rope" in data and isinstance(data["rope"], dict):
@@ -468,5 +496,6 @@ def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
         unknown = sorted(set(data["rope"]) - rope_fields)
         if unknown:
             raise ValueError(f"unknown RopeConfig keys {unknown}")
+        _check_kinds(RopeConfig, data["rope"])
         data["rope"] = RopeConfig(**data["rope"])
     return LlamaConfig(**data)

@@ -42,6 +42,7 @@ import numpy as np
 from models.cli import OneLineParser
 from models.config import (
     DTYPES,
+    NATIVE_CONFIG,
     LlamaConfig,
     config_from_dict,
     config_to_dict,
@@ -122,7 +123,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 NATIVE_PARAMS = "params.safetensors"
-NATIVE_CONFIG = "jflash_config.json"
 _STAGED = ".partial"  # suffix of export_hf's files until all of them are written
 # The files export_hf writes (each first as name + _STAGED).
 _EXPORT_NAME = re.compile(
@@ -295,26 +295,39 @@ def load_hf(
     return config, params
 
 
-def _cast(tensors, key: str, transform: Transform, dtype: np.dtype, path: str) -> np.ndarray:
-    """Tensor `key` in `dtype`; ValueError naming it where a finite weight is beyond
-    `dtype`'s range (float16's 65504), which the cast would make inf."""
-    array = _apply(tensors[key], transform)
+def _beyond(array: np.ndarray, dtype: np.dtype) -> str | None:
+    """Where a finite weight of `array` is beyond `dtype`'s range (float16's 65504),
+    which a cast would make inf: `holds a weight of magnitude ..., beyond ...`; else
+    None."""
     limit = float(ml_dtypes.finfo(dtype).max)
     if array.size and limit < float(ml_dtypes.finfo(array.dtype).max):
         largest = float(np.max(np.abs(array[np.isfinite(array)]), initial=0.0))
         if largest > limit:
-            raise ValueError(
-                f"checkpoint {path}: {key} holds a weight of magnitude {largest:.6g}, "
-                f"beyond {dtype.name}'s largest {limit:g}: param_dtype={dtype.name!r} "
-                "would make it inf; load it as 'float32' or 'bfloat16'"
+            return (
+                f"holds a weight of magnitude {largest:.6g}, beyond {np.dtype(dtype).name}'s "
+                f"largest {limit:g}"
             )
+    return None
+
+
+def _cast(tensors, key: str, transform: Transform, dtype: np.dtype, path: str) -> np.ndarray:
+    """Tensor `key` in `dtype`; ValueError naming it where a finite weight is beyond
+    `dtype`'s range (`_beyond`)."""
+    array = _apply(tensors[key], transform)
+    if beyond := _beyond(array, dtype):
+        raise ValueError(
+            f"checkpoint {path}: {key} {beyond}: param_dtype={dtype.name!r} would make it "
+            "inf; load it as 'float32' or 'bfloat16'"
+        )
     return array.astype(dtype)
 
 
 def to_hf_state_dict(
     params: Params, config: LlamaConfig, dtype: str = "float32"
 ) -> dict[str, np.ndarray]:
-    """Our params as an HF state dict of numpy arrays in ``dtype``."""
+    """Our params as an HF state dict of numpy arrays in ``dtype``; ValueError naming
+    the tensor where a finite weight is beyond ``dtype``'s range (float16's 65504),
+    which the cast would make inf."""
     np_dtype = _numpy_dtype(dtype)
     state: dict[str, np.ndarray] = {}
     for m in _active(config):
@@ -322,7 +335,13 @@ def to_hf_state_dict(
         keys = _hf_keys(m, config.num_layers)
         parts = list(array) if m.per_layer else [array]
         for key, part in zip(keys, parts, strict=True):
-            state[key] = np.ascontiguousarray(_apply(part, m.transform).astype(np_dtype))
+            part = _apply(part, m.transform)
+            if beyond := _beyond(part, np_dtype):
+                raise ValueError(
+                    f"{key} {beyond}: dtype={dtype!r} would make it inf; export it as "
+                    "'bfloat16' or 'float32'"
+                )
+            state[key] = np.ascontiguousarray(part.astype(np_dtype))
     return state
 
 
@@ -350,17 +369,18 @@ def export_hf(
 
     Raises:
         ValueError: params that do not match ``config``, a ``dtype`` other than
-            ``float32 | bfloat16 | float16``, or a ``max_shard_bytes`` below 1.
+            ``float32 | bfloat16 | float16``, a weight beyond ``dtype``'s range (float16:
+            65504), or a ``max_shard_bytes`` below 1.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} not in {DTYPES}")
     if max_shard_bytes is not None and not max_shard_bytes >= 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be at least 1")
     check_params(config, params)
+    state = to_hf_state_dict(params, config, dtype)  # refused before anything is written
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     _remove_stale_staged(path)
-    state = to_hf_state_dict(params, config, dtype)
     metadata = {"format": "pt"}
     total = sum(a.nbytes for a in state.values())
     # Every file is written under a temporary name first and renamed once all are
@@ -607,7 +627,7 @@ def init_hf(
         )
         if not os.path.isfile(tokenizer_json):
             raise ValueError(f"--tokenizer: {tokenizer_json} does not exist")
-        files = os.path.dirname(tokenizer_json)
+        files = os.path.dirname(tokenizer_json) or "."
         special = special_token_ids(tokenizer_json)
         needed = tokenizer_vocab_size(tokenizer_json)
         if vocab_size is not None and vocab_size < needed:
@@ -679,6 +699,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"{flag} applies to {' and '.join(used_by)} only, not {command}")
     if args.vocab_size is not None and args.vocab_size < 1:
         parser.error(f"--vocab-size={args.vocab_size} must be at least 1")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        parser.error(f"--seed={args.seed} must be in [0, 2**63)")
     if error := shard_gb_error(args.max_shard_gb):
         parser.error(error)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -764,7 +786,7 @@ def _is_weights(name: str) -> bool:
 
 def shard_gb_error(max_shard_gb: float | None) -> str | None:
     """Why ``--max-shard-gb`` cannot be taken (not a finite number above 0), or None."""
-    if max_shard_gb is None or (math.isfinite(max_shard_gb) and max_shard_gb > 0):
+    if max_shard_gb is None or (math.isfinite(max_shard_gb * 1e9) and max_shard_gb > 0):
         return None
     return (
         f"--max-shard-gb={max_shard_gb} must be a finite number > 0 (leave it out for one "

@@ -689,6 +689,27 @@ def test_load_hf_into_fp16_refuses_a_weight_beyond_its_range(tmp_path, params):
     assert all(x.dtype == np.float16 for x in jax.tree.leaves(loaded))
 
 
+def test_export_to_fp16_refuses_a_weight_beyond_its_range_writing_nothing(tmp_path, params):
+    """A weight past float16's 65504 would be written as inf: the export is refused,
+    naming the tensor, before its directory is made; bfloat16 takes it."""
+    host = jax.device_get(params)
+    scale = np.array(host["final_norm"]["scale"])
+    scale[3] = 1e5
+    big = {**host, "final_norm": {"scale": scale}}
+    with pytest.raises(ValueError, match=r"^model\.norm\.weight holds a weight of magnitude "):
+        models.export_hf(big, SMALL, tmp_path / "fp16", dtype="float16")
+    assert not (tmp_path / "fp16").exists()
+    models.export_hf(big, SMALL, tmp_path / "bf16", dtype="bfloat16")
+    _, loaded = models.load_hf(tmp_path / "bf16")
+    assert np.isfinite(np.asarray(loaded["final_norm"]["scale"])).all()
+
+
+def test_native_directory_read_as_hf_says_how_to_convert_it(tmp_path, params):
+    models.save_native(jax.device_get(params), SMALL, tmp_path / "native")
+    with pytest.raises(ValueError, match="is a native directory .* --to-hf "):
+        models.load_hf(tmp_path / "native")
+
+
 def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
     config = SMALL.replace(tie_word_embeddings=True)
     params = models.init_params(config, jax.random.key(3))
@@ -874,8 +895,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (tmp_path / name / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
-    rope_5 = dataclasses.asdict(SMALL) | {"rope": 5}
-    for name, native_config in [("native", {"vocab_size": 8}), ("rope", rope_5)]:
+    small = dataclasses.asdict(SMALL)
+    rope_5 = small | {"rope": 5}
+    for name, native_config in [
+        ("native", {"vocab_size": 8}),
+        ("rope", rope_5),
+        ("eps", small | {"rms_norm_eps": "1e-6"}),
+        ("tie", small | {"tie_word_embeddings": "false"}),
+        ("theta", small | {"rope": small["rope"] | {"theta": "10000"}}),
+    ]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "jflash_config.json").write_text(json.dumps(native_config))
     o = str(tmp_path / "o")
@@ -883,6 +911,14 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["--to-hf", str(tmp_path / "hf"), "--out", o], "not a native directory.*--from-hf"),
         (["--to-hf", str(tmp_path / "native"), "--out", o], "'num_layers', .* are missing"),
         (["--to-hf", str(tmp_path / "rope"), "--out", o], "rope=5 must be an object"),
+        (["--to-hf", str(tmp_path / "eps"), "--out", o], "rms_norm_eps='1e-6' must be a number"),
+        (["--to-hf", str(tmp_path / "tie"), "--out", o], "word_embeddings='false' must be true or"),
+        (["--to-hf", str(tmp_path / "theta"), "--out", o], "theta='10000' must be a number"),
+        (["--init", "tiny", "--out", o, "--max-shard-gb", "1e300"], "--max-shard-gb=1e\\+300"),
+        (
+            ["--init", "tiny", "--out", o, "--seed", str(2**70)],
+            r"--seed=\d+ must be in \[0, 2\*\*63\)",
+        ),
         (["--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
         (["--init", "tiny", "--out", str(tmp_path / "afile")], "is a file, not a directory"),
         (["--to-hf", "x", "--out", o, "--max-shard-gb", "0"], "must be a finite number > 0"),
@@ -1003,6 +1039,28 @@ def test_overwrite_leaves_no_other_models_tokenizer_files(tmp_path, capsys):
         "y": 1,
         "z": 2,
     }
+
+
+def test_init_takes_a_tokenizer_file_named_without_a_folder(tmp_path, monkeypatch):
+    """`--tokenizer tokenizer.json` in the working directory (no folder in its name)
+    gives the model its files, as `./tokenizer.json` does."""
+    vocab = {"<|endoftext|>": 0, "a": 1, "b": 2}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    monkeypatch.chdir(tmp_path)
+    convert_main(["--init", "tiny", "--tokenizer", "tokenizer.json", "--out", "hf"])
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 3
+
+
+def test_swish_is_silu():
+    """transformers' `swish` is its `silu`: the same SwiGLU model."""
+    assert models.from_hf_config(_HF | {"hidden_act": "swish"}) == models.from_hf_config(_HF)
 
 
 def test_init_takes_bos_and_eos_from_the_tokenizer_only(tmp_path, capsys):

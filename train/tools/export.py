@@ -207,7 +207,10 @@ def export(
     try:
         os.makedirs(staging)
         outputs.copy_tokenizer(tokenizer, staging, templates)
-        models.export_hf(params, config, staging, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        try:
+            models.export_hf(params, config, staging, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        except ValueError as e:  # a weight --dtype cannot hold
+            raise TrainingError(f"checkpoint {chosen}: {e}") from None
         # Moments of renames; a stop asked meanwhile is dropped: the export is whole.
         with outputs.signals_held(reraise=False, signals=(signal.SIGINT, *STOP_SIGNALS)):
             _publish(staging, out, outputs.tokenizer_files(tokenizer, templates))
