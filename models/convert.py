@@ -209,18 +209,43 @@ class _TensorIndex(Mapping[str, np.ndarray]):
         if absent:
             raise ValueError(f"{index} lists tensors that its shards do not hold: {absent}")
         self._where = weight_map
+        self._stored: dict[str, str] = {}  # a renamed tensor's name in its file
 
     def __getitem__(self, key: str) -> np.ndarray:
-        return self._files[self._where[key]][key]
+        return self._files[self._where[key]][self._stored.get(key, key)]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return self._files[self._where[key]].shape(key)
+        return self._files[self._where[key]].shape(self._stored.get(key, key))
+
+    def rename(self, old: str, new: str) -> None:
+        """Tensor `old` is read as `new` (and no longer as `old`)."""
+        self._where[new] = self._where.pop(old)
+        self._stored[new] = self._stored.pop(old, old)
+
+    def read_as_causal_lm(self, tied: bool) -> None:
+        """Names as `LlamaForCausalLM`'s, where transformers loads other spellings the
+        same: a `LlamaModel` checkpoint's (no `model.` prefix), and a tied model's one
+        matrix stored as `lm_head.weight` only."""
+        names = list(self._where)
+        if "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names):
+            for name in names:
+                if name != "lm_head.weight":
+                    self.rename(name, "model." + name)
+        if tied and "model.embed_tokens.weight" not in self and "lm_head.weight" in self:
+            self.rename("lm_head.weight", "model.embed_tokens.weight")
 
     def __iter__(self):
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def _few(names: list[str], shown: int = 6) -> str:
+    """`names` for an error line: all of a few, else the first `shown` and the count."""
+    if len(names) <= shown:
+        return str(names)
+    return f"{names[:shown]} and {len(names) - shown} more"
 
 
 def load_hf(
@@ -230,7 +255,9 @@ def load_hf(
 
     Strict: every expected tensor must be present with the expected shape, and
     every tensor in the files must be used (a tied ``lm_head.weight`` equal to the
-    embedding and ``rotary_emb.inv_freq`` buffers are tolerated).
+    embedding and ``rotary_emb.inv_freq`` buffers are tolerated). Names as
+    transformers reads them: a ``LlamaModel``'s (no ``model.`` prefix), and a tied
+    model's one matrix stored as ``lm_head.weight`` only.
 
     Args:
         path: local directory, as written by ``save_pretrained``.
@@ -253,6 +280,7 @@ def load_hf(
         config = config.replace(param_dtype=param_dtype)
     dtype = _numpy_dtype(config.param_dtype)
     tensors = _TensorIndex(path)
+    tensors.read_as_causal_lm(config.tie_word_embeddings)
     expected = abstract_params(config)
     L = config.num_layers
 
@@ -284,8 +312,8 @@ def load_hf(
         unexpected.append(key)
     if missing or unexpected or misshaped:
         raise ValueError(
-            f"checkpoint {path} does not match its config.json: missing={missing}, "
-            f"unexpected={unexpected}, misshaped={misshaped}"
+            f"checkpoint {path} does not match its config.json: missing={_few(missing)}, "
+            f"unexpected={_few(unexpected)}, misshaped={_few(misshaped)}"
         )
 
     params: Params = {}

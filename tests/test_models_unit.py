@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import re
+import shutil
 from functools import partial
 
 import jax
@@ -726,19 +727,39 @@ def test_tied_checkpoint_with_duplicate_head_loads(tmp_path):
         models.load_hf(tmp_path)
 
 
-def test_malformed_checkpoints_raise_one_value_error_naming_the_fault(tmp_path, params):
-    """A tied config whose file holds only lm_head.weight, an index that sends a tensor
-    to a shard without it or lists no file names, and a file for a directory: each a
-    ValueError naming the fault, not a KeyError or TypeError from inside the loader."""
+def test_checkpoints_spelled_as_transformers_also_loads_them(tmp_path, params):
+    """transformers loads into `LlamaForCausalLM` a tied model whose one matrix is
+    stored as lm_head.weight only, and a `LlamaModel` checkpoint (no `model.` prefix;
+    tied, so no head is missing): both load here as the same parameters. A checkpoint
+    of another model's names is refused listing a few of them and the count."""
     tied = SMALL.replace(tie_word_embeddings=True)
-    models.export_hf(models.init_params(tied, jax.random.key(3)), tied, tmp_path / "tied")
-    state = {
-        k: np.array(v) for k, v in SafetensorsFile(tmp_path / "tied" / "model.safetensors").items()
-    }
-    state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
-    save_file(state, tmp_path / "tied" / "model.safetensors", {"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing=\['model.embed_tokens.weight'\]"):
+    expected = jax.device_get(models.init_params(tied, jax.random.key(3)))
+    models.export_hf(expected, tied, tmp_path / "tied")
+    file = tmp_path / "tied" / "model.safetensors"
+    state = {k: np.array(v) for k, v in SafetensorsFile(file).items()}
+    for name, spelled in (
+        ("head_only", {**state, "lm_head.weight": state["model.embed_tokens.weight"]}),
+        ("base_model", {k.removeprefix("model."): v for k, v in state.items()}),
+    ):
+        if name == "head_only":
+            del spelled["model.embed_tokens.weight"]
+        shutil.copytree(tmp_path / "tied", tmp_path / name)
+        save_file(spelled, tmp_path / name / "model.safetensors", {"format": "pt"})
+        _, loaded = models.load_hf(tmp_path / name)
+        jax.tree.map(np.testing.assert_array_equal, loaded, expected)
+    other = {f"encoder.block.{i}.weight": np.zeros(2, np.float32) for i in range(20)}
+    save_file(other, file, {"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"unexpected=\[.encoder.block.0.weight., .* and 14 more, misshaped=\[\]$"
+    ):
         models.load_hf(tmp_path / "tied")
+
+
+def test_malformed_checkpoints_raise_one_value_error_naming_the_fault(tmp_path, params):
+    """An index that sends a tensor to a shard without it or lists no file names, and a
+    file for a directory: each a ValueError naming the fault, not a KeyError or
+    TypeError from inside the loader."""
+    models.export_hf(params, SMALL, tmp_path / "tied")
 
     models.export_hf(params, SMALL, tmp_path / "sharded", max_shard_bytes=20_000)
     index_path = tmp_path / "sharded" / "model.safetensors.index.json"
