@@ -19,9 +19,12 @@ are static)::
     # or: models.cross_entropy(models.logits(config, params, ids, positions,
     #                                         attention=attention), labels)
 
-``positions`` are global token positions ``[B, T]`` (default ``arange(T)``): with
-a zigzag layout permute ids, positions and labels once with ``jflash.zigzag`` and
-pass ``jflash.positions(...)``. Labels are aligned with logits
+``positions`` are global token positions ``[B, T]``: with a ``ring`` attention in a
+zigzag or striped layout permute ids, labels and any segment ids once with
+``jflash.to_layout(x, attention.layout_shards, attention.layout, axis=1)`` (the ring
+axis's size under ``hybrid``, not every sequence device's); positions left out are
+that order's, ``attention.positions(T)``. Positions that restart at each packed
+document go with one segment id per document. Labels are aligned with logits
 (:func:`next_token_labels`, -100 ignored).
 
 Modules: ``config`` (dataclasses, HF config.json), ``presets``, ``rope``,

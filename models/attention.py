@@ -85,6 +85,23 @@ class AttentionConfig:
         axes = (self.seq_axis,) if isinstance(self.seq_axis, str) else self.seq_axis
         return int(np.prod([self.mesh.shape[a] for a in axes]))
 
+    @property
+    def layout_shards(self) -> int:
+        """The P of the token order ``ring`` expects, ``jflash.to_layout(x, P, layout)``
+        and ``jflash.positions(T, P, layout)``: ``seq_shards``, but the ring axis's
+        size alone under ``hybrid`` (each ring shard is split contiguously over the
+        all-to-all axis); 1 for the other kinds (natural order)."""
+        if self.strategy == "hybrid" and self.seq_shards > 1:
+            return int(self.mesh.shape[self.seq_axis[0]])
+        return self.seq_shards
+
+    def positions(self, seq_len: int) -> Int[Array, " T"]:
+        """``[seq_len]`` global positions of the tokens in the order this attention
+        expects them (``arange`` unless ``ring`` splits them in a zigzag or striped
+        layout): the positions a model gives tokens it is not told the positions of."""
+        layout = self.layout if self.layout_shards > 1 else "contiguous"
+        return jflash.positions(seq_len, self.layout_shards, layout)
+
 
 def as_attention_config(attention: AttentionConfig | str) -> AttentionConfig:
     """Accepts a kind string (``"xla"``) as shorthand for ``AttentionConfig(kind=...)``."""

@@ -213,6 +213,31 @@ def _check_ids(input_ids: Int[Array, "B T"], vocab_size: int) -> None:
     )
 
 
+def _check_position_order(
+    positions: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None
+) -> None:
+    """ValueError where a position repeats inside one row's segment (the whole row
+    without segment ids): the dense ``xla`` attention masks causally by position, so
+    positions that restart at each packed document need one segment id per document,
+    or a token would see later tokens of another."""
+    with jax.ensure_compile_time_eval():
+        pos = np.asarray(positions).astype(np.int64)
+        segs = np.zeros_like(pos) if segment_ids is None else np.asarray(segment_ids)
+    for row in range(pos.shape[0]):
+        pairs = np.stack([segs[row].astype(np.int64), pos[row]], axis=1)
+        _, first, counts = np.unique(pairs, axis=0, return_index=True, return_counts=True)
+        if (counts > 1).any():
+            seg, at = pairs[first[counts > 1][0]]
+            where = np.flatnonzero((pairs == (seg, at)).all(axis=1))[:2]
+            inside = "the row" if segment_ids is None else f"segment id {seg}"
+            raise ValueError(
+                f"position {at} repeats inside {inside} (positions[{row}, {where[0]}] and "
+                f"[{row}, {where[1]}]): the xla attention masks causally by position, so "
+                "positions that restart at each packed document need segment_ids with one "
+                "id per document"
+            )
+
+
 def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     """Token embedding gather; under an Explicit-axes mesh the output keeps the
     ids' sharding (``[B, T]`` as the ids, D replicated), which jax cannot infer."""
@@ -284,6 +309,7 @@ class Llama(nnx.Module):
             rngs=rngs,
         )
         self.seq_shards = attention.seq_shards
+        self.attention = attention
         make_layer = functools.partial(DecoderLayer, config, attention)
         layer_graph = nnx.graphdef(nnx.eval_shape(lambda: make_layer(rngs=nnx.Rngs(0))))
         keys = jax.random.split(rngs.params(), config.num_layers)
@@ -309,10 +335,14 @@ class Llama(nnx.Module):
                 jit) cannot be: there an id of V or more gives NaN logits, a negative one
                 counts from the end of the vocabulary (the trainer checks its data's ids
                 when it loads them).
-            positions: global position of every token (default ``arange(T)``);
+            positions: global position of every token (default ``arange(T)``, or
+                under a ``ring`` attention its layout's, ``AttentionConfig.positions``);
                 pass the true positions of sequence-sharded or permuted tokens, or
                 positions that restart at each packed document (HF's packed
-                ``position_ids``).
+                ``position_ids``) together with ``segment_ids``, one id per document:
+                the ``xla`` attention masks causally by position, so a position that
+                repeats inside one id would let a token see a later one (concrete
+                positions are checked: ValueError naming the first repeat).
             segment_ids: packed documents, in the same token order: attention stays
                 inside equal ids (None: one document per row).
         """
@@ -323,14 +353,18 @@ class Llama(nnx.Module):
         if not isinstance(input_ids, jax.core.Tracer):
             _check_ids(input_ids, config.vocab_size)
         b, t = input_ids.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if positions is None:  # the attention's token order (the ring's layout)
+            positions = jnp.broadcast_to(
+                jnp.asarray(self.attention.positions(t), jnp.int32), (b, t)
+            )
         positions = jnp.asarray(positions)
         segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
         if positions.shape != (b, t):
             raise ValueError(f"positions.shape={positions.shape} != input_ids.shape={(b, t)}")
         if segment_ids is not None and segment_ids.shape != (b, t):
             raise ValueError(f"segment_ids.shape={segment_ids.shape} != input_ids.shape={(b, t)}")
+        if self.attention.kind == "xla" and not isinstance(positions, jax.core.Tracer):
+            _check_position_order(positions, segment_ids)
         with jax.named_scope("embed"):
             x = _embed_lookup(self.embed, input_ids)
         with jax.named_scope("rope"):

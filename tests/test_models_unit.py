@@ -435,6 +435,47 @@ def test_ring_attention_backend_on_zigzag_tokens(params, ids):
         )
     out = jflash.unzigzag(out, num_shards, 1)
     np.testing.assert_allclose(out, _logits(SMALL, params, ids), atol=1e-5, rtol=0)
+    # Positions left out are the layout's (`attention.positions`), not arange(T).
+    assert np.array_equal(attention.positions(SEQ), jflash.positions(SEQ, num_shards, "zigzag"))
+    with jax.set_mesh(mesh):
+        unsaid = models.logits(SMALL, params, jax.device_put(zig_ids, seq_sharded), None,
+                               attention=attention)  # fmt: skip
+    np.testing.assert_allclose(jflash.unzigzag(unsaid, num_shards, 1), out, atol=1e-5, rtol=0)
+
+
+def test_layout_shards_is_the_ring_axis_under_hybrid():
+    """`to_layout`'s P: every sequence device for the ring, the ring axis alone under
+    `hybrid` (its shards are split contiguously over the all-to-all axis), 1 for the
+    kinds that take natural order."""
+    mesh = jax.make_mesh((2, 2), ("seq", "a2a"), devices=jax.devices()[:4])
+    ring = models.AttentionConfig(kind="ring", mesh=mesh, seq_axis="seq")
+    hybrid = models.AttentionConfig(
+        kind="ring", mesh=mesh, seq_axis=("seq", "a2a"), strategy="hybrid"
+    )
+    assert (ring.seq_shards, ring.layout_shards) == (2, 2)
+    assert (hybrid.seq_shards, hybrid.layout_shards) == (4, 2)
+    assert models.AttentionConfig(kind="jflash").layout_shards == 1
+    np.testing.assert_array_equal(hybrid.positions(16), jflash.positions(16, 2, "zigzag"))
+    np.testing.assert_array_equal(models.AttentionConfig().positions(16), np.arange(16))
+
+
+def test_positions_that_repeat_in_one_document_are_refused_for_the_dense_mask(params, ids):
+    """The `xla` attention masks causally by position: positions restarting at each
+    packed document without segment ids (or with an id used by two documents) would let
+    a token see later ones. Concrete positions are checked, naming the repeat; with one
+    id per document it runs, as the kernels' attention does."""
+    pos = np.tile(np.arange(SEQ // 4), 4)[None].repeat(ids.shape[0], 0)
+    for segs, inside in (
+        (None, "the row"),
+        (np.repeat([[1, 2, 1, 3]], SEQ // 4, 1), "segment id 1"),
+    ):
+        segs = None if segs is None else segs.repeat(ids.shape[0], 0)
+        with pytest.raises(ValueError, match=f"position 0 repeats inside {inside} "):
+            models.logits(SMALL, params, ids, pos, segment_ids=segs)
+    docs = np.repeat([[1, 2, 3, 4]], SEQ // 4, 1).repeat(ids.shape[0], 0)
+    dense = models.logits(SMALL, params, ids, pos, segment_ids=docs)
+    kernel = models.logits(SMALL, params, ids, pos, segment_ids=docs, attention="jflash")
+    np.testing.assert_allclose(dense, kernel, atol=1e-5, rtol=0)
 
 
 # --- loss --------------------------------------------------------------------------
