@@ -154,7 +154,7 @@ class LlamaConfig:
             "head_dim",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -167,7 +167,8 @@ class LlamaConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} not in {DTYPES}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat={self.remat!r} not in {REMAT_POLICIES}")
-        if not isinstance(self.mlp_tile, int) or self.mlp_tile < -1:
+        tile = self.mlp_tile
+        if not isinstance(tile, int) or isinstance(tile, bool) or tile < -1:
             raise ValueError(f"mlp_tile={self.mlp_tile!r} must be -1 (auto), 0 (off) or a size")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))

@@ -482,6 +482,7 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
     there is removed before the parameters are written (staged, then renamed), and the
     new one written last, so that a write cut off leaves no directory that reads as a
     model with another model's parameters, or with parameters half written."""
+    check_params(config, params)  # another model's tree replaces no checkpoint
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -87,7 +87,8 @@ def chunked_cross_entropy(
             comes back in its own dtype and shape.
         labels: aligned targets.
         mask: optional extra mask.
-        chunk_size: tokens per chunk; must divide T.
+        chunk_size: tokens per chunk; must divide T (a T shorter than it is one
+            chunk).
         shards: how many contiguous pieces the sequence axis is sharded into (the mesh's
             ``seq`` axis): each chunk takes ``chunk_size // shards`` tokens of every
             piece, so each device works on its own tokens instead of all of them.
@@ -109,6 +110,8 @@ def chunked_cross_entropy(
         raise ValueError(f"{lm_head.shape=} is not {want} for hidden's D={d} ({vocab_major=})")
     if labels.shape != (b, t):
         raise ValueError(f"{labels.shape=} does not match hidden's [B, T] = {(b, t)}")
+    if t < chunk_size:  # a short sequence: one chunk
+        chunk_size = t
     if shards < 1 or chunk_size % shards:
         raise ValueError(f"{chunk_size=} must be a positive multiple of {shards=}")
     if t % chunk_size:

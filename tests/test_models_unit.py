@@ -232,6 +232,9 @@ def test_config_field_validation():
         models.AttentionConfig(kind="ring")
     with pytest.raises(ValueError, match="kind='flash'"):
         models.AttentionConfig(kind="flash")
+    for field in ("mlp_tile", "num_layers"):  # a bool is no size, though Python's int
+        with pytest.raises(ValueError, match=f"^{field}=True must be"):
+            SMALL.replace(**{field: True})
     if jax.default_backend() != "gpu":  # cuDNN off a GPU: refused with the platform named
         x = jnp.zeros((1, 8, 2, 16), jnp.float32)
         with pytest.raises(ValueError, match="kind='cudnn' needs NVIDIA GPUs.*'cpu'"):
@@ -499,6 +502,24 @@ def test_cross_entropy_ignores_minus_100():
 
 
 @pytest.mark.slow
+def test_a_sequence_shorter_than_the_default_chunk_is_one_chunk(params, ids):
+    labels = models.next_token_labels(ids)
+    hidden = models.hidden_states(SMALL, params, ids)
+    assert ids.shape[1] < 1024
+    loss, n = models.chunked_cross_entropy(hidden, models.lm_head_weight(SMALL, params), labels)
+    full, count = models.cross_entropy(models.logits(SMALL, params, ids), labels)
+    np.testing.assert_allclose(loss / n, full / count, rtol=1e-5)
+
+
+def test_save_native_refuses_another_models_tree_keeping_the_checkpoint(tmp_path, params):
+    models.save_native(jax.device_get(params), SMALL, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    other = SMALL.replace(num_layers=SMALL.num_layers + 1)
+    with pytest.raises(ValueError):
+        models.save_native(jax.device_get(params), other, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_chunked_cross_entropy_matches_full(params, ids):
     labels = models.next_token_labels(ids)
     head = models.lm_head_weight(SMALL, params)
