@@ -113,7 +113,36 @@ def logits(
         attention: attention backend (static under jit).
         segment_ids: packed documents ``[B, T]``: attention stays inside equal ids.
     """
+    _check_explicit_splits(params, input_ids, as_attention_config(attention))
     return bind(config, params, attention)(input_ids, positions, segment_ids)
+
+
+def _named_axes(x) -> tuple:
+    """The mesh axes `x`'s type splits it over (Explicit axes; none elsewhere)."""
+    spec = getattr(jax.typeof(x), "sharding", None)
+    return tuple(entry for entry in (spec.spec if spec is not None else ()) if entry)
+
+
+def _check_explicit_splits(params: Params, input_ids, attention: AttentionConfig) -> None:
+    """On Explicit mesh axes, ValueError for what the model does not run split there:
+    parameters (sharded parameters run on Auto axes, as the trainer's FSDP does), and a
+    sequence split outside the ``ring`` attention (the others take whole sequences)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if axes := _named_axes(leaf):
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            raise ValueError(
+                f"parameter {name} is split over the Explicit mesh axes {axes}: the model "
+                "runs sharded parameters on Auto axes (jax.make_mesh(..., axis_types="
+                "(AxisType.Auto,) * n), as the trainer does); on Explicit axes pass them "
+                "replicated"
+            )
+    spec = tuple(jax.typeof(input_ids).sharding.spec) if hasattr(input_ids, "ndim") else ()
+    if attention.kind != "ring" and len(spec) > 1 and spec[1] is not None:
+        raise ValueError(
+            f"input_ids are split along the sequence over the Explicit mesh axis "
+            f"{spec[1]!r}: attention kind {attention.kind!r} takes whole sequences; "
+            "AttentionConfig(kind='ring', ...) splits one"
+        )
 
 
 def hidden_states(
@@ -127,6 +156,7 @@ def hidden_states(
 ) -> Float[Array, "B T D"]:
     """Final-norm hidden states ``[B, T, D]`` in the compute dtype (for chunked losses);
     arguments as :func:`logits`."""
+    _check_explicit_splits(params, input_ids, as_attention_config(attention))
     return bind(config, params, attention).hidden_states(input_ids, positions, segment_ids)
 
 

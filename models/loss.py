@@ -117,6 +117,12 @@ def chunked_cross_entropy(
     if t % chunk_size:
         raise ValueError(f"sequence length {t=} must be divisible by {chunk_size=}")
     mesh = explicit_mesh()
+    if mesh is not None and any(jax.typeof(lm_head).sharding.spec):
+        raise ValueError(
+            f"lm_head is split over Explicit mesh axes ({jax.typeof(lm_head).sharding.spec}): "
+            "the chunked loss takes it replicated on Explicit axes (split, it runs on "
+            "Auto axes, as the trainer's)"
+        )
     if mesh is not None:
         axes = spec_axes(jax.typeof(hidden).sharding.spec[1])
         ways = math.prod(mesh.shape[a] for a in axes)

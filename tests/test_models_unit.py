@@ -446,6 +446,35 @@ def test_ring_attention_backend_on_zigzag_tokens(params, ids):
     np.testing.assert_allclose(jflash.unzigzag(unsaid, num_shards, 1), out, atol=1e-5, rtol=0)
 
 
+@pytest.mark.multi_device(4)
+def test_what_the_model_does_not_run_split_on_explicit_axes_is_named(params, ids):
+    """On Explicit mesh axes (`jax.make_mesh`'s default) sharded parameters, a sequence
+    split outside the ring attention and a split LM head in the chunked loss each failed
+    deep inside jax (a scan carry's type, an illegal dot sharding); they are named in one
+    line, and a batch split with replicated parameters runs as on one device."""
+    mesh = jax.make_mesh((2, 2), ("fsdp", "seq"), devices=jax.devices()[:4])
+    expected = _logits(SMALL, params, ids)
+    with jax.set_mesh(mesh):
+        split = jax.tree.map(
+            lambda x: jax.reshard(x, PartitionSpec(*([None] * (x.ndim - 1)), "fsdp")), params
+        )
+        with pytest.raises(
+            ValueError, match=r"^parameter .* is split over the Explicit mesh axes \('fsdp',\)"
+        ):
+            models.logits(SMALL, split, ids)
+        with pytest.raises(
+            ValueError,
+            match="input_ids are split along the sequence over .*'seq': attention kind 'xla'",
+        ):
+            models.hidden_states(SMALL, params, jax.reshard(ids, PartitionSpec(None, "seq")))
+        batch = jax.reshard(ids, PartitionSpec("fsdp"))
+        np.testing.assert_allclose(models.logits(SMALL, params, batch), expected, atol=1e-5, rtol=0)
+        hidden = models.hidden_states(SMALL, params, batch)
+        head = jax.reshard(models.lm_head_weight(SMALL, params), PartitionSpec(None, "seq"))
+        with pytest.raises(ValueError, match="^lm_head is split over Explicit mesh axes"):
+            models.chunked_cross_entropy(hidden, head, models.next_token_labels(batch))
+
+
 def test_layout_shards_is_the_ring_axis_under_hybrid():
     """`to_layout`'s P: every sequence device for the ring, the ring axis alone under
     `hybrid` (its shards are split contiguously over the all-to-all axis), 1 for the
