@@ -33,7 +33,13 @@ from jflash._validation import (
     check_unsharded,
     is_self_ids,
 )
-from jflash._vma import check_interpretable, match, mosaic_interpret_error, varying_axes
+from jflash._vma import (
+    check_interpretable,
+    match,
+    mosaic_interpret_error,
+    varying_axes,
+    warn_unshared,
+)
 
 STRATEGIES = (*RING_STRATEGIES, "ulysses", "hybrid")
 
@@ -322,6 +328,7 @@ def ring_attention_shard(
     check_layout_len(shard_len * ring_shards, shards, layout, local_len=shapes.q_len)
     segs = check_segment_ids(segment_ids, shapes)
     check_unsharded("ring_attention_shard", q, k, v, segs)
+    warn_unshared("ring_attention_shard", q, k, v)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     # Ids relabelled along the whole sequence (as `flash_attention` relabels them: one
     # array by its own first positions, a pair by the key ids'), so that documents

@@ -7,7 +7,7 @@ import functools
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
@@ -25,7 +25,7 @@ from jflash._validation import (
     is_self_ids,
     names_mesh_axes,
 )
-from jflash._vma import check_interpretable, match
+from jflash._vma import check_interpretable, match, warn_unshared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +170,7 @@ def flash_attention(
         ),
     )
     check_interpretable(static.kernel.name, static.kernel.interpret)
+    warn_unshared("flash_attention", q, k, v)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     o, lse = _flash(q, k, v, segs, static)
     return (o, lse) if return_lse else o
@@ -181,11 +182,15 @@ def _spec(x) -> tuple:
     return spec + (None,) * (x.ndim - len(spec))
 
 
+def _axis_names(entry) -> tuple[str, ...]:
+    """The mesh axes of a spec entry (None, an axis, or a tuple of axes)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _axes_size(mesh, entry) -> int:
-    """How many parts a spec entry (None, an axis, or a tuple of axes) splits into."""
-    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    """How many parts a spec entry splits into."""
     size = 1
-    for name in names:
+    for name in _axis_names(entry):
         size *= mesh.shape[name]
     return size
 
@@ -237,14 +242,13 @@ def _per_device(call, q, k, v, segment_ids, shapes):
         body = lambda q, k, v, ids: call(q, k, v, segment_ids=ids, return_lse=True)  # noqa: E731
         args = (q, k, v, ids)
         specs = ((qkv_spec,) * 3) + (jax.tree.map(lambda _: ids_spec, segment_ids),)
-    # Over the mesh's Explicit axes only: inside a caller's partial shard_map the
-    # others are already manual.
-    types = zip(mesh.axis_names, mesh.axis_types, strict=True)
-    explicit = {a for a, t in types if t == AxisType.Explicit}
+    # Over the axes that split q only: inside a caller's partial shard_map (or a
+    # vmap over an axis split elsewhere) the others are not this call's.
+    used = {a for entry in (batch, heads) if entry for a in _axis_names(entry)}
     return jax.shard_map(
         body,
         mesh=mesh,
         in_specs=specs,
         out_specs=(qkv_spec, P(batch, heads, None)),
-        axis_names=explicit,
+        axis_names=used,
     )(*args)

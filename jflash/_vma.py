@@ -8,10 +8,15 @@ each Pallas kernel per device (`per_device`); outside `shard_map` they change no
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import jax
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+
+_JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 def varying_axes(*xs) -> frozenset:
@@ -29,6 +34,24 @@ def vary(x, axes: frozenset):
         return None
     missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def warn_unshared(where: str, q, k, v) -> None:
+    """Warns, at the caller's line, where q varies over manual axes that k or v do not.
+    That is right for a K/V shared over an axis that splits q's batch (`match` sums
+    its gradient there), and a wrong answer where the axis splits q's heads: each
+    device's query heads then read the first KV heads. The types do not say which
+    dimension an axis splits."""
+    axes = sorted(varying_axes(q) - (varying_axes(k) & varying_axes(v)))
+    if axes:
+        warnings.warn(
+            f"{where}: q varies over the mesh axes {axes} and k or v do not, so k and v "
+            "are taken as the same on every device along them. Right for a K/V shared "
+            "across a batch split there; if q's heads are split over them, split k's and "
+            "v's heads there too (as they are, each device's query heads read the first "
+            "KV heads: a wrong answer)",
+            skip_file_prefixes=_JFLASH_FILES,  # the caller's line, at any depth
+        )
 
 
 def match(*xs):

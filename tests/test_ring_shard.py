@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 import zlib
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import INTERPRET, MOSAIC_ONE_DEVICE_LEN, needs_hopper, quick_subset
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from kernel_cases import TOLERANCE, assert_close, make_inputs, oracle, random_segments
 
@@ -692,6 +693,44 @@ def test_flash_attention_in_data_parallel_shard_map(implementation, head_dim, se
     assert_close(actual, oracle(q, k, v, do, dlse, causal=True, segment_ids=segs), dtype)
 
 
+@pytest.mark.multi_device(4)
+@pytest.mark.parametrize("call", ["flash_attention", "ring_attention_shard"])
+def test_kv_whole_over_an_axis_that_splits_qs_heads_is_warned_of(call):
+    """Tensor parallelism with k and v left whole over "tp" while q's heads are split
+    over it: each device's query heads would read the first KV heads, a wrong answer
+    the types cannot tell from a K/V shared across a batch split. A warning at the
+    caller's line names the axis; split alike, nothing is said and the answer is
+    right."""
+    mesh = jax.make_mesh((2, 2), ("tp", "seq"), (AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    q, k, v, do, dlse = make_inputs(
+        0, batch=1, q_len=32, kv_len=32, q_heads=4, kv_heads=2, head_dim=16, dtype=jnp.float32
+    )
+
+    def per_shard(q, k, v):
+        if call == "flash_attention":
+            return jflash.flash_attention(q, k, v, causal=True, implementation="xla")
+        return jflash.ring_attention_shard(
+            q, k, v, axis_name="seq", causal=True, layout="contiguous", implementation="xla"
+        )
+
+    seq = "seq" if call == "ring_attention_shard" else None  # flash_attention: whole
+    heads = P(None, seq, "tp")
+    for kv_spec, warned in ((P(None, seq), True), (heads, False)):
+        mapped = jax.shard_map(
+            per_shard, mesh=mesh, in_specs=(heads, kv_spec, kv_spec), out_specs=heads
+        )
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            out = jax.jit(mapped)(q, k, v)
+        said = [w for w in got if "k or v do not" in str(w.message)]
+        assert [w.filename for w in said] == ([__file__] if warned else []), said
+        if warned:
+            assert "mesh axes ['tp']" in str(said[0].message)
+        else:
+            expected = oracle(q, k, v, do, dlse, causal=True)
+            assert_close((out,), expected[:1], jnp.float32, names=("out",))
+
+
 @pytest.mark.parametrize("strategy", ["flash_attention", "ring", "allgather", "ulysses"])
 def test_kv_shared_over_data_gets_gradients_summed_over_it(strategy):
     """One K/V for every batch row, replicated over "data", while q is split over it
@@ -738,7 +777,7 @@ def test_kv_shared_over_data_gets_gradients_summed_over_it(strategy):
         out, lse = mapped(q, k, v)
         return back(out), back(lse, axis=2)
 
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match=r"mesh axes \['data'\] and k or v"):
         actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k1, v1, None, do, dlse)
     shared = (jnp.broadcast_to(x, k.shape) for x in (k1, v1))
     out, lse, dq, dk, dv = oracle(q, *shared, do, dlse, causal=True)
@@ -787,6 +826,12 @@ def test_flash_attention_on_inputs_split_over_explicit_axes(segmented):
         ids = None if segs is None else jax.reshard(segs, P("data"))
         actual = jax.jit(functools.partial(_value_and_grads, partial))(*args, ids, do, dlse)
         assert_close(actual, expected, jnp.float32)
+        # vmapped over a leading axis that is split too (the per-example types name
+        # only the heads' axis).
+        stacked = jax.reshard(jnp.stack([q, 2 * q]), P("data", None, None, "tp"))
+        per_example = jax.vmap(lambda q: attend(q, q[:, :, :4], q[:, :, :4], segs)[0])
+        want = jnp.stack([attend(x, x[:, :, :4], x[:, :, :4], segs)[0] for x in (q, 2 * q)])
+        assert_close((jax.jit(per_example)(stacked),), (want,), jnp.float32, names=("out",))
         for q_spec, error in (
             (P(None, "data"), "q is split along its sequence over the mesh axis 'data'"),
             (P(None, None, None, "tp"), "q is split along its head dim over the mesh axis 'tp'"),
