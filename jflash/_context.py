@@ -53,15 +53,15 @@ def _names(seq_axis, argument: str = "seq_axis") -> tuple[str, ...]:
     return names
 
 
-def _splitting_axes(mesh: Mesh, seq_names, batch: int, kept=()) -> tuple[str, ...]:
-    """The mesh axes, other than the sequence's and `kept` (those already splitting the
-    batch), that can split it further, in mesh order: each of size > 1, kept while the
-    product of every kept size divides `batch` (`ring_attention`'s default `batch_axes`
-    on Auto axes)."""
+def _splitting_axes(mesh: Mesh, taken, batch: int, kept=()) -> tuple[str, ...]:
+    """The mesh axes, other than `taken` (the sequence's and the heads') and `kept`
+    (those already splitting the batch), that can split it further, in mesh order: each
+    of size > 1, kept while the product of every kept size divides `batch`
+    (`ring_attention`'s default `batch_axes` on Auto axes)."""
     sizes = dict(mesh.shape)
     prod, chosen = math.prod(sizes[a] for a in kept), []
     for name in mesh.axis_names:
-        if name in seq_names or name in kept or sizes[name] == 1:
+        if name in taken or name in kept or sizes[name] == 1:
             continue
         if batch % (prod * sizes[name]) == 0:
             chosen.append(name)
@@ -82,9 +82,45 @@ def _warn_replicated_batch(idle, spec) -> None:
         )
 
 
-def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
-    """Mesh axes that split the batch dimension (see `ring_attention`)."""
+def _head_axes(mesh: Mesh, seq_names, q, head_axes, shapes) -> tuple[str, ...]:
+    """Mesh axes that split the heads (see `ring_attention`): given, or on Explicit
+    axes q's own head split; checked to divide q's and k's heads."""
+    typed = jax.typeof(q).sharding
+    if head_axes is None:
+        explicit = AxisType.Explicit in typed.mesh.axis_types
+        head_axes = (typed.spec[2] if explicit and len(typed.spec) > 2 else None) or ()
+    given = head_axes
+    head_axes = (head_axes,) if isinstance(head_axes, str) else head_axes
+    if (
+        not isinstance(head_axes, (tuple, list))
+        or not all(isinstance(a, str) for a in head_axes)
+        or len(set(head_axes)) != len(head_axes)
+    ):
+        raise ValueError(
+            f"head_axes={given!r} must be a mesh axis name or a tuple of distinct ones"
+        )
+    sizes = dict(mesh.shape)
+    for name in head_axes:
+        if name not in sizes or name in seq_names:
+            raise ValueError(
+                f"head axis {name!r} must be a mesh axis other than the sequence's "
+                f"{seq_names}; {mesh.axis_names=}"
+            )
+    parts = math.prod(sizes[a] for a in head_axes)
+    if shapes.q_heads % parts or shapes.kv_heads % parts:
+        raise ValueError(
+            f"the heads are split over {tuple(head_axes)} into {parts} parts, which q's "
+            f"{shapes.q_heads} and k's {shapes.kv_heads} heads must both divide (each "
+            "part's query heads read their own KV heads)"
+        )
+    return tuple(head_axes)
+
+
+def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes, heads=()) -> tuple[str, ...]:
+    """Mesh axes that split the batch dimension (see `ring_attention`), other than the
+    sequence's and the heads' (`heads`)."""
     seq_names = _names(seq_axis)
+    taken = (*seq_names, *heads)
     sizes = dict(mesh.shape)
     batch = q.shape[0]
     typed = jax.typeof(q).sharding
@@ -105,9 +141,14 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
                 f"{typed.spec}), the axis the sequence is split over: shard the batch over "
                 "other mesh axes, or pass batch_axes (q is then resharded)"
             )
-        _warn_replicated_batch(_splitting_axes(mesh, seq_names, batch, kept), typed.spec)
+        if set(heads) & set(kept):
+            raise ValueError(
+                f"q's batch and heads are both split over {sorted(set(heads) & set(kept))} "
+                f"(q's spec is {typed.spec}): split each over axes of its own"
+            )
+        _warn_replicated_batch(_splitting_axes(mesh, taken, batch, kept), typed.spec)
     if batch_axes is None:
-        return _splitting_axes(mesh, seq_names, batch)
+        return _splitting_axes(mesh, taken, batch)
     given = batch_axes
     batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
     if (
@@ -120,10 +161,11 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes) -> tuple[str, ...]:
         )
     batch_axes = tuple(batch_axes)
     for name in batch_axes:
-        if name not in sizes or name in seq_names:
+        if name not in sizes or name in taken:
             raise ValueError(
-                f"batch axis {name!r} must be a mesh axis other than {seq_axis=}; "
-                f"{mesh.axis_names=}"
+                f"batch axis {name!r} must be a mesh axis other than {seq_axis=}"
+                + (f" and the heads' {heads}" if heads else "")
+                + f"; {mesh.axis_names=}"
             )
     prod = math.prod(sizes[name] for name in batch_axes)
     if batch % prod != 0:
@@ -148,14 +190,17 @@ def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
     return tuple(None if x is None else jax.reshard(x, NamedSharding(mesh, spec)) for x in arrays)
 
 
-def _specs(seq_axis, batch_spec) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+def _specs(
+    seq_axis, batch_spec, head_spec=None
+) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
     """The global arrays' specs over the mesh: q/k/v/out, LSE and segment ids, the
-    sequence split over `seq_axis` and the batch over `batch_spec`."""
+    sequence split over `seq_axis`, the batch over `batch_spec`, the heads over
+    `head_spec`."""
     names = _names(seq_axis)
     seq_spec = names if len(names) > 1 else names[0]
     return (
-        PartitionSpec(batch_spec, seq_spec, None, None),
-        PartitionSpec(batch_spec, None, seq_spec),
+        PartitionSpec(batch_spec, seq_spec, head_spec, None),
+        PartitionSpec(batch_spec, head_spec, seq_spec),
         PartitionSpec(batch_spec, seq_spec),
     )
 
@@ -458,6 +503,7 @@ def ring_attention(
     scale: float | None = None,
     return_lse: bool = False,
     batch_axes: str | tuple[str, ...] | None = None,
+    head_axes: str | tuple[str, ...] | None = None,
     block_sizes: BlockSizes | None = None,
     implementation: str | None = None,
     interpret: bool | None = None,
@@ -511,6 +557,10 @@ def ring_attention(
         (so the output's type matches the code around the call; a warning names the
         axes it leaves out that could split the batch). The batch is replicated over
         the rest (each of those devices computes the same thing).
+      head_axes: mesh axes that split the heads (tensor parallelism): q's and k/v's
+        heads are split alike over them (both divisible by their size), each device
+        attends its own heads. Default: on Explicit axes, the head split q's type
+        already has; on Auto axes, none. Not among the batch's or sequence's axes.
       block_sizes, implementation, interpret, deterministic: kernel choice, as in
         `jflash.flash_attention`; resolved once for the per-shard block lengths.
         `"pallas_mosaic"` in interpret mode runs only on a one-device mesh (the GPU
@@ -560,7 +610,11 @@ def ring_attention(
         # whole sequence (a pair as a pair, relabelled by its key ids).
         segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
-    batch = _batch_axes(mesh, seq_axis, q, batch_axes)
+    heads = _head_axes(mesh, names, q, head_axes, shapes)
+    if degree > 1:  # each device's all-to-all splits its own heads further
+        parts = math.prod(sizes[a] for a in heads)
+        check_heads(shapes.q_heads // parts, degree, names[-1])
+    batch = _batch_axes(mesh, seq_axis, q, batch_axes, heads)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
     cfg = ring_config(
         names[0],
@@ -576,11 +630,13 @@ def ring_attention(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
-        group=kernel_group(shapes.group, shapes.kv_heads, degree),
+        group=kernel_group(
+            shapes.group, shapes.kv_heads // math.prod(sizes[a] for a in heads), degree
+        ),
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)
-    qkv_spec, _, seg_spec = _specs(seq_axis, batch or None)
+    qkv_spec, _, seg_spec = _specs(seq_axis, batch or None, heads or None)
     q, k, v = (_onto_mesh(x, mesh, qkv_spec) for x in (q, k, v))
     segs = jax.tree.map(lambda ids: _onto_mesh(ids, mesh, seg_spec), segs)
     options = dict(
@@ -602,18 +658,19 @@ def ring_attention(
         segs,
         mesh=mesh,
         batch_spec=batch or None,  # a tuple of axis names splits the batch over all of them
+        head_spec=heads or None,
         options=tuple(options.items()),
     )
     return (o, lse) if return_lse else o
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "batch_spec", "options"))
-def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, options):
+@functools.partial(jax.jit, static_argnames=("mesh", "batch_spec", "head_spec", "options"))
+def _shard_mapped(q, k, v, segs, *, mesh, batch_spec, head_spec, options):
     """`ring_attention_shard` (keyword arguments `options`) in a `shard_map` over
     `mesh`, on global arrays. Jitted: an eager `shard_map` would run the ring op by
     op (seconds for a few tokens on CPU), and a second call reuses the program."""
     options = dict(options)
-    qkv_spec, lse_spec, seg_spec = _specs(options["axis_name"], batch_spec)
+    qkv_spec, lse_spec, seg_spec = _specs(options["axis_name"], batch_spec, head_spec)
 
     def body(q, k, v, segs):
         return ring_attention_shard(q, k, v, segment_ids=segs, return_lse=True, **options)

@@ -845,6 +845,52 @@ def test_flash_attention_on_inputs_split_over_explicit_axes(segmented):
                 attend(jax.reshard(q, q_spec), k, v, None)
 
 
+@pytest.mark.multi_device(8)
+@pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_ring_attention_keeps_a_tensor_parallel_head_split(strategy, axis_type):
+    """Global ring_attention with the heads split over "tp" (on Explicit axes q's own
+    split; on Auto axes `head_axes="tp"`): each device attends its own heads, the
+    output and LSE come split over "tp" as q is, values and gradients the one-device
+    attention's; no warning calls "tp" an idle batch axis. Heads that k's do not
+    divide over "tp" are refused by name."""
+    mesh = jax.make_mesh(
+        (2, 2, 2), ("data", "tp", "seq"), (axis_type,) * 3, devices=jax.devices()[:8]
+    )
+    q, k, v, do, dlse = make_inputs(
+        3, batch=2, q_len=64, kv_len=64, q_heads=8, kv_heads=4, head_dim=16, dtype=jnp.float32
+    )
+    spec = P("data", "seq", "tp")
+    heads = {} if axis_type == AxisType.Explicit else {"head_axes": "tp"}
+
+    def fn(q, k, v, segs):
+        del segs
+        place = jax.reshard if axis_type == AxisType.Explicit else jax.lax.with_sharding_constraint
+        placed = [place(jflash.to_layout(x, 2, "zigzag", axis=1), spec) for x in (q, k, v)]
+        out, lse = jflash.ring_attention(
+            *placed, mesh=mesh, causal=True, strategy=strategy, return_lse=True,
+            implementation="xla", **heads,
+        )  # fmt: skip
+        if axis_type == AxisType.Explicit:
+            assert jax.typeof(out).sharding.spec[:3] == ("data", "seq", "tp")
+            assert tuple(jax.typeof(lse).sharding.spec) == ("data", "tp", "seq")
+        return jflash.from_layout(out, 2, "zigzag", axis=1), jflash.from_layout(
+            lse, 2, "zigzag", axis=2
+        )
+
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no idle-batch warning about "tp"
+        actual = jax.jit(functools.partial(_value_and_grads, fn))(q, k, v, None, do, dlse)
+    assert_close(actual, oracle(q, k, v, do, dlse, causal=True), jnp.float32)
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(
+            ValueError, match="split over \\('tp',\\) into 2 parts, which q's 8 and k's 1 heads"
+        ),
+    ):
+        jflash.ring_attention(q, k[:, :, :1], v[:, :, :1], mesh=mesh, causal=True, head_axes="tp")
+
+
 @pytest.mark.multi_device(4)
 def test_inputs_sharded_over_explicit_axes_are_named():
     """A batch split over an Explicit axis that the shard_map leaves to jax: named in
