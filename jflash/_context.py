@@ -82,6 +82,20 @@ def _warn_replicated_batch(idle, spec) -> None:
         )
 
 
+def _axis_tuple(axes, argument: str) -> tuple[str, ...]:
+    """`axes` (a mesh axis name, or a tuple or list of distinct ones) as a tuple."""
+    names = (axes,) if isinstance(axes, str) else axes
+    if (
+        not isinstance(names, (tuple, list))
+        or not all(isinstance(a, str) for a in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"{argument}={axes!r} must be a mesh axis name or a tuple of distinct ones"
+        )
+    return tuple(names)
+
+
 def _head_axes(mesh: Mesh, seq_names, q, head_axes, shapes) -> tuple[str, ...]:
     """Mesh axes that split the heads (see `ring_attention`): given, or on Explicit
     axes q's own head split; checked to divide q's and k's heads."""
@@ -89,16 +103,7 @@ def _head_axes(mesh: Mesh, seq_names, q, head_axes, shapes) -> tuple[str, ...]:
     if head_axes is None:
         explicit = AxisType.Explicit in typed.mesh.axis_types
         head_axes = (typed.spec[2] if explicit and len(typed.spec) > 2 else None) or ()
-    given = head_axes
-    head_axes = (head_axes,) if isinstance(head_axes, str) else head_axes
-    if (
-        not isinstance(head_axes, (tuple, list))
-        or not all(isinstance(a, str) for a in head_axes)
-        or len(set(head_axes)) != len(head_axes)
-    ):
-        raise ValueError(
-            f"head_axes={given!r} must be a mesh axis name or a tuple of distinct ones"
-        )
+    head_axes = _axis_tuple(head_axes, "head_axes")
     sizes = dict(mesh.shape)
     for name in head_axes:
         if name not in sizes or name in seq_names:
@@ -149,17 +154,7 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes, heads=()) -> tuple[str, ...
         _warn_replicated_batch(_splitting_axes(mesh, taken, batch, kept), typed.spec)
     if batch_axes is None:
         return _splitting_axes(mesh, taken, batch)
-    given = batch_axes
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-    if (
-        not isinstance(batch_axes, (tuple, list))
-        or not all(isinstance(a, str) for a in batch_axes)
-        or len(set(batch_axes)) != len(batch_axes)
-    ):
-        raise ValueError(
-            f"batch_axes={given!r} must be a mesh axis name or a tuple of distinct ones"
-        )
-    batch_axes = tuple(batch_axes)
+    batch_axes = _axis_tuple(batch_axes, "batch_axes")
     for name in batch_axes:
         if name not in sizes or name in taken:
             raise ValueError(
