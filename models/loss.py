@@ -117,12 +117,6 @@ def chunked_cross_entropy(
     if t % chunk_size:
         raise ValueError(f"sequence length {t=} must be divisible by {chunk_size=}")
     mesh = explicit_mesh()
-    if mesh is not None and any(jax.typeof(lm_head).sharding.spec):
-        raise ValueError(
-            f"lm_head is split over Explicit mesh axes ({jax.typeof(lm_head).sharding.spec}): "
-            "the chunked loss takes it replicated on Explicit axes (split, it runs on "
-            "Auto axes, as the trainer's)"
-        )
     if mesh is not None:
         axes = spec_axes(jax.typeof(hidden).sharding.spec[1])
         ways = math.prod(mesh.shape[a] for a in axes)
@@ -136,6 +130,16 @@ def chunked_cross_entropy(
         valid = valid & mask
     safe = jnp.where(valid, labels, 0)
     per_shard = replicated_head and shards > 1
+    if mesh is not None:
+        _dw_spec(hidden, lm_head, per_shard)  # its refusal first: the more specific
+        head_spec = tuple(jax.typeof(lm_head).sharding.spec) + (None, None)
+        if head_spec[0 if vocab_major else 1] is not None:
+            raise ValueError(
+                f"lm_head's vocabulary is split over Explicit mesh axes (its spec is "
+                f"{jax.typeof(lm_head).sharding.spec}): on Explicit axes the chunked loss "
+                "takes it whole or split along D (split by vocabulary it runs on Auto "
+                "axes, as the trainer's)"
+            )
     return _fused_cross_entropy(
         hidden, lm_head, safe, valid, chunk_size, shards, per_shard, vocab_major
     )

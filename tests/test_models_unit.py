@@ -471,7 +471,7 @@ def test_what_the_model_does_not_run_split_on_explicit_axes_is_named(params, ids
         np.testing.assert_allclose(models.logits(SMALL, params, batch), expected, atol=1e-5, rtol=0)
         hidden = models.hidden_states(SMALL, params, batch)
         head = jax.reshard(models.lm_head_weight(SMALL, params), PartitionSpec(None, "seq"))
-        with pytest.raises(ValueError, match="^lm_head is split over Explicit mesh axes"):
+        with pytest.raises(ValueError, match="^lm_head's vocabulary is split over Explicit"):
             models.chunked_cross_entropy(hidden, head, models.next_token_labels(batch))
 
 
