@@ -31,6 +31,7 @@ from jflash._validation import (
     check_qkv,
     check_segment_ids,
     check_unsharded,
+    entry_axes,
     is_self_ids,
 )
 from jflash._vma import (
@@ -114,11 +115,11 @@ def _head_axes(mesh: Mesh, seq_names, q, head_axes, shapes) -> tuple[str, ...]:
     parts = math.prod(sizes[a] for a in head_axes)
     if shapes.q_heads % parts or shapes.kv_heads % parts:
         raise ValueError(
-            f"the heads are split over {tuple(head_axes)} into {parts} parts, which q's "
+            f"the heads are split over {head_axes} into {parts} parts, which q's "
             f"{shapes.q_heads} and k's {shapes.kv_heads} heads must both divide (each "
             "part's query heads read their own KV heads)"
         )
-    return tuple(head_axes)
+    return head_axes
 
 
 def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes, heads=()) -> tuple[str, ...]:
@@ -171,7 +172,7 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes, heads=()) -> tuple[str, ...
 def _to_spec(arrays, mesh: Mesh, spec: PartitionSpec):
     """Explicit axes: reshard to `spec` (a no-op when already there), since shard_map
     refuses an input whose typed sharding differs. Auto axes: shard_map constrains."""
-    names = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    names = {a for entry in spec for a in entry_axes(entry)}
     explicit = {
         a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
     }
@@ -606,9 +607,9 @@ def ring_attention(
         segs = segs[0]
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     heads = _head_axes(mesh, names, q, head_axes, shapes)
+    head_parts = math.prod(sizes[a] for a in heads)
     if degree > 1:  # each device's all-to-all splits its own heads further
-        parts = math.prod(sizes[a] for a in heads)
-        check_heads(shapes.q_heads // parts, degree, names[-1])
+        check_heads(shapes.q_heads // head_parts, degree, names[-1])
     batch = _batch_axes(mesh, seq_axis, q, batch_axes, heads)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
     cfg = ring_config(
@@ -625,9 +626,7 @@ def ring_attention(
         interpret=interpret,
         block_sizes=block_sizes,
         deterministic=deterministic,
-        group=kernel_group(
-            shapes.group, shapes.kv_heads // math.prod(sizes[a] for a in heads), degree
-        ),
+        group=kernel_group(shapes.group, shapes.kv_heads // head_parts, degree),
     )
     if cfg.kernel.name == "pallas_mosaic" and cfg.kernel.interpret and mesh.size > 1:
         raise mosaic_interpret_error(mesh.size)

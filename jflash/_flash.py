@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -22,6 +23,7 @@ from jflash._validation import (
     check_qkv,
     check_segment_ids,
     default_scale,
+    entry_axes,
     is_self_ids,
     names_mesh_axes,
 )
@@ -182,19 +184,6 @@ def _spec(x) -> tuple:
     return spec + (None,) * (x.ndim - len(spec))
 
 
-def _axis_names(entry) -> tuple[str, ...]:
-    """The mesh axes of a spec entry (None, an axis, or a tuple of axes)."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _axes_size(mesh, entry) -> int:
-    """How many parts a spec entry splits into."""
-    size = 1
-    for name in _axis_names(entry):
-        size *= mesh.shape[name]
-    return size
-
-
 def _per_device(call, q, k, v, segment_ids, shapes):
     """`call(q, k, v, segment_ids=..., return_lse=True)` on each device's part of inputs
     split over Explicit mesh axes along the batch and the heads (q's split; k, v and
@@ -221,7 +210,7 @@ def _per_device(call, q, k, v, segment_ids, shapes):
                 "head whole; split the batch or the heads"
             )
     batch, heads = _spec(q)[0], _spec(q)[2]
-    parts = _axes_size(mesh, heads)
+    parts = math.prod(mesh.shape[a] for a in entry_axes(heads))
     if shapes.kv_heads % parts:
         raise ValueError(
             f"q's {shapes.q_heads} heads are split over {heads!r} into {parts} parts, which "
@@ -244,7 +233,7 @@ def _per_device(call, q, k, v, segment_ids, shapes):
         specs = ((qkv_spec,) * 3) + (jax.tree.map(lambda _: ids_spec, segment_ids),)
     # Over the axes that split q only: inside a caller's partial shard_map (or a
     # vmap over an axis split elsewhere) the others are not this call's.
-    used = {a for entry in (batch, heads) if entry for a in _axis_names(entry)}
+    used = {*entry_axes(batch), *entry_axes(heads)}
     return jax.shard_map(
         body,
         mesh=mesh,

@@ -107,6 +107,11 @@ def check_offsets(q_offset, k_offset, shapes: Shapes, causal: bool) -> tuple[int
     return checked[0], checked[1]
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of a PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def names_mesh_axes(x) -> bool:
     """Whether `x`'s type names a mesh axis (sharded over Explicit axes)."""
     return any(entry is not None for entry in jax.typeof(x).sharding.spec)

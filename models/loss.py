@@ -131,15 +131,7 @@ def chunked_cross_entropy(
     safe = jnp.where(valid, labels, 0)
     per_shard = replicated_head and shards > 1
     if mesh is not None:
-        _dw_spec(hidden, lm_head, per_shard)  # its refusal first: the more specific
-        head_spec = tuple(jax.typeof(lm_head).sharding.spec) + (None, None)
-        if head_spec[0 if vocab_major else 1] is not None:
-            raise ValueError(
-                f"lm_head's vocabulary is split over Explicit mesh axes (its spec is "
-                f"{jax.typeof(lm_head).sharding.spec}): on Explicit axes the chunked loss "
-                "takes it whole or split along D (split by vocabulary it runs on Auto "
-                "axes, as the trainer's)"
-            )
+        _check_explicit_head(hidden, lm_head, per_shard, vocab_major)
     return _fused_cross_entropy(
         hidden, lm_head, safe, valid, chunk_size, shards, per_shard, vocab_major
     )
@@ -159,6 +151,26 @@ def _unchunk(x, t: int):
     return x.reshape(x.shape[0], t, *x.shape[4:])
 
 
+def _check_explicit_head(hidden, w, per_shard: bool, vocab_major: bool) -> None:
+    """On Explicit axes, refuses an LM head `w` the loop cannot place: one sharded over
+    the axes that split the tokens where each token shard keeps its own gradient sum
+    (`per_shard`), and one split by vocabulary (split along D it runs)."""
+    spec = jax.typeof(w).sharding.spec
+    w_axes = {a for part in spec for a in spec_axes(part)}
+    tokens = jax.typeof(hidden).sharding.spec[1]
+    if per_shard and w_axes & set(spec_axes(tokens)):
+        raise ValueError(
+            f"replicated_head=True, but lm_head is sharded {PartitionSpec(*spec)} over the "
+            f"axes that split the tokens ({tokens}); pass replicated_head=False"
+        )
+    if (tuple(spec) + (None, None))[0 if vocab_major else 1] is not None:
+        raise ValueError(
+            f"lm_head's vocabulary is split over Explicit mesh axes (its spec is {spec}): "
+            "on Explicit axes the chunked loss takes it whole or split along D (split by "
+            "vocabulary it runs on Auto axes, as the trainer's)"
+        )
+
+
 def _dw_spec(hidden, w, per_shard: bool):
     """Under an Explicit-axes mesh, the sharding of the weight gradient's running sum
     (jax cannot infer it; Auto meshes do): the weight's own, with a leading axis over
@@ -169,13 +181,7 @@ def _dw_spec(hidden, w, per_shard: bool):
     w_spec += (None,) * (w.ndim - len(w_spec))
     if not per_shard:
         return PartitionSpec(*w_spec)
-    tokens = jax.typeof(hidden).sharding.spec[1]
-    if {a for part in w_spec for a in spec_axes(part)} & set(spec_axes(tokens)):
-        raise ValueError(
-            f"replicated_head=True, but lm_head is sharded {PartitionSpec(*w_spec)} over the "
-            f"axes that split the tokens ({tokens}); pass replicated_head=False"
-        )
-    return PartitionSpec(tokens, *w_spec)
+    return PartitionSpec(jax.typeof(hidden).sharding.spec[1], *w_spec)
 
 
 def _scan_chunks(

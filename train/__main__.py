@@ -9,17 +9,9 @@ import threading
 
 from train import outputs
 from train.config import parse_args
-from train.errors import Preempted, Terminated, signal_status
+from train.errors import Preempted, Terminated, raise_terminated, signal_status
 from train.loop import TrainingError, run
 from train.words import plural
-
-
-def _on_sigterm(signum, frame):
-    # SIGTERM (a scheduler preempting the job, `kill`) outside the training loop, or
-    # inside it with `--save_on_preemption false` or `--save_strategy no`: handled as
-    # Ctrl-C is. Inside it otherwise the loop saves the step it reached first
-    # (`train.errors.Preempted`).
-    raise Terminated(signum)
 
 
 def _leave_together() -> None:
@@ -99,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     # last checkpoint (while the loop trains, it saves the step reached first:
     # `train.loop._Preemption`). Signal handlers belong to the main thread only.
     own = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if own else None
+    # SIGTERM outside the training loop, or inside it with `--save_on_preemption false`
+    # or `--save_strategy no`: handled as Ctrl-C is (`Terminated`).
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if own else None
     try:
         cfg = parse_args(argv)
         summary = run(cfg)

@@ -64,7 +64,8 @@ def stop_status(error: KeyboardInterrupt) -> int:
     return signal_status(error.signum if isinstance(error, Terminated) else signal.SIGINT)
 
 
-def _on_signal(signum, frame):
+def raise_terminated(signum, frame):
+    """The signal handler of a stop signal: raises `Terminated(signum)`."""
     raise Terminated(signum)
 
 
@@ -77,7 +78,7 @@ def signals_as_interrupts():
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, _on_signal)
+                previous[sig] = signal.signal(sig, raise_terminated)
     try:
         yield
     finally:

@@ -106,6 +106,14 @@ def cannot_write_in(folder: str) -> str | None:
     return None
 
 
+def nearest_existing(path: str) -> str:
+    """`path` itself where it exists, else its nearest existing ancestor."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def check_writable(out: str, flag: str = "--output_dir") -> None:
     """Refuses a directory (`--output_dir`, or `flag`) that is a file, lies under a file,
     or cannot be written (`cannot_write_in` its nearest existing folder); creates
@@ -113,12 +121,7 @@ def check_writable(out: str, flag: str = "--output_dir") -> None:
     path = os.path.abspath(out)
     if os.path.exists(path) and not os.path.isdir(path):
         raise TrainingError(f"{flag}={out!r} is a file, not a directory")
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    probe = nearest_existing(path)
     if not os.path.isdir(probe):
         raise TrainingError(f"{flag}={out!r} cannot be created: {probe} is a file")
     if why := cannot_write_in(probe):

@@ -76,8 +76,7 @@ def out_error(
     folder = os.path.dirname(os.path.abspath(path))
     if not make_parent and not os.path.exists(folder):
         return f"{flag} {path}: no such directory {folder}"
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
+    folder = outputs.nearest_existing(folder)
     if not os.path.isdir(folder):
         return f"{flag} {path}: {folder} is a file, not a directory"
     if why := outputs.cannot_write_in(folder):
