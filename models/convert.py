@@ -49,9 +49,10 @@ from models.config import (
     from_hf_config,
     to_hf_config,
 )
+from models.files import atomic_write, folder_error
 from models.functional import Params, abstract_params, check_params, init_params
 from models.presets import preset
-from models.safetensors_io import SafetensorsFile, atomic_write, save_file
+from models.safetensors_io import SafetensorsFile, save_file
 
 Transform = Literal["identity", "transpose"]
 
@@ -478,17 +479,27 @@ def remove_other_weights(path: str, written: set[str]) -> None:
 def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str]) -> None:
     """Writes ``params`` (keys ``a/b/c``) and the full config to directory ``path``.
 
-    The config marks a whole directory (:func:`load_native` reads it first): one already
-    there is removed before the parameters are written (staged, then renamed), and the
-    new one written last, so that a write cut off leaves no directory that reads as a
-    model with another model's parameters, or with parameters half written."""
+    The config records the parameters' own dtype as ``param_dtype`` (bfloat16 arrays of
+    a float32 config are saved as bfloat16, and say so); parameters of several dtypes
+    are refused. The config marks a whole directory (:func:`load_native` reads it
+    first): one already there is removed before the parameters are written (staged,
+    then renamed), and the new one written last, so that a write cut off leaves no
+    directory that reads as a model with another model's parameters, or with
+    parameters half written."""
     check_params(config, params)  # another model's tree replaces no checkpoint
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     tensors = {
         "/".join(k.key for k in keys): np.asarray(jax.device_get(leaf)) for keys, leaf in flat
     }
+    dtypes = sorted({np.dtype(a.dtype).name for a in tensors.values()})
+    if len(dtypes) != 1 or dtypes[0] not in DTYPES:
+        raise ValueError(
+            f"save_native: the parameters hold {' and '.join(dtypes)}; cast them to one of "
+            f"{DTYPES} (jax.tree.map(lambda a: a.astype(dtype), params))"
+        )
+    config = config.replace(param_dtype=dtypes[0])
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, NATIVE_CONFIG)
     if os.path.lexists(config_path):
         os.remove(config_path)
@@ -499,8 +510,17 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
         json.dump(config_to_dict(config), f, indent=2)
 
 
-def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
-    """Reads a directory written by :func:`save_native` (strict, like :func:`load_hf`)."""
+def load_native(
+    path: str | os.PathLike[str], *, param_dtype: str | None = None
+) -> tuple[LlamaConfig, Params]:
+    """Reads a directory written by :func:`save_native` (strict, like :func:`load_hf`).
+
+    Args:
+        path: the directory.
+        param_dtype: dtype of the returned parameters (default the config's
+            ``param_dtype``, the saved arrays' own); a cast to float16 refuses a weight
+            beyond its range, naming it.
+    """
     path = os.fspath(path)
     config_path = os.path.join(path, NATIVE_CONFIG)
     if not os.path.isfile(config_path):
@@ -510,11 +530,19 @@ def load_native(path: str | os.PathLike[str]) -> tuple[LlamaConfig, Params]:
     data = read_json(config_path)
     try:
         config = config_from_dict(data)
+        if param_dtype is not None:
+            config = config.replace(param_dtype=param_dtype)
     except (TypeError, ValueError) as e:  # TypeError: a field of the wrong type
         raise ValueError(f"{config_path}: {e}") from None
+    dtype = _numpy_dtype(config.param_dtype)
     params: Params = {}
     for key, array in SafetensorsFile(os.path.join(path, NATIVE_PARAMS)).items():
-        _set(params, tuple(key.split("/")), np.array(array))
+        if beyond := _beyond(array, dtype):
+            raise ValueError(
+                f"{path}: {key} {beyond}: param_dtype={dtype.name!r} would make it inf; "
+                "load it as 'float32' or 'bfloat16'"
+            )
+        _set(params, tuple(key.split("/")), np.array(array, dtype=dtype))
     check_params(config, params)
     return config, params
 
@@ -732,8 +760,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--seed={args.seed} must be in [0, 2**63)")
     if error := shard_gb_error(args.max_shard_gb):
         parser.error(error)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        parser.error(f"--out={args.out!r} is a file, not a directory")
+    if error := folder_error(args.out, "--out"):  # before the conversion's work
+        parser.error(error)
     held = [] if args.overwrite else _replaced(args)
     if held:
         parser.error(replace_refusal(args.out, held))

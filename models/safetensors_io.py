@@ -8,15 +8,15 @@ Reads are memory-mapped: a tensor's bytes are touched only when it is used.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import struct
 from collections.abc import Iterator, Mapping
-from typing import IO
 
 import ml_dtypes
 import numpy as np
+
+from models.files import atomic_write
 
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -139,18 +139,3 @@ def save_file(
             if array.dtype.byteorder == ">":
                 array = array.byteswap().view(array.dtype.newbyteorder("<"))
             f.write(array.view(np.uint8).tobytes())
-
-
-@contextlib.contextmanager
-def atomic_write(path: str, mode: str = "wb") -> Iterator[IO]:
-    """A file opened at ``path + ".tmp"`` and renamed over ``path`` when the block ends;
-    if the block raises, the partial file is removed and ``path`` is left untouched."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, mode) as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import jflash
 import models
-from models import safetensors_io
+import models.files
 from models.attention import attend
 from models.convert import main as convert_main
 from models.safetensors_io import SafetensorsFile, save_file
@@ -549,6 +549,33 @@ def test_save_native_refuses_another_models_tree_keeping_the_checkpoint(tmp_path
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_native_directory_records_the_parameters_dtype(tmp_path, params):
+    """bfloat16 parameters of a float32 config are saved as bfloat16 and say so; loaded
+    as they were, or cast on request; parameters of two dtypes are refused before
+    anything is written; a cast to float16 names a weight it would make inf."""
+    half = jax.tree.map(lambda a: np.asarray(a).astype(jnp.bfloat16), jax.device_get(params))
+    assert SMALL.param_dtype == "float32"
+    models.save_native(half, SMALL, tmp_path / "bf16")
+    saved = json.loads((tmp_path / "bf16" / "jflash_config.json").read_text())
+    assert saved["param_dtype"] == "bfloat16"
+    config, loaded = models.load_native(tmp_path / "bf16")
+    assert config.param_dtype == "bfloat16"
+    assert {a.dtype for a in jax.tree.leaves(loaded)} == {np.dtype(jnp.bfloat16)}
+    config, wide = models.load_native(tmp_path / "bf16", param_dtype="float32")
+    assert config.param_dtype == "float32"
+    jax.tree.map(lambda w, h: np.testing.assert_array_equal(w, h.astype(np.float32)), wide, half)
+
+    mixed = dict(half, final_norm=jax.device_get(params)["final_norm"])
+    with pytest.raises(ValueError, match=r"hold bfloat16 and float32; cast them to one"):
+        models.save_native(mixed, SMALL, tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists()
+
+    big = jax.tree.map(lambda a: np.asarray(a) * 0 + 7e4, jax.device_get(params))
+    models.save_native(big, SMALL, tmp_path / "big")
+    with pytest.raises(ValueError, match=r"magnitude 70000.*param_dtype='float16' would"):
+        models.load_native(tmp_path / "big", param_dtype="float16")
+
+
 def test_chunked_cross_entropy_matches_full(params, ids):
     labels = models.next_token_labels(ids)
     head = models.lm_head_weight(SMALL, params)
@@ -981,7 +1008,7 @@ def test_an_export_that_fails_part_way_leaves_the_earlier_checkpoint(tmp_path, p
         opened.append(name)
         return FullDisk(file)
 
-    monkeypatch.setattr(safetensors_io, "open", full_disk_open, raising=False)
+    monkeypatch.setattr(models.files, "open", full_disk_open, raising=False)
     with pytest.raises(OSError, match="No space left"):
         models.export_hf(
             jax.tree.map(lambda a: a + 1.0, params), SMALL, tmp_path, max_shard_bytes=20_000
@@ -1033,6 +1060,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         ),
         (["--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
         (["--init", "tiny", "--out", str(tmp_path / "afile")], "is a file, not a directory"),
+        (["--init", "tiny", "--out", str(tmp_path / "afile" / "o")], "afile is a file"),
+        # tried before the conversion's work: root passes os.access on /proc
+        (["--init", "tiny", "--out", "/proc/o"], "'/proc/o' cannot be created in /proc"),
         (["--to-hf", "x", "--out", o, "--max-shard-gb", "0"], "must be a finite number > 0"),
         (["--init", "tiny", "--out", o, "--max-shard-gb", "inf"], r"--max-shard-gb=inf must be"),
         (["--init", "tiny", "--out", o, "--max-shard-gb", "nan"], r"--max-shard-gb=nan must be"),

@@ -19,6 +19,7 @@ import pytest
 from conftest import cpu_devices
 
 import models
+import models.files
 from train import data as data_lib
 from train.config import HF_ONLY_FLAGS, TrainConfig, build_parser, parse_args
 from train.loop import TrainingError, run
@@ -879,7 +880,6 @@ def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
     """An --out that cannot be written is one line naming --out and the path, before
     any layout's gradients are computed: a folder is writable where a file can be
     created in it, which the permission bits do not tell (/proc passes them)."""
-    from train import outputs
     from train.tools import gradcheck
 
     def computed(flags):
@@ -889,9 +889,9 @@ def test_gradcheck_refuses_an_out_it_cannot_write_before_any_layout(
     (tmp_path / "file").write_text("")
     (tmp_path / "folder").mkdir()
     (tmp_path / "locked").mkdir()
-    probe = outputs.cannot_write_in  # the tests may run as root, whom every mode lets write
+    probe = models.files.cannot_write_in  # the tests may run as root, whom every mode lets write
     monkeypatch.setattr(
-        outputs,
+        models.files,
         "cannot_write_in",
         lambda folder: "Permission denied" if "locked" in folder else probe(folder),
     )

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import models
+import models.files
 from models.safetensors_io import SafetensorsFile
 from train import data as data_lib
 from train import outputs
@@ -200,7 +201,7 @@ def test_output_dir_that_cannot_be_written(tmp_path, capsys, monkeypatch):
     assert f"{afile} is a file" in err
     err = _one_line_error([*argv, "--output_dir", "/proc/run"], capsys)  # root passes os.access
     assert "--output_dir='/proc/run' cannot be created in /proc (No such file or directory)" in err
-    monkeypatch.setattr(outputs, "cannot_write_in", lambda folder: "Permission denied")
+    monkeypatch.setattr(models.files, "cannot_write_in", lambda folder: "Permission denied")
     err = _one_line_error([*argv, "--output_dir", str(tmp_path / "new" / "run")], capsys)
     assert f"cannot be created in {tmp_path} (Permission denied)" in err
     assert not afile.is_dir() and afile.read_text() == "not a directory"
@@ -471,7 +472,6 @@ def test_made_up_model_and_data_are_named_and_a_path_called_sample_is_data(
 def test_a_previous_run_without_checkpoints_is_not_offered_a_resume(tmp_path):
     """A run stopped before its first save left a log but nothing to resume from: the
     refusal offers what works (overwrite, another directory), not a resume that fails."""
-    from train import outputs
 
     out = tmp_path / "run"
     out.mkdir()

@@ -23,7 +23,6 @@ import math
 import os
 import shutil
 import signal
-import tempfile
 import threading
 
 import jax
@@ -31,6 +30,7 @@ import yaml
 from jax.experimental import multihost_utils
 
 from models.convert import tokenizer_files as folder_tokenizer_files
+from models.files import folder_error
 from train.chat import is_template_file, read_chat_template, save_chat_template, template_files
 from train.config import TrainConfig
 from train.errors import TrainingError
@@ -92,41 +92,11 @@ def has_export(out: str) -> bool:
     return os.path.isfile(os.path.join(hf_dir(out), "config.json"))
 
 
-def cannot_write_in(folder: str) -> str | None:
-    """Why no file can be created in the existing directory `folder` (the error's text),
-    or None. Tried by creating and removing an empty file there: the permission bits do
-    not tell (root passes them, and so do `/proc` and a read-only mount)."""
-    try:
-        fd, name = tempfile.mkstemp(dir=folder, prefix=".jflash-write-probe-")
-    except OSError as e:
-        return e.strerror or str(e)
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.remove(name)
-    return None
-
-
-def nearest_existing(path: str) -> str:
-    """`path` itself where it exists, else its nearest existing ancestor."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def check_writable(out: str, flag: str = "--output_dir") -> None:
     """Refuses a directory (`--output_dir`, or `flag`) that is a file, lies under a file,
-    or cannot be written (`cannot_write_in` its nearest existing folder); creates
-    nothing that stays."""
-    path = os.path.abspath(out)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise TrainingError(f"{flag}={out!r} is a file, not a directory")
-    probe = nearest_existing(path)
-    if not os.path.isdir(probe):
-        raise TrainingError(f"{flag}={out!r} cannot be created: {probe} is a file")
-    if why := cannot_write_in(probe):
-        what = "is not writable" if probe == path else f"cannot be created in {probe}"
-        raise TrainingError(f"{flag}={out!r} {what} ({why})")
+    or cannot be written (`models.files.folder_error`); creates nothing that stays."""
+    if why := folder_error(out, flag):
+        raise TrainingError(why)
 
 
 def previous_outputs(out: str) -> list[str]:

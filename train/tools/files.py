@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import IO, NoReturn
 
-from train import outputs
+import models.files
 
 
 def write_whole(path: str, write: Callable[[IO], object], flag: str, binary: bool = False) -> None:
@@ -63,7 +63,7 @@ def out_error(
     `path`), or None: a directory, one of the `inputs`, a file already there (without
     `overwrite`: another run's result, or any file, is kept), or a file whose directory is
     missing (where not `make_parent`: the writer creates it), not a directory, or one no
-    file can be created in (`outputs.cannot_write_in`, tried on the nearest existing
+    file can be created in (`models.files.cannot_write_in`, tried on the nearest existing
     folder). Creates nothing that stays."""
     if os.path.isdir(path):
         return f"{flag} {path} is a directory; give a file path for {what}"
@@ -76,10 +76,10 @@ def out_error(
     folder = os.path.dirname(os.path.abspath(path))
     if not make_parent and not os.path.exists(folder):
         return f"{flag} {path}: no such directory {folder}"
-    folder = outputs.nearest_existing(folder)
+    folder = models.files.nearest_existing(folder)
     if not os.path.isdir(folder):
         return f"{flag} {path}: {folder} is a file, not a directory"
-    if why := outputs.cannot_write_in(folder):
+    if why := models.files.cannot_write_in(folder):
         return f"{flag} {path}: {folder} is not writable ({why})"
     return None
 
