@@ -13,6 +13,8 @@ import time
 
 import jax
 
+import jflash
+
 INTERPRET_HELP = (
     "run without a GPU: the same code on the CPU, Pallas kernels in interpret mode (as "
     "the tests run them); the table and JSON say so, and the times mean nothing. On a "
@@ -200,6 +202,7 @@ def write_json(path: str, payload: dict, *, note: str | None = None) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
+        "jflash": jflash.__version__,
         **marker,
         **payload,
     }

@@ -26,6 +26,8 @@ from jflash._reference import attention_reference
 from jflash._ring import ring_attention_rank
 from jflash._timeline import KERNEL_SCOPES, kernel_timeline
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it here)
+
 __all__ = [
     "IMPLEMENTATIONS",
     "KERNEL_SCOPES",

@@ -8,8 +8,11 @@ named by what and where (`kernel-h200.json`), not when.
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -197,3 +200,34 @@ def test_cited_benchmarks_sections_exist():
             if not any(h.startswith(title.replace("`", "")) for h in headings):
                 failures.append(f'{path}: "{title}"')
     assert not failures, "Cited sections missing from BENCHMARKS.md:\n" + "\n".join(failures)
+
+
+def test_the_wheel_ships_every_package_and_the_example_configs():
+    """`pyproject.toml` lists its packages by hand (configs/ is mapped into
+    train/configs): every package folder is listed, and every config is package data."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        setup = tomllib.load(f)["tool"]["setuptools"]
+    found = sorted(
+        str(p.parent.relative_to(ROOT)).replace(os.sep, ".")
+        for top in ("jflash", "models", "train")
+        for p in (ROOT / top).rglob("__init__.py")
+    )
+    assert sorted(set(setup["packages"]) - {"train.configs"}) == found
+    assert setup["package-dir"] == {"train.configs": "configs"}
+    globs = setup["package-data"]["train.configs"]
+    configs = sorted(p.name for p in (ROOT / "configs").iterdir())
+    assert configs and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in configs)
+
+
+def test_shipped_configs_are_found_in_a_clone_and_in_an_installed_package(tmp_path, monkeypatch):
+    from train import config
+
+    assert config.shipped_config("demo.yaml") == str(ROOT / "configs" / "demo.yaml")
+    installed = tmp_path / "site-packages" / "train"
+    (installed / "configs").mkdir(parents=True)
+    (installed / "configs" / "demo.yaml").write_text("run: {max_steps: 1}\n")
+    monkeypatch.setattr(config, "__file__", str(installed / "config.py"))
+    assert config.shipped_config("demo.yaml") == str(installed / "configs" / "demo.yaml")
+    # the docs' relative `--config configs/...` outside a clone names the installed copy
+    with pytest.raises(ValueError, match=r"No such file or directory \(jflash's copy: --config "):
+        config.load_yaml(str(tmp_path / "configs" / "demo.yaml"))

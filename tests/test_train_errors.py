@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -517,6 +518,24 @@ def test_the_demos_help_writes_nothing(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_text_demo_without_tokenizers_says_so_before_writing(tmp_path, monkeypatch):
+    """A plain install has no `tokenizers`: the text demo names the extra in one line
+    before it gathers or writes anything."""
+    import importlib.util
+
+    from train import text_demo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else real(name)
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["text_demo"])
+    with pytest.raises(SystemExit, match=r"needs the 'tokenizers' package: pip install 'jflash"):
+        text_demo.main()
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_signal_stop_exits_with_the_shells_status_for_the_signal():
     """The trainer, the demos and the profiling tools end a run a signal stopped with
     the status a shell gives a process that signal killed: 128 + its number."""
@@ -872,3 +891,17 @@ def test_an_adafactor_checkpoint_of_optaxs_state_is_refused_with_the_way_on():
     _check_resumable({"step": 2, "run": dict(now)}, now, "ckpts")
     adamw = {"optim": "adamw", "optim_state": None, "total_steps": 4}
     _check_resumable({"step": 2, "run": {"optim": "adamw"}}, adamw, "ckpts")
+
+
+def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
+    """`python -m train` puts the working directory first on sys.path: a `models`
+    package of the user's there is named, not failed on deep inside an import."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("")
+    done = subprocess.run(
+        [sys.executable, "-m", "train", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"but 'models' is {tmp_path / 'models'}: a folder there comes first" in last
+    assert "run jflash-train, or from another directory" in last

@@ -189,7 +189,7 @@ def test_wandb_not_installed_is_one_line_with_the_install_command(tmp_path, caps
     assert main(_args(out, "--report_to", "wandb")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --report_to wandb needs the wandb")
-    assert 'pip install -e ".[wandb]"' in err
+    assert "pip install 'jflash[wandb]'" in err
     assert not out.exists()
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import re
 import sys
 import types
@@ -711,10 +712,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def shipped_config(name: str) -> str:
+    """The path of ``configs/<name>``, the example configs jflash ships: the source
+    tree's folder (a clone, an editable install), else the installed package's copy
+    (``train/configs`` in a wheel, `pyproject.toml`'s package data)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    tree = os.path.join(os.path.dirname(package), "configs", name)
+    return tree if os.path.exists(tree) else os.path.join(package, "configs", name)
+
+
 def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     try:
         with open(path) as f:
             data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+    except FileNotFoundError as e:
+        # `configs/x.yaml` of the docs, outside a clone: name the installed copy
+        shipped = shipped_config(os.path.basename(path))
+        hint = f" (jflash's copy: --config {shipped})" if os.path.isfile(shipped) else ""
+        raise ValueError(f"--config={path!r}: {e.strerror}{hint}") from None
     except OSError as e:
         raise ValueError(f"--config={path!r}: {e.strerror}") from None
     except yaml.YAMLError as e:

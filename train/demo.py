@@ -46,14 +46,12 @@ import numpy as np  # noqa: E402
 import models  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import outputs  # noqa: E402
-from train.config import parse_args  # noqa: E402
+from train.config import parse_args, shipped_config  # noqa: E402
 from train.errors import Preempted, signal_status  # noqa: E402
 from train.loop import TrainingError, run  # noqa: E402
 
 RUN_DIR = os.path.join("runs", "demo")
-CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "demo.yaml"
-)
+CONFIG = shipped_config("demo.yaml")
 
 
 def tiny_llama3() -> models.LlamaConfig:

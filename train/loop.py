@@ -744,7 +744,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 if is_main:
                     print(
                         f"--profile_steps: traced steps {profile[0] + 1}..{profile[1]} (as the "
-                        f"step lines count) into {trace_dir} (tensorboard --logdir {trace_dir})",
+                        f"step lines count) into {trace_dir} (tensorboard --logdir {trace_dir}; "
+                        "tensorboard and its profile plugin: pip install 'jflash[xprof]')",
                         flush=True,
                     )
             if pending is not None:

@@ -14,7 +14,7 @@ from train.config import TrainConfig
 from train.errors import TrainingError
 from train.tensorboard import SummaryWriter
 
-INSTALL_WANDB = 'pip install -e ".[wandb]" (or pip install wandb)'
+INSTALL_WANDB = "pip install 'jflash[wandb]' (or pip install wandb)"
 
 
 def destinations(report_to: str) -> tuple[str, ...]:

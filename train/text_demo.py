@@ -17,6 +17,7 @@ Everything lands under ``runs/text_demo/``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import signal
 import sys
@@ -31,12 +32,12 @@ from models import convert
 from train import data as data_lib
 from train import data_cache, outputs
 from train.build import build, data_eos
-from train.config import parse_args
+from train.config import parse_args, shipped_config
 from train.errors import Preempted, signal_status
-from train.loop import run
+from train.loop import TrainingError, run
 
 RUN_DIR = Path("runs") / "text_demo"
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "text_demo.yaml"
+CONFIG = shipped_config("text_demo.yaml")
 VOCAB_SIZE = 2048
 MAX_FILE_BYTES = 200_000  # leaves out the few huge changelogs
 HELD_OUT_EVERY = 10
@@ -104,6 +105,19 @@ def main() -> None:
     refused = outputs.demo_flag_error(sys.argv[1:], str(RUN_DIR))
     if refused:
         sys.exit(refused)
+    if importlib.util.find_spec("tokenizers") is None:  # before anything is written
+        sys.exit(
+            "error: the text demo trains a tokenizer, which needs the 'tokenizers' package: "
+            "pip install 'jflash[text]'"
+        )
+    try:
+        demo(start)
+    except (TrainingError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+def demo(start: float) -> None:
+    """Text, tokenizer, model, caches, then the run and its validation loss."""
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     root = Path(sysconfig.get_paths()["purelib"])
     texts = gather(root)

@@ -482,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--mlp-tile={args.mlp_tile} must be -1 (auto), 0 (off) or > 0")
     import jax
 
+    import jflash
     from train.build import model_config
     from train.config import parse_args
     from train.errors import TrainingError
@@ -547,6 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
             "device": jax.devices()[0].device_kind,
             "devices": jax.device_count(),
             "jax": jax.__version__,
+            "jflash": jflash.__version__,
             "limit_gib": limit,
             "host_limit_gib": host_limit,
             "method": "compiled memory analysis of the training step, not run",

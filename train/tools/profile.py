@@ -1408,7 +1408,13 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) ->
     command = command_line(argv)
     import jax  # only its version: the parent never starts a backend
 
-    run_facts = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__}
+    import jflash
+
+    run_facts = {
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "jflash": jflash.__version__,
+    }
     path = os.path.join(args.out, "report.json")
 
     good = {r["name"] for r in old["rows"] if r.get("status") == "ok"}
