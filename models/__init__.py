@@ -33,6 +33,15 @@ Modules: ``config`` (dataclasses, HF config.json), ``presets``, ``rope``,
 ``python -m models.convert``), ``loss``, ``flops``.
 """
 
+import importlib.util as _util
+
+# The `train` extra's packages the models import (`import jflash` needs none of them).
+_missing = [name for name in ("flax", "ml_dtypes") if _util.find_spec(name) is None]
+if _missing:
+    raise ImportError(
+        f"jflash's models need {' and '.join(_missing)}, not installed: pip install 'jflash[train]'"
+    )
+
 from models.attention import ATTENTION_KINDS, AttentionConfig
 from models.config import LlamaConfig, RopeConfig, from_hf_config, to_hf_config
 from models.flops import (

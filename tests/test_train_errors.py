@@ -905,3 +905,24 @@ def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert f"but 'models' is {tmp_path / 'models'}: a folder there comes first" in last
     assert "run jflash-train, or from another directory" in last
+
+
+def test_without_the_train_extra_the_library_imports_and_the_trainer_names_it():
+    """`pip install jflash` has jax alone: `import jflash` works, `import models` and
+    `import train` name the missing packages and the extra in one line."""
+    blocked = "import sys\nfor m in ('flax', 'optax', 'yaml'): sys.modules[m] = None\n"
+
+    def attempt(line):
+        code = blocked + line
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+    assert attempt("import jflash; jflash.flash_attention").returncode == 0
+    last = attempt("import models").stderr.strip().splitlines()[-1]
+    assert last == (
+        "ImportError: jflash's models need flax, not installed: pip install 'jflash[train]'"
+    )
+    last = attempt("import train").stderr.strip().splitlines()[-1]
+    assert last == (
+        "ImportError: jflash's trainer needs flax, optax, pyyaml, not installed: "
+        "pip install 'jflash[train]'"
+    )

@@ -19,4 +19,26 @@ def _check_models_package() -> None:
         )
 
 
+# The `train` extra: module -> its distribution's name (`import jflash` needs none).
+_TRAIN_EXTRA = {
+    "flax": "flax",
+    "optax": "optax",
+    "orbax": "orbax-checkpoint",
+    "yaml": "pyyaml",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "ml_dtypes": "ml_dtypes",
+}
+
+
+def _check_train_extra() -> None:
+    missing = [dist for module, dist in _TRAIN_EXTRA.items() if _util.find_spec(module) is None]
+    if missing:
+        raise ImportError(
+            f"jflash's trainer needs {', '.join(missing)}, not installed: "
+            "pip install 'jflash[train]'"
+        )
+
+
+_check_train_extra()
 _check_models_package()
