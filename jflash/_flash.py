@@ -7,6 +7,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -100,7 +101,7 @@ def flash_attention(
       causal: query `q_offset + i` sees key `k_offset + j` only when `>=`. Required
         (`jax.nn.dot_product_attention` defaults to non-causal; a default either way
         would surprise half the callers).
-      scale: logit scale, default `H ** -0.5`.
+      scale: logit scale, default `H ** -0.5`; finite and above 0.
       segment_ids: `[B, T]` int ids (T == S) or a `(q_ids [B,T], kv_ids [B,S])` pair;
         attention stays inside equal ids (packed sequences). Fastest where each row's
         ids are non-decreasing along it. One array whose documents are each one run of
@@ -131,10 +132,11 @@ def flash_attention(
     Returns:
       `out [B, T, N, H]` in q's dtype, or `(out, lse)` with `return_lse=True`.
     """
-    shapes = check_qkv(q, k, v)
+    shapes = check_qkv(q, k, v, empty=True)
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     segs = check_segment_ids(segment_ids, shapes)
-    if any(names_mesh_axes(x) for x in (q, k, v, *(segs or ()))):
+    empty = 0 in (shapes.batch, shapes.q_len, shapes.q_heads, shapes.kv_len)
+    if not empty and any(names_mesh_axes(x) for x in (q, k, v, *(segs or ()))):
         # Split over Explicit mesh axes (batch, heads): each device its own part.
         call = functools.partial(
             flash_attention,
@@ -149,7 +151,9 @@ def flash_attention(
         )
         o, lse = _per_device(call, q, k, v, segment_ids, shapes)
         return (o, lse) if return_lse else o
-    if is_self_ids(segment_ids):
+    if empty:
+        segs = None
+    elif is_self_ids(segment_ids):
         # One array for queries and keys: documents labelled in any order (padding
         # labelled 0 at a row's end too) take the sorted ids' kernels.
         segs = (first_positions(segs[0]),) * 2
@@ -163,15 +167,21 @@ def flash_attention(
             implementation,
             interpret,
             block_sizes,
-            q_len=shapes.q_len,
-            kv_len=shapes.kv_len,
+            q_len=max(shapes.q_len, 1),  # an empty call's other arguments checked alike
+            kv_len=max(shapes.kv_len, 1),
             head_dim=shapes.head_dim,
             dtype=q.dtype,
             deterministic=deterministic,
-            group=shapes.group,
+            group=shapes.group if shapes.kv_heads else None,
         ),
     )
     check_interpretable(static.kernel.name, static.kernel.interpret)
+    if empty:
+        # No queries: an empty output. No keys: every row sees none (0, LSE -inf).
+        # Neither depends on the inputs, so their gradients are 0.
+        o = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full((shapes.batch, shapes.q_heads, shapes.q_len), -jnp.inf, jnp.float32)
+        return (o, lse) if return_lse else o
     warn_unshared("flash_attention", q, k, v)
     q, k, v, *_ = match(q, k, v, *(segs or ()))  # `match`'s docstring says why
     o, lse = _flash(q, k, v, segs, static)

@@ -41,8 +41,10 @@ def check_array(name: str, x) -> None:
         raise TypeError(f"{name} must be a jax or numpy array; got {type(x).__name__}")
 
 
-def check_qkv(q, k, v) -> Shapes:
-    """Validates BSHD q `[B,T,N,H]`, k/v `[B,S,K,H]` and returns their sizes."""
+def check_qkv(q, k, v, *, empty: bool = False) -> Shapes:
+    """Validates BSHD q `[B,T,N,H]`, k/v `[B,S,K,H]` and returns their sizes; with
+    `empty`, a batch, length or head count of 0 is taken (`flash_attention`'s empty
+    result), else refused."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_array(name, x)
         if x.ndim != 4:
@@ -69,11 +71,11 @@ def check_qkv(q, k, v) -> Shapes:
         raise ValueError(f"head dims differ: {q.shape[-1]=} vs {k.shape[-1]=}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(f"{head_dim=} is not supported; jflash handles 1..{MAX_HEAD_DIM}")
-    if kv_heads == 0:
+    if kv_heads == 0 and not (empty and q_heads == 0):
         raise ValueError(f"k and v have no heads: {k.shape=} (heads are axis 2)")
-    if q_heads % kv_heads != 0:
+    if kv_heads and q_heads % kv_heads != 0:
         raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (GQA/MQA)")
-    if 0 in (batch, q_heads, q_len, kv_len):
+    if 0 in (batch, q_heads, q_len, kv_len) and not empty:
         raise ValueError(f"empty input: {batch=}, {q_heads=}, {q_len=}, {kv_len=} must all be >= 1")
     return Shapes(batch, q_len, kv_len, q_heads, kv_heads, head_dim)
 

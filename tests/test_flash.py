@@ -994,7 +994,7 @@ _kv = jnp.ones((1, 32, 2, 16), jnp.float32)
             "tiles the Pallas kernels; implementation='xla' takes none",
         ),
         ({"causal": "no"}, (_q, _kv, _kv), ValueError, "causal='no' must be True or False"),
-        ({}, (_q[:, :, :0], _kv, _kv), ValueError, "empty input: .*q_heads=0"),
+        ({}, (_q, _kv[:, :, :0], _kv[:, :, :0]), ValueError, "k and v have no heads"),
         ({"q_offset": 1.5}, (_q, _kv, _kv), ValueError, "q_offset=1.5"),
         ({"q_offset": -1}, (_q, _kv, _kv), ValueError, "q_offset=-1 must be >= 0"),
         ({"k_offset": -64}, (_q, _kv, _kv), ValueError, "k_offset=-64 must be >= 0"),
@@ -1019,16 +1019,36 @@ def test_bad_input_raises(kwargs, args, error, match):
 
 
 @pytest.mark.parametrize("implementation", jflash.IMPLEMENTATIONS)
-def test_empty_batch_raises(implementation):
-    """Batch 0 gets the empty-input error on every implementation (Triton and Mosaic
-    crashed deep inside; XLA returned an empty array)."""
-    q = jnp.ones((0, 64, 2, 64), jnp.bfloat16)
-    kv = jnp.ones((0, 64, 1, 64), jnp.bfloat16)
+def test_empty_calls_give_empty_results(implementation):
+    """A batch, length or head count of 0 gives an empty output, and no keys every row's
+    (0, LSE -inf), as jax.nn.dot_product_attention does, with zero gradients; the other
+    arguments are checked as a full call's (Triton and Mosaic once crashed deep inside)."""
     interpret = None if implementation == "xla" else INTERPRET
-    with pytest.raises(ValueError, match="empty input: batch=0"):
-        jflash.flash_attention(
-            q, kv, kv, causal=True, implementation=implementation, interpret=interpret
-        )
+    call = functools.partial(
+        jflash.flash_attention, causal=True, implementation=implementation, interpret=interpret
+    )
+    for q_shape, kv_shape in [
+        ((0, 64, 2, 64), (0, 64, 1, 64)),
+        ((2, 0, 2, 64), (2, 64, 1, 64)),
+        ((2, 0, 2, 64), (2, 0, 1, 64)),
+        ((2, 64, 0, 64), (2, 64, 1, 64)),
+        ((2, 64, 2, 64), (2, 0, 1, 64)),
+    ]:
+        q = jnp.ones(q_shape, jnp.bfloat16)
+        kv = jnp.ones(kv_shape, jnp.bfloat16)
+        out, lse = call(q, kv, kv, return_lse=True)
+        assert out.shape == q.shape and out.dtype == q.dtype and not out.any()
+        assert lse.shape == (q_shape[0], q_shape[2], q_shape[1]) and lse.dtype == jnp.float32
+        assert (lse == -jnp.inf).all()
+        grads = jax.grad(lambda q, kv: call(q, kv, kv).sum().astype(jnp.float32), (0, 1))(q, kv)
+        assert [g.shape for g in grads] == [q_shape, kv_shape] and not any(g.any() for g in grads)
+    empty = jnp.ones((0, 64, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="scale=-1.0"):
+        call(empty, empty, empty, scale=-1.0)
+    with pytest.raises(ValueError, match="q_offset=-1 must be >= 0"):
+        call(empty, empty, empty, q_offset=-1)
+    with pytest.raises(ValueError, match="implementation='flash' is not one of"):
+        jflash.flash_attention(empty, empty, empty, causal=True, implementation="flash")
 
 
 def test_numpy_bools_are_accepted():
