@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from conftest import cpu_devices
 import models
 import models.files
 from train import data as data_lib
+from train import loop as loop_lib
 from train.config import HF_ONLY_FLAGS, TrainConfig, build_parser, parse_args
 from train.loop import TrainingError, run
 from train.mesh import parse_mesh
@@ -528,6 +530,24 @@ def test_hf_schedule_matches_transformers_formula():
     assert abs(float(lr(55)) - 0.5 * (1 + np.cos(np.pi * 45 / 90))) < 1e-6
     lin = schedule(OptimArgs(learning_rate=1.0, warmup_steps=10, lr_scheduler_type="linear"), 100)
     assert abs(float(lin(55)) - 45 / 90) < 1e-6
+
+
+def test_the_logged_learning_rate_is_the_steps_own(tmp_path):
+    """Each step reports the learning rate its update used, a metric of the step read
+    one step late with the loss (an eager lookup on the device waited for the step
+    just dispatched, every step)."""
+    from train.optim import schedule
+
+    cfg = parse_args(_args(tmp_path, "--max_steps", "6", "--lr_scheduler_type", "cosine"))
+    run(cfg)
+    with open(tmp_path / "log.jsonl") as f:
+        logged = {r["step"]: r["lr"] for r in map(json.loads, f) if "lr" in r}
+    lr = schedule(cfg.optim, 6)
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    for step, value in logged.items():
+        assert value == pytest.approx(float(lr(step - 1)), rel=1e-6, abs=1e-12)
+    source = inspect.getsource(loop_lib._finish)
+    assert "lr_at" not in source and 'metrics["lr"]' in source
 
 
 def _two_processes(

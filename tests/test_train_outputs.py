@@ -1024,6 +1024,36 @@ def test_saves_cut_off_by_a_kill_are_removed_when_the_run_resumes(tmp_path, caps
     assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "notes"]
 
 
+def test_dropped_checkpoints_are_deleted_beside_the_training(tmp_path, monkeypatch):
+    """What --save_total_limit drops is deleted in a thread (a large checkpoint takes
+    seconds), one deletion at a time; close() waits for the last; what a kill leaves
+    of one is removed when a run next starts there."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from train import checkpoint
+
+    deleted_on = []
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if checkpoint.EMPTYING in os.path.basename(os.fspath(path)):
+            deleted_on.append(threading.current_thread() is threading.main_thread())
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    saves = checkpoint.Checkpoints(str(tmp_path), save_total_limit=1)
+    for step in (1, 2, 3):
+        saves.save(step, {"w": jnp.full((4,), step, jnp.float32)}, {"step": step})
+    saves.close()
+    assert deleted_on == [False, False]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
+    (tmp_path / "checkpoints" / f"{checkpoint.EMPTYING}1f2e" / "1").mkdir(parents=True)
+    assert checkpoint.remove_partial_saves(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
+
+
 def test_save_total_limit_drops_checkpoints_whole(tmp_path, monkeypatch):
     """A checkpoint that --save_total_limit drops leaves its step's name in one rename
     (into `checkpoints/.deleted/`, emptied at the next save and at the end): a kill while

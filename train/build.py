@@ -578,7 +578,10 @@ def plan_step(
         tx=tx,
         state_shardings=shardings,
         abstract_state=abstract_state,
-        step_fn=jax.jit(functools.partial(train_step, spec=spec, tx=tx), donate_argnums=0),
+        step_fn=jax.jit(
+            functools.partial(train_step, spec=spec, tx=tx, lr=schedule(cfg.optim, total_steps)),
+            donate_argnums=0,
+        ),
         eval_fn=jax.jit(functools.partial(eval_sums, spec=spec)),
     )
 

@@ -14,6 +14,8 @@ import logging
 import os
 import re
 import shutil
+import threading
+import uuid
 
 import jax
 import orbax.checkpoint as ocp
@@ -81,8 +83,10 @@ def _quiet_orbax_notes(*phrases: str):
 PARTIAL_SAVE = re.compile(r"\d+\.orbax-checkpoint-tmp(-\d+)?")
 
 
-# Where Orbax moves the checkpoints that `--save_total_limit` drops (`todelete_subdir`).
+# Where Orbax moves the checkpoints that `--save_total_limit` drops (`todelete_subdir`),
+# and the names it is renamed to while a thread beside the training deletes it.
 DELETED = ".deleted"
+EMPTYING = ".deleted-emptying-"
 
 
 def remove_partial_saves(output_dir: str) -> list[str]:
@@ -91,7 +95,6 @@ def remove_partial_saves(output_dir: str) -> list[str]:
     a kill left of dropped checkpoints (`DELETED`). Called before the run writes a
     checkpoint, so none of them is a save in progress."""
     directory = os.path.join(output_dir, "checkpoints")
-    shutil.rmtree(os.path.join(directory, DELETED), ignore_errors=True)
     try:
         names = sorted(os.listdir(directory))
     except OSError:
@@ -99,6 +102,9 @@ def remove_partial_saves(output_dir: str) -> list[str]:
     removed = []
     for name in names:
         path = os.path.join(directory, name)
+        if name == DELETED or name.startswith(EMPTYING):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         if PARTIAL_SAVE.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
             removed.append(name)
@@ -123,6 +129,7 @@ class Checkpoints:
                 read_only=read_only,
             )
             self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._emptying: threading.Thread | None = None
 
     def save(self, step: int, state, meta: dict) -> None:
         self.wait()  # as Orbax's save would: then what it dropped is deleted
@@ -229,11 +236,29 @@ class Checkpoints:
     def close(self) -> None:
         self.wait()
         self._manager.close()
+        self._join_emptying()
 
     def _empty_deleted(self) -> None:
-        """Deletes the checkpoints Orbax has dropped (`DELETED`; its primary process's)."""
-        if not self._read_only and jax.process_index() == 0:
-            shutil.rmtree(os.path.join(self.directory, DELETED), ignore_errors=True)
+        """Deletes the checkpoints Orbax has dropped (`DELETED`; its primary process's)
+        in a thread, so that the training goes on meanwhile (a checkpoint of a large
+        model takes seconds to delete): `DELETED` is renamed first, for Orbax's next
+        drops, and one deletion runs at a time; `close` waits for the last. What a kill
+        leaves of one is removed when a run next starts there (`remove_partial_saves`)."""
+        src = os.path.join(self.directory, DELETED)
+        if self._read_only or jax.process_index() != 0 or not os.path.isdir(src):
+            return
+        self._join_emptying()
+        dst = os.path.join(self.directory, f"{EMPTYING}{uuid.uuid4().hex[:8]}")
+        os.rename(src, dst)
+        self._emptying = threading.Thread(
+            target=shutil.rmtree, args=(dst,), kwargs={"ignore_errors": True}, daemon=True
+        )
+        self._emptying.start()
+
+    def _join_emptying(self) -> None:
+        if self._emptying is not None:
+            self._emptying.join()
+            self._emptying = None
 
 
 def shapes_by_path(tree) -> dict[str, tuple[int, ...]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -711,7 +712,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     history = []
     step_tokens = t.global_batch * t.accum * cfg.data.model_max_length
     timer = _Timer(profile=profile, step_tokens=step_tokens)
-    finish_args = (cfg, t.lr_at, timer, t.step_flops_token, writer, log, bar, lines, total_steps)
+    finish_args = (cfg, timer, t.step_flops_token, writer, log, bar, lines, total_steps)
     steps_per_epoch = t.batches.steps_per_epoch
     # Metrics are fetched one step late (the next step is already queued), except at
     # the run's first step and at logging and saving steps, which wait for their own
@@ -861,11 +862,18 @@ def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
 def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
     """The mean token loss and perplexity over all evaluation rows (sums over batches,
     one division), logged like the training metrics."""
-    total, count, start = 0.0, 0, time.perf_counter()
+    start, sums, pending = time.perf_counter(), [], collections.deque()
     with _oom_advice(t.cfg):
+        # Fetched two batches late: the host prepares the next batch while the device
+        # evaluates one (a fetch per batch waited for each), and at most three batches
+        # are on the device at once.
         for batch in t.eval_batches():
-            loss_sum, n = jax.device_get(t.eval_fn(params, batch))
-            total, count = total + float(loss_sum), count + int(n)
+            pending.append(t.eval_fn(params, batch))
+            if len(pending) > 2:
+                sums.append(jax.device_get(pending.popleft()))
+        sums += jax.device_get(list(pending))
+    total = math.fsum(float(loss_sum) for loss_sum, _ in sums)
+    count = sum(int(n) for _, n in sums)
     if count == 0:
         raise TrainingError(
             f"--eval_data_path={t.cfg.data.eval_data_path!r}: no labelled tokens to evaluate"
@@ -1089,7 +1097,7 @@ def _step_line(record: dict, total_steps: int, eta: float | None, traced: bool =
 
 
 def _finish(
-    pending, cfg, lr_at, timer: _Timer, flops_of, writer, log, bar, lines: bool, total_steps
+    pending, cfg, timer: _Timer, flops_of, writer, log, bar, lines: bool, total_steps
 ) -> dict:
     """Fetches one step's metrics; stops on a non-finite loss or gradient (the update of
     a non-finite gradient makes the parameters non-finite); logs every logging_steps
@@ -1129,7 +1137,7 @@ def _finish(
         "step": done,
         "loss": loss,
         "grad_norm": grad_norm,
-        "lr": float(lr_at(step)),
+        "lr": float(metrics["lr"]),
         # The tokens the step's loss averages over (labels not -100), of its step_tokens.
         "labelled_tokens": int(metrics["tokens"]),
     }

@@ -225,15 +225,20 @@ def offloaded_update(tx, grads, opt_state, params, spec: StepSpec):
     return jax.tree.unflatten(params_def, new_leaves), jax.tree.unflatten(state_def, merged)
 
 
-def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx):
+def train_step(
+    state: dict[str, Any], batch: dict[str, jax.Array], *, spec: StepSpec, tx, lr: optax.Schedule
+):
     """One optimizer step over `accum` micro-batches; loss = total NLL / total tokens.
 
     Args:
       state: `{"params", "opt_state", "step"}`.
       batch: as `gradients` takes it.
+      tx, lr: the optimizer and its learning-rate schedule.
 
     Returns:
-      `(new_state, metrics)`: the loss, the gradient norm and the counted tokens.
+      `(new_state, metrics)`: the loss, the gradient norm, the counted tokens and the
+      step's learning rate (computed here, so that the host reads it with the rest one
+      step late instead of waiting on the device queue for it).
     """
     params = state["params"]
     grads, (loss, count) = gradients(params, batch, spec)
@@ -244,5 +249,5 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, spec: Step
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
-    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": count, "lr": lr(state["step"])}
     return new_state, metrics
