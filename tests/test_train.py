@@ -263,13 +263,13 @@ def test_non_finite_gradient_stops_before_anything_is_saved():
     parameters non-finite, so the run must stop before that step is saved."""
     from train.loop import _finish, _Timer
 
-    metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(np.nan), "tokens": 64}
+    metrics = {"loss": np.float32(2.0), "grad_norm": np.float32(np.nan), "tokens": 64, "lr": 0.0}
     cfg = parse_args([])
     with pytest.raises(TrainingError, match="non-finite loss 2.0 or gradient norm nan at step 3"):
-        _finish((2, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, False, 10)
+        _finish((2, metrics), cfg, _Timer(), 1.0, None, None, None, False, 10)
     # At the first step no update has acted: the advice is not the learning rate's.
     with pytest.raises(TrainingError) as e:
-        _finish((0, metrics), cfg, lambda s: 0.0, _Timer(), 1.0, None, None, None, False, 10)
+        _finish((0, metrics), cfg, _Timer(), 1.0, None, None, None, False, 10)
     assert "at step 1;" in str(e.value) and "--learning_rate" not in str(e.value)
     assert "before any update" in str(e.value) and "--attention_implementation xla" in str(e.value)
 
@@ -548,6 +548,30 @@ def test_the_logged_learning_rate_is_the_steps_own(tmp_path):
         assert value == pytest.approx(float(lr(step - 1)), rel=1e-6, abs=1e-12)
     source = inspect.getsource(loop_lib._finish)
     assert "lr_at" not in source and 'metrics["lr"]' in source
+
+
+@pytest.mark.slow
+def test_a_restart_loads_the_compiled_step_from_the_compilation_cache(tmp_path):
+    """--compilation_cache_dir: the first run writes its compiled training step there,
+    and a second start with the same settings loads it (no second entry)."""
+    cache = tmp_path / "cache"
+    argv = [*SMALL, "--mesh", "data=2", "--max_steps", "2", "--report_to", "none"]
+    argv += ["--sample_num_examples", "16", "--compilation_cache_dir", str(cache)]
+
+    def steps():
+        return sorted(p.name for p in cache.iterdir() if p.name.startswith("jit_train_step-"))
+
+    for out in ("a", "b"):
+        done = subprocess.run(
+            [sys.executable, "-m", "train", *argv, "--output_dir", str(tmp_path / out)],
+            env=_env(2),
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(steps()) == 1
+    with pytest.raises(TrainingError, match="--compilation_cache_dir=./proc/c. cannot be created"):
+        run(parse_args([*argv[:-1], "/proc/c", "--output_dir", str(tmp_path / "c")]))
 
 
 def _two_processes(

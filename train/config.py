@@ -191,6 +191,7 @@ class RunArgs:
     seed: int = 42
     progress: bool = True  # process 0: tqdm bar on a terminal, else step lines on stdout
     report_to: str = "tensorboard"  # tensorboard | wandb | none; several: tensorboard,wandb
+    compilation_cache_dir: str = ""  # XLA's compiled programs kept for restarts; empty: off
 
     def __post_init__(self) -> None:
         # A whole number of steps reads as one (`10`, not `10.0`), a fraction stays.

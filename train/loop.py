@@ -99,6 +99,9 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
     outputs.check_writable(out)
+    if cache := cfg.run.compilation_cache_dir:
+        outputs.check_writable(cache, "--compilation_cache_dir")
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
     if checkpoints_used(cfg):
         check_shared(out, "--output_dir", "Each process saves its part of every checkpoint there")
     if (other := resume_path(cfg.run.resume_from_checkpoint)) is not None:

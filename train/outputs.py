@@ -453,10 +453,11 @@ PATH_SETTINGS = (
     ("data", "chat_template"),
     ("data", "data_cache_dir"),
     ("run", "output_dir"),
+    ("run", "compilation_cache_dir"),
     ("profile", "profile_dir"),
 )
 # Of those, the ones the run creates (made absolute whether or not they exist yet).
-CREATED_DIRS = ("data_cache_dir", "output_dir", "profile_dir")
+CREATED_DIRS = ("data_cache_dir", "output_dir", "profile_dir", "compilation_cache_dir")
 
 
 def write_settings(out: str, cfg: TrainConfig) -> str:
