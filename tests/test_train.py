@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -548,6 +549,33 @@ def test_the_logged_learning_rate_is_the_steps_own(tmp_path):
         assert value == pytest.approx(float(lr(step - 1)), rel=1e-6, abs=1e-12)
     source = inspect.getsource(loop_lib._finish)
     assert "lr_at" not in source and 'metrics["lr"]' in source
+
+
+def test_a_resume_frees_the_built_state_before_reading_the_checkpoint(tmp_path, monkeypatch):
+    """The built (initialised) state is deleted before the checkpoint's is read, so
+    device memory never holds both: a model that trains in memory resumes in it."""
+    from train import loop
+    from train.checkpoint import Checkpoints
+
+    argv = _args(tmp_path, "--max_steps", "4", "--save_steps", "2", "--report_to", "none")
+    run(parse_args(argv))
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    shutil.rmtree(tmp_path / "hf")
+    built, real_build, real_restore = [], loop.build, Checkpoints.restore
+
+    def build(cfg):
+        t = real_build(cfg)
+        built.extend(jax.tree.leaves(t.state))
+        return t
+
+    def restore(self, step, abstract):
+        assert built and all(leaf.is_deleted() for leaf in built)
+        return real_restore(self, step, abstract)
+
+    monkeypatch.setattr(loop, "build", build)
+    monkeypatch.setattr(Checkpoints, "restore", restore)
+    summary = run(parse_args([*argv, "--resume_from_checkpoint", "latest"]))
+    assert summary["start_step"] == 2 and len(summary["losses"]) == 2
 
 
 @pytest.mark.slow
