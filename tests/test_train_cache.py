@@ -483,6 +483,60 @@ def _cfg(**data) -> TrainConfig:
     return TrainConfig(model=ModelArgs(model_name_or_path="tiny"), data=DataArgs(**data))
 
 
+def test_a_long_cache_build_says_how_far_it_is(tmp_path, monkeypatch, capsys):
+    """A cache build prints a progress line every PROGRESS_SECONDS (hours of text
+    tokenized said nothing until the end)."""
+    source = _pkl(tmp_path / "d.pkl", _records(5))
+    monkeypatch.setattr(data_cache, "PROGRESS_SECONDS", 0.0)
+    data_cache.build_cache(source, tmp_path / "cache", eos_id=EOS)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5  # before each record
+    assert lines[-1].startswith(f"cache {tmp_path / 'cache'}: 4 records, ")
+    assert f"tokens so far from {source} (0.0 GB), " in lines[-1]
+    assert lines[-1].endswith(" tokens/s")
+
+
+def test_a_stopped_cache_build_ends_in_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """SIGTERM (SIGHUP, Ctrl-C) during `train.data cache`: one line, the signal's exit
+    status, and no temporary directory left (it was left, and Ctrl-C a traceback)."""
+    import signal
+
+    from train.errors import Terminated
+
+    source = _pkl(tmp_path / "d.pkl", _records(5))
+    real = data_cache.read_examples
+
+    def stopped(*args, **kwargs):
+        for i, example in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                raise Terminated(signal.SIGTERM)
+            yield example
+
+    monkeypatch.setattr(data_cache, "read_examples", stopped)
+    with pytest.raises(SystemExit) as ended:
+        data_lib.main(["cache", str(source), str(tmp_path / "c"), "--no-eos"])
+    assert ended.value.code == 143
+    err = capsys.readouterr().err
+    assert err == "terminated (SIGTERM): python -m train.data cache stopped\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.pkl"]
+
+
+def test_a_big_data_file_read_into_memory_gets_a_note(tmp_path, monkeypatch, capsys):
+    """Without --data_cache_dir a big file is read into memory (about 40 bytes a token,
+    at every start): a note says so and names the flag; with it, no note."""
+    from train import build
+
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    monkeypatch.setattr(build, "IN_MEMORY_NOTE_BYTES", 1)
+    load_rows(_cfg(data_path=str(source), model_max_length=16), models.TINY)
+    out = capsys.readouterr().out
+    assert out.startswith(f"note: --data_path={str(source)!r} (0.0 GB) is read into memory")
+    assert "--data_cache_dir DIR tokenizes it once" in out
+    cached = _cfg(data_path=str(source), model_max_length=16, data_cache_dir=str(tmp_path / "c"))
+    load_rows(cached, models.TINY)
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_trainer_reads_a_cache_dir_and_builds_caches_in_data_cache_dir(tmp_path):
     source = _pkl(tmp_path / "d.pkl", _records(40))
     config = models.TINY

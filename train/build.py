@@ -140,6 +140,10 @@ def is_sample_data(path: str) -> bool:
     return path == SAMPLE_DATA and not os.path.exists(path)
 
 
+# A data file this large, read into memory without --data_cache_dir, gets a note.
+IN_MEMORY_NOTE_BYTES = 1_000_000_000
+
+
 def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
     """The packed rows of `--data_path` (or `--eval_data_path` with `eval`): a data file
     (in memory, or through a token cache under `--data_cache_dir`) or a token cache
@@ -194,6 +198,17 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             chat_turns=cfg.data.chat_turns,
             chat_template=cfg.data.chat_template or None,
         )
+        if not cache_root and not data_cache.is_cache(path) and jax.process_index() == 0:
+            size = data_cache.source_stamp(path)["size"]
+            if size >= IN_MEMORY_NOTE_BYTES:
+                flag = "--eval_data_path" if eval else "--data_path"
+                print(
+                    f"note: {flag}={path!r} ({size / 1e9:.1f} GB) is read into memory, which "
+                    "takes several times its size (about 40 bytes a token) on every process, "
+                    "at every start; --data_cache_dir DIR tokenizes it once into a "
+                    "memory-mapped token cache that keeps both small",
+                    flush=True,
+                )
         try:
             # A cache directory every process shares is built once, by process 0, and
             # then read by the others (on each host's own disk, each builds its own).

@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ from train.chat import (
     parse_template_kwargs,
 )
 from train.dataset import Rows, load_dataset, stream_summary
+from train.errors import signals_as_interrupts, stop_status, stopped_how
 from train.readers import (
     MESSAGES,
     PROMPT_COMPLETION,
@@ -613,7 +615,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
-        _command(args)
+        with signals_as_interrupts():  # SIGTERM and SIGHUP end it as Ctrl-C does
+            _command(args)
+    except KeyboardInterrupt as e:  # what was being written is removed (or never renamed)
+        print(f"{stopped_how(e)}: python -m train.data {args.command} stopped", file=sys.stderr)
+        sys.stdout.flush()
+        sys.exit(stop_status(e))
     except NoTokenizerError as e:
         parser.exit(2, f"error: {e.asking_for('--tokenizer')}\n")
     except ChatTurnsError as e:

@@ -39,6 +39,7 @@ import json
 import os
 import shlex
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -555,8 +556,18 @@ def build_cache(
         parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns, chat_template)
         word = "line" if READERS[data_format(source)].by_line else "record"
         writer = _Writer(tmp)
+        started = last = time.monotonic()
         try:
             for example in read_examples(source, parser):
+                if (now := time.monotonic()) - last >= PROGRESS_SECONDS:  # a long build
+                    last = now
+                    tokens = writer.offsets[-1]
+                    print(
+                        f"cache {cache_dir}: {len(writer.offsets) - 1:,} {word}s, {tokens:,} "
+                        f"tokens so far from {source} ({_size(stamp)}), "
+                        f"{tokens / (now - started):,.0f} tokens/s",
+                        flush=True,
+                    )
                 ids, labels = example.input_ids, example.labels
                 if vocab_size is not None:
                     _check_vocab(source, f"{word} {example.number}", ids, labels, vocab_size)
@@ -604,6 +615,15 @@ def build_cache(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return TokenCache(cache_dir)
+
+
+# Seconds between the progress lines of a cache build.
+PROGRESS_SECONDS = 30.0
+
+
+def _size(stamp: dict | None) -> str:
+    """A source's size for a progress line: `2.1 GB`."""
+    return "size unknown" if stamp is None else f"{stamp['size'] / 1e9:.1f} GB"
 
 
 def _check_vocab(source, where, ids, labels, vocab_size) -> None:
