@@ -483,6 +483,26 @@ def _cfg(**data) -> TrainConfig:
     return TrainConfig(model=ModelArgs(model_name_or_path="tiny"), data=DataArgs(**data))
 
 
+def test_a_source_rewritten_to_its_size_and_time_is_noticed(tmp_path):
+    """A data file rewritten to the same size with its mtime kept (cp -p, rsync -t) is
+    noticed by the hash of its ends; a cache from before that hash keeps working."""
+    source = tmp_path / "d.jsonl"
+    source.write_text("[5, 6, 7]\n[8, 9, 10]\n")
+    data_cache.build_cache(source, tmp_path / "c", eos_id=3)
+    cache = data_cache.open_cache(tmp_path / "c")
+    assert cache.mismatch(eos_id=3) == []
+    stat = source.stat()
+    source.write_text("[5, 6, 7]\n[8, 9, 11]\n")
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert cache.mismatch(eos_id=3) == [
+        f"{source} changed since the cache was built (its first or last MiB)"
+    ]
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    del meta["source"]["edges"]  # written before the hash was recorded
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
+    assert data_cache.open_cache(tmp_path / "c").mismatch(eos_id=3) == []
+
+
 def test_a_long_cache_build_says_how_far_it_is(tmp_path, monkeypatch, capsys):
     """A cache build prints a progress line every PROGRESS_SECONDS (hours of text
     tokenized said nothing until the end)."""

@@ -94,16 +94,31 @@ def is_cache(path: str | Path) -> bool:
 
 
 def source_stamp(path: str | Path) -> dict[str, Any]:
-    """``{"path", "size", "mtime_ns"}`` of a data file (a directory: its files' total
-    size and latest mtime), what a cache records to notice a changed source."""
+    """``{"path", "size", "mtime_ns", "edges"}`` of a data file (a directory: its files'
+    total size, latest mtime, and edges in path order), what a cache records to notice a
+    changed source; ``edges``: a hash of each file's first and last ``EDGE_BYTES``, so
+    that a file rewritten to the same size with its time kept (``cp -p``, ``rsync -t``)
+    is noticed where it differs there."""
     path = Path(path).resolve()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stats = [f.stat() for f in files]
+    edges = hashlib.sha256()
+    for file, stat in zip(files, stats, strict=True):
+        with open(file, "rb") as f:
+            edges.update(f.read(EDGE_BYTES))
+            if stat.st_size > EDGE_BYTES:
+                f.seek(max(EDGE_BYTES, stat.st_size - EDGE_BYTES))
+                edges.update(f.read(EDGE_BYTES))
     return {
         "path": str(path),
         "size": sum(s.st_size for s in stats),
         "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
+        "edges": edges.hexdigest(),
     }
+
+
+# The bytes at each end of a data file whose hash a cache records (`source_stamp`).
+EDGE_BYTES = 1 << 20
 
 
 def tokenizer_stamp(tokenizer: str | Path) -> dict[str, str]:
@@ -225,6 +240,10 @@ class TokenCache:
                 reasons.append(f"built from {recorded['path']}, not {now['path']}")
             elif (now["size"], now["mtime_ns"]) != (recorded["size"], recorded["mtime_ns"]):
                 reasons.append(f"{now['path']} changed since the cache was built (size or mtime)")
+            elif now["edges"] != recorded.get("edges", now["edges"]):  # older caches: none
+                reasons.append(
+                    f"{now['path']} changed since the cache was built (its first or last MiB)"
+                )
         reasons += self.rendering_mismatch(
             tokenizer=tokenizer,
             chat_template_kwargs=chat_template_kwargs,
