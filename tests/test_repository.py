@@ -228,6 +228,10 @@ def test_shipped_configs_are_found_in_a_clone_and_in_an_installed_package(tmp_pa
     (installed / "configs" / "demo.yaml").write_text("run: {max_steps: 1}\n")
     monkeypatch.setattr(config, "__file__", str(installed / "config.py"))
     assert config.shipped_config("demo.yaml") == str(installed / "configs" / "demo.yaml")
-    # the docs' relative `--config configs/...` outside a clone names the installed copy
+    # the docs' relative `--config configs/...` outside a clone reads the installed copy
+    monkeypatch.chdir(tmp_path)
+    assert config.config_file("configs/demo.yaml") == str(installed / "configs" / "demo.yaml")
+    assert config.config_file("configs/other.yaml") == "configs/other.yaml"
+    # another missing path is refused, naming the installed copy of that name
     with pytest.raises(ValueError, match=r"No such file or directory \(jflash's copy: --config "):
-        config.load_yaml(str(tmp_path / "configs" / "demo.yaml"))
+        config.load_yaml(str(tmp_path / "elsewhere" / "demo.yaml"))

@@ -722,6 +722,17 @@ def shipped_config(name: str) -> str:
     return tree if os.path.exists(tree) else os.path.join(package, "configs", name)
 
 
+def config_file(path: str) -> str:
+    """`--config`'s file: `path`, or where no such file is here and it is the docs'
+    relative `configs/<name>`, the copy jflash ships (`shipped_config`), with a note."""
+    head, name = os.path.split(os.path.normpath(path))
+    shipped = shipped_config(name)
+    if os.path.exists(path) or head != "configs" or not os.path.isfile(shipped):
+        return path
+    print(f"note: --config={path!r} is not here: reading jflash's copy {shipped}", file=sys.stderr)
+    return shipped
+
+
 def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     try:
         with open(path) as f:
@@ -836,7 +847,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if len(configs) > 1:
         given = " and ".join(f"--config={c!r}" for c in configs)
         raise ValueError(f"{given}: pass one --config file (flags override it)")
-    config = configs[0] if configs else None
+    config = config_file(configs[0]) if configs else None
     overrides = load_yaml(config) if config else {}
     cfg = from_overrides(overrides, flags, where=config or "config")
     # Given: on the command line, or in the YAML away from the default (a run's saved

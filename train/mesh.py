@@ -58,7 +58,9 @@ def parse_mesh(spec: str, num_devices: int, fsdp: bool = True) -> dict[str, int]
     total = math.prod(sizes.values())
     if total > num_devices:
         raise ValueError(
-            f"--mesh {spec!r} needs {total} devices ({sizes}), but {num_devices=} are available"
+            f"--mesh {spec!r} needs {total} devices ({sizes}); this machine has {num_devices} "
+            f"(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={total} simulates "
+            f"{total})"
         )
     if total < num_devices:
         raise ValueError(
