@@ -983,7 +983,7 @@ def test_ctrl_c_before_an_overwrite_run_starts_leaves_the_directory(tmp_path, mo
     out = tmp_path / "run"
     _outputs_by_hand(out, {"log.jsonl": "old\n", "checkpoints/2/meta": "old"})
 
-    def interrupted_build(cfg):
+    def interrupted_build(cfg, **kwargs):
         raise KeyboardInterrupt
 
     def exit_(code):

@@ -601,7 +601,13 @@ def plan_step(
     )
 
 
-def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=None) -> Trainer:
+def build(
+    cfg: TrainConfig,
+    config: models.LlamaConfig | None = None,
+    devices=None,
+    *,
+    restoring: bool = False,
+) -> Trainer:
     """Mesh, model, data, optimizer, initial state and the jitted step for `cfg`.
 
     Args:
@@ -610,6 +616,9 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         a preset with fewer layers for profiling.
       devices: the devices the mesh spans (default: all), e.g. a subset for a
         scaling study.
+      restoring: a checkpoint's state replaces the initial one: `state` is only its
+        abstract form (shapes, dtypes, shardings), and no weights are read or
+        initialised (a resume would read and then drop them).
     """
     count = len(devices) if devices is not None else jax.device_count()
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
@@ -619,10 +628,10 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
     check_heads(cfg, arch, sizes)
     templates = chat_templates(cfg)
     check_host_memory(cfg, arch)
-    if config is None:
+    if config is None and not restoring:
         config, host_params = load_model(cfg)
     else:
-        host_params = None
+        config, host_params = config or arch, None
     seq_len = cfg.data.model_max_length
 
     rows = load_rows(cfg, config)
@@ -665,24 +674,11 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
 
     packed = rows.packed or (eval_rows is not None and eval_rows.packed)
     plan = plan_step(cfg, config, devices, total_steps, packed=packed)
-    mesh, p_shard = plan.mesh, plan.state_shardings["params"]
-    with jax.set_mesh(mesh):
-        if host_params is None:
-            params = jax.jit(functools.partial(models.init_params, config), out_shardings=p_shard)(
-                jax.random.key(cfg.run.seed)
-            )
-        else:
-            params = jax.tree.map(
-                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
-                host_params,
-                p_shard,
-            )
-        opt_state = jax.jit(plan.tx.init, out_shardings=plan.state_shardings["opt_state"])(params)
-        state = {
-            "params": params,
-            "opt_state": opt_state,
-            "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh)),
-        }
+    mesh = plan.mesh
+    if restoring:
+        state = plan.abstract_state
+    else:
+        state = initial_state(cfg, config, plan, host_params)
     return Trainer(
         cfg=cfg,
         mesh=mesh,
@@ -704,6 +700,30 @@ def build(cfg: TrainConfig, config: models.LlamaConfig | None = None, devices=No
         eval_fn=plan.eval_fn,
         chat_templates=templates,
     )
+
+
+def initial_state(cfg: TrainConfig, config, plan: StepPlan, host_params) -> dict[str, Any]:
+    """The state a run starts from: `host_params` (an HF directory's) or, where None,
+    parameters initialised from `--seed`, placed by the plan's shardings; the
+    optimizer's initial state; step 0."""
+    mesh, p_shard = plan.mesh, plan.state_shardings["params"]
+    with jax.set_mesh(mesh):
+        if host_params is None:
+            params = jax.jit(functools.partial(models.init_params, config), out_shardings=p_shard)(
+                jax.random.key(cfg.run.seed)
+            )
+        else:
+            params = jax.tree.map(
+                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+                host_params,
+                p_shard,
+            )
+        opt_state = jax.jit(plan.tx.init, out_shardings=plan.state_shardings["opt_state"])(params)
+        return {
+            "params": params,
+            "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), replicated(mesh)),
+        }
 
 
 def profile_window(cfg: TrainConfig) -> tuple[int, int] | None:

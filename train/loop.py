@@ -139,7 +139,8 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         inputs=inputs,
     )
     claim()
-    t = build(cfg)
+    # A resume's state is the checkpoint's: no weights are read or initialised for it.
+    t = build(cfg, restoring=resume is not None)
     same_on_every_process(
         {
             "rows": t.rows.num_rows,
@@ -575,8 +576,8 @@ def _resolve_auto_resume(cfg: TrainConfig, is_main: bool) -> TrainConfig:
 
 
 def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int]:
-    """`(state, first step)`: the built state, or a checkpoint's (read, never written;
-    the built state's arrays are then deleted before it is read)."""
+    """`(state, first step)`: the built state, or a checkpoint's (read, never written),
+    restored into `t.state`'s abstract form (`build(..., restoring=True)`)."""
     if resume is None:
         return t.state, 0
     cfg = t.cfg
@@ -615,12 +616,6 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
             t.state,
             t.state_shardings,
         )
-        # The checkpoint replaces the built state: its device memory is freed before the
-        # restore, which would otherwise hold both (a model that trains in memory could
-        # fail to resume).
-        for leaf in jax.tree.leaves(t.state):
-            leaf.delete()
-        t.state = None
         state, meta = source.restore(step, abstract)
     finally:
         source.close()
