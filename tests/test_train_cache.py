@@ -501,6 +501,11 @@ def test_a_source_rewritten_to_its_size_and_time_is_noticed(tmp_path):
     del meta["source"]["edges"]  # written before the hash was recorded
     (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
     assert data_cache.open_cache(tmp_path / "c").mismatch(eos_id=3) == []
+    # a directory of shards is stamped by its files' sizes and times (no file read)
+    assert data_cache.source_stamp(tmp_path / "c")["edges"] is None
+    assert (
+        data_cache.source_bytes(tmp_path / "c") == data_cache.source_stamp(tmp_path / "c")["size"]
+    )
 
 
 def test_a_long_cache_build_says_how_far_it_is(tmp_path, monkeypatch, capsys):

@@ -903,8 +903,15 @@ def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
     )
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert f"but 'models' is {tmp_path / 'models'}: a folder there comes first" in last
+    assert f"but 'models' is {tmp_path / 'models'}, which comes first on sys.path" in last
     assert "run jflash-train, or from another directory" in last
+    shutil.rmtree(tmp_path / "models")
+    (tmp_path / "models.py").write_text("")  # a module of that name, too
+    done = subprocess.run(
+        [sys.executable, "-m", "train", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"but 'models' is {tmp_path / 'models.py'}, which comes first" in last
 
 
 def test_without_the_train_extra_the_library_imports_and_the_trainer_names_it():

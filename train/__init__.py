@@ -11,11 +11,11 @@ def _check_models_package() -> None:
     beside = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     places = list(spec.submodule_search_locations or []) if spec else []
     if not any(_os.path.dirname(_os.path.abspath(p)) == beside for p in places[:1]):
-        found = places[0] if places else "nowhere"
+        found = places[0] if places else (spec.origin if spec else None)
         raise ImportError(
             f"jflash's trainer needs jflash's package 'models' (in {beside}), but 'models' "
-            f"is {found}: a folder there comes first on sys.path; run jflash-train, or "
-            "from another directory"
+            f"is {found}, which comes first on sys.path; run jflash-train, or from another "
+            "directory"
         )
 
 

@@ -199,7 +199,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             chat_template=cfg.data.chat_template or None,
         )
         if not cache_root and not data_cache.is_cache(path) and jax.process_index() == 0:
-            size = data_cache.source_stamp(path)["size"]
+            size = data_cache.source_bytes(path)
             if size >= IN_MEMORY_NOTE_BYTES:
                 flag = "--eval_data_path" if eval else "--data_path"
                 print(

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.experimental.compilation_cache import compilation_cache
 
 import models
 from train import data as data_lib
@@ -101,7 +102,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     outputs.check_writable(out)
     if cache := cfg.run.compilation_cache_dir:
         outputs.check_writable(cache, "--compilation_cache_dir")
-        jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
+        use_compilation_cache(os.path.abspath(cache))
     if checkpoints_used(cfg):
         check_shared(out, "--output_dir", "Each process saves its part of every checkpoint there")
     if (other := resume_path(cfg.run.resume_from_checkpoint)) is not None:
@@ -573,6 +574,15 @@ def _resolve_auto_resume(cfg: TrainConfig, is_main: bool) -> TrainConfig:
                 flush=True,
             )
     return dataclasses.replace(cfg, run=run_args)
+
+
+def use_compilation_cache(folder: str) -> None:
+    """jax's persistent compilation cache in `folder`, for this process from now on
+    (`--compilation_cache_dir`): jax opens its cache once, at the first compilation, so
+    a later run in the same process that names another folder reopens it there."""
+    if jax.config.jax_compilation_cache_dir != folder:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        compilation_cache.reset_cache()
 
 
 def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int]:
