@@ -36,11 +36,10 @@ from jflash._reference import xla_bwd, xla_fwd
 from jflash._triton_bwd import flash_bwd
 from jflash._triton_fwd import flash_fwd
 from jflash._validation import as_bool
-from jflash._vma import vary, varying_axes
+from jflash._vma import JFLASH_FILES, vary, varying_axes
 from jflash._work_items import sm_count
 
 IMPLEMENTATIONS = ("pallas_triton", "pallas_mosaic", "xla")
-_JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 _last_choice: dict[str, str] = {}
 
 
@@ -211,7 +210,7 @@ def resolve(
                 )
             warnings.warn(
                 f"block_sizes is not used: {reason} (implementation='xla' takes no tiles)",
-                skip_file_prefixes=_JFLASH_FILES,  # the caller's line, at any depth
+                skip_file_prefixes=JFLASH_FILES,  # the caller's line, at any depth
             )
         kernel = Kernel("xla", None, False, reason)
     else:

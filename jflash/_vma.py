@@ -16,7 +16,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-_JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+# jflash's own files: a warning's `skip_file_prefixes`, so that it names the caller's line.
+JFLASH_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 def varying_axes(*xs) -> frozenset:
@@ -50,7 +51,7 @@ def warn_unshared(where: str, q, k, v) -> None:
             "across a batch split there; if q's heads are split over them, split k's and "
             "v's heads there too (as they are, each device's query heads read the first "
             "KV heads: a wrong answer)",
-            skip_file_prefixes=_JFLASH_FILES,  # the caller's line, at any depth
+            skip_file_prefixes=JFLASH_FILES,  # the caller's line, at any depth
         )
 
 
