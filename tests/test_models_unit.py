@@ -475,6 +475,7 @@ def test_what_the_model_does_not_run_split_on_explicit_axes_is_named(params, ids
             models.chunked_cross_entropy(hidden, head, models.next_token_labels(batch))
 
 
+@pytest.mark.multi_device(4)
 def test_layout_shards_is_the_ring_axis_under_hybrid():
     """`to_layout`'s P: every sequence device for the ring, the ring axis alone under
     `hybrid` (its shards are split contiguously over the all-to-all axis), 1 for the

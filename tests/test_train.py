@@ -531,6 +531,7 @@ def test_hf_schedule_matches_transformers_formula():
     assert abs(float(lin(55)) - 45 / 90) < 1e-6
 
 
+@pytest.mark.multi_device(4)
 def test_the_logged_learning_rate_is_the_steps_own(tmp_path):
     """Each step returns the learning rate its update used, a metric read one step late
     with the loss (an eager lookup on the device waited for the step just dispatched,
@@ -554,6 +555,7 @@ def test_the_logged_learning_rate_is_the_steps_own(tmp_path):
         assert value == pytest.approx(float(lr(step - 1)), rel=1e-6, abs=1e-12)
 
 
+@pytest.mark.multi_device(4)
 def test_a_resume_reads_no_weights_and_builds_no_state_before_the_checkpoint(tmp_path, monkeypatch):
     """A resume restores into the state's abstract form: no weights are read or
     initialised and thrown away (time at every restart, and device memory that held

@@ -898,8 +898,15 @@ def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
     package of the user's there is named, not failed on deep inside an import."""
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "__init__.py").write_text("")
+    # jflash from its tree where it is not installed (the working directory stays first)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
-        [sys.executable, "-m", "train", "--help"], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-m", "train", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
@@ -908,7 +915,11 @@ def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
     shutil.rmtree(tmp_path / "models")
     (tmp_path / "models.py").write_text("")  # a module of that name, too
     done = subprocess.run(
-        [sys.executable, "-m", "train", "--help"], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-m", "train", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     last = done.stderr.strip().splitlines()[-1]
     assert f"but 'models' is {tmp_path / 'models.py'}, which comes first" in last
