@@ -17,7 +17,7 @@ import pytest
 from conftest import ON_GPU, cpu_devices
 from matplotlib.text import Text
 
-from train import xla_flags
+from train import processes, xla_flags
 from train.config import parse_args
 from train.loop import run
 from train.tools import report as report_lib
@@ -1336,7 +1336,7 @@ def test_profile_removes_only_its_own_stale_temporary_folders(tmp_path):
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    me = profile._process(os.getpid())
+    me = processes.record(os.getpid())
     gone = {"pid": ended.pid, "started": "1"}
     records = {
         "ended": {"tool": "train.tools.profile", "processes": [gone]},

@@ -453,6 +453,74 @@ def test_a_failed_build_leaves_no_cache(tmp_path, small_flushes):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process start times: /proc")
+def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
+    """A build killed by SIGKILL (the out-of-memory killer) leaves its half-written folder
+    beside the cache; the next build of that cache removes it, saying so, and leaves a
+    running build's folder, another host's and one named as before owners were recorded
+    (each but the running one with a line)."""
+    import signal
+    import sys
+
+    source = _pkl(tmp_path / "d.pkl", _records(40))
+    code = (
+        "import sys, time\n"
+        "from train import data_cache\n"
+        "add = data_cache._Writer.add\n"
+        "def stuck(self, ids, labels):\n"
+        "    add(self, ids, labels)\n"
+        "    self.flush()\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(600)\n"
+        "data_cache._Writer.add = stuck\n"
+        "data_cache.build_cache(sys.argv[1], sys.argv[2])\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(source), str(tmp_path / "c")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        assert child.stdout.readline() == "writing\n"
+        (killed,) = _leftovers(tmp_path)
+        assert killed.startswith(".c.tmp-") and f"@{child.pid}@" in killed
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    running = data_cache._aside(tmp_path / "c", "tmp")  # this process's: it runs
+    elsewhere = tmp_path / ".c.old-otherhost@12@345@0123abcd"
+    before = tmp_path / ".c.tmp-0123abcd"
+    for folder in (running, elsewhere, before):
+        folder.mkdir()
+    (tmp_path / ".d.tmp-0123abcd").mkdir()  # another cache's
+    capsys.readouterr()
+    data_cache.build_cache(source, tmp_path / "c")
+    out = capsys.readouterr().out
+    assert (
+        f"c: removed {killed} (0.0 GB), left by a cache build that was stopped outright "
+        f"(process {child.pid} has ended)" in out
+    )
+    assert (
+        "left as it is: .c.old-otherhost@12@345@0123abcd, a cache build's folder on host "
+        "otherhost (remove it if no build of this cache runs there)" in out
+    )
+    assert "left as it is: .c.tmp-0123abcd, what a cache build stopped outright left" in out
+    assert running.name not in out and ".d.tmp" not in out
+    assert _leftovers(tmp_path) == sorted(
+        [running.name, elsewhere.name, before.name, ".d.tmp-0123abcd"]
+    )
+    assert np.asarray(data_cache.open_cache(tmp_path / "c").tokens).size > 0
+    # A build killed once its cache was in place, before the old one was removed: an
+    # up-to-date cache's next use removes the old one.
+    replaced = tmp_path / killed.replace(".c.tmp-", ".c.old-")
+    replaced.mkdir()
+    (replaced / "tokens.bin").write_bytes(b"\0" * 4)
+    _, built = data_cache.ensure_cache(source, tmp_path / "c")
+    assert not built and not replaced.exists()
+    assert f"c: removed {replaced.name} (0.0 GB)" in capsys.readouterr().out
+
+
 def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
     source = _pkl(tmp_path / "d.pkl", [[5, 6, 7, 8]])
     cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)

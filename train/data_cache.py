@@ -34,6 +34,8 @@ path does.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -47,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from models.loss import IGNORE_INDEX
+from train import processes
 from train.chat import AUTO, WHOLE, chat_template_stamp
 from train.dataset import (
     PACKINGS,
@@ -579,7 +582,8 @@ def build_cache(
             raise ValueError(f"{cache_dir} exists and is not a token cache; not writing over it")
     stamp = source_stamp(source) if source.exists() else None
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir.parent / f".{cache_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_leftovers(cache_dir)
+    tmp = _aside(cache_dir, TEMPORARY)
     tmp.mkdir()
     try:
         parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns, chat_template)
@@ -667,7 +671,7 @@ def _move_into_place(tmp: Path, cache_dir: Path) -> None:
     first and deleted only once the new one is in place (restored if the rename fails)."""
     old = None
     if cache_dir.exists():
-        old = cache_dir.parent / f".{cache_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        old = _aside(cache_dir, REPLACED)
         os.rename(cache_dir, old)
     try:
         os.rename(tmp, cache_dir)
@@ -677,6 +681,74 @@ def _move_into_place(tmp: Path, cache_dir: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# The folders a build keeps beside `cache_dir` while it runs: `.<name>.<kind>-<owner>`,
+# the cache being written and the one it replaces (until the new one is in place). The
+# owner is `<host>@<process id>@<its start time>@<8 hex digits>`, so that the next build
+# can tell the leftovers of a build killed outright (SIGKILL, the out-of-memory killer)
+# from a build still running.
+TEMPORARY = "tmp"
+REPLACED = "old"
+
+
+def _aside(cache_dir: Path, kind: str) -> Path:
+    """A new folder name beside ``cache_dir`` for a ``kind`` folder of this process."""
+    start = processes.started(os.getpid()) or "?"
+    owner = f"{processes.host()}@{os.getpid()}@{start}@{uuid.uuid4().hex[:8]}"
+    return cache_dir.parent / f".{cache_dir.name}.{kind}-{owner}"
+
+
+def remove_leftovers(cache_dir: str | Path) -> list[Path]:
+    """Removes what builds of ``cache_dir`` killed outright left beside it (a cache half
+    written, one being replaced), each with a line: only folders of this host whose
+    process has ended. Others, of another host or named as before owners were recorded,
+    are left with a line naming them; those of running builds, silently. Returns the
+    folders removed."""
+    cache_dir = Path(cache_dir)
+    removed = []
+    for entry in sorted(cache_dir.parent.glob(f".{glob.escape(cache_dir.name)}.*-*")):
+        kind, _, owner = entry.name[len(cache_dir.name) + 2 :].partition("-")
+        if kind not in (TEMPORARY, REPLACED) or not entry.is_dir() or entry.is_symlink():
+            continue
+        host, pid, start, tag = (owner.split("@") + [""] * 4)[:4]
+        if not (pid.isdigit() and len(tag) == 8):  # not named by this version
+            if len(owner) == 8:
+                print(
+                    f"{cache_dir}: left as it is: {entry.name}, what a cache build stopped "
+                    "outright left (remove it if no build of this cache runs)",
+                    flush=True,
+                )
+            continue
+        if host != processes.host():
+            print(
+                f"{cache_dir}: left as it is: {entry.name}, a cache build's folder on host "
+                f"{host} (remove it if no build of this cache runs there)",
+                flush=True,
+            )
+            continue
+        if processes.runs({"pid": int(pid), "started": None if start == "?" else start}):
+            continue
+        size = _folder_bytes(entry)
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+            print(
+                f"{cache_dir}: removed {entry.name} ({size / 1e9:.1f} GB), left by a cache "
+                f"build that was stopped outright (process {pid} has ended)",
+                flush=True,
+            )
+    return removed
+
+
+def _folder_bytes(folder: Path) -> int:
+    """The sizes of the files under ``folder``, added up (0 for any it cannot read)."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+    return total
 
 
 def ensure_cache(
@@ -723,6 +795,7 @@ def ensure_cache(
         if not stale:
             if vocab_size is not None:
                 cache.check_vocab(vocab_size)
+            remove_leftovers(cache_dir)  # a build's, killed once its cache was in place
             return cache, False
         print(f"token cache {cache_dir} is stale ({'; '.join(stale)}): rebuilding", flush=True)
     cache = build_cache(

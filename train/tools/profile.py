@@ -57,6 +57,7 @@ import time
 
 from models.config import REMAT_POLICIES
 from models.presets import PRESET_NAMES, preset_name
+from train import processes
 from train.errors import STOP_SIGNALS, signals_as_interrupts, stop_status, stopped_how
 from train.oom import is_oom
 from train.tools.files import write_json
@@ -683,47 +684,9 @@ OWNER_FILE = "owner.json"
 OWNER_TOOL = "train.tools.profile"
 
 
-def _started(pid: int) -> str | None:
-    """When process `pid` started (Linux: its start time in /proc, clock ticks since
-    boot), "zombie" for a process that has ended but is not reaped yet, None where
-    unknown (no such process, or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return "zombie" if fields[0] == "Z" else fields[19]
-
-
-def _process(pid: int) -> dict:
-    """What names process `pid` in an OWNER_FILE: its id and its start time (`_started`),
-    so a later process given the same id is not taken for it."""
-    return {"pid": pid, "started": _started(pid)}
-
-
-def _runs(process) -> bool:
-    """Whether the process an OWNER_FILE names (`_process`) still runs; True where that
-    cannot be told (a record not of `_process`'s form, or no /proc and the id in use)."""
-    if not isinstance(process, dict):
-        return True
-    pid, started = process.get("pid"), process.get("started")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0: only whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: in use
-        return True
-    now = _started(pid)
-    if now == "zombie":
-        return False
-    return started is None or now is None or now == started  # else: the id was reused
-
-
 def _write_owner(folder: str, pids: list[int]) -> None:
     """Records in `folder` (whole, through a .tmp) that this tool and `pids` use it."""
-    owner = {"tool": OWNER_TOOL, "processes": [_process(pid) for pid in pids]}
+    owner = {"tool": OWNER_TOOL, "processes": [processes.record(pid) for pid in pids]}
     path = os.path.join(folder, OWNER_FILE)
     with open(path + ".tmp", "w") as f:
         json.dump(owner, f)
@@ -759,8 +722,8 @@ def remove_stale_temp(root: str | None = None) -> list[str]:
             continue
         if not isinstance(owner, dict) or owner.get("tool") != OWNER_TOOL:
             continue
-        processes = owner.get("processes")
-        if not isinstance(processes, list) or not processes or any(map(_runs, processes)):
+        owners = owner.get("processes")
+        if not isinstance(owners, list) or not owners or any(map(processes.runs, owners)):
             continue
         shutil.rmtree(entry.path, ignore_errors=True)
         if not os.path.lexists(entry.path):
