@@ -551,6 +551,32 @@ def _cfg(**data) -> TrainConfig:
     return TrainConfig(model=ModelArgs(model_name_or_path="tiny"), data=DataArgs(**data))
 
 
+def test_the_trainer_reads_a_pattern_of_files_or_names_what_matches_none(tmp_path):
+    """`--data_path` takes a glob pattern (quoted on the command line), in memory and
+    through `--data_cache_dir`, with the same rows; one matching nothing is refused."""
+    import gzip
+
+    for k in range(3):
+        with gzip.open(tmp_path / f"shard-{k}.jsonl.gz", "wt") as f:
+            f.write("".join(f"[{k + 10}, {k + 10}, {i + 10}]\n" for i in range(4)))
+    pattern = str(tmp_path / "shard-*.jsonl.gz")
+    memory = load_rows(_cfg(data_path=pattern, model_max_length=8), models.TINY)
+    cached = load_rows(
+        _cfg(data_path=pattern, model_max_length=8, data_cache_dir=str(tmp_path / "c")),
+        models.TINY,
+    )
+    assert memory.num_rows == cached.num_rows == 6
+    ids = np.arange(6)
+    for a, b in zip(memory.take(ids), cached.take(ids), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert memory.take(ids).input_ids[0].tolist()[:4] == [10, 10, 10, models.TINY.eos_token_id]
+    missing = str(tmp_path / "none-*.jsonl")
+    with pytest.raises(
+        TrainingError, match=r"--data_path='.*none-\*\.jsonl': no data file matches"
+    ):
+        load_rows(_cfg(data_path=missing, model_max_length=8), models.TINY)
+
+
 def test_a_source_rewritten_to_its_size_and_time_is_noticed(tmp_path):
     """A data file rewritten to the same size with its mtime kept (cp -p, rsync -t) is
     noticed by the hash of its ends; a cache from before that hash keeps working."""
@@ -718,6 +744,18 @@ def test_train_tokenizer_learns_from_prompt_completion_records(bpe, tmp_path):
     assert convert.tokenizer_vocab_size(tmp_path / "qa" / "tokenizer.json") == 300
     assert (tmp_path / "qa" / "tokenizer.json").read_bytes() == (
         tmp_path / "t" / "tokenizer.json"
+    ).read_bytes()
+    # Compressed, .jsonl records and text alike: the same merges as the files themselves.
+    import gzip
+
+    for name, plain in (("t.jsonl.gz", texts), ("corpus.txt.gz", bpe.parent / "corpus.txt")):
+        (tmp_path / name).write_bytes(gzip.compress(plain.read_bytes()))
+        data_lib.train_tokenizer([tmp_path / name], tmp_path / f"{name}-tok", vocab_size=300)
+    assert (tmp_path / "t.jsonl.gz-tok" / "tokenizer.json").read_bytes() == (
+        tmp_path / "t" / "tokenizer.json"
+    ).read_bytes()
+    assert (tmp_path / "corpus.txt.gz-tok" / "tokenizer.json").read_bytes() == (
+        bpe / "tokenizer.json"
     ).read_bytes()
 
 

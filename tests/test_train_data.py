@@ -160,7 +160,7 @@ def test_a_format_is_one_reader_entry(tmp_path, monkeypatch):
     (tmp_path / "d.tsv").write_text("1\t2\n3\n")
     dataset = load_dataset(tmp_path / "d.tsv")
     assert dataset.tokens.tolist() == [1, 2, 3] and dataset.lengths.tolist() == [2, 1]
-    assert set(readers.FORMATS) == {".pkl", ".jsonl", ".npy", ".parquet", "save_to_disk"}
+    assert set(readers.FORMATS) == {".pkl", ".jsonl", ".npy", ".parquet", "save_to_disk", "files"}
 
 
 class _FakeTokenizer:
@@ -903,3 +903,155 @@ def test_cli_errors_are_one_line(tmp_path):
         assert result.stderr == f"error: {flag}=0 must be positive\n"
     result = _cli("sample", "--out", str(tmp_path / "d.pkl"), "--vocab-size", "0", returncode=2)
     assert result.stderr == "error: need 1 <= --branching=4 <= --num-states=256 <= --vocab-size=0\n"
+
+
+# --- several files, compressed files ---------------------------------------------------
+
+
+def _shards(root: Path) -> Path:
+    """A folder of data files: plain, compressed four ways, nested, beside files and
+    folders that are not data (a README, a hidden folder, a token cache)."""
+    import bz2
+    import gzip
+    import lzma
+
+    zstandard = pytest.importorskip("zstandard")
+    (root / "sub").mkdir(parents=True)
+    (root / ".hidden").mkdir()
+    _dump_jsonl(root / "a.jsonl", ['{"input_ids": [1, 2, 3]}', "", '{"input_ids": [4, 5]}'])
+    with gzip.open(root / "b.jsonl.gz", "wt") as f:
+        f.write('{"input_ids": [6, 7, 8, 9]}\n')
+    with bz2.open(root / "sub" / "c.pkl.bz2", "wb") as f:
+        pickle.dump([[10, 11], [12]], f)
+    with lzma.open(root / "sub" / "d.jsonl.xz", "wt") as f:
+        f.write("[13, 14]\n")
+    with zstandard.open(root / "sub" / "e.jsonl.zst", "wt") as f:
+        f.write("[15]\n[16, 17]\n")
+    np.save(root / "sub" / "f.npy", np.array([[18, 19]], np.int64))
+    (root / "README.md").write_text("not data")
+    _dump_jsonl(root / ".hidden" / "x.jsonl", ["[99]"])
+    (root / "._a.jsonl").write_text("macOS metadata")
+    data_cache.build_cache(_dump_jsonl(root.parent / "other.jsonl", ["[98]"]), root / "cache")
+    return root
+
+
+def test_a_folder_of_data_files_is_read_file_by_file_in_sorted_order(tmp_path, capsys):
+    """A folder's data files, at any depth and in any format (compressed `.jsonl` and
+    `.pkl` too), are read one after another in sorted order; hidden files and folders,
+    token caches and files of no format are left out; errors and `where` name the file."""
+    root = _shards(tmp_path / "corpus")
+    capsys.readouterr()
+    dataset = load_dataset(root)
+    assert dataset.tokens.tolist() == list(range(1, 20))
+    assert np.diff(dataset.offsets).tolist() == [3, 2, 4, 2, 1, 2, 1, 2, 2]
+    assert [dataset.where(i) for i in range(dataset.num_examples)] == [
+        "a.jsonl, line 1",
+        "a.jsonl, line 3",
+        "b.jsonl.gz, line 1",
+        "sub/c.pkl.bz2, record 0",
+        "sub/c.pkl.bz2, record 1",
+        "sub/d.jsonl.xz, line 1",
+        "sub/e.jsonl.zst, line 1",
+        "sub/e.jsonl.zst, line 2",
+        "sub/f.npy, record 0",
+    ]
+    assert capsys.readouterr().out == (
+        f"{root}: reading 6 data files: a.jsonl, b.jsonl.gz, sub/c.pkl.bz2, sub/d.jsonl.xz, "
+        "sub/e.jsonl.zst, sub/f.npy\n"
+    )
+    # Through a token cache: the same stream, and the same names in its errors.
+    cache = data_cache.build_cache(root, tmp_path / "c", eos_id=0)
+    assert np.asarray(cache.tokens).tolist() == [
+        t for i in range(9) for t in [*dataset.example(i).tolist(), 0]
+    ]
+    _dump_jsonl(root / "sub" / "g.jsonl", ["[1, 2]", "[1, 300]"])
+    for load in (
+        lambda: load_dataset(root, vocab_size=200),
+        lambda: data_cache.build_cache(root, tmp_path / "c2", vocab_size=200),
+    ):
+        with pytest.raises(ValueError) as error:
+            load()
+        assert str(error.value) == (
+            f"{root}: sub/g.jsonl, line 2: token id 300 is out of range for vocab_size=200"
+        )
+    _dump_jsonl(root / "sub" / "g.jsonl", ['{"input_ids": "x"}'])
+    with pytest.raises(ValueError, match=rf"^{root}/sub/g\.jsonl: line 1: 'input_ids' must be"):
+        load_dataset(root)
+
+
+def test_a_glob_pattern_names_data_files(tmp_path, capsys):
+    """A quoted glob pattern (`**` for any folders) reads the files it matches, in sorted
+    order; one of no known format, or a pattern matching nothing, is refused in a line."""
+    root = _shards(tmp_path / "corpus")
+    dataset = load_dataset(f"{root}/**/*.jsonl*")
+    assert dataset.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17]
+    assert dataset.where(3) == "sub/d.jsonl.xz, line 1"
+    assert readers.data_files(f"{root}/*.jsonl") == [root / "a.jsonl"]
+    with pytest.raises(ValueError, match=r"README\.md: unknown data format '\.md'"):
+        load_dataset(f"{root}/*")
+    with pytest.raises(ValueError, match=r"nothing/\*\.jsonl: no data file matches the pattern"):
+        load_dataset(tmp_path / "nothing" / "*.jsonl")
+    # A file whose name holds a wildcard is that file, not a pattern.
+    odd = _dump_jsonl(tmp_path / "odd[1].jsonl", ["[7]"])
+    assert load_dataset(odd).tokens.tolist() == [7]
+
+
+def test_a_folder_or_pattern_cache_notices_a_new_or_changed_file(tmp_path, capsys):
+    """A cache of a folder or pattern records its files' count, total size and latest
+    time: a file added, removed or rewritten makes it stale; its name under
+    --data_cache_dir comes from the pattern's folder on."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    _dump_jsonl(root / "a.jsonl", ["[1, 2]"])
+    pattern = f"{root}/*.jsonl"
+    for source in (root, pattern):
+        where = data_cache.cache_location(source, tmp_path / "caches")
+        _, built = data_cache.ensure_cache(source, where)
+        assert built
+        _, built = data_cache.ensure_cache(source, where)
+        assert not built
+    assert data_cache.cache_location(pattern, tmp_path / "caches").name.startswith("corpus_.jsonl-")
+    _dump_jsonl(root / "b.jsonl", ["[3]"])
+    for source in (root, pattern):
+        cache, built = data_cache.ensure_cache(
+            source, data_cache.cache_location(source, tmp_path / "caches")
+        )
+        assert built and np.asarray(cache.tokens).tolist() == [1, 2, 3]
+        assert cache.meta["source"]["files"] == 2
+    assert "changed since the cache was built" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("compression", ["gz", "bz2", "xz", "zst"])
+def test_compressed_files_are_read_and_damage_is_named(tmp_path, compression):
+    """`.jsonl` and `.pkl` are read compressed; a truncated file is refused naming the
+    line it stopped at; compressed `.npy` and `.parquet` are refused in a line."""
+    import bz2
+    import gzip
+    import lzma
+
+    zstandard = pytest.importorskip("zstandard") if compression == "zst" else None
+    compress = {
+        "gz": gzip.compress,
+        "bz2": bz2.compress,
+        "xz": lzma.compress,
+        "zst": lambda b: zstandard.ZstdCompressor().compress(b),
+    }[compression]
+    lines = b"".join(b"[%d, %d]\n" % (i, i + 1) for i in range(2000))
+    path = tmp_path / f"d.jsonl.{compression}"
+    path.write_bytes(compress(lines))
+    assert load_dataset(path).num_examples == 2000
+    if compression == "zst":  # frames one after another (as pzstd writes them)
+        path.write_bytes(compress(lines[:5000]) + compress(lines[5000:]))
+        assert load_dataset(path).num_examples == 2000
+    pkl = tmp_path / f"d.pkl.{compression}"
+    pkl.write_bytes(compress(pickle.dumps([[1, 2], [3]])))
+    assert load_dataset(pkl).tokens.tolist() == [1, 2, 3]
+    path.write_bytes(compress(lines)[: -len(lines) // 50 or -8])
+    with pytest.raises(ValueError) as error:
+        load_dataset(path)
+    assert str(error.value).startswith(f"{path}: line "), str(error.value)
+    assert "a damaged or truncated compressed file?" in str(error.value)
+    for name in (f"d.npy.{compression}", f"d.parquet.{compression}"):
+        (tmp_path / name).write_bytes(b"x")
+        with pytest.raises(ValueError, match=r"is not read \(only \.jsonl and \.pkl are read"):
+            load_dataset(tmp_path / name)

@@ -41,6 +41,7 @@ from train.mesh import (
     shard_axes,
 )
 from train.optim import optimizer, schedule
+from train.readers import is_pattern, source_exists
 from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.words import plural
 
@@ -154,9 +155,10 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
     path = cfg.data.eval_data_path if eval else cfg.data.data_path
     if not path:
         raise TrainingError(
-            "--data_path is required: a data file (.pkl, .jsonl, .npy, .parquet, a "
-            "save_to_disk directory), a token cache directory, or 'sample' for made-up "
-            "learnable data (--sample_num_examples, --sample_vocab_size)"
+            "--data_path is required: a data file (.pkl, .jsonl, .npy, .parquet; .jsonl.gz "
+            "and other compressed .jsonl and .pkl), a folder of them or a quoted glob "
+            "pattern, a save_to_disk directory, a token cache directory, or 'sample' for "
+            "made-up learnable data (--sample_num_examples, --sample_vocab_size)"
         )
     eos = data_eos(cfg, config)
     if is_sample_data(path):
@@ -174,9 +176,10 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         examples = examples[train:] if eval else examples
         dataset = TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:
-        if not os.path.exists(path):
+        if not source_exists(path):
             flag = "--eval_data_path" if eval else "--data_path"
-            raise TrainingError(f"{flag}={path!r}: no such data file")
+            what = "no data file matches it" if is_pattern(path) else "no such data file"
+            raise TrainingError(f"{flag}={path!r}: {what}")
         name = cfg.model.model_name_or_path
         # The model directory's tokenizer where it has one; text without any asks for one.
         own = os.path.isdir(name) and data_lib.tokenizer_file(name).is_file()

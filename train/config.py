@@ -51,7 +51,7 @@ class ModelArgs:
 
 @dataclasses.dataclass(frozen=True)
 class DataArgs:
-    data_path: str = ""  # required: a data file (train.readers.READERS), a token cache, or "sample"
+    data_path: str = ""  # required: data file(s): a file, folder or glob; a token cache; "sample"
     model_max_length: int = 2048  # tokens per training sequence
     mask_documents: bool = True  # attention stays inside each packed example; false: crosses
     packing_positions: str = "per_document"  # RoPE positions: per_document (restart) | running

@@ -53,7 +53,9 @@ from train.readers import (
     PROMPT_COMPLETION,
     ChatTurnsError,
     NoTokenizerError,
+    file_format,
     load_tokenizer,
+    open_data,
     read_jsonl,
     record_kind,
     tokenizer_file,
@@ -384,12 +386,13 @@ def train_tokenizer(
 
     def texts() -> Iterator[str]:
         for f in files:
-            if Path(f).suffix.lower() == ".jsonl":
+            if file_format(Path(f)) == ".jsonl":  # compressed too
                 for _, record in read_jsonl(Path(f)):
                     if isinstance(record, dict):
                         yield from _record_texts(record)
-            else:
-                yield Path(f).read_text(encoding="utf-8", errors="replace")
+            else:  # text, decompressed where its name says (`.txt.gz`)
+                with open_data(Path(f)) as text:
+                    yield text.read().decode("utf-8", errors="replace")
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -533,7 +536,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "cuts it into rows of one document each, as HF's benchmark rows are",
     )
     inspect = commands.add_parser("inspect", help="print counts of a dataset or token cache")
-    inspect.add_argument("path")
+    inspect.add_argument(
+        "path", help="a data file, a folder or quoted glob pattern of them, or a token cache"
+    )
     inspect.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     inspect.add_argument("--chat-template", default=None, metavar="PATH", help=TEMPLATE_HELP)
     inspect.add_argument("--chat-template-kwargs", default="", help=TEMPLATE_KWARGS_HELP)
@@ -558,7 +563,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     cache = commands.add_parser(
         "cache", help="tokenize a dataset once into a memory-mapped token cache directory"
     )
-    cache.add_argument("input", help="a data file or save_to_disk directory (any format)")
+    cache.add_argument(
+        "input",
+        help="a data file (any format, compressed .jsonl and .pkl too), a folder or quoted "
+        "glob pattern of them, or a save_to_disk directory",
+    )
     cache.add_argument("cache_dir", help="the cache directory to write (kept if up to date)")
     cache.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     cache.add_argument("--chat-template", default=None, metavar="PATH", help=TEMPLATE_HELP)
@@ -585,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "files",
         nargs="+",
         help="UTF-8 text files, or .jsonl files of 'text' (or 'prompt' and 'completion', or "
-        "'messages')",
+        "'messages'); either compressed too (.gz, .bz2, .xz, .zst)",
     )
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
     tok.add_argument(

@@ -39,6 +39,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import time
@@ -63,10 +64,17 @@ from train.dataset import (
     whole_lengths,
 )
 from train.readers import (
+    CACHE_META,
+    FILES,
     READERS,
     RecordParser,
+    data_files,
     data_format,
+    example_where,
+    is_pattern,
+    pattern_folder,
     read_examples,
+    source_exists,
     split_note,
     tokenizer_file,
 )
@@ -77,7 +85,7 @@ VERSION = 2
 # Versions whose caches without labels.bin are this version's (version 1's labels.bin
 # labels every appended EOS, also after a record whose last label is -100).
 UNLABELLED_VERSIONS = (1, VERSION)
-META = "meta.json"
+META = CACHE_META
 TOKENS = "tokens.bin"
 LABELS = "labels.bin"
 INDEX = "index.npy"
@@ -97,37 +105,54 @@ def is_cache(path: str | Path) -> bool:
 
 
 def source_stamp(path: str | Path) -> dict[str, Any]:
-    """``{"path", "size", "mtime_ns", "edges"}`` of a data file (a directory: its files'
-    total size and latest mtime, edges None), what a cache records to notice a changed
-    source; ``edges``: a hash of the file's first and last ``EDGE_BYTES``, so that a file
-    rewritten to the same size with its time kept (``cp -p``, ``rsync -t``) is noticed
-    where it differs there (at most 2 MiB read at each start; not per file of a
-    directory of shards, which could be thousands)."""
-    path = Path(path).resolve()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    """``{"path", "size", "mtime_ns", "edges"}`` of a data file (a directory or pattern:
+    its files' total size and latest mtime, edges None; with ``files``, their count),
+    what a cache records to notice a changed source; ``edges``: a hash of the file's
+    first and last ``EDGE_BYTES``, so that a file rewritten to the same size with its
+    time kept (``cp -p``, ``rsync -t``) is noticed where it differs there (at most 2 MiB
+    read at each start; not per file of a directory of shards, which could be
+    thousands)."""
+    files = _source_files(path)
     stats = [f.stat() for f in files]
-    edges = None
-    if not path.is_dir():
+    stamp = {
+        "path": source_path(path),
+        "size": sum(s.st_size for s in stats),
+        "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
+        "edges": None,
+    }
+    if data_format(path) == FILES:
+        stamp["files"] = len(files)
+    elif not Path(path).is_dir():
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             digest.update(f.read(EDGE_BYTES))
             if stats[0].st_size > EDGE_BYTES:
                 f.seek(max(EDGE_BYTES, stats[0].st_size - EDGE_BYTES))
                 digest.update(f.read(EDGE_BYTES))
-        edges = digest.hexdigest()
-    return {
-        "path": str(path),
-        "size": sum(s.st_size for s in stats),
-        "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
-        "edges": edges,
-    }
+        stamp["edges"] = digest.hexdigest()
+    return stamp
+
+
+def source_path(path: str | Path) -> str:
+    """A data source's absolute path as a cache records it (a pattern's, its wildcards
+    kept; other paths with their links resolved)."""
+    if is_pattern(path):
+        return os.path.abspath(path)
+    return str(Path(path).resolve())
+
+
+def _source_files(path: str | Path) -> list[Path]:
+    """The files of a data source: a folder's or pattern's data files (or every file of
+    a ``save_to_disk`` directory), or the one file."""
+    if is_pattern(path) or (Path(path).is_dir() and data_format(path) == FILES):
+        return data_files(path)
+    path = Path(path)
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
 
 def source_bytes(path: str | Path) -> int:
-    """A data file's size (a directory: its files' total), read from their stats only."""
-    path = Path(path)
-    files = (p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return sum(f.stat().st_size for f in files)
+    """A data source's size (a directory or pattern: its files' total), from their stats."""
+    return sum(f.stat().st_size for f in _source_files(path))
 
 
 # The bytes at each end of a data file whose hash a cache records (`source_stamp`).
@@ -245,7 +270,7 @@ class TokenCache:
         if eos_id != self.eos_id:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
         recorded = self.meta["source"]
-        if source is None and os.path.exists(recorded["path"]):
+        if source is None and source_exists(recorded["path"]):
             source = recorded["path"]
         if source is not None:
             now = source_stamp(source)
@@ -580,13 +605,14 @@ def build_cache(
     if cache_dir.exists() and not is_cache(cache_dir):
         if not cache_dir.is_dir() or any(cache_dir.iterdir()):
             raise ValueError(f"{cache_dir} exists and is not a token cache; not writing over it")
-    stamp = source_stamp(source) if source.exists() else None
+    stamp = source_stamp(source) if source_exists(source) else None
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(cache_dir)
     tmp = _aside(cache_dir, TEMPORARY)
     tmp.mkdir()
     try:
         parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns, chat_template)
+        where = example_where(source)
         word = "line" if READERS[data_format(source)].by_line else "record"
         writer = _Writer(tmp)
         started = last = time.monotonic()
@@ -603,7 +629,7 @@ def build_cache(
                     )
                 ids, labels = example.input_ids, example.labels
                 if vocab_size is not None:
-                    _check_vocab(source, f"{word} {example.number}", ids, labels, vocab_size)
+                    _check_vocab(source, where(example), ids, labels, vocab_size)
                 if eos_id is not None and ids[-1] != eos_id:
                     ids = np.append(ids, np.int32(eos_id))
                     if labels is not None:
@@ -770,7 +796,7 @@ def ensure_cache(
     Without ``replace_other_source``, a cache there of another data file is refused
     (ValueError), not replaced: the tokenization of another corpus is kept."""
     source = Path(source)
-    if not source.exists():
+    if not source_exists(source):
         raise ValueError(f"{source}: no such data file")
     if is_cache(cache_dir):
         other = None
@@ -787,7 +813,7 @@ def ensure_cache(
             )
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
-        if not replace_other_source and other and other != str(source.resolve()):
+        if not replace_other_source and other and other != source_path(source):
             raise ValueError(
                 f"{cache_dir} holds the token cache of another data file, {other}: pass "
                 "--overwrite to replace it (nothing was written)"
@@ -823,10 +849,15 @@ def _file_in_the_way(folder: str | Path) -> Path | None:
 
 def cache_location(source: str | Path, cache_root: str | Path) -> Path:
     """Where ``--data_cache_dir`` keeps the cache of ``source``: ``<root>/<name>-<hash of
-    its absolute path>``."""
-    source = Path(source).resolve()
-    digest = hashlib.sha256(str(source).encode()).hexdigest()[:12]
-    return Path(cache_root) / f"{source.name}-{digest}"
+    its absolute path>`` (a pattern's name from its folder on, its wildcards and
+    slashes ``_``)."""
+    path = source_path(source)
+    digest = hashlib.sha256(path.encode()).hexdigest()[:12]
+    name = os.path.basename(path)
+    if is_pattern(source):  # from its folder on: `corpus/*.jsonl.gz` -> `corpus_.jsonl.gz`
+        name = os.path.relpath(path, os.path.dirname(pattern_folder(path)))
+        name = re.sub(r"[*?\[\]/]+", "_", name)
+    return Path(cache_root) / f"{name}-{digest}"
 
 
 def packed_rows(

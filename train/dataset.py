@@ -46,7 +46,7 @@ import numpy as np
 
 from models.loss import IGNORE_INDEX
 from train.chat import AUTO
-from train.readers import READERS, RecordParser, data_format, read_examples
+from train.readers import FILES, READERS, RecordParser, data_format, file_words, read_examples
 
 _MAX_ID = np.iinfo(np.int32).max
 # How examples go into rows (see the module docstring): `--packing`'s values.
@@ -157,7 +157,11 @@ class TokenDataset:
             ``.jsonl`` file (for error messages); None: examples are named by record.
         records: int64 ``[num_examples]``, the 0-based record each example came from in
             other formats (an example is not its record's index once empty records are
-            dropped or conversations split); None: by the example's own index.
+            dropped or conversations split), or the number within its file of a folder's
+            or pattern's files; None: by the example's own index.
+        files: for a folder's or pattern's files, each file's name and what its
+            examples are numbered by (``train.readers.file_words``); None: one source.
+        file_of: int32 ``[num_examples]``, each example's file in ``files``.
     """
 
     path: str
@@ -166,6 +170,8 @@ class TokenDataset:
     offsets: np.ndarray
     lines: np.ndarray | None = None
     records: np.ndarray | None = None
+    files: tuple[tuple[str, str], ...] | None = None
+    file_of: np.ndarray | None = None
 
     @classmethod
     def from_examples(
@@ -175,10 +181,13 @@ class TokenDataset:
         labels: Sequence[np.ndarray | None] | None = None,
         lines: Sequence[int] | None = None,
         records: Sequence[int] | None = None,
+        files: Sequence[tuple[str, str]] | None = None,
+        file_of: Sequence[int] | None = None,
     ) -> TokenDataset:
         """Builds a dataset from validated 1-D int arrays (``labels[i]`` None: the tokens;
         ``lines``: each example's 1-based line in a ``.jsonl`` file; ``records``: else
-        each example's 0-based record)."""
+        each example's 0-based record, or its number in its file of ``files``, which
+        ``file_of`` gives)."""
         if not input_ids:
             raise ValueError(f"{path}: the dataset has no examples")
         labels = labels if labels is not None else [None] * len(input_ids)
@@ -191,6 +200,8 @@ class TokenDataset:
             offsets=np.concatenate([[0], np.cumsum(lengths)]),
             lines=None if lines is None else np.asarray(lines, dtype=np.int64),
             records=None if records is None else np.asarray(records, dtype=np.int64),
+            files=None if files is None else tuple(map(tuple, files)),
+            file_of=None if file_of is None else np.asarray(file_of, dtype=np.int32),
         )
 
     @property
@@ -213,6 +224,9 @@ class TokenDataset:
     def where(self, i: int) -> str:
         """Example ``i`` as an error message names it: ``line N`` or ``record N``, where
         it came from."""
+        if self.files is not None:
+            name, word = self.files[int(self.file_of[i])]
+            return f"{name}, {word} {int(self.records[i])}"
         if self.lines is not None:
             return f"line {int(self.lines[i])}"
         return f"record {i if self.records is None else int(self.records[i])}"
@@ -451,17 +465,21 @@ def load_dataset(
             ids out of range; an unknown format; a missing optional package.
     """
     path = Path(path)
-    reader = READERS[data_format(path)]
+    fmt = data_format(path)
+    by_line = READERS[fmt].by_line
     parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns, chat_template)
     examples = list(read_examples(path, parser))
     if not examples:
         raise ValueError(f"{path}: the dataset has no examples")
+    several = fmt == FILES
     dataset = TokenDataset.from_examples(
         str(path),
         [e.input_ids for e in examples],
         [e.labels for e in examples],
-        lines=[e.number for e in examples] if reader.by_line else None,
-        records=None if reader.by_line else [e.number for e in examples],
+        lines=[e.number for e in examples] if by_line else None,
+        records=None if by_line else [e.number for e in examples],
+        files=file_words(path) if several else None,
+        file_of=[e.file for e in examples] if several else None,
     )
     if vocab_size is not None:
         dataset.check_vocab(vocab_size)

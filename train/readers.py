@@ -16,6 +16,11 @@ Formats (chosen by extension, one entry each in :data:`READERS`):
   ``completion``) (``pyarrow``, from the ``hf`` extra), read a batch of rows at a time.
 - a directory written by HF ``datasets``' ``Dataset.save_to_disk`` (key
   ``save_to_disk``), with the same columns (the ``hf`` extra).
+- ``.jsonl`` and ``.pkl`` compressed (:data:`COMPRESSIONS`: ``a.jsonl.gz``), decompressed
+  as they are read.
+- a folder of data files, or a glob pattern of them (key ``files``): each file read by
+  its own format, one after another in sorted order (:func:`data_files`); examples are
+  named by their file and line or record.
 
 A record (a dict, or a table's row) is read by the first of its keys that it has, in
 this order (other keys are ignored):
@@ -87,10 +92,14 @@ read every format through it.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib
+import io
 import itertools
 import json
+import os
 import pickle
+import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -109,6 +118,7 @@ from train.chat import (
     template_kwargs,
     unrendered,
 )
+from train.words import plural
 
 _MAX_ID = np.iinfo(np.int32).max
 
@@ -116,11 +126,13 @@ _MAX_ID = np.iinfo(np.int32).max
 class Example(NamedTuple):
     """One example as a reader yields it: ``number`` (the 1-based line of a ``.jsonl``
     file, else the 0-based record index), int32 ``input_ids``, int32 ``labels`` or None
-    (the tokens themselves)."""
+    (the tokens themselves); ``file``: which of a source's :func:`data_files` it is in
+    (0 for a single file)."""
 
     number: int
     input_ids: np.ndarray
     labels: np.ndarray | None
+    file: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +149,36 @@ def read_examples(path: str | Path, parser: RecordParser) -> Iterator[Example]:
     """The examples of ``path`` in order, one at a time (its reader from :data:`READERS`)."""
     path = Path(path)
     suffix = data_format(path)
-    if suffix != SAVED_DATASET and not path.is_file():
+    if suffix not in (SAVED_DATASET, FILES) and not path.is_file():
         raise ValueError(f"{path}: not a file")
     return _noting_skips(READERS[suffix].read(path, parser), parser)
+
+
+def example_where(path: str | Path) -> Callable[[Example], str]:
+    """How errors name an example of ``path``: ``line 3`` (``.jsonl``), ``record 3``
+    (other formats); for a directory or pattern of files, the file too (``a.jsonl, line
+    3``, its path from the directory, or the pattern's folder)."""
+    fmt = data_format(path)
+    if fmt != FILES:
+        word = "line" if READERS[fmt].by_line else "record"
+        return lambda example: f"{word} {example.number}"
+    files = file_words(path)
+    return lambda example: "{}, {} {}".format(*files[example.file], example.number)
+
+
+def file_words(path: str | Path) -> list[tuple[str, str]]:
+    """For each of a directory's or pattern's :func:`data_files`: its name as errors give
+    it (from the directory, or the pattern's folder) and what its examples are numbered
+    by (``line`` or ``record``)."""
+    files = data_files(path)
+    base = Path(path) if Path(path).is_dir() else Path(pattern_folder(str(path)))
+    return [
+        (
+            os.path.relpath(file, base),
+            "line" if READERS[data_format(file)].by_line else "record",
+        )
+        for file in files
+    ]
 
 
 def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator[Example]:
@@ -211,7 +250,7 @@ _CHUNK = 512  # records parsed (and their texts tokenized) together
 
 def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
     try:
-        with open(path, "rb") as f:
+        with open_data(path) as f:
             data = pickle.load(f)
     except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
         raise ValueError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
@@ -226,10 +265,11 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     A generator, read line by line: the caller turns each record into int32 arrays
     before the next is parsed, so the file's JSON (Python ints, ~9x the bytes of the
     arrays) is never all in memory at once. A UTF-8 byte order mark opening the file
-    (as Windows editors save it) is dropped.
+    (as Windows editors save it) is dropped. A compressed file (:data:`COMPRESSIONS`)
+    is decompressed as it is read.
     """
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
+    with open_data(path) as f:
+        for i, raw in _numbered(path, f):
             try:
                 line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
             except UnicodeDecodeError as e:
@@ -241,6 +281,168 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             except json.JSONDecodeError as e:
                 where = f"column {e.colno}"  # of the file's line i, the one json read
                 raise ValueError(f"{path}: line {i}: invalid JSON ({e.msg}, {where})") from None
+
+
+def _numbered(path: Path, f) -> Iterator[tuple[int, bytes]]:
+    """``(1-based line number, line)`` of an open file; a decompression error (a damaged
+    or truncated ``.gz``) is a ValueError naming the file and the line it stopped at."""
+    lines = iter(f)
+    for i in itertools.count(1):
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - gzip, bz2, lzma and zstandard differ
+            raise ValueError(
+                f"{path}: line {i}: cannot be read ({type(e).__name__}: {e}); a damaged or "
+                "truncated compressed file?"
+            ) from None
+        yield i, raw
+
+
+# Compressed data files: the compression's extension after the format's
+# (`corpus.jsonl.gz`), decompressed as they are read. Only the formats read as a stream
+# can be: `.npy` is memory-mapped and `.parquet` compresses inside the file.
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+STREAMED_FORMATS = (".jsonl", ".pkl")
+
+
+def open_data(path: Path):
+    """``path`` open for reading bytes, decompressed where its extension is one of
+    :data:`COMPRESSIONS` (``.zst`` needs the ``zstandard`` package)."""
+    module = COMPRESSIONS.get(path.suffix.lower())
+    if module is None:
+        return open(path, "rb")
+    if module == "zstandard":
+        return io.BufferedReader(_ZstdStream(path, _optional(module, path, extra="zstd")))
+    return importlib.import_module(module).open(path, "rb")
+
+
+class _ZstdStream(io.RawIOBase):
+    """A ``.zst`` file's frames decompressed one after another. EOFError where the file
+    ends inside a frame: ``zstandard``'s own reader returns what it has there, so a
+    truncated file would read as a shorter dataset."""
+
+    def __init__(self, path: Path, zstandard):
+        self._file = open(path, "rb")
+        self._frame = zstandard.ZstdDecompressor().decompressobj
+        self._obj, self._fed = self._frame(), False  # the frame being read; any byte of it
+        self._out, self._at = b"", 0  # decompressed bytes, and how many were read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._at == len(self._out):
+            data = self._file.read(1 << 20)
+            if not data:
+                if self._fed and not self._obj.eof:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            self._out, self._at = self._decompress(data), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            self._fed = True
+            out.append(self._obj.decompress(data))
+            if not self._obj.eof:
+                break
+            data = self._obj.unused_data  # the next frame's start
+            self._obj, self._fed = self._frame(), False
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _read_files(path: Path, parser: RecordParser) -> Iterator[Example]:
+    """The examples of a directory's or a pattern's :func:`data_files`, one file after
+    another; errors name the file (the parser's ``path`` while it is read)."""
+    source, files = parser.path, data_files(path)
+    names = [name for name, _ in file_words(path)]
+    shown = ", ".join(names if len(names) <= 6 else [*names[:3], "...", *names[-2:]])
+    print(f"{path}: reading {plural(len(names), 'data file')}: {shown}", flush=True)
+    for k, file in enumerate(files):
+        parser.path = file
+        for example in READERS[data_format(file)].read(file, parser):
+            yield example._replace(file=k)
+    parser.path = source
+
+
+def is_pattern(path: str | Path) -> bool:
+    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than a path
+    that exists."""
+    return not os.path.lexists(path) and any(c in str(path) for c in "*?[")
+
+
+def pattern_folder(pattern: str) -> str:
+    """The folder of a pattern before its first wildcard: what its files are named from."""
+    head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    return os.path.dirname(head) or "."
+
+
+def data_files(path: str | Path) -> list[Path]:
+    """The data files that ``path`` names, in sorted order: those a glob pattern matches
+    (``**`` for any folders between; each must be of a known format), or those under a
+    directory (at any depth; hidden files and folders and files of no known format left
+    out, and token caches' folders), each read by its own format's reader; ValueError
+    where there are none."""
+    if is_pattern(path):
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if os.path.isfile(p))
+        if not files:
+            raise ValueError(f"{path}: no data file matches the pattern")
+        for file in files:
+            data_format(file)  # a known format, or its one-line error
+        return files
+    path = Path(path)
+    files = []
+    for folder, dirs, names in os.walk(path, followlinks=True):
+        if folder != str(path) and CACHE_META in names:
+            dirs[:] = []  # a token cache's index.npy is not data
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in names:
+            if not name.startswith(".") and file_format(Path(name)) is not None:
+                files.append(Path(folder) / name)
+    if not files:
+        raise ValueError(
+            f"{path}: a directory that is neither a token cache (no meta.json), a dataset "
+            f"saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES}), nor a "
+            f"folder of data files (none ending in {', '.join(_file_endings())})"
+        )
+    return sorted(files)
+
+
+def source_exists(path: str | Path) -> bool:
+    """Whether ``path`` is a file or folder, or a pattern that some file matches."""
+    if is_pattern(path):
+        return any(os.path.isfile(p) for p in glob.iglob(str(path), recursive=True))
+    return os.path.exists(path)
+
+
+def file_format(path: Path) -> str | None:
+    """A file name's format (the key of its reader), its compression's extension aside;
+    None where no reader reads it."""
+    name = path.name.lower()
+    for compression in ("", *COMPRESSIONS):
+        for fmt in READERS:
+            if fmt.startswith(".") and name.endswith(fmt + compression) and name != fmt:
+                if compression and fmt not in STREAMED_FORMATS:
+                    return None
+                return fmt
+    return None
+
+
+def _file_endings() -> list[str]:
+    """The file endings a reader reads: the formats, and the streamed ones compressed."""
+    plain = [k for k in READERS if k.startswith(".")]
+    return plain + [f"{fmt}{c}" for fmt in STREAMED_FORMATS for c in COMPRESSIONS]
 
 
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file
@@ -346,6 +548,8 @@ CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"  # a conversational record's templ
 # A table's columns read beside a conversation's (prompt and completion, or messages).
 CONVERSATION_COLUMNS = (TOOLS, CHAT_TEMPLATE_KWARGS)
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
+FILES = "files"  # READERS' key for a folder of data files, or a glob pattern's files
+CACHE_META = "meta.json"  # what marks a token cache's folder (train.data_cache)
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
 # The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
@@ -356,32 +560,41 @@ READERS: dict[str, Reader] = {
     ".npy": Reader(_read_npy),
     ".parquet": Reader(records_reader(_read_parquet)),
     SAVED_DATASET: Reader(records_reader(_read_saved_dataset)),
+    FILES: Reader(_read_files),
 }
 FORMATS = tuple(READERS)
 
 
 def data_format(path: str | Path) -> str:
-    """The key of ``path``'s reader in :data:`READERS`: a directory's is ``save_to_disk``,
-    a file's its lower-case extension; ValueError for a path that does not exist or an
-    extension no reader has."""
+    """The key of ``path``'s reader in :data:`READERS`: a file's is its lower-case
+    extension (before a compression's: ``.jsonl`` for ``a.jsonl.gz``); a directory's
+    ``save_to_disk`` where the ``datasets`` package saved it, else ``files`` (the data
+    files under it); a glob pattern's ``files``. ValueError for a path that does not
+    exist, or a file no reader reads."""
+    if is_pattern(path):
+        return FILES
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such data file")
     if path.is_dir():
-        if not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        if any((path / name).is_file() for name in SAVED_DATASET_FILES):
+            return SAVED_DATASET
+        data_files(path)  # some, or the one-line error
+        return FILES
+    fmt = file_format(path)
+    if fmt is None:
+        compression = path.suffix.lower()
+        if compression in COMPRESSIONS and Path(path.stem).suffix.lower() in READERS:
             raise ValueError(
-                f"{path}: a directory that is neither a token cache (no meta.json) nor a "
-                f"dataset saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES})"
+                f"{path}: a compressed {Path(path.stem).suffix.lower()} file is not read "
+                f"(only {' and '.join(STREAMED_FORMATS)} are read compressed); decompress it"
             )
-        return SAVED_DATASET
-    suffix = path.suffix.lower()
-    if suffix not in READERS:
-        known = ", ".join(k for k in READERS if k != SAVED_DATASET)
         raise ValueError(
-            f"{path}: unknown data format {suffix!r}; expected a file ending in {known}, a "
-            "directory saved with datasets' save_to_disk, or a token cache directory"
+            f"{path}: unknown data format {path.suffix.lower()!r}; expected a file ending in "
+            f"{', '.join(_file_endings())}, a folder of them or a glob pattern, a directory "
+            "saved with datasets' save_to_disk, or a token cache directory"
         )
-    return suffix
+    return fmt
 
 
 # What a reader gets for a record that is tokenized: ``(input_ids, labels or None)``;
