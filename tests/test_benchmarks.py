@@ -1596,3 +1596,32 @@ def test_head_split_bench_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_pat
     written = json.loads((tmp_path / "ab-head-split-fake.json").read_text())
     assert written["complete"] is True
     assert [r["setting"] for r in written["rows"]] == ["shares=2", "jflash", "fa3", "cudnn"]
+
+
+# benchmarks/restart.py: cold start, resumes and the compilation cache (CPU, tiny model)
+
+
+@pytest.mark.slow
+def test_restart_benchmark_resumes_each_run_from_the_last_ones_sigterm(tmp_path, capsys):
+    """Four trainer runs, each stopped by SIGTERM after its steps: the two resumes go on
+    from the checkpoint the run before saved, the new run starts at step 1; the table
+    and JSON hold one row each."""
+    from benchmarks import restart
+
+    out = tmp_path / "restart.json"
+    argv = ["--model", "tiny", "--context", "64", "--steps", "3", "--save-every", "2"]
+    assert restart.main([*argv, "--work", str(tmp_path / "w"), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["run"] for r in rows] == list(restart.RUNS)
+    resumed = [line for line in text.splitlines() if line.startswith("resumed from step")]
+    saved = [line for line in text.splitlines() if line.startswith("SIGTERM: saved")]
+    assert len(saved) == 4 and len(resumed) == 2
+    for save, resume in zip(saved[:2], resumed, strict=True):  # each resume its save's step
+        assert save.split()[6] == resume.split()[3]
+    for row in rows:
+        assert 0 < row["to_first_step_s"] < row["wall_s"] and row["sigterm_to_exit_s"] > 0
+        assert row["median_step_s"] <= row["slowest_step_s"]
+        assert f"| {row['run']} |" in text
+    assert "--compilation_cache_dir" not in rows[1]["command"]
+    assert "--resume_from_checkpoint latest" in rows[2]["command"]
