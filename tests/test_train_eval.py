@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,36 @@ def test_eval_steps_fall_back_to_logging_steps_as_hf(tmp_path):
     summary = run(parse_args([*argv, "--output_dir", str(tmp_path / "run")]))
     assert [e["step"] for e in summary["eval"]] == [2, 4]
     assert parse_args([]).run.num_train_epochs == 3.0
+
+
+def test_eval_on_start_gives_the_untrained_loss_once(tmp_path):
+    """HF's --eval_on_start: an evaluation before the first step, logged at step 0, the
+    initial parameters' loss (the same as a run that trains nothing); a resume does not
+    repeat it. Without evaluation it is refused."""
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "4"]
+    argv += ["--model_max_length", "64", "--mesh", "data=1,fsdp=-1,seq=1", "--attention", "xla"]
+    argv += ["--eval_data_path", "sample", "--logging_steps", "2", "--export_hf", "false"]
+    argv += ["--report_to", "none", "--progress", "false", "--save_steps", "2"]
+    out = str(tmp_path / "run")
+    summary = run(parse_args([*argv, "--output_dir", out, "--eval_on_start", "true"]))
+    assert [e["step"] for e in summary["eval"]] == [0, 2, 4]
+    with open(tmp_path / "run" / "log.jsonl") as f:
+        assert [r["step"] for r in map(json.loads, f) if "eval_loss" in r] == [0, 2, 4]
+    # A run whose steps change nothing (learning rate 0) evaluates the same loss later.
+    frozen = ["--learning_rate", "0", "--save_strategy", "no", "--weight_decay", "0"]
+    untrained = run(parse_args([*argv, *frozen, "--output_dir", str(tmp_path / "frozen")]))
+    assert summary["eval"][0]["eval_loss"] == pytest.approx(untrained["eval"][0]["eval_loss"])
+    assert summary["eval"][1]["eval_loss"] != summary["eval"][0]["eval_loss"]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"]
+    shutil.rmtree(checkpoints / "4")
+    resumed = [*argv, "--output_dir", out, "--eval_on_start", "true"]
+    again = run(parse_args([*resumed, "--resume_from_checkpoint", "latest"]))
+    assert [e["step"] for e in again["eval"]] == [4]
+    with pytest.raises(ValueError, match=r"^--eval_on_start needs --eval_data_path"):
+        parse_args(["--eval_on_start", "true"])
+    with pytest.raises(ValueError, match=r"--eval_on_start evaluates, which --eval_strategy no"):
+        parse_args(["--eval_on_start", "true", "--eval_data_path", "x", "--eval_strategy", "no"])
 
 
 def test_intervals_below_1_are_a_fraction_of_the_run_as_hf(tmp_path, capsys):

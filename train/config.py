@@ -183,6 +183,7 @@ class RunArgs:
     save_steps: float = 500  # steps, or below 1 a fraction of the run's (HF's)
     eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end) | no
     eval_steps: float = 0  # as save_steps; 0: every logging_steps (HF's)
+    eval_on_start: bool = False  # evaluate before a new run's first step (the loss to beat)
     save_total_limit: int | None = None
     save_on_preemption: bool = True  # SIGTERM while training: save the step reached, exit 143
     resume_from_checkpoint: str | None = None  # a checkpoint dir, "latest", or "auto"
@@ -599,8 +600,8 @@ HF_ONLY_FLAGS = {
     "--max_seq_length": "the row length is --model_max_length",
     "--max_length": "the row length is --model_max_length",
     "--dataset_text_field": "records are read by their own keys (docs/trainer.md, Data)",
-    "--eval_on_start": "evaluation runs every --eval_steps and at the end",
-    "--disable_tqdm": "--progress false prints step lines instead of the bar",
+    "--disable_tqdm": "--progress false turns the bar (and the step lines printed off a "
+    "terminal) off; log.jsonl and TensorBoard keep the metrics",
     "--log_level": "the trainer prints its lines on process 0; leave it out",
     "--full_determinism": "set XLA_FLAGS=--xla_gpu_deterministic_ops=true (the attention's "
     "deterministic backward included)",
@@ -791,8 +792,12 @@ def _check_unused(cfg: TrainConfig) -> None:
             raise ValueError(
                 f"--{name}={getattr(cfg.optim, name)} is not used by --optim {cfg.optim.optim}"
             )
+    if cfg.run.eval_on_start and cfg.run.eval_strategy == "no":
+        raise ValueError("--eval_on_start evaluates, which --eval_strategy no turns off")
     if cfg.data.eval_data_path or cfg.run.eval_strategy == "no":
         return
+    if cfg.run.eval_on_start:
+        raise ValueError("--eval_on_start needs --eval_data_path (no evaluation data given)")
     for name in ("eval_steps", "eval_strategy"):
         if getattr(cfg.run, name) != getattr(run_defaults, name):
             raise ValueError(

@@ -744,6 +744,9 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     watch = contextlib.ExitStack()  # SIGTERM's handler while the loop runs
     try:
         watch.enter_context(preemption.watching())
+        if t.eval_rows is not None and cfg.run.eval_on_start and start_step == 0:
+            # The loss to beat; a resume's log holds it already.
+            history.append(_evaluate(t, state["params"], start_step, writer, log, bar))
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
                 jax.block_until_ready(state)

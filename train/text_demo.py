@@ -8,8 +8,8 @@
 3. writes the ``tiny`` preset, randomly initialised, with that tokenizer as an HF
    directory (``python -m models.convert --init``);
 4. tokenizes both splits into token caches (``python -m train.data cache``);
-5. trains with ``configs/text_demo.yaml`` on the caches and prints the validation loss
-   before training and after.
+5. trains with ``configs/text_demo.yaml`` on the caches (``--eval_on_start``) and prints
+   the validation loss before training and after.
 
 Everything lands under ``runs/text_demo/``.
 """
@@ -25,13 +25,12 @@ import sysconfig
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from models import convert
 from train import data as data_lib
 from train import data_cache, outputs
-from train.build import build, data_eos
+from train.build import data_eos
 from train.config import parse_args, shipped_config
 from train.errors import Preempted, signal_status
 from train.loop import TrainingError, run
@@ -87,16 +86,6 @@ def _write_jsonl(path: Path, texts: list[str]) -> None:
             f.write(json.dumps({"text": text}) + "\n")
 
 
-def eval_loss(trainer) -> float:
-    """The validation loss of the trainer's initial (random) parameters."""
-    total, count = 0.0, 0
-    with jax.set_mesh(trainer.mesh):
-        for batch in trainer.eval_batches():
-            loss_sum, n = jax.device_get(trainer.eval_fn(trainer.state["params"], batch))
-            total, count = total + float(loss_sum), count + int(n)
-    return total / count
-
-
 def main() -> None:
     start = time.time()
     if (usage := outputs.demo_help(sys.argv[1:], __doc__, str(RUN_DIR))) is not None:
@@ -150,23 +139,26 @@ def demo(start: float) -> None:
 
     argv = ["--config", str(CONFIG), "--model_name_or_path", str(model)]
     argv += ["--data_path", str(caches["train"]), "--eval_data_path", str(caches["val"])]
-    argv += ["--eval_steps", "100"]
+    argv += ["--eval_steps", "100", "--eval_on_start", "true"]
     argv += ["--output_dir", str(RUN_DIR / "run")]
     if not outputs.demo_resumes(sys.argv[1:]):  # a new run replaces the last
         argv += ["--overwrite_output_dir", "true"]
     cfg = parse_args(argv + sys.argv[1:])
     assert data_eos(cfg, config) == config.eos_token_id
-    before = eval_loss(build(cfg))
-    print(f"val loss before training: {before:.3f} (ln(vocab) = {np.log(VOCAB_SIZE):.3f})")
     try:
         summary = run(cfg)
     except Preempted as e:  # SIGTERM: the step reached is saved (--save_on_preemption)
         print(e.line("python -m train.text_demo --resume_from_checkpoint latest"), file=sys.stderr)
         sys.exit(signal_status(signal.SIGTERM))
-    after = summary["eval"][-1]["eval_loss"]
+    evals = summary["eval"]
+    after = evals[-1]["eval_loss"]
+    if evals[0]["step"] != 0:  # a resume: the loss before training is in its log
+        print(f"val loss after {summary['total_steps']} steps: {after:.3f}")
+        return
+    before = evals[0]["eval_loss"]
     print(
-        f"val loss after {summary['total_steps']} steps: {after:.3f} (from {before:.3f}); "
-        f"{time.time() - start:.0f} s in all"
+        f"val loss before training: {before:.3f} (ln(vocab) = {np.log(VOCAB_SIZE):.3f}); "
+        f"after {summary['total_steps']} steps: {after:.3f}; {time.time() - start:.0f} s in all"
     )
     if not after < before - 1.0:
         sys.exit("error: the validation loss did not fall by 1 nat")
