@@ -577,6 +577,30 @@ def test_the_trainer_reads_a_pattern_of_files_or_names_what_matches_none(tmp_pat
         load_rows(_cfg(data_path=missing, model_max_length=8), models.TINY)
 
 
+def test_data_around_the_output_directory_is_refused_or_warned(tmp_path, capsys):
+    """An --output_dir inside a --data_path folder is refused (its log.jsonl would be
+    data at the next start); evaluation data sharing files with the training data gets
+    a warning."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    _dump = [f"[{10 + i}, 11, 12]\n" for i in range(8)]
+    (root / "train.jsonl").write_text("".join(_dump))
+    (root / "test.jsonl").write_text("".join(_dump[:4]))
+    cfg = _cfg(data_path=str(root), model_max_length=4)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(root / "r")))
+    with pytest.raises(TrainingError, match=r"--output_dir='.*proj/r' is inside --data_path="):
+        load_rows(cfg, models.TINY)
+    cfg = _cfg(data_path=str(root), eval_data_path=f"{root}/test*", model_max_length=4)
+    load_rows(cfg, models.TINY, eval=True)
+    assert (
+        f"warning: --eval_data_path='{root}/test*' shares 1 file with --data_path "
+        f"({root}/test.jsonl): its loss is measured on data the run trains on"
+    ) in capsys.readouterr().out
+    cfg = _cfg(data_path=f"{root}/train*", eval_data_path=f"{root}/test*", model_max_length=4)
+    load_rows(cfg, models.TINY, eval=True)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_a_source_rewritten_to_its_size_and_time_is_noticed(tmp_path):
     """A data file rewritten to the same size with its mtime kept (cp -p, rsync -t) is
     noticed by the hash of its ends; a cache from before that hash keeps working."""
@@ -595,11 +619,14 @@ def test_a_source_rewritten_to_its_size_and_time_is_noticed(tmp_path):
     del meta["source"]["edges"]  # written before the hash was recorded
     (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
     assert data_cache.open_cache(tmp_path / "c").mismatch(eos_id=3) == []
-    # a directory of shards is stamped by its files' sizes and times (no file read)
-    assert data_cache.source_stamp(tmp_path / "c")["edges"] is None
-    assert (
-        data_cache.source_bytes(tmp_path / "c") == data_cache.source_stamp(tmp_path / "c")["size"]
-    )
+    # a save_to_disk directory of shards is stamped by its files' sizes and times (no
+    # file read)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"\0" * 100)
+    assert data_cache.source_stamp(saved)["edges"] is None
+    assert data_cache.source_bytes(saved) == data_cache.source_stamp(saved)["size"] == 102
 
 
 def test_a_long_cache_build_says_how_far_it_is(tmp_path, monkeypatch, capsys):

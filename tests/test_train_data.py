@@ -957,7 +957,7 @@ def test_a_folder_of_data_files_is_read_file_by_file_in_sorted_order(tmp_path, c
     ]
     assert capsys.readouterr().out == (
         f"{root}: reading 6 data files: a.jsonl, b.jsonl.gz, sub/c.pkl.bz2, sub/d.jsonl.xz, "
-        "sub/e.jsonl.zst, sub/f.npy\n"
+        "sub/e.jsonl.zst, sub/f.npy; left out 1 other file (.md)\n"
     )
     # Through a token cache: the same stream, and the same names in its errors.
     cache = data_cache.build_cache(root, tmp_path / "c", eos_id=0)
@@ -1055,3 +1055,111 @@ def test_compressed_files_are_read_and_damage_is_named(tmp_path, compression):
         (tmp_path / name).write_bytes(b"x")
         with pytest.raises(ValueError, match=r"is not read \(only \.jsonl and \.pkl are read"):
             load_dataset(tmp_path / name)
+
+
+def test_a_folder_is_read_as_its_user_means_it(tmp_path, capsys, monkeypatch):
+    """Links read each real file once (a link back up is no loop); a folder holding a
+    `meta.json` of its own is data (only a token cache's folder is left out); files of
+    no format are counted in the line, `.json` ones with a hint; several splits by name
+    get a warning; a folder that cannot be listed or a file that cannot be read is one
+    line, as is an empty compressed file."""
+    import gzip
+    import os
+
+    root = tmp_path / "d"
+    for folder in ("en", "de", "validation"):
+        (root / folder).mkdir(parents=True)
+    _dump_jsonl(root / "en" / "train.jsonl", ["[1]"])
+    _dump_jsonl(root / "de" / "train.jsonl", ["[2]"])
+    (root / "de" / "meta.json").write_text('{"lang": "de"}')
+    (root / "de" / "notes.json.gz").write_bytes(gzip.compress(b"{}"))
+    os.symlink("..", root / "en" / "up")  # a loop
+    os.symlink(root / "en" / "train.jsonl", root / "again.jsonl")
+    _dump_jsonl(root / "validation" / "x.jsonl", ["[3]"])
+    capsys.readouterr()
+    dataset = load_dataset(root)
+    assert dataset.tokens.tolist() == [1, 2, 3]  # en/train.jsonl is again.jsonl: read once
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        f"{root}: reading 3 data files: again.jsonl, de/train.jsonl, validation/x.jsonl; "
+        "left out 2 other files (.json, .json.gz); one JSON record a line is read from "
+        ".jsonl files"
+    )
+    assert out[1] == (
+        f"warning: {root}: its files' names hold several splits (train, validation), all "
+        f"read as one dataset; a pattern picks one (e.g. '{root}/**/train*')"
+    )
+    assert [p.name for p in readers.data_files(f"{root}/**/*.jsonl")] == [
+        "again.jsonl", "train.jsonl", "x.jsonl"
+    ]  # fmt: skip (the pattern too: each real file once, the loop's copies left out)
+    with pytest.raises(ValueError, match=r"notes\.json\.gz: a \.json file is not read: one JSON"):
+        load_dataset(root / "de" / "notes.json.gz")
+
+    (root / "z.jsonl.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"z\.jsonl\.gz: an empty file, not \.gz data"):
+        load_dataset(root)
+    (root / "z.jsonl.gz").unlink()
+
+    real_open = open
+
+    def refusing(path, *args, **kwargs):
+        if str(path).endswith("x.jsonl"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(readers, "open", refusing, raising=False)
+    with pytest.raises(ValueError, match=r"x\.jsonl: cannot be read \(Permission denied\)$"):
+        load_dataset(root)
+    monkeypatch.undo()
+    real_scandir = os.scandir
+
+    def unlisted(path="."):
+        if str(path).endswith("validation"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unlisted)
+    with pytest.raises(ValueError, match=r"validation: cannot be listed \(Permission denied\)$"):
+        readers.data_files(root)
+
+
+def test_a_pattern_leaves_out_a_token_cache_under_it(tmp_path, capsys):
+    """`corpus/**/*.npy` with `--data_cache_dir corpus/cache`: the cache's index.npy is
+    not data (it was read, and made the cache stale at every start); `~` is expanded; a
+    pattern matching only folders says so."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    np.save(root / "shard.npy", np.arange(1, 9).reshape(1, -1))
+    pattern = f"{root}/**/*.npy"
+    where = data_cache.cache_location(pattern, root / "cache")
+    assert data_cache.ensure_cache(pattern, where)[1]
+    assert readers.data_files(pattern) == [root / "shard.npy"]
+    assert not data_cache.ensure_cache(pattern, where)[1]  # up to date
+    home = tmp_path / "home"
+    (home / "c").mkdir(parents=True)
+    _dump_jsonl(home / "c" / "a.jsonl", ["[4]"])
+    import os
+
+    old = os.environ.get("HOME")
+    os.environ["HOME"] = str(home)
+    try:
+        assert load_dataset("~/c/*.jsonl").tokens.tolist() == [4]
+    finally:
+        os.environ["HOME"] = old if old is not None else ""
+    with pytest.raises(ValueError, match=r"no data file matches the pattern \(it matches 1 folder"):
+        load_dataset(f"{home}/*")
+
+
+def test_a_folder_cache_goes_stale_when_a_file_is_renamed(tmp_path, capsys):
+    """The order of a folder's files is their names': a shard renamed (same size and
+    time) changes the stream, so the cache is rebuilt."""
+    root = tmp_path / "c"
+    root.mkdir()
+    _dump_jsonl(root / "a.jsonl", ["[1, 2]"])
+    _dump_jsonl(root / "b.jsonl", ["[3, 4]"])
+    cache, built = data_cache.ensure_cache(root, tmp_path / "cache")
+    assert built and np.asarray(cache.tokens).tolist() == [1, 2, 3, 4]
+    (root / "a.jsonl").rename(root / "z.jsonl")
+    cache, built = data_cache.ensure_cache(root, tmp_path / "cache")
+    assert built and np.asarray(cache.tokens).tolist() == [3, 4, 1, 2]
+    assert "files were renamed, moved or reordered" in capsys.readouterr().out

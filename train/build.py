@@ -12,6 +12,7 @@ import functools
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,7 +42,7 @@ from train.mesh import (
     shard_axes,
 )
 from train.optim import optimizer, schedule
-from train.readers import is_pattern, source_exists
+from train.readers import is_pattern, pattern_folder, source_exists, source_files
 from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.words import plural
 
@@ -141,6 +142,32 @@ def is_sample_data(path: str) -> bool:
     return path == SAMPLE_DATA and not os.path.exists(path)
 
 
+def _check_sources(cfg: TrainConfig, flag: str, path: str, eval: bool) -> None:
+    """Refuses data files inside `--output_dir` (the run's log.jsonl would be read as
+    data at its next start), and warns where the evaluation data shares files with the
+    training data (its loss then measures what was trained on)."""
+    files = [Path(f) for f in source_files(path)]
+    out = os.path.realpath(cfg.run.output_dir)
+    folder = not is_pattern(path) and os.path.isdir(path) and not data_cache.is_cache(path)
+    inside = [f for f in files if os.path.realpath(f).startswith(out + os.sep)]
+    if inside or (folder and (out + os.sep).startswith(os.path.realpath(path) + os.sep)):
+        raise TrainingError(
+            f"--output_dir={cfg.run.output_dir!r} is inside {flag}={path!r}: the run's own "
+            "files (log.jsonl) would be read as data; give an output directory elsewhere"
+        )
+    train_path = cfg.data.data_path
+    if eval and not is_sample_data(train_path) and source_exists(train_path):
+        trained = {os.path.realpath(f) for f in source_files(train_path)}
+        shared = [f for f in files if os.path.realpath(f) in trained]
+        if shared and jax.process_index() == 0:
+            names = ", ".join(str(f) for f in shared[:3]) + ", ..." * (len(shared) > 3)
+            print(
+                f"warning: {flag}={path!r} shares {plural(len(shared), 'file')} with "
+                f"--data_path ({names}): its loss is measured on data the run trains on",
+                flush=True,
+            )
+
+
 # A data file this large, read into memory without --data_cache_dir, gets a note.
 IN_MEMORY_NOTE_BYTES = 1_000_000_000
 
@@ -176,10 +203,11 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         examples = examples[train:] if eval else examples
         dataset = TokenDataset.from_examples(SAMPLE_DATA, list(examples))
     else:
+        flag = "--eval_data_path" if eval else "--data_path"
         if not source_exists(path):
-            flag = "--eval_data_path" if eval else "--data_path"
             what = "no data file matches it" if is_pattern(path) else "no such data file"
             raise TrainingError(f"{flag}={path!r}: {what}")
+        _check_sources(cfg, flag, path, eval)
         name = cfg.model.model_name_or_path
         # The model directory's tokenizer where it has one; text without any asks for one.
         own = os.path.isdir(name) and data_lib.tokenizer_file(name).is_file()
@@ -226,8 +254,8 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         except ValueError as e:
             if tokenizer and "out of range for vocab_size" in str(e):
                 _blame_the_tokenizer(cfg, tokenizer, config.vocab_size, e)
-            flag = "--eval_data_path" if eval else "--data_path"
-            if str(e).startswith(path) and flag not in str(e):  # which flag's data it is
+            named = pattern_folder(path) if is_pattern(path) else path
+            if str(e).startswith(named) and flag not in str(e):  # which flag's data it is
                 raise ValueError(f"{flag} {e}") from None
             raise
     return dataset.rows(

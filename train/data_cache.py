@@ -64,23 +64,26 @@ from train.dataset import (
     whole_lengths,
 )
 from train.readers import (
+    CACHE_FORMAT,
     CACHE_META,
     FILES,
     READERS,
     RecordParser,
-    data_files,
     data_format,
     example_where,
+    file_words,
     is_pattern,
+    is_token_cache,
     pattern_folder,
     read_examples,
     source_exists,
+    source_files,
     split_note,
     tokenizer_file,
 )
 from train.words import plural
 
-FORMAT = "jflash-token-cache"
+FORMAT = CACHE_FORMAT
 VERSION = 2
 # Versions whose caches without labels.bin are this version's (version 1's labels.bin
 # labels every appended EOS, also after a record whose last label is -100).
@@ -95,13 +98,7 @@ _FLUSH_TOKENS = 1 << 22  # tokens buffered before a write
 
 def is_cache(path: str | Path) -> bool:
     """Whether ``path`` is a token cache directory (it has a ``meta.json`` of this format)."""
-    meta = Path(path) / META
-    if not meta.is_file():
-        return False
-    try:
-        return json.loads(meta.read_text()).get("format") == FORMAT
-    except (ValueError, OSError, AttributeError):
-        return False
+    return is_token_cache(path)
 
 
 def source_stamp(path: str | Path) -> dict[str, Any]:
@@ -112,7 +109,7 @@ def source_stamp(path: str | Path) -> dict[str, Any]:
     time kept (``cp -p``, ``rsync -t``) is noticed where it differs there (at most 2 MiB
     read at each start; not per file of a directory of shards, which could be
     thousands)."""
-    files = _source_files(path)
+    files = source_files(path)
     stats = [f.stat() for f in files]
     stamp = {
         "path": source_path(path),
@@ -120,8 +117,10 @@ def source_stamp(path: str | Path) -> dict[str, Any]:
         "mtime_ns": max((s.st_mtime_ns for s in stats), default=0),
         "edges": None,
     }
-    if data_format(path) == FILES:
+    if data_format(path) == FILES:  # a shard renamed or moved changes the order
         stamp["files"] = len(files)
+        names = "\n".join(name for name, _ in file_words(path))
+        stamp["names"] = hashlib.sha256(names.encode()).hexdigest()
     elif not Path(path).is_dir():
         digest = hashlib.sha256()
         with open(path, "rb") as f:
@@ -137,22 +136,13 @@ def source_path(path: str | Path) -> str:
     """A data source's absolute path as a cache records it (a pattern's, its wildcards
     kept; other paths with their links resolved)."""
     if is_pattern(path):
-        return os.path.abspath(path)
+        return os.path.abspath(os.path.expanduser(path))
     return str(Path(path).resolve())
-
-
-def _source_files(path: str | Path) -> list[Path]:
-    """The files of a data source: a folder's or pattern's data files (or every file of
-    a ``save_to_disk`` directory), or the one file."""
-    if is_pattern(path) or (Path(path).is_dir() and data_format(path) == FILES):
-        return data_files(path)
-    path = Path(path)
-    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
 
 def source_bytes(path: str | Path) -> int:
     """A data source's size (a directory or pattern: its files' total), from their stats."""
-    return sum(f.stat().st_size for f in _source_files(path))
+    return sum(f.stat().st_size for f in source_files(path))
 
 
 # The bytes at each end of a data file whose hash a cache records (`source_stamp`).
@@ -278,6 +268,11 @@ class TokenCache:
                 reasons.append(f"built from {recorded['path']}, not {now['path']}")
             elif (now["size"], now["mtime_ns"]) != (recorded["size"], recorded["mtime_ns"]):
                 reasons.append(f"{now['path']} changed since the cache was built (size or mtime)")
+            elif now.get("names") != recorded.get("names"):
+                reasons.append(
+                    f"{now['path']}'s files were renamed, moved or reordered since the cache "
+                    "was built"
+                )
             elif now["edges"] != recorded.get("edges", now["edges"]):  # older caches: none
                 reasons.append(
                     f"{now['path']} changed since the cache was built (its first or last MiB)"

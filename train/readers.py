@@ -171,7 +171,7 @@ def file_words(path: str | Path) -> list[tuple[str, str]]:
     it (from the directory, or the pattern's folder) and what its examples are numbered
     by (``line`` or ``record``)."""
     files = data_files(path)
-    base = Path(path) if Path(path).is_dir() else Path(pattern_folder(str(path)))
+    base = Path(path) if not is_pattern(path) else Path(pattern_folder(os.path.expanduser(path)))
     return [
         (
             os.path.relpath(file, base),
@@ -309,13 +309,20 @@ STREAMED_FORMATS = (".jsonl", ".pkl")
 
 def open_data(path: Path):
     """``path`` open for reading bytes, decompressed where its extension is one of
-    :data:`COMPRESSIONS` (``.zst`` needs the ``zstandard`` package)."""
+    :data:`COMPRESSIONS` (``.zst`` needs the ``zstandard`` package); ValueError naming
+    a file that cannot be read, or a compressed one that is empty (not even a header)."""
     module = COMPRESSIONS.get(path.suffix.lower())
-    if module is None:
-        return open(path, "rb")
-    if module == "zstandard":
-        return io.BufferedReader(_ZstdStream(path, _optional(module, path, extra="zstd")))
-    return importlib.import_module(module).open(path, "rb")
+    try:
+        if module is not None and os.path.getsize(path) == 0:
+            raise ValueError(f"{path}: an empty file, not {path.suffix} data (not even a header)")
+        if module is None:
+            return open(path, "rb")
+        if module == "zstandard":
+            zstandard = _optional(module, path, extra="zstd")
+            return io.BufferedReader(_ZstdStream(path, zstandard))
+        return importlib.import_module(module).open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
 class _ZstdStream(io.RawIOBase):
@@ -334,7 +341,7 @@ class _ZstdStream(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         while self._at == len(self._out):
-            data = self._file.read(1 << 20)
+            data = self._file.read(1 << 10)  # 1 KiB a time: a bound on its output
             if not data:
                 if self._fed and not self._obj.eof:
                     raise EOFError("the file ends inside a zstd frame")
@@ -363,16 +370,67 @@ class _ZstdStream(io.RawIOBase):
 
 def _read_files(path: Path, parser: RecordParser) -> Iterator[Example]:
     """The examples of a directory's or a pattern's :func:`data_files`, one file after
-    another; errors name the file (the parser's ``path`` while it is read)."""
-    source, files = parser.path, data_files(path)
+    another; errors name the file (the parser's ``path`` while it is read). One line
+    names the files (and those of a folder left out), one warns of several splits."""
+    source, (files, others) = parser.path, _scan(path)
     names = [name for name, _ in file_words(path)]
     shown = ", ".join(names if len(names) <= 6 else [*names[:3], "...", *names[-2:]])
-    print(f"{path}: reading {plural(len(names), 'data file')}: {shown}", flush=True)
+    left_out = _left_out(others)
+    print(f"{path}: reading {plural(len(names), 'data file')}: {shown}{left_out}", flush=True)
+    if len(splits := split_names(names)) > 1:
+        print(
+            f"warning: {path}: its files' names hold several splits ({', '.join(splits)}), "
+            "all read as one dataset; a pattern picks one (e.g. "
+            f"'{Path(pattern_folder(str(path)) if is_pattern(path) else path) / '**'}"
+            f"/{'train' if 'train' in splits else splits[0]}*')",
+            flush=True,
+        )
     for k, file in enumerate(files):
         parser.path = file
         for example in READERS[data_format(file)].read(file, parser):
             yield example._replace(file=k)
     parser.path = source
+
+
+def _left_out(others: list[Path]) -> str:
+    """`; left out 2 other files (.json.gz, .md)` for a folder's files of no known
+    format (JSON arrays in `.json` files among them: a hint that `.jsonl` is read)."""
+    if not others:
+        return ""
+    kinds = sorted({"".join(p.suffixes[-2:]).lower() or p.name for p in others})
+    shown = ", ".join(kinds[:5] + ["..."] * (len(kinds) > 5))
+    json_hint = (
+        "; one JSON record a line is read from .jsonl files"
+        if any(".json" in p.name.lower() and ".jsonl" not in p.name.lower() for p in others)
+        else ""
+    )
+    return f"; left out {plural(len(others), 'other file')} ({shown}){json_hint}"
+
+
+# A data split's names as they appear in file and folder names (`train-00000-of-00002`,
+# `validation/`), and the name the warning gives each.
+SPLIT_WORDS = {
+    "train": "train",
+    "training": "train",
+    "test": "test",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "dev",
+    "eval": "eval",
+    "evaluation": "eval",
+}
+
+
+def split_names(names: Sequence[str]) -> list[str]:
+    """The splits (:data:`SPLIT_WORDS`) that the files' relative ``names`` hold, as
+    words of their paths, sorted; more than one: a folder of several splits."""
+    found = set()
+    for name in names:
+        for word in re.split(r"[^a-z]+", name.lower()):
+            if word in SPLIT_WORDS:
+                found.add(SPLIT_WORDS[word])
+    return sorted(found)
 
 
 def is_pattern(path: str | Path) -> bool:
@@ -388,41 +446,109 @@ def pattern_folder(pattern: str) -> str:
 
 
 def data_files(path: str | Path) -> list[Path]:
-    """The data files that ``path`` names, in sorted order: those a glob pattern matches
-    (``**`` for any folders between; each must be of a known format), or those under a
-    directory (at any depth; hidden files and folders and files of no known format left
-    out, and token caches' folders), each read by its own format's reader; ValueError
-    where there are none."""
+    """The data files that ``path`` names, in sorted order, each read by its own
+    format's reader: those a glob pattern matches (``**`` for any folders between;
+    each must be of a known format), or those under a directory (at any depth; hidden
+    files and folders and files of no known format left out). Files in a token cache's
+    folder are left out, and a file or folder reached twice (links) is read once.
+    ValueError where there are none, or a folder cannot be listed."""
+    return _scan(path)[0]
+
+
+def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
+    """``(data files, other files left out)`` of a folder or pattern (:func:`data_files`)."""
     if is_pattern(path):
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if os.path.isfile(p))
+        pattern = os.path.expanduser(str(path))
+        matches = sorted(glob.glob(pattern, recursive=True))
+        below = Path(pattern_folder(pattern))
+        files = [Path(p) for p in matches if os.path.isfile(p) and not _in_cache(Path(p), below)]
         if not files:
-            raise ValueError(f"{path}: no data file matches the pattern")
+            folders = [p for p in matches if os.path.isdir(p)]
+            hint = (
+                f" (it matches {plural(len(folders), 'folder')}, {folders[0]}: name a folder "
+                "itself, or its files with a pattern such as folder/*.jsonl)"
+                if folders
+                else ""
+            )
+            raise ValueError(f"{path}: no data file matches the pattern{hint}")
         for file in files:
             data_format(file)  # a known format, or its one-line error
-        return files
-    path = Path(path)
-    files = []
-    for folder, dirs, names in os.walk(path, followlinks=True):
-        if folder != str(path) and CACHE_META in names:
-            dirs[:] = []  # a token cache's index.npy is not data
+        return _once(files), []
+    root = Path(path)
+    if is_token_cache(root):
+        raise ValueError(f"{path}: a token cache, not a folder of data files")
+    files, others, seen = [], [], set()
+
+    def unlisted(error: OSError):
+        raise ValueError(f"{error.filename}: cannot be listed ({error.strerror})")
+
+    for folder, dirs, names in os.walk(root, onerror=unlisted, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen or (folder != str(root) and is_token_cache(folder)):
+            dirs[:] = []  # a link back to a folder read already; a cache's index.npy
             continue
+        seen.add(real)
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in names:
-            if not name.startswith(".") and file_format(Path(name)) is not None:
-                files.append(Path(folder) / name)
+            if not name.startswith("."):
+                known = file_format(Path(name)) is not None
+                (files if known else others).append(Path(folder) / name)
     if not files:
         raise ValueError(
             f"{path}: a directory that is neither a token cache (no meta.json), a dataset "
             f"saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES}), nor a "
             f"folder of data files (none ending in {', '.join(_file_endings())})"
         )
-    return sorted(files)
+    return _once(sorted(files)), sorted(others)
+
+
+def _once(files: list[Path]) -> list[Path]:
+    """``files`` in order, each real file once (a link to one read already left out)."""
+    seen, kept = set(), []
+    for file in files:
+        if (real := os.path.realpath(file)) not in seen:
+            seen.add(real)
+            kept.append(file)
+    return kept
+
+
+def _in_cache(file: Path, below: Path) -> bool:
+    """Whether ``file`` lies in a token cache's folder under ``below``."""
+    for folder in file.parents:
+        if folder == below or below not in folder.parents:
+            return False
+        if is_token_cache(folder):
+            return True
+    return False
+
+
+def is_token_cache(path: str | Path) -> bool:
+    """Whether ``path`` is a token cache directory (a ``meta.json`` of its format)."""
+    meta = Path(path) / CACHE_META
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()).get("format") == CACHE_FORMAT
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def source_files(path: str | Path) -> list[Path]:
+    """The files a data source reads: a folder's or pattern's :func:`data_files`, every
+    file of a ``save_to_disk`` directory, a data file itself; none for a token cache."""
+    if is_token_cache(path):
+        return []
+    if is_pattern(path) or (Path(path).is_dir() and data_format(path) == FILES):
+        return data_files(path)
+    path = Path(path)
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
 
 
 def source_exists(path: str | Path) -> bool:
     """Whether ``path`` is a file or folder, or a pattern that some file matches."""
     if is_pattern(path):
-        return any(os.path.isfile(p) for p in glob.iglob(str(path), recursive=True))
+        pattern = os.path.expanduser(str(path))
+        return any(os.path.isfile(p) for p in glob.iglob(pattern, recursive=True))
     return os.path.exists(path)
 
 
@@ -550,6 +676,7 @@ CONVERSATION_COLUMNS = (TOOLS, CHAT_TEMPLATE_KWARGS)
 SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `datasets`
 FILES = "files"  # READERS' key for a folder of data files, or a glob pattern's files
 CACHE_META = "meta.json"  # what marks a token cache's folder (train.data_cache)
+CACHE_FORMAT = "jflash-token-cache"  # its "format"
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
 # The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
@@ -588,6 +715,11 @@ def data_format(path: str | Path) -> str:
             raise ValueError(
                 f"{path}: a compressed {Path(path.stem).suffix.lower()} file is not read "
                 f"(only {' and '.join(STREAMED_FORMATS)} are read compressed); decompress it"
+            )
+        if ".json" in path.name.lower():  # `.json`, `.json.gz`: not JSON Lines by name
+            raise ValueError(
+                f"{path}: a .json file is not read: one JSON record a line is read from a "
+                ".jsonl file (rename it where it holds that; a JSON array: convert it)"
             )
         raise ValueError(
             f"{path}: unknown data format {path.suffix.lower()!r}; expected a file ending in "
