@@ -784,6 +784,18 @@ def test_train_tokenizer_learns_from_prompt_completion_records(bpe, tmp_path):
     assert (tmp_path / "corpus.txt.gz-tok" / "tokenizer.json").read_bytes() == (
         bpe / "tokenizer.json"
     ).read_bytes()
+    # A folder's files (hidden ones left out) and a pattern's: the same as the file.
+    shards = tmp_path / "shards"
+    (shards / ".git").mkdir(parents=True)
+    (shards / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (shards / "corpus.txt.gz").write_bytes((tmp_path / "corpus.txt.gz").read_bytes())
+    for given in (shards, f"{shards}/*.gz"):
+        data_lib.train_tokenizer([given], tmp_path / "from-folder", vocab_size=300)
+        assert (tmp_path / "from-folder" / "tokenizer.json").read_bytes() == (
+            bpe / "tokenizer.json"
+        ).read_bytes()
+    with pytest.raises(ValueError, match=r"none/\*\.txt: no such text file \(nor a folder"):
+        data_lib.train_tokenizer([tmp_path / "none" / "*.txt"], tmp_path / "x", vocab_size=300)
 
 
 def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):

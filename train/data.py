@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import json
 import os
 import pickle
@@ -54,6 +55,7 @@ from train.readers import (
     ChatTurnsError,
     NoTokenizerError,
     file_format,
+    is_pattern,
     load_tokenizer,
     open_data,
     read_jsonl,
@@ -340,6 +342,26 @@ TOKENIZER_FILES = (
 )
 
 
+def text_files(path: str | Path) -> list[Path]:
+    """The files a tokenizer learns from for one argument: a file; a folder's files at
+    any depth (hidden ones left out), sorted; a glob pattern's files, sorted.
+    ValueError where there is none."""
+    if is_pattern(path):
+        found = sorted(Path(p) for p in glob.glob(os.path.expanduser(str(path)), recursive=True))
+        found = [p for p in found if p.is_file()]
+    elif Path(path).is_dir():
+        found = sorted(
+            p
+            for p in Path(path).rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )
+    else:
+        found = [Path(path)] if Path(path).is_file() else []
+    if not found:
+        raise ValueError(f"{path}: no such text file (nor a folder or pattern of them)")
+    return found
+
+
 def train_tokenizer(
     files: Sequence[str | Path],
     out: str | Path,
@@ -356,8 +378,9 @@ def train_tokenizer(
     ``special_tokens`` (e.g. a chat template's ``<|eot_id|>``) get ids 1, 2, ... and are
     never split; ``chat_template``, a Jinja file, is copied to
     ``out/chat_template.jinja``, where transformers and :mod:`train.chat` find it (and
-    without one, a ``chat_template.jinja`` already in ``out`` is removed).
-    Deterministic for the same files in the same order."""
+    without one, a ``chat_template.jinja`` already in ``out`` is removed). A folder or
+    a glob pattern gives its files (:func:`text_files`). Deterministic for the same
+    files in the same order."""
     extra = list(dict.fromkeys(t for t in special_tokens if t != END_OF_TEXT))
     if any(not t or t != t.strip() for t in extra):
         raise ValueError(
@@ -368,9 +391,7 @@ def train_tokenizer(
             f"--vocab-size={vocab_size} must be at least {257 + len(extra)} (256 bytes + EOS"
             + (f" + {len(extra)} special tokens)" if extra else ")")
         )
-    missing = [str(f) for f in files if not Path(f).is_file()]
-    if missing:
-        raise ValueError(f"no such text files: {missing}")
+    files = [f for given in files for f in text_files(given)]
     template = None
     if chat_template is not None:
         try:
@@ -594,7 +615,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "files",
         nargs="+",
         help="UTF-8 text files, or .jsonl files of 'text' (or 'prompt' and 'completion', or "
-        "'messages'); either compressed too (.gz, .bz2, .xz, .zst)",
+        "'messages'); either compressed too (.gz, .bz2, .xz, .zst); folders or quoted glob "
+        "patterns of them",
     )
     tok.add_argument("--out", required=True, help="directory for tokenizer.json and its config")
     tok.add_argument(
