@@ -235,7 +235,7 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                 flag = "--eval_data_path" if eval else "--data_path"
                 print(
                     f"note: {flag}={path!r} ({size / 1e9:.1f} GB) is read into memory, which "
-                    "takes several times its size (about 40 bytes a token) on every process, "
+                    "takes several times its size (about 21 bytes a token) on every process, "
                     "at every start; --data_cache_dir DIR tokenizes it once into a "
                     "memory-mapped token cache that keeps both small",
                     flush=True,

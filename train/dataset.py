@@ -38,6 +38,7 @@ labelled.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,7 +47,15 @@ import numpy as np
 
 from models.loss import IGNORE_INDEX
 from train.chat import AUTO
-from train.readers import FILES, READERS, RecordParser, data_format, file_words, read_examples
+from train.readers import (
+    FILES,
+    READERS,
+    Example,
+    RecordParser,
+    data_format,
+    file_words,
+    read_examples,
+)
 
 _MAX_ID = np.iinfo(np.int32).max
 # How examples go into rows (see the module docstring): `--packing`'s values.
@@ -191,12 +200,18 @@ class TokenDataset:
         if not input_ids:
             raise ValueError(f"{path}: the dataset has no examples")
         labels = labels if labels is not None else [None] * len(input_ids)
-        targets = [ids if lab is None else lab for ids, lab in zip(input_ids, labels, strict=True)]
+        tokens = np.concatenate(input_ids).astype(np.int32, copy=False)
+        if all(lab is None for lab in labels):
+            targets = tokens  # one array: unlabelled data's targets are its tokens
+        else:
+            pairs = zip(input_ids, labels, strict=True)
+            targets = np.concatenate([ids if lab is None else lab for ids, lab in pairs])
+            targets = targets.astype(np.int32, copy=False)
         lengths = np.array([len(ids) for ids in input_ids], dtype=np.int64)
         return cls(
             path=str(path),
-            tokens=np.concatenate(input_ids).astype(np.int32),
-            targets=np.concatenate(targets).astype(np.int32),
+            tokens=tokens,
+            targets=targets,
             offsets=np.concatenate([[0], np.cumsum(lengths)]),
             lines=None if lines is None else np.asarray(lines, dtype=np.int64),
             records=None if records is None else np.asarray(records, dtype=np.int64),
@@ -323,7 +338,8 @@ class TokenDataset:
         tokens, targets, docs = self._stream(eos_id)
         stream_tokens = len(tokens)
         padding = None
-        starts = np.flatnonzero(np.diff(docs, prepend=-1))  # each example's first token
+        lengths = self.stream_lengths(eos_id)
+        starts = (np.cumsum(lengths) - lengths)[lengths > 0]  # each example's first token
         if packing == "whole":
             tokens, targets, docs, padding, starts = _place_whole(
                 tokens, targets, docs, seq_len, eos_id
@@ -348,11 +364,15 @@ class TokenDataset:
             next_targets[padding] = IGNORE_INDEX
         shape = (num_rows, seq_len)
         used = num_rows * seq_len
+        # Each row's documents from 0, in place: `docs` is this call's own array (a
+        # stream of a few bytes a token is what memory holds of the rows, not a copy
+        # more).
         row_docs = docs[:used].reshape(shape)
+        row_docs -= row_docs[:, :1].copy()
         rows = Rows(
             input_ids=tokens[:used].reshape(shape),
             labels=next_targets[:used].reshape(shape),
-            segment_ids=(row_docs - row_docs[:, :1]).astype(np.int32),
+            segment_ids=row_docs,
         )
         return rows, padding_tokens(num_rows, seq_len, stream_tokens, total), tail
 
@@ -375,20 +395,20 @@ class TokenDataset:
         """``(tokens, targets, example index)`` of the concatenated stream, int32 each;
         ``eos_id`` goes after every example that does not already end with it, its target
         ``-100`` where the example's last target is."""
-        docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
         if eos_id is None:
+            docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths)
             return self.tokens, self.targets, docs
         if not 0 <= eos_id <= _MAX_ID:
             raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
         ends = self.offsets[1:]
         need = self.tokens[ends - 1] != eos_id
-        ends, which = ends[need], np.flatnonzero(need).astype(np.int32)
+        docs = np.repeat(np.arange(self.num_examples, dtype=np.int32), self.lengths + need)
+        ends = ends[need]
+        tokens = np.insert(self.tokens, ends, eos_id)
+        if self.targets is self.tokens:  # unlabelled: the EOS's target is the EOS too
+            return tokens, tokens, docs
         eos_targets = np.where(self.targets[ends - 1] == IGNORE_INDEX, IGNORE_INDEX, eos_id)
-        return (
-            np.insert(self.tokens, ends, eos_id),
-            np.insert(self.targets, ends, eos_targets.astype(np.int32)),
-            np.insert(docs, ends, which),
-        )
+        return tokens, np.insert(self.targets, ends, eos_targets.astype(np.int32)), docs
 
 
 def stream_summary(tokens: np.ndarray, targets: np.ndarray, offsets: np.ndarray) -> dict[str, int]:
@@ -438,6 +458,59 @@ def _place_whole(
     return placed_tokens, placed_targets, placed_docs, padding, starts
 
 
+class _Gathered:
+    """Examples as a reader yields them, kept as a few int32 chunks rather than an array
+    per example (whose ~100 bytes of overhead each add up over millions of short
+    documents), and each one's length, number and file in compact arrays."""
+
+    CHUNK = 1 << 22  # tokens gathered before they are joined into one chunk
+
+    def __init__(self):
+        self.lengths, self.numbers, self.files = array("q"), array("q"), array("i")
+        self._tokens, self._targets = _Chunks(), None  # targets: once a label is seen
+
+    def add(self, example: Example) -> None:
+        self.lengths.append(len(example.input_ids))
+        self.numbers.append(example.number)
+        self.files.append(example.file)
+        if example.labels is not None and self._targets is None:
+            self._targets = self._tokens.copy()  # the earlier examples' targets: their tokens
+        self._tokens.add(example.input_ids)
+        if self._targets is not None:
+            labels = example.labels
+            self._targets.add(example.input_ids if labels is None else labels)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens, targets)``, int32; one array where no example has labels."""
+        tokens = self._tokens.joined()
+        return tokens, tokens if self._targets is None else self._targets.joined()
+
+
+class _Chunks:
+    """int32 arrays appended one at a time, joined every `_Gathered.CHUNK` tokens."""
+
+    def __init__(self):
+        self.done, self.open, self.size = [], [], 0
+
+    def add(self, values: np.ndarray) -> None:
+        self.open.append(np.asarray(values, np.int32))
+        self.size += len(values)
+        if self.size >= _Gathered.CHUNK:
+            self.done.append(np.concatenate(self.open))
+            self.open, self.size = [], 0
+
+    def copy(self) -> _Chunks:
+        twin = _Chunks()
+        twin.done, twin.open, twin.size = list(self.done), list(self.open), self.size
+        return twin
+
+    def joined(self) -> np.ndarray:
+        parts = self.done + ([np.concatenate(self.open)] if self.open else [])
+        whole = np.concatenate(parts) if len(parts) != 1 else parts[0]
+        self.done, self.open, self.size = [], [], 0
+        return whole.astype(np.int32, copy=False)
+
+
 def load_dataset(
     path: str | Path,
     *,
@@ -466,20 +539,24 @@ def load_dataset(
     """
     path = Path(path)
     fmt = data_format(path)
-    by_line = READERS[fmt].by_line
     parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns, chat_template)
-    examples = list(read_examples(path, parser))
-    if not examples:
+    gathered = _Gathered()
+    for example in read_examples(path, parser):
+        gathered.add(example)
+    if not gathered.lengths:
         raise ValueError(f"{path}: the dataset has no examples")
-    several = fmt == FILES
-    dataset = TokenDataset.from_examples(
-        str(path),
-        [e.input_ids for e in examples],
-        [e.labels for e in examples],
-        lines=[e.number for e in examples] if by_line else None,
-        records=None if by_line else [e.number for e in examples],
-        files=file_words(path) if several else None,
-        file_of=[e.file for e in examples] if several else None,
+    tokens, targets = gathered.arrays()
+    numbers = np.asarray(gathered.numbers, dtype=np.int64)
+    by_line, several = READERS[fmt].by_line, fmt == FILES
+    dataset = TokenDataset(
+        path=str(path),
+        tokens=tokens,
+        targets=targets,
+        offsets=np.concatenate([[0], np.cumsum(np.asarray(gathered.lengths, np.int64))]),
+        lines=numbers if by_line else None,
+        records=None if by_line else numbers,
+        files=tuple(file_words(path)) if several else None,
+        file_of=np.asarray(gathered.files, np.int32) if several else None,
     )
     if vocab_size is not None:
         dataset.check_vocab(vocab_size)
