@@ -337,6 +337,28 @@ def _rope_of(hf: dict[str, Any], scaling: Any) -> RopeConfig:
     )
 
 
+def with_rope(
+    config: LlamaConfig, theta: float | None = None, scaling: dict[str, Any] | None = None
+) -> LlamaConfig:
+    """``config`` with another RoPE, as a run extending its context sets it: ``theta``
+    its base (None: the config's); ``scaling`` an HF ``rope_scaling`` object
+    (``{"rope_type": "linear", "factor": 4}``, llama3's with its factors, or
+    ``{"rope_type": "default"}`` for none; None: the config's scaling). ValueError for
+    scaling transformers would not read."""
+    if scaling is None:
+        rope = config.rope if theta is None else dataclasses.replace(config.rope, theta=theta)
+        return config.replace(rope=rope)
+    hf = {
+        "rope_theta": config.rope.theta if theta is None else theta,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    try:
+        return config.replace(rope=_rope_of(hf, scaling))
+    except ValueError as e:  # its words are a config.json's
+        words = str(e).replace("config.json: ", "").replace(" in config.json", "")
+        raise ValueError(words) from None
+
+
 def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
     """Builds a :class:`LlamaConfig` from an HF Llama ``config.json``.
 

@@ -1288,3 +1288,29 @@ def test_load_hf_says_pickle_weights_are_not_read(tmp_path, params):
     (tmp_path / "bin" / "model.safetensors").rename(tmp_path / "bin" / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"PyTorch pickle weights \(pytorch_model.bin\)"):
         models.load_hf(tmp_path / "bin")
+
+
+def test_with_rope_replaces_theta_or_scaling_as_hf_reads_them():
+    """`with_rope` (the trainer's --rope_theta / --rope_scaling): theta alone keeps the
+    scaling; a scaling object is read as a config.json's (llama3's pre-training context
+    from max_position_embeddings where it names none); `default` removes it; errors do
+    not speak of a config.json."""
+    from models.config import RopeConfig, with_rope
+
+    llama3 = models.preset("llama3.2-1b")
+    assert with_rope(llama3, theta=1e6).rope == dataclasses.replace(llama3.rope, theta=1e6)
+    assert with_rope(llama3, scaling={"rope_type": "default"}).rope == RopeConfig(
+        theta=llama3.rope.theta
+    )
+    tiny = models.TINY
+    scaled = with_rope(
+        tiny, 2e5, {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}
+    )
+    assert scaled.rope == RopeConfig(
+        theta=2e5, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=tiny.max_position_embeddings,
+    )  # fmt: skip
+    assert with_rope(tiny).rope == tiny.rope
+    with pytest.raises(ValueError, match=r"^rope type 'linear' needs 'factor'") as error:
+        with_rope(tiny, scaling={"rope_type": "linear"})
+    assert "config.json" not in str(error.value)

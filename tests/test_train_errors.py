@@ -619,6 +619,51 @@ def test_positions_past_the_models_context_get_a_line(tmp_path, capsys):
     assert "max_position_embeddings" not in capsys.readouterr().out
 
 
+def test_rope_flags_set_the_runs_rope_and_its_export(tmp_path, capsys):
+    """--rope_theta and --rope_scaling (context extension without editing config.json):
+    the run's RoPE (a line says which), its export's config.json, and a resume with
+    another one is refused naming the flags; malformed values are one line each."""
+    import json
+
+    import models
+
+    model = _tiny_model_dir(tmp_path / "m", max_position_embeddings=32)
+    argv = ["--model_name_or_path", str(model), "--model_max_length", "64", "--max_steps"]
+    argv += ["2", "--save_steps", "1", "--progress", "false", "--report_to", "none"]
+    argv += ["--data_path", "sample", "--learning_rate", "1e-2"]
+    rope = ["--rope_theta", "500000", "--rope_scaling", '{"rope_type": "linear", "factor": 2}']
+    assert main([*argv, *rope, "--output_dir", str(tmp_path / "a")]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "--rope_theta and --rope_scaling: RoPE linear (factor 2), theta 500000, for this run "
+        "and its export" in printed
+    )
+    assert "max_position_embeddings 32 (RoPE linear, theta 500000)" in printed
+    exported = json.loads((tmp_path / "a" / "hf" / "config.json").read_text())
+    assert exported["rope_theta"] == 500000.0
+    assert exported["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert models.from_hf_config(tmp_path / "a" / "hf").rope == models.RopeConfig(
+        theta=500000.0, type="linear", factor=2.0
+    )
+    # The RoPE changes what is computed: without the flags, other losses.
+    assert main([*argv, "--output_dir", str(tmp_path / "b")]) == 0
+    with open(tmp_path / "a" / "log.jsonl") as a, open(tmp_path / "b" / "log.jsonl") as b:
+        assert json.loads(a.readline())["loss"] != json.loads(b.readline())["loss"]
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "a" / "checkpoints" / "1")]
+    err = _one_line_error([*argv, *resume, "--output_dir", str(tmp_path / "c")], capsys)
+    assert "rope_theta 500000.0 -> 10000.0" in err
+    assert err.endswith("(the run's model_config.json) and its --rope_theta / --rope_scaling\n")
+    for flag, value, words in (
+        ("--rope_scaling", '{"rope_type": "yarn", "factor": 4}', "unknown rope type 'yarn'"),
+        ("--rope_scaling", "[4]", "must be a JSON object"),
+        ("--rope_scaling", "{linear", "not JSON"),
+        ("--rope_theta", "0", "must be a finite number > 0"),
+    ):
+        err = _one_line_error([*argv, flag, value, "--output_dir", str(tmp_path / "x")], capsys)
+        assert words in err and flag in err, err
+
+
 def test_resume_with_another_learning_rate_schedule_is_refused(tmp_path, capsys):
     """A checkpoint records its learning-rate schedule (flags, and rates sampled over
     the run): a resume that would jump to another one is refused in one line, before

@@ -23,11 +23,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
+from models.config import with_rope
 from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache, hosts
 from train.chat import check_template_path, parse_template_kwargs
-from train.config import TrainConfig
+from train.config import TrainConfig, rope_scaling
 from train.dataset import Rows, ShortData, TokenDataset
 from train.errors import TrainingError
 from train.mesh import (
@@ -48,6 +49,13 @@ from train.words import plural
 
 
 def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig:
+    if cfg.model.rope_theta is not None or cfg.model.rope_scaling:  # a longer context's RoPE
+        try:
+            config = with_rope(config, cfg.model.rope_theta, rope_scaling(cfg.model))
+        except ValueError as e:
+            given = f"--rope_scaling={cfg.model.rope_scaling!r}" if cfg.model.rope_scaling else ""
+            flag = given or f"--rope_theta={cfg.model.rope_theta}"
+            raise TrainingError(f"{flag}: {e}") from None
     return config.replace(
         dtype="bfloat16" if (cfg.model.bf16 or cfg.model.fp16) else "float32",
         param_dtype="float32",

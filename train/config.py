@@ -47,6 +47,9 @@ class ModelArgs:
     fp16: bool = False  # HF Trainer's flag: runs as bf16 compute (no loss scaling needed)
     scan_layers: bool = True
     mlp_tile: int = -1  # MLP tokens per sequence tile: -1 auto (8192 from 256k per device), 0 off
+    rope_theta: float | None = None  # RoPE's base; None: the model's (raise it for longer context)
+    # JSON: HF's rope_scaling, e.g. '{"rope_type": "linear", "factor": 4}'; "": the model's
+    rope_scaling: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +238,24 @@ CHOICES: dict[tuple[str, str], tuple] = {
 }
 
 
+def rope_scaling(model: ModelArgs) -> dict[str, Any] | None:
+    """`--rope_scaling` as an object (None where not given); ValueError naming the flag
+    for text that is not a JSON object. The values are checked where the model's config
+    takes them (`models.config.with_rope`)."""
+    if not model.rope_scaling:
+        return None
+    try:
+        scaling = json.loads(model.rope_scaling)
+    except ValueError as e:
+        raise ValueError(f"--rope_scaling={model.rope_scaling!r}: not JSON ({e})") from None
+    if not isinstance(scaling, dict):
+        raise ValueError(
+            f"--rope_scaling={model.rope_scaling!r} must be a JSON object, such as "
+            '\'{"rope_type": "linear", "factor": 4}\''
+        )
+    return scaling
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     model: ModelArgs = ModelArgs()
@@ -298,6 +319,10 @@ class TrainConfig:
                 "for --num_train_epochs"
             )
         _check_schedule(self.optim)
+        theta = self.model.rope_theta
+        if theta is not None and not (math.isfinite(theta) and theta > 0):
+            raise ValueError(f"--rope_theta={theta} must be a finite number > 0")
+        rope_scaling(self.model)  # JSON of an object, or its one-line error
         reports = self.run.report_to.split(",")
         if self.run.report_to != "none" and (
             not set(reports) <= set(REPORT_TO) or len(set(reports)) != len(reports)

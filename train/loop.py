@@ -413,19 +413,28 @@ def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
 def _say_where_positions_run_past(t: Trainer) -> None:
     """One line where the rows' RoPE positions reach past the model's
     `max_position_embeddings` (its pre-training context): allowed, since that is how a
-    context is extended by training, but a user extending Llama-2's 4k should know."""
+    context is extended by training, but a user extending Llama-2's 4k should know; and
+    one with the RoPE that `--rope_theta` / `--rope_scaling` set."""
+    rope, given = t.config.rope, t.cfg.model
+    if given.rope_theta is not None or given.rope_scaling:
+        pairs = (("--rope_theta", given.rope_theta), ("--rope_scaling", given.rope_scaling))
+        flags = " and ".join(flag for flag, value in pairs if value)
+        factor = f" (factor {rope.factor:g})" if rope.type != "default" else ""
+        print(
+            f"{flags}: RoPE {rope.type}{factor}, theta {rope.theta:g}, for this run and its export",
+            flush=True,
+        )
     longest = t.cfg.data.model_max_length
     limit = t.config.max_position_embeddings
     if longest <= limit:
         return
-    rope = t.config.rope
     restart = t.spec.mask_documents and t.cfg.data.packing_positions == "per_document"
     print(
         f"--model_max_length {longest}: positions up to {longest - 1}"
         + (" (in documents that long)" if restart else "")
         + f" run past the model's max_position_embeddings {limit} (RoPE {rope.type}, "
-        f"theta {rope.theta:g}): the run extends its context by training; a rope_scaling "
-        "in the model's config.json changes how",
+        f"theta {rope.theta:g}): the run extends its context by training; --rope_theta "
+        "and --rope_scaling change how",
         flush=True,
     )
 
@@ -949,9 +958,14 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
         old, new = saved["model"], run_meta["model"]
         keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         text = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in keys)
+        rope = (
+            " and its --rope_theta / --rope_scaling"
+            if set(keys) & {"rope_theta", "rope_scaling"}
+            else ""
+        )
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was trained as another model ({text}); "
-            "resume with the model config that wrote it (the run's model_config.json)"
+            f"resume with the model config that wrote it (the run's model_config.json){rope}"
         )
     # Checked on their own, with their own advice.
     own_checks = (
