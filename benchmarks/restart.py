@@ -32,12 +32,14 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,18 +58,20 @@ COLUMNS = [
 ]
 
 
-def timed(cmd: list[str], env: dict[str, str], steps: int) -> dict:
+def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> dict:
     """Runs `cmd`, echoing its output, and stops it with SIGTERM (a preemption: the
     trainer saves the step it reached and exits) once it has run `steps` steps. The
     seconds from its start to its first progress line (`step N/M`), from the SIGTERM to
     its end, and to its end; its first and last steps. SystemExit naming the run where
-    it fails or saves nothing."""
+    it fails, saves nothing, or runs past `timeout` seconds (then killed)."""
     start = time.monotonic()
     first = stopped = None
     steps_seen = []
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
     saved = False
     for line in proc.stdout:
         print(line, end="", flush=True)
@@ -80,6 +84,9 @@ def timed(cmd: list[str], env: dict[str, str], steps: int) -> dict:
                 stopped = time.monotonic() - start
     wall = time.monotonic() - start
     proc.wait()
+    watchdog.cancel()
+    if wall >= timeout:
+        raise SystemExit(f"restart.py: {' '.join(cmd)} ran past --timeout={timeout:g} s: killed")
     if first is None or stopped is None or not saved:
         raise SystemExit(
             f"restart.py: {' '.join(cmd)} ended (exit status {proc.returncode}) without "
@@ -93,19 +100,19 @@ def timed(cmd: list[str], env: dict[str, str], steps: int) -> dict:
     }
 
 
-def step_times(log: str, first: int, last: int, tokens_per_step: int) -> dict:
+def step_times(log: str, first: int, last: int) -> dict:
     """Median and slowest step time (s) and median tokens/s of the records in `log` (one
     per step) of steps `first` to `last`."""
     with open(log) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    speeds = [r["tokens_per_s"] for r in records if "loss" in r and first <= r["step"] <= last]
-    if not speeds:
+    timed = [r for r in records if "step_s" in r and first <= r["step"] <= last]
+    if not timed:
         return {}
-    times = [tokens_per_step / s for s in speeds]
+    times = [r["step_s"] for r in timed]
     return {
         "median_step_s": statistics.median(times),
         "slowest_step_s": max(times),
-        "tokens_per_s": statistics.median(speeds),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
     }
 
 
@@ -118,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=None, help="folder for the runs (default: a new temp)")
     parser.add_argument("--out", default=None, help="JSON to write")
     parser.add_argument("--extra", default="", help="more trainer flags for every run, one string")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     args = parser.parse_args(argv)
     for flag, value in (("--context", args.context), ("--steps", args.steps)):
         if value < 1:
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model_max_length", str(args.context), "--per_device_train_batch_size", "1",
         "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", str(args.save_every),
         "--save_total_limit", "1", "--export_hf", "false", "--max_steps", str(total),
-        *args.extra.split(),
+        *shlex.split(args.extra),
     ]  # fmt: skip
     first_run, second_run = os.path.join(work, "run-a"), os.path.join(work, "run-b")
     for folder in (first_run, second_run):
@@ -159,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(first_run)  # its checkpoints' disk space
         cmd = [*base, "--output_dir", out, *flags]
         print(f"--- {name}: {' '.join(cmd)}", flush=True)
-        row = {"run": name, **timed(cmd, env, args.steps)}
+        row = {"run": name, **timed(cmd, env, args.steps, args.timeout)}
         # Its steps but the first (the compiled step's first call).
         first, last = row.pop("steps")
         log = os.path.join(out, "log.jsonl")
-        row.update(step_times(log, first + 1, last, args.context))
+        row.update(step_times(log, first + 1, last))
         row["command"] = " ".join(cmd)
         results.append(row)
     print(table(results, COLUMNS))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Literal
 
@@ -66,6 +67,9 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.type not in ROPE_TYPES:
             raise ValueError(f"unknown rope type {self.type!r}; supported: {ROPE_TYPES}")
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"rope {name}={getattr(self, name)} must be finite")
         if self.theta <= 0:
             raise ValueError(f"rope theta={self.theta} must be positive")
         if self.factor <= 0:
@@ -343,7 +347,9 @@ def with_rope(
     """``config`` with another RoPE, as a run extending its context sets it: ``theta``
     its base (None: the config's); ``scaling`` an HF ``rope_scaling`` object
     (``{"rope_type": "linear", "factor": 4}``, llama3's with its factors, or
-    ``{"rope_type": "default"}`` for none; None: the config's scaling). ValueError for
+    ``{"rope_type": "default"}`` for none; None: the config's scaling). llama3's
+    ``original_max_position_embeddings``, where the object omits it, is the config's own
+    when its RoPE is llama3 already, else ``max_position_embeddings``. ValueError for
     scaling transformers would not read."""
     if scaling is None:
         rope = config.rope if theta is None else dataclasses.replace(config.rope, theta=theta)
@@ -352,6 +358,14 @@ def with_rope(
         "rope_theta": config.rope.theta if theta is None else theta,
         "max_position_embeddings": config.max_position_embeddings,
     }
+    if config.rope.type == "llama3" and isinstance(scaling, dict):
+        # A llama3 model keeps its pre-training context where the object names none:
+        # max_position_embeddings is the extended one (an export raises it), and a run
+        # continuing from that export with the same flag must get the same RoPE.
+        scaling = {
+            "original_max_position_embeddings": config.rope.original_max_position_embeddings,
+            **{k: v for k, v in scaling.items() if v is not None},
+        }
     try:
         return config.replace(rope=_rope_of(hf, scaling))
     except ValueError as e:  # its words are a config.json's

@@ -1293,8 +1293,8 @@ def test_load_hf_says_pickle_weights_are_not_read(tmp_path, params):
 def test_with_rope_replaces_theta_or_scaling_as_hf_reads_them():
     """`with_rope` (the trainer's --rope_theta / --rope_scaling): theta alone keeps the
     scaling; a scaling object is read as a config.json's (llama3's pre-training context
-    from max_position_embeddings where it names none); `default` removes it; errors do
-    not speak of a config.json."""
+    from max_position_embeddings where it names none, from the model's own where its
+    RoPE is llama3 already); `default` removes it; errors do not speak of a config.json."""
     from models.config import RopeConfig, with_rope
 
     llama3 = models.preset("llama3.2-1b")
@@ -1311,6 +1311,13 @@ def test_with_rope_replaces_theta_or_scaling_as_hf_reads_them():
         original_max_position_embeddings=tiny.max_position_embeddings,
     )  # fmt: skip
     assert with_rope(tiny).rope == tiny.rope
+    # A llama3 model (an export of the run above raises max_position_embeddings) keeps
+    # its own pre-training context: the same flag again gives the same RoPE.
+    exported = scaled.replace(max_position_embeddings=8 * tiny.max_position_embeddings)
+    again = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4}
+    assert with_rope(exported, 2e5, again).rope == scaled.rope
+    named = with_rope(exported, 2e5, {**again, "original_max_position_embeddings": 64})
+    assert named.rope.original_max_position_embeddings == 64
     with pytest.raises(ValueError, match=r"^rope type 'linear' needs 'factor'") as error:
         with_rope(tiny, scaling={"rope_type": "linear"})
     assert "config.json" not in str(error.value)

@@ -18,7 +18,7 @@ import pytest
 import models
 from models import convert
 from train import data as data_lib
-from train import data_cache
+from train import data_cache, processes
 from train.build import data_eos, load_model, load_rows
 from train.config import DataArgs, ModelArgs, TrainConfig
 from train.data import Batches
@@ -427,6 +427,18 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
+# A process holding a build's lock on the folder argv[1] (made here), as a build in
+# another PID namespace would.
+_HOLD_LOCK = (
+    "import fcntl, os, sys, time\n"
+    "os.mkdir(sys.argv[1])\n"
+    "fd = os.open(os.path.join(sys.argv[1], '.building'), os.O_WRONLY | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
 def test_a_failed_build_leaves_no_cache(tmp_path, small_flushes):
     bad = _pkl(tmp_path / "bad.pkl", [*_records(30), [1, -4]])  # the last record is bad
     with pytest.raises(ValueError, match=r"bad\.pkl: record 30: 'input_ids': id -4"):
@@ -457,8 +469,9 @@ def test_a_failed_build_leaves_no_cache(tmp_path, small_flushes):
 def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
     """A build killed by SIGKILL (the out-of-memory killer) leaves its half-written folder
     beside the cache; the next build of that cache removes it, saying so, and leaves a
-    running build's folder, another host's and one named as before owners were recorded
-    (each but the running one with a line)."""
+    running build's folder (its process runs, or, in another PID namespace, it holds the
+    build lock), another host's and one named as before owners were recorded (each but
+    the running ones with a line)."""
     import signal
     import sys
 
@@ -489,18 +502,32 @@ def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
         child.send_signal(signal.SIGKILL)
         child.wait()
     running = data_cache._aside(tmp_path / "c", "tmp")  # this process's: it runs
+    # A build in another PID namespace of this host: its process id names no process
+    # here, its lock is held.
+    dead = next(p for p in range(4_000_000, 4_100_000) if processes.started(p) is None)
+    hidden = tmp_path / f".c.tmp-{processes.host()}@{dead}@1@89abcdef"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(hidden)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline() == "locked\n"
     elsewhere = tmp_path / ".c.old-otherhost@12@345@0123abcd"
     before = tmp_path / ".c.tmp-0123abcd"
     for folder in (running, elsewhere, before):
         folder.mkdir()
     (tmp_path / ".d.tmp-0123abcd").mkdir()  # another cache's
     capsys.readouterr()
-    data_cache.build_cache(source, tmp_path / "c")
+    try:
+        data_cache.build_cache(source, tmp_path / "c")
+    finally:
+        holder.kill()
+        holder.wait()
     out = capsys.readouterr().out
     assert (
-        f"c: removed {killed} (0.0 GB), left by a cache build that was stopped outright "
+        f"c: removed {killed} (0 kB), left by a cache build that was stopped outright "
         f"(process {child.pid} has ended)" in out
     )
+    assert hidden.name not in out and hidden.is_dir()
+    assert not (tmp_path / "c" / data_cache.BUILD_LOCK).exists()
     assert (
         "left as it is: .c.old-otherhost@12@345@0123abcd, a cache build's folder on host "
         "otherhost (remove it if no build of this cache runs there)" in out
@@ -508,7 +535,7 @@ def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
     assert "left as it is: .c.tmp-0123abcd, what a cache build stopped outright left" in out
     assert running.name not in out and ".d.tmp" not in out
     assert _leftovers(tmp_path) == sorted(
-        [running.name, elsewhere.name, before.name, ".d.tmp-0123abcd"]
+        [running.name, hidden.name, elsewhere.name, before.name, ".d.tmp-0123abcd"]
     )
     assert np.asarray(data_cache.open_cache(tmp_path / "c").tokens).size > 0
     # A build killed once its cache was in place, before the old one was removed: an
@@ -518,7 +545,7 @@ def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
     (replaced / "tokens.bin").write_bytes(b"\0" * 4)
     _, built = data_cache.ensure_cache(source, tmp_path / "c")
     assert not built and not replaced.exists()
-    assert f"c: removed {replaced.name} (0.0 GB)" in capsys.readouterr().out
+    assert f"c: removed {replaced.name} (0 kB)" in capsys.readouterr().out
 
 
 def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
@@ -578,8 +605,9 @@ def test_the_trainer_reads_a_pattern_of_files_or_names_what_matches_none(tmp_pat
 
 
 def test_data_around_the_output_directory_is_refused_or_warned(tmp_path, capsys):
-    """An --output_dir inside a --data_path folder is refused (its log.jsonl would be
-    data at the next start); evaluation data sharing files with the training data gets
+    """An --output_dir inside a --data_path folder, or where a pattern would match its
+    log.jsonl, is refused (that file would be data at the next start); one data file in
+    the output directory is not; evaluation data sharing files with the training data gets
     a warning."""
     root = tmp_path / "proj"
     root.mkdir()
@@ -590,6 +618,20 @@ def test_data_around_the_output_directory_is_refused_or_warned(tmp_path, capsys)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(root / "r")))
     with pytest.raises(TrainingError, match=r"--output_dir='.*proj/r' is inside --data_path="):
         load_rows(cfg, models.TINY)
+
+    def run_in(data_path, out):
+        cfg = _cfg(data_path=data_path, model_max_length=4)
+        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(out)))
+
+    # A pattern that would match the run's log.jsonl: refused at the first start, before
+    # the file exists (its resume would read it).
+    with pytest.raises(TrainingError, match=r"--output_dir='.*proj/r' is inside --data_path="):
+        load_rows(run_in(f"{root}/**/*.jsonl", root / "r"), models.TINY)
+    assert load_rows(run_in(f"{root}/t*.jsonl", root / "r"), models.TINY).num_rows > 0
+    # One data file named in the output directory is the user's choice.
+    (root / "r").mkdir()
+    (root / "r" / "mine.jsonl").write_text("".join(_dump))
+    assert load_rows(run_in(str(root / "r" / "mine.jsonl"), root / "r"), models.TINY).num_rows
     cfg = _cfg(data_path=str(root), eval_data_path=f"{root}/test*", model_max_length=4)
     load_rows(cfg, models.TINY, eval=True)
     assert (
@@ -638,7 +680,7 @@ def test_a_long_cache_build_says_how_far_it_is(tmp_path, monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 5  # before each record
     assert lines[-1].startswith(f"cache {tmp_path / 'cache'}: 4 records, ")
-    assert f"tokens so far from {source} (0.0 GB), " in lines[-1]
+    assert f"tokens so far from {source} (0 kB), " in lines[-1]
     assert lines[-1].endswith(" tokens/s")
 
 

@@ -1087,7 +1087,7 @@ def test_a_folder_is_read_as_its_user_means_it(tmp_path, capsys, monkeypatch):
     )
     assert out[1] == (
         f"warning: {root}: its files' names hold several splits (train, validation), all "
-        f"read as one dataset; a pattern picks one (e.g. '{root}/**/train*')"
+        f"read as one dataset; a pattern picks one (e.g. '{root}/**/*train*')"
     )
     assert [p.name for p in readers.data_files(f"{root}/**/*.jsonl")] == [
         "again.jsonl",
@@ -1165,6 +1165,80 @@ def test_a_folder_cache_goes_stale_when_a_file_is_renamed(tmp_path, capsys):
     cache, built = data_cache.ensure_cache(root, tmp_path / "cache")
     assert built and np.asarray(cache.tokens).tolist() == [3, 4, 1, 2]
     assert "files were renamed, moved or reordered" in capsys.readouterr().out
+
+
+def test_links_folders_and_rewrites_that_a_review_found(tmp_path, capsys):
+    """`**` under two links back up ends (Python's glob walked each link at every level,
+    without bound); a link to nothing among a folder's data files is one line; a cache
+    of a folder whose files were all removed still trains (the data is gone, the cache
+    is what is left); a file rewritten to its size with an older time makes a folder's
+    cache stale; folders named by split get a pattern that picks a folder."""
+    import os
+    import threading
+
+    root = tmp_path / "d"
+    for folder in ("train", "test"):
+        (root / folder).mkdir(parents=True)
+        _dump_jsonl(root / folder / "x.jsonl", ["[1, 2]" if folder == "train" else "[3]"])
+    os.symlink("..", root / "train" / "up")
+    os.symlink("..", root / "test" / "up")
+    found = []
+    walk = threading.Thread(target=lambda: found.append(readers.data_files(f"{root}/**/*.jsonl")))
+    walk.daemon = True
+    walk.start()
+    walk.join(timeout=60)
+    assert not walk.is_alive(), "the pattern's walk did not end"
+    assert [str(p.relative_to(root)) for p in found[0]] == ["test/x.jsonl", "train/x.jsonl"]
+    capsys.readouterr()
+    assert load_dataset(root).tokens.tolist() == [3, 1, 2]
+    assert f"a pattern picks one (e.g. '{root}/**/*train*/**')" in capsys.readouterr().out
+    assert readers.data_files(f"{root}/**/*train*/**") == [root / "train" / "x.jsonl"]
+
+    # a rewrite to the same size, its time set back: the total and the latest time
+    # are as they were
+    cache, built = data_cache.ensure_cache(root, tmp_path / "cache")
+    assert built
+    before = (root / "train" / "x.jsonl").stat()  # the older of the two
+    (root / "train" / "x.jsonl").write_text("[5, 6]\n")
+    os.utime(root / "train" / "x.jsonl", ns=(before.st_atime_ns, before.st_mtime_ns - 10**9))
+    assert data_cache.open_cache(tmp_path / "cache").mismatch() == [
+        f"{root} changed since the cache was built (a file's size or mtime)"
+    ]
+    cache, built = data_cache.ensure_cache(root, tmp_path / "cache")
+    assert built and np.asarray(cache.tokens).tolist() == [3, 5, 6]
+
+    os.symlink(root / "gone.jsonl", root / "lost.jsonl")
+    with pytest.raises(ValueError, match=rf"^{root}/lost\.jsonl: a link to nothing \("):
+        load_dataset(root)
+    with pytest.raises(ValueError, match=r"lost\.jsonl: a link to nothing"):
+        data_cache.source_stamp(root)
+    for file in (root / "lost.jsonl", root / "train" / "x.jsonl", root / "test" / "x.jsonl"):
+        file.unlink()
+    assert data_cache.open_cache(tmp_path / "cache").mismatch() == []
+
+
+def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
+    """`train.data tokenizer FOLDER` reads its text (and .jsonl) files, not the binary
+    ones beside them (a token cache, .npy, .pkl, an image), and says what it left out."""
+    pytest.importorskip("tokenizers")
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "a.md").write_text("hello world " * 50)
+    _dump_jsonl(root / "b.jsonl", ['{"text": "more words here"}'])
+    np.save(root / "ids.npy", np.arange(10))
+    (root / "d.pkl").write_bytes(pickle.dumps([[1, 2]]))
+    (root / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    data_cache.build_cache(_dump_jsonl(tmp_path / "t.jsonl", ["[1, 2]"]), root / "cache")
+    kept, left = __import__("train.data", fromlist=["x"]).text_files_of(root)
+    assert kept == [root / "a.md", root / "b.jsonl"]
+    assert sorted(p.name for p in left) == sorted(
+        [p.name for p in (root / "cache").iterdir() if not p.name.startswith(".")]
+        + ["d.pkl", "ids.npy", "logo.png"]
+    )
+    train_tokenizer([root], tmp_path / "tok", vocab_size=300)
+    assert f"tokenizer: left out {len(left)} binary or data files: " in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"no text file in this folder or pattern \(2 binary"):
+        train_tokenizer([f"{root}/*[yg]"], tmp_path / "tok2", vocab_size=300)
 
 
 def test_the_in_memory_path_holds_a_few_bytes_a_token(tmp_path):

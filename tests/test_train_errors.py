@@ -659,9 +659,27 @@ def test_rope_flags_set_the_runs_rope_and_its_export(tmp_path, capsys):
         ("--rope_scaling", "[4]", "must be a JSON object"),
         ("--rope_scaling", "{linear", "not JSON"),
         ("--rope_theta", "0", "must be a finite number > 0"),
+        ("--rope_scaling", '{"rope_type": "linear", "factor": NaN}', "factor=nan must be finite"),
     ):
         err = _one_line_error([*argv, flag, value, "--output_dir", str(tmp_path / "x")], capsys)
         assert words in err and flag in err, err
+    # The base given twice, two ways: refused, not one silently taken.
+    twice = [
+        "--rope_theta",
+        "500000",
+        "--rope_scaling",
+        '{"rope_type": "default", "rope_theta": 1e4}',
+    ]
+    err = _one_line_error([*argv, *twice, "--output_dir", str(tmp_path / "x")], capsys)
+    assert "gives rope_theta=10000.0 and --rope_theta=500000.0: give the base once" in err
+    # A YAML config gives the scaling as a mapping.
+    from train.config import parse_args
+
+    (tmp_path / "c.yaml").write_text(
+        "model:\n  rope_scaling:\n    rope_type: linear\n    factor: 2\n"
+    )
+    cfg = parse_args(["--config", str(tmp_path / "c.yaml")])
+    assert json.loads(cfg.model.rope_scaling) == {"rope_type": "linear", "factor": 2}
 
 
 def test_resume_with_another_learning_rate_schedule_is_refused(tmp_path, capsys):

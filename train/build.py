@@ -26,7 +26,7 @@ import models
 from models.config import with_rope
 from models.sharding import spec_axes
 from train import data as data_lib
-from train import data_cache, hosts
+from train import data_cache, hosts, patterns
 from train.chat import check_template_path, parse_template_kwargs
 from train.config import TrainConfig, rope_scaling
 from train.dataset import Rows, ShortData, TokenDataset
@@ -43,7 +43,15 @@ from train.mesh import (
     shard_axes,
 )
 from train.optim import optimizer, schedule
-from train.readers import is_pattern, pattern_folder, source_exists, source_files
+from train.outputs import LOG_FILE, PREVIOUS_RUN
+from train.readers import (
+    FILES,
+    data_format,
+    is_pattern,
+    pattern_folder,
+    source_exists,
+    source_files,
+)
 from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.words import plural
 
@@ -151,14 +159,28 @@ def is_sample_data(path: str) -> bool:
 
 
 def _check_sources(cfg: TrainConfig, flag: str, path: str, eval: bool) -> None:
-    """Refuses data files inside `--output_dir` (the run's log.jsonl would be read as
-    data at its next start), and warns where the evaluation data shares files with the
-    training data (its loss then measures what was trained on)."""
+    """Refuses a folder or pattern of data files that would read the run's own files in
+    `--output_dir` (its log.jsonl, at the run's next start), and warns where the
+    evaluation data shares files with the training data (its loss then measures what
+    was trained on)."""
     files = [Path(f) for f in source_files(path)]
     out = os.path.realpath(cfg.run.output_dir)
-    folder = not is_pattern(path) and os.path.isdir(path) and not data_cache.is_cache(path)
+    pattern = is_pattern(path)
+    folder = (
+        not pattern
+        and os.path.isdir(path)
+        and not data_cache.is_cache(path)
+        and data_format(path) == FILES
+    )
     inside = [f for f in files if os.path.realpath(f).startswith(out + os.sep)]
-    if inside or (folder and (out + os.sep).startswith(os.path.realpath(path) + os.sep)):
+    # A folder reads the run's log.jsonl wherever the run is under it; a pattern, where
+    # it matches that file (the first run has none yet, its resume would).
+    if pattern:
+        logs = (os.path.join(out, LOG_FILE), os.path.join(out, PREVIOUS_RUN, LOG_FILE))
+        clash = inside or any(patterns.matches(path, log) for log in logs)
+    else:
+        clash = folder and (inside or (out + os.sep).startswith(os.path.realpath(path) + os.sep))
+    if clash:
         raise TrainingError(
             f"--output_dir={cfg.run.output_dir!r} is inside {flag}={path!r}: the run's own "
             "files (log.jsonl) would be read as data; give an output directory elsewhere"

@@ -253,6 +253,12 @@ def rope_scaling(model: ModelArgs) -> dict[str, Any] | None:
             f"--rope_scaling={model.rope_scaling!r} must be a JSON object, such as "
             '\'{"rope_type": "linear", "factor": 4}\''
         )
+    inner = scaling.get("rope_theta")
+    if model.rope_theta is not None and inner is not None and inner != model.rope_theta:
+        raise ValueError(
+            f"--rope_scaling={model.rope_scaling!r} gives rope_theta={inner} and "
+            f"--rope_theta={model.rope_theta}: give the base once"
+        )
     return scaling
 
 
@@ -667,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Settings whose flag takes a JSON object, which a YAML config may give as a mapping.
-JSON_FIELDS = ("chat_template_kwargs", "lr_scheduler_kwargs")
+JSON_FIELDS = ("chat_template_kwargs", "lr_scheduler_kwargs", "rope_scaling")
 
 
 def _coerce(value: Any, annotation, key: str, where: str) -> Any:

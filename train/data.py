@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import os
 import pickle
@@ -39,7 +38,7 @@ import numpy as np
 
 from models.convert import special_token_ids, tokenizer_vocab_size
 from models.loss import IGNORE_INDEX
-from train import data_cache
+from train import data_cache, patterns
 from train.chat import (
     AUTO,
     CHAT_TEMPLATE_FILE,
@@ -56,12 +55,14 @@ from train.readers import (
     NoTokenizerError,
     file_format,
     is_pattern,
+    is_token_cache,
     load_tokenizer,
     open_data,
     read_jsonl,
     record_kind,
     tokenizer_file,
 )
+from train.words import plural
 
 # ---------------------------------------------------------------------------------------
 # Batches
@@ -343,23 +344,61 @@ TOKENIZER_FILES = (
 
 
 def text_files(path: str | Path) -> list[Path]:
-    """The files a tokenizer learns from for one argument: a file; a folder's files at
-    any depth (hidden ones left out), sorted; a glob pattern's files, sorted.
-    ValueError where there is none."""
+    """The files a tokenizer learns from for one argument: a file; a folder's or a glob
+    pattern's text files (:func:`text_files_of`), sorted. ValueError where there is none."""
+    return text_files_of(path)[0]
+
+
+# The bytes of a file's start that tell text from binary (a NUL byte among them).
+TEXT_PROBE_BYTES = 8192
+
+
+def text_files_of(path: str | Path) -> tuple[list[Path], list[Path]]:
+    """``(text files, files left out)`` of one argument of :func:`train_tokenizer`: a
+    file is taken as named; a folder's files at any depth, or a pattern's, leave out
+    hidden ones, those in a token cache's folder, data files of a binary format
+    (``.npy``, ``.pkl``, ``.parquet``) and any other file with a NUL byte in its first
+    8 KiB (decompressed: ``.txt.gz`` is text). ValueError where no text file is left."""
     if is_pattern(path):
-        found = sorted(Path(p) for p in glob.glob(os.path.expanduser(str(path)), recursive=True))
-        found = [p for p in found if p.is_file()]
+        named = [Path(p) for p in patterns.expand(str(path))]
+        found = [p for p in named if p.is_file()]
     elif Path(path).is_dir():
-        found = sorted(
-            p
-            for p in Path(path).rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        found, seen = [], set()
+        for folder, dirs, names in os.walk(path, followlinks=True):
+            real = os.path.realpath(folder)
+            if real in seen:
+                dirs[:] = []
+                continue
+            seen.add(real)
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found += [Path(folder) / n for n in names if not n.startswith(".")]
+        found = sorted(p for p in found if p.is_file())
+    elif Path(path).is_file():
+        return [Path(path)], []
     else:
-        found = [Path(path)] if Path(path).is_file() else []
+        found = []
     if not found:
         raise ValueError(f"{path}: no such text file (nor a folder or pattern of them)")
-    return found
+    kept, left = [], []
+    for file in found:
+        (kept if _is_text(file) else left).append(file)
+    if not kept:
+        what = plural(len(left), "binary or data file")
+        raise ValueError(f"{path}: no text file in this folder or pattern ({what} left out)")
+    return kept, left
+
+
+def _is_text(file: Path) -> bool:
+    """Whether a file found in a folder or by a pattern is text to learn from."""
+    if any(is_token_cache(folder) for folder in file.parents):
+        return False
+    if file_format(file) not in (None, ".jsonl"):  # .npy, .pkl, .parquet, ...
+        return False
+    try:
+        with open_data(file) as f:
+            return b"\0" not in f.read(TEXT_PROBE_BYTES)
+    except (ValueError, OSError, EOFError):
+        return False
 
 
 def train_tokenizer(
@@ -391,7 +430,12 @@ def train_tokenizer(
             f"--vocab-size={vocab_size} must be at least {257 + len(extra)} (256 bytes + EOS"
             + (f" + {len(extra)} special tokens)" if extra else ")")
         )
-    files = [f for given in files for f in text_files(given)]
+    found = [text_files_of(given) for given in files]
+    files = [f for kept, _ in found for f in kept]
+    left = [f for _, others in found for f in others]
+    if left:
+        names = ", ".join(str(f) for f in left[:3]) + ", ..." * (len(left) > 3)
+        print(f"tokenizer: left out {plural(len(left), 'binary or data file')}: {names}")
     template = None
     if chat_template is not None:
         try:
@@ -699,8 +743,7 @@ def _command(args: argparse.Namespace) -> None:
             raise ValueError(f"--out={args.out!r} cannot be written ({e.strerror})") from None
         count, sizes = len(examples), [len(e) for e in examples]
         span = f"{sizes[0]}" if len(set(sizes)) == 1 else f"{min(sizes)}-{max(sizes)}"
-        plural = "s" * (count > 1)
-        print(f"wrote {args.out}: {count} example{plural} x {span} tokens ({sum(sizes)} in all)")
+        print(f"wrote {args.out}: {plural(count, 'example')} x {span} tokens ({sum(sizes)} in all)")
     elif args.command == "inspect":
         if args.show < 0:
             raise ValueError(f"--show {args.show}: give a number of examples, 0 or more")

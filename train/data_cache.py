@@ -35,6 +35,7 @@ path does.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -103,14 +104,15 @@ def is_cache(path: str | Path) -> bool:
 
 def source_stamp(path: str | Path) -> dict[str, Any]:
     """``{"path", "size", "mtime_ns", "edges"}`` of a data file (a directory or pattern:
-    its files' total size and latest mtime, edges None; with ``files``, their count),
+    its files' total size and latest mtime, edges None; with ``files``, their count,
+    ``names``, a hash of their names, and ``stats``, of each one's size and mtime),
     what a cache records to notice a changed source; ``edges``: a hash of the file's
     first and last ``EDGE_BYTES``, so that a file rewritten to the same size with its
     time kept (``cp -p``, ``rsync -t``) is noticed where it differs there (at most 2 MiB
     read at each start; not per file of a directory of shards, which could be
     thousands)."""
     files = source_files(path)
-    stats = [f.stat() for f in files]
+    stats = [_stat(f) for f in files]
     stamp = {
         "path": source_path(path),
         "size": sum(s.st_size for s in stats),
@@ -119,8 +121,14 @@ def source_stamp(path: str | Path) -> dict[str, Any]:
     }
     if data_format(path) == FILES:  # a shard renamed or moved changes the order
         stamp["files"] = len(files)
-        names = "\n".join(name for name, _ in file_words(path))
-        stamp["names"] = hashlib.sha256(names.encode()).hexdigest()
+        names = [name for name, _ in file_words(path)]
+        stamp["names"] = hashlib.sha256("\n".join(names).encode()).hexdigest()
+        # A file rewritten to its size with an older time leaves the total and the
+        # latest time as they were: each file's size and time are recorded too.
+        each = "\n".join(
+            f"{n}\t{s.st_size}\t{s.st_mtime_ns}" for n, s in zip(names, stats, strict=True)
+        )
+        stamp["stats"] = hashlib.sha256(each.encode()).hexdigest()
     elif not Path(path).is_dir():
         digest = hashlib.sha256()
         with open(path, "rb") as f:
@@ -130,6 +138,15 @@ def source_stamp(path: str | Path) -> dict[str, Any]:
                 digest.update(f.read(EDGE_BYTES))
         stamp["edges"] = digest.hexdigest()
     return stamp
+
+
+def _stat(file: Path) -> os.stat_result:
+    """``file``'s stat; ValueError naming it where it cannot be read (a link to
+    nothing, no permission)."""
+    try:
+        return file.stat()
+    except OSError as e:
+        raise ValueError(f"{file}: cannot be read ({e.strerror})") from None
 
 
 def source_path(path: str | Path) -> str:
@@ -142,7 +159,7 @@ def source_path(path: str | Path) -> str:
 
 def source_bytes(path: str | Path) -> int:
     """A data source's size (a directory or pattern: its files' total), from their stats."""
-    return sum(f.stat().st_size for f in source_files(path))
+    return sum(_stat(f).st_size for f in source_files(path))
 
 
 # The bytes at each end of a data file whose hash a cache records (`source_stamp`).
@@ -260,10 +277,15 @@ class TokenCache:
         if eos_id != self.eos_id:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
         recorded = self.meta["source"]
-        if source is None and source_exists(recorded["path"]):
-            source = recorded["path"]
+        now = None
         if source is not None:
             now = source_stamp(source)
+        elif source_exists(recorded["path"]):
+            # The data it was built from, where they still are: an emptied folder, a
+            # file no longer readable, is data gone (the cache is what is left).
+            with contextlib.suppress(ValueError, OSError):
+                now = source_stamp(recorded["path"])
+        if now is not None:
             if now["path"] != recorded["path"]:
                 reasons.append(f"built from {recorded['path']}, not {now['path']}")
             elif (now["size"], now["mtime_ns"]) != (recorded["size"], recorded["mtime_ns"]):
@@ -272,6 +294,10 @@ class TokenCache:
                 reasons.append(
                     f"{now['path']}'s files were renamed, moved or reordered since the cache "
                     "was built"
+                )
+            elif now.get("stats") != recorded.get("stats", now.get("stats")):
+                reasons.append(
+                    f"{now['path']} changed since the cache was built (a file's size or mtime)"
                 )
             elif now["edges"] != recorded.get("edges", now["edges"]):  # older caches: none
                 reasons.append(
@@ -605,6 +631,7 @@ def build_cache(
     remove_leftovers(cache_dir)
     tmp = _aside(cache_dir, TEMPORARY)
     tmp.mkdir()
+    lock = _hold(tmp)
     try:
         parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns, chat_template)
         where = example_where(source)
@@ -665,9 +692,14 @@ def build_cache(
             if not is_cache(cache_dir):
                 raise
             shutil.rmtree(tmp)  # another process put its cache there first: use that one
+        else:
+            with contextlib.suppress(OSError):
+                (cache_dir / BUILD_LOCK).unlink()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)
     return TokenCache(cache_dir)
 
 
@@ -677,7 +709,14 @@ PROGRESS_SECONDS = 30.0
 
 def _size(stamp: dict | None) -> str:
     """A source's size for a progress line: `2.1 GB`."""
-    return "size unknown" if stamp is None else f"{stamp['size'] / 1e9:.1f} GB"
+    return "size unknown" if stamp is None else _bytes(stamp["size"])
+
+
+def _bytes(n: int) -> str:
+    """``n`` bytes for a line: `2.1 GB`, `35.2 MB`, `12 kB`."""
+    if n >= 1e8:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{round(n / 1e3)} kB"
 
 
 def _check_vocab(source, where, ids, labels, vocab_size) -> None:
@@ -711,6 +750,38 @@ def _move_into_place(tmp: Path, cache_dir: Path) -> None:
 # from a build still running.
 TEMPORARY = "tmp"
 REPLACED = "old"
+# A build holds an exclusive lock (flock) on this file in the folder it writes, from
+# its start until its cache is in place: a process id cannot tell a build in another
+# PID namespace (a container) on this host from a dead one, the lock can.
+BUILD_LOCK = ".building"
+
+
+def _hold(folder: Path) -> int:
+    """Takes the build lock of ``folder``; the open descriptor holds it until closed."""
+    fd = os.open(folder / BUILD_LOCK, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _held(folder: Path) -> bool:
+    """Whether a running build holds the lock of ``folder``."""
+    try:
+        fd = os.open(folder / BUILD_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def _aside(cache_dir: Path, kind: str) -> Path:
@@ -724,11 +795,17 @@ def remove_leftovers(cache_dir: str | Path) -> list[Path]:
     """Removes what builds of ``cache_dir`` killed outright left beside it (a cache half
     written, one being replaced), each with a line: only folders of this host whose
     process has ended. Others, of another host or named as before owners were recorded,
-    are left with a line naming them; those of running builds, silently. Returns the
-    folders removed."""
+    are left with a line naming them; those of running builds (their process runs, or
+    they hold :data:`BUILD_LOCK`), silently. Returns the folders removed."""
     cache_dir = Path(cache_dir)
     removed = []
-    for entry in sorted(cache_dir.parent.glob(f".{glob.escape(cache_dir.name)}.*-*")):
+    entries = sorted(cache_dir.parent.glob(f".{glob.escape(cache_dir.name)}.*-*"))
+    # A folder being replaced belongs to a build finishing: its lock is in the cache it
+    # is putting in place, or still in its folder of the new cache.
+    finishing = _held(cache_dir) or any(
+        _held(e) for e in entries if e.name.startswith(f".{cache_dir.name}.{TEMPORARY}-")
+    )
+    for entry in entries:
         kind, _, owner = entry.name[len(cache_dir.name) + 2 :].partition("-")
         if kind not in (TEMPORARY, REPLACED) or not entry.is_dir() or entry.is_symlink():
             continue
@@ -750,12 +827,14 @@ def remove_leftovers(cache_dir: str | Path) -> list[Path]:
             continue
         if processes.runs({"pid": int(pid), "started": None if start == "?" else start}):
             continue
+        if _held(entry) or (kind == REPLACED and finishing):  # another PID namespace's
+            continue
         size = _folder_bytes(entry)
         shutil.rmtree(entry, ignore_errors=True)
         if not entry.exists():
             removed.append(entry)
             print(
-                f"{cache_dir}: removed {entry.name} ({size / 1e9:.1f} GB), left by a cache "
+                f"{cache_dir}: removed {entry.name} ({_bytes(size)}), left by a cache "
                 f"build that was stopped outright (process {pid} has ended)",
                 flush=True,
             )

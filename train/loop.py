@@ -1182,6 +1182,7 @@ def _finish(
             seconds = now - timer.start
             flops = timer.flops / timer.tokens
             record.update(throughput(timer.tokens, seconds, flops, jax.device_count()))
+            record["step_s"] = seconds / timer.steps
         record.update(memory())
         if lines:
             eta = (now - timer.start) / timer.steps * (total_steps - done) if timer.steps else None

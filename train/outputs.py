@@ -66,9 +66,11 @@ RUN_TOKENIZER = "tokenizer"
 # `train.tools.export` reads (`run_model_config`): the input model's config.json edited
 # or moved since changes no later export.
 RUN_MODEL_CONFIG = "model_config.json"
+# The run's metrics, a line a step (what a data folder or pattern must not read).
+LOG_FILE = "log.jsonl"
 RUN_OUTPUTS = (
     "checkpoints",
-    "log.jsonl",
+    LOG_FILE,
     "tensorboard",
     "wandb",
     "hf",
@@ -583,7 +585,7 @@ def drop_after(out: str, last_step: int) -> None:
     rewritten beside itself and then replaces the old one, and Ctrl-C or SIGTERM waits
     until both are done: a stop cuts neither in half."""
     with signals_held():
-        truncate_log(os.path.join(out, "log.jsonl"), last_step)
+        truncate_log(os.path.join(out, LOG_FILE), last_step)
         truncate_events(os.path.join(out, "tensorboard"), last_step)
 
 

@@ -92,7 +92,6 @@ read every format through it.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib
 import io
 import itertools
@@ -107,6 +106,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from models.loss import IGNORE_INDEX
+from train import patterns
 from train.chat import (
     ASSISTANT,
     AUTO,
@@ -118,6 +118,7 @@ from train.chat import (
     template_kwargs,
     unrendered,
 )
+from train.patterns import is_pattern, pattern_folder
 from train.words import plural
 
 _MAX_ID = np.iinfo(np.int32).max
@@ -378,11 +379,12 @@ def _read_files(path: Path, parser: RecordParser) -> Iterator[Example]:
     left_out = _left_out(others)
     print(f"{path}: reading {plural(len(names), 'data file')}: {shown}{left_out}", flush=True)
     if len(splits := split_names(names)) > 1:
+        base = Path(pattern_folder(str(path)) if is_pattern(path) else path)
+        split = "train" if "train" in splits else splits[0]
         print(
             f"warning: {path}: its files' names hold several splits ({', '.join(splits)}), "
-            "all read as one dataset; a pattern picks one (e.g. "
-            f"'{Path(pattern_folder(str(path)) if is_pattern(path) else path) / '**'}"
-            f"/{'train' if 'train' in splits else splits[0]}*')",
+            f"all read as one dataset; a pattern picks one (e.g. "
+            f"'{_split_pattern(base, names, split)}')",
             flush=True,
         )
     for k, file in enumerate(files):
@@ -422,6 +424,18 @@ SPLIT_WORDS = {
 }
 
 
+def _split_pattern(base: Path, names: Sequence[str], split: str) -> str:
+    """A pattern of the files of one split: ``base/**/*train*`` where a file's name says
+    it, ``base/**/*train*/**`` where a folder's does."""
+    for name in names:
+        *folders, last = Path(name).parts
+        for part, tail in [(last, "")] + [(f, "/**") for f in reversed(folders)]:
+            for word in re.split(r"[^a-z]+", part.lower()):
+                if SPLIT_WORDS.get(word) == split:
+                    return f"{base}/**/*{word}*{tail}"
+    return f"{base}/**/*{split}*"
+
+
 def split_names(names: Sequence[str]) -> list[str]:
     """The splits (:data:`SPLIT_WORDS`) that the files' relative ``names`` hold, as
     words of their paths, sorted; more than one: a folder of several splits."""
@@ -431,18 +445,6 @@ def split_names(names: Sequence[str]) -> list[str]:
             if word in SPLIT_WORDS:
                 found.add(SPLIT_WORDS[word])
     return sorted(found)
-
-
-def is_pattern(path: str | Path) -> bool:
-    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than a path
-    that exists."""
-    return not os.path.lexists(path) and any(c in str(path) for c in "*?[")
-
-
-def pattern_folder(pattern: str) -> str:
-    """The folder of a pattern before its first wildcard: what its files are named from."""
-    head = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
-    return os.path.dirname(head) or "."
 
 
 def data_files(path: str | Path) -> list[Path]:
@@ -459,7 +461,7 @@ def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
     """``(data files, other files left out)`` of a folder or pattern (:func:`data_files`)."""
     if is_pattern(path):
         pattern = os.path.expanduser(str(path))
-        matches = sorted(glob.glob(pattern, recursive=True))
+        matches = patterns.expand(pattern)
         below = Path(pattern_folder(pattern))
         files = [Path(p) for p in matches if os.path.isfile(p) and not _in_cache(Path(p), below)]
         if not files:
@@ -492,7 +494,10 @@ def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
         for name in names:
             if not name.startswith("."):
                 known = file_format(Path(name)) is not None
-                (files if known else others).append(Path(folder) / name)
+                file = Path(folder) / name
+                if known and not file.exists():
+                    raise ValueError(f"{file}: a link to nothing ({os.readlink(file)})")
+                (files if known else others).append(file)
     if not files:
         raise ValueError(
             f"{path}: a directory that is neither a token cache (no meta.json), a dataset "
@@ -547,8 +552,7 @@ def source_files(path: str | Path) -> list[Path]:
 def source_exists(path: str | Path) -> bool:
     """Whether ``path`` is a file or folder, or a pattern that some file matches."""
     if is_pattern(path):
-        pattern = os.path.expanduser(str(path))
-        return any(os.path.isfile(p) for p in glob.iglob(pattern, recursive=True))
+        return any(os.path.isfile(p) for p in patterns.expand(str(path)))
     return os.path.exists(path)
 
 
