@@ -1349,3 +1349,27 @@ def test_errors_name_the_record_an_example_came_from(bpe, tmp_path):
     assert dataset.num_examples == 2 and dataset.where(1) == "record 2"
     with pytest.raises(ValueError, match=r"r\.pkl: record 2: token id 400 is out of range"):
         load_dataset(source, tokenizer=bpe, vocab_size=300)
+
+
+def test_a_start_lists_a_data_folder_once(tmp_path, monkeypatch):
+    """The trainer's start lists a folder of data files once, for its stamp, its names
+    and its reading (seven walks before, each slow on a network filesystem), with a
+    cache built and with one reused."""
+    from train import readers
+
+    root = tmp_path / "d"
+    for k in range(6):
+        (root / f"s{k % 2}").mkdir(parents=True, exist_ok=True)
+        (root / f"s{k % 2}" / f"f{k}.jsonl").write_text(f"[{k + 1}, 2, 3]\n")
+    listings = []
+    real = readers._list
+    monkeypatch.setattr(readers, "_list", lambda path: listings.append(path) or real(path))
+    cfg = _cfg(data_path=str(root), model_max_length=4)
+    cfg = dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, data_cache_dir=str(tmp_path / "caches"))
+    )
+    for _ in range(2):  # built, then reused
+        listings.clear()
+        assert load_rows(cfg, models.TINY).num_rows > 0
+        assert [str(p) for p in listings] == [str(root)]
+    assert readers._listings is None  # outside a start, a folder is listed afresh

@@ -48,6 +48,7 @@ from train.readers import (
     FILES,
     data_format,
     is_pattern,
+    one_listing,
     pattern_folder,
     source_exists,
     source_files,
@@ -202,6 +203,7 @@ def _check_sources(cfg: TrainConfig, flag: str, path: str, eval: bool) -> None:
 IN_MEMORY_NOTE_BYTES = 1_000_000_000
 
 
+@one_listing()  # a folder's or pattern's files listed once for all that asks
 def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
     """The packed rows of `--data_path` (or `--eval_data_path` with `eval`): a data file
     (in memory, or through a token cache under `--data_cache_dir`) or a token cache

@@ -91,6 +91,7 @@ read every format through it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -457,8 +458,37 @@ def data_files(path: str | Path) -> list[Path]:
     return _scan(path)[0]
 
 
+# The listings of folders and patterns made inside `one_listing` (None outside it).
+_listings: dict[str, tuple[list[Path], list[Path]]] | None = None
+
+
+@contextlib.contextmanager
+def one_listing() -> Iterator[None]:
+    """Within it, each folder or pattern is listed once: the trainer's start asks for a
+    source's files several times (its stamp, its names, its reading), and a folder of
+    many thousand files on a network filesystem is slow to walk."""
+    global _listings
+    outer = _listings
+    _listings = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _listings = outer
+
+
 def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
     """``(data files, other files left out)`` of a folder or pattern (:func:`data_files`)."""
+    if _listings is None:
+        return _list(path)
+    key = os.path.abspath(os.path.expanduser(str(path)))
+    if key not in _listings:
+        _listings[key] = _list(path)
+    files, others = _listings[key]
+    return list(files), list(others)
+
+
+def _list(path: str | Path) -> tuple[list[Path], list[Path]]:
+    """:func:`_scan`, listing the folder or pattern."""
     if is_pattern(path):
         pattern = os.path.expanduser(str(path))
         matches = patterns.expand(pattern)
