@@ -328,3 +328,41 @@ def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(tmp_
         assert saved.meta(3)["step"] == 3
     finally:
         saved.close()
+
+
+@pytest.mark.parametrize("when", ["on_start", "mid_run"])
+def test_a_sigterm_during_an_evaluation_leaves_it_and_saves(tmp_path, monkeypatch, capsys, when):
+    """A SIGTERM while the validation set is evaluated (at the start, or between steps)
+    leaves the evaluation unfinished and unlogged, and the step reached is saved: a
+    long evaluation no longer holds the save past a preemption's grace period."""
+    from train import build
+
+    batches, evaluate = build.Trainer.eval_batches, loop._evaluate
+    evaluations = []
+
+    def counted(*args, **kwargs):
+        evaluations.append(True)
+        return evaluate(*args, **kwargs)
+
+    def sigterm_in_the_first(self):
+        for batch in batches(self):
+            if len(evaluations) == 1:  # the first evaluation, as its first batch is made
+                signal.raise_signal(signal.SIGTERM)
+            yield batch
+
+    monkeypatch.setattr(loop, "_evaluate", counted)
+    monkeypatch.setattr(build.Trainer, "eval_batches", sigterm_in_the_first)
+    out = tmp_path / "run"
+    flags = ["--eval_data_path", "sample", "--eval_strategy", "steps", "--eval_steps", "2"]
+    flags += ["--per_device_train_batch_size", "1"]
+    if when == "on_start":
+        flags += ["--eval_on_start", "true"]
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*TINY, *flags, "--output_dir", str(out)]))
+    step = 1 if when == "on_start" else 2
+    assert (stopped.value.step, stopped.value.saved) == (step, True)
+    assert os.listdir(out / "checkpoints") == [str(step)]
+    with open(out / "log.jsonl") as f:
+        assert not [r for r in map(json.loads, f) if "eval_loss" in r]
+    at = 0 if when == "on_start" else step
+    assert f"SIGTERM during the evaluation at step {at}: left unfinished" in capsys.readouterr().out

@@ -755,7 +755,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
         watch.enter_context(preemption.watching())
         if t.eval_rows is not None and cfg.run.eval_on_start and start_step == 0:
             # The loss to beat; a resume's log holds it already.
-            history.append(_evaluate(t, state["params"], start_step, writer, log, bar))
+            record = _evaluate(t, state["params"], start_step, writer, log, bar, preemption)
+            history += [record] if record is not None else []
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
                 jax.block_until_ready(state)
@@ -799,7 +800,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                     history.append(_finish(pending, *finish_args))
                     pending = None
                 began = time.perf_counter()
-                history.append(_evaluate(t, state["params"], done, writer, log, bar))
+                record = _evaluate(t, state["params"], done, writer, log, bar, preemption)
+                history += [record] if record is not None else []
                 # Training speed: the window leaves an evaluation's (and a save's) time out.
                 timer.start += time.perf_counter() - began
             if not preempted and not preemption.sync and preemption.noted:
@@ -886,15 +888,27 @@ def _should_eval(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) 
     return done % cfg.run.every("eval_steps", total) == 0
 
 
-def _evaluate(t: Trainer, params, done: int, writer, log, bar) -> dict:
+def _evaluate(
+    t: Trainer, params, done: int, writer, log, bar, preemption: _Preemption | None = None
+) -> dict | None:
     """The mean token loss and perplexity over all evaluation rows (sums over batches,
-    one division), logged like the training metrics."""
+    one division), logged like the training metrics. None where a SIGTERM that this
+    process's own handler noted (one process) came during it: the evaluation is left
+    unfinished and unlogged, so that the save of the step reached is not held up by it
+    (a preemption's grace period can be shorter than an evaluation)."""
     start, sums, pending = time.perf_counter(), [], collections.deque()
+    stopping = preemption is not None and not preemption.sync and preemption.save
     with _oom_advice(t.cfg):
         # Fetched two batches late: the host prepares the next batch while the device
         # evaluates one (a fetch per batch waited for each), and at most three batches
         # are on the device at once.
         for batch in t.eval_batches():
+            if stopping and preemption.noted:
+                jax.block_until_ready(list(pending))
+                if jax.process_index() == 0:
+                    line = f"SIGTERM during the evaluation at step {done}: left unfinished"
+                    bar.write(line) if bar is not None else print(line, flush=True)
+                return None
             pending.append(t.eval_fn(params, batch))
             if len(pending) > 2:
                 sums.append(jax.device_get(pending.popleft()))
