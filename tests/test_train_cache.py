@@ -1373,3 +1373,18 @@ def test_a_start_lists_a_data_folder_once(tmp_path, monkeypatch):
         assert load_rows(cfg, models.TINY).num_rows > 0
         assert [str(p) for p in listings] == [str(root)]
     assert readers._listings is None  # outside a start, a folder is listed afresh
+
+
+def test_a_cache_builds_where_the_filesystem_has_no_locks(tmp_path, monkeypatch):
+    """A filesystem without flock (some FUSE and network mounts answer ENOLCK) builds
+    its cache unlocked rather than failing."""
+    import errno
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(data_cache.fcntl, "flock", no_locks)
+    source = _pkl(tmp_path / "d.pkl", [[5, 6, 7]])
+    cache = data_cache.build_cache(source, tmp_path / "c")
+    assert np.asarray(cache.tokens).tolist() == [5, 6, 7]
+    assert not data_cache._held(tmp_path / "c")

@@ -757,13 +757,12 @@ BUILD_LOCK = ".building"
 
 
 def _hold(folder: Path) -> int:
-    """Takes the build lock of ``folder``; the open descriptor holds it until closed."""
+    """Takes the build lock of ``folder``; the open descriptor holds it until closed.
+    On a filesystem without locks the build goes on unlocked (its process id still
+    tells a build of this PID namespace from a dead one)."""
     fd = os.open(folder / BUILD_LOCK, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
+    with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
     return fd
 
 
