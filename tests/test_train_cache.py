@@ -24,7 +24,7 @@ from train.config import DataArgs, ModelArgs, TrainConfig
 from train.data import Batches
 from train.dataset import load_dataset
 from train.errors import TrainingError
-from train.readers import load_tokenizer
+from train.records import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 EOS = 2

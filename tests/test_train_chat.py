@@ -18,6 +18,7 @@ from train import chat, data_cache, readers
 from train.data import main as data_main
 from train.data import train_tokenizer
 from train.dataset import load_dataset
+from train.records import RecordParser, load_tokenizer
 
 pytest.importorskip("jinja2")
 
@@ -103,7 +104,7 @@ def test_messages_are_the_rendered_conversation_tokenized_whole(llama3_bpe, tmp_
     """The ids are the tokenizer's ids of the rendered text (no BOS added on top of the
     template's); the labels are the assistant turns' tokens (content and end of turn),
     -100 on the system and user turns and every header."""
-    tokenizer = readers.load_tokenizer(llama3_bpe)
+    tokenizer = load_tokenizer(llama3_bpe)
     bos, eot = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOT)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS])
     dataset = load_dataset(path, tokenizer=llama3_bpe)
@@ -241,7 +242,7 @@ def test_chat_template_jinja_comes_before_tokenizer_config(llama3_bpe, tmp_path)
     )
     path = _jsonl(tmp_path / "chat.jsonl", [GOOD])
     dataset = load_dataset(path, tokenizer=folder)
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     user, answer = (m["content"] for m in GOOD["messages"])
     text = f"user: {user}\nassistant: {answer}\n"
     assert dataset.tokens.tolist() == tokenizer.encode(text, add_special_tokens=False).ids
@@ -321,7 +322,7 @@ def test_records_with_messages_and_other_keys(llama3_bpe, tmp_path):
     """A record is read by the first of input_ids, text, prompt and completion (both),
     messages: a "prompt" beside "messages" (a chat dataset's first question) does not
     make it a prompt/completion record."""
-    tokenizer = readers.load_tokenizer(llama3_bpe)
+    tokenizer = load_tokenizer(llama3_bpe)
     messages = GOOD["messages"]
     records = [
         {"prompt": messages[0]["content"], "prompt_id": "x", "messages": messages},
@@ -347,7 +348,7 @@ def test_the_token_cache_reads_messages_and_records_the_template(llama3_bpe, tmp
     folder = _write_tokenizer(tmp_path / "tok", llama3_bpe)
     records = [{"messages": c} for c in CONVERSATIONS] + [{"text": "Some text."}]
     path = _jsonl(tmp_path / "chat.jsonl", records)
-    eot = readers.load_tokenizer(folder).token_to_id(EOT)
+    eot = load_tokenizer(folder).token_to_id(EOT)
     memory = load_dataset(path, tokenizer=folder)
     cache_dir = tmp_path / "c"
     data_main(["cache", str(path), str(cache_dir), "--tokenizer", str(folder)])
@@ -632,7 +633,7 @@ def test_tool_calls_and_results_render_and_only_the_assistant_turns_are_learned(
     records = [{"messages": messages, "tools": [WEATHER, TIME]}, {"messages": messages}]
     path = _jsonl(tmp_path / "tools.jsonl", records)
     dataset = load_dataset(path, tokenizer=folder)
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     turns = [
         '[no content]call get_weather{"city": "Paris"}</>\n',
         "It is 21 degrees and clear in Paris.</>\n",
@@ -649,7 +650,7 @@ def test_tool_calls_and_results_render_and_only_the_assistant_turns_are_learned(
         learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
         assert tokenizer.decode(learned) == "".join(turns)
     spans = chat.ChatTemplate(folder, "where:").assistant_spans(
-        readers.RecordParser(path, folder)._messages("line 1", messages), [WEATHER, TIME]
+        RecordParser(path, folder)._messages("line 1", messages), [WEATHER, TIME]
     )
     text, found = spans
     assert [text[a:b] for a, b in found] == turns
@@ -710,7 +711,7 @@ def test_real_templates_keep_the_prefix_rule_with_tool_calls(
     the tools' descriptions and the headers are not in any turn."""
     folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
     path = _jsonl(tmp_path / "tools.jsonl", [{"messages": messages, "tools": [WEATHER, TIME]}])
-    parser = readers.RecordParser(path, folder)
+    parser = RecordParser(path, folder)
     text, spans = chat.ChatTemplate(folder, "where:").assistant_spans(
         parser._messages("line 1", messages), parser._tools("line 1", [WEATHER, TIME])
     )
@@ -718,7 +719,7 @@ def test_real_templates_keep_the_prefix_rule_with_tool_calls(
     assert "get_time" in text  # the tools reached the template
     dataset = load_dataset(path, tokenizer=folder)  # the reader learns those turns
     ids, labels = _learned(dataset, 0)
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     learned = tokenizer.decode(
         [t for t, label in zip(ids, labels, strict=True) if label != IGNORE],
         skip_special_tokens=False,
@@ -767,7 +768,7 @@ def test_content_lists_reach_the_template_as_they_are(llama3_bpe, tmp_path):
         _jsonl(tmp_path / "p.jsonl", [{"messages": PARTS_CHAT}]), tokenizer=folder
     )
     ids, labels = _learned(dataset, 0)
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     text = BOS
     for m in PARTS_CHAT:
         content = m["content"]
@@ -899,7 +900,7 @@ def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
     a cache whose stamp lacks it (rendered before tools were passed) is rebuilt."""
     folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
     path = _jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT, "tools": [WEATHER]}])
-    eot = readers.load_tokenizer(folder).token_to_id(EOT)
+    eot = load_tokenizer(folder).token_to_id(EOT)
     cache, built = data_cache.ensure_cache(path, tmp_path / "c", tokenizer=folder, eos_id=eot)
     assert built and cache.meta["chat_template"]["inputs"] == chat.TEMPLATE_INPUTS
     assert cache.mismatch(path, tokenizer=folder, eos_id=eot) == []
@@ -1203,7 +1204,7 @@ def test_named_templates_as_transformers_saves_them(llama3_bpe, tmp_path):
     ]
     _match_the_oracle(tmp_path, cases)
     dataset = load_dataset(_jsonl(tmp_path / "t.jsonl", [cases[0][1]]), tokenizer=saved)
-    assert IM_START in readers.load_tokenizer(saved).decode(
+    assert IM_START in load_tokenizer(saved).decode(
         dataset.example(0).tolist(), skip_special_tokens=False
     )
 
@@ -1252,14 +1253,14 @@ def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bp
     ]
     path = tmp_path / "pc.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    parser = readers.RecordParser(path, llama3_bpe)
+    parser = RecordParser(path, llama3_bpe)
     got = parser.tokenize_texts(["line 1", "line 2", "line 3"], records)
     (pc_ids, pc_labels), (ids, labels), (empty, _) = got
     assert pc_ids.tolist() == ids.tolist() and empty.size == 0
     assert parser.empty_conversations == 1
     learned = pc_labels != -100
     assert 0 < learned.sum() < (labels != -100).sum()  # the prompt's assistant turn is not
-    encoding = readers.load_tokenizer(llama3_bpe)
+    encoding = load_tokenizer(llama3_bpe)
     assert "Paris." in encoding.decode(pc_ids[learned].tolist())
     assert "Hello" not in encoding.decode(pc_ids[learned].tolist())
     bad = {"prompt": prompt, "completion": "Paris."}
@@ -1309,7 +1310,7 @@ def test_an_assistants_reasoning_reaches_the_template_under_both_names(llama3_bp
     ):
         folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
         dataset = load_dataset(_jsonl(tmp_path / "r.jsonl", records), tokenizer=folder)
-        tokenizer = readers.load_tokenizer(folder)
+        tokenizer = load_tokenizer(folder)
         for i in range(len(records)):
             ids, labels = _learned(dataset, i)
             assert (ids, labels) == _learned(dataset, 0)
@@ -1356,7 +1357,7 @@ def test_chat_template_kwargs_reach_the_template(llama3_bpe, tmp_path):
         {"messages": plain, "chat_template_kwargs": None},  # a table's missing value
     ]
     path = _jsonl(tmp_path / "k.jsonl", records)
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
 
     def turns(dataset) -> list[str]:
         return [
@@ -1454,7 +1455,7 @@ def test_the_token_cache_records_the_chat_template_kwargs(llama3_bpe, tmp_path, 
     folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=THINK_TEMPLATE)
     plain = [QUESTION, {"role": "assistant", "content": "Paris."}]
     path = _jsonl(tmp_path / "k.jsonl", [{"messages": plain}])
-    eos = readers.load_tokenizer(folder).token_to_id(IM_END)
+    eos = load_tokenizer(folder).token_to_id(IM_END)
     where = tmp_path / "c"
     cache, built = data_cache.ensure_cache(
         path, where, tokenizer=folder, eos_id=eos, chat_template_kwargs=THINKING_OFF
@@ -1586,7 +1587,7 @@ def test_a_template_that_drops_earlier_reasoning_splits_the_conversation(
     dataset = load_dataset(path, tokenizer=folder)
     assert capsys.readouterr().out == _split_line(path, 1, 3) + "\n"
     assert dataset.num_examples == 4 and list(dataset.lines) == [1, 2, 2, 2]
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     for i, (before, turn) in enumerate([REASONED_TURNS[0], *REASONED_TURNS]):
         ids, labels = _learned(dataset, i)
         assert ids == tokenizer.encode(before + turn, add_special_tokens=False).ids
@@ -1657,7 +1658,7 @@ def test_chat_turns_whole_refuses_such_a_conversation_naming_the_flag(llama3_bpe
     assert str(error.value) == f"{path}: line 1: " + why.format(
         turn=1, message=1, flag="--chat_turns"
     )
-    tokenizer = readers.load_tokenizer(shortening)
+    tokenizer = load_tokenizer(shortening)
     for turns in ("auto", "split"):
         dataset = load_dataset(path, tokenizer=shortening, chat_turns=turns)
         assert [t.strip() for t in _decoded_turns(tokenizer, dataset)] == [
@@ -1695,9 +1696,9 @@ def test_conversations_that_keep_the_prefix_rule_are_one_example_unless_split(
     split = load_dataset(path, tokenizer=folder, chat_turns="split")
     assert capsys.readouterr().out == _split_line(path, 3, 7, "split") + "\n"
     assert list(split.lines) == [1, 1, 2, 3, 3, 3, 3]
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     template = chat.ChatTemplate(folder, "where:")
-    parser = readers.RecordParser(path, folder)
+    parser = RecordParser(path, folder)
     learned, k = _decoded_turns(tokenizer, split), 0
     for n, record in enumerate(records):
         messages = parser._messages("line 1", record["messages"])
@@ -1717,7 +1718,7 @@ def test_a_prompts_rewritten_turn_is_context(llama3_bpe, tmp_path, capsys):
     folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=QWEN3_TEMPLATE)
     record = {"prompt": REASONED_CHAT[:4], "completion": [REASONED_CHAT[4]]}
     path = _jsonl(tmp_path / "pc.jsonl", [record])
-    tokenizer = readers.load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     before, turn = REASONED_TURNS[1]
     for turns in (None, "auto", "whole", "split"):
         given = {} if turns is None else {"chat_turns": turns}  # the default first
@@ -1738,7 +1739,7 @@ def test_the_token_cache_records_chat_turns(llama3_bpe, tmp_path, capsys):
     path = _jsonl(
         tmp_path / "r.jsonl", [{"messages": REASONED_CHAT[:3]}, {"messages": REASONED_CHAT}]
     )
-    eos = readers.load_tokenizer(qwen).token_to_id(IM_END)
+    eos = load_tokenizer(qwen).token_to_id(IM_END)
     where = tmp_path / "c"
     cache, built = data_cache.ensure_cache(path, where, tokenizer=qwen, eos_id=eos)
     assert built and capsys.readouterr().out == _split_line(path, 1, 3) + "\n"
@@ -1776,7 +1777,7 @@ def test_the_token_cache_records_chat_turns(llama3_bpe, tmp_path, capsys):
     assert data_cache.open_cache(where).meta["chat_template"]["turns"] == "split"  # kept
     # Conversations the prefix rule holds for: auto and whole build the same cache.
     plain = _jsonl(tmp_path / "l.jsonl", [{"messages": c} for c in CONVERSATIONS])
-    eot = readers.load_tokenizer(llama3_bpe).token_to_id(EOT)
+    eot = load_tokenizer(llama3_bpe).token_to_id(EOT)
     where = tmp_path / "l"
     cache, built = data_cache.ensure_cache(plain, where, tokenizer=llama3_bpe, eos_id=eot)
     assert built and cache.meta["chat_template"]["split_conversations"] == 0
@@ -1883,7 +1884,7 @@ def test_split_examples_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     ]
     path = _jsonl(tmp_path / "r.jsonl", records)
     dataset = load_dataset(path, tokenizer=folder)
-    parser = readers.RecordParser(path, folder)
+    parser = RecordParser(path, folder)
     cases = []
     for record in records:
         messages = parser._messages("line 1", record["messages"])
@@ -1919,7 +1920,7 @@ def test_an_opening_assistant_message_is_context(llama3_bpe, tmp_path, capsys):
         "(nothing before it to answer)",
     ]
     assert list(dataset.lines) == [1, 3]
-    tokenizer = readers.load_tokenizer(llama3_bpe)
+    tokenizer = load_tokenizer(llama3_bpe)
     ids, labels = _learned(dataset, 0)
     learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE]
     assert tokenizer.decode(learned, skip_special_tokens=False) == "Paris.<|eot_id|>"

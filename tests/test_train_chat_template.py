@@ -15,13 +15,14 @@ import pytest
 import yaml
 from conftest import run_oracle
 
-from train import chat, data_cache, readers
+from train import chat, data_cache
 from train.__main__ import main
 from train.config import parse_args
 from train.data import main as data_main
 from train.data import train_tokenizer
 from train.dataset import load_dataset
 from train.loop import run
+from train.records import load_tokenizer
 from train.tools import export
 
 pytest.importorskip("jinja2")
@@ -152,7 +153,7 @@ def test_the_given_template_wins_over_the_tokenizers_own(base_tokenizer, tmp_pat
     as a tokenizer directory's (chat_template.jinja before tokenizer_config.json)."""
     own = _tokenizer_with(tmp_path / "own", base_tokenizer, PLAIN)
     path = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
-    tokenizer = readers.load_tokenizer(own)
+    tokenizer = load_tokenizer(own)
     bos = json.loads((own / "tokenizer_config.json").read_text())["bos_token"]
     chatml = bos + "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in CONVERSATION)
     plain = "".join(f"{m['role']}: {m['content']}\n" for m in CONVERSATION)

@@ -17,6 +17,7 @@ from train import data_cache, readers
 from train.data import Batches, document_lengths, markov_samples, save_dataset, train_tokenizer
 from train.data import main as data_main
 from train.dataset import Rows, TokenDataset, load_dataset
+from train.records import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 IGNORE = -100
@@ -277,7 +278,7 @@ def test_prompt_completion_records_label_the_completion_only(bos_bpe, tmp_path):
     ]
     path = _write(tmp_path / "qa.jsonl", [{"prompt": p, "completion": c} for p, c in pairs])
     dataset = load_dataset(path, tokenizer=bos_bpe)
-    tokenizer = readers.load_tokenizer(bos_bpe)
+    tokenizer = load_tokenizer(bos_bpe)
     assert dataset.num_examples == 3 and list(dataset.lines) == [1, 2, 3]
     for i, (prompt, completion) in enumerate(pairs):
         question = tokenizer.encode(prompt).ids

@@ -35,7 +35,7 @@ each winning over those before it, as ``apply_chat_template(..., **kwargs)`` pas
 them: e.g. ``enable_thinking``). As transformers 5.21+ gives them, a message's reasoning
 (the first of its ``reasoning_content``, ``thinking`` and ``reasoning``) is its
 ``reasoning_content`` (which Qwen3's template reads) and, where it has none, its
-``thinking`` (gpt-oss's). What the reader changes before (train/readers.py): keys whose
+``thinking`` (gpt-oss's). What the reader changes before (train/records.py): keys whose
 value is None are dropped at every depth (a table's missing struct fields, as TRL's
 SFTTrainer drops them from a dataset's rows; transformers drops a message's own).
 

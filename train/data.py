@@ -1,7 +1,8 @@
 """Training data from rows to batches, sample data, and ``python -m train.data``.
 
 The pipeline's modules, each importing only those before it: :mod:`train.chat` (chat
-templates, for conversational records), :mod:`train.readers` (the table of file formats,
+templates, for conversational records), :mod:`train.records` (records into token ids),
+:mod:`train.patterns` (glob patterns), :mod:`train.readers` (the table of file formats,
 each read into examples of token ids), :mod:`train.dataset` (examples in memory, packed
 into rows), :mod:`train.data_cache` (examples tokenized once into a memory-mapped token
 cache, its rows cut on demand), and this one: shuffled,
@@ -49,16 +50,18 @@ from train.chat import (
 from train.dataset import Rows, load_dataset, stream_summary
 from train.errors import signals_as_interrupts, stop_status, stopped_how
 from train.readers import (
+    file_format,
+    is_pattern,
+    is_token_cache,
+    open_data,
+    read_jsonl,
+)
+from train.records import (
     MESSAGES,
     PROMPT_COMPLETION,
     ChatTurnsError,
     NoTokenizerError,
-    file_format,
-    is_pattern,
-    is_token_cache,
     load_tokenizer,
-    open_data,
-    read_jsonl,
     record_kind,
     tokenizer_file,
 )

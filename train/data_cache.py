@@ -69,7 +69,6 @@ from train.readers import (
     CACHE_META,
     FILES,
     READERS,
-    RecordParser,
     data_format,
     example_where,
     file_words,
@@ -79,6 +78,9 @@ from train.readers import (
     read_examples,
     source_exists,
     source_files,
+)
+from train.records import (
+    RecordParser,
     split_note,
     tokenizer_file,
 )
@@ -1027,13 +1029,13 @@ def packed_rows(
 
 def _note_split(path: str | Path, cache: TokenCache) -> None:
     """One line where the cache's conversations were split into an example per
-    assistant turn, in the words reading them prints (:func:`train.readers.split_note`)."""
+    assistant turn, in the words reading them prints (:func:`train.records.split_note`)."""
     if note := cache_split_note(cache):
         print(f"{path}: token cache: {note}", flush=True)
 
 
 def cache_split_note(cache: TokenCache) -> str | None:
-    """:func:`train.readers.split_note` of the conversations the cache split, or None
+    """:func:`train.records.split_note` of the conversations the cache split, or None
     where it split none."""
     chat = cache.meta.get("chat_template") or {}
     if not chat.get("split_conversations"):

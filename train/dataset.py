@@ -51,10 +51,12 @@ from train.readers import (
     FILES,
     READERS,
     Example,
-    RecordParser,
     data_format,
     file_words,
     read_examples,
+)
+from train.records import (
+    RecordParser,
 )
 
 _MAX_ID = np.iinfo(np.int32).max
