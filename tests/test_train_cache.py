@@ -546,6 +546,15 @@ def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
     _, built = data_cache.ensure_cache(source, tmp_path / "c")
     assert not built and not replaced.exists()
     assert f"c: removed {replaced.name} (0 kB)" in capsys.readouterr().out
+    # A build's folder before its lock is taken: left a minute, then removed.
+    young = tmp_path / f".c.new-{processes.host()}@{dead}@1@01234567"
+    stale = tmp_path / f".c.new-{processes.host()}@{dead}@1@76543210"
+    young.mkdir()
+    stale.mkdir()
+    os.utime(stale, (1e9, 1e9))
+    removed = data_cache.remove_leftovers(tmp_path / "c")
+    assert stale in removed and young not in removed and young.is_dir()
+    young.rmdir()
 
 
 def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
@@ -606,8 +615,9 @@ def test_the_trainer_reads_a_pattern_of_files_or_names_what_matches_none(tmp_pat
 
 def test_data_around_the_output_directory_is_refused_or_warned(tmp_path, capsys):
     """An --output_dir inside a --data_path folder, or where a pattern would match its
-    log.jsonl, is refused (that file would be data at the next start); one data file in
-    the output directory is not; evaluation data sharing files with the training data gets
+    log.jsonl, links followed, is refused (that file would be data at the next start);
+    one data file in the output directory, or a folder of data under it, is not;
+    evaluation data sharing files with the training data gets
     a warning."""
     root = tmp_path / "proj"
     root.mkdir()
@@ -616,7 +626,8 @@ def test_data_around_the_output_directory_is_refused_or_warned(tmp_path, capsys)
     (root / "test.jsonl").write_text("".join(_dump[:4]))
     cfg = _cfg(data_path=str(root), model_max_length=4)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(root / "r")))
-    with pytest.raises(TrainingError, match=r"--output_dir='.*proj/r' is inside --data_path="):
+    refused = r"--output_dir='.*proj/r': --data_path='.*' would read the run's own files"
+    with pytest.raises(TrainingError, match=refused):
         load_rows(cfg, models.TINY)
 
     def run_in(data_path, out):
@@ -625,13 +636,31 @@ def test_data_around_the_output_directory_is_refused_or_warned(tmp_path, capsys)
 
     # A pattern that would match the run's log.jsonl: refused at the first start, before
     # the file exists (its resume would read it).
-    with pytest.raises(TrainingError, match=r"--output_dir='.*proj/r' is inside --data_path="):
+    with pytest.raises(TrainingError, match=refused):
         load_rows(run_in(f"{root}/**/*.jsonl", root / "r"), models.TINY)
     assert load_rows(run_in(f"{root}/t*.jsonl", root / "r"), models.TINY).num_rows > 0
     # One data file named in the output directory is the user's choice.
     (root / "r").mkdir()
     (root / "r" / "mine.jsonl").write_text("".join(_dump))
     assert load_rows(run_in(str(root / "r" / "mine.jsonl"), root / "r"), models.TINY).num_rows
+    # A folder or pattern of data under the output directory reads none of the run's
+    # files; nor does a folder whose walk leaves out the output directory's hidden one.
+    assert load_rows(run_in(str(root / "r"), tmp_path / "proj"), models.TINY).num_rows
+    assert load_rows(run_in(f"{root}/r/*.jsonl", tmp_path / "proj"), models.TINY).num_rows
+    assert load_rows(run_in(str(root), root / ".runs" / "r1"), models.TINY).num_rows
+    # Reached through a link in the data folder: refused at the first start too (the
+    # resume, once log.jsonl exists, would read it).
+    (tmp_path / "scratch").mkdir()
+    (root / "runs").symlink_to(tmp_path / "scratch")
+    linked = r"--output_dir='.*(scratch|runs)/r1': --data_path='.*' would read the run's own"
+    for data, out in (
+        (str(root), root / "runs" / "r1"),
+        (str(root), tmp_path / "scratch" / "r1"),
+        (f"{root}/**/*.jsonl", tmp_path / "scratch" / "r1"),
+    ):
+        with pytest.raises(TrainingError, match=linked):
+            load_rows(run_in(data, out), models.TINY)
+    (root / "runs").unlink()
     cfg = _cfg(data_path=str(root), eval_data_path=f"{root}/test*", model_max_length=4)
     load_rows(cfg, models.TINY, eval=True)
     assert (

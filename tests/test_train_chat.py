@@ -1,4 +1,4 @@
-"""Tests of conversational ("messages") records (train/chat.py, train/readers.py): the
+"""Tests of conversational ("messages") records (train/chat.py, train/records.py): the
 chat template's rendering, assistant-only labels, errors, the token cache, the
 tokenizer command, transformers' parity and a trainer run."""
 

@@ -1,5 +1,6 @@
-"""Tests of the data modules (train/readers.py, train/dataset.py, train/data.py): formats,
-malformed data, row packing, batches, resume, CLI."""
+"""Tests of the data modules (train/patterns.py, train/readers.py, train/records.py,
+train/dataset.py, train/data.py): formats, malformed data, row packing, batches,
+resume, CLI."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ import numpy as np
 import pytest
 
 from train import data_cache, readers
-from train.data import Batches, document_lengths, markov_samples, save_dataset, train_tokenizer
+from train.data import (
+    Batches,
+    document_lengths,
+    markov_samples,
+    save_dataset,
+    text_files_of,
+    train_tokenizer,
+)
 from train.data import main as data_main
 from train.dataset import Rows, TokenDataset, load_dataset
 from train.records import load_tokenizer
@@ -1218,6 +1226,48 @@ def test_links_folders_and_rewrites_that_a_review_found(tmp_path, capsys):
     assert data_cache.open_cache(tmp_path / "cache").mismatch() == []
 
 
+def test_patterns_match_as_glob_does_and_walk_only_what_can_match(tmp_path, monkeypatch):
+    """A pattern's files are glob's, through links and `.`/`..` too (a folder reached
+    by two paths is matched by either); `]` first in a set is in the set; a range out
+    of order is one line; the walk enters only folders that can hold a match."""
+    import glob
+    import os
+
+    from train import patterns
+
+    root = tmp_path / "d"
+    (root / "eval").mkdir(parents=True)
+    (root / "sub").mkdir()
+    for name in ("eval/x.jsonl", "f.jsonl", "]a.jsonl", "b.jsonl"):
+        (root / name).write_text("[1]\n")
+    os.symlink("eval", root / "eval-new")  # listed after eval/, whose files it holds
+    os.symlink("..", root / "sub" / "up")
+    monkeypatch.chdir(tmp_path)
+    for pattern in (
+        "d/eval-n*/*.jsonl",
+        "d/*/up/*.jsonl",
+        "d/*/../*.jsonl",
+        "d/[]]*.jsonl",
+        "d/[!]]*.jsonl",
+        f"{root}/e*/*.jsonl",
+    ):
+        want = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        got = [p for p in patterns.expand(pattern) if os.path.isfile(p)]
+        assert got == want and want, (pattern, got, want)
+    with pytest.raises(ValueError, match=r"^d/\[z-a\]\*: '\[z-a\]\*' is not a pattern of names"):
+        patterns.expand("d/[z-a]*")
+    # 40 folders beside the one the pattern names: none of them is listed.
+    for k in range(40):
+        (root / "many" / f"f{k:02d}").mkdir(parents=True)
+    (root / "many" / "f07" / "deep").mkdir()
+    (root / "many" / "f07" / "deep" / "s.jsonl").write_text("[2]\n")
+    listed = []
+    listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p=".": listed.append(str(p)) or listdir(p))
+    assert patterns.expand("d/many/f0[7]/**/*.jsonl") == ["d/many/f07/deep/s.jsonl"]
+    assert sorted(listed) == ["d/many", "d/many/f07", "d/many/f07/deep"]
+
+
 def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
     """`train.data tokenizer FOLDER` reads its text (and .jsonl) files, not the binary
     ones beside them (a token cache, .npy, .pkl, an image), and says what it left out."""
@@ -1230,7 +1280,7 @@ def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
     (root / "d.pkl").write_bytes(pickle.dumps([[1, 2]]))
     (root / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     data_cache.build_cache(_dump_jsonl(tmp_path / "t.jsonl", ["[1, 2]"]), root / "cache")
-    kept, left = __import__("train.data", fromlist=["x"]).text_files_of(root)
+    kept, left = text_files_of(root)
     assert kept == [root / "a.md", root / "b.jsonl"]
     assert sorted(p.name for p in left) == sorted(
         [p.name for p in (root / "cache").iterdir() if not p.name.startswith(".")]
@@ -1240,6 +1290,21 @@ def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
     assert f"tokenizer: left out {len(left)} binary or data files: " in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"no text file in this folder or pattern \(2 binary"):
         train_tokenizer([f"{root}/*[yg]"], tmp_path / "tok2", vocab_size=300)
+    # Named: a binary file, a token cache or a save_to_disk folder is refused.
+    with pytest.raises(ValueError, match=r"ids\.npy: not a text file"):
+        train_tokenizer([root / "ids.npy"], tmp_path / "tok2", vocab_size=300)
+    with pytest.raises(ValueError, match=r"cache: a token cache, not a folder of text files"):
+        train_tokenizer([root / "cache"], tmp_path / "tok2", vocab_size=300)
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "state.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"saved: a dataset saved with save_to_disk, not"):
+        train_tokenizer([tmp_path / "saved"], tmp_path / "tok2", vocab_size=300)
+    # Its own folder inside the corpus: an earlier tokenizer there is not learned from.
+    train_tokenizer([root], root / "tok", vocab_size=300)
+    assert not any("tok" in p.parts for p in text_files_of(root, root / "tok")[0])
+    first = (root / "tok" / "tokenizer.json").read_text()
+    train_tokenizer([root], root / "tok", vocab_size=300)
+    assert (root / "tok" / "tokenizer.json").read_text() == first
 
 
 def test_the_in_memory_path_holds_a_few_bytes_a_token(tmp_path):

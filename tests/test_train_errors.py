@@ -676,10 +676,14 @@ def test_rope_flags_set_the_runs_rope_and_its_export(tmp_path, capsys):
     from train.config import parse_args
 
     (tmp_path / "c.yaml").write_text(
-        "model:\n  rope_scaling:\n    rope_type: linear\n    factor: 2\n"
+        "model:\n  rope_scaling:\n    rope_type: linear\n    factor: 2\n    rope_theta: 5e5\n"
     )
     cfg = parse_args(["--config", str(tmp_path / "c.yaml")])
-    assert json.loads(cfg.model.rope_scaling) == {"rope_type": "linear", "factor": 2}
+    assert json.loads(cfg.model.rope_scaling) == {
+        "rope_type": "linear",
+        "factor": 2,
+        "rope_theta": 500000.0,
+    }
 
 
 def test_resume_with_another_learning_rate_schedule_is_refused(tmp_path, capsys):

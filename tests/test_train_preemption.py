@@ -331,11 +331,14 @@ def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(tmp_
 
 
 @pytest.mark.parametrize("when", ["on_start", "mid_run"])
-def test_a_sigterm_during_an_evaluation_leaves_it_and_saves(tmp_path, monkeypatch, capsys, when):
-    """A SIGTERM while the validation set is evaluated (at the start, or between steps)
-    leaves the evaluation unfinished and unlogged, and the step reached is saved: a
-    long evaluation no longer holds the save past a preemption's grace period."""
+def test_a_sigterm_during_an_evaluation_does_not_hold_the_save(tmp_path, monkeypatch, capsys, when):
+    """A SIGTERM while the validation set is evaluated does not wait for the evaluation
+    (a long one would outlast a preemption's grace period). `--eval_on_start`'s stops
+    the run as a SIGTERM before the first step does (nothing trained, nothing saved;
+    its restart evaluates again); a step's is left unfinished and unlogged, the step
+    saved with a note of it, and the resume evaluates that step first."""
     from train import build
+    from train.errors import Terminated, signals_as_interrupts
 
     batches, evaluate = build.Trainer.eval_batches, loop._evaluate
     evaluations = []
@@ -354,15 +357,30 @@ def test_a_sigterm_during_an_evaluation_leaves_it_and_saves(tmp_path, monkeypatc
     monkeypatch.setattr(build.Trainer, "eval_batches", sigterm_in_the_first)
     out = tmp_path / "run"
     flags = ["--eval_data_path", "sample", "--eval_strategy", "steps", "--eval_steps", "2"]
-    flags += ["--per_device_train_batch_size", "1"]
+    flags += ["--per_device_train_batch_size", "1", "--output_dir", str(out)]
     if when == "on_start":
-        flags += ["--eval_on_start", "true"]
+        with signals_as_interrupts(), pytest.raises(Terminated):  # as `python -m train`
+            loop.run(parse_args([*TINY, *flags, "--eval_on_start", "true"]))
+        assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints")
+        with open(out / "log.jsonl") as f:
+            assert f.read() == ""
+        return
     with pytest.raises(Preempted) as stopped:
-        loop.run(parse_args([*TINY, *flags, "--output_dir", str(out)]))
-    step = 1 if when == "on_start" else 2
-    assert (stopped.value.step, stopped.value.saved) == (step, True)
-    assert os.listdir(out / "checkpoints") == [str(step)]
+        loop.run(parse_args([*TINY, *flags]))
+    assert (stopped.value.step, stopped.value.saved) == (2, True)
+    assert os.listdir(out / "checkpoints") == ["2"]
     with open(out / "log.jsonl") as f:
         assert not [r for r in map(json.loads, f) if "eval_loss" in r]
-    at = 0 if when == "on_start" else step
-    assert f"SIGTERM during the evaluation at step {at}: left unfinished" in capsys.readouterr().out
+    assert "SIGTERM during the evaluation at step 2: left unfinished" in capsys.readouterr().out
+    saved = Checkpoints(str(out), None, read_only=True)
+    try:
+        assert saved.meta(2)[loop.EVAL_PENDING] is True
+    finally:
+        saved.close()
+    evaluations.append(True)  # no more SIGTERMs
+    loop.run(parse_args([*TINY, *flags, "--resume_from_checkpoint", "latest"]))
+    with open(out / "log.jsonl") as f:
+        records = [r for r in map(json.loads, f)]
+    steps = [(r["step"], "eval_loss" in r) for r in records]
+    assert steps[:3] == [(1, False), (2, False), (2, True)], steps  # step 2's, then step 3
+    assert steps[3] == (3, False)

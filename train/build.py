@@ -26,7 +26,7 @@ import models
 from models.config import with_rope
 from models.sharding import spec_axes
 from train import data as data_lib
-from train import data_cache, hosts, patterns
+from train import data_cache, hosts
 from train.chat import check_template_path, parse_template_kwargs
 from train.config import TrainConfig, rope_scaling
 from train.dataset import Rows, ShortData, TokenDataset
@@ -52,6 +52,7 @@ from train.readers import (
     pattern_folder,
     source_exists,
     source_files,
+    would_read,
 )
 from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.words import plural
@@ -165,26 +166,16 @@ def _check_sources(cfg: TrainConfig, flag: str, path: str, eval: bool) -> None:
     evaluation data shares files with the training data (its loss then measures what
     was trained on)."""
     files = [Path(f) for f in source_files(path)]
-    out = os.path.realpath(cfg.run.output_dir)
-    pattern = is_pattern(path)
-    folder = (
-        not pattern
-        and os.path.isdir(path)
-        and not data_cache.is_cache(path)
-        and data_format(path) == FILES
+    out = cfg.run.output_dir
+    listed = is_pattern(path) or (
+        os.path.isdir(path) and not data_cache.is_cache(path) and data_format(path) == FILES
     )
-    inside = [f for f in files if os.path.realpath(f).startswith(out + os.sep)]
-    # A folder reads the run's log.jsonl wherever the run is under it; a pattern, where
-    # it matches that file (the first run has none yet, its resume would).
-    if pattern:
-        logs = (os.path.join(out, LOG_FILE), os.path.join(out, PREVIOUS_RUN, LOG_FILE))
-        clash = inside or any(patterns.matches(path, log) for log in logs)
-    else:
-        clash = folder and (inside or (out + os.sep).startswith(os.path.realpath(path) + os.sep))
-    if clash:
+    # The run's log.jsonl does not exist at its first start: its resume would read it.
+    logs = (os.path.join(out, LOG_FILE), os.path.join(out, PREVIOUS_RUN, LOG_FILE))
+    if listed and any(would_read(path, log) for log in logs):
         raise TrainingError(
-            f"--output_dir={cfg.run.output_dir!r} is inside {flag}={path!r}: the run's own "
-            "files (log.jsonl) would be read as data; give an output directory elsewhere"
+            f"--output_dir={out!r}: {flag}={path!r} would read the run's own files (its "
+            "log.jsonl) as data; give an output directory elsewhere"
         )
     train_path = cfg.data.data_path
     if eval and not is_sample_data(train_path) and source_exists(train_path):
@@ -697,9 +688,10 @@ def build(
         config, host_params = config or arch, None
     seq_len = cfg.data.model_max_length
 
-    rows = load_rows(cfg, config)
     evaluates = cfg.data.eval_data_path and cfg.run.eval_strategy != "no"
-    eval_rows = load_rows(cfg, config, eval=True) if evaluates else None
+    with one_listing():  # the training data's listing serves the evaluation's checks
+        rows = load_rows(cfg, config)
+        eval_rows = load_rows(cfg, config, eval=True) if evaluates else None
     for flag, path, data, what in (
         ("--data_path", cfg.data.data_path, rows, "train on"),
         ("--eval_data_path", cfg.data.eval_data_path, eval_rows, "evaluate"),

@@ -676,6 +676,16 @@ def build_parser() -> argparse.ArgumentParser:
 JSON_FIELDS = ("chat_template_kwargs", "lr_scheduler_kwargs", "rope_scaling")
 
 
+def _yaml_number(value: Any) -> Any:
+    """A string YAML left unread that spells a number (`5e5`), as that number."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _coerce(value: Any, annotation, key: str, where: str) -> Any:
     """A YAML value as its field's type: YAML 1.1 reads `1e-8` as a string and
     `"false"` would be truthy, so every value is converted and checked by name."""
@@ -686,6 +696,8 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
             return None
         raise ValueError(f"{where}: {key}=None is not allowed ({kind} is)")
     if key in JSON_FIELDS and isinstance(value, dict):  # a YAML mapping: the flag's JSON
+        if key == "rope_scaling":  # YAML 1.1 reads `5e5` as a string: RoPE's are numbers
+            value = {k: _yaml_number(v) for k, v in value.items()}
         return json.dumps(value)
     try:
         if conv is _parse_bool:

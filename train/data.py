@@ -50,6 +50,7 @@ from train.chat import (
 from train.dataset import Rows, load_dataset, stream_summary
 from train.errors import signals_as_interrupts, stop_status, stopped_how
 from train.readers import (
+    SAVED_DATASET_FILES,
     file_format,
     is_pattern,
     is_token_cache,
@@ -347,8 +348,9 @@ TOKENIZER_FILES = (
 
 
 def text_files(path: str | Path) -> list[Path]:
-    """The files a tokenizer learns from for one argument: a file; a folder's or a glob
-    pattern's text files (:func:`text_files_of`), sorted. ValueError where there is none."""
+    """The files a tokenizer learns from for one argument: a text file; a folder's or a
+    glob pattern's text files (:func:`text_files_of`), sorted. ValueError where there is
+    none."""
     return text_files_of(path)[0]
 
 
@@ -356,12 +358,30 @@ def text_files(path: str | Path) -> list[Path]:
 TEXT_PROBE_BYTES = 8192
 
 
-def text_files_of(path: str | Path) -> tuple[list[Path], list[Path]]:
+def text_files_of(path: str | Path, out: str | Path | None = None) -> tuple[list[Path], list[Path]]:
     """``(text files, files left out)`` of one argument of :func:`train_tokenizer`: a
-    file is taken as named; a folder's files at any depth, or a pattern's, leave out
-    hidden ones, those in a token cache's folder, data files of a binary format
-    (``.npy``, ``.pkl``, ``.parquet``) and any other file with a NUL byte in its first
-    8 KiB (decompressed: ``.txt.gz`` is text). ValueError where no text file is left."""
+    text file; a folder's files at any depth, or a pattern's, leaving out hidden ones,
+    those under ``out`` (the tokenizer's own folder), those in a token cache's folder,
+    data files of a binary format (``.npy``, ``.pkl``, ``.parquet``) and any other
+    file with a NUL byte in its first 8 KiB (decompressed: ``.txt.gz`` is text).
+    ValueError where no text file is left, for a binary file named, and for a token
+    cache or a ``save_to_disk`` folder (no text files)."""
+    if Path(path).is_file():
+        if not _is_text(Path(path)):
+            raise ValueError(
+                f"{path}: not a text file (binary, or a {Path(path).suffix} data file); "
+                "a tokenizer learns from text and .jsonl records"
+            )
+        return [Path(path)], []
+    if Path(path).is_dir() and (
+        is_token_cache(path) or any((Path(path) / n).is_file() for n in SAVED_DATASET_FILES)
+    ):
+        what = "a token cache" if is_token_cache(path) else "a dataset saved with save_to_disk"
+        raise ValueError(
+            f"{path}: {what}, not a folder of text files; write its texts as .jsonl "
+            "records to learn a tokenizer from them"
+        )
+    own = os.path.realpath(out) if out is not None else None
     if is_pattern(path):
         named = [Path(p) for p in patterns.expand(str(path))]
         found = [p for p in named if p.is_file()]
@@ -376,12 +396,12 @@ def text_files_of(path: str | Path) -> tuple[list[Path], list[Path]]:
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             found += [Path(folder) / n for n in names if not n.startswith(".")]
         found = sorted(p for p in found if p.is_file())
-    elif Path(path).is_file():
-        return [Path(path)], []
     else:
         found = []
     if not found:
         raise ValueError(f"{path}: no such text file (nor a folder or pattern of them)")
+    if own is not None:  # an earlier tokenizer written there is not text to learn from
+        found = [f for f in found if not os.path.realpath(f).startswith(own + os.sep)]
     kept, left = [], []
     for file in found:
         (kept if _is_text(file) else left).append(file)
@@ -433,7 +453,7 @@ def train_tokenizer(
             f"--vocab-size={vocab_size} must be at least {257 + len(extra)} (256 bytes + EOS"
             + (f" + {len(extra)} special tokens)" if extra else ")")
         )
-    found = [text_files_of(given) for given in files]
+    found = [text_files_of(given, out) for given in files]
     files = [f for kept, _ in found for f in kept]
     left = [f for _, others in found for f in others]
     if left:

@@ -631,9 +631,19 @@ def build_cache(
     stamp = source_stamp(source) if source_exists(source) else None
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(cache_dir)
-    tmp = _aside(cache_dir, TEMPORARY)
-    tmp.mkdir()
-    lock = _hold(tmp)
+    # Made and locked under a name the next build's leftovers sweep leaves alone a
+    # while, then given its name: a build of another PID namespace never sees it
+    # unlocked.
+    new = _aside(cache_dir, STARTING)
+    new.mkdir()
+    lock = _hold(new)
+    tmp = new.with_name(new.name.replace(f".{STARTING}-", f".{TEMPORARY}-", 1))
+    try:
+        os.rename(new, tmp)
+    except BaseException:
+        os.close(lock)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
     try:
         parser = RecordParser(source, tokenizer, chat_template_kwargs, chat_turns, chat_template)
         where = example_where(source)
@@ -752,6 +762,8 @@ def _move_into_place(tmp: Path, cache_dir: Path) -> None:
 # from a build still running.
 TEMPORARY = "tmp"
 REPLACED = "old"
+STARTING = "new"  # a build's folder before it holds its lock (removed after a minute)
+STARTING_SECONDS = 60.0
 # A build holds an exclusive lock (flock) on this file in the folder it writes, from
 # its start until its cache is in place: a process id cannot tell a build in another
 # PID namespace (a container) on this host from a dead one, the lock can.
@@ -808,7 +820,12 @@ def remove_leftovers(cache_dir: str | Path) -> list[Path]:
     )
     for entry in entries:
         kind, _, owner = entry.name[len(cache_dir.name) + 2 :].partition("-")
-        if kind not in (TEMPORARY, REPLACED) or not entry.is_dir() or entry.is_symlink():
+        if kind not in (TEMPORARY, REPLACED, STARTING) or not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            if kind == STARTING and time.time() - entry.stat().st_mtime < STARTING_SECONDS:
+                continue  # its build may be about to lock it
+        except OSError:  # gone meanwhile
             continue
         host, pid, start, tag = (owner.split("@") + [""] * 4)[:4]
         if not (pid.isdigit() and len(tag) == 8):  # not named by this version

@@ -171,7 +171,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         )
     with jax.set_mesh(t.mesh):
         run_meta = _run_meta(t)  # what a checkpoint records and a resume checks
-        state, start_step = _initial_state(t, resume, continuing, run_meta)
+        state, start_step, eval_pending = _initial_state(t, resume, continuing, run_meta)
         t.state = None  # the loop owns (and donates) the state from here on
         step_fn = t.step_fn
         if start_step < t.total_steps:
@@ -211,8 +211,9 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
                 )
             try:
                 state, history = _run_from(
-                    t, cfg, state, start_step, step_fn, resume, continuing, run_meta, aside, exports
-                )
+                    t, cfg, state, start_step, step_fn, resume, continuing, run_meta, aside,
+                    exports, eval_pending,
+                )  # fmt: skip
             except BaseException as e:
                 line = outputs.settle(aside, out, good=False) if is_main else None
                 if line is not None:
@@ -265,11 +266,13 @@ def _run_from(
     run_meta: dict,
     aside,
     exports: bool,
+    eval_pending: bool = False,
 ):
     """`run` once the directory is claimed: settings, the loop, the export;
     `(final state, history)`. `cfg`: the run's settings as given (`t.cfg` has `auto`
     resolved). `aside`: where a previous run's outputs are kept (main process only; None
-    elsewhere). `exports`: whether the HF export is written at the end."""
+    elsewhere). `exports`: whether the HF export is written at the end. `eval_pending`:
+    the checkpoint resumed from was saved with its step's evaluation cut short."""
     out = cfg.run.output_dir
     is_main = jax.process_index() == 0
     if continuing and is_main:
@@ -293,7 +296,9 @@ def _run_from(
         )
     history = []
     if trains:
-        state, history = _train(t, state, start_step, step_fn, is_main, run_meta, aside)
+        state, history = _train(
+            t, state, start_step, step_fn, is_main, run_meta, aside, eval_pending
+        )
     if exports:
         hf_dir = outputs.hf_dir(out)
         if not trains and is_main:
@@ -594,11 +599,12 @@ def use_compilation_cache(folder: str) -> None:
         compilation_cache.reset_cache()
 
 
-def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int]:
-    """`(state, first step)`: the built state, or a checkpoint's (read, never written),
-    restored into `t.state`'s abstract form (`build(..., restoring=True)`)."""
+def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tuple[dict, int, bool]:
+    """`(state, first step, evaluation pending)`: the built state, or a checkpoint's
+    (read, never written), restored into `t.state`'s abstract form (`build(...,
+    restoring=True)`); whether a SIGTERM cut that step's evaluation short."""
     if resume is None:
-        return t.state, 0
+        return t.state, 0, False
     cfg = t.cfg
     if continuing:
         source = Checkpoints(cfg.run.output_dir, None, read_only=True)
@@ -663,7 +669,7 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
             "did the data, --model_max_length, the batch size or --dataloader_drop_last "
             f"change?{hint}"
         )
-    return state, start_step
+    return state, start_step, bool(meta.get(EVAL_PENDING))
 
 
 class _Preemption:
@@ -712,10 +718,25 @@ class _Preemption:
         return self.noted
 
 
-def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta: dict, aside):
+# A checkpoint's record of a step whose evaluation a SIGTERM cut short: its resume
+# evaluates first (the parameters are that step's).
+EVAL_PENDING = "eval_pending"
+
+
+def _train(
+    t: Trainer,
+    state,
+    start_step: int,
+    step_fn,
+    is_main: bool,
+    run_meta: dict,
+    aside,
+    eval_pending: bool = False,
+):
     """The loop from `start_step` to `t.total_steps`: `(final state, logged history)`.
     `aside`: a previous run's outputs (`outputs.set_aside`), deleted once this run has
-    a whole checkpoint."""
+    a whole checkpoint. `eval_pending`: evaluate before the first step (the step
+    resumed from had its evaluation cut short)."""
     cfg, out, total_steps = t.cfg, t.cfg.run.output_dir, t.total_steps
     # --save_strategy no: no checkpoints directory either.
     ckpt = Checkpoints(out, cfg.run.save_total_limit) if cfg.run.save_strategy != "no" else None
@@ -751,10 +772,15 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
     saved_any = False  # no checkpoint to look for before the first save is issued
     preemption = _Preemption(cfg)
     watch = contextlib.ExitStack()  # SIGTERM's handler while the loop runs
+    cut_short = False  # a SIGTERM left this step's evaluation unfinished
     try:
-        watch.enter_context(preemption.watching())
         if t.eval_rows is not None and cfg.run.eval_on_start and start_step == 0:
-            # The loss to beat; a resume's log holds it already.
+            # The loss to beat (a resume's log holds it already), before SIGTERM's
+            # handler of the loop: a SIGTERM during it stops the run as one before the
+            # first step does, and its restart evaluates again.
+            history.append(_evaluate(t, state["params"], start_step, writer, log, bar))
+        watch.enter_context(preemption.watching())
+        if t.eval_rows is not None and eval_pending:
             record = _evaluate(t, state["params"], start_step, writer, log, bar, preemption)
             history += [record] if record is not None else []
         for step in range(start_step, total_steps):
@@ -802,6 +828,7 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 began = time.perf_counter()
                 record = _evaluate(t, state["params"], done, writer, log, bar, preemption)
                 history += [record] if record is not None else []
+                cut_short = record is None
                 # Training speed: the window leaves an evaluation's (and a save's) time out.
                 timer.start += time.perf_counter() - began
             if not preempted and not preemption.sync and preemption.noted:
@@ -818,7 +845,8 @@ def _train(t: Trainer, state, start_step: int, step_fn, is_main: bool, run_meta:
                 # disk, and a second SIGTERM or Ctrl-C meanwhile is dropped (the run is
                 # stopping already).
                 with outputs.signals_held(reraise=not preempted):
-                    ckpt.save(done, state, {"step": done, "data": data_pos, "run": run_meta})
+                    meta = {"step": done, "data": data_pos, "run": run_meta}
+                    ckpt.save(done, state, meta | ({EVAL_PENDING: True} if cut_short else {}))
                     if preempted:
                         ckpt.wait()
                 saved_any = True

@@ -396,7 +396,21 @@ def data_files(path: str | Path) -> list[Path]:
 
 
 # The listings of folders and patterns made inside `one_listing` (None outside it).
-_listings: dict[str, tuple[list[Path], list[Path]]] | None = None
+class Listing(NamedTuple):
+    """What listing a folder or pattern found: the data files, in sorted order (each
+    real file once, those in a token cache's folder left out), the other files a
+    folder holds (of no known format), links to nothing that name a data file, the
+    folders a pattern matched, and the folders walked (:class:`train.patterns.Folder`)."""
+
+    files: list[Path]
+    others: list[Path]
+    broken: list[Path]
+    matched_folders: list[str]
+    folders: list[patterns.Folder]
+
+
+# The listings of folders and patterns made inside `one_listing` (None outside it).
+_listings: dict[str, Listing] | None = None
 
 
 @contextlib.contextmanager
@@ -413,65 +427,106 @@ def one_listing() -> Iterator[None]:
         _listings = outer
 
 
-def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
-    """``(data files, other files left out)`` of a folder or pattern (:func:`data_files`)."""
+def listing(path: str | Path) -> Listing:
+    """The :class:`Listing` of a folder or pattern (once within :func:`one_listing`).
+    ValueError for a folder that cannot be listed, or a pattern that cannot match."""
     if _listings is None:
         return _list(path)
     key = os.path.abspath(os.path.expanduser(str(path)))
     if key not in _listings:
         _listings[key] = _list(path)
-    files, others = _listings[key]
-    return list(files), list(others)
+    return _listings[key]
 
 
-def _list(path: str | Path) -> tuple[list[Path], list[Path]]:
-    """:func:`_scan`, listing the folder or pattern."""
+def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
+    """``(data files, other files left out)`` of a folder or pattern (:func:`data_files`);
+    ValueError where it names none, or a link to nothing."""
+    found = listing(path)
+    if found.broken:
+        file = found.broken[0]
+        raise ValueError(f"{file}: a link to nothing ({os.readlink(file)})")
+    if not found.files and is_pattern(path):
+        folders = found.matched_folders
+        hint = (
+            f" (it matches {plural(len(folders), 'folder')}, {folders[0]}: name a folder "
+            "itself, or its files with a pattern such as folder/*.jsonl)"
+            if folders
+            else ""
+        )
+        raise ValueError(f"{path}: no data file matches the pattern{hint}")
+    if not found.files:
+        raise ValueError(
+            f"{path}: a directory that is neither a token cache (no meta.json), a dataset "
+            f"saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES}), nor a "
+            f"folder of data files (none ending in {', '.join(_file_endings())})"
+        )
+    if is_pattern(path):
+        for file in found.files:
+            data_format(file)  # a known format, or its one-line error
+    return list(found.files), list(found.others)
+
+
+def _list(path: str | Path) -> Listing:
+    """:func:`listing`, walking the folder or pattern."""
     if is_pattern(path):
         pattern = os.path.expanduser(str(path))
-        matches = patterns.expand(pattern)
+        matches, walked = patterns.walk(pattern)
         below = Path(pattern_folder(pattern))
         files = [Path(p) for p in matches if os.path.isfile(p) and not _in_cache(Path(p), below)]
-        if not files:
-            folders = [p for p in matches if os.path.isdir(p)]
-            hint = (
-                f" (it matches {plural(len(folders), 'folder')}, {folders[0]}: name a folder "
-                "itself, or its files with a pattern such as folder/*.jsonl)"
-                if folders
-                else ""
-            )
-            raise ValueError(f"{path}: no data file matches the pattern{hint}")
-        for file in files:
-            data_format(file)  # a known format, or its one-line error
-        return _once(files), []
+        broken = [
+            Path(p)
+            for p in matches
+            if os.path.islink(p) and not os.path.exists(p) and file_format(Path(p))
+        ]
+        folders = [p for p in matches if os.path.isdir(p)]
+        return Listing(_once(files), [], broken, folders, walked)
     root = Path(path)
     if is_token_cache(root):
         raise ValueError(f"{path}: a token cache, not a folder of data files")
-    files, others, seen = [], [], set()
+    files, others, broken, walked = [], [], [], []
 
     def unlisted(error: OSError):
         raise ValueError(f"{error.filename}: cannot be listed ({error.strerror})")
 
+    seen = set()
     for folder, dirs, names in os.walk(root, onerror=unlisted, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen or (folder != str(root) and is_token_cache(folder)):
             dirs[:] = []  # a link back to a folder read already; a cache's index.npy
             continue
         seen.add(real)
+        walked.append(patterns.Folder(folder, real, frozenset()))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in names:
             if not name.startswith("."):
                 known = file_format(Path(name)) is not None
                 file = Path(folder) / name
                 if known and not file.exists():
-                    raise ValueError(f"{file}: a link to nothing ({os.readlink(file)})")
+                    broken.append(file)
+                    continue
                 (files if known else others).append(file)
-    if not files:
-        raise ValueError(
-            f"{path}: a directory that is neither a token cache (no meta.json), a dataset "
-            f"saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES}), nor a "
-            f"folder of data files (none ending in {', '.join(_file_endings())})"
-        )
-    return _once(sorted(files)), sorted(others)
+    return Listing(_once(sorted(files)), sorted(others), sorted(broken), [], walked)
+
+
+def would_read(path: str | Path, file: str | Path) -> bool:
+    """Whether the folder or pattern ``path`` would read ``file`` (one a run will write,
+    such as its log.jsonl) once it exists: a pattern that matches it through any folder
+    its walk entered; a folder whose walk enters the folder above it (links followed),
+    a data file's name, nothing hidden on the way."""
+    found = listing(path)
+    if is_pattern(path):
+        return patterns.would_match(str(path), file, found.folders)
+    if file_format(Path(file)) is None:
+        return False
+    above, below = os.path.abspath(os.path.expanduser(str(file))), []
+    while not os.path.isdir(above):
+        above, name = os.path.split(above)
+        below.insert(0, name)
+        if not name:
+            return False
+    if any(name.startswith(".") for name in below):
+        return False
+    return os.path.realpath(above) in {folder.real for folder in found.folders}
 
 
 def _once(files: list[Path]) -> list[Path]:
@@ -519,7 +574,10 @@ def source_files(path: str | Path) -> list[Path]:
 def source_exists(path: str | Path) -> bool:
     """Whether ``path`` is a file or folder, or a pattern that some file matches."""
     if is_pattern(path):
-        return any(os.path.isfile(p) for p in patterns.expand(str(path)))
+        try:
+            return bool(listing(path).files)
+        except ValueError:  # a pattern that cannot match: its error comes with reading
+            return True
     return os.path.exists(path)
 
 
