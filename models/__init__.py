@@ -34,13 +34,17 @@ Modules: ``config`` (dataclasses, HF config.json), ``presets``, ``rope``,
 """
 
 import importlib.util as _util
+import sys as _sys
 
 # The `train` extra's packages the models import (`import jflash` needs none of them).
 _missing = [name for name in ("flax", "ml_dtypes") if _util.find_spec(name) is None]
 if _missing:
-    raise ImportError(
+    _words = (
         f"jflash's models need {' and '.join(_missing)}, not installed: pip install 'jflash[train]'"
     )
+    if _sys.argv[:1] == ["-m"]:  # `python -m models.convert`: a command's one line
+        raise SystemExit(f"error: {_words}")
+    raise ImportError(_words)
 
 from models.attention import ATTENTION_KINDS, AttentionConfig
 from models.config import LlamaConfig, RopeConfig, from_hf_config, to_hf_config

@@ -1011,3 +1011,10 @@ def test_without_the_train_extra_the_library_imports_and_the_trainer_names_it():
         "ImportError: jflash's trainer needs flax, optax, pyyaml, not installed: "
         "pip install 'jflash[train]'"
     )
+    # As a command (`python -m train`, `jflash-train`, `python -m models.convert`): the
+    # line alone, no traceback.
+    for argv0, module in (("-m", "train"), ("/env/bin/jflash-train", "train"), ("-m", "models")):
+        done = attempt(f"sys.argv = [{argv0!r}]\nimport {module}")
+        assert done.returncode == 1
+        assert done.stderr.startswith("error: jflash's "), done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1

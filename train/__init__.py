@@ -2,6 +2,7 @@
 
 import importlib.util as _util
 import os as _os
+import sys as _sys
 
 
 def _check_models_package() -> None:
@@ -34,10 +35,15 @@ _TRAIN_EXTRA = {
 def _check_train_extra() -> None:
     missing = [dist for module, dist in _TRAIN_EXTRA.items() if _util.find_spec(module) is None]
     if missing:
-        raise ImportError(
+        words = (
             f"jflash's trainer needs {', '.join(missing)}, not installed: "
             "pip install 'jflash[train]'"
         )
+        # Started as a command (`python -m train`, `jflash-train`): its one line; imported
+        # by a program: the ImportError.
+        if _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] or "") == "jflash-train":
+            raise SystemExit(f"error: {words}")
+        raise ImportError(words)
 
 
 _check_train_extra()
