@@ -56,6 +56,7 @@ from train.readers import (
     is_token_cache,
     open_data,
     read_jsonl,
+    walk_folder,
 )
 from train.records import (
     MESSAGES,
@@ -386,16 +387,7 @@ def text_files_of(path: str | Path, out: str | Path | None = None) -> tuple[list
         named = [Path(p) for p in patterns.expand(str(path))]
         found = [p for p in named if p.is_file()]
     elif Path(path).is_dir():
-        found, seen = [], set()
-        for folder, dirs, names in os.walk(path, followlinks=True):
-            real = os.path.realpath(folder)
-            if real in seen:
-                dirs[:] = []
-                continue
-            seen.add(real)
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            found += [Path(folder) / n for n in names if not n.startswith(".")]
-        found = sorted(p for p in found if p.is_file())
+        found = sorted(p for p in walk_folder(path)[0] if p.is_file())
     else:
         found = []
     if not found:

@@ -94,14 +94,7 @@ def would_match(pattern: str, path: str | os.PathLike[str], folders: list[Folder
     nearest folder above ``path`` that exists, by its real path, and ``path``'s names
     below it."""
     compiled = _Compiled(pattern)
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    below: list[str] = []
-    above = path
-    while not os.path.isdir(above):
-        above, name = os.path.split(above)
-        below.insert(0, name)
-        if not name:
-            return False
+    above, below = existing_above(path)
     real = os.path.realpath(above)
     for folder in folders:
         if folder.real != real:
@@ -112,6 +105,16 @@ def would_match(pattern: str, path: str | os.PathLike[str], folders: list[Folder
         if states and compiled.accepts(states):
             return True
     return False
+
+
+def existing_above(path: str | os.PathLike[str]) -> tuple[str, list[str]]:
+    """``(the nearest folder at or above path that exists, the names below it to
+    path)``: where a file a run will write would be reached from."""
+    above, below = os.path.abspath(os.path.expanduser(os.fspath(path))), []
+    while not os.path.isdir(above):
+        above, name = os.path.split(above)
+        below.insert(0, name)
+    return above, below
 
 
 class _Compiled:

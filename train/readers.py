@@ -483,29 +483,44 @@ def _list(path: str | Path) -> Listing:
     root = Path(path)
     if is_token_cache(root):
         raise ValueError(f"{path}: a token cache, not a folder of data files")
-    files, others, broken, walked = [], [], [], []
+    files, others, broken = [], [], []
 
     def unlisted(error: OSError):
         raise ValueError(f"{error.filename}: cannot be listed ({error.strerror})")
 
-    seen = set()
-    for folder, dirs, names in os.walk(root, onerror=unlisted, followlinks=True):
+    # A token cache's folder under it is left out: its index.npy is no data.
+    names, walked = walk_folder(root, prune=is_token_cache, onerror=unlisted)
+    for file in names:
+        known = file_format(file) is not None
+        if known and not file.exists():
+            broken.append(file)
+        else:
+            (files if known else others).append(file)
+    return Listing(_once(sorted(files)), sorted(others), sorted(broken), [], walked)
+
+
+def walk_folder(
+    root: str | Path,
+    *,
+    prune: Callable[[str], bool] | None = None,
+    onerror: Callable[[OSError], None] | None = None,
+) -> tuple[list[Path], list[patterns.Folder]]:
+    """``(the files under root, the folders walked)``: every name at any depth that is
+    not a folder (links followed; a link to nothing too), hidden ones and those in
+    hidden folders left out, each real folder walked once (a link back up is no loop),
+    in sorted order; ``prune``: folders under ``root`` left out with all they hold;
+    ``onerror``: :func:`os.walk`'s, for a folder that cannot be listed."""
+    files, walked, seen = [], [], set()
+    for folder, dirs, names in os.walk(root, onerror=onerror, followlinks=True):
         real = os.path.realpath(folder)
-        if real in seen or (folder != str(root) and is_token_cache(folder)):
-            dirs[:] = []  # a link back to a folder read already; a cache's index.npy
+        if real in seen or (prune is not None and folder != str(root) and prune(folder)):
+            dirs[:] = []
             continue
         seen.add(real)
         walked.append(patterns.Folder(folder, real, frozenset()))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in names:
-            if not name.startswith("."):
-                known = file_format(Path(name)) is not None
-                file = Path(folder) / name
-                if known and not file.exists():
-                    broken.append(file)
-                    continue
-                (files if known else others).append(file)
-    return Listing(_once(sorted(files)), sorted(others), sorted(broken), [], walked)
+        files += [Path(folder) / n for n in sorted(names) if not n.startswith(".")]
+    return files, walked
 
 
 def would_read(path: str | Path, file: str | Path) -> bool:
@@ -518,12 +533,7 @@ def would_read(path: str | Path, file: str | Path) -> bool:
         return patterns.would_match(str(path), file, found.folders)
     if file_format(Path(file)) is None:
         return False
-    above, below = os.path.abspath(os.path.expanduser(str(file))), []
-    while not os.path.isdir(above):
-        above, name = os.path.split(above)
-        below.insert(0, name)
-        if not name:
-            return False
+    above, below = patterns.existing_above(file)
     if any(name.startswith(".") for name in below):
         return False
     return os.path.realpath(above) in {folder.real for folder in found.folders}
