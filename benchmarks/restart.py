@@ -21,8 +21,10 @@ saves the step it reached and exits.
 Each row: seconds from the process's start to its first step's progress line (imports,
 the model built or its checkpoint restored, the data, the step's compilation, one
 step), the whole process's wall time, the time from the SIGTERM to the process's end
-(the save of the step reached), and the steps' times from the run's log (one step per
-log record, its first step left out: median and slowest, where a periodic save's wait
+(the save of the step reached) and the trainer's own account of it (its `SIGTERM at
+step N` line: the wait for a save already in flight, the step's save, closing the
+checkpoints, which deletes the one dropped), and the steps' times from the run's log
+(one step per log record, its first step left out: median and slowest, where a periodic save's wait
 shows). Prints the table and writes JSON (`--out`).
 """
 
@@ -52,6 +54,10 @@ COLUMNS = [
     "to_first_step_s",
     "wall_s",
     "sigterm_to_exit_s",
+    "step_end_s",
+    "in_flight_save_s",
+    "save_s",
+    "close_s",
     "median_step_s",
     "slowest_step_s",
     "tokens_per_s",
@@ -66,6 +72,7 @@ def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> di
     it fails, saves nothing, or runs past `timeout` seconds (then killed)."""
     start = time.monotonic()
     first = stopped = None
+    stop = {}
     steps_seen = []
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -76,6 +83,7 @@ def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> di
     for line in proc.stdout:
         print(line, end="", flush=True)
         saved = saved or line.startswith("SIGTERM: saved a checkpoint")
+        stop = stop_times(line) or stop
         if match := STEP_LINE.match(line):
             steps_seen.append(int(match.group(1)))
             first = time.monotonic() - start if first is None else first
@@ -97,6 +105,7 @@ def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> di
         "sigterm_to_exit_s": wall - stopped,
         "wall_s": wall,
         "steps": (steps_seen[0], steps_seen[-1]),
+        **stop,
     }
 
 
@@ -114,6 +123,32 @@ def step_times(log: str, first: int, last: int) -> dict:
         "slowest_step_s": max(times),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
     }
+
+
+# The trainer's timing of a preemption's stop, the line before its last.
+STOP_LINE = re.compile(r"^SIGTERM at step \d+: .*\((.*)\)$")
+STOP_PARTS = {
+    "the save in flight": "in_flight_save_s",
+    "'s save": "save_s",
+    "closing": "close_s",
+    "the step's end": "step_end_s",
+}
+
+
+def stop_times(line: str) -> dict:
+    """The parts of the trainer's `SIGTERM at step N: ... (the step's end 0.9 s, the save
+    in flight 5.6 s, step N's save 6.5 s, closing 0.2 s)` line, in seconds; {} where
+    `line` is not one."""
+    match = STOP_LINE.match(line.strip())
+    if not match:
+        return {}
+    times = {}
+    for part in match.group(1).split(", "):
+        what, seconds = part.rsplit(" ", 2)[0], float(part.rsplit(" ", 2)[1])
+        key = next((k for words, k in STOP_PARTS.items() if what.endswith(words)), None)
+        if key is not None:
+            times[key] = seconds
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,10 +103,11 @@ def _sigterm_after(finish, step: int):
     return finish_then_sigterm
 
 
-def test_sigterm_in_the_loop_saves_the_step_in_flight(tmp_path, monkeypatch):
+def test_sigterm_in_the_loop_saves_the_step_in_flight(tmp_path, monkeypatch, capsys):
     """In process: a SIGTERM while step 3's metrics are fetched stops the loop after
     step 3, saved as a regular save is (its step and data position), complete on disk;
-    the handler from before the run is back."""
+    the handler from before the run is back. The stop is timed, from the signal to the
+    closed checkpoints, in one line whose parts add up."""
     finish = loop._finish
     finish_then_sigterm = _sigterm_after(finish, 3)
 
@@ -133,6 +134,17 @@ def test_sigterm_in_the_loop_saves_the_step_in_flight(tmp_path, monkeypatch):
     epoch, index = divmod(3, 24 // meta["run"]["rows_per_step"])  # 24 rows, a batch a step
     assert meta["step"] == 3 and meta["data"] == {"epoch": epoch, "index": index}
     assert meta["run"]["total_steps"] == STEPS
+
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("SIGTERM at")]
+    said = re.fullmatch(
+        r"SIGTERM at step 3: (\d+\.\d) s from the signal to a closed checkpoint \(the step's "
+        r"end (\d+\.\d) s, the save in flight (\d+\.\d) s, step 3's save (\d+\.\d) s, "
+        r"closing (\d+\.\d) s\)",
+        line,
+    )
+    assert said, line
+    total, *parts = map(float, said.groups())
+    assert parts[2] > 0 and sum(parts) == pytest.approx(total, abs=0.25)  # rounded each
 
 
 # Three runs of `python -m train`, two at once: about 15 s on two cores.

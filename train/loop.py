@@ -692,6 +692,7 @@ class _Preemption:
             "--save_strategy no" if cfg.run.save_strategy == "no" else "--save_on_preemption false"
         )
         self.noted = False  # this process's own handler saw a SIGTERM
+        self.at: float | None = None  # when (time.monotonic()); None: not seen here
 
     @contextlib.contextmanager
     def watching(self):
@@ -709,6 +710,8 @@ class _Preemption:
                 signal.signal(signal.SIGTERM, previous)
 
     def _note(self, signum, frame) -> None:
+        if not self.noted:
+            self.at = time.monotonic()
         self.noted = True
 
     def reached(self, done: int) -> bool:
@@ -771,6 +774,7 @@ def _train(
     finished = False
     saved_any = False  # no checkpoint to look for before the first save is issued
     preemption = _Preemption(cfg)
+    stop = None  # a preemption's save, timed (`_StopTimes`)
     watch = contextlib.ExitStack()  # SIGTERM's handler while the loop runs
     cut_short = False  # a SIGTERM left this step's evaluation unfinished
     try:
@@ -846,9 +850,14 @@ def _train(
                 # stopping already).
                 with outputs.signals_held(reraise=not preempted):
                     meta = {"step": done, "data": data_pos, "run": run_meta}
+                    if preempted:  # the stop's timing: the save in flight apart
+                        stop = _StopTimes(done, preemption.at)
+                        ckpt.wait()
+                        stop.lap("in_flight_save_s")
                     ckpt.save(done, state, meta | ({EVAL_PENDING: True} if cut_short else {}))
                     if preempted:
                         ckpt.wait()
+                        stop.lap("save_s")
                 saved_any = True
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
@@ -871,13 +880,54 @@ def _train(
                 jax.profiler.stop_trace()
             if ckpt is not None:
                 ckpt.close()
+            stopped = stop is not None and "save_s" in stop.times  # saved whole
+            if stopped:
+                stop.lap("close_s")
             if bar is not None:
                 bar.close()
             if writer is not None:
                 writer.close()
+            if stopped and is_main:
+                print(stop.line(), flush=True)
             if log is not None:
                 log.close()
     return state, history
+
+
+class _StopTimes:
+    """A preemption's stop, timed for whoever sizes the grace period a scheduler gives
+    between its SIGTERM and its kill: from the signal (where this process's own handler
+    saw it: `at`) to the end of the step in flight, the wait for a save already in
+    flight, this step's save, and closing the checkpoints (a dropped checkpoint's
+    deletion included), in one line (`line()`)."""
+
+    def __init__(self, step: int, at: float | None):
+        self.step, self.at = step, at
+        now = time.monotonic()
+        self.times = {} if at is None else {"signal_to_step_end_s": now - at}
+        self._last = now
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.times[name], self._last = now - self._last, now
+
+    def line(self) -> str:
+        t = self.times
+        parts = [
+            f"{what} {t[key]:.1f} s"
+            for key, what in (
+                ("signal_to_step_end_s", "the step's end"),
+                ("in_flight_save_s", "the save in flight"),
+                ("save_s", f"step {self.step}'s save"),
+                ("close_s", "closing"),
+            )
+            if key in t
+        ]
+        if self.at is None:
+            took = f"saved and closed in {sum(t.values()):.1f} s"
+        else:
+            took = f"{self._last - self.at:.1f} s from the signal to a closed checkpoint"
+        return f"SIGTERM at step {self.step}: {took} ({', '.join(parts)})"
 
 
 def _profile_steps(cfg: TrainConfig, start_step: int, total_steps: int, is_main: bool):
