@@ -126,28 +126,27 @@ def step_times(log: str, first: int, last: int) -> dict:
 
 
 # The trainer's timing of a preemption's stop, the line before its last.
-STOP_LINE = re.compile(r"^SIGTERM at step \d+: .*\((.*)\)$")
+STOP_LINE = re.compile(r"^SIGTERM at step \d+: saved [^(]*\((.*)\); closing took (\S+) s more$")
 STOP_PARTS = {
+    "the step's end": "step_end_s",
     "the save in flight": "in_flight_save_s",
     "'s save": "save_s",
-    "closing": "close_s",
-    "the step's end": "step_end_s",
 }
 
 
 def stop_times(line: str) -> dict:
-    """The parts of the trainer's `SIGTERM at step N: ... (the step's end 0.9 s, the save
-    in flight 5.6 s, step N's save 6.5 s, closing 0.2 s)` line, in seconds; {} where
-    `line` is not one."""
+    """The parts of the trainer's `SIGTERM at step N: saved 19.8 s after the signal (the
+    step's end 1.0 s, the save in flight 8.8 s, step N's save 10.0 s); closing took
+    3.6 s more` line, in seconds; {} where `line` is not one."""
     match = STOP_LINE.match(line.strip())
     if not match:
         return {}
-    times = {}
+    times = {"close_s": float(match.group(2))}
     for part in match.group(1).split(", "):
-        what, seconds = part.rsplit(" ", 2)[0], float(part.rsplit(" ", 2)[1])
+        what, seconds, _ = part.rsplit(" ", 2)
         key = next((k for words, k in STOP_PARTS.items() if what.endswith(words)), None)
         if key is not None:
-            times[key] = seconds
+            times[key] = float(seconds)
     return times
 
 

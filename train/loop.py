@@ -912,22 +912,24 @@ class _StopTimes:
         self.times[name], self._last = now - self._last, now
 
     def line(self) -> str:
+        """`SIGTERM at step N: saved 19.8 s after the signal (the step's end 1.0 s, the
+        save in flight 8.8 s, step N's save 10.0 s); closing took 3.6 s more`: the
+        checkpoint is whole on disk at "saved", so a kill while closing loses nothing."""
         t = self.times
-        parts = [
-            f"{what} {t[key]:.1f} s"
-            for key, what in (
-                ("signal_to_step_end_s", "the step's end"),
-                ("in_flight_save_s", "the save in flight"),
-                ("save_s", f"step {self.step}'s save"),
-                ("close_s", "closing"),
-            )
-            if key in t
-        ]
-        if self.at is None:
-            took = f"saved and closed in {sum(t.values()):.1f} s"
-        else:
-            took = f"{self._last - self.at:.1f} s from the signal to a closed checkpoint"
-        return f"SIGTERM at step {self.step}: {took} ({', '.join(parts)})"
+        names = {
+            "signal_to_step_end_s": "the step's end",
+            "in_flight_save_s": "the save in flight",
+            "save_s": f"step {self.step}'s save",
+        }
+        parts = ", ".join(f"{what} {t[key]:.1f} s" for key, what in names.items() if key in t)
+        saved = sum(t[key] for key in names if key in t)
+        took = (
+            f"saved in {saved:.1f} s"
+            if self.at is None
+            else f"saved {saved:.1f} s after the signal"
+        )
+        close = t["close_s"]
+        return f"SIGTERM at step {self.step}: {took} ({parts}); closing took {close:.1f} s more"
 
 
 def _profile_steps(cfg: TrainConfig, start_step: int, total_steps: int, is_main: bool):
