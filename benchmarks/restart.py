@@ -23,7 +23,8 @@ the model built or its checkpoint restored, the data, the step's compilation, on
 step), the whole process's wall time, the time from the SIGTERM to the process's end
 (the save of the step reached) and the trainer's own account of it (its `SIGTERM at
 step N` line: the wait for a save already in flight, the step's save, closing the
-checkpoints, which deletes the one dropped), and the steps' times from the run's log
+checkpoints, which deletes the one dropped; then from its last line to the process's
+end), and the steps' times from the run's log
 (one step per log record, its first step left out: median and slowest, where a periodic save's wait
 shows). Prints the table and writes JSON (`--out`).
 """
@@ -58,6 +59,7 @@ COLUMNS = [
     "in_flight_save_s",
     "save_s",
     "close_s",
+    "last_line_to_exit_s",
     "median_step_s",
     "slowest_step_s",
     "tokens_per_s",
@@ -71,7 +73,7 @@ def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> di
     its end, and to its end; its first and last steps. SystemExit naming the run where
     it fails, saves nothing, or runs past `timeout` seconds (then killed)."""
     start = time.monotonic()
-    first = stopped = None
+    first = stopped = last_line = None
     stop = {}
     steps_seen = []
     proc = subprocess.Popen(
@@ -82,7 +84,8 @@ def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> di
     saved = False
     for line in proc.stdout:
         print(line, end="", flush=True)
-        saved = saved or line.startswith("SIGTERM: saved a checkpoint")
+        if line.startswith("SIGTERM: saved a checkpoint"):  # the trainer's last line
+            saved, last_line = True, time.monotonic() - start
         stop = stop_times(line) or stop
         if match := STEP_LINE.match(line):
             steps_seen.append(int(match.group(1)))
@@ -104,6 +107,7 @@ def timed(cmd: list[str], env: dict[str, str], steps: int, timeout: float) -> di
         "to_first_step_s": first,
         "sigterm_to_exit_s": wall - stopped,
         "wall_s": wall,
+        "last_line_to_exit_s": wall - last_line,
         "steps": (steps_seen[0], steps_seen[-1]),
         **stop,
     }
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         first, last = row.pop("steps")
         log = os.path.join(out, "log.jsonl")
         row.update(step_times(log, first + 1, last))
+        print(f"--- {name}: " + ", ".join(f"{k} {row[k]:.3g}" for k in COLUMNS[1:] if k in row))
         row["command"] = " ".join(cmd)
         results.append(row)
     print(table(results, COLUMNS))
