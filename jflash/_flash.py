@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
@@ -229,7 +229,25 @@ def _per_device(call, q, k, v, segment_ids, shapes):
         )
     qkv_spec, ids_spec = P(batch, None, heads, None), P(batch, None)
 
+    # The devices of an eager call's mesh (a concrete array placed on it), if any.
+    devices = next(
+        (
+            x.sharding.mesh
+            for _, x in named
+            if isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and isinstance(getattr(x.sharding, "mesh", None), Mesh)
+            and names_mesh_axes(x)
+        ),
+        None,
+    )
+
     def placed(x, spec):
+        """`x` split as `spec` on the mesh: in an eager call, moved there (`jax.device_put`:
+        numpy ids, or k and v on one device, which `jax.reshard` refuses outside
+        `jax.set_mesh`); traced, resharded."""
+        if devices is not None and not isinstance(x, jax.core.Tracer):
+            return jax.device_put(x, NamedSharding(devices, spec))
         return jax.reshard(x, NamedSharding(mesh, spec))
 
     q, k, v = (placed(x, qkv_spec) for x in (q, k, v))

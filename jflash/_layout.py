@@ -57,8 +57,8 @@ def check_zigzag_len(seq_len: int, num_shards: int, local_len: int | None = None
         raise ValueError(f"{seq_len=} must be divisible by {2 * num_shards=} for the zigzag layout")
     raise ValueError(
         f"layout='zigzag' holds two equal chunks of the sequence per shard: the local "
-        f"length q.shape[1]={local_len} ({seq_len} tokens over {num_shards} shards) does "
-        f"not split into {2 * num_shards} chunks"
+        f"length q.shape[1]={local_len} ({seq_len} tokens over {num_shards} shards) is "
+        "odd; the whole sequence must be divisible by 2 * shards"
     )
 
 

@@ -843,6 +843,13 @@ def test_flash_attention_on_inputs_split_over_explicit_axes(segmented):
         ):
             with pytest.raises(ValueError, match=re.escape(error)):
                 attend(jax.reshard(q, q_spec), k, v, None)
+    # Eager, outside `jax.set_mesh` (as the README's first sharded example runs): q on
+    # the mesh, k and v on one device, the ids a numpy array; all moved to q's split.
+    placed = jax.device_put(q, NamedSharding(mesh, P("data", None, "tp")))
+    ids = None if segs is None else np.asarray(segs)
+    out, lse = attend(placed, k, v, ids)
+    assert_close((out, lse), expected[:2], jnp.float32, names=("out", "lse"))
+    assert out.sharding.spec[:3] == ("data", None, "tp")
 
 
 @pytest.mark.multi_device(8)
@@ -998,7 +1005,7 @@ def test_errors_name_the_problem():
         mapped(
             lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="sp", **call), q, k, v
         )
-    local = r"the local length q.shape\[1\]=7 \(14 tokens over 2 shards\) does not split into 4"
+    local = r"the local length q.shape\[1\]=7 \(14 tokens over 2 shards\) is odd"
     with pytest.raises(ValueError, match=local):
         mapped(
             lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="seq", **call),
