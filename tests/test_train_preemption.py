@@ -396,3 +396,35 @@ def test_a_sigterm_during_an_evaluation_does_not_hold_the_save(tmp_path, monkeyp
     steps = [(r["step"], "eval_loss" in r) for r in records]
     assert steps[:3] == [(1, False), (2, False), (2, True)], steps  # step 2's, then step 3
     assert steps[3] == (3, False)
+
+
+def test_a_sigterm_before_an_overwrite_runs_first_checkpoint_keeps_both_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGTERM to an `--overwrite_output_dir` run before its first checkpoint: the step
+    reached is saved (the job is to go on) and the run it replaces stays, byte for byte,
+    in previous_run/ (a mistaken overwrite stopped by a kill loses nothing), saying
+    both; the resume continues the new run and deletes previous_run/ once it has a
+    checkpoint of its own."""
+    out = tmp_path / "run"
+    loop.run(parse_args([*TINY, "--output_dir", str(out)]))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3))
+    again = [*TINY, "--output_dir", str(out), "--learning_rate", "1e-3"]
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*again, "--overwrite_output_dir", "true"]))
+    assert (stopped.value.step, stopped.value.saved) == (3, True)
+    aside = out / outputs.PREVIOUS_RUN
+    kept = {
+        p.relative_to(aside): p.read_bytes()
+        for p in aside.rglob("*")
+        if p.is_file() and p.name != outputs.MOVES
+    }
+    assert kept == before
+    assert outputs.saved_steps(out) == [3]
+    said = capsys.readouterr().err
+    assert f"the run this one replaces is kept in {aside} beside this run's checkpoint 3" in said
+    monkeypatch.undo()
+    loop.run(parse_args([*again, "--resume_from_checkpoint", "latest"]))
+    assert not aside.exists() and outputs.saved_steps(out) == [3, STEPS]
+    assert "deleted the run it replaces" in capsys.readouterr().out

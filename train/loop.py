@@ -215,7 +215,13 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
                     exports, eval_pending,
                 )  # fmt: skip
             except BaseException as e:
-                line = outputs.settle(aside, out, good=False) if is_main else None
+                if is_main and _preempted_first_save(e, aside, out):
+                    # The job is to go on from the step it reached, and the run it
+                    # replaces may be wanted back (a mistaken overwrite stopped by a
+                    # kill): both are kept.
+                    line = outputs.kept_aside(aside, e.step)
+                else:
+                    line = outputs.settle(aside, out, good=False) if is_main else None
                 if line is not None:
                     e.add_note(line)
                     print(line, file=sys.stderr, flush=True)
@@ -232,6 +238,18 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         "mesh": t.sizes,
         "config": t.config,
     }
+
+
+def _preempted_first_save(error: BaseException, aside: str | None, out: str) -> bool:
+    """Whether `error` is a preemption whose save is the only whole checkpoint of a run
+    that set a previous run aside (`aside` still holds it)."""
+    return (
+        isinstance(error, Preempted)
+        and error.saved
+        and aside is not None
+        and os.path.isdir(aside)
+        and outputs.saved_steps(out) == [error.step]
+    )
 
 
 def _claim_under_lock(held: contextlib.ExitStack, out: str, claim, is_main: bool) -> None:

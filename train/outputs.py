@@ -445,6 +445,18 @@ def settle(aside: str | None, out: str, *, good: bool) -> str | None:
     return f"{PUT_BACK} {out}"
 
 
+def kept_aside(aside: str, step: int) -> str:
+    """The line of a run preempted before its first checkpoint but the preemption's own
+    (`step`): the previous run stays in `aside` beside it, for either to go on."""
+    return (
+        f"--overwrite_output_dir: the run this one replaces is kept in {aside} beside "
+        f"this run's checkpoint {step}: --resume_from_checkpoint latest continues this "
+        f"run (and deletes {PREVIOUS_RUN}/ once it has another checkpoint); to go back "
+        f"to the previous run, delete this run's outputs and move {PREVIOUS_RUN}/'s "
+        "contents back"
+    )
+
+
 # The settings that name files or directories, written as absolute paths so that
 # `--config` runs the same job from any directory (a preset name, `sample`, stays).
 PATH_SETTINGS = (
