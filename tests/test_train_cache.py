@@ -899,6 +899,34 @@ def test_cli_tokenizer_out_that_is_a_file_is_one_line(bpe, tmp_path, capsys):
         assert len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        ('{"txt": "hello"}', "expected key 'text' or 'messages', or keys 'prompt' and"),
+        ('{"text": 5}', "'text' must be a string, got int"),
+        ('{"input_ids": [1, 2]}', "token ids, no text to learn a tokenizer from"),
+        ("[1, 2]", "token ids, no text to learn a tokenizer from"),
+        ('{"prompt": "a"}', "has 'prompt' or 'completion' but not 'completion'"),
+        ('{"prompt": "a", "completion": null}', "'completion' must be a string, got NoneType"),
+        ('{"messages": "hi"}', "'messages' must be a list, got str"),
+    ],
+)
+def test_cli_tokenizer_names_a_record_it_cannot_learn_from(tmp_path, capsys, record, why):
+    """A record the trainer would not read as text stops the tokenizer in one line naming
+    its file and line, not skipped unsaid; a new --out is not left behind empty."""
+    pytest.importorskip("tokenizers")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello world"}\n' + record + "\n")
+    out = tmp_path / "tok"
+    with pytest.raises(SystemExit) as stopped:
+        data_lib.main(["tokenizer", str(data), "--out", str(out), "--vocab-size", "300"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {data}: line 2: {why}"), err
+    assert len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("as_file", [False, True])
 def test_tokenizer_name_or_path_tokenizes_text_with_its_eos(bpe, tmp_path, as_file):
     texts = ["Packed rows of text.", "Labels never cross documents."]

@@ -467,9 +467,8 @@ def train_tokenizer(
     def texts() -> Iterator[str]:
         for f in files:
             if file_format(Path(f)) == ".jsonl":  # compressed too
-                for _, record in read_jsonl(Path(f)):
-                    if isinstance(record, dict):
-                        yield from _record_texts(record)
+                for i, record in read_jsonl(Path(f)):
+                    yield from _record_texts(record, f"{f}: line {i}")
             else:  # text, decompressed where its name says (`.txt.gz`)
                 with open_data(Path(f)) as text:
                     yield text.read().decode("utf-8", errors="replace")
@@ -477,6 +476,7 @@ def train_tokenizer(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={str(out)!r} is a file, not a directory")
+    made = not out.exists()  # removed again where the training fails
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file above it, no permission
@@ -490,7 +490,12 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts(), trainer)
+    try:
+        tokenizer.train_from_iterator(texts(), trainer)
+    except BaseException:
+        if made and not any(out.iterdir()):
+            out.rmdir()
+        raise
     tokenizer.save(str(out / "tokenizer.json"))
     special = {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
@@ -503,20 +508,37 @@ def train_tokenizer(
     return out / "tokenizer.json"
 
 
-def _record_texts(record: dict) -> Iterator[str]:
+def _record_texts(record: Any, where: str) -> Iterator[str]:
     """The strings a tokenizer learns from a record: its ``"text"``, else its messages'
     contents (a str, or the texts of a list of parts) where it is read by them, else its
-    ``"prompt"`` and ``"completion"``."""
-    if "text" in record:
-        values = [record["text"]]
-    elif record_kind(record) == MESSAGES and isinstance(record[MESSAGES], list):
-        values = _contents(record[MESSAGES])
-    else:  # a prompt and completion: strs, or lists of messages (TRL's conversational form)
-        values = []
-        for key in PROMPT_COMPLETION:
-            value = record.get(key)
-            values += _contents(value) if isinstance(value, list) else [value]
-    yield from (v for v in values if isinstance(v, str))
+    ``"prompt"`` and ``"completion"``. ValueError naming `where` (``file: line N``) for a
+    record the trainer would not read as text: token ids, no text key, a ``"text"``,
+    ``"prompt"`` or ``"completion"`` that is not a str (or, for the last two, a list of
+    messages), as the trainer refuses them, so no record is skipped unsaid."""
+    kind = record_kind(record) if isinstance(record, dict) else "input_ids"
+    if kind == "input_ids":
+        raise ValueError(f"{where}: token ids, no text to learn a tokenizer from")
+    if kind is None:
+        raise ValueError(
+            f"{where}: expected key 'text' or 'messages', or keys 'prompt' and "
+            f"'completion', got {sorted(record)}"
+        )
+    if kind == MESSAGES:
+        messages = record[MESSAGES]
+        if not isinstance(messages, list):
+            raise ValueError(f"{where}: 'messages' must be a list, got {type(messages).__name__}")
+        yield from (v for v in _contents(messages) if isinstance(v, str))
+        return
+    for key in ["text"] if kind == "text" else PROMPT_COMPLETION:
+        if key not in record:
+            raise ValueError(f"{where}: has 'prompt' or 'completion' but not {key!r}")
+        value = record[key]
+        if kind != "text" and isinstance(value, list):  # messages: TRL's conversational form
+            yield from (v for v in _contents(value) if isinstance(v, str))
+        elif isinstance(value, str):
+            yield value
+        else:
+            raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
 
 
 def _contents(messages: list) -> list:
