@@ -90,14 +90,14 @@ def _terminate_after_step(proc: subprocess.Popen, out, step: int = 3) -> tuple[s
     return proc.communicate(timeout=120)
 
 
-def _sigterm_after(finish, step: int):
-    """`loop._finish` that sends this process SIGTERM once step `step`'s record is made
-    (in process: while the step's metrics are fetched)."""
+def _sigterm_after(finish, step: int, signum: int = signal.SIGTERM):
+    """`loop._finish` that sends this process SIGTERM (or `signum`) once step `step`'s
+    record is made (in process: while the step's metrics are fetched)."""
 
     def finish_then_sigterm(pending, *args):
         record = finish(pending, *args)
         if record["step"] == step:
-            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signum)
         return record
 
     return finish_then_sigterm
@@ -428,3 +428,82 @@ def test_a_sigterm_before_an_overwrite_runs_first_checkpoint_keeps_both_runs(
     loop.run(parse_args([*again, "--resume_from_checkpoint", "latest"]))
     assert not aside.exists() and outputs.saved_steps(out) == [3, STEPS]
     assert "deleted the run it replaces" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["in process", "python -m train"])
+def test_sighup_saves_the_step_reached_as_sigterm_does(tmp_path, monkeypatch, how):
+    """SIGHUP (a terminal closed, an ssh session dropped) while the run trains: the step
+    reached is saved as on SIGTERM, and the run ends with SIGHUP's status, 129, and a
+    line naming it; under `nohup` (SIGHUP ignored) the run goes on."""
+    out = tmp_path / "run"
+    if how == "in process":
+        monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3, signal.SIGHUP))
+        with pytest.raises(Preempted) as stopped:
+            loop.run(parse_args([*TINY, "--output_dir", str(out)]))
+        assert (stopped.value.step, stopped.value.saved) == (3, True)
+        assert stopped.value.line().startswith("SIGHUP: saved a checkpoint at step 3 in ")
+        assert outputs.saved_steps(out) == [3]
+        return
+    proc = _train(out, slow=True)
+    log, deadline = out / "log.jsonl", time.monotonic() + 120
+    while not (log.exists() and 3 in _losses(out)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGHUP)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 129, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    (step,) = re.findall(r"SIGHUP: saved a checkpoint at step (\d+) in ", stderr)
+    assert outputs.saved_steps(out) == [int(step)] and max(_losses(out)) == int(step)
+
+    ignored = tmp_path / "nohup"
+    nohup = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys, runpy; signal.signal(signal.SIGHUP, "
+         "signal.SIG_IGN); sys.argv = ['train', *sys.argv[1:]]; "
+         "runpy.run_module('train', run_name='__main__')",
+         *TINY, "--output_dir", str(ignored)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    while not ((ignored / "log.jsonl").exists() and 1 in _losses(ignored)):
+        assert nohup.poll() is None and time.monotonic() < deadline + 120
+        time.sleep(0.02)
+    nohup.send_signal(signal.SIGHUP)
+    _, stderr = nohup.communicate(timeout=120)
+    assert nohup.returncode == 0, stderr[-3000:]
+    assert max(_losses(ignored)) == STEPS
+
+
+def test_a_closed_terminal_saves_the_step_reached(tmp_path):
+    """The run's terminal hangs up (its ssh session dropped): the kernel sends SIGHUP and
+    writes to the terminal fail from then on; the step reached is still saved, and the
+    run ends with SIGHUP's status."""
+    import pty
+    import select
+
+    out = tmp_path / "run"
+    master, terminal = pty.openpty()
+    # A session of its own whose controlling terminal is the pty (as a login shell's job).
+    take = "import fcntl, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    proc = subprocess.Popen(
+        [sys.executable, "-c", take + SLOW_STEPS, *TINY, "--output_dir", str(out)],
+        env=_env(),
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,
+    )
+    os.close(terminal)
+    deadline = time.monotonic() + 120
+    try:
+        while not ((out / "log.jsonl").exists() and 3 in _losses(out)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step 3"
+            if select.select([master], [], [], 0.05)[0]:
+                try:
+                    os.read(master, 65536)  # the terminal shows what the run writes
+                except OSError:
+                    break
+    finally:
+        os.close(master)  # hang up
+    assert proc.wait(timeout=120) == 129
+    steps = outputs.saved_steps(out)
+    assert len(steps) == 1 and 3 <= steps[0] < STEPS and max(_losses(out)) == steps[0]

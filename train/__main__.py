@@ -9,7 +9,7 @@ import threading
 
 from train import outputs
 from train.config import parse_args
-from train.errors import Preempted, Terminated, raise_terminated, signal_status
+from train.errors import STOP_SIGNALS, Preempted, Terminated, raise_terminated, signal_status
 from train.loop import TrainingError, run
 from train.words import plural
 
@@ -91,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     # last checkpoint (while the loop trains, it saves the step reached first:
     # `train.loop._Preemption`). Signal handlers belong to the main thread only.
     own = threading.current_thread() is threading.main_thread()
-    # SIGTERM outside the training loop, or inside it with `--save_on_preemption false`
-    # or `--save_strategy no`: handled as Ctrl-C is (`Terminated`).
-    previous = signal.signal(signal.SIGTERM, raise_terminated) if own else None
+    # SIGTERM (and SIGHUP, a terminal closed, unless ignored: `nohup`) outside the
+    # training loop, or inside it with `--save_on_preemption false` or `--save_strategy
+    # no`: handled as Ctrl-C is (`Terminated`).
+    previous = {}
+    for sig in STOP_SIGNALS if own else ():
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, raise_terminated)
     try:
         cfg = parse_args(argv)
         summary = run(cfg)
@@ -108,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
         # now: XLA's threads may still hold the interrupted step, and tearing down the
         # interpreter around them aborts the process.
-        terminated = isinstance(interrupt, (Terminated, Preempted))
-        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        stop = interrupt.signum if isinstance(interrupt, (Terminated, Preempted)) else None
+        how = STOP_SIGNALS[stop] if stop is not None else "interrupted"
         notes = _notes(e)
         put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
         not_started = outputs.NOT_STARTED in notes
@@ -118,15 +122,19 @@ def main(argv: list[str] | None = None) -> int:
             line = interrupt.line(last=last)
         else:
             line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
-        print(line, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        try:
+            print(line, file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # a terminal closed (SIGHUP): no one to tell
+            pass
         if isinstance(interrupt, Preempted):
             _leave_together()
-        os._exit(signal_status(signal.SIGTERM if terminated else signal.SIGINT))
+        os._exit(signal_status(signal.SIGINT if stop is None else stop))
     finally:
-        if own and previous is not None:  # None: a handler set outside Python
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler set outside Python
+                signal.signal(sig, handler)
     if summary["losses"]:
         print(_done_line(cfg, summary))
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -141,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Preempted as e:  # SIGTERM: the step reached is saved (--save_on_preemption)
+    except Preempted as e:  # SIGTERM or SIGHUP: the step reached is saved
         resume = "python -m train.demo --keep --resume_from_checkpoint latest"
         print(e.line(resume), file=sys.stderr)
-        return signal_status(signal.SIGTERM)
+        return signal_status(e.signum)
     losses = summary["losses"]
     if not losses:  # a resume of a finished run trains nothing (the run said so)
         return 0

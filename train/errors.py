@@ -17,15 +17,18 @@ def signal_status(signum: int) -> int:
 
 
 class Preempted(KeyboardInterrupt):
-    """SIGTERM stopped the training loop after its step `step`: `saved` says whether a
-    checkpoint of that step is complete on disk in `directory` (the `checkpoints`
-    directory); where not, `why` names the flag that said not to save. A
-    KeyboardInterrupt, as Ctrl-C is: `finally` blocks run and `except Exception` passes
+    """SIGTERM (or SIGHUP: `signum`) stopped the training loop after its step `step`:
+    `saved` says whether a checkpoint of that step is complete on disk in `directory`
+    (the `checkpoints` directory); where not, `why` names the flag that said not to save.
+    A KeyboardInterrupt, as Ctrl-C is: `finally` blocks run and `except Exception` passes
     it on."""
 
-    def __init__(self, step: int, directory: str, saved: bool, why: str = ""):
+    def __init__(
+        self, step: int, directory: str, saved: bool, why: str = "", signum: int = signal.SIGTERM
+    ):
         super().__init__(step)
         self.step, self.directory, self.saved, self.why = step, directory, saved, why
+        self.signum = signum
 
     def line(self, resume: str = "--resume_from_checkpoint latest", last: str = "") -> str:
         """The one line a run stopped so ends with (`resume`: how to continue it). `last`:
@@ -33,10 +36,10 @@ class Preempted(KeyboardInterrupt):
         written to ...`), said after a colon."""
         if self.saved:
             return (
-                f"SIGTERM: saved a checkpoint at step {self.step} in {self.directory}; "
-                f"resume with {resume}"
+                f"{signal.Signals(self.signum).name}: saved a checkpoint at step {self.step} "
+                f"in {self.directory}; resume with {resume}"
             )
-        line = f"terminated (SIGTERM) after step {self.step}, nothing saved ({self.why})"
+        line = f"{STOP_SIGNALS[self.signum]} after step {self.step}, nothing saved ({self.why})"
         return f"{line}: {last}" if last else line
 
 

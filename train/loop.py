@@ -35,7 +35,7 @@ from train.checkpoint import (
     resumes,
 )
 from train.config import STEP_COUNTS, TrainConfig
-from train.errors import Preempted, TrainingError
+from train.errors import STOP_SIGNALS, Preempted, TrainingError
 from train.hosts import check_shared, initialize_distributed, same_on_every_process
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
@@ -709,27 +709,30 @@ class _Preemption:
         self.why = (
             "--save_strategy no" if cfg.run.save_strategy == "no" else "--save_on_preemption false"
         )
-        self.noted = False  # this process's own handler saw a SIGTERM
+        self.noted = False  # this process's own handler saw a SIGTERM (or SIGHUP)
         self.at: float | None = None  # when (time.monotonic()); None: not seen here
+        self.signum = signal.SIGTERM  # which
 
     @contextlib.contextmanager
     def watching(self):
-        own = (
-            not self.sync
-            and self.save
-            and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, None)
-        )
-        previous = signal.signal(signal.SIGTERM, self._note) if own else None
+        """SIGTERM, and SIGHUP (a terminal closed) unless ignored (`nohup`), noted while
+        the loop runs, in one process without jax's preemption service."""
+        own = not self.sync and self.save and threading.current_thread() is threading.main_thread()
+        signums = [
+            s for s in STOP_SIGNALS if own and signal.getsignal(s) not in (signal.SIG_IGN, None)
+        ]
+        previous = {s: signal.signal(s, self._note) for s in signums}
         try:
             yield
         finally:
-            if own:
-                signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
     def _note(self, signum, frame) -> None:
         if not self.noted:
-            self.at = time.monotonic()
+            self.at, self.signum = time.monotonic(), signum
+            if signum == signal.SIGHUP:
+                _leave_the_terminal()
         self.noted = True
 
     def reached(self, done: int) -> bool:
@@ -737,6 +740,22 @@ class _Preemption:
         if self.sync:
             return bool(multihost_utils.reached_preemption_sync_point(done))
         return self.noted
+
+
+def _leave_the_terminal() -> None:
+    """After SIGHUP (the terminal closed): a write to it fails (EIO), which would stop
+    the run before its save, so stdout and stderr where they are a terminal go to
+    /dev/null from here on (log.jsonl and TensorBoard keep the metrics)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if os.isatty(fd):
+                    os.dup2(null, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(null)
 
 
 # A checkpoint's record of a step whose evaluation a SIGTERM cut short: its resume
@@ -882,7 +901,9 @@ def _train(
                 timer.start += time.perf_counter() - began
             if preempted:
                 saved = save or preemption.save
-                raise Preempted(done, os.path.join(out, "checkpoints"), saved, preemption.why)
+                raise Preempted(
+                    done, os.path.join(out, "checkpoints"), saved, preemption.why, preemption.signum
+                )
             # Saves are asynchronous: the first whole checkpoint shows up steps later.
             if aside is not None and saved_any and outputs.saved_steps(out):
                 line = outputs.settle(aside, out, good=True)
@@ -906,7 +927,7 @@ def _train(
             if writer is not None:
                 writer.close()
             if stopped and is_main:
-                print(stop.line(), flush=True)
+                print(stop.line(signal.Signals(preemption.signum).name), flush=True)
             if log is not None:
                 log.close()
     return state, history
@@ -929,7 +950,7 @@ class _StopTimes:
         now = time.monotonic()
         self.times[name], self._last = now - self._last, now
 
-    def line(self) -> str:
+    def line(self, name: str = "SIGTERM") -> str:
         """`SIGTERM at step N: saved 19.8 s after the signal (the step's end 1.0 s, the
         save in flight 8.8 s, step N's save 10.0 s); closing took 3.6 s more`: the
         checkpoint is whole on disk at "saved", so a kill while closing loses nothing."""
@@ -947,7 +968,7 @@ class _StopTimes:
             else f"saved {saved:.1f} s after the signal"
         )
         close = t["close_s"]
-        return f"SIGTERM at step {self.step}: {took} ({parts}); closing took {close:.1f} s more"
+        return f"{name} at step {self.step}: {took} ({parts}); closing took {close:.1f} s more"
 
 
 def _profile_steps(cfg: TrainConfig, start_step: int, total_steps: int, is_main: bool):
@@ -1004,7 +1025,8 @@ def _evaluate(
             if stopping and preemption.noted:
                 jax.block_until_ready(list(pending))
                 if jax.process_index() == 0:
-                    line = f"SIGTERM during the evaluation at step {done}: left unfinished"
+                    name = signal.Signals(preemption.signum).name
+                    line = f"{name} during the evaluation at step {done}: left unfinished"
                     bar.write(line) if bar is not None else print(line, flush=True)
                 return None
             pending.append(t.eval_fn(params, batch))

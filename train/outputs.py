@@ -210,7 +210,7 @@ def preemption_service() -> bool:
 
 @contextlib.contextmanager
 def signals_held(reraise: bool = True, signals: tuple | None = None):
-    """Ctrl-C and SIGTERM (or `signals`) wait until the block is done (then raised, with
+    """Ctrl-C, SIGTERM and SIGHUP (or `signals`) wait until the block is done (then raised, with
     `reraise`; a block that runs while the run is already stopping drops them), so that
     moving, deleting or saving a run's outputs is never cut off halfway. Only in the
     main thread, where Python runs signal handlers; a signal ignored stays so. SIGTERM
@@ -220,7 +220,9 @@ def signals_held(reraise: bool = True, signals: tuple | None = None):
         yield
         return
     if signals is None:
-        signals = (signal.SIGINT,) if preemption_service() else (signal.SIGINT, signal.SIGTERM)
+        signals = (signal.SIGINT, signal.SIGHUP) + (
+            () if preemption_service() else (signal.SIGTERM,)
+        )
     got = []
     held = {}
     for sig in signals:
