@@ -130,7 +130,7 @@ def step_times(log: str, first: int, last: int) -> dict:
 
 
 # The trainer's timing of a preemption's stop, the line before its last.
-STOP_LINE = re.compile(r"^SIGTERM at step \d+: saved [^(]*\((.*)\); closing took (\S+) s more$")
+STOP_LINE = re.compile(r"^SIGTERM at step \d+: saved [^(]*\((.*)\); closing took (\S+) s more\b")
 STOP_PARTS = {
     "the step's end": "step_end_s",
     "the save in flight": "in_flight_save_s",

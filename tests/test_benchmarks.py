@@ -1624,8 +1624,9 @@ def test_restart_benchmark_resumes_each_run_from_the_last_ones_sigterm(tmp_path,
         assert row["median_step_s"] <= row["slowest_step_s"]
         assert f"| {row['run']} |" in text
         # The trainer's own account of its stop (0.1 s each), inside the SIGTERM-to-exit time.
-        parts = [row[k] for k in ("in_flight_save_s", "save_s", "close_s")]
+        # (No save in flight where the stop kept the one being written.)
+        parts = [row.get(k, 0.0) for k in ("step_end_s", "in_flight_save_s", "save_s", "close_s")]
         assert min(parts) >= 0 and row["save_s"] > 0
-        assert row["step_end_s"] + sum(parts) <= row["sigterm_to_exit_s"] + 0.2  # rounded
+        assert sum(parts) <= row["sigterm_to_exit_s"] + 0.2  # each rounded to 0.1 s
     assert "--compilation_cache_dir" not in rows[1]["command"]
     assert "--resume_from_checkpoint latest" in rows[2]["command"]

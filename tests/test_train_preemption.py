@@ -507,3 +507,31 @@ def test_a_closed_terminal_saves_the_step_reached(tmp_path):
     assert proc.wait(timeout=120) == 129
     steps = outputs.saved_steps(out)
     assert len(steps) == 1 and 3 <= steps[0] < STEPS and max(_losses(out)) == steps[0]
+
+
+def test_a_sigterm_while_a_save_is_written_keeps_that_save(tmp_path, monkeypatch, capsys):
+    """SIGTERM while a periodic save is still being written (step 2's, at step 3): the
+    run waits for it and stops there instead of writing step 3 after it, saying so; the
+    resume trains step 3 again and reaches an uninterrupted run's losses."""
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    every = ["--save_steps", "2"]
+    loop.run(parse_args([*TINY, *every, "--output_dir", str(whole)]))
+    monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3))
+    monkeypatch.setattr(loop.Checkpoints, "saving", lambda self: True)  # still writing
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*TINY, *every, "--output_dir", str(out)]))
+    assert (stopped.value.step, stopped.value.saved) == (2, True)
+    assert outputs.saved_steps(out) == [2]
+    said = capsys.readouterr().out
+    assert re.search(
+        r"^SIGTERM at step 3: saved \d+\.\d s after the signal \(the step's end \d+\.\d s, "
+        r"step 2's save \d+\.\d s\); closing took \d+\.\d s more; step 2's save, still being "
+        r"written when the signal came, is the one kept",
+        said,
+        re.M,
+    ), said
+    monkeypatch.undo()
+    loop.run(
+        parse_args([*TINY, *every, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    )
+    assert _losses(out) == _losses(whole)

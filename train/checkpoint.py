@@ -145,6 +145,10 @@ class Checkpoints:
                 f"{self.latest_step()})"
             )
 
+    def saving(self) -> bool:
+        """Whether a save is still being written (asynchronously)."""
+        return self._manager.is_saving_in_progress()
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 

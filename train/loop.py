@@ -810,6 +810,7 @@ def _train(
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
     finished = False
     saved_any = False  # no checkpoint to look for before the first save is issued
+    last_saved = None  # the step of the last save issued
     preemption = _Preemption(cfg)
     stop = None  # a preemption's save, timed (`_StopTimes`)
     watch = contextlib.ExitStack()  # SIGTERM's handler while the loop runs
@@ -878,6 +879,22 @@ def _train(
                 if pending is not None:
                     history.append(_finish(pending, *finish_args))
                     pending = None
+            if preempted and not save and preemption.save and not preemption.sync:
+                # A save still being written when the signal came is the one kept: the
+                # run waits for it and stops there rather than write another after it
+                # (in one process: several would each see their own save's progress).
+                if last_saved is not None and ckpt.saving():
+                    with outputs.signals_held(reraise=False):
+                        stop = _StopTimes(done, preemption.at, kept=last_saved)
+                        ckpt.wait()
+                        stop.lap("save_s")
+                    raise Preempted(
+                        last_saved,
+                        os.path.join(out, "checkpoints"),
+                        True,
+                        preemption.why,
+                        preemption.signum,
+                    )
             if save or (preempted and preemption.save):
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
@@ -892,6 +909,7 @@ def _train(
                         ckpt.wait()
                         stop.lap("in_flight_save_s")
                     ckpt.save(done, state, meta | ({EVAL_PENDING: True} if cut_short else {}))
+                    last_saved = done
                     if preempted:
                         ckpt.wait()
                         stop.lap("save_s")
@@ -940,8 +958,8 @@ class _StopTimes:
     flight, this step's save, and closing the checkpoints (a dropped checkpoint's
     deletion included), in one line (`line()`)."""
 
-    def __init__(self, step: int, at: float | None):
-        self.step, self.at = step, at
+    def __init__(self, step: int, at: float | None, kept: int | None = None):
+        self.step, self.at, self.kept = step, at, kept  # kept: a save in flight, kept
         now = time.monotonic()
         self.times = {} if at is None else {"signal_to_step_end_s": now - at}
         self._last = now
@@ -958,7 +976,7 @@ class _StopTimes:
         names = {
             "signal_to_step_end_s": "the step's end",
             "in_flight_save_s": "the save in flight",
-            "save_s": f"step {self.step}'s save",
+            "save_s": f"step {self.step if self.kept is None else self.kept}'s save",
         }
         parts = ", ".join(f"{what} {t[key]:.1f} s" for key, what in names.items() if key in t)
         saved = sum(t[key] for key in names if key in t)
@@ -968,7 +986,13 @@ class _StopTimes:
             else f"saved {saved:.1f} s after the signal"
         )
         close = t["close_s"]
-        return f"{name} at step {self.step}: {took} ({parts}); closing took {close:.1f} s more"
+        line = f"{name} at step {self.step}: {took} ({parts}); closing took {close:.1f} s more"
+        if self.kept is not None:
+            line += (
+                f"; step {self.kept}'s save, still being written when the signal came, is "
+                f"the one kept (the steps after it are trained again at the resume)"
+            )
+        return line
 
 
 def _profile_steps(cfg: TrainConfig, start_step: int, total_steps: int, is_main: bool):
