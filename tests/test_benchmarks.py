@@ -1626,7 +1626,7 @@ def test_restart_benchmark_resumes_each_run_from_the_last_ones_sigterm(tmp_path,
         # The trainer's own account of its stop (0.1 s each), inside the SIGTERM-to-exit time.
         # (No save in flight where the stop kept the one being written.)
         parts = [row.get(k, 0.0) for k in ("step_end_s", "in_flight_save_s", "save_s", "close_s")]
-        assert min(parts) >= 0 and row["save_s"] > 0
+        assert min(parts) >= 0 and "save_s" in row  # a tiny model's save: 0.0 s rounded
         assert sum(parts) <= row["sigterm_to_exit_s"] + 0.2  # each rounded to 0.1 s
     assert "--compilation_cache_dir" not in rows[1]["command"]
     assert "--resume_from_checkpoint latest" in rows[2]["command"]

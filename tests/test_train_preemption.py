@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -535,3 +536,50 @@ def test_a_sigterm_while_a_save_is_written_keeps_that_save(tmp_path, monkeypatch
         parse_args([*TINY, *every, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
     )
     assert _losses(out) == _losses(whole)
+
+
+def test_a_signal_is_timed_when_it_arrives_not_when_python_handles_it():
+    """Python runs a signal's handler only between bytecodes: where the main thread sits
+    in C (here a long sort; in a run, a save waiting for the one before it) the handler
+    runs when that returns. The stop's timing starts when the signal arrived."""
+    preemption = loop._Preemption(parse_args(TINY))
+    handled = []
+    note = preemption._note
+    preemption._note = lambda signum, frame: (handled.append(time.monotonic()), note(signum, frame))
+    values = np.random.default_rng(0).random(20_000_000)
+    sent = []
+
+    def send():
+        time.sleep(0.2)
+        sent.append(time.monotonic())
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    with preemption.watching():
+        sender = threading.Thread(target=send)
+        sender.start()
+        np.sort(values)  # in C: the handler waits for it
+        sender.join()
+    assert preemption.noted and handled
+    assert preemption.at is not None and preemption.at - sent[0] < 0.25
+    assert preemption.at <= handled[0]
+
+
+def test_a_sigterm_during_a_save_call_stops_at_that_save(tmp_path, monkeypatch, capsys):
+    """SIGTERM while a periodic save is being issued (step 2's save waiting for the one
+    before it, say): that save is the stop's; no step after it is trained."""
+    real = loop.Checkpoints.save
+
+    def save(self, step, state, meta):
+        real(self, step, state, meta)
+        if step == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(loop.Checkpoints, "save", save)
+    out = tmp_path / "run"
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*TINY, "--save_steps", "2", "--output_dir", str(out)]))
+    assert (stopped.value.step, stopped.value.saved) == (2, True)
+    assert outputs.saved_steps(out) == [2] and max(_losses(out)) == 2
+    assert re.search(
+        r"^SIGTERM at step 2: saved \d+\.\d s after the signal", capsys.readouterr().out, re.M
+    )

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -712,6 +713,7 @@ class _Preemption:
         self.noted = False  # this process's own handler saw a SIGTERM (or SIGHUP)
         self.at: float | None = None  # when (time.monotonic()); None: not seen here
         self.signum = signal.SIGTERM  # which
+        self.arrived: float | None = None  # when a stop signal arrived (`_timing_arrivals`)
 
     @contextlib.contextmanager
     def watching(self):
@@ -722,15 +724,49 @@ class _Preemption:
             s for s in STOP_SIGNALS if own and signal.getsignal(s) not in (signal.SIG_IGN, None)
         ]
         previous = {s: signal.signal(s, self._note) for s in signums}
+        arrivals = self._timing_arrivals() if signums else contextlib.nullcontext()
         try:
-            yield
+            with arrivals:
+                yield
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    @contextlib.contextmanager
+    def _timing_arrivals(self):
+        """Times each stop signal as it arrives (`arrived`): Python runs a handler only
+        between bytecodes, which can be seconds later where the main thread waits in C
+        (a save waiting for the one before it). The signal's number goes to a socket
+        (`signal.set_wakeup_fd`) that a thread reads at once."""
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        try:
+            before = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except ValueError:  # not the main thread after all: handlers' times only
+            reader.close(), writer.close()
+            yield
+            return
+
+        def read():
+            while data := reader.recv(64):
+                if self.arrived is None and any(b in STOP_SIGNALS for b in data):
+                    self.arrived = time.monotonic()
+
+        thread = threading.Thread(target=read, name="jflash-signal-times", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(before)
+            writer.close()  # the reader sees the end
+            thread.join(timeout=5)
+            reader.close()
+
     def _note(self, signum, frame) -> None:
         if not self.noted:
-            self.at, self.signum = time.monotonic(), signum
+            now = time.monotonic()
+            self.at = min(now, self.arrived) if self.arrived is not None else now
+            self.signum = signum
             if signum == signal.SIGHUP:
                 _leave_the_terminal()
         self.noted = True
@@ -917,6 +953,14 @@ def _train(
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
                 timer.start += time.perf_counter() - began
+            if not preempted and save and preemption.noted and preemption.save:
+                # (one process) The signal came during this step's save: that save is
+                # the stop's, waited for rather than followed by another step.
+                preempted = True
+                with outputs.signals_held(reraise=False):
+                    stop = _StopTimes(done, preemption.at)
+                    ckpt.wait()
+                    stop.lap("save_s")
             if preempted:
                 saved = save or preemption.save
                 raise Preempted(
