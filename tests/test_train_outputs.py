@@ -522,9 +522,9 @@ def test_evaluation_and_save_time_is_not_in_the_training_speed(tmp_path, monkeyp
     owner, name = (loop, "_evaluate") if slow == "evaluation" else (loop.Checkpoints, "save")
     fast = getattr(owner, name)
 
-    def slowly(*args):
+    def slowly(*args, **kwargs):
         now[0] += 1000.0  # one that takes long
-        return fast(*args)
+        return fast(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, slowly)
     out = tmp_path / "run"
@@ -606,11 +606,11 @@ def _stopping_save(monkeypatch, at: dict):
     real = loop.Checkpoints.save
     at["seen"] = []
 
-    def save(self, step, state, meta):
+    def save(self, step, state, meta, **kwargs):
         at["seen"].append((step, sorted(os.listdir(os.path.dirname(self.directory)))))
         if step == at["step"]:
             raise KeyboardInterrupt
-        real(self, step, state, meta)
+        return real(self, step, state, meta, **kwargs)
 
     monkeypatch.setattr(loop.Checkpoints, "save", save)
 

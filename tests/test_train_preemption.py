@@ -325,11 +325,11 @@ def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(tmp_
     save = loop.Checkpoints.save
     seen = []
 
-    def save_under_signals(self, step, state, meta):
+    def save_under_signals(self, step, state, meta, **kwargs):
         seen.append(step)
         signal.raise_signal(signal.SIGTERM)
         signal.raise_signal(signal.SIGINT)
-        return save(self, step, state, meta)
+        return save(self, step, state, meta, **kwargs)
 
     monkeypatch.setattr(loop.Checkpoints, "save", save_under_signals)
     out = tmp_path / "run"
@@ -569,10 +569,11 @@ def test_a_sigterm_during_a_save_call_stops_at_that_save(tmp_path, monkeypatch, 
     before it, say): that save is the stop's; no step after it is trained."""
     real = loop.Checkpoints.save
 
-    def save(self, step, state, meta):
-        real(self, step, state, meta)
+    def save(self, step, state, meta, **kwargs):
+        issued = real(self, step, state, meta, **kwargs)
         if step == 2:
             signal.raise_signal(signal.SIGTERM)
+        return issued
 
     monkeypatch.setattr(loop.Checkpoints, "save", save)
     out = tmp_path / "run"
@@ -583,3 +584,38 @@ def test_a_sigterm_during_a_save_call_stops_at_that_save(tmp_path, monkeypatch, 
     assert re.search(
         r"^SIGTERM at step 2: saved \d+\.\d s after the signal", capsys.readouterr().out, re.M
     )
+
+
+def test_a_sigterm_while_a_save_waits_for_the_last_one_keeps_the_last(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGTERM while step 4's save waits for step 2's to be whole: step 4's is not issued,
+    step 2's is the one kept (one checkpoint written inside the grace period, not two),
+    and the resume reaches an uninterrupted run's losses."""
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    every = ["--save_steps", "2"]
+    loop.run(parse_args([*TINY, *every, "--output_dir", str(whole)]))
+    real, calls = loop.Checkpoints.wait, []
+
+    def wait(self):
+        calls.append(1)
+        if len(calls) == 2:  # inside step 4's save, before it is issued
+            signal.raise_signal(signal.SIGTERM)
+        real(self)
+
+    monkeypatch.setattr(loop.Checkpoints, "wait", wait)
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*TINY, *every, "--output_dir", str(out)]))
+    assert (stopped.value.step, stopped.value.saved) == (2, True)
+    assert outputs.saved_steps(out) == [2]
+    said = capsys.readouterr().out
+    assert re.search(
+        r"^SIGTERM at step 4: saved .*; step 2's save, still being written when the signal "
+        r"came, is the one kept",
+        said,
+        re.M,
+    ), said
+    monkeypatch.undo()
+    resume = ["--resume_from_checkpoint", "latest"]
+    loop.run(parse_args([*TINY, *every, "--output_dir", str(out), *resume]))
+    assert _losses(out) == _losses(whole)

@@ -131,8 +131,13 @@ class Checkpoints:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._emptying: threading.Thread | None = None
 
-    def save(self, step: int, state, meta: dict) -> None:
+    def save(self, step: int, state, meta: dict, unless=None) -> bool:
+        """Issues the (asynchronous) save of `step`, once the save before it is whole;
+        False, and nothing issued, where `unless()` then says so (a stop asked
+        meanwhile)."""
         self.wait()  # as Orbax's save would: then what it dropped is deleted
+        if unless is not None and unless():
+            return False
         saved = self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -144,6 +149,7 @@ class Checkpoints:
                 f"checkpoint {step} was not written to {self.directory} (latest there: "
                 f"{self.latest_step()})"
             )
+        return True
 
     def saving(self) -> bool:
         """Whether a save is still being written (asynchronously)."""

@@ -771,11 +771,33 @@ class _Preemption:
                 _leave_the_terminal()
         self.noted = True
 
+    def unwatched(self) -> tuple:
+        """The signals a save holds until it is issued (`outputs.signals_held`): Ctrl-C,
+        and the stop signals this class does not note itself (they would cut it off)."""
+        noted = self.save and not self.sync
+        return (signal.SIGINT,) + (() if noted else outputs.stop_signals())
+
     def reached(self, done: int) -> bool:
         """Called once per step on every process, after step `done` is dispatched."""
         if self.sync:
             return bool(multihost_utils.reached_preemption_sync_point(done))
         return self.noted
+
+
+def _keeps_last_save(preemption: _Preemption, last_saved: int | None) -> bool:
+    """Whether a stop asked in one process keeps the last save issued (`last_saved`),
+    whether or not it is whole yet, instead of saving a later step (several processes
+    would each see their own save's progress, and must agree on the step)."""
+    return preemption.noted and preemption.save and not preemption.sync and last_saved is not None
+
+
+def _wait_for_last_save(ckpt, preemption: _Preemption, done: int, kept: int) -> _StopTimes:
+    """The stop at step `done` that keeps the save of step `kept`: waited for, timed."""
+    with outputs.signals_held(reraise=False):
+        stop = _StopTimes(done, preemption.at, kept=kept)
+        ckpt.wait()
+        stop.lap("save_s")
+    return stop
 
 
 def _leave_the_terminal() -> None:
@@ -915,15 +937,46 @@ def _train(
                 if pending is not None:
                     history.append(_finish(pending, *finish_args))
                     pending = None
-            if preempted and not save and preemption.save and not preemption.sync:
-                # A save still being written when the signal came is the one kept: the
-                # run waits for it and stops there rather than write another after it
-                # (in one process: several would each see their own save's progress).
-                if last_saved is not None and ckpt.saving():
-                    with outputs.signals_held(reraise=False):
-                        stop = _StopTimes(done, preemption.at, kept=last_saved)
+
+            # (One process) A stop asked while the last save may still be written keeps
+            # that save: the run waits for it and stops there rather than write another
+            # after it; the steps after it are trained again at the resume.
+            keeps = functools.partial(_keeps_last_save, preemption, last_saved)
+            if preempted and not save and keeps() and ckpt.saving():
+                stop = _wait_for_last_save(ckpt, preemption, done, last_saved)
+                raise Preempted(
+                    last_saved,
+                    os.path.join(out, "checkpoints"),
+                    True,
+                    preemption.why,
+                    preemption.signum,
+                )
+            if save or (preempted and preemption.save):
+                epoch, index = divmod(done, steps_per_epoch)
+                data_pos = {"epoch": epoch, "index": index}
+                began = time.perf_counter()
+                # A save is never cut off by Ctrl-C; a preemption's is waited for on
+                # disk, and a second SIGTERM or Ctrl-C meanwhile is dropped (the run is
+                # stopping already). The signals this loop only notes are not held: a
+                # stop asked while the save waits for the one before it keeps that one.
+                held = outputs.signals_held(reraise=not preempted, signals=preemption.unwatched())
+                with held:
+                    meta = {"step": done, "data": data_pos, "run": run_meta}
+                    if preempted:  # the stop's timing: the save in flight apart
+                        stop = _StopTimes(done, preemption.at)
+                        ckpt.wait()
+                        stop.lap("in_flight_save_s")
+                    issued = ckpt.save(
+                        done,
+                        state,
+                        meta | ({EVAL_PENDING: True} if cut_short else {}),
+                        unless=None if preempted else keeps,
+                    )
+                    if preempted:
                         ckpt.wait()
                         stop.lap("save_s")
+                if not issued:  # the stop came while this save waited for the last one
+                    stop = _wait_for_last_save(ckpt, preemption, done, last_saved)
                     raise Preempted(
                         last_saved,
                         os.path.join(out, "checkpoints"),
@@ -931,31 +984,13 @@ def _train(
                         preemption.why,
                         preemption.signum,
                     )
-            if save or (preempted and preemption.save):
-                epoch, index = divmod(done, steps_per_epoch)
-                data_pos = {"epoch": epoch, "index": index}
-                began = time.perf_counter()
-                # A save is never cut off by Ctrl-C; a preemption's is waited for on
-                # disk, and a second SIGTERM or Ctrl-C meanwhile is dropped (the run is
-                # stopping already).
-                with outputs.signals_held(reraise=not preempted):
-                    meta = {"step": done, "data": data_pos, "run": run_meta}
-                    if preempted:  # the stop's timing: the save in flight apart
-                        stop = _StopTimes(done, preemption.at)
-                        ckpt.wait()
-                        stop.lap("in_flight_save_s")
-                    ckpt.save(done, state, meta | ({EVAL_PENDING: True} if cut_short else {}))
-                    last_saved = done
-                    if preempted:
-                        ckpt.wait()
-                        stop.lap("save_s")
+                last_saved = done
                 saved_any = True
                 if writer is not None:  # what a resume from here keeps is on disk
                     writer.flush()
                 timer.start += time.perf_counter() - began
-            if not preempted and save and preemption.noted and preemption.save:
-                # (one process) The signal came during this step's save: that save is
-                # the stop's, waited for rather than followed by another step.
+            if not preempted and save and _keeps_last_save(preemption, done):
+                # The stop came just as this step's save was issued: it is the stop's.
                 preempted = True
                 with outputs.signals_held(reraise=False):
                     stop = _StopTimes(done, preemption.at)

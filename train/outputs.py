@@ -208,6 +208,12 @@ def preemption_service() -> bool:
     return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
 
 
+def stop_signals() -> tuple:
+    """SIGHUP, and SIGTERM unless jax's preemption service takes it
+    (`preemption_service`)."""
+    return (signal.SIGHUP,) + (() if preemption_service() else (signal.SIGTERM,))
+
+
 @contextlib.contextmanager
 def signals_held(reraise: bool = True, signals: tuple | None = None):
     """Ctrl-C, SIGTERM and SIGHUP (or `signals`) wait until the block is done (then raised, with
@@ -220,9 +226,7 @@ def signals_held(reraise: bool = True, signals: tuple | None = None):
         yield
         return
     if signals is None:
-        signals = (signal.SIGINT, signal.SIGHUP) + (
-            () if preemption_service() else (signal.SIGTERM,)
-        )
+        signals = (signal.SIGINT, *stop_signals())
     got = []
     held = {}
     for sig in signals:
