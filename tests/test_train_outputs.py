@@ -943,7 +943,7 @@ def test_signals_held_until_the_block_ends():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
+def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path, capsys):
     """While a run holds its --output_dir, another run into it is refused in one line
     (a lock the system drops however the holder ends)."""
     import subprocess
@@ -952,6 +952,13 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
     with outputs.claimed(str(out)):
         with pytest.raises(TrainingError, match="is in use by another run"):
             run(parse_args(_args(out, "--report_to", "none")))
+        # A live run with no checkpoint yet is not "a previous run" to replace, nor one
+        # to start over from: the lock is named first, before anything loads.
+        (out / "log.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        for flags in (["--resume_from_checkpoint", "auto"], []):
+            with pytest.raises(TrainingError, match="is in use by another run"):
+                run(parse_args(_args(out, "--report_to", "none", *flags)))
+        assert "training from the start" not in capsys.readouterr().out
         holder = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
         holder += "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)"
         other = subprocess.run([sys.executable, "-c", holder, str(out)], capture_output=True)

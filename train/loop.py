@@ -101,6 +101,8 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     is_main = jax.process_index() == 0
     out = cfg.run.output_dir
     outputs.check_writable(out)
+    if is_main:  # before anything reads or mends the directory, or advises on it
+        outputs.check_not_in_use(out)
     if cache := cfg.run.compilation_cache_dir:
         outputs.check_writable(cache, "--compilation_cache_dir")
         use_compilation_cache(os.path.abspath(cache))

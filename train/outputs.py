@@ -241,6 +241,30 @@ def signals_held(reraise: bool = True, signals: tuple | None = None):
             signal.raise_signal(got[0])
 
 
+IN_USE = (
+    "is in use by another run (it holds the directory's lock); wait for it, or choose "
+    "another --output_dir"
+)
+
+
+def check_not_in_use(out: str) -> None:
+    """Refuses, in one line, an `out` whose lock another run holds (`claimed`), before the
+    model and data load and before any advice about what the directory holds (a live run
+    with no checkpoint yet is not a previous run to replace). Not under `claimed`'s own
+    lock: a second open of the directory would conflict with it."""
+    try:
+        fd = os.open(out, os.O_RDONLY)
+    except OSError:  # none yet, or not readable: nothing holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise TrainingError(f"--output_dir={out!r} {IN_USE}") from None
+    finally:
+        os.close(fd)  # releases a lock taken here
+
+
 @contextlib.contextmanager
 def claimed(out: str):
     """Holds `out` for this run (an exclusive `flock` on the directory, which the system
@@ -258,10 +282,7 @@ def claimed(out: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise TrainingError(
-                    f"--output_dir={out!r} is in use by another run (it holds the "
-                    "directory's lock); wait for it, or choose another --output_dir"
-                ) from None
+                raise TrainingError(f"--output_dir={out!r} {IN_USE}") from None
         yield
     finally:
         os.close(fd)  # releases the lock
