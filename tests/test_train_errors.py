@@ -1018,3 +1018,24 @@ def test_without_the_train_extra_the_library_imports_and_the_trainer_names_it():
         assert done.returncode == 1
         assert done.stderr.startswith("error: jflash's "), done.stderr
         assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def test_a_shorter_demo_traces_its_last_steps(tmp_path, monkeypatch, capsys):
+    """`python -m train.demo --max_steps 20` ends before the config's traced steps
+    (20..22): the demo traces the run's last three instead, saying so; a longer run, or
+    one given --profile_steps, keeps its window."""
+    from train import demo
+
+    monkeypatch.chdir(tmp_path)
+    configs = []
+    monkeypatch.setattr(demo, "run", lambda cfg: configs.append(cfg) or {"losses": []})
+    for argv in (
+        ["--max_steps", "20"],
+        ["--max_steps", "60"],
+        ["--max_steps", "20", "--profile_steps", "2,4"],
+    ):
+        assert demo.main(argv) == 0
+    assert [c.profile.profile_steps for c in configs] == ["18,21", "20,23", "2,4"]
+    out = capsys.readouterr().out
+    assert "--max_steps 20: the demo traces steps 18,21 (--profile_steps) instead of 20,23" in out
+    assert out.count("the demo traces steps") == 1

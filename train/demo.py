@@ -19,6 +19,7 @@ config and output directory are the demo's own and refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ import numpy as np  # noqa: E402
 import models  # noqa: E402
 from train import data as data_lib  # noqa: E402
 from train import outputs  # noqa: E402
+from train.build import profile_window  # noqa: E402
 from train.config import parse_args, shipped_config  # noqa: E402
 from train.errors import Preempted, signal_status  # noqa: E402
 from train.loop import TrainingError, run  # noqa: E402
@@ -88,6 +90,24 @@ def _write_model(config: models.LlamaConfig, hf_dir: str) -> None:
     os.rename(fresh, hf_dir)
 
 
+def _fit_profile_window(cfg, argv: list[str]):
+    """The config's traced steps moved to a run's last three where `--max_steps` ends the
+    run before them (a shorter demo, `--max_steps 20`) and no `--profile_steps` was
+    given, saying so; else `cfg` as it is."""
+    window = profile_window(cfg)
+    given = any(a == "--profile_steps" or a.startswith("--profile_steps=") for a in argv)
+    steps = cfg.run.max_steps
+    if window is None or given or steps <= 0 or window[1] <= steps:
+        return cfg
+    fitted = f"{max(1, steps - 2)},{steps + 1}"
+    print(
+        f"--max_steps {steps}: the demo traces steps {fitted} (--profile_steps) instead of "
+        f"{cfg.profile.profile_steps}",
+        flush=True,
+    )
+    return dataclasses.replace(cfg, profile=dataclasses.replace(cfg.profile, profile_steps=fitted))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     own = ("--keep: reuse the model and data of an earlier demo",)
@@ -128,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 *argv,
             ]
         )
+        cfg = _fit_profile_window(cfg, argv)
         if not (keep and os.path.exists(data_path)):
             fresh = os.path.join(RUN_DIR, "data.new.pkl")
             data_lib.save_dataset(fresh, documents(cfg, config))
