@@ -17,6 +17,8 @@ class OneLineParser(argparse.ArgumentParser):
     # Flags of other programs (HF TrainingArguments' for the trainer) that this one has
     # no use for, each with what to do instead: said in place of a "did you mean".
     explained: dict[str, str] = {}
+    # Other programs' names for this one's flags (`--lr`), each with the flag it means.
+    aliases: dict[str, str] = {}
 
     def parse_args(self, args=None, namespace=None):
         self._parsing = True
@@ -37,6 +39,9 @@ class OneLineParser(argparse.ArgumentParser):
                 for w in unknown
                 if w.startswith("--")
             }
+            for w in close:
+                if w in self.aliases:
+                    close[w] = [self.aliases[w]]
             hint = "".join(
                 f"; {w}: {self.explained[w]}"
                 if w in self.explained

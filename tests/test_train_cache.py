@@ -903,11 +903,11 @@ def test_cli_tokenizer_out_that_is_a_file_is_one_line(bpe, tmp_path, capsys):
     ("record", "why"),
     [
         ('{"txt": "hello"}', "expected key 'text' or 'messages', or keys 'prompt' and"),
-        ('{"text": 5}', "'text' must be a string, got int"),
+        ('{"text": 5}', "'text' must be a str, got int"),
         ('{"input_ids": [1, 2]}', "token ids, no text to learn a tokenizer from"),
         ("[1, 2]", "token ids, no text to learn a tokenizer from"),
         ('{"prompt": "a"}', "has 'prompt' or 'completion' but not 'completion'"),
-        ('{"prompt": "a", "completion": null}', "'completion' must be a string, got NoneType"),
+        ('{"prompt": "a", "completion": null}', "'completion' must be a str, got NoneType"),
         ('{"messages": "hi"}', "'messages' must be a list, got str"),
     ],
 )

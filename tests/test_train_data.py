@@ -522,7 +522,13 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"a\.jsonl: line 2: invalid JSON") as error:
         load_dataset(bad_json)
     # The file's line, not json's own count of the lines in it (its line break made 2).
-    assert str(error.value).endswith("(Expecting value, column 18)"), error.value
+    assert str(error.value).endswith("invalid JSON: Expecting value at column 18"), error.value
+    cut = _dump_jsonl(tmp_path / "s.jsonl", ['{"text": "hi'])
+    with pytest.raises(ValueError) as error:
+        load_dataset(cut)
+    assert str(error.value).endswith(
+        "line 1: invalid JSON: Unterminated string starting at column 10"
+    ), error.value
     wrong_type = _dump_jsonl(tmp_path / "b.jsonl", ['{"input_ids": [1]}', "", '{"input_ids": 3}'])
     with pytest.raises(ValueError, match=r"b\.jsonl: line 3: 'input_ids' must be a list"):
         load_dataset(wrong_type)

@@ -843,6 +843,17 @@ def test_a_misspelt_flag_is_answered_with_the_closest_one(capsys):
     assert "--learnig_rate: did you mean --learning_rate?" in err
     assert "--max_step: did you mean --max_steps?" in err
     assert "did you mean" not in refused("--bogus", "1")
+    # Other trainers' names for a flag, and HF's dashed spelling.
+    err = refused("--lr", "3e-4", "--epochs", "2", "--batch_size", "4", "--learning-rate", "1")
+    assert "--lr: did you mean --learning_rate?" in err
+    assert "--epochs: did you mean --num_train_epochs?" in err
+    assert "--batch_size: did you mean --per_device_train_batch_size?" in err
+    assert "--learning-rate: did you mean --learning_rate?" in err
+    from train.config import FLAG_ALIASES, build_parser
+
+    known = {o for a in build_parser()._actions for o in a.option_strings}
+    assert not set(FLAG_ALIASES) & known  # an alias never hides a flag
+    assert {m.split()[0] for m in FLAG_ALIASES.values()} <= known
 
 
 def test_the_demo_turns_command_buffers_off_before_jax_starts():

@@ -642,6 +642,27 @@ HF_ONLY_FLAGS = {
 }
 
 
+# Other trainers' and scripts' names for the trainer's flags: said as "did you mean".
+FLAG_ALIASES = {
+    "--lr": "--learning_rate",
+    "--epochs": "--num_train_epochs",
+    "--num_epochs": "--num_train_epochs",
+    "--batch_size": "--per_device_train_batch_size",
+    "--train_batch_size": "--per_device_train_batch_size",
+    "--micro_batch_size": "--per_device_train_batch_size",
+    "--grad_accum": "--gradient_accumulation_steps",
+    "--warmup": "--warmup_steps (or --warmup_ratio)",
+    "--steps": "--max_steps",
+    "--seq_len": "--model_max_length",
+    "--max_seq_len": "--model_max_length",
+    "--context_length": "--model_max_length",
+    "--out": "--output_dir",
+    "--model": "--model_name_or_path",
+    "--data": "--data_path",
+    "--tokenizer": "--tokenizer_name_or_path",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="python -m train",
@@ -649,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.explained = HF_ONLY_FLAGS
+    parser.aliases = FLAG_ALIASES
     parser.add_argument(
         "--config", action="append", help="YAML file of overrides, by section (one file)"
     )

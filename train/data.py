@@ -538,7 +538,7 @@ def _record_texts(record: Any, where: str) -> Iterator[str]:
         elif isinstance(value, str):
             yield value
         else:
-            raise ValueError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
+            raise ValueError(f"{where}: {key!r} must be a str, got {type(value).__name__}")
 
 
 def _contents(messages: list) -> list:

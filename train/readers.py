@@ -218,8 +218,12 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield i, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                where = f"column {e.colno}"  # of the file's line i, the one json read
-                raise ValueError(f"{path}: line {i}: invalid JSON ({e.msg}, {where})") from None
+                # json's message ends "at" where it names a place ("Unterminated string
+                # starting at"): the column of the file's line i, the one json read.
+                at = " " if e.msg.endswith(" at") else " at "
+                raise ValueError(
+                    f"{path}: line {i}: invalid JSON: {e.msg}{at}column {e.colno}"
+                ) from None
 
 
 def _numbered(path: Path, f) -> Iterator[tuple[int, bytes]]:
