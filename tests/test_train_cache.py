@@ -886,6 +886,23 @@ def test_cli_tokenizer_says_the_vocabulary_size_it_wrote(bpe, tmp_path, capsys):
     assert capsys.readouterr().out.endswith(": vocab_size=300\n")
 
 
+@pytest.mark.parametrize("command", ["cache", "inspect"])
+def test_a_tokenizer_that_does_not_exist_is_named_by_its_flag(tmp_path, capsys, command):
+    """`--tokenizer` naming nothing is refused by the flag, before any record is read
+    (not as a fault of the data's first line)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    argv = [command, str(data), *([str(tmp_path / "c")] if command == "cache" else [])]
+    with pytest.raises(SystemExit) as stopped:
+        data_lib.main([*argv, "--tokenizer", str(tmp_path / "none")])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"error: --tokenizer={str(tmp_path / 'none')!r}: {tmp_path / 'none'} does not exist\n"
+    )
+
+
 def test_cli_tokenizer_out_that_is_a_file_is_one_line(bpe, tmp_path, capsys):
     """--out a file, or under one: one line naming it, before any training."""
     (tmp_path / "f").write_text("")

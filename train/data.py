@@ -742,6 +742,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _command(args: argparse.Namespace) -> None:
+    given = getattr(args, "tokenizer", None)  # inspect's and cache's
+    if given is not None and not tokenizer_file(given).is_file():
+        raise ValueError(f"--tokenizer={given!r}: {tokenizer_file(given)} does not exist")
     if args.command == "sample":
         writer_of(args.out)  # before making the samples
         if os.path.lexists(args.out) and not args.overwrite:
