@@ -510,34 +510,6 @@ def test_a_closed_terminal_saves_the_step_reached(tmp_path):
     assert len(steps) == 1 and 3 <= steps[0] < STEPS and max(_losses(out)) == steps[0]
 
 
-def test_a_sigterm_while_a_save_is_written_keeps_that_save(tmp_path, monkeypatch, capsys):
-    """SIGTERM while a periodic save is still being written (step 2's, at step 3): the
-    run waits for it and stops there instead of writing step 3 after it, saying so; the
-    resume trains step 3 again and reaches an uninterrupted run's losses."""
-    whole, out = tmp_path / "whole", tmp_path / "run"
-    every = ["--save_steps", "2"]
-    loop.run(parse_args([*TINY, *every, "--output_dir", str(whole)]))
-    monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3))
-    monkeypatch.setattr(loop.Checkpoints, "saving", lambda self: True)  # still writing
-    with pytest.raises(Preempted) as stopped:
-        loop.run(parse_args([*TINY, *every, "--output_dir", str(out)]))
-    assert (stopped.value.step, stopped.value.saved) == (2, True)
-    assert outputs.saved_steps(out) == [2]
-    said = capsys.readouterr().out
-    assert re.search(
-        r"^SIGTERM at step 3: saved \d+\.\d s after the signal \(the step's end \d+\.\d s, "
-        r"step 2's save \d+\.\d s\); closing took \d+\.\d s more; step 2's save, still being "
-        r"written when the signal came, is the one kept",
-        said,
-        re.M,
-    ), said
-    monkeypatch.undo()
-    loop.run(
-        parse_args([*TINY, *every, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
-    )
-    assert _losses(out) == _losses(whole)
-
-
 def test_a_signal_is_timed_when_it_arrives_not_when_python_handles_it():
     """Python runs a signal's handler only between bytecodes: where the main thread sits
     in C (here a long sort; in a run, a save waiting for the one before it) the handler
@@ -586,32 +558,39 @@ def test_a_sigterm_during_a_save_call_stops_at_that_save(tmp_path, monkeypatch, 
     )
 
 
-def test_a_sigterm_while_a_save_waits_for_the_last_one_keeps_the_last(
-    tmp_path, monkeypatch, capsys
-):
-    """SIGTERM while step 4's save waits for step 2's to be whole: step 4's is not issued,
-    step 2's is the one kept (one checkpoint written inside the grace period, not two),
-    and the resume reaches an uninterrupted run's losses."""
+@pytest.mark.parametrize("when", ["step 2's save still written", "step 4's save waiting"])
+def test_a_sigterm_while_a_save_is_written_keeps_that_save(tmp_path, monkeypatch, capsys, when):
+    """SIGTERM while step 2's save is still being written (at step 3), or while step 4's
+    save waits for it to be whole: the run waits for step 2's and stops there instead of
+    writing a later step after it (one checkpoint written inside the grace period, not
+    two), saying so; the resume trains the steps after it again and reaches an
+    uninterrupted run's losses."""
     whole, out = tmp_path / "whole", tmp_path / "run"
     every = ["--save_steps", "2"]
     loop.run(parse_args([*TINY, *every, "--output_dir", str(whole)]))
-    real, calls = loop.Checkpoints.wait, []
+    if when == "step 2's save still written":
+        signalled = 3
+        monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3))
+        monkeypatch.setattr(loop.Checkpoints, "saving", lambda self: True)
+    else:
+        signalled, real, calls = 4, loop.Checkpoints.wait, []
 
-    def wait(self):
-        calls.append(1)
-        if len(calls) == 2:  # inside step 4's save, before it is issued
-            signal.raise_signal(signal.SIGTERM)
-        real(self)
+        def wait(self):
+            calls.append(1)
+            if len(calls) == 2:  # inside step 4's save, before it is issued
+                signal.raise_signal(signal.SIGTERM)
+            real(self)
 
-    monkeypatch.setattr(loop.Checkpoints, "wait", wait)
+        monkeypatch.setattr(loop.Checkpoints, "wait", wait)
     with pytest.raises(Preempted) as stopped:
         loop.run(parse_args([*TINY, *every, "--output_dir", str(out)]))
     assert (stopped.value.step, stopped.value.saved) == (2, True)
     assert outputs.saved_steps(out) == [2]
     said = capsys.readouterr().out
     assert re.search(
-        r"^SIGTERM at step 4: saved .*; step 2's save, still being written when the signal "
-        r"came, is the one kept",
+        rf"^SIGTERM at step {signalled}: saved \d+\.\d s after the signal \(the step's end "
+        r"\d+\.\d s, step 2's save \d+\.\d s\); closing took \d+\.\d s more; step 2's save, "
+        r"still being written when the signal came, is the one kept",
         said,
         re.M,
     ), said

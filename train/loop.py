@@ -944,16 +944,8 @@ def _train(
             # that save: the run waits for it and stops there rather than write another
             # after it; the steps after it are trained again at the resume.
             keeps = functools.partial(_keeps_last_save, preemption, last_saved)
-            if preempted and not save and keeps() and ckpt.saving():
-                stop = _wait_for_last_save(ckpt, preemption, done, last_saved)
-                raise Preempted(
-                    last_saved,
-                    os.path.join(out, "checkpoints"),
-                    True,
-                    preemption.why,
-                    preemption.signum,
-                )
-            if save or (preempted and preemption.save):
+            kept = last_saved if preempted and not save and keeps() and ckpt.saving() else None
+            if kept is None and (save or (preempted and preemption.save)):
                 epoch, index = divmod(done, steps_per_epoch)
                 data_pos = {"epoch": epoch, "index": index}
                 began = time.perf_counter()
@@ -977,27 +969,20 @@ def _train(
                     if preempted:
                         ckpt.wait()
                         stop.lap("save_s")
-                if not issued:  # the stop came while this save waited for the last one
-                    stop = _wait_for_last_save(ckpt, preemption, done, last_saved)
-                    raise Preempted(
-                        last_saved,
-                        os.path.join(out, "checkpoints"),
-                        True,
-                        preemption.why,
-                        preemption.signum,
-                    )
-                last_saved = done
-                saved_any = True
-                if writer is not None:  # what a resume from here keeps is on disk
-                    writer.flush()
+                if issued:
+                    last_saved, saved_any = done, True
+                    if writer is not None:  # what a resume from here keeps is on disk
+                        writer.flush()
+                    if not preempted and _keeps_last_save(preemption, done):
+                        kept = done  # the stop came just as this save was issued
+                else:  # the stop came while this save waited for the last one
+                    kept = last_saved
                 timer.start += time.perf_counter() - began
-            if not preempted and save and _keeps_last_save(preemption, done):
-                # The stop came just as this step's save was issued: it is the stop's.
-                preempted = True
-                with outputs.signals_held(reraise=False):
-                    stop = _StopTimes(done, preemption.at)
-                    ckpt.wait()
-                    stop.lap("save_s")
+            if kept is not None:
+                stop = _wait_for_last_save(ckpt, preemption, done, kept)
+                raise Preempted(
+                    kept, os.path.join(out, "checkpoints"), True, preemption.why, preemption.signum
+                )
             if preempted:
                 saved = save or preemption.save
                 raise Preempted(
@@ -1068,7 +1053,7 @@ class _StopTimes:
         )
         close = t["close_s"]
         line = f"{name} at step {self.step}: {took} ({parts}); closing took {close:.1f} s more"
-        if self.kept is not None:
+        if self.kept is not None and self.kept != self.step:
             line += (
                 f"; step {self.kept}'s save, still being written when the signal came, is "
                 f"the one kept (the steps after it are trained again at the resume)"
