@@ -13,6 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import ON_GPU
 
 import models
 import models.files
@@ -1050,3 +1051,16 @@ def test_a_shorter_demo_traces_its_last_steps(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "--max_steps 20: the demo traces steps 18,21 (--profile_steps) instead of 20,23" in out
     assert out.count("the demo traces steps") == 1
+
+
+@pytest.mark.skipif(ON_GPU, reason="the refusal is for machines without NVIDIA GPUs")
+def test_cudnn_attention_without_a_gpu_is_refused_by_its_flag_first(tmp_path, capsys, monkeypatch):
+    """`--attention cudnn` on a CPU: one line naming the flag, before the data is read
+    (a data path that does not exist is not what the error names)."""
+    import train.build as build_lib
+
+    monkeypatch.setattr(build_lib, "load_model", lambda cfg: pytest.fail("the model was read"))
+    argv = [*BASE, "--attention", "cudnn", "--data_path", str(tmp_path / "none.jsonl")]
+    err = _one_line_error([*argv, "--output_dir", str(tmp_path / "run")], capsys)
+    said = "--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on 'cpu'"
+    assert err == f"error: {said}: use ring, jflash or xla\n"

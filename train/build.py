@@ -575,6 +575,12 @@ def plan_step(
     ids (the same mask; the kernels without ids are faster).
     """
     count = len(devices) if devices is not None else jax.device_count()
+    platform = (devices[0] if devices is not None else jax.devices()[0]).platform
+    if cfg.model.attention == "cudnn" and platform != "gpu":  # before the model and data
+        raise TrainingError(
+            f"--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on {platform!r}: "
+            "use ring, jflash or xla"
+        )
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     cfg = resolve_strategy(cfg, config, sizes, devices)
     check_layout(cfg, sizes)
@@ -675,6 +681,12 @@ def build(
         initialised (a resume would read and then drop them).
     """
     count = len(devices) if devices is not None else jax.device_count()
+    platform = (devices[0] if devices is not None else jax.devices()[0]).platform
+    if cfg.model.attention == "cudnn" and platform != "gpu":  # before the model and data
+        raise TrainingError(
+            f"--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on {platform!r}: "
+            "use ring, jflash or xla"
+        )
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     arch = model_config(cfg) if config is None else config
     cfg = resolve_strategy(cfg, arch, sizes, devices)
