@@ -160,3 +160,17 @@ def run_oracle(script: str, *args, transformers_min: tuple[int, int] = (0, 0)) -
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def sighup_as_a_shell_gives_it():
+    """SIGHUP's default action (the process ends) for the test and the processes it
+    starts: a suite run under `nohup` inherits SIGHUP ignored, which the trainer and the
+    tools rightly keep ignoring, so their SIGHUP handling could not be tested there."""
+    import signal
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, before)

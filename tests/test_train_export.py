@@ -249,7 +249,7 @@ def test_an_overwrite_cut_off_leaves_the_model_that_was_there(runs, tmp_path, mo
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_ends_an_export_in_one_line_leaving_out_as_it_was(
-    runs, tmp_path, monkeypatch, capsys, signum
+    runs, tmp_path, monkeypatch, capsys, signum, sighup_as_a_shell_gives_it
 ):
     """SIGTERM (a scheduler) or SIGHUP (a closed terminal) while the export is written
     ends it as Ctrl-C does: its staging folder is removed, --out keeps what it held,

@@ -432,7 +432,9 @@ def test_a_sigterm_before_an_overwrite_runs_first_checkpoint_keeps_both_runs(
 
 
 @pytest.mark.parametrize("how", ["in process", "python -m train"])
-def test_sighup_saves_the_step_reached_as_sigterm_does(tmp_path, monkeypatch, how):
+def test_sighup_saves_the_step_reached_as_sigterm_does(
+    tmp_path, monkeypatch, how, sighup_as_a_shell_gives_it
+):
     """SIGHUP (a terminal closed, an ssh session dropped) while the run trains: the step
     reached is saved as on SIGTERM, and the run ends with SIGHUP's status, 129, and a
     line naming it; under `nohup` (SIGHUP ignored) the run goes on."""
@@ -474,7 +476,7 @@ def test_sighup_saves_the_step_reached_as_sigterm_does(tmp_path, monkeypatch, ho
     assert max(_losses(ignored)) == STEPS
 
 
-def test_a_closed_terminal_saves_the_step_reached(tmp_path):
+def test_a_closed_terminal_saves_the_step_reached(tmp_path, sighup_as_a_shell_gives_it):
     """The run's terminal hangs up (its ssh session dropped): the kernel sends SIGHUP and
     writes to the terminal fail from then on; the step reached is still saved, and the
     run ends with SIGHUP's status."""
