@@ -1084,3 +1084,20 @@ def test_save_total_limit_drops_checkpoints_whole(tmp_path, monkeypatch):
     assert main(_args(out, *argv)) == 0
     assert renamed == ["1", "2"]
     assert sorted(os.listdir(out / "checkpoints")) == ["3"]
+
+
+def test_a_relative_checkpoint_path_names_the_runs_own(tmp_path, monkeypatch):
+    """`--resume_from_checkpoint checkpoints/10` is read from the working directory; where
+    nothing is there but the run's --output_dir has it, the error gives that path."""
+    from train.checkpoint import resolve_resume
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "10").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        resolve_resume("checkpoints/10", str(out))
+    assert str(refused.value) == (
+        f"--resume_from_checkpoint='checkpoints/10': {tmp_path / 'checkpoints' / '10'} does not "
+        f"exist (its --output_dir has {out / 'checkpoints' / '10'}: give that path)"
+    )
+    assert resolve_resume(str(out / "checkpoints" / "10"), str(out)) == (str(out), 10)

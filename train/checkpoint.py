@@ -324,7 +324,14 @@ def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None]
     base = os.path.basename(path)
     if base.isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints":
         if not os.path.isdir(path):
-            raise ValueError(f"--resume_from_checkpoint={value!r}: {path} does not exist")
+            # A relative path is the working directory's; the run's own is likelier meant.
+            own = os.path.join(output_dir, value)
+            hint = (
+                f" (its --output_dir has {own}: give that path)"
+                if not os.path.isabs(value) and os.path.isdir(own)
+                else ""
+            )
+            raise ValueError(f"--resume_from_checkpoint={value!r}: {path} does not exist{hint}")
         return os.path.dirname(os.path.dirname(path)), int(base)
     if base == "checkpoints":
         return os.path.dirname(path), None
