@@ -229,8 +229,8 @@ def _per_device(call, q, k, v, segment_ids, shapes):
         )
     qkv_spec, ids_spec = P(batch, None, heads, None), P(batch, None)
 
-    # The devices of an eager call's mesh (a concrete array placed on it), if any.
-    devices = next(
+    # An eager call's concrete mesh (a concrete array placed on it), if any.
+    concrete = next(
         (
             x.sharding.mesh
             for _, x in named
@@ -246,8 +246,8 @@ def _per_device(call, q, k, v, segment_ids, shapes):
         """`x` split as `spec` on the mesh: in an eager call, moved there (`jax.device_put`:
         numpy ids, or k and v on one device, which `jax.reshard` refuses outside
         `jax.set_mesh`); traced, resharded."""
-        if devices is not None and not isinstance(x, jax.core.Tracer):
-            return jax.device_put(x, NamedSharding(devices, spec))
+        if concrete is not None and not isinstance(x, jax.core.Tracer):
+            return jax.device_put(x, NamedSharding(concrete, spec))
         return jax.reshard(x, NamedSharding(mesh, spec))
 
     q, k, v = (placed(x, qkv_spec) for x in (q, k, v))

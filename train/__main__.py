@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 
 from train import outputs
 from train.config import parse_args
-from train.errors import STOP_SIGNALS, Preempted, Terminated, raise_terminated, signal_status
+from train.errors import (
+    STOP_SIGNALS,
+    Preempted,
+    Terminated,
+    signal_status,
+    signals_as_interrupts,
+)
 from train.loop import TrainingError, run
 from train.words import plural
 
@@ -89,55 +94,46 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     # SIGTERM ends the run as Ctrl-C does: a save in flight finishes, one line names the
     # last checkpoint (while the loop trains, it saves the step reached first:
-    # `train.loop._Preemption`). Signal handlers belong to the main thread only.
-    own = threading.current_thread() is threading.main_thread()
-    # SIGTERM (and SIGHUP, a terminal closed, unless ignored: `nohup`) outside the
-    # training loop, or inside it with `--save_on_preemption false` or `--save_strategy
-    # no`: handled as Ctrl-C is (`Terminated`).
-    previous = {}
-    for sig in STOP_SIGNALS if own else ():
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, raise_terminated)
-    try:
-        cfg = parse_args(argv)
-        summary = run(cfg)
-    except BaseException as e:
-        interrupt = _from_interrupt(e)
-        if interrupt is None:
-            # NotImplementedError: a kernel option this setup cannot run (jflash names it).
-            if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            raise
-        # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
-        # now: XLA's threads may still hold the interrupted step, and tearing down the
-        # interpreter around them aborts the process.
-        stop = interrupt.signum if isinstance(interrupt, (Terminated, Preempted)) else None
-        how = STOP_SIGNALS[stop] if stop is not None else "interrupted"
-        notes = _notes(e)
-        put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
-        not_started = outputs.NOT_STARTED in notes
-        if isinstance(interrupt, Preempted):  # raised by the loop: the run had started
-            last = "" if interrupt.saved else _last_checkpoint(cfg.run.output_dir, put_back)
-            line = interrupt.line(last=last)
-        else:
-            line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
+    # `train.loop._Preemption`). SIGTERM (and SIGHUP, a terminal closed, unless ignored:
+    # `nohup`) outside the training loop, or inside it with `--save_on_preemption false`
+    # or `--save_strategy no`: handled as Ctrl-C is (`Terminated`).
+    with signals_as_interrupts():
         try:
-            print(line, file=sys.stderr)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except OSError:  # a terminal closed (SIGHUP): no one to tell
-            pass
-        if isinstance(interrupt, Preempted):
-            _leave_together()
-        os._exit(signal_status(signal.SIGINT if stop is None else stop))
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:  # None: a handler set outside Python
-                signal.signal(sig, handler)
-    if summary["losses"]:
-        print(_done_line(cfg, summary))
-    return 0
+            cfg = parse_args(argv)
+            summary = run(cfg)
+        except BaseException as e:
+            interrupt = _from_interrupt(e)
+            if interrupt is None:
+                # NotImplementedError: a kernel option this setup cannot run (jflash names it).
+                if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+                raise
+            # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
+            # now: XLA's threads may still hold the interrupted step, and tearing down the
+            # interpreter around them aborts the process.
+            stop = interrupt.signum if isinstance(interrupt, (Terminated, Preempted)) else None
+            how = STOP_SIGNALS[stop] if stop is not None else "interrupted"
+            notes = _notes(e)
+            put_back = any(n.startswith(outputs.PUT_BACK) for n in notes)
+            not_started = outputs.NOT_STARTED in notes
+            if isinstance(interrupt, Preempted):  # raised by the loop: the run had started
+                last = "" if interrupt.saved else _last_checkpoint(cfg.run.output_dir, put_back)
+                line = interrupt.line(last=last)
+            else:
+                line = _interrupted(cfg.run.output_dir, how, put_back, not_started) if cfg else how
+            try:
+                print(line, file=sys.stderr)
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except OSError:  # a terminal closed (SIGHUP): no one to tell
+                pass
+            if isinstance(interrupt, Preempted):
+                _leave_together()
+            os._exit(signal_status(signal.SIGINT if stop is None else stop))
+        if summary["losses"]:
+            print(_done_line(cfg, summary))
+        return 0
 
 
 def _done_line(cfg, summary: dict) -> str:

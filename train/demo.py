@@ -95,7 +95,7 @@ def _fit_profile_window(cfg, argv: list[str]):
     run before them (a shorter demo, `--max_steps 20`) and no `--profile_steps` was
     given, saying so; else `cfg` as it is."""
     window = profile_window(cfg)
-    given = any(a == "--profile_steps" or a.startswith("--profile_steps=") for a in argv)
+    given = any(a.split("=")[0] == "--profile_steps" for a in argv)
     steps = cfg.run.max_steps
     if window is None or given or steps <= 0 or window[1] <= steps:
         return cfg

@@ -716,6 +716,7 @@ class _Preemption:
         self.at: float | None = None  # when (time.monotonic()); None: not seen here
         self.signum = signal.SIGTERM  # which
         self.arrived: float | None = None  # when a stop signal arrived (`_timing_arrivals`)
+        self.watched = frozenset()  # the signals `_note` handles (`watching`)
 
     @contextlib.contextmanager
     def watching(self):
@@ -726,11 +727,13 @@ class _Preemption:
             s for s in STOP_SIGNALS if own and signal.getsignal(s) not in (signal.SIG_IGN, None)
         ]
         previous = {s: signal.signal(s, self._note) for s in signums}
+        self.watched = frozenset(previous)
         arrivals = self._timing_arrivals() if signums else contextlib.nullcontext()
         try:
             with arrivals:
                 yield
         finally:
+            self.watched = frozenset()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -745,7 +748,8 @@ class _Preemption:
         try:
             before = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         except ValueError:  # not the main thread after all: handlers' times only
-            reader.close(), writer.close()
+            reader.close()
+            writer.close()
             yield
             return
 
@@ -776,8 +780,7 @@ class _Preemption:
     def unwatched(self) -> tuple:
         """The signals a save holds until it is issued (`outputs.signals_held`): Ctrl-C,
         and the stop signals this class does not note itself (they would cut it off)."""
-        noted = self.save and not self.sync
-        return (signal.SIGINT,) + (() if noted else outputs.stop_signals())
+        return (signal.SIGINT, *(s for s in outputs.stop_signals() if s not in self.watched))
 
     def reached(self, done: int) -> bool:
         """Called once per step on every process, after step `done` is dispatched."""
@@ -787,10 +790,11 @@ class _Preemption:
 
 
 def _keeps_last_save(preemption: _Preemption, last_saved: int | None) -> bool:
-    """Whether a stop asked in one process keeps the last save issued (`last_saved`),
-    whether or not it is whole yet, instead of saving a later step (several processes
-    would each see their own save's progress, and must agree on the step)."""
-    return preemption.noted and preemption.save and not preemption.sync and last_saved is not None
+    """Whether a stop asked in one process (its own handler noted it: saving, no jax
+    preemption service) keeps the last save issued (`last_saved`), whether or not it is
+    whole yet, instead of saving a later step (several processes would each see their
+    own save's progress, and must agree on the step)."""
+    return preemption.noted and last_saved is not None
 
 
 def _wait_for_last_save(ckpt, preemption: _Preemption, done: int, kept: int) -> _StopTimes:

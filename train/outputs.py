@@ -241,10 +241,17 @@ def signals_held(reraise: bool = True, signals: tuple | None = None):
             signal.raise_signal(got[0])
 
 
-IN_USE = (
-    "is in use by another run (it holds the directory's lock); wait for it, or choose "
-    "another --output_dir"
-)
+def _lock(fd: int, out: str) -> None:
+    """An exclusive `flock` on `out`'s open directory `fd`; one line where another run
+    holds it. A filesystem without such locks: nothing (unguarded)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise TrainingError(
+                f"--output_dir={out!r} is in use by another run (it holds the directory's "
+                "lock); wait for it, or choose another --output_dir"
+            ) from None
 
 
 def check_not_in_use(out: str) -> None:
@@ -257,10 +264,7 @@ def check_not_in_use(out: str) -> None:
     except OSError:  # none yet, or not readable: nothing holds it
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise TrainingError(f"--output_dir={out!r} {IN_USE}") from None
+        _lock(fd, out)
     finally:
         os.close(fd)  # releases a lock taken here
 
@@ -278,11 +282,7 @@ def claimed(out: str):
         yield
         return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise TrainingError(f"--output_dir={out!r} {IN_USE}") from None
+        _lock(fd, out)
         yield
     finally:
         os.close(fd)  # releases the lock
