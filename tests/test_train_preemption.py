@@ -581,6 +581,7 @@ def test_a_sigterm_while_a_save_is_written_keeps_that_save(tmp_path, monkeypatch
             calls.append(1)
             if len(calls) == 2:  # inside step 4's save, before it is issued
                 signal.raise_signal(signal.SIGTERM)
+                time.sleep(0.3)  # step 2's save, a while still written
             real(self)
 
         monkeypatch.setattr(loop.Checkpoints, "wait", wait)
@@ -596,7 +597,17 @@ def test_a_sigterm_while_a_save_is_written_keeps_that_save(tmp_path, monkeypatch
         said,
         re.M,
     ), said
+    if when == "step 4's save waiting":  # the step had ended: the wait is the save's
+        waited = re.search(r"\(the step's end 0\.0 s, step 2's save (\d+\.\d) s\)", said)
+        assert waited and float(waited[1]) >= 0.3, said
     monkeypatch.undo()
     resume = ["--resume_from_checkpoint", "latest"]
     loop.run(parse_args([*TINY, *every, "--output_dir", str(out), *resume]))
-    assert _losses(out) == _losses(whole)
+    resumed, uninterrupted = _losses(out), _losses(whole)
+    if not ON_GPU:
+        assert resumed == uninterrupted
+    else:
+        # In this process the GPU runs atomic adds (the kernels', XLA's scatters), so two
+        # runs of one job differ in their low bits: up to 8e-5 of a loss on an H200.
+        assert resumed.keys() == uninterrupted.keys()
+        assert resumed == pytest.approx(uninterrupted, rel=1e-3)

@@ -797,10 +797,13 @@ def _keeps_last_save(preemption: _Preemption, last_saved: int | None) -> bool:
     return preemption.noted and last_saved is not None
 
 
-def _wait_for_last_save(ckpt, preemption: _Preemption, done: int, kept: int) -> _StopTimes:
-    """The stop at step `done` that keeps the save of step `kept`: waited for, timed."""
+def _wait_for_last_save(
+    ckpt, preemption: _Preemption, done: int, kept: int, save_began: float | None
+) -> _StopTimes:
+    """The stop at step `done` that keeps the save of step `kept`: waited for, timed
+    (`save_began`: where step `done`'s save call began, if the stop was noted in it)."""
     with outputs.signals_held(reraise=False):
-        stop = _StopTimes(done, preemption.at, kept=kept)
+        stop = _StopTimes(done, preemption.at, kept=kept, step_ended=save_began)
         ckpt.wait()
         stop.lap("save_s")
     return stop
@@ -948,6 +951,7 @@ def _train(
             # that save: the run waits for it and stops there rather than write another
             # after it; the steps after it are trained again at the resume.
             keeps = functools.partial(_keeps_last_save, preemption, last_saved)
+            save_began = None  # a stop noted after this is the save's time, not the step's
             kept = last_saved if preempted and not save and keeps() and ckpt.saving() else None
             if kept is None and (save or (preempted and preemption.save)):
                 epoch, index = divmod(done, steps_per_epoch)
@@ -964,6 +968,7 @@ def _train(
                         stop = _StopTimes(done, preemption.at)
                         ckpt.wait()
                         stop.lap("in_flight_save_s")
+                    save_began = time.monotonic()
                     issued = ckpt.save(
                         done,
                         state,
@@ -983,7 +988,7 @@ def _train(
                     kept = last_saved
                 timer.start += time.perf_counter() - began
             if kept is not None:
-                stop = _wait_for_last_save(ckpt, preemption, done, kept)
+                stop = _wait_for_last_save(ckpt, preemption, done, kept, save_began)
                 raise Preempted(
                     kept, os.path.join(out, "checkpoints"), True, preemption.why, preemption.signum
                 )
@@ -1028,11 +1033,16 @@ class _StopTimes:
     flight, this step's save, and closing the checkpoints (a dropped checkpoint's
     deletion included), in one line (`line()`)."""
 
-    def __init__(self, step: int, at: float | None, kept: int | None = None):
+    def __init__(
+        self, step: int, at: float | None, kept: int | None = None, step_ended: float | None = None
+    ):
         self.step, self.at, self.kept = step, at, kept  # kept: a save in flight, kept
+        # step_ended: where the step's work ended and a save's began (default: now); a
+        # signal after it started the save's part, not the step's.
         now = time.monotonic()
-        self.times = {} if at is None else {"signal_to_step_end_s": now - at}
-        self._last = now
+        ended = now if step_ended is None else step_ended
+        self._last = ended if at is None else max(at, ended)
+        self.times = {} if at is None else {"signal_to_step_end_s": max(0.0, ended - at)}
 
     def lap(self, name: str) -> None:
         now = time.monotonic()
