@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import types
 
 import jax
@@ -460,7 +461,8 @@ def _ticking_clock(monkeypatch) -> list[float]:
         now[0] += 1.0
         return now[0]
 
-    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    clock = types.SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic)
+    monkeypatch.setattr(loop, "time", clock)  # the preemption's clock as it is
     return now
 
 
