@@ -1276,7 +1276,8 @@ def test_patterns_match_as_glob_does_and_walk_only_what_can_match(tmp_path, monk
 
 def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
     """`train.data tokenizer FOLDER` reads its text (and .jsonl) files, not the binary
-    ones beside them (a token cache, .npy, .pkl, an image), and says what it left out."""
+    ones beside them (a token cache, .npy, .pkl, an image) nor a training run's output
+    directory, and says what it left out."""
     pytest.importorskip("tokenizers")
     root = tmp_path / "docs"
     root.mkdir()
@@ -1286,11 +1287,14 @@ def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
     (root / "d.pkl").write_bytes(pickle.dumps([[1, 2]]))
     (root / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     data_cache.build_cache(_dump_jsonl(tmp_path / "t.jsonl", ["[1, 2]"]), root / "cache")
+    (root / "run").mkdir()  # an earlier training run's output directory: no text
+    _dump_jsonl(root / "run" / "log.jsonl", ['{"step": 1, "loss": 5.0}'])
+    (root / "run" / "train_config.yaml").write_text("run:\n  output_dir: run\n")
     kept, left = text_files_of(root)
     assert kept == [root / "a.md", root / "b.jsonl"]
     assert sorted(p.name for p in left) == sorted(
         [p.name for p in (root / "cache").iterdir() if not p.name.startswith(".")]
-        + ["d.pkl", "ids.npy", "logo.png"]
+        + ["d.pkl", "ids.npy", "logo.png", "log.jsonl", "train_config.yaml"]
     )
     train_tokenizer([root], tmp_path / "tok", vocab_size=300)
     assert f"tokenizer: left out {len(left)} binary or data files: " in capsys.readouterr().out
@@ -1301,6 +1305,8 @@ def test_a_tokenizer_learns_from_a_folders_text_files_only(tmp_path, capsys):
         train_tokenizer([root / "ids.npy"], tmp_path / "tok2", vocab_size=300)
     with pytest.raises(ValueError, match=r"cache: a token cache, not a folder of text files"):
         train_tokenizer([root / "cache"], tmp_path / "tok2", vocab_size=300)
+    with pytest.raises(ValueError, match=r"run: a training run's output directory, not a "):
+        train_tokenizer([root / "run"], tmp_path / "tok2", vocab_size=300)
     (tmp_path / "saved").mkdir()
     (tmp_path / "saved" / "state.json").write_text("{}")
     with pytest.raises(ValueError, match=r"saved: a dataset saved with save_to_disk, not"):
@@ -1341,3 +1347,40 @@ def test_the_in_memory_path_holds_a_few_bytes_a_token(tmp_path):
         tracemalloc.stop()
     np.testing.assert_array_equal(rows.input_ids[0, :501], [*tokens[0], 0])
     assert rows.segment_ids[0, 500] == 0 and rows.segment_ids[0, 501] == 1
+
+
+def test_a_runs_output_directory_in_a_data_folder_is_left_out(tmp_path, capsys):
+    """An earlier run's --output_dir under a data folder (its train_config.yaml beside
+    its log.jsonl) is left out with all it holds, folder or pattern, and the reading
+    line names it; a folder with only one of the two files is data; the run's directory
+    itself given as the data is refused in one line."""
+    root = tmp_path / "data"
+    for folder in ("logs", "runs/r0/previous_run"):
+        (root / folder).mkdir(parents=True)
+    _dump_jsonl(root / "a.jsonl", ["[1, 2]"])
+    run = root / "runs" / "r0"
+    _dump_jsonl(run / "log.jsonl", ['{"step": 1, "loss": 5.0}'])
+    (run / "train_config.yaml").write_text("run:\n  output_dir: runs/r0\n")
+    _dump_jsonl(run / "previous_run" / "log.jsonl", ['{"step": 1, "loss": 6.0}'])
+    _dump_jsonl(root / "logs" / "log.jsonl", ["[3]"])  # no settings file: data
+    capsys.readouterr()
+    assert load_dataset(root).tokens.tolist() == [1, 2, 3]
+    said = capsys.readouterr().out.splitlines()[0]
+    assert said == (
+        f"{root}: reading 2 data files: a.jsonl, logs/log.jsonl; left out a training "
+        f"run's output directory ({run})"
+    )
+    pattern = f"{root}/**/*.jsonl"
+    assert [p.name for p in readers.data_files(pattern)] == ["a.jsonl", "log.jsonl"]
+    assert load_dataset(pattern).tokens.tolist() == [1, 2, 3]
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[0]
+        .endswith(f"; left out a training run's output directory ({run})")
+    )
+    with pytest.raises(ValueError) as refused:
+        load_dataset(run)
+    assert str(refused.value) == (
+        f"{run}: a training run's output directory (its train_config.yaml and log.jsonl), "
+        "not a folder of data files"
+    )

@@ -67,6 +67,7 @@ from train.records import (
     record_kind,
     tokenizer_file,
 )
+from train.run_files import is_run_output
 from train.words import plural
 
 # ---------------------------------------------------------------------------------------
@@ -362,11 +363,12 @@ TEXT_PROBE_BYTES = 8192
 def text_files_of(path: str | Path, out: str | Path | None = None) -> tuple[list[Path], list[Path]]:
     """``(text files, files left out)`` of one argument of :func:`train_tokenizer`: a
     text file; a folder's files at any depth, or a pattern's, leaving out hidden ones,
-    those under ``out`` (the tokenizer's own folder), those in a token cache's folder,
-    data files of a binary format (``.npy``, ``.pkl``, ``.parquet``) and any other
-    file with a NUL byte in its first 8 KiB (decompressed: ``.txt.gz`` is text).
-    ValueError where no text file is left, for a binary file named, and for a token
-    cache or a ``save_to_disk`` folder (no text files)."""
+    those under ``out`` (the tokenizer's own folder), those in a token cache's folder or
+    a training run's output directory, data files of a binary format (``.npy``,
+    ``.pkl``, ``.parquet``) and any other file with a NUL byte in its first 8 KiB
+    (decompressed: ``.txt.gz`` is text). ValueError where no text file is left, for a
+    binary file named, and for a token cache, a run's output directory or a
+    ``save_to_disk`` folder (no text files)."""
     if Path(path).is_file():
         if not _is_text(Path(path)):
             raise ValueError(
@@ -375,9 +377,17 @@ def text_files_of(path: str | Path, out: str | Path | None = None) -> tuple[list
             )
         return [Path(path)], []
     if Path(path).is_dir() and (
-        is_token_cache(path) or any((Path(path) / n).is_file() for n in SAVED_DATASET_FILES)
+        is_token_cache(path)
+        or is_run_output(path)
+        or any((Path(path) / n).is_file() for n in SAVED_DATASET_FILES)
     ):
-        what = "a token cache" if is_token_cache(path) else "a dataset saved with save_to_disk"
+        what = (
+            "a token cache"
+            if is_token_cache(path)
+            else "a training run's output directory"
+            if is_run_output(path)
+            else "a dataset saved with save_to_disk"
+        )
         raise ValueError(
             f"{path}: {what}, not a folder of text files; write its texts as .jsonl "
             "records to learn a tokenizer from them"
@@ -405,7 +415,7 @@ def text_files_of(path: str | Path, out: str | Path | None = None) -> tuple[list
 
 def _is_text(file: Path) -> bool:
     """Whether a file found in a folder or by a pattern is text to learn from."""
-    if any(is_token_cache(folder) for folder in file.parents):
+    if any(is_token_cache(folder) or is_run_output(folder) for folder in file.parents):
         return False
     if file_format(file) not in (None, ".jsonl"):  # .npy, .pkl, .parquet, ...
         return False

@@ -34,10 +34,9 @@ from models.files import folder_error
 from train.chat import is_template_file, read_chat_template, save_chat_template, template_files
 from train.config import TrainConfig
 from train.errors import TrainingError
+from train.run_files import LOG_FILE, SETTINGS_FILE
 from train.tensorboard import truncate_events
 
-# The run's resolved settings, every field of every section: `--config` reads it back.
-SETTINGS_FILE = "train_config.yaml"
 # Where `--overwrite_output_dir` keeps a previous run's outputs until the new run is good.
 PREVIOUS_RUN = "previous_run"
 # `previous_run/`'s record of what `set_aside` moved there and how far the moves got,
@@ -66,8 +65,6 @@ RUN_TOKENIZER = "tokenizer"
 # `train.tools.export` reads (`run_model_config`): the input model's config.json edited
 # or moved since changes no later export.
 RUN_MODEL_CONFIG = "model_config.json"
-# The run's metrics, a line a step (what a data folder or pattern must not read).
-LOG_FILE = "log.jsonl"
 RUN_OUTPUTS = (
     "checkpoints",
     LOG_FILE,

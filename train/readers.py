@@ -20,7 +20,8 @@ Formats (chosen by extension, one entry each in :data:`READERS`):
   as they are read.
 - a folder of data files, or a glob pattern of them (key ``files``): each file read by
   its own format, one after another in sorted order (:func:`data_files`); examples are
-  named by their file and line or record.
+  named by their file and line or record. A token cache's folder and a training run's
+  output directory under it are left out.
 
 Each record is turned into token ids by :class:`train.records.RecordParser` (what a
 record may hold, and how text, prompt/completion and conversations are tokenized).
@@ -57,6 +58,7 @@ from train.records import (
     RecordParser,
     split_note,
 )
+from train.run_files import LOG_FILE, SETTINGS_FILE, is_run_output
 from train.words import plural
 
 _MAX_ID = np.iinfo(np.int32).max
@@ -318,7 +320,7 @@ def _read_files(path: Path, parser: RecordParser) -> Iterator[Example]:
     source, (files, others) = parser.path, _scan(path)
     names = [name for name, _ in file_words(path)]
     shown = ", ".join(names if len(names) <= 6 else [*names[:3], "...", *names[-2:]])
-    left_out = _left_out(others)
+    left_out = _left_out(others) + _runs_left_out(listing(path).runs)
     print(f"{path}: reading {plural(len(names), 'data file')}: {shown}{left_out}", flush=True)
     if len(splits := split_names(names)) > 1:
         base = Path(pattern_folder(str(path)) if is_pattern(path) else path)
@@ -349,6 +351,19 @@ def _left_out(others: list[Path]) -> str:
         else ""
     )
     return f"; left out {plural(len(others), 'other file')} ({shown}){json_hint}"
+
+
+def _runs_left_out(runs: list[Path]) -> str:
+    """`; left out 2 training runs' output directories (runs/a, runs/b)`."""
+    if not runs:
+        return ""
+    shown = ", ".join([str(r) for r in runs[:3]] + ["..."] * (len(runs) > 3))
+    what = (
+        "a training run's output directory"
+        if len(runs) == 1
+        else (f"{len(runs)} training runs' output directories")
+    )
+    return f"; left out {what} ({shown})"
 
 
 # A data split's names as they appear in file and folder names (`train-00000-of-00002`,
@@ -402,15 +417,17 @@ def data_files(path: str | Path) -> list[Path]:
 # The listings of folders and patterns made inside `one_listing` (None outside it).
 class Listing(NamedTuple):
     """What listing a folder or pattern found: the data files, in sorted order (each
-    real file once, those in a token cache's folder left out), the other files a
-    folder holds (of no known format), links to nothing that name a data file, the
-    folders a pattern matched, and the folders walked (:class:`train.patterns.Folder`)."""
+    real file once, those in a token cache's folder or a run's output directory left
+    out), the other files a folder holds (of no known format), links to nothing that
+    name a data file, the folders a pattern matched, the folders walked
+    (:class:`train.patterns.Folder`) and the run output directories left out."""
 
     files: list[Path]
     others: list[Path]
     broken: list[Path]
     matched_folders: list[str]
     folders: list[patterns.Folder]
+    runs: list[Path]  # training runs' output directories left out with all they hold
 
 
 # The listings of folders and patterns made inside `one_listing` (None outside it).
@@ -476,31 +493,50 @@ def _list(path: str | Path) -> Listing:
         pattern = os.path.expanduser(str(path))
         matches, walked = patterns.walk(pattern)
         below = Path(pattern_folder(pattern))
-        files = [Path(p) for p in matches if os.path.isfile(p) and not _in_cache(Path(p), below)]
+        files, runs = [], set()
+        for p in matches:
+            if os.path.isfile(p):
+                run = _left_out_by(Path(p), below)
+                files += [Path(p)] if run is None else []
+                runs |= {run} - {CACHE}
         broken = [
             Path(p)
             for p in matches
             if os.path.islink(p) and not os.path.exists(p) and file_format(Path(p))
         ]
         folders = [p for p in matches if os.path.isdir(p)]
-        return Listing(_once(files), [], broken, folders, walked)
+        return Listing(_once(files), [], broken, folders, walked, sorted(runs - {None}))
     root = Path(path)
     if is_token_cache(root):
         raise ValueError(f"{path}: a token cache, not a folder of data files")
-    files, others, broken = [], [], []
+    if is_run_output(root):
+        raise ValueError(
+            f"{path}: a training run's output directory (its {SETTINGS_FILE} and "
+            f"{LOG_FILE}), not a folder of data files"
+        )
+    files, others, broken, runs = [], [], [], []
 
     def unlisted(error: OSError):
         raise ValueError(f"{error.filename}: cannot be listed ({error.strerror})")
 
-    # A token cache's folder under it is left out: its index.npy is no data.
-    names, walked = walk_folder(root, prune=is_token_cache, onerror=unlisted)
+    def pruned(folder: str) -> bool:
+        """A token cache's folder (its index.npy is no data) or a run's output
+        directory (its log.jsonl is no data): left out with all it holds."""
+        if is_token_cache(folder):
+            return True
+        if is_run_output(folder):
+            runs.append(Path(folder))
+            return True
+        return False
+
+    names, walked = walk_folder(root, prune=pruned, onerror=unlisted)
     for file in names:
         known = file_format(file) is not None
         if known and not file.exists():
             broken.append(file)
         else:
             (files if known else others).append(file)
-    return Listing(_once(sorted(files)), sorted(others), sorted(broken), [], walked)
+    return Listing(_once(sorted(files)), sorted(others), sorted(broken), [], walked, sorted(runs))
 
 
 def walk_folder(
@@ -553,14 +589,22 @@ def _once(files: list[Path]) -> list[Path]:
     return kept
 
 
-def _in_cache(file: Path, below: Path) -> bool:
-    """Whether ``file`` lies in a token cache's folder under ``below``."""
+# `_left_out_by`'s answer for a file in a token cache's folder.
+CACHE = Path()
+
+
+def _left_out_by(file: Path, below: Path) -> Path | None:
+    """The folder under ``below`` that leaves ``file`` out: :data:`CACHE` for a token
+    cache's folder, a training run's output directory itself; None where none does."""
+    left_out = None
     for folder in file.parents:
         if folder == below or below not in folder.parents:
-            return False
+            return left_out
         if is_token_cache(folder):
-            return True
-    return False
+            left_out = CACHE
+        elif is_run_output(folder):
+            left_out = folder
+    return left_out
 
 
 def is_token_cache(path: str | Path) -> bool:
