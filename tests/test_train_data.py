@@ -1384,3 +1384,34 @@ def test_a_runs_output_directory_in_a_data_folder_is_left_out(tmp_path, capsys):
         f"{run}: a training run's output directory (its train_config.yaml and log.jsonl), "
         "not a folder of data files"
     )
+
+
+def test_plain_text_as_data_says_how_to_give_it(tmp_path, capsys):
+    """A .txt (or .text, compressed too) file as data is refused in one line that says
+    how to write it as records; a folder of only such files likewise; beside data files
+    they are counted as left out with the same hint."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello world\nsecond line\n")
+    hint = 'write each document as a .jsonl record, one {"text": "..."} a line'
+    for name in ("notes.txt", "notes.text", "notes.txt.gz"):
+        (tmp_path / name).write_bytes(notes.read_bytes())
+        with pytest.raises(ValueError) as refused:
+            load_dataset(tmp_path / name)
+        assert str(refused.value) == (
+            f"{tmp_path / name}: plain text is not read as data (where would each document "
+            f"end?); {hint}"
+        )
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("one")
+    (folder / "b.txt").write_text("two")
+    with pytest.raises(ValueError) as refused:
+        load_dataset(folder)
+    assert str(refused.value).endswith(f"; plain text (2 files here) is not read as data: {hint}")
+    _dump_jsonl(folder / "c.jsonl", ["[1, 2]"])
+    capsys.readouterr()
+    assert load_dataset(folder).tokens.tolist() == [1, 2]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{folder}: reading 1 data file: c.jsonl; left out 2 other files (.txt); plain "
+        """text is not read: a .jsonl file's {"text": ...} records are"""
+    )

@@ -350,7 +350,26 @@ def _left_out(others: list[Path]) -> str:
         if any(".json" in p.name.lower() and ".jsonl" not in p.name.lower() for p in others)
         else ""
     )
-    return f"; left out {plural(len(others), 'other file')} ({shown}){json_hint}"
+    text_hint = (
+        '; plain text is not read: a .jsonl file\'s {"text": ...} records are'
+        if any(_is_plain_text(p) for p in others) and not json_hint
+        else ""
+    )
+    return f"; left out {plural(len(others), 'other file')} ({shown}){json_hint}{text_hint}"
+
+
+# Plain text files by name (`.txt`, `.txt.gz`, ...): not data, with a hint (a README.md
+# beside data is left out without one).
+PLAIN_TEXT_ENDINGS = (".txt", ".text")
+
+
+def _is_plain_text(path: Path) -> bool:
+    """Whether ``path`` is named as plain text (compressed or not)."""
+    name = path.name.lower()
+    for compression in ("", *COMPRESSIONS):
+        if any(name.endswith(e + compression) for e in PLAIN_TEXT_ENDINGS):
+            return True
+    return False
 
 
 def _runs_left_out(runs: list[Path]) -> str:
@@ -476,10 +495,17 @@ def _scan(path: str | Path) -> tuple[list[Path], list[Path]]:
         )
         raise ValueError(f"{path}: no data file matches the pattern{hint}")
     if not found.files:
+        texts = [p for p in found.others if _is_plain_text(p)]
+        hint = (
+            f"; plain text ({plural(len(texts), 'file')} here) is not read as data: write "
+            'each document as a .jsonl record, one {"text": "..."} a line'
+            if texts
+            else ""
+        )
         raise ValueError(
             f"{path}: a directory that is neither a token cache (no meta.json), a dataset "
             f"saved with datasets' save_to_disk (none of {SAVED_DATASET_FILES}), nor a "
-            f"folder of data files (none ending in {', '.join(_file_endings())})"
+            f"folder of data files (none ending in {', '.join(_file_endings())}){hint}"
         )
     if is_pattern(path):
         for file in found.files:
@@ -803,6 +829,11 @@ def data_format(path: str | Path) -> str:
             raise ValueError(
                 f"{path}: a .json file is not read: one JSON record a line is read from a "
                 ".jsonl file (rename it where it holds that; a JSON array: convert it)"
+            )
+        if _is_plain_text(path):
+            raise ValueError(
+                f"{path}: plain text is not read as data (where would each document end?); "
+                'write each document as a .jsonl record, one {"text": "..."} a line'
             )
         raise ValueError(
             f"{path}: unknown data format {path.suffix.lower()!r}; expected a file ending in "
