@@ -12,6 +12,7 @@ Public API (everything else is private):
   BlockSizes, default_block_sizes   kernel tuning knobs
   tiles_first_limits     the kernels' launch order (a context manager for tuning)
   describe               which implementation runs here, and why
+  SharedKVWarning        inside a `shard_map`, k or v the same along axes q varies over
   kernel_timeline, KERNEL_SCOPES   the Mosaic kernels' cycles by named scope per
                          warpgroup (Mosaic GPU's on-device profiler; a context manager)
 """
@@ -25,6 +26,7 @@ from jflash._layout import LAYOUTS, from_layout, positions, to_layout, unzigzag,
 from jflash._reference import attention_reference
 from jflash._ring import ring_attention_rank
 from jflash._timeline import KERNEL_SCOPES, kernel_timeline
+from jflash._vma import SharedKVWarning
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it here)
 
@@ -34,6 +36,7 @@ __all__ = [
     "LAYOUTS",
     "STRATEGIES",
     "BlockSizes",
+    "SharedKVWarning",
     "attention_reference",
     "default_block_sizes",
     "describe",

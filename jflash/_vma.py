@@ -37,6 +37,13 @@ def vary(x, axes: frozenset):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+class SharedKVWarning(UserWarning):
+    """Inside a `jax.shard_map`, q varies over mesh axes that k or v do not: k and v are
+    taken as the same on every device along those axes. Right for a K/V shared across a
+    batch split there; a wrong answer where the axes split q's heads. Where the sharing
+    is meant: `warnings.filterwarnings("ignore", category=jflash.SharedKVWarning)`."""
+
+
 def warn_unshared(where: str, q, k, v) -> None:
     """Warns, at the caller's line, where q varies over manual axes that k or v do not.
     That is right for a K/V shared over an axis that splits q's batch (`match` sums
@@ -51,6 +58,7 @@ def warn_unshared(where: str, q, k, v) -> None:
             "across a batch split there; if q's heads are split over them, split k's and "
             "v's heads there too (as they are, each device's query heads read the first "
             "KV heads: a wrong answer)",
+            SharedKVWarning,
             skip_file_prefixes=JFLASH_FILES,  # the caller's line, at any depth
         )
 

@@ -726,6 +726,13 @@ def test_kv_whole_over_an_axis_that_splits_qs_heads_is_warned_of(call):
         assert [w.filename for w in said] == ([__file__] if warned else []), said
         if warned:
             assert "mesh axes ['tp']" in str(said[0].message)
+            assert said[0].category is jflash.SharedKVWarning
+            with warnings.catch_warnings(record=True) as got:  # silenced by its class
+                warnings.simplefilter("always")
+                warnings.filterwarnings("ignore", category=jflash.SharedKVWarning)
+                specs = dict(in_specs=(heads, kv_spec, kv_spec), out_specs=heads)
+                jax.jit(jax.shard_map(per_shard, mesh=mesh, **specs))(q, k, v)  # traced anew
+            assert not [w for w in got if "k or v do not" in str(w.message)]
         else:
             expected = oracle(q, k, v, do, dlse, causal=True)
             assert_close((out,), expected[:1], jnp.float32, names=("out",))
