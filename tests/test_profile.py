@@ -407,6 +407,23 @@ def test_cpu_trace_from_the_trainer(tmp_path):
         assert getattr(b, field) is None and field in report.not_measured
 
 
+@pytest.mark.skipif(ON_GPU, reason="reads a CPU trace; GPU traces: test_gpu_trace_*")
+def test_trainer_trace_off_logging_steps_gives_each_step_its_own_window(tmp_path):
+    """A window whose steps are not logging steps (the step's metrics are fetched one
+    step late there): on CPU each traced step's runs still begin inside its own step,
+    so the trace tool finds steps 3, 4 and 5, not their work counted under later ones."""
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "10"]
+    argv += ["--profile_steps", "5,8", "--save_strategy", "no", "--export_hf", "false"]
+    argv += ["--progress", "false", "--output_dir", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(1))  # one device, as users run it
+    done = subprocess.run(
+        [sys.executable, "-m", "train", *argv], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = trace.parse(os.path.join(tmp_path, "tensorboard"))
+    assert report.windows == "steps" and report.steps == [5, 6, 7], report.steps
+
+
 def _fake_cpu_trace(events: list[tuple[str, str, float, float, dict]]):
     """A `ProfileData` stand-in: one `/host:CPU` plane of (thread, name, start, duration,
     stats) events, as `trace._cpu_kernels` and `trace._step_annotations` read them."""

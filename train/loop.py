@@ -874,6 +874,7 @@ def _train(
     # saved.
     pending = None
     tracing = False
+    on_cpu = jax.default_backend() == "cpu"
     trace_dir = cfg.profile.profile_dir or os.path.join(out, "tensorboard")
     finished = False
     saved_any = False  # no checkpoint to look for before the first save is issued
@@ -901,6 +902,10 @@ def _train(
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 with _oom_advice(cfg):
                     state, metrics = step_fn(state, t.batch(step))
+                if tracing and on_cpu:
+                    # Nothing in a CPU trace ties a run to the call that dispatched it:
+                    # it is the step's whose annotation it began in, so it ends inside.
+                    jax.block_until_ready(state)
             if tracing and step == profile[1] - 1:
                 jax.block_until_ready(state)
                 tracing = False  # stopped once, even where writing the trace fails
