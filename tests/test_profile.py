@@ -945,6 +945,8 @@ def test_profile_timeout_is_named_where_a_worker_runs_out_of_it(tmp_path, monkey
         "(nothing was run)\n"
     )
     assert not out.exists()
+    # inf: no limit (the wait takes None; Python's waits refuse an infinite timeout).
+    assert profile.this_machine(float("inf"))["device_count"] >= 1
     child = profile._child
 
     def devices_counted(kind, payload, timeout, what):
@@ -963,8 +965,8 @@ def test_profile_timeout_is_named_where_a_worker_runs_out_of_it(tmp_path, monkey
     help_text = " ".join(profile.build_parser().format_help().split())
     assert (
         "--timeout TIMEOUT seconds each worker process may run: each row (each row's compile "
-        "with --fill-xla-cost), and the device count and ceilings measured before the rows "
-        "(default: 1800)"
+        "with --fill-xla-cost), and the device count and ceilings measured before the rows; "
+        "inf: no limit (default: 1800)"
     ) in help_text
 
 
@@ -1705,7 +1707,9 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         (["--append", "--out", str(tmp_path / "cut")], "--append: '"),
         (["--context", "8k,abc", *out], "--context entry 'abc' is not an int or <int>k"),
         (["--context", "0", *out], "--context entry '0' must be >= 1 token"),
-        (["--timeout", "-5", *out], "--timeout=-5.0 must be > 0 seconds"),
+        (["--timeout", "-5", *out], "--timeout=-5.0 must be > 0 and at most 1e+09 seconds, or"),
+        (["--timeout", "nan", *out], "--timeout=nan must be > 0 and at most 1e+09 seconds"),
+        (["--timeout", "1e300", *out], "--timeout=1e+300 must be > 0 and at most 1e+09 "),
         (["--batch", "0", *out], "--batch=0 must be >= 1"),
         (["--out", str(tmp_path / "afile")], "afile' is a file, not a directory"),
         (["--out", str(tmp_path / "afile" / "sub")], "sub' cannot be created: "),
@@ -1738,6 +1742,11 @@ def test_profile_cli_bad_input_is_one_line_error(tmp_path, capsys):
         ),
         (["--context", "1k,1024", *out], "row 'llama3.2-1b-1k-seq2' is asked for more than"),
         (["--context", "1k", "--mesh", "seq=1", "--mesh", "seq=1", *out], "-1k-seq1' is asked"),
+        (
+            ["--context", "1k", "--mesh", "seq=2", "--mesh", "data=1,seq=2", *out],
+            "-1k-seq2' is asked for more than once",
+        ),
+        (["--context", "1k", "--mesh", "data=1", "--mesh", "seq=1", *out], "-1k-seq1' is asked"),
         (
             ["--append", "--reuse-ceilings", "--mesh", "seq=1", "--out", str(tmp_path / "h200")],
             f"--reuse-ceilings: the ceilings in {tmp_path / 'h200' / 'report.json'} were "
@@ -2534,3 +2543,19 @@ def test_peak_flops_tells_the_pcie_and_nvl_cards_from_the_sxm_parts():
     }
     for kind, peak in kinds.items():
         assert peak_flops(SimpleNamespace(device_kind=kind)) == peak, kind
+
+
+def test_profile_mesh_has_one_spelling():
+    """`--mesh` specs naming the same sizes are one mesh, written in the mesh's axis
+    order with axes of size 1 left out; a -1 is kept."""
+    from train.tools.profile import canonical_mesh
+
+    for spec, one in (
+        ("seq=2", "seq=2"),
+        ("data=1,seq=2", "seq=2"),
+        ("seq=2, fsdp=2", "fsdp=2,seq=2"),
+        ("seq_a2a=2,seq=2,data=1", "seq=2,seq_a2a=2"),
+        ("fsdp=-1", "fsdp=-1"),
+        ("data=1", "seq=1"),
+    ):
+        assert canonical_mesh(spec) == one, spec

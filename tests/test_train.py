@@ -200,7 +200,7 @@ def test_out_of_memory_found_when_metrics_arrive_names_the_knobs(tmp_path, monke
         (["--mesh", "data=1,fsdp=1,seq=64"], "needs 64 devices"),
         (["--mesh", "seq=-1,fsdp=-1"], "only one axis may be -1"),
         (["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs=0.0 must be > 0"),
-        (["--profile_steps", "1,7"], "ends after the run's 1 step;"),
+        (["--profile_steps", "2,7"], "starts after the run's 1 step: nothing would be traced"),
         (["--profile_steps", "0,2"], r"needs 1 <= start < stop \(steps count from 1"),
         *[
             pytest.param(["--mesh", "data=2,fsdp=2,seq=2", *more], match, marks=EIGHT)

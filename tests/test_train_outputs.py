@@ -441,6 +441,17 @@ def test_profile_window_before_a_resumed_runs_steps_is_named(tmp_path, capsys):
     assert os.listdir(tmp_path / "b" / "tensorboard" / "plugins" / "profile")
 
 
+def test_profile_window_past_the_runs_last_step_is_cut_there(tmp_path, capsys):
+    """A --profile_steps window that ends after the run's last step traces the steps it
+    holds and says which (one that starts after it is refused before compiling)."""
+    extra = ["--max_steps", "3", "--profile_steps", "3,5", "--save_strategy", "no"]
+    run(parse_args(_args(tmp_path / "run", "--report_to", "none", *extra)))
+    captured = capsys.readouterr()
+    assert "this run's steps are 1..3; tracing steps 3..3 of the window" in captured.err
+    assert "--profile_steps: traced steps 3..3" in captured.out
+    assert os.listdir(tmp_path / "run" / "tensorboard" / "plugins" / "profile")
+
+
 def test_step_line_of_a_traced_window_says_so(tmp_path, capsys):
     """The tokens/s of a logging window that holds `--profile_steps` are the profiler's
     too: its step line says so; the other windows' lines do not."""

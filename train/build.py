@@ -732,11 +732,13 @@ def build(
             f"nothing to train: --num_train_epochs={cfg.run.num_train_epochs} and "
             f"--max_steps={cfg.run.max_steps} give {total_steps} steps"
         )
+    # A window that starts after the run's last step traces nothing; one that ends
+    # after it is cut there, with a warning (`train.loop`).
     profile = profile_window(cfg)
-    if profile and profile[1] > total_steps:
+    if profile and profile[0] >= total_steps:
         raise TrainingError(
-            f"--profile_steps={cfg.profile.profile_steps!r} ends after the run's "
-            f"{plural(total_steps, 'step')}; the trace would never be written"
+            f"--profile_steps={cfg.profile.profile_steps!r} starts after the run's "
+            f"{plural(total_steps, 'step')}: nothing would be traced"
         )
 
     packed = rows.packed or (eval_rows is not None and eval_rows.packed)

@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -735,6 +736,10 @@ def remove_stale_temp(root: str | None = None) -> list[str]:
 TIMED_OUT = "timed out after"
 
 
+# The longest finite --timeout (about 31 years): past it Python's waits overflow.
+MAX_TIMEOUT = 1e9
+
+
 def timed_out(timeout: float) -> str:
     """What a worker ended after `timeout` seconds says: the limit, the flag that set it
     (every worker runs under `--timeout`) and what to do."""
@@ -770,7 +775,7 @@ def _child(kind: str, payload: dict, timeout: float, what: str) -> dict:
         try:
             with contextlib.suppress(OSError):  # a failed write keeps the record above
                 _write_owner(tmp, [os.getpid(), proc.pid])
-            stdout, stderr = proc.communicate(timeout=timeout)
+            stdout, stderr = proc.communicate(timeout=None if timeout == math.inf else timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
             return {"status": "error", "error": timed_out(timeout)}
@@ -1017,8 +1022,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1800,
         help="seconds each worker process may run: each row (each row's compile with "
-        "--fill-xla-cost), and the device count and ceilings measured before the rows "
-        "(default: %(default)s)",
+        "--fill-xla-cost), and the device count and ceilings measured before the rows; "
+        "inf: no limit (default: %(default)s)",
     )
     p.add_argument(
         "--out",
@@ -1107,8 +1112,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--layers={args.layers} must be >= 1")
     if args.batch < 1:
         parser.error(f"--batch={args.batch} must be >= 1")
-    if not args.timeout > 0:
-        parser.error(f"--timeout={args.timeout} must be > 0 seconds")
+    if not (0 < args.timeout <= MAX_TIMEOUT or args.timeout == math.inf):
+        parser.error(
+            f"--timeout={args.timeout} must be > 0 and at most {MAX_TIMEOUT:.0e} seconds, "
+            "or inf for no limit"
+        )
     from train.config import gather_once_error
 
     if error := gather_once_error(args.shard_over_seq, args.gather_once, dashes=True):
@@ -1170,12 +1178,24 @@ def _fill(parser: argparse.ArgumentParser, directory: str, timeout: float, comma
     fill_xla_cost(directory, report, timeout, filled)
 
 
+def canonical_mesh(spec: str) -> str:
+    """A well-formed `--mesh` spec in one spelling: its axes in the mesh's order, those
+    of size 1 left out (an axis not named has size 1), `seq=1` where all are."""
+    from train.mesh import AXES, mesh_sizes
+
+    sizes = mesh_sizes(spec)
+    return ",".join(f"{a}={sizes[a]}" for a in AXES if sizes.get(a, 1) != 1) or "seq=1"
+
+
 def _jobs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Job]:
     """The rows to run, model x mesh x context; a bad value refused by name."""
     meshes = args.mesh or ["seq=2"]
     for mesh in meshes:  # the spec's form and axes need no devices: refused first
         if error := mesh_error(mesh):
             parser.error(f"{error} (nothing was run)")
+    # One spelling per mesh (`data=1,seq=2` is `seq=2`): a mesh given twice in two
+    # spellings is one row, refused as given twice, and its row replaces a report's.
+    meshes = [canonical_mesh(mesh) for mesh in meshes]
     try:
         contexts = [parse_context(c) for c in args.context.split(",") if c.strip()]
     except ValueError as e:
