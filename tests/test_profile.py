@@ -81,12 +81,26 @@ def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
     assert "– permute_bytes: needs the compiled HLO (collective-permute sizes)" in out
     trace.main([GPU_TRACE, "--json"])
     assert json.loads(capsys.readouterr().out)["steps"] == [3, 4]
+    # A folder of traces: the newest is read, and a line on stderr says which.
+    import shutil
+
+    for k, run_dir in enumerate(("a", "b")):
+        (tmp_path / "runs" / run_dir).mkdir(parents=True)
+        copy = shutil.copy(GPU_TRACE, tmp_path / "runs" / run_dir / "h.xplane.pb.gz")
+        os.utime(copy, (1e9 + k, 1e9 + k))
+    trace.main([str(tmp_path / "runs")])
+    said = capsys.readouterr()
+    assert said.out.startswith("gpu, 2 device(s), steps 3, 4")
+    newest = tmp_path / "runs" / "b" / "h.xplane.pb.gz"
+    assert said.err == f"{tmp_path / 'runs'}: reading {newest} (the newest of 2 traces under it)\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
     with pytest.raises(SystemExit) as e:
-        trace.main([str(tmp_path)])
+        trace.main([str(empty)])
     assert e.value.code == 2
     assert (
         capsys.readouterr().err
-        == f"error: TRACE={str(tmp_path)!r}: no *.xplane.pb under {str(tmp_path)!r}\n"
+        == f"error: TRACE={str(empty)!r}: no *.xplane.pb under {str(empty)!r}\n"
     )
 
 

@@ -144,6 +144,11 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
     ]
     yaml.write_text("run:\n  save_strategy: 'no'\n  save_steps: 500\n  eval_strategy: 'no'\n")
     assert warnings("--config", str(yaml)) == []
+    # A trace folder without a window traces nothing.
+    assert warnings("--profile_dir", "traces") == [
+        "warning: --profile_dir='traces' has no effect without --profile_steps (nothing is traced)"
+    ]
+    assert warnings("--profile_dir", "traces", "--profile_steps", "2,3") == []
 
 
 def test_eval_strategy_no_reads_no_evaluation_data(tmp_path):

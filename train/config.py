@@ -871,12 +871,17 @@ def _check_unused(cfg: TrainConfig) -> None:
             )
 
 
-def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
+def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
     """Warning lines for `--save_steps` / `--eval_steps` in `given` (the settings the
     user gave) while their strategy is `no` or `epoch`: accepted, as HF accepts them,
-    but unused."""
+    but unused; and for a `--profile_dir` without `--profile_steps`."""
     run = cfg.run
     lines = []
+    if cfg.profile.profile_dir and not cfg.profile.profile_steps:
+        lines.append(
+            f"warning: --profile_dir={cfg.profile.profile_dir!r} has no effect without "
+            "--profile_steps (nothing is traced)"
+        )
     if "save_steps" in given and run.save_strategy == "no":
         lines.append(
             f"warning: --save_steps={run.save_steps} has no effect with --save_strategy no "
@@ -902,8 +907,8 @@ def ignored_steps(cfg: TrainConfig, given: set[str]) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Flags (and `--config` YAML) -> `TrainConfig`; explicit flags win over the YAML.
-    A `*_steps` setting its `*_strategy no` leaves unused gets a warning line on stderr
-    (`ignored_steps`)."""
+    A setting that another leaves unused gets a warning line on stderr
+    (`ignored_settings`)."""
     if argv is None:
         argv = sys.argv[1:]
     ns = build_parser().parse_args(_join_negative_numbers(list(argv)))
@@ -936,7 +941,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             f"--eval_strategy={asked} needs --eval_data_path (no evaluation data given); "
             "pass one, or --eval_strategy no"
         )
-    for line in ignored_steps(cfg, given):
+    for line in ignored_settings(cfg, given):
         print(line, file=sys.stderr, flush=True)
     return cfg
 

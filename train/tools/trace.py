@@ -164,11 +164,16 @@ def find_xplane(path: str) -> str:
     """`path` itself if a file, else the newest `*.xplane.pb[.gz]` under it."""
     if os.path.isfile(path):
         return path
-    found = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
-    found += glob.glob(os.path.join(path, "**", "*.xplane.pb.gz"), recursive=True)
+    found = traces_under(path)
     if not found:
         raise FileNotFoundError(f"no *.xplane.pb under {path!r}")
     return max(found, key=os.path.getmtime)
+
+
+def traces_under(path: str) -> list[str]:
+    """The `*.xplane.pb[.gz]` files at any depth under the directory `path`."""
+    found = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
+    return found + glob.glob(os.path.join(path, "**", "*.xplane.pb.gz"), recursive=True)
 
 
 def load(path: str) -> ProfileData:
@@ -869,6 +874,10 @@ def main(argv: list[str] | None = None) -> TraceReport:
                 f"--step-name={args.step_name!r}: no such step annotation (with a step_num) "
                 f"in {find_xplane(args.trace)!r}"
             )
+        if os.path.isdir(args.trace):  # which trace of a folder was read, on stderr
+            read, count = find_xplane(args.trace), len(traces_under(args.trace))
+            of = f"the newest of {count} traces" if count > 1 else "the one trace"
+            print(f"{args.trace}: reading {read} ({of} under it)", file=sys.stderr, flush=True)
         report = parse(args.trace, hlo=hlo, step_name=args.step_name or "train")
     except FileNotFoundError as e:
         p.error(f"TRACE={args.trace!r}: {e}")
