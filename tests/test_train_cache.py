@@ -1462,3 +1462,45 @@ def test_a_cache_builds_where_the_filesystem_has_no_locks(tmp_path, monkeypatch)
     cache = data_cache.build_cache(source, tmp_path / "c")
     assert np.asarray(cache.tokens).tolist() == [5, 6, 7]
     assert not data_cache._held(tmp_path / "c")
+
+
+def test_a_text_that_is_not_unicode_is_named_by_its_record(bpe, tmp_path):
+    """A lone UTF-16 surrogate (valid JSON, `"\\ud800"`, in scraped text) in a text, a
+    prompt or a completion is refused naming its file, line and field, where the
+    tokenizer raised a TypeError naming none; the tokenizer tool names it too."""
+    good = json.dumps({"text": "fine text"})
+    for record, field in (
+        ('{"text": "bad \\ud800 surrogate"}', "'text'"),
+        ('{"prompt": "q \\udc80", "completion": "a"}', "'prompt'"),
+        ('{"prompt": "q", "completion": "a \\udc80"}', "'completion'"),
+    ):
+        source = tmp_path / "s.jsonl"
+        source.write_text(f"{good}\n{record}\n")
+        cfg = _cfg(data_path=str(source), model_max_length=4, tokenizer_name_or_path=str(bpe))
+        with pytest.raises(ValueError) as refused:
+            load_rows(cfg, models.TINY)
+        assert f"{source}: line 2: {field} holds " in str(refused.value), str(refused.value)
+        assert "a lone UTF-16 surrogate" in str(refused.value)
+    with pytest.raises(ValueError, match=r"s\.jsonl: line 2: a text holds '\\udc80' at character"):
+        data_lib.train_tokenizer([source], tmp_path / "tok", vocab_size=300)
+    assert not (tmp_path / "tok").exists()
+
+
+def test_the_tokenizer_tool_reads_utf8_text_once_per_file(bpe, tmp_path):
+    """Plain text that is not UTF-8 is refused naming the file and byte (it was decoded
+    with replacement characters, which the tokenizer then learned); a byte order mark
+    is no text; a file reached twice (a link, a folder and a file in it) is learned
+    from once: the same tokenizer as from the file alone."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(("café naïve " * 50).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin\.txt: byte 3 is not UTF-8 \(invalid contin"):
+        data_lib.train_tokenizer([latin], tmp_path / "t0", vocab_size=300)
+    corpus = bpe.parent / "corpus.txt"
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_bytes(b"\xef\xbb\xbf" + corpus.read_bytes())
+    os.symlink("../a.txt", folder / "sub" / "again.txt")
+    data_lib.train_tokenizer([folder, folder / "a.txt"], tmp_path / "t1", vocab_size=300)
+    assert (tmp_path / "t1" / "tokenizer.json").read_bytes() == (
+        bpe / "tokenizer.json"
+    ).read_bytes()

@@ -64,6 +64,7 @@ from train.records import (
     ChatTurnsError,
     NoTokenizerError,
     load_tokenizer,
+    not_unicode,
     record_kind,
     tokenizer_file,
 )
@@ -456,7 +457,12 @@ def train_tokenizer(
             + (f" + {len(extra)} special tokens)" if extra else ")")
         )
     found = [text_files_of(given, out) for given in files]
-    files = [f for kept, _ in found for f in kept]
+    # Each real file once: a link to one, a folder and a file in it, a pattern's
+    # matches through linked folders (each would weigh its text twice).
+    real = {}
+    for f in (f for kept, _ in found for f in kept):
+        real.setdefault(os.path.realpath(f), f)
+    files = list(real.values())
     left = [f for _, others in found for f in others]
     if left:
         names = ", ".join(str(f) for f in left[:3]) + ", ..." * (len(left) > 3)
@@ -478,10 +484,12 @@ def train_tokenizer(
         for f in files:
             if file_format(Path(f)) == ".jsonl":  # compressed too
                 for i, record in read_jsonl(Path(f)):
-                    yield from _record_texts(record, f"{f}: line {i}")
+                    for text in _record_texts(record, f"{f}: line {i}"):
+                        if problem := not_unicode(text):
+                            raise ValueError(f"{f}: line {i}: a text {problem}")
+                        yield text
             else:  # text, decompressed where its name says (`.txt.gz`)
-                with open_data(Path(f)) as text:
-                    yield text.read().decode("utf-8", errors="replace")
+                yield _file_text(Path(f))
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -516,6 +524,21 @@ def train_tokenizer(
     else:  # an earlier tokenizer's template there would pair with this one
         (out / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
     return out / "tokenizer.json"
+
+
+def _file_text(path: Path) -> str:
+    """A text file's text (decompressed where its name says), UTF-8 with a byte order
+    mark at its start dropped; ValueError naming the file and byte where it is not
+    UTF-8 (a tokenizer learning replacement characters for it would learn no text)."""
+    with open_data(path) as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: byte {e.start} is not UTF-8 ({e.reason}): the tokenizer learns from "
+            "UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def _record_texts(record: Any, where: str) -> Iterator[str]:

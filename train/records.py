@@ -241,6 +241,19 @@ class Chat(NamedTuple):
     learned_from: int
 
 
+def not_unicode(text: str) -> str | None:
+    """What makes ``text`` no Unicode text (a lone UTF-16 surrogate, which a JSON escape
+    such as ``"\\ud800"`` writes and no tokenizer encodes), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"holds {text[e.start]!r} at character {e.start}: a lone UTF-16 surrogate (half "
+            "of a pair, as a JSON escape can write it), which is not text; fix or drop it"
+        )
+    return None
+
+
 class RecordParser:
     """Turns one record into ``(input_ids, labels or None)``; ``tokenizer``: a
     ``tokenizer.json`` or its directory, loaded at the first record that needs it
@@ -355,16 +368,18 @@ class RecordParser:
         )
         tokenizer = self._get_tokenizer(f"{wheres[first]}: has {fields}")
         if texts:
-            for (i, _), encoding in zip(
-                texts, tokenizer.encode_batch([text for _, text in texts]), strict=True
-            ):
+            encoded = self._encode(tokenizer, wheres, [(i, "'text'", t) for i, t in texts])
+            for (i, _), encoding in zip(texts, encoded, strict=True):
                 ids = np.asarray(encoding.ids, dtype=np.int32)
                 self.empty_texts += not ids.size
                 out[i] = ids, None
         if pairs:
-            prompts = tokenizer.encode_batch([prompt for _, prompt, _ in pairs])
-            completions = tokenizer.encode_batch(
-                [completion for *_, completion in pairs], add_special_tokens=False
+            prompts = self._encode(tokenizer, wheres, [(i, "'prompt'", p) for i, p, _ in pairs])
+            completions = self._encode(
+                tokenizer,
+                wheres,
+                [(i, "'completion'", c) for i, _, c in pairs],
+                add_special_tokens=False,
             )
             for (i, *_), prompt, completion in zip(pairs, prompts, completions, strict=True):
                 answer = np.asarray(completion.ids, dtype=np.int32)
@@ -378,6 +393,26 @@ class RecordParser:
         if chats:
             self._tokenize_chats(wheres, chats, tokenizer, out)
         return out
+
+    def _encode(
+        self,
+        tokenizer,
+        wheres: Sequence[str],
+        texts: Sequence[tuple[int, str, str]],
+        add_special_tokens: bool = True,
+    ) -> list:
+        """``tokenizer.encode_batch`` of the texts of ``(record index, field, text)``;
+        a text that is not Unicode (a lone surrogate, which JSON's escapes can write)
+        refused naming its record and field, where the tokenizer would raise a
+        TypeError naming neither."""
+        batch = [text for *_, text in texts]
+        try:
+            return tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError):
+            for i, field, text in texts:
+                if problem := not_unicode(text):
+                    raise ValueError(f"{self.path}: {wheres[i]}: {field} {problem}") from None
+            raise
 
     def _tokenize_chats(
         self,
@@ -422,8 +457,8 @@ class RecordParser:
                 self.unrendered_roles[role] = self.unrendered_roles.get(role, 0) + 1
             self.unrendered_reasoning += reasoning
             rendered.append((i, examples, split))
-        texts = [text for _, examples, _ in rendered for text, _ in examples]
-        encodings = iter(tokenizer.encode_batch(texts, add_special_tokens=False))
+        texts = [(i, "'messages'", text) for i, examples, _ in rendered for text, _ in examples]
+        encodings = iter(self._encode(tokenizer, wheres, texts, add_special_tokens=False))
         for i, examples, split in rendered:
             tokens = []
             mine = itertools.islice(encodings, len(examples))
