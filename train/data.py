@@ -714,7 +714,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="token appended after each document (default: the tokenizer's eos_token)",
     )
-    cache.add_argument("--no-eos", action="store_true", help="no token between documents")
+    cache.add_argument(
+        "--no-eos",
+        action="store_true",
+        help="no token between documents (python -m train reads such a cache only for a "
+        "model and tokenizer that name no EOS: it packs with theirs)",
+    )
     cache.add_argument("--vocab-size", type=int, default=None, help="also check id range")
     cache.add_argument(
         "--overwrite",
