@@ -26,6 +26,7 @@ and ``jflash_config.json``; tokenizer files are copied along in both directions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -482,10 +483,11 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
     The config records the parameters' own dtype as ``param_dtype`` (bfloat16 arrays of
     a float32 config are saved as bfloat16, and say so); parameters of several dtypes
     are refused. The config marks a whole directory (:func:`load_native` reads it
-    first): one already there is removed before the parameters are written (staged,
-    then renamed), and the new one written last, so that a write cut off leaves no
-    directory that reads as a model with another model's parameters, or with
-    parameters half written."""
+    first): the parameters are written beside the old ones first (staged; a write cut
+    off removes them and leaves the old model whole), then the old config is removed,
+    the parameters renamed into place and the new config written last, so that no
+    moment leaves a directory that reads as a model with another model's parameters,
+    or with parameters half written."""
     check_params(config, params)  # another model's tree replaces no checkpoint
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     tensors = {
@@ -501,10 +503,15 @@ def save_native(params: Params, config: LlamaConfig, path: str | os.PathLike[str
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     config_path = os.path.join(path, NATIVE_CONFIG)
+    staged = os.path.join(path, NATIVE_PARAMS + _STAGED)
+    try:
+        save_file(tensors, staged, {"format": "jflash"})
+    except BaseException:  # an error or Ctrl-C while writing: the old model stays whole
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+        raise
     if os.path.lexists(config_path):
         os.remove(config_path)
-    staged = os.path.join(path, NATIVE_PARAMS + _STAGED)
-    save_file(tensors, staged, {"format": "jflash"})
     os.replace(staged, os.path.join(path, NATIVE_PARAMS))
     with atomic_write(config_path, "w") as f:
         json.dump(config_to_dict(config), f, indent=2)
@@ -564,17 +571,17 @@ def tokenizer_files(folder: str | os.PathLike[str]) -> list[str]:
 
 def _copy_tokenizer(src: str, dst: str) -> None:
     """The tokenizer files of directory ``src`` into ``dst`` (none when they are one).
-    Where ``src`` has a tokenizer, the tokenizer files of ``dst`` that are not its (those
-    of another model, which ``--overwrite`` replaces: a chat template the new tokenizer
-    lacks) are removed, so that no model is left beside another one's template."""
+    The tokenizer files of ``dst`` that are not ``src``'s (those of another model, which
+    ``--overwrite`` replaces: a chat template the new tokenizer lacks, or a whole
+    tokenizer where ``src`` has none) are removed, so that no model is left beside
+    another one's tokenizer or template."""
     if os.path.isdir(dst) and os.path.samefile(src, dst):
         return
     copied = tokenizer_files(src)
     for name in copied:
         os.makedirs(os.path.dirname(os.path.join(dst, name)), exist_ok=True)
         shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-    if copied:
-        remove_other_tokenizer_files(dst, copied)
+    remove_other_tokenizer_files(dst, copied)
 
 
 def remove_other_tokenizer_files(folder: str, kept: Iterable[str]) -> None:
@@ -710,6 +717,8 @@ def init_hf(
         _copy_tokenizer(files, os.fspath(out))
         if os.path.basename(tokenizer_json) != "tokenizer.json":
             shutil.copy(tokenizer_json, os.path.join(out, "tokenizer.json"))
+    else:  # no tokenizer: another model's there (--overwrite) would not match this one
+        remove_other_tokenizer_files(os.fspath(out), [])
     return config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import re
 import shutil
 from functools import partial
@@ -1182,6 +1183,20 @@ def test_overwrite_leaves_no_other_models_tokenizer_files(tmp_path, capsys):
         "y": 1,
         "z": 2,
     }
+    # A model without a tokenizer over one with: the old tokenizer goes too (its ids
+    # would not be this model's), from --init and from --from-hf alike.
+    convert_main(["--init", "tiny", "--vocab-size", "300", "--out", str(out), "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    convert_main(["--init", "tiny", "--tokenizer", str(old), "--out", str(old / "m")])
+    bare = tmp_path / "bare"
+    convert_main(["--init", "tiny", "--out", str(bare)])
+    convert_main(["--from-hf", str(old / "m"), "--out", str(tmp_path / "native")])
+    assert (tmp_path / "native" / "chat_template.jinja").is_file()
+    convert_main(["--from-hf", str(bare), "--out", str(tmp_path / "native"), "--overwrite"])
+    assert sorted(p.name for p in (tmp_path / "native").iterdir()) == [
+        "jflash_config.json",
+        "params.safetensors",
+    ]
 
 
 def test_init_takes_a_tokenizer_file_named_without_a_folder(tmp_path, monkeypatch):
@@ -1256,10 +1271,10 @@ def test_cli_round_trip(tmp_path, params, capsys):
     jax.tree.map(np.testing.assert_array_equal, models.load_hf(tmp_path / "native")[1], params)
 
 
-def test_save_native_cut_off_leaves_no_directory_that_reads(tmp_path, params, monkeypatch):
-    """`save_native` over another model drops its config (what `load_native` reads
-    first) before the parameters are written, staged: a write cut off leaves a directory
-    that is refused, never another model's config over half-written parameters."""
+def test_save_native_cut_off_leaves_the_old_model_whole(tmp_path, params, monkeypatch):
+    """`save_native` over another model writes the new parameters staged beside the old
+    ones: a write cut off (Ctrl-C, a full disk) removes them and leaves the old model
+    whole, never another model's config over half-written parameters."""
     import models.convert as convert
 
     models.save_native(params, SMALL, tmp_path / "native")
@@ -1270,10 +1285,12 @@ def test_save_native_cut_off_leaves_no_directory_that_reads(tmp_path, params, mo
         raise KeyboardInterrupt
 
     monkeypatch.setattr(convert, "save_file", cut_off)
+    doubled = jax.tree.map(lambda a: a * 2, params)
     with pytest.raises(KeyboardInterrupt):
-        models.save_native(params, SMALL, tmp_path / "native")
-    with pytest.raises(ValueError, match="is not a native directory"):
-        models.load_native(tmp_path / "native")
+        models.save_native(doubled, SMALL, tmp_path / "native")
+    assert sorted(os.listdir(tmp_path / "native")) == ["jflash_config.json", "params.safetensors"]
+    config, native = models.load_native(tmp_path / "native")
+    jax.tree.map(np.testing.assert_array_equal, native, params)
     monkeypatch.undo()
     models.save_native(params, SMALL, tmp_path / "native")
     config, native = models.load_native(tmp_path / "native")
