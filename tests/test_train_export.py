@@ -379,3 +379,28 @@ def test_the_shared_modules_say_they_are_no_command():
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.startswith("error: train.tools.roofline is a module the tools share")
     assert all(f"train.tools.{c}" in done.stderr for c in COMMANDS)
+
+
+def test_the_exports_generation_config_stops_on_the_trained_eos(tmp_path):
+    """A model directory's generation_config.json (what transformers' `generate` stops
+    on) goes with the export holding the export's EOS ids, the one trained with first,
+    as config.json does; its other settings are kept."""
+    from models.convert import main as convert_main
+
+    model = tmp_path / "model"
+    convert_main(["--init", "tiny", "--out", str(model)])
+    settings = {"eos_token_id": 2, "temperature": 0.6, "do_sample": True}
+    (model / "generation_config.json").write_text(json.dumps(settings))
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", str(model), "--data_path", "sample", "--max_steps", "1"]
+    argv += ["--model_max_length", "32", "--eos_token_id", "5", "--save_strategy", "no"]
+    run(parse_args([*argv, "--report_to", "none", "--output_dir", str(out)]))
+    config = json.loads((out / "hf" / "config.json").read_text())
+    generation = json.loads((out / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"]
+    assert config["eos_token_id"] in (5, [5, 2]), config["eos_token_id"]
+    assert {k: generation[k] for k in ("temperature", "do_sample")} == {
+        "temperature": 0.6,
+        "do_sample": True,
+    }
+    assert json.loads((model / "generation_config.json").read_text()) == settings  # untouched

@@ -335,8 +335,9 @@ def _run_from(
             # export (`outputs.has_export`).
             os.makedirs(hf_dir, exist_ok=True)
             export_cfg, tokenizer = outputs.with_run_tokenizer(cfg, out)
-            outputs.copy_tokenizer(tokenizer, hf_dir, t.chat_templates)
             config = export_config(export_cfg, t.config)
+            eos = config.eos_token_id
+            outputs.copy_tokenizer(tokenizer, hf_dir, t.chat_templates, eos_token_id=eos)
             models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
     return state, history
 

@@ -649,14 +649,21 @@ def truncate_log(path: str, last_step: int) -> None:
         os.replace(part, path)
 
 
-def copy_tokenizer(source: str, hf_dir: str, chat_templates: dict[str, str] | None = None) -> None:
+def copy_tokenizer(
+    source: str,
+    hf_dir: str,
+    chat_templates: dict[str, str] | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> None:
     """The run's tokenizer goes with the export, so it loads as a model: `source` is
     `--tokenizer_name_or_path` (a `tokenizer.json` or its directory) or, without it, the
     input model's directory (nothing to copy for a preset). `chat_templates`: the
     templates the run rendered its conversations with in place of the tokenizer's
     (`--chat_template`, `{name: text}`), written as transformers 5 saves a tokenizer's
     (`train.chat.save_chat_template`) instead of the tokenizer's own, so that
-    `apply_chat_template` renders what training saw."""
+    `apply_chat_template` renders what training saw. `eos_token_id`: the export's
+    config.json's, which a `generation_config.json` copied with it takes too (what
+    transformers' `generate` stops on)."""
     if os.path.isfile(source):
         shutil.copy2(source, os.path.join(hf_dir, "tokenizer.json"))
     else:
@@ -667,6 +674,23 @@ def copy_tokenizer(source: str, hf_dir: str, chat_templates: dict[str, str] | No
             shutil.copy2(os.path.join(source, name), os.path.join(hf_dir, name))
     if chat_templates is not None:
         save_chat_template(hf_dir, chat_templates)
+    generation = os.path.join(hf_dir, GENERATION_CONFIG)
+    if eos_token_id is not None and os.path.isfile(generation):
+        try:
+            with open(generation, encoding="utf-8") as f:
+                settings = json.load(f)
+        except ValueError:  # not JSON: transformers refuses it as it was
+            return
+        eos = list(eos_token_id) if isinstance(eos_token_id, (tuple, list)) else eos_token_id
+        if isinstance(settings, dict) and settings.get("eos_token_id") != eos:
+            settings["eos_token_id"] = eos
+            with open(generation, "w", encoding="utf-8") as f:
+                json.dump(settings, f, indent=2)
+                f.write("\n")
+
+
+# transformers' generation settings of a model directory (copied with its tokenizer).
+GENERATION_CONFIG = "generation_config.json"
 
 
 def tokenizer_files(source: str, chat_templates: dict[str, str] | None = None) -> list[str]:

@@ -206,7 +206,7 @@ def export(
     staging = os.path.join(out, f"{STAGING}{uuid.uuid4().hex[:8]}")
     try:
         os.makedirs(staging)
-        outputs.copy_tokenizer(tokenizer, staging, templates)
+        outputs.copy_tokenizer(tokenizer, staging, templates, eos_token_id=config.eos_token_id)
         try:
             models.export_hf(params, config, staging, dtype=dtype, max_shard_bytes=max_shard_bytes)
         except ValueError as e:  # a weight --dtype cannot hold
