@@ -409,6 +409,21 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
             raise ValueError(f"{path} is not valid JSON ({e})") from None
         if not isinstance(hf, dict):
             raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+        try:
+            return _from_hf_dict(hf)
+        except (ValueError, NotImplementedError) as e:  # named by the file
+            said = str(e)
+            said = (
+                f"{path} {said.removeprefix('config.json ')}"
+                if said.startswith("config.json ")
+                else f"{path}: {said}"
+            )
+            raise type(e)(said) from None
+    return _from_hf_dict(hf)
+
+
+def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
+    """:func:`from_hf_config` of a parsed ``config.json``."""
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"model_type={model_type!r}: only 'llama' checkpoints are supported")

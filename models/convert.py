@@ -327,8 +327,16 @@ def load_hf(
 
 def _beyond(array: np.ndarray, dtype: np.dtype) -> str | None:
     """Where a finite weight of `array` is beyond `dtype`'s range (float16's 65504),
-    which a cast would make inf: `holds a weight of magnitude ..., beyond ...`; else
+    which a cast would make inf: `holds a weight of magnitude ..., beyond ...`; where
+    `array` holds no floats (an int8 tensor of a quantized checkpoint), that; else
     None."""
+    try:
+        ml_dtypes.finfo(array.dtype)
+    except ValueError:
+        return (
+            f"is stored as {np.dtype(array.dtype).name}, not floats (a quantized "
+            "checkpoint?): weights are read from float32, bfloat16 or float16 tensors"
+        )
     limit = float(ml_dtypes.finfo(dtype).max)
     if array.size and limit < float(ml_dtypes.finfo(array.dtype).max):
         largest = float(np.max(np.abs(array[np.isfinite(array)]), initial=0.0))
@@ -345,11 +353,15 @@ def _cast(tensors, key: str, transform: Transform, dtype: np.dtype, path: str) -
     `dtype`'s range (`_beyond`)."""
     array = _apply(tensors[key], transform)
     if beyond := _beyond(array, dtype):
-        raise ValueError(
-            f"checkpoint {path}: {key} {beyond}: param_dtype={dtype.name!r} would make it "
-            "inf; load it as 'float32' or 'bfloat16'"
-        )
+        raise ValueError(f"checkpoint {path}: {key} {beyond}{_inf_hint(beyond, dtype)}")
     return array.astype(dtype)
+
+
+def _inf_hint(beyond: str, dtype: np.dtype) -> str:
+    """What `_beyond`'s range message adds: the cast that would make the weight inf."""
+    if not beyond.startswith("holds a weight"):
+        return ""
+    return f": param_dtype={dtype.name!r} would make it inf; load it as 'float32' or 'bfloat16'"
 
 
 def to_hf_state_dict(
@@ -545,12 +557,12 @@ def load_native(
     params: Params = {}
     for key, array in SafetensorsFile(os.path.join(path, NATIVE_PARAMS)).items():
         if beyond := _beyond(array, dtype):
-            raise ValueError(
-                f"{path}: {key} {beyond}: param_dtype={dtype.name!r} would make it inf; "
-                "load it as 'float32' or 'bfloat16'"
-            )
+            raise ValueError(f"{path}: {key} {beyond}{_inf_hint(beyond, dtype)}")
         _set(params, tuple(key.split("/")), np.array(array, dtype=dtype))
-    check_params(config, params)
+    try:
+        check_params(config, params)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return config, params
 
 

@@ -71,9 +71,16 @@ def check_params(config: LlamaConfig, params: Params) -> None:
     ]
     if missing or unexpected or misshaped:
         raise ValueError(
-            f"parameters do not match the config: missing={missing}, "
-            f"unexpected={unexpected}, misshaped={misshaped}"
+            f"parameters do not match the config: missing={_few(missing)}, "
+            f"unexpected={_few(unexpected)}, misshaped={_few(misshaped)}"
         )
+
+
+def _few(names: list[str], shown: int = 4) -> str:
+    """`names` as a list, cut to its first `shown` and a count of the rest."""
+    if len(names) <= shown:
+        return str(names)
+    return f"{names[:shown]} and {len(names) - shown} more"
 
 
 def bind(config: LlamaConfig, params: Params, attention: AttentionConfig | str = "xla") -> Llama:

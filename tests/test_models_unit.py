@@ -810,6 +810,38 @@ def test_load_hf_into_fp16_refuses_a_weight_beyond_its_range(tmp_path, params):
     assert all(x.dtype == np.float16 for x in jax.tree.leaves(loaded))
 
 
+def test_checkpoint_errors_name_their_file_and_tensor(tmp_path, params):
+    """An int8 tensor (a quantized checkpoint), a native directory missing a tensor and
+    a config.json missing a key are refused naming the file or directory and the
+    tensor or key, not numpy's or the config's words alone."""
+    host = jax.device_get(params)
+    models.export_hf(host, SMALL, tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    state = {k: np.array(v) for k, v in SafetensorsFile(weights).items()}
+    state["model.norm.weight"] = state["model.norm.weight"].astype(np.int8)
+    save_file(state, weights, {"format": "pt"})
+    with pytest.raises(ValueError) as refused:
+        models.load_hf(tmp_path / "hf")
+    assert str(refused.value).startswith(f"checkpoint {tmp_path / 'hf'}: model.norm.weight is ")
+    assert "stored as int8, not floats (a quantized checkpoint?)" in str(refused.value)
+    models.save_native(host, SMALL, tmp_path / "native")
+    tensors = dict(SafetensorsFile(tmp_path / "native" / "params.safetensors").items())
+    del tensors["final_norm/scale"]
+    save_file(
+        {k: np.array(v) for k, v in tensors.items()}, tmp_path / "native" / "params.safetensors"
+    )
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'native'}: parameters do not match .*"):
+        models.load_native(tmp_path / "native")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del config["hidden_size"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as refused:
+        models.from_hf_config(tmp_path / "hf")
+    assert str(refused.value) == (
+        f"{tmp_path / 'hf' / 'config.json'} is missing required keys ['hidden_size']"
+    )
+
+
 def test_export_to_fp16_refuses_a_weight_beyond_its_range_writing_nothing(tmp_path, params):
     """A weight past float16's 65504 would be written as inf: the export is refused,
     naming the tensor, before its directory is made; bfloat16 takes it."""
