@@ -444,7 +444,9 @@ def test_gather_once_state_splits_no_minor_dimension(tmp_path):
 def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
     """A length zigzag cannot split but striped or contiguous can is refused with them
     named; --ring_strategy hybrid without a seq_a2a axis and --shard_over_seq without a
-    split sequence run (the ring alone; fsdp alone), each said in a line."""
+    split sequence run (the ring alone; fsdp alone), each said in a line, as are a
+    strategy or layout without a split sequence and a kernel choice XLA's attention
+    ignores."""
     from train.build import check_layout
     from train.loop import _say_what_the_mesh_leaves_unused
 
@@ -472,6 +474,22 @@ def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
         "--shard_over_seq: the mesh does not split the sequence"
     )
     assert said("--shard_over_seq", "true", seq=2, seq_a2a=1) == ""
+    # Strategies and layouts without a split sequence; a kernel choice XLA ignores.
+    assert said("--ring_strategy", "ulysses", "--ring_layout", "striped", seq=1, seq_a2a=1) == (
+        "--ring_strategy ulysses and --ring_layout striped: the mesh does not split the "
+        "sequence (seq=1, seq_a2a=1), so they have no effect; give seq=2 or more to split it\n"
+    )
+    assert said("--ring_strategy", "hybrid", seq=1, seq_a2a=1).startswith(
+        "--ring_strategy hybrid: the mesh does not split the sequence"
+    )
+    assert said(seq=1, seq_a2a=1) == ""  # the defaults say nothing
+    assert said("--ring_layout", "striped", seq=2, seq_a2a=1) == ""
+    xla = ["--attention", "xla", "--attention_implementation", "pallas_mosaic"]
+    assert said(*xla, seq=1, seq_a2a=1) == (
+        "--attention_implementation pallas_mosaic: --attention xla runs XLA's own attention, "
+        "not jflash's kernels, so it has no effect (--attention ring or jflash take it)\n"
+    )
+    assert said("--attention_implementation", "xla", seq=1, seq_a2a=1) == ""
 
 
 def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):

@@ -102,6 +102,14 @@ def _tiny_model_dir(path, **config_changes):
             "splits the model's 4 query heads over seq=8, which does not divide them",
             marks=pytest.mark.multi_device(8),
         ),
+        pytest.param(
+            # auto picks hybrid on seq_a2a; the remedy is one the flags take.
+            ["--data_path", "sample", "--mesh", "seq_a2a=8"],
+            r"--ring_strategy auto \(picking hybrid\) splits the model's 4 query heads over "
+            r"seq_a2a=8, which does not divide them: choose a seq_a2a that divides them \(the "
+            r"other devices on seq\), or --mesh seq=8 without seq_a2a and --ring_strategy ring",
+            marks=pytest.mark.multi_device(8),
+        ),
         (["--data_path", "SMALL", "--model_max_length", "4096"], "do not fill one row"),
         (  # refused whatever the data: the export carries it
             ["--data_path", "sample", "--chat_template", "typo.jinja"],

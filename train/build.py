@@ -431,17 +431,28 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
         )
 
 
-def check_heads(cfg: TrainConfig, config: models.LlamaConfig, sizes: dict[str, int]) -> None:
+def check_heads(
+    cfg: TrainConfig, config: models.LlamaConfig, sizes: dict[str, int], asked: str
+) -> None:
     """Refuses, before loading weights, an all-to-all degree that does not divide the
-    model's query heads (`ulysses` splits them over seq, `hybrid` over seq_a2a)."""
+    model's query heads (`ulysses` splits them over seq, `hybrid` over seq_a2a), with a
+    remedy the flags take. `asked`: `--ring_strategy` as given (`auto` is named so)."""
     strategy = cfg.model.ring_strategy
     axis = {"ulysses": "seq", "hybrid": "seq_a2a"}.get(strategy)
     degree = sizes[axis] if axis else 1
     if degree > 1 and config.num_heads % degree:
+        flag = f"--ring_strategy {asked}" + (f" (picking {strategy})" if asked != strategy else "")
+        if strategy == "hybrid":
+            ring = sizes["seq"] * degree
+            remedy = (
+                f"choose a seq_a2a that divides them (the other devices on seq), or --mesh "
+                f"seq={ring} without seq_a2a and --ring_strategy ring (any head count)"
+            )
+        else:
+            remedy = "choose a seq that divides them, or --ring_strategy ring (any head count)"
         raise TrainingError(
-            f"--ring_strategy {strategy} splits the model's {config.num_heads} query heads "
-            f"over {axis}={degree}, which does not divide them: choose a {axis} that "
-            "divides the heads, or --ring_strategy ring (any head count)"
+            f"{flag} splits the model's {config.num_heads} query heads over {axis}={degree}, "
+            f"which does not divide them: {remedy}"
         )
 
 
@@ -582,9 +593,10 @@ def plan_step(
             "use ring, jflash or xla"
         )
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
+    asked = cfg.model.ring_strategy
     cfg = resolve_strategy(cfg, config, sizes, devices)
     check_layout(cfg, sizes)
-    check_heads(cfg, config, sizes)
+    check_heads(cfg, config, sizes, asked)
     mesh = make_mesh(sizes, devices)
     seq_len = cfg.data.model_max_length
     attention = models.AttentionConfig(
@@ -689,9 +701,10 @@ def build(
         )
     sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     arch = model_config(cfg) if config is None else config
+    asked = cfg.model.ring_strategy
     cfg = resolve_strategy(cfg, arch, sizes, devices)
     check_layout(cfg, sizes)
-    check_heads(cfg, arch, sizes)
+    check_heads(cfg, arch, sizes, asked)
     templates = chat_templates(cfg)
     check_host_memory(cfg, arch)
     if config is None and not restoring:

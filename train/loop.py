@@ -410,12 +410,39 @@ def _intervals(t: Trainer) -> str | None:
 
 
 def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
-    """One line each for settings the mesh gives nothing to do: `--ring_strategy hybrid`
-    without a `seq_a2a` axis (it runs the ring alone), `--shard_over_seq` (with
-    `--gather_once`) where the sequence is not split, and an `--mlp_tile` as long as a
-    device's share of a row or longer."""
+    """One line each for settings the mesh or the attention gives nothing to do:
+    `--ring_strategy` other than the ring and `--ring_layout` where the sequence is not
+    split, `--attention_implementation` with XLA's or cuDNN's attention,
+    `--ring_strategy hybrid` without a `seq_a2a` axis (it runs the ring alone),
+    `--shard_over_seq` (with `--gather_once`) where the sequence is not split, and an
+    `--mlp_tile` as long as a device's share of a row or longer."""
     seq, a2a = t.sizes["seq"], t.sizes["seq_a2a"]
-    if t.cfg.model.ring_strategy == "hybrid" and a2a == 1:
+    model = t.cfg.model
+    if seq * a2a == 1:  # no sequence split: the strategies and layouts have no work
+        given = [
+            f"--{name} {value}"
+            for name, value, default in (
+                ("ring_strategy", model.ring_strategy, ("auto", "ring")),
+                ("ring_layout", model.ring_layout, ("zigzag",)),
+            )
+            if value not in default
+        ]
+        if given:
+            print(
+                f"{' and '.join(given)}: the mesh does not split the sequence (seq=1, "
+                f"seq_a2a=1), so {'they have' if len(given) > 1 else 'it has'} no effect; "
+                "give seq=2 or more to split it",
+                flush=True,
+            )
+    if model.attention_implementation is not None and model.attention in ("xla", "cudnn"):
+        print(
+            f"--attention_implementation {model.attention_implementation}: --attention "
+            f"{model.attention} runs {'XLA' if model.attention == 'xla' else 'cuDNN'}'s own "
+            "attention, not jflash's kernels, so it has no effect (--attention ring or jflash "
+            "take it)",
+            flush=True,
+        )
+    if model.ring_strategy == "hybrid" and a2a == 1 and seq > 1:
         print(
             f"--ring_strategy hybrid: the mesh has no seq_a2a axis (seq_a2a=1), so it runs "
             f"the ring alone over seq={seq}; give seq_a2a=2 or more for its all-to-all",
