@@ -1410,6 +1410,21 @@ def test_cli_tokenizer_with_special_tokens_and_a_chat_template(bpe, tmp_path):
                 "no.jinja",
             ]
         )
+    # A template that does not compile, or a JSON file, is refused before training:
+    # nothing written, as the trainer would refuse it only later.
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m }")
+    for given, said in (
+        ("bad.jinja", "does not compile"),
+        ("tok/tokenizer.json", "a JSON file, not a Jinja chat template"),
+    ):
+        with pytest.raises(ValueError, match=rf"--chat-template='.*{given}': .*{said}"):
+            data_lib.train_tokenizer(
+                [bpe.parent / "corpus.txt"],
+                tmp_path / "y",
+                vocab_size=300,
+                chat_template=tmp_path / given,
+            )
+        assert not (tmp_path / "y").exists()
 
 
 def test_errors_name_the_record_an_example_came_from(bpe, tmp_path):

@@ -1209,6 +1209,20 @@ def test_named_templates_as_transformers_saves_them(llama3_bpe, tmp_path):
     )
 
 
+def _through_last_eos(ids: list[int], folder: Path) -> list[int]:
+    """transformers' ids of a rendered conversation as the reader keeps them: through
+    its last EOS (the tokenizer's eos_token) where only white space follows it (ChatML's
+    `<|im_end|>\n` under Qwen's tokenizers), whole elsewhere."""
+    from models.convert import special_token_ids
+
+    eos = special_token_ids(folder / "tokenizer.json").get("eos_token")
+    if eos is None or not ids or ids[-1] == eos or eos not in ids:
+        return ids
+    last = len(ids) - 1 - ids[::-1].index(eos)
+    rest = load_tokenizer(folder).decode(ids[last + 1 :], skip_special_tokens=False)
+    return ids[: last + 1] if not rest.strip() else ids
+
+
 def _match_the_oracle(
     tmp_path: Path,
     cases: list[tuple[Path, dict, str | None]],
@@ -1229,9 +1243,12 @@ def _match_the_oracle(
         record = {k: v for k, v in record.items() if v is not None}
         dataset = load_dataset(_jsonl(tmp_path / "one.jsonl", [record]), tokenizer=folder)
         ids, labels = _learned(dataset, 0)
-        assert ids == want["ids"], (folder.name, record)
+        assert ids == _through_last_eos(want["ids"], folder), (folder.name, record)
         if marked:
-            assert [int(label != IGNORE) for label in labels] == want["mask"]
+            assert [int(label != IGNORE) for label in labels] == want["mask"][: len(ids)]
+
+
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
 
 
 def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bpe, tmp_path):
@@ -1305,7 +1322,7 @@ def test_an_assistants_reasoning_reaches_the_template_under_both_names(llama3_bp
     (gpt-oss's), as transformers 5.21+ gives it; the reasoning is in the learned turn."""
     records = [{"messages": _reasoned(key)} for key in chat.REASONING]
     for template, turn in (
-        (THINK_TEMPLATE, "<think>\nThe capital is Paris.\n</think>\n\nParis.<|im_end|>\n"),
+        (THINK_TEMPLATE, "<think>\nThe capital is Paris.\n</think>\n\nParis.<|im_end|>"),
         (CHANNEL_TEMPLATE, "<|channel|>analysis<|message|>The capital is Paris.<|end|>"),
     ):
         folder = _qwen_tokenizer(tmp_path / "tok", llama3_bpe, template=template)
@@ -1368,7 +1385,8 @@ def test_chat_template_kwargs_reach_the_template(llama3_bpe, tmp_path):
             for i in range(len(records))
         ]
 
-    thinking, off = "<think>\n\n</think>\n\nParis.<|im_end|>\n", "Paris.<|im_end|>\n"
+    # Each conversation ends on its EOS, <|im_end|> (the newline after it is dropped).
+    thinking, off = "<think>\n\n</think>\n\nParis.<|im_end|>", "Paris.<|im_end|>"
     dataset = load_dataset(path, tokenizer=folder)
     assert turns(dataset) == [thinking, off, thinking, thinking]
     assert len({tuple(_learned(dataset, i)[0]) for i in range(len(records))}) == 1  # same ids
@@ -1480,7 +1498,8 @@ def test_the_token_cache_records_the_chat_template_kwargs(llama3_bpe, tmp_path, 
     _jsonl(path, [{"messages": plain, "chat_template_kwargs": THINKING_OFF}])
     cache, built = data_cache.ensure_cache(path, where, tokenizer=folder, eos_id=eos)
     memory = load_dataset(path, tokenizer=folder)
-    assert built and np.asarray(cache.targets)[:-1].tolist() == memory.targets.tolist()
+    # The conversation ends on <|im_end|>, the EOS: the cache packs none after it.
+    assert built and np.asarray(cache.targets).tolist() == memory.targets.tolist()
 
 
 def test_a_tables_conversation_columns():
@@ -1590,11 +1609,12 @@ def test_a_template_that_drops_earlier_reasoning_splits_the_conversation(
     tokenizer = load_tokenizer(folder)
     for i, (before, turn) in enumerate([REASONED_TURNS[0], *REASONED_TURNS]):
         ids, labels = _learned(dataset, i)
-        assert ids == tokenizer.encode(before + turn, add_special_tokens=False).ids
+        # Each example ends on its EOS, <|im_end|> (the newline after it dropped).
+        assert ids == tokenizer.encode((before + turn).rstrip("\n"), add_special_tokens=False).ids
         n = len(tokenizer.encode(before, add_special_tokens=False).ids)
         assert set(labels[:n]) == {IGNORE} and IGNORE not in labels[n:]
-    assert _decoded_turns(tokenizer, dataset) == [REASONED_TURNS[0][1]] + [
-        turn for _, turn in REASONED_TURNS
+    assert _decoded_turns(tokenizer, dataset) == [REASONED_TURNS[0][1].rstrip("\n")] + [
+        turn.rstrip("\n") for _, turn in REASONED_TURNS
     ]
     template = chat.ChatTemplate(folder, "where:")
     for (before, turn), i in zip(REASONED_TURNS, (2, 4, 6), strict=True):
@@ -1724,8 +1744,8 @@ def test_a_prompts_rewritten_turn_is_context(llama3_bpe, tmp_path, capsys):
         given = {} if turns is None else {"chat_turns": turns}  # the default first
         dataset = load_dataset(path, tokenizer=folder, **given)
         assert dataset.num_examples == 1
-        assert dataset.example(0).tolist() == tokenizer.encode(before + turn).ids
-        assert _decoded_turns(tokenizer, dataset) == [turn]
+        assert dataset.example(0).tolist() == tokenizer.encode((before + turn).rstrip("\n")).ids
+        assert _decoded_turns(tokenizer, dataset) == [turn.rstrip("\n")]
     assert capsys.readouterr().out == _split_line(path, 1, 1, "split") + "\n"
 
 
@@ -1896,7 +1916,8 @@ def test_split_examples_match_transformers_apply_chat_template(llama3_bpe, tmp_p
     oracle = run_oracle(ORACLE_TURNS, tmp_path / "cases.json")
     for k, want in enumerate(oracle):
         ids, labels = _learned(dataset, k)
-        assert ids == want["ids"], k
+        assert ids == _through_last_eos(want["ids"], folder), k
+        assert ids[-1] == load_tokenizer(folder).token_to_id(IM_END), k
         n = len(want["prompt"])
         assert ids[:n] == want["prompt"], k
         assert [label != IGNORE for label in labels] == [j >= n for j in range(len(ids))], k
@@ -1951,10 +1972,22 @@ def test_what_the_template_writes_nothing_of_is_said(llama3_bpe, tmp_path, capsy
     load_dataset(roles, tokenizer=qwen3)
     assert capsys.readouterr().out == (
         f"{roles}: the chat template writes nothing of some messages (1 'narrator'): their "
-        "content is in no rendering (a role it skips?), so the model never sees it\n"
+        "content or tool calls are in no rendering (a role it skips, or tool calls it does "
+        "not write?), so the model never sees them\n"
     )
     load_dataset(roles, tokenizer=llama3_bpe)  # Llama 3's writes any role's header
     assert capsys.readouterr().out == ""
+    # A template that writes no tool calls: the calling turn would teach an empty answer.
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}"
+    no_calls = _write_tokenizer(tmp_path / "nocalls", llama3_bpe, template=plain)
+    calling = [QUESTION, {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]}]
+    calls = _jsonl(tmp_path / "t.jsonl", [{"messages": calling}])
+    load_dataset(calls, tokenizer=no_calls)
+    assert capsys.readouterr().out == (
+        f"{calls}: the chat template writes nothing of some messages (1 'assistant "
+        "tool_calls'): their content or tool calls are in no rendering (a role it skips, "
+        "or tool calls it does not write?), so the model never sees them\n"
+    )
 
 
 def test_reasoning_with_thinking_off_is_named_as_the_cause(llama3_bpe, tmp_path):
@@ -1971,3 +2004,27 @@ def test_reasoning_with_thinking_off_is_named_as_the_cause(llama3_bpe, tmp_path)
     ) as e:
         load_dataset(path, tokenizer=folder)
     assert "drop the variable or the reasoning" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_chatml_conversation_ends_on_its_eos_once(llama3_bpe, tmp_path):
+    """ChatML ends each turn `<|im_end|>\\n`, and Qwen's tokenizers name `<|im_end|>` the
+    EOS: a conversation is kept through its last `<|im_end|>` (the white space after it
+    dropped), so packing adds no second EOS to be learned after it; a text record (no
+    EOS of its own) still gets one."""
+    folder = _qwen_tokenizer(tmp_path / "qwen", llama3_bpe)
+    chat_records = [
+        {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Yo."}]},
+        {"text": "plain words"},
+    ]
+    path = _jsonl(tmp_path / "c.jsonl", chat_records)
+    dataset = load_dataset(path, tokenizer=folder)
+    tokenizer = load_tokenizer(folder)
+    eos = tokenizer.token_to_id(IM_END)
+    ids, labels = _learned(dataset, 0)
+    assert ids[-1] == eos and tokenizer.decode(ids[-2:], skip_special_tokens=False) == ".<|im_end|>"
+    assert labels[-1] == eos  # the turn's end is learned, once
+    tokens, targets, _ = dataset.packed_stream(eos)
+    stream = tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
+    assert stream.count(IM_END + IM_END) == 0 and stream.count(IM_END + "\n" + IM_END) == 0
+    assert stream.endswith("plain words" + IM_END)
+    assert int(np.count_nonzero(targets == eos)) == 2  # the answer's and the text's

@@ -253,6 +253,11 @@ def read_template_path(path: str | Path, prefix: str) -> tuple[dict[str, str], d
         raise ValueError(f"{prefix}: not a readable text file ({e})") from None
     if not text.strip():
         raise ValueError(f"{prefix}: an empty file (a Jinja chat template renders nothing)")
+    if path.suffix.lower() == ".json":  # tokenizer.json, tokenizer_config.json
+        raise ValueError(
+            f"{prefix}: a JSON file, not a Jinja chat template; give the template file, or "
+            "the tokenizer directory whose template is meant"
+        )
     return {DEFAULT: text}, {DEFAULT: path}
 
 
@@ -632,12 +637,18 @@ def unrendered(
     template skips), and how many learned assistant messages' (from message ``first``
     on) reasoning is (a template that does not write ``reasoning_content``; a context
     turn's may be dropped, as Qwen3's drops it at inference). Empty content and
-    reasoning count as written."""
+    reasoning count as written. A message's tool calls whose function names the
+    renderings do not hold count under `<role> tool_calls` (a template that writes no
+    tool calls: the turn would teach an empty answer)."""
     roles, reasoning = [], 0
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, str) and content.strip() and not _found(content, texts):
             roles.append(message["role"])
+        calls = message.get("tool_calls") or ()
+        names = [c.get("function", {}).get("name") for c in calls if isinstance(c, dict)]
+        if any(isinstance(n, str) and n and not _found(n, texts) for n in names):
+            roles.append(f"{message['role']} tool_calls")
         thought = reasoning_of(message) if i >= max(first, 1) else None
         if isinstance(thought, str) and thought.strip() and not _found(thought, texts):
             reasoning += 1

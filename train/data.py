@@ -44,6 +44,7 @@ from train.chat import (
     AUTO,
     CHAT_TEMPLATE_FILE,
     CHAT_TURNS,
+    DEFAULT,
     check_template_path,
     parse_template_kwargs,
 )
@@ -468,11 +469,14 @@ def train_tokenizer(
         names = ", ".join(str(f) for f in left[:3]) + ", ..." * (len(left) > 3)
         print(f"tokenizer: left out {plural(len(left), 'binary or data file')}: {names}")
     template = None
-    if chat_template is not None:
-        try:
-            template = Path(chat_template).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ValueError(f"--chat-template={str(chat_template)!r}: {e.strerror}") from None
+    if chat_template is not None:  # read and compiled as the trainer will, before training
+        path = Path(chat_template)
+        if path.is_dir():
+            raise ValueError(
+                f"--chat-template={str(chat_template)!r}: a directory; give the Jinja file "
+                "the tokenizer is to carry"
+            )
+        template = check_template_path(path, "--chat-template")[DEFAULT]
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError:

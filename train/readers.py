@@ -152,7 +152,8 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
         counts = ", ".join(f"{n} {role!r}" for role, n in parser.unrendered_roles.items())
         print(
             f"{parser.path}: the chat template writes nothing of some messages ({counts}): "
-            "their content is in no rendering (a role it skips?), so the model never sees it",
+            "their content or tool calls are in no rendering (a role it skips, or tool calls "
+            "it does not write?), so the model never sees them",
             flush=True,
         )
     if n := parser.unrendered_reasoning:

@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from models.convert import special_token_ids
 from models.loss import IGNORE_INDEX
 from train.chat import (
     ASSISTANT,
@@ -272,6 +273,7 @@ class RecordParser:
             raise ValueError(f"chat_turns={chat_turns!r} must be one of {CHAT_TURNS}")
         self.path = path
         self.tokenizer = tokenizer
+        self._eos: int | None = None  # the tokenizer's eos_token id (-1: none), once read
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # for every conversation
         self.chat_turns = chat_turns  # train.chat.CHAT_TURNS: which conversations are split
         # A Jinja file or directory whose template renders the conversations (None: the
@@ -462,12 +464,13 @@ class RecordParser:
         for i, examples, split in rendered:
             tokens = []
             mine = itertools.islice(encodings, len(examples))
-            for (_, spans), encoding in zip(examples, mine, strict=True):
+            for (text, spans), encoding in zip(examples, mine, strict=True):
                 learned = np.asarray(assistant_labels(encoding.ids, encoding.offsets, spans), bool)
                 if learned.any():
                     ids = np.asarray(encoding.ids, dtype=np.int32)
                     labels = np.where(learned, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
-                    tokens.append((ids, labels))
+                    end = self._through_last_eos(ids, encoding.offsets, text)
+                    tokens.append((ids[:end], labels[:end]))
             if not tokens:
                 self.empty_conversations += 1
                 out[i] = np.zeros(0, np.int32), None
@@ -477,6 +480,21 @@ class RecordParser:
                 out[i] = tokens
             else:
                 (out[i],) = tokens
+
+    def _through_last_eos(self, ids: np.ndarray, offsets, text: str) -> int:
+        """How many of a rendered conversation's tokens to keep: through its last EOS
+        (the tokenizer's `eos_token`) where only white space follows it (ChatML's
+        `<|im_end|>\n` where `<|im_end|>` is the EOS, as Qwen's tokenizers name it), so
+        that the packing adds no second EOS after it to be learned; all of them
+        elsewhere."""
+        if self._eos is None:
+            self._eos = special_token_ids(tokenizer_file(self.tokenizer)).get("eos_token", -1)
+        if not len(ids) or ids[-1] == self._eos:
+            return len(ids)
+        (found,) = np.nonzero(ids == self._eos)
+        if found.size and not text[offsets[found[-1]][1] :].strip():
+            return int(found[-1]) + 1
+        return len(ids)
 
     def _messages(self, where: str, value: Any, key: str = MESSAGES) -> list[dict[str, Any]]:
         """A conversation's messages (the record's ``key``) as the template gets them:
