@@ -209,8 +209,8 @@ def test_a_tokenizer_without_a_chat_template_is_named(llama3_bpe, tmp_path):
     assert str(error.value) == (
         f"{path}: line 2: has 'messages' but {plain} has no chat_template in "
         "tokenizer_config.json or chat_template.jinja; add the model's chat template there, "
-        "give one in its place (the trainer's --chat_template FILE), or write the "
-        "conversations as 'prompt' / 'completion' records"
+        "give one in its place (--chat_template FILE, or --chat-template FILE in "
+        "train.data), or write the conversations as 'prompt' / 'completion' records"
     )
     with pytest.raises(ValueError, match=r"line 2: has 'messages' but no tokenizer was given"):
         load_dataset(path)
@@ -1251,7 +1251,9 @@ def _match_the_oracle(
 WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
 
 
-def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bpe, tmp_path):
+def test_conversational_prompt_completion_learns_the_completions_turns(
+    llama3_bpe, tmp_path, capsys
+):
     """TRL's conversational prompt-completion records (`prompt` and `completion` lists of
     messages) read as the conversation `prompt + completion`: the same ids as that
     `messages` record, learning only the completion's assistant turns (an assistant
@@ -1274,7 +1276,13 @@ def test_conversational_prompt_completion_learns_the_completions_turns(llama3_bp
     got = parser.tokenize_texts(["line 1", "line 2", "line 3"], records)
     (pc_ids, pc_labels), (ids, labels), (empty, _) = got
     assert pc_ids.tolist() == ids.tolist() and empty.size == 0
-    assert parser.empty_conversations == 1
+    assert parser.empty_conversations == parser.empty_completion_turns == 1
+    capsys.readouterr()
+    load_dataset(path, tokenizer=llama3_bpe)  # the line names the completion's messages
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"{path}: skipped 1 record whose 'completion' messages have no assistant turn (no "
+        "token to learn)"
+    )
     learned = pc_labels != -100
     assert 0 < learned.sum() < (labels != -100).sum()  # the prompt's assistant turn is not
     encoding = load_tokenizer(llama3_bpe)
@@ -1977,6 +1985,19 @@ def test_what_the_template_writes_nothing_of_is_said(llama3_bpe, tmp_path, capsy
     )
     load_dataset(roles, tokenizer=llama3_bpe)  # Llama 3's writes any role's header
     assert capsys.readouterr().out == ""
+    # A template that writes no assistant turn: each conversation is skipped as such.
+    skip = (
+        "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+        "{% endfor %}"
+    )
+    skipping = _write_tokenizer(tmp_path / "skipping", llama3_bpe, template=skip)
+    answered = _jsonl(tmp_path / "a.jsonl", [{"messages": [QUESTION, GOOD["messages"][-1]]}] * 2)
+    with pytest.raises(ValueError, match="the dataset has no examples"):
+        load_dataset(answered, tokenizer=skipping)
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{answered}: skipped 2 records whose assistant turns render to no token (the chat "
+        "template writes nothing of them?)"
+    )
     # A template that writes no tool calls: the calling turn would teach an empty answer.
     plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}"
     no_calls = _write_tokenizer(tmp_path / "nocalls", llama3_bpe, template=plain)

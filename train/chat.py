@@ -475,8 +475,8 @@ class ChatTemplate:
             raise ValueError(
                 f"{where} {folder} has no chat_template in {TOKENIZER_CONFIG} or "
                 f"{CHAT_TEMPLATE_FILE}; add the model's chat template there, give one in its "
-                "place (the trainer's --chat_template FILE), or write the conversations as "
-                "'prompt' / 'completion' records"
+                "place (--chat_template FILE, or --chat-template FILE in train.data), or write "
+                "the conversations as 'prompt' / 'completion' records"
             )
         self.folder = folder
         self.templates, self.files = found

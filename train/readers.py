@@ -136,7 +136,20 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
         for n, why in (
             (parser.empty_texts, "'text' tokenizes to nothing (empty text)"),
             (parser.empty_completions, "'completion' tokenizes to nothing (no token to learn)"),
-            (parser.empty_conversations, "'messages' have no assistant turn (no token to learn)"),
+            (
+                parser.empty_conversations
+                - parser.empty_completion_turns
+                - parser.unrendered_turns,
+                "'messages' have no assistant turn (no token to learn)",
+            ),
+            (
+                parser.empty_completion_turns,
+                "'completion' messages have no assistant turn (no token to learn)",
+            ),
+            (
+                parser.unrendered_turns,
+                "assistant turns render to no token (the chat template writes nothing of them?)",
+            ),
         )
         if n
     ]

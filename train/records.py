@@ -284,6 +284,10 @@ class RecordParser:
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
         self.empty_completions = 0  # prompt/completion records whose completion does (skipped)
         self.empty_conversations = 0  # messages records without an assistant token (skipped)
+        # Of those: conversational prompt-completion records (the completion's turns are
+        # learned), and conversations whose assistant turns render to no token.
+        self.empty_completion_turns = 0
+        self.unrendered_turns = 0
         self.split_conversations = 0  # conversations read as one example per assistant turn
         self.split_examples = 0  # the examples they gave
         self.opening_turns = 0  # conversations opened by an assistant message (context)
@@ -443,6 +447,7 @@ class RecordParser:
                 self.opening_turns += 1  # context: nothing before it to answer
             if not any(j >= max(learned_from, 1) for j in turns):
                 self.empty_conversations += 1
+                self.empty_completion_turns += learned_from > 0
                 out[i] = np.zeros(0, np.int32), None
                 continue
             field = _conversation_field(learned_from)
@@ -473,6 +478,7 @@ class RecordParser:
                     tokens.append((ids[:end], labels[:end]))
             if not tokens:
                 self.empty_conversations += 1
+                self.unrendered_turns += 1
                 out[i] = np.zeros(0, np.int32), None
             elif split:
                 self.split_conversations += 1
