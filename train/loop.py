@@ -1259,7 +1259,8 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was written by a run with other settings "
             f"({text}); resuming would not continue its data order. Use the same "
-            "--model_max_length, --packing, data, global batch (per-device batch x data x "
+            "--model_max_length, --packing, data (its tokenizer and chat template too), "
+            "global batch (per-device batch x data x "
             "fsdp x accumulation), --seed and --dataloader_drop_last"
             + (" (--data_path sample is made from --seed)" if "seed" in changed else "")
         )
@@ -1268,7 +1269,8 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"checkpoint {meta['step']} in {where} was written on other data: as many rows, "
             f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
             "so resuming would not continue its data. Resume with the same --data_path, "
-            "tokenizer, --model_max_length and --packing, or start a new run from the export "
+            "tokenizer, chat template (--chat_template, --chat_template_kwargs), "
+            "--model_max_length and --packing, or start a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     if "labels" in saved and saved["labels"] != run_meta["labels"]:
@@ -1277,7 +1279,8 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             f"tokens, but other labels (labels {saved['labels']} there, "
             f"{run_meta['labels']} here: the loss is on other tokens, as with text records "
             "in place of prompt/completion ones), so resuming would not continue its "
-            "training. Resume with the same --data_path, or start a new run from the "
+            "training. Resume with the same --data_path and chat template (--chat_template), "
+            "or start a new run from the "
             "export (--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     old, new = saved.get("total_steps"), run_meta["total_steps"]
