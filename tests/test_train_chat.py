@@ -896,8 +896,9 @@ def test_named_templates_in_additional_chat_templates(llama3_bpe, tmp_path):
 
 
 def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
-    """The token cache's stamp records what the template was given (messages and tools):
-    a cache whose stamp lacks it (rendered before tools were passed) is rebuilt."""
+    """The token cache's stamp records what the template was given (messages and tools)
+    and how its rendering is kept: a cache whose stamp lacks it (rendered before tools
+    were passed, or before conversations ended on their last EOS) is rebuilt."""
     folder = _write_tokenizer(tmp_path / "tok", llama3_bpe, template=LLAMA31_TEMPLATE)
     path = _jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CHAT, "tools": [WEATHER]}])
     eot = load_tokenizer(folder).token_to_id(EOT)
@@ -915,6 +916,12 @@ def test_a_cache_rendered_without_tools_is_stale(llama3_bpe, tmp_path):
         "its conversations' template was given messages, this jflash gives it "
         + chat.TEMPLATE_INPUTS
     ]
+    # Rendered before each conversation ended on its last EOS (a ChatML one got a second
+    # EOS after its newline): stale too.
+    before = "messages (content lists as given, reasoning under both names), tools, "
+    meta["chat_template"]["inputs"] = before + "chat_template_kwargs"
+    meta_file.write_text(json.dumps(meta))
+    assert data_cache.open_cache(tmp_path / "c").mismatch(path, tokenizer=folder, eos_id=eot)
 
 
 BAD_TOOLS = {"messages": TOOL_CHAT[1:5]}

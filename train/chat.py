@@ -112,10 +112,12 @@ TAKES_STR = (
     "a template that takes str content only; write the content as a str, or use a template "
     "that renders text parts"
 )
-# What the reader gives a template besides the special tokens (documents is None): part
-# of the token cache's stamp, so that a cache rendered with other inputs is rebuilt.
+# What the reader gives a template besides the special tokens (documents is None), and
+# how it keeps the rendering: part of the token cache's stamp, so that a cache rendered
+# with other inputs, or kept otherwise, is rebuilt.
 TEMPLATE_INPUTS = (
-    "messages (content lists as given, reasoning under both names), tools, chat_template_kwargs"
+    "messages (content lists as given, reasoning under both names), tools, "
+    "chat_template_kwargs; kept through the last EOS where only white space follows"
 )
 # The variables the reader sets itself, which chat_template_kwargs may not.
 READER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
