@@ -2009,12 +2009,12 @@ def test_what_the_template_writes_nothing_of_is_said(llama3_bpe, tmp_path, capsy
     plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}"
     no_calls = _write_tokenizer(tmp_path / "nocalls", llama3_bpe, template=plain)
     calling = [QUESTION, {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]}]
-    calls = _jsonl(tmp_path / "t.jsonl", [{"messages": calling}])
+    calls = _jsonl(tmp_path / "t.jsonl", [{"messages": calling, "tools": [WEATHER]}])
     load_dataset(calls, tokenizer=no_calls)
     assert capsys.readouterr().out == (
         f"{calls}: the chat template writes nothing of some messages (1 'assistant "
-        "tool_calls'): their content or tool calls are in no rendering (a role it skips, "
-        "or tool calls it does not write?), so the model never sees them\n"
+        "tool_calls', 1 'tools'): their content or tool calls are in no rendering (a role "
+        "it skips, or tool calls it does not write?), so the model never sees them\n"
     )
 
 

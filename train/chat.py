@@ -632,7 +632,10 @@ def _found(words: str, texts: Sequence[str]) -> bool:
 
 
 def unrendered(
-    messages: Sequence[dict[str, Any]], texts: Sequence[str], first: int = 0
+    messages: Sequence[dict[str, Any]],
+    texts: Sequence[str],
+    first: int = 0,
+    tools: Sequence[Any] | None = None,
 ) -> tuple[list, int]:
     """What of ``messages`` the renderings ``texts`` (a conversation's examples) hold
     nothing of: the roles of the messages whose str content is missing (a role the
@@ -641,7 +644,8 @@ def unrendered(
     turn's may be dropped, as Qwen3's drops it at inference). Empty content and
     reasoning count as written. A message's tool calls whose function names the
     renderings do not hold count under `<role> tool_calls` (a template that writes no
-    tool calls: the turn would teach an empty answer)."""
+    tool calls: the turn would teach an empty answer), and the record's ``tools`` whose
+    function names they do not hold under `tools` (the model never sees them)."""
     roles, reasoning = [], 0
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -654,6 +658,12 @@ def unrendered(
         thought = reasoning_of(message) if i >= max(first, 1) else None
         if isinstance(thought, str) and thought.strip() and not _found(thought, texts):
             reasoning += 1
+    for tool in tools or ():
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if isinstance(name, str) and name and not _found(name, texts):
+            roles.append("tools")
+            break
     return roles, reasoning
 
 

@@ -459,7 +459,8 @@ class RecordParser:
                 raise ChatTurnsError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
             except ChatTemplateError as e:
                 raise ValueError(f"{self.path}: {wheres[i]}: {field}: {e}") from None
-            roles, reasoning = unrendered(messages, [text for text, _ in examples], learned_from)
+            texts = [text for text, _ in examples]
+            roles, reasoning = unrendered(messages, texts, learned_from, tools)
             for role in roles:
                 self.unrendered_roles[role] = self.unrendered_roles.get(role, 0) + 1
             self.unrendered_reasoning += reasoning
