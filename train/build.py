@@ -431,6 +431,27 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
         )
 
 
+def checked_mesh(
+    cfg: TrainConfig, config: models.LlamaConfig, devices=None
+) -> tuple[TrainConfig, dict[str, int]]:
+    """``(cfg with --ring_strategy auto resolved, the mesh's sizes)``, after refusing
+    what this machine and mesh cannot run, before the model and data load: cuDNN's
+    attention off NVIDIA GPUs, and the mesh's split of the sequence and the heads."""
+    count = len(devices) if devices is not None else jax.device_count()
+    platform = (devices[0] if devices is not None else jax.devices()[0]).platform
+    if cfg.model.attention == "cudnn" and platform != "gpu":
+        raise TrainingError(
+            f"--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on {platform!r}: "
+            "use ring, jflash or xla"
+        )
+    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
+    asked = cfg.model.ring_strategy
+    cfg = resolve_strategy(cfg, config, sizes, devices)
+    check_layout(cfg, sizes)
+    check_heads(cfg, config, sizes, asked)
+    return cfg, sizes
+
+
 def check_heads(
     cfg: TrainConfig, config: models.LlamaConfig, sizes: dict[str, int], asked: str
 ) -> None:
@@ -585,18 +606,7 @@ def plan_step(
     `--mask_documents` has nothing to mask and the step passes the attention no segment
     ids (the same mask; the kernels without ids are faster).
     """
-    count = len(devices) if devices is not None else jax.device_count()
-    platform = (devices[0] if devices is not None else jax.devices()[0]).platform
-    if cfg.model.attention == "cudnn" and platform != "gpu":  # before the model and data
-        raise TrainingError(
-            f"--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on {platform!r}: "
-            "use ring, jflash or xla"
-        )
-    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
-    asked = cfg.model.ring_strategy
-    cfg = resolve_strategy(cfg, config, sizes, devices)
-    check_layout(cfg, sizes)
-    check_heads(cfg, config, sizes, asked)
+    cfg, sizes = checked_mesh(cfg, config, devices)
     mesh = make_mesh(sizes, devices)
     seq_len = cfg.data.model_max_length
     attention = models.AttentionConfig(
@@ -692,19 +702,8 @@ def build(
         abstract form (shapes, dtypes, shardings), and no weights are read or
         initialised (a resume would read and then drop them).
     """
-    count = len(devices) if devices is not None else jax.device_count()
-    platform = (devices[0] if devices is not None else jax.devices()[0]).platform
-    if cfg.model.attention == "cudnn" and platform != "gpu":  # before the model and data
-        raise TrainingError(
-            f"--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on {platform!r}: "
-            "use ring, jflash or xla"
-        )
-    sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
     arch = model_config(cfg) if config is None else config
-    asked = cfg.model.ring_strategy
-    cfg = resolve_strategy(cfg, arch, sizes, devices)
-    check_layout(cfg, sizes)
-    check_heads(cfg, arch, sizes, asked)
+    cfg, sizes = checked_mesh(cfg, arch, devices)
     templates = chat_templates(cfg)
     check_host_memory(cfg, arch)
     if config is None and not restoring:

@@ -52,6 +52,7 @@ from train.dataset import Rows, load_dataset, stream_summary
 from train.errors import signals_as_interrupts, stop_status, stopped_how
 from train.readers import (
     SAVED_DATASET_FILES,
+    each_real_file_once,
     file_format,
     is_pattern,
     is_token_cache,
@@ -460,10 +461,7 @@ def train_tokenizer(
     found = [text_files_of(given, out) for given in files]
     # Each real file once: a link to one, a folder and a file in it, a pattern's
     # matches through linked folders (each would weigh its text twice).
-    real = {}
-    for f in (f for kept, _ in found for f in kept):
-        real.setdefault(os.path.realpath(f), f)
-    files = list(real.values())
+    files = each_real_file_once([f for kept, _ in found for f in kept])
     left = [f for _, others in found for f in others]
     if left:
         names = ", ".join(str(f) for f in left[:3]) + ", ..." * (len(left) > 3)

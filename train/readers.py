@@ -536,16 +536,18 @@ def _list(path: str | Path) -> Listing:
         files, runs = [], set()
         for p in matches:
             if os.path.isfile(p):
-                run = _left_out_by(Path(p), below)
-                files += [Path(p)] if run is None else []
-                runs |= {run} - {CACHE}
+                left_out = _pruned_above(Path(p), below)
+                if left_out is None:
+                    files.append(Path(p))
+                elif is_run_output(left_out):
+                    runs.add(left_out)
         broken = [
             Path(p)
             for p in matches
             if os.path.islink(p) and not os.path.exists(p) and file_format(Path(p))
         ]
         folders = [p for p in matches if os.path.isdir(p)]
-        return Listing(_once(files), [], broken, folders, walked, sorted(runs - {None}))
+        return Listing(each_real_file_once(files), [], broken, folders, walked, sorted(runs))
     root = Path(path)
     if is_token_cache(root):
         raise ValueError(f"{path}: a token cache, not a folder of data files")
@@ -560,14 +562,11 @@ def _list(path: str | Path) -> Listing:
         raise ValueError(f"{error.filename}: cannot be listed ({error.strerror})")
 
     def pruned(folder: str) -> bool:
-        """A token cache's folder (its index.npy is no data) or a run's output
-        directory (its log.jsonl is no data): left out with all it holds."""
-        if is_token_cache(folder):
-            return True
-        if is_run_output(folder):
+        if not _prunes(folder):
+            return False
+        if is_run_output(folder):  # named in the reading line
             runs.append(Path(folder))
-            return True
-        return False
+        return True
 
     names, walked = walk_folder(root, prune=pruned, onerror=unlisted)
     for file in names:
@@ -576,7 +575,9 @@ def _list(path: str | Path) -> Listing:
             broken.append(file)
         else:
             (files if known else others).append(file)
-    return Listing(_once(sorted(files)), sorted(others), sorted(broken), [], walked, sorted(runs))
+    return Listing(
+        each_real_file_once(sorted(files)), sorted(others), sorted(broken), [], walked, sorted(runs)
+    )
 
 
 def walk_folder(
@@ -619,7 +620,7 @@ def would_read(path: str | Path, file: str | Path) -> bool:
     return os.path.realpath(above) in {folder.real for folder in found.folders}
 
 
-def _once(files: list[Path]) -> list[Path]:
+def each_real_file_once(files: list[Path]) -> list[Path]:
     """``files`` in order, each real file once (a link to one read already left out)."""
     seen, kept = set(), []
     for file in files:
@@ -629,22 +630,23 @@ def _once(files: list[Path]) -> list[Path]:
     return kept
 
 
-# `_left_out_by`'s answer for a file in a token cache's folder.
-CACHE = Path()
+def _prunes(folder: str | Path) -> bool:
+    """Whether a folder's walk leaves ``folder`` out with all it holds: a token cache's
+    folder (its index.npy is no data) or a training run's output directory (its
+    log.jsonl is no data)."""
+    return is_token_cache(folder) or is_run_output(folder)
 
 
-def _left_out_by(file: Path, below: Path) -> Path | None:
-    """The folder under ``below`` that leaves ``file`` out: :data:`CACHE` for a token
-    cache's folder, a training run's output directory itself; None where none does."""
-    left_out = None
+def _pruned_above(file: Path, below: Path) -> Path | None:
+    """The outermost folder between ``below`` and ``file`` that a folder's walk leaves
+    out (:func:`_prunes`), or None."""
+    found = None
     for folder in file.parents:
         if folder == below or below not in folder.parents:
-            return left_out
-        if is_token_cache(folder):
-            left_out = CACHE
-        elif is_run_output(folder):
-            left_out = folder
-    return left_out
+            break
+        if _prunes(folder):
+            found = folder
+    return found
 
 
 def is_token_cache(path: str | Path) -> bool:
