@@ -445,8 +445,8 @@ def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
     """A length zigzag cannot split but striped or contiguous can is refused with them
     named; --ring_strategy hybrid without a seq_a2a axis and --shard_over_seq without a
     split sequence run (the ring alone; fsdp alone), each said in a line, as are a
-    strategy or layout without a split sequence and a kernel choice XLA's attention
-    ignores."""
+    strategy or layout without a split sequence, a kernel choice XLA's attention
+    ignores and an offloading remat policy on the CPU backend."""
     from train.build import check_layout
     from train.loop import _say_what_the_mesh_leaves_unused
 
@@ -460,9 +460,11 @@ def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
     with pytest.raises(TrainingError, match=r"layout=zigzag\)$"):  # none would: no hint
         check_layout(parse_args(["--model_max_length", "126"]), sizes)
 
-    def said(*argv, **mesh):
+    def said(*argv, platform="gpu", **mesh):
         cfg = parse_args(list(argv))
-        _say_what_the_mesh_leaves_unused(types.SimpleNamespace(cfg=cfg, sizes=mesh))
+        devices = np.array([types.SimpleNamespace(platform=platform)])
+        t = types.SimpleNamespace(cfg=cfg, sizes=mesh, mesh=types.SimpleNamespace(devices=devices))
+        _say_what_the_mesh_leaves_unused(t)
         return capsys.readouterr().out
 
     assert said("--ring_strategy", "hybrid", seq=2, seq_a2a=1).startswith(
@@ -490,6 +492,13 @@ def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
         "not jflash's kernels, so it has no effect (--attention ring or jflash take it)\n"
     )
     assert said("--attention_implementation", "xla", seq=1, seq_a2a=1) == ""
+    # An offloading remat policy on the CPU backend's one memory space moves nothing.
+    offload = ["--remat_policy", "offload_full"]
+    assert said(*offload, platform="cpu", seq=1, seq_a2a=1) == (
+        "--remat_policy offload_full: the cpu backend has one memory space, so XLA keeps the "
+        "residuals it would offload on the device: it runs as full here (offload on a GPU)\n"
+    )
+    assert said(*offload, seq=1, seq_a2a=1) == ""
 
 
 def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):

@@ -414,8 +414,9 @@ def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
     `--ring_strategy` other than the ring and `--ring_layout` where the sequence is not
     split, `--attention_implementation` with XLA's or cuDNN's attention,
     `--ring_strategy hybrid` without a `seq_a2a` axis (it runs the ring alone),
-    `--shard_over_seq` (with `--gather_once`) where the sequence is not split, and an
-    `--mlp_tile` as long as a device's share of a row or longer."""
+    `--shard_over_seq` (with `--gather_once`) where the sequence is not split, an
+    offloading `--remat_policy` on the CPU backend (one memory space: nothing moves),
+    and an `--mlp_tile` as long as a device's share of a row or longer."""
     seq, a2a = t.sizes["seq"], t.sizes["seq_a2a"]
     model = t.cfg.model
     if seq * a2a == 1:  # no sequence split: the strategies and layouts have no work
@@ -452,6 +453,15 @@ def _say_what_the_mesh_leaves_unused(t: Trainer) -> None:
         print(
             "--shard_over_seq: the mesh does not split the sequence (seq=1, seq_a2a=1), so "
             "the parameters are sharded over fsdp alone",
+            flush=True,
+        )
+    remat = t.cfg.remat
+    if remat.startswith("offload") and t.mesh.devices.flat[0].platform == "cpu":
+        on_device = {"offload_attn": "save_attn", "offload_full": "full"}[remat]
+        print(
+            f"--remat_policy {remat}: the cpu backend has one memory space, so XLA keeps "
+            f"the residuals it would offload on the device: it runs as {on_device} here "
+            "(offload on a GPU)",
             flush=True,
         )
     if (tile := t.cfg.model.mlp_tile) > 0:
