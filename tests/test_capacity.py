@@ -37,6 +37,20 @@ def test_two_devices_hold_a_longer_context(tmp_path):
     assert saved["settings"]["remat"] == "save_attn"
 
 
+def test_each_flag_reaches_the_trainer_settings_of_a_probe():
+    """The probe's trainer flags are the tool's: the defaults are the trainer's own, and
+    --unroll-layers plans the unrolled step (`scan_layers: false`, as the 32k config)."""
+    from train.config import parse_args
+
+    args = capacity.build_parser().parse_args([])
+    cfg, trainer = capacity._trainer_config("tiny", 1024, "seq=1", args), parse_args([])
+    for name in ("attention", "ring_strategy", "remat_policy", "scan_layers"):
+        assert getattr(cfg.model, name) == getattr(trainer.model, name), name
+    unrolled = capacity.build_parser().parse_args(["--unroll-layers", "--remat", "full"])
+    cfg = capacity._trainer_config("tiny", 1024, "seq=1", unrolled)
+    assert cfg.model.scan_layers is False and cfg.model.remat_policy == "full"
+
+
 def test_context_parsing_and_search():
     assert capacity._tokens("64k") == 65536 and capacity._tokens("1m") == 1 << 20
     best, probes = capacity.search_longest(lambda n: {"fits": n <= 5000}, 1024, 1 << 20, 3, 512)

@@ -47,6 +47,7 @@ import sys
 from collections.abc import Callable
 
 from models.config import REMAT_POLICIES
+from train.config import ModelArgs
 from train.oom import is_oom
 from train.tools.files import out_error, write_json, write_whole
 
@@ -170,6 +171,8 @@ def _trainer_config(model: str, context: int, mesh: str, args):
             str(args.gather_once).lower(),
             "--optimizer_offload",
             str(args.optimizer_offload).lower(),
+            "--scan_layers",
+            str(not args.unroll_layers).lower(),
             *(["--mlp_tile", str(args.mlp_tile)] if args.mlp_tile is not None else []),
         ]
     )
@@ -399,18 +402,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --shard-over-seq: weights gathered once per step (the trainer's --gather_once)",
     )
     p.add_argument(
-        "--attention", default="ring", help="the trainer's --attention (default: %(default)s)"
+        "--attention",
+        default=ModelArgs.attention,
+        help="the trainer's --attention (default: %(default)s)",
     )
     p.add_argument(
         "--ring-strategy",
-        default="auto",
+        default=ModelArgs.ring_strategy,
         choices=("auto", *STRATEGIES),
         help="the trainer's --ring_strategy (default: %(default)s, the trainer's: ulysses "
         "where seq divides the heads on one host; each row records the one it ran)",
     )
     p.add_argument(
         "--remat",
-        default="save_attn",
+        default=ModelArgs.remat_policy,
         choices=REMAT_POLICIES,
         help="the trainer's --remat_policy (default: %(default)s)",
     )
@@ -424,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-offload",
         action="store_true",
         help="optimizer state in pinned host memory (the trainer's --optimizer_offload)",
+    )
+    p.add_argument(
+        "--unroll-layers",
+        action="store_true",
+        help="the trainer's --scan_layers false (as configs/llama3_2_1b_32k.yaml)",
     )
     p.add_argument("--layers", type=int, default=0, help="shrink every model (tests)")
     p.add_argument("--overwrite", action="store_true", help="replace a file already at --out")
@@ -529,7 +539,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"limit {limit:.2f} GiB/device and {host_limit:.2f} GiB host/device, "
         f"ring_strategy={args.ring_strategy}, remat={args.remat}, "
         f"mlp_tile={'the trainer default' if args.mlp_tile is None else args.mlp_tile}, "
-        f"optimizer_offload={args.optimizer_offload}",
+        f"optimizer_offload={args.optimizer_offload}, "
+        f"layers {'unrolled' if args.unroll_layers else 'scanned'}",
         flush=True,
     )
     if args.remat.startswith("offload") and jax.default_backend() == "cpu":
@@ -560,6 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "remat": args.remat,
                 "mlp_tile": args.mlp_tile,
                 "optimizer_offload": args.optimizer_offload,
+                "scan_layers": not args.unroll_layers,
                 "layers": args.layers or None,
             },
             "argv": sys.argv[1:] if argv is None else argv,

@@ -58,6 +58,7 @@ import time
 
 from models.config import REMAT_POLICIES
 from models.presets import PRESET_NAMES, preset_name
+from train.config import ModelArgs
 from train import processes
 from train.errors import STOP_SIGNALS, signals_as_interrupts, stop_status, stopped_how
 from train.oom import is_oom
@@ -984,7 +985,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--remat",
-        default="save_attn",
+        default=ModelArgs.remat_policy,
         choices=REMAT_POLICIES,
         help="the trainer's --remat_policy (default: %(default)s)",
     )
