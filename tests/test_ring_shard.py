@@ -903,6 +903,11 @@ def test_ring_attention_keeps_a_tensor_parallel_head_split(strategy, axis_type):
         ),
     ):
         jflash.ring_attention(q, k[:, :, :1], v[:, :, :1], mesh=mesh, causal=True, head_axes="tp")
+    if strategy == "ulysses":  # 2 heads over tp leave 1 a device, which seq=2 cannot split
+        two = (q[:, :, :2], k[:, :, :2], v[:, :, :2])
+        match = r"q's 2 heads over head_axes=\('tp',\) \(2 parts\) leave 1 per device, which "
+        with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+            jflash.ring_attention(*two, mesh=mesh, causal=True, strategy="ulysses", head_axes="tp")
 
 
 @pytest.mark.multi_device(4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -520,6 +521,14 @@ def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):
     )
     flags = {o for a in build_parser()._actions for o in a.option_strings}
     assert not set(HF_ONLY_FLAGS) & flags  # none of them is a flag after all
+    # HF's evaluation and logging flags too, and its --report_to all.
+    with pytest.raises(SystemExit):
+        main(["--eval_delay", "2", "--include_tokens_per_second"])
+    err = capsys.readouterr().err
+    assert "--eval_delay: the first evaluation is at --eval_steps" in err, err
+    assert "--include_tokens_per_second: tokens_per_s is always logged" in err, err
+    assert main(["--report_to", "all", "--max_steps", "1"]) == 2
+    assert "HF's all, every integration installed, is not taken" in capsys.readouterr().err
 
 
 def test_cli_config_errors_are_one_line(tmp_path, capsys):
@@ -1064,3 +1073,27 @@ def test_gradcheck_compares_layouts_per_parameter(tmp_path, capsys):
 def test_ddp_timeout_must_be_positive():
     with pytest.raises(ValueError, match=r"^--ddp_timeout=0 must be positive$"):
         parse_args(["--ddp_timeout", "0"])
+
+
+def test_step_lines_where_no_bar_is_drawn(monkeypatch):
+    """Step lines go to stdout where it is not a terminal, and where it is but stderr,
+    which the bar draws on, is not (`2>file`): some progress shows either way."""
+    from train.loop import _progress, _step_lines
+
+    class Stream(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    cfg = parse_args([])
+    for out_tty, err_tty, want in ((True, True, False), (True, False, True), (False, True, True)):
+        monkeypatch.setattr(sys, "stdout", Stream(out_tty))
+        monkeypatch.setattr(sys, "stderr", Stream(err_tty))
+        bar = _progress(cfg, True, 0, 10)
+        assert _step_lines(bar) is want, (out_tty, err_tty)
+        bar.close()
+    assert _step_lines(_progress(cfg, False, 0, 10)) is False  # not the main process
+    assert _step_lines(_progress(parse_args(["--progress", "false"]), True, 0, 10)) is False

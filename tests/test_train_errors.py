@@ -199,6 +199,10 @@ def test_data_whose_every_label_is_ignored_is_refused(tmp_path, capsys, cached):
     err = _one_line_error(argv, capsys)
     assert err.endswith("every label is -100, no labelled tokens to evaluate\n"), err
     assert not out.exists()
+    if not cached:  # a folder of no data files is named by its flag too
+        (empty := tmp_path / "empty").mkdir()
+        err = _one_line_error([*argv[:-1], str(empty)], capsys)
+        assert err.startswith(f"error: --eval_data_path {empty}: a directory that is neither"), err
 
 
 def test_output_dir_that_cannot_be_written(tmp_path, capsys, monkeypatch):

@@ -230,7 +230,6 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         if not source_exists(path):
             what = "no data file matches it" if is_pattern(path) else "no such data file"
             raise TrainingError(f"{flag}={path!r}: {what}")
-        _check_sources(cfg, flag, path, eval)
         name = cfg.model.model_name_or_path
         # The model directory's tokenizer where it has one; text without any asks for one.
         own = os.path.isdir(name) and data_lib.tokenizer_file(name).is_file()
@@ -252,18 +251,18 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
             chat_turns=cfg.data.chat_turns,
             chat_template=cfg.data.chat_template or None,
         )
-        if not cache_root and not data_cache.is_cache(path) and jax.process_index() == 0:
-            size = data_cache.source_bytes(path)
-            if size >= IN_MEMORY_NOTE_BYTES:
-                flag = "--eval_data_path" if eval else "--data_path"
-                print(
-                    f"note: {flag}={path!r} ({size / 1e9:.1f} GB) is read into memory, which "
-                    "takes several times its size (about 21 bytes a token) on every process, "
-                    "at every start; --data_cache_dir DIR tokenizes it once into a "
-                    "memory-mapped token cache that keeps both small",
-                    flush=True,
-                )
         try:
+            _check_sources(cfg, flag, path, eval)  # lists its files: errors name the flag
+            if not cache_root and not data_cache.is_cache(path) and jax.process_index() == 0:
+                size = data_cache.source_bytes(path)
+                if size >= IN_MEMORY_NOTE_BYTES:
+                    print(
+                        f"note: {flag}={path!r} ({size / 1e9:.1f} GB) is read into memory, which "
+                        "takes several times its size (about 21 bytes a token) on every process, "
+                        "at every start; --data_cache_dir DIR tokenizes it once into a "
+                        "memory-mapped token cache that keeps both small",
+                        flush=True,
+                    )
             # A cache directory every process shares is built once, by process 0, and
             # then read by the others (on each host's own disk, each builds its own).
             if cache_root and not data_cache.is_cache(path) and hosts.shared(cache_root):

@@ -181,10 +181,10 @@ class RunArgs:
     max_steps: int = -1  # -1: train for num_train_epochs; > 0 overrides it
     per_device_train_batch_size: int = 1  # sequences per data-parallel rank
     gradient_accumulation_steps: int = 1
-    logging_steps: float = 10  # steps, or below 1 a fraction of the run's (HF's): `every`
-    save_strategy: str = "steps"  # steps | epoch | no
+    logging_steps: float = 10  # steps, or below 1 a fraction of the run's steps (HF's)
+    save_strategy: str = "steps"  # steps and epoch also save at the last step
     save_steps: float = 500  # steps, or below 1 a fraction of the run's (HF's)
-    eval_strategy: str = "steps"  # with --eval_data_path: steps | epoch (and at the end) | no
+    eval_strategy: str = "steps"  # with --eval_data_path; steps and epoch also at the last step
     eval_steps: float = 0  # as save_steps; 0: every logging_steps (HF's)
     eval_on_start: bool = False  # evaluate before a new run's first step (the loss to beat)
     save_total_limit: int | None = None
@@ -333,9 +333,10 @@ class TrainConfig:
         if self.run.report_to != "none" and (
             not set(reports) <= set(REPORT_TO) or len(set(reports)) != len(reports)
         ):
+            every = " (HF's all, every integration installed, is not taken: name them)"
             raise ValueError(
                 f"--report_to={self.run.report_to!r} must be none or one or more of "
-                f"{REPORT_TO}, comma-separated, each once"
+                f"{REPORT_TO}, comma-separated, each once" + every * ("all" in reports)
             )
         if self.run.eval_steps < 0:
             raise ValueError(
@@ -637,6 +638,19 @@ HF_ONLY_FLAGS = {
     "--full_determinism": "set XLA_FLAGS=--xla_gpu_deterministic_ops=true (the attention's "
     "deterministic backward included)",
     "--auto_find_batch_size": "python -m train.tools.capacity finds what fits",
+    "--eval_delay": "the first evaluation is at --eval_steps (--eval_on_start adds step 0); "
+    "a larger --eval_steps starts later",
+    "--eval_do_concat_batches": "evaluation computes the loss only; leave it out",
+    "--batch_eval_metrics": "evaluation computes the loss only; leave it out",
+    "--include_for_metrics": "evaluation computes the loss only; leave it out",
+    "--logging_nan_inf_filter": "a non-finite loss or gradient stops the run at its step, "
+    "naming it, so nothing is filtered",
+    "--skip_memory_metrics": "log.jsonl records the device memory (memory_gib, "
+    "peak_memory_gib) where the backend reports it; leave it out",
+    "--include_tokens_per_second": "tokens_per_s is always logged; leave it out",
+    "--average_tokens_across_devices": "the loss is the mean over the global batch's "
+    "labelled tokens (every device's, every accumulation step's) already; leave it out",
+    "--log_on_each_node": "the trainer prints its lines on process 0; leave it out",
     "--attn_implementation": "the attention is --attention (jflash, ring, xla, cudnn) with "
     "--attention_implementation (pallas_mosaic, pallas_triton, xla)",
 }

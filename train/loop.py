@@ -897,8 +897,7 @@ def _train(
             flush=True,
         )
     bar = _progress(cfg, is_main, start_step, total_steps)
-    # Not a terminal (a log file, a batch job): one line per logging step instead of a bar.
-    lines = is_main and cfg.run.progress and not sys.stdout.isatty()
+    lines = _step_lines(bar)
     history = []
     step_tokens = t.global_batch * t.accum * cfg.data.model_max_length
     timer = _Timer(profile=profile, step_tokens=step_tokens)
@@ -1338,6 +1337,13 @@ def _progress(cfg, is_main, start, total):
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (CI logs, pipes).
     return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, disable=None)
+
+
+def _step_lines(bar) -> bool:
+    """Whether the run prints one line per logging step on stdout: where progress is
+    shown (`bar`, from `_progress`, is not None) and stdout is not a terminal (a log
+    file, a batch job), or no bar is drawn (stderr is not a terminal: `2>file`)."""
+    return bar is not None and (not sys.stdout.isatty() or bool(bar.disable))
 
 
 def _should_save(cfg: TrainConfig, done: int, total: int, steps_per_epoch: int) -> bool:

@@ -102,7 +102,9 @@ def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainingError(f"--out={out!r} is a file, not a directory")
     if os.path.realpath(out) == os.path.realpath(run_dir):
-        raise TrainingError(f"--out={out!r} is the run directory itself ({run_dir!r}), which the export only reads")
+        raise TrainingError(
+            f"--out={out!r} is the run directory itself ({run_dir!r}), which the export only reads"
+        )
     for name in outputs.RUN_OUTPUTS:
         if _inside(out, os.path.join(run_dir, name)):
             raise TrainingError(

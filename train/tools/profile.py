@@ -58,8 +58,8 @@ import time
 
 from models.config import REMAT_POLICIES
 from models.presets import PRESET_NAMES, preset_name
-from train.config import ModelArgs
 from train import processes
+from train.config import ModelArgs
 from train.errors import STOP_SIGNALS, signals_as_interrupts, stop_status, stopped_how
 from train.oom import is_oom
 from train.tools.files import write_json
