@@ -741,6 +741,40 @@ def test_resume_with_other_update_settings_is_refused(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
+def test_resume_with_another_document_mask_or_positions_is_refused(tmp_path, capsys):
+    """Packed documents: the mask and the RoPE positions change every step's gradient, so
+    a resume that changes --mask_documents or --packing_positions mid-run is refused
+    naming them; on rows of one document each (nothing to mask) the flags do nothing,
+    and the resume goes on."""
+    docs = tmp_path / "docs.jsonl"
+    rng = np.random.default_rng(0)
+    with open(docs, "w") as f:
+        for n in rng.integers(5, 30, size=64):
+            f.write(json.dumps({"input_ids": rng.integers(3, 200, size=int(n)).tolist()}) + "\n")
+    argv = [*BASE, "--max_steps", "4", "--save_steps", "2", "--report_to", "none"]
+    argv += ["--export_hf", "false"]
+    for data in (str(docs), "sample"):
+        run_dir = tmp_path / f"run-{data == 'sample'}"
+        assert main([*argv, "--data_path", data, "--output_dir", str(run_dir)]) == 0
+        capsys.readouterr()
+        resume = ["--resume_from_checkpoint", str(run_dir / "checkpoints" / "2")]
+        other = [*resume, "--mask_documents", "false", "--packing_positions", "running"]
+        out = tmp_path / f"b-{data == 'sample'}"
+        if data == "sample":  # one document a row: the same steps, resumed
+            assert main([*argv, "--data_path", data, *other, "--output_dir", str(out)]) == 0
+            continue
+        err = _one_line_error(
+            [*argv, "--data_path", data, *other, "--output_dir", str(out)], capsys
+        )
+        assert "was trained with other update settings (" in err, err
+        named = ["--mask_documents True -> False", "--packing_positions per_document -> running"]
+        assert all(x in err for x in named), err
+        assert not out.exists()
+        positions = [*resume, "--packing_positions", "running", "--output_dir", str(out)]
+        err = _one_line_error([*argv, "--data_path", data, *positions], capsys)
+        assert "(--packing_positions per_document -> running)" in err, err
+
+
 def test_update_settings_are_those_the_optimizer_reads():
     """Adafactor has no betas or epsilon: changing them does not refuse its resume."""
     from train.config import OptimArgs

@@ -568,9 +568,24 @@ def _run_meta(t: Trainer) -> dict:
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
         "optim_state": OPTIM_STATES.get(t.cfg.optim.optim),
-        "update": {**update_settings(t.cfg.optim), "compute_dtype": t.config.dtype},
+        "update": {
+            **update_settings(t.cfg.optim),
+            "compute_dtype": t.config.dtype,
+            **_document_settings(t),
+        },
         "schedule": _schedule_record(t),
     }
+
+
+def _document_settings(t: Trainer) -> dict:
+    """What the step makes of packed documents, as it runs (not as flagged): whether the
+    attention stays inside each (`--mask_documents`; false where every row holds one
+    document, nothing to mask) and where RoPE positions count from (`per_document` only
+    where documents are masked). Another mask or other positions change every step's
+    gradient, so a resume keeps them."""
+    mask = bool(t.spec.mask_documents)
+    restart = mask and t.cfg.data.packing_positions == "per_document"
+    return {"mask_documents": mask, "packing_positions": "per_document" if restart else "running"}
 
 
 # The flags that shape the learning-rate schedule, and where it is sampled (fractions of
@@ -1304,8 +1319,10 @@ def _check_resumable(meta: dict, run_meta: dict, where: str) -> None:
     # A finished run trains nothing more: no schedule to jump, no update to change.
     left = meta["step"] < run_meta["total_steps"]
     old, new = saved.get("update"), run_meta.get("update")
-    if left and old is not None and new is not None and old != new:
-        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    # A setting the checkpoint's record has no entry for (written before it was recorded)
+    # is not compared.
+    keys = sorted(k for k in old or () if k in (new or {}) and old[k] != new[k])
+    if left and keys:
         flag = {"compute_dtype": "compute dtype (--bf16 / --fp16)"}
         text = ", ".join(f"{flag.get(k, '--' + k)} {old.get(k)} -> {new.get(k)}" for k in keys)
         raise TrainingError(
