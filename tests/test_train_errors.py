@@ -795,6 +795,37 @@ def test_update_settings_are_those_the_optimizer_reads():
     }
 
 
+def test_a_checkpoint_holding_non_finite_values_is_named_damaged_on_restore(tmp_path):
+    """The loop saves no non-finite step, so a NaN in a restored state is damage to its
+    files: named at the restore with the array and an earlier checkpoint, not steps
+    later as a non-finite loss with advice about the learning rate."""
+    import jax.numpy as jnp
+
+    from train.checkpoint import Checkpoints, first_non_finite
+
+    good = {"params": {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}, "step": jnp.int32(1)}
+    bad = {"params": {"w": jnp.ones((4, 4)), "b": jnp.array([0.0, jnp.inf, 0.0, 0.0])}}
+    bad["step"] = jnp.int32(2)
+    assert first_non_finite(good) is None and first_non_finite(bad) == "['params']['b']"
+    ckpt = Checkpoints(str(tmp_path), None)
+    for step, state in ((1, good), (2, bad)):
+        ckpt.save(step, state, {"step": step, "data": step})
+    ckpt.close()
+    reader = Checkpoints(str(tmp_path), None, read_only=True)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), good
+    )
+    assert reader.restore(1, abstract)[1]["step"] == 1
+    with pytest.raises(ValueError) as e:
+        reader.restore(2, abstract)
+    assert str(e.value) == (
+        f"checkpoint {tmp_path / 'checkpoints' / '2'} holds non-finite values "
+        "(['params']['b']), which no step saves: its files are damaged; an earlier one: "
+        f"--resume_from_checkpoint {tmp_path / 'checkpoints' / '1'} (into a new --output_dir)"
+    )
+    reader.close()
+
+
 def test_a_damaged_checkpoint_is_one_line_naming_an_earlier_one(tmp_path, capsys, caplog):
     """A checkpoint whose arrays cannot be read (an interrupted copy, a pruned
     directory) fails its resume in one line, without the traceback asyncio logs per

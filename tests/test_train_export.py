@@ -308,6 +308,13 @@ def test_refusals_write_nothing(runs, tmp_path, capsys):
     line = _refused([str(long), "--out", str(long / "checkpoints" / "hf")], capsys)
     assert f"lies in the run's {long}/checkpoints" in line
     assert "lies in the run's" in _refused([str(long), "--out", str(long / "hf")], capsys)
+    assert _refused([str(long), "--out", ""], capsys).endswith(
+        "--out='' is empty: give the directory to write"
+    )
+    line = _refused([str(long), "--out", str(long)], capsys)
+    assert line.endswith(
+        f"is the run directory itself ({str(long)!r}), which the export only reads"
+    )
     assert "invalid choice: 'int8'" in _refused(
         [str(long), "--out", str(out), "--dtype", "int8"], capsys
     )

@@ -693,6 +693,30 @@ def _outputs_by_hand(out, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
+def test_auto_on_a_run_killed_before_its_first_checkpoint_names_both_flags(tmp_path, capsys):
+    """A job killed hard before its first save leaves logs and no checkpoint; the
+    requeue with `auto` alone is refused in one line that gives the command's second
+    flag (and does not first say it trains from the start); with both, it starts over."""
+    out = tmp_path / "job"
+    _outputs_by_hand(
+        out, {"log.jsonl": '{"step": 1, "loss": 5.0}\n', "checkpoints/2.orbax-tmp/x": ""}
+    )
+    before = _files(out)
+    auto = ["--resume_from_checkpoint", "auto", "--report_to", "none"]
+    with pytest.raises(TrainingError) as e:
+        run(parse_args(_args(out, *auto)))
+    assert str(e.value) == (
+        f"--resume_from_checkpoint auto: no checkpoint in {out / 'checkpoints'} to continue, "
+        f"and --output_dir={str(out)!r} holds a run that saved none (checkpoints, log.jsonl): "
+        "--overwrite_output_dir true replaces it (a requeued job's command carries both "
+        "flags), or choose another --output_dir"
+    )
+    assert "training from the start" not in capsys.readouterr().out
+    assert _files(out) == before
+    summary = run(parse_args(_args(out, *auto, "--overwrite_output_dir", "true")))
+    assert summary["start_step"] == 0 and outputs.saved_steps(str(out))
+
+
 def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
     """A replacing run killed hard (no `settle`) leaves previous_run/ beside its own
     outputs: a new run is refused naming it; --overwrite_output_dir keeps the killed

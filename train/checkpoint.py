@@ -34,6 +34,25 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
+def first_non_finite(tree) -> str | None:
+    """The path of the first floating-point array of `tree` that holds a NaN or an
+    infinity, None where none does; arrays in host memory (an offloaded optimizer
+    state) are not read. One compiled reduction over the arrays, each device its part."""
+    leaves = [
+        (path, x)
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+        if isinstance(x, jax.Array)
+        and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
+        and x.sharding.memory_kind in (None, "device")
+    ]
+    if not leaves:
+        return None
+    check = jax.jit(lambda xs: jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs]))
+    finite = jax.device_get(check([x for _, x in leaves]))
+    bad = [jax.tree_util.keystr(path) for (path, _), ok in zip(leaves, finite) if not ok]
+    return bad[0] if bad else None
+
+
 def _root_cause(e: BaseException, width: int = 300) -> str:
     """The innermost cause of `e` as `Type: first line`, cut to `width` characters (the
     outer ones only wrap it; TensorStore appends a dump of its spec)."""
@@ -237,6 +256,16 @@ class Checkpoints:
             ) from e
         if not isinstance(restored["meta"], dict) or "step" not in restored["meta"]:
             raise ValueError(f"checkpoint {step} in {self.directory} has no valid meta")
+        if (name := first_non_finite(restored["state"])) is not None:
+            # The loop saves no non-finite step: such values are the files' damage,
+            # which would otherwise surface steps later as a non-finite loss.
+            where = os.path.join(self.directory, str(step))
+            earlier = [s for s in steps if s < step]
+            advice = f"; an earlier one: {advise(earlier[-1])}" if earlier else ""
+            raise ValueError(
+                f"checkpoint {where} holds non-finite values ({name}), which no step saves: "
+                f"its files are damaged{advice}"
+            )
         return restored["state"], restored["meta"]
 
     def wait(self) -> None:
@@ -337,7 +366,8 @@ def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None]
         return os.path.dirname(path), None
     if os.path.isdir(os.path.join(path, "checkpoints")):
         return path, None
+    missing = f"{path} does not exist, so it is " if not os.path.exists(path) else ""
     raise ValueError(
-        f"--resume_from_checkpoint={value!r}: not 'latest', 'auto', a checkpoints directory "
-        "or a checkpoints/<step> directory"
+        f"--resume_from_checkpoint={value!r}: {missing}not 'latest', 'auto', a run's "
+        "--output_dir, a checkpoints directory or a checkpoints/<step> directory"
     )

@@ -329,6 +329,11 @@ class TrainConfig:
         if theta is not None and not (math.isfinite(theta) and theta > 0):
             raise ValueError(f"--rope_theta={theta} must be a finite number > 0")
         rope_scaling(self.model)  # JSON of an object, or its one-line error
+        if not self.run.output_dir.strip():
+            raise ValueError(
+                f"--output_dir={self.run.output_dir!r} is empty: give the run's directory "
+                "(. for the working directory)"
+            )
         reports = self.run.report_to.split(",")
         if self.run.report_to != "none" and (
             not set(reports) <= set(REPORT_TO) or len(set(reports)) != len(reports)

@@ -655,8 +655,17 @@ def _resolve_auto_resume(cfg: TrainConfig, is_main: bool) -> TrainConfig:
         )
     else:
         run_args = dataclasses.replace(cfg.run, resume_from_checkpoint=None)
-        if is_main:
-            where = os.path.join(out, "checkpoints")
+        where = os.path.join(out, "checkpoints")
+        found = outputs.previous_outputs(out)
+        refused = found and not cfg.run.overwrite_output_dir
+        if refused and outputs.PREVIOUS_RUN not in found:  # (else the claim says more)
+            raise TrainingError(
+                f"--resume_from_checkpoint auto: no checkpoint in {where} to continue, and "
+                f"--output_dir={out!r} holds a run that saved none ({', '.join(found)}): "
+                "--overwrite_output_dir true replaces it (a requeued job's command carries "
+                "both flags), or choose another --output_dir"
+            )
+        if is_main and not refused:
             print(
                 f"--resume_from_checkpoint auto: no checkpoint in {where}; training from the start",
                 flush=True,
@@ -1455,8 +1464,10 @@ def _finish(
             if step == 0
             else "Lower --learning_rate or check the data."
         )
+        values = (("loss", loss), ("gradient norm", grad_norm))
+        bad = " and ".join(f"{name} {x}" for name, x in values if not math.isfinite(x))
         raise TrainingError(
-            f"non-finite loss {loss} or gradient norm {grad_norm} at step {step + 1}; "
+            f"non-finite {bad} at step {step + 1}; "
             "training stopped. No checkpoint was written for this step or later ones (those "
             f"of earlier steps, if any, are intact). {advice}"
         )

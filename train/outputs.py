@@ -30,7 +30,7 @@ import yaml
 from jax.experimental import multihost_utils
 
 from models.convert import tokenizer_files as folder_tokenizer_files
-from models.files import folder_error
+from models.files import atomic_write, folder_error
 from train.chat import is_template_file, read_chat_template, save_chat_template, template_files
 from train.config import TrainConfig
 from train.errors import TrainingError
@@ -503,7 +503,7 @@ def write_settings(out: str, cfg: TrainConfig) -> str:
     (HF's `training_args`); call it only once the run is known to start.
 
     Paths are written absolute (`PATH_SETTINGS`). What this invocation did to the
-    directory is left out (`--overwrite_output_dir`, `--resume_from_checkpoint`): the
+    directory is written reset (`--overwrite_output_dir`, `--resume_from_checkpoint`): the
     file describes the job, so that running it again into the same directory is refused
     like any other run, not allowed to delete it."""
     os.makedirs(out, exist_ok=True)
@@ -519,7 +519,7 @@ def write_settings(out: str, cfg: TrainConfig) -> str:
             record[section][name] = os.path.abspath(value)
     text = yaml.safe_dump(record, sort_keys=False, default_flow_style=False)
     header = "# The settings of the run in this directory: python -m train --config <this file>\n"
-    with open(path, "w") as f:
+    with atomic_write(path, "w") as f:  # a rewrite cut off keeps the file it replaces
         f.write(header + text)
     return path
 

@@ -99,6 +99,8 @@ def _inside(path: str, directory: str) -> bool:
 def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
     """Refuses an `--out` that is a file, the run's directory or inside its outputs (the
     export never writes into the run), or that holds a model, without `overwrite`."""
+    if not out.strip():
+        raise TrainingError(f"--out={out!r} is empty: give the directory to write")
     if os.path.exists(out) and not os.path.isdir(out):
         raise TrainingError(f"--out={out!r} is a file, not a directory")
     if os.path.realpath(out) == os.path.realpath(run_dir):
