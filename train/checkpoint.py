@@ -49,7 +49,9 @@ def first_non_finite(tree) -> str | None:
         return None
     check = jax.jit(lambda xs: jax.numpy.stack([jax.numpy.isfinite(x).all() for x in xs]))
     finite = jax.device_get(check([x for _, x in leaves]))
-    bad = [jax.tree_util.keystr(path) for (path, _), ok in zip(leaves, finite) if not ok]
+    bad = [
+        jax.tree_util.keystr(path) for (path, _), ok in zip(leaves, finite, strict=True) if not ok
+    ]
     return bad[0] if bad else None
 
 
