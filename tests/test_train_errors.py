@@ -296,7 +296,7 @@ def _last_error(argv, capsys) -> str:
 
 def test_resume_with_another_number_of_steps_is_refused():
     """Extending a finished run would restart (or jump) its cosine schedule."""
-    from train.loop import _check_resumable
+    from train.run_record import check_resumable
 
     saved = {
         "model_max_length": 64,
@@ -306,11 +306,11 @@ def test_resume_with_another_number_of_steps_is_refused():
         "optim": "adamw",
     }
     meta = {"step": 30, "run": {**saved, "total_steps": 30}}
-    _check_resumable(meta, {**saved, "total_steps": 30}, "ckpts")
+    check_resumable(meta, {**saved, "total_steps": 30}, "ckpts")
     with pytest.raises(TrainingError, match="belongs to a run of 30 steps; this run has 60"):
-        _check_resumable(meta, {**saved, "total_steps": 60}, "ckpts")
+        check_resumable(meta, {**saved, "total_steps": 60}, "ckpts")
     # Checkpoints written before the step count was recorded resume as before.
-    _check_resumable({"step": 30, "run": saved}, {**saved, "total_steps": 60}, "ckpts")
+    check_resumable({"step": 30, "run": saved}, {**saved, "total_steps": 60}, "ckpts")
 
 
 def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):
@@ -421,7 +421,7 @@ def test_resume_on_other_data_of_as_many_rows_is_refused(tmp_path, capsys):
 
 
 def test_data_fingerprint_follows_the_rows_tokens_and_order():
-    from train.loop import data_fingerprint
+    from train.run_record import data_fingerprint
 
     rows = TokenDataset.from_examples("x", [np.arange(1, 700) % 97]).rows(32, eos_id=0)
     again = TokenDataset.from_examples("x", [np.arange(1, 700) % 97]).rows(32, eos_id=0)
@@ -435,7 +435,7 @@ def test_resume_on_the_same_tokens_with_other_labels_is_refused():
     the same ids with other labels (the loss on the completions only, or on every
     token): a checkpoint records its rows' labels too, and a resume on the other labels
     is refused; a checkpoint from before that record resumes as before."""
-    from train.loop import _check_resumable, data_fingerprint, label_fingerprint
+    from train.run_record import check_resumable, data_fingerprint, label_fingerprint
 
     ids = np.arange(1, 700) % 97
     prompted = np.where(np.arange(699) % 7 < 4, -100, ids)
@@ -456,12 +456,12 @@ def test_resume_on_the_same_tokens_with_other_labels_is_refused():
         }
 
     meta = {"step": 10, "run": run_meta(sft)}
-    _check_resumable(meta, run_meta(again), "ckpts")
+    check_resumable(meta, run_meta(again), "ckpts")
     with pytest.raises(TrainingError, match="the same tokens, but other labels") as refused:
-        _check_resumable(meta, run_meta(text), "ckpts")
+        check_resumable(meta, run_meta(text), "ckpts")
     assert "\n" not in str(refused.value)
     older = {"step": 10, "run": {k: v for k, v in run_meta(sft).items() if k != "labels"}}
-    _check_resumable(older, run_meta(text), "ckpts")
+    check_resumable(older, run_meta(text), "ckpts")
 
 
 def test_made_up_model_and_data_are_named_and_a_path_called_sample_is_data(
@@ -1039,14 +1039,14 @@ def test_an_adafactor_checkpoint_of_optaxs_state_is_refused_with_the_way_on():
     """Adafactor's state changed layout (HF's, per layer): a checkpoint whose record names
     no such state (optax's, written before) is refused in one line pointing to the export,
     not failed in Orbax's restore as if damaged; AdamW's never changed."""
-    from train.loop import OPTIM_STATES, _check_resumable
+    from train.run_record import OPTIM_STATES, check_resumable
 
     now = {"optim": "adafactor", "optim_state": OPTIM_STATES["adafactor"], "total_steps": 4}
     with pytest.raises(TrainingError, match=r"holds optax's --optim adafactor state.*export"):
-        _check_resumable({"step": 2, "run": {"optim": "adafactor"}}, now, "ckpts")
-    _check_resumable({"step": 2, "run": dict(now)}, now, "ckpts")
+        check_resumable({"step": 2, "run": {"optim": "adafactor"}}, now, "ckpts")
+    check_resumable({"step": 2, "run": dict(now)}, now, "ckpts")
     adamw = {"optim": "adamw", "optim_state": None, "total_steps": 4}
-    _check_resumable({"step": 2, "run": {"optim": "adamw"}}, adamw, "ckpts")
+    check_resumable({"step": 2, "run": {"optim": "adamw"}}, adamw, "ckpts")
 
 
 def test_a_models_folder_of_the_working_directory_is_named(tmp_path):

@@ -1,0 +1,321 @@
+"""What a checkpoint records of the run that wrote it, and what a resume checks against
+that record: the model, the data (a hash of some rows' tokens and labels), the data
+order, the step count, the learning-rate schedule and each step's update. A resume
+that would change any of them mid-run is refused in one line naming the setting;
+`--resume_from_checkpoint auto` is resolved here too."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+
+import models
+from train import outputs
+from train.build import Trainer
+from train.checkpoint import other_params
+from train.config import TrainConfig
+from train.errors import TrainingError
+from train.optim import update_settings, warmup_steps
+
+# Rows whose tokens and labels identify the training data in a checkpoint: spread over
+# the data, first and last included, so another file or another order of the same rows
+# differs.
+FINGERPRINT_ROWS = 16
+
+
+def _fingerprint(rows, field: int) -> str:
+    n = rows.num_rows
+    ids = np.unique(np.linspace(0, n - 1, min(n, FINGERPRINT_ROWS)).round().astype(np.int64))
+    digest = hashlib.sha256(f"{n} {rows.seq_len}".encode())
+    digest.update(np.ascontiguousarray(rows.take(ids)[field], np.int32).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def data_fingerprint(rows) -> str:
+    """A short hash of the input ids of `FINGERPRINT_ROWS` rows spread over `rows`
+    (and their count and length): what a resume checks the data against, cheaply at
+    any size."""
+    return _fingerprint(rows, 0)
+
+
+def label_fingerprint(rows) -> str:
+    """The same rows' labels, hashed likewise: the same tokens with other labels (text
+    records against prompt/completion records of the same texts) are other data."""
+    return _fingerprint(rows, 1)
+
+
+# HF config keys that change nothing a step computes: a resume may see them differ.
+MODEL_KEYS_FREE = (
+    "torch_dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "max_position_embeddings",
+)
+
+
+def _model_record(config) -> dict:
+    """The model a step computes, as HF config keys (JSON values, as a checkpoint's
+    metadata holds them)."""
+    hf = {k: v for k, v in models.to_hf_config(config).items() if k not in MODEL_KEYS_FREE}
+    return json.loads(json.dumps(hf))
+
+
+# The layout of an optimizer's state where it changed: a checkpoint whose record names
+# another (or none, written before) cannot be restored into this one.
+OPTIM_STATES = {"adafactor": "hf_adafactor"}  # train.optim.hf_adafactor, per layer
+
+
+def run_record(t: Trainer) -> dict:
+    """What fixes the model, the data order, the schedule and each step's update (the
+    optimizer's flags, the compute dtype): a resumed run must match it."""
+    return {
+        "model": _model_record(t.config),
+        "model_max_length": t.cfg.data.model_max_length,
+        "packing": t.cfg.data.packing,
+        "rows_per_step": t.global_batch * t.accum,
+        "num_rows": t.rows.num_rows,
+        "data": data_fingerprint(t.rows),
+        "labels": label_fingerprint(t.rows),
+        "seed": t.cfg.run.seed,
+        "dataloader_drop_last": t.cfg.data.dataloader_drop_last,
+        "total_steps": t.total_steps,
+        "optim": t.cfg.optim.optim,
+        "optim_state": OPTIM_STATES.get(t.cfg.optim.optim),
+        "update": {
+            **update_settings(t.cfg.optim),
+            "compute_dtype": t.config.dtype,
+            **_document_settings(t),
+        },
+        "schedule": _schedule_record(t),
+    }
+
+
+def _document_settings(t: Trainer) -> dict:
+    """What the step makes of packed documents, as it runs (not as flagged): whether the
+    attention stays inside each (`--mask_documents`; false where every row holds one
+    document, nothing to mask) and where RoPE positions count from (`per_document` only
+    where documents are masked). Another mask or other positions change every step's
+    gradient, so a resume keeps them."""
+    mask = bool(t.spec.mask_documents)
+    restart = mask and t.cfg.data.packing_positions == "per_document"
+    return {"mask_documents": mask, "packing_positions": "per_document" if restart else "running"}
+
+
+# The flags that shape the learning-rate schedule, and where it is sampled (fractions of
+# the run, and the warmup's end) to tell one schedule from another whatever flags spell it.
+SCHEDULE_FLAGS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "min_lr_rate",
+    "decay_ratio",
+    "decay_type",
+)
+SCHEDULE_PROBES = 9
+
+
+def _schedule_record(t: Trainer) -> dict:
+    """The run's learning-rate schedule: its flags and its values at `SCHEDULE_PROBES`
+    steps spread over the run (the first and last included) and at the warmup's end."""
+    o, total = t.cfg.optim, t.total_steps
+    warmup = warmup_steps(o, total)
+    steps = sorted(
+        {round(i * (total - 1) / (SCHEDULE_PROBES - 1)) for i in range(SCHEDULE_PROBES)}
+        | {min(warmup, total - 1)}
+    )
+    return {
+        "flags": {k: getattr(o, k) for k in SCHEDULE_FLAGS},
+        "lr": {str(i): float(t.lr_at(i)) for i in steps},
+    }
+
+
+def _schedule_error(saved: dict, new: dict) -> str | None:
+    """What differs between two `_schedule_record`s, or None where the rates agree (to
+    float32's precision) at every step either one sampled."""
+    steps = [i for i in saved["lr"] if i in new["lr"]]
+    apart = [
+        i for i in steps if not math.isclose(saved["lr"][i], new["lr"][i], rel_tol=1e-6, abs_tol=0)
+    ]
+    if steps and not apart:
+        return None
+    flags = [
+        f"--{k} {saved['flags'][k]} -> {new['flags'][k]}"
+        for k in SCHEDULE_FLAGS
+        if k in saved["flags"] and saved["flags"][k] != new["flags"][k]
+    ]
+    if apart:
+        i = apart[0]
+        flags.append(f"lr at step {int(i) + 1}: {saved['lr'][i]:.3g} -> {new['lr'][i]:.3g}")
+    return ", ".join(flags)
+
+
+def resolve_auto_resume(cfg: TrainConfig, is_main: bool) -> TrainConfig:
+    """`--resume_from_checkpoint auto` (one command for a job's first start and every
+    restart, e.g. a scheduler's requeue after a preemption): `latest` where
+    `--output_dir` holds a whole checkpoint, where `--overwrite_output_dir` is then
+    ignored (it would delete them); else a start from step 0, as without the flag
+    (`--overwrite_output_dir` replacing what a run that saved nothing left)."""
+    value = cfg.run.resume_from_checkpoint
+    if value is None or value.lower() != "auto":
+        return cfg
+    out = cfg.run.output_dir
+    steps = outputs.saved_steps(out)
+    if steps:
+        run_args = dataclasses.replace(
+            cfg.run, resume_from_checkpoint="latest", overwrite_output_dir=False
+        )
+    else:
+        run_args = dataclasses.replace(cfg.run, resume_from_checkpoint=None)
+        where = os.path.join(out, "checkpoints")
+        found = outputs.previous_outputs(out)
+        refused = found and not cfg.run.overwrite_output_dir
+        if refused and outputs.PREVIOUS_RUN not in found:  # (else the claim says more)
+            raise TrainingError(
+                f"--resume_from_checkpoint auto: no checkpoint in {where} to continue, and "
+                f"--output_dir={out!r} holds a run that saved none ({', '.join(found)}): "
+                "--overwrite_output_dir true replaces it (a requeued job's command carries "
+                "both flags), or choose another --output_dir"
+            )
+        if is_main and not refused:
+            print(
+                f"--resume_from_checkpoint auto: no checkpoint in {where}; training from the start",
+                flush=True,
+            )
+    return dataclasses.replace(cfg, run=run_args)
+
+
+def check_model(saved: dict | None, params, step: int, cfg: TrainConfig, where: str) -> None:
+    """Refuses a checkpoint of another model (other parameters or shapes) before its
+    state is read: Orbax would fail on every array, a screen of tracebacks each."""
+    if differ := other_params(saved, params):
+        raise TrainingError(
+            f"checkpoint {step} in {where} holds another model's parameters ({differ} in "
+            f"--model_name_or_path={cfg.model.model_name_or_path!r}); resume with the model "
+            "that wrote it"
+        )
+
+
+def check_resumable(meta: dict, run_meta: dict, where: str) -> None:
+    saved = meta.get("run")
+    if saved is None:  # checkpoints written before this record existed
+        return
+    old_optim = saved.get("optim", "adamw")  # checkpoints from before --optim: adamw
+    if old_optim != run_meta["optim"]:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} holds the state of --optim {old_optim}; "
+            f"this run asks for --optim {run_meta['optim']}. Resume with --optim "
+            f"{old_optim}, or start a new run from the export (--model_name_or_path "
+            "<output_dir>/hf, a new --output_dir)"
+        )
+    if saved.get("optim_state") != run_meta.get("optim_state") and old_optim in OPTIM_STATES:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} holds optax's --optim {old_optim} state, "
+            f"which this version replaced by HF's ({run_meta.get('optim_state')}, one layer "
+            "at a time): it does not carry over. Train on as a new run from its weights "
+            "(python -m train.tools.export, then --model_name_or_path that directory and a "
+            "new --output_dir)"
+        )
+    if "model" in saved and saved["model"] != run_meta["model"]:
+        old, new = saved["model"], run_meta["model"]
+        keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        text = ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in keys)
+        rope = (
+            " and its --rope_theta / --rope_scaling"
+            if set(keys) & {"rope_theta", "rope_scaling"}
+            else ""
+        )
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was trained as another model ({text}); "
+            f"resume with the model config that wrote it (the run's model_config.json){rope}"
+        )
+    # Checked on their own, with their own advice.
+    own_checks = (
+        "total_steps",
+        "optim",
+        "optim_state",
+        "data",
+        "labels",
+        "schedule",
+        "model",
+        "update",
+    )
+    changed = {
+        k: (saved[k], v)
+        for k, v in run_meta.items()
+        if k in saved and saved[k] != v and k not in own_checks
+    }
+    if changed:
+        text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written by a run with other settings "
+            f"({text}); resuming would not continue its data order. Use the same "
+            "--model_max_length, --packing, data (its tokenizer and chat template too), "
+            "global batch (per-device batch x data x "
+            "fsdp x accumulation), --seed and --dataloader_drop_last"
+            + (" (--data_path sample is made from --seed)" if "seed" in changed else "")
+        )
+    if "data" in saved and saved["data"] != run_meta["data"]:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written on other data: as many rows, "
+            f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
+            "so resuming would not continue its data. Resume with the same --data_path, "
+            "tokenizer, chat template (--chat_template, --chat_template_kwargs), "
+            "--model_max_length and --packing, or start a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
+        )
+    if "labels" in saved and saved["labels"] != run_meta["labels"]:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written on other data: the same "
+            f"tokens, but other labels (labels {saved['labels']} there, "
+            f"{run_meta['labels']} here: the loss is on other tokens, as with text records "
+            "in place of prompt/completion ones), so resuming would not continue its "
+            "training. Resume with the same --data_path and chat template (--chat_template), "
+            "or start a new run from the "
+            "export (--model_name_or_path <output_dir>/hf, a new --output_dir)"
+        )
+    old, new = saved.get("total_steps"), run_meta["total_steps"]
+    if old is not None and old != new:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} belongs to a run of {old} steps; this run "
+            f"has {new} (--max_steps / --num_train_epochs), which would change its "
+            "learning-rate schedule mid-run (the decay would jump). Resume with the same "
+            f"number of steps ({old}), or train further as a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
+        )
+    # A finished run trains nothing more: no schedule to jump, no update to change.
+    left = meta["step"] < run_meta["total_steps"]
+    old, new = saved.get("update"), run_meta.get("update")
+    # A setting the checkpoint's record has no entry for (written before it was recorded)
+    # is not compared.
+    keys = sorted(k for k in old or () if k in (new or {}) and old[k] != new[k])
+    if left and keys:
+        flag = {"compute_dtype": "compute dtype (--bf16 / --fp16)"}
+        text = ", ".join(f"{flag.get(k, '--' + k)} {old.get(k)} -> {new.get(k)}" for k in keys)
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was trained with other update settings "
+            f"({text}): resuming would change how its remaining steps update the weights, "
+            "and its train_config.yaml would name settings its first steps did not use. "
+            "Resume with its flags (--config <output_dir>/train_config.yaml), or train on "
+            "as a new run from the export (--model_name_or_path <output_dir>/hf, a new "
+            "--output_dir)"
+        )
+    if left and "schedule" in saved:
+        other = _schedule_error(saved["schedule"], run_meta["schedule"])
+    else:
+        other = None
+    if other:
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written with another learning-rate "
+            f"schedule ({other}): resuming would jump to this one mid-run. Resume with "
+            "its flags (its run's train_config.yaml holds them: --config "
+            "<output_dir>/train_config.yaml), or train on as a new run from the export "
+            "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
+        )
