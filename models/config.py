@@ -310,8 +310,12 @@ def _rope_of(hf: dict[str, Any], scaling: Any) -> RopeConfig:
     if theta is None:
         theta = _typed(hf, "rope_theta", float, 10000.0)
     if scaling and "rope_type" not in scaling and "type" not in scaling:
-        # transformers cannot build this rotary embedding either: it names no type.
-        raise ValueError(f"config.json: rope scaling {scaling} names no 'rope_type'")
+        # transformers 5 runs default RoPE here, dropping the scaling with a warning;
+        # a model trained with scaling would then run without it: refused instead.
+        raise ValueError(
+            f"config.json: rope scaling {scaling} names no 'rope_type' (transformers would "
+            "drop it and run default RoPE)"
+        )
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope type {rope_type!r} in config.json; supported: {ROPE_TYPES}")
@@ -412,12 +416,13 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike[str]) -> LlamaConfig:
         try:
             return _from_hf_dict(hf)
         except (ValueError, NotImplementedError) as e:  # named by the file
-            said = str(e)
-            said = (
-                f"{path} {said.removeprefix('config.json ')}"
-                if said.startswith("config.json ")
-                else f"{path}: {said}"
-            )
+            said = str(e).replace(" in config.json", "")
+            if said.startswith("config.json: "):
+                said = f"{path}: {said.removeprefix('config.json: ')}"
+            elif said.startswith("config.json "):
+                said = f"{path} {said.removeprefix('config.json ')}"
+            else:
+                said = f"{path}: {said}"
             raise type(e)(said) from None
     return _from_hf_dict(hf)
 
@@ -450,6 +455,11 @@ def _from_hf_dict(hf: dict[str, Any]) -> LlamaConfig:
     hidden_size = _typed(hf, "hidden_size", int)
     head_dim = _typed(hf, "head_dim", int)
     if head_dim is None and num_heads > 0:
+        if hidden_size % num_heads:  # transformers 5 refuses it too
+            raise ValueError(
+                f"config.json: hidden_size={hidden_size} is not a multiple of "
+                f"num_attention_heads={num_heads} and no head_dim is given"
+            )
         head_dim = hidden_size // num_heads  # HF's default
     return LlamaConfig(
         vocab_size=_typed(hf, "vocab_size", int),

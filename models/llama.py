@@ -238,6 +238,31 @@ def _check_position_order(
             )
 
 
+def _check_token_order(
+    positions: Int[Array, "B T"], segment_ids: Int[Array, "B T"] | None, kind: str
+) -> None:
+    """ValueError where a token's position is not above that of every earlier token of
+    its segment (its row without segment ids): the ``jflash`` and ``cudnn`` kernels mask
+    causally by token order, so tokens out of order (zigzag, reversed) would attend by
+    the wrong mask while RoPE took their true positions."""
+    with jax.ensure_compile_time_eval():
+        pos = np.asarray(positions).astype(np.int64)
+        segs = np.zeros_like(pos) if segment_ids is None else np.asarray(segment_ids)
+    for row in range(pos.shape[0]):
+        order = np.lexsort((np.arange(pos.shape[1]), segs[row]))  # by segment, then index
+        seg, at = segs[row][order], pos[row][order]
+        bad = np.flatnonzero((seg[1:] == seg[:-1]) & (at[1:] <= at[:-1]))
+        if bad.size:
+            before, after = order[bad[0]], order[bad[0] + 1]
+            inside = "the row" if segment_ids is None else f"segment id {seg[bad[0]]}"
+            raise ValueError(
+                f"positions[{row}, {after}]={at[bad[0] + 1]} follows positions[{row}, "
+                f"{before}]={at[bad[0]]} inside {inside}: attention kind {kind!r} masks "
+                "causally by token order, so each document's tokens must come in rising "
+                "positions; use kind 'xla' (it masks by position) or natural order"
+            )
+
+
 def _embed_lookup(embed: nnx.Embed, input_ids: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     """Token embedding gather; under an Explicit-axes mesh the output keeps the
     ids' sharding (``[B, T]`` as the ids, D replicated), which jax cannot infer."""
@@ -341,8 +366,12 @@ class Llama(nnx.Module):
                 positions that restart at each packed document (HF's packed
                 ``position_ids``) together with ``segment_ids``, one id per document:
                 the ``xla`` attention masks causally by position, so a position that
-                repeats inside one id would let a token see a later one (concrete
-                positions are checked: ValueError naming the first repeat).
+                repeats inside one id would let a token see a later one; the
+                ``jflash`` and ``cudnn`` kernels mask by token order, so each
+                document's tokens must come in rising positions (permuted tokens go
+                to ``xla`` or ``ring`` with its layout). Concrete positions are
+                checked: ValueError naming the first repeat or the first token out
+                of order.
             segment_ids: packed documents, in the same token order: attention stays
                 inside equal ids (None: one document per row).
         """
@@ -363,8 +392,12 @@ class Llama(nnx.Module):
             raise ValueError(f"positions.shape={positions.shape} != input_ids.shape={(b, t)}")
         if segment_ids is not None and segment_ids.shape != (b, t):
             raise ValueError(f"segment_ids.shape={segment_ids.shape} != input_ids.shape={(b, t)}")
-        if self.attention.kind == "xla" and not isinstance(positions, jax.core.Tracer):
-            _check_position_order(positions, segment_ids)
+        kind = self.attention.kind
+        if not isinstance(positions, jax.core.Tracer):  # concrete: checked here
+            if kind == "xla":
+                _check_position_order(positions, segment_ids)
+            elif kind in ("jflash", "cudnn"):
+                _check_token_order(positions, segment_ids, kind)
         with jax.named_scope("embed"):
             x = _embed_lookup(self.embed, input_ids)
         with jax.named_scope("rope"):

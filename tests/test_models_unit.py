@@ -206,6 +206,7 @@ def test_every_preset_has_one_spelling_for_command_lines():
         (_HF | {"rms_norm_eps": "1e-5"}, ValueError, "rms_norm_eps='1e-5' must be a number"),
         (_HF | {"eos_token_id": "</s>"}, ValueError, "eos_token_id='</s>'"),
         (_HF | {"rope_scaling": {"factor": 4.0}}, ValueError, "names no 'rope_type'"),
+        (_HF | {"hidden_size": 66}, ValueError, "hidden_size=66 is not a multiple of num_atte"),
         (_HF | {"rope_scaling": {"type": "linear", "factor": None}}, ValueError, "factor"),
         (_HF | {"rope_scaling": {"type": "llama3"} | _LLAMA3 | {"factor": "8"}}, ValueError, "'8'"),
         (
@@ -216,9 +217,14 @@ def test_every_preset_has_one_spelling_for_command_lines():
         ),
     ],
 )
-def test_config_rejects_bad_input_naming_it(hf, error, match):
+def test_config_rejects_bad_input_naming_it(hf, error, match, tmp_path):
     with pytest.raises(error, match=match):
         models.from_hf_config(hf)
+    path = tmp_path / "config.json"  # from a file: named once, at the start
+    path.write_text(json.dumps(hf))
+    with pytest.raises(error) as e:
+        models.from_hf_config(tmp_path)
+    assert str(e.value).startswith(str(path)) and str(e.value).count("config.json") == 1, e.value
 
 
 def test_config_field_validation():
@@ -510,6 +516,32 @@ def test_positions_that_repeat_in_one_document_are_refused_for_the_dense_mask(pa
     dense = models.logits(SMALL, params, ids, pos, segment_ids=docs)
     kernel = models.logits(SMALL, params, ids, pos, segment_ids=docs, attention="jflash")
     np.testing.assert_allclose(dense, kernel, atol=1e-5, rtol=0)
+
+
+def test_tokens_out_of_order_are_refused_for_the_kernels_that_mask_by_order(params, ids):
+    """The `jflash` kernels mask causally by token order while RoPE takes the positions:
+    zigzag-ordered or reversed tokens (which `xla` masks right by position) are refused
+    naming the first token out of order, inside its document; rising positions with
+    gaps, or restarting at each document with one id per document, run."""
+    b = ids.shape[0]
+    perm = np.asarray(jflash.positions(SEQ, 2, "zigzag"))
+    zigzag = np.tile(perm, (b, 1))
+    dense = models.logits(SMALL, params, ids[:, perm], zigzag)
+    np.testing.assert_allclose(dense, models.logits(SMALL, params, ids)[:, perm], atol=1e-5)
+    with pytest.raises(ValueError) as e:
+        models.logits(SMALL, params, ids[:, perm], zigzag, attention="jflash")
+    first = int(np.flatnonzero(np.diff(perm) <= 0)[0])
+    assert str(e.value).startswith(
+        f"positions[0, {first + 1}]={perm[first + 1]} follows positions[0, {first}]="
+        f"{perm[first]} inside the row: attention kind 'jflash' masks causally by token order"
+    ), e.value
+    halves = np.repeat([[1, 2]], SEQ // 2, 1).repeat(b, 0)  # two documents, each reversed
+    backwards = np.tile(np.r_[np.arange(SEQ // 2)[::-1], np.arange(SEQ // 2)], (b, 1))
+    with pytest.raises(ValueError, match="inside segment id 1: attention kind 'jflash'"):
+        models.logits(SMALL, params, ids, backwards, segment_ids=halves, attention="jflash")
+    gaps = np.tile(np.arange(SEQ) * 3, (b, 1))
+    kernel = models.logits(SMALL, params, ids, gaps, attention="jflash")
+    np.testing.assert_allclose(models.logits(SMALL, params, ids, gaps), kernel, atol=1e-5)
 
 
 # --- loss --------------------------------------------------------------------------
