@@ -810,6 +810,77 @@ def test_processes_that_do_not_meet_end_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_multi_host_flags_that_do_not_fit_are_named_and_the_meeting_flags_not_compared():
+    """The three flags that place a process are checked together, in one line naming
+    them (jax's words named none); the processes compare every setting but those, since
+    having met they reached the same coordinator (by host name or by address)."""
+    from train.hosts import initialize_distributed
+    from train.loop import _settings_of
+
+    for argv, said in (
+        (["--num_processes", "2"], "--num_processes=2 needs --coordinator_address"),
+        (["--coordinator_address", "h:1"], "needs --num_processes and --process_id"),
+        (["--coordinator_address", "h:1", "--num_processes", "2"], "needs --process_id ("),
+        (
+            ["--coordinator_address", "h:1", "--num_processes", "2", "--process_id", "2"],
+            "--process_id=2 must be in [0, --num_processes=2)",
+        ),
+    ):
+        with pytest.raises(TrainingError, match=re.escape(said)):
+            initialize_distributed(parse_args(argv))
+    one = ["--coordinator_address", "localhost:1", "--process_id", "0", "--ddp_timeout", "9"]
+    other = ["--coordinator_address", "127.0.0.1:1", "--process_id", "1"]
+    assert _settings_of(parse_args(one)) == _settings_of(parse_args(other))
+    assert _settings_of(parse_args(["--seed", "1"])) != _settings_of(parse_args([]))
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_run_ends_the_others_at_once_in_a_line(tmp_path):
+    """kill -9 to one process of a two-process run: the other's next collective fails;
+    it ends at once (exit 1) with the traceback and one line naming the stop and the last
+    checkpoint, instead of waiting in jax's shutdown for the dead process and aborting
+    with a C++ stack 100 s later."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = _env(2)
+    argv = [*SMALL, "--coordinator_address", f"localhost:{port}", "--num_processes", "2"]
+    argv += ["--mesh", "data=1,fsdp=2,seq=2", "--output_dir", str(tmp_path), "--max_steps"]
+    argv += ["100000", "--save_steps", "2", "--logging_steps", "1", "--progress", "true"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "train", *argv, "--process_id", str(i)],
+            env=env,
+            stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        seen = []
+        for line in procs[0].stdout:  # process 0's step lines: the run is training
+            seen.append(line)
+            if line.startswith("step 4/"):
+                break
+        procs[1].kill()
+        procs[1].wait()
+        start = time.monotonic()
+        out = "".join(seen) + procs[0].communicate(timeout=90)[0]
+        waited = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(
+        "error on process 0 of 2: where another process of the run stopped, this is the "
+        "collective it left; the last checkpoint is step "
+    ), out[-3000:]
+    assert last.endswith("continue with --resume_from_checkpoint latest")
+    assert "Check failure" not in out and waited < 60, (waited, out[-3000:])
+
+
 @pytest.mark.slow
 def test_processes_given_other_flags_are_refused_by_every_one(tmp_path):
     """A process of a multi-host run given another --learning_rate (or seed, data,

@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
                     print(f"error: {e}", file=sys.stderr)
                     return 2
+                if (peers := _other_processes()) is not None:
+                    _end_apart(cfg, *peers)
                 raise
             # The loop has closed its checkpoints (a save in flight finished) and logs. Exit
             # now: XLA's threads may still hold the interrupted step, and tearing down the
@@ -131,9 +133,47 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(interrupt, Preempted):
                 _leave_together()
             os._exit(signal_status(signal.SIGINT if stop is None else stop))
-        if summary["losses"]:
+        if summary["losses"] and _process_index() == 0:  # the run's line, process 0's
             print(_done_line(cfg, summary))
         return 0
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _other_processes() -> tuple[int, int] | None:
+    """`(this process's index, the process count)` in a multi-process run, else None."""
+    import jax
+
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        return None
+    return jax.process_index(), jax.process_count()
+
+
+def _end_apart(cfg, index: int, count: int) -> None:
+    """An unexpected error on one process of a multi-process run: most often the
+    collective a stopped process left (killed, Ctrl-C, a lost host), which fails here at
+    once (gloo) or at jax's heartbeat timeout. The traceback, one line saying so and
+    where the last checkpoint is, and the process ends now: jax's shutdown at exit
+    would wait for the stopped process, then abort with a C++ stack."""
+    import traceback
+
+    traceback.print_exc()
+    last = f"; {_last_checkpoint(cfg.run.output_dir)}" if cfg is not None else ""
+    try:
+        print(
+            f"error on process {index} of {count}: where another process of the run "
+            f"stopped, this is the collective it left{last}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+    except OSError:
+        pass
+    os._exit(1)
 
 
 def _done_line(cfg, summary: dict) -> str:

@@ -32,6 +32,7 @@ def initialize_distributed(cfg: TrainConfig) -> None:
     with one line saying what it waited for (exit status 2)."""
     p = cfg.parallel
     if p.coordinator_address or (p.num_processes or 0) > 1:
+        _check_flags(p)
         where = {
             "coordinator_address": p.coordinator_address,
             "num_processes": p.num_processes,
@@ -48,6 +49,30 @@ def initialize_distributed(cfg: TrainConfig) -> None:
         jax.distributed.initialize(**where, initialization_timeout=p.ddp_timeout + _ABORT_MARGIN_S)
     finally:
         timer.cancel()
+
+
+def _check_flags(p) -> None:
+    """One line naming the flag where the three that place a process in a multi-host
+    run do not fit together (jax's own words name none)."""
+    if not p.coordinator_address:
+        raise TrainingError(
+            f"--num_processes={p.num_processes} needs --coordinator_address (process 0's "
+            "host:port) and each process's --process_id"
+        )
+    if p.num_processes is None or p.process_id is None:
+        missing = [
+            f
+            for f, v in (("--num_processes", p.num_processes), ("--process_id", p.process_id))
+            if v is None
+        ]
+        raise TrainingError(
+            f"--coordinator_address={p.coordinator_address!r} needs {' and '.join(missing)}"
+            " (every process the same --num_processes, each its own --process_id)"
+        )
+    if p.num_processes < 1 or not 0 <= p.process_id < p.num_processes:
+        raise TrainingError(
+            f"--process_id={p.process_id} must be in [0, --num_processes={p.num_processes})"
+        )
 
 
 def _not_met(cfg: TrainConfig) -> None:

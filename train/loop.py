@@ -88,13 +88,16 @@ def checkpoints_used(cfg: TrainConfig) -> bool:
 
 
 def _settings_of(cfg: TrainConfig) -> dict[str, Any]:
-    """Every setting by its flag, but `--process_id` (each process's own)."""
+    """Every setting by its flag, but how each process met the others: `--process_id`
+    (each process's own), `--coordinator_address` (having met, the processes reached
+    the same coordinator, whether by host name or address) and `--ddp_timeout`."""
     flat = {
         f"--{name}": value
         for section in dataclasses.asdict(cfg).values()
         for name, value in section.items()
     }
-    del flat["--process_id"]
+    for own in ("--process_id", "--coordinator_address", "--ddp_timeout"):
+        del flat[own]
     return flat
 
 
