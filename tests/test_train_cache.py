@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import subprocess
 from pathlib import Path
 
@@ -578,6 +579,45 @@ def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
     cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=3)
     assert built and np.asarray(cache.tokens).tolist() == [5, 6, 7, 8, 9, 10, 3]
     assert data_cache.packed_rows(tmp_path / "c", 7, eos_id=3).num_rows == 1
+
+
+def test_attention_masks_padding_is_left_out_in_memory_and_in_a_cache(tmp_path, capsys):
+    """Token-id records padded by an HF tokenizer (`padding="max_length"`, left or
+    right) carry an attention_mask whose 0s mark the padding: those tokens are left out
+    (and their labels), said in a line, not learned as text; a cache records it, and one
+    built before the mask was read is stale. A mask that is not 0s and 1s as long as the
+    ids, or that masks every token, is refused naming the record."""
+    source = tmp_path / "padded.jsonl"
+    records = [
+        {"input_ids": [5, 6, 7, 0, 0], "attention_mask": [1, 1, 1, 0, 0]},
+        {"input_ids": [0, 0, 8, 9], "attention_mask": [0, 0, 1, 1], "labels": [0, 0, -100, 9]},
+        {"input_ids": [10, 11]},
+    ]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    want = [5, 6, 7, EOS, 8, 9, EOS, 10, 11, EOS]
+    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    assert built and np.asarray(cache.tokens).tolist() == want
+    assert np.asarray(cache.targets).tolist() == [5, 6, 7, EOS, -100, 9, EOS, 10, 11, EOS]
+    assert f"{source}: left out 4 tokens that the records' attention_mask marks as padding" in (
+        capsys.readouterr().out
+    )
+    rows = load_rows(_cfg(data_path=str(source), model_max_length=5), models.TINY)
+    assert np.concatenate([rows.take(np.arange(rows.num_rows))[0].ravel()]).tolist() == want
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    assert meta["masked_tokens"] == 4
+    del meta["masked_tokens"]  # a cache built before the mask was read
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
+    assert data_cache.open_cache(tmp_path / "c").mismatch(eos_id=EOS) == [
+        "built before records' attention_mask was read (padding was kept)"
+    ]
+    for mask, said in (
+        ([1, 1], "'attention_mask' has 2 entries, 'input_ids' has 3"),
+        ([1, 2, 0], "'attention_mask' must hold 0s and 1s, got [0, 1, 2]"),
+        ([0, 0, 0], "'attention_mask' masks every token (a record of padding alone)"),
+    ):
+        source.write_text(json.dumps({"input_ids": [5, 6, 7], "attention_mask": mask}) + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{source}: line 1: {said}")):
+            data_cache.build_cache(source, tmp_path / "bad", eos_id=EOS)
 
 
 # --- the trainer's data flags ----------------------------------------------------------

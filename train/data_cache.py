@@ -305,6 +305,9 @@ class TokenCache:
                 reasons.append(
                     f"{now['path']} changed since the cache was built (its first or last MiB)"
                 )
+        if "masked_tokens" not in self.meta and self.meta["tokenizer"] is None:
+            # Token-id records were read whole, attention_mask's padding as tokens.
+            reasons.append("built before records' attention_mask was read (padding was kept)")
         reasons += self.rendering_mismatch(
             tokenizer=tokenizer,
             chat_template_kwargs=chat_template_kwargs,
@@ -688,6 +691,7 @@ def build_cache(
                 "split_examples": parser.split_examples,
             },
             "eos_id": eos_id,
+            "masked_tokens": parser.masked_tokens,  # attention_mask's padding, left out
             "num_tokens": writer.offsets[-1],
             "num_documents": len(writer.offsets) - 1,
             "max_id": writer.max_id,

@@ -51,6 +51,7 @@ import numpy as np
 from train import patterns
 from train.patterns import is_pattern, pattern_folder
 from train.records import (
+    ATTENTION_MASK,
     CHAT_TEMPLATE_KWARGS,
     MESSAGES,
     PROMPT_COMPLETION,
@@ -128,6 +129,12 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
     without an assistant turn to learn; and one for the conversations split into an
     example per assistant turn (:func:`split_note`)."""
     yield from examples
+    if n := parser.masked_tokens:
+        print(
+            f"{parser.path}: left out {plural(n, 'token')} that the records' attention_mask "
+            "marks as padding",
+            flush=True,
+        )
     if parser.split_conversations:
         note = split_note(parser.split_conversations, parser.split_examples, parser.chat_turns)
         print(f"{parser.path}: {note}", flush=True)
@@ -734,7 +741,7 @@ def _columns(path: Path, names: Sequence[str]) -> list[str]:
     ``input_ids`` (+ ``labels``), ``text``, ``prompt`` and ``completion``, ``messages``
     (the last two with :data:`CONVERSATION_COLUMNS`, where the table has them)."""
     if "input_ids" in names:
-        return ["input_ids"] + (["labels"] if "labels" in names else [])
+        return ["input_ids"] + [n for n in ("labels", ATTENTION_MASK) if n in names]
     if "text" in names:
         return ["text"]
     extra = [name for name in CONVERSATION_COLUMNS if name in names]

@@ -90,6 +90,8 @@ _MAX_ID = np.iinfo(np.int32).max
 
 PROMPT_COMPLETION = ("prompt", "completion")  # a record's fields for prompt-masked training
 MESSAGES = "messages"  # a conversational record's field (its assistant turns are learned)
+# An input_ids record's HF padding mask (0: a pad token, left out of the example).
+ATTENTION_MASK = "attention_mask"
 TOOLS = "tools"  # a conversational record's functions (JSON schemas), passed to the template
 CHAT_TEMPLATE_KWARGS = "chat_template_kwargs"  # a conversational record's template variables
 
@@ -281,6 +283,7 @@ class RecordParser:
         self.chat_template_path = None if chat_template is None else Path(chat_template)
         self._tokenizer = None
         self.chat_template = None  # train.chat.ChatTemplate, at the first "messages" record
+        self.masked_tokens = 0  # input_ids an attention_mask marks as padding (left out)
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
         self.empty_completions = 0  # prompt/completion records whose completion does (skipped)
         self.empty_conversations = 0  # messages records without an assistant token (skipped)
@@ -311,7 +314,12 @@ class RecordParser:
         if kind == "input_ids":
             ids = self._ids(where, "input_ids", record["input_ids"])
             labels = record.get("labels")
-            return ids, None if labels is None else self._labels(where, labels, len(ids))
+            labels = None if labels is None else self._labels(where, labels, len(ids))
+            if (mask := record.get(ATTENTION_MASK)) is not None:
+                keep = self._mask(where, mask, len(ids))
+                self.masked_tokens += len(ids) - int(keep.sum())
+                ids, labels = ids[keep], None if labels is None else labels[keep]
+            return ids, labels
         if kind is not None:
             if tokens is None:
                 tokens = self.tokenize_texts([where], [record])[0]
@@ -617,6 +625,20 @@ class RecordParser:
                 pos = int(np.argmax(bad))
                 raise ValueError(f"{prefix}: id {int(array[pos])} at position {pos} {problem}")
         return array.astype(np.int32)
+
+    def _mask(self, where: str, value: Any, length: int) -> np.ndarray:
+        """The tokens an HF ``attention_mask`` keeps (its 1s; its 0s mark padding, as
+        ``tokenizer(..., padding=...)`` writes it): ValueError naming the record where it
+        is not 0s and 1s as long as ``input_ids``, or masks every token."""
+        mask = self._ids(where, ATTENTION_MASK, value)
+        prefix = f"{self.path}: {where}: {ATTENTION_MASK!r}"
+        if len(mask) != length:
+            raise ValueError(f"{prefix} has {len(mask)} entries, 'input_ids' has {length}")
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError(f"{prefix} must hold 0s and 1s, got {sorted(set(mask.tolist()))[:5]}")
+        if not mask.any():
+            raise ValueError(f"{prefix} masks every token (a record of padding alone)")
+        return mask.astype(bool)
 
     def _labels(self, where: str, value: Any, length: int) -> np.ndarray:
         labels = self._ids(where, "labels", value, allow_ignore=True)
