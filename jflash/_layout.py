@@ -66,8 +66,12 @@ def check_layout_len(
     seq_len: int, num_shards: int, layout: str, local_len: int | None = None
 ) -> None:
     """Raises unless a `seq_len` sequence splits into `layout` over `num_shards`
-    (`local_len`: as `check_zigzag_len`)."""
+    (`local_len`: as `check_zigzag_len`). One shard holds the sequence in natural order
+    whatever the layout: any length."""
     check_layout(layout)
+    _check_shards(num_shards)
+    if num_shards == 1:
+        return
     if layout == "zigzag":
         check_zigzag_len(seq_len, num_shards, local_len)
     else:
@@ -155,7 +159,8 @@ def to_layout(x: Array, num_shards: int, layout: str, axis: int = 1) -> Array:
       x: any array (tokens, positions, labels, segment ids, activations).
       num_shards: P, the size of the sequence mesh axis.
       layout: `"zigzag"` (`x.shape[axis]` divisible by 2P), `"striped"` or
-        `"contiguous"` (divisible by P; natural order, returned as is).
+        `"contiguous"` (divisible by P; natural order, returned as is). With P = 1
+        every layout is natural order, of any length.
       axis: the sequence axis.
 
     Returns:
@@ -180,14 +185,15 @@ def zigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
     """Natural order -> zigzag order along `axis`: `to_layout(x, num_shards, "zigzag")`.
 
     Shard r (a contiguous 1/P slice of the result) holds natural chunks r and 2P-1-r
-    of 2P; `x.shape[axis]` must be divisible by `2 * num_shards`.
+    of 2P; `x.shape[axis]` must be divisible by `2 * num_shards` (any length for one
+    shard: natural order, returned as is).
     """
-    return _permute(*_checked(x, num_shards, axis, "zigzag"), False)
+    return to_layout(x, num_shards, "zigzag", axis)
 
 
 def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
     """Zigzag order -> natural order along `axis`; the inverse of `zigzag`."""
-    return _permute(*_checked(x, num_shards, axis, "zigzag"), True)
+    return from_layout(x, num_shards, "zigzag", axis)
 
 
 def positions(seq_len: int, num_shards: int, layout: str = "zigzag") -> Int[Array, " T"]:

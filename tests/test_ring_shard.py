@@ -648,6 +648,19 @@ def test_one_shard_runs_the_single_device_kernels(strategy):
     for a, e in zip(jax.jit(grad)(q, k, v), want, strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32))
+    # One shard holds the sequence in natural order whatever the layout: an odd length
+    # runs (zigzag's two chunks per shard need none), and the layout helpers pass it as is.
+    odd = tuple(x[:, :63] for x in (q, k, v))
+    out = jflash.ring_attention(
+        *odd, mesh=mesh, causal=True, layout="zigzag", strategy=strategy, implementation="xla"
+    )
+    same = jflash.flash_attention(*odd, causal=True, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(same, np.float32))
+    for helper in (jflash.zigzag, jflash.unzigzag):
+        np.testing.assert_array_equal(helper(jnp.arange(7), 1, axis=0), np.arange(7))
+    np.testing.assert_array_equal(jflash.positions(7, 1, "zigzag"), np.arange(7))
+    with pytest.raises(ValueError, match="seq_len=7 must be divisible by 2 \\* num_shards=4"):
+        jflash.zigzag(jnp.arange(7), 2, axis=0)
 
 
 @pytest.mark.parametrize(
