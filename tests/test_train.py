@@ -527,6 +527,17 @@ def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):
     err = capsys.readouterr().err
     assert "--eval_delay: the first evaluation is at --eval_steps" in err, err
     assert "--include_tokens_per_second: tokens_per_s is always logged" in err, err
+    assert main(["--optim", "sgd", "--max_steps", "1"]) == 2
+    assert "(or HF's adamw_torch, adamw_torch_fused, adamw_hf, which are adamw)" in (
+        capsys.readouterr().err
+    )
+    assert main(["--sample_num_examples", "0", "--max_steps", "1"]) == 2
+    assert "--sample_num_examples=0 must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--assistant_only_loss", "true"])
+    assert "--assistant_only_loss: conversations are learned on the assistant turns" in (
+        capsys.readouterr().err
+    )
     assert main(["--report_to", "all", "--max_steps", "1"]) == 2
     assert "HF's all, every integration installed, is not taken" in capsys.readouterr().err
 

@@ -495,6 +495,7 @@ def test_parquet_prompt_completion(tmp_path, monkeypatch):
     ("records", "pattern"),
     [
         ([[1, 2], {"input_ids": "abc"}], r"record 1: 'input_ids' must be a list of ints, got str"),
+        ([[1, 2], "abc"], r"record 1: expected a record \(an object with 'input_ids', .* got str"),
         ([[1, 2], [3, -4]], r"record 1: 'input_ids': id -4 at position 1 is negative"),
         ([[1.5, 2.0]], r"record 0: 'input_ids' must be a list of ints, got elements of float"),
         ([[1], [True]], r"record 1: 'input_ids' must be a list of ints, got elements of bool"),
@@ -507,7 +508,7 @@ def test_parquet_prompt_completion(tmp_path, monkeypatch):
         ),
         ([{"input_ids": [1, 2], "labels": [1]}], r"record 0: 'labels' has 1 entries"),
         ([{"input_ids": [1], "labels": [-5]}], r"record 0: 'labels': id -5 .* is negative"),
-        ([[1], 7], r"record 1: 'input_ids' must be a list of ints, got int"),
+        ([[1], 7], r"record 1: expected a record \(an object .* or a list of token ids, got int"),
         ([[1], [2**40]], r"record 1: 'input_ids': id 1099511627776 at position 0 exceeds int32"),
     ],
 )

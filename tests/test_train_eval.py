@@ -144,6 +144,22 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
     ]
     yaml.write_text("run:\n  save_strategy: 'no'\n  save_steps: 500\n  eval_strategy: 'no'\n")
     assert warnings("--config", str(yaml)) == []
+    # No saves to limit; a warmup ratio that --warmup_steps overrides; sample-data flags
+    # with other data.
+    assert warnings("--save_strategy", "no", "--save_total_limit", "2") == [
+        "warning: --save_total_limit=2 has no effect with --save_strategy no (no "
+        "checkpoints are saved)"
+    ]
+    assert warnings("--warmup_steps", "2", "--warmup_ratio", "0.5") == [
+        "warning: --warmup_ratio=0.5 has no effect beside --warmup_steps=2, which sets the "
+        "warmup (as in HF)"
+    ]
+    assert warnings("--warmup_ratio", "0.5") == []
+    assert warnings("--data_path", "d.jsonl", "--sample_num_examples", "5") == [
+        "warning: --sample_num_examples=5 has no effect: it shapes --data_path sample, and "
+        "the data is 'd.jsonl'"
+    ]
+    assert warnings("--data_path", "sample", "--sample_vocab_size", "100") == []
     # A trace folder without a window traces nothing.
     assert warnings("--profile_dir", "traces") == [
         "warning: --profile_dir='traces' has no effect without --profile_steps (nothing is traced)"

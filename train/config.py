@@ -279,11 +279,14 @@ class TrainConfig:
                     " (rows are always packed, documents kept apart by --mask_documents: "
                     "TRL's true/false --packing has no counterpart)"
                     if name == "packing" and str(value).lower() in ("true", "false")
+                    else f" (or HF's {', '.join(OPTIMIZER_ALIASES)}, which are adamw)"
+                    if name == "optim"
                     else ""
                 )
                 raise ValueError(f"--{name}={value!r} must be one of {allowed}{trl}")
         positive = [
             ("data", "model_max_length"),
+            ("data", "sample_num_examples"),
             ("run", "per_device_train_batch_size"),
             ("run", "gradient_accumulation_steps"),
             ("run", "logging_steps"),
@@ -656,6 +659,11 @@ HF_ONLY_FLAGS = {
     "--average_tokens_across_devices": "the loss is the mean over the global batch's "
     "labelled tokens (every device's, every accumulation step's) already; leave it out",
     "--log_on_each_node": "the trainer prints its lines on process 0; leave it out",
+    "--completion_only_loss": "prompt/completion records are learned on the completion "
+    "alone; give text records to learn every token",
+    "--assistant_only_loss": "conversations are learned on the assistant turns alone",
+    "--bf16_full_eval": "evaluation runs in the training's dtype (--bf16)",
+    "--fp16_full_eval": "evaluation runs in the training's dtype (--bf16)",
     "--attn_implementation": "the attention is --attention (jflash, ring, xla, cudnn) with "
     "--attention_implementation (pallas_mosaic, pallas_triton, xla)",
 }
@@ -893,7 +901,9 @@ def _check_unused(cfg: TrainConfig) -> None:
 def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
     """Warning lines for `--save_steps` / `--eval_steps` in `given` (the settings the
     user gave) while their strategy is `no` or `epoch`: accepted, as HF accepts them,
-    but unused; and for a `--profile_dir` without `--profile_steps`."""
+    but unused; for `--save_total_limit` with no saves, `--warmup_ratio` beside
+    `--warmup_steps`, the sample data's flags with other data, and a `--profile_dir`
+    without `--profile_steps`."""
     run = cfg.run
     lines = []
     if cfg.profile.profile_dir and not cfg.profile.profile_steps:
@@ -916,6 +926,22 @@ def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
             f"warning: --eval_steps={run.eval_steps} has no effect with --eval_strategy epoch "
             "(evaluation runs at each epoch's end and at the run's)"
         )
+    if "save_total_limit" in given and run.save_strategy == "no":
+        lines.append(
+            f"warning: --save_total_limit={run.save_total_limit} has no effect with "
+            "--save_strategy no (no checkpoints are saved)"
+        )
+    if "warmup_ratio" in given and cfg.optim.warmup_ratio > 0 and cfg.optim.warmup_steps > 0:
+        lines.append(
+            f"warning: --warmup_ratio={cfg.optim.warmup_ratio} has no effect beside "
+            f"--warmup_steps={cfg.optim.warmup_steps}, which sets the warmup (as in HF)"
+        )
+    for name in ("sample_num_examples", "sample_vocab_size"):
+        if name in given and cfg.data.data_path != "sample":
+            lines.append(
+                f"warning: --{name}={getattr(cfg.data, name)} has no effect: it shapes "
+                f"--data_path sample, and the data is {cfg.data.data_path!r}"
+            )
     if "save_steps" in given and run.save_strategy == "epoch":
         lines.append(
             f"warning: --save_steps={run.save_steps} has no effect with --save_strategy epoch "
@@ -946,11 +972,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     cfg = from_overrides(overrides, flags, where=config or "config")
     # Given: on the command line, or in the YAML away from the default (a run's saved
     # train_config.yaml holds every setting).
-    defaults = RunArgs()
-    given = set(flags.get("run", {})) | {
+    given = {
         name
-        for name in overrides.get("run", {})
-        if getattr(cfg.run, name) != getattr(defaults, name)
+        for section, cls in _section_types().items()
+        for name in {*flags.get(section, {}), *overrides.get(section, {})}
+        if name in flags.get(section, {})
+        or getattr(getattr(cfg, section), name) != getattr(cls(), name)
     }
     # A strategy that evaluates, asked for on the command line, needs evaluation data
     # (as HF refuses it), though it is the default (`_check_unused` catches the rest).

@@ -309,6 +309,12 @@ class RecordParser:
         one example per assistant turn); ``tokens``: the record's text (or prompt and
         completion, or conversation), tokenized by :meth:`tokenize_texts`."""
         if not isinstance(record, dict):
+            if isinstance(record, (str, bytes)) or np.isscalar(record) or record is None:
+                raise ValueError(
+                    f"{self.path}: {where}: expected a record (an object with 'input_ids', "
+                    "'text' or 'messages', or 'prompt' and 'completion') or a list of token "
+                    f"ids, got {type(record).__name__}"
+                )
             return self._ids(where, "input_ids", record), None
         kind = record_kind(record)
         if kind == "input_ids":
