@@ -240,6 +240,9 @@ class Checkpoints:
         steps = self.all_steps()
         if step not in steps:
             raise ValueError(f"no checkpoint {step} in {self.directory}; it has {steps}")
+        where = os.path.join(self.directory, str(step))
+        earlier = [s for s in steps if s < step]
+        advice = f"; an earlier one: {advise(earlier[-1])}" if earlier else ""
         try:
             # A damaged checkpoint fails every array's read: asyncio logs each failed
             # task with its traceback (thousands of lines) before the error arrives.
@@ -249,9 +252,6 @@ class Checkpoints:
                     args=ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()),
                 )
         except Exception as e:  # noqa: BLE001 - any read failure: name the checkpoint
-            where = os.path.join(self.directory, str(step))
-            earlier = [s for s in steps if s < step]
-            advice = f"; an earlier one: {advise(earlier[-1])}" if earlier else ""
             raise ValueError(
                 f"checkpoint {where} could not be restored, damaged or incomplete "
                 f"({_root_cause(e)}){advice}"
@@ -261,9 +261,6 @@ class Checkpoints:
         if (name := first_non_finite(restored["state"])) is not None:
             # The loop saves no non-finite step: such values are the files' damage,
             # which would otherwise surface steps later as a non-finite loss.
-            where = os.path.join(self.directory, str(step))
-            earlier = [s for s in steps if s < step]
-            advice = f"; an earlier one: {advise(earlier[-1])}" if earlier else ""
             raise ValueError(
                 f"checkpoint {where} holds non-finite values ({name}), which no step saves: "
                 f"its files are damaged{advice}"
