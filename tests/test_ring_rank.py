@@ -160,10 +160,14 @@ def test_bad_arguments_are_named():
         jflash.ring_attention_rank(q, [(k, v)], do, 0, causal=True, layout="spiral")
     with pytest.raises(ValueError, match="as long as q"):
         jflash.ring_attention_rank(q, [(k[:, :4], v[:, :4])], do, 0, causal=True, layout="zigzag")
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(ValueError, match="divisible"):  # two ranks of 7: 14 tokens, not 4k
         jflash.ring_attention_rank(
-            q[:, :7], [(k[:, :7], v[:, :7])], do[:, :7], 0, causal=True, layout="zigzag"
+            q[:, :7], [(k[:, :7], v[:, :7])] * 2, do[:, :7], 0, causal=True, layout="zigzag"
         )
+    # One rank holds its sequence in natural order whatever the layout: any length.
+    jflash.ring_attention_rank(
+        q[:, :7], [(k[:, :7], v[:, :7])], do[:, :7], 0, causal=True, layout="zigzag"
+    )
     ids = jnp.zeros((1, 8), jnp.int32)
     for bad, match in (
         (ids, "pair"),
