@@ -133,15 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(interrupt, Preempted):
                 _leave_together()
             os._exit(signal_status(signal.SIGINT if stop is None else stop))
-        if summary["losses"] and _process_index() == 0:  # the run's line, process 0's
+        peers = _other_processes()
+        if summary["losses"] and (peers is None or peers[0] == 0):  # the run's line: process 0's
             print(_done_line(cfg, summary))
         return 0
-
-
-def _process_index() -> int:
-    import jax
-
-    return jax.process_index()
 
 
 def _other_processes() -> tuple[int, int] | None:
