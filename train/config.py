@@ -275,7 +275,7 @@ class TrainConfig:
         for (section, name), allowed in CHOICES.items():
             value = getattr(getattr(self, section), name)
             if value not in allowed:
-                trl = (
+                hint = (  # what other trainers' values mean here
                     " (rows are always packed, documents kept apart by --mask_documents: "
                     "TRL's true/false --packing has no counterpart)"
                     if name == "packing" and str(value).lower() in ("true", "false")
@@ -283,7 +283,7 @@ class TrainConfig:
                     if name == "optim"
                     else ""
                 )
-                raise ValueError(f"--{name}={value!r} must be one of {allowed}{trl}")
+                raise ValueError(f"--{name}={value!r} must be one of {allowed}{hint}")
         positive = [
             ("data", "model_max_length"),
             ("data", "sample_num_examples"),
