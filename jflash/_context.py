@@ -608,13 +608,8 @@ def ring_attention(
     return_lse = as_bool(return_lse, f"{return_lse=} must be True or False")
     heads = _head_axes(mesh, names, q, head_axes, shapes)
     head_parts = math.prod(sizes[a] for a in heads)
-    local_heads = shapes.q_heads // head_parts
-    if degree > 1 and local_heads % degree:  # each device's all-to-all splits its own heads
-        raise ValueError(
-            f"q's {shapes.q_heads} heads over head_axes={heads} ({head_parts} parts) leave "
-            f"{local_heads} per device, which the all-to-all degree {degree} (the size of "
-            f"{names[-1]!r}) must divide"
-        )
+    if degree > 1:  # each device's all-to-all splits its own heads further
+        check_heads(shapes.q_heads, degree, names[-1], heads, head_parts)
     batch = _batch_axes(mesh, seq_axis, q, batch_axes, heads)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
     cfg = ring_config(

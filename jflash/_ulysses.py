@@ -44,7 +44,18 @@ def kernel_group(group: int, kv_heads: int, degree: int) -> int:
     return group // kv_repeats(kv_heads, degree)
 
 
-def check_heads(q_heads: int, degree: int, axis) -> None:
+def check_heads(
+    q_heads: int, degree: int, axis, head_axes: tuple = (), head_parts: int = 1
+) -> None:
+    """Refuses an all-to-all degree that does not divide each device's query heads: q's
+    `q_heads`, split first into `head_parts` over `head_axes` where those split them."""
+    local = q_heads // head_parts
+    if head_parts > 1 and local % degree:
+        raise ValueError(
+            f"q's {q_heads} heads over head_axes={head_axes} ({head_parts} parts) leave "
+            f"{local} per device, which the all-to-all degree {degree} (the size of "
+            f"{axis!r}) must divide"
+        )
     if q_heads % degree != 0:
         raise ValueError(
             f"{q_heads=} must be divisible by the all-to-all degree {degree} (the size of "
