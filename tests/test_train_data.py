@@ -297,6 +297,19 @@ def test_prompt_completion_records_label_the_completion_only(bos_bpe, tmp_path):
         assert dataset.targets[span].tolist() == [IGNORE] * len(question) + answer
 
 
+def test_chat_settings_on_data_without_conversations_get_a_line(bos_bpe, tmp_path, capsys):
+    """The chat settings render conversations only: on text records they change
+    nothing, and one line says which of them were given; none is printed when a
+    record is a conversation or when no chat setting was given."""
+    path = _write(tmp_path / "t.jsonl", [{"text": "The trainer packs documents"}])
+    load_dataset(path, tokenizer=bos_bpe, chat_turns="split", chat_template_kwargs={"a": 1})
+    out = capsys.readouterr().out
+    assert f"{path}: no record holds 'messages', so --chat_template_kwargs and " in out
+    assert "--chat_turns have no effect on it" in out and "--chat_template " not in out
+    load_dataset(path, tokenizer=bos_bpe)
+    assert "messages" not in capsys.readouterr().out
+
+
 def test_the_eos_after_a_completion_is_learned(tmp_path, monkeypatch):
     """Packed with an EOS after each record, a prompt/completion record's EOS is
     labelled (the model learns to stop), in memory and in the token cache alike; the

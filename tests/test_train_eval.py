@@ -160,6 +160,15 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
         "the data is 'd.jsonl'"
     ]
     assert warnings("--data_path", "sample", "--sample_vocab_size", "100") == []
+    # FSDP on a mesh whose fsdp axis is 1 shards nothing (over seq it does: no line).
+    assert warnings("--fsdp", "full_shard", "--mesh", "data=-1,fsdp=1") == [
+        "warning: --fsdp='full_shard' has no effect with --mesh 'data=-1,fsdp=1', whose fsdp "
+        "axis is 1: parameters, gradients and optimizer state are not sharded (fsdp=-1 or a "
+        "size above 1 shards them)"
+    ]
+    assert warnings("--fsdp", "full_shard", "--mesh", "data=1,fsdp=-1") == []
+    assert warnings("--fsdp", "full_shard", "--mesh", "fsdp=1,seq=-1", "--shard_over_seq") == []
+    assert warnings("--mesh", "data=-1,fsdp=1") == []  # --fsdp not given
     # A trace folder without a window traces nothing.
     assert warnings("--profile_dir", "traces") == [
         "warning: --profile_dir='traces' has no effect without --profile_steps (nothing is traced)"

@@ -28,6 +28,7 @@ from models.cli import OneLineParser
 from models.config import REMAT_POLICIES
 from train.chat import CHAT_TURNS, parse_template_kwargs
 from train.dataset import PACKINGS
+from train.mesh import mesh_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -902,8 +903,8 @@ def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
     """Warning lines for `--save_steps` / `--eval_steps` in `given` (the settings the
     user gave) while their strategy is `no` or `epoch`: accepted, as HF accepts them,
     but unused; for `--save_total_limit` with no saves, `--warmup_ratio` beside
-    `--warmup_steps`, the sample data's flags with other data, and a `--profile_dir`
-    without `--profile_steps`."""
+    `--warmup_steps`, the sample data's flags with other data, `--fsdp full_shard` on a
+    mesh whose fsdp axis is 1, and a `--profile_dir` without `--profile_steps`."""
     run = cfg.run
     lines = []
     if cfg.profile.profile_dir and not cfg.profile.profile_steps:
@@ -941,6 +942,18 @@ def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
             lines.append(
                 f"warning: --{name}={getattr(cfg.data, name)} has no effect: it shapes "
                 f"--data_path sample, and the data is {cfg.data.data_path!r}"
+            )
+    parallel = cfg.parallel
+    if "fsdp" in given and parallel.fsdp and not parallel.shard_over_seq:
+        try:
+            fsdp = mesh_sizes(parallel.mesh).get("fsdp", 1)
+        except ValueError:  # the build names the spec's fault
+            fsdp = None
+        if fsdp == 1:
+            lines.append(
+                f"warning: --fsdp={parallel.fsdp!r} has no effect with --mesh "
+                f"{parallel.mesh!r}, whose fsdp axis is 1: parameters, gradients and "
+                "optimizer state are not sharded (fsdp=-1 or a size above 1 shards them)"
             )
     if "save_steps" in given and run.save_strategy == "epoch":
         lines.append(

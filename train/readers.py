@@ -129,6 +129,13 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
     without an assistant turn to learn; and one for the conversations split into an
     example per assistant turn (:func:`split_note`)."""
     yield from examples
+    if unused := parser.unused_chat_settings:
+        print(
+            f"{parser.path}: no record holds 'messages', so {' and '.join(unused)} "
+            f"{'has' if len(unused) == 1 else 'have'} no effect on it (only conversations "
+            "are rendered by a chat template)",
+            flush=True,
+        )
     if n := parser.masked_tokens:
         print(
             f"{parser.path}: left out {plural(n, 'token')} that the records' attention_mask "

@@ -298,6 +298,19 @@ class RecordParser:
         self.unrendered_reasoning = 0  # assistant messages whose reasoning it writes nothing of
 
     @property
+    def unused_chat_settings(self) -> list[str]:
+        """The chat settings given (away from their defaults) where no record was a
+        conversation, so none rendered one: their trainer flags' names."""
+        if self.chat_template is not None:
+            return []
+        given = (
+            ("--chat_template", self.chat_template_path is not None),
+            ("--chat_template_kwargs", bool(self.chat_template_kwargs)),
+            ("--chat_turns", self.chat_turns != AUTO),
+        )
+        return [name for name, away in given if away]
+
+    @property
     def used_tokenizer(self) -> bool:
         """Whether any record was tokenized (so the tokenizer shaped the tokens)."""
         return self._tokenizer is not None
