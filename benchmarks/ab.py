@@ -41,8 +41,8 @@ sorted,padded,permuted,pair,hashed` times those rows with the documents labelled
 way (`kernel.document_ids`: the same mask, labels that are not sorted along the row;
 `pair` gives the permuted labels as query and key ids, `hashed` labels wider than the
 row).
-The JSON is written after every row (`"complete": false` until the last), so a run
-cut short keeps the rows it finished. `--deterministic` times jflash's deterministic
+After every row the rows so far go to `<out>.partial` (`"complete": false`), so a run
+cut short keeps the rows it finished and leaves the last whole run's JSON as it was. `--deterministic` times jflash's deterministic
 backward (its separate dQ kernel) instead of the default.
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
@@ -75,10 +75,12 @@ import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import jflash  # noqa: E402
 from benchmarks import power  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
     add_interpret_flag,
+    check_out,
     device_name,
     gpu_or_interpret,
     heat,
@@ -391,6 +393,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--implementation",
         default="pallas_mosaic",
+        choices=(*jflash.IMPLEMENTATIONS, "default"),
         help="jflash implementation to compare (`default`: what implementation=None picks)",
     )
     parser.add_argument(
@@ -420,6 +423,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: results/ab-<gpu>.json)")
     add_interpret_flag(parser)
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as e:
@@ -464,8 +469,9 @@ def main(argv=None) -> int:
         "deterministic": args.deterministic,
     }
 
-    def save(rows, complete):  # after each row too: a run cut short keeps its rows
-        write_json(out, {**payload, "complete": complete, "rows": rows}, note=note)
+    def save(rows, complete):  # after each row too (beside `out`): a run cut short keeps them
+        payload_ = {**payload, "complete": complete, "rows": rows}
+        write_json(out, payload_, note=note, partial=not complete)
 
     try:
         rows = measure_all(

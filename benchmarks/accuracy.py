@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import kernel  # noqa: E402
-from benchmarks.common import add_interpret_flag, gpu_or_interpret, table, write_json  # noqa: E402
+from benchmarks.common import add_interpret_flag, check_out, gpu_or_interpret, table, write_json  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TENSORS = ("o", "dq", "dk", "dv")
@@ -181,11 +181,17 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="JSON path (default: results/accuracy-<gpu>.json)")
     add_interpret_flag(p)
     args = p.parse_args(argv)
+    if args.out:
+        check_out(p, "--out", args.out)
     try:
         keys = parse_keys(args.keys)
         for flag in ("queries", "heads", "kv_heads", "head_dim", "chunk"):
             if (value := getattr(args, flag)) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+        if unknown := [n for n in args.impls.split(",") if n not in kernel.IMPLS]:
+            raise ValueError(
+                f"--impls {args.impls}: unknown {unknown}; rows are {', '.join(kernel.IMPLS)}"
+            )
         if args.heads % args.kv_heads:
             raise ValueError(
                 f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}"

@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import check_out, check_positive  # noqa: E402
 
 
 def document_lengths(total: int, rng, mean: int, cap: int) -> list[int]:
@@ -171,6 +175,12 @@ def main(argv=None) -> int:
         "--kernel-tiles", action="store_true", help="one GPU's tiles on kernel.py's packed row"
     )
     args = ap.parse_args(argv)
+    if args.out:
+        check_out(ap, "--out", args.out)
+    check_positive(ap, args, "shards", "tokens_per_gpu", "mean_doc", "max_doc", "tile", "rows")
+    for tokens in args.tokens_per_gpu:
+        if tokens % args.tile:
+            ap.error(f"--tokens_per_gpu {tokens}: not a multiple of --tile {args.tile}")
     if args.kernel_tiles:
         lengths = packed_row_lengths(65536)
         rows = kernel_tiles_table(lengths)

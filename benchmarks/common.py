@@ -14,6 +14,8 @@ import time
 import jax
 
 import jflash
+from models.files import folder_error
+from train.tools.files import out_error
 
 INTERPRET_HELP = (
     "run without a GPU: the same code on the CPU, Pallas kernels in interpret mode (as "
@@ -193,22 +195,59 @@ def device_name() -> str:
     return kind.replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
-def write_json(path: str, payload: dict, *, note: str | None = None) -> None:
-    """`payload` with the date, device and jax version, at `path`; with an interpreted
-    run's `note` (`gpu_or_interpret`) also `"interpreted": true` and the note."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+# Where a run's rows so far go (`write_json(..., partial=True)`): beside its results file,
+# so a run cut short keeps them and the last whole run's results stay as they were.
+PARTIAL = ".partial"
+
+
+def write_json(path: str, payload: dict, *, note: str | None = None, partial: bool = False):
+    """`payload` with the date, device and jax version, at `path`, whole or not at all (a
+    file beside it renamed into place); with an interpreted run's `note`
+    (`gpu_or_interpret`) also `"interpreted": true` and the note. With `partial` (the rows
+    of a run still going) at `path + PARTIAL` instead, which the whole run's write
+    removes."""
+    target = path + PARTIAL if partial else path
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
     marker = {"interpreted": True, "interpreted_note": note} if note else {}
     payload = {
         "date": time.strftime("%Y-%m-%d"),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "jflash": jflash.__version__,
+        **({"partial": True} if partial else {}),
         **marker,
         **payload,
     }
-    with open(path, "w") as f:
+    with open(target + ".tmp", "w") as f:
         json.dump(payload, f, indent=1)
-    print(f"wrote {path}")
+    os.replace(target + ".tmp", target)
+    if not partial and os.path.exists(path + PARTIAL):
+        os.remove(path + PARTIAL)
+    print(f"wrote {target}", flush=True)
+
+
+def check_out(parser, flag: str, path: str, *, directory: bool = False) -> None:
+    """`parser.error` (one line, before any work) where `path`, a results file (or with
+    `directory` a folder of them), cannot be written (`train.tools.files.out_error`,
+    `models.files.folder_error`); a missing folder is made when the results are."""
+    if directory:
+        error = folder_error(path, flag)
+    else:
+        error = out_error(path, flag, "the results", overwrite=True, make_parent=True)
+    if error:
+        parser.error(error)
+
+
+def check_positive(parser, args, *names: str, zero: tuple[str, ...] = ()) -> None:
+    """`parser.error` naming the first flag of `names` (attributes of `args`, flags
+    `--<name>`; a list's every item; None skipped) that is not positive, or below 0 for
+    those also in `zero`."""
+    for name in (*names, *zero):
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not (v >= 0 if name in zero else v > 0):
+                rule = "at least 0" if name in zero else "positive"
+                parser.error(f"--{name} {v}: must be {rule}")
 
 
 def table(rows: list[dict], columns: list[str], note: str | None = None) -> str:
@@ -237,5 +276,7 @@ def parse_specs(text: str, flag: str, kind: str, kinds: tuple[str, ...]) -> list
             seq, hd = int(parts[1]), int(parts[2])
         except ValueError:
             raise ValueError(f"{flag} item {item!r}: S and D must be integers") from None
+        if seq < 1 or hd < 1:
+            raise ValueError(f"{flag} item {item!r}: S and D must be positive")
         specs.append((parts[0], seq, hd))
     return specs

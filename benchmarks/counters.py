@@ -37,7 +37,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import device_name, jit_passes, parse_specs, table, write_json  # noqa: E402
+from benchmarks.common import check_out, device_name, jit_passes, parse_specs, table, write_json  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 DEFAULT_CASES = "jflash:16384:128,fa3:16384:128,jflash:16384:64"
@@ -269,6 +269,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default=None, help="raw ncu output (default: a temp dir)")
     parser.add_argument("--out", default=None, help="JSON (default: results/counters-<gpu>.json)")
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     try:
         cases = parse_cases(args.call or args.cases)
     except ValueError as e:

@@ -43,7 +43,11 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import check_out, check_positive  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +222,17 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", action="store_true", help="link sweep on this machine")
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args(argv)
+    if args.out:
+        check_out(ap, "--out", args.out)
+    check_positive(
+        ap,
+        args,
+        *("kernel_tflops", "intra_gbps", "inter_gbps", "a2a_gbps", "gather_gbps"),
+        *("gpus_per_node", "q_heads", "kv_heads", "head_dim", "gpus", "tokens_per_gpu"),
+        zero=("short_call_tokens", "ring_overhead_ns", "latency_us"),
+    )
+    if args.q_heads % args.kv_heads:
+        ap.error(f"--q_heads {args.q_heads}: not a multiple of --kv_heads {args.kv_heads}")
     result: dict = {"args": vars(args)}
     if args.measure:
         result["links"] = measure([16, 64, 256, 1024])

@@ -12,8 +12,8 @@ query heads per KV head is left out of its rows. The fixed shares pass their til
 (`jflash.default_block_sizes`), so their forward is two warpgroups' with those tiles
 where jflash's own may take another form: `bwd_ms` (forward+backward less forward)
 compares the backward alone. Prints a table, writes
-`ab-head-split-<gpu>.json` after every row (`"complete": false` until the last, so a run
-cut short keeps the rows it timed). GPU only: on a CPU it stops with one line (exit
+`ab-head-split-<gpu>.json` once every row has run, and the rows so far beside it after
+every row (`.partial`, `"complete": false`: a run cut short keeps the rows it timed). GPU only: on a CPU it stops with one line (exit
 status 2).
 """
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import device_name, table, write_json  # noqa: E402
+from benchmarks.common import check_out, device_name, table, write_json  # noqa: E402
 from benchmarks.kernel import measure  # noqa: E402
 
 SHAPES = (
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--shares", default="1", help="dK/dV CTAs per KV head to time, e.g. 1,2,4")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
+    check_out(p, "--out", args.out, directory=True)
     try:
         shapes, shares = parse_shapes(args.shapes), parse_shares(args.shares)
     except ValueError as e:
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
             row.update(setting=name, bwd_ms=backward_ms(row))
             rows.append(row)
             print(row, flush=True)
-            write_json(out, {"complete": False, "rows": rows})
+            write_json(out, {"complete": False, "rows": rows}, partial=True)
     columns = ["setting", "mask", "seq_len", "batch", "heads", "kv_heads", "head_dim"]
     print(table(rows, [*columns, "fwd_ms", "fwdbwd_ms", "bwd_ms", "grad_rel_diff"]))
     write_json(out, {"complete": True, "rows": rows})

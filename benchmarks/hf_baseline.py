@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
+from benchmarks.common import check_out  # noqa: E402
 from models.config import to_hf_config  # noqa: E402
 
 STACKS = ("hf", "liger")  # in the order they run: liger patches transformers for good
@@ -179,6 +180,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max", type=int, default=1 << 20, help="--longest: largest context")
     parser.add_argument("--refine", type=int, default=3, help="--longest: bisection steps")
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     try:
         stacks = parse_stacks(args.stack)
     except ValueError as e:

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_interpret_flag,
+    check_out,
     device_name,
     gpu_or_interpret,
     interleaved,
@@ -92,12 +93,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default: results/)")
     add_interpret_flag(p)
     args = p.parse_args(argv)
+    if args.out:
+        check_out(p, "--out", args.out)
     try:
         shapes = parse_specs(args.shapes, "--shapes", "shape", ("causal", "full"))
     except ValueError as e:
         p.error(str(e))
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds} must be at least 1")
+    if args.tokens < 1:
+        p.error(f"--tokens {args.tokens} must be at least 1")
+    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads}: not a positive multiple of --kv-heads {args.kv_heads}")
     note = gpu_or_interpret("benchmarks/in_shard_map.py", args.interpret)
     mesh = jax.make_mesh(
         (1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1]

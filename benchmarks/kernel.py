@@ -55,6 +55,7 @@ from benchmarks import balance  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
     add_interpret_flag,
+    check_out,
     device_name,
     gpu_or_interpret,
     heat,
@@ -88,6 +89,8 @@ PEERS = {
     "tokamax": "tokamax's Pallas Mosaic GPU kernels (tokamax.dot_product_attention)",
 }
 TOKAMAX_IMPLEMENTATION = "mosaic"  # tokamax.dot_product_attention's implementation=
+# Every row name: jflash's, the peers', and jax.nn.dot_product_attention's own.
+IMPLS = (*JFLASH, "cudnn", "xla", *PEERS)
 FA3_HEAD_DIMS = (64, 128)  # flash-attn3-jax 0.2.3: forward and backward run at both
 
 
@@ -1063,6 +1066,10 @@ def main(argv=None):
         or args.long
     )
     args.impls = (args.impls or (MAIN_IMPLS if main_only else OTHER_IMPLS)).split(",")
+    if unknown := [impl for impl in args.impls if impl not in IMPLS]:
+        parser.error(
+            f"--impls {','.join(args.impls)}: unknown {unknown}; rows are {', '.join(IMPLS)}"
+        )
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
     try:
@@ -1088,6 +1095,25 @@ def main(argv=None):
     shown = {hd for _, hd in SHAPES}
     if main_only and any(hd not in shown for hd in args.head_dims):
         parser.error(f"--head-dims {args.head_dims}: the main table has head dims {sorted(shown)}")
+    lengths = {seq for seq, _ in SHAPES}
+    if main_only and any(seq not in lengths for seq in args.seqs):
+        given = ",".join(map(str, args.seqs))
+        parser.error(f"--seqs {given}: the main table has lengths {sorted(lengths)}")
+    if main_only and not any(
+        (not args.seqs or seq in args.seqs) and (not args.head_dims or hd in args.head_dims)
+        for seq, hd in SHAPES
+    ):
+        given = ",".join(map(str, args.seqs)), ",".join(map(str, args.head_dims))
+        parser.error("--seqs {} with --head-dims {}: no shape of the table".format(*given))
+    for flag, value in (("--tokens", args.tokens), ("--seq", args.seq), ("--long", args.long)):
+        if value < 0 or (value == 0 and flag != "--long"):
+            parser.error(f"{flag} {value}: must be positive")
+    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads}: not a positive multiple of --kv-heads {args.kv_heads}")
+    if args.sweep_replot and not os.path.isfile(args.sweep_replot):
+        parser.error(f"--sweep-replot {args.sweep_replot}: no such file")
+    if not args.sweep_replot:
+        check_out(parser, "--out", args.out, directory=True)
     # Everything but redrawing a figure times kernels.
     args.note = (
         None if args.sweep_replot else gpu_or_interpret("benchmarks/kernel.py", args.interpret)

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import ab  # noqa: E402
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import check_out, table, write_json  # noqa: E402
 
 # An H100 as jax describes it, for lowering without one (tests/test_lowering.py's).
 H100 = ("NVIDIA H100 80GB HBM3", 132, "gpu")
@@ -162,6 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--diff", default=None, help="folder for the texts of kernels that differ")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     try:
         shapes = ab.parse_shapes(args.shapes)
         commit = ab.commit_of(args.rev)

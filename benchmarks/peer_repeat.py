@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
-from benchmarks.common import device_name, jit_passes, write_json  # noqa: E402
+from benchmarks.common import check_out, device_name, jit_passes, write_json  # noqa: E402
 from benchmarks.kernel import draw_inputs, relative_gap  # noqa: E402
 
 TOKENS = 65536
@@ -35,19 +35,31 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.out:
+        check_out(p, "--out", args.out)
+    try:
+        seqs = [int(s) for s in args.seqs.split(",")]
+        kv_heads = [int(h) for h in args.kv_heads.split(",")]
+    except ValueError:
+        p.error(f"--seqs {args.seqs} / --kv-heads {args.kv_heads}: comma lists of integers")
+    if bad := [s for s in seqs if not 0 < s <= TOKENS or TOKENS % s]:
+        p.error(f"--seqs {args.seqs}: {bad[0]} does not divide {TOKENS} tokens")
+    if bad := [h for h in kv_heads if h < 1 or 32 % h]:
+        p.error(f"--kv-heads {args.kv_heads}: {bad[0]} does not divide the 32 query heads")
+    if args.calls < 1:
+        p.error(f"--calls {args.calls}: must be positive")
     try:
         from flash_attn3_jax import flash_mha
     except Exception as e:  # noqa: BLE001 - not installed, or built for another jax
-        print(f"flash-attn3-jax not importable ({e}); nothing to check")
-        return 0
+        p.error(f"needs flash-attn3-jax on a Hopper GPU, and it is not importable here ({e})")
     rows = []
     print(
         "| S | batch | heads | mask | NaN entries (out, dQ, dK, dV) per call "
         "| last call vs jflash (dQ, dK, dV) |"
     )
     print("|---|---|---|---|---|---|")
-    for seq in (int(s) for s in args.seqs.split(",")):
-        for kv in (int(h) for h in args.kv_heads.split(",")):
+    for seq in seqs:
+        for kv in kv_heads:
             q, k, v, do = draw_inputs(TOKENS // seq, seq, 32, kv, 128, jnp.bfloat16)
             for causal in (True, False):
                 peer = jit_passes(lambda q, k, v, c=causal: flash_mha(q, k, v, is_causal=c))

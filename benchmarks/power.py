@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
+    check_out,
     device_name,
     heat,
     jit_passes,
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=2.0, help="least time per reading")
     p.add_argument("--out", default=None, help="JSON path (default results/power-<gpu>.json)")
     args = p.parse_args(argv)
+    if args.out:
+        check_out(p, "--out", args.out)
     try:
         shapes = parse_specs(args.shapes, "--shapes", "mask", ("causal", "full"))
     except ValueError as e:

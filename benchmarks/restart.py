@@ -46,7 +46,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import check_out, table, write_json  # noqa: E402
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)")
 RUNS = ("cold", "resume, no cache", "resume, cache", "new run, cache")
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", default="", help="more trainer flags for every run, one string")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     for flag, value in (("--context", args.context), ("--steps", args.steps)):
         if value < 1:
             raise SystemExit(f"restart.py: {flag}={value} must be positive")

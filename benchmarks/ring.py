@@ -54,9 +54,10 @@ over devices of each device's attention-kernel time in the trace (GPU only).
 not finished after S seconds stops the run with every thread's stack printed and exit
 code 1: a kernel that hangs the GPU cannot be interrupted in the process. A SIGTERM
 (`timeout`, as `multi_gpu.sh` stops a step) prints the stacks too before the process
-ends. Before each row starts, the JSON already lists it with an `error` saying it did
-not finish, so a run stopped there names the row it stopped in; the rows before it
-are kept.
+ends. Before each row starts, the rows so far and it, with an `error` saying it did
+not finish, go to `<out>.partial` beside the JSON, so a run stopped there names the row
+it stopped in and keeps the rows before it, and the JSON of the last whole run stays as
+it was; the finished run writes the JSON and removes the partial file.
 
 `--cp-model`: beside each forward+backward row, `benchmarks/cp_model.py`'s prediction
 for its strategy and P (`model_eff_fwdbwd`, `model_exposed_ms`), with the kernel rate
@@ -92,6 +93,7 @@ from benchmarks import balance, cp_model  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     HEAT_S,
     add_interpret_flag,
+    check_out,
     device_name,
     gpu_or_interpret,
     heat,
@@ -222,14 +224,22 @@ def single_device(seq, args, documents=None) -> tuple[dict, list, object, dict]:
     causal, impl = not args.non_causal, args.implementation
     inputs = draw_inputs(seq, args)
     if documents is None:
-        attn = functools.partial(jflash.flash_attention, causal=causal, implementation=impl)
+        attn = functools.partial(
+            jflash.flash_attention, causal=causal, implementation=impl, interpret=args.interpret
+        )
     else:
         ids = np.repeat(np.arange(len(documents), dtype=np.int32), documents)
         inputs.insert(3, jax.device_put(np.tile(ids, (args.batch, 1)), jax.devices()[0]))
 
         def attn(q, k, v, ids):
             return jflash.flash_attention(
-                q, k, v, causal=causal, segment_ids=ids, implementation=impl
+                q,
+                k,
+                v,
+                causal=causal,
+                segment_ids=ids,
+                implementation=impl,
+                interpret=args.interpret,
             )
 
     row: dict = {}
@@ -246,6 +256,7 @@ def ring_fn(mesh, layout, strategy, args, seq_axis="seq", documents=False):
         layout=layout,
         strategy=strategy,
         implementation=args.implementation,
+        interpret=args.interpret,
     )
     if documents:
         return lambda q, k, v, ids: attn(q, k, v, segment_ids=ids)
@@ -696,7 +707,10 @@ def longest(args) -> dict | None:
             # the kernel's einsums as a sharded type and fail to trace.
             mesh, sharding = None, SingleDeviceSharding(jax.devices()[0])
             attn = functools.partial(
-                jflash.flash_attention, causal=True, implementation=args.implementation
+                jflash.flash_attention,
+                causal=True,
+                implementation=args.implementation,
+                interpret=args.interpret,
             )
         else:
             mesh = jax.make_mesh((p,), ("seq",), devices=jax.devices()[:p])
@@ -762,6 +776,7 @@ def main(argv=None):
     parser.add_argument(
         "--implementation",
         default=None,
+        choices=jflash.IMPLEMENTATIONS,
         help="pallas_triton | pallas_mosaic | xla (default: jflash's choice)",
     )
     parser.add_argument("--non-causal", action="store_true")
@@ -867,15 +882,34 @@ def main(argv=None):
         parser.error(f"--row-timeout {args.row_timeout}: must be >= 0 seconds (0: no limit)")
     if args.documents is not None and args.documents < 1:
         parser.error(f"--documents {args.documents}: the mean document length must be >= 1")
+    for flag, value in (
+        ("--heads", args.heads),
+        ("--kv-heads", args.kv_heads),
+        ("--head-dim", args.head_dim),
+        ("--batch", args.batch),
+    ):
+        if value < 1:
+            parser.error(f"{flag} {value}: must be >= 1")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads}: not a multiple of --kv-heads {args.kv_heads}")
+    odd = [t for t in args.tokens_per_device or () if t % 2]
+    if odd and "zigzag" in args.layouts and max(args.devices or default_device_counts()) > 1:
+        parser.error(
+            f"--tokens-per-device {odd[0]}: the zigzag layout halves each device's tokens; "
+            "give an even count"
+        )
+    out = args.out or RESULTS
+    if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
+        out = os.path.join(out, f"ring-{len(jax.devices())}x{device_name()}.json")
+    check_out(parser, "--out", out)
     note = gpu_or_interpret("benchmarks/ring.py", args.interpret)
+    # The kernels' interpret=: None compiles them (on a GPU), and the XLA one has none.
+    args.interpret = True if note and args.implementation != "xla" else None
     args.devices = args.devices or default_device_counts()
     if max(args.devices) > len(jax.devices()):
         parser.error(f"{args.devices=} but only {len(jax.devices())} devices")
     faulthandler.register(signal.SIGTERM, chain=True)  # stacks, then the default: exit
     print(jflash.describe())
-    out = args.out or RESULTS
-    if os.path.isdir(out) or not out.endswith(".json"):  # a directory: the standard name
-        out = os.path.join(out, f"ring-{len(jax.devices())}x{device_name()}.json")
     config = {k: v for k, v in vars(args).items() if k != "out"}
     config["notes"] = NOTES
     save = functools.partial(write_json, note=note)
@@ -887,7 +921,9 @@ def main(argv=None):
     columns = table_columns(args)
     print(table([], columns))
     rows = benchmark(
-        args, on_row=lambda rows: save(out, {"config": config, "rows": rows}), links=links
+        args,
+        on_row=lambda rows: save(out, {"config": config, "rows": rows}, partial=True),
+        links=links,
     )
     print()
     print(table(rows, columns, note))
@@ -896,7 +932,7 @@ def main(argv=None):
         print(table(rows, PROFILE_COLUMNS, note))
     payload = {"config": config, "rows": rows}
     if args.longest:
-        save(out, payload)  # the table survives a search stopped from outside
+        save(out, payload, partial=True)  # the table survives a search stopped from outside
         payload["longest"] = longest(args)
     save(out, payload)
 

@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_interpret_flag,
+    check_out,
     device_name,
     gpu_or_interpret,
     table,
@@ -386,7 +387,7 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--implementation", default=None)
+    parser.add_argument("--implementation", default=None, choices=jflash.IMPLEMENTATIONS)
     parser.add_argument("--variants", action="store_true", help="half-block tile variants")
     parser.add_argument(
         "--documents", type=int, default=0, help="packed documents of this mean length"
@@ -408,6 +409,8 @@ def main(argv=None):
     )
     add_interpret_flag(parser)
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     if args.devices < 1:
         parser.error(f"{args.devices=} must be >= 1")
     if not args.tokens_per_device:
@@ -428,14 +431,12 @@ def main(argv=None):
     # Each finished length goes to `<out>.partial` at once, so a run stopped during a
     # later one keeps it; `out` itself is written (and the partial file removed) only
     # when every length has run.
-    partial = out + ".partial"
 
     def done(rows):
-        write_json(partial, {"args": kept, "partial": True, "rows": rows}, note=args.note)
+        write_json(out, {"args": kept, "rows": rows}, note=args.note, partial=True)
 
     rows = (documents_benchmark if args.documents else benchmark)(args, done)
     write_json(out, {"args": kept, "rows": rows}, note=args.note)
-    os.remove(partial)
 
 
 if __name__ == "__main__":

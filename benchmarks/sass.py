@@ -48,7 +48,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import table, write_json  # noqa: E402
+from benchmarks.common import check_out, table, write_json  # noqa: E402
 
 ARCH = "sm_90a"
 # Opcode prefixes counted per loop pass: column name -> prefixes.
@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--opcodes", action="store_true", help="each loop's opcode counts")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     for path in args.files:
         if not os.path.isfile(path):
             parser.error(f"{path!r}: no such file")

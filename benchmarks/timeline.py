@@ -44,7 +44,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import HEAT_S, heat, parse_specs, table, write_json  # noqa: E402
+from benchmarks.common import HEAT_S, check_out, heat, parse_specs, table, write_json  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_SHAPES = "causal:4096:128,full:4096:128"
@@ -223,6 +223,8 @@ def main(argv=None) -> int:
         "--out", default=None, help="JSON path (default: results/timeline-<gpu>.json)"
     )
     args = parser.parse_args(argv)
+    if args.out:
+        check_out(parser, "--out", args.out)
     try:
         shapes = parse_shapes(args.shapes)
     except ValueError as e:

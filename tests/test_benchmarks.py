@@ -168,7 +168,7 @@ def test_launch_order_without_kernel_times_says_so(monkeypatch, tmp_path, capsys
     """On a CPU (interpreted) the traces hold no kernel: a line says so, the JSON holds no
     rows, and nothing fails."""
     monkeypatch.setattr(kernel, "traced_kernels", lambda fn, args, iterations: {})
-    argv = ["--launch-order", "--impls", "jflash_triton", "--sweep-seqs", "128"]
+    argv = ["--launch-order", "--impls", "jflash", "--sweep-seqs", "128"]
     shape = ["--head-dim", "64", "--heads", "2", "--kv-heads", "1"]
     kernel.main([*argv, *shape, "--interpret", "--out", str(tmp_path)])
     assert "no jflash kernel's device time" in capsys.readouterr().out
@@ -189,6 +189,11 @@ def test_launch_order_without_kernel_times_says_so(monkeypatch, tmp_path, capsys
         ["--kernel-share", "-0.1"],
         ["--id-orders", "sorted,shuffled"],
         ["--id-orders", "padded"],  # without --documents
+        ["--impls", "jflash_mosaic,jflsh"],  # a typo: no row of errors written
+        ["--seqs", "123"],  # not a length of the main table
+        ["--tokens", "0"],
+        ["--kv-heads", "3"],  # 32 query heads
+        ["--out", __file__],  # a file where the results' folder goes
     ],
 )
 def test_main_rejects_bad_masks_and_seqs(argv, capsys):
@@ -483,6 +488,12 @@ def test_ring_rounds_keep_each_rows_best_of_interleaved_timings(tmp_path, monkey
         (["--documents", "4k"], "'4k'"),
         (["--tokens-per-device", "0,128"], "0,128"),
         (["--rounds", "0"], "--rounds 0"),
+        (["--implementation", "mosiac"], "'mosiac'"),
+        (["--kv-heads", "0"], "--kv-heads 0"),
+        (["--heads", "4", "--kv-heads", "3"], "--heads 4"),
+        # The zigzag layout halves each device's tokens (refused before anything runs).
+        (["--devices", "1,2", "--tokens-per-device", "128,101"], "--tokens-per-device 101"),
+        (["--out", f"{__file__}/ring.json"], "is a file, not a directory"),
     ],
 )
 def test_ring_rejects_bad_flags_by_value(argv, named, capsys):
@@ -565,8 +576,11 @@ def test_ab_runs_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     at = next(i for i, line in enumerate(out) if line.startswith("| shape"))
     assert "new/rev_fwd" in out[at] and out[at - 1].startswith("interpreted: no GPU") == INTERPRET
-    # The JSON was written after each row (a run cut short keeps its rows), then once more.
-    assert out.count(f"wrote {tmp_path / 'ab.json'}") == 3
+    # The rows went beside the JSON after each row (a run cut short keeps them, and the
+    # last whole run's results stay), then the JSON once, whole.
+    assert out.count(f"wrote {tmp_path / 'ab.json'}.partial") == 2
+    assert out.count(f"wrote {tmp_path / 'ab.json'}") == 1
+    assert not (tmp_path / "ab.json.partial").exists()
 
 
 def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys):
@@ -632,6 +646,8 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
         (["--rev", "HEAD", "--rounds", "0"], "--rounds 0"),
         (["--rev", "HEAD", "--id-orders", "shuffled"], "shuffled"),
         (["--rev", "HEAD", "--id-orders", "padded"], "--documents"),
+        (["--rev", "HEAD", "--shapes", "causal:0:64"], "causal:0:64"),
+        (["--rev", "HEAD", "--implementation", "mosiac"], "'mosiac'"),
     ],
 )
 def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
@@ -1130,13 +1146,16 @@ def _ring_child(out, *, row_timeout: str, iters: str = "1"):
 def test_ring_row_timeout_names_the_row_it_stopped_in(tmp_path):
     """A row past `--row-timeout` stops the run (a hung GPU kernel cannot be interrupted
     in the process) with exit code 1 and the stacks printed; the JSON written before
-    the row started lists it as unfinished. 10 ms: no row compiles that fast."""
+    the row started (beside the results file, which a run cut short leaves as it was)
+    lists it as unfinished. 10 ms: no row compiles that fast."""
     out = tmp_path / "ring.json"
+    out.write_text("{}")  # the last whole run's results
     cmd, env = _ring_child(out, row_timeout="0.01")
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stderr[-2000:]
     assert "Timeout" in run.stderr and "Thread" in run.stderr
-    (row,) = json.loads(out.read_text())["rows"]
+    assert out.read_text() == "{}"
+    (row,) = json.loads((tmp_path / "ring.json.partial").read_text())["rows"]
     assert row["strategy"] == "ideal" and row["seq_len"] == 128
     assert "did not finish" in row["error"]
 
@@ -1144,8 +1163,10 @@ def test_ring_row_timeout_names_the_row_it_stopped_in(tmp_path):
 def test_ring_stopped_from_outside_prints_its_stacks(tmp_path):
     """A SIGTERM (a step's `timeout` in multi_gpu.sh) during a row prints every thread's
     stack before the process ends, and the JSON names the row it stopped in."""
-    out = tmp_path / "ring.json"
-    cmd, env = _ring_child(out, row_timeout="0", iters="1000000")  # each row runs until stopped
+    out = tmp_path / "ring.json.partial"  # beside the results file: the run is cut short
+    cmd, env = _ring_child(
+        tmp_path / "ring.json", row_timeout="0", iters="1000000"
+    )  # until stopped
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -1482,7 +1503,7 @@ def test_kernel_modules_tell_a_kernel_change_from_a_refactor(tmp_path, monkeypat
 # benchmarks/accuracy.py: implementations against float64 over long rows of keys
 
 
-def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
+def test_accuracy_reference_is_float64_attention(tmp_path, capsys, monkeypatch):
     """`accuracy.compare`'s float64 reference, built in chunks of keys (the last one
     ragged), against jflash's f32 oracle on the same bf16 values: within f32 rounding,
     with no bias; then the CLI in interpret mode on a short row (the kernels' errors at
@@ -1508,7 +1529,8 @@ def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
 
     out = tmp_path / "accuracy.json"
     argv = ["--interpret", "--keys", "200", "--queries", "16", "--chunk", "64"]
-    rows = accuracy.main([*argv, "--impls", "jflash,no_such_peer", "--out", str(out)])
+    hide(monkeypatch, "flash_attn3_jax")  # a peer not installed: a row saying so
+    rows = accuracy.main([*argv, "--impls", "jflash,fa3", "--out", str(out)])
     written = json.loads(out.read_text())
     # With a GPU, --interpret is set aside (the kernels run compiled) and not marked.
     interpreted = written.get("interpreted", False)
@@ -1517,8 +1539,12 @@ def test_accuracy_reference_is_float64_attention(tmp_path, capsys):
     assert kernel_row["impl"] == "jflash" and "error" not in kernel_row
     for t in accuracy.TENSORS:
         assert kernel_row[f"{t}_err"] < 2e-2 and abs(kernel_row[f"{t}_bias"]) < 2e-3, kernel_row
-    assert missing["impl"] == "no_such_peer" and missing["error"]
-    bad_flags = (["--keys", "8k"], "'8k'"), (["--heads", "3", "--kv-heads", "2"], "--heads 3")
+    assert missing["impl"] == "fa3" and "not installed" in missing["error"]
+    bad_flags = (
+        (["--keys", "8k"], "'8k'"),
+        (["--heads", "3", "--kv-heads", "2"], "--heads 3"),
+        (["--impls", "jflash,no_such_peer"], "no_such_peer"),  # a typo: no row of errors
+    )
     for bad, named in bad_flags:
         with pytest.raises(SystemExit):
             accuracy.main([*bad, "--interpret"])
@@ -1584,7 +1610,8 @@ def test_head_split_bench_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_pat
     argv = ["--shapes", "1024:4:1:64:causal", "--shares", "2", "--out", str(tmp_path)]
     with pytest.raises(KeyboardInterrupt):
         head_split.main(argv)
-    written = json.loads((tmp_path / "ab-head-split-fake.json").read_text())
+    assert not (tmp_path / "ab-head-split-fake.json").exists()  # beside it, until whole
+    written = json.loads((tmp_path / "ab-head-split-fake.json.partial").read_text())
     assert written["complete"] is False
     assert [(r["setting"], r["bwd_ms"]) for r in written["rows"]] == [
         ("shares=2", 3.0),
@@ -1630,3 +1657,59 @@ def test_restart_benchmark_resumes_each_run_from_the_last_ones_sigterm(tmp_path,
         assert sum(parts) <= row["sigterm_to_exit_s"] + 0.2  # each rounded to 0.1 s
     assert "--compilation_cache_dir" not in rows[1]["command"]
     assert "--resume_from_checkpoint latest" in rows[2]["command"]
+
+
+def test_write_json_keeps_the_last_whole_results_until_a_run_finishes(tmp_path, capsys):
+    """A run's rows so far go beside its results file (`partial=True`), so a run cut
+    short never replaces the last whole run's results; the whole run's write replaces
+    them in one rename and removes the partial file."""
+    from benchmarks.common import PARTIAL, write_json
+
+    out = tmp_path / "r.json"
+    write_json(str(out), {"rows": [1, 2]})
+    write_json(str(out), {"rows": [3]}, partial=True)
+    assert json.loads(out.read_text())["rows"] == [1, 2]
+    partial = json.loads((tmp_path / f"r.json{PARTIAL}").read_text())
+    assert partial["rows"] == [3] and partial["partial"] is True
+    write_json(str(out), {"rows": [3, 4]})
+    assert json.loads(out.read_text())["rows"] == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]  # no .partial, no .tmp
+    assert f"wrote {out}{PARTIAL}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "script, argv, named",
+    [
+        ("balance", ["--shards", "0"], "--shards 0"),
+        ("balance", ["--tokens_per_gpu", "100"], "--tokens_per_gpu 100"),
+        ("balance", ["--mean_doc", "0"], "--mean_doc 0"),
+        ("balance", ["--out", f"{__file__}/b.json"], "is a file, not a directory"),
+        ("cp_model", ["--gpus", "0"], "--gpus 0"),
+        ("cp_model", ["--kernel_tflops", "0"], "--kernel_tflops 0.0"),
+        ("cp_model", ["--q_heads", "32", "--kv_heads", "5"], "--q_heads 32"),
+        ("cp_model", ["--latency_us", "-1"], "--latency_us -1.0: must be at least 0"),
+        ("accuracy", ["--interpret", "--impls", "jflsh"], "jflsh"),
+        ("in_shard_map", ["--interpret", "--heads", "4", "--kv-heads", "3"], "--heads 4"),
+        ("in_shard_map", ["--interpret", "--shapes", "causal:0:64"], "causal:0:64"),
+        ("peer_repeat", ["--seqs", "1000"], "--seqs 1000"),
+        ("ring_blocks", ["--interpret", "--implementation", "mosiac"], "'mosiac'"),
+    ],
+)
+def test_scripts_refuse_bad_values_in_one_line_before_any_work(script, argv, named, capsys):
+    """Each script refuses a value it cannot run (exit status 2, one line naming it)
+    before it computes or writes anything, instead of a traceback or an empty table."""
+    module = __import__(f"benchmarks.{script}", fromlist=["main"])
+    with pytest.raises(SystemExit) as stop:
+        module.main(argv)
+    assert stop.value.code == 2
+    assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_peer_repeat_without_flash_attn3_fails_instead_of_passing(monkeypatch, capsys):
+    """With nothing to check, the FA3 repeat check ends with status 2, not 0."""
+    from benchmarks import peer_repeat
+
+    hide(monkeypatch, "flash_attn3_jax")
+    with pytest.raises(SystemExit) as stop:
+        peer_repeat.main([])
+    assert stop.value.code == 2 and "needs flash-attn3-jax" in capsys.readouterr().err
