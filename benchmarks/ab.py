@@ -42,8 +42,9 @@ way (`kernel.document_ids`: the same mask, labels that are not sorted along the 
 `pair` gives the permuted labels as query and key ids, `hashed` labels wider than the
 row).
 After every row the rows so far go to `<out>.partial` (`"complete": false`), so a run
-cut short keeps the rows it finished and leaves the last whole run's JSON as it was. `--deterministic` times jflash's deterministic
-backward (its separate dQ kernel) instead of the default.
+cut short keeps the rows it finished and leaves the last whole run's JSON as it was.
+`--deterministic` times jflash's deterministic backward (its separate dQ kernel) instead
+of the default.
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
 tree is faster; `new/rev1`, ... with several), and `new/<peer>` where a peer runs.
 

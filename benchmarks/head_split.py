@@ -13,8 +13,8 @@ query heads per KV head is left out of its rows. The fixed shares pass their til
 where jflash's own may take another form: `bwd_ms` (forward+backward less forward)
 compares the backward alone. Prints a table, writes
 `ab-head-split-<gpu>.json` once every row has run, and the rows so far beside it after
-every row (`.partial`, `"complete": false`: a run cut short keeps the rows it timed). GPU only: on a CPU it stops with one line (exit
-status 2).
+every row (`.partial`, `"complete": false`: a run cut short keeps the rows it timed).
+GPU only: on a CPU it stops with one line (exit status 2).
 """
 
 from __future__ import annotations
