@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import pytest
 from conftest import ON_GPU
 
@@ -237,9 +238,27 @@ def test_a_start_the_mesh_cannot_split_is_refused_before_probing(monkeypatch, ca
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err, err
     assert (
-        "--mesh seq=3 cannot split --start=1024 (--model_max_length=1024 must be divisible by 6"
-        in err
+        "--mesh seq=3: the trainer refuses it at --start=1024: --model_max_length=1024 must be "
+        "divisible by 6" in err
     )
+
+
+@pytest.mark.multi_device(2)
+def test_a_mesh_of_fewer_devices_says_how_to_train_it(monkeypatch, capsys):
+    """A row planned on some of the devices records how many, and a line under the table
+    says that the trainer, whose mesh takes every visible device, trains it where only
+    those are visible; a mesh of every device gets no line."""
+    monkeypatch.setattr(capacity, "step_memory_gib", lambda *a: {"device": 0.1, "host": 0.0})
+    n = jax.device_count()
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--mesh", f"seq={n}", "--limit-gib", "1"]
+    result = capacity.main([*argv, "--start", "512", "--max", "512"])
+    assert [r["devices"] for r in result["rows"]] == [1, n]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "visible" in line]
+    assert lines == [
+        f"--mesh seq=1 plans 1 of the {n} devices (the first ones): `python -m train` takes "
+        "every visible device, so make only 1 visible to train it (CUDA_VISIBLE_DEVICES=0 "
+        "on GPUs)"
+    ]
 
 
 def test_a_search_that_reaches_max_is_a_lower_bound(monkeypatch, capsys):

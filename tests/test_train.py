@@ -460,6 +460,16 @@ def test_a_layout_that_would_fit_and_settings_the_mesh_leaves_unused(capsys):
     check_layout(parse_args(["--model_max_length", "124", "--ring_layout", "striped"]), sizes)
     with pytest.raises(TrainingError, match=r"layout=zigzag\)$"):  # none would: no hint
         check_layout(parse_args(["--model_max_length", "126"]), sizes)
+    # A pair jflash refuses for causal attention, in the trainer's flags' words.
+    gathered = ["--ring_strategy", "allgather", "--ring_layout", "striped"]
+    with pytest.raises(
+        TrainingError, match="^--ring_strategy allgather with --ring_layout striped"
+    ):
+        check_layout(parse_args(gathered), sizes)
+    with pytest.raises(
+        TrainingError, match="^--ring_strategy allgather with --ring_layout striped"
+    ):
+        check_layout(parse_args(gathered), {**sizes, "seq": 1})  # as jflash refuses it there
 
     def said(*argv, platform="gpu", **mesh):
         cfg = parse_args(list(argv))

@@ -416,6 +416,13 @@ def check_layout(cfg: TrainConfig, sizes: dict[str, int]) -> None:
             f"--mesh has seq_a2a={a2a} but --ring_strategy={strategy!r}: the seq_a2a axis "
             "is the all-to-all axis of --ring_strategy hybrid (other strategies use seq)"
         )
+    if strategy == "allgather" and cfg.model.ring_layout == "striped":
+        # jflash refuses it for causal attention: a striped rank's queries are no run of
+        # positions, so a gathered K/V would take one kernel call per token.
+        raise TrainingError(
+            "--ring_strategy allgather with --ring_layout striped: use --ring_strategy ring, "
+            "or --ring_layout zigzag or contiguous"
+        )
     ring = seq if strategy == "hybrid" else seq * a2a
     chunks = 2 * ring if (ring > 1 and cfg.model.ring_layout == "zigzag") else ring
     need = math.lcm(chunks, seq * a2a)

@@ -21,7 +21,8 @@ and its host bytes (offloaded residuals and state) fit `--host-limit-gib`. "GiB/
 tokens" is the growth per 1024 tokens of context between the shortest and the longest
 probe that fit (the marginal cost: what one more 1k tokens needs), device and host. A
 mesh naming fewer devices than the machine has uses the first ones, so `--mesh seq=1
---mesh seq=2` answers "how much longer on 2 GPUs than on 1".
+--mesh seq=2` answers "how much longer on 2 GPUs than on 1" (a line under the table says
+how to train such a row: the trainer's mesh takes every visible device).
 
 Compiled memory is XLA's plan, not a run: check the winner with `python -m train`.
 
@@ -517,7 +518,9 @@ def main(argv: list[str] | None = None) -> dict:
     for model in names:
         for mesh in meshes:
             if error := layout_error(model, args.start, mesh, args):
-                parser.error(f"--mesh {mesh} cannot split --start={args.start} ({error})")
+                parser.error(
+                    f"--mesh {mesh}: the trainer refuses it at --start={args.start}: {error}"
+                )
             sizes = parse_mesh(mesh, mesh_device_count(mesh, jax.device_count()))
             local = args.start // (sizes["seq"] * sizes["seq_a2a"])
             try:  # the model's own rule (`LlamaConfig.mlp_tile_for`)
@@ -589,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict:
                 model, mesh, args, limit, host_limit, progress=lambda r: write([*rows, r])
             )
             row["ring_strategy"] = ring_strategy(model, args.start, mesh, args)
+            row["devices"] = mesh_device_count(mesh, jax.device_count())
             base = base or row["longest"]
             row["vs_first_mesh"] = row["longest"] / base if row["longest"] and base else None
             rows.append(row)
@@ -610,6 +614,15 @@ def main(argv: list[str] | None = None) -> dict:
             f"{num(r['host_gib'])} | {num(r['gib_per_1k'], '.4f')} | "
             f"{num(r['host_gib_per_1k'], '.4f')} | {ratio} |"
         )
+    for mesh in meshes:  # the trainer's mesh takes every visible device
+        used, total = mesh_device_count(mesh, jax.device_count()), jax.device_count()
+        if used < total:
+            print(
+                f"--mesh {mesh} plans {used} of the {total} devices (the first ones): "
+                f"`python -m train` takes every visible device, so make only {used} "
+                f"visible to train it (CUDA_VISIBLE_DEVICES={','.join(map(str, range(used)))} "
+                "on GPUs)"
+            )
     result = write(rows)
     if args.out:
         print(f"wrote {args.out}")
