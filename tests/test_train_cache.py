@@ -1559,3 +1559,30 @@ def test_the_tokenizer_tool_reads_utf8_text_once_per_file(bpe, tmp_path):
     assert (tmp_path / "t1" / "tokenizer.json").read_bytes() == (
         bpe / "tokenizer.json"
     ).read_bytes()
+
+
+def test_a_full_disk_while_caching_names_the_file_in_one_line(tmp_path, monkeypatch, capsys):
+    """A file object's write on a full disk raises an OSError naming no file: the cache
+    writer names the file it was writing, and `python -m train.data` ends with that one
+    line and exit status 1, as the trainer does, instead of a traceback."""
+    import errno
+
+    class Full:
+        name = str(tmp_path / "tokens.bin")
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        data_cache._write_to(Full(), lambda f: f.write(b"x"))
+    assert e.value.errno == errno.ENOSPC and e.value.filename == Full.name
+
+    def full(args):
+        data_cache._write_to(Full(), lambda f: f.write(b"x"))
+
+    monkeypatch.setattr(data_lib, "_command", full)
+    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2]}\n')
+    with pytest.raises(SystemExit) as stop:
+        data_lib.main(["cache", str(tmp_path / "ids.jsonl"), str(tmp_path / "c")])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err == f"error: {Full.name}: No space left on device\n"

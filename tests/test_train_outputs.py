@@ -378,6 +378,45 @@ def test_ctrl_c_during_a_checkpoint_save_ends_in_the_same_line(tmp_path, monkeyp
         entry.main(_args(tmp_path / "run"))
 
 
+def test_a_full_disk_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """A full disk (or quota, a read-only file system) wherever the run writes, and
+    under whatever error it surfaces: one line naming the file where the error does,
+    the output directory where not, and the last checkpoint; exit status 1 (the
+    machine's fault, not the settings'), not a traceback. Other OSErrors stay tracebacks."""
+    import errno
+
+    import train.__main__ as entry
+
+    out = tmp_path / "run"
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--output_dir", str(out)]
+    full = OSError(errno.ENOSPC, "No space left on device")
+    for error, named in (
+        (OSError(errno.ENOSPC, "No space left on device", "/x/log.jsonl"), "/x/log.jsonl: "),
+        (RuntimeError("closing failed"), f"(writing under {out})"),  # raised while handling
+    ):
+
+        def failing(cfg, error=error):
+            try:
+                raise full
+            finally:
+                if error is not full:
+                    raise error
+
+        monkeypatch.setattr(entry, "run", failing)
+        assert entry.main(argv) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+        assert named in err[0] and "No space left on device" in err[0], err
+        assert err[0].endswith(f"no checkpoint was written to {out / 'checkpoints'}"), err
+
+    def unrelated(cfg):
+        raise OSError(errno.ECONNRESET, "Connection reset by peer")
+
+    monkeypatch.setattr(entry, "run", unrelated)
+    with pytest.raises(OSError, match="Connection reset"):
+        entry.main(argv)
+
+
 def test_a_preemption_that_saved_nothing_names_the_last_checkpoint(tmp_path, monkeypatch, capsys):
     """A SIGTERM the loop stopped at without saving (`--save_on_preemption false` where
     jax's preemption service runs) ends in `train.errors.Preempted`'s line, then where
@@ -870,6 +909,24 @@ def test_a_resume_cut_off_while_it_trims_the_log_keeps_the_log(tmp_path, monkeyp
     assert sorted(os.listdir(out)) == ["log.jsonl", "tensorboard"]
 
 
+def test_a_damaged_log_line_is_named_not_dropped(tmp_path):
+    """A resume trims the log: a torn last line goes (a kill cut it), but a line before
+    it that is no step's record (broken JSON, or JSON that is not a record) is damage
+    the resume refuses, naming the file and line, with the log left as it was."""
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    lines = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)]
+    for bad in ('{"step": 3, "loss": 6.2\n', "[]\n"):
+        damaged = "".join([*lines[:2], bad, *lines[3:]])
+        (out / "log.jsonl").write_text(damaged)
+        with pytest.raises(TrainingError, match=r"log\.jsonl, line 3: not a record of a step"):
+            outputs.drop_after(str(out), 4)
+        assert (out / "log.jsonl").read_text() == damaged
+    (out / "log.jsonl").write_text("".join([*lines, '{"step": 6, "lo']))  # torn by a kill
+    outputs.drop_after(str(out), 5)
+    assert (out / "log.jsonl").read_text() == "".join(lines)
+
+
 def test_settings_name_paths_absolute(tmp_path, monkeypatch):
     """`--config <output_dir>/train_config.yaml` runs the same job from any directory:
     relative paths are written absolute; a preset name and `sample` stay names."""
@@ -1138,3 +1195,25 @@ def test_a_relative_checkpoint_path_names_the_runs_own(tmp_path, monkeypatch):
         f"exist (its --output_dir has {out / 'checkpoints' / '10'}: give that path)"
     )
     assert resolve_resume(str(out / "checkpoints" / "10"), str(out)) == (str(out), 10)
+
+
+def test_the_log_stops_the_run_when_its_output_dir_goes(tmp_path):
+    """The output directory deleted, or replaced by another of the same name, during the
+    run: the next log write stops the run in one line naming the log, instead of
+    writing on into a file no one can read (and a run that then reports success)."""
+    from train.metrics import JsonlLog
+
+    for gone in (
+        shutil.rmtree,
+        lambda out: (shutil.rmtree(out), out.mkdir(), (out / "log.jsonl").touch()),
+    ):
+        out = tmp_path / "run"
+        log = JsonlLog(str(out / "log.jsonl"))
+        log.write({"step": 1})
+        gone(out)
+        with pytest.raises(
+            TrainingError, match=r"log\.jsonl was removed or replaced while the run"
+        ):
+            log.write({"step": 2})
+        log.close()
+        shutil.rmtree(out, ignore_errors=True)

@@ -12,6 +12,8 @@ from train.errors import (
     STOP_SIGNALS,
     Preempted,
     Terminated,
+    disk_error,
+    disk_words,
     signal_status,
     signals_as_interrupts,
 )
@@ -108,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
                     print(f"error: {e}", file=sys.stderr)
                     return 2
+                if (disk := disk_error(e)) is not None:  # the machine's, not the settings'
+                    line = disk_words(disk)
+                    if cfg is not None:
+                        where = "" if disk.filename else f" (writing under {cfg.run.output_dir})"
+                        line += f"{where}; {_last_checkpoint(cfg.run.output_dir)}"
+                    print(f"error: {line}", file=sys.stderr, flush=True)
+                    if _other_processes() is not None:  # not jax's shutdown barrier
+                        sys.stdout.flush()
+                        os._exit(1)
+                    return 1
                 if (peers := _other_processes()) is not None:
                     _end_apart(cfg, *peers)
                 raise

@@ -49,7 +49,7 @@ from train.chat import (
     parse_template_kwargs,
 )
 from train.dataset import Rows, load_dataset, stream_summary
-from train.errors import signals_as_interrupts, stop_status, stopped_how
+from train.errors import disk_error, disk_words, signals_as_interrupts, stop_status, stopped_how
 from train.readers import (
     SAVED_DATASET_FILES,
     each_real_file_once,
@@ -779,6 +779,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"error: {e.asking_for('--chat-turns')}\n")
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
+    except OSError as e:  # a full disk's (what was being written is removed)
+        if (disk := disk_error(e)) is None:
+            raise
+        parser.exit(1, f"error: {disk_words(disk)}\n")
 
 
 def _command(args: argparse.Namespace) -> None:

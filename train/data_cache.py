@@ -584,19 +584,29 @@ class _Writer:
     def flush(self) -> None:
         if not self.buffer:
             return
-        np.concatenate([ids for ids, _ in self.buffer]).astype("<u4").tofile(self.tokens)
+        tokens = np.concatenate([ids for ids, _ in self.buffer]).astype("<u4")
+        _write_to(self.tokens, lambda f: f.write(tokens.tobytes()))
         if self.labels is not None:
             labels = [ids if lab is None else lab for ids, lab in self.buffer]
-            np.concatenate(labels).astype("<i4").tofile(self.labels)
+            values = np.concatenate(labels).astype("<i4")
+            _write_to(self.labels, lambda f: f.write(values.tobytes()))
         self.buffer, self.buffered = [], 0
 
     def close(self) -> None:
         self.flush()
         for f in (self.tokens, self.labels):
             if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
+                _write_to(f, lambda f: (f.flush(), os.fsync(f.fileno())))
                 f.close()
+
+
+def _write_to(f, write) -> None:
+    """`write(f)`; an OSError it raises (a full disk's, which a file object's write
+    raises without a name) names `f`'s file."""
+    try:
+        write(f)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), f.name) from None
 
 
 def build_cache(

@@ -1,13 +1,38 @@
-"""The trainer's user-facing error, the stop a preemption makes, the exit status a
-signal's stop ends with, and SIGTERM / SIGHUP handled as Ctrl-C is (the tools)."""
+"""The trainer's user-facing error, a full disk's error found under another, the stop a
+preemption makes, the exit status a signal's stop ends with, and SIGTERM / SIGHUP
+handled as Ctrl-C is (the tools)."""
 
 import contextlib
+import errno
 import signal
 import threading
 
 
 class TrainingError(RuntimeError):
     """A failure the user can act on (the message says what to change)."""
+
+
+# The machine's faults, not the run's settings: a full disk or quota, a read-only or
+# failing file system.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+def disk_error(error: BaseException | None) -> OSError | None:
+    """The OSError of a full disk or quota, or a read-only or failing file system
+    (`DISK_ERRNOS`), that `error` is or was raised from or while handling; else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def disk_words(error: OSError) -> str:
+    """`<file>: No space left on device`, the file where the error names one."""
+    what = error.strerror or str(error)
+    return f"{error.filename}: {what}" if error.filename else what
 
 
 def signal_status(signum: int) -> int:

@@ -7,6 +7,8 @@ import os
 
 import jax
 
+from train.errors import TrainingError
+
 # Dense bf16 peak per device (datasheet, FLOP/s), for MFU, by a part of the device kind
 # (`NVIDIA H100 80GB HBM3`), the first that matches: the PCIe and NVL cards before the
 # SXM parts whose name they share. Unknown devices: no MFU.
@@ -69,13 +71,27 @@ def throughput(tokens: float, seconds: float, flops_per_token: float, num_device
 
 
 class JsonlLog:
-    """Append-only JSON-lines log (one object per logging step)."""
+    """Append-only JSON-lines log (one object per logging step). A write finding that
+    `path` no longer names the file it appends to (its `--output_dir` deleted, moved or
+    replaced during the run) stops the run with a TrainingError instead of writing into
+    a file no one can read."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
         self._file = open(path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict) -> None:
+        try:
+            there = os.path.samestat(os.stat(self.path), os.fstat(self._file.fileno()))
+        except FileNotFoundError:
+            there = False
+        if not there:
+            raise TrainingError(
+                f"{self.path} was removed or replaced while the run wrote it (its "
+                "--output_dir deleted or moved?): stopping, since the run's records, "
+                "settings and lock went with it"
+            )
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

@@ -627,22 +627,32 @@ def drop_after(out: str, last_step: int) -> None:
 
 def truncate_log(path: str, last_step: int) -> None:
     """Keeps the records of `path` (JSON lines) at or before `last_step`: written to
-    `<path>.part`, which then replaces `path` (a failure or a kill leaves the old log)."""
+    `<path>.part`, which then replaces `path` (a failure or a kill leaves the old log).
+    A last line that is no record (torn by the kill) goes; one before it is damage the
+    resume refuses, naming the line, instead of dropping it."""
     part = path + ".part"
     if os.path.exists(part):  # left by a kill before it replaced the log
         os.remove(part)
     if not os.path.exists(path):
         return
-
-    def step_of(line: str) -> float:
-        try:
-            return json.loads(line).get("step", math.inf)
-        except ValueError:  # a line torn by the kill
-            return math.inf
-
     with open(path) as f:
         lines = f.readlines()
-    keep = [line for line in lines if step_of(line) <= last_step]
+
+    def step_of(number: int, line: str) -> float:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return record["step"]
+        if number == len(lines):  # a line torn by the kill
+            return math.inf
+        raise TrainingError(
+            f"{path}, line {number}: not a record of a step ({line.strip()[:60]!r}): the "
+            "run's log is damaged; mend or remove that line, then resume"
+        )
+
+    keep = [line for n, line in enumerate(lines, 1) if step_of(n, line) <= last_step]
     if len(keep) != len(lines):
         with open(part, "w") as f:
             f.writelines(keep)
