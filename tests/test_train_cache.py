@@ -1586,3 +1586,15 @@ def test_a_full_disk_while_caching_names_the_file_in_one_line(tmp_path, monkeypa
         data_lib.main(["cache", str(tmp_path / "ids.jsonl"), str(tmp_path / "c")])
     assert stop.value.code == 1
     assert capsys.readouterr().err == f"error: {Full.name}: No space left on device\n"
+
+
+def test_a_cache_without_its_meta_is_not_read_as_a_data_folder(tmp_path):
+    """A token cache whose meta.json is missing or damaged is refused as a damaged cache,
+    naming the file: read as a folder of data files, its index.npy of document offsets
+    would be trained on as token ids."""
+    data_cache.build_cache(_pkl(tmp_path / "d.pkl", _records(8)), tmp_path / "c")
+    meta = tmp_path / "c" / "meta.json"
+    for damage in (lambda: meta.write_text('{"format": "jflash-tok'), meta.unlink):
+        damage()
+        with pytest.raises(ValueError, match=r"a token cache's tokens\.bin with no readable meta"):
+            load_dataset(tmp_path / "c")

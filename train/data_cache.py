@@ -66,7 +66,9 @@ from train.dataset import (
 )
 from train.readers import (
     CACHE_FORMAT,
+    CACHE_INDEX,
     CACHE_META,
+    CACHE_TOKENS,
     FILES,
     READERS,
     data_format,
@@ -92,9 +94,9 @@ VERSION = 2
 # labels every appended EOS, also after a record whose last label is -100).
 UNLABELLED_VERSIONS = (1, VERSION)
 META = CACHE_META
-TOKENS = "tokens.bin"
+TOKENS = CACHE_TOKENS
 LABELS = "labels.bin"
-INDEX = "index.npy"
+INDEX = CACHE_INDEX
 _MAX_ID = np.iinfo(np.int32).max
 _FLUSH_TOKENS = 1 << 22  # tokens buffered before a write
 

@@ -816,6 +816,7 @@ SAVED_DATASET = "save_to_disk"  # READERS' key for a directory saved by `dataset
 FILES = "files"  # READERS' key for a folder of data files, or a glob pattern's files
 CACHE_META = "meta.json"  # what marks a token cache's folder (train.data_cache)
 CACHE_FORMAT = "jflash-token-cache"  # its "format"
+CACHE_TOKENS, CACHE_INDEX = "tokens.bin", "index.npy"  # a cache's files beside its meta
 # What `save_to_disk` writes into a directory: a Dataset's, or a DatasetDict's index.
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json", "dataset_dict.json")
 # The data formats: the file's lower-case extension (or SAVED_DATASET) -> its reader.
@@ -843,6 +844,12 @@ def data_format(path: str | Path) -> str:
     if not path.exists():
         raise ValueError(f"{path}: no such data file")
     if path.is_dir():
+        if (path / CACHE_TOKENS).is_file() and not is_token_cache(path):
+            raise ValueError(
+                f"{path}: a token cache's {CACHE_TOKENS} with no readable {CACHE_META} of its "
+                "format (missing or damaged): rebuild the cache (python -m train.data cache, "
+                "or under --data_cache_dir)"
+            )
         if any((path / name).is_file() for name in SAVED_DATASET_FILES):
             return SAVED_DATASET
         data_files(path)  # some, or the one-line error
