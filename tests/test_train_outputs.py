@@ -382,7 +382,8 @@ def test_a_full_disk_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
     """A full disk (or quota, a read-only file system) wherever the run writes, and
     under whatever error it surfaces: one line naming the file where the error does,
     the output directory where not, and the last checkpoint; exit status 1 (the
-    machine's fault, not the settings'), not a traceback. Other OSErrors stay tracebacks."""
+    machine's fault, not the settings'), not a traceback; Orbax's threads' records of it
+    dropped. Other OSErrors stay tracebacks."""
     import errno
 
     import train.__main__ as entry
@@ -393,6 +394,8 @@ def test_a_full_disk_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
     for error, named in (
         (OSError(errno.ENOSPC, "No space left on device", "/x/log.jsonl"), "/x/log.jsonl: "),
         (RuntimeError("closing failed"), f"(writing under {out})"),  # raised while handling
+        # An Orbax save's: tensorstore's error, not an OSError, says the disk is full.
+        (ValueError('RESOURCE_EXHAUSTED: Failed writing: "/x/d/0c": No space left on device'), ""),
     ):
 
         def failing(cfg, error=error):
@@ -408,6 +411,19 @@ def test_a_full_disk_ends_the_run_in_one_line(tmp_path, monkeypatch, capsys):
         assert len(err) == 1 and err[0].startswith("error: "), err
         assert named in err[0] and "No space left on device" in err[0], err
         assert err[0].endswith(f"no checkpoint was written to {out / 'checkpoints'}"), err
+
+    import logging
+
+    from train.checkpoint import DISK_FULL
+
+    try:
+        raise ValueError("Failed to write 402939 bytes to file 9: No space left on device")
+    except ValueError as e:
+        thread_log = logging.LogRecord(
+            "absl", logging.ERROR, "", 0, "save failed", (), (None, e, None)
+        )
+    assert not DISK_FULL.filter(thread_log)
+    assert DISK_FULL.filter(logging.LogRecord("absl", logging.ERROR, "", 0, "other", (), None))
 
     def unrelated(cfg):
         raise OSError(errno.ECONNRESET, "Connection reset by peer")

@@ -106,10 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as e:
             interrupt = _from_interrupt(e)
             if interrupt is None:
-                # NotImplementedError: a kernel option this setup cannot run (jflash names it).
-                if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
-                    print(f"error: {e}", file=sys.stderr)
-                    return 2
                 if (disk := disk_error(e)) is not None:  # the machine's, not the settings'
                     line = disk_words(disk)
                     if cfg is not None:
@@ -120,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                         sys.stdout.flush()
                         os._exit(1)
                     return 1
+                # NotImplementedError: a kernel option this setup cannot run (jflash names it).
+                if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
                 if (peers := _other_processes()) is not None:
                     _end_apart(cfg, *peers)
                 raise

@@ -15,11 +15,14 @@ import os
 import re
 import shutil
 import threading
+import traceback
 import uuid
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+from train.errors import DISK_FULL_TEXT
 
 
 @contextlib.contextmanager
@@ -74,6 +77,8 @@ class _Notes(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:  # and its traceback's
+            text += "".join(traceback.format_exception(record.exc_info[1]))
         return not any(phrase in text for phrase in self.phrases)
 
 
@@ -84,6 +89,10 @@ READ_ONLY_NOTES = ("read_only=True, setting save_interval_steps", "is read only=
 # logged from its threads as well: the trainer's error where such a checkpoint cannot be
 # read names it and what to read instead. Dropped for the whole process (`Checkpoints`).
 NO_METADATA = _Notes("Metadata file does not exist")
+# A full disk under a save: orbax's threads log it with tracebacks, four times over, and
+# the save's error reaches the trainer, which ends in one line (`train.errors.disk_error`).
+# Dropped for the whole process (`Checkpoints`).
+DISK_FULL = _Notes(DISK_FULL_TEXT)
 
 
 @contextlib.contextmanager
@@ -139,6 +148,7 @@ class Checkpoints:
         self.directory = os.path.abspath(os.path.join(output_dir, "checkpoints"))
         self._read_only = read_only
         logging.getLogger("absl").addFilter(NO_METADATA)  # once: the same filter object
+        logging.getLogger("absl").addFilter(DISK_FULL)
         if read_only and not os.path.isdir(self.directory):
             raise ValueError(f"--resume_from_checkpoint: {self.directory} does not exist")
         with _quiet_orbax_notes(*READ_ONLY_NOTES) if read_only else contextlib.nullcontext():

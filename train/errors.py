@@ -4,6 +4,7 @@ handled as Ctrl-C is (the tools)."""
 
 import contextlib
 import errno
+import os
 import signal
 import threading
 
@@ -15,15 +16,20 @@ class TrainingError(RuntimeError):
 # The machine's faults, not the run's settings: a full disk or quota, a read-only or
 # failing file system.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+# How a full disk reads in an error of another kind (tensorstore's, under an Orbax save).
+DISK_FULL_TEXT = os.strerror(errno.ENOSPC)
 
 
 def disk_error(error: BaseException | None) -> OSError | None:
     """The OSError of a full disk or quota, or a read-only or failing file system
-    (`DISK_ERRNOS`), that `error` is or was raised from or while handling; else None."""
+    (`DISK_ERRNOS`), that `error` is or was raised from or while handling, or one for an
+    error of another kind that says the disk is full (`DISK_FULL_TEXT`); else None."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
             return error
+        if not isinstance(error, OSError) and DISK_FULL_TEXT in str(error):
+            return OSError(errno.ENOSPC, DISK_FULL_TEXT)
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
