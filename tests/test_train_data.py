@@ -304,8 +304,10 @@ def test_chat_settings_on_data_without_conversations_get_a_line(bos_bpe, tmp_pat
     path = _write(tmp_path / "t.jsonl", [{"text": "The trainer packs documents"}])
     load_dataset(path, tokenizer=bos_bpe, chat_turns="split", chat_template_kwargs={"a": 1})
     out = capsys.readouterr().out
-    assert f"{path}: no record holds 'messages', so --chat_template_kwargs and " in out
-    assert "--chat_turns have no effect on it" in out and "--chat_template " not in out
+    assert (
+        f"{path}: no record holds 'messages', so the chat settings given (chat_template_kwargs, "
+        "chat_turns) change nothing in it" in out
+    )
     load_dataset(path, tokenizer=bos_bpe)
     assert "messages" not in capsys.readouterr().out
 

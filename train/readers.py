@@ -131,9 +131,9 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
     yield from examples
     if unused := parser.unused_chat_settings:
         print(
-            f"{parser.path}: no record holds 'messages', so {' and '.join(unused)} "
-            f"{'has' if len(unused) == 1 else 'have'} no effect on it (only conversations "
-            "are rendered by a chat template)",
+            f"{parser.path}: no record holds 'messages', so the chat settings given "
+            f"({', '.join(unused)}) change nothing in it (a chat template renders "
+            "conversations only)",
             flush=True,
         )
     if n := parser.masked_tokens:

@@ -300,13 +300,14 @@ class RecordParser:
     @property
     def unused_chat_settings(self) -> list[str]:
         """The chat settings given (away from their defaults) where no record was a
-        conversation, so none rendered one: their trainer flags' names."""
+        conversation, so none rendered one: their names (the trainer's flags', the data
+        tool's with dashes)."""
         if self.chat_template is not None:
             return []
         given = (
-            ("--chat_template", self.chat_template_path is not None),
-            ("--chat_template_kwargs", bool(self.chat_template_kwargs)),
-            ("--chat_turns", self.chat_turns != AUTO),
+            ("chat_template", self.chat_template_path is not None),
+            ("chat_template_kwargs", bool(self.chat_template_kwargs)),
+            ("chat_turns", self.chat_turns != AUTO),
         )
         return [name for name, away in given if away]
 
