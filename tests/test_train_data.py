@@ -515,7 +515,7 @@ def test_parquet_prompt_completion(tmp_path, monkeypatch):
         ([[1.5, 2.0]], r"record 0: 'input_ids' must be a list of ints, got elements of float"),
         ([[1], [True]], r"record 1: 'input_ids' must be a list of ints, got elements of bool"),
         ([[1], [[1], [2, 3]]], r"record 1: 'input_ids' must be a list of ints"),
-        ([[1], []], r"record 1: 'input_ids' must be a non-empty 1-D list"),
+        ([[1], [[]]], r"record 1: 'input_ids' must be a non-empty 1-D list"),
         (
             [{"tokens": [1]}],
             r"record 0: expected key 'input_ids', 'text' or 'messages', or keys 'prompt' and "
@@ -531,6 +531,15 @@ def test_malformed_pkl_names_file_and_record(tmp_path, records, pattern):
     path = _dump_pkl(tmp_path / "bad.pkl", records)
     with pytest.raises(ValueError, match=r"bad\.pkl: " + pattern):
         load_dataset(path)
+
+
+def test_empty_token_id_records_are_skipped_and_counted(tmp_path, capsys):
+    """Pre-tokenized corpora hold empty documents: a record with no ids is skipped and
+    counted in one line, as a text that tokenizes to nothing is, not refused."""
+    records = ['{"input_ids": [5, 6]}', '{"input_ids": []}', "[]", '{"input_ids": [7]}']
+    dataset = load_dataset(_dump_jsonl(tmp_path / "ids.jsonl", records))
+    assert dataset.tokens.tolist() == [5, 6, 7] and dataset.num_examples == 2
+    assert "skipped 2 records whose 'input_ids' is empty" in capsys.readouterr().out
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):

@@ -566,32 +566,50 @@ class _Writer:
         self.max_id, self.max_label = -1, -1
         self.max_target = -1  # of the labels past each document's first token
 
-    def add(self, ids: np.ndarray, labels: np.ndarray | None) -> None:
+    def add(
+        self, ids: np.ndarray, labels: np.ndarray | None, end: tuple[int, int] | None = None
+    ) -> None:
+        """One document: `ids` (and `labels`), then `end`, `(EOS id, its label)`, where
+        one follows it (buffered beside the ids, not appended onto a copy of them: a
+        record can be a whole corpus long)."""
         if labels is not None and self.labels is None:
             self.flush()
             self.tokens.flush()
             shutil.copyfile(self.folder / TOKENS, self.folder / LABELS)  # ids < 2**31
             self.labels = open(self.folder / LABELS, "ab")
         self.buffer.append((ids, labels))
-        self.buffered += len(ids)
-        self.offsets.append(self.offsets[-1] + len(ids))
+        length = len(ids)
         self.max_id = max(self.max_id, int(ids.max()))
         targets = ids if labels is None else labels
         self.max_label = max(self.max_label, int(targets.max()))
         if len(targets) > 1:
             self.max_target = max(self.max_target, int(targets[1:].max()))
+        if end is not None:
+            eos, eos_label = end
+            target = eos if labels is None else eos_label
+            self.buffer.append(
+                (
+                    np.array([eos], np.int32),
+                    None if labels is None else np.array([target], np.int32),
+                )
+            )
+            length += 1
+            self.max_id = max(self.max_id, eos)
+            self.max_label = max(self.max_label, target)
+            self.max_target = max(self.max_target, target)
+        self.buffered += length
+        self.offsets.append(self.offsets[-1] + length)
         if self.buffered >= _FLUSH_TOKENS:
             self.flush()
 
     def flush(self) -> None:
         if not self.buffer:
             return
-        tokens = np.concatenate([ids for ids, _ in self.buffer]).astype("<u4")
-        _write_to(self.tokens, lambda f: f.write(tokens.tobytes()))
+        tokens = _joined([ids for ids, _ in self.buffer], "<u4")
+        _write_to(self.tokens, lambda f: f.write(memoryview(tokens)))
         if self.labels is not None:
-            labels = [ids if lab is None else lab for ids, lab in self.buffer]
-            values = np.concatenate(labels).astype("<i4")
-            _write_to(self.labels, lambda f: f.write(values.tobytes()))
+            labels = _joined([ids if lab is None else lab for ids, lab in self.buffer], "<i4")
+            _write_to(self.labels, lambda f: f.write(memoryview(labels)))
         self.buffer, self.buffered = [], 0
 
     def close(self) -> None:
@@ -600,6 +618,14 @@ class _Writer:
             if f is not None:
                 _write_to(f, lambda f: (f.flush(), os.fsync(f.fileno())))
                 f.close()
+
+
+def _joined(parts: list[np.ndarray], dtype: str) -> np.ndarray:
+    """`parts` end to end as `dtype`, in one pass (one copy at most: a record can be a
+    whole corpus long)."""
+    if len(parts) == 1:
+        return np.ascontiguousarray(parts[0]).astype(dtype, copy=False)
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
 def _write_to(f, write) -> None:
@@ -679,12 +705,11 @@ def build_cache(
                 ids, labels = example.input_ids, example.labels
                 if vocab_size is not None:
                     _check_vocab(source, where(example), ids, labels, vocab_size)
+                end = None
                 if eos_id is not None and ids[-1] != eos_id:
-                    ids = np.append(ids, np.int32(eos_id))
-                    if labels is not None:
-                        eos_label = IGNORE_INDEX if labels[-1] == IGNORE_INDEX else eos_id
-                        labels = np.append(labels, np.int32(eos_label))
-                writer.add(ids, labels)
+                    ignored = labels is not None and labels[-1] == IGNORE_INDEX
+                    end = (eos_id, IGNORE_INDEX if ignored else eos_id)
+                writer.add(ids, labels, end)
         finally:
             writer.close()
         if len(writer.offsets) == 1:

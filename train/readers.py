@@ -149,6 +149,7 @@ def _noting_skips(examples: Iterator[Example], parser: RecordParser) -> Iterator
         f"{n} record{'s' * (n != 1)} whose {why}"
         for n, why in (
             (parser.empty_texts, "'text' tokenizes to nothing (empty text)"),
+            (parser.empty_ids, "'input_ids' is empty"),
             (parser.empty_completions, "'completion' tokenizes to nothing (no token to learn)"),
             (
                 parser.empty_conversations
@@ -740,7 +741,7 @@ def _read_npy(path: Path, parser: RecordParser) -> Iterator[Example]:
             if bad.any():
                 value = int(row[np.argmax(bad)])
                 raise ValueError(f"{path}: record {record}: {name} token id {value}")
-        yield Example(record, row.astype(np.int32), None)
+        yield Example(record, row.astype(np.int32, copy=False), None)  # int32: still mapped
 
 
 def _columns(path: Path, names: Sequence[str]) -> list[str]:

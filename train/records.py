@@ -285,6 +285,7 @@ class RecordParser:
         self.chat_template = None  # train.chat.ChatTemplate, at the first "messages" record
         self.masked_tokens = 0  # input_ids an attention_mask marks as padding (left out)
         self.empty_texts = 0  # text records that tokenize to nothing (skipped)
+        self.empty_ids = 0  # token-id records with no id (skipped)
         self.empty_completions = 0  # prompt/completion records whose completion does (skipped)
         self.empty_conversations = 0  # messages records without an assistant token (skipped)
         # Of those: conversational prompt-completion records (the completion's turns are
@@ -329,10 +330,15 @@ class RecordParser:
                     "'text' or 'messages', or 'prompt' and 'completion') or a list of token "
                     f"ids, got {type(record).__name__}"
                 )
-            return self._ids(where, "input_ids", record), None
+            ids = self._ids(where, "input_ids", record, allow_empty=True)
+            self.empty_ids += not ids.size
+            return ids, None
         kind = record_kind(record)
         if kind == "input_ids":
-            ids = self._ids(where, "input_ids", record["input_ids"])
+            ids = self._ids(where, "input_ids", record["input_ids"], allow_empty=True)
+            if not ids.size:  # an empty document (pre-tokenized corpora hold them): skipped
+                self.empty_ids += 1
+                return ids, None
             labels = record.get("labels")
             labels = None if labels is None else self._labels(where, labels, len(ids))
             if (mask := record.get(ATTENTION_MASK)) is not None:
@@ -624,7 +630,15 @@ class RecordParser:
             )
         return value
 
-    def _ids(self, where: str, key: str, value: Any, *, allow_ignore: bool = False) -> np.ndarray:
+    def _ids(
+        self,
+        where: str,
+        key: str,
+        value: Any,
+        *,
+        allow_ignore: bool = False,
+        allow_empty: bool = False,
+    ) -> np.ndarray:
         prefix = f"{self.path}: {where}: {key!r}"
         if isinstance(value, (str, bytes, dict)) or np.isscalar(value):
             raise ValueError(f"{prefix} must be a list of ints, got {type(value).__name__}")
@@ -632,6 +646,8 @@ class RecordParser:
             array = np.asarray(value)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{prefix} must be a list of ints ({e})") from None
+        if array.ndim == 1 and array.size == 0 and allow_empty:
+            return np.zeros(0, np.int32)
         if array.ndim != 1 or array.size == 0:
             raise ValueError(f"{prefix} must be a non-empty 1-D list of ints, shape {array.shape}")
         if not np.issubdtype(array.dtype, np.integer):
