@@ -1440,3 +1440,16 @@ def test_plain_text_as_data_says_how_to_give_it(tmp_path, capsys):
         f"{folder}: reading 1 data file: c.jsonl; left out 2 other files (.txt); plain "
         """text is not read: a .jsonl file's {"text": ...} records are"""
     )
+
+
+def test_a_long_read_into_memory_says_how_far_it_got(tmp_path, monkeypatch, capsys):
+    """Reading a large corpus into memory takes minutes: a line every PROGRESS_SECONDS
+    says how many examples and tokens so far, as a cache build's does."""
+    from train import dataset as dataset_lib
+
+    monkeypatch.setattr(dataset_lib, "PROGRESS_SECONDS", 0.0)
+    path = _dump_jsonl(tmp_path / "ids.jsonl", ['{"input_ids": [5, 6]}', '{"input_ids": [7]}'])
+    load_dataset(path)
+    lines = [x for x in capsys.readouterr().out.splitlines() if "into memory" in x]
+    assert lines[0].startswith(f"reading {path} into memory: 1 example, 2 tokens so far, ")
+    assert lines[-1].startswith(f"reading {path} into memory: 2 examples, 3 tokens so far, ")

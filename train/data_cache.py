@@ -55,6 +55,7 @@ from train import processes
 from train.chat import AUTO, WHOLE, chat_template_stamp
 from train.dataset import (
     PACKINGS,
+    PROGRESS_SECONDS,
     Rows,
     ShortData,
     TokenDataset,
@@ -754,10 +755,6 @@ def build_cache(
     finally:
         os.close(lock)
     return TokenCache(cache_dir)
-
-
-# Seconds between the progress lines of a cache build.
-PROGRESS_SECONDS = 30.0
 
 
 def _size(stamp: dict | None) -> str:

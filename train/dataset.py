@@ -38,6 +38,7 @@ labelled.
 from __future__ import annotations
 
 import dataclasses
+import time
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,6 +59,7 @@ from train.readers import (
 from train.records import (
     RecordParser,
 )
+from train.words import plural
 
 _MAX_ID = np.iinfo(np.int32).max
 # How examples go into rows (see the module docstring): `--packing`'s values.
@@ -460,6 +462,10 @@ def _place_whole(
     return placed_tokens, placed_targets, placed_docs, padding, starts
 
 
+# Seconds between the progress lines of a long read (into memory, or a cache build).
+PROGRESS_SECONDS = 30.0
+
+
 class _Gathered:
     """Examples as a reader yields them, kept as a few int32 chunks rather than an array
     per example (whose ~100 bytes of overhead each add up over millions of short
@@ -470,6 +476,11 @@ class _Gathered:
     def __init__(self):
         self.lengths, self.numbers, self.files = array("q"), array("q"), array("i")
         self._tokens, self._targets = _Chunks(), None  # targets: once a label is seen
+
+    @property
+    def tokens(self) -> int:
+        """The tokens gathered so far."""
+        return self._tokens.size + sum(len(c) for c in self._tokens.done)
 
     def add(self, example: Example) -> None:
         self.lengths.append(len(example.input_ids))
@@ -543,8 +554,19 @@ def load_dataset(
     fmt = data_format(path)
     parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns, chat_template)
     gathered = _Gathered()
+    started = last = time.monotonic()
     for example in read_examples(path, parser):
         gathered.add(example)
+        if (now := time.monotonic()) - last >= PROGRESS_SECONDS:  # a long read: say so
+            last = now
+            tokens = gathered.tokens
+            print(
+                f"reading {path} into memory: "
+                f"{plural(len(gathered.lengths), 'example', grouped=True)}, {tokens:,} tokens "
+                f"so far, {tokens / (now - started):,.0f} tokens/s (a token cache, "
+                "--data_cache_dir, reads a corpus once)",
+                flush=True,
+            )
     if not gathered.lengths:
         raise ValueError(f"{path}: the dataset has no examples")
     tokens, targets = gathered.arrays()
