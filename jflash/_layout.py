@@ -74,12 +74,8 @@ def check_layout_len(
         return
     if layout == "zigzag":
         check_zigzag_len(seq_len, num_shards, local_len)
-    else:
-        _check_shards(num_shards)
-        if seq_len % num_shards != 0:
-            raise ValueError(
-                f"{seq_len=} must be divisible by {num_shards=} for the {layout} layout"
-            )
+    elif seq_len % num_shards != 0:
+        raise ValueError(f"{seq_len=} must be divisible by {num_shards=} for the {layout} layout")
 
 
 def zigzag_chunk_order(num_shards: int) -> np.ndarray:
