@@ -9,8 +9,8 @@ work, over its mean. Work is counted two ways on the same packed rows:
   skipping a block when its query and key document-id ranges do not overlap or when
   it lies wholly above the causal diagonal (the kernels' rule).
 
-Documents: log-normal lengths (mean `--mean_doc`, sigma 1), capped at `--max_doc`,
-packed into rows of P x `--tokens_per_gpu` tokens, fixed seeds.
+Documents: log-normal lengths (mean `--mean-doc`, sigma 1), capped at `--max-doc`,
+packed into rows of P x `--tokens-per-gpu` tokens, fixed seeds.
 
     python benchmarks/balance.py --out benchmarks/results/balance-cpu.json
 
@@ -165,9 +165,9 @@ def kernel_tiles_table(lengths: list[int]) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shards", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--tokens_per_gpu", type=int, nargs="+", default=[8192, 16384])
-    ap.add_argument("--mean_doc", type=int, default=4096)
-    ap.add_argument("--max_doc", type=int, default=65536)
+    ap.add_argument("--tokens-per-gpu", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--mean-doc", type=int, default=4096)
+    ap.add_argument("--max-doc", type=int, default=65536)
     ap.add_argument("--tile", type=int, default=128)
     ap.add_argument("--rows", type=int, default=8, help="packed rows (seeds) per setting")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     check_positive(ap, args, "shards", "tokens_per_gpu", "mean_doc", "max_doc", "tile", "rows")
     for tokens in args.tokens_per_gpu:
         if tokens % args.tile:
-            ap.error(f"--tokens_per_gpu {tokens}: not a multiple of --tile {args.tile}")
+            ap.error(f"--tokens-per-gpu {tokens}: not a multiple of --tile {args.tile}")
     if args.kernel_tiles:
         lengths = packed_row_lengths(65536)
         rows = kernel_tiles_table(lengths)

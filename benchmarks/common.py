@@ -240,14 +240,15 @@ def check_out(parser, flag: str, path: str, *, directory: bool = False) -> None:
 
 def check_positive(parser, args, *names: str, zero: tuple[str, ...] = ()) -> None:
     """`parser.error` naming the first flag of `names` (attributes of `args`, flags
-    `--<name>`; a list's every item; None skipped) that is not positive, or below 0 for
+    `--<name>` with dashes; a list's every item; None skipped) that is not positive, or below 0 for
     those also in `zero`."""
     for name in (*names, *zero):
         value = getattr(args, name)
         for v in value if isinstance(value, list) else [value]:
             if v is not None and not (v >= 0 if name in zero else v > 0):
                 rule = "at least 0" if name in zero else "positive"
-                parser.error(f"--{name} {v}: must be {rule}")
+                flag = "--" + name.replace("_", "-")
+                parser.error(f"{flag} {v}: must be {rule}")
 
 
 def table(rows: list[dict], columns: list[str], note: str | None = None) -> str:

@@ -1,6 +1,6 @@
 """A model of one layer's context-parallel attention (forward + backward) per strategy.
 
-From measured inputs it predicts, for P = 2 ... 1024 GPUs (`--gpus_per_node` per node)
+From measured inputs it predicts, for P = 2 ... 1024 GPUs (`--gpus-per-node` per node)
 and 8k-128k tokens per GPU, the time of one attention layer's forward and backward per
 strategy, the communication left exposed, the efficiency (the ideal, one GPU's kernel
 time for the whole sequence ÷ P, over the predicted time), and the strategy it would
@@ -8,7 +8,7 @@ pick. Inputs:
 
 * the single-GPU kernel rate, forward+backward TFLOP/s on causal FLOPs
   (`benchmarks/kernel.py`; default: the Mosaic kernel on one H200 at 16k-64k), and how
-  it falls for short calls: rate x L / (L + `--short_call_tokens`) for calls of L query
+  it falls for short calls: rate x L / (L + `--short-call-tokens`) for calls of L query
   rows (default calibrated on the measured one-rank ring compute at 8k and 16k);
 * the ring's own work beside its kernels per step and token (merges, f32 sums;
   `benchmarks/ring_blocks.py`; default measured on one H200);
@@ -204,20 +204,20 @@ def measure(sizes_mib: list[float]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--kernel_tflops", type=float, default=510.0)
-    ap.add_argument("--short_call_tokens", type=float, default=200.0)
-    ap.add_argument("--ring_overhead_ns", type=float, default=18.0)
-    ap.add_argument("--intra_gbps", type=float, default=195.0, help="NVLink per GPU")
-    ap.add_argument("--inter_gbps", type=float, default=50.0, help="400 Gb/s IB per GPU")
-    ap.add_argument("--a2a_gbps", type=float, default=None, help="all-to-all (default: intra)")
-    ap.add_argument("--gather_gbps", type=float, default=None, help="all-gather (default: intra)")
-    ap.add_argument("--latency_us", type=float, default=15.0)
-    ap.add_argument("--gpus_per_node", type=int, default=8)
-    ap.add_argument("--q_heads", type=int, default=32)
-    ap.add_argument("--kv_heads", type=int, default=8)
-    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--kernel-tflops", type=float, default=510.0)
+    ap.add_argument("--short-call-tokens", type=float, default=200.0)
+    ap.add_argument("--ring-overhead-ns", type=float, default=18.0)
+    ap.add_argument("--intra-gbps", type=float, default=195.0, help="NVLink per GPU")
+    ap.add_argument("--inter-gbps", type=float, default=50.0, help="400 Gb/s IB per GPU")
+    ap.add_argument("--a2a-gbps", type=float, default=None, help="all-to-all (default: intra)")
+    ap.add_argument("--gather-gbps", type=float, default=None, help="all-gather (default: intra)")
+    ap.add_argument("--latency-us", type=float, default=15.0)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--gpus", type=int, nargs="+", default=[2**i for i in range(1, 11)])
-    ap.add_argument("--tokens_per_gpu", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    ap.add_argument("--tokens-per-gpu", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     ap.add_argument("--check", action="store_true", help="P = 2 ring vs measured 2 GPUs")
     ap.add_argument("--measure", action="store_true", help="link sweep on this machine")
     ap.add_argument("--out", default=None, help="JSON file to write")
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         zero=("short_call_tokens", "ring_overhead_ns", "latency_us"),
     )
     if args.q_heads % args.kv_heads:
-        ap.error(f"--q_heads {args.q_heads}: not a multiple of --kv_heads {args.kv_heads}")
+        ap.error(f"--q-heads {args.q_heads}: not a multiple of --kv-heads {args.kv_heads}")
     result: dict = {"args": vars(args)}
     if args.measure:
         result["links"] = measure([16, 64, 256, 1024])

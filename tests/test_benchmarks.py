@@ -7,6 +7,7 @@ at once, saying so."""
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -1681,13 +1682,13 @@ def test_write_json_keeps_the_last_whole_results_until_a_run_finishes(tmp_path, 
     "script, argv, named",
     [
         ("balance", ["--shards", "0"], "--shards 0"),
-        ("balance", ["--tokens_per_gpu", "100"], "--tokens_per_gpu 100"),
-        ("balance", ["--mean_doc", "0"], "--mean_doc 0"),
+        ("balance", ["--tokens-per-gpu", "100"], "--tokens-per-gpu 100"),
+        ("balance", ["--mean-doc", "0"], "--mean-doc 0"),
         ("balance", ["--out", f"{__file__}/b.json"], "is a file, not a directory"),
         ("cp_model", ["--gpus", "0"], "--gpus 0"),
-        ("cp_model", ["--kernel_tflops", "0"], "--kernel_tflops 0.0"),
-        ("cp_model", ["--q_heads", "32", "--kv_heads", "5"], "--q_heads 32"),
-        ("cp_model", ["--latency_us", "-1"], "--latency_us -1.0: must be at least 0"),
+        ("cp_model", ["--kernel-tflops", "0"], "--kernel-tflops 0.0"),
+        ("cp_model", ["--q-heads", "32", "--kv-heads", "5"], "--q-heads 32"),
+        ("cp_model", ["--latency-us", "-1"], "--latency-us -1.0: must be at least 0"),
         ("accuracy", ["--interpret", "--impls", "jflsh"], "jflsh"),
         ("in_shard_map", ["--interpret", "--heads", "4", "--kv-heads", "3"], "--heads 4"),
         ("in_shard_map", ["--interpret", "--shapes", "causal:0:64"], "causal:0:64"),
@@ -1713,3 +1714,19 @@ def test_peer_repeat_without_flash_attn3_fails_instead_of_passing(monkeypatch, c
     with pytest.raises(SystemExit) as stop:
         peer_repeat.main([])
     assert stop.value.code == 2 and "needs flash-attn3-jax" in capsys.readouterr().err
+
+
+def test_benchmark_and_tool_flags_are_spelled_with_dashes():
+    """One vocabulary outside `python -m train` (whose flags follow HF's Trainer): the
+    benchmark scripts and trainer tools spell their flags with dashes."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    files = [
+        *sorted((root / "benchmarks").glob("*.py")),
+        *sorted((root / "train" / "tools").glob("*.py")),
+    ]
+    underscored = [
+        f"{path.name}: {flag}"
+        for path in files
+        for flag in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]*_[a-z0-9_-]*)\"", path.read_text())
+    ]
+    assert files and not underscored

@@ -47,7 +47,7 @@ def test_picks_and_limits():
 
 def test_main_writes_json_and_checks_against_measurement(tmp_path):
     out = tmp_path / "model.json"
-    cp_model.main(["--gpus", "2", "16", "--tokens_per_gpu", "8192", "--check", "--out", str(out)])
+    cp_model.main(["--gpus", "2", "16", "--tokens-per-gpu", "8192", "--check", "--out", str(out)])
     result = json.loads(out.read_text())
     assert [r["gpus"] for r in result["rows"]] == [2, 16]
     for row in result["check"]:  # within 5% of the 2-GPU ring measurements
