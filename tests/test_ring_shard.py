@@ -1137,5 +1137,5 @@ def test_striped_layout_balances_packed_documents(tmp_path):
         for work in (area, tiles):
             assert bound[0] <= work.max() / work.mean() <= bound[1], (layout, work)
     out = tmp_path / "balance.json"
-    balance.main(["--shards", "2", "--tokens_per_gpu", "2048", "--rows", "2", "--out", str(out)])
+    balance.main(["--shards", "2", "--tokens-per-gpu", "2048", "--rows", "2", "--out", str(out)])
     assert out.exists()
