@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import types
@@ -185,10 +186,17 @@ class _FakeTokenizer:
 
     def encode(self, text, add_special_tokens=True):
         bos = [self.bos] if add_special_tokens and self.bos is not None else []
-        return types.SimpleNamespace(ids=bos + [ord(c) for c in text])
+        mask = [1] * len(bos) + [0] * len(text)
+        return types.SimpleNamespace(ids=bos + [ord(c) for c in text], special_tokens_mask=mask)
 
     def encode_batch(self, texts, add_special_tokens=True):
         return [self.encode(t, add_special_tokens) for t in texts]
+
+    def no_padding(self):
+        pass
+
+    def no_truncation(self):
+        pass
 
 
 class _FakeBosTokenizer(_FakeTokenizer):
@@ -274,6 +282,37 @@ def bos_bpe(tmp_path_factory) -> Path:
     )
     tokenizer.save(str(file))
     return folder / "tok"
+
+
+def test_text_is_tokenized_without_the_files_padding_or_truncation(bos_bpe, tmp_path):
+    """A tokenizer.json saved with padding and truncation on (the `tokenizers`
+    quicktour's `enable_padding`, `enable_truncation`) gives each text its own ids, as
+    an HF tokenizer's call does: no pad tokens to train on, no text cut."""
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path / "tok"
+    shutil.copytree(bos_bpe, folder)
+    saved = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    saved.enable_padding(pad_id=0, pad_token="<|endoftext|>")
+    saved.enable_truncation(8)
+    saved.save(str(folder / "tokenizer.json"))
+    texts = ["Short.", "A longer document about packing rows of tokens for the trainer."]
+    dataset = load_dataset(
+        _write(tmp_path / "t.jsonl", [{"text": s} for s in texts]), tokenizer=folder
+    )
+    plain = tokenizers.Tokenizer.from_file(str(bos_bpe / "tokenizer.json"))
+    expected = [plain.encode(s).ids for s in texts]
+    assert len(expected[1]) > 8  # the file's truncation would cut it
+    assert dataset.tokens.tolist() == expected[0] + expected[1]
+
+
+def test_a_text_of_only_the_tokenizers_bos_is_empty(bos_bpe, tmp_path, capsys):
+    """An empty text tokenizes to the BOS alone where the post-processor adds one
+    (Llama-3's): it is skipped and counted as empty, not trained as BOS then EOS."""
+    lines = [{"text": ""}, {"text": "hello"}, {"text": ""}]
+    dataset = load_dataset(_write(tmp_path / "t.jsonl", lines), tokenizer=bos_bpe)
+    hello = load_tokenizer(bos_bpe).encode("hello").ids
+    assert hello[0] == 0 and dataset.tokens.tolist() == hello and list(dataset.lines) == [2]
+    assert "t.jsonl: skipped 2 records whose 'text' tokenizes to nothing" in capsys.readouterr().out
 
 
 def test_prompt_completion_records_label_the_completion_only(bos_bpe, tmp_path):

@@ -16,11 +16,11 @@ this order (other keys are ignored):
   ``"The capital of France is"``, as in TRL, with a byte-level BPE (Llama-3's); a
   tokenizer whose normalizer prepends ``▁`` to every text (Llama-2's) gives the
   completion that space itself (``"Paris"``). A record whose completion tokenizes to
-  nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing;
-  the log says how many. Both lists of messages (TRL's conversational prompt-completion
-  form): the conversation ``prompt + completion`` (with the record's ``"tools"`` and
-  ``"chat_template_kwargs"``), read as
-  ``"messages"`` are, learning the completion's assistant turns only.
+  nothing (nothing to learn) is skipped, as is a ``"text"`` that tokenizes to nothing
+  but the special tokens the tokenizer adds (a BOS); the log says how many. Both lists
+  of messages (TRL's conversational prompt-completion form): the conversation
+  ``prompt + completion`` (with the record's ``"tools"`` and ``"chat_template_kwargs"``),
+  read as ``"messages"`` are, learning the completion's assistant turns only.
 - ``"messages"`` (HF TRL's conversational format: a list of ``{"role": str, "content":
   ...}`` dicts, with an optional record-level ``"tools"``): supervised fine-tuning on
   the assistant turns. Keys whose value is None are dropped at every depth (a table's
@@ -410,9 +410,10 @@ class RecordParser:
         if texts:
             encoded = self._encode(tokenizer, wheres, [(i, "'text'", t) for i, t in texts])
             for (i, _), encoding in zip(texts, encoded, strict=True):
-                ids = np.asarray(encoding.ids, dtype=np.int32)
-                self.empty_texts += not ids.size
-                out[i] = ids, None
+                # Empty where the post-processor's special tokens (a BOS) are all it holds.
+                empty = all(encoding.special_tokens_mask)
+                self.empty_texts += empty
+                out[i] = np.asarray([] if empty else encoding.ids, dtype=np.int32), None
         if pairs:
             prompts = self._encode(tokenizer, wheres, [(i, "'prompt'", p) for i, p, _ in pairs])
             completions = self._encode(
@@ -731,6 +732,12 @@ def load_tokenizer(tokenizer: str | Path | None, where: str = "text data needs a
             "tokenizers); or pre-tokenize the data into 'input_ids'"
         ) from None
     try:
-        return tokenizers.Tokenizer.from_file(str(file))
+        tokenizer = tokenizers.Tokenizer.from_file(str(file))
     except Exception as e:  # noqa: BLE001 - the Rust library's errors: name the file
         raise ValueError(f"{where} {file} is not a readable tokenizer ({e})") from None
+    # Padding or truncation saved in the file (`enable_padding` / `enable_truncation`
+    # before `save`) would pad each text to the longest of its batch, or cut it; an HF
+    # tokenizer's call turns both off unless asked, and so does the trainer.
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
