@@ -657,7 +657,8 @@ def tokenizer_vocab_size(tokenizer_json: str | os.PathLike[str]) -> int:
 def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
     """``{"bos_token": id, "eos_token": id}`` for the special tokens that the
     ``tokenizer_config.json`` or ``special_tokens_map.json`` beside ``tokenizer_json``
-    names (as strings or ``{"content": ...}``), looked up in ``tokenizer_json``."""
+    names (as strings or ``{"content": ...}``; ValueError naming another value), looked
+    up in ``tokenizer_json``."""
     tokenizer_json = os.fspath(tokenizer_json)
     folder = os.path.dirname(tokenizer_json)
     names: dict[str, str] = {}
@@ -665,10 +666,15 @@ def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
         path = os.path.join(folder, config)
         if os.path.isfile(path):
             for key in ("bos_token", "eos_token"):
-                value = read_json(path).get(key)
-                value = value.get("content") if isinstance(value, dict) else value
+                given = read_json(path).get(key)
+                value = given.get("content") if isinstance(given, dict) else given
                 if isinstance(value, str):
                     names[key] = value
+                elif given is not None:  # an id, a list: HF would fail to load it too
+                    raise ValueError(
+                        f"{path}: {key} {json.dumps(given)} is not a token: give its text, "
+                        'as "</s>" or {"content": "</s>"}'
+                    )
     if not names:
         return {}
     ids = _token_ids(tokenizer_json)

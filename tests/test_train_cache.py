@@ -868,6 +868,28 @@ def test_train_tokenizer_writes_a_deterministic_bpe_with_eos(bpe, tmp_path):
         data_lib.train_tokenizer([bpe.parent / "corpus.txt"], tmp_path / "x", vocab_size=100)
 
 
+def test_a_special_token_that_is_not_text_is_refused(bpe, tmp_path):
+    """An `eos_token` given as an id (or anything but its text, or {"content": text})
+    is named in one line, where it used to read as no EOS at all: documents packed
+    without the separator, unsaid. null stays "none"."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(bpe, folder)
+    config = folder / "tokenizer_config.json"
+    for value, shown in ((5, "5"), (["</s>"], '["</s>"]'), ({"id": 0}, '{"id": 0}')):
+        config.write_text(json.dumps({"eos_token": value}))
+        with pytest.raises(ValueError) as error:
+            data_lib.tokenizer_eos_id(folder)
+        assert str(error.value) == (
+            f'{config}: eos_token {shown} is not a token: give its text, as "</s>" or '
+            '{"content": "</s>"}'
+        )
+    config.write_text(json.dumps({"eos_token": None, "bos_token": {"content": "<|endoftext|>"}}))
+    (folder / "special_tokens_map.json").unlink()
+    assert convert.special_token_ids(folder / "tokenizer.json") == {"bos_token": 0}
+
+
 def test_train_tokenizer_learns_from_prompt_completion_records(bpe, tmp_path):
     """A .jsonl of prompt/completion records is text to learn from, as one of text
     records is: the same merges as the two fields' text records give."""

@@ -1492,3 +1492,30 @@ def test_a_long_read_into_memory_says_how_far_it_got(tmp_path, monkeypatch, caps
     lines = [x for x in capsys.readouterr().out.splitlines() if "into memory" in x]
     assert lines[0].startswith(f"reading {path} into memory: 1 example, 2 tokens so far, ")
     assert lines[-1].startswith(f"reading {path} into memory: 2 examples, 3 tokens so far, ")
+
+
+def test_a_tokenizer_is_not_learned_from_no_text(tmp_path, capsys):
+    """Text files or records holding no text leave nothing to learn: `train.data
+    tokenizer` says so in one line and, even with --overwrite, keeps the tokenizer
+    that --out held (a bytes-only one would have replaced it)."""
+    pytest.importorskip("tokenizers")
+    from train import data as data_lib
+
+    (tmp_path / "words.txt").write_text("hello world " * 50)
+    out = tmp_path / "tok"
+    data_lib.main(["tokenizer", str(tmp_path / "words.txt"), "--out", str(out)])
+    kept = (out / "tokenizer.json").read_bytes()
+    (tmp_path / "empty.txt").write_text("")
+    _dump_jsonl(tmp_path / "blank.jsonl", ['{"text": ""}', '{"text": ""}'])
+    for name in ("empty.txt", "blank.jsonl"):
+        with pytest.raises(SystemExit) as info:
+            data_lib.main(["tokenizer", str(tmp_path / name), "--out", str(out), "--overwrite"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.endswith(
+            f"{tmp_path / name}: no text to learn a tokenizer from (nothing was written)\n"
+        )
+        assert (out / "tokenizer.json").read_bytes() == kept
+    with pytest.raises(SystemExit):
+        data_lib.main(["tokenizer", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "new")])
+    assert not (tmp_path / "new").exists()

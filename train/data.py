@@ -482,16 +482,22 @@ def train_tokenizer(
             "training a tokenizer needs the 'tokenizers' package: pip install 'jflash[text]'"
         ) from None
 
+    characters = 0  # of the texts read: none leaves nothing to learn
+
     def texts() -> Iterator[str]:
+        nonlocal characters
         for f in files:
             if file_format(Path(f)) == ".jsonl":  # compressed too
                 for i, record in read_jsonl(Path(f)):
                     for text in _record_texts(record, f"{f}: line {i}"):
                         if problem := not_unicode(text):
                             raise ValueError(f"{f}: line {i}: a text {problem}")
+                        characters += len(text)
                         yield text
             else:  # text, decompressed where its name says (`.txt.gz`)
-                yield _file_text(Path(f))
+                text = _file_text(Path(f))
+                characters += len(text)
+                yield text
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -512,6 +518,9 @@ def train_tokenizer(
     )
     try:
         tokenizer.train_from_iterator(texts(), trainer)
+        if not characters:
+            shown = ", ".join(map(str, files[:3])) + (", ..." if len(files) > 3 else "")
+            raise ValueError(f"{shown}: no text to learn a tokenizer from (nothing was written)")
     except BaseException:
         if made and not any(out.iterdir()):
             out.rmdir()
