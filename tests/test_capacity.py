@@ -158,26 +158,56 @@ def test_host_limit_on_gpus_is_xla_pinned_pool(monkeypatch):
 
 
 def test_each_probe_is_written_before_the_next(tmp_path, monkeypatch):
-    """A run stopped by a timeout mid-search keeps what it probed: `--out` is rewritten
-    after every probe, the row marked incomplete with the longest fit so far."""
+    """A run stopped by a timeout mid-search keeps what it probed: `--out.partial` is
+    rewritten after every probe, the row marked incomplete with the longest fit so far,
+    while a result already at `--out` (replaced with --overwrite) stays whole until the
+    search ends; then `--out` holds the new result and the partial file is gone."""
     out = tmp_path / "capacity.json"
+    out.write_text('{"rows": "an earlier whole result"}')
+    partial = tmp_path / "capacity.json.partial"
     seen = []
 
     def fake_memory(model, context, mesh, args):
         if seen:  # the previous probe is on disk before this one compiles
-            row = json.loads(out.read_text())["rows"][-1]
+            row = json.loads(partial.read_text())["rows"][-1]
             assert row["incomplete"] and [p["seq"] for p in row["probes"]] == seen
             assert row["longest"] == (max(seen) if max(seen) <= 2048 else 2048)
+            assert json.loads(out.read_text()) == {"rows": "an earlier whole result"}
         seen.append(context)
         return {"device": context / 1024, "host": 0.0}
 
     monkeypatch.setattr(capacity, "step_memory_gib", fake_memory)
     argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "2.5", "--start", "512"]
-    result = capacity.main([*argv, "--refine", "0", "--out", str(out)])
+    result = capacity.main([*argv, "--refine", "0", "--out", str(out), "--overwrite"])
     assert seen == [512, 1024, 2048, 4096]
     final = json.loads(out.read_text())["rows"]
     assert final == result["rows"] and final[0]["longest"] == 2048
-    assert "incomplete" not in final[0]
+    assert "incomplete" not in final[0] and not partial.exists()
+
+
+def test_out_is_never_a_file_of_a_model_it_reads(tmp_path, monkeypatch, capsys):
+    """`--out` naming a file of a model directory given in --models (its config.json)
+    is refused before probing, even with --overwrite: the next probe would read the
+    result as the model's config. No --models, --attention outside the trainer's: one
+    line each."""
+    monkeypatch.setattr(capacity, "step_memory_gib", _never_compiled)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = ["--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
+    for argv, match in (
+        (
+            ["--models", str(model), "--out", str(model / "config.json"), "--overwrite"],
+            f"--out {model}/config.json is one of the inputs; give another file for the report",
+        ),
+        (["--models", ","], "--models=',' names no model"),
+        (["--models", "tiny", "--attention", "bogus"], "--attention: invalid choice: 'bogus'"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            capacity.main([*base, *argv])
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 2 and match in last, last
+    assert (model / "config.json").read_text() == "{}"
 
 
 def _never_compiled(model, context, mesh, args):

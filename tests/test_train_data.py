@@ -1519,3 +1519,37 @@ def test_a_tokenizer_is_not_learned_from_no_text(tmp_path, capsys):
     with pytest.raises(SystemExit):
         data_lib.main(["tokenizer", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "new")])
     assert not (tmp_path / "new").exists()
+
+
+def test_add_bos_token_flags_that_the_post_processor_contradicts_are_refused(bos_bpe, tmp_path):
+    """transformers builds a text's special tokens from tokenizer_config.json's
+    add_bos_token / add_eos_token where it sets them (an unset one false), the
+    tokenizers package from tokenizer.json's post-processor: where they differ the
+    model would see other ids than AutoTokenizer gives, so reading is refused in one
+    line; where they agree it reads as before."""
+    folder = tmp_path / "tok"
+    shutil.copytree(bos_bpe, folder)  # its post-processor adds the BOS only
+    config = folder / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    path = _write(tmp_path / "t.jsonl", [{"text": "hello"}])
+    for flags in ({"add_bos_token": True}, {"add_bos_token": True, "add_eos_token": False}):
+        config.write_text(json.dumps({**settings, **flags}))
+        assert load_dataset(path, tokenizer=folder).tokens.tolist()[0] == 0
+    refusals = [
+        (
+            {"add_bos_token": False},
+            "add_bos_token is false but tokenizer.json's post-processor adds the BOS",
+        ),
+        ({"add_eos_token": True}, "add_bos_token is false but"),
+        (
+            {"add_bos_token": True, "add_eos_token": True},
+            "add_eos_token is true but tokenizer.json's post-processor adds no EOS",
+        ),
+        ({"add_bos_token": "yes"}, 'add_bos_token "yes" must be true or false'),
+    ]
+    for flags, message in refusals:
+        config.write_text(json.dumps({**settings, **flags}))
+        with pytest.raises(ValueError) as error:
+            load_dataset(path, tokenizer=folder)
+        assert str(error.value).startswith(f"{config}: {message}"), error.value
+        assert "\n" not in str(error.value)

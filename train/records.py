@@ -66,13 +66,14 @@ the prompts, one for the completions; one for the conversations).
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from models.convert import special_token_ids
+from models.convert import read_json, special_token_ids
 from models.loss import IGNORE_INDEX
 from train.chat import (
     ASSISTANT,
@@ -740,4 +741,39 @@ def load_tokenizer(tokenizer: str | Path | None, where: str = "text data needs a
     # tokenizer's call turns both off unless asked, and so does the trainer.
     tokenizer.no_padding()
     tokenizer.no_truncation()
+    _check_special_token_flags(tokenizer, file)
     return tokenizer
+
+
+def _check_special_token_flags(tokenizer, file: Path) -> None:
+    """ValueError where ``tokenizer_config.json`` sets ``add_bos_token`` or
+    ``add_eos_token`` (an unset one reads false, as transformers reads it) and the
+    ``tokenizer.json`` post-processor adds otherwise: transformers then builds a text's
+    special tokens from the flags, the ``tokenizers`` package from the post-processor,
+    and the two would give the model other ids than ``AutoTokenizer`` does."""
+    config = file.parent / "tokenizer_config.json"
+    flags = read_json(config) if config.is_file() else {}
+    flags = {k: flags[k] for k in ("add_bos_token", "add_eos_token") if k in flags}
+    if not flags:
+        return
+    ids = special_token_ids(file)
+    mask = tokenizer.encode("a").special_tokens_mask
+    encoded = tokenizer.encode("a").ids
+    text = [i for i, special in enumerate(mask) if not special]
+    head, tail = (encoded[: text[0]], encoded[text[-1] + 1 :]) if text else (encoded, encoded)
+    for flag, key, added in (
+        ("add_bos_token", "bos_token", head),
+        ("add_eos_token", "eos_token", tail),
+    ):
+        wanted = flags.get(flag, False)
+        if not isinstance(wanted, bool):
+            raise ValueError(f"{config}: {flag} {json.dumps(wanted)} must be true or false")
+        if wanted and key not in ids:
+            raise ValueError(f"{config}: {flag} is true but no {key} is named")
+        if wanted != (key in ids and ids[key] in added):
+            does = "adds no" if wanted else "adds the"
+            raise ValueError(
+                f"{config}: {flag} is {str(wanted).lower()} but {file.name}'s post-processor "
+                f"{does} {key.split('_')[0].upper()}; transformers follows the flag, the trainer "
+                "the post-processor: make them agree"
+            )

@@ -12,9 +12,11 @@ The context doubles from `--start` until a step does not fit, then bisects `--re
 times; a search that reaches `--max` with every probe fitting reports a lower bound (`≥
 N (reached --max)`, `"capped_by_max": true` in the JSON). A `--start` that a mesh's
 sequence axes do not divide, an `--mlp-tile` that does not divide its share, and an
-`--out` that is a directory, lies under a file or exists (without `--overwrite`), are
-refused before anything compiles. `--ring-strategy` is the trainer's (`auto` resolved as
-it resolves it; each row records the one it ran). The long-context knobs are the
+`--out` that is a directory, lies under a file, exists (without `--overwrite`) or is a
+file of a model directory it reads, are refused before anything compiles; the rows so
+far go to `--out.partial` after every probe, and `--out` once the search ends.
+`--ring-strategy` is the trainer's (`auto` resolved as it resolves it; each row records
+the one it ran). The long-context knobs are the
 trainer's: `--mlp-tile`, `--remat offload_attn` / `offload_full` (residuals in pinned
 host memory) and `--optimizer-offload`; a step fits when its device bytes fit the device
 and its host bytes (offloaded residuals and state) fit `--host-limit-gib`. "GiB/1k
@@ -47,10 +49,14 @@ import os
 import sys
 from collections.abc import Callable
 
+from models.attention import ATTENTION_KINDS
 from models.config import REMAT_POLICIES
 from train.config import ModelArgs
 from train.oom import is_oom
 from train.tools.files import out_error, write_json, write_whole
+
+# Where a search's rows so far go, beside `--out`: `--out` is written once the search ends.
+PARTIAL = ".partial"
 
 
 def search_longest(
@@ -405,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attention",
         default=ModelArgs.attention,
+        choices=ATTENTION_KINDS,
         help="the trainer's --attention (default: %(default)s)",
     )
     p.add_argument(
@@ -480,13 +487,19 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, gib in (("--limit-gib", args.limit_gib), ("--host-limit-gib", args.host_limit_gib)):
         if gib is not None and not gib > 0:
             parser.error(f"{flag}={gib} must be > 0")
+    names = list(filter(None, args.models.split(",")))
+    if not names:
+        parser.error(f"--models={args.models!r} names no model")
+    # A model directory's files (its config.json) are inputs: never the result's place.
+    inputs = [os.path.join(m, f) for m in names if os.path.isdir(m) for f in os.listdir(m)]
     if args.out and (
-        error := out_error(args.out, what="the report", overwrite=args.overwrite, make_parent=True)
+        error := out_error(
+            args.out, what="the report", overwrite=args.overwrite, inputs=inputs, make_parent=True
+        )
     ):
         parser.error(error)
     if args.layers < 0:
         parser.error(f"--layers={args.layers} must be >= 1 (or 0: the model's own)")
-    names = list(filter(None, args.models.split(",")))
     if len(set(names)) != len(names):
         parser.error(f"--models={args.models!r} names a model twice")
     if args.mlp_tile is not None and args.mlp_tile < -1:
@@ -556,8 +569,10 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
 
-    def write(rows: list[dict]) -> dict:
-        """The result so far; into `--out` (rewritten whole) when given."""
+    def write(rows: list[dict], done: bool = False) -> dict:
+        """The result so far; where `--out` is given, into `--out` + PARTIAL while the
+        search runs (a run stopped early keeps what it found there, and a result already
+        at `--out` stays whole), and into `--out` once `done` (the partial file removed)."""
         result = {
             "device": jax.devices()[0].device_kind,
             "devices": jax.device_count(),
@@ -581,7 +596,9 @@ def main(argv: list[str] | None = None) -> dict:
             "rows": rows,
         }
         if args.out:
-            write_json(args.out, result, "--out")
+            write_json(args.out if done else args.out + PARTIAL, result, "--out")
+            if done and os.path.lexists(args.out + PARTIAL):
+                os.remove(args.out + PARTIAL)
         return result
 
     rows = []
@@ -623,7 +640,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"visible to train it (CUDA_VISIBLE_DEVICES={','.join(map(str, range(used)))} "
                 "on GPUs)"
             )
-    result = write(rows)
+    result = write(rows, done=True)
     if args.out:
         print(f"wrote {args.out}")
     return result
