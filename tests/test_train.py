@@ -1067,6 +1067,9 @@ def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
         ("--mesh 'seq=2", "No closing quotation"),
         (f"--mesh data={many}", f"needs {many} devices; this machine has {jax.device_count()}"),
         ("--ring_layout foo", "--ring_layout='foo' must be one of"),
+        ("--mesh data=1 --seed 7", "--seed 7, the reference's 42: every layout starts"),
+        ("--sample_num_examples 64", "--sample_num_examples 64, the reference's 256"),
+        ("--model_name_or_path tiny --rope_theta 100", "--rope_theta 100.0, the reference's None"),
     ]:
         with pytest.raises(SystemExit) as e:
             gradcheck.main([*first, "--layout", layout])
@@ -1077,6 +1080,28 @@ def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
         gradcheck.main([*first, "--layout", "--mesh data=1", "--top", "-1"])
     assert e.value.code == 2
     assert capsys.readouterr().err == "error: --top=-1 must be >= 0\n"
+
+
+def test_gradcheck_out_is_never_a_file_of_the_model_it_reads(tmp_path, monkeypatch, capsys):
+    """--out naming the model directory's config.json is refused before any layout,
+    even with --overwrite (the file stays the model's)."""
+    from train.tools import gradcheck
+
+    monkeypatch.setattr(gradcheck, "layout_gradients", _never_computed)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["--model_name_or_path", str(model), "--data_path", "sample", "--overwrite"]
+    with pytest.raises(SystemExit) as e:
+        gradcheck.main([*argv, "--layout", "", "--layout", "", "--out", str(model / "config.json")])
+    assert e.value.code == 2 and (model / "config.json").read_text() == "{}"
+    assert capsys.readouterr().err == (
+        f"error: --out {model}/config.json is one of the inputs; give another file for the output\n"
+    )
+
+
+def _never_computed(flags):
+    raise AssertionError("a layout was computed")
 
 
 @pytest.mark.parametrize(

@@ -84,13 +84,6 @@ def out_error(
     return None
 
 
-def check_writable_file(path: str, flag: str, *, overwrite: bool = False) -> None:
-    """Refuses, before the work whose result goes there, a `path` that `write_whole`
-    could not write (`out_error`, its directory not created): `refuse` with its line."""
-    if error := out_error(path, flag, overwrite=overwrite):
-        refuse(error)
-
-
 def refuse(line: str) -> NoReturn:
     """Ends a tool that refuses its input before its work: `error: <line>` on stderr and
     exit status 2, as argparse's refusals and the trainer's (a failure during the work,

@@ -14,8 +14,9 @@ loss does (Llama-3.2-1B's tied embedding by 5-14%; BENCHMARKS.md, trainer),
 while in f32 every layout agrees to ~1e-4. For each other layout it prints the loss,
 the gradient norm, and the parameters whose gradients differ most from the
 reference's (L2 norm of the difference ÷ the reference's norm); `--out` writes all of it
-as JSON (an `--out` that cannot be written, or that exists without `--overwrite`, is
-refused before the first layout). Flags
+as JSON (an `--out` that cannot be written, that exists without `--overwrite`, or that
+is a file of the model directory, is refused before the first layout). Layouts whose
+model, seed or data flags differ from the reference's are refused before any runs. Flags
 other than `--layout`, `--top` and `--out` go to every layout's trainer configuration
 (`python -m train --help`); a layout's own flags come last and win. Nothing
 is trained or saved: `--output_dir` is a temporary directory. `--data_path` is required
@@ -25,13 +26,14 @@ as in the trainer (`--data_path sample` for made-up data, the same for every lay
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tempfile
 
 import numpy as np
 
-from train.tools.files import check_writable_file, refuse, write_json
+from train.tools.files import out_error, refuse, write_json
 
 
 def _tree_paths(tree) -> dict[str, np.ndarray]:
@@ -129,8 +131,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.top < 0:
         parser.error(f"--top={args.top} must be >= 0")
     layouts = _layout_flags(args.layout, common)
-    if args.out:
-        check_writable_file(args.out, "--out", overwrite=args.overwrite)
+    from train.config import parse_args
+
+    if args.out:  # not a file of the model directory it reads
+        model = parse_args([*common, "--output_dir", "unused"]).model.model_name_or_path
+        inputs = [os.path.join(model, f) for f in os.listdir(model)] if os.path.isdir(model) else []
+        if error := out_error(args.out, overwrite=args.overwrite, inputs=inputs):
+            refuse(error)
     import jax
 
     from train.errors import TrainingError
@@ -184,7 +191,7 @@ def _layout_flags(layouts: list[str], common: list[str]) -> dict[str, list[str]]
     from train.config import parse_args
     from train.mesh import mesh_device_count
 
-    out = {}
+    out, reference = {}, None
     for layout in layouts:
         try:
             flags = shlex.split(layout)  # an unbalanced quote: ValueError
@@ -192,8 +199,31 @@ def _layout_flags(layouts: list[str], common: list[str]) -> dict[str, list[str]]
             mesh_device_count(cfg.parallel.mesh, jax.device_count())
         except ValueError as e:
             refuse(f"layout {layout!r}: {e} (nothing was run)")
+        shared = _shared_settings(cfg)
+        reference = reference or shared
+        for name, value in shared.items():
+            if value != reference[name]:
+                refuse(
+                    f"layout {layout!r}: --{name} {value!r}, the reference's "
+                    f"{reference[name]!r}: every layout starts from the same parameters and "
+                    "takes the same batch, so only its split over devices may differ "
+                    "(nothing was run)"
+                )
         out[layout] = flags
     return out
+
+
+def _shared_settings(cfg) -> dict:
+    """The trainer flags every layout must share: the model (its initialisation), the
+    seed, and every data flag (the batch)."""
+    import dataclasses
+
+    model = ("model_name_or_path", "rope_theta", "rope_scaling")
+    return {
+        **{name: getattr(cfg.model, name) for name in model},
+        "seed": cfg.run.seed,
+        **{f.name: getattr(cfg.data, f.name) for f in dataclasses.fields(cfg.data)},
+    }
 
 
 def _print(row: dict, reference: dict, top: int) -> None:
