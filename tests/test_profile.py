@@ -122,8 +122,16 @@ def test_trace_cli_refuses_the_hlo_of_another_program_or_compile(tmp_path, capsy
     the phases. Another module's text is refused by name; an XLA dump's file (named
     `module_NNNN.<name>.*` by the module's id, which the trace's events carry as their
     program id) of another compile is refused by its id. The trace's own passes."""
-    line = "  %fusion.1 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop"
-    text = "HloModule MODULE, is_scheduled=true\n\nENTRY %main {\n" + line + "\n}\n"
+    ops = sorted(
+        {
+            k.hlo_op
+            for ks in trace._gpu_kernels(trace.load(GPU_TRACE)).values()
+            for k in ks
+            if k.hlo_op
+        }
+    )
+    lines = "".join(f"  %{op} = f32[4]{{0}} fusion(f32[4]{{0}} %p), kind=kLoop\n" for op in ops)
+    text = "HloModule MODULE, is_scheduled=true\n\nENTRY %main {\n" + lines + "}\n"
 
     def refused(name: str, module: str) -> str:
         path = tmp_path / name
@@ -140,6 +148,20 @@ def test_trace_cli_refuses_the_hlo_of_another_program_or_compile(tmp_path, capsy
     err = refused("module_0028.jit_train_step.sm_9.0_gpu_after_optimizations.txt", "jit_train_step")
     assert "is XLA's dump of program 28, but the trace's jit_train_step ran program 3331" in err
     assert "pass module_3331.jit_train_step.*after_optimizations.txt" in err
+    # Dumps of two processes share ids (module_0026 in each): the ops must be there too.
+    other = text.replace(lines, lines.splitlines()[0] + "\n")
+    (tmp_path / "other").mkdir()
+    path = tmp_path / "other" / "module_3331.jit_train_step.sm_9.0_gpu_after_optimizations.txt"
+    path.write_text(other.replace("MODULE", "jit_train_step"))
+    with pytest.raises(SystemExit):
+        trace.main([GPU_TRACE, "--hlo", str(path)])
+    err = capsys.readouterr().err
+    assert re.match(r"error: the HLO \(--hlo\) lacks \d+ of the ops that ran \d+% of", err), err
+    assert "it is another compile's text" in err and len(err.splitlines()) == 1
+    path.write_text(text.replace("MODULE", "jit_train_step")[:-3])  # cut short
+    with pytest.raises(SystemExit):
+        trace.main([GPU_TRACE, "--hlo", str(path)])
+    assert "holds no whole ENTRY computation (cut short?)" in capsys.readouterr().err
     own = tmp_path / "module_3331.jit_train_step.sm_9.0_gpu_after_optimizations.txt"
     own.write_text(text.replace("MODULE", "jit_train_step"))
     report = trace.main([GPU_TRACE, "--hlo", str(own)])

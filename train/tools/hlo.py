@@ -64,6 +64,7 @@ class HloOps:
     permute_bytes: dict[str, int]
     permute_bytes_by_stack: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     modules: tuple[str, ...] = ()  # the `HloModule` names the text holds
+    entry: bool = False  # the text holds a whole ENTRY computation (one cut short may not)
     program_id: int | None = None  # the module's id, where known (an XLA dump's file name)
 
     def name_stack(self, hlo_op: str) -> str:
@@ -86,10 +87,15 @@ class HloOps:
 def parse_hlo(text: str) -> HloOps:
     """Reads `compiled.as_text()` (one module or several concatenated)."""
     stacks, opcodes, permutes, by_stack, modules = {}, {}, {}, {}, []
+    entry, in_entry = False, False
     for line in text.splitlines():
         if line.startswith("HloModule "):
             modules.append(line.split()[1].rstrip(","))
             continue
+        if line.startswith("ENTRY "):
+            in_entry = True
+        elif in_entry and line.rstrip() == "}":  # the ENTRY computation ends whole
+            entry, in_entry = True, False
         m = _INSTRUCTION.match(line)
         if not m:
             continue
@@ -109,6 +115,7 @@ def parse_hlo(text: str) -> HloOps:
         permute_bytes=permutes,
         permute_bytes_by_stack=by_stack,
         modules=tuple(dict.fromkeys(modules)),
+        entry=entry,
     )
 
 

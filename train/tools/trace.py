@@ -661,23 +661,47 @@ def mean(items: list[Breakdown]) -> Breakdown:
 # Entry point
 
 
-def _check_hlo(hlo: HloOps, module: str, programs: set) -> None:
+# The share of a program's busy time whose ops the HLO may lack (GPU events name some
+# asynchronous collectives as they were before XLA renamed them).
+MISSING_OPS_SHARE = 0.05
+
+
+def _check_hlo(hlo: HloOps, module: str, kernels: list[Kernel]) -> None:
     """Raises where `hlo` is not the compile of the trace's program `module`: another
     module's name, or, for a file XLA dumped (`module_NNNN.<name>.*`: NNNN is the
-    program's id, which the trace's events carry), another compile's id. Its name
+    program's id, which the trace's events carry), another compile's id, or a text
+    that lacks ops running more than MISSING_OPS_SHARE of the program's time. Its name
     stacks would put the ops of one compile into the phases of another."""
     if hlo.modules and module not in hlo.modules:
         raise ValueError(
             f"the HLO (--hlo) holds module {', '.join(hlo.modules)}, not the trace's "
             f"program {module}: pass that program's compiled text"
         )
-    programs.discard(None)
+    programs = {k.program for k in kernels} - {None}
     if hlo.program_id is not None and programs and hlo.program_id not in programs:
         ran = ", ".join(str(p) for p in sorted(programs))
         raise ValueError(
             f"the HLO (--hlo) is XLA's dump of program {hlo.program_id}, but the trace's "
             f"{module} ran program {ran} (another compile): pass module_"
             f"{min(programs):04d}.{module}.*after_optimizations.txt"
+        )
+    # XLA's dump names restart in every process (module_0026 in two runs), so the ops
+    # themselves must be there: a trace op the text lacks is one its stacks cannot name.
+    time = collections.Counter()
+    # The ops it would name: those without a name stack of their own, bar collectives
+    # (a GPU trace names some as they were before XLA renamed them) and what XLA did
+    # not name (a memset).
+    kernels = [k for k in kernels if k.hlo_op and not k.stack and kind_of(k, "cpu") != "comm"]
+    for k in kernels:
+        time[k.hlo_op in hlo.opcodes] += k.end - k.start
+    if time[False] > MISSING_OPS_SHARE * (time[False] + time[True]):
+        missing = sorted({k.hlo_op for k in kernels if k.hlo_op not in hlo.opcodes})
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        share = time[False] / (time[False] + time[True])
+        raise ValueError(
+            f"the HLO (--hlo) lacks {len(missing)} of the ops that ran {share:.0%} of the "
+            f"trace's {module} ({shown}): it is another compile's text; pass the one "
+            "this run dumped"
         )
 
 
@@ -717,9 +741,7 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
                 totals[k.module] += k.end - k.start
     module = totals.most_common(1)[0][0]
     if hlo is not None:
-        _check_hlo(
-            hlo, module, {k.program for ks in devices.values() for k in ks if k.module == module}
-        )
+        _check_hlo(hlo, module, [k for ks in devices.values() for k in ks if k.module == module])
     starts = [t for t, _ in marks]
     use_steps = (
         bool(marks) and totals and any(k.launch is not None for ks in devices.values() for k in ks)
@@ -861,12 +883,14 @@ def main(argv: list[str] | None = None) -> TraceReport:
                 hlo = dataclasses.replace(hlo, program_id=int(m.group(1)))
         except (OSError, UnicodeDecodeError) as e:
             p.error(f"--hlo={args.hlo!r} cannot be read ({getattr(e, 'strerror', None) or e})")
+        whole = (
+            "pass the compiled step's text (`compiled.as_text()`, or the "
+            "`*after_optimizations.txt` that XLA_FLAGS=--xla_dump_to=DIR writes)"
+        )
         if not hlo.opcodes:
-            p.error(
-                f"--hlo={args.hlo!r} holds no HLO instructions: pass the compiled step's "
-                "text (`compiled.as_text()`, or the `*after_optimizations.txt` that "
-                "XLA_FLAGS=--xla_dump_to=DIR writes)"
-            )
+            p.error(f"--hlo={args.hlo!r} holds no HLO instructions: {whole}")
+        if not hlo.entry:
+            p.error(f"--hlo={args.hlo!r} holds no whole ENTRY computation (cut short?): {whole}")
     try:
         # A name given that cuts nothing would leave the whole trace as one "step".
         if args.step_name is not None and not _step_annotations(load(args.trace), args.step_name):
