@@ -252,7 +252,7 @@ def test_a_failed_write_keeps_the_earlier_file_and_no_tmp(tmp_path, monkeypatch)
     argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
     with pytest.raises(SystemExit) as e:
         capacity.main([*argv, "--max", "1k", "--out", str(out), "--overwrite"])
-    assert e.value.code == f"error: --out: cannot write {out} (No space left on device)"
+    assert e.value.code == f"error: --out: cannot write {out}.partial (No space left on device)"
     assert out.read_text() == '{"earlier": true}'
     assert [p.name for p in tmp_path.iterdir()] == ["capacity.json"]
 
@@ -347,3 +347,32 @@ def test_nothing_is_written_over_and_the_strategy_is_recorded(tmp_path, monkeypa
             capacity.main_plot([str(out), "--out", str(plot_out), "--overwrite"])
         assert error in capsys.readouterr().err
     assert json.loads(out.read_text())["rows"][0]["model"] == "tiny"
+
+
+def test_a_stop_mid_search_is_one_line_and_keeps_out(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) during a probe ends the search with one line saying what it
+    left, and the signal's exit status: --out as it was, the rows so far beside it."""
+    out = tmp_path / "capacity.json"
+    out.write_text('{"rows": "an earlier whole result"}')
+    seen = []
+
+    def fake_memory(model, context, mesh, args):
+        if seen:
+            raise KeyboardInterrupt
+        seen.append(context)
+        return {"device": context / 1024, "host": 0.0}
+
+    monkeypatch.setattr(capacity, "step_memory_gib", fake_memory)
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "2.5", "--start", "512"]
+    with pytest.raises(SystemExit) as e:
+        capacity.main([*argv, "--out", str(out), "--overwrite"])
+    assert e.value.code == 130
+    assert capsys.readouterr().err == (
+        f"interrupted: the search was not finished; {out} is as it was, the rows so far "
+        f"are in {out}.partial\n"
+    )
+    assert json.loads(out.read_text()) == {"rows": "an earlier whole result"}
+    assert [
+        p["seq"]
+        for p in json.loads((tmp_path / "capacity.json.partial").read_text())["rows"][0]["probes"]
+    ] == [512]

@@ -1100,6 +1100,20 @@ def test_gradcheck_out_is_never_a_file_of_the_model_it_reads(tmp_path, monkeypat
     )
 
 
+def test_gradcheck_stopped_is_one_line(monkeypatch, capsys):
+    """Ctrl-C during a layout ends gradcheck with one line and exit status 130."""
+    from train.tools import gradcheck
+
+    def stopped(flags):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gradcheck, "layout_gradients", stopped)
+    with pytest.raises(SystemExit) as e:
+        gradcheck.main(["--data_path", "sample", "--layout", "", "--layout", ""])
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "interrupted: no comparison was written\n"
+
+
 def _never_computed(flags):
     raise AssertionError("a layout was computed")
 

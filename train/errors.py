@@ -6,7 +6,9 @@ import contextlib
 import errno
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 
 
 class TrainingError(RuntimeError):
@@ -96,6 +98,19 @@ def stopped_how(error: KeyboardInterrupt) -> str:
 def stop_status(error: KeyboardInterrupt) -> int:
     """The exit status of a tool `error` stopped: the signal's (`signal_status`)."""
     return signal_status(error.signum if isinstance(error, Terminated) else signal.SIGINT)
+
+
+def until_stopped[T](work: Callable[[], T], kept: str) -> T:
+    """`work()`, with SIGTERM and SIGHUP raising as Ctrl-C does; a stop ends the process
+    with one line, `<how it stopped>: <kept>` (what the stop left in place), on stderr
+    and the signal's exit status (`stop_status`), not a traceback."""
+    try:
+        with signals_as_interrupts():
+            return work()
+    except KeyboardInterrupt as e:
+        sys.stdout.flush()
+        print(f"{stopped_how(e)}: {kept}", file=sys.stderr, flush=True)
+        sys.exit(stop_status(e))
 
 
 def raise_terminated(signum, frame):

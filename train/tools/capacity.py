@@ -474,6 +474,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """`python -m train.tools.capacity`: a stop (Ctrl-C, SIGTERM) ends it in one line
+    saying what it left."""
+    from train.errors import until_stopped
+
+    out = build_parser().parse_known_args(argv)[0].out
+    kept = "the search was not finished"
+    if out:
+        was = f"{out} is as it was" if os.path.lexists(out) else f"nothing was written to {out}"
+        kept += f"; {was}, the rows so far are in {out}{PARTIAL}"
+    return until_stopped(lambda: _search(argv), kept)
+
+
+def _search(argv: list[str] | None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     from train.config import gather_once_error

@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """`python -m train.tools.gradcheck`: a stop (Ctrl-C, SIGTERM) ends it in one line."""
+    from train.errors import until_stopped
+
+    return until_stopped(lambda: _compare(argv), "no comparison was written")
+
+
+def _compare(argv: list[str] | None) -> list[dict]:
     parser = build_parser()
     args, common = parser.parse_known_args(argv)
     if len(args.layout) < 2:
