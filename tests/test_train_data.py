@@ -1553,3 +1553,20 @@ def test_add_bos_token_flags_that_the_post_processor_contradicts_are_refused(bos
             load_dataset(path, tokenizer=folder)
         assert str(error.value).startswith(f"{config}: {message}"), error.value
         assert "\n" not in str(error.value)
+
+
+def test_inspect_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """`inspect --show N | head`: the reader leaving is no traceback; the exit status is
+    a shell's for a command SIGPIPE ended."""
+    path = _dump_jsonl(tmp_path / "d.jsonl", [json.dumps(list(range(1, 50)))] * 400)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.data", "inspect", str(path), "--show", "400"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout.readline() == b"examples: 400\n"
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err

@@ -788,6 +788,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"error: {e.asking_for('--chat-turns')}\n")
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
+    except BrokenPipeError:  # the reader of stdout went (`inspect --show 99 | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+        sys.exit(141)  # as a shell reports a command SIGPIPE ended
     except OSError as e:  # a full disk's (what was being written is removed)
         if (disk := disk_error(e)) is None:
             raise
