@@ -655,17 +655,17 @@ def tokenizer_vocab_size(tokenizer_json: str | os.PathLike[str]) -> int:
 
 
 def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
-    """``{"bos_token": id, "eos_token": id}`` for the special tokens that the
-    ``tokenizer_config.json`` or ``special_tokens_map.json`` beside ``tokenizer_json``
-    names (as strings or ``{"content": ...}``; ValueError naming another value), looked
-    up in ``tokenizer_json``."""
+    """``{"bos_token": id, "eos_token": id, "pad_token": id}`` for the special tokens
+    that the ``tokenizer_config.json`` or ``special_tokens_map.json`` beside
+    ``tokenizer_json`` names (as strings or ``{"content": ...}``; ValueError naming
+    another value), looked up in ``tokenizer_json`` (a pad token it lacks is left out)."""
     tokenizer_json = os.fspath(tokenizer_json)
     folder = os.path.dirname(tokenizer_json)
     names: dict[str, str] = {}
     for config in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
         path = os.path.join(folder, config)
         if os.path.isfile(path):
-            for key in ("bos_token", "eos_token"):
+            for key in ("bos_token", "eos_token", "pad_token"):
                 given = read_json(path).get(key)
                 value = given.get("content") if isinstance(given, dict) else given
                 if isinstance(value, str):
@@ -678,6 +678,8 @@ def special_token_ids(tokenizer_json: str | os.PathLike[str]) -> dict[str, int]:
     if not names:
         return {}
     ids = _token_ids(tokenizer_json)
+    # A pad token HF would add to the vocabulary at load is no id of this file's.
+    names = {k: v for k, v in names.items() if k != "pad_token" or v in ids}
     missing = {k: v for k, v in names.items() if v not in ids}
     if missing:
         raise ValueError(f"{tokenizer_json}: special tokens {missing} are not in its vocabulary")
@@ -698,7 +700,7 @@ def init_hf(
     ``seed``), as an HF directory ``out`` (``config.json``, ``model.safetensors``, the
     tokenizer's files); ``dtype`` and ``max_shard_bytes`` as :func:`export_hf`'s. With
     ``tokenizer`` (``tokenizer.json`` or its directory) the vocabulary size (unless
-    ``vocab_size``) and BOS / EOS ids are the tokenizer's (None where its
+    ``vocab_size``) and BOS / EOS / padding ids are the tokenizer's (None where its
     ``tokenizer_config.json`` / ``special_tokens_map.json`` name none)."""
     config = preset(preset_name)
     files = None
@@ -722,6 +724,7 @@ def init_hf(
             # the preset's ids are other tokens of this vocabulary, if any
             bos_token_id=special.get("bos_token"),
             eos_token_id=special.get("eos_token"),
+            pad_token_id=special.get("pad_token"),
         )
     elif vocab_size is not None:
         config = config.replace(vocab_size=vocab_size)

@@ -1299,6 +1299,24 @@ def test_init_takes_bos_and_eos_from_the_tokenizer_only(tmp_path, capsys):
     assert "eos_token_id=0" in capsys.readouterr().out
 
 
+def test_init_carries_the_tokenizers_padding_id(tmp_path):
+    """The tokenizer's pad_token (here the EOS, a common choice) is the config's
+    pad_token_id; a pad token the tokenizer.json lacks (HF adds it at load) is none."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    vocab = {"<s>": 0, "</s>": 1, "a": 2, "b": 3}
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "</s>"}
+    (tok / "tokenizer_config.json").write_text(json.dumps(special))
+    convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(tmp_path / "hf")])
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (0, 1, 1)
+    assert models.load_hf(tmp_path / "hf")[0].pad_token_id == 1
+    (tok / "tokenizer_config.json").write_text(json.dumps({**special, "pad_token": "<pad>"}))
+    convert_main(["--init", "tiny", "--tokenizer", str(tok), "--out", str(tmp_path / "hf2")])
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["pad_token_id"] is None
+
+
 def test_cli_init_writes_the_dtype_and_shards_asked_for(tmp_path):
     out = tmp_path / "hf"
     convert_main(
