@@ -730,8 +730,9 @@ def test_profile_job_names_and_passes_its_settings():
 
 def test_profile_row_replaces_its_earlier_trace_once_it_succeeded(tmp_path, monkeypatch):
     """A row run again (`--append` replacing a same-name row) leaves one trace session
-    in its folder, its own, once it has succeeded; a row that failed keeps the earlier
-    trace (removed only after the new row succeeded, never before)."""
+    in its folder, its own, once it has succeeded; a row that failed or was stopped
+    keeps the earlier trace (removed only after the new row succeeded, never before)
+    and leaves none of its own, which `trace` would read as the newest."""
     import train.tools.profile as profile
 
     job = profile.Job(model="tiny", context=256, mesh="seq=1", out=str(tmp_path), steps=1)
@@ -747,15 +748,21 @@ def test_profile_row_replaces_its_earlier_trace_once_it_succeeded(tmp_path, monk
 
     monkeypatch.setattr(profile, "_child", lambda *args: child(*args, status="error"))
     assert profile._run_row(job, 1.0, {})["status"] == "error"
-    assert sorted(p.name for p in sessions.iterdir()) == [
-        "2020_01_01_00_00_00",
-        "2030_01_01_00_00_01",
-    ]
+    assert [p.name for p in sessions.iterdir()] == ["2020_01_01_00_00_00"]
+
+    def stopped(*args):
+        child(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profile, "_child", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        profile._run_row(job, 1.0, {})
+    assert [p.name for p in sessions.iterdir()] == ["2020_01_01_00_00_00"]
     monkeypatch.setattr(profile, "_child", child)
     assert profile._run_row(job, 1.0, {})["status"] == "ok"
-    assert [p.name for p in sessions.iterdir()] == ["2030_01_01_00_00_02"]
+    assert [p.name for p in sessions.iterdir()] == ["2030_01_01_00_00_03"]
     # Nothing was removed before the row ran.
-    assert [len(s) for s in seen] == [1, 2]
+    assert [len(s) for s in seen] == [1, 1, 1]
 
 
 def test_profile_rows_record_the_ring_strategy(monkeypatch):

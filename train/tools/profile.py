@@ -1305,8 +1305,9 @@ def trace_sessions(out: str, name: str) -> list[str]:
 
 def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
     """One row in its child, with what it records of how it ran; its line printed. The
-    row's earlier traces (a row it replaces, or a run stopped midway) are removed once
-    it has succeeded, never before: a failed row keeps them."""
+    row's earlier traces (a row it replaces) are removed once it has succeeded, never
+    before; a row that fails or is stopped removes its own trace instead, so the one
+    the report describes stays the newest in the row's folder."""
     import shutil
 
     from train.outputs import signals_held
@@ -1314,11 +1315,21 @@ def _run_row(job: Job, timeout: float, run_facts: dict) -> dict:
 
     print(f"{job.name} ...", flush=True)
     earlier = trace_sessions(job.out, job.name)
-    row = _child("row", dataclasses.asdict(job), timeout, f"row {job.name}")
-    if row.get("status") == "ok":
-        with signals_held():  # a Ctrl-C waits until the old traces are gone
-            for session in earlier:
+
+    def remove(sessions) -> None:
+        with signals_held():  # a Ctrl-C waits until they are gone
+            for session in sessions:
                 shutil.rmtree(session, ignore_errors=True)
+
+    try:
+        row = _child("row", dataclasses.asdict(job), timeout, f"row {job.name}")
+    except KeyboardInterrupt:  # a stopped row's trace is no row's: `trace` would read it
+        remove(set(trace_sessions(job.out, job.name)) - set(earlier))
+        raise
+    if row.get("status") == "ok":
+        remove(earlier)
+    else:  # the published row's trace stays the newest in its folder
+        remove(set(trace_sessions(job.out, job.name)) - set(earlier))
     row = {
         "name": job.name,
         "model": job.model,
