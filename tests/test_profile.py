@@ -102,6 +102,11 @@ def test_trace_cli_says_its_usage_and_reads_a_trace(tmp_path, capsys):
         capsys.readouterr().err
         == f"error: TRACE={str(empty)!r}: no *.xplane.pb under {str(empty)!r}\n"
     )
+    with pytest.raises(SystemExit) as e:
+        trace.main([str(tmp_path / "typo")])
+    assert e.value.code == 2
+    missing = str(tmp_path / "typo")
+    assert capsys.readouterr().err == f"error: TRACE={missing!r}: {missing!r} does not exist\n"
 
 
 def test_trace_cli_refuses_an_hlo_file_without_instructions(tmp_path, capsys):
@@ -157,7 +162,7 @@ def test_trace_cli_refuses_the_hlo_of_another_program_or_compile(tmp_path, capsy
         trace.main([GPU_TRACE, "--hlo", str(path)])
     err = capsys.readouterr().err
     assert re.match(r"error: the HLO \(--hlo\) lacks \d+ of the ops that ran \d+% of", err), err
-    assert "it is another compile's text" in err and len(err.splitlines()) == 1
+    assert "it is not the compile this trace ran" in err and len(err.splitlines()) == 1
     path.write_text(text.replace("MODULE", "jit_train_step")[:-3])  # cut short
     with pytest.raises(SystemExit):
         trace.main([GPU_TRACE, "--hlo", str(path)])

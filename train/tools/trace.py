@@ -164,6 +164,8 @@ def find_xplane(path: str) -> str:
     """`path` itself if a file, else the newest `*.xplane.pb[.gz]` under it."""
     if os.path.isfile(path):
         return path
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path!r} does not exist")
     found = traces_under(path)
     if not found:
         raise FileNotFoundError(f"no *.xplane.pb under {path!r}")
@@ -700,8 +702,9 @@ def _check_hlo(hlo: HloOps, module: str, kernels: list[Kernel]) -> None:
         share = time[False] / (time[False] + time[True])
         raise ValueError(
             f"the HLO (--hlo) lacks {len(missing)} of the ops that ran {share:.0%} of the "
-            f"trace's {module} ({shown}): it is another compile's text; pass the one "
-            "this run dumped"
+            f"trace's {module} ({shown}): it is not the compile this trace ran (another "
+            "run's dump, or the text before optimizations); pass the "
+            "*after_optimizations.txt this run dumped"
         )
 
 
