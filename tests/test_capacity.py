@@ -376,3 +376,14 @@ def test_a_stop_mid_search_is_one_line_and_keeps_out(tmp_path, monkeypatch, caps
         p["seq"]
         for p in json.loads((tmp_path / "capacity.json.partial").read_text())["rows"][0]["probes"]
     ] == [512]
+
+
+def test_a_row_without_ring_attention_names_no_strategy(monkeypatch, capsys):
+    """Only the ring's attention splits by a strategy: with --attention xla a row
+    records none, and the table and header say which attention ran."""
+    monkeypatch.setattr(capacity, "step_memory_gib", lambda *a: {"device": 0.1, "host": 0.0})
+    argv = ["--models", "tiny", "--mesh", "seq=1", "--limit-gib", "1", "--start", "512"]
+    result = capacity.main([*argv, "--max", "512", "--attention", "xla"])
+    assert result["rows"][0]["ring_strategy"] is None
+    out = capsys.readouterr().out
+    assert "attention=xla, " in out.splitlines()[0] and "| tiny | seq=1 | – (xla) | " in out

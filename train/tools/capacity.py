@@ -566,7 +566,7 @@ def _search(argv: list[str] | None) -> dict:
     print(
         f"capacity on {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"limit {limit:.2f} GiB/device and {host_limit:.2f} GiB host/device, "
-        f"ring_strategy={args.ring_strategy}, remat={args.remat}, "
+        f"attention={args.attention}, ring_strategy={args.ring_strategy}, remat={args.remat}, "
         f"mlp_tile={'the trainer default' if args.mlp_tile is None else args.mlp_tile}, "
         f"optimizer_offload={args.optimizer_offload}, "
         f"layers {'unrolled' if args.unroll_layers else 'scanned'}",
@@ -621,7 +621,9 @@ def _search(argv: list[str] | None) -> dict:
             row = longest(
                 model, mesh, args, limit, host_limit, progress=lambda r: write([*rows, r])
             )
-            row["ring_strategy"] = ring_strategy(model, args.start, mesh, args)
+            # Only the ring's attention splits by a strategy (None: XLA's or cuDNN's).
+            ring = args.attention == "ring"
+            row["ring_strategy"] = ring_strategy(model, args.start, mesh, args) if ring else None
             row["devices"] = mesh_device_count(mesh, jax.device_count())
             base = base or row["longest"]
             row["vs_first_mesh"] = row["longest"] / base if row["longest"] and base else None
@@ -638,8 +640,9 @@ def _search(argv: list[str] | None) -> dict:
 
     for r in rows:
         ratio = f"{r['vs_first_mesh']:.2f}" if r["vs_first_mesh"] else "–"
+        strategy = r["ring_strategy"] or f"– ({args.attention})"
         print(
-            f"| {r['model']} | {r['mesh']} | {r['ring_strategy']} | {longest_text(r)} | "
+            f"| {r['model']} | {r['mesh']} | {strategy} | {longest_text(r)} | "
             f"{num(r['gib'])} | "
             f"{num(r['host_gib'])} | {num(r['gib_per_1k'], '.4f')} | "
             f"{num(r['host_gib_per_1k'], '.4f')} | {ratio} |"
