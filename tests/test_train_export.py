@@ -332,6 +332,15 @@ def test_refusals_write_nothing(runs, tmp_path, capsys):
         "--overwrite to replace them, or choose another directory"
     )
     assert _snapshot(held) == kept
+    # Another run's output directory: its checkpoints are no place for a model.
+    other = runs["short"]
+    other_before = _snapshot(other)
+    for flags in ([], ["--overwrite"]):
+        assert _refused([str(long), "--out", str(other), *flags], capsys).endswith(
+            f"--out={str(other)!r} is another training run's output directory: give a "
+            "directory of its own for the export"
+        )
+    assert _snapshot(other) == other_before
     assert _snapshot(long) == before
 
 

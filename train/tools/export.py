@@ -14,10 +14,10 @@ moved since changes nothing), its `checkpoints/<step>` the weights. Only the
 checkpoint's parameters are read (not the optimizer state), onto the host CPU, whatever
 mesh saved them. The run's outputs are only read: an `--out` inside them (RUN_DIR
 itself, its `checkpoints/`, `hf/`, ...) is always refused; a new folder beside them is
-taken. An `--out` that already holds a model (its config, weights or tokenizer files)
-is refused unless `--overwrite` is given. The export is written whole into a staging
-folder in `--out` before it replaces anything there: one cut off leaves the model that
-was there as it was.
+taken; another run's output directory is refused. An `--out` that already holds a model
+(its config, weights or tokenizer files) is refused unless `--overwrite` is given. The
+export is written whole into a staging folder in `--out` before it replaces anything
+there: one cut off leaves the model that was there as it was.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from train.errors import (
     stop_status,
     stopped_how,
 )
+from train.run_files import is_run_output
 
 
 def build_parser() -> OneLineParser:
@@ -113,6 +114,11 @@ def _check_out(run_dir: str, out: str, overwrite: bool) -> None:
                 f"--out={out!r} lies in the run's {os.path.join(run_dir, name)}, which the "
                 "export only reads: choose a directory outside the run's outputs"
             )
+    if is_run_output(out):  # its checkpoints and logs beside another model's files
+        raise TrainingError(
+            f"--out={out!r} is another training run's output directory: give a directory "
+            "of its own for the export"
+        )
     held = [] if overwrite else replaced_files(out, WRITTEN, weights=True)
     if held:
         raise TrainingError(replace_refusal(out, held, "the export"))
