@@ -1232,3 +1232,26 @@ def test_step_lines_where_no_bar_is_drawn(monkeypatch):
         bar.close()
     assert _step_lines(_progress(cfg, False, 0, 10)) is False  # not the main process
     assert _step_lines(_progress(parse_args(["--progress", "false"]), True, 0, 10)) is False
+
+
+def test_an_eos_no_one_chose_gets_a_warning(tmp_path):
+    """The token between packed documents: a line where there is none at all, or where
+    it is the model's id beside a tokenizer that names no eos_token (whichever token
+    that id is there); none where --eos_token_id, the tokenizer or (for token ids, no
+    tokenizer) the model chose it."""
+    from train.build import _eos_warning
+    from train.config import parse_args
+
+    cfg = parse_args(["--data_path", "d.jsonl"])
+    assert "no EOS between packed documents" in _eos_warning(cfg, None, None)
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}}))
+    said = _eos_warning(cfg, 1, str(tok))
+    assert f"the tokenizer {str(tok)!r} names no eos_token: documents end with the " in said
+    assert "model's eos_token_id 1, whichever token" in said
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": "a"}))
+    assert _eos_warning(cfg, 0, str(tok)) is None
+    assert _eos_warning(cfg, 1, None) is None
+    chosen = parse_args(["--data_path", "d.jsonl", "--eos_token_id", "1"])
+    assert _eos_warning(chosen, 1, None) is None

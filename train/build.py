@@ -190,6 +190,28 @@ def _check_sources(cfg: TrainConfig, flag: str, path: str, eval: bool) -> None:
             )
 
 
+def _eos_warning(cfg: TrainConfig, eos: int | None, tokenizer: str | None) -> str | None:
+    """The warning line where the token between packed documents was not chosen: none at
+    all (no `--eos_token_id`, no `eos_token` in the tokenizer, none in the model's
+    config), or the model's id where the run's tokenizer names none (another token of
+    that tokenizer's vocabulary, maybe); else None."""
+    if cfg.data.eos_token_id is not None:
+        return None
+    if eos is None:
+        return (
+            "warning: no EOS between packed documents: no --eos_token_id, and neither "
+            "the tokenizer nor the model's config.json names one; the model does not learn "
+            "to end a document (give --eos_token_id)"
+        )
+    if tokenizer is not None and data_lib.tokenizer_eos_id(tokenizer) is None:
+        return (
+            f"warning: the tokenizer {tokenizer!r} names no eos_token: documents end with "
+            f"the model's eos_token_id {eos}, whichever token that is in this tokenizer "
+            "(give --eos_token_id to choose)"
+        )
+    return None
+
+
 # A data file this large, read into memory without --data_cache_dir, gets a note.
 IN_MEMORY_NOTE_BYTES = 1_000_000_000
 
@@ -253,6 +275,12 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         )
         try:
             _check_sources(cfg, flag, path, eval)  # lists its files: errors name the flag
+            if (
+                not eval
+                and jax.process_index() == 0
+                and (line := _eos_warning(cfg, eos, tokenizer))
+            ):
+                print(line, flush=True)
             if not cache_root and not data_cache.is_cache(path) and jax.process_index() == 0:
                 size = data_cache.source_bytes(path)
                 if size >= IN_MEMORY_NOTE_BYTES:
