@@ -2106,6 +2106,27 @@ def test_profile_report_only_says_where_it_wrote(tmp_path, capsys):
     assert (tmp_path / "report.md").is_file()
 
 
+def test_profile_report_only_names_a_field_of_the_wrong_type(tmp_path, capsys):
+    """A hand-edited report.json whose row holds text where a number belongs (or the
+    reverse, or a context below 1) is refused in one line naming the row and field,
+    not printed into the tables or failing inside the string formatting."""
+    from train.tools.profile import main
+
+    path = tmp_path / "report.json"
+    for key, value, said in (
+        ("step_ms", "fast", 'row 0\'s step_ms "fast" is not a number'),
+        ("context", "8k", 'row 0\'s context "8k" is not a number'),
+        ("model", 7, "row 0's model 7 is not text"),
+        ("context", -256, "row 0's context -256 is not a length"),
+    ):
+        path.write_text(json.dumps(_report([{**_report_row(256), key: value}])))
+        with pytest.raises(SystemExit) as e:
+            main(["--report-only", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.endswith(f"{str(path)!r}: {said}\n"), err
+        assert not (tmp_path / "report.md").exists()
+
+
 def test_profile_error_row_names_the_exception_first():
     """A child that dies of an exception: the row's error (and the report's one-line
     detail) starts with the exception's line, not with a stack frame."""

@@ -237,7 +237,40 @@ def read_report(path: str) -> dict:
         raise ValueError(f"{path!r} is not readable JSON ({e})") from None
     if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
         raise ValueError(f"{path!r} is not a profile report (no list of 'rows')")
+    for i, row in enumerate(report["rows"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path!r}: row {i} is not an object")
+        for key, kinds in ROW_FIELD_TYPES.items():
+            value = row.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+                kind = "text" if kinds is str else "a number"
+                raise ValueError(f"{path!r}: row {i}'s {key} {json.dumps(value)} is not {kind}")
+        if isinstance(row.get("context"), int) and row["context"] < 1:
+            raise ValueError(f"{path!r}: row {i}'s context {row['context']} is not a length")
     return report
+
+
+NUMBER = (int, float)
+# The fields of a report row the tables and figures compute with, by type (None: unknown).
+ROW_FIELD_TYPES = {
+    **{k: str for k in ("name", "model", "label", "mesh", "status", "remat")},
+    "context": int,
+    **{
+        k: NUMBER
+        for k in (
+            "batch",
+            "devices",
+            "tokens_per_step",
+            "compile_s",
+            "step_ms",
+            "tokens_per_s",
+            "tflops_per_device",
+            "mfu",
+            "peak_memory_gib",
+            "memory_limit_gib",
+        )
+    },
+}
 
 
 def with_row_facts(report: dict) -> dict:
