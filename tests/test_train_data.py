@@ -1570,3 +1570,15 @@ def test_inspect_into_a_pipe_closed_early_ends_quietly(tmp_path):
     proc.stdout.close()  # as `head -1` does
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_inspect_show_escapes_control_characters(bos_bpe, tmp_path, capsys):
+    """Text with NUL, escape or carriage-return characters is shown with them escaped,
+    not written to the terminal (which an escape sequence would restyle)."""
+    from train import data as data_lib
+
+    path = _write(tmp_path / "t.jsonl", [{"text": "a\x00b\x1b[31mc\r\nd\te"}])
+    data_lib.main(["inspect", str(path), "--tokenizer", str(bos_bpe), "--show", "1"])
+    out = capsys.readouterr().out
+    assert "a\\x00b\\x1b[31mc\\r\nd\te" in out
+    assert not any(c in out for c in "\x00\x1b\r")

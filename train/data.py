@@ -31,6 +31,7 @@ import json
 import os
 import pickle
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -923,7 +924,8 @@ def shown_examples(tokens, targets, offsets, count: int, decode=None) -> list[st
     (a label other than ``-100``, the example's first token never: nothing before it
     predicts it) in ``[[ ]]``; ``decode(ids) -> str`` per run (the tokenizer's, special
     tokens kept), else the ids. A run cut inside a multi-byte character decodes as the
-    tokenizer decodes it alone."""
+    tokenizer decodes it alone; control characters but newline and tab are shown
+    escaped (``\\x00``), not sent to the terminal."""
     lines = []
     for i in range(min(count, len(offsets) - 1)):
         a, b = int(offsets[i]), int(offsets[i + 1])
@@ -936,11 +938,19 @@ def shown_examples(tokens, targets, offsets, count: int, decode=None) -> list[st
         for j in range(1, len(ids) + 1):
             if j == len(ids) or learned[j] != learned[start]:
                 run = ids[start:j]
-                text = decode(run) if decode is not None else " ".join(map(str, run))
+                text = _visible(decode(run)) if decode is not None else " ".join(map(str, run))
                 parts.append(f"[[{text}]]" if learned[start] else text)
                 start = j
         lines.append(("" if decode is not None else " ").join(parts))
     return lines
+
+
+def _visible(text: str) -> str:
+    """``text`` with its control characters but newline and tab escaped as Python
+    writes them (``\\x00``, ``\\x1b``, ``\\r``)."""
+    return "".join(
+        repr(c)[1:-1] if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text
+    )
 
 
 def _eos_flags(args: argparse.Namespace) -> int | None:
