@@ -1409,22 +1409,23 @@ def test_cli_inspect_shows_the_tokens_the_loss_learns(bpe, tmp_path, capsys):
     assert capsys.readouterr() == ("", "error: --show -1: give a number of examples, 0 or more\n")
 
 
-def test_cli_inspect_reads_a_data_files_stream_once(tmp_path, monkeypatch, capsys):
-    """`inspect --show N` of a data file builds its packed stream once, for the counts
-    and the examples both, and counts as `TokenDataset.summary` does."""
-    from train.dataset import TokenDataset
+def test_cli_inspect_reads_a_data_file_one_example_at_a_time(tmp_path, monkeypatch, capsys):
+    """`inspect --show N` of a data file counts as `TokenDataset.summary` does and shows
+    what its packed stream holds, reading one example at a time: the dataset is never
+    gathered in memory (a corpus larger than memory can be inspected). A token past
+    --vocab-size is named by its line, as loading names it."""
+    from train import dataset as dataset_lib
 
     path = tmp_path / "ids.jsonl"
     records = [{"input_ids": [5, 6, 7, 8], "labels": [5, -100, 7, 8]}, {"input_ids": [9, 3]}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    built = []
-    stream = TokenDataset._stream
-    monkeypatch.setattr(
-        TokenDataset, "_stream", lambda self, eos_id: built.append(eos_id) or stream(self, eos_id)
-    )
-    data_lib.main(["inspect", str(path), "--eos-id", "3", "--show", "2"])
-    assert built == [3]
     summary = load_dataset(path).summary(3)
+
+    def gathered(self):
+        raise AssertionError("inspect gathered the whole dataset")
+
+    monkeypatch.setattr(dataset_lib._Gathered, "__init__", gathered)
+    data_lib.main(["inspect", str(path), "--eos-id", "3", "--show", "2"])
     printed = capsys.readouterr().out.splitlines()
     assert printed[: len(summary)] == [f"{k}: {v}" for k, v in summary.items()]
     assert printed[len(summary) :] == [
@@ -1434,6 +1435,11 @@ def test_cli_inspect_reads_a_data_files_stream_once(tmp_path, monkeypatch, capsy
         "--- example 1: 2 tokens, 1 learned (in [[ ]])",
         "9 [[3]]",
     ]
+    with pytest.raises(SystemExit):
+        data_lib.main(["inspect", str(path), "--vocab-size", "9"])
+    assert capsys.readouterr().err.endswith(
+        f"{path}: line 2: token id 9 is out of range for vocab_size=9\n"
+    )
 
 
 def test_cli_tokenizer_with_special_tokens_and_a_chat_template(bpe, tmp_path):

@@ -49,7 +49,7 @@ from train.chat import (
     check_template_path,
     parse_template_kwargs,
 )
-from train.dataset import Rows, load_dataset, stream_summary
+from train.dataset import Rows, summarize_dataset
 from train.errors import disk_error, disk_words, signals_as_interrupts, stop_status, stopped_how
 from train.readers import (
     SAVED_DATASET_FILES,
@@ -860,16 +860,16 @@ def _command(args: argparse.Namespace) -> None:
                 print(f"{args.path}: {note}")
         else:
             eos_id = _eos_flags(args)
-            dataset = load_dataset(
+            summary, stream = summarize_dataset(  # one example at a time: any size
                 args.path,
+                eos_id=eos_id,  # as a cache holds them: EOS included
+                keep=args.show,
                 tokenizer=args.tokenizer,
                 vocab_size=args.vocab_size,
                 chat_template_kwargs=_template_kwargs(args),
                 chat_turns=args.chat_turns,
                 chat_template=_chat_template(args),
             )
-            stream = dataset.packed_stream(eos_id)  # as a cache holds them: EOS included
-            summary = stream_summary(*stream)  # the counts of that same stream: one pass
         for key, value in {**summary, "eos_id": "none" if eos_id is None else eos_id}.items():
             print(f"{key}: {value}")
         if args.show:

@@ -53,6 +53,7 @@ from train.readers import (
     READERS,
     Example,
     data_format,
+    example_where,
     file_words,
     read_examples,
 )
@@ -431,6 +432,81 @@ def stream_summary(tokens: np.ndarray, targets: np.ndarray, offsets: np.ndarray)
         "max_length": int(lengths.max()),
         "max_id": int(tokens.max()),
     }
+
+
+def summarize_dataset(
+    path: str | Path,
+    *,
+    eos_id: int | None,
+    keep: int = 0,
+    tokenizer: str | Path | None = None,
+    vocab_size: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_turns: str = AUTO,
+    chat_template: str | Path | None = None,
+) -> tuple[dict[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`stream_summary`'s counts of ``load_dataset(path, ...).packed_stream(eos_id)``
+    and that stream's first ``keep`` examples ``(tokens, targets, offsets)``, read one
+    example at a time: the memory of the counts, not of the dataset (``train.data
+    inspect`` of a corpus larger than memory). The same errors as :func:`load_dataset`,
+    a token id or label past ``vocab_size`` named by its example."""
+    path = Path(path)
+    parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns, chat_template)
+    where = example_where(path)
+    count = tokens = labelled = max_id = 0
+    shortest, longest = None, 0
+    bad: dict[str, str] = {}  # the first token id / label past vocab_size, as named
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    started = last = time.monotonic()
+    for example in read_examples(path, parser):
+        ids = np.asarray(example.input_ids, np.int32)
+        targets = ids if example.labels is None else np.asarray(example.labels, np.int32)
+        if vocab_size is not None:  # the data's ids, as `TokenDataset.check_vocab` checks
+            for name, values in (("token id", ids), ("label", targets)):
+                if name not in bad and (values >= vocab_size).any():
+                    value = int(values[np.flatnonzero(values >= vocab_size)[0]])
+                    bad[name] = (
+                        f"{path}: {where(example)}: {name} {value} is out of range for "
+                        f"{vocab_size=}"
+                    )
+        if eos_id is not None and ids[-1] != eos_id:  # as `TokenDataset._stream` appends it
+            eos_target = IGNORE_INDEX if targets[-1] == IGNORE_INDEX else eos_id
+            ids = np.append(ids, np.int32(eos_id))
+            targets = np.append(targets, np.int32(eos_target))
+        count += 1
+        tokens += len(ids)
+        labelled += int(np.count_nonzero(targets[1:] != IGNORE_INDEX))
+        shortest = len(ids) if shortest is None else min(shortest, len(ids))
+        longest, max_id = max(longest, len(ids)), max(max_id, int(ids.max()))
+        if len(kept) < keep:
+            kept.append((ids, targets))
+        if (now := time.monotonic()) - last >= PROGRESS_SECONDS:  # a long read: say so
+            last = now
+            print(
+                f"reading {path}: {plural(count, 'example', grouped=True)}, {tokens:,} tokens "
+                f"so far, {tokens / (now - started):,.0f} tokens/s",
+                flush=True,
+            )
+    if not count:
+        raise ValueError(f"{path}: the dataset has no examples")
+    for name in ("token id", "label"):  # as `TokenDataset.check_vocab` orders them
+        if name in bad:
+            raise ValueError(bad[name])
+    summary = {
+        "examples": count,
+        "tokens": tokens,
+        "labelled_tokens": labelled,
+        "min_length": shortest,
+        "max_length": longest,
+        "max_id": max_id,
+    }
+    lengths = [len(ids) for ids, _ in kept]
+    shown = (
+        np.concatenate([ids for ids, _ in kept]) if kept else np.zeros(0, np.int32),
+        np.concatenate([targets for _, targets in kept]) if kept else np.zeros(0, np.int32),
+        np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]),
+    )
+    return summary, shown
 
 
 def _place_whole(
