@@ -1255,3 +1255,27 @@ def test_an_eos_no_one_chose_gets_a_warning(tmp_path):
     assert _eos_warning(cfg, 1, None) is None
     chosen = parse_args(["--data_path", "d.jsonl", "--eos_token_id", "1"])
     assert _eos_warning(chosen, 1, None) is None
+
+
+def test_a_ctrl_c_while_the_trainer_imports_is_one_line():
+    """Ctrl-C during the seconds `python -m train` spends importing jax and the model
+    ends it in one line, exit status 130, not a traceback from inside an import."""
+    code = (
+        "import runpy, sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'train.loop':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "sys.argv = ['train']\n"
+        "runpy.run_module('train', run_name='__main__')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130 and done.stderr == "interrupted while starting: nothing was run\n"

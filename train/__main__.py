@@ -6,19 +6,23 @@ import os
 import signal
 import sys
 
-from train import outputs
-from train.config import parse_args
-from train.errors import (
-    STOP_SIGNALS,
-    Preempted,
-    Terminated,
-    disk_error,
-    disk_words,
-    signal_status,
-    signals_as_interrupts,
-)
-from train.loop import TrainingError, run
-from train.words import plural
+try:  # jax and the model import for seconds: a Ctrl-C then is no traceback
+    from train import outputs
+    from train.config import parse_args
+    from train.errors import (
+        STOP_SIGNALS,
+        Preempted,
+        Terminated,
+        disk_error,
+        disk_words,
+        signal_status,
+        signals_as_interrupts,
+    )
+    from train.loop import TrainingError, run
+    from train.words import plural
+except KeyboardInterrupt:
+    print("interrupted while starting: nothing was run", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGINT)
 
 
 def _leave_together() -> None:
