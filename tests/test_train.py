@@ -1070,6 +1070,10 @@ def test_gradcheck_reads_every_layout_before_running_one(monkeypatch, capsys):
         ("--mesh data=1 --seed 7", "--seed 7, the reference's 42: every layout starts"),
         ("--sample_num_examples 64", "--sample_num_examples 64, the reference's 256"),
         ("--model_name_or_path tiny --rope_theta 100", "--rope_theta 100.0, the reference's None"),
+        (
+            "--mesh data=1 --per_device_train_batch_size 2",
+            "takes 2 rows per step, the reference's 1",
+        ),
     ]:
         with pytest.raises(SystemExit) as e:
             gradcheck.main([*first, "--layout", layout])

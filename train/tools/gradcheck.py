@@ -196,19 +196,29 @@ def _layout_flags(layouts: list[str], common: list[str]) -> dict[str, list[str]]
     import jax
 
     from train.config import parse_args
-    from train.mesh import mesh_device_count
+    from train.mesh import mesh_device_count, parse_mesh
 
     out, reference = {}, None
     for layout in layouts:
         try:
             flags = shlex.split(layout)  # an unbalanced quote: ValueError
             cfg = parse_args([*common, "--output_dir", "unused", *flags])
-            mesh_device_count(cfg.parallel.mesh, jax.device_count())
+            count = mesh_device_count(cfg.parallel.mesh, jax.device_count())
+            sizes = parse_mesh(cfg.parallel.mesh, count, fsdp=bool(cfg.parallel.fsdp))
         except ValueError as e:
             refuse(f"layout {layout!r}: {e} (nothing was run)")
-        shared = _shared_settings(cfg)
+        # The rows of one step, as the trainer's `global_batch` x accumulation.
+        run = cfg.run
+        rows = run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
+        shared = {**_shared_settings(cfg), "rows per step": rows * run.gradient_accumulation_steps}
         reference = reference or shared
         for name, value in shared.items():
+            if name == "rows per step" and value != reference[name]:
+                refuse(
+                    f"layout {layout!r}: takes {value} rows per step, the reference's "
+                    f"{reference[name]}: give every layout the same global batch (data x "
+                    "fsdp x --per_device_train_batch_size x accumulation) (nothing was run)"
+                )
             if value != reference[name]:
                 refuse(
                     f"layout {layout!r}: --{name} {value!r}, the reference's "
