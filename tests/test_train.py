@@ -552,6 +552,70 @@ def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):
     assert "HF's all, every integration installed, is not taken" in capsys.readouterr().err
 
 
+def test_yaml_values_as_their_writers_mean_them(tmp_path):
+    """YAML 1.1 reads an unquoted `no` as false, `1e-7` as text: `save_strategy: no`
+    is "no", a scheduler's numbers are numbers, a YAML list of reporters is HF's list,
+    `None` (as --help lists it) is none; an unquoted yes/no where text belongs is
+    refused with the hint to quote it, not read as the folder "True"."""
+    path = tmp_path / "c.yaml"
+
+    def read(text: str, *flags: str):
+        path.write_text(text)
+        return parse_args(["--config", str(path), *flags])
+
+    cfg = read("run:\n  save_strategy: no\n  eval_strategy: no\n")
+    assert (cfg.run.save_strategy, cfg.run.eval_strategy) == ("no", "no")
+    cfg = read("optim:\n  lr_scheduler_type: polynomial\n  lr_scheduler_kwargs: {lr_end: 1e-7}\n")
+    assert json.loads(cfg.optim.lr_scheduler_kwargs) == {"lr_end": 1e-7}
+    cfg = read("run:\n  report_to: [tensorboard, wandb]\n")
+    assert cfg.run.report_to == "tensorboard,wandb"
+    assert read("model:\n  attention_implementation: None\n").model.attention_implementation is None
+    assert parse_args(["--attention_implementation", "None"]).model.attention_implementation is None
+    with pytest.raises(ValueError) as e:
+        read("run:\n  output_dir: yes\n")
+    assert str(e.value) == (
+        f"{path}: output_dir=True: YAML reads an unquoted yes/no/on/off/true/false as a "
+        'boolean; quote the text (output_dir: "...")'
+    )
+    with pytest.raises(ValueError, match="^--config='' names no file$"):
+        parse_args(["--config", ""])
+
+
+def test_paths_expand_home_and_variables(tmp_path, monkeypatch):
+    """`~` and `$VAR` in a path setting are expanded as a shell expands them on a
+    command line (a YAML file's are not): no folder named `~` or `$HOME` is made under
+    the working directory. A variable that is not set is refused by name."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    monkeypatch.delenv("NOT_SET_ANYWHERE", raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  output_dir: ~/out\n  compilation_cache_dir: $RUNS/xla\n")
+    cfg = parse_args(["--config", str(path), "--data_path", "${RUNS}/d.jsonl"])
+    assert cfg.run.output_dir == str(tmp_path / "home" / "out")
+    assert cfg.run.compilation_cache_dir == str(tmp_path / "runs" / "xla")
+    assert cfg.data.data_path == str(tmp_path / "runs" / "d.jsonl")
+    with pytest.raises(ValueError) as e:
+        parse_args(["--data_cache_dir", "$NOT_SET_ANYWHERE/c"])
+    assert str(e.value) == (
+        "--data_cache_dir='$NOT_SET_ANYWHERE/c': $NOT_SET_ANYWHERE is not set in the environment"
+    )
+
+
+def test_a_relative_pattern_is_written_absolute(tmp_path, monkeypatch):
+    """A run's train_config.yaml runs the same job from any directory: a relative data
+    pattern is written from its folder, as other paths are."""
+    from train import outputs
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--data_path", "data/*.jsonl", "--output_dir", "runs/x"])
+    import yaml
+
+    with open(outputs.write_settings(str(tmp_path / "out"), cfg)) as f:
+        written = yaml.safe_load(f)
+    assert written["data"]["data_path"] == str(tmp_path / "data" / "*.jsonl")
+    assert written["run"]["output_dir"] == str(tmp_path / "runs" / "x")
+
+
 def test_cli_config_errors_are_one_line(tmp_path, capsys):
     from train.__main__ import main
 

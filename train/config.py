@@ -724,6 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Settings whose flag takes a JSON object, which a YAML config may give as a mapping.
 JSON_FIELDS = ("chat_template_kwargs", "lr_scheduler_kwargs", "rope_scaling")
+# Of those, the ones whose values are numbers (a chat template's variables may be text).
+NUMBER_MAPPINGS = ("lr_scheduler_kwargs", "rope_scaling")
 
 
 def _yaml_number(value: Any) -> Any:
@@ -746,9 +748,21 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
             return None
         raise ValueError(f"{where}: {key}=None is not allowed ({kind} is)")
     if key in JSON_FIELDS and isinstance(value, dict):  # a YAML mapping: the flag's JSON
-        if key == "rope_scaling":  # YAML 1.1 reads `5e5` as a string: RoPE's are numbers
+        if key in NUMBER_MAPPINGS:  # YAML 1.1 reads `5e5` as a string: these are numbers
             value = {k: _yaml_number(v) for k, v in value.items()}
         return json.dumps(value)
+    if key == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)  # HF's list, as the flag's words
+    allowed = next((c for (_, name), c in CHOICES.items() if name == key), ())
+    if optional and None in allowed and isinstance(value, str) and value in ("None", "none"):
+        return None  # the choice `--help` lists as None, typed
+    if isinstance(value, bool) and conv is str:  # YAML 1.1 reads an unquoted no as false
+        if value is False and "no" in allowed:
+            return "no"
+        raise ValueError(
+            f"{where}: {key}={value!r}: YAML reads an unquoted yes/no/on/off/true/false as "
+            f'a boolean; quote the text ({key}: "...")'
+        )
     try:
         if conv is _parse_bool:
             return value if isinstance(value, bool) else _parse_bool(value)
@@ -963,6 +977,39 @@ def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
     return lines
 
 
+# The settings that name files or directories: `~` and `$VAR` expanded when read,
+# written absolute so that `--config` runs the same job from any directory (a preset
+# name, `sample`, stays).
+PATH_SETTINGS = (
+    ("model", "model_name_or_path"),
+    ("data", "data_path"),
+    ("data", "eval_data_path"),
+    ("data", "tokenizer_name_or_path"),
+    ("data", "chat_template"),
+    ("data", "data_cache_dir"),
+    ("run", "output_dir"),
+    ("run", "compilation_cache_dir"),
+    ("profile", "profile_dir"),
+)
+
+
+def expand_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with `~` and `$VAR` / `${VAR}` in its path settings expanded, as a shell
+    expands them on a command line (a YAML file's are not); ValueError naming the
+    setting where a variable is not set (a folder named `$HOME` would be made)."""
+    sections = {}
+    for section, name in PATH_SETTINGS:
+        obj = sections.get(section, getattr(cfg, section))
+        value = getattr(obj, name)
+        if not value or ("~" not in value and "$" not in value):
+            continue
+        expanded = os.path.expandvars(os.path.expanduser(value))
+        if unset := re.search(r"\$(\w+|\{\w+\})", expanded):
+            raise ValueError(f"--{name}={value!r}: {unset.group(0)} is not set in the environment")
+        sections[section] = dataclasses.replace(obj, **{name: expanded})
+    return dataclasses.replace(cfg, **sections) if sections else cfg
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
     """Flags (and `--config` YAML) -> `TrainConfig`; explicit flags win over the YAML.
     A setting that another leaves unused gets a warning line on stderr
@@ -980,9 +1027,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if len(configs) > 1:
         given = " and ".join(f"--config={c!r}" for c in configs)
         raise ValueError(f"{given}: pass one --config file (flags override it)")
+    if configs and not configs[0].strip():
+        raise ValueError(f"--config={configs[0]!r} names no file")
     config = config_file(configs[0]) if configs else None
     overrides = load_yaml(config) if config else {}
-    cfg = from_overrides(overrides, flags, where=config or "config")
+    cfg = expand_paths(from_overrides(overrides, flags, where=config or "config"))
     # Given: on the command line, or in the YAML away from the default (a run's saved
     # train_config.yaml holds every setting).
     given = {

@@ -32,8 +32,9 @@ from jax.experimental import multihost_utils
 from models.convert import tokenizer_files as folder_tokenizer_files
 from models.files import atomic_write, folder_error
 from train.chat import is_template_file, read_chat_template, save_chat_template, template_files
-from train.config import TrainConfig
+from train.config import PATH_SETTINGS, TrainConfig
 from train.errors import TrainingError
+from train.patterns import is_pattern
 from train.run_files import LOG_FILE, SETTINGS_FILE
 from train.tensorboard import truncate_events
 
@@ -481,20 +482,7 @@ def kept_aside(aside: str, step: int) -> str:
     )
 
 
-# The settings that name files or directories, written as absolute paths so that
-# `--config` runs the same job from any directory (a preset name, `sample`, stays).
-PATH_SETTINGS = (
-    ("model", "model_name_or_path"),
-    ("data", "data_path"),
-    ("data", "eval_data_path"),
-    ("data", "tokenizer_name_or_path"),
-    ("data", "chat_template"),
-    ("data", "data_cache_dir"),
-    ("run", "output_dir"),
-    ("run", "compilation_cache_dir"),
-    ("profile", "profile_dir"),
-)
-# Of those, the ones the run creates (made absolute whether or not they exist yet).
+# Of `PATH_SETTINGS`, the ones the run creates (made absolute whether or not they exist yet).
 CREATED_DIRS = ("data_cache_dir", "output_dir", "profile_dir", "compilation_cache_dir")
 
 
@@ -515,8 +503,8 @@ def write_settings(out: str, cfg: TrainConfig) -> str:
     record = dataclasses.asdict(job)
     for section, name in PATH_SETTINGS:
         value = record[section][name]
-        if value and (name in CREATED_DIRS or os.path.exists(value)):
-            record[section][name] = os.path.abspath(value)
+        if value and (name in CREATED_DIRS or os.path.exists(value) or is_pattern(value)):
+            record[section][name] = os.path.abspath(value)  # a pattern: its folder's
     text = yaml.safe_dump(record, sort_keys=False, default_flow_style=False)
     header = "# The settings of the run in this directory: python -m train --config <this file>\n"
     with atomic_write(path, "w") as f:  # a rewrite cut off keeps the file it replaces
