@@ -579,6 +579,13 @@ def test_yaml_values_as_their_writers_mean_them(tmp_path):
     )
     with pytest.raises(ValueError, match="^--config='' names no file$"):
         parse_args(["--config", ""])
+    path.write_bytes("run:\n  output_dir: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ValueError) as e:
+        parse_args(["--config", str(path)])
+    assert str(e.value) == (
+        f"--config={str(path)!r}: byte 22 is not UTF-8 (invalid continuation byte); save "
+        "it as UTF-8"
+    )
 
 
 def test_paths_expand_home_and_variables(tmp_path, monkeypatch):

@@ -843,8 +843,12 @@ def config_file(path: str) -> str:
 
 def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"--config={path!r}: byte {e.start} is not UTF-8 ({e.reason}); save it as UTF-8"
+        ) from None
     except FileNotFoundError as e:
         # `configs/x.yaml` of the docs, outside a clone: name the installed copy
         shipped = shipped_config(os.path.basename(path))
