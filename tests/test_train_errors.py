@@ -1141,3 +1141,15 @@ def test_cudnn_attention_without_a_gpu_is_refused_by_its_flag_first(tmp_path, ca
     err = _one_line_error([*argv, "--output_dir", str(tmp_path / "run")], capsys)
     said = "--attention cudnn needs NVIDIA GPUs (cuDNN), but this runs on 'cpu'"
     assert err == f"error: {said}: use ring, jflash or xla\n"
+
+
+def test_a_relative_data_path_not_found_says_where_it_looked(tmp_path, monkeypatch):
+    """Relative paths are the working directory's (a YAML file's too): the error says
+    which absolute path was looked for."""
+    monkeypatch.chdir(tmp_path)
+    argv = [*BASE, "--output_dir", str(tmp_path / "run"), "--max_steps", "1"]
+    with pytest.raises(TrainingError) as e:
+        run(parse_args([*argv, "--data_path", "data/typo.jsonl"]))
+    assert str(e.value) == (
+        f"--data_path='data/typo.jsonl': no such data file (looked for {tmp_path}/data/typo.jsonl)"
+    )

@@ -251,6 +251,8 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
         flag = "--eval_data_path" if eval else "--data_path"
         if not source_exists(path):
             what = "no data file matches it" if is_pattern(path) else "no such data file"
+            if not os.path.isabs(path):  # relative to the working directory, not a YAML's
+                what += f" (looked for {os.path.abspath(path)})"
             raise TrainingError(f"{flag}={path!r}: {what}")
         name = cfg.model.model_name_or_path
         # The model directory's tokenizer where it has one; text without any asks for one.
