@@ -721,6 +721,21 @@ def test_resume_with_another_learning_rate_schedule_is_refused(tmp_path, capsys)
     assert main([*argv, *same]) == 0
 
 
+def test_resume_with_another_warmup_no_sample_holds_is_refused(tmp_path, capsys):
+    """Another warmup length moves the rate only inside the ramp, where no sampled step
+    of both runs may fall (40 steps: samples at 0, 5, 10, ...; warmup 3 -> 2): the
+    phases' lengths are compared too, and the resume is refused naming them."""
+    argv = [*BASE, "--data_path", "sample", "--max_steps", "40", "--save_steps", "20"]
+    argv += ["--report_to", "none", "--export_hf", "false"]
+    argv += ["--lr_scheduler_type", "constant_with_warmup", "--logging_steps", "20"]
+    assert main([*argv, "--warmup_steps", "3", "--output_dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "20")]
+    resume += ["--output_dir", str(tmp_path / "b")]
+    err = _one_line_error([*argv, *resume, "--warmup_steps", "2"], capsys)
+    assert "another learning-rate schedule (--warmup_steps 3 -> 2, warmup 3 -> 2 steps)" in err
+
+
 def test_resume_with_other_update_settings_is_refused(tmp_path, capsys):
     """A checkpoint records the flags its optimizer's update reads and the compute
     dtype: a resume that changes them mid-run is refused in one line naming each, before

@@ -20,7 +20,7 @@ from train.build import Trainer
 from train.checkpoint import other_params
 from train.config import TrainConfig
 from train.errors import TrainingError
-from train.optim import update_settings, warmup_steps
+from train.optim import decay_steps, update_settings, warmup_steps
 
 # Rows whose tokens and labels identify the training data in a checkpoint: spread over
 # the data, first and last included, so another file or another order of the same rows
@@ -120,6 +120,8 @@ SCHEDULE_FLAGS = (
     "decay_type",
 )
 SCHEDULE_PROBES = 9
+# The schedules whose decay takes the last `--decay_ratio` of the run.
+WSD_SCHEDULERS = ("wsd", "warmup_stable_decay")
 
 
 def _schedule_record(t: Trainer) -> dict:
@@ -134,6 +136,12 @@ def _schedule_record(t: Trainer) -> dict:
     return {
         "flags": {k: getattr(o, k) for k in SCHEDULE_FLAGS},
         "lr": {str(i): float(t.lr_at(i)) for i in steps},
+        # The phases' lengths in steps, whatever flags spell them: another warmup moves
+        # the rate at steps no sample of both runs may hold.
+        "phases": {
+            "warmup": None if o.lr_scheduler_type == "constant" else warmup,
+            "decay": decay_steps(o, total) if o.lr_scheduler_type in WSD_SCHEDULERS else None,
+        },
     }
 
 
@@ -144,7 +152,9 @@ def _schedule_error(saved: dict, new: dict) -> str | None:
     apart = [
         i for i in steps if not math.isclose(saved["lr"][i], new["lr"][i], rel_tol=1e-6, abs_tol=0)
     ]
-    if steps and not apart:
+    phases = saved.get("phases"), new.get("phases")  # (records written before: none)
+    moved = None not in phases and phases[0] != phases[1]
+    if steps and not apart and not moved:
         return None
     flags = [
         f"--{k} {saved['flags'][k]} -> {new['flags'][k]}"
@@ -154,6 +164,12 @@ def _schedule_error(saved: dict, new: dict) -> str | None:
     if apart:
         i = apart[0]
         flags.append(f"lr at step {int(i) + 1}: {saved['lr'][i]:.3g} -> {new['lr'][i]:.3g}")
+    elif moved:
+        flags += [
+            f"{name} {phases[0][name]} -> {phases[1][name]} steps"
+            for name in ("warmup", "decay")
+            if phases[0][name] != phases[1][name]
+        ]
     return ", ".join(flags)
 
 
