@@ -265,3 +265,36 @@ def test_intervals_below_1_are_a_fraction_of_the_run_as_hf(tmp_path, capsys):
     assert "expected a number of steps (or below 1 a fraction of the run's), got 'often'" in (
         capsys.readouterr().err
     )
+
+
+def test_a_resume_on_other_evaluation_data_says_so(tmp_path, capsys):
+    """The eval_loss series of a resumed run continues the checkpoint's: a resume with
+    another --eval_data_path (or none) gets a warning line naming the step where the
+    series changes data; the same data resumes without one."""
+    rng = np.random.default_rng(0)
+    for name in ("a.jsonl", "b.jsonl"):
+        rows = [rng.integers(3, 500, size=64).tolist() for _ in range(4)]
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--model_name_or_path", "tiny", "--data_path", "sample", "--max_steps", "4"]
+    argv += ["--model_max_length", "64", "--mesh", "data=1,fsdp=-1,seq=1", "--attention", "xla"]
+    argv += ["--save_steps", "2", "--export_hf", "false", "--report_to", "none"]
+    argv += ["--progress", "false"]
+    first = ["--eval_data_path", str(tmp_path / "a.jsonl"), "--output_dir", str(tmp_path / "r")]
+    run(parse_args([*argv, *first]))
+    resume = ["--resume_from_checkpoint", str(tmp_path / "r" / "checkpoints" / "2")]
+    capsys.readouterr()
+    for i, (data, said) in enumerate(
+        [
+            ("a.jsonl", None),
+            ("b.jsonl", "evaluated on its --eval_data_path, this one on other data"),
+            (None, "evaluated on its --eval_data_path, this one evaluates on nothing"),
+        ]
+    ):
+        other = ["--eval_data_path", str(tmp_path / data)] if data else []
+        run(parse_args([*argv, *resume, *other, "--output_dir", str(tmp_path / f"b{i}")]))
+        warned = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+        assert warned == (
+            [f"warning: checkpoint 2's run {said}: the eval_loss series changes data after step 2"]
+            if said
+            else []
+        )

@@ -41,6 +41,7 @@ from train.run_record import (
     check_model,
     check_resumable,
     data_fingerprint,
+    eval_data_warning,
     label_fingerprint,
     resolve_auto_resume,
     run_record,
@@ -566,6 +567,8 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
         source.close()
     start_step = int(meta["step"])
     check_resumable(meta, run_meta, source.directory)
+    if jax.process_index() == 0 and (line := eval_data_warning(meta, run_meta)):
+        print(line, flush=True)
     # The saved data position must land on the same step with this data/batch.
     resumed = data_lib.Batches(
         t.rows,

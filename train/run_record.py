@@ -93,16 +93,40 @@ def run_record(t: Trainer) -> dict:
             **_document_settings(t),
         },
         "schedule": _schedule_record(t),
+        # What the run evaluates on (None: no evaluation): a resume may change it, said.
+        "eval": data_fingerprint(t.eval_rows) if t.eval_rows is not None else None,
     }
+
+
+def eval_data_warning(meta: dict, run_meta: dict) -> str | None:
+    """The warning line where a resume evaluates on other data than the checkpoint's run
+    did (or starts or stops evaluating): its eval_loss series then changes data at the
+    resumed step, which the log would not otherwise tell. None where it does not."""
+    saved = (meta.get("run") or {}).get("eval", "unrecorded")
+    new = run_meta.get("eval")
+    if saved == "unrecorded" or saved == new:  # (a checkpoint written before the record)
+        return None
+    step = meta["step"]
+    before = "evaluated on nothing" if saved is None else "evaluated on its --eval_data_path"
+    if new is None:
+        now = "this one evaluates on nothing"
+    elif saved is None:
+        now = "this one evaluates from here on"
+    else:
+        now = "this one on other data"
+    return (
+        f"warning: checkpoint {step}'s run {before}, {now}: the eval_loss series changes "
+        f"data after step {step}"
+    )
 
 
 def _document_settings(t: Trainer) -> dict:
     """What the step makes of packed documents, as it runs (not as flagged): whether the
-    attention stays inside each (`--mask_documents`; false where every row holds one
-    document, nothing to mask) and where RoPE positions count from (`per_document` only
-    where documents are masked). Another mask or other positions change every step's
-    gradient, so a resume keeps them."""
-    mask = bool(t.spec.mask_documents)
+    attention stays inside each (`--mask_documents`; false where every training row
+    holds one document, nothing to mask, whatever the evaluation's rows hold) and where
+    RoPE positions count from (`per_document` only where documents are masked). Another
+    mask or other positions change every step's gradient, so a resume keeps them."""
+    mask = bool(t.spec.mask_documents and t.rows.packed)
     restart = mask and t.cfg.data.packing_positions == "per_document"
     return {"mask_documents": mask, "packing_positions": "per_document" if restart else "running"}
 
@@ -254,6 +278,7 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> None:
         )
     # Checked on their own, with their own advice.
     own_checks = (
+        "eval",  # a warning, `eval_data_warning`
         "total_steps",
         "optim",
         "optim_state",
