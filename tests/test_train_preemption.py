@@ -399,6 +399,50 @@ def test_a_sigterm_during_an_evaluation_does_not_hold_the_save(tmp_path, monkeyp
     assert steps[3] == (3, False)
 
 
+def test_a_sigterm_during_the_last_steps_evaluation_is_evaluated_on_resume(
+    tmp_path, monkeypatch, capsys
+):
+    """The evaluation of the run's last step cut short by a SIGTERM: the resume finds
+    nothing to train, evaluates that step (where it used to say "nothing to train" and
+    lose it), and a resume after that does not evaluate it twice."""
+    from train import build
+
+    batches, evaluate = build.Trainer.eval_batches, loop._evaluate
+    evaluations = []
+
+    def counted(*args, **kwargs):
+        evaluations.append(True)
+        return evaluate(*args, **kwargs)
+
+    def sigterm_in_the_first(self):
+        for batch in batches(self):
+            if len(evaluations) == 1:  # the first evaluation, as its first batch is made
+                signal.raise_signal(signal.SIGTERM)
+            yield batch
+
+    monkeypatch.setattr(loop, "_evaluate", counted)
+    monkeypatch.setattr(build.Trainer, "eval_batches", sigterm_in_the_first)
+    out = tmp_path / "run"
+    flags = ["--eval_data_path", "sample", "--eval_strategy", "steps", "--eval_steps"]
+    flags += [str(STEPS), "--per_device_train_batch_size", "1", "--output_dir", str(out)]
+    with pytest.raises(Preempted) as stopped:
+        loop.run(parse_args([*TINY, *flags]))
+    assert (stopped.value.step, stopped.value.saved) == (STEPS, True)
+    assert f"SIGTERM during the evaluation at step {STEPS}: left unfinished" in (
+        capsys.readouterr().out
+    )
+    evaluations.append(True)  # no more SIGTERMs
+    resume = [*TINY, *flags, "--resume_from_checkpoint", "latest"]
+    for said in (": evaluating it, which a stop cut short", ""):
+        loop.run(parse_args(resume))
+        err = capsys.readouterr().err
+        assert f"nothing to train: checkpoint {STEPS} is already at the run's" in err
+        assert err.split(f"{STEPS} steps", 1)[1].startswith(said + "\n"), err
+        with open(out / "log.jsonl") as f:
+            evals = [r["step"] for r in map(json.loads, f) if "eval_loss" in r]
+        assert evals == [STEPS]
+
+
 def test_a_sigterm_before_an_overwrite_runs_first_checkpoint_keeps_both_runs(
     tmp_path, monkeypatch, capsys
 ):

@@ -307,8 +307,15 @@ def _run_from(
     if continuing and is_main:
         outputs.drop_after(out, start_step)
     # A resume that finds its run done writes nothing: the settings file keeps the
-    # run's own, and no empty TensorBoard file is added.
+    # run's own, and no empty TensorBoard file is added; but an evaluation of its last
+    # step that a stop cut short (and no resume finished since) is run.
     trains = start_step < t.total_steps
+    evaluates = (
+        not trains
+        and eval_pending
+        and t.eval_rows is not None
+        and not outputs.logged_eval(out, start_step)
+    )
     if is_main and trains:
         outputs.write_settings(out, cfg)
         if t.chat_templates is not None:
@@ -320,11 +327,12 @@ def _run_from(
     if not trains and is_main:
         print(
             f"nothing to train: checkpoint {start_step} is already at the run's "
-            f"{plural(t.total_steps, 'step')}",
+            f"{plural(t.total_steps, 'step')}"
+            + (": evaluating it, which a stop cut short" if evaluates else ""),
             file=sys.stderr,
         )
     history = []
-    if trains:
+    if trains or evaluates:
         state, history = _train(
             t, state, start_step, step_fn, is_main, run_meta, aside, eval_pending
         )

@@ -603,6 +603,21 @@ def run_model_config(out: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def logged_eval(out: str, step: int) -> bool:
+    """Whether `out`'s log holds an evaluation of `step` (`eval_loss`)."""
+    try:
+        with open(os.path.join(out, LOG_FILE)) as f:
+            for line in f:
+                if '"eval_loss"' in line:
+                    with contextlib.suppress(ValueError):
+                        record = json.loads(line)
+                        if isinstance(record, dict) and record.get("step") == step:
+                            return True
+    except OSError:  # no log yet
+        return False
+    return False
+
+
 def drop_after(out: str, last_step: int) -> None:
     """Drops the log records and TensorBoard scalars after the checkpoint resumed from
     (a killed run logged steps it never saved; they are run again). Each file is
