@@ -343,15 +343,10 @@ def test_a_second_sigterm_or_a_ctrl_c_during_the_preemption_save_is_dropped(tmp_
         saved.close()
 
 
-@pytest.mark.parametrize("when", ["on_start", "mid_run"])
-def test_a_sigterm_during_an_evaluation_does_not_hold_the_save(tmp_path, monkeypatch, capsys, when):
-    """A SIGTERM while the validation set is evaluated does not wait for the evaluation
-    (a long one would outlast a preemption's grace period). `--eval_on_start`'s stops
-    the run as a SIGTERM before the first step does (nothing trained, nothing saved;
-    its restart evaluates again); a step's is left unfinished and unlogged, the step
-    saved with a note of it, and the resume evaluates that step first."""
+def _sigterm_in_the_first_evaluation(monkeypatch) -> list:
+    """A SIGTERM raised as the run's first evaluation makes its first batch; returns
+    the list each evaluation appends to (append to it to stop further SIGTERMs)."""
     from train import build
-    from train.errors import Terminated, signals_as_interrupts
 
     batches, evaluate = build.Trainer.eval_batches, loop._evaluate
     evaluations = []
@@ -368,6 +363,19 @@ def test_a_sigterm_during_an_evaluation_does_not_hold_the_save(tmp_path, monkeyp
 
     monkeypatch.setattr(loop, "_evaluate", counted)
     monkeypatch.setattr(build.Trainer, "eval_batches", sigterm_in_the_first)
+    return evaluations
+
+
+@pytest.mark.parametrize("when", ["on_start", "mid_run"])
+def test_a_sigterm_during_an_evaluation_does_not_hold_the_save(tmp_path, monkeypatch, capsys, when):
+    """A SIGTERM while the validation set is evaluated does not wait for the evaluation
+    (a long one would outlast a preemption's grace period). `--eval_on_start`'s stops
+    the run as a SIGTERM before the first step does (nothing trained, nothing saved;
+    its restart evaluates again); a step's is left unfinished and unlogged, the step
+    saved with a note of it, and the resume evaluates that step first."""
+    from train.errors import Terminated, signals_as_interrupts
+
+    evaluations = _sigterm_in_the_first_evaluation(monkeypatch)
     out = tmp_path / "run"
     flags = ["--eval_data_path", "sample", "--eval_strategy", "steps", "--eval_steps", "2"]
     flags += ["--per_device_train_batch_size", "1", "--output_dir", str(out)]
@@ -405,23 +413,7 @@ def test_a_sigterm_during_the_last_steps_evaluation_is_evaluated_on_resume(
     """The evaluation of the run's last step cut short by a SIGTERM: the resume finds
     nothing to train, evaluates that step (where it used to say "nothing to train" and
     lose it), and a resume after that does not evaluate it twice."""
-    from train import build
-
-    batches, evaluate = build.Trainer.eval_batches, loop._evaluate
-    evaluations = []
-
-    def counted(*args, **kwargs):
-        evaluations.append(True)
-        return evaluate(*args, **kwargs)
-
-    def sigterm_in_the_first(self):
-        for batch in batches(self):
-            if len(evaluations) == 1:  # the first evaluation, as its first batch is made
-                signal.raise_signal(signal.SIGTERM)
-            yield batch
-
-    monkeypatch.setattr(loop, "_evaluate", counted)
-    monkeypatch.setattr(build.Trainer, "eval_batches", sigterm_in_the_first)
+    evaluations = _sigterm_in_the_first_evaluation(monkeypatch)
     out = tmp_path / "run"
     flags = ["--eval_data_path", "sample", "--eval_strategy", "steps", "--eval_steps"]
     flags += [str(STEPS), "--per_device_train_batch_size", "1", "--output_dir", str(out)]
