@@ -50,7 +50,7 @@ from train.chat import (
     parse_template_kwargs,
 )
 from train.dataset import Rows, summarize_dataset
-from train.errors import disk_error, disk_words, signals_as_interrupts, stop_status, stopped_how
+from train.errors import disk_error, disk_words, until_stopped
 from train.readers import (
     SAVED_DATASET_FILES,
     each_real_file_once,
@@ -776,13 +776,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="at most this many tokens (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    try:
-        with signals_as_interrupts():  # SIGTERM and SIGHUP end it as Ctrl-C does
-            _command(args)
-    except KeyboardInterrupt as e:  # what was being written is removed (or never renamed)
-        print(f"{stopped_how(e)}: python -m train.data {args.command} stopped", file=sys.stderr)
-        sys.stdout.flush()
-        sys.exit(stop_status(e))
+    try:  # a stop: what was being written is removed (or never renamed)
+        until_stopped(lambda: _command(args), f"python -m train.data {args.command} stopped")
     except NoTokenizerError as e:
         parser.exit(2, f"error: {e.asking_for('--tokenizer')}\n")
     except ChatTurnsError as e:

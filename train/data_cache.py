@@ -59,6 +59,8 @@ from train.dataset import (
     Rows,
     ShortData,
     TokenDataset,
+    check_example_vocab,
+    document_end,
     dropped_tail,
     load_dataset,
     padding_tokens,
@@ -705,12 +707,8 @@ def build_cache(
                     )
                 ids, labels = example.input_ids, example.labels
                 if vocab_size is not None:
-                    _check_vocab(source, where(example), ids, labels, vocab_size)
-                end = None
-                if eos_id is not None and ids[-1] != eos_id:
-                    ignored = labels is not None and labels[-1] == IGNORE_INDEX
-                    end = (eos_id, IGNORE_INDEX if ignored else eos_id)
-                writer.add(ids, labels, end)
+                    check_example_vocab(source, where(example), ids, labels, vocab_size)
+                writer.add(ids, labels, document_end(ids, labels, eos_id))
         finally:
             writer.close()
         if len(writer.offsets) == 1:
@@ -767,13 +765,6 @@ def _bytes(n: int) -> str:
     if n >= 1e8:
         return f"{n / 1e9:.1f} GB"
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{round(n / 1e3)} kB"
-
-
-def _check_vocab(source, where, ids, labels, vocab_size) -> None:
-    for name, values in (("token id", ids), ("label", labels)):
-        if values is not None and values.size and values.max() >= vocab_size:
-            bad = int(values[np.argmax(values >= vocab_size)])
-            raise ValueError(f"{source}: {where}: {name} {bad} is out of range for {vocab_size=}")
 
 
 def _move_into_place(tmp: Path, cache_dir: Path) -> None:

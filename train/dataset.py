@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -455,24 +455,14 @@ def summarize_dataset(
     where = example_where(path)
     count = tokens = labelled = max_id = 0
     shortest, longest = None, 0
-    bad: dict[str, str] = {}  # the first token id / label past vocab_size, as named
     kept: list[tuple[np.ndarray, np.ndarray]] = []
-    started = last = time.monotonic()
-    for example in read_examples(path, parser):
-        ids = np.asarray(example.input_ids, np.int32)
-        targets = ids if example.labels is None else np.asarray(example.labels, np.int32)
-        if vocab_size is not None:  # the data's ids, as `TokenDataset.check_vocab` checks
-            for name, values in (("token id", ids), ("label", targets)):
-                if name not in bad and (values >= vocab_size).any():
-                    value = int(values[np.flatnonzero(values >= vocab_size)[0]])
-                    bad[name] = (
-                        f"{path}: {where(example)}: {name} {value} is out of range for "
-                        f"{vocab_size=}"
-                    )
-        if eos_id is not None and ids[-1] != eos_id:  # as `TokenDataset._stream` appends it
-            eos_target = IGNORE_INDEX if targets[-1] == IGNORE_INDEX else eos_id
-            ids = np.append(ids, np.int32(eos_id))
-            targets = np.append(targets, np.int32(eos_target))
+    for example in _progress(read_examples(path, parser), f"reading {path}"):
+        ids, labels = example.input_ids, example.labels
+        if vocab_size is not None:  # the data's ids, as a token cache's build checks them
+            check_example_vocab(path, where(example), ids, labels, vocab_size)
+        targets = ids if labels is None else labels
+        if (end := document_end(ids, labels, eos_id)) is not None:  # as packing appends it
+            ids, targets = np.append(ids, np.int32(end[0])), np.append(targets, np.int32(end[1]))
         count += 1
         tokens += len(ids)
         labelled += int(np.count_nonzero(targets[1:] != IGNORE_INDEX))
@@ -480,18 +470,8 @@ def summarize_dataset(
         longest, max_id = max(longest, len(ids)), max(max_id, int(ids.max()))
         if len(kept) < keep:
             kept.append((ids, targets))
-        if (now := time.monotonic()) - last >= PROGRESS_SECONDS:  # a long read: say so
-            last = now
-            print(
-                f"reading {path}: {plural(count, 'example', grouped=True)}, {tokens:,} tokens "
-                f"so far, {tokens / (now - started):,.0f} tokens/s",
-                flush=True,
-            )
     if not count:
         raise ValueError(f"{path}: the dataset has no examples")
-    for name in ("token id", "label"):  # as `TokenDataset.check_vocab` orders them
-        if name in bad:
-            raise ValueError(bad[name])
     summary = {
         "examples": count,
         "tokens": tokens,
@@ -540,6 +520,43 @@ def _place_whole(
 
 # Seconds between the progress lines of a long read (into memory, or a cache build).
 PROGRESS_SECONDS = 30.0
+
+
+def _progress(examples: Iterator[Example], what: str, note: str = "") -> Iterator[Example]:
+    """`examples`, with a line every PROGRESS_SECONDS of a long read: `<what>: N
+    examples, M tokens so far, R tokens/s<note>`."""
+    started = last = time.monotonic()
+    count = tokens = 0
+    for example in examples:
+        count, tokens = count + 1, tokens + len(example.input_ids)
+        if (now := time.monotonic()) - last >= PROGRESS_SECONDS:
+            last = now
+            print(
+                f"{what}: {plural(count, 'example', grouped=True)}, {tokens:,} tokens so far, "
+                f"{tokens / (now - started):,.0f} tokens/s{note}",
+                flush=True,
+            )
+        yield example
+
+
+def document_end(ids: np.ndarray, labels: np.ndarray | None, eos_id: int | None):
+    """`(EOS id, its label)` that packing puts after a document of `ids` (`labels`: None
+    where they are the ids), or None where none follows it: no EOS, or the document ends
+    with it already. The EOS is labelled -100 after a last label of -100 (a prompt-only
+    record), else learned."""
+    if eos_id is None or ids[-1] == eos_id:
+        return None
+    ignored = labels is not None and labels[-1] == IGNORE_INDEX
+    return eos_id, IGNORE_INDEX if ignored else eos_id
+
+
+def check_example_vocab(source, where: str, ids, labels, vocab_size: int) -> None:
+    """ValueError naming `source`, the example (`where`) and the id, for a token id or a
+    label (None: the ids) of one example at or past `vocab_size`."""
+    for name, values in (("token id", ids), ("label", labels)):
+        if values is not None and values.size and values.max() >= vocab_size:
+            bad = int(values[np.argmax(values >= vocab_size)])
+            raise ValueError(f"{source}: {where}: {name} {bad} is out of range for {vocab_size=}")
 
 
 class _Gathered:
@@ -630,19 +647,9 @@ def load_dataset(
     fmt = data_format(path)
     parser = RecordParser(path, tokenizer, chat_template_kwargs, chat_turns, chat_template)
     gathered = _Gathered()
-    started = last = time.monotonic()
-    for example in read_examples(path, parser):
+    note = " (a token cache, --data_cache_dir, reads a corpus once)"
+    for example in _progress(read_examples(path, parser), f"reading {path} into memory", note):
         gathered.add(example)
-        if (now := time.monotonic()) - last >= PROGRESS_SECONDS:  # a long read: say so
-            last = now
-            tokens = gathered.tokens
-            print(
-                f"reading {path} into memory: "
-                f"{plural(len(gathered.lengths), 'example', grouped=True)}, {tokens:,} tokens "
-                f"so far, {tokens / (now - started):,.0f} tokens/s (a token cache, "
-                "--data_cache_dir, reads a corpus once)",
-                flush=True,
-            )
     if not gathered.lengths:
         raise ValueError(f"{path}: the dataset has no examples")
     tokens, targets = gathered.arrays()

@@ -757,9 +757,9 @@ def _check_special_token_flags(tokenizer, file: Path) -> None:
     if not flags:
         return
     ids = special_token_ids(file)
-    mask = tokenizer.encode("a").special_tokens_mask
-    encoded = tokenizer.encode("a").ids
-    text = [i for i, special in enumerate(mask) if not special]
+    encoding = tokenizer.encode("a")
+    encoded = encoding.ids
+    text = [i for i, special in enumerate(encoding.special_tokens_mask) if not special]
     head, tail = (encoded[: text[0]], encoded[text[-1] + 1 :]) if text else (encoded, encoded)
     for flag, key, added in (
         ("add_bos_token", "bos_token", head),

@@ -169,15 +169,7 @@ def _compare(argv: list[str] | None) -> list[dict]:
             }
             if reference is None:
                 reference = got
-            else:
-                if got["rows"] != reference["rows"] or got["tokens"] != reference["tokens"]:
-                    refuse(
-                        f"layout {layout!r} takes {got['rows']} rows "
-                        f"({got['tokens']} tokens) per step, the reference "
-                        f"{reference['rows']} ({reference['tokens']}): "
-                        "give every layout the same global batch (data x fsdp x "
-                        "--per_device_train_batch_size x accumulation)"
-                    )
+            else:  # the same batch: `_layout_flags` compared the flags that make it
                 params = compare(reference["grads"], got["grads"])
                 row["params"] = params
                 row["max_rel_diff"] = params[0]["rel_diff"] if params else 0.0
@@ -210,22 +202,23 @@ def _layout_flags(layouts: list[str], common: list[str]) -> dict[str, list[str]]
         # The rows of one step, as the trainer's `global_batch` x accumulation.
         run = cfg.run
         rows = run.per_device_train_batch_size * sizes["data"] * sizes["fsdp"]
-        shared = {**_shared_settings(cfg), "rows per step": rows * run.gradient_accumulation_steps}
-        reference = reference or shared
-        for name, value in shared.items():
-            if name == "rows per step" and value != reference[name]:
-                refuse(
-                    f"layout {layout!r}: takes {value} rows per step, the reference's "
-                    f"{reference[name]}: give every layout the same global batch (data x "
-                    "fsdp x --per_device_train_batch_size x accumulation) (nothing was run)"
-                )
-            if value != reference[name]:
-                refuse(
-                    f"layout {layout!r}: --{name} {value!r}, the reference's "
-                    f"{reference[name]!r}: every layout starts from the same parameters and "
-                    "takes the same batch, so only its split over devices may differ "
-                    "(nothing was run)"
-                )
+        rows *= run.gradient_accumulation_steps
+        shared = _shared_settings(cfg)
+        reference = reference or (shared, rows)
+        if different := [name for name, value in shared.items() if value != reference[0][name]]:
+            name = different[0]
+            refuse(
+                f"layout {layout!r}: --{name} {shared[name]!r}, the reference's "
+                f"{reference[0][name]!r}: every layout starts from the same parameters and "
+                "takes the same batch, so only its split over devices may differ "
+                "(nothing was run)"
+            )
+        if rows != reference[1]:
+            refuse(
+                f"layout {layout!r}: takes {rows} rows per step, the reference's "
+                f"{reference[1]}: give every layout the same global batch (data x "
+                "fsdp x --per_device_train_batch_size x accumulation) (nothing was run)"
+            )
         out[layout] = flags
     return out
 
