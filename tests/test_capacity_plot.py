@@ -211,3 +211,32 @@ def test_plot_that_cannot_be_written_is_one_line_naming_the_flag(tmp_path, monke
         capacity.main_plot([str(result), "--out", str(out)])
     assert str(e.value) == f"error: --out: cannot write {out} (No space left on device)"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["capacity.json"]
+
+
+def test_unfinished_search_is_said_and_labelled(tmp_path, capsys, monkeypatch):
+    """The `--out.partial` of a search still running (or stopped) is drawn as far as it
+    got, with a line saying so and its lines labelled unfinished in the legend."""
+    labels = []
+    import matplotlib.axes
+
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(
+        matplotlib.axes.Axes,
+        "plot",
+        lambda self, *a, **k: labels.append(k.get("label")) or plot(self, *a, **k),
+    )
+    partial = json.loads(json.dumps(OFFLOAD))
+    partial["rows"][0]["incomplete"] = True
+    path = tmp_path / "capacity.json.partial"
+    path.write_text(json.dumps(partial))
+    capacity.main_plot([str(path), "--out", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert f"note: {path}: an unfinished search" in out
+    assert "llama3.2-1b on seq=1 is drawn as far as it got" in out
+    assert "offload_attn (unfinished) device" in labels
+    labels.clear()
+    (tmp_path / "done.json").write_text(json.dumps(OFFLOAD))
+    capacity.main_plot(
+        [str(tmp_path / "done.json"), "--out", str(tmp_path / "p.png"), "--overwrite"]
+    )
+    assert "note:" not in capsys.readouterr().out and "offload_attn device" in labels

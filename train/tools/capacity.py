@@ -747,8 +747,22 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
     line of device GiB and a dashed one of host GiB over the probes that compiled, an x
     on those that do not fit; the device limit (and the host limit, where the host lines
     come near it) as horizontal lines."""
-    results = [result for path in paths for result in load_results(path)]
+    loaded = [(path, result) for path in paths for result in load_results(path)]
+    results = [result for _, result in loaded]
     runs = [load_measured(run) for run in measured]
+    unfinished = set()  # (remat, mesh) of rows written while their search ran
+    for path, result in loaded:
+        remat = (result.get("settings") or {}).get("remat", "?")
+        for row in result["rows"]:
+            if row.get("incomplete"):
+                unfinished.add((remat, row.get("mesh", "")))
+                print(
+                    f"note: {path}: an unfinished search (written while `capacity` ran, or "
+                    f"by one that was stopped): {row['model']} on {row.get('mesh', '?')} is "
+                    "drawn as far as it got, and the models and meshes it had not reached are "
+                    "missing",
+                    flush=True,
+                )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -798,6 +812,8 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
             if not probes:
                 continue
             name = f"{key[0]} {key[1]}" if several_meshes else key[0]
+            if key in unfinished:
+                name += " (unfinished)"
             for field, style, what in (("gib", "-", "device"), ("host_gib", "--", "host")):
                 pts = [(p["seq"], p[field], p.get("fits")) for p in probes]
                 pts = [pt for pt in pts if pt[1] is not None]
