@@ -577,6 +577,19 @@ def test_yaml_values_as_their_writers_mean_them(tmp_path):
         f"{path}: output_dir=True: YAML reads an unquoted yes/no/on/off/true/false as a "
         'boolean; quote the text (output_dir: "...")'
     )
+    for text, read_as, why in (
+        ("010", 8, "octal (a leading zero)"),
+        ("1:30", 90, "base 60 (a colon)"),
+        ("1:30.5", 90.5, "base 60 (a colon)"),
+    ):
+        with pytest.raises(ValueError) as e:
+            read(f"run:\n  seed: {text}\n")
+        assert str(e.value) == (
+            f"--config={str(path)!r}, line 2: {text} reads as the number {read_as} in YAML "
+            f'1.1, {why}; write {read_as}, or quote it ("{text}")'
+        )
+    for text, seed in (("07", 7), ("0", 0), ("0x10", 16), ("1_000", 1000), ("08", 8)):
+        assert read(f"run:\n  seed: {text}\n").run.seed == seed, text
     with pytest.raises(ValueError, match="^--config='' names no file$"):
         parse_args(["--config", ""])
     path.write_bytes("run:\n  output_dir: caf\u00e9\n".encode("latin-1"))

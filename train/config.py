@@ -820,6 +820,36 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node):
+        """YAML 1.1's integers, but one it reads as another number than it shows is
+        refused: a leading zero is octal (`seed: 010` is 8), a colon base 60 (`1:30`)."""
+        read = super().construct_yaml_int(node)
+        text = str(node.value).replace("_", "")
+        if ":" in text or (re.fullmatch(r"[-+]?0[0-7]+", text) and int(text, 10) != read):
+            raise AmbiguousNumber(node, read)
+        return read
+
+    def construct_yaml_float(self, node):
+        read = super().construct_yaml_float(node)
+        if ":" in str(node.value):  # base 60, as above
+            raise AmbiguousNumber(node, read)
+        return read
+
+
+class AmbiguousNumber(yaml.YAMLError):
+    """A YAML 1.1 number that reads as another than it shows (`_UniqueKeyLoader`)."""
+
+    def __init__(self, node, read):
+        why = "base 60 (a colon)" if ":" in str(node.value) else "octal (a leading zero)"
+        super().__init__(
+            f"line {node.start_mark.line + 1}: {node.value} reads as the number {read} in "
+            f'YAML 1.1, {why}; write {read}, or quote it ("{node.value}")'
+        )
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+
 
 def shipped_config(name: str) -> str:
     """The path of ``configs/<name>``, the example configs jflash ships: the source
@@ -856,6 +886,8 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"--config={path!r}: {e.strerror}{hint}") from None
     except OSError as e:
         raise ValueError(f"--config={path!r}: {e.strerror}") from None
+    except AmbiguousNumber as e:
+        raise ValueError(f"--config={path!r}, {e}") from None
     except yaml.YAMLError as e:
         where = " ".join(str(e).split())  # PyYAML puts the position on lines of its own
         raise ValueError(f"--config={path!r} is not valid YAML: {where}") from None
