@@ -303,6 +303,23 @@ def test_config_flags_yaml_and_errors(tmp_path):
         with pytest.raises(ValueError) as error:
             parse_args(["--config", str(yaml_path)])
         assert str(error.value).endswith(f" (settings go under their section: {keys})")
+    # HF-only keys and other trainers' names are explained as their flags are.
+    for text, told in (
+        (
+            "run:\n  deepspeed: ds.json\n  lr: 3\n",
+            "; deepspeed: sharding is --mesh with --fsdp full_shard (docs/trainer.md); "
+            "lr: did you mean learning_rate (under optim:)?",
+        ),
+        (
+            "deepspeed: ds.json\nlearning_rate: 0.5\n",
+            " (settings go under their section: learning_rate under optim:); deepspeed: "
+            "sharding is --mesh with --fsdp full_shard (docs/trainer.md)",
+        ),
+    ):
+        yaml_path.write_text(text)
+        with pytest.raises(ValueError) as error:
+            parse_args(["--config", str(yaml_path)])
+        assert str(error.value).endswith(told)
     with pytest.raises(ValueError, match="lr_scheduler_type='step'"):
         parse_args(["--lr_scheduler_type", "step"])
     for flags, match in (

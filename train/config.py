@@ -783,14 +783,24 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
 
 def _sections_of(keys) -> str:
     """Where `keys` that are settings of some section belong, as a hint to add to an
-    error: ` (settings go under their section: learning_rate under optim:)`, or ''."""
+    error: ` (settings go under their section: learning_rate under optim:)`, and what
+    does the work of HF-only keys and other trainers' names (`HF_ONLY_FLAGS`,
+    `FLAG_ALIASES`), or ''."""
     homes = {
         name: section
         for section, cls in _section_types().items()
         for name in (f.name for f in dataclasses.fields(cls))
     }
     found = [f"{k} under {homes[k]}:" for k in keys if k in homes]
-    return f" (settings go under their section: {', '.join(found)})" if found else ""
+    hint = f" (settings go under their section: {', '.join(found)})" if found else ""
+    # HF TrainingArguments' keys with no place here, and other trainers' names, as the
+    # command line explains them
+    told = [f"{k}: {HF_ONLY_FLAGS[f'--{k}']}" for k in keys if f"--{k}" in HF_ONLY_FLAGS]
+    for k in keys:
+        if alias := FLAG_ALIASES.get(f"--{k}"):
+            name = alias.split()[0][2:]
+            told.append(f"{k}: did you mean {name} (under {homes[name]}:)?")
+    return hint + "".join(f"; {t}" for t in told)
 
 
 def _replace_section(section_obj, overrides: dict[str, Any], where: str):
