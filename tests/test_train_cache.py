@@ -561,9 +561,12 @@ def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
 def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
     source = _pkl(tmp_path / "d.pkl", [[5, 6, 7, 8]])
     cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
-    assert built
+    assert built  # said at its start: a large corpus's first progress line is 30 s away
+    assert capsys.readouterr().out.startswith(
+        f"token cache: tokenizing {source} into {tmp_path / 'c'}, once\n"
+    )
     _, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
-    assert not built  # reused
+    assert not built and not capsys.readouterr().out  # reused
     _, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=3)
     assert built and "built with eos_id=2, this run's is 3" in capsys.readouterr().out
 

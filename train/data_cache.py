@@ -945,6 +945,8 @@ def ensure_cache(
             remove_leftovers(cache_dir)  # a build's, killed once its cache was in place
             return cache, False
         print(f"token cache {cache_dir} is stale ({'; '.join(stale)}): rebuilding", flush=True)
+    else:  # the first build: a large corpus takes minutes before its first progress line
+        print(f"token cache: tokenizing {source} into {cache_dir}, once", flush=True)
     cache = build_cache(
         source,
         cache_dir,
