@@ -322,8 +322,13 @@ def test_config_flags_yaml_and_errors(tmp_path):
         assert str(error.value).endswith(told)
     with pytest.raises(ValueError, match="lr_scheduler_type='step'"):
         parse_args(["--lr_scheduler_type", "step"])
+    for fsdp in ("full_shard", "auto_wrap full_shard", ""):
+        assert parse_args(["--fsdp", fsdp]).parallel.fsdp == fsdp
     for flags, match in (
         (["--fsdp", "foo"], "--fsdp='foo': supported"),
+        # HF's other words are refused, not dropped: this one would not offload
+        (["--fsdp", "full_shard offload"], "fsdp\\); offload: parameters stay on the device"),
+        (["--fsdp", "full_shard auto_wrap foobar"], "'full_shard auto_wrap foobar': supported"),
         (["--warmup_steps", "-5"], "--warmup_steps=-5"),
         (["--max_grad_norm", "-1"], "--max_grad_norm=-1.0"),
     ):

@@ -351,11 +351,8 @@ class TrainConfig:
             raise ValueError(
                 f"--eval_steps={self.run.eval_steps} must be >= 0 (0: --logging_steps)"
             )
-        if self.parallel.fsdp and "full_shard" not in self.parallel.fsdp.split():
-            raise ValueError(
-                f"--fsdp={self.parallel.fsdp!r}: supported are 'full_shard' (with or without "
-                "'auto_wrap') and '' (no FSDP: a -1 in --mesh goes to data, not fsdp)"
-            )
+        if error := fsdp_error(self.parallel.fsdp):
+            raise ValueError(error)
         error = gather_once_error(self.parallel.shard_over_seq, self.parallel.gather_once)
         if error:
             raise ValueError(error)
@@ -597,6 +594,31 @@ def _join_negative_numbers(argv: list[str]) -> list[str]:
                 continue
         out.append(arg)
     return out
+
+
+# HF's --fsdp words other than full_shard and auto_wrap, and what does their work here.
+FSDP_WORDS = {
+    "offload": "parameters stay on the device: --optimizer_offload true moves the "
+    "optimizer state to the host, --remat_policy offload_attn the activations",
+    "shard_grad_op": "parameters, gradients and optimizer state are sharded alike (full_shard)",
+    "no_shard": "--fsdp '' shards nothing (a -1 in --mesh goes to data)",
+    "hybrid_shard": "--mesh data=D,fsdp=F shards over fsdp and replicates over data",
+    "hybrid_shard_zero2": "--mesh data=D,fsdp=F shards over fsdp and replicates over data",
+}
+
+
+def fsdp_error(fsdp: str) -> str | None:
+    """Why an `--fsdp` value is refused, or None: 'full_shard' (with or without
+    'auto_wrap') and '' are taken; HF's other words are told what does their work, so
+    that none is dropped unsaid (`full_shard offload` would not offload)."""
+    words = fsdp.split()
+    if not words or ("full_shard" in words and set(words) <= {"full_shard", "auto_wrap"}):
+        return None
+    known = [f"{w}: {FSDP_WORDS[w]}" for w in dict.fromkeys(words) if w in FSDP_WORDS]
+    return (
+        f"--fsdp={fsdp!r}: supported are 'full_shard' (with or without 'auto_wrap') and '' "
+        "(no FSDP: a -1 in --mesh goes to data, not fsdp)" + "".join(f"; {k}" for k in known)
+    )
 
 
 # HF TrainingArguments' flags that have no place here, and what does their work: an HF
