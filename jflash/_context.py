@@ -264,9 +264,10 @@ def _bound_sizes(names: tuple[str, ...]) -> tuple[int, ...]:
         try:
             sizes.append(int(lax.axis_size(name)))
         except NameError:
-            axis_name = names[0] if len(names) == 1 else names
+            axis_name = name
+            among = "" if len(names) == 1 else f" (of {names})"
             raise ValueError(
-                f"{axis_name=} is not a manual axis here: call ring_attention_shard inside "
+                f"{axis_name=}{among} is not a manual axis here: call ring_attention_shard inside "
                 "jax.shard_map over that mesh axis (with it in axis_names for a partial "
                 "shard_map), or call jflash.ring_attention on global arrays"
             ) from None
@@ -328,7 +329,8 @@ def ring_attention_shard(
         cannot be told apart, and gives a wrong causal answer.
       causal: causal mask on global positions (required: non-causal ignores order).
       layout: `"zigzag"` (shard r holds chunks r and 2P-1-r of 2P: balanced causal
-        work; T_local even), `"striped"` (shard r holds tokens r, r+P, ...: balanced
+        work; each ring shard's length even: T_local, times the all-to-all degree
+        with `"hybrid"`), `"striped"` (shard r holds tokens r, r+P, ...: balanced
         with packed documents too) or `"contiguous"` (shard r holds chunk r). The
         global sequence must be in that order (`jflash.to_layout` before sharding);
         natural-order tokens give wrong causal attention silently. With `"hybrid"`
@@ -598,8 +600,10 @@ def ring_attention(
     check_layout_len(seq_len, ring_shards if ring_shards > 1 else degree, layout)
     if seq_len % (ring_shards * degree) != 0:
         raise ValueError(f"{seq_len=} must be divisible by the {ring_shards * degree} devices")
+    # the all-to-all's axis: hybrid's last, all of Ulysses' (a tuple, over them together)
+    a2a = names[-1] if strategy == "hybrid" else seq_axis
     if degree > 1:
-        check_heads(shapes.q_heads, degree, names[-1])
+        check_heads(shapes.q_heads, degree, a2a)
     segs = check_segment_ids(segment_ids, shapes)
     if is_self_ids(segment_ids):
         # One array goes to every shard as one array, which relabels it along the
@@ -609,7 +613,7 @@ def ring_attention(
     heads = _head_axes(mesh, names, q, head_axes, shapes)
     head_parts = math.prod(sizes[a] for a in heads)
     if degree > 1:  # each device's all-to-all splits its own heads further
-        check_heads(shapes.q_heads, degree, names[-1], heads, head_parts)
+        check_heads(shapes.q_heads, degree, a2a, heads, head_parts)
     batch = _batch_axes(mesh, seq_axis, q, batch_axes, heads)
     # Resolved here once as well, so a kernel that cannot run is named before tracing.
     cfg = ring_config(

@@ -1030,6 +1030,26 @@ def test_errors_name_the_problem():
         mapped(
             lambda q, k, v: jflash.ring_attention_shard(q, k, v, axis_name="sp", **call), q, k, v
         )
+    # Of several axes, the one not bound is named.
+    with pytest.raises(ValueError, match=r"^axis_name='sp' \(of \('seq', 'sp'\)\) is not a manual"):
+        mapped(
+            lambda q, k, v: jflash.ring_attention_shard(
+                q, k, v, axis_name=("seq", "sp"), strategy="hybrid", **call
+            ),
+            q,
+            k,
+            v,
+        )
+    # Ulysses over two axes splits the heads over both: the error names both.
+    wide = jax.make_mesh((2, 1), ("data", "seq"), devices=jax.devices()[:2], axis_types=auto)
+    three = jnp.concatenate([q, q[:, :, :1]], axis=2)  # 3 query heads, 1 KV head
+    heads = (
+        r"q_heads=3 must be divisible by the all-to-all degree 2 \(the size of \('data', 'seq'\)\)"
+    )
+    with pytest.raises(ValueError, match=heads):
+        jflash.ring_attention(
+            three, k, v, mesh=wide, seq_axis=("data", "seq"), strategy="ulysses", **call
+        )
     local = r"the local length q.shape\[1\]=7 \(14 tokens over 2 shards\) is odd"
     with pytest.raises(ValueError, match=local):
         mapped(
