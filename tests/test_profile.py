@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from conftest import ON_GPU, cpu_devices
 from matplotlib.text import Text
 
+from train import data as data_lib
 from train import processes, xla_flags
 from train.config import parse_args
 from train.loop import run
@@ -463,6 +465,32 @@ def test_trainer_trace_off_logging_steps_gives_each_step_its_own_window(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     report = trace.parse(os.path.join(tmp_path, "tensorboard"))
     assert report.windows == "steps" and report.steps == [5, 6, 7], report.steps
+
+
+@pytest.mark.skipif(ON_GPU, reason="reads a CPU trace; GPU traces: test_gpu_trace_*")
+def test_trainer_trace_leaves_an_evaluation_out_of_the_steps(tmp_path):
+    """An evaluation inside the --profile_steps window (step 3's, evaluating every
+    3 steps) is traced too: the trace tool still reads the training program's steps
+    3 and 4, each window ending where the evaluation's work begins, where it read the
+    evaluation (the program with the most time) as "the step" and lost step 4."""
+    data, held_out = tmp_path / "d.npy", tmp_path / "e.npy"
+    np.save(data, data_lib.markov_samples(64, 65, 256, seed=0))
+    np.save(held_out, data_lib.markov_samples(256, 65, 256, seed=1))  # longer than 2 steps
+    argv = ["--model_name_or_path", "tiny", "--data_path", str(data), "--max_steps", "5"]
+    argv += ["--eval_data_path", str(held_out), "--eval_steps", "3", "--logging_steps", "3"]
+    argv += ["--profile_steps", "3,5", "--save_strategy", "no", "--export_hf", "false"]
+    argv += ["--progress", "false", "--output_dir", str(tmp_path / "run")]
+    env = dict(os.environ, PYTHONPATH=ROOT, **cpu_devices(1))
+    done = subprocess.run(
+        [sys.executable, "-m", "train", *argv], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = trace.parse(os.path.join(tmp_path, "run", "tensorboard"))
+    assert report.module == "jit_train_step" and report.steps == [3, 4], (report.module, report.steps)
+    spans = trace._spans(trace.load(os.path.join(tmp_path, "run", "tensorboard")), "eval")
+    (device,) = report.per_step
+    evaluated = spans[0][1] - spans[0][0]
+    assert len(spans) == 1 and report.per_step[device][0].step_ms * 1e6 < evaluated
 
 
 def _fake_cpu_trace(events: list[tuple[str, str, float, float, dict]]):

@@ -582,12 +582,17 @@ def test_tflops_count_the_attention_inside_each_packed_document(tmp_path, monkey
     assert models.document_keys(rows) == pytest.approx((2 * 32**2 + 10**2 + 54**2) / 2 / 128)
 
 
-@pytest.mark.parametrize("slow", ["evaluation", "save"])
+@pytest.mark.parametrize("slow", ["evaluation", "save", "trace"])
 def test_evaluation_and_save_time_is_not_in_the_training_speed(tmp_path, monkeypatch, slow):
-    """A logging window that holds an evaluation or a checkpoint save reports the speed
-    of its training steps: their time is left out of its tokens/s and ETA."""
+    """A logging window that holds an evaluation, a checkpoint save or the writing of a
+    --profile_steps trace reports the speed of its training steps: their time is left
+    out of its tokens/s and ETA."""
     now = _ticking_clock(monkeypatch)
-    owner, name = (loop, "_evaluate") if slow == "evaluation" else (loop.Checkpoints, "save")
+    owner, name = {
+        "evaluation": (loop, "_evaluate"),
+        "save": (loop.Checkpoints, "save"),
+        "trace": (jax.profiler, "stop_trace"),
+    }[slow]
     fast = getattr(owner, name)
 
     def slowly(*args, **kwargs):
@@ -599,6 +604,8 @@ def test_evaluation_and_save_time_is_not_in_the_training_speed(tmp_path, monkeyp
     extra = ["--eval_data_path", "sample", "--eval_steps", "2", "--max_steps", "4"]
     if slow == "save":
         extra = ["--save_steps", "2", "--max_steps", "4"]
+    if slow == "trace":
+        extra = ["--profile_steps", "2,3", "--max_steps", "4", "--save_strategy", "no"]
     run(parse_args(_args(out, "--logging_steps", "2", *extra)))
     records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]

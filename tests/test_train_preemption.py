@@ -148,6 +148,20 @@ def test_sigterm_in_the_loop_saves_the_step_in_flight(tmp_path, monkeypatch, cap
     assert parts[2] > 0 and sum(parts) == pytest.approx(total, abs=0.25)  # rounded each
 
 
+def test_sigterm_in_a_traced_window_says_which_steps_were_traced(tmp_path, monkeypatch, capsys):
+    """A SIGTERM inside the --profile_steps window keeps the steps traced so far, and a
+    line says which (the trace tool reads that trace as the newest)."""
+    monkeypatch.setattr(loop, "_finish", _sigterm_after(loop._finish, 3))
+    out = tmp_path / "run"
+    with pytest.raises(Preempted):
+        loop.run(parse_args([*TINY, "--output_dir", str(out), "--profile_steps", "2,6"]))
+    assert (
+        f"--profile_steps: the run stopped in the window: traced steps 2..3 into "
+        f"{out / 'tensorboard'}\n"
+    ) in capsys.readouterr().out
+    assert list((out / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
 # Three runs of `python -m train`, two at once: about 15 s on two cores.
 @pytest.mark.slow
 def test_sigterm_saves_the_step_reached_and_a_resume_matches_an_uninterrupted_run(tmp_path):

@@ -62,6 +62,13 @@ class _Timer:
     profile: tuple[int, int] | None = None  # the traced steps, 0-based `(first, stop)`
     traced: bool = False  # the window holds a traced step (slower under the profiler)
 
+    def leave_out(self, began: float) -> None:
+        """Leaves the time since `began` (time.perf_counter) out of the throughput
+        window: an evaluation's, a save's, the profiler's. Before the first step's end
+        there is no window yet."""
+        if self.start:
+            self.start += time.perf_counter() - began
+
 
 def run(cfg: TrainConfig) -> dict:
     """Trains; returns a summary (training losses, evaluations, steps, metrics) for tests
@@ -805,8 +812,10 @@ def _train(
         for step in range(start_step, total_steps):
             if profile and step == profile[0]:
                 jax.block_until_ready(state)
+                began = time.perf_counter()
                 jax.profiler.start_trace(trace_dir)
                 tracing = True
+                timer.leave_out(began)  # the profiler's time, not a step's
             # The trace numbers steps as the step lines do (from 1).
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):
                 with _oom_advice(cfg):
@@ -818,7 +827,9 @@ def _train(
             if tracing and step == profile[1] - 1:
                 jax.block_until_ready(state)
                 tracing = False  # stopped once, even where writing the trace fails
-                jax.profiler.stop_trace()
+                began = time.perf_counter()
+                jax.profiler.stop_trace()  # writes the trace: seconds, not the steps'
+                timer.leave_out(began)
                 if is_main:
                     print(
                         f"--profile_steps: traced steps {profile[0] + 1}..{profile[1]} (as the "
@@ -853,7 +864,7 @@ def _train(
                 history += [record] if record is not None else []
                 cut_short = record is None
                 # Training speed: the window leaves an evaluation's (and a save's) time out.
-                timer.start += time.perf_counter() - began
+                timer.leave_out(began)
             if not preempted and not preemption.sync and preemption.noted:
                 # It came during the step's metrics or evaluation: this step is the last.
                 preempted = True
@@ -900,7 +911,7 @@ def _train(
                         kept = done  # the stop came just as this save was issued
                 else:  # the stop came while this save waited for the last one
                     kept = last_saved
-                timer.start += time.perf_counter() - began
+                timer.leave_out(began)
             if kept is not None:
                 stop = _wait_for_last_save(ckpt, preemption, done, kept, save_began)
                 raise Preempted(
@@ -922,8 +933,14 @@ def _train(
         watch.close()  # SIGTERM as before the loop (the run stops at once)
         # A Ctrl-C here waits: the save in flight finishes and the logs are closed.
         with outputs.signals_held(reraise=finished):
-            if tracing:  # stopped early (an error): keep what was traced
+            if tracing:  # stopped early (a signal, an error): keep what was traced
                 jax.profiler.stop_trace()
+                if is_main:
+                    print(
+                        f"--profile_steps: the run stopped in the window: traced steps "
+                        f"{profile[0] + 1}..{step + 1} into {trace_dir}",
+                        flush=True,
+                    )
             if ckpt is not None:
                 ckpt.close()
             stopped = stop is not None and "save_s" in stop.times  # saved whole
@@ -1035,7 +1052,9 @@ def _evaluate(
     (a preemption's grace period can be shorter than an evaluation)."""
     start, sums, pending = time.perf_counter(), [], collections.deque()
     stopping = preemption is not None and not preemption.sync and preemption.save
-    with _oom_advice(t.cfg):
+    # Named in a trace (a --profile_steps window may hold an evaluation): the trace tool
+    # leaves what runs inside it out of the training steps.
+    with jax.profiler.TraceAnnotation("eval"), _oom_advice(t.cfg):
         # Fetched two batches late: the host prepares the next batch while the device
         # evaluates one (a fetch per batch waited for each), and at most three batches
         # are on the device at once.

@@ -21,7 +21,10 @@ Steps are cut at the trainer's `jax.profiler.StepTraceAnnotation("train",
 step_num=...)`: each kernel belongs to the step during which the host launched it;
 on each device a step's window runs from its first kernel of the step's program to
 the next step's first kernel (the last step: to its last kernel). Without
-annotations the whole device span is one window (`windows == "whole trace"`).
+annotations the whole device span is one window (`windows == "whole trace"`). What the
+host launched inside the trainer's `TraceAnnotation("eval")` (an evaluation inside a
+`--profile_steps` window) belongs to no step: a step's window ends where the device
+begins such work.
 
 Two partitions of each window, both exact by construction (a sweep over time):
 
@@ -477,6 +480,27 @@ def _cpu_kernels(data: ProfileData) -> dict[str, list[Kernel]]:
     }
 
 
+# The trainer's annotation around an evaluation (`train.loop._evaluate`).
+EVAL_NAME = "eval"
+
+
+def _spans(data: ProfileData, name: str) -> list[tuple[float, float]]:
+    """`(start, end)` of the host's events named `name`, in order."""
+    host = _host_plane(data)
+    return sorted(
+        (e.start_ns, e.start_ns + e.duration_ns)
+        for line in (host.lines if host is not None else ())
+        for e in line.events
+        if e.name == name
+    )
+
+
+def _inside(spans: list[tuple[float, float]], t: float | None) -> bool:
+    """Whether the time `t` lies in one of `spans` (sorted)."""
+    i = bisect.bisect_right(spans, (t, float("inf"))) - 1
+    return t is not None and i >= 0 and spans[i][0] <= t < spans[i][1]
+
+
 def _step_annotations(data: ProfileData, step_name: str) -> list[tuple[float, int]]:
     host = _host_plane(data)
     marks = []
@@ -549,9 +573,10 @@ def _phases(kernels: list[Kernel], hlo: HloOps | None) -> tuple[list[str], list[
 
 
 def _windows(
-    kernels: list[Kernel], starts: list[float], module: str
+    kernels: list[Kernel], starts: list[float], module: str, cuts: list[float] = ()
 ) -> list[tuple[int, float, float]]:
-    """`(annotation index, start, end)` per step on one device."""
+    """`(annotation index, start, end)` per step on one device; a window ends at the
+    first of `cuts` (sorted device times: where an evaluation's work begins) inside it."""
     by_step: dict[int, list[Kernel]] = collections.defaultdict(list)
     for k in kernels:
         if k.module == module and k.launch is not None and k.launch >= starts[0]:
@@ -561,6 +586,8 @@ def _windows(
     out = []
     for j, i in enumerate(order):
         end = firsts[j + 1] if j + 1 < len(order) else max(k.end for k in by_step[i])
+        cut = bisect.bisect_right(cuts, firsts[j])
+        end = min(end, cuts[cut]) if cut < len(cuts) else end
         out.append((i, firsts[j], end))
     return out
 
@@ -733,10 +760,13 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
         where = "" if isinstance(source, ProfileData) else f" ({find_xplane(source)})"
         raise ValueError(f"the trace{where} has no GPU kernels and no CPU XLA thunks to attribute")
     marks = _step_annotations(data, step_name)
+    evals = _spans(data, EVAL_NAME)
     totals: collections.Counter = collections.Counter()
     for ks in devices.values():
         for k in ks:
-            if k.launch is not None and (not marks or k.launch >= marks[0][0]):
+            if k.launch is None or _inside(evals, k.launch):
+                continue
+            if not marks or k.launch >= marks[0][0]:
                 totals[k.module] += k.end - k.start
     if not totals:  # no launch times known: the dominant program over all kernels
         for ks in devices.values():
@@ -764,7 +794,8 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
         ]
         sizes = [hlo.permute_size(k.hlo_op, k.stack) if hlo is not None else None for k in ks]
         if use_steps:
-            windows = _windows(ks, starts, module)
+            cuts = sorted(k.start for k in ks if _inside(evals, k.launch))
+            windows = _windows(ks, starts, module, cuts)
         else:
             windows = [(None, min(k.start for k in ks), max(k.end for k in ks))]
         results.append((device, ks, kinds, phases, named, permutes, sizes, windows))
