@@ -784,6 +784,18 @@ def test_the_last_batch_is_filled_not_dropped_and_num_epochs():
     dropped = Batches(rows, 4, num_epochs=2, shuffle=False, drop_last=True)  # HF's flag
     assert dropped.steps_per_epoch == 2
     assert [b.input_ids[:, 0].tolist() for b in dropped] == [[0, 4, 8, 12], [16, 20, 24, 28]] * 2
+    # With gradient accumulation HF drops the partial micro-batch only: micro-batches
+    # of 2 rows, 4 a step, drop row 10 alone, and the last step's one micro-batch is
+    # filled up (it used to drop all of rows 8-10, a whole step's share).
+    micro = Batches(rows, 4, num_epochs=1, shuffle=False, drop_last=True, micro_batch_size=2)
+    assert micro.steps_per_epoch == 3 and micro.rows_per_epoch == 10
+    got = list(micro)
+    assert got[2].input_ids[:, 0].tolist() == [32, 36, 0, 0]
+    assert (got[2].labels[2:] == IGNORE).all() and (got[2].labels[:2] != IGNORE).any()
+    resumed = micro.starting_at({"epoch": 0, "index": 2})
+    np.testing.assert_array_equal(next(resumed).input_ids, got[2].input_ids)
+    with pytest.raises(ValueError, match="micro_batch_size=3 must divide global_batch_size=4"):
+        Batches(rows, 4, micro_batch_size=3)
 
 
 @pytest.mark.parametrize("k", [0, 3, 5, 7, 12])

@@ -895,7 +895,7 @@ def test_the_plan_and_done_lines_count_one_in_the_singular(tmp_path):
         rows=SimpleNamespace(num_rows=1),
         global_batch=1,
         accum=1,
-        batches=SimpleNamespace(steps_per_epoch=1),
+        batches=SimpleNamespace(steps_per_epoch=1, rows_per_epoch=1),
         state={"params": {"w": np.zeros(3)}},
         sizes={"data": 1, "fsdp": 1, "seq": 1},
         total_steps=1,
@@ -904,12 +904,18 @@ def test_the_plan_and_done_lines_count_one_in_the_singular(tmp_path):
     assert line.startswith("plan: 1 row of 64 tokens; 1 step (1 epoch, 1 step each), ")
     assert "each 1 row = 64 tokens (" in line, line
     t.rows.num_rows, t.total_steps, t.batches.steps_per_epoch = 1200, 3, 1
+    t.batches.rows_per_epoch = 1200
     assert _plan(t).startswith("plan: 1,200 rows of 64 tokens; 3 steps (3 epochs, 1 step each)")
     # Rows that do not divide into steps: the epoch's last step is filled up, or dropped.
-    t.rows.num_rows, t.global_batch, t.batches.drop_last = 9, 4, False
+    t.rows.num_rows, t.global_batch, t.batches.rows_per_epoch = 9, 4, 9
     assert "1 step each, the last filled up with 3 empty rows), each 4 rows" in _plan(t)
-    t.batches.drop_last = True
+    t.batches.rows_per_epoch = 8  # --dataloader_drop_last: a partial micro-batch dropped
     assert "1 step each, the last 1 row of each epoch dropped), each 4 rows" in _plan(t)
+    t.global_batch, t.accum = 2, 3  # micro-batches of 2 rows: 1 dropped, 2 filled up
+    assert (
+        "1 step each, the last 1 row of each epoch dropped, the last filled up with 4 empty "
+        "rows), each 6 rows"
+    ) in _plan(t)
     one = {"total_steps": 1, "losses": [4.0]}
     assert _done_line(cfg, one) == "done: 1 step, final loss 4.0000"
     assert _done_line(cfg, {**one, "total_steps": 2}) == "done: 2 steps, final loss 4.0000"

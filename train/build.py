@@ -769,7 +769,11 @@ def build(
             "--model_max_length, --per_device_train_batch_size or the accumulation, or add data"
         )
     batches = data_lib.Batches(
-        rows, global_batch * accum, seed=cfg.run.seed, drop_last=cfg.data.dataloader_drop_last
+        rows,
+        global_batch * accum,
+        seed=cfg.run.seed,
+        drop_last=cfg.data.dataloader_drop_last,
+        micro_batch_size=global_batch,
     )
     if cfg.run.max_steps > 0:
         total_steps = cfg.run.max_steps

@@ -80,7 +80,7 @@ class DataArgs:
     chat_turns: str = "auto"  # auto: split what the template rewrites | whole: refuse | split: all
     # HF's: drop each epoch's last batch where the rows do not fill it (false: it is filled
     # up with rows of nothing to learn, every row trained once an epoch)
-    dataloader_drop_last: bool = False  # drop each epoch's partial last batch (HF's flag)
+    dataloader_drop_last: bool = False  # drop each epoch's partial last micro-batch (HF's flag)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,11 @@ Batches (:class:`Batches`): per epoch the rows are permuted by a numpy Generator
 with ``(seed, epoch)``; batch ``i`` of the epoch is rows ``perm[i*G:(i+1)*G]`` for the
 global batch size ``G``. Where ``G`` does not divide the rows, the epoch's last batch
 holds its ``num_rows % G`` rows and is filled up with rows of nothing to learn (token 0,
-labels -100), as HF's dataloader keeps its partial last batch; with ``drop_last`` those
-rows are not used that epoch (a different set every epoch). The position
+labels -100), as HF's dataloader keeps its partial last batch; with ``drop_last`` the
+last ``num_rows % M`` rows of the permutation are not used that epoch (a different set
+every epoch), ``M`` the micro-batch (``G`` over the gradient accumulation steps), as
+HF's dataloader drops its partial last micro-batch; the last batch is then filled up as
+above where its micro-batches do not fill it. The position
 ``(epoch, index)`` is the next batch to yield, so a run restarted from a saved position
 sees exactly the batches of an uninterrupted run. In multi-host training process ``p``
 of ``P`` gets the contiguous block ``[p*G/P, (p+1)*G/P)`` of every global batch.
@@ -110,8 +113,12 @@ class Batches:
         start: position to start from, ``state()`` of an earlier instance.
         start_step: alternatively, the number of batches already consumed.
         num_epochs: stop after this many epochs; None iterates forever.
-        drop_last: drop each epoch's last batch where the rows do not fill it, instead of
-            filling it up with rows of nothing to learn.
+        drop_last: drop each epoch's last micro-batch where the rows do not fill it
+            (HF's `dataloader_drop_last`), instead of filling it up with rows of nothing
+            to learn.
+        micro_batch_size: rows per micro-batch, over all processes: the global batch
+            over the gradient accumulation steps (default: the global batch). A batch
+            of partial micro-batches is filled up as without ``drop_last``.
         process_index: this process (host) in multi-host training.
         process_count: number of processes; each yields ``global_batch_size //
             process_count`` rows, a contiguous block of every global batch.
@@ -130,9 +137,13 @@ class Batches:
         process_index: int = 0,
         process_count: int = 1,
         drop_last: bool = False,
+        micro_batch_size: int | None = None,
     ):
         if global_batch_size < 1:
             raise ValueError(f"{global_batch_size=} must be positive")
+        micro_batch_size = micro_batch_size or global_batch_size
+        if global_batch_size % micro_batch_size:
+            raise ValueError(f"{micro_batch_size=} must divide {global_batch_size=}")
         if global_batch_size > rows.num_rows:
             raise ValueError(
                 f"{global_batch_size=} exceeds the {rows.num_rows} rows of the dataset; "
@@ -150,6 +161,12 @@ class Batches:
         self.shuffle = shuffle
         self.num_epochs = num_epochs
         self.drop_last = drop_last
+        self.micro_batch_size = micro_batch_size
+        self.process_count = process_count
+        self.process_index = process_index
+        # The rows an epoch uses: all, or the whole micro-batches' (drop_last).
+        n = rows.num_rows
+        self.rows_per_epoch = n - n % micro_batch_size if drop_last else n
         self.local_batch_size = global_batch_size // process_count
         self._local_start = process_index * self.local_batch_size
         self._perm_epoch, self._perm = -1, np.arange(0)
@@ -166,10 +183,23 @@ class Batches:
         nothing to learn where the rows do not divide into batches (HF's
         `dataloader_drop_last=False`: a step's loss is per labelled token, so the filled
         step's update is that of its real rows, as HF's partial last batch's); with
-        `drop_last`, the full batches only."""
-        if self.drop_last:
-            return self.rows.num_rows // self.global_batch_size
-        return -(-self.rows.num_rows // self.global_batch_size)
+        `drop_last`, the whole micro-batches' rows only."""
+        return -(-self.rows_per_epoch // self.global_batch_size)
+
+    def starting_at(self, state: dict[str, int]) -> Batches:
+        """These batches (the same rows and settings), from the position `state`."""
+        return Batches(
+            self.rows,
+            self.global_batch_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            start=state,
+            num_epochs=self.num_epochs,
+            process_index=self.process_index,
+            process_count=self.process_count,
+            drop_last=self.drop_last,
+            micro_batch_size=self.micro_batch_size,
+        )
 
     @property
     def step(self) -> int:
@@ -185,7 +215,7 @@ class Batches:
         """This process's share of global batch ``step`` (counted over all epochs)."""
         epoch, index = divmod(step, self.steps_per_epoch)
         begin = index * self.global_batch_size + self._local_start
-        ids = self._permutation(epoch)[begin : begin + self.local_batch_size]
+        ids = self._permutation(epoch)[: self.rows_per_epoch][begin : begin + self.local_batch_size]
         rows = self.rows.take(ids)
         if len(ids) < self.local_batch_size:  # the epoch's last batch: filled up
             rows = filled_rows(rows, self.local_batch_size - len(ids))

@@ -22,7 +22,6 @@ from jax.experimental import multihost_utils
 from jax.experimental.compilation_cache import compilation_cache
 
 import models
-from train import data as data_lib
 from train import outputs, reporters
 from train.build import Trainer, build, export_config, is_sample_data, profile_window
 from train.checkpoint import (
@@ -405,12 +404,13 @@ def _plan(t: Trainer) -> str:
     )
     epochs = f"{t.total_steps / epoch:.3g}"
     epochs += " epoch" if epochs == "1" else " epochs"
-    if rows % per_step == 0:
-        last = ""
-    elif t.batches.drop_last:
-        last = f", the last {plural(rows % per_step, 'row')} of each epoch dropped"
-    else:
-        last = f", the last filled up with {plural(per_step - rows % per_step, 'empty row')}"
+    used = t.batches.rows_per_epoch  # drop_last: the whole micro-batches' rows
+    parts = []
+    if used < rows:
+        parts.append(f"the last {plural(rows - used, 'row')} of each epoch dropped")
+    if used % per_step:
+        parts.append(f"the last filled up with {plural(-used % per_step, 'empty row')}")
+    last = "".join(f", {p}" for p in parts)
     return (
         f"plan: {plural(rows, 'row', grouped=True)} of {plural(seq, 'token', grouped=True)}; "
         f"{plural(t.total_steps, 'step', grouped=True)} ({epochs}, "
@@ -585,13 +585,7 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     if jax.process_index() == 0 and (line := eval_data_warning(meta, run_meta)):
         print(line, flush=True)
     # The saved data position must land on the same step with this data/batch.
-    resumed = data_lib.Batches(
-        t.rows,
-        t.global_batch * t.accum,
-        seed=cfg.run.seed,
-        start=meta["data"],
-        drop_last=cfg.data.dataloader_drop_last,
-    )
+    resumed = t.batches.starting_at(meta["data"])
     if resumed.step != start_step:
         # A checkpoint whose record has no `dataloader_drop_last` was written when every
         # epoch dropped its partial last batch.
