@@ -274,6 +274,22 @@ def test_non_finite_gradient_stops_before_anything_is_saved():
     assert "before any update" in str(e.value) and "--attention_implementation xla" in str(e.value)
 
 
+def test_every_flag_says_what_it_does_in_help():
+    """Each flag's --help has words, not only its default: from the comment after its
+    field, or from the comment lines above a field that has none after it."""
+    from train.config import build_parser
+
+    bare = [
+        a.option_strings[0]
+        for a in build_parser()._actions
+        if a.option_strings and a.help and a.help.startswith("default:")
+    ]
+    assert bare == [], bare
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions if a.option_strings}
+    assert helps["--warmup_steps"].startswith("Steps, or below 1 a fraction of the run's steps")
+    assert helps["--gather_once"].startswith("With shard_over_seq: gather the weights over seq")
+
+
 def test_config_flags_yaml_and_errors(tmp_path):
     yaml_path = tmp_path / "c.yaml"
     yaml_path.write_text("optim:\n  learning_rate: 0.5\nrun:\n  max_steps: 7\n")

@@ -174,6 +174,13 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
         "warning: --profile_dir='traces' has no effect without --profile_steps (nothing is traced)"
     ]
     assert warnings("--profile_dir", "traces", "--profile_steps", "2,3") == []
+    # --fp16 runs as bf16: said; both given true is refused, as HF refuses it.
+    fp16 = "note: --fp16 runs the model in bfloat16: half precision with float32's range, "
+    fp16 += "so no loss scaling"
+    assert warnings("--fp16") == warnings("--fp16", "--bf16", "false") == [fp16]
+    assert warnings("--bf16", "true") == warnings("--fp16", "false") == []
+    with pytest.raises(ValueError, match="^--bf16 and --fp16 are both true: give one"):
+        parse_args(["--fp16", "--bf16", "true"])
 
 
 def test_eval_strategy_no_reads_no_evaluation_data(tmp_path):

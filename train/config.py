@@ -39,14 +39,14 @@ class ModelArgs:
     attention: str = "ring"  # xla | cudnn | jflash | ring
     attention_implementation: str | None = None  # jflash implementation (None: per device)
     ring_layout: str = "zigzag"  # zigzag | striped (balanced with packed documents) | contiguous
-    # auto | jflash.STRATEGIES; auto: ulysses on one host where seq divides the heads, else
-    # ring (hybrid with a seq_a2a axis; `train.build.resolve_strategy`)
+    # auto: ulysses on one host where seq divides the heads, else ring (hybrid with a
+    # seq_a2a axis)
     ring_strategy: str = "auto"
     remat_policy: str = "save_attn"  # models.config.REMAT_POLICIES
     gradient_checkpointing: bool = False  # HF's flag: with remat_policy none, means full
     bf16: bool = True  # bf16 compute with f32 master weights
     fp16: bool = False  # HF Trainer's flag: runs as bf16 compute (no loss scaling needed)
-    scan_layers: bool = True
+    scan_layers: bool = True  # the layers as one jax.lax.scan: compiled once, not per layer
     mlp_tile: int = -1  # MLP tokens per sequence tile: -1 auto (8192 from 256k per device), 0 off
     rope_theta: float | None = None  # RoPE's base; None: the model's (raise it for longer context)
     # JSON: HF's rope_scaling, e.g. '{"rope_type": "linear", "factor": 4}'; "": the model's
@@ -92,8 +92,8 @@ class ParallelArgs:
     # copy, kept for the backward) instead of in every layer's forward and backward.
     gather_once: bool = False
     coordinator_address: str | None = None  # multi-host: host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # multi-host: how many processes (one per host)
+    process_id: int | None = None  # multi-host: this process's index, 0 .. num_processes-1
     # HF's flag: seconds the processes of a multi-host run wait at start for each other
     ddp_timeout: int = 1800
 
@@ -145,12 +145,12 @@ REPORT_TO = ("tensorboard", "wandb")
 
 @dataclasses.dataclass(frozen=True)
 class OptimArgs:
-    learning_rate: float = 5e-5  # HF's default, as every default here but bf16's
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
+    learning_rate: float = 5e-5  # HF's default (docs/trainer.md: the five that differ)
+    weight_decay: float = 0.0  # decoupled weight decay, on all but the norms' scales
+    adam_beta1: float = 0.9  # AdamW's (and Lion's) first-moment decay
+    adam_beta2: float = 0.999  # AdamW's (and Lion's) second-moment decay
+    adam_epsilon: float = 1e-8  # AdamW's epsilon
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0: no clipping
     warmup_ratio: float = 0.0  # transformers 4's: a fraction of the run's steps
     # Steps, or below 1 a fraction of the run's steps (transformers 5's, which has no
     # warmup_ratio); wins over warmup_ratio when > 0.
@@ -177,23 +177,24 @@ STEP_COUNTS = ("logging_steps", "save_steps", "eval_steps")
 
 @dataclasses.dataclass(frozen=True)
 class RunArgs:
-    output_dir: str = "runs/train"
-    num_train_epochs: float = 3.0
+    output_dir: str = "runs/train"  # checkpoints, logs, TensorBoard, the HF export
+    num_train_epochs: float = 3.0  # passes over the data (a fraction: part of one)
     max_steps: int = -1  # -1: train for num_train_epochs; > 0 overrides it
     per_device_train_batch_size: int = 1  # sequences per data-parallel rank
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = 1  # micro-batches summed into one update
     logging_steps: float = 10  # steps, or below 1 a fraction of the run's steps (HF's)
     save_strategy: str = "steps"  # steps and epoch also save at the last step
     save_steps: float = 500  # steps, or below 1 a fraction of the run's (HF's)
     eval_strategy: str = "steps"  # with --eval_data_path; steps and epoch also at the last step
     eval_steps: float = 0  # as save_steps; 0: every logging_steps (HF's)
     eval_on_start: bool = False  # evaluate before a new run's first step (the loss to beat)
-    save_total_limit: int | None = None
+    save_total_limit: int | None = None  # keep the latest N checkpoints (None: all)
     save_on_preemption: bool = True  # SIGTERM while training: save the step reached, exit 143
-    resume_from_checkpoint: str | None = None  # a checkpoint dir, "latest", or "auto"
+    # a checkpoint dir, "latest" (or HF's true), or "auto"
+    resume_from_checkpoint: str | None = None
     overwrite_output_dir: bool = False  # replace a previous run once this one is good
     export_hf: bool = True  # write an HF directory at the end
-    seed: int = 42
+    seed: int = 42  # initialisation and the data's order
     progress: bool = True  # process 0: tqdm bar on a terminal, else step lines on stdout
     report_to: str = "tensorboard"  # tensorboard | wandb | none; several: tensorboard,wandb
     compilation_cache_dir: str = ""  # XLA's compiled programs kept for restarts; empty: off
@@ -218,7 +219,7 @@ class RunArgs:
 @dataclasses.dataclass(frozen=True)
 class ProfileArgs:
     profile_steps: str = ""  # e.g. "5,8": jax.profiler trace of steps 5..7 (from 1)
-    profile_dir: str = ""  # default: <output_dir>/tensorboard (TensorBoard's profile plugin)
+    profile_dir: str = ""  # where traces go ("": <output_dir>/tensorboard, TensorBoard's)
 
 
 # The settings that take one of a few values (checked in `TrainConfig`, listed in --help).
@@ -560,13 +561,24 @@ def _parser_type(annotation) -> tuple[Any, bool]:
 
 
 def _field_comments(cls) -> dict[str, str]:
-    """The `# ...` comment after each field in the dataclass source: one place for docs."""
+    """The `# ...` comment after each field in the dataclass source, or the comment lines
+    right above a field that has none after it: one place for docs."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
         return {}
-    pattern = re.compile(r"^\s+(\w+):[^#\n]*#\s*(.+)$", re.MULTILINE)
-    return dict(pattern.findall(source))
+    field = re.compile(r"^\s+(\w+):[^#\n=]*=[^#\n]*(?:#\s*(.+))?$")
+    comments, above = {}, []
+    for line in source.splitlines():
+        if (text := line.strip()).startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        if match := field.match(line):
+            name, after = match.groups()
+            if after or above:
+                comments[name] = after or " ".join(above)
+        above = []
+    return comments
 
 
 def _field_help(section: str, section_cls, field) -> str:
@@ -986,9 +998,15 @@ def ignored_settings(cfg: TrainConfig, given: set[str]) -> list[str]:
     user gave) while their strategy is `no` or `epoch`: accepted, as HF accepts them,
     but unused; for `--save_total_limit` with no saves, `--warmup_ratio` beside
     `--warmup_steps`, the sample data's flags with other data, `--fsdp full_shard` on a
-    mesh whose fsdp axis is 1, and a `--profile_dir` without `--profile_steps`."""
+    mesh whose fsdp axis is 1, and a `--profile_dir` without `--profile_steps`; a note
+    that `--fp16` runs as bf16."""
     run = cfg.run
     lines = []
+    if "fp16" in given and cfg.model.fp16:
+        lines.append(
+            "note: --fp16 runs the model in bfloat16: half precision with float32's range, "
+            "so no loss scaling"
+        )
     if cfg.profile.profile_dir and not cfg.profile.profile_steps:
         lines.append(
             f"warning: --profile_dir={cfg.profile.profile_dir!r} has no effect without "
@@ -1116,6 +1134,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise ValueError(
             f"--eval_strategy={asked} needs --eval_data_path (no evaluation data given); "
             "pass one, or --eval_strategy no"
+        )
+    if {"bf16", "fp16"} <= given and cfg.model.bf16 and cfg.model.fp16:
+        raise ValueError(
+            "--bf16 and --fp16 are both true: give one (as HF refuses both; --fp16 runs "
+            "as bf16 here)"
         )
     for line in ignored_settings(cfg, given):
         print(line, file=sys.stderr, flush=True)
