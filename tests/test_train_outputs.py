@@ -221,6 +221,31 @@ def test_report_to_takes_hf_s_list_of_words_or_commas():
         parse_args(["--report_to", "wandb", "wandb"])
 
 
+def test_a_resume_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    """One wandb run per output directory, as TensorBoard's files are: a resume (or a
+    requeued job) continues the run it started, where each used to make a new run of
+    the same name, whose curves then overlapped; WANDB_RUN_ID, where set, picks it."""
+    from train.reporters import WANDB_ID_FILE, WandbWriter
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    out = tmp_path / "run"
+    cfg = parse_args(_args(out))
+    WandbWriter(str(out), cfg).close()
+    WandbWriter(str(out), cfg).close()
+    first, again = fake.inits
+    assert len(first["id"]) == 12 and "resume" not in first
+    assert (again["id"], again["resume"]) == (first["id"], "allow")
+    assert (out / WANDB_ID_FILE).read_text() == first["id"] + "\n"
+    other = tmp_path / "other"
+    WandbWriter(str(other), parse_args(_args(other))).close()
+    assert fake.inits[-1]["id"] != first["id"]  # another directory, another run
+    monkeypatch.setenv("WANDB_RUN_ID", "mine")  # wandb reads it; nothing is passed
+    WandbWriter(str(out), cfg).close()
+    assert "id" not in fake.inits[-1] and "resume" not in fake.inits[-1]
+
+
 @pytest.mark.slow
 def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, monkeypatch):
     fake = _FakeWandb()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,19 +39,46 @@ def check(report_to: str) -> None:
         import_wandb()
 
 
+# The wandb run of an output directory, kept there: a resume logs into the same run.
+WANDB_ID_FILE = os.path.join("wandb", "jflash_run_id")
+
+
+def _read_id(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 class WandbWriter:
     """`SummaryWriter`'s interface over a wandb run (`WANDB_PROJECT`, default "jflash";
-    `WANDB_MODE=offline` keeps everything under `<output_dir>/wandb` with no network)."""
+    `WANDB_MODE=offline` keeps everything under `<output_dir>/wandb` with no network).
+    One run per output directory: its id is kept in `<output_dir>/wandb/jflash_run_id`,
+    and a resume continues that run (wandb skips the steps it has already, those a
+    kill left logged past the checkpoint); `WANDB_RUN_ID` set picks the run instead.
+    `--overwrite_output_dir` sets the old id aside with the old run: a new wandb run."""
 
     def __init__(self, out: str, cfg: TrainConfig):
         self._wandb = import_wandb()
-        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, WANDB_ID_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.environ.get("WANDB_RUN_ID"):  # the user's choice, which wandb reads
+            ids = {}
+        elif kept := _read_id(path):
+            ids = {"id": kept, "resume": "allow"}
+        else:
+            ids = {"id": uuid.uuid4().hex[:12]}
         self._run = self._wandb.init(
             project=os.environ.get("WANDB_PROJECT", "jflash"),
             name=os.path.basename(os.path.abspath(out)),
             dir=out,
             config=dataclasses.asdict(cfg),
+            **ids,
         )
+        if "id" in ids and "resume" not in ids:
+            with open(path, "w") as f:
+                f.write(ids["id"] + "\n")
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         self._run.log(dict(values), step=step)
