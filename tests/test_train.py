@@ -588,6 +588,20 @@ def test_hf_flags_without_a_place_here_say_what_does_their_work(capsys):
     )
     assert main(["--report_to", "all", "--max_steps", "1"]) == 2
     assert "HF's all, every integration installed, is not taken" in capsys.readouterr().err
+    # FSDP's wrapping flags of Alpaca/FastChat command lines, run_clm's --block_size.
+    with pytest.raises(SystemExit):
+        main(["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", "--block_size", "8"])
+    err = capsys.readouterr().err
+    assert "--fsdp_transformer_layer_cls_to_wrap: every decoder layer is sharded" in err, err
+    assert "--block_size: did you mean --model_max_length?" in err, err
+    # HF's former name of --eval_strategy is that flag; --run_name and
+    # --logging_first_step are honoured (wandb's run name; step 1's metrics logged).
+    cfg = parse_args(["--evaluation_strategy", "no", "--run_name", "x", "--logging_first_step"])
+    assert (cfg.run.eval_strategy, cfg.run.run_name, cfg.run.logging_first_step) == (
+        "no",
+        "x",
+        True,
+    )
 
 
 def test_yaml_values_as_their_writers_mean_them(tmp_path):

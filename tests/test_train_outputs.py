@@ -244,6 +244,9 @@ def test_a_resume_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_RUN_ID", "mine")  # wandb reads it; nothing is passed
     WandbWriter(str(out), cfg).close()
     assert "id" not in fake.inits[-1] and "resume" not in fake.inits[-1]
+    assert [i["name"] for i in fake.inits] == ["run", "run", "other", "run"]
+    WandbWriter(str(out), parse_args(_args(out, "--run_name", "llama-32k"))).close()
+    assert fake.inits[-1]["name"] == "llama-32k"  # HF's --run_name
 
 
 @pytest.mark.slow
@@ -530,6 +533,17 @@ def test_profile_window_past_the_runs_last_step_is_cut_there(tmp_path, capsys):
     assert "this run's steps are 1..3; tracing steps 3..3 of the window" in captured.err
     assert "--profile_steps: traced steps 3..3" in captured.out
     assert os.listdir(tmp_path / "run" / "tensorboard" / "plugins" / "profile")
+
+
+def test_logging_first_step_logs_step_one(tmp_path):
+    """HF's --logging_first_step: step 1's metrics are logged beside every
+    --logging_steps step's (without it the first record is step 2's here)."""
+    for flag, steps in (("true", [1, 2, 4]), ("false", [2, 4])):
+        out = tmp_path / flag
+        extra = ["--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"]
+        run(parse_args(_args(out, "--report_to", "none", "--logging_first_step", flag, *extra)))
+        records = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == steps, records
 
 
 def test_step_line_of_a_traced_window_says_so(tmp_path, capsys):

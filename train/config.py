@@ -183,6 +183,7 @@ class RunArgs:
     per_device_train_batch_size: int = 1  # sequences per data-parallel rank
     gradient_accumulation_steps: int = 1  # micro-batches summed into one update
     logging_steps: float = 10  # steps, or below 1 a fraction of the run's steps (HF's)
+    logging_first_step: bool = False  # also log step 1's metrics (HF's)
     save_strategy: str = "steps"  # steps and epoch also save at the last step
     save_steps: float = 500  # steps, or below 1 a fraction of the run's (HF's)
     eval_strategy: str = "steps"  # with --eval_data_path; steps and epoch also at the last step
@@ -197,6 +198,7 @@ class RunArgs:
     seed: int = 42  # initialisation and the data's order
     progress: bool = True  # process 0: tqdm bar on a terminal, else step lines on stdout
     report_to: str = "tensorboard"  # tensorboard | wandb | none; several: tensorboard,wandb
+    run_name: str = ""  # the wandb run's name ("": the output directory's last folder)
     compilation_cache_dir: str = ""  # XLA's compiled programs kept for restarts; empty: off
 
     def __post_init__(self) -> None:
@@ -647,14 +649,16 @@ HF_ONLY_FLAGS = {
     "--greater_is_better": "no best-model selection: --save_total_limit keeps the latest",
     "--logging_dir": "TensorBoard's events go to <output_dir>/tensorboard",
     "--logging_strategy": "the metrics are logged every --logging_steps steps",
-    "--logging_first_step": "the metrics are logged every --logging_steps steps",
-    "--run_name": "a wandb run is named after --output_dir's last folder",
     "--tf32": "the matmuls run in --bf16 (or --fp16) on the GPU; leave it out",
     "--torch_compile": "every step is compiled by XLA (jax.jit); leave it out",
     "--dataloader_num_workers": "rows are memory-mapped and batched in process; leave it out",
     "--dataloader_pin_memory": "rows are memory-mapped and batched in process; leave it out",
     "--deepspeed": "sharding is --mesh with --fsdp full_shard (docs/trainer.md)",
     "--fsdp_config": "sharding is --mesh with --fsdp full_shard (docs/trainer.md)",
+    "--fsdp_transformer_layer_cls_to_wrap": "every decoder layer is sharded with --fsdp "
+    "full_shard; leave it out",
+    "--fsdp_min_num_params": "every decoder layer is sharded with --fsdp full_shard; leave it out",
+    "--torch_dtype": "the weights load and train in float32, computing in --bf16; leave it out",
     "--ddp_backend": "data parallelism is --mesh's data axis; leave it out",
     "--ddp_find_unused_parameters": "data parallelism is --mesh's data axis; leave it out",
     "--local_rank": "several hosts: --coordinator_address, --num_processes, --process_id",
@@ -722,7 +726,12 @@ FLAG_ALIASES = {
     "--model": "--model_name_or_path",
     "--data": "--data_path",
     "--tokenizer": "--tokenizer_name_or_path",
+    "--block_size": "--model_max_length",
+    "--evaluation_strategy": "--eval_strategy",  # a YAML key's hint; the flag is taken
 }
+
+# HF's former names of the trainer's flags, taken as those flags.
+FORMER_NAMES = {"eval_strategy": "--evaluation_strategy"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -752,7 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs.update(type=str, nargs="+")
             else:
                 kwargs["type"] = conv
-            group.add_argument(f"--{field.name}", dest=f"{section}.{field.name}", **kwargs)
+            former = FORMER_NAMES.get(field.name)
+            names = [f"--{field.name}", *([former] if former else [])]
+            group.add_argument(*names, dest=f"{section}.{field.name}", **kwargs)
     return parser
 
 

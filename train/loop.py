@@ -839,13 +839,7 @@ def _train(
             preempted = preemption.reached(done)
             save = _should_save(cfg, done, total_steps, steps_per_epoch)
             first = step == start_step  # the throughput window starts at its end
-            if (
-                first
-                or save
-                or preempted
-                or done % cfg.run.every("logging_steps", total_steps) == 0
-                or done == total_steps
-            ):
+            if first or save or preempted or _logs(cfg, done, total_steps):
                 history.append(_finish((step, metrics), *finish_args))
             else:
                 pending = (step, metrics)
@@ -1176,6 +1170,13 @@ def _step_line(record: dict, total_steps: int, eta: float | None, traced: bool =
     return f"step {record['step']}/{total_steps}: " + ", ".join(parts)
 
 
+def _logs(cfg: TrainConfig, done: int, total_steps: int) -> bool:
+    """Whether step `done` (from 1) logs its metrics: every `--logging_steps`, the last,
+    and the first with `--logging_first_step`."""
+    every = cfg.run.every("logging_steps", total_steps)
+    return done % every == 0 or done == total_steps or (cfg.run.logging_first_step and done == 1)
+
+
 def _finish(
     pending, cfg, timer: _Timer, flops_of, writer, log, bar, lines: bool, total_steps
 ) -> dict:
@@ -1226,7 +1227,7 @@ def _finish(
     if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
-    if done % cfg.run.every("logging_steps", total_steps) == 0 or done == total_steps:
+    if _logs(cfg, done, total_steps):
         now = time.perf_counter()
         if timer.tokens:  # the window holds timed steps (the first one is compilation)
             seconds = now - timer.start

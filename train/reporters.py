@@ -71,7 +71,7 @@ class WandbWriter:
             ids = {"id": uuid.uuid4().hex[:12]}
         self._run = self._wandb.init(
             project=os.environ.get("WANDB_PROJECT", "jflash"),
-            name=os.path.basename(os.path.abspath(out)),
+            name=cfg.run.run_name or os.path.basename(os.path.abspath(out)),
             dir=out,
             config=dataclasses.asdict(cfg),
             **ids,
