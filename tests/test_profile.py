@@ -486,7 +486,10 @@ def test_trainer_trace_leaves_an_evaluation_out_of_the_steps(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = trace.parse(os.path.join(tmp_path, "run", "tensorboard"))
-    assert report.module == "jit_train_step" and report.steps == [3, 4], (report.module, report.steps)
+    assert report.module == "jit_train_step" and report.steps == [3, 4], (
+        report.module,
+        report.steps,
+    )
     spans = trace._spans(trace.load(os.path.join(tmp_path, "run", "tensorboard")), "eval")
     (device,) = report.per_step
     evaluated = spans[0][1] - spans[0][0]

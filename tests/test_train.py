@@ -319,6 +319,9 @@ def test_config_flags_yaml_and_errors(tmp_path):
         with pytest.raises(ValueError) as error:
             parse_args(["--config", str(yaml_path)])
         assert str(error.value).endswith(f" (settings go under their section: {keys})")
+    # HF's former name is the setting, in a YAML file as on the command line.
+    yaml_path.write_text("run:\n  evaluation_strategy: 'no'\n")
+    assert parse_args(["--config", str(yaml_path)]).run.eval_strategy == "no"
     # HF-only keys and other trainers' names are explained as their flags are.
     for text, told in (
         (

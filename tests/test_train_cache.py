@@ -560,8 +560,8 @@ def test_a_build_killed_outright_is_cleared_by_the_next(tmp_path, capsys):
 
 def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
     source = _pkl(tmp_path / "d.pkl", [[5, 6, 7, 8]])
-    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
-    assert built  # said at its start: a large corpus's first progress line is 30 s away
+    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS, announce=True)
+    assert built  # said at its start (a training run's): its first progress line is 30 s away
     assert capsys.readouterr().out.startswith(
         f"token cache: tokenizing {source} into {tmp_path / 'c'}, once\n"
     )

@@ -727,10 +727,9 @@ FLAG_ALIASES = {
     "--data": "--data_path",
     "--tokenizer": "--tokenizer_name_or_path",
     "--block_size": "--model_max_length",
-    "--evaluation_strategy": "--eval_strategy",  # a YAML key's hint; the flag is taken
 }
 
-# HF's former names of the trainer's flags, taken as those flags.
+# HF's former names of the trainer's flags, taken as those flags (and as YAML keys).
 FORMER_NAMES = {"eval_strategy": "--evaluation_strategy"}
 
 
@@ -956,6 +955,11 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: section {section!r} must be a mapping")
+        for name, former in FORMER_NAMES.items():
+            if (key := former[2:]) in values:
+                if name in values:
+                    raise ValueError(f"{path}: {key} and {name} are one setting; give {name}")
+                values[name] = values.pop(key)
     return data
 
 

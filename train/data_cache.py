@@ -909,13 +909,15 @@ def ensure_cache(
     chat_turns: str = AUTO,
     chat_template: str | Path | None = None,
     replace_other_source: bool = True,
+    announce: bool = False,
 ) -> tuple[TokenCache, bool]:
     """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
     ``tokenizer``, ``eos_id``, ``chat_template_kwargs``, ``chat_turns`` and
     ``chat_template`` (see
     :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one).
     Without ``replace_other_source``, a cache there of another data file is refused
-    (ValueError), not replaced: the tokenization of another corpus is kept."""
+    (ValueError), not replaced: the tokenization of another corpus is kept. ``announce``:
+    a first build says so as it starts (a rebuild always says why)."""
     source = Path(source)
     if not source_exists(source):
         raise ValueError(f"{source}: no such data file")
@@ -945,7 +947,7 @@ def ensure_cache(
             remove_leftovers(cache_dir)  # a build's, killed once its cache was in place
             return cache, False
         print(f"token cache {cache_dir} is stale ({'; '.join(stale)}): rebuilding", flush=True)
-    else:  # the first build: a large corpus takes minutes before its first progress line
+    elif announce:  # the first build: a large corpus takes minutes to its first progress line
         print(f"token cache: tokenizing {source} into {cache_dir}, once", flush=True)
     cache = build_cache(
         source,
@@ -1047,6 +1049,7 @@ def packed_rows(
             chat_template_kwargs=chat_template_kwargs,
             chat_turns=chat_turns,
             chat_template=chat_template,
+            announce=True,
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)
