@@ -820,9 +820,10 @@ def test_auto_on_a_run_killed_before_its_first_checkpoint_names_both_flags(tmp_p
 
 def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
     """A replacing run killed hard (no `settle`) leaves previous_run/ beside its own
-    outputs: a new run is refused naming it; --overwrite_output_dir keeps the killed
-    run's outputs where they hold a whole checkpoint (they had become the run), else
-    keeps the previous run; `settle` then deletes or puts back."""
+    outputs: a new run is refused naming it; --overwrite_output_dir drops the killed
+    run's outputs where they hold no whole checkpoint and keeps the previous run
+    (`settle` then deletes or puts it back); where they hold one, it is refused, since it
+    would delete the set-aside run unasked (it did, silently)."""
     old = {"checkpoints/3/meta": "old", "log.jsonl": "old log\n"}
     killed = {"log.jsonl": "killed log\n", outputs.SETTINGS_FILE: "killed"}
     record = json.dumps({"state": "aside", "names": ["checkpoints", "log.jsonl"]})
@@ -843,6 +844,18 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
     out = tmp_path / "with_checkpoint"
     became = killed | {"checkpoints/1/meta": "killed"}
     _outputs_by_hand(out, old_aside | became)
+    with pytest.raises(TrainingError) as e:
+        outputs.check_claim(str(out), continuing=False, overwrite=True, resume_flag=None)
+    assert str(e.value) == (
+        f"--output_dir={str(out)!r} holds two runs: one set aside in "
+        f"{out / outputs.PREVIOUS_RUN}, kept when the run that replaced it was stopped, and "
+        "that run (checkpoint 1): --overwrite_output_dir would replace the second and delete "
+        f"the first; delete {out / outputs.PREVIOUS_RUN} (or move its contents back) first, "
+        "or continue the second with --resume_from_checkpoint latest"
+    )
+    with pytest.raises(TrainingError, match="and was killed .*: --resume_from_checkpoint latest"):
+        outputs.check_claim(str(out), continuing=False, overwrite=False, resume_flag=None)
+    # Were it not refused, the killed run would become the previous run.
     aside = outputs.set_aside(str(out), is_main=True)
     moved = {f"{outputs.PREVIOUS_RUN}/{k}": v.encode() for k, v in became.items()}
     record = {"state": "aside", "names": ["checkpoints", "log.jsonl", outputs.SETTINGS_FILE]}
@@ -854,6 +867,56 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
     )
     assert not (out / outputs.PREVIOUS_RUN).exists()
     assert outputs.settle(aside, str(out), good=False) is None  # settled once
+
+
+def test_checkpoints_saved_by_another_run_while_this_one_started_are_refused(tmp_path):
+    """Where a run chose to resume (or `auto` to start afresh), another run may save
+    checkpoints before this one takes the directory's lock: it then resumed from a
+    step that was no longer the latest, cut the log back past the other run's records
+    and died on its next save, or replaced a run that had checkpoints. Under the lock
+    the checkpoints are compared with those it chose from."""
+    out = tmp_path / "run"
+    _outputs_by_hand(out, {"checkpoints/10/meta": "x", "log.jsonl": "", "train_config.yaml": ""})
+    claim = functools.partial(
+        outputs.check_claim, str(out), continuing=True, overwrite=False, resume_flag="auto"
+    )
+    claim(seen=[10])  # as chosen
+    (out / "checkpoints" / "40").mkdir()  # another run finished meanwhile
+    with pytest.raises(TrainingError) as e:
+        claim(seen=[10])
+    assert str(e.value) == (
+        f"--output_dir={str(out)!r}: another run saved checkpoints there while this one "
+        "started (checkpoint 10 then, checkpoints 10, 40 now); nothing was changed: start "
+        "this run again to choose where it starts from what is there now"
+    )
+    fresh = tmp_path / "fresh"
+    with pytest.raises(TrainingError, match=r"\(no checkpoint then, checkpoint 40 now\)"):
+        _outputs_by_hand(fresh, {"checkpoints/40/meta": "x"})
+        outputs.check_claim(
+            str(fresh), continuing=False, overwrite=True, resume_flag="auto", seen=[]
+        )
+
+
+def test_a_resume_overtaken_by_another_run_changes_nothing(tmp_path, monkeypatch):
+    """The trainer end to end: a checkpoint that another run saves while this one
+    builds (before the lock) refuses this run, its log and checkpoints untouched."""
+    out = tmp_path / "run"
+    run(parse_args(_args(out, "--save_steps", "2", "--max_steps", "4", "--report_to", "none")))
+    shutil.rmtree(out / "checkpoints" / "4")  # a run stopped at step 2
+    log = (out / "log.jsonl").read_text()
+    build = loop.build
+
+    def overtaken(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        shutil.copytree(out / "checkpoints" / "2", out / "checkpoints" / "4")  # the other run
+        return trainer
+
+    monkeypatch.setattr(loop, "build", overtaken)
+    argv = ["--save_steps", "2", "--max_steps", "4", "--report_to", "none"]
+    with pytest.raises(TrainingError, match="another run saved checkpoints there while"):
+        run(parse_args(_args(out, *argv, "--resume_from_checkpoint", "latest")))
+    assert (out / "log.jsonl").read_text() == log
+    assert outputs.saved_steps(str(out)) == [2, 4]
 
 
 @pytest.mark.parametrize("state", ["moving", "returning"])

@@ -130,6 +130,8 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
     # anything reads the directory (which checkpoint to resume, what it holds).
     if (line := outputs.recover(out, is_main)) is not None:
         print(line, flush=True)
+    # What `auto` and `latest` choose from, checked again under the lock (`claim`).
+    seen = outputs.saved_steps(out)
     cfg = resolve_auto_resume(cfg, is_main)
     reporters.check(cfg.run.report_to)
     if cfg.profile.profile_steps and cfg.profile.profile_dir:
@@ -155,6 +157,7 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         overwrite=cfg.run.overwrite_output_dir,
         resume_flag=cfg.run.resume_from_checkpoint,
         inputs=inputs,
+        seen=seen,
     )
     claim()
     # A resume's state is the checkpoint's: no weights are read or initialised for it.

@@ -116,6 +116,7 @@ def check_claim(
     overwrite: bool,
     resume_flag: str | None,
     inputs: dict[str, str] | None = None,
+    seen: list[int] | None = None,
 ) -> None:
     """Refuses to mix a new run into a previous run's outputs (Orbax would skip saving
     steps at or below the old run's latest checkpoint), and an `--overwrite_output_dir`
@@ -128,7 +129,16 @@ def check_claim(
       resume_flag: `--resume_from_checkpoint`, for the message.
       inputs: `{flag: path}` the run reads (model, tokenizer, data), which must not lie
         inside the outputs that `--overwrite_output_dir` replaces.
+      seen: the whole checkpoints' steps in `out` when the run chose where to start
+        (which checkpoint, or a new run): checked again under the directory's lock,
+        where another run may have saved since (None: not checked).
     """
+    if seen is not None and (now := saved_steps(out)) != seen:
+        raise TrainingError(
+            f"--output_dir={out!r}: another run saved checkpoints there while this one "
+            f"started ({_steps_text(seen)} then, {_steps_text(now)} now); nothing was "
+            "changed: start this run again to choose where it starts from what is there now"
+        )
     aside = os.path.join(out, PREVIOUS_RUN)
     if os.path.isdir(aside) and _read_moves(aside) is None:
         raise TrainingError(
@@ -146,16 +156,30 @@ def check_claim(
     found = previous_outputs(out)
     if found and overwrite:
         _check_replaceable(out, found, inputs or {})
+    steps = saved_steps(out)
+    if os.path.isdir(aside) and overwrite and steps:
+        # Replacing the stopped run would delete the one it had set aside, unasked.
+        raise TrainingError(
+            f"--output_dir={out!r} holds two runs: one set aside in {aside}, kept when the "
+            f"run that replaced it was stopped, and that run ({_steps_text(steps)}): "
+            "--overwrite_output_dir would replace the second and delete the first; delete "
+            f"{aside} (or move its contents back) first, or continue the second with "
+            "--resume_from_checkpoint latest"
+        )
     if os.path.isdir(aside) and not overwrite:
+        replaces = (
+            "--resume_from_checkpoint latest continues the killed run"
+            if steps
+            else "--overwrite_output_dir true replaces both (the set-aside run is kept until "
+            "the new run has a checkpoint)"
+        )
         raise TrainingError(
             f"--output_dir={out!r} holds a run set aside in {aside} by a run that replaced "
             f"it and was killed ({', '.join(_beside_previous_run(out))} beside "
-            "it): --overwrite_output_dir true replaces both (the set-aside run is kept until "
-            "the new run has a checkpoint), --resume_from_checkpoint latest continues the "
-            f"killed run if it saved a checkpoint; or move {PREVIOUS_RUN}/'s contents back"
+            f"it): {replaces}; or move {PREVIOUS_RUN}/'s contents back"
         )
     if found and not overwrite:
-        saved = bool(saved_steps(out))
+        saved = bool(steps)
         resume = "continue it with --resume_from_checkpoint latest, " if saved else ""
         kept = "" if saved else " (it saved no checkpoint to continue from)"
         raise TrainingError(
@@ -163,6 +187,13 @@ def check_claim(
             f"{resume}replace it with --overwrite_output_dir true, or choose another "
             "--output_dir"
         )
+
+
+def _steps_text(steps: list[int]) -> str:
+    """`checkpoints 10, 20` / `checkpoint 10` / `no checkpoint`."""
+    if not steps:
+        return "no checkpoint"
+    return f"checkpoint{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}"
 
 
 def _check_replaceable(out: str, found: list[str], inputs: dict[str, str]) -> None:
@@ -398,8 +429,9 @@ def set_aside(out: str, is_main: bool) -> str | None:
     run (`recover`, from the record written before the first move).
 
     A `previous_run` already there was left by a replacing run that was killed before
-    `settle`: the outputs beside it are that run's, kept (and `previous_run` dropped)
-    where they hold a whole checkpoint, else dropped."""
+    `settle`: the outputs beside it are that run's, dropped where they hold no whole
+    checkpoint (where they hold one, `check_claim` refuses the replacement: it would
+    delete `previous_run` unasked; were it not refused, `previous_run` is dropped)."""
     aside = os.path.join(out, PREVIOUS_RUN)
     if is_main:
         with signals_held():
