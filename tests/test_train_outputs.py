@@ -897,6 +897,46 @@ def test_checkpoints_saved_by_another_run_while_this_one_started_are_refused(tmp
         )
 
 
+def test_a_finished_run_trains_longer_where_its_rates_so_far_stay(tmp_path, capsys):
+    """HF's way to train longer, a resume with more --max_steps, where the rates of the
+    steps trained are the same under the new step count (a constant rate, or a
+    warmup-stable-decay before its decay): it trains on as the longer run would have,
+    loss for loss. A schedule whose past rates would change is refused, naming the
+    export of the checkpoint as the way to a new run."""
+
+    def losses(out):
+        lines = (out / "log.jsonl").read_text().splitlines()
+        return [json.loads(x)["loss"] for x in lines if '"loss"' in x]
+
+    for kind, extra in (
+        ("constant", ["--lr_scheduler_type", "constant", "--learning_rate", "1e-3"]),
+        ("wsd", ["--lr_scheduler_type", "wsd", "--decay_ratio", "0.25", "--warmup_steps", "1"]),
+    ):
+        common = [*extra, "--save_steps", "2", "--report_to", "none"]
+        straight, longer = tmp_path / f"{kind}-8", tmp_path / f"{kind}-4"
+        run(parse_args(_args(straight, *common, "--max_steps", "8")))
+        run(parse_args(_args(longer, *common, "--max_steps", "4")))
+        if kind == "wsd":  # it decays over the last quarter: resume step 2, before that
+            shutil.rmtree(longer / "checkpoints" / "4")
+        capsys.readouterr()
+        more = ["--max_steps", "8", "--resume_from_checkpoint", "latest"]
+        run(parse_args(_args(longer, *common, *more)))
+        step = 4 if kind == "constant" else 2
+        assert (
+            f"checkpoint {step} belongs to a run of 4 steps; this run has 8: the schedule's "
+            f"rates of its first {step} steps are the same under both, so it trains on to "
+            "step 8"
+        ) in capsys.readouterr().out
+        assert losses(longer) == pytest.approx(losses(straight), rel=1e-6)  # all 8 steps
+    out = tmp_path / "linear"
+    run(parse_args(_args(out, "--save_steps", "2", "--report_to", "none")))
+    with pytest.raises(TrainingError) as e:
+        more = ["--max_steps", "6", "--resume_from_checkpoint", "latest", "--report_to", "none"]
+        run(parse_args(_args(out, "--save_steps", "2", *more)))
+    assert "under which the rates of the steps it trained differ" in str(e.value)
+    assert f"python -m train.tools.export {out} --step 3 --out DIR" in str(e.value)
+
+
 def test_a_resume_overtaken_by_another_run_changes_nothing(tmp_path, monkeypatch):
     """The trainer end to end: a checkpoint that another run saves while this one
     builds (before the lock) refuses this run, its log and checkpoints untouched."""

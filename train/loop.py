@@ -584,7 +584,9 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     finally:
         source.close()
     start_step = int(meta["step"])
-    check_resumable(meta, run_meta, source.directory)
+    extended = check_resumable(meta, run_meta, source.directory)
+    if jax.process_index() == 0 and extended:
+        print(extended, flush=True)
     if jax.process_index() == 0 and (line := eval_data_warning(meta, run_meta)):
         print(line, flush=True)
     # The saved data position must land on the same step with this data/batch.

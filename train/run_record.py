@@ -18,9 +18,9 @@ import models
 from train import outputs
 from train.build import Trainer
 from train.checkpoint import other_params
-from train.config import TrainConfig
+from train.config import OptimArgs, TrainConfig
 from train.errors import TrainingError
-from train.optim import decay_steps, update_settings, warmup_steps
+from train.optim import decay_steps, schedule, update_settings, warmup_steps
 
 # Rows whose tokens and labels identify the training data in a checkpoint: spread over
 # the data, first and last included, so another file or another order of the same rows
@@ -243,10 +243,28 @@ def check_model(saved: dict | None, params, step: int, cfg: TrainConfig, where: 
         )
 
 
-def check_resumable(meta: dict, run_meta: dict, where: str) -> None:
+def _keeps_past_rates(saved: dict, run_meta: dict, step: int) -> bool:
+    """Whether a run of `saved["total_steps"]` steps, resumed at `step` as a run of
+    `run_meta["total_steps"]`, keeps the learning rates of the steps it trained: the same
+    schedule flags, and the same rate at each step before `step` under both step counts
+    (a constant rate; a warmup-stable-decay schedule still before its decay)."""
+    old, new = saved.get("schedule"), run_meta.get("schedule")
+    if old is None or new is None or old["flags"] != new["flags"]:
+        return False
+    args = dataclasses.replace(OptimArgs(), **new["flags"])
+    steps = np.arange(step)
+    before = np.asarray(schedule(args, saved["total_steps"])(steps))
+    after = np.asarray(schedule(args, run_meta["total_steps"])(steps))
+    return bool(np.allclose(before, after, rtol=1e-6, atol=0))
+
+
+def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
+    """Refuses (TrainingError) a resume from the checkpoint of `meta` that would change
+    what its run recorded (`run_meta`: this run's); returns a line to print where it
+    goes on differently as it may (more steps, the rates so far the same), else None."""
     saved = meta.get("run")
     if saved is None:  # checkpoints written before this record existed
-        return
+        return None
     old_optim = saved.get("optim", "adamw")  # checkpoints from before --optim: adamw
     if old_optim != run_meta["optim"]:
         raise TrainingError(
@@ -323,13 +341,25 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "export (--model_name_or_path <output_dir>/hf, a new --output_dir)"
         )
     old, new = saved.get("total_steps"), run_meta["total_steps"]
+    extended = None
     if old is not None and old != new:
-        raise TrainingError(
-            f"checkpoint {meta['step']} in {where} belongs to a run of {old} steps; this run "
-            f"has {new} (--max_steps / --num_train_epochs), which would change its "
-            "learning-rate schedule mid-run (the decay would jump). Resume with the same "
-            f"number of steps ({old}), or train further as a new run from the export "
-            "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
+        step = meta["step"]
+        if new < step or not _keeps_past_rates(saved, run_meta, step):
+            run_dir = os.path.dirname(where)
+            raise TrainingError(
+                f"checkpoint {step} in {where} belongs to a run of {old} steps; this run "
+                f"has {new} (--max_steps / --num_train_epochs), under which the rates of "
+                f"the steps it trained differ: the learning-rate schedule would jump "
+                f"mid-run. Resume with the same number of steps ({old}), or train further "
+                f"as a new run from its weights: python -m train.tools.export {run_dir} "
+                f"--step {step} --out DIR, then --model_name_or_path DIR and a new "
+                "--output_dir (a new schedule and optimizer state; the same data and --seed "
+                "replay the data order from its start)"
+            )
+        extended = (
+            f"checkpoint {step} belongs to a run of {old} steps; this run has {new}: the "
+            f"schedule's rates of its first {step} steps are the same under both, so it "
+            f"trains on to step {new}"
         )
     # A finished run trains nothing more: no schedule to jump, no update to change.
     left = meta["step"] < run_meta["total_steps"]
@@ -348,9 +378,9 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "as a new run from the export (--model_name_or_path <output_dir>/hf, a new "
             "--output_dir)"
         )
-    if left and "schedule" in saved:
+    if left and "schedule" in saved and extended is None:
         other = _schedule_error(saved["schedule"], run_meta["schedule"])
-    else:
+    else:  # an extended run's past rates are compared above, step by step
         other = None
     if other:
         raise TrainingError(
@@ -360,3 +390,4 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> None:
             "<output_dir>/train_config.yaml), or train on as a new run from the export "
             "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
         )
+    return extended
