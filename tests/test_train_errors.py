@@ -294,6 +294,40 @@ def _last_error(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
+def test_a_run_directory_or_checkpoint_as_the_model_says_what_to_give(tmp_path):
+    """--model_name_or_path of a run's output directory or of one of its checkpoints
+    (no config.json there) names the export to give instead, where it said only that
+    the config did not exist; a missing checkpoint step names the steps there."""
+    from train.build import model_config
+    from train.checkpoint import resolve_resume
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "8").mkdir(parents=True)
+    (run_dir / "checkpoints" / "4").mkdir()
+    (run_dir / "train_config.yaml").write_text("run: {}\n")
+    (run_dir / "log.jsonl").write_text("")
+
+    def error(model: str) -> str:
+        with pytest.raises(TrainingError) as e:
+            model_config(parse_args(["--model_name_or_path", model]))
+        return str(e.value)
+
+    assert error(str(run_dir)).endswith(
+        "is a training run's output directory, not an HF model: give an export of one of "
+        f"its checkpoints (python -m train.tools.export {run_dir} --out DIR)"
+    )
+    (run_dir / "hf").mkdir()
+    (run_dir / "hf" / "config.json").write_text("{}")
+    assert error(str(run_dir)).endswith(f"not an HF model: give its export {run_dir / 'hf'}")
+    assert error(str(run_dir / "checkpoints" / "8")).endswith(
+        "is a checkpoint of a training run, not an HF model: export it with python -m "
+        f"train.tools.export {run_dir} --step 8 --out DIR and give DIR "
+        "(--resume_from_checkpoint resumes it, optimizer state and all)"
+    )
+    with pytest.raises(ValueError, match=r"7 does not exist \(the steps there: 4, 8\)$"):
+        resolve_resume(str(run_dir / "checkpoints" / "7"), str(tmp_path / "out"))
+
+
 def test_resume_with_another_number_of_steps_is_refused():
     """Extending a finished run would restart (or jump) its cosine schedule."""
     from train.run_record import check_resumable

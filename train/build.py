@@ -54,6 +54,7 @@ from train.readers import (
     source_files,
     would_read,
 )
+from train.run_files import is_run_output
 from train.step import BATCH_KEYS, StepSpec, eval_sums, train_step
 from train.words import plural
 
@@ -75,6 +76,34 @@ def _for_run(config: models.LlamaConfig, cfg: TrainConfig) -> models.LlamaConfig
     )
 
 
+def _run_dir_hint(path: str) -> str | None:
+    """Where `path` is a training run's output directory or one of its checkpoints
+    (no config.json of its own): what it is, and the model to give instead."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    folder = os.path.abspath(path)
+    step = os.path.basename(folder)
+    if step.isdigit() and os.path.basename(os.path.dirname(folder)) == "checkpoints":
+        run_dir = os.path.dirname(os.path.dirname(folder))
+        return (
+            f"is a checkpoint of a training run, not an HF model: export it with python -m "
+            f"train.tools.export {run_dir} --step {step} --out DIR and give DIR "
+            "(--resume_from_checkpoint resumes it, optimizer state and all)"
+        )
+    if is_run_output(folder):
+        hf = os.path.join(folder, "hf")
+        export = (
+            f"its export {hf}"
+            if os.path.isfile(os.path.join(hf, "config.json"))
+            else (
+                f"an export of one of its checkpoints (python -m train.tools.export {folder} "
+                "--out DIR)"
+            )
+        )
+        return f"is a training run's output directory, not an HF model: give {export}"
+    return None
+
+
 def model_config(cfg: TrainConfig, hf_config: str | None = None) -> models.LlamaConfig:
     """The model's `LlamaConfig` (an HF directory's config.json, or a preset; or the
     config.json `hf_config`, such as a run's own copy) with the run's dtypes and remat
@@ -86,6 +115,8 @@ def model_config(cfg: TrainConfig, hf_config: str | None = None) -> models.Llama
         except (OSError, ValueError) as e:
             raise TrainingError(f"{hf_config}: {e}") from None
     if os.path.isdir(name):
+        if (hint := _run_dir_hint(name)) is not None:
+            raise TrainingError(f"--model_name_or_path={name!r} {hint}")
         return _for_run(models.from_hf_config(name), cfg)
     try:
         return _for_run(models.preset(name), cfg)

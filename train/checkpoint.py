@@ -369,6 +369,14 @@ def resolve_resume(value: str | None, output_dir: str) -> tuple[str, int | None]
                 if not os.path.isabs(value) and os.path.isdir(own)
                 else ""
             )
+            there = os.path.dirname(path)
+            steps = (
+                sorted(int(n) for n in os.listdir(there) if n.isdigit())
+                if (not hint and os.path.isdir(there))
+                else []
+            )
+            if steps:
+                hint = f" (the steps there: {', '.join(map(str, steps))})"
             raise ValueError(f"--resume_from_checkpoint={value!r}: {path} does not exist{hint}")
         return os.path.dirname(os.path.dirname(path)), int(base)
     if base == "checkpoints":
