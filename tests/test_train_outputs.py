@@ -706,6 +706,14 @@ def test_a_resume_that_finds_its_run_done_writes_nothing(tmp_path, capsys):
     assert "nothing to train: checkpoint 3 is already at the run's 3 steps" in said
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert "learning_rate: 0.003" in (out / outputs.SETTINGS_FILE).read_text()
+    # Into another directory as well: that directory gets nothing (it got an HF export,
+    # said to be that of a run stopped after its last save).
+    other = tmp_path / "other"
+    elsewhere = ["--resume_from_checkpoint", str(out), "--export_hf", "true"]
+    assert main(_args(other, *elsewhere)) == 0
+    said = capsys.readouterr().err
+    assert f"already at the run's 3 steps; nothing is written into {other}" in said
+    assert not other.exists()
 
 
 def _files(out) -> dict[str, bytes]:

@@ -206,7 +206,9 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         # export of a run stopped after its last checkpoint (a SIGTERM on the last step,
         # or during the export).
         trains = start_step < t.total_steps
-        exports = cfg.run.export_hf and (trains or _export_missing(out, is_main))
+        # (Only a run's own stopped export: a finished run resumed into another
+        # directory has nothing to train there, and writes nothing.)
+        exports = cfg.run.export_hf and (trains or (continuing and _export_missing(out, is_main)))
         with contextlib.ExitStack() as held:
             if trains or exports:
                 _claim_under_lock(held, out, claim, is_main)
@@ -337,7 +339,8 @@ def _run_from(
         print(
             f"nothing to train: checkpoint {start_step} is already at the run's "
             f"{plural(t.total_steps, 'step')}"
-            + (": evaluating it, which a stop cut short" if evaluates else ""),
+            + (": evaluating it, which a stop cut short" if evaluates else "")
+            + ("" if continuing else f"; nothing is written into {out}"),
             file=sys.stderr,
         )
     history = []
