@@ -824,6 +824,16 @@ def test_auto_on_a_run_killed_before_its_first_checkpoint_names_both_flags(tmp_p
     assert _files(out) == before
     summary = run(parse_args(_args(out, *auto, "--overwrite_output_dir", "true")))
     assert summary["start_step"] == 0 and outputs.saved_steps(str(out))
+    # A directory reused for another run: `auto` resumes the one there, so the
+    # overwrite does not apply, and a refusal of its checkpoint says so.
+    other = ["--overwrite_output_dir", "true", "--per_device_train_batch_size", "2"]
+    with pytest.raises(TrainingError) as e:
+        run(parse_args(_args(out, *auto, *other)))
+    assert str(e.value).startswith("checkpoint 3 in ") and str(e.value).endswith(
+        f"(--resume_from_checkpoint auto found checkpoint 3 in {out} and resumes it: "
+        "--overwrite_output_dir applies only where there is none; to replace that run, "
+        "drop auto, or choose another --output_dir)"
+    )
 
 
 def test_previous_run_left_by_a_killed_replacing_run(tmp_path):

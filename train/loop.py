@@ -132,6 +132,11 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         print(line, flush=True)
     # What `auto` and `latest` choose from, checked again under the lock (`claim`).
     seen = outputs.saved_steps(out)
+    # `auto` resuming where --overwrite_output_dir is given: a refusal of the checkpoint
+    # says why the overwrite did not apply.
+    auto_over = (cfg.run.resume_from_checkpoint or "").lower() == "auto" and bool(
+        seen and cfg.run.overwrite_output_dir
+    )
     cfg = resolve_auto_resume(cfg, is_main)
     reporters.check(cfg.run.report_to)
     if cfg.profile.profile_steps and cfg.profile.profile_dir:
@@ -191,7 +196,16 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         )
     with jax.set_mesh(t.mesh):
         run_meta = run_record(t)  # what a checkpoint records and a resume checks
-        state, start_step, eval_pending = _initial_state(t, resume, continuing, run_meta)
+        try:
+            state, start_step, eval_pending = _initial_state(t, resume, continuing, run_meta)
+        except TrainingError as e:
+            if not auto_over:
+                raise
+            raise TrainingError(
+                f"{e} (--resume_from_checkpoint auto found checkpoint {seen[-1]} in {out} "
+                "and resumes it: --overwrite_output_dir applies only where there is none; "
+                "to replace that run, drop auto, or choose another --output_dir)"
+            ) from None
         t.state = None  # the loop owns (and donates) the state from here on
         step_fn = t.step_fn
         if start_step < t.total_steps:
