@@ -243,6 +243,17 @@ def check_model(saved: dict | None, params, step: int, cfg: TrainConfig, where: 
         )
 
 
+def _new_run_from(meta: dict, where: str) -> str:
+    """The way to train on from the checkpoint of `meta` in `where` (a run's
+    `checkpoints` folder) as a new run: its weights exported, then a new run on them."""
+    return (
+        f"train on as a new run from its weights: python -m train.tools.export "
+        f"{os.path.dirname(where)} --step {meta['step']} --out DIR, then "
+        "--model_name_or_path DIR and a new --output_dir (a new schedule and optimizer "
+        "state; the same data and --seed replay the data order from its start)"
+    )
+
+
 def _keeps_past_rates(saved: dict, run_meta: dict, step: int) -> bool:
     """Whether a run of `saved["total_steps"]` steps, resumed at `step` as a run of
     `run_meta["total_steps"]`, keeps the learning rates of the steps it trained: the same
@@ -270,16 +281,13 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} holds the state of --optim {old_optim}; "
             f"this run asks for --optim {run_meta['optim']}. Resume with --optim "
-            f"{old_optim}, or start a new run from the export (--model_name_or_path "
-            "<output_dir>/hf, a new --output_dir)"
+            f"{old_optim}, or {_new_run_from(meta, where)}"
         )
     if saved.get("optim_state") != run_meta.get("optim_state") and old_optim in OPTIM_STATES:
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} holds optax's --optim {old_optim} state, "
             f"which this version replaced by HF's ({run_meta.get('optim_state')}, one layer "
-            "at a time): it does not carry over. Train on as a new run from its weights "
-            "(python -m train.tools.export, then --model_name_or_path that directory and a "
-            "new --output_dir)"
+            f"at a time): it does not carry over: {_new_run_from(meta, where)}"
         )
     if "model" in saved and saved["model"] != run_meta["model"]:
         old, new = saved["model"], run_meta["model"]
@@ -320,6 +328,7 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             "global batch (per-device batch x data x "
             "fsdp x accumulation), --seed and --dataloader_drop_last"
             + (" (--data_path sample is made from --seed)" if "seed" in changed else "")
+            + f", or {_new_run_from(meta, where)}"
         )
     if "data" in saved and saved["data"] != run_meta["data"]:
         raise TrainingError(
@@ -327,8 +336,7 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             f"but their tokens differ (data {saved['data']} there, {run_meta['data']} here), "
             "so resuming would not continue its data. Resume with the same --data_path, "
             "tokenizer, chat template (--chat_template, --chat_template_kwargs), "
-            "--model_max_length and --packing, or start a new run from the export "
-            "(--model_name_or_path <output_dir>/hf, a new --output_dir)"
+            f"--model_max_length and --packing, or {_new_run_from(meta, where)}"
         )
     if "labels" in saved and saved["labels"] != run_meta["labels"]:
         raise TrainingError(
@@ -337,24 +345,19 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             f"{run_meta['labels']} here: the loss is on other tokens, as with text records "
             "in place of prompt/completion ones), so resuming would not continue its "
             "training. Resume with the same --data_path and chat template (--chat_template), "
-            "or start a new run from the "
-            "export (--model_name_or_path <output_dir>/hf, a new --output_dir)"
+            f"or {_new_run_from(meta, where)}"
         )
     old, new = saved.get("total_steps"), run_meta["total_steps"]
     extended = None
     if old is not None and old != new:
         step = meta["step"]
         if new < step or not _keeps_past_rates(saved, run_meta, step):
-            run_dir = os.path.dirname(where)
             raise TrainingError(
                 f"checkpoint {step} in {where} belongs to a run of {old} steps; this run "
                 f"has {new} (--max_steps / --num_train_epochs), under which the rates of "
                 f"the steps it trained differ: the learning-rate schedule would jump "
-                f"mid-run. Resume with the same number of steps ({old}), or train further "
-                f"as a new run from its weights: python -m train.tools.export {run_dir} "
-                f"--step {step} --out DIR, then --model_name_or_path DIR and a new "
-                "--output_dir (a new schedule and optimizer state; the same data and --seed "
-                "replay the data order from its start)"
+                f"mid-run. Resume with the same number of steps ({old}), or "
+                f"{_new_run_from(meta, where)}"
             )
         extended = (
             f"checkpoint {step} belongs to a run of {old} steps; this run has {new}: the "
@@ -374,9 +377,8 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             f"checkpoint {meta['step']} in {where} was trained with other update settings "
             f"({text}): resuming would change how its remaining steps update the weights, "
             "and its train_config.yaml would name settings its first steps did not use. "
-            "Resume with its flags (--config <output_dir>/train_config.yaml), or train on "
-            "as a new run from the export (--model_name_or_path <output_dir>/hf, a new "
-            "--output_dir)"
+            "Resume with its flags (--config <output_dir>/train_config.yaml), or "
+            f"{_new_run_from(meta, where)}"
         )
     if left and "schedule" in saved and extended is None:
         other = _schedule_error(saved["schedule"], run_meta["schedule"])
@@ -387,7 +389,6 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             f"checkpoint {meta['step']} in {where} was written with another learning-rate "
             f"schedule ({other}): resuming would jump to this one mid-run. Resume with "
             "its flags (its run's train_config.yaml holds them: --config "
-            "<output_dir>/train_config.yaml), or train on as a new run from the export "
-            "(--model_name_or_path <output_dir>/hf, a new --output_dir and its own schedule)"
+            f"<output_dir>/train_config.yaml), or {_new_run_from(meta, where)}"
         )
     return extended
