@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int
 from models.attention import AttentionConfig, as_attention_config
 from models.config import LlamaConfig
 from models.llama import Llama
+from models.sharding import spec_axes
 
 Params = dict[str, Any]
 
@@ -150,6 +151,21 @@ def _check_explicit_splits(params: Params, input_ids, attention: AttentionConfig
             f"{spec[1]!r}: attention kind {attention.kind!r} takes whole sequences; "
             "AttentionConfig(kind='ring', ...) splits one"
         )
+    if attention.kind == "ring" and hasattr(input_ids, "ndim"):
+        # The ring returns its output split along the sequence: ids given whole would
+        # change the layers' type from the first attention on (a scan refuses that).
+        mesh, axes = attention.mesh, spec_axes(attention.seq_axis)
+        kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        explicit = all(kinds[a] == jax.sharding.AxisType.Explicit for a in axes)
+        split = spec_axes(spec[1]) if len(spec) > 1 else ()
+        if explicit and any(mesh.shape[a] > 1 for a in axes) and split != axes:
+            seq = axes[0] if len(axes) == 1 else axes
+            raise ValueError(
+                f"input_ids are {'split over ' + repr(spec[1]) if split else 'whole'} along "
+                f"the sequence, where the 'ring' attention splits it over the Explicit mesh "
+                f"axis {seq!r}: put them split so, jax.device_put(input_ids, "
+                f"NamedSharding(mesh, P(None, {seq!r})))"
+            )
 
 
 def hidden_states(

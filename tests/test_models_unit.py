@@ -476,6 +476,16 @@ def test_what_the_model_does_not_run_split_on_explicit_axes_is_named(params, ids
             models.hidden_states(SMALL, params, jax.reshard(ids, PartitionSpec(None, "seq")))
         batch = jax.reshard(ids, PartitionSpec("fsdp"))
         np.testing.assert_allclose(models.logits(SMALL, params, batch), expected, atol=1e-5, rtol=0)
+        # The ring, given a whole sequence, changed the layer scan's carry type.
+        ring = models.AttentionConfig(
+            kind="ring", implementation="xla", mesh=mesh, layout="contiguous"
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"^input_ids are whole along the sequence, where the 'ring' attention splits "
+            r"it over the Explicit mesh axis 'seq': put them split so, jax.device_put\(",
+        ):
+            models.logits(SMALL, params, batch, attention=ring)
         hidden = models.hidden_states(SMALL, params, batch)
         head = jax.reshard(models.lm_head_weight(SMALL, params), PartitionSpec(None, "seq"))
         with pytest.raises(ValueError, match="^lm_head's vocabulary is split over Explicit"):
