@@ -226,14 +226,17 @@ def test_unfinished_search_is_said_and_labelled(tmp_path, capsys, monkeypatch):
         lambda self, *a, **k: labels.append(k.get("label")) or plot(self, *a, **k),
     )
     partial = json.loads(json.dumps(OFFLOAD))
+    done = json.loads(json.dumps(partial["rows"][0]))
     partial["rows"][0]["incomplete"] = True
+    partial["rows"].insert(0, {**done, "model": "tiny"})  # finished before it: not labelled
     path = tmp_path / "capacity.json.partial"
     path.write_text(json.dumps(partial))
     capacity.main_plot([str(path), "--out", str(tmp_path / "p.png")])
     out = capsys.readouterr().out
     assert f"note: {path}: an unfinished search" in out
     assert "llama3.2-1b on seq=1 is drawn as far as it got" in out
-    assert "offload_attn (unfinished) device" in labels
+    assert labels.count("offload_attn (unfinished) device") == 1
+    assert labels.count("offload_attn device") == 1  # tiny's panel
     labels.clear()
     (tmp_path / "done.json").write_text(json.dumps(OFFLOAD))
     capacity.main_plot(

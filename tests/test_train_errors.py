@@ -345,6 +345,13 @@ def test_resume_with_another_number_of_steps_is_refused():
         check_resumable(meta, {**saved, "total_steps": 60}, "ckpts")
     # Checkpoints written before the step count was recorded resume as before.
     check_resumable({"step": 30, "run": saved}, {**saved, "total_steps": 60}, "ckpts")
+    # --dataloader_drop_last dropped whole steps' rows before it dropped the partial
+    # micro-batch: such a checkpoint whose epochs had other steps is refused by name.
+    old = {**saved, "dataloader_drop_last": True, "num_rows": 90, "total_steps": 30}
+    new = {**old, "steps_per_epoch": 12}  # 90 rows, micro-batches of 4, steps of 8
+    with pytest.raises(TrainingError, match=r"dropped each epoch's last partial step \(11 "):
+        check_resumable({"step": 2, "run": old}, new, "run/checkpoints")
+    check_resumable({"step": 2, "run": old}, {**new, "steps_per_epoch": 11}, "ckpts")
 
 
 def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):

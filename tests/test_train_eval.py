@@ -181,6 +181,10 @@ def test_steps_given_with_their_strategy_no_get_a_warning(tmp_path, capsys):
     assert warnings("--bf16", "true") == warnings("--fp16", "false") == []
     with pytest.raises(ValueError, match="^--bf16 and --fp16 are both true: give one"):
         parse_args(["--fp16", "--bf16", "true"])
+    yaml = tmp_path / "both.yaml"
+    yaml.write_text("model:\n  bf16: true\n  fp16: true\n")  # bf16's default, named
+    with pytest.raises(ValueError, match="^--bf16 and --fp16 are both true: give one"):
+        parse_args(["--config", str(yaml)])
 
 
 def test_eval_strategy_no_reads_no_evaluation_data(tmp_path):

@@ -82,7 +82,9 @@ def _tensors(directory: Path) -> dict[str, np.ndarray]:
 
 def _same_hf(a: Path, b: Path, exact: bool = True) -> None:
     """The two HF directories hold the same files, configs and tokenizer byte for byte,
-    tensors bitwise (`exact`) or within 1e-5 (two runs' weights on a GPU)."""
+    tensors bitwise (`exact`) or, two runs' weights on a GPU (whose reductions are not
+    deterministic), within a tenth of one update at the runs' rate (1e-3): a gradient
+    near 0 that differs in its last bits moves Adam's step most (7.5e-6 seen on an H100)."""
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))
     for name in os.listdir(a):
         if not name.endswith(".safetensors"):
@@ -94,7 +96,7 @@ def _same_hf(a: Path, b: Path, exact: bool = True) -> None:
         if exact:
             assert np.array_equal(ta[key].view(np.uint8), tb[key].view(np.uint8)), key
         else:
-            np.testing.assert_allclose(ta[key], tb[key], rtol=1e-5, atol=1e-7, err_msg=key)
+            np.testing.assert_allclose(ta[key], tb[key], rtol=0, atol=1e-4, err_msg=key)
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
@@ -180,7 +182,7 @@ def test_the_export_reads_the_model_config_the_run_built(runs, tmp_path):
 def test_an_earlier_step_is_the_hf_of_a_run_stopped_there(runs, tmp_path):
     """Step 2 of the 4-step run exported is the 2-step run's export: bitwise on a CPU;
     on a GPU, whose reductions are not deterministic without XLA's flag, two runs'
-    weights differ in their last bits (one f32 ulp of lm_head seen on an H200)."""
+    weights differ in their last bits (`_same_hf`)."""
     out = tmp_path / "two"
     assert export.main([str(runs["long"]), "--out", str(out), "--step", "2"]) == 0
     _same_hf(out, runs["short"] / "hf", exact=not ON_GPU)

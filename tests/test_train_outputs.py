@@ -15,6 +15,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from conftest import ON_GPU
 
 import models
 from train import data as data_lib
@@ -869,7 +870,8 @@ def test_previous_run_left_by_a_killed_replacing_run(tmp_path):
         f"{out / outputs.PREVIOUS_RUN}, kept when the run that replaced it was stopped, and "
         "that run (checkpoint 1): --overwrite_output_dir would replace the second and delete "
         f"the first; delete {out / outputs.PREVIOUS_RUN} (or move its contents back) first, "
-        "or continue the second with --resume_from_checkpoint latest"
+        "or continue the second with --resume_from_checkpoint latest (without "
+        "--overwrite_output_dir)"
     )
     with pytest.raises(TrainingError, match="and was killed .*: --resume_from_checkpoint latest"):
         outputs.check_claim(str(out), continuing=False, overwrite=False, resume_flag=None)
@@ -945,7 +947,8 @@ def test_a_finished_run_trains_longer_where_its_rates_so_far_stay(tmp_path, caps
             f"rates of its first {step} steps are the same under both, so it trains on to "
             "step 8"
         ) in capsys.readouterr().out
-        assert losses(longer) == pytest.approx(losses(straight), rel=1e-6)  # all 8 steps
+        # all 8 steps; a GPU's reductions are not deterministic without XLA's flag
+        assert losses(longer) == pytest.approx(losses(straight), rel=1e-4 if ON_GPU else 1e-6)
     out = tmp_path / "linear"
     run(parse_args(_args(out, "--save_steps", "2", "--report_to", "none")))
     with pytest.raises(TrainingError) as e:

@@ -438,6 +438,11 @@ def test_a_sigterm_during_the_last_steps_evaluation_is_evaluated_on_resume(
         capsys.readouterr().out
     )
     evaluations.append(True)  # no more SIGTERMs
+    # Resumed into another directory, the finished run writes nothing there.
+    elsewhere = [*TINY, *flags, "--resume_from_checkpoint", str(out)]
+    loop.run(parse_args([*elsewhere, "--output_dir", str(tmp_path / "other")]))
+    assert "nothing is written into" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
     resume = [*TINY, *flags, "--resume_from_checkpoint", "latest"]
     for said in (": evaluating it, which a stop cut short", ""):
         loop.run(parse_args(resume))

@@ -78,8 +78,8 @@ class DataArgs:
     # through that turn as at inference: auto splits only those (a log line counts
     # them), whole refuses them, split splits every conversation (train.chat)
     chat_turns: str = "auto"  # auto: split what the template rewrites | whole: refuse | split: all
-    # HF's: drop each epoch's last batch where the rows do not fill it (false: it is filled
-    # up with rows of nothing to learn, every row trained once an epoch)
+    # HF's: drop each epoch's last micro-batch where the rows do not fill it (false: the
+    # last batch is filled up with rows of nothing to learn, every row trained once an epoch)
     dataloader_drop_last: bool = False  # drop each epoch's partial last micro-batch (HF's flag)
 
 
@@ -825,6 +825,15 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
         raise ValueError(f"{where}: {key}={value!r} is not {kind}") from None
 
 
+def _home_section(name: str) -> str:
+    """The section a setting's key belongs under (`run` for `output_dir`)."""
+    return next(
+        section
+        for section, cls in _section_types().items()
+        if name in {f.name for f in dataclasses.fields(cls)}
+    )
+
+
 def _sections_of(keys) -> str:
     """Where `keys` that are settings of some section belong, as a hint to add to an
     error: ` (settings go under their section: learning_rate under optim:)`, and what
@@ -835,6 +844,7 @@ def _sections_of(keys) -> str:
         for section, cls in _section_types().items()
         for name in (f.name for f in dataclasses.fields(cls))
     }
+    homes |= {former[2:]: homes[name] for name, former in FORMER_NAMES.items()}
     found = [f"{k} under {homes[k]}:" for k in keys if k in homes]
     hint = f" (settings go under their section: {', '.join(found)})" if found else ""
     # HF TrainingArguments' keys with no place here, and other trainers' names, as the
@@ -894,10 +904,15 @@ class AmbiguousNumber(yaml.YAMLError):
     """A YAML 1.1 number that reads as another than it shows (`_UniqueKeyLoader`)."""
 
     def __init__(self, node, read):
-        why = "base 60 (a colon)" if ":" in str(node.value) else "octal (a leading zero)"
+        text = str(node.value)
+        if ":" in text:
+            what = f'base 60 (a colon); quote it ("{text}") where it is text, else write the number'
+        else:
+            meant = int(text.replace("_", ""), 10)
+            what = f"octal (a leading zero); write {meant}, or {read} where octal was meant"
         super().__init__(
-            f"line {node.start_mark.line + 1}: {node.value} reads as the number {read} in "
-            f'YAML 1.1, {why}; write {read}, or quote it ("{node.value}")'
+            f"line {node.start_mark.line + 1}: {text} reads as the number {read} in YAML "
+            f"1.1, {what}"
         )
 
 
@@ -956,7 +971,7 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
         if not isinstance(values, dict):
             raise ValueError(f"{path}: section {section!r} must be a mapping")
         for name, former in FORMER_NAMES.items():
-            if (key := former[2:]) in values:
+            if (key := former[2:]) in values and _home_section(name) == section:
                 if name in values:
                     raise ValueError(f"{path}: {key} and {name} are one setting; give {name}")
                 values[name] = values.pop(key)
@@ -1150,7 +1165,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             f"--eval_strategy={asked} needs --eval_data_path (no evaluation data given); "
             "pass one, or --eval_strategy no"
         )
-    if {"bf16", "fp16"} <= given and cfg.model.bf16 and cfg.model.fp16:
+    named = {*flags.get("model", {}), *overrides.get("model", {})}  # their defaults too
+    if {"bf16", "fp16"} <= named and cfg.model.bf16 and cfg.model.fp16:
         raise ValueError(
             "--bf16 and --fp16 are both true: give one (as HF refuses both; --fp16 runs "
             "as bf16 here)"

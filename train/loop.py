@@ -162,7 +162,6 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         overwrite=cfg.run.overwrite_output_dir,
         resume_flag=cfg.run.resume_from_checkpoint,
         inputs=inputs,
-        seen=seen,
     )
     claim()
     # A resume's state is the checkpoint's: no weights are read or initialised for it.
@@ -225,7 +224,9 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         exports = cfg.run.export_hf and (trains or (continuing and _export_missing(out, is_main)))
         with contextlib.ExitStack() as held:
             if trains or exports:
-                _claim_under_lock(held, out, claim, is_main)
+                # Under the lock, the checkpoints it chose from are compared too (on the
+                # main process alone: a race seen by some processes would hang the rest).
+                _claim_under_lock(held, out, functools.partial(claim, seen=seen), is_main)
             stage["claimed"] = True
             aside = None
             if cfg.run.overwrite_output_dir and trains:
@@ -337,6 +338,7 @@ def _run_from(
     trains = start_step < t.total_steps
     evaluates = (
         not trains
+        and continuing  # (into another directory a finished run writes nothing)
         and eval_pending
         and t.eval_rows is not None
         and not outputs.logged_eval(out, start_step)
@@ -610,12 +612,12 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     resumed = t.batches.starting_at(meta["data"])
     if resumed.step != start_step:
         # A checkpoint whose record has no `dataloader_drop_last` was written when every
-        # epoch dropped its partial last batch.
+        # epoch dropped its partial last batch: the flag's way now without accumulation.
         older = "dataloader_drop_last" not in (meta.get("run") or {})
         hint = (
             " (a checkpoint written when each epoch dropped its last partial batch resumes "
             "with --dataloader_drop_last true)"
-            if older and not cfg.data.dataloader_drop_last
+            if older and not cfg.data.dataloader_drop_last and t.accum == 1
             else ""
         )
         raise TrainingError(

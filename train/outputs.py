@@ -164,7 +164,7 @@ def check_claim(
             f"run that replaced it was stopped, and that run ({_steps_text(steps)}): "
             "--overwrite_output_dir would replace the second and delete the first; delete "
             f"{aside} (or move its contents back) first, or continue the second with "
-            "--resume_from_checkpoint latest"
+            "--resume_from_checkpoint latest (without --overwrite_output_dir)"
         )
     if os.path.isdir(aside) and not overwrite:
         replaces = (

@@ -84,6 +84,7 @@ def run_record(t: Trainer) -> dict:
         "labels": label_fingerprint(t.rows),
         "seed": t.cfg.run.seed,
         "dataloader_drop_last": t.cfg.data.dataloader_drop_last,
+        "steps_per_epoch": t.batches.steps_per_epoch,
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
         "optim_state": OPTIM_STATES.get(t.cfg.optim.optim),
@@ -256,13 +257,10 @@ def _new_run_from(meta: dict, where: str) -> str:
 
 def _keeps_past_rates(saved: dict, run_meta: dict, step: int) -> bool:
     """Whether a run of `saved["total_steps"]` steps, resumed at `step` as a run of
-    `run_meta["total_steps"]`, keeps the learning rates of the steps it trained: the same
-    schedule flags, and the same rate at each step before `step` under both step counts
+    `run_meta["total_steps"]` with the same schedule flags, keeps the learning rates of
+    the steps it trained: the same rate at each step before `step` under both step counts
     (a constant rate; a warmup-stable-decay schedule still before its decay)."""
-    old, new = saved.get("schedule"), run_meta.get("schedule")
-    if old is None or new is None or old["flags"] != new["flags"]:
-        return False
-    args = dataclasses.replace(OptimArgs(), **new["flags"])
+    args = dataclasses.replace(OptimArgs(), **run_meta["schedule"]["flags"])
     steps = np.arange(step)
     before = np.asarray(schedule(args, saved["total_steps"])(steps))
     after = np.asarray(schedule(args, run_meta["total_steps"])(steps))
@@ -314,6 +312,21 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         "model",
         "update",
     )
+    if (
+        "steps_per_epoch" not in saved
+        and saved.get("dataloader_drop_last")
+        and "steps_per_epoch" in run_meta
+        and saved.get("num_rows") == run_meta["num_rows"]
+        and saved.get("rows_per_step") == run_meta["rows_per_step"]
+        and (old := saved["num_rows"] // saved["rows_per_step"]) != run_meta["steps_per_epoch"]
+    ):
+        raise TrainingError(
+            f"checkpoint {meta['step']} in {where} was written when --dataloader_drop_last "
+            f"dropped each epoch's last partial step ({old} steps an epoch); it now drops "
+            f"the partial micro-batch only, as HF does ({run_meta['steps_per_epoch']} steps "
+            "an epoch), so resuming would not continue its data order: "
+            f"{_new_run_from(meta, where)}"
+        )
     changed = {
         k: (saved[k], v)
         for k, v in run_meta.items()
@@ -351,19 +364,29 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
     extended = None
     if old is not None and old != new:
         step = meta["step"]
-        if new < step or not _keeps_past_rates(saved, run_meta, step):
+        if new < step:
+            why = "which ends before the checkpoint's step"
+        elif "schedule" not in saved:
+            why = "and the checkpoint records no schedule to compare the rates of its steps with"
+        elif saved["schedule"]["flags"] != run_meta["schedule"]["flags"]:
+            why = "and other schedule flags"
+        elif not _keeps_past_rates(saved, run_meta, step):
+            why = "under which the rates of the steps it trained differ"
+        else:
+            why = None
+        if why is not None:
             raise TrainingError(
                 f"checkpoint {step} in {where} belongs to a run of {old} steps; this run "
-                f"has {new} (--max_steps / --num_train_epochs), under which the rates of "
-                f"the steps it trained differ: the learning-rate schedule would jump "
-                f"mid-run. Resume with the same number of steps ({old}), or "
-                f"{_new_run_from(meta, where)}"
+                f"has {new} (--max_steps / --num_train_epochs), {why}: the learning-rate "
+                f"schedule would jump mid-run. Resume with the same number of steps "
+                f"({old}), or {_new_run_from(meta, where)}"
             )
-        extended = (
-            f"checkpoint {step} belongs to a run of {old} steps; this run has {new}: the "
-            f"schedule's rates of its first {step} steps are the same under both, so it "
-            f"trains on to step {new}"
-        )
+        if new > step:
+            extended = (
+                f"checkpoint {step} belongs to a run of {old} steps; this run has {new}: the "
+                f"schedule's rates of its first {step} steps are the same under both, so it "
+                f"trains on to step {new}"
+            )
     # A finished run trains nothing more: no schedule to jump, no update to change.
     left = meta["step"] < run_meta["total_steps"]
     old, new = saved.get("update"), run_meta.get("update")

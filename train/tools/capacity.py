@@ -750,12 +750,12 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
     loaded = [(path, result) for path in paths for result in load_results(path)]
     results = [result for _, result in loaded]
     runs = [load_measured(run) for run in measured]
-    unfinished = set()  # (remat, mesh) of rows written while their search ran
+    unfinished = set()  # (model, remat, mesh) of rows written while their search ran
     for path, result in loaded:
         remat = (result.get("settings") or {}).get("remat", "?")
         for row in result["rows"]:
             if row.get("incomplete"):
-                unfinished.add((remat, row.get("mesh", "")))
+                unfinished.add((row["model"], remat, row.get("mesh", "")))
                 print(
                     f"note: {path}: an unfinished search (written while `capacity` ran, or "
                     f"by one that was stopped): {row['model']} on {row.get('mesh', '?')} is "
@@ -812,7 +812,7 @@ def plot_memory(paths: list[str], out: str, measured: list[str] = ()) -> str:
             if not probes:
                 continue
             name = f"{key[0]} {key[1]}" if several_meshes else key[0]
-            if key in unfinished:
+            if (model, *key) in unfinished:
                 name += " (unfinished)"
             for field, style, what in (("gib", "-", "device"), ("host_gib", "--", "host")):
                 pts = [(p["seq"], p[field], p.get("fits")) for p in probes]

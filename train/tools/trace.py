@@ -497,8 +497,10 @@ def _spans(data: ProfileData, name: str) -> list[tuple[float, float]]:
 
 def _inside(spans: list[tuple[float, float]], t: float | None) -> bool:
     """Whether the time `t` lies in one of `spans` (sorted)."""
+    if t is None or not spans:
+        return False
     i = bisect.bisect_right(spans, (t, float("inf"))) - 1
-    return t is not None and i >= 0 and spans[i][0] <= t < spans[i][1]
+    return i >= 0 and spans[i][0] <= t < spans[i][1]
 
 
 def _step_annotations(data: ProfileData, step_name: str) -> list[tuple[float, int]]:
@@ -794,7 +796,8 @@ def parse(source: str | ProfileData, hlo: HloOps | None = None, step_name: str =
         ]
         sizes = [hlo.permute_size(k.hlo_op, k.stack) if hlo is not None else None for k in ks]
         if use_steps:
-            cuts = sorted(k.start for k in ks if _inside(evals, k.launch))
+            # (a step's own program that began inside the span is no evaluation's)
+            cuts = sorted(k.start for k in ks if k.module != module and _inside(evals, k.launch))
             windows = _windows(ks, starts, module, cuts)
         else:
             windows = [(None, min(k.start for k in ks), max(k.end for k in ks))]
