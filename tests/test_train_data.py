@@ -1570,15 +1570,16 @@ def test_add_bos_token_flags_that_the_post_processor_contradicts_are_refused(bos
 def test_inspect_into_a_pipe_closed_early_ends_quietly(tmp_path):
     """`inspect --show N | head`: the reader leaving is no traceback; the exit status is
     a shell's for a command SIGPIPE ended."""
-    path = _dump_jsonl(tmp_path / "d.jsonl", [json.dumps(list(range(1, 50)))] * 400)
+    # More than a pipe holds (64 KiB): the tool is still writing when the reader goes.
+    path = _dump_jsonl(tmp_path / "d.jsonl", [json.dumps(list(range(1, 50)))] * 2000)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train.data", "inspect", str(path), "--show", "400"],
+        [sys.executable, "-m", "train.data", "inspect", str(path), "--show", "2000"],
         cwd=REPO,
         env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    assert proc.stdout.readline() == b"examples: 400\n"
+    assert proc.stdout.readline() == b"examples: 2000\n"
     proc.stdout.close()  # as `head -1` does
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == "", err

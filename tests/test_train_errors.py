@@ -1090,7 +1090,7 @@ def test_a_resume_that_changes_dataloader_drop_last_is_refused_naming_it(tmp_pat
         [*argv, *resume, "--dataloader_drop_last", "true", "--output_dir", str(tmp_path / "b")],
         capsys,
     )
-    assert "(dataloader_drop_last False -> True)" in err, err
+    assert "(dataloader_drop_last False -> True, steps_per_epoch 2 -> 1)" in err, err
     err = _one_line_error(
         [*argv, *resume, "--seed", "7", "--output_dir", str(tmp_path / "c")], capsys
     )

@@ -808,6 +808,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:  # a stop: what was being written is removed (or never renamed)
         until_stopped(lambda: _command(args), f"python -m train.data {args.command} stopped")
+        # Here, not as Python exits (status 120 and a message): a reader gone by then is
+        # the BrokenPipeError below.
+        sys.stdout.flush()
     except NoTokenizerError as e:
         parser.exit(2, f"error: {e.asking_for('--tokenizer')}\n")
     except ChatTurnsError as e:
