@@ -825,13 +825,13 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
         raise ValueError(f"{where}: {key}={value!r} is not {kind}") from None
 
 
-def _home_section(name: str) -> str:
-    """The section a setting's key belongs under (`run` for `output_dir`)."""
-    return next(
-        section
+def _homes() -> dict[str, str]:
+    """Each setting's section (`output_dir`: `run`)."""
+    return {
+        name: section
         for section, cls in _section_types().items()
-        if name in {f.name for f in dataclasses.fields(cls)}
-    )
+        for name in (f.name for f in dataclasses.fields(cls))
+    }
 
 
 def _sections_of(keys) -> str:
@@ -839,11 +839,7 @@ def _sections_of(keys) -> str:
     error: ` (settings go under their section: learning_rate under optim:)`, and what
     does the work of HF-only keys and other trainers' names (`HF_ONLY_FLAGS`,
     `FLAG_ALIASES`), or ''."""
-    homes = {
-        name: section
-        for section, cls in _section_types().items()
-        for name in (f.name for f in dataclasses.fields(cls))
-    }
+    homes = _homes()
     homes |= {former[2:]: homes[name] for name, former in FORMER_NAMES.items()}
     found = [f"{k} under {homes[k]}:" for k in keys if k in homes]
     hint = f" (settings go under their section: {', '.join(found)})" if found else ""
@@ -967,11 +963,12 @@ def load_yaml(path: str) -> dict[str, dict[str, Any]]:
         raise ValueError(
             f"{path}: unknown sections {unknown}; known: {sorted(SECTIONS)}" + _sections_of(unknown)
         )
+    homes = _homes()
     for section, values in data.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: section {section!r} must be a mapping")
         for name, former in FORMER_NAMES.items():
-            if (key := former[2:]) in values and _home_section(name) == section:
+            if (key := former[2:]) in values and homes[name] == section:
                 if name in values:
                     raise ValueError(f"{path}: {key} and {name} are one setting; give {name}")
                 values[name] = values.pop(key)
