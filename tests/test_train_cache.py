@@ -845,6 +845,39 @@ def test_eos_token_id_flag(tmp_path):
         load_rows(_cfg(data_path=str(source), eos_token_id=512), models.TINY)
 
 
+def test_eos_token_id_none_packs_documents_with_no_token_between(tmp_path):
+    """`--eos_token_id none` (flag or YAML): examples that already end as they should, or
+    pieces of longer documents, are packed as they are (HF's Trainer appends nothing),
+    in memory and through a token cache, and from the run's `train_config.yaml`, which
+    writes it as -1; another negative or a non-integer id is refused."""
+    from train.config import parse_args
+
+    source = _pkl(tmp_path / "d.pkl", [[5, 6], [8, 9]])
+    (tmp_path / "c.yaml").write_text("data:\n  eos_token_id: none\n")
+    (tmp_path / "run.yaml").write_text("data:\n  eos_token_id: -1\n")  # a run's own record
+    for argv in (
+        ["--eos_token_id", "none"],
+        ["--config", str(tmp_path / "c.yaml")],
+        ["--config", str(tmp_path / "run.yaml")],
+    ):
+        cfg = parse_args(["--data_path", str(source), "--model_max_length", "2", *argv])
+        assert data_eos(cfg, models.TINY) is None
+        assert load_rows(cfg, models.TINY).input_ids.tolist() == [[5, 6], [8, 9]]
+    cfg = parse_args(
+        ["--data_path", str(source), "--model_max_length", "2", "--eos_token_id", "none"]
+        + ["--data_cache_dir", str(tmp_path / "cc")]
+    )
+    cached = load_rows(cfg, models.TINY)
+    assert cached.cache.eos_id is None
+    assert cached.take(np.arange(2)).input_ids.tolist() == [[5, 6], [8, 9]]
+    for bad in ("-3", "x", "1.5"):
+        with pytest.raises(SystemExit):
+            parse_args(["--data_path", str(source), "--eos_token_id", bad])
+    (tmp_path / "bad.yaml").write_text("data:\n  eos_token_id: -3\n")
+    with pytest.raises(ValueError, match=r"eos_token_id=-3 is not a token id or none"):
+        parse_args(["--data_path", str(source), "--config", str(tmp_path / "bad.yaml")])
+
+
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> Path:
     """A byte-level BPE of 300 tokens trained on a little English."""

@@ -28,7 +28,7 @@ from models.sharding import spec_axes
 from train import data as data_lib
 from train import data_cache, hosts
 from train.chat import check_template_path, parse_template_kwargs
-from train.config import TrainConfig, rope_scaling
+from train.config import NO_EOS, TrainConfig, rope_scaling
 from train.dataset import Rows, ShortData, TokenDataset
 from train.errors import TrainingError
 from train.mesh import (
@@ -389,7 +389,8 @@ def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
     `--model_name_or_path` directory) where its files name one, as `train.data` and
     HF's packing take it, else the model's (`end_of_text`). An Instruct model's
     tokenizer names its end of turn (Llama-3's `<|eot_id|>`), which then ends each
-    conversation once, where its config.json lists `<|end_of_text|>` first."""
+    conversation once, where its config.json lists `<|end_of_text|>` first. None: no
+    token (`--eos_token_id none`, or none anywhere)."""
     tokenizer = cfg.data.tokenizer_name_or_path
     if tokenizer and not (file := data_lib.tokenizer_file(tokenizer)).is_file():
         # Refused whatever the data: the export carries this tokenizer.
@@ -398,6 +399,8 @@ def data_eos(cfg: TrainConfig, config: models.LlamaConfig) -> int | None:
             "tokenizer.json or the directory that holds it)"
         )
     eos, where = cfg.data.eos_token_id, "--eos_token_id"
+    if eos == NO_EOS:
+        return None
     model = cfg.model.model_name_or_path
     if eos is None and tokenizer:
         eos = data_lib.tokenizer_eos_id(tokenizer)

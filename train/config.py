@@ -64,7 +64,9 @@ class DataArgs:
     sample_num_examples: int = 256  # --data_path sample: rows of one example each
     eval_data_path: str = ""  # validation data (formats as data_path); empty: no evaluation
     tokenizer_name_or_path: str = ""  # tokenizer.json or its directory; empty: the model dir's
-    eos_token_id: int | None = None  # between packed documents; None: the tokenizer's / model's
+    # The token after each packed document: an id, none (no token: documents already end as
+    # they should, or are pieces of longer ones), or unset: the tokenizer's / model's EOS
+    eos_token_id: int | None = None
     data_cache_dir: str = ""  # tokenize data files once into token caches here; empty: in memory
     # The chat template that renders every conversation in place of the tokenizer's (a
     # base model's has none; TRL's chat_template_path): a Jinja file, or a tokenizer
@@ -537,6 +539,30 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
+# `--eos_token_id none`: no token between packed documents (None: the tokenizer's EOS).
+NO_EOS = -1
+
+
+def _token_id(text: Any) -> int:
+    """`--eos_token_id`'s value: a token id, or `none` (`NO_EOS`, as a run's
+    `train_config.yaml` writes it)."""
+    if str(text).lower() == "none":
+        return NO_EOS
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = None
+    if isinstance(text, (bool, float)) or value is None or value < NO_EOS:
+        raise argparse.ArgumentTypeError(f"expected a token id (0 or more) or none, got {text!r}")
+    return value
+
+
+def _token_id_text(text: str) -> str:
+    """`--eos_token_id`'s text, checked on the command line (`_coerce` reads it)."""
+    _token_id(text)
+    return text
+
+
 def _step_count(text: str) -> int | float:
     """A number of steps, or below 1 a fraction of the run's (HF's form)."""
     try:
@@ -756,6 +782,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs.update(nargs="?", const=True, type=_parse_bool)
             elif field.name in STEP_COUNTS:
                 kwargs["type"] = _step_count
+            elif field.name == "eos_token_id":
+                kwargs["type"] = _token_id_text
             elif field.name == "report_to":  # HF's list: several words, or one with commas
                 kwargs.update(type=str, nargs="+")
             else:
@@ -797,6 +825,11 @@ def _coerce(value: Any, annotation, key: str, where: str) -> Any:
         return json.dumps(value)
     if key == "report_to" and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)  # HF's list, as the flag's words
+    if key == "eos_token_id":
+        try:
+            return _token_id(value)
+        except argparse.ArgumentTypeError:
+            raise ValueError(f"{where}: {key}={value!r} is not a token id or none") from None
     allowed = next((c for (_, name), c in CHOICES.items() if name == key), ())
     if optional and None in allowed and isinstance(value, str) and value in ("None", "none"):
         return None  # the choice `--help` lists as None, typed
