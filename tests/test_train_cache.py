@@ -1662,3 +1662,132 @@ def test_a_cache_without_its_meta_is_not_read_as_a_data_folder(tmp_path):
         damage()
         with pytest.raises(ValueError, match=r"a token cache's tokens\.bin with no readable meta"):
             load_dataset(tmp_path / "c")
+
+
+def test_one_corpus_tokenized_two_ways_keeps_a_cache_each(tmp_path, capsys):
+    """`--data_cache_dir` names a cache by its source and the settings that make its
+    bytes: two runs of one corpus with different EOS ids (or tokenizers, chat settings)
+    each reuse their own cache, not rebuild one by turns."""
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    root = tmp_path / "caches"
+    for eos in (EOS, None, EOS, None):
+        data_cache.packed_rows(source, 8, eos_id=eos, cache_root=root)
+    said = capsys.readouterr().out
+    assert said.count("token cache: wrote") == 2 and "stale" not in said, said
+    assert len(list(root.iterdir())) == 2
+    assert all(p.name.startswith("d.pkl-") for p in root.iterdir())
+    where = data_cache.cache_location(source, root, eos_id=EOS)
+    assert where != data_cache.cache_location(source, root, eos_id=None)
+    assert where == data_cache.cache_location(str(source), root, eos_id=EOS, chat_turns="auto")
+
+
+def test_a_cache_another_process_checked_is_read_whatever_this_copys_time(tmp_path, capsys):
+    """A multi-host run sharing its cache, each host with its own copy of the data
+    (their times apart): the processes after process 0 read the cache process 0 checked,
+    checking the settings only, instead of rebuilding it under process 0 by turns."""
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    root = tmp_path / "caches"
+    data_cache.packed_rows(source, 8, eos_id=EOS, cache_root=root)
+    os.utime(source, ns=(10**18, 10**18))  # this host's copy: another time
+    capsys.readouterr()
+    data_cache.packed_rows(source, 8, eos_id=EOS, cache_root=root, source_checked=True)
+    assert "stale" not in capsys.readouterr().out
+    cache = data_cache.open_cache(data_cache.cache_location(source, root, eos_id=EOS))
+    assert cache.mismatch(eos_id=7, check_source=False) == ["built with eos_id=2, this run's is 7"]
+    data_cache.packed_rows(source, 8, eos_id=EOS, cache_root=root)  # process 0's check
+    assert "changed since the cache was built (size or mtime)): rebuilding" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_cache_replaced_as_this_build_finished_is_refused(tmp_path, monkeypatch):
+    """Two builds of one cache with other settings finishing together: the cache in
+    place once this one's rename is done is checked, and another's is refused in one
+    line, not trained on."""
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    move = data_cache._move_into_place
+
+    def and_another(tmp, cache_dir):
+        move(tmp, cache_dir)  # this build's cache is in place; the other one finishes now
+        monkeypatch.setattr(data_cache, "_move_into_place", move)
+        data_cache.build_cache(source, cache_dir, eos_id=7)
+
+    monkeypatch.setattr(data_cache, "_move_into_place", and_another)
+    with pytest.raises(
+        ValueError,
+        match=r"c: the token cache in place as this build finished "
+        r"is not this run's \(built with eos_id=7, this run's is 2\)",
+    ):
+        data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+
+
+def test_a_cache_that_cannot_be_written_is_named_in_one_line(tmp_path, monkeypatch):
+    """Permission denied (another user's cache folder) or a file size limit while
+    building: one line naming the cache, not a traceback naming a hidden folder; the
+    same errors reading the data stay the data's."""
+    import errno
+
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    for code, words in ((errno.EACCES, "Permission denied"), (errno.EFBIG, "File too large")):
+
+        def refuse(folder, code=code, words=words):
+            raise OSError(code, words, str(folder / "tokens.bin"))
+
+        monkeypatch.setattr(data_cache, "_Writer", refuse)
+        with pytest.raises(ValueError) as e:
+            data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+        assert str(e.value).startswith(
+            f"{tmp_path / 'c'}: the token cache cannot be written there ("
+        ) and f"tokens.bin: {words})" in str(e.value)
+        assert _leftovers(tmp_path) == []
+    monkeypatch.undo()
+
+    def unreadable(path, parser):
+        raise PermissionError(errno.EACCES, "Permission denied", str(source))
+
+    monkeypatch.setattr(data_cache, "read_examples", unreadable)
+    with pytest.raises(PermissionError):
+        data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+
+
+def test_a_cache_whose_meta_a_crash_emptied_is_rebuilt(tmp_path, capsys):
+    """A cache with an empty or cut meta.json (a machine's crash before it reached the
+    disk) is rebuilt in place under `--data_cache_dir` and by `train.data cache`, where
+    a folder holding other files is still refused."""
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    cache, _ = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    tokens = np.asarray(cache.tokens).tolist()
+    (tmp_path / "c" / "meta.json").write_text("")
+    capsys.readouterr()
+    cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    assert built and np.asarray(cache.tokens).tolist() == tokens
+    assert "is damaged (its meta.json is unreadable): rebuilding" in capsys.readouterr().out
+    (tmp_path / "c" / "meta.json").write_text('{"format": ')
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"c exists and is not a token cache; not writing"):
+        data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+
+
+def test_the_trainers_other_processes_read_the_shared_cache_process_0_checked(
+    tmp_path, monkeypatch, capsys
+):
+    """The trainer as process 1 of a run sharing `--data_cache_dir`, its host's copy of
+    the data at process 0's path with another time: it reads the cache process 0 built
+    (rebuilding it would delete the files process 0 is reading, and every start would
+    tokenize the corpus again on every host)."""
+    from jax.experimental import multihost_utils
+
+    from train import hosts
+
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    cfg = _cfg(data_path=str(source), model_max_length=8, data_cache_dir=str(tmp_path / "cc"))
+    rows = load_rows(cfg, models.TINY)  # process 0's build
+    os.utime(source, ns=(10**18, 10**18))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(hosts, "shared", lambda folder: True)
+    monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", lambda x: np.int32(0))
+    capsys.readouterr()
+    again = load_rows(cfg, models.TINY)
+    assert "token cache" not in capsys.readouterr().out
+    _assert_rows_equal(rows.take(np.arange(rows.num_rows)), again.take(np.arange(rows.num_rows)))

@@ -325,9 +325,15 @@ def load_rows(cfg: TrainConfig, config, *, eval: bool = False):
                         flush=True,
                     )
             # A cache directory every process shares is built once, by process 0, and
-            # then read by the others (on each host's own disk, each builds its own).
+            # then read by the others as process 0 checked it against its data (each
+            # host's own copy of the data has its own time); on each host's own disk,
+            # each builds its own.
             if cache_root and not data_cache.is_cache(path) and hosts.shared(cache_root):
-                return hosts.first_on_process_0(read, f"--data_cache_dir: caching {path}")
+                return hosts.first_on_process_0(
+                    read,
+                    f"--data_cache_dir: caching {path}",
+                    others=functools.partial(read, source_checked=True),
+                )
             return read()
         except ShortData as e:  # the row's length by its flag
             raise TrainingError(

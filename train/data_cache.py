@@ -35,6 +35,7 @@ path does.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -272,11 +273,13 @@ class TokenCache:
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_turns: str = AUTO,
         chat_template: str | Path | None = None,
+        check_source: bool = True,
     ) -> list[str]:
         """Why this cache is not what ``source`` (default: the recorded source, where it
-        still exists), ``tokenizer`` (compared where both tokenized text; its chat
-        template where the cache's conversations were rendered with one, or
-        ``chat_template``'s, given in its place), ``chat_template_kwargs`` and
+        still exists; none with ``check_source`` False), ``tokenizer`` (compared where
+        both tokenized text; its chat template where the cache's conversations were
+        rendered with one, or ``chat_template``'s, given in its place),
+        ``chat_template_kwargs`` and
         ``chat_turns`` (where they were: ``"auto"`` and ``"whole"`` build the same cache
         where ``"auto"`` split no conversation; a cache from before the setting read them
         whole) and ``eos_id`` would build; empty when it is."""
@@ -285,7 +288,9 @@ class TokenCache:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
         recorded = self.meta["source"]
         now = None
-        if source is not None:
+        if not check_source:
+            pass
+        elif source is not None:
             now = source_stamp(source)
         elif source_exists(recorded["path"]):
             # The data it was built from, where they still are: an emptied folder, a
@@ -664,12 +669,43 @@ def build_cache(
             under ``cache_dir``); ``cache_dir`` exists and is neither a cache nor an empty
             directory; a folder above it is not a directory.
     """
-    source, cache_dir = Path(source), Path(cache_dir)
+    try:
+        return _build(
+            Path(source),
+            Path(cache_dir),
+            tokenizer,
+            eos_id,
+            vocab_size,
+            chat_template_kwargs,
+            chat_turns,
+            chat_template,
+        )
+    except OSError as e:
+        if e.errno not in _REFUSED_ERRNOS or not _of_cache(e.filename, Path(cache_dir)):
+            raise
+        raise ValueError(
+            f"{cache_dir}: the token cache cannot be written there ({e.filename}: "
+            f"{e.strerror}): it needs a folder this user can write, and files as large as "
+            "the cache's"
+        ) from None
+
+
+def _build(
+    source: Path,
+    cache_dir: Path,
+    tokenizer,
+    eos_id,
+    vocab_size,
+    chat_template_kwargs,
+    chat_turns,
+    chat_template,
+) -> TokenCache:
+    """:func:`build_cache`'s work."""
     if eos_id is not None and not 0 <= eos_id <= _MAX_ID:
         raise ValueError(f"{eos_id=} must be a non-negative int32 token id")
     if blocked := _file_in_the_way(cache_dir.parent):
         raise ValueError(f"{cache_dir}: {blocked} is not a directory")
-    if cache_dir.exists() and not is_cache(cache_dir):
+    if cache_dir.exists() and not is_cache(cache_dir) and not _damaged_cache(cache_dir):
         if not cache_dir.is_dir() or any(cache_dir.iterdir()):
             raise ValueError(f"{cache_dir} exists and is not a token cache; not writing over it")
     stamp = source_stamp(source) if source_exists(source) else None
@@ -713,7 +749,7 @@ def build_cache(
             writer.close()
         if len(writer.offsets) == 1:
             raise ValueError(f"{source}: the dataset has no examples")
-        np.save(tmp / INDEX, np.asarray(writer.offsets, dtype=np.int64))
+        _write_synced(tmp / INDEX, lambda f: np.save(f, np.asarray(writer.offsets, np.int64)))
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -736,7 +772,9 @@ def build_cache(
             "labels": writer.labels is not None,
             "token_dtype": "uint32",
         }
-        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        text = (json.dumps(meta, indent=2) + "\n").encode()
+        _write_synced(tmp / META, lambda f: f.write(text))
+        _sync_folder(tmp)
         TokenCache(tmp)  # readable before it takes the final name
         try:
             _move_into_place(tmp, cache_dir)
@@ -747,12 +785,59 @@ def build_cache(
         else:
             with contextlib.suppress(OSError):
                 (cache_dir / BUILD_LOCK).unlink()
+            _sync_folder(cache_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         os.close(lock)
     return TokenCache(cache_dir)
+
+
+# What writing a cache can meet besides a full or failing disk (`train.errors.DISK_ERRNOS`,
+# which the trainer and `train.data` report as the machine's): a folder of another user
+# (a shared cache directory), a file size limit (`ulimit -f`).
+_REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def _damaged_cache(folder: Path) -> bool:
+    """Whether ``folder`` is a cache whose ``meta.json`` cannot be read (cut short by a
+    crash, emptied): it holds one, and only a cache's files."""
+    with contextlib.suppress(OSError):
+        names = {entry.name for entry in folder.iterdir()}
+        return META in names and names <= {META, TOKENS, LABELS, INDEX, BUILD_LOCK}
+    return False
+
+
+def _of_cache(filename: Any, cache_dir: Path) -> bool:
+    """Whether ``filename`` is what a build of ``cache_dir`` writes: the cache, its
+    temporary and set-aside folders beside it, or a folder above it."""
+    if not isinstance(filename, (str, os.PathLike)):
+        return False
+    path, cache = Path(os.path.abspath(filename)), Path(os.path.abspath(cache_dir))
+    if path in cache.parents:
+        return True
+    return any(
+        p.parent == cache.parent and (p.name == cache.name or p.name.startswith(f".{cache.name}."))
+        for p in (path, *path.parents)
+    )
+
+
+def _write_synced(file: Path, write) -> None:
+    """Writes ``file`` with ``write(f)`` and flushes it to the disk, so that a cache in
+    place after a machine's crash holds every file whole."""
+    with open(file, "wb") as f:
+        _write_to(f, lambda f: (write(f), f.flush(), os.fsync(f.fileno())))
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flushes ``folder``'s entries (a rename into it, files made in it) to the disk."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _size(stamp: dict | None) -> str:
@@ -910,6 +995,7 @@ def ensure_cache(
     chat_template: str | Path | None = None,
     replace_other_source: bool = True,
     announce: bool = False,
+    source_checked: bool = False,
 ) -> tuple[TokenCache, bool]:
     """``(cache, built)``: the cache at ``cache_dir`` if it matches ``source``,
     ``tokenizer``, ``eos_id``, ``chat_template_kwargs``, ``chat_turns`` and
@@ -917,7 +1003,13 @@ def ensure_cache(
     :meth:`TokenCache.mismatch`), else a new one built there (replacing the stale one).
     Without ``replace_other_source``, a cache there of another data file is refused
     (ValueError), not replaced: the tokenization of another corpus is kept. ``announce``:
-    a first build says so as it starts (a rebuild always says why)."""
+    a first build says so as it starts (a rebuild always says why). ``source_checked``:
+    another process has just checked the cache against its own copy of ``source`` (a
+    multi-host run sharing the cache, each host with its data on its own disk, their
+    times apart): this one reads it, checking the settings only.
+
+    A cache that another build put in place as this one finished, of other settings or
+    from a source changed while it was read, is refused (ValueError): run again."""
     source = Path(source)
     if not source_exists(source):
         raise ValueError(f"{source}: no such data file")
@@ -933,6 +1025,7 @@ def ensure_cache(
                 chat_template_kwargs=chat_template_kwargs,
                 chat_turns=chat_turns,
                 chat_template=chat_template,
+                check_source=not source_checked,
             )
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
@@ -947,18 +1040,25 @@ def ensure_cache(
             remove_leftovers(cache_dir)  # a build's, killed once its cache was in place
             return cache, False
         print(f"token cache {cache_dir} is stale ({'; '.join(stale)}): rebuilding", flush=True)
+    elif _damaged_cache(Path(cache_dir)):
+        damaged = f"token cache {cache_dir} is damaged (its {META} is unreadable): rebuilding"
+        print(damaged, flush=True)
     elif announce:  # the first build: a large corpus takes minutes to its first progress line
         print(f"token cache: tokenizing {source} into {cache_dir}, once", flush=True)
-    cache = build_cache(
-        source,
-        cache_dir,
+    settings = dict(
         tokenizer=tokenizer,
         eos_id=eos_id,
-        vocab_size=vocab_size,
         chat_template_kwargs=chat_template_kwargs,
         chat_turns=chat_turns,
         chat_template=chat_template,
     )
+    cache = build_cache(source, cache_dir, vocab_size=vocab_size, **settings)
+    if stale := cache.mismatch(source, **settings):  # what is in place now is another's
+        raise ValueError(
+            f"{cache_dir}: the token cache in place as this build finished is not this "
+            f"run's ({'; '.join(stale)}): another build replaced it, or {source} changed "
+            "while it was read; run again"
+        )
     return cache, True
 
 
@@ -972,12 +1072,30 @@ def _file_in_the_way(folder: str | Path) -> Path | None:
     return None
 
 
-def cache_location(source: str | Path, cache_root: str | Path) -> Path:
-    """Where ``--data_cache_dir`` keeps the cache of ``source``: ``<root>/<name>-<hash of
-    its absolute path>`` (a pattern's name from its folder on, its wildcards and
-    slashes ``_``)."""
+def cache_location(
+    source: str | Path,
+    cache_root: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    eos_id: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_turns: str = AUTO,
+    chat_template: str | Path | None = None,
+) -> Path:
+    """Where ``--data_cache_dir`` keeps the cache of ``source`` tokenized with these
+    settings: ``<root>/<name>-<hash of its absolute path and the settings>`` (a
+    pattern's name from its folder on, its wildcards and slashes ``_``), so that runs
+    tokenizing one corpus two ways keep a cache each, not one rebuilt by turns."""
     path = source_path(source)
-    digest = hashlib.sha256(path.encode()).hexdigest()[:12]
+    settings = {
+        "tokenizer": tokenizer and str(tokenizer_file(tokenizer).resolve()),
+        "eos_id": eos_id,
+        "chat_template_kwargs": chat_template_kwargs or None,
+        "chat_turns": chat_turns,
+        "chat_template": chat_template and str(Path(chat_template).resolve()),
+    }
+    key = json.dumps([path, settings], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     name = os.path.basename(path)
     if is_pattern(source):  # from its folder on: `corpus/*.jsonl.gz` -> `corpus_.jsonl.gz`
         name = os.path.relpath(path, os.path.dirname(pattern_folder(path)))
@@ -998,6 +1116,7 @@ def packed_rows(
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_turns: str = AUTO,
     chat_template: str | Path | None = None,
+    source_checked: bool = False,
 ) -> Rows | CachedRows:
     """The trainer's rows of ``path``: a token cache directory (checked against
     ``eos_id``, ``tokenizer``, ``chat_template_kwargs``, ``chat_turns``,
@@ -1007,7 +1126,8 @@ def packed_rows(
     makes a last row, filled up (evaluation), instead of being dropped. ``packing``:
     ``"stream"`` or ``"whole"`` (:mod:`train.dataset`); ``"whole"`` prints how many of
     the rows' tokens are padding. A cache read as it is (not built now) says in a line
-    how many conversations it split, as reading them says it (:func:`_note_split`)."""
+    how many conversations it split, as reading them says it (:func:`_note_split`).
+    ``source_checked``: as :func:`ensure_cache` takes it."""
     if is_cache(path):
         cache = open_cache(path, vocab_size=vocab_size)
         stale = cache.mismatch(
@@ -1039,17 +1159,21 @@ def packed_rows(
     if cache_root:
         if blocked := _file_in_the_way(cache_root):
             raise ValueError(f"--data_cache_dir={str(cache_root)!r}: {blocked} is not a directory")
-        location = cache_location(path, cache_root)
-        cache, built = ensure_cache(
-            path,
-            location,
+        settings = dict(
             tokenizer=tokenizer,
             eos_id=eos_id,
-            vocab_size=vocab_size,
             chat_template_kwargs=chat_template_kwargs,
             chat_turns=chat_turns,
             chat_template=chat_template,
+        )
+        location = cache_location(path, cache_root, **settings)
+        cache, built = ensure_cache(
+            path,
+            location,
+            vocab_size=vocab_size,
             announce=True,
+            source_checked=source_checked,
+            **settings,
         )
         if built:
             print(f"token cache: wrote {location} ({cache.num_tokens} tokens)", flush=True)

@@ -197,10 +197,13 @@ def check_shared(folder: str, flag: str, why: str) -> None:
         )
 
 
-def first_on_process_0[T](fn: Callable[[], T], what: str) -> T:
+def first_on_process_0[T](
+    fn: Callable[[], T], what: str, others: Callable[[], T] | None = None
+) -> T:
     """`fn()` on process 0, then, once it has returned, on the other processes (what
-    process 0 makes, the others find made); an error on process 0 is raised on every
-    process (TrainingError on the others, naming `what`), so none waits alone."""
+    process 0 makes, the others find made; `others()` there where given); an error on
+    process 0 is raised on every process (TrainingError on the others, naming `what`),
+    so none waits alone."""
     if jax.process_count() == 1:
         return fn()
     is_main = jax.process_index() == 0
@@ -215,4 +218,4 @@ def first_on_process_0[T](fn: Callable[[], T], what: str) -> T:
         raise error
     if failed:
         raise TrainingError(f"{what} failed on process 0 (its output says why)")
-    return result if is_main else fn()
+    return result if is_main else (others or fn)()
