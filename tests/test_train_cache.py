@@ -1140,7 +1140,19 @@ def test_cli_cache_and_inspect(bpe, tmp_path, capsys):
     data_lib.main(argv)
     assert "up to date:" in capsys.readouterr().out
     data_lib.main(["inspect", str(tmp_path / "c")])
-    assert "examples: 1\n" in capsys.readouterr().out
+    assert "examples: 1\n" in (said := capsys.readouterr().out) and "stale" not in said
+    # A cache whose data changed since: counted, and said to be what the trainer refuses.
+    before = source.read_text()
+    source.write_text(before + json.dumps({"text": "More."}) + "\n")
+    data_lib.main(["inspect", str(tmp_path / "c")])
+    assert capsys.readouterr().out.startswith(
+        f"note: {tmp_path / 'c'} is stale ({source} changed since the cache was built (size "
+        "or mtime)): its counts are of the data as it was; the trainer refuses it until it "
+        "is rebuilt (python -m train.data cache)\n"
+    )
+    source.write_text(before)
+    data_lib.main(argv)
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         data_lib.main([*argv, "--eos-id", "3", "--no-eos"])
     assert capsys.readouterr().err.startswith("error: give --eos-id or --no-eos")

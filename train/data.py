@@ -882,6 +882,12 @@ def _command(args: argparse.Namespace) -> None:
                     f"document, not {flag}; its counts include it"
                 )
             _check_rendering(args, cache)
+            if stale := cache.source_mismatch():  # what the trainer would refuse it for
+                print(
+                    f"note: {args.path} is stale ({'; '.join(stale)}): its counts are of the "
+                    "data as it was; the trainer refuses it until it is rebuilt (python -m "
+                    "train.data cache)"
+                )
             summary, eos_id = cache.summary(), cache.eos_id
             stream = cache.tokens, cache.targets, cache.offsets
             if note := data_cache.cache_split_note(cache):  # as reading the file printed it

@@ -286,11 +286,26 @@ class TokenCache:
         reasons = []
         if eos_id != self.eos_id:
             reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
+        if check_source:
+            reasons += self.source_mismatch(source)
+        if "masked_tokens" not in self.meta and self.meta["tokenizer"] is None:
+            # Token-id records were read whole, attention_mask's padding as tokens.
+            reasons.append("built before records' attention_mask was read (padding was kept)")
+        reasons += self.rendering_mismatch(
+            tokenizer=tokenizer,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_turns=chat_turns,
+            chat_template=chat_template,
+        )
+        return reasons
+
+    def source_mismatch(self, source: str | Path | None = None) -> list[str]:
+        """How ``source`` (default: the recorded source, where it still exists) differs
+        from the data this cache was built from; empty where it does not."""
+        reasons = []
         recorded = self.meta["source"]
         now = None
-        if not check_source:
-            pass
-        elif source is not None:
+        if source is not None:
             now = source_stamp(source)
         elif source_exists(recorded["path"]):
             # The data it was built from, where they still are: an emptied folder, a
@@ -315,15 +330,6 @@ class TokenCache:
                 reasons.append(
                     f"{now['path']} changed since the cache was built (its first or last MiB)"
                 )
-        if "masked_tokens" not in self.meta and self.meta["tokenizer"] is None:
-            # Token-id records were read whole, attention_mask's padding as tokens.
-            reasons.append("built before records' attention_mask was read (padding was kept)")
-        reasons += self.rendering_mismatch(
-            tokenizer=tokenizer,
-            chat_template_kwargs=chat_template_kwargs,
-            chat_turns=chat_turns,
-            chat_template=chat_template,
-        )
         return reasons
 
     def rendering_mismatch(
