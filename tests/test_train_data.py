@@ -647,6 +647,42 @@ def test_empty_and_unknown(tmp_path):
         load_dataset(tmp_path / "x.csv")
 
 
+class _RunsCode:
+    """An object whose unpickling calls a function it names (any code, as a data file
+    from elsewhere could)."""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.mark),))
+
+
+def test_a_pickle_that_names_code_is_refused_and_runs_nothing(tmp_path):
+    """Unpickling calls what a pickle names: a `.pkl` of examples is read where it holds
+    lists, dicts, text, numbers and numpy arrays (every protocol, numpy's forms), and one
+    naming anything else is refused in one line before it runs."""
+    examples = [
+        [1, 2, 3],
+        np.arange(3, 7, dtype=np.int32),
+        {"input_ids": np.arange(2, 5), "labels": [-100, 3, 4]},
+        {"input_ids": (5, 6, np.int64(7))},
+    ]
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        path = tmp_path / f"ok{protocol}.pkl"
+        path.write_bytes(pickle.dumps(examples, protocol=protocol))
+        dataset = load_dataset(path)
+        assert [dataset.example(i).tolist() for i in range(dataset.num_examples)] == [
+            [1, 2, 3], [3, 4, 5, 6], [2, 3, 4], [5, 6, 7]
+        ]  # fmt: skip
+    code = _RunsCode()
+    code.mark = str(tmp_path / "ran")
+    (tmp_path / "code.pkl").write_bytes(pickle.dumps([[1, 2], code]))
+    with pytest.raises(ValueError) as error:
+        load_dataset(tmp_path / "code.pkl")
+    assert str(error.value).startswith(
+        f"{tmp_path / 'code.pkl'}: it names pathlib.Path.touch, which examples have no need of"
+    )
+    assert not (tmp_path / "ran").exists()
+
+
 def test_missing_and_unreadable_files_name_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"nope\.pkl: no such data file"):
         load_dataset(tmp_path / "nope.pkl")

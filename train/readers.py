@@ -218,10 +218,52 @@ def records_reader(
 _CHUNK = 512  # records parsed (and their texts tokenized) together
 
 
+# What a pickle of examples may name: containers, text, numbers and numpy arrays.
+# Unpickling calls whatever a pickle names, so a data file from elsewhere could run any
+# code; anything else is refused (as `torch.load(weights_only=True)` refuses it).
+_PICKLE_GLOBALS = {
+    *(
+        ("builtins", name)
+        for name in ("list", "dict", "tuple", "set", "frozenset", "str", "bytes", "bytearray")
+        + ("int", "float", "bool", "complex")
+    ),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),  # protocol 2's bytes
+    ("numpy", "dtype"),
+    ("numpy", "ndarray"),
+    *(
+        (f"numpy.{core}.{module}", name)
+        for core in ("core", "_core")
+        for module, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"))
+        + (("numeric", "_frombuffer"),)
+    ),
+}
+
+
+class UnsafePickle(ValueError):
+    """A pickle naming something other than `_PICKLE_GLOBALS`."""
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        plain = "builtins" if module == "__builtin__" else module  # protocols 0-2
+        if (plain, name) not in _PICKLE_GLOBALS and not (
+            module.startswith("numpy.dtypes") and name.endswith("DType")
+        ):
+            raise UnsafePickle(
+                f"it names {module}.{name}, which examples have no need of; a .pkl is read "
+                "only where it holds lists, dicts, text, numbers and numpy arrays "
+                "(unpickling runs what a pickle names: convert other data to .jsonl)"
+            )
+        return super().find_class(module, name)
+
+
 def _read_pkl(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         with open_data(path) as f:
-            data = pickle.load(f)
+            data = _DataUnpickler(f).load()
+    except UnsafePickle as e:
+        raise ValueError(f"{path}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure: name the file
         raise ValueError(f"{path}: not a readable pickle ({type(e).__name__}: {e})") from None
     if not isinstance(data, (list, tuple)):
