@@ -672,19 +672,21 @@ def build_cache(
 
     Raises:
         ValueError: as :func:`train.dataset.load_dataset` for bad data (nothing is left
-            under ``cache_dir``); ``cache_dir`` exists and is neither a cache nor an empty
-            directory; a folder above it is not a directory.
+            under ``cache_dir``); ``cache_dir`` exists and is neither a cache (one whose
+            meta.json a crash emptied is replaced) nor an empty directory; a folder above
+            it is not a directory; this user may not write there, or a file size limit
+            stops a file (one line naming ``cache_dir``).
     """
     try:
         return _build(
             Path(source),
             Path(cache_dir),
-            tokenizer,
-            eos_id,
-            vocab_size,
-            chat_template_kwargs,
-            chat_turns,
-            chat_template,
+            tokenizer=tokenizer,
+            eos_id=eos_id,
+            vocab_size=vocab_size,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_turns=chat_turns,
+            chat_template=chat_template,
         )
     except OSError as e:
         if e.errno not in _REFUSED_ERRNOS or not _of_cache(e.filename, Path(cache_dir)):
@@ -699,12 +701,13 @@ def build_cache(
 def _build(
     source: Path,
     cache_dir: Path,
-    tokenizer,
-    eos_id,
-    vocab_size,
-    chat_template_kwargs,
-    chat_turns,
-    chat_template,
+    *,
+    tokenizer: str | Path | None,
+    eos_id: int | None,
+    vocab_size: int | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    chat_turns: str,
+    chat_template: str | Path | None,
 ) -> TokenCache:
     """:func:`build_cache`'s work."""
     if eos_id is not None and not 0 <= eos_id <= _MAX_ID:
