@@ -354,6 +354,54 @@ def test_resume_with_another_number_of_steps_is_refused():
     check_resumable({"step": 2, "run": old}, {**new, "steps_per_epoch": 11}, "ckpts")
 
 
+def test_a_requeue_on_another_mesh_is_told_the_split_that_keeps_its_rows():
+    """A resume whose rows a step differ (a `-1` mesh axis on another number of
+    devices) is refused naming the rows, and told the per-device batch and accumulation
+    that give them on this mesh; with --dataloader_drop_last, the same rows a step split
+    into other micro-batches drop other rows each epoch: refused, told the split whose
+    micro-batch is the checkpoint's."""
+    from train.run_record import check_resumable
+
+    def run(per_device, shards, accum, rows_per_epoch=None, drop_last=False):
+        return {
+            "rows_per_step": per_device * shards * accum,
+            "num_rows": 103,
+            "dataloader_drop_last": drop_last,
+            "rows_per_epoch": rows_per_epoch,
+            "split": {
+                "per_device_batch": per_device,
+                "batch_shards": shards,
+                "accumulation": accum,
+            },
+            "total_steps": 8,
+            "optim": "adamw",
+        }
+
+    saved = {"step": 4, "run": run(2, 2, 1)}  # 4 rows a step on 4 devices (fsdp=2, seq=2)
+    with pytest.raises(TrainingError) as e:
+        check_resumable(saved, run(2, 1, 1), "ckpts")  # on 2 devices: fsdp=-1 is 1
+    assert "(rows a step (per-device batch x data x fsdp x accumulation) 4 -> 2)" in str(e.value)
+    assert (
+        "; on this mesh (data x fsdp = 1), --per_device_train_batch_size 2 "
+        "--gradient_accumulation_steps 2 gives its 4 rows a step, or "
+    ) in str(e.value)
+    check_resumable(saved, run(2, 1, 2), "ckpts")
+    with pytest.raises(TrainingError, match=r"data x fsdp = 8\) no per-device batch and accum"):
+        check_resumable(saved, run(1, 8, 1), "ckpts")
+    # drop_last: 103 rows in micro-batches of 4 use 100; of 2, 102.
+    saved = {"step": 12, "run": run(2, 2, 2, rows_per_epoch=100, drop_last=True)}
+    check_resumable(saved, run(4, 1, 2, rows_per_epoch=100, drop_last=True), "ckpts")
+    with pytest.raises(TrainingError) as e:
+        check_resumable(saved, run(1, 2, 4, rows_per_epoch=102, drop_last=True), "ckpts")
+    assert "rows an epoch (--dataloader_drop_last drops what does not fill a micro-batch" in (
+        str(e.value)
+    )
+    assert (
+        "on this mesh (data x fsdp = 2), --per_device_train_batch_size 2 "
+        "--gradient_accumulation_steps 2 gives its 8 rows a step"
+    ) in str(e.value)
+
+
 def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):
     """A checkpoint of another model (here another vocabulary) is refused in one line
     naming what differs, before Orbax reads it (which logs a traceback per array)."""
@@ -1052,7 +1100,7 @@ def test_resume_with_the_other_packing_is_refused(tmp_path, capsys):
     resume = ["--resume_from_checkpoint", str(tmp_path / "run" / "checkpoints" / "1")]
     other = ["--packing", "whole", "--output_dir", str(tmp_path / "b")]
     err = _one_line_error([*argv, *resume, *other], capsys)
-    assert "was written by a run with other settings (packing stream -> whole" in err
+    assert "was written by a run with other settings (--packing stream -> whole" in err
     assert "Use the same --model_max_length, --packing," in err
     assert not (tmp_path / "b").exists()
     same = ["--packing", "stream", "--output_dir", str(tmp_path / "a")]
@@ -1090,11 +1138,11 @@ def test_a_resume_that_changes_dataloader_drop_last_is_refused_naming_it(tmp_pat
         [*argv, *resume, "--dataloader_drop_last", "true", "--output_dir", str(tmp_path / "b")],
         capsys,
     )
-    assert "(dataloader_drop_last False -> True, steps_per_epoch 2 -> 1)" in err, err
+    assert "(--dataloader_drop_last False -> True, steps an epoch 2 -> 1, rows an epoch" in err, err
     err = _one_line_error(
         [*argv, *resume, "--seed", "7", "--output_dir", str(tmp_path / "c")], capsys
     )
-    assert "seed 42 -> 7" in err and "(--data_path sample is made from --seed)" in err, err
+    assert "--seed 42 -> 7" in err and "(--data_path sample is made from --seed)" in err, err
 
 
 def test_an_adafactor_checkpoint_of_optaxs_state_is_refused_with_the_way_on():

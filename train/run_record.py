@@ -85,6 +85,18 @@ def run_record(t: Trainer) -> dict:
         "seed": t.cfg.run.seed,
         "dataloader_drop_last": t.cfg.data.dataloader_drop_last,
         "steps_per_epoch": t.batches.steps_per_epoch,
+        # With --dataloader_drop_last, the whole micro-batches' rows: the same global
+        # batch split otherwise drops another number of rows each epoch.
+        "rows_per_epoch": (
+            t.batches.rows_per_epoch if t.cfg.data.dataloader_drop_last else None
+        ),
+        # How this run splits its rows a step (the mesh may change on resume): for the
+        # advice where the rows a step or an epoch would differ.
+        "split": {
+            "per_device_batch": t.cfg.run.per_device_train_batch_size,
+            "batch_shards": t.global_batch // t.cfg.run.per_device_train_batch_size,
+            "accumulation": t.accum,
+        },
         "total_steps": t.total_steps,
         "optim": t.cfg.optim.optim,
         "optim_state": OPTIM_STATES.get(t.cfg.optim.optim),
@@ -267,6 +279,49 @@ def _keeps_past_rates(saved: dict, run_meta: dict, step: int) -> bool:
     return bool(np.allclose(before, after, rtol=1e-6, atol=0))
 
 
+# The run record's data-order keys as a refusal names them (the others by their flag).
+ORDER_WORDS = {
+    "rows_per_step": "rows a step (per-device batch x data x fsdp x accumulation)",
+    "rows_per_epoch": "rows an epoch (--dataloader_drop_last drops what does not fill a "
+    "micro-batch of per-device batch x data x fsdp rows)",
+    "steps_per_epoch": "steps an epoch",
+    "num_rows": "rows of data",
+}
+
+
+def _split_advice(saved: dict, run_meta: dict, changed: dict) -> str:
+    """Where the rows a step (or, with --dataloader_drop_last, its micro-batch) differ
+    from the checkpoint's run: the per-device batch and accumulation that give its
+    rows on this run's mesh (a requeue on another number of devices), or that none
+    does; '' where neither differs."""
+    split = run_meta.get("split")
+    if split is None or not {"rows_per_step", "rows_per_epoch"} & set(changed):
+        return ""
+    rows, shards = saved["rows_per_step"], split["batch_shards"]
+    old = saved.get("split")
+    if run_meta.get("dataloader_drop_last") and old is not None:
+        # The micro-batch decides the rows dropped each epoch: it must be the old one's.
+        micro = old["per_device_batch"] * old["batch_shards"]
+        options = [(micro // shards, old["accumulation"])] if micro % shards == 0 else []
+    else:
+        per_device, accum = split["per_device_batch"], split["accumulation"]
+        options = [
+            (per_device, rows // (per_device * shards)),
+            (rows // (shards * accum), accum),
+            (1, rows // shards),
+        ]
+    for per_device, accum in options:
+        if per_device >= 1 and accum >= 1 and per_device * shards * accum == rows:
+            return (
+                f"; on this mesh (data x fsdp = {shards}), --per_device_train_batch_size "
+                f"{per_device} --gradient_accumulation_steps {accum} gives its {rows} rows a step"
+            )
+    return (
+        f"; on this mesh (data x fsdp = {shards}) no per-device batch and accumulation give "
+        f"its {rows} rows a step as it split them"
+    )
+
+
 def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
     """Refuses (TrainingError) a resume from the checkpoint of `meta` that would change
     what its run recorded (`run_meta`: this run's); returns a line to print where it
@@ -302,6 +357,7 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         )
     # Checked on their own, with their own advice.
     own_checks = (
+        "split",  # free: its values advise where the rows a step or an epoch differ
         "eval",  # a warning, `eval_data_warning`
         "total_steps",
         "optim",
@@ -333,7 +389,9 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         if k in saved and saved[k] != v and k not in own_checks
     }
     if changed:
-        text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+        text = ", ".join(
+            f"{ORDER_WORDS.get(k, f'--{k}')} {old} -> {new}" for k, (old, new) in changed.items()
+        )
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was written by a run with other settings "
             f"({text}); resuming would not continue its data order. Use the same "
@@ -341,6 +399,7 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             "global batch (per-device batch x data x "
             "fsdp x accumulation), --seed and --dataloader_drop_last"
             + (" (--data_path sample is made from --seed)" if "seed" in changed else "")
+            + _split_advice(saved, run_meta, changed)
             + f", or {_new_run_from(meta, where)}"
         )
     if "data" in saved and saved["data"] != run_meta["data"]:
