@@ -402,7 +402,25 @@ def test_the_shared_modules_say_they_are_no_command():
 def test_the_exports_generation_config_stops_on_the_trained_eos(tmp_path):
     """A model directory's generation_config.json (what transformers' `generate` stops
     on) goes with the export holding the export's EOS ids, the one trained with first,
-    as config.json does; its other settings are kept."""
+    and the stop tokens it listed after them (a base model's config.json naming one EOS
+    beside an Instruct tokenizer's list: `<|eom_id|>` and `<|end_of_text|>` still stop
+    it); its other settings are kept."""
+    from train.outputs import copy_tokenizer
+
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    (tokenizer / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [128001, 128008, 128009], "top_p": 0.9})
+    )
+    for eos, expected in (
+        (128009, [128009, 128001, 128008]),
+        ((128001, 7), [128001, 7, 128008, 128009]),
+    ):
+        (tmp_path / "hf").mkdir(exist_ok=True)
+        copy_tokenizer(str(tokenizer), str(tmp_path / "hf"), eos_token_id=eos)
+        written = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+        assert written == {"eos_token_id": expected, "top_p": 0.9}
     from models.convert import main as convert_main
 
     model = tmp_path / "model"
@@ -415,7 +433,7 @@ def test_the_exports_generation_config_stops_on_the_trained_eos(tmp_path):
     run(parse_args([*argv, "--report_to", "none", "--output_dir", str(out)]))
     config = json.loads((out / "hf" / "config.json").read_text())
     generation = json.loads((out / "hf" / "generation_config.json").read_text())
-    assert generation["eos_token_id"] == config["eos_token_id"]
+    assert generation["eos_token_id"] == [5, 2]  # the trained one first, the file's kept
     assert config["eos_token_id"] in (5, [5, 2]), config["eos_token_id"]
     assert {k: generation[k] for k in ("temperature", "do_sample")} == {
         "temperature": 0.6,

@@ -707,8 +707,8 @@ def copy_tokenizer(
     (`--chat_template`, `{name: text}`), written as transformers 5 saves a tokenizer's
     (`train.chat.save_chat_template`) instead of the tokenizer's own, so that
     `apply_chat_template` renders what training saw. `eos_token_id`: the export's
-    config.json's, which a `generation_config.json` copied with it takes too (what
-    transformers' `generate` stops on)."""
+    config.json's, which a `generation_config.json` copied with it takes first, before
+    the other stop tokens it lists (what transformers' `generate` stops on)."""
     if os.path.isfile(source):
         shutil.copy2(source, os.path.join(hf_dir, "tokenizer.json"))
     else:
@@ -726,8 +726,16 @@ def copy_tokenizer(
                 settings = json.load(f)
         except ValueError:  # not JSON: transformers refuses it as it was
             return
-        eos = list(eos_token_id) if isinstance(eos_token_id, (tuple, list)) else eos_token_id
-        if isinstance(settings, dict) and settings.get("eos_token_id") != eos:
+        if not isinstance(settings, dict):
+            return
+        # The export's EOS first; the stop tokens the file listed beside it stay (the
+        # same tokenizer's: Llama 3's <|eom_id|>, <|eot_id|>).
+        ids = list(eos_token_id) if isinstance(eos_token_id, (tuple, list)) else [eos_token_id]
+        listed = settings.get("eos_token_id")
+        listed = listed if isinstance(listed, list) else [] if listed is None else [listed]
+        ids += [i for i in listed if i not in ids]
+        eos = ids[0] if len(ids) == 1 else ids
+        if settings.get("eos_token_id") != eos:
             settings["eos_token_id"] = eos
             with open(generation, "w", encoding="utf-8") as f:
                 json.dump(settings, f, indent=2)

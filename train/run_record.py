@@ -87,9 +87,7 @@ def run_record(t: Trainer) -> dict:
         "steps_per_epoch": t.batches.steps_per_epoch,
         # With --dataloader_drop_last, the whole micro-batches' rows: the same global
         # batch split otherwise drops another number of rows each epoch.
-        "rows_per_epoch": (
-            t.batches.rows_per_epoch if t.cfg.data.dataloader_drop_last else None
-        ),
+        "rows_per_epoch": (t.batches.rows_per_epoch if t.cfg.data.dataloader_drop_last else None),
         # How this run splits its rows a step (the mesh may change on resume): for the
         # advice where the rows a step or an epoch would differ.
         "split": {
