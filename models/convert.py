@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -53,7 +54,7 @@ from models.config import (
 from models.files import atomic_write, folder_error
 from models.functional import Params, abstract_params, check_params, init_params
 from models.presets import preset
-from models.safetensors_io import SafetensorsFile, save_file
+from models.safetensors_io import Deferred, SafetensorsFile, save_file
 
 Transform = Literal["identity", "transpose"]
 
@@ -339,7 +340,10 @@ def _beyond(array: np.ndarray, dtype: np.dtype) -> str | None:
         )
     limit = float(ml_dtypes.finfo(dtype).max)
     if array.size and limit < float(ml_dtypes.finfo(array.dtype).max):
-        largest = float(np.max(np.abs(array[np.isfinite(array)]), initial=0.0))
+        ends = float(np.max(array)), float(np.min(array))  # no copy of `array`
+        largest = max(abs(end) for end in ends)
+        if not all(map(math.isfinite, ends)):  # an inf or NaN: the largest finite one
+            largest = float(np.max(np.abs(array[np.isfinite(array)]), initial=0.0))
         if largest > limit:
             return (
                 f"holds a weight of magnitude {largest:.6g}, beyond {np.dtype(dtype).name}'s "
@@ -370,21 +374,36 @@ def to_hf_state_dict(
     """Our params as an HF state dict of numpy arrays in ``dtype``; ValueError naming
     the tensor where a finite weight is beyond ``dtype``'s range (float16's 65504),
     which the cast would make inf."""
+    return {key: tensor.make() for key, tensor in _hf_tensors(params, config, dtype).items()}
+
+
+def _hf_tensors(params: Params, config: LlamaConfig, dtype: str) -> dict[str, Deferred]:
+    """Our params as HF tensors in ``dtype``, each made (taken from the device, a layer
+    of a stack at a time, transposed, cast, checked as :func:`to_hf_state_dict` says)
+    only when it is written: an export holds the params and one tensor."""
     np_dtype = _numpy_dtype(dtype)
-    state: dict[str, np.ndarray] = {}
+
+    def make(key: str, leaf, layer: int | None, transform: Transform) -> np.ndarray:
+        part = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+        part = _apply(part, transform)
+        if beyond := _beyond(part, np_dtype):
+            raise ValueError(
+                f"{key} {beyond}: dtype={dtype!r} would make it inf; export it as "
+                "'bfloat16' or 'float32'"
+            )
+        return part.astype(np_dtype, copy=False)
+
+    tensors: dict[str, Deferred] = {}
     for m in _active(config):
-        array = np.asarray(jax.device_get(_get(params, m.path)))
-        keys = _hf_keys(m, config.num_layers)
-        parts = list(array) if m.per_layer else [array]
-        for key, part in zip(keys, parts, strict=True):
-            part = _apply(part, m.transform)
-            if beyond := _beyond(part, np_dtype):
-                raise ValueError(
-                    f"{key} {beyond}: dtype={dtype!r} would make it inf; export it as "
-                    "'bfloat16' or 'float32'"
-                )
-            state[key] = np.ascontiguousarray(part.astype(np_dtype))
-    return state
+        leaf = _get(params, m.path)
+        shape = tuple(leaf.shape[1:] if m.per_layer else leaf.shape)
+        if m.transform == "transpose":
+            shape = shape[::-1]
+        for i, key in enumerate(_hf_keys(m, config.num_layers)):
+            layer = i if m.per_layer else None
+            made = functools.partial(make, key, leaf, layer, m.transform)
+            tensors[key] = Deferred(shape, np_dtype, made)
+    return tensors
 
 
 def export_hf(
@@ -419,7 +438,11 @@ def export_hf(
     if max_shard_bytes is not None and not max_shard_bytes >= 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be at least 1")
     check_params(config, params)
-    state = to_hf_state_dict(params, config, dtype)  # refused before anything is written
+    state = _hf_tensors(params, config, dtype)  # made as each file is written
+    limit = ml_dtypes.finfo(_numpy_dtype(dtype)).max
+    if any(ml_dtypes.finfo(leaf.dtype).max > limit for leaf in jax.tree.leaves(params)):
+        for tensor in state.values():  # a weight beyond `dtype`: refused before writing
+            tensor.make()
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     _remove_stale_staged(path)

@@ -8,10 +8,12 @@ Reads are memory-mapped: a tensor's bytes are touched only when it is used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -101,41 +103,62 @@ class SafetensorsFile(Mapping[str, np.ndarray]):
         return len(self._entries)
 
 
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A tensor that :func:`save_file` makes (``make()``, of this ``shape`` and
+    ``dtype``) only when it writes it, one at a time: a file of converted weights then
+    holds one converted tensor in memory, not all of them."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
 def save_file(
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray | Deferred],
     path: str | os.PathLike[str],
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Writes ``tensors`` to one safetensors file (keys sorted, 8-byte aligned header).
+    """Writes ``tensors`` (arrays, or :class:`Deferred` ones, made as they are written)
+    to one safetensors file (keys sorted, 8-byte aligned header), one tensor at a time.
 
     The bytes go to ``path + ".tmp"``, renamed over ``path`` once complete: a write that
-    fails (a full disk) leaves an earlier file at ``path`` as it was, and readers that
-    memory-map it keep reading the old bytes."""
+    fails (a full disk, a tensor that cannot be made) leaves an earlier file at ``path``
+    as it was, and readers that memory-map it keep reading the old bytes."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
-    arrays = {}
     for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        dtype = array.dtype.newbyteorder("=")
+        tensor = tensors[name]
+        dtype = np.dtype(tensor.dtype).newbyteorder("=")
         if dtype not in _NAMES:
-            raise ValueError(f"tensor {name!r} has unsupported dtype {array.dtype}")
+            raise ValueError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
+        nbytes = math.prod(tensor.shape) * dtype.itemsize
         header[name] = {
             "dtype": _NAMES[dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
         }
-        offset += array.nbytes
-        arrays[name] = array
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     path = os.fspath(path)
     with atomic_write(path) as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name in sorted(arrays):
-            array = arrays[name]
+        for name in sorted(tensors):
+            tensor = tensors[name]
+            array = np.ascontiguousarray(tensor.make() if isinstance(tensor, Deferred) else tensor)
+            if array.shape != tuple(tensor.shape) or array.dtype != tensor.dtype:
+                raise ValueError(
+                    f"tensor {name!r} was made {array.dtype}{list(array.shape)}, not the "
+                    f"{np.dtype(tensor.dtype)}{list(tensor.shape)} its header says"
+                )
             if array.dtype.byteorder == ">":
                 array = array.byteswap().view(array.dtype.newbyteorder("<"))
-            f.write(array.view(np.uint8).tobytes())
+            f.write(memoryview(array.reshape(-1).view(np.uint8)))

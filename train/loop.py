@@ -372,7 +372,11 @@ def _run_from(
                 f"it): writing {hf_dir}",
                 flush=True,
             )
-        host = multihost_utils.process_allgather(state["params"], tiled=True)
+        # One process: the params as they are, taken to the host a tensor at a time as
+        # the export writes them; several: gathered whole onto every host first.
+        params = state["params"]
+        if jax.process_count() > 1:
+            params = multihost_utils.process_allgather(params, tiled=True)
         if is_main:
             # The tokenizer first (the run's copy of it, where it has one): the
             # export's config.json, renamed into place last, then marks a whole
@@ -382,7 +386,7 @@ def _run_from(
             config = export_config(export_cfg, t.config)
             eos = config.eos_token_id
             outputs.copy_tokenizer(tokenizer, hf_dir, t.chat_templates, eos_token_id=eos)
-            models.export_hf(jax.tree.map(np.asarray, host), config, hf_dir)
+            models.export_hf(params, config, hf_dir)
     return state, history
 
 
