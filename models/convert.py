@@ -791,7 +791,8 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype",
         default=None,
         choices=("float32", "bfloat16", "float16"),
-        help="--to-hf, --init: dtype of the written tensors (default float32)",
+        help="dtype of the written tensors (default float32; --from-hf: the native "
+        "parameters', so that a bfloat16 checkpoint stays bfloat16)",
     )
     parser.add_argument(
         "--max-shard-gb", type=float, default=None, help="--to-hf, --init: shard size limit in GB"
@@ -829,7 +830,6 @@ _FLAG_USERS = {
     "--tokenizer": ("--init",),
     "--vocab-size": ("--init",),
     "--seed": ("--init",),
-    "--dtype": ("--to-hf", "--init"),
     "--max-shard-gb": ("--to-hf", "--init"),
 }
 
@@ -926,7 +926,7 @@ def _run(args: argparse.Namespace) -> None:
         )
         return
     if args.from_hf:
-        config, params = load_hf(args.from_hf)
+        config, params = load_hf(args.from_hf, param_dtype=args.dtype)
         save_native(params, config, args.out)
         _copy_tokenizer(args.from_hf, args.out)
         src = args.from_hf

@@ -1155,10 +1155,6 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
             "not a tokenizer.json vocabulary: .*'a': '0'",
         ),
         # flags the conversion does not read: refused, not dropped
-        (
-            ["--from-hf", "x", "--dtype", "bfloat16", "--out", str(tmp_path / "o")],
-            "--dtype applies to --to-hf and --init only, not --from-hf",
-        ),
         (["--to-hf", "x", "--seed", "1", "--out", "o"], "--seed applies to --init only"),
         (["--init", "tiny", "--vocab-size", "0", "--out", "o"], "--vocab-size=0 must be at least"),
     ]
@@ -1170,6 +1166,23 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert re.search(match, err) and "Traceback" not in err, err
         assert err.startswith("error: ") and err.count("\n") == 1, err  # not the usage
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_from_hf_keeps_a_bfloat16_checkpoint_bfloat16(tmp_path):
+    """`--from-hf --dtype bfloat16`: a bfloat16 HF checkpoint converts to bfloat16
+    native parameters (half the float32 default's file and memory), values exact,
+    and back to the same HF tensors."""
+    hf, native, back = tmp_path / "hf", tmp_path / "native", tmp_path / "back"
+    convert_main(["--init", "tiny", "--dtype", "bfloat16", "--out", str(hf)])
+    convert_main(["--from-hf", str(hf), "--dtype", "bfloat16", "--out", str(native)])
+    held = SafetensorsFile(native / "params.safetensors")
+    assert {np.dtype(held[k].dtype).name for k in held} == {"bfloat16"}
+    convert_main(["--to-hf", str(native), "--dtype", "bfloat16", "--out", str(back)])
+    original = SafetensorsFile(hf / "model.safetensors")
+    again = SafetensorsFile(back / "model.safetensors")
+    assert sorted(original) == sorted(again)
+    for key in original:
+        assert np.array_equal(original[key].view(np.uint16), again[key].view(np.uint16)), key
 
 
 def test_cli_refuses_to_replace_what_out_holds(tmp_path, capsys):
