@@ -295,6 +295,8 @@ def _split_advice(saved: dict, run_meta: dict, changed: dict) -> str:
     split = run_meta.get("split")
     if split is None or not {"rows_per_step", "rows_per_epoch"} & set(changed):
         return ""
+    if "dataloader_drop_last" in changed:  # no split keeps the rows: the flag changes them
+        return ""
     rows, shards = saved["rows_per_step"], split["batch_shards"]
     old = saved.get("split")
     if run_meta.get("dataloader_drop_last") and old is not None:
@@ -386,6 +388,8 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         for k, v in run_meta.items()
         if k in saved and saved[k] != v and k not in own_checks
     }
+    if "dataloader_drop_last" in changed:  # which rows an epoch drops follows from it
+        changed.pop("rows_per_epoch", None)
     if changed:
         text = ", ".join(
             f"{ORDER_WORDS.get(k, f'--{k}')} {old} -> {new}" for k, (old, new) in changed.items()
