@@ -374,7 +374,8 @@ def to_hf_state_dict(
     """Our params as an HF state dict of numpy arrays in ``dtype``; ValueError naming
     the tensor where a finite weight is beyond ``dtype``'s range (float16's 65504),
     which the cast would make inf."""
-    return {key: tensor.make() for key, tensor in _hf_tensors(params, config, dtype).items()}
+    tensors = _hf_tensors(params, config, dtype)
+    return {key: np.array(tensor.make(), order="C") for key, tensor in tensors.items()}
 
 
 def _hf_tensors(params: Params, config: LlamaConfig, dtype: str) -> dict[str, Deferred]:
@@ -438,11 +439,10 @@ def export_hf(
     if max_shard_bytes is not None and not max_shard_bytes >= 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} must be at least 1")
     check_params(config, params)
-    state = _hf_tensors(params, config, dtype)  # made as each file is written
-    limit = ml_dtypes.finfo(_numpy_dtype(dtype)).max
-    if any(ml_dtypes.finfo(leaf.dtype).max > limit for leaf in jax.tree.leaves(params)):
-        for tensor in state.values():  # a weight beyond `dtype`: refused before writing
-            tensor.make()
+    state = _hf_tensors(params, config, dtype)  # made (and range-checked) as written
+    if dtype == "float16":  # a weight past 65504: refused before anything is written
+        for tensor in state.values():  # (past bfloat16's 3.39e38: as its file is written,
+            tensor.make()  # the files staged so far removed)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     _remove_stale_staged(path)

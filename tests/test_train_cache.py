@@ -870,7 +870,7 @@ def test_eos_token_id_none_packs_documents_with_no_token_between(tmp_path):
     cached = load_rows(cfg, models.TINY)
     assert cached.cache.eos_id is None
     assert cached.take(np.arange(2)).input_ids.tolist() == [[5, 6], [8, 9]]
-    for bad in ("-3", "x", "1.5"):
+    for bad in ("-3", "-1", "x", "1.5"):  # -1: how the YAML a run writes says none
         with pytest.raises(SystemExit):
             parse_args(["--data_path", str(source), "--eos_token_id", bad])
     (tmp_path / "bad.yaml").write_text("data:\n  eos_token_id: -3\n")
@@ -1778,6 +1778,17 @@ def test_a_cache_whose_meta_a_crash_emptied_is_rebuilt(tmp_path, capsys):
     (tmp_path / "c" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"c exists and is not a token cache; not writing"):
         data_cache.ensure_cache(source, tmp_path / "c", eos_id=EOS)
+    # Another tool's folder with a readable meta.json of its own is kept, whatever else.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "meta.json").write_text('{"experiment": "important"}')
+    for files in ((), ("tokens.bin", "index.npy")):
+        for name in files:
+            (mine / name).write_bytes(b"")
+        for build in (data_cache.build_cache, data_cache.ensure_cache):
+            with pytest.raises(ValueError, match=r"mine exists and is not a token cache"):
+                build(source, mine, eos_id=EOS)
+        assert (mine / "meta.json").read_text() == '{"experiment": "important"}'
 
 
 def test_the_trainers_other_processes_read_the_shared_cache_process_0_checked(
@@ -1803,3 +1814,24 @@ def test_the_trainers_other_processes_read_the_shared_cache_process_0_checked(
     again = load_rows(cfg, models.TINY)
     assert "token cache" not in capsys.readouterr().out
     _assert_rows_equal(rows.take(np.arange(rows.num_rows)), again.take(np.arange(rows.num_rows)))
+
+
+def test_a_cache_an_earlier_jflash_named_by_its_path_is_taken_under_its_new_name(tmp_path, capsys):
+    """Caches were named by the hash of their source's path alone: one that is this
+    run's is renamed to the name its settings give it, not tokenized again; one of
+    other settings is left where it is."""
+    import hashlib
+
+    source = _pkl(tmp_path / "d.pkl", _records(20))
+    root = tmp_path / "caches"
+    digest = hashlib.sha256(data_cache.source_path(source).encode()).hexdigest()[:12]
+    former = root / f"d.pkl-{digest}"
+    data_cache.build_cache(source, former, eos_id=EOS)
+    capsys.readouterr()
+    data_cache.packed_rows(source, 8, eos_id=7, cache_root=root)  # other settings: kept
+    assert former.is_dir() and "token cache: wrote" in capsys.readouterr().out
+    data_cache.packed_rows(source, 8, eos_id=EOS, cache_root=root)
+    said = capsys.readouterr().out
+    location = data_cache.cache_location(source, root, eos_id=EOS)
+    assert f"token cache: {former} renamed {location}" in said and "wrote" not in said
+    assert not former.exists() and data_cache.is_cache(location)

@@ -4,6 +4,7 @@ resume, CLI."""
 
 from __future__ import annotations
 
+import collections
 import json
 import pickle
 import shutil
@@ -664,13 +665,14 @@ def test_a_pickle_that_names_code_is_refused_and_runs_nothing(tmp_path):
         np.arange(3, 7, dtype=np.int32),
         {"input_ids": np.arange(2, 5), "labels": [-100, 3, 4]},
         {"input_ids": (5, 6, np.int64(7))},
+        collections.defaultdict(list, {"input_ids": [8, 9]}),
     ]
     for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
         path = tmp_path / f"ok{protocol}.pkl"
         path.write_bytes(pickle.dumps(examples, protocol=protocol))
         dataset = load_dataset(path)
         assert [dataset.example(i).tolist() for i in range(dataset.num_examples)] == [
-            [1, 2, 3], [3, 4, 5, 6], [2, 3, 4], [5, 6, 7]
+            [1, 2, 3], [3, 4, 5, 6], [2, 3, 4], [5, 6, 7], [8, 9]
         ]  # fmt: skip
     code = _RunsCode()
     code.mark = str(tmp_path / "ran")

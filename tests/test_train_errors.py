@@ -386,11 +386,16 @@ def test_a_requeue_on_another_mesh_is_told_the_split_that_keeps_its_rows():
         "--gradient_accumulation_steps 2 gives its 4 rows a step, or "
     ) in str(e.value)
     check_resumable(saved, run(2, 1, 2), "ckpts")
-    with pytest.raises(TrainingError, match=r"data x fsdp = 8\) no per-device batch and accum"):
+    with pytest.raises(TrainingError, match=r"x fsdp = 8\) no per-device batch x accumulation"):
         check_resumable(saved, run(1, 8, 1), "ckpts")
     # drop_last: 103 rows in micro-batches of 4 use 100; of 2, 102.
     saved = {"step": 12, "run": run(2, 2, 2, rows_per_epoch=100, drop_last=True)}
     check_resumable(saved, run(4, 1, 2, rows_per_epoch=100, drop_last=True), "ckpts")
+    # Other data under the same split: the rows, not the split, are what changed.
+    other = {**run(2, 2, 2, rows_per_epoch=88, drop_last=True), "num_rows": 90}
+    with pytest.raises(TrainingError) as e:
+        check_resumable(saved, other, "ckpts")
+    assert "(rows of data 103 -> 90)" in str(e.value) and "on this mesh" not in str(e.value)
     with pytest.raises(TrainingError) as e:
         check_resumable(saved, run(1, 2, 4, rows_per_epoch=102, drop_last=True), "ckpts")
     assert "rows an epoch (--dataloader_drop_last drops what does not fill a micro-batch" in (

@@ -558,8 +558,10 @@ def _token_id(text: Any) -> int:
 
 
 def _token_id_text(text: str) -> str:
-    """`--eos_token_id`'s text, checked on the command line (`_coerce` reads it)."""
-    _token_id(text)
+    """`--eos_token_id`'s text, checked on the command line (`_coerce` reads it; -1,
+    how `train_config.yaml` writes none, is for the YAML)."""
+    if _token_id(text) == NO_EOS and text.lower() != "none":
+        raise argparse.ArgumentTypeError(f"expected a token id (0 or more) or none, got {text!r}")
     return text
 
 

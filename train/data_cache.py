@@ -811,11 +811,18 @@ _REFUSED_ERRNOS = (errno.EACCES, errno.EPERM, errno.EFBIG)
 
 def _damaged_cache(folder: Path) -> bool:
     """Whether ``folder`` is a cache whose ``meta.json`` cannot be read (cut short by a
-    crash, emptied): it holds one, and only a cache's files."""
-    with contextlib.suppress(OSError):
+    crash, emptied): it holds a cache's files only, its tokens and index among them,
+    and a ``meta.json`` that is not a JSON object (another tool's is kept)."""
+    try:
         names = {entry.name for entry in folder.iterdir()}
-        return META in names and names <= {META, TOKENS, LABELS, INDEX, BUILD_LOCK}
-    return False
+        if not {META, TOKENS, INDEX} <= names <= {META, TOKENS, LABELS, INDEX, BUILD_LOCK}:
+            return False
+        meta = json.loads((folder / META).read_text())
+    except OSError:
+        return False
+    except ValueError:  # cut short, empty, not text
+        return True
+    return not isinstance(meta, dict)
 
 
 def _of_cache(filename: Any, cache_dir: Path) -> bool:
@@ -1097,11 +1104,11 @@ def cache_location(
     tokenizing one corpus two ways keep a cache each, not one rebuilt by turns."""
     path = source_path(source)
     settings = {
-        "tokenizer": tokenizer and str(tokenizer_file(tokenizer).resolve()),
+        "tokenizer": str(tokenizer_file(tokenizer).resolve()) if tokenizer else None,
         "eos_id": eos_id,
         "chat_template_kwargs": chat_template_kwargs or None,
         "chat_turns": chat_turns,
-        "chat_template": chat_template and str(Path(chat_template).resolve()),
+        "chat_template": str(Path(chat_template).resolve()) if chat_template else None,
     }
     key = json.dumps([path, settings], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -1110,6 +1117,25 @@ def cache_location(
         name = os.path.relpath(path, os.path.dirname(pattern_folder(path)))
         name = re.sub(r"[*?\[\]/]+", "_", name)
     return Path(cache_root) / f"{name}-{digest}"
+
+
+def _adopt_former(source: str | Path, location: Path, settings: dict[str, Any]) -> None:
+    """Where ``location`` is not there yet, the cache of ``source`` that an earlier
+    jflash named by the hash of its source's path alone, taken under its name now where
+    it is this run's (a line says so): a corpus is not tokenized again for the new name."""
+    if os.path.lexists(location):
+        return
+    digest = hashlib.sha256(source_path(source).encode()).hexdigest()[:12]
+    former = location.with_name(f"{location.name.rsplit('-', 1)[0]}-{digest}")
+    if former == location or not is_cache(former):
+        return
+    try:
+        if open_cache(former).mismatch(source, **settings):
+            return
+        os.rename(former, location)
+    except (ValueError, OSError, KeyError):
+        return  # another run's cache there, or one that took the name first
+    print(f"token cache: {former} renamed {location} (named by its settings too)", flush=True)
 
 
 def packed_rows(
@@ -1176,6 +1202,7 @@ def packed_rows(
             chat_template=chat_template,
         )
         location = cache_location(path, cache_root, **settings)
+        _adopt_former(path, location, settings)
         cache, built = ensure_cache(
             path,
             location,

@@ -228,6 +228,7 @@ _PICKLE_GLOBALS = {
         + ("int", "float", "bool", "complex")
     ),
     ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),  # its default factory is checked as any other name
     ("_codecs", "encode"),  # protocol 2's bytes
     ("numpy", "dtype"),
     ("numpy", "ndarray"),
@@ -251,7 +252,7 @@ class _DataUnpickler(pickle.Unpickler):
             module.startswith("numpy.dtypes") and name.endswith("DType")
         ):
             raise UnsafePickle(
-                f"it names {module}.{name}, which examples have no need of; a .pkl is read "
+                f"it names {plain}.{name}, which examples have no need of; a .pkl is read "
                 "only where it holds lists, dicts, text, numbers and numpy arrays "
                 "(unpickling runs what a pickle names: convert other data to .jsonl)"
             )

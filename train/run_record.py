@@ -295,7 +295,7 @@ def _split_advice(saved: dict, run_meta: dict, changed: dict) -> str:
     split = run_meta.get("split")
     if split is None or not {"rows_per_step", "rows_per_epoch"} & set(changed):
         return ""
-    if "dataloader_drop_last" in changed:  # no split keeps the rows: the flag changes them
+    if {"dataloader_drop_last", "num_rows"} & set(changed):  # no split keeps the rows
         return ""
     rows, shards = saved["rows_per_step"], split["batch_shards"]
     old = saved.get("split")
@@ -310,15 +310,23 @@ def _split_advice(saved: dict, run_meta: dict, changed: dict) -> str:
             (rows // (shards * accum), accum),
             (1, rows // shards),
         ]
+    current = (split["per_device_batch"], split["accumulation"])
     for per_device, accum in options:
+        if (per_device, accum) == current:
+            continue
         if per_device >= 1 and accum >= 1 and per_device * shards * accum == rows:
             return (
                 f"; on this mesh (data x fsdp = {shards}), --per_device_train_batch_size "
                 f"{per_device} --gradient_accumulation_steps {accum} gives its {rows} rows a step"
             )
+    if run_meta.get("dataloader_drop_last") and old is not None:
+        return (
+            f"; on this mesh (data x fsdp = {shards}) no per-device batch makes its "
+            f"micro-batch of {old['per_device_batch'] * old['batch_shards']} rows"
+        )
     return (
-        f"; on this mesh (data x fsdp = {shards}) no per-device batch and accumulation give "
-        f"its {rows} rows a step as it split them"
+        f"; on this mesh (data x fsdp = {shards}) no per-device batch x accumulation gives "
+        f"its {rows} rows a step ({rows} is not a multiple of {shards})"
     )
 
 
@@ -388,8 +396,8 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         for k, v in run_meta.items()
         if k in saved and saved[k] != v and k not in own_checks
     }
-    if "dataloader_drop_last" in changed:  # which rows an epoch drops follows from it
-        changed.pop("rows_per_epoch", None)
+    if {"dataloader_drop_last", "num_rows"} & set(changed):  # which rows an epoch drops
+        changed.pop("rows_per_epoch", None)  # follows from these
     if changed:
         text = ", ".join(
             f"{ORDER_WORDS.get(k, f'--{k}')} {old} -> {new}" for k, (old, new) in changed.items()
