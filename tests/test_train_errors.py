@@ -407,6 +407,24 @@ def test_a_requeue_on_another_mesh_is_told_the_split_that_keeps_its_rows():
     ) in str(e.value)
 
 
+def test_a_drop_last_checkpoint_of_an_earlier_jflash_warns_its_rows_are_unchecked():
+    """A --dataloader_drop_last checkpoint written before the rows an epoch were
+    recorded: whether this run drops the same rows cannot be checked, and a line says
+    so where it drops any; none where it drops none or the checkpoint records them."""
+    from train.run_record import drop_last_warning
+
+    old = {"step": 4, "run": {"dataloader_drop_last": True, "num_rows": 103}}
+    drops = {"num_rows": 103, "rows_per_epoch": 100}
+    assert drop_last_warning(old, drops).startswith(
+        "warning: checkpoint 4 records no rows an epoch (an earlier jflash wrote it): this "
+        "run drops the last 3 rows of each epoch"
+    )
+    assert drop_last_warning(old, {"num_rows": 103, "rows_per_epoch": 103}) is None
+    recorded = {"step": 4, "run": {**old["run"], "rows_per_epoch": 100}}
+    assert drop_last_warning(recorded, drops) is None
+    assert drop_last_warning({"step": 4, "run": {"num_rows": 103}}, drops) is None
+
+
 def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):
     """A checkpoint of another model (here another vocabulary) is refused in one line
     naming what differs, before Orbax reads it (which logs a traceback per array)."""

@@ -40,6 +40,7 @@ from train.run_record import (
     check_model,
     check_resumable,
     data_fingerprint,
+    drop_last_warning,
     eval_data_warning,
     label_fingerprint,
     resolve_auto_resume,
@@ -610,8 +611,10 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     extended = check_resumable(meta, run_meta, source.directory)
     if jax.process_index() == 0 and extended:
         print(extended, flush=True)
-    if jax.process_index() == 0 and (line := eval_data_warning(meta, run_meta)):
-        print(line, flush=True)
+    if jax.process_index() == 0:
+        for line in (eval_data_warning(meta, run_meta), drop_last_warning(meta, run_meta)):
+            if line:
+                print(line, flush=True)
     # The saved data position must land on the same step with this data/batch.
     resumed = t.batches.starting_at(meta["data"])
     if resumed.step != start_step:

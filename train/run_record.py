@@ -109,6 +109,24 @@ def run_record(t: Trainer) -> dict:
     }
 
 
+def drop_last_warning(meta: dict, run_meta: dict) -> str | None:
+    """The warning line where a checkpoint written before the rows an epoch were
+    recorded ran with --dataloader_drop_last and this run drops rows: whether it drops
+    the same ones (its micro-batch, per-device batch x data x fsdp, the same) cannot be
+    checked. None elsewhere."""
+    saved = meta.get("run") or {}
+    if not saved.get("dataloader_drop_last") or "rows_per_epoch" in saved:
+        return None
+    if run_meta.get("rows_per_epoch") in (None, run_meta.get("num_rows")):
+        return None  # this run drops no row: nor did the checkpoint's, at its global batch
+    return (
+        f"warning: checkpoint {meta['step']} records no rows an epoch (an earlier jflash "
+        f"wrote it): this run drops the last {run_meta['num_rows'] - run_meta['rows_per_epoch']} "
+        "rows of each epoch under --dataloader_drop_last, the same as it did only where its "
+        "micro-batch (per-device batch x data x fsdp) was this run's"
+    )
+
+
 def eval_data_warning(meta: dict, run_meta: dict) -> str | None:
     """The warning line where a resume evaluates on other data than the checkpoint's run
     did (or starts or stops evaluating): its eval_loss series then changes data at the
