@@ -577,7 +577,7 @@ def test_stale_cache_is_rebuilt_or_refused(tmp_path, capsys):
     )
     with pytest.raises(ValueError, match=r"does not match this run \(.*d\.pkl changed.*rebuild"):
         data_cache.packed_rows(tmp_path / "c", 4, eos_id=3)
-    with pytest.raises(ValueError, match=r"built with eos_id=3, this run's is None"):
+    with pytest.raises(ValueError, match=r"built with eos_id=3, this run's is none"):
         data_cache.packed_rows(tmp_path / "c", 4, eos_id=None)
     cache, built = data_cache.ensure_cache(source, tmp_path / "c", eos_id=3)
     assert built and np.asarray(cache.tokens).tolist() == [5, 6, 7, 8, 9, 10, 3]
@@ -854,7 +854,7 @@ def test_eos_token_id_none_packs_documents_with_no_token_between(tmp_path):
 
     source = _pkl(tmp_path / "d.pkl", [[5, 6], [8, 9]])
     (tmp_path / "c.yaml").write_text("data:\n  eos_token_id: none\n")
-    (tmp_path / "run.yaml").write_text("data:\n  eos_token_id: -1\n")  # a run's own record
+    (tmp_path / "run.yaml").write_text("data:\n  eos_token_id: -1\n")  # an earlier record
     for argv in (
         ["--eos_token_id", "none"],
         ["--config", str(tmp_path / "c.yaml")],
@@ -867,6 +867,11 @@ def test_eos_token_id_none_packs_documents_with_no_token_between(tmp_path):
         ["--data_path", str(source), "--model_max_length", "2", "--eos_token_id", "none"]
         + ["--data_cache_dir", str(tmp_path / "cc")]
     )
+    from train.outputs import write_settings
+
+    (tmp_path / "run").mkdir()
+    written = Path(write_settings(str(tmp_path / "run"), cfg)).read_text()
+    assert "  eos_token_id: none\n" in written  # as the flag spells it; read back above
     cached = load_rows(cfg, models.TINY)
     assert cached.cache.eos_id is None
     assert cached.take(np.arange(2)).input_ids.tolist() == [[5, 6], [8, 9]]

@@ -377,6 +377,12 @@ def test_a_requeue_on_another_mesh_is_told_the_split_that_keeps_its_rows():
             "optim": "adamw",
         }
 
+    # Another token after each document: named by its flag, whatever the data shows.
+    eos = {"step": 4, "run": {**run(2, 2, 1), "eos_id": 0}}
+    with pytest.raises(
+        TrainingError, match=r"\(token after each document \(--eos_token_id\) 0 -> none\)"
+    ):
+        check_resumable(eos, {**run(2, 2, 1), "eos_id": None}, "ckpts")
     saved = {"step": 4, "run": run(2, 2, 1)}  # 4 rows a step on 4 devices (fsdp=2, seq=2)
     with pytest.raises(TrainingError) as e:
         check_resumable(saved, run(2, 1, 1), "ckpts")  # on 2 devices: fsdp=-1 is 1

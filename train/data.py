@@ -877,9 +877,10 @@ def _command(args: argparse.Namespace) -> None:
             asked = None if args.no_eos else args.eos_id
             if (args.no_eos or args.eos_id is not None) and asked != cache.eos_id:
                 flag = "--no-eos" if args.no_eos else f"--eos-id {args.eos_id}"
+                holds = "no token" if cache.eos_id is None else f"eos_id={cache.eos_id}"
                 raise ValueError(
-                    f"{args.path}: the token cache holds eos_id={cache.eos_id} after each "
-                    f"document, not {flag}; its counts include it"
+                    f"{args.path}: the token cache holds {holds} after each document, not "
+                    f"{flag}; its counts include it"
                 )
             _check_rendering(args, cache)
             if stale := cache.source_mismatch():  # what the trainer would refuse it for
@@ -929,7 +930,7 @@ def _command(args: argparse.Namespace) -> None:
         documents = int(cache.meta["num_documents"])  # not summary(): it reads labels.bin
         print(
             f"{'wrote' if built else 'up to date:'} {args.cache_dir}: {documents} documents, "
-            f"{cache.num_tokens} tokens (eos_id={cache.eos_id})"
+            f"{cache.num_tokens} tokens (eos_id={'none' if cache.eos_id is None else cache.eos_id})"
         )
         if not built and (note := data_cache.cache_split_note(cache)):  # as building said
             print(f"{args.cache_dir}: {note}")

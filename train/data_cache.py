@@ -285,7 +285,8 @@ class TokenCache:
         whole) and ``eos_id`` would build; empty when it is."""
         reasons = []
         if eos_id != self.eos_id:
-            reasons.append(f"built with eos_id={self.eos_id}, this run's is {eos_id}")
+            words = ["none" if e is None else e for e in (self.eos_id, eos_id)]
+            reasons.append(f"built with eos_id={words[0]}, this run's is {words[1]}")
         if check_source:
             reasons += self.source_mismatch(source)
         if "masked_tokens" not in self.meta and self.meta["tokenizer"] is None:

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from models.convert import tokenizer_files as folder_tokenizer_files
 from models.files import atomic_write, folder_error
 from train.chat import is_template_file, read_chat_template, save_chat_template, template_files
-from train.config import PATH_SETTINGS, TrainConfig
+from train.config import NO_EOS, PATH_SETTINGS, TrainConfig
 from train.errors import TrainingError
 from train.patterns import is_pattern
 from train.run_files import LOG_FILE, SETTINGS_FILE
@@ -537,6 +537,8 @@ def write_settings(out: str, cfg: TrainConfig) -> str:
         value = record[section][name]
         if value and (name in CREATED_DIRS or os.path.exists(value) or is_pattern(value)):
             record[section][name] = os.path.abspath(value)  # a pattern: its folder's
+    if record["data"]["eos_token_id"] == NO_EOS:  # as the flag spells it
+        record["data"]["eos_token_id"] = "none"
     text = yaml.safe_dump(record, sort_keys=False, default_flow_style=False)
     header = "# The settings of the run in this directory: python -m train --config <this file>\n"
     with atomic_write(path, "w") as f:  # a rewrite cut off keeps the file it replaces

@@ -16,7 +16,7 @@ import numpy as np
 
 import models
 from train import outputs
-from train.build import Trainer
+from train.build import Trainer, data_eos
 from train.checkpoint import other_params
 from train.config import OptimArgs, TrainConfig
 from train.errors import TrainingError
@@ -78,6 +78,7 @@ def run_record(t: Trainer) -> dict:
         "model": _model_record(t.config),
         "model_max_length": t.cfg.data.model_max_length,
         "packing": t.cfg.data.packing,
+        "eos_id": data_eos(t.cfg, t.config),  # the token after each document (None: none)
         "rows_per_step": t.global_batch * t.accum,
         "num_rows": t.rows.num_rows,
         "data": data_fingerprint(t.rows),
@@ -297,6 +298,7 @@ def _keeps_past_rates(saved: dict, run_meta: dict, step: int) -> bool:
 
 # The run record's data-order keys as a refusal names them (the others by their flag).
 ORDER_WORDS = {
+    "eos_id": "token after each document (--eos_token_id)",
     "rows_per_step": "rows a step (per-device batch x data x fsdp x accumulation)",
     "rows_per_epoch": "rows an epoch (--dataloader_drop_last drops what does not fill a "
     "micro-batch of per-device batch x data x fsdp rows)",
@@ -418,12 +420,15 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
         changed.pop("rows_per_epoch", None)  # follows from these
     if changed:
         text = ", ".join(
-            f"{ORDER_WORDS.get(k, f'--{k}')} {old} -> {new}" for k, (old, new) in changed.items()
+            f"{ORDER_WORDS.get(k, f'--{k}')} {'none' if old is None else old} -> "
+            f"{'none' if new is None else new}"
+            for k, (old, new) in changed.items()
         )
         raise TrainingError(
             f"checkpoint {meta['step']} in {where} was written by a run with other settings "
             f"({text}); resuming would not continue its data order. Use the same "
-            "--model_max_length, --packing, data (its tokenizer and chat template too), "
+            "--model_max_length, --packing, --eos_token_id, data (its tokenizer and chat "
+            "template too), "
             "global batch (per-device batch x data x "
             "fsdp x accumulation), --seed and --dataloader_drop_last"
             + (" (--data_path sample is made from --seed)" if "seed" in changed else "")
