@@ -1030,20 +1030,19 @@ def ensure_cache(
     source = Path(source)
     if not source_exists(source):
         raise ValueError(f"{source}: no such data file")
+    settings = dict(
+        tokenizer=tokenizer,
+        eos_id=eos_id,
+        chat_template_kwargs=chat_template_kwargs,
+        chat_turns=chat_turns,
+        chat_template=chat_template,
+    )
     if is_cache(cache_dir):
         other = None
         try:
             cache = open_cache(cache_dir)
             other = (cache.meta.get("source") or {}).get("path")
-            stale = cache.mismatch(
-                source,
-                tokenizer=tokenizer,
-                eos_id=eos_id,
-                chat_template_kwargs=chat_template_kwargs,
-                chat_turns=chat_turns,
-                chat_template=chat_template,
-                check_source=not source_checked,
-            )
+            stale = cache.mismatch(source, check_source=not source_checked, **settings)
         except (ValueError, OSError, KeyError) as e:
             stale = [f"unreadable ({e})"]
         if not replace_other_source and other and other != source_path(source):
@@ -1062,13 +1061,6 @@ def ensure_cache(
         print(damaged, flush=True)
     elif announce:  # the first build: a large corpus takes minutes to its first progress line
         print(f"token cache: tokenizing {source} into {cache_dir}, once", flush=True)
-    settings = dict(
-        tokenizer=tokenizer,
-        eos_id=eos_id,
-        chat_template_kwargs=chat_template_kwargs,
-        chat_turns=chat_turns,
-        chat_template=chat_template,
-    )
     cache = build_cache(source, cache_dir, vocab_size=vocab_size, **settings)
     if stale := cache.mismatch(source, **settings):  # what is in place now is another's
         raise ValueError(
@@ -1164,15 +1156,16 @@ def packed_rows(
     the rows' tokens are padding. A cache read as it is (not built now) says in a line
     how many conversations it split, as reading them says it (:func:`_note_split`).
     ``source_checked``: as :func:`ensure_cache` takes it."""
+    settings = dict(
+        tokenizer=tokenizer,
+        eos_id=eos_id,
+        chat_template_kwargs=chat_template_kwargs,
+        chat_turns=chat_turns,
+        chat_template=chat_template,
+    )
     if is_cache(path):
         cache = open_cache(path, vocab_size=vocab_size)
-        stale = cache.mismatch(
-            tokenizer=tokenizer,
-            eos_id=eos_id,
-            chat_template_kwargs=chat_template_kwargs,
-            chat_turns=chat_turns,
-            chat_template=chat_template,
-        )
+        stale = cache.mismatch(**settings)
         if stale:
             flags = "--no-eos" if eos_id is None else f"--eos-id {eos_id}"
             if tokenizer is not None and cache.meta["tokenizer"] is not None:
@@ -1195,13 +1188,6 @@ def packed_rows(
     if cache_root:
         if blocked := _file_in_the_way(cache_root):
             raise ValueError(f"--data_cache_dir={str(cache_root)!r}: {blocked} is not a directory")
-        settings = dict(
-            tokenizer=tokenizer,
-            eos_id=eos_id,
-            chat_template_kwargs=chat_template_kwargs,
-            chat_turns=chat_turns,
-            chat_template=chat_template,
-        )
         location = cache_location(path, cache_root, **settings)
         _adopt_former(path, location, settings)
         cache, built = ensure_cache(
