@@ -149,7 +149,8 @@ def test_settings_describe_the_job_not_what_this_run_did_to_its_directory(tmp_pa
 @pytest.mark.slow
 def test_packed_rows_say_what_the_mask_does(tmp_path, capsys):
     """Rows that pack several documents get one line saying so (the mask and the
-    positions); one-document rows get the "nothing to mask" line instead."""
+    positions); one-document rows get the "nothing to mask" line instead; rows packed
+    with no mask and no EOS between documents, a note that nothing marks the ends."""
     docs = tmp_path / "docs.pkl"
     data_lib.save_dataset(docs, [np.arange(3, 3 + n, dtype=np.int32) for n in (9, 20, 5) * 20])
     argv = _args(tmp_path / "run", "--report_to", "none", "--max_steps", "1")
@@ -159,6 +160,13 @@ def test_packed_rows_say_what_the_mask_does(tmp_path, capsys):
         "--mask_documents: rows pack several documents; attention stays inside each, and "
         "positions restart at each (--packing_positions)"
     ) in lines
+    assert not [line for line in lines if "nothing marks where" in line]
+    # Neither a mask nor a token between the documents: a note says so.
+    loose = ("--mask_documents", "false", "--packing_positions", "running")
+    run(parse_args([*argv, "--data_path", str(docs), *loose, "--eos_token_id", "none",
+                    "--output_dir", str(tmp_path / "loose")]))  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("note: --mask_documents false with")]
 
 
 def test_refused_run_writes_no_settings(tmp_path):

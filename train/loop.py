@@ -31,7 +31,7 @@ from train.checkpoint import (
     resume_path,
     resumes,
 )
-from train.config import STEP_COUNTS, TrainConfig
+from train.config import NO_EOS, STEP_COUNTS, TrainConfig
 from train.errors import STOP_SIGNALS, Preempted, TrainingError
 from train.hosts import check_shared, initialize_distributed, same_on_every_process
 from train.metrics import JsonlLog, memory, throughput
@@ -192,6 +192,13 @@ def _run(cfg: TrainConfig, stage: dict) -> dict:
         print(
             "--mask_documents: rows pack several documents; attention stays inside each"
             + (", and positions restart at each (--packing_positions)" if restart else ""),
+            flush=True,
+        )
+    elif is_main and t.rows.packed and cfg.data.eos_token_id == NO_EOS:
+        print(
+            "note: --mask_documents false with --eos_token_id none: nothing marks where one "
+            "packed document ends and the next begins (no token, attention across them); "
+            "right for pieces of one long text, not for separate documents",
             flush=True,
         )
     with jax.set_mesh(t.mesh):
