@@ -101,15 +101,17 @@ def _head_axes(mesh: Mesh, seq_names, q, head_axes, shapes) -> tuple[str, ...]:
     """Mesh axes that split the heads (see `ring_attention`): given, or on Explicit
     axes q's own head split; checked to divide q's and k's heads."""
     typed = jax.typeof(q).sharding
-    if head_axes is None:
+    given = head_axes is not None
+    if not given:
         explicit = AxisType.Explicit in typed.mesh.axis_types
         head_axes = (typed.spec[2] if explicit and len(typed.spec) > 2 else None) or ()
     head_axes = _axis_tuple(head_axes, "head_axes")
     sizes = dict(mesh.shape)
     for name in head_axes:
         if name not in sizes or name in seq_names:
+            source = "" if given else f" (q's heads are split over it: {typed.spec})"
             raise ValueError(
-                f"head axis {name!r} must be a mesh axis other than the sequence's "
+                f"head axis {name!r}{source} must be a mesh axis other than the sequence's "
                 f"{seq_names}; {mesh.axis_names=}"
             )
     parts = math.prod(sizes[a] for a in head_axes)

@@ -736,6 +736,18 @@ def test_batch_sharded_over_seq_axis_raises():
         jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
 
 
+@pytest.mark.multi_device(2)
+def test_heads_sharded_over_seq_axis_raises():
+    """Explicit axes: the head axes come from q's type; the sequence axis there is named
+    as q's sharding, not only as a head axis the caller never passed."""
+    mesh = _seq_mesh(2, axis_types=(AxisType.Explicit,))
+    q = jax.device_put(jnp.ones((1, 16, 2, 16)), NamedSharding(mesh, P(None, None, "seq")))
+    k = v = jax.device_put(jnp.ones((1, 16, 2, 16)), NamedSharding(mesh, P()))
+    want = re.escape("head axis 'seq' (q's heads are split over it: P(None, None, 'seq'")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=want):
+        jflash.ring_attention(q, k, v, mesh=mesh, causal=True, implementation="xla")
+
+
 @pytest.mark.multi_device(8)
 def test_inputs_on_another_mesh_raise():
     """q placed on an Explicit mesh other than `mesh` (another axis, another size) is
