@@ -83,6 +83,22 @@ def _warn_replicated_batch(idle, spec) -> None:
         )
 
 
+def _warn_undivided_batch(mesh: Mesh, taken, chosen, batch: int) -> None:
+    """Auto axes split the batch where their sizes divide it: warn where mesh axes of
+    size > 1 are left out (`taken` by the sequence and heads, `chosen` for the batch),
+    whose devices then all compute the same batch."""
+    sizes = dict(mesh.shape)
+    idle = {a: sizes[a] for a in mesh.axis_names if sizes[a] > 1 and a not in (*taken, *chosen)}
+    if idle:
+        warnings.warn(
+            f"jflash.ring_attention: q's batch of {batch} is not split over mesh axes "
+            f"{idle}, whose sizes do not divide it beside {chosen or 'no other axes'}, so "
+            "their devices each compute the same batch: give a batch they divide, or "
+            "pass batch_axes (batch_axes=() keeps it replicated without this warning)",
+            stacklevel=4,
+        )
+
+
 def _axis_tuple(axes, argument: str) -> tuple[str, ...]:
     """`axes` (a mesh axis name, or a tuple or list of distinct ones) as a tuple."""
     names = (axes,) if isinstance(axes, str) else axes
@@ -156,7 +172,9 @@ def _batch_axes(mesh: Mesh, seq_axis, q, batch_axes, heads=()) -> tuple[str, ...
             )
         _warn_replicated_batch(_splitting_axes(mesh, taken, batch, kept), typed.spec)
     if batch_axes is None:
-        return _splitting_axes(mesh, taken, batch)
+        chosen = _splitting_axes(mesh, taken, batch)
+        _warn_undivided_batch(mesh, taken, chosen, batch)
+        return chosen
     batch_axes = _axis_tuple(batch_axes, "batch_axes")
     for name in batch_axes:
         if name not in sizes or name in taken:

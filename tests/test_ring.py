@@ -785,6 +785,26 @@ def test_explicit_batch_left_replicated_warns():
             jflash.ring_attention(*put(P(None, "seq")), batch_axes=(), **call)
 
 
+@pytest.mark.multi_device(4)
+def test_auto_batch_left_replicated_warns():
+    """Auto axes split the batch where their sizes divide it: a mesh axis left out
+    because its size does not (batch 3 over data=2) is named in a warning, since its
+    devices each compute the same batch; none where it divides or batch_axes is passed."""
+    mesh = jax.make_mesh(
+        (2, 2), ("data", "seq"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4]
+    )
+    call = dict(mesh=mesh, causal=True, implementation="xla")
+    x = jnp.ones((3, 16, 2, 8))
+    with pytest.warns(
+        UserWarning, match=re.escape("batch of 3 is not split over mesh axes {'data': 2}")
+    ):
+        jflash.ring_attention(x, x, x, **call)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jflash.ring_attention(x, x, x, batch_axes=(), **call)
+        jflash.ring_attention(x[:2], x[:2], x[:2], **call)
+
+
 @pytest.mark.multi_device(2)
 def test_mosaic_interpreter_on_several_devices_is_refused(monkeypatch):
     """The GPU interpreter fails on a shard_map over 2+ devices (see
