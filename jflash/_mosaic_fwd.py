@@ -35,9 +35,11 @@ The launch is persistent (`WorkItems`): one CTA per SM runs work items until non
 left, heaviest first (causal rows near the end see the most keys; packed documents by
 the key steps a tile streams). The memory warpgroup takes the CTA's next item from an
 atomic counter when it starts streaming one, and hands it to the compute warpgroups
-through two shared-memory slots; so the next item's first K/V blocks stream, and each
-warpgroup loads its next Q (the output has its own slot), while the last item's output
-is normalised and stored. Against one CTA per item: forward 1.01-1.03x at causal 4k and
+through two shared-memory slots; so the next item's first K/V blocks stream, and its Q
+loads (the output has its own slot), while the last item's output is normalised and
+stored. Where two Q slots per compute warpgroup fit shared memory (`MEMORY_Q`), the
+memory warpgroup loads each item's Q into the second, before the item's first K;
+elsewhere each compute warpgroup loads its own into one. Against one CTA per item: forward 1.01-1.03x at causal 4k and
 16k, 1.00x at 64k, 1.02-1.03x on packed documents (two H200 runs, BENCHMARKS.md). A
 static deal of the items instead (every CTA the same share, no counter) lost 1-6% on an
 H200, whose SMs finish equal shares at different times. The tickets are the whole
@@ -77,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -1055,10 +1058,20 @@ def _launch(
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     fixed, per_stage = smem(block_kv)
-    # Under `jflash.kernel_timeline` the profiler's buffer takes shared memory too; where
-    # both do not fit (D = 128), the profiled kernel keeps one Q slot.
-    fixed += profile_bytes("jflash_mosaic_fwd", wgs + 1, interpret)
     memory_q = MEMORY_Q and fits_smem(stages, fixed + q_bytes, per_stage)
+    # Under `jflash.kernel_timeline` the profiler's buffer takes shared memory too; where
+    # both do not fit (D = 128), the profiled kernel keeps one Q slot, and says so.
+    profiled = profile_bytes("jflash_mosaic_fwd", wgs + 1, interpret)
+    if memory_q and not fits_smem(stages, fixed + profiled + q_bytes, per_stage):
+        memory_q = False
+        warnings.warn(
+            f"jflash.kernel_timeline: the profiled forward (head_dim {h}, {wgs} compute "
+            "warpgroups) keeps one Q slot, which its compute warpgroups load: the "
+            "profiler's buffer leaves no room for the second slot that the memory "
+            "warpgroup fills without the profiler, so its q_wait and item gap read longer "
+            "than the kernel's own",
+            stacklevel=2,
+        )
     q_slots = 2 if memory_q else 1
     items = WorkItems.make(
         geom.q_pad // rows,
