@@ -1058,7 +1058,11 @@ def _launch(
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     fixed, per_stage = smem(block_kv)
-    memory_q = MEMORY_Q and fits_smem(stages, fixed + q_bytes, per_stage)
+    memory_q = (
+        MEMORY_Q
+        and (wgs > COMPUTE_WGS or h in OVERLAP_HEAD_DIMS)
+        and fits_smem(stages, fixed + q_bytes, per_stage)
+    )
     # Under `jflash.kernel_timeline` the profiler's buffer takes shared memory too; where
     # both do not fit (D = 128), the profiled kernel keeps one Q slot, and says so.
     profiled = profile_bytes("jflash_mosaic_fwd", wgs + 1, interpret)
