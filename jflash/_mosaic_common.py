@@ -152,6 +152,7 @@ def stream_kv(
     interpret: bool = False,
     regs: int | None = MEMORY_REGS,
     one_warp: bool = False,
+    before=None,
 ):
     """The memory warpgroup of the forward and dQ kernels: K and V tiles of the KV head
     of query head `head` (`head // group`), key steps `[steps.cta_lo, steps.cta_hi)`.
@@ -167,7 +168,8 @@ def stream_kv(
     before this one) and drains once, after the last (`interpret=False` here).
     `one_warp`: warp 0 streams alone (`plgpu.warp_map`), instead of the whole warpgroup,
     which synchronises its 4 warps before each copy and polls each barrier with all 128
-    threads. Compiled only.
+    threads. Compiled only. `before`: None, or a function issuing copies of its own (the
+    item's query rows), called first by the streaming warp(s).
     """
     if regs is not None:
         plgpu.set_max_registers(regs, action="decrease")
@@ -176,6 +178,8 @@ def stream_kv(
         kv_head = lax.div(head, jnp.int32(group))
         base = index(steps.base)
         num_steps = steps.count
+        if before is not None:
+            before()
 
         @pl.loop(jnp.int32(0), num_steps)
         def _(t):
@@ -546,6 +550,15 @@ def profiling(directory: str, spaces: dict[str, int]):
         yield compiled
     finally:
         _PROFILE = previous
+
+
+def profile_bytes(kernel_name: str, warpgroups: int, interpret: bool) -> int:
+    """Shared memory that the on-device profiler takes from kernel `kernel_name` of
+    `warpgroups` warpgroups where `profiling` names it (16 bytes per range and
+    warpgroup), else 0."""
+    if _PROFILE is None or interpret or kernel_name not in _PROFILE[1]:
+        return 0
+    return 16 * _PROFILE[1][kernel_name] * warpgroups
 
 
 def _compiler_params(kernel_name: str, interpret: bool = False):

@@ -35,10 +35,13 @@ The launch is persistent (`WorkItems`): one CTA per SM runs work items until non
 left, heaviest first (causal rows near the end see the most keys; packed documents by
 the key steps a tile streams). The memory warpgroup takes the CTA's next item from an
 atomic counter when it starts streaming one, and hands it to the compute warpgroups
-through two shared-memory slots; so the next item's first K/V blocks stream, and each
-warpgroup loads its next Q (the output has its own slot), while the last item's output
-is normalised and stored. Against one CTA per item: forward 1.01-1.03x at causal 4k and
-16k, 1.00x at 64k, 1.02-1.03x on packed documents (two H200 runs, BENCHMARKS.md). A
+through two shared-memory slots; so the next item's first K/V blocks stream, and its Q
+loads (the output has its own slot), while the last item's output is normalised and
+stored. Where two Q slots per compute warpgroup fit shared memory (`MEMORY_Q`: D = 128
+and three warpgroups), the memory warpgroup loads each item's Q into the second, before
+the item's first K; elsewhere each compute warpgroup loads its own into one. Against
+one CTA per item: forward 1.01-1.03x at causal 4k and 16k, 1.00x at 64k, 1.02-1.03x on
+packed documents (two H200 runs, BENCHMARKS.md). A
 static deal of the items instead (every CTA the same share, no counter) lost 1-6% on an
 H200, whose SMs finish equal shares at different times. The tickets are the whole
 memory warpgroup's; each item's K and V stream from one warp of it
@@ -77,6 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +103,7 @@ from jflash._mosaic_common import (
     kv_range,
     launch,
     one_warp_streams,
+    profile_bytes,
     query_table,
     query_tile_steps,
     rem,
@@ -176,6 +181,15 @@ FULL_BLOCK_KV = {128: 160}
 # 4k (D = 128); 0.991-0.997x at causal and full 4k at D = 64, which keeps them side by
 # side (BENCHMARKS.md).
 ROWS_OUTER_HEAD_DIMS = (128,)
+# The memory warpgroup loads each work item's Q (and its ids) into the second of two Q
+# slots per compute warpgroup, before the item's first K, where the second slot fits
+# shared memory beside the stages (not at D = 128 with f32 outputs), instead of each
+# compute warpgroup loading it from its last step of the item before, behind the next
+# item's first K and V copies (its Q waited 830-900 cycles per item at causal 4k:
+# BENCHMARKS.md, "Inside the forward kernel"). At D = 128 and on three warpgroups only:
+# forward 1.01-1.03x at causal 16k (D = 128) and 1.03x on packed documents at 16k
+# (D = 64); the D = 64 two-warpgroup loop read 0.99 / 0.94x at causal / full 4k.
+MEMORY_Q = True
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -264,6 +278,7 @@ def _fwd_kernel(
     copies: bool = False,
     overlap: bool | None = None,
     memory_warp: bool = False,
+    memory_q: bool = False,
 ):
     """`refs`: q, k,
     v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
@@ -280,7 +295,9 @@ def _fwd_kernel(
     steps run the overlapped loop (None: at `OVERLAP_HEAD_DIMS` and on three
     warpgroups); three warpgroups without it take no turns. `memory_warp`: one warp of
     the memory warpgroup streams each item's K and V (the tickets stay the whole
-    warpgroup's)."""
+    warpgroup's). `memory_q`: two Q slots (and ids) per warpgroup, item `k`'s in slot
+    `k % 2`, loaded by the memory warpgroup before the item's first K (`MEMORY_Q`);
+    otherwise one, loaded by each compute warpgroup."""
     q_ref, k_ref, v_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
@@ -386,26 +403,36 @@ def _fwd_kernel(
         plgpu.barrier_arrive(ticket_free(slot))
         return ticket
 
-    def load_q(batch, head, tile):
-        """A work item's query rows of this warpgroup (and their ids)."""
-        q_start = first_row(tile)
+    def q_slot(k):
+        """The Q slot of the CTA's `k`-th work item."""
+        return rem(k, 2) if memory_q else jnp.int32(0)
+
+    def load_q(batch, head, tile, *, w=None, slot=None):
+        """A work item's query rows of warpgroup `w` (this one) and their ids, into
+        Q slot `slot` (0)."""
+        w = wg if w is None else w
+        slot = jnp.int32(0) if slot is None else slot
+        q_start = tile * (wgs * bq) + w * bq
+        ready = q_ready.at[slot * wgs + w]
         plgpu.copy_gmem_to_smem(
-            q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[wg], q_ready.at[wg]
+            q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[slot, w], ready
         )
         if segments:
             plgpu.copy_gmem_to_smem(
-                qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[wg], q_ready.at[wg]
+                qseg_ref.at[batch, :, pl.ds(q_start, bq)], q_ids2.at[slot, w], ready
             )
 
     def compute_item(k, batch, head, tile, st):
         """The CTA's `k`-th work item; returns the next one's ticket and `locate`,
         taken (and its Q load started) before this one's epilogue."""
         q_start = first_row(tile)
-        q_smem = q_smem2.at[wg]
+        slot_q = q_slot(k)
+        q_smem = q_smem2.at[slot_q, wg]
         # Without segment ids (whose tile order and table are reads from HBM), the next
         # item's Q loads from the last step on: its S wait is the last wgmma that reads Q.
-        # (Three warpgroups load it after their last P V.)
-        early = (split or not overlap) and not segments
+        # (Three warpgroups load it after their last P V.) With `memory_q` the memory
+        # warpgroup has loaded it before.
+        early = (split or not overlap) and not segments and not memory_q
 
         def prefetch_q():
             ticket = peek_ticket(k + 1)
@@ -413,12 +440,12 @@ def _fwd_kernel(
             pl.when(ticket < total)(lambda: load_q(*coords))
 
         with jax.named_scope("q_wait"):
-            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[slot_q * wgs + wg])
         q_ids = lo = hi = None
         if segments and spans_only:
-            lo, hi = (row_ids(q_ids2.at[wg, jnp.int32(i)]) for i in (1, 2))
+            lo, hi = (row_ids(q_ids2.at[slot_q, wg, jnp.int32(i)]) for i in (1, 2))
         elif segments:
-            q_ids = row_ids(q_ids2.at[wg, jnp.int32(0)])
+            q_ids = row_ids(q_ids2.at[slot_q, wg, jnp.int32(0)])
         # Each span's length (0 where it is empty), for `by_spans`.
         width = None if lo is None else jnp.maximum(hi - lo, jnp.int32(0)).astype(jnp.uint32)
 
@@ -685,7 +712,8 @@ def _fwd_kernel(
             else:
                 ticket = read_ticket(k + 1)
                 following = locate(ticket, st.base + st.count)
-                pl.when(ticket < total)(lambda: load_q(*following[:3]))
+                if not memory_q:
+                    pl.when(ticket < total)(lambda: load_q(*following[:3]))
         empty = l == 0.0
         l_safe = jnp.where(empty, jnp.float32(1.0), l)
         o_smem = o_smem2.at[wg]
@@ -714,7 +742,8 @@ def _fwd_kernel(
         first = read_ticket(jnp.int32(0))
         with jax.named_scope("locate"):
             located = locate(first, jnp.int32(0))
-        pl.when(first < total)(lambda: load_q(*located[:3]))
+        if not memory_q:
+            pl.when(first < total)(lambda: load_q(*located[:3]))
         # Turns run on across the items: each warpgroup takes as many per item.
         if token:  # warpgroup 0 goes first
             pl.when(wg == wgs - 1)(hand)
@@ -803,8 +832,15 @@ def _fwd_kernel(
 
         def item(carry):
             k, ticket, done = carry
+            # Taking item k + 1 waits until every compute warpgroup read item k - 1's
+            # ticket, after its last step of item k - 2: Q slot `k % 2` is free.
             following = fetch(k + 1)
-            batch, head, _, st = locate(ticket, done)
+            batch, head, tile, st = locate(ticket, done)
+
+            def load_qs():  # each compute warpgroup's rows of item k
+                for w in range(wgs):
+                    load_q(batch, head, tile, w=jnp.int32(w), slot=q_slot(k))
+
             stream_kv(
                 (k_ref, v_ref),
                 (k_smem, v_smem),
@@ -819,6 +855,7 @@ def _fwd_kernel(
                 ids=(kvseg_ref, kv_ids) if segments and not spans_only else None,
                 regs=None,
                 one_warp=memory_warp,  # `MEMORY_WARP_HEAD_DIMS`
+                before=load_qs if memory_q else None,
             )
             return k + 1, following, done + st.count
 
@@ -1001,8 +1038,10 @@ def _launch(
     rows = wgs * WG_ROWS
     size = jnp.dtype(q.dtype).itemsize
 
+    q_bytes = rows * h * size + (3 * rows * 4 if segments else 0)  # a Q slot, ids
+
     def smem(block: int) -> tuple[int, int]:  # (fixed, per stage) bytes of tiles
-        fixed = rows * h * size + rows * 4 + (3 * rows * 4 if segments else 0)
+        fixed = q_bytes + rows * 4
         fixed += rows * h * jnp.dtype(out_dtype).itemsize  # the output's own slot
         return fixed, 2 * block * h * size + (block * 4 if stream_ids else 0)
 
@@ -1021,6 +1060,26 @@ def _launch(
         q_len=t,
     )
     stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
+    fixed, per_stage = smem(block_kv)
+    memory_q = (
+        MEMORY_Q
+        and (wgs > COMPUTE_WGS or h in OVERLAP_HEAD_DIMS)
+        and fits_smem(stages, fixed + q_bytes, per_stage)
+    )
+    # Under `jflash.kernel_timeline` the profiler's buffer takes shared memory too; where
+    # both do not fit (D = 128), the profiled kernel keeps one Q slot, and says so.
+    profiled = profile_bytes("jflash_mosaic_fwd", wgs + 1, interpret)
+    if memory_q and not fits_smem(stages, fixed + profiled + q_bytes, per_stage):
+        memory_q = False
+        warnings.warn(
+            f"jflash.kernel_timeline: the profiled forward (head_dim {h}, {wgs} compute "
+            "warpgroups) keeps one Q slot, which its compute warpgroups load: the "
+            "profiler's buffer leaves no room for the second slot that the memory "
+            "warpgroup fills without the profiler, so its q_wait and item gap read longer "
+            "than the kernel's own",
+            stacklevel=2,
+        )
+    q_slots = 2 if memory_q else 1
     items = WorkItems.make(
         geom.q_pad // rows,
         n,
@@ -1065,6 +1124,7 @@ def _launch(
         copies=copy_from is not None,
         overlap=overlap,
         memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
+        memory_q=memory_q,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
@@ -1079,16 +1139,16 @@ def _launch(
         kernel,
         out_type=out_type,
         scratch_types=[
-            smem_tile((wgs, WG_ROWS, h), q.dtype),
+            smem_tile((q_slots, wgs, WG_ROWS, h), q.dtype),
             smem_tile((stages, block_kv, h), k.dtype),
             # P V contracts over the step's keys, a multiple of the swizzle's elements.
             smem_tile((stages, block_kv, h), v.dtype, swizzle=64 if block_kv % 64 else 128),
             smem_tile((wgs, WG_ROWS, h), out_dtype),
             plgpu.SMEM((wgs, WG_ROWS), jnp.float32),
-            plgpu.SMEM((wgs, 3, WG_ROWS), jnp.int32) if segments else None,
+            plgpu.SMEM((q_slots, wgs, 3, WG_ROWS), jnp.int32) if segments else None,
             plgpu.SMEM((stages, block_kv), jnp.int32) if stream_ids else None,
             plgpu.SMEM((3,), jnp.int32),  # two work items' tickets, the counter's value
-            plgpu.Barrier(num_arrivals=with_ids, num_barriers=wgs),
+            plgpu.Barrier(num_arrivals=with_ids, num_barriers=q_slots * wgs),
             plgpu.Barrier(num_arrivals=with_kv_ids, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages + 2),  # and 2: a ticket is in its slot
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages + 2),  # 2: tickets read

@@ -516,6 +516,83 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
     assert steps and set(steps) == {want}, steps
 
 
+@pytest.mark.parametrize(
+    "head_dim, out_dtype, segments, want",
+    [
+        # Not the D = 64 two-warpgroup loop; three warpgroups (the spans) take it.
+        (64, jnp.bfloat16, False, [False]),
+        (64, jnp.bfloat16, True, [False, True]),  # the id compare, then the spans
+        (128, jnp.bfloat16, False, [True]),
+        # A second Q slot does not fit beside two stages and the rows' ids, or the
+        # ring's f32 outputs; with both, the steps halve to 64 keys, and it fits.
+        (128, jnp.bfloat16, True, [False, False]),
+        (128, jnp.float32, False, [False]),
+        (128, jnp.float32, True, [True, True]),
+    ],
+)
+def test_mosaic_forward_memory_warpgroup_loads_q(monkeypatch, head_dim, out_dtype, segments, want):
+    """Where a second Q slot per compute warpgroup fits shared memory beside the stages,
+    the memory warpgroup loads each work item's Q (`MEMORY_Q`), and the stages are as
+    many as without it (`jax.eval_shape`: nothing runs)."""
+    from jflash import _mosaic_fwd
+    from jflash._mask import Mask
+
+    def traced(memory_q: bool) -> list[tuple[dict, dict]]:
+        monkeypatch.setattr(_mosaic_fwd, "MEMORY_Q", memory_q)
+        launches = _spy_launches(monkeypatch, _mosaic_fwd)
+        q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), jnp.bfloat16)
+        seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
+        bs = jflash.default_block_sizes(
+            1000, head_dim, jnp.bfloat16, implementation="pallas_mosaic"
+        )
+
+        def forward(q, k, v, seg):
+            return _mosaic_fwd.mosaic_fwd(
+                q, k, v, (seg, seg) if segments else None, mask=Mask(True), scale=0.1,
+                out_dtype=out_dtype, block_kv=bs.block_kv, stages=bs.num_stages,
+                interpret=INTERPRET,
+            )  # fmt: skip
+
+        jax.eval_shape(forward, q, kv, kv, seg)
+        return launches
+
+    taken = list(traced(True))  # a copy: the spy goes on filling its list
+    assert [kernel["memory_q"] for kernel, _ in taken] == want, taken
+    before = traced(False)
+    assert [k["stages"] for k, _ in taken] == [k["stages"] for k, _ in before]
+    assert not any(kernel["memory_q"] for kernel, _ in before)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mosaic_forward_q_from_either_warpgroup(monkeypatch, head_dim):
+    """The forward's outputs are the same, bit for bit, whether the memory warpgroup
+    loads each work item's Q into two slots or each compute warpgroup loads its own
+    into one: causal with segment ids and without, each CTA running several work items
+    (two CTAs interpreted), so both Q slots are reused."""
+    from jflash import _mosaic_fwd
+
+    case = Case(q_heads=4, kv_heads=2, head_dim=head_dim, q_len=640, dtype=jnp.bfloat16)
+    q, k, v, do, dlse = make_inputs(
+        case_seed(case), batch=1, q_len=case.q_len, kv_len=case.q_len, q_heads=4,
+        kv_heads=2, head_dim=head_dim, dtype=case.dtype,
+    )  # fmt: skip
+    segs = random_segments(case_seed(case), 1, case.q_len, 3)
+    outs = {}
+    for memory_q in (True, False):
+        monkeypatch.setattr(_mosaic_fwd, "MEMORY_Q", memory_q)
+        for ids in (None, segs):
+            outs[memory_q, ids is None] = jflash.flash_attention(
+                q, k, v, causal=True, segment_ids=ids, return_lse=True,
+                implementation="pallas_mosaic", interpret=INTERPRET,
+            )  # fmt: skip
+    for dense in (True, False):
+        for got, want in zip(outs[True, dense], outs[False, dense], strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want = oracle(q, k, v, do, dlse, causal=True, segment_ids=segs)
+    assert_close(outs[True, False], want[:2], case.dtype, names=("out", "lse"))
+
+
 def _spy_launches(monkeypatch, module) -> list[tuple[dict, dict]]:
     """`(kernel keywords, launch keywords)` of each Mosaic kernel that `module` (the
     forward's or the backward's) launches (or traces) from now on, in a list that fills
