@@ -649,6 +649,25 @@ def test_the_demos_help_writes_nothing(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "name", sorted(n for n in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs")))
+)
+def test_shipped_configs_warn_of_nothing(name, tmp_path, capsys):
+    """`make demo` began with a warning its own config caused (`sample_num_examples` in
+    `configs/demo.yaml`, unused beside the demo's data file): each shipped config, given
+    a data file as its users give one, draws no warning (the reference job's `fp16: true`
+    draws its note: it runs as bf16)."""
+    from train.config import shipped_config
+
+    cfg = parse_args(
+        ["--config", shipped_config(name), "--model_name_or_path", "tiny", "--data_path",
+         str(tmp_path / "data.pkl"), "--output_dir", str(tmp_path / "train")]
+    )  # fmt: skip
+    assert cfg.run.max_steps != 0
+    err = capsys.readouterr().err
+    assert not [line for line in err.splitlines() if not line.startswith("note: --fp16")], err
+
+
 def test_the_text_demo_without_tokenizers_says_so_before_writing(tmp_path, monkeypatch):
     """A plain install has no `tokenizers`: the text demo names the extra in one line
     before it gathers or writes anything."""

@@ -53,6 +53,7 @@ from train.loop import TrainingError, run  # noqa: E402
 
 RUN_DIR = os.path.join("runs", "demo")
 CONFIG = shipped_config("demo.yaml")
+DOCUMENTS = 512  # the sample documents the demo writes and trains on
 
 
 def tiny_llama3() -> models.LlamaConfig:
@@ -71,9 +72,7 @@ def documents(cfg, config: models.LlamaConfig) -> list[np.ndarray]:
     """Sample documents of 1/4 to all of `model_max_length` tokens: several share a
     packed row, and some cross from one row into the next."""
     seq_len = cfg.data.model_max_length
-    samples = data_lib.markov_samples(
-        cfg.data.sample_num_examples, seq_len, config.vocab_size, seed=0
-    )
+    samples = data_lib.markov_samples(DOCUMENTS, seq_len, config.vocab_size, seed=0)
     lengths = np.random.default_rng(0).integers(seq_len // 4, seq_len + 1, size=len(samples))
     return [sample[:n] for sample, n in zip(samples, lengths, strict=True)]
 
