@@ -1211,23 +1211,26 @@ def test_an_adafactor_checkpoint_of_optaxs_state_is_refused_with_the_way_on():
 
 def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
     """`python -m train` puts the working directory first on sys.path: a `models`
-    package of the user's there is named, not failed on deep inside an import."""
+    package of the user's there is named in one line (its command's, `train.demo`'s too:
+    once an ImportError's traceback), not failed on deep inside an import."""
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "__init__.py").write_text("")
     # jflash from its tree where it is not installed (the working directory stays first)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "train", "--help"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert f"but 'models' is {tmp_path / 'models'}, which comes first on sys.path" in last
-    assert "run jflash-train, or from another directory" in last
+    for command in ("train", "train.demo"):
+        done = subprocess.run(
+            [sys.executable, "-m", command, "--help"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 1
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith("error: jflash's trainer needs jflash's package 'models'"), line
+        assert f"but 'models' is {tmp_path / 'models'}, which comes first on sys.path" in line
+        assert "run the command from another directory (the trainer itself: jflash-train" in line
     shutil.rmtree(tmp_path / "models")
     (tmp_path / "models.py").write_text("")  # a module of that name, too
     done = subprocess.run(
@@ -1239,6 +1242,16 @@ def test_a_models_folder_of_the_working_directory_is_named(tmp_path):
     )
     last = done.stderr.strip().splitlines()[-1]
     assert f"but 'models' is {tmp_path / 'models.py'}, which comes first" in last
+
+
+def test_the_usage_line_names_the_command_that_ran(monkeypatch):
+    """`jflash-train --help` said `usage: python -m train`, the command that fails where
+    `jflash-train` is the advice (a working directory with a `models/` of its own)."""
+    from train.config import build_parser
+
+    for argv0, usage in (("/env/bin/jflash-train", "jflash-train"), ("-m", "python -m train")):
+        monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+        assert build_parser().format_usage().startswith(f"usage: {usage} "), argv0
 
 
 def test_without_the_train_extra_the_library_imports_and_the_trainer_names_it():

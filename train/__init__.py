@@ -5,6 +5,12 @@ import os as _os
 import sys as _sys
 
 
+def _as_command() -> bool:
+    """Started as a command (`python -m train...`, `jflash-train`), not imported by a
+    program: a fault is then its one line, not an ImportError's traceback."""
+    return _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] or "") == "jflash-train"
+
+
 def _check_models_package() -> None:
     """The trainer imports jflash's `models`, installed beside it; a `models` folder of
     the working directory (Python imports it first) would fail deep inside an import."""
@@ -13,11 +19,14 @@ def _check_models_package() -> None:
     places = list(spec.submodule_search_locations or []) if spec else []
     if not any(_os.path.dirname(_os.path.abspath(p)) == beside for p in places[:1]):
         found = places[0] if places else (spec.origin if spec else None)
-        raise ImportError(
+        words = (
             f"jflash's trainer needs jflash's package 'models' (in {beside}), but 'models' "
-            f"is {found}, which comes first on sys.path; run jflash-train, or from another "
-            "directory"
+            f"is {found}, which comes first on sys.path; run the command from another "
+            "directory (the trainer itself: jflash-train runs from anywhere)"
         )
+        if _as_command():
+            raise SystemExit(f"error: {words}")
+        raise ImportError(words)
 
 
 # The `train` extra: module -> its distribution's name (`import jflash` needs none).
@@ -39,9 +48,7 @@ def _check_train_extra() -> None:
             f"jflash's trainer needs {', '.join(missing)}, not installed: "
             "pip install 'jflash[train]'"
         )
-        # Started as a command (`python -m train`, `jflash-train`): its one line; imported
-        # by a program: the ImportError.
-        if _sys.argv[:1] == ["-m"] or _os.path.basename(_sys.argv[0] or "") == "jflash-train":
+        if _as_command():
             raise SystemExit(f"error: {words}")
         raise ImportError(words)
 

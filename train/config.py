@@ -761,9 +761,15 @@ FLAG_ALIASES = {
 FORMER_NAMES = {"eval_strategy": "--evaluation_strategy"}
 
 
+def _command() -> str:
+    """How the trainer was started, for its usage line: `jflash-train` or `python -m train`."""
+    started = os.path.basename(sys.argv[0] or "")
+    return "jflash-train" if started == "jflash-train" else "python -m train"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog="python -m train",
+        prog=_command(),
         description="Train a Llama on long sequences over a device mesh (jflash ring attention).",
         allow_abbrev=False,
     )
