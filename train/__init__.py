@@ -34,6 +34,7 @@ _TRAIN_EXTRA = {
     "flax": "flax",
     "optax": "optax",
     "orbax": "orbax-checkpoint",
+    "etils": "etils",
     "yaml": "pyyaml",
     "tqdm": "tqdm",
     "matplotlib": "matplotlib",
