@@ -477,6 +477,29 @@ def test_mosaic_forward_row_max_jumps(jump_case, causal):
     assert_close(got, want, dtype, names=("out", "lse"))
 
 
+def _traced_forward(monkeypatch, causal, head_dim, dtype, out_dtype, segments):
+    """The Mosaic forward's launches (`_spy_launches`) for q of 1000 tokens × 4 heads
+    and k, v of 2, traced with `jax.eval_shape` (nothing runs)."""
+    from jflash import _mosaic_fwd
+    from jflash._mask import Mask
+
+    launches = _spy_launches(monkeypatch, _mosaic_fwd)
+    q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), dtype)
+    seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
+    bs = jflash.default_block_sizes(1000, head_dim, dtype, implementation="pallas_mosaic")
+
+    def forward(q, k, v, seg):
+        return _mosaic_fwd.mosaic_fwd(
+            q, k, v, (seg, seg) if segments else None, mask=Mask(causal), scale=0.1,
+            out_dtype=out_dtype, block_kv=bs.block_kv, stages=bs.num_stages,
+            interpret=INTERPRET,
+        )  # fmt: skip
+
+    jax.eval_shape(forward, q, kv, kv, seg)
+    return launches
+
+
 @needs_hopper
 @pytest.mark.parametrize(
     "causal, head_dim, dtype, out_dtype, segments, want",
@@ -495,23 +518,7 @@ def test_mosaic_forward_key_steps(monkeypatch, causal, head_dim, dtype, out_dtyp
     """The keys per step each forward kernel is traced with (`jax.eval_shape`: nothing
     runs). Non-causal calls at D = 128 stream 160 where two stages fit shared memory;
     where they do not, 128 (a multiple of 64, as every other step)."""
-    from jflash import _mosaic_fwd
-    from jflash._mask import Mask
-
-    launches = _spy_launches(monkeypatch, _mosaic_fwd)
-    q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), dtype)
-    kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), dtype)
-    seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
-    bs = jflash.default_block_sizes(1000, head_dim, dtype, implementation="pallas_mosaic")
-
-    def forward(q, k, v, seg):
-        return _mosaic_fwd.mosaic_fwd(
-            q, k, v, (seg, seg) if segments else None, mask=Mask(causal), scale=0.1,
-            out_dtype=out_dtype, block_kv=bs.block_kv, stages=bs.num_stages,
-            interpret=INTERPRET,
-        )  # fmt: skip
-
-    jax.eval_shape(forward, q, kv, kv, seg)
+    launches = _traced_forward(monkeypatch, causal, head_dim, dtype, out_dtype, segments)
     steps = [kernel["block_kv"] for kernel, _ in launches]
     assert steps and set(steps) == {want}, steps
 
@@ -535,27 +542,10 @@ def test_mosaic_forward_memory_warpgroup_loads_q(monkeypatch, head_dim, out_dtyp
     the memory warpgroup loads each work item's Q (`MEMORY_Q`), and the stages are as
     many as without it (`jax.eval_shape`: nothing runs)."""
     from jflash import _mosaic_fwd
-    from jflash._mask import Mask
 
     def traced(memory_q: bool) -> list[tuple[dict, dict]]:
         monkeypatch.setattr(_mosaic_fwd, "MEMORY_Q", memory_q)
-        launches = _spy_launches(monkeypatch, _mosaic_fwd)
-        q = jax.ShapeDtypeStruct((1, 1000, 4, head_dim), jnp.bfloat16)
-        kv = jax.ShapeDtypeStruct((1, 1000, 2, head_dim), jnp.bfloat16)
-        seg = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
-        bs = jflash.default_block_sizes(
-            1000, head_dim, jnp.bfloat16, implementation="pallas_mosaic"
-        )
-
-        def forward(q, k, v, seg):
-            return _mosaic_fwd.mosaic_fwd(
-                q, k, v, (seg, seg) if segments else None, mask=Mask(True), scale=0.1,
-                out_dtype=out_dtype, block_kv=bs.block_kv, stages=bs.num_stages,
-                interpret=INTERPRET,
-            )  # fmt: skip
-
-        jax.eval_shape(forward, q, kv, kv, seg)
-        return launches
+        return _traced_forward(monkeypatch, True, head_dim, jnp.bfloat16, out_dtype, segments)
 
     taken = list(traced(True))  # a copy: the spy goes on filling its list
     assert [kernel["memory_q"] for kernel, _ in taken] == want, taken
