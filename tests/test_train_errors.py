@@ -354,6 +354,32 @@ def test_resume_with_another_number_of_steps_is_refused():
     check_resumable({"step": 2, "run": old}, {**new, "steps_per_epoch": 11}, "ckpts")
 
 
+def test_a_checkpoint_from_before_a_schedule_flag_trains_longer():
+    """A checkpoint whose record predates a schedule flag (`--lr_scheduler_kwargs`) was
+    refused a longer run for "other schedule flags" the user never changed; a flag the
+    record lacks counts as its default, and a flag that did change is named."""
+    from train.config import OptimArgs
+    from train.run_record import SCHEDULE_FLAGS, check_resumable
+
+    base = {"model_max_length": 64, "rows_per_step": 8, "num_rows": 96, "seed": 42}
+    base["optim"] = "adamw"
+    args = OptimArgs(lr_scheduler_type="constant", learning_rate=1e-3)
+    flags = {k: getattr(args, k) for k in SCHEDULE_FLAGS}
+    older = {k: v for k, v in flags.items() if k != "lr_scheduler_kwargs"}
+
+    def record(flags, total):
+        return {**base, "total_steps": total, "schedule": {"flags": flags, "lr": {}}}
+
+    said = check_resumable({"step": 6, "run": record(older, 6)}, record(flags, 12), "ckpts")
+    assert "the schedule's rates of its first 6 steps are the same under both" in said
+    with pytest.raises(TrainingError, match=r"other schedule flags \(--learning_rate 0.001 -> "):
+        check_resumable(
+            {"step": 6, "run": record(older, 6)},
+            record({**flags, "learning_rate": 2e-3}, 12),
+            "ckpts",
+        )
+
+
 def test_a_requeue_on_another_mesh_is_told_the_split_that_keeps_its_rows():
     """A resume whose rows a step differ (a `-1` mesh axis on another number of
     devices) is refused naming the rows, and told the per-device batch and accumulation

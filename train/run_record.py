@@ -199,6 +199,19 @@ def _schedule_record(t: Trainer) -> dict:
     }
 
 
+def _schedule_flag_changes(saved: dict, new: dict) -> list[str]:
+    """The schedule flags two records' `flags` set otherwise, as `--flag old -> new`. A
+    flag a record lacks (written before the flag was) counts as its default, which is
+    what that run used."""
+    default = OptimArgs()
+    changes = []
+    for k in SCHEDULE_FLAGS:
+        before, after = (flags.get(k, getattr(default, k)) for flags in (saved, new))
+        if before != after:
+            changes.append(f"--{k} {before} -> {after}")
+    return changes
+
+
 def _schedule_error(saved: dict, new: dict) -> str | None:
     """What differs between two `_schedule_record`s, or None where the rates agree (to
     float32's precision) at every step either one sampled."""
@@ -210,11 +223,7 @@ def _schedule_error(saved: dict, new: dict) -> str | None:
     moved = None not in phases and phases[0] != phases[1]
     if steps and not apart and not moved:
         return None
-    flags = [
-        f"--{k} {saved['flags'][k]} -> {new['flags'][k]}"
-        for k in SCHEDULE_FLAGS
-        if k in saved["flags"] and saved["flags"][k] != new["flags"][k]
-    ]
+    flags = _schedule_flag_changes(saved["flags"], new["flags"])
     if apart:
         i = apart[0]
         flags.append(f"lr at step {int(i) + 1}: {saved['lr'][i]:.3g} -> {new['lr'][i]:.3g}")
@@ -460,8 +469,10 @@ def check_resumable(meta: dict, run_meta: dict, where: str) -> str | None:
             why = "which ends before the checkpoint's step"
         elif "schedule" not in saved:
             why = "and the checkpoint records no schedule to compare the rates of its steps with"
-        elif saved["schedule"]["flags"] != run_meta["schedule"]["flags"]:
-            why = "and other schedule flags"
+        elif changes := _schedule_flag_changes(
+            saved["schedule"]["flags"], run_meta["schedule"]["flags"]
+        ):
+            why = f"and other schedule flags ({', '.join(changes)})"
         elif not _keeps_past_rates(saved, run_meta, step):
             why = "under which the rates of the steps it trained differ"
         else:
