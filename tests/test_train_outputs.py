@@ -1055,6 +1055,14 @@ def test_a_previous_run_without_its_record_is_refused_not_sorted(tmp_path):
             outputs.check_claim(
                 str(out), continuing=continuing, overwrite=overwrite, resume_flag="latest"
             )
+    # The way back names the outputs beside it, which moving its contents back would meet.
+    with pytest.raises(TrainingError) as e:
+        outputs.check_claim(str(out), continuing=False, overwrite=True, resume_flag=None)
+    assert str(e.value).endswith(
+        f"(.moves.json: made by hand, or by a jflash from before that record), so which "
+        f"outputs are the previous run's is not known: delete the outputs beside it (hf) and "
+        f"move its contents back into {out}, or delete {out / outputs.PREVIOUS_RUN} yourself"
+    )
     assert _files(out) == {k: v.encode() for k, v in files.items()}
     os.remove(out / outputs.PREVIOUS_RUN / "log.jsonl")  # empty: a kill before its record
     assert outputs.recover(str(out), is_main=True) is None

@@ -141,10 +141,15 @@ def check_claim(
         )
     aside = os.path.join(out, PREVIOUS_RUN)
     if os.path.isdir(aside) and _read_moves(aside) is None:
+        beside = _beside_previous_run(out)
+        back = f"move its contents back into {out}"
+        if beside:  # a run that set it aside, stopped before its first checkpoint
+            back = f"delete the outputs beside it ({', '.join(beside)}) and {back}"
         raise TrainingError(
             f"--output_dir={out!r} holds {aside} without a record of how it was set aside "
-            f"({MOVES}), so which outputs are the previous run's is not known: move "
-            f"them back into {out} or delete {aside} yourself"
+            f"({MOVES}: made by hand, or by a jflash from before that record), so which "
+            f"outputs are the previous run's is not known: {back}, or delete {aside} "
+            "yourself"
         )
     if continuing:
         if overwrite:
