@@ -457,6 +457,26 @@ def test_a_drop_last_checkpoint_of_an_earlier_jflash_warns_its_rows_are_unchecke
     assert drop_last_warning({"step": 4, "run": {"num_rows": 103}}, drops) is None
 
 
+def test_a_checkpoint_of_an_earlier_jflash_warns_its_update_settings_are_unchecked():
+    """A checkpoint written before the update settings were recorded resumed with other
+    ones (--weight_decay, --max_grad_norm) without a word: a line now says they cannot
+    be compared; none where the checkpoint records them or no step is left."""
+    from train.run_record import update_warning
+
+    update = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+    update |= {"weight_decay": 0.1, "max_grad_norm": 0.5, "compute_dtype": "bfloat16"}
+    now = {"optim": "adamw", "total_steps": 20, "update": update}
+    old = {"step": 8, "run": {"optim": "adamw", "total_steps": 20}}
+    assert update_warning(old, now) == (
+        "warning: checkpoint 8 records no update settings (an earlier jflash wrote it): "
+        "this run's (--adam_beta1 0.9, --adam_beta2 0.999, --adam_epsilon 1e-08, "
+        "--weight_decay 0.1, --max_grad_norm 0.5) are not compared with those its first 8 "
+        "steps used; its run's train_config.yaml named them"
+    )
+    assert update_warning({"step": 8, "run": {**old["run"], "update": update}}, now) is None
+    assert update_warning({"step": 20, "run": old["run"]}, now) is None  # nothing left
+
+
 def test_resume_with_another_model_is_refused_before_reading_it(tmp_path, capsys):
     """A checkpoint of another model (here another vocabulary) is refused in one line
     naming what differs, before Orbax reads it (which logs a traceback per array)."""

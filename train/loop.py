@@ -45,6 +45,7 @@ from train.run_record import (
     label_fingerprint,
     resolve_auto_resume,
     run_record,
+    update_warning,
 )
 from train.words import plural
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
@@ -619,7 +620,8 @@ def _initial_state(t: Trainer, resume, continuing: bool, run_meta: dict) -> tupl
     if jax.process_index() == 0 and extended:
         print(extended, flush=True)
     if jax.process_index() == 0:
-        for line in (eval_data_warning(meta, run_meta), drop_last_warning(meta, run_meta)):
+        warnings = (eval_data_warning, drop_last_warning, update_warning)
+        for line in (warning(meta, run_meta) for warning in warnings):
             if line:
                 print(line, flush=True)
     # The saved data position must land on the same step with this data/batch.

@@ -128,6 +128,24 @@ def drop_last_warning(meta: dict, run_meta: dict) -> str | None:
     )
 
 
+def update_warning(meta: dict, run_meta: dict) -> str | None:
+    """The warning line where a checkpoint written before the update settings were
+    recorded (`"update"`) resumes with steps left: whether this run's (weight decay,
+    clipping, the optimizer's betas, ...) are the ones its steps used cannot be checked.
+    None elsewhere."""
+    saved = meta.get("run")
+    if not saved or "update" in saved or meta["step"] >= run_meta["total_steps"]:
+        return None
+    now = run_meta.get("update", {})
+    names = update_settings(OptimArgs(optim=run_meta.get("optim", "adamw")))
+    flags = ", ".join(f"--{k} {now[k]}" for k in names if k in now)
+    return (
+        f"warning: checkpoint {meta['step']} records no update settings (an earlier jflash "
+        f"wrote it): this run's ({flags}) are not compared with those its first "
+        f"{meta['step']} steps used; its run's train_config.yaml named them"
+    )
+
+
 def eval_data_warning(meta: dict, run_meta: dict) -> str | None:
     """The warning line where a resume evaluates on other data than the checkpoint's run
     did (or starts or stops evaluating): its eval_loss series then changes data at the
