@@ -7,7 +7,11 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from jflash._validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, is_int
+from jflash._validation import MAX_HEAD_DIM, SUPPORTED_DTYPES, as_bool, is_int
+
+# What the Mosaic (Hopper) kernels take: wgmma operands of 2 bytes, these head dims.
+MOSAIC_HEAD_DIMS = (64, 128)
+MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def _is_pow2(x: int) -> bool:
@@ -29,11 +33,11 @@ class BlockSizes:
         default) lets jflash choose: several only for causal launches of up to a wave
         and a half (docs/library.md). The Triton kernels take 0 only.
 
-    For `implementation="pallas_mosaic"` (`mosaic_block_sizes`): the per-program rows
-    (`block_q`, `block_kv_dkv`, `block_q_dq`) are 64 per compute warpgroup (two per
-    CTA), the streamed blocks (`block_kv`, `block_q_dkv`, `block_kv_dq`) are multiples
-    of 64, `num_stages`/`num_stages_bwd` are the TMA pipeline depths (lowered where
-    shared memory would overflow) and `num_warps*` are unused.
+    For `implementation="pallas_mosaic"`: the per-program rows (`block_q`,
+    `block_kv_dkv`, `block_q_dq`) are 64 per compute warpgroup (two per CTA), the
+    streamed blocks (`block_kv`, `block_q_dkv`, `block_kv_dq`) are 64 or more (every
+    block is a power of two), `num_stages`/`num_stages_bwd` are the TMA pipeline depths
+    (lowered where shared memory would overflow) and `num_warps*` are unused.
     """
 
     block_q: int = 128
@@ -102,21 +106,31 @@ def default_block_sizes(
       seq_len: query length; kv_len: key length (defaults to seq_len).
       head_dim: head dimension before padding.
       dtype: input dtype (f32 tiles are halved to fit shared memory).
-      device_kind: "gpu" for a compiled kernel, "cpu" for interpret mode (big tiles,
-        few grid steps: the interpreter is slow per step, not per element).
-      implementation: "pallas_triton" or "pallas_mosaic" (see `mosaic_block_sizes`).
-      deterministic: the Mosaic backward without the fused dQ (its own query steps).
+      device_kind: "gpu" (the default) for a compiled kernel, "cpu" for interpret mode
+        (big tiles, few grid steps: the interpreter is slow per step, not per element);
+        the Mosaic tiles are the same for both.
+      implementation: "pallas_triton" (the default) or "pallas_mosaic" (head_dim 64 or
+        128, bfloat16 or float16: the `BlockSizes` notes).
+      deterministic: (default False) the Mosaic backward without the fused dQ (its own
+        query steps).
     """
     _check_problem(seq_len, kv_len, head_dim, dtype)
+    if device_kind not in ("gpu", "cpu"):
+        raise ValueError(f"{device_kind=} must be 'gpu' (compiled) or 'cpu' (interpret mode)")
+    deterministic = as_bool(deterministic, f"{deterministic=} must be a bool")
     if implementation == "pallas_mosaic":
+        if head_dim not in MOSAIC_HEAD_DIMS:
+            raise ValueError(f"{head_dim=}: the Mosaic kernels take head dims {MOSAIC_HEAD_DIMS}")
+        if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
+            raise ValueError(
+                f"dtype={jnp.dtype(dtype).name}: the Mosaic kernels take bfloat16 or float16"
+            )
         return mosaic_block_sizes(head_dim, deterministic=deterministic)
     if implementation != "pallas_triton":
         raise ValueError(
             f"{implementation=}: block sizes exist for 'pallas_triton' and 'pallas_mosaic' "
             "('xla' takes none)"
         )
-    if device_kind not in ("gpu", "cpu"):
-        raise ValueError(f"{device_kind=} must be 'gpu' (compiled) or 'cpu' (interpret mode)")
     kv_len = seq_len if kv_len is None else kv_len
     wide = np.dtype(dtype).itemsize >= 4 or head_dim > 128
     if device_kind == "cpu":
@@ -216,7 +230,9 @@ def check_mosaic_block_sizes(bs: BlockSizes, *, fused_block_q: tuple[int, ...] =
             )
     for name in _MOSAIC_STREAMED:
         if getattr(bs, name) % 64:
-            raise ValueError(f"BlockSizes.{name}={getattr(bs, name)} must be a multiple of 64")
+            raise ValueError(
+                f"BlockSizes.{name}={getattr(bs, name)}: the Mosaic kernels stream 64 or more"
+            )
     for name in ("num_stages", "num_stages_bwd"):
         if getattr(bs, name) < 2:
             raise ValueError(f"BlockSizes.{name}={getattr(bs, name)}: Mosaic pipelines need >= 2")

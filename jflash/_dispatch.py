@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jflash._block_sizes import (
+    MOSAIC_DTYPES,
+    MOSAIC_HEAD_DIMS,
     BlockSizes,
     check_head_shares,
     check_mosaic_block_sizes,
@@ -67,10 +69,6 @@ def _is_hopper() -> bool:
     """sm90 (H100/H200): where the Mosaic GPU kernels (wgmma, TMA) run."""
     device = jax.devices()[0]
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
-
-
-MOSAIC_HEAD_DIMS = (64, 128)
-MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def mosaic_unsupported(*, head_dim: int, dtype, compiled: bool = True) -> str | None:

@@ -162,6 +162,11 @@ def to_layout(x: Array, num_shards: int, layout: str, axis: int = 1) -> Array:
     Returns:
       `x` reordered so that shard r (a contiguous 1/P slice of the result) holds the
       tokens `layout` gives device r.
+
+    Differentiable in reverse mode (custom VJP: the cotangent is reordered back, no
+    scatter); forward mode (`jax.jvp`, `jax.jacfwd`) is not defined for the zigzag and
+    striped orders, as for `flash_attention`. The same holds for `from_layout`,
+    `zigzag` and `unzigzag`.
     """
     x, layout, num_shards, axis = _checked(x, num_shards, axis, layout)
     if layout == "contiguous" or num_shards == 1:

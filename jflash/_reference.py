@@ -43,9 +43,12 @@ def attention_reference(
     k_offset: int = 0,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T"]]:
     """Dense exact attention in f32; returns `(out [B,T,N,H] in q.dtype, lse [B,N,T] f32)`.
-    `causal` is required, as in `jflash.flash_attention`.
 
-    Rows that see no key get output 0 and LSE `-inf`.
+    Its arguments are `jflash.flash_attention`'s, with the same meaning and checks:
+    `causal` (required), `scale` (None: `1/sqrt(H)`), `segment_ids` (None, `[B, T]` ids
+    for queries and keys alike, or a `(q_ids [B, T], kv_ids [B, S])` pair: a query sees
+    the keys of its id), and `q_offset` / `k_offset` (causal only: the global positions
+    of the first query and key). Rows that see no key get output 0 and LSE `-inf`.
     """
     shapes = check_qkv(q, k, v)
     segs = check_segment_ids(segment_ids, shapes)

@@ -623,6 +623,12 @@ def ring_attention_rank(
     sources = list(sources)
     if not sources:
         raise ValueError("sources must hold at least one (k, v) pair (one per ring step)")
+    for s, source in enumerate(sources):
+        if not (isinstance(source, (tuple, list)) and len(source) == 2):
+            got = type(source).__name__ + (
+                f" of {len(source)}" if isinstance(source, (tuple, list)) else ""
+            )
+            raise ValueError(f"sources[{s}] must be a (k, v) pair; got {got}")
     shapes = [check_qkv(q, k, v) for k, v in sources]
     check_array("do", do)
     if any(s.kv_len != shapes[0].q_len for s in shapes) or do.shape != q.shape:
@@ -630,8 +636,10 @@ def ring_attention_rank(
             f"every source's k and v, and do, must be as long as q ({q.shape[1]=}) with "
             f"do of q's shape; got {[k.shape for k, _ in sources]}, {do.shape=}"
         )
+    if do.dtype != q.dtype:
+        raise ValueError(f"do.dtype={do.dtype} must be q's ({q.dtype}), as o's cotangent")
     p = len(sources)
-    check_layout_len(p * q.shape[1], p, layout)
+    check_layout_len(p * q.shape[1], p, layout, local_len=q.shape[1])
     rank = _check_rank(rank, p)
     q_seg, kv_segs = None, [None] * p
     if segment_ids is not None:

@@ -45,9 +45,9 @@ def kernel_timeline(directory: str, *, kernels=("fwd",), space: int | None = Non
     scopes per warpgroup with the SM clock and write a Perfetto trace per call into
     `directory` (times in clock cycles, shown as nanoseconds).
 
-    `kernels`: names of `TIMELINE_KERNELS` ("fwd": the forward, "dkv": the backward's
-    dK/dV kernel). `space`: ranges each warpgroup keeps (16 bytes of shared memory each,
-    later ones dropped); None: `DEFAULT_SPACE` per kernel, which fits beside it (more
+    `kernels`: one or more of "fwd" (the forward) and "dkv" (the backward's dK/dV
+    kernel). `space`: ranges each warpgroup keeps (16 bytes of shared memory each, later
+    ones dropped); None: 480 for "fwd" and 240 for "dkv", which fit beside them (more
     than fits fails the kernel's lowering with Mosaic's shared-memory error). A call
     whose trace file exists already writes none. Kernels traced outside the block carry
     no profiler: the scopes change no instruction. A block inside which none of

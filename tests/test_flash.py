@@ -1294,6 +1294,21 @@ def test_default_block_sizes_refuses_what_takes_none():
         for args, match in bad:
             with pytest.raises(ValueError, match=re.escape(match)):
                 jflash.default_block_sizes(*args, implementation=implementation)
+        # Checked for the Mosaic tiles too (a string "no" once chose the deterministic
+        # ones: it is truthy; "tpu" was taken).
+        with pytest.raises(ValueError, match="device_kind='tpu' must be 'gpu'"):
+            jflash.default_block_sizes(128, 64, jnp.bfloat16, "tpu", implementation=implementation)
+        with pytest.raises(ValueError, match="deterministic='no' must be a bool"):
+            jflash.default_block_sizes(
+                128, 64, jnp.bfloat16, implementation=implementation, deterministic="no"
+            )
+    # What the Mosaic kernels refuse gets no Mosaic tiles.
+    for args, match in (
+        ((128, 100, jnp.bfloat16), "head_dim=100: the Mosaic kernels take head dims (64, 128)"),
+        ((128, 64, jnp.float32), "dtype=float32: the Mosaic kernels take bfloat16 or float16"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            jflash.default_block_sizes(*args, implementation="pallas_mosaic")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU-only: no compiled Pallas there")

@@ -160,9 +160,20 @@ def test_bad_arguments_are_named():
         jflash.ring_attention_rank(q, [(k, v)], do, 0, causal=True, layout="spiral")
     with pytest.raises(ValueError, match="as long as q"):
         jflash.ring_attention_rank(q, [(k[:, :4], v[:, :4])], do, 0, causal=True, layout="zigzag")
-    with pytest.raises(ValueError, match="divisible"):  # two ranks of 7: 14 tokens, not 4k
+    # two ranks of 7: 14 tokens, not 4k; the message names the length the caller holds
+    with pytest.raises(ValueError, match=r"the local length q.shape\[1\]=7 \(14 tokens over 2"):
         jflash.ring_attention_rank(
             q[:, :7], [(k[:, :7], v[:, :7])] * 2, do[:, :7], 0, causal=True, layout="zigzag"
+        )
+    # a source that is not a (k, v) pair, and do of another dtype than q's (once taken
+    # as it was: its dQ then came out of another cotangent)
+    with pytest.raises(ValueError, match=r"sources\[1\] must be a \(k, v\) pair; got tuple of 3"):
+        jflash.ring_attention_rank(q, [(k, v), (k, v, k)], do, 0, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match=r"sources\[0\] must be a \(k, v\) pair; got ArrayImpl"):
+        jflash.ring_attention_rank(q, [k, k], do, 0, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match=r"do.dtype=int32 must be q's \(float32\)"):
+        jflash.ring_attention_rank(
+            q, [(k, v)] * 2, do.astype(jnp.int32), 0, causal=True, layout="zigzag"
         )
     # One rank holds its sequence in natural order whatever the layout: any length.
     jflash.ring_attention_rank(

@@ -200,3 +200,10 @@ def test_kernel_timeline_names_kernels_by_their_short_names(tmp_path):
         assert scopes["step_begins"] in scopes["step"], kernel
         assert scopes["item_begins"] is None or scopes["item_begins"] in scopes["item"]
         assert scopes["gap_from"] is None or scopes["gap_from"] in scopes["step"]
+
+
+def test_kernel_timeline_says_its_default_space():
+    """The docstring names the ranges each kernel keeps by default (it once named a
+    private constant)."""
+    doc = " ".join(jflash.kernel_timeline.__doc__.split())
+    assert f'None: {DEFAULT_SPACE["fwd"]} for "fwd" and {DEFAULT_SPACE["dkv"]} for "dkv"' in doc
