@@ -14,6 +14,15 @@ MOSAIC_HEAD_DIMS = (64, 128)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+def mosaic_shape_unsupported(head_dim: int, dtype) -> str | None:
+    """Why the Mosaic kernels cannot take this head dim or dtype (None: they can)."""
+    if head_dim not in MOSAIC_HEAD_DIMS:
+        return f"{head_dim=} is not one of {MOSAIC_HEAD_DIMS}"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
+        return f"dtype={jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
+    return None
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
@@ -119,12 +128,8 @@ def default_block_sizes(
         raise ValueError(f"{device_kind=} must be 'gpu' (compiled) or 'cpu' (interpret mode)")
     deterministic = as_bool(deterministic, f"{deterministic=} must be a bool")
     if implementation == "pallas_mosaic":
-        if head_dim not in MOSAIC_HEAD_DIMS:
-            raise ValueError(f"{head_dim=}: the Mosaic kernels take head dims {MOSAIC_HEAD_DIMS}")
-        if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
-            raise ValueError(
-                f"dtype={jnp.dtype(dtype).name}: the Mosaic kernels take bfloat16 or float16"
-            )
+        if why := mosaic_shape_unsupported(head_dim, dtype):
+            raise ValueError(f"the Mosaic kernels take no tiles here: {why}")
         return mosaic_block_sizes(head_dim, deterministic=deterministic)
     if implementation != "pallas_triton":
         raise ValueError(

@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jflash._block_sizes import (
-    MOSAIC_DTYPES,
-    MOSAIC_HEAD_DIMS,
     BlockSizes,
     check_head_shares,
     check_mosaic_block_sizes,
     default_block_sizes,
+    mosaic_shape_unsupported,
 )
 from jflash._mask import Mask
 from jflash._mosaic_bwd import (
@@ -79,11 +78,7 @@ def mosaic_unsupported(*, head_dim: int, dtype, compiled: bool = True) -> str | 
             f"compiled needs a Hopper GPU (sm90: H100/H200); this device is {kind!r} "
             "(interpret=True runs it in the GPU interpreter on CPU)"
         )
-    if head_dim not in MOSAIC_HEAD_DIMS:
-        return f"{head_dim=} is not one of {MOSAIC_HEAD_DIMS}"
-    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in MOSAIC_DTYPES]:
-        return f"dtype={jnp.dtype(dtype).name} is not bfloat16/float16 (wgmma operands)"
-    return None
+    return mosaic_shape_unsupported(head_dim, dtype)
 
 
 # Whether `implementation=None` takes the Mosaic kernels on Hopper where they apply:
