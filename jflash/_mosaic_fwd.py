@@ -380,10 +380,11 @@ def _fwd_kernel(
         _, st = query_tile_steps(geom, block_kv, table_ref, batch, wg, wgs, tile=tile, base=done)
         return batch, head, tile, st
 
-    def first_row(tile):
-        """This warpgroup's first query row in query tile `tile`: a multiple of its rows
-        that Mosaic can see (its TMA copies' tiling), also where `tile` is a loop carry."""
-        return tile * (wgs * bq) + wg * bq
+    def first_row(tile, w=None):
+        """Warpgroup `w`'s (this one's) first query row in query tile `tile`: a multiple
+        of its rows that Mosaic can see (its TMA copies' tiling), also where `tile` is a
+        loop carry."""
+        return tile * (wgs * bq) + (wg if w is None else w) * bq
 
     def read_ticket(k):
         """Compute warpgroups: the CTA's `k`-th work item (`total`: none left)."""
@@ -412,7 +413,7 @@ def _fwd_kernel(
         Q slot `slot` (0)."""
         w = wg if w is None else w
         slot = jnp.int32(0) if slot is None else slot
-        q_start = tile * (wgs * bq) + w * bq
+        q_start = first_row(tile, w)
         ready = q_ready.at[slot * wgs + w]
         plgpu.copy_gmem_to_smem(
             q_ref.at[batch, pl.ds(q_start, bq), head], q_smem2.at[slot, w], ready
@@ -1059,8 +1060,8 @@ def _launch(
         head_dim=h,
         q_len=t,
     )
-    stages = fit_stages("jflash_mosaic_fwd", stages, *smem(block_kv))
     fixed, per_stage = smem(block_kv)
+    stages = fit_stages("jflash_mosaic_fwd", stages, fixed, per_stage)
     memory_q = (
         MEMORY_Q
         and (wgs > COMPUTE_WGS or h in OVERLAP_HEAD_DIMS)
