@@ -131,8 +131,8 @@ def test_trainer_help_lists_every_choice():
     assert unlisted == []
 
 
-# Flags of other programs the guides quote: XLA's, TensorBoard's and XProf's.
-OTHER_PROGRAMS = re.compile(r"--xla_|--logdir|--port")
+# Flags of other programs the guides quote: XLA's, TensorBoard's, XProf's and pip's.
+OTHER_PROGRAMS = re.compile(r"--xla_|--logdir|--port|--no-deps")
 
 
 @pytest.mark.parametrize("document", ["README.md", "docs/trainer.md", "docs/profiling.md"])
