@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1730,3 +1731,51 @@ def test_benchmark_and_tool_flags_are_spelled_with_dashes():
         for flag in re.findall(r"add_argument\(\s*\"(--[a-z0-9-]*_[a-z0-9_-]*)\"", path.read_text())
     ]
     assert files and not underscored
+
+
+def test_deviceless_refuses_bad_shapes_and_a_missing_plugin(tmp_path, capsys):
+    """`benchmarks/deviceless.py` says in one line what it needs: a shape it can read,
+    and the CUDA plugin's wheels (the command that installs them)."""
+    from benchmarks import deviceless
+
+    with pytest.raises(SystemExit):
+        deviceless.main(["--shapes", "causal:4k:64"])
+    assert "'causal:4k:64': SEQ and HEAD_DIM must be integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        deviceless.main(["--shapes", "sliding:4096:64"])
+    assert "is not causal|full:SEQ:HEAD_DIM" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="pip install --no-deps --target .*jax-cuda13-pjrt"):
+        deviceless.main(["--plugin-dir", str(tmp_path / "none")])
+
+
+DEVICELESS_PLUGIN = ROOT / ".deviceless"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (DEVICELESS_PLUGIN / "jax_plugins").is_dir() or shutil.which("ptxas") is None,
+    reason="no CUDA plugin in .deviceless (benchmarks/deviceless.py says how) or no ptxas",
+)
+def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
+    """Without a GPU, the forward and dK/dV kernels of a causal call compile for an H100
+    and ptxas reports each one's registers and spills."""
+    out = tmp_path / "deviceless.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/deviceless.py",
+            "--shapes",
+            "causal:512:64",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    kernels = sorted(r["kernel"].rsplit("_", 1)[0] for r in rows)
+    assert kernels == ["jflash_mosaic_dkv", "jflash_mosaic_fwd"]
+    assert all(r["registers"] and r["spill_stores"] >= 0 for r in rows)

@@ -132,7 +132,7 @@ def test_trainer_help_lists_every_choice():
 
 
 # Flags of other programs the guides quote: XLA's, TensorBoard's, XProf's and pip's.
-OTHER_PROGRAMS = re.compile(r"--xla_|--logdir|--port|--no-deps")
+OTHER_PROGRAMS = re.compile(r"--xla_|--logdir|--port|--no-deps|--target$")
 
 
 @pytest.mark.parametrize("document", ["README.md", "docs/trainer.md", "docs/profiling.md"])
