@@ -1757,8 +1757,8 @@ DEVICELESS_PLUGIN = ROOT / ".deviceless"
     reason="no CUDA plugin in .deviceless (benchmarks/deviceless.py says how) or no ptxas",
 )
 def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
-    """Without a GPU, the forward and dK/dV kernels of a causal call compile for an H100
-    and ptxas reports each one's registers and spills."""
+    """Without a GPU, the forward and dK/dV kernels of a causal call compile for an H100,
+    and ptxas finds that neither spills at D = 64 (the step loops' registers fit)."""
     out = tmp_path / "deviceless.json"
     run = subprocess.run(
         [
@@ -1778,4 +1778,5 @@ def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     kernels = sorted(r["kernel"].rsplit("_", 1)[0] for r in rows)
     assert kernels == ["jflash_mosaic_dkv", "jflash_mosaic_fwd"]
-    assert all(r["registers"] and r["spill_stores"] >= 0 for r in rows)
+    assert all(r["registers"] for r in rows)
+    assert [(r["kernel"], r["spill_stores"]) for r in rows if r["spill_stores"]] == []
