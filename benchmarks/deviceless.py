@@ -152,15 +152,15 @@ def main(argv=None) -> int:
     os.environ["PATH"] = os.path.dirname(ptxas) + os.pathsep + os.environ["PATH"]
     os.makedirs(dump, exist_ok=True)
 
-    from jflash import _dispatch
+    import jflash
 
     topology = topologies.get_topology_desc(
         "deviceless", "cuda", target_config=GPUS[args.gpu], topology="1x1x1"
     )
     # The library picks its kernels from the process's own devices (CPU here): it is
-    # told that they are the Hopper GPU the compile targets.
-    _dispatch._platform = lambda: "gpu"
-    _dispatch._is_hopper = lambda: True
+    # told that they are the Hopper GPU the compile targets (as kernel_modules.py does).
+    dispatch = sys.modules[f"{jflash.__name__}._dispatch"]
+    dispatch._platform, dispatch._is_hopper = (lambda: "gpu"), (lambda: True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mask, seq, head_dim in shapes:
