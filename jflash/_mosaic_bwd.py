@@ -487,10 +487,6 @@ def _dkv_kernel(
                 `cols`: the column slice it holds (if not all); `row0`: the first of its
                 `WG_ROWS` rows in the step (if not all of the step's rows)."""
                 rows_dq = q_rows if row0 is None else pl.ds(qi * block_q + row0, WG_ROWS)
-                if not interpret:  # probe: straight from registers, red.global.add
-                    dst = (batch, rows_dq, head_g) + (() if cols is None else (cols,))
-                    plgpu.atomic_add(dq_ref.at[dst], dq)
-                    return
                 dq_s = dq_smem2.at[mine]
                 # The previous step's reduce-add has read its SMEM long ago (a whole step
                 # of matmuls ran since); wait for it before overwriting.
