@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -281,3 +282,17 @@ def parse_specs(text: str, flag: str, kind: str, kinds: tuple[str, ...]) -> list
             raise ValueError(f"{flag} item {item!r}: S and D must be positive")
         specs.append((parts[0], seq, hd))
     return specs
+
+
+@contextlib.contextmanager
+def as_hopper(pkg=jflash):
+    """While inside, `pkg` (a jflash package: this one, or a revision `ab.py` exports)
+    picks its kernels as on a Hopper GPU whatever this process's devices are, to lower or
+    compile them for one from a CPU machine (`kernel_modules.py`, `deviceless.py`)."""
+    dispatch = sys.modules[f"{pkg.__name__}._dispatch"]
+    saved = dispatch._platform, dispatch._is_hopper
+    dispatch._platform, dispatch._is_hopper = (lambda: "gpu"), (lambda: True)
+    try:
+        yield
+    finally:
+        dispatch._platform, dispatch._is_hopper = saved

@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jax.experimental import topologies
 
-    from benchmarks.common import check_out, table, write_json
+    from benchmarks.common import as_hopper, check_out, table, write_json
     from benchmarks.sass import assemble, find_tool
 
     if args.out:
@@ -157,12 +157,10 @@ def main(argv=None) -> int:
     topology = topologies.get_topology_desc(
         "deviceless", "cuda", target_config=GPUS[args.gpu], topology="1x1x1"
     )
-    # The library picks its kernels from the process's own devices (CPU here): it is
-    # told that they are the Hopper GPU the compile targets (as kernel_modules.py does).
-    dispatch = sys.modules[f"{jflash.__name__}._dispatch"]
-    dispatch._platform, dispatch._is_hopper = (lambda: "gpu"), (lambda: True)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    # The library picks its kernels from the process's own devices (CPU here): it is
+    # told that they are the Hopper GPU the compile targets.
+    with as_hopper(jflash), tempfile.TemporaryDirectory() as tmp:
         for mask, seq, head_dim in shapes:
             before = set(glob.glob(os.path.join(dump, "*.ptx")))
             try:

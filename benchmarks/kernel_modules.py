@@ -43,7 +43,7 @@ import jax.numpy as jnp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks import ab  # noqa: E402
-from benchmarks.common import check_out, table, write_json  # noqa: E402
+from benchmarks.common import as_hopper, check_out, table, write_json  # noqa: E402
 
 # An H100 as jax describes it, for lowering without one (tests/test_lowering.py's).
 H100 = ("NVIDIA H100 80GB HBM3", 132, "gpu")
@@ -86,9 +86,6 @@ def kernels(
 ):
     """The Mosaic kernels that package `pkg` (a jflash) builds for one shape's forward
     and backward, `[(name, text)]`."""
-    dispatch = sys.modules[f"{pkg.__name__}._dispatch"]
-    saved = dispatch._platform, dispatch._is_hopper
-    dispatch._platform, dispatch._is_hopper = (lambda: "gpu"), (lambda: True)
     q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, seq, kv_heads, head_dim), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
@@ -106,10 +103,8 @@ def kernels(
         )
         return jnp.sum(out.astype(jnp.float32))
 
-    try:
+    with as_hopper(pkg):
         return modules_of(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, ids)
-    finally:
-        dispatch._platform, dispatch._is_hopper = saved
 
 
 def compare(tree: list[tuple[str, str]], rev: list[tuple[str, str]]) -> list[dict]:
