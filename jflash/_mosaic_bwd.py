@@ -85,7 +85,6 @@ from jflash._mosaic_common import (
     one_warp_streams,
     query_table,
     query_tile_steps,
-    red_add,
     rem,
     row_ids,
     run_steps,
@@ -421,10 +420,6 @@ def _dkv_kernel(
 
     if split is not None:
         st = lockstep(st)
-    # probe: dQ added from registers (vector red) on the causal column split, one CTA per KV head
-    dq_from_regs = (
-        split is not None and geom.mask.causal and not segments and shares == 1 and not interpret
-    )
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -492,9 +487,6 @@ def _dkv_kernel(
                 `cols`: the column slice it holds (if not all); `row0`: the first of its
                 `WG_ROWS` rows in the step (if not all of the step's rows)."""
                 rows_dq = q_rows if row0 is None else pl.ds(qi * block_q + row0, WG_ROWS)
-                if dq_from_regs:
-                    red_add(dq_ref.at[(batch, rows_dq, head_g) + (() if cols is None else (cols,))], dq)
-                    return
                 dq_s = dq_smem2.at[mine]
                 # The previous step's reduce-add has read its SMEM long ago (a whole step
                 # of matmuls ran since); wait for it before overwriting.

@@ -263,38 +263,6 @@ def _row_halves(regs, row_regs, fn):
     return values, (lambda idx: idx[half_axis[0]] if halves > 1 else 0)
 
 
-def red_add(ref, x):
-    """`ref[...] += x` for an f32 `x` in the WGMMA layout into an f32 GMEM `ref` of its
-    shape: each thread's pairs of adjacent columns as one `red.global.add.v2.f32`
-    (Hopper's vector reduction), where Mosaic's `plgpu.atomic_add` issues a scalar
-    `red` per value, whose four lanes per row then fill half of each 32-byte sector
-    that L2 reduces into."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA))
-    def core(_, ref_ir, x_fa):
-        shape = ir.MemRefType(ref_ir.type).shape
-        tiled = mgpu_utils.memref_reshape(ref_ir, (*(1 for _ in shape), *shape))
-        stores = x_fa.transfer_tiled(tiled, 16, x_fa.layout, x_fa.shape, False)
-        global_ptr = llvm.PointerType.get(address_space=1)
-        for get, _update, _idx, ptr in stores:
-            reg = get(x_fa.registers)
-            assert ir.VectorType(reg.type).shape == [2], reg.type
-            if ptr.type.address_space != 1:
-                ptr = llvm.addrspacecast(global_ptr, ptr)
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"),
-                [ptr, _element(reg, 0), _element(reg, 1)],
-                "red.global.relaxed.gpu.add.v2.f32 [$0], {$1, $2};",
-                "l,f,f",
-                has_side_effects=True,
-            )
-
-    core(ref, x)
-
-
 def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     """`(P, P's row sums)` for S `s` (f32, [rows, cols] in the WGMMA layout) and a row
     vector `m` (its reduced layout): `P = exp2(s * scale - m)` in `dtype` (bf16 or f16)
