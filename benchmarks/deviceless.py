@@ -13,7 +13,9 @@ shared memory and compute capability) instead of one it finds, the deviceless co
 its ahead-of-time path; Mosaic GPU then lowers each kernel to PTX and assembles it with
 the ptxas on the PATH, as on the GPU. Each shape is one causal or full forward+backward
 call (`--pass fwd`: the forward alone) of batch 1 with `--heads` / `--kv-heads` heads,
-bf16, through `implementation="pallas_mosaic"`. The kernels' parameters are those of
+bf16, through `implementation="pallas_mosaic"`; `documents` is causal with segment ids
+(packed documents: the forward's id-compare and span kernels, the dK/dV kernel's
+segment form), whose values a compile does not see. The kernels' parameters are those of
 the named GPU (`--gpu`; both have 132 SMs); the ptxas is this machine's, whose version
 may differ from the GPU machine's jax wheels'."""
 
@@ -63,13 +65,16 @@ GPUS = {
 }
 
 
+MASKS = ("causal", "full", "documents")
+
+
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
-    """`mask:seq:head_dim,...` (mask `causal` or `full`) as tuples."""
+    """`mask:seq:head_dim,...` (mask one of `MASKS`) as tuples."""
     shapes = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        if len(parts) != 3 or parts[0] not in ("causal", "full"):
-            raise ValueError(f"--shapes item {item!r} is not causal|full:SEQ:HEAD_DIM")
+        if len(parts) != 3 or parts[0] not in MASKS:
+            raise ValueError(f"--shapes item {item!r} is not {'|'.join(MASKS)}:SEQ:HEAD_DIM")
         try:
             seq, head_dim = int(parts[1]), int(parts[2])
         except ValueError:
@@ -100,22 +105,24 @@ def compile_shape(devices, mask: str, seq: int, head_dim: int, args) -> None:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     q = jax.ShapeDtypeStruct((1, seq, args.heads, head_dim), jnp.bfloat16, sharding=replicated)
     kv = jax.ShapeDtypeStruct((1, seq, args.kv_heads, head_dim), jnp.bfloat16, sharding=replicated)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=replicated)
 
-    def attention(q, k, v):
+    def attention(q, k, v, ids):
         return jflash.flash_attention(
             q,
             k,
             v,
-            causal=mask == "causal",
+            causal=mask != "full",
+            segment_ids=ids if mask == "documents" else None,
             implementation="pallas_mosaic",
             deterministic=args.deterministic,
         )
 
-    def loss(q, k, v):
-        return attention(q, k, v).astype(jnp.float32).sum()
+    def loss(q, k, v, ids):
+        return attention(q, k, v, ids).astype(jnp.float32).sum()
 
     fn = attention if args.pass_ == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
-    jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).compile()
+    jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).compile()
 
 
 def main(argv=None) -> int:

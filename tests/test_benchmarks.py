@@ -1743,7 +1743,7 @@ def test_deviceless_refuses_bad_shapes_and_a_missing_plugin(tmp_path, capsys):
     assert "'causal:4k:64': SEQ and HEAD_DIM must be integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         deviceless.main(["--shapes", "sliding:4096:64"])
-    assert "is not causal|full:SEQ:HEAD_DIM" in capsys.readouterr().err
+    assert "is not causal|full|documents:SEQ:HEAD_DIM" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="pip install --no-deps --target .*jax-cuda13-pjrt"):
         deviceless.main(["--plugin-dir", str(tmp_path / "none")])
 
@@ -1758,14 +1758,15 @@ DEVICELESS_PLUGIN = ROOT / ".deviceless"
 )
 def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     """Without a GPU, the forward and dK/dV kernels of a causal call compile for an H100,
-    and ptxas finds that neither spills at D = 64 (the step loops' registers fit)."""
+    and ptxas finds that neither spills at D = 64 (the step loops' registers fit); with
+    segment ids the forward's two kernels (the id compare, then the spans) compile too."""
     out = tmp_path / "deviceless.json"
     run = subprocess.run(
         [
             sys.executable,
             "benchmarks/deviceless.py",
             "--shapes",
-            "causal:512:64",
+            "causal:512:64,documents:512:64",
             "--out",
             str(out),
         ],
@@ -1776,7 +1777,13 @@ def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    kernels = sorted(r["kernel"].rsplit("_", 1)[0] for r in rows)
+    by_shape = {}
+    for r in rows:
+        by_shape.setdefault(r["shape"], []).append(r)
+    kernels = sorted(r["kernel"].rsplit("_", 1)[0] for r in by_shape["causal:512:64"])
     assert kernels == ["jflash_mosaic_dkv", "jflash_mosaic_fwd"]
+    packed = sorted(r["kernel"].rsplit("_", 1)[0] for r in by_shape["documents:512:64"])
+    assert packed == ["jflash_mosaic_dkv", "jflash_mosaic_fwd", "jflash_mosaic_fwd"]
     assert all(r["registers"] for r in rows)
-    assert [(r["kernel"], r["spill_stores"]) for r in rows if r["spill_stores"]] == []
+    dense = by_shape["causal:512:64"]
+    assert [(r["kernel"], r["spill_stores"]) for r in dense if r["spill_stores"]] == []
