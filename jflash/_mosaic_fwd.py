@@ -37,12 +37,12 @@ the key steps a tile streams). The memory warpgroup takes the CTA's next item fr
 atomic counter when it starts streaming one, and hands it to the compute warpgroups
 through two shared-memory slots; so the next item's first K/V blocks stream, and its Q
 loads (the output has its own slot), while the last item's output is normalised and
-stored. Where two Q slots per compute warpgroup fit shared memory (`MEMORY_Q`: D = 128
-and three warpgroups), the memory warpgroup loads each item's Q into the second, before
-the item's first K; elsewhere each compute warpgroup loads its own into one. Against
-one CTA per item: forward 1.01-1.03x at causal 4k and 16k, 1.00x at 64k, 1.02-1.03x on
-packed documents (two H200 runs, BENCHMARKS.md). A
-static deal of the items instead (every CTA the same share, no counter) lost 1-6% on an
+stored. Where two Q slots per compute warpgroup fit shared memory (`MEMORY_Q`: D = 128,
+and three warpgroups on packed documents or from 64k queries), the memory warpgroup
+loads each item's Q into the second, before the item's first K; elsewhere each compute
+warpgroup loads its own into one. Against one CTA per item: forward 1.01-1.03x at causal
+4k and 16k, 1.00x at 64k, 1.02-1.03x on packed documents (two H200 runs, BENCHMARKS.md).
+A static deal of the items instead (every CTA the same share, no counter) lost 1-6% on an
 H200, whose SMs finish equal shares at different times. The tickets are the whole
 memory warpgroup's; each item's K and V stream from one warp of it
 (`MEMORY_WARP_HEAD_DIMS`).
@@ -188,8 +188,12 @@ ROWS_OUTER_HEAD_DIMS = (128,)
 # item's first K and V copies (its Q waited 830-900 cycles per item at causal 4k:
 # BENCHMARKS.md, "Inside the forward kernel"). At D = 128 and on three warpgroups only:
 # forward 1.01-1.03x at causal 16k (D = 128) and 1.03x on packed documents at 16k
-# (D = 64); the D = 64 two-warpgroup loop read 0.99 / 0.94x at causal / full 4k.
+# (D = 64); the D = 64 two-warpgroup loop read 0.99 / 0.94x at causal / full 4k. The
+# D = 64 three-warpgroup loop on rows without segment ids takes it from
+# THREE_WG_MEMORY_Q_MIN_LEN queries on: H100, forward against one slot, 1.02x at 64k
+# causal and 1.01x full, 1.00x at 32k, 0.97x at 16k causal and full 8k / 16k.
 MEMORY_Q = True
+THREE_WG_MEMORY_Q_MIN_LEN = 65536
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
@@ -1064,7 +1068,10 @@ def _launch(
     stages = fit_stages("jflash_mosaic_fwd", stages, fixed, per_stage)
     memory_q = (
         MEMORY_Q
-        and (wgs > COMPUTE_WGS or h in OVERLAP_HEAD_DIMS)
+        and (
+            h in OVERLAP_HEAD_DIMS
+            or (wgs > COMPUTE_WGS and (spans_only or t >= THREE_WG_MEMORY_Q_MIN_LEN))
+        )
         and fits_smem(stages, fixed + q_bytes, per_stage)
     )
     # Under `jflash.kernel_timeline` the profiler's buffer takes shared memory too; where

@@ -247,8 +247,15 @@ def three_wg_launches(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("q_slots", [1, 2])
 @pytest.mark.parametrize("case", THREE_WG_CASES, ids=str)
-def test_mosaic_three_warpgroup_forward(case, three_wg_launches):
+def test_mosaic_three_warpgroup_forward(case, q_slots, three_wg_launches, monkeypatch):
+    """Compiled, with each compute warpgroup loading its Q into one slot (rows under
+    `THREE_WG_MEMORY_Q_MIN_LEN`) and with the memory warpgroup filling a second."""
+    from jflash import _mosaic_fwd
+
+    if q_slots == 2:
+        monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MEMORY_Q_MIN_LEN", 0)
     _three_warpgroup_forward(case, three_wg_launches, interpret=False)
 
 
@@ -552,6 +559,28 @@ def test_mosaic_forward_memory_warpgroup_loads_q(monkeypatch, head_dim, out_dtyp
     before = traced(False)
     assert [k["stages"] for k, _ in taken] == [k["stages"] for k, _ in before]
     assert not any(kernel["memory_q"] for kernel, _ in before)
+
+
+@pytest.mark.parametrize(
+    "segments, min_len, want",
+    [
+        (False, 1000, [True]),
+        (False, 1001, [False]),
+        (True, 1001, [False, True]),  # the id compare (two warpgroups), then the spans
+    ],
+)
+def test_mosaic_three_warpgroup_forward_second_q_slot(
+    monkeypatch, three_wg_launches, segments, min_len, want
+):
+    """The D = 64 three-warpgroup forward takes the second Q slot on rows without
+    segment ids from `THREE_WG_MEMORY_Q_MIN_LEN` queries on (q of 1000 tokens here), and
+    on packed documents (the span kernel) at every length."""
+    from jflash import _mosaic_fwd
+
+    monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MEMORY_Q_MIN_LEN", min_len)
+    taken = _traced_forward(monkeypatch, True, 64, jnp.bfloat16, jnp.bfloat16, segments)
+    assert [launch["wgs"] for _, launch in taken] == [2, 3][-len(want) :], taken
+    assert [kernel["memory_q"] for kernel, _ in taken] == want, taken
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
