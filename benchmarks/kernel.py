@@ -417,20 +417,33 @@ def main_table(args):
 
 
 def run_candidates(args, impl: str, candidates, baselines, name: str):
-    """Times `(BlockSizes, passes, label)` candidates of `impl` at the `--tune` shape,
-    then the `baselines` (whole implementations) in the same process; table + JSON."""
-    shape = dict(batch=1, seq=args.seq, heads=32, kv_heads=8, head_dim=args.head_dim)
-    rows = []
-    for bs, passes, label in candidates:
-        row = measure(impl, block_sizes=bs, passes=passes, **shape)
+    """Times `(BlockSizes, passes, label)` candidates of `impl` at the `--tune` shape
+    (`--seq`, `--head-dim`, `--heads`, `--kv-heads`, causal; the main table's batch,
+    `--tokens // --seq`), and the `baselines` (whole implementations) beside them, in
+    `--rounds` interleaved rounds after `--heat` seconds of load (`retime_rows`); table
+    + JSON."""
+    shape = dict(
+        batch=max(1, args.tokens // args.seq),
+        seq=args.seq,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+    )
+    rows, entries = [], []
+    for spec, label in [(c[:2], c[2]) for c in candidates] + [(None, b) for b in baselines]:
+        timers = {}
+        if spec is None:  # a baseline: the whole implementation
+            row = measure(label, timers=timers, **shape)
+        else:
+            row = measure(impl, block_sizes=spec[0], passes=spec[1], timers=timers, **shape)
         row["block_sizes"] = label
         rows.append(row)
+        entries.append((row, timers))
         print(row, flush=True)
-    for baseline in baselines:
-        row = measure(baseline, **shape)
-        row["block_sizes"] = baseline
-        rows.append(row)
-    columns = ["block_sizes", "fwd_tflops", "fwdbwd_tflops", "fwd_error", "fwdbwd_error"]
+    retime_rows(entries, args.rounds, iters=args.iters, heat_s=args.heat)
+    add_ratios(rows, baselines)
+    ratios = [f"{p}_vs_{b}" for b in baselines for p in ("fwd", "fwdbwd")]
+    columns = ["block_sizes", "fwd_tflops", "fwdbwd_tflops", *ratios, "fwd_error", "fwdbwd_error"]
     print(table(rows, columns, args.note))
     write_json(
         os.path.join(args.out, f"{name}-{device_name()}-{args.seq}-{args.head_dim}.json"),
@@ -960,7 +973,7 @@ def main(argv=None):
         "--rounds",
         type=int,
         default=3,
-        help="main table and --documents: each shape's rows timed again in this many "
+        help="main table, --tune and --documents: each shape's rows timed again in this many "
         "interleaved rounds (balanced order), each keeping its best",
     )
     parser.add_argument(
@@ -997,7 +1010,7 @@ def main(argv=None):
         "--iters",
         type=int,
         default=None,
-        help="--documents: calls per timed batch (default: as many as fill 0.15 s)",
+        help="--documents and --tune: calls per timed batch (default: as many as fill 0.15 s)",
     )
     parser.add_argument(
         "--id-orders",
@@ -1037,7 +1050,7 @@ def main(argv=None):
         "--tokens",
         type=int,
         default=65536,
-        help="main table: tokens per call (batch = tokens // seq, at least 1)",
+        help="main table and --tune: tokens per call (batch = tokens // seq, at least 1)",
     )
     parser.add_argument(
         "--tune-impl", default="jflash", choices=("jflash", "jflash_mosaic"), help="--tune: which"

@@ -117,6 +117,39 @@ def test_main_table_with_fake_timings(monkeypatch, tmp_path, capsys):
     assert calls == [("cudnn", 4096, 64, True), ("cudnn", 16384, 64, True)]
 
 
+def test_tune_times_candidates_at_the_tables_batch_in_rounds(monkeypatch, tmp_path):
+    """`kernel.py --tune`: every block-size candidate and the cuDNN baseline are measured
+    at the main table's batch (`--tokens // --seq`) and then timed together in `--rounds`
+    interleaved rounds, not one after the other."""
+    calls, retimed = [], []
+
+    def measure(impl, *, batch, seq, heads, kv_heads, head_dim, timers, block_sizes=None, **_):
+        calls.append((impl, batch, seq, heads, kv_heads, head_dim, block_sizes))
+        timers["fwd"] = None
+        return fake_row(impl, seq, head_dim, True, 1.0, 1.0)
+
+    monkeypatch.setattr(kernel, "measure", measure)
+    monkeypatch.setattr(
+        kernel, "retime_rows", lambda entries, rounds, **kw: retimed.append((entries, rounds, kw))
+    )
+    argv = ["--tune", "--tune-impl", "jflash_mosaic", "--which", "fwd", "--seq", "4096"]
+    argv += ["--head-dim", "64", "--tokens", "65536", "--rounds", "5", "--heat", "0"]
+    kernel.main([*argv, "--interpret", "--out", str(tmp_path)])
+    labels = [label for *_, label in kernel.mosaic_candidates(kernel.argparse.Namespace(
+        head_dim=64, which="fwd"), 4096)]  # fmt: skip
+    assert [c[0] for c in calls] == ["jflash_mosaic"] * len(labels) + ["cudnn"]
+    assert {c[1:6] for c in calls} == {(16, 4096, 32, 8, 64)}
+    assert all(c[6] is not None for c in calls[:-1]) and calls[-1][6] is None
+    ((entries, rounds, kw),) = retimed
+    assert rounds == 5 and kw["heat_s"] == 0
+    assert [row["block_sizes"] for row, _ in entries] == [*labels, "cudnn"]
+    assert all(timers == {"fwd": None} for _, timers in entries)
+    (path,) = tmp_path.glob("kernel-tune-mosaic-*-4096-64.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == len(labels) + 1
+    assert all(row["fwd_vs_cudnn"] == pytest.approx(1.0) for row in rows)
+
+
 def test_rounds_keep_each_rows_best_in_a_balanced_order(monkeypatch):
     """retime_rows: after the heat, R rounds time every row's passes, forwards first,
     each round in another order, and a row keeps its best time and TFLOP/s from them;
