@@ -89,7 +89,7 @@ def test_trains_with_ring_and_fsdp(tmp_path):
     # save_total_limit=2 keeps the newest two checkpoints.
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["12", "8"]
     scalars = read_scalars(tmp_path / "tensorboard")
-    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"):
+    for tag in ("train/loss", "train/learning_rate", "train/grad_norm", "train/tokens_per_s"):
         assert tag in scalars, sorted(scalars)
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 13))
     assert os.listdir(tmp_path / "tensorboard" / "plugins" / "profile")

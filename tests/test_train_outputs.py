@@ -273,6 +273,11 @@ def test_wandb_and_tensorboard_get_the_same_scalars(tmp_path, monkeypatch):
     assert [s for s, _ in wandb_loss] == [1, 2, 3] == [s for s, _ in tb_loss]
     assert [v for _, v in wandb_loss] == pytest.approx(summary["losses"], rel=1e-6)
     assert [v for _, v in tb_loss] == pytest.approx(summary["losses"], rel=1e-6)
+    # HF Trainer's tag for the rate, in both; the log keeps its `lr`.
+    lrs = [(step, v["train/learning_rate"]) for step, v in fake.logged]
+    tb_lr = read_scalars(os.path.join(out, "tensorboard"))["train/learning_rate"]
+    assert [v for _, v in lrs] == pytest.approx([v for _, v in tb_lr], rel=1e-6)
+    assert not any("train/lr" in v for _, v in fake.logged)
 
 
 def test_export_takes_the_runs_tokenizer(tmp_path):

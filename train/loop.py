@@ -50,6 +50,11 @@ from train.run_record import (
 from train.words import plural
 from train.xla_flags import NO_COMMAND_BUFFERS, command_buffers_on
 
+# TensorBoard / wandb tags under `train/` that take HF Trainer's name (its
+# `train/learning_rate`), so that an HF run's charts and a jflash run's overlay; the
+# other records keep their `log.jsonl` names.
+HF_TAGS = {"lr": "learning_rate"}
+
 
 @dataclasses.dataclass
 class _Timer:
@@ -1281,7 +1286,8 @@ def _finish(
         timer.start, timer.tokens, timer.flops, timer.steps = now, 0, 0.0, 0
         timer.traced = False
         if writer is not None:
-            writer.scalars({f"train/{k}": v for k, v in record.items() if k != "step"}, done)
+            tags = {f"train/{HF_TAGS.get(k, k)}": v for k, v in record.items() if k != "step"}
+            writer.scalars(tags, done)
         if log is not None:
             log.write(record)
     return record
