@@ -18,6 +18,7 @@ from jax._src import mesh as mesh_lib
 
 import jflash
 import jflash._dispatch as dispatch
+from jflash import _mosaic_fwd
 from jflash._mosaic_bwd import fuses_dq
 
 _H100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
@@ -287,7 +288,8 @@ def test_determinism_switch(monkeypatch):
     [
         ("fwd", 128, 4096, False),
         ("fwd", 64, 4096, False),
-        ("fwd", 64, 16384, False),  # three compute warpgroups
+        ("fwd", 64, 16384, False),  # three compute warpgroups, one Q slot
+        ("fwd", 64, 65536, False),  # three, and the second Q slot
         ("fwd", 128, 4096, True),
         ("dkv", 128, 4096, False),
         ("dkv", 64, 4096, False),
@@ -316,7 +318,8 @@ def test_timeline_default_space_fits_each_kernel(monkeypatch, kernel, head_dim, 
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     # Where the forward's second Q slot does not fit beside the profiler's buffer, the
     # profiled kernel keeps one, and a warning says so.
-    one_slot = kernel == "fwd" and not segments and (head_dim == 128 or seq >= 16384)
+    second_slot = head_dim == 128 or seq >= _mosaic_fwd.THREE_WG_MEMORY_Q_MIN_LEN
+    one_slot = kernel == "fwd" and not segments and second_slot
     with (
         jax.sharding.use_abstract_mesh(mesh),
         jflash.kernel_timeline("unused", kernels=kernel),
