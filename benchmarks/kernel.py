@@ -429,13 +429,12 @@ def run_candidates(args, impl: str, candidates, baselines, name: str):
         kv_heads=args.kv_heads,
         head_dim=args.head_dim,
     )
+    runs = [(impl, dict(block_sizes=bs, passes=passes), label) for bs, passes, label in candidates]
+    runs += [(baseline, {}, baseline) for baseline in baselines]  # whole implementations
     rows, entries = [], []
-    for spec, label in [(c[:2], c[2]) for c in candidates] + [(None, b) for b in baselines]:
+    for run, options, label in runs:
         timers = {}
-        if spec is None:  # a baseline: the whole implementation
-            row = measure(label, timers=timers, **shape)
-        else:
-            row = measure(impl, block_sizes=spec[0], passes=spec[1], timers=timers, **shape)
+        row = measure(run, timers=timers, **options, **shape)
         row["block_sizes"] = label
         rows.append(row)
         entries.append((row, timers))
