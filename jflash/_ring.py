@@ -566,7 +566,7 @@ def ring_config(
 
 def _check_rank(rank, p: int):
     """`rank` as a Python int in `[0, p)`, or a traced int32 scalar (checked for its
-    type only); anything else (a float, a bool, a vector) is refused by name."""
+    type here; out of range, the caller makes its results NaN); anything else (a float, a bool, a vector) is refused by name."""
     if is_int(rank):
         if not 0 <= rank < p:
             raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
@@ -606,7 +606,8 @@ def ring_attention_rank(
       sources: `P` pairs `(k, v)` `[B, T', K, H]`: at step `s` the shard of rank
         `(rank - s) % P`.
       rank: an int in `[0, P)`, or a traced int scalar (as inside the ring); others
-        (a float, a bool, an array of ranks) are refused by name.
+        (a float, a bool, an array of ranks) are refused by name. A traced rank outside
+        `[0, P)` makes o, lse and dq NaN, and each step's dkv where the rank attends.
       causal, layout, scale, implementation, interpret, block_sizes, deterministic: as
         in `ring_attention`.
       segment_ids: None, or `(q_ids, kv_ids)` for packed documents: the rank's query
@@ -676,6 +677,13 @@ def ring_attention_rank(
     o = lse = None
     for step in range(p):
         o, lse = _fwd_step(step, rank, q, kvs[step], q_seg, kv_segs[step], o, lse, cfg)
+    if isinstance(rank, jax.core.Tracer):
+        # A traced rank cannot be refused while tracing: one outside [0, P) makes o, the
+        # LSE and dQ NaN, and through the LSE every dK/dV block the rank attends, instead
+        # of another rank's results.
+        bad = (rank < 0) | (rank >= p)
+        o = jnp.where(bad, jnp.nan, o)
+        lse = jnp.where(bad, jnp.nan, lse)
     o = o.astype(q.dtype)
     delta = delta_from(o, do)
     do = do.astype(q.dtype)

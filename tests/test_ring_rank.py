@@ -232,3 +232,25 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
     want.append(jflash.to_layout(lse_ref, p, layout, axis=2))
     want += [jflash.to_layout(x, p, layout, axis=1) for x in (dq_ref, dk_ref, dv_ref)]
     assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_traced_rank_out_of_range_is_nan(layout, causal):
+    """A traced rank cannot be refused while tracing; one outside [0, P) makes the
+    results NaN instead of another rank's (it once ran as rank mod P)."""
+    q, k, v, do = _inputs(seq=8)
+    run = jax.jit(
+        lambda rank: jflash.ring_attention_rank(
+            q, [(k, v)] * 2, do, rank, causal=causal, layout=layout, implementation="xla"
+        )
+    )
+    for rank in (-1, 2, 3):
+        o, lse, dq, dkv = run(jnp.int32(rank))
+        for name, x in (("o", o), ("lse", lse), ("dq", dq)):
+            assert bool(jnp.isnan(x).all()), f"rank={rank}: {name} not all NaN"
+        # each step's dK/dV: NaN on the keys the rank attends (the others get none)
+        for s, (dk, dv) in enumerate(dkv):
+            assert bool(jnp.isnan(dk).any() & jnp.isnan(dv).any()), f"rank={rank}: step {s}"
+    for rank in (0, 1):
+        results = run(jnp.int32(rank))
+        assert not any(bool(jnp.isnan(leaf).any()) for leaf in jax.tree.leaves(results))
