@@ -566,7 +566,8 @@ def ring_config(
 
 def _check_rank(rank, p: int):
     """`rank` as a Python int in `[0, p)`, or a traced int32 scalar (checked for its
-    type here; out of range, the caller makes its results NaN); anything else (a float, a bool, a vector) is refused by name."""
+    type here; out of range, the caller makes its results NaN); anything else (a float,
+    a bool, a vector) is refused by name."""
     if is_int(rank):
         if not 0 <= rank < p:
             raise ValueError(f"{rank=} must be in [0, {p}) for {p} sources")
