@@ -331,10 +331,14 @@ def peer_notes(impls) -> list[str]:
 def add_ratios(rows: list[dict], baselines=("cudnn", "fa3")) -> None:
     """`{pass}_vs_{baseline}` on every row: the baseline's time ÷ the row's (above 1: the
     row is faster), from the TFLOP/s of the same shape and mask."""
-    by = {(r["seq_len"], r["head_dim"], r.get("mask"), r["impl"]): r for r in rows}
+
+    def key(r, impl):
+        return r.get("seq_len"), r.get("head_dim"), r.get("mask"), impl
+
+    by = {key(r, r["impl"]): r for r in rows}
     for r in rows:
         for baseline in baselines:
-            base = by.get((r["seq_len"], r["head_dim"], r.get("mask"), baseline), {})
+            base = by.get(key(r, baseline), {})
             for p in ("fwd", "fwdbwd"):
                 if f"{p}_tflops" in r and f"{p}_tflops" in base:
                     r[f"{p}_vs_{baseline}"] = r[f"{p}_tflops"] / base[f"{p}_tflops"]

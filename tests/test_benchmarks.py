@@ -1660,6 +1660,43 @@ def test_head_split_bench_keeps_the_rows_of_a_run_cut_short(monkeypatch, tmp_pat
     assert [r["setting"] for r in written["rows"]] == ["shares=2", "jflash", "fa3", "cudnn"]
 
 
+def test_head_split_bench_rounds_time_each_shapes_rows_again(monkeypatch, tmp_path):
+    """`--rounds N` hands each shape's rows, with the timers `measure` left, to
+    `kernel.retime_rows` once the shape's rows are measured; `bwd_ms` and the ratios to
+    FA3 and cuDNN come from the times it leaves. Without it no row is timed again."""
+    retimed = []
+
+    def fake_measure(impl, timers=None, **kwargs):
+        timers[impl] = ("compiled", (), 1.0)
+        shape = {"seq_len": kwargs["seq"], "head_dim": kwargs["head_dim"]}
+        times = {"fwd_ms": 1.0, "fwdbwd_ms": 9.0, "fwd_tflops": 1.0, "fwdbwd_tflops": 1.0}
+        return {"impl": impl, **shape, **times}
+
+    def fake_retime(entries, rounds):
+        retimed.append(([row["setting"] for row, _ in entries], rounds))
+        for (row, timers), ms in zip(entries, (3.0, 2.5, 2.5, 3.0, 4.0), strict=True):
+            assert timers  # what measure left
+            row["fwdbwd_ms"], row["fwdbwd_tflops"] = ms, 1 / ms
+
+    monkeypatch.setattr(head_split.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(head_split, "measure", fake_measure)
+    monkeypatch.setattr(head_split, "retime_rows", fake_retime)
+    monkeypatch.setattr(head_split, "device_name", lambda: "fake")
+    shapes = ["--shapes", "1024:4:1:128:causal,2048:4:1:128:causal", "--shares", "1,2"]
+    assert head_split.main([*shapes, "--rounds", "3", "--out", str(tmp_path)]) == 0
+    settings = ["shares=1", "shares=2", "jflash", "fa3", "cudnn"]
+    assert retimed == [(settings, 3), (settings, 3)]
+    rows = json.loads((tmp_path / "ab-head-split-fake.json").read_text())["rows"]
+    assert [r["bwd_ms"] for r in rows[:5]] == [2.0, 1.5, 1.5, 2.0, 3.0]
+    assert rows[1]["fwdbwd_vs_fa3"] == pytest.approx(3.0 / 2.5)
+    assert rows[1]["fwdbwd_vs_cudnn"] == pytest.approx(4.0 / 2.5)
+    retimed.clear()
+    assert head_split.main([*shapes, "--out", str(tmp_path)]) == 0
+    assert retimed == []
+    with pytest.raises(SystemExit):
+        head_split.main([*shapes, "--rounds", "-1", "--out", str(tmp_path)])
+
+
 # benchmarks/restart.py: cold start, resumes and the compilation cache (CPU, tiny model)
 
 
