@@ -20,9 +20,9 @@ there cost it 2-4%: more moves per step).
   dO, LSE and delta parts) tiles of every query head of the group in turn, so GQA needs
   no repeated K/V and no reduction afterwards (causal, D = 128, no segment ids: every
   other head from the last query step down, `ALTERNATE_PASSES_SPLITS`). A causal launch
-  of few CTAs shares each group among several CTAs instead, each reading its KV head's K
-  and V in place and adding its dK/dV into that KV head's f32 accumulators with TMA
-  reduce-adds (`head_split`).
+  of few CTAs, or of long rows at D = 128, shares each group among several CTAs instead,
+  each reading its KV head's K and V in place and adding its dK/dV into that KV head's
+  f32 accumulators with TMA reduce-adds (`head_split`).
 - dQ, two ways:
   - fused (`deterministic=False`; gradients in the inputs' dtype or f32): the dK/dV kernel
     also forms each step's dQ contribution `dS K` (dS goes through shared memory) and
@@ -201,20 +201,49 @@ HEAD_SPLIT_TWO_SHARES_WAVES = 1.5
 HEAD_SPLIT_MIN_CTAS = 512
 HEAD_SPLIT_MAX_CTAS = 2048
 
+# Long causal rows at these head dims (`LONG_ROWS_TWO_SHARES_MIN_LEN` queries or more,
+# no segment ids, dQ fused) share each KV head's query heads between two CTAs at any
+# launch size, each streaming half the group. A CTA per KV head streams the group's
+# heads in turn, each from its diagonal to the last query step (or back), so CTAs of
+# different key tiles drift into different heads and the Q, dO and dQ tiles they share
+# leave L2 between them; half the group halves that drift, for the f32 reduce-adds of
+# dK and dV and twice the K/V loads. H100, forward+backward, 32/8 heads, against a CTA
+# per KV head: causal 64k x 1 1.02 / 1.02 (two runs), 16k x 4 1.04; 4k x 16 0.975, full
+# 16k 0.995; four shares 1.01 (64k, 16k), 0.958 (4k); D = 64 (128-query steps, dQ
+# split by rows) 0.983 at causal 16k (BENCHMARKS.md, "Kept changes").
+LONG_ROWS_TWO_SHARES_MIN_LEN = 16384
+LONG_ROWS_TWO_SHARES_HEAD_DIMS = (128,)
 
-def head_split(ctas: int, group: int, causal: bool, sms: int = HOPPER_SMS) -> int:
+
+def head_split(
+    ctas: int, group: int, causal: bool, sms: int = HOPPER_SMS, *, long_rows: bool = False
+) -> int:
     """The CTAs per KV head of a dK/dV launch of `ctas` (one per key tile and KV head)
     on a GPU of `sms` SMs (one wave): 1 unless it is causal and at most
-    `HEAD_SPLIT_TWO_SHARES_WAVES` waves; past one wave 2 where 2 divides `group`; at most
-    one wave, the least divisor of `group` that takes it to `HEAD_SPLIT_MIN_CTAS`, else
-    the largest, none that takes it past `HEAD_SPLIT_MAX_CTAS`."""
-    if not causal or ctas > HEAD_SPLIT_TWO_SHARES_WAVES * sms:
+    `HEAD_SPLIT_TWO_SHARES_WAVES` waves, or of `long_rows` (`long_rows_split`); past one
+    wave 2 where 2 divides `group`; at most one wave, the least divisor of `group` that
+    takes it to `HEAD_SPLIT_MIN_CTAS`, else the largest, none that takes it past
+    `HEAD_SPLIT_MAX_CTAS`."""
+    if not causal:
         return 1
+    if ctas > HEAD_SPLIT_TWO_SHARES_WAVES * sms:
+        return 2 if long_rows and group % 2 == 0 else 1
     if ctas > sms:
         return 2 if group % 2 == 0 else 1
     shares = [d for d in range(1, group + 1) if group % d == 0]
     shares = [d for d in shares if d == 1 or ctas * d <= HEAD_SPLIT_MAX_CTAS]
     return next((d for d in shares if ctas * d >= HEAD_SPLIT_MIN_CTAS), shares[-1])
+
+
+def long_rows_split(head_dim: int, q_len: int, segments: bool, fused: bool) -> bool:
+    """Whether a causal dK/dV launch's rows take two shares at any size (the
+    `LONG_ROWS_TWO_SHARES_*` rule): long rows without segment ids, dQ fused."""
+    return (
+        head_dim in LONG_ROWS_TWO_SHARES_HEAD_DIMS
+        and q_len >= LONG_ROWS_TWO_SHARES_MIN_LEN
+        and not segments
+        and fused
+    )
 
 
 def head_split_rule(sms: int) -> str:
@@ -224,9 +253,11 @@ def head_split_rule(sms: int) -> str:
         f"the Mosaic backward: a causal dK/dV launch (a CTA per 128 keys and KV head) of at "
         f"most {sms} CTAs (one wave on {sms} SMs) shares each KV head's query heads among "
         f"the least number of CTAs that reaches {HEAD_SPLIT_MIN_CTAS} (none past "
-        f"{HEAD_SPLIT_MAX_CTAS}), one of {sms + 1}-{two} CTAs among two; the shares add "
-        "their f32 dK/dV (deterministic: slices summed in a fixed order); other launches "
-        "run a CTA per KV head (BlockSizes.head_shares_dkv sets it)"
+        f"{HEAD_SPLIT_MAX_CTAS}), one of {sms + 1}-{two} CTAs among two, as does one of "
+        f"any size over rows of {LONG_ROWS_TWO_SHARES_MIN_LEN} queries or more at head_dim "
+        f"{'/'.join(map(str, LONG_ROWS_TWO_SHARES_HEAD_DIMS))} (no segment ids, dQ "
+        "fused); the shares add their f32 dK/dV (deterministic: slices summed in a fixed "
+        "order); other launches run a CTA per KV head (BlockSizes.head_shares_dkv sets it)"
     )
 
 
@@ -954,12 +985,19 @@ def mosaic_bwd(
         dq_ids = (*ids, query_table(q_seg, kv_seg, WG_ROWS, block_kv_dq, geom.q_pad // WG_ROWS))
     kv_tiles = geom.kv_pad // rows
     # `shares` CTAs per KV head, each over group / shares query heads, their dK and dV in
-    # f32: as asked, else by the rule (causal launches of few CTAs, `head_split`).
+    # f32: as asked, else by the rule (causal launches of few CTAs, or of long rows,
+    # `head_split`; two shares' f32 dK/dV keep dQ fused, `fuses_dq`).
     if head_shares:
         check_head_shares(head_shares, geom.group)
         shares = head_shares
     else:
-        shares = head_split(b * kh * kv_tiles, geom.group, geom.mask.causal, sm_count())
+        shares = head_split(
+            b * kh * kv_tiles,
+            geom.group,
+            geom.mask.causal,
+            sm_count(),
+            long_rows=long_rows_split(h, geom.q_len, segments, fuses_dq(h, deterministic)),
+        )
     dkv_dtype = jnp.float32 if shares > 1 else grad_dtype
     same = jnp.dtype(dkv_dtype) == q.dtype
     storable = same or jnp.dtype(dkv_dtype) == jnp.float32
