@@ -226,10 +226,11 @@ def head_split(
     `HEAD_SPLIT_MAX_CTAS`."""
     if not causal:
         return 1
+    two = 2 if group % 2 == 0 else 1
     if ctas > HEAD_SPLIT_TWO_SHARES_WAVES * sms:
-        return 2 if long_rows and group % 2 == 0 else 1
+        return two if long_rows else 1
     if ctas > sms:
-        return 2 if group % 2 == 0 else 1
+        return two
     shares = [d for d in range(1, group + 1) if group % d == 0]
     shares = [d for d in shares if d == 1 or ctas * d <= HEAD_SPLIT_MAX_CTAS]
     return next((d for d in shares if ctas * d >= HEAD_SPLIT_MIN_CTAS), shares[-1])
