@@ -204,7 +204,8 @@ def test_cited_benchmarks_sections_exist():
 
 def test_the_wheel_ships_every_package_and_the_example_configs():
     """`pyproject.toml` lists its packages by hand (configs/ is mapped into
-    train/configs): every package folder is listed, and every config is package data."""
+    train/configs): every package folder is listed, every config is package data, and
+    jflash's `py.typed` marker too."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         setup = tomllib.load(f)["tool"]["setuptools"]
     found = sorted(
@@ -217,6 +218,9 @@ def test_the_wheel_ships_every_package_and_the_example_configs():
     globs = setup["package-data"]["train.configs"]
     configs = sorted(p.name for p in (ROOT / "configs").iterdir())
     assert configs and all(any(fnmatch.fnmatch(n, g) for g in globs) for n in configs)
+    # the PEP 561 marker: type checkers read jflash's annotations from an install
+    assert (ROOT / "jflash" / "py.typed").is_file()
+    assert setup["package-data"]["jflash"] == ["py.typed"]
 
 
 def test_the_source_archive_holds_what_its_tests_need():
