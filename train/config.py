@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -590,13 +591,16 @@ def _parser_type(annotation) -> tuple[Any, bool]:
     return annotation, optional
 
 
-def _field_comments(cls) -> dict[str, str]:
+@functools.cache
+def _field_comments(cls) -> types.MappingProxyType:
     """The `# ...` comment after each field in the dataclass source, or the comment lines
-    right above a field that has none after it: one place for docs."""
+    right above a field that has none after it: one place for docs. Read once per class
+    (`inspect.getsource` parses the whole module each time: once per flag, it took
+    about a second of every `parse_args`)."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
-        return {}
+        return types.MappingProxyType({})
     field = re.compile(r"^\s+(\w+):[^#\n=]*=[^#\n]*(?:#\s*(.+))?$")
     comments, above = {}, []
     for line in source.splitlines():
@@ -608,7 +612,7 @@ def _field_comments(cls) -> dict[str, str]:
             if after or above:
                 comments[name] = after or " ".join(above)
         above = []
-    return comments
+    return types.MappingProxyType(comments)
 
 
 def _field_help(section: str, section_cls, field) -> str:
