@@ -998,9 +998,11 @@ def test_multi_host_flags_that_do_not_fit_are_named_and_the_meeting_flags_not_co
 @pytest.mark.slow
 def test_a_process_killed_mid_run_ends_the_others_at_once_in_a_line(tmp_path):
     """kill -9 to one process of a two-process run: the other's next collective fails;
-    it ends at once (exit 1) with the traceback and one line naming the stop and the last
+    it ends (exit 1) with the traceback and one line naming the stop and the last
     checkpoint, instead of waiting in jax's shutdown for the dead process and aborting
-    with a C++ stack 100 s later."""
+    with a C++ stack 100 s later. A save in flight then gets `SAVE_WAIT_AFTER_ERROR_S`
+    (its commit waits for every process), and the next save's collective fails before
+    it waits for the one before (`train.checkpoint._every_process_here`)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]

@@ -1372,3 +1372,62 @@ def test_a_relative_data_path_not_found_says_where_it_looked(tmp_path, monkeypat
     assert str(e.value) == (
         f"--data_path='data/typo.jsonl': no such data file (looked for {tmp_path}/data/typo.jsonl)"
     )
+
+
+def test_a_bounded_close_leaves_a_save_that_does_not_commit(tmp_path):
+    """`Checkpoints.close(wait_s)`: a save whose commit never comes (a multi-process save
+    waits at a barrier for a process that has stopped) is left after `wait_s`, False;
+    one that ends in time closes, True; an error in the wait reaches the caller."""
+    import threading
+    import time
+
+    from train.checkpoint import Checkpoints
+
+    ckpt = Checkpoints(str(tmp_path), None)
+    manager = ckpt._manager
+    release = threading.Event()
+    manager.wait_until_finished = lambda: release.wait(60)
+    began = time.monotonic()
+    assert ckpt.close(wait_s=0.5) is False
+    assert time.monotonic() - began < 5
+    release.set()
+    assert ckpt.close(wait_s=30) is True  # the wait is over: closes
+
+    failing = Checkpoints(str(tmp_path / "other"), None)
+
+    def broken():
+        raise RuntimeError("the commit failed")
+
+    failing._manager.wait_until_finished = broken
+    with pytest.raises(RuntimeError, match="the commit failed"):
+        failing.close(wait_s=30)
+
+
+def test_the_save_in_flight_gets_a_bounded_wait_only_after_an_unexpected_multi_process_error(
+    monkeypatch,
+):
+    """`train.loop._save_wait_s`: bounded where `python -m train` then ends the process
+    at once (an unexpected error of a multi-process run); a stop (Ctrl-C, SIGTERM, or an
+    error raised while one was handled) and the run's own errors wait for the save, as
+    does every error of a one-process run."""
+    from train import loop
+    from train.errors import Terminated
+
+    monkeypatch.setattr(loop.jax, "process_count", lambda: 2)
+    bounded = loop.SAVE_WAIT_AFTER_ERROR_S
+    assert loop._save_wait_s(RuntimeError("Gloo AllGather failed")) == bounded
+    assert loop._save_wait_s(OSError(5, "I/O error")) == bounded
+    assert loop._save_wait_s(None) is None
+    assert loop._save_wait_s(KeyboardInterrupt()) is None
+    assert loop._save_wait_s(Terminated()) is None
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("Event loop stopped before Future completed.")  # noqa: B904
+    except RuntimeError as e:
+        assert loop._save_wait_s(e) is None  # Orbax's word for a Ctrl-C during a save
+    for error in (TrainingError("x"), ValueError("x"), NotImplementedError("x")):
+        assert loop._save_wait_s(error) is None
+    monkeypatch.setattr(loop.jax, "process_count", lambda: 1)
+    assert loop._save_wait_s(RuntimeError("x")) is None

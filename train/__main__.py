@@ -15,6 +15,7 @@ try:  # jax and the model import for seconds: a Ctrl-C then is no traceback
         Terminated,
         disk_error,
         disk_words,
+        from_interrupt,
         signal_status,
         signals_as_interrupts,
     )
@@ -71,20 +72,6 @@ def _last_checkpoint(output_dir: str, put_back: bool = False) -> str:
     )
 
 
-def _from_interrupt(error: BaseException | None) -> KeyboardInterrupt | None:
-    """The Ctrl-C (or SIGTERM) that caused `error`: a KeyboardInterrupt, or one being
-    handled when `error` was raised; None if none did. Ctrl-C during a checkpoint save
-    reaches the loop as Orbax's `RuntimeError('Event loop stopped before Future
-    completed.')`."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, KeyboardInterrupt):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def _notes(error: BaseException) -> list[str]:
     """The notes on `error` and the exceptions it was raised from or while handling (a
     Ctrl-C held through a cleanup is raised after it, over the first one)."""
@@ -108,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_args(argv)
             summary = run(cfg)
         except BaseException as e:
-            interrupt = _from_interrupt(e)
+            interrupt = from_interrupt(e)
             if interrupt is None:
                 if (disk := disk_error(e)) is not None:  # the machine's, not the settings'
                     line = disk_words(disk)
@@ -167,8 +154,9 @@ def _other_processes() -> tuple[int, int] | None:
 def _end_apart(cfg, index: int, count: int) -> None:
     """An unexpected error on one process of a multi-process run: most often the
     collective a stopped process left (killed, Ctrl-C, a lost host), which fails here at
-    once (gloo) or at jax's heartbeat timeout. The traceback, one line saying so and
-    where the last checkpoint is, and the process ends now: jax's shutdown at exit
+    once (gloo) or at jax's heartbeat timeout; a save in flight had at most
+    `train.loop.SAVE_WAIT_AFTER_ERROR_S` to commit. The traceback, one line saying so
+    and where the last checkpoint is, and the process ends now: jax's shutdown at exit
     would wait for the stopped process, then abort with a C++ stack."""
     import traceback
 

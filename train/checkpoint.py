@@ -19,8 +19,10 @@ import traceback
 import uuid
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from train.errors import DISK_FULL_TEXT
 
@@ -141,6 +143,16 @@ def remove_partial_saves(output_dir: str) -> list[str]:
     return removed
 
 
+def _every_process_here() -> None:
+    """A collective of every process of a multi-process run (each saves the same steps),
+    before the wait for the save before: that save commits only when every process
+    does, so with one process stopped the wait would hold until jax's heartbeat timeout
+    (100 s, then a C++ abort); the collective fails at once there (gloo, on CPUs), and
+    the run ends with its line. A process stopped during the wait is not seen."""
+    if jax.process_count() > 1:
+        multihost_utils.process_allgather(np.zeros((1,), np.int32))
+
+
 class Checkpoints:
     """`<output_dir>/checkpoints`; `read_only` for another run's (nothing is created)."""
 
@@ -166,6 +178,7 @@ class Checkpoints:
         """Issues the (asynchronous) save of `step`, once the save before it is whole;
         False, and nothing issued, where `unless()` then says so (a stop asked
         meanwhile)."""
+        _every_process_here()
         self.wait()  # as Orbax's save would: then what it dropped is deleted
         if unless is not None and unless():
             return False
@@ -281,7 +294,32 @@ class Checkpoints:
         self._manager.wait_until_finished()
         self._empty_deleted()
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> bool:
+        """Waits for the save in flight, then closes. With `wait_s`, takes at most that
+        long: a save still in flight then is left (False), for a process about to end
+        whose save may never commit (a multi-process save commits at a barrier of every
+        process); what it wrote is removed at the next start (`remove_partial_saves`)."""
+        if wait_s is None:
+            self._close()
+            return True
+        failed: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                self._close()
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller
+                failed.append(e)
+
+        closing = threading.Thread(target=close, name="checkpoint-close", daemon=True)
+        closing.start()
+        closing.join(wait_s)
+        if closing.is_alive():
+            return False
+        if failed:
+            raise failed[0]
+        return True
+
+    def _close(self) -> None:
         self.wait()
         self._manager.close()
         self._join_emptying()

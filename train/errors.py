@@ -37,6 +37,20 @@ def disk_error(error: BaseException | None) -> OSError | None:
     return None
 
 
+def from_interrupt(error: BaseException | None) -> KeyboardInterrupt | None:
+    """The Ctrl-C (or SIGTERM) that caused `error`: a KeyboardInterrupt, or one being
+    handled when `error` was raised; None if none did. Ctrl-C during a checkpoint save
+    reaches the loop as Orbax's `RuntimeError('Event loop stopped before Future
+    completed.')`."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def disk_words(error: OSError) -> str:
     """`<file>: No space left on device`, the file where the error names one."""
     what = error.strerror or str(error)

@@ -32,7 +32,7 @@ from train.checkpoint import (
     resumes,
 )
 from train.config import NO_EOS, STEP_COUNTS, TrainConfig
-from train.errors import STOP_SIGNALS, Preempted, TrainingError
+from train.errors import STOP_SIGNALS, Preempted, TrainingError, from_interrupt
 from train.hosts import check_shared, initialize_distributed, same_on_every_process
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
@@ -785,6 +785,25 @@ def _leave_the_terminal() -> None:
 # evaluates first (the parameters are that step's).
 EVAL_PENDING = "eval_pending"
 
+# How long the save in flight may still take when the loop of a multi-process run ends
+# on an unexpected error, most often the collective a stopped process left: the save
+# commits at a barrier of every process, which a stopped one holds until jax's
+# heartbeat timeout aborts the others (100 s, with a C++ stack) instead of their line.
+SAVE_WAIT_AFTER_ERROR_S = 20.0
+
+
+def _save_wait_s(error: BaseException | None) -> float | None:
+    """How long the loop's `Checkpoints.close` may wait for the save in flight as it ends
+    on `error` (None: until the save is done). Bounded only where `python -m train` then
+    ends the process at once (`os._exit`): an error of a multi-process run other than a
+    stop (Ctrl-C, SIGTERM) or the run's own (TrainingError, ValueError,
+    NotImplementedError), whose processes stop alike and exit as usual."""
+    if error is None or from_interrupt(error) is not None or jax.process_count() == 1:
+        return None
+    if isinstance(error, (TrainingError, ValueError, NotImplementedError)):
+        return None
+    return SAVE_WAIT_AFTER_ERROR_S
+
 
 def _train(
     t: Trainer,
@@ -975,7 +994,14 @@ def _train(
                         flush=True,
                     )
             if ckpt is not None:
-                ckpt.close()
+                wait_s = _save_wait_s(sys.exc_info()[1])
+                if not ckpt.close(wait_s):
+                    print(
+                        f"the save in flight did not commit within {wait_s:.0f} s of the "
+                        "error (it waits for every process): left unfinished",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             stopped = stop is not None and "save_s" in stop.times  # saved whole
             if stopped:
                 stop.lap("close_s")
