@@ -11,6 +11,7 @@ try:  # jax and the model import for seconds: a Ctrl-C then is no traceback
     from train.config import parse_args
     from train.errors import (
         STOP_SIGNALS,
+        USER_ERRORS,
         Preempted,
         Terminated,
         disk_error,
@@ -19,7 +20,7 @@ try:  # jax and the model import for seconds: a Ctrl-C then is no traceback
         signal_status,
         signals_as_interrupts,
     )
-    from train.loop import TrainingError, run
+    from train.loop import run
     from train.words import plural
 except KeyboardInterrupt:
     print("interrupted while starting: nothing was run", file=sys.stderr, flush=True)
@@ -107,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         sys.stdout.flush()
                         os._exit(1)
                     return 1
-                # NotImplementedError: a kernel option this setup cannot run (jflash names it).
-                if isinstance(e, (TrainingError, ValueError, NotImplementedError)):
+                if isinstance(e, USER_ERRORS):
                     print(f"error: {e}", file=sys.stderr)
                     return 2
                 if (peers := _other_processes()) is not None:

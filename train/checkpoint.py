@@ -19,7 +19,6 @@ import traceback
 import uuid
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -150,7 +149,7 @@ def _every_process_here() -> None:
     (100 s, then a C++ abort); the collective fails at once there (gloo, on CPUs), and
     the run ends with its line. A process stopped during the wait is not seen."""
     if jax.process_count() > 1:
-        multihost_utils.process_allgather(np.zeros((1,), np.int32))
+        multihost_utils.sync_global_devices("jflash: checkpoint save")
 
 
 class Checkpoints:

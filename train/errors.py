@@ -15,6 +15,12 @@ class TrainingError(RuntimeError):
     """A failure the user can act on (the message says what to change)."""
 
 
+# The errors a tool reports in one line, `error: <message>` (exit status 2): the run's
+# settings or data (TrainingError, ValueError) and an option this setup cannot run
+# (NotImplementedError: jflash names it), met by every process of a run alike.
+USER_ERRORS = (TrainingError, ValueError, NotImplementedError)
+
+
 # The machine's faults, not the run's settings: a full disk or quota, a read-only or
 # failing file system.
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)

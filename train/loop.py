@@ -32,7 +32,7 @@ from train.checkpoint import (
     resumes,
 )
 from train.config import NO_EOS, STEP_COUNTS, TrainConfig
-from train.errors import STOP_SIGNALS, Preempted, TrainingError, from_interrupt
+from train.errors import STOP_SIGNALS, USER_ERRORS, Preempted, TrainingError, from_interrupt
 from train.hosts import check_shared, initialize_distributed, same_on_every_process
 from train.metrics import JsonlLog, memory, throughput
 from train.oom import allocator_hint, failed_allocation_bytes, is_oom
@@ -796,11 +796,11 @@ def _save_wait_s(error: BaseException | None) -> float | None:
     """How long the loop's `Checkpoints.close` may wait for the save in flight as it ends
     on `error` (None: until the save is done). Bounded only where `python -m train` then
     ends the process at once (`os._exit`): an error of a multi-process run other than a
-    stop (Ctrl-C, SIGTERM) or the run's own (TrainingError, ValueError,
-    NotImplementedError), whose processes stop alike and exit as usual."""
+    stop (Ctrl-C, SIGTERM) or the run's own (`USER_ERRORS`), whose processes stop
+    alike and exit as usual."""
     if error is None or from_interrupt(error) is not None or jax.process_count() == 1:
         return None
-    if isinstance(error, (TrainingError, ValueError, NotImplementedError)):
+    if isinstance(error, USER_ERRORS):
         return None
     return SAVE_WAIT_AFTER_ERROR_S
 

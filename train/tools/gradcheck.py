@@ -147,7 +147,7 @@ def _compare(argv: list[str] | None) -> list[dict]:
             refuse(error)
     import jax
 
-    from train.errors import TrainingError
+    from train.errors import USER_ERRORS
 
     if jax.process_count() > 1:
         parser.error("runs in one process (it copies every gradient to the host)")
@@ -159,7 +159,7 @@ def _compare(argv: list[str] | None) -> list[dict]:
             flags = [*common, "--output_dir", work, *flags]
             try:
                 got = layout_gradients(flags)
-            except (TrainingError, ValueError, NotImplementedError) as e:
+            except USER_ERRORS as e:
                 refuse(f"layout {layout!r}: {e}")
             row = {
                 "layout": layout,
