@@ -15,7 +15,10 @@ the ptxas on the PATH, as on the GPU. Each shape is one causal or full forward+b
 call (`--pass fwd`: the forward alone) of batch 1 with `--heads` / `--kv-heads` heads,
 bf16, through `implementation="pallas_mosaic"`; `documents` is causal with segment ids
 (packed documents: the forward's id-compare and span kernels, the dK/dV kernel's
-segment form), whose values a compile does not see. The kernels' parameters are those of
+segment form), whose values a compile does not see; `ring` is one rank of a causal
+zigzag ring of two GPUs holding `seq` tokens (`ring_attention_rank` at a traced rank:
+the diagonal block and the two half blocks, whose dQ the dK/dV kernel adds into the
+rank's accumulator at rows it reads at run time). The kernels' parameters are those of
 the named GPU (`--gpu`; both have 132 SMs); the ptxas is this machine's, whose version
 may differ from the GPU machine's jax wheels'."""
 
@@ -65,7 +68,7 @@ GPUS = {
 }
 
 
-MASKS = ("causal", "full", "documents")
+MASKS = ("causal", "full", "documents", "ring")
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
@@ -121,8 +124,19 @@ def compile_shape(devices, mask: str, seq: int, head_dim: int, args) -> None:
     def loss(q, k, v, ids):
         return attention(q, k, v, ids).astype(jnp.float32).sum()
 
-    fn = attention if args.pass_ == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
-    jax.jit(fn).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).compile()
+    def ring_rank(q, k, v, rank):
+        return jflash.ring_attention_rank(
+            q, [(k, v)] * 2, q, rank, causal=True, layout="zigzag",
+            implementation="pallas_mosaic", deterministic=args.deterministic,
+        )  # fmt: skip
+
+    if mask == "ring":
+        rank = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        traced = jax.jit(ring_rank).trace(q, kv, kv, rank)
+    else:
+        fn = attention if args.pass_ == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
+        traced = jax.jit(fn).trace(q, kv, kv, ids)
+    traced.lower(lowering_platforms=("cuda",)).compile()
 
 
 def main(argv=None) -> int:
