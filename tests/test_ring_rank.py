@@ -201,22 +201,27 @@ _COMPILED_ONLY = pytest.mark.skipif(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout,causal,p,head_dim",
+    "layout,causal,p,head_dim,traced,documents",
     [
-        ("zigzag", True, 2, 128),
-        ("striped", True, 3, 128),
-        ("zigzag", False, 2, 64),
-        # Compiled only: the rows split's dQ added at the half blocks' rows.
-        pytest.param("zigzag", True, 2, 64, marks=_COMPILED_ONLY),
+        ("zigzag", True, 2, 128, False, False),
+        ("striped", True, 3, 128, False, False),
+        ("zigzag", False, 2, 64, False, False),
+        # Compiled only: the half blocks' dQ added at rows the kernel reads (the rank
+        # traced), through the column halves (D = 128) and the rows split (D = 64), and
+        # with the segment-id form of the kernel.
+        pytest.param("zigzag", True, 2, 128, True, False, marks=_COMPILED_ONLY),
+        pytest.param("zigzag", True, 2, 64, True, False, marks=_COMPILED_ONLY),
+        pytest.param("zigzag", True, 2, 128, True, True, marks=_COMPILED_ONLY),
     ],
 )
-def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
+def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim, traced, documents):
     """The Mosaic kernels on a ring's blocks at P >= 2 (f32 partials, offsets, the fused
     backward's f32 dK/dV: at D = 128 through the dQ tile by column halves), rank by rank
     on one device: compiled on a Hopper GPU, in the GPU interpreter elsewhere (which
     cannot run the kernels inside a shard_map of several devices). Compiled, a rank
     holds 256 queries (zigzag: half blocks of 128, whose dQ the kernels add into the
-    rank's accumulator at their rows); interpreted, 128."""
+    rank's accumulator at their rows); interpreted, 128. `traced`: the rank a traced
+    int32, as inside the ring; `documents`: packed documents, one crossing the shards."""
     from conftest import INTERPRET, ON_HOPPER
     from kernel_cases import assert_close
 
@@ -224,10 +229,25 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
         pytest.skip("the Mosaic kernels need a Hopper GPU (or the CPU interpreter)")
     dtype = jnp.bfloat16
     rows = 64 if INTERPRET else 128
-    q, k, v, do = (x.astype(dtype) for x in _inputs(rows * 2 * p, 2, 1, head_dim))
-    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = _oracle(q, k, v, do, causal)
+    n = rows * 2 * p
+    q, k, v, do = (x.astype(dtype) for x in _inputs(n, 2, 1, head_dim))
+    ids = None
+    if documents:  # three documents, the middle one over the shards' halves
+        lengths = [n // 5, n // 2, n - n // 5 - n // 2]
+        ids = jnp.asarray([np.repeat(np.arange(3), lengths)], jnp.int32)
+    ref = functools.partial(jflash.attention_reference, causal=causal, segment_ids=ids)
 
-    def rank_fn(q, sources, do, rank):
+    @jax.jit
+    def oracle(q, k, v, do):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        out, vjp = jax.vjp(ref, *f32)
+        return out, vjp((do.astype(jnp.float32), jnp.zeros_like(out[1])))
+
+    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
+    id_shards = None if ids is None else _shards(ids, p, layout)
+
+    @functools.partial(jax.jit, static_argnums=() if traced else (3,))
+    def run(q, sources, do, rank, seg):
         return jflash.ring_attention_rank(
             q,
             sources,
@@ -238,7 +258,14 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim):
             implementation="pallas_mosaic",
             interpret=INTERPRET,
             deterministic=False,
+            segment_ids=seg,
         )
+
+    def rank_fn(q, sources, do, rank):
+        seg = None
+        if id_shards is not None:
+            seg = (id_shards[rank], [id_shards[(rank - s) % p] for s in range(p)])
+        return run(q, sources, do, jnp.int32(rank) if traced else rank, seg)
 
     results, dk_sum, dv_sum = _ranks(rank_fn, q, k, v, do, p, layout)
     got = [jnp.concatenate([r[i] for r in results], 2 if i == 1 else 1) for i in range(3)]
