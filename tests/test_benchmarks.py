@@ -1813,7 +1813,7 @@ def test_deviceless_refuses_bad_shapes_and_a_missing_plugin(tmp_path, capsys):
     assert "'causal:4k:64': SEQ and HEAD_DIM must be integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         deviceless.main(["--shapes", "sliding:4096:64"])
-    assert "is not causal|full|documents:SEQ:HEAD_DIM" in capsys.readouterr().err
+    assert "is not causal|full|documents|ring:SEQ:HEAD_DIM" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="pip install --no-deps --target .*jax-cuda13-pjrt"):
         deviceless.main(["--plugin-dir", str(tmp_path / "none")])
 
@@ -1829,14 +1829,16 @@ DEVICELESS_PLUGIN = ROOT / ".deviceless"
 def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     """Without a GPU, the forward and dK/dV kernels of a causal call compile for an H100,
     and ptxas finds that neither spills at D = 64 (the step loops' registers fit); with
-    segment ids the forward's two kernels (the id compare, then the spans) compile too."""
+    segment ids the forward's two kernels (the id compare, then the spans) compile too;
+    so do a zigzag ring rank's three blocks, whose half blocks' dK/dV kernels (adding dQ
+    at a static and at a traced row) spill nothing."""
     out = tmp_path / "deviceless.json"
     run = subprocess.run(
         [
             sys.executable,
             "benchmarks/deviceless.py",
             "--shapes",
-            "causal:512:64,documents:512:64",
+            "causal:512:64,documents:512:64,ring:512:128",
             "--out",
             str(out),
         ],
@@ -1857,3 +1859,8 @@ def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     assert all(r["registers"] for r in rows)
     dense = by_shape["causal:512:64"]
     assert [(r["kernel"], r["spill_stores"]) for r in dense if r["spill_stores"]] == []
+    ring = sorted(
+        (r["kernel"].rsplit("_", 1)[0], r["spill_stores"]) for r in by_shape["ring:512:128"]
+    )
+    assert [k for k, _ in ring] == ["jflash_mosaic_dkv"] * 3 + ["jflash_mosaic_fwd"] * 3
+    assert sorted(spills for k, spills in ring if k == "jflash_mosaic_dkv")[:2] == [0, 0]
