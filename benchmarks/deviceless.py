@@ -17,8 +17,7 @@ bf16, through `implementation="pallas_mosaic"`; `documents` is causal with segme
 (packed documents: the forward's id-compare and span kernels, the dK/dV kernel's
 segment form), whose values a compile does not see; `ring` is one rank of a causal
 zigzag ring of two GPUs holding `seq` tokens (`ring_attention_rank` at a traced rank:
-the diagonal block and the two half blocks, whose dQ the dK/dV kernel adds into the
-rank's accumulator at rows it reads at run time). The kernels' parameters are those of
+the diagonal block's kernels and the two half blocks', f32 results). The kernels' parameters are those of
 the named GPU (`--gpu`; both have 132 SMs); the ptxas is this machine's, whose version
 may differ from the GPU machine's jax wheels'."""
 

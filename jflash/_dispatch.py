@@ -319,23 +319,20 @@ def attention_fwd(q, k, v, segs, *, mask: Mask, scale: float, out_dtype, kernel:
     )
 
 
-def adds_dq(q, kernel: Kernel) -> bool:
-    """Whether `attention_bwd` calls on queries shaped like `q` (all of an accumulator's
-    rows, or a block of them) can add their dQ into an accumulator (`dq_into`): the fused
-    Mosaic backward, compiled, without query padding."""
-    bs = kernel.block_sizes
-    return kernel.name == "pallas_mosaic" and adds_dq_into(
-        q.shape, q.shape[-1], kernel.deterministic, bs.block_q_dkv, kernel.interpret
-    )
-
-
 def dq_accumulator(q, kernel: Kernel):
     """An f32 Ref of q's shape that `attention_bwd(..., dq_into=)` calls may add their dQ
     into, divided by the softmax scale (the fused Mosaic backward, compiled; the caller
-    multiplies the sum by `scale` once), or None where the kernel cannot (`adds_dq`):
-    then each call returns its dQ. Unvarying inside a `shard_map` (Pallas refuses
-    varying Refs); read it with `dq_accumulated`."""
-    return jax.new_ref(jnp.zeros(q.shape, jnp.float32)) if adds_dq(q, kernel) else None
+    multiplies the sum by `scale` once), or None where the kernel cannot: then each call
+    returns its dQ. Unvarying inside a `shard_map` (Pallas refuses varying
+    Refs); read it with `dq_accumulated`."""
+    if kernel.name != "pallas_mosaic":
+        return None
+    bs = kernel.block_sizes
+    if not adds_dq_into(
+        q.shape, q.shape[-1], kernel.deterministic, bs.block_q_dkv, kernel.interpret
+    ):
+        return None
+    return jax.new_ref(jnp.zeros(q.shape, jnp.float32))
 
 
 def dq_accumulated(acc, q, scale: float):
@@ -373,14 +370,12 @@ def attention_bwd(
     grad_dtype,
     kernel: Kernel,
     dq_into=None,
-    dq_row0=0,
 ):
     """Kernel contract, backward: `(dq, dk, dv)` in `grad_dtype`.
 
     Uses the *global* `lse` `[B,N,T]` and `delta = rowsum(dO * O_global) - dLSE`
     `[B,N,T]` f32, so nothing of the forward is recomputed. `dq_into`: an accumulator
-    from `dq_accumulator` (f32 gradients; `adds_dq(q)` true); dQ / scale is added into
-    its rows `dq_row0 : dq_row0 + T` (an int, or a traced int32 scalar) and dQ returned
+    from `dq_accumulator` (f32 gradients); dQ / scale is added into it and dQ returned
     as None.
     """
     mask = mask.for_kernels(q.shape[1], k.shape[1])
@@ -409,7 +404,6 @@ def attention_bwd(
             deterministic=kernel.deterministic,
             interpret=kernel.interpret,
             dq_into=dq_into,
-            dq_row0=dq_row0,
             head_shares=bs.head_shares_dkv,
         )
     if dq_into is not None:

@@ -390,14 +390,11 @@ def _dkv_kernel(
     interpret: bool,
     shares: int,
     add_shares: bool,
-    dq_row0: int | None = 0,
 ):
     """`refs`: with segment ids, `q_seg`, `kv_seg` and the `key_table` first; then, if
     `fused`, the f32 dQ this kernel adds into: `[B, T, N, H]`, or in interpret mode (the
     GPU interpreter has no TMA reduce-add) one `[B, T, N, H]` slice per (key tile,
-    warpgroup; per key tile if `split`), summed after; with `dq_row0=None` an int32
-    `[1]` holding the dQ row of query 0 (else `dq_row0` is it); then the outputs and
-    the scratch.
+    warpgroup; per key tile if `split`), summed after; then the outputs and the scratch.
 
     `split` (fused only, `splits_dq`): the warpgroups share each step's dS^T through
     shared memory (two buffers, by step parity, and a barrier pair `ds_ready`) and each
@@ -417,8 +414,6 @@ def _dkv_kernel(
         qseg_ref, kvseg_ref, table_ref, *refs = refs
     if fused:
         dq_ref, *refs = refs
-    if dq_row0 is None:
-        dq_row0_ref, *refs = refs
     (
         dk_ref,
         dv_ref,
@@ -524,11 +519,6 @@ def _dkv_kernel(
                 `cols`: the column slice it holds (if not all); `row0`: the first of its
                 `WG_ROWS` rows in the step (if not all of the step's rows)."""
                 rows_dq = q_rows if row0 is None else pl.ds(qi * block_q + row0, WG_ROWS)
-                if dq_row0 is None or dq_row0:  # the caller's rows start further on
-                    shift = (
-                        dq_row0 if dq_row0 is not None else pl.multiple_of(dq_row0_ref[0], WG_ROWS)
-                    )
-                    rows_dq = pl.ds(rows_dq.start + shift, rows_dq.size)
                 dq_s = dq_smem2.at[mine]
                 # The previous step's reduce-add has read its SMEM long ago (a whole step
                 # of matmuls ran since); wait for it before overwriting.
@@ -943,7 +933,6 @@ def mosaic_bwd(
     deterministic: bool = False,
     interpret: bool = False,
     dq_into=None,
-    dq_row0=0,
     head_shares: int = 0,
 ):
     """Backward of the kernel contract: `(dq, dk, dv)` in `grad_dtype`.
@@ -960,16 +949,11 @@ def mosaic_bwd(
     fused kernel's dQ reduce-adds go into, *not* multiplied by `scale` (the caller
     scales the sum once, as the kernel does its own accumulator); dQ is then returned as
     None (the ring's steps share one accumulator instead of a zeroed buffer and a sum
-    per step). `dq_row0`: the accumulator's row of query 0, an int or a traced int32
-    scalar (the ring's half blocks add into their rows of the rank's dQ); the caller
-    keeps `dq_row0 + T` within the accumulator's rows.
+    per step).
 
     `head_shares`: the dK/dV launch's CTAs per KV head (`jflash.BlockSizes.head_shares_dkv`,
     a divisor of the group); 0: `head_split` chooses.
     """
-    row0_traced = not isinstance(dq_row0, int)
-    if dq_into is None and (row0_traced or dq_row0):
-        raise ValueError(f"{dq_row0=} places dQ in an accumulator: it needs dq_into")
     segments = segs is not None
     q_seg, kv_seg = segs if segments else (None, None)
     q, k, v, do, lse, delta, q_seg, kv_seg = match(q, k, v, do, lse, delta, q_seg, kv_seg)
@@ -1068,7 +1052,6 @@ def mosaic_bwd(
         split=split,
         shares=shares,
         add_shares=add_shares,
-        dq_row0=(None if row0_traced else dq_row0) if fused and dq_into is not None else 0,
         **dict(common, geom=dataclasses.replace(geom, group=geom.group // shares)),
     )
     # Query head j's KV head is j // group either way: KV head i's share r is grid head
@@ -1087,8 +1070,6 @@ def mosaic_bwd(
         else:
             dq_acc = dq_into
         inputs = (*inputs, dq_acc)
-        if row0_traced and dq_into is not None:
-            inputs = (*inputs, jnp.asarray(dq_row0, jnp.int32).reshape(1))
     if add_shares:
         # Unvarying accumulators inside a shard_map, as dQ's above.
         dkv_acc = [jax.new_ref(jnp.zeros(kv_type.shape, jnp.float32)) for _ in range(2)]

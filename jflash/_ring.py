@@ -7,9 +7,8 @@ reuses the per-shard `o` and `lse` (the distributed forward is never recomputed)
 * ring: every device keeps its queries and visits every K/V shard once (P steps). At
   each step it runs the single-device kernel (`_dispatch.attention_fwd`) on its
   queries against one K/V shard and merges the partial `(o, lse)` in f32 (logaddexp
-  of the LSEs). Backward: dQ accumulates locally (the fused Mosaic backward adds every
-  step's dQ into one f32 accumulator in its kernels, zigzag's half blocks at their
-  rows, a traced offset the kernel reads), dK/dV travel around
+  of the LSEs). Backward: dQ accumulates locally (whole-block steps of the fused
+  Mosaic backward add into one f32 accumulator in their kernels), dK/dV travel around
   the ring with K/V and are home after P steps. Memory per device is one shard's worth.
 * allgather: K/V of the whole sequence are gathered once (small with GQA), and each
   contiguous run of local queries (two in zigzag) is one kernel call against all of
@@ -60,7 +59,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jflash._block_sizes import BlockSizes
 from jflash._dispatch import (
     Kernel,
-    adds_dq,
     attention_bwd,
     attention_fwd,
     delta_from,
@@ -258,10 +256,9 @@ def _ring_fwd_shard(q, k, v, q_seg, kv_seg, cfg: _Ring):
 # Backward, per shard
 
 
-def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring, acc=None, row0=0):
+def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring, acc=None):
     """One kernel call: `(dq [B,T',N,H], dkv [2,B,S',K,H])`, both f32; `mask` as in
-    `_attend`. With `acc` (`dq_accumulator`), dQ is added into its rows `row0 :
-    row0 + T'` (`row0` may be traced) and returned as None."""
+    `_attend`. With `acc` (`dq_accumulator`), dQ is added into it and returned as None."""
     dq, dk, dv = attention_bwd(
         q,
         kv[0],
@@ -275,7 +272,6 @@ def _grads(q, kv, do, lse, delta, segs, mask: bool | Mask, cfg: _Ring, acc=None,
         grad_dtype=jnp.float32,
         kernel=cfg.kernel,
         dq_into=acc,
-        dq_row0=0 if acc is None else row0,
     )
     return dq, jnp.stack([dk, dv])
 
@@ -286,8 +282,8 @@ def _add(dq, dq_blk):
 
 
 def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _Ring, acc=None):
-    """Adds this step's dQ into `dq` (or into the shared accumulator `acc` where the
-    kernel can: `dq_accumulator`, `adds_dq`); returns it and the f32 dK/dV of the
+    """Adds this step's dQ into `dq` (or, for whole blocks, into the shared accumulator
+    `acc` where the kernel can: `dq_accumulator`); returns it and the f32 dK/dV of the
     source.
 
     Same blocks as `_fwd_step`. Only local values go in (never the dK/dV arriving
@@ -307,27 +303,14 @@ def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _R
         )
         return _add(dq, dq_blk), dkv
     if cfg.layout == "zigzag":
-        # The forward's two half blocks: q[c:] x kv[:c], then q[h:h+c] x kv[h:h+c]. Their
-        # dQ goes into the shared accumulator at its rows where the kernel can add
-        # half blocks (no query padding), else into `dq` by XLA.
         c = q.shape[1] // 2
-        half_acc = acc if acc is not None and adds_dq(q[:, c:], cfg.kernel) else None
         segs = _segs(_rows(q_seg, c, c, 1), _rows(kv_seg, 0, c, 1))
-        dq_blk, dkv_lo = _grads(
-            q[:, c:],
-            kv[:, :, :c],
-            do[:, c:],
-            lse[..., c:],
-            delta[..., c:],
-            segs,
-            False,
-            cfg,
-            half_acc,
-            row0=c,
+        dq_blk, dkv_blk = _grads(
+            q[:, c:], kv[:, :, :c], do[:, c:], lse[..., c:], delta[..., c:], segs, False, cfg
         )
-        if dq_blk is not None:
-            dq = dq.at[:, c:].add(dq_blk)
-        h = (0 if before else c) if isinstance(before, bool) else jnp.where(before, 0, c)
+        dq = dq.at[:, c:].add(dq_blk)
+        dkv = jnp.concatenate([dkv_blk, jnp.zeros_like(dkv_blk)], axis=2)
+        h = jnp.where(before, 0, c)
         segs = _segs(_rows(q_seg, h, c, 1), _rows(kv_seg, h, c, 1))
         dq_blk, dkv_blk = _grads(
             _rows(q, h, c, 1),
@@ -338,15 +321,10 @@ def _bwd_step(step: int, rank, q, kv, q_seg, kv_seg, do, lse, delta, dq, cfg: _R
             segs,
             False,
             cfg,
-            half_acc,
-            row0=h,
         )
-        if dq_blk is not None:
-            dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, h, c, 1) + dq_blk, h, axis=1)
-        # The second block's dK/dV belongs to rows h : h + c of the source.
-        dkv_lo = dkv_lo + jnp.where(before, dkv_blk, 0.0)
-        dkv_hi = jnp.where(before, 0.0, dkv_blk)
-        return dq, jnp.concatenate([dkv_lo, dkv_hi], axis=2)
+        dq = lax.dynamic_update_slice_in_dim(dq, _rows(dq, h, c, 1) + dq_blk, h, axis=1)
+        dkv = lax.dynamic_update_slice_in_dim(dkv, _rows(dkv, h, c, 2) + dkv_blk, h, axis=2)
+        return dq, dkv
     # Contiguous: a later source's block is computed and dropped, as in the forward.
     dq_blk, dkv = _grads(q, kv, do, lse, delta, _segs(q_seg, kv_seg), False, cfg)
     # `where`, not a 0/1 product: exp(s - lse) of hidden keys may overflow to inf.
@@ -361,7 +339,7 @@ def _ring_bwd_shard(q, k, v, q_seg, kv_seg, o, lse, do, dlse, cfg: _Ring):
     do = do.astype(q.dtype)
     kv = jnp.stack([k, v])
     dq = jnp.zeros(q.shape, jnp.float32)
-    acc = dq_accumulator(q, cfg.kernel)  # the steps' dQ, added in their kernels
+    acc = dq_accumulator(q, cfg.kernel)  # whole blocks' dQ, added in their kernels
     # Steps 1 .. P-1 first, the diagonal step 0 last: the last hop of the dK/dV sums
     # (f32) then flies during step 0's kernels instead of after all of them, and what
     # waits at the start is the first K/V transfer (half the bytes, and it depends

@@ -1830,8 +1830,8 @@ def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     """Without a GPU, the forward and dK/dV kernels of a causal call compile for an H100,
     and ptxas finds that neither spills at D = 64 (the step loops' registers fit); with
     segment ids the forward's two kernels (the id compare, then the spans) compile too;
-    so do a zigzag ring rank's three blocks, whose half blocks' dK/dV kernels (adding dQ
-    at a static and at a traced row) spill nothing."""
+    so do a zigzag ring rank's three blocks, whose half blocks' dK/dV kernels (no mask,
+    f32 gradients) spill nothing."""
     out = tmp_path / "deviceless.json"
     run = subprocess.run(
         [

@@ -458,53 +458,6 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
     assert dispatch.dq_accumulator(x[:, :200], kernel()) is None  # padded queries
 
 
-def _dq_calls(monkeypatch, rank_grads, q, kv, rank) -> list:
-    """The `(rows, dq_row0)` of each ring backward kernel call that adds its dQ into
-    the accumulator, from one CUDA lowering of `rank_grads` at a traced rank."""
-    import jflash._ring as ring
-
-    calls, inner = [], ring.attention_bwd
-
-    def recording(q_blk, *args, dq_into=None, dq_row0=0, **kw):
-        if dq_into is not None:
-            calls.append((q_blk.shape[1], dq_row0))
-        return inner(q_blk, *args, dq_into=dq_into, dq_row0=dq_row0, **kw)
-
-    monkeypatch.setattr(ring, "attention_bwd", recording)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        jax.jit(rank_grads).trace(q, kv, kv, q, rank).lower(lowering_platforms=("cuda",))
-    return calls
-
-
-@pytest.mark.parametrize("head_dim", [128, 64])
-@pytest.mark.parametrize("rows", [256, 384])
-def test_zigzag_half_blocks_add_dq_at_their_rows(monkeypatch, head_dim, rows):
-    """Zigzag's off-diagonal half blocks add their dQ into the rank's accumulator at
-    their rows, compiled (the second half block's rows follow the traced rank, an
-    int32 the kernel reads), where a half block needs no query padding: q[c:] at row c,
-    q[h:h+c] at row h, the diagonal block at 0. Half blocks of 192 queries (padded to
-    256) return their dQ instead."""
-    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
-    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
-    q = jax.ShapeDtypeStruct((1, rows, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, rows, 2, head_dim), jnp.bfloat16)
-
-    def rank_grads(q, k, v, do, rank):
-        return jflash.ring_attention_rank(
-            q, [(k, v)] * 2, do, rank, causal=True, layout="zigzag",
-            implementation="pallas_mosaic",
-        )  # fmt: skip
-
-    calls = _dq_calls(monkeypatch, rank_grads, q, kv, jax.ShapeDtypeStruct((), jnp.int32))
-    if rows == 384:
-        assert calls == [(384, 0)]  # the diagonal block alone
-        return
-    assert [n for n, _ in calls] == [128, 128, 256]
-    assert calls[0][1] == 128 and calls[2][1] == 0
-    assert isinstance(calls[1][1], jax.core.Tracer)  # the rank's h, read by the kernel
-
-
 @pytest.mark.parametrize("long", [True, False], ids=["long", "4k"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("segments", [False, True])

@@ -195,7 +195,7 @@ def test_bad_arguments_are_named():
 
 
 _COMPILED_ONLY = pytest.mark.skipif(
-    not ON_GPU, reason="adds dQ into the rank's accumulator only compiled"
+    not ON_GPU, reason="the traced rank's cases interpreted are the XLA ones' (above)"
 )
 
 
@@ -206,9 +206,9 @@ _COMPILED_ONLY = pytest.mark.skipif(
         ("zigzag", True, 2, 128, False, False),
         ("striped", True, 3, 128, False, False),
         ("zigzag", False, 2, 64, False, False),
-        # Compiled only: the half blocks' dQ added at rows the kernel reads (the rank
-        # traced), through the column halves (D = 128) and the rows split (D = 64), and
-        # with the segment-id form of the kernel.
+        # Compiled only: the rank traced, as inside the ring (the half blocks' rows
+        # chosen by data), through the column halves (D = 128) and the rows split
+        # (D = 64), and with packed documents (the kernels' segment-id forms).
         pytest.param("zigzag", True, 2, 128, True, False, marks=_COMPILED_ONLY),
         pytest.param("zigzag", True, 2, 64, True, False, marks=_COMPILED_ONLY),
         pytest.param("zigzag", True, 2, 128, True, True, marks=_COMPILED_ONLY),
@@ -219,9 +219,9 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim, trace
     backward's f32 dK/dV: at D = 128 through the dQ tile by column halves), rank by rank
     on one device: compiled on a Hopper GPU, in the GPU interpreter elsewhere (which
     cannot run the kernels inside a shard_map of several devices). Compiled, a rank
-    holds 256 queries (zigzag: half blocks of 128, whose dQ the kernels add into the
-    rank's accumulator at their rows); interpreted, 128. `traced`: the rank a traced
-    int32, as inside the ring; `documents`: packed documents, one crossing the shards."""
+    holds 256 queries (zigzag: half blocks of 128, each a whole query tile of the
+    kernels); interpreted, 128. `traced`: the rank a traced int32, as inside the ring;
+    `documents`: packed documents, one crossing the shards."""
     from conftest import INTERPRET, ON_HOPPER
     from kernel_cases import assert_close
 
