@@ -285,14 +285,23 @@ def parse_specs(text: str, flag: str, kind: str, kinds: tuple[str, ...]) -> list
 
 
 @contextlib.contextmanager
-def as_hopper(pkg=jflash):
+def as_hopper(pkg=jflash, narrow_memory: bool | None = None):
     """While inside, `pkg` (a jflash package: this one, or a revision `ab.py` exports)
     picks its kernels as on a Hopper GPU whatever this process's devices are, to lower or
-    compile them for one from a CPU machine (`kernel_modules.py`, `deviceless.py`)."""
+    compile them for one from a CPU machine (`kernel_modules.py`, `deviceless.py`).
+    `narrow_memory`: also launch as on an H100 (True) or an H200 (False), where the
+    package's launch order asks (`_launch_order.narrow_memory`)."""
     dispatch = sys.modules[f"{pkg.__name__}._dispatch"]
+    order = sys.modules.get(f"{pkg.__name__}._launch_order")
+    patch_order = narrow_memory is not None and hasattr(order, "narrow_memory")
     saved = dispatch._platform, dispatch._is_hopper
+    saved_order = order.narrow_memory if patch_order else None
     dispatch._platform, dispatch._is_hopper = (lambda: "gpu"), (lambda: True)
+    if patch_order:
+        order.narrow_memory = lambda: narrow_memory
     try:
         yield
     finally:
         dispatch._platform, dispatch._is_hopper = saved
+        if patch_order:
+            order.narrow_memory = saved_order

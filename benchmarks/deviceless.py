@@ -17,9 +17,10 @@ bf16, through `implementation="pallas_mosaic"`; `documents` is causal with segme
 (packed documents: the forward's id-compare and span kernels, the dK/dV kernel's
 segment form), whose values a compile does not see; `ring` is one rank of a causal
 zigzag ring of two GPUs holding `seq` tokens (`ring_attention_rank` at a traced rank:
-the diagonal block's kernels and the two half blocks', f32 results). The kernels' parameters are those of
-the named GPU (`--gpu`; both have 132 SMs); the ptxas is this machine's, whose version
-may differ from the GPU machine's jax wheels'."""
+the diagonal block's kernels and the two half blocks', f32 results). The kernels'
+parameters and launch order are those of the named GPU (`--gpu`; both have 132 SMs);
+the ptxas is this machine's, whose version may differ from the GPU machine's jax
+wheels'."""
 
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     rows = []
     # The library picks its kernels from the process's own devices (CPU here): it is
     # told that they are the Hopper GPU the compile targets.
-    with as_hopper(jflash), tempfile.TemporaryDirectory() as tmp:
+    with as_hopper(jflash, narrow_memory=args.gpu == "h100"), tempfile.TemporaryDirectory() as tmp:
         for mask, seq, head_dim in shapes:
             before = set(glob.glob(os.path.join(dump, "*.ptx")))
             try:

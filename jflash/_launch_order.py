@@ -16,6 +16,13 @@ Measured per kernel on an H200 (`benchmarks/kernel.py --launch-order`; BENCHMARK
 causal, 32/8 heads, batch 1, Mosaic and Triton: 4k 1.11-1.64, 8k 1.04-1.28 (the dK/dV
 kernel most), 16k 0.98-1.02, 32k-64k 0.98-1.02.
 
+An H100's memory has 0.7x the H200's bandwidth (3.35 against 4.8 TB/s), and there the
+Mosaic dK/dV kernel, which streams Q, dO and the per-query terms of every query head
+of its group, loses more to tiles outermost than it gains from the order: 0.835 at 8k
+(2.45 against 2.93 ms), where 4k still reads 1.12 and the forward 1.14 / 1.03 at 4k /
+8k. So on GPUs of that bandwidth (`NARROW_MEMORY_KINDS`) a dK/dV launch goes tiles first
+up to half the tile limit (32 key tiles: 4k).
+
 Packed documents change the backward's case. A key (or query) tile's causal work is
 set by its document, so a row's tiles are heaviest first only within each document,
 and heads outermost starts the last head's copy of the row's last long document when
@@ -36,20 +43,41 @@ D = 128 (`_mosaic_fwd.ROWS_OUTER_HEAD_DIMS`); tiles outermost keeps the rows fas
 from __future__ import annotations
 
 import contextlib
+import functools
+
+import jax
 
 from jflash._validation import is_int
 
 # Tiles outermost when a causal launch has at most this many tiles per head and CTAs.
 TILES_FIRST_MAX_TILES = 64
 TILES_FIRST_MAX_CTAS = 2048
+# GPUs (`device_kind` substrings) whose memory bandwidth halves the dK/dV kernel's tile
+# limit: the H100 and H800 (HBM3, 2-3.35 TB/s; the module docstring).
+NARROW_MEMORY_KINDS = ("H100", "H800")
 
 
-def tiles_first(tiles: int, heads: int, batch: int, *, causal: bool, packed: bool = False) -> bool:
+@functools.cache
+def narrow_memory() -> bool:
+    """Whether the first CUDA device is one of `NARROW_MEMORY_KINDS` (False without one)."""
+    try:
+        kind = jax.devices("cuda")[0].device_kind
+    except (RuntimeError, IndexError, AttributeError):
+        return False
+    return any(name in kind for name in NARROW_MEMORY_KINDS)
+
+
+def tiles_first(
+    tiles: int, heads: int, batch: int, *, causal: bool, packed: bool = False, dkv: bool = False
+) -> bool:
     """Whether a launch of `tiles` x `heads` x `batch` CTAs puts the tiles outermost.
-    `packed`: a backward launch whose tiles' work follows a packed row's documents."""
+    `packed`: a backward launch whose tiles' work follows a packed row's documents.
+    `dkv`: the Mosaic dK/dV kernel's launch (half the tile limit on `narrow_memory`
+    GPUs)."""
     if TILES_FIRST_MAX_TILES < 0 or TILES_FIRST_MAX_CTAS < 0:
         return False  # `tiles_first_limits(-1, -1)`: never
-    short = tiles <= TILES_FIRST_MAX_TILES and tiles * heads * batch <= TILES_FIRST_MAX_CTAS
+    max_tiles = TILES_FIRST_MAX_TILES // 2 if dkv and narrow_memory() else TILES_FIRST_MAX_TILES
+    short = tiles <= max_tiles and tiles * heads * batch <= TILES_FIRST_MAX_CTAS
     return causal and (packed or short)
 
 

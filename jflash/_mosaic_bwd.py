@@ -1109,6 +1109,7 @@ def mosaic_bwd(
             causal=geom.mask.causal,
             packed=segments,
             rows_outer="dkv" in BWD_ROWS_OUTER,
+            dkv=True,
         ),
         kernel_name="jflash_mosaic_dkv",
         interpret=interpret,

@@ -511,18 +511,20 @@ def tile_grid(
     causal: bool,
     packed: bool = False,
     rows_outer: bool = False,
+    dkv: bool = False,
 ) -> dict:
     """`grid` and `grid_names` of a (tiles, heads, batch) launch in the order
     `jflash._launch_order` picks (`packed`: a backward launch with segment ids). CTAs
     start with the LAST grid axis fastest (Pallas Mosaic GPU reverses the grid onto
     CUDA's x, y, z), so the outermost axis is first. `rows_outer`: where the heads
     would be outermost, the batch rows go outside them (one row's heads and tiles
-    before the next row's) instead of running side by side.
+    before the next row's) instead of running side by side. `dkv`: the dK/dV kernel's
+    launch (`_launch_order.tiles_first`).
 
     CUDA allows at most `GRID_YZ_MAX` along y and z: more batch rows than that (calls
     folded by `jax.vmap`, say) keep the rows fastest, on x; more tiles than that (rows
     of over 8M tokens) go fastest."""
-    if _launch_order.tiles_first(tiles, heads, batch, causal=causal, packed=packed):
+    if _launch_order.tiles_first(tiles, heads, batch, causal=causal, packed=packed, dkv=dkv):
         return dict(grid=(tiles, heads, batch), grid_names=(tile_name, "heads", "batch"))
     if (rows_outer and batch <= GRID_YZ_MAX) or tiles > GRID_YZ_MAX:
         return dict(grid=(batch, heads, tiles), grid_names=("batch", "heads", tile_name))

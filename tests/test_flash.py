@@ -1408,6 +1408,36 @@ def test_block_sizes_validate(field, value):
         jflash.BlockSizes(**{field: value})
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["h200", "h100"])
+def test_dkv_launches_go_tiles_first_to_half_the_length_on_narrow_memory(monkeypatch, narrow):
+    """LAUNCH_ORDER: on an H100 (`narrow_memory`) the dK/dV kernel's causal launches go
+    tiles first up to 32 key tiles (4k), the other kernels and other GPUs up to 64 (8k);
+    packed rows and the tuning limits as everywhere."""
+    from jflash import _launch_order
+    from jflash._mosaic_common import tile_grid
+
+    monkeypatch.setattr(_launch_order, "narrow_memory", lambda: narrow)
+    tiles_first = _launch_order.tiles_first
+    assert tiles_first(32, 8, 1, causal=True, dkv=True)
+    assert tiles_first(64, 8, 1, causal=True, dkv=True) is not narrow
+    assert tiles_first(64, 8, 1, causal=True)  # the forward's and dQ kernel's limit
+    assert tiles_first(512, 8, 1, causal=True, packed=True, dkv=True)
+    with jflash.tiles_first_limits(1 << 40, 1 << 40):
+        assert tiles_first(4096, 8, 1, causal=True, dkv=True)
+    with jflash.tiles_first_limits(-1, -1):
+        assert not tiles_first(32, 8, 1, causal=True, dkv=True)
+    grid = tile_grid(64, 8, 1, "kv_tiles", causal=True, dkv=True)["grid_names"]
+    assert grid == (("heads", "kv_tiles", "batch") if narrow else ("kv_tiles", "heads", "batch"))
+
+
+def test_narrow_memory_is_false_without_a_cuda_device():
+    from jflash import _launch_order
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("a CUDA device is present")
+    assert _launch_order.narrow_memory() is False
+
+
 def test_tiles_first_limits_set_the_launch_order_inside_the_block_only():
     from jflash._launch_order import tiles_first
 
