@@ -560,3 +560,58 @@ def test_work_items_without_keys(tmp_path):
             jnp.bfloat16,
             names=("out", "lse"),
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "q_ids, kv_ids, causal",
+    [
+        ([2] * 128, [1] * 128, False),  # no row sees a key: the whole call is empty
+        ([2] * 128, [1] * 102 + [2] * 26, False),  # every row sees the last 26 keys
+        ([0] * 102 + [1] * 26 + [2] * 128, None, True),  # a diagonal block
+    ],
+    ids=["none", "tail", "diagonal"],
+)
+def test_ring_blocks_of_packed_documents_in_f32(q_ids, kv_ids, causal):
+    """The forward calls of one zigzag rank's steps over packed documents (a ring of two,
+    512 tokens, documents of 102, 256 and 154: rank 0's second chunk against the
+    source's halves, and its diagonal block), f32 outputs as the ring takes them, against
+    the oracle: rows that see no key give o = 0 and LSE -inf."""
+    kv_ids = q_ids if kv_ids is None else kv_ids
+    segs = tuple(jnp.asarray([ids], jnp.int32) for ids in (q_ids, kv_ids))
+    q, k, v, *_ = make_inputs(
+        5,
+        batch=1,
+        q_len=len(q_ids),
+        kv_len=len(kv_ids),
+        q_heads=2,
+        kv_heads=1,
+        head_dim=128,
+        dtype=jnp.bfloat16,
+    )
+    bs = jflash.default_block_sizes(q.shape[1], 128, q.dtype, implementation="pallas_mosaic")
+    o, lse = mosaic_fwd(
+        q,
+        k,
+        v,
+        segs,
+        mask=Mask(causal),
+        scale=128**-0.5,
+        out_dtype=jnp.float32,
+        block_kv=bs.block_kv,
+        stages=bs.num_stages,
+        interpret=INTERPRET,
+    )
+    want_o, want_lse = jflash.attention_reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)), causal=causal, segment_ids=segs
+    )
+    sees = np.asarray(Mask(causal).dense(q.shape[1], k.shape[1], segs).any(axis=-1))  # [B, T]
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.broadcast_to(~sees[:, None], lse.shape))
+    assert np.all(np.asarray(o)[~sees] == 0)
+    assert_close(
+        (o, jnp.where(jnp.isneginf(lse), 0.0, lse)),
+        (want_o, jnp.where(jnp.isneginf(want_lse), 0.0, want_lse)),
+        jnp.bfloat16,
+        names=("out", "lse"),
+    )
