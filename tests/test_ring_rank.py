@@ -223,7 +223,7 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim, trace
     kernels); interpreted, 128. `traced`: the rank a traced int32, as inside the ring;
     `documents`: packed documents, one crossing the shards."""
     from conftest import INTERPRET, ON_HOPPER
-    from kernel_cases import assert_close
+    from kernel_cases import assert_close, oracle
 
     if not (INTERPRET or ON_HOPPER):
         pytest.skip("the Mosaic kernels need a Hopper GPU (or the CPU interpreter)")
@@ -235,15 +235,10 @@ def test_mosaic_ranks_together_are_the_oracle(layout, causal, p, head_dim, trace
     if documents:  # three documents, the middle one over the shards' halves
         lengths = [n // 5, n // 2, n - n // 5 - n // 2]
         ids = jnp.asarray([np.repeat(np.arange(3), lengths)], jnp.int32)
-    ref = functools.partial(jflash.attention_reference, causal=causal, segment_ids=ids)
-
-    @jax.jit
-    def oracle(q, k, v, do):
-        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        out, vjp = jax.vjp(ref, *f32)
-        return out, vjp((do.astype(jnp.float32), jnp.zeros_like(out[1])))
-
-    (o_ref, lse_ref), (dq_ref, dk_ref, dv_ref) = oracle(q, k, v, do)
+    no_dlse = jnp.zeros((1, 2, n), jnp.float32)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = oracle(
+        q, k, v, do, no_dlse, causal=causal, segment_ids=ids
+    )
     id_shards = None if ids is None else _shards(ids, p, layout)
 
     @functools.partial(jax.jit, static_argnums=() if traced else (3,))
