@@ -17,7 +17,10 @@ bf16, through `implementation="pallas_mosaic"`; `documents` is causal with segme
 (packed documents: the forward's id-compare and span kernels, the dK/dV kernel's
 segment form), whose values a compile does not see; `ring` is one rank of a causal
 zigzag ring of two GPUs holding `seq` tokens (`ring_attention_rank` at a traced rank:
-the diagonal block's kernels and the two half blocks', f32 results). The kernels'
+the diagonal block's kernels and the two half blocks', f32 results), `ring-documents`
+the same over packed documents. After each compile the optimised HLO is read for a
+Mosaic launch given the buffer it writes in place as another operand too (XLA merges
+equal values, such as two zero constants): a defect the run stops on. The kernels'
 parameters and launch order are those of the named GPU (`--gpu`; both have 132 SMs);
 the ptxas is this machine's, whose version may differ from the GPU machine's jax
 wheels'."""
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 import tempfile
 
@@ -68,7 +72,7 @@ GPUS = {
 }
 
 
-MASKS = ("causal", "full", "documents", "ring")
+MASKS = ("causal", "full", "documents", "ring", "ring-documents")
 
 
 def parse_shapes(text: str) -> list[tuple[str, int, int]]:
@@ -124,19 +128,48 @@ def compile_shape(devices, mask: str, seq: int, head_dim: int, args) -> None:
     def loss(q, k, v, ids):
         return attention(q, k, v, ids).astype(jnp.float32).sum()
 
-    def ring_rank(q, k, v, rank):
+    def ring_rank(q, k, v, rank, ids):
         return jflash.ring_attention_rank(
             q, [(k, v)] * 2, q, rank, causal=True, layout="zigzag",
             implementation="pallas_mosaic", deterministic=args.deterministic,
+            segment_ids=None if ids is None else (ids, [ids] * 2),
         )  # fmt: skip
 
-    if mask == "ring":
+    if mask.startswith("ring"):
         rank = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        traced = jax.jit(ring_rank).trace(q, kv, kv, rank)
+        ring_ids = ids if mask == "ring-documents" else None
+        traced = jax.jit(ring_rank).trace(q, kv, kv, rank, ring_ids)
     else:
         fn = attention if args.pass_ == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
         traced = jax.jit(fn).trace(q, kv, kv, ids)
-    traced.lower(lowering_platforms=("cuda",)).compile()
+    compiled = traced.lower(lowering_platforms=("cuda",)).compile()
+    shared = shared_aliased_operands(compiled.as_text())
+    if shared:
+        raise SystemExit(
+            f"{mask}:{seq}:{head_dim}: a Mosaic launch is given the buffer it writes in "
+            f"place as another operand too (XLA merged equal values): {'; '.join(shared)}"
+        )
+
+
+_CALL = re.compile(r"(%\S+) = .*? custom-call\((.*?)\), custom_call_target=\"mosaic_gpu")
+_ALIASED = re.compile(r"\{[\d,]*\}: \((\d+), \{")
+
+
+def shared_aliased_operands(hlo: str) -> list[str]:
+    """The Mosaic custom calls of optimised HLO text one of whose in-place operands (an
+    output aliased to it: an accumulator, or the zeroed work-item counter Pallas adds) is
+    also passed as another operand: the kernel would read what it writes there."""
+    found = []
+    for line in hlo.splitlines():
+        call = _CALL.search(line)
+        if not call or "output_to_operand_aliasing={" not in line:
+            continue
+        operands = [re.sub(r"/\*.*?\*/", "", x).strip() for x in call.group(2).split(",")]
+        aliasing = line.split("output_to_operand_aliasing={", 1)[1]
+        for j in sorted({int(x) for x in _ALIASED.findall(aliasing)}):
+            if operands.count(operands[j]) > 1:
+                found.append(f"{call.group(1)} operand {j} ({operands[j]})")
+    return found
 
 
 def main(argv=None) -> int:

@@ -284,13 +284,13 @@ def _fwd_kernel(
     memory_warp: bool = False,
     memory_q: bool = False,
 ):
-    """`refs`: q, k,
-    v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]` (`key_spans`), `kv_seg
-    [B, S]` (not with `spans_only`), the `query_table` (the sorted-ids flag last) and the
-    tiles' order (`heaviest_first`); with `copies`, another launch's `o` and `lse`; then
-    the outputs and the scratch (`q_ids`,
-    `kv_ids`: None without ids; `kv_ids` None with `spans_only`; interpreted, the
-    overlapped loop's f32 S and O per warpgroup last: `Accumulators`).
+    """`refs`: q, k, v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]`
+    (`key_spans`), `kv_seg [B, S]` (not with `spans_only`), the `query_table` (the
+    sorted-ids flag last) and, with more than one query tile per row, the tiles' order
+    (`heaviest_first`); with `copies`, another launch's `o` and `lse`; then the outputs
+    and the scratch (`q_ids`, `kv_ids`: None without ids; `kv_ids` None with
+    `spans_only`; interpreted, the overlapped loop's f32 S and O per warpgroup last:
+    `Accumulators`).
 
     `spans_only`: the key ids are known to be sorted; masked tiles use the rows' spans
     and the key ids are not streamed. `run_if`: None, or whether the kernel runs where
@@ -308,9 +308,11 @@ def _fwd_kernel(
     counter_ref = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
     qseg_ref = kvseg_ref = table_ref = order_ref = None
     if segments and spans_only:
-        qseg_ref, table_ref, order_ref, *refs = refs
+        qseg_ref, table_ref, *refs = refs
     elif segments:
-        qseg_ref, kvseg_ref, table_ref, order_ref, *refs = refs
+        qseg_ref, kvseg_ref, table_ref, *refs = refs
+    if segments and items.tiles > 1:  # a single tile per row needs no order (`_launch`)
+        order_ref, *refs = refs
     o_src = lse_src = None
     if copies:
         o_src, lse_src, *refs = refs
@@ -1110,13 +1112,18 @@ def _launch(
     inputs = (pad_to(q, 1, q_rows), pad_to(k, 1, kv_rows), pad_to(v, 1, kv_rows))
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
-        order = heaviest_first(table, items.tiles, wgs, b, block_kv, geom)
         table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])  # `run_if`
         spans = key_spans(q_seg, kv_seg, causal=mask.causal, diag=geom.diag, kv_len=s_len)
         rows_ids = jnp.concatenate([q_seg[:, None], spans], axis=1)  # [B, 3, T]
         inputs += (pad_to(rows_ids, 2, geom.q_pad),)
         inputs += (pad_to(kv_seg, 1, geom.kv_pad),) if stream_ids else ()
-        inputs += (table, order)
+        inputs += (table,)
+        # One query tile per row has one order, and its table would be the constant
+        # `[0]` at batch 1: XLA merges it with the equal zeros that Pallas gives the
+        # work items' counter, whose buffer the launch writes in place, so the order
+        # read would be the counter's running count (tiles that are never computed).
+        if items.tiles > 1:
+            inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,

@@ -1813,7 +1813,9 @@ def test_deviceless_refuses_bad_shapes_and_a_missing_plugin(tmp_path, capsys):
     assert "'causal:4k:64': SEQ and HEAD_DIM must be integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         deviceless.main(["--shapes", "sliding:4096:64"])
-    assert "is not causal|full|documents|ring:SEQ:HEAD_DIM" in capsys.readouterr().err
+    assert (
+        "is not causal|full|documents|ring|ring-documents:SEQ:HEAD_DIM" in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit, match="pip install --no-deps --target .*jax-cuda13-pjrt"):
         deviceless.main(["--plugin-dir", str(tmp_path / "none")])
 
@@ -1831,14 +1833,17 @@ def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     and ptxas finds that neither spills at D = 64 (the step loops' registers fit); with
     segment ids the forward's two kernels (the id compare, then the spans) compile too;
     so do a zigzag ring rank's three blocks, whose half blocks' dK/dV kernels (no mask,
-    f32 gradients) spill nothing."""
+    f32 gradients) spill nothing, and the same rank over packed documents, with half
+    blocks of one query tile, where no launch gets the buffer it writes in place (the
+    work items' counter) as another operand: XLA had merged it with the constant order
+    of a single tile (the run stops on that)."""
     out = tmp_path / "deviceless.json"
     run = subprocess.run(
         [
             sys.executable,
             "benchmarks/deviceless.py",
             "--shapes",
-            "causal:512:64,documents:512:64,ring:512:128",
+            "causal:512:64,documents:512:64,ring:512:128,ring-documents:256:128",
             "--out",
             str(out),
         ],
@@ -1864,3 +1869,5 @@ def test_deviceless_compiles_the_kernels_for_an_h100(tmp_path):
     )
     assert [k for k, _ in ring] == ["jflash_mosaic_dkv"] * 3 + ["jflash_mosaic_fwd"] * 3
     assert sorted(spills for k, spills in ring if k == "jflash_mosaic_dkv")[:2] == [0, 0]
+    packed_ring = sorted(r["kernel"].rsplit("_", 1)[0] for r in by_shape["ring-documents:256:128"])
+    assert packed_ring == ["jflash_mosaic_dkv"] * 3 + ["jflash_mosaic_fwd"] * 6

@@ -885,3 +885,42 @@ def test_head_split_takes_the_devices_sm_count(monkeypatch, sms, split):
     """The dK/dV launch's rule counts waves in the GPU's SMs (`sm_count`): 8 CTAs (4 key
     tiles x 2 KV heads) split on 132 SMs and on 6 (1.33 waves), not on 4 (2 waves)."""
     assert _f32_heads(_lowered_split(monkeypatch, sms=sms), 2, 128) == split
+
+
+@pytest.mark.parametrize(
+    "call, head_dim, seq",
+    [("flash", 128, 128), ("flash", 64, 192), ("flash", 64, 512), ("rank", 128, 256)],
+)
+def test_packed_forward_passes_no_int_that_may_merge_with_its_counter(
+    monkeypatch, call, head_dim, seq
+):
+    """Each packed forward launch takes one `int32[1]` operand, the zeroed work-item
+    counter Pallas adds and the launch writes in place. A row of one query tile (here
+    at batch 1: 128 or 192 queries, and a zigzag rank's half blocks of 128) has no tile
+    order: as `[0]`, a constant, XLA merged it with the counter's equal zeros, and the
+    launch read its order from the counter's running count (outputs never computed, on
+    an H100). `benchmarks/deviceless.py` checks the compiled HLO itself."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq, 1, head_dim), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def run(q, k, v, ids):
+        if call == "flash":
+            return jflash.flash_attention(
+                q, k, v, causal=True, segment_ids=ids, implementation="pallas_mosaic"
+            )
+        return jflash.ring_attention_rank(
+            q, [(k, v)] * 2, q, jnp.int32(0), causal=True, layout="zigzag",
+            implementation="pallas_mosaic", segment_ids=(ids, [ids] * 2),
+        )  # fmt: skip
+
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(run).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    operand_types = [line.rsplit(" : (", 1)[1].split(") -> ", 1)[0] for line in calls]
+    packed = [types for types in operand_types if "x3x" in types]  # the rows' (id, lo, hi)
+    assert len(packed) == (2 if call == "flash" else 6)
+    assert [types.count("tensor<1xi32>") for types in packed] == [1] * len(packed)
