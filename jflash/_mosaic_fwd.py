@@ -311,7 +311,7 @@ def _fwd_kernel(
         qseg_ref, table_ref, *refs = refs
     elif segments:
         qseg_ref, kvseg_ref, table_ref, *refs = refs
-    if segments and items.tiles > 1:  # a single tile per row needs no order (`_launch`)
+    if segments and items.needs_order:
         order_ref, *refs = refs
     o_src = lse_src = None
     if copies:
@@ -1122,7 +1122,7 @@ def _launch(
         # `[0]` at batch 1: XLA merges it with the equal zeros that Pallas gives the
         # work items' counter, whose buffer the launch writes in place, so the order
         # read would be the counter's running count (tiles that are never computed).
-        if items.tiles > 1:
+        if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
     kernel = functools.partial(
         _fwd_kernel,

@@ -87,6 +87,13 @@ class WorkItems:
         return self.tiles * self.heads * self.batch
 
     @property
+    def needs_order(self) -> bool:
+        """Packed rows: whether the items take their tiles from an order (`order[b, r]`,
+        `heaviest_first`): a row of one query tile has one order, and no table is passed
+        for it (`_mosaic_fwd._launch` says why)."""
+        return self.tiles > 1
+
+    @property
     def grid(self) -> dict:
         return dict(grid=(self.ctas,), grid_names=("cta",))
 
