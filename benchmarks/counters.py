@@ -21,7 +21,8 @@ per kernel: time, tensor-pipe activity, issue activity, instructions, shared mem
 wavefronts (LSU and wgmma operand reads together), L2 hit rate, DRAM bytes read and
 written, and the stall reasons per issued instruction that dominate (a warp waiting on
 a wgmma shows as `barrier` on its `WARPGROUP.DEPBAR`, on an mbarrier poll as
-`long_sb`; waiting on a shared load as `short_sb`). The memory warpgroup's idle
+`long_sb`; waiting on a shared load as `short_sb`; waiting for its next instructions to
+reach the instruction cache as `no_instruction`). The memory warpgroup's idle
 polling counts in the averages too.
 """
 
@@ -46,7 +47,16 @@ KERNELS = {
     "fwdbwd": r"regex:jflash_mosaic_dkv|FlashAttnBwd",
     "fwd": r"regex:jflash_mosaic_fwd|FlashAttnFwd",
 }
-STALLS = ("barrier", "long_scoreboard", "short_scoreboard", "wait", "gmma", "mio_throttle")
+STALLS = (
+    "barrier",
+    "long_scoreboard",
+    "short_scoreboard",
+    "wait",
+    "gmma",
+    "mio_throttle",
+    "no_instruction",
+    "math_pipe_throttle",
+)
 METRICS = (
     "gpu__time_duration.sum",
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
