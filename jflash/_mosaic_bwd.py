@@ -211,7 +211,14 @@ HEAD_SPLIT_MAX_CTAS = 2048
 # per KV head: causal 64k x 1 1.02 / 1.02 (two runs), 16k x 4 1.04; 4k x 16 0.975, full
 # 16k 0.995; four shares 1.01 (64k, 16k), 0.958 (4k); D = 64 (128-query steps, dQ
 # split by rows) 0.983 at causal 16k (BENCHMARKS.md, "Kept changes").
+# Rows of LONG_ROWS_SHORT_LAUNCH_MIN_LEN queries or more take two shares too where the
+# launch is at most LONG_ROWS_SHORT_LAUNCH_WAVES waves: causal 8k x 1 (512 CTAs, 3.9
+# waves on 132 SMs; a ring's 8k diagonal block) 1.03x in three runs, one ring rank at
+# 8k tokens per GPU 1.04x; causal 8k x 8 (4096 CTAs) 0.971x, so longer launches of
+# such rows keep one (H100, BENCHMARKS.md; launches between 4 and 31 waves not timed).
 LONG_ROWS_TWO_SHARES_MIN_LEN = 16384
+LONG_ROWS_SHORT_LAUNCH_MIN_LEN = 8192
+LONG_ROWS_SHORT_LAUNCH_WAVES = 4
 LONG_ROWS_TWO_SHARES_HEAD_DIMS = (128,)
 
 
@@ -236,15 +243,18 @@ def head_split(
     return next((d for d in shares if ctas * d >= HEAD_SPLIT_MIN_CTAS), shares[-1])
 
 
-def long_rows_split(head_dim: int, q_len: int, segments: bool, fused: bool) -> bool:
-    """Whether a causal dK/dV launch's rows take two shares at any size (the
-    `LONG_ROWS_TWO_SHARES_*` rule): long rows without segment ids, dQ fused."""
-    return (
-        head_dim in LONG_ROWS_TWO_SHARES_HEAD_DIMS
-        and q_len >= LONG_ROWS_TWO_SHARES_MIN_LEN
-        and not segments
-        and fused
+def long_rows_split(
+    head_dim: int, q_len: int, segments: bool, fused: bool, ctas: int, sms: int
+) -> bool:
+    """Whether a causal dK/dV launch of `ctas` CTAs on `sms` SMs takes two shares for
+    its long rows (the `LONG_ROWS_*` rule): rows of `LONG_ROWS_TWO_SHARES_MIN_LEN`
+    queries or more at any size, of `LONG_ROWS_SHORT_LAUNCH_MIN_LEN` or more in a
+    launch of at most `LONG_ROWS_SHORT_LAUNCH_WAVES` waves; without segment ids, dQ
+    fused."""
+    long_enough = q_len >= LONG_ROWS_TWO_SHARES_MIN_LEN or (
+        q_len >= LONG_ROWS_SHORT_LAUNCH_MIN_LEN and ctas <= LONG_ROWS_SHORT_LAUNCH_WAVES * sms
     )
+    return head_dim in LONG_ROWS_TWO_SHARES_HEAD_DIMS and long_enough and not segments and fused
 
 
 def head_split_rule(sms: int) -> str:
@@ -255,7 +265,9 @@ def head_split_rule(sms: int) -> str:
         f"most {sms} CTAs (one wave on {sms} SMs) shares each KV head's query heads among "
         f"the least number of CTAs that reaches {HEAD_SPLIT_MIN_CTAS} (none past "
         f"{HEAD_SPLIT_MAX_CTAS}), one of {sms + 1}-{two} CTAs among two, as does one of "
-        f"any size over rows of {LONG_ROWS_TWO_SHARES_MIN_LEN} queries or more at head_dim "
+        f"any size over rows of {LONG_ROWS_TWO_SHARES_MIN_LEN} queries or more, and one of "
+        f"at most {LONG_ROWS_SHORT_LAUNCH_WAVES * sms} CTAs over rows of "
+        f"{LONG_ROWS_SHORT_LAUNCH_MIN_LEN} or more, at head_dim "
         f"{'/'.join(map(str, LONG_ROWS_TWO_SHARES_HEAD_DIMS))} (no segment ids, dQ "
         "fused); the shares add their f32 dK/dV (deterministic: slices summed in a fixed "
         "order); other launches run a CTA per KV head (BlockSizes.head_shares_dkv sets it)"
@@ -992,13 +1004,9 @@ def mosaic_bwd(
         check_head_shares(head_shares, geom.group)
         shares = head_shares
     else:
-        shares = head_split(
-            b * kh * kv_tiles,
-            geom.group,
-            geom.mask.causal,
-            sm_count(),
-            long_rows=long_rows_split(h, geom.q_len, segments, fuses_dq(h, deterministic)),
-        )
+        ctas, sms = b * kh * kv_tiles, sm_count()
+        long_rows = long_rows_split(h, geom.q_len, segments, fuses_dq(h, deterministic), ctas, sms)
+        shares = head_split(ctas, geom.group, geom.mask.causal, sms, long_rows=long_rows)
     dkv_dtype = jnp.float32 if shares > 1 else grad_dtype
     same = jnp.dtype(dkv_dtype) == q.dtype
     storable = same or jnp.dtype(dkv_dtype) == jnp.float32

@@ -742,37 +742,41 @@ def test_head_split_counts_waves_in_the_gpus_sms(ctas, want):
 
 
 @pytest.mark.parametrize(
-    "seq, heads, head_dim, causal, deterministic, documents, want",
+    "seq, batch, heads, head_dim, causal, deterministic, documents, want",
     [
-        (16384, 32, 128, True, False, False, 2),  # long rows: two shares
-        (65536, 32, 128, True, False, False, 2),
-        (8192, 32, 128, True, False, False, 1),  # under LONG_ROWS_TWO_SHARES_MIN_LEN
-        (16384, 32, 64, True, False, False, 1),  # D = 64: 0.983x with two
-        (16384, 32, 128, False, False, False, 1),  # full: 0.995x
-        (16384, 32, 128, True, True, False, 1),  # deterministic: no fused dQ
-        (16384, 32, 128, True, False, True, 1),  # segment ids: not measured
-        (16384, 24, 128, True, False, False, 1),  # a group of 3: two do not divide it
+        (16384, 1, 32, 128, True, False, False, 2),  # long rows: two shares
+        (65536, 1, 32, 128, True, False, False, 2),
+        (16384, 4, 32, 128, True, False, False, 2),  # at any launch size
+        (8192, 1, 32, 128, True, False, False, 2),  # 512 CTAs: at most four waves
+        (8192, 8, 32, 128, True, False, False, 1),  # 4096 CTAs: 0.971x with two
+        (4096, 2, 32, 128, True, False, False, 1),  # under LONG_ROWS_SHORT_LAUNCH_MIN_LEN
+        (16384, 1, 32, 64, True, False, False, 1),  # D = 64: 0.983x with two
+        (16384, 1, 32, 128, False, False, False, 1),  # full: 0.995x
+        (16384, 1, 32, 128, True, True, False, 1),  # deterministic: no fused dQ
+        (16384, 1, 32, 128, True, False, True, 1),  # segment ids: not measured
+        (16384, 1, 24, 128, True, False, False, 1),  # a group of 3: two do not divide it
     ],
 )
 def test_head_split_shares_long_causal_rows(
-    monkeypatch, seq, heads, head_dim, causal, deterministic, documents, want
+    monkeypatch, seq, batch, heads, head_dim, causal, deterministic, documents, want
 ):
-    """A causal D = 128 dK/dV launch of long rows (8 KV heads: 512-2048 CTAs, past a
-    wave and a half) takes two CTAs per KV head, with the fused dQ and no segment ids
+    """A causal D = 128 dK/dV launch of long rows (8 KV heads: 512-4096 CTAs, past a
+    wave and a half) takes two CTAs per KV head, with the fused dQ and no segment ids:
+    rows of 16k queries or more at any size, of 8k in launches of at most four waves
     (`jax.eval_shape`: nothing runs)."""
     from jflash import _mosaic_bwd
 
     assert (
         _mosaic_bwd.LONG_ROWS_TWO_SHARES_MIN_LEN,
+        _mosaic_bwd.LONG_ROWS_SHORT_LAUNCH_MIN_LEN,
+        _mosaic_bwd.LONG_ROWS_SHORT_LAUNCH_WAVES,
         _mosaic_bwd.LONG_ROWS_TWO_SHARES_HEAD_DIMS,
-    ) == (
-        16384,
-        (128,),
-    )
+        _mosaic_bwd.sm_count(),
+    ) == (16384, 8192, 4, (128,), 132)
     launches = _spy_launches(monkeypatch, _mosaic_bwd)
-    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, seq, 8, head_dim), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32) if documents else None
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, seq, 8, head_dim), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32) if documents else None
 
     def loss(q, k, v, ids):
         out = jflash.flash_attention(
@@ -1058,7 +1062,8 @@ def test_describe_says_how_the_backward_splits_on_this_gpu(monkeypatch):
         text = jflash.describe()
         assert f"of at most {sms} CTAs (one wave on {sms} SMs)" in text
         assert f"one of {sms + 1}-{two} CTAs among two" in text
-        assert "as does one of any size over rows of 16384 queries or more at head_dim 128" in text
+        assert "as does one of any size over rows of 16384 queries or more, and one of " in text
+        assert f"at most {4 * sms} CTAs over rows of 8192 or more, at head_dim 128" in text
     monkeypatch.setattr(_dispatch, "_is_hopper", lambda: False)
     assert "dK/dV launch" not in jflash.describe()
 
