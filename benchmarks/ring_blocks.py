@@ -2,6 +2,7 @@
 
     python benchmarks/ring_blocks.py                          # 8k and 16k tokens/device, P=2
     python benchmarks/ring_blocks.py --tokens-per-device 8192 --variants
+    python benchmarks/ring_blocks.py --tokens-per-device 8192 --rev main  # a change's rank
 
 Without a GPU it stops at once with one line saying so (exit status 2); `--interpret`
 runs the same code on the CPU, Pallas kernels in interpret mode as the tests run them,
@@ -30,10 +31,20 @@ lengths of mean MEAN, `benchmarks/ring.py --documents`' row) in `--layout` order
 and every rank `ring_rank<r>` gets its own shard's ids and each step's source ids (the
 ranks' masks differ, so all P are timed). TFLOP/s count the mask area.
 
+With `--rev REV` the dense rank is measured against a git revision of jflash in the same
+process (each imported as its own package, as `benchmarks/ab.py` does): the ideal, both
+ranks and the diagonal block with the working tree's jflash and with the revision's,
+after `--heat` seconds of load, in `--rounds` interleaved rounds (a balanced order), each
+keeping its best reading. `new/rev` is the revision's time ÷ the tree's (above 1: the
+tree is faster), `<label>_eff` each one's ideal ÷ its rank; `rev_grad_rel_diff` how far
+the revision's results are from the tree's, relative to their largest entry. Separate
+processes move a rank's time by a few percent; this keeps both in one.
+
 Every row is timed pipelined (calls back to back, one synchronisation) in the same
-process, and traced once for device time per kernel. Causal TFLOP/s counts the FLOPs
-the block really has (as everywhere in BENCHMARKS.md: forward 4·B·N·S²·H/2 for a causal
-square; a full c x c block is 4·B·N·c²·H), forward+backward 3.5x the forward.
+process, and traced once for device time per kernel (not with `--rev`). Causal TFLOP/s
+counts the FLOPs the block really has (as everywhere in BENCHMARKS.md: forward
+4·B·N·S²·H/2 for a causal square; a full c x c block is 4·B·N·c²·H), forward+backward
+3.5x the forward.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import dataclasses
 import functools
 import os
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -53,16 +65,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jflash  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    HEAT_S,
     add_interpret_flag,
     check_out,
     device_name,
     gpu_or_interpret,
+    heat,
+    interleaved,
     table,
     time_pipelined,
     traced_kernels,
     write_json,
 )
-from benchmarks.kernel import document_flops  # noqa: E402
+from benchmarks.kernel import document_flops, relative_gap  # noqa: E402
 from benchmarks.ring import document_row  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -96,14 +111,15 @@ def _rank_grads(o, lse, dq, dkv):
     return o, lse, dq, dk, dv
 
 
-def ring_rank(devices: int, kernel: _Kernel):
+def ring_rank(devices: int, kernel: _Kernel, module=jflash):
     """One rank's forward+backward of a zigzag causal ring of `devices` ranks, every
-    step on the rank's own K/V (no transfers); `rank` is traced, as in the ring."""
+    step on the rank's own K/V (no transfers); `rank` is traced, as in the ring.
+    `module`: the jflash package that runs it (`--rev`: the tree's or the revision's)."""
 
     @jax.jit
     def run(q, k, v, do, rank):
         return _rank_grads(
-            *jflash.ring_attention_rank(
+            *module.ring_attention_rank(
                 q,
                 [(k, v)] * devices,
                 do,
@@ -118,7 +134,7 @@ def ring_rank(devices: int, kernel: _Kernel):
     return run
 
 
-def one_block(kernel: _Kernel, causal: bool, out_dtype, batch_pair: bool = False):
+def one_block(kernel: _Kernel, causal: bool, out_dtype, batch_pair: bool = False, module=jflash):
     """Forward+backward of one kernel call (what one ring block costs): in f32 as the
     ring calls it (`ring_attention_rank` with one source: a causal diagonal block on
     the zigzag ring's half-block tiles, or a full block), else through
@@ -130,7 +146,7 @@ def one_block(kernel: _Kernel, causal: bool, out_dtype, batch_pair: bool = False
             q, k, v, do = (jnp.concatenate([x, x], axis=0) for x in (q, k, v, do))
         if out_dtype == jnp.float32:
             return _rank_grads(
-                *jflash.ring_attention_rank(
+                *module.ring_attention_rank(
                     q,
                     [(k, v)],
                     do,
@@ -142,11 +158,25 @@ def one_block(kernel: _Kernel, causal: bool, out_dtype, batch_pair: bool = False
                 )
             )
         attn = functools.partial(
-            jflash.flash_attention,
+            module.flash_attention,
             causal=causal,
             implementation=kernel.implementation,
             block_sizes=kernel.block_sizes,
         )
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+
+    return run
+
+
+def ideal_call(kernel: _Kernel, module=jflash):
+    """Forward+backward of the whole causal sequence in one call (the ideal's work)."""
+    attn = functools.partial(
+        module.flash_attention, causal=True, implementation=kernel.implementation
+    )
+
+    @jax.jit
+    def run(q, k, v, do):
         out, vjp = jax.vjp(attn, q, k, v)
         return out, vjp(do)
 
@@ -220,16 +250,15 @@ def benchmark(args, done=lambda rows: None) -> list[dict]:
         c = tokens // 2
         kernel = _Kernel(args.implementation)
         whole = _inputs(p * tokens, args)
-        attn = functools.partial(
-            jflash.flash_attention, causal=True, implementation=args.implementation
-        )
-
-        def ideal(q, k, v, do, attn=attn):
-            out, vjp = jax.vjp(attn, q, k, v)
-            return out, vjp(do)
-
         measured = [
-            _measure("ideal", ideal, whole, _flops(p * tokens, p * tokens, True, args), args, 1 / p)
+            _measure(
+                "ideal",
+                ideal_call(kernel),
+                whole,
+                _flops(p * tokens, p * tokens, True, args),
+                args,
+                1 / p,
+            )
         ]
         local = _inputs(tokens, args, key=1)
         per_rank = _flops(p * tokens, p * tokens, True, args) / p
@@ -308,6 +337,68 @@ def benchmark(args, done=lambda rows: None) -> list[dict]:
                 {k: round(v, 3) for k, v in r["kernels"].items()},
                 flush=True,
             )
+        done(rows)
+    return rows
+
+
+def ab_benchmark(args, modules: dict, done=lambda rows: None) -> list[dict]:
+    """`--rev`: the dense rank's rows (ideal, both ranks, the diagonal block in f32),
+    each with every package of `modules` (label -> jflash; "new" the working tree's),
+    timed in `args.rounds` interleaved rounds after `args.heat` seconds of load, each
+    keeping its best reading; `done(rows)` after each length."""
+    rows, p, labels = [], args.devices, list(modules)
+    kernel = _Kernel(args.implementation)
+    for tokens in args.tokens_per_device:
+        whole, local = _inputs(p * tokens, args), _inputs(tokens, args, key=1)
+        per_rank = _flops(p * tokens, p * tokens, True, args) / p
+        kinds = (  # name, the call per package, its inputs, FLOPs, time scale
+            ("ideal", lambda m: ideal_call(kernel, m), whole, per_rank, 1 / p),
+            ("ring_rank0", lambda m: ring_rank(p, kernel, m), (*local, jnp.int32(0)), per_rank, 1),
+            (
+                "ring_rank1",
+                lambda m: ring_rank(p, kernel, m),
+                (*local, jnp.int32(p - 1)),
+                per_rank,
+                1,
+            ),
+            (
+                "diag_f32",
+                lambda m: one_block(kernel, True, jnp.float32, module=m),
+                local,
+                _flops(tokens, tokens, True, args),
+                1,
+            ),
+        )
+        measured = []
+        for name, make, inputs, flops, scale in kinds:
+            calls = {label: make(m).lower(*inputs).compile() for label, m in modules.items()}
+            base = jax.tree.leaves(calls["new"](*inputs))
+            row = {"row": name, "tokens_per_device": tokens, "devices": p}
+            for label in labels[1:]:
+                leaves = jax.tree.leaves(calls[label](*inputs))
+                row[f"{label}_grad_rel_diff"] = max(map(relative_gap, leaves, base))
+            del base
+            heat([functools.partial(call, *inputs) for call in calls.values()], args.heat)
+            best = dict.fromkeys(labels, float("inf"))
+            for _, _, i in interleaved(len(labels), range(args.rounds), ("fwdbwd",)):
+                t = time_pipelined(calls[labels[i]], *inputs, iters=None, round_s=args.min_time / 3)
+                best[labels[i]] = min(best[labels[i]], t)
+            for label, t in best.items():
+                row[f"{label}_ms"] = t * 1e3 * scale
+                row[f"{label}_tflops"] = flops / (t * scale) / 1e12
+            for label in labels[1:]:
+                row[f"new/{label}"] = best[label] / best["new"]
+            measured.append(row)
+        for row in measured:
+            if row["row"].startswith("ring_rank"):
+                for label in labels:
+                    row[f"{label}_eff"] = measured[0][f"{label}_ms"] / row[f"{label}_ms"]
+        rows.extend(measured)
+        columns = ["tokens_per_device", "row", *(f"{label}_ms" for label in labels)]
+        columns += [f"new/{label}" for label in labels[1:]]
+        columns += [f"{label}_eff" for label in labels]
+        columns += [f"{label}_grad_rel_diff" for label in labels[1:]]
+        print(table(measured, columns, args.note), flush=True)
         done(rows)
     return rows
 
@@ -405,6 +496,16 @@ def main(argv=None):
         "--warm-s", type=float, default=1.0, help="seconds of calls before each row's timing"
     )
     parser.add_argument(
+        "--rev", default=None, help="git revision whose jflash the dense rank is measured against"
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="--rev: interleaved rounds")
+    parser.add_argument(
+        "--min-time", type=float, default=0.5, help="--rev: seconds per reading of a call"
+    )
+    parser.add_argument(
+        "--heat", type=float, default=HEAT_S, help="--rev: seconds of load before a row's rounds"
+    )
+    parser.add_argument(
         "--out", default=None, help="JSON path (default: results/ring-blocks-p<P>-<gpu>.json)"
     )
     add_interpret_flag(parser)
@@ -422,12 +523,28 @@ def main(argv=None):
         parser.error(f"--documents {args.documents}: must be a mean length > 0 (or 0: none)")
     if args.documents and args.variants:
         parser.error("--variants times the dense ring's half blocks, not with --documents")
+    if args.rev is not None and (args.documents or args.variants):
+        parser.error("--rev times the dense rank's rows, not with --documents or --variants")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    commit = None
+    if args.rev is not None:
+        from benchmarks import ab
+
+        try:
+            commit = ab.commit_of(args.rev)
+        except ValueError as e:
+            parser.error(str(e))
     args.note = gpu_or_interpret("benchmarks/ring_blocks.py", args.interpret)
     name = f"ring-blocks-p{args.devices}"
     if args.documents:
         name += f"-documents-{args.layout}"
+    if commit:
+        name += "-ab"
     out = args.out or os.path.join(RESULTS, f"{name}-{device_name()}.json")
     kept = {k: v for k, v in vars(args).items() if k not in ("out", "note")}
+    if commit:
+        kept["rev_commit"] = commit
     # Each finished length goes to `<out>.partial` at once, so a run stopped during a
     # later one keeps it; `out` itself is written (and the partial file removed) only
     # when every length has run.
@@ -435,7 +552,15 @@ def main(argv=None):
     def done(rows):
         write_json(out, {"args": kept, "rows": rows}, note=args.note, partial=True)
 
-    rows = (documents_benchmark if args.documents else benchmark)(args, done)
+    if commit:
+        with tempfile.TemporaryDirectory() as tmp:
+            modules = {
+                "new": ab.import_tree(os.path.join(tmp, "tree")),
+                "rev": ab.import_revision(commit, os.path.join(tmp, "rev")),
+            }
+            rows = ab_benchmark(args, modules, done)
+    else:
+        rows = (documents_benchmark if args.documents else benchmark)(args, done)
     write_json(out, {"args": kept, "rows": rows}, note=args.note)
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -1590,6 +1591,65 @@ def test_ring_blocks_keeps_finished_lengths_of_a_stopped_run(tmp_path, monkeypat
     assert kept["partial"] is True and kept["rows"] == [{"row": "ideal", "tokens_per_device": 8192}]
     assert kept.get("interpreted", False) == (not ON_GPU)  # --interpret, without a GPU
     assert json.loads(out.read_text()) == {"rows": "the previous run"}
+
+
+def test_ring_blocks_rev_times_the_tree_against_a_revision(tmp_path, monkeypatch, capsys):
+    """`ring_blocks.py --rev`: the ideal, both ranks and the diagonal block with the
+    tree's jflash and a revision's in one process, their time ratio, each one's
+    efficiency and how far the revision's results are from the tree's (a revision
+    whose rank doubles dQ shows there); flags it cannot take are refused by name."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import ab, ring_blocks
+
+    try:
+        subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    real_import = ab.import_revision
+
+    def import_revision(rev, dest, name=ab.BASELINE):  # the rank's dQ doubled
+        module = real_import(rev, dest, name)
+        rank = module.ring_attention_rank
+
+        def doubled(*a, **kw):
+            o, lse, dq, dkv = rank(*a, **kw)
+            return o, lse, 2 * dq, dkv
+
+        return types.SimpleNamespace(
+            ring_attention_rank=doubled, flash_attention=module.flash_attention
+        )
+
+    monkeypatch.setattr(ab, "import_revision", import_revision)
+    out = tmp_path / "ab.json"
+    argv = ["--tokens-per-device", "64", "--rev", "HEAD", "--rounds", "1", "--min-time", "0"]
+    ring_blocks.main([*argv, "--heat", "0", *_RING_BLOCKS_TINY, "--out", str(out)])
+    written = json.loads(out.read_text())
+    rows = {r["row"]: r for r in written["rows"]}
+    assert list(rows) == ["ideal", "ring_rank0", "ring_rank1", "diag_f32"]
+    assert len(written["args"]["rev_commit"]) == 40
+    for name, r in rows.items():
+        assert r["new_ms"] > 0 and r["rev_ms"] > 0
+        assert r["new/rev"] == pytest.approx(r["rev_ms"] / r["new_ms"])
+        # Every rank and block result but the ideal's passes through the doubled dQ.
+        assert (r["rev_grad_rel_diff"] > 0.1) == (name != "ideal"), name
+    for name in ("ring_rank0", "ring_rank1"):
+        r = rows[name]
+        assert r["new_eff"] == pytest.approx(rows["ideal"]["new_ms"] / r["new_ms"])
+        assert r["rev_eff"] == pytest.approx(rows["ideal"]["rev_ms"] / r["rev_ms"])
+    assert "new/rev" in capsys.readouterr().out
+    for extra, said in (
+        (["--documents", "20"], "--rev times the dense rank's rows"),
+        (["--variants"], "--rev times the dense rank's rows"),
+    ):
+        with pytest.raises(SystemExit):
+            ring_blocks.main(["--rev", "HEAD", *extra, "--interpret"])
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ring_blocks.main(["--rev", "no-such-rev", "--interpret"])
+    assert "--rev 'no-such-rev'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ring_blocks.main(["--rev", "HEAD", "--rounds", "0", "--interpret"])
+    assert "--rounds 0: at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
