@@ -41,7 +41,8 @@ class BlockSizes:
         group / head_shares_dkv of its query heads (a divisor of the group); 0 (the
         default) lets jflash choose: several only for causal launches of up to a wave
         and a half, and two for causal rows of 16k queries or more at head dim 128
-        (docs/library.md). The Triton kernels take 0 only.
+        (8k in launches of up to four waves; docs/library.md). The Triton kernels take
+        0 only.
 
     For `implementation="pallas_mosaic"`: the per-program rows (`block_q`,
     `block_kv_dkv`, `block_q_dq`) are 64 per compute warpgroup (two per CTA), the
