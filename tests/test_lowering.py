@@ -24,6 +24,13 @@ from jflash._mosaic_bwd import fuses_dq
 _H100 = mesh_lib.AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")
 
 
+def _cuda_text(fn, *args) -> str:
+    """`fn(*args)` lowered for CUDA on a mesh of one abstract H100: its module's text."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize(
     "q_heads, kv_heads, head_dim, seq, dtype, causal, segments",
     [
@@ -55,9 +62,7 @@ def test_lowers_for_cuda(monkeypatch, q_heads, kv_heads, head_dim, seq, dtype, c
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fwd_bwd).trace(q, kv, kv, seg).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_text(fwd_bwd, q, kv, kv, seg)
     for name in ("jflash_fwd", "jflash_bwd_dkv", "jflash_bwd_dq"):
         assert name in text, f"{name} missing from the CUDA lowering"
 
@@ -104,9 +109,7 @@ def test_mosaic_lowers_for_cuda(
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fwd_bwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_text(fwd_bwd, q, kv, kv)
     for name in ("jflash_mosaic_fwd", "jflash_mosaic_dkv"):
         assert name in text, f"{name} missing from the CUDA lowering"
     # The fused backward adds dQ with TMA reduce-adds into an aliased f32 buffer; the
@@ -440,10 +443,7 @@ def test_ring_steps_add_dq_into_one_accumulator(monkeypatch, layout):
         )  # fmt: skip
 
     rank = jax.ShapeDtypeStruct((), jnp.int32)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        traced = jax.jit(rank_grads).trace(q, kv, kv, q, rank)
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_text(rank_grads, q, kv, kv, q, rank)
     assert "jflash_mosaic_dkv" in text and "jflash_mosaic_dq" not in text
 
     def kernel(**kw):
@@ -592,9 +592,7 @@ def test_d64_forward_cuts_the_last_step(monkeypatch):
     def fwd(q, k, v):
         return jflash.flash_attention(q, k, v, causal=True, implementation="pallas_mosaic")
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_text(fwd, q, kv, kv)
     assert "wgmma.mma_async.sync.aligned.m64n256k16" in text  # Q K^T of a whole step
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in text  # Q K^T of a cut one
 
@@ -615,9 +613,7 @@ def test_mosaic_forward_copies_no_padded_inputs(monkeypatch, seq, head_dim, padd
     def fwd(q, k, v):
         return jflash.flash_attention(q, k, v, causal=True, implementation="pallas_mosaic")
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(fwd).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_text(fwd, q, kv, kv)
     assert "jflash_mosaic_fwd" in text
     assert ("stablehlo.pad" in text) == padded
 
@@ -916,9 +912,7 @@ def test_packed_forward_passes_no_int_that_may_merge_with_its_counter(
             implementation="pallas_mosaic", segment_ids=(ids, [ids] * 2),
         )  # fmt: skip
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(run).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+    text = _cuda_text(run, q, kv, kv, ids)
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     operand_types = [line.rsplit(" : (", 1)[1].split(") -> ", 1)[0] for line in calls]
     packed = [types for types in operand_types if "x3x" in types]  # the rows' (id, lo, hi)
