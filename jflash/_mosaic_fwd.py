@@ -193,7 +193,7 @@ ROWS_OUTER_HEAD_DIMS = (128,)
 # THREE_WG_MEMORY_Q_MIN_LEN queries on: H100, forward against one slot, 1.02x at 64k
 # causal and 1.01x full, 1.00x at 32k, 0.96-0.97x at 16k causal and full 8k / 16k.
 MEMORY_Q = True
-THREE_WG_MEMORY_Q_MIN_LEN = 16384
+THREE_WG_MEMORY_Q_MIN_LEN = 65536
 THREE_WG_REGS = (160, 24)
 THREE_WG_STAGES = 4
 # The compute warpgroups' named scopes, which Mosaic GPU's on-device profiler records
