@@ -214,8 +214,8 @@ HEAD_SPLIT_MAX_CTAS = 2048
 # Rows of LONG_ROWS_SHORT_LAUNCH_MIN_LEN queries or more take two shares too where the
 # launch is at most LONG_ROWS_SHORT_LAUNCH_WAVES waves: causal 8k x 1 (512 CTAs, 3.9
 # waves on 132 SMs; a ring's 8k diagonal block) 1.03x in three runs, one ring rank at
-# 8k tokens per GPU 1.04x; causal 8k x 8 (4096 CTAs) 0.971x, so longer launches of
-# such rows keep one (H100, BENCHMARKS.md; launches between 4 and 31 waves not timed).
+# 8k tokens per GPU 1.01x; 8k x 2 (7.8 waves) 1.008x, 8k x 4 (15.5 waves) 0.999x, 8k x 8
+# (4096 CTAs) 0.971x, so longer launches of such rows keep one (H100, BENCHMARKS.md).
 LONG_ROWS_TWO_SHARES_MIN_LEN = 16384
 LONG_ROWS_SHORT_LAUNCH_MIN_LEN = 8192
 LONG_ROWS_SHORT_LAUNCH_WAVES = 4

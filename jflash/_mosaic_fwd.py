@@ -191,7 +191,8 @@ ROWS_OUTER_HEAD_DIMS = (128,)
 # (D = 64); the D = 64 two-warpgroup loop read 0.99 / 0.94x at causal / full 4k. The
 # D = 64 three-warpgroup loop on rows without segment ids takes it from
 # THREE_WG_MEMORY_Q_MIN_LEN queries on: H100, forward against one slot, 1.02x at 64k
-# causal and 1.01x full, 1.00x at 32k, 0.96-0.97x at 16k causal and full 8k / 16k.
+# causal and 1.01x full, 1.00x at 32k, 0.96-0.97x at 16k causal and full 8k / 16k; 0.98x
+# at one row of 16k as at four, so the length decides, not the batch.
 MEMORY_Q = True
 THREE_WG_MEMORY_Q_MIN_LEN = 65536
 THREE_WG_REGS = (160, 24)
