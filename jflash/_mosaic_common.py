@@ -263,64 +263,6 @@ def _row_halves(regs, row_regs, fn):
     return values, (lambda idx: idx[half_axis[0]] if halves > 1 else 0)
 
 
-def _exp_pairs(regs, neg_m, half_of, scale, dtype, chains: int):
-    """`exp_rows`'s body (MLIR, inside `plgpu.inline_mgpu`): the registers of P in
-    `dtype` and each row half's sum of P, reduced over the four threads of its rows."""
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
-    f32 = ir.F32Type.get()
-    i32 = ir.IntegerType.get_signless(32)
-    pack = {jnp.bfloat16: "bf16x2", jnp.float16: "f16x2"}[jnp.dtype(dtype).type]
-    halves = len(neg_m)
-    c = arith.constant(f32, ir.FloatAttr.get(f32, float(scale)))
-    sums = [[None] * chains for _ in range(halves)]
-    out = np.empty(regs.shape, dtype=object)
-    bf2 = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(jnp.dtype(dtype)))
-    count = [0] * halves
-    for idx in np.ndindex(regs.shape):
-        h = half_of(idx)
-        reg = regs[idx]
-        p = []
-        for i in range(2):
-            x = llvm.inline_asm(
-                f32, [_element(reg, i), c, neg_m[h]], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"
-            )
-            e = llvm.inline_asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-            p.append(e)
-            k = count[h] % chains
-            count[h] += 1
-            sums[h][k] = e if sums[h][k] is None else arith.addf(sums[h][k], e)
-        word = llvm.inline_asm(i32, [p[0], p[1]], f"cvt.rn.{pack}.f32 $0, $2, $1;", "=r,f,f")
-        out[idx] = vector.bitcast(bf2, vector.broadcast(ir.VectorType.get((1,), i32), word))
-    totals = []
-    for h in range(halves):
-        total = None
-        for part in sums[h]:
-            if part is not None:
-                total = part if total is None else arith.addf(total, part)
-        for distance in (1, 2):  # the four threads of a row
-            total = arith.addf(total, mgpu_utils.shfl_bfly(total, distance))
-        totals.append(total)
-    return out, totals
-
-
-def _row_regs(m_regs, values):
-    """A row vector's registers (the shapes and types of `m_regs`) holding `values`, one
-    per row half."""
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import vector
-
-    out = np.empty(m_regs.shape, dtype=object)
-    for h, idx in enumerate(np.ndindex(m_regs.shape)):
-        reg_ty = m_regs[idx].type
-        out[idx] = (
-            vector.broadcast(reg_ty, values[h]) if isinstance(reg_ty, ir.VectorType) else values[h]
-        )
-    return out
-
-
 def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     """`(P, P's row sums)` for S `s` (f32, [rows, cols] in the WGMMA layout) and a row
     vector `m` (its reduced layout): `P = exp2(s * scale - m)` in `dtype` (bf16 or f16)
@@ -335,9 +277,12 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     exponentials (one every 8 cycles), though it still puts the conversions after the
     last one."""
     import jax.experimental.mosaic.gpu as mgpu
-    from jaxlib.mlir.dialects import arith
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
 
     rows = s.shape[0]
+    pack = {jnp.bfloat16: "bf16x2", jnp.float16: "f16x2"}[jnp.dtype(dtype).type]
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)),
@@ -347,126 +292,50 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
         ),
     )
     def core(_, s_fa, m_fa):
-        regs, m_regs = s_fa.registers, m_fa.registers
+        f32 = ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
+        regs = s_fa.registers
+        m_regs = m_fa.registers
         neg_m, half_of = _row_halves(regs, m_regs, arith.negf)
-        out, totals = _exp_pairs(regs, neg_m, half_of, scale, dtype, chains)
+        halves = len(neg_m)
+        c = arith.constant(f32, ir.FloatAttr.get(f32, float(scale)))
+        sums = [[None] * chains for _ in range(halves)]
+        out = np.empty(regs.shape, dtype=object)
+        bf2 = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(jnp.dtype(dtype)))
+        count = [0] * halves
+        for idx in np.ndindex(regs.shape):
+            h = half_of(idx)
+            reg = regs[idx]
+            p = []
+            for i in range(2):
+                x = llvm.inline_asm(
+                    f32, [_element(reg, i), c, neg_m[h]], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f"
+                )
+                e = llvm.inline_asm(f32, [x], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+                p.append(e)
+                k = count[h] % chains
+                count[h] += 1
+                sums[h][k] = e if sums[h][k] is None else arith.addf(sums[h][k], e)
+            word = llvm.inline_asm(i32, [p[0], p[1]], f"cvt.rn.{pack}.f32 $0, $2, $1;", "=r,f,f")
+            out[idx] = vector.bitcast(bf2, vector.broadcast(ir.VectorType.get((1,), i32), word))
+        sum_regs = np.empty(m_regs.shape, dtype=object)
+        for h, idx in enumerate(np.ndindex(m_regs.shape)):
+            total = None
+            for part in sums[h]:
+                if part is not None:
+                    total = part if total is None else arith.addf(total, part)
+            for distance in (1, 2):  # the four threads of a row
+                total = arith.addf(total, mgpu_utils.shfl_bfly(total, distance))
+            reg_ty = m_regs[idx].type
+            sum_regs[idx] = (
+                vector.broadcast(reg_ty, total) if isinstance(reg_ty, ir.VectorType) else total
+            )
         return (
             mgpu.FragmentedArray(_registers=out, _layout=s_fa.layout, _is_signed=None),
-            mgpu.FragmentedArray(
-                _registers=_row_regs(m_regs, totals), _layout=m_fa.layout, _is_signed=None
-            ),
+            mgpu.FragmentedArray(_registers=sum_regs, _layout=m_fa.layout, _is_signed=None),
         )
 
     return core(s, m)
-
-
-def bounded_softmax(s, o, m, l, lim, scale: float, dtype, chains: int = 4):
-    """One unmasked step's online softmax, `(o, l, m, P)` after it, skipping the row max
-    where it cannot matter. `s`: S (f32, WGMMA layout); `o` the output accumulator;
-    `m`, `l` the running max (scaled base-2 units) and sum; `lim`, per row, an upper
-    bound of `s * scale` over every key the row can see, less `BOUND_SLACK[dtype]`.
-
-    Per warp (its rows' four threads each): where every row's `lim <= m`, no score of
-    the step exceeds its row's running max by more than the slack, so `P = exp2(s *
-    scale - m)` against the max as it is stays at most 2^slack (finite in `dtype`, and
-    `l` and `o` far from f32's range) and is exact in floating point: the row max, the
-    rescale factor and o's and l's rescaling are skipped (`l += P's sums`). Elsewhere
-    (the item's first step, where `m` is -inf; rows whose bound is loose) the exact
-    step: `m = max(m, rowmax(s) * scale)`, `o, l *= exp2(m_old - m)`. A NaN anywhere in
-    a warp's rows takes the exact step, as before."""
-    import jax.experimental.mosaic.gpu as mgpu
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, nvvm, scf, vector
-
-    rows = s.shape[0]
-    row = plgpu.Layout.WGMMA.reduce(1)
-    wgmma = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(
-        arg_types=(wgmma, wgmma, row, row, row),
-        return_type=(
-            plgpu.ShapeDtypeStruct(o.shape, jnp.float32, layout=wgmma),
-            plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row),
-            plgpu.ShapeDtypeStruct((rows,), jnp.float32, layout=row),
-            plgpu.ShapeDtypeStruct(s.shape, dtype, layout=wgmma),
-        ),
-    )
-    def core(_, s_fa, o_fa, m_fa, l_fa, lim_fa):
-        f32 = ir.F32Type.get()
-        i32 = ir.IntegerType.get_signless(32)
-        regs, o_regs, m_regs = s_fa.registers, o_fa.registers, m_fa.registers
-        m_h, half_of = _row_halves(regs, m_regs, lambda x: x)
-        l_h, _ = _row_halves(regs, l_fa.registers, lambda x: x)
-        lim_h, _ = _row_halves(regs, lim_fa.registers, lambda x: x)
-        _, o_half_of = _row_halves(o_regs, m_regs, lambda x: x)
-        halves = len(m_h)
-        ok = None
-        for h in range(halves):  # ordered: a NaN bound or max is not ok
-            c = arith.cmpf(arith.CmpFPredicate.OLE, lim_h[h], m_h[h])
-            ok = c if ok is None else arith.andi(ok, c)
-        fast = nvvm.vote_sync(arith.constant(i32, ir.IntegerAttr.get(i32, -1)), ok, "all")
-        flat_o = [o_regs[idx] for idx in np.ndindex(o_regs.shape)]
-        p_type = ir.VectorType.get((2,), mgpu_utils.dtype_to_ir_type(jnp.dtype(dtype)))
-        n_p = regs.size
-        types = [r.type for r in flat_o] + [f32] * (2 * halves) + [p_type] * n_p
-        branch = scf.IfOp(fast, types, has_else=True)
-        with ir.InsertionPoint(branch.then_block):  # P against the running max
-            neg_m = [arith.negf(x) for x in m_h]
-            out, totals = _exp_pairs(regs, neg_m, half_of, scale, dtype, chains)
-            new_l = [arith.addf(l_h[h], totals[h]) for h in range(halves)]
-            p_flat = [out[idx] for idx in np.ndindex(out.shape)]
-            scf.yield_(flat_o + list(m_h) + new_l + p_flat)
-        with ir.InsertionPoint(branch.else_block):  # the exact step
-            c = arith.constant(f32, ir.FloatAttr.get(f32, float(scale)))
-            chain = [[None, None] for _ in range(halves)]
-            for idx in np.ndindex(regs.shape):
-                h = half_of(idx)
-                for i in range(2):
-                    x = _element(regs[idx], i)
-                    cur = chain[h][i]  # two chains per row half
-                    chain[h][i] = x if cur is None else arith.maximumf(cur, x)
-            new_m, alpha = [], []
-            for h in range(halves):
-                a, b = chain[h]
-                mx = a if b is None else arith.maximumf(a, b)
-                for distance in (1, 2):  # the four threads of a row
-                    mx = arith.maximumf(mx, mgpu_utils.shfl_bfly(mx, distance))
-                mn = arith.maximumf(m_h[h], arith.mulf(mx, c))
-                new_m.append(mn)
-                diff = arith.subf(m_h[h], mn)
-                alpha.append(llvm.inline_asm(f32, [diff], "ex2.approx.ftz.f32 $0, $1;", "=f,f"))
-            new_o = []
-            for idx in np.ndindex(o_regs.shape):
-                reg = o_regs[idx]
-                new_o.append(arith.mulf(reg, vector.broadcast(reg.type, alpha[o_half_of(idx)])))
-            neg_m = [arith.negf(x) for x in new_m]
-            out, totals = _exp_pairs(regs, neg_m, half_of, scale, dtype, chains)
-            new_l = [arith.addf(arith.mulf(l_h[h], alpha[h]), totals[h]) for h in range(halves)]
-            p_flat = [out[idx] for idx in np.ndindex(out.shape)]
-            scf.yield_(new_o + new_m + new_l + p_flat)
-        res = list(branch.results)
-        n_o = len(flat_o)
-        o_out = np.empty(o_regs.shape, dtype=object)
-        for i, idx in enumerate(np.ndindex(o_regs.shape)):
-            o_out[idx] = res[i]
-        m_out = res[n_o : n_o + halves]
-        l_out = res[n_o + halves : n_o + 2 * halves]
-        p_out = np.empty(regs.shape, dtype=object)
-        for i, idx in enumerate(np.ndindex(regs.shape)):
-            p_out[idx] = res[n_o + 2 * halves + i]
-        return (
-            mgpu.FragmentedArray(_registers=o_out, _layout=o_fa.layout, _is_signed=None),
-            mgpu.FragmentedArray(
-                _registers=_row_regs(m_regs, l_out), _layout=m_fa.layout, _is_signed=None
-            ),
-            mgpu.FragmentedArray(
-                _registers=_row_regs(m_regs, m_out), _layout=m_fa.layout, _is_signed=None
-            ),
-            mgpu.FragmentedArray(_registers=p_out, _layout=s_fa.layout, _is_signed=None),
-        )
-
-    return core(s, o, m, l, lim)
 
 
 def hide_keys(s, limit, chunk: int = 64):
