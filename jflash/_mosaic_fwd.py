@@ -175,6 +175,12 @@ HIDE_KEYS = True
 # one pass over K before the launch.
 BOUNDED_MAX = True
 BOUND_SLACK = {jnp.dtype(jnp.bfloat16): 64.0, jnp.dtype(jnp.float16): 14.0}
+# With it, the two-warpgroup loop without overlap (D = 64 under the three-warpgroup
+# lengths, no segment ids) takes FA-3's ping-pong turns again: a warpgroup's Q K^T issue
+# and its P V each wait for the other's softmax, so that one warpgroup's exponentials
+# run while the other's matmuls do, instead of beside the other's exponentials on the
+# SFU. (Without the row max a step's softmax is about its 128 exponentials a thread.)
+BOUNDED_TURNS = True
 # Non-causal calls at these head dims (without `jflash.BlockSizes`) stream this many keys
 # per step where two stages fit shared memory: 2-byte outputs, no segment ids (else 128).
 # Fewer steps per key: barriers, turns and rescales. FlashAttention-3 takes 176 there;
@@ -294,6 +300,7 @@ def _fwd_kernel(
     memory_warp: bool = False,
     memory_q: bool = False,
     bounded: bool = False,
+    turns: bool = False,
 ):
     """`refs`: q, k, v; with `bounded`, the largest key norm per batch row and KV head
     (`[B * KV heads]` f32); with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]`
@@ -555,6 +562,8 @@ def _fwd_kernel(
             def qk(acc):
                 with jax.named_scope("qk"):
                     plgpu.wgmma(acc, q_smem, k_smem.at[keys].T)
+                    if turns:  # while this wgmma runs, the other warpgroup does softmax
+                        take_turn()
                 with jax.named_scope("s_read"):
                     return acc[...]  # [64, width] f32
 
@@ -568,7 +577,10 @@ def _fwd_kernel(
             with jax.named_scope("softmax_m" if masked else "softmax"):
                 acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             with jax.named_scope("turn"):
-                plgpu.barrier_wait(v_ready.at[slot])
+                if turns:
+                    take_tensor_cores(slot)
+                else:
+                    plgpu.barrier_wait(v_ready.at[slot])
             with jax.named_scope("issue"):
                 (acc,) = wgmma_into((acc,), [(p16, v_smem.at[keys])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
@@ -586,11 +598,11 @@ def _fwd_kernel(
                 hold()
                 hand()
                 return carry
-            if split:
+            if split or turns:
                 take_turn()
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            if split:
+            if split or turns:
                 take_turn()
             return carry
 
@@ -731,6 +743,10 @@ def _fwd_kernel(
             def _():
                 hold()
                 hand()
+        elif turns:
+            # An item the CTA streams no key for takes one turn each: the turns run on
+            # across the items, warpgroup 1 one behind.
+            pl.when(st.count == 0)(take_turn)
 
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads (from the last step on where `early`) while this one's output
@@ -783,6 +799,8 @@ def _fwd_kernel(
         elif split:
             pl.when(wg == 1)(take_turn)
             plgpu.barrier_arrive(turn)  # the turn each item takes back at its start
+        elif turns:  # warpgroup 1 one turn behind
+            pl.when(wg == 1)(take_turn)
 
         def item(carry):  # the carry holds the item's `locate`
             k, ticket, located = carry
@@ -805,6 +823,8 @@ def _fwd_kernel(
             plgpu.barrier_wait(turn)
         elif token:  # the last warpgroup's last hand-over
             pl.when(wg == 0)(hold)
+        elif turns:
+            pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1151,6 +1171,10 @@ def _launch(
         if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
     bounded = BOUNDED_MAX and not interpret and not segments and jnp.dtype(q.dtype) in BOUND_SLACK
+    # Ping-pong turns in the two-warpgroup loop without overlap, where it keeps its max;
+    # interpreted too, where the GPU interpreter checks their barriers.
+    no_overlap = wgs == COMPUTE_WGS and not (h in OVERLAP_HEAD_DIMS if overlap is None else overlap)
+    turns = BOUNDED_TURNS and no_overlap and not segments and (bounded or interpret)
     if bounded:  # the largest key norm per batch row and KV head
         # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
         # values, whose products f32 holds exactly), with no f32 copy of K.
@@ -1175,6 +1199,7 @@ def _launch(
         memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
         memory_q=memory_q,
         bounded=bounded,
+        turns=turns,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
