@@ -167,7 +167,7 @@ HALF_LAST = True
 # equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
 # at causal 4k and 8k (BENCHMARKS.md).
 HIDE_KEYS = True
-# Without segment ids, every loop skips an unmasked step's row max where it cannot
+# Every loop (with segment ids too) skips an unmasked step's row max where it cannot
 # matter (`bounded_rowmax`): each row's scores are at most its query's norm times the
 # largest key norm of its KV head (times the scale), and where that bound is within
 # BOUND_SLACK (base 2) of the row's running max for every row of a warp, the warp keeps
@@ -1156,6 +1156,14 @@ def _launch(
         (geom.q_pad, geom.kv_pad) if interpret else (round_up(t, 8), round_up(s_len, 8))
     )
     inputs = (pad_to(q, 1, q_rows), pad_to(k, 1, kv_rows), pad_to(v, 1, kv_rows))
+    bounded = BOUNDED_MAX and not interpret and jnp.dtype(q.dtype) in BOUND_SLACK
+    if bounded:  # the largest key norm per batch row and KV head
+        # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
+        # values, whose products f32 holds exactly), with no f32 copy of K.
+        norms2 = lax.dot_general(
+            k, k, (((3,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=jnp.float32
+        )
+        inputs += (jnp.sqrt(jnp.max(norms2, axis=1)).reshape(-1),)
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
         table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])  # `run_if`
@@ -1170,18 +1178,10 @@ def _launch(
         # read would be the counter's running count (tiles that are never computed).
         if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
-    bounded = BOUNDED_MAX and not interpret and not segments and jnp.dtype(q.dtype) in BOUND_SLACK
     # Ping-pong turns in the two-warpgroup loop without overlap, where it keeps its max;
     # interpreted too, where the GPU interpreter checks their barriers.
     no_overlap = wgs == COMPUTE_WGS and not (h in OVERLAP_HEAD_DIMS if overlap is None else overlap)
     turns = BOUNDED_TURNS and no_overlap and not segments and (bounded or interpret)
-    if bounded:  # the largest key norm per batch row and KV head
-        # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
-        # values, whose products f32 holds exactly), with no f32 copy of K.
-        norms2 = lax.dot_general(
-            k, k, (((3,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=jnp.float32
-        )
-        inputs += (jnp.sqrt(jnp.max(norms2, axis=1)).reshape(-1),)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
