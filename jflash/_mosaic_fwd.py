@@ -94,7 +94,6 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
-    bounded_rowmax,
     col_ids,
     drain,
     exp_rows,
@@ -167,20 +166,6 @@ HALF_LAST = True
 # equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
 # at causal 4k and 8k (BENCHMARKS.md).
 HIDE_KEYS = True
-# Every loop (with segment ids too) skips an unmasked step's row max where it cannot
-# matter (`bounded_rowmax`): each row's scores are at most its query's norm times the
-# largest key norm of its KV head (times the scale), and where that bound is within
-# BOUND_SLACK (base 2) of the row's running max for every row of a warp, the warp keeps
-# its running max; P is then at most 2^slack, exact in floating point. The key norms:
-# one pass over K before the launch.
-BOUNDED_MAX = True
-BOUND_SLACK = {jnp.dtype(jnp.bfloat16): 64.0, jnp.dtype(jnp.float16): 14.0}
-# With it, the two-warpgroup loop without overlap (D = 64 under the three-warpgroup
-# lengths, no segment ids) takes FA-3's ping-pong turns again: a warpgroup's Q K^T issue
-# and its P V each wait for the other's softmax, so that one warpgroup's exponentials
-# run while the other's matmuls do, instead of beside the other's exponentials on the
-# SFU. (Without the row max a step's softmax is about its 128 exponentials a thread.)
-BOUNDED_TURNS = True
 # Non-causal calls at these head dims (without `jflash.BlockSizes`) stream this many keys
 # per step where two stages fit shared memory: 2-byte outputs, no segment ids (else 128).
 # Fewer steps per key: barriers, turns and rescales. FlashAttention-3 takes 176 there;
@@ -299,11 +284,8 @@ def _fwd_kernel(
     overlap: bool | None = None,
     memory_warp: bool = False,
     memory_q: bool = False,
-    bounded: bool = False,
-    turns: bool = False,
 ):
-    """`refs`: q, k, v; with `bounded`, the largest key norm per batch row and KV head
-    (`[B * KV heads]` f32); with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]`
+    """`refs`: q, k, v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]`
     (`key_spans`), `kv_seg [B, S]` (not with `spans_only`), the `query_table` (the
     sorted-ids flag last) and, with more than one query tile per row, the tiles' order
     (`heaviest_first`); with `copies`, another launch's `o` and `lse`; then the outputs
@@ -322,9 +304,6 @@ def _fwd_kernel(
     `k % 2`, loaded by the memory warpgroup before the item's first K (`MEMORY_Q`);
     otherwise one, loaded by each compute warpgroup."""
     q_ref, k_ref, v_ref, *refs = refs
-    kn_ref = None
-    if bounded:
-        kn_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
     counter_ref = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
@@ -470,14 +449,6 @@ def _fwd_kernel(
 
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_ready.at[slot_q * wgs + wg])
-        lim = None
-        if bounded:  # each row's bound of its scaled scores, less the slack
-            qa = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            q_norm = jnp.sqrt((qa * qa).sum(axis=1))
-            kv_heads = jnp.int32(k_ref.shape[2])
-            k_norm = kn_ref[batch * kv_heads + head // jnp.int32(geom.group)]
-            slack = jnp.float32(BOUND_SLACK[jnp.dtype(q_smem.dtype)])
-            lim = q_norm * (k_norm * jnp.float32(abs(qk_scale))) - slack
         q_ids = lo = hi = None
         if segments and spans_only:
             lo, hi = (row_ids(q_ids2.at[slot_q, wg, jnp.int32(i)]) for i in (1, 2))
@@ -532,10 +503,7 @@ def _fwd_kernel(
             elif masked:
                 s = by_ids(j, s, ids)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
-            if bounded and not masked:
-                m_new = bounded_rowmax(s, m, lim, qk_scale)
-            else:
-                m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
@@ -562,8 +530,6 @@ def _fwd_kernel(
             def qk(acc):
                 with jax.named_scope("qk"):
                     plgpu.wgmma(acc, q_smem, k_smem.at[keys].T)
-                    if turns:  # while this wgmma runs, the other warpgroup does softmax
-                        take_turn()
                 with jax.named_scope("s_read"):
                     return acc[...]  # [64, width] f32
 
@@ -577,10 +543,7 @@ def _fwd_kernel(
             with jax.named_scope("softmax_m" if masked else "softmax"):
                 acc, l, m, p16 = softmax(j, s, acc, m, l, masked=masked, ids=ids)
             with jax.named_scope("turn"):
-                if turns:
-                    take_tensor_cores(slot)
-                else:
-                    plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
             with jax.named_scope("issue"):
                 (acc,) = wgmma_into((acc,), [(p16, v_smem.at[keys])], interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
@@ -598,11 +561,11 @@ def _fwd_kernel(
                 hold()
                 hand()
                 return carry
-            if split or turns:
+            if split:
                 take_turn()
             plgpu.barrier_wait(v_ready.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
-            if split or turns:
+            if split:
                 take_turn()
             return carry
 
@@ -743,10 +706,6 @@ def _fwd_kernel(
             def _():
                 hold()
                 hand()
-        elif turns:
-            # An item the CTA streams no key for takes one turn each: the turns run on
-            # across the items, warpgroup 1 one behind.
-            pl.when(st.count == 0)(take_turn)
 
         # Every wgmma that reads Q is done (`acc` waited for the last P V): the next
         # item's Q loads (from the last step on where `early`) while this one's output
@@ -799,8 +758,6 @@ def _fwd_kernel(
         elif split:
             pl.when(wg == 1)(take_turn)
             plgpu.barrier_arrive(turn)  # the turn each item takes back at its start
-        elif turns:  # warpgroup 1 one turn behind
-            pl.when(wg == 1)(take_turn)
 
         def item(carry):  # the carry holds the item's `locate`
             k, ticket, located = carry
@@ -823,8 +780,6 @@ def _fwd_kernel(
             plgpu.barrier_wait(turn)
         elif token:  # the last warpgroup's last hand-over
             pl.when(wg == 0)(hold)
-        elif turns:
-            pl.when(wg == 0)(take_turn)
         # The CTA may end once the copies have read SMEM; their writes complete by the
         # kernel's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1156,14 +1111,6 @@ def _launch(
         (geom.q_pad, geom.kv_pad) if interpret else (round_up(t, 8), round_up(s_len, 8))
     )
     inputs = (pad_to(q, 1, q_rows), pad_to(k, 1, kv_rows), pad_to(v, 1, kv_rows))
-    bounded = BOUNDED_MAX and not interpret and jnp.dtype(q.dtype) in BOUND_SLACK
-    if bounded:  # the largest key norm per batch row and KV head
-        # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
-        # values, whose products f32 holds exactly), with no f32 copy of K.
-        norms2 = lax.dot_general(
-            k, k, (((3,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=jnp.float32
-        )
-        inputs += (jnp.sqrt(jnp.max(norms2, axis=1)).reshape(-1),)
     if segments:
         table = query_table(q_seg, kv_seg, WG_ROWS, block_kv, geom.q_pad // WG_ROWS)
         table = jnp.concatenate([table, ordered.astype(jnp.int32)[None]])  # `run_if`
@@ -1178,10 +1125,6 @@ def _launch(
         # read would be the counter's running count (tiles that are never computed).
         if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
-    # Ping-pong turns in the two-warpgroup loop without overlap, where it keeps its max;
-    # interpreted too, where the GPU interpreter checks their barriers.
-    no_overlap = wgs == COMPUTE_WGS and not (h in OVERLAP_HEAD_DIMS if overlap is None else overlap)
-    turns = BOUNDED_TURNS and no_overlap and not segments and (bounded or interpret)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -1198,8 +1141,6 @@ def _launch(
         overlap=overlap,
         memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
         memory_q=memory_q,
-        bounded=bounded,
-        turns=turns,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers
