@@ -345,16 +345,21 @@ def add_ratios(rows: list[dict], baselines=("cudnn", "fa3")) -> None:
 
 
 def retime_rows(
-    entries: list[tuple[dict, dict]], rounds: int, iters: int | None = None, heat_s: float = HEAT_S
+    entries: list[tuple[dict, dict]],
+    rounds: int,
+    iters: int | None = None,
+    heat_s: float = HEAT_S,
+    round_s: float = 0.15,
 ) -> None:
-    """Time one shape's rows (`(row, timers)`, `timers` from `measure`) in `rounds`
-    interleaved rounds after `heat_s` seconds of load (`common.heat`), each row keeping
-    its best; the reading `measure` took right after compiling is dropped (it ran on a
-    GPU cooled by the compilation). Each round times every row's forward, then every
-    forward+backward, in an order from a balanced Latin square (each row takes every
-    turn and follows every other equally often). Rows timed once, one after the other,
-    carry the GPU's drift and the order's bias into their ratios (1-4% on identical
-    code in `ab.py`)."""
+    """Time one shape's rows (`(row, timers)`, `timers` from `measure`: pass name ->
+    `(compiled, inputs, FLOPs)`) in `rounds` interleaved rounds after `heat_s` seconds
+    of load (`common.heat`), each reading a `time_pipelined` one (`iters`, `round_s`),
+    each row keeping its best; the reading `measure` took right after compiling is
+    dropped (it ran on a GPU cooled by the compilation). Each round times every row's
+    forward, then every forward+backward, in an order from a balanced Latin square (each
+    row takes every turn and follows every other equally often). Rows timed once, one
+    after the other, carry the GPU's drift and the order's bias into their ratios (1-4%
+    on identical code in `ab.py`)."""
     calls = [functools.partial(c, *a) for _, timers in entries for c, a, _ in timers.values()]
     heat(calls, heat_s)
     best = {}
@@ -362,7 +367,7 @@ def retime_rows(
         timers = entries[i][1]
         if name in timers:
             compiled, inputs, _ = timers[name]
-            t = time_pipelined(compiled, *inputs, iters=iters)
+            t = time_pipelined(compiled, *inputs, iters=iters, round_s=round_s)
             best[i, name] = min(best.get((i, name), float("inf")), t)
     for (i, name), t in best.items():
         row, timers = entries[i]

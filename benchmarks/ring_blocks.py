@@ -70,14 +70,12 @@ from benchmarks.common import (  # noqa: E402
     check_out,
     device_name,
     gpu_or_interpret,
-    heat,
-    interleaved,
     table,
     time_pipelined,
     traced_kernels,
     write_json,
 )
-from benchmarks.kernel import document_flops, relative_gap  # noqa: E402
+from benchmarks.kernel import document_flops, relative_gap, retime_rows  # noqa: E402
 from benchmarks.ring import document_row  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -379,11 +377,12 @@ def ab_benchmark(args, modules: dict, done=lambda rows: None) -> list[dict]:
                 leaves = jax.tree.leaves(calls[label](*inputs))
                 row[f"{label}_grad_rel_diff"] = max(map(relative_gap, leaves, base))
             del base
-            heat([functools.partial(call, *inputs) for call in calls.values()], args.heat)
-            best = dict.fromkeys(labels, float("inf"))
-            for _, _, i in interleaved(len(labels), range(args.rounds), ("fwdbwd",)):
-                t = time_pipelined(calls[labels[i]], *inputs, iters=None, round_s=args.min_time / 3)
-                best[labels[i]] = min(best[labels[i]], t)
+            entries = [({}, {"fwdbwd": (calls[label], inputs, flops)}) for label in labels]
+            retime_rows(entries, args.rounds, heat_s=args.heat, round_s=args.min_time / 3)
+            best = {
+                label: timed["fwdbwd_ms"] / 1e3
+                for label, (timed, _) in zip(labels, entries, strict=True)
+            }
             for label, t in best.items():
                 row[f"{label}_ms"] = t * 1e3 * scale
                 row[f"{label}_tflops"] = flops / (t * scale) / 1e12

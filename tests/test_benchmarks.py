@@ -1126,7 +1126,9 @@ def test_retime_rows_heats_then_drops_the_reading_after_compiling(monkeypatch):
     where `measure`'s reading right after compiling was faster."""
     heated, readings = [], iter([3.0, 2.0, 4.0, 5.0, 2.5, 6.0])
     monkeypatch.setattr(kernel, "heat", lambda calls, s: heated.append((len(calls), s)))
-    monkeypatch.setattr(kernel, "time_pipelined", lambda fn, *a, iters: next(readings) * 1e-3)
+    monkeypatch.setattr(
+        kernel, "time_pipelined", lambda fn, *a, iters, round_s: next(readings) * 1e-3
+    )
     rows = [{"fwd_ms": 1.0, "fwdbwd_ms": 1.0}, {"fwd_ms": 1.0}]
     entries = [
         (rows[0], {"fwd": (len, ("x",), 1e9), "fwdbwd": (len, ("x",), 3.5e9)}),
