@@ -338,6 +338,83 @@ def exp_rows(s, m, scale: float, dtype, chains: int = 4):
     return core(s, m)
 
 
+def _row_regs(m_regs, values):
+    """A row vector's registers (the shapes and types of `m_regs`) holding `values`, one
+    per row half."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import vector
+
+    out = np.empty(m_regs.shape, dtype=object)
+    for h, idx in enumerate(np.ndindex(m_regs.shape)):
+        reg_ty = m_regs[idx].type
+        out[idx] = (
+            vector.broadcast(reg_ty, values[h]) if isinstance(reg_ty, ir.VectorType) else values[h]
+        )
+    return out
+
+
+def bounded_rowmax(s, m, lim, scale: float):
+    """The running max after an unmasked step of S `s` (f32, WGMMA layout), skipping the
+    row max where it cannot matter. `m`: the running max (scaled base-2 units); `lim`,
+    per row, an upper bound of `s * scale` over every key the row can see, less a slack.
+
+    Per warp (its rows' four threads each): where every row's `lim <= m`, no score of
+    the step exceeds its row's running max by more than the slack, so `m` stays as it
+    is, and `P = exp2(s * scale - m)` is at most 2^slack (finite in the input dtype, `l`
+    and `o` far from f32's range) and exact in floating point; the row max, a serial
+    chain between S and the first exponential, is skipped. Elsewhere (the item's first
+    step, where `m` is -inf; rows whose bound is loose; a NaN) `max(m, rowmax(s) *
+    scale)`. Only the max is in the warp's branch: the rescale factor (1 where `m` is
+    kept) and what follows run as in the exact step."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, nvvm, scf
+
+    row = plgpu.Layout.WGMMA.reduce(1)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, row, row),
+        return_type=plgpu.ShapeDtypeStruct((s.shape[0],), jnp.float32, layout=row),
+    )
+    def core(_, s_fa, m_fa, lim_fa):
+        f32 = ir.F32Type.get()
+        i32 = ir.IntegerType.get_signless(32)
+        regs, m_regs = s_fa.registers, m_fa.registers
+        m_h, half_of = _row_halves(regs, m_regs, lambda x: x)
+        lim_h, _ = _row_halves(regs, lim_fa.registers, lambda x: x)
+        halves = len(m_h)
+        ok = None
+        for h in range(halves):  # ordered: a NaN bound or max is not ok
+            c = arith.cmpf(arith.CmpFPredicate.OLE, lim_h[h], m_h[h])
+            ok = c if ok is None else arith.andi(ok, c)
+        fast = nvvm.vote_sync(arith.constant(i32, ir.IntegerAttr.get(i32, -1)), ok, "all")
+        branch = scf.IfOp(fast, [f32] * halves, has_else=True)
+        with ir.InsertionPoint(branch.then_block):
+            scf.yield_(list(m_h))
+        with ir.InsertionPoint(branch.else_block):
+            c = arith.constant(f32, ir.FloatAttr.get(f32, float(scale)))
+            chain = [[None, None] for _ in range(halves)]
+            for idx in np.ndindex(regs.shape):
+                h = half_of(idx)
+                for i in range(2):  # two chains per row half
+                    x = _element(regs[idx], i)
+                    chain[h][i] = x if chain[h][i] is None else arith.maximumf(chain[h][i], x)
+            new_m = []
+            for h in range(halves):
+                a, b = chain[h]
+                mx = a if b is None else arith.maximumf(a, b)
+                for distance in (1, 2):  # the four threads of a row
+                    mx = arith.maximumf(mx, mgpu_utils.shfl_bfly(mx, distance))
+                new_m.append(arith.maximumf(m_h[h], arith.mulf(mx, c)))
+            scf.yield_(new_m)
+        return mgpu.FragmentedArray(
+            _registers=_row_regs(m_regs, list(branch.results)), _layout=m_fa.layout, _is_signed=None
+        )
+
+    return core(s, m, lim)
+
+
 def hide_keys(s, limit, chunk: int = 64):
     """`s` (f32, [rows, cols] in the WGMMA layout) with each row's keys from `limit` on
     hidden: row r keeps columns `c < limit[r]` and the rest become -inf. `limit` is an

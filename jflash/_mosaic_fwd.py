@@ -20,6 +20,24 @@ last step on too (forward 1.04x at causal 4k), and a warpgroup whose rows see no
 its last step's second 128 keys computes only the first 128 (`HALF_LAST`: causal, every
 other tile's diagonal step; forward 1.01-1.03x at causal 4k, outputs bitwise equal).
 
+Without segment ids, every loop skips an unmasked step's row max where a bound shows it
+cannot matter (`BOUNDED_MAX`, `_mosaic_common.bounded_rowmax`). A row's scaled scores are
+at most |scale| x its query's norm x its KV head's largest key norm (one reduce over K
+before the launch, `[B * KV heads]` f32, read per item after its Q arrives). Where that
+bound, less a slack (`BOUND_SLACK`: 64 in base 2 for bf16, 14 for f16), is at most the
+running max of every row of a warp (one `vote.sync.all`), the warp keeps its max: P is
+then at most 2^slack, exact in floating point (the max only keeps exp2 in range), and the
+row max, a serial chain between S and the first exponential, is skipped. Elsewhere (an
+item's first step, loose bounds, NaN) the max is taken as before. Forward 1.03-1.07x at
+D = 64 (causal 4k-16k, full 4k) and 1.05-1.07x at D = 128 (causal 16k and 64k, full 16k)
+on an H100, on normal inputs, where every warp keeps its max after its first step; the
+path that takes the max has 4-7% more fixed stall cycles per step than before (ptxas;
+not yet timed), so inputs whose bound is loose everywhere may run up to that much slower
+(BENCHMARKS.md). With the slack, a
+bf16 call's `o` accumulates P V in f32 up to 2^64 x keys x max|V|: values of V beyond
+about 1e13 at a million keys may overflow where the exact path would not. Segment ids
+keep the exact max (the bound there lost 5% on packed 8k rows at D = 64).
+
 Non-causal calls at D=128 stream 160 keys per step where two stages of them fit shared
 memory (2-byte outputs, no segment ids; `FULL_BLOCK_KV`): forward 1.05x at full 16k and
 64k. V's tile then takes a 64-byte swizzle, since P V contracts over the step's keys.
@@ -94,6 +112,7 @@ from jflash._mosaic_common import (
     MEMORY_REGS,
     WG_ROWS,
     Geometry,
+    bounded_rowmax,
     col_ids,
     drain,
     exp_rows,
@@ -166,6 +185,14 @@ HALF_LAST = True
 # equal; a compare per value everywhere (no chunks) read 1-2% slower than the chunks
 # at causal 4k and 8k (BENCHMARKS.md).
 HIDE_KEYS = True
+# Without segment ids, every loop skips an unmasked step's row max where it cannot
+# matter (`bounded_rowmax`): each row's scores are at most its query's norm times the
+# largest key norm of its KV head (times the scale), and where that bound is within
+# BOUND_SLACK (base 2) of the row's running max for every row of a warp, the warp keeps
+# its running max; P is then at most 2^slack, exact in floating point. The key norms:
+# one pass over K before the launch. Forward 1.03-1.07x on an H100 (BENCHMARKS.md).
+BOUNDED_MAX = True
+BOUND_SLACK = {jnp.dtype(jnp.bfloat16): 64.0, jnp.dtype(jnp.float16): 14.0}
 # Non-causal calls at these head dims (without `jflash.BlockSizes`) stream this many keys
 # per step where two stages fit shared memory: 2-byte outputs, no segment ids (else 128).
 # Fewer steps per key: barriers, turns and rescales. FlashAttention-3 takes 176 there;
@@ -284,8 +311,10 @@ def _fwd_kernel(
     overlap: bool | None = None,
     memory_warp: bool = False,
     memory_q: bool = False,
+    bounded: bool = False,
 ):
-    """`refs`: q, k, v; with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]`
+    """`refs`: q, k, v; with `bounded`, the largest key norm per batch row and KV head
+    (`[B * KV heads]` f32); with segment ids, the rows' `(id, lo, hi)` `[B, 3, T]`
     (`key_spans`), `kv_seg [B, S]` (not with `spans_only`), the `query_table` (the
     sorted-ids flag last) and, with more than one query tile per row, the tiles' order
     (`heaviest_first`); with `copies`, another launch's `o` and `lse`; then the outputs
@@ -304,6 +333,9 @@ def _fwd_kernel(
     `k % 2`, loaded by the memory warpgroup before the item's first K (`MEMORY_Q`);
     otherwise one, loaded by each compute warpgroup."""
     q_ref, k_ref, v_ref, *refs = refs
+    kn_ref = None
+    if bounded:
+        kn_ref, *refs = refs
     # The work items' counter: a global semaphore, one int32 in HBM for the whole launch,
     # which Pallas zeroes before every launch (compiled only: `WorkItems`).
     counter_ref = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((1,)))
@@ -449,6 +481,14 @@ def _fwd_kernel(
 
         with jax.named_scope("q_wait"):
             plgpu.barrier_wait(q_ready.at[slot_q * wgs + wg])
+        lim = None
+        if bounded:  # each row's bound of its scaled scores, less the slack
+            qa = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            q_norm = jnp.sqrt((qa * qa).sum(axis=1))
+            kv_heads = jnp.int32(k_ref.shape[2])
+            k_norm = kn_ref[batch * kv_heads + head // jnp.int32(geom.group)]
+            slack = jnp.float32(BOUND_SLACK[jnp.dtype(q_smem.dtype)])
+            lim = q_norm * (k_norm * jnp.float32(abs(qk_scale))) - slack
         q_ids = lo = hi = None
         if segments and spans_only:
             lo, hi = (row_ids(q_ids2.at[slot_q, wg, jnp.int32(i)]) for i in (1, 2))
@@ -503,7 +543,10 @@ def _fwd_kernel(
             elif masked:
                 s = by_ids(j, s, ids)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
-            m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
+            if bounded and not masked:
+                m_new = bounded_rowmax(s, m, lim, qk_scale)
+            else:
+                m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
             alpha = jnp.exp2(m - m_use)
             o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
@@ -891,7 +934,8 @@ def forms() -> str:
         "128-key steps without overlap) and other ids compare ids on two warpgroups "
         "(both kernels launch: the id compare first, returning at once where the ids are "
         "sorted, then the span kernel, which copies the compare's outputs where they are "
-        "not)"
+        "not); without segment_ids an unmasked step keeps its rows' running max where a "
+        "key-norm bound allows (bf16 and fp16)"
     )
 
 
@@ -1125,6 +1169,14 @@ def _launch(
         # read would be the counter's running count (tiles that are never computed).
         if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
+    bounded = BOUNDED_MAX and not interpret and not segments and jnp.dtype(q.dtype) in BOUND_SLACK
+    if bounded:  # the largest key norm per batch row and KV head
+        # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
+        # values, whose products f32 holds exactly), with no f32 copy of K.
+        norms2 = lax.dot_general(
+            k, k, (((3,), (3,)), ((0, 1, 2), (0, 1, 2))), preferred_element_type=jnp.float32
+        )
+        inputs += (jnp.sqrt(jnp.max(norms2, axis=1)).reshape(-1),)
     kernel = functools.partial(
         _fwd_kernel,
         geom=geom,
@@ -1141,6 +1193,7 @@ def _launch(
         overlap=overlap,
         memory_warp=one_warp_streams(q, MEMORY_WARP_HEAD_DIMS, interpret),
         memory_q=memory_q,
+        bounded=bounded,
     )
     with_ids = 2 if segments else 1  # TMA arrivals on the Q barriers
     with_kv_ids = 2 if stream_ids else 1  # and on the K barriers

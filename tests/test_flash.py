@@ -209,6 +209,60 @@ def test_mosaic_forward_with_more_items_than_ctas():
     assert_close(got, want, case.dtype)
 
 
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "head_dim, wgs", [(64, 2), (64, 3), (128, 2)], ids=["d64-two", "d64-three", "d128"]
+)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_mosaic_forward_bounded_max(dtype, causal, head_dim, wgs, monkeypatch):
+    """Each forward loop skips an unmasked step's row max where each row's score bound
+    (query norm x largest key norm) is within the slack of its running max
+    (`bounded_rowmax`). Rows 1800-1830 of KV head 0's query heads and one key, 1700,
+    share a direction: their score there is 4/5 of the slack (base 2), far past the
+    first step's max, which their warps keep (P up to about 2^43 in bf16, 2^7 in f16);
+    rows 100-110 of head 2 are 40x longer, so that their warp's bound is far from its
+    max and it takes the exact step, beside warps that do not."""
+    from jflash import _mosaic_fwd
+
+    calls = []
+    bounded = _mosaic_fwd.bounded_rowmax
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return bounded(*args, **kwargs)
+
+    monkeypatch.setattr(_mosaic_fwd, "bounded_rowmax", spy)
+    if wgs == 3:
+        monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
+        monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN_FULL", 0)
+    jax.clear_caches()
+    q, k, v, do, dlse = make_inputs(
+        3, batch=1, q_len=2048, kv_len=2048, q_heads=4, kv_heads=2, head_dim=head_dim, dtype=dtype
+    )
+    c = head_dim**-0.5 * np.log2(np.e)  # the default scale, in base 2
+    jump = 0.8 * _mosaic_fwd.BOUND_SLACK[jnp.dtype(dtype)]
+    norm = np.sqrt(jump / c)  # the query's and the key's, so that c * norm^2 = jump
+    u = np.asarray(jax.random.normal(jax.random.key(9), (head_dim,)))
+    u = u / np.linalg.norm(u)
+    q = q.at[0, 1800:1831, 0:2].set(jnp.asarray(norm * u, dtype))
+    k = k.at[0, 1700, 0].set(jnp.asarray(norm * u, dtype))
+    q = q.at[0, 100:111, 2].multiply(40)
+    got = jflash.flash_attention(
+        q, k, v, causal=causal, implementation="pallas_mosaic", return_lse=True
+    )
+    want = oracle(q, k, v, do, dlse, causal=causal)[:2]
+    assert calls, "the bounded row max was not traced"
+    assert_close(got, want, dtype, names=("out", "lse"))
+    if dtype == jnp.bfloat16:  # the jump rows attend almost only to key 1700
+        out = np.asarray(got[0], np.float32)[0, 1800:1831, 0]
+        np.testing.assert_allclose(
+            out, np.broadcast_to(np.asarray(v[0, 1700, 0], np.float32), out.shape), atol=0.05
+        )
+    jax.clear_caches()
+
+
 # The three-warpgroup D = 64 forward: causal and full, a ragged length (192-row tiles
 # with padding warpgroups), offsets, MQA. Long calls take it by default; here every
 # call does. The interpreter runs the last two (the first two take it 20-60 s each).
