@@ -43,6 +43,10 @@ way (`kernel.document_ids`: the same mask, labels that are not sorted along the 
 row).
 After every row the rows so far go to `<out>.partial` (`"complete": false`), so a run
 cut short keeps the rows it finished and leaves the last whole run's JSON as it was.
+`--q-scale X` multiplies the normal queries by X (rows named `, q x X`): at 16 the
+forward's key-norm bound (`BOUNDED_MAX` in `jflash/_mosaic_fwd.py`) is loose for every
+row (at D = 64 and 128), so the row max it skips on normal inputs runs throughout: the
+kernel's worst case.
 `--deterministic` times jflash's deterministic backward (its separate dQ kernel) instead
 of the default.
 Columns: ms per candidate and `new/rev` (the revision's time ÷ the tree's: above 1, the
@@ -63,6 +67,7 @@ import functools
 import importlib
 import io
 import itertools
+import math
 import os
 import re
 import shutil
@@ -315,6 +320,7 @@ def measure_all(
     commit) imported once; `on_row(rows)` after each row."""
     labels = list(commits)
     det = True if args.deterministic else None
+    q_note = f", q x {args.q_scale:g}" if args.q_scale != 1.0 else ""
     with tempfile.TemporaryDirectory() as tmp:
         modules = {"new": import_tree(os.path.join(tmp, "tree"))}
         for i, (label, commit) in enumerate(commits.items()):
@@ -341,8 +347,8 @@ def measure_all(
             if "cudnn" in peers:
                 cands["cudnn"] = cudnn_candidate(causal)
             flops = 4.0 * batch * args.heads * seq * seq * hd / (2 if causal else 1)
-            name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}"
-            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
+            name = f"{'causal' if causal else 'full'} S={seq} D={hd} B={batch}" + q_note
+            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd, q_scale=args.q_scale)
             rows.append(timed(name, flops, cands, a))
             print(rows[-1], flush=True)
             on_row(rows)
@@ -358,9 +364,9 @@ def measure_all(
             }
             if "fa3" in peers and batch == 1 and hd in FA3_HEAD_DIMS:  # its varlen form
                 cands["fa3"] = _passes(document_attention_fn("fa3", lengths))
-            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd)
+            a = draw_inputs(batch, seq, args.heads, args.kv_heads, hd, q_scale=args.q_scale)
             flops = batch * document_flops(lengths, args.heads, hd)
-            name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}"
+            name = f"documents S={seq} ({len(lengths)} documents) D={hd} B={batch}" + q_note
             if order != "sorted":
                 name += f", {order} ids"
             rows.append(timed(name, flops, cands, a))
@@ -404,6 +410,13 @@ def main(argv=None) -> int:
         "kernel) instead of the default",
     )
     parser.add_argument("--tokens", type=int, default=65536, help="tokens per call")
+    parser.add_argument(
+        "--q-scale",
+        type=float,
+        default=1.0,
+        help="multiply the normal queries by this (16: the forward's key-norm bound is "
+        "loose for every row, so its exact row max runs throughout)",
+    )
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=None, help="default: 2 x candidates")
@@ -446,6 +459,8 @@ def main(argv=None) -> int:
         )
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1")
+    if not (math.isfinite(args.q_scale) and args.q_scale > 0):
+        parser.error(f"--q-scale {args.q_scale}: a positive finite number")
     peers = [p for p in args.peers.split(",") if p]
     if any(p not in ("fa3", "cudnn") for p in peers):
         parser.error(f"--peers {args.peers!r}: fa3 and/or cudnn")
@@ -468,6 +483,7 @@ def main(argv=None) -> int:
         "rev_commits": commits,
         "implementation": args.implementation,
         "deterministic": args.deterministic,
+        "q_scale": args.q_scale,
     }
 
     def save(rows, complete):  # after each row too (beside `out`): a run cut short keeps them

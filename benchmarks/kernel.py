@@ -166,9 +166,12 @@ def attention_flops(batch, heads, seq, head_dim, causal: bool = True):
     return causal_flops(batch, heads, seq, head_dim) * (1 if causal else 2)
 
 
-def draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16):
+def draw_inputs(batch, seq, heads, kv_heads, head_dim, dtype=jnp.bfloat16, q_scale: float = 1.0):
+    """Standard normal q, k, v and dO; `q_scale` multiplies q (larger: peakier softmax)."""
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (batch, seq, heads, head_dim), dtype)
+    if q_scale != 1.0:
+        q = (q.astype(jnp.float32) * q_scale).astype(dtype)
     k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
     v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
     do = jax.random.normal(ks[3], (batch, seq, heads, head_dim), dtype)

@@ -652,9 +652,11 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
     out = tmp_path / "ab.json"
     argv = ["--rev", "HEAD", "--rev", "HEAD", "--implementation", "xla", "--interpret"]
     argv += ["--shapes", "causal:128:64", "--tokens", "128", "--heads", "2", "--kv-heads", "1"]
+    argv += ["--q-scale", "8"]
     ab.main([*argv, "--rounds", "1", "--min-time", "0", "--heat", "0", "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["revs"] == {"rev1": "HEAD", "rev2": "HEAD"}
+    assert written["q_scale"] == 8.0 and written["rows"][0]["shape"].endswith(", q x 8")
     head = subprocess.run(
         ["git", "-C", ab.ROOT, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -683,6 +685,8 @@ def test_ab_several_revisions_and_a_wrong_backward(tmp_path, monkeypatch, capsys
         (["--rev", "HEAD", "--id-orders", "padded"], "--documents"),
         (["--rev", "HEAD", "--shapes", "causal:0:64"], "causal:0:64"),
         (["--rev", "HEAD", "--implementation", "mosiac"], "'mosiac'"),
+        (["--rev", "HEAD", "--q-scale", "0"], "--q-scale 0.0"),
+        (["--rev", "HEAD", "--q-scale", "nan"], "--q-scale nan"),
     ],
 )
 def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
@@ -691,6 +695,21 @@ def test_ab_rejects_bad_flags_by_value(argv, named, capsys):
     with pytest.raises(SystemExit):
         ab.main(argv)
     assert named in capsys.readouterr().err
+
+
+def test_draw_inputs_q_scale_multiplies_only_the_queries():
+    """`--q-scale`'s inputs: the same draw with q times the factor (exact in bf16 for a
+    power of two), k, v and dO as they were."""
+    from benchmarks.kernel import draw_inputs
+
+    plain = draw_inputs(1, 64, 2, 1, 64)
+    scaled = draw_inputs(1, 64, 2, 1, 64, q_scale=8.0)
+    assert scaled[0].dtype == plain[0].dtype
+    np.testing.assert_array_equal(
+        np.asarray(scaled[0], np.float32), 8 * np.asarray(plain[0], np.float32)
+    )
+    for a, b in zip(plain[1:], scaled[1:], strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
