@@ -30,7 +30,9 @@ Inputs: `--shapes mask:S:D` draws `benchmarks/kernel.py`'s normal q and k (batch
 dense XLA attention, and takes every layer's q and k after RoPE. Packed documents
 (segment ids) keep the exact max in the kernel and are not modelled. Columns: warp-steps
 unmasked, the share that kept the max (`kept`), and that share leaving out each
-warpgroup's first step (`kept_after_first`, which the bound cannot take). JSON:
+warpgroup's first step (`kept_after_first`, which the bound cannot take); `bounded`
+says whether the kernel takes the bound at all for the dtype and head dim (fp16 at
+D = 128 keeps the exact loop: the shares there are what the bound would keep). JSON:
 `--out` (default `benchmarks/results/bound-share-<source>.json`).
 """
 
@@ -54,10 +56,12 @@ from benchmarks.kernel import draw_inputs  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WG_ROWS = 64  # rows per compute warpgroup
 WARP_ROWS = 16  # rows per warp (a wgmma's m64 tile: four warps of 16 rows)
-# The kernel's choices this replays (`jflash/_mosaic_fwd.py`: BOUND_SLACK, the three-
+# The kernel's choices this replays (`jflash/_mosaic_fwd.py`: BOUND_SLACK,
+# BOUND_HEAD_DIMS, the three-
 # warpgroup rule, FULL_BLOCK_KV; `mosaic_block_sizes`' keys per step), kept equal to
 # them by tests/test_bound_share.py.
 SLACK = {"bfloat16": 64.0, "float16": 14.0}
+HEAD_DIMS = {"bfloat16": (64, 128), "float16": (64,)}  # that take the bound
 THREE_WG_HEAD_DIMS = (64,)
 THREE_WG_MIN_LEN = 16384  # causal
 THREE_WG_MIN_LEN_FULL = 8192
@@ -130,6 +134,7 @@ def share_row(name, pairs, *, causal, head_dim, seq, dtype) -> dict:
         seq_len=seq,
         head_dim=head_dim,
         keys_per_step=block_kv,
+        bounded=head_dim in HEAD_DIMS[jnp.dtype(dtype).name],
         heads=len(pairs),
         unmasked_warp_steps=unmasked,
         kept=kept / unmasked if unmasked else None,
@@ -148,8 +153,10 @@ def heads_of(q, k):
 def normal_rows(args, shapes) -> list[dict]:
     rows = []
     for causal, seq, hd in shapes:
-        q, k, _, _ = draw_inputs(1, seq, args.heads, args.kv_heads, hd, q_scale=args.q_scale)
+        dtype = jnp.dtype(args.dtype)
+        q, k, _, _ = draw_inputs(1, seq, args.heads, args.kv_heads, hd, dtype, args.q_scale)
         name = "normal" + (f", q x {args.q_scale:g}" if args.q_scale != 1.0 else "")
+        name += ", fp16" if dtype == jnp.float16 else ""
         rows.append(
             share_row(name, heads_of(q, k), causal=causal, head_dim=hd, seq=seq, dtype=q.dtype)
         )
@@ -246,10 +253,11 @@ def main(argv=None) -> int:
         if bad:
             parser.error(f"--shapes {','.join(bad)}: S a multiple of {WG_ROWS}")
         source = "normal" + (f"-q{args.q_scale:g}" if args.q_scale != 1.0 else "")
+        source += "-fp16" if args.dtype == "float16" else ""
     out = args.out or os.path.join(RESULTS, f"bound-share-{source}.json")
     check_out(parser, "--out", out)
     rows = model_rows(args, parser) if args.checkpoint else normal_rows(args, shapes)
-    columns = ["source", "mask", "seq_len", "head_dim", "keys_per_step", "heads"]
+    columns = ["source", "mask", "seq_len", "head_dim", "keys_per_step", "bounded", "heads"]
     columns += ["unmasked_warp_steps", "kept", "kept_after_first"]
     print(table(rows, columns))
     payload = {"q_scale": args.q_scale, "dtype": args.dtype, "rows": rows}

@@ -24,19 +24,21 @@ Without segment ids, every loop skips an unmasked step's row max where a bound s
 cannot matter (`BOUNDED_MAX`, `_mosaic_common.bounded_rowmax`). A row's scaled scores are
 at most |scale| x its query's norm x its KV head's largest key norm (one reduce over K
 before the launch, `[B * KV heads]` f32, read per item after its Q arrives). Where that
-bound, less a slack (`BOUND_SLACK`: 64 in base 2 for bf16, 14 for f16), is at most the
+bound, less a slack (`BOUND_SLACK`: 64 in base 2 for bf16, 14 for fp16), is at most the
 running max of every row of a warp (one `vote.sync.all`), the warp keeps its max: P is
 then at most 2^slack, exact in floating point (the max only keeps exp2 in range), and the
 row max, a serial chain between S and the first exponential, is skipped. Elsewhere (an
-item's first step, loose bounds, NaN) the max is taken as before. Forward 1.03-1.07x at
-D = 64 (causal 4k-16k, full 4k) and 1.05-1.07x at D = 128 (causal 16k and 64k, full 16k)
+item's first step, loose bounds, NaN) the max is taken as before. Forward 1.02-1.06x at
+D = 64 (causal 4k-16k, full 4k) and 1.04-1.07x at D = 128 (causal 16k and 64k, full 16k)
 on an H100, on normal inputs, where every warp keeps its max after its first step; the
 path that takes the max has 4-7% more fixed stall cycles per step than before (ptxas;
 not yet timed), so inputs whose bound is loose everywhere may run up to that much slower
-(BENCHMARKS.md). With the slack, a
-bf16 call's `o` accumulates P V in f32 up to 2^64 x keys x max|V|: values of V beyond
-about 1e13 at a million keys may overflow where the exact path would not. Segment ids
-keep the exact max (the bound there lost 5% on packed 8k rows at D = 64).
+(BENCHMARKS.md; `benchmarks/bound_share.py` replays the decision on a model's q and k).
+fp16 calls at D = 128 keep the exact loop (`BOUND_HEAD_DIMS`: there a slack that keeps P
+under fp16's largest value is too narrow for the bound). With the slack, a bf16 call's
+`o` accumulates P V in f32 up to 2^64 x keys x max|V|: values of V beyond about 1e13 at
+a million keys may overflow where the exact path would not. Segment ids keep the exact
+max (the bound there lost 5% on packed 8k rows at D = 64).
 
 Non-causal calls at D=128 stream 160 keys per step where two stages of them fit shared
 memory (2-byte outputs, no segment ids; `FULL_BLOCK_KV`): forward 1.05x at full 16k and
@@ -190,9 +192,15 @@ HIDE_KEYS = True
 # largest key norm of its KV head (times the scale), and where that bound is within
 # BOUND_SLACK (base 2) of the row's running max for every row of a warp, the warp keeps
 # its running max; P is then at most 2^slack, exact in floating point. The key norms:
-# one pass over K before the launch. Forward 1.03-1.07x on an H100 (BENCHMARKS.md).
+# one pass over K before the launch. Forward 1.02-1.07x on an H100 (BENCHMARKS.md).
 BOUNDED_MAX = True
 BOUND_SLACK = {jnp.dtype(jnp.bfloat16): 64.0, jnp.dtype(jnp.float16): 14.0}
+# The head dims that take the bound, per input dtype. fp16's P must stay under 2^16, and
+# at D = 128 the bound less so narrow a slack stays above the running max: a replay of
+# the kernel's decision on normal inputs (`benchmarks/bound_share.py --dtype float16`)
+# kept no warp's max at causal or full 4k and 16k, with a slack of up to 15.5, so those
+# calls keep the exact loop rather than pay for the key norms and the vote.
+BOUND_HEAD_DIMS = {jnp.dtype(jnp.bfloat16): (64, 128), jnp.dtype(jnp.float16): (64,)}
 # Non-causal calls at these head dims (without `jflash.BlockSizes`) stream this many keys
 # per step where two stages fit shared memory: 2-byte outputs, no segment ids (else 128).
 # Fewer steps per key: barriers, turns and rescales. FlashAttention-3 takes 176 there;
@@ -935,7 +943,7 @@ def forms() -> str:
         "(both kernels launch: the id compare first, returning at once where the ids are "
         "sorted, then the span kernel, which copies the compare's outputs where they are "
         "not); without segment_ids an unmasked step keeps its rows' running max where a "
-        "key-norm bound allows (bf16 and fp16)"
+        "key-norm bound allows (bf16; fp16 at head_dim 64)"
     )
 
 
@@ -1169,7 +1177,12 @@ def _launch(
         # read would be the counter's running count (tiles that are never computed).
         if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
-    bounded = BOUNDED_MAX and not interpret and not segments and jnp.dtype(q.dtype) in BOUND_SLACK
+    bounded = (
+        BOUNDED_MAX
+        and not interpret
+        and not segments
+        and h in BOUND_HEAD_DIMS.get(jnp.dtype(q.dtype), ())
+    )
     if bounded:  # the largest key norm per batch row and KV head
         # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
         # values, whose products f32 holds exactly), with no f32 copy of K.

@@ -63,6 +63,9 @@ def test_the_replayed_choices_are_the_kernels():
     assert _mosaic_fwd.THREE_WG_MIN_LEN == bound_share.THREE_WG_MIN_LEN
     assert _mosaic_fwd.THREE_WG_MIN_LEN_FULL == bound_share.THREE_WG_MIN_LEN_FULL
     assert _mosaic_fwd.FULL_BLOCK_KV == bound_share.FULL_BLOCK_KV
+    assert {
+        jnp.dtype(k).name: tuple(v) for k, v in _mosaic_fwd.BOUND_HEAD_DIMS.items()
+    } == bound_share.HEAD_DIMS
     assert _mosaic_fwd.BOUNDED_MAX
     for head_dim in (64, 128):
         assert bound_share.keys_per_step(head_dim, 4096, True) == (
@@ -85,7 +88,8 @@ def test_normal_rows_table_and_json(tmp_path, capsys):
     assert [r["keys_per_step"] for r in rows] == [256, 160]
     assert [r["kept_after_first"] for r in rows] == [1.0, 1.0]
     assert rows[0]["kept"] < 1.0 and rows[0]["heads"] == 2
-    assert "| normal | causal | 1024 | 64 | 256 |" in capsys.readouterr().out
+    assert [r["bounded"] for r in rows] == [True, True]
+    assert "| normal | causal | 1024 | 64 | 256 | True |" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

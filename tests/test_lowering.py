@@ -579,6 +579,46 @@ def test_masked_forward_steps_hide_keys_by_row_limits(
     assert widths == want
 
 
+@pytest.mark.parametrize(
+    "seq, head_dim, dtype, causal, segments, want",
+    [
+        (4096, 64, jnp.bfloat16, True, False, True),
+        (16384, 64, jnp.bfloat16, True, False, True),  # three warpgroups
+        (4096, 128, jnp.bfloat16, True, False, True),
+        (1000, 128, jnp.bfloat16, False, False, True),  # 160-key steps
+        (4096, 64, jnp.float16, True, False, True),
+        (4096, 128, jnp.float16, True, False, False),  # `BOUND_HEAD_DIMS`
+        (4096, 64, jnp.bfloat16, True, True, False),  # segment ids: the exact max
+    ],
+    ids=["d64-4k", "d64-16k", "d128-4k", "d128-full", "d64-f16", "d128-f16", "ids"],
+)
+def test_forward_bounds_its_row_max_where_it_pays(
+    monkeypatch, seq, head_dim, dtype, causal, segments, want
+):
+    """The dense forward's loops skip an unmasked step's row max where the key-norm
+    bound allows (`BOUNDED_MAX`): a warp's vote in the kernel, the key norms as an input.
+    fp16 at D = 128 and segment ids keep the exact loop: no vote. The values are checked
+    on a GPU (`test_mosaic_forward_bounded_max`)."""
+    monkeypatch.setattr(dispatch, "_platform", lambda: "gpu")
+    monkeypatch.setattr(dispatch, "_is_hopper", lambda: True)
+    q = jax.ShapeDtypeStruct((1, seq, 8, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, head_dim), dtype)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def fwd(q, k, v, seg):
+        return jflash.flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg if segments else None,
+            implementation="pallas_mosaic",
+        )
+
+    assert _mosaic_fwd.BOUNDED_MAX
+    assert ("nvvm.vote.sync" in _cuda_text(fwd, q, kv, kv, seg)) == want
+
+
 def test_d64_forward_cuts_the_last_step(monkeypatch):
     """At D = 64 under 16k queries (two warpgroups, 256-key steps, 128 query rows per
     tile) a warpgroup whose rows see only the first half of its last step computes that
