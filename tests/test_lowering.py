@@ -31,6 +31,23 @@ def _cuda_text(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _mosaic_forward(causal: bool, segments: bool, block_sizes=None):
+    """`fwd(q, k, v, seg)`: the Mosaic forward, with `seg` as both ids where `segments`."""
+
+    def fwd(q, k, v, seg):
+        return jflash.flash_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=seg if segments else None,
+            implementation="pallas_mosaic",
+            block_sizes=block_sizes,
+        )
+
+    return fwd
+
+
 @pytest.mark.parametrize(
     "q_heads, kv_heads, head_dim, seq, dtype, causal, segments",
     [
@@ -493,16 +510,7 @@ def test_d64_forward_warpgroups_follow_the_tiles(monkeypatch, given, segments, c
 
     seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
 
-    def fwd(q, k, v, seg):
-        return jflash.flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=seg if segments else None,
-            implementation="pallas_mosaic",
-            block_sizes=bs if given else None,
-        )
+    fwd = _mosaic_forward(causal, segments, bs if given else None)
 
     # The launches are chosen while tracing. The default tiles' loops (two and three
     # warpgroups, causal and not) are lowered here too; the caller's tiles run the
@@ -563,15 +571,7 @@ def test_masked_forward_steps_hide_keys_by_row_limits(
     kv = jax.ShapeDtypeStruct((1, kv_seq, 2, head_dim), jnp.bfloat16)
     seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
 
-    def fwd(q, k, v, seg):
-        return jflash.flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=seg if segments else None,
-            implementation="pallas_mosaic",
-        )
+    fwd = _mosaic_forward(causal, segments)
 
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_H100)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -605,15 +605,7 @@ def test_forward_bounds_its_row_max_where_it_pays(
     kv = jax.ShapeDtypeStruct((1, seq, 2, head_dim), dtype)
     seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
 
-    def fwd(q, k, v, seg):
-        return jflash.flash_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            segment_ids=seg if segments else None,
-            implementation="pallas_mosaic",
-        )
+    fwd = _mosaic_forward(causal, segments)
 
     assert _mosaic_fwd.BOUNDED_MAX
     assert ("nvvm.vote.sync" in _cuda_text(fwd, q, kv, kv, seg)) == want
