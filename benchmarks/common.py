@@ -8,6 +8,7 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -201,8 +202,35 @@ def device_name() -> str:
 PARTIAL = ".partial"
 
 
+def source_commit() -> dict:
+    """`{"commit": ..., "changed": bool}`: the checkout's HEAD, and whether its tracked
+    files differ from it (the run measured code no commit holds); `{}` outside a git
+    checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):  # Popen: scripts' tests replace `subprocess.run` with their fakes
+        with subprocess.Popen(
+            ["git", "-C", root, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        ) as proc:
+            out, _ = proc.communicate(timeout=30)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, args)
+        return out.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "changed": changed}
+
+
 def write_json(path: str, payload: dict, *, note: str | None = None, partial: bool = False):
-    """`payload` with the date, device and jax version, at `path`, whole or not at all (a
+    """`payload` with the date, device, jax version and the checkout's commit (and whether
+    its tracked files differ from it), at `path`, whole or not at all (a
     file beside it renamed into place); with an interpreted run's `note`
     (`gpu_or_interpret`) also `"interpreted": true` and the note. With `partial` (the rows
     of a run still going) at `path + PARTIAL` instead, which the whole run's write
@@ -215,6 +243,7 @@ def write_json(path: str, payload: dict, *, note: str | None = None, partial: bo
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "jflash": jflash.__version__,
+        **source_commit(),
         **({"partial": True} if partial else {}),
         **marker,
         **payload,

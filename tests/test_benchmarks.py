@@ -1372,6 +1372,32 @@ def test_write_json_marks_an_interpreted_run(tmp_path):
     assert "interpreted" not in json.loads((tmp_path / "b.json").read_text())
 
 
+def test_write_json_records_the_checkout_commit(tmp_path, monkeypatch):
+    """Results name the commit they ran on and whether tracked files differed from it
+    (`changed`: code no commit holds); outside a git checkout, neither."""
+    from benchmarks import common
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    common.write_json(str(tmp_path / "a.json"), {"rows": []})
+    written = json.loads((tmp_path / "a.json").read_text())
+    assert written["commit"] == head and isinstance(written["changed"], bool)
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(common.subprocess, "Popen", no_git)
+    common.write_json(str(tmp_path / "b.json"), {"rows": []})
+    assert "commit" not in json.loads((tmp_path / "b.json").read_text())
+
+
 # nvdisasm -bbcfg's form: a block's instructions in its DOT label, `\l` between lines and
 # `\ ` for spaces; an outer loop (.L_x_1 .. .L_x_2) round an inner one (.L_x_2 alone).
 SASS_DOT = (pathlib.Path(__file__).parent / "data" / "sass-bbcfg.dot").read_text()
