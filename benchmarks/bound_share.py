@@ -57,9 +57,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WG_ROWS = 64  # rows per compute warpgroup
 WARP_ROWS = 16  # rows per warp (a wgmma's m64 tile: four warps of 16 rows)
 # The kernel's choices this replays (`jflash/_mosaic_fwd.py`: BOUND_SLACK,
-# BOUND_HEAD_DIMS, the three-
-# warpgroup rule, FULL_BLOCK_KV; `mosaic_block_sizes`' keys per step), kept equal to
-# them by tests/test_bound_share.py.
+# BOUND_HEAD_DIMS, the three-warpgroup rule, FULL_BLOCK_KV; `mosaic_block_sizes`' keys
+# per step), kept equal to them by tests/test_bound_share.py.
 SLACK = {"bfloat16": 64.0, "float16": 14.0}
 HEAD_DIMS = {"bfloat16": (64, 128), "float16": (64,)}  # that take the bound
 THREE_WG_HEAD_DIMS = (64,)
