@@ -273,7 +273,7 @@ def bound_rows_case(head_dim: int, dtype=jnp.bfloat16):
     drawn at the unit scale. With row 1's norms those rows' warps take the exact max at
     key 700's step; with another row's (or head's) norms their bound would sit under
     their running max, P would reach about 2^134 there and overflow."""
-    q, k, v, _, _ = make_inputs(
+    q, k, v, do, dlse = make_inputs(
         5, batch=2, q_len=1024, kv_len=1024, q_heads=4, kv_heads=2, head_dim=head_dim, dtype=dtype
     )
     c = head_dim**-0.5 * np.log2(np.e)  # the default scale, in base 2
@@ -282,22 +282,12 @@ def bound_rows_case(head_dim: int, dtype=jnp.bfloat16):
     u = u / np.linalg.norm(u)
     q = q.at[1, 800:831, 2:4].set(jnp.asarray(norm * u, dtype))
     k = k.at[1, 700, 1].set(jnp.asarray(norm * u, dtype))
-    return q, k, v
+    return q, k, v, do, dlse
 
 
-def check_bound_rows(got, q, k, v):
+def check_bound_rows(got, q, k, v, do, dlse):
     """`got` (out, lse) of `bound_rows_case`'s inputs against the oracle; the aligned
     rows attend only to key 700."""
-    _, _, _, do, dlse = make_inputs(
-        5,
-        batch=2,
-        q_len=1024,
-        kv_len=1024,
-        q_heads=4,
-        kv_heads=2,
-        head_dim=q.shape[3],
-        dtype=q.dtype,
-    )
     want = oracle(q, k, v, do, dlse, causal=True)[:2]
     out = np.asarray(got[0], np.float32)
     assert np.isfinite(out).all() and np.isfinite(np.asarray(got[1])).all()
@@ -315,18 +305,18 @@ def test_mosaic_forward_bound_reads_each_rows_key_norms(head_dim):
     """The bound's key norms are per batch row and KV head (`bound_rows_case`): the
     compiled forward gives finite outputs, the oracle's, on rows whose score passes the
     running max by far more than the slack in one batch row only."""
-    q, k, v = bound_rows_case(head_dim)
+    q, k, v, do, dlse = bound_rows_case(head_dim)
     got = jflash.flash_attention(
         q, k, v, causal=True, implementation="pallas_mosaic", return_lse=True
     )
-    check_bound_rows(got, q, k, v)
+    check_bound_rows(got, q, k, v, do, dlse)
 
 
 def test_bound_rows_case_is_what_its_test_says():
     """`bound_rows_case` on the XLA path: the aligned rows' score at key 700 is 150
     (base 2) and the oracle's output there is key 700's value; a kernel that kept those
     rows' running max from the unit-scale keys would need P = 2^134, past bf16's range."""
-    q, k, v = bound_rows_case(64)
+    q, k, v, do, dlse = bound_rows_case(64)
     c = 64**-0.5 * np.log2(np.e)
     qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
     score = c * qf[1, 800, 2] @ kf[1, 700, 1]
@@ -336,7 +326,7 @@ def test_bound_rows_case_is_what_its_test_says():
     bound_other_row = c * np.linalg.norm(qf[1, 800, 2]) * np.linalg.norm(kf[0, :, 1], axis=1).max()
     assert bound_other_row - 64 < others.max()  # row 0's norms would let the warp keep
     got = jflash.flash_attention(q, k, v, causal=True, implementation="xla", return_lse=True)
-    check_bound_rows(got, q, k, v)
+    check_bound_rows(got, q, k, v, do, dlse)
 
 
 # The three-warpgroup D = 64 forward: causal and full, a ragged length (192-row tiles
