@@ -30,10 +30,12 @@ then at most 2^slack, exact in floating point (the max only keeps exp2 in range)
 row max, a serial chain between S and the first exponential, is skipped. Elsewhere (an
 item's first step, loose bounds, NaN) the max is taken as before. Forward 1.02-1.06x at
 D = 64 (causal 4k-16k, full 4k) and 1.04-1.07x at D = 128 (causal 16k and 64k, full 16k)
-on an H100, on normal inputs, where every warp keeps its max after its first step; the
-path that takes the max has 4-7% more fixed stall cycles per step than before (ptxas;
-not yet timed), so inputs whose bound is loose everywhere may run up to that much slower
-(BENCHMARKS.md; `benchmarks/bound_share.py` replays the decision on a model's q and k).
+on an H100, on normal inputs, where every warp keeps its max after its first step. Where
+no warp keeps it (queries 16x a normal draw), the path that takes the max costs the D = 64
+two-warpgroup loop (under 16k causal, 8k full queries) 9%: forward 0.91x the exact loop's
+at causal and full 4k; the overlapped loops hide it (1.00-1.01x at causal 16k, D = 64 three
+warpgroups and D = 128; BENCHMARKS.md). `benchmarks/bound_share.py` replays the decision
+on a model's q and k.
 fp16 calls at D = 128 keep the exact loop (`BOUND_HEAD_DIMS`: there a slack that keeps P
 under fp16's largest value is too narrow for the bound). With the slack, a bf16 call's
 `o` accumulates P V in f32 up to 2^64 x keys x max|V|: values of V beyond about 1e13 at
@@ -192,7 +194,8 @@ HIDE_KEYS = True
 # largest key norm of its KV head (times the scale), and where that bound is within
 # BOUND_SLACK (base 2) of the row's running max for every row of a warp, the warp keeps
 # its running max; P is then at most 2^slack, exact in floating point. The key norms:
-# one pass over K before the launch. Forward 1.02-1.07x on an H100 (BENCHMARKS.md).
+# one pass over K before the launch. Forward 1.02-1.07x on an H100 on normal inputs;
+# 0.91x in the D = 64 two-warpgroup loop where no warp keeps its max (BENCHMARKS.md).
 BOUNDED_MAX = True
 BOUND_SLACK = {jnp.dtype(jnp.bfloat16): 64.0, jnp.dtype(jnp.float16): 14.0}
 # The head dims that take the bound, per input dtype. fp16's P must stay under 2^16, and
