@@ -30,9 +30,12 @@ Inputs: `--shapes mask:S:D` draws `benchmarks/kernel.py`'s normal q and k (batch
 dense XLA attention, and takes every layer's q and k after RoPE. Packed documents
 (segment ids) keep the exact max in the kernel and are not modelled. Columns: warp-steps
 unmasked, the share that kept the max (`kept`), and that share leaving out each
-warpgroup's first step (`kept_after_first`, which the bound cannot take); `bounded`
-says whether the kernel takes the bound at all for the dtype and head dim (fp16 at
-D = 128 keeps the exact loop: the shares there are what the bound would keep). JSON:
+warpgroup's first step (`kept_after_first`, which the bound cannot take), and the
+share kept by all four warps of a warpgroup at once (`kept_whole_warpgroup`): a
+warpgroup's wgmmas start once its four warps have issued them, so a step runs at the
+pace of the path that takes the max unless every warp keeps it; `bounded` says whether
+the kernel takes the bound at all for the dtype and head dim (fp16 at D = 128 keeps the
+exact loop: the shares there are what the bound would keep). JSON:
 `--out` (default `benchmarks/results/bound-share-<source>.json`).
 """
 
@@ -78,14 +81,15 @@ def keys_per_step(head_dim: int, seq: int, causal: bool) -> int:
 
 
 def head_share(q, k, *, causal: bool, block_kv: int, slack: float, chunk: int = 1024):
-    """`(unmasked, kept, firsts)` warp-steps for one head: `q [T, D]`, `k [S, D]` (f32
-    holding the input dtype's values; T a multiple of 64, causal: T == S)."""
+    """`(unmasked, kept, firsts, whole)` warp-steps for one head: `q [T, D]`, `k [S, D]`
+    (f32 holding the input dtype's values; T a multiple of 64, causal: T == S); `whole`:
+    the kept ones whose warpgroup's four warps all keep the max on that step."""
     t, d = q.shape
     s_len = k.shape[0]
     qk_scale = d**-0.5 * math.log2(math.e)
     k_norm = np.float32(np.sqrt((k * k).sum(axis=1).max()))
     n_steps = -(-s_len // block_kv)
-    unmasked = kept = firsts = 0
+    unmasked = kept = firsts = whole = 0
     for a in range(0, t, chunk):
         rows = np.arange(a, min(a + chunk, t))
         s = (q[rows] @ k.T) * np.float32(qk_scale)  # [rows, S], scaled base-2 units
@@ -103,6 +107,7 @@ def head_share(q, k, *, causal: bool, block_kv: int, slack: float, chunk: int = 
             hi = np.full(len(rows), n_steps)
             clear = hi - 1  # the last step is peeled, with the mask
         m = np.full(len(rows), -np.inf, np.float32)
+        warps = WG_ROWS // WARP_ROWS
         for j in range(n_steps):
             run = j < hi
             if not run.any():
@@ -113,19 +118,20 @@ def head_share(q, k, *, causal: bool, block_kv: int, slack: float, chunk: int = 
             keep = np.repeat(ok & warp_clear, WARP_ROWS)
             unmasked += int(warp_clear.sum())
             kept += int((ok & warp_clear).sum())
+            whole += warps * int((ok & warp_clear).reshape(-1, warps).all(axis=1).sum())
             firsts += int((warp_clear & (j == 0)).sum())
             m = np.where(run & ~keep, np.maximum(m, step_max[:, j]), m)
-    return unmasked, kept, firsts
+    return unmasked, kept, firsts, whole
 
 
 def share_row(name, pairs, *, causal, head_dim, seq, dtype) -> dict:
     """One table row over `pairs` of `(q [T, D], k [S, D])`, each one head's."""
     block_kv = keys_per_step(head_dim, seq, causal)
     slack = SLACK[jnp.dtype(dtype).name]
-    unmasked = kept = firsts = 0
+    unmasked = kept = firsts = whole = 0
     for q, k in pairs:
-        u, kp, f = head_share(q, k, causal=causal, block_kv=block_kv, slack=slack)
-        unmasked, kept, firsts = unmasked + u, kept + kp, firsts + f
+        u, kp, f, w = head_share(q, k, causal=causal, block_kv=block_kv, slack=slack)
+        unmasked, kept, firsts, whole = unmasked + u, kept + kp, firsts + f, whole + w
     after = unmasked - firsts
     return dict(
         source=name,
@@ -138,6 +144,7 @@ def share_row(name, pairs, *, causal, head_dim, seq, dtype) -> dict:
         unmasked_warp_steps=unmasked,
         kept=kept / unmasked if unmasked else None,
         kept_after_first=kept / after if after else None,
+        kept_whole_warpgroup=whole / unmasked if unmasked else None,
     )
 
 
@@ -257,7 +264,7 @@ def main(argv=None) -> int:
     check_out(parser, "--out", out)
     rows = model_rows(args, parser) if args.checkpoint else normal_rows(args, shapes)
     columns = ["source", "mask", "seq_len", "head_dim", "keys_per_step", "bounded", "heads"]
-    columns += ["unmasked_warp_steps", "kept", "kept_after_first"]
+    columns += ["unmasked_warp_steps", "kept", "kept_after_first", "kept_whole_warpgroup"]
     print(table(rows, columns))
     payload = {"q_scale": args.q_scale, "dtype": args.dtype, "rows": rows}
     if args.checkpoint:

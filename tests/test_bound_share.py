@@ -27,18 +27,21 @@ def test_causal_counts_follow_the_warpgroups_steps():
     each; the first of each (six warpgroups have one) takes the max, every later one
     keeps it on normal inputs (the bound, 64 below, is far under the running max)."""
     q, k = normal_head()
-    unmasked, kept, firsts = bound_share.head_share(q, k, causal=True, block_kv=128, slack=64.0)
-    assert (unmasked, firsts, kept) == (48, 24, 24)
+    unmasked, kept, firsts, whole = bound_share.head_share(
+        q, k, causal=True, block_kv=128, slack=64.0
+    )
+    assert (unmasked, firsts, kept, whole) == (48, 24, 24, 24)
 
 
 def test_one_warp_whose_bound_is_loose_takes_its_max():
     """Rows 256-271 (one warp of the warpgroup at 256, whose second step is its only
-    decided one) with queries 16x: that warp takes the max there, every other keeps it.
-    The same rows with a slack past their bound keep theirs."""
+    decided one) with queries 16x: that warp takes the max there, every other keeps it,
+    and its warpgroup's three other warps keep theirs alone (20 warp-steps in whole
+    warpgroups). The same rows with a slack past their bound keep theirs."""
     q, k = normal_head()
     q[256:272] *= 16
-    assert bound_share.head_share(q, k, causal=True, block_kv=128, slack=64.0) == (48, 23, 24)
-    assert bound_share.head_share(q, k, causal=True, block_kv=128, slack=1e4) == (48, 24, 24)
+    assert bound_share.head_share(q, k, causal=True, block_kv=128, slack=64.0) == (48, 23, 24, 20)
+    assert bound_share.head_share(q, k, causal=True, block_kv=128, slack=1e4) == (48, 24, 24, 24)
 
 
 def test_full_rows_decide_every_step_but_the_first_and_the_peeled_last():
@@ -47,8 +50,13 @@ def test_full_rows_decide_every_step_but_the_first_and_the_peeled_last():
     16x the normal draw, none (as `ab.py --q-scale 16` times it)."""
     q, k = normal_head(t=1024)
     q = q[:256]
-    assert bound_share.head_share(q, k, causal=False, block_kv=256, slack=64.0) == (48, 32, 16)
-    assert bound_share.head_share(16 * q, k, causal=False, block_kv=256, slack=64.0) == (48, 0, 16)
+    assert bound_share.head_share(q, k, causal=False, block_kv=256, slack=64.0) == (48, 32, 16, 32)
+    assert bound_share.head_share(16 * q, k, causal=False, block_kv=256, slack=64.0) == (
+        48,
+        0,
+        16,
+        0,
+    )
 
 
 def test_the_replayed_choices_are_the_kernels():
@@ -87,6 +95,7 @@ def test_normal_rows_table_and_json(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["keys_per_step"] for r in rows] == [256, 160]
     assert [r["kept_after_first"] for r in rows] == [1.0, 1.0]
+    assert [r["kept_whole_warpgroup"] for r in rows] == [r["kept"] for r in rows]
     assert rows[0]["kept"] < 1.0 and rows[0]["heads"] == 2
     assert [r["bounded"] for r in rows] == [True, True]
     assert "| normal | causal | 1024 | 64 | 256 | True |" in capsys.readouterr().out
