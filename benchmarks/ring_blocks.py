@@ -379,13 +379,12 @@ def ab_benchmark(args, modules: dict, done=lambda rows: None) -> list[dict]:
             del base
             entries = [({}, {"fwdbwd": (calls[label], inputs, flops)}) for label in labels]
             retime_rows(entries, args.rounds, heat_s=args.heat, round_s=args.min_time / 3)
-            best = {
-                label: timed["fwdbwd_ms"] / 1e3
-                for label, (timed, _) in zip(labels, entries, strict=True)
+            best = {  # ms
+                label: timed["fwdbwd_ms"] for label, (timed, _) in zip(labels, entries, strict=True)
             }
             for label, t in best.items():
-                row[f"{label}_ms"] = t * 1e3 * scale
-                row[f"{label}_tflops"] = flops / (t * scale) / 1e12
+                row[f"{label}_ms"] = t * scale
+                row[f"{label}_tflops"] = flops / (t * 1e-3 * scale) / 1e12
             for label in labels[1:]:
                 row[f"new/{label}"] = best[label] / best["new"]
             measured.append(row)
