@@ -12,13 +12,22 @@ so the logits are never materialized, and Triton RMSNorm, RoPE and SwiGLU). lige
 is an optional import: where it is missing its row says so. `hf` always runs first, since
 liger patches transformers' Llama module for the rest of the process.
 
+`--remat` sets what the backward recomputes: `full` (the default, HF's
+`gradient_checkpointing_enable()`: each decoder layer's forward again), `dots`
+(selective checkpointing, as torchtitan's: each layer's matmul and attention outputs
+saved, the rest recomputed; PyTorch's `create_selective_checkpoint_contexts`) or `none`
+(everything saved: fastest where it fits). `--compile` compiles each decoder layer
+(`torch.compile`, per block as torchtitan does; the first steps compile, so give
+`--warmup` 2 or more). A stack that fails (out of memory, a compile error) gets a row
+with its one-line error, and the next stack runs.
+
 `--longest` searches the longest context one training step runs at (doubling from
 `--context`, then `--refine` bisections; a probe is one real step, an out-of-memory
 error means "does not fit"): the baseline of "longest context per GPU count", to set
 beside `python -m train.tools.capacity` (which reads jflash's side from XLA's memory plan).
 
 Random-init `LlamaForCausalLM` of a jflash preset's shape, bf16 autocast with f32 master
-weights, SDPA attention, gradient checkpointing, fused AdamW, batch 1 (what a user would
+weights, SDPA attention, `--remat` checkpointing, fused AdamW, batch 1 (what a user would
 run instead of the jflash trainer). Prints tokens/s, model TFLOP/s and MFU with the same
 FLOP formula as the jflash trainer (`models.flops`), one JSON line per stack, and writes
 JSON (`--out`: the row, or `{"rows": [...]}` for several stacks). Runs on the GPU
@@ -34,6 +43,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import models  # noqa: E402
@@ -41,6 +51,7 @@ from benchmarks.common import check_out  # noqa: E402
 from models.config import to_hf_config  # noqa: E402
 
 STACKS = ("hf", "liger")  # in the order they run: liger patches transformers for good
+REMATS = ("full", "dots", "none")
 PEAK_TFLOPS = 989.0  # bf16 dense peak of an H100/H200, the trainer's MFU denominator
 
 
@@ -80,8 +91,38 @@ def stack_unavailable(stack: str) -> str | None:
     return None
 
 
-def build(stack: str, config, device: str):
-    """The stack's random-init model (seed 0) and fused AdamW."""
+def selective_checkpointing():
+    """`gradient_checkpointing_kwargs` for `--remat dots`: non-reentrant checkpoints whose
+    policy saves matmul and attention outputs and recomputes the rest."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    saved = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return {
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, policy),
+    }
+
+
+def build(stack: str, config, device: str, remat: str = "full", compile_blocks: bool = False):
+    """The stack's random-init model (seed 0), checkpointed as `remat` says and with each
+    decoder layer compiled where `compile_blocks`, and fused AdamW."""
     import torch
     import transformers
 
@@ -97,8 +138,15 @@ def build(stack: str, config, device: str):
     hf_config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(hf_config).to(device)
-    model.gradient_checkpointing_enable()
+    if remat == "full":
+        model.gradient_checkpointing_enable()
+    elif remat == "dots":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=selective_checkpointing())
     model.config.use_cache = False
+    if compile_blocks:  # after the checkpointing, which each compiled layer then holds
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     return model, opt
 
@@ -114,6 +162,8 @@ def result_row(
         "impl": impl,
         "model": args.model,
         "layers": config.num_layers,
+        "remat": args.remat,
+        "compile": args.compile,
         "context": args.context,
         "step_s": seconds,
         "tokens_per_s": tokens_per_s,
@@ -127,7 +177,7 @@ def result_row(
 def time_stack(stack: str, config, device: str, args) -> dict:
     import torch
 
-    model, opt = build(stack, config, device)
+    model, opt = build(stack, config, device, args.remat, args.compile)
     ids = torch.randint(0, config.vocab_size, (1, args.context), device=device)
 
     def step():
@@ -175,6 +225,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--stack", default="hf", help="comma list of baselines: hf, liger (run in that order)"
     )
+    parser.add_argument(
+        "--remat", default="full", choices=REMATS, help="what the backward recomputes"
+    )
+    parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
     parser.add_argument("--out", default="")
     parser.add_argument("--longest", action="store_true", help="search the longest context")
     parser.add_argument("--max", type=int, default=1 << 20, help="--longest: largest context")
@@ -202,11 +256,23 @@ def main(argv=None) -> int:
             print(f"note: --stack {stack} skipped: {missing}", flush=True)
             row = {"stack": stack, "model": args.model, "error": missing}
         elif args.longest:
-            model, opt = build(stack, config, device)
+            model, opt = build(stack, config, device, args.remat, args.compile)
             row = longest(stack, model, opt, config, device, args)
             del model, opt
         else:
-            row = time_stack(stack, config, device, args)
+            try:
+                row = time_stack(stack, config, device, args)
+            except Exception as e:  # noqa: BLE001 - the row says why; the next stack runs
+                traceback.print_exc()
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                row = {
+                    "stack": stack,
+                    "model": args.model,
+                    "remat": args.remat,
+                    "compile": args.compile,
+                    "context": args.context,
+                    "error": f"{type(e).__name__}: {first}",
+                }
         release(device)
         print(json.dumps({k: v for k, v in row.items() if k != "probes"}), flush=True)
         rows.append(row)
@@ -251,6 +317,8 @@ def longest(stack, model, opt, config, device, args) -> dict:
         "impl": stack_version(stack),
         "model": args.model,
         "layers": config.num_layers,
+        "remat": args.remat,
+        "compile": args.compile,
         "method": "one real training step per probe; out of memory = does not fit",
         "longest": best,
         "probes": probes,

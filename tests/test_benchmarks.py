@@ -359,10 +359,42 @@ def test_liger_missing_is_a_note(monkeypatch):
     assert hf_baseline.stack_unavailable("liger").startswith("not installed")
 
 
+def test_hf_baseline_rejects_an_unknown_remat_before_torch(capsys):
+    with pytest.raises(SystemExit):
+        hf_baseline.main(["--remat", "selective"])
+    assert "'selective'" in capsys.readouterr().err
+
+
+def test_a_failing_stack_is_a_row_and_the_next_runs(monkeypatch, tmp_path, capsys):
+    """An out-of-memory (or a compile error) in one stack: its row carries the error's
+    first line, the next stack still runs and both rows are written."""
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(is_available=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(hf_baseline, "stack_unavailable", lambda stack: None)
+    monkeypatch.setattr(hf_baseline, "release", lambda device: None)
+
+    def time_stack(stack, config, device, args):
+        if stack == "hf":
+            raise MemoryError("CUDA out of memory. Tried to allocate 16 GiB\nmore")
+        return {"stack": stack, "tokens_per_s": 1.0, "remat": args.remat}
+
+    monkeypatch.setattr(hf_baseline, "time_stack", time_stack)
+    out = tmp_path / "hf.json"
+    argv = ["--stack", "hf,liger", "--remat", "none", "--model", "tiny", "--out", str(out)]
+    assert hf_baseline.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["error"] == "MemoryError: CUDA out of memory. Tried to allocate 16 GiB"
+    assert (rows[0]["remat"], rows[0]["compile"]) == ("none", False)
+    assert rows[1] == {"stack": "liger", "tokens_per_s": 1.0, "remat": "none"}
+    assert "Traceback" in capsys.readouterr().err  # where it failed, for the reader
+
+
 def test_result_row_uses_the_trainers_flop_formula():
     config = models.preset("tiny")
-    args = types.SimpleNamespace(model="tiny", context=1024)
+    args = types.SimpleNamespace(model="tiny", context=1024, remat="dots", compile=True)
     row = hf_baseline.result_row("liger", "x", config, args, 0.5, 1.5, 2.0, on_gpu=True)
+    assert (row["remat"], row["compile"]) == ("dots", True)
     assert row["tokens_per_s"] == 2048
     flops = models.training_flops_per_token(config, 1024) * 2048
     assert row["tflops"] == pytest.approx(flops / 1e12)
