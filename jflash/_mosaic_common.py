@@ -353,7 +353,7 @@ def _row_regs(m_regs, values):
     return out
 
 
-def bounded_rowmax(s, m, lim, scale: float):
+def bounded_rowmax(s, m, lim, scale: float, *, interpret: bool = False):
     """The running max after an unmasked step of S `s` (f32, WGMMA layout), skipping the
     row max where it cannot matter. `m`: the running max (scaled base-2 units); `lim`,
     per row, an upper bound of `s * scale` over every key the row can see, less a slack.
@@ -365,7 +365,13 @@ def bounded_rowmax(s, m, lim, scale: float):
     chain between S and the first exponential, is skipped. Elsewhere (the item's first
     step, where `m` is -inf; rows whose bound is loose; a NaN) `max(m, rowmax(s) *
     scale)`. Only the max is in the warp's branch: the rescale factor (1 where `m` is
-    kept) and what follows run as in the exact step."""
+    kept) and what follows run as in the exact step. `interpret`: the same decision in
+    jnp for the GPU interpreter (rows in warps of 16, as the WGMMA layout spreads them)."""
+    if interpret:
+        rows = s.shape[0]
+        keep = jnp.all((lim <= m).reshape(rows // 16, 16), axis=1)  # per warp
+        keep = jnp.broadcast_to(keep[:, None], (rows // 16, 16)).reshape(rows)
+        return jnp.where(keep, m, jnp.maximum(m, s.max(axis=1) * scale))
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir

@@ -555,7 +555,7 @@ def _fwd_kernel(
                 s = by_ids(j, s, ids)
             # Running max in scaled base-2 units: `s * qk_scale - m` is one FMA.
             if bounded and not masked:
-                m_new = bounded_rowmax(s, m, lim, qk_scale)
+                m_new = bounded_rowmax(s, m, lim, qk_scale, interpret=interpret)
             else:
                 m_new = jnp.maximum(m, s.max(axis=1) * qk_scale)
             m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0.0), m_new) if masked else m_new
@@ -1180,12 +1180,7 @@ def _launch(
         # read would be the counter's running count (tiles that are never computed).
         if items.needs_order:
             inputs += (heaviest_first(table, items.tiles, wgs, b, block_kv, geom),)
-    bounded = (
-        BOUNDED_MAX
-        and not interpret
-        and not segments
-        and h in BOUND_HEAD_DIMS.get(jnp.dtype(q.dtype), ())
-    )
+    bounded = BOUNDED_MAX and not segments and h in BOUND_HEAD_DIMS.get(jnp.dtype(q.dtype), ())
     if bounded:  # the largest key norm per batch row and KV head
         # Each key's squared norm in f32 ([B, S, KV heads]; a dot of its bf16 or f16
         # values, whose products f32 holds exactly), with no f32 copy of K.

@@ -209,7 +209,6 @@ def test_mosaic_forward_with_more_items_than_ctas():
     assert_close(got, want, case.dtype)
 
 
-@pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize(
     "head_dim, wgs", [(64, 2), (64, 3), (128, 2)], ids=["d64-two", "d64-three", "d128"]
@@ -219,12 +218,14 @@ def test_mosaic_forward_with_more_items_than_ctas():
 def test_mosaic_forward_bounded_max(dtype, causal, head_dim, wgs, monkeypatch):
     """Each forward loop skips an unmasked step's row max where each row's score bound
     (query norm x largest key norm) is within the slack of its running max
-    (`bounded_rowmax`). Rows 1800-1830 of KV head 0's query heads and one key, 1700,
-    share a direction: their score there is 4/5 of the slack (base 2), far past the
-    first step's max, which their warps keep (P up to about 2^43 in bf16, 2^7 in f16);
-    rows 100-110 of head 2 are 40x longer, so that their warp's bound is far from its
-    max and it takes the exact step, beside warps that do not. fp16 at D = 128 keeps the
-    exact loop (`BOUND_HEAD_DIMS`): the same inputs, no bound traced."""
+    (`bounded_rowmax`). In a call of L = 2048 tokens (1024 interpreted, where the
+    decision is made in jnp per 16-row warp as compiled), rows L-248 to L-218 of KV head
+    0's query heads and one key, L-348, share a direction: their score there is 4/5 of
+    the slack (base 2), far past the first step's max, which their warps keep (P up to
+    about 2^43 in bf16, 2^7 in f16); rows 100-110 of head 2 are 40x longer, so that
+    their warp's bound is far from its max and it takes the exact step, beside warps
+    that do not. fp16 at D = 128 keeps the exact loop (`BOUND_HEAD_DIMS`): the same
+    inputs, no bound traced."""
     from jflash import _mosaic_fwd
 
     calls = []
@@ -239,29 +240,37 @@ def test_mosaic_forward_bounded_max(dtype, causal, head_dim, wgs, monkeypatch):
         monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN", 0)
         monkeypatch.setattr(_mosaic_fwd, "THREE_WG_MIN_LEN_FULL", 0)
     jax.clear_caches()
+    n = 1024 if INTERPRET else 2048
+    rows, key = slice(n - 248, n - 217), n - 348
     q, k, v, do, dlse = make_inputs(
-        3, batch=1, q_len=2048, kv_len=2048, q_heads=4, kv_heads=2, head_dim=head_dim, dtype=dtype
+        3, batch=1, q_len=n, kv_len=n, q_heads=4, kv_heads=2, head_dim=head_dim, dtype=dtype
     )
     c = head_dim**-0.5 * np.log2(np.e)  # the default scale, in base 2
     jump = 0.8 * _mosaic_fwd.BOUND_SLACK[jnp.dtype(dtype)]
     norm = np.sqrt(jump / c)  # the query's and the key's, so that c * norm^2 = jump
     u = np.asarray(jax.random.normal(jax.random.key(9), (head_dim,)))
     u = u / np.linalg.norm(u)
-    q = q.at[0, 1800:1831, 0:2].set(jnp.asarray(norm * u, dtype))
-    k = k.at[0, 1700, 0].set(jnp.asarray(norm * u, dtype))
+    q = q.at[0, rows, 0:2].set(jnp.asarray(norm * u, dtype))
+    k = k.at[0, key, 0].set(jnp.asarray(norm * u, dtype))
     q = q.at[0, 100:111, 2].multiply(40)
     got = jflash.flash_attention(
-        q, k, v, causal=causal, implementation="pallas_mosaic", return_lse=True
+        q,
+        k,
+        v,
+        causal=causal,
+        implementation="pallas_mosaic",
+        return_lse=True,
+        interpret=INTERPRET,
     )
     want = oracle(q, k, v, do, dlse, causal=causal)[:2]
     takes_bound = head_dim in _mosaic_fwd.BOUND_HEAD_DIMS[jnp.dtype(dtype)]
     assert takes_bound == (dtype == jnp.bfloat16 or head_dim == 64)
     assert bool(calls) == takes_bound, f"bounded row max traced: {bool(calls)}"
     assert_close(got, want, dtype, names=("out", "lse"))
-    if dtype == jnp.bfloat16:  # the jump rows attend almost only to key 1700
-        out = np.asarray(got[0], np.float32)[0, 1800:1831, 0]
+    if dtype == jnp.bfloat16:  # the jump rows attend almost only to that key
+        out = np.asarray(got[0], np.float32)[0, rows, 0]
         np.testing.assert_allclose(
-            out, np.broadcast_to(np.asarray(v[0, 1700, 0], np.float32), out.shape), atol=0.05
+            out, np.broadcast_to(np.asarray(v[0, key, 0], np.float32), out.shape), atol=0.05
         )
     jax.clear_caches()
 
@@ -298,16 +307,15 @@ def check_bound_rows(got, q, k, v, do, dlse):
     )
 
 
-@pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_mosaic_forward_bound_reads_each_rows_key_norms(head_dim):
     """The bound's key norms are per batch row and KV head (`bound_rows_case`): the
-    compiled forward gives finite outputs, the oracle's, on rows whose score passes the
-    running max by far more than the slack in one batch row only."""
+    forward gives finite outputs, the oracle's, on rows whose score passes the running
+    max by far more than the slack in one batch row only."""
     q, k, v, do, dlse = bound_rows_case(head_dim)
     got = jflash.flash_attention(
-        q, k, v, causal=True, implementation="pallas_mosaic", return_lse=True
+        q, k, v, causal=True, implementation="pallas_mosaic", return_lse=True, interpret=INTERPRET
     )
     check_bound_rows(got, q, k, v, do, dlse)
 
