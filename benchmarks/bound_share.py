@@ -59,6 +59,7 @@ from benchmarks.kernel import draw_inputs  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WG_ROWS = 64  # rows per compute warpgroup
 WARP_ROWS = 16  # rows per warp (a wgmma's m64 tile: four warps of 16 rows)
+WARPS = WG_ROWS // WARP_ROWS
 # The kernel's choices this replays (`jflash/_mosaic_fwd.py`: BOUND_SLACK,
 # BOUND_HEAD_DIMS, the three-warpgroup rule, FULL_BLOCK_KV; `mosaic_block_sizes`' keys
 # per step), kept equal to them by tests/test_bound_share.py.
@@ -107,7 +108,6 @@ def head_share(q, k, *, causal: bool, block_kv: int, slack: float, chunk: int = 
             hi = np.full(len(rows), n_steps)
             clear = hi - 1  # the last step is peeled, with the mask
         m = np.full(len(rows), -np.inf, np.float32)
-        warps = WG_ROWS // WARP_ROWS
         for j in range(n_steps):
             run = j < hi
             if not run.any():
@@ -115,10 +115,11 @@ def head_share(q, k, *, causal: bool, block_kv: int, slack: float, chunk: int = 
             clear_j = j < clear
             ok = (lim <= m).reshape(-1, WARP_ROWS).all(axis=1)  # NaN and -inf: not ok
             warp_clear = clear_j.reshape(-1, WARP_ROWS)[:, 0]
-            keep = np.repeat(ok & warp_clear, WARP_ROWS)
+            warp_keep = ok & warp_clear
+            keep = np.repeat(warp_keep, WARP_ROWS)
             unmasked += int(warp_clear.sum())
-            kept += int((ok & warp_clear).sum())
-            whole += warps * int((ok & warp_clear).reshape(-1, warps).all(axis=1).sum())
+            kept += int(warp_keep.sum())
+            whole += WARPS * int(warp_keep.reshape(-1, WARPS).all(axis=1).sum())
             firsts += int((warp_clear & (j == 0)).sum())
             m = np.where(run & ~keep, np.maximum(m, step_max[:, j]), m)
     return unmasked, kept, firsts, whole

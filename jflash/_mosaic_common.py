@@ -368,10 +368,8 @@ def bounded_rowmax(s, m, lim, scale: float, *, interpret: bool = False):
     kept) and what follows run as in the exact step. `interpret`: the same decision in
     jnp for the GPU interpreter (rows in warps of 16, as the WGMMA layout spreads them)."""
     if interpret:
-        rows = s.shape[0]
-        keep = jnp.all((lim <= m).reshape(rows // 16, 16), axis=1)  # per warp
-        keep = jnp.broadcast_to(keep[:, None], (rows // 16, 16)).reshape(rows)
-        return jnp.where(keep, m, jnp.maximum(m, s.max(axis=1) * scale))
+        keep = jnp.all((lim <= m).reshape(-1, 16), axis=1)  # per warp
+        return jnp.where(jnp.repeat(keep, 16), m, jnp.maximum(m, s.max(axis=1) * scale))
     import jax.experimental.mosaic.gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
